@@ -1,0 +1,31 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv in the repo if missing.
+PY       ?= python3
+VENV     := .venv
+VPY      := $(VENV)/bin/python
+STAMP    := $(VENV)/.installed
+export DS_ACCELERATOR ?= cpu
+export OMP_NUM_THREADS ?= 1
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export PYTHONPATH := $(CURDIR)
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv demo test clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first and pinned: the local CPU build; anything unpinned would pull a CUDA build.
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m launch.demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,124 @@
+"""In-process FRoD for models that fit one process: HJD per category, then swap the targeted linears.
+
+For 7B–70B checkpoints use the distributed HJD stage (``launch/hjd.py``) and build the model under
+ZeRO-3 from the factor store instead; this path is for small models, tests and notebooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from frod_ds.hjd import decompose
+from frod_ds.layer import TRAINABLE_PREFIX, FRoDLinear, SparseSupport, support_seed
+
+__all__ = [
+    "DEFAULT_TARGETS",
+    "find_categories",
+    "apply_frod",
+    "frod_param_groups",
+    "mark_only_frod_trainable",
+    "frod_modules",
+]
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+
+
+def find_categories(model: nn.Module, targets: Sequence[str]) -> dict[str, list[str]]:
+    """``{target: [module name, ...]}`` for every ``nn.Linear`` whose last name component is a target.
+
+    Raises ``ValueError`` when a target matches nothing.
+    """
+    if isinstance(targets, str) or not targets:
+        raise ValueError(f"targets must be a non-empty list of module names, got {targets!r}")
+    found: dict[str, list[str]] = {t: [] for t in targets}
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in found and isinstance(module, nn.Linear):
+            found[leaf].append(name)
+    missing = [t for t, names in found.items() if not names]
+    if missing:
+        raise ValueError(
+            f"no nn.Linear named {missing} found in the model; check `targets` (LLaMA uses "
+            f"{', '.join(DEFAULT_TARGETS)}, down_proj)"
+        )
+    return found
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
+
+
+def apply_frod(
+    model: nn.Module,
+    targets: Sequence[str] = DEFAULT_TARGETS,
+    sparsity: float = 0.02,
+    seed: int = 0,
+    pi: float = 1e-3,
+    hjd_dtype: torch.dtype = torch.float64,
+) -> nn.Module:
+    """Replace every targeted ``nn.Linear`` by a ``FRoDLinear`` (in place; returns ``model``).
+
+    One category per target name across layers; HJD per category (spec §1) on the weights' device in
+    ``hjd_dtype``; ``U_i`` stored in the layer's dtype, ``V`` one frozen Parameter per category, the base
+    weight dropped. Afterwards σ and the S values are the only trainable parameters.
+    """
+    if not (isinstance(sparsity, (int, float)) and 0 < sparsity < 1):
+        raise ValueError(f"sparsity s must be in (0, 1), got {sparsity!r}")
+    if not (isinstance(pi, (int, float)) and pi > 0):
+        raise ValueError(f"pi must be > 0, got {pi!r}")
+    categories = find_categories(model, targets)
+    for category, names in categories.items():
+        linears = [model.get_submodule(name) for name in names]
+        for name, lin in zip(names, linears):
+            if not torch.isfinite(lin.weight).all():
+                raise ValueError(f"{name}.weight contains NaN or Inf; check the checkpoint")
+        widths = {lin.in_features for lin in linears}
+        if len(widths) > 1:
+            raise ValueError(f"category {category!r} mixes input widths {sorted(widths)}; members must share n")
+        result = decompose([lin.weight for lin in linears], pi=pi, dtype=hjd_dtype)
+        ref = linears[0].weight
+        n = ref.shape[1]
+        V = nn.Parameter(result.V.to(device=ref.device, dtype=ref.dtype), requires_grad=False)
+        support = SparseSupport.random(n, sparsity, support_seed(seed, category))
+        for name, lin, U_i, sigma_i in zip(names, linears, result.U, result.sigma):
+            w = lin.weight
+            layer = FRoDLinear(U_i.to(device=w.device, dtype=w.dtype), V, sigma_i, support, lin.bias)
+            _set_submodule(model, name, layer)
+    mark_only_frod_trainable(model)
+    return model
+
+
+def frod_modules(model: nn.Module) -> Iterable[tuple[str, FRoDLinear]]:
+    return ((name, m) for name, m in model.named_modules() if isinstance(m, FRoDLinear))
+
+
+def mark_only_frod_trainable(model: nn.Module) -> None:
+    """σ and S values trainable, everything else frozen."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.rsplit(".", 1)[-1].startswith(TRAINABLE_PREFIX))
+
+
+def frod_param_groups(
+    model: nn.Module, lr_sigma: float | None = None, lr_s: float | None = None, weight_decay: float = 0.0
+) -> list[dict]:
+    """Two optimizer groups, ``"sigma"`` (all σ_i) and ``"s"`` (all S values), with their own LRs."""
+    sigma, s = [], []
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "frod_sigma":
+            sigma.append(p)
+        elif leaf == "frod_s":
+            s.append(p)
+    if not sigma:
+        raise ValueError("the model has no FRoD layers; call apply_frod (or build it from a factor store) first")
+    groups = [{"name": "sigma", "params": sigma, "weight_decay": weight_decay},
+              {"name": "s", "params": s, "weight_decay": weight_decay}]
+    if lr_sigma is not None:
+        groups[0]["lr"] = lr_sigma
+    if lr_s is not None:
+        groups[1]["lr"] = lr_s
+    return groups

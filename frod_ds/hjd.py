@@ -1,0 +1,193 @@
+"""Hierarchical joint decomposition (HJD), FRoD paper §3.1, spec §1 — pure, single-process math.
+
+For one category (members ``W_1 … W_L``, ``W_i`` of shape ``(m_i, n)``)::
+
+    W = [W_1; …; W_L] = Q R                          thin QR, Q (M, k), R (k, n), k = min(M, n)
+    T_pi = (1/L) Σ_i (Q_iᵀ Q_i + π I)⁻¹             (k, k)
+    T_pi = Z Λ Zᵀ                                   symmetric eigendecomposition, Z (k, k)
+    V = Rᵀ Z                                        (n, k), completed to (n, n) when k < n
+    B_i = Q_i Z,  σ_i = ‖B_i[:, j]‖,  U_i = B_i diag(σ_i)⁻¹
+    ⇒ W_i = U_i diag(σ_i) Vᵀ
+
+Wide or rank-deficient stacks (M < n): ``V`` is completed with an orthonormal basis of the orthogonal
+complement of ``Rᵀ``'s column space; those directions get ``σ = 0`` and a zero ``U`` column, so every
+member still reconstructs exactly and ``V`` is always ``(n, n)``.
+
+Conventions (so single-process, distributed and stock PEFT agree): eigenvalues of ``T_pi`` ascending
+(``torch.linalg.eigh`` order, as PEFT's ``FrodConfig``); each column of ``V`` is signed so that its
+largest-magnitude entry is positive (eigenvectors are only defined up to sign).
+
+The building blocks below are also what the distributed stage (tall-skinny QR) calls on its slices;
+nothing here knows about ranks, devices or configs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "HJDResult",
+    "decompose",
+    "validate_members",
+    "thin_qr",
+    "tsqr_combine",
+    "t_pi_term",
+    "shared_basis",
+    "member_factors",
+    "reconstruction_error",
+    "no_tf32",
+]
+
+
+@dataclass
+class HJDResult:
+    """Factors of one category. ``W_i ≈ U[i] @ diag(sigma[i]) @ V.T``."""
+
+    V: Tensor  # (n, n), shared by the category
+    U: list[Tensor]  # U[i]: (m_i, n)
+    sigma: list[Tensor]  # sigma[i]: (n,)
+    error: list[float]  # relative Frobenius reconstruction error per member
+
+
+@contextlib.contextmanager
+def no_tf32() -> Iterator[None]:
+    """Run fp32 matmuls at full IEEE precision (TF32 would cap reconstruction at ~1e-3)."""
+    matmul = torch.get_float32_matmul_precision()
+    cudnn = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def validate_members(weights: Sequence[Tensor], pi: float, names: Sequence[str] | None = None) -> None:
+    """Raise ``ValueError`` naming the problem when a category cannot be decomposed."""
+    if not (isinstance(pi, (int, float)) and pi > 0 and pi == pi and pi != float("inf")):
+        raise ValueError(f"pi must be a finite number > 0 (the ridge term of T_pi), got {pi!r}")
+    if len(weights) == 0:
+        raise ValueError("a category needs at least one weight matrix; got none")
+    names = list(names) if names is not None else [f"member {i}" for i in range(len(weights))]
+    n = None
+    for name, w in zip(names, weights):
+        if w.ndim != 2:
+            raise ValueError(f"{name}: expected a 2-D weight (out, in), got shape {tuple(w.shape)}")
+        if n is None:
+            n = w.shape[1]
+        elif w.shape[1] != n:
+            raise ValueError(
+                f"{name}: input width {w.shape[1]} differs from the category's {n}; members of one "
+                "category must share the input width (split them into separate categories)"
+            )
+        if not torch.isfinite(w).all():
+            raise ValueError(f"{name}: weight contains NaN or Inf; check the checkpoint")
+
+
+def thin_qr(W: Tensor) -> tuple[Tensor, Tensor]:
+    """``W = Q R`` for a (M, n) stack; Q (M, k), R (k, n), k = min(M, n)."""
+    Q, R = torch.linalg.qr(W, mode="reduced")
+    return Q, R
+
+
+def tsqr_combine(R_blocks: Sequence[Tensor]) -> tuple[list[Tensor], Tensor]:
+    """Tall-skinny QR, second level: ``[R_1; …; R_P] = Q̃ R``.
+
+    Returns Q̃ split into the row blocks of each ``R_p`` (``Q̃_p``: (k_p, k)) and the global R (k, n).
+    Member ``i`` of block ``p`` then has ``Q_i = Q_i⁽ᵖ⁾ Q̃_p``.
+    """
+    R_stack = torch.cat(list(R_blocks), dim=0)  # (Σ k_p, n)
+    Q_tilde, R = thin_qr(R_stack)  # (Σ k_p, k), (k, n)
+    return list(torch.split(Q_tilde, [r.shape[0] for r in R_blocks], dim=0)), R
+
+
+def t_pi_term(gram: Tensor, pi: float) -> Tensor:
+    """One member's term ``(Q_iᵀ Q_i + π I)⁻¹`` from its Gram matrix ``Q_iᵀ Q_i`` (k, k)."""
+    k = gram.shape[0]
+    A = gram + pi * torch.eye(k, dtype=gram.dtype, device=gram.device)
+    A = 0.5 * (A + A.T)
+    return torch.cholesky_inverse(torch.linalg.cholesky(A))  # SPD: π > 0
+
+
+def _sign_columns(V: Tensor) -> Tensor:
+    """Flip each column so its largest-magnitude entry is positive; returns the signs (k,)."""
+    idx = V.abs().argmax(dim=0)
+    signs = torch.sign(V.gather(0, idx[None, :]).squeeze(0))
+    return torch.where(signs == 0, torch.ones_like(signs), signs)
+
+
+def shared_basis(R: Tensor, T_pi: Tensor) -> tuple[Tensor, Tensor]:
+    """``T_pi = Z Λ Zᵀ``, ``V = Rᵀ Z`` completed to (n, n). Returns ``(V, Z)``; Z (k, k) sign-fixed."""
+    k, n = R.shape
+    _, Z = torch.linalg.eigh(0.5 * (T_pi + T_pi.T))  # ascending eigenvalues, Z (k, k)
+    V_r = R.T @ Z  # (n, k)
+    signs = _sign_columns(V_r)
+    Z = Z * signs
+    V_r = V_r * signs
+    if k == n:
+        return V_r, Z
+    # Wide stack: complete with an orthonormal basis of the complement of span(Rᵀ).
+    Q_full, _ = torch.linalg.qr(R.T, mode="complete")  # (n, n)
+    N = Q_full[:, k:]  # (n, n - k)
+    N = N * _sign_columns(N)
+    return torch.cat([V_r, N], dim=1), Z
+
+
+def member_factors(Q_i: Tensor, Z: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """``B_i = Q_i Z``, ``σ_i = ‖B_i[:, j]‖``, ``U_i = B_i diag(σ_i)⁻¹`` padded to ``n`` columns.
+
+    Zero columns of ``B_i`` (and the completion directions of a wide stack) get ``σ = 0`` and a zero
+    ``U`` column.
+    """
+    B_i = Q_i @ Z  # (m_i, k)
+    sigma = torch.linalg.vector_norm(B_i, dim=0)  # (k,)
+    safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))
+    U_i = torch.where(sigma > 0, B_i / safe, torch.zeros_like(B_i))  # (m_i, k)
+    k = Z.shape[0]
+    if k < n:
+        U_i = torch.cat([U_i, U_i.new_zeros(U_i.shape[0], n - k)], dim=1)  # (m_i, n)
+        sigma = torch.cat([sigma, sigma.new_zeros(n - k)])  # (n,)
+    return U_i, sigma
+
+
+def reconstruction_error(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor) -> float:
+    """``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` (absolute error when ``W_i = 0``), in U's dtype."""
+    W_i = W_i.to(U_i.dtype)
+    diff = torch.linalg.matrix_norm(W_i - (U_i * sigma_i) @ V.T)
+    ref = torch.linalg.matrix_norm(W_i)
+    return float(diff / ref) if ref > 0 else float(diff)
+
+
+def decompose(weights: Sequence[Tensor], pi: float = 1e-3, dtype: torch.dtype = torch.float64) -> HJDResult:
+    """HJD of one category on the members' device, computed in ``dtype`` (fp32: TF32 off).
+
+    Args:
+        weights: ``W_i`` of shape ``(m_i, n)``, same ``n`` for all.
+        pi: ridge term ``π > 0`` of ``T_pi``.
+        dtype: compute dtype, ``torch.float64`` (default) or ``torch.float32``.
+    Returns:
+        ``HJDResult`` with ``V`` (n, n), ``U[i]`` (m_i, n), ``sigma[i]`` (n,), all in ``dtype``.
+    """
+    validate_members(weights, pi)
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"HJD dtype must be torch.float32 or torch.float64, got {dtype}")
+    with no_tf32():
+        Ws = [w.detach().to(dtype) for w in weights]
+        n = Ws[0].shape[1]
+        Q, R = thin_qr(torch.cat(Ws, dim=0))  # (M, k), (k, n)
+        Q_blocks = torch.split(Q, [w.shape[0] for w in Ws], dim=0)  # Q_i: (m_i, k)
+        T_pi = sum(t_pi_term(Q_i.T @ Q_i, pi) for Q_i in Q_blocks) / len(Ws)  # (k, k)
+        V, Z = shared_basis(R, T_pi)
+        U, sigma, error = [], [], []
+        for W_i, Q_i in zip(Ws, Q_blocks):
+            U_i, s_i = member_factors(Q_i, Z, n)
+            U.append(U_i)
+            sigma.append(s_i)
+            error.append(reconstruction_error(W_i, U_i, s_i, V))
+    return HJDResult(V=V, U=U, sigma=sigma, error=error)
