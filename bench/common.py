@@ -1,0 +1,74 @@
+"""Shared helpers for benchmarks: timing with CUDA events, environment facts, JSON results."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("transformers", "deepspeed", "peft", "bitsandbytes"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent packages are simply not reported
+            pass
+    out["cuda"] = torch.version.cuda
+    return out
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def time_fn(fn: Callable[[], None], warmup: int = 5, iters: int = 20) -> dict:
+    """Median / min milliseconds of ``fn`` (CUDA events on GPU, perf_counter on CPU)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "iters": iters}
+
+
+def write_result(name: str, payload: dict, out_dir: str | None = None) -> Path:
+    """Write ``<out_dir>/<name>.json`` with command, device, date and versions."""
+    out = Path(out_dir or os.environ.get("OUT") or Path(__file__).parent / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "benchmark": name,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "device": device_name(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        **payload,
+    }
+    path = out / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)
+    return path
