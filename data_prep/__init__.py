@@ -1,0 +1,12 @@
+"""Commonsense170K data preparation in the FRoD paper's prompt templates.
+
+Modules: `tasks` (task keys, Hub ids, eval splits), `templates` (pure rendering per task),
+`sources` (Hub and local-mirror reading), `build` (mixture, manifest, atomic write),
+`io` (the output row format and its reader `read_rows`), `tokens` (token-length checks),
+`cli` (``python -m data_prep build|stats|show``).
+"""
+
+from data_prep.io import read_rows
+from data_prep.tasks import TASKS, DataPrepError
+
+__all__ = ["TASKS", "DataPrepError", "read_rows"]

@@ -1,0 +1,234 @@
+"""Build Commonsense170K in the paper's templates: read, render, validate, shuffle, write.
+
+Layout of a built directory OUT (see `data_prep.io` for the row format)::
+
+    OUT/train.jsonl          the training splits of the selected tasks, rendered and shuffled
+    OUT/eval/<task>.jsonl    each task's evaluation split (validation; test for OBQA and ARC), source order
+    OUT/manifest.json        sources, counts per task and split, drops per reason, seed, sha256 of each file
+
+Everything is built in a temporary sibling directory and renamed to OUT at the end, so a failed
+build leaves nothing in OUT. Same inputs and seed give byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data_prep import io, sources, tokens
+from data_prep.tasks import LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
+from data_prep.templates import RowError, render, row_id, training_text
+
+FORMAT = "frod-ds/commonsense170k/v1"
+DEFAULT_CUTOFF = 256  # tokens; LLM-Adapters' cutoff_len for Commonsense170K
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Everything a build depends on; equal options over equal sources give identical outputs."""
+
+    source: str
+    out: Path
+    tasks: tuple[str, ...]
+    winogrande_size: str = "l"
+    seed: int = 42
+    strict: bool = False
+    tokenizer: str | None = None
+    cutoff: int | None = None
+    overwrite: bool = False
+
+
+@dataclass
+class SplitResult:
+    """One task split after rendering: kept output rows and dropped-row counts per reason."""
+
+    task: str
+    role: str  # "train" or "eval"
+    split: str  # the source split name
+    rows: list[dict[str, Any]]
+    read: int
+    dropped: Counter[str]
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def log(message: str) -> None:
+    """Progress and diagnostics go to stderr; stdout carries the build report."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def validate_options(options: BuildOptions) -> None:
+    """Collect every problem with the options into one error."""
+    problems = []
+    if not options.tasks:
+        problems.append("no tasks selected")
+    problems += [f"unknown task {t!r}" for t in options.tasks if t not in TASKS]
+    try:
+        check_winogrande_size(options.winogrande_size)
+    except DataPrepError as exc:
+        problems.append(str(exc))
+    if options.cutoff is not None and options.tokenizer is None:
+        problems.append("--cutoff needs --tokenizer")
+    if options.cutoff is not None and options.cutoff <= 0:
+        problems.append(f"--cutoff must be positive, got {options.cutoff}")
+    out = options.out
+    if out.exists() and not out.is_dir():
+        problems.append(f"--out {out} exists and is not a directory")
+    elif out.is_dir() and any(out.iterdir()) and not options.overwrite:
+        problems.append(f"--out {out} already exists and is not empty; pass --overwrite to replace it")
+    if problems:
+        raise DataPrepError("; ".join(problems))
+
+
+def convert_split(task: str, split: str, data: sources.SplitData, strict: bool) -> tuple[list[dict[str, Any]], Counter[str]]:
+    """Render every row of one split; drop (or, if `strict`, reject) rows that do not fit the schema."""
+    rows: list[dict[str, Any]] = []
+    dropped: Counter[str] = Counter()
+    for index, raw in enumerate(data.rows):
+        try:
+            example = render(task, raw)
+            rid = row_id(task, split, index, raw)
+        except RowError as err:
+            if strict:
+                raise DataPrepError(f"{task}: {data.origin} row index {index}: {err} (--strict)") from None
+            dropped[err.reason] += 1
+            continue
+        rows.append(
+            {"task": task, "id": rid, "prompt": example.prompt, "answer": example.answer,
+             "choices": list(example.choices), "label": example.label}
+        )
+    return rows, dropped
+
+
+def load_splits(options: BuildOptions) -> list[SplitResult]:
+    """Read and render the train and eval split of every selected task, in canonical task order."""
+    if options.source != sources.HUB:
+        sources.check_local_tasks(Path(options.source), list(options.tasks))
+    results = []
+    for task in TASKS:
+        if task not in options.tasks:
+            continue
+        for role, split in (("train", "train"), ("eval", TASKS[task].eval_split)):
+            data = sources.load_split(options.source, task, split, options.winogrande_size)
+            rows, dropped = convert_split(task, split, data, options.strict)
+            log(f"{task} {split}: {len(rows)} rows kept of {len(data.rows)} ({data.origin})")
+            results.append(SplitResult(task, role, split, rows, len(data.rows), dropped, data.provenance))
+    return results
+
+
+def mixture(results: list[SplitResult], seed: int) -> list[dict[str, Any]]:
+    """All training rows, concatenated in canonical task order, then shuffled with `seed`."""
+    rows = [row for result in results if result.role == "train" for row in result.rows]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def token_report(results: list[SplitResult], tokenizer: Any, name: str, cutoff: int) -> dict[str, Any]:
+    """Token-length summary (and rows over `cutoff`) per task and split, for the manifest."""
+    per_task: dict[str, dict[str, Any]] = {}
+    for result in results:
+        texts = [training_text(row["prompt"], row["answer"]) for row in result.rows]
+        lengths = tokens.token_lengths(tokenizer, texts, desc=f"tokenizing {result.task} {result.split}")
+        per_task.setdefault(result.task, {})[result.role] = tokens.summarize(lengths, cutoff)
+    return {
+        "tokenizer": name,
+        "cutoff": cutoff,
+        "length_of": "prompt + '\\nAnswer: ' + answer, with the tokenizer's special tokens and EOS",
+        "per_task": per_task,
+    }
+
+
+def winogrande_size_used(options: BuildOptions) -> str | None:
+    """The WinoGrande size actually read: the requested one, or None for a flat local folder."""
+    if "winogrande" not in options.tasks:
+        return None
+    if options.source == sources.HUB:
+        return options.winogrande_size
+    folder = sources.task_dir(Path(options.source), "winogrande", options.winogrande_size)
+    return options.winogrande_size if folder.name.startswith("winogrande_") else None
+
+
+def make_manifest(options: BuildOptions, results: list[SplitResult], n_train: int) -> dict[str, Any]:
+    """Everything about the build except the output files' sha256s (added when written)."""
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "seed": options.seed,
+        "tasks": list(options.tasks),
+        "winogrande_size": winogrande_size_used(options),
+        "source": sources.describe_source(options.source),
+        "sources": {},
+        "counts": {},
+        "dropped": {},
+        "train_rows": n_train,
+        "reference": {
+            "name": "LLM-Adapters commonsense_170k",
+            "rows": LLM_ADAPTERS_ROWS,
+            "train_rows_minus_reference": n_train - LLM_ADAPTERS_ROWS,
+        },
+    }
+    for r in results:
+        manifest["sources"].setdefault(r.task, {})[r.role] = r.provenance
+        counts = {"split": r.split, "read": r.read, "kept": len(r.rows), "dropped": r.read - len(r.rows)}
+        manifest["counts"].setdefault(r.task, {})[r.role] = counts
+        if r.dropped:
+            manifest["dropped"].setdefault(r.task, {})[r.role] = dict(sorted(r.dropped.items()))
+    return manifest
+
+
+def write_outputs(out: Path, train: list[dict[str, Any]], results: list[SplitResult], manifest: dict[str, Any]) -> dict[str, str]:
+    """Write every file into a temporary sibling of `out`, then rename it to `out`.
+
+    Returns the sha256 of each written file, keyed by its path relative to `out`.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / "eval").mkdir()
+        files = {"train.jsonl": io.write_rows(tmp / "train.jsonl", train)}
+        for r in results:
+            if r.role == "eval":
+                files[f"eval/{r.task}.jsonl"] = io.write_rows(tmp / "eval" / f"{r.task}.jsonl", r.rows)
+        manifest["files"] = files
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=True) + "\n", encoding="ascii")
+        files = {**files, "manifest.json": io.sha256_file(tmp / "manifest.json")}
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return files
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Rename `new` to `out`; an existing `out` is moved aside first and removed after."""
+    if not out.exists():
+        os.rename(new, out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, aside / out.name)
+    try:
+        os.rename(new, out)
+    except BaseException:
+        os.rename(aside / out.name, out)  # put the previous build back
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
+    """Build OUT from the options; returns the manifest and the sha256 of every written file."""
+    validate_options(options)
+    tokenizer = tokens.load_tokenizer(options.tokenizer) if options.tokenizer else None
+    results = load_splits(options)
+    train = mixture(results, options.seed)
+    manifest = make_manifest(options, results, len(train))
+    if tokenizer is not None:
+        manifest["token_lengths"] = token_report(results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF)
+    files = write_outputs(options.out, train, results, manifest)
+    return manifest, files

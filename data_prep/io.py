@@ -1,0 +1,86 @@
+"""Output format of data_prep: JSONL rows ``{"task", "id", "prompt", "answer", "choices", "label"}``.
+
+Training and evaluation read the built files through `read_rows`, which checks every row:
+
+    from data_prep.io import read_rows
+    rows = read_rows("data/cs170k/eval/piqa.jsonl")
+
+Files are written one JSON object per line, keys in the order above, non-ASCII characters
+escaped (so the files are plain ASCII and no Unicode line separator can split a row), ``\\n`` line
+endings. That fixed serialization is what makes builds byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+FIELDS: dict[str, type] = {"task": str, "id": str, "prompt": str, "answer": str, "choices": list, "label": int}
+
+
+def dumps_row(row: dict[str, Any]) -> str:
+    """Canonical one-line JSON of an output row (fields in `FIELDS` order)."""
+    return json.dumps({key: row[key] for key in FIELDS}, ensure_ascii=True)
+
+
+def write_rows(path: Path, rows: Iterable[dict[str, Any]]) -> str:
+    """Write `rows` as JSONL to `path`; return the file's sha256 hex digest."""
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for row in rows:
+            line = (dumps_row(row) + "\n").encode("ascii")
+            digest.update(line)
+            f.write(line)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 hex digest of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_row(row: Any) -> str | None:
+    """Why `row` is not a valid output row, or None if it is."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    for key, kind in FIELDS.items():
+        if key not in row:
+            return f"missing field '{key}'"
+        if type(row[key]) is not kind:
+            return f"field '{key}' must be {kind.__name__}, got {type(row[key]).__name__}"
+    choices, label = row["choices"], row["label"]
+    if not choices or not all(type(c) is str for c in choices):
+        return "field 'choices' must be a non-empty list of strings"
+    if not 0 <= label < len(choices):
+        return f"label {label} out of range for {len(choices)} choices"
+    if choices[label] != row["answer"]:
+        return f"answer {row['answer']!r} is not choices[{label}] ({choices[label]!r})"
+    return None
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Read and validate a data_prep JSONL file.
+
+    Raises ValueError naming the file and 1-based line of the first bad row.
+    """
+    rows = []
+    with open(path, encoding="utf-8", newline="\n") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path} line {line_no}: not valid JSON ({exc.msg})") from None
+            problem = check_row(row)
+            if problem:
+                raise ValueError(f"{path} line {line_no}: {problem}")
+            rows.append(row)
+    return rows
