@@ -1,0 +1,248 @@
+"""Zero-shot scoring of multiple-choice rows with a causal LM: log-likelihood and greedy generation.
+
+Single-process and rank-free: every function maps a model, a tokenizer and rows to numbers or
+strings. ``launch/eval.py`` decides which rank scores which batch and gathers the results.
+
+A row is ``{"prompt", "choices", "label", ...}`` (data_prep's eval JSONL). The text the model was
+trained on is ``prompt + ANSWER_SEPARATOR + answer``, so both modes condition on exactly the
+tokens that precede the answer in that training text (see `encode_row` for the token boundary).
+
+- loglik: ``score_j = sum_t log p(y_t | context, y_<t)`` over the tokens ``y`` of choice ``j``
+  (no EOS); prediction ``argmax_j score_j``. The length-normalised score divides by the choice's
+  length in characters, ``score_j / len(choices[j])`` (lm-eval-harness ``acc_norm``), which does
+  not depend on the tokenizer.
+- generate: greedy decoding of up to ``max_new_tokens`` tokens; the prediction is the choice found
+  earliest in the decoded output (`match_choice`), no match is wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ANSWER_SEPARATOR",
+    "EvalError",
+    "EncodedRow",
+    "encode_row",
+    "encode_rows",
+    "left_pad",
+    "loglik_scores",
+    "generate_outputs",
+    "match_choice",
+    "score_loglik_rows",
+    "score_generate_rows",
+]
+
+# The training text is prompt + ANSWER_SEPARATOR + answer (+ EOS); must equal
+# data_prep.templates.ANSWER_SEPARATOR (checked by the tests).
+ANSWER_SEPARATOR = "\nAnswer: "
+
+
+class EvalError(ValueError):
+    """A user-facing evaluation failure; the message is one line saying what to change."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).splitlines()))
+
+
+@dataclass(frozen=True)
+class EncodedRow:
+    """Token ids of one row: the shared context and one continuation per choice.
+
+    ``context + continuations[j]`` is exactly the tokenization of the training text
+    ``prompt + ANSWER_SEPARATOR + choices[j]`` (special tokens included, no EOS).
+    """
+
+    context: list[int]  # (Tc,) BOS + prompt + separator, possibly less its trailing pieces
+    continuations: list[list[int]]  # n_choices x (Tj,)
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _strip_eos(ids: list[int], eos_id: int | None) -> list[int]:
+    # Tokenizers configured with add_eos_token append EOS; the scored text has none.
+    return ids[:-1] if eos_id is not None and ids and ids[-1] == eos_id else ids
+
+
+def encode_rows(tokenizer: Any, prompts: Sequence[str], choices: Sequence[Sequence[str]]) -> list[EncodedRow]:
+    """Tokenize rows into a shared context and per-choice continuations (see `encode_row`)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    texts: list[str] = []
+    for prompt, row_choices in zip(prompts, choices, strict=True):
+        texts.append(prompt + ANSWER_SEPARATOR)
+        texts.extend(prompt + ANSWER_SEPARATOR + c for c in row_choices)
+    ids = [_strip_eos(list(x), eos) for x in tokenizer(texts, add_special_tokens=True)["input_ids"]]
+
+    encoded, at = [], 0
+    for prompt, row_choices in zip(prompts, choices):
+        context, fulls = ids[at], ids[at + 1 : at + 1 + len(row_choices)]
+        at += 1 + len(row_choices)
+        # Split at the longest token prefix shared by the context and every full text: with
+        # SentencePiece (LLaMA) "...Answer: " ends in a lone "▁" piece while "...Answer: true"
+        # ends "...", ":", "▁true", so the character boundary is not a token boundary.
+        cut = min([len(context)] + [_common_prefix_len(context, full) for full in fulls])
+        if cut == 0:
+            raise EvalError(
+                f"prompt {prompt[:40]!r} leaves no context token before the answer; "
+                "use a tokenizer that adds a BOS token"
+            )
+        conts = [full[cut:] for full in fulls]
+        empty = [c for c, cont in zip(row_choices, conts) if not cont]
+        if empty:
+            raise EvalError(f"choice {empty[0]!r} of prompt {prompt[:40]!r} tokenizes to no tokens")
+        encoded.append(EncodedRow(context=context[:cut], continuations=conts))
+    return encoded
+
+
+def encode_row(tokenizer: Any, prompt: str, choices: Sequence[str]) -> EncodedRow:
+    """Context ids and one continuation per choice, split where the training text's tokens split.
+
+    Each full text ``prompt + ANSWER_SEPARATOR + choice`` is tokenized as training tokenizes it
+    (``add_special_tokens=True``, so BOS for LLaMA; a trailing EOS is dropped), and so is the
+    context ``prompt + ANSWER_SEPARATOR``. The context kept is the longest token prefix shared by
+    the context and all full texts; each continuation is the rest of its full text. For
+    tokenizers whose pieces never cross the separator's end (whitespace pre-tokenizers) this is
+    ``tok(prompt + sep)`` and ``tok(choice)``; for SentencePiece/byte-level BPE the separator's
+    trailing space joins the answer's first token (``"▁true"``), so that token is scored — the
+    model never saw a lone ``"▁"`` before an answer in training. Tokenizing the choice on its own
+    would feed it exactly that unseen sequence.
+
+    Raises EvalError if nothing precedes the answer (no BOS and an empty prompt) or a choice
+    adds no tokens.
+    """
+    return encode_rows(tokenizer, [prompt], [choices])[0]
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad id lists to one tensor.
+
+    Returns ``input_ids`` (B, T), ``attention_mask`` (B, T) and ``position_ids`` (B, T) that count
+    real tokens from 0, so every sequence sees the positions it would see unpadded.
+    """
+    assert seqs and all(seqs), "left_pad needs non-empty sequences"
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (B, T)
+    for i, s in enumerate(seqs):
+        input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        attention_mask[i, width - len(s) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+    return input_ids, attention_mask, position_ids
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.inference_mode()
+def loglik_scores(model: nn.Module, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], pad_id: int) -> list[float]:
+    """``sum_t log p(continuation_t | context, continuation_<t)`` for each (context, continuation) pair.
+
+    One left-padded forward pass; only the last ``max_j len(continuation_j) + 1`` positions'
+    logits are computed (all continuations end at the last column), and log-softmax runs in fp32.
+    """
+    seqs = [list(c) + list(y) for c, y in zip(contexts, continuations, strict=True)]
+    input_ids, attention_mask, position_ids = left_pad(seqs, pad_id)
+    device = _device_of(model)
+    keep = max(len(y) for y in continuations) + 1
+    logits = model(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=keep,
+    ).logits  # (B, keep, V): positions T-keep .. T-1
+    logprobs = logits.float().log_softmax(-1).cpu()  # (B, keep, V)
+    scores = []
+    for i, y in enumerate(continuations):
+        # Token y_t sits at column T-len(y)+t and is predicted by column T-len(y)+t-1,
+        # i.e. kept column keep-len(y)-1+t.
+        rows = logprobs[i, keep - len(y) - 1 : keep - 1]  # (len(y), V)
+        scores.append(rows.gather(-1, torch.tensor(y).unsqueeze(-1)).sum().item())
+    return scores
+
+
+@torch.inference_mode()
+def generate_outputs(model: nn.Module, tokenizer: Any, contexts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int) -> list[str]:
+    """Greedy-decode up to ``max_new_tokens`` after each left-padded context; return the new text.
+
+    Decoding stops at EOS; the text is the new tokens up to (not including) the first EOS, special
+    tokens skipped.
+    """
+    from transformers import GenerationConfig
+
+    eos = tokenizer.eos_token_id
+    input_ids, attention_mask, _ = left_pad(contexts, pad_id)
+    device = _device_of(model)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id, eos_token_id=eos)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+    new = out[:, input_ids.shape[1] :].cpu().tolist()  # (B, <= max_new_tokens)
+    texts = []
+    for ids in new:
+        if eos is not None and eos in ids:
+            ids = ids[: ids.index(eos)]
+        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+    return texts
+
+
+def match_choice(output: str, choices: Sequence[str]) -> int | None:
+    """Index of the choice found earliest in ``output`` (case-sensitive substring), or None.
+
+    Ties at the same start position go to the longest string (so ``"Option A"`` beats ``"Option"``),
+    then to the lowest index.
+    """
+    best: tuple[int, int, int] | None = None  # (start, -len, index)
+    for j, choice in enumerate(choices):
+        start = output.find(choice) if choice else -1
+        if start >= 0 and (best is None or (start, -len(choice), j) < best):
+            best = (start, -len(choice), j)
+    return None if best is None else best[2]
+
+
+def _argmax(values: Sequence[float]) -> int:
+    return max(range(len(values)), key=lambda j: values[j])  # first index on ties
+
+
+def score_loglik_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int) -> list[dict[str, Any]]:
+    """Loglik predictions for one batch of rows; all choices of all rows in one forward pass.
+
+    Returns per row ``{"pred", "pred_norm", "scores", "scores_norm", "n_tokens"}``.
+    """
+    encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows])
+    contexts = [e.context for e in encoded for _ in e.continuations]
+    conts = [y for e in encoded for y in e.continuations]
+    flat = loglik_scores(model, contexts, conts, pad_id)
+    out, at = [], 0
+    for row, enc in zip(rows, encoded):
+        scores = flat[at : at + len(enc.continuations)]
+        at += len(enc.continuations)
+        norm = [s / len(c) for s, c in zip(scores, row["choices"])]
+        out.append(
+            {
+                "pred": _argmax(scores),
+                "pred_norm": _argmax(norm),
+                "scores": scores,
+                "scores_norm": norm,
+                "n_tokens": [len(y) for y in enc.continuations],
+            }
+        )
+    return out
+
+
+def score_generate_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int, max_new_tokens: int) -> list[dict[str, Any]]:
+    """Generate-mode predictions for one batch of rows: ``{"pred": int | None, "output": str}``."""
+    encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows])
+    texts = generate_outputs(model, tokenizer, [e.context for e in encoded], max_new_tokens, pad_id)
+    return [{"pred": match_choice(t, r["choices"]), "output": t} for r, t in zip(rows, texts)]
