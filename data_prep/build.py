@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +224,7 @@ def _replace_dir(new: Path, out: Path) -> None:
 def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
     """Build OUT from the options; returns the manifest and the sha256 of every written file."""
     validate_options(options)
+    options = replace(options, tasks=tuple(task for task in TASKS if task in options.tasks))  # canonical order
     tokenizer = tokens.load_tokenizer(options.tokenizer) if options.tokenizer else None
     results = load_splits(options)
     train = mixture(results, options.seed)

@@ -124,12 +124,15 @@ def _read_json(path: Path) -> list[Any]:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataPrepError(f"cannot read {path}: not UTF-8 text (byte {exc.start})") from None
-    if path.suffix == ".json" and text.lstrip().startswith("["):
+    if path.suffix == ".json":  # a JSON array, a single row, or JSON lines as Dataset.to_json writes them
         try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataPrepError(f"cannot read {path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
-        return rows
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            pass
+        else:
+            if isinstance(value, (list, dict)):
+                return value if isinstance(value, list) else [value]
+            raise DataPrepError(f"cannot read {path}: expected a JSON array of rows or JSON lines, got {type(value).__name__}")
     return _read_json_lines(path, text)
 
 
@@ -181,8 +184,6 @@ def load_local_split(root: Path, task: str, split: str, winogrande_size: str) ->
     """Read one split of `task` from a local mirror rooted at `root`."""
     path = find_split(task_dir(root, task, winogrande_size), split)
     rows = read_split_file(path)
-    if not isinstance(rows, list):
-        raise DataPrepError(f"cannot read {path}: expected a JSON array of rows, got {type(rows).__name__}")
     provenance = {"path": path.relative_to(root).as_posix(), "sha256": sha256_tree(path)}
     return SplitData(rows, str(path), provenance)
 
