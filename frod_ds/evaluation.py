@@ -34,6 +34,7 @@ __all__ = [
     "loglik_scores",
     "generate_outputs",
     "match_choice",
+    "plan_batches",
     "score_loglik_rows",
     "score_generate_rows",
 ]
@@ -211,38 +212,67 @@ def match_choice(output: str, choices: Sequence[str]) -> int | None:
     return None if best is None else best[2]
 
 
+def plan_batches(rows: Sequence[dict[str, Any]], batch_size: int) -> list[list[int]]:
+    """Row indices grouped into batches, longest rows first (less padding; OOM shows up at once).
+
+    Depends only on the rows and ``batch_size``, never on the number of ranks: ranks take whole
+    batches, so every row is scored in the same padded batch, hence with the same numbers, for
+    any world size.
+    """
+    assert batch_size >= 1, f"batch_size must be >= 1, got {batch_size}"
+    size = [len(r["prompt"]) + max(len(c) for c in r["choices"]) for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: (-size[i], i))
+    return [order[k : k + batch_size] for k in range(0, len(order), batch_size)]
+
+
 def _argmax(values: Sequence[float]) -> int:
     return max(range(len(values)), key=lambda j: values[j])  # first index on ties
 
 
-def score_loglik_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int) -> list[dict[str, Any]]:
-    """Loglik predictions for one batch of rows; all choices of all rows in one forward pass.
+def _record(row: dict[str, Any], pred: int | None) -> dict[str, Any]:
+    return {
+        "task": row["task"],
+        "id": row["id"],
+        "label": row["label"],
+        "answer": row["choices"][row["label"]],
+        "pred": pred,
+        "prediction": None if pred is None else row["choices"][pred],
+        "correct": pred == row["label"],
+    }
 
-    Returns per row ``{"pred", "pred_norm", "scores", "scores_norm", "n_tokens"}``.
+
+def score_loglik_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int) -> list[dict[str, Any]]:
+    """Loglik prediction records for one batch of rows; all choices of all rows in one forward pass.
+
+    Each record: ``task, id, label, answer, pred, prediction, correct`` plus ``pred_norm``,
+    ``correct_norm``, ``scores`` (summed log-probs), ``scores_norm`` (per character) and
+    ``n_tokens`` (scored tokens per choice).
     """
     encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows])
     contexts = [e.context for e in encoded for _ in e.continuations]
     conts = [y for e in encoded for y in e.continuations]
     flat = loglik_scores(model, contexts, conts, pad_id)
-    out, at = [], 0
+    records, at = [], 0
     for row, enc in zip(rows, encoded):
         scores = flat[at : at + len(enc.continuations)]
         at += len(enc.continuations)
         norm = [s / len(c) for s, c in zip(scores, row["choices"])]
-        out.append(
-            {
-                "pred": _argmax(scores),
-                "pred_norm": _argmax(norm),
-                "scores": scores,
-                "scores_norm": norm,
-                "n_tokens": [len(y) for y in enc.continuations],
-            }
-        )
-    return out
+        record = _record(row, _argmax(scores))
+        record["pred_norm"] = _argmax(norm)
+        record["correct_norm"] = record["pred_norm"] == row["label"]
+        record.update(scores=scores, scores_norm=norm, n_tokens=[len(y) for y in enc.continuations])
+        records.append(record)
+    return records
 
 
 def score_generate_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int, max_new_tokens: int) -> list[dict[str, Any]]:
-    """Generate-mode predictions for one batch of rows: ``{"pred": int | None, "output": str}``."""
+    """Generate-mode prediction records for one batch: ``task, id, label, answer, pred, prediction,
+    correct, output``; ``pred`` is None (wrong) when no answer string occurs in ``output``."""
     encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows])
     texts = generate_outputs(model, tokenizer, [e.context for e in encoded], max_new_tokens, pad_id)
-    return [{"pred": match_choice(t, r["choices"]), "output": t} for r, t in zip(rows, texts)]
+    records = []
+    for row, text in zip(rows, texts):
+        record = _record(row, match_choice(text, row["choices"]))
+        record["output"] = text
+        records.append(record)
+    return records
