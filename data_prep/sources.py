@@ -62,7 +62,7 @@ def load_hub_split(task: str, split: str, winogrande_size: str) -> SplitData:
     except Exception as exc:  # any failure to reach or parse the Hub becomes one clear line
         raise DataPrepError(
             f"cannot load {task} from the Hugging Face Hub ({name}, split {split}): {_one_line(exc)}; "
-            "check network access (and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) or use --source DIR with a local mirror"
+            "check network access and that HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are unset, or use --source DIR with a local mirror"
         ) from None
     provenance = {"hub_id": spec.hub_id, "config": config, "split": split}
     return SplitData(dataset.to_list(), f"{name} split {split}", provenance)
