@@ -81,8 +81,12 @@ def validate_options(options: BuildOptions) -> None:
     out = options.out
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} exists and is not a directory")
-    elif out.is_dir() and any(out.iterdir()) and not options.overwrite:
-        problems.append(f"--out {out} already exists and is not empty; pass --overwrite to replace it")
+    elif out.is_dir() and any(out.iterdir()):
+        if not options.overwrite:
+            problems.append(f"--out {out} already exists and is not empty; pass --overwrite to replace it")
+        elif not (out / "manifest.json").is_file():
+            # --overwrite deletes OUT: only ever do that to an earlier build, never to a mistyped directory
+            problems.append(f"--out {out} is not empty and has no manifest.json; refusing to replace a directory not written by build")
     if problems:
         raise DataPrepError("; ".join(problems))
 

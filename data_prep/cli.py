@@ -101,6 +101,7 @@ def print_build_report(manifest: dict[str, Any], files: dict[str, str]) -> None:
 
 
 def cmd_build(args: argparse.Namespace) -> None:
+    """`build`: render the selected tasks into OUT and print the report."""
     options = BuildOptions(
         source=args.source, out=args.out, tasks=tuple(parse_tasks(args.tasks)),
         winogrande_size=args.winogrande_size, seed=args.seed, strict=args.strict,
@@ -139,6 +140,7 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
+    """`stats`: verify a build against its manifest; print rows and lengths per file and task."""
     manifest, files = load_built(args.out)
     tokenizer = tokens.load_tokenizer(args.tokenizer) if args.tokenizer else None
     if args.cutoff is not None and tokenizer is None:
@@ -200,6 +202,7 @@ def examples_from_build(out: Path, task: str, role: str, n: int) -> list[dict[st
 
 
 def cmd_show(args: argparse.Namespace) -> None:
+    """`show`: print the training text of N rendered rows of one task."""
     if (args.source is None) == (args.out is None):
         raise DataPrepError("show needs exactly one of --source or --out")
     if args.n < 1:

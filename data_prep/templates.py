@@ -73,6 +73,7 @@ class Example:
 
     @property
     def answer(self) -> str:
+        """The gold answer string, `choices[label]`."""
         return self.choices[self.label]
 
 

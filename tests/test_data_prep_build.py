@@ -328,6 +328,15 @@ def test_existing_output_needs_overwrite_and_survives_a_failed_build(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_overwrite_refuses_a_directory_that_is_not_a_build(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(DataPrepError, match="has no manifest.json; refusing to replace"):
+        run_build(out, tasks=("obqa",), overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["precious.txt"]
+
+
 def test_empty_output_directory_is_reused(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
