@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from data_prep import io, sources, tokens
-from data_prep.tasks import LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
+from data_prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from data_prep.templates import RowError, render, row_id, training_text
 
 FORMAT = "frod-ds/commonsense170k/v1"
@@ -38,7 +38,7 @@ class BuildOptions:
     source: str
     out: Path
     tasks: tuple[str, ...]
-    winogrande_size: str = "l"
+    winogrande_size: str = DEFAULT_WINOGRANDE_SIZE
     seed: int = 42
     strict: bool = False
     tokenizer: str | None = None
