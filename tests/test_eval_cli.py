@@ -1,0 +1,148 @@
+"""Recipe tier of the evaluation: ``launch/eval.py`` end to end on tiny saved models, one process and
+two gloo ranks, and its errors on bad input (one ``error:`` line, exit status 2, no output left)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.eval import main
+from test_eval_fixtures import (
+    bigram_llama,
+    make_rows,
+    preference_logits,
+    random_llama,
+    save_model,
+    word_tokenizer,
+    write_eval_dir,
+    write_jsonl,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS = ("boolq", "piqa", "obqa")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Saved bigram ("known preferences") and random tiny LLaMAs, and a data dir with three tasks."""
+    root = tmp_path_factory.mktemp("eval")
+    tok = word_tokenizer()
+    rows = {"boolq": make_rows("boolq", 9), "piqa": make_rows("piqa", 7), "obqa": make_rows("obqa", 10)}
+    return {
+        "known": save_model(root / "known", bigram_llama(len(tok), preference_logits(tok)), tok),
+        "random": save_model(root / "random", random_llama(len(tok), seed=1), tok),
+        "data": write_eval_dir(root / "data", rows),
+        "rows": rows,
+    }
+
+
+def _read(out: Path) -> tuple[dict, list[dict]]:
+    results = json.loads((out / "results.json").read_text())
+    preds = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    return results, preds
+
+
+def test_known_preferences_give_predicted_accuracy_end_to_end(assets, tmp_path, capsys):
+    out = tmp_path / "eval"
+    argv = ["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", ",".join(TASKS),
+            "--output", str(out), "--batch-size", "3"]
+    assert main(argv) == 0
+    results, preds = _read(out)
+    # The model always answers false / Choice B / Option C (see preference_logits).
+    expected = {task: sum(r["label"] == pick for r in assets["rows"][task]) / len(assets["rows"][task])
+                for task, pick in (("boolq", 1), ("piqa", 1), ("obqa", 2))}
+    assert {t: e["accuracy"] for t, e in results["tasks"].items()} == expected
+    assert {t: e["n"] for t, e in results["tasks"].items()} == {t: len(assets["rows"][t]) for t in TASKS}
+    assert results["average"] == pytest.approx(sum(expected.values()) / 3)
+    assert [p["id"] for p in preds] == [r["id"] for t in TASKS for r in assets["rows"][t]]  # file order
+    table = (out / "results.md").read_text()
+    assert table in capsys.readouterr().out
+    assert f"| BoolQ | 9 | {100 * expected['boolq']:.2f} |" in table and "| 87.74 |" in table
+    # A second run replaces the files in place and leaves no temporary directory behind.
+    assert main(argv + ["--limit", "2"]) == 0
+    assert _read(out)[0]["n"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval"]
+
+
+def test_generate_mode_takes_first_answer_string_and_unmatched_is_wrong(assets, tmp_path):
+    out = tmp_path / "gen"
+    assert main(["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", "piqa,boolq",
+                 "--output", str(out), "--mode", "generate", "--max-new-tokens", "4", "--limit", "5"]) == 0
+    results, preds = _read(out)
+    piqa = assets["rows"]["piqa"][:5]
+    assert results["tasks"]["piqa"]["accuracy"] == sum(r["label"] == 1 for r in piqa) / 5
+    assert results["tasks"]["boolq"] == {"accuracy": 0.0, "n": 5, "correct": 0, "unmatched": 5}
+    assert {p["output"] for p in preds} == {"Choice B"}
+
+
+def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(REPO / "launch" / "eval.py"), *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_rank(assets, tmp_path):
+    args = ["--model", str(assets["random"]), "--data", str(assets["data"]), "--tasks", ",".join(TASKS),
+            "--batch-size", "2"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run (OMP_NUM_THREADS=1): same kernels, same bits
+    try:
+        assert main(args + ["--output", str(tmp_path / "one")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    run = _torchrun(args + ["--output", str(tmp_path / "two")], nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one, two = _read(tmp_path / "one"), _read(tmp_path / "two")
+    assert two[0]["config"]["world_size"] == 2
+    assert {k: v for k, v in one[0].items() if k != "config"} == {k: v for k, v in two[0].items() if k != "config"}
+    assert one[1] == two[1]  # every row's prediction and score, bit for bit
+    assert len({p["pred"] for p in one[1]}) > 1  # the random model does not answer one index everywhere
+
+
+def _fails(argv: list[str], capsys, match: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: ") and match in err[-1], err
+
+
+def test_missing_task_file_is_a_clear_error(assets, tmp_path, capsys):
+    out = tmp_path / "out"
+    _fails(["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", "piqa,siqa",
+            "--output", str(out)], capsys, "eval/siqa.jsonl")
+    assert not out.exists()
+
+
+def test_rows_without_choices_are_a_clear_error(assets, tmp_path, capsys):
+    rows = make_rows("piqa", 3)
+    del rows[1]["choices"]
+    (tmp_path / "data" / "eval").mkdir(parents=True)
+    write_jsonl(tmp_path / "data" / "eval" / "piqa.jsonl", rows)
+    out = tmp_path / "out"
+    _fails(["--model", str(assets["known"]), "--data", str(tmp_path / "data"), "--tasks", "piqa",
+            "--output", str(out)], capsys, "piqa.jsonl line 2: missing field 'choices'")
+    assert not out.exists()
+
+
+def test_unknown_task_and_conflicting_model_flags_are_clear_errors(assets, tmp_path, capsys):
+    base = ["--data", str(assets["data"]), "--output", str(tmp_path / "out")]
+    _fails(["--model", str(assets["known"]), "--tasks", "piqa,mmlu", *base], capsys, "unknown task 'mmlu'")
+    _fails(["--model", str(assets["known"]), "--checkpoint", str(assets["known"]), *base], capsys, "exactly one of")
+    _fails(["--checkpoint", str(assets["known"]), "--tasks", "piqa", *base], capsys, "not a FRoD adapter checkpoint")
+    assert not (tmp_path / "out").exists()
+
+
+def test_script_exits_2_with_one_error_line(assets, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), "--model", str(assets["known"]),
+                          "--data", str(tmp_path), "--output", str(tmp_path / "out")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.strip().startswith("error: no eval file") and len(run.stderr.strip().splitlines()) == 1
