@@ -1,0 +1,221 @@
+"""Every ``torch.distributed`` call of the project, as small named helpers.
+
+Launchers: ``torchrun`` and the ``deepspeed`` launcher set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (and
+``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables are mapped onto them. With none of
+them set the program runs as one process and every helper below is the identity / a no-op, so library
+code calls the helpers unconditionally.
+
+Backend: NCCL when CUDA is available, gloo otherwise. Tensors handed to a collective must live on
+``local_device()`` (NCCL needs them on the GPU; gloo on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "init_distributed",
+    "destroy",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "is_main",
+    "local_device",
+    "barrier",
+    "all_reduce_sum",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object",
+    "gather_rows",
+    "scatter_rows",
+    "print0",
+]
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``"gpu[003-004,9],cpu1"`` -> ``"gpu003"``."""
+    first = re.split(r",(?![^\[]*\])", nodelist)[0]
+    m = re.match(r"^([^\[]*)\[([^\]-,]+)", first)
+    return m.group(1) + m.group(2) if m else first
+
+
+def _launcher_env() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` from torchrun / deepspeed / srun, or ``None`` (one process)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    # srun: one task per GPU. SLURM_STEP_NUM_TASKS (not SLURM_NTASKS) so that a plain `python` inside an
+    # sbatch script with --ntasks 8 stays a single process.
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+        env.setdefault("MASTER_ADDR", _first_slurm_host(nodes))
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+        return rank, world, local
+    return None
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) -> None:
+    """Join the process group the launcher describes; a single process when no launcher env is set.
+
+    ``backend``: ``"nccl"`` or ``"gloo"``; default NCCL if CUDA is available, else gloo. With NCCL the
+    current CUDA device is set to ``LOCAL_RANK``. ``timeout_minutes`` bounds every collective wait (a rank
+    reading a large shard from a slow filesystem can keep the others waiting for minutes).
+    """
+    if dist.is_initialized():
+        return
+    launch = _launcher_env()
+    if launch is None:
+        return
+    _, _, local_rank = launch
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs: dict[str, Any] = {"timeout": timedelta(minutes=timeout_minutes)}
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend=backend, **kwargs)
+
+
+def destroy() -> None:
+    """Leave the process group (avoids an occasional abort at interpreter exit)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0)) if is_initialized() else 0
+
+
+def is_main() -> bool:
+    return get_rank() == 0
+
+
+def local_device() -> torch.device:
+    """This rank's compute device: ``cuda:LOCAL_RANK`` when CUDA is available and the backend is not
+    gloo, else the CPU."""
+    if torch.cuda.is_available() and (not is_initialized() or dist.get_backend() == "nccl"):
+        return torch.device("cuda", get_local_rank() % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: Tensor) -> Tensor:
+    """In-place sum over ranks; returns ``t``."""
+    if is_initialized():
+        buf = t if t.is_contiguous() else t.contiguous()
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        if buf is not t:
+            t.copy_(buf)
+    return t
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable, small), in rank order, on every rank."""
+    if not is_initialized():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(t: Tensor, src: int = 0) -> Tensor:
+    """In-place broadcast from ``src``; other ranks pass a tensor of the same shape/dtype/device.
+
+    Any memory layout: LAPACK results (``linalg.qr``/``eigh``) are column-major, and a collective on a
+    non-contiguous tensor would ship its storage order (gloo silently, NCCL refuses).
+    """
+    if is_initialized():
+        buf = t if t.is_contiguous() else t.contiguous()
+        dist.broadcast(buf, src=src)
+        if buf is not t:
+            t.copy_(buf)
+    return t
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``src``'s ``obj`` (picklable, small) on every rank."""
+    if not is_initialized():
+        return obj
+    box = [obj if get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_rows(t: Tensor, dst: int = 0) -> list[Tensor] | None:
+    """Gather tensors that differ only in their first dimension (``(r_p, *rest)``) onto ``dst``.
+
+    Returns the list in rank order on ``dst`` and ``None`` elsewhere. Rows are zero-padded to the
+    longest for the collective and trimmed afterwards; a rank may contribute ``r_p = 0`` rows.
+    """
+    if not is_initialized():
+        return [t]
+    rows = [int(r) for r in all_gather_object(int(t.shape[0]))]
+    pad = t.new_zeros((max(rows), *t.shape[1:]))
+    pad[: t.shape[0]] = t
+    bufs = [torch.empty_like(pad) for _ in rows] if get_rank() == dst else None
+    dist.gather(pad, gather_list=bufs, dst=dst)
+    del pad
+    return [b[:r] for b, r in zip(bufs, rows)] if bufs is not None else None
+
+
+def scatter_rows(
+    parts: list[Tensor] | None, like: Tensor, src: int = 0
+) -> Tensor:
+    """Inverse of :func:`gather_rows`: rank ``p`` receives ``parts[p]`` (``(r_p, *rest)``) from ``src``.
+
+    ``like`` gives dtype and device on every rank; ``parts`` is only read on ``src``.
+    """
+    if not is_initialized():
+        assert parts is not None and len(parts) == 1, "one process: pass exactly one part"
+        return parts[0]
+    meta = None
+    if get_rank() == src:
+        assert parts is not None and len(parts) == get_world_size(), "one part per rank"
+        meta = [tuple(p.shape) for p in parts]
+    shapes = broadcast_object(meta, src=src)
+    longest = max(s[0] for s in shapes)
+    rest = shapes[0][1:]
+    buf = torch.empty((longest, *rest), dtype=like.dtype, device=like.device)
+    send = None
+    if get_rank() == src:
+        send = []
+        for p in parts:  # type: ignore[union-attr]
+            padded = p.new_zeros((longest, *rest))
+            padded[: p.shape[0]] = p
+            send.append(padded)
+    dist.scatter(buf, scatter_list=send, src=src)
+    del send
+    return buf[: shapes[get_rank()][0]]
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only, flushed."""
+    if is_main():
+        print(*args, flush=True, **kwargs)

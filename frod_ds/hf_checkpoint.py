@@ -1,0 +1,206 @@
+"""Read single tensors of a Hugging Face safetensors checkpoint without loading the model.
+
+``HFCheckpoint`` reads ``model.safetensors.index.json`` (or a single ``model.safetensors``), parses each
+shard's header itself (8-byte little-endian length + JSON) to know shapes, dtypes and byte offsets, and
+opens only the shard that holds a requested tensor (``safe_open``). Shard headers are checked against the
+file size on first use, so a missing or truncated shard is reported before any rank starts computing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "SAFETENSORS_DTYPES", "resolve_model_dir", "HFCheckpoint", "TensorInfo"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local checkpoint directory as is; otherwise a Hugging Face Hub id, downloaded (or found in the
+    local HF cache) with ``snapshot_download`` — only configs, safetensors and tokenizer files."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"--model {model!r} is a file; pass the checkpoint directory (config.json + *.safetensors)")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"model directory {model!r} does not exist; pass a local checkpoint directory or a Hub id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # offline mode, no network, unknown repo, gated repo: all end the same way
+        raise ValueError(
+            f"could not resolve {model!r}: it is not a local directory and the Hugging Face Hub id could not be "
+            f"resolved (offline, or not in the local cache; {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "pass a local directory holding the checkpoint (config.json + *.safetensors)"
+        ) from None
+
+
+class TensorInfo:
+    """Where one tensor lives: shard file, dtype, shape, absolute byte range in the file."""
+
+    __slots__ = ("file", "dtype", "shape", "start", "end")
+
+    def __init__(self, file: Path, dtype: torch.dtype, shape: tuple[int, ...], start: int, end: int):
+        self.file, self.dtype, self.shape, self.start, self.end = file, dtype, shape, start, end
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _read_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse and check a safetensors header; ``ValueError`` naming the file when it is missing or broken."""
+    if not file.is_file():
+        raise ValueError(
+            f"shard {file.name} is missing from {file.parent} (it is listed in {INDEX_NAME}); the download is "
+            "incomplete: download the checkpoint again"
+        )
+    size = file.stat().st_size
+    broken = (
+        f"safetensors file {file} is truncated or corrupt ({size} bytes on disk); delete it and download the "
+        "checkpoint again"
+    )
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(broken)
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            raise ValueError(broken)
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(broken) from None
+    base = 8 + n
+    out: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in meta["data_offsets"])
+            dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+            shape = tuple(int(s) for s in meta["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{broken} (bad header entry for {name!r})") from None
+        data_end = max(data_end, end)
+        out[name] = TensorInfo(file, dtype, shape, base + begin, base + end)
+    if base + data_end != size:
+        raise ValueError(f"{broken}; its header says {base + data_end} bytes")
+    return out
+
+
+class HFCheckpoint:
+    """Tensor-level access to a safetensors checkpoint directory; nothing is read until asked for.
+
+    Counts what it reads (``tensors_read``, ``bytes_read``) so a distributed stage can report that each
+    rank read only its own members.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise ValueError(f"checkpoint directory {self.dir} does not exist")
+        index = self.dir / INDEX_NAME
+        single = self.dir / SINGLE_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{index} is not a valid safetensors index (no weight_map); download it again") from None
+            self._file_of = {name: self.dir / fname for name, fname in weight_map.items()}
+        elif single.is_file():
+            self._file_of = {name: single for name in _read_header(single)}
+        else:
+            hint = " (found PyTorch .bin files: convert them to safetensors first)" if any(self.dir.glob("*.bin")) else ""
+            raise ValueError(f"no {INDEX_NAME} or {SINGLE_NAME} in {self.dir}; HJD reads safetensors checkpoints{hint}")
+        self._headers: dict[Path, dict[str, TensorInfo]] = {}
+        self.tensors_read = 0
+        self.bytes_read = 0
+
+    def keys(self) -> list[str]:
+        """All tensor names of the checkpoint (from the index; no shard is opened)."""
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def info(self, name: str) -> TensorInfo:
+        """Shard, dtype, shape and byte range of ``name`` (reads and checks that shard's header once)."""
+        if name not in self._file_of:
+            raise ValueError(f"tensor {name!r} is not in the checkpoint {self.dir}; check the model and --targets")
+        file = self._file_of[name]
+        if file not in self._headers:
+            self._headers[file] = _read_header(file)
+        header = self._headers[file]
+        if name not in header:
+            raise ValueError(
+                f"{INDEX_NAME} in {self.dir} maps {name!r} to {file.name}, which does not contain it; the index and "
+                "shards are from different downloads: download the checkpoint again"
+            )
+        return header[name]
+
+    def check(self, names: Iterable[str]) -> None:
+        """Check the shards holding ``names`` (present, header readable, size consistent) up front."""
+        for name in names:
+            self.info(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.info(name).dtype
+
+    def files(self, names: Iterable[str]) -> list[Path]:
+        """The distinct shard files holding ``names``."""
+        return sorted({self.info(n).file for n in names})
+
+    def get(self, name: str, device: str | torch.device = "cpu") -> Tensor:
+        """Read one tensor, opening only its shard."""
+        from safetensors import SafetensorError, safe_open
+
+        info = self.info(name)
+        try:
+            with safe_open(str(info.file), framework="pt", device="cpu") as f:
+                t = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(
+                f"could not read {name!r} from {info.file}: {e}; the file is corrupt: download the checkpoint again"
+            ) from None
+        self.tensors_read += 1
+        self.bytes_read += info.nbytes
+        return t if torch.device(device).type == "cpu" else t.to(device)
+
+    def read_bytes(self, name: str, offset: int, length: int) -> bytes:
+        """Raw bytes ``[offset, offset + length)`` of ``name``'s data (used by the weights fingerprint)."""
+        info = self.info(name)
+        assert 0 <= offset and offset + length <= info.nbytes, "byte range outside the tensor"
+        with open(info.file, "rb") as f:
+            f.seek(info.start + offset)
+            return f.read(length)

@@ -1,0 +1,336 @@
+"""The factor store: HJD factors of a base model on disk, written by ``launch/hjd.py``, read by training,
+export and the other tools.
+
+Layout of a store directory::
+
+    manifest.json                              written last, atomically replaced; the only index
+    <category>.V.safetensors                   key "<category>.V": (n, n) fp32
+    <category>.rank<PPPPP>.part<BBBB>.safetensors
+                                               keys "<member>.U": (m, n) in the checkpoint's dtype,
+                                                    "<member>.sigma": (n,) fp32
+
+``<member>`` is the module's path in the HF model (``model.layers.3.self_attn.q_proj``; its weight is
+``<member>.weight``), ``<category>`` the target name (``q_proj``); members are in layer order. The
+manifest's ``categories[c]["files"]`` maps every key to its file, so readers never scan the directory.
+Every file is written under ``<name>.tmp`` and renamed; a category enters ``completed_categories`` only
+after all its files are renamed (and fsynced); ``"complete": true`` is written last. A store whose
+manifest says complete is complete.
+
+Manifest (``format_version`` 1)::
+
+    format, format_version, complete, completed_categories
+    base_model            what --model named (Hub id or directory)
+    fingerprint           weights_fingerprint() of every member's weight, fingerprint_method
+    model_config          a few config.json fields (model_type, hidden_size, ...), or null
+    targets, pi, hjd_dtype ("float32" | "float64")
+    categories: {c: {members, shapes {member: [m, n]}, width, u_dtype, complete,
+                     files {key: file}, error {member: e}, stored_error {member: e},
+                     max_error, max_stored_error, world_size, seconds, phase_seconds}}
+    world_size, versions {frod_ds, torch, safetensors, python}, run {seconds, ranks: [...]}
+
+``error`` is ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` with the factors in ``hjd_dtype``; ``stored_error``
+the same with the stored tensors (U rounded to the checkpoint dtype, σ and V in fp32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from frod_ds.hf_checkpoint import HFCheckpoint
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "FINGERPRINT_METHOD",
+    "FactorStore",
+    "weights_fingerprint",
+    "check_store_matches",
+    "dtype_name",
+    "dtype_from_name",
+    "v_key",
+    "u_key",
+    "sigma_key",
+    "v_file",
+    "part_file",
+    "is_store_file",
+    "atomic_write_json",
+    "save_tensors_atomic",
+    "fsync_dir",
+]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TMP = ".tmp"
+FINGERPRINT_METHOD = "sha256-sampled-v1"
+_SAMPLE_EDGE = 64 * 1024  # bytes hashed at each end of a tensor
+_SAMPLE_BLOCK = 4 * 1024  # bytes hashed at each strided position
+_SAMPLE_STRIDES = 4  # strided positions between the two ends
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def v_key(category: str) -> str:
+    return f"{category}.V"
+
+
+def u_key(member: str) -> str:
+    return f"{member}.U"
+
+
+def sigma_key(member: str) -> str:
+    return f"{member}.sigma"
+
+
+def v_file(category: str) -> str:
+    return f"{category}.V.safetensors"
+
+
+def part_file(category: str, rank: int, part: int) -> str:
+    return f"{category}.rank{rank:05d}.part{part:04d}.safetensors"
+
+
+_STORE_FILE = re.compile(r"^[^.]+\.(V|rank\d{5}\.part\d{4})\.safetensors(\.tmp)?$")
+
+
+def is_store_file(name: str, category: str | None = None) -> bool:
+    """Whether ``name`` is a factor file (or its temporary) of this format, optionally of ``category``."""
+    return bool(_STORE_FILE.match(name)) and (category is None or name.startswith(category + "."))
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
+    tmp = path.with_name(path.name + TMP)
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = True) -> None:
+    """``safetensors`` file written under ``path.tmp`` and renamed (CPU, contiguous tensors)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + TMP)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    if fsync:
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------ fingerprint
+
+
+def _sample_ranges(nbytes: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` pieces of a tensor's data that the fingerprint hashes."""
+    if nbytes <= 2 * _SAMPLE_EDGE + _SAMPLE_STRIDES * _SAMPLE_BLOCK:
+        return [(0, nbytes)]
+    ranges = [(0, _SAMPLE_EDGE)]
+    for j in range(1, _SAMPLE_STRIDES + 1):
+        start = (nbytes * j // (_SAMPLE_STRIDES + 1)) // _SAMPLE_BLOCK * _SAMPLE_BLOCK
+        ranges.append((start, _SAMPLE_BLOCK))
+    ranges.append((nbytes - _SAMPLE_EDGE, _SAMPLE_EDGE))
+    return ranges
+
+
+def weights_fingerprint(ckpt: HFCheckpoint, names: Sequence[str]) -> str:
+    """A cheap, deterministic fingerprint of the tensors ``names`` of a checkpoint (hex sha256).
+
+    Covers, for every name (order does not matter): the name, dtype, shape and byte size, and the sha256
+    of a fixed sample of its bytes — the first and last 64 KiB and four 4 KiB blocks at 1/5 … 4/5 of the
+    data (the whole tensor when it is smaller than 144 KiB), read at the offsets of the safetensors
+    header. About 144 KiB per tensor, so a 70B checkpoint's 480 targeted weights cost ~70 MB of reads.
+    Any other model or fine-tune changes it; an edit confined to unsampled bytes does not (``launch/hjd.py
+    --verify`` re-checks reconstruction against the full weights of sampled members).
+    """
+    names = sorted(set(names))
+    if not names:
+        raise ValueError("weights_fingerprint needs at least one tensor name")
+    digests: dict[str, bytes] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        by_file.setdefault(ckpt.info(name).file, []).append(name)
+    for file, file_names in by_file.items():
+        with open(file, "rb") as f:
+            for name in file_names:
+                info = ckpt.info(name)
+                h = hashlib.sha256()
+                h.update(f"{name}|{dtype_name(info.dtype)}|{list(info.shape)}|{info.nbytes}\n".encode())
+                for offset, length in _sample_ranges(info.nbytes):
+                    f.seek(info.start + offset)
+                    h.update(f.read(length))
+                digests[name] = h.digest()
+    total = hashlib.sha256(f"{FINGERPRINT_METHOD}\n".encode())
+    for name in names:
+        total.update(digests[name])
+    return total.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+class FactorStore:
+    """Read access to a factor store directory (see the module docstring for the format)."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]):
+        self.path = Path(path)
+        self.manifest = manifest
+        self._category_of = {m: c for c, spec in manifest["categories"].items() for m in spec["members"]}
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, allow_incomplete: bool = False) -> FactorStore:
+        """Open a store; ``ValueError`` when the directory or manifest is missing, of another format or
+        version, or (unless ``allow_incomplete``) not complete."""
+        path = Path(path)
+        mpath = path / MANIFEST
+        if not path.is_dir():
+            raise ValueError(f"factor store {path} does not exist; build it with launch/hjd.py --model M --out {path}")
+        if not mpath.is_file():
+            raise ValueError(f"{path} is not a factor store (no {MANIFEST}); build it with launch/hjd.py")
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{mpath} is not valid JSON ({e}); rebuild the store with launch/hjd.py --overwrite") from None
+        if manifest.get("format") != "frod-factor-store":
+            raise ValueError(f"{mpath} is not a FRoD factor store manifest")
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"factor store {path} has format version {manifest.get('format_version')}, this code reads "
+                f"{FORMAT_VERSION}; rebuild it with this version's launch/hjd.py"
+            )
+        store = cls(path, manifest)
+        if not allow_incomplete and not store.complete:
+            done = manifest.get("completed_categories", [])
+            missing = [c for c in manifest["categories"] if c not in done]
+            raise ValueError(
+                f"factor store {path} is incomplete (done: {done}, missing: {missing}); rerun launch/hjd.py "
+                "with the same arguments to finish it"
+            )
+        return store
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    @property
+    def categories(self) -> dict[str, list[str]]:
+        """``{category: [member, ...]}``, members in layer order."""
+        return {c: list(spec["members"]) for c, spec in self.manifest["categories"].items()}
+
+    @property
+    def targets(self) -> list[str]:
+        return list(self.manifest["targets"])
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def base_model(self) -> str:
+        return self.manifest["base_model"]
+
+    @property
+    def pi(self) -> float:
+        return float(self.manifest["pi"])
+
+    def category_of(self, member: str) -> str:
+        if member not in self._category_of:
+            raise ValueError(f"{member!r} is not a member of factor store {self.path} (targets {self.targets})")
+        return self._category_of[member]
+
+    def width(self, category: str) -> int:
+        return int(self._spec(category)["width"])
+
+    def member_shape(self, member: str) -> tuple[int, int]:
+        m, n = self._spec(self.category_of(member))["shapes"][member]
+        return int(m), int(n)
+
+    def errors(self, category: str) -> dict[str, float]:
+        """Per-member reconstruction error recorded by the HJD run (factors in ``hjd_dtype``)."""
+        return dict(self._spec(category).get("error", {}))
+
+    def file_of(self, key: str) -> Path:
+        category = key.rsplit(".", 1)[0] if key.endswith(".V") else self.category_of(key.rsplit(".", 1)[0])
+        files = self._spec(category).get("files", {})
+        if key not in files:
+            raise ValueError(f"factor store {self.path} has no tensor {key!r} (category {category!r} incomplete?)")
+        return self.path / files[key]
+
+    def load_V(self, category: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Tensor:
+        """The category's shared basis ``V`` (n, n)."""
+        self._spec(category)
+        return self._load(v_key(category), dtype, device)
+
+    def load_U(self, member: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> Tensor:
+        """``U_i`` (m, n), in the stored (checkpoint) dtype unless ``dtype`` is given."""
+        return self._load(u_key(member), dtype, device)
+
+    def load_sigma(self, member: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Tensor:
+        """``σ_i`` (n,)."""
+        return self._load(sigma_key(member), dtype, device)
+
+    def _spec(self, category: str) -> dict[str, Any]:
+        if category not in self.manifest["categories"]:
+            raise ValueError(f"factor store {self.path} has no category {category!r} (has {list(self.manifest['categories'])})")
+        return self.manifest["categories"][category]
+
+    def _load(self, key: str, dtype: torch.dtype | None, device: str | torch.device) -> Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        file = self.file_of(key)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                t = f.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"could not read {key!r} from {file}: {e}; rebuild the store with launch/hjd.py") from None
+        return t.to(device=device, dtype=dtype or t.dtype)
+
+
+def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
+    """``ValueError`` unless ``ckpt`` holds the weights the store was built from (same fingerprint)."""
+    names = [m + ".weight" for members in store.categories.values() for m in members]
+    missing = [n for n in names if n not in ckpt]
+    if missing:
+        raise ValueError(
+            f"factor store {store.path} was built from {store.base_model} but {ckpt.dir} has no tensor "
+            f"{missing[0]!r} ({len(missing)} missing); rebuild it with launch/hjd.py"
+        )
+    fingerprint = weights_fingerprint(ckpt, names)
+    if fingerprint != store.fingerprint:
+        raise ValueError(
+            f"factor store {store.path} was built from {store.base_model} (fingerprint {store.fingerprint[:16]}…) "
+            f"but {ckpt.dir} has fingerprint {fingerprint[:16]}…; rebuild it with launch/hjd.py"
+        )

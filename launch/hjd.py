@@ -1,0 +1,111 @@
+"""Distributed HJD: decompose a base model's targeted weights once, into a factor store.
+
+    torchrun --nproc_per_node 8 launch/hjd.py --model meta-llama/Llama-2-7b-hf --out factors/llama2-7b
+    deepspeed --num_gpus 8 launch/hjd.py --model /ckpt/llama-2-70b --out factors/llama2-70b
+    srun --ntasks-per-node 8 --gpus-per-node 8 python launch/hjd.py --model /ckpt/llama-2-70b --out factors/llama2-70b
+    python launch/hjd.py --model /ckpt/tiny --out factors/tiny --device cpu        # one process
+    python launch/hjd.py --verify factors/llama2-7b --model meta-llama/Llama-2-7b-hf
+
+Rerunning a killed run with the same arguments skips the categories already complete. Exit codes: 0 ok,
+2 user error (one ``error: ...`` line on stderr from rank 0), 1 verification failed. Under torchrun any
+failing worker makes torchrun itself exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python launch/hjd.py` / torchrun: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from frod_ds import distributed as D
+from frod_ds.apply import DEFAULT_TARGETS
+from frod_ds.hjd_stage import StageConfig, run_stage, verify_store
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors) or HF Hub id")
+    p.add_argument("--out", type=Path, help="factor store directory to create or resume (shared by all ranks)")
+    p.add_argument("--verify", type=Path, metavar="DIR", help="verify the factor store DIR against --model instead of building")
+    p.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS),
+                   help="module names forming one category each across layers (space- or comma-separated)")
+    p.add_argument("--pi", type=float, default=1e-3, help="ridge term π > 0 of T_pi (spec §1)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="HJD compute dtype (fp32 runs with TF32 off)")
+    p.add_argument("--block-gb", type=float, default=4.0,
+                   help="largest stack of weights (in the compute dtype) a rank QRs at once, GiB")
+    p.add_argument("--device-cache-gb", type=float, default=16.0,
+                   help="Q blocks kept on the GPU between passes up to this many GiB; the rest wait in host memory")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: the rank's GPU (NCCL) if CUDA is available, else CPU (gloo)")
+    p.add_argument("--overwrite", action="store_true", help="replace a store in --out built with another configuration")
+    p.add_argument("--no-fsync", dest="fsync", action="store_false",
+                   help="skip fsync of factor files (faster; a power loss may then corrupt a store marked complete)")
+    p.add_argument("--samples", type=int, default=2, help="--verify: members per category whose reconstruction is checked")
+    p.add_argument("--seed", type=int, default=0, help="--verify: seed of the member sample")
+    p.add_argument("--tol", type=float, default=None,
+                   help="--verify: largest relative reconstruction error (default by U's dtype: bf16 2e-2, fp32 1e-4)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = p.parse_args(argv)
+    args.targets = [t for item in args.targets for t in item.split(",") if t]
+    if (args.out is None) == (args.verify is None):
+        p.error("pass exactly one of --out (build a store) or --verify DIR (check one)")
+    return args
+
+
+def build(args: argparse.Namespace) -> int:
+    cfg = StageConfig(model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi,
+                      dtype=getattr(torch, args.dtype), block_gb=args.block_gb,
+                      device_cache_gb=args.device_cache_gb, device=args.device, overwrite=args.overwrite,
+                      fsync=args.fsync)
+    manifest = run_stage(cfg)
+    if D.is_main():
+        _print_summary(manifest)
+    return 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    problems: list[str] = []
+    if D.is_main():
+        device = torch.device("cpu") if args.device == "cpu" else D.local_device()
+        problems = verify_store(args.verify, args.model, samples=args.samples, seed=args.seed, tol=args.tol, device=device)
+        for line in problems:
+            print(f"verify: {line}", file=sys.stderr)
+        print(f"verify {args.verify}: " + ("OK" if not problems else f"FAILED ({len(problems)} problems)"), flush=True)
+    return 1 if D.broadcast_object(bool(problems)) else 0
+
+
+def _print_summary(manifest: dict) -> None:
+    run = manifest["run"]
+    print(f"{'category':>10} {'members':>7} {'width':>6} {'seconds':>8} {'max err':>9} {'stored err':>10}")
+    for c, spec in manifest["categories"].items():
+        if spec.get("complete"):
+            print(f"{c:>10} {len(spec['members']):>7} {spec['width']:>6} {spec['seconds']:>8.2f} "
+                  f"{spec['max_error']:>9.2e} {spec['max_stored_error']:>10.2e}")
+    print(f"total {run['seconds']:.1f} s, world size {run['world_size']}, complete: {manifest['complete']}")
+    for r in run["ranks"]:
+        mem = f", peak GPU {r['peak_device_gib']:.2f} GiB" if "peak_device_gib" in r else ""
+        print(f"  rank {r['rank']}: {r['seconds']:.1f} s{mem}, peak host RSS {r['peak_host_rss_gib']:.2f} GiB, "
+              f"read {r['tensors_read']} tensors / {r['bytes_read'] / 2**30:.2f} GiB", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    D.init_distributed("gloo" if args.device == "cpu" else None)
+    try:
+        return verify(args) if args.verify is not None else build(args)
+    except ValueError as e:
+        if D.is_main():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        D.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Tiny Hugging Face checkpoints on disk for the HJD stage tests (no hub access), and a runner for
+``launch/hjd.py`` as a subprocess (single process or ``torchrun --standalone``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch" / "hjd.py"
+
+
+def write_tiny_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str = "40KB",
+                     **overrides) -> Path:
+    """``LlamaForCausalLM`` from a tiny ``LlamaConfig`` saved with ``save_pretrained`` in several shards
+    (``model.safetensors.index.json``). Defaults: hidden 32, 3 layers, 4 heads, 2 KV heads (k/v 16×32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).to(dtype)
+    model.save_pretrained(path, max_shard_size=max_shard_size, safe_serialization=True)
+    return path
+
+
+def shard_files(path: Path) -> list[Path]:
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return sorted({path / f for f in index["weight_map"].values()})
+
+
+def shard_of(path: Path, tensor: str) -> Path:
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return path / index["weight_map"][tensor]
+
+
+def weights(path: Path, members: list[str]) -> list[torch.Tensor]:
+    """The members' weights read straight from the shards (an independent path from ``HFCheckpoint``)."""
+    from safetensors import safe_open
+
+    out = []
+    for m in members:
+        with safe_open(str(shard_of(path, m + ".weight")), framework="pt") as f:
+            out.append(f.get_tensor(m + ".weight"))
+    return out
+
+
+def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``launch/hjd.py ARGS`` as a subprocess: one plain process when ``nproc == 0``, else under
+    ``torchrun --standalone --nproc_per_node NPROC`` (gloo, CPU)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="",
+               TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable]
+    if nproc:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd += [str(script), *args]
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
