@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,36 @@ def assets(tmp_path_factory):
         "data": write_eval_dir(root / "data", rows),
         "rows": rows,
     }
+
+
+@pytest.fixture(scope="module")
+def adapter(assets, tmp_path_factory):
+    """A FRoD adapter checkpoint over the random model (factor store by the HJD stage, σ and S moved off
+    their initial values) and its merged export as a plain HF model dir."""
+    from transformers import LlamaForCausalLM
+
+    from frod_ds.adapter import merged_state_dict, save_adapter_from_model
+    from frod_ds.apply import frod_modules
+    from frod_ds.build import build_frod_model, make_supports
+    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.store import FactorStore
+
+    root = tmp_path_factory.mktemp("adapter")
+    run_stage(StageConfig(model=str(assets["random"]), out=root / "store", device="cpu", fsync=False))
+    store = FactorStore.open(root / "store")
+    model = build_frod_model(assets["random"], store, make_supports(store, list(store.categories), 0.05, 0), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, m in frod_modules(model):
+            m.frod_sigma.mul_(1 + 0.3 * torch.randn(m.frod_sigma.shape, generator=g))
+            m.frod_s.add_(0.1 * torch.randn(m.frod_s.shape, generator=g))
+    ckpt = save_adapter_from_model(model, root / "adapter-final", {
+        "base_model": str(assets["random"]), "factor_store": str(root / "store"), "dtype": "float32",
+        "sparsity": 0.05, "seed": 0})
+    merged = LlamaForCausalLM(model.config)
+    merged.load_state_dict(merged_state_dict(model))
+    save_model(root / "merged", merged, word_tokenizer())
+    return {"checkpoint": ckpt, "store": root / "store", "merged": root / "merged"}
 
 
 def _read(out: Path) -> tuple[dict, list[dict]]:
@@ -105,6 +136,29 @@ def test_two_ranks_equal_one_rank(assets, tmp_path):
     assert {k: v for k, v in one[0].items() if k != "config"} == {k: v for k, v in two[0].items() if k != "config"}
     assert one[1] == two[1]  # every row's prediction and score, bit for bit
     assert len({p["pred"] for p in one[1]}) > 1  # the random model does not answer one index everywhere
+
+
+def test_adapter_checkpoint_scores_like_its_merged_export(assets, adapter, tmp_path):
+    args = ["--data", str(assets["data"]), "--tasks", "piqa,obqa"]
+    assert main(["--checkpoint", str(adapter["checkpoint"]), *args, "--output", str(tmp_path / "ckpt")]) == 0
+    assert main(["--model", str(adapter["merged"]), *args, "--output", str(tmp_path / "merged")]) == 0
+    assert main(["--model", str(assets["random"]), *args, "--output", str(tmp_path / "base")]) == 0
+    ckpt, merged, base = (_read(tmp_path / name)[1] for name in ("ckpt", "merged", "base"))
+    assert [p["pred"] for p in ckpt] == [p["pred"] for p in merged]
+    for a, b, c in zip(ckpt, merged, base):
+        assert a["scores"] == pytest.approx(b["scores"], abs=1e-3)
+    assert max(abs(x - y) for a, c in zip(ckpt, base) for x, y in zip(a["scores"], c["scores"])) > 0.1  # σ, S applied
+
+
+def test_adapter_with_missing_factor_store_is_a_clear_error_and_overridable(assets, adapter, tmp_path, capsys):
+    moved = tmp_path / "adapter-final"
+    shutil.copytree(adapter["checkpoint"], moved)
+    config = json.loads((moved / "adapter_config.json").read_text())
+    (moved / "adapter_config.json").write_text(json.dumps({**config, "factor_store": str(tmp_path / "gone")}))
+    args = ["--checkpoint", str(moved), "--data", str(assets["data"]), "--tasks", "piqa"]
+    _fails([*args, "--output", str(tmp_path / "out")], capsys, "pass --factor-store")
+    assert not (tmp_path / "out").exists()
+    assert main([*args, "--factor-store", str(adapter["store"]), "--output", str(tmp_path / "out")]) == 0
 
 
 def _fails(argv: list[str], capsys, match: str) -> None:
