@@ -139,7 +139,7 @@ def test_two_ranks_equal_one_rank(assets, tmp_path):
 
 
 def test_adapter_checkpoint_scores_like_its_merged_export(assets, adapter, tmp_path):
-    args = ["--data", str(assets["data"]), "--tasks", "piqa,obqa"]
+    args = ["--data", str(assets["data"]), "--tasks", "piqa,obqa", "--dtype", "float32"]  # bf16 on a GPU rounds apart
     assert main(["--checkpoint", str(adapter["checkpoint"]), *args, "--output", str(tmp_path / "ckpt")]) == 0
     assert main(["--model", str(adapter["merged"]), *args, "--output", str(tmp_path / "merged")]) == 0
     assert main(["--model", str(assets["random"]), *args, "--output", str(tmp_path / "base")]) == 0
