@@ -3,8 +3,8 @@
     # a FRoD adapter checkpoint (base model and factor store from its adapter_config.json)
     python launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k --tasks all --output out/run1/eval
     # ... with the base model / factor store moved since training
-    python launch/eval.py --checkpoint out/run1/adapter-final --base-model /models/llama2-7b \\
-        --factor-store /stores/llama2-7b-s0.02 --data data/cs170k --tasks all --output out/run1/eval
+    python launch/eval.py --checkpoint out/run1/adapter-final --base-model models/llama2-7b \\
+        --factor-store factors/llama2-7b --data data/cs170k --tasks all --output out/run1/eval
     # a plain HF model dir or Hub id: a merged export, or the untouched base model as a baseline
     python launch/eval.py --model meta-llama/Llama-2-7b-hf --data data/cs170k --tasks boolq,piqa --output out/base/eval
     # greedy generation instead of log-likelihood; a quick look at 50 rows per task
@@ -102,6 +102,9 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None) -> dict[str, l
         other = [r["task"] for r in task_rows if r["task"] != task]
         if other:
             raise EvalError(f"{path} holds rows of task {other[0]!r}; expected only {task!r}")
+        empty = [r["id"] for r in task_rows if not all(r["choices"])]
+        if empty:
+            raise EvalError(f"{path}: row {empty[0]!r} has an empty answer string in 'choices'")
         rows[task] = task_rows
     return rows
 
@@ -200,20 +203,27 @@ def report(args: argparse.Namespace, tasks: list[str], records: list[dict[str, A
 
 
 def run(args: argparse.Namespace) -> None:
-    validate_args(args)
+    validate_args(args)  # the checks up to the model load give every rank the same outcome
     rows = load_task_rows(args.data, args.tasks, args.limit)
     device = dist.local_device()
     model, tokenizer = load_model(args, device, resolve_dtype(args.dtype, device))
-    shards = dist.all_gather_object(evaluate_shard(model, tokenizer, rows, args))
+    try:
+        records = evaluate_shard(model, tokenizer, rows, args)
+    except (ValueError, OSError) as exc:
+        exc.rank_local = True  # a row only this rank scores: its error is printed here, not on rank 0
+        raise
+    shards = dist.all_gather_object(records)
     failure = None
     if dist.is_main():
         try:
             report(args, list(rows), [r for shard in shards for r in shard])
-        except OSError as exc:
-            failure = f"cannot write results to {args.output}: {exc}"
-    failure = dist.broadcast_object(failure)  # every rank exits with rank 0's outcome
-    if failure:
-        raise EvalError(failure)
+        except Exception as exc:
+            failure = exc
+    message = dist.broadcast_object(None if failure is None else f"cannot write results to {args.output}: {failure}")
+    if failure is not None:
+        raise failure  # rank 0: an OSError becomes the error line, anything else its traceback
+    if message:
+        raise EvalError(message)  # the other ranks exit with rank 0's outcome
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except (ValueError, OSError) as exc:  # EvalError, data_prep's row errors, missing model files
-        if dist.is_main() or dist.get_world_size() == 1:
-            print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        local = getattr(exc, "rank_local", False)
+        if dist.is_main() or local:
+            where = f"(rank {dist.get_rank()}) " if local and dist.get_world_size() > 1 else ""
+            print(f"error: {where}{' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     finally:
         dist.destroy()
