@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch" / "hjd.py"
 
 
-def write_tiny_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str = "40KB",
+def write_tiny_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str = "12KB",
                      **overrides) -> Path:
     """``LlamaForCausalLM`` from a tiny ``LlamaConfig`` saved with ``save_pretrained`` in several shards
     (``model.safetensors.index.json``). Defaults: hidden 32, 3 layers, 4 heads, 2 KV heads (k/v 16×32)."""

@@ -1,0 +1,194 @@
+"""Distributed HJD stage under ``torchrun --standalone --nproc_per_node 2`` (gloo, CPU).
+
+Assertions read the store on disk (manifest + safetensors), never the workers' stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
+
+from frod_ds import distributed as D
+from frod_ds.hjd import decompose
+from frod_ds.hjd_stage import make_blocks, split_counts
+from frod_ds.store import FactorStore
+
+pytestmark = pytest.mark.slow
+
+# hidden 64, 4 heads, 1 KV head: k_proj/v_proj are (16, 64); over 3 layers Σm = 48 < n = 64 (wide), and
+# each rank's local stack is wide too. 3 layers over 2 ranks: an odd split (2 + 1).
+WIDE = dict(hidden_size=64, intermediate_size=80, num_attention_heads=4, num_key_value_heads=1)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
+
+
+def _assert_store_equals_decompose(store: FactorStore, model_dir, tol: float = 1e-6) -> None:
+    """Every category against single-process ``decompose`` in fp64 (relative Frobenius within ``tol``):
+    each member's reconstruction; ``V`` and ``σ`` where they are unique.
+
+    With one member, or a wide category (Σ m_i <= n: ``Q`` square orthogonal, so the ``Q_iᵀQ_i`` are
+    complementary orthogonal projections), ``T_pi = c·I``: its eigenbasis ``Z`` (hence ``V``, ``σ``) is
+    arbitrary in any implementation. There the invariants are compared: ``V_k V_kᵀ = RᵀR = WᵀW`` and the
+    projector onto the completion directions.
+    """
+    for category, members in store.categories.items():
+        Ws = [w.double() for w in weights(model_dir, members)]
+        ref = decompose(Ws, pi=store.pi, dtype=torch.float64)
+        V = store.load_V(category, torch.float64)
+        M, n = sum(w.shape[0] for w in Ws), V.shape[0]
+        k, unique = min(M, n), M > n and len(Ws) > 1
+        if unique:
+            assert _rel(V, ref.V) < tol, category
+        else:
+            assert _rel(V[:, :k] @ V[:, :k].T, ref.V[:, :k] @ ref.V[:, :k].T) < tol, category
+            assert _rel(V[:, k:] @ V[:, k:].T, ref.V[:, k:] @ ref.V[:, k:].T) < tol, category
+        for i, (member, W) in enumerate(zip(members, Ws)):
+            U, sigma = store.load_U(member, torch.float64), store.load_sigma(member, torch.float64)
+            assert _rel((U * sigma) @ V.T, W) < tol, member
+            if unique:
+                assert _rel(sigma, ref.sigma[i]) < tol, member
+            assert store.manifest["categories"][category]["error"][member] < 1e-12, "fp64 HJD error recorded"
+
+
+@pytest.fixture(scope="module")
+def two_rank_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    model = write_tiny_llama(root / "model", **WIDE)
+    # A tiny --block-gb puts every member in its own block: both TSQR levels (in-rank and across ranks) run.
+    proc = run_hjd(["--model", str(model), "--out", str(root / "store"), "--dtype", "float64",
+                    "--block-gb", "1e-6"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return model, root / "store"
+
+
+def test_distributed_hjd_equals_single_process(two_rank_store):
+    model, path = two_rank_store
+    store = FactorStore.open(path)
+    assert store.manifest["world_size"] == 2 and store.manifest["hjd_dtype"] == "float64"
+    _assert_store_equals_decompose(store, model)
+
+
+def test_distributed_hjd_odd_layers_split_contiguously(two_rank_store):
+    _, path = two_rank_store
+    store = FactorStore.open(path)
+    files = store.manifest["categories"]["q_proj"]["files"]
+    owner = {m: files[m + ".U"].split(".")[1] for m in store.categories["q_proj"]}
+    assert owner == {"model.layers.0.self_attn.q_proj": "rank00000", "model.layers.1.self_attn.q_proj": "rank00000",
+                     "model.layers.2.self_attn.q_proj": "rank00001"}
+    assert files["q_proj.V"] == "q_proj.V.safetensors"
+
+
+def test_distributed_hjd_each_rank_reads_only_its_members(two_rank_store):
+    _, path = two_rank_store
+    store = FactorStore.open(path)
+    ranks = store.manifest["run"]["ranks"]
+    per_rank = [0, 0]
+    for category, members in store.categories.items():
+        for i, member in enumerate(members):
+            m, n = store.member_shape(member)
+            per_rank[0 if i < 2 else 1] += m * n * 4  # fp32 checkpoint; rank 0 owns layers 0-1
+    # Each owned weight is read twice (QR pass, reconstruction check), nothing else.
+    assert [r["bytes_read"] for r in ranks] == [2 * b for b in per_rank]
+
+
+def test_distributed_hjd_wide_category_has_zero_completion(two_rank_store):
+    _, path = two_rank_store
+    store = FactorStore.open(path)
+    assert sum(store.member_shape(m)[0] for m in store.categories["k_proj"]) == 48 < store.width("k_proj") == 64
+    for member in store.categories["k_proj"]:
+        sigma = store.load_sigma(member)
+        assert torch.all(sigma[48:] == 0) and torch.count_nonzero(store.load_U(member)[:, 48:]) == 0
+    assert torch.linalg.matrix_rank(store.load_V("k_proj", torch.float64)) == 64
+
+
+def test_distributed_hjd_more_ranks_than_members(tmp_path):
+    model = write_tiny_llama(tmp_path / "model", num_hidden_layers=2, **WIDE)
+    proc = run_hjd(["--model", str(model), "--out", str(tmp_path / "store"), "--dtype", "float64",
+                    "--targets", "q_proj,k_proj,up_proj"], nproc=3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = FactorStore.open(tmp_path / "store")
+    owners = {f.split(".")[1] for f in store.manifest["categories"]["q_proj"]["files"].values()}
+    assert owners == {"V", "rank00000", "rank00001"}
+    assert store.manifest["run"]["ranks"][2]["tensors_read"] == 0, "rank 2 has no members and reads nothing"
+    _assert_store_equals_decompose(store, model)
+
+
+KILLER = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import frod_ds.hjd_stage as stage
+
+_run = stage._run_category
+
+def run_then_die(ckpt, category, *args, **kwargs):
+    out = _run(ckpt, category, *args, **kwargs)
+    if category == os.environ["HJD_KILL_AFTER"]:
+        os.kill(os.getpid(), signal.SIGKILL)  # files written, manifest not yet updated: a killed run
+    return out
+
+stage._run_category = run_then_die
+from launch.hjd import main
+sys.exit(main())
+"""
+
+
+def test_distributed_hjd_resumes_after_kill(tmp_path, monkeypatch):
+    model = write_tiny_llama(tmp_path / "model", **WIDE)
+    out = tmp_path / "store"
+    args = ["--model", str(model), "--out", str(out), "--dtype", "float64", "--targets", "q_proj", "k_proj", "v_proj"]
+    killer = tmp_path / "kill_hjd.py"
+    killer.write_text(textwrap.dedent(KILLER.format(repo=str(REPO))))
+    monkeypatch.setenv("HJD_KILL_AFTER", "k_proj")
+    proc = run_hjd(args, nproc=2, script=killer)
+    assert proc.returncode != 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["completed_categories"] == ["q_proj"]
+    with pytest.raises(ValueError, match="incomplete"):
+        FactorStore.open(out)
+    assert any(p.name.startswith("k_proj.rank") for p in out.iterdir()), "the killed category left files"
+    (out / "v_proj.rank00001.part0000.safetensors.tmp").write_bytes(b"half a file")
+    q_files = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("q_proj.*")}
+
+    monkeypatch.delenv("HJD_KILL_AFTER")
+    proc = run_hjd(args, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = FactorStore.open(out)
+    assert store.manifest["run"]["categories_skipped"] == ["q_proj"]
+    assert store.manifest["run"]["categories_done"] == ["k_proj", "v_proj"]
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("q_proj.*")} == q_files, "q_proj kept"
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    listed = {f for spec in store.manifest["categories"].values() for f in spec["files"].values()}
+    assert {p.name for p in out.iterdir()} == listed | {"manifest.json"}, "no stale files"
+    _assert_store_equals_decompose(store, model)
+
+
+def test_split_counts_and_blocks():
+    assert split_counts(3, 2) == [2, 1] and split_counts(1, 3) == [1, 0, 0] and split_counts(80, 8) == [10] * 8
+    assert make_blocks([4, 4, 4], n=2, itemsize=4, block_bytes=64) == [range(0, 2), range(2, 3)]
+    assert make_blocks([100], n=2, itemsize=4, block_bytes=8) == [range(0, 1)], "a member never splits"
+    assert make_blocks([], n=2, itemsize=4, block_bytes=8) == []
+
+
+def test_launcher_env_maps_srun(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "16")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[007-008,012],cpu1")
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    assert D._launcher_env() == (5, 16, 1)
+    import os
+
+    assert os.environ["MASTER_ADDR"] == "gpu007" and os.environ["RANK"] == "5" and os.environ["LOCAL_RANK"] == "1"
+    assert D._first_slurm_host("node1") == "node1"
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var)
+    assert D._launcher_env() is None, "plain python inside sbatch stays one process"
