@@ -98,7 +98,8 @@ class FRoDLinear(nn.Module):
     def __init__(self, U: Tensor, V: nn.Parameter, sigma: Tensor, support: SparseSupport, bias: Tensor | None = None):
         super().__init__()
         m, n = U.shape
-        assert V.shape == (n, n), f"V must be ({n}, {n}) for U of shape {tuple(U.shape)}, got {tuple(V.shape)}"
+        v_shape = tuple(getattr(V, "ds_shape", V.shape))  # ZeRO-3 may already have partitioned a shared V
+        assert v_shape == (n, n), f"V must be ({n}, {n}) for U of shape {tuple(U.shape)}, got {v_shape}"
         assert sigma.shape == (n,), f"sigma must be ({n},), got {tuple(sigma.shape)}"
         assert support.n == n, f"support is for n={support.n}, layer has n={n}"
         assert isinstance(V, nn.Parameter), "V must be an nn.Parameter shared by the category"
@@ -109,7 +110,11 @@ class FRoDLinear(nn.Module):
         self.V.requires_grad_(False)
         self.frod_sigma = nn.Parameter(sigma.detach().clone().to(U.dtype))
         self.frod_s = nn.Parameter(torch.zeros(support.nnz, dtype=U.dtype, device=U.device))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if bias is not None and not isinstance(bias, nn.Parameter):
+            bias = nn.Parameter(bias.detach().clone())
+        self.bias = bias  # the base layer's own Parameter (ZeRO-3 may hold it partitioned), frozen
+        if bias is not None:
+            bias.requires_grad_(False)
         self.support = support
         # "auto": pick the cheaper exact ordering per call; "tokens" / "weight" force one (benchmarks).
         self.mode = "auto"

@@ -1,0 +1,166 @@
+"""Build a FRoD model from a base checkpoint and a factor store, under ZeRO-3 or in one process.
+
+The skeleton is created from the checkpoint's config with weight init disabled (under
+``deepspeed.zero.Init`` when ZeRO-3 is on, so every parameter is partitioned as it is made). Targeted
+linears are swapped for ``FRoDLinear`` before anything is loaded, so the base weights of targeted modules
+are never read; U_i, V (one frozen Parameter per category) and σ_i come from the factor store, every other
+weight from the checkpoint. Under ZeRO-3 rank 0 reads each module's tensors into the gathered parameters
+and DeepSpeed re-partitions them (``GatheredParameters(modifier_rank=0)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from frod_ds.apply import mark_only_frod_trainable
+from frod_ds.layer import FRoDLinear, SparseSupport, support_seed
+
+__all__ = ["make_supports", "build_frod_model", "gathered", "DTYPES"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def make_supports(store, categories: list[str], sparsity: float, seed: int) -> dict[str, SparseSupport]:
+    """One reproducible support per category (``support_seed(seed, category)``)."""
+    return {c: SparseSupport.random(store.width(c), sparsity, support_seed(seed, c)) for c in categories}
+
+
+@contextlib.contextmanager
+def gathered(params: list[nn.Parameter], zero3: bool, modifier_rank: int | None = None) -> Iterator[None]:
+    """``deepspeed.zero.GatheredParameters`` under ZeRO-3, a no-op otherwise (no deepspeed import)."""
+    if not zero3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+        yield
+
+
+def _skeleton_contexts(ds_config: Mapping | None, dtype: torch.dtype) -> list:
+    from transformers.initialization import no_init_weights
+
+    ctxs: list = [no_init_weights()]
+    if ds_config is not None and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:
+        import deepspeed
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+        ctxs += [prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=dict(ds_config), dtype=dtype)]
+    return ctxs
+
+
+def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport], dtype: torch.dtype) -> None:
+    """Replace each member of the ``supports``' categories by an empty ``FRoDLinear`` (loaded afterwards)."""
+    for category in supports:
+        members = store.categories[category]
+        n = store.width(category)
+        V = nn.Parameter(torch.empty(n, n, dtype=dtype), requires_grad=False)
+        for name in members:
+            try:
+                old = model.get_submodule(name)
+            except AttributeError:
+                raise ValueError(
+                    f"factor store member {name!r} is not a module of this model; the store was built for a "
+                    "different architecture"
+                ) from None
+            m, n_in = store.member_shape(name)
+            if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (m, n_in):
+                raise ValueError(f"{name}: model has {old}, factor store has a ({m}, {n_in}) member")
+            layer = FRoDLinear(
+                torch.empty(m, n, dtype=dtype), V, torch.empty(n, dtype=dtype), supports[category], old.bias
+            )
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+
+
+def _load_module(
+    name: str, module: nn.Module, ckpt, keys: set[str], store, rank0: bool, zero3: bool, v_done: set
+) -> list[str]:
+    """Fill the direct parameters of ``module``; returns the checkpoint keys that were missing."""
+    params = [(pn, p) for pn, p in module.named_parameters(recurse=False)]
+    if not params:
+        return []
+    missing: list[str] = []
+    with gathered([p for _, p in params], zero3, modifier_rank=0):
+        if not rank0:
+            return []
+        for pn, p in params:
+            key = f"{name}.{pn}" if name else pn
+            with torch.no_grad():
+                if isinstance(module, FRoDLinear) and pn in ("U", "V", "frod_sigma", "frod_s"):
+                    if pn == "U":
+                        p.copy_(store.load_U(name).to(p.dtype))
+                    elif pn == "V":
+                        category = store.category_of(name)
+                        if id(p) not in v_done:
+                            p.copy_(store.load_V(category).to(p.dtype))
+                            v_done.add(id(p))
+                    elif pn == "frod_sigma":
+                        p.copy_(store.load_sigma(name).to(p.dtype))
+                    else:
+                        p.zero_()
+                elif key in keys:
+                    p.copy_(ckpt.get(key).to(p.dtype))
+                else:
+                    missing.append(key)
+    return missing
+
+
+def build_frod_model(
+    model_dir,
+    store,
+    supports: Mapping[str, SparseSupport],
+    dtype: torch.dtype,
+    ds_config: Mapping | None = None,
+    rank: int = 0,
+) -> nn.Module:
+    """The base architecture with FRoD layers, loaded; σ and S values the only trainable parameters.
+
+    Args:
+        model_dir: local checkpoint dir (config.json + safetensors).
+        store: an open ``FactorStore``.
+        supports: ``{category: SparseSupport}`` for the categories to apply (``make_supports`` for training,
+            the adapter's for loading); other categories of the store are ignored.
+        dtype: parameter dtype.
+        ds_config: the resolved DeepSpeed config; ZeRO-3 builds under ``zero.Init``. None: one process.
+        rank: this process's rank (rank 0 reads files under ZeRO-3).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from frod_ds.hf_checkpoint import HFCheckpoint
+
+    ckpt = HFCheckpoint(model_dir)
+    keys = set(ckpt.keys())
+    zero3 = ds_config is not None and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+    config = AutoConfig.from_pretrained(str(ckpt.dir))
+    with contextlib.ExitStack() as stack:
+        for ctx in _skeleton_contexts(ds_config, dtype):
+            stack.enter_context(ctx)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        _swap_targets(model, store, supports, dtype)
+    rank0 = rank == 0 or not zero3
+    missing: list[str] = []
+    v_done: set = set()
+    seen: set = set()
+    for name, module in model.named_modules():
+        fresh = [p for p in module.parameters(recurse=False) if id(p) not in seen or isinstance(module, FRoDLinear)]
+        if not fresh:
+            continue  # tied weights already loaded through their first module
+        seen.update(id(p) for p in module.parameters(recurse=False))
+        missing += _load_module(name, module, ckpt, keys, store, rank0, zero3, v_done)
+    if zero3:
+        from frod_ds.distributed import broadcast_object
+
+        missing = broadcast_object(missing, src=0)  # only rank 0 read; every rank must fail together
+    if missing:
+        raise ValueError(
+            f"{len(missing)} tensors missing from checkpoint {ckpt.dir}: {', '.join(missing[:5])}"
+            f"{' …' if len(missing) > 5 else ''}"
+        )
+    # Non-persistent buffers (RoPE inv_freq) were computed at construction on the default device.
+    mark_only_frod_trainable(model)
+    return model

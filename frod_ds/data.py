@@ -1,0 +1,156 @@
+"""Training data: data_prep JSONL rows → token ids with answer-only labels → deterministic rank batches.
+
+The training text is ``prompt + "\\nAnswer: " + answer + EOS``. With ``train_on_inputs=False`` the loss
+covers the answer tokens and EOS only. The context/answer token boundary is the one the evaluator uses
+(``frod_ds.evaluation.encode_rows``), so training and scoring see the same tokens.
+
+Order: one permutation of the dataset per epoch from ``(seed, epoch)``; each optimizer step takes
+``world × accum × micro`` consecutive examples of it, rank ``r`` and micro-step ``a`` taking the slice
+``[(a·world + r)·micro, +micro)``. A position is therefore just ``(epoch, step in epoch)``: resuming skips to
+it without replaying data, and the same recipe on another world size sees the same global batches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from frod_ds.evaluation import encode_rows
+
+__all__ = ["DataError", "read_training_rows", "Example", "encode_examples", "collate", "BatchPlan"]
+
+IGNORE_INDEX = -100
+
+
+class DataError(ValueError):
+    """Training data that cannot be used; the message names the file, line and field."""
+
+
+def _resolve_train_path(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "train.jsonl"
+    if not p.is_file():
+        raise DataError(f"training data {p} not found; build it with `python -m data_prep build --out DIR`")
+    return p
+
+
+def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Rows with string ``prompt`` and ``answer`` (other data_prep fields are kept, not required)."""
+    p = _resolve_train_path(path)
+    rows = []
+    with open(p, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p} line {line_no}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{p} line {line_no}: expected a JSON object")
+            for key in ("prompt", "answer"):
+                if not isinstance(row.get(key), str):
+                    raise DataError(
+                        f"{p} line {line_no}: field {key!r} missing or not a string; rows need "
+                        '{"prompt": str, "answer": str} (the output of `python -m data_prep build`)'
+                    )
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    if not rows:
+        raise DataError(f"{p} has no rows")
+    return rows
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_inputs: bool) -> list[Example]:
+    """Tokenize ``prompt + SEP + answer + EOS``; labels are -100 outside the answer unless ``train_on_inputs``.
+
+    Examples longer than ``cutoff_len`` are truncated from the left of the prompt, so the answer and EOS
+    (what the loss is on) survive; the BOS token is kept.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the tokenizer has no EOS token; training needs one to end answers")
+    out = []
+    for start in range(0, len(rows), 256):
+        chunk = rows[start : start + 256]
+        enc = encode_rows(tokenizer, [r["prompt"] for r in chunk], [[r["answer"]] for r in chunk])
+        for e in enc:
+            ctx, ans = list(e.context), list(e.continuations[0]) + [eos]
+            keep = cutoff_len - len(ans)
+            if keep < 1:
+                ans = ans[: cutoff_len - 1]
+                keep = 1
+            if len(ctx) > keep:
+                ctx = ctx[:1] + ctx[len(ctx) - keep + 1 :] if keep > 1 else ctx[:1]
+            labels = list(ctx) if train_on_inputs else [IGNORE_INDEX] * len(ctx)
+            out.append(Example(ctx + ans, labels + ans))
+    return out
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: ``input_ids``/``labels``/``attention_mask`` (B, T)."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+@dataclass
+class BatchPlan:
+    """Which examples rank ``rank`` uses at each micro-step; stateless, so resume is just a position."""
+
+    n_examples: int
+    micro: int
+    accum: int
+    world: int
+    rank: int
+    seed: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+    @property
+    def steps_per_epoch(self) -> int:
+        steps = self.n_examples // self.global_batch
+        if steps == 0:
+            raise DataError(
+                f"{self.n_examples} training rows are fewer than one global batch of {self.global_batch} "
+                f"(micro {self.micro} x accum {self.accum} x world {self.world}); lower the batch size"
+            )
+        return steps
+
+    def total_steps(self, epochs: float, max_steps: int | None) -> int:
+        return max_steps if max_steps is not None else max(1, math.ceil(epochs * self.steps_per_epoch))
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(self.n_examples, generator=g)
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """Example indices of this rank's ``accum`` micro-batches at global optimizer ``step``."""
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        perm = self._perm(epoch)
+        base = in_epoch * self.global_batch
+        return [
+            perm[base + (a * self.world + self.rank) * self.micro : base + (a * self.world + self.rank + 1) * self.micro].tolist()
+            for a in range(self.accum)
+        ]

@@ -1,0 +1,109 @@
+"""The DeepSpeed JSON: the only source of engine settings, resolved against the recipe in one place.
+
+``resolve_ds_config`` fills the batch-size keys from the recipe (``"auto"`` or absent), refuses a JSON whose
+concrete values disagree, refuses every other ``"auto"`` (plain ``deepspeed.initialize`` would), and refuses
+``optimizer``/``scheduler`` blocks (they override the client optimizer's per-group learning rates).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from frod_ds.recipe import Recipe
+
+__all__ = ["DSConfigError", "BatchSizes", "batch_sizes", "load_ds_config", "resolve_ds_config", "zero_stage"]
+
+
+class DSConfigError(ValueError):
+    """A DeepSpeed config that cannot be used with this recipe."""
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    micro: int  # per rank per forward
+    accum: int  # micro-batches per optimizer step
+    world: int  # data-parallel ranks
+    total: int  # samples per optimizer step = micro * accum * world
+
+
+def batch_sizes(recipe: Recipe, world_size: int) -> BatchSizes:
+    """The one place the global batch size is computed."""
+    micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
+    return BatchSizes(micro, accum, world_size, micro * accum * world_size)
+
+
+def load_ds_config(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise DSConfigError(f"DeepSpeed config {p} not found (see ds_configs/)")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise DSConfigError(f"DeepSpeed config {p} is not valid JSON: {e}") from None
+
+
+def _autos(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [k for key, v in node.items() for k in _autos(v, f"{prefix}{key}.")]
+    if isinstance(node, list):
+        return [k for i, v in enumerate(node) for k in _autos(v, f"{prefix}{i}.")]
+    return [prefix[:-1]] if node == "auto" else []
+
+
+def zero_stage(cfg: dict) -> int:
+    return int(cfg.get("zero_optimization", {}).get("stage", 0))
+
+
+def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str | None = None) -> dict:
+    """A concrete copy of ``cfg`` for ``deepspeed.initialize``; raises ``DSConfigError`` on any conflict."""
+    cfg = copy.deepcopy(cfg)
+    bs = batch_sizes(recipe, world_size)
+    problems = []
+    for key, want in (
+        ("train_micro_batch_size_per_gpu", bs.micro),
+        ("gradient_accumulation_steps", bs.accum),
+        ("train_batch_size", bs.total),
+    ):
+        have = cfg.get(key, "auto")
+        if have == "auto":
+            cfg[key] = want
+        elif have != want:
+            problems.append(
+                f"{key}={have} in the DeepSpeed config but the recipe gives {want} "
+                f"(micro_batch_size={bs.micro} x grad_accum={bs.accum} x world_size={bs.world}); "
+                f'set it to "auto" or change the recipe'
+            )
+    if "gradient_clipping" not in cfg or cfg["gradient_clipping"] == "auto":
+        cfg["gradient_clipping"] = recipe.train.max_grad_norm
+    want_bf16 = recipe.model.dtype == "bfloat16"
+    bf16 = cfg.setdefault("bf16", {})
+    if bf16.get("enabled", "auto") == "auto":
+        bf16["enabled"] = want_bf16
+    elif bool(bf16["enabled"]) != want_bf16:
+        problems.append(
+            f"bf16.enabled={bf16['enabled']} in the DeepSpeed config but model.dtype={recipe.model.dtype}; "
+            "make them agree"
+        )
+    if cfg.get("fp16", {}).get("enabled") is True:
+        problems.append("fp16 is not supported (FRoD's sigma/S need bf16 or fp32); use bf16")
+    for block in ("optimizer", "scheduler"):
+        if block in cfg:
+            problems.append(
+                f'remove the "{block}" block: frod-ds passes its own AdamW with per-group learning rates '
+                "(lr_sigma, lr_s) and schedule from the recipe, and a DeepSpeed block would override them"
+            )
+    if nvme_path is not None:
+        zo = cfg.get("zero_optimization", {})
+        for key in ("offload_param", "offload_optimizer"):
+            if zo.get(key, {}).get("device") == "nvme":
+                zo[key]["nvme_path"] = nvme_path
+    autos = _autos(cfg)
+    if autos:
+        problems.append(f'unresolved "auto" for {", ".join(autos)}: give concrete values')
+    if problems:
+        raise DSConfigError("DeepSpeed config: " + "; ".join(problems))
+    return cfg

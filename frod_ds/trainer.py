@@ -1,0 +1,404 @@
+"""DeepSpeed training of FRoD adapters: setup → fit → save, with exact resume and SIGTERM checkpoints.
+
+``setup`` validates everything that can be checked before the model is built (recipe, DeepSpeed JSON,
+data rows, factor store vs model fingerprint), then builds the model (``frod_ds.build``), the optimizer
+(two AdamW groups with their own learning rates, passed to DeepSpeed — no optimizer block in the JSON)
+and the schedule. ``fit`` runs optimizer steps from a stateless ``BatchPlan`` so resume is a position.
+
+Output dir::
+
+    metrics.jsonl  loss.png  recipe.yaml  adapter-<step>/  adapter-final/
+    checkpoints/<tag>/ (DeepSpeed engine state + rng_rank<r>.pt + COMPLETE)  checkpoints/latest_complete
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from frod_ds import distributed as dist
+from frod_ds.adapter import adapter_state, write_adapter
+from frod_ds.apply import frod_modules, frod_param_groups
+from frod_ds.build import DTYPES, build_frod_model, gathered, make_supports
+from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
+from frod_ds.ds_config import load_ds_config, resolve_ds_config, zero_stage
+from frod_ds.layer import tan_alpha
+from frod_ds.recipe import Recipe, recipe_to_dict
+
+__all__ = ["Run", "setup", "fit", "lr_lambda"]
+
+STOP_EXIT_CODE = 143  # 128 + SIGTERM: stopped on request, checkpoint written
+
+
+def lr_lambda(schedule: str, warmup_steps: int, total_steps: int):
+    """Multiplier of each group's base LR at optimizer step ``s`` (0-based): linear warmup, then decay."""
+
+    def fn(s: int) -> float:
+        if warmup_steps > 0 and s < warmup_steps:
+            return (s + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = (s - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+@dataclass
+class Run:
+    recipe: Recipe
+    engine: Any
+    plan: BatchPlan
+    examples: list[Example]
+    eval_examples: list[Example]
+    total_steps: int
+    pad_id: int
+    zero3: bool
+    store: Any
+    out: Path
+    adapter_meta: dict
+    sigma0: dict[str, torch.Tensor] = field(default_factory=dict)
+    start_step: int = 0
+    stop_requested: bool = False
+
+
+def _device() -> torch.device:
+    return dist.local_device()
+
+
+def _check_store(recipe: Recipe):
+    """Open the factor store and refuse one built from another model — before anything heavy."""
+    from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
+    from frod_ds.store import FactorStore, check_store_matches
+
+    model_dir = resolve_model_dir(recipe.model.base)
+    store = FactorStore.open(recipe.model.factor_store)
+    check_store_matches(store, HFCheckpoint(model_dir))
+    missing = sorted(set(recipe.model.targets) - set(store.categories))
+    if missing:
+        raise ValueError(
+            f"targets {missing} are not in factor store {store.path} (it has {sorted(store.categories)}); "
+            "rebuild it with launch/hjd.py --targets … or change model.targets"
+        )
+    return model_dir, store
+
+
+def _load_tokenizer(recipe: Recipe, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(recipe.model.tokenizer or model_dir))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return tok
+
+
+def _optimizer(model, recipe: Recipe, ds_cfg: dict):
+    t = recipe.train
+    groups = frod_param_groups(model, t.lr_sigma, t.lr_s, t.weight_decay)
+    offload = ds_cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=t.lr_sigma, betas=tuple(t.betas), adamw_mode=True)
+    return torch.optim.AdamW(groups, lr=t.lr_sigma, betas=tuple(t.betas))
+
+
+def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> Run:
+    """Validate inputs, build model/optimizer/engine, restore the latest complete checkpoint if any."""
+    import deepspeed
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ds_cfg = resolve_ds_config(load_ds_config(ds_config_path), recipe, world, nvme_path)
+    rows = read_training_rows(recipe.data.train, recipe.data.limit)
+    eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
+    model_dir, store = _check_store(recipe)
+    tok = _load_tokenizer(recipe, model_dir)
+    examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
+    eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
+    plan = BatchPlan(len(examples), recipe.train.micro_batch_size, recipe.train.grad_accum, world, rank,
+                     recipe.train.seed)
+    total = plan.total_steps(recipe.train.epochs, recipe.train.max_steps)
+
+    _seed_everything(recipe.train.seed + rank)
+    dtype = DTYPES[recipe.model.dtype]
+    supports = make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed)
+    model = build_frod_model(model_dir, store, supports, dtype, ds_cfg, rank=rank)
+    if recipe.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()
+        model.config.use_cache = False
+    optimizer = _optimizer(model, recipe, ds_cfg)
+    warmup = int(round(recipe.train.warmup_ratio * total))
+    fn = lr_lambda(recipe.train.schedule, warmup, total)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, fn),
+        config=ds_cfg,
+    )
+    out = Path(recipe.output_dir)
+    meta = {
+        "base_model": recipe.model.base,
+        "factor_store": str(recipe.model.factor_store),
+        "factor_store_fingerprint": store.fingerprint,
+        "tokenizer": recipe.model.tokenizer,
+        "targets": list(recipe.model.targets),
+        "sparsity": recipe.model.sparsity,
+        "seed": recipe.model.seed,
+        "pi": store.pi,
+        "dtype": recipe.model.dtype,
+    }
+    run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
+              zero_stage(ds_cfg) == 3, store, out, meta)
+    if dist.is_main():
+        run.sigma0 = {name: store.load_sigma(name) for name, _ in frod_modules(engine.module)}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    run.start_step = _maybe_resume(run)
+    return run
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+def _ckpt_root(run: Run) -> Path:
+    return run.out / "checkpoints"
+
+
+def _maybe_resume(run: Run) -> int:
+    marker = _ckpt_root(run) / "latest_complete"
+    if not marker.is_file():
+        return 0
+    tag = marker.read_text().strip()
+    path, client = run.engine.load_checkpoint(
+        str(_ckpt_root(run)), tag=tag, load_module_strict=False, load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if path is None:
+        raise RuntimeError(f"could not load engine checkpoint {tag} from {_ckpt_root(run)}")
+    rng = torch.load(_ckpt_root(run) / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and rng.get("cuda") is not None:
+        torch.cuda.set_rng_state(rng["cuda"])
+    step = int(client["step"])
+    dist.print0(f"resumed from {tag}: step {step}/{run.total_steps}")
+    return step
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """Engine state (optimizer, scheduler, trainable params), RNG per rank, then the COMPLETE marker."""
+    root = _ckpt_root(run)
+    tag = f"step{step:08d}"
+    run.engine.save_checkpoint(str(root), tag=tag, client_state={"step": step},
+                               exclude_frozen_parameters=True)
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    torch.save(rng, root / tag / f"rng_rank{dist.get_rank()}.pt")
+    dist.barrier()
+    if dist.is_main():
+        (root / tag / "COMPLETE").write_text("")
+        tmp = root / "latest_complete.tmp"
+        tmp.write_text(tag)
+        os.replace(tmp, root / "latest_complete")
+        tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step"))
+        for old in tags[: -run.recipe.train.keep_checkpoints]:
+            shutil.rmtree(root / old, ignore_errors=True)
+    dist.barrier()
+
+
+def save_adapter(run: Run, step: int, name: str) -> None:
+    tensors, categories = adapter_state(run.engine.module, run.zero3)  # collective under ZeRO-3
+    if dist.is_main():
+        write_adapter(
+            run.out / name,
+            tensors,
+            {**run.adapter_meta, "step": step, "categories": categories},
+            extra_files={"recipe.yaml": yaml.safe_dump(recipe_to_dict(run.recipe), sort_keys=False)},
+        )
+    dist.barrier()
+
+
+# -- metrics --------------------------------------------------------------------------------------
+
+def _peak_mem_gb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB (Linux)
+
+
+def rotation_angles(run: Run) -> dict[str, float]:
+    """``tan α`` per category (spec §2): ‖Σ ΔW_off‖ / ‖Σ ΔW_on‖ over the category's members."""
+    sums: dict[str, list[float]] = {}
+    for name, m in frod_modules(run.engine.module):
+        with gathered([m.U, m.V, m.frod_sigma, m.frod_s], run.zero3):
+            if dist.is_main():
+                on, off = m.update_norms_sq(run.sigma0[name])
+                acc = sums.setdefault(name.rsplit(".", 1)[-1], [0.0, 0.0])
+                acc[0] += on
+                acc[1] += off
+    return {cat: tan_alpha(on, off) for cat, (on, off) in sums.items()}
+
+
+def _lrs(run: Run) -> tuple[float, float]:
+    groups = run.engine.optimizer.param_groups
+    by_name = {g.get("name"): g["lr"] for g in groups}
+    if "sigma" in by_name:
+        return by_name["sigma"], by_name.get("s", float("nan"))
+    return groups[0]["lr"], groups[1]["lr"]
+
+
+@torch.no_grad()
+def eval_loss(run: Run) -> float:
+    """Mean answer-token loss over the held-out rows, split across ranks."""
+    engine, dev = run.engine, _device()
+    engine.eval()
+    mine = run.eval_examples[dist.get_rank():: dist.get_world_size()]
+    total = torch.zeros(2, dtype=torch.float64, device=dev)
+    mb = run.recipe.train.micro_batch_size
+    n_batches = math.ceil(len(run.eval_examples) / (mb * dist.get_world_size()))
+    for b in range(n_batches):  # same number of forwards on every rank (ZeRO-3 gathers are collective)
+        chunk = mine[b * mb:(b + 1) * mb] or run.eval_examples[:1]
+        batch = {k: v.to(dev) for k, v in collate(chunk, run.pad_id).items()}
+        loss = engine(**batch).loss.double()
+        count = (batch["labels"][:, 1:] != -100).sum()
+        if mine[b * mb:(b + 1) * mb]:
+            total += torch.stack([loss * count, count.double()])
+    engine.train()
+    total = dist.all_reduce_sum(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+# -- the loop ---------------------------------------------------------------------------------------
+
+def _install_sigterm(run: Run) -> None:
+    def handler(signum, frame):  # noqa: ARG001
+        run.stop_requested = True
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _train_step(run: Run, step: int) -> dict[str, float]:
+    engine, dev = run.engine, _device()
+    t0 = time.perf_counter()
+    lr_sigma, lr_s = _lrs(run)  # the rates this step applies (the scheduler advances inside engine.step)
+    losses, tokens = [], 0
+    for idx in run.plan.micro_batches(step):
+        batch = {k: v.to(dev) for k, v in collate([run.examples[i] for i in idx], run.pad_id).items()}
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+        tokens += int(batch["attention_mask"].sum())
+    stats = dist.all_reduce_sum(torch.tensor([torch.stack(losses).mean().item(), tokens], dtype=torch.float64,
+                                             device=dev))
+    dt = time.perf_counter() - t0
+    grad_norm = engine.get_global_grad_norm()
+    return {
+        "loss": float(stats[0]) / dist.get_world_size(),
+        "lr_sigma": lr_sigma,
+        "lr_s": lr_s,
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "tokens_per_s": float(stats[1]) / dt,
+        "step_time_s": dt,
+        "peak_mem_gb": _peak_mem_gb(),
+    }
+
+
+def fit(run: Run) -> int:
+    """Train from ``run.start_step`` to ``run.total_steps``; returns the process exit code."""
+    t = run.recipe.train
+    _install_sigterm(run)
+    writer = _tensorboard(run) if t.tensorboard and dist.is_main() else None
+    metrics_path = run.out / "metrics.jsonl"
+    bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train",
+               dynamic_ncols=True)
+    run.engine.train()
+    step = run.start_step
+    while step < run.total_steps:
+        row = _train_step(run, step)
+        step += 1
+        row = {"step": step, **row}
+        if t.eval_every and run.eval_examples and step % t.eval_every == 0:
+            row["eval_loss"] = eval_loss(run)
+        if t.rotation_every and (step % t.rotation_every == 0 or step == run.total_steps):
+            row["tan_alpha"] = rotation_angles(run)
+        if dist.is_main() and (step % t.log_every == 0 or step == run.total_steps or "tan_alpha" in row):
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            if writer is not None:
+                for k, v in row.items():
+                    if isinstance(v, (int, float)) and k != "step":
+                        writer.add_scalar(f"train/{k}", v, step)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", lr_sigma=f"{row['lr_sigma']:.2e}",
+                            lr_s=f"{row['lr_s']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+        bar.update(1)
+        stop = dist.all_reduce_sum(torch.tensor([float(run.stop_requested)], device=_device())).item() > 0
+        if t.save_every and step % t.save_every == 0 and step < run.total_steps or stop:
+            save_checkpoint(run, step)
+            save_adapter(run, step, f"adapter-{step}")
+        if stop:
+            bar.close()
+            dist.print0(f"SIGTERM: checkpoint saved at step {step}; re-run the same command to resume")
+            return STOP_EXIT_CODE
+    bar.close()
+    save_checkpoint(run, step)
+    save_adapter(run, step, "adapter-final")
+    if dist.is_main():
+        plot_loss(metrics_path, run.out / "loss.png")
+    if writer is not None:
+        writer.close()
+    return 0
+
+
+def _tensorboard(run: Run):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter(str(run.out / "tensorboard"))
+
+
+def plot_loss(metrics_path: Path, png: Path) -> None:
+    """Loss (and eval loss) against step, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
+    ev = [r for r in rows if "eval_loss" in r]
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png.with_name(png.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png)
