@@ -14,13 +14,15 @@ from __future__ import annotations
 import os
 import re
 from datetime import timedelta
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 __all__ = [
+    "CollectiveError",
     "init_distributed",
     "destroy",
     "is_initialized",
@@ -36,14 +38,19 @@ __all__ = [
     "broadcast_object",
     "gather_rows",
     "scatter_rows",
+    "agree_on_error",
+    "on_all",
+    "on_main",
     "print0",
 ]
+
+T = TypeVar("T")
 
 
 def _first_slurm_host(nodelist: str) -> str:
     """First host of a SLURM node list: ``"gpu[003-004,9],cpu1"`` -> ``"gpu003"``."""
     first = re.split(r",(?![^\[]*\])", nodelist)[0]
-    m = re.match(r"^([^\[]*)\[([^\]-,]+)", first)
+    m = re.match(r"^([^\[]*)\[([^\],-]+)", first)
     return m.group(1) + m.group(2) if m else first
 
 
@@ -213,6 +220,43 @@ def scatter_rows(
     dist.scatter(buf, scatter_list=send, src=src)
     del send
     return buf[: shapes[get_rank()][0]]
+
+
+class CollectiveError(ValueError):
+    """A user error that every rank raised together (the ranks agreed on it): report it once, on rank 0."""
+
+
+def agree_on_error(error: str | None) -> None:
+    """Collective: if any rank passes an error message, raise the first as ``CollectiveError`` on all."""
+    errors = [e for e in all_gather_object(error) if e]
+    if errors:
+        raise CollectiveError(errors[0])
+
+
+def on_all(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; a ``ValueError`` on any rank becomes a ``CollectiveError`` on all."""
+    result, error = None, None
+    try:
+        result = fn()
+    except ValueError as e:
+        error = str(e)
+    agree_on_error(error)
+    return result  # type: ignore[return-value]
+
+
+def on_main(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 and broadcast its (picklable) result; a ``ValueError`` there becomes a
+    ``CollectiveError`` on every rank."""
+    result, error = None, None
+    if is_main():
+        try:
+            result = fn()
+        except ValueError as e:
+            error = str(e)
+    result, error = broadcast_object((result, error))
+    if error:
+        raise CollectiveError(error)
+    return result  # type: ignore[return-value]
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

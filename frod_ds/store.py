@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,7 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from frod_ds.hf_checkpoint import HFCheckpoint
+from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from frod_ds.hjd import reconstruction_error
 
 __all__ = [
     "FORMAT_VERSION",
@@ -54,6 +56,7 @@ __all__ = [
     "FactorStore",
     "weights_fingerprint",
     "check_store_matches",
+    "verify_store",
     "dtype_name",
     "dtype_from_name",
     "v_key",
@@ -334,3 +337,68 @@ def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
             f"factor store {store.path} was built from {store.base_model} (fingerprint {store.fingerprint[:16]}…) "
             f"but {ckpt.dir} has fingerprint {fingerprint[:16]}…; rebuild it with launch/hjd.py"
         )
+
+
+# ----------------------------------------------------------------------------------------------- verify
+
+_VERIFY_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4, torch.float64: 1e-8}
+
+
+def _check_files(store: FactorStore, category: str) -> list[str]:
+    """Every file the manifest lists for ``category`` holds its keys with the manifest's shapes."""
+    from safetensors import SafetensorError, safe_open
+
+    spec = store.manifest["categories"][category]
+    n, problems = int(spec["width"]), []
+    for fname in sorted(set(spec["files"].values())):
+        keys = [k for k, f in spec["files"].items() if f == fname]
+        try:
+            with safe_open(str(store.path / fname), framework="pt") as f:
+                have = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            problems.append(f"{category}: {fname} is missing or unreadable ({e})")
+            continue
+        for key in keys:
+            member = key.rsplit(".", 1)[0]
+            want = [n, n] if key == v_key(category) else [n] if key.endswith(".sigma") else spec["shapes"][member]
+            if have.get(key) != list(want):
+                problems.append(f"{category}: {key} in {fname} has shape {have.get(key)}, manifest says {want}")
+    return problems
+
+
+def verify_store(store_dir: str | Path, model: str, samples: int = 2, seed: int = 0, tol: float | None = None,
+                 device: str | torch.device = "cpu") -> list[str]:
+    """Re-check a store against a checkpoint; returns the problems found (empty: verified).
+
+    Checks that the store is complete, the weights fingerprint (``check_store_matches``), that every file
+    holds its keys with the manifest's shapes, and for ``samples`` members per category (seeded) the
+    relative reconstruction ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` from the stored tensors against the
+    full weights, within ``tol`` (default by U's dtype: bf16 2e-2, fp16 5e-3, fp32 1e-4, fp64 1e-8).
+    ``ValueError`` when the store or the model cannot be opened at all.
+    """
+    store = FactorStore.open(store_dir, allow_incomplete=True)
+    ckpt = HFCheckpoint(resolve_model_dir(model))
+    problems: list[str] = []
+    if not store.complete:
+        problems.append(f"factor store {store.path} is incomplete (done: {store.manifest.get('completed_categories')})")
+    try:
+        check_store_matches(store, ckpt)
+    except ValueError as e:
+        return problems + [str(e)]
+    rng = random.Random(seed)
+    for category, members in store.categories.items():
+        if category not in store.manifest.get("completed_categories", []):
+            continue
+        file_problems = _check_files(store, category)
+        problems += file_problems
+        if file_problems:
+            continue
+        V = store.load_V(category, torch.float64, device)  # (n, n)
+        for member in rng.sample(members, min(samples, len(members))):
+            U = store.load_U(member, device=device)  # (m, n), stored dtype
+            limit = tol if tol is not None else _VERIFY_TOL.get(U.dtype, 1e-8)
+            W = ckpt.get(member + ".weight", device).double()
+            e = reconstruction_error(W, U.double(), store.load_sigma(member, torch.float64, device), V)
+            if not e <= limit:
+                problems.append(f"{member}: reconstruction error {e:.3e} > tolerance {limit:.1e}")
+    return problems

@@ -24,7 +24,8 @@ import torch
 
 from frod_ds import distributed as D
 from frod_ds.apply import DEFAULT_TARGETS
-from frod_ds.hjd_stage import StageConfig, run_stage, verify_store
+from frod_ds.hjd_stage import StageConfig, run_stage
+from frod_ds.store import verify_store
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,10 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace) -> int:
-    cfg = StageConfig(model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi,
-                      dtype=getattr(torch, args.dtype), block_gb=args.block_gb,
-                      device_cache_gb=args.device_cache_gb, device=args.device, overwrite=args.overwrite,
-                      fsync=args.fsync)
+    cfg = D.on_all(lambda: StageConfig(
+        model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
+        block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, device=args.device, overwrite=args.overwrite,
+        fsync=args.fsync))
     manifest = run_stage(cfg)
     if D.is_main():
         _print_summary(manifest)
@@ -70,14 +71,15 @@ def build(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
-    problems: list[str] = []
+    """Rank 0 checks the store; the other ranks (if any) wait for the verdict."""
+    device = torch.device("cpu") if args.device == "cpu" else D.local_device()
+    problems = D.on_main(lambda: verify_store(args.verify, args.model, samples=args.samples, seed=args.seed,
+                                              tol=args.tol, device=device))
     if D.is_main():
-        device = torch.device("cpu") if args.device == "cpu" else D.local_device()
-        problems = verify_store(args.verify, args.model, samples=args.samples, seed=args.seed, tol=args.tol, device=device)
         for line in problems:
             print(f"verify: {line}", file=sys.stderr)
         print(f"verify {args.verify}: " + ("OK" if not problems else f"FAILED ({len(problems)} problems)"), flush=True)
-    return 1 if D.broadcast_object(bool(problems)) else 0
+    return 1 if problems else 0
 
 
 def _print_summary(manifest: dict) -> None:
@@ -99,9 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     D.init_distributed("gloo" if args.device == "cpu" else None)
     try:
         return verify(args) if args.verify is not None else build(args)
-    except ValueError as e:
+    except D.CollectiveError as e:  # every rank has it: report once, leave together
         if D.is_main():
             print(f"error: {e}", file=sys.stderr, flush=True)
+        D.barrier()
+        return 2
+    except ValueError as e:  # this rank alone: say which; the launcher stops the others
+        where = f"[rank {D.get_rank()}] " if D.get_world_size() > 1 else ""
+        print(f"error: {where}{e}", file=sys.stderr, flush=True)
         return 2
     finally:
         D.destroy()

@@ -14,7 +14,7 @@ from helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
 from frod_ds import distributed as D
 from frod_ds.hjd import decompose
-from frod_ds.hjd_stage import make_blocks, split_counts
+from frod_ds.hjd_tsqr import make_blocks, split_counts
 from frod_ds.store import FactorStore
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ import os, signal, sys
 sys.path.insert(0, {repo!r})
 import frod_ds.hjd_stage as stage
 
-_run = stage._run_category
+_run = stage.run_category
 
 def run_then_die(ckpt, category, *args, **kwargs):
     out = _run(ckpt, category, *args, **kwargs)
@@ -132,7 +132,7 @@ def run_then_die(ckpt, category, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)  # files written, manifest not yet updated: a killed run
     return out
 
-stage._run_category = run_then_die
+stage.run_category = run_then_die
 from launch.hjd import main
 sys.exit(main())
 """
