@@ -25,6 +25,9 @@ TINY_LLAMA = dict(
     num_key_value_heads=2,
     max_position_embeddings=256,
     tie_word_embeddings=False,
+    # LLaMA's std 0.02 confines a 64-wide random model's logits to about ±1.3 (‖lm_head row‖·‖RMSNorm(h)‖),
+    # so no adapter that leaves lm_head frozen can make an answer much likelier; 0.2 lifts that ceiling.
+    initializer_range=0.2,
 )
 
 POSITIVE = ["sunny", "warm", "bright", "calm", "dry"]
