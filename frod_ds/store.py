@@ -142,14 +142,34 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     fsync_dir(path.parent)
 
 
-def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = True) -> None:
-    """``safetensors`` file written under ``path.tmp`` and renamed (CPU, contiguous tensors)."""
-    from safetensors.torch import save_file
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
+
+def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = True) -> None:
+    """Write a safetensors file under ``path.tmp`` and rename it (CPU tensors, float dtypes).
+
+    Written straight from the tensors' memory (no serialized copy; the writes release the GIL, so a
+    background writer thread overlaps with GPU work). Readable by ``safetensors.safe_open``.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        assert t.device.type == "cpu" and t.dtype in _ST_DTYPES, f"{name}: CPU float tensor expected"
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
     tmp = path.with_name(path.name + TMP)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-    if fsync:
-        with open(tmp, "rb") as f:
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        if fsync:
+            f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
 
