@@ -141,7 +141,7 @@ class _CategoryJob:
         rows = self.offsets[block.stop] - self.offsets[block.start]
         W_b = torch.empty(rows, self.n, dtype=self.dtype, device=self.device)  # (m_b, n)
         for i, W in zip(block, Ws):
-            W_b[self._rows(block, i)].copy_(W)
+            W_b[self._rows(block, i)].copy_(W.to(self.device))  # ship in the checkpoint dtype, convert there
             if not torch.isfinite(W_b[self._rows(block, i)]).all():
                 name = self.mine[i] + ".weight"
                 raise ValueError(f"{name} in {self.ckpt.info(name).file} contains NaN or Inf; check the checkpoint")
@@ -239,7 +239,7 @@ class _CategoryJob:
             tensors: dict[str, Tensor] = {}
             for i, W_cpu in zip(block, Ws):
                 member = self.mine[i]
-                W_i = W_cpu.to(device=self.device, dtype=dtype)  # (m_i, n)
+                W_i = W_cpu.to(self.device).to(dtype)  # (m_i, n); a blocking H2D copy_ would convert on the CPU
                 U_i, sigma_i = member_factors(Q_g[self._rows(block, i)], Z, n)  # (m_i, n), (n,)
                 err[member] = reconstruction_error(W_i, U_i, sigma_i, V)
                 U_s, sigma_s = U_i.to(self.u_dtype), sigma_i.float()
