@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
+from tests.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
 from frod_ds import distributed as D
 from frod_ds.hjd import decompose

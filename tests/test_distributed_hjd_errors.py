@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers_ckpt import run_hjd, shard_of, write_tiny_llama
+from tests.helpers_ckpt import run_hjd, shard_of, write_tiny_llama
 from safetensors.torch import load_file, save_file
 
 from frod_ds.store import FactorStore

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers_ckpt import shard_files, shard_of, write_tiny_llama
+from tests.helpers_ckpt import shard_files, shard_of, write_tiny_llama
 
 from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
 

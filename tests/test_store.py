@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers_ckpt import shard_of, weights, write_tiny_llama
+from tests.helpers_ckpt import shard_of, weights, write_tiny_llama
 
 from frod_ds.hf_checkpoint import HFCheckpoint
 from frod_ds.store import FORMAT_VERSION, FactorStore, _sample_ranges, check_store_matches, weights_fingerprint
