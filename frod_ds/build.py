@@ -49,7 +49,9 @@ def _skeleton_contexts(ds_config: Mapping | None, dtype: torch.dtype) -> list:
         import deepspeed
         from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-        ctxs += [prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=dict(ds_config), dtype=dtype)]
+        # dtype comes from the config's bf16 switch (resolve_ds_config made it agree with the recipe). Passing
+        # dtype= explicitly is unsafe in deepspeed 0.19: on an accelerator without fp16 it yields bf16.
+        ctxs += [prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=dict(ds_config))]
     return ctxs
 
 

@@ -1,0 +1,99 @@
+"""A complete tiny training setup on disk for the training tests: model, tokenizer, data, factor store.
+
+Built with the same library pieces as ``make demo`` (``frod_ds.toy``, ``data_prep``, ``launch/hjd.py``), at
+test size. ``run_train`` runs ``launch/train.py`` (or another script) as a subprocess, one process or under
+``torchrun --standalone`` on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_ZERO3 = REPO / "ds_configs" / "zero3_cpu_fp32.json"
+CPU_ZERO2 = REPO / "ds_configs" / "zero2_cpu_fp32.json"
+
+
+@dataclass
+class TrainEnv:
+    root: Path
+    model: Path
+    data: Path
+    store: Path
+
+    def overrides(self, out: Path, **extra) -> list[str]:
+        base = {
+            "model.base": self.model,
+            "model.factor_store": self.store,
+            "model.dtype": "float32",
+            "model.sparsity": 0.1,
+            "data.train": self.data / "train.jsonl",
+            "data.cutoff_len": 64,
+            "train.micro_batch_size": 4,
+            "train.grad_accum": 2,
+            "train.lr_sigma": 1e-2,
+            "train.lr_s": 1e-3,
+            "train.log_every": 1,
+            "train.rotation_every": 0,
+            "output_dir": out,
+        }
+        base.update(extra)
+        return [f"{k}={v}" for k, v in base.items()]
+
+
+def env_vars() -> dict[str, str]:
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        CUDA_VISIBLE_DEVICES="",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(REPO),
+        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
+    )
+
+
+def build_env(root: Path, seed: int = 0) -> TrainEnv:
+    from transformers import AutoTokenizer
+
+    from frod_ds.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=seed)
+    subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(root / "raw"), "--tasks",
+                    "boolq,piqa", "--out", str(root / "data")], check=True, env=env_vars(), cwd=REPO,
+                   capture_output=True)
+    texts = [json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
+             for line in (root / "data" / "train.jsonl").read_text().splitlines()]
+    tok_dir = train_sentencepiece_tokenizer(root / "tokenizer", texts, vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    write_tiny_llama(root / "model", vocab_size=len(tok), seed=seed, max_shard_size="60KB",
+                     hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+    tok.save_pretrained(str(root / "model"))
+    subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(root / "model"), "--out",
+                    str(root / "factors")], check=True, env=env_vars(), cwd=REPO, capture_output=True)
+    return TrainEnv(root, root / "model", root / "data", root / "factors")
+
+
+def train_cmd(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None) -> list[str]:
+    script = script or REPO / "launch" / "train.py"
+    cmd = [sys.executable]
+    if nproc:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return cmd + [str(script), "--config", str(config), *overrides]
+
+
+def run_train(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(train_cmd(config, overrides, nproc, script), env=env_vars(), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
