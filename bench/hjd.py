@@ -190,7 +190,9 @@ def environment() -> dict:
         env["gpu_count"] = torch.cuda.device_count()
         env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
     try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        if commit.returncode == 0:
+            env["git_commit"] = commit.stdout.strip()
     except OSError:
         pass
     return env
@@ -202,7 +204,8 @@ class Suite:
     def __init__(self, work: Path, out: Path, budget_s: float):
         self.work, self.out, self.deadline = work, out, time.monotonic() + budget_s
         self.log = out.with_suffix(".log")
-        self.results: dict = {"command": " ".join(sys.argv), "environment": environment(), "generated": [], "runs": [],
+        argv = [Path(a).name if a == str(out) else a for a in sys.argv]  # no machine path in the results
+        self.results: dict = {"command": "python3 " + " ".join(argv), "environment": environment(), "generated": [], "runs": [],
                               "skipped": [], "notes": []}
         work.mkdir(parents=True, exist_ok=True)
 
