@@ -8,8 +8,9 @@ OUT=${OUT:-bench/results}
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 W=/tmp/frodbench
 mkdir -p "$W" "$OUT"
-python3 -m launch.demo --ranks "$NGPU" --out runs/demo_gpu 2>&1 | tail -6 | tee "$OUT/demo_gpu${NGPU}.txt"
-python3 -m launch.demo --ranks 1 --out runs/demo_gpu1 2>&1 | tail -6 | tee "$OUT/demo_gpu1.txt"
+python3 -c "import transformers, peft; print(\"transformers\", transformers.__version__, \"peft\", peft.__version__)"
+[ -n "${SKIP_DEMO:-}" ] || (python3 -m launch.demo --ranks "$NGPU" --out runs/demo_gpu 2>&1 || true) | tail -12 | tee "$OUT/demo_gpu${NGPU}.txt"
+[ -n "${SKIP_DEMO:-}" ] || (python3 -m launch.demo --ranks 1 --out runs/demo_gpu1 2>&1 || true) | tail -12 | tee "$OUT/demo_gpu1.txt"
 python3 bench/train_step.py make-model --out $W/m --layers 8
 python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" launch/hjd.py --model $W/m --out $W/f 2>&1 | tail -12
 for n in $(printf "%s\n" 1 "$NGPU" | sort -un); do

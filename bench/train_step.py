@@ -145,6 +145,7 @@ def combine(paths: list[str]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (ignored)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-model", help="write the random 7B-wide checkpoint")
     m.add_argument("--out", required=True, help="checkpoint dir")
@@ -162,7 +163,6 @@ def main() -> None:
     r.add_argument("--steps", type=int, default=10, help="timed steps")
     r.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     r.add_argument("--out", default=None, help="results dir")
-    r.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     c = sub.add_parser("combine", help="ratios FRoD/LoRA from run results")
     c.add_argument("paths", nargs="+", help="train_step_*.json files")
     args = ap.parse_args()

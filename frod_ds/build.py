@@ -41,18 +41,43 @@ def gathered(params: list[nn.Parameter], zero3: bool, modifier_rank: int | None 
         yield
 
 
-def _skeleton_contexts(ds_config: Mapping | None, dtype: torch.dtype) -> list:
-    from transformers.initialization import no_init_weights
+def _no_init_weights():
+    try:  # transformers >= 5
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
 
-    ctxs: list = [no_init_weights()]
+
+def _keep_arange_dtype():
+    """Stop zero.Init from casting ``torch.arange`` (RoPE's inv_freq) to the parameter dtype, if supported."""
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:  # older transformers: inv_freq is recomputed after the build instead
+        return contextlib.nullcontext()
+    return prevent_arange_dtype_change()
+
+
+def _skeleton_contexts(ds_config: Mapping | None) -> list:
+    ctxs: list = [_no_init_weights()]
     if ds_config is not None and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:
         import deepspeed
-        from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
         # dtype comes from the config's bf16 switch (resolve_ds_config made it agree with the recipe). Passing
         # dtype= explicitly is unsafe in deepspeed 0.19: on an accelerator without fp16 it yields bf16.
-        ctxs += [prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=dict(ds_config))]
+        ctxs += [_keep_arange_dtype(), deepspeed.zero.Init(config_dict_or_path=dict(ds_config))]
     return ctxs
+
+
+@torch.no_grad()
+def _recompute_rope(model: nn.Module) -> None:
+    """Rebuild RoPE ``inv_freq`` (non-persistent, never loaded) outside zero.Init, so it is exact fp32."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for buf in ("inv_freq", "original_inv_freq"):
+                if isinstance(getattr(module, buf, None), torch.Tensor):
+                    setattr(module, buf, getattr(fresh, buf).to(getattr(module, buf).device))
 
 
 def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport], dtype: torch.dtype) -> None:
@@ -140,7 +165,7 @@ def build_frod_model(
     zero3 = ds_config is not None and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
     config = AutoConfig.from_pretrained(str(ckpt.dir))
     with contextlib.ExitStack() as stack:
-        for ctx in _skeleton_contexts(ds_config, dtype):
+        for ctx in _skeleton_contexts(ds_config):
             stack.enter_context(ctx)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         _swap_targets(model, store, supports, dtype)
@@ -163,6 +188,6 @@ def build_frod_model(
             f"{len(missing)} tensors missing from checkpoint {ckpt.dir}: {', '.join(missing[:5])}"
             f"{' …' if len(missing) > 5 else ''}"
         )
-    # Non-persistent buffers (RoPE inv_freq) were computed at construction on the default device.
+    _recompute_rope(model)
     mark_only_frod_trainable(model)
     return model
