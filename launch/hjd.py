@@ -29,7 +29,7 @@ from frod_ds.store import verify_store
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors) or HF Hub id")
     p.add_argument("--out", type=Path, help="factor store directory to create or resume (shared by all ranks)")
     p.add_argument("--verify", type=Path, metavar="DIR", help="verify the factor store DIR against --model instead of building")

@@ -176,19 +176,14 @@ def test_split_counts_and_blocks():
 
 
 def test_launcher_env_maps_srun(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SLURM_PROCID", "5")
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "16")
-    monkeypatch.setenv("SLURM_LOCALID", "1")
-    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[007-008,012],cpu1")
-    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    env = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
+           "SLURM_STEP_NODELIST": "gpu[007-008,012],cpu1", "SLURM_JOB_ID": "123"}
+    monkeypatch.setattr(D.os, "environ", env)  # a private environment: nothing leaks into later tests
     assert D._launcher_env() == (5, 16, 1)
-    import os
-
-    assert os.environ["MASTER_ADDR"] == "gpu007" and os.environ["RANK"] == "5" and os.environ["LOCAL_RANK"] == "1"
+    assert env["MASTER_ADDR"] == "gpu007" and env["RANK"] == "5" and env["LOCAL_RANK"] == "1"
     assert D._first_slurm_host("node1") == "node1"
-    monkeypatch.delenv("SLURM_STEP_NUM_TASKS")
-    for var in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(var)
+    sbatch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}
+    monkeypatch.setattr(D.os, "environ", sbatch)
     assert D._launcher_env() is None, "plain python inside sbatch stays one process"
+    monkeypatch.setattr(D.os, "environ", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert D._launcher_env() == (1, 2, 1), "torchrun / deepspeed launcher"
