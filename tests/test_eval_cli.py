@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from launch.eval import main
-from test_eval_fixtures import (
+from tests.eval_fixtures import (
     bigram_llama,
     make_rows,
     preference_logits,

@@ -19,7 +19,7 @@ from frod_ds.evaluation import (
     score_loglik_rows,
 )
 from frod_ds.scoring import PAPER_RESULTS, markdown_table, summarize
-from test_eval_fixtures import (
+from tests.eval_fixtures import (
     TASK_CHOICES,
     bigram_llama,
     make_rows,
