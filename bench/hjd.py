@@ -245,6 +245,16 @@ def suite(kind: str, work: Path, out: Path, budget_s: float) -> None:
         s.step("tiny-fp32", 60, lambda: run_stage(ckpt, store, gpus2, [], s.log, False))
         shutil.rmtree(work, ignore_errors=True)
         return
+    if kind == "7b-1gpu":  # where the 7B time goes on one GPU: disk reads, durable writes, compute
+        shutil.rmtree(ckpt, ignore_errors=True)
+        if s.step("gen-7b", 90, lambda: write_checkpoint(ckpt, "7b", TARGETS)):
+            s.step("7b-1gpu-cold", 80, lambda: run_stage(ckpt, store, 1, [], s.log, True), preset="7b")
+            s.step("7b-1gpu-cold-nofsync", 80, lambda: run_stage(ckpt, store, 1, ["--no-fsync"], s.log, True),
+                   preset="7b")
+            s.step("7b-1gpu-warm-nofsync", 80, lambda: run_stage(ckpt, store, 1, ["--no-fsync"], s.log, False),
+                   preset="7b")
+        shutil.rmtree(work, ignore_errors=True)
+        return
 
     # 2. LLaMA-2-7B shapes, six categories, 1 and 2 GPUs.
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -282,7 +292,8 @@ def suite(kind: str, work: Path, out: Path, budget_s: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=["tiny", "device"], required=True, help="tiny: CPU harness check; device: GPUs")
+    p.add_argument("--suite", choices=["tiny", "device", "7b-1gpu"], required=True,
+                   help="tiny: CPU harness check; device: GPUs (7B and 70B shapes); 7b-1gpu: 7B I/O breakdown")
     p.add_argument("--work", type=Path, required=True, help="scratch directory for checkpoints and stores (deleted)")
     p.add_argument("--out", type=Path, required=True, help="results JSON (a .log with the stage output beside it)")
     p.add_argument("--budget-s", type=float, default=540, help="stop starting new steps after this many seconds")
