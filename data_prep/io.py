@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +65,12 @@ def check_row(row: Any) -> str | None:
     return None
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Read and validate a data_prep JSONL file.
+def read_rows(
+    path: str | Path, check: Callable[[Any], str | None] = check_row, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """Read and validate a JSONL file (by default, data_prep's output schema).
 
+    ``check`` returns why a row is invalid or None; ``limit`` stops after that many rows.
     Raises ValueError naming the file and 1-based line of the first bad row.
     """
     rows = []
@@ -79,8 +82,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path} line {line_no}: not valid JSON ({exc.msg})") from None
-            problem = check_row(row)
+            problem = check(row)
             if problem:
                 raise ValueError(f"{path} line {line_no}: {problem}")
             rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
     return rows

@@ -12,13 +12,13 @@ it without replaying data, and the same recipe on another world size sees the sa
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from data_prep.io import read_rows
 from frod_ds.evaluation import encode_rows
 
 __all__ = ["DataError", "read_training_rows", "Example", "encode_examples", "collate", "BatchPlan"]
@@ -39,29 +39,23 @@ def _resolve_train_path(path: str | Path) -> Path:
     return p
 
 
+def _check_training_row(row) -> str | None:
+    if not isinstance(row, dict):
+        return "expected a JSON object"
+    for key in ("prompt", "answer"):
+        if not isinstance(row.get(key), str):
+            return (f"field {key!r} missing or not a string; rows need "
+                    '{"prompt": str, "answer": str} (the output of `python -m data_prep build`)')
+    return None
+
+
 def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows with string ``prompt`` and ``answer`` (other data_prep fields are kept, not required)."""
     p = _resolve_train_path(path)
-    rows = []
-    with open(p, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p} line {line_no}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{p} line {line_no}: expected a JSON object")
-            for key in ("prompt", "answer"):
-                if not isinstance(row.get(key), str):
-                    raise DataError(
-                        f"{p} line {line_no}: field {key!r} missing or not a string; rows need "
-                        '{"prompt": str, "answer": str} (the output of `python -m data_prep build`)'
-                    )
-            rows.append(row)
-            if limit is not None and len(rows) >= limit:
-                break
+    try:
+        rows = read_rows(p, check=_check_training_row, limit=limit)
+    except ValueError as e:
+        raise DataError(str(e)) from None
     if not rows:
         raise DataError(f"{p} has no rows")
     return rows
