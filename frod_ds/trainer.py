@@ -152,11 +152,11 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         config=ds_cfg,
     )
     out = Path(recipe.output_dir)
-    meta = {
-        "base_model": recipe.model.base,
-        "factor_store": str(recipe.model.factor_store),
+    meta = {  # local paths made absolute so the adapter loads from any working directory
+        "base_model": _absolute_if_local(recipe.model.base),
+        "factor_store": _absolute_if_local(recipe.model.factor_store),
         "factor_store_fingerprint": store.fingerprint,
-        "tokenizer": recipe.model.tokenizer,
+        "tokenizer": _absolute_if_local(recipe.model.tokenizer) if recipe.model.tokenizer else None,
         "targets": list(recipe.model.targets),
         "sparsity": recipe.model.sparsity,
         "seed": recipe.model.seed,
@@ -171,6 +171,11 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     run.start_step = _maybe_resume(run)
     return run
+
+
+def _absolute_if_local(path_or_id: str) -> str:
+    p = Path(path_or_id)
+    return str(p.resolve()) if p.exists() else path_or_id
 
 
 def _seed_everything(seed: int) -> None:

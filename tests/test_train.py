@@ -31,7 +31,9 @@ def probe(env, tmp_path_factory):
     out = tmp_path_factory.mktemp("probe")
     res = run_train(CPU_ZERO3, env.overrides(out, **{"train.max_steps": 8, "train.schedule": "constant",
                                                      "train.warmup_ratio": 0.0, "train.save_every": 4,
-                                                     "train.rotation_every": 4}), script=PROBE)
+                                                     "train.rotation_every": 4, "train.eval_every": 4,
+                                                     "data.eval": env.data / "eval" / "boolq.jsonl"}),
+                    script=PROBE)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out, [json.loads((out / f"probe_rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -49,6 +51,8 @@ def test_zero3_training_loss_decreases(probe):
     assert set(with_rot[-1]["tan_alpha"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"}
     assert all(v > 0 for v in with_rot[-1]["tan_alpha"].values())
     assert (out / "loss.png").stat().st_size > 1000
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [4, 8]
 
 
 def test_frozen_factors_partitioned_without_grad_or_optimizer_state(probe):
@@ -100,6 +104,21 @@ def test_adapter_checkpoint_content_and_round_trip(probe, env):
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
     assert torch.allclose(logits, torch.load(out / "probe_logits.pt"), atol=1e-5, rtol=1e-5)
+
+    # The held-out loss logged at the last step, recomputed with plain forwards of the loaded model.
+    from frod_ds.data import collate, encode_examples, read_training_rows
+
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(str(env.model))
+    examples = encode_examples(tok, read_training_rows(env.data / "eval" / "boolq.jsonl"), 64, False)
+    total = count = 0.0
+    with torch.no_grad():
+        for ex in examples:
+            b = collate([ex], tok.pad_token_id or 0)
+            n = float((b["labels"][:, 1:] != -100).sum())
+            total += float(model(**b).loss) * n
+            count += n
+    logged = [r for r in metrics(out) if "eval_loss" in r][-1]["eval_loss"]
+    assert logged == pytest.approx(total / count, rel=1e-4)
 
 
 def test_zero2_and_zero3_give_same_first_step_loss(probe, env, tmp_path):
