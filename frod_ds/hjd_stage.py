@@ -59,6 +59,7 @@ class StageConfig:
     dtype: torch.dtype = torch.float32
     block_gb: float = 4.0
     device_cache_gb: float = 16.0
+    part_mb: float = 256.0
     device: str = "auto"
     overwrite: bool = False
     fsync: bool = True
@@ -75,6 +76,8 @@ class StageConfig:
             problems.append(f"--dtype must be float32 or float64, got {self.dtype}")
         if not self.block_gb > 0:
             problems.append(f"--block-gb must be > 0, got {self.block_gb}")
+        if not self.part_mb > 0:
+            problems.append(f"--part-mb must be > 0, got {self.part_mb}")
         if not self.device_cache_gb >= 0:
             problems.append(f"--device-cache-gb must be >= 0, got {self.device_cache_gb}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -323,7 +326,7 @@ def run_stage(cfg: StageConfig) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 D.on_main(lambda: _remove_store_files(cfg.out, category))  # leftovers of a killed run
                 out = run_category(ckpt, category, categories[category], pi=cfg.pi, dtype=cfg.dtype, device=device,
-                                   out=cfg.out, block_gb=cfg.block_gb, device_cache_gb=cfg.device_cache_gb,
+                                   out=cfg.out, block_gb=cfg.block_gb, device_cache_gb=cfg.device_cache_gb, part_mb=cfg.part_mb,
                                    fsync=cfg.fsync, loader=loader, writer=writer)
                 outs = D.all_gather_object(out)
                 D.on_main(lambda: _finish_category(cfg, manifest, category, outs, time.perf_counter() - t0))

@@ -102,16 +102,19 @@ class _QCache:
         return t.to(self.device)
 
 
+
 class _CategoryJob:
     """This rank's share of one category: its members, their blocks, and the three passes over them."""
 
     def __init__(self, ckpt: HFCheckpoint, category: str, members: list[str], *, pi: float, dtype: torch.dtype,
                  device: torch.device, out: Path, block_gb: float, device_cache_gb: float, fsync: bool,
+                 part_mb: float,
                  loader: ThreadPoolExecutor, writer: ThreadPoolExecutor):
         rank, world = D.get_rank(), D.get_world_size()
         self.ckpt, self.category, self.L = ckpt, category, len(members)
         self.pi, self.dtype, self.device, self.out, self.fsync = pi, dtype, device, out, fsync
         self.loader, self.writer = loader, writer
+        self.part_bytes = part_mb * 2**20  # target size of one part file
         self.n = ckpt.shape(members[0] + ".weight")[1]
         self.u_dtype = ckpt.dtype(members[0] + ".weight")
         counts = split_counts(self.L, world)
@@ -233,10 +236,25 @@ class _CategoryJob:
         err: dict[str, float] = {}
         stored_err: dict[str, float] = {}
         pending: list[Future] = []
+        tensors: dict[str, Tensor] = {}
+        part = 0
+
+        def flush() -> None:
+            # Part files of about part_mb MiB, written while the next members are computed; at most one write
+            # in flight keeps host memory bounded.
+            nonlocal tensors, part
+            if not tensors:
+                return
+            fname = part_file(self.category, rank, part)
+            files.update(dict.fromkeys(tensors, fname))
+            while pending:
+                pending.pop().result()
+            pending.append(self.writer.submit(save_tensors_atomic, self.out / fname, tensors, self.fsync))
+            tensors, part = {}, part + 1
+
         for b, Ws in enumerate(_prefetch(self._read, self.blocks, self.loader)):
             block = self.blocks[b]
             Q_g = self.cache.pop(b)  # (m_b, k)
-            tensors: dict[str, Tensor] = {}
             for i, W_cpu in zip(block, Ws):
                 member = self.mine[i]
                 W_i = W_cpu.to(self.device).to(dtype)  # (m_i, n); a blocking H2D copy_ would convert on the CPU
@@ -249,13 +267,10 @@ class _CategoryJob:
                 tensors[sigma_key(member)] = sigma_s.cpu()
                 del W_i, U_i, U_s
                 self.bar.update(1)
+                if sum(t.numel() * t.element_size() for t in tensors.values()) >= self.part_bytes:
+                    flush()
             del Q_g, Ws
-            fname = part_file(self.category, rank, b)
-            files.update(dict.fromkeys(tensors, fname))
-            while pending:  # at most one write in flight: bounded host memory
-                pending.pop().result()
-            pending.append(self.writer.submit(save_tensors_atomic, self.out / fname, tensors, self.fsync))
-            del tensors
+        flush()
         if D.is_main():
             files[v_key(self.category)] = v_file(self.category)
             pending.append(self.writer.submit(save_tensors_atomic, self.out / v_file(self.category),

@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pi", type=float, default=1e-3, help="ridge term π > 0 of T_pi (spec §1)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="HJD compute dtype (fp32 runs with TF32 off)")
+    p.add_argument("--part-mb", type=float, default=256.0,
+                   help="size of one U/sigma part file, MiB; smaller parts overlap writing with computing")
     p.add_argument("--block-gb", type=float, default=4.0,
                    help="largest stack of weights (in the compute dtype) a rank QRs at once, GiB")
     p.add_argument("--device-cache-gb", type=float, default=16.0,
@@ -62,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build(args: argparse.Namespace) -> int:
     cfg = D.on_all(lambda: StageConfig(
         model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
-        block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, device=args.device, overwrite=args.overwrite,
+        block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, part_mb=args.part_mb, device=args.device, overwrite=args.overwrite,
         fsync=args.fsync))
     manifest = run_stage(cfg)
     if D.is_main():

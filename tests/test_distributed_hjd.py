@@ -187,3 +187,17 @@ def test_launcher_env_maps_srun(monkeypatch):
     assert D._launcher_env() is None, "plain python inside sbatch stays one process"
     monkeypatch.setattr(D.os, "environ", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
     assert D._launcher_env() == (1, 2, 1), "torchrun / deepspeed launcher"
+
+
+def test_small_part_files_split_a_block_and_still_equal_decompose(tmp_path):
+    """--part-mb smaller than one member: every member's U/σ lands in its own part file of the one block."""
+    model = write_tiny_llama(tmp_path / "model", **WIDE)
+    proc = run_hjd(["--model", str(model), "--out", str(tmp_path / "store"), "--dtype", "float64",
+                    "--part-mb", "1e-6"], nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = FactorStore.open(tmp_path / "store")
+    files = store.manifest["categories"]["q_proj"]["files"]
+    members = store.categories["q_proj"]
+    assert len({files[m + ".U"] for m in members}) == len(members)
+    assert all(files[m + ".U"] == files[m + ".sigma"] for m in members)
+    _assert_store_equals_decompose(store, model)
