@@ -307,6 +307,8 @@ def run_stage(cfg: StageConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     device = D.on_all(lambda: _device(cfg))
     if device.type == "cuda":
+        torch.cuda.set_device(device)  # a single process has no NCCL init that would create the context
+        torch.zeros(1, device=device)  # creates the CUDA context before the memory-stats calls
         torch.cuda.reset_peak_memory_stats(device)
     model_dir = D.on_main(lambda: str(resolve_model_dir(cfg.model)))  # rank 0 downloads first, then the others
     ckpt = D.on_all(lambda: HFCheckpoint(model_dir if D.is_main() else resolve_model_dir(cfg.model)))
