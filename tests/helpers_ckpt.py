@@ -17,17 +17,14 @@ LAUNCH = REPO / "launch" / "hjd.py"
 
 def write_tiny_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str = "12KB",
                      **overrides) -> Path:
-    """``LlamaForCausalLM`` from a tiny ``LlamaConfig`` saved with ``save_pretrained`` in several shards
-    (``model.safetensors.index.json``). Defaults: hidden 32, 3 layers, 4 heads, 2 KV heads (k/v 16×32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """``frod_ds.toy.write_tiny_llama`` at HJD-test size, in several shards (``model.safetensors.index.json``).
+    Defaults: hidden 32, 3 layers, 4 heads, 2 KV heads (k/v 16×32), LLaMA's init std 0.02."""
+    from frod_ds.toy import write_tiny_llama as write
 
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    kw = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.02)
     kw.update(overrides)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kw)).to(dtype)
-    model.save_pretrained(path, max_shard_size=max_shard_size, safe_serialization=True)
-    return path
+    return write(path, vocab_size=kw.pop("vocab_size", 64), seed=seed, dtype=dtype, max_shard_size=max_shard_size, **kw)
 
 
 def shard_files(path: Path) -> list[Path]:
