@@ -104,37 +104,53 @@ def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport]
             setattr(model.get_submodule(parent) if parent else model, leaf, layer)
 
 
-def _load_module(
-    name: str, module: nn.Module, ckpt, keys: set[str], store, rank0: bool, zero3: bool, v_done: set
-) -> list[str]:
-    """Fill the direct parameters of ``module``; returns the checkpoint keys that were missing."""
+def _read_param(name: str, pn: str, module: nn.Module, ckpt, keys: set[str], store) -> torch.Tensor | None:
+    """The tensor for parameter ``pn`` of module ``name``: from the factor store for FRoD factors, else from
+    the checkpoint; None when the checkpoint lacks it."""
+    if isinstance(module, FRoDLinear) and pn in ("U", "V", "frod_sigma"):
+        if pn == "U":
+            return store.load_U(name)
+        if pn == "V":
+            return store.load_V(store.category_of(name))
+        return store.load_sigma(name)
+    key = f"{name}.{pn}" if name else pn
+    return ckpt.get(key) if key in keys else None
+
+
+def _load_module(name: str, module: nn.Module, ckpt, keys: set[str], store, rank0: bool, zero3: bool,
+                 state: dict) -> None:
+    """Fill the direct parameters of ``module`` (rank 0 reads, ZeRO-3 re-partitions).
+
+    Problems are recorded in ``state`` (``missing`` keys, the first ``error``) instead of raised, so every
+    rank keeps making the same collective gathers; the caller raises once all ranks know.
+    """
     params = [(pn, p) for pn, p in module.named_parameters(recurse=False)]
     if not params:
-        return []
-    missing: list[str] = []
+        return
     with gathered([p for _, p in params], zero3, modifier_rank=0):
-        if not rank0:
-            return []
+        if not rank0 or state["error"] is not None:
+            return
         for pn, p in params:
             key = f"{name}.{pn}" if name else pn
-            with torch.no_grad():
-                if isinstance(module, FRoDLinear) and pn in ("U", "V", "frod_sigma", "frod_s"):
-                    if pn == "U":
-                        p.copy_(store.load_U(name).to(p.dtype))
-                    elif pn == "V":
-                        category = store.category_of(name)
-                        if id(p) not in v_done:
-                            p.copy_(store.load_V(category).to(p.dtype))
-                            v_done.add(id(p))
-                    elif pn == "frod_sigma":
-                        p.copy_(store.load_sigma(name).to(p.dtype))
-                    else:
+            if isinstance(module, FRoDLinear) and pn == "V" and id(p) in state["v_done"]:
+                continue  # one V per category, shared by its members
+            try:
+                with torch.no_grad():
+                    if isinstance(module, FRoDLinear) and pn == "frod_s":
                         p.zero_()
-                elif key in keys:
-                    p.copy_(ckpt.get(key).to(p.dtype))
-                else:
-                    missing.append(key)
-    return missing
+                        continue
+                    t = _read_param(name, pn, module, ckpt, keys, store)
+                    if t is None:
+                        state["missing"].append(key)
+                        continue
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"{key}: shape {tuple(t.shape)} in the files, {tuple(p.shape)} in the model")
+                    p.copy_(t.to(p.dtype))
+                    if pn == "V":
+                        state["v_done"].add(id(p))
+            except Exception as e:  # noqa: BLE001 - reported on every rank by the caller
+                state["error"] = f"loading {key}: {e}"
+                return
 
 
 def build_frod_model(
@@ -168,21 +184,25 @@ def build_frod_model(
         for ctx in _skeleton_contexts(ds_config):
             stack.enter_context(ctx)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
         _swap_targets(model, store, supports, dtype)
     rank0 = rank == 0 or not zero3
-    missing: list[str] = []
-    v_done: set = set()
+    state: dict = {"missing": [], "error": None, "v_done": set()}
     seen: set = set()
     for name, module in model.named_modules():
         fresh = [p for p in module.parameters(recurse=False) if id(p) not in seen or isinstance(module, FRoDLinear)]
         if not fresh:
             continue  # tied weights already loaded through their first module
         seen.update(id(p) for p in module.parameters(recurse=False))
-        missing += _load_module(name, module, ckpt, keys, store, rank0, zero3, v_done)
+        _load_module(name, module, ckpt, keys, store, rank0, zero3, state)
+    missing, error = state["missing"], state["error"]
     if zero3:
         from frod_ds.distributed import broadcast_object
 
-        missing = broadcast_object(missing, src=0)  # only rank 0 read; every rank must fail together
+        missing, error = broadcast_object((missing, error), src=0)  # only rank 0 read; all ranks fail together
+    if error is not None:
+        raise ValueError(error)
     if missing:
         raise ValueError(
             f"{len(missing)} tensors missing from checkpoint {ckpt.dir}: {', '.join(missing[:5])}"

@@ -7,7 +7,8 @@ covers the answer tokens and EOS only. The context/answer token boundary is the 
 Order: one permutation of the dataset per epoch from ``(seed, epoch)``; each optimizer step takes
 ``world × accum × micro`` consecutive examples of it, rank ``r`` and micro-step ``a`` taking the slice
 ``[(a·world + r)·micro, +micro)``. A position is therefore just ``(epoch, step in epoch)``: resuming skips to
-it without replaying data, and the same recipe on another world size sees the same global batches.
+it without replaying data, and the same global batch split differently (world × accum × micro) sees the same
+examples at every step.
 """
 
 from __future__ import annotations

@@ -89,6 +89,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     kwargs: dict[str, Any] = {"timeout": timedelta(minutes=timeout_minutes)}
     if backend == "nccl":
+        local_rank %= max(torch.cuda.device_count(), 1)  # srun may give each task a single visible GPU
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group(backend=backend, **kwargs)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["SparseSupport", "FRoDLinear", "support_seed"]
+__all__ = ["SparseSupport", "FRoDLinear", "support_seed", "ordering"]
 
 TRAINABLE_PREFIX = "frod_"
 
@@ -67,7 +67,10 @@ class SparseSupport:
             raise ValueError(f"S support has indices outside an {n}x{n} matrix")
         if (rows == cols).any():
             raise ValueError("S support must be strictly off-diagonal")
-        return cls(n, rows * n + cols)
+        flat = rows * n + cols
+        if torch.unique(flat).numel() != flat.numel():
+            raise ValueError("S support has duplicate (row, col) entries")
+        return cls(n, flat)
 
     @property
     def nnz(self) -> int:
@@ -116,38 +119,37 @@ class FRoDLinear(nn.Module):
         if bias is not None:
             bias.requires_grad_(False)
         self.support = support
-        # "auto": pick the cheaper exact ordering per call; "tokens" / "weight" force one (benchmarks).
+        # "auto": the cheaper exact ordering per call (``ordering``); "tokens" / "weight" force one (benchmarks).
         self.mode = "auto"
 
     # -- the math ------------------------------------------------------------------------------------
 
-    def core(self, dtype: torch.dtype | None = None) -> Tensor:
+    def core(self, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
         """``M = diag σ + S`` as a dense ``(n, n)`` matrix (differentiable in σ and the S values)."""
         n = self.in_features
         dtype = dtype or self.frod_sigma.dtype
-        device = self.frod_sigma.device
+        device = device or self.frod_sigma.device
         diag = torch.arange(0, n * n, n + 1, device=device)
         idx = torch.cat([diag, self.support.on(device)])  # (n + nnz,)
-        vals = torch.cat([self.frod_sigma, self.frod_s]).to(dtype)  # (n + nnz,)
+        vals = torch.cat([self.frod_sigma, self.frod_s]).to(device=device, dtype=dtype)  # (n + nnz,)
         return torch.zeros(n * n, dtype=dtype, device=device).scatter(0, idx, vals).view(n, n)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x`` (..., n) → (..., m).
-
-        Two exact orderings (FLOPs in units of n²·2, T tokens, m ≈ n):
-          tokens: ``U (M (Vᵀ x))``          fwd+bwd ≈ 7T
-          weight: ``(U M Vᵀ) x``            fwd+bwd ≈ 3T + 4n
-        "auto" uses the weight ordering when T ≥ n.
-        """
-        M = self.core(x.dtype)  # (n, n)
+        """``x`` (..., n) → (..., m), by the cheaper of two exact orderings (``ordering``)."""
+        M = self.core(x.dtype, x.device)  # (n, n)
         tokens = x.numel() // self.in_features
-        mode = self.mode if self.mode != "auto" else ("weight" if tokens >= self.in_features else "tokens")
+        mode = self.mode
+        if mode == "auto":
+            mode = ordering(tokens, self.out_features, self.in_features, torch.is_grad_enabled())
+        # The frozen factors go into the ops whole (no .T views): autograd then keeps the Parameter objects,
+        # whose storage ZeRO-3 may release after the forward and gather again for the backward.
+        U, V, bias = self.U.to(x.dtype), self.V.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
         if mode == "weight":
-            W = (self.U.to(x.dtype) @ M) @ self.V.to(x.dtype).T  # (m, n)
-            return F.linear(x, W, self.bias)
-        z = x @ self.V.to(x.dtype)  # (..., n)   z = Vᵀx
+            W = F.linear(U @ M, V)  # (m, n) = U M Vᵀ
+            return F.linear(x, W, bias)
+        z = x @ V  # (..., n)   z = Vᵀx
         h = F.linear(z, M)  # (..., n)   h = M z
-        return F.linear(h, self.U.to(x.dtype), self.bias)  # (..., m)
+        return F.linear(h, U, bias)  # (..., m)
 
     @torch.no_grad()
     def merged_weight(self, dtype: torch.dtype | None = None) -> Tensor:
@@ -172,6 +174,19 @@ class FRoDLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"nnz={self.support.nnz}, bias={self.bias is not None}"
         )
+
+
+def ordering(tokens: int, m: int, n: int, grad: bool) -> str:
+    """The cheaper exact ordering of ``U M Vᵀ x`` for ``tokens`` inputs, U (m, n), by multiply-adds.
+
+        tokens ``U (M (Vᵀ x))``: forward 2Tn² + Tmn; with backward 5Tn² + 2Tmn
+        weight ``(U M Vᵀ) x``:   forward 2mn² + Tmn; with backward 4mn² + 3Tmn
+    """
+    if grad:
+        cost_tokens, cost_weight = 5 * tokens * n * n + 2 * tokens * m * n, 4 * m * n * n + 3 * tokens * m * n
+    else:
+        cost_tokens, cost_weight = 2 * tokens * n * n + tokens * m * n, 2 * m * n * n + tokens * m * n
+    return "weight" if cost_weight < cost_tokens else "tokens"
 
 
 def trainable_numel(n: int, density: float) -> int:

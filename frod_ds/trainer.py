@@ -124,6 +124,11 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
 
     world, rank = dist.get_world_size(), dist.get_rank()
     ds_cfg = resolve_ds_config(load_ds_config(ds_config_path), recipe, world, nvme_path)
+    if recipe.train.tensorboard:  # on every rank, before any collective, so a missing package fails cleanly
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise ValueError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
     rows = read_training_rows(recipe.data.train, recipe.data.limit)
     eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
     model_dir, store = _check_store(recipe)
@@ -165,8 +170,8 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     }
     run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
               zero_stage(ds_cfg) == 3, store, out, meta)
+    run.sigma0 = _initial_sigma(engine.module, run.zero3)
     if dist.is_main():
-        run.sigma0 = {name: store.load_sigma(name) for name, _ in frod_modules(engine.module)}
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     run.start_step = _maybe_resume(run)
@@ -176,6 +181,16 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
 def _absolute_if_local(path_or_id: str) -> str:
     p = Path(path_or_id)
     return str(p.resolve()) if p.exists() else path_or_id
+
+
+def _initial_sigma(model, zero3: bool) -> dict[str, torch.Tensor]:
+    """σ⁰ as the model holds it (model dtype, so bf16 rounding is not counted as an update); rank 0 keeps it."""
+    sigma0 = {}
+    for name, m in frod_modules(model):
+        with gathered([m.frod_sigma], zero3):
+            if dist.is_main():
+                sigma0[name] = m.frod_sigma.detach().float().cpu().clone()
+    return sigma0
 
 
 def _seed_everything(seed: int) -> None:
@@ -191,9 +206,9 @@ def _ckpt_root(run: Run) -> Path:
 
 def _maybe_resume(run: Run) -> int:
     marker = _ckpt_root(run) / "latest_complete"
-    if not marker.is_file():
+    tag = dist.broadcast_object(marker.read_text().strip() if marker.is_file() else None, src=0)
+    if tag is None:
         return 0
-    tag = marker.read_text().strip()
     path, client = run.engine.load_checkpoint(
         str(_ckpt_root(run)), tag=tag, load_module_strict=False, load_optimizer_states=True,
         load_lr_scheduler_states=True,
@@ -206,6 +221,12 @@ def _maybe_resume(run: Run) -> int:
     if torch.cuda.is_available() and rng.get("cuda") is not None:
         torch.cuda.set_rng_state(rng["cuda"])
     step = int(client["step"])
+    metrics = run.out / "metrics.jsonl"
+    if dist.is_main() and metrics.is_file():  # drop rows of steps after the checkpoint: they are replayed
+        kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        tmp = metrics.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, metrics)
     dist.print0(f"resumed from {tag}: step {step}/{run.total_steps}")
     return step
 
@@ -225,9 +246,13 @@ def save_checkpoint(run: Run, step: int) -> None:
         tmp = root / "latest_complete.tmp"
         tmp.write_text(tag)
         os.replace(tmp, root / "latest_complete")
-        tags = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step"))
-        for old in tags[: -run.recipe.train.keep_checkpoints]:
-            shutil.rmtree(root / old, ignore_errors=True)
+        complete = sorted(p.name for p in root.iterdir() if (p / "COMPLETE").is_file())
+        for old in complete[: -run.recipe.train.keep_checkpoints]:
+            if old != tag:
+                shutil.rmtree(root / old, ignore_errors=True)
+        for p in root.iterdir():  # leftovers of a save that was killed: never resumed from
+            if p.is_dir() and p.name.startswith("step") and not (p / "COMPLETE").is_file() and p.name != tag:
+                shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
 
 
@@ -254,7 +279,7 @@ def _peak_mem_gb() -> float:
 
 
 def rotation_angles(run: Run) -> dict[str, float]:
-    """``tan α`` per category (spec §2): ‖Σ ΔW_off‖ / ‖Σ ΔW_on‖ over the category's members."""
+    """``tan α`` per category (spec §2): ``sqrt(Σ‖ΔW_off‖² / Σ‖ΔW_on‖²)`` over the category's members."""
     sums: dict[str, list[float]] = {}
     for name, m in frod_modules(run.engine.module):
         with gathered([m.U, m.V, m.frod_sigma, m.frod_s], run.zero3):
@@ -335,7 +360,7 @@ def fit(run: Run) -> int:
     """Train from ``run.start_step`` to ``run.total_steps``; returns the process exit code."""
     t = run.recipe.train
     _install_sigterm(run)
-    writer = _tensorboard(run) if t.tensorboard and dist.is_main() else None
+    writer = _tensorboard(run) if t.tensorboard and dist.is_main() else None  # importable: checked in setup
     metrics_path = run.out / "metrics.jsonl"
     bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train",
                dynamic_ncols=True)
@@ -378,10 +403,8 @@ def fit(run: Run) -> int:
 
 
 def _tensorboard(run: Run):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ValueError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(str(run.out / "tensorboard"))
 
 

@@ -82,6 +82,38 @@ def test_frod_auto_mode_picks_cheaper_ordering_and_both_agree():
         assert torch.allclose(outs[0], outs[1], atol=1e-12) and torch.allclose(outs[0], outs[2], atol=1e-12)
 
 
+def test_ordering_picks_the_fewer_multiply_adds():
+    from frod_ds.layer import ordering
+
+    def flops(mode, T, m, n, grad):  # counted GEMM by GEMM, independently of ordering()'s formula
+        if mode == "tokens":
+            fwd = [T * n * n, T * n * n, T * m * n]  # z = xV, h = zMᵀ, y = hUᵀ
+            bwd = [T * m * n, T * n * n, T * n * n, T * n * n]  # dh, dM, dz, dx
+        else:
+            fwd = [m * n * n, m * n * n, T * m * n]  # UM, (UM)Vᵀ, y = xWᵀ
+            bwd = [T * m * n, T * m * n, m * n * n, m * n * n]  # dW, dx, d(UM), dM
+        return sum(fwd) + (sum(bwd) if grad else 0)
+
+    for T in (1, 512, 2048, 4096, 8192, 20000, 65536):
+        for m, n in ((4096, 4096), (11008, 4096), (1024, 8192), (28672, 8192)):
+            for grad in (True, False):
+                want = "weight" if flops("weight", T, m, n, grad) < flops("tokens", T, m, n, grad) else "tokens"
+                assert ordering(T, m, n, grad) == want, (T, m, n, grad)
+    assert ordering(4096, 11008, 4096, True) == "tokens", "gate/up at T = n: the weight order costs more"
+
+
+def test_frod_linear_casts_frozen_tensors_to_the_input_dtype():
+    layer, W, b = _layer(dtype=torch.float32)
+    layer.to(torch.bfloat16)
+    x = torch.randn(4, 10)  # fp32 input into a bf16 layer with a bias
+    assert layer(x).dtype == torch.float32
+
+
+def test_sparse_support_rejects_duplicates():
+    with pytest.raises(ValueError, match="duplicate"):
+        SparseSupport.from_rows_cols(4, torch.tensor([[0, 0], [1, 1]]))
+
+
 def test_frod_frozen_factors_are_parameters_not_buffers():
     layer, _, _ = _layer()
     names = dict(layer.named_parameters())

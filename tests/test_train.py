@@ -176,6 +176,8 @@ def test_resume_after_kill9_equals_uninterrupted(env, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout + res.stderr, killed_at
 
+    steps = [r["step"] for r in metrics(out)]
+    assert steps == list(range(1, 13)), "rows of replayed steps are dropped on resume"
     a = load_file(str(tmp_path / "ref" / "adapter-final" / "adapter.safetensors"))
     b = load_file(str(out / "adapter-final" / "adapter.safetensors"))
     assert a.keys() == b.keys()
