@@ -47,7 +47,7 @@ def find_categories(model: nn.Module, targets: Sequence[str]) -> dict[str, list[
     return found
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
 
@@ -73,13 +73,10 @@ def apply_frod(
     categories = find_categories(model, targets)
     for category, names in categories.items():
         linears = [model.get_submodule(name) for name in names]
-        for name, lin in zip(names, linears):
-            if not torch.isfinite(lin.weight).all():
-                raise ValueError(f"{name}.weight contains NaN or Inf; check the checkpoint")
         widths = {lin.in_features for lin in linears}
         if len(widths) > 1:
             raise ValueError(f"category {category!r} mixes input widths {sorted(widths)}; members must share n")
-        result = decompose([lin.weight for lin in linears], pi=pi, dtype=hjd_dtype)
+        result = decompose([lin.weight for lin in linears], pi=pi, dtype=hjd_dtype, names=names)
         ref = linears[0].weight
         n = ref.shape[1]
         V = nn.Parameter(result.V.to(device=ref.device, dtype=ref.dtype), requires_grad=False)
@@ -87,7 +84,7 @@ def apply_frod(
         for name, lin, U_i, sigma_i in zip(names, linears, result.U, result.sigma):
             w = lin.weight
             layer = FRoDLinear(U_i.to(device=w.device, dtype=w.dtype), V, sigma_i, support, lin.bias)
-            _set_submodule(model, name, layer)
+            set_submodule(model, name, layer)
     mark_only_frod_trainable(model)
     return model
 

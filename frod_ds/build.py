@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from frod_ds.apply import mark_only_frod_trainable
+from frod_ds.apply import mark_only_frod_trainable, set_submodule
 from frod_ds.layer import FRoDLinear, SparseSupport, support_seed
 
 __all__ = ["make_supports", "build_frod_model", "gathered", "DTYPES"]
@@ -100,8 +100,7 @@ def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport]
             layer = FRoDLinear(
                 torch.empty(m, n, dtype=dtype), V, torch.empty(n, dtype=dtype), supports[category], old.bias
             )
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+            set_submodule(model, name, layer)
 
 
 def _read_param(name: str, pn: str, module: nn.Module, ckpt, keys: set[str], store) -> torch.Tensor | None:

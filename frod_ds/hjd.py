@@ -164,17 +164,21 @@ def reconstruction_error(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor) -
     return float(diff / ref) if ref > 0 else float(diff)
 
 
-def decompose(weights: Sequence[Tensor], pi: float = 1e-3, dtype: torch.dtype = torch.float64) -> HJDResult:
+def decompose(
+    weights: Sequence[Tensor], pi: float = 1e-3, dtype: torch.dtype = torch.float64,
+    names: Sequence[str] | None = None,
+) -> HJDResult:
     """HJD of one category on the members' device, computed in ``dtype`` (fp32: TF32 off).
 
     Args:
         weights: ``W_i`` of shape ``(m_i, n)``, same ``n`` for all.
         pi: ridge term ``π > 0`` of ``T_pi``.
         dtype: compute dtype, ``torch.float64`` (default) or ``torch.float32``.
+        names: the members' names for error messages (default ``member i``).
     Returns:
         ``HJDResult`` with ``V`` (n, n), ``U[i]`` (m_i, n), ``sigma[i]`` (n,), all in ``dtype``.
     """
-    validate_members(weights, pi)
+    validate_members(weights, pi, names)
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"HJD dtype must be torch.float32 or torch.float64, got {dtype}")
     with no_tf32():
