@@ -123,14 +123,16 @@ def drop_caches() -> bool:
         return False
 
 
-def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, cold: bool) -> dict:
-    """``torchrun --nproc_per_node gpus launch/hjd.py`` timed from outside; summary from the manifest."""
+def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, cold: bool, torchrun: bool = True) -> dict:
+    """``torchrun --nproc_per_node gpus launch/hjd.py`` (or, one GPU, plain ``python launch/hjd.py``) timed
+    from outside; summary from the manifest."""
     shutil.rmtree(out, ignore_errors=True)
     env = dict(os.environ, **ENV, PYTHONPATH=str(REPO))
     if torch.cuda.is_available():
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
-           str(REPO / "launch" / "hjd.py"), "--model", str(model), "--out", str(out), *args]
+    assert torchrun or gpus == 1, "several GPUs need a launcher"
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus)] if torchrun else []
+    cmd = [sys.executable, *launcher, str(REPO / "launch" / "hjd.py"), "--model", str(model), "--out", str(out), *args]
     dropped = drop_caches() if cold else False
     t0 = time.perf_counter()
     with open(log, "a") as f:
@@ -138,7 +140,8 @@ def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, col
         f.flush()
         rc = subprocess.run(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
-    result = {"gpus": gpus, "args": args, "rc": rc, "wall_s": round(wall, 2), "cold_cache": dropped}
+    result = {"gpus": gpus, "launcher": "torchrun" if torchrun else "python", "args": args, "rc": rc,
+              "wall_s": round(wall, 2), "cold_cache": dropped}
     mpath = out / "manifest.json"
     if mpath.is_file():
         m = json.loads(mpath.read_text())
@@ -146,10 +149,13 @@ def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, col
         result.update(
             complete=m.get("complete"),
             stage_s=run.get("seconds"),
+            startup_s=run.get("startup_s"),
+            prologue_s=run.get("prologue_s"),
             ranks=run.get("ranks"),
             peak_gpu_gib=max((r.get("peak_device_gib", 0) for r in run.get("ranks", [])), default=None),
             peak_gpu_reserved_gib=max((r.get("peak_device_reserved_gib", 0) for r in run.get("ranks", [])), default=None),
-            categories={c: {k: s.get(k) for k in ("seconds", "phase_seconds", "max_error", "max_stored_error", "width")}
+            categories={c: {k: s.get(k) for k in ("seconds", "phase_seconds", "max_error", "max_stored_error", "width",
+                                                  "method", "cond_estimate")}
                         | {"members": len(s["members"])} for c, s in m["categories"].items() if s.get("complete")},
         )
     return result
@@ -245,14 +251,17 @@ def suite(kind: str, work: Path, out: Path, budget_s: float) -> None:
         s.step("tiny-fp32", 60, lambda: run_stage(ckpt, store, gpus2, [], s.log, False))
         shutil.rmtree(work, ignore_errors=True)
         return
-    if kind == "7b-1gpu":  # where the 7B time goes on one GPU: disk reads, durable writes, compute
+    if kind == "7b-1gpu":  # where the 7B time goes on one GPU: launcher, disk reads, durable writes, route
         shutil.rmtree(ckpt, ignore_errors=True)
         if s.step("gen-7b", 90, lambda: write_checkpoint(ckpt, "7b", TARGETS)):
-            s.step("7b-1gpu-cold", 80, lambda: run_stage(ckpt, store, 1, [], s.log, True), preset="7b")
-            s.step("7b-1gpu-cold-nofsync", 80, lambda: run_stage(ckpt, store, 1, ["--no-fsync"], s.log, True),
+            s.step("7b-1gpu-python-cold", 60, lambda: run_stage(ckpt, store, 1, [], s.log, True, torchrun=False), preset="7b")
+            s.step("7b-1gpu-torchrun-cold", 60, lambda: run_stage(ckpt, store, 1, [], s.log, True), preset="7b")
+            s.step("7b-1gpu-python-warm", 60, lambda: run_stage(ckpt, store, 1, [], s.log, False, torchrun=False),
                    preset="7b")
-            s.step("7b-1gpu-warm-nofsync", 80, lambda: run_stage(ckpt, store, 1, ["--no-fsync"], s.log, False),
-                   preset="7b")
+            s.step("7b-1gpu-python-warm-nofsync", 60,
+                   lambda: run_stage(ckpt, store, 1, ["--no-fsync"], s.log, False, torchrun=False), preset="7b")
+            s.step("7b-1gpu-python-cold-householder", 80,
+                   lambda: run_stage(ckpt, store, 1, ["--method", "householder"], s.log, True, torchrun=False), preset="7b")
         shutil.rmtree(work, ignore_errors=True)
         return
 

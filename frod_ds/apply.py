@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from frod_ds.hjd import decompose
+from frod_ds.hjd_plan import DEFAULT_TARGETS
 from frod_ds.layer import TRAINABLE_PREFIX, FRoDLinear, SparseSupport, support_seed
 
 __all__ = [
@@ -23,7 +24,6 @@ __all__ = [
     "frod_modules",
 ]
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
 
 
 def find_categories(model: nn.Module, targets: Sequence[str]) -> dict[str, list[str]]:

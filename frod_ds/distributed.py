@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from frod_ds.hjd_plan import launcher_rank_world
+
 __all__ = [
     "CollectiveError",
     "init_distributed",
@@ -55,21 +57,17 @@ def _first_slurm_host(nodelist: str) -> str:
 
 
 def _launcher_env() -> tuple[int, int, int] | None:
-    """``(rank, world_size, local_rank)`` from torchrun / deepspeed / srun, or ``None`` (one process)."""
+    """``(rank, world_size, local_rank)`` from torchrun / deepspeed / srun, or ``None`` (one process).
+    Under srun the SLURM variables are also mapped onto ``RANK``/``MASTER_ADDR``/... for the process group."""
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    # srun: one task per GPU. SLURM_STEP_NUM_TASKS (not SLURM_NTASKS) so that a plain `python` inside an
-    # sbatch script with --ntasks 8 stays a single process.
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
-        local = int(env.get("SLURM_LOCALID", 0))
+    launch = launcher_rank_world(env)
+    if launch is not None and "RANK" not in env:  # srun
+        rank, world, local = launch
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         env.setdefault("MASTER_ADDR", _first_slurm_host(nodes))
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
         env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
-        return rank, world, local
-    return None
+    return launch
 
 
 def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) -> None:

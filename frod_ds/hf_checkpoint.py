@@ -2,8 +2,11 @@
 
 ``HFCheckpoint`` reads ``model.safetensors.index.json`` (or a single ``model.safetensors``), parses each
 shard's header itself (8-byte little-endian length + JSON) to know shapes, dtypes and byte offsets, and
-opens only the shard that holds a requested tensor (``safe_open``). Shard headers are checked against the
+reads a requested tensor's byte range from the shard that holds it. Shard headers are checked against the
 file size on first use, so a missing or truncated shard is reported before any rank starts computing.
+
+Importing this module does not import torch (``launch/hjd.py`` uses it to start reading ahead while torch
+loads); tensors are made on demand.
 """
 
 from __future__ import annotations
@@ -11,32 +14,32 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "SAFETENSORS_DTYPES", "resolve_model_dir", "HFCheckpoint", "TensorInfo"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "safetensors_dtype", "resolve_model_dir", "HFCheckpoint", "TensorInfo"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_dtype(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (``"BF16"`` -> ``torch.bfloat16``)."""
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}[code]
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -64,10 +67,14 @@ def resolve_model_dir(model: str) -> Path:
 class TensorInfo:
     """Where one tensor lives: shard file, dtype, shape, absolute byte range in the file."""
 
-    __slots__ = ("file", "dtype", "shape", "start", "end")
+    __slots__ = ("file", "code", "shape", "start", "end")
 
-    def __init__(self, file: Path, dtype: torch.dtype, shape: tuple[int, ...], start: int, end: int):
-        self.file, self.dtype, self.shape, self.start, self.end = file, dtype, shape, start, end
+    def __init__(self, file: Path, code: str, shape: tuple[int, ...], start: int, end: int):
+        self.file, self.code, self.shape, self.start, self.end = file, code, shape, start, end
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return safetensors_dtype(self.code)
 
     @property
     def nbytes(self) -> int:
@@ -105,12 +112,18 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
             continue
         try:
             begin, end = (int(x) for x in meta["data_offsets"])
-            dtype = SAFETENSORS_DTYPES[meta["dtype"]]
+            code = str(meta["dtype"])
+            itemsize = _ITEMSIZE[code]
             shape = tuple(int(s) for s in meta["shape"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{broken} (bad header entry for {name!r})") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * itemsize:
+            raise ValueError(f"{broken} (the byte range of {name!r} does not match its shape and dtype)")
         data_end = max(data_end, end)
-        out[name] = TensorInfo(file, dtype, shape, base + begin, base + end)
+        out[name] = TensorInfo(file, code, shape, base + begin, base + end)
     if base + data_end != size:
         raise ValueError(f"{broken}; its header says {base + data_end} bytes")
     return out
@@ -143,6 +156,7 @@ class HFCheckpoint:
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
         self.tensors_read = 0
         self.bytes_read = 0
+        self._lock = threading.Lock()  # reader threads count what they read
 
     def keys(self) -> list[str]:
         """All tensor names of the checkpoint (from the index; no shard is opened)."""
@@ -181,21 +195,70 @@ class HFCheckpoint:
         """The distinct shard files holding ``names``."""
         return sorted({self.info(n).file for n in names})
 
-    def get(self, name: str, device: str | torch.device = "cpu") -> Tensor:
-        """Read one tensor, opening only its shard."""
-        from safetensors import SafetensorError, safe_open
+    def get(self, name: str, device: str | torch.device = "cpu", pin_memory: bool = False) -> Tensor:
+        """Read one tensor: its byte range straight from its shard into a new tensor (``os.preadv``, which
+        releases the GIL, so reader threads run in parallel). ``pin_memory``: page-locked host memory, for
+        an asynchronous copy to the GPU."""
+        import torch
 
         info = self.info(name)
-        try:
-            with safe_open(str(info.file), framework="pt", device="cpu") as f:
-                t = f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise ValueError(
-                f"could not read {name!r} from {info.file}: {e}; the file is corrupt: download the checkpoint again"
-            ) from None
-        self.tensors_read += 1
-        self.bytes_read += info.nbytes
-        return t if torch.device(device).type == "cpu" else t.to(device)
+        buf = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self.read_range(name, 0, buf)
+        t = buf.view(info.dtype).reshape(info.shape)
+        return t if str(device) == "cpu" else t.to(device)
+
+    def read_range(self, name: str, start: int, out: Tensor) -> None:
+        """Bytes ``[start, start + out.numel())`` of ``name``'s data into the CPU ``uint8`` tensor ``out``."""
+        info = self.info(name)
+        length = out.numel()
+        assert out.element_size() == 1 and out.is_contiguous() and 0 <= start and start + length <= info.nbytes
+        if length:
+            view = memoryview(out.numpy())
+            try:
+                fd = os.open(info.file, os.O_RDONLY)
+                try:
+                    done = 0
+                    while done < length:
+                        k = os.preadv(fd, [view[done:]], info.start + start + done)
+                        if k <= 0:
+                            raise OSError(f"read ended {length - done} bytes early")
+                        done += k
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise ValueError(
+                    f"could not read {name!r} from {info.file}: {e}; the file is corrupt: download the checkpoint again"
+                ) from None
+        with self._lock:
+            self.bytes_read += length
+            if start + length == info.nbytes:
+                self.tensors_read += 1
+
+    def readahead(self, names: Iterable[str], budget_bytes: float) -> threading.Thread:
+        """Ask the kernel to start reading ``names`` (in this order, up to ``budget_bytes``) into the page
+        cache (``posix_fadvise(WILLNEED)``), from a daemon thread; returns it. Only a hint: errors end it
+        quietly, and later reads are correct either way."""
+
+        def run() -> None:
+            left = budget_bytes
+            try:
+                for name in names:
+                    info = self.info(name)
+                    if left < info.nbytes:
+                        return
+                    fd = os.open(info.file, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, info.start, info.nbytes, os.POSIX_FADV_WILLNEED)
+                    finally:
+                        os.close(fd)
+                    left -= info.nbytes
+            except (OSError, ValueError, AttributeError):
+                return
+
+        names = list(names)
+        thread = threading.Thread(target=run, name="hjd-readahead", daemon=True)
+        thread.start()
+        return thread
 
     def read_bytes(self, name: str, offset: int, length: int) -> bytes:
         """Raw bytes ``[offset, offset + length)`` of ``name``'s data (used by the weights fingerprint)."""

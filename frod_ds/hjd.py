@@ -17,6 +17,18 @@ Conventions (so single-process, distributed and stock PEFT agree): eigenvalues o
 (``torch.linalg.eigh`` order, as PEFT's ``FrodConfig``); each column of ``V`` is signed so that its
 largest-magnitude entry is positive (eigenvectors are only defined up to sign).
 
+Gram route (``method="gram"``, what the distributed stage uses when the stack is well conditioned): the
+same factors from each member's Gram matrix ``G_i = W_iᵀW_i`` (fp64; products of bf16/fp16/fp32 entries are
+exact there), without ever forming Q::
+
+    G = Σ_i G_i = RᵀR                               Cholesky (R upper, n × n), i.e. Q = W R⁻¹
+    Q_iᵀQ_i + πI = R⁻ᵀ (G_i + πG) R⁻¹              ⇒ T_pi = R [(1/L) Σ_i (G_i + πG)⁻¹] Rᵀ
+    B_i = Q_i Z = W_i Y,  Y = R⁻¹ Z
+
+It needs full column rank (``G`` positive definite); its rounding error grows with ``cond(R)``, so callers
+keep the Householder route for rank-deficient, wide or ill-conditioned stacks. Members stream through it one
+at a time (only n × n state), which is what lets a stage overlap reading with computing.
+
 The building blocks below are also what the distributed stage (tall-skinny QR) calls on its slices;
 nothing here knows about ranks, devices or configs.
 """
@@ -39,7 +51,14 @@ __all__ = [
     "t_pi_term",
     "shared_basis",
     "member_factors",
+    "gram",
+    "gram_factor",
+    "gram_t_pi_term",
+    "gram_t_pi",
+    "gram_basis",
+    "weight_factors",
     "reconstruction_error",
+    "reconstruction_error_t",
     "no_tf32",
 ]
 
@@ -139,34 +158,82 @@ def shared_basis(R: Tensor, T_pi: Tensor) -> tuple[Tensor, Tensor]:
     return torch.cat([V_r, N], dim=1), Z
 
 
-def member_factors(Q_i: Tensor, Z: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """``B_i = Q_i Z``, ``σ_i = ‖B_i[:, j]‖``, ``U_i = B_i diag(σ_i)⁻¹`` padded to ``n`` columns.
-
-    Zero columns of ``B_i`` (and the completion directions of a wide stack) get ``σ = 0`` and a zero
-    ``U`` column.
-    """
-    B_i = Q_i @ Z  # (m_i, k)
+def _normalize_columns(B_i: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """``σ = ‖B_i[:, j]‖``, ``U = B_i diag(σ)⁻¹`` (zero columns: σ = 0, U column 0), padded to ``n`` columns."""
     sigma = torch.linalg.vector_norm(B_i, dim=0)  # (k,)
     safe = torch.where(sigma > 0, sigma, torch.ones_like(sigma))
     U_i = torch.where(sigma > 0, B_i / safe, torch.zeros_like(B_i))  # (m_i, k)
-    k = Z.shape[0]
+    k = B_i.shape[1]
     if k < n:
         U_i = torch.cat([U_i, U_i.new_zeros(U_i.shape[0], n - k)], dim=1)  # (m_i, n)
         sigma = torch.cat([sigma, sigma.new_zeros(n - k)])  # (n,)
     return U_i, sigma
 
 
-def reconstruction_error(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor) -> float:
-    """``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` (absolute error when ``W_i = 0``), in U's dtype."""
+def member_factors(Q_i: Tensor, Z: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """``B_i = Q_i Z``, ``σ_i = ‖B_i[:, j]‖``, ``U_i = B_i diag(σ_i)⁻¹`` padded to ``n`` columns.
+
+    Zero columns of ``B_i`` (and the completion directions of a wide stack) get ``σ = 0`` and a zero
+    ``U`` column.
+    """
+    return _normalize_columns(Q_i @ Z, n)  # B_i: (m_i, k)
+
+
+def gram(W: Tensor) -> Tensor:
+    """``Wᵀ W`` (n, n) in fp64."""
+    W64 = W.to(torch.float64)
+    return W64.T @ W64
+
+
+def gram_factor(G: Tensor) -> tuple[Tensor | None, float]:
+    """Upper-triangular ``R`` with ``RᵀR = G`` (Cholesky, fp64), and ``max(diag R) / min(diag R)`` (a lower
+    bound of ``cond(R)``). ``(None, inf)`` when ``G`` is not positive definite (rank-deficient stack)."""
+    L, info = torch.linalg.cholesky_ex(0.5 * (G + G.T))
+    if int(info) != 0:
+        return None, float("inf")
+    d = L.diagonal()
+    return L.T, float(d.max() / d.min())
+
+
+def gram_t_pi_term(G_i: Tensor, G: Tensor, pi: float) -> Tensor:
+    """``(G_i + πG)⁻¹`` (n, n): member ``i``'s term of ``T_pi`` before the congruence by ``R``."""
+    A = G_i + pi * G
+    return torch.cholesky_inverse(torch.linalg.cholesky(0.5 * (A + A.T)))
+
+
+def gram_t_pi(R: Tensor, S: Tensor, L: int) -> Tensor:
+    """``T_pi = R S Rᵀ / L`` from ``S = Σ_i (G_i + πG)⁻¹``."""
+    return (R @ S @ R.T) / L
+
+
+def gram_basis(R: Tensor, T_pi: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``V, Z`` as :func:`shared_basis` (same sign convention) and ``Y = R⁻¹ Z`` with ``B_i = W_i Y``."""
+    V, Z = shared_basis(R, T_pi)
+    Y = torch.linalg.solve_triangular(R, Z, upper=True)
+    return V, Z, Y
+
+
+def weight_factors(W_i: Tensor, Y: Tensor) -> tuple[Tensor, Tensor]:
+    """``B_i = W_i Y`` normalised into ``U_i, σ_i`` (Gram route), in ``Y``'s dtype."""
+    return _normalize_columns(W_i.to(Y.dtype) @ Y, Y.shape[1])
+
+
+def reconstruction_error_t(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor) -> Tensor:
+    """:func:`reconstruction_error` as a 0-dim tensor on the factors' device (no host sync)."""
     W_i = W_i.to(U_i.dtype)
     diff = torch.linalg.matrix_norm(W_i - (U_i * sigma_i) @ V.T)
     ref = torch.linalg.matrix_norm(W_i)
-    return float(diff / ref) if ref > 0 else float(diff)
+    return torch.where(ref > 0, diff / torch.where(ref > 0, ref, torch.ones_like(ref)), diff)
+
+
+def reconstruction_error(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor) -> float:
+    """``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` (absolute error when ``W_i = 0``), in U's dtype."""
+    return float(reconstruction_error_t(W_i, U_i, sigma_i, V))
 
 
 def decompose(
     weights: Sequence[Tensor], pi: float = 1e-3, dtype: torch.dtype = torch.float64,
-    names: Sequence[str] | None = None,
+    names: Sequence[str] | None = None, method: str = "householder",
 ) -> HJDResult:
     """HJD of one category on the members' device, computed in ``dtype`` (fp32: TF32 off).
 
@@ -175,22 +242,39 @@ def decompose(
         pi: ridge term ``π > 0`` of ``T_pi``.
         dtype: compute dtype, ``torch.float64`` (default) or ``torch.float32``.
         names: the members' names for error messages (default ``member i``).
+        method: ``"householder"`` (thin QR of the stack; the reference) or ``"gram"`` (the Gram route of
+            the module docstring: Gram matrices, Cholesky and ``n × n`` algebra in fp64, ``B_i = W_i Y`` in
+            ``dtype``; needs a stack of full column rank).
     Returns:
         ``HJDResult`` with ``V`` (n, n), ``U[i]`` (m_i, n), ``sigma[i]`` (n,), all in ``dtype``.
     """
     validate_members(weights, pi, names)
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"HJD dtype must be torch.float32 or torch.float64, got {dtype}")
+    if method not in ("householder", "gram"):
+        raise ValueError(f"HJD method must be 'householder' or 'gram', got {method!r}")
     with no_tf32():
         Ws = [w.detach().to(dtype) for w in weights]
         n = Ws[0].shape[1]
-        Q, R = thin_qr(torch.cat(Ws, dim=0))  # (M, k), (k, n)
-        Q_blocks = torch.split(Q, [w.shape[0] for w in Ws], dim=0)  # Q_i: (m_i, k)
-        T_pi = sum(t_pi_term(Q_i.T @ Q_i, pi) for Q_i in Q_blocks) / len(Ws)  # (k, k)
-        V, Z = shared_basis(R, T_pi)
+        if method == "gram":
+            Gs = [gram(w) for w in weights]
+            G = sum(Gs)
+            R, _ = gram_factor(G)
+            if R is None:
+                raise ValueError("the Gram route needs a stack of full column rank (sum of m_i >= n, no null "
+                                 "direction); use method='householder'")
+            T_pi = gram_t_pi(R, sum(gram_t_pi_term(G_i, G, pi) for G_i in Gs), len(Ws))
+            V, _, Y = gram_basis(R, T_pi)
+            V, Y = V.to(dtype), Y.to(dtype)
+            factors = [weight_factors(W_i, Y) for W_i in Ws]
+        else:
+            Q, R = thin_qr(torch.cat(Ws, dim=0))  # (M, k), (k, n)
+            Q_blocks = torch.split(Q, [w.shape[0] for w in Ws], dim=0)  # Q_i: (m_i, k)
+            T_pi = sum(t_pi_term(Q_i.T @ Q_i, pi) for Q_i in Q_blocks) / len(Ws)  # (k, k)
+            V, Z = shared_basis(R, T_pi)
+            factors = [member_factors(Q_i, Z, n) for Q_i in Q_blocks]
         U, sigma, error = [], [], []
-        for W_i, Q_i in zip(Ws, Q_blocks):
-            U_i, s_i = member_factors(Q_i, Z, n)
+        for W_i, (U_i, s_i) in zip(Ws, factors):
             U.append(U_i)
             sigma.append(s_i)
             error.append(reconstruction_error(W_i, U_i, s_i, V))

@@ -1,21 +1,24 @@
 """Distributed HJD stage (spec §1, "Distributed HJD"): checkpoint shards in, factor store out.
 
 ``run_stage`` plans the categories from the checkpoint's tensor names, fingerprints the targeted weights,
-creates or resumes the store directory, then runs ``hjd_tsqr.run_category`` for each category not yet
-complete (one at a time, so memory is one category's share) and records it in the manifest. Every rank
-calls it; rank 0 alone writes the manifest. User errors reach every rank as ``CollectiveError``.
+creates or resumes the store directory, then runs a ``hjd_tsqr.CategoryJob`` for each category not yet
+complete (one at a time, so memory is one category's share) and records it in the manifest. The work
+overlaps: while a category is computed the next one's weights are read (``MemberReader``), and a
+category's files finish writing (``FactorWriter``) while the next one is computed; it enters the manifest
+once every rank's files are on disk, one category behind the compute (a killed run redoes at most the
+last two). Every rank calls it; rank 0 alone writes the manifest.
+User errors reach every rank as ``CollectiveError``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import resource
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,15 +26,17 @@ from typing import Any
 import torch
 
 from frod_ds import distributed as D
-from frod_ds.apply import DEFAULT_TARGETS
 from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
 from frod_ds.hjd import no_tf32
-from frod_ds.hjd_tsqr import CategoryResult, run_category
+from frod_ds.hjd_io import FactorWriter, MemberReader
+from frod_ds.hjd_plan import DEFAULT_TARGETS, my_members, targeted_members
+from frod_ds.hjd_tsqr import CategoryJob, CategoryResult
 from frod_ds.store import (
     FINGERPRINT_METHOD,
     FORMAT_VERSION,
     MANIFEST,
     atomic_write_json,
+    atomic_write_text,
     dtype_name,
     fsync_dir,
     is_store_file,
@@ -63,6 +68,9 @@ class StageConfig:
     device: str = "auto"
     overwrite: bool = False
     fsync: bool = True
+    method: str = "auto"
+    io_threads: int = 8
+    prefetch_gb: float = 4.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -80,6 +88,12 @@ class StageConfig:
             problems.append(f"--part-mb must be > 0, got {self.part_mb}")
         if not self.device_cache_gb >= 0:
             problems.append(f"--device-cache-gb must be >= 0, got {self.device_cache_gb}")
+        if self.method not in ("auto", "householder"):
+            problems.append(f"--method must be auto or householder, got {self.method!r}")
+        if not (isinstance(self.io_threads, int) and self.io_threads >= 1):
+            problems.append(f"--io-threads must be an integer >= 1, got {self.io_threads!r}")
+        if not self.prefetch_gb > 0:
+            problems.append(f"--prefetch-gb must be > 0, got {self.prefetch_gb}")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if problems:
@@ -89,11 +103,6 @@ class StageConfig:
 # -------------------------------------------------------------------------------------------- planning
 
 
-def _natural_key(name: str) -> list[Any]:
-    """``layers.10`` after ``layers.9``: digit runs compare as integers."""
-    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name)]
-
-
 def plan_categories(ckpt: HFCheckpoint, targets: Sequence[str]) -> dict[str, list[str]]:
     """``{target: [member, ...]}`` from the checkpoint's tensor names, members in layer order.
 
@@ -101,13 +110,7 @@ def plan_categories(ckpt: HFCheckpoint, targets: Sequence[str]) -> dict[str, lis
     of a category share the input width. Reads shard headers only (and so reports missing or truncated
     shards holding targeted weights).
     """
-    found: dict[str, list[str]] = {t: [] for t in targets}
-    for key in ckpt.keys():
-        if key.endswith(".weight"):
-            module = key[: -len(".weight")]
-            leaf = module.rsplit(".", 1)[-1]
-            if leaf in found:
-                found[leaf].append(module)
+    found = targeted_members(ckpt.keys(), targets)
     missing = [t for t, members in found.items() if not members]
     if missing:
         leaves = sorted({k[: -len(".weight")].rsplit(".", 1)[-1] for k in ckpt.keys() if k.endswith(".weight")})
@@ -116,7 +119,6 @@ def plan_categories(ckpt: HFCheckpoint, targets: Sequence[str]) -> dict[str, lis
             f"weight names end in: {', '.join(leaves[:24])}"
         )
     for category, members in found.items():
-        members.sort(key=_natural_key)
         widths = set()
         for m in members:
             info = ckpt.info(m + ".weight")
@@ -243,7 +245,42 @@ def _prepare_store(cfg: StageConfig, fresh: dict[str, Any]) -> dict[str, Any]:
     return manifest
 
 
-def _finish_category(cfg: StageConfig, manifest: dict[str, Any], category: str, outs: list[CategoryResult], seconds: float) -> None:
+class _ManifestWriter:
+    """Rank 0: replaces the manifest from a background thread, in order (the fsyncs of a directory whose
+    files are being written can take a second; the GPU need not wait for them)."""
+
+    def __init__(self, out: Path):
+        self.path = out / MANIFEST
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hjd-manifest")
+        self._pending: list[Future] = []
+
+    def write(self, manifest: dict[str, Any]) -> None:
+        text = json.dumps(manifest, indent=1) + "\n"  # a snapshot: the caller goes on changing the dict
+
+        def run() -> None:
+            fsync_dir(self.path.parent)  # the renamed factor files first
+            atomic_write_text(self.path, text)
+
+        self._pending.append(self._pool.submit(run))
+        done = [f for f in self._pending if f.done()]
+        for f in done:
+            self._pending.remove(f)
+            f.result()  # raise an error of an earlier write here
+
+    def flush(self) -> None:
+        for f in self._pending:
+            f.result()
+        self._pending = []
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def _finish_category(cfg: StageConfig, manifest: dict[str, Any], category: str, outs: list[CategoryResult], seconds: float,
+                     writer: _ManifestWriter) -> None:
     """Rank 0: check every file is there, then record the category as complete (manifest replaced)."""
     spec = manifest["categories"][category]
     files: dict[str, str] = {}
@@ -261,7 +298,6 @@ def _finish_category(cfg: StageConfig, manifest: dict[str, Any], category: str, 
             f"rank 0 cannot see {absent[0]} written by another rank in {cfg.out}; --out must be on a filesystem "
             "shared by all ranks"
         )
-    fsync_dir(cfg.out)
     spec.update(
         files=files,
         error={m: error[m] for m in spec["members"]},
@@ -271,10 +307,12 @@ def _finish_category(cfg: StageConfig, manifest: dict[str, Any], category: str, 
         world_size=D.get_world_size(),
         seconds=round(seconds, 3),
         phase_seconds={k: round(v, 3) for k, v in outs[0].phase_seconds.items()},
+        method=outs[0].method,
+        cond_estimate=outs[0].cond_estimate,
         complete=True,
     )
     manifest["completed_categories"].append(category)
-    atomic_write_json(cfg.out / MANIFEST, manifest)
+    writer.write(manifest)
 
 
 def _rank_summary(seconds: float, device: torch.device, ckpt: HFCheckpoint) -> dict[str, Any]:
@@ -301,10 +339,12 @@ def _device(cfg: StageConfig) -> torch.device:
     return D.local_device()
 
 
-def run_stage(cfg: StageConfig) -> dict[str, Any]:
+def run_stage(cfg: StageConfig, process_start: float | None = None) -> dict[str, Any]:
     """Build (or finish) the factor store ``cfg.out``; every rank calls it. Returns rank 0's manifest
-    (``{}`` on other ranks). User errors: ``CollectiveError`` on every rank."""
+    (``{}`` on other ranks). User errors: ``CollectiveError`` on every rank. ``process_start``: the
+    process's ``time.time()`` at launch, to report start-up time."""
     t_start = time.perf_counter()
+    startup = round(time.time() - process_start, 3) if process_start is not None else None
     device = D.on_all(lambda: _device(cfg))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # a single process has no NCCL init that would create the context
@@ -320,25 +360,64 @@ def run_stage(cfg: StageConfig) -> dict[str, Any]:
     skipped = [c for c in categories if c not in todo]
     D.print0(f"HJD {cfg.model}: {len(categories)} categories, world size {D.get_world_size()}, {dtype_name(cfg.dtype)} on "
              f"{device.type}" + (f"; resuming, done: {', '.join(skipped)}" if skipped else ""))
-    writer = ThreadPoolExecutor(1, thread_name_prefix="hjd-write")
-    loader = ThreadPoolExecutor(1, thread_name_prefix="hjd-read")
+    reader = MemberReader(ckpt, device, threads=cfg.io_threads, ahead_bytes=cfg.prefetch_gb * GiB)
+    writer = FactorWriter(cfg.out, fsync=cfg.fsync, part_bytes=cfg.part_mb * 2**20, threads=max(1, cfg.io_threads // 2),
+                          buffer_bytes=min(cfg.prefetch_gb, 1.0) * GiB)
+    rank, world = D.get_rank(), D.get_world_size()
+    pending: tuple[str, CategoryResult, float] | None = None
+    manifest_writer = _ManifestWriter(cfg.out) if D.is_main() else None
+
+    def record(category: str, out: CategoryResult, seconds: float) -> None:
+        """Once this rank's files of ``category`` are on disk (all ranks): into the manifest."""
+        error = None
+        t_wait = time.perf_counter()
+        try:
+            out.wait()
+            out.phase_seconds["write_wait"] = round(time.perf_counter() - t_wait, 3)
+        except OSError as e:
+            error = f"writing the factor store in {cfg.out} failed ({e}); check free space and permissions"
+        D.agree_on_error(error)
+        outs = D.all_gather_object(out)
+        D.on_main(lambda: _finish_category(cfg, manifest, category, outs, seconds, manifest_writer))
+
+    prologue = round(time.perf_counter() - t_start, 3)
     try:
         with no_tf32(), torch.no_grad():
-            for category in todo:
+            if todo:
+                reader.schedule(my_members(categories[todo[0]], rank, world))
+            for j, category in enumerate(todo):
                 t0 = time.perf_counter()
                 D.on_main(lambda: _remove_store_files(cfg.out, category))  # leftovers of a killed run
-                out = run_category(ckpt, category, categories[category], pi=cfg.pi, dtype=cfg.dtype, device=device,
-                                   out=cfg.out, block_gb=cfg.block_gb, device_cache_gb=cfg.device_cache_gb, part_mb=cfg.part_mb,
-                                   fsync=cfg.fsync, loader=loader, writer=writer)
-                outs = D.all_gather_object(out)
-                D.on_main(lambda: _finish_category(cfg, manifest, category, outs, time.perf_counter() - t0))
+                job = CategoryJob(ckpt, category, categories[category], reader=reader, writer=writer, pi=cfg.pi,
+                                  dtype=cfg.dtype, device=device, block_gb=cfg.block_gb,
+                                  device_cache_gb=cfg.device_cache_gb, method=cfg.method)
+                try:
+                    job.gram_pass()  # every read of this category (unless the cache overflows)
+                    if j + 1 < len(todo):
+                        reader.schedule(my_members(categories[todo[j + 1]], rank, world))  # read ahead
+                    out = job.finish()  # returns with this category's writes in flight
+                except D.CollectiveError:  # every rank stops here: keep the previous category first
+                    if pending is not None:
+                        record(*pending)
+                    raise
+                finally:
+                    job.close()
+                if pending is not None:  # its writes had this whole category's compute to finish
+                    record(*pending)
+                pending = (category, out, time.perf_counter() - t0)
+                del job
+            if pending is not None:
+                record(*pending)
     finally:
-        writer.shutdown(wait=True)
-        loader.shutdown(wait=True)
+        reader.close()
+        writer.close()
+        if manifest_writer is not None:
+            manifest_writer.close()
     ranks = D.all_gather_object(_rank_summary(time.perf_counter() - t_start, device, ckpt))
 
     def finish() -> dict[str, Any]:
-        manifest["run"] = {"seconds": round(time.perf_counter() - t_start, 3), "world_size": D.get_world_size(),
+        manifest["run"] = {"seconds": round(time.perf_counter() - t_start, 3), "startup_s": startup,
+                           "prologue_s": prologue, "world_size": D.get_world_size(),
                            "categories_done": todo, "categories_skipped": skipped, "ranks": ranks}
         manifest["complete"] = len(manifest["completed_categories"]) == len(manifest["categories"])
         atomic_write_json(cfg.out / MANIFEST, manifest)

@@ -1,7 +1,23 @@
-"""One category of the distributed HJD stage on one rank: tall-skinny QR over blocks and ranks (spec §1).
+"""One category of the distributed HJD stage on one rank (spec §1, "Distributed HJD").
 
 With ``P`` ranks and ``L`` members, rank ``p`` owns a contiguous run of members (``P > L`` allowed: a rank
-without members still joins every collective) and splits it into blocks of at most ``block_gb``::
+without members still joins every collective). Two routes to the same factors (``frod_ds.hjd``):
+
+Gram route (default when the stack has full column rank and is well conditioned): the local QR is a
+Cholesky QR, members stream through one at a time and nothing of size ``Σ m_i × n`` is ever formed::
+
+    pass A, member i:  G_i = W_iᵀW_i (fp64), G⁽ᵖ⁾ = Σ G_i        W_i read ahead by MemberReader
+    all ranks:         G = Σ_p G⁽ᵖ⁾ (all-reduce);  rank 0: G = RᵀR (Cholesky), cond(R) checked
+    pass B, member i:  S += (G_i + πG)⁻¹;  S summed by all-reduce
+    rank 0:            T_pi = R S Rᵀ / L;  V, Z, Y = R⁻¹Z          broadcast V, Y
+    pass C, member i:  U_i, σ_i from B_i = W_i Y                  written behind by FactorWriter
+
+``W_i`` (checkpoint dtype) and ``G_i`` wait on the device between passes up to ``device_cache_gb``;
+beyond it ``G_i`` is recomputed and ``W_i`` read again. If any member's reconstruction error exceeds
+``GRAM_MAX_ERROR`` the category is redone by the Householder route.
+
+Householder route (rank-deficient, wide or ill-conditioned stacks, or ``method="householder"``): each
+rank splits its members into blocks of at most ``block_gb``::
 
     block b:  W_b = Q_b R_b                                   thin_qr; W_b (m_b, n) read from the shards
     rank p:   [R_1; …; R_B] = Q̂ R⁽ᵖ⁾                           tsqr_combine (skipped for one block)
@@ -19,11 +35,10 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -31,18 +46,30 @@ from tqdm import tqdm
 
 from frod_ds import distributed as D
 from frod_ds.hf_checkpoint import HFCheckpoint
-from frod_ds.hjd import member_factors, reconstruction_error, shared_basis, t_pi_term, thin_qr, tsqr_combine
-from frod_ds.store import part_file, save_tensors_atomic, sigma_key, u_key, v_file, v_key
+from frod_ds.hjd import (
+    gram,
+    gram_basis,
+    gram_factor,
+    gram_t_pi,
+    gram_t_pi_term,
+    member_factors,
+    reconstruction_error_t,
+    shared_basis,
+    t_pi_term,
+    thin_qr,
+    tsqr_combine,
+    weight_factors,
+)
+from frod_ds.hjd_io import FactorWriter, MemberReader
+from frod_ds.hjd_plan import my_members, split_counts
+from frod_ds.store import sigma_key, u_key, v_file, v_key
 
-__all__ = ["CategoryResult", "split_counts", "make_blocks", "run_category"]
+__all__ = ["CategoryResult", "CategoryJob", "split_counts", "my_members", "make_blocks", "GRAM_MAX_COND", "GRAM_MAX_ERROR"]
 
 GiB = 2**30
-T = TypeVar("T")
-
-
-def split_counts(n_items: int, parts: int) -> list[int]:
-    """Contiguous split sizes, ``numpy.array_split`` style: the first ``n_items % parts`` get one more."""
-    return [n_items // parts + (1 if p < n_items % parts else 0) for p in range(parts)]
+# Gram route limits per compute dtype: its rounding error grows like eps·cond(R), Householder's does not.
+GRAM_MAX_COND = {torch.float32: 1e3, torch.float64: 1e8}
+GRAM_MAX_ERROR = {torch.float32: 1e-5, torch.float64: 1e-10}
 
 
 def make_blocks(heights: Sequence[int], n: int, itemsize: int, block_bytes: float) -> list[range]:
@@ -61,22 +88,46 @@ def make_blocks(heights: Sequence[int], n: int, itemsize: int, block_bytes: floa
 
 @dataclass
 class CategoryResult:
-    """What one rank wrote for a category: ``{key: file}``, errors per member, phase timings."""
+    """What one rank wrote for a category: ``{key: file}``, errors per member, phase timings, route."""
 
     files: dict[str, str]
     error: dict[str, float]
     stored_error: dict[str, float]
     phase_seconds: dict[str, float]
+    method: str = "gram"
+    cond_estimate: float | None = None
+    writes: list[Future] = field(default_factory=list, repr=False)
+
+    def wait(self) -> CategoryResult:
+        """Wait for this rank's files of the category to be on disk; returns itself without the futures."""
+        for f in self.writes:
+            f.result()
+        self.writes = []
+        return self
 
 
-def _prefetch(fn: Callable[[Any], T], items: Sequence[Any], pool: ThreadPoolExecutor) -> Iterator[T]:
-    """``fn(item)`` for each item, the next one computed in ``pool`` while the caller works on this one."""
-    nxt: Future | None = pool.submit(fn, items[0]) if items else None
-    for j in range(len(items)):
-        assert nxt is not None
-        cur = nxt.result()
-        nxt = pool.submit(fn, items[j + 1]) if j + 1 < len(items) else None
-        yield cur
+class _Cache:
+    """Per-member tensors kept on the compute device between passes, up to a byte budget."""
+
+    def __init__(self, budget_bytes: float):
+        self.budget, self.used = budget_bytes, 0
+        self._items: dict[Any, Tensor] = {}
+
+    def put(self, key: Any, t: Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if key not in self._items and self.used + nbytes <= self.budget:
+            self._items[key] = t
+            self.used += nbytes
+
+    def get(self, key: Any) -> Tensor | None:
+        return self._items.get(key)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._items
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.used = 0
 
 
 class _QCache:
@@ -102,83 +153,217 @@ class _QCache:
         return t.to(self.device)
 
 
+class CategoryJob:
+    """This rank's share of one category. The stage calls ``gram_pass`` (all reads of the category), then
+    ``finish`` (the rest; writes go on in the background: ``CategoryResult.wait``)."""
 
-class _CategoryJob:
-    """This rank's share of one category: its members, their blocks, and the three passes over them."""
-
-    def __init__(self, ckpt: HFCheckpoint, category: str, members: list[str], *, pi: float, dtype: torch.dtype,
-                 device: torch.device, out: Path, block_gb: float, device_cache_gb: float, fsync: bool,
-                 part_mb: float,
-                 loader: ThreadPoolExecutor, writer: ThreadPoolExecutor):
-        rank, world = D.get_rank(), D.get_world_size()
+    def __init__(self, ckpt: HFCheckpoint, category: str, members: list[str], *, reader: MemberReader,
+                 writer: FactorWriter, pi: float, dtype: torch.dtype, device: torch.device, block_gb: float,
+                 device_cache_gb: float, method: str = "auto"):
         self.ckpt, self.category, self.L = ckpt, category, len(members)
-        self.pi, self.dtype, self.device, self.out, self.fsync = pi, dtype, device, out, fsync
-        self.loader, self.writer = loader, writer
-        self.part_bytes = part_mb * 2**20  # target size of one part file
+        self.reader, self.writer = reader, writer
+        self.pi, self.dtype, self.device, self.method = pi, dtype, device, method
+        self.block_gb, self.cache_bytes = block_gb, device_cache_gb * GiB
         self.n = ckpt.shape(members[0] + ".weight")[1]
         self.u_dtype = ckpt.dtype(members[0] + ".weight")
-        counts = split_counts(self.L, world)
-        first = sum(counts[:rank])
-        self.mine = members[first : first + counts[rank]]
-        self.offsets = [0]  # row offsets of this rank's members in its local stack
-        for m in self.mine:
-            self.offsets.append(self.offsets[-1] + ckpt.shape(m + ".weight")[0])
-        heights = [b - a for a, b in zip(self.offsets, self.offsets[1:])]
-        self.blocks = make_blocks(heights, self.n, torch.finfo(dtype).bits // 8, block_gb * GiB)
-        self.cache = _QCache(device, device_cache_gb * GiB)
+        self.mine = my_members(members, D.get_rank(), D.get_world_size())
+        self.cache = _Cache(self.cache_bytes)
         self.phase: dict[str, float] = {}
         self.bar = tqdm(total=2 * len(self.mine), desc=f"{category} L={self.L} n={self.n}", unit="member",
                         disable=not D.is_main(), dynamic_ncols=True, file=sys.stderr)
 
-    # -- reading
+    # -- weights
 
-    def _read(self, block: range) -> list[Tensor]:
-        """In the loader thread: this block's weights as CPU tensors in the checkpoint dtype."""
-        return [self.ckpt.get(self.mine[i] + ".weight") for i in block]
+    def _fetch(self, i: int) -> Tensor:
+        """Member ``i``'s weight on the device, in the checkpoint dtype: from the cache or read."""
+        W = self.cache.get(("W", i))
+        if W is None:
+            W = self.reader.take(self.mine[i])
+        return W
 
-    def _rows(self, block: range, i: int) -> slice:
-        base = self.offsets[block.start]
-        return slice(self.offsets[i] - base, self.offsets[i + 1] - base)
-
-    def _stack(self, block: range, Ws: list[Tensor]) -> Tensor:
-        rows = self.offsets[block.stop] - self.offsets[block.start]
-        W_b = torch.empty(rows, self.n, dtype=self.dtype, device=self.device)  # (m_b, n)
-        for i, W in zip(block, Ws):
-            W_b[self._rows(block, i)].copy_(W.to(self.device))  # ship in the checkpoint dtype, convert there
-            if not torch.isfinite(W_b[self._rows(block, i)]).all():
-                name = self.mine[i] + ".weight"
-                raise ValueError(f"{name} in {self.ckpt.info(name).file} contains NaN or Inf; check the checkpoint")
-        return W_b
+    def _reread(self, indices: Sequence[int]) -> None:
+        """Schedule reads, ahead of anything else queued, of the members in ``indices`` not in the cache."""
+        self.reader.schedule([self.mine[i] for i in indices if ("W", i) not in self.cache], first=True)
 
     def _timed(self, name: str, t0: float) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.phase[name] = round(time.perf_counter() - t0, 3)
 
-    # -- the passes
+    def _check_finite(self, flags: list[Tensor], indices: Sequence[int]) -> str | None:
+        if not flags:
+            return None
+        ok = torch.stack(flags).cpu()
+        for j, good in zip(indices, ok.tolist()):
+            if not good:
+                name = self.mine[j] + ".weight"
+                return f"{name} in {self.ckpt.info(name).file} contains NaN or Inf; check the checkpoint"
+        return None
 
-    def local_qr(self) -> list[Tensor]:
-        """Pass 1: ``W_b = Q_b R_b`` per block; keeps ``Q_b`` (m_b, k_b), returns the ``R_b`` (k_b, n)."""
+    # -- Gram route
+
+    def gram_pass(self) -> None:
+        """Pass A: every member read once (cached when room), ``G⁽ᵖ⁾ = Σ G_i``."""
         t0 = time.perf_counter()
-        R_blocks: list[Tensor] = []
+        n = self.n
+        self.G = torch.zeros(n, n, dtype=torch.float64, device=self.device)
+        flags: list[Tensor] = []
         error = None
         try:
-            for b, Ws in enumerate(_prefetch(self._read, self.blocks, self.loader)):
-                W_b = self._stack(self.blocks[b], Ws)
-                del Ws
-                Q_b, R_b = thin_qr(W_b)  # (m_b, k_b), (k_b, n)
-                del W_b
-                self.cache.put(b, Q_b)
-                R_blocks.append(R_b)
-                del Q_b
-                self.bar.update(len(self.blocks[b]))
+            for i in range(len(self.mine)):
+                W = self._fetch(i)
+                flags.append(torch.isfinite(W).all())
+                self.cache.put(("W", i), W)
+                G_i = gram(W)
+                self.G += G_i
+                self.cache.put(("G", i), G_i)
+                del W, G_i
+                self.bar.update(1)
+            error = self._check_finite(flags, range(len(self.mine)))
         except ValueError as e:  # bad weights on this rank: every rank stops with the same message
             error = str(e)
         D.agree_on_error(error)
+        self._timed("read_gram", t0)
+
+    def finish(self) -> CategoryResult:
+        """Everything after pass A; returns with this rank's writes still in flight."""
+        try:
+            D.all_reduce_sum(self.G)
+            decision = None
+            if D.is_main():
+                R, cond = gram_factor(self.G) if self.method != "householder" else (None, float("nan"))
+                self.R = R
+                ok = R is not None and cond <= GRAM_MAX_COND[self.dtype]
+                decision = (ok, None if R is None else cond)
+            ok, cond = D.broadcast_object(decision)
+            result = None
+            if ok:
+                result = self._gram_factors(cond)
+                worst = max(D.all_gather_object(max(result.error.values(), default=0.0)))
+                if worst > GRAM_MAX_ERROR[self.dtype]:  # rounding got the better of it: redo the careful way
+                    result.wait()
+                    result = None
+            if result is None:
+                result = self._householder(cond)
+            return result
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Drop the cached tensors and end the progress bar (also on errors, before anything is printed)."""
+        self.cache.clear()
+        self.bar.close()
+
+    def _gram_factors(self, cond: float) -> CategoryResult:
+        t0 = time.perf_counter()
+        n = self.n
+        self._reread([i for i in range(len(self.mine)) if ("G", i) not in self.cache])
+        S = torch.zeros(n, n, dtype=torch.float64, device=self.device)
+        for i in range(len(self.mine)):
+            G_i = self.cache.get(("G", i))
+            S += gram_t_pi_term(G_i if G_i is not None else gram(self._fetch(i)), self.G, self.pi)
+        D.all_reduce_sum(S)
+        V = torch.empty(n, n, dtype=torch.float64, device=self.device)
+        Y = torch.empty(n, n, dtype=torch.float64, device=self.device)
+        if D.is_main():
+            V, _, Y = gram_basis(self.R, gram_t_pi(self.R, S, self.L))
+            self.R = None
+        del S
+        D.broadcast(V)
+        D.broadcast(Y)
+        self._timed("t_pi_eigh", t0)
+        t0 = time.perf_counter()
+        Y = Y.to(self.dtype)
+        self._reread(range(len(self.mine)))
+        out = self._emit_all(V, (lambda i, W: weight_factors(W, Y)), "gram", cond)
+        self._timed("factors", t0)
+        return out
+
+    # -- output (both routes)
+
+    def _emit_all(self, V: Tensor, factors, method: str, cond: float | None) -> CategoryResult:
+        """``factors(i, W_i) -> (U_i, σ_i)`` per member: errors measured, U/σ written; V by rank 0."""
+        dtype = self.dtype
+        V_c = V.to(dtype)
+        V32 = V.float()
+        V_stored = V32.to(dtype)  # (n, n): V as the store holds it, in the compute dtype
+        exact_store = dtype == torch.float32 and self.u_dtype == torch.float32
+        err: dict[str, Tensor] = {}
+        stored: dict[str, Tensor] = {}
+        n = self.n
+        self.writer.begin(self.category, D.get_rank(), [
+            (m, [(u_key(m), self.u_dtype, (self.ckpt.shape(m + ".weight")[0], n)), (sigma_key(m), torch.float32, (n,))])
+            for m in self.mine])
+        for i, member in enumerate(self.mine):
+            W = self._fetch(i)
+            U_i, sigma_i = factors(i, W)  # (m_i, n), (n,) in the compute dtype
+            err[member] = reconstruction_error_t(W, U_i, sigma_i, V_c)
+            U_s, sigma_s = U_i.to(self.u_dtype), sigma_i.float()
+            stored[member] = err[member] if exact_store else reconstruction_error_t(
+                W, U_s.to(dtype), sigma_s.to(dtype), V_stored)
+            self.writer.add(u_key(member), U_s)
+            self.writer.add(sigma_key(member), sigma_s)
+            del W, U_i, U_s
+            self.bar.update(1)
+        if D.is_main():
+            self.writer.write_file(v_file(self.category), {v_key(self.category): V32})
+        files, writes = self.writer.finish()
+        e = {m: float(x) for m, x in zip(err, torch.stack(list(err.values())).tolist())} if err else {}
+        s = {m: float(x) for m, x in zip(stored, torch.stack(list(stored.values())).tolist())} if stored else {}
+        self.bar.set_postfix_str(f"{method}, max err {max(e.values()) if e else 0:.1e}")
+        return CategoryResult(files, e, s, self.phase, method, cond, writes)
+
+    # -- Householder route
+
+    def _householder(self, cond: float | None) -> CategoryResult:
+        self.phase = {}
+        itemsize = torch.finfo(self.dtype).bits // 8
+        heights = [self.ckpt.shape(m + ".weight")[0] for m in self.mine]
+        self.offsets = [0]
+        for h in heights:
+            self.offsets.append(self.offsets[-1] + h)
+        self.blocks = make_blocks(heights, self.n, itemsize, self.block_gb * GiB)
+        self.qcache = _QCache(self.device, max(0.0, self.cache_bytes - self.cache.used))
+        V, Z = self._hh_basis(*self._hh_combine(self._hh_local_qr()))
+        t0 = time.perf_counter()
+        self._reread(range(len(self.mine)))
+        block_of = {i: b for b, block in enumerate(self.blocks) for i in block}
+        current: dict[int, Tensor] = {}
+
+        def factors(i: int, W: Tensor) -> tuple[Tensor, Tensor]:
+            b = block_of[i]
+            if b not in current:
+                current.clear()
+                current[b] = self.qcache.pop(b)
+            return member_factors(current[b][self._rows(self.blocks[b], i)], Z, self.n)
+
+        out = self._emit_all(V, factors, "householder", cond)
+        self._timed("factors", t0)
+        return out
+
+    def _rows(self, block: range, i: int) -> slice:
+        base = self.offsets[block.start]
+        return slice(self.offsets[i] - base, self.offsets[i + 1] - base)
+
+    def _hh_local_qr(self) -> list[Tensor]:
+        """``W_b = Q_b R_b`` per block; keeps ``Q_b`` (m_b, k_b), returns the ``R_b`` (k_b, n)."""
+        t0 = time.perf_counter()
+        self._reread(range(len(self.mine)))
+        R_blocks: list[Tensor] = []
+        for b, block in enumerate(self.blocks):
+            rows = self.offsets[block.stop] - self.offsets[block.start]
+            W_b = torch.empty(rows, self.n, dtype=self.dtype, device=self.device)  # (m_b, n)
+            for i in block:
+                W_b[self._rows(block, i)].copy_(self._fetch(i))
+            Q_b, R_b = thin_qr(W_b)  # (m_b, k_b), (k_b, n)
+            del W_b
+            self.qcache.put(b, Q_b)
+            R_blocks.append(R_b)
+            del Q_b
         self._timed("read_qr", t0)
         return R_blocks
 
-    def combine(self, R_blocks: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
+    def _hh_combine(self, R_blocks: list[Tensor]) -> tuple[list[Tensor], Tensor | None]:
         """Both TSQR levels. Returns ``M_b = Q̂_b Q̃_p`` (k_b, k) per block, and R (k, n) on rank 0."""
         t0 = time.perf_counter()
         if not R_blocks:
@@ -201,16 +386,16 @@ class _CategoryJob:
         self._timed("combine", t0)
         return M, R
 
-    def basis(self, M: list[Tensor], R: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Pass 2: ``Q_b ← Q_b M_b`` (rows of the global Q), ``T_pi`` summed over ranks, ``V, Z`` from rank 0."""
+    def _hh_basis(self, M: list[Tensor], R: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``Q_b ← Q_b M_b`` (rows of the global Q), ``T_pi`` summed over ranks, ``V, Z`` from rank 0."""
         t0 = time.perf_counter()
         T_pi = torch.zeros(self.k, self.k, dtype=self.dtype, device=self.device)
         for b, block in enumerate(self.blocks):
-            Q_g = self.cache.pop(b) @ M[b]  # (m_b, k)
+            Q_g = self.qcache.pop(b) @ M[b]  # (m_b, k)
             for i in block:
                 Q_i = Q_g[self._rows(block, i)]  # (m_i, k)
                 T_pi += t_pi_term(Q_i.T @ Q_i, self.pi)
-            self.cache.put(b, Q_g)
+            self.qcache.put(b, Q_g)
             del Q_g
         del M
         D.all_reduce_sum(T_pi)
@@ -224,70 +409,3 @@ class _CategoryJob:
         D.broadcast(V)
         self._timed("t_pi_eigh", t0)
         return V, Z
-
-    def factors(self, V: Tensor, Z: Tensor) -> CategoryResult:
-        """Pass 3: ``U_i, σ_i`` per member, checked against the weights read again, written per block."""
-        t0 = time.perf_counter()
-        rank, dtype, n = D.get_rank(), self.dtype, self.n
-        V32 = V.float()
-        V_stored = V32.to(dtype)  # (n, n): V as the store holds it, in the compute dtype
-        exact_store = dtype == torch.float32 and self.u_dtype == torch.float32
-        files: dict[str, str] = {}
-        err: dict[str, float] = {}
-        stored_err: dict[str, float] = {}
-        pending: list[Future] = []
-        tensors: dict[str, Tensor] = {}
-        part = 0
-
-        def flush() -> None:
-            # Part files of about part_mb MiB, written while the next members are computed; at most one write
-            # in flight keeps host memory bounded.
-            nonlocal tensors, part
-            if not tensors:
-                return
-            fname = part_file(self.category, rank, part)
-            files.update(dict.fromkeys(tensors, fname))
-            while pending:
-                pending.pop().result()
-            pending.append(self.writer.submit(save_tensors_atomic, self.out / fname, tensors, self.fsync))
-            tensors, part = {}, part + 1
-
-        for b, Ws in enumerate(_prefetch(self._read, self.blocks, self.loader)):
-            block = self.blocks[b]
-            Q_g = self.cache.pop(b)  # (m_b, k)
-            for i, W_cpu in zip(block, Ws):
-                member = self.mine[i]
-                W_i = W_cpu.to(self.device).to(dtype)  # (m_i, n); a blocking H2D copy_ would convert on the CPU
-                U_i, sigma_i = member_factors(Q_g[self._rows(block, i)], Z, n)  # (m_i, n), (n,)
-                err[member] = reconstruction_error(W_i, U_i, sigma_i, V)
-                U_s, sigma_s = U_i.to(self.u_dtype), sigma_i.float()
-                stored_err[member] = err[member] if exact_store else reconstruction_error(
-                    W_i, U_s.to(dtype), sigma_s.to(dtype), V_stored)
-                tensors[u_key(member)] = U_s.cpu()
-                tensors[sigma_key(member)] = sigma_s.cpu()
-                del W_i, U_i, U_s
-                self.bar.update(1)
-                if sum(t.numel() * t.element_size() for t in tensors.values()) >= self.part_bytes:
-                    flush()
-            del Q_g, Ws
-        flush()
-        if D.is_main():
-            files[v_key(self.category)] = v_file(self.category)
-            pending.append(self.writer.submit(save_tensors_atomic, self.out / v_file(self.category),
-                                              {v_key(self.category): V32.cpu()}, self.fsync))
-        for f in pending:
-            f.result()
-        self._timed("factors_write", t0)
-        self.bar.set_postfix_str(f"max err {max(err.values()) if err else 0:.1e}")
-        return CategoryResult(files, err, stored_err, self.phase)
-
-
-def run_category(ckpt: HFCheckpoint, category: str, members: list[str], **kwargs: Any) -> CategoryResult:
-    """HJD of one category across all ranks (every rank calls it). Writes this rank's part files, and
-    ``V`` on rank 0; returns what the manifest records for this rank. ``kwargs``: see ``_CategoryJob``."""
-    job = _CategoryJob(ckpt, category, members, **kwargs)
-    try:
-        V, Z = job.basis(*job.combine(job.local_qr()))  # no frame keeps the R_b or M_b alive
-        return job.factors(V, Z)
-    finally:
-        job.bar.close()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -132,10 +133,14 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """:func:`atomic_write_json` for text already serialised."""
     tmp = path.with_name(path.name + TMP)
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -145,26 +150,37 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
+def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[bytes, dict[str, int]]:
+    """The leading bytes of a safetensors file holding ``entries`` (name, dtype, shape) in this order:
+    8-byte length + JSON header, padded so the data starts 8-byte aligned. Also returns each tensor's
+    offset from the start of the file."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape in entries:
+        assert dtype in _ST_DTYPES, f"{name}: float dtype expected, got {dtype}"
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    start = 8 + len(raw)
+    offsets = {name: start + header[name]["data_offsets"][0] for name, _, _ in entries}
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
 def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = True) -> None:
     """Write a safetensors file under ``path.tmp`` and rename it (CPU tensors, float dtypes).
 
     Written straight from the tensors' memory (no serialized copy; the writes release the GIL, so a
     background writer thread overlaps with GPU work). Readable by ``safetensors.safe_open``.
     """
-    header: dict[str, Any] = {}
-    offset = 0
     for name, t in tensors.items():
-        assert t.device.type == "cpu" and t.dtype in _ST_DTYPES, f"{name}: CPU float tensor expected"
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        assert t.device.type == "cpu", f"{name}: CPU tensor expected"
+    head, _ = safetensors_header([(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()])
     tmp = path.with_name(path.name + TMP)
     with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
+        f.write(head)
         for t in tensors.values():
             if t.numel():
                 f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))

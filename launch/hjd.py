@@ -13,19 +13,19 @@ failing worker makes torchrun itself exit 1.
 
 from __future__ import annotations
 
+import time
+
+PROCESS_START = time.time()  # before the imports: start-up time is reported
+
 import argparse
+import os
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python launch/hjd.py` / torchrun: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-
-from frod_ds import distributed as D
-from frod_ds.apply import DEFAULT_TARGETS
-from frod_ds.hjd_stage import StageConfig, run_stage
-from frod_ds.store import verify_store
+from frod_ds.hjd_plan import DEFAULT_TARGETS, start_readahead  # no torch yet
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,10 +40,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="HJD compute dtype (fp32 runs with TF32 off)")
     p.add_argument("--part-mb", type=float, default=256.0,
                    help="size of one U/sigma part file, MiB; smaller parts overlap writing with computing")
-    p.add_argument("--block-gb", type=float, default=4.0,
-                   help="largest stack of weights (in the compute dtype) a rank QRs at once, GiB")
+    p.add_argument("--method", choices=["auto", "householder"], default="auto",
+                   help="auto: Gram/Cholesky route where the stack is well conditioned, Householder TSQR elsewhere; "
+                        "householder: always the Householder TSQR")
     p.add_argument("--device-cache-gb", type=float, default=16.0,
-                   help="Q blocks kept on the GPU between passes up to this many GiB; the rest wait in host memory")
+                   help="weights and Gram matrices (Householder route: Q blocks) kept on the GPU between passes, GiB")
+    p.add_argument("--block-gb", type=float, default=4.0,
+                   help="Householder route: largest stack of weights (in the compute dtype) a rank QRs at once, GiB")
+    p.add_argument("--io-threads", type=int, default=8, help="threads reading weights (half as many write factors)")
+    p.add_argument("--prefetch-gb", type=float, default=4.0,
+                   help="weights read ahead of use onto the device, at most this many GiB")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: the rank's GPU (NCCL) if CUDA is available, else CPU (gloo)")
     p.add_argument("--overwrite", action="store_true", help="replace a store in --out built with another configuration")
@@ -62,11 +68,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace) -> int:
+    import torch
+
+    from frod_ds import distributed as D
+    from frod_ds.hjd_stage import StageConfig, run_stage
+
     cfg = D.on_all(lambda: StageConfig(
         model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
         block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, part_mb=args.part_mb, device=args.device, overwrite=args.overwrite,
-        fsync=args.fsync))
-    manifest = run_stage(cfg)
+        fsync=args.fsync, method=args.method, io_threads=args.io_threads, prefetch_gb=args.prefetch_gb))
+    manifest = run_stage(cfg, process_start=PROCESS_START)
     if D.is_main():
         _print_summary(manifest)
     return 0
@@ -74,6 +85,11 @@ def build(args: argparse.Namespace) -> int:
 
 def verify(args: argparse.Namespace) -> int:
     """Rank 0 checks the store; the other ranks (if any) wait for the verdict."""
+    import torch
+
+    from frod_ds import distributed as D
+    from frod_ds.store import verify_store
+
     device = torch.device("cpu") if args.device == "cpu" else D.local_device()
     problems = D.on_main(lambda: verify_store(args.verify, args.model, samples=args.samples, seed=args.seed,
                                               tol=args.tol, device=device))
@@ -86,10 +102,10 @@ def verify(args: argparse.Namespace) -> int:
 
 def _print_summary(manifest: dict) -> None:
     run = manifest["run"]
-    print(f"{'category':>10} {'members':>7} {'width':>6} {'seconds':>8} {'max err':>9} {'stored err':>10}")
+    print(f"{'category':>10} {'members':>7} {'width':>6} {'route':>11} {'seconds':>8} {'max err':>9} {'stored err':>10}")
     for c, spec in manifest["categories"].items():
         if spec.get("complete"):
-            print(f"{c:>10} {len(spec['members']):>7} {spec['width']:>6} {spec['seconds']:>8.2f} "
+            print(f"{c:>10} {len(spec['members']):>7} {spec['width']:>6} {spec.get('method', '?'):>11} {spec['seconds']:>8.2f} "
                   f"{spec['max_error']:>9.2e} {spec['max_stored_error']:>10.2e}")
     print(f"total {run['seconds']:.1f} s, world size {run['world_size']}, complete: {manifest['complete']}")
     for r in run["ranks"]:
@@ -98,8 +114,20 @@ def _print_summary(manifest: dict) -> None:
               f"read {r['tensors_read']} tensors / {r['bytes_read'] / 2**30:.2f} GiB", flush=True)
 
 
+def _readahead_budget() -> float:
+    """A quarter of the memory free now: what the page cache can take without pushing anything out."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4
+    except (ValueError, OSError):
+        return 0.0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.out is not None:  # the kernel reads this rank's first weights while torch loads
+        start_readahead(args.model, args.targets, _readahead_budget())
+    from frod_ds import distributed as D
+
     D.init_distributed("gloo" if args.device == "cpu" else None)
     try:
         return verify(args) if args.verify is not None else build(args)

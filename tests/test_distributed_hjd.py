@@ -93,8 +93,18 @@ def test_distributed_hjd_each_rank_reads_only_its_members(two_rank_store):
         for i, member in enumerate(members):
             m, n = store.member_shape(member)
             per_rank[0 if i < 2 else 1] += m * n * 4  # fp32 checkpoint; rank 0 owns layers 0-1
-    # Each owned weight is read twice (QR pass, reconstruction check), nothing else.
-    assert [r["bytes_read"] for r in ranks] == [2 * b for b in per_rank]
+    # Each owned weight is read once (kept in the device cache between the passes), nothing else.
+    assert [r["bytes_read"] for r in ranks] == per_rank
+
+
+def test_distributed_hjd_route_per_category(two_rank_store):
+    """Tall full-rank stacks take the Gram route; the wide k/v stacks fall back to Householder TSQR."""
+    _, path = two_rank_store
+    cats = FactorStore.open(path).manifest["categories"]
+    assert {c: spec["method"] for c, spec in cats.items()} == {
+        "q_proj": "gram", "k_proj": "householder", "v_proj": "householder", "o_proj": "gram",
+        "gate_proj": "gram", "up_proj": "gram"}
+    assert cats["k_proj"]["cond_estimate"] is None and 1 <= cats["q_proj"]["cond_estimate"] < 1e3
 
 
 def test_distributed_hjd_wide_category_has_zero_completion(two_rank_store):
@@ -124,15 +134,15 @@ import os, signal, sys
 sys.path.insert(0, {repo!r})
 import frod_ds.hjd_stage as stage
 
-_run = stage.run_category
+_finish = stage._finish_category
 
-def run_then_die(ckpt, category, *args, **kwargs):
-    out = _run(ckpt, category, *args, **kwargs)
+def die_before_recording(cfg, manifest, category, outs, seconds, writer):
     if category == os.environ["HJD_KILL_AFTER"]:
-        os.kill(os.getpid(), signal.SIGKILL)  # files written, manifest not yet updated: a killed run
-    return out
+        writer.flush()  # the earlier categories' manifest updates are on disk
+        os.kill(os.getpid(), signal.SIGKILL)  # this category's files written, manifest not updated: a killed run
+    return _finish(cfg, manifest, category, outs, seconds, writer)
 
-stage.run_category = run_then_die
+stage._finish_category = die_before_recording
 from launch.hjd import main
 sys.exit(main())
 """
@@ -201,3 +211,42 @@ def test_small_part_files_split_a_block_and_still_equal_decompose(tmp_path):
     assert len({files[m + ".U"] for m in members}) == len(members)
     assert all(files[m + ".U"] == files[m + ".sigma"] for m in members)
     _assert_store_equals_decompose(store, model)
+
+
+@pytest.mark.parametrize("method", ["auto", "householder"])
+def test_no_device_cache_rereads_and_still_equals_decompose(tmp_path, method):
+    """--device-cache-gb 0: nothing stays between passes, so weights are read again (and Gram matrices
+    recomputed); fp32 weights, both routes, 2 ranks, against ``decompose``."""
+    model = write_tiny_llama(tmp_path / "model", **WIDE)
+    out = tmp_path / "store"
+    proc = run_hjd(["--model", str(model), "--out", str(out), "--dtype", "float64", "--device-cache-gb", "0",
+                    "--method", method, "--targets", "q_proj,k_proj", "--block-gb", "1e-6"], nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = FactorStore.open(out)
+    cats = store.manifest["categories"]
+    assert cats["q_proj"]["method"] == ("gram" if method == "auto" else "householder")
+    assert cats["k_proj"]["method"] == "householder"
+    owned = sum(m * n * 4 for c in ("q_proj", "k_proj") for m, n in
+                (store.member_shape(x) for x in store.categories[c][:2]))
+    # rank 0: every pass reads again -- Gram pass, then (Gram route) T_pi pass + factors, or (Householder)
+    # local QR + factors
+    assert store.manifest["run"]["ranks"][0]["bytes_read"] == 3 * owned
+    _assert_store_equals_decompose(store, model)
+
+
+def test_gram_route_error_check_falls_back_to_householder(tmp_path, monkeypatch):
+    """A Gram-route category whose measured reconstruction error exceeds the limit is redone by the
+    Householder route (files rewritten, manifest says so); one process, in this interpreter."""
+    import frod_ds.hjd_tsqr as tsqr
+    from frod_ds.hjd_stage import StageConfig, run_stage
+
+    model = write_tiny_llama(tmp_path / "model", **WIDE)
+    monkeypatch.setattr(tsqr, "GRAM_MAX_ERROR", {torch.float32: 0.0, torch.float64: 0.0})
+    manifest = run_stage(StageConfig(model=str(model), out=tmp_path / "store", targets=("q_proj", "up_proj"),
+                                     dtype=torch.float64, device="cpu"))
+    assert manifest["complete"]
+    assert {c: s["method"] for c, s in manifest["categories"].items()} == {"q_proj": "householder",
+                                                                           "up_proj": "householder"}
+    assert manifest["categories"]["q_proj"]["cond_estimate"] >= 1, "the Gram route ran first"
+    assert not [p for p in (tmp_path / "store").iterdir() if p.name.endswith(".tmp")]
+    _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)

@@ -140,3 +140,33 @@ def test_reconstruction_error_is_relative():
     W = torch.eye(3, dtype=torch.float64)
     assert reconstruction_error(W, W, torch.ones(3, dtype=torch.float64), W) == 0.0
     assert reconstruction_error(W, W, 2 * torch.ones(3, dtype=torch.float64), W) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("case", ["tall", "gqa_kv_heights"])
+def test_gram_route_equals_householder_fp64(case):
+    """The Gram route (Cholesky of Σ W_iᵀW_i, T_pi from (G_i + πG)⁻¹, B_i = W_i R⁻¹Z) gives the
+    Householder factors: same V, σ and U to fp64 rounding (times eigenvector conditioning)."""
+    Ws = _members(CASES[case], seed=3)
+    ref = decompose(Ws, dtype=torch.float64)
+    got = decompose(Ws, dtype=torch.float64, method="gram")
+    _dense_check(Ws, got, tol=1e-12)
+    rel = lambda a, b: (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()  # noqa: E731
+    assert rel(got.V, ref.V) < 1e-8
+    for a, b, sa, sb in zip(got.U, ref.U, got.sigma, ref.sigma):
+        assert rel(sa, sb) < 1e-8 and rel(a, b) < 1e-8
+
+
+def test_gram_route_fp32_reconstructs_mixed_scale_members():
+    """fp32: the Gram route keeps per-member error at fp32 level also when members differ in scale by 50x
+    (the Householder route's error grows with ‖W‖/‖W_i‖ there)."""
+    Ws = [w * 0.02 for w in _members([(48, 32)] * 5, seed=1, dtype=torch.float32)] + _members([(20, 32)], seed=2,
+                                                                                                dtype=torch.float32)
+    got = decompose(Ws, dtype=torch.float32, method="gram")
+    _dense_check([w.double() for w in Ws], got, tol=1e-6)
+
+
+def test_gram_route_refuses_a_wide_stack():
+    with pytest.raises(ValueError, match="full column rank"):
+        decompose(_members(CASES["wide"]), method="gram")
+    with pytest.raises(ValueError, match="method"):
+        decompose(_members(CASES["tall"]), method="qr")

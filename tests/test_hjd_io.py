@@ -1,0 +1,101 @@
+"""The HJD stage's I/O pieces on the CPU: read-ahead order and accounting, planned part files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from tests.helpers_ckpt import REPO, weights, write_tiny_llama
+
+from frod_ds.hf_checkpoint import HFCheckpoint
+from frod_ds.hjd_io import FactorWriter, MemberReader, plan_parts
+from frod_ds.hjd_plan import my_members, targeted_members
+
+Q = [f"model.layers.{i}.self_attn.q_proj" for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("io") / "model")
+
+
+def test_reader_returns_each_weight_in_any_take_order(model):
+    ckpt = HFCheckpoint(model)
+    nbytes = ckpt.info(Q[0] + ".weight").nbytes
+    reader = MemberReader(ckpt, torch.device("cpu"), threads=2, ahead_bytes=nbytes)  # one read ahead at most
+    try:
+        reader.schedule(Q)
+        assert len(reader._inflight) == 1 and len(reader._plan) == 2, "the byte budget holds the rest back"
+        expect = dict(zip(Q, weights(model, Q)))
+        assert torch.equal(reader.take(Q[2]), expect[Q[2]]), "taken out of order: read at once"
+        assert torch.equal(reader.take(Q[0]), expect[Q[0]])
+        assert torch.equal(reader.take(Q[1]), expect[Q[1]])
+        assert torch.equal(reader.take(Q[1]), expect[Q[1]]), "never scheduled: read when taken"
+        assert ckpt.tensors_read == 4 and ckpt.bytes_read == 4 * nbytes
+    finally:
+        reader.close()
+
+
+def test_reader_reports_a_shard_cut_short_after_its_header_was_read(tmp_path):
+    model = write_tiny_llama(tmp_path / "model")
+    ckpt = HFCheckpoint(model)
+    info = ckpt.info(Q[0] + ".weight")  # header read and checked now
+    with open(info.file, "r+b") as f:
+        f.truncate(info.start + 4)  # then the file is replaced by a partial download
+    reader = MemberReader(ckpt, torch.device("cpu"), threads=1)
+    try:
+        reader.schedule([Q[0]])
+        with pytest.raises(ValueError, match="could not read .*q_proj.*download the checkpoint again"):
+            reader.take(Q[0])
+    finally:
+        reader.close()
+
+
+def test_plan_parts_closes_a_part_at_the_size_and_never_splits_a_member():
+    entry = lambda m: (m, [(m + ".U", torch.bfloat16, (4, 8)), (m + ".sigma", torch.float32, (8,))])  # noqa: E731
+    members = [entry(f"m{i}") for i in range(5)]  # 96 bytes each
+    assert plan_parts(members, 200) == [["m0", "m1", "m2"], ["m3", "m4"]]
+    assert plan_parts(members, 1) == [[f"m{i}"] for i in range(5)]
+    assert plan_parts(members, 1e9) == [[f"m{i}" for i in range(5)]]
+
+
+def test_writer_files_load_with_safetensors(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"m{i}": (torch.randn(3 + i, 8, generator=g).bfloat16(), torch.rand(8, generator=g)) for i in range(4)}
+    writer = FactorWriter(tmp_path, fsync=True, part_bytes=100, threads=2)
+    try:
+        writer.begin("q_proj", 1, [(m, [(m + ".U", torch.bfloat16, tuple(U.shape)), (m + ".sigma", torch.float32, (8,))])
+                                   for m, (U, _) in tensors.items()])
+        for m, (U, s) in tensors.items():
+            writer.add(m + ".U", U)
+            writer.add(m + ".sigma", s)
+        files, writes = writer.finish()
+        for w in writes:
+            w.result()
+    finally:
+        writer.close()
+    assert len(set(files.values())) == 3 and all(f.startswith("q_proj.rank00001.part") for f in files.values())
+    assert not list(tmp_path.glob("*.tmp"))
+    for m, (U, s) in tensors.items():
+        with safe_open(str(tmp_path / files[m + ".U"]), framework="pt") as f:
+            assert torch.equal(f.get_tensor(m + ".U"), U) and torch.equal(f.get_tensor(m + ".sigma"), s)
+
+
+def test_plan_helpers_and_torch_free_import(model):
+    members = targeted_members(HFCheckpoint(model).keys(), ["q_proj", "up_proj"])
+    assert members["q_proj"] == Q and len(members["up_proj"]) == 3
+    assert my_members(Q, 1, 2) == Q[2:] and my_members(Q, 2, 4) == Q[2:] and my_members(Q, 3, 4) == [] and my_members(Q, 0, 1) == Q
+    code = ("import sys; import frod_ds.hjd_plan, frod_ds.hf_checkpoint, launch.hjd; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_readahead_hint_runs_over_the_members(model):
+    ckpt = HFCheckpoint(model)
+    thread = ckpt.readahead([q + ".weight" for q in Q], budget_bytes=1e9)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
