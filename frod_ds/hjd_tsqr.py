@@ -113,9 +113,10 @@ class _Cache:
         self.budget, self.used = budget_bytes, 0
         self._items: dict[Any, Tensor] = {}
 
-    def put(self, key: Any, t: Tensor) -> None:
+    def put(self, key: Any, t: Tensor, headroom: float = 0.0) -> None:
+        """Keep ``t`` if it fits with ``headroom`` bytes of the budget still free afterwards."""
         nbytes = t.numel() * t.element_size()
-        if key not in self._items and self.used + nbytes <= self.budget:
+        if key not in self._items and self.used + nbytes + headroom <= self.budget:
             self._items[key] = t
             self.used += nbytes
 
@@ -209,14 +210,17 @@ class CategoryJob:
         self.G = torch.zeros(n, n, dtype=torch.float64, device=self.device)
         flags: list[Tensor] = []
         error = None
+        w_left = sum(self.ckpt.info(m + ".weight").nbytes for m in self.mine)  # weights not read yet
         try:
             for i in range(len(self.mine)):
                 W = self._fetch(i)
+                w_left -= W.numel() * W.element_size()
                 flags.append(torch.isfinite(W).all())
                 self.cache.put(("W", i), W)
                 G_i = gram(W)
                 self.G += G_i
-                self.cache.put(("G", i), G_i)
+                # A weight saves a read (pass C needs it), a Gram matrix one product: weights first.
+                self.cache.put(("G", i), G_i, headroom=w_left)
                 del W, G_i
                 self.bar.update(1)
             error = self._check_finite(flags, range(len(self.mine)))

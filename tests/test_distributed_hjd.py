@@ -250,3 +250,16 @@ def test_gram_route_error_check_falls_back_to_householder(tmp_path, monkeypatch)
     assert manifest["categories"]["q_proj"]["cond_estimate"] >= 1, "the Gram route ran first"
     assert not [p for p in (tmp_path / "store").iterdir() if p.name.endswith(".tmp")]
     _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)
+
+
+def test_device_cache_keeps_weights_before_gram_matrices(tmp_path):
+    """A cache that holds every weight but not the Gram matrices as well: the weights stay (each read once)
+    and the Gram matrices are recomputed. (Caching in arrival order would keep G_0 and read W_2 again.)"""
+    from frod_ds.hjd_stage import StageConfig, run_stage
+
+    model = write_tiny_llama(tmp_path / "model", **WIDE)  # fp32 q_proj 64 x 64: W 16 KiB, G (fp64) 32 KiB
+    manifest = run_stage(StageConfig(model=str(model), out=tmp_path / "store", targets=("q_proj",),
+                                     dtype=torch.float64, device="cpu", device_cache_gb=64 * 2**10 / 2**30))
+    assert manifest["categories"]["q_proj"]["method"] == "gram"
+    assert manifest["run"]["ranks"][0]["bytes_read"] == 3 * 64 * 64 * 4
+    _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)
