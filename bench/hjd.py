@@ -257,6 +257,8 @@ def suite(kind: str, work: Path, out: Path, budget_s: float) -> None:
         shutil.rmtree(ckpt, ignore_errors=True)
         if s.step("gen-7b", 90, lambda: write_checkpoint(ckpt, "7b", TARGETS)):
             s.step("7b-1gpu-python-cold", 60, lambda: run_stage(ckpt, store, 1, [], s.log, True, torchrun=False), preset="7b")
+            s.step("7b-1gpu-python-cold-again", 60, lambda: run_stage(ckpt, store, 1, [], s.log, True, torchrun=False),
+                   preset="7b")
             s.step("7b-1gpu-torchrun-cold", 60, lambda: run_stage(ckpt, store, 1, [], s.log, True), preset="7b")
             s.step("7b-1gpu-python-warm", 60, lambda: run_stage(ckpt, store, 1, [], s.log, False, torchrun=False),
                    preset="7b")
