@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.hjd import drop_caches  # noqa: E402
+
 GiB = 2**30
 
 
@@ -109,15 +112,6 @@ def gpu() -> dict:
     torch.empty(2 * GiB, dtype=torch.uint8, pin_memory=True)
     out["pin_alloc_2gib_s"] = round(time.perf_counter() - t0, 3)
     return out
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def disk(work: Path) -> dict:

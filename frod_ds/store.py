@@ -25,8 +25,10 @@ Manifest (``format_version`` 1)::
     targets, pi, hjd_dtype ("float32" | "float64")
     categories: {c: {members, shapes {member: [m, n]}, width, u_dtype, complete,
                      files {key: file}, error {member: e}, stored_error {member: e},
-                     max_error, max_stored_error, world_size, seconds, phase_seconds}}
-    world_size, versions {frod_ds, torch, safetensors, python}, run {seconds, ranks: [...]}
+                     max_error, max_stored_error, world_size, seconds, phase_seconds,
+                     method ("gram" | "householder"), cond_estimate (Gram route's bound of cond(R))}}
+    world_size, versions {frod_ds, torch, safetensors, python},
+    run {seconds, startup_s, prologue_s, world_size, categories_done, categories_skipped, ranks: [...]}
 
 ``error`` is ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` with the factors in ``hjd_dtype``; ``stored_error``
 the same with the stored tensors (U rounded to the checkpoint dtype, σ and V in fp32).
