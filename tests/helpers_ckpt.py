@@ -48,13 +48,25 @@ def weights(path: Path, members: list[str]) -> list[torch.Tensor]:
     return out
 
 
-def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: float = 180) -> subprocess.CompletedProcess:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: float = 180,
+            launcher: str = "torchrun") -> subprocess.CompletedProcess:
     """``launch/hjd.py ARGS`` as a subprocess: one plain process when ``nproc == 0``, else under
-    ``torchrun --standalone --nproc_per_node NPROC`` (gloo, CPU)."""
+    ``torchrun --standalone --nproc_per_node NPROC`` or (``launcher="deepspeed"``) the DeepSpeed launcher,
+    on CPU ranks (gloo)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
     cmd = [sys.executable]
-    if nproc:
+    if nproc and launcher == "deepspeed":
+        cmd += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(_free_port())]
+    elif nproc:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += [str(script), *args]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
