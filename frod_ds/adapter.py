@@ -42,6 +42,7 @@ __all__ = [
     "load_frod_model",
     "supports_from_adapter",
     "merged_state_dict",
+    "adapter_sources",
 ]
 
 ADAPTER_FORMAT = "frod-ds-adapter"
@@ -170,20 +171,9 @@ def load_adapter_into(model: nn.Module, tensors: dict[str, torch.Tensor], zero3:
             m.frod_s.copy_(tensors[f"{name}.frod_s"].to(m.frod_s.dtype))
 
 
-def load_frod_model(
-    checkpoint_dir: str | Path,
-    base_model: str | None = None,
-    factor_store: str | None = None,
-    dtype: torch.dtype | str | None = None,
-    device: str | torch.device = "cpu",
-):
-    """A plain (one-process) HF causal LM with FRoD layers from an adapter dir, and its tokenizer.
-
-    The base model and factor store come from the adapter's config unless given. Raises ``ValueError``
-    with a clear message if either is missing or the store belongs to another model.
-    """
-    from transformers import AutoTokenizer
-
+def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, factor_store: str | None = None):
+    """``(tensors, config, model_dir, store)`` of an adapter: its σ/S tensors and config, the base checkpoint
+    directory and the factor store (from the adapter's config unless given), checked to belong together."""
     from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
     from frod_ds.store import FactorStore, check_store_matches
 
@@ -200,6 +190,24 @@ def load_frod_model(
     store = FactorStore.open(store_path)
     model_dir = resolve_model_dir(base)
     check_store_matches(store, HFCheckpoint(model_dir))
+    return tensors, config, model_dir, store
+
+
+def load_frod_model(
+    checkpoint_dir: str | Path,
+    base_model: str | None = None,
+    factor_store: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+):
+    """A plain (one-process) HF causal LM with FRoD layers from an adapter dir, and its tokenizer.
+
+    The base model and factor store come from the adapter's config unless given. Raises ``ValueError``
+    with a clear message if either is missing or the store belongs to another model.
+    """
+    from transformers import AutoTokenizer
+
+    tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
     dtype = dtype or DTYPES.get(config.get("dtype", "float32"), torch.float32)

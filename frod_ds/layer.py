@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["SparseSupport", "FRoDLinear", "support_seed", "ordering"]
+__all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering"]
 
 TRAINABLE_PREFIX = "frod_"
 
@@ -27,6 +27,16 @@ TRAINABLE_PREFIX = "frod_"
 def support_seed(seed: int, category: str) -> int:
     """The support seed of a category: stable across processes, Python versions and category order."""
     return (int(seed) * 1_000_003 + zlib.crc32(category.encode())) % (2**63 - 1)
+
+
+def core_matrix(sigma: Tensor, s_values: Tensor, support_flat: Tensor, dtype: torch.dtype,
+                device: torch.device | str) -> Tensor:
+    """Dense ``diag σ + S`` (n, n); ``S``'s values at the flat (row·n + col) ``support_flat`` positions."""
+    n = sigma.shape[0]
+    diag = torch.arange(0, n * n, n + 1, device=device)
+    idx = torch.cat([diag, support_flat.to(device)])  # (n + nnz,)
+    vals = torch.cat([sigma, s_values]).to(device=device, dtype=dtype)  # (n + nnz,)
+    return torch.zeros(n * n, dtype=dtype, device=device).scatter(0, idx, vals).view(n, n)
 
 
 class SparseSupport:
@@ -126,13 +136,8 @@ class FRoDLinear(nn.Module):
 
     def core(self, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
         """``M = diag σ + S`` as a dense ``(n, n)`` matrix (differentiable in σ and the S values)."""
-        n = self.in_features
-        dtype = dtype or self.frod_sigma.dtype
         device = device or self.frod_sigma.device
-        diag = torch.arange(0, n * n, n + 1, device=device)
-        idx = torch.cat([diag, self.support.on(device)])  # (n + nnz,)
-        vals = torch.cat([self.frod_sigma, self.frod_s]).to(device=device, dtype=dtype)  # (n + nnz,)
-        return torch.zeros(n * n, dtype=dtype, device=device).scatter(0, idx, vals).view(n, n)
+        return core_matrix(self.frod_sigma, self.frod_s, self.support.on(device), dtype or self.frod_sigma.dtype, device)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x`` (..., n) → (..., m), by the cheaper of two exact orderings (``ordering``)."""

@@ -70,3 +70,26 @@ def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: flo
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += [str(script), *args]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def make_adapter(model_dir: Path, root: Path, sparsity: float = 0.05, seed: int = 0):
+    """A trained-looking FRoD adapter over ``model_dir``: factor store by the HJD stage (one process), σ
+    scaled and S filled with random values. Returns ``(adapter_dir, store_dir, frod_model)``."""
+    from frod_ds.adapter import save_adapter_from_model
+    from frod_ds.apply import frod_modules
+    from frod_ds.build import build_frod_model, make_supports
+    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.store import FactorStore
+
+    run_stage(StageConfig(model=str(model_dir), out=root / "store", device="cpu", fsync=False))
+    store = FactorStore.open(root / "store")
+    model = build_frod_model(model_dir, store, make_supports(store, list(store.categories), sparsity, seed), torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, m in frod_modules(model):
+            m.frod_sigma.mul_(1 + 0.3 * torch.randn(m.frod_sigma.shape, generator=g))
+            m.frod_s.add_(0.1 * torch.randn(m.frod_s.shape, generator=g))
+    ckpt = save_adapter_from_model(model, root / "adapter-final", {
+        "base_model": str(model_dir), "factor_store": str(root / "store"), "dtype": "float32",
+        "sparsity": sparsity, "seed": seed})
+    return ckpt, root / "store", model

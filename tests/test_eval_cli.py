@@ -24,6 +24,7 @@ from tests.eval_fixtures import (
     write_eval_dir,
     write_jsonl,
 )
+from tests.helpers_ckpt import make_adapter
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ("boolq", "piqa", "obqa")
@@ -49,28 +50,14 @@ def adapter(assets, tmp_path_factory):
     their initial values) and its merged export as a plain HF model dir."""
     from transformers import LlamaForCausalLM
 
-    from frod_ds.adapter import merged_state_dict, save_adapter_from_model
-    from frod_ds.apply import frod_modules
-    from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.hjd_stage import StageConfig, run_stage
-    from frod_ds.store import FactorStore
+    from frod_ds.adapter import merged_state_dict
 
     root = tmp_path_factory.mktemp("adapter")
-    run_stage(StageConfig(model=str(assets["random"]), out=root / "store", device="cpu", fsync=False))
-    store = FactorStore.open(root / "store")
-    model = build_frod_model(assets["random"], store, make_supports(store, list(store.categories), 0.05, 0), torch.float32)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for _, m in frod_modules(model):
-            m.frod_sigma.mul_(1 + 0.3 * torch.randn(m.frod_sigma.shape, generator=g))
-            m.frod_s.add_(0.1 * torch.randn(m.frod_s.shape, generator=g))
-    ckpt = save_adapter_from_model(model, root / "adapter-final", {
-        "base_model": str(assets["random"]), "factor_store": str(root / "store"), "dtype": "float32",
-        "sparsity": 0.05, "seed": 0})
+    ckpt, store, model = make_adapter(assets["random"], root)
     merged = LlamaForCausalLM(model.config)
     merged.load_state_dict(merged_state_dict(model))
     save_model(root / "merged", merged, word_tokenizer())
-    return {"checkpoint": ckpt, "store": root / "store", "merged": root / "merged"}
+    return {"checkpoint": ckpt, "store": store, "merged": root / "merged"}
 
 
 def _read(out: Path) -> tuple[dict, list[dict]]:

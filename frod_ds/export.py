@@ -1,0 +1,141 @@
+"""Export a FRoD adapter as a plain Hugging Face checkpoint that stock ``transformers`` loads (no frod-ds).
+
+Every targeted module's weight becomes ``W'_i = U_i (diag σ_i + S_i) Vᵀ`` (spec §2, "Merge/export"); every
+other tensor of the base checkpoint is copied as it is. The export streams: tensors are taken one at a time
+from the base checkpoint's shards and the factor store, merged in fp32 (fp64 for fp64 factors) on
+``device``, and written into output shards of about ``shard_gb``, so no process holds the whole model (a
+70B export needs one shard and one member's factors in memory). The output directory is built under a
+temporary name and renamed at the end; besides the shards and ``model.safetensors.index.json`` it holds
+the base model's config, generation config and tokenizer files, and ``frod_export.json`` (provenance).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from frod_ds.adapter import adapter_sources
+from frod_ds.build import DTYPES
+from frod_ds.hf_checkpoint import INDEX_NAME, HFCheckpoint
+from frod_ds.layer import core_matrix
+from frod_ds.store import save_tensors_atomic
+
+__all__ = ["export_transformers", "COPIED_FILES"]
+
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model", "added_tokens.json")
+
+
+def _merged(store, member: str, sigma: torch.Tensor, s_values: torch.Tensor, support_flat: torch.Tensor,
+            V: torch.Tensor, device: torch.device) -> torch.Tensor:
+    U = store.load_U(member, device=device)
+    cdt = torch.float64 if U.dtype == torch.float64 else torch.float32
+    M = core_matrix(sigma, s_values, support_flat, cdt, device)  # (n, n)
+    return (U.to(cdt) @ M) @ V.to(device=device, dtype=cdt).T  # (m, n)
+
+
+def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_model: str | None = None,
+                        factor_store: str | None = None, dtype: str = "auto", shard_gb: float = 5.0,
+                        device: str | torch.device = "cpu", overwrite: bool = False) -> Path:
+    """Write the merged model of adapter ``checkpoint_dir`` to ``out``; returns ``out``.
+
+    ``dtype``: ``auto`` keeps each tensor's dtype (a merged weight gets its base weight's), or one of
+    ``bfloat16``/``float16``/``float32`` for every floating tensor. ``ValueError`` on bad input.
+    """
+    out = Path(out)
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    if not shard_gb > 0:
+        raise ValueError(f"--shard-gb must be > 0, got {shard_gb}")
+    if out.exists() and not overwrite:
+        raise ValueError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
+    tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
+    ckpt = HFCheckpoint(model_dir)
+    device = torch.device(device)
+    out_dtype = None if dtype == "auto" else DTYPES[dtype]
+    supports: dict[str, torch.Tensor] = {}
+    for category, info in config["categories"].items():
+        rows, cols = tensors[f"{category}.support"].long()
+        supports[category] = rows * int(info["n"]) + cols
+    member_of = {m + ".weight": (c, m) for c, members in store.categories.items() for m in members}
+    missing = [m for c, m in member_of.values() if f"{m}.frod_sigma" not in tensors]
+    if missing:
+        raise ValueError(f"adapter {checkpoint_dir} has no σ for {missing[0]} (of {len(missing)}); it was trained "
+                         "with other targets than the factor store's")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    t0 = time.perf_counter()
+    try:
+        shards: list[dict[str, torch.Tensor | None]] = [{}]
+        size, total_size, limit = 0, 0, shard_gb * 2**30
+        V_of: dict[str, torch.Tensor] = {}  # fp32 as stored; layers interleave the categories
+        with torch.no_grad():
+            for name in ckpt.keys():
+                if name in member_of:
+                    category, member = member_of[name]
+                    if category not in V_of:
+                        V_of[category] = store.load_V(category, torch.float32, device)
+                    W = _merged(store, member, tensors[f"{member}.frod_sigma"], tensors[f"{member}.frod_s"],
+                                supports[category], V_of[category], device).to(out_dtype or ckpt.dtype(name))
+                else:
+                    W = ckpt.get(name)
+                    if out_dtype is not None and W.is_floating_point():
+                        W = W.to(out_dtype)
+                W = W.cpu().contiguous()
+                nbytes = W.numel() * W.element_size()
+                if shards[-1] and size + nbytes > limit:
+                    _write_shard(tmp, len(shards), shards[-1])
+                    shards[-1] = dict.fromkeys(shards[-1])  # names only from here on
+                    shards.append({})
+                    size = 0
+                shards[-1][name] = W
+                size += nbytes
+                total_size += nbytes
+            _write_shard(tmp, len(shards), shards[-1])
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards, start=1):
+            final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            (tmp / f"shard-{i:05d}.safetensors").rename(tmp / final)
+            weight_map.update(dict.fromkeys(shard, final))
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
+        _copy_side_files(model_dir, Path(config["tokenizer"]) if config.get("tokenizer") else None, tmp, out_dtype)
+        provenance: dict[str, Any] = {
+            "format": "frod-ds-export", "adapter": str(checkpoint_dir), "base_model": config.get("base_model"),
+            "factor_store": str(store.path), "factor_store_fingerprint": store.fingerprint, "step": config.get("step"),
+            "merged": sorted(m for _, m in member_of.values()), "dtype": dtype, "seconds": round(time.perf_counter() - t0, 2),
+        }
+        (tmp / "frod_export.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_shard(tmp: Path, index: int, tensors: dict[str, torch.Tensor | None]) -> None:
+    save_tensors_atomic(tmp / f"shard-{index:05d}.safetensors", tensors, fsync=True)  # type: ignore[arg-type]
+
+
+def _copy_side_files(model_dir: Path, tokenizer_dir: Path | None, tmp: Path, out_dtype: torch.dtype | None) -> None:
+    for fname in COPIED_FILES:
+        src = next((d / fname for d in (tokenizer_dir, model_dir) if d is not None and (d / fname).is_file()), None)
+        if src is not None:
+            shutil.copyfile(src, tmp / fname)
+    cfg_path = tmp / "config.json"
+    if out_dtype is not None and cfg_path.is_file():
+        cfg = json.loads(cfg_path.read_text())
+        name = str(out_dtype).removeprefix("torch.")
+        for key in ("torch_dtype", "dtype"):
+            if key in cfg:
+                cfg[key] = name
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")

@@ -1,0 +1,76 @@
+"""Export to a plain transformers checkpoint: stock ``LlamaForCausalLM.from_pretrained`` computes what the
+FRoD model computes; every untargeted tensor is the base checkpoint's, bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tests.helpers_ckpt import make_adapter, weights, write_tiny_llama
+
+from frod_ds.adapter import merged_state_dict
+from launch.export import main
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    model_dir = write_tiny_llama(root / "model")
+    ckpt, store, model = make_adapter(model_dir, root)
+    return {"model_dir": model_dir, "checkpoint": ckpt, "store": store, "frod": model.eval(), "root": root}
+
+
+def test_exported_checkpoint_loads_with_stock_transformers_and_matches(trained, tmp_path, capsys):
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "merged"
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out), "--shard-gb", str(20 * 2**10 / 2**30)]) == 0
+    assert "exported" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "small --shard-gb: several shards"
+    plain = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, plain.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = plain(ids).logits, trained["frod"](ids).logits
+    assert (got - want).abs().max().item() < 1e-4
+    # Merged weights equal the model-side merge; everything else is the base checkpoint's tensor.
+    state, merged = plain.state_dict(), merged_state_dict(trained["frod"])
+    provenance = json.loads((out / "frod_export.json").read_text())
+    targeted = {m + ".weight" for m in provenance["merged"]}
+    assert len(targeted) == 6 * 3
+    for name in targeted:
+        assert torch.allclose(state[name], merged[name], atol=1e-6, rtol=1e-5), name
+    others = [n for n in index["weight_map"] if n not in targeted]
+    for name, base in zip(others, weights(trained["model_dir"], [n.removesuffix(".weight") for n in others])):
+        assert torch.equal(state[name], base), name
+    assert provenance["factor_store_fingerprint"] == json.loads((trained["store"] / "manifest.json").read_text())["fingerprint"]
+
+
+def test_export_bf16_sets_the_config_dtype(trained, tmp_path):
+    from transformers import AutoConfig
+
+    out = tmp_path / "bf16"
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    from safetensors import safe_open
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.up_proj.weight"
+    with safe_open(str(out / index["weight_map"][name]), framework="pt") as f:
+        assert f.get_tensor(name).dtype == torch.bfloat16
+    assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16
+
+
+def test_export_bad_input_leaves_nothing(trained, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out)]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
+    assert "not a frod-ds adapter checkpoint" in capsys.readouterr().err
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(tmp_path / "y"), "--dtype", "int8"]) == 2
+    assert "--dtype" in capsys.readouterr().err
+    other = write_tiny_llama(tmp_path / "other", seed=7)
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(tmp_path / "z"), "--base-model", str(other)]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "taken"], "no partial export left behind"
