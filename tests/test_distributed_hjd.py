@@ -275,3 +275,30 @@ def test_deepspeed_launcher_runs_the_stage(tmp_path):
     store = FactorStore.open(tmp_path / "store")
     assert store.manifest["world_size"] == 2
     _assert_store_equals_decompose(store, model)
+
+
+def test_srun_style_environment_runs_the_stage(tmp_path):
+    """Two plain ``python launch/hjd.py`` processes with the SLURM variables srun sets (no torchrun, no
+    RANK/WORLD_SIZE/MASTER_ADDR): they find each other and build the single-process store."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers_ckpt import LAUNCH, _free_port
+
+    model = write_tiny_llama(tmp_path / "model")
+    port = _free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    procs = []
+    for rank in range(2):
+        env = dict(base, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", SLURM_PROCID=str(rank),
+                   SLURM_LOCALID=str(rank), SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost",
+                   SLURM_JOB_ID="1", MASTER_PORT=str(port))  # MASTER_PORT as an sbatch script exports it
+        procs.append(subprocess.Popen([sys.executable, str(LAUNCH), "--model", str(model), "--out", str(tmp_path / "store"),
+                                       "--dtype", "float64", "--targets", "q_proj", "--device", "cpu"],
+                                      env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    store = FactorStore.open(tmp_path / "store")
+    assert store.manifest["world_size"] == 2
+    _assert_store_equals_decompose(store, model)
