@@ -61,10 +61,10 @@ from frod_ds.hjd import (
     weight_factors,
 )
 from frod_ds.hjd_io import FactorWriter, MemberReader
-from frod_ds.hjd_plan import my_members, split_counts
+from frod_ds.hjd_plan import my_members
 from frod_ds.store import sigma_key, u_key, v_file, v_key
 
-__all__ = ["CategoryResult", "CategoryJob", "split_counts", "my_members", "make_blocks", "GRAM_MAX_COND", "GRAM_MAX_ERROR"]
+__all__ = ["CategoryResult", "CategoryJob", "make_blocks", "GRAM_MAX_COND", "GRAM_MAX_ERROR"]
 
 GiB = 2**30
 # Gram route limits per compute dtype: its rounding error grows like eps·cond(R), Householder's does not.

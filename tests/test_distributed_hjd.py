@@ -14,7 +14,8 @@ from tests.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
 from frod_ds import distributed as D
 from frod_ds.hjd import decompose
-from frod_ds.hjd_tsqr import make_blocks, split_counts
+from frod_ds.hjd_plan import split_counts
+from frod_ds.hjd_tsqr import make_blocks
 from frod_ds.store import FactorStore
 
 pytestmark = pytest.mark.slow
