@@ -114,12 +114,25 @@ def _print_summary(manifest: dict) -> None:
               f"read {r['tensors_read']} tensors / {r['bytes_read'] / 2**30:.2f} GiB", flush=True)
 
 
+def _ranks_on_this_node() -> int:
+    """How many ranks share this node's memory: torchrun's ``LOCAL_WORLD_SIZE``, srun's
+    ``SLURM_STEP_TASKS_PER_NODE`` (``"8"`` or ``"8(x2)"``), else the world size, else 1."""
+    env = os.environ
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE"):
+        head = env.get(key, "").split("(")[0].split(",")[0]
+        if head.isdigit() and int(head) > 0:
+            return int(head)
+    return 1
+
+
 def _readahead_budget() -> float:
-    """A quarter of the memory free now: what the page cache can take without pushing anything out."""
+    """This rank's part of a quarter of the memory free now: what the page cache can take without pushing
+    anything out, shared by the ranks of the node."""
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 0.0
+    return free / 4 / _ranks_on_this_node()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,3 +99,16 @@ def test_readahead_hint_runs_over_the_members(model):
     thread = ckpt.readahead([q + ".weight" for q in Q], budget_bytes=1e9)
     thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+def test_readahead_budget_is_shared_by_the_ranks_of_a_node(monkeypatch):
+    import launch.hjd as hjd
+
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(hjd.os, "sysconf", {"SC_AVPHYS_PAGES": 2**20, "SC_PAGE_SIZE": 4096}.__getitem__)  # 4 GiB free
+    assert hjd._ranks_on_this_node() == 1 and hjd._readahead_budget() == 2**30
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)")
+    assert hjd._ranks_on_this_node() == 8 and hjd._readahead_budget() == 2**27
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert hjd._ranks_on_this_node() == 4 and hjd._readahead_budget() == 2**28
