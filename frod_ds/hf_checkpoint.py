@@ -195,14 +195,13 @@ class HFCheckpoint:
         """The distinct shard files holding ``names``."""
         return sorted({self.info(n).file for n in names})
 
-    def get(self, name: str, device: str | torch.device = "cpu", pin_memory: bool = False) -> Tensor:
+    def get(self, name: str, device: str | torch.device = "cpu") -> Tensor:
         """Read one tensor: its byte range straight from its shard into a new tensor (``os.preadv``, which
-        releases the GIL, so reader threads run in parallel). ``pin_memory``: page-locked host memory, for
-        an asynchronous copy to the GPU."""
+        releases the GIL, so reader threads run in parallel)."""
         import torch
 
         info = self.info(name)
-        buf = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
         self.read_range(name, 0, buf)
         t = buf.view(info.dtype).reshape(info.shape)
         return t if str(device) == "cpu" else t.to(device)

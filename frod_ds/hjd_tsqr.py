@@ -156,7 +156,7 @@ class _QCache:
 
 class CategoryJob:
     """This rank's share of one category. The stage calls ``gram_pass`` (all reads of the category), then
-    ``finish`` (the rest; writes go on in the background: ``CategoryResult.wait``)."""
+    ``finish`` (the rest; writes go on in the background: ``CategoryResult.wait``), and ``close`` in any case."""
 
     def __init__(self, ckpt: HFCheckpoint, category: str, members: list[str], *, reader: MemberReader,
                  writer: FactorWriter, pi: float, dtype: torch.dtype, device: torch.device, block_gb: float,
@@ -231,27 +231,24 @@ class CategoryJob:
 
     def finish(self) -> CategoryResult:
         """Everything after pass A; returns with this rank's writes still in flight."""
-        try:
-            D.all_reduce_sum(self.G)
-            decision = None
-            if D.is_main():
-                R, cond = gram_factor(self.G) if self.method != "householder" else (None, float("nan"))
-                self.R = R
-                ok = R is not None and cond <= GRAM_MAX_COND[self.dtype]
-                decision = (ok, None if R is None else cond)
-            ok, cond = D.broadcast_object(decision)
-            result = None
-            if ok:
-                result = self._gram_factors(cond)
-                worst = max(D.all_gather_object(max(result.error.values(), default=0.0)))
-                if worst > GRAM_MAX_ERROR[self.dtype]:  # rounding got the better of it: redo the careful way
-                    result.wait()
-                    result = None
-            if result is None:
-                result = self._householder(cond)
-            return result
-        finally:
-            self.close()
+        D.all_reduce_sum(self.G)
+        decision = None
+        if D.is_main():
+            R, cond = gram_factor(self.G) if self.method != "householder" else (None, float("nan"))
+            self.R = R
+            ok = R is not None and cond <= GRAM_MAX_COND[self.dtype]
+            decision = (ok, None if R is None else cond)
+        ok, cond = D.broadcast_object(decision)
+        result = None
+        if ok:
+            result = self._gram_factors(cond)
+            worst = max(D.all_gather_object(max(result.error.values(), default=0.0)))
+            if worst > GRAM_MAX_ERROR[self.dtype]:  # rounding got the better of it: redo the careful way
+                result.wait()
+                result = None
+        if result is None:
+            result = self._householder(cond)
+        return result
 
     def close(self) -> None:
         """Drop the cached tensors and end the progress bar (also on errors, before anything is printed)."""
