@@ -151,5 +151,7 @@ def test_frod_model_from_the_real_store_equals_the_base_at_init(real_fp32, real_
     base = AutoModelForCausalLM.from_pretrained(real_fp32, dtype=torch.float32).eval()
     ids = _ids(AutoTokenizer.from_pretrained(real_fp32))
     for got, want in zip(_logits(frod, ids), _logits(base, ids)):
-        assert (got - want).abs().max().item() < 1e-4
+        # Measured: max |Δ| 5e-5 to 8e-5 on logits of magnitude 31-38, ‖Δ‖/‖logits‖ 1.0e-6 to 1.5e-6.
+        assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
         assert torch.equal(got.argmax(-1), want.argmax(-1))
