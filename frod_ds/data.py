@@ -1,6 +1,8 @@
 """Training data: data_prep JSONL rows → token ids with answer-only labels → deterministic rank batches.
 
-The training text is ``prompt + "\\nAnswer: " + answer + EOS``. With ``train_on_inputs=False`` the loss
+The training text is ``prompt + separator + answer + EOS``, the separator being the row's ``"separator"``
+field when present (``""`` for LLM-Adapters' template, whose prompt ends where its ``output`` begins) and
+``"\\nAnswer: "`` otherwise (``data_prep.io.row_separator``). With ``train_on_inputs=False`` the loss
 covers the answer tokens and EOS only. The context/answer token boundary is the one the evaluator uses
 (``frod_ds.evaluation.encode_rows``), so training and scoring see the same tokens.
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.io import read_rows
+from data_prep.io import read_rows, row_separator
 from frod_ds.evaluation import encode_rows
 
 __all__ = ["DataError", "read_training_rows", "Example", "encode_examples", "collate", "BatchPlan"]
@@ -47,11 +49,14 @@ def _check_training_row(row) -> str | None:
         if not isinstance(row.get(key), str):
             return (f"field {key!r} missing or not a string; rows need "
                     '{"prompt": str, "answer": str} (the output of `python -m data_prep build`)')
+    if "separator" in row and not isinstance(row["separator"], str):
+        return "field 'separator' must be a string when present"
     return None
 
 
 def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Rows with string ``prompt`` and ``answer`` (other data_prep fields are kept, not required)."""
+    """Rows with string ``prompt`` and ``answer``, optional string ``separator`` (other data_prep fields are
+    kept, not required)."""
     p = _resolve_train_path(path)
     try:
         rows = read_rows(p, check=_check_training_row, limit=limit)
@@ -69,7 +74,7 @@ class Example:
 
 
 def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_inputs: bool) -> list[Example]:
-    """Tokenize ``prompt + SEP + answer + EOS``; labels are -100 outside the answer unless ``train_on_inputs``.
+    """Tokenize ``prompt + separator + answer + EOS``; labels are -100 outside the answer unless ``train_on_inputs``.
 
     Examples longer than ``cutoff_len`` are truncated from the left of the prompt, so the answer and EOS
     (what the loss is on) survive; the BOS token is kept.
@@ -80,7 +85,8 @@ def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_input
     out = []
     for start in range(0, len(rows), 256):
         chunk = rows[start : start + 256]
-        enc = encode_rows(tokenizer, [r["prompt"] for r in chunk], [[r["answer"]] for r in chunk])
+        enc = encode_rows(tokenizer, [r["prompt"] for r in chunk], [[r["answer"]] for r in chunk],
+                          [row_separator(r) for r in chunk])
         for e in enc:
             ctx, ans = list(e.context), list(e.continuations[0]) + [eos]
             keep = cutoff_len - len(ans)
