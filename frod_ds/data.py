@@ -73,11 +73,36 @@ class Example:
     labels: list[int]
 
 
+def _prompt_only_lead(tokenizer, texts: list[str], boundaries: list[int], enc) -> list[int]:
+    """How many leading continuation tokens of each row hold no answer character.
+
+    ``encode_rows`` splits context and answer where the tokens of ``prompt + separator`` and of the full text
+    part; a token straddling that point stays on the answer side. Where a separator or prompt ends in
+    whitespace (LLM-Adapters' prompt ends in 16 spaces, separator ``""``), a byte-level BPE tokenizer's
+    ``"\\n" + 15 spaces`` token — all prompt — lands there too. With a fast tokenizer the character offsets
+    tell such tokens apart, so the loss starts at the first token that contains an answer character; without
+    offsets (slow tokenizers) the split stays where ``encode_rows`` puts it (lead 0).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        return [0] * len(texts)
+    batch = tokenizer(texts, add_special_tokens=True, return_offsets_mapping=True)
+    leads = []
+    for ids, offsets, boundary, e in zip(batch["input_ids"], batch["offset_mapping"], boundaries, enc):
+        cont = e.continuations[0]
+        assert list(ids[: len(e.context) + len(cont)]) == list(e.context) + list(cont), "same tokenization as encode_rows"
+        lead = 0
+        while lead < len(cont) - 1 and offsets[len(e.context) + lead][1] <= boundary:
+            lead += 1
+        leads.append(lead)
+    return leads
+
+
 def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_inputs: bool) -> list[Example]:
     """Tokenize ``prompt + separator + answer + EOS``; labels are -100 outside the answer unless ``train_on_inputs``.
 
-    Examples longer than ``cutoff_len`` are truncated from the left of the prompt, so the answer and EOS
-    (what the loss is on) survive; the BOS token is kept.
+    The answer's tokens are those from the first token that holds an answer character (with a fast
+    tokenizer; see `_prompt_only_lead`). Examples longer than ``cutoff_len`` are truncated from the left of
+    the prompt, so the answer and EOS (what the loss is on) survive; the BOS token is kept.
     """
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -85,10 +110,13 @@ def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_input
     out = []
     for start in range(0, len(rows), 256):
         chunk = rows[start : start + 256]
+        contexts = [r["prompt"] + row_separator(r) for r in chunk]
         enc = encode_rows(tokenizer, [r["prompt"] for r in chunk], [[r["answer"]] for r in chunk],
                           [row_separator(r) for r in chunk])
-        for e in enc:
-            ctx, ans = list(e.context), list(e.continuations[0]) + [eos]
+        leads = _prompt_only_lead(tokenizer, [c + r["answer"] for c, r in zip(contexts, chunk)], [len(c) for c in contexts], enc)
+        for e, lead in zip(enc, leads):
+            cont = list(e.continuations[0])
+            ctx, ans = list(e.context) + cont[:lead], cont[lead:] + [eos]
             keep = cutoff_len - len(ans)
             if keep < 1:
                 ans = ans[: cutoff_len - 1]
