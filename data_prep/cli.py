@@ -101,6 +101,10 @@ def print_build_report(manifest: dict[str, Any], files: dict[str, str]) -> None:
         for role, reasons in roles.items():
             for reason, count in reasons.items():
                 print(f"dropped: {task} {role}: {reason}: {count}")
+    for task, roles in manifest["counts"].items():
+        for role, c in roles.items():
+            if c.get("not_selected"):
+                print(f"not selected: {task} {role}: {c['not_selected']} rows of instruction families outside --tasks")
     if "template" in manifest:
         print(f"template: {manifest['template']}")
         for name, families in manifest["families"].items():

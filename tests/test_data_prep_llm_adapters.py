@@ -297,8 +297,18 @@ def test_combined_file_paper_template_renders_the_single_task_families(combined,
                        if r["task"] in tasks}
     assert {(r["task"], r["prompt"], r["answer"]) for r in rows} == by_folder_build
     counts = manifest["counts"]["commonsense_170k.json"]["train"]
-    assert counts["not_selected"] == sum(len(source(t, "train")) for t in ("siqa", "obqa", "arc_easy", "arc_challenge"))
+    n_shared = sum(len(source(t, "train")) for t in ("siqa", "obqa", "arc_easy", "arc_challenge"))
+    assert counts["not_selected"] == n_shared
     assert counts["kept"] == len(rows) and counts["dropped"] == 2
+
+
+def test_cli_reports_rows_of_unselected_families(combined, tmp_path, capsys):
+    from data_prep.cli import main
+
+    argv = ["build", "--source", f"llm-adapters:{combined}", "--out", str(tmp_path / "o"), "--tasks", "boolq,piqa,hellaswag,winogrande"]
+    assert main(argv) == 0
+    n_shared = sum(len(source(t, "train")) for t in ("siqa", "obqa", "arc_easy", "arc_challenge"))
+    assert f"not selected: commonsense_170k.json train: {n_shared} rows of instruction families outside --tasks" in capsys.readouterr().out
 
 
 # --- drops, --strict, missing folders, bad options -----------------------------------------------------
