@@ -60,7 +60,7 @@ def _add_tokenizer_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     """The argparse tree: build, stats, show."""
-    parser = argparse.ArgumentParser(prog="python -m data_prep", description="Commonsense170K in the paper's prompt templates.")
+    parser = argparse.ArgumentParser(prog="python -m data_prep", description="Commonsense170K in the paper's or LLM-Adapters' prompt templates.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,show}")
 
     p = sub.add_parser("build", help="render the training mixture and per-task eval files into OUT")

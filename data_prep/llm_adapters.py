@@ -2,14 +2,22 @@
 
 LLM-Adapters' rows are ``{"instruction", "input", "output", "answer"}``; `commonsense_170k.json` (the
 FRoD paper's training set) and the test sets ``dataset/<task>/test.json`` every PEFT paper reports on
-use one instruction per *family*::
+use one instruction per *family* (``{...}`` a field, ``\\n`` a newline)::
 
-    true_false  boolq        "Please answer the following question with true or false, question: {q}\\n\\nAnswer format: true/false"
-    solution    piqa         "Please choose the correct solution to the question: {goal}\\n\\nSolution1: {s1}\\n\\nSolution2: {s2}\\n\\nAnswer format: solution1/solution2"
-    answer      siqa, obqa,  "Please choose the correct answer to the question: {q}\\n\\nAnswer1: {a1} Answer2: {a2} ...\\n\\nAnswer format: answer1/answer2/..."
-                arc_easy, arc_challenge
-    ending      hellaswag    "Please choose the correct ending to complete the given sentence: {label}: {ctx}\\n\\nEnding1: {e1} Ending2: ... Ending4: {e4}\\n\\nAnswer format: ending1/.../ending4"
-    fill_blank  winogrande   "Please choose the correct answer to fill in the blank to complete the given sentence: {s}\\n\\nOption1: {o1} Option2: {o2} Answer format: option1/option2"
+    true_false (boolq)
+        "Please answer the following question with true or false, question: {q}\\n\\nAnswer format: true/false"
+    solution (piqa)
+        "Please choose the correct solution to the question: {goal}\\n\\nSolution1: {s1}\\n\\nSolution2: {s2}"
+        "\\n\\nAnswer format: solution1/solution2"
+    answer (siqa, obqa, arc_easy, arc_challenge)
+        "Please choose the correct answer to the question: {q}\\n\\nAnswer1: {a1} Answer2: {a2} ... AnswerK: {aK}"
+        "\\n\\nAnswer format: answer1/answer2/.../answerK"
+    ending (hellaswag)
+        "Please choose the correct ending to complete the given sentence: {activity_label}: {ctx}"
+        "\\n\\nEnding1: {e1} Ending2: {e2} Ending3: {e3} Ending4: {e4}\\n\\nAnswer format: ending1/ending2/ending3/ending4"
+    fill_blank (winogrande)
+        "Please choose the correct answer to fill in the blank to complete the given sentence: {sentence}"
+        "\\n\\nOption1: {o1} Option2: {o2} Answer format: option1/option2"
 
 ``output`` is ``"the correct answer is " + answer``. A row's family is read from its instruction; its
 *task* cannot always be: SIQA, OBQA and both ARCs share the ``answer`` family, so rows of that family
