@@ -2,7 +2,8 @@
 
 Pure functions over plain dicts: `summarize` turns one mode's prediction records (one per row, as
 ``frod_ds.eval_run`` writes to ``predictions.jsonl``) into that mode's part of ``results.json``, and
-`markdown_table` renders the modes of a run side by side. Accuracies are fractions in [0, 1]; the table shows percent.
+`markdown_table` renders the modes of a run side by side. Accuracies are fractions in [0, 1]; the
+table shows percent.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ MODE_NOTES = {
     "loglik": "loglik: argmax of the choices' summed log-probabilities (norm: divided by the answer's length in characters).",
     "generate": "generate: greedy decoding, the earliest answer string in the output.",
     "llm-adapters": "llm-adapters: LLM-Adapters' commonsense protocol (beam search of 4, 32 new tokens, first answer "
-                    "word after \"### Response:\"), the one behind published PEFT numbers.",
+                    "word after \"### Response:\"), the scoring of LLM-Adapters' and DoRA's published numbers.",
 }
 _UNMATCHED_NOTE = "unmatched: rows whose output holds no answer (counted wrong)."
 
@@ -110,9 +111,9 @@ def markdown_table(results_by_mode: Mapping[str, dict[str, Any]], title: str | N
         assert list(per_task) == tasks, f"mode {mode} scored tasks {list(per_task)}, not {tasks}"
         assert all(per_task[t]["n"] == results_by_mode[modes[0]]["tasks"][t]["n"] for t in tasks), \
             f"mode {mode} scored other row counts than {modes[0]}"
-    columns = [(mode, col) for mode in modes for col in _mode_columns(mode)]
+    columns = [(mode, header, cell) for mode in modes for header, cell in _mode_columns(mode)]
     methods = list(PAPER_RESULTS)
-    head = ["task", "n"] + [header for _, (header, _) in columns] + [f"paper {m}" for m in methods]
+    head = ["task", "n"] + [header for _, header, _ in columns] + [f"paper {m}" for m in methods]
 
     def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(cells) + " |"
@@ -124,7 +125,7 @@ def markdown_table(results_by_mode: Mapping[str, dict[str, Any]], title: str | N
 
     def row(label: str, over: Sequence[str]) -> str:
         n = sum(results_by_mode[modes[0]]["tasks"][t]["n"] for t in over)
-        cells = [cell([results_by_mode[mode]["tasks"][t] for t in over]) for mode, (_, cell) in columns]
+        cells = [cell([results_by_mode[mode]["tasks"][t] for t in over]) for mode, _, cell in columns]
         return line([label, str(n)] + cells + paper_cells(over))
 
     lines = []
