@@ -47,6 +47,11 @@ def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
             "o_proj": (h, heads * head_dim), "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
 
 
+def lora_target_macs(m: int, n: int, r: int) -> float:
+    """Extra MACs per token of one LoRA target: B A x forward, backward to x, ∂A and ∂B."""
+    return 3 * r * (m + n)
+
+
 def frod_target_macs(m: int, n: int, nnz: int, tokens_per_call: int, save: str, dgrad: str) -> float:
     """Extra MACs per token of one FRoD target over the frozen linear it replaces (see the module docstring)."""
     from frod_ds.layer import ordering
@@ -68,7 +73,7 @@ def flops_per_token(cfg: dict, seq: int, method: str, tokens_per_call: int, *, t
     for t in targets:
         m, n = shapes[t]
         if method == "lora":
-            adapter += L * 3 * lora_r * (m + n)
+            adapter += L * lora_target_macs(m, n, lora_r)
         elif method == "frod":
             adapter += L * frod_target_macs(m, n, int(round(sparsity * n * n)), tokens_per_call, save, dgrad)
         else:

@@ -9,8 +9,8 @@ table of FRoD/LoRA ratios against LoRA's best configuration on the same GPU coun
     python bench/train_matrix.py --table-only --out DIR                         # the table again from DIR/configs
 
 Order: zero2, plain, zero3 (FRoD then LoRA), then the extra FRoD variants (``--extras``); a configuration
-is not started once ``--budget-s`` seconds have passed, so the command ends in time and what ran is
-tabulated. The table and ``train_step_matrix_<device>.json`` (every configuration's result, stage times,
+is not started once ``--budget-s`` seconds have passed and is killed at ``--deadline-s``, so the command
+ends within a 10-minute slot and what ran is tabulated. The table and ``train_step_matrix_<device>.json`` (every configuration's result, stage times,
 failures, command, device, date, versions) are rewritten after each configuration. Per-configuration
 JSONs go to ``OUT/configs/``, logs to ``OUT/logs/``. The checkpoint and store in ``--work`` are reused when
 complete.
@@ -77,7 +77,7 @@ def prepare(args, out: Path, stages: dict) -> tuple[Path, Path]:
 
 
 def run_config(args, out: Path, engine: str, method: str, extra: tuple, gpus: int, model: Path,
-               factors: Path) -> dict:
+               factors: Path, timeout: float) -> dict:
     """One ``train_step.py run`` process (torchrun for several GPUs); its result or a failure record."""
     label = f"{method}{'_' + '-'.join(a.strip('-') for a in extra) if extra else ''}_{engine}{'_gc' if args.gc else ''}_{gpus}gpu"
     name = f"train_step_{label}"
@@ -90,7 +90,7 @@ def run_config(args, out: Path, engine: str, method: str, extra: tuple, gpus: in
                                        "--warmup", str(args.warmup)]
     cmd += ["--gc"] if args.gc else []
     log = out / "logs" / f"{name}.log"
-    rc, s = _run(cmd, log, args.config_timeout_s)
+    rc, s = _run(cmd, log, timeout)
     res = out / "configs" / f"{name}.json"
     if rc == 0 and res.is_file():
         print(f"  {label}: {_tail(log, 1)} ({s:.0f} s)", flush=True)
@@ -140,7 +140,7 @@ def table(results: list[dict]) -> tuple[str, list[dict]]:
                 f"| {_label(d)} | {d['step_s_median'] * 1e3:.0f} ({d['step_s_p10'] * 1e3:.0f}–{d['step_s_p90'] * 1e3:.0f}) "
                 f"| {d['window_spread'] * 100:.1f}% | {d['tokens_per_s_per_gpu']:,.0f} "
                 f"| {f'{pa:.1f} / {pr:.1f}' if pa else 'n/a (CPU)'} | {f'{mfu * 100:.1f}%' if mfu else 'n/a'} "
-                f"| {d['flops_per_token']['total'] / 1e9:.1f} | {f'{r_step:.2f}×' if r_step else '–'} "
+                f"| {d['flops_per_token']['total'] / 1e9:.3g} | {f'{r_step:.2f}×' if r_step else '–'} "
                 f"| {f'{r_mem:.2f}×' if r_mem else '–'} |")
         groups.append({"world_size": gpus, "gradient_checkpointing": gc,
                        "lora_best": best and {"engine": best["engine"], "step_s_median": best["step_s_median"],
@@ -188,6 +188,8 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true", help="skip bench/layer_profile.py")
     ap.add_argument("--budget-s", type=float, default=480, help="start no configuration after this many seconds")
     ap.add_argument("--config-timeout-s", type=float, default=300, help="kill one configuration after this long")
+    ap.add_argument("--deadline-s", type=float, default=570,
+                    help="kill a running configuration when the whole command reaches this many seconds")
     ap.add_argument("--table-only", action="store_true", help="only rebuild the table from OUT/configs")
     args = ap.parse_args()
     out = Path(args.out)
@@ -214,7 +216,8 @@ def main() -> None:
             runs.append({"engine": engine, "method": method, "extra": list(extra), "gpus": gpus,
                          "status": "skipped: time budget"})
             continue
-        rec = run_config(args, out, engine, method, extra, gpus, model, factors)
+        left = args.deadline_s - (time.perf_counter() - t0)
+        rec = run_config(args, out, engine, method, extra, gpus, model, factors, min(args.config_timeout_s, left))
         runs.append({"engine": engine, "method": method, "extra": list(extra), "gpus": gpus, **rec})
         write_matrix(out, load_results(out), stages, runs, started)
     stages["total_s"] = time.perf_counter() - t0

@@ -20,7 +20,7 @@ In the weight order ``A = U M``, ``W = A Vᵀ``, ``y = x Wᵀ + b``; ``g_x = g_y
 ``∂S`` comes from one of two exact paths: ``dense`` forms ``g_hᵀ z`` (n, n) with one GEMM (T·n²
 multiply-adds on tensor cores, a transient n×n buffer) and gathers the support; ``sampled`` never forms
 it: T·(n + nnz) multiply-adds through row gathers, in chunks of bounded size. Which is faster depends on
-the device; ``bench/train_step.py profile`` measures both.
+the device; ``bench/layer_profile.py`` races them.
 """
 
 from __future__ import annotations
