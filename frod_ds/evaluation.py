@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from data_prep.io import ANSWER_SEPARATOR, row_separator
+
 __all__ = [
     "ANSWER_SEPARATOR",
     "EvalError",
@@ -39,11 +41,6 @@ __all__ = [
     "score_generate_rows",
 ]
 
-# The training text is prompt + ANSWER_SEPARATOR + answer (+ EOS); must equal
-# data_prep.templates.ANSWER_SEPARATOR (checked by the tests).
-ANSWER_SEPARATOR = "\nAnswer: "
-
-
 class EvalError(ValueError):
     """A user-facing evaluation failure; the message is one line saying what to change."""
 
@@ -56,7 +53,7 @@ class EncodedRow:
     """Token ids of one row: the shared context and one continuation per choice.
 
     ``context + continuations[j]`` is exactly the tokenization of the training text
-    ``prompt + ANSWER_SEPARATOR + choices[j]`` (special tokens included, no EOS).
+    ``prompt + separator + choices[j]`` (special tokens included, no EOS).
     """
 
     context: list[int]  # (Tc,) BOS + prompt + separator, possibly less its trailing pieces
@@ -77,13 +74,21 @@ def _strip_eos(ids: list[int], eos_id: int | None) -> list[int]:
     return ids[:-1] if eos_id is not None and ids and ids[-1] == eos_id else ids
 
 
-def encode_rows(tokenizer: Any, prompts: Sequence[str], choices: Sequence[Sequence[str]]) -> list[EncodedRow]:
-    """Tokenize rows into a shared context and per-choice continuations (see `encode_row`)."""
+def encode_rows(
+    tokenizer: Any, prompts: Sequence[str], choices: Sequence[Sequence[str]], separators: Sequence[str] | None = None
+) -> list[EncodedRow]:
+    """Tokenize rows into a shared context and per-choice continuations (see `encode_row`).
+
+    ``separators[i]`` is the text between prompt ``i`` and its answers (``data_prep.io.row_separator``
+    of the row); None means `ANSWER_SEPARATOR` for every row.
+    """
     eos = getattr(tokenizer, "eos_token_id", None)
+    if separators is None:
+        separators = [ANSWER_SEPARATOR] * len(prompts)
     texts: list[str] = []
-    for prompt, row_choices in zip(prompts, choices, strict=True):
-        texts.append(prompt + ANSWER_SEPARATOR)
-        texts.extend(prompt + ANSWER_SEPARATOR + c for c in row_choices)
+    for prompt, row_choices, sep in zip(prompts, choices, separators, strict=True):
+        texts.append(prompt + sep)
+        texts.extend(prompt + sep + c for c in row_choices)
     ids = [_strip_eos(list(x), eos) for x in tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
     encoded, at = [], 0
@@ -107,12 +112,12 @@ def encode_rows(tokenizer: Any, prompts: Sequence[str], choices: Sequence[Sequen
     return encoded
 
 
-def encode_row(tokenizer: Any, prompt: str, choices: Sequence[str]) -> EncodedRow:
+def encode_row(tokenizer: Any, prompt: str, choices: Sequence[str], separator: str = ANSWER_SEPARATOR) -> EncodedRow:
     """Context ids and one continuation per choice, split where the training text's tokens split.
 
-    Each full text ``prompt + ANSWER_SEPARATOR + choice`` is tokenized as training tokenizes it
+    Each full text ``prompt + separator + choice`` is tokenized as training tokenizes it
     (``add_special_tokens=True``, so BOS for LLaMA; a trailing EOS is dropped), and so is the
-    context ``prompt + ANSWER_SEPARATOR``. The context kept is the longest token prefix shared by
+    context ``prompt + separator``. The context kept is the longest token prefix shared by
     the context and all full texts; each continuation is the rest of its full text. For
     tokenizers whose pieces never cross the separator's end (whitespace pre-tokenizers) this is
     ``tok(prompt + sep)`` and ``tok(choice)``; for SentencePiece/byte-level BPE the separator's
@@ -123,7 +128,7 @@ def encode_row(tokenizer: Any, prompt: str, choices: Sequence[str]) -> EncodedRo
     Raises EvalError if nothing precedes the answer (no BOS and an empty prompt) or a choice
     adds no tokens.
     """
-    return encode_rows(tokenizer, [prompt], [choices])[0]
+    return encode_rows(tokenizer, [prompt], [choices], [separator])[0]
 
 
 def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,7 +253,7 @@ def score_loglik_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str,
     ``correct_norm``, ``scores`` (summed log-probs), ``scores_norm`` (per character) and
     ``n_tokens`` (scored tokens per choice).
     """
-    encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows])
+    encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows], [row_separator(r) for r in rows])
     contexts = [e.context for e in encoded for _ in e.continuations]
     conts = [y for e in encoded for y in e.continuations]
     flat = loglik_scores(model, contexts, conts, pad_id)
@@ -268,7 +273,7 @@ def score_loglik_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str,
 def score_generate_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int, max_new_tokens: int) -> list[dict[str, Any]]:
     """Generate-mode prediction records for one batch: ``task, id, label, answer, pred, prediction,
     correct, output``; ``pred`` is None (wrong) when no answer string occurs in ``output``."""
-    encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows])
+    encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows], [row_separator(r) for r in rows])
     texts = generate_outputs(model, tokenizer, [e.context for e in encoded], max_new_tokens, pad_id)
     records = []
     for row, text in zip(rows, texts):
