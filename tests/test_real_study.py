@@ -97,6 +97,9 @@ def test_study_writes_every_method_sweep_choice_and_test_accuracy(setup):
         assert m["chosen"]["lr"] in m["lrs"]
         for protocol in ("loglik", "llm-adapters"):
             assert m["test"][protocol]["n"] == 12 and set(m["test"][protocol]["tasks"]) == {"boolq", "arc_easy"}
+        ends = (min(m["lrs"]), max(m["lrs"]))
+        assert m["chosen"]["at_sweep_end"] == (m["chosen"]["lr"] in ends)
+        assert m["chosen"]["at_sweep_end"] == any(w.startswith(f"LR AT SWEEP END: {name} ") for w in doc["warnings"])
     assert doc["methods"]["lora16"]["lora_alpha"] == 32 and doc["methods"]["lora32"]["lora_alpha"] == 64
     assert doc["methods"]["frod"]["sweep"][0]["lr_s"] == pytest.approx(1e-4)
     assert set(doc["claim"]["vs"]) == {"lora16", "lora32"} and doc["claim"]["vs"]["lora16"]["available"]
@@ -129,10 +132,11 @@ def test_step_one_losses_equal_a_plain_transformers_forward(setup):
     nll_resp, nll_word = [], []
     with torch.no_grad():
         for r in rows:
-            ctx = tok(r["prompt"])["input_ids"]
-            full = tok(r["prompt"] + r["answer"])["input_ids"] + [tok.eos_token_id]
+            enc = tok(r["prompt"] + r["answer"], return_offsets_mapping=True)
+            full = enc["input_ids"] + [tok.eos_token_id]
             word = tok(" " + r["answer"].rsplit(" ", 1)[1])["input_ids"]
-            n_ctx = next(i for i, (a, b) in enumerate(zip(ctx + [-1], full)) if a != b)
+            # the response starts at the first token holding a character of the answer
+            n_ctx = next(i for i, (_, end) in enumerate(enc["offset_mapping"]) if end > len(r["prompt"]))
             logp = model(torch.tensor([full])).logits[0].log_softmax(-1)  # (T, V)
             nll = [-logp[t - 1, full[t]].item() for t in range(n_ctx, len(full))]
             nll_resp += nll
@@ -167,3 +171,20 @@ def test_user_mistakes_exit_2_with_one_line_and_write_nothing(setup, tmp_path, c
     assert real_study.main(["--model", str(model_dir), "--data", str(data), "--out", str(busy)]) == 2
     assert "not an empty directory" in capsys.readouterr().err
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+
+
+def test_a_run_past_the_budget_stops_and_leaves_partial_results(setup, tmp_path):
+    _, _, _, model_dir, out = setup
+    data = out.parent / "data"
+    part = tmp_path / "part"
+    argv = ["--model", str(model_dir), "--data", str(data), "--out", str(part), "--device", "cpu", "--heldout", "8",
+            "--batch-size", "8", "--protocols", "loglik", "--no-base-eval",
+            "--max-minutes", "1", "--eval-reserve-minutes", "0.999"]  # training must end 0.06 s after the start
+    assert real_study.main(argv) == 0
+    doc = json.loads((part / "real_study.json").read_text())
+    assert doc["complete"] is False
+    assert any(w.startswith("RUN STOPPED BY THE TIME BUDGET: frod") for w in doc["warnings"])
+    frod = doc["methods"]["frod"]
+    assert len(frod["sweep"]) == 1 and not frod["sweep"][0]["completed"] and "chosen" not in frod
+    assert all(not m["sweep"] for k, m in doc["methods"].items() if k != "frod")
+    assert doc["claim"]["vs"]["lora16"] == {"available": False}

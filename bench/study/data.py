@@ -1,8 +1,8 @@
 """Rows → the project's tokens and loss mask (``frod_ds.data.encode_examples``) → pre-collated batches.
 
-Training text: ``prompt + separator + answer + EOS`` where ``separator`` is the row's ``"separator"`` field
-(absent: the project's ``"\\nAnswer: "``; LLM-Adapters' template: ``""``). The loss mask is the project's:
-the answer tokens and EOS (``train_on_inputs``: every token).
+Training text: ``prompt + separator + answer + EOS`` (``data_prep.io.row_separator``: LLM-Adapters' template
+has ``""``, the paper's ``"\\nAnswer: "``). The loss mask is the project's: the answer tokens and EOS
+(``train_on_inputs``: every token).
 
 Answer-word tokens: the tokens of the word that tells the choices apart (``true``, ``answer3``), i.e. the
 answer after the longest common prefix of the row's choices, backed off to the last whitespace in that
@@ -13,46 +13,21 @@ at the word (so a piece that joins the word to its leading space counts as the w
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-import frod_ds.evaluation as fe
 from bench.study.config import StudyError
-from data_prep.io import read_rows
+from data_prep.io import read_rows, row_separator, training_text
 from frod_ds.data import IGNORE_INDEX, BatchPlan, DataError, encode_examples, read_training_rows
+from frod_ds.evaluation import EvalError
 
-__all__ = ["row_separator", "answer_word_start", "answer_word", "StudyExample", "encode_study_examples",
-           "Batch", "make_batches", "split_rows", "load_test_rows", "answer_separator"]
-
-
-def row_separator(row: dict) -> str:
-    sep = row.get("separator", fe.ANSWER_SEPARATOR)
-    if not isinstance(sep, str):
-        raise StudyError(f"row {row.get('id', '?')!r}: field 'separator' must be a string")
-    return sep
-
-
-@contextlib.contextmanager
-def answer_separator(sep: str) -> Iterator[None]:
-    """Make the project's tokenization (``frod_ds.evaluation.encode_rows``) join prompt and answer with ``sep``.
-
-    A bridge while ``frod_ds.data``/``frod_ds.evaluation`` join with the module constant; rows are encoded
-    one separator group at a time under it, and `encode_study_examples` checks every result against a
-    direct tokenization of ``prompt + separator + answer``, so it is harmless once the project reads the
-    row's own separator.
-    """
-    old = fe.ANSWER_SEPARATOR
-    fe.ANSWER_SEPARATOR = sep
-    try:
-        yield
-    finally:
-        fe.ANSWER_SEPARATOR = old
+__all__ = ["answer_word_start", "answer_word", "StudyExample", "encode_study_examples", "Batch", "make_batches",
+           "split_rows", "load_test_rows"]
 
 
 def answer_word_start(answer: str, choices: Sequence[str] | None) -> int:
@@ -92,34 +67,22 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 def encode_study_examples(tokenizer, rows: list[dict], cutoff: int) -> list[StudyExample]:
     """The project's examples (``encode_examples``, answer-only labels), with answer-word counts; checked.
 
-    Every example that fits ``cutoff`` must equal ``tokenize(prompt + separator + answer) + [EOS]``;
-    anything else is a bug in the separator bridge and raises.
+    Every example that fits ``cutoff`` must equal ``tokenize(prompt + separator + answer) + [EOS]``.
     """
     eos = tokenizer.eos_token_id
-    examples: list = [None] * len(rows)
-    groups: dict[str, list[int]] = {}
-    for i, row in enumerate(rows):
-        groups.setdefault(row_separator(row), []).append(i)
     try:
-        for sep, idx in groups.items():
-            with answer_separator(sep):
-                for i, e in zip(idx, encode_examples(tokenizer, [rows[i] for i in idx], cutoff, False)):
-                    examples[i] = e
-    except (DataError, fe.EvalError) as e:
+        examples = encode_examples(tokenizer, rows, cutoff, False)
+    except (DataError, EvalError) as e:
         raise StudyError(str(e)) from None
-
-    seps = [row_separator(r) for r in rows]
-    full_texts = [r["prompt"] + s + r["answer"] for r, s in zip(rows, seps)]
     cuts = [answer_word_start(r["answer"], r.get("choices")) for r in rows]
-    word_texts = [r["prompt"] + s + r["answer"][:c] for r, s, c in zip(rows, seps, cuts)]
-    full = tokenizer(full_texts, add_special_tokens=True)["input_ids"]
+    word_texts = [r["prompt"] + row_separator(r) + r["answer"][:c] for r, c in zip(rows, cuts)]
+    full = tokenizer([training_text(r) for r in rows], add_special_tokens=True)["input_ids"]
     word = tokenizer(word_texts, add_special_tokens=True)["input_ids"]
     out = []
     for row, e, f, w in zip(rows, examples, full, word):
         f, w = _strip_eos(list(f), eos), _strip_eos(list(w), eos)
-        expected = f + [eos]
-        truncated = len(expected) > cutoff
-        assert truncated or e.input_ids == expected, (
+        truncated = len(f) + 1 > cutoff
+        assert truncated or e.input_ids == f + [eos], (
             f"row {row.get('id')!r}: the project's tokens are not tokenize(prompt + separator + answer) + EOS")
         n_label = sum(1 for t in e.labels if t != IGNORE_INDEX) - 1  # answer tokens, EOS excluded
         k = min(len(f) - _common_prefix_len(w, f), n_label)

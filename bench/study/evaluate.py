@@ -1,7 +1,7 @@
 """The study's evaluations: held-out losses, log-likelihood accuracy, LLM-Adapters' generation protocol.
 
 - loglik: ``frod_ds.evaluation.score_loglik_rows`` (the project's scoring of every choice's tokens after the
-  training text's context), rows grouped by separator.
+  training text's context).
 - llm-adapters: LLM-Adapters' ``commonsense_evaluate.py`` — its scoring prompt, beam search (4 beams, 32 new
   tokens), the first regex match of the task's answer words, correct iff equal to the gold answer word; no
   match is wrong. ``--gen-impl project`` calls ``frod_ds.evaluation.score_llm_adapters_rows(model,
@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 import frod_ds.evaluation as fe
-from bench.study.data import Batch, answer_separator, answer_word, row_separator
+from bench.study.data import Batch, answer_word
 from bench.study.loop import autocast, token_nll
+from data_prep.io import row_separator
 from frod_ds.scoring import summarize
 
 __all__ = ["heldout_losses", "loglik_eval", "llm_adapters_eval", "llm_adapters_prompt", "extract_answer_word",
@@ -59,23 +60,15 @@ def heldout_losses(model: nn.Module, batches: Sequence[Batch], device: torch.dev
     return {"loss": loss, "response_loss": response, "answer_loss": word_loss}
 
 
-def _by_separator(rows: Sequence[dict]) -> dict[str, list[dict]]:
-    groups: dict[str, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(row_separator(r), []).append(r)
-    return groups
-
-
 def loglik_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_id: int, batch_size: int,
                 device: torch.device) -> tuple[dict, list[dict]]:
     """(``frod_ds.scoring.summarize`` of the records, per-row records) under the log-likelihood protocol."""
     model.eval()
     records = []
-    for rows in rows_by_task.values():
-        for sep, group in _by_separator(rows).items():
-            with answer_separator(sep), autocast(device):
-                for idx in fe.plan_batches(group, batch_size):
-                    records += fe.score_loglik_rows(model, tok, [group[i] for i in idx], pad_id)
+    with autocast(device):
+        for rows in rows_by_task.values():
+            for idx in fe.plan_batches(rows, batch_size):
+                records += fe.score_loglik_rows(model, tok, [rows[i] for i in idx], pad_id)
     return summarize(records, list(rows_by_task), "loglik"), records
 
 
