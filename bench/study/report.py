@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Results", "smooth", "smooth_window", "steps_to_reach", "paired_difference", "claim", "write_plots",
-           "correct_bits", "markdown_tables"]
+           "correct_bits", "sweep_table", "markdown_tables"]
 
 RESULTS_NAME = "real_study.json"
 
@@ -204,6 +204,22 @@ def write_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+def sweep_table(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per run: method, LR, held-out accuracy and losses, final smoothed training losses, speed."""
+    window = smooth_window(doc["data"]["steps"], doc["config"]["smooth_frac"])
+    rows = []
+    for name, m in doc.get("methods", {}).items():
+        for i, run in enumerate(m["sweep"]):
+            h = run.get("heldout") or {}
+            rows.append({"method": name, "lr": run["lr"], "lr_s": run.get("lr_s"), "completed": run["completed"],
+                         "chosen": m.get("chosen", {}).get("index") == i,
+                         "heldout_accuracy": h.get("accuracy"), "heldout_answer_loss": h.get("answer_loss"),
+                         "final_answer_loss": smooth(run["log"]["answer_loss"], window)[-1] if run["steps"] else None,
+                         "final_response_loss": smooth(run["log"]["response_loss"], window)[-1] if run["steps"] else None,
+                         "step_ms": run["step_ms"], "trainable_params": run["trainable_params"]})
+    return rows
+
+
 def markdown_tables(doc: dict[str, Any]) -> str:
     """The summary table (one row per method at its chosen LR) and per-task test accuracy per protocol."""
     methods = {k: v for k, v in doc.get("methods", {}).items() if "chosen" in v}
@@ -227,6 +243,13 @@ def markdown_tables(doc: dict[str, Any]) -> str:
                          and a["frod_steps_to_lora_final"] is not None else ("never" if name == "frod" else ""))
         lines.append("| " + " | ".join(cells) + " |")
     out = "\n".join(lines) + "\n"
+    out += ("\nLR sweeps (held-out = train rows never trained on):\n\n| method | LR | held-out acc | held-out answer "
+            "loss | final answer-word loss | ms/step |\n|---|---|---|---|---|---|\n")
+    for r in sweep_table(doc):
+        fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
+        acc = None if r["heldout_accuracy"] is None else 100 * r["heldout_accuracy"]
+        out += (f"| {r['method']} | {r['lr']:g}{' (chosen)' if r['chosen'] else ''} | {fmt(acc, '.2f')} | "
+                f"{fmt(r['heldout_answer_loss'], '.4f')} | {fmt(r['final_answer_loss'], '.4f')} | {r['step_ms']:.1f} |\n")
     for p in doc["config"]["protocols"]:
         rows = {**({"base": doc["base"]["test"]} if "base" in doc else {}),
                 **{k: v["test"] for k, v in methods.items() if "test" in v}}

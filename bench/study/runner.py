@@ -31,7 +31,8 @@ from bench.study.evaluate import heldout_losses, llm_adapters_eval, loglik_eval,
 from bench.study.loop import train_run
 from bench.study.models import (ModelFactory, load_base, load_trainable_state, make_optimizer, merged_for_eval,
                                 trainable_numel, trainable_state)
-from bench.study.report import Results, claim, correct_bits, markdown_tables, smooth_window, write_plots
+from bench.study.report import (Results, claim, correct_bits, markdown_tables, smooth_window, sweep_table,
+                                write_plots)
 from data_prep.io import check_row
 from frod_ds.data import BatchPlan
 
@@ -344,6 +345,7 @@ class Study:
         tokens = {r["tokens"] for m in doc["methods"].values() for r in m["sweep"] if r["completed"]}
         doc["same_data_all_runs"] = len(sha) <= 1 and len(tokens) <= 1
         assert doc["same_data_all_runs"], "runs saw different data; this is a bug in the study"
+        doc["sweep_table"] = sweep_table(doc)
         doc["wall_seconds"] = time.perf_counter() - self.t0
         complete = all("test" in m and m.get("chosen", {}).get("sweep_complete") for m in doc["methods"].values())
         doc["complete"] = complete and (not cfg.base_eval or "base" in doc)
