@@ -186,14 +186,16 @@ def loglik_scores(model: nn.Module, contexts: Sequence[Sequence[int]], continuat
         use_cache=False,
         logits_to_keep=keep,
     ).logits  # (B, keep, V): positions T-keep .. T-1
-    logprobs = logits.float().log_softmax(-1).cpu()  # (B, keep, V)
-    scores = []
+    logprobs = logits.float().log_softmax(-1)  # (B, keep, V)
+    # Token y_t sits at column T-len(y)+t and is predicted by column T-len(y)+t-1, i.e. kept column
+    # keep-len(y)-1+t. The tokens are gathered on the device: only B numbers leave it, not B·keep·V.
+    targets = torch.zeros(len(seqs), keep - 1, dtype=torch.long)  # (B, keep-1)
+    scored = torch.zeros(len(seqs), keep - 1, dtype=torch.bool)  # (B, keep-1)
     for i, y in enumerate(continuations):
-        # Token y_t sits at column T-len(y)+t and is predicted by column T-len(y)+t-1,
-        # i.e. kept column keep-len(y)-1+t.
-        rows = logprobs[i, keep - len(y) - 1 : keep - 1]  # (len(y), V)
-        scores.append(rows.gather(-1, torch.tensor(y).unsqueeze(-1)).sum().item())
-    return scores
+        targets[i, keep - 1 - len(y) :] = torch.tensor(y)
+        scored[i, keep - 1 - len(y) :] = True
+    picked = logprobs[:, :-1].gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)  # (B, keep-1)
+    return torch.where(scored.to(device), picked, 0.0).sum(-1).tolist()
 
 
 @torch.inference_mode()
