@@ -9,9 +9,9 @@
 Rerunning a killed run with the same arguments skips the categories already complete. On CPU, unless
 OMP_NUM_THREADS is set, each rank uses its share of the cores (torch's default divided by the ranks on the
 node) and OpenMP threads sleep instead of spinning while they wait (OMP_WAIT_POLICY=PASSIVE): with spinning
-threads one other busy process on the machine made a single-process run 1.4-9x slower. Exit codes: 0 ok,
-2 user error (one ``error: ...`` line on stderr from rank 0), 1 verification failed. Under torchrun any
-failing worker makes torchrun itself exit 1.
+threads a single-process run on a shared 2-core machine took 4-15x longer (bench/hjd_cpu_threads.py).
+Exit codes: 0 ok, 2 user error (one ``error: ...`` line on stderr from rank 0), 1 verification failed.
+Under torchrun any failing worker makes torchrun itself exit 1.
 """
 
 from __future__ import annotations
