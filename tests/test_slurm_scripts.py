@@ -125,8 +125,8 @@ def test_submit_creates_the_log_folder_and_maps_the_shape_onto_sbatch(tmp_path):
     assert (tmp_path / "fresh" / "logs").is_dir()
     args, seen = _calls(tmp_path)[0].split(" | ")
     log_dir = tmp_path / "fresh" / "logs"
-    assert args == (f"--parsable --output {log_dir}/%x-%j.out --nodes=1 --gpus-per-node=0 --ntasks-per-node=2 "
-                    f"--cpus-per-task=1 --partition cpu --time 00:10:00 --qos=low {SLURM / 'hjd.sbatch'} --dtype float64")
+    assert args == (f"--parsable --nodes=1 --gpus-per-node=0 --ntasks-per-node=2 --cpus-per-task=1 --partition cpu "
+                    f"--time 00:10:00 --output {log_dir}/%x-%j.out --qos=low {SLURM / 'hjd.sbatch'} --dtype float64")
     assert seen.startswith("DEVICE=cpu MODEL=m OUT=o")
 
 

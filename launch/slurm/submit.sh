@@ -8,8 +8,7 @@
 #   LOG_DIR (default <repo>/logs; job output in LOG_DIR/<job name>-<job id>.out).
 set -euo pipefail
 export FROD_DS_HOME=${FROD_DS_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
-LOG_DIR=${LOG_DIR:-$FROD_DS_HOME/logs}
-opts=(--parsable --output "$LOG_DIR/%x-%j.out")
+opts=(--parsable)
 for pair in NODES:--nodes GPUS_PER_NODE:--gpus-per-node TASKS_PER_NODE:--ntasks-per-node CPUS_PER_TASK:--cpus-per-task; do
   var=${pair%%:*}
   if [ -n "${!var:-}" ]; then
@@ -23,6 +22,7 @@ done
 if [ -n "${PARTITION:-}" ]; then opts+=(--partition "$PARTITION"); fi
 if [ -n "${TIME:-}" ]; then opts+=(--time "$TIME"); fi
 if [ "${GPUS_PER_NODE:-}" = 0 ]; then export DEVICE=${DEVICE:-cpu}; fi
+LOG_DIR=${LOG_DIR:-$FROD_DS_HOME/logs}
 mkdir -p "$LOG_DIR"
-id=$(sbatch "${opts[@]}" "$@")
+id=$(sbatch "${opts[@]}" --output "$(cd "$LOG_DIR" && pwd)/%x-%j.out" "$@")
 echo "${id%%;*}"
