@@ -49,7 +49,7 @@ def install() -> float:
         raise SlurmUnavailable(f"{', '.join(_missing())} missing and no apt-get to install {' '.join(PACKAGES)}",
                                tried_apt=False)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *PACKAGES]):
+    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:]
