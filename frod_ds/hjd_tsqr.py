@@ -160,13 +160,13 @@ class CategoryJob:
 
     def __init__(self, ckpt: HFCheckpoint, category: str, members: list[str], *, reader: MemberReader,
                  writer: FactorWriter, pi: float, dtype: torch.dtype, device: torch.device, block_gb: float,
-                 device_cache_gb: float, method: str = "auto"):
+                 device_cache_gb: float, method: str = "auto", u_dtype: torch.dtype | None = None):
         self.ckpt, self.category, self.L = ckpt, category, len(members)
         self.reader, self.writer = reader, writer
         self.pi, self.dtype, self.device, self.method = pi, dtype, device, method
         self.block_gb, self.cache_bytes = block_gb, device_cache_gb * GiB
         self.n = ckpt.shape(members[0] + ".weight")[1]
-        self.u_dtype = ckpt.dtype(members[0] + ".weight")
+        self.u_dtype = u_dtype or ckpt.dtype(members[0] + ".weight")  # U as stored
         self.mine = my_members(members, D.get_rank(), D.get_world_size())
         self.cache = _Cache(self.cache_bytes)
         self.phase: dict[str, float] = {}

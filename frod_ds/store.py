@@ -22,7 +22,7 @@ Manifest (``format_version`` 1)::
     base_model            what --model named (Hub id or directory)
     fingerprint           weights_fingerprint() of every member's weight, fingerprint_method
     model_config          a few config.json fields (model_type, hidden_size, ...), or null
-    targets, pi, hjd_dtype ("float32" | "float64")
+    targets, pi, hjd_dtype ("float32" | "float64"), u_dtype ("auto": the checkpoint's, or --u-dtype)
     categories: {c: {members, shapes {member: [m, n]}, width, u_dtype, complete,
                      files {key: file}, error {member: e}, stored_error {member: e},
                      max_error, max_stored_error, world_size, seconds, phase_seconds,
@@ -31,7 +31,7 @@ Manifest (``format_version`` 1)::
     run {seconds, startup_s, prologue_s, world_size, categories_done, categories_skipped, ranks: [...]}
 
 ``error`` is ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` with the factors in ``hjd_dtype``; ``stored_error``
-the same with the stored tensors (U rounded to the checkpoint dtype, σ and V in fp32).
+the same with the stored tensors (U rounded to the category's ``u_dtype``, σ and V in fp32).
 """
 
 from __future__ import annotations
