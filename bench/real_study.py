@@ -1,8 +1,8 @@
 """FRoD vs PEFT LoRA (r=16, r=32) vs full fine-tuning on a real model and real data, one GPU, one command.
 
     python -m data_prep build --source llm-adapters:/data/llm_adapters --template llm-adapters --out data/la
-    python bench/real_study.py --model models/smollm2-135m --data data/la --out $OUT            # ~8 min, 1 H100
-    python bench/real_study.py --model M --data D --out /tmp/s --lrs frod=1e-3,3e-3,1e-2       # widen a sweep
+    python bench/real_study.py --model models/smollm2-135m --data data/la --out $OUT            # ~7 min, 1 H100
+    python bench/real_study.py --model M --data D --out /tmp/s --lrs frod=3e-3,1e-2,3e-2       # another sweep
     python bench/real_study.py --model M --data D --out /tmp/s --train-limit 64 --eval-limit 4 \\
         --heldout 16 --batch-size 8 --device cpu                                               # CPU rehearsal
     python bench/real_study.py --replot $OUT/real_study.json       # tables and PNGs again, from the JSON alone
@@ -37,8 +37,8 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     a("--out", help="new or empty directory for results, log and plots")
     a("--methods", default="frod,lora16,lora32,full", help="comma list of frod, full, lora<r>")
     a("--lrs", action="append", default=[], metavar="METHOD=LR,LR,...",
-      help="a method's LR sweep (FRoD: σ LRs); repeatable; defaults frod 3e-4,1e-3,3e-3; lora 1e-4,3e-4,1e-3; "
-           "full 1e-5,3e-5,1e-4")
+      help="a method's LR sweep (FRoD: σ LRs); repeatable; defaults frod 1e-3,3e-3,1e-2; lora 3e-4,1e-3,3e-3; "
+           "full 3e-5,1e-4,3e-4")
     a("--batch-size", type=int, default=64, help="examples per optimizer step (no accumulation)")
     a("--cutoff", type=int, default=256, help="max tokens per example (the prompt's start is cut, never the answer)")
     a("--epochs", type=float, default=1.0, help="passes over the training rows (all methods alike)")
@@ -64,6 +64,8 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     a("--max-minutes", type=float, default=8.5, help="time budget: later sweep rounds and evals are skipped to fit")
     a("--eval-reserve-minutes", type=float, default=2.0,
       help="budget kept for the final evaluations: a sweep round starts only if it fits before that")
+    a("--workers", type=int, default=0,
+      help="runs trained at a time in worker processes sharing the device (0: 3 on CUDA, 1 on CPU)")
     a("--device", default="auto", help="auto, cuda or cpu")
     a("--frod-sparsity", type=float, default=0.02, help="FRoD density s of S")
     a("--frod-s-ratio", type=float, default=0.1, help="S LR / σ LR (the paper's 10:1)")
@@ -88,7 +90,7 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
         protocols=tuple(x.strip() for x in args.protocols.split(",") if x.strip()), gen_impl=args.gen_impl,
         num_beams=args.num_beams, max_new_tokens=args.max_new_tokens, select_by=args.select_by,
         smooth_frac=args.smooth_frac, base_eval=not args.no_base_eval, max_minutes=args.max_minutes,
-        eval_reserve_minutes=args.eval_reserve_minutes,
+        eval_reserve_minutes=args.eval_reserve_minutes, workers=args.workers,
         device=args.device, frod_sparsity=args.frod_sparsity, frod_s_ratio=args.frod_s_ratio,
         lora_alpha_ratio=args.lora_alpha_ratio)
     cfg.validate()

@@ -188,3 +188,23 @@ def test_a_run_past_the_budget_stops_and_leaves_partial_results(setup, tmp_path)
     assert len(frod["sweep"]) == 1 and not frod["sweep"][0]["completed"] and "chosen" not in frod
     assert all(not m["sweep"] for k, m in doc["methods"].items() if k != "frod")
     assert doc["claim"]["vs"]["lora16"] == {"available": False}
+
+
+def test_worker_processes_train_exactly_what_one_process_trains(setup, tmp_path):
+    doc, _, _, model_dir, out = setup
+    par = tmp_path / "par"
+    argv = ["--model", str(model_dir), "--data", str(out.parent / "data"), "--out", str(par), "--device", "cpu",
+            "--heldout", "8", "--batch-size", "8", "--curve-limit", "3", "--checkpoints", "2", "--eval-batch", "8",
+            "--methods", "frod,lora16", "--lrs", "frod=1e-3,1e-2,1e-1", "--lrs", "lora16=1e-3,1e-2,1e-1",
+            "--protocols", "loglik", "--no-base-eval", "--workers", "2"]
+    assert real_study.main(argv) == 0
+    got = json.loads((par / "real_study.json").read_text())
+    assert got["config"]["workers_used"] == 2 and got["complete"] is True
+    for name in ("frod", "lora16"):
+        for a, b in zip(got["methods"][name]["sweep"], doc["methods"][name]["sweep"], strict=True):
+            assert a["lr"] == b["lr"] and a["data_order_sha256"] == b["data_order_sha256"]
+            for key in ("loss", "answer_loss"):
+                assert a["log"][key] == pytest.approx(b["log"][key], rel=1e-5)
+            assert a["heldout"]["accuracy"] == b["heldout"]["accuracy"]
+        assert got["methods"][name]["chosen"]["lr"] == doc["methods"][name]["chosen"]["lr"]
+        assert got["methods"][name]["test"]["loglik"]["correct_bits"] == doc["methods"][name]["test"]["loglik"]["correct_bits"]
