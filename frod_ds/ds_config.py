@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from frod_ds.errors import FrodError
 from frod_ds.recipe import Recipe
 
 __all__ = ["DSConfigError", "BatchSizes", "batch_sizes", "load_ds_config", "resolve_ds_config", "zero_stage"]
 
 
-class DSConfigError(ValueError):
+class DSConfigError(FrodError):
     """A DeepSpeed config that cannot be used with this recipe."""
 
 

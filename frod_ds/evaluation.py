@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from frod_ds.errors import FrodError
+
 __all__ = [
     "ANSWER_SEPARATOR",
     "EvalError",
@@ -44,11 +46,8 @@ __all__ = [
 ANSWER_SEPARATOR = "\nAnswer: "
 
 
-class EvalError(ValueError):
+class EvalError(FrodError):
     """A user-facing evaluation failure; the message is one line saying what to change."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(str(message).splitlines()))
 
 
 @dataclass(frozen=True)

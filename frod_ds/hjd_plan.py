@@ -9,10 +9,14 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["DEFAULT_TARGETS", "natural_key", "targeted_members", "split_counts", "my_members", "launcher_rank_world",
+from frod_ds.errors import FrodError
+from frod_ds.launch_env import launcher_rank_world, ranks_on_this_node
+from frod_ds.store_format import category_of
+
+__all__ = ["DEFAULT_TARGETS", "natural_key", "targeted_members", "split_counts", "my_members", "readahead_budget",
            "start_readahead"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
@@ -29,9 +33,8 @@ def targeted_members(keys: Iterable[str], targets: Sequence[str]) -> dict[str, l
     for key in keys:
         if key.endswith(".weight"):
             module = key[: -len(".weight")]
-            leaf = module.rsplit(".", 1)[-1]
-            if leaf in found:
-                found[leaf].append(module)
+            if category_of(module) in found:
+                found[category_of(module)].append(module)
     for members in found.values():
         members.sort(key=natural_key)
     return found
@@ -49,18 +52,14 @@ def my_members(members: Sequence[str], rank: int, world: int) -> list[str]:
     return list(members[first : first + counts[rank]])
 
 
-def launcher_rank_world(env: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
-    """``(rank, world_size, local_rank)`` that torchrun / the deepspeed launcher / srun set, or ``None``.
-
-    Under srun, ``SLURM_STEP_NUM_TASKS`` (not ``SLURM_NTASKS``), so that a plain ``python`` inside an sbatch
-    script with ``--ntasks 8`` stays a single process.
-    """
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0))
-    return None
+def readahead_budget() -> float:
+    """This rank's part of a quarter of the memory free now: what the page cache can take without pushing
+    anything out, shared by the ranks of the node."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0.0
+    return free / 4 / ranks_on_this_node()
 
 
 def start_readahead(model: str, targets: Sequence[str], budget_bytes: float) -> threading.Thread | None:
@@ -79,5 +78,5 @@ def start_readahead(model: str, targets: Sequence[str], budget_bytes: float) -> 
         names = [m + ".weight" for members in targeted_members(ckpt.keys(), targets).values()
                  for m in my_members(members, rank, world)]
         return ckpt.readahead(names, budget_bytes)
-    except (OSError, ValueError):
+    except (OSError, FrodError):
         return None

@@ -26,31 +26,29 @@ from typing import Any
 import torch
 
 from frod_ds import distributed as D
+from frod_ds.atomic import TMP, atomic_write_text, fsync_dir
+from frod_ds.dtypes import ST_CODES, dtype_name
+from frod_ds.errors import HJDError, StoreError
+from frod_ds.fingerprint import FINGERPRINT_METHOD, weights_fingerprint
 from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
 from frod_ds.hjd import no_tf32
 from frod_ds.hjd_io import FactorWriter, MemberReader
 from frod_ds.hjd_plan import DEFAULT_TARGETS, my_members, targeted_members
 from frod_ds.hjd_tsqr import CategoryJob, CategoryResult
-from frod_ds.store import (
-    FINGERPRINT_METHOD,
-    FORMAT_VERSION,
+from frod_ds.store_format import (
     MANIFEST,
-    atomic_write_json,
-    atomic_write_text,
-    dtype_name,
-    fsync_dir,
+    CategoryRecord,
+    Manifest,
+    RankRecord,
+    RunRecord,
+    category_of,
     is_store_file,
-    sigma_key,
-    u_key,
-    v_key,
-    weights_fingerprint,
 )
 
 __all__ = ["StageConfig", "plan_categories", "run_stage"]
 
 GiB = 2**30
-U_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-CONFIG_KEYS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype")
+CONFIG_FIELDS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype")  # a store to resume must match
 
 
 @dataclass
@@ -97,7 +95,7 @@ class StageConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise HJDError("; ".join(problems))
 
 
 # -------------------------------------------------------------------------------------------- planning
@@ -113,8 +111,8 @@ def plan_categories(ckpt: HFCheckpoint, targets: Sequence[str]) -> dict[str, lis
     found = targeted_members(ckpt.keys(), targets)
     missing = [t for t, members in found.items() if not members]
     if missing:
-        leaves = sorted({k[: -len(".weight")].rsplit(".", 1)[-1] for k in ckpt.keys() if k.endswith(".weight")})
-        raise ValueError(
+        leaves = sorted({category_of(k[: -len(".weight")]) for k in ckpt.keys() if k.endswith(".weight")})
+        raise HJDError(
             f"no weight '<module>.{missing[0]}.weight' in {ckpt.dir} for --targets {missing}; the checkpoint's "
             f"weight names end in: {', '.join(leaves[:24])}"
         )
@@ -123,15 +121,15 @@ def plan_categories(ckpt: HFCheckpoint, targets: Sequence[str]) -> dict[str, lis
         for m in members:
             info = ckpt.info(m + ".weight")
             if len(info.shape) != 2:
-                raise ValueError(f"{m}.weight has shape {list(info.shape)}; HJD targets 2-D linear weights")
-            if info.dtype not in U_DTYPES:
-                raise ValueError(f"{m}.weight has dtype {info.dtype}; HJD needs bf16/fp16/fp32/fp64 weights (dequantize first)")
+                raise HJDError(f"{m}.weight has shape {list(info.shape)}; HJD targets 2-D linear weights")
+            if info.dtype not in ST_CODES:
+                raise HJDError(f"{m}.weight has dtype {info.dtype}; HJD needs bf16/fp16/fp32/fp64 weights (dequantize first)")
             widths.add(info.shape[1])
         if len(widths) > 1:
-            raise ValueError(f"category {category!r} mixes input widths {sorted(widths)}; members must share n")
+            raise HJDError(f"category {category!r} mixes input widths {sorted(widths)}; members must share n")
         dtypes = {ckpt.dtype(m + ".weight") for m in members}
         if len(dtypes) > 1:
-            raise ValueError(f"category {category!r} mixes dtypes {sorted(map(str, dtypes))}; convert the checkpoint to one dtype")
+            raise HJDError(f"category {category!r} mixes dtypes {sorted(map(str, dtypes))}; convert the checkpoint to one dtype")
     return found
 
 
@@ -167,81 +165,79 @@ def _model_config(model_dir: Path) -> dict[str, Any] | None:
 # ------------------------------------------------------------------------------------------------ store
 
 
-def _new_manifest(cfg: StageConfig, fingerprint: str, categories: dict[str, list[str]], ckpt: HFCheckpoint) -> dict[str, Any]:
-    cats = {}
-    for c, members in categories.items():
-        cats[c] = {
-            "members": members,
-            "shapes": {m: list(ckpt.shape(m + ".weight")) for m in members},
-            "width": ckpt.shape(members[0] + ".weight")[1],
-            "u_dtype": dtype_name(ckpt.dtype(members[0] + ".weight")),
-            "complete": False,
-        }
-    return {
-        "format": "frod-factor-store",
-        "format_version": FORMAT_VERSION,
-        "complete": False,
-        "completed_categories": [],
-        "base_model": cfg.model,
-        "fingerprint": fingerprint,
-        "fingerprint_method": FINGERPRINT_METHOD,
-        "model_config": _model_config(ckpt.dir),
-        "targets": list(cfg.targets),
-        "pi": cfg.pi,
-        "hjd_dtype": dtype_name(cfg.dtype),
-        "categories": cats,
-        "world_size": D.get_world_size(),
-        "versions": _versions(),
+def _new_manifest(cfg: StageConfig, fingerprint: str, categories: dict[str, list[str]], ckpt: HFCheckpoint) -> Manifest:
+    records = {
+        c: CategoryRecord(
+            members=members,
+            shapes={m: list(ckpt.shape(m + ".weight")) for m in members},
+            width=ckpt.shape(members[0] + ".weight")[1],
+            u_dtype=dtype_name(ckpt.dtype(members[0] + ".weight")),
+            checksums={},
+        )
+        for c, members in categories.items()
     }
+    return Manifest(base_model=cfg.model, fingerprint=fingerprint, fingerprint_method=FINGERPRINT_METHOD,
+                    model_config=_model_config(ckpt.dir), targets=list(cfg.targets), pi=cfg.pi,
+                    hjd_dtype=dtype_name(cfg.dtype), categories=records, world_size=D.get_world_size(),
+                    versions=_versions())
 
 
 def _remove_store_files(out: Path, category: str | None = None) -> None:
     for p in out.iterdir():
-        if is_store_file(p.name, category) or (category is None and p.name in (MANIFEST, MANIFEST + ".tmp")):
+        if is_store_file(p.name, category) or (category is None and p.name in (MANIFEST, MANIFEST + TMP)):
             p.unlink()
 
 
-def _prepare_store(cfg: StageConfig, fresh: dict[str, Any]) -> dict[str, Any]:
+def _existing_manifest(cfg: StageConfig, fresh: Manifest) -> Manifest | None:
+    """The manifest in ``cfg.out`` if it is one to resume; ``None`` if there is none or it is to be replaced
+    (``--overwrite``); ``HJDError`` if it is of another configuration and not to be replaced."""
+    mpath = cfg.out / MANIFEST
+    try:
+        manifest = Manifest.read(mpath)
+        diffs = [k for k in CONFIG_FIELDS if getattr(manifest, k) != getattr(fresh, k)]
+    except StoreError:
+        manifest, diffs = None, ["format_version"]
+    if diffs and not cfg.overwrite:
+        if manifest is None:
+            show = "an unreadable manifest"
+        else:
+            show = ", ".join(f"{k}: {getattr(manifest, k)!r} there, {getattr(fresh, k)!r} now" for k in diffs if k != "fingerprint")
+            if "fingerprint" in diffs:
+                show = f"built from {manifest.base_model!r} (another model's weights)" + (f"; {show}" if show else "")
+        raise HJDError(
+            f"--out {cfg.out} holds a factor store with a different configuration ({show}); pass --overwrite to "
+            "replace it or choose another --out"
+        )
+    return None if diffs or cfg.overwrite else manifest
+
+
+def _prepare_store(cfg: StageConfig, fresh: Manifest) -> Manifest:
     """Rank 0: create the store directory or resume the one there; returns the manifest to continue."""
     out = cfg.out
-    mpath = out / MANIFEST
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; pass a directory")
+        raise HJDError(f"--out {out} is a file; pass a directory")
     out.mkdir(parents=True, exist_ok=True)
     manifest = None
-    if mpath.is_file():
-        try:
-            manifest = json.loads(mpath.read_text())
-        except json.JSONDecodeError:
-            manifest = {}
-        diffs = [k for k in CONFIG_KEYS if manifest.get(k) != fresh[k]]
-        if diffs and not cfg.overwrite:
-            show = ", ".join(f"{k}: {manifest.get(k)!r} there, {fresh[k]!r} now" for k in diffs if k != "fingerprint")
-            if "fingerprint" in diffs:
-                show = f"built from {manifest.get('base_model')!r} (another model's weights)" + (f"; {show}" if show else "")
-            raise ValueError(
-                f"--out {out} holds a factor store with a different configuration ({show}); pass --overwrite to "
-                "replace it or choose another --out"
-            )
-        if diffs or cfg.overwrite:
+    if (out / MANIFEST).is_file():
+        manifest = _existing_manifest(cfg, fresh)
+        if manifest is None:
             _remove_store_files(out)
-            manifest = None
     elif any(out.iterdir()):
         if not cfg.overwrite:
-            raise ValueError(f"--out {out} exists, is not empty and holds no {MANIFEST}; choose a new or empty directory")
+            raise HJDError(f"--out {out} exists, is not empty and holds no {MANIFEST}; choose a new or empty directory")
         _remove_store_files(out)
     if manifest is None:
         manifest = fresh
     # A completed category whose files went missing is redone.
-    for c in list(manifest["completed_categories"]):
-        spec = manifest["categories"][c]
-        if not all((out / f).is_file() for f in set(spec.get("files", {}).values())):
-            manifest["completed_categories"].remove(c)
-            spec["complete"] = False
-    manifest["complete"] = len(manifest["completed_categories"]) == len(manifest["categories"])
-    manifest["world_size"] = D.get_world_size()
-    manifest["versions"] = _versions()
-    atomic_write_json(mpath, manifest)
+    for c in list(manifest.completed_categories):
+        record = manifest.categories[c]
+        if not all((out / f).is_file() for f in set(record.files.values())):
+            manifest.completed_categories.remove(c)
+            record.complete = False
+    manifest.complete = len(manifest.completed_categories) == len(manifest.categories)
+    manifest.world_size = D.get_world_size()
+    manifest.versions = _versions()
+    atomic_write_text(out / MANIFEST, manifest.to_json())
     return manifest
 
 
@@ -254,8 +250,8 @@ class _ManifestWriter:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hjd-manifest")
         self._pending: list[Future] = []
 
-    def write(self, manifest: dict[str, Any]) -> None:
-        text = json.dumps(manifest, indent=1) + "\n"  # a snapshot: the caller goes on changing the dict
+    def write(self, manifest: Manifest) -> None:
+        text = manifest.to_json()  # a snapshot: the caller goes on changing the record
 
         def run() -> None:
             fsync_dir(self.path.parent)  # the renamed factor files first
@@ -279,55 +275,51 @@ class _ManifestWriter:
             self._pool.shutdown(wait=True)
 
 
-def _finish_category(cfg: StageConfig, manifest: dict[str, Any], category: str, outs: list[CategoryResult], seconds: float,
+def _finish_category(cfg: StageConfig, manifest: Manifest, category: str, outs: list[CategoryResult], seconds: float,
                      writer: _ManifestWriter) -> None:
     """Rank 0: check every file is there, then record the category as complete (manifest replaced)."""
-    spec = manifest["categories"][category]
+    record = manifest.categories[category]
     files: dict[str, str] = {}
+    checksums: dict[str, str] = {}
     error: dict[str, float] = {}
     stored: dict[str, float] = {}
     for o in outs:
         files.update(o.files)
+        checksums.update(o.checksums)
         error.update(o.error)
         stored.update(o.stored_error)
-    expected = {v_key(category)} | {u_key(m) for m in spec["members"]} | {sigma_key(m) for m in spec["members"]}
-    assert set(files) == expected, f"{category}: keys written differ from the plan"
+    assert set(files) == record.expected_keys(), f"{category}: keys written differ from the plan"
+    assert set(checksums) == set(files.values()), f"{category}: a file without checksum"
     absent = sorted(f for f in set(files.values()) if not (cfg.out / f).is_file())
     if absent:
-        raise ValueError(
+        raise HJDError(
             f"rank 0 cannot see {absent[0]} written by another rank in {cfg.out}; --out must be on a filesystem "
             "shared by all ranks"
         )
-    spec.update(
-        files=files,
-        error={m: error[m] for m in spec["members"]},
-        stored_error={m: stored[m] for m in spec["members"]},
-        max_error=max(error.values()),
-        max_stored_error=max(stored.values()),
-        world_size=D.get_world_size(),
-        seconds=round(seconds, 3),
-        phase_seconds={k: round(v, 3) for k, v in outs[0].phase_seconds.items()},
-        method=outs[0].method,
-        cond_estimate=outs[0].cond_estimate,
-        complete=True,
-    )
-    manifest["completed_categories"].append(category)
+    record.files = files
+    record.checksums = checksums
+    record.error = {m: error[m] for m in record.members}
+    record.stored_error = {m: stored[m] for m in record.members}
+    record.max_error = max(error.values())
+    record.max_stored_error = max(stored.values())
+    record.world_size = D.get_world_size()
+    record.seconds = round(seconds, 3)
+    record.phase_seconds = {k: round(v, 3) for k, v in outs[0].phase_seconds.items()}
+    record.method = outs[0].method
+    record.cond_estimate = outs[0].cond_estimate
+    record.complete = True
+    manifest.completed_categories.append(category)
     writer.write(manifest)
 
 
-def _rank_summary(seconds: float, device: torch.device, ckpt: HFCheckpoint) -> dict[str, Any]:
-    out = {
-        "rank": D.get_rank(),
-        "device": str(device),
-        "seconds": round(seconds, 3),
-        "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
-        "tensors_read": ckpt.tensors_read,
-        "bytes_read": ckpt.bytes_read,
-    }
+def _rank_summary(seconds: float, device: torch.device, ckpt: HFCheckpoint) -> RankRecord:
+    out = RankRecord(rank=D.get_rank(), device=str(device), seconds=round(seconds, 3),
+                     peak_host_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
+                     tensors_read=ckpt.tensors_read, bytes_read=ckpt.bytes_read)
     if device.type == "cuda":
-        out["gpu"] = torch.cuda.get_device_name(device)
-        out["peak_device_gib"] = round(torch.cuda.max_memory_allocated(device) / GiB, 3)
-        out["peak_device_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / GiB, 3)
+        out.gpu = torch.cuda.get_device_name(device)
+        out.peak_device_gib = round(torch.cuda.max_memory_allocated(device) / GiB, 3)
+        out.peak_device_reserved_gib = round(torch.cuda.max_memory_reserved(device) / GiB, 3)
     return out
 
 
@@ -335,13 +327,13 @@ def _device(cfg: StageConfig) -> torch.device:
     if cfg.device == "cpu":
         return torch.device("cpu")
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is visible")
+        raise HJDError("--device cuda but no CUDA device is visible")
     return D.local_device()
 
 
-def run_stage(cfg: StageConfig, process_start: float | None = None) -> dict[str, Any]:
+def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest | None:
     """Build (or finish) the factor store ``cfg.out``; every rank calls it. Returns rank 0's manifest
-    (``{}`` on other ranks). User errors: ``CollectiveError`` on every rank. ``process_start``: the
+    (``None`` on other ranks). User errors: ``CollectiveError`` on every rank. ``process_start``: the
     process's ``time.time()`` at launch, to report start-up time."""
     t_start = time.perf_counter()
     startup = round(time.time() - process_start, 3) if process_start is not None else None
@@ -356,7 +348,7 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> dict[str,
     names = [m + ".weight" for members in categories.values() for m in members]
     fingerprint = D.on_main(lambda: weights_fingerprint(ckpt, names))
     manifest = D.on_main(lambda: _prepare_store(cfg, _new_manifest(cfg, fingerprint, categories, ckpt)))
-    todo = [c for c in categories if c not in manifest["completed_categories"]]
+    todo = [c for c in categories if c not in manifest.completed_categories]
     skipped = [c for c in categories if c not in todo]
     D.print0(f"HJD {cfg.model}: {len(categories)} categories, world size {D.get_world_size()}, {dtype_name(cfg.dtype)} on "
              f"{device.type}" + (f"; resuming, done: {', '.join(skipped)}" if skipped else ""))
@@ -415,13 +407,13 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> dict[str,
             manifest_writer.close()
     ranks = D.all_gather_object(_rank_summary(time.perf_counter() - t_start, device, ckpt))
 
-    def finish() -> dict[str, Any]:
-        manifest["run"] = {"seconds": round(time.perf_counter() - t_start, 3), "startup_s": startup,
-                           "prologue_s": prologue, "world_size": D.get_world_size(),
-                           "categories_done": todo, "categories_skipped": skipped, "ranks": ranks}
-        manifest["complete"] = len(manifest["completed_categories"]) == len(manifest["categories"])
-        atomic_write_json(cfg.out / MANIFEST, manifest)
+    def finish() -> Manifest:
+        manifest.run = RunRecord(seconds=round(time.perf_counter() - t_start, 3), startup_s=startup, prologue_s=prologue,
+                                 world_size=D.get_world_size(), categories_done=todo, categories_skipped=skipped,
+                                 ranks=ranks)
+        manifest.complete = len(manifest.completed_categories) == len(manifest.categories)
+        atomic_write_text(cfg.out / MANIFEST, manifest.to_json())
         return manifest
 
     manifest = D.on_main(finish)
-    return manifest if D.is_main() else {}
+    return manifest if D.is_main() else None

@@ -45,6 +45,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from frod_ds import distributed as D
+from frod_ds.checksum import format_crc32
+from frod_ds.errors import FrodError
 from frod_ds.hf_checkpoint import HFCheckpoint
 from frod_ds.hjd import (
     gram,
@@ -62,7 +64,7 @@ from frod_ds.hjd import (
 )
 from frod_ds.hjd_io import FactorWriter, MemberReader
 from frod_ds.hjd_plan import my_members
-from frod_ds.store import sigma_key, u_key, v_file, v_key
+from frod_ds.store_format import sigma_key, u_key, v_file, v_key
 
 __all__ = ["CategoryResult", "CategoryJob", "make_blocks", "GRAM_MAX_COND", "GRAM_MAX_ERROR"]
 
@@ -88,7 +90,8 @@ def make_blocks(heights: Sequence[int], n: int, itemsize: int, block_bytes: floa
 
 @dataclass
 class CategoryResult:
-    """What one rank wrote for a category: ``{key: file}``, errors per member, phase timings, route."""
+    """What one rank wrote for a category: ``{key: file}``, errors per member, phase timings, route, and
+    (once written) ``{file: checksum}``."""
 
     files: dict[str, str]
     error: dict[str, float]
@@ -97,11 +100,13 @@ class CategoryResult:
     method: str = "gram"
     cond_estimate: float | None = None
     writes: list[Future] = field(default_factory=list, repr=False)
+    checksums: dict[str, str] = field(default_factory=dict)
 
     def wait(self) -> CategoryResult:
         """Wait for this rank's files of the category to be on disk; returns itself without the futures."""
         for f in self.writes:
-            f.result()
+            fname, crc = f.result()
+            self.checksums[fname] = format_crc32(crc)
         self.writes = []
         return self
 
@@ -224,7 +229,7 @@ class CategoryJob:
                 del W, G_i
                 self.bar.update(1)
             error = self._check_finite(flags, range(len(self.mine)))
-        except ValueError as e:  # bad weights on this rank: every rank stops with the same message
+        except FrodError as e:  # bad weights on this rank: every rank stops with the same message
             error = str(e)
         D.agree_on_error(error)
         self._timed("read_gram", t0)

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from frod_ds.errors import FrodError
+
 __all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering"]
 
 TRAINABLE_PREFIX = "frod_"
@@ -56,10 +58,10 @@ class SparseSupport:
     def random(cls, n: int, density: float, seed: int) -> SparseSupport:
         """``nnz = round(density·n²)`` positions off the diagonal, uniformly without replacement."""
         if not (isinstance(density, (int, float)) and 0 < density < 1):
-            raise ValueError(f"sparsity s must be in (0, 1), got {density!r}")
+            raise FrodError(f"sparsity s must be in (0, 1), got {density!r}")
         nnz = int(round(density * n * n))
         if nnz > n * (n - 1):
-            raise ValueError(
+            raise FrodError(
                 f"sparsity s={density} asks for {nnz} off-diagonal entries but an {n}x{n} matrix has only "
                 f"{n * (n - 1)}; use s <= {1 - 1 / n:.4g}"
             )
@@ -74,12 +76,12 @@ class SparseSupport:
         """From a ``(2, nnz)`` (row, col) tensor as stored in adapter checkpoints; validated."""
         rows, cols = rows_cols.long()
         if rows.numel() and (rows.min() < 0 or cols.min() < 0 or rows.max() >= n or cols.max() >= n):
-            raise ValueError(f"S support has indices outside an {n}x{n} matrix")
+            raise FrodError(f"S support has indices outside an {n}x{n} matrix")
         if (rows == cols).any():
-            raise ValueError("S support must be strictly off-diagonal")
+            raise FrodError("S support must be strictly off-diagonal")
         flat = rows * n + cols
         if torch.unique(flat).numel() != flat.numel():
-            raise ValueError("S support has duplicate (row, col) entries")
+            raise FrodError("S support has duplicate (row, col) entries")
         return cls(n, flat)
 
     @property

@@ -18,11 +18,12 @@ from typing import Any
 import yaml
 
 from frod_ds.apply import DEFAULT_TARGETS
+from frod_ds.errors import FrodError
 
 __all__ = ["RecipeError", "ModelCfg", "DataCfg", "TrainCfg", "Recipe", "load_recipe", "recipe_to_dict"]
 
 
-class RecipeError(ValueError):
+class RecipeError(FrodError):
     """A recipe that cannot run; the message lists every problem found."""
 
 

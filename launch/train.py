@@ -19,8 +19,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-USER_ERRORS = (ValueError, FileNotFoundError)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,37 +31,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def train(args: argparse.Namespace) -> int:
     from frod_ds import distributed as dist
     from frod_ds.recipe import load_recipe
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)  # cheap checks first, before any process group
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    import deepspeed
-    import torch
-
-    if "RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" not in os.environ:
-        # `python launch/train.py`: DeepSpeed still needs a process group, so make a one-rank one.
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 10000))
-    dist.init_distributed()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    recipe = load_recipe(args.recipe, args.overrides)  # cheap checks first, before any process group
+    dist.init_deepspeed()
     from frod_ds.trainer import fit, setup
 
-    try:
-        try:
-            run = setup(recipe, args.config, args.nvme_path)
-        except USER_ERRORS as e:
-            if dist.is_main():
-                print(f"error: {e}", file=sys.stderr)
-            return 2
-        return fit(run)
-    finally:
-        dist.destroy()
+    return fit(setup(recipe, args.config, args.nvme_path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from frod_ds import entry
+
+    return entry.run(lambda: train(args), init_group=False)
 
 
 if __name__ == "__main__":

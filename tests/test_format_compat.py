@@ -14,6 +14,14 @@ from safetensors.torch import load_file
 FIX = Path(__file__).parent / "fixtures" / "format_v1"
 
 
+@pytest.fixture(autouse=True)
+def fresh_notes():
+    """Notes are printed once per process; each test here looks for its own."""
+    from frod_ds.errors import _noted
+
+    _noted.clear()
+
+
 def _raw_merged_weights() -> dict[str, torch.Tensor]:
     """``W'_i = U_i (diag σ_i + S_i) Vᵀ`` for every member, straight from the files."""
     manifest = json.loads((FIX / "store" / "manifest.json").read_text())
@@ -41,10 +49,12 @@ def _plain_model(weights: dict[str, torch.Tensor]):
     return model.eval()
 
 
-def test_format1_store_reconstructs_the_model_weights():
+def test_format1_store_reconstructs_the_model_weights(capsys):
     from frod_ds.store import FactorStore
 
     store = FactorStore.open(FIX / "store")
+    (note,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
+    assert "has no checksums (format 1" in note and "launch/hjd.py --overwrite" in note
     base = {}
     for f in (FIX / "model").glob("*.safetensors"):
         base.update(load_file(str(f)))
@@ -62,11 +72,13 @@ def test_format1_store_verifies():
     assert main(["--verify", str(FIX / "store"), "--model", str(FIX / "model"), "--samples", "2"]) == 0
 
 
-def test_format1_adapter_builds_the_model_it_was_saved_from():
+def test_format1_adapter_builds_the_model_it_was_saved_from(capsys):
     from frod_ds.adapter import adapter_sources, load_adapter_into, supports_from_adapter
     from frod_ds.build import build_frod_model
 
     tensors, config, model_dir, store = adapter_sources(FIX / "adapter", str(FIX / "model"), str(FIX / "store"))
+    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
+    assert len(notes) == 2 and "does not record the identity of its factor store (adapter version 1" in notes[1]
     model = build_frod_model(model_dir, store, supports_from_adapter(tensors, config), torch.float32)
     load_adapter_into(model, tensors)
     ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))

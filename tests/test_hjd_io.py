@@ -102,13 +102,14 @@ def test_readahead_hint_runs_over_the_members(model):
 
 
 def test_readahead_budget_is_shared_by_the_ranks_of_a_node(monkeypatch):
-    import launch.hjd as hjd
+    import frod_ds.hjd_plan as plan
+    from frod_ds.launch_env import ranks_on_this_node
 
     for key in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(hjd.os, "sysconf", {"SC_AVPHYS_PAGES": 2**20, "SC_PAGE_SIZE": 4096}.__getitem__)  # 4 GiB free
-    assert hjd._ranks_on_this_node() == 1 and hjd._readahead_budget() == 2**30
+    monkeypatch.setattr(plan.os, "sysconf", {"SC_AVPHYS_PAGES": 2**20, "SC_PAGE_SIZE": 4096}.__getitem__)  # 4 GiB free
+    assert ranks_on_this_node() == 1 and plan.readahead_budget() == 2**30
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)")
-    assert hjd._ranks_on_this_node() == 8 and hjd._readahead_budget() == 2**27
+    assert ranks_on_this_node() == 8 and plan.readahead_budget() == 2**27
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert hjd._ranks_on_this_node() == 4 and hjd._readahead_budget() == 2**28
+    assert ranks_on_this_node() == 4 and plan.readahead_budget() == 2**28

@@ -65,7 +65,7 @@ def test_hjd_sbatch_runs_two_tasks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "rendezvous localhost:" in proc.stdout
     store = FactorStore.open(out)
-    assert store.manifest["world_size"] == 2
+    assert store.manifest.world_size == 2
     members = store.categories["q_proj"]
     Ws = [w.double() for w in weights(model, members)]
     ref = decompose(Ws, pi=store.pi, dtype=torch.float64)
