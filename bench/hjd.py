@@ -168,7 +168,7 @@ def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, col
 def check_against_decompose(model: Path, out: Path) -> dict:
     """The GPU store (fp64) against single-process ``decompose`` on the CPU: V and reconstruction."""
     from frod_ds.hf_checkpoint import HFCheckpoint
-    from frod_ds.hjd import decompose
+    from frod_ds.hjd.math import decompose
     from frod_ds.store import FactorStore
 
     store, ckpt = FactorStore.open(out), HFCheckpoint(model)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from frod_ds.errors import FrodError
-from frod_ds.hjd import decompose
-from frod_ds.hjd_plan import DEFAULT_TARGETS
+from frod_ds.hjd.math import decompose
+from frod_ds.hjd.plan import DEFAULT_TARGETS
 from frod_ds.layer import TRAINABLE_PREFIX, FRoDLinear, SparseSupport, support_seed
 
 __all__ = [

@@ -9,7 +9,7 @@ import torch
 
 from frod_ds.errors import StoreError
 from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
-from frod_ds.hjd import reconstruction_error
+from frod_ds.hjd.math import reconstruction_error
 from frod_ds.store import FactorStore, check_store_matches
 from frod_ds.store_format import member_of_key, sigma_key, u_key, v_key
 

@@ -25,7 +25,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python launch/hjd.py` / torchrun: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from frod_ds.hjd_plan import DEFAULT_TARGETS, readahead_budget, start_readahead  # no torch yet
+from frod_ds.hjd.plan import DEFAULT_TARGETS, readahead_budget, start_readahead  # no torch yet
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +71,7 @@ def build(args: argparse.Namespace) -> int:
     import torch
 
     from frod_ds import distributed as D
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.hjd.stage import StageConfig, run_stage
 
     cfg = D.on_all(lambda: StageConfig(
         model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),

@@ -79,7 +79,7 @@ def make_adapter(model_dir: Path, root: Path, sparsity: float = 0.05, seed: int 
     from frod_ds.adapter_format import AdapterConfig
     from frod_ds.apply import frod_modules
     from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.hjd.stage import StageConfig, run_stage
     from frod_ds.store import FactorStore
 
     run_stage(StageConfig(model=str(model_dir), out=root / "store", device="cpu", fsync=False))

@@ -13,9 +13,9 @@ import torch
 from tests.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
 from frod_ds import distributed as D
-from frod_ds.hjd import decompose
-from frod_ds.hjd_plan import split_counts
-from frod_ds.hjd_tsqr import make_blocks
+from frod_ds.hjd.math import decompose
+from frod_ds.hjd.plan import split_counts
+from frod_ds.hjd.routes import make_blocks
 from frod_ds.store import FactorStore
 
 pytestmark = pytest.mark.slow
@@ -133,17 +133,17 @@ def test_distributed_hjd_more_ranks_than_members(tmp_path):
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-import frod_ds.hjd_stage as stage
+import frod_ds.hjd.store_dir as store_dir
 
-_finish = stage._finish_category
+_record = store_dir.record_category
 
-def die_before_recording(cfg, manifest, category, outs, seconds, writer):
+def die_before_recording(out, manifest, category, outs, seconds, writer):
     if category == os.environ["HJD_KILL_AFTER"]:
         writer.flush()  # the earlier categories' manifest updates are on disk
         os.kill(os.getpid(), signal.SIGKILL)  # this category's files written, manifest not updated: a killed run
-    return _finish(cfg, manifest, category, outs, seconds, writer)
+    return _record(out, manifest, category, outs, seconds, writer)
 
-stage._finish_category = die_before_recording
+store_dir.record_category = die_before_recording
 from launch.hjd import main
 sys.exit(main())
 """
@@ -238,11 +238,11 @@ def test_no_device_cache_rereads_and_still_equals_decompose(tmp_path, method):
 def test_gram_route_error_check_falls_back_to_householder(tmp_path, monkeypatch):
     """A Gram-route category whose measured reconstruction error exceeds the limit is redone by the
     Householder route (files rewritten, manifest says so); one process, in this interpreter."""
-    import frod_ds.hjd_tsqr as tsqr
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    import frod_ds.hjd.routes as routes
+    from frod_ds.hjd.stage import StageConfig, run_stage
 
     model = write_tiny_llama(tmp_path / "model", **WIDE)
-    monkeypatch.setattr(tsqr, "GRAM_MAX_ERROR", {torch.float32: 0.0, torch.float64: 0.0})
+    monkeypatch.setattr(routes, "GRAM_MAX_ERROR", {torch.float32: 0.0, torch.float64: 0.0})
     manifest = run_stage(StageConfig(model=str(model), out=tmp_path / "store", targets=("q_proj", "up_proj"),
                                      dtype=torch.float64, device="cpu"))
     assert manifest.complete
@@ -256,7 +256,7 @@ def test_gram_route_error_check_falls_back_to_householder(tmp_path, monkeypatch)
 def test_device_cache_keeps_weights_before_gram_matrices(tmp_path):
     """A cache that holds every weight but not the Gram matrices as well: the weights stay (each read once)
     and the Gram matrices are recomputed. (Caching in arrival order would keep G_0 and read W_2 again.)"""
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.hjd.stage import StageConfig, run_stage
 
     model = write_tiny_llama(tmp_path / "model", **WIDE)  # fp32 q_proj 64 x 64: W 16 KiB, G (fp64) 32 KiB
     manifest = run_stage(StageConfig(model=str(model), out=tmp_path / "store", targets=("q_proj",),

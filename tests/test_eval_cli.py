@@ -191,7 +191,7 @@ def test_script_exits_2_with_one_error_line(assets, tmp_path):
 
 def test_adapter_with_a_store_rebuilt_with_another_pi_is_refused(assets, adapter, tmp_path, capsys):
     """Same base model (the fingerprint matches), other π: another V, so the adapter's σ and S mean nothing there."""
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.hjd.stage import StageConfig, run_stage
 
     other = tmp_path / "store-pi"
     run_stage(StageConfig(model=str(assets["random"]), out=other, pi=1e-2, device="cpu", fsync=False))

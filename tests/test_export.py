@@ -78,7 +78,7 @@ def test_export_bad_input_leaves_nothing(trained, tmp_path, capsys):
 
 def test_export_refuses_a_store_that_is_not_the_adapters(trained, tmp_path, capsys):
     """A store rebuilt from the same base model with another π: same fingerprint, other V; refused, nothing written."""
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.hjd.stage import StageConfig, run_stage
 
     other = tmp_path / "store-pi"
     run_stage(StageConfig(model=str(trained["model_dir"]), out=other, pi=1e-2, device="cpu", fsync=False))

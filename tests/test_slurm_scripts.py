@@ -12,7 +12,7 @@ import pytest
 import torch
 from tests.helpers_ckpt import REPO, _free_port, weights, write_tiny_llama
 
-from frod_ds.hjd import decompose
+from frod_ds.hjd.math import decompose
 from frod_ds.store import FactorStore
 
 SLURM = REPO / "launch" / "slurm"

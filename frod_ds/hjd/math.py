@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from frod_ds.errors import HJDError
+from frod_ds.validate import pi_problem, widths_problem
 
 __all__ = [
     "HJDResult",
@@ -91,22 +92,19 @@ def no_tf32() -> Iterator[None]:
 
 def validate_members(weights: Sequence[Tensor], pi: float, names: Sequence[str] | None = None) -> None:
     """Raise ``HJDError`` naming the problem when a category cannot be decomposed."""
-    if not (isinstance(pi, (int, float)) and pi > 0 and pi == pi and pi != float("inf")):
-        raise HJDError(f"pi must be a finite number > 0 (the ridge term of T_pi), got {pi!r}")
+    problem = pi_problem(pi)
+    if problem:
+        raise HJDError(problem)
     if len(weights) == 0:
         raise HJDError("a category needs at least one weight matrix; got none")
     names = list(names) if names is not None else [f"member {i}" for i in range(len(weights))]
-    n = None
     for name, w in zip(names, weights):
         if w.ndim != 2:
             raise HJDError(f"{name}: expected a 2-D weight (out, in), got shape {tuple(w.shape)}")
-        if n is None:
-            n = w.shape[1]
-        elif w.shape[1] != n:
-            raise HJDError(
-                f"{name}: input width {w.shape[1]} differs from the category's {n}; members of one "
-                "category must share the input width (split them into separate categories)"
-            )
+    problem = widths_problem([w.shape[1] for w in weights], f"the members {names[0]} … {names[-1]}")
+    if problem:
+        raise HJDError(problem)
+    for name, w in zip(names, weights):
         if not torch.isfinite(w).all():
             raise HJDError(f"{name}: weight contains NaN or Inf; check the checkpoint")
 
