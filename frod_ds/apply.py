@@ -15,6 +15,8 @@ from frod_ds.errors import FrodError
 from frod_ds.hjd.math import decompose
 from frod_ds.hjd.plan import DEFAULT_TARGETS
 from frod_ds.layer import TRAINABLE_PREFIX, FRoDLinear, SparseSupport, support_seed
+from frod_ds.store_format import category_of
+from frod_ds.validate import pi_problem, sparsity_problem, targets_problem, widths_problem
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -32,13 +34,13 @@ def find_categories(model: nn.Module, targets: Sequence[str]) -> dict[str, list[
 
     Raises ``FrodError`` when a target matches nothing.
     """
-    if isinstance(targets, str) or not targets:
-        raise FrodError(f"targets must be a non-empty list of module names, got {targets!r}")
+    problem = targets_problem(targets)
+    if problem:
+        raise FrodError(problem)
     found: dict[str, list[str]] = {t: [] for t in targets}
     for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in found and isinstance(module, nn.Linear):
-            found[leaf].append(name)
+        if category_of(name) in found and isinstance(module, nn.Linear):
+            found[category_of(name)].append(name)
     missing = [t for t, names in found.items() if not names]
     if missing:
         raise FrodError(
@@ -67,16 +69,15 @@ def apply_frod(
     ``hjd_dtype``; ``U_i`` stored in the layer's dtype, ``V`` one frozen Parameter per category, the base
     weight dropped. Afterwards σ and the S values are the only trainable parameters.
     """
-    if not (isinstance(sparsity, (int, float)) and 0 < sparsity < 1):
-        raise FrodError(f"sparsity s must be in (0, 1), got {sparsity!r}")
-    if not (isinstance(pi, (int, float)) and pi > 0):
-        raise FrodError(f"pi must be > 0, got {pi!r}")
+    problem = sparsity_problem(sparsity, "sparsity s") or pi_problem(pi)
+    if problem:
+        raise FrodError(problem)
     categories = find_categories(model, targets)
     for category, names in categories.items():
         linears = [model.get_submodule(name) for name in names]
-        widths = {lin.in_features for lin in linears}
-        if len(widths) > 1:
-            raise FrodError(f"category {category!r} mixes input widths {sorted(widths)}; members must share n")
+        problem = widths_problem([lin.in_features for lin in linears], f"category {category!r}")
+        if problem:
+            raise FrodError(problem)
         result = decompose([lin.weight for lin in linears], pi=pi, dtype=hjd_dtype, names=names)
         ref = linears[0].weight
         n = ref.shape[1]

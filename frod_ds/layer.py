@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from frod_ds.errors import FrodError
+from frod_ds.validate import sparsity_problem
 
 __all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering"]
 
@@ -55,14 +56,16 @@ class SparseSupport:
         self._cache: dict[torch.device, Tensor] = {}
 
     @classmethod
-    def random(cls, n: int, density: float, seed: int) -> SparseSupport:
-        """``nnz = round(density·n²)`` positions off the diagonal, uniformly without replacement."""
-        if not (isinstance(density, (int, float)) and 0 < density < 1):
-            raise FrodError(f"sparsity s must be in (0, 1), got {density!r}")
-        nnz = int(round(density * n * n))
+    def random(cls, n: int, sparsity: float, seed: int) -> SparseSupport:
+        """``nnz = round(sparsity·n²)`` positions off the diagonal, uniformly without replacement; ``sparsity``
+        is the density of S (the recipe's ``model.sparsity``)."""
+        problem = sparsity_problem(sparsity, "sparsity s")
+        if problem:
+            raise FrodError(problem)
+        nnz = int(round(sparsity * n * n))
         if nnz > n * (n - 1):
             raise FrodError(
-                f"sparsity s={density} asks for {nnz} off-diagonal entries but an {n}x{n} matrix has only "
+                f"sparsity s={sparsity} asks for {nnz} off-diagonal entries but an {n}x{n} matrix has only "
                 f"{n * (n - 1)}; use s <= {1 - 1 / n:.4g}"
             )
         g = torch.Generator(device="cpu").manual_seed(int(seed))
@@ -196,9 +199,9 @@ def ordering(tokens: int, m: int, n: int, grad: bool) -> str:
     return "weight" if cost_weight < cost_tokens else "tokens"
 
 
-def trainable_numel(n: int, density: float) -> int:
+def trainable_numel(n: int, sparsity: float) -> int:
     """Trainable parameters per member: ``n + round(s·n²)``."""
-    return n + int(round(density * n * n))
+    return n + int(round(sparsity * n * n))
 
 
 def tan_alpha(on_sq: float, off_sq: float) -> float:
