@@ -15,12 +15,11 @@ another store. Imports nothing heavy (no torch).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from frod_ds.errors import AdapterError
-from frod_ds.records import record_from_dict, record_to_dict
+from frod_ds.records import parse_json, record_from_dict, record_to_json
 from frod_ds.store_format import CategoryIdentity, StoreIdentity
 
 __all__ = ["ADAPTER_FORMAT", "ADAPTER_VERSION", "WEIGHTS", "CONFIG", "AdapterCategory", "AdapterConfig",
@@ -33,14 +32,17 @@ CONFIG = "adapter_config.json"
 
 
 def sigma_name(module: str) -> str:
+    """Key of ``σ_i`` (n,) in ``adapter.safetensors`` (the module's own parameter name)."""
     return f"{module}.frod_sigma"
 
 
 def s_name(module: str) -> str:
+    """Key of the S values (nnz,) of a module."""
     return f"{module}.frod_s"
 
 
 def support_name(category: str) -> str:
+    """Key of a category's S support, (2, nnz) int64 rows and columns."""
     return f"{category}.support"
 
 
@@ -75,15 +77,12 @@ class AdapterConfig:
     categories: dict[str, AdapterCategory] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(record_to_dict(self), indent=2, sort_keys=True) + "\n"
+        return record_to_json(self, indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str | Path) -> AdapterConfig:
         """Parse and check; ``AdapterError`` naming ``where`` when it is not an adapter config this code reads."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise AdapterError(f"{where} is corrupt: not valid JSON ({e}); the adapter is damaged") from None
+        data = parse_json(text, where, AdapterError, "; the adapter is damaged")
         if not isinstance(data, dict) or data.get("format") != ADAPTER_FORMAT:
             got = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise AdapterError(f"{where}: format is {got!r}, expected {ADAPTER_FORMAT!r}")

@@ -10,13 +10,15 @@ raises the caller's error type naming the file and the field. Imports nothing he
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypeVar
 
 from frod_ds.errors import FrodError
 
-__all__ = ["record_to_dict", "record_from_dict"]
+__all__ = ["record_to_dict", "record_from_dict", "record_to_json", "parse_json"]
 
 R = TypeVar("R")
 _MISSING = dataclasses.MISSING
@@ -89,3 +91,16 @@ def record_from_dict(cls: type[R], data: Any, where: str, error: type[FrodError]
         elif f.default is _MISSING and f.default_factory is _MISSING:
             raise error(f"{where}: field {name!r} is missing")
     return cls(**kwargs)
+
+
+def record_to_json(record: Any, indent: int = 1, sort_keys: bool = False) -> str:
+    """:func:`record_to_dict` as JSON text, newline-terminated."""
+    return json.dumps(record_to_dict(record), indent=indent, sort_keys=sort_keys) + "\n"
+
+
+def parse_json(text: str, where: str | Path, error: type[FrodError], hint: str = "") -> Any:
+    """``json.loads(text)``; ``error`` saying ``where`` is corrupt (and ``hint``: what to do) otherwise."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(f"{where} is corrupt: not valid JSON ({e}){hint}") from None

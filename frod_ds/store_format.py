@@ -23,14 +23,13 @@ Format versions: 1 (no checksums) is still read; 2 adds ``checksums``. Imports n
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from frod_ds.errors import StoreError
-from frod_ds.records import record_from_dict, record_to_dict
+from frod_ds.records import parse_json, record_from_dict, record_to_json
 
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "MANIFEST",
@@ -158,15 +157,12 @@ class Manifest:
     run: RunRecord | None = None
 
     def to_json(self) -> str:
-        return json.dumps(record_to_dict(self), indent=1) + "\n"
+        return record_to_json(self)
 
     @classmethod
     def from_json(cls, text: str, where: str | Path) -> Manifest:
         """Parse and check a manifest; ``StoreError`` naming ``where`` when it is not one this code reads."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise StoreError(f"{where} is not valid JSON ({e}); rebuild the store with launch/hjd.py --overwrite") from None
+        data = parse_json(text, where, StoreError, "; rebuild the store with launch/hjd.py --overwrite")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise StoreError(f"{where} is not a FRoD factor store manifest")
         version = data.get("format_version")
@@ -229,12 +225,8 @@ class StoreIdentity:
         return out
 
     def to_json(self) -> str:
-        return json.dumps(record_to_dict(self), indent=1) + "\n"
+        return record_to_json(self)
 
     @classmethod
     def from_json(cls, text: str, where: str | Path) -> StoreIdentity:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise StoreError(f"{where} is not valid JSON ({e})") from None
-        return record_from_dict(cls, data, str(where), StoreError)
+        return record_from_dict(cls, parse_json(text, where, StoreError), str(where), StoreError)
