@@ -28,7 +28,7 @@ def fsync_dir(path: Path) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
     tmp = path.with_name(path.name + TMP)
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

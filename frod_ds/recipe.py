@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from frod_ds.apply import DEFAULT_TARGETS
+from frod_ds.hjd.plan import DEFAULT_TARGETS
 from frod_ds.errors import FrodError
 from frod_ds.validate import sparsity_problem, targets_problem
 

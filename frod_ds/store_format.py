@@ -16,7 +16,7 @@ under ``<name>.tmp`` and renamed; a category enters ``completed_categories`` onl
 renamed (and fsynced); ``complete`` is written last. A store whose manifest says complete is complete.
 
 ``error`` is ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` with the factors in ``hjd_dtype``; ``stored_error``
-the same with the stored tensors (U rounded to the checkpoint dtype, σ and V in fp32).
+the same with the stored tensors (U rounded to the category's ``u_dtype``, σ and V in fp32).
 
 Format versions: 1 (no checksums) is still read; 2 adds ``checksums``. Imports nothing heavy (no torch).
 """
@@ -88,7 +88,7 @@ class CategoryRecord:
     members: list[str]
     shapes: dict[str, list[int]]  # member -> [m, n]
     width: int  # n
-    u_dtype: str  # the checkpoint's dtype, in which U is stored
+    u_dtype: str  # the dtype U is stored in: the checkpoint's, or the manifest's u_dtype
     complete: bool = False
     files: dict[str, str] = field(default_factory=dict)  # key -> file
     checksums: dict[str, str] | None = None  # file -> "crc32:…"; None in format 1
@@ -108,13 +108,14 @@ class CategoryRecord:
         return {v_key(category)} | {u_key(m) for m in self.members} | {sigma_key(m) for m in self.members}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankRecord:
     """What one rank of the HJD stage did."""
 
     rank: int
     device: str
     seconds: float
+    cpu_threads: int | None = None  # torch's intra-op threads (absent in stores of older versions)
     peak_host_rss_gib: float
     tensors_read: int
     bytes_read: int
@@ -151,6 +152,7 @@ class Manifest:
     targets: list[str]
     pi: float
     hjd_dtype: str  # "float32" | "float64"
+    u_dtype: str = "auto"  # "auto": each category's checkpoint dtype; else --u-dtype (absent before it existed: auto)
     categories: dict[str, CategoryRecord]
     world_size: int
     versions: dict[str, str]  # frod_ds, torch, safetensors, python

@@ -45,7 +45,7 @@ class CategorySpec:
     mine: list[str]  # this rank's share
     heights: list[int]  # m_i of ``mine``
     n: int
-    u_dtype: torch.dtype  # the checkpoint's dtype, U is stored in it
+    u_dtype: torch.dtype  # U is stored in it: the checkpoint's dtype or --u-dtype
 
     @property
     def L(self) -> int:
@@ -211,10 +211,11 @@ class FactorSink:
 
 
 def open_category(ckpt: HFCheckpoint, category: str, members: list[str], reader: MemberReader,
-                  writer: FactorWriter, device: torch.device, dtype: torch.dtype,
+                  writer: FactorWriter, device: torch.device, dtype: torch.dtype, u_dtype: torch.dtype | None,
                   cache_bytes: float) -> tuple[MemberSource, FactorSink]:
-    """This rank's source and sink of ``category`` (close both when done, also on errors)."""
+    """This rank's source and sink of ``category`` (close both when done, also on errors). ``u_dtype``: the
+    dtype U is stored in (None: the checkpoint's)."""
     mine = my_members(members, D.get_rank(), D.get_world_size())
     spec = CategorySpec(category, list(members), mine, [ckpt.shape(m + ".weight")[0] for m in mine],
-                        ckpt.shape(members[0] + ".weight")[1], ckpt.dtype(members[0] + ".weight"))
+                        ckpt.shape(members[0] + ".weight")[1], u_dtype or ckpt.dtype(members[0] + ".weight"))
     return MemberSource(spec, ckpt, reader, device, cache_bytes), FactorSink(spec, writer, dtype)

@@ -20,7 +20,7 @@ import torch
 
 from frod_ds import distributed as D
 from frod_ds.atomic import atomic_write_text
-from frod_ds.dtypes import dtype_name
+from frod_ds.dtypes import FLOAT_DTYPES, dtype_name
 from frod_ds.errors import HJDError
 from frod_ds.fingerprint import weights_fingerprint
 from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
@@ -56,6 +56,7 @@ class StageConfig:
     method: str = "auto"
     io_threads: int = 8
     prefetch_gb: float = 4.0
+    u_dtype: torch.dtype | None = None  # None: each category's checkpoint dtype
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -73,6 +74,8 @@ class StageConfig:
             problems.append(f"--method must be auto or householder, got {self.method!r}")
         if not (isinstance(self.io_threads, int) and self.io_threads >= 1):
             problems.append(f"--io-threads must be an integer >= 1, got {self.io_threads!r}")
+        if self.u_dtype is not None and self.u_dtype not in FLOAT_DTYPES.values():
+            problems.append(f"--u-dtype must be auto or one of {list(FLOAT_DTYPES)}, got {self.u_dtype}")
         if not self.prefetch_gb > 0:
             problems.append(f"--prefetch-gb must be > 0, got {self.prefetch_gb}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -107,7 +110,8 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
     names = [m + ".weight" for members in categories.values() for m in members]
     fingerprint = D.on_main(lambda: weights_fingerprint(ckpt, names))
     manifest = D.on_main(lambda: store_dir.prepare_store(
-        cfg.out, store_dir.new_manifest(cfg.model, list(cfg.targets), cfg.pi, cfg.dtype, fingerprint, categories, ckpt),
+        cfg.out, store_dir.new_manifest(cfg.model, list(cfg.targets), cfg.pi, cfg.dtype, cfg.u_dtype, fingerprint,
+                                        categories, ckpt),
         cfg.overwrite))
     return device, ckpt, categories, manifest
 
@@ -152,7 +156,7 @@ def _factor_all(cfg: StageConfig, ckpt: HFCheckpoint, categories: dict[str, list
         t0 = time.perf_counter()
         D.on_main(lambda: store_dir.remove_store_files(cfg.out, category))  # leftovers of a killed run
         source, sink = open_category(ckpt, category, categories[category], reader, writer, device, cfg.dtype,
-                                     cfg.device_cache_gb * GiB)
+                                     cfg.u_dtype, cfg.device_cache_gb * GiB)
         try:
             phases = Phases(device)
             G = read_pass(source, sink, phases)  # every read of this category (unless the cache overflows)

@@ -29,7 +29,7 @@ __all__ = ["CONFIG_FIELDS", "new_manifest", "prepare_store", "remove_store_files
            "record_category", "rank_summary"]
 
 GiB = 2**30
-CONFIG_FIELDS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype")  # a store to resume must match
+CONFIG_FIELDS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype", "u_dtype")  # a store to resume must match
 
 
 def _versions() -> dict[str, str]:
@@ -58,22 +58,24 @@ def _model_config(model_dir: Path) -> dict[str, Any] | None:
     return {k: cfg[k] for k in keys if k in cfg}
 
 
-def new_manifest(model: str, targets: list[str], pi: float, dtype: torch.dtype, fingerprint: str,
-                 categories: dict[str, list[str]], ckpt: HFCheckpoint) -> Manifest:
-    """The manifest of a store not yet started: every category planned, none complete."""
+def new_manifest(model: str, targets: list[str], pi: float, dtype: torch.dtype, u_dtype: torch.dtype | None,
+                 fingerprint: str, categories: dict[str, list[str]], ckpt: HFCheckpoint) -> Manifest:
+    """The manifest of a store not yet started: every category planned, none complete. ``u_dtype``: the
+    dtype U is stored in (None: each category's checkpoint dtype)."""
     records = {
         c: CategoryRecord(
             members=members,
             shapes={m: list(ckpt.shape(m + ".weight")) for m in members},
             width=ckpt.shape(members[0] + ".weight")[1],
-            u_dtype=dtype_name(ckpt.dtype(members[0] + ".weight")),
+            u_dtype=dtype_name(u_dtype or ckpt.dtype(members[0] + ".weight")),
             checksums={},
         )
         for c, members in categories.items()
     }
     return Manifest(base_model=model, fingerprint=fingerprint, fingerprint_method=FINGERPRINT_METHOD,
                     model_config=_model_config(ckpt.dir), targets=list(targets), pi=pi, hjd_dtype=dtype_name(dtype),
-                    categories=records, world_size=D.get_world_size(), versions=_versions())
+                    u_dtype=dtype_name(u_dtype) if u_dtype is not None else "auto", categories=records,
+                    world_size=D.get_world_size(), versions=_versions())
 
 
 def remove_store_files(out: Path, category: str | None = None) -> None:
@@ -207,7 +209,7 @@ def record_category(out: Path, manifest: Manifest, category: str, outs: list[Cat
 
 def rank_summary(seconds: float, device: torch.device, ckpt: HFCheckpoint) -> RankRecord:
     """What this rank did: time, peak memory, what it read."""
-    out = RankRecord(rank=D.get_rank(), device=str(device), seconds=round(seconds, 3),
+    out = RankRecord(rank=D.get_rank(), device=str(device), seconds=round(seconds, 3), cpu_threads=torch.get_num_threads(),
                      peak_host_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
                      tensors_read=ckpt.tensors_read, bytes_read=ckpt.bytes_read)
     if device.type == "cuda":
