@@ -68,10 +68,12 @@ def _store(model: Path, out: Path, u_dtype: str) -> dict:
     if not (out / "manifest.json").is_file():
         _run([sys.executable, "launch/hjd.py", "--model", str(model), "--out", str(out), "--device", "cpu",
               "--no-fsync", "--u-dtype", u_dtype])
-    manifest = json.loads((out / "manifest.json").read_text())
-    return {c: {"method": s["method"], "cond_estimate": s["cond_estimate"], "max_error": s["max_error"],
-                "max_stored_error": s["max_stored_error"], "u_dtype": s["u_dtype"]}
-            for c, s in manifest["categories"].items()}
+    from frod_ds.store_format import Manifest
+
+    manifest = Manifest.read(out / "manifest.json")
+    return {c: {"method": s.method, "cond_estimate": s.cond_estimate, "max_error": s.max_error,
+                "max_stored_error": s.max_stored_error, "u_dtype": s.u_dtype}
+            for c, s in manifest.categories.items()}
 
 
 def main() -> int:

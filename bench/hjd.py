@@ -15,6 +15,7 @@ after every step, so a run cut short still reports what finished.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -144,19 +145,22 @@ def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, col
               "wall_s": round(wall, 2), "cold_cache": dropped}
     mpath = out / "manifest.json"
     if mpath.is_file():
-        m = json.loads(mpath.read_text())
-        run = m.get("run", {})
+        from frod_ds.store_format import Manifest
+
+        m = Manifest.read(mpath)
+        ranks = m.run.ranks if m.run is not None else []
         result.update(
-            complete=m.get("complete"),
-            stage_s=run.get("seconds"),
-            startup_s=run.get("startup_s"),
-            prologue_s=run.get("prologue_s"),
-            ranks=run.get("ranks"),
-            peak_gpu_gib=max((r.get("peak_device_gib", 0) for r in run.get("ranks", [])), default=None),
-            peak_gpu_reserved_gib=max((r.get("peak_device_reserved_gib", 0) for r in run.get("ranks", [])), default=None),
-            categories={c: {k: s.get(k) for k in ("seconds", "phase_seconds", "max_error", "max_stored_error", "width",
-                                                  "method", "cond_estimate")}
-                        | {"members": len(s["members"])} for c, s in m["categories"].items() if s.get("complete")},
+            complete=m.complete,
+            stage_s=m.run and m.run.seconds,
+            startup_s=m.run and m.run.startup_s,
+            prologue_s=m.run and m.run.prologue_s,
+            ranks=[dataclasses.asdict(r) for r in ranks],
+            peak_gpu_gib=max((r.peak_device_gib or 0 for r in ranks), default=None),
+            peak_gpu_reserved_gib=max((r.peak_device_reserved_gib or 0 for r in ranks), default=None),
+            categories={c: {"seconds": r.seconds, "phase_seconds": r.phase_seconds, "max_error": r.max_error,
+                            "max_stored_error": r.max_stored_error, "width": r.width, "method": r.method,
+                            "cond_estimate": r.cond_estimate, "members": len(r.members)}
+                        for c, r in m.categories.items() if r.complete},
         )
     return result
 
@@ -164,7 +168,7 @@ def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, col
 def check_against_decompose(model: Path, out: Path) -> dict:
     """The GPU store (fp64) against single-process ``decompose`` on the CPU: V and reconstruction."""
     from frod_ds.hf_checkpoint import HFCheckpoint
-    from frod_ds.hjd import decompose
+    from frod_ds.hjd.math import decompose
     from frod_ds.store import FactorStore
 
     store, ckpt = FactorStore.open(out), HFCheckpoint(model)
@@ -178,7 +182,7 @@ def check_against_decompose(model: Path, out: Path) -> dict:
             U, s = store.load_U(m, torch.float64), store.load_sigma(m, torch.float64)
             # U is stored in bf16, so this is bf16-level; the stage's fp64 HJD error is max_hjd_error.
             worst["recon_rel"] = max(worst["recon_rel"], (torch.linalg.norm((U * s) @ V.T - W) / torch.linalg.norm(W)).item())
-        worst["max_hjd_error"] = max(worst.get("max_hjd_error", 0.0), store.manifest["categories"][category]["max_error"])
+        worst["max_hjd_error"] = max(worst.get("max_hjd_error", 0.0), store.record(category).max_error)
     return worst
 
 

@@ -5,7 +5,7 @@
 Measures (each a best-of-a-few wall time): interpreter + torch + CUDA start-up; fp32 (TF32 off) GEMM,
 Householder QR, eigh and batched Cholesky at LLaMA-7B shapes; host<->device copies (pageable and pinned);
 disk writes (buffered, fsync) and reads (page cache and, as root, after dropping it) with 1 and several
-threads. The numbers set the plan of ``frod_ds/hjd_tsqr.py``; none is asserted anywhere.
+threads. The numbers set the plan of ``frod_ds/hjd/routes.py``; none is asserted anywhere.
 """
 
 from __future__ import annotations

@@ -17,11 +17,8 @@ build leaves nothing in OUT. Same inputs and seed give byte-identical files.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +27,7 @@ from typing import Any
 from data_prep import io, llm_adapters, sources, tokens
 from data_prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from data_prep.templates import RowError, render, row_id
+from frod_ds.atomic import building_dir
 
 FORMAT = "frod-ds/commonsense170k/v1"
 DEFAULT_CUTOFF = 256  # tokens; LLM-Adapters' cutoff_len for Commonsense170K
@@ -300,9 +298,7 @@ def write_outputs(out: Path, train: list[dict[str, Any]], results: list[SplitRes
 
     Returns the sha256 of each written file, keyed by its path relative to `out`.
     """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with building_dir(out) as tmp:
         (tmp / "eval").mkdir()
         files = {"train.jsonl": io.write_rows(tmp / "train.jsonl", train)}
         for r in results:
@@ -311,27 +307,7 @@ def write_outputs(out: Path, train: list[dict[str, Any]], results: list[SplitRes
         manifest["files"] = files
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=True) + "\n", encoding="ascii")
         files = {**files, "manifest.json": io.sha256_file(tmp / "manifest.json")}
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return files
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Rename `new` to `out`; an existing `out` is moved aside first and removed after."""
-    if not out.exists():
-        os.rename(new, out)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.rename(out, aside / out.name)
-    try:
-        os.rename(new, out)
-    except BaseException:
-        os.rename(aside / out.name, out)  # put the previous build back
-        shutil.rmtree(aside, ignore_errors=True)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:

@@ -154,10 +154,7 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
             raise DataPrepError(f"{file} is listed in the manifest but missing")
         if io.sha256_file(file) != digest:
             raise DataPrepError(f"{file} does not match its sha256 in the manifest; rebuild it")
-        try:
-            rows[name] = io.read_rows(file)
-        except ValueError as exc:
-            raise DataPrepError(str(exc)) from None
+        rows[name] = io.read_rows(file)
     return manifest, rows
 
 
@@ -244,10 +241,7 @@ def examples_from_build(out: Path, task: str, role: str, n: int) -> list[dict[st
     path = out / "train.jsonl" if role == "train" else out / "eval" / f"{task}.jsonl"
     if not path.is_file():
         raise DataPrepError(f"{path} not found; is {out} a data_prep build that includes {task}?")
-    try:
-        rows = io.read_rows(path)
-    except ValueError as exc:
-        raise DataPrepError(str(exc)) from None
+    rows = io.read_rows(path)
     return [row for row in rows if row["task"] == task][:n]
 
 

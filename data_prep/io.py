@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from data_prep.tasks import DataPrepError
+
 FIELDS: dict[str, type] = {"task": str, "id": str, "prompt": str, "answer": str, "choices": list, "label": int}
 OPTIONAL_FIELDS: dict[str, type] = {"separator": str}
 # Key order on disk: a row without the optional fields serializes exactly as before they existed.
@@ -95,21 +97,25 @@ def read_rows(
     """Read and validate a JSONL file (by default, data_prep's output schema).
 
     ``check`` returns why a row is invalid or None; ``limit`` stops after that many rows.
-    Raises ValueError naming the file and 1-based line of the first bad row.
+    Raises DataPrepError naming the file and 1-based line of the first bad row.
     """
     rows = []
-    with open(path, encoding="utf-8", newline="\n") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path} line {line_no}: not valid JSON ({exc.msg})") from None
-            problem = check(row)
-            if problem:
-                raise ValueError(f"{path} line {line_no}: {problem}")
-            rows.append(row)
-            if limit is not None and len(rows) >= limit:
-                break
+    line_no = 0
+    try:
+        with open(path, encoding="utf-8", newline="\n") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataPrepError(f"{path} line {line_no}: not valid JSON ({exc.msg})") from None
+                problem = check(row)
+                if problem:
+                    raise DataPrepError(f"{path} line {line_no}: {problem}")
+                rows.append(row)
+                if limit is not None and len(rows) >= limit:
+                    break
+    except UnicodeDecodeError as exc:
+        raise DataPrepError(f"{path} line {line_no + 1}: not valid UTF-8 ({exc.reason} at byte {exc.start} of a block)") from None
     return rows

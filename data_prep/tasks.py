@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from frod_ds.errors import FrodError
 
-class DataPrepError(ValueError):
+
+class DataPrepError(FrodError):
     """A user-facing data-prep failure; the message is one line saying what to change."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(str(message).splitlines()))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """frod-ds: FRoD fine-tuning of LLaMA-family models on DeepSpeed.
 
-The names below load on first use, so that importing a torch-free submodule (``frod_ds.hjd_plan``,
+The names below load on first use, so that importing a torch-free submodule (``frod_ds.hjd.plan``,
 ``frod_ds.hf_checkpoint``) does not import torch.
 """
 
@@ -22,12 +22,12 @@ __all__ = [
 __version__ = "0.1.0"
 
 _WHERE = {
-    "DEFAULT_TARGETS": "frod_ds.hjd_plan",
+    "DEFAULT_TARGETS": "frod_ds.hjd.plan",
     "FRoDLinear": "frod_ds.layer",
-    "HJDResult": "frod_ds.hjd",
+    "HJDResult": "frod_ds.hjd.math",
     "SparseSupport": "frod_ds.layer",
     "apply_frod": "frod_ds.apply",
-    "decompose": "frod_ds.hjd",
+    "decompose": "frod_ds.hjd.math",
     "frod_param_groups": "frod_ds.apply",
     "mark_only_frod_trainable": "frod_ds.apply",
 }

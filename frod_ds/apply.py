@@ -11,9 +11,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from frod_ds.hjd import decompose
-from frod_ds.hjd_plan import DEFAULT_TARGETS
+from frod_ds.errors import FrodError
+from frod_ds.hjd.math import decompose
+from frod_ds.hjd.plan import DEFAULT_TARGETS
 from frod_ds.layer import TRAINABLE_PREFIX, FRoDLinear, SparseSupport, support_seed
+from frod_ds.store_format import category_of
+from frod_ds.validate import pi_problem, sparsity_problem, targets_problem, widths_problem
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -29,18 +32,18 @@ __all__ = [
 def find_categories(model: nn.Module, targets: Sequence[str]) -> dict[str, list[str]]:
     """``{target: [module name, ...]}`` for every ``nn.Linear`` whose last name component is a target.
 
-    Raises ``ValueError`` when a target matches nothing.
+    Raises ``FrodError`` when a target matches nothing.
     """
-    if isinstance(targets, str) or not targets:
-        raise ValueError(f"targets must be a non-empty list of module names, got {targets!r}")
+    problem = targets_problem(targets)
+    if problem:
+        raise FrodError(problem)
     found: dict[str, list[str]] = {t: [] for t in targets}
     for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf in found and isinstance(module, nn.Linear):
-            found[leaf].append(name)
+        if category_of(name) in found and isinstance(module, nn.Linear):
+            found[category_of(name)].append(name)
     missing = [t for t, names in found.items() if not names]
     if missing:
-        raise ValueError(
+        raise FrodError(
             f"no nn.Linear named {missing} found in the model; check `targets` (LLaMA uses "
             f"{', '.join(DEFAULT_TARGETS)}, down_proj)"
         )
@@ -66,16 +69,15 @@ def apply_frod(
     ``hjd_dtype``; ``U_i`` stored in the layer's dtype, ``V`` one frozen Parameter per category, the base
     weight dropped. Afterwards σ and the S values are the only trainable parameters.
     """
-    if not (isinstance(sparsity, (int, float)) and 0 < sparsity < 1):
-        raise ValueError(f"sparsity s must be in (0, 1), got {sparsity!r}")
-    if not (isinstance(pi, (int, float)) and pi > 0):
-        raise ValueError(f"pi must be > 0, got {pi!r}")
+    problem = sparsity_problem(sparsity, "sparsity s") or pi_problem(pi)
+    if problem:
+        raise FrodError(problem)
     categories = find_categories(model, targets)
     for category, names in categories.items():
         linears = [model.get_submodule(name) for name in names]
-        widths = {lin.in_features for lin in linears}
-        if len(widths) > 1:
-            raise ValueError(f"category {category!r} mixes input widths {sorted(widths)}; members must share n")
+        problem = widths_problem([lin.in_features for lin in linears], f"category {category!r}")
+        if problem:
+            raise FrodError(problem)
         result = decompose([lin.weight for lin in linears], pi=pi, dtype=hjd_dtype, names=names)
         ref = linears[0].weight
         n = ref.shape[1]
@@ -111,7 +113,7 @@ def frod_param_groups(
         elif leaf == "frod_s":
             s.append(p)
     if not sigma:
-        raise ValueError("the model has no FRoD layers; call apply_frod (or build it from a factor store) first")
+        raise FrodError("the model has no FRoD layers; call apply_frod (or build it from a factor store) first")
     groups = [{"name": "sigma", "params": sigma, "weight_decay": weight_decay},
               {"name": "s", "params": s, "weight_decay": weight_decay}]
     if lr_sigma is not None:

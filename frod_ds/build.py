@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from frod_ds.apply import mark_only_frod_trainable, set_submodule
+from frod_ds.ds_config import zero_stage
+from frod_ds.errors import FrodError, StoreError
 from frod_ds.layer import FRoDLinear, SparseSupport, support_seed
 
-__all__ = ["make_supports", "build_frod_model", "gathered", "DTYPES"]
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+__all__ = ["make_supports", "build_frod_model", "gathered"]
 
 
 def make_supports(store, categories: list[str], sparsity: float, seed: int) -> dict[str, SparseSupport]:
@@ -60,7 +60,7 @@ def _keep_arange_dtype():
 
 def _skeleton_contexts(ds_config: Mapping | None) -> list:
     ctxs: list = [_no_init_weights()]
-    if ds_config is not None and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3:
+    if ds_config is not None and zero_stage(ds_config) == 3:
         import deepspeed
 
         # dtype comes from the config's bf16 switch (resolve_ds_config made it agree with the recipe). Passing
@@ -90,13 +90,13 @@ def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport]
             try:
                 old = model.get_submodule(name)
             except AttributeError:
-                raise ValueError(
+                raise StoreError(
                     f"factor store member {name!r} is not a module of this model; the store was built for a "
                     "different architecture"
                 ) from None
             m, n_in = store.member_shape(name)
             if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (m, n_in):
-                raise ValueError(f"{name}: model has {old}, factor store has a ({m}, {n_in}) member")
+                raise StoreError(f"{name}: model has {old}, factor store has a ({m}, {n_in}) member")
             layer = FRoDLinear(
                 torch.empty(m, n, dtype=dtype), V, torch.empty(n, dtype=dtype), supports[category], old.bias
             )
@@ -143,11 +143,11 @@ def _load_module(name: str, module: nn.Module, ckpt, keys: set[str], store, rank
                         state["missing"].append(key)
                         continue
                     if tuple(t.shape) != tuple(p.shape):
-                        raise ValueError(f"{key}: shape {tuple(t.shape)} in the files, {tuple(p.shape)} in the model")
+                        raise StoreError(f"{key}: shape {tuple(t.shape)} in the files, {tuple(p.shape)} in the model")
                     p.copy_(t.to(p.dtype))
                     if pn == "V":
                         state["v_done"].add(id(p))
-            except Exception as e:  # noqa: BLE001 - reported on every rank by the caller
+            except FrodError as e:  # a bad file: reported on every rank by the caller
                 state["error"] = f"loading {key}: {e}"
                 return
 
@@ -177,7 +177,7 @@ def build_frod_model(
 
     ckpt = HFCheckpoint(model_dir)
     keys = set(ckpt.keys())
-    zero3 = ds_config is not None and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
+    zero3 = ds_config is not None and zero_stage(ds_config) == 3
     config = AutoConfig.from_pretrained(str(ckpt.dir))
     with contextlib.ExitStack() as stack:
         for ctx in _skeleton_contexts(ds_config):
@@ -196,17 +196,15 @@ def build_frod_model(
         seen.update(id(p) for p in module.parameters(recurse=False))
         _load_module(name, module, ckpt, keys, store, rank0, zero3, state)
     missing, error = state["missing"], state["error"]
-    if zero3:
-        from frod_ds.distributed import broadcast_object
-
-        missing, error = broadcast_object((missing, error), src=0)  # only rank 0 read; all ranks fail together
-    if error is not None:
-        raise ValueError(error)
     if missing:
-        raise ValueError(
-            f"{len(missing)} tensors missing from checkpoint {ckpt.dir}: {', '.join(missing[:5])}"
-            f"{' …' if len(missing) > 5 else ''}"
-        )
+        error = error or (f"{len(missing)} tensors missing from checkpoint {ckpt.dir}: {', '.join(missing[:5])}"
+                          f"{' …' if len(missing) > 5 else ''}")
+    if zero3:
+        from frod_ds.distributed import agree_on_error
+
+        agree_on_error(error, src=0)  # only rank 0 read; all ranks fail together
+    elif error is not None:
+        raise FrodError(error)
     _recompute_rope(model)
     mark_only_frod_trainable(model)
     return model

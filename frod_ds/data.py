@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from data_prep.io import read_rows, row_separator
+from data_prep.tasks import DataPrepError
+from frod_ds.errors import FrodError
 from frod_ds.evaluation import encode_rows
 
 __all__ = ["DataError", "read_training_rows", "Example", "encode_examples", "collate", "BatchPlan"]
@@ -29,7 +31,7 @@ __all__ = ["DataError", "read_training_rows", "Example", "encode_examples", "col
 IGNORE_INDEX = -100
 
 
-class DataError(ValueError):
+class DataError(FrodError):
     """Training data that cannot be used; the message names the file, line and field."""
 
 
@@ -60,7 +62,7 @@ def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]
     p = _resolve_train_path(path)
     try:
         rows = read_rows(p, check=_check_training_row, limit=limit)
-    except ValueError as e:
+    except DataPrepError as e:
         raise DataError(str(e)) from None
     if not rows:
         raise DataError(f"{p} has no rows")

@@ -1,9 +1,12 @@
 """Every ``torch.distributed`` call of the project, as small named helpers.
 
 Launchers: ``torchrun`` and the ``deepspeed`` launcher set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (and
-``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables are mapped onto them. With none of
-them set the program runs as one process and every helper below is the identity / a no-op, so library
-code calls the helpers unconditionally.
+``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables are mapped onto them (the torch-free
+parsing is ``frod_ds.launch_env``). With none of them set the program runs as one process and every helper
+below is the identity / a no-op, so library code calls the helpers unconditionally.
+
+User errors across ranks: a ``FrodError`` that every rank knows about is a ``CollectiveError``
+(``agree_on_error``, ``on_all``, ``on_main`` make one); ``frod_ds.entry`` prints it once, on rank 0.
 
 Backend: NCCL when CUDA is available, gloo otherwise. Tensors handed to a collective must live on
 ``local_device()`` (NCCL needs them on the GPU; gloo on the CPU).
@@ -12,20 +15,21 @@ Backend: NCCL when CUDA is available, gloo otherwise. Tensors handed to a collec
 from __future__ import annotations
 
 import os
-import re
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from frod_ds.hjd_plan import launcher_rank_world
+from frod_ds.errors import FrodError
+from frod_ds.launch_env import srun_process_group_env
 
 __all__ = [
     "CollectiveError",
     "init_distributed",
+    "init_deepspeed",
     "destroy",
     "is_initialized",
     "get_rank",
@@ -49,27 +53,6 @@ __all__ = [
 T = TypeVar("T")
 
 
-def _first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list: ``"gpu[003-004,9],cpu1"`` -> ``"gpu003"``."""
-    first = re.split(r",(?![^\[]*\])", nodelist)[0]
-    m = re.match(r"^([^\[]*)\[([^\],-]+)", first)
-    return m.group(1) + m.group(2) if m else first
-
-
-def _launcher_env() -> tuple[int, int, int] | None:
-    """``(rank, world_size, local_rank)`` from torchrun / deepspeed / srun, or ``None`` (one process).
-    Under srun the SLURM variables are also mapped onto ``RANK``/``MASTER_ADDR``/... for the process group."""
-    env = os.environ
-    launch = launcher_rank_world(env)
-    if launch is not None and "RANK" not in env:  # srun
-        rank, world, local = launch
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        env.setdefault("MASTER_ADDR", _first_slurm_host(nodes))
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
-    return launch
-
-
 def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) -> None:
     """Join the process group the launcher describes; a single process when no launcher env is set.
 
@@ -79,7 +62,7 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) 
     """
     if dist.is_initialized():
         return
-    launch = _launcher_env()
+    launch = srun_process_group_env()
     if launch is None:
         return
     _, _, local_rank = launch
@@ -91,6 +74,18 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) 
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group(backend=backend, **kwargs)
+
+
+def init_deepspeed() -> None:
+    """:func:`init_distributed`, then DeepSpeed's communication layer on the same group. DeepSpeed needs a
+    process group even for one process: without a launcher a one-rank group is made."""
+    import deepspeed
+
+    if srun_process_group_env() is None:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 10000))
+    init_distributed()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
 def destroy() -> None:
@@ -221,36 +216,42 @@ def scatter_rows(
     return buf[: shapes[get_rank()][0]]
 
 
-class CollectiveError(ValueError):
+class CollectiveError(FrodError):
     """A user error that every rank raised together (the ranks agreed on it): report it once, on rank 0."""
 
 
-def agree_on_error(error: str | None) -> None:
-    """Collective: if any rank passes an error message, raise the first as ``CollectiveError`` on all."""
-    errors = [e for e in all_gather_object(error) if e]
+def agree_on_error(error: str | None, src: int | None = None) -> None:
+    """Collective: if any rank passes an error message, raise the first as ``CollectiveError`` on all.
+    With ``src``, only that rank's ``error`` counts (it alone checked)."""
+    if src is not None:
+        errors = [broadcast_object(error, src=src)]
+    else:
+        errors = all_gather_object(error)
+    errors = [e for e in errors if e]
     if errors:
         raise CollectiveError(errors[0])
 
 
 def on_all(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; a ``ValueError`` on any rank becomes a ``CollectiveError`` on all."""
+    """Run ``fn`` on every rank; a ``FrodError`` on any rank becomes a ``CollectiveError`` on all. Any other
+    exception is a bug and propagates on the rank where it happened."""
     result, error = None, None
     try:
         result = fn()
-    except ValueError as e:
+    except FrodError as e:
         error = str(e)
     agree_on_error(error)
     return result  # type: ignore[return-value]
 
 
 def on_main(fn: Callable[[], T]) -> T:
-    """Run ``fn`` on rank 0 and broadcast its (picklable) result; a ``ValueError`` there becomes a
-    ``CollectiveError`` on every rank."""
+    """Run ``fn`` on rank 0 and broadcast its (picklable) result; a ``FrodError`` there becomes a
+    ``CollectiveError`` on every rank. Any other exception is a bug and propagates on rank 0."""
     result, error = None, None
     if is_main():
         try:
             result = fn()
-        except ValueError as e:
+        except FrodError as e:
             error = str(e)
     result, error = broadcast_object((result, error))
     if error:

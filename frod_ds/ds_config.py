@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from frod_ds.errors import FrodError
 from frod_ds.recipe import Recipe
 
 __all__ = ["DSConfigError", "BatchSizes", "batch_sizes", "load_ds_config", "resolve_ds_config", "zero_stage"]
 
 
-class DSConfigError(ValueError):
+class DSConfigError(FrodError):
     """A DeepSpeed config that cannot be used with this recipe."""
 
 
@@ -55,12 +56,18 @@ def _autos(node: Any, prefix: str = "") -> list[str]:
 
 
 def zero_stage(cfg: dict) -> int:
-    return int(cfg.get("zero_optimization", {}).get("stage", 0))
+    """The ZeRO stage of a DeepSpeed config (0 when absent); ``DSConfigError`` unless it is 0, 1, 2 or 3."""
+    zo = cfg.get("zero_optimization", {})
+    stage = zo.get("stage", 0) if isinstance(zo, dict) else None
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise DSConfigError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    return stage
 
 
 def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str | None = None) -> dict:
     """A concrete copy of ``cfg`` for ``deepspeed.initialize``; raises ``DSConfigError`` on any conflict."""
     cfg = copy.deepcopy(cfg)
+    zero_stage(cfg)
     bs = batch_sizes(recipe, world_size)
     problems = []
     for key, want in (

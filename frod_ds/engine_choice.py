@@ -49,9 +49,11 @@ def recommend_zero(frozen_bytes: int, gpu_bytes: int, world_size: int) -> ZeroCh
 
 def choice_of_config(ds_config: dict) -> ZeroChoice:
     """The ZeRO set-up a DeepSpeed JSON asks for (stages 0-2 replicate the frozen model, like 2)."""
+    from frod_ds.ds_config import zero_stage
+
     zero = ds_config.get("zero_optimization", {}) or {}
     offload = (zero.get("offload_param", {}) or {}).get("device") in ("cpu", "nvme")
-    return ZeroChoice(3 if int(zero.get("stage", 0)) == 3 else 2, offload)
+    return ZeroChoice(3 if zero_stage(ds_config) == 3 else 2, offload)
 
 
 def zero_hint(chosen: ZeroChoice, frozen_bytes: int, gpu_bytes: int, world_size: int) -> str | None:

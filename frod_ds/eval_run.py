@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import sys
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -27,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from frod_ds import distributed as dist
+from frod_ds.atomic import atomic_write_text, building_dir
 from frod_ds.evaluation import (
     LLM_ADAPTERS_MAX_NEW_TOKENS,
     LLM_ADAPTERS_NUM_BEAMS,
@@ -39,7 +36,7 @@ from frod_ds.evaluation import (
 )
 from frod_ds.scoring import markdown_table, summarize
 
-__all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "run", "print_error"]
+__all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "run"]
 
 # loglik: argmax of summed log-probs; generate: greedy, earliest answer string; llm-adapters: LLM-Adapters' protocol.
 MODES = ("loglik", "generate", "llm-adapters")
@@ -112,7 +109,7 @@ class EvalConfig:
 def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[str, ...] = ("loglik",)) -> Rows:
     """``{task: rows}`` from ``<data>/eval/<task>.jsonl``, validated by data_prep's reader and for `modes`.
 
-    Every missing file is reported in one EvalError; a bad row raises ValueError naming file and line.
+    Every missing file is reported in one EvalError; a bad row raises DataPrepError naming file and line.
     """
     from data_prep.io import read_rows
     from data_prep.tasks import parse_tasks
@@ -163,8 +160,11 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
             raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        try:  # transformers says what is missing or unreadable with an OSError
+            model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+        except OSError as e:
+            raise EvalError(f"cannot load --model {config.model}: {e}") from None
     return model.eval(), tokenizer
 
 
@@ -199,20 +199,15 @@ def evaluate_shard(model: torch.nn.Module, tokenizer: Any, rows: Rows, config: E
 
 
 def write_outputs(output: Path, files: dict[str, str]) -> None:
-    """Write `files` into a temporary sibling of `output`, then rename them into place."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
+    """A new `output` is built under a temporary name and renamed into place; into an existing one each file
+    is written under a temporary name and renamed over the old one."""
+    if output.is_dir():
+        for name, text in files.items():
+            atomic_write_text(output / name, text)
+        return
+    with building_dir(output) as tmp:
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
-        if output.is_dir():
-            for name in files:
-                os.replace(tmp / name, output / name)
-            tmp.rmdir()
-        else:
-            tmp.rename(output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_results(config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -250,38 +245,29 @@ def report(config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]) 
     dist.print0(f"wrote {config.output}/results.json, results.md, predictions.jsonl")
 
 
-def run(config: EvalConfig) -> None:
-    """The whole run on every rank (the process group already joined); rank 0 writes the outputs.
-
-    Raises EvalError / ValueError / OSError for user mistakes: the same on every rank up to the model
-    load; an error in a row only one rank scores carries ``rank_local`` (see `print_error`).
-    """
-    config.validate()  # the checks up to the model load give every rank the same outcome
+def _inputs(config: EvalConfig) -> tuple[dict[str, list[dict[str, Any]]], torch.nn.Module, Any]:
+    """Everything a user can get wrong before scoring: flags, rows, the model; the same outcome on every rank."""
+    config.validate()
     rows = load_task_rows(config.data, config.tasks, config.limit, config.modes)
     device = dist.local_device()
     model, tokenizer = load_model(config, device, resolve_dtype(config.dtype, device))
-    try:
-        records = evaluate_shard(model, tokenizer, rows, config)
-    except (ValueError, OSError) as exc:
-        exc.rank_local = True  # type: ignore[attr-defined]  # only this rank's rows: print it here, not on rank 0
-        raise
+    return rows, model, tokenizer
+
+
+def run(config: EvalConfig) -> None:
+    """The whole run on every rank (the process group already joined); rank 0 writes the outputs.
+
+    User mistakes are ``FrodError``s (``frod_ds.entry`` prints them): those up to the model load and in
+    writing the outputs are agreed by every rank (one line, from rank 0); one in a row that only one rank
+    scores is raised on that rank.
+    """
+    rows, model, tokenizer = dist.on_all(lambda: _inputs(config))
+    records = evaluate_shard(model, tokenizer, rows, config)
     shards = dist.all_gather_object(records)
-    failure = None
+    error = None
     if dist.is_main():
         try:
             report(config, list(rows), [r for shard in shards for r in shard])
-        except Exception as exc:
-            failure = exc
-    message = dist.broadcast_object(None if failure is None else f"cannot write results to {config.output}: {failure}")
-    if failure is not None:
-        raise failure  # rank 0: an OSError becomes the error line, anything else its traceback
-    if message:
-        raise EvalError(message)  # the other ranks exit with rank 0's outcome
-
-
-def print_error(exc: BaseException) -> None:
-    """The one ``error:`` line of a user mistake: on rank 0, or on the rank whose own rows raised it."""
-    local = getattr(exc, "rank_local", False)
-    if dist.is_main() or local:
-        where = f"(rank {dist.get_rank()}) " if local and dist.get_world_size() > 1 else ""
-        print(f"error: {where}{' '.join(str(exc).split())}", file=sys.stderr)
+        except OSError as exc:
+            error = f"cannot write results to {config.output}: {exc}"
+    dist.agree_on_error(error, src=0)

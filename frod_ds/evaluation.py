@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from data_prep.io import ANSWER_SEPARATOR, row_separator
+from frod_ds.errors import FrodError
 
 __all__ = [
     "ANSWER_SEPARATOR",
@@ -57,11 +58,8 @@ __all__ = [
     "score_llm_adapters_rows",
 ]
 
-class EvalError(ValueError):
+class EvalError(FrodError):
     """A user-facing evaluation failure; the message is one line saying what to change."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(str(message).splitlines()))
 
 
 @dataclass(frozen=True)

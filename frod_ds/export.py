@@ -15,21 +15,24 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from frod_ds.adapter import adapter_sources
-from frod_ds.build import DTYPES
+from frod_ds.adapter import adapter_sources, supports_from_adapter
+from frod_ds.adapter_format import s_name, sigma_name
+from frod_ds.atomic import building_dir
+from frod_ds.dtypes import dtype_from_name, dtype_name
+from frod_ds.errors import ExportError
 from frod_ds.hf_checkpoint import INDEX_NAME, HFCheckpoint
 from frod_ds.layer import core_matrix
-from frod_ds.store import save_tensors_atomic
+from frod_ds.safetensors_io import save_tensors_atomic
 
 __all__ = ["export_transformers", "side_files"]
 
+OUT_DTYPES = ("bfloat16", "float16", "float32")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz", ".onnx")
 WRITTEN_HERE = ("frod_export.json", "frod_convert.json")  # provenance of this export / of another artefact
 MODEL_FILES = ("config.json", "generation_config.json")  # the model's, never a separate tokenizer directory's
@@ -64,33 +67,26 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
     """Write the merged model of adapter ``checkpoint_dir`` to ``out``; returns ``out``.
 
     ``dtype``: ``auto`` keeps each tensor's dtype (a merged weight gets its base weight's), or one of
-    ``bfloat16``/``float16``/``float32`` for every floating tensor. ``ValueError`` on bad input.
+    ``bfloat16``/``float16``/``float32`` for every floating tensor. ``FrodError`` on bad input.
     """
     out = Path(out)
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    out_dtype = None if dtype == "auto" else dtype_from_name(dtype, OUT_DTYPES, "--dtype (or auto)")
     if not shard_gb > 0:
-        raise ValueError(f"--shard-gb must be > 0, got {shard_gb}")
+        raise ExportError(f"--shard-gb must be > 0, got {shard_gb}")
     if out.exists() and not overwrite:
-        raise ValueError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
+        raise ExportError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
     tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
     ckpt = HFCheckpoint(model_dir)
     device = torch.device(device)
-    out_dtype = None if dtype == "auto" else DTYPES[dtype]
-    supports: dict[str, torch.Tensor] = {}
-    for category, info in config["categories"].items():
-        rows, cols = tensors[f"{category}.support"].long()
-        supports[category] = rows * int(info["n"]) + cols
+    supports = {c: sup.flat for c, sup in supports_from_adapter(tensors, config).items()}
     member_of = {m + ".weight": (c, m) for c, members in store.categories.items() for m in members}
-    missing = [m for c, m in member_of.values() if f"{m}.frod_sigma" not in tensors]
+    missing = [m for c, m in member_of.values() if sigma_name(m) not in tensors]
     if missing:
-        raise ValueError(f"adapter {checkpoint_dir} has no σ for {missing[0]} (of {len(missing)}); it was trained "
-                         "with other targets than the factor store's")
+        raise ExportError(f"adapter {checkpoint_dir} has no σ for {missing[0]} (of {len(missing)}); it was trained "
+                          "with other targets than the factor store's")
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     t0 = time.perf_counter()
-    try:
+    with building_dir(out) as tmp:
         shards: list[dict[str, torch.Tensor | None]] = [{}]
         size, total_size, limit = 0, 0, shard_gb * 2**30
         V_of: dict[str, torch.Tensor] = {}  # fp32 as stored; layers interleave the categories
@@ -100,7 +96,7 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
                     category, member = member_of[name]
                     if category not in V_of:
                         V_of[category] = store.load_V(category, torch.float32, device)
-                    W = _merged(store, member, tensors[f"{member}.frod_sigma"], tensors[f"{member}.frod_s"],
+                    W = _merged(store, member, tensors[sigma_name(member)], tensors[s_name(member)],
                                 supports[category], V_of[category], device).to(out_dtype or ckpt.dtype(name))
                 else:
                     W = ckpt.get(name)
@@ -124,19 +120,13 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
             weight_map.update(dict.fromkeys(shard, final))
         index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
-        _copy_side_files(model_dir, Path(config["tokenizer"]) if config.get("tokenizer") else None, tmp, out_dtype)
+        _copy_side_files(model_dir, Path(config.tokenizer) if config.tokenizer else None, tmp, out_dtype)
         provenance: dict[str, Any] = {
-            "format": "frod-ds-export", "adapter": str(checkpoint_dir), "base_model": config.get("base_model"),
-            "factor_store": str(store.path), "factor_store_fingerprint": store.fingerprint, "step": config.get("step"),
+            "format": "frod-ds-export", "adapter": str(checkpoint_dir), "base_model": config.base_model,
+            "factor_store": str(store.path), "factor_store_fingerprint": store.fingerprint, "step": config.step,
             "merged": sorted(m for _, m in member_of.values()), "dtype": dtype, "seconds": round(time.perf_counter() - t0, 2),
         }
         (tmp / "frod_export.json").write_text(json.dumps(provenance, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -154,8 +144,7 @@ def _copy_side_files(model_dir: Path, tokenizer_dir: Path | None, tmp: Path, out
     cfg_path = tmp / "config.json"
     if out_dtype is not None and cfg_path.is_file():
         cfg = json.loads(cfg_path.read_text())
-        name = str(out_dtype).removeprefix("torch.")
         for key in ("torch_dtype", "dtype"):
             if key in cfg:
-                cfg[key] = name
+                cfg[key] = dtype_name(out_dtype)
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")

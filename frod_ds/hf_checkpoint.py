@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from frod_ds.errors import CheckpointError
+
 if TYPE_CHECKING:
     import torch
     from torch import Tensor
@@ -49,15 +51,15 @@ def resolve_model_dir(model: str) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise ValueError(f"--model {model!r} is a file; pass the checkpoint directory (config.json + *.safetensors)")
+        raise CheckpointError(f"--model {model!r} is a file; pass the checkpoint directory (config.json + *.safetensors)")
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise ValueError(f"model directory {model!r} does not exist; pass a local checkpoint directory or a Hub id")
+        raise CheckpointError(f"model directory {model!r} does not exist; pass a local checkpoint directory or a Hub id")
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS))
-    except Exception as e:  # offline mode, no network, unknown repo, gated repo: all end the same way
-        raise ValueError(
+    except (OSError, ValueError) as e:  # offline, no network, unknown or gated repo (HTTP errors are OSErrors)
+        raise CheckpointError(
             f"could not resolve {model!r}: it is not a local directory and the Hugging Face Hub id could not be "
             f"resolved (offline, or not in the local cache; {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
             "pass a local directory holding the checkpoint (config.json + *.safetensors)"
@@ -82,9 +84,9 @@ class TensorInfo:
 
 
 def _read_header(file: Path) -> dict[str, TensorInfo]:
-    """Parse and check a safetensors header; ``ValueError`` naming the file when it is missing or broken."""
+    """Parse and check a safetensors header; ``CheckpointError`` naming the file when it is missing or broken."""
     if not file.is_file():
-        raise ValueError(
+        raise CheckpointError(
             f"shard {file.name} is missing from {file.parent} (it is listed in {INDEX_NAME}); the download is "
             "incomplete: download the checkpoint again"
         )
@@ -96,14 +98,14 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
     with open(file, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise ValueError(broken)
+            raise CheckpointError(broken)
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > 100 * 2**20:
-            raise ValueError(broken)
+            raise CheckpointError(broken)
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ValueError(broken) from None
+            raise CheckpointError(broken) from None
     base = 8 + n
     out: dict[str, TensorInfo] = {}
     data_end = 0
@@ -116,16 +118,16 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
             itemsize = _ITEMSIZE[code]
             shape = tuple(int(s) for s in meta["shape"])
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{broken} (bad header entry for {name!r})") from None
+            raise CheckpointError(f"{broken} (bad header entry for {name!r})") from None
         numel = 1
         for d in shape:
             numel *= d
         if end - begin != numel * itemsize:
-            raise ValueError(f"{broken} (the byte range of {name!r} does not match its shape and dtype)")
+            raise CheckpointError(f"{broken} (the byte range of {name!r} does not match its shape and dtype)")
         data_end = max(data_end, end)
         out[name] = TensorInfo(file, code, shape, base + begin, base + end)
     if base + data_end != size:
-        raise ValueError(f"{broken}; its header says {base + data_end} bytes")
+        raise CheckpointError(f"{broken}; its header says {base + data_end} bytes")
     return out
 
 
@@ -139,20 +141,20 @@ class HFCheckpoint:
     def __init__(self, model_dir: str | os.PathLike):
         self.dir = Path(model_dir)
         if not self.dir.is_dir():
-            raise ValueError(f"checkpoint directory {self.dir} does not exist")
+            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         index = self.dir / INDEX_NAME
         single = self.dir / SINGLE_NAME
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{index} is not a valid safetensors index (no weight_map); download it again") from None
+                raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map); download it again") from None
             self._file_of = {name: self.dir / fname for name, fname in weight_map.items()}
         elif single.is_file():
             self._file_of = {name: single for name in _read_header(single)}
         else:
             hint = " (found PyTorch .bin files: convert them to safetensors first)" if any(self.dir.glob("*.bin")) else ""
-            raise ValueError(f"no {INDEX_NAME} or {SINGLE_NAME} in {self.dir}; HJD reads safetensors checkpoints{hint}")
+            raise CheckpointError(f"no {INDEX_NAME} or {SINGLE_NAME} in {self.dir}; HJD reads safetensors checkpoints{hint}")
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
         self.tensors_read = 0
         self.bytes_read = 0
@@ -168,13 +170,13 @@ class HFCheckpoint:
     def info(self, name: str) -> TensorInfo:
         """Shard, dtype, shape and byte range of ``name`` (reads and checks that shard's header once)."""
         if name not in self._file_of:
-            raise ValueError(f"tensor {name!r} is not in the checkpoint {self.dir}; check the model and --targets")
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint {self.dir}; check the model and --targets")
         file = self._file_of[name]
         if file not in self._headers:
             self._headers[file] = _read_header(file)
         header = self._headers[file]
         if name not in header:
-            raise ValueError(
+            raise CheckpointError(
                 f"{INDEX_NAME} in {self.dir} maps {name!r} to {file.name}, which does not contain it; the index and "
                 "shards are from different downloads: download the checkpoint again"
             )
@@ -225,7 +227,7 @@ class HFCheckpoint:
                 finally:
                     os.close(fd)
             except OSError as e:
-                raise ValueError(
+                raise CheckpointError(
                     f"could not read {name!r} from {info.file}: {e}; the file is corrupt: download the checkpoint again"
                 ) from None
         with self._lock:

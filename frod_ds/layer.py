@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from frod_ds.errors import FrodError
 from frod_ds.frod_function import FRoDTokens, FRoDWeight, core_matrix
+from frod_ds.validate import sparsity_problem
 
 __all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering"]
 
@@ -47,14 +49,16 @@ class SparseSupport:
         self._rc_cache: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     @classmethod
-    def random(cls, n: int, density: float, seed: int) -> SparseSupport:
-        """``nnz = round(density·n²)`` positions off the diagonal, uniformly without replacement."""
-        if not (isinstance(density, (int, float)) and 0 < density < 1):
-            raise ValueError(f"sparsity s must be in (0, 1), got {density!r}")
-        nnz = int(round(density * n * n))
+    def random(cls, n: int, sparsity: float, seed: int) -> SparseSupport:
+        """``nnz = round(sparsity·n²)`` positions off the diagonal, uniformly without replacement; ``sparsity``
+        is the density of S (the recipe's ``model.sparsity``)."""
+        problem = sparsity_problem(sparsity, "sparsity s")
+        if problem:
+            raise FrodError(problem)
+        nnz = int(round(sparsity * n * n))
         if nnz > n * (n - 1):
-            raise ValueError(
-                f"sparsity s={density} asks for {nnz} off-diagonal entries but an {n}x{n} matrix has only "
+            raise FrodError(
+                f"sparsity s={sparsity} asks for {nnz} off-diagonal entries but an {n}x{n} matrix has only "
                 f"{n * (n - 1)}; use s <= {1 - 1 / n:.4g}"
             )
         g = torch.Generator(device="cpu").manual_seed(int(seed))
@@ -68,12 +72,12 @@ class SparseSupport:
         """From a ``(2, nnz)`` (row, col) tensor as stored in adapter checkpoints; validated."""
         rows, cols = rows_cols.long()
         if rows.numel() and (rows.min() < 0 or cols.min() < 0 or rows.max() >= n or cols.max() >= n):
-            raise ValueError(f"S support has indices outside an {n}x{n} matrix")
+            raise FrodError(f"S support has indices outside an {n}x{n} matrix")
         if (rows == cols).any():
-            raise ValueError("S support must be strictly off-diagonal")
+            raise FrodError("S support must be strictly off-diagonal")
         flat = rows * n + cols
         if torch.unique(flat).numel() != flat.numel():
-            raise ValueError("S support has duplicate (row, col) entries")
+            raise FrodError("S support has duplicate (row, col) entries")
         return cls(n, flat)
 
     @property
@@ -227,9 +231,9 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-def trainable_numel(n: int, density: float) -> int:
+def trainable_numel(n: int, sparsity: float) -> int:
     """Trainable parameters per member: ``n + round(s·n²)``."""
-    return n + int(round(density * n * n))
+    return n + int(round(sparsity * n * n))
 
 
 def tan_alpha(on_sq: float, off_sq: float) -> float:

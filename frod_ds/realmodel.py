@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from frod_ds.errors import FrodError
+
 __all__ = [
     "SMOLLM2_PACKAGE", "SMOLLM2_GGUF", "SMOLLM2_GGUF_MD5", "SMOLLM2_GGUF_SIZE", "MARKER", "CHECK_TEXTS",
     "RealModelUnavailable", "ConvertError", "ConversionMismatch", "default_cache_dir", "locate_gguf",
@@ -53,11 +55,11 @@ CHECK_CHAT = ({"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant
 LOGIT_TOL = 1e-5  # fp32 forwards over identical weights; any real difference is orders above this
 
 
-class RealModelUnavailable(RuntimeError):
+class RealModelUnavailable(FrodError):
     """The GGUF file could not be found or fetched (no network, pip failed); the message says why."""
 
 
-class ConvertError(ValueError):
+class ConvertError(FrodError):
     """Bad input to ``convert_gguf``; nothing was left behind."""
 
 

@@ -17,12 +17,14 @@ from typing import Any
 
 import yaml
 
-from frod_ds.apply import DEFAULT_TARGETS
+from frod_ds.hjd.plan import DEFAULT_TARGETS
+from frod_ds.errors import FrodError
+from frod_ds.validate import sparsity_problem, targets_problem
 
 __all__ = ["RecipeError", "ModelCfg", "DataCfg", "TrainCfg", "Recipe", "load_recipe", "recipe_to_dict"]
 
 
-class RecipeError(ValueError):
+class RecipeError(FrodError):
     """A recipe that cannot run; the message lists every problem found."""
 
 
@@ -83,10 +85,7 @@ class Recipe:
             p.append("model.base is required (HF id or local checkpoint dir)")
         if not m.factor_store:
             p.append("model.factor_store is required (the directory written by launch/hjd.py)")
-        if not m.targets:
-            p.append("model.targets must name at least one module")
-        if not 0 < m.sparsity < 1:
-            p.append(f"model.sparsity must be in (0, 1), got {m.sparsity}")
+        p += [x for x in (targets_problem(m.targets, "model.targets"), sparsity_problem(m.sparsity, "model.sparsity")) if x]
         if m.dtype not in ("bfloat16", "float32"):
             p.append(f"model.dtype must be bfloat16 or float32, got {m.dtype!r}")
         if not d.train:

@@ -13,6 +13,7 @@ Output dir::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,12 +31,16 @@ from tqdm import tqdm
 
 from frod_ds import distributed as dist
 from frod_ds.adapter import adapter_state, write_adapter
+from frod_ds.adapter_format import AdapterConfig
 from frod_ds.apply import frod_modules, frod_param_groups
-from frod_ds.build import DTYPES, build_frod_model, gathered, make_supports
+from frod_ds.build import build_frod_model, gathered, make_supports
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
 from frod_ds.ds_config import load_ds_config, resolve_ds_config, zero_stage
+from frod_ds.dtypes import FLOAT_DTYPES
+from frod_ds.errors import FrodError, StoreError, note
 from frod_ds.layer import tan_alpha
 from frod_ds.recipe import Recipe, recipe_to_dict
+from frod_ds.store_format import StoreIdentity, category_of
 
 __all__ = ["Run", "setup", "fit", "lr_lambda"]
 
@@ -70,8 +75,9 @@ class Run:
     pad_id: int
     zero3: bool
     store: Any
+    store_identity: StoreIdentity
     out: Path
-    adapter_meta: dict
+    adapter_config: AdapterConfig  # step and categories filled in at each save
     sigma0: dict[str, torch.Tensor] = field(default_factory=dict)
     start_step: int = 0
     stop_requested: bool = False
@@ -82,7 +88,8 @@ def _device() -> torch.device:
 
 
 def _check_store(recipe: Recipe):
-    """Open the factor store and refuse one built from another model — before anything heavy."""
+    """Open the factor store and refuse one built from another model — before anything heavy. Returns
+    ``(model_dir, store, identity)``; ``identity`` is what the adapters and checkpoints record."""
     from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
     from frod_ds.store import FactorStore, check_store_matches
 
@@ -91,11 +98,34 @@ def _check_store(recipe: Recipe):
     check_store_matches(store, HFCheckpoint(model_dir))
     missing = sorted(set(recipe.model.targets) - set(store.categories))
     if missing:
-        raise ValueError(
+        raise StoreError(
             f"targets {missing} are not in factor store {store.path} (it has {sorted(store.categories)}); "
             "rebuild it with launch/hjd.py --targets … or change model.targets"
         )
-    return model_dir, store
+    identity = store.identity(list(recipe.model.targets))
+    _check_resume_store(Path(recipe.output_dir), identity)
+    return model_dir, store, identity
+
+
+STORE_IDENTITY = "factor_store.json"  # beside each engine checkpoint: the store it was trained on
+
+
+def _check_resume_store(out: Path, identity: StoreIdentity) -> None:
+    """``StoreError`` when ``out`` holds a checkpoint to resume that was trained on another factor store."""
+    marker = out / "checkpoints" / "latest_complete"
+    if not marker.is_file():
+        return
+    recorded = out / "checkpoints" / marker.read_text().strip() / STORE_IDENTITY
+    if not recorded.is_file():
+        note(f"checkpoint {recorded.parent} does not record its factor store (written by an older frod-ds): "
+             f"resuming without checking that {identity.fingerprint[:16]}… is the store it was trained on")
+        return
+    diffs = StoreIdentity.from_json(recorded.read_text(), recorded).differences(identity)
+    if diffs:
+        raise StoreError(
+            f"output_dir {out} holds a run trained on another factor store ({'; '.join(diffs)}); use the factor "
+            "store it was trained on, or another output_dir for a new run"
+        )
 
 
 def _load_tokenizer(recipe: Recipe, model_dir):
@@ -123,24 +153,15 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     import deepspeed
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    ds_cfg = resolve_ds_config(load_ds_config(ds_config_path), recipe, world, nvme_path)
-    if recipe.train.tensorboard:  # on every rank, before any collective, so a missing package fails cleanly
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
-        except ImportError:
-            raise ValueError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
-    rows = read_training_rows(recipe.data.train, recipe.data.limit)
-    eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
-    model_dir, store = _check_store(recipe)
-    tok = _load_tokenizer(recipe, model_dir)
-    examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
-    eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
+    # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
+    ds_cfg, model_dir, store, identity, tok, examples, eval_examples = dist.on_all(
+        lambda: _inputs(recipe, ds_config_path, nvme_path))
     plan = BatchPlan(len(examples), recipe.train.micro_batch_size, recipe.train.grad_accum, world, rank,
                      recipe.train.seed)
     total = plan.total_steps(recipe.train.epochs, recipe.train.max_steps)
 
     _seed_everything(recipe.train.seed + rank)
-    dtype = DTYPES[recipe.model.dtype]
+    dtype = FLOAT_DTYPES[recipe.model.dtype]
     supports = make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed)
     model = build_frod_model(model_dir, store, supports, dtype, ds_cfg, rank=rank)
     if recipe.model.gradient_checkpointing:
@@ -157,25 +178,43 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         config=ds_cfg,
     )
     out = Path(recipe.output_dir)
-    meta = {  # local paths made absolute so the adapter loads from any working directory
-        "base_model": _absolute_if_local(recipe.model.base),
-        "factor_store": _absolute_if_local(recipe.model.factor_store),
-        "factor_store_fingerprint": store.fingerprint,
-        "tokenizer": _absolute_if_local(recipe.model.tokenizer) if recipe.model.tokenizer else None,
-        "targets": list(recipe.model.targets),
-        "sparsity": recipe.model.sparsity,
-        "seed": recipe.model.seed,
-        "pi": store.pi,
-        "dtype": recipe.model.dtype,
-    }
+    config = AdapterConfig(  # local paths made absolute so the adapter loads from any working directory
+        base_model=_absolute_if_local(recipe.model.base),
+        factor_store=_absolute_if_local(recipe.model.factor_store),
+        factor_store_fingerprint=identity.fingerprint,
+        tokenizer=_absolute_if_local(recipe.model.tokenizer) if recipe.model.tokenizer else None,
+        targets=list(recipe.model.targets),
+        sparsity=recipe.model.sparsity,
+        seed=recipe.model.seed,
+        pi=identity.pi,
+        dtype=recipe.model.dtype,
+    )
     run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
-              zero_stage(ds_cfg) == 3, store, out, meta)
+              zero_stage(ds_cfg) == 3, store, identity, out, config)
     run.sigma0 = _initial_sigma(engine.module, run.zero3)
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     run.start_step = _maybe_resume(run)
     return run
+
+
+def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None):
+    """Everything ``setup`` needs that a user can get wrong, checked before anything heavy: the DeepSpeed
+    config, the data rows, the factor store against the model (and against a run to resume), the tokenizer."""
+    ds_cfg = resolve_ds_config(load_ds_config(ds_config_path), recipe, dist.get_world_size(), nvme_path)
+    if recipe.train.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        except ImportError:
+            raise FrodError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+    rows = read_training_rows(recipe.data.train, recipe.data.limit)
+    eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
+    model_dir, store, identity = _check_store(recipe)
+    tok = _load_tokenizer(recipe, model_dir)
+    examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
+    eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
+    return ds_cfg, model_dir, store, identity, tok, examples, eval_examples
 
 
 def _absolute_if_local(path_or_id: str) -> str:
@@ -242,6 +281,7 @@ def save_checkpoint(run: Run, step: int) -> None:
     torch.save(rng, root / tag / f"rng_rank{dist.get_rank()}.pt")
     dist.barrier()
     if dist.is_main():
+        (root / tag / STORE_IDENTITY).write_text(run.store_identity.to_json())
         (root / tag / "COMPLETE").write_text("")
         tmp = root / "latest_complete.tmp"
         tmp.write_text(tag)
@@ -257,12 +297,12 @@ def save_checkpoint(run: Run, step: int) -> None:
 
 
 def save_adapter(run: Run, step: int, name: str) -> None:
-    tensors, categories = adapter_state(run.engine.module, run.zero3)  # collective under ZeRO-3
+    tensors, categories = adapter_state(run.engine.module, run.zero3, run.store_identity)  # collective under ZeRO-3
     if dist.is_main():
         write_adapter(
             run.out / name,
             tensors,
-            {**run.adapter_meta, "step": step, "categories": categories},
+            dataclasses.replace(run.adapter_config, step=step, categories=categories),
             extra_files={"recipe.yaml": yaml.safe_dump(recipe_to_dict(run.recipe), sort_keys=False)},
         )
     dist.barrier()
@@ -285,7 +325,7 @@ def rotation_angles(run: Run) -> dict[str, float]:
         with gathered([m.U, m.V, m.frod_sigma, m.frod_s], run.zero3):
             if dist.is_main():
                 on, off = m.update_norms_sq(run.sigma0[name])
-                acc = sums.setdefault(name.rsplit(".", 1)[-1], [0.0, 0.0])
+                acc = sums.setdefault(category_of(name), [0.0, 0.0])
                 acc[0] += on
                 acc[1] += off
     return {cat: tan_alpha(on, off) for cat, (on, off) in sums.items()}

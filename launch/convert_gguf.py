@@ -36,26 +36,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from frod_ds.realmodel import ConversionMismatch, ConvertError, RealModelUnavailable, convert_gguf, locate_gguf
+def convert(args: argparse.Namespace) -> int:
+    from frod_ds.realmodel import ConversionMismatch, convert_gguf, locate_gguf
 
+    gguf = getattr(args, "gguf", None) or locate_gguf(args.cache_dir, download=not args.no_download)
+    if args.command == "fetch":
+        print(gguf, flush=True)
+        return 0
     try:
-        gguf = getattr(args, "gguf", None) or locate_gguf(args.cache_dir, download=not args.no_download)
-        if args.command == "fetch":
-            print(gguf, flush=True)
-            return 0
         result = convert_gguf(gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
-    except RealModelUnavailable as e:
+    except ConversionMismatch as e:  # a failed check, not a user mistake: exit 1
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1 if isinstance(e, ConversionMismatch) else 2
+        return 1
     logits = result.checks["logits"]
     print(f"converted {gguf} -> {result.out} ({args.dtype}, {result.seconds:.1f} s); max |logit diff| against the GGUF "
           f"model {logits['max_abs_logit_diff']:.2e}, tokenizer ids and chat template identical", flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from frod_ds import entry
+
+    return entry.run(lambda: convert(args), init_group=False)
 
 
 if __name__ == "__main__":

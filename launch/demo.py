@@ -69,13 +69,15 @@ def prepare(out: Path, log: Path) -> None:
     print(f"   tiny Llama ({len(tok)} tokens vocab) and tokenizer in {out / 'model'}")
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/demo", help="output directory (replaced)")
     ap.add_argument("--ranks", type=int, default=2, help="processes for HJD, training and eval")
     ap.add_argument("--recipe", default="recipes/demo_tiny.yaml", help="training recipe")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def demo(args: argparse.Namespace) -> int:
     import torch
 
     out = (ROOT / args.out).resolve()
@@ -121,6 +123,13 @@ def main() -> int:
     print(f"outputs: {out / 'metrics.jsonl'}, {out / 'adapter-final'}, {out / 'eval' / 'results.json'}, "
           f"{out / 'loss.png'}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from frod_ds import entry
+
+    return entry.run(lambda: demo(args), init_group=False)  # every stage runs in processes of its own
 
 
 if __name__ == "__main__":

@@ -58,18 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from frod_ds import distributed as dist
-    from frod_ds.eval_run import EvalConfig, print_error, run
+    from frod_ds import entry
+    from frod_ds.eval_run import EvalConfig, run
 
-    dist.init_distributed()
-    try:
-        run(EvalConfig.from_namespace(args))
-    except (ValueError, OSError) as exc:  # EvalError, data_prep's row errors, missing model files
-        print_error(exc)
-        return 2
-    finally:
-        dist.destroy()
-    return 0
+    return entry.run(lambda: run(EvalConfig.from_namespace(args)))
 
 
 if __name__ == "__main__":

@@ -30,18 +30,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def export(args: argparse.Namespace) -> int:
     from frod_ds.export import export_transformers
 
-    try:
-        out = export_transformers(args.checkpoint, args.out, base_model=args.base_model, factor_store=args.factor_store,
-                                  dtype=args.dtype, shard_gb=args.shard_gb, device=args.device, overwrite=args.overwrite)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+    out = export_transformers(args.checkpoint, args.out, base_model=args.base_model, factor_store=args.factor_store,
+                              dtype=args.dtype, shard_gb=args.shard_gb, device=args.device, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} -> {out} (loads with transformers.AutoModelForCausalLM.from_pretrained)", flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from frod_ds import entry
+
+    return entry.run(lambda: export(args), init_group=False)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python launch/hjd.py` / torchrun: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from frod_ds.hjd_plan import DEFAULT_TARGETS, start_readahead  # no torch yet
+from frod_ds.hjd.plan import DEFAULT_TARGETS, readahead_budget, start_readahead  # no torch yet
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,7 +77,7 @@ def build(args: argparse.Namespace) -> int:
     import torch
 
     from frod_ds import distributed as D
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.hjd.stage import StageConfig, run_stage
 
     cfg = D.on_all(lambda: StageConfig(
         model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
@@ -85,7 +85,7 @@ def build(args: argparse.Namespace) -> int:
         fsync=args.fsync, method=args.method, io_threads=args.io_threads, prefetch_gb=args.prefetch_gb,
         u_dtype=None if args.u_dtype == "auto" else getattr(torch, args.u_dtype)))
     manifest = run_stage(cfg, process_start=PROCESS_START)
-    if D.is_main():
+    if manifest is not None:
         _print_summary(manifest)
     return 0
 
@@ -95,7 +95,7 @@ def verify(args: argparse.Namespace) -> int:
     import torch
 
     from frod_ds import distributed as D
-    from frod_ds.store import verify_store
+    from frod_ds.store_verify import verify_store
 
     device = torch.device("cpu") if args.device == "cpu" else D.local_device()
     problems = D.on_main(lambda: verify_store(args.verify, args.model, samples=args.samples, seed=args.seed,
@@ -107,29 +107,18 @@ def verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def _print_summary(manifest: dict) -> None:
-    run = manifest["run"]
+def _print_summary(manifest) -> None:
+    run = manifest.run
     print(f"{'category':>10} {'members':>7} {'width':>6} {'route':>11} {'seconds':>8} {'max err':>9} {'stored err':>10}")
-    for c, spec in manifest["categories"].items():
-        if spec.get("complete"):
-            print(f"{c:>10} {len(spec['members']):>7} {spec['width']:>6} {spec.get('method', '?'):>11} {spec['seconds']:>8.2f} "
-                  f"{spec['max_error']:>9.2e} {spec['max_stored_error']:>10.2e}")
-    print(f"total {run['seconds']:.1f} s, world size {run['world_size']}, complete: {manifest['complete']}")
-    for r in run["ranks"]:
-        mem = f", peak GPU {r['peak_device_gib']:.2f} GiB" if "peak_device_gib" in r else ""
-        print(f"  rank {r['rank']}: {r['seconds']:.1f} s{mem}, peak host RSS {r['peak_host_rss_gib']:.2f} GiB, "
-              f"read {r['tensors_read']} tensors / {r['bytes_read'] / 2**30:.2f} GiB", flush=True)
-
-
-def _ranks_on_this_node() -> int:
-    """How many ranks share this node's memory: torchrun's ``LOCAL_WORLD_SIZE``, srun's
-    ``SLURM_STEP_TASKS_PER_NODE`` (``"8"`` or ``"8(x2)"``), else the world size, else 1."""
-    env = os.environ
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE"):
-        head = env.get(key, "").split("(")[0].split(",")[0]
-        if head.isdigit() and int(head) > 0:
-            return int(head)
-    return 1
+    for c, rec in manifest.categories.items():
+        if rec.complete:
+            print(f"{c:>10} {len(rec.members):>7} {rec.width:>6} {rec.method or '?':>11} {rec.seconds:>8.2f} "
+                  f"{rec.max_error:>9.2e} {rec.max_stored_error:>10.2e}")
+    print(f"total {run.seconds:.1f} s, world size {run.world_size}, complete: {manifest.complete}")
+    for r in run.ranks:
+        mem = f", peak GPU {r.peak_device_gib:.2f} GiB" if r.peak_device_gib is not None else ""
+        print(f"  rank {r.rank}: {r.seconds:.1f} s{mem}, peak host RSS {r.peak_host_rss_gib:.2f} GiB, "
+              f"read {r.tensors_read} tensors / {r.bytes_read / 2**30:.2f} GiB", flush=True)
 
 
 def _cpu_threading_env(args: argparse.Namespace) -> None:
@@ -146,43 +135,23 @@ def _set_cpu_threads(args: argparse.Namespace) -> None:
     torchrun) do not run ranks × cores threads."""
     import torch
 
+    from frod_ds.launch_env import ranks_on_this_node
+
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, torch.get_num_threads() // _ranks_on_this_node()))
-
-
-def _readahead_budget() -> float:
-    """This rank's part of a quarter of the memory free now: what the page cache can take without pushing
-    anything out, shared by the ranks of the node."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0.0
-    return free / 4 / _ranks_on_this_node()
+        torch.set_num_threads(max(1, torch.get_num_threads() // ranks_on_this_node()))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _cpu_threading_env(args)
     if args.out is not None:  # the kernel reads this rank's first weights while torch loads
-        start_readahead(args.model, args.targets, _readahead_budget())
-    from frod_ds import distributed as D
+        start_readahead(args.model, args.targets, readahead_budget())
+    from frod_ds import entry
 
     _set_cpu_threads(args)
-    D.init_distributed("gloo" if args.device == "cpu" else None)
-    try:
-        return verify(args) if args.verify is not None else build(args)
-    except D.CollectiveError as e:  # every rank has it: report once, leave together
-        if D.is_main():
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        D.barrier()
-        return 2
-    except ValueError as e:  # this rank alone: say which; the launcher stops the others
-        where = f"[rank {D.get_rank()}] " if D.get_world_size() > 1 else ""
-        print(f"error: {where}{e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        D.destroy()
+    return entry.run(lambda: verify(args) if args.verify is not None else build(args),
+                     backend="gloo" if args.device == "cpu" else None)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-USER_ERRORS = (ValueError, FileNotFoundError)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,9 +42,10 @@ def zero_hint_line(recipe, config_path: str, world_size: int, gpu_bytes: int | N
 
     import torch
 
-    from frod_ds.build import DTYPES
     from frod_ds.ds_config import load_ds_config
+    from frod_ds.dtypes import FLOAT_DTYPES
     from frod_ds.engine_choice import choice_of_config, frozen_model_bytes, zero_hint
+    from frod_ds.errors import FrodError
     from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
     from frod_ds.store import FactorStore
 
@@ -56,47 +55,34 @@ def zero_hint_line(recipe, config_path: str, world_size: int, gpu_bytes: int | N
         store = FactorStore.open(recipe.model.factor_store)
         widths = [store.width(c) for c in recipe.model.targets if c in store.categories]
         chosen = choice_of_config(load_ds_config(config_path))
-    except (ValueError, OSError, KeyError):
+    except (FrodError, OSError):
         return None
-    elem = torch.finfo(DTYPES[recipe.model.dtype]).bits // 8
+    elem = torch.finfo(FLOAT_DTYPES[recipe.model.dtype]).bits // 8
     return zero_hint(chosen, frozen_model_bytes(numels, widths, elem), gpu_bytes, world_size)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def train(args: argparse.Namespace) -> int:
     from frod_ds import distributed as dist
     from frod_ds.recipe import load_recipe
 
-    try:
-        recipe = load_recipe(args.recipe, args.overrides)  # cheap checks first, before any process group
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    import deepspeed
+    recipe = load_recipe(args.recipe, args.overrides)  # cheap checks first, before any process group
+    dist.init_deepspeed()
     import torch
 
-    if "RANK" not in os.environ and "SLURM_STEP_NUM_TASKS" not in os.environ:
-        # `python launch/train.py`: DeepSpeed still needs a process group, so make a one-rank one.
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 10000))
-    dist.init_distributed()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     from frod_ds.trainer import fit, setup
 
     gpu_bytes = torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
     hint = zero_hint_line(recipe, args.config, dist.get_world_size(), gpu_bytes)
     if hint:
         dist.print0(hint)
-    try:
-        try:
-            run = setup(recipe, args.config, args.nvme_path)
-        except USER_ERRORS as e:
-            if dist.is_main():
-                print(f"error: {e}", file=sys.stderr)
-            return 2
-        return fit(run)
-    finally:
-        dist.destroy()
+    return fit(setup(recipe, args.config, args.nvme_path))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from frod_ds import entry
+
+    return entry.run(lambda: train(args), init_group=False)
 
 
 if __name__ == "__main__":

@@ -76,9 +76,10 @@ def make_adapter(model_dir: Path, root: Path, sparsity: float = 0.05, seed: int 
     """A trained-looking FRoD adapter over ``model_dir``: factor store by the HJD stage (one process), σ
     scaled and S filled with random values. Returns ``(adapter_dir, store_dir, frod_model)``."""
     from frod_ds.adapter import save_adapter_from_model
+    from frod_ds.adapter_format import AdapterConfig
     from frod_ds.apply import frod_modules
     from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.hjd.stage import StageConfig, run_stage
     from frod_ds.store import FactorStore
 
     run_stage(StageConfig(model=str(model_dir), out=root / "store", device="cpu", fsync=False))
@@ -89,7 +90,7 @@ def make_adapter(model_dir: Path, root: Path, sparsity: float = 0.05, seed: int 
         for _, m in frod_modules(model):
             m.frod_sigma.mul_(1 + 0.3 * torch.randn(m.frod_sigma.shape, generator=g))
             m.frod_s.add_(0.1 * torch.randn(m.frod_s.shape, generator=g))
-    ckpt = save_adapter_from_model(model, root / "adapter-final", {
-        "base_model": str(model_dir), "factor_store": str(root / "store"), "dtype": "float32",
-        "sparsity": sparsity, "seed": seed})
+    ckpt = save_adapter_from_model(model, root / "adapter-final", AdapterConfig(
+        base_model=str(model_dir), factor_store=str(root / "store"), dtype="float32", sparsity=sparsity, seed=seed,
+        targets=list(store.categories)), store=store)
     return ckpt, root / "store", model

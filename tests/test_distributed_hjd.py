@@ -13,9 +13,9 @@ import torch
 from tests.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
 from frod_ds import distributed as D
-from frod_ds.hjd import decompose
-from frod_ds.hjd_plan import split_counts
-from frod_ds.hjd_tsqr import make_blocks
+from frod_ds.hjd.math import decompose
+from frod_ds.hjd.plan import split_counts
+from frod_ds.hjd.routes import make_blocks
 from frod_ds.store import FactorStore
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def _assert_store_equals_decompose(store: FactorStore, model_dir, tol: float = 1
             assert _rel((U * sigma) @ V.T, W) < tol, member
             if unique:
                 assert _rel(sigma, ref.sigma[i]) < tol, member
-            assert store.manifest["categories"][category]["error"][member] < 1e-12, "fp64 HJD error recorded"
+            assert store.manifest.categories[category].error[member] < 1e-12, "fp64 HJD error recorded"
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +71,14 @@ def two_rank_store(tmp_path_factory):
 def test_distributed_hjd_equals_single_process(two_rank_store):
     model, path = two_rank_store
     store = FactorStore.open(path)
-    assert store.manifest["world_size"] == 2 and store.manifest["hjd_dtype"] == "float64"
+    assert store.manifest.world_size == 2 and store.manifest.hjd_dtype == "float64"
     _assert_store_equals_decompose(store, model)
 
 
 def test_distributed_hjd_odd_layers_split_contiguously(two_rank_store):
     _, path = two_rank_store
     store = FactorStore.open(path)
-    files = store.manifest["categories"]["q_proj"]["files"]
+    files = store.manifest.categories["q_proj"].files
     owner = {m: files[m + ".U"].split(".")[1] for m in store.categories["q_proj"]}
     assert owner == {"model.layers.0.self_attn.q_proj": "rank00000", "model.layers.1.self_attn.q_proj": "rank00000",
                      "model.layers.2.self_attn.q_proj": "rank00001"}
@@ -88,24 +88,24 @@ def test_distributed_hjd_odd_layers_split_contiguously(two_rank_store):
 def test_distributed_hjd_each_rank_reads_only_its_members(two_rank_store):
     _, path = two_rank_store
     store = FactorStore.open(path)
-    ranks = store.manifest["run"]["ranks"]
+    ranks = store.manifest.run.ranks
     per_rank = [0, 0]
     for category, members in store.categories.items():
         for i, member in enumerate(members):
             m, n = store.member_shape(member)
             per_rank[0 if i < 2 else 1] += m * n * 4  # fp32 checkpoint; rank 0 owns layers 0-1
     # Each owned weight is read once (kept in the device cache between the passes), nothing else.
-    assert [r["bytes_read"] for r in ranks] == per_rank
+    assert [r.bytes_read for r in ranks] == per_rank
 
 
 def test_distributed_hjd_route_per_category(two_rank_store):
     """Tall full-rank stacks take the Gram route; the wide k/v stacks fall back to Householder TSQR."""
     _, path = two_rank_store
-    cats = FactorStore.open(path).manifest["categories"]
-    assert {c: spec["method"] for c, spec in cats.items()} == {
+    cats = FactorStore.open(path).manifest.categories
+    assert {c: spec.method for c, spec in cats.items()} == {
         "q_proj": "gram", "k_proj": "householder", "v_proj": "householder", "o_proj": "gram",
         "gate_proj": "gram", "up_proj": "gram"}
-    assert cats["k_proj"]["cond_estimate"] is None and 1 <= cats["q_proj"]["cond_estimate"] < 1e3
+    assert cats["k_proj"].cond_estimate is None and 1 <= cats["q_proj"].cond_estimate < 1e3
 
 
 def test_distributed_hjd_wide_category_has_zero_completion(two_rank_store):
@@ -124,26 +124,26 @@ def test_distributed_hjd_more_ranks_than_members(tmp_path):
                     "--targets", "q_proj,k_proj,up_proj"], nproc=3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = FactorStore.open(tmp_path / "store")
-    owners = {f.split(".")[1] for f in store.manifest["categories"]["q_proj"]["files"].values()}
+    owners = {f.split(".")[1] for f in store.manifest.categories["q_proj"].files.values()}
     assert owners == {"V", "rank00000", "rank00001"}
-    assert store.manifest["run"]["ranks"][2]["tensors_read"] == 0, "rank 2 has no members and reads nothing"
+    assert store.manifest.run.ranks[2].tensors_read == 0, "rank 2 has no members and reads nothing"
     _assert_store_equals_decompose(store, model)
 
 
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-import frod_ds.hjd_stage as stage
+import frod_ds.hjd.store_dir as store_dir
 
-_finish = stage._finish_category
+_record = store_dir.record_category
 
-def die_before_recording(cfg, manifest, category, outs, seconds, writer):
+def die_before_recording(out, manifest, category, outs, seconds, writer):
     if category == os.environ["HJD_KILL_AFTER"]:
         writer.flush()  # the earlier categories' manifest updates are on disk
         os.kill(os.getpid(), signal.SIGKILL)  # this category's files written, manifest not updated: a killed run
-    return _finish(cfg, manifest, category, outs, seconds, writer)
+    return _record(out, manifest, category, outs, seconds, writer)
 
-stage._finish_category = die_before_recording
+store_dir.record_category = die_before_recording
 from launch.hjd import main
 sys.exit(main())
 """
@@ -170,11 +170,11 @@ def test_distributed_hjd_resumes_after_kill(tmp_path, monkeypatch):
     proc = run_hjd(args, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = FactorStore.open(out)
-    assert store.manifest["run"]["categories_skipped"] == ["q_proj"]
-    assert store.manifest["run"]["categories_done"] == ["k_proj", "v_proj"]
+    assert store.manifest.run.categories_skipped == ["q_proj"]
+    assert store.manifest.run.categories_done == ["k_proj", "v_proj"]
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("q_proj.*")} == q_files, "q_proj kept"
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
-    listed = {f for spec in store.manifest["categories"].values() for f in spec["files"].values()}
+    listed = {f for spec in store.manifest.categories.values() for f in spec.files.values()}
     assert {p.name for p in out.iterdir()} == listed | {"manifest.json"}, "no stale files"
     _assert_store_equals_decompose(store, model)
 
@@ -186,18 +186,18 @@ def test_split_counts_and_blocks():
     assert make_blocks([], n=2, itemsize=4, block_bytes=8) == []
 
 
-def test_launcher_env_maps_srun(monkeypatch):
+def test_launcher_env_maps_srun():
+    from frod_ds.launch_env import first_slurm_host, srun_process_group_env
+
     env = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
            "SLURM_STEP_NODELIST": "gpu[007-008,012],cpu1", "SLURM_JOB_ID": "123"}
-    monkeypatch.setattr(D.os, "environ", env)  # a private environment: nothing leaks into later tests
-    assert D._launcher_env() == (5, 16, 1)
+    assert srun_process_group_env(env) == (5, 16, 1)  # a private environment: nothing leaks into later tests
     assert env["MASTER_ADDR"] == "gpu007" and env["RANK"] == "5" and env["LOCAL_RANK"] == "1"
-    assert D._first_slurm_host("node1") == "node1"
+    assert first_slurm_host("node1") == "node1"
     sbatch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}
-    monkeypatch.setattr(D.os, "environ", sbatch)
-    assert D._launcher_env() is None, "plain python inside sbatch stays one process"
-    monkeypatch.setattr(D.os, "environ", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
-    assert D._launcher_env() == (1, 2, 1), "torchrun / deepspeed launcher"
+    assert srun_process_group_env(sbatch) is None, "plain python inside sbatch stays one process"
+    assert srun_process_group_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == (1, 2, 1), \
+        "torchrun / deepspeed launcher"
 
 
 def test_small_part_files_split_a_block_and_still_equal_decompose(tmp_path):
@@ -207,7 +207,7 @@ def test_small_part_files_split_a_block_and_still_equal_decompose(tmp_path):
                     "--part-mb", "1e-6"], nproc=0)
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = FactorStore.open(tmp_path / "store")
-    files = store.manifest["categories"]["q_proj"]["files"]
+    files = store.manifest.categories["q_proj"].files
     members = store.categories["q_proj"]
     assert len({files[m + ".U"] for m in members}) == len(members)
     assert all(files[m + ".U"] == files[m + ".sigma"] for m in members)
@@ -224,31 +224,31 @@ def test_no_device_cache_rereads_and_still_equals_decompose(tmp_path, method):
                     "--method", method, "--targets", "q_proj,k_proj", "--block-gb", "1e-6"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = FactorStore.open(out)
-    cats = store.manifest["categories"]
-    assert cats["q_proj"]["method"] == ("gram" if method == "auto" else "householder")
-    assert cats["k_proj"]["method"] == "householder"
+    cats = store.manifest.categories
+    assert cats["q_proj"].method == ("gram" if method == "auto" else "householder")
+    assert cats["k_proj"].method == "householder"
     owned = sum(m * n * 4 for c in ("q_proj", "k_proj") for m, n in
                 (store.member_shape(x) for x in store.categories[c][:2]))
     # rank 0: every pass reads again -- Gram pass, then (Gram route) T_pi pass + factors, or (Householder)
     # local QR + factors
-    assert store.manifest["run"]["ranks"][0]["bytes_read"] == 3 * owned
+    assert store.manifest.run.ranks[0].bytes_read == 3 * owned
     _assert_store_equals_decompose(store, model)
 
 
 def test_gram_route_error_check_falls_back_to_householder(tmp_path, monkeypatch):
     """A Gram-route category whose measured reconstruction error exceeds the limit is redone by the
     Householder route (files rewritten, manifest says so); one process, in this interpreter."""
-    import frod_ds.hjd_tsqr as tsqr
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    import frod_ds.hjd.routes as routes
+    from frod_ds.hjd.stage import StageConfig, run_stage
 
     model = write_tiny_llama(tmp_path / "model", **WIDE)
-    monkeypatch.setattr(tsqr, "GRAM_MAX_ERROR", {torch.float32: 0.0, torch.float64: 0.0})
+    monkeypatch.setattr(routes, "GRAM_MAX_ERROR", {torch.float32: 0.0, torch.float64: 0.0})
     manifest = run_stage(StageConfig(model=str(model), out=tmp_path / "store", targets=("q_proj", "up_proj"),
                                      dtype=torch.float64, device="cpu"))
-    assert manifest["complete"]
-    assert {c: s["method"] for c, s in manifest["categories"].items()} == {"q_proj": "householder",
+    assert manifest.complete
+    assert {c: s.method for c, s in manifest.categories.items()} == {"q_proj": "householder",
                                                                            "up_proj": "householder"}
-    assert manifest["categories"]["q_proj"]["cond_estimate"] >= 1, "the Gram route ran first"
+    assert manifest.categories["q_proj"].cond_estimate >= 1, "the Gram route ran first"
     assert not [p for p in (tmp_path / "store").iterdir() if p.name.endswith(".tmp")]
     _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)
 
@@ -256,13 +256,13 @@ def test_gram_route_error_check_falls_back_to_householder(tmp_path, monkeypatch)
 def test_device_cache_keeps_weights_before_gram_matrices(tmp_path):
     """A cache that holds every weight but not the Gram matrices as well: the weights stay (each read once)
     and the Gram matrices are recomputed. (Caching in arrival order would keep G_0 and read W_2 again.)"""
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.hjd.stage import StageConfig, run_stage
 
     model = write_tiny_llama(tmp_path / "model", **WIDE)  # fp32 q_proj 64 x 64: W 16 KiB, G (fp64) 32 KiB
     manifest = run_stage(StageConfig(model=str(model), out=tmp_path / "store", targets=("q_proj",),
                                      dtype=torch.float64, device="cpu", device_cache_gb=64 * 2**10 / 2**30))
-    assert manifest["categories"]["q_proj"]["method"] == "gram"
-    assert manifest["run"]["ranks"][0]["bytes_read"] == 3 * 64 * 64 * 4
+    assert manifest.categories["q_proj"].method == "gram"
+    assert manifest.run.ranks[0].bytes_read == 3 * 64 * 64 * 4
     _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)
 
 
@@ -274,7 +274,7 @@ def test_deepspeed_launcher_runs_the_stage(tmp_path):
                     "--targets", "q_proj,k_proj", "--device", "cpu"], nproc=2, launcher="deepspeed")
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = FactorStore.open(tmp_path / "store")
-    assert store.manifest["world_size"] == 2
+    assert store.manifest.world_size == 2
     _assert_store_equals_decompose(store, model)
 
 
@@ -301,5 +301,5 @@ def test_srun_style_environment_runs_the_stage(tmp_path):
     outs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     store = FactorStore.open(tmp_path / "store")
-    assert store.manifest["world_size"] == 2
+    assert store.manifest.world_size == 2
     _assert_store_equals_decompose(store, model)

@@ -120,3 +120,19 @@ def test_hjd_nan_on_one_rank_stops_every_rank_and_leaves_store_incomplete(tmp_pa
     assert manifest["complete"] is False and manifest["completed_categories"] == ["q_proj"]
     with pytest.raises(ValueError, match="incomplete"):
         FactorStore.open(out)
+
+
+def test_hjd_verify_reports_a_changed_byte_in_any_member_file(model, tmp_path, capsys):
+    """``--verify`` checks the checksum of every file (every member), not only the sampled reconstructions."""
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj", "--part-mb", "0.000001"]) == 0
+    store = FactorStore.open(out)
+    last = store.categories["q_proj"][-1]
+    part = store.file_of(last + ".sigma")
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0x10  # the last σ entry of the last member: outside --samples 1's pick most of the time
+    part.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["--verify", str(out), "--model", str(model), "--samples", "1", "--seed", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"q_proj: factor store file {part} is corrupt" in err

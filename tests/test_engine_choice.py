@@ -57,7 +57,7 @@ def test_zero_hint_names_the_faster_or_the_fitting_config():
 def test_train_hint_line_counts_the_frozen_model_from_checkpoint_and_store(tmp_path):
     """launch/train.py's hint: frozen bytes = checkpoint tensors (U_i has W_i's shape) + one V per category."""
     from launch.train import zero_hint_line
-    from frod_ds.hjd_stage import StageConfig, run_stage
+    from frod_ds.hjd.stage import StageConfig, run_stage
     from frod_ds.recipe import load_recipe
     from transformers import AutoModelForCausalLM
 

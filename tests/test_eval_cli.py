@@ -274,3 +274,15 @@ def test_script_exits_2_with_one_error_line(assets, tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip().startswith("error: no eval file") and len(run.stderr.strip().splitlines()) == 1
+
+
+def test_adapter_with_a_store_rebuilt_with_another_pi_is_refused(assets, adapter, tmp_path, capsys):
+    """Same base model (the fingerprint matches), other π: another V, so the adapter's σ and S mean nothing there."""
+    from frod_ds.hjd.stage import StageConfig, run_stage
+
+    other = tmp_path / "store-pi"
+    run_stage(StageConfig(model=str(assets["random"]), out=other, pi=1e-2, device="cpu", fsync=False))
+    args = ["--checkpoint", str(adapter["checkpoint"]), "--factor-store", str(other), "--data", str(assets["data"]),
+            "--tasks", "piqa", "--output", str(tmp_path / "out")]
+    _fails(args, capsys, "was trained on another factor store")
+    assert not (tmp_path / "out").exists()

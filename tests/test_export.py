@@ -76,6 +76,37 @@ def test_export_bad_input_leaves_nothing(trained, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "taken"], "no partial export left behind"
 
 
+def test_export_refuses_a_store_that_is_not_the_adapters(trained, tmp_path, capsys):
+    """A store rebuilt from the same base model with another π: same fingerprint, other V; refused, nothing written."""
+    from frod_ds.hjd.stage import StageConfig, run_stage
+
+    other = tmp_path / "store-pi"
+    run_stage(StageConfig(model=str(trained["model_dir"]), out=other, pi=1e-2, device="cpu", fsync=False))
+    capsys.readouterr()
+    out = tmp_path / "merged"
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--factor-store", str(other), "--out", str(out)]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert "was trained on another factor store" in line and "pi 0.001 there, 0.01 here" in line
+    assert "V of q_proj differs" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store-pi"], "nothing exported"
+
+
+def test_adapter_records_the_identity_of_its_factor_store(trained):
+    """Per category: a sha256 of V as the store holds it (computed here from the file) and the HJD route."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    config = json.loads((trained["checkpoint"] / "adapter_config.json").read_text())
+    manifest = json.loads((trained["store"] / "manifest.json").read_text())
+    assert config["version"] == 2 and config["pi"] == manifest["pi"]
+    for category, info in config["categories"].items():
+        spec = manifest["categories"][category]
+        V = load_file(str(trained["store"] / spec["files"][f"{category}.V"]))[f"{category}.V"]
+        assert info["v_sha256"] == hashlib.sha256(V.contiguous().numpy().tobytes()).hexdigest()
+        assert info["method"] == spec["method"]
+
+
 def test_export_carries_every_non_weight_file_of_the_base_checkpoint(trained, tmp_path):
     """Tokenizer files whatever their names (chat template, BPE vocab and merges), licence and readme travel
     with the merged weights; weights, weight indexes, provenance and hidden files of the base do not."""

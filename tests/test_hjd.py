@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frod_ds.hjd import decompose, reconstruction_error
+from frod_ds.hjd.math import decompose, reconstruction_error
 
 
 def _members(shapes, seed=0, dtype=torch.float64):

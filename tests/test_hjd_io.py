@@ -12,8 +12,8 @@ from safetensors import safe_open
 from tests.helpers_ckpt import REPO, weights, write_tiny_llama
 
 from frod_ds.hf_checkpoint import HFCheckpoint
-from frod_ds.hjd_io import FactorWriter, MemberReader, plan_parts
-from frod_ds.hjd_plan import my_members, targeted_members
+from frod_ds.hjd.io import FactorWriter, MemberReader, plan_parts
+from frod_ds.hjd.plan import my_members, targeted_members
 
 Q = [f"model.layers.{i}.self_attn.q_proj" for i in range(3)]
 
@@ -89,7 +89,7 @@ def test_plan_helpers_and_torch_free_import(model):
     members = targeted_members(HFCheckpoint(model).keys(), ["q_proj", "up_proj"])
     assert members["q_proj"] == Q and len(members["up_proj"]) == 3
     assert my_members(Q, 1, 2) == Q[2:] and my_members(Q, 2, 4) == Q[2:] and my_members(Q, 3, 4) == [] and my_members(Q, 0, 1) == Q
-    code = ("import sys; import frod_ds.hjd_plan, frod_ds.hf_checkpoint, launch.hjd; "
+    code = ("import sys; import frod_ds.hjd.plan, frod_ds.hf_checkpoint, launch.hjd; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -103,16 +103,18 @@ def test_readahead_hint_runs_over_the_members(model):
 
 
 def test_readahead_budget_is_shared_by_the_ranks_of_a_node(monkeypatch):
-    import launch.hjd as hjd
+    import frod_ds.hjd.plan as plan
+    from frod_ds.launch_env import ranks_on_this_node
 
     for key in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(hjd.os, "sysconf", {"SC_AVPHYS_PAGES": 2**20, "SC_PAGE_SIZE": 4096}.__getitem__)  # 4 GiB free
-    assert hjd._ranks_on_this_node() == 1 and hjd._readahead_budget() == 2**30
+    monkeypatch.setattr(plan.os, "sysconf", {"SC_AVPHYS_PAGES": 2**20, "SC_PAGE_SIZE": 4096}.__getitem__)  # 4 GiB free
+    assert ranks_on_this_node() == 1 and plan.readahead_budget() == 2**30
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)")
-    assert hjd._ranks_on_this_node() == 8 and hjd._readahead_budget() == 2**27
+    assert ranks_on_this_node() == 8 and plan.readahead_budget() == 2**27
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert hjd._ranks_on_this_node() == 4 and hjd._readahead_budget() == 2**28
+    assert ranks_on_this_node() == 4 and plan.readahead_budget() == 2**28
+
 
 
 def test_cpu_threading_of_launch_hjd_respects_the_user_and_shares_the_cores():

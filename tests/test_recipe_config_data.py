@@ -181,3 +181,15 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
     assert fn(60) == pytest.approx(0.5) and fn(110) == pytest.approx(0.0, abs=1e-12)
     assert lr_lambda("constant", 0, 10)(5) == 1.0
     assert lr_lambda("linear", 0, 10)(5) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("stage", ["three", 4, None, True])
+def test_zero_stage_must_be_0_to_3(stage):
+    from frod_ds.ds_config import DSConfigError, resolve_ds_config, zero_stage
+
+    cfg = {"zero_optimization": {"stage": stage}}
+    with pytest.raises(DSConfigError, match=r"zero_optimization.stage must be 0, 1, 2 or 3, got"):
+        zero_stage(cfg)
+    with pytest.raises(DSConfigError, match="zero_optimization.stage"):
+        resolve_ds_config(cfg, load_recipe(None, ["model.base=m", "model.factor_store=f", "data.train=t"]), 1)
+    assert zero_stage({}) == 0 and zero_stage({"zero_optimization": {"stage": 3}}) == 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tests.helpers_ckpt import REPO, _free_port, weights, write_tiny_llama
 
-from frod_ds.hjd import decompose
+from frod_ds.hjd.math import decompose
 from frod_ds.store import FactorStore
 
 SLURM = REPO / "launch" / "slurm"
@@ -66,7 +66,7 @@ def test_hjd_sbatch_runs_two_tasks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "rendezvous localhost:" in proc.stdout
     store = FactorStore.open(out)
-    assert store.manifest["world_size"] == 2
+    assert store.manifest.world_size == 2
     members = store.categories["q_proj"]
     Ws = [w.double() for w in weights(model, members)]
     ref = decompose(Ws, pi=store.pi, dtype=torch.float64)

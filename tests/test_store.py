@@ -8,8 +8,10 @@ import pytest
 import torch
 from tests.helpers_ckpt import shard_of, weights, write_tiny_llama
 
+from frod_ds.fingerprint import sample_ranges, weights_fingerprint
 from frod_ds.hf_checkpoint import HFCheckpoint
-from frod_ds.store import FORMAT_VERSION, FactorStore, _sample_ranges, check_store_matches, weights_fingerprint
+from frod_ds.store import FactorStore, check_store_matches
+from frod_ds.store_format import FORMAT_VERSION
 from launch.hjd import main
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
@@ -41,12 +43,12 @@ def test_store_layout_keys_and_dtypes(bf16_store):
     assert V.dtype == torch.float32 and V.shape == (32, 32)
     assert store.load_U(member, dtype=torch.float64).dtype == torch.float64
     m = store.manifest
-    assert m["format_version"] == FORMAT_VERSION and m["complete"] and m["completed_categories"] == TARGETS
-    assert m["hjd_dtype"] == "float32" and m["world_size"] == 1 and m["versions"]["torch"] == torch.__version__
-    assert m["model_config"]["num_hidden_layers"] == 3
-    for spec in m["categories"].values():
-        assert spec["u_dtype"] == "bfloat16"
-        assert set(spec["error"]) == set(spec["members"]) == set(spec["stored_error"])
+    assert m.format_version == FORMAT_VERSION and m.complete and m.completed_categories == TARGETS
+    assert m.hjd_dtype == "float32" and m.world_size == 1 and m.versions["torch"] == torch.__version__
+    assert m.model_config["num_hidden_layers"] == 3
+    for spec in m.categories.values():
+        assert spec.u_dtype == "bfloat16"
+        assert set(spec.error) == set(spec.members) == set(spec.stored_error)
     assert not [p for p in path.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -55,12 +57,12 @@ def test_store_bf16_factors_reconstruct_at_bf16_level(bf16_store):
     store = FactorStore.open(path)
     for category, members in store.categories.items():
         V = store.load_V(category, torch.float64)
-        spec = store.manifest["categories"][category]
+        spec = store.manifest.categories[category]
         for member, W in zip(members, weights(model, members)):
             rebuilt = (store.load_U(member, torch.float64) * store.load_sigma(member, torch.float64)) @ V.T
             rel = (torch.linalg.norm(rebuilt - W.double()) / torch.linalg.norm(W.double())).item()
-            assert spec["error"][member] < 1e-5, "HJD itself (fp32, TF32 off) is exact"
-            assert rel < 1e-2 and rel == pytest.approx(spec["stored_error"][member], rel=1e-3, abs=1e-6)
+            assert spec.error[member] < 1e-5, "HJD itself (fp32, TF32 off) is exact"
+            assert rel < 1e-2 and rel == pytest.approx(spec.stored_error[member], rel=1e-3, abs=1e-6)
 
 
 def test_weights_fingerprint_deterministic_and_model_specific(tmp_path, bf16_store):
@@ -84,9 +86,9 @@ def test_weights_fingerprint_deterministic_and_model_specific(tmp_path, bf16_sto
 
 
 def test_weights_fingerprint_reads_a_fixed_small_sample():
-    small = _sample_ranges(1000)
+    small = sample_ranges(1000)
     assert small == [(0, 1000)]
-    big = _sample_ranges(28672 * 8192 * 2)  # a 70B gate_proj in bf16
+    big = sample_ranges(28672 * 8192 * 2)  # a 70B gate_proj in bf16
     assert sum(length for _, length in big) == 144 * 1024
     assert big[0][0] == 0 and big[-1][0] + big[-1][1] == 28672 * 8192 * 2
 
@@ -120,3 +122,41 @@ def test_factor_store_open_errors(tmp_path, bf16_store):
         store.load_U("model.layers.0.mlp.down_proj")
     with pytest.raises(ValueError, match="no category"):
         store.load_V("down_proj")
+
+
+def test_store_files_carry_their_crc32(bf16_store):
+    """Each file's checksum in the manifest is the CRC-32 of its bytes on disk (computed here independently),
+    although the part files were written in chunks by several threads."""
+    import zlib
+
+    _, path = bf16_store
+    store = FactorStore.open(path)
+    for record in store.manifest.categories.values():
+        assert set(record.checksums) == set(record.files.values())
+        for fname, checksum in record.checksums.items():
+            assert checksum == f"crc32:{zlib.crc32((path / fname).read_bytes()):08x}", fname
+
+
+def test_a_changed_byte_in_any_factor_file_is_refused_at_load(tmp_path, bf16_store):
+    """Any single changed byte of a U, σ or V file (header or data) stops the first read of that file."""
+    import shutil
+
+    from frod_ds.errors import StoreError
+
+    _, path = bf16_store
+    files = sorted(p.name for p in path.iterdir() if p.name.endswith(".safetensors"))
+    for k, fname in enumerate(files):
+        copy = tmp_path / f"store{k}"
+        shutil.copytree(path, copy)
+        data = bytearray((copy / fname).read_bytes())
+        at = len(data) - 1 - k if k % 2 else 8 + k  # a data byte, or a header byte
+        data[at] ^= 0x01
+        (copy / fname).write_bytes(bytes(data))
+        store = FactorStore.open(copy)
+        with pytest.raises(StoreError, match=rf"{fname} is corrupt \(its checksum is crc32:[0-9a-f]{{8}}, the manifest "
+                                             r"records crc32:[0-9a-f]{8}\); rebuild the store"):
+            for category, members in store.categories.items():
+                store.load_V(category)
+                for m in members:
+                    store.load_U(m)
+                    store.load_sigma(m)

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def test_adapter_checkpoint_content_and_round_trip(probe, env):
     assert (out / "adapter-4").is_dir() and (out / "adapter-final").is_dir()
     tensors, cfg = read_adapter(out / "adapter-final")
     store_init = load_file(str(next((env.store).glob("q_proj.rank*.safetensors"))))
-    assert cfg["step"] == 8 and cfg["base_model"] == str(env.model)
+    assert cfg.step == 8 and cfg.base_model == str(env.model)
     sigmas = {k: v for k, v in tensors.items() if k.endswith(".frod_sigma")}
     s_vals = {k: v for k, v in tensors.items() if k.endswith(".frod_s")}
     assert len(sigmas) == len(s_vals) == 2 * 6
@@ -253,3 +254,21 @@ def test_data_rows_missing_fields_are_refused(env, tmp_path):
     bad.write_text('{"prompt": "p", "answer": "true"}\n{"prompt": "q"}\n')
     res, out = _bad_run(env, tmp_path, **{"data.train": bad})
     _assert_refused(res, out, "line 2", "'answer'")
+
+
+def test_resume_on_a_factor_store_rebuilt_with_another_pi_is_refused(probe, env, tmp_path):
+    """output_dir holds a run trained on one store; the same command on a store rebuilt from the same base
+    model with another π is refused before anything is built (the checkpoint records its store)."""
+    import shutil
+
+    trained, _ = probe
+    out = tmp_path / "bad"
+    tag = (trained / "checkpoints" / "latest_complete").read_text().strip()
+    (out / "checkpoints" / tag).mkdir(parents=True)
+    shutil.copy(trained / "checkpoints" / "latest_complete", out / "checkpoints")
+    shutil.copy(trained / "checkpoints" / tag / "factor_store.json", out / "checkpoints" / tag)
+    other = tmp_path / "store-pi"
+    subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(env.model), "--out", str(other),
+                    "--pi", "0.01"], check=True, env=env_vars(), cwd=REPO, capture_output=True)
+    res = run_train(CPU_ZERO3, env.overrides(out, **{"model.factor_store": other}), nproc=0, timeout=180)
+    _assert_refused(res, out, "trained on another factor store", "pi 0.001 there, 0.01 here")

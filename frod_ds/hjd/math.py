@@ -42,6 +42,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from frod_ds.errors import HJDError
+from frod_ds.validate import pi_problem, widths_problem
+
 __all__ = [
     "HJDResult",
     "decompose",
@@ -88,25 +91,22 @@ def no_tf32() -> Iterator[None]:
 
 
 def validate_members(weights: Sequence[Tensor], pi: float, names: Sequence[str] | None = None) -> None:
-    """Raise ``ValueError`` naming the problem when a category cannot be decomposed."""
-    if not (isinstance(pi, (int, float)) and pi > 0 and pi == pi and pi != float("inf")):
-        raise ValueError(f"pi must be a finite number > 0 (the ridge term of T_pi), got {pi!r}")
+    """Raise ``HJDError`` naming the problem when a category cannot be decomposed."""
+    problem = pi_problem(pi)
+    if problem:
+        raise HJDError(problem)
     if len(weights) == 0:
-        raise ValueError("a category needs at least one weight matrix; got none")
+        raise HJDError("a category needs at least one weight matrix; got none")
     names = list(names) if names is not None else [f"member {i}" for i in range(len(weights))]
-    n = None
     for name, w in zip(names, weights):
         if w.ndim != 2:
-            raise ValueError(f"{name}: expected a 2-D weight (out, in), got shape {tuple(w.shape)}")
-        if n is None:
-            n = w.shape[1]
-        elif w.shape[1] != n:
-            raise ValueError(
-                f"{name}: input width {w.shape[1]} differs from the category's {n}; members of one "
-                "category must share the input width (split them into separate categories)"
-            )
+            raise HJDError(f"{name}: expected a 2-D weight (out, in), got shape {tuple(w.shape)}")
+    problem = widths_problem([w.shape[1] for w in weights], f"the members {names[0]} … {names[-1]}")
+    if problem:
+        raise HJDError(problem)
+    for name, w in zip(names, weights):
         if not torch.isfinite(w).all():
-            raise ValueError(f"{name}: weight contains NaN or Inf; check the checkpoint")
+            raise HJDError(f"{name}: weight contains NaN or Inf; check the checkpoint")
 
 
 def thin_qr(W: Tensor) -> tuple[Tensor, Tensor]:
@@ -250,9 +250,9 @@ def decompose(
     """
     validate_members(weights, pi, names)
     if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"HJD dtype must be torch.float32 or torch.float64, got {dtype}")
+        raise HJDError(f"HJD dtype must be torch.float32 or torch.float64, got {dtype}")
     if method not in ("householder", "gram"):
-        raise ValueError(f"HJD method must be 'householder' or 'gram', got {method!r}")
+        raise HJDError(f"HJD method must be 'householder' or 'gram', got {method!r}")
     with no_tf32():
         Ws = [w.detach().to(dtype) for w in weights]
         n = Ws[0].shape[1]
@@ -261,7 +261,7 @@ def decompose(
             G = sum(Gs)
             R, _ = gram_factor(G)
             if R is None:
-                raise ValueError("the Gram route needs a stack of full column rank (sum of m_i >= n, no null "
+                raise HJDError("the Gram route needs a stack of full column rank (sum of m_i >= n, no null "
                                  "direction); use method='householder'")
             T_pi = gram_t_pi(R, sum(gram_t_pi_term(G_i, G, pi) for G_i in Gs), len(Ws))
             V, _, Y = gram_basis(R, T_pi)

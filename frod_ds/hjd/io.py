@@ -11,7 +11,8 @@ one, so disk reads overlap GPU work.
 planned before the first byte: each tensor is copied off the GPU in chunks into a fixed pool of
 page-locked buffers and written at its offset (``os.pwrite``) by a thread pool while the GPU goes on; a
 part is fsynced and renamed from ``<name>.tmp`` once its last chunk is on disk. When the pool is empty the
-GPU side waits for the disk, which bounds host memory.
+GPU side waits for the disk, which bounds host memory. Each chunk's CRC-32 is taken as it is written and
+the pieces are combined into the file's checksum (``frod_ds.checksum``): no second pass over the data.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import zlib
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,17 +29,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from frod_ds.atomic import TMP
+from frod_ds.checksum import combine_pieces
 from frod_ds.hf_checkpoint import HFCheckpoint
-from frod_ds.store import TMP, part_file, safetensors_header, save_tensors_atomic
+from frod_ds.safetensors_io import safetensors_header, save_tensors_atomic, tensor_bytes
+from frod_ds.store_format import part_file
 
 __all__ = ["MemberReader", "FactorWriter", "plan_parts"]
 
 MiB = 2**20
-
-
-def _bytes_of(t: Tensor) -> Tensor:
-    """A flat ``uint8`` view of a contiguous tensor."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 class MemberReader:
@@ -134,20 +134,22 @@ def plan_parts(members: Sequence[tuple[str, Sequence[tuple[str, torch.dtype, Seq
 
 
 class _Part:
-    """One part file being written: its fd, the offset of every key, chunks outstanding."""
+    """One part file being written: its fd, the offset of every key, chunks outstanding (each gives its
+    ``(offset, length, crc32)``)."""
 
     def __init__(self, path: Path, head: bytes, offsets: dict[str, int], keys: int):
         self.path, self.offsets = path, offsets
         self.tmp = path.with_name(path.name + TMP)
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.pwrite(self.fd, head, 0)
+        self.head = (0, len(head), zlib.crc32(head))
         self.keys_left = keys
         self.chunks: list[Future] = []
 
 
 class FactorWriter:
     """One rank's part files of one category at a time: ``begin`` with the plan, ``add`` each key's tensor
-    (any device), then ``finish`` for the file map and the pending writes."""
+    (any device), then ``finish`` for the file map and the pending writes (each gives ``(file, crc32)``)."""
 
     def __init__(self, out: Path, *, fsync: bool, part_bytes: float, threads: int = 4, buffer_bytes: float = 2**30,
                  chunk_bytes: int = 32 * MiB):
@@ -191,7 +193,7 @@ class FactorWriter:
     def add(self, key: str, t: Tensor) -> None:
         """Write ``t`` at its planned place (asynchronously); the part is finished after its last key."""
         part = self._part_of.pop(key)
-        data = _bytes_of(t.detach())
+        data = tensor_bytes(t.detach())
         base = part.offsets[key]
         if data.device.type == "cuda":
             if self._stream is None:
@@ -213,36 +215,44 @@ class FactorWriter:
         if part.keys_left == 0:
             self._futures.append(self._pool.submit(self._close_part, part))
 
-    def _write_chunk(self, part: _Part, buf: Tensor, n: int, offset: int, event: torch.cuda.Event | None) -> None:
+    def _write_chunk(self, part: _Part, buf: Tensor, n: int, offset: int,
+                     event: torch.cuda.Event | None) -> tuple[int, int, int]:
         try:
             if event is not None:
                 event.synchronize()
             view = memoryview(buf.numpy())[:n]
+            crc = zlib.crc32(view)
             done = 0
             while done < n:
                 done += os.pwrite(part.fd, view[done:], offset + done)
         finally:
             if event is not None:
                 self._free.put(buf)
+        return offset, n, crc
 
-    def _close_part(self, part: _Part) -> None:
+    def _close_part(self, part: _Part) -> tuple[str, int]:
         try:
-            for f in part.chunks:  # submitted earlier to the same pool; they finish first or raise here
-                f.result()
+            # submitted earlier to the same pool; they finish first or raise here
+            pieces = [part.head] + [f.result() for f in part.chunks]
             if self.fsync:
                 os.fsync(part.fd)
         finally:
             os.close(part.fd)
         os.replace(part.tmp, part.path)
+        return part.path.name, combine_pieces(pieces)
+
+    def _write_whole(self, fname: str, tensors: dict[str, Tensor]) -> tuple[str, int]:
+        return fname, save_tensors_atomic(self.out / fname, tensors, self.fsync)
 
     def write_file(self, fname: str, tensors: dict[str, Tensor]) -> None:
         """A file of its own (the category's ``V``), written in the pool."""
         cpu = {k: t.detach().cpu().contiguous() for k, t in tensors.items()}
         self.files.update(dict.fromkeys(cpu, fname))
-        self._futures.append(self._pool.submit(save_tensors_atomic, self.out / fname, cpu, self.fsync))
+        self._futures.append(self._pool.submit(self._write_whole, fname, cpu))
 
     def finish(self) -> tuple[dict[str, str], list[Future]]:
-        """``{key: file}`` and the category's pending writes (wait on them before recording the category)."""
+        """``{key: file}`` and the category's pending writes, each giving ``(file, crc32)`` (wait on them
+        before recording the category)."""
         assert not self._part_of, f"keys never added: {sorted(self._part_of)[:3]}"
         return dict(self.files), list(self._futures)
 

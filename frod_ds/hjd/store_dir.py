@@ -1,0 +1,219 @@
+"""Rank 0's side of the factor store directory during the HJD stage: create or resume it, record each
+finished category in the manifest (replaced from a background thread), and what each rank did.
+
+The manifest is ``frod_ds.store_format.Manifest``; a store in ``--out`` is resumed only when it was built
+with the same configuration (``CONFIG_FIELDS``), else ``--overwrite`` is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from frod_ds import distributed as D
+from frod_ds.atomic import TMP, atomic_write_text, fsync_dir
+from frod_ds.dtypes import dtype_name
+from frod_ds.errors import HJDError, StoreError
+from frod_ds.fingerprint import FINGERPRINT_METHOD
+from frod_ds.hf_checkpoint import HFCheckpoint
+from frod_ds.hjd.category import CategoryResult
+from frod_ds.store_format import MANIFEST, CategoryRecord, Manifest, RankRecord, is_store_file
+
+__all__ = ["CONFIG_FIELDS", "new_manifest", "prepare_store", "remove_store_files", "ManifestWriter",
+           "record_category", "rank_summary"]
+
+GiB = 2**30
+CONFIG_FIELDS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype", "u_dtype")  # a store to resume must match
+
+
+def _versions() -> dict[str, str]:
+    import safetensors
+
+    import frod_ds
+
+    return {
+        "frod_ds": frod_ds.__version__,
+        "torch": torch.__version__,
+        "safetensors": safetensors.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def _model_config(model_dir: Path) -> dict[str, Any] | None:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "torch_dtype", "dtype")
+    return {k: cfg[k] for k in keys if k in cfg}
+
+
+def new_manifest(model: str, targets: list[str], pi: float, dtype: torch.dtype, u_dtype: torch.dtype | None,
+                 fingerprint: str, categories: dict[str, list[str]], ckpt: HFCheckpoint) -> Manifest:
+    """The manifest of a store not yet started: every category planned, none complete. ``u_dtype``: the
+    dtype U is stored in (None: each category's checkpoint dtype)."""
+    records = {
+        c: CategoryRecord(
+            members=members,
+            shapes={m: list(ckpt.shape(m + ".weight")) for m in members},
+            width=ckpt.shape(members[0] + ".weight")[1],
+            u_dtype=dtype_name(u_dtype or ckpt.dtype(members[0] + ".weight")),
+            checksums={},
+        )
+        for c, members in categories.items()
+    }
+    return Manifest(base_model=model, fingerprint=fingerprint, fingerprint_method=FINGERPRINT_METHOD,
+                    model_config=_model_config(ckpt.dir), targets=list(targets), pi=pi, hjd_dtype=dtype_name(dtype),
+                    u_dtype=dtype_name(u_dtype) if u_dtype is not None else "auto", categories=records,
+                    world_size=D.get_world_size(), versions=_versions())
+
+
+def remove_store_files(out: Path, category: str | None = None) -> None:
+    """Delete the factor files (and temporaries) of ``category``, or of every category and the manifest."""
+    for p in out.iterdir():
+        if is_store_file(p.name, category) or (category is None and p.name in (MANIFEST, MANIFEST + TMP)):
+            p.unlink()
+
+
+def _existing_manifest(out: Path, fresh: Manifest, overwrite: bool) -> Manifest | None:
+    """The manifest in ``out`` if it is one to resume; ``None`` if it is to be replaced (``overwrite``);
+    ``HJDError`` if it is of another configuration and not to be replaced."""
+    try:
+        manifest = Manifest.read(out / MANIFEST)
+        diffs = [k for k in CONFIG_FIELDS if getattr(manifest, k) != getattr(fresh, k)]
+    except StoreError:
+        manifest, diffs = None, ["format_version"]
+    if diffs and not overwrite:
+        if manifest is None:
+            show = "an unreadable manifest"
+        else:
+            show = ", ".join(f"{k}: {getattr(manifest, k)!r} there, {getattr(fresh, k)!r} now" for k in diffs if k != "fingerprint")
+            if "fingerprint" in diffs:
+                show = f"built from {manifest.base_model!r} (another model's weights)" + (f"; {show}" if show else "")
+        raise HJDError(
+            f"--out {out} holds a factor store with a different configuration ({show}); pass --overwrite to "
+            "replace it or choose another --out"
+        )
+    return None if diffs or overwrite else manifest
+
+
+def prepare_store(out: Path, fresh: Manifest, overwrite: bool) -> Manifest:
+    """Rank 0: create the store directory or resume the one there; returns the manifest to continue."""
+    if out.exists() and not out.is_dir():
+        raise HJDError(f"--out {out} is a file; pass a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = None
+    if (out / MANIFEST).is_file():
+        manifest = _existing_manifest(out, fresh, overwrite)
+        if manifest is None:
+            remove_store_files(out)
+    elif any(out.iterdir()):
+        if not overwrite:
+            raise HJDError(f"--out {out} exists, is not empty and holds no {MANIFEST}; choose a new or empty directory")
+        remove_store_files(out)
+    if manifest is None:
+        manifest = fresh
+    # A completed category whose files went missing is redone.
+    for c in list(manifest.completed_categories):
+        record = manifest.categories[c]
+        if not all((out / f).is_file() for f in set(record.files.values())):
+            manifest.completed_categories.remove(c)
+            record.complete = False
+    manifest.complete = len(manifest.completed_categories) == len(manifest.categories)
+    manifest.world_size = D.get_world_size()
+    manifest.versions = _versions()
+    atomic_write_text(out / MANIFEST, manifest.to_json())
+    return manifest
+
+
+class ManifestWriter:
+    """Rank 0: replaces the manifest from a background thread, in order (the fsyncs of a directory whose
+    files are being written can take a second; the GPU need not wait for them)."""
+
+    def __init__(self, out: Path):
+        self.path = out / MANIFEST
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hjd-manifest")
+        self._pending: list[Future] = []
+
+    def write(self, manifest: Manifest) -> None:
+        text = manifest.to_json()  # a snapshot: the caller goes on changing the record
+
+        def run() -> None:
+            fsync_dir(self.path.parent)  # the renamed factor files first
+            atomic_write_text(self.path, text)
+
+        self._pending.append(self._pool.submit(run))
+        done = [f for f in self._pending if f.done()]
+        for f in done:
+            self._pending.remove(f)
+            f.result()  # raise an error of an earlier write here
+
+    def flush(self) -> None:
+        for f in self._pending:
+            f.result()
+        self._pending = []
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def record_category(out: Path, manifest: Manifest, category: str, outs: list[CategoryResult], seconds: float,
+                    writer: ManifestWriter) -> None:
+    """Rank 0: check every rank's files are there, then record the category as complete (manifest replaced)."""
+    record = manifest.categories[category]
+    files: dict[str, str] = {}
+    checksums: dict[str, str] = {}
+    error: dict[str, float] = {}
+    stored: dict[str, float] = {}
+    for o in outs:
+        files.update(o.files)
+        checksums.update(o.checksums)
+        error.update(o.error)
+        stored.update(o.stored_error)
+    assert set(files) == record.expected_keys(), f"{category}: keys written differ from the plan"
+    assert set(checksums) == set(files.values()), f"{category}: a file without checksum"
+    absent = sorted(f for f in set(files.values()) if not (out / f).is_file())
+    if absent:
+        raise HJDError(
+            f"rank 0 cannot see {absent[0]} written by another rank in {out}; --out must be on a filesystem "
+            "shared by all ranks"
+        )
+    record.files = files
+    record.checksums = checksums
+    record.error = {m: error[m] for m in record.members}
+    record.stored_error = {m: stored[m] for m in record.members}
+    record.max_error = max(error.values())
+    record.max_stored_error = max(stored.values())
+    record.world_size = D.get_world_size()
+    record.seconds = round(seconds, 3)
+    record.phase_seconds = {k: round(v, 3) for k, v in outs[0].phase_seconds.items()}
+    record.method = outs[0].method
+    record.cond_estimate = outs[0].cond_estimate
+    record.complete = True
+    manifest.completed_categories.append(category)
+    writer.write(manifest)
+
+
+def rank_summary(seconds: float, device: torch.device, ckpt: HFCheckpoint) -> RankRecord:
+    """What this rank did: time, peak memory, what it read."""
+    out = RankRecord(rank=D.get_rank(), device=str(device), seconds=round(seconds, 3), cpu_threads=torch.get_num_threads(),
+                     peak_host_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
+                     tensors_read=ckpt.tensors_read, bytes_read=ckpt.bytes_read)
+    if device.type == "cuda":
+        out.gpu = torch.cuda.get_device_name(device)
+        out.peak_device_gib = round(torch.cuda.max_memory_allocated(device) / GiB, 3)
+        out.peak_device_reserved_gib = round(torch.cuda.max_memory_reserved(device) / GiB, 3)
+    return out

@@ -1,0 +1,51 @@
+"""The entry helper every launch script runs through: a user mistake is one ``error:`` line and exit 2, a bug
+keeps its traceback; the cross-rank helpers turn only user mistakes into agreed errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from frod_ds import distributed as D
+from frod_ds import entry
+from frod_ds.errors import FrodError, StoreError
+from tests.helpers_ckpt import REPO
+
+
+def _raise(e: BaseException):
+    def body():
+        raise e
+
+    return body
+
+
+def test_user_error_is_one_line_and_exit_2(capsys):
+    assert entry.run(_raise(StoreError("factor store x is corrupt\nrebuild it")), init_group=False) == 2
+    assert capsys.readouterr().err == "error: factor store x is corrupt rebuild it\n"
+    assert entry.run(_raise(D.CollectiveError("agreed")), init_group=False) == 2
+    assert capsys.readouterr().err == "error: agreed\n"
+    assert entry.run(lambda: None, init_group=False) == 0 and entry.run(lambda: 143, init_group=False) == 143
+
+
+def test_a_bug_is_not_a_user_error():
+    with pytest.raises(ValueError, match="a bug"):
+        entry.run(_raise(ValueError("a bug")), init_group=False)
+    with pytest.raises(ValueError):
+        D.on_all(_raise(ValueError("a bug in a collective step")))
+    with pytest.raises(D.CollectiveError, match="bad input"):
+        D.on_main(_raise(FrodError("bad input")))
+
+
+def test_a_bug_in_a_launch_script_shows_its_traceback_and_exits_1(tmp_path):
+    """An exception that is not a ``FrodError`` (here a stand-in for a failure inside torch) is a bug: its
+    traceback, exit 1, and no one-line 'user error'."""
+    code = ("import sys; sys.argv = ['export']; from frod_ds import entry\n"
+            "def body():\n    raise RuntimeError('torch broke')\n"
+            "sys.exit(entry.run(body, init_group=False))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "RuntimeError: torch broke" in proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("error:")]
