@@ -1,7 +1,8 @@
-"""Commonsense170K data preparation in the FRoD paper's prompt templates.
+"""Commonsense170K data preparation in the FRoD paper's or LLM-Adapters' prompt templates.
 
 Modules: `tasks` (task keys, Hub ids, eval splits), `templates` (pure rendering per task),
-`sources` (Hub and local-mirror reading), `build` (mixture, manifest, atomic write),
+`llm_adapters` (LLM-Adapters' instruction format and prompts), `sources` (Hub, local-mirror and
+LLM-Adapters file reading), `build` (mixture, manifest, atomic write),
 `io` (the output row format and its reader `read_rows`), `tokens` (token-length checks),
 `cli` (``python -m data_prep build|stats|show``).
 """

@@ -1,10 +1,14 @@
-"""Build Commonsense170K in the paper's templates: read, render, validate, shuffle, write.
+"""Build Commonsense170K in the paper's or LLM-Adapters' templates: read, render, validate, shuffle, write.
 
 Layout of a built directory OUT (see `data_prep.io` for the row format)::
 
     OUT/train.jsonl          the training splits of the selected tasks, rendered and shuffled
     OUT/eval/<task>.jsonl    each task's evaluation split (validation; test for OBQA and ARC), source order
     OUT/manifest.json        sources, counts per task and split, drops per reason, seed, sha256 of each file
+
+An ``llm-adapters:PATH`` source (`data_prep.llm_adapters`) also records the template, the instruction
+families found in each file, and what the paper template cannot recover (``notes``). From
+`commonsense_170k.json` only ``train.jsonl`` is written: the test sets come from per-task folders.
 
 Everything is built in a temporary sibling directory and renamed to OUT at the end, so a failed
 build leaves nothing in OUT. Same inputs and seed give byte-identical files.
@@ -20,9 +24,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from data_prep import io, sources, tokens
+from data_prep import io, llm_adapters, sources, tokens
 from data_prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
-from data_prep.templates import RowError, render, row_id, training_text
+from data_prep.templates import RowError, render, row_id
 from frod_ds.atomic import building_dir
 
 FORMAT = "frod-ds/commonsense170k/v1"
@@ -42,6 +46,7 @@ class BuildOptions:
     tokenizer: str | None = None
     cutoff: int | None = None
     overwrite: bool = False
+    template: str | None = None  # "paper" | "llm-adapters"; None: llm-adapters for an llm-adapters source, else paper
 
 
 @dataclass
@@ -55,6 +60,8 @@ class SplitResult:
     read: int
     dropped: Counter[str]
     provenance: dict[str, Any] = field(default_factory=dict)
+    families: dict[str, Any] | None = None  # LLM-Adapters files: family -> {"tasks", "read", "kept"}
+    not_selected: int = 0  # combined LLM-Adapters file: rows of families not selected by --tasks
 
 
 def log(message: str) -> None:
@@ -76,6 +83,7 @@ def validate_options(options: BuildOptions) -> None:
         problems.append("--cutoff needs --tokenizer")
     if options.cutoff is not None and options.cutoff <= 0:
         problems.append(f"--cutoff must be positive, got {options.cutoff}")
+    problems += template_problems(options)
     out = options.out
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} exists and is not a directory")
@@ -87,6 +95,43 @@ def validate_options(options: BuildOptions) -> None:
             problems.append(f"--out {out} is not empty and has no manifest.json; refusing to replace a directory not written by build")
     if problems:
         raise DataPrepError("; ".join(problems))
+
+
+def resolved_template(options: BuildOptions) -> str:
+    """The template a build uses: `options.template`, or by default llm-adapters for an llm-adapters source."""
+    if options.template is not None:
+        return options.template
+    return "llm-adapters" if sources.llm_adapters_path(options.source) is not None else "paper"
+
+
+def template_problems(options: BuildOptions) -> list[str]:
+    """What is wrong with the template for this source (and, for a combined file, with --tasks)."""
+    template, path = resolved_template(options), sources.llm_adapters_path(options.source)
+    if template not in llm_adapters.TEMPLATES:
+        return [f"unknown template {template!r}; choose one of {', '.join(llm_adapters.TEMPLATES)}"]
+    if path is None:
+        if template != "paper":
+            return [f"--template {template} needs --source llm-adapters:PATH (hub and mirror rows have no LLM-Adapters instruction)"]
+        return []
+    if options.source == sources.LLM_ADAPTERS:
+        return ["--source llm-adapters:PATH needs a PATH (commonsense_170k.json or a folder of <task>/{train,test}.json)"]
+    if not path.is_file():
+        return []
+    problems = []
+    for family in llm_adapters.FAMILIES.values():
+        chosen = [task for task in family.tasks if task in options.tasks]
+        if chosen and len(chosen) < len(family.tasks):
+            problems.append(
+                f"{path.name} cannot tell {', '.join(family.tasks)} apart (one instruction family, '{family.key}'): "
+                f"select all of them or none in --tasks, or use a folder of per-task files"
+            )
+        elif chosen and len(family.tasks) > 1 and template == "paper":
+            problems.append(
+                f"--template paper cannot render {path.name}'s '{family.key}' rows: {', '.join(family.tasks)} share "
+                "that instruction and SIQA's paper template differs from OBQA's and ARC's; use a folder of per-task "
+                f"files, --template llm-adapters, or --tasks without {','.join(family.tasks)}"
+            )
+    return problems
 
 
 def convert_split(task: str, split: str, data: sources.SplitData, strict: bool) -> tuple[list[dict[str, Any]], Counter[str]]:
@@ -109,8 +154,45 @@ def convert_split(task: str, split: str, data: sources.SplitData, strict: bool) 
     return rows, dropped
 
 
+def _families(converted: llm_adapters.Converted) -> dict[str, Any]:
+    """Per family found in a file: its tasks, rows read and rows kept (manifest ``families``)."""
+    return {
+        key: {"tasks": list(llm_adapters.FAMILIES[key].tasks) if key in llm_adapters.FAMILIES else [],
+              "read": n, "kept": converted.kept_families[key]}
+        for key, n in sorted(converted.families.items())
+    }
+
+
+def load_llm_adapters_splits(options: BuildOptions, path: Path) -> list[SplitResult]:
+    """Per-task folders: train and test split of each selected task. Combined file: one train result."""
+    template = resolved_template(options)
+    sources.check_llm_adapters_source(path, list(options.tasks))
+    results = []
+    if path.is_file():
+        data = sources.load_llm_adapters_file(path, path)
+        conv = llm_adapters.convert(data.rows, task=None, role="train", template=template, origin=data.origin,
+                                    strict=options.strict, selected=frozenset(options.tasks), id_prefix=path.stem)
+        log(f"{path.name}: {len(conv.rows)} rows kept of {len(data.rows)}")
+        results.append(SplitResult(path.name, "train", "train", conv.rows, len(data.rows), conv.dropped,
+                                   data.provenance, _families(conv), conv.not_selected))
+        return results
+    for task in options.tasks:
+        for role in ("train", "eval"):
+            data = sources.load_llm_adapters_split(path, task, role)
+            split = sources.LLM_ADAPTERS_SPLITS[role]
+            conv = llm_adapters.convert(data.rows, task=task, role=role, template=template, origin=data.origin,
+                                        strict=options.strict, split=split)
+            log(f"{task} {split}: {len(conv.rows)} rows kept of {len(data.rows)} ({data.origin})")
+            results.append(SplitResult(task, role, split, conv.rows, len(data.rows), conv.dropped,
+                                       data.provenance, _families(conv)))
+    return results
+
+
 def load_splits(options: BuildOptions) -> list[SplitResult]:
     """Read and render the train and eval split of every selected task, in canonical task order."""
+    path = sources.llm_adapters_path(options.source)
+    if path is not None:
+        return load_llm_adapters_splits(options, path)
     if options.source != sources.HUB:
         sources.check_local_tasks(Path(options.source), list(options.tasks))
     results = []
@@ -132,24 +214,25 @@ def mixture(results: list[SplitResult], seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def token_report(results: list[SplitResult], tokenizer: Any, name: str, cutoff: int) -> dict[str, Any]:
+def token_report(results: list[SplitResult], tokenizer: Any, name: str, cutoff: int, template: str) -> dict[str, Any]:
     """Token-length summary (and rows over `cutoff`) per task and split, for the manifest."""
     per_task: dict[str, dict[str, Any]] = {}
     for result in results:
-        texts = [training_text(row["prompt"], row["answer"]) for row in result.rows]
+        texts = [io.training_text(row) for row in result.rows]
         lengths = tokens.token_lengths(tokenizer, texts, desc=f"tokenizing {result.task} {result.split}")
         per_task.setdefault(result.task, {})[result.role] = tokens.summarize(lengths, cutoff)
     return {
         "tokenizer": name,
         "cutoff": cutoff,
-        "length_of": "prompt + '\\nAnswer: ' + answer, with the tokenizer's special tokens and EOS",
+        "length_of": ("prompt + '\\nAnswer: ' + answer" if template == "paper" else "prompt + answer (separator '')")
+        + ", with the tokenizer's special tokens and EOS",
         "per_task": per_task,
     }
 
 
 def winogrande_size_used(options: BuildOptions) -> str | None:
     """The WinoGrande size actually read: the requested one, or None for a flat local folder."""
-    if "winogrande" not in options.tasks:
+    if "winogrande" not in options.tasks or sources.llm_adapters_path(options.source) is not None:
         return None
     if options.source == sources.HUB:
         return options.winogrande_size
@@ -177,11 +260,37 @@ def make_manifest(options: BuildOptions, results: list[SplitResult], n_train: in
     }
     for r in results:
         manifest["sources"].setdefault(r.task, {})[r.role] = r.provenance
-        counts = {"split": r.split, "read": r.read, "kept": len(r.rows), "dropped": r.read - len(r.rows)}
+        counts = {"split": r.split, "read": r.read, "kept": len(r.rows), "dropped": r.read - len(r.rows) - r.not_selected}
+        if r.not_selected:
+            counts["not_selected"] = r.not_selected
         manifest["counts"].setdefault(r.task, {})[r.role] = counts
         if r.dropped:
             manifest["dropped"].setdefault(r.task, {})[r.role] = dict(sorted(r.dropped.items()))
+    if sources.llm_adapters_path(options.source) is not None:
+        manifest.update(llm_adapters_manifest(options, results))
     return manifest
+
+
+def llm_adapters_manifest(options: BuildOptions, results: list[SplitResult]) -> dict[str, Any]:
+    """Manifest fields of an LLM-Adapters build: template, separator, families per file, notes."""
+    template = resolved_template(options)
+    families = {r.provenance["path"]: r.families for r in results}
+    tasks = set(options.tasks)
+    if template == "paper":
+        notes = {task: note for task, note in llm_adapters.PAPER_NOTES.items() if task in tasks}
+        prompts = {"train": "the paper's templates (data_prep.templates)", "eval": "the paper's templates (data_prep.templates)"}
+    else:
+        notes = {"boolq": llm_adapters.BOOLQ_NOTE_LLM_ADAPTERS} if "boolq" in tasks else {}
+        prompts = {"train": "LLM-Adapters finetune.py generate_prompt (empty input), up to where output starts",
+                   "eval": "LLM-Adapters commonsense_evaluate.py generate_prompt (empty input)"}
+    return {
+        "template": template,
+        "training_text": "prompt + separator + answer + EOS; separator: the row's 'separator' field, else '\\nAnswer: '",
+        "separator": llm_adapters.SEPARATOR if template == "llm-adapters" else io.ANSWER_SEPARATOR,
+        "prompts": prompts,
+        "families": families,
+        "notes": notes,
+    }
 
 
 def write_outputs(out: Path, train: list[dict[str, Any]], results: list[SplitResult], manifest: dict[str, Any]) -> dict[str, str]:
@@ -210,6 +319,7 @@ def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
     train = mixture(results, options.seed)
     manifest = make_manifest(options, results, len(train))
     if tokenizer is not None:
-        manifest["token_lengths"] = token_report(results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF)
+        manifest["token_lengths"] = token_report(results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF,
+                                                 resolved_template(options))
     files = write_outputs(options.out, train, results, manifest)
     return manifest, files

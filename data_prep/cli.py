@@ -1,6 +1,8 @@
 """Command line of data_prep: build Commonsense170K, inspect a build, show rendered examples.
 
     python -m data_prep build --source hub --out data/cs170k
+    python -m data_prep build --source llm-adapters:LLM-Adapters/dataset --out data/la --tasks boolq,obqa,arc_easy,arc_challenge
+    python -m data_prep build --source llm-adapters:ft-training_set/commonsense_170k.json --out data/la170k --template llm-adapters
     python -m data_prep build --source /data/mirror --out data/cs170k --tasks boolq,piqa --strict
     python -m data_prep build --source hub --out data/cs170k --tokenizer meta-llama/Llama-2-7b-hf --cutoff 256
     python -m data_prep stats --out data/cs170k [--tokenizer DIR]
@@ -20,17 +22,26 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from data_prep import io, sources, tokens
-from data_prep.build import DEFAULT_CUTOFF, BuildOptions, build
+from data_prep import io, llm_adapters, sources, tokens
+from data_prep.build import DEFAULT_CUTOFF, BuildOptions, build, resolved_template, template_problems
 from data_prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, WINOGRANDE_SIZES, DataPrepError, parse_tasks
-from data_prep.templates import RowError, render, row_id, training_text
+from data_prep.templates import RowError, render, row_id
 
 
 def _add_source_flags(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument(
-        "--source", required=required, metavar="hub|DIR",
-        help="'hub' to load each task from the Hugging Face Hub with datasets, or a local mirror "
-        "directory with one subdirectory per task key holding train/validation/test split files",
+        "--source", required=required, metavar="hub|DIR|llm-adapters:PATH",
+        help="'hub' to load each task from the Hugging Face Hub with datasets, a local mirror "
+        "directory with one subdirectory per task key holding train/validation/test split files, or "
+        "llm-adapters:PATH with PATH LLM-Adapters' commonsense_170k.json (training rows only) or a folder of "
+        "<task>/{train,test}.json in LLM-Adapters' layout (boolq, piqa, social_i_qa, hellaswag, winogrande, "
+        "ARC-Easy, ARC-Challenge, openbookqa)",
+    )
+    parser.add_argument(
+        "--template", choices=llm_adapters.TEMPLATES,
+        help="prompt template: 'paper' (the FRoD paper's, answer after '\\nAnswer: ') or 'llm-adapters' "
+        "(LLM-Adapters' training/scoring prompts and 'the correct answer is ...' answers, character for "
+        "character; needs an llm-adapters source). Default: llm-adapters for an llm-adapters source, else paper",
     )
     parser.add_argument(
         "--winogrande-size", choices=WINOGRANDE_SIZES, default=DEFAULT_WINOGRANDE_SIZE,
@@ -49,7 +60,7 @@ def _add_tokenizer_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     """The argparse tree: build, stats, show."""
-    parser = argparse.ArgumentParser(prog="python -m data_prep", description="Commonsense170K in the paper's prompt templates.")
+    parser = argparse.ArgumentParser(prog="python -m data_prep", description="Commonsense170K in the paper's or LLM-Adapters' prompt templates.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,show}")
 
     p = sub.add_parser("build", help="render the training mixture and per-task eval files into OUT")
@@ -90,6 +101,17 @@ def print_build_report(manifest: dict[str, Any], files: dict[str, str]) -> None:
         for role, reasons in roles.items():
             for reason, count in reasons.items():
                 print(f"dropped: {task} {role}: {reason}: {count}")
+    for task, roles in manifest["counts"].items():
+        for role, c in roles.items():
+            if c.get("not_selected"):
+                print(f"not selected: {task} {role}: {c['not_selected']} rows of instruction families outside --tasks")
+    if "template" in manifest:
+        print(f"template: {manifest['template']}")
+        for name, families in manifest["families"].items():
+            found = ", ".join(f"{key} {f['read']} read/{f['kept']} kept" for key, f in families.items())
+            print(f"families: {name}: {found}")
+        for task, note in manifest["notes"].items():
+            print(f"note: {task}: {note}")
     report = manifest.get("token_lengths")
     if report:
         print(f"token lengths ({report['tokenizer']}, cutoff {report['cutoff']}):")
@@ -105,7 +127,7 @@ def cmd_build(args: argparse.Namespace) -> None:
     options = BuildOptions(
         source=args.source, out=args.out, tasks=tuple(parse_tasks(args.tasks)),
         winogrande_size=args.winogrande_size, seed=args.seed, strict=args.strict,
-        tokenizer=args.tokenizer, cutoff=args.cutoff, overwrite=args.overwrite,
+        tokenizer=args.tokenizer, cutoff=args.cutoff, overwrite=args.overwrite, template=args.template,
     )
     manifest, files = build(options)
     print_build_report(manifest, files)
@@ -154,7 +176,7 @@ def cmd_stats(args: argparse.Namespace) -> None:
             chars = [len(row["prompt"]) for row in task_rows]
             line = f"{name:<26} {task:<14} {len(task_rows):>7} {sum(chars) / len(chars):>14.0f} / {max(chars):>5}"
             if tokenizer is not None:
-                texts = [training_text(row["prompt"], row["answer"]) for row in task_rows]
+                texts = [io.training_text(row) for row in task_rows]
                 s = tokens.summarize(tokens.token_lengths(tokenizer, texts, desc=f"tokenizing {task}"), cutoff)
                 line += f" {s['mean']:>8.0f}/{s['p95']:>5}/{s['max']:>5} {s['over_cutoff']:>7}"
             print(line)
@@ -186,6 +208,34 @@ def examples_from_source(source: str, task: str, role: str, winogrande_size: str
     return shown
 
 
+def examples_from_llm_adapters(source: str, task: str, role: str, template: str | None, n: int) -> list[dict[str, Any]]:
+    """The first `n` valid rendered rows of `task` from an ``llm-adapters:PATH`` source.
+
+    From a combined file the rows shown are those of `task`'s instruction family, whose ``task`` is
+    ``"siqa|obqa|arc_easy|arc_challenge"`` where the family does not tell the task.
+    """
+    path = sources.llm_adapters_path(source)
+    family = llm_adapters.FAMILY_OF_TASK[task]
+    options = BuildOptions(source=source, out=Path(), tasks=family.tasks if path.is_file() else (task,), template=template)
+    problems = template_problems(options)
+    if problems:
+        raise DataPrepError("; ".join(problems))
+    sources.check_llm_adapters_source(path, [task])
+    if path.is_file():
+        if role != "train":
+            raise DataPrepError(f"{path.name} holds training rows only; show --split eval needs a folder of <task>/test.json")
+        data = sources.load_llm_adapters_file(path, path)
+        conv = llm_adapters.convert(data.rows, task=None, role=role, template=resolved_template(options), origin=data.origin,
+                                    strict=False, selected=frozenset(family.tasks), id_prefix=path.stem)
+    else:
+        data = sources.load_llm_adapters_split(path, task, role)
+        conv = llm_adapters.convert(data.rows, task=task, role=role, template=resolved_template(options), origin=data.origin,
+                                    strict=False, split=sources.LLM_ADAPTERS_SPLITS[role])
+    for reason, count in conv.dropped.items():
+        print(f"(skipped {count} invalid row(s): {reason})", file=sys.stderr)
+    return conv.rows[:n]
+
+
 def examples_from_build(out: Path, task: str, role: str, n: int) -> list[dict[str, Any]]:
     """The first `n` rows of `task` in a built OUT (mixture order for train)."""
     path = out / "train.jsonl" if role == "train" else out / "eval" / f"{task}.jsonl"
@@ -201,13 +251,17 @@ def cmd_show(args: argparse.Namespace) -> None:
         raise DataPrepError("show needs exactly one of --source or --out")
     if args.n < 1:
         raise DataPrepError(f"-n must be at least 1, got {args.n}")
-    if args.source is not None:
+    if args.source is not None and sources.llm_adapters_path(args.source) is not None:
+        rows = examples_from_llm_adapters(args.source, args.task, args.split, args.template, args.n)
+    elif args.source is not None:
+        if args.template not in (None, "paper"):
+            raise DataPrepError(f"--template {args.template} needs --source llm-adapters:PATH")
         rows = examples_from_source(args.source, args.task, args.split, args.winogrande_size, args.n)
     else:
         rows = examples_from_build(args.out, args.task, args.split, args.n)
     for row in rows:
         print(f"=== {row['task']} {row['id']}  label {row['label']}  choices {row['choices']}")
-        text = training_text(row["prompt"], row["answer"])
+        text = io.training_text(row)
         print(repr(text) if args.repr else text)
     if not rows:
         print(f"no valid {args.task} {args.split} rows found", file=sys.stderr)

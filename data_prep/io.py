@@ -1,4 +1,9 @@
-"""Output format of data_prep: JSONL rows ``{"task", "id", "prompt", "answer", "choices", "label"}``.
+"""Output format of data_prep: JSONL rows ``{"task", "id", "prompt", ["separator",] "answer", "choices", "label"}``.
+
+The training text of a row is ``prompt + row_separator(row) + answer`` (+ EOS); log-likelihood scoring
+conditions on ``prompt + row_separator(row)``. ``separator`` is optional: rows without it use the
+paper-template separator `ANSWER_SEPARATOR` (``"\nAnswer: "``); LLM-Adapters-template rows carry
+``"separator": ""`` because their prompt already ends where the answer (``output``) begins.
 
 Training and evaluation read the built files through `read_rows`, which checks every row:
 
@@ -21,11 +26,27 @@ from typing import Any
 from data_prep.tasks import DataPrepError
 
 FIELDS: dict[str, type] = {"task": str, "id": str, "prompt": str, "answer": str, "choices": list, "label": int}
+OPTIONAL_FIELDS: dict[str, type] = {"separator": str}
+# Key order on disk: a row without the optional fields serializes exactly as before they existed.
+ORDER = ("task", "id", "prompt", "separator", "answer", "choices", "label")
+
+# The paper-template separator between prompt and answer (the FRoD paper's "\nAnswer: ").
+ANSWER_SEPARATOR = "\nAnswer: "
+
+
+def row_separator(row: dict[str, Any]) -> str:
+    """The text between a row's ``prompt`` and its answer: its ``separator`` field, else `ANSWER_SEPARATOR`."""
+    return row["separator"] if "separator" in row else ANSWER_SEPARATOR
+
+
+def training_text(row: dict[str, Any]) -> str:
+    """``prompt + row_separator(row) + answer``: a row's training text, EOS excluded."""
+    return row["prompt"] + row_separator(row) + row["answer"]
 
 
 def dumps_row(row: dict[str, Any]) -> str:
-    """Canonical one-line JSON of an output row (fields in `FIELDS` order)."""
-    return json.dumps({key: row[key] for key in FIELDS}, ensure_ascii=True)
+    """Canonical one-line JSON of an output row (fields in `ORDER`; optional ones only when present)."""
+    return json.dumps({key: row[key] for key in ORDER if key in FIELDS or key in row}, ensure_ascii=True)
 
 
 def write_rows(path: Path, rows: Iterable[dict[str, Any]]) -> str:
@@ -57,6 +78,9 @@ def check_row(row: Any) -> str | None:
             return f"missing field '{key}'"
         if type(row[key]) is not kind:
             return f"field '{key}' must be {kind.__name__}, got {type(row[key]).__name__}"
+    for key, kind in OPTIONAL_FIELDS.items():
+        if key in row and type(row[key]) is not kind:
+            return f"field '{key}' must be {kind.__name__} when present, got {type(row[key]).__name__}"
     choices, label = row["choices"], row["label"]
     if not choices or not all(type(c) is str for c in choices):
         return "field 'choices' must be a non-empty list of strings"

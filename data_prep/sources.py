@@ -10,6 +10,11 @@ A split may be ``<split>.jsonl`` (JSON lines), ``<split>.json`` (a JSON array, o
 `datasets.Dataset.to_json` writes them), ``<split>.parquet`` or a ``<split>/`` `save_to_disk` folder;
 rows are in the task's Hugging Face schema. WinoGrande may keep one folder per size,
 ``DIR/winogrande/winogrande_<size>/``, used when present for the requested size.
+
+An LLM-Adapters source, ``llm-adapters:PATH``, is either its combined training file
+(``commonsense_170k.json``: training rows only) or a folder in the layout of its ``dataset/``:
+``PATH/<folder>/train.json`` and ``PATH/<folder>/test.json`` with LLM-Adapters' folder names
+(`LLM_ADAPTERS_FOLDERS`); only the selected tasks' folders must exist.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ from data_prep.tasks import TASKS, DataPrepError, hub_config
 
 HUB = "hub"
 SPLIT_SUFFIXES = (".jsonl", ".json", ".parquet")
+LLM_ADAPTERS = "llm-adapters:"
+# task key -> LLM-Adapters' dataset/<folder> name
+LLM_ADAPTERS_FOLDERS = {
+    "boolq": "boolq", "piqa": "piqa", "siqa": "social_i_qa", "hellaswag": "hellaswag", "winogrande": "winogrande",
+    "obqa": "openbookqa", "arc_easy": "ARC-Easy", "arc_challenge": "ARC-Challenge",
+}
+LLM_ADAPTERS_SPLITS = {"train": "train", "eval": "test"}  # role -> file stem
 
 
 @dataclass
@@ -199,4 +211,47 @@ def describe_source(source: str) -> dict[str, Any]:
     """What the manifest records about the source as a whole."""
     if source == HUB:
         return {"kind": "hub"}
+    path = llm_adapters_path(source)
+    if path is not None:
+        layout = "combined file" if path.is_file() else "task folders"
+        return {"kind": "llm-adapters", "layout": layout, "path": str(path.resolve())}
     return {"kind": "local", "root": str(Path(source).resolve())}
+
+
+# --- LLM-Adapters ---------------------------------------------------------------------------
+
+
+def llm_adapters_path(source: str) -> Path | None:
+    """PATH of an ``llm-adapters:PATH`` source; None for any other source."""
+    return Path(source[len(LLM_ADAPTERS):]) if source.startswith(LLM_ADAPTERS) else None
+
+
+def check_llm_adapters_source(path: Path, tasks: list[str]) -> None:
+    """Raise one error if PATH is missing or a folder lacks a selected task's train.json/test.json."""
+    if path.is_file():
+        return
+    if not path.is_dir():
+        raise DataPrepError(f"--source llm-adapters:{path}: no such file or directory "
+                            "(pass commonsense_170k.json or a folder of <task>/{train,test}.json)")
+
+    def absent(task: str) -> list[str]:
+        return [str(path / LLM_ADAPTERS_FOLDERS[task] / f"{stem}.json") for stem in LLM_ADAPTERS_SPLITS.values()
+                if not (path / LLM_ADAPTERS_FOLDERS[task] / f"{stem}.json").is_file()]
+
+    missing = [f"{task} (no {' and no '.join(absent(task))})" for task in tasks if absent(task)]
+    if missing:
+        complete = [task for task in TASKS if not absent(task)]
+        hint = f"; pass --tasks {','.join(complete)} to build only the tasks present" if complete else ""
+        raise DataPrepError(f"LLM-Adapters source {path} lacks files of selected task(s): {', '.join(missing)}{hint}")
+
+
+def load_llm_adapters_file(path: Path, root: Path) -> SplitData:
+    """All rows of one LLM-Adapters JSON file; provenance relative to `root`."""
+    rows = read_split_file(path)
+    name = path.name if path == root else path.relative_to(root).as_posix()
+    return SplitData(rows, str(path), {"path": name, "sha256": sha256_tree(path)})
+
+
+def load_llm_adapters_split(root: Path, task: str, role: str) -> SplitData:
+    """``root/<folder>/{train,test}.json`` of `task` (role "train" or "eval")."""
+    return load_llm_adapters_file(root / LLM_ADAPTERS_FOLDERS[task] / f"{LLM_ADAPTERS_SPLITS[role]}.json", root)

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from data_prep.io import ANSWER_SEPARATOR  # noqa: F401  (re-exported: training text = prompt + it + answer)
+
 BOOLQ = "Reference document:\n{passage}\nQuestion:\n{question}"
 PIQA = (
     "Physical situation description:\n{goal}\nChoice A:\n{sol1}\nChoice B:\n{sol2}\nQuestion:\n"
@@ -54,13 +56,9 @@ OBQA = "Please choose the correct answer to the question:{question_stem}\n{opts}
 ARC = "Please choose the correct answer to the question:{question}\n{opts}."
 OPTION = "Option {label}:\n{text}\n"
 
-# Training text is prompt + ANSWER_SEPARATOR + answer (+ EOS); the loss covers the answer and EOS.
-ANSWER_SEPARATOR = "\nAnswer: "
-
-
-def training_text(prompt: str, answer: str) -> str:
-    """The text of one training example, EOS excluded."""
-    return prompt + ANSWER_SEPARATOR + answer
+# LLM-Adapters' BoolQ rows carry no passage (see data_prep.llm_adapters): the paper's BoolQ template
+# without its "Reference document:\n{passage}\n" part. No passage is invented, not even an empty one.
+BOOLQ_NO_PASSAGE = "Question:\n{question}"
 
 
 @dataclass(frozen=True)
@@ -129,6 +127,12 @@ def _choices(row: dict[str, Any]) -> tuple[list[str], list[str]]:
 def render_boolq(row: dict[str, Any]) -> Example:
     """BoolQ: `answer` (bool) → ``true``/``false``."""
     prompt = BOOLQ.format(passage=_field(row, "passage", str), question=_field(row, "question", str))
+    return Example(prompt, ("true", "false"), 0 if _field(row, "answer", bool) else 1)
+
+
+def render_boolq_no_passage(row: dict[str, Any]) -> Example:
+    """BoolQ without a passage (LLM-Adapters' rows): ``Question:\n{question}``; `answer` (bool) → ``true``/``false``."""
+    prompt = BOOLQ_NO_PASSAGE.format(question=_field(row, "question", str))
     return Example(prompt, ("true", "false"), 0 if _field(row, "answer", bool) else 1)
 
 

@@ -1,6 +1,8 @@
 """Training data: data_prep JSONL rows → token ids with answer-only labels → deterministic rank batches.
 
-The training text is ``prompt + "\\nAnswer: " + answer + EOS``. With ``train_on_inputs=False`` the loss
+The training text is ``prompt + separator + answer + EOS``, the separator being the row's ``"separator"``
+field when present (``""`` for LLM-Adapters' template, whose prompt ends where its ``output`` begins) and
+``"\\nAnswer: "`` otherwise (``data_prep.io.row_separator``). With ``train_on_inputs=False`` the loss
 covers the answer tokens and EOS only. The context/answer token boundary is the one the evaluator uses
 (``frod_ds.evaluation.encode_rows``), so training and scoring see the same tokens.
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.io import read_rows
+from data_prep.io import read_rows, row_separator
 from data_prep.tasks import DataPrepError
 from frod_ds.errors import FrodError
 from frod_ds.evaluation import encode_rows
@@ -49,11 +51,14 @@ def _check_training_row(row) -> str | None:
         if not isinstance(row.get(key), str):
             return (f"field {key!r} missing or not a string; rows need "
                     '{"prompt": str, "answer": str} (the output of `python -m data_prep build`)')
+    if "separator" in row and not isinstance(row["separator"], str):
+        return "field 'separator' must be a string when present"
     return None
 
 
 def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Rows with string ``prompt`` and ``answer`` (other data_prep fields are kept, not required)."""
+    """Rows with string ``prompt`` and ``answer``, optional string ``separator`` (other data_prep fields are
+    kept, not required)."""
     p = _resolve_train_path(path)
     try:
         rows = read_rows(p, check=_check_training_row, limit=limit)
@@ -70,11 +75,36 @@ class Example:
     labels: list[int]
 
 
-def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_inputs: bool) -> list[Example]:
-    """Tokenize ``prompt + SEP + answer + EOS``; labels are -100 outside the answer unless ``train_on_inputs``.
+def _prompt_only_lead(tokenizer, texts: list[str], boundaries: list[int], enc) -> list[int]:
+    """How many leading continuation tokens of each row hold no answer character.
 
-    Examples longer than ``cutoff_len`` are truncated from the left of the prompt, so the answer and EOS
-    (what the loss is on) survive; the BOS token is kept.
+    ``encode_rows`` splits context and answer where the tokens of ``prompt + separator`` and of the full text
+    part; a token straddling that point stays on the answer side. Where a separator or prompt ends in
+    whitespace (LLM-Adapters' prompt ends in 16 spaces, separator ``""``), a byte-level BPE tokenizer's
+    ``"\\n" + 15 spaces`` token — all prompt — lands there too. With a fast tokenizer the character offsets
+    tell such tokens apart, so the loss starts at the first token that contains an answer character; without
+    offsets (slow tokenizers) the split stays where ``encode_rows`` puts it (lead 0).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        return [0] * len(texts)
+    batch = tokenizer(texts, add_special_tokens=True, return_offsets_mapping=True)
+    leads = []
+    for ids, offsets, boundary, e in zip(batch["input_ids"], batch["offset_mapping"], boundaries, enc):
+        cont = e.continuations[0]
+        assert list(ids[: len(e.context) + len(cont)]) == list(e.context) + list(cont), "same tokenization as encode_rows"
+        lead = 0
+        while lead < len(cont) - 1 and offsets[len(e.context) + lead][1] <= boundary:
+            lead += 1
+        leads.append(lead)
+    return leads
+
+
+def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_inputs: bool) -> list[Example]:
+    """Tokenize ``prompt + separator + answer + EOS``; labels are -100 outside the answer unless ``train_on_inputs``.
+
+    The answer's tokens are those from the first token that holds an answer character (with a fast
+    tokenizer; see `_prompt_only_lead`). Examples longer than ``cutoff_len`` are truncated from the left of
+    the prompt, so the answer and EOS (what the loss is on) survive; the BOS token is kept.
     """
     eos = tokenizer.eos_token_id
     if eos is None:
@@ -82,9 +112,13 @@ def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_input
     out = []
     for start in range(0, len(rows), 256):
         chunk = rows[start : start + 256]
-        enc = encode_rows(tokenizer, [r["prompt"] for r in chunk], [[r["answer"]] for r in chunk])
-        for e in enc:
-            ctx, ans = list(e.context), list(e.continuations[0]) + [eos]
+        contexts = [r["prompt"] + row_separator(r) for r in chunk]
+        enc = encode_rows(tokenizer, [r["prompt"] for r in chunk], [[r["answer"]] for r in chunk],
+                          [row_separator(r) for r in chunk])
+        leads = _prompt_only_lead(tokenizer, [c + r["answer"] for c, r in zip(contexts, chunk)], [len(c) for c in contexts], enc)
+        for e, lead in zip(enc, leads):
+            cont = list(e.continuations[0])
+            ctx, ans = list(e.context) + cont[:lead], cont[lead:] + [eos]
             keep = cutoff_len - len(ans)
             if keep < 1:
                 ans = ans[: cutoff_len - 1]

@@ -6,9 +6,12 @@
     python launch/hjd.py --model /ckpt/tiny --out factors/tiny --device cpu        # one process
     python launch/hjd.py --verify factors/llama2-7b --model meta-llama/Llama-2-7b-hf
 
-Rerunning a killed run with the same arguments skips the categories already complete. Exit codes: 0 ok,
-2 user error (one ``error: ...`` line on stderr from rank 0), 1 verification failed. Under torchrun any
-failing worker makes torchrun itself exit 1.
+Rerunning a killed run with the same arguments skips the categories already complete. On CPU, unless
+OMP_NUM_THREADS is set, each rank uses its share of the cores (torch's default divided by the ranks on the
+node) and OpenMP threads sleep instead of spinning while they wait (OMP_WAIT_POLICY=PASSIVE): with spinning
+threads a single-process run on a shared 2-core machine took 4-15x longer (bench/hjd_cpu_threads.py).
+Exit codes: 0 ok, 2 user error (one ``error: ...`` line on stderr from rank 0), 1 verification failed.
+Under torchrun any failing worker makes torchrun itself exit 1.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ if __package__ in (None, ""):  # `python launch/hjd.py` / torchrun: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frod_ds.hjd.plan import DEFAULT_TARGETS, readahead_budget, start_readahead  # no torch yet
+from frod_ds.launch_env import ranks_on_this_node
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -38,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pi", type=float, default=1e-3, help="ridge term π > 0 of T_pi (spec §1)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="HJD compute dtype (fp32 runs with TF32 off)")
+    p.add_argument("--u-dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto",
+                   help="dtype U_i is stored in; auto: the checkpoint's. float32 for a bf16 checkpoint keeps the FRoD "
+                        "model exact at init under fp32 compute (the store's U then takes twice the checkpoint's bytes)")
     p.add_argument("--part-mb", type=float, default=256.0,
                    help="size of one U/sigma part file, MiB; smaller parts overlap writing with computing")
     p.add_argument("--method", choices=["auto", "householder"], default="auto",
@@ -76,7 +83,8 @@ def build(args: argparse.Namespace) -> int:
     cfg = D.on_all(lambda: StageConfig(
         model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
         block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, part_mb=args.part_mb, device=args.device, overwrite=args.overwrite,
-        fsync=args.fsync, method=args.method, io_threads=args.io_threads, prefetch_gb=args.prefetch_gb))
+        fsync=args.fsync, method=args.method, io_threads=args.io_threads, prefetch_gb=args.prefetch_gb,
+        **({} if args.u_dtype == "auto" else {"u_dtype": getattr(torch, args.u_dtype)})))
     manifest = run_stage(cfg, process_start=PROCESS_START)
     if manifest is not None:
         _print_summary(manifest)
@@ -112,12 +120,44 @@ def _print_summary(manifest) -> None:
         mem = f", peak GPU {r.peak_device_gib:.2f} GiB" if r.peak_device_gib is not None else ""
         print(f"  rank {r.rank}: {r.seconds:.1f} s{mem}, peak host RSS {r.peak_host_rss_gib:.2f} GiB, "
               f"read {r.tensors_read} tensors / {r.bytes_read / 2**30:.2f} GiB", flush=True)
+    for c, spec in manifest["categories"].items():
+        if spec.get("complete"):
+            print(f"{c:>10} {len(spec['members']):>7} {spec['width']:>6} {spec.get('method', '?'):>11} {spec['seconds']:>8.2f} "
+                  f"{spec['max_error']:>9.2e} {spec['max_stored_error']:>10.2e}")
+    print(f"total {run['seconds']:.1f} s, world size {run['world_size']}, complete: {manifest['complete']}")
+    for r in run["ranks"]:
+        mem = f", peak GPU {r['peak_device_gib']:.2f} GiB" if "peak_device_gib" in r else ""
+        print(f"  rank {r['rank']}: {r['seconds']:.1f} s{mem}, peak host RSS {r['peak_host_rss_gib']:.2f} GiB, "
+              f"read {r['tensors_read']} tensors / {r['bytes_read'] / 2**30:.2f} GiB", flush=True)
+
+
+
+def _cpu_threading_env(args: argparse.Namespace) -> None:
+    """Before torch loads: OpenMP threads of a CPU run sleep while they wait, unless the user chose the
+    threading (OMP_NUM_THREADS or OMP_WAIT_POLICY set). Spinning threads lose their core whenever another
+    process is busy on it, and every parallel region then waits for them."""
+    if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _set_cpu_threads(args: argparse.Namespace) -> None:
+    """CPU runs without OMP_NUM_THREADS: torch's default thread count (the physical cores) divided by the
+    ranks on this node, so that srun or the DeepSpeed launcher (which set no OMP_NUM_THREADS, unlike
+    torchrun) do not run ranks × cores threads."""
+    import torch
+
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // ranks_on_this_node()))
+
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _cpu_threading_env(args)
     if args.out is not None:  # the kernel reads this rank's first weights while torch loads
         start_readahead(args.model, args.targets, readahead_budget())
+    _set_cpu_threads(args)
     from frod_ds import entry
 
     return entry.run(lambda: verify(args) if args.verify is not None else build(args),
