@@ -120,16 +120,6 @@ def _print_summary(manifest) -> None:
         mem = f", peak GPU {r.peak_device_gib:.2f} GiB" if r.peak_device_gib is not None else ""
         print(f"  rank {r.rank}: {r.seconds:.1f} s{mem}, peak host RSS {r.peak_host_rss_gib:.2f} GiB, "
               f"read {r.tensors_read} tensors / {r.bytes_read / 2**30:.2f} GiB", flush=True)
-    for c, spec in manifest["categories"].items():
-        if spec.get("complete"):
-            print(f"{c:>10} {len(spec['members']):>7} {spec['width']:>6} {spec.get('method', '?'):>11} {spec['seconds']:>8.2f} "
-                  f"{spec['max_error']:>9.2e} {spec['max_stored_error']:>10.2e}")
-    print(f"total {run['seconds']:.1f} s, world size {run['world_size']}, complete: {manifest['complete']}")
-    for r in run["ranks"]:
-        mem = f", peak GPU {r['peak_device_gib']:.2f} GiB" if "peak_device_gib" in r else ""
-        print(f"  rank {r['rank']}: {r['seconds']:.1f} s{mem}, peak host RSS {r['peak_host_rss_gib']:.2f} GiB, "
-              f"read {r['tensors_read']} tensors / {r['bytes_read'] / 2**30:.2f} GiB", flush=True)
-
 
 
 def _cpu_threading_env(args: argparse.Namespace) -> None:
