@@ -163,7 +163,25 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
             raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+        except Exception as e:  # a damaged shard: safetensors' error names no file
+            if type(e).__name__ != "SafetensorError":
+                raise
+            from safetensors import safe_open
+
+            from frod_ds.hf_checkpoint import resolve_model_dir
+
+            bad = "a weight file"
+            for shard in sorted(Path(resolve_model_dir(config.model)).glob("*.safetensors")):
+                try:
+                    with safe_open(str(shard), "pt"):
+                        pass
+                except Exception:  # noqa: BLE001 - any unreadable shard is the one to name
+                    bad = shard.name
+                    break
+            raise EvalError(f"--model {config.model}: {bad} cannot be read ({e}); the checkpoint is damaged "
+                            "(truncated or overwritten), copy it again") from None
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     return model.eval(), tokenizer
 
