@@ -63,7 +63,7 @@ def is_marked(path: Path) -> bool:
 
 def check_replaceable(out: Path, what: str = "--out") -> None:
     """Raise ``FrodError`` unless an existing ``out`` may be replaced or deleted: a directory (not a link)
-    holding the marker, containing neither the working directory nor the repository."""
+    holding the marker (or empty), containing neither the working directory nor the repository."""
     from frod_ds.errors import FrodError
 
     if not os.path.lexists(out):
@@ -72,6 +72,8 @@ def check_replaceable(out: Path, what: str = "--out") -> None:
     for inside in (Path.cwd().resolve(), _REPO):
         if inside == real or real in inside.parents:
             raise FrodError(f"{what} {out} contains {inside}; refusing to replace it, choose a new directory")
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return  # an empty directory holds nothing to lose
     if not is_marked(out):
         raise FrodError(f"{what} {out} exists and was not written by frod-ds (no {MARKER} marker); refusing to "
                         "replace it, remove it yourself or choose a new directory")
