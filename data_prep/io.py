@@ -102,8 +102,9 @@ def read_rows(
     rows = []
     line_no = 0
     try:
-        with open(path, encoding="utf-8", newline="\n") as f:
-            for line_no, line in enumerate(f, start=1):
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                line = raw.decode("utf-8")
                 if not line.strip():
                     continue
                 try:
@@ -117,5 +118,5 @@ def read_rows(
                 if limit is not None and len(rows) >= limit:
                     break
     except UnicodeDecodeError as exc:
-        raise DataPrepError(f"{path} line {line_no + 1}: not valid UTF-8 ({exc.reason} at byte {exc.start} of a block)") from None
+        raise DataPrepError(f"{path} line {line_no}: not valid UTF-8 ({exc.reason} at byte {exc.start} of the line)") from None
     return rows

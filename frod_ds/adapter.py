@@ -77,7 +77,10 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], config:
                   extra_files: dict[str, str] | None = None) -> Path:
     """Write an adapter dir atomically (built under a temporary name, then renamed)."""
     out_dir = Path(out_dir)
-    with building_dir(out_dir) as tmp:
+    bad = nonfinite_tensor(tensors)
+    if bad:
+        raise AdapterError(f"refusing to write adapter {out_dir}: {bad}; the training diverged")
+    with building_dir(out_dir, "adapter") as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
         (tmp / CONFIG).write_text(config.to_json())
         for fname, text in (extra_files or {}).items():
@@ -103,9 +106,20 @@ def is_adapter_checkpoint(path: str | Path) -> bool:
         return False
     try:
         AdapterConfig.read(p / CONFIG)
+    except AdapterError as e:  # a damaged frod-ds config is still one: reading it reports the damage
+        return "corrupt" in str(e) or (p / WEIGHTS).is_file()
     except (FrodError, OSError):
         return False
     return True
+
+
+def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
+    """A one-line description of the first tensor holding NaN or inf, or None when all are finite."""
+    for name, x in tensors.items():
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            n = int((~torch.isfinite(x)).sum())
+            return f"{name} holds {n} non-finite value(s) (NaN/inf) of {x.numel()}"
+    return None
 
 
 def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConfig]:
@@ -122,6 +136,9 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
                for k in [support_name(c)] + [f(m) for m in info.members for f in (sigma_name, s_name)] if k not in tensors]
     if missing:
         raise AdapterError(f"{p / WEIGHTS} has no tensor {missing[0]!r} ({len(missing)} missing); the adapter is damaged")
+    bad = nonfinite_tensor(tensors)
+    if bad:
+        raise AdapterError(f"adapter {p} cannot be used: {bad}; its training diverged, use an earlier adapter or retrain")
     return tensors, config
 
 

@@ -29,6 +29,7 @@ from frod_ds.evaluation import encode_rows
 __all__ = ["DataError", "read_training_rows", "Example", "encode_examples", "collate", "BatchPlan"]
 
 IGNORE_INDEX = -100
+MAX_ROW_CHARS = 100_000  # a training row (prompt + answer) longer than this is refused, not silently truncated
 
 
 class DataError(FrodError):
@@ -66,6 +67,18 @@ def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]
         raise DataError(str(e)) from None
     if not rows:
         raise DataError(f"{p} has no rows")
+    seen: dict[str, int] = {}
+    for i, row in enumerate(rows, start=1):
+        length = len(row["prompt"]) + len(row["answer"])
+        if length > MAX_ROW_CHARS:
+            raise DataError(f"{p} row {i}: {length} characters, more than any sensible prompt ({MAX_ROW_CHARS}); "
+                            "remove it or fix the data build")
+        rid = row.get("id")
+        if isinstance(rid, str):
+            if rid in seen:
+                raise DataError(f"{p} rows {seen[rid]} and {i} have the same id {rid!r}; duplicated rows would be "
+                                "trained on twice, deduplicate the data")
+            seen[rid] = i
     return rows
 
 

@@ -42,9 +42,12 @@ def load_ds_config(path: str | Path) -> dict:
     if not p.is_file():
         raise DSConfigError(f"DeepSpeed config {p} not found (see ds_configs/)")
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+        cfg = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DSConfigError(f"DeepSpeed config {p} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise DSConfigError(f"DeepSpeed config {p} must be a JSON object at the top level, got {type(cfg).__name__}")
+    return cfg
 
 
 def _autos(node: Any, prefix: str = "") -> list[str]:

@@ -144,6 +144,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _unreadable_shard(model: str) -> str:
+    """The first safetensors shard of ``model`` that safetensors cannot open (safetensors' errors name no file)."""
+    from safetensors import safe_open
+
+    from frod_ds.hf_checkpoint import resolve_model_dir
+
+    for shard in sorted(Path(resolve_model_dir(model)).glob("*.safetensors")):
+        try:
+            with safe_open(str(shard), "pt"):
+                pass
+        except Exception:  # noqa: BLE001 - any unreadable shard is the one to name
+            return shard.name
+    return "a weight file"
+
+
 def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
     """(model in eval mode on `device`, tokenizer) from --checkpoint (FRoD adapter) or --model (plain HF)."""
     from frod_ds import adapter
@@ -160,11 +175,19 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
             raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        try:  # transformers says what is missing or unreadable with an OSError
+        try:
             model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+        except OSError as e:  # transformers says what is missing or unreadable with an OSError
+            raise EvalError(f"cannot load --model {config.model}: {e}") from None
+        except Exception as e:  # a damaged shard: safetensors' error names no file
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise EvalError(f"--model {config.model}: {_unreadable_shard(config.model)} cannot be read ({e}); the "
+                            "checkpoint is damaged (truncated or overwritten), copy it again") from None
+        try:
             tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         except OSError as e:
-            raise EvalError(f"cannot load --model {config.model}: {e}") from None
+            raise EvalError(f"cannot load the tokenizer of --model {config.model}: {e}") from None
     return model.eval(), tokenizer
 
 

@@ -10,6 +10,7 @@ the recipe holds what the method and the data need. Defaults are the paper's (sp
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,8 @@ class TrainCfg:
     rotation_every: int = 50  # tan α per category (gathers U, V); 0 = never
     keep_checkpoints: int = 2  # engine checkpoints kept for resume
     tensorboard: bool = False
+    max_nonfinite_steps: int = 3  # this many consecutive steps with a non-finite loss or gradient stop the run
+    new_run: bool = False  # output_dir holds another run: move it aside (output_dir/superseded-*) and start anew
 
 
 @dataclass
@@ -113,6 +116,14 @@ class Recipe:
             p.append("train.log_every must be >= 1")
         if t.keep_checkpoints < 1:
             p.append("train.keep_checkpoints must be >= 1")
+        if t.max_nonfinite_steps < 1:
+            p.append(f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
+        for section in ("model", "data", "train"):
+            for f in dataclasses.fields(getattr(self, section)):
+                v = getattr(getattr(self, section), f.name)
+                for x in (v if isinstance(v, (list, tuple)) else [v]):
+                    if isinstance(x, float) and not math.isfinite(x):
+                        p.append(f"{section}.{f.name} must be a finite number, got {x}")
         return p
 
 

@@ -40,6 +40,7 @@ from frod_ds.dtypes import FLOAT_DTYPES
 from frod_ds.errors import FrodError, StoreError, note
 from frod_ds.layer import tan_alpha
 from frod_ds.recipe import Recipe, recipe_to_dict
+from frod_ds.run_identity import RUN_IDENTITY, RunIdentity, RunIdentityError, file_sha256, training_hyperparameters
 from frod_ds.store_format import StoreIdentity, category_of
 
 __all__ = ["Run", "setup", "fit", "lr_lambda"]
@@ -76,6 +77,7 @@ class Run:
     zero3: bool
     store: Any
     store_identity: StoreIdentity
+    run_identity: RunIdentity
     out: Path
     adapter_config: AdapterConfig  # step and categories filled in at each save
     sigma0: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -89,7 +91,8 @@ def _device() -> torch.device:
 
 def _check_store(recipe: Recipe):
     """Open the factor store and refuse one built from another model — before anything heavy. Returns
-    ``(model_dir, store, identity)``; ``identity`` is what the adapters and checkpoints record."""
+    ``(model_dir, store, identity, run_identity)``; the identities are what the adapters and checkpoints
+    record, and a run to resume in ``output_dir`` must have the same ones (unless ``train.new_run``)."""
     from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
     from frod_ds.store import FactorStore, check_store_matches
 
@@ -103,8 +106,55 @@ def _check_store(recipe: Recipe):
             "rebuild it with launch/hjd.py --targets … or change model.targets"
         )
     identity = store.identity(list(recipe.model.targets))
-    _check_resume_store(Path(recipe.output_dir), identity)
-    return model_dir, store, identity
+    ckpt = HFCheckpoint(model_dir)
+    from frod_ds.fingerprint import weights_fingerprint
+
+    t = recipe.train
+    data = {"train": file_sha256(recipe.data.train)}
+    if recipe.data.eval:
+        data["eval"] = file_sha256(recipe.data.eval)
+    run_identity = RunIdentity(
+        base_fingerprint=weights_fingerprint(ckpt, list(ckpt.keys())), data_sha256=data,
+        hyperparameters=training_hyperparameters(recipe_to_dict(recipe),
+                                                 t.micro_batch_size * t.grad_accum * dist.get_world_size()))
+    if not t.new_run:
+        _check_resume_store(Path(recipe.output_dir), identity)
+        _check_resume_run(Path(recipe.output_dir), run_identity)
+    return model_dir, store, identity, run_identity
+
+
+def _check_resume_run(out: Path, identity: RunIdentity) -> None:
+    """``RunIdentityError`` when ``out`` holds a checkpoint of a run with another identity."""
+    marker = out / "checkpoints" / "latest_complete"
+    if not marker.is_file():
+        return
+    recorded = out / "checkpoints" / marker.read_text().strip() / RUN_IDENTITY
+    if not recorded.is_file():
+        note(f"checkpoint {recorded.parent} does not record its run identity (written by an older frod-ds): "
+             "resuming without checking that it is this run")
+        return
+    diffs = RunIdentity.from_json(recorded.read_text(), recorded).differences(identity)
+    if diffs:
+        raise RunIdentityError(
+            f"output_dir {out} holds another run ({'; '.join(diffs[:4])}{'; …' if len(diffs) > 4 else ''}); "
+            "use another output_dir, or pass train.new_run=true to move that run aside and start anew")
+
+
+PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard")
+
+
+def _supersede_previous_run(out: Path) -> None:
+    """``train.new_run``: move a previous run's files in ``out`` into ``out/superseded-<time>/`` (nothing is
+    deleted; adapters included)."""
+    old = [p for p in out.iterdir() if p.name in PREVIOUS_RUN or (p.name.startswith("adapter-") and p.is_dir())] \
+        if out.is_dir() else []
+    if not old:
+        return
+    dest = out / time.strftime("superseded-%Y%m%d-%H%M%S")
+    dest.mkdir()
+    for p in old:
+        os.rename(p, dest / p.name)
+    print(f"note: train.new_run: the previous run in {out} moved to {dest}", flush=True)
 
 
 STORE_IDENTITY = "factor_store.json"  # beside each engine checkpoint: the store it was trained on
@@ -154,7 +204,7 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
 
     world, rank = dist.get_world_size(), dist.get_rank()
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
-    ds_cfg, model_dir, store, identity, tok, examples, eval_examples = dist.on_all(
+    ds_cfg, model_dir, store, identity, run_identity, tok, examples, eval_examples = dist.on_all(
         lambda: _inputs(recipe, ds_config_path, nvme_path))
     plan = BatchPlan(len(examples), recipe.train.micro_batch_size, recipe.train.grad_accum, world, rank,
                      recipe.train.seed)
@@ -190,11 +240,14 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         dtype=recipe.model.dtype,
     )
     run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
-              zero_stage(ds_cfg) == 3, store, identity, out, config)
+              zero_stage(ds_cfg) == 3, store, identity, run_identity, out, config)
     run.sigma0 = _initial_sigma(engine.module, run.zero3)
     if dist.is_main():
+        if recipe.train.new_run:
+            _supersede_previous_run(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    dist.barrier()
     run.start_step = _maybe_resume(run)
     return run
 
@@ -210,11 +263,35 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None):
             raise FrodError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
     rows = read_training_rows(recipe.data.train, recipe.data.limit)
     eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
-    model_dir, store, identity = _check_store(recipe)
+    model_dir, store, identity, run_identity = _check_store(recipe)
     tok = _load_tokenizer(recipe, model_dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
     eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
-    return ds_cfg, model_dir, store, identity, tok, examples, eval_examples
+    t, world = recipe.train, dist.get_world_size()
+    batch = t.micro_batch_size * t.grad_accum * world
+    if len(examples) < batch:
+        raise FrodError(f"{recipe.data.train} has {len(examples)} rows, fewer than one global batch ({batch} = "
+                        f"micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x {world} rank(s)); "
+                        "use more data or a smaller batch")
+    for c in recipe.model.targets:
+        n = store.width(c)
+        if int(round(recipe.model.sparsity * n * n)) == 0:
+            raise FrodError(f"model.sparsity={recipe.model.sparsity:g} gives S no entries for {c} (width {n}: "
+                            f"round(s*n^2) = 0); use model.sparsity >= {0.5 / (n * n):.3g}")
+    _check_output_dir(Path(recipe.output_dir))
+    return ds_cfg, model_dir, store, identity, run_identity, tok, examples, eval_examples
+
+
+def _check_output_dir(out: Path) -> None:
+    """``output_dir`` must be a directory this process can write to (created if missing)."""
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise FrodError(f"output_dir {out} is not writable: {e.strerror or e}; choose another output_dir") from None
 
 
 def _absolute_if_local(path_or_id: str) -> str:
@@ -282,6 +359,7 @@ def save_checkpoint(run: Run, step: int) -> None:
     dist.barrier()
     if dist.is_main():
         (root / tag / STORE_IDENTITY).write_text(run.store_identity.to_json())
+        (root / tag / RUN_IDENTITY).write_text(run.run_identity.to_json())
         (root / tag / "COMPLETE").write_text("")
         tmp = root / "latest_complete.tmp"
         tmp.write_text(tag)
@@ -406,10 +484,23 @@ def fit(run: Run) -> int:
                dynamic_ncols=True)
     run.engine.train()
     step = run.start_step
+    if step >= run.total_steps and (run.out / "adapter-final").is_dir():
+        bar.close()
+        dist.print0(f"{run.out} holds a finished run (step {step}/{run.total_steps}); adapter-final left as it is")
+        return 0
+    nonfinite = 0
     while step < run.total_steps:
         row = _train_step(run, step)
         step += 1
         row = {"step": step, **row}
+        nonfinite = 0 if math.isfinite(row["loss"]) else nonfinite + 1
+        if nonfinite >= t.max_nonfinite_steps:  # the loss is all-reduced: every rank agrees
+            bar.close()
+            raise dist.CollectiveError(
+                f"{nonfinite} consecutive steps with a non-finite loss (last: step {step}, loss "
+                f"{row['loss']}, grad norm {row['grad_norm']}); stopped without writing adapter-final. Check the "
+                "base weights and factor store for NaN/inf and lower train.lr_sigma / train.lr_s "
+                "(train.max_nonfinite_steps sets how many are allowed)")
         if t.eval_every and run.eval_examples and step % t.eval_every == 0:
             row["eval_loss"] = eval_loss(run)
         if t.rotation_every and (step % t.rotation_every == 0 or step == run.total_steps):

@@ -71,7 +71,7 @@ def prepare(out: Path, log: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="runs/demo", help="output directory (replaced)")
+    ap.add_argument("--out", default="runs/demo", help="output directory (replaced only if an earlier demo wrote it)")
     ap.add_argument("--ranks", type=int, default=2, help="processes for HJD, training and eval")
     ap.add_argument("--recipe", default="recipes/demo_tiny.yaml", help="training recipe")
     return ap.parse_args(argv)
@@ -80,10 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def demo(args: argparse.Namespace) -> int:
     import torch
 
+    from frod_ds.atomic import mark_dir, remove_marked
+
     out = (ROOT / args.out).resolve()
-    if out.exists():
-        shutil.rmtree(out)
+    remove_marked(out, "--out")  # only a directory an earlier demo wrote (marker), never the repo or cwd
     out.mkdir(parents=True)
+    mark_dir(out, "demo")
     log = out / "demo.log"
     gpu = torch.cuda.is_available()
     ranks = min(args.ranks, torch.cuda.device_count()) if gpu else args.ranks

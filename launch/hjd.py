@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # `python launch/hjd.py` / torchrun: make the rep
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frod_ds.hjd.plan import DEFAULT_TARGETS, readahead_budget, start_readahead  # no torch yet
+from frod_ds.launch_env import ranks_on_this_node
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,7 +84,7 @@ def build(args: argparse.Namespace) -> int:
         model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
         block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, part_mb=args.part_mb, device=args.device, overwrite=args.overwrite,
         fsync=args.fsync, method=args.method, io_threads=args.io_threads, prefetch_gb=args.prefetch_gb,
-        u_dtype=None if args.u_dtype == "auto" else getattr(torch, args.u_dtype)))
+        **({} if args.u_dtype == "auto" else {"u_dtype": getattr(torch, args.u_dtype)})))
     manifest = run_stage(cfg, process_start=PROCESS_START)
     if manifest is not None:
         _print_summary(manifest)
@@ -147,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     _cpu_threading_env(args)
     if args.out is not None:  # the kernel reads this rank's first weights while torch loads
         start_readahead(args.model, args.targets, readahead_budget())
+    _set_cpu_threads(args)
     from frod_ds import entry
 
-    _set_cpu_threads(args)
     return entry.run(lambda: verify(args) if args.verify is not None else build(args),
                      backend="gloo" if args.device == "cpu" else None)
 

@@ -47,7 +47,7 @@ def test_build_prints_counts_drops_reference_and_sha256s(capsys, tmp_path):
     assert "dropped: hellaswag eval: label missing: 1" in stdout
     assert any(line.split() == ["obqa", "eval", "test", "1", "1", "0"] for line in stdout.splitlines())
     printed = {line.split()[2]: line.split()[1] for line in stdout.splitlines() if line.startswith("sha256 ")}
-    files = {p.relative_to(out).as_posix(): p for p in out.rglob("*") if p.is_file()}
+    files = {p.relative_to(out).as_posix(): p for p in out.rglob("*") if p.is_file() and p.name != ".frod-ds-output"}
     assert set(printed) == set(files)
     for name, path in files.items():
         assert printed[name] == hashlib.sha256(path.read_bytes()).hexdigest()

@@ -130,5 +130,5 @@ def test_export_carries_every_non_weight_file_of_the_base_checkpoint(trained, tm
     assert not any((out / name).exists() for name in [*dropped, "onnx"])
     assert json.loads((out / "config.json").read_text()) == json.loads((base / "config.json").read_text())
     names = {p.name for p in out.iterdir()}
-    assert names == set(carried) | {"config.json", "model.safetensors.index.json", "frod_export.json"} | {
+    assert names == set(carried) | {"config.json", "model.safetensors.index.json", "frod_export.json", ".frod-ds-output"} | {
         n for n in names if n.startswith("model-") and n.endswith(".safetensors")}
