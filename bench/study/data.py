@@ -23,6 +23,7 @@ import torch
 
 from bench.study.config import StudyError
 from data_prep.io import read_rows, row_separator, training_text
+from data_prep.tasks import DataPrepError
 from frod_ds.data import IGNORE_INDEX, BatchPlan, DataError, encode_examples, read_training_rows
 from frod_ds.evaluation import EvalError
 
@@ -171,7 +172,7 @@ def load_test_rows(eval_dir: Path, limit: int | None) -> dict[str, list[dict]]:
     for path in sorted(eval_dir.glob("*.jsonl")):
         try:
             rows = read_rows(path, limit=limit)
-        except ValueError as e:
+        except DataPrepError as e:
             raise StudyError(str(e)) from None
         if rows:
             out.setdefault(rows[0]["task"], []).extend(rows)
