@@ -29,7 +29,7 @@ import yaml
 from tqdm import tqdm
 
 from frod_ds import distributed as dist
-from frod_ds.adapter import adapter_state, write_adapter
+from frod_ds.adapter import adapter_state, load_adapter_into, supports_from_adapter, write_adapter
 from frod_ds.apply import frod_modules, frod_param_groups
 from frod_ds.build import DTYPES, build_frod_model, gathered, make_supports
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
@@ -141,8 +141,14 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
 
     _seed_everything(recipe.train.seed + rank)
     dtype = DTYPES[recipe.model.dtype]
-    supports = make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed)
+    init = _init_adapter(recipe, store)
+    supports = make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed) \
+        if init is None else supports_from_adapter(*init)
     model = build_frod_model(model_dir, store, supports, dtype, ds_cfg, rank=rank)
+    zero3 = zero_stage(ds_cfg) == 3
+    sigma0 = _initial_sigma(model, zero3)  # the factor store's σ, before an init adapter replaces it
+    if init is not None:  # before deepspeed.initialize: the optimizer's master copies are made from these values
+        load_adapter_into(model, init[0], zero3)
     if recipe.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.enable_input_require_grads()
@@ -163,19 +169,38 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         "factor_store_fingerprint": store.fingerprint,
         "tokenizer": _absolute_if_local(recipe.model.tokenizer) if recipe.model.tokenizer else None,
         "targets": list(recipe.model.targets),
-        "sparsity": recipe.model.sparsity,
-        "seed": recipe.model.seed,
+        "sparsity": recipe.model.sparsity if init is None else init[1].get("sparsity"),
+        "seed": recipe.model.seed if init is None else init[1].get("seed"),
+        "init_adapter": _absolute_if_local(recipe.model.init_adapter) if init is not None else None,
         "pi": store.pi,
         "dtype": recipe.model.dtype,
     }
-    run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
-              zero_stage(ds_cfg) == 3, store, out, meta)
-    run.sigma0 = _initial_sigma(engine.module, run.zero3)
+    run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id, zero3, store, out, meta)
+    run.sigma0 = sigma0
     if dist.is_main():
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     run.start_step = _maybe_resume(run)
     return run
+
+
+def _init_adapter(recipe: Recipe, store):
+    """``(tensors, config)`` of ``model.init_adapter``, checked to belong to the recipe's factor store and targets;
+    None without one. A fresh run starts from its values (new optimizer and schedule); resume still wins."""
+    from frod_ds.adapter import read_adapter
+
+    path = recipe.model.init_adapter
+    if not path:
+        return None
+    tensors, config = read_adapter(path)
+    named = config.get("factor_store")
+    if not named or Path(named).resolve() != store.path.resolve() or config.get("factor_store_fingerprint") != store.fingerprint:
+        raise ValueError(f"model.init_adapter {path} belongs to factor store {named}, not model.factor_store "
+                         f"{store.path}; set model.factor_store={named}")
+    if sorted(config.get("categories", {})) != sorted(recipe.model.targets):
+        raise ValueError(f"model.init_adapter {path} adapts {sorted(config.get('categories', {}))}, model.targets "
+                         f"are {sorted(recipe.model.targets)}; set model.targets to the adapter's")
+    return tensors, config
 
 
 def _absolute_if_local(path_or_id: str) -> str:
