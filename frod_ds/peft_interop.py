@@ -285,7 +285,10 @@ def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str 
     peft_cfg = FrodConfig(target_modules=sorted(categories), sparse_rate=float(config.get("sparsity") or 0.02),
                           regularization_alpha=store.pi, progressbar=False, task_type="CAUSAL_LM")
     with torch.no_grad():
-        model = get_peft_model(_load_base(model_dir), peft_cfg)
+        try:
+            model = get_peft_model(_load_base(model_dir), peft_cfg)
+        except ValueError as e:  # e.g. a target that matches no linear layer of this model
+            raise PeftInteropError(f"stock PEFT cannot apply FRoD to {model_dir}: {_first_line(e)}") from None
         layers = _frod_layers(model)
         members = {m for info in categories.values() for m in info["members"]}
         if set(layers) != members:

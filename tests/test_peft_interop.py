@@ -33,6 +33,37 @@ def _base(model_dir):
     return LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
+def test_core_in_peft_basis_is_exact_and_sparse_for_a_signed_permutation():
+    """``M_p`` reproduces ``U_o M_o V_oᵀ`` with PEFT's ``U_p``, ``V_p`` (built as PEFT builds them: ``B = W V⁻ᵀ``,
+    unit columns); for a signed permutation ``G`` it keeps S's nnz (permuted), for a rotation it is dense."""
+    from frod_ds.peft_interop import core_in_peft_basis
+
+    g = torch.Generator().manual_seed(0)
+    m, n = 5, 6
+    W = torch.randn(m, n, generator=g, dtype=torch.float64)
+    V_p = torch.randn(n, n, generator=g, dtype=torch.float64)
+
+    def factors(V):
+        B = W @ torch.linalg.inv(V).T
+        return B / B.norm(dim=0), B.norm(dim=0)
+
+    U_p, lam0 = factors(V_p)
+    perm = torch.tensor([2, 0, 1, 5, 3, 4])
+    P = torch.zeros(n, n, dtype=torch.float64)
+    P[perm, torch.arange(n)] = torch.tensor([1.0, -1, 1, 1, -1, 1], dtype=torch.float64)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    for G, sparse in ((P, True), (Q, False)):
+        V_o = V_p @ G
+        U_o, sigma0 = factors(V_o)
+        M_o = torch.diag(sigma0 * (1 + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)))
+        M_o[0, 3], M_o[4, 1], M_o[2, 5] = 0.3, -0.2, 0.1  # S
+        M_p = core_in_peft_basis(M_o, sigma0, lam0, G)
+        assert torch.allclose(U_p @ M_p @ V_p.T, U_o @ M_o @ V_o.T, atol=1e-10)
+        off = M_p - torch.diag(torch.diagonal(M_p))
+        assert ((off.abs() > 1e-12).sum().item() == 3) == sparse
+        assert torch.allclose(core_in_peft_basis(torch.diag(sigma0), sigma0, lam0, G), torch.diag(lam0), atol=1e-10)
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """Tiny model (2 layers, GQA k/v 16×32: PEFT's basis differs from frod-ds' by rotations there), tokenizer,
