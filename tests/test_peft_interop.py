@@ -20,7 +20,9 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
 # the update (--peft-tol 1e-3 bounds each member's ‖ΔW‖ error): max |logit difference| ≤ EXPORT_TOL · max |logit
 # change from training| (measured 3.6e-4: 1.3e-3 on a change of 3.6, fp32).
 EXPORT_TOL = 1e-3
-IMPORT_TOL = 1e-5  # max |logit| difference, fp32, frod-ds-loaded import vs PEFT model (measured ~1e-7)
+# Import is exact up to fp32 rounding (different op order): max |logit difference| ≤ IMPORT_TOL · max |logit change|
+# (measured 1.7e-6: 5.2e-6 on a change of 3.0).
+IMPORT_TOL = 2e-5
 
 
 def _ids(vocab: int, seed: int = 0) -> torch.Tensor:
@@ -187,8 +189,9 @@ def test_peft_import_loads_in_frod_ds_with_stock_peft_logits(env, stock_peft, im
         base_logits = base(ids).logits
         want = PeftModel.from_pretrained(base, str(stock_peft)).eval()(ids).logits
         got = frod(ids).logits
-    assert (want - base_logits).abs().max().item() > 1e-2, "the PEFT training moved the model"
-    assert (got - want).abs().max().item() < IMPORT_TOL
+    change = (want - base_logits).abs().max().item()
+    assert change > 0.5, "the PEFT training moved the model"
+    assert (got - want).abs().max().item() < IMPORT_TOL * change
 
 
 def test_peft_import_evaluates_like_the_peft_model(env, stock_peft, imported, tmp_path):
