@@ -1,8 +1,9 @@
 """PEFT interop fidelity on a real model: a trained frod-ds adapter exported to stock PEFT, and a stock-PEFT-trained
 FRoD adapter imported into frod-ds, each compared by logits with the model it came from (fp32, one process).
 
-    python launch/hjd.py --model /models/smollm2-135m --out /tmp/smol-store
-    python bench/peft_interop.py --model /models/smollm2-135m --factor-store /tmp/smol-store \\
+    python launch/convert_gguf.py convert --out models/smollm2-135m --dtype float32
+    python launch/hjd.py --model models/smollm2-135m --out factors/smollm2-135m
+    python bench/peft_interop.py --model models/smollm2-135m --factor-store factors/smollm2-135m \\
         --data /data/llm_adapters/ARC-Easy/train.json --steps 20 --work /tmp/peft-bench
 
 Each side trains ``--steps`` AdamW steps (σ at ``--lr-sigma``, S at ``--lr-s``) on LLM-Adapters rows
