@@ -72,6 +72,7 @@ class AdapterConfig:
     sparsity: float  # density of S
     seed: int  # seed of the S supports
     pi: float | None = None  # the store's π
+    init_adapter: str | None = None  # the adapter training started from (model.init_adapter); absent in older configs
     dtype: str = "float32"  # parameter dtype of the trained model
     step: int | None = None
     categories: dict[str, AdapterCategory] = field(default_factory=dict)

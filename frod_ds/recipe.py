@@ -37,6 +37,7 @@ class ModelCfg:
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     sparsity: float = 0.02  # density s of S
     seed: int = 0  # seed of the S supports
+    init_adapter: str | None = None  # start from this adapter's supports, σ and S (e.g. launch/export.py --from-peft)
     dtype: str = "bfloat16"  # parameter dtype: bfloat16 | float32 (must agree with the DeepSpeed JSON)
     gradient_checkpointing: bool = False  # reentrant (non-reentrant + frozen params fails under ZeRO-3)
 

@@ -30,7 +30,7 @@ import yaml
 from tqdm import tqdm
 
 from frod_ds import distributed as dist
-from frod_ds.adapter import adapter_state, write_adapter
+from frod_ds.adapter import adapter_state, load_adapter_into, read_adapter, supports_from_adapter, write_adapter
 from frod_ds.adapter_format import AdapterConfig
 from frod_ds.apply import frod_modules, frod_param_groups
 from frod_ds.build import build_frod_model, gathered, make_supports
@@ -212,8 +212,14 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
 
     _seed_everything(recipe.train.seed + rank)
     dtype = FLOAT_DTYPES[recipe.model.dtype]
-    supports = make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed)
+    init = _init_adapter(recipe, store, identity)
+    supports = make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed) \
+        if init is None else supports_from_adapter(*init)
     model = build_frod_model(model_dir, store, supports, dtype, ds_cfg, rank=rank)
+    zero3 = zero_stage(ds_cfg) == 3
+    sigma0 = _initial_sigma(model, zero3)  # the factor store's σ, before an init adapter replaces it
+    if init is not None:  # before deepspeed.initialize: the optimizer's master copies are made from these values
+        load_adapter_into(model, init[0], zero3)
     if recipe.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.enable_input_require_grads()
@@ -234,14 +240,15 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         factor_store_fingerprint=identity.fingerprint,
         tokenizer=_absolute_if_local(recipe.model.tokenizer) if recipe.model.tokenizer else None,
         targets=list(recipe.model.targets),
-        sparsity=recipe.model.sparsity,
-        seed=recipe.model.seed,
+        sparsity=recipe.model.sparsity if init is None else init[1].sparsity,
+        seed=recipe.model.seed if init is None else init[1].seed,
+        init_adapter=_absolute_if_local(recipe.model.init_adapter) if init is not None else None,
         pi=identity.pi,
         dtype=recipe.model.dtype,
     )
     run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
-              zero_stage(ds_cfg) == 3, store, identity, run_identity, out, config)
-    run.sigma0 = _initial_sigma(engine.module, run.zero3)
+              zero3, store, identity, run_identity, out, config)
+    run.sigma0 = sigma0
     if dist.is_main():
         if recipe.train.new_run:
             _supersede_previous_run(out)
@@ -292,6 +299,27 @@ def _check_output_dir(out: Path) -> None:
             pass
     except OSError as e:
         raise FrodError(f"output_dir {out} is not writable: {e.strerror or e}; choose another output_dir") from None
+
+
+def _init_adapter(recipe: Recipe, store, identity: StoreIdentity | None = None):
+    """``(tensors, config)`` of ``model.init_adapter``, checked to belong to the recipe's factor store and targets;
+    None without one. A fresh run starts from its values (new optimizer and schedule); resume still wins."""
+    from frod_ds.adapter import check_adapter_store
+
+    path = recipe.model.init_adapter
+    if not path:
+        return None
+    tensors, config = read_adapter(path)
+    identity = identity or store.identity(list(recipe.model.targets))
+    named = config.factor_store
+    if not named or Path(named).resolve() != store.path.resolve() or config.factor_store_fingerprint != identity.fingerprint:
+        raise FrodError(f"model.init_adapter {path} belongs to factor store {named}, not model.factor_store "
+                        f"{store.path}; set model.factor_store={named}")
+    if sorted(config.categories) != sorted(recipe.model.targets):
+        raise FrodError(f"model.init_adapter {path} adapts {sorted(config.categories)}, model.targets "
+                        f"are {sorted(recipe.model.targets)}; set model.targets to the adapter's")
+    check_adapter_store(config, store, path)  # V and HJD route per category, where the adapter records them
+    return tensors, config
 
 
 def _absolute_if_local(path_or_id: str) -> str:
