@@ -5,7 +5,8 @@ Layout of ``adapter-<step>/`` and ``adapter-final/``::
     adapter.safetensors    <module>.frod_sigma (n,) fp32, <module>.frod_s (nnz,) fp32,
                            <category>.support (2, nnz) int64 (row, col) of S
     adapter_config.json    format, version, base_model, factor_store, factor_store_fingerprint, targets,
-                           sparsity, seed, pi, step, dtype, categories {category: {members, n, nnz}}
+                           sparsity, seed, pi, step, dtype, frozen_quant (none | nf4 | int8; absent = none),
+                           quantize_base, categories {category: {members, n, nnz}}
     recipe.yaml            the full training recipe (written by training)
 
 ``<module>`` is the module's path in the HF model (``model.layers.3.self_attn.q_proj``), the same names the
@@ -211,7 +212,8 @@ def load_frod_model(
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
     dtype = dtype or DTYPES.get(config.get("dtype", "float32"), torch.float32)
-    model = build_frod_model(model_dir, store, supports_from_adapter(tensors, config), dtype)
+    model = build_frod_model(model_dir, store, supports_from_adapter(tensors, config), dtype,
+                             quant=config.get("frozen_quant", "none"), quantize_base=bool(config.get("quantize_base")))
     load_adapter_into(model, tensors)
     tokenizer = AutoTokenizer.from_pretrained(str(config.get("tokenizer") or model_dir))
     return model.to(device).eval(), tokenizer

@@ -31,6 +31,7 @@ from frod_ds.hjd import no_tf32
 from frod_ds.hjd_io import FactorWriter, MemberReader
 from frod_ds.hjd_plan import DEFAULT_TARGETS, my_members, targeted_members
 from frod_ds.hjd_tsqr import CategoryJob, CategoryResult
+from frod_ds.quant import NF4_BLOCKSIZE, QUANT_KINDS
 from frod_ds.store import (
     FINGERPRINT_METHOD,
     FORMAT_VERSION,
@@ -50,7 +51,7 @@ __all__ = ["StageConfig", "plan_categories", "run_stage"]
 
 GiB = 2**30
 U_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-CONFIG_KEYS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype")
+CONFIG_KEYS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype", "u_quant")
 
 
 @dataclass
@@ -71,6 +72,7 @@ class StageConfig:
     method: str = "auto"
     io_threads: int = 8
     prefetch_gb: float = 4.0
+    quant: str = "none"  # none | nf4 | int8: U_i written quantized (frod_ds.quant blobs)
 
     def __post_init__(self) -> None:
         problems = []
@@ -94,6 +96,8 @@ class StageConfig:
             problems.append(f"--io-threads must be an integer >= 1, got {self.io_threads!r}")
         if not self.prefetch_gb > 0:
             problems.append(f"--prefetch-gb must be > 0, got {self.prefetch_gb}")
+        if self.quant not in QUANT_KINDS:
+            problems.append(f"--quant must be one of {', '.join(QUANT_KINDS)}, got {self.quant!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if problems:
@@ -167,6 +171,10 @@ def _model_config(model_dir: Path) -> dict[str, Any] | None:
 # ------------------------------------------------------------------------------------------------ store
 
 
+def _u_quant(cfg: StageConfig) -> dict[str, Any] | None:
+    return None if cfg.quant == "none" else {"kind": cfg.quant, "blocksize": NF4_BLOCKSIZE}
+
+
 def _new_manifest(cfg: StageConfig, fingerprint: str, categories: dict[str, list[str]], ckpt: HFCheckpoint) -> dict[str, Any]:
     cats = {}
     for c, members in categories.items():
@@ -175,6 +183,7 @@ def _new_manifest(cfg: StageConfig, fingerprint: str, categories: dict[str, list
             "shapes": {m: list(ckpt.shape(m + ".weight")) for m in members},
             "width": ckpt.shape(members[0] + ".weight")[1],
             "u_dtype": dtype_name(ckpt.dtype(members[0] + ".weight")),
+            "u_quant": _u_quant(cfg),
             "complete": False,
         }
     return {
@@ -189,6 +198,7 @@ def _new_manifest(cfg: StageConfig, fingerprint: str, categories: dict[str, list
         "targets": list(cfg.targets),
         "pi": cfg.pi,
         "hjd_dtype": dtype_name(cfg.dtype),
+        "u_quant": _u_quant(cfg),
         "categories": cats,
         "world_size": D.get_world_size(),
         "versions": _versions(),
@@ -390,7 +400,7 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> dict[str,
                 D.on_main(lambda: _remove_store_files(cfg.out, category))  # leftovers of a killed run
                 job = CategoryJob(ckpt, category, categories[category], reader=reader, writer=writer, pi=cfg.pi,
                                   dtype=cfg.dtype, device=device, block_gb=cfg.block_gb,
-                                  device_cache_gb=cfg.device_cache_gb, method=cfg.method)
+                                  device_cache_gb=cfg.device_cache_gb, method=cfg.method, quant=cfg.quant)
                 try:
                     job.gram_pass()  # every read of this category (unless the cache overflows)
                     if j + 1 < len(todo):

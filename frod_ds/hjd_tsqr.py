@@ -62,6 +62,7 @@ from frod_ds.hjd import (
 )
 from frod_ds.hjd_io import FactorWriter, MemberReader
 from frod_ds.hjd_plan import my_members
+from frod_ds.quant import QuantSpec
 from frod_ds.store import sigma_key, u_key, v_file, v_key
 
 __all__ = ["CategoryResult", "CategoryJob", "make_blocks", "GRAM_MAX_COND", "GRAM_MAX_ERROR"]
@@ -160,13 +161,14 @@ class CategoryJob:
 
     def __init__(self, ckpt: HFCheckpoint, category: str, members: list[str], *, reader: MemberReader,
                  writer: FactorWriter, pi: float, dtype: torch.dtype, device: torch.device, block_gb: float,
-                 device_cache_gb: float, method: str = "auto"):
+                 device_cache_gb: float, method: str = "auto", quant: str = "none"):
         self.ckpt, self.category, self.L = ckpt, category, len(members)
         self.reader, self.writer = reader, writer
         self.pi, self.dtype, self.device, self.method = pi, dtype, device, method
         self.block_gb, self.cache_bytes = block_gb, device_cache_gb * GiB
         self.n = ckpt.shape(members[0] + ".weight")[1]
         self.u_dtype = ckpt.dtype(members[0] + ".weight")
+        self.quant = quant  # "none", or U_i written as a frod_ds.quant blob of this kind
         self.mine = my_members(members, D.get_rank(), D.get_world_size())
         self.cache = _Cache(self.cache_bytes)
         self.phase: dict[str, float] = {}
@@ -288,21 +290,27 @@ class CategoryJob:
         V_c = V.to(dtype)
         V32 = V.float()
         V_stored = V32.to(dtype)  # (n, n): V as the store holds it, in the compute dtype
-        exact_store = dtype == torch.float32 and self.u_dtype == torch.float32
+        exact_store = dtype == torch.float32 and self.u_dtype == torch.float32 and self.quant == "none"
         err: dict[str, Tensor] = {}
         stored: dict[str, Tensor] = {}
         n = self.n
+        specs = {m: QuantSpec(self.quant, (self.ckpt.shape(m + ".weight")[0], n)) for m in self.mine} \
+            if self.quant != "none" else {}
         self.writer.begin(self.category, D.get_rank(), [
-            (m, [(u_key(m), self.u_dtype, (self.ckpt.shape(m + ".weight")[0], n)), (sigma_key(m), torch.float32, (n,))])
+            (m, [(u_key(m), torch.uint8, (specs[m].nbytes,)) if specs else
+                 (u_key(m), self.u_dtype, (self.ckpt.shape(m + ".weight")[0], n)), (sigma_key(m), torch.float32, (n,))])
             for m in self.mine])
         for i, member in enumerate(self.mine):
             W = self._fetch(i)
             U_i, sigma_i = factors(i, W)  # (m_i, n), (n,) in the compute dtype
             err[member] = reconstruction_error_t(W, U_i, sigma_i, V_c)
             U_s, sigma_s = U_i.to(self.u_dtype), sigma_i.float()
+            if specs:  # quantized from U in the checkpoint dtype, as load-time quantization of a dense store would
+                blob = specs[member].pack(U_s)  # (nbytes,) uint8
+                U_s = specs[member].unpack(blob, self.u_dtype)  # (m_i, n): what training will compute with
             stored[member] = err[member] if exact_store else reconstruction_error_t(
                 W, U_s.to(dtype), sigma_s.to(dtype), V_stored)
-            self.writer.add(u_key(member), U_s)
+            self.writer.add(u_key(member), blob if specs else U_s)
             self.writer.add(sigma_key(member), sigma_s)
             del W, U_i, U_s
             self.bar.update(1)

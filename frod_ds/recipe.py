@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from frod_ds.apply import DEFAULT_TARGETS
+from frod_ds.quant import QUANT_KINDS
 
 __all__ = ["RecipeError", "ModelCfg", "DataCfg", "TrainCfg", "Recipe", "load_recipe", "recipe_to_dict"]
 
@@ -36,6 +37,8 @@ class ModelCfg:
     seed: int = 0  # seed of the S supports
     dtype: str = "bfloat16"  # parameter dtype: bfloat16 | float32 (must agree with the DeepSpeed JSON)
     gradient_checkpointing: bool = False  # reentrant (non-reentrant + frozen params fails under ZeRO-3)
+    frozen_quant: str = "none"  # none | int8 | nf4: every U_i held quantized (bitsandbytes), V/σ/S in dtype
+    quantize_base: bool = False  # also quantize the untargeted linears of the layers (down_proj, …), as QLoRA
 
 
 @dataclass
@@ -89,6 +92,10 @@ class Recipe:
             p.append(f"model.sparsity must be in (0, 1), got {m.sparsity}")
         if m.dtype not in ("bfloat16", "float32"):
             p.append(f"model.dtype must be bfloat16 or float32, got {m.dtype!r}")
+        if m.frozen_quant not in QUANT_KINDS:
+            p.append(f"model.frozen_quant must be one of {', '.join(QUANT_KINDS)}, got {m.frozen_quant!r}")
+        elif m.quantize_base and m.frozen_quant == "none":
+            p.append("model.quantize_base=true needs model.frozen_quant nf4 or int8 (the kind it uses)")
         if not d.train:
             p.append("data.train is required (train.jsonl from `python -m data_prep build`)")
         if d.cutoff_len < 8:

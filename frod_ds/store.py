@@ -8,6 +8,8 @@ Layout of a store directory::
     <category>.rank<PPPPP>.part<BBBB>.safetensors
                                                keys "<member>.U": (m, n) in the checkpoint's dtype,
                                                     "<member>.sigma": (n,) fp32
+                                               (built with --quant nf4|int8: "<member>.U" is the (nbytes,)
+                                               uint8 blob of frod_ds.quant, dequantized by load_U)
 
 ``<member>`` is the module's path in the HF model (``model.layers.3.self_attn.q_proj``; its weight is
 ``<member>.weight``), ``<category>`` the target name (``q_proj``); members are in layer order. The
@@ -23,7 +25,8 @@ Manifest (``format_version`` 1)::
     fingerprint           weights_fingerprint() of every member's weight, fingerprint_method
     model_config          a few config.json fields (model_type, hidden_size, ...), or null
     targets, pi, hjd_dtype ("float32" | "float64")
-    categories: {c: {members, shapes {member: [m, n]}, width, u_dtype, complete,
+    u_quant               null, or {kind: "nf4" | "int8", blocksize} when U is stored quantized
+    categories: {c: {members, shapes {member: [m, n]}, width, u_dtype, u_quant, complete,
                      files {key: file}, error {member: e}, stored_error {member: e},
                      max_error, max_stored_error, world_size, seconds, phase_seconds,
                      method ("gram" | "householder"), cond_estimate (Gram route's bound of cond(R))}}
@@ -31,7 +34,8 @@ Manifest (``format_version`` 1)::
     run {seconds, startup_s, prologue_s, world_size, categories_done, categories_skipped, ranks: [...]}
 
 ``error`` is ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` with the factors in ``hjd_dtype``; ``stored_error``
-the same with the stored tensors (U rounded to the checkpoint dtype, σ and V in fp32).
+the same with the stored tensors (U rounded to the checkpoint dtype, or quantized and dequantized; σ and V
+in fp32).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from torch import Tensor
 
 from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
 from frod_ds.hjd import reconstruction_error
+from frod_ds.quant import QuantSpec
 
 __all__ = [
     "FORMAT_VERSION",
@@ -149,7 +154,8 @@ def atomic_write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.uint8: "U8"}
 
 
 def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[bytes, dict[str, int]]:
@@ -159,7 +165,7 @@ def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]
     header: dict[str, Any] = {}
     offset = 0
     for name, dtype, shape in entries:
-        assert dtype in _ST_DTYPES, f"{name}: float dtype expected, got {dtype}"
+        assert dtype in _ST_DTYPES, f"{name}: float or uint8 dtype expected, got {dtype}"
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
@@ -172,7 +178,7 @@ def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]
 
 
 def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = True) -> None:
-    """Write a safetensors file under ``path.tmp`` and rename it (CPU tensors, float dtypes).
+    """Write a safetensors file under ``path.tmp`` and rename it (CPU tensors, float or uint8 dtypes).
 
     Written straight from the tensors' memory (no serialized copy; the writes release the GIL, so a
     background writer thread overlaps with GPU work). Readable by ``safetensors.safe_open``.
@@ -336,8 +342,28 @@ class FactorStore:
         return self._load(v_key(category), dtype, device)
 
     def load_U(self, member: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> Tensor:
-        """``U_i`` (m, n), in the stored (checkpoint) dtype unless ``dtype`` is given."""
-        return self._load(u_key(member), dtype, device)
+        """``U_i`` (m, n), in the stored (checkpoint) dtype unless ``dtype`` is given; a quantized ``U_i`` is
+        dequantized (on ``device``) straight into that dtype."""
+        spec = self.u_spec(member)
+        if spec is None:
+            return self._load(u_key(member), dtype, device)
+        u_dtype = dtype_from_name(self._spec(self.category_of(member))["u_dtype"])
+        return spec.unpack(self.load_U_packed(member, device), dtype or u_dtype)
+
+    def u_quant(self, category: str) -> str:
+        """How the category's ``U_i`` are stored: ``none``, ``nf4`` or ``int8``."""
+        q = self._spec(category).get("u_quant")
+        return q["kind"] if q else "none"
+
+    def u_spec(self, member: str) -> QuantSpec | None:
+        """The ``QuantSpec`` of a quantized stored ``U_i`` (None when stored dense)."""
+        q = self._spec(self.category_of(member)).get("u_quant")
+        return QuantSpec(q["kind"], self.member_shape(member), int(q["blocksize"])) if q else None  # U has W's shape
+
+    def load_U_packed(self, member: str, device: str | torch.device = "cpu") -> Tensor:
+        """A quantized store's ``U_i`` blob, (nbytes,) uint8, as stored."""
+        assert self.u_spec(member) is not None, f"{member}: U is stored dense, not quantized"
+        return self._load(u_key(member), None, device)
 
     def load_sigma(self, member: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Tensor:
         """``σ_i`` (n,)."""
@@ -380,6 +406,8 @@ def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
 # ----------------------------------------------------------------------------------------------- verify
 
 _VERIFY_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4, torch.float64: 1e-8}
+# Quantized U: NF4's relative error on a Gaussian-like matrix is about 0.09, int8's (row absmax) about 0.01.
+_VERIFY_TOL_QUANT = {"nf4": 0.2, "int8": 3e-2}
 
 
 def _check_files(store: FactorStore, category: str) -> list[str]:
@@ -399,6 +427,8 @@ def _check_files(store: FactorStore, category: str) -> list[str]:
         for key in keys:
             member = key.rsplit(".", 1)[0]
             want = [n, n] if key == v_key(category) else [n] if key.endswith(".sigma") else spec["shapes"][member]
+            if key.endswith(".U") and spec.get("u_quant"):
+                want = [store.u_spec(member).nbytes]
             if have.get(key) != list(want):
                 problems.append(f"{category}: {key} in {fname} has shape {have.get(key)}, manifest says {want}")
     return problems
@@ -411,7 +441,8 @@ def verify_store(store_dir: str | Path, model: str, samples: int = 2, seed: int 
     Checks that the store is complete, the weights fingerprint (``check_store_matches``), that every file
     holds its keys with the manifest's shapes, and for ``samples`` members per category (seeded) the
     relative reconstruction ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` from the stored tensors against the
-    full weights, within ``tol`` (default by U's dtype: bf16 2e-2, fp16 5e-3, fp32 1e-4, fp64 1e-8).
+    full weights, within ``tol`` (default by U's dtype: bf16 2e-2, fp16 5e-3, fp32 1e-4, fp64 1e-8; quantized U:
+    nf4 0.2, int8 3e-2).
     ``ValueError`` when the store or the model cannot be opened at all.
     """
     store = FactorStore.open(store_dir, allow_incomplete=True)
@@ -433,8 +464,9 @@ def verify_store(store_dir: str | Path, model: str, samples: int = 2, seed: int 
             continue
         V = store.load_V(category, torch.float64, device)  # (n, n)
         for member in rng.sample(members, min(samples, len(members))):
-            U = store.load_U(member, device=device)  # (m, n), stored dtype
-            limit = tol if tol is not None else _VERIFY_TOL.get(U.dtype, 1e-8)
+            U = store.load_U(member, device=device)  # (m, n), stored dtype (a quantized U dequantized)
+            quant = store.u_quant(category)
+            limit = tol if tol is not None else _VERIFY_TOL_QUANT[quant] if quant != "none" else _VERIFY_TOL.get(U.dtype, 1e-8)
             W = ckpt.get(member + ".weight", device).double()
             e = reconstruction_error(W, U.double(), store.load_sigma(member, torch.float64, device), V)
             if not e <= limit:
