@@ -79,12 +79,13 @@ class Recipe:
     train: TrainCfg = field(default_factory=TrainCfg)
     output_dir: str = "runs/frod"
 
-    def problems(self) -> list[str]:
+    def problems(self, paths: bool = True) -> list[str]:
+        """Every problem found; ``paths=False`` leaves out the required paths (for the memory planner)."""
         p = []
         m, d, t = self.model, self.data, self.train
-        if not m.base:
+        if paths and not m.base:
             p.append("model.base is required (HF id or local checkpoint dir)")
-        if not m.factor_store:
+        if paths and not m.factor_store:
             p.append("model.factor_store is required (the directory written by launch/hjd.py)")
         if not m.targets:
             p.append("model.targets must name at least one module")
@@ -96,7 +97,7 @@ class Recipe:
             p.append(f"model.frozen_quant must be one of {', '.join(QUANT_KINDS)}, got {m.frozen_quant!r}")
         elif m.quantize_base and m.frozen_quant == "none":
             p.append("model.quantize_base=true needs model.frozen_quant nf4 or int8 (the kind it uses)")
-        if not d.train:
+        if paths and not d.train:
             p.append("data.train is required (train.jsonl from `python -m data_prep build`)")
         if d.cutoff_len < 8:
             p.append(f"data.cutoff_len must be >= 8, got {d.cutoff_len}")
@@ -202,8 +203,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
-    """defaults ← YAML file ← ``key.sub=value`` overrides (values parsed as YAML scalars)."""
+def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool = True) -> Recipe:
+    """defaults ← YAML file ← ``key.sub=value`` overrides (values parsed as YAML scalars). ``paths=False``: the
+    model, factor store and data paths may be missing (``python -m frod_ds plan``)."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -221,7 +223,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     problems: list[str] = []
     recipe = _build(Recipe, tree, "", problems)
     if not problems:
-        problems = recipe.problems()
+        problems = recipe.problems(paths)
     if problems:
         raise RecipeError("invalid recipe: " + "; ".join(problems))
     return recipe
