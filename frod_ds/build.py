@@ -8,7 +8,7 @@ weight from the checkpoint. Under ZeRO-3 rank 0 reads each module's tensors into
 and DeepSpeed re-partitions them (``GatheredParameters(modifier_rank=0)``).
 
 With ``quant`` (``model.frozen_quant``: nf4 | int8) every ``U_i`` is a quantized Parameter (``frod_ds.quant``):
-read as stored from a quantized store, or quantized at load time (on the device the parameter lives on)
+read as stored from a quantized store, or quantized at load time (on the GPU when there is one)
 from a dense one; ``quantize_base`` also swaps the decoder layers' untargeted linears (down_proj, …) for
 ``QuantLinear``s. V, σ, S, embeddings, norms and ``lm_head`` stay in ``dtype``.
 """
@@ -178,13 +178,21 @@ def _load_module(name: str, module: nn.Module, ckpt, keys: set[str], store, rank
                 return
 
 
+def _quant_device(p: nn.Parameter) -> torch.device:
+    """Where a dense weight is quantized: ``p``'s device, or this process's GPU when ``p`` is on the CPU (a
+    one-process or ZeRO-2 build): bitsandbytes quantizes ~8M weights/s on one CPU core, a 7B model in minutes."""
+    if p.device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return p.device
+
+
 def _packed(t: torch.Tensor, spec: QuantSpec, p: nn.Parameter, key: str) -> torch.Tensor:
     """The bytes of quantized parameter ``p`` in its storage dtype: a stored blob (uint8) as it is, a dense
-    weight quantized on ``p``'s device (the GPU under ZeRO-3 there: quantizing 70B on a CPU takes hours)."""
+    weight quantized on the GPU when there is one (``_quant_device``)."""
     if t.dtype != torch.uint8:
         if tuple(t.shape) != spec.shape:
             raise ValueError(f"{key}: shape {tuple(t.shape)} in the files, {spec.shape} in the model")
-        t = spec.pack(t.to(p.device))
+        t = spec.pack(t.to(_quant_device(p))).to(p.device)
     if t.numel() != spec.nbytes:
         raise ValueError(f"{key}: {t.numel()} bytes in the files, {spec.kind} {spec.shape} needs {spec.nbytes}")
     return t.view(p.dtype)
