@@ -79,6 +79,18 @@ def test_zero3_nf4_plan_with_m_kept_equals_hand_computation():
     assert plan.allocated == pytest.approx(707256)
 
 
+def test_weight_order_keeps_x_per_shared_input_and_w_per_member():
+    """At 1024 tokens every member of TINY takes the weight order (``frod_ds.layer.ordering``): x is kept once per
+    input (attention, o_proj, MLP: 3 × n), W = U M Vᵀ once per member per call (Σ m·n)."""
+    from frod_ds.planner import layer_activation_bytes
+
+    model = model_shape_from_config(TINY)
+    per_token, per_call = layer_activation_bytes(model, TrainShape(micro_batch=4, seq_len=256, sparsity=0.25))
+    e = 2
+    assert per_token == 2 * 4 * 64 + e * 4 * 64 + 4 * 4 + e * 3 * 128 + e * 64 * 3
+    assert per_call == e * (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 128 * 64 + 128 * 64)
+
+
 def test_offload_leaves_only_persistent_frozen_and_no_optimizer_state_on_the_gpu():
     model = model_shape_from_config(TINY)
     train = TrainShape(micro_batch=2, seq_len=8, sparsity=0.25)
