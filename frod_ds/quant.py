@@ -27,7 +27,6 @@ imported on first use.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,8 +287,3 @@ def is_base_linear_weight(key: str, shape) -> bool:
     ``….layers.<i>.….weight``; LLaMA's norms inside the layers are 1-D). Used where no model is built (export)."""
     return len(shape) == 2 and key.endswith(".weight") and ".layers." in f".{key}"
 
-
-def blob_bits_per_weight(kind: str, shape: tuple[int, int], blocksize: int = NF4_BLOCKSIZE) -> float:
-    """Stored bits per weight of a ``kind`` blob of ``shape`` (for reports)."""
-    spec = QuantSpec(kind, shape, blocksize)
-    return 8 * spec.nbytes / math.prod(shape)
