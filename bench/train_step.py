@@ -1,21 +1,29 @@
-"""Training step time, tokens/s and peak memory: FRoD vs PEFT LoRA r=16 under the same DeepSpeed config.
+"""One training-step configuration: FRoD or PEFT LoRA r=16 under plain PyTorch, ZeRO-2 or ZeRO-3; step time,
+tokens/s per GPU, peak memory, MFU. ``bench/train_matrix.py`` runs the whole matrix with one command.
 
-    python bench/train_step.py make-model --out /tmp/llama7b-8l            # random bf16, 7B-wide, 8 layers
-    torchrun --nproc_per_node 1 launch/hjd.py --model /tmp/llama7b-8l --out /tmp/llama7b-8l-factors
-    deepspeed --num_gpus 1 bench/train_step.py run --method frod --model /tmp/llama7b-8l \\
-        --factors /tmp/llama7b-8l-factors --config ds_configs/zero3.json --out bench/results
-    deepspeed --num_gpus 1 bench/train_step.py run --method lora --model /tmp/llama7b-8l ...
-    python bench/train_step.py combine bench/results/train_step_*.json
+    python bench/train_step.py make-model --out /tmp/fb/m --layers 32          # random bf16 LLaMA-2-7B shape
+    python launch/hjd.py --model /tmp/fb/m --out /tmp/fb/f                     # its factor store
+    python bench/train_step.py run --method frod --config ds_configs/zero2.json --model /tmp/fb/m \\
+        --factors /tmp/fb/f --out /tmp/fb/out
+    python bench/train_step.py run --method lora --config plain --model /tmp/fb/m --out /tmp/fb/out
+    torchrun --standalone --nproc_per_node 2 bench/train_step.py run --method lora --config ds_configs/zero3.json ...
 
-Both methods adapt q/k/v/o/gate/up, run bf16 under the same ZeRO config with micro-batch 4 × 512 tokens of
-random ids per GPU, no gradient checkpointing; the step is forward + backward + optimizer step. The LoRA
-model is loaded the way HF users do under ZeRO-3 (``from_pretrained`` with ``HfDeepSpeedConfig``).
+Both methods adapt q/k/v/o/gate/up and get the same treatment: bf16 weights, micro-batch ``--batch`` ×
+``--seq`` random token ids per GPU, gradient clipping at 1.0, torch AdamW (fused on CUDA), the same
+gradient-checkpointing setting (``--gc``, reentrant), LoRA dropout 0. A step is forward + backward +
+optimizer step. ``plain`` is one GPU without DeepSpeed (bf16 parameters and AdamW states, no fp32 master
+copy); DeepSpeed configs keep fp32 master weights of the trainable parameters. Under ZeRO-3 LoRA is loaded
+the way HF users do (``from_pretrained`` under ``HfDeepSpeedConfig``), FRoD by ``build_frod_model``.
+Timing: ``--warmup`` untimed steps, then ``--repeats`` windows of ``--steps`` steps, each step timed
+between device synchronisations; peak memory is taken over the timed windows (after the optimizer states
+exist).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,152 +34,282 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+LORA_R, LORA_ALPHA = 16, 32
+GIB = 2**30
 
 
-def make_model(out: str, layers: int, hidden: int = 4096, inter: int = 11008, heads: int = 32) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_model(out: str, layers: int, hidden: int = 4096, inter: int = 11008, heads: int = 32,
+               vocab: int = 32000) -> None:
+    """A random bf16 LLaMA-shaped checkpoint (LLaMA-2-7B: 32 layers, 4096/11008, 32 heads, vocab 32000)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=heads, vocab_size=32000, max_position_embeddings=4096, dtype="bfloat16")
+                      num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out, max_shard_size="2GB")
-    print(f"wrote {out}")
+    print(f"wrote {out}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
 
 
-def _engine(args, ds_cfg):
-    import deepspeed
-
-    from frod_ds import distributed as dist
-
-    rank = dist.get_rank()
-    if args.method == "frod":
-        from frod_ds.apply import frod_param_groups
-        from frod_ds.build import build_frod_model, make_supports
-        from frod_ds.store import FactorStore
-
-        store = FactorStore.open(args.factors)
-        model = build_frod_model(args.model, store, make_supports(store, TARGETS, 0.02, 0), torch.bfloat16,
-                                 ds_cfg, rank=rank)
-        opt = torch.optim.AdamW(frod_param_groups(model, 1e-4, 1e-5), lr=1e-4)
-    else:
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM
-        from transformers.integrations import HfDeepSpeedConfig
-
-        keep = HfDeepSpeedConfig(ds_cfg)  # noqa: F841 - must stay alive while from_pretrained runs
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
-    return engine
+# -- one configuration ---------------------------------------------------------------------------------
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def _ds_config(path: str, batch: int, world: int) -> dict | None:
+    if path == "plain":
+        return None
+    cfg = json.loads(Path(path).read_text())
+    cfg.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=1, train_batch_size=batch * world,
+               gradient_clipping=1.0)
+    return cfg
+
+
+def _zero3(ds_cfg: dict | None) -> bool:
+    return ds_cfg is not None and int(ds_cfg.get("zero_optimization", {}).get("stage", 0)) == 3
+
+
+def _enable_gc(model) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+
+
+def build_frod(args, ds_cfg: dict | None, rank: int):
+    """The FRoD model from checkpoint + factor store, and its two AdamW groups (σ, S)."""
+    from frod_ds.apply import frod_modules, frod_param_groups
+    from frod_ds.build import build_frod_model, make_supports
+    from frod_ds.store import FactorStore
+
+    store = FactorStore.open(args.factors)
+    supports = make_supports(store, TARGETS, args.sparsity, 0)
+    model = build_frod_model(args.model, store, supports, torch.bfloat16, ds_cfg, rank=rank)
+    for _, m in frod_modules(model):
+        m.save, m.dgrad, m.impl = args.frod_save, args.frod_dgrad, args.frod_impl
+    if args.gc:
+        _enable_gc(model)
+    return model, frod_param_groups(model, 1e-4, 1e-5)
+
+
+def build_lora(args, ds_cfg: dict | None):
+    """PEFT LoRA r=16 on the same targets, adapters in bf16 like the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep = HfDeepSpeedConfig(ds_cfg) if _zero3(ds_cfg) else None  # noqa: F841 - alive while from_pretrained runs
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    if args.gc:
+        _enable_gc(model)
+    cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+    model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
+    return model, [{"params": [p for p in model.parameters() if p.requires_grad]}]
+
+
+def _numel(p) -> int:
+    return int(getattr(p, "ds_numel", p.numel()))
+
+
+class Stepper:
+    """forward + backward + optimizer step, the DeepSpeed engine's or plain PyTorch's."""
+
+    def __init__(self, model, groups, ds_cfg: dict | None, device: torch.device):
+        fused = device.type == "cuda"
+        opt = torch.optim.AdamW(groups, lr=1e-4, fused=fused or None)
+        self.params = [p for g in groups for p in g["params"]]
+        if ds_cfg is None:
+            self.model, self.opt, self.engine = model.to(device).train(), opt, None
+        else:
+            import deepspeed
+
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
+            self.model = self.engine.module
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.engine is not None:
+            loss = self.engine(input_ids=ids, labels=ids).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            return loss.detach()
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _mem(device: torch.device) -> dict:
+    if device.type != "cuda":
+        import resource
+
+        return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {"allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
+
+
+def time_steps(step, batches, device: torch.device, warmup: int, steps: int, repeats: int) -> dict:
+    """``warmup`` untimed steps, then ``repeats`` windows of ``steps`` timed steps (seconds each)."""
+    losses = [float(step(next(batches))) for _ in range(warmup)]
+    _sync(device)
+    mem_warm = _mem(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    windows = []
+    for _ in range(repeats):
+        times = []
+        for _ in range(steps):
+            ids = next(batches)
+            _sync(device)
+            t0 = time.perf_counter()
+            loss = step(ids)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        windows.append(times)
+        losses.append(float(loss))
+    return {"windows": windows, "losses": losses, "mem_after_warmup": mem_warm, "mem_timed": _mem(device)}
+
+
+def _batches(batch: int, seq: int, vocab: int, rank: int, device: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    while True:
+        yield torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+
+
+def summarize(windows: list[list[float]], tokens_per_step: int) -> dict:
+    """Median, spread and percentiles of step times; tokens/s per GPU from the median."""
+    flat = sorted(t for w in windows for t in w)
+    med = statistics.median(flat)
+    per_window = [statistics.median(w) for w in windows]
+
+    def pct(q):
+        return flat[min(len(flat) - 1, int(q * (len(flat) - 1) + 0.5))]
+
+    return {"step_s_median": med, "step_s_p10": pct(0.1), "step_s_p90": pct(0.9), "step_s_min": flat[0],
+            "step_s_max": flat[-1], "window_medians_s": per_window,
+            "window_spread": (max(per_window) - min(per_window)) / med if med else 0.0,
+            "tokens_per_s_per_gpu": tokens_per_step / med, "step_s_all": windows}
 
 
 def run(args) -> None:
-    import deepspeed
-
+    from bench.common import device_name, write_result
+    from bench.flops import flops_per_token, peak_bf16_flops
     from frod_ds import distributed as dist
 
-    dist.init_distributed()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    world = dist.get_world_size()
-    ds_cfg = json.loads(Path(args.config).read_text())
-    ds_cfg.update(train_micro_batch_size_per_gpu=args.batch, gradient_accumulation_steps=1,
-                  train_batch_size=args.batch * world, gradient_clipping=1.0)
-    t_build = time.perf_counter()
-    engine = _engine(args, ds_cfg)
-    build_s = time.perf_counter() - t_build
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
-    dev = dist.local_device()
-    g = torch.Generator(device="cpu").manual_seed(1234 + dist.get_rank())
-    times = []
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    for i in range(args.warmup + args.steps):
-        ids = torch.randint(0, 32000, (args.batch, args.seq), generator=g).to(dev)
-        _sync()
-        t0 = time.perf_counter()
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        _sync()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    step = statistics.median(times)
-    from frod_ds.trainer import _peak_mem_gb
+    plain = args.config == "plain"
+    if not plain:
+        import deepspeed
 
-    peak = _peak_mem_gb()
-    peaks = dist.all_gather_object(peak)
+        if "RANK" not in os.environ:  # one process without a launcher: DeepSpeed still wants a process group
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 10000))
+        dist.init_distributed()
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    assert plain is False or world == 1, "plain PyTorch runs on one GPU (no DDP here)"
+    device = dist.local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ds_cfg = _ds_config(args.config, args.batch, world)
+
+    t0 = time.perf_counter()
+    model, groups = build_frod(args, ds_cfg, rank) if args.method == "frod" else build_lora(args, ds_cfg)
+    model.config.use_cache = False
+    step = Stepper(model, groups, ds_cfg, device)
+    build_s = time.perf_counter() - t0
+    mem_built = _mem(device)
+    cfg = step.model.config.to_dict()
+    trainable = sum(_numel(p) for p in step.model.parameters() if p.requires_grad)
+    frozen = sum(_numel(p) for p in step.model.parameters() if not p.requires_grad)
+    trainable_dtypes = sorted({str(p.dtype) for p in step.model.parameters() if p.requires_grad})
+
+    timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
+                        args.warmup, args.steps, args.repeats)
+    tokens_per_step = args.batch * args.seq
+    stats = summarize(timing["windows"], tokens_per_step)
+    fl = flops_per_token(cfg, args.seq, args.method, tokens_per_step, targets=TARGETS, lora_r=LORA_R,
+                         sparsity=args.sparsity, save=args.frod_save, dgrad=args.frod_dgrad)
+    peak = peak_bf16_flops(device_name()) if device.type == "cuda" else None
+    mems = dist.all_gather_object({"built": mem_built, "after_warmup": timing["mem_after_warmup"],
+                                   "timed": timing["mem_timed"]})
     if dist.is_main():
-        from bench.common import write_result
-
-        write_result(f"train_step_{args.method}_{world}gpu", {
-            "method": args.method, "world_size": world, "layers": engine.module.config.num_hidden_layers, "shape": "LLaMA-7B-wide (4096/11008/32 heads)",
-            "micro_batch": args.batch, "seq_len": args.seq, "ds_config": args.config, "trainable_params": trainable,
-            "step_time_s_median": step, "step_time_s_all": times, "tokens_per_s": args.batch * args.seq * world / step,
-            "peak_mem_gb_per_rank": peaks, "build_s": build_s, "final_loss": float(loss.detach()),
-        }, args.out)
+        engine = "plain" if plain else f"zero{ds_cfg['zero_optimization']['stage']}"
+        payload = {
+            "method": args.method, "engine": engine, "config": args.config, "ds_config": ds_cfg, "world_size": world,
+            "gradient_checkpointing": args.gc, "micro_batch": args.batch, "seq_len": args.seq,
+            "tokens_per_step_per_gpu": tokens_per_step, "warmup": args.warmup, "steps": args.steps,
+            "repeats": args.repeats, "model": {k: cfg[k] for k in ("num_hidden_layers", "hidden_size",
+                                                                   "intermediate_size", "num_attention_heads",
+                                                                   "num_key_value_heads", "vocab_size")},
+            "targets": TARGETS, "trainable_params": trainable, "frozen_params": frozen,
+            "trainable_dtypes": trainable_dtypes, "optimizer": "torch.optim.AdamW" + (" fused" if
+                                                                                      device.type == "cuda" else ""),
+            "frod": {"sparsity": args.sparsity, "save": args.frod_save, "dgrad": args.frod_dgrad,
+                     "impl": args.frod_impl} if args.method == "frod" else None,
+            "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0} if args.method == "lora" else None,
+            **stats,
+            "flops_per_token": fl, "peak_bf16_flops": peak,
+            "mfu": fl["total"] * stats["tokens_per_s_per_gpu"] / peak if peak else None,
+            "memory_per_rank": mems,
+            "peak_allocated_gib": max(m["timed"].get("peak_allocated_gib", 0.0) for m in mems) or None,
+            "peak_reserved_gib": max(m["timed"].get("peak_reserved_gib", 0.0) for m in mems) or None,
+            "build_s": build_s, "losses": timing["losses"],
+        }
+        path = write_result(args.name or config_name(args, engine, world), payload, args.out)
+        print(f"{path}: step {stats['step_s_median'] * 1e3:.1f} ms, {stats['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
+              f"peak {payload['peak_allocated_gib']} GiB")
     dist.destroy()
 
 
-def combine(paths: list[str]) -> None:
-    docs = [json.loads(Path(p).read_text()) for p in paths]
-    by = {(d["method"], d["world_size"]): d for d in docs}
-    rows = []
-    for world in sorted({d["world_size"] for d in docs}):
-        f, l = by.get(("frod", world)), by.get(("lora", world))
-        if f and l:
-            rows.append({"world_size": world,
-                         "step_time_ratio_frod_over_lora": f["step_time_s_median"] / l["step_time_s_median"],
-                         "peak_mem_ratio_frod_over_lora": max(f["peak_mem_gb_per_rank"]) / max(l["peak_mem_gb_per_rank"]),
-                         "frod_step_s": f["step_time_s_median"], "lora_step_s": l["step_time_s_median"],
-                         "frod_tokens_per_s": f["tokens_per_s"], "lora_tokens_per_s": l["tokens_per_s"],
-                         "frod_peak_gb": max(f["peak_mem_gb_per_rank"]), "lora_peak_gb": max(l["peak_mem_gb_per_rank"])})
-    for r in rows:
-        print(json.dumps(r))
-    from bench.common import write_result
+def config_name(args, engine: str, world: int) -> str:
+    extra = ""
+    if args.method == "frod" and (args.frod_save, args.frod_dgrad, args.frod_impl) != ("z", "dense", "function"):
+        extra = f"_{args.frod_impl}-{args.frod_save}-{args.frod_dgrad}"
+    return f"train_step_{args.method}{extra}_{engine}{'_gc' if args.gc else ''}_{world}gpu"
 
-    out = Path(paths[0]).parent
-    write_result("train_step_summary", {"rows": rows, "reference": "stock PEFT FRoD: 1.59x LoRA step time, "
-                                        "1.48x memory (plain torch, one H100)", "goal": "<= 1.20x LoRA step time"},
-                 str(out))
+
+def add_run_args(r: argparse.ArgumentParser) -> None:
+    r.add_argument("--method", choices=["frod", "lora"], required=True, help="adapter method")
+    r.add_argument("--model", required=True, help="checkpoint dir (make-model)")
+    r.add_argument("--factors", default=None, help="factor store (frod)")
+    r.add_argument("--config", default="ds_configs/zero2.json", help="DeepSpeed JSON, or 'plain' (one GPU, no DeepSpeed)")
+    r.add_argument("--batch", type=int, default=4, help="micro-batch per GPU")
+    r.add_argument("--seq", type=int, default=512, help="tokens per sequence")
+    r.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    r.add_argument("--steps", type=int, default=20, help="timed steps per window")
+    r.add_argument("--repeats", type=int, default=2, help="timed windows")
+    r.add_argument("--gc", action="store_true", help="gradient checkpointing (reentrant) for both methods")
+    r.add_argument("--sparsity", type=float, default=0.02, help="FRoD density s of S")
+    r.add_argument("--frod-save", choices=["z", "x"], default="z", help="FRoD token order keeps z (or x, recomputing z)")
+    r.add_argument("--frod-dgrad", choices=["dense", "sampled"], default="dense", help="FRoD ∂S: dense GEMM or sampled")
+    r.add_argument("--frod-impl", choices=["function", "autograd"], default="function",
+                   help="FRoD autograd Functions, or plain autograd (keeps M: the previous implementation)")
+    r.add_argument("--name", default=None, help="result file name (default from method, engine, GPUs)")
+    r.add_argument("--out", default=None, help="results dir (default $OUT or bench/results)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher (ignored)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("make-model", help="write the random 7B-wide checkpoint")
+    m = sub.add_parser("make-model", help="write a random bf16 LLaMA-shaped checkpoint")
     m.add_argument("--out", required=True, help="checkpoint dir")
-    m.add_argument("--layers", type=int, default=8, help="decoder layers")
-    m.add_argument("--hidden", type=int, default=4096, help="hidden size (smoke tests: smaller)")
+    m.add_argument("--layers", type=int, default=32, help="decoder layers")
+    m.add_argument("--hidden", type=int, default=4096, help="hidden size")
     m.add_argument("--inter", type=int, default=11008, help="intermediate size")
     m.add_argument("--heads", type=int, default=32, help="attention heads")
-    r = sub.add_parser("run", help="time training steps of one method")
-    r.add_argument("--method", choices=["frod", "lora"], required=True, help="adapter method")
-    r.add_argument("--model", required=True, help="checkpoint dir (make-model)")
-    r.add_argument("--factors", default=None, help="factor store (frod)")
-    r.add_argument("--config", default="ds_configs/zero3.json", help="DeepSpeed JSON")
-    r.add_argument("--batch", type=int, default=4, help="micro-batch per GPU")
-    r.add_argument("--seq", type=int, default=512, help="tokens per sequence")
-    r.add_argument("--steps", type=int, default=10, help="timed steps")
-    r.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    r.add_argument("--out", default=None, help="results dir")
-    c = sub.add_parser("combine", help="ratios FRoD/LoRA from run results")
-    c.add_argument("paths", nargs="+", help="train_step_*.json files")
+    m.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    add_run_args(sub.add_parser("run", help="time training steps of one method under one engine"))
     args = ap.parse_args()
     if args.cmd == "make-model":
-        make_model(args.out, args.layers, args.hidden, args.inter, args.heads)
-    elif args.cmd == "run":
-        run(args)
+        make_model(args.out, args.layers, args.hidden, args.inter, args.heads, args.vocab)
     else:
-        combine(args.paths)
+        run(args)
 
 
 if __name__ == "__main__":

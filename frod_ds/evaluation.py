@@ -1,4 +1,5 @@
-"""Zero-shot scoring of multiple-choice rows with a causal LM: log-likelihood and greedy generation.
+"""Zero-shot scoring of multiple-choice rows with a causal LM: log-likelihood, greedy generation and
+LLM-Adapters' generation protocol.
 
 Single-process and rank-free: every function maps a model, a tokenizer and rows to numbers or
 strings. ``launch/eval.py`` decides which rank scores which batch and gathers the results.
@@ -13,10 +14,16 @@ tokens that precede the answer in that training text (see `encode_row` for the t
   not depend on the tokenizer.
 - generate: greedy decoding of up to ``max_new_tokens`` tokens; the prediction is the choice found
   earliest in the decoded output (`match_choice`), no match is wrong.
+- llm-adapters: the protocol behind the published PEFT commonsense numbers (LLM-Adapters'
+  ``commonsense_evaluate.py``, Hu et al. 2023): beam search (4 beams, 32 new tokens) after the row's
+  ``prompt`` as stored, the text after ``"### Response:"`` (`llm_adapters_response`), and the first
+  match of the task's answer words (`LLM_ADAPTERS_WORDS`, `extract_answer_word`); the gold word is
+  ``LLM_ADAPTERS_WORDS[task][label]``, no match is wrong.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +46,15 @@ __all__ = [
     "plan_batches",
     "score_loglik_rows",
     "score_generate_rows",
+    "LLM_ADAPTERS_WORDS",
+    "LLM_ADAPTERS_NUM_BEAMS",
+    "LLM_ADAPTERS_MAX_NEW_TOKENS",
+    "RESPONSE_MARKER",
+    "llm_adapters_row_problem",
+    "llm_adapters_response",
+    "extract_answer_word",
+    "prompt_ids",
+    "score_llm_adapters_rows",
 ]
 
 class EvalError(ValueError):
@@ -170,29 +186,37 @@ def loglik_scores(model: nn.Module, contexts: Sequence[Sequence[int]], continuat
         use_cache=False,
         logits_to_keep=keep,
     ).logits  # (B, keep, V): positions T-keep .. T-1
-    logprobs = logits.float().log_softmax(-1).cpu()  # (B, keep, V)
-    scores = []
+    logprobs = logits.float().log_softmax(-1)  # (B, keep, V)
+    # Token y_t sits at column T-len(y)+t and is predicted by column T-len(y)+t-1, i.e. kept column
+    # keep-len(y)-1+t. The tokens are gathered on the device: only B numbers leave it, not B·keep·V.
+    targets = torch.zeros(len(seqs), keep - 1, dtype=torch.long)  # (B, keep-1)
+    scored = torch.zeros(len(seqs), keep - 1, dtype=torch.bool)  # (B, keep-1)
     for i, y in enumerate(continuations):
-        # Token y_t sits at column T-len(y)+t and is predicted by column T-len(y)+t-1,
-        # i.e. kept column keep-len(y)-1+t.
-        rows = logprobs[i, keep - len(y) - 1 : keep - 1]  # (len(y), V)
-        scores.append(rows.gather(-1, torch.tensor(y).unsqueeze(-1)).sum().item())
-    return scores
+        targets[i, keep - 1 - len(y) :] = torch.tensor(y)
+        scored[i, keep - 1 - len(y) :] = True
+    picked = logprobs[:, :-1].gather(-1, targets.to(device).unsqueeze(-1)).squeeze(-1)  # (B, keep-1)
+    return torch.where(scored.to(device), picked, 0.0).sum(-1).tolist()
 
 
 @torch.inference_mode()
-def generate_outputs(model: nn.Module, tokenizer: Any, contexts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int) -> list[str]:
-    """Greedy-decode up to ``max_new_tokens`` after each left-padded context; return the new text.
+def generate_outputs(model: nn.Module, tokenizer: Any, contexts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int,
+                     num_beams: int = 1) -> list[str]:
+    """Decode up to ``max_new_tokens`` after each left-padded context; return the new text.
 
-    Decoding stops at EOS; the text is the new tokens up to (not including) the first EOS, special
-    tokens skipped.
+    Greedy for ``num_beams=1``, else beam search (no sampling, length penalty 1, no early stopping:
+    transformers' defaults, pinned here so a model's own ``generation_config.json`` cannot change
+    them). Decoding stops at EOS; the text is the new tokens up to (not including) the first EOS,
+    special tokens skipped. Each row's output does not depend on the rest of its batch (left
+    padding with an attention mask and positions counted from the first real token).
     """
     from transformers import GenerationConfig
 
     eos = tokenizer.eos_token_id
     input_ids, attention_mask, _ = left_pad(contexts, pad_id)
     device = _device_of(model)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad_id, eos_token_id=eos)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, min_length=0, do_sample=False, num_beams=num_beams,
+                              num_return_sequences=1, length_penalty=1.0, early_stopping=False, repetition_penalty=1.0,
+                              no_repeat_ngram_size=0, pad_token_id=pad_id, eos_token_id=eos)
     out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
     new = out[:, input_ids.shape[1] :].cpu().tolist()  # (B, <= max_new_tokens)
     texts = []
@@ -280,4 +304,105 @@ def score_generate_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[st
         record = _record(row, match_choice(text, row["choices"]))
         record["output"] = text
         records.append(record)
+    return records
+
+
+# --- LLM-Adapters' commonsense protocol (commonsense_evaluate.py of AGI-Edgerunners/LLM-Adapters) ---
+
+LLM_ADAPTERS_NUM_BEAMS = 4
+LLM_ADAPTERS_MAX_NEW_TOKENS = 32
+RESPONSE_MARKER = "### Response:"
+
+_ANSWER_N = tuple(f"answer{k}" for k in range(1, 6))
+# The words searched for, per task, in the order of LLM-Adapters' regex alternation; choice i of a row
+# is word i (its gold word is words[label]). SIQA, OBQA and ARC share one list of five: a SIQA output
+# "answer4" is a match (no choice of the row, so wrong), not "unmatched".
+LLM_ADAPTERS_WORDS: dict[str, tuple[str, ...]] = {
+    "boolq": ("true", "false"),
+    "piqa": ("solution1", "solution2"),
+    "siqa": _ANSWER_N,
+    "hellaswag": tuple(f"ending{k}" for k in range(1, 5)),
+    "winogrande": ("option1", "option2"),
+    "obqa": _ANSWER_N,
+    "arc_easy": _ANSWER_N,
+    "arc_challenge": _ANSWER_N,
+}
+_WORD_PATTERNS = {task: re.compile("|".join(map(re.escape, words))) for task, words in LLM_ADAPTERS_WORDS.items()}
+
+
+def llm_adapters_row_problem(row: dict[str, Any]) -> str | None:
+    """Why LLM-Adapters' protocol cannot score ``row`` (unknown task, more choices than answer words), or None."""
+    words = LLM_ADAPTERS_WORDS.get(row["task"])
+    if words is None:
+        return f"task {row['task']!r} has no LLM-Adapters answer words (known: {', '.join(LLM_ADAPTERS_WORDS)})"
+    if len(row["choices"]) > len(words):
+        return (f"row {row['id']!r} has {len(row['choices'])} choices but {row['task']} has "
+                f"{len(words)} LLM-Adapters answer words ({'/'.join(words)})")
+    return None
+
+
+def llm_adapters_response(prompt: str, output: str) -> str:
+    """The text LLM-Adapters searches for the answer: in ``prompt + output``, what lies between the first
+    ``"### Response:"`` and the next one (or the end), stripped of surrounding whitespace.
+
+    LLM-Adapters decodes prompt and generation together and splits at the marker; its scoring prompt
+    ends with the marker and whitespace, so this is the generated text cut at any marker the model
+    writes itself. With no marker anywhere (a row built with another template) it is the whole output.
+    """
+    parts = (prompt + output).split(RESPONSE_MARKER)
+    return (parts[1] if len(parts) > 1 else output).strip()
+
+
+def extract_answer_word(text: str, task: str) -> str | None:
+    """The first (leftmost) of ``task``'s answer words in ``text``, or None.
+
+    Case-sensitive substring search, as LLM-Adapters' ``re.findall(...)[0]``: ``"Answer1"`` does not match,
+    ``"answer12"`` matches ``answer1``; at one position the earlier word of the list wins.
+    """
+    m = _WORD_PATTERNS[task].search(text)
+    return None if m is None else m.group(0)
+
+
+def prompt_ids(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each prompt as the model reads it before generating: special tokens added (BOS for
+    LLaMA), a trailing EOS dropped. Raises EvalError for a prompt that gives no tokens."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = [_strip_eos(list(x), eos) for x in tokenizer(list(prompts), add_special_tokens=True)["input_ids"]]
+    empty = [p for p, x in zip(prompts, ids) if not x]
+    if empty:
+        raise EvalError(f"prompt {empty[0][:40]!r} gives no tokens; use a tokenizer that adds a BOS token")
+    return ids
+
+
+def score_llm_adapters_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int) -> list[dict[str, Any]]:
+    """LLM-Adapters-protocol records for one batch of rows (any mix of tasks).
+
+    Beam search (`LLM_ADAPTERS_NUM_BEAMS` beams, `LLM_ADAPTERS_MAX_NEW_TOKENS` new tokens) after each
+    row's ``prompt`` exactly as stored: for rows built with data_prep's LLM-Adapters template that is its
+    scoring prompt, ending ``"### Response:\n" + 16 spaces``; for paper-template rows it is the paper's
+    prompt without the ``"\nAnswer: "`` separator, which a model trained on that template writes itself.
+    Each record: ``task, id, label, answer`` (the gold word), ``pred`` (index of the matched word, None when
+    no word matched), ``prediction`` (the matched word), ``correct`` and ``output`` (the searched text).
+    """
+    problems = [p for p in map(llm_adapters_row_problem, rows) if p]
+    if problems:
+        raise EvalError(problems[0])
+    contexts = prompt_ids(tokenizer, [r["prompt"] for r in rows])
+    texts = generate_outputs(model, tokenizer, contexts, LLM_ADAPTERS_MAX_NEW_TOKENS, pad_id, num_beams=LLM_ADAPTERS_NUM_BEAMS)
+    records = []
+    for row, text in zip(rows, texts):
+        words = LLM_ADAPTERS_WORDS[row["task"]]
+        response = llm_adapters_response(row["prompt"], text)
+        word = extract_answer_word(response, row["task"])
+        pred = None if word is None else words.index(word)
+        records.append({
+            "task": row["task"],
+            "id": row["id"],
+            "label": row["label"],
+            "answer": words[row["label"]],
+            "pred": pred,
+            "prediction": word,
+            "correct": pred == row["label"],
+            "output": response,
+        })
     return records

@@ -5,8 +5,10 @@ other tensor of the base checkpoint is copied as it is. The export streams: tens
 from the base checkpoint's shards and the factor store, merged in fp32 (fp64 for fp64 factors) on
 ``device``, and written into output shards of about ``shard_gb``, so no process holds the whole model (a
 70B export needs one shard and one member's factors in memory). The output directory is built under a
-temporary name and renamed at the end; besides the shards and ``model.safetensors.index.json`` it holds
-the base model's config, generation config and tokenizer files, and ``frod_export.json`` (provenance).
+temporary name and renamed at the end; besides the shards, ``model.safetensors.index.json`` and
+``frod_export.json`` (provenance) it holds every other file of the base checkpoint directory (``side_files``:
+config, generation config, tokenizer files whatever their names, chat template, licence; ``config.json``'s
+dtype is rewritten for ``dtype != auto``) and the tokenizer files of the adapter's tokenizer directory.
 
 An adapter trained on quantized frozen weights (``frozen_quant`` nf4/int8 in its config) is exported as the
 model it was trained and evaluated as: ``W'_i = Ũ_i (diag σ_i + S_i) Vᵀ`` with ``Ũ_i`` the dequantized
@@ -33,10 +35,26 @@ from frod_ds.layer import core_matrix
 from frod_ds.quant import is_base_linear_weight, roundtrip
 from frod_ds.store import save_tensors_atomic
 
-__all__ = ["export_transformers", "COPIED_FILES"]
+__all__ = ["export_transformers", "side_files"]
 
-COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "tokenizer.model", "added_tokens.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz", ".onnx")
+WRITTEN_HERE = ("frod_export.json", "frod_convert.json")  # provenance of this export / of another artefact
+MODEL_FILES = ("config.json", "generation_config.json")  # the model's, never a separate tokenizer directory's
+
+
+def side_files(directory: Path, *, tokenizer_only: bool = False) -> list[Path]:
+    """The files of a checkpoint directory an export carries over: every top-level file that is not a weight,
+    a weight index or provenance (hidden files skipped). ``tokenizer_only``: without the model's configs,
+    for a tokenizer directory given apart from the base model."""
+    out = []
+    for p in sorted(directory.iterdir()):
+        name = p.name
+        if not p.is_file() or name.startswith(".") or name in WRITTEN_HERE or name.endswith(".index.json"):
+            continue
+        if name.endswith(WEIGHT_SUFFIXES) or (tokenizer_only and name in MODEL_FILES):
+            continue
+        out.append(p)
+    return out
 
 
 def _frozen_U(store, member: str, quant: str, device: torch.device) -> torch.Tensor:
@@ -148,10 +166,12 @@ def _write_shard(tmp: Path, index: int, tensors: dict[str, torch.Tensor | None])
 
 
 def _copy_side_files(model_dir: Path, tokenizer_dir: Path | None, tmp: Path, out_dtype: torch.dtype | None) -> None:
-    for fname in COPIED_FILES:
-        src = next((d / fname for d in (tokenizer_dir, model_dir) if d is not None and (d / fname).is_file()), None)
-        if src is not None:
-            shutil.copyfile(src, tmp / fname)
+    """``side_files`` of the base checkpoint, then the tokenizer directory's (its files win where both have one)."""
+    sources = side_files(model_dir)
+    if tokenizer_dir is not None and tokenizer_dir.is_dir() and tokenizer_dir.resolve() != model_dir.resolve():
+        sources += side_files(tokenizer_dir, tokenizer_only=True)
+    for src in sources:
+        shutil.copyfile(src, tmp / src.name)
     cfg_path = tmp / "config.json"
     if out_dtype is not None and cfg_path.is_file():
         cfg = json.loads(cfg_path.read_text())

@@ -51,7 +51,8 @@ __all__ = ["StageConfig", "plan_categories", "run_stage"]
 
 GiB = 2**30
 U_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-CONFIG_KEYS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype", "u_quant")
+CONFIG_KEYS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype", "u_dtype", "u_quant")
+CONFIG_DEFAULTS = {"u_dtype": "auto", "u_quant": None}  # what a manifest written before the key existed meant
 
 
 @dataclass
@@ -72,7 +73,8 @@ class StageConfig:
     method: str = "auto"
     io_threads: int = 8
     prefetch_gb: float = 4.0
-    quant: str = "none"  # none | nf4 | int8: U_i written quantized (frod_ds.quant blobs)
+    u_dtype: torch.dtype | None = None  # None: each category's checkpoint dtype
+    quant: str = "none"  # none | nf4 | int8: U_i written quantized (frod_ds.quant blobs), from U in u_dtype
 
     def __post_init__(self) -> None:
         problems = []
@@ -94,6 +96,8 @@ class StageConfig:
             problems.append(f"--method must be auto or householder, got {self.method!r}")
         if not (isinstance(self.io_threads, int) and self.io_threads >= 1):
             problems.append(f"--io-threads must be an integer >= 1, got {self.io_threads!r}")
+        if self.u_dtype is not None and self.u_dtype not in U_DTYPES:
+            problems.append(f"--u-dtype must be auto or one of {[dtype_name(d) for d in U_DTYPES]}, got {self.u_dtype}")
         if not self.prefetch_gb > 0:
             problems.append(f"--prefetch-gb must be > 0, got {self.prefetch_gb}")
         if self.quant not in QUANT_KINDS:
@@ -182,7 +186,7 @@ def _new_manifest(cfg: StageConfig, fingerprint: str, categories: dict[str, list
             "members": members,
             "shapes": {m: list(ckpt.shape(m + ".weight")) for m in members},
             "width": ckpt.shape(members[0] + ".weight")[1],
-            "u_dtype": dtype_name(ckpt.dtype(members[0] + ".weight")),
+            "u_dtype": dtype_name(cfg.u_dtype or ckpt.dtype(members[0] + ".weight")),
             "u_quant": _u_quant(cfg),
             "complete": False,
         }
@@ -198,6 +202,7 @@ def _new_manifest(cfg: StageConfig, fingerprint: str, categories: dict[str, list
         "targets": list(cfg.targets),
         "pi": cfg.pi,
         "hjd_dtype": dtype_name(cfg.dtype),
+        "u_dtype": dtype_name(cfg.u_dtype) if cfg.u_dtype is not None else "auto",
         "u_quant": _u_quant(cfg),
         "categories": cats,
         "world_size": D.get_world_size(),
@@ -224,9 +229,10 @@ def _prepare_store(cfg: StageConfig, fresh: dict[str, Any]) -> dict[str, Any]:
             manifest = json.loads(mpath.read_text())
         except json.JSONDecodeError:
             manifest = {}
-        diffs = [k for k in CONFIG_KEYS if manifest.get(k) != fresh[k]]
+        diffs = [k for k in CONFIG_KEYS if manifest.get(k, CONFIG_DEFAULTS.get(k)) != fresh[k]]
         if diffs and not cfg.overwrite:
-            show = ", ".join(f"{k}: {manifest.get(k)!r} there, {fresh[k]!r} now" for k in diffs if k != "fingerprint")
+            show = ", ".join(f"{k}: {manifest.get(k, CONFIG_DEFAULTS.get(k))!r} there, {fresh[k]!r} now"
+                             for k in diffs if k != "fingerprint")
             if "fingerprint" in diffs:
                 show = f"built from {manifest.get('base_model')!r} (another model's weights)" + (f"; {show}" if show else "")
             raise ValueError(
@@ -330,6 +336,7 @@ def _rank_summary(seconds: float, device: torch.device, ckpt: HFCheckpoint) -> d
         "rank": D.get_rank(),
         "device": str(device),
         "seconds": round(seconds, 3),
+        "cpu_threads": torch.get_num_threads(),
         "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
         "tensors_read": ckpt.tensors_read,
         "bytes_read": ckpt.bytes_read,
@@ -400,7 +407,8 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> dict[str,
                 D.on_main(lambda: _remove_store_files(cfg.out, category))  # leftovers of a killed run
                 job = CategoryJob(ckpt, category, categories[category], reader=reader, writer=writer, pi=cfg.pi,
                                   dtype=cfg.dtype, device=device, block_gb=cfg.block_gb,
-                                  device_cache_gb=cfg.device_cache_gb, method=cfg.method, quant=cfg.quant)
+                                  device_cache_gb=cfg.device_cache_gb, method=cfg.method, u_dtype=cfg.u_dtype,
+                                  quant=cfg.quant)
                 try:
                     job.gram_pass()  # every read of this category (unless the cache overflows)
                     if j + 1 < len(todo):

@@ -161,13 +161,14 @@ class CategoryJob:
 
     def __init__(self, ckpt: HFCheckpoint, category: str, members: list[str], *, reader: MemberReader,
                  writer: FactorWriter, pi: float, dtype: torch.dtype, device: torch.device, block_gb: float,
-                 device_cache_gb: float, method: str = "auto", quant: str = "none"):
+                 device_cache_gb: float, method: str = "auto", u_dtype: torch.dtype | None = None,
+                 quant: str = "none"):
         self.ckpt, self.category, self.L = ckpt, category, len(members)
         self.reader, self.writer = reader, writer
         self.pi, self.dtype, self.device, self.method = pi, dtype, device, method
         self.block_gb, self.cache_bytes = block_gb, device_cache_gb * GiB
         self.n = ckpt.shape(members[0] + ".weight")[1]
-        self.u_dtype = ckpt.dtype(members[0] + ".weight")
+        self.u_dtype = u_dtype or ckpt.dtype(members[0] + ".weight")  # U as stored (or as quantized from)
         self.quant = quant  # "none", or U_i written as a frod_ds.quant blob of this kind
         self.mine = my_members(members, D.get_rank(), D.get_world_size())
         self.cache = _Cache(self.cache_bytes)
@@ -305,7 +306,7 @@ class CategoryJob:
             U_i, sigma_i = factors(i, W)  # (m_i, n), (n,) in the compute dtype
             err[member] = reconstruction_error_t(W, U_i, sigma_i, V_c)
             U_s, sigma_s = U_i.to(self.u_dtype), sigma_i.float()
-            if specs:  # quantized from U in the checkpoint dtype, as load-time quantization of a dense store would
+            if specs:  # quantized from U in u_dtype, as load-time quantization of a dense store would
                 blob = specs[member].pack(U_s)  # (nbytes,) uint8
                 U_s = specs[member].unpack(blob, self.u_dtype)  # (m_i, n): what training will compute with
             stored[member] = err[member] if exact_store else reconstruction_error_t(

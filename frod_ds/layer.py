@@ -7,7 +7,8 @@ one Parameter object shared by every member of a category. Trainable tensors sha
 The sparse ``S`` is a dense 1-D vector of values over a fixed strictly off-diagonal support (a flat index
 tensor shared by the category). The forward never gathers ``z`` per token: it scatters σ and the S
 values into a dense ``(n, n)`` matrix ``M = diag σ + S`` once per call and runs dense GEMMs, choosing
-between two exact orderings by FLOPs (see ``FRoDLinear.forward``).
+between two exact orderings by FLOPs (see ``FRoDLinear.forward``). The token order runs as one autograd
+Function (``frod_ds.frod_function.FRoDTokens``) that keeps ``z`` (or ``x``) for the backward, never ``M``.
 
 ``U`` may be quantized (``frod_ds.quant``: NF4 or int8 bytes in a Parameter of the model's dtype); every
 read of it goes through ``frozen_dense`` / ``frozen_linear``, which dequantize, so the layer computes
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from frod_ds.frod_function import FRoDTokens, FRoDWeight, core_matrix
 from frod_ds.quant import frozen_dense, frozen_linear, logical_shape
 
 __all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering"]
@@ -33,16 +35,6 @@ TRAINABLE_PREFIX = "frod_"
 def support_seed(seed: int, category: str) -> int:
     """The support seed of a category: stable across processes, Python versions and category order."""
     return (int(seed) * 1_000_003 + zlib.crc32(category.encode())) % (2**63 - 1)
-
-
-def core_matrix(sigma: Tensor, s_values: Tensor, support_flat: Tensor, dtype: torch.dtype,
-                device: torch.device | str) -> Tensor:
-    """Dense ``diag σ + S`` (n, n); ``S``'s values at the flat (row·n + col) ``support_flat`` positions."""
-    n = sigma.shape[0]
-    diag = torch.arange(0, n * n, n + 1, device=device)
-    idx = torch.cat([diag, support_flat.to(device)])  # (n + nnz,)
-    vals = torch.cat([sigma, s_values]).to(device=device, dtype=dtype)  # (n + nnz,)
-    return torch.zeros(n * n, dtype=dtype, device=device).scatter(0, idx, vals).view(n, n)
 
 
 class SparseSupport:
@@ -57,6 +49,7 @@ class SparseSupport:
         self.n = int(n)
         self.flat = flat.cpu()
         self._cache: dict[torch.device, Tensor] = {}
+        self._rc_cache: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     @classmethod
     def random(cls, n: int, density: float, seed: int) -> SparseSupport:
@@ -101,6 +94,13 @@ class SparseSupport:
             self._cache[device] = self.flat.to(device)
         return self._cache[device]
 
+    def rows_cols_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(rows, cols)`` (nnz,) each on ``device``, cached (the sampled ∂S product reads them)."""
+        if device not in self._rc_cache:
+            rows, cols = self.rows_cols().to(device)
+            self._rc_cache[device] = (rows, cols)
+        return self._rc_cache[device]
+
 
 class FRoDLinear(nn.Module):
     """``y = U (diag σ + S) Vᵀ x + b`` — a drop-in for an ``nn.Linear`` of shape ``(m, n)``.
@@ -138,6 +138,14 @@ class FRoDLinear(nn.Module):
         self.support = support
         # "auto": the cheaper exact ordering per call (``ordering``); "tokens" / "weight" force one (benchmarks).
         self.mode = "auto"
+        # "function": the autograd Functions of frod_function.py; "autograd": the same products through plain
+        # autograd, which keeps M (token order) for the backward — the reference they are measured against.
+        self.impl = "function"
+        # What the token order keeps for the backward: "z" (= Vᵀx, T·n per member) or "x" (shared by the
+        # members reading the same input, e.g. q/k/v; z is recomputed: T·n² more multiply-adds).
+        self.save = "z"
+        # How ∂σ, ∂S are taken: "dense" (one n×n GEMM, gathered) or "sampled" (support entries only).
+        self.dgrad = "dense"
 
     # -- the math ------------------------------------------------------------------------------------
 
@@ -148,14 +156,28 @@ class FRoDLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x`` (..., n) → (..., m), by the cheaper of two exact orderings (``ordering``)."""
-        M = self.core(x.dtype, x.device)  # (n, n)
-        tokens = x.numel() // self.in_features
+        n, m = self.in_features, self.out_features
+        assert self.save in ("z", "x") and self.dgrad in ("dense", "sampled") and self.impl in ("function", "autograd"), \
+            (self.save, self.dgrad, self.impl)
+        dt = _compute_dtype(x)
         mode = self.mode
         if mode == "auto":
-            mode = ordering(tokens, self.out_features, self.in_features, torch.is_grad_enabled())
-        # The frozen factors go into the ops whole (no .T views): autograd then keeps the Parameter objects,
-        # whose storage ZeRO-3 may release after the forward and gather again for the backward.
-        # A quantized U is dequantized per use (frozen_dense / frozen_linear); its dense copy is not kept.
+            mode = ordering(x.numel() // n, m, n, torch.is_grad_enabled(), recompute=self.save == "x")
+        assert mode in ("tokens", "weight"), f"FRoDLinear.mode must be auto|tokens|weight, got {mode!r}"
+        frozen_train = self.U.requires_grad or self.V.requires_grad or getattr(self.bias, "requires_grad", False)
+        if self.impl == "function" and not frozen_train:
+            xt = x.reshape(-1, n).to(dt)  # (T, n)
+            with torch.autocast(x.device.type, enabled=False):  # the Functions run in dt, forward and backward
+                if mode == "tokens":
+                    y = FRoDTokens.apply(xt, self.frod_sigma, self.frod_s, self.U, self.V, self.bias, self.support,
+                                         self.save == "z", self.dgrad == "dense")  # (T, m)
+                else:
+                    y = FRoDWeight.apply(xt, self.frod_sigma, self.frod_s, self.U, self.V, self.bias, self.support,
+                                         self.dgrad == "dense")  # (T, m)
+            return y.view(*x.shape[:-1], m)
+        # Plain autograd (the reference, and the route when a frozen factor trains): keeps M or W, and views
+        # of U and V, for the backward; a quantized U is dequantized per use (frozen_dense / frozen_linear).
+        M = self.core(x.dtype, x.device)  # (n, n)
         V, bias = self.V.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
         if mode == "weight":
             W = F.linear(frozen_dense(self.U, x.dtype) @ M, V)  # (m, n) = U M Vᵀ
@@ -190,17 +212,26 @@ class FRoDLinear(nn.Module):
         )
 
 
-def ordering(tokens: int, m: int, n: int, grad: bool) -> str:
+def ordering(tokens: int, m: int, n: int, grad: bool, recompute: bool = False) -> str:
     """The cheaper exact ordering of ``U M Vᵀ x`` for ``tokens`` inputs, U (m, n), by multiply-adds.
 
-        tokens ``U (M (Vᵀ x))``: forward 2Tn² + Tmn; with backward 5Tn² + 2Tmn
+        tokens ``U (M (Vᵀ x))``: forward 2Tn² + Tmn; with backward 5Tn² + 2Tmn (+ Tn² with ``recompute``:
+                                 the backward rebuilds z = Vᵀx from the saved x)
         weight ``(U M Vᵀ) x``:   forward 2mn² + Tmn; with backward 4mn² + 3Tmn
     """
     if grad:
-        cost_tokens, cost_weight = 5 * tokens * n * n + 2 * tokens * m * n, 4 * m * n * n + 3 * tokens * m * n
+        cost_tokens = (6 if recompute else 5) * tokens * n * n + 2 * tokens * m * n
+        cost_weight = 4 * m * n * n + 3 * tokens * m * n
     else:
         cost_tokens, cost_weight = 2 * tokens * n * n + tokens * m * n, 2 * m * n * n + tokens * m * n
     return "weight" if cost_weight < cost_tokens else "tokens"
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype matmuls on ``x`` run in: the autocast dtype where autocast is on for its device, else x's."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def trainable_numel(n: int, density: float) -> int:

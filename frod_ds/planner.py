@@ -283,7 +283,7 @@ def layer_activation_bytes(model: ModelShape, train: TrainShape, linear_keeps_in
     groups = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
               "up_proj": "mlp", "down_proj": "down"}
     x_saved = set()
-    plain = train.layer_saves == "M"  # the plain-autograd layer calls F.linear; the Function does not
+    plain = train.layer_saves == "M"  # the plain-autograd layer (impl="autograd") calls F.linear; the Functions do not
     for t, order in _orders(model, train).items():
         m, n = model.linear(t)
         if order == "tokens":
@@ -294,7 +294,7 @@ def layer_activation_bytes(model: ModelShape, train: TrainShape, linear_keeps_in
             if groups[t] not in x_saved:
                 per_token += e * n
                 x_saved.add(groups[t])
-            per_call += e * m * n * (2 if train.quant != "none" else 1)  # W, and the dequantized U for ∂M
+            per_call += e * m * n * (2 if plain and train.quant != "none" else 1)  # W (+ plain autograd: dense Ũ)
             if linear_keeps_input and plain:
                 per_call += e * m * n  # F.linear(U M, V) keeps U M
         if plain:

@@ -1,16 +1,17 @@
 """Per-task accuracy from per-row predictions, and the Markdown table beside the paper's numbers.
 
-Pure functions over plain dicts: `summarize` turns prediction records (one per row, as
-``launch/eval.py`` writes to ``predictions.jsonl``) into the ``results.json`` body, and
-`markdown_table` renders it. Accuracies are fractions in [0, 1]; the table shows percent.
+Pure functions over plain dicts: `summarize` turns one mode's prediction records (one per row, as
+``frod_ds.eval_run`` writes to ``predictions.jsonl``) into that mode's part of ``results.json``, and
+`markdown_table` renders the modes of a run side by side. Accuracies are fractions in [0, 1]; the
+table shows percent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["PAPER_RESULTS", "PAPER_MODEL", "summarize", "markdown_table"]
+__all__ = ["PAPER_RESULTS", "PAPER_MODEL", "MODE_NOTES", "summarize", "markdown_table"]
 
 # FRoD paper, commonsense reasoning table, LLaMA2-7B, accuracy % (project spec FROD_SPEC §4). The paper's avg is
 # the mean over these six tasks; it reports no ARC numbers.
@@ -35,6 +36,16 @@ TASK_NAMES = {
 }
 
 
+# One sentence per mode under the table.
+MODE_NOTES = {
+    "loglik": "loglik: argmax of the choices' summed log-probabilities (norm: divided by the answer's length in characters).",
+    "generate": "generate: greedy decoding, the earliest answer string in the output.",
+    "llm-adapters": "llm-adapters: LLM-Adapters' commonsense protocol (beam search of 4, 32 new tokens, first answer "
+                    "word after \"### Response:\"), the scoring of LLM-Adapters' and DoRA's published numbers.",
+}
+_UNMATCHED_NOTE = "unmatched: rows whose output holds no answer (counted wrong)."
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
@@ -43,7 +54,7 @@ def summarize(records: Sequence[dict[str, Any]], tasks: Sequence[str], mode: str
     """``{"tasks": {task: {"accuracy", "n", "correct", ...}}, "average", ...}`` from per-row records.
 
     Each record has ``task`` and ``correct`` (bool); loglik records also ``correct_norm``,
-    generate records ``pred`` (None when no answer string was found). ``average`` is the
+    generate and llm-adapters records ``pred`` (None when no answer was found: ``unmatched``). ``average`` is the
     unweighted mean of the task accuracies (the paper's avg); ``average_paper_tasks`` the same
     over the tasks the paper reports, when any were evaluated.
     """
@@ -74,17 +85,35 @@ def _pct(fraction: float) -> str:
     return f"{100 * fraction:.2f}"
 
 
-def markdown_table(results: dict[str, Any], title: str | None = None) -> str:
-    """Markdown table: one row per task and average rows, ours in %, the paper's methods beside.
+def _mode_columns(mode: str) -> list[tuple[str, Callable[[Sequence[dict[str, Any]]], str]]]:
+    """(header, cell of one or more task entries) of one mode's columns; several entries make an average row."""
+    def acc(key: str) -> Callable[[Sequence[dict[str, Any]]], str]:
+        return lambda entries: _pct(_mean([e[key] for e in entries]))
 
-    The paper columns of an average row hold the paper's mean over the same tasks (its own avg
-    when all six are present); ARC has no paper number ("—").
+    if mode == "loglik":
+        return [("loglik", acc("accuracy")), ("loglik norm", acc("accuracy_norm"))]
+    return [(mode, acc("accuracy")), (f"{mode} unmatched", lambda entries: str(sum(e["unmatched"] for e in entries)))]
+
+
+def markdown_table(results_by_mode: Mapping[str, dict[str, Any]], title: str | None = None) -> str:
+    """Markdown table: one row per task and average rows; per mode its accuracy in % (loglik also the
+    length-normalised one, generation modes the count of unmatched rows), the paper's methods beside.
+
+    ``results_by_mode`` maps each mode to its `summarize` result; all modes scored the same rows, so
+    one ``n`` column counts them. The paper columns of an average row hold the paper's mean over the
+    same tasks (its own avg when all six are present); ARC has no paper number ("—").
     """
-    per_task = results["tasks"]
-    tasks = list(per_task)
-    norm = all("accuracy_norm" in e for e in per_task.values())
+    modes = list(results_by_mode)
+    assert modes, "markdown_table needs at least one mode"
+    tasks = list(results_by_mode[modes[0]]["tasks"])
+    for mode in modes:
+        per_task = results_by_mode[mode]["tasks"]
+        assert list(per_task) == tasks, f"mode {mode} scored tasks {list(per_task)}, not {tasks}"
+        assert all(per_task[t]["n"] == results_by_mode[modes[0]]["tasks"][t]["n"] for t in tasks), \
+            f"mode {mode} scored other row counts than {modes[0]}"
+    columns = [(mode, header, cell) for mode in modes for header, cell in _mode_columns(mode)]
     methods = list(PAPER_RESULTS)
-    head = ["task", "n", "accuracy"] + (["acc_norm"] if norm else []) + [f"paper {m}" for m in methods]
+    head = ["task", "n"] + [header for _, header, _ in columns] + [f"paper {m}" for m in methods]
 
     def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(cells) + " |"
@@ -94,24 +123,21 @@ def markdown_table(results: dict[str, Any], title: str | None = None) -> str:
             return ["—"] * len(methods)
         return [f"{_mean([PAPER_RESULTS[m][t] for t in over]):.2f}" for m in methods]
 
+    def row(label: str, over: Sequence[str]) -> str:
+        n = sum(results_by_mode[modes[0]]["tasks"][t]["n"] for t in over)
+        cells = [cell([results_by_mode[mode]["tasks"][t] for t in over]) for mode, _, cell in columns]
+        return line([label, str(n)] + cells + paper_cells(over))
+
     lines = []
     if title:
         lines += [title, ""]
     lines += [line(head), line(["---"] + ["---:"] * (len(head) - 1))]
-    for task in tasks:
-        e = per_task[task]
-        cells = [TASK_NAMES.get(task, task), str(e["n"]), _pct(e["accuracy"])]
-        cells += [_pct(e["accuracy_norm"])] if norm else []
-        lines.append(line(cells + paper_cells([task])))
-
-    def average_row(label: str, over: Sequence[str]) -> str:
-        cells = [label, str(sum(per_task[t]["n"] for t in over)), _pct(_mean([per_task[t]["accuracy"] for t in over]))]
-        cells += [_pct(_mean([per_task[t]["accuracy_norm"] for t in over]))] if norm else []
-        return line(cells + paper_cells(over))
-
-    lines.append(average_row("**average**", tasks))
+    lines += [row(TASK_NAMES.get(task, task), [task]) for task in tasks]
+    lines.append(row("**average**", tasks))
     paper = [t for t in tasks if t in PAPER_TASKS]
     if paper and len(paper) < len(tasks):
-        lines.append(average_row("average (paper's tasks)", paper))
-    lines += ["", f"Accuracy in %. Paper columns: the FRoD paper's commonsense results on {PAPER_MODEL}."]
+        lines.append(row("average (paper's tasks)", paper))
+    notes = [MODE_NOTES[m] for m in modes] + ([_UNMATCHED_NOTE] if any(m != "loglik" for m in modes) else [])
+    lines += ["", "Accuracy in %; average rows: unweighted mean over their tasks. " + " ".join(notes),
+              f"Paper columns: the FRoD paper's commonsense results on {PAPER_MODEL}."]
     return "\n".join(lines) + "\n"

@@ -24,7 +24,7 @@ Manifest (``format_version`` 1)::
     base_model            what --model named (Hub id or directory)
     fingerprint           weights_fingerprint() of every member's weight, fingerprint_method
     model_config          a few config.json fields (model_type, hidden_size, ...), or null
-    targets, pi, hjd_dtype ("float32" | "float64")
+    targets, pi, hjd_dtype ("float32" | "float64"), u_dtype ("auto": the checkpoint's, or --u-dtype)
     u_quant               null, or {kind: "nf4" | "int8", blocksize} when U is stored quantized
     categories: {c: {members, shapes {member: [m, n]}, width, u_dtype, u_quant, complete,
                      files {key: file}, error {member: e}, stored_error {member: e},
@@ -34,8 +34,8 @@ Manifest (``format_version`` 1)::
     run {seconds, startup_s, prologue_s, world_size, categories_done, categories_skipped, ranks: [...]}
 
 ``error`` is ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` with the factors in ``hjd_dtype``; ``stored_error``
-the same with the stored tensors (U rounded to the checkpoint dtype, or quantized and dequantized; σ and V
-in fp32).
+the same with the stored tensors (U rounded to the category's ``u_dtype``, or quantized from it and
+dequantized; σ and V in fp32).
 """
 
 from __future__ import annotations

@@ -7,9 +7,12 @@
     torchrun --nproc_per_node 2 launch/hjd.py --model /ckpt/llama2-70b --out factors/llama2-70b-nf4 --quant nf4
     python launch/hjd.py --verify factors/llama2-7b --model meta-llama/Llama-2-7b-hf
 
-Rerunning a killed run with the same arguments skips the categories already complete. Exit codes: 0 ok,
-2 user error (one ``error: ...`` line on stderr from rank 0), 1 verification failed. Under torchrun any
-failing worker makes torchrun itself exit 1.
+Rerunning a killed run with the same arguments skips the categories already complete. On CPU, unless
+OMP_NUM_THREADS is set, each rank uses its share of the cores (torch's default divided by the ranks on the
+node) and OpenMP threads sleep instead of spinning while they wait (OMP_WAIT_POLICY=PASSIVE): with spinning
+threads a single-process run on a shared 2-core machine took 4-15x longer (bench/hjd_cpu_threads.py).
+Exit codes: 0 ok, 2 user error (one ``error: ...`` line on stderr from rank 0), 1 verification failed.
+Under torchrun any failing worker makes torchrun itself exit 1.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pi", type=float, default=1e-3, help="ridge term π > 0 of T_pi (spec §1)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="HJD compute dtype (fp32 runs with TF32 off)")
+    p.add_argument("--u-dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto",
+                   help="dtype U_i is stored in; auto: the checkpoint's. float32 for a bf16 checkpoint keeps the FRoD "
+                        "model exact at init under fp32 compute (the store's U then takes twice the checkpoint's bytes)")
     p.add_argument("--quant", choices=["none", "nf4", "int8"], default="none",
                    help="store U_i quantized (bitsandbytes NF4, blocks of 64, or int8 per row): a 70B store ~4x (nf4) "
                         "smaller; training then needs model.frozen_quant of the same kind")
@@ -82,7 +88,7 @@ def build(args: argparse.Namespace) -> int:
         model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
         block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, part_mb=args.part_mb, device=args.device, overwrite=args.overwrite,
         fsync=args.fsync, method=args.method, io_threads=args.io_threads, prefetch_gb=args.prefetch_gb,
-        quant=args.quant))
+        u_dtype=None if args.u_dtype == "auto" else getattr(torch, args.u_dtype), quant=args.quant))
     manifest = run_stage(cfg, process_start=PROCESS_START)
     if D.is_main():
         _print_summary(manifest)
@@ -131,6 +137,25 @@ def _ranks_on_this_node() -> int:
     return 1
 
 
+def _cpu_threading_env(args: argparse.Namespace) -> None:
+    """Before torch loads: OpenMP threads of a CPU run sleep while they wait, unless the user chose the
+    threading (OMP_NUM_THREADS or OMP_WAIT_POLICY set). Spinning threads lose their core whenever another
+    process is busy on it, and every parallel region then waits for them."""
+    if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _set_cpu_threads(args: argparse.Namespace) -> None:
+    """CPU runs without OMP_NUM_THREADS: torch's default thread count (the physical cores) divided by the
+    ranks on this node, so that srun or the DeepSpeed launcher (which set no OMP_NUM_THREADS, unlike
+    torchrun) do not run ranks × cores threads."""
+    import torch
+
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, torch.get_num_threads() // _ranks_on_this_node()))
+
+
 def _readahead_budget() -> float:
     """This rank's part of a quarter of the memory free now: what the page cache can take without pushing
     anything out, shared by the ranks of the node."""
@@ -143,10 +168,12 @@ def _readahead_budget() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _cpu_threading_env(args)
     if args.out is not None:  # the kernel reads this rank's first weights while torch loads
         start_readahead(args.model, args.targets, _readahead_budget())
     from frod_ds import distributed as D
 
+    _set_cpu_threads(args)
     D.init_distributed("gloo" if args.device == "cpu" else None)
     try:
         return verify(args) if args.verify is not None else build(args)

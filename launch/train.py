@@ -1,13 +1,15 @@
-"""ZeRO-3 training of FRoD adapters.
+"""DeepSpeed training of FRoD adapters: ZeRO-2 when the frozen model fits one GPU (7B), ZeRO-3 when it does not (70B).
 
-    deepspeed launch/train.py --config ds_configs/zero3.json --recipe recipes/llama2_7b_cs170k.yaml \\
+    deepspeed launch/train.py --config ds_configs/zero2.json --recipe recipes/llama2_7b_cs170k.yaml \\
         train.lr_sigma=2e-4 output_dir=runs/llama2-7b
-    torchrun --nproc_per_node 8 launch/train.py --config ds_configs/zero3_offload.json --recipe R.yaml
+    torchrun --nproc_per_node 8 launch/train.py --config ds_configs/zero3.json --recipe R_70b.yaml
     # CPU (CI, the demo): DS_ACCELERATOR=cpu deepspeed --num_gpus 2 launch/train.py --config \\
     #     ds_configs/zero3_cpu_fp32.json --recipe recipes/demo_tiny.yaml
 
 Re-running the same command resumes from the last complete checkpoint in ``output_dir``. SIGTERM writes a
-checkpoint and exits with 143. Exit 2 on invalid input (one ``error:`` line), before any training.
+checkpoint and exits with 143. Exit 2 on invalid input (one ``error:`` line), before any training. On GPUs a
+``hint:`` line says when the chosen ZeRO set-up is likely the slow one for the model and GPU count
+(``frod_ds/engine_choice.py``: ZeRO-2 when the frozen model fits one GPU, ZeRO-3 when it does not).
 """
 
 from __future__ import annotations
@@ -33,6 +35,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def zero_hint_line(recipe, config_path: str, world_size: int, gpu_bytes: int | None) -> str | None:
+    """``frod_ds.engine_choice``'s one-line hint when the chosen ZeRO set-up is likely the slow (or failing) one
+    for this model and GPU count; None without a GPU, or when an input is unreadable (``setup`` reports that)."""
+    if not gpu_bytes:
+        return None
+    import math
+
+    import torch
+
+    from frod_ds.build import DTYPES
+    from frod_ds.ds_config import load_ds_config
+    from frod_ds.engine_choice import choice_of_config, frozen_model_bytes, zero_hint
+    from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
+    from frod_ds.store import FactorStore
+
+    try:
+        ckpt = HFCheckpoint(resolve_model_dir(recipe.model.base))
+        numels = [math.prod(ckpt.shape(k)) for k in ckpt.keys()]
+        store = FactorStore.open(recipe.model.factor_store)
+        widths = [store.width(c) for c in recipe.model.targets if c in store.categories]
+        chosen = choice_of_config(load_ds_config(config_path))
+    except (ValueError, OSError, KeyError):
+        return None
+    elem = torch.finfo(DTYPES[recipe.model.dtype]).bits // 8
+    return zero_hint(chosen, frozen_model_bytes(numels, widths, elem), gpu_bytes, world_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from frod_ds import distributed as dist
@@ -54,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     from frod_ds.trainer import fit, setup
 
+    gpu_bytes = torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
+    hint = zero_hint_line(recipe, args.config, dist.get_world_size(), gpu_bytes)
+    if hint:
+        dist.print0(hint)
     try:
         try:
             run = setup(recipe, args.config, args.nvme_path)

@@ -1,5 +1,6 @@
 """Builders shared by the eval tests (no tests here): a word-level tokenizer trained on the rows,
-eval JSONL rows written by hand, a random tiny LLaMA and a tiny LLaMA that is an exact bigram model.
+eval JSONL rows written by hand (paper-like and in LLM-Adapters' format), a random tiny LLaMA and a
+tiny LLaMA that is an exact bigram model.
 
 The bigram model has one-hot token embeddings, zeroed ``o_proj``/``down_proj`` (every block adds
 nothing to the residual stream) and a final norm weight of ``1/sqrt(hidden)``, so the last hidden
@@ -21,6 +22,19 @@ from data_prep.io import dumps_row
 SPECIALS = ["<unk>", "<s>", "</s>"]
 WORDS = "the a big small red blue cat dog sits runs on mat is it true false which one Choice Option A B C D Question Answer".split()
 PUNCT = [":", "?", ".", ","]
+# Extra vocabulary for rows in LLM-Adapters' format (`word_tokenizer(LLM_ADAPTERS_VOCAB)`).
+LLM_ADAPTERS_VOCAB = "answer1 answer2 answer3 answer4 answer5 solution1 solution2 correct ### Response Instruction".split()
+# LLM-Adapters' scoring prompt (its commonsense_evaluate.py; see the shared data README), written out here
+# independently of any code under test.
+LLM_ADAPTERS_SCORING_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request. \n\n"
+    "                ### Instruction:\n                {instruction}\n\n                ### Response:\n                "
+)
+LLM_ADAPTERS_TASK_WORDS = {
+    "boolq": ["true", "false"],
+    "piqa": ["solution1", "solution2"],
+    "obqa": ["answer1", "answer2", "answer3", "answer4"],
+}
 
 TASK_CHOICES = {
     "boolq": ["true", "false"],
@@ -43,6 +57,23 @@ def make_rows(task: str, n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def make_llm_adapters_rows(task: str, n: int, seed: int = 0) -> list[dict]:
+    """`n` rows of `task` as data_prep's LLM-Adapters template builds them: the scoring prompt around an
+    instruction of varying length, answers ``"the correct answer is <word>"``, separator ``""``."""
+    rng = random.Random(f"la-{task}-{seed}")
+    words = LLM_ADAPTERS_TASK_WORDS[task]
+    rows = []
+    for i in range(n):
+        question = " ".join(rng.choice(WORDS[:14]) for _ in range(rng.randint(1, 12)))
+        options = " ".join(f"{w.capitalize()}: {rng.choice(WORDS[:10])}" for w in words)
+        instruction = f"Please choose the correct answer to the question: {question}\n\n{options}\n\nAnswer format: {'/'.join(words)}"
+        label = rng.randrange(len(words))
+        choices = [f"the correct answer is {w}" for w in words]
+        rows.append({"task": task, "id": f"{task}-la-{i}", "prompt": LLM_ADAPTERS_SCORING_PROMPT.format(instruction=instruction),
+                     "separator": "", "answer": choices[label], "choices": choices, "label": label})
+    return rows
+
+
 def write_eval_dir(root: Path, rows_by_task: dict[str, list[dict]]) -> Path:
     """``root/eval/<task>.jsonl`` in data_prep's format; returns `root`."""
     (root / "eval").mkdir(parents=True, exist_ok=True)
@@ -55,12 +86,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def word_tokenizer():
-    """Word-level tokenizer over `WORDS` + punctuation, BOS prepended, no pad token (like LLaMA)."""
+def word_tokenizer(extra: list[str] | None = None):
+    """Word-level tokenizer over `WORDS` + punctuation (+ `extra` words), BOS prepended, no pad token (like LLaMA)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS + PUNCT)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS + PUNCT + (extra or []))}
     t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Whitespace()
     t.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
@@ -133,6 +164,21 @@ def preference_logits(tok) -> torch.Tensor:
     logits[v("Choice"), v("B")] = 3.0
     logits[v("Option"), v("C")] = 3.0
     logits[v("B"), tok.eos_token_id] = 8.0
+    return logits
+
+
+def llm_adapters_preference_logits(tok) -> torch.Tensor:
+    """Bigram logits over a `word_tokenizer(LLM_ADAPTERS_VOCAB)`, uniform except for one strong path:
+    ":" → "false" → "," → "answer2" → "answer1" → EOS (+8 each).
+
+    LLM-Adapters' scoring prompt ends "### Response:" + whitespace, so beam search writes
+    "false, answer2 answer1" for every row: BoolQ reads false, OBQA answer2 (the first match), PIQA nothing.
+    """
+    v = tok.convert_tokens_to_ids
+    logits = torch.zeros(len(tok), len(tok))
+    path = [":", "false", ",", "answer2", "answer1", tok.eos_token]
+    for a, b in zip(path, path[1:]):
+        logits[v(a), v(b)] = 8.0
     return logits
 
 

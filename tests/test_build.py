@@ -41,3 +41,32 @@ def test_built_model_reports_a_damaged_factor_file(tmp_path):
     part.write_bytes(part.read_bytes()[:200])  # truncated after the store was opened
     with pytest.raises(ValueError, match=r"loading model\.layers\.0\.self_attn\.k_proj\.U"):
         build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32)
+
+
+def test_bf16_checkpoint_with_fp32_u_is_exact_under_fp32_compute(tmp_path):
+    """``--u-dtype float32``: U is stored in fp32 and the FRoD model of a bf16 checkpoint computes, in fp32,
+    what the base computes (U rounded to bf16 moves it by bf16's rounding instead); recorded in the manifest,
+    and a resume with another U dtype is refused."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_tiny_llama(tmp_path / "m", dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    drift = {}
+    for u in ("auto", "float32"):
+        out = tmp_path / f"f-{u}"
+        proc = run_hjd(["--model", str(model_dir), "--out", str(out), "--u-dtype", u], nproc=0)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["u_dtype"] == u
+        assert {s["u_dtype"] for s in manifest["categories"].values()} == {"bfloat16" if u == "auto" else "float32"}
+        store = FactorStore.open(out)
+        assert store.load_U("model.layers.0.mlp.up_proj").dtype == (torch.bfloat16 if u == "auto" else torch.float32)
+        model = build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32)
+        with torch.no_grad():
+            drift[u] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    assert drift["float32"] < 1e-5 < drift["auto"] / 10, drift
+    proc = run_hjd(["--model", str(model_dir), "--out", str(tmp_path / "f-auto"), "--u-dtype", "float32"], nproc=0)
+    assert proc.returncode == 2 and "u_dtype: 'auto' there, 'float32' now" in proc.stderr, proc.stderr[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,10 @@ import torch
 
 from launch.eval import main
 from tests.eval_fixtures import (
+    LLM_ADAPTERS_VOCAB,
     bigram_llama,
+    llm_adapters_preference_logits,
+    make_llm_adapters_rows,
     make_rows,
     preference_logits,
     random_llama,
@@ -39,6 +43,21 @@ def assets(tmp_path_factory):
     return {
         "known": save_model(root / "known", bigram_llama(len(tok), preference_logits(tok)), tok),
         "random": save_model(root / "random", random_llama(len(tok), seed=1), tok),
+        "data": write_eval_dir(root / "data", rows),
+        "rows": rows,
+    }
+
+
+@pytest.fixture(scope="module")
+def la_assets(tmp_path_factory):
+    """A bigram LLaMA with a known LLM-Adapters answer (see llm_adapters_preference_logits) and rows in
+    LLM-Adapters' format for three tasks."""
+    root = tmp_path_factory.mktemp("eval-la")
+    tok = word_tokenizer(LLM_ADAPTERS_VOCAB)
+    rows = {"boolq": make_llm_adapters_rows("boolq", 6), "piqa": make_llm_adapters_rows("piqa", 4),
+            "obqa": make_llm_adapters_rows("obqa", 7)}
+    return {
+        "known": save_model(root / "known", bigram_llama(len(tok), llm_adapters_preference_logits(tok)), tok),
         "data": write_eval_dir(root / "data", rows),
         "rows": rows,
     }
@@ -99,6 +118,57 @@ def test_generate_mode_takes_first_answer_string_and_unmatched_is_wrong(assets, 
     assert {p["output"] for p in preds} == {"Choice B"}
 
 
+def _plain_beam_search(model_dir: Path, rows: list[dict]) -> list[str]:
+    """Independent computation: stock transformers beam search (4 beams, 32 new tokens) one unpadded row at a
+    time, the whole sequence decoded, text after the prompt's "### Response:" as LLM-Adapters takes it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir).eval(), AutoTokenizer.from_pretrained(model_dir)
+    outputs = []
+    for row in rows:
+        ids = torch.tensor([tok(row["prompt"])["input_ids"]])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, num_beams=4, max_new_tokens=32, do_sample=False,
+                                 pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+        outputs.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+    return outputs
+
+
+def test_llm_adapters_mode_beside_loglik_end_to_end(la_assets, tmp_path, capsys):
+    out = tmp_path / "eval"
+    argv = ["--model", str(la_assets["known"]), "--data", str(la_assets["data"]), "--tasks", ",".join(TASKS),
+            "--batch-size", "3"]
+    assert main([*argv, "--mode", "loglik,llm-adapters", "--output", str(out)]) == 0
+    results, preds = _read(out)
+    rows = la_assets["rows"]
+    # The model writes "false, answer2 answer1": BoolQ reads false, OBQA answer2 (first match), PIQA nothing.
+    la = results["modes"]["llm-adapters"]["tasks"]
+    for task, pick in (("boolq", 1), ("obqa", 1)):
+        assert la[task] == {"accuracy": sum(r["label"] == pick for r in rows[task]) / len(rows[task]),
+                            "n": len(rows[task]), "correct": sum(r["label"] == pick for r in rows[task]), "unmatched": 0}
+    assert la["piqa"] == {"accuracy": 0.0, "n": 4, "correct": 0, "unmatched": 4}
+    # Every row's searched text and word against stock beam search one row at a time, regex by hand.
+    la_preds = [p for p in preds if p["mode"] == "llm-adapters"]
+    all_rows = [r for t in TASKS for r in rows[t]]
+    assert [p["id"] for p in la_preds] == [r["id"] for r in all_rows]
+    patterns = {"boolq": "true|false", "piqa": "solution1|solution2", "obqa": "answer1|answer2|answer3|answer4|answer5"}
+    for pred, row, output in zip(la_preds, all_rows, _plain_beam_search(la_assets["known"], all_rows)):
+        assert output == "false, answer2 answer1" and pred["output"] == output
+        found = re.findall(patterns[row["task"]], output)
+        assert pred["prediction"] == (found[0] if found else None)
+    # Loglik in the same run gives what a loglik-only run gives; the top level repeats the first mode.
+    assert main([*argv, "--output", str(tmp_path / "loglik")]) == 0
+    assert results["modes"]["loglik"] == _read(tmp_path / "loglik")[0]["modes"]["loglik"]
+    assert results["tasks"] == results["modes"]["loglik"]["tasks"] and results["mode"] == "loglik"
+    assert [p["mode"] for p in preds] == ["loglik"] * len(all_rows) + ["llm-adapters"] * len(all_rows)
+    table = (out / "results.md").read_text()
+    assert table in capsys.readouterr().out
+    assert "| task | n | loglik | loglik norm | llm-adapters | llm-adapters unmatched |" in table
+    piqa = results["modes"]["loglik"]["tasks"]["piqa"]
+    assert f"| PIQA | 4 | {100 * piqa['accuracy']:.2f} | {100 * piqa['accuracy_norm']:.2f} | 0.00 | 4 |" in table
+    assert results["config"]["llm_adapters"] == {"num_beams": 4, "max_new_tokens": 32}
+
+
 def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -109,7 +179,7 @@ def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank(assets, tmp_path):
     args = ["--model", str(assets["random"]), "--data", str(assets["data"]), "--tasks", ",".join(TASKS),
-            "--batch-size", "2"]
+            "--batch-size", "2", "--mode", "loglik,llm-adapters"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (OMP_NUM_THREADS=1): same kernels, same bits
     try:
@@ -122,7 +192,8 @@ def test_two_ranks_equal_one_rank(assets, tmp_path):
     assert two[0]["config"]["world_size"] == 2
     assert {k: v for k, v in one[0].items() if k != "config"} == {k: v for k, v in two[0].items() if k != "config"}
     assert one[1] == two[1]  # every row's prediction and score, bit for bit
-    assert len({p["pred"] for p in one[1]}) > 1  # the random model does not answer one index everywhere
+    assert len({p["pred"] for p in one[1] if p["mode"] == "loglik"}) > 1  # the random model does not answer one index everywhere
+    assert len({p["output"] for p in one[1] if p["mode"] == "llm-adapters"}) > 1  # nor generate one text everywhere
 
 
 def test_adapter_checkpoint_scores_like_its_merged_export(assets, adapter, tmp_path):
@@ -177,6 +248,22 @@ def test_unknown_task_and_conflicting_model_flags_are_clear_errors(assets, tmp_p
     _fails(["--model", str(assets["known"]), "--tasks", "piqa,mmlu", *base], capsys, "unknown task 'mmlu'")
     _fails(["--model", str(assets["known"]), "--checkpoint", str(assets["known"]), *base], capsys, "exactly one of")
     _fails(["--checkpoint", str(assets["known"]), "--tasks", "piqa", *base], capsys, "not a FRoD adapter checkpoint")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_modes_and_rows_the_mode_cannot_score_are_one_line_errors(assets, tmp_path, capsys):
+    base = ["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", "boolq", "--output", str(tmp_path / "out")]
+    for mode, match in (("loglik,beam", "unknown --mode 'beam'"), ("loglik,loglik", "names a mode twice"),
+                        ("", "unknown --mode ''")):
+        assert main([*base, "--mode", mode]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and match in err[0], err
+    rows = make_rows("boolq", 3)
+    rows[2] = {**rows[2], "choices": ["true", "false", "maybe"]}
+    (tmp_path / "data" / "eval").mkdir(parents=True)
+    write_jsonl(tmp_path / "data" / "eval" / "boolq.jsonl", rows)
+    base[base.index("--data") + 1] = str(tmp_path / "data")
+    _fails([*base, "--mode", "loglik,llm-adapters"], capsys, "row 'boolq-2' has 3 choices but boolq has 2 LLM-Adapters")
     assert not (tmp_path / "out").exists()
 
 

@@ -74,3 +74,30 @@ def test_export_bad_input_leaves_nothing(trained, tmp_path, capsys):
     assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(tmp_path / "z"), "--base-model", str(other)]) == 2
     assert "error:" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "taken"], "no partial export left behind"
+
+
+def test_export_carries_every_non_weight_file_of_the_base_checkpoint(trained, tmp_path):
+    """Tokenizer files whatever their names (chat template, BPE vocab and merges), licence and readme travel
+    with the merged weights; weights, weight indexes, provenance and hidden files of the base do not."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(trained["model_dir"], base)
+    carried = {"chat_template.jinja": "{{ messages }}", "tokenizer.json": "{}", "tokenizer_config.json": "{}",
+               "special_tokens_map.json": "{}", "vocab.json": "{}", "merges.txt": "#v\n", "LICENSE": "Apache",
+               "README.md": "# base", "generation_config.json": "{\"do_sample\": false}"}
+    dropped = {"pytorch_model.bin": "w", "pytorch_model.bin.index.json": "{}", "model.gguf": "w",
+               "frod_convert.json": "{}", ".gitattributes": "*"}
+    for name, text in {**carried, **dropped}.items():
+        (base / name).write_text(text)
+    (base / "onnx").mkdir()
+    (base / "onnx" / "model.onnx").write_text("w")
+    out = tmp_path / "merged"
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out), "--base-model", str(base)]) == 0
+    for name, text in carried.items():
+        assert (out / name).read_text() == text, name
+    assert not any((out / name).exists() for name in [*dropped, "onnx"])
+    assert json.loads((out / "config.json").read_text()) == json.loads((base / "config.json").read_text())
+    names = {p.name for p in out.iterdir()}
+    assert names == set(carried) | {"config.json", "model.safetensors.index.json", "frod_export.json"} | {
+        n for n in names if n.startswith("model-") and n.endswith(".safetensors")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -112,3 +113,29 @@ def test_readahead_budget_is_shared_by_the_ranks_of_a_node(monkeypatch):
     assert hjd._ranks_on_this_node() == 8 and hjd._readahead_budget() == 2**27
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert hjd._ranks_on_this_node() == 4 and hjd._readahead_budget() == 2**28
+
+
+def test_cpu_threading_of_launch_hjd_respects_the_user_and_shares_the_cores():
+    """CPU runs without OMP_NUM_THREADS: OpenMP threads wait passively and a rank takes torch's default
+    thread count divided by the ranks on the node; an explicit OMP_NUM_THREADS / OMP_WAIT_POLICY is kept."""
+    code = ("import argparse, os, sys; import launch.hjd as h; ns = argparse.Namespace(device=sys.argv[1]); "
+            "h._cpu_threading_env(ns); import torch; h._set_cpu_threads(ns); "
+            "print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE")}
+
+    def run(device: str = "cpu", **env: str) -> tuple[str, int]:
+        proc = subprocess.run([sys.executable, "-c", code, device], cwd=REPO, env={**clean, **env}, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        policy, threads = proc.stdout.split()
+        return policy, int(threads)
+
+    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=clean,
+                                 capture_output=True, text=True, timeout=120).stdout)
+    assert run() == ("PASSIVE", default)
+    assert run(LOCAL_WORLD_SIZE="2") == ("PASSIVE", max(1, default // 2))
+    assert run(SLURM_STEP_TASKS_PER_NODE=str(2 * default)) == ("PASSIVE", 1)
+    assert run(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="2") == ("None", 1)
+    assert run(OMP_WAIT_POLICY="ACTIVE") == ("ACTIVE", default)
+    assert run("cuda") == ("None", default)

@@ -85,10 +85,11 @@ def test_frod_auto_mode_picks_cheaper_ordering_and_both_agree():
 def test_ordering_picks_the_fewer_multiply_adds():
     from frod_ds.layer import ordering
 
-    def flops(mode, T, m, n, grad):  # counted GEMM by GEMM, independently of ordering()'s formula
+    def flops(mode, T, m, n, grad, recompute):  # counted GEMM by GEMM, independently of ordering()'s formula
         if mode == "tokens":
             fwd = [T * n * n, T * n * n, T * m * n]  # z = xV, h = zMᵀ, y = hUᵀ
             bwd = [T * m * n, T * n * n, T * n * n, T * n * n]  # dh, dM, dz, dx
+            bwd += [T * n * n] if recompute else []  # z = xV again from the saved x
         else:
             fwd = [m * n * n, m * n * n, T * m * n]  # UM, (UM)Vᵀ, y = xWᵀ
             bwd = [T * m * n, T * m * n, m * n * n, m * n * n]  # dW, dx, d(UM), dM
@@ -96,10 +97,11 @@ def test_ordering_picks_the_fewer_multiply_adds():
 
     for T in (1, 512, 2048, 4096, 8192, 20000, 65536):
         for m, n in ((4096, 4096), (11008, 4096), (1024, 8192), (28672, 8192)):
-            for grad in (True, False):
-                want = "weight" if flops("weight", T, m, n, grad) < flops("tokens", T, m, n, grad) else "tokens"
-                assert ordering(T, m, n, grad) == want, (T, m, n, grad)
+            for grad, rec in ((True, False), (True, True), (False, False)):
+                cheaper = flops("weight", T, m, n, grad, rec) < flops("tokens", T, m, n, grad, rec)
+                assert ordering(T, m, n, grad, recompute=rec) == ("weight" if cheaper else "tokens"), (T, m, n, grad)
     assert ordering(4096, 11008, 4096, True) == "tokens", "gate/up at T = n: the weight order costs more"
+    assert ordering(2048, 4096, 4096, True, recompute=True) == "tokens", "LLaMA-7B q at 4x512 tokens"
 
 
 def test_frod_linear_casts_frozen_tensors_to_the_input_dtype():

@@ -29,6 +29,11 @@ def test_demo_recipe_loads():
     assert load_recipe(REPO / "recipes" / "demo_tiny.yaml").model.dtype == "float32"
 
 
+def test_real_model_recipe_loads_with_paper_ratio_and_batch():
+    r = load_recipe(REPO / "recipes" / "smollm2_135m_llm_adapters.yaml")
+    assert r.train.lr_sigma == 10 * r.train.lr_s and batch_sizes(r, 1).total == 32
+
+
 def test_overrides_take_precedence_and_are_typed(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump({"model": {"base": "x", "factor_store": "f"}, "data": {"train": "t"},

@@ -1,5 +1,6 @@
-"""The sbatch scripts in launch/slurm: shell syntax, and hjd.sbatch run end to end under stand-ins for srun
-and scontrol that start one process per task with the variables SLURM sets (two CPU ranks)."""
+"""The scripts in launch/slurm without a Slurm: shell syntax, hjd.sbatch end to end under stand-ins for srun and
+scontrol that start one process per task with the variables SLURM sets (two CPU ranks), and submit.sh /
+pipeline.sh under a stand-in sbatch. tests/test_slurm_real.py runs them under a real Slurm."""
 
 from __future__ import annotations
 
@@ -82,3 +83,92 @@ def test_hjd_sbatch_without_model_says_what_to_set(tmp_path):
     env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=str(REPO))
     proc = subprocess.run(["bash", str(SLURM / "hjd.sbatch")], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode != 0 and "set MODEL" in proc.stderr
+
+
+# ---- submit.sh and pipeline.sh under a stand-in sbatch that records its arguments ---------------------
+
+FAKE_SBATCH = """#!/bin/bash
+# stand-in for sbatch --parsable: one line per call (arguments, then DEVICE/MODEL/OUT/CHECKPOINT/OUTPUT as the
+# job would see them), job ids 101, 102, ...; FAIL_AT=n makes the n-th call fail like a rejected job.
+n=$(( $(cat "$CALLS" 2>/dev/null | wc -l) + 1 ))
+echo "$* | DEVICE=${DEVICE:-} MODEL=${MODEL:-} OUT=${OUT:-} CHECKPOINT=${CHECKPOINT:-} OUTPUT=${OUTPUT:-}" >> "$CALLS"
+if [ "$n" = "${FAIL_AT:-0}" ]; then echo "sbatch: error: Invalid generic resource (gres) specification" >&2; exit 1; fi
+echo "$((100 + n));cluster"
+"""
+
+
+def _fake_slurm_env(tmp_path: Path, **extra) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
+    (bin_dir / "scancel").write_text('#!/bin/bash\necho "$*" >> "$CANCELLED"\n')
+    for f in ("sbatch", "scancel"):
+        (bin_dir / f).chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_")) and k not in ("DEVICE", "NODES", "GPUS_PER_NODE", "TASKS_PER_NODE",
+                                                                    "CPUS_PER_TASK", "PARTITION", "TIME", "LOG_DIR")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", CALLS=str(tmp_path / "calls"), CANCELLED=str(tmp_path / "cancelled"),
+               LOG_DIR=str(tmp_path / "fresh" / "logs"), **extra)
+    return env
+
+
+def _calls(tmp_path: Path) -> list[str]:
+    return (tmp_path / "calls").read_text().splitlines() if (tmp_path / "calls").exists() else []
+
+
+def test_submit_creates_the_log_folder_and_maps_the_shape_onto_sbatch(tmp_path):
+    env = _fake_slurm_env(tmp_path, GPUS_PER_NODE="0", TASKS_PER_NODE="2", CPUS_PER_TASK="1", NODES="1",
+                          PARTITION="cpu", TIME="00:10:00", MODEL="m", OUT="o")
+    proc = subprocess.run([str(SLURM / "submit.sh"), "--qos=low", str(SLURM / "hjd.sbatch"), "--dtype", "float64"],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == "101\n", proc.stderr
+    assert (tmp_path / "fresh" / "logs").is_dir()
+    args, seen = _calls(tmp_path)[0].split(" | ")
+    log_dir = tmp_path / "fresh" / "logs"
+    assert args == (f"--parsable --nodes=1 --gpus-per-node=0 --ntasks-per-node=2 --cpus-per-task=1 --partition cpu "
+                    f"--time 00:10:00 --output {log_dir}/%x-%j.out --qos=low {SLURM / 'hjd.sbatch'} --dtype float64")
+    assert seen.startswith("DEVICE=cpu MODEL=m OUT=o")
+
+
+def test_submit_without_shape_keeps_the_scripts_own_lines(tmp_path):
+    proc = subprocess.run([str(SLURM / "submit.sh"), str(SLURM / "eval.sbatch")], env=_fake_slurm_env(tmp_path),
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    args, seen = _calls(tmp_path)[0].split(" | ")
+    assert args == f"--parsable --output {tmp_path}/fresh/logs/%x-%j.out {SLURM / 'eval.sbatch'}"
+    assert seen.startswith("DEVICE= ")
+
+
+def test_submit_refuses_a_shape_that_is_not_a_number(tmp_path):
+    env = _fake_slurm_env(tmp_path, GPUS_PER_NODE="eight")
+    proc = subprocess.run([str(SLURM / "submit.sh"), str(SLURM / "hjd.sbatch")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr == "error: GPUS_PER_NODE must be a whole number, got 'eight'\n"
+    assert _calls(tmp_path) == [] and not (tmp_path / "fresh").exists()
+
+
+def _pipeline(tmp_path: Path, **extra) -> subprocess.CompletedProcess:
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    (data / "train.jsonl").write_text("")
+    env = _fake_slurm_env(tmp_path, MODEL="/m", STORE="/s", DATA=str(data), RUN="/r", RECIPE="recipes/demo_tiny.yaml",
+                          HJD_ARGS="--targets q_proj", EVAL_ARGS="--limit 5", **extra)
+    return subprocess.run([str(SLURM / "pipeline.sh"), "train.max_steps=3"], env=env, capture_output=True, text=True)
+
+
+def test_pipeline_chains_the_three_jobs_with_afterok(tmp_path):
+    proc = _pipeline(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "hjd 101\ntrain 102\neval 103\n"
+    hjd, train, evaluation = [c.split(" | ") for c in _calls(tmp_path)]
+    assert hjd[0].endswith(f"{SLURM / 'hjd.sbatch'} --targets q_proj") and "MODEL=/m OUT=/s" in hjd[1]
+    assert f"--dependency=afterok:101 {SLURM / 'train.sbatch'} model.base=/m model.factor_store=/s " \
+           f"data.train={tmp_path / 'data'}/train.jsonl output_dir=/r train.max_steps=3" in train[0]
+    assert f"--dependency=afterok:102 {SLURM / 'eval.sbatch'} --limit 5" in evaluation[0]
+    assert "CHECKPOINT=/r/adapter-final OUTPUT=/r/eval" in evaluation[1]
+
+
+def test_pipeline_cancels_what_it_submitted_when_a_later_submission_fails(tmp_path):
+    proc = _pipeline(tmp_path, FAIL_AT="3")
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert (tmp_path / "cancelled").read_text() == "101 102\n"
+    assert "error: submission failed; cancelled jobs 101 102" in proc.stderr

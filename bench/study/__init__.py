@@ -1,0 +1,12 @@
+"""FRoD vs PEFT LoRA vs full fine-tuning on a real model and real data (``bench/real_study.py``).
+
+    config.py    the study's typed configuration, the methods and their LR sweeps, validation
+    data.py      rows → the project's tokens and loss mask, answer-word masks, pre-collated batches
+    models.py    one model per method (apply_frod / PEFT LoRA / full), optimizer groups, merge for eval
+    loop.py      the one training loop every method runs: per-step losses, schedule, checkpoint hook
+    evaluate.py  held-out losses, log-likelihood accuracy, LLM-Adapters generation protocol
+    context.py   what one run or one final evaluation needs, in the main process or a worker
+    parallel.py  worker processes that share the GPU, fed from one job queue
+    report.py    incremental results JSON, smoothing, steps-to-loss, the paper's claim, plots
+    runner.py    the study: base evals, LR-sweep rounds under a time budget, selection, final evals
+"""

@@ -1,0 +1,175 @@
+"""The study's configuration: methods, their LR sweeps and every shared training/eval setting, validated.
+
+A method is ``frod``, ``full`` or ``lora<r>`` (PEFT LoRA of rank r on the same targets as FRoD). Each
+method's sweep is a tuple of learning rates (FRoD: the σ LR; the S LR is ``frod_s_ratio`` times it, the
+paper's 10:1). All sweeps must have the same size (≥ 3 for a study whose selection can be trusted).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["StudyError", "MethodSpec", "method_spec", "DEFAULT_LRS", "StudyConfig", "parse_lrs", "TARGETS"]
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+
+# Half-decade grids. On SmolLM2-135M with one epoch of the LLM-Adapters rows (batch 64), FRoD σ 1e-3, LoRA 3e-4
+# and full fine-tuning 3e-5 left every method at the class-prior answer-word loss (first one-H200 run,
+# bench/results/real_study_1xh200): lower LRs cannot learn more in one epoch, so the grids start there.
+DEFAULT_LRS: dict[str, tuple[float, ...]] = {
+    "frod": (1e-3, 3e-3, 1e-2),
+    "lora": (3e-4, 1e-3, 3e-3),
+    "full": (3e-5, 1e-4, 3e-4),
+}
+
+
+class StudyError(ValueError):
+    """A user mistake; the message is one line naming what is wrong and what to do."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).splitlines()))
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str  # "frod", "full", "lora16", ...
+    kind: str  # "frod" | "lora" | "full"
+    rank: int | None = None  # LoRA rank
+
+
+def method_spec(name: str) -> MethodSpec:
+    """``frod`` | ``full`` | ``lora<r>`` → its spec; StudyError otherwise."""
+    if name in ("frod", "full"):
+        return MethodSpec(name, name)
+    m = re.fullmatch(r"lora(\d+)", name)
+    if m and int(m.group(1)) > 0:
+        return MethodSpec(name, "lora", int(m.group(1)))
+    raise StudyError(f"unknown method {name!r}; use frod, full or lora<r> (e.g. lora16)")
+
+
+def parse_lrs(items: list[str], methods: list[str]) -> dict[str, tuple[float, ...]]:
+    """``["frod=3e-4,1e-3,3e-3", ...]`` over the defaults → ``{method: lrs}`` (ascending); StudyError on bad input."""
+    lrs = {m: DEFAULT_LRS[method_spec(m).kind] for m in methods}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if not sep or name not in lrs:
+            raise StudyError(f"--lrs {item!r}: expected METHOD=LR,LR,... with METHOD one of {', '.join(methods)}")
+        try:
+            parsed = tuple(float(v) for v in values.split(","))
+        except ValueError:
+            raise StudyError(f"--lrs {item!r}: learning rates must be numbers, e.g. {name}=1e-4,3e-4,1e-3") from None
+        if not all(math.isfinite(v) and v > 0 for v in parsed) or len(set(parsed)) != len(parsed):
+            raise StudyError(f"--lrs {item!r}: learning rates must be distinct positive numbers")
+        lrs[name] = parsed
+    return {m: tuple(sorted(v)) for m, v in lrs.items()}
+
+
+@dataclass
+class StudyConfig:
+    model: str
+    data: str | None
+    out: str
+    train: str | None = None  # defaults to <data>/train.jsonl
+    eval_dir: str | None = None  # defaults to <data>/eval
+    methods: list[str] = field(default_factory=lambda: ["frod", "lora16", "lora32", "full"])
+    lrs: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    batch_size: int = 64
+    cutoff: int = 256
+    epochs: float = 1.0
+    schedule: str = "cosine"
+    warmup_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    train_on_inputs: bool = False
+    seed: int = 0
+    heldout: int = 512
+    train_limit: int | None = None
+    eval_limit: int | None = None  # per task, final evals (None: whole test sets)
+    curve_limit: int = 128  # per task, the test slice of the accuracy-vs-step curve
+    checkpoints: int = 4  # evaluations per run (evenly spaced, the last at the final step)
+    eval_batch: int = 64
+    gen_batch: int = 128
+    protocols: tuple[str, ...] = ("loglik", "llm-adapters")
+    gen_impl: str = "auto"
+    num_beams: int = 4
+    max_new_tokens: int = 32
+    select_by: str = "accuracy"
+    smooth_frac: float = 0.05
+    base_eval: bool = True
+    max_minutes: float = 8.5
+    workers: int = 0  # runs at a time sharing the device; 0: 3 on CUDA, 1 on CPU
+    eval_reserve_minutes: float = 2.0  # kept free for the final evaluations when deciding to start a round
+    device: str = "auto"
+    frod_sparsity: float = 0.02
+    frod_s_ratio: float = 0.1
+    frod_pi: float = 1e-3
+    lora_alpha_ratio: float = 2.0
+    lora_dropout: float = 0.0
+
+    @property
+    def train_path(self) -> Path:
+        return Path(self.train) if self.train else Path(self.data or ".") / "train.jsonl"
+
+    @property
+    def eval_path(self) -> Path:
+        return Path(self.eval_dir) if self.eval_dir else Path(self.data or ".") / "eval"
+
+    def validate(self) -> None:
+        """Every problem that can be seen before anything is loaded, in one StudyError."""
+        problems = []
+        if not (Path(self.model) / "config.json").is_file():
+            problems.append(f"--model {self.model} is not a Hugging Face checkpoint directory (no config.json)")
+        if self.data is None and (self.train is None or self.eval_dir is None):
+            problems.append("pass --data DIR (with train.jsonl and eval/) or both --train FILE and --eval-dir DIR")
+        elif not self.train_path.is_file():
+            problems.append(f"training rows {self.train_path} not found; build them with `python -m data_prep build`")
+        elif not self.eval_path.is_dir() or not any(self.eval_path.glob("*.jsonl")):
+            problems.append(f"test rows {self.eval_path}/<task>.jsonl not found")
+        out = Path(self.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            problems.append(f"--out {out} exists and is not an empty directory; choose a new one")
+        sizes = {m: len(v) for m, v in self.lrs.items()}
+        if len(set(sizes.values())) > 1:
+            problems.append(f"LR sweeps must have equal sizes, got {sizes}; adjust --lrs")
+        for name, value, ok in (
+            ("--batch-size", self.batch_size, self.batch_size >= 1), ("--cutoff", self.cutoff, self.cutoff >= 8),
+            ("--epochs", self.epochs, self.epochs > 0), ("--warmup-ratio", self.warmup_ratio, 0 <= self.warmup_ratio < 1),
+            ("--heldout", self.heldout, self.heldout >= 1), ("--checkpoints", self.checkpoints, self.checkpoints >= 1),
+            ("--curve-limit", self.curve_limit, self.curve_limit >= 1),
+            ("--workers", self.workers, self.workers >= 0),
+            ("--eval-batch", self.eval_batch, self.eval_batch >= 1), ("--gen-batch", self.gen_batch, self.gen_batch >= 1),
+            ("--max-minutes", self.max_minutes, self.max_minutes > 0),
+            ("--eval-reserve-minutes", self.eval_reserve_minutes, 0 <= self.eval_reserve_minutes < self.max_minutes),
+            ("--frod-sparsity", self.frod_sparsity, 0 < self.frod_sparsity < 1),
+            ("--smooth-frac", self.smooth_frac, 0 <= self.smooth_frac < 1),
+            ("--train-limit", self.train_limit, self.train_limit is None or self.train_limit >= 1),
+            ("--eval-limit", self.eval_limit, self.eval_limit is None or self.eval_limit >= 1),
+        ):
+            if not ok:
+                problems.append(f"{name} {value} is out of range")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            problems.append(f"--schedule {self.schedule!r}: use cosine, linear or constant")
+        if self.select_by not in ("accuracy", "answer_loss"):
+            problems.append(f"--select-by {self.select_by!r}: use accuracy or answer_loss")
+        if self.gen_impl not in ("auto", "local", "project"):
+            problems.append(f"--gen-impl {self.gen_impl!r}: use auto, local or project")
+        bad = [p for p in self.protocols if p not in ("loglik", "llm-adapters")]
+        if bad or not self.protocols:
+            problems.append(f"--protocols {','.join(self.protocols)!r}: use loglik and/or llm-adapters")
+        if self.device not in ("auto", "cpu", "cuda"):
+            problems.append(f"--device {self.device!r}: use auto, cpu or cuda")
+        if problems:
+            raise StudyError("; ".join(problems))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["lrs"] = {m: list(v) for m, v in self.lrs.items()}
+        d["lr_s_per_frod_sigma_lr"] = self.frod_s_ratio
+        d["lora_alpha"] = {m: self.lora_alpha_ratio * method_spec(m).rank for m in self.methods
+                           if method_spec(m).kind == "lora"}
+        d["targets"] = list(TARGETS)
+        return d

@@ -1,0 +1,233 @@
+"""The training-step matrix in one command: a random full-depth LLaMA-2-7B-shaped checkpoint and its factor
+store, the layer profile, then FRoD (s=0.02) and PEFT LoRA r=16 each under plain PyTorch, ``ds_configs/zero2.json``
+and ``ds_configs/zero3.json`` (one process per configuration, ``bench/train_step.py run``), and a Markdown
+table of FRoD/LoRA ratios against LoRA's best configuration on the same GPU count.
+
+    python bench/train_matrix.py --work /tmp/frodbench --out "$OUT"              # GPU machine, 1 GPU, ~8 min (H100)
+    python bench/train_matrix.py --work /tmp/frodbench --out "$OUT" --gpus 2     # ZeRO rows on 2 GPUs as well
+    DS_ACCELERATOR=cpu python bench/train_matrix.py --tiny --work /tmp/fb --out /tmp/fb/out   # CPU rehearsal
+    python bench/train_matrix.py --table-only --out DIR                         # the table again from DIR/configs
+
+Order: zero2, plain, zero3 (FRoD then LoRA), then the extra FRoD variants (``--extras``); a configuration
+is not started once ``--budget-s`` seconds have passed and is killed at ``--deadline-s``, so the command
+ends within a 10-minute slot and what ran is tabulated. The table and ``train_step_matrix_<device>.json`` (every configuration's result, stage times,
+failures, command, device, date, versions) are rewritten after each configuration. Per-configuration
+JSONs go to ``OUT/configs/``, logs to ``OUT/logs/``. The checkpoint and store in ``--work`` are reused when
+complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = {"plain": "plain", "zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
+MAIN = [(e, m, ()) for e in ("zero2", "plain", "zero3") for m in ("frod", "lora")]
+EXTRAS = {"save-x": ("zero2", "frod", ("--frod-save", "x")),
+          "sampled": ("zero2", "frod", ("--frod-dgrad", "sampled")),
+          "autograd": ("zero2", "frod", ("--frod-impl", "autograd"))}
+TINY_MODEL = ["--layers", "2", "--hidden", "64", "--inter", "128", "--heads", "4"]
+TINY_RUN = ["--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "2", "--repeats", "2"]
+TINY_PROFILE = ["--n", "64", "--m", "64", "128", "--tokens", "96", "--layers", "2", "--inter", "128"]
+
+
+def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
+    """Run ``cmd`` from the repo root with stdout+stderr into ``log``; (exit code, seconds); 124 on timeout."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    return rc, time.perf_counter() - t0
+
+
+def _tail(log: Path, n: int = 15) -> str:
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if "warn" not in ln.lower()]
+    return "\n".join(lines[-n:])
+
+
+def prepare(args, out: Path, stages: dict) -> tuple[Path, Path]:
+    """The checkpoint and its factor store in ``--work`` (reused when complete)."""
+    work = Path(args.work)
+    model, factors = work / "model", work / "factors"
+    if not (model / "MADE").is_file():
+        cmd = [sys.executable, "bench/train_step.py", "make-model", "--out", str(model)] + (TINY_MODEL if args.tiny else [])
+        rc, s = _run(cmd, out / "logs" / "make_model.log", 900)
+        stages["make_model_s"] = s
+        if rc != 0:
+            raise SystemExit(f"error: make-model failed (exit {rc}):\n{_tail(out / 'logs' / 'make_model.log')}")
+        (model / "MADE").write_text("complete\n")
+    if not (factors / "manifest.json").is_file() or not json.loads((factors / "manifest.json").read_text()).get("complete"):
+        rc, s = _run([sys.executable, "launch/hjd.py", "--model", str(model), "--out", str(factors)],
+                     out / "logs" / "hjd.log", 900)
+        stages["hjd_s"] = s
+        if rc != 0:
+            raise SystemExit(f"error: HJD failed (exit {rc}):\n{_tail(out / 'logs' / 'hjd.log')}")
+    return model, factors
+
+
+def run_config(args, out: Path, engine: str, method: str, extra: tuple, gpus: int, model: Path,
+               factors: Path, timeout: float) -> dict:
+    """One ``train_step.py run`` process (torchrun for several GPUs); its result or a failure record."""
+    label = f"{method}{'_' + '-'.join(a.strip('-') for a in extra) if extra else ''}_{engine}{'_gc' if args.gc else ''}_{gpus}gpu"
+    name = f"train_step_{label}"
+    cmd = [sys.executable]
+    if gpus > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
+    cmd += ["bench/train_step.py", "run", "--method", method, "--config", ENGINES[engine], "--model", str(model),
+            "--factors", str(factors), "--out", str(out / "configs"), "--name", name, *extra]
+    cmd += TINY_RUN if args.tiny else ["--steps", str(args.steps), "--repeats", str(args.repeats),
+                                       "--warmup", str(args.warmup)]
+    cmd += ["--gc"] if args.gc else []
+    log = out / "logs" / f"{name}.log"
+    rc, s = _run(cmd, log, timeout)
+    res = out / "configs" / f"{name}.json"
+    if rc == 0 and res.is_file():
+        print(f"  {label}: {_tail(log, 1)} ({s:.0f} s)", flush=True)
+        return {"name": name, "status": "ok", "wall_s": s}
+    print(f"  {label}: FAILED (exit {rc}, {s:.0f} s), log {log}", flush=True)
+    return {"name": name, "status": "timeout" if rc == 124 else f"failed (exit {rc})", "wall_s": s,
+            "log_tail": _tail(log)}
+
+
+# -- table -------------------------------------------------------------------------------------------------
+
+
+def _label(d: dict) -> str:
+    m = "FRoD" if d["method"] == "frod" else "LoRA r=16"
+    f = d.get("frod") or {}
+    variant = [k for k, default in (("impl", "function"), ("save", "z"), ("dgrad", "dense")) if f.get(k, default) != default]
+    tags = ", ".join(f"{k}={f[k]}" for k in variant)
+    return f"{m} {d['engine']}" + (f" ({tags})" if tags else "")
+
+
+def load_results(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((out / "configs").glob("train_step_*.json"))]
+
+
+def table(results: list[dict]) -> tuple[str, list[dict]]:
+    """Markdown table per (GPU count, checkpointing) group, ratios against that group's fastest LoRA config."""
+    lines, groups = [], []
+    for key in sorted({(d["world_size"], d["gradient_checkpointing"]) for d in results}):
+        rows = [d for d in results if (d["world_size"], d["gradient_checkpointing"]) == key]
+        loras = [d for d in rows if d["method"] == "lora"]
+        best = min(loras, key=lambda d: d["step_s_median"]) if loras else None
+        gpus, gc = key
+        head = f"**{gpus} GPU{'s' if gpus > 1 else ''}, gradient checkpointing {'on' if gc else 'off'}** ({rows[0]['device']})"
+        if best:
+            head += (f" — LoRA's best: **{best['engine']}** ({best['step_s_median'] * 1e3:.0f} ms); "
+                     "ratios are against it")
+        lines += ["", head, "",
+                  "| config | step ms, median (p10–p90) | window spread | tok/s per GPU | peak alloc / reserved GiB "
+                  "| MFU | GFLOP/token | step ÷ LoRA best | peak alloc ÷ LoRA best |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for d in sorted(rows, key=lambda d: (d["method"] != "frod", d["step_s_median"])):
+            r_step = d["step_s_median"] / best["step_s_median"] if best else None
+            pa, pr, pa_best = d.get("peak_allocated_gib"), d.get("peak_reserved_gib"), best and best.get("peak_allocated_gib")
+            r_mem = pa / pa_best if pa and pa_best else None
+            mfu = d.get("mfu")
+            lines.append(
+                f"| {_label(d)} | {d['step_s_median'] * 1e3:.0f} ({d['step_s_p10'] * 1e3:.0f}–{d['step_s_p90'] * 1e3:.0f}) "
+                f"| {d['window_spread'] * 100:.1f}% | {d['tokens_per_s_per_gpu']:,.0f} "
+                f"| {f'{pa:.1f} / {pr:.1f}' if pa else 'n/a (CPU)'} | {f'{mfu * 100:.1f}%' if mfu else 'n/a'} "
+                f"| {d['flops_per_token']['total'] / 1e9:.3g} | {f'{r_step:.2f}×' if r_step else '–'} "
+                f"| {f'{r_mem:.2f}×' if r_mem else '–'} |")
+        groups.append({"world_size": gpus, "gradient_checkpointing": gc,
+                       "lora_best": best and {"engine": best["engine"], "step_s_median": best["step_s_median"],
+                                              "peak_allocated_gib": best.get("peak_allocated_gib")},
+                       "rows": [{"config": _label(d), "step_s_median": d["step_s_median"],
+                                 "tokens_per_s_per_gpu": d["tokens_per_s_per_gpu"],
+                                 "peak_allocated_gib": d.get("peak_allocated_gib"), "mfu": d.get("mfu"),
+                                 "step_over_lora_best": best and d["step_s_median"] / best["step_s_median"]}
+                                for d in rows]})
+    return "\n".join(lines).strip() + "\n", groups
+
+
+def write_matrix(out: Path, results: list[dict], stages: dict, runs: list[dict], started: str) -> Path:
+    """``train_step_matrix_<device>.json`` and ``train_step_table.md`` in ``out`` (atomic replace)."""
+    md, groups = table(results) if results else ("(no configuration finished)\n", [])
+    first = results[0] if results else {}
+    device = first.get("device", "unknown")
+    slug = next((k.lower() for k in ("H200", "H100", "A100") if k in device), "cpu")
+    doc = {"benchmark": "train_step_matrix", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+           "device": device, "started": started,
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "versions": first.get("versions"), "stages": stages, "runs": runs, "groups": groups, "table_md": md,
+           "configs": results}
+    path = out / f"train_step_matrix_{slug}.json"
+    for p, text in ((path, json.dumps(doc, indent=2) + "\n"), (out / "train_step_table.md", md)):
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(p)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="results dir (e.g. $OUT on the GPU machine)")
+    ap.add_argument("--work", default="/tmp/frodbench", help="dir for the checkpoint and the factor store")
+    ap.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, few steps: the CPU rehearsal")
+    ap.add_argument("--gpus", type=int, default=1, help="also run the ZeRO configs on this many GPUs (torchrun)")
+    ap.add_argument("--gc", action="store_true", help="gradient checkpointing for both methods")
+    ap.add_argument("--engines", default="zero2,plain,zero3", help="comma list of plain, zero2, zero3, in order")
+    ap.add_argument("--extras", default="save-x,autograd",
+                    help=f"comma list of extra FRoD zero2 variants after the main six ({', '.join(EXTRAS)}; '' none)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per window")
+    ap.add_argument("--repeats", type=int, default=2, help="timed windows")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    ap.add_argument("--no-profile", action="store_true", help="skip bench/layer_profile.py")
+    ap.add_argument("--budget-s", type=float, default=480, help="start no configuration after this many seconds")
+    ap.add_argument("--config-timeout-s", type=float, default=300, help="kill one configuration after this long")
+    ap.add_argument("--deadline-s", type=float, default=570,
+                    help="kill a running configuration when the whole command reaches this many seconds")
+    ap.add_argument("--table-only", action="store_true", help="only rebuild the table from OUT/configs")
+    args = ap.parse_args()
+    out = Path(args.out)
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    if args.table_only:
+        print(table(load_results(out))[0])
+        return
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    stages: dict = {}
+    model, factors = prepare(args, out, stages)
+    if not args.no_profile:
+        rc, stages["layer_profile_s"] = _run([sys.executable, "bench/layer_profile.py", "--out", str(out)]
+                                             + (TINY_PROFILE if args.tiny else []), out / "logs" / "layer_profile.log", 180)
+        print(f"layer profile: exit {rc}, {stages['layer_profile_s']:.0f} s", flush=True)
+    engines = [e for e in args.engines.split(",") if e]
+    plan = [(e, m, x, 1) for e, m, x in MAIN if e in engines]
+    plan += [(*EXTRAS[k], 1) for k in args.extras.split(",") if k]
+    if args.gpus > 1:
+        plan += [(e, m, x, args.gpus) for e, m, x in MAIN if e in engines and e != "plain"]
+    runs: list[dict] = []
+    for engine, method, extra, gpus in plan:
+        if time.perf_counter() - t0 > args.budget_s:
+            runs.append({"engine": engine, "method": method, "extra": list(extra), "gpus": gpus,
+                         "status": "skipped: time budget"})
+            continue
+        left = args.deadline_s - (time.perf_counter() - t0)
+        rec = run_config(args, out, engine, method, extra, gpus, model, factors, min(args.config_timeout_s, left))
+        runs.append({"engine": engine, "method": method, "extra": list(extra), "gpus": gpus, **rec})
+        write_matrix(out, load_results(out), stages, runs, started)
+    stages["total_s"] = time.perf_counter() - t0
+    path = write_matrix(out, load_results(out), stages, runs, started)
+    print(f"{path} ({stages['total_s']:.0f} s in all)\n")
+    print((out / "train_step_table.md").read_text())
+    skipped = [r for r in runs if r["status"] != "ok"]
+    for r in skipped:
+        print(f"not measured: {r['method']} {r['engine']} {r.get('extra', [])} on {r['gpus']} GPU(s): {r['status']}")
+
+
+if __name__ == "__main__":
+    main()

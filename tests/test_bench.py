@@ -1,0 +1,106 @@
+"""The training benchmarks: FLOP formulas against torch's FLOP counter, and a CPU rehearsal of the whole matrix
+(bench/train_matrix.py --tiny: every engine and method, the layer profile, the table)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from bench.flops import flops_per_token, frod_target_macs, lora_target_macs
+from frod_ds import FRoDLinear, SparseSupport, decompose
+from tests.helpers_ckpt import REPO
+
+
+def _counted_flops(fn) -> int:
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
+def _fwd_bwd(layer, x):
+    def fn():
+        xx = x.detach().clone().requires_grad_(True)
+        layer(xx).sum().backward()
+    return fn
+
+
+@pytest.mark.parametrize("tokens, save", [(8, "z"), (8, "x"), (256, "z")])  # token order (z, x), weight order
+def test_frod_extra_flops_per_token_match_the_flop_counter(tokens, save):
+    m, n, s = 48, 32, 0.25
+    res = decompose([torch.randn(m, n, dtype=torch.float64)])
+    frod = FRoDLinear(res.U[0], nn.Parameter(res.V, requires_grad=False), res.sigma[0], SparseSupport.random(n, s, 0))
+    frod.save = save
+    frozen = nn.Linear(n, m, bias=False, dtype=torch.float64).requires_grad_(False)
+    x = torch.randn(tokens, n, dtype=torch.float64)
+    extra = _counted_flops(_fwd_bwd(frod, x)) - _counted_flops(_fwd_bwd(frozen, x))
+    assert extra == pytest.approx(2 * tokens * frod_target_macs(m, n, frod.support.nnz, tokens, save, "dense"))
+
+
+def test_lora_extra_flops_per_token_match_the_flop_counter():
+    from peft import LoraConfig, get_peft_model
+
+    m, n, r, tokens = 48, 32, 4, 10
+    base = nn.Sequential()
+    base.add_module("proj", nn.Linear(n, m, bias=False))
+    lora = get_peft_model(base, LoraConfig(r=r, target_modules=["proj"], lora_dropout=0.0))
+    nn.init.normal_(lora.base_model.model.proj.lora_B["default"].weight)
+    frozen = nn.Linear(n, m, bias=False).requires_grad_(False)
+    x = torch.randn(tokens, n)
+    extra = _counted_flops(_fwd_bwd(lora, x)) - _counted_flops(_fwd_bwd(frozen, x))
+    assert extra == 2 * tokens * lora_target_macs(m, n, r) == 2 * tokens * 3 * r * (m + n)
+
+
+def test_base_forward_flops_match_the_flop_counter(llama_factory):
+    """Linear layers and lm_head as counted; attention counted causal (half of eager's full square)."""
+    model = llama_factory(attn_implementation="eager")
+    cfg = model.config.to_dict()
+    B, seq = 2, 16
+    ids = torch.randint(0, cfg["vocab_size"], (B, seq))
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(input_ids=ids)
+    counts = fc.get_flop_counts()["Global"]
+    linear = sum(v for k, v in counts.items() if k.__name__.split(".")[0] in ("mm", "addmm"))
+    attention = sum(v for k, v in counts.items() if k.__name__.split(".")[0] == "bmm")
+    f = flops_per_token(cfg, seq, "lora", B * seq, lora_r=4)
+    attn_causal = 2 * cfg["num_hidden_layers"] * seq * cfg["hidden_size"]
+    assert linear + attention / 2 == pytest.approx(B * seq * f["base_forward"])
+    assert attention / 2 == pytest.approx(B * seq * attn_causal)
+
+
+@pytest.mark.slow
+def test_train_matrix_rehearsal_runs_every_engine_and_method(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO),
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")))
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "bench/train_matrix.py", "--tiny", "--work", str(tmp_path / "w"), "--out",
+                          str(out), "--extras", "", "--budget-s", "1e9", "--deadline-s", "1e9"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads((out / "train_step_matrix_cpu.json").read_text())
+    got = {(c["method"], c["engine"]) for c in doc["configs"]}
+    assert got == {(m, e) for m in ("frod", "lora") for e in ("plain", "zero2", "zero3")}, doc["runs"]
+    first = [c["losses"][0] for c in doc["configs"]]
+    assert max(first) - min(first) < 1e-3 * abs(first[0]), "same model at init under every engine and method"
+    for c in doc["configs"]:
+        assert len(c["step_s_all"]) == 2 and all(len(w) == 2 for w in c["step_s_all"])
+        assert c["flops_per_token"]["total"] > 0 and c["tokens_per_s_per_gpu"] > 0
+    lora_best = min((c for c in doc["configs"] if c["method"] == "lora"), key=lambda c: c["step_s_median"])
+    group = doc["groups"][0]
+    assert group["lora_best"]["engine"] == lora_best["engine"]
+    assert f"LoRA's best: **{lora_best['engine']}**" in doc["table_md"] and doc["table_md"].count("\n| ") == 7
+    assert doc["versions"]["deepspeed"] and doc["command"].startswith("python")
+
+    prof = json.loads((out / "layer_profile.json").read_text())
+    for shape in prof["shapes"]:
+        saved = {k: v["saved_bytes"] for k, v in shape["variants"].items()}
+        assert "dense M (n×n)" in saved["frod_autograd_tokens"], "plain autograd keeps M"
+        for name in ("frod_fn_tokens_z_dense", "frod_fn_tokens_x_dense", "frod_fn_tokens_z_sampled"):
+            assert "dense M (n×n)" not in saved[name], name
+        assert "activations (z, h, Ax)" not in saved["frod_fn_tokens_x_dense"], "save x keeps no z"
