@@ -76,7 +76,7 @@ def test_adapter_records_quantization_and_eval_rebuilds_the_trained_model(zero3,
 
     out, _ = zero3
     _, cfg = read_adapter(out / "adapter-final")
-    assert cfg["frozen_quant"] == "nf4" and cfg["quantize_base"] is True
+    assert cfg.frozen_quant == "nf4" and cfg.quantize_base is True
     model, _ = load_frod_model(out / "adapter-final")
     assert isinstance(model.model.layers[0].mlp.down_proj, QuantLinear)
     ids = torch.arange(3, 3 + 2 * 12).reshape(2, 12) % model.config.vocab_size
