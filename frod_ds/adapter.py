@@ -225,7 +225,8 @@ def load_frod_model(
     if isinstance(dtype, str):
         dtype = FLOAT_DTYPES[dtype]
     dtype = dtype or FLOAT_DTYPES.get(config.dtype, torch.float32)
-    model = build_frod_model(model_dir, store, supports_from_adapter(tensors, config), dtype)
+    model = build_frod_model(model_dir, store, supports_from_adapter(tensors, config), dtype,
+                             quant=config.frozen_quant, quantize_base=config.quantize_base)
     load_adapter_into(model, tensors)
     tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
     return model.to(device).eval(), tokenizer

@@ -10,7 +10,8 @@ Layout of ``adapter-<step>/`` and ``adapter-final/``::
 ``<module>`` is the module's path in the HF model (``model.layers.3.self_attn.q_proj``), the same names the
 factor store uses. Versions: 1 is still read; 2 records the identity of the factor store the adapter was
 trained on (per category a sha256 of ``V`` and the HJD route), so that eval, export and resume refuse
-another store. Imports nothing heavy (no torch).
+another store. ``frozen_quant`` / ``quantize_base`` (absent: none / false) say how the frozen weights were
+quantized in training, so eval and export rebuild the same model. Imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class AdapterConfig:
     pi: float | None = None  # the store's π
     init_adapter: str | None = None  # the adapter training started from (model.init_adapter); absent in older configs
     dtype: str = "float32"  # parameter dtype of the trained model
+    frozen_quant: str = "none"  # none | nf4 | int8: how the frozen U_i were held (absent in older adapters: none)
+    quantize_base: bool = False  # the untargeted linears quantized too (of frozen_quant's kind)
     step: int | None = None
     categories: dict[str, AdapterCategory] = field(default_factory=dict)
 

@@ -6,6 +6,11 @@ linears are swapped for ``FRoDLinear`` before anything is loaded, so the base we
 are never read; U_i, V (one frozen Parameter per category) and σ_i come from the factor store, every other
 weight from the checkpoint. Under ZeRO-3 rank 0 reads each module's tensors into the gathered parameters
 and DeepSpeed re-partitions them (``GatheredParameters(modifier_rank=0)``).
+
+With ``quant`` (``model.frozen_quant``: nf4 | int8) every ``U_i`` is a quantized Parameter (``frod_ds.quant``):
+read as stored from a quantized store, or quantized at load time (on the GPU when there is one)
+from a dense one; ``quantize_base`` also swaps the decoder layers' untargeted linears (down_proj, …) for
+``QuantLinear``s. V, σ, S, embeddings, norms and ``lm_head`` stay in ``dtype``.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from frod_ds.apply import mark_only_frod_trainable, set_submodule
 from frod_ds.ds_config import zero_stage
 from frod_ds.errors import FrodError, StoreError
 from frod_ds.layer import FRoDLinear, SparseSupport, support_seed
+from frod_ds.quant import QuantError, QuantSpec, check_kind, quantize_untargeted, quantized_parameter, spec_of
 
-__all__ = ["make_supports", "build_frod_model", "gathered"]
+__all__ = ["make_supports", "build_frod_model", "gathered", "check_store_quant"]
 
 
 def make_supports(store, categories: list[str], sparsity: float, seed: int) -> dict[str, SparseSupport]:
@@ -80,7 +86,23 @@ def _recompute_rope(model: nn.Module) -> None:
                     setattr(module, buf, getattr(fresh, buf).to(getattr(module, buf).device))
 
 
-def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport], dtype: torch.dtype) -> None:
+def check_store_quant(store, categories, quant: str) -> None:
+    """``StoreError`` (one line) when the store holds quantized ``U`` of another kind than ``quant``.
+
+    A dense store serves every ``quant`` (quantized at load time); a quantized one only its own kind.
+    """
+    check_kind(quant)
+    for c in categories:
+        stored = store.u_quant(c)
+        if stored != "none" and stored != quant:
+            raise StoreError(
+                f"factor store {store.path} holds {stored}-quantized U ({c}) but model.frozen_quant is {quant}; set "
+                f"model.frozen_quant={stored} or use a store built without --quant"
+            )
+
+
+def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport], dtype: torch.dtype,
+                  quant: str = "none") -> None:
     """Replace each member of the ``supports``' categories by an empty ``FRoDLinear`` (loaded afterwards)."""
     for category in supports:
         members = store.categories[category]
@@ -97,9 +119,11 @@ def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport]
             m, n_in = store.member_shape(name)
             if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (m, n_in):
                 raise StoreError(f"{name}: model has {old}, factor store has a ({m}, {n_in}) member")
-            layer = FRoDLinear(
-                torch.empty(m, n, dtype=dtype), V, torch.empty(n, dtype=dtype), supports[category], old.bias
-            )
+            if quant == "none":
+                U = torch.empty(m, n, dtype=dtype)
+            else:  # the store's own blob layout if it is quantized, else quantized at load time
+                U = quantized_parameter(store.u_spec(name) or QuantSpec(quant, (m, n)), dtype)
+            layer = FRoDLinear(U, V, torch.empty(n, dtype=dtype), supports[category], old.bias)
             set_submodule(model, name, layer)
 
 
@@ -108,7 +132,7 @@ def _read_param(name: str, pn: str, module: nn.Module, ckpt, keys: set[str], sto
     the checkpoint; None when the checkpoint lacks it."""
     if isinstance(module, FRoDLinear) and pn in ("U", "V", "frod_sigma"):
         if pn == "U":
-            return store.load_U(name)
+            return store.load_U_packed(name) if store.u_spec(name) is not None else store.load_U(name)
         if pn == "V":
             return store.load_V(store.category_of(name))
         return store.load_sigma(name)
@@ -142,6 +166,8 @@ def _load_module(name: str, module: nn.Module, ckpt, keys: set[str], store, rank
                     if t is None:
                         state["missing"].append(key)
                         continue
+                    if spec_of(p) is not None:
+                        t = _packed(t, spec_of(p), p, key)
                     if tuple(t.shape) != tuple(p.shape):
                         raise StoreError(f"{key}: shape {tuple(t.shape)} in the files, {tuple(p.shape)} in the model")
                     p.copy_(t.to(p.dtype))
@@ -152,6 +178,26 @@ def _load_module(name: str, module: nn.Module, ckpt, keys: set[str], store, rank
                 return
 
 
+def _quant_device(p: nn.Parameter) -> torch.device:
+    """Where a dense weight is quantized: ``p``'s device, or this process's GPU when ``p`` is on the CPU (a
+    one-process or ZeRO-2 build): bitsandbytes quantizes ~8M weights/s on one CPU core, a 7B model in minutes."""
+    if p.device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return p.device
+
+
+def _packed(t: torch.Tensor, spec: QuantSpec, p: nn.Parameter, key: str) -> torch.Tensor:
+    """The bytes of quantized parameter ``p`` in its storage dtype: a stored blob (uint8) as it is, a dense
+    weight quantized on the GPU when there is one (``_quant_device``)."""
+    if t.dtype != torch.uint8:
+        if tuple(t.shape) != spec.shape:
+            raise StoreError(f"{key}: shape {tuple(t.shape)} in the files, {spec.shape} in the model")
+        t = spec.pack(t.to(_quant_device(p))).to(p.device)
+    if t.numel() != spec.nbytes:
+        raise StoreError(f"{key}: {t.numel()} bytes in the files, {spec.kind} {spec.shape} needs {spec.nbytes}")
+    return t.view(p.dtype)
+
+
 def build_frod_model(
     model_dir,
     store,
@@ -159,6 +205,8 @@ def build_frod_model(
     dtype: torch.dtype,
     ds_config: Mapping | None = None,
     rank: int = 0,
+    quant: str = "none",
+    quantize_base: bool = False,
 ) -> nn.Module:
     """The base architecture with FRoD layers, loaded; σ and S values the only trainable parameters.
 
@@ -170,11 +218,16 @@ def build_frod_model(
         dtype: parameter dtype.
         ds_config: the resolved DeepSpeed config; ZeRO-3 builds under ``zero.Init``. None: one process.
         rank: this process's rank (rank 0 reads files under ZeRO-3).
+        quant: ``none`` | ``nf4`` | ``int8``: how every ``U_i`` is held (``frod_ds.quant``).
+        quantize_base: also quantize (same kind) the untargeted linears of the decoder layers.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from frod_ds.hf_checkpoint import HFCheckpoint
 
+    check_store_quant(store, supports, quant)
+    if quantize_base and quant == "none":
+        raise QuantError("model.quantize_base=true needs model.frozen_quant nf4 or int8 (the kind it uses)")
     ckpt = HFCheckpoint(model_dir)
     keys = set(ckpt.keys())
     zero3 = ds_config is not None and zero_stage(ds_config) == 3
@@ -185,7 +238,9 @@ def build_frod_model(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
-        _swap_targets(model, store, supports, dtype)
+        _swap_targets(model, store, supports, dtype, quant)
+        if quantize_base:
+            quantize_untargeted(model, quant, dtype)
     rank0 = rank == 0 or not zero3
     state: dict = {"missing": [], "error": None, "v_done": set()}
     seen: set = set()

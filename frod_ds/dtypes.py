@@ -15,7 +15,8 @@ __all__ = ["FLOAT_DTYPES", "ST_CODES", "dtype_name", "dtype_from_name"]
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
 }
-ST_CODES: dict[torch.dtype, str] = {safetensors_dtype(code): code for code in ("F64", "F32", "F16", "BF16")}
+# safetensors codes of what frod-ds writes: the float dtypes, and uint8 for quantized blobs (frod_ds.quant)
+ST_CODES: dict[torch.dtype, str] = {safetensors_dtype(code): code for code in ("F64", "F32", "F16", "BF16", "U8")}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -9,6 +9,12 @@ temporary name and renamed at the end; besides the shards, ``model.safetensors.i
 ``frod_export.json`` (provenance) it holds every other file of the base checkpoint directory (``side_files``:
 config, generation config, tokenizer files whatever their names, chat template, licence; ``config.json``'s
 dtype is rewritten for ``dtype != auto``) and the tokenizer files of the adapter's tokenizer directory.
+
+An adapter trained on quantized frozen weights (``frozen_quant`` nf4/int8 in its config) is exported as the
+model it was trained and evaluated as: ``W'_i = Ũ_i (diag σ_i + S_i) Vᵀ`` with ``Ũ_i`` the dequantized
+``U_i`` (quantized the way training did, from the store's U), and with ``quantize_base`` every other linear
+weight of the decoder layers is written dequantized too (``W̃ = dequantize(quantize(W))``). The export is a
+plain dense checkpoint; the bf16 ``U_i`` of a dense store is not merged in its place.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from frod_ds.dtypes import dtype_from_name, dtype_name
 from frod_ds.errors import ExportError
 from frod_ds.hf_checkpoint import INDEX_NAME, HFCheckpoint
 from frod_ds.layer import core_matrix
+from frod_ds.quant import is_base_linear_weight, roundtrip
 from frod_ds.safetensors_io import save_tensors_atomic
 
 __all__ = ["export_transformers", "side_files"]
@@ -53,10 +60,19 @@ def side_files(directory: Path, *, tokenizer_only: bool = False) -> list[Path]:
     return out
 
 
-def _merged(store, member: str, sigma: torch.Tensor, s_values: torch.Tensor, support_flat: torch.Tensor,
-            V: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _frozen_U(store, member: str, quant: str, device: torch.device) -> torch.Tensor:
+    """``U_i`` as the trained model computed with it, in fp32 (fp64 for an fp64 store): dequantized if the
+    store holds it quantized, quantized and dequantized if training quantized it at load time."""
+    if store.u_spec(member) is not None:
+        return store.load_U(member, torch.float32, device)
     U = store.load_U(member, device=device)
-    cdt = torch.float64 if U.dtype == torch.float64 else torch.float32
+    return roundtrip(U, quant, torch.float64 if U.dtype == torch.float64 else torch.float32)
+
+
+def _merged(store, member: str, sigma: torch.Tensor, s_values: torch.Tensor, support_flat: torch.Tensor,
+            V: torch.Tensor, device: torch.device, quant: str = "none") -> torch.Tensor:
+    U = _frozen_U(store, member, quant, device)
+    cdt = U.dtype
     M = core_matrix(sigma, s_values, support_flat, cdt, device)  # (n, n)
     return (U.to(cdt) @ M) @ V.to(device=device, dtype=cdt).T  # (m, n)
 
@@ -79,6 +95,7 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
     ckpt = HFCheckpoint(model_dir)
     device = torch.device(device)
     supports = {c: sup.flat for c, sup in supports_from_adapter(tensors, config).items()}
+    quant, quantize_base = config.frozen_quant, config.quantize_base
     member_of = {m + ".weight": (c, m) for c, members in store.categories.items() for m in members}
     missing = [m for c, m in member_of.values() if sigma_name(m) not in tensors]
     if missing:
@@ -97,7 +114,10 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
                     if category not in V_of:
                         V_of[category] = store.load_V(category, torch.float32, device)
                     W = _merged(store, member, tensors[sigma_name(member)], tensors[s_name(member)],
-                                supports[category], V_of[category], device).to(out_dtype or ckpt.dtype(name))
+                                supports[category], V_of[category], device, quant).to(out_dtype or ckpt.dtype(name))
+                elif quantize_base and is_base_linear_weight(name, ckpt.shape(name)):
+                    W = ckpt.get(name, device)
+                    W = roundtrip(W, quant, torch.float32).to(out_dtype or W.dtype)  # as training saw it
                 else:
                     W = ckpt.get(name)
                     if out_dtype is not None and W.is_floating_point():
@@ -124,7 +144,8 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
         provenance: dict[str, Any] = {
             "format": "frod-ds-export", "adapter": str(checkpoint_dir), "base_model": config.base_model,
             "factor_store": str(store.path), "factor_store_fingerprint": store.fingerprint, "step": config.step,
-            "merged": sorted(m for _, m in member_of.values()), "dtype": dtype, "seconds": round(time.perf_counter() - t0, 2),
+            "merged": sorted(m for _, m in member_of.values()), "dtype": dtype, "frozen_quant": quant,
+            "quantize_base": quantize_base, "seconds": round(time.perf_counter() - t0, 2),
         }
         (tmp / "frod_export.json").write_text(json.dumps(provenance, indent=1) + "\n")
     return out

@@ -6,7 +6,9 @@ targeted linears) and, under ZeRO-3, transposed views of the gathered ``U`` and 
 ``weight.t()``), which keep the full factors alive after ZeRO-3 has released them. ``FRoDTokens`` saves
 only ``z = Vᵀx`` (or ``x``, and recomputes ``z``) and the Parameter objects themselves; the backward
 rebuilds ``M`` from σ and the S values and takes their gradients on the support only. ``FRoDWeight``
-(the order for many tokens: ``W = U M Vᵀ`` first) saves ``x`` and ``W``. Row-major, one row per token,
+(the order for many tokens: ``W = U M Vᵀ`` first) saves ``x`` and ``W``. A quantized ``U`` (``frod_ds.quant``)
+is dequantized where it is used, in the forward and again in the backward (``frozen_dense``), so only its packed
+Parameter is kept. Row-major, one row per token,
 ``x, z, h`` of shape (T, n), ``y`` (T, m):
 
     z = x V,    h = z Mᵀ,    y = h Uᵀ + b                       forward:  2·T·n² + T·m·n multiply-adds
@@ -29,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from frod_ds.quant import frozen_dense
 
 __all__ = ["core_matrix", "sampled_product", "support_grads", "FRoDTokens", "FRoDWeight"]
 
@@ -97,7 +101,7 @@ class FRoDTokens(torch.autograd.Function):
         M = core_matrix(sigma, s_values, support.on(device), dt, device)  # (n, n), dropped after the forward
         z = x @ _as(V, dt)  # (T, n)
         h = z @ M.t()  # (T, n)
-        Uc = _as(U, dt)
+        Uc = frozen_dense(U, dt)
         y = h @ Uc.t() if bias is None else torch.addmm(_as(bias, dt), h, Uc.t())  # (T, m)
         ctx.save_for_backward(z if save_z else x, sigma, s_values, U, V)
         ctx.support, ctx.save_z, ctx.dense_grad = support, save_z, dense_grad
@@ -113,7 +117,7 @@ class FRoDTokens(torch.autograd.Function):
             g_y = _as(g_y, dt)
             Vc = _as(V, dt)
             M = core_matrix(sigma.detach(), s_values.detach(), ctx.support.on(device), dt, device)  # rebuilt
-            g_h = g_y @ _as(U, dt)  # (T, n)
+            g_h = g_y @ frozen_dense(U, dt)  # (T, n)
             if need_x:
                 g_x = (g_h @ M) @ Vc.t()  # (T, n)
             if need_sigma or need_s:
@@ -137,7 +141,7 @@ class FRoDWeight(torch.autograd.Function):
             "FRoDWeight takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
         dt, device = x.dtype, x.device
         M = core_matrix(sigma, s_values, support.on(device), dt, device)  # (n, n)
-        W = (_as(U, dt) @ M) @ _as(V, dt).t()  # (m, n)
+        W = (frozen_dense(U, dt) @ M) @ _as(V, dt).t()  # (m, n)
         y = x @ W.t() if bias is None else torch.addmm(_as(bias, dt), x, W.t())  # (T, m)
         ctx.save_for_backward(x, W, sigma, s_values, U, V)
         ctx.support, ctx.dense_grad = support, dense_grad
@@ -155,7 +159,7 @@ class FRoDWeight(torch.autograd.Function):
                 g_x = g_y @ W  # (T, n)
             if need_sigma or need_s:
                 g_A = (g_y.t() @ x) @ _as(V, dt)  # (m, n): ∂(U M) = ∂W V
-                gs, gS = support_grads(_as(U, dt), g_A, ctx.support, ctx.dense_grad)  # ∂M = Uᵀ ∂(U M)
+                gs, gS = support_grads(frozen_dense(U, dt), g_A, ctx.support, ctx.dense_grad)  # ∂M = Uᵀ ∂(U M)
                 g_sigma = gs.to(sigma.dtype) if need_sigma else None
                 g_s = gS.to(s_values.dtype) if need_s else None
         return g_x, g_sigma, g_s, None, None, None, None, None

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "safetensors_dtype", "resolve_model_dir", "HFCheckpoint", "TensorInfo"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "safetensors_dtype", "resolve_model_dir", "resolve_config_file", "HFCheckpoint",
+           "TensorInfo"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -64,6 +65,27 @@ def resolve_model_dir(model: str) -> Path:
             f"resolved (offline, or not in the local cache; {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
             "pass a local directory holding the checkpoint (config.json + *.safetensors)"
         ) from None
+
+
+def resolve_config_file(model: str) -> Path:
+    """``config.json`` of a local checkpoint directory, or of a Hub id from the local HF cache only (nothing is
+    downloaded: the memory planner reads no weights). ``CheckpointError`` (one line) when there is none."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"model directory {path} has no config.json; pass the checkpoint directory (config.json + "
+                             "*.safetensors)")
+        return path / "config.json"
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise CheckpointError(f"--model {model!r} is not a checkpoint directory; pass a directory holding config.json or a "
+                         "Hub id in the local cache")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(model, "config.json", local_files_only=True))
+    except Exception as e:  # not cached, malformed id: the same advice
+        raise CheckpointError(f"{model!r} is not a local directory and its config.json is not in the local Hugging Face "
+                         f"cache ({type(e).__name__}); pass a local checkpoint directory") from None
 
 
 class TensorInfo:

@@ -9,6 +9,10 @@ tensor shared by the category). The forward never gathers ``z`` per token: it sc
 values into a dense ``(n, n)`` matrix ``M = diag σ + S`` once per call and runs dense GEMMs, choosing
 between two exact orderings by FLOPs (see ``FRoDLinear.forward``). The token order runs as one autograd
 Function (``frod_ds.frod_function.FRoDTokens``) that keeps ``z`` (or ``x``) for the backward, never ``M``.
+
+``U`` may be quantized (``frod_ds.quant``: NF4 or int8 bytes in a Parameter of the model's dtype); every
+read of it goes through ``frozen_dense`` / ``frozen_linear``, which dequantize, so the layer computes
+``Ũ (diag σ + S) Vᵀ x + b`` with ``Ũ`` the dequantized ``U``. V, σ and S are never quantized.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import Tensor, nn
 from frod_ds.errors import FrodError
 from frod_ds.frod_function import FRoDTokens, FRoDWeight, core_matrix
 from frod_ds.validate import sparsity_problem
+from frod_ds.quant import frozen_dense, frozen_linear, logical_shape
 
 __all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering"]
 
@@ -105,7 +110,8 @@ class FRoDLinear(nn.Module):
     """``y = U (diag σ + S) Vᵀ x + b`` — a drop-in for an ``nn.Linear`` of shape ``(m, n)``.
 
     Args:
-        U: frozen ``(m, n)`` factor (a Parameter or a tensor, made a frozen Parameter).
+        U: frozen ``(m, n)`` factor (a Parameter or a tensor, made a frozen Parameter), or a quantized one
+            (``frod_ds.quant.quantized_parameter``: its ``frod_quant`` spec gives (m, n)).
         V: frozen ``(n, n)`` Parameter shared by the category (kept as the same object).
         sigma: ``(n,)`` initial strengths ``σ_i`` from HJD.
         support: the category's ``SparseSupport``.
@@ -115,7 +121,7 @@ class FRoDLinear(nn.Module):
 
     def __init__(self, U: Tensor, V: nn.Parameter, sigma: Tensor, support: SparseSupport, bias: Tensor | None = None):
         super().__init__()
-        m, n = U.shape
+        m, n = logical_shape(U)
         v_shape = tuple(getattr(V, "ds_shape", V.shape))  # ZeRO-3 may already have partitioned a shared V
         assert v_shape == (n, n), f"V must be ({n}, {n}) for U of shape {tuple(U.shape)}, got {v_shape}"
         assert sigma.shape == (n,), f"sigma must be ({n},), got {tuple(sigma.shape)}"
@@ -174,27 +180,28 @@ class FRoDLinear(nn.Module):
                                          self.dgrad == "dense")  # (T, m)
             return y.view(*x.shape[:-1], m)
         # Plain autograd (the reference, and the route when a frozen factor trains): keeps M or W, and views
-        # of U and V, for the backward.
+        # of U and V, for the backward; a quantized U is dequantized per use (frozen_dense / frozen_linear).
         M = self.core(x.dtype, x.device)  # (n, n)
-        U, V, bias = self.U.to(x.dtype), self.V.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        V, bias = self.V.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
         if mode == "weight":
-            W = F.linear(U @ M, V)  # (m, n) = U M Vᵀ
+            W = F.linear(frozen_dense(self.U, x.dtype) @ M, V)  # (m, n) = U M Vᵀ
             return F.linear(x, W, bias)
         z = x @ V  # (..., n)   z = Vᵀx
         h = F.linear(z, M)  # (..., n)   h = M z
-        return F.linear(h, U, bias)  # (..., m)
+        return frozen_linear(h, self.U, bias)  # (..., m)
 
     @torch.no_grad()
     def merged_weight(self, dtype: torch.dtype | None = None) -> Tensor:
-        """``W' = U (diag σ + S) Vᵀ`` (m, n), computed in fp32 (or ``dtype`` if wider), returned in U's dtype."""
+        """``W' = U (diag σ + S) Vᵀ`` (m, n), computed in fp32 (or ``dtype`` if wider), returned in U's dtype
+        (a quantized U: dequantized first)."""
         cdt = dtype or (torch.float64 if self.U.dtype == torch.float64 else torch.float32)
-        W = (self.U.to(cdt) @ self.core(cdt)) @ self.V.to(cdt).T
+        W = (frozen_dense(self.U, cdt) @ self.core(cdt)) @ self.V.to(cdt).T
         return W.to(self.U.dtype)
 
     @torch.no_grad()
     def update_norms_sq(self, sigma0: Tensor) -> tuple[float, float]:
         """``(‖ΔW_on‖²_F, ‖ΔW_off‖²_F)`` with ``ΔW_on = U diag(σ−σ⁰) Vᵀ``, ``ΔW_off = U S Vᵀ`` (spec §2)."""
-        U, V = self.U.float(), self.V.float()
+        U, V = frozen_dense(self.U, torch.float32), self.V.float()
         d = self.frod_sigma.float() - sigma0.to(U.device).float()
         on = torch.linalg.matrix_norm((U * d) @ V.T) ** 2
         n = self.in_features

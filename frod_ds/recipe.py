@@ -21,6 +21,7 @@ import yaml
 from frod_ds.hjd.plan import DEFAULT_TARGETS
 from frod_ds.errors import FrodError
 from frod_ds.validate import sparsity_problem, targets_problem
+from frod_ds.quant import QUANT_KINDS
 
 __all__ = ["RecipeError", "ModelCfg", "DataCfg", "TrainCfg", "Recipe", "load_recipe", "recipe_to_dict"]
 
@@ -40,6 +41,8 @@ class ModelCfg:
     init_adapter: str | None = None  # start from this adapter's supports, σ and S (e.g. launch/export.py --from-peft)
     dtype: str = "bfloat16"  # parameter dtype: bfloat16 | float32 (must agree with the DeepSpeed JSON)
     gradient_checkpointing: bool = False  # reentrant (non-reentrant + frozen params fails under ZeRO-3)
+    frozen_quant: str = "none"  # none | int8 | nf4: every U_i held quantized (bitsandbytes), V/σ/S in dtype
+    quantize_base: bool = False  # also quantize the untargeted linears of the layers (down_proj, …), as QLoRA
 
 
 @dataclass
@@ -82,17 +85,22 @@ class Recipe:
     train: TrainCfg = field(default_factory=TrainCfg)
     output_dir: str = "runs/frod"
 
-    def problems(self) -> list[str]:
+    def problems(self, paths: bool = True) -> list[str]:
+        """Every problem found; ``paths=False`` leaves out the required paths (for the memory planner)."""
         p = []
         m, d, t = self.model, self.data, self.train
-        if not m.base:
+        if paths and not m.base:
             p.append("model.base is required (HF id or local checkpoint dir)")
-        if not m.factor_store:
+        if paths and not m.factor_store:
             p.append("model.factor_store is required (the directory written by launch/hjd.py)")
         p += [x for x in (targets_problem(m.targets, "model.targets"), sparsity_problem(m.sparsity, "model.sparsity")) if x]
         if m.dtype not in ("bfloat16", "float32"):
             p.append(f"model.dtype must be bfloat16 or float32, got {m.dtype!r}")
-        if not d.train:
+        if m.frozen_quant not in QUANT_KINDS:
+            p.append(f"model.frozen_quant must be one of {', '.join(QUANT_KINDS)}, got {m.frozen_quant!r}")
+        elif m.quantize_base and m.frozen_quant == "none":
+            p.append("model.quantize_base=true needs model.frozen_quant nf4 or int8 (the kind it uses)")
+        if paths and not d.train:
             p.append("data.train is required (train.jsonl from `python -m data_prep build`)")
         if d.cutoff_len < 8:
             p.append(f"data.cutoff_len must be >= 8, got {d.cutoff_len}")
@@ -206,8 +214,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
-    """defaults ← YAML file ← ``key.sub=value`` overrides (values parsed as YAML scalars)."""
+def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool = True) -> Recipe:
+    """defaults ← YAML file ← ``key.sub=value`` overrides (values parsed as YAML scalars). ``paths=False``: the
+    model, factor store and data paths may be missing (``python -m frod_ds plan``)."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
@@ -225,7 +234,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     problems: list[str] = []
     recipe = _build(Recipe, tree, "", problems)
     if not problems:
-        problems = recipe.problems()
+        problems = recipe.problems(paths)
     if problems:
         raise RecipeError("invalid recipe: " + "; ".join(problems))
     return recipe

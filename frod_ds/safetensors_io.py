@@ -36,7 +36,7 @@ def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]
     header: dict[str, Any] = {}
     offset = 0
     for name, dtype, shape in entries:
-        assert dtype in ST_CODES, f"{name}: float dtype expected, got {dtype}"
+        assert dtype in ST_CODES, f"{name}: float or uint8 dtype expected, got {dtype}"
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
         header[name] = {"dtype": ST_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes

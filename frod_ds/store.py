@@ -16,9 +16,11 @@ import torch
 from torch import Tensor
 
 from frod_ds.checksum import file_crc32, format_crc32
+from frod_ds.dtypes import FLOAT_DTYPES
 from frod_ds.errors import StoreError, note
 from frod_ds.fingerprint import weights_fingerprint
 from frod_ds.hf_checkpoint import HFCheckpoint
+from frod_ds.quant import QuantSpec
 from frod_ds.safetensors_io import tensor_bytes
 from frod_ds.store_format import (
     MANIFEST,
@@ -160,8 +162,28 @@ class FactorStore:
         return self._load(v_key(category), dtype, device)
 
     def load_U(self, member: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> Tensor:
-        """``U_i`` (m, n), in the stored (checkpoint) dtype unless ``dtype`` is given."""
-        return self._load(u_key(member), dtype, device)
+        """``U_i`` (m, n), in the stored (checkpoint) dtype unless ``dtype`` is given; a quantized ``U_i`` is
+        dequantized (on ``device``) straight into that dtype (default: the category's ``u_dtype``)."""
+        spec = self.u_spec(member)
+        if spec is None:
+            return self._load(u_key(member), dtype, device)
+        u_dtype = FLOAT_DTYPES[self.record(self.category_of(member)).u_dtype]
+        return spec.unpack(self.load_U_packed(member, device), dtype or u_dtype)
+
+    def u_quant(self, category: str) -> str:
+        """How the category's ``U_i`` are stored: ``none``, ``nf4`` or ``int8``."""
+        q = self.record(category).u_quant
+        return q.kind if q else "none"
+
+    def u_spec(self, member: str) -> QuantSpec | None:
+        """The ``QuantSpec`` of a quantized stored ``U_i`` (None when stored dense)."""
+        q = self.record(self.category_of(member)).u_quant
+        return QuantSpec(q.kind, self.member_shape(member), q.blocksize) if q else None  # U has W's shape
+
+    def load_U_packed(self, member: str, device: str | torch.device = "cpu") -> Tensor:
+        """A quantized store's ``U_i`` blob, (nbytes,) uint8, as stored."""
+        assert self.u_spec(member) is not None, f"{member}: U is stored dense, not quantized"
+        return self._load(u_key(member), None, device)
 
     def load_sigma(self, member: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Tensor:
         """``σ_i`` (n,)."""

@@ -7,6 +7,8 @@ Layout of a store directory::
     <category>.rank<PPPPP>.part<BBBB>.safetensors
                                                keys "<member>.U": (m, n) in the checkpoint's dtype,
                                                     "<member>.sigma": (n,) fp32
+                                               (built with --quant nf4|int8: "<member>.U" is the (nbytes,)
+                                               uint8 blob of frod_ds.quant, described by ``QuantRecord``)
 
 ``<member>`` is the module's path in the HF model (``model.layers.3.self_attn.q_proj``; its weight is
 ``<member>.weight``), ``<category>`` the target name, the last component of the path (``q_proj``); members
@@ -16,7 +18,8 @@ under ``<name>.tmp`` and renamed; a category enters ``completed_categories`` onl
 renamed (and fsynced); ``complete`` is written last. A store whose manifest says complete is complete.
 
 ``error`` is ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` with the factors in ``hjd_dtype``; ``stored_error``
-the same with the stored tensors (U rounded to the category's ``u_dtype``, σ and V in fp32).
+the same with the stored tensors (U rounded to the category's ``u_dtype``, or quantized from it and
+dequantized when ``u_quant`` is set; σ and V in fp32).
 
 Format versions: 1 (no checksums) is still read; 2 adds ``checksums``. Imports nothing heavy (no torch).
 """
@@ -34,7 +37,7 @@ from frod_ds.records import parse_json, record_from_dict, record_to_json
 __all__ = [
     "FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "MANIFEST",
     "v_key", "u_key", "sigma_key", "v_file", "part_file", "is_store_file", "category_of", "member_of_key",
-    "CategoryRecord", "RankRecord", "RunRecord", "Manifest", "CategoryIdentity", "StoreIdentity",
+    "QuantRecord", "CategoryRecord", "RankRecord", "RunRecord", "Manifest", "CategoryIdentity", "StoreIdentity",
 ]
 
 FORMAT = "frod-factor-store"
@@ -81,6 +84,14 @@ def is_store_file(name: str, category: str | None = None) -> bool:
     return bool(_STORE_FILE.match(name)) and (category is None or name.startswith(category + "."))
 
 
+@dataclass(frozen=True)
+class QuantRecord:
+    """How a store's ``U_i`` are quantized (``launch/hjd.py --quant``): ``frod_ds.quant`` blobs of this kind."""
+
+    kind: str  # "nf4" | "int8"
+    blocksize: int  # NF4 block size (int8 is per row; recorded all the same)
+
+
 @dataclass
 class CategoryRecord:
     """One category: its members and shapes, and, once complete, its files, checksums, errors and route."""
@@ -90,6 +101,7 @@ class CategoryRecord:
     width: int  # n
     u_dtype: str  # the dtype U is stored in: the checkpoint's, or the manifest's u_dtype
     complete: bool = False
+    u_quant: QuantRecord | None = None  # U stored quantized from u_dtype (absent: dense)
     files: dict[str, str] = field(default_factory=dict)  # key -> file
     checksums: dict[str, str] | None = None  # file -> "crc32:…"; None in format 1
     error: dict[str, float] = field(default_factory=dict)
@@ -153,6 +165,7 @@ class Manifest:
     pi: float
     hjd_dtype: str  # "float32" | "float64"
     u_dtype: str = "auto"  # "auto": each category's checkpoint dtype; else --u-dtype (absent before it existed: auto)
+    u_quant: QuantRecord | None = None  # --quant nf4|int8 (absent: U stored dense)
     categories: dict[str, CategoryRecord]
     world_size: int
     versions: dict[str, str]  # frod_ds, torch, safetensors, python

@@ -16,6 +16,8 @@ from frod_ds.store_format import member_of_key, sigma_key, u_key, v_key
 __all__ = ["verify_store"]
 
 _VERIFY_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4, torch.float64: 1e-8}
+# Quantized U: NF4's relative error on a Gaussian-like matrix is about 0.09, int8's (row absmax) about 0.01.
+_VERIFY_TOL_QUANT = {"nf4": 0.2, "int8": 3e-2}
 
 
 def _check_files(store: FactorStore, category: str) -> tuple[list[str], bool]:
@@ -39,6 +41,8 @@ def _check_files(store: FactorStore, category: str) -> tuple[list[str], bool]:
             problems.append(f"{category}: {checksum}")
         for key in keys:
             want = [n, n] if key == v_key(category) else [n] if key.endswith(".sigma") else record.shapes[member_of_key(key)]
+            if key.endswith(".U") and record.u_quant is not None:
+                want = [store.u_spec(member_of_key(key)).nbytes]  # the quantized blob, (nbytes,) uint8
             if have.get(key) != list(want):
                 problems.append(f"{category}: {key} in {fname} has shape {have.get(key)}, manifest says {want}")
                 readable = False
@@ -62,7 +66,8 @@ def verify_store(store_dir: str | Path, model: str, samples: int = 2, seed: int 
     has the CRC-32 the manifest records (so every member's U and σ and every V, byte for byte) and holds its
     keys with the manifest's shapes, and for ``samples`` members per category (seeded) the relative
     reconstruction ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` from the stored tensors against the full
-    weights, within ``tol`` (default by U's dtype: bf16 2e-2, fp16 5e-3, fp32 1e-4, fp64 1e-8).
+    weights, within ``tol`` (default by U's dtype: bf16 2e-2, fp16 5e-3, fp32 1e-4, fp64 1e-8; quantized U:
+    nf4 0.2, int8 3e-2).
     ``FrodError`` when the store or the model cannot be opened at all.
     """
     store = FactorStore.open(store_dir, allow_incomplete=True)
@@ -84,8 +89,12 @@ def verify_store(store_dir: str | Path, model: str, samples: int = 2, seed: int 
             continue  # missing, unreadable or misshapen: nothing to reconstruct from
         V = _read(store, v_key(category), torch.float64, device)  # (n, n)
         for member in rng.sample(members, min(samples, len(members))):
-            U = _read(store, u_key(member), None, device)  # (m, n), stored dtype
-            limit = tol if tol is not None else _VERIFY_TOL.get(U.dtype, 1e-8)
+            U = _read(store, u_key(member), None, device)  # (m, n), stored dtype; a quantized U's blob
+            spec = store.u_spec(member)
+            if spec is not None:
+                U = spec.unpack(U, torch.float32)  # (m, n) dequantized
+            limit = tol if tol is not None else _VERIFY_TOL_QUANT[spec.kind] if spec is not None \
+                else _VERIFY_TOL.get(U.dtype, 1e-8)
             W = ckpt.get(member + ".weight", device).double()
             e = reconstruction_error(W, U.double(), _read(store, sigma_key(member), torch.float64, device), V)
             if not e <= limit:

@@ -33,7 +33,7 @@ from frod_ds import distributed as dist
 from frod_ds.adapter import adapter_state, load_adapter_into, read_adapter, supports_from_adapter, write_adapter
 from frod_ds.adapter_format import AdapterConfig
 from frod_ds.apply import frod_modules, frod_param_groups
-from frod_ds.build import build_frod_model, gathered, make_supports
+from frod_ds.build import build_frod_model, check_store_quant, gathered, make_supports
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
 from frod_ds.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from frod_ds.dtypes import FLOAT_DTYPES
@@ -105,6 +105,7 @@ def _check_store(recipe: Recipe):
             f"targets {missing} are not in factor store {store.path} (it has {sorted(store.categories)}); "
             "rebuild it with launch/hjd.py --targets … or change model.targets"
         )
+    check_store_quant(store, recipe.model.targets, recipe.model.frozen_quant)
     identity = store.identity(list(recipe.model.targets))
     ckpt = HFCheckpoint(model_dir)
     from frod_ds.fingerprint import weights_fingerprint
@@ -215,7 +216,8 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     init = _init_adapter(recipe, store, identity)
     supports = make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed) \
         if init is None else supports_from_adapter(*init)
-    model = build_frod_model(model_dir, store, supports, dtype, ds_cfg, rank=rank)
+    model = build_frod_model(model_dir, store, supports, dtype, ds_cfg, rank=rank, quant=recipe.model.frozen_quant,
+                             quantize_base=recipe.model.quantize_base)
     zero3 = zero_stage(ds_cfg) == 3
     sigma0 = _initial_sigma(model, zero3)  # the factor store's σ, before an init adapter replaces it
     if init is not None:  # before deepspeed.initialize: the optimizer's master copies are made from these values
@@ -245,6 +247,8 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         init_adapter=_absolute_if_local(recipe.model.init_adapter) if init is not None else None,
         pi=identity.pi,
         dtype=recipe.model.dtype,
+        frozen_quant=recipe.model.frozen_quant,  # eval and export rebuild the same quantized model
+        quantize_base=recipe.model.quantize_base,
     )
     run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
               zero3, store, identity, run_identity, out, config)

@@ -4,6 +4,7 @@
     deepspeed --num_gpus 8 launch/hjd.py --model /ckpt/llama-2-70b --out factors/llama2-70b
     srun --ntasks-per-node 8 --gpus-per-node 8 python launch/hjd.py --model /ckpt/llama-2-70b --out factors/llama2-70b
     python launch/hjd.py --model /ckpt/tiny --out factors/tiny --device cpu        # one process
+    torchrun --nproc_per_node 2 launch/hjd.py --model /ckpt/llama2-70b --out factors/llama2-70b-nf4 --quant nf4
     python launch/hjd.py --verify factors/llama2-7b --model meta-llama/Llama-2-7b-hf
 
 Rerunning a killed run with the same arguments skips the categories already complete. On CPU, unless
@@ -45,6 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--u-dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto",
                    help="dtype U_i is stored in; auto: the checkpoint's. float32 for a bf16 checkpoint keeps the FRoD "
                         "model exact at init under fp32 compute (the store's U then takes twice the checkpoint's bytes)")
+    p.add_argument("--quant", choices=["none", "nf4", "int8"], default="none",
+                   help="store U_i quantized (bitsandbytes NF4, blocks of 64, or int8 per row): a 70B store ~4x (nf4) "
+                        "smaller; training then needs model.frozen_quant of the same kind")
     p.add_argument("--part-mb", type=float, default=256.0,
                    help="size of one U/sigma part file, MiB; smaller parts overlap writing with computing")
     p.add_argument("--method", choices=["auto", "householder"], default="auto",
@@ -65,7 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=2, help="--verify: members per category whose reconstruction is checked")
     p.add_argument("--seed", type=int, default=0, help="--verify: seed of the member sample")
     p.add_argument("--tol", type=float, default=None,
-                   help="--verify: largest relative reconstruction error (default by U's dtype: bf16 2e-2, fp32 1e-4)")
+                   help="--verify: largest relative reconstruction error (default by U's dtype: bf16 2e-2, fp32 1e-4; "
+                        "quantized U: nf4 0.2, int8 3e-2)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
     args.targets = [t for item in args.targets for t in item.split(",") if t]
@@ -84,7 +89,7 @@ def build(args: argparse.Namespace) -> int:
         model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
         block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, part_mb=args.part_mb, device=args.device, overwrite=args.overwrite,
         fsync=args.fsync, method=args.method, io_threads=args.io_threads, prefetch_gb=args.prefetch_gb,
-        **({} if args.u_dtype == "auto" else {"u_dtype": getattr(torch, args.u_dtype)})))
+        quant=args.quant, **({} if args.u_dtype == "auto" else {"u_dtype": getattr(torch, args.u_dtype)})))
     manifest = run_stage(cfg, process_start=PROCESS_START)
     if manifest is not None:
         _print_summary(manifest)

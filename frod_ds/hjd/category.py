@@ -29,6 +29,7 @@ from frod_ds.hf_checkpoint import HFCheckpoint
 from frod_ds.hjd.io import FactorWriter, MemberReader
 from frod_ds.hjd.math import reconstruction_error_t
 from frod_ds.hjd.plan import my_members
+from frod_ds.quant import QuantSpec
 from frod_ds.store_format import sigma_key, u_key, v_file, v_key
 
 __all__ = ["CategorySpec", "CategoryResult", "Phases", "MemberSource", "FactorSink", "open_category"]
@@ -45,7 +46,8 @@ class CategorySpec:
     mine: list[str]  # this rank's share
     heights: list[int]  # m_i of ``mine``
     n: int
-    u_dtype: torch.dtype  # U is stored in it: the checkpoint's dtype or --u-dtype
+    u_dtype: torch.dtype  # U is stored in it (or quantized from it): the checkpoint's dtype or --u-dtype
+    quant: str = "none"  # "none", or U_i written as a frod_ds.quant blob of this kind (--quant)
 
     @property
     def L(self) -> int:
@@ -181,20 +183,26 @@ class FactorSink:
         V_c = V.to(dtype)
         V32 = V.float()
         V_stored = V32.to(dtype)  # (n, n): V as the store holds it, in the compute dtype
-        exact_store = dtype == torch.float32 and spec.u_dtype == torch.float32
+        exact_store = dtype == torch.float32 and spec.u_dtype == torch.float32 and spec.quant == "none"
         err: dict[str, Tensor] = {}
         stored: dict[str, Tensor] = {}
+        qspecs = {m: QuantSpec(spec.quant, (h, n)) for m, h in zip(spec.mine, spec.heights)} \
+            if spec.quant != "none" else {}
         self.writer.begin(spec.name, D.get_rank(), [
-            (m, [(u_key(m), spec.u_dtype, (h, n)), (sigma_key(m), torch.float32, (n,))])
+            (m, [(u_key(m), torch.uint8, (qspecs[m].nbytes,)) if qspecs else (u_key(m), spec.u_dtype, (h, n)),
+                 (sigma_key(m), torch.float32, (n,))])
             for m, h in zip(spec.mine, spec.heights)])
         for i, member in enumerate(spec.mine):
             W = source.weight(i)
             U_i, sigma_i = factors(i, W)  # (m_i, n), (n,) in the compute dtype
             err[member] = reconstruction_error_t(W, U_i, sigma_i, V_c)
             U_s, sigma_s = U_i.to(spec.u_dtype), sigma_i.float()
+            if qspecs:  # quantized from U in u_dtype, as load-time quantization of a dense store would
+                blob = qspecs[member].pack(U_s)  # (nbytes,) uint8
+                U_s = qspecs[member].unpack(blob, spec.u_dtype)  # (m_i, n): what training will compute with
             stored[member] = err[member] if exact_store else reconstruction_error_t(
                 W, U_s.to(dtype), sigma_s.to(dtype), V_stored)
-            self.writer.add(u_key(member), U_s)
+            self.writer.add(u_key(member), blob if qspecs else U_s)
             self.writer.add(sigma_key(member), sigma_s)
             del W, U_i, U_s
             self.bar.update(1)
@@ -212,10 +220,10 @@ class FactorSink:
 
 def open_category(ckpt: HFCheckpoint, category: str, members: list[str], reader: MemberReader,
                   writer: FactorWriter, device: torch.device, dtype: torch.dtype, u_dtype: torch.dtype | None,
-                  cache_bytes: float) -> tuple[MemberSource, FactorSink]:
+                  cache_bytes: float, quant: str = "none") -> tuple[MemberSource, FactorSink]:
     """This rank's source and sink of ``category`` (close both when done, also on errors). ``u_dtype``: the
-    dtype U is stored in (None: the checkpoint's)."""
+    dtype U is stored in (None: the checkpoint's); ``quant``: nf4 | int8 stores U quantized from it."""
     mine = my_members(members, D.get_rank(), D.get_world_size())
     spec = CategorySpec(category, list(members), mine, [ckpt.shape(m + ".weight")[0] for m in mine],
-                        ckpt.shape(members[0] + ".weight")[1], u_dtype or ckpt.dtype(members[0] + ".weight"))
+                        ckpt.shape(members[0] + ".weight")[1], u_dtype or ckpt.dtype(members[0] + ".weight"), quant)
     return MemberSource(spec, ckpt, reader, device, cache_bytes), FactorSink(spec, writer, dtype)

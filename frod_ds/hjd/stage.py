@@ -30,6 +30,7 @@ from frod_ds.hjd.io import FactorWriter, MemberReader
 from frod_ds.hjd.math import no_tf32
 from frod_ds.hjd.plan import DEFAULT_TARGETS, my_members, plan_categories
 from frod_ds.hjd.routes import RouteOptions, factor_category, read_pass
+from frod_ds.quant import QUANT_KINDS
 from frod_ds.store_format import MANIFEST, Manifest, RunRecord
 from frod_ds.validate import pi_problem, targets_problem
 
@@ -57,6 +58,7 @@ class StageConfig:
     io_threads: int = 8
     prefetch_gb: float = 4.0
     u_dtype: torch.dtype | None = None  # None: each category's checkpoint dtype
+    quant: str = "none"  # none | nf4 | int8: U_i written quantized (frod_ds.quant blobs), from U in u_dtype
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
@@ -76,6 +78,8 @@ class StageConfig:
             problems.append(f"--io-threads must be an integer >= 1, got {self.io_threads!r}")
         if self.u_dtype is not None and self.u_dtype not in FLOAT_DTYPES.values():
             problems.append(f"--u-dtype must be auto or one of {list(FLOAT_DTYPES)}, got {self.u_dtype}")
+        if self.quant not in QUANT_KINDS:
+            problems.append(f"--quant must be one of {', '.join(QUANT_KINDS)}, got {self.quant!r}")
         if not self.prefetch_gb > 0:
             problems.append(f"--prefetch-gb must be > 0, got {self.prefetch_gb}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -111,7 +115,7 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
     fingerprint = D.on_main(lambda: weights_fingerprint(ckpt, names))
     manifest = D.on_main(lambda: store_dir.prepare_store(
         cfg.out, store_dir.new_manifest(cfg.model, list(cfg.targets), cfg.pi, cfg.dtype, cfg.u_dtype, fingerprint,
-                                        categories, ckpt),
+                                        categories, ckpt, cfg.quant),
         cfg.overwrite))
     return device, ckpt, categories, manifest
 
@@ -156,7 +160,7 @@ def _factor_all(cfg: StageConfig, ckpt: HFCheckpoint, categories: dict[str, list
         t0 = time.perf_counter()
         D.on_main(lambda: store_dir.remove_store_files(cfg.out, category))  # leftovers of a killed run
         source, sink = open_category(ckpt, category, categories[category], reader, writer, device, cfg.dtype,
-                                     cfg.u_dtype, cfg.device_cache_gb * GiB)
+                                     cfg.u_dtype, cfg.device_cache_gb * GiB, cfg.quant)
         try:
             phases = Phases(device)
             G = read_pass(source, sink, phases)  # every read of this category (unless the cache overflows)

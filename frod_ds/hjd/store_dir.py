@@ -23,13 +23,14 @@ from frod_ds.errors import HJDError, StoreError
 from frod_ds.fingerprint import FINGERPRINT_METHOD
 from frod_ds.hf_checkpoint import HFCheckpoint
 from frod_ds.hjd.category import CategoryResult
-from frod_ds.store_format import MANIFEST, CategoryRecord, Manifest, RankRecord, is_store_file
+from frod_ds.quant import NF4_BLOCKSIZE
+from frod_ds.store_format import MANIFEST, CategoryRecord, Manifest, QuantRecord, RankRecord, is_store_file
 
 __all__ = ["CONFIG_FIELDS", "new_manifest", "prepare_store", "remove_store_files", "ManifestWriter",
            "record_category", "rank_summary"]
 
 GiB = 2**30
-CONFIG_FIELDS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype", "u_dtype")  # a store to resume must match
+CONFIG_FIELDS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype", "u_dtype", "u_quant")  # a store to resume must match
 
 
 def _versions() -> dict[str, str]:
@@ -59,22 +60,24 @@ def _model_config(model_dir: Path) -> dict[str, Any] | None:
 
 
 def new_manifest(model: str, targets: list[str], pi: float, dtype: torch.dtype, u_dtype: torch.dtype | None,
-                 fingerprint: str, categories: dict[str, list[str]], ckpt: HFCheckpoint) -> Manifest:
+                 fingerprint: str, categories: dict[str, list[str]], ckpt: HFCheckpoint, quant: str = "none") -> Manifest:
     """The manifest of a store not yet started: every category planned, none complete. ``u_dtype``: the
-    dtype U is stored in (None: each category's checkpoint dtype)."""
+    dtype U is stored in (None: each category's checkpoint dtype); ``quant``: nf4 | int8 stores U quantized."""
+    u_quant = None if quant == "none" else QuantRecord(kind=quant, blocksize=NF4_BLOCKSIZE)
     records = {
         c: CategoryRecord(
             members=members,
             shapes={m: list(ckpt.shape(m + ".weight")) for m in members},
             width=ckpt.shape(members[0] + ".weight")[1],
             u_dtype=dtype_name(u_dtype or ckpt.dtype(members[0] + ".weight")),
+            u_quant=u_quant,
             checksums={},
         )
         for c, members in categories.items()
     }
     return Manifest(base_model=model, fingerprint=fingerprint, fingerprint_method=FINGERPRINT_METHOD,
                     model_config=_model_config(ckpt.dir), targets=list(targets), pi=pi, hjd_dtype=dtype_name(dtype),
-                    u_dtype=dtype_name(u_dtype) if u_dtype is not None else "auto", categories=records,
+                    u_dtype=dtype_name(u_dtype) if u_dtype is not None else "auto", u_quant=u_quant, categories=records,
                     world_size=D.get_world_size(), versions=_versions())
 
 
