@@ -17,6 +17,7 @@ import pytest
 from data_prep.build import BuildOptions, build
 from data_prep.io import ANSWER_SEPARATOR, check_row, dumps_row, read_rows, row_separator, training_text
 from data_prep.tasks import TASKS, DataPrepError
+from frod_ds.atomic import MARKER
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "data_prep" / "llm_adapters"
@@ -43,7 +44,9 @@ def run_build(out: Path, src: str, **kw) -> tuple[dict, dict]:
 
 
 def file_bytes(out: Path) -> dict[str, bytes]:
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    """The data files of a build (the publish marker is atomic.py's, not data)."""
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != MARKER}
 
 
 def words_of(instruction: str) -> list[str]:

@@ -179,7 +179,7 @@ def test_hjd_job_equals_single_process_decomposition(pipeline, tiny):
         return (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
 
     store = FactorStore.open(pipeline["store"])
-    assert store.manifest["world_size"] == 2 and store.complete and len(store.categories) == 6
+    assert store.manifest.world_size == 2 and store.complete and len(store.categories) == 6
     for category, members in store.categories.items():
         Ws = [w.double() for w in weights(tiny.model, members)]
         ref = decompose(Ws, pi=store.pi, dtype=torch.float64)
