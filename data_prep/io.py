@@ -62,11 +62,8 @@ def write_rows(path: Path, rows: Iterable[dict[str, Any]]) -> str:
 
 def sha256_file(path: Path) -> str:
     """sha256 hex digest of a file's bytes."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_row(row: Any) -> str | None:

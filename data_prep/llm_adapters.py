@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from data_prep.tasks import DataPrepError
-from data_prep.templates import Example, RowError, render, render_boolq_no_passage, row_id
+from data_prep.templates import Example, RowError, render, render_boolq_no_passage, row_field, row_id
 
 TEMPLATES = ("paper", "llm-adapters")
 
@@ -149,15 +149,6 @@ def identify(instruction: str) -> Family | None:
     return None
 
 
-def _text(row: dict[str, Any], name: str) -> str:
-    value = row.get(name)
-    if value is None:
-        raise RowError(f"missing field '{name}'")
-    if type(value) is not str:
-        raise RowError(f"wrong type for '{name}'", f"expected string, got {type(value).__name__}")
-    return value
-
-
 def _answer_words(family: Family, line: str) -> tuple[str, ...]:
     """The words of an ``Answer format:`` line, checked against the family's form."""
     words = tuple(line.split("/"))
@@ -191,10 +182,10 @@ def parse(row: Any) -> Parsed:
     """Parse one LLM-Adapters row; raises RowError (``reason`` = drop-count key) if it does not fit."""
     if not isinstance(row, dict):
         raise RowError("row is not an object", f"got {type(row).__name__}")
-    instruction = _text(row, "instruction")
-    if _text(row, "input"):
+    instruction = row_field(row, "instruction", str)
+    if row_field(row, "input", str):
         raise RowError("non-empty 'input'", "LLM-Adapters' commonsense rows have an empty input")
-    output, answer = _text(row, "output"), _text(row, "answer")
+    output, answer = row_field(row, "output", str), row_field(row, "answer", str)
     family = identify(instruction)
     if family is None:
         raise RowError("unrecognized instruction", repr(instruction[:60]))

@@ -91,7 +91,7 @@ class RowError(Exception):
 _TYPE_NAMES = {str: "string", bool: "bool", int: "int", list: "list", dict: "object"}
 
 
-def _field(row: dict[str, Any], name: str, kind: type) -> Any:
+def row_field(row: dict[str, Any], name: str, kind: type) -> Any:
     """`row[name]`, checked to be exactly of type `kind` (a bool is not an int here)."""
     value = row.get(name)
     if value is None:
@@ -112,7 +112,7 @@ def _label(value: Any, allowed: Sequence[Any], name: str) -> int:
 
 def _choices(row: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(labels, texts) of an OBQA/ARC `choices` field: {"text": [str], "label": [str]}."""
-    choices = _field(row, "choices", dict)
+    choices = row_field(row, "choices", dict)
     labels, texts = choices.get("label"), choices.get("text")
     for name, values in (("label", labels), ("text", texts)):
         if type(values) is not list or not all(type(v) is str for v in values):
@@ -126,55 +126,55 @@ def _choices(row: dict[str, Any]) -> tuple[list[str], list[str]]:
 
 def render_boolq(row: dict[str, Any]) -> Example:
     """BoolQ: `answer` (bool) → ``true``/``false``."""
-    prompt = BOOLQ.format(passage=_field(row, "passage", str), question=_field(row, "question", str))
-    return Example(prompt, ("true", "false"), 0 if _field(row, "answer", bool) else 1)
+    prompt = BOOLQ.format(passage=row_field(row, "passage", str), question=row_field(row, "question", str))
+    return Example(prompt, ("true", "false"), 0 if row_field(row, "answer", bool) else 1)
 
 
 def render_boolq_no_passage(row: dict[str, Any]) -> Example:
     """BoolQ without a passage (LLM-Adapters' rows): ``Question:\n{question}``; `answer` (bool) → ``true``/``false``."""
-    prompt = BOOLQ_NO_PASSAGE.format(question=_field(row, "question", str))
-    return Example(prompt, ("true", "false"), 0 if _field(row, "answer", bool) else 1)
+    prompt = BOOLQ_NO_PASSAGE.format(question=row_field(row, "question", str))
+    return Example(prompt, ("true", "false"), 0 if row_field(row, "answer", bool) else 1)
 
 
 def render_piqa(row: dict[str, Any]) -> Example:
     """PIQA: `label` 0/1 (int) → ``Choice A``/``Choice B``."""
-    fields = {name: _field(row, name, str) for name in ("goal", "sol1", "sol2")}
-    label = _label(_field(row, "label", int), (0, 1), "label")
+    fields = {name: row_field(row, name, str) for name in ("goal", "sol1", "sol2")}
+    label = _label(row_field(row, "label", int), (0, 1), "label")
     return Example(PIQA.format(**fields), ("Choice A", "Choice B"), label)
 
 
 def render_siqa(row: dict[str, Any]) -> Example:
     """SIQA: `label` "1"/"2"/"3" (1-based string) → ``Choice A``..``Choice C``."""
-    fields = {name: _field(row, name, str) for name in ("context", "question", "answerA", "answerB", "answerC")}
-    label = _label(_field(row, "label", str), ("1", "2", "3"), "label")
+    fields = {name: row_field(row, name, str) for name in ("context", "question", "answerA", "answerB", "answerC")}
+    label = _label(row_field(row, "label", str), ("1", "2", "3"), "label")
     return Example(SIQA.format(**fields), ("Choice A", "Choice B", "Choice C"), label)
 
 
 def render_hellaswag(row: dict[str, Any]) -> Example:
     """HellaSwag: four `endings`, `label` "0".."3" (string) → ``Ending A``..``Ending D``."""
-    ctx = _field(row, "ctx", str)
-    endings = _field(row, "endings", list)
+    ctx = row_field(row, "ctx", str)
+    endings = row_field(row, "endings", list)
     if not all(type(e) is str for e in endings):
         raise RowError("wrong type for 'endings'", "expected a list of strings")
     if len(endings) != 4:
         raise RowError("malformed 'endings'", f"expected 4 endings, got {len(endings)}")
-    label = _label(_field(row, "label", str), ("0", "1", "2", "3"), "label")
+    label = _label(row_field(row, "label", str), ("0", "1", "2", "3"), "label")
     text = "".join(HELLASWAG_ENDING.format(k=k, text=e) for k, e in zip("ABCD", endings))
     return Example(HELLASWAG.format(ctx=ctx, endings=text), tuple(f"Ending {k}" for k in "ABCD"), label)
 
 
 def render_winogrande(row: dict[str, Any]) -> Example:
     """WinoGrande: `answer` "1"/"2" (string) → ``Option1``/``Option2``."""
-    fields = {name: _field(row, name, str) for name in ("sentence", "option1", "option2")}
-    label = _label(_field(row, "answer", str), ("1", "2"), "answer")
+    fields = {name: row_field(row, name, str) for name in ("sentence", "option1", "option2")}
+    label = _label(row_field(row, "answer", str), ("1", "2"), "answer")
     return Example(WINOGRANDE.format(**fields), ("Option1", "Option2"), label)
 
 
 def _render_options(row: dict[str, Any], template: str, question_field: str) -> Example:
     """OBQA/ARC: options listed in source order, `answerKey` one of the row's choice labels."""
-    question = _field(row, question_field, str)
+    question = row_field(row, question_field, str)
     labels, texts = _choices(row)
-    label = _label(_field(row, "answerKey", str), labels, "answerKey")
+    label = _label(row_field(row, "answerKey", str), labels, "answerKey")
     opts = "".join(OPTION.format(label=lab, text=text) for lab, text in zip(labels, texts))
     prompt = template.format(**{question_field: question, "opts": opts})
     return Example(prompt, tuple(f"Option {lab}" for lab in labels), label)

@@ -36,6 +36,7 @@ from frod_ds.errors import FrodError
 
 __all__ = [
     "ANSWER_SEPARATOR",
+    "common_prefix_len",
     "EvalError",
     "EncodedRow",
     "encode_row",
@@ -74,7 +75,8 @@ class EncodedRow:
     continuations: list[list[int]]  # n_choices x (Tj,)
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -112,7 +114,7 @@ def encode_rows(
         # Split at the longest token prefix shared by the context and every full text: with
         # SentencePiece (LLaMA) "...Answer: " ends in a lone "▁" piece while "...Answer: true"
         # ends "...", ":", "▁true", so the character boundary is not a token boundary.
-        cut = min([len(context)] + [_common_prefix_len(context, full) for full in fulls])
+        cut = min([len(context)] + [common_prefix_len(context, full) for full in fulls])
         if cut == 0:
             raise EvalError(
                 f"prompt {prompt[:40]!r} leaves no context token before the answer; "

@@ -73,11 +73,8 @@ def default_cache_dir() -> Path:
 
 
 def md5_file(path: Path) -> str:
-    h = hashlib.md5()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def _good_gguf(path: Path) -> bool:

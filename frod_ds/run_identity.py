@@ -36,11 +36,8 @@ class RunIdentityError(FrodError):
 
 
 def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def training_hyperparameters(recipe_dict: dict[str, Any], global_batch: int) -> dict[str, Any]:

@@ -124,15 +124,25 @@ def _check_store(recipe: Recipe):
     return model_dir, store, identity, run_identity
 
 
-def _check_resume_run(out: Path, identity: RunIdentity) -> None:
-    """``RunIdentityError`` when ``out`` holds a checkpoint of a run with another identity."""
+def _latest_checkpoint_record(out: Path, name: str, missing_note: str) -> Path | None:
+    """The file ``name`` beside the checkpoint a run in ``out`` would resume from; None when there is no
+    checkpoint, or (with ``note(f"checkpoint <dir> {missing_note}")``) when that checkpoint lacks the file."""
     marker = out / "checkpoints" / "latest_complete"
     if not marker.is_file():
-        return
-    recorded = out / "checkpoints" / marker.read_text().strip() / RUN_IDENTITY
+        return None
+    recorded = out / "checkpoints" / marker.read_text().strip() / name
     if not recorded.is_file():
-        note(f"checkpoint {recorded.parent} does not record its run identity (written by an older frod-ds): "
-             "resuming without checking that it is this run")
+        note(f"checkpoint {recorded.parent} {missing_note}")
+        return None
+    return recorded
+
+
+def _check_resume_run(out: Path, identity: RunIdentity) -> None:
+    """``RunIdentityError`` when ``out`` holds a checkpoint of a run with another identity."""
+    recorded = _latest_checkpoint_record(
+        out, RUN_IDENTITY, "does not record its run identity (written by an older frod-ds): "
+        "resuming without checking that it is this run")
+    if recorded is None:
         return
     diffs = RunIdentity.from_json(recorded.read_text(), recorded).differences(identity)
     if diffs:
@@ -163,13 +173,10 @@ STORE_IDENTITY = "factor_store.json"  # beside each engine checkpoint: the store
 
 def _check_resume_store(out: Path, identity: StoreIdentity) -> None:
     """``StoreError`` when ``out`` holds a checkpoint to resume that was trained on another factor store."""
-    marker = out / "checkpoints" / "latest_complete"
-    if not marker.is_file():
-        return
-    recorded = out / "checkpoints" / marker.read_text().strip() / STORE_IDENTITY
-    if not recorded.is_file():
-        note(f"checkpoint {recorded.parent} does not record its factor store (written by an older frod-ds): "
-             f"resuming without checking that {identity.fingerprint[:16]}… is the store it was trained on")
+    recorded = _latest_checkpoint_record(
+        out, STORE_IDENTITY, "does not record its factor store (written by an older frod-ds): "
+        f"resuming without checking that {identity.fingerprint[:16]}… is the store it was trained on")
+    if recorded is None:
         return
     diffs = StoreIdentity.from_json(recorded.read_text(), recorded).differences(identity)
     if diffs:

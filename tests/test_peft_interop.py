@@ -36,6 +36,19 @@ def _base(model_dir):
     return LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
+def _base_peft_frod_logits(model_dir, peft_dir, frod) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits on the same ids of the base model, of stock PEFT's ``PeftModel`` loading ``peft_dir`` onto it,
+    and of ``frod``."""
+    from peft import PeftModel
+
+    ids = _ids(frod.config.vocab_size)
+    with torch.no_grad():
+        base = _base(model_dir)
+        base_logits = base(ids).logits
+        peft_logits = PeftModel.from_pretrained(base, str(peft_dir)).eval()(ids).logits
+        return base_logits, peft_logits, frod(ids).logits
+
+
 def test_core_in_peft_basis_is_exact_and_sparse_for_a_signed_permutation():
     """``M_p`` reproduces ``U_o M_o V_oᵀ`` with PEFT's ``U_p``, ``V_p`` (built as PEFT builds them: ``B = W V⁻ᵀ``,
     unit columns); for a signed permutation ``G`` it keeps S's nnz (permuted), for a rotation it is dense."""
@@ -112,7 +125,7 @@ def exported(env, trained):
 
 
 def test_peft_export_after_training_loads_with_stock_peft_and_matches(env, trained, exported):
-    from peft import FrodConfig, PeftConfig, PeftModel
+    from peft import FrodConfig, PeftConfig
 
     _, frod = trained
     report = json.loads((exported / "frod_export.json").read_text())
@@ -122,12 +135,7 @@ def test_peft_export_after_training_loads_with_stock_peft_and_matches(env, train
     for cat, c in report["categories"].items():
         assert c["max_update_error"] <= 1e-3, (cat, c)  # the default --peft-tol
         assert c["nnz_peft"] >= c["nnz_mapped"] >= c["nnz_frod"] > 0, (cat, c)
-    ids = _ids(frod.config.vocab_size)
-    with torch.no_grad():
-        base = _base(env.model)
-        base_logits = base(ids).logits
-        peft_logits = PeftModel.from_pretrained(base, str(exported)).eval()(ids).logits
-        want = frod(ids).logits
+    base_logits, peft_logits, want = _base_peft_frod_logits(env.model, exported, frod)
     diff = (peft_logits - want).abs().max().item()
     change = (want - base_logits).abs().max().item()
     assert diff < EXPORT_TOL * change, (diff, change)
@@ -178,19 +186,12 @@ def imported(env, stock_peft):
 
 
 def test_peft_import_loads_in_frod_ds_with_stock_peft_logits(env, stock_peft, imported):
-    from peft import PeftModel
-
     from frod_ds.adapter import load_frod_model
 
     report = json.loads((imported / "frod_import.json").read_text())
     assert report["max_weight_error"] < 1e-6 and report["max_reconstruction_error"] < 1e-5, report
     frod, _ = load_frod_model(imported / "adapter")
-    ids = _ids(frod.config.vocab_size)
-    with torch.no_grad():
-        base = _base(env.model)
-        base_logits = base(ids).logits
-        want = PeftModel.from_pretrained(base, str(stock_peft)).eval()(ids).logits
-        got = frod(ids).logits
+    base_logits, want, got = _base_peft_frod_logits(env.model, stock_peft, frod)
     change = (want - base_logits).abs().max().item()
     assert change > 0.5, "the PEFT training moved the model"
     assert (got - want).abs().max().item() < IMPORT_TOL * change

@@ -25,7 +25,7 @@ from bench.study.config import StudyError
 from data_prep.io import read_rows, row_separator, training_text
 from data_prep.tasks import DataPrepError
 from frod_ds.data import IGNORE_INDEX, BatchPlan, DataError, encode_examples, read_training_rows
-from frod_ds.evaluation import EvalError
+from frod_ds.evaluation import EvalError, common_prefix_len
 
 __all__ = ["answer_word_start", "answer_word", "StudyExample", "encode_study_examples", "Batch", "make_batches",
            "split_rows", "load_test_rows"]
@@ -56,15 +56,6 @@ def _strip_eos(ids: list[int], eos: int) -> list[int]:
     return ids[:-1] if ids and ids[-1] == eos else ids
 
 
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def encode_study_examples(tokenizer, rows: list[dict], cutoff: int) -> list[StudyExample]:
     """The project's examples (``encode_examples``, answer-only labels), with answer-word counts; checked.
 
@@ -86,7 +77,7 @@ def encode_study_examples(tokenizer, rows: list[dict], cutoff: int) -> list[Stud
         assert truncated or e.input_ids == f + [eos], (
             f"row {row.get('id')!r}: the project's tokens are not tokenize(prompt + separator + answer) + EOS")
         n_label = sum(1 for t in e.labels if t != IGNORE_INDEX) - 1  # answer tokens, EOS excluded
-        k = min(len(f) - _common_prefix_len(w, f), n_label)
+        k = min(len(f) - common_prefix_len(w, f), n_label)
         assert k >= 1, f"row {row.get('id')!r}: its answer word {answer_word(row['answer'], row.get('choices'))!r} has no tokens"
         out.append(StudyExample(e.input_ids, e.labels, k, truncated))
     return out
