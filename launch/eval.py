@@ -66,4 +66,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Results are written and the process group is gone: skip the interpreter's teardown, where a native
+    # thread pool left joinable at exit occasionally aborts a gloo rank ("terminate called without an active
+    # exception", exit -6) after a successful run.
+    os._exit(code)
