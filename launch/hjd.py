@@ -141,8 +141,6 @@ def _set_cpu_threads(args: argparse.Namespace) -> None:
     torchrun) do not run ranks × cores threads."""
     import torch
 
-    from frod_ds.launch_env import ranks_on_this_node
-
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if on_cpu and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, torch.get_num_threads() // ranks_on_this_node()))
