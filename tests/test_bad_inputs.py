@@ -172,6 +172,52 @@ def test_bad_training_data_is_one_line_naming_the_file(env, tmp_path, capsys, ca
     assert not (out / "checkpoints").exists() and not (out / "adapter-final").exists()
 
 
+# -- data builds that would quietly shrink ----------------------------------------------------------------
+
+LA_FIXTURE = REPO / "tests" / "fixtures" / "data_prep" / "llm_adapters"
+MIRROR_FIXTURE = REPO / "tests" / "fixtures" / "data_prep" / "mirror"
+
+
+def _build(capsys, source: str, out: Path, tasks: str) -> str:
+    from data_prep.cli import main as data_prep_main
+
+    return one_error(capsys, data_prep_main(["build", "--source", source, "--out", str(out), "--tasks", tasks]))
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_data_build_with_an_empty_llm_adapters_split_is_refused(tmp_path, capsys, split):
+    src = tmp_path / "src"
+    shutil.copytree(LA_FIXTURE / "boolq", src / "boolq")
+    shutil.copytree(LA_FIXTURE / "piqa", src / "piqa")
+    (src / "boolq" / f"{split}.json").write_text("[]")
+    before = tree(src)
+    out = tmp_path / "out"
+    line = _build(capsys, f"llm-adapters:{src}", out, "boolq,piqa")
+    assert f"boolq {split} split {src / 'boolq' / f'{split}.json'} has no rows" in line
+    assert "leave it out of --tasks" in line
+    assert tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_data_build_whose_split_loses_every_row_is_refused(tmp_path, capsys):
+    src = tmp_path / "mirror"
+    shutil.copytree(MIRROR_FIXTURE, src)
+    (src / "piqa" / "train.json").write_text('[{"goal": "g"}, {"sol1": "a"}]')  # no row renders
+    before = tree(src)
+    line = _build(capsys, str(src), tmp_path / "out", "boolq,piqa")
+    assert f"piqa train split {src / 'piqa' / 'train.json'}: all 2 rows were dropped (" in line
+    assert "--strict" in line
+    assert tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["mirror"]
+
+
+def test_data_build_of_a_combined_file_without_a_selected_task_is_refused(tmp_path, capsys):
+    combined = tmp_path / "commonsense_170k.json"
+    combined.write_text((LA_FIXTURE / "boolq" / "train.json").read_text())  # BoolQ rows only
+    before = tree(combined)
+    line = _build(capsys, f"llm-adapters:{combined}", tmp_path / "out", "boolq,piqa")
+    assert f"{combined} has no usable rows of piqa, selected by --tasks" in line
+    assert tree(combined) == before and sorted(p.name for p in tmp_path.iterdir()) == ["commonsense_170k.json"]
+
+
 def test_density_so_small_that_s_is_empty_is_refused(env, tmp_path, capsys):
     out = tmp_path / "out"
     line = one_error(capsys, train(env, out, "model.sparsity=1e-6"))
