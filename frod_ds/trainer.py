@@ -8,7 +8,13 @@ and the schedule. ``fit`` runs optimizer steps from a stateless ``BatchPlan`` so
 Output dir::
 
     metrics.jsonl  loss.png  recipe.yaml  adapter-<step>/  adapter-final/
-    checkpoints/<tag>/ (DeepSpeed engine state + rng_rank<r>.pt + COMPLETE)  checkpoints/latest_complete
+    checkpoints/<tag>/ (DeepSpeed engine state, rng_rank<r>.pt, trainable_state.safetensors, COMPLETE seal)
+    checkpoints/latest_complete
+
+Resume (``frod_ds.checkpoint_dir``): the newest checkpoint whose files match their seal; newer ones that do not
+are skipped with a ``note:`` and set aside. On the world size and ZeRO stage that wrote it, DeepSpeed loads its
+own files (bitwise exact); on another, ``frod_ds.trainable_state`` restores σ/S, AdamW and the schedule from
+the world-size-independent record (the data order depends on the global batch only: ``frod_ds.data``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ from frod_ds.adapter import adapter_state, load_adapter_into, read_adapter, supp
 from frod_ds.adapter_format import AdapterConfig
 from frod_ds.apply import frod_modules, frod_param_groups
 from frod_ds.build import build_frod_model, check_store_quant, gathered, make_supports
+from frod_ds.checkpoint_dir import (COMPLETE, LATEST, choose_checkpoint, file_seal, files_to_seal, set_aside,
+                                    step_of, tag_of, write_seal)
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
 from frod_ds.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from frod_ds.dtypes import FLOAT_DTYPES
@@ -42,6 +50,7 @@ from frod_ds.layer import tan_alpha
 from frod_ds.recipe import Recipe, recipe_to_dict
 from frod_ds.run_identity import RUN_IDENTITY, RunIdentity, RunIdentityError, file_sha256, training_hyperparameters
 from frod_ds.store_format import StoreIdentity, category_of
+from frod_ds.trainable_state import TRAINABLE_STATE, gather_state, read_state, restore_state, write_state
 
 __all__ = ["Run", "setup", "fit", "lr_lambda"]
 
@@ -81,6 +90,7 @@ class Run:
     out: Path
     adapter_config: AdapterConfig  # step and categories filled in at each save
     sigma0: dict[str, torch.Tensor] = field(default_factory=dict)
+    resume: tuple[str | None, list[tuple[str, str]]] = (None, [])  # checkpoint to resume, newer ones skipped
     start_step: int = 0
     stop_requested: bool = False
 
@@ -89,10 +99,10 @@ def _device() -> torch.device:
     return dist.local_device()
 
 
-def _check_store(recipe: Recipe):
+def _check_store(recipe: Recipe, resume_tag: str | None = None):
     """Open the factor store and refuse one built from another model — before anything heavy. Returns
     ``(model_dir, store, identity, run_identity)``; the identities are what the adapters and checkpoints
-    record, and a run to resume in ``output_dir`` must have the same ones (unless ``train.new_run``)."""
+    record, and the checkpoint ``resume_tag`` in ``output_dir`` must have the same ones."""
     from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
     from frod_ds.store import FactorStore, check_store_matches
 
@@ -118,29 +128,26 @@ def _check_store(recipe: Recipe):
         base_fingerprint=weights_fingerprint(ckpt, list(ckpt.keys())), data_sha256=data,
         hyperparameters=training_hyperparameters(recipe_to_dict(recipe),
                                                  t.micro_batch_size * t.grad_accum * dist.get_world_size()))
-    if not t.new_run:
-        _check_resume_store(Path(recipe.output_dir), identity)
-        _check_resume_run(Path(recipe.output_dir), run_identity)
+    if resume_tag is not None:
+        _check_resume_store(Path(recipe.output_dir), resume_tag, identity)
+        _check_resume_run(Path(recipe.output_dir), resume_tag, run_identity)
     return model_dir, store, identity, run_identity
 
 
-def _latest_checkpoint_record(out: Path, name: str, missing_note: str) -> Path | None:
-    """The file ``name`` beside the checkpoint a run in ``out`` would resume from; None when there is no
-    checkpoint, or (with ``note(f"checkpoint <dir> {missing_note}")``) when that checkpoint lacks the file."""
-    marker = out / "checkpoints" / "latest_complete"
-    if not marker.is_file():
-        return None
-    recorded = out / "checkpoints" / marker.read_text().strip() / name
+def _checkpoint_record(out: Path, tag: str, name: str, missing_note: str) -> Path | None:
+    """The file ``name`` of checkpoint ``tag`` in ``out``; None (with ``note(f"checkpoint <dir> {missing_note}")``)
+    when that checkpoint lacks it."""
+    recorded = out / "checkpoints" / tag / name
     if not recorded.is_file():
         note(f"checkpoint {recorded.parent} {missing_note}")
         return None
     return recorded
 
 
-def _check_resume_run(out: Path, identity: RunIdentity) -> None:
-    """``RunIdentityError`` when ``out`` holds a checkpoint of a run with another identity."""
-    recorded = _latest_checkpoint_record(
-        out, RUN_IDENTITY, "does not record its run identity (written by an older frod-ds): "
+def _check_resume_run(out: Path, tag: str, identity: RunIdentity) -> None:
+    """``RunIdentityError`` when checkpoint ``tag`` in ``out`` is of a run with another identity."""
+    recorded = _checkpoint_record(
+        out, tag, RUN_IDENTITY, "does not record its run identity (written by an older frod-ds): "
         "resuming without checking that it is this run")
     if recorded is None:
         return
@@ -171,10 +178,10 @@ def _supersede_previous_run(out: Path) -> None:
 STORE_IDENTITY = "factor_store.json"  # beside each engine checkpoint: the store it was trained on
 
 
-def _check_resume_store(out: Path, identity: StoreIdentity) -> None:
-    """``StoreError`` when ``out`` holds a checkpoint to resume that was trained on another factor store."""
-    recorded = _latest_checkpoint_record(
-        out, STORE_IDENTITY, "does not record its factor store (written by an older frod-ds): "
+def _check_resume_store(out: Path, tag: str, identity: StoreIdentity) -> None:
+    """``StoreError`` when checkpoint ``tag`` in ``out`` was trained on another factor store."""
+    recorded = _checkpoint_record(
+        out, tag, STORE_IDENTITY, "does not record its factor store (written by an older frod-ds): "
         f"resuming without checking that {identity.fingerprint[:16]}… is the store it was trained on")
     if recorded is None:
         return
@@ -211,9 +218,12 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     import deepspeed
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    # The checkpoint to resume: rank 0 checks the files against their seals (newest first) once for all.
+    resume = (None, []) if recipe.train.new_run else \
+        dist.on_main(lambda: choose_checkpoint(Path(recipe.output_dir) / "checkpoints"))
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
     ds_cfg, model_dir, store, identity, run_identity, tok, examples, eval_examples = dist.on_all(
-        lambda: _inputs(recipe, ds_config_path, nvme_path))
+        lambda: _inputs(recipe, ds_config_path, nvme_path, resume[0]))
     plan = BatchPlan(len(examples), recipe.train.micro_batch_size, recipe.train.grad_accum, world, rank,
                      recipe.train.seed)
     total = plan.total_steps(recipe.train.epochs, recipe.train.max_steps)
@@ -260,6 +270,7 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
               zero3, store, identity, run_identity, out, config)
     run.sigma0 = sigma0
+    run.resume = resume
     if dist.is_main():
         if recipe.train.new_run:
             _supersede_previous_run(out)
@@ -270,7 +281,7 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     return run
 
 
-def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None):
+def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_tag: str | None = None):
     """Everything ``setup`` needs that a user can get wrong, checked before anything heavy: the DeepSpeed
     config, the data rows, the factor store against the model (and against a run to resume), the tokenizer."""
     ds_cfg = resolve_ds_config(load_ds_config(ds_config_path), recipe, dist.get_world_size(), nvme_path)
@@ -281,7 +292,7 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None):
             raise FrodError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
     rows = read_training_rows(recipe.data.train, recipe.data.limit)
     eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
-    model_dir, store, identity, run_identity = _check_store(recipe)
+    model_dir, store, identity, run_identity = _check_store(recipe, resume_tag)
     tok = _load_tokenizer(recipe, model_dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
     eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
@@ -359,23 +370,39 @@ def _ckpt_root(run: Run) -> Path:
     return run.out / "checkpoints"
 
 
+def _layout(run: Run) -> tuple[int, int, int]:
+    t = run.recipe.train
+    return dist.get_world_size(), t.micro_batch_size, t.grad_accum
+
+
+def _written_by(ckpt: Path) -> tuple[int, int | None]:
+    """``(world size, ZeRO stage)`` of the run that wrote ``ckpt``; the stage is None for a checkpoint of an
+    older frod-ds (no trainable-state record), whose world size is its number of RNG files."""
+    if (ckpt / TRAINABLE_STATE).is_file():
+        from frod_ds.trainable_state import read_meta
+
+        meta = read_meta(ckpt / TRAINABLE_STATE)
+        return meta.world_size, meta.zero_stage
+    return len(list(ckpt.glob("rng_rank*.pt"))), None
+
+
 def _maybe_resume(run: Run) -> int:
-    marker = _ckpt_root(run) / "latest_complete"
-    tag = dist.broadcast_object(marker.read_text().strip() if marker.is_file() else None, src=0)
+    """Restore the checkpoint ``setup`` chose (``run.resume``); returns the step to continue from (0: none)."""
+    tag, skipped = run.resume
     if tag is None:
         return 0
-    path, client = run.engine.load_checkpoint(
-        str(_ckpt_root(run)), tag=tag, load_module_strict=False, load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )
-    if path is None:
-        raise RuntimeError(f"could not load engine checkpoint {tag} from {_ckpt_root(run)}")
-    rng = torch.load(_ckpt_root(run) / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available() and rng.get("cuda") is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
-    step = int(client["step"])
+    root = _ckpt_root(run)
+    if dist.is_main():
+        for bad, why in skipped:
+            dest = set_aside(root, bad)
+            note(f"checkpoint {root / bad} skipped ({why}); resuming from the newest complete one, {tag} "
+                 f"(the skipped one moved to {dest.name})")
+    world, stage = dist.on_main(lambda: _written_by(root / tag))
+    here = zero_stage_of(run.engine)
+    if world == dist.get_world_size() and stage in (None, here):
+        step = _load_engine_checkpoint(run, root, tag)
+    else:
+        step = _load_trainable_state(run, root / tag, world, stage, here)
     metrics = run.out / "metrics.jsonl"
     if dist.is_main() and metrics.is_file():  # drop rows of steps after the checkpoint: they are replayed
         kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
@@ -386,31 +413,87 @@ def _maybe_resume(run: Run) -> int:
     return step
 
 
+def _load_engine_checkpoint(run: Run, root: Path, tag: str) -> int:
+    """Same world size and ZeRO stage: DeepSpeed's own files, and each rank's RNG state."""
+    path, client = run.engine.load_checkpoint(
+        str(root), tag=tag, load_module_strict=False, load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
+    if path is None:
+        raise RuntimeError(f"could not load engine checkpoint {tag} from {root}")
+    rng = torch.load(root / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and rng.get("cuda") is not None:
+        torch.cuda.set_rng_state(rng["cuda"])
+    return int(client["step"])
+
+
+def _load_trainable_state(run: Run, ckpt: Path, world: int, stage: int | None, here: int) -> int:
+    """Another world size (or ZeRO stage): the world-size-independent record. The RNG states stay as seeded
+    (seed + rank): training draws no random numbers (no dropout; the data order is ``BatchPlan``'s)."""
+    if stage is None:
+        raise FrodError(f"checkpoint {ckpt} was written on {world} rank(s) by an older frod-ds, without the "
+                        f"record a resume on another world size needs ({TRAINABLE_STATE}); resume it on {world} "
+                        "rank(s) with the same DeepSpeed config")
+    tensors, meta = dist.on_all(lambda: read_state(ckpt / TRAINABLE_STATE))
+    restore_state(run.engine, tensors, meta, run.zero3)
+    del tensors
+    t = run.recipe.train
+    now = dist.get_world_size()
+    change = ", ".join([f"from {world} rank{'s' * (world != 1)} on {now}"] * (world != now)
+                       + [f"from ZeRO-{stage} on ZeRO-{here}"] * (stage != here))
+    split = "" if meta.micro_batch_size == t.micro_batch_size else (
+        f"; micro_batch_size {meta.micro_batch_size} -> {t.micro_batch_size} weights each micro-batch's tokens "
+        "differently, so losses are close to, not equal to, the original layout's")
+    note(f"resumed {change} (same global batch {meta.micro_batch_size * meta.grad_accum * meta.world_size}) "
+         f"from {ckpt.name}/{TRAINABLE_STATE}{split}")
+    return meta.step
+
+
 def save_checkpoint(run: Run, step: int) -> None:
-    """Engine state (optimizer, scheduler, trainable params), RNG per rank, then the COMPLETE marker."""
+    """Engine state (optimizer, scheduler, trainable params), RNG per rank, the world-size-independent
+    trainable state, the identity records, then the seal (``COMPLETE``: size and sha256 of every file, each
+    fsynced first). Older checkpoints beyond ``keep_checkpoints`` are removed only once this one is sealed."""
     root = _ckpt_root(run)
-    tag = f"step{step:08d}"
+    tag = tag_of(step)
+    ckpt = root / tag
+    if dist.is_main() and ckpt.exists():  # a save killed here before, or an abandoned later timeline: not resumable
+        shutil.rmtree(ckpt)
+    dist.barrier()
+    state = gather_state(run.engine, step, _layout(run), zero_stage_of(run.engine))
     run.engine.save_checkpoint(str(root), tag=tag, client_state={"step": step},
                                exclude_frozen_parameters=True)
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(rng, root / tag / f"rng_rank{dist.get_rank()}.pt")
-    dist.barrier()
+    torch.save(rng, ckpt / f"rng_rank{dist.get_rank()}.pt")
     if dist.is_main():
-        (root / tag / STORE_IDENTITY).write_text(run.store_identity.to_json())
-        (root / tag / RUN_IDENTITY).write_text(run.run_identity.to_json())
-        (root / tag / "COMPLETE").write_text("")
-        tmp = root / "latest_complete.tmp"
+        write_state(ckpt / TRAINABLE_STATE, *state)
+        (ckpt / STORE_IDENTITY).write_text(run.store_identity.to_json())
+        (ckpt / RUN_IDENTITY).write_text(run.run_identity.to_json())
+    del state
+    dist.barrier()
+    names = files_to_seal(ckpt)  # every rank hashes (and fsyncs) its share of the files
+    mine = {n: file_seal(ckpt / n) for n in names[dist.get_rank():: dist.get_world_size()]}
+    seals = {n: s for part in dist.all_gather_object(mine) for n, s in part.items()}
+    if dist.is_main():
+        write_seal(ckpt, seals)
+        tmp = root / f"{LATEST}.tmp"
         tmp.write_text(tag)
-        os.replace(tmp, root / "latest_complete")
-        complete = sorted(p.name for p in root.iterdir() if (p / "COMPLETE").is_file())
+        os.replace(tmp, root / LATEST)
+        complete = sorted((p.name for p in root.iterdir() if step_of(p.name) is not None and (p / COMPLETE).is_file()),
+                          key=step_of)
         for old in complete[: -run.recipe.train.keep_checkpoints]:
             if old != tag:
                 shutil.rmtree(root / old, ignore_errors=True)
         for p in root.iterdir():  # leftovers of a save that was killed: never resumed from
-            if p.is_dir() and p.name.startswith("step") and not (p / "COMPLETE").is_file() and p.name != tag:
+            if p.is_dir() and step_of(p.name) is not None and not (p / COMPLETE).is_file() and p.name != tag:
                 shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
+
+
+def zero_stage_of(engine) -> int:
+    return int(engine.zero_optimization_stage())
 
 
 def save_adapter(run: Run, step: int, name: str) -> None:
