@@ -319,6 +319,104 @@ def test_corrupt_run_identity_record_is_one_line(env, trained, tmp_path, capsys)
     assert tree(out) == before
 
 
+# -- damaged checkpoints: fall back to the newest complete one, or say what to do ----------------------------
+
+@pytest.fixture(scope="module")
+def saved_each_step(env):
+    """A finished 3-step run with a sealed checkpoint after every step; and its command for another output_dir."""
+    def overrides(out: Path) -> list[str]:
+        return env.overrides(out, **{"train.max_steps": 3, "train.save_every": 1, "train.keep_checkpoints": 3})
+
+    out = env.root / "each-step"
+    proc = run_train(CPU_ZERO2, overrides(out), nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step*")) == [f"step{s:08d}" for s in (1, 2, 3)]
+    return out, overrides
+
+
+def _unfinished(run: Path, dest: Path, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of ``run`` as if it had been stopped after its last checkpoint (no adapter-final), minus ``drop``."""
+    shutil.copytree(run, dest)
+    shutil.rmtree(dest / "adapter-final")
+    for tag in drop:
+        shutil.rmtree(dest / "checkpoints" / tag)
+    return dest
+
+
+def _notes(proc) -> list[str]:
+    return [x for x in proc.stderr.splitlines() if x.startswith("note:")]
+
+
+def _optim_shard(ckpt: Path) -> Path:
+    return next(ckpt.glob("*optim_states.pt"))
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(saved_each_step, tmp_path):
+    """Same step, same losses, same adapter as a run resumed from that checkpoint directly; the skipped checkpoint
+    is set aside byte for byte, the one resumed from is left as it was."""
+    run, overrides = saved_each_step
+    out = _unfinished(run, tmp_path / "fallback")
+    shard = _optim_shard(out / "checkpoints" / "step00000003")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    skipped, resumed = tree(out / "checkpoints" / "step00000003"), tree(out / "checkpoints" / "step00000002")
+    proc = run_train(CPU_ZERO2, overrides(out), nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = _notes(proc)
+    assert f"checkpoint {out / 'checkpoints' / 'step00000003'} skipped ({shard.name} is truncated (" in line
+    assert "resuming from the newest complete one, step00000002" in line and "skipped-step00000003" in line
+    assert "resumed from step00000002: step 2/3" in proc.stdout
+    assert tree(out / "checkpoints" / "skipped-step00000003") == skipped, "the skipped checkpoint kept as it was"
+    assert tree(out / "checkpoints" / "step00000002") == resumed
+
+    direct = _unfinished(run, tmp_path / "direct", drop=("step00000003",))
+    proc = run_train(CPU_ZERO2, overrides(direct), nproc=0)
+    assert proc.returncode == 0 and not _notes(proc), proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["loss"] for r in rows] == [json.loads(x)["loss"] for x in (direct / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    a, b = (load_file(str(d / "adapter-final" / "adapter.safetensors")) for d in (out, direct))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_newest_checkpoint_with_a_changed_byte_falls_back(saved_each_step, tmp_path):
+    run, overrides = saved_each_step
+    out = _unfinished(run, tmp_path / "flipped")
+    state = out / "checkpoints" / "step00000003" / "trainable_state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[-5] ^= 0x01
+    state.write_bytes(bytes(data))
+    before = tree(out / "checkpoints" / "step00000002")
+    proc = run_train(CPU_ZERO2, overrides(out), nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = _notes(proc)
+    assert "step00000003 skipped (trainable_state.safetensors is corrupt (its sha256 differs" in line
+    assert tree(out / "checkpoints" / "step00000002") == before
+    assert (out / "adapter-final").is_dir()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "seal"])
+def test_no_resumable_checkpoint_is_one_line_and_touches_nothing(env, trained, tmp_path, capsys, damage):
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    shutil.rmtree(out / "adapter-final")
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest_complete").read_text().strip()
+    shard = _optim_shard(ckpt)
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "missing":
+        shard.unlink()
+    else:
+        (ckpt / "COMPLETE").write_text('{"format": ')
+    before = tree(out)
+    line = one_error(capsys, train(env, out))
+    why = {"truncated": f"{shard.name} is truncated (100 of", "missing": f"{shard.name} is missing",
+           "seal": "its COMPLETE record is corrupt"}[damage]
+    assert f"no checkpoint in {out / 'checkpoints'} can be resumed" in line and why in line
+    assert "train.new_run=true" in line and f"remove {out / 'checkpoints'}" in line
+    assert tree(out) == before
+
+
 # -- non-finite values ------------------------------------------------------------------------------------
 
 def test_nan_in_a_frozen_weight_stops_training_without_an_adapter(env, tmp_path, capsys):
