@@ -28,7 +28,8 @@ from frod_ds.errors import FrodError
 from frod_ds.records import parse_json, record_from_dict, record_to_json
 
 __all__ = ["COMPLETE", "LATEST", "SEAL_FORMAT", "FileSeal", "Seal", "ResumeError", "tag_of", "step_of",
-           "file_seal", "write_seal", "check_sealed", "choose_checkpoint"]
+           "file_seal", "files_to_seal", "write_seal", "check_sealed", "sealed_checkpoints", "choose_checkpoint",
+           "set_aside"]
 
 COMPLETE = "COMPLETE"
 LATEST = "latest_complete"

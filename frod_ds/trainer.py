@@ -24,7 +24,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -40,17 +39,16 @@ from frod_ds.adapter import adapter_state, load_adapter_into, read_adapter, supp
 from frod_ds.adapter_format import AdapterConfig
 from frod_ds.apply import frod_modules, frod_param_groups
 from frod_ds.build import build_frod_model, check_store_quant, gathered, make_supports
-from frod_ds.checkpoint_dir import (COMPLETE, LATEST, choose_checkpoint, file_seal, files_to_seal, set_aside,
-                                    step_of, tag_of, write_seal)
+from frod_ds.checkpoint_dir import choose_checkpoint
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
 from frod_ds.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from frod_ds.dtypes import FLOAT_DTYPES
+from frod_ds.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.errors import FrodError, StoreError, note
 from frod_ds.layer import tan_alpha
 from frod_ds.recipe import Recipe, recipe_to_dict
 from frod_ds.run_identity import RUN_IDENTITY, RunIdentity, RunIdentityError, file_sha256, training_hyperparameters
 from frod_ds.store_format import StoreIdentity, category_of
-from frod_ds.trainable_state import TRAINABLE_STATE, gather_state, read_state, restore_state, write_state
 
 __all__ = ["Run", "setup", "fit", "lr_lambda"]
 
@@ -370,39 +368,14 @@ def _ckpt_root(run: Run) -> Path:
     return run.out / "checkpoints"
 
 
-def _layout(run: Run) -> tuple[int, int, int]:
-    t = run.recipe.train
-    return dist.get_world_size(), t.micro_batch_size, t.grad_accum
-
-
-def _written_by(ckpt: Path) -> tuple[int, int | None]:
-    """``(world size, ZeRO stage)`` of the run that wrote ``ckpt``; the stage is None for a checkpoint of an
-    older frod-ds (no trainable-state record), whose world size is its number of RNG files."""
-    if (ckpt / TRAINABLE_STATE).is_file():
-        from frod_ds.trainable_state import read_meta
-
-        meta = read_meta(ckpt / TRAINABLE_STATE)
-        return meta.world_size, meta.zero_stage
-    return len(list(ckpt.glob("rng_rank*.pt"))), None
-
-
 def _maybe_resume(run: Run) -> int:
     """Restore the checkpoint ``setup`` chose (``run.resume``); returns the step to continue from (0: none)."""
     tag, skipped = run.resume
     if tag is None:
         return 0
-    root = _ckpt_root(run)
-    if dist.is_main():
-        for bad, why in skipped:
-            dest = set_aside(root, bad)
-            note(f"checkpoint {root / bad} skipped ({why}); resuming from the newest complete one, {tag} "
-                 f"(the skipped one moved to {dest.name})")
-    world, stage = dist.on_main(lambda: _written_by(root / tag))
-    here = zero_stage_of(run.engine)
-    if world == dist.get_world_size() and stage in (None, here):
-        step = _load_engine_checkpoint(run, root, tag)
-    else:
-        step = _load_trainable_state(run, root / tag, world, stage, here)
+    t = run.recipe.train
+    step = restore_checkpoint(run.engine, _ckpt_root(run), tag, skipped,
+                              Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum), run.zero3)
     metrics = run.out / "metrics.jsonl"
     if dist.is_main() and metrics.is_file():  # drop rows of steps after the checkpoint: they are replayed
         kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
@@ -413,87 +386,12 @@ def _maybe_resume(run: Run) -> int:
     return step
 
 
-def _load_engine_checkpoint(run: Run, root: Path, tag: str) -> int:
-    """Same world size and ZeRO stage: DeepSpeed's own files, and each rank's RNG state."""
-    path, client = run.engine.load_checkpoint(
-        str(root), tag=tag, load_module_strict=False, load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )
-    if path is None:
-        raise RuntimeError(f"could not load engine checkpoint {tag} from {root}")
-    rng = torch.load(root / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available() and rng.get("cuda") is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
-    return int(client["step"])
-
-
-def _load_trainable_state(run: Run, ckpt: Path, world: int, stage: int | None, here: int) -> int:
-    """Another world size (or ZeRO stage): the world-size-independent record. The RNG states stay as seeded
-    (seed + rank): training draws no random numbers (no dropout; the data order is ``BatchPlan``'s)."""
-    if stage is None:
-        raise FrodError(f"checkpoint {ckpt} was written on {world} rank(s) by an older frod-ds, without the "
-                        f"record a resume on another world size needs ({TRAINABLE_STATE}); resume it on {world} "
-                        "rank(s) with the same DeepSpeed config")
-    tensors, meta = dist.on_all(lambda: read_state(ckpt / TRAINABLE_STATE))
-    restore_state(run.engine, tensors, meta, run.zero3)
-    del tensors
-    t = run.recipe.train
-    now = dist.get_world_size()
-    change = ", ".join([f"from {world} rank{'s' * (world != 1)} on {now}"] * (world != now)
-                       + [f"from ZeRO-{stage} on ZeRO-{here}"] * (stage != here))
-    split = "" if meta.micro_batch_size == t.micro_batch_size else (
-        f"; micro_batch_size {meta.micro_batch_size} -> {t.micro_batch_size} weights each micro-batch's tokens "
-        "differently, so losses are close to, not equal to, the original layout's")
-    note(f"resumed {change} (same global batch {meta.micro_batch_size * meta.grad_accum * meta.world_size}) "
-         f"from {ckpt.name}/{TRAINABLE_STATE}{split}")
-    return meta.step
-
-
 def save_checkpoint(run: Run, step: int) -> None:
-    """Engine state (optimizer, scheduler, trainable params), RNG per rank, the world-size-independent
-    trainable state, the identity records, then the seal (``COMPLETE``: size and sha256 of every file, each
-    fsynced first). Older checkpoints beyond ``keep_checkpoints`` are removed only once this one is sealed."""
-    root = _ckpt_root(run)
-    tag = tag_of(step)
-    ckpt = root / tag
-    if dist.is_main() and ckpt.exists():  # a save killed here before, or an abandoned later timeline: not resumable
-        shutil.rmtree(ckpt)
-    dist.barrier()
-    state = gather_state(run.engine, step, _layout(run), zero_stage_of(run.engine))
-    run.engine.save_checkpoint(str(root), tag=tag, client_state={"step": step},
-                               exclude_frozen_parameters=True)
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(rng, ckpt / f"rng_rank{dist.get_rank()}.pt")
-    if dist.is_main():
-        write_state(ckpt / TRAINABLE_STATE, *state)
-        (ckpt / STORE_IDENTITY).write_text(run.store_identity.to_json())
-        (ckpt / RUN_IDENTITY).write_text(run.run_identity.to_json())
-    del state
-    dist.barrier()
-    names = files_to_seal(ckpt)  # every rank hashes (and fsyncs) its share of the files
-    mine = {n: file_seal(ckpt / n) for n in names[dist.get_rank():: dist.get_world_size()]}
-    seals = {n: s for part in dist.all_gather_object(mine) for n, s in part.items()}
-    if dist.is_main():
-        write_seal(ckpt, seals)
-        tmp = root / f"{LATEST}.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, root / LATEST)
-        complete = sorted((p.name for p in root.iterdir() if step_of(p.name) is not None and (p / COMPLETE).is_file()),
-                          key=step_of)
-        for old in complete[: -run.recipe.train.keep_checkpoints]:
-            if old != tag:
-                shutil.rmtree(root / old, ignore_errors=True)
-        for p in root.iterdir():  # leftovers of a save that was killed: never resumed from
-            if p.is_dir() and step_of(p.name) is not None and not (p / COMPLETE).is_file() and p.name != tag:
-                shutil.rmtree(p, ignore_errors=True)
-    dist.barrier()
-
-
-def zero_stage_of(engine) -> int:
-    return int(engine.zero_optimization_stage())
+    """The engine checkpoint of ``step`` with the run's identity records, sealed (``frod_ds.engine_checkpoint``)."""
+    t = run.recipe.train
+    write_checkpoint(run.engine, _ckpt_root(run), step, Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum),
+                     t.keep_checkpoints, {STORE_IDENTITY: run.store_identity.to_json(),
+                                          RUN_IDENTITY: run.run_identity.to_json()})
 
 
 def save_adapter(run: Run, step: int, name: str) -> None:
