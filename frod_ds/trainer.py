@@ -544,7 +544,8 @@ def fit(run: Run) -> int:
             dist.print0(f"SIGTERM: checkpoint saved at step {step}; re-run the same command to resume")
             return STOP_EXIT_CODE
     bar.close()
-    save_checkpoint(run, step)
+    if step > run.start_step:  # resumed at the last step: the checkpoint resumed from is that step's
+        save_checkpoint(run, step)
     save_adapter(run, step, "adapter-final")
     if dist.is_main():
         plot_loss(metrics_path, run.out / "loss.png")
