@@ -210,6 +210,9 @@ def restore_state(engine, tensors: dict[str, torch.Tensor], meta: TrainableState
         raise FrodError(f"the checkpoint's trainable parameters ({len(meta.params)}) are not this model's "
                         f"({len(names)}); it belongs to another model or targets")
     base = _base_optimizer(engine)
+    if getattr(engine.optimizer, "swap_optimizer", False):
+        raise FrodError(f"resuming on another world size with the optimizer state offloaded to NVMe is not "
+                        f"supported; resume on {meta.world_size} rank(s), or with a config without NVMe offload")
     _create_adam_state(engine, base, meta.adam_step)
     _link_optimizer_state(engine)
     rank = dist.get_rank()

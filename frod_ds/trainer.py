@@ -11,10 +11,10 @@ Output dir::
     checkpoints/<tag>/ (DeepSpeed engine state, rng_rank<r>.pt, trainable_state.safetensors, COMPLETE seal)
     checkpoints/latest_complete
 
-Resume (``frod_ds.checkpoint_dir``): the newest checkpoint whose files match their seal; newer ones that do not
+Resume: the newest checkpoint whose files match their seal (``frod_ds.checkpoint_dir``); newer ones that do not
 are skipped with a ``note:`` and set aside. On the world size and ZeRO stage that wrote it, DeepSpeed loads its
-own files (bitwise exact); on another, ``frod_ds.trainable_state`` restores σ/S, AdamW and the schedule from
-the world-size-independent record (the data order depends on the global batch only: ``frod_ds.data``).
+own files (bitwise exact); on another, the world-size-independent record restores σ/S, AdamW and the schedule
+(``frod_ds.engine_checkpoint``, ``frod_ds.trainable_state``; the data order depends on the global batch only).
 """
 
 from __future__ import annotations
