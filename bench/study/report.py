@@ -1,4 +1,4 @@
-"""Results of the study: the JSON document (rewritten atomically after every stage), the paper's claim, plots.
+"""The study's report: smoothing, steps-to-loss, the paper's claim, plots and tables of the results document.
 
 Steps-to-loss: the per-step losses of all runs come from the same batches in the same order, so curves are
 compared step by step. A curve is smoothed by a trailing mean over ``window`` steps; FRoD "reaches" a LoRA
@@ -9,34 +9,15 @@ mean ± 1.96·SE; "matches or beats" means the difference is not significantly n
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Results", "smooth", "smooth_window", "steps_to_reach", "paired_difference", "claim", "write_plots",
+__all__ = ["RESULTS_NAME", "smooth", "smooth_window", "steps_to_reach", "paired_difference", "claim", "write_plots",
            "correct_bits", "sweep_table", "markdown_tables"]
 
 RESULTS_NAME = "real_study.json"
-
-
-class Results:
-    """The results document under ``out_dir``; ``save()`` after every change (a timeout keeps what ran)."""
-
-    def __init__(self, out_dir: Path, header: dict[str, Any], log=print):
-        self.path, self.log = Path(out_dir) / RESULTS_NAME, log
-        self.doc: dict[str, Any] = {**header, "complete": False, "warnings": []}
-
-    def warn(self, message: str) -> None:
-        self.log(f"WARNING: {message}")
-        self.doc["warnings"].append(message)
-
-    def save(self) -> Path:
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.doc, indent=1, allow_nan=True) + "\n")
-        tmp.replace(self.path)
-        return self.path
 
 
 def smooth_window(steps: int, frac: float) -> int:
