@@ -16,7 +16,7 @@ train rows; the chosen runs are scored on the test sets under log-likelihood and
 protocol. A command does what fits ``--max-minutes`` (counted from its start) and records every finished
 run in ``--out``; the same command again (or ``--resume-from`` a copy) skips what is recorded, and refuses a
 directory of a study with other settings. Writes under ``--out``: the records (``study.json``, ``base.json``,
-``invocations.json``, ``runs/*.json``: no weights, a few MB in all), ``real_study.json`` (the combined
+``invocations.json``, ``records/*.json``: no weights, a few MB in all), ``real_study.json`` (the combined
 report, rewritten after every event), ``real_study.log``, ``loss_vs_step.png``, ``accuracy_vs_step.png``,
 ``lr_sweep.png``. User mistakes: one ``error:`` line, exit 2.
 """

@@ -175,7 +175,7 @@ def test_user_mistakes_exit_2_with_one_line_and_write_nothing(setup, tmp_path, c
 
 
 def _runs(out: Path) -> dict[tuple[str, float], dict]:
-    return {(r["method"], r["lr"]): r for r in (json.loads(p.read_text()) for p in (out / "runs").glob("*.json"))}
+    return {(r["method"], r["lr"]): r for r in (json.loads(p.read_text()) for p in (out / "records").glob("*.json"))}
 
 
 def _same_results(got: dict, want: dict) -> None:
@@ -221,9 +221,9 @@ def test_resume_trains_only_what_is_missing_and_scores_a_best_run_whose_results_
     shutil.copytree(out, part)
     # a command cut off after some runs: two runs missing, the chosen lora16 run never scored
     for name, lr in (("frod", 0.1), ("full", 0.01)):
-        (part / "runs" / f"{name}_lr{lr!r}.json").unlink()
+        (part / "records" / f"{name}_lr{lr!r}.json").unlink()
     lora16 = doc["methods"]["lora16"]["chosen"]["lr"]
-    path = part / "runs" / f"lora16_lr{lora16!r}.json"
+    path = part / "records" / f"lora16_lr{lora16!r}.json"
     record = json.loads(path.read_text())
     del record["test"]
     path.write_text(json.dumps(record))
@@ -273,12 +273,51 @@ def test_a_study_directory_of_other_settings_is_refused_with_one_line(setup, tmp
 
 
 def test_next_lr_steps_past_the_end_on_the_half_decade_grid():
-    from bench.study.runner import next_lr
+    from bench.study.schedule import next_lr
 
     assert next_lr(1e-4, 3e-4) == 3e-5 and next_lr(1e-3, 3e-4) == 3e-3
     assert next_lr(3e-5, 1e-4) == 1e-5 and next_lr(3e-4, 1e-4) == 1e-3
     assert next_lr(1e-2, 3e-3) == 3e-2 and next_lr(1e-3, 3e-3) == 3e-4
     assert next_lr(3e-5, 2e-5) == 4.5e-5  # another grid: its own step, where the half-decade one is not past it
+
+
+def _record(method: str, lr: float, acc: float, wall: float = 100.0):
+    from bench.study.records import RunRecord
+
+    return RunRecord(method=method, lr=lr, lr_s=None, trainable_params=1, steps=6, train_seconds=1.0, step_ms=1.0,
+                     wall_seconds=wall, workers=1, tokens=1, scored_tokens=1, answer_tokens=1, data_order_sha256="x",
+                     peak_mem_gb=None, heldout={"accuracy": acc, "answer_loss": 1 - acc}, checkpoints=[], log={},
+                     invocation=0)
+
+
+def test_schedule_starts_only_what_fits_and_scores_a_best_run_once_its_method_can_train_no_more(tmp_path):
+    from bench.study.config import StudyConfig, parse_lrs
+    from bench.study.schedule import Schedule
+
+    cfg = StudyConfig(model=".", data=".", out=".", methods=["frod", "full"], eval_reserve_minutes=1.0,
+                      lrs=parse_lrs(["frod=1e-3,3e-3,1e-2", "full=3e-5,1e-4,3e-4"], ["frod", "full"]))
+    warned = []
+    plan = Schedule(cfg, {}, deadline=1000.0, train_deadline=940.0, tmp=tmp_path, log=lambda m: None,
+                    warn=warned.append)
+    jobs = [plan.next_job(0.0) for _ in range(4)]  # nothing recorded: every run may start; centre out, by round
+    assert [(j[0], j[1], j[2]) for j in jobs] == [("train", "frod", 3e-3), ("train", "full", 1e-4),
+                                                 ("train", "frod", 1e-3), ("train", "full", 3e-5)]
+    for (m, lr), acc in {("frod", 3e-3): 0.5, ("frod", 1e-3): 0.4}.items():
+        plan.runs[(m, lr)] = _record(m, lr, acc)
+        plan.states[(m, lr)] = tmp_path / f"{m}{lr}"
+        plan.in_flight.pop((m, lr))
+    # frod 1e-2 is predicted to take 110 s: it fits at 800 s, so frod's best is not scored yet
+    assert plan.next_job(800.0)[:3] == ("train", "frod", 1e-2)
+    plan.in_flight.pop(("frod", 1e-2))
+    # at 850 s it no longer fits: frod will train no more in this command, so its best is scored now
+    assert plan.next_job(850.0) == ("eval", "frod", 3e-3, str(tmp_path / "frod0.003"))
+    assert ("frod", 3e-3) in plan.in_flight and not plan.settled("frod") and warned == []
+    # full still trains (1e-4, 3e-5 out): nothing else starts; an eval that cannot end before 1000 s never starts
+    assert plan.next_job(850.0) is None
+    plan.runs[("full", 1e-4)] = _record("full", 1e-4, 0.3)
+    plan.states[("full", 1e-4)] = tmp_path / "full"
+    plan.in_flight.pop(("full", 1e-4)), plan.in_flight.pop(("full", 3e-5))
+    assert plan.next_job(975.0) is None and warned and warned[0].startswith("TEST EVAL DID NOT FIT: full lr=0.0001")
 
 
 def test_a_choice_at_an_end_extends_the_sweep_now_and_in_a_later_command(setup, tmp_path):

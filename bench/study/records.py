@@ -3,7 +3,7 @@
     OUT/study.json         StudyIdentity: what determines every result (written once; a resume must match it)
     OUT/base.json          BaseRecord: the base model's step-0 metrics, test results and FRoD's init check
     OUT/invocations.json   InvocationsRecord: one entry per command that worked on the study
-    OUT/runs/<run>.json    RunRecord: one finished (method, LR) run: curves, held-out metrics, test results
+    OUT/records/<run>.json RunRecord: one finished (method, LR) run: curves, held-out metrics, test results
     OUT/real_study.json    the combined report (``runner``), rebuilt from the records after every event
 
 Each record is written atomically (tmp + fsync + rename), so a command cut off at any moment leaves every
@@ -38,7 +38,7 @@ STUDY_FORMAT = 1
 IDENTITY_NAME = "study.json"
 BASE_NAME = "base.json"
 INVOCATIONS_NAME = "invocations.json"
-RUNS_DIR = "runs"
+RUNS_DIR = "records"  # not "runs/": the repository ignores every runs/ folder, and records get committed
 
 # StudyConfig fields that change a run's numbers or which run is chosen (everything else is bookkeeping).
 IDENTITY_SETTINGS = (
@@ -137,7 +137,8 @@ def study_identity(cfg: StudyConfig, device_type: str) -> StudyIdentity:
     from frod_ds.hf_checkpoint import HFCheckpoint
 
     model_dir = Path(cfg.model)
-    small = [p for p in model_dir.iterdir() if p.is_file() and p.suffix in (".json", ".jinja", ".txt", ".model")]
+    small = [p for p in model_dir.iterdir()  # config, generation config, tokenizer files; not dotfiles (markers)
+             if p.is_file() and not p.name.startswith(".") and p.suffix in (".json", ".jinja", ".txt", ".model")]
     ckpt = HFCheckpoint(model_dir)
     model = {"weights": weights_fingerprint(ckpt, ckpt.keys()), **_file_sha256s(small, model_dir)}
     data = {"train": file_sha256(cfg.train_path),

@@ -6,17 +6,11 @@
    ``--resume-from`` (whose records are copied in first); nothing is written before that is checked.
 2. Preflight both eval protocols on a few rows; base model: held-out and test-slice accuracy (step 0 of the
    curves), then the test sets (generation on the curve slice only) — each only if ``base.json`` lacks it.
-3. Jobs, one per idle executor slot (``--workers`` processes sharing the GPU, or the main process), decided
-   after every result:
-   - score a method's current best run on the test sets once no more training of that method fits this
-     command (its sweep is settled, or the budget is spent): weights never outlive the command that trained
-     them, so the best run of every method leaves each command with its test results;
-   - train the next missing run: every method's middle LR, then the low ones, then the high ones, so a cut
-     leaves every method with about the same number of LRs; then, for a method whose complete sweep chose an
-     end, up to ``--extend`` LRs past that end (a half-decade step), one at a time; a best run that lost its
-     test results to an earlier cut is trained again. A run starts only if its predicted time (the longest
-     earlier run of its method) fits before the budget less ``--eval-reserve-minutes``.
-   Every finished run is a record in ``runs/`` at once; a command cut off at any point keeps every one.
+3. Jobs (``schedule.Schedule`` decides which), one per idle executor slot (``--workers`` processes sharing
+   the GPU, started before the base evaluations, or the main process), decided after every result: test
+   evaluations of each method's best run before its weights go with the command, grid runs centre out,
+   extensions past a sweep end, runs to train again; only what fits ``--max-minutes`` starts.
+   Every finished run is a record in ``records/`` at once; a command cut off at any point keeps every one.
 4. Per method: the LR with the best held-out accuracy (ties: lower held-out answer-word loss), flagged when
    it sits at an end of its sweep; the paper's claim (``report.claim``), plots, Markdown tables, from all
    records of all commands.
@@ -27,7 +21,6 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -44,14 +37,15 @@ from bench.study.context import RunContext
 from bench.study.data import encode_study_examples, load_test_rows, make_batches, split_rows
 from bench.study.models import load_base
 from bench.study.parallel import LocalExecutor, WorkerPool
-from bench.study.records import BaseRecord, Invocation, RunRecord, StudyDir, study_identity
+from bench.study.records import Invocation, RunRecord, StudyDir, study_identity
 from bench.study.report import RESULTS_NAME, claim, markdown_tables, smooth_window, sweep_table, write_plots
+from bench.study.schedule import Schedule
 from data_prep.io import check_row
 from frod_ds.atomic import atomic_write_text
 from frod_ds.data import BatchPlan
 from frod_ds.records import record_to_dict
 
-__all__ = ["run_study", "next_lr", "sweep_order"]
+__all__ = ["run_study"]
 
 
 class Log:
@@ -86,25 +80,6 @@ def _git_commit() -> str | None:
         return None
 
 
-def sweep_order(n: int) -> list[int]:
-    """Sweep indices centre first, then outwards (3 LRs: middle, low, high)."""
-    return sorted(range(n), key=lambda i: (abs(i - (n - 1) / 2), i))
-
-
-def next_lr(end: float, inner: float) -> float:
-    """The LR one step past ``end`` away from its neighbour ``inner``: the step ``end / inner`` again, put on
-    the half-decade grid (1 and 3 × 10^k) when that stays past ``end`` (1e-4, 3e-4 → 3e-5; 3e-4, 1e-4 → 1e-3)."""
-    raw = end * end / inner
-    k = math.floor(math.log10(raw))
-    grid = [float(f"{c}e{e}") for e in (k - 1, k, k + 1) for c in (1, 3)]
-    nice = min(grid, key=lambda c: abs(math.log(c / raw)))
-    beyond = nice > end if raw > end else nice < end
-    return float(f"{(nice if beyond else raw):.3g}")
-
-
-Key = tuple[str, float]  # (method, lr)
-
-
 class Study:
     def __init__(self, cfg: StudyConfig, argv: list[str], started: float):
         self.cfg, self.t0 = cfg, time.perf_counter()
@@ -121,11 +96,9 @@ class Study:
             command=" ".join([Path(sys.executable).name, *argv]), device=device_name(),
             date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             versions={**versions(), "git": _git_commit()}, workers=self.workers, max_minutes=cfg.max_minutes)
-        self.runs: dict[Key, RunRecord] = {}
-        self.states: dict[Key, Path] = {}  # trained weights of runs of this command (only each method's best kept)
-        self.in_flight: dict[Key, str] = {}  # → "train" | "eval"
         self.warned: set[str] = set()
         self.executor: LocalExecutor | WorkerPool | None = None
+        self.busy = 0  # jobs handed out and not yet reported
         self.tmp: Path | None = None
 
     # -- 1. data, identity, records ------------------------------------------------------------------------
@@ -197,9 +170,10 @@ class Study:
         ctx.preflight()
         for where in [d for d in (self.dir, src) if d is not None and d.exists()]:
             for record in where.runs():
-                if (record.steps, record.data_order_sha256, record.tokens) != (steps, self.data_order, self.total_tokens):
-                    raise StudyError(f"run {record.method} lr={record.lr:g} in {where.path} saw other batches than this "
-                                     "command builds (the batching code changed?); choose a new --out")
+                seen = (record.steps, record.data_order_sha256, record.tokens)
+                if seen != (steps, self.data_order, self.total_tokens):
+                    raise StudyError(f"run {record.method} lr={record.lr:g} in {where.path} saw other batches than "
+                                     "this command builds (the batching code changed?); choose a new --out")
         # Nothing is written before every input and every record has been read and checked.
         self.out.mkdir(parents=True, exist_ok=True)
         if not self.dir.exists():
@@ -209,7 +183,9 @@ class Study:
             self.log(f"resume: copied {len(copied)} record(s) from {src.path}")
         self.identity = identity
         self.log.attach(self.out)
-        self.runs = {(r.method, r.lr): r for r in self.dir.runs()}
+        self.plan = Schedule(cfg, {(r.method, r.lr): r for r in self.dir.runs()}, self.deadline, self.train_deadline,
+                             None, self.log, self.warn_once)
+        self.runs = self.plan.runs  # every finished run, by (method, lr)
         self.base = self.dir.base()
         self.history = self.dir.invocations()
         self.history.invocations.append(self.invocation)
@@ -222,127 +198,22 @@ class Study:
                  f"{len(self.runs)} finished run(s) in {self.out}")
         self.save()
 
-    # -- sweeps, choices, the jobs still wanted ---------------------------------------------------------------
-
-    def methods(self) -> list[str]:
-        extra = sorted({m for m, _ in self.runs} - set(self.cfg.methods))
-        return list(self.cfg.methods) + extra
-
-    def grid(self, m: str) -> list[float]:
-        return sorted(self.cfg.lrs.get(m, ()))
-
-    def recorded(self, m: str) -> list[float]:
-        return sorted(lr for name, lr in self.runs if name == m)
-
-    def sweep(self, m: str) -> list[float]:
-        return sorted(set(self.grid(m)) | set(self.recorded(m)))
-
-    def best(self, m: str) -> RunRecord | None:
-        runs = [self.runs[(m, lr)] for lr in self.recorded(m)]
-        if not runs:
-            return None
-        if self.cfg.select_by == "accuracy":
-            return min(runs, key=lambda r: (-r.heldout["accuracy"], r.heldout["answer_loss"]))
-        return min(runs, key=lambda r: r.heldout["answer_loss"])
-
-    def grid_complete(self, m: str) -> bool:
-        return all((m, lr) in self.runs for lr in self.grid(m))
-
-    def training(self, m: str) -> bool:
-        return any(name == m and kind == "train" for (name, _), kind in self.in_flight.items())
-
-    def extension(self, m: str) -> float | None:
-        """The next LR past the end its complete sweep chose, while ``--extend`` allows; None otherwise."""
-        best = self.best(m)
-        if best is None or not self.grid_complete(m) or self.training(m):
-            return None
-        sweep = self.sweep(m)
-        extra = [lr for lr in sweep if lr not in self.grid(m)]
-        if len(sweep) < 2 or len(extra) >= self.cfg.extend or best.lr not in (sweep[0], sweep[-1]):
-            return None
-        return next_lr(sweep[0], sweep[1]) if best.lr == sweep[0] else next_lr(sweep[-1], sweep[-2])
-
-    def settled(self, m: str) -> bool:
-        """Its choice can no longer change: the grid is complete, nothing of it trains, no extension is due."""
-        return self.grid_complete(m) and not self.training(m) and self.extension(m) is None
-
-    def wanted_training(self) -> list[Key]:
-        """Runs still to train, in order: grid rounds (centre out, every method per round), extensions, then
-        settled best runs whose test results were lost with their weights."""
-        methods = [m for m in self.cfg.methods]
-        out: list[Key] = []
-        n = max(len(self.grid(m)) for m in methods)
-        for i in sweep_order(n):
-            out += [(m, self.grid(m)[i]) for m in methods if i < len(self.grid(m))]
-        out = [k for k in out if k not in self.runs]
-        for m in methods:
-            lr = self.extension(m)
-            if lr is not None:
-                out.append((m, lr))
-        for m in methods:
-            best = self.best(m)
-            if best is not None and best.test is None and self.settled(m) and (m, best.lr) not in self.states:
-                out.append((m, best.lr))
-        return [k for k in out if k not in self.in_flight]
-
-    def predicted_wall(self, m: str) -> float:
-        mine = [r.wall_seconds for (name, _), r in self.runs.items() if name == m]
-        every = [r.wall_seconds for r in self.runs.values()]
-        return 1.1 * max(mine or every or [0.0])
-
-    def predicted_eval(self) -> float:
-        seconds = [sum(p.get("seconds", 0.0) for p in r.test.values()) for r in self.runs.values() if r.test]
-        return 1.1 * max(seconds or [0.0])
-
-    def startable(self, key: Key, now: float) -> bool:
-        return now + self.predicted_wall(key[0]) <= self.train_deadline
-
-    def warn_once(self, message: str) -> None:
-        if message not in self.warned:
-            self.warned.add(message)
-            self.log(f"WARNING: {message}")
-            self.invocation.warnings.append(message)
-
-    def next_job(self) -> tuple | None:
-        now = time.time()
-        wanted = self.wanted_training()
-        for m in self.methods():
-            best = self.best(m)
-            key = None if best is None else (m, best.lr)
-            if key is None or best.test is not None or key in self.in_flight or key not in self.states:
-                continue
-            if self.training(m) or any(k[0] == m and self.startable(k, now) for k in wanted):
-                continue  # a run of this method is still to come in this command: it may become the best
-            if now + self.predicted_eval() > self.deadline:
-                self.warn_once(f"TEST EVAL DID NOT FIT: {m} lr={best.lr:g} (--max-minutes {self.cfg.max_minutes}); "
-                               "the next command trains it again and scores it")
-                continue
-            self.in_flight[key] = "eval"
-            self.log(f"{m} lr={best.lr:g}: test evaluation ({'chosen' if self.settled(m) else 'best so far'})")
-            return ("eval", m, best.lr, str(self.states[key]))
-        for key in wanted:
-            if self.startable(key, now):
-                self.in_flight[key] = "train"
-                # cut a run that overruns its prediction halfway into the eval reserve
-                stop = self.deadline - 30 * self.cfg.eval_reserve_minutes
-                path = self.tmp / f"state_{key[0]}_{key[1]!r}.pt"
-                return ("train", key[0], key[1], stop, str(path))
-        return None
-
     # -- 2. base model ---------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.wanted_training()) or any(
-            (b := self.best(m)) is not None and b.test is None for m in self.methods())
+        return bool(self.plan.wanted_training()) or any(
+            (b := self.plan.best(m)) is not None and b.test is None for m in self.plan.methods())
 
     def start_workers(self) -> None:
-        """Spawn the workers now, so they start up while the main process evaluates the base model."""
-        self.tmp = Path(tempfile.mkdtemp(prefix="real_study_"))
+        """Spawn the workers and hand them their first jobs, so they start up and train while the main process
+        evaluates the base model."""
+        self.tmp = self.plan.tmp = Path(tempfile.mkdtemp(prefix="real_study_"))
         if not self.has_work():
             return
         if self.workers > 1:
             self.ctx.save(self.tmp / "context.pt")
             self.executor = WorkerPool(self.tmp / "context.pt", self.workers, self.device, self.log)
+            self.fill()
         else:
             self.executor = LocalExecutor(self.ctx)
 
@@ -375,6 +246,18 @@ class Study:
 
     # -- 3. jobs ---------------------------------------------------------------------------------------------
 
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            self.log(f"WARNING: {message}")
+            self.invocation.warnings.append(message)
+
+    def fill(self) -> None:
+        """Hand out jobs until every executor slot is busy or nothing more can start now."""
+        while self.executor is not None and self.busy < self.executor.capacity and (job := self.plan.next_job(time.time())) is not None:
+            self.executor.submit(job)
+            self.busy += 1
+
     def run_jobs(self) -> None:
         if self.executor is None:
             return
@@ -384,17 +267,14 @@ class Study:
             self.ctx.base.to("cpu")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        busy = 0
         while True:
-            while busy < self.executor.capacity and (job := self.next_job()) is not None:
-                self.executor.submit(job)
-                busy += 1
-            if busy == 0:
+            self.fill()
+            if self.busy == 0:
                 break
             self.handle(self.executor.get())
-            busy -= 1
+            self.busy -= 1
         for m in self.cfg.methods:
-            left = [k for k in self.wanted_training() if k[0] == m]
+            left = [k for k in self.plan.wanted_training() if k[0] == m]
             if left:
                 self.warn_once(f"LEFT FOR A LATER COMMAND: {m} lr={', '.join(f'{lr:g}' for _, lr in left)} "
                                f"(--max-minutes {self.cfg.max_minutes}); run the same command again, it resumes")
@@ -402,7 +282,7 @@ class Study:
     def handle(self, msg: tuple) -> None:
         if msg[0] == "trained":
             _, m, lr, entry, state_path = msg
-            self.in_flight.pop((m, lr))
+            self.plan.in_flight.pop((m, lr))
             if not entry.pop("completed"):
                 self.warn_once(f"RUN STOPPED BY THE TIME BUDGET: {m} lr={lr:g} after {entry['steps']}/"
                                f"{self.ctx.steps} steps; not recorded, a later command trains it")
@@ -410,7 +290,7 @@ class Study:
             record = RunRecord(method=m, workers=self.workers, invocation=self.index, **entry)
             self.runs[(m, lr)] = record
             self.dir.write_run(record)
-            self.states[(m, lr)] = Path(state_path)
+            self.plan.states[(m, lr)] = Path(state_path)
             self.prune_states(m)
             tail = record.log["answer_loss"][-20:]
             self.log(f"{m} lr={lr:g}: {record.steps}/{self.ctx.steps} steps, {record.step_ms:.1f} ms/step, final "
@@ -418,7 +298,7 @@ class Study:
                      f"{record.heldout['accuracy']:.4f} ({record.wall_seconds:.1f} s)")
         else:
             _, m, lr, test, seconds = msg
-            self.in_flight.pop((m, lr))
+            self.plan.in_flight.pop((m, lr))
             record = self.runs[(m, lr)]
             record.test = test
             self.dir.write_run(record)
@@ -427,33 +307,33 @@ class Study:
 
     def prune_states(self, m: str) -> None:
         """Delete the weights of method ``m``'s runs that are not its best or are already scored."""
-        best = self.best(m)
-        for key in [k for k in self.states if k[0] == m]:
-            if key in self.in_flight or (best is not None and key == (m, best.lr) and best.test is None):
+        best = self.plan.best(m)
+        for key in [k for k in self.plan.states if k[0] == m]:
+            if key in self.plan.in_flight or (best is not None and key == (m, best.lr) and best.test is None):
                 continue
-            self.states.pop(key).unlink(missing_ok=True)  # written by this process under its mkdtemp
+            self.plan.states.pop(key).unlink(missing_ok=True)  # written by this process under its mkdtemp
 
     # -- 4. the report -----------------------------------------------------------------------------------------
 
     def method_doc(self, m: str) -> dict[str, Any]:
         spec = method_spec(m)
-        sweep, grid = self.sweep(m), self.grid(m)
+        sweep, grid = self.plan.sweep(m), self.plan.grid(m)
         doc: dict[str, Any] = {"kind": spec.kind, "rank": spec.rank, "lrs": sweep, "grid": grid,
                                "extended": [lr for lr in sweep if lr not in grid], "sweep": []}
         if spec.kind == "lora":
             doc["lora_alpha"] = self.cfg.lora_alpha_ratio * spec.rank
-        for lr in self.recorded(m):
+        for lr in self.plan.recorded(m):
             entry = record_to_dict(self.runs[(m, lr)])
             entry.pop("test", None)
             if entry.get("lr_s") is None:
                 entry.pop("lr_s", None)
             doc["sweep"].append({**entry, "completed": True})
-        best = self.best(m)
+        best = self.plan.best(m)
         if best is not None:
             at_end = len(sweep) > 1 and best.lr in (sweep[0], sweep[-1])
-            doc["chosen"] = {"index": self.recorded(m).index(best.lr), "lr": best.lr,
+            doc["chosen"] = {"index": self.plan.recorded(m).index(best.lr), "lr": best.lr,
                              "selected_by": f"held-out {self.cfg.select_by}", "at_sweep_end": at_end,
-                             "sweep_complete": self.grid_complete(m), "final": self.settled(m)}
+                             "sweep_complete": self.plan.grid_complete(m), "final": self.plan.settled(m)}
             if best.test is not None:
                 doc["test"] = best.test
         return doc
@@ -480,7 +360,7 @@ class Study:
 
     def document(self) -> dict[str, Any]:
         cfg = self.cfg
-        methods = {m: self.method_doc(m) for m in self.methods()}
+        methods = {m: self.method_doc(m) for m in self.plan.methods()}
         inv = self.invocation
         doc: dict[str, Any] = {
             "benchmark": "real_study", "command": inv.command, "device": inv.device, "date": inv.date,
