@@ -193,7 +193,7 @@ def sweep_table(doc: dict[str, Any]) -> list[dict[str, Any]]:
         for i, run in enumerate(m["sweep"]):
             h = run.get("heldout") or {}
             rows.append({"method": name, "lr": run["lr"], "lr_s": run.get("lr_s"), "completed": run["completed"],
-                         "chosen": m.get("chosen", {}).get("index") == i,
+                         "chosen": m.get("chosen", {}).get("index") == i, "extension": run["lr"] in m.get("extended", []),
                          "heldout_accuracy": h.get("accuracy"), "heldout_answer_loss": h.get("answer_loss"),
                          "final_answer_loss": smooth(run["log"]["answer_loss"], window)[-1] if run["steps"] else None,
                          "final_response_loss": smooth(run["log"]["response_loss"], window)[-1] if run["steps"] else None,
@@ -229,7 +229,8 @@ def markdown_tables(doc: dict[str, Any]) -> str:
     for r in sweep_table(doc):
         fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
         acc = None if r["heldout_accuracy"] is None else 100 * r["heldout_accuracy"]
-        out += (f"| {r['method']} | {r['lr']:g}{' (chosen)' if r['chosen'] else ''} | {fmt(acc, '.2f')} | "
+        mark = (" (past the grid)" if r.get("extension") else "") + (" (chosen)" if r["chosen"] else "")
+        out += (f"| {r['method']} | {r['lr']:g}{mark} | {fmt(acc, '.2f')} | "
                 f"{fmt(r['heldout_answer_loss'], '.4f')} | {fmt(r['final_answer_loss'], '.4f')} | {r['step_ms']:.1f} |\n")
     for p in doc["config"]["protocols"]:
         rows = {**({"base": doc["base"]["test"]} if "base" in doc else {}),
