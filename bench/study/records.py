@@ -137,8 +137,12 @@ def study_identity(cfg: StudyConfig, device_type: str) -> StudyIdentity:
     from frod_ds.hf_checkpoint import HFCheckpoint
 
     model_dir = Path(cfg.model)
-    small = [p for p in model_dir.iterdir()  # config, generation config, tokenizer files; not dotfiles (markers)
-             if p.is_file() and not p.name.startswith(".") and p.suffix in (".json", ".jinja", ".txt", ".model")]
+    # config, generation config, tokenizer files; not dotfiles or the conversion record (it holds the
+    # conversion's date and timing: a reconverted identical model must resume the study)
+    from frod_ds.realmodel import MARKER
+
+    small = [p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != MARKER
+             and p.suffix in (".json", ".jinja", ".txt", ".model")]
     ckpt = HFCheckpoint(model_dir)
     model = {"weights": weights_fingerprint(ckpt, ckpt.keys()), **_file_sha256s(small, model_dir)}
     data = {"train": file_sha256(cfg.train_path),
