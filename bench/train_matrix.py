@@ -8,7 +8,8 @@ table of FRoD/LoRA ratios against LoRA's best configuration on the same GPU coun
     DS_ACCELERATOR=cpu python bench/train_matrix.py --tiny --work /tmp/fb --out /tmp/fb/out   # CPU rehearsal
     python bench/train_matrix.py --table-only --out DIR                         # the table again from DIR/configs
 
-Order: zero2, plain, zero3 (FRoD then LoRA), then the extra FRoD variants (``--extras``); a configuration
+Order: zero2, plain, zero3 (FRoD then LoRA), then the extras (``--extras``: FRoD layer variants, and quantized
+frozen weights for both methods under ZeRO-2: ``nf4``, ``int8``, ``nf4-base``, ``int8-base``); a configuration
 is not started once ``--budget-s`` seconds have passed and is killed at ``--deadline-s``, so the command
 ends within a 10-minute slot and what ran is tabulated. The table and ``train_step_matrix_<device>.json`` (every configuration's result, stage times,
 failures, command, device, date, versions) are rewritten after each configuration. Per-configuration
@@ -29,9 +30,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = {"plain": "plain", "zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
 MAIN = [(e, m, ()) for e in ("zero2", "plain", "zero3") for m in ("frod", "lora")]
-EXTRAS = {"save-x": ("zero2", "frod", ("--frod-save", "x")),
-          "sampled": ("zero2", "frod", ("--frod-dgrad", "sampled")),
-          "autograd": ("zero2", "frod", ("--frod-impl", "autograd"))}
+EXTRAS = {"save-x": [("zero2", "frod", ("--frod-save", "x"))],
+          "sampled": [("zero2", "frod", ("--frod-dgrad", "sampled"))],
+          "autograd": [("zero2", "frod", ("--frod-impl", "autograd"))],
+          # quantized frozen weights, FRoD and LoRA alike: U_i / the targeted W in NF4 or int8; "-base": every decoder
+          # linear (QLoRA for LoRA, model.quantize_base for FRoD)
+          **{f"{q}{b}": [("zero2", m, ("--frozen-quant", q, *(("--quantize-base",) if b else ()))) for m in ("frod", "lora")]
+             for q in ("nf4", "int8") for b in ("", "-base")}}
 TINY_MODEL = ["--layers", "2", "--hidden", "64", "--inter", "128", "--heads", "4"]
 TINY_RUN = ["--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "2", "--repeats", "2"]
 TINY_PROFILE = ["--n", "64", "--m", "64", "128", "--tokens", "96", "--layers", "2", "--inter", "128"]
@@ -79,7 +84,8 @@ def prepare(args, out: Path, stages: dict) -> tuple[Path, Path]:
 def run_config(args, out: Path, engine: str, method: str, extra: tuple, gpus: int, model: Path,
                factors: Path, timeout: float) -> dict:
     """One ``train_step.py run`` process (torchrun for several GPUs); its result or a failure record."""
-    label = f"{method}{'_' + '-'.join(a.strip('-') for a in extra) if extra else ''}_{engine}{'_gc' if args.gc else ''}_{gpus}gpu"
+    tag = "-".join(a.strip("-") for a in extra).replace("frozen-quant-", "").replace("-quantize-base", "-base")
+    label = f"{method}{'_' + tag if extra else ''}_{engine}{'_gc' if args.gc else ''}_{gpus}gpu"
     name = f"train_step_{label}"
     cmd = [sys.executable]
     if gpus > 1:
@@ -107,8 +113,10 @@ def _label(d: dict) -> str:
     m = "FRoD" if d["method"] == "frod" else "LoRA r=16"
     f = d.get("frod") or {}
     variant = [k for k, default in (("impl", "function"), ("save", "z"), ("dgrad", "dense")) if f.get(k, default) != default]
-    tags = ", ".join(f"{k}={f[k]}" for k in variant)
-    return f"{m} {d['engine']}" + (f" ({tags})" if tags else "")
+    tags = [f"{k}={f[k]}" for k in variant]
+    if d.get("frozen_quant", "none") != "none":
+        tags.append(f"{d['frozen_quant']} {'whole base' if d.get('quantize_base') else 'targets'}")
+    return f"{m} {d['engine']}" + (f" ({', '.join(tags)})" if tags else "")
 
 
 def load_results(out: Path) -> list[dict]:
@@ -116,11 +124,11 @@ def load_results(out: Path) -> list[dict]:
 
 
 def table(results: list[dict]) -> tuple[str, list[dict]]:
-    """Markdown table per (GPU count, checkpointing) group, ratios against that group's fastest LoRA config."""
+    """Markdown table per (GPU count, checkpointing) group, ratios against that group's fastest bf16 LoRA config."""
     lines, groups = [], []
     for key in sorted({(d["world_size"], d["gradient_checkpointing"]) for d in results}):
         rows = [d for d in results if (d["world_size"], d["gradient_checkpointing"]) == key]
-        loras = [d for d in rows if d["method"] == "lora"]
+        loras = [d for d in rows if d["method"] == "lora" and d.get("frozen_quant", "none") == "none"]
         best = min(loras, key=lambda d: d["step_s_median"]) if loras else None
         gpus, gc = key
         head = f"**{gpus} GPU{'s' if gpus > 1 else ''}, gradient checkpointing {'on' if gc else 'off'}** ({rows[0]['device']})"
@@ -181,7 +189,8 @@ def main() -> None:
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing for both methods")
     ap.add_argument("--engines", default="zero2,plain,zero3", help="comma list of plain, zero2, zero3, in order")
     ap.add_argument("--extras", default="save-x,autograd",
-                    help=f"comma list of extra FRoD zero2 variants after the main six ({', '.join(EXTRAS)}; '' none)")
+                    help=f"comma list of extra zero2 configurations after the main six ({', '.join(EXTRAS)}; '' none): "
+                         "FRoD layer variants, and quantized frozen weights for FRoD and LoRA")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per window")
     ap.add_argument("--repeats", type=int, default=2, help="timed windows")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
@@ -192,6 +201,9 @@ def main() -> None:
                     help="kill a running configuration when the whole command reaches this many seconds")
     ap.add_argument("--table-only", action="store_true", help="only rebuild the table from OUT/configs")
     args = ap.parse_args()
+    unknown = [k for k in args.extras.split(",") if k and k not in EXTRAS]
+    if unknown:
+        ap.error(f"--extras {unknown[0]!r} is not one of {', '.join(EXTRAS)}")
     out = Path(args.out)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     if args.table_only:
@@ -207,7 +219,7 @@ def main() -> None:
         print(f"layer profile: exit {rc}, {stages['layer_profile_s']:.0f} s", flush=True)
     engines = [e for e in args.engines.split(",") if e]
     plan = [(e, m, x, 1) for e, m, x in MAIN if e in engines]
-    plan += [(*EXTRAS[k], 1) for k in args.extras.split(",") if k]
+    plan += [(*x, 1) for k in args.extras.split(",") if k for x in EXTRAS[k]]
     if args.gpus > 1:
         plan += [(e, m, x, args.gpus) for e, m, x in MAIN if e in engines and e != "plain"]
     runs: list[dict] = []
