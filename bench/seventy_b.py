@@ -593,4 +593,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Files are written and closed and the process group is gone: skip the interpreter's teardown, where a
+    # library thread left joinable (gloo, the tokenizer trainer) can abort the process after a finished step.
+    os._exit(code)
