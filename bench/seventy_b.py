@@ -17,7 +17,7 @@ category (for QLoRA, or after a lost machine) gives the same weights on the same
     python bench/seventy_b.py qlora --work $W --out $O          # QLoRA r=16 (NF4 base) in the same harness; its
                                                                 # targeted weights regenerated into /dev/shm, deleted after
     python bench/seventy_b.py report --work $W --out $O         # the table: step, tok/s, MFU, peak, plan, FLOPs
-    # CPU rehearsal of all of it: the same commands with --tiny (DS_ACCELERATOR=cpu; 2 gloo ranks)
+    # rehearsals: --shape 7b on one GPU (nproc_per_node 1, --gpus 1); --tiny (= --shape tiny) on CPU, 2 gloo ranks
 
 ``gen-untargeted``, ``category`` run under a launcher (each rank writes its share and HJD runs over the launcher's
 ranks); the others start their own (``--gpus``, default every visible GPU, 2 on CPU). A step already done is
@@ -82,7 +82,7 @@ def _result(p: dict, name: str, payload: dict) -> Path:
 
 
 def _shape(args):
-    return SHAPES["tiny" if args.tiny else "70b"]
+    return SHAPES[args.shape]
 
 
 def _gpus(args) -> int:
@@ -481,7 +481,7 @@ def qlora(args) -> None:
     try:
         gen = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(_gpus(args)),
                str(Path(__file__).resolve()), "qlora-gen", "--work", str(p["work"]), "--out", str(p["out"]),
-               "--seed", str(args.seed), "--shm", str(shm)] + (["--tiny"] if args.tiny else [])
+               "--seed", str(args.seed), "--shm", str(shm), "--shape", args.shape]
         rc, s_gen = _launch(gen, _env(args), p["out"] / "logs" / "qlora_gen.log", None, args.timeout_s)
         if rc != 0:
             raise ChainError(f"qlora: generating the targeted weights failed (exit {rc}); log {p['out'] / 'logs'}")
@@ -552,7 +552,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         s = sub.add_parser(name, help=text, description=text)
         s.add_argument("--work", required=True, help="work dir: model, store, data, recipe, runs, chain.json")
         s.add_argument("--out", default=None, help="results dir (default WORK/results; $OUT on the GPU machine)")
-        s.add_argument("--tiny", action="store_true", help="4 layers, hidden 64: the CPU rehearsal of the chain")
+        s.add_argument("--shape", choices=list(SHAPES), default="70b",
+                       help="70b: LLaMA-2-70B (80 layers, 8192/28672, 64/8 heads, vocab 32000); 7b: LLaMA-2-7B, the "
+                            "one-GPU rehearsal; tiny: 4 layers, hidden 64, the CPU rehearsal")
+        s.add_argument("--tiny", dest="shape", action="store_const", const="tiny", help="--shape tiny")
         s.add_argument("--seed", type=int, default=0, help="seed of the generated weights")
         s.add_argument("--quant", choices=["nf4", "int8", "none"], default="nf4", help="U_i in the store and training")
         s.add_argument("--gpus", type=int, default=0, help="ranks for the drivers (default: every GPU; CPU: 2)")
@@ -571,6 +574,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if name == "category":
             s.add_argument("names", nargs="+", help=f"categories, in this order ({', '.join(TARGETS)})")
     args = ap.parse_args(argv)
+    args.tiny = args.shape == "tiny"
     if not 0 < args.save_at < args.kill_at < min(2 * args.save_at, args.steps + 1):
         ap.error(f"need 0 < --save-at < --kill-at < min(2 x --save-at, --steps + 1), got {args.save_at}, "
                  f"{args.kill_at}, {args.steps}")

@@ -67,6 +67,7 @@ class Shape:
 
 SHAPES = {
     "70b": Shape(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8, vocab=32000),  # LLaMA-2-70B
+    "7b": Shape(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, vocab=32000),  # LLaMA-2-7B
     "tiny": Shape(hidden=64, intermediate=160, layers=4, heads=4, kv_heads=2, vocab=2048),
 }
 
