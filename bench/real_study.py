@@ -1,24 +1,31 @@
-"""FRoD vs PEFT LoRA (r=16, r=32) vs full fine-tuning on a real model and real data, one GPU, one command.
+"""FRoD vs PEFT LoRA (r=16, r=32) vs full fine-tuning on a real model and real data, one GPU, resumable.
 
     python -m data_prep build --source llm-adapters:/data/llm_adapters --template llm-adapters --out data/la
-    python bench/real_study.py --model models/smollm2-135m --data data/la --out $OUT            # ~7 min, 1 H100
+    python bench/real_study.py --model models/smollm2-135m --data data/la --out $S --max-minutes 9    # 1st command
+    python bench/real_study.py --model models/smollm2-135m --data data/la --out $S --max-minutes 9    # goes on in $S
+    python bench/real_study.py ... --out $S2 --resume-from $S       # goes on from a copy of $S's records, into $S2
     python bench/real_study.py --model M --data D --out /tmp/s --lrs frod=3e-3,1e-2,3e-2       # another sweep
     python bench/real_study.py --model M --data D --out /tmp/s --train-limit 64 --eval-limit 4 \\
         --heldout 16 --batch-size 8 --device cpu                                               # CPU rehearsal
-    python bench/real_study.py --replot $OUT/real_study.json       # tables and PNGs again, from the JSON alone
+    python bench/real_study.py --replot $S/real_study.json         # tables and PNGs again, from the JSON alone
 
 Every method trains with the same loop, loss mask, tokenizer, batches (same order) and schedule for the
 same number of steps (``--epochs`` of the train rows less a held-out slice); each sweeps an equal number of
-LRs; each picks its LR on the held-out slice of the train rows; the chosen runs are scored on the test sets
-under log-likelihood and LLM-Adapters' generation protocol. Writes under ``--out``: ``real_study.json``
-(rewritten after every stage, so a cut-off run keeps what finished), ``real_study.log``,
-``loss_vs_step.png``, ``accuracy_vs_step.png``, ``lr_sweep.png``. User mistakes: one ``error:`` line, exit 2.
+LRs (plus up to ``--extend`` past an end its choice sits at); each picks its LR on the held-out slice of the
+train rows; the chosen runs are scored on the test sets under log-likelihood and LLM-Adapters' generation
+protocol. A command does what fits ``--max-minutes`` (counted from its start) and records every finished
+run in ``--out``; the same command again (or ``--resume-from`` a copy) skips what is recorded, and refuses a
+directory of a study with other settings. Writes under ``--out``: the records (``study.json``, ``base.json``,
+``invocations.json``, ``records/*.json``: no weights, a few MB in all), ``real_study.json`` (the combined
+report, rewritten after every event), ``real_study.log``, ``loss_vs_step.png``, ``accuracy_vs_step.png``,
+``lr_sweep.png``. User mistakes: one ``error:`` line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,10 +41,14 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     a("--data", help="data_prep output: DATA/train.jsonl and DATA/eval/<task>.jsonl (the test sets)")
     a("--train", help="training rows (default DATA/train.jsonl)")
     a("--eval-dir", help="test rows, one <task>.jsonl per task (default DATA/eval)")
-    a("--out", help="new or empty directory for results, log and plots")
+    a("--out", help="new or empty directory for the study, or the directory of this study to go on with")
+    a("--resume-from", metavar="DIR", help="a study directory (e.g. an unpacked copy) whose records are copied "
+      "into --out first; it must be of the same study")
+    a("--extend", type=int, default=1, help="LRs a method may add, one at a time, past the end of its sweep that "
+      "its choice sits at (each a step of the sweep's own ratio, put on the 1/3 x 10^k grid); 0: never")
     a("--methods", default="frod,lora16,lora32,full", help="comma list of frod, full, lora<r>")
     a("--lrs", action="append", default=[], metavar="METHOD=LR,LR,...",
-      help="a method's LR sweep (FRoD: σ LRs); repeatable; defaults frod 1e-3,3e-3,1e-2; lora 3e-4,1e-3,3e-3; "
+      help="a method's LR sweep (FRoD: σ LRs); repeatable; defaults frod 1e-3,3e-3,1e-2; lora 1e-4,3e-4,1e-3; "
            "full 3e-5,1e-4,3e-4")
     a("--batch-size", type=int, default=64, help="examples per optimizer step (no accumulation)")
     a("--cutoff", type=int, default=256, help="max tokens per example (the prompt's start is cut, never the answer)")
@@ -61,9 +72,10 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     a("--select-by", default="accuracy", help="held-out criterion: accuracy (ties: answer loss) or answer_loss")
     a("--smooth-frac", type=float, default=0.05, help="trailing-mean window for steps-to-loss, as a fraction of steps")
     a("--no-base-eval", action="store_true", help="skip the base model's test evaluation")
-    a("--max-minutes", type=float, default=8.5, help="time budget: later sweep rounds and evals are skipped to fit")
+    a("--max-minutes", type=float, default=8.5, help="time budget of this command, from its start: runs that do "
+      "not fit are left for the next command")
     a("--eval-reserve-minutes", type=float, default=2.0,
-      help="budget kept for the final evaluations: a sweep round starts only if it fits before that")
+      help="budget kept for the test evaluations: a run starts only if it is predicted to end before that")
     a("--workers", type=int, default=0,
       help="runs trained at a time in worker processes sharing the device (0: 3 on CUDA, 1 on CPU)")
     a("--device", default="auto", help="auto, cuda or cpu")
@@ -92,7 +104,7 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
         smooth_frac=args.smooth_frac, base_eval=not args.no_base_eval, max_minutes=args.max_minutes,
         eval_reserve_minutes=args.eval_reserve_minutes, workers=args.workers,
         device=args.device, frod_sparsity=args.frod_sparsity, frod_s_ratio=args.frod_s_ratio,
-        lora_alpha_ratio=args.lora_alpha_ratio)
+        lora_alpha_ratio=args.lora_alpha_ratio, resume_from=args.resume_from, extend=args.extend)
     cfg.validate()
     return cfg
 
@@ -109,6 +121,7 @@ def replot(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.time()  # --max-minutes counts from here
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_args(argv)
@@ -117,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from bench.study.runner import run_study
 
-        run_study(cfg, [Path(__file__).name, *argv])
+        run_study(cfg, [Path(__file__).name, *argv], started)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

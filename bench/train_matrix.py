@@ -5,6 +5,7 @@ table of FRoD/LoRA ratios against LoRA's best configuration on the same GPU coun
 
     python bench/train_matrix.py --work /tmp/frodbench --out "$OUT"              # GPU machine, 1 GPU, ~8 min (H100)
     python bench/train_matrix.py --work /tmp/frodbench --out "$OUT" --gpus 2     # ZeRO rows on 2 GPUs as well
+    python bench/train_matrix.py --work /tmp/frodbench --out "$OUT" --link --plan "1:plain,zero2;4:zero2,zero3;2:zero3-keep/frod"
     DS_ACCELERATOR=cpu python bench/train_matrix.py --tiny --work /tmp/fb --out /tmp/fb/out   # CPU rehearsal
     python bench/train_matrix.py --table-only --out DIR                         # the table again from DIR/configs
 
@@ -37,6 +38,16 @@ EXTRAS = {"save-x": [("zero2", "frod", ("--frod-save", "x"))],
           # linear (QLoRA for LoRA, model.quantize_base for FRoD)
           **{f"{q}{b}": [("zero2", m, ("--frozen-quant", q, *(("--quantize-base",) if b else ()))) for m in ("frod", "lora")]
              for q in ("nf4", "int8") for b in ("", "-base")}}
+# ZeRO-3 variants (bench/train_matrix.py writes each as OUT/ds_variants/<name>.json: zero3.json + these keys)
+ZERO3_VARIANTS = {
+    # keep gathered weights from forward to backward: one gather per step instead of two (memory of ZeRO-2)
+    "zero3-keep": {"stage3_max_live_parameters": 20_000_000_000, "stage3_max_reuse_distance": 20_000_000_000,
+                   "stage3_prefetch_bucket_size": 500_000_000},
+    # bigger prefetch buckets only
+    "zero3-prefetch": {"stage3_prefetch_bucket_size": 500_000_000},
+    # ZeRO++ qwZ: all-gather the frozen weights in int8 blocks (halves the gathered bytes)
+    "zero3-qwz": {"zero_quantized_weights": True},
+}
 TINY_MODEL = ["--layers", "2", "--hidden", "64", "--inter", "128", "--heads", "4"]
 TINY_RUN = ["--batch", "2", "--seq", "32", "--warmup", "1", "--steps", "2", "--repeats", "2"]
 TINY_PROFILE = ["--n", "64", "--m", "64", "128", "--tokens", "96", "--layers", "2", "--inter", "128"]
@@ -81,16 +92,45 @@ def prepare(args, out: Path, stages: dict) -> tuple[Path, Path]:
     return model, factors
 
 
+def engine_config(engine: str, out: Path) -> str:
+    """The DeepSpeed JSON (or ``plain``) of an engine name; a ZeRO-3 variant is written under OUT/ds_variants."""
+    if engine in ENGINES:
+        return ENGINES[engine]
+    base = json.loads((REPO / ENGINES["zero3"]).read_text())
+    base["zero_optimization"].update(ZERO3_VARIANTS[engine])
+    path = out / "ds_variants" / f"{engine}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(base, indent=2) + "\n")
+    return str(path)
+
+
+def parse_plan(spec: str) -> list[tuple[str, str, tuple, int]]:
+    """``"1:plain,zero2;4:zero2,zero3;2:zero3-keep/frod"`` → [(engine, method, extra, gpus)], in that order.
+    ``ENGINE/frod`` or ``ENGINE/lora`` runs one method only; otherwise FRoD then LoRA."""
+    plan = []
+    for group in filter(None, (g.strip() for g in spec.split(";"))):
+        gpus, _, engines = group.partition(":")
+        for item in filter(None, (e.strip() for e in engines.split(","))):
+            engine, _, only = item.partition("/")
+            if engine not in ENGINES and engine not in ZERO3_VARIANTS:
+                raise SystemExit(f"error: --plan: unknown engine {engine!r} (one of {', '.join([*ENGINES, *ZERO3_VARIANTS])})")
+            if engine == "plain" and int(gpus) != 1:
+                raise SystemExit("error: --plan: plain PyTorch runs on one GPU only")
+            for method in ([only] if only else ["frod", "lora"]):
+                plan.append((engine, method, (), int(gpus)))
+    return plan
+
+
 def run_config(args, out: Path, engine: str, method: str, extra: tuple, gpus: int, model: Path,
                factors: Path, timeout: float) -> dict:
     """One ``train_step.py run`` process (torchrun for several GPUs); its result or a failure record."""
     tag = "-".join(a.strip("-") for a in extra).replace("frozen-quant-", "").replace("-quantize-base", "-base")
-    label = f"{method}{'_' + tag if extra else ''}_{engine}{'_gc' if args.gc else ''}_{gpus}gpu"
+    label = f"{method}{'_' + tag if extra else ''}_{engine.replace('-', '_')}{'_gc' if args.gc else ''}_{gpus}gpu"
     name = f"train_step_{label}"
     cmd = [sys.executable]
     if gpus > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}"]
-    cmd += ["bench/train_step.py", "run", "--method", method, "--config", ENGINES[engine], "--model", str(model),
+    cmd += ["bench/train_step.py", "run", "--method", method, "--config", engine_config(engine, out), "--model", str(model),
             "--factors", str(factors), "--out", str(out / "configs"), "--name", name, *extra]
     cmd += TINY_RUN if args.tiny else ["--steps", str(args.steps), "--repeats", str(args.repeats),
                                        "--warmup", str(args.warmup)]
@@ -116,7 +156,9 @@ def _label(d: dict) -> str:
     tags = [f"{k}={f[k]}" for k in variant]
     if d.get("frozen_quant", "none") != "none":
         tags.append(f"{d['frozen_quant']} {'whole base' if d.get('quantize_base') else 'targets'}")
-    return f"{m} {d['engine']}" + (f" ({', '.join(tags)})" if tags else "")
+    variant = Path(d.get("config") or "").stem
+    engine = variant if variant in ZERO3_VARIANTS else d["engine"]
+    return f"{m} {engine}" + (f" ({', '.join(tags)})" if tags else "")
 
 
 def load_results(out: Path) -> list[dict]:
@@ -158,7 +200,32 @@ def table(results: list[dict]) -> tuple[str, list[dict]]:
                                  "peak_allocated_gib": d.get("peak_allocated_gib"), "mfu": d.get("mfu"),
                                  "step_over_lora_best": best and d["step_s_median"] / best["step_s_median"]}
                                 for d in rows]})
-    return "\n".join(lines).strip() + "\n", groups
+    scaling_md, scaling = scaling_table(results)
+    return ("\n".join(lines).strip() + "\n" + scaling_md), groups + ([{"scaling": scaling}] if scaling else [])
+
+
+def scaling_table(results: list[dict]) -> tuple[str, list[dict]]:
+    """Total tokens/s on N GPUs over 1 GPU per (method, config), and ZeRO-3 ÷ ZeRO-2 tokens/s per GPU count."""
+    by = {(_label(d), d["world_size"], d["gradient_checkpointing"]): d for d in results}
+    rows = []
+    for (label, n, gc), d in sorted(by.items()):
+        one = by.get((label, 1, gc))
+        z2 = by.get((label.split(" zero3")[0] + " zero2", n, gc)) if " zero3" in label else None
+        if n == 1 and not z2:
+            continue
+        rows.append({"config": label, "gpus": n, "gradient_checkpointing": gc,
+                     "tokens_per_s_total": d["tokens_per_s_per_gpu"] * n,
+                     "scaling_vs_1gpu": d["tokens_per_s_per_gpu"] * n / one["tokens_per_s_per_gpu"] if one else None,
+                     "over_zero2": d["tokens_per_s_per_gpu"] / z2["tokens_per_s_per_gpu"] if z2 else None})
+    if not rows:
+        return "", []
+    md = ["", "**Scaling** (total tokens/s; N GPUs ÷ 1 GPU of the same config; ZeRO-3 variants ÷ ZeRO-2 of the "
+          "same method and GPU count)", "", "| config | GPUs | tokens/s total | ÷ 1 GPU | ÷ ZeRO-2 |", "|---|---|---|---|---|"]
+    for r in rows:
+        sc, z2 = r["scaling_vs_1gpu"], r["over_zero2"]
+        md.append(f"| {r['config']} | {r['gpus']} | {r['tokens_per_s_total']:,.0f} "
+                  f"| {f'{sc:.2f}×' if sc else '–'} | {f'{z2:.2f}×' if z2 else '–'} |")
+    return "\n".join(md) + "\n", rows
 
 
 def write_matrix(out: Path, results: list[dict], stages: dict, runs: list[dict], started: str) -> Path:
@@ -199,6 +266,11 @@ def main() -> None:
     ap.add_argument("--config-timeout-s", type=float, default=300, help="kill one configuration after this long")
     ap.add_argument("--deadline-s", type=float, default=570,
                     help="kill a running configuration when the whole command reaches this many seconds")
+    ap.add_argument("--plan", default=None,
+                    help="explicit order, e.g. '1:plain,zero2;4:zero2,zero3;1:zero3;2:zero3-keep/frod' "
+                         f"(ZeRO-3 variants: {', '.join(ZERO3_VARIANTS)}); replaces --engines/--extras/--gpus")
+    ap.add_argument("--link", action="store_true", help="first measure NCCL all-gather bandwidth (bench/link.py) "
+                                                        "on every multi-GPU count of the plan")
     ap.add_argument("--table-only", action="store_true", help="only rebuild the table from OUT/configs")
     args = ap.parse_args()
     unknown = [k for k in args.extras.split(",") if k and k not in EXTRAS]
@@ -217,11 +289,20 @@ def main() -> None:
         rc, stages["layer_profile_s"] = _run([sys.executable, "bench/layer_profile.py", "--out", str(out)]
                                              + (TINY_PROFILE if args.tiny else []), out / "logs" / "layer_profile.log", 180)
         print(f"layer profile: exit {rc}, {stages['layer_profile_s']:.0f} s", flush=True)
-    engines = [e for e in args.engines.split(",") if e]
-    plan = [(e, m, x, 1) for e, m, x in MAIN if e in engines]
-    plan += [(*x, 1) for k in args.extras.split(",") if k for x in EXTRAS[k]]
-    if args.gpus > 1:
-        plan += [(e, m, x, args.gpus) for e, m, x in MAIN if e in engines and e != "plain"]
+    if args.plan:
+        plan = parse_plan(args.plan)
+    else:
+        engines = [e for e in args.engines.split(",") if e]
+        plan = [(e, m, x, 1) for e, m, x in MAIN if e in engines]
+        plan += [(*x, 1) for k in args.extras.split(",") if k for x in EXTRAS[k]]
+        if args.gpus > 1:
+            plan += [(e, m, x, args.gpus) for e, m, x in MAIN if e in engines and e != "plain"]
+    if args.link:
+        for n in sorted({g for *_, g in plan if g > 1}):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                   "bench/link.py", "--out", str(out)] + (["--sizes-mib", "1", "4"] if args.tiny else [])
+            rc, stages[f"link_{n}gpu_s"] = _run(cmd, out / "logs" / f"link_{n}gpu.log", 120)
+            print(f"link {n} GPUs: exit {rc}\n{_tail(out / 'logs' / f'link_{n}gpu.log', 5)}", flush=True)
     runs: list[dict] = []
     for engine, method, extra, gpus in plan:
         if time.perf_counter() - t0 > args.budget_s:

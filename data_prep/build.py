@@ -62,6 +62,7 @@ class SplitResult:
     provenance: dict[str, Any] = field(default_factory=dict)
     families: dict[str, Any] | None = None  # LLM-Adapters files: family -> {"tasks", "read", "kept"}
     not_selected: int = 0  # combined LLM-Adapters file: rows of families not selected by --tasks
+    origin: str = ""  # the file (or Hub id and split) the rows were read from, for error messages
 
 
 def log(message: str) -> None:
@@ -174,7 +175,7 @@ def load_llm_adapters_splits(options: BuildOptions, path: Path) -> list[SplitRes
                                     strict=options.strict, selected=frozenset(options.tasks), id_prefix=path.stem)
         log(f"{path.name}: {len(conv.rows)} rows kept of {len(data.rows)}")
         results.append(SplitResult(path.name, "train", "train", conv.rows, len(data.rows), conv.dropped,
-                                   data.provenance, _families(conv), conv.not_selected))
+                                   data.provenance, _families(conv), conv.not_selected, data.origin))
         return results
     for task in options.tasks:
         for role in ("train", "eval"):
@@ -184,7 +185,7 @@ def load_llm_adapters_splits(options: BuildOptions, path: Path) -> list[SplitRes
                                         strict=options.strict, split=split)
             log(f"{task} {split}: {len(conv.rows)} rows kept of {len(data.rows)} ({data.origin})")
             results.append(SplitResult(task, role, split, conv.rows, len(data.rows), conv.dropped,
-                                       data.provenance, _families(conv)))
+                                       data.provenance, _families(conv), origin=data.origin))
     return results
 
 
@@ -203,8 +204,58 @@ def load_splits(options: BuildOptions) -> list[SplitResult]:
             data = sources.load_split(options.source, task, split, options.winogrande_size)
             rows, dropped = convert_split(task, split, data, options.strict)
             log(f"{task} {split}: {len(rows)} rows kept of {len(data.rows)} ({data.origin})")
-            results.append(SplitResult(task, role, split, rows, len(data.rows), dropped, data.provenance))
+            results.append(SplitResult(task, role, split, rows, len(data.rows), dropped, data.provenance,
+                                       origin=data.origin))
     return results
+
+
+DUPLICATE_ID = "duplicate id"
+OVERLONG = f"prompt + answer over {io.MAX_ROW_CHARS} characters"
+
+
+def drop_rows_training_refuses(result: SplitResult, strict: bool) -> None:
+    """Drop (and count) rows that training would refuse: a repeat of an earlier row's ``id`` in the split (the
+    first is kept), and a row whose prompt + answer exceeds `io.MAX_ROW_CHARS`; with `strict`, the first is an
+    error naming the task and file."""
+    seen: set[str] = set()
+    kept = []
+    for row in result.rows:
+        reason = DUPLICATE_ID if row["id"] in seen else \
+            OVERLONG if len(row["prompt"]) + len(row["answer"]) > io.MAX_ROW_CHARS else None
+        if reason is None:
+            seen.add(row["id"])
+            kept.append(row)
+        elif strict:
+            raise DataPrepError(f"{result.task}: {result.origin} row id {row['id']!r}: {reason} (--strict)")
+        else:
+            result.dropped[reason] += 1
+    result.rows = kept
+
+
+def check_no_empty_split(results: list[SplitResult], tasks: tuple[str, ...]) -> None:
+    """A split the build asked for must keep at least one row: an empty source file, or one whose rows were all
+    dropped, would otherwise leave a task out of the training mixture or the evaluation without a word. For a
+    combined LLM-Adapters file the same holds for each selected instruction family. Raises one error naming
+    every such split and its file; there is no switch to allow it (leave the task out of ``--tasks`` instead)."""
+    problems = []
+    for r in results:
+        combined = r.task not in TASKS  # a combined file: one result, checked per selected family below
+        what = r.origin if combined else f"{r.task} {r.split} split {r.origin}"
+        if r.read == 0:
+            problems.append(f"{what} has no rows")
+        elif not r.rows and not r.not_selected:
+            reasons = ", ".join(f"{k}: {v}" for k, v in sorted(r.dropped.items()))
+            problems.append(f"{what}: all {r.read} rows were dropped ({reasons})")
+        elif combined and r.families is not None:
+            kept = {key for key, f in r.families.items() if f["kept"]}
+            missing = [t for f in llm_adapters.FAMILIES.values() if set(f.tasks) <= set(tasks) and f.key not in kept
+                       for t in f.tasks]
+            if missing:
+                problems.append(f"{what} has no usable rows of {','.join(missing)}, selected by --tasks")
+    if problems:
+        dropped = any("were dropped" in p for p in problems)
+        raise DataPrepError("; ".join(problems) + "; fix the source" + (" (--strict names the first bad row)" if dropped
+                                                                       else "") + " or leave it out of --tasks")
 
 
 def mixture(results: list[SplitResult], seed: int) -> list[dict[str, Any]]:
@@ -316,6 +367,9 @@ def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
     options = replace(options, tasks=tuple(task for task in TASKS if task in options.tasks))  # canonical order
     tokenizer = tokens.load_tokenizer(options.tokenizer) if options.tokenizer else None
     results = load_splits(options)
+    for result in results:
+        drop_rows_training_refuses(result, options.strict)
+    check_no_empty_split(results, options.tasks)
     train = mixture(results, options.seed)
     manifest = make_manifest(options, results, len(train))
     if tokenizer is not None:

@@ -33,6 +33,9 @@ ORDER = ("task", "id", "prompt", "separator", "answer", "choices", "label")
 # The paper-template separator between prompt and answer (the FRoD paper's "\nAnswer: ").
 ANSWER_SEPARATOR = "\nAnswer: "
 
+# A row whose prompt + answer is longer than this is no sensible prompt: build drops it, training refuses it.
+MAX_ROW_CHARS = 100_000
+
 
 def row_separator(row: dict[str, Any]) -> str:
     """The text between a row's ``prompt`` and its answer: its ``separator`` field, else `ANSWER_SEPARATOR`."""

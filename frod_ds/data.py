@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.io import read_rows, row_separator
+from data_prep.io import MAX_ROW_CHARS, read_rows, row_separator
 from data_prep.tasks import DataPrepError
 from frod_ds.errors import FrodError
 from frod_ds.evaluation import encode_rows
@@ -29,7 +29,7 @@ from frod_ds.evaluation import encode_rows
 __all__ = ["DataError", "read_training_rows", "Example", "encode_examples", "collate", "BatchPlan"]
 
 IGNORE_INDEX = -100
-MAX_ROW_CHARS = 100_000  # a training row (prompt + answer) longer than this is refused, not silently truncated
+# MAX_ROW_CHARS (data_prep.io): a training row (prompt + answer) longer than this is refused, not silently truncated
 
 
 class DataError(FrodError):

@@ -40,6 +40,7 @@ __all__ = [
     "barrier",
     "all_reduce_sum",
     "all_gather_object",
+    "all_gather_into",
     "broadcast",
     "broadcast_object",
     "gather_rows",
@@ -143,6 +144,14 @@ def all_gather_object(obj: Any) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * get_world_size()
     dist.all_gather_object(out, obj)
+    return out
+
+
+def all_gather_into(out: Tensor, t: Tensor) -> Tensor:
+    """Every rank's ``t`` concatenated along dim 0 into ``out`` (``world`` times ``t``'s rows); ``out``."""
+    if not is_initialized():
+        return out.copy_(t)
+    dist.all_gather_into_tensor(out, t)
     return out
 
 

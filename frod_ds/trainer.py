@@ -8,7 +8,13 @@ and the schedule. ``fit`` runs optimizer steps from a stateless ``BatchPlan`` so
 Output dir::
 
     metrics.jsonl  loss.png  recipe.yaml  adapter-<step>/  adapter-final/
-    checkpoints/<tag>/ (DeepSpeed engine state + rng_rank<r>.pt + COMPLETE)  checkpoints/latest_complete
+    checkpoints/<tag>/ (DeepSpeed engine state, rng_rank<r>.pt, trainable_state.safetensors, COMPLETE seal)
+    checkpoints/latest_complete
+
+Resume: the newest checkpoint whose files match their seal (``frod_ds.checkpoint_dir``); newer ones that do not
+are skipped with a ``note:`` and set aside. On the world size and ZeRO stage that wrote it, DeepSpeed loads its
+own files (bitwise exact); on another, the world-size-independent record restores σ/S, AdamW and the schedule
+(``frod_ds.engine_checkpoint``, ``frod_ds.trainable_state``; the data order depends on the global batch only).
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -34,9 +39,11 @@ from frod_ds.adapter import adapter_state, load_adapter_into, read_adapter, supp
 from frod_ds.adapter_format import AdapterConfig
 from frod_ds.apply import frod_modules, frod_param_groups
 from frod_ds.build import build_frod_model, check_store_quant, gathered, make_supports
+from frod_ds.checkpoint_dir import choose_checkpoint
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
 from frod_ds.ds_config import load_ds_config, resolve_ds_config, zero_stage
 from frod_ds.dtypes import FLOAT_DTYPES
+from frod_ds.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.errors import FrodError, StoreError, note
 from frod_ds.layer import tan_alpha
 from frod_ds.recipe import Recipe, recipe_to_dict
@@ -82,6 +89,7 @@ class Run:
     out: Path
     adapter_config: AdapterConfig  # step and categories filled in at each save
     sigma0: dict[str, torch.Tensor] = field(default_factory=dict)
+    resume: tuple[str | None, list[tuple[str, str]]] = (None, [])  # checkpoint to resume, newer ones skipped
     start_step: int = 0
     stop_requested: bool = False
 
@@ -90,10 +98,10 @@ def _device() -> torch.device:
     return dist.local_device()
 
 
-def _check_store(recipe: Recipe):
+def _check_store(recipe: Recipe, resume_tag: str | None = None):
     """Open the factor store and refuse one built from another model — before anything heavy. Returns
     ``(model_dir, store, identity, run_identity)``; the identities are what the adapters and checkpoints
-    record, and a run to resume in ``output_dir`` must have the same ones (unless ``train.new_run``)."""
+    record, and the checkpoint ``resume_tag`` in ``output_dir`` must have the same ones."""
     from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
     from frod_ds.store import FactorStore, check_store_matches
 
@@ -120,29 +128,26 @@ def _check_store(recipe: Recipe):
         hyperparameters=training_hyperparameters(recipe_to_dict(recipe),
                                                  t.micro_batch_size * t.grad_accum * dist.get_world_size()),
         base_scope=BASE_SCOPE)
-    if not t.new_run:
-        _check_resume_store(Path(recipe.output_dir), identity)
-        _check_resume_run(Path(recipe.output_dir), run_identity)
+    if resume_tag is not None:
+        _check_resume_store(Path(recipe.output_dir), resume_tag, identity)
+        _check_resume_run(Path(recipe.output_dir), resume_tag, run_identity)
     return model_dir, store, identity, run_identity
 
 
-def _latest_checkpoint_record(out: Path, name: str, missing_note: str) -> Path | None:
-    """The file ``name`` beside the checkpoint a run in ``out`` would resume from; None when there is no
-    checkpoint, or (with ``note(f"checkpoint <dir> {missing_note}")``) when that checkpoint lacks the file."""
-    marker = out / "checkpoints" / "latest_complete"
-    if not marker.is_file():
-        return None
-    recorded = out / "checkpoints" / marker.read_text().strip() / name
+def _checkpoint_record(out: Path, tag: str, name: str, missing_note: str) -> Path | None:
+    """The file ``name`` of checkpoint ``tag`` in ``out``; None (with ``note(f"checkpoint <dir> {missing_note}")``)
+    when that checkpoint lacks it."""
+    recorded = out / "checkpoints" / tag / name
     if not recorded.is_file():
         note(f"checkpoint {recorded.parent} {missing_note}")
         return None
     return recorded
 
 
-def _check_resume_run(out: Path, identity: RunIdentity) -> None:
-    """``RunIdentityError`` when ``out`` holds a checkpoint of a run with another identity."""
-    recorded = _latest_checkpoint_record(
-        out, RUN_IDENTITY, "does not record its run identity (written by an older frod-ds): "
+def _check_resume_run(out: Path, tag: str, identity: RunIdentity) -> None:
+    """``RunIdentityError`` when checkpoint ``tag`` in ``out`` is of a run with another identity."""
+    recorded = _checkpoint_record(
+        out, tag, RUN_IDENTITY, "does not record its run identity (written by an older frod-ds): "
         "resuming without checking that it is this run")
     if recorded is None:
         return
@@ -177,10 +182,10 @@ def _supersede_previous_run(out: Path) -> None:
 STORE_IDENTITY = "factor_store.json"  # beside each engine checkpoint: the store it was trained on
 
 
-def _check_resume_store(out: Path, identity: StoreIdentity) -> None:
-    """``StoreError`` when ``out`` holds a checkpoint to resume that was trained on another factor store."""
-    recorded = _latest_checkpoint_record(
-        out, STORE_IDENTITY, "does not record its factor store (written by an older frod-ds): "
+def _check_resume_store(out: Path, tag: str, identity: StoreIdentity) -> None:
+    """``StoreError`` when checkpoint ``tag`` in ``out`` was trained on another factor store."""
+    recorded = _checkpoint_record(
+        out, tag, STORE_IDENTITY, "does not record its factor store (written by an older frod-ds): "
         f"resuming without checking that {identity.fingerprint[:16]}… is the store it was trained on")
     if recorded is None:
         return
@@ -217,9 +222,12 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     import deepspeed
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    # The checkpoint to resume: rank 0 checks the files against their seals (newest first) once for all.
+    resume = (None, []) if recipe.train.new_run else \
+        dist.on_main(lambda: choose_checkpoint(Path(recipe.output_dir) / "checkpoints"))
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
     ds_cfg, model_dir, store, identity, run_identity, tok, examples, eval_examples = dist.on_all(
-        lambda: _inputs(recipe, ds_config_path, nvme_path))
+        lambda: _inputs(recipe, ds_config_path, nvme_path, resume[0]))
     plan = BatchPlan(len(examples), recipe.train.micro_batch_size, recipe.train.grad_accum, world, rank,
                      recipe.train.seed)
     total = plan.total_steps(recipe.train.epochs, recipe.train.max_steps)
@@ -266,6 +274,7 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
               zero3, store, identity, run_identity, out, config)
     run.sigma0 = sigma0
+    run.resume = resume
     if dist.is_main():
         if recipe.train.new_run:
             _supersede_previous_run(out)
@@ -276,7 +285,7 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     return run
 
 
-def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None):
+def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_tag: str | None = None):
     """Everything ``setup`` needs that a user can get wrong, checked before anything heavy: the DeepSpeed
     config, the data rows, the factor store against the model (and against a run to resume), the tokenizer."""
     ds_cfg = resolve_ds_config(load_ds_config(ds_config_path), recipe, dist.get_world_size(), nvme_path)
@@ -287,7 +296,7 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None):
             raise FrodError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
     rows = read_training_rows(recipe.data.train, recipe.data.limit)
     eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
-    model_dir, store, identity, run_identity = _check_store(recipe)
+    model_dir, store, identity, run_identity = _check_store(recipe, resume_tag)
     tok = _load_tokenizer(recipe, model_dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
     eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
@@ -366,22 +375,13 @@ def _ckpt_root(run: Run) -> Path:
 
 
 def _maybe_resume(run: Run) -> int:
-    marker = _ckpt_root(run) / "latest_complete"
-    tag = dist.broadcast_object(marker.read_text().strip() if marker.is_file() else None, src=0)
+    """Restore the checkpoint ``setup`` chose (``run.resume``); returns the step to continue from (0: none)."""
+    tag, skipped = run.resume
     if tag is None:
         return 0
-    path, client = run.engine.load_checkpoint(
-        str(_ckpt_root(run)), tag=tag, load_module_strict=False, load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-    )
-    if path is None:
-        raise RuntimeError(f"could not load engine checkpoint {tag} from {_ckpt_root(run)}")
-    rng = torch.load(_ckpt_root(run) / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available() and rng.get("cuda") is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
-    step = int(client["step"])
+    t = run.recipe.train
+    step = restore_checkpoint(run.engine, _ckpt_root(run), tag, skipped,
+                              Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum), run.zero3)
     metrics = run.out / "metrics.jsonl"
     if dist.is_main() and metrics.is_file():  # drop rows of steps after the checkpoint: they are replayed
         kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
@@ -393,30 +393,11 @@ def _maybe_resume(run: Run) -> int:
 
 
 def save_checkpoint(run: Run, step: int) -> None:
-    """Engine state (optimizer, scheduler, trainable params), RNG per rank, then the COMPLETE marker."""
-    root = _ckpt_root(run)
-    tag = f"step{step:08d}"
-    run.engine.save_checkpoint(str(root), tag=tag, client_state={"step": step},
-                               exclude_frozen_parameters=True)
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(rng, root / tag / f"rng_rank{dist.get_rank()}.pt")
-    dist.barrier()
-    if dist.is_main():
-        (root / tag / STORE_IDENTITY).write_text(run.store_identity.to_json())
-        (root / tag / RUN_IDENTITY).write_text(run.run_identity.to_json())
-        (root / tag / "COMPLETE").write_text("")
-        tmp = root / "latest_complete.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, root / "latest_complete")
-        complete = sorted(p.name for p in root.iterdir() if (p / "COMPLETE").is_file())
-        for old in complete[: -run.recipe.train.keep_checkpoints]:
-            if old != tag:
-                shutil.rmtree(root / old, ignore_errors=True)
-        for p in root.iterdir():  # leftovers of a save that was killed: never resumed from
-            if p.is_dir() and p.name.startswith("step") and not (p / "COMPLETE").is_file() and p.name != tag:
-                shutil.rmtree(p, ignore_errors=True)
-    dist.barrier()
+    """The engine checkpoint of ``step`` with the run's identity records, sealed (``frod_ds.engine_checkpoint``)."""
+    t = run.recipe.train
+    write_checkpoint(run.engine, _ckpt_root(run), step, Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum),
+                     t.keep_checkpoints, {STORE_IDENTITY: run.store_identity.to_json(),
+                                          RUN_IDENTITY: run.run_identity.to_json()})
 
 
 def save_adapter(run: Run, step: int, name: str) -> None:
@@ -569,7 +550,8 @@ def fit(run: Run) -> int:
             dist.print0(f"SIGTERM: checkpoint saved at step {step}; re-run the same command to resume")
             return STOP_EXIT_CODE
     bar.close()
-    save_checkpoint(run, step)
+    if step > run.start_step:  # resumed at the last step: the checkpoint resumed from is that step's
+        save_checkpoint(run, step)
     save_adapter(run, step, "adapter-final")
     if dist.is_main():
         plot_loss(metrics_path, run.out / "loss.png")

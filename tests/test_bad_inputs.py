@@ -172,6 +172,52 @@ def test_bad_training_data_is_one_line_naming_the_file(env, tmp_path, capsys, ca
     assert not (out / "checkpoints").exists() and not (out / "adapter-final").exists()
 
 
+# -- data builds that would quietly shrink ----------------------------------------------------------------
+
+LA_FIXTURE = REPO / "tests" / "fixtures" / "data_prep" / "llm_adapters"
+MIRROR_FIXTURE = REPO / "tests" / "fixtures" / "data_prep" / "mirror"
+
+
+def _build(capsys, source: str, out: Path, tasks: str) -> str:
+    from data_prep.cli import main as data_prep_main
+
+    return one_error(capsys, data_prep_main(["build", "--source", source, "--out", str(out), "--tasks", tasks]))
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_data_build_with_an_empty_llm_adapters_split_is_refused(tmp_path, capsys, split):
+    src = tmp_path / "src"
+    shutil.copytree(LA_FIXTURE / "boolq", src / "boolq")
+    shutil.copytree(LA_FIXTURE / "piqa", src / "piqa")
+    (src / "boolq" / f"{split}.json").write_text("[]")
+    before = tree(src)
+    out = tmp_path / "out"
+    line = _build(capsys, f"llm-adapters:{src}", out, "boolq,piqa")
+    assert f"boolq {split} split {src / 'boolq' / f'{split}.json'} has no rows" in line
+    assert "leave it out of --tasks" in line
+    assert tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_data_build_whose_split_loses_every_row_is_refused(tmp_path, capsys):
+    src = tmp_path / "mirror"
+    shutil.copytree(MIRROR_FIXTURE, src)
+    (src / "piqa" / "train.json").write_text('[{"goal": "g"}, {"sol1": "a"}]')  # no row renders
+    before = tree(src)
+    line = _build(capsys, str(src), tmp_path / "out", "boolq,piqa")
+    assert f"piqa train split {src / 'piqa' / 'train.json'}: all 2 rows were dropped (" in line
+    assert "--strict" in line
+    assert tree(src) == before and sorted(p.name for p in tmp_path.iterdir()) == ["mirror"]
+
+
+def test_data_build_of_a_combined_file_without_a_selected_task_is_refused(tmp_path, capsys):
+    combined = tmp_path / "commonsense_170k.json"
+    combined.write_text((LA_FIXTURE / "boolq" / "train.json").read_text())  # BoolQ rows only
+    before = tree(combined)
+    line = _build(capsys, f"llm-adapters:{combined}", tmp_path / "out", "boolq,piqa")
+    assert f"{combined} has no usable rows of piqa, selected by --tasks" in line
+    assert tree(combined) == before and sorted(p.name for p in tmp_path.iterdir()) == ["commonsense_170k.json"]
+
+
 def test_density_so_small_that_s_is_empty_is_refused(env, tmp_path, capsys):
     out = tmp_path / "out"
     line = one_error(capsys, train(env, out, "model.sparsity=1e-6"))
@@ -270,6 +316,104 @@ def test_corrupt_run_identity_record_is_one_line(env, trained, tmp_path, capsys)
     before = tree(out)
     line = one_error(capsys, train(env, out))
     assert "corrupt" in line and "run_identity.json" in line
+    assert tree(out) == before
+
+
+# -- damaged checkpoints: fall back to the newest complete one, or say what to do ----------------------------
+
+@pytest.fixture(scope="module")
+def saved_each_step(env):
+    """A finished 3-step run with a sealed checkpoint after every step; and its command for another output_dir."""
+    def overrides(out: Path) -> list[str]:
+        return env.overrides(out, **{"train.max_steps": 3, "train.save_every": 1, "train.keep_checkpoints": 3})
+
+    out = env.root / "each-step"
+    proc = run_train(CPU_ZERO2, overrides(out), nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step*")) == [f"step{s:08d}" for s in (1, 2, 3)]
+    return out, overrides
+
+
+def _unfinished(run: Path, dest: Path, drop: tuple[str, ...] = ()) -> Path:
+    """A copy of ``run`` as if it had been stopped after its last checkpoint (no adapter-final), minus ``drop``."""
+    shutil.copytree(run, dest)
+    shutil.rmtree(dest / "adapter-final")
+    for tag in drop:
+        shutil.rmtree(dest / "checkpoints" / tag)
+    return dest
+
+
+def _notes(proc) -> list[str]:
+    return [x for x in proc.stderr.splitlines() if x.startswith("note:")]
+
+
+def _optim_shard(ckpt: Path) -> Path:
+    return next(ckpt.glob("*optim_states.pt"))
+
+
+def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(saved_each_step, tmp_path):
+    """Same step, same losses, same adapter as a run resumed from that checkpoint directly; the skipped checkpoint
+    is set aside byte for byte, the one resumed from is left as it was."""
+    run, overrides = saved_each_step
+    out = _unfinished(run, tmp_path / "fallback")
+    shard = _optim_shard(out / "checkpoints" / "step00000003")
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    skipped, resumed = tree(out / "checkpoints" / "step00000003"), tree(out / "checkpoints" / "step00000002")
+    proc = run_train(CPU_ZERO2, overrides(out), nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = _notes(proc)
+    assert f"checkpoint {out / 'checkpoints' / 'step00000003'} skipped ({shard.name} is truncated (" in line
+    assert "resuming from the newest complete one, step00000002" in line and "skipped-step00000003" in line
+    assert "resumed from step00000002: step 2/3" in proc.stdout
+    assert tree(out / "checkpoints" / "skipped-step00000003") == skipped, "the skipped checkpoint kept as it was"
+    assert tree(out / "checkpoints" / "step00000002") == resumed
+
+    direct = _unfinished(run, tmp_path / "direct", drop=("step00000003",))
+    proc = run_train(CPU_ZERO2, overrides(direct), nproc=0)
+    assert proc.returncode == 0 and not _notes(proc), proc.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["loss"] for r in rows] == [json.loads(x)["loss"] for x in (direct / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    a, b = (load_file(str(d / "adapter-final" / "adapter.safetensors")) for d in (out, direct))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_newest_checkpoint_with_a_changed_byte_falls_back(saved_each_step, tmp_path):
+    run, overrides = saved_each_step
+    out = _unfinished(run, tmp_path / "flipped")
+    state = out / "checkpoints" / "step00000003" / "trainable_state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[-5] ^= 0x01
+    state.write_bytes(bytes(data))
+    before = tree(out / "checkpoints" / "step00000002")
+    proc = run_train(CPU_ZERO2, overrides(out), nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = _notes(proc)
+    assert "step00000003 skipped (trainable_state.safetensors is corrupt (its sha256 differs" in line
+    assert tree(out / "checkpoints" / "step00000002") == before
+    assert (out / "adapter-final").is_dir()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "seal"])
+def test_no_resumable_checkpoint_is_one_line_and_touches_nothing(env, trained, tmp_path, capsys, damage):
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    shutil.rmtree(out / "adapter-final")
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest_complete").read_text().strip()
+    shard = _optim_shard(ckpt)
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "missing":
+        shard.unlink()
+    else:
+        (ckpt / "COMPLETE").write_text('{"format": ')
+    before = tree(out)
+    line = one_error(capsys, train(env, out))
+    why = {"truncated": f"{shard.name} is truncated (100 of", "missing": f"{shard.name} is missing",
+           "seal": "its COMPLETE record is corrupt"}[damage]
+    assert f"no checkpoint in {out / 'checkpoints'} can be resumed" in line and why in line
+    assert "train.new_run=true" in line and f"remove {out / 'checkpoints'}" in line
     assert tree(out) == before
 
 

@@ -102,7 +102,7 @@ def test_train_matrix_rehearsal_runs_every_engine_and_method(tmp_path):
                     key=lambda c: c["step_s_median"])
     group = doc["groups"][0]
     assert group["lora_best"]["engine"] == lora_best["engine"]
-    assert f"LoRA's best: **{lora_best['engine']}**" in doc["table_md"] and doc["table_md"].count("\n| ") == 9
+    assert f"LoRA's best: **{lora_best['engine']}**" in doc["table_md"] and doc["table_md"].split("**Scaling**")[0].count("\n| ") == 9
     assert doc["versions"]["deepspeed"] and doc["command"].startswith("python")
 
     # NF4 U_i under a bf16 ZeRO-3 zero.Init (sizes of the blobs must not follow zero.Init's dtype): the same model
@@ -123,3 +123,45 @@ def test_train_matrix_rehearsal_runs_every_engine_and_method(tmp_path):
         for name in ("frod_fn_tokens_z_dense", "frod_fn_tokens_x_dense", "frod_fn_tokens_z_sampled"):
             assert "dense M (n×n)" not in saved[name], name
         assert "activations (z, h, Ax)" not in saved["frod_fn_tokens_x_dense"], "save x keeps no z"
+
+
+def test_train_matrix_plan_keeps_the_given_order_and_refuses_unknown_engines():
+    from bench.train_matrix import parse_plan
+
+    plan = parse_plan("1:plain,zero2; 4:zero3 ;2:zero3-keep/frod")
+    assert [(e, m, g) for e, m, _, g in plan] == [
+        ("plain", "frod", 1), ("plain", "lora", 1), ("zero2", "frod", 1), ("zero2", "lora", 1),
+        ("zero3", "frod", 4), ("zero3", "lora", 4), ("zero3-keep", "frod", 2)]
+    with pytest.raises(SystemExit, match="unknown engine 'zero4'"):
+        parse_plan("1:zero4")
+    with pytest.raises(SystemExit, match="plain PyTorch runs on one GPU"):
+        parse_plan("2:plain")
+
+
+def test_scaling_table_ratios_match_hand_computed_values():
+    from bench.train_matrix import scaling_table
+
+    def rec(method, engine, n, tps, config=None):
+        return {"method": method, "engine": engine, "world_size": n, "gradient_checkpointing": False,
+                "tokens_per_s_per_gpu": tps, "config": config or f"ds_configs/{engine}.json", "frod": {}}
+
+    results = [rec("frod", "zero2", 1, 1000.0), rec("frod", "zero2", 2, 900.0), rec("frod", "zero3", 2, 450.0),
+               rec("frod", "zero3", 2, 600.0, config="out/ds_variants/zero3-keep.json")]
+    _, rows = scaling_table(results)
+    got = {(r["config"], r["gpus"]): r for r in rows}
+    assert got[("FRoD zero2", 2)]["scaling_vs_1gpu"] == pytest.approx(1.8)  # 2 x 900 / 1000
+    assert got[("FRoD zero3", 2)]["over_zero2"] == pytest.approx(0.5)
+    assert got[("FRoD zero3-keep", 2)]["over_zero2"] == pytest.approx(600 / 900)
+    assert got[("FRoD zero3", 2)]["scaling_vs_1gpu"] is None  # no 1-GPU ZeRO-3 row
+
+
+def test_link_benchmark_runs_on_two_gloo_ranks(tmp_path):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "bench/link.py", "--out", str(tmp_path), "--sizes-mib", "1", "--iters", "2"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads((tmp_path / "link_2gpu.json").read_text())
+    (row,) = doc["sizes"]
+    assert doc["world_size"] == 2 and row["size_mib"] == pytest.approx(1.0)
+    assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] / 2)

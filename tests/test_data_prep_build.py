@@ -242,6 +242,29 @@ def test_strict_passes_on_clean_tasks(tmp_path):
     assert manifest["dropped"] == {}
 
 
+def test_rows_training_would_refuse_are_dropped_and_counted(tmp_path):
+    """A repeated id (the first row kept) and a row over MAX_ROW_CHARS: dropped and counted like invalid rows,
+    so the build never hands training a file it refuses; --strict makes the first one an error."""
+    from data_prep.build import DUPLICATE_ID, OVERLONG
+    from data_prep.io import MAX_ROW_CHARS
+
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / "arc_easy", mirror / "arc_easy")
+    lines = (mirror / "arc_easy" / "train.jsonl").read_text().splitlines()
+    huge = {**json.loads(lines[0]), "id": "huge", "question": "q" * MAX_ROW_CHARS}
+    (mirror / "arc_easy" / "train.jsonl").write_text("\n".join([*lines, lines[0], json.dumps(huge)]) + "\n")
+    manifest, _ = run_build(tmp_path / "out", source=mirror, tasks=("arc_easy",))
+    assert manifest["dropped"] == {"arc_easy": {"train": {DUPLICATE_ID: 1, OVERLONG: 1}}}
+    counts = manifest["counts"]["arc_easy"]["train"]
+    assert (counts["read"], counts["kept"], counts["dropped"]) == (len(lines) + 2, len(lines), 2)
+    ids = [r["id"] for r in read_rows(tmp_path / "out" / "train.jsonl")]
+    assert sorted(ids) == sorted(json.loads(x)["id"] for x in lines)
+    with pytest.raises(DataPrepError, match=f"arc_easy: .*train.jsonl row id '{json.loads(lines[0])['id']}': "
+                                            f"{DUPLICATE_ID} \\(--strict\\)"):
+        run_build(tmp_path / "strict", source=mirror, tasks=("arc_easy",), strict=True)
+    assert_nothing_written(tmp_path / "strict")
+
+
 def test_missing_task_directory_names_it_and_suggests_tasks(tmp_path):
     mirror = tmp_path / "mirror"
     for task in ("boolq", "piqa"):

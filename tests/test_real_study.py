@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -76,14 +77,14 @@ def setup(tmp_path_factory):
             "--heldout", "8", "--batch-size", "8", "--curve-limit", "3", "--checkpoints", "2",
             "--max-new-tokens", "6", "--gen-batch", "4", "--eval-batch", "8",
             "--lrs", "frod=1e-3,1e-2,1e-1", "--lrs", "lora16=1e-3,1e-2,1e-1",
-            "--lrs", "lora32=1e-3,1e-2,1e-1", "--lrs", "full=1e-4,1e-3,1e-2"]
+            "--lrs", "lora32=1e-3,1e-2,1e-1", "--lrs", "full=1e-4,1e-3,1e-2", "--extend", "0"]
     assert real_study.main(argv) == 0
     doc = json.loads((out / "real_study.json").read_text())
-    return doc, train, tok, model_dir, out
+    return doc, train, tok, model_dir, out, argv
 
 
 def test_study_writes_every_method_sweep_choice_and_test_accuracy(setup):
-    doc, _, _, _, out = setup
+    doc, _, _, _, out, _ = setup
     assert doc["complete"] is True
     assert set(doc["methods"]) == {"frod", "lora16", "lora32", "full"}
     steps = doc["data"]["steps"]
@@ -107,7 +108,7 @@ def test_study_writes_every_method_sweep_choice_and_test_accuracy(setup):
 
 
 def test_every_run_sees_the_same_tokens_in_the_same_order(setup):
-    doc, train, tok, _, _ = setup
+    doc, train, tok, _, _, _ = setup
     runs = [r for m in doc["methods"].values() for r in m["sweep"]]
     assert len({r["data_order_sha256"] for r in runs}) == 1
     held = set(doc["data"]["heldout_ids"])
@@ -125,7 +126,7 @@ def test_every_run_sees_the_same_tokens_in_the_same_order(setup):
 def test_step_one_losses_equal_a_plain_transformers_forward(setup):
     from transformers import AutoModelForCausalLM
 
-    doc, train, tok, model_dir, _ = setup
+    doc, train, tok, model_dir, _, _ = setup
     by_id = {r["id"]: r for r in train}
     rows = [by_id[i] for i in doc["data"]["first_batch_ids"]]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -150,7 +151,7 @@ def test_step_one_losses_equal_a_plain_transformers_forward(setup):
 
 
 def test_user_mistakes_exit_2_with_one_line_and_write_nothing(setup, tmp_path, capsys):
-    _, _, _, model_dir, _ = setup
+    _, _, _, model_dir, _, _ = setup
     data = Path(setup[4]).parent / "data"
     cases = [
         (["--lrs", "frod=1e-3,1e-2"], "equal sizes"),
@@ -169,34 +170,190 @@ def test_user_mistakes_exit_2_with_one_line_and_write_nothing(setup, tmp_path, c
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
     assert real_study.main(["--model", str(model_dir), "--data", str(data), "--out", str(busy)]) == 2
-    assert "not an empty directory" in capsys.readouterr().err
+    assert "neither empty nor a study directory" in capsys.readouterr().err
     assert [p.name for p in busy.iterdir()] == ["keep.txt"]
 
 
-def test_a_run_past_the_budget_stops_and_leaves_partial_results(setup, tmp_path):
-    _, _, _, model_dir, out = setup
-    data = out.parent / "data"
+def _runs(out: Path) -> dict[tuple[str, float], dict]:
+    return {(r["method"], r["lr"]): r for r in (json.loads(p.read_text()) for p in (out / "records").glob("*.json"))}
+
+
+def _same_results(got: dict, want: dict) -> None:
+    """Two results documents of the same study hold the same runs, choices and test results."""
+    assert set(got["methods"]) == set(want["methods"])
+    for name, m in want["methods"].items():
+        g = got["methods"][name]
+        assert [r["lr"] for r in g["sweep"]] == [r["lr"] for r in m["sweep"]], name
+        for a, b in zip(g["sweep"], m["sweep"], strict=True):
+            assert a["data_order_sha256"] == b["data_order_sha256"]
+            for key in ("loss", "answer_loss"):
+                assert a["log"][key] == pytest.approx(b["log"][key], rel=1e-5), (name, a["lr"])
+            assert a["heldout"]["accuracy"] == b["heldout"]["accuracy"]
+        assert g["chosen"]["lr"] == m["chosen"]["lr"]
+        for protocol in m["test"]:
+            assert g["test"][protocol]["correct_bits"] == m["test"][protocol]["correct_bits"], (name, protocol)
+
+
+def test_a_command_past_its_budget_leaves_the_runs_to_the_next_one(setup, tmp_path):
+    doc, _, _, _, _, argv = setup
+    out = tmp_path / "cut"
+    argv = [*argv[:argv.index("--out") + 1], str(out), *argv[argv.index("--out") + 2:]]
+    # training must start by 0.06 s after the command's start: no run fits, the base evals are recorded
+    assert real_study.main([*argv, "--max-minutes", "1", "--eval-reserve-minutes", "0.999"]) == 0
+    cut = json.loads((out / "real_study.json").read_text())
+    assert cut["complete"] is False and not _runs(out) and "base" in cut
+    assert all(not m["sweep"] and "chosen" not in m for m in cut["methods"].values())
+    assert any(w.startswith("LEFT FOR A LATER COMMAND: frod lr=0.01, 0.001, 0.1") for w in cut["warnings"])
+    assert any(w.startswith("SWEEP INCOMPLETE: full has 0 of 3 LRs") for w in cut["warnings"])
+    assert cut["claim"]["vs"]["lora16"] == {"available": False}
+    base = (out / "base.json").read_bytes()
+    assert real_study.main(argv) == 0  # the same command again goes on in --out
+    got = json.loads((out / "real_study.json").read_text())
+    assert got["complete"] is True and len(got["invocations"]) == 2
+    assert (out / "base.json").read_bytes() == base  # the base model is not evaluated again
+    assert {r["invocation"] for r in _runs(out).values()} == {1}
+    _same_results(got, doc)
+
+
+def test_resume_trains_only_what_is_missing_and_scores_a_best_run_whose_results_were_lost(setup, tmp_path):
+    doc, _, _, _, out, argv = setup
     part = tmp_path / "part"
-    argv = ["--model", str(model_dir), "--data", str(data), "--out", str(part), "--device", "cpu", "--heldout", "8",
-            "--batch-size", "8", "--protocols", "loglik", "--no-base-eval",
-            "--max-minutes", "1", "--eval-reserve-minutes", "0.999"]  # training must end 0.06 s after the start
+    shutil.copytree(out, part)
+    # a command cut off after some runs: two runs missing, the chosen lora16 run never scored
+    for name, lr in (("frod", 0.1), ("full", 0.01)):
+        (part / "records" / f"{name}_lr{lr!r}.json").unlink()
+    lora16 = doc["methods"]["lora16"]["chosen"]["lr"]
+    path = part / "records" / f"lora16_lr{lora16!r}.json"
+    record = json.loads(path.read_text())
+    del record["test"]
+    path.write_text(json.dumps(record))
+    before = _runs(part)
+    src = tmp_path / "src"
+    shutil.copytree(part, src)
+    src_bytes = {p: p.read_bytes() for p in src.rglob("*") if p.is_file()}
+
+    argv = [*argv[:argv.index("--out") + 1], str(part), *argv[argv.index("--out") + 2:]]
     assert real_study.main(argv) == 0
-    doc = json.loads((part / "real_study.json").read_text())
-    assert doc["complete"] is False
-    assert any(w.startswith("RUN STOPPED BY THE TIME BUDGET: frod") for w in doc["warnings"])
-    frod = doc["methods"]["frod"]
-    assert len(frod["sweep"]) == 1 and not frod["sweep"][0]["completed"] and "chosen" not in frod
-    assert all(not m["sweep"] for k, m in doc["methods"].items() if k != "frod")
-    assert doc["claim"]["vs"]["lora16"] == {"available": False}
+    got = json.loads((part / "real_study.json").read_text())
+    assert got["complete"] is True
+    runs = _runs(part)
+    trained_now = {k for k, r in runs.items() if r["invocation"] == 1}
+    assert trained_now == {("frod", 0.1), ("full", 0.01), ("lora16", lora16)}
+    for k in set(before) - trained_now:
+        assert runs[k] == before[k]  # finished runs are not touched
+    _same_results(got, doc)
+
+    # --resume-from: the same from a copy, into a new directory; the copy is left as it was
+    fresh = tmp_path / "fresh"
+    argv = [*argv[:argv.index("--out") + 1], str(fresh), *argv[argv.index("--out") + 2:], "--resume-from", str(src)]
+    assert real_study.main(argv) == 0
+    _same_results(json.loads((fresh / "real_study.json").read_text()), doc)
+    assert {k for k, r in _runs(fresh).items() if r["invocation"] == 1} == trained_now
+    assert {p: p.read_bytes() for p in src.rglob("*") if p.is_file()} == src_bytes
+
+
+def test_a_study_directory_of_other_settings_is_refused_with_one_line(setup, tmp_path, capsys):
+    _, _, _, _, out, argv = setup
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    for extra, needle in ((["--batch-size", "4"], "batch_size: 8 there, 4 now"),
+                          (["--seed", "1", "--cutoff", "64"], "cutoff: 256 there, 64 now; seed: 0 there, 1 now")):
+        assert real_study.main([*argv, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --out {out} holds a study with another configuration")
+        assert needle in err[0], err
+        other = tmp_path / "other"
+        args = [*argv[:argv.index("--out") + 1], str(other), *argv[argv.index("--out") + 2:], "--resume-from", str(out)]
+        assert real_study.main([*args, *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error: --resume-from" in err[0] and needle in err[0], err
+        assert not other.exists()
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == files
+    assert real_study.main([*argv[:-2], "--resume-from", str(tmp_path)]) == 2
+    assert "is not a study directory" in capsys.readouterr().err
+
+
+def test_next_lr_steps_past_the_end_on_the_half_decade_grid():
+    from bench.study.schedule import next_lr
+
+    assert next_lr(1e-4, 3e-4) == 3e-5 and next_lr(1e-3, 3e-4) == 3e-3
+    assert next_lr(3e-5, 1e-4) == 1e-5 and next_lr(3e-4, 1e-4) == 1e-3
+    assert next_lr(1e-2, 3e-3) == 3e-2 and next_lr(1e-3, 3e-3) == 3e-4
+    assert next_lr(3e-5, 2e-5) == 4.5e-5  # another grid: its own step, where the half-decade one is not past it
+
+
+def _record(method: str, lr: float, acc: float, wall: float = 100.0):
+    from bench.study.records import RunRecord
+
+    return RunRecord(method=method, lr=lr, lr_s=None, trainable_params=1, steps=6, train_seconds=1.0, step_ms=1.0,
+                     wall_seconds=wall, workers=1, tokens=1, scored_tokens=1, answer_tokens=1, data_order_sha256="x",
+                     peak_mem_gb=None, heldout={"accuracy": acc, "answer_loss": 1 - acc}, checkpoints=[], log={},
+                     invocation=0)
+
+
+def test_schedule_starts_only_what_fits_and_scores_a_best_run_once_its_method_can_train_no_more(tmp_path):
+    from bench.study.config import StudyConfig, parse_lrs
+    from bench.study.schedule import Schedule
+
+    cfg = StudyConfig(model=".", data=".", out=".", methods=["frod", "full"], eval_reserve_minutes=1.0,
+                      lrs=parse_lrs(["frod=1e-3,3e-3,1e-2", "full=3e-5,1e-4,3e-4"], ["frod", "full"]))
+    warned = []
+    plan = Schedule(cfg, {}, deadline=1000.0, train_deadline=940.0, tmp=tmp_path, log=lambda m: None,
+                    warn=warned.append)
+    jobs = [plan.next_job(0.0) for _ in range(4)]  # nothing recorded: every run may start; centre out, by round
+    assert [(j[0], j[1], j[2]) for j in jobs] == [("train", "frod", 3e-3), ("train", "full", 1e-4),
+                                                 ("train", "frod", 1e-3), ("train", "full", 3e-5)]
+    for (m, lr), acc in {("frod", 3e-3): 0.5, ("frod", 1e-3): 0.4}.items():
+        plan.runs[(m, lr)] = _record(m, lr, acc)
+        plan.states[(m, lr)] = tmp_path / f"{m}{lr}"
+        plan.in_flight.pop((m, lr))
+    # frod 1e-2 is predicted to take 110 s: it fits at 800 s, so frod's best is not scored yet
+    assert plan.next_job(800.0)[:3] == ("train", "frod", 1e-2)
+    plan.in_flight.pop(("frod", 1e-2))
+    # at 850 s it no longer fits: frod will train no more in this command, so its best is scored now
+    assert plan.next_job(850.0) == ("eval", "frod", 3e-3, str(tmp_path / "frod0.003"))
+    assert ("frod", 3e-3) in plan.in_flight and not plan.settled("frod") and warned == []
+    # full still trains (1e-4, 3e-5 out): nothing else starts; an eval that cannot end before 1000 s never starts
+    assert plan.next_job(850.0) is None
+    plan.runs[("full", 1e-4)] = _record("full", 1e-4, 0.3)
+    plan.states[("full", 1e-4)] = tmp_path / "full"
+    plan.in_flight.pop(("full", 1e-4)), plan.in_flight.pop(("full", 3e-5))
+    assert plan.next_job(975.0) is None and warned and warned[0].startswith("TEST EVAL DID NOT FIT: full lr=0.0001")
+
+
+def test_a_choice_at_an_end_extends_the_sweep_now_and_in_a_later_command(setup, tmp_path):
+    _, _, _, model_dir, out, _ = setup
+    ext = tmp_path / "ext"
+    # LRs far too small to move the model in 6 steps: the held-out answer loss falls with the LR, so the
+    # highest LR is the best, and so is every extension past it
+    argv = ["--model", str(model_dir), "--data", str(out.parent / "data"), "--out", str(ext), "--device", "cpu",
+            "--heldout", "8", "--batch-size", "8", "--curve-limit", "3", "--checkpoints", "1", "--eval-batch", "8",
+            "--methods", "full", "--lrs", "full=1e-5,2e-5,3e-5", "--protocols", "loglik", "--no-base-eval",
+            "--select-by", "answer_loss"]
+    assert real_study.main([*argv, "--extend", "1"]) == 0
+    doc = json.loads((ext / "real_study.json").read_text())
+    full = doc["methods"]["full"]
+    assert full["lrs"] == [1e-5, 2e-5, 3e-5, 4.5e-5] and full["extended"] == [4.5e-5]
+    losses = [r["heldout"]["answer_loss"] for r in full["sweep"]]
+    assert losses == sorted(losses, reverse=True)
+    assert full["chosen"]["lr"] == 4.5e-5 and full["chosen"]["at_sweep_end"] and full["chosen"]["final"]
+    assert any(w.startswith("LR AT SWEEP END: full chose lr=4.5e-05, the highest") and "raise --extend (now 1)" in w
+               for w in doc["warnings"])
+    assert set(_runs(ext)) == {("full", lr) for lr in full["lrs"]} and _runs(ext)[("full", 4.5e-5)]["test"]
+    assert real_study.main([*argv, "--extend", "2"]) == 0  # a later command may go one further
+    doc = json.loads((ext / "real_study.json").read_text())
+    full = doc["methods"]["full"]
+    assert full["extended"] == [4.5e-5, 1e-4] and full["chosen"]["lr"] == 1e-4  # back on the 1/3 grid
+    assert {r["invocation"] for r in _runs(ext).values()} == {0, 1}
+    assert _runs(ext)[("full", 1e-4)]["test"] and _runs(ext)[("full", 1e-4)]["invocation"] == 1
 
 
 def test_worker_processes_train_exactly_what_one_process_trains(setup, tmp_path):
-    doc, _, _, model_dir, out = setup
+    doc, _, _, model_dir, out, _ = setup
     par = tmp_path / "par"
     argv = ["--model", str(model_dir), "--data", str(out.parent / "data"), "--out", str(par), "--device", "cpu",
             "--heldout", "8", "--batch-size", "8", "--curve-limit", "3", "--checkpoints", "2", "--eval-batch", "8",
             "--methods", "frod,lora16", "--lrs", "frod=1e-3,1e-2,1e-1", "--lrs", "lora16=1e-3,1e-2,1e-1",
-            "--protocols", "loglik", "--no-base-eval", "--workers", "2"]
+            "--protocols", "loglik", "--no-base-eval", "--workers", "2", "--extend", "0"]
     assert real_study.main(argv) == 0
     got = json.loads((par / "real_study.json").read_text())
     assert got["config"]["workers_used"] == 2 and got["complete"] is True

@@ -264,9 +264,8 @@ def test_resume_on_a_factor_store_rebuilt_with_another_pi_is_refused(probe, env,
     trained, _ = probe
     out = tmp_path / "bad"
     tag = (trained / "checkpoints" / "latest_complete").read_text().strip()
-    (out / "checkpoints" / tag).mkdir(parents=True)
+    shutil.copytree(trained / "checkpoints" / tag, out / "checkpoints" / tag)
     shutil.copy(trained / "checkpoints" / "latest_complete", out / "checkpoints")
-    shutil.copy(trained / "checkpoints" / tag / "factor_store.json", out / "checkpoints" / tag)
     other = tmp_path / "store-pi"
     subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(env.model), "--out", str(other),
                     "--pi", "0.01"], check=True, env=env_vars(), cwd=REPO, capture_output=True)

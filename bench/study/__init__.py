@@ -6,7 +6,10 @@
     loop.py      the one training loop every method runs: per-step losses, schedule, checkpoint hook
     evaluate.py  held-out losses, log-likelihood accuracy, LLM-Adapters generation protocol
     context.py   what one run or one final evaluation needs, in the main process or a worker
-    parallel.py  worker processes that share the GPU, fed from one job queue
-    report.py    incremental results JSON, smoothing, steps-to-loss, the paper's claim, plots
-    runner.py    the study: base evals, LR-sweep rounds under a time budget, selection, final evals
+    parallel.py  the jobs (train a run, score a run) and who runs them: the main process or GPU-sharing workers
+    records.py   the output directory as typed records (identity, base, runs, invocations), so a study resumes
+    schedule.py  which job comes next (runs centre out, extensions, test evals of each best run), from the records
+    report.py    smoothing, steps-to-loss, the paper's claim, plots and tables
+    runner.py    the study under one command's time budget: setup and identity, base evals, the jobs, the
+                 combined report of every command's records
 """

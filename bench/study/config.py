@@ -2,7 +2,8 @@
 
 A method is ``frod``, ``full`` or ``lora<r>`` (PEFT LoRA of rank r on the same targets as FRoD). Each
 method's sweep is a tuple of learning rates (FRoD: the σ LR; the S LR is ``frod_s_ratio`` times it, the
-paper's 10:1). All sweeps must have the same size (≥ 3 for a study whose selection can be trusted).
+paper's 10:1). All sweeps must have the same size (≥ 3 for a study whose selection can be trusted); a method
+whose choice sits at an end of its sweep may add up to ``extend`` LRs past that end (``runner``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ __all__ = ["StudyError", "MethodSpec", "method_spec", "DEFAULT_LRS", "StudyConfi
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
 
-# Half-decade grids. On SmolLM2-135M with one epoch of the LLM-Adapters rows (batch 64), FRoD σ 1e-3, LoRA 3e-4
-# and full fine-tuning 3e-5 left every method at the class-prior answer-word loss (first one-H200 run,
-# bench/results/real_study_1xh200): lower LRs cannot learn more in one epoch, so the grids start there.
+# Half-decade grids centred on the best held-out accuracy of the two one-H200 runs so far
+# (bench/results/real_study_1xh200{,_sweep}: FRoD σ 3e-3 over 1e-3, LoRA r16 and r32 3e-4 over 1e-3, full 1e-4
+# over 3e-5; the ends were not reached).
 DEFAULT_LRS: dict[str, tuple[float, ...]] = {
     "frod": (1e-3, 3e-3, 1e-2),
-    "lora": (3e-4, 1e-3, 3e-3),
+    "lora": (1e-4, 3e-4, 1e-3),
     "full": (3e-5, 1e-4, 3e-4),
 }
 
@@ -109,6 +110,8 @@ class StudyConfig:
     frod_pi: float = 1e-3
     lora_alpha_ratio: float = 2.0
     lora_dropout: float = 0.0
+    resume_from: str | None = None  # a study directory whose records are copied into ``out`` first
+    extend: int = 1  # LRs a method may add past an end of its sweep when its choice sits there
 
     @property
     def train_path(self) -> Path:
@@ -130,8 +133,12 @@ class StudyConfig:
         elif not self.eval_path.is_dir() or not any(self.eval_path.glob("*.jsonl")):
             problems.append(f"test rows {self.eval_path}/<task>.jsonl not found")
         out = Path(self.out)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            problems.append(f"--out {out} exists and is not an empty directory; choose a new one")
+        if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "study.json").is_file())):
+            problems.append(f"--out {out} exists and is neither empty nor a study directory (no study.json); "
+                            "choose a new one")
+        if self.resume_from is not None and not (Path(self.resume_from) / "study.json").is_file():
+            problems.append(f"--resume-from {self.resume_from} is not a study directory (no study.json); give the "
+                            "--out of an earlier run (unpacked)")
         sizes = {m: len(v) for m, v in self.lrs.items()}
         if len(set(sizes.values())) > 1:
             problems.append(f"LR sweeps must have equal sizes, got {sizes}; adjust --lrs")
@@ -140,7 +147,7 @@ class StudyConfig:
             ("--epochs", self.epochs, self.epochs > 0), ("--warmup-ratio", self.warmup_ratio, 0 <= self.warmup_ratio < 1),
             ("--heldout", self.heldout, self.heldout >= 1), ("--checkpoints", self.checkpoints, self.checkpoints >= 1),
             ("--curve-limit", self.curve_limit, self.curve_limit >= 1),
-            ("--workers", self.workers, self.workers >= 0),
+            ("--workers", self.workers, self.workers >= 0), ("--extend", self.extend, self.extend >= 0),
             ("--eval-batch", self.eval_batch, self.eval_batch >= 1), ("--gen-batch", self.gen_batch, self.gen_batch >= 1),
             ("--max-minutes", self.max_minutes, self.max_minutes > 0),
             ("--eval-reserve-minutes", self.eval_reserve_minutes, 0 <= self.eval_reserve_minutes < self.max_minutes),

@@ -112,32 +112,27 @@ class RunContext:
 
     # -- one run -----------------------------------------------------------------------------------------
 
-    def train_one(self, name: str, index: int, deadline: float) -> tuple[dict[str, Any], dict | None]:
-        """(results entry, trainable state or None if stopped early) of method ``name`` at its ``index``-th LR.
-
-        ``deadline`` is a ``time.time()``: training stops there (the run is then excluded from selection).
-        """
+    def train_one(self, name: str, lr: float, deadline: float) -> tuple[dict[str, Any], dict | None]:
+        """(the run's fields of a ``RunRecord``, its trainable state or None if it stopped early) of method
+        ``name`` at LR ``lr`` (FRoD: the σ LR). Training stops at ``deadline`` (a ``time.time()``)."""
         cfg, spec = self.cfg, method_spec(name)
-        lr = cfg.lrs[name][index]
         w0 = time.perf_counter()
         model = self.factory.build(spec)
         optimizer = make_optimizer(spec, model, lr, cfg)
         log = train_run(model, optimizer, self.batches, cfg, self.device, set(self.checkpoint_steps),
                         lambda step: self.checkpoint_eval(model), deadline)
-        entry: dict[str, Any] = {"lr": lr, "index": index, "trainable_params": trainable_numel(model)}
-        if spec.kind == "frod":
-            entry["lr_s"] = cfg.frod_s_ratio * lr
         last = log.checkpoints[-1] if log.checkpoints and log.checkpoints[-1]["step"] == self.steps else None
         d = log.to_dict()
-        entry.update(completed=log.completed, steps=log.steps, train_seconds=log.train_seconds,
-                     step_ms=1e3 * log.train_seconds / max(1, log.steps), tokens=log.tokens,
-                     scored_tokens=log.scored_tokens, answer_tokens=log.answer_tokens,
-                     data_order_sha256=log.data_order_sha256, peak_mem_gb=log.peak_mem_gb,
-                     checkpoints=log.checkpoints,
-                     heldout=None if last is None else {
-                         "accuracy": last["heldout_accuracy"], "loss": last["heldout_loss"],
-                         "response_loss": last["heldout_response_loss"], "answer_loss": last["heldout_answer_loss"]},
-                     log={k: d[k] for k in ("loss", "response_loss", "answer_loss", "grad_norm", "lr")})
+        entry: dict[str, Any] = dict(
+            lr=lr, lr_s=cfg.frod_s_ratio * lr if spec.kind == "frod" else None, trainable_params=trainable_numel(model),
+            completed=log.completed, steps=log.steps, train_seconds=log.train_seconds,
+            step_ms=1e3 * log.train_seconds / max(1, log.steps), tokens=log.tokens, scored_tokens=log.scored_tokens,
+            answer_tokens=log.answer_tokens, data_order_sha256=log.data_order_sha256, peak_mem_gb=log.peak_mem_gb,
+            checkpoints=log.checkpoints,
+            heldout=None if last is None else {
+                "accuracy": last["heldout_accuracy"], "loss": last["heldout_loss"],
+                "response_loss": last["heldout_response_loss"], "answer_loss": last["heldout_answer_loss"]},
+            log={k: d[k] for k in ("loss", "response_loss", "answer_loss", "grad_norm", "lr")})
         state = trainable_state(model) if log.completed else None
         del model, optimizer
         if self.device.type == "cuda":

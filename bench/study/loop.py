@@ -35,10 +35,14 @@ def autocast(device: torch.device):
 
 
 def token_nll(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """``-log p(target | prefix)`` (N,) at the batch's scored positions, in fp32."""
+    """``-log p(target | prefix)`` (N,) at the batch's scored positions, in fp32.
+
+    The batch is right-padded, so under the causal mask a real token never sees a pad token: no padding mask
+    is passed (the same numbers at every scored position, without building a (B, 1, T, T) mask and the host
+    sync that checks it each step; SDPA takes its causal kernel). Positions count from 0 in every row.
+    """
     decoder, head = decoder_and_head(model)
-    hidden = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                     use_cache=False).last_hidden_state  # (B, T, H)
+    hidden = decoder(input_ids=batch.input_ids, use_cache=False).last_hidden_state  # (B, T, H)
     h = hidden.flatten(0, 1).index_select(0, batch.pos)  # (N, H)
     return F.cross_entropy(head(h).float(), batch.target, reduction="none")  # (N,)
 

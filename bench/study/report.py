@@ -1,4 +1,4 @@
-"""Results of the study: the JSON document (rewritten atomically after every stage), the paper's claim, plots.
+"""The study's report: smoothing, steps-to-loss, the paper's claim, plots and tables of the results document.
 
 Steps-to-loss: the per-step losses of all runs come from the same batches in the same order, so curves are
 compared step by step. A curve is smoothed by a trailing mean over ``window`` steps; FRoD "reaches" a LoRA
@@ -9,34 +9,15 @@ mean ± 1.96·SE; "matches or beats" means the difference is not significantly n
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Results", "smooth", "smooth_window", "steps_to_reach", "paired_difference", "claim", "write_plots",
+__all__ = ["RESULTS_NAME", "smooth", "smooth_window", "steps_to_reach", "paired_difference", "claim", "write_plots",
            "correct_bits", "sweep_table", "markdown_tables"]
 
 RESULTS_NAME = "real_study.json"
-
-
-class Results:
-    """The results document under ``out_dir``; ``save()`` after every change (a timeout keeps what ran)."""
-
-    def __init__(self, out_dir: Path, header: dict[str, Any], log=print):
-        self.path, self.log = Path(out_dir) / RESULTS_NAME, log
-        self.doc: dict[str, Any] = {**header, "complete": False, "warnings": []}
-
-    def warn(self, message: str) -> None:
-        self.log(f"WARNING: {message}")
-        self.doc["warnings"].append(message)
-
-    def save(self) -> Path:
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.doc, indent=1, allow_nan=True) + "\n")
-        tmp.replace(self.path)
-        return self.path
 
 
 def smooth_window(steps: int, frac: float) -> int:
@@ -212,7 +193,7 @@ def sweep_table(doc: dict[str, Any]) -> list[dict[str, Any]]:
         for i, run in enumerate(m["sweep"]):
             h = run.get("heldout") or {}
             rows.append({"method": name, "lr": run["lr"], "lr_s": run.get("lr_s"), "completed": run["completed"],
-                         "chosen": m.get("chosen", {}).get("index") == i,
+                         "chosen": m.get("chosen", {}).get("index") == i, "extension": run["lr"] in m.get("extended", []),
                          "heldout_accuracy": h.get("accuracy"), "heldout_answer_loss": h.get("answer_loss"),
                          "final_answer_loss": smooth(run["log"]["answer_loss"], window)[-1] if run["steps"] else None,
                          "final_response_loss": smooth(run["log"]["response_loss"], window)[-1] if run["steps"] else None,
@@ -248,7 +229,8 @@ def markdown_tables(doc: dict[str, Any]) -> str:
     for r in sweep_table(doc):
         fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
         acc = None if r["heldout_accuracy"] is None else 100 * r["heldout_accuracy"]
-        out += (f"| {r['method']} | {r['lr']:g}{' (chosen)' if r['chosen'] else ''} | {fmt(acc, '.2f')} | "
+        mark = (" (past the grid)" if r.get("extension") else "") + (" (chosen)" if r["chosen"] else "")
+        out += (f"| {r['method']} | {r['lr']:g}{mark} | {fmt(acc, '.2f')} | "
                 f"{fmt(r['heldout_answer_loss'], '.4f')} | {fmt(r['final_answer_loss'], '.4f')} | {r['step_ms']:.1f} |\n")
     for p in doc["config"]["protocols"]:
         rows = {**({"base": doc["base"]["test"]} if "base" in doc else {}),

@@ -1,22 +1,26 @@
-"""The study, stage by stage, under one time budget; the results document is saved after every stage.
+"""The study under one time budget per command, resumable over several commands.
 
 1. Load the base model, the rows, tokenize once (train, a held-out slice of the train rows, test rows),
-   pre-collate every step's batch: every run consumes the same batches (``context.RunContext``).
-2. Preflight both eval protocols on a few rows; base model: held-out and test-slice accuracy (step 0 of
-   the curves), then the test sets (generation on the curve slice only).
-3. Sweep: every (method, LR) run, in rounds (every method's middle LR, then the low ones, then the high
-   ones), so a budget cut leaves every method with about the same number of LRs. On a GPU the runs go to
-   ``--workers`` processes sharing it (a 135M model's step is bound by kernel launches, not by the GPU);
-   with one worker a round starts only if the last round's run times and the final evals' reserve fit.
-4. Per method: the LR with the best held-out accuracy (ties: lower held-out answer-word loss), loudly
-   flagged when it sits at an end of its sweep; its trained weights, merged into a plain model, are
-   scored on the test sets with every protocol (in the workers, in parallel).
-5. The paper's claim (``report.claim``), plots, Markdown tables.
+   pre-collate every step's batch: every run consumes the same batches (``context.RunContext``). The study's
+   identity (``records.study_identity``) must equal the one recorded in ``--out`` (resume) or in
+   ``--resume-from`` (whose records are copied in first); nothing is written before that is checked.
+2. Preflight both eval protocols on a few rows; base model: held-out and test-slice accuracy (step 0 of the
+   curves), then the test sets (generation on the curve slice only) — each only if ``base.json`` lacks it.
+3. Jobs (``schedule.Schedule`` decides which), one per idle executor slot (``--workers`` processes sharing
+   the GPU, started before the base evaluations, or the main process), decided after every result: test
+   evaluations of each method's best run before its weights go with the command, grid runs centre out,
+   extensions past a sweep end, runs to train again; only what fits ``--max-minutes`` starts.
+   Every finished run is a record in ``records/`` at once; a command cut off at any point keeps every one.
+4. Per method: the LR with the best held-out accuracy (ties: lower held-out answer-word loss), flagged when
+   it sits at an end of its sweep; the paper's claim (``report.claim``), plots, Markdown tables, from all
+   records of all commands.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -32,10 +36,14 @@ from bench.study.config import StudyConfig, StudyError, method_spec
 from bench.study.context import RunContext
 from bench.study.data import encode_study_examples, load_test_rows, make_batches, split_rows
 from bench.study.models import load_base
-from bench.study.parallel import WorkerPool
-from bench.study.report import Results, claim, markdown_tables, smooth_window, sweep_table, write_plots
+from bench.study.parallel import LocalExecutor, WorkerPool
+from bench.study.records import Invocation, RunRecord, StudyDir, study_identity
+from bench.study.report import RESULTS_NAME, claim, markdown_tables, smooth_window, sweep_table, write_plots
+from bench.study.schedule import Schedule
 from data_prep.io import check_row
+from frod_ds.atomic import atomic_write_text
 from frod_ds.data import BatchPlan
+from frod_ds.records import record_to_dict
 
 __all__ = ["run_study"]
 
@@ -48,7 +56,8 @@ class Log:
 
     def attach(self, out: Path) -> None:
         self.path = out / "real_study.log"
-        self.path.write_text("".join(self.pending))
+        with open(self.path, "a") as f:
+            f.write("".join(self.pending))
 
     def __call__(self, msg: str) -> None:
         line = f"[{time.perf_counter() - self.t0:7.1f}s] {msg}"
@@ -71,36 +80,28 @@ def _git_commit() -> str | None:
         return None
 
 
-def _sweep_order(n: int) -> list[int]:
-    """Sweep indices centre first, then outwards (3 LRs: middle, low, high)."""
-    return sorted(range(n), key=lambda i: (abs(i - (n - 1) / 2), i))
-
-
 class Study:
-    def __init__(self, cfg: StudyConfig, argv: list[str]):
+    def __init__(self, cfg: StudyConfig, argv: list[str], started: float):
         self.cfg, self.t0 = cfg, time.perf_counter()
-        self.deadline = time.time() + 60 * cfg.max_minutes  # wall clock: worker processes share it
-        self.out = Path(cfg.out)
+        self.deadline = started + 60 * cfg.max_minutes  # wall clock: worker processes share it
+        self.train_deadline = self.deadline - 60 * cfg.eval_reserve_minutes
+        self.out, self.dir = Path(cfg.out), StudyDir(Path(cfg.out))
         self.log = Log(self.t0)
         want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if want == "cuda" and not torch.cuda.is_available():
             raise StudyError("--device cuda but no CUDA device is visible")
         self.device = torch.device(want)
         self.workers = cfg.workers or (3 if self.device.type == "cuda" else 1)
-        self.results = Results(self.out, {
-            "benchmark": "real_study",
-            "command": " ".join([Path(sys.executable).name, *argv]),
-            "device": device_name(),
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "versions": {**versions(), "git": _git_commit()},
-            "config": {**cfg.to_dict(), "workers_used": self.workers},
-            "methods": {},
-        }, log=self.log)
-        self.states: dict[tuple[str, int], Any] = {}  # trained state (one worker) or its file (several)
-        self.pool: WorkerPool | None = None
+        self.invocation = Invocation(
+            command=" ".join([Path(sys.executable).name, *argv]), device=device_name(),
+            date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            versions={**versions(), "git": _git_commit()}, workers=self.workers, max_minutes=cfg.max_minutes)
+        self.warned: set[str] = set()
+        self.executor: LocalExecutor | WorkerPool | None = None
+        self.busy = 0  # jobs handed out and not yet reported
         self.tmp: Path | None = None
 
-    # -- 1. data -----------------------------------------------------------------------------------------
+    # -- 1. data, identity, records ------------------------------------------------------------------------
 
     def setup(self) -> None:
         cfg, dev = self.cfg, self.device
@@ -115,6 +116,14 @@ class Study:
         for row in held_rows:
             held_by_task.setdefault(row["task"], []).append(row)
         test = load_test_rows(cfg.eval_path, cfg.eval_limit)
+        identity = study_identity(cfg, dev.type)
+        src = StudyDir(Path(cfg.resume_from)) if cfg.resume_from else None
+        if src is not None:
+            src.check_identity(identity, "--resume-from")
+            src.base(), src.invocations()  # every record readable before anything is copied
+        if self.dir.exists():
+            self.dir.check_identity(identity, "--out")
+            self.dir.base(), self.dir.invocations()
         base, tok = load_base(cfg.model, dev)
         t = time.perf_counter()
         train_ex = encode_study_examples(tok, train_rows, cfg.cutoff)
@@ -122,26 +131,34 @@ class Study:
         plan = BatchPlan(len(train_ex), cfg.batch_size, 1, 1, 0, cfg.seed)
         steps = plan.total_steps(cfg.epochs, None)
         batches = make_batches(train_ex, plan, steps, tok.pad_token_id, cfg.train_on_inputs)
-        held_batches = make_batches(held_ex, None, 0, tok.pad_token_id, cfg.train_on_inputs, batch_size=cfg.eval_batch)
+        # Held-out losses are token sums: batches of similar lengths (less padding) change nothing but the order.
+        by_length = sorted(range(len(held_ex)), key=lambda i: (len(held_ex[i].input_ids), i))
+        held_batches = make_batches([held_ex[i] for i in by_length], None, 0, tok.pad_token_id, cfg.train_on_inputs,
+                                    batch_size=cfg.eval_batch)
         checkpoints = sorted({max(1, round(steps * (i + 1) / cfg.checkpoints)) for i in range(cfg.checkpoints)})
         self.ctx = ctx = RunContext(cfg=cfg, device=dev, tok=tok, base=base, batches=[b.to(dev) for b in batches],
                                     held_batches=[b.to(dev) for b in held_batches], held_by_task=held_by_task,
                                     curve={t: rows[: cfg.curve_limit] for t, rows in test.items()}, test=test,
                                     steps=steps, checkpoint_steps=checkpoints, log=self.log)
+        order = hashlib.sha256()
+        for b in batches:
+            order.update(b.digest.encode())
+        self.data_order, self.total_tokens = order.hexdigest(), sum(b.n_tokens for b in batches)
         seen = [i for b in batches for i in b.indices]
-        self.results.doc["data"] = {
+        self.data = {
             "train_file": str(cfg.train_path), "eval_dir": str(cfg.eval_path),
             "train_rows": len(train_rows), "heldout_rows": len(held_rows),
             "heldout_ids": [r.get("id") for r in held_rows],
             "heldout_rows_per_task": {t: len(r) for t, r in held_by_task.items()},
             "steps": steps, "batch_size": cfg.batch_size, "epochs_seen": len(seen) / len(train_ex),
             "distinct_rows_seen": len(set(seen)),
-            "train_tokens": sum(b.n_tokens for b in batches),
+            "train_tokens": self.total_tokens,
             "scored_tokens": sum(b.n_scored for b in batches),
             "answer_word_tokens": sum(b.n_answer for b in batches),
             "truncated_train_rows": sum(e.truncated for e in train_ex),
             "max_train_tokens": max(len(e.input_ids) for e in train_ex),
             "first_batch_ids": [train_rows[i].get("id") for i in batches[0].indices],
+            "data_order_sha256": self.data_order,
             "test_rows_per_task": {t: len(r) for t, r in test.items()},
             "test_rows_are_full_sets": cfg.eval_limit is None,
             "curve_rows_per_task": {t: len(r) for t, r in ctx.curve.items()},
@@ -151,176 +168,233 @@ class Study:
             "setup_seconds": time.perf_counter() - t,
         }
         ctx.preflight()
-        # Nothing is written before every input has been read and checked.
+        for where in [d for d in (self.dir, src) if d is not None and d.exists()]:
+            for record in where.runs():
+                seen = (record.steps, record.data_order_sha256, record.tokens)
+                if seen != (steps, self.data_order, self.total_tokens):
+                    raise StudyError(f"run {record.method} lr={record.lr:g} in {where.path} saw other batches than "
+                                     "this command builds (the batching code changed?); choose a new --out")
+        # Nothing is written before every input and every record has been read and checked.
         self.out.mkdir(parents=True, exist_ok=True)
+        if not self.dir.exists():
+            self.dir.create(identity)
+        if src is not None and src.path.resolve() != self.out.resolve():
+            copied = self.dir.copy_records_from(src)
+            self.log(f"resume: copied {len(copied)} record(s) from {src.path}")
+        self.identity = identity
         self.log.attach(self.out)
-        self.results.save()
-        d = self.results.doc["data"]
+        self.plan = Schedule(cfg, {(r.method, r.lr): r for r in self.dir.runs()}, self.deadline, self.train_deadline,
+                             None, self.log, self.warn_once)
+        self.runs = self.plan.runs  # every finished run, by (method, lr)
+        self.base = self.dir.base()
+        self.history = self.dir.invocations()
+        self.history.invocations.append(self.invocation)
+        self.index = len(self.history.invocations) - 1
+        self.dir.write_invocations(self.history)
+        d = self.data
         self.log(f"data: {d['train_rows']} train rows ({steps} steps of {cfg.batch_size}), "
                  f"{d['heldout_rows']} held out, test {d['test_rows_per_task']}, "
-                 f"{d['train_tokens']} tokens/run ({d['answer_word_tokens']} answer-word); {self.workers} worker(s)")
+                 f"{d['train_tokens']} tokens/run ({d['answer_word_tokens']} answer-word); {self.workers} worker(s); "
+                 f"{len(self.runs)} finished run(s) in {self.out}")
+        self.save()
 
-    # -- 2. base model -----------------------------------------------------------------------------------
+    # -- 2. base model ---------------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.plan.wanted_training()) or any(
+            (b := self.plan.best(m)) is not None and b.test is None for m in self.plan.methods())
 
     def start_workers(self) -> None:
-        """Spawn the workers now, so they start up while the main process evaluates the base model."""
+        """Spawn the workers and hand them their first jobs, so they start up and train while the main process
+        evaluates the base model."""
+        self.tmp = self.plan.tmp = Path(tempfile.mkdtemp(prefix="real_study_"))
+        if not self.has_work():
+            return
         if self.workers > 1:
-            self.tmp = Path(tempfile.mkdtemp(prefix="real_study_"))
             self.ctx.save(self.tmp / "context.pt")
-            self.pool = WorkerPool(self.tmp / "context.pt", self.workers, self.device, self.log)
+            self.executor = WorkerPool(self.tmp / "context.pt", self.workers, self.device, self.log)
+            self.fill()
+        else:
+            self.executor = LocalExecutor(self.ctx)
 
     def base_evals(self) -> None:
         """Step-0 metrics; (``base_eval``) the base model on the test sets, generation on the curve slice only
         (the untrained model rambles to the token limit: the slowest and least informative evaluation)."""
-        self.results.doc["step0"] = self.ctx.checkpoint_eval(self.ctx.base)
-        self.results.save()
-        if self.cfg.base_eval:
+        if self.base.step0 is None:
+            self.base.step0 = self.ctx.checkpoint_eval(self.ctx.base)
+            self.dir.write_base(self.base)
+        if self.cfg.base_eval and self.base.test is None:
             self.log("base model: test evaluation (llm-adapters on the curve slice)")
-            self.results.doc["base"] = {"test": self.ctx.test_eval(self.ctx.base, gen_rows=self.ctx.curve, label="base")}
-            self.results.save()
+            self.base.test = self.ctx.test_eval(self.ctx.base, gen_rows=self.ctx.curve, label="base")
+            self.dir.write_base(self.base)
+        else:
+            self.log(f"base model: step-0 metrics{' and test results' if self.base.test else ''} from base.json")
+        self.save()
 
     @torch.no_grad()
     def frod_init_check(self) -> None:
-        """Max |logit| difference FRoD-at-init vs base on the first held-out batch (fp32, no autocast)."""
-        if "frod" not in self.cfg.methods:
+        """Max |logit difference| FRoD-at-init vs base on the first held-out batch (fp32, no autocast)."""
+        if "frod" not in self.cfg.methods or self.base.frod_init is not None:
             return
         template, b = self.ctx.factory.frod_template(), self.ctx.held_batches[0]
         kw = dict(input_ids=b.input_ids[:4], attention_mask=b.attention_mask[:4], use_cache=False)
         diff = (template(**kw).logits - self.ctx.base(**kw).logits).abs().max().item()
-        self.results.doc["frod_init"] = {"max_logit_diff_fp32": diff, "hjd_seconds": self.ctx.factory.hjd_seconds}
+        self.base.frod_init = {"max_logit_diff_fp32": diff, "hjd_seconds": self.ctx.factory.hjd_seconds}
+        self.dir.write_base(self.base)
         self.log(f"frod: HJD + apply_frod in {self.ctx.factory.hjd_seconds:.1f} s; init max |logit - base| = "
                  f"{diff:.2e} (fp32)")
 
-    # -- 3. sweep ----------------------------------------------------------------------------------------
+    # -- 3. jobs ---------------------------------------------------------------------------------------------
 
-    def record(self, name: str, entry: dict[str, Any]) -> None:
-        m = self.results.doc["methods"][name]
-        m["sweep"].append(entry)
-        m["sweep"].sort(key=lambda e: e["lr"])
-        self.results.save()
-        h = entry["heldout"] or {}
-        tail = entry["log"]["answer_loss"][-20:]
-        self.log(f"{name} lr={entry['lr']:g}: {entry['steps']}/{self.ctx.steps} steps, {entry['step_ms']:.1f} ms/step, "
-                 f"final answer-word loss {sum(tail) / max(1, len(tail)):.4f}, held-out acc "
-                 f"{h.get('accuracy', float('nan')):.4f} ({entry['wall_seconds']:.1f} s)")
-        if not entry["completed"]:
-            self.results.warn(f"RUN STOPPED BY THE TIME BUDGET: {name} lr={entry['lr']:g} after "
-                              f"{entry['steps']}/{self.ctx.steps} steps; it is excluded from selection")
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            self.log(f"WARNING: {message}")
+            self.invocation.warnings.append(message)
 
-    def sweep(self) -> None:
-        cfg = self.cfg
-        for name in cfg.methods:
-            spec = method_spec(name)
-            self.results.doc["methods"][name] = {"kind": spec.kind, "rank": spec.rank, "lrs": list(cfg.lrs[name]),
-                                                 "sweep": []}
-            if spec.kind == "lora":
-                self.results.doc["methods"][name]["lora_alpha"] = cfg.lora_alpha_ratio * spec.rank
-        self.results.doc["timing_note"] = (
-            f"step_ms: training time per step, checkpoint evaluations excluded, with {self.workers} run(s) sharing "
-            "the device (a speed comparison only when 1); wall_seconds: the whole run")
-        n = len(next(iter(cfg.lrs.values())))
-        jobs = [(name, index) for index in _sweep_order(n) for name in cfg.methods]
-        train_deadline = self.deadline - 60 * cfg.eval_reserve_minutes
-        if self.pool is None:
-            self._sweep_here(jobs, n, train_deadline)
-        else:
-            self._sweep_workers(jobs, train_deadline)
-        for name in cfg.methods:
-            done = sum(r["completed"] for r in self.results.doc["methods"][name]["sweep"])
-            if done < n:
-                self.results.warn(f"SWEEP CUT SHORT: {name} has {done} of {n} LRs within --max-minutes "
-                                  f"{cfg.max_minutes}; raise it or shrink with --train-limit / --eval-limit / --batch-size")
+    def fill(self) -> None:
+        """Hand out jobs until every executor slot is busy or nothing more can start now."""
+        while self.executor is not None and self.busy < self.executor.capacity and (job := self.plan.next_job(time.time())) is not None:
+            self.executor.submit(job)
+            self.busy += 1
 
-    def _sweep_here(self, jobs: list[tuple[str, int]], n: int, train_deadline: float) -> None:
-        """One run at a time; a round starts only if the last round's wall times fit before the deadline."""
-        walls: dict[str, float] = {}
-        per_round = len(self.cfg.methods)
-        for k in range(n):
-            if k > 0 and time.time() + sum(walls.values()) > train_deadline:
-                return
-            for name, index in jobs[k * per_round:(k + 1) * per_round]:
-                entry, state = self.ctx.train_one(name, index, train_deadline)
-                walls[name] = entry["wall_seconds"]
-                if state is not None:
-                    self.states[(name, index)] = state
-                self.record(name, entry)
-                if not entry["completed"]:
-                    return
-
-    def _sweep_workers(self, jobs: list[tuple[str, int]], train_deadline: float) -> None:
-        for name, index in jobs:
-            self.pool.submit(("train", name, index, train_deadline, str(self.tmp / f"state_{name}_{index}.pt")))
-        # The main process's copy of the data and model is no longer needed on the device.
-        self.ctx.batches, self.ctx.factory._frod = [], None
-        self.ctx.base.to("cpu")
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        for _ in jobs:
-            msg = self.pool.get()
-            if msg[0] == "skipped":
-                self.log(f"{msg[1]} lr={self.cfg.lrs[msg[1]][msg[2]]:g}: skipped, it would not finish in the budget")
-                continue
-            _, name, index, entry, state_path = msg
-            if state_path is not None:
-                self.states[(name, index)] = state_path
-            self.record(name, entry)
-
-    # -- 4. selection and final evaluation ---------------------------------------------------------------
-
-    def select(self) -> list[tuple[str, int]]:
-        """Each method's chosen run, as (method, LR index); flags a choice at an end of its sweep."""
-        cfg, chosen = self.cfg, []
-        for name in cfg.methods:
-            m = self.results.doc["methods"][name]
-            done = [i for i, r in enumerate(m["sweep"]) if r["completed"] and r["heldout"]]
-            if not done:
-                continue
-            if cfg.select_by == "accuracy":
-                best = min(done, key=lambda i: (-m["sweep"][i]["heldout"]["accuracy"],
-                                                m["sweep"][i]["heldout"]["answer_loss"]))
-            else:
-                best = min(done, key=lambda i: m["sweep"][i]["heldout"]["answer_loss"])
-            run = m["sweep"][best]
-            at_end = run["lr"] in (min(cfg.lrs[name]), max(cfg.lrs[name]))
-            m["chosen"] = {"index": best, "lr": run["lr"], "selected_by": f"held-out {cfg.select_by}",
-                           "at_sweep_end": at_end, "sweep_complete": len(done) == len(cfg.lrs[name])}
-            if at_end:
-                side = "lowest" if run["lr"] == min(cfg.lrs[name]) else "highest"
-                self.results.warn(f"LR AT SWEEP END: {name} chose lr={run['lr']:g}, the {side} of its sweep "
-                                  f"{list(cfg.lrs[name])}; widen it with --lrs {name}=...")
-            chosen.append((name, run["index"]))
-        self.results.save()
-        return chosen
-
-    def final_evals(self, chosen: list[tuple[str, int]]) -> None:
-        methods = self.results.doc["methods"]
-        if self.pool is None:
-            longest = 0.0
-            for name, index in chosen:
-                if time.time() + longest > self.deadline:
-                    self.results.warn(f"FINAL EVAL SKIPPED: {name} (no time left under --max-minutes "
-                                      f"{self.cfg.max_minutes})")
-                    continue
-                self.log(f"{name}: chosen lr={self.cfg.lrs[name][index]:g}; test evaluation")
-                t = time.perf_counter()
-                methods[name]["test"] = self.ctx.final_test(name, self.states[(name, index)])
-                longest = max(longest, time.perf_counter() - t)
-                self.results.save()
+    def run_jobs(self) -> None:
+        if self.executor is None:
             return
-        for name, index in chosen:
-            self.log(f"{name}: chosen lr={self.cfg.lrs[name][index]:g}; test evaluation in a worker")
-            self.pool.submit(("eval", name, self.states[(name, index)]))
-        for _ in chosen:
-            _, name, test, seconds = self.pool.get()
-            methods[name]["test"] = test
-            self.results.save()
+        if isinstance(self.executor, WorkerPool):
+            # The main process's copy of the data and models is no longer needed on the device.
+            self.ctx.batches, self.ctx.factory._frod = [], None
+            self.ctx.base.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        while True:
+            self.fill()
+            if self.busy == 0:
+                break
+            self.handle(self.executor.get())
+            self.busy -= 1
+        for m in self.cfg.methods:
+            left = [k for k in self.plan.wanted_training() if k[0] == m]
+            if left:
+                self.warn_once(f"LEFT FOR A LATER COMMAND: {m} lr={', '.join(f'{lr:g}' for _, lr in left)} "
+                               f"(--max-minutes {self.cfg.max_minutes}); run the same command again, it resumes")
 
-    # -- 5. claim, plots ---------------------------------------------------------------------------------
+    def handle(self, msg: tuple) -> None:
+        if msg[0] == "trained":
+            _, m, lr, entry, state_path = msg
+            self.plan.in_flight.pop((m, lr))
+            if not entry.pop("completed"):
+                self.warn_once(f"RUN STOPPED BY THE TIME BUDGET: {m} lr={lr:g} after {entry['steps']}/"
+                               f"{self.ctx.steps} steps; not recorded, a later command trains it")
+                return
+            record = RunRecord(method=m, workers=self.workers, invocation=self.index, **entry)
+            self.runs[(m, lr)] = record
+            self.dir.write_run(record)
+            self.plan.states[(m, lr)] = Path(state_path)
+            self.prune_states(m)
+            tail = record.log["answer_loss"][-20:]
+            self.log(f"{m} lr={lr:g}: {record.steps}/{self.ctx.steps} steps, {record.step_ms:.1f} ms/step, final "
+                     f"answer-word loss {sum(tail) / max(1, len(tail)):.4f}, held-out acc "
+                     f"{record.heldout['accuracy']:.4f} ({record.wall_seconds:.1f} s)")
+        else:
+            _, m, lr, test, seconds = msg
+            self.plan.in_flight.pop((m, lr))
+            record = self.runs[(m, lr)]
+            record.test = test
+            self.dir.write_run(record)
+            self.prune_states(m)
+        self.save()
+
+    def prune_states(self, m: str) -> None:
+        """Delete the weights of method ``m``'s runs that are not its best or are already scored."""
+        best = self.plan.best(m)
+        for key in [k for k in self.plan.states if k[0] == m]:
+            if key in self.plan.in_flight or (best is not None and key == (m, best.lr) and best.test is None):
+                continue
+            self.plan.states.pop(key).unlink(missing_ok=True)  # written by this process under its mkdtemp
+
+    # -- 4. the report -----------------------------------------------------------------------------------------
+
+    def method_doc(self, m: str) -> dict[str, Any]:
+        spec = method_spec(m)
+        sweep, grid = self.plan.sweep(m), self.plan.grid(m)
+        doc: dict[str, Any] = {"kind": spec.kind, "rank": spec.rank, "lrs": sweep, "grid": grid,
+                               "extended": [lr for lr in sweep if lr not in grid], "sweep": []}
+        if spec.kind == "lora":
+            doc["lora_alpha"] = self.cfg.lora_alpha_ratio * spec.rank
+        for lr in self.plan.recorded(m):
+            entry = record_to_dict(self.runs[(m, lr)])
+            entry.pop("test", None)
+            if entry.get("lr_s") is None:
+                entry.pop("lr_s", None)
+            doc["sweep"].append({**entry, "completed": True})
+        best = self.plan.best(m)
+        if best is not None:
+            at_end = len(sweep) > 1 and best.lr in (sweep[0], sweep[-1])
+            doc["chosen"] = {"index": self.plan.recorded(m).index(best.lr), "lr": best.lr,
+                             "selected_by": f"held-out {self.cfg.select_by}", "at_sweep_end": at_end,
+                             "sweep_complete": self.plan.grid_complete(m), "final": self.plan.settled(m)}
+            if best.test is not None:
+                doc["test"] = best.test
+        return doc
+
+    def warnings(self, methods: dict[str, dict]) -> list[str]:
+        out = []
+        for m, d in methods.items():
+            if m not in self.cfg.methods:
+                continue
+            done = sum((m, lr) in self.runs for lr in d["grid"])
+            if done < len(d["grid"]):
+                out.append(f"SWEEP INCOMPLETE: {m} has {done} of {len(d['grid'])} LRs; run the same command again "
+                           "(it resumes in --out, or from --resume-from)")
+            c = d.get("chosen")
+            if c and c["at_sweep_end"] and c["sweep_complete"]:
+                side = "lowest" if c["lr"] == d["lrs"][0] else "highest"
+                out.append(f"LR AT SWEEP END: {m} chose lr={c['lr']:g}, the {side} of its sweep {d['lrs']}"
+                           + (f" after {len(d['extended'])} extension(s)" if d["extended"] else "")
+                           + ("; run again to extend it" if not c["final"] else
+                              f"; raise --extend (now {self.cfg.extend}) or widen with --lrs {m}=..."))
+            if c and "test" not in d:
+                out.append(f"NO TEST RESULTS: {m} lr={c['lr']:g}; run the same command again")
+        return out + list(self.invocation.warnings)
+
+    def document(self) -> dict[str, Any]:
+        cfg = self.cfg
+        methods = {m: self.method_doc(m) for m in self.plan.methods()}
+        inv = self.invocation
+        doc: dict[str, Any] = {
+            "benchmark": "real_study", "command": inv.command, "device": inv.device, "date": inv.date,
+            "versions": inv.versions,
+            "invocations": [record_to_dict(i) for i in self.history.invocations],
+            "identity": record_to_dict(self.identity),
+            "config": {**cfg.to_dict(), "workers_used": self.workers}, "data": self.data,
+            "timing_note": ("step_ms: training time per step, checkpoint evaluations excluded, with `workers` run(s) "
+                            "sharing the device (a speed comparison only when 1); wall_seconds: the whole run"),
+            "methods": methods,
+        }
+        if self.base.step0 is not None:
+            doc["step0"] = self.base.step0
+        if self.base.test is not None:
+            doc["base"] = {"test": self.base.test}
+        if self.base.frod_init is not None:
+            doc["frod_init"] = self.base.frod_init
+        doc["warnings"] = self.warnings(methods)
+        doc["complete"] = (all("test" in methods[m] and methods[m]["chosen"]["final"] for m in cfg.methods)
+                           and (not cfg.base_eval or "base" in doc))
+        return doc
+
+    def save(self, doc: dict[str, Any] | None = None) -> Path:
+        path = self.out / RESULTS_NAME
+        atomic_write_text(path, json.dumps(doc or self.document(), indent=1, allow_nan=True) + "\n")
+        return path
 
     def finish(self) -> None:
-        doc, cfg, steps = self.results.doc, self.cfg, self.ctx.steps
-        loras = [m for m in cfg.methods if method_spec(m).kind == "lora"]
-        if "frod" in cfg.methods and loras:
+        cfg, steps = self.cfg, self.ctx.steps
+        self.invocation.wall_seconds = time.perf_counter() - self.t0
+        self.dir.write_invocations(self.history)
+        doc = self.document()
+        loras = [m for m in doc["methods"] if method_spec(m).kind == "lora"]
+        if "frod" in doc["methods"] and loras:
             doc["claim"] = claim(doc["methods"], "frod", loras, smooth_window(steps, cfg.smooth_frac), steps)
             for name, entry in doc["claim"]["vs"].items():
                 if entry.get("available"):
@@ -328,42 +402,45 @@ class Study:
                     self.log(f"claim vs {name}: FRoD reaches LoRA's final answer-word loss at step "
                              f"{a['frod_steps_to_lora_final']} of {steps} (ratio {a['ratio']}); "
                              f"loss claim {entry['loss_claim_holds']}, accuracy claim {entry['accuracy_claim_holds']}")
-        sha = {r["data_order_sha256"] for m in doc["methods"].values() for r in m["sweep"] if r["completed"]}
-        tokens = {r["tokens"] for m in doc["methods"].values() for r in m["sweep"] if r["completed"]}
+        sha = {r.data_order_sha256 for r in self.runs.values()}
+        tokens = {r.tokens for r in self.runs.values()}
         doc["same_data_all_runs"] = len(sha) <= 1 and len(tokens) <= 1
         assert doc["same_data_all_runs"], "runs saw different data; this is a bug in the study"
         doc["sweep_table"] = sweep_table(doc)
-        doc["wall_seconds"] = time.perf_counter() - self.t0
-        complete = all("test" in m and m.get("chosen", {}).get("sweep_complete") for m in doc["methods"].values())
-        doc["complete"] = complete and (not cfg.base_eval or "base" in doc)
-        self.results.save()
+        doc["wall_seconds"] = self.invocation.wall_seconds
+        self.save(doc)
+        for w in doc["warnings"]:
+            if w not in self.invocation.warnings:
+                self.log(f"WARNING: {w}")
         try:
             doc["table_md"] = markdown_tables(doc)
             self.log("results:\n" + doc["table_md"])
             doc["plots"] = [p.name for p in write_plots(doc, self.out)]
         except Exception as e:  # noqa: BLE001 - the numbers are saved; tables and plots can be redone (--replot)
-            self.results.warn(f"table/plots failed: {type(e).__name__}: {e}; rerun with --replot")
-        self.results.save()
-        self.log(f"done in {doc['wall_seconds']:.1f} s; complete={doc['complete']}; {self.results.path}")
+            doc["warnings"].append(f"table/plots failed: {type(e).__name__}: {e}; rerun with --replot")
+            self.log(f"WARNING: {doc['warnings'][-1]}")
+        path = self.save(doc)
+        self.log(f"done in {doc['wall_seconds']:.1f} s; {len(self.runs)} run(s) recorded; complete={doc['complete']}; "
+                 f"{path}")
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
+        if self.executor is not None:
+            self.executor.close()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)  # made by mkdtemp above
 
 
-def run_study(cfg: StudyConfig, argv: list[str]) -> Path:
-    study = Study(cfg, argv)
-    study.log(f"device {study.results.doc['device']}; methods {cfg.methods}; budget {cfg.max_minutes} min")
+def run_study(cfg: StudyConfig, argv: list[str], started: float | None = None) -> Path:
+    """Run (or go on with) the study ``cfg``; ``started``: the ``time.time()`` the budget counts from."""
+    study = Study(cfg, argv, time.time() if started is None else started)
+    study.log(f"device {study.invocation.device}; methods {cfg.methods}; budget {cfg.max_minutes} min")
     study.setup()
     try:
         study.start_workers()
         study.base_evals()
         study.frod_init_check()
-        study.sweep()
-        study.final_evals(study.select())
+        study.run_jobs()
         study.finish()
     finally:
         study.close()
-    return study.results.path
+    return study.out / RESULTS_NAME
