@@ -22,7 +22,8 @@ category (for QLoRA, or after a lost machine) gives the same weights on the same
 ``gen-untargeted``, ``category`` run under a launcher (each rank writes its share and HJD runs over the launcher's
 ranks); the others start their own (``--gpus``, default every visible GPU, 2 on CPU). A step already done is
 skipped; a category is done when it is complete in the store. Records: ``WORK/chain.json`` (shape, seed, device
-kind, what is done) and one JSON per step in ``--out``. User mistakes: one ``error:`` line, exit 2.
+kind, what is done), one JSON per step in ``WORK/results`` (copied to ``--out``, e.g. each call's $OUT) and
+the logs of the drivers' children in ``--out/logs``. User mistakes: one ``error:`` line, exit 2.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class ChainError(FrodError):
 def _paths(args) -> dict[str, Path]:
     w = Path(args.work)
     return {"work": w, "model": w / "model", "store": w / "store", "data": w / "data", "recipe": w / "recipe.yaml",
-            "chain": w / "chain.json", "out": Path(args.out) if args.out else w / "results"}
+            "chain": w / "chain.json", "res": w / "results", "out": Path(args.out) if args.out else w / "results"}
 
 
 def _chain(p: dict) -> dict:
@@ -76,9 +77,18 @@ def _save_chain(p: dict, chain: dict) -> None:
 
 
 def _result(p: dict, name: str, payload: dict) -> Path:
+    """``seventy_b_<name>.json`` in ``WORK/results`` (what ``report`` reads, across calls) and in ``--out``."""
     from bench.common import write_result
 
-    return write_result(f"seventy_b_{name}", payload, str(p["out"]))
+    path = write_result(f"seventy_b_{name}", payload, str(p["res"]))
+    _copy_out(p, path)
+    return path
+
+
+def _copy_out(p: dict, path: Path) -> None:
+    if p["out"].resolve() != p["res"].resolve():
+        p["out"].mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, p["out"] / path.name)
 
 
 def _shape(args):
@@ -412,13 +422,9 @@ def _step_cmd(args, method: str, model: Path, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(_gpus(args)),
            "bench/train_step.py", "run", "--method", method, "--config", args.config, "--model", str(model),
            "--frozen-quant", args.quant, "--gc", "--batch", str(args.batch), "--seq", "256",
-           "--out", str(p_out(args)), "--name", f"seventy_b_step_{method}", *extra]
+           "--out", str(_paths(args)["res"]), "--name", f"seventy_b_step_{method}", *extra]
     return cmd + (["--warmup", "1", "--steps", "2", "--repeats", "1"] if args.tiny else
                   ["--warmup", "2", "--steps", str(args.step_steps), "--repeats", "2"])
-
-
-def p_out(args) -> Path:
-    return _paths(args)["out"]
 
 
 def step(args) -> None:
@@ -430,7 +436,8 @@ def step(args) -> None:
                     p["out"] / "logs" / "step_frod.log", None, args.timeout_s)
     if rc != 0:
         raise ChainError(f"step: exit {rc}; log {p['out'] / 'logs' / 'step_frod.log'}")
-    print(f"step: FRoD timed in {s:.0f} s: {p['out'] / 'seventy_b_step_frod.json'}")
+    _copy_out(p, p["res"] / "seventy_b_step_frod.json")
+    print(f"step: FRoD timed in {s:.0f} s: {p['res'] / 'seventy_b_step_frod.json'}")
 
 
 def qlora_gen(args) -> None:
@@ -489,7 +496,8 @@ def qlora(args) -> None:
                         p["out"] / "logs" / "step_lora.log", None, args.timeout_s)
         if rc != 0:
             raise ChainError(f"qlora: exit {rc}; log {p['out'] / 'logs' / 'step_lora.log'}")
-        print(f"qlora: weights regenerated in {s_gen:.0f} s, timed in {s:.0f} s: {p['out'] / 'seventy_b_step_lora.json'}")
+        _copy_out(p, p["res"] / "seventy_b_step_lora.json")
+        print(f"qlora: weights regenerated in {s_gen:.0f} s, timed in {s:.0f} s: {p['res'] / 'seventy_b_step_lora.json'}")
     finally:
         if not args.keep:
             shutil.rmtree(shm, ignore_errors=True)
@@ -497,10 +505,10 @@ def qlora(args) -> None:
 
 
 def report(args) -> None:
-    """One table of what the chain measured, from the step JSONs in ``--out``."""
+    """One table of what the chain measured, from the step JSONs in ``WORK/results`` (every call's)."""
     p = _paths(args)
-    load = {n: json.loads((p["out"] / f"seventy_b_{n}.json").read_text())
-            for n in ("step_frod", "step_lora", "train_resume") if (p["out"] / f"seventy_b_{n}.json").is_file()}
+    load = {n: json.loads((p["res"] / f"seventy_b_{n}.json").read_text())
+            for n in ("step_frod", "step_lora", "train_resume") if (p["res"] / f"seventy_b_{n}.json").is_file()}
     plan = plan_prediction(args, p, None)["allocated_gib"] if p["recipe"].is_file() else None
     rows = ["| run | step (median) | tok/s per GPU | peak alloc GiB (rank 0) | planner alloc GiB | MFU | GFLOP/token |",
             "|---|---|---|---|---|---|---|"]
