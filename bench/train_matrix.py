@@ -9,7 +9,8 @@ table of FRoD/LoRA ratios against LoRA's best configuration on the same GPU coun
     DS_ACCELERATOR=cpu python bench/train_matrix.py --tiny --work /tmp/fb --out /tmp/fb/out   # CPU rehearsal
     python bench/train_matrix.py --table-only --out DIR                         # the table again from DIR/configs
 
-Order: zero2, plain, zero3 (FRoD then LoRA), then the extra FRoD variants (``--extras``); a configuration
+Order: zero2, plain, zero3 (FRoD then LoRA), then the extras (``--extras``: FRoD layer variants, and quantized
+frozen weights for both methods under ZeRO-2: ``nf4``, ``int8``, ``nf4-base``, ``int8-base``); a configuration
 is not started once ``--budget-s`` seconds have passed and is killed at ``--deadline-s``, so the command
 ends within a 10-minute slot and what ran is tabulated. The table and ``train_step_matrix_<device>.json`` (every configuration's result, stage times,
 failures, command, device, date, versions) are rewritten after each configuration. Per-configuration
@@ -30,9 +31,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = {"plain": "plain", "zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
 MAIN = [(e, m, ()) for e in ("zero2", "plain", "zero3") for m in ("frod", "lora")]
-EXTRAS = {"save-x": ("zero2", "frod", ("--frod-save", "x")),
-          "sampled": ("zero2", "frod", ("--frod-dgrad", "sampled")),
-          "autograd": ("zero2", "frod", ("--frod-impl", "autograd"))}
+EXTRAS = {"save-x": [("zero2", "frod", ("--frod-save", "x"))],
+          "sampled": [("zero2", "frod", ("--frod-dgrad", "sampled"))],
+          "autograd": [("zero2", "frod", ("--frod-impl", "autograd"))],
+          # quantized frozen weights, FRoD and LoRA alike: U_i / the targeted W in NF4 or int8; "-base": every decoder
+          # linear (QLoRA for LoRA, model.quantize_base for FRoD)
+          **{f"{q}{b}": [("zero2", m, ("--frozen-quant", q, *(("--quantize-base",) if b else ()))) for m in ("frod", "lora")]
+             for q in ("nf4", "int8") for b in ("", "-base")}}
 # ZeRO-3 variants (bench/train_matrix.py writes each as OUT/ds_variants/<name>.json: zero3.json + these keys)
 ZERO3_VARIANTS = {
     # keep gathered weights from forward to backward: one gather per step instead of two (memory of ZeRO-2)
@@ -119,7 +124,8 @@ def parse_plan(spec: str) -> list[tuple[str, str, tuple, int]]:
 def run_config(args, out: Path, engine: str, method: str, extra: tuple, gpus: int, model: Path,
                factors: Path, timeout: float) -> dict:
     """One ``train_step.py run`` process (torchrun for several GPUs); its result or a failure record."""
-    label = f"{method}{'_' + '-'.join(a.strip('-') for a in extra) if extra else ''}_{engine.replace('-', '_')}{'_gc' if args.gc else ''}_{gpus}gpu"
+    tag = "-".join(a.strip("-") for a in extra).replace("frozen-quant-", "").replace("-quantize-base", "-base")
+    label = f"{method}{'_' + tag if extra else ''}_{engine.replace('-', '_')}{'_gc' if args.gc else ''}_{gpus}gpu"
     name = f"train_step_{label}"
     cmd = [sys.executable]
     if gpus > 1:
@@ -147,10 +153,12 @@ def _label(d: dict) -> str:
     m = "FRoD" if d["method"] == "frod" else "LoRA r=16"
     f = d.get("frod") or {}
     variant = [k for k, default in (("impl", "function"), ("save", "z"), ("dgrad", "dense")) if f.get(k, default) != default]
-    tags = ", ".join(f"{k}={f[k]}" for k in variant)
+    tags = [f"{k}={f[k]}" for k in variant]
+    if d.get("frozen_quant", "none") != "none":
+        tags.append(f"{d['frozen_quant']} {'whole base' if d.get('quantize_base') else 'targets'}")
     variant = Path(d.get("config") or "").stem
     engine = variant if variant in ZERO3_VARIANTS else d["engine"]
-    return f"{m} {engine}" + (f" ({tags})" if tags else "")
+    return f"{m} {engine}" + (f" ({', '.join(tags)})" if tags else "")
 
 
 def load_results(out: Path) -> list[dict]:
@@ -158,11 +166,11 @@ def load_results(out: Path) -> list[dict]:
 
 
 def table(results: list[dict]) -> tuple[str, list[dict]]:
-    """Markdown table per (GPU count, checkpointing) group, ratios against that group's fastest LoRA config."""
+    """Markdown table per (GPU count, checkpointing) group, ratios against that group's fastest bf16 LoRA config."""
     lines, groups = [], []
     for key in sorted({(d["world_size"], d["gradient_checkpointing"]) for d in results}):
         rows = [d for d in results if (d["world_size"], d["gradient_checkpointing"]) == key]
-        loras = [d for d in rows if d["method"] == "lora"]
+        loras = [d for d in rows if d["method"] == "lora" and d.get("frozen_quant", "none") == "none"]
         best = min(loras, key=lambda d: d["step_s_median"]) if loras else None
         gpus, gc = key
         head = f"**{gpus} GPU{'s' if gpus > 1 else ''}, gradient checkpointing {'on' if gc else 'off'}** ({rows[0]['device']})"
@@ -248,7 +256,8 @@ def main() -> None:
     ap.add_argument("--gc", action="store_true", help="gradient checkpointing for both methods")
     ap.add_argument("--engines", default="zero2,plain,zero3", help="comma list of plain, zero2, zero3, in order")
     ap.add_argument("--extras", default="save-x,autograd",
-                    help=f"comma list of extra FRoD zero2 variants after the main six ({', '.join(EXTRAS)}; '' none)")
+                    help=f"comma list of extra zero2 configurations after the main six ({', '.join(EXTRAS)}; '' none): "
+                         "FRoD layer variants, and quantized frozen weights for FRoD and LoRA")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per window")
     ap.add_argument("--repeats", type=int, default=2, help="timed windows")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
@@ -264,6 +273,9 @@ def main() -> None:
                                                         "on every multi-GPU count of the plan")
     ap.add_argument("--table-only", action="store_true", help="only rebuild the table from OUT/configs")
     args = ap.parse_args()
+    unknown = [k for k in args.extras.split(",") if k and k not in EXTRAS]
+    if unknown:
+        ap.error(f"--extras {unknown[0]!r} is not one of {', '.join(EXTRAS)}")
     out = Path(args.out)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     if args.table_only:
@@ -282,7 +294,7 @@ def main() -> None:
     else:
         engines = [e for e in args.engines.split(",") if e]
         plan = [(e, m, x, 1) for e, m, x in MAIN if e in engines]
-        plan += [(*EXTRAS[k], 1) for k in args.extras.split(",") if k]
+        plan += [(*x, 1) for k in args.extras.split(",") if k for x in EXTRAS[k]]
         if args.gpus > 1:
             plan += [(e, m, x, args.gpus) for e, m, x in MAIN if e in engines and e != "plain"]
     if args.link:

@@ -7,6 +7,8 @@ tokens/s per GPU, peak memory, MFU. ``bench/train_matrix.py`` runs the whole mat
         --factors /tmp/fb/f --out /tmp/fb/out
     python bench/train_step.py run --method lora --config plain --model /tmp/fb/m --out /tmp/fb/out
     torchrun --standalone --nproc_per_node 2 bench/train_step.py run --method lora --config ds_configs/zero3.json ...
+    python bench/train_step.py run --method frod --frozen-quant nf4 --config ds_configs/zero2.json ...   # NF4 U_i
+    python bench/train_step.py run --method lora --frozen-quant nf4 --quantize-base ...                 # QLoRA
 
 Both methods adapt q/k/v/o/gate/up and get the same treatment: bf16 weights, micro-batch ``--batch`` ×
 ``--seq`` random token ids per GPU, gradient clipping at 1.0, torch AdamW (fused on CUDA), the same
@@ -17,6 +19,12 @@ the way HF users do (``from_pretrained`` under ``HfDeepSpeedConfig``), FRoD by `
 Timing: ``--warmup`` untimed steps, then ``--repeats`` windows of ``--steps`` steps, each step timed
 between device synchronisations; peak memory is taken over the timed windows (after the optimizer states
 exist).
+
+Quantized frozen weights (``--frozen-quant nf4|int8``): FRoD holds every ``U_i`` quantized (``model.frozen_quant``;
+``--quantize-base`` also the untargeted linears, ``model.quantize_base``); LoRA loads the targeted linears through
+bitsandbytes (``BitsAndBytesConfig``: NF4 in blocks of 64 without double quantization and ``bnb_4bit_quant_storage``
+bf16 so ZeRO-3 can partition it, or LLM.int8()), and with ``--quantize-base`` every decoder linear: QLoRA.
+``lm_head`` and the embeddings stay bf16 for both.
 """
 
 from __future__ import annotations
@@ -82,7 +90,8 @@ def build_frod(args, ds_cfg: dict | None, rank: int):
 
     store = FactorStore.open(args.factors)
     supports = make_supports(store, TARGETS, args.sparsity, 0)
-    model = build_frod_model(args.model, store, supports, torch.bfloat16, ds_cfg, rank=rank)
+    model = build_frod_model(args.model, store, supports, torch.bfloat16, ds_cfg, rank=rank, quant=args.frozen_quant,
+                             quantize_base=args.quantize_base)
     for _, m in frod_modules(model):
         m.save, m.dgrad, m.impl = args.frod_save, args.frod_dgrad, args.frod_impl
     if args.gc:
@@ -90,14 +99,34 @@ def build_frod(args, ds_cfg: dict | None, rank: int):
     return model, frod_param_groups(model, 1e-4, 1e-5)
 
 
-def build_lora(args, ds_cfg: dict | None):
-    """PEFT LoRA r=16 on the same targets, adapters in bf16 like the base."""
+def _bnb_config(args):
+    """``BitsAndBytesConfig`` for LoRA's quantized base (None: bf16): the targeted linears, and with
+    ``--quantize-base`` the untargeted ones too (QLoRA); lm_head stays bf16."""
+    if args.frozen_quant == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    skip = ["lm_head"] + ([] if args.quantize_base else ["down_proj"])
+    if args.frozen_quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16,
+                              llm_int8_skip_modules=skip)
+
+
+def build_lora(args, ds_cfg: dict | None, device: torch.device):
+    """PEFT LoRA r=16 on the same targets, adapters in bf16 like the base (on a bitsandbytes-quantized base with
+    ``--frozen-quant``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     keep = HfDeepSpeedConfig(ds_cfg) if _zero3(ds_cfg) else None  # noqa: F841 - alive while from_pretrained runs
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    quant = _bnb_config(args)
+    kw = {} if quant is None else {"quantization_config": quant}
+    if quant is not None and not _zero3(ds_cfg):
+        kw["device_map"] = {"": device}  # bitsandbytes quantizes as the weights reach the device
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, **kw)
     if args.gc:
         _enable_gc(model)
     cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGETS, lora_dropout=0.0)
@@ -117,7 +146,8 @@ class Stepper:
         opt = torch.optim.AdamW(groups, lr=1e-4, fused=fused or None)
         self.params = [p for g in groups for p in g["params"]]
         if ds_cfg is None:
-            self.model, self.opt, self.engine = model.to(device).train(), opt, None
+            placed = getattr(model, "hf_device_map", None) is not None  # a quantized base is already on the device
+            self.model, self.opt, self.engine = (model if placed else model.to(device)).train(), opt, None
         else:
             import deepspeed
 
@@ -218,7 +248,7 @@ def run(args) -> None:
     ds_cfg = _ds_config(args.config, args.batch, world)
 
     t0 = time.perf_counter()
-    model, groups = build_frod(args, ds_cfg, rank) if args.method == "frod" else build_lora(args, ds_cfg)
+    model, groups = build_frod(args, ds_cfg, rank) if args.method == "frod" else build_lora(args, ds_cfg, device)
     model.config.use_cache = False
     step = Stepper(model, groups, ds_cfg, device)
     build_s = time.perf_counter() - t0
@@ -241,7 +271,8 @@ def run(args) -> None:
         engine = "plain" if plain else f"zero{ds_cfg['zero_optimization']['stage']}"
         payload = {
             "method": args.method, "engine": engine, "config": args.config, "ds_config": ds_cfg, "world_size": world,
-            "gradient_checkpointing": args.gc, "micro_batch": args.batch, "seq_len": args.seq,
+            "gradient_checkpointing": args.gc, "frozen_quant": args.frozen_quant, "quantize_base": args.quantize_base,
+            "micro_batch": args.batch, "seq_len": args.seq,
             "tokens_per_step_per_gpu": tokens_per_step, "warmup": args.warmup, "steps": args.steps,
             "repeats": args.repeats, "model": {k: cfg[k] for k in ("num_hidden_layers", "hidden_size",
                                                                    "intermediate_size", "num_attention_heads",
@@ -270,6 +301,8 @@ def config_name(args, engine: str, world: int) -> str:
     extra = ""
     if args.method == "frod" and (args.frod_save, args.frod_dgrad, args.frod_impl) != ("z", "dense", "function"):
         extra = f"_{args.frod_impl}-{args.frod_save}-{args.frod_dgrad}"
+    if args.frozen_quant != "none":
+        extra += f"_{args.frozen_quant}{'-base' if args.quantize_base else ''}"
     return f"train_step_{args.method}{extra}_{engine}{'_gc' if args.gc else ''}_{world}gpu"
 
 
@@ -289,6 +322,11 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--frod-dgrad", choices=["dense", "sampled"], default="dense", help="FRoD ∂S: dense GEMM or sampled")
     r.add_argument("--frod-impl", choices=["function", "autograd"], default="function",
                    help="FRoD autograd Functions, or plain autograd (keeps M: the previous implementation)")
+    r.add_argument("--frozen-quant", choices=["none", "int8", "nf4"], default="none",
+                   help="quantized frozen weights: FRoD's U_i (model.frozen_quant), LoRA's targeted base linears "
+                        "(bitsandbytes)")
+    r.add_argument("--quantize-base", action="store_true",
+                   help="with --frozen-quant: the untargeted decoder linears too (FRoD model.quantize_base; LoRA: QLoRA)")
     r.add_argument("--name", default=None, help="result file name (default from method, engine, GPUs)")
     r.add_argument("--out", default=None, help="results dir (default $OUT or bench/results)")
 
@@ -306,6 +344,8 @@ def main() -> None:
     m.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     add_run_args(sub.add_parser("run", help="time training steps of one method under one engine"))
     args = ap.parse_args()
+    if args.cmd == "run" and args.quantize_base and args.frozen_quant == "none":
+        ap.error("--quantize-base needs --frozen-quant nf4 or int8")
     if args.cmd == "make-model":
         make_model(args.out, args.layers, args.hidden, args.inter, args.heads, args.vocab)
     else:

@@ -30,7 +30,7 @@ import torch
 from frod_ds.adapter import adapter_sources, supports_from_adapter
 from frod_ds.adapter_format import s_name, sigma_name
 from frod_ds.atomic import building_dir
-from frod_ds.dtypes import dtype_from_name, dtype_name
+from frod_ds.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from frod_ds.errors import ExportError
 from frod_ds.hf_checkpoint import INDEX_NAME, HFCheckpoint
 from frod_ds.layer import core_matrix
@@ -77,6 +77,22 @@ def _merged(store, member: str, sigma: torch.Tensor, s_values: torch.Tensor, sup
     return (U.to(cdt) @ M) @ V.to(device=device, dtype=cdt).T  # (m, n)
 
 
+def _merged_dtypes(ckpt, store, member_of: dict[str, tuple[str, str]], out_dtype) -> dict[str, torch.dtype]:
+    """The dtype of each merged weight: ``--dtype``, else its base weight's; for a weight the checkpoint no longer
+    holds (deleted after HJD), the checkpoint dtype the store recorded (its ``u_dtype`` unless ``--u-dtype`` was
+    given). ``ExportError`` when that is not known."""
+    out = {}
+    for name, (category, _) in member_of.items():
+        if out_dtype is not None or name in ckpt:
+            out[name] = out_dtype or ckpt.dtype(name)
+        elif store.manifest.u_dtype == "auto":
+            out[name] = FLOAT_DTYPES[store.record(category).u_dtype]
+        else:
+            raise ExportError(f"{ckpt.dir} has no {name} (deleted after HJD) and the store was built with --u-dtype "
+                              f"{store.manifest.u_dtype}, so its dtype is not recorded; pass --dtype")
+    return out
+
+
 def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_model: str | None = None,
                         factor_store: str | None = None, dtype: str = "auto", shard_gb: float = 5.0,
                         device: str | torch.device = "cpu", overwrite: bool = False) -> Path:
@@ -101,6 +117,7 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
     if missing:
         raise ExportError(f"adapter {checkpoint_dir} has no σ for {missing[0]} (of {len(missing)}); it was trained "
                           "with other targets than the factor store's")
+    weight_dtype = _merged_dtypes(ckpt, store, member_of, out_dtype)
 
     t0 = time.perf_counter()
     with building_dir(out) as tmp:
@@ -108,13 +125,13 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
         size, total_size, limit = 0, 0, shard_gb * 2**30
         V_of: dict[str, torch.Tensor] = {}  # fp32 as stored; layers interleave the categories
         with torch.no_grad():
-            for name in ckpt.keys():
+            for name in ckpt.keys() + [n for n in member_of if n not in ckpt]:  # targeted weights may be deleted
                 if name in member_of:
                     category, member = member_of[name]
                     if category not in V_of:
                         V_of[category] = store.load_V(category, torch.float32, device)
                     W = _merged(store, member, tensors[sigma_name(member)], tensors[s_name(member)],
-                                supports[category], V_of[category], device, quant).to(out_dtype or ckpt.dtype(name))
+                                supports[category], V_of[category], device, quant).to(weight_dtype[name])
                 elif quantize_base and is_base_linear_weight(name, ckpt.shape(name)):
                     W = ckpt.get(name, device)
                     W = roundtrip(W, quant, torch.float32).to(out_dtype or W.dtype)  # as training saw it

@@ -114,17 +114,17 @@ class QuantSpec:
         out, offset = [], 0
         for name, dt, count in parts:
             out.append((name, dt, count, offset))
-            offset = _align(offset + count * torch.empty(0, dtype=dt).element_size())
+            offset = _align(offset + count * dt.itemsize)
         return out
 
     @property
     def nbytes(self) -> int:
         _, dt, count, offset = self.sections()[-1]
-        return _align(offset + count * torch.empty(0, dtype=dt).element_size())
+        return _align(offset + count * dt.itemsize)
 
     def storage_numel(self, dtype: torch.dtype) -> int:
         """Elements of a blob viewed in ``dtype`` (the Parameter's length)."""
-        return self.nbytes // torch.empty(0, dtype=dtype).element_size()
+        return self.nbytes // dtype.itemsize
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "shape": list(self.shape), "blocksize": self.blocksize}
@@ -157,7 +157,7 @@ class QuantSpec:
     def _part(self, blob: Tensor, name: str) -> Tensor:
         for n_, dt, count, offset in self.sections():
             if n_ == name:
-                raw = blob[offset:offset + count * torch.empty(0, dtype=dt).element_size()]
+                raw = blob[offset:offset + count * dt.itemsize]
                 return raw if dt == torch.uint8 else raw.clone().view(dt)  # clone: aligned for the wider view
         raise KeyError(name)
 

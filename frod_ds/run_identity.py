@@ -1,8 +1,11 @@
 """The identity of a training run: what determines its result, recorded beside every engine checkpoint
 (``run_identity.json``) so that re-running into an ``output_dir`` resumes only the same run.
 
-It holds the base checkpoint's weights fingerprint (every tensor, sampled: ``frod_ds.fingerprint``), the
-sha256 of the training and eval data files, and the recipe's training hyperparameters. It leaves out the
+It holds the fingerprint of the base checkpoint's tensors the run reads (every tensor but the targeted weights,
+sampled: ``frod_ds.fingerprint.base_names``; the targeted weights are never read, their factors are identified by
+the factor store's record), the sha256 of the training and eval data files, and the recipe's training
+hyperparameters. So a run started from a full checkpoint resumes from the same checkpoint with the targeted
+weights deleted. It leaves out the
 layout of the run (world size, micro-batch split: only the global batch counts), paths (the content is
 recorded instead) and bookkeeping (logging, saving, keeping checkpoints). The factor store's identity is
 recorded apart (``factor_store.json``, ``frod_ds.store_format.StoreIdentity``). Torch-free.
@@ -18,7 +21,7 @@ from typing import Any
 from frod_ds.errors import FrodError
 from frod_ds.records import parse_json, record_from_dict, record_to_json
 
-__all__ = ["RUN_IDENTITY", "RunIdentityError", "RunIdentity", "file_sha256", "training_hyperparameters"]
+__all__ = ["RUN_IDENTITY", "BASE_SCOPE", "RunIdentityError", "RunIdentity", "file_sha256", "training_hyperparameters"]
 
 RUN_IDENTITY = "run_identity.json"
 
@@ -53,16 +56,21 @@ def training_hyperparameters(recipe_dict: dict[str, Any], global_batch: int) -> 
     return out
 
 
+BASE_SCOPE = "untargeted"  # base_fingerprint covers the tensors the run reads (before it: "all" tensors)
+
+
 @dataclass
 class RunIdentity:
     base_fingerprint: str
     data_sha256: dict[str, str]  # "train" / "eval" → sha256 of the file's bytes
     hyperparameters: dict[str, Any] = field(default_factory=dict)
+    base_scope: str = "all"  # which tensors base_fingerprint covers: "all" (older records) or BASE_SCOPE
 
     def differences(self, other: RunIdentity) -> list[str]:
-        """What differs between the run recorded (``self``) and the one asked for now (``other``)."""
+        """What differs between the run recorded (``self``) and the one asked for now (``other``); the base
+        fingerprints are compared when they cover the same tensors (``comparable_base``)."""
         out = []
-        if self.base_fingerprint != other.base_fingerprint:
+        if self.comparable_base(other) and self.base_fingerprint != other.base_fingerprint:
             out.append("base model weights")
         for k in sorted(set(self.data_sha256) | set(other.data_sha256)):
             if self.data_sha256.get(k) != other.data_sha256.get(k):
@@ -72,6 +80,9 @@ class RunIdentity:
             if a != b:
                 out.append(f"{k}: {a!r} there, {b!r} now")
         return out
+
+    def comparable_base(self, other: RunIdentity) -> bool:
+        return self.base_scope == other.base_scope
 
     def to_json(self) -> str:
         return record_to_json(self)

@@ -18,7 +18,7 @@ from torch import Tensor
 from frod_ds.checksum import file_crc32, format_crc32
 from frod_ds.dtypes import FLOAT_DTYPES
 from frod_ds.errors import StoreError, note
-from frod_ds.fingerprint import weights_fingerprint
+from frod_ds.fingerprint import base_fingerprint, tensor_digests, weights_fingerprint
 from frod_ds.hf_checkpoint import HFCheckpoint
 from frod_ds.quant import QuantSpec
 from frod_ds.safetensors_io import tensor_bytes
@@ -59,11 +59,10 @@ class FactorStore:
             raise StoreError(f"{path} is not a factor store (no {MANIFEST}); build it with launch/hjd.py")
         store = cls(path, Manifest.read(mpath))
         if not allow_incomplete and not store.complete:
-            done = store.manifest.completed_categories
-            missing = [c for c in store.manifest.categories if c not in done]
+            done, missing = store.manifest.completed_categories, store.manifest.missing_categories
             raise StoreError(
-                f"factor store {path} is incomplete (done: {done}, missing: {missing}); rerun launch/hjd.py "
-                "with the same arguments to finish it"
+                f"factor store {path} is incomplete (done: {done}, missing: {missing}); finish it with launch/hjd.py "
+                f"--out {path} --categories {','.join(missing)} (rerun with the same arguments after a killed run)"
             )
         if not store.manifest.has_checksums:
             note(f"factor store {path} has no checksums (format {store.manifest.format_version}, written by an older "
@@ -212,17 +211,48 @@ class FactorStore:
 
 
 def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
-    """``StoreError`` unless ``ckpt`` holds the weights the store was built from (same fingerprint)."""
-    names = [m + ".weight" for members in store.categories.values() for m in members]
-    missing = [n for n in names if n not in ckpt]
-    if missing:
+    """``StoreError`` (one line) unless ``ckpt`` is the base model the store was built from.
+
+    A checkpoint with every targeted weight: they must have the store's ``fingerprint`` (what the store's factors
+    are factors of; the other tensors may differ, e.g. another lm_head, as before). A checkpoint lacking some or
+    all of them (deleted once decomposed: training never reads them): the ones it holds must have their recorded
+    digests, and its other tensors, which training reads, the store's ``base_fingerprint`` (format 3), so such a
+    checkpoint is never taken on trust; the targeted weights it lacks are the store's own (their digests, V and
+    every factor file's checksum are in the manifest). An older store records no ``base_fingerprint``: the full
+    checkpoint is needed.
+    """
+    names = {m + ".weight": m for members in store.categories.values() for m in members}
+    absent = [n for n in names if n not in ckpt]
+    present = [n for n in names if n in ckpt]
+    recorded_base = store.manifest.base_fingerprint
+    if absent and recorded_base is None:
         raise StoreError(
             f"factor store {store.path} was built from {store.base_model} but {ckpt.dir} has no tensor "
-            f"{missing[0]!r} ({len(missing)} missing); rebuild it with launch/hjd.py"
+            f"{absent[0]!r} ({len(absent)} missing), and the store (format {store.manifest.format_version}) records no "
+            "fingerprint of the other weights to identify the model by; use the full checkpoint or rebuild the store "
+            "with this version's launch/hjd.py"
         )
-    fingerprint = weights_fingerprint(ckpt, names)
-    if fingerprint != store.fingerprint:
+    if not absent:
+        fingerprint = weights_fingerprint(ckpt, list(names))
+        if fingerprint != store.fingerprint:
+            raise StoreError(
+                f"factor store {store.path} was built from {store.base_model} (fingerprint {store.fingerprint[:16]}…) "
+                f"but {ckpt.dir} has fingerprint {fingerprint[:16]}…; rebuild it with launch/hjd.py"
+            )
+        return
+    found = base_fingerprint(ckpt, store.targets)
+    if found != recorded_base:
         raise StoreError(
-            f"factor store {store.path} was built from {store.base_model} (fingerprint {store.fingerprint[:16]}…) "
-            f"but {ckpt.dir} has fingerprint {fingerprint[:16]}…; rebuild it with launch/hjd.py"
+            f"factor store {store.path} was built from {store.base_model} but {ckpt.dir}, which lacks the targeted "
+            f"weights, has other untargeted tensors (embeddings, norms, untargeted linears: fingerprint "
+            f"{recorded_base[:16]}… there, {(found or 'none')[:16]}… here); use that model's checkpoint or rebuild "
+            "the store with launch/hjd.py"
         )
+    digests = tensor_digests(ckpt, present)
+    for name in present:
+        want = (store.record(store.category_of(names[name])).weight_sha256 or {}).get(names[name])
+        if digests[name] != want:
+            raise StoreError(
+                f"factor store {store.path} was built from {store.base_model} but {name} in {ckpt.dir} is another "
+                "weight than the one decomposed; use that model's checkpoint or rebuild the store with launch/hjd.py"
+            )

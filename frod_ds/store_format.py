@@ -21,7 +21,15 @@ renamed (and fsynced); ``complete`` is written last. A store whose manifest says
 the same with the stored tensors (U rounded to the category's ``u_dtype``, or quantized from it and
 dequantized when ``u_quant`` is set; σ and V in fp32).
 
-Format versions: 1 (no checksums) is still read; 2 adds ``checksums``. Imports nothing heavy (no torch).
+A store may be built one category per ``launch/hjd.py`` run (``--categories``), each run seeing only its
+categories' weights: ``categories`` then holds the categories planned so far, ``complete`` is written once every
+target is in ``completed_categories``. Every run records each member weight's digest (``weight_sha256``; the
+store's ``fingerprint`` combines them, ``frod_ds.fingerprint.combine_digests``) and the fingerprint of the
+checkpoint's other tensors (``base_fingerprint``), which must agree across the runs of one store and identify
+the base model to training when the targeted weights are gone.
+
+Format versions: 1 (no checksums) and 2 are still read; 2 adds ``checksums``; 3 adds ``weight_sha256``,
+``base_fingerprint`` and categories added run by run. Imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
@@ -41,8 +49,8 @@ __all__ = [
 ]
 
 FORMAT = "frod-factor-store"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 
 
@@ -113,6 +121,7 @@ class CategoryRecord:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     method: str | None = None  # "gram" | "householder"
     cond_estimate: float | None = None  # Gram route's lower bound of cond(R)
+    weight_sha256: dict[str, str] | None = None  # member -> frod_ds.fingerprint.tensor_digests of its weight (format 3)
 
     def expected_keys(self) -> set[str]:
         """Every tensor key a complete category has."""
@@ -157,8 +166,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     complete: bool = False
     completed_categories: list[str] = field(default_factory=list)
-    base_model: str  # what --model named (Hub id or directory)
-    fingerprint: str  # frod_ds.fingerprint.weights_fingerprint of every member's weight
+    base_model: str  # what --model named (Hub id or directory) in the run that created the store
+    fingerprint: str  # frod_ds.fingerprint.weights_fingerprint of every member's weight (of the planned categories)
     fingerprint_method: str
     model_config: dict[str, Any] | None  # a few config.json fields (model_type, hidden_size, ...)
     targets: list[str]
@@ -166,7 +175,8 @@ class Manifest:
     hjd_dtype: str  # "float32" | "float64"
     u_dtype: str = "auto"  # "auto": each category's checkpoint dtype; else --u-dtype (absent before it existed: auto)
     u_quant: QuantRecord | None = None  # --quant nf4|int8 (absent: U stored dense)
-    categories: dict[str, CategoryRecord]
+    base_fingerprint: str | None = None  # frod_ds.fingerprint.base_fingerprint: the other tensors (format 3)
+    categories: dict[str, CategoryRecord]  # the targets planned so far (all of them once complete)
     world_size: int
     versions: dict[str, str]  # frod_ds, torch, safetensors, python
     run: RunRecord | None = None
@@ -200,6 +210,11 @@ class Manifest:
     @property
     def has_checksums(self) -> bool:
         return self.format_version >= 2
+
+    @property
+    def missing_categories(self) -> list[str]:
+        """Targets not yet complete, in target order."""
+        return [t for t in self.targets if t not in self.completed_categories]
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ from frod_ds.engine_checkpoint import Layout, restore_checkpoint, write_checkpoi
 from frod_ds.errors import FrodError, StoreError, note
 from frod_ds.layer import tan_alpha
 from frod_ds.recipe import Recipe, recipe_to_dict
-from frod_ds.run_identity import RUN_IDENTITY, RunIdentity, RunIdentityError, file_sha256, training_hyperparameters
+from frod_ds.run_identity import (BASE_SCOPE, RUN_IDENTITY, RunIdentity, RunIdentityError, file_sha256,
+                                  training_hyperparameters)
 from frod_ds.store_format import StoreIdentity, category_of
 
 __all__ = ["Run", "setup", "fit", "lr_lambda"]
@@ -116,16 +117,17 @@ def _check_store(recipe: Recipe, resume_tag: str | None = None):
     check_store_quant(store, recipe.model.targets, recipe.model.frozen_quant)
     identity = store.identity(list(recipe.model.targets))
     ckpt = HFCheckpoint(model_dir)
-    from frod_ds.fingerprint import weights_fingerprint
+    from frod_ds.fingerprint import base_names, weights_fingerprint
 
     t = recipe.train
     data = {"train": file_sha256(recipe.data.train)}
     if recipe.data.eval:
         data["eval"] = file_sha256(recipe.data.eval)
     run_identity = RunIdentity(
-        base_fingerprint=weights_fingerprint(ckpt, list(ckpt.keys())), data_sha256=data,
+        base_fingerprint=weights_fingerprint(ckpt, base_names(ckpt.keys(), recipe.model.targets)), data_sha256=data,
         hyperparameters=training_hyperparameters(recipe_to_dict(recipe),
-                                                 t.micro_batch_size * t.grad_accum * dist.get_world_size()))
+                                                 t.micro_batch_size * t.grad_accum * dist.get_world_size()),
+        base_scope=BASE_SCOPE)
     if resume_tag is not None:
         _check_resume_store(Path(recipe.output_dir), resume_tag, identity)
         _check_resume_run(Path(recipe.output_dir), resume_tag, run_identity)
@@ -149,7 +151,11 @@ def _check_resume_run(out: Path, tag: str, identity: RunIdentity) -> None:
         "resuming without checking that it is this run")
     if recorded is None:
         return
-    diffs = RunIdentity.from_json(recorded.read_text(), recorded).differences(identity)
+    recorded_identity = RunIdentity.from_json(recorded.read_text(), recorded)
+    if not recorded_identity.comparable_base(identity):
+        note(f"checkpoint {recorded.parent} records the fingerprint of all base tensors (written by an older frod-ds): "
+             "resuming without checking the base model's weights against it")
+    diffs = recorded_identity.differences(identity)
     if diffs:
         raise RunIdentityError(
             f"output_dir {out} holds another run ({'; '.join(diffs[:4])}{'; …' if len(diffs) > 4 else ''}); "

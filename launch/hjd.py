@@ -5,9 +5,14 @@
     srun --ntasks-per-node 8 --gpus-per-node 8 python launch/hjd.py --model /ckpt/llama-2-70b --out factors/llama2-70b
     python launch/hjd.py --model /ckpt/tiny --out factors/tiny --device cpu        # one process
     torchrun --nproc_per_node 2 launch/hjd.py --model /ckpt/llama2-70b --out factors/llama2-70b-nf4 --quant nf4
+    torchrun --nproc_per_node 2 launch/hjd.py --model /ckpt/70b-q-only --out factors/70b-nf4 --quant nf4 --categories q_proj
     python launch/hjd.py --verify factors/llama2-7b --model meta-llama/Llama-2-7b-hf
 
-Rerunning a killed run with the same arguments skips the categories already complete. On CPU, unless
+Rerunning a killed run with the same arguments skips the categories already complete. ``--categories`` builds
+the store one part at a time: each run decomposes only those of ``--targets`` (its checkpoint needs only their
+weights) and adds them to ``--out``; the store is complete, and usable by training, once every target is in.
+Runs that add to one store must agree on targets, π, dtypes, ``--quant``, config.json and the checkpoint's
+untargeted tensors (else one ``error:`` line). On CPU, unless
 OMP_NUM_THREADS is set, each rank uses its share of the cores (torch's default divided by the ranks on the
 node) and OpenMP threads sleep instead of spinning while they wait (OMP_WAIT_POLICY=PASSIVE): with spinning
 threads a single-process run on a shared 2-core machine took 4-15x longer (bench/hjd_cpu_threads.py).
@@ -40,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--verify", type=Path, metavar="DIR", help="verify the factor store DIR against --model instead of building")
     p.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS),
                    help="module names forming one category each across layers (space- or comma-separated)")
+    p.add_argument("--categories", nargs="+", default=None,
+                   help="only these of --targets in this run (space- or comma-separated), added to the store in --out; "
+                        "the checkpoint needs only their weights. Default: all targets")
     p.add_argument("--pi", type=float, default=1e-3, help="ridge term π > 0 of T_pi (spec §1)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="HJD compute dtype (fp32 runs with TF32 off)")
@@ -74,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
     args.targets = [t for item in args.targets for t in item.split(",") if t]
+    if args.categories is not None:
+        args.categories = [c for item in args.categories for c in item.split(",") if c]
     if (args.out is None) == (args.verify is None):
         p.error("pass exactly one of --out (build a store) or --verify DIR (check one)")
     return args
@@ -89,7 +99,8 @@ def build(args: argparse.Namespace) -> int:
         model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
         block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, part_mb=args.part_mb, device=args.device, overwrite=args.overwrite,
         fsync=args.fsync, method=args.method, io_threads=args.io_threads, prefetch_gb=args.prefetch_gb,
-        quant=args.quant, **({} if args.u_dtype == "auto" else {"u_dtype": getattr(torch, args.u_dtype)})))
+        quant=args.quant, categories=None if args.categories is None else tuple(args.categories),
+        **({} if args.u_dtype == "auto" else {"u_dtype": getattr(torch, args.u_dtype)})))
     manifest = run_stage(cfg, process_start=PROCESS_START)
     if manifest is not None:
         _print_summary(manifest)
@@ -120,7 +131,9 @@ def _print_summary(manifest) -> None:
         if rec.complete:
             print(f"{c:>10} {len(rec.members):>7} {rec.width:>6} {rec.method or '?':>11} {rec.seconds:>8.2f} "
                   f"{rec.max_error:>9.2e} {rec.max_stored_error:>10.2e}")
-    print(f"total {run.seconds:.1f} s, world size {run.world_size}, complete: {manifest.complete}")
+    print(f"total {run.seconds:.1f} s, world size {run.world_size}, complete: {manifest.complete}"
+          + ("" if manifest.complete else f" (missing {', '.join(manifest.missing_categories)}: add them with "
+                                          f"--categories {','.join(manifest.missing_categories)})"))
     for r in run.ranks:
         mem = f", peak GPU {r.peak_device_gib:.2f} GiB" if r.peak_device_gib is not None else ""
         print(f"  rank {r.rank}: {r.seconds:.1f} s{mem}, peak host RSS {r.peak_host_rss_gib:.2f} GiB, "
@@ -150,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _cpu_threading_env(args)
     if args.out is not None:  # the kernel reads this rank's first weights while torch loads
-        start_readahead(args.model, args.targets, readahead_budget())
+        start_readahead(args.model, args.categories or args.targets, readahead_budget())
     _set_cpu_threads(args)
     from frod_ds import entry
 

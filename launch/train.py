@@ -7,9 +7,9 @@
     #     ds_configs/zero3_cpu_fp32.json --recipe recipes/demo_tiny.yaml
 
 Re-running the same command resumes from the last complete checkpoint in ``output_dir``. SIGTERM writes a
-checkpoint and exits with 143. Exit 2 on invalid input (one ``error:`` line), before any training. On GPUs a
-``hint:`` line says when the chosen ZeRO set-up is likely the slow one for the model and GPU count
-(``frod_ds/engine_choice.py``: ZeRO-2 when the frozen model fits one GPU, ZeRO-3 when it does not).
+checkpoint and exits with 143. Exit 2 on invalid input (one ``error:`` line), before any training. On GPUs rank 0
+prints one ``hint:`` line when the memory planner (``frod_ds.planner.train_hint``, the decision of
+``python -m frod_ds plan``) predicts the chosen set-up out of memory, or a faster ZeRO set-up that fits.
 """
 
 from __future__ import annotations
@@ -33,34 +33,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def zero_hint_line(recipe, config_path: str, world_size: int, gpu_bytes: int | None) -> str | None:
-    """``frod_ds.engine_choice``'s one-line hint when the chosen ZeRO set-up is likely the slow (or failing) one
-    for this model and GPU count; None without a GPU, or when an input is unreadable (``setup`` reports that)."""
-    if not gpu_bytes:
-        return None
-    import math
-
-    import torch
-
-    from frod_ds.ds_config import load_ds_config
-    from frod_ds.dtypes import FLOAT_DTYPES
-    from frod_ds.engine_choice import choice_of_config, frozen_model_bytes, zero_hint
-    from frod_ds.errors import FrodError
-    from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
-    from frod_ds.store import FactorStore
-
-    try:
-        ckpt = HFCheckpoint(resolve_model_dir(recipe.model.base))
-        numels = [math.prod(ckpt.shape(k)) for k in ckpt.keys()]
-        store = FactorStore.open(recipe.model.factor_store)
-        widths = [store.width(c) for c in recipe.model.targets if c in store.categories]
-        chosen = choice_of_config(load_ds_config(config_path))
-    except (FrodError, OSError):
-        return None
-    elem = torch.finfo(FLOAT_DTYPES[recipe.model.dtype]).bits // 8
-    return zero_hint(chosen, frozen_model_bytes(numels, widths, elem), gpu_bytes, world_size)
-
-
 def train(args: argparse.Namespace) -> int:
     from frod_ds import distributed as dist
     from frod_ds.recipe import load_recipe
@@ -69,10 +41,11 @@ def train(args: argparse.Namespace) -> int:
     dist.init_deepspeed()
     import torch
 
+    from frod_ds.planner import train_hint
     from frod_ds.trainer import fit, setup
 
     gpu_bytes = torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
-    hint = zero_hint_line(recipe, args.config, dist.get_world_size(), gpu_bytes)
+    hint = train_hint(recipe, args.config, dist.get_world_size(), gpu_bytes)  # the planner's decision, config.json only
     if hint:
         dist.print0(hint)
     return fit(setup(recipe, args.config, args.nvme_path))

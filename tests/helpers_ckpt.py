@@ -48,6 +48,29 @@ def weights(path: Path, members: list[str]) -> list[torch.Tensor]:
     return out
 
 
+def strip_checkpoint(src: Path, dst: Path, categories, replace: dict[str, torch.Tensor] | None = None) -> Path:
+    """A copy of checkpoint ``src`` without the weights ``<path>.<category>.weight`` of ``categories`` (as left once
+    HJD has decomposed them), in one ``model.safetensors``, with every non-weight file (config, tokenizer) copied;
+    ``replace``: tensors to swap in. Reads the shards with safetensors itself (independent of ``HFCheckpoint``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    drop = set(categories)
+    kept = {k: v for k, v in tensors.items()
+            if not (k.endswith(".weight") and k[: -len(".weight")].rsplit(".", 1)[-1] in drop)}
+    kept.update(replace or {})
+    save_file(kept, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
 def _free_port() -> int:
     import socket
 

@@ -81,21 +81,40 @@ def test_train_matrix_rehearsal_runs_every_engine_and_method(tmp_path):
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")))
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, "bench/train_matrix.py", "--tiny", "--work", str(tmp_path / "w"), "--out",
-                          str(out), "--extras", "", "--budget-s", "1e9", "--deadline-s", "1e9"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+                          str(out), "--extras", "nf4", "--budget-s", "1e9", "--deadline-s", "1e9"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads((out / "train_step_matrix_cpu.json").read_text())
-    got = {(c["method"], c["engine"]) for c in doc["configs"]}
-    assert got == {(m, e) for m in ("frod", "lora") for e in ("plain", "zero2", "zero3")}, doc["runs"]
-    first = [c["losses"][0] for c in doc["configs"]]
+    got = {(c["method"], c["engine"], c["frozen_quant"]) for c in doc["configs"]}
+    assert got == {(m, e, "none") for m in ("frod", "lora") for e in ("plain", "zero2", "zero3")} | {
+        ("frod", "zero2", "nf4"), ("lora", "zero2", "nf4")}, doc["runs"]
+    assert "FRoD zero2 (nf4 targets)" in doc["table_md"] and "LoRA r=16 zero2 (nf4 targets)" in doc["table_md"]
+    dense = [c for c in doc["configs"] if c["frozen_quant"] == "none"]
+    nf4 = [c for c in doc["configs"] if c["frozen_quant"] == "nf4"]
+    first = [c["losses"][0] for c in dense]
     assert max(first) - min(first) < 1e-3 * abs(first[0]), "same model at init under every engine and method"
+    for c in nf4:  # NF4 of U_i (FRoD) or of W (LoRA) moves the logits a little, not the loss much, at init
+        assert c["losses"][0] != first[0] and abs(c["losses"][0] - first[0]) < 0.05 * abs(first[0]), c["losses"]
     for c in doc["configs"]:
         assert len(c["step_s_all"]) == 2 and all(len(w) == 2 for w in c["step_s_all"])
         assert c["flops_per_token"]["total"] > 0 and c["tokens_per_s_per_gpu"] > 0
-    lora_best = min((c for c in doc["configs"] if c["method"] == "lora"), key=lambda c: c["step_s_median"])
+    lora_best = min((c for c in doc["configs"] if c["method"] == "lora" and c["frozen_quant"] == "none"),
+                    key=lambda c: c["step_s_median"])
     group = doc["groups"][0]
     assert group["lora_best"]["engine"] == lora_best["engine"]
-    assert f"LoRA's best: **{lora_best['engine']}**" in doc["table_md"] and doc["table_md"].split("**Scaling**")[0].count("\n| ") == 7
+    assert f"LoRA's best: **{lora_best['engine']}**" in doc["table_md"] and doc["table_md"].split("**Scaling**")[0].count("\n| ") == 9
     assert doc["versions"]["deepspeed"] and doc["command"].startswith("python")
+
+    # NF4 U_i under a bf16 ZeRO-3 zero.Init (sizes of the blobs must not follow zero.Init's dtype): the same model
+    res = subprocess.run([sys.executable, "bench/train_step.py", "run", "--method", "frod", "--frozen-quant", "nf4",
+                          "--config", "ds_configs/zero3.json", "--model", str(tmp_path / "w" / "model"), "--factors",
+                          str(tmp_path / "w" / "factors"), "--out", str(tmp_path / "z3"), "--batch", "2", "--seq", "32",
+                          "--warmup", "1", "--steps", "1", "--repeats", "1"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (z3,) = [json.loads(p.read_text()) for p in (tmp_path / "z3").glob("*.json")]
+    (z2,) = [c for c in nf4 if c["method"] == "frod"]
+    assert z3["engine"] == "zero3" and z3["losses"][0] == pytest.approx(z2["losses"][0], rel=1e-3)
 
     prof = json.loads((out / "layer_profile.json").read_text())
     for shape in prof["shapes"]:

@@ -141,6 +141,106 @@ def test_train_hint_reads_the_recipe_and_the_json(tmp_path):
     assert train_hint(recipe, str(REPO / "ds_configs" / "zero3.json"), 2, 79.1 * 2**30) is None
 
 
+# ---- the decision launch/train.py's hint is built on (formerly frod_ds/engine_choice.py's rule) -----------------------
+
+
+def _needed(model, train, name: str, gpus: int) -> float:
+    """What ``name`` (a shipped config) needs per GPU, by the planner's own arithmetic (GPU size does not enter it)."""
+    engine = {e.name: e for e in shipped_engines()}[name]
+    return plan_memory(model, train, engine, gpus, 1.0).needed
+
+
+@pytest.mark.parametrize("shape", [LLAMA2_7B, LLAMA2_70B])
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_recommendation_boundary_is_where_the_faster_set_up_stops_fitting(shape, gpus):
+    """ZeRO-2 (exact, no checkpointing) is chosen exactly while it fits; one byte less and the planner moves on to
+    a slower candidate; ZeRO-3 with the same recipe is chosen on a GPU where it fits and nothing before it does."""
+    model, train = model_shape_from_config(shape), TrainShape(micro_batch=4, seq_len=256)
+    z2 = _needed(model, train, "ds_configs/zero2.json", gpus)
+    rec = recommend(model, train, gpus, z2)
+    assert (rec.engine.name, rec.quant, rec.checkpointing) == ("ds_configs/zero2.json", "none", False)
+    assert "the fastest set-up fits" in rec.reason
+    smaller = recommend(model, train, gpus, z2 - 1)
+    assert smaller is None or (smaller.engine.name, smaller.quant, smaller.checkpointing) != (
+        "ds_configs/zero2.json", "none", False)
+    if smaller is not None:
+        assert "more than" in smaller.reason and smaller.plan.needed <= z2 - 1
+
+
+def test_shipped_configs_map_to_their_engine():
+    """Every shipped JSON as the planner reads it: ZeRO stage (0-2 replicate the frozen model, like 2) and offload."""
+    from frod_ds.planner import engine_from_ds_config
+
+    cfgs = {p.stem: json.loads(p.read_text()) for p in (REPO / "ds_configs").glob("*.json")}
+    got = {k: (engine_from_ds_config(c).stage, engine_from_ds_config(c).offload_param) for k, c in cfgs.items()}
+    assert got == {"zero2": (2, False), "zero2_cpu_fp32": (2, False), "zero3": (3, False), "zero3_cpu_fp32": (3, False),
+                   "zero3_offload": (3, True), "zero3_nvme": (3, True)}
+    assert [e.name for e in shipped_engines()] == [f"ds_configs/{f}" for f in ("zero2.json", "zero3.json",
+                                                                               "zero3_offload.json", "zero3_nvme.json")]
+    assert all((REPO / e.name).is_file() for e in shipped_engines())
+
+
+def test_train_hint_boundaries_follow_the_plan(tmp_path):
+    """launch/train.py's hint (``train_hint``) at the planner's own boundaries: silent where the chosen config is
+    the fastest that fits; names ZeRO-2 when ZeRO-3 was chosen and ZeRO-2 fits; says out of memory (one line) when
+    ZeRO-2 was chosen and does not fit; silent again when the partitioned model fits more GPUs."""
+    from frod_ds.planner import train_hint
+    from frod_ds.recipe import load_recipe
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
+    from frod_ds.planner import train_shape_from_recipe
+
+    model, train = model_shape_from_config(LLAMA2_7B), train_shape_from_recipe(recipe)
+    z2_json, z3_json = str(REPO / "ds_configs" / "zero2.json"), str(REPO / "ds_configs" / "zero3.json")
+    z2 = _needed(model, train, "ds_configs/zero2.json", 1)
+    assert train_hint(recipe, z3_json, 1, None) is None, "no GPU: no hint"
+    assert train_hint(recipe, z2_json, 1, z2) is None, "ZeRO-2 fits exactly: nothing to say"
+    slow = train_hint(recipe, z3_json, 1, z2)
+    assert slow.startswith("hint: ds_configs/zero2.json fits") and "\n" not in slow
+    oom = train_hint(recipe, z2_json, 1, z2 - 1)
+    assert oom.startswith("hint: predicted") and "likely out of memory" in oom and "\n" not in oom
+    z3_two = _needed(model, train, "ds_configs/zero3.json", 2)
+    if z3_two < _needed(model, train, "ds_configs/zero2.json", 2):
+        assert train_hint(recipe, z3_json, 2, z3_two) is None, "ZeRO-3 over 2 GPUs fits, ZeRO-2 does not"
+    assert train_hint(recipe, str(tmp_path / "missing.json"), 1, z2) is None, "training's own checks report it"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_launch_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypatch, capsys, rank):
+    """launch/train.py on a (pretended) GPU whose ZeRO-2 fits, asked for ZeRO-3: rank 0 prints the planner's line,
+    exactly once and as one line; another rank prints nothing. Process group, setup and fit are stand-ins."""
+    import types
+
+    import torch
+
+    import frod_ds.distributed as dist
+    import frod_ds.trainer as trainer
+    from frod_ds.planner import train_hint, train_shape_from_recipe
+    from frod_ds.recipe import load_recipe
+    from launch.train import parse_args, train
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    overrides = [f"model.base={tmp_path}"]
+    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", overrides)
+    gpu = _needed(model_shape_from_config(LLAMA2_7B), train_shape_from_recipe(recipe), "ds_configs/zero2.json", 1)
+    monkeypatch.setattr(dist, "init_deepspeed", lambda: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=gpu))
+    monkeypatch.setattr(trainer, "setup", lambda *a: "run")
+    monkeypatch.setattr(trainer, "fit", lambda run: 0)
+    config = str(REPO / "ds_configs" / "zero3.json")
+    assert train(parse_args(["--config", config, "--recipe", str(REPO / "recipes" / "llama2_7b_cs170k.yaml"),
+                             *overrides])) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    if rank == 0:
+        assert printed == [train_hint(recipe, config, 1, gpu)] and printed[0].startswith("hint:")
+    else:
+        assert printed == []
+    assert not (REPO / "frod_ds" / "engine_choice.py").exists(), "one implementation: the planner's"
+
+
 # ---- the CLI ---------------------------------------------------------------------------------------------------------
 
 

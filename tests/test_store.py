@@ -114,7 +114,7 @@ def test_factor_store_open_errors(tmp_path, bf16_store):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest.update(complete=False, completed_categories=["q_proj"])
     (incomplete / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match=r"incomplete \(done: \['q_proj'\].*rerun launch/hjd.py"):
+    with pytest.raises(ValueError, match=r"incomplete \(done: \['q_proj'\].*--categories k_proj,v_proj"):
         FactorStore.open(incomplete)
     assert FactorStore.open(incomplete, allow_incomplete=True).complete is False
     store = FactorStore.open(path)

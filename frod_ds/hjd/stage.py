@@ -1,8 +1,9 @@
 """The distributed HJD stage (spec §1, "Distributed HJD"): checkpoint shards in, factor store out.
 
-``run_stage`` plans the categories from the checkpoint's tensor names, fingerprints the targeted weights,
-creates or resumes the store directory (``store_dir``), then factors each category not yet complete, one at
-a time so memory is one category's share: ``read_pass`` (every read), then ``factor_category`` (a route,
+``run_stage`` plans this run's categories (``categories``, default all ``targets``) from the checkpoint's tensor
+names, fingerprints their weights and the checkpoint's other tensors, creates, resumes or extends the store
+directory (``store_dir``), then factors each of them not yet complete, one at a time so memory is one
+category's share: ``read_pass`` (every read), then ``factor_category`` (a route,
 ``routes``). The work overlaps: while a category is computed the next one's weights are read
 (``MemberReader``), and a category's files finish writing (``FactorWriter``) while the next one is computed;
 it enters the manifest once every rank's files are on disk, one category behind the compute (a killed run
@@ -22,7 +23,7 @@ from frod_ds import distributed as D
 from frod_ds.atomic import atomic_write_text
 from frod_ds.dtypes import FLOAT_DTYPES, dtype_name
 from frod_ds.errors import HJDError
-from frod_ds.fingerprint import weights_fingerprint
+from frod_ds.fingerprint import base_fingerprint, tensor_digests
 from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
 from frod_ds.hjd import store_dir
 from frod_ds.hjd.category import CategoryResult, Phases, open_category
@@ -59,11 +60,17 @@ class StageConfig:
     prefetch_gb: float = 4.0
     u_dtype: torch.dtype | None = None  # None: each category's checkpoint dtype
     quant: str = "none"  # none | nf4 | int8: U_i written quantized (frod_ds.quant blobs), from U in u_dtype
+    categories: tuple[str, ...] | None = None  # the targets this run decomposes (None: all); the store holds targets
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
         self.targets = tuple(self.targets)
+        self.categories = self.targets if self.categories is None else tuple(self.categories)
         problems = [p for p in (targets_problem(self.targets, "--targets"), pi_problem(self.pi, "--pi")) if p]
+        strangers = [c for c in self.categories if c not in self.targets]
+        if strangers or not self.categories:
+            problems.append(f"--categories {list(self.categories)} must be a non-empty subset of --targets "
+                            f"{list(self.targets)} (the store's categories)")
         if self.dtype not in (torch.float32, torch.float64):
             problems.append(f"--dtype must be float32 or float64, got {self.dtype}")
         if not self.block_gb > 0:
@@ -110,13 +117,15 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
         torch.cuda.reset_peak_memory_stats(device)
     model_dir = D.on_main(lambda: str(resolve_model_dir(cfg.model)))  # rank 0 downloads first, then the others
     ckpt = D.on_all(lambda: HFCheckpoint(model_dir if D.is_main() else resolve_model_dir(cfg.model)))
-    categories = D.on_all(lambda: plan_categories(ckpt, cfg.targets))  # reads shard headers only
-    names = [m + ".weight" for members in categories.values() for m in members]
-    fingerprint = D.on_main(lambda: weights_fingerprint(ckpt, names))
-    manifest = D.on_main(lambda: store_dir.prepare_store(
-        cfg.out, store_dir.new_manifest(cfg.model, list(cfg.targets), cfg.pi, cfg.dtype, cfg.u_dtype, fingerprint,
-                                        categories, ckpt, cfg.quant),
-        cfg.overwrite))
+    categories = D.on_all(lambda: plan_categories(ckpt, cfg.categories))  # reads shard headers only
+
+    def fresh() -> Manifest:
+        by_name = tensor_digests(ckpt, [m + ".weight" for members in categories.values() for m in members])
+        digests = {c: {m: by_name[m + ".weight"] for m in members} for c, members in categories.items()}
+        return store_dir.new_manifest(cfg.model, list(cfg.targets), cfg.pi, cfg.dtype, cfg.u_dtype, digests,
+                                      categories, ckpt, cfg.quant, base_fingerprint(ckpt, cfg.targets))
+
+    manifest = D.on_main(lambda: store_dir.prepare_store(cfg.out, fresh(), cfg.overwrite))
     return device, ckpt, categories, manifest
 
 
@@ -208,7 +217,7 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest 
         manifest.run = RunRecord(seconds=round(time.perf_counter() - t_start, 3), startup_s=startup, prologue_s=prologue,
                                  world_size=D.get_world_size(), categories_done=todo, categories_skipped=skipped,
                                  ranks=ranks)
-        manifest.complete = len(manifest.completed_categories) == len(manifest.categories)
+        manifest.complete = not manifest.missing_categories
         atomic_write_text(cfg.out / MANIFEST, manifest.to_json())
         return manifest
 

@@ -1,8 +1,10 @@
 """Rank 0's side of the factor store directory during the HJD stage: create or resume it, record each
 finished category in the manifest (replaced from a background thread), and what each rank did.
 
-The manifest is ``frod_ds.store_format.Manifest``; a store in ``--out`` is resumed only when it was built
-with the same configuration (``CONFIG_FIELDS``), else ``--overwrite`` is needed.
+The manifest is ``frod_ds.store_format.Manifest``; a store in ``--out`` is resumed, or gets more categories
+(``--categories``), only when it was built with the same configuration (``CONFIG_FIELDS``: targets, π, dtypes,
+quantization, model config, the fingerprint of the checkpoint's untargeted tensors) and every category it holds
+complete whose weights this run sees has the same weight digests; else ``--overwrite`` is needed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from frod_ds import distributed as D
 from frod_ds.atomic import TMP, atomic_write_text, fsync_dir
 from frod_ds.dtypes import dtype_name
 from frod_ds.errors import HJDError, StoreError
-from frod_ds.fingerprint import FINGERPRINT_METHOD
+from frod_ds.fingerprint import FINGERPRINT_METHOD, combine_digests
 from frod_ds.hf_checkpoint import HFCheckpoint
 from frod_ds.hjd.category import CategoryResult
 from frod_ds.quant import NF4_BLOCKSIZE
@@ -30,7 +32,8 @@ __all__ = ["CONFIG_FIELDS", "new_manifest", "prepare_store", "remove_store_files
            "record_category", "rank_summary"]
 
 GiB = 2**30
-CONFIG_FIELDS = ("format_version", "fingerprint", "targets", "pi", "hjd_dtype", "u_dtype", "u_quant")  # a store to resume must match
+# a store to resume or add categories to must match on these (the targeted weights: per category, weight_sha256)
+CONFIG_FIELDS = ("format_version", "targets", "pi", "hjd_dtype", "u_dtype", "u_quant", "model_config", "base_fingerprint")
 
 
 def _versions() -> dict[str, str]:
@@ -60,9 +63,11 @@ def _model_config(model_dir: Path) -> dict[str, Any] | None:
 
 
 def new_manifest(model: str, targets: list[str], pi: float, dtype: torch.dtype, u_dtype: torch.dtype | None,
-                 fingerprint: str, categories: dict[str, list[str]], ckpt: HFCheckpoint, quant: str = "none") -> Manifest:
-    """The manifest of a store not yet started: every category planned, none complete. ``u_dtype``: the
-    dtype U is stored in (None: each category's checkpoint dtype); ``quant``: nf4 | int8 stores U quantized."""
+                 digests: dict[str, dict[str, str]], categories: dict[str, list[str]], ckpt: HFCheckpoint,
+                 quant: str = "none", base_fingerprint: str | None = None) -> Manifest:
+    """The manifest of a store not yet started: this run's ``categories`` planned, none complete. ``u_dtype``: the
+    dtype U is stored in (None: each category's checkpoint dtype); ``quant``: nf4 | int8 stores U quantized;
+    ``digests``: ``{category: {member: weight digest}}``; ``base_fingerprint``: the checkpoint's other tensors."""
     u_quant = None if quant == "none" else QuantRecord(kind=quant, blocksize=NF4_BLOCKSIZE)
     records = {
         c: CategoryRecord(
@@ -72,13 +77,20 @@ def new_manifest(model: str, targets: list[str], pi: float, dtype: torch.dtype, 
             u_dtype=dtype_name(u_dtype or ckpt.dtype(members[0] + ".weight")),
             u_quant=u_quant,
             checksums={},
+            weight_sha256=dict(digests[c]),
         )
         for c, members in categories.items()
     }
-    return Manifest(base_model=model, fingerprint=fingerprint, fingerprint_method=FINGERPRINT_METHOD,
+    return Manifest(base_model=model, fingerprint=_fingerprint(records), fingerprint_method=FINGERPRINT_METHOD,
                     model_config=_model_config(ckpt.dir), targets=list(targets), pi=pi, hjd_dtype=dtype_name(dtype),
-                    u_dtype=dtype_name(u_dtype) if u_dtype is not None else "auto", u_quant=u_quant, categories=records,
-                    world_size=D.get_world_size(), versions=_versions())
+                    u_dtype=dtype_name(u_dtype) if u_dtype is not None else "auto", u_quant=u_quant,
+                    base_fingerprint=base_fingerprint, categories=records, world_size=D.get_world_size(),
+                    versions=_versions())
+
+
+def _fingerprint(records: dict[str, CategoryRecord]) -> str:
+    """The store's fingerprint from its categories' member digests: ``weights_fingerprint`` of all their weights."""
+    return combine_digests({m + ".weight": d for r in records.values() for m, d in (r.weight_sha256 or {}).items()})
 
 
 def remove_store_files(out: Path, category: str | None = None) -> None:
@@ -88,30 +100,55 @@ def remove_store_files(out: Path, category: str | None = None) -> None:
             p.unlink()
 
 
+def _config_diffs(manifest: Manifest, fresh: Manifest) -> list[str]:
+    """Why ``manifest`` (in ``--out``) cannot take this run's categories: configuration fields that differ, and
+    completed categories whose weights this run sees with other digests."""
+    diffs = [k for k in CONFIG_FIELDS if getattr(manifest, k) != getattr(fresh, k)]
+    for c, rec in fresh.categories.items():
+        old = manifest.categories.get(c)
+        if c in manifest.completed_categories and old is not None and old.weight_sha256 != rec.weight_sha256:
+            diffs.append(f"weights:{c}")
+    return diffs
+
+
+def _describe(manifest: Manifest, fresh: Manifest, diffs: list[str]) -> str:
+    other_weights = [d.split(":", 1)[1] for d in diffs if d.startswith("weights:")]
+    if "base_fingerprint" in diffs:
+        other_weights.insert(0, "the untargeted tensors")
+    shown = ", ".join(f"{k}: {getattr(manifest, k)!r} there, {getattr(fresh, k)!r} now" for k in diffs
+                      if k in CONFIG_FIELDS and k != "base_fingerprint")
+    if other_weights:
+        shown = (f"built from {manifest.base_model!r} (another model's weights: {', '.join(other_weights)} differ)"
+                 + (f"; {shown}" if shown else ""))
+    return shown
+
+
 def _existing_manifest(out: Path, fresh: Manifest, overwrite: bool) -> Manifest | None:
-    """The manifest in ``out`` if it is one to resume; ``None`` if it is to be replaced (``overwrite``);
-    ``HJDError`` if it is of another configuration and not to be replaced."""
+    """The manifest in ``out`` with this run's categories merged in, if it is one to resume or extend; ``None``
+    if it is to be replaced (``overwrite``); ``HJDError`` if it is of another configuration or model."""
     try:
         manifest = Manifest.read(out / MANIFEST)
-        diffs = [k for k in CONFIG_FIELDS if getattr(manifest, k) != getattr(fresh, k)]
+        diffs = _config_diffs(manifest, fresh)
     except StoreError:
         manifest, diffs = None, ["format_version"]
     if diffs and not overwrite:
-        if manifest is None:
-            show = "an unreadable manifest"
-        else:
-            show = ", ".join(f"{k}: {getattr(manifest, k)!r} there, {getattr(fresh, k)!r} now" for k in diffs if k != "fingerprint")
-            if "fingerprint" in diffs:
-                show = f"built from {manifest.base_model!r} (another model's weights)" + (f"; {show}" if show else "")
+        show = "an unreadable manifest" if manifest is None else _describe(manifest, fresh, diffs)
         raise HJDError(
             f"--out {out} holds a factor store with a different configuration ({show}); pass --overwrite to "
             "replace it or choose another --out"
         )
-    return None if diffs or overwrite else manifest
+    if diffs or overwrite or manifest is None:
+        return None
+    for c, rec in fresh.categories.items():  # this run's categories: kept when complete, else planned afresh
+        if c not in manifest.completed_categories:
+            manifest.categories[c] = rec
+    manifest.categories = {t: manifest.categories[t] for t in manifest.targets if t in manifest.categories}
+    manifest.fingerprint = _fingerprint(manifest.categories)
+    return manifest
 
 
 def prepare_store(out: Path, fresh: Manifest, overwrite: bool) -> Manifest:
-    """Rank 0: create the store directory or resume the one there; returns the manifest to continue."""
+    """Rank 0: create the store directory, or resume / extend the one there; returns the manifest to continue."""
     if out.exists() and not out.is_dir():
         raise HJDError(f"--out {out} is a file; pass a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -126,13 +163,13 @@ def prepare_store(out: Path, fresh: Manifest, overwrite: bool) -> Manifest:
         remove_store_files(out)
     if manifest is None:
         manifest = fresh
-    # A completed category whose files went missing is redone.
+    # A completed category whose files went missing is redone (by a run that has its weights).
     for c in list(manifest.completed_categories):
         record = manifest.categories[c]
         if not all((out / f).is_file() for f in set(record.files.values())):
             manifest.completed_categories.remove(c)
             record.complete = False
-    manifest.complete = len(manifest.completed_categories) == len(manifest.categories)
+    manifest.complete = not manifest.missing_categories
     manifest.world_size = D.get_world_size()
     manifest.versions = _versions()
     atomic_write_text(out / MANIFEST, manifest.to_json())
