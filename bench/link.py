@@ -12,6 +12,7 @@ JSON as text. Result: ``link_<N>gpu.json``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -87,3 +88,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # result written, group destroyed: skip the teardown where a gloo rank can abort (see train_step.py)
