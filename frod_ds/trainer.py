@@ -415,11 +415,18 @@ def save_adapter(run: Run, step: int, name: str) -> None:
 # -- metrics --------------------------------------------------------------------------------------
 
 def _peak_mem_gb() -> float:
+    """GPU: the most memory allocated since the last ``_reset_peak_mem`` (one training step's peak, the figure
+    ``python -m frod_ds plan`` predicts); CPU: the process's max RSS so far."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB (Linux)
+
+
+def _reset_peak_mem() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
 def rotation_angles(run: Run) -> dict[str, float]:
@@ -475,6 +482,7 @@ def _install_sigterm(run: Run) -> None:
 
 def _train_step(run: Run, step: int) -> dict[str, float]:
     engine, dev = run.engine, _device()
+    _reset_peak_mem()
     t0 = time.perf_counter()
     lr_sigma, lr_s = _lrs(run)  # the rates this step applies (the scheduler advances inside engine.step)
     losses, tokens = [], 0
@@ -514,6 +522,9 @@ def fit(run: Run) -> int:
         bar.close()
         dist.print0(f"{run.out} holds a finished run (step {step}/{run.total_steps}); adapter-final left as it is")
         return 0
+    if torch.cuda.is_available():
+        dist.print0(f"memory: {_peak_mem_gb():.2f} GiB allocated at most while building and restoring the model "
+                    "(rank 0); metrics.jsonl's peak_mem_gb is each step's own peak")
     nonfinite = 0
     while step < run.total_steps:
         row = _train_step(run, step)

@@ -271,3 +271,15 @@ def test_resume_on_a_factor_store_rebuilt_with_another_pi_is_refused(probe, env,
                     "--pi", "0.01"], check=True, env=env_vars(), cwd=REPO, capture_output=True)
     res = run_train(CPU_ZERO3, env.overrides(out, **{"model.factor_store": other}), nproc=0, timeout=180)
     _assert_refused(res, out, "trained on another factor store", "pi 0.001 there, 0.01 here")
+
+
+def test_step_peak_is_reset_before_each_step_on_gpus(monkeypatch):
+    """On CUDA, peak_mem_gb is the step's own peak: the allocator's peak counter is reset before the step."""
+    from frod_ds import trainer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**30)
+    trainer._reset_peak_mem()
+    assert calls == ["reset"] and trainer._peak_mem_gb() == 3.0
