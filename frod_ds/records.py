@@ -98,6 +98,11 @@ def record_to_json(record: Any, indent: int = 1, sort_keys: bool = False) -> str
     return json.dumps(record_to_dict(record), indent=indent, sort_keys=sort_keys) + "\n"
 
 
+def changed_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The keys of either mapping whose values differ (a missing key counts as ``None``), sorted."""
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 def parse_json(text: str, where: str | Path, error: type[FrodError], hint: str = "") -> Any:
     """``json.loads(text)``; ``error`` saying ``where`` is corrupt (and ``hint``: what to do) otherwise."""
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from frod_ds.errors import FrodError
-from frod_ds.records import parse_json, record_from_dict, record_to_json
+from frod_ds.records import changed_keys, parse_json, record_from_dict, record_to_json
 
 __all__ = ["RUN_IDENTITY", "BASE_SCOPE", "RunIdentityError", "RunIdentity", "file_sha256", "training_hyperparameters"]
 
@@ -72,13 +72,9 @@ class RunIdentity:
         out = []
         if self.comparable_base(other) and self.base_fingerprint != other.base_fingerprint:
             out.append("base model weights")
-        for k in sorted(set(self.data_sha256) | set(other.data_sha256)):
-            if self.data_sha256.get(k) != other.data_sha256.get(k):
-                out.append(f"data.{k} content")
-        for k in sorted(set(self.hyperparameters) | set(other.hyperparameters)):
-            a, b = self.hyperparameters.get(k), other.hyperparameters.get(k)
-            if a != b:
-                out.append(f"{k}: {a!r} there, {b!r} now")
+        out += [f"data.{k} content" for k in changed_keys(self.data_sha256, other.data_sha256)]
+        out += [f"{k}: {self.hyperparameters.get(k)!r} there, {other.hyperparameters.get(k)!r} now"
+                for k in changed_keys(self.hyperparameters, other.hyperparameters)]
         return out
 
     def comparable_base(self, other: RunIdentity) -> bool:

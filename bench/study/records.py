@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.study.config import StudyConfig, StudyError
 from frod_ds.atomic import atomic_write_text
-from frod_ds.records import parse_json, record_from_dict, record_to_json
+from frod_ds.records import changed_keys, parse_json, record_from_dict, record_to_json
 from frod_ds.run_identity import file_sha256
 
 __all__ = ["IDENTITY_NAME", "BASE_NAME", "INVOCATIONS_NAME", "RUNS_DIR", "STUDY_FORMAT", "IDENTITY_SETTINGS",
@@ -62,14 +62,11 @@ class StudyIdentity:
         out = []
         for name, a, b in (("model", self.model, other.model), ("data", self.data, other.data)):
             if a != b:
-                keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-                out.append(f"{name} content ({', '.join(keys)})")
+                out.append(f"{name} content ({', '.join(changed_keys(a, b))})")
         if self.device_type != other.device_type:
             out.append(f"device: {self.device_type} there, {other.device_type} now")
-        for k in sorted(set(self.settings) | set(other.settings)):
-            a, b = self.settings.get(k), other.settings.get(k)
-            if a != b:
-                out.append(f"{k}: {a!r} there, {b!r} now")
+        out += [f"{k}: {self.settings.get(k)!r} there, {other.settings.get(k)!r} now"
+                for k in changed_keys(self.settings, other.settings)]
         return out
 
 
