@@ -92,7 +92,10 @@ def _copy_out(p: dict, path: Path) -> None:
 
 
 def _shape(args):
-    return SHAPES[args.shape]
+    import dataclasses
+
+    shape = SHAPES[args.shape]
+    return dataclasses.replace(shape, layers=args.layers) if args.layers else shape
 
 
 def _gpus(args) -> int:
@@ -488,7 +491,7 @@ def qlora(args) -> None:
     try:
         gen = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(_gpus(args)),
                str(Path(__file__).resolve()), "qlora-gen", "--work", str(p["work"]), "--out", str(p["out"]),
-               "--seed", str(args.seed), "--shm", str(shm), "--shape", args.shape]
+               "--seed", str(args.seed), "--shm", str(shm), "--shape", args.shape, "--layers", str(args.layers)]
         rc, s_gen = _launch(gen, _env(args), p["out"] / "logs" / "qlora_gen.log", None, args.timeout_s)
         if rc != 0:
             raise ChainError(f"qlora: generating the targeted weights failed (exit {rc}); log {p['out'] / 'logs'}")
@@ -563,6 +566,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         s.add_argument("--shape", choices=list(SHAPES), default="70b",
                        help="70b: LLaMA-2-70B (80 layers, 8192/28672, 64/8 heads, vocab 32000); 7b: LLaMA-2-7B, the "
                             "one-GPU rehearsal; tiny: 4 layers, hidden 64, the CPU rehearsal")
+        s.add_argument("--layers", type=int, default=0,
+                       help="decoder layers instead of the shape's (e.g. 70B widths on one GPU: --shape 70b --layers 24)")
         s.add_argument("--tiny", dest="shape", action="store_const", const="tiny", help="--shape tiny")
         s.add_argument("--seed", type=int, default=0, help="seed of the generated weights")
         s.add_argument("--quant", choices=["nf4", "int8", "none"], default="nf4", help="U_i in the store and training")

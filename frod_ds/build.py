@@ -2,8 +2,8 @@
 
 The skeleton is created from the checkpoint's config with weight init disabled (under
 ``deepspeed.zero.Init`` when ZeRO-3 is on, so every parameter is partitioned as it is made). Targeted
-linears are swapped for ``FRoDLinear`` before anything is loaded, so the base weights of targeted modules
-are never read; U_i, V (one frozen Parameter per category) and σ_i come from the factor store, every other
+linears are built without a weight and swapped for ``FRoDLinear`` before anything is loaded, so the base
+weights of targeted modules are never allocated nor read; U_i, V (one frozen Parameter per category) and σ_i come from the factor store, every other
 weight from the checkpoint. Under ZeRO-3 rank 0 reads each module's tensors into the gathered parameters
 and DeepSpeed re-partitions them (``GatheredParameters(modifier_rank=0)``).
 
@@ -62,6 +62,62 @@ def _keep_arange_dtype():
     except ImportError:  # older transformers: inv_freq is recomputed after the build instead
         return contextlib.nullcontext()
     return prevent_arange_dtype_change()
+
+
+class _LinearPlaceholders:
+    """Patch ``nn.Linear.__init__`` while a skeleton is built: the ``skip``-th constructions (0-based, in
+    construction order) get no weight (a bias, if asked for, is made as usual). ``record`` lists every
+    ``nn.Linear`` constructed, in order.
+
+    The targeted linears are replaced by ``FRoDLinear`` right after the skeleton is built, so allocating their
+    dense weights only to drop them is waste: at 70B under ZeRO-3 on 2 GPUs it was 46 GiB per GPU at the build's
+    peak (every weight of the model, partitioned) and minutes of zero.Init partitioning. Entered before
+    ``zero.Init``, which then wraps the patched ``__init__``.
+    """
+
+    def __init__(self, skip: frozenset[int] = frozenset()) -> None:
+        self.skip, self.record, self._orig = skip, [], None
+
+    def __enter__(self) -> "_LinearPlaceholders":
+        orig = self._orig = nn.Linear.__init__
+        outer = self
+
+        def init(self, in_features, out_features, bias=True, device=None, dtype=None):
+            index = len(outer.record)
+            outer.record.append(self)
+            if index not in outer.skip:
+                return orig(self, in_features, out_features, bias, device, dtype)
+            nn.Module.__init__(self)
+            self.in_features, self.out_features = in_features, out_features
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+                                    if bias else None)
+
+        nn.Linear.__init__ = init
+        return self
+
+    def __exit__(self, *exc) -> None:
+        nn.Linear.__init__ = self._orig
+
+
+def _placeholder_plan(config, dtype: torch.dtype, names: set[str]) -> frozenset[int]:
+    """Which ``nn.Linear`` constructions of ``from_config(config)`` are the modules ``names``: a skeleton built
+    on the meta device (no memory, about a second at 70B) with the constructions recorded."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), _no_init_weights(), _LinearPlaceholders() as rec:
+        meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    index = {id(m): i for i, m in enumerate(rec.record)}
+    return frozenset(index[id(m)] for n, m in meta.named_modules() if n in names and id(m) in index)
+
+
+def _check_placeholders(model: nn.Module, names: set[str]) -> None:
+    """The weightless linears are exactly ``names`` (construction order was the same in both passes)."""
+    empty = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight is None}
+    if empty != names:
+        odd = sorted(empty ^ names)[:3]
+        raise FrodError(f"building the skeleton: the linears built without weights differ from the targeted ones "
+                        f"({', '.join(odd)}); the model class constructs its layers in a varying order")
 
 
 def _skeleton_contexts(ds_config: Mapping | None) -> list:
@@ -232,12 +288,15 @@ def build_frod_model(
     keys = set(ckpt.keys())
     zero3 = ds_config is not None and zero_stage(ds_config) == 3
     config = AutoConfig.from_pretrained(str(ckpt.dir))
+    targeted = {name for c in supports for name in store.categories[c]}
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_LinearPlaceholders(_placeholder_plan(config, dtype, targeted)))
         for ctx in _skeleton_contexts(ds_config):
             stack.enter_context(ctx)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
+        _check_placeholders(model, targeted & {n for n, _ in model.named_modules()})
         _swap_targets(model, store, supports, dtype, quant)
         if quantize_base:
             quantize_untargeted(model, quant, dtype)

@@ -117,3 +117,35 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
     if problems:
         raise DSConfigError("DeepSpeed config: " + "; ".join(problems))
     return cfg
+
+
+DS_NVME_BUFFER_DEFAULT = 100_000_000  # DeepSpeed's offload_param.buffer_size default (elements)
+
+
+def check_nvme_buffer(cfg: dict, largest_numel: int, world_size: int) -> None:
+    """``DSConfigError`` (one line) when parameters go to NVMe and DeepSpeed's swap buffers cannot hold the
+    largest parameter's partition: DeepSpeed would stop with an assertion in the middle of the model build."""
+    op = cfg.get("zero_optimization", {}).get("offload_param") or {}
+    if op.get("device") != "nvme":
+        return
+    buf = int(op.get("buffer_size", DS_NVME_BUFFER_DEFAULT))
+    part = -(-largest_numel // world_size)
+    if part > buf:
+        raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_size is {buf:,} elements, smaller "
+                            f"than the largest parameter's partition ({part:,} = {largest_numel:,} over {world_size} "
+                            f"rank(s)); set buffer_size to at least {part}")
+
+
+def check_aio_build_env(cfg: dict, env: dict) -> None:
+    """``DSConfigError`` (one line) when NVMe offload will JIT-build DeepSpeed's ``async_io`` op and
+    ``TORCH_CUDA_ARCH_LIST`` holds an architecture its op builder cannot parse (DeepSpeed 0.19 reads each entry as
+    ``int.int[+PTX]``: ``9.0a``, which CUDA images for Hopper set, stops the build with a ValueError mid-setup)."""
+    zo = cfg.get("zero_optimization", {})
+    if "nvme" not in {(zo.get(k) or {}).get("device") for k in ("offload_param", "offload_optimizer")}:
+        return
+    bad = [a for a in env.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").split()
+           if not all(p.isdigit() for p in a.split("+")[0].split("."))]
+    if bad:
+        raise DSConfigError(f"NVMe offload builds DeepSpeed's async_io op, whose builder cannot parse "
+                            f"TORCH_CUDA_ARCH_LIST entry {bad[0]!r}; set TORCH_CUDA_ARCH_LIST without letter suffixes "
+                            f"(e.g. {bad[0].rstrip('abcdefghijklmnopqrstuvwxyz')!r}) for this run")

@@ -41,7 +41,7 @@ from frod_ds.apply import frod_modules, frod_param_groups
 from frod_ds.build import build_frod_model, check_store_quant, gathered, make_supports
 from frod_ds.checkpoint_dir import choose_checkpoint
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
-from frod_ds.ds_config import load_ds_config, resolve_ds_config, zero_stage
+from frod_ds.ds_config import check_aio_build_env, check_nvme_buffer, load_ds_config, resolve_ds_config, zero_stage
 from frod_ds.dtypes import FLOAT_DTYPES
 from frod_ds.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.errors import FrodError, StoreError, note
@@ -237,8 +237,10 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     init = _init_adapter(recipe, store, identity)
     supports = make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed) \
         if init is None else supports_from_adapter(*init)
+    t_build = time.perf_counter()
     model = build_frod_model(model_dir, store, supports, dtype, ds_cfg, rank=rank, quant=recipe.model.frozen_quant,
                              quantize_base=recipe.model.quantize_base)
+    dist.print0(f"model built in {time.perf_counter() - t_build:.1f} s (skeleton, factor store and checkpoint reads)")
     zero3 = zero_stage(ds_cfg) == 3
     sigma0 = _initial_sigma(model, zero3)  # the factor store's σ, before an init adapter replaces it
     if init is not None:  # before deepspeed.initialize: the optimizer's master copies are made from these values
@@ -297,6 +299,8 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
     rows = read_training_rows(recipe.data.train, recipe.data.limit)
     eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
     model_dir, store, identity, run_identity = _check_store(recipe, resume_tag)
+    check_nvme_buffer(ds_cfg, _largest_param(model_dir, store, list(recipe.model.targets)), dist.get_world_size())
+    check_aio_build_env(ds_cfg, dict(os.environ))
     tok = _load_tokenizer(recipe, model_dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
     eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
@@ -313,6 +317,18 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
                             f"round(s*n^2) = 0); use model.sparsity >= {0.5 / (n * n):.3g}")
     _check_output_dir(Path(recipe.output_dir))
     return ds_cfg, model_dir, store, identity, run_identity, tok, examples, eval_examples
+
+
+def _largest_param(model_dir, store, targets: list[str]) -> int:
+    """Elements of the FRoD model's largest parameter: a checkpoint tensor, a ``U_i`` (W's shape) or a ``V``."""
+    from frod_ds.hf_checkpoint import HFCheckpoint
+
+    ckpt = HFCheckpoint(model_dir)
+    sizes = [math.prod(ckpt.info(k).shape) for k in ckpt.keys()]
+    for c in targets:
+        sizes.append(store.width(c) ** 2)
+        sizes += [math.prod(store.member_shape(m)) for m in store.categories[c]]
+    return max(sizes)
 
 
 def _check_output_dir(out: Path) -> None:

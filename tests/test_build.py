@@ -70,3 +70,31 @@ def test_bf16_checkpoint_with_fp32_u_is_exact_under_fp32_compute(tmp_path):
     assert drift["float32"] < 1e-5 < drift["auto"] / 10, drift
     proc = run_hjd(["--model", str(model_dir), "--out", str(tmp_path / "f-auto"), "--u-dtype", "float32"], nproc=0)
     assert proc.returncode == 2 and "u_dtype: 'auto' there, 'float32' now" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("targets", [TARGETS, ["q_proj", "v_proj"]])
+def test_targeted_dense_weights_are_never_allocated(tmp_path, monkeypatch, targets):
+    """The skeleton's targeted linears have no weight when they are swapped (their dense W would be dropped at
+    once: at 70B that is two thirds of the model); every other linear has its weight, and the built model still
+    equals plain transformers. With q and v targeted, o_proj (q_proj's shape) keeps its weight."""
+    from transformers import AutoModelForCausalLM
+
+    import frod_ds.build as build
+
+    model_dir = write_tiny_llama(tmp_path / "m")
+    store = _store_for(model_dir, tmp_path / "f")
+    seen = {}
+    swap = build._swap_targets
+
+    def spy(model, *args, **kwargs):
+        seen.update({n: m.weight is None for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        return swap(model, *args, **kwargs)
+
+    monkeypatch.setattr(build, "_swap_targets", spy)
+    model = build_frod_model(model_dir, store, make_supports(store, targets, 0.1, 0), torch.float32)
+    assert seen and {n for n, empty in seen.items() if empty} == {n for n in seen if n.rsplit(".", 1)[-1] in targets}
+    assert torch.nn.Linear.__init__.__qualname__ == "Linear.__init__"  # the patch is undone
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5)

@@ -93,6 +93,35 @@ def test_every_shipped_ds_config_resolves(name):
         assert out["zero_optimization"]["offload_param"]["nvme_path"] == "/scratch/nvme"
 
 
+def test_nvme_buffers_must_hold_the_largest_partition():
+    """DeepSpeed asserts mid-build when a parameter partition exceeds offload_param.buffer_size; the shipped
+    NVMe config holds LLaMA-2-70B's embeddings (32000 x 8192) on one GPU, and a smaller buffer is one line."""
+    from frod_ds.ds_config import DSConfigError, check_nvme_buffer
+
+    cfg = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
+    check_nvme_buffer(cfg, 32000 * 8192, world_size=1)
+    check_nvme_buffer(json.loads((REPO / "ds_configs" / "zero3.json").read_text()), 10**12, world_size=1)  # no NVMe
+    cfg["zero_optimization"]["offload_param"]["buffer_size"] = 100_000_000
+    check_nvme_buffer(cfg, 32000 * 8192, world_size=4)  # 65.5M per rank
+    with pytest.raises(DSConfigError, match=r"buffer_size is 100,000,000 elements.*131,072,000 = 262,144,000 over 2 "
+                                            r"rank\(s\)\); set buffer_size to at least 131072000"):
+        check_nvme_buffer(cfg, 32000 * 8192, world_size=2)
+
+
+def test_nvme_offload_refuses_an_arch_list_deepspeed_cannot_parse():
+    """DeepSpeed 0.19's op builder reads TORCH_CUDA_ARCH_LIST entries as int.int[+PTX]; Hopper images set 9.0a,
+    which stops the async_io build that NVMe offload needs (seen on an H100): one line before the run instead."""
+    from frod_ds.ds_config import DSConfigError, check_aio_build_env
+
+    nvme = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
+    offload = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())
+    for ok in ("", "9.0", "8.0;9.0+PTX", "8.6 9.0"):
+        check_aio_build_env(nvme, {"TORCH_CUDA_ARCH_LIST": ok})
+    check_aio_build_env(offload, {"TORCH_CUDA_ARCH_LIST": "9.0a"})  # CPU offload builds no CUDA op
+    with pytest.raises(DSConfigError, match=r"cannot parse TORCH_CUDA_ARCH_LIST entry '9.0a'.*\(e.g. '9.0'\)"):
+        check_aio_build_env(nvme, {"TORCH_CUDA_ARCH_LIST": "8.0;9.0a"})
+
+
 @pytest.mark.parametrize("edit, needle", [
     ({"train_batch_size": 64}, "train_batch_size=64"),
     ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps=3"),
