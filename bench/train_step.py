@@ -12,8 +12,8 @@ tokens/s per GPU, peak memory, MFU. ``bench/train_matrix.py`` runs the whole mat
 
 Both methods adapt q/k/v/o/gate/up and get the same treatment: bf16 weights, micro-batch ``--batch`` ×
 ``--seq`` random token ids per GPU, gradient clipping at 1.0, torch AdamW (fused on CUDA), the same
-gradient-checkpointing setting (``--gc``, reentrant), LoRA dropout 0. A step is forward + backward +
-optimizer step. ``plain`` is one GPU without DeepSpeed (bf16 parameters and AdamW states, no fp32 master
+gradient-checkpointing setting (``--gc``: the trainer's, non-reentrant), LoRA dropout 0. A step is forward +
+backward + optimizer step. ``plain`` is one GPU without DeepSpeed (bf16 parameters and AdamW states, no fp32 master
 copy); DeepSpeed configs keep fp32 master weights of the trainable parameters. Under ZeRO-3 LoRA is loaded
 the way HF users do (``from_pretrained`` under ``HfDeepSpeedConfig``), FRoD by ``build_frod_model``.
 Timing: ``--warmup`` untimed steps, then ``--repeats`` windows of ``--steps`` steps, each step timed
@@ -77,16 +77,12 @@ def _zero3(ds_cfg: dict | None) -> bool:
     return ds_cfg is not None and int(ds_cfg.get("zero_optimization", {}).get("stage", 0)) == 3
 
 
-def _enable_gc(model) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    model.enable_input_require_grads()
-
-
 def build_frod(args, ds_cfg: dict | None, rank: int):
     """The FRoD model from checkpoint + factor store, and its two AdamW groups (σ, S)."""
     from frod_ds.apply import frod_modules, frod_param_groups
     from frod_ds.build import build_frod_model, make_supports
     from frod_ds.store import FactorStore
+    from frod_ds.trainer import enable_gradient_checkpointing
 
     store = FactorStore.open(args.factors)
     supports = make_supports(store, TARGETS, args.sparsity, 0)
@@ -95,7 +91,7 @@ def build_frod(args, ds_cfg: dict | None, rank: int):
     for _, m in frod_modules(model):
         m.save, m.dgrad, m.impl = args.frod_save, args.frod_dgrad, args.frod_impl
     if args.gc:
-        _enable_gc(model)
+        enable_gradient_checkpointing(model)
     return model, frod_param_groups(model, 1e-4, 1e-5)
 
 
@@ -121,6 +117,8 @@ def build_lora(args, ds_cfg: dict | None, device: torch.device):
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    from frod_ds.trainer import enable_gradient_checkpointing  # the trainer's setting, for both methods
+
     keep = HfDeepSpeedConfig(ds_cfg) if _zero3(ds_cfg) else None  # noqa: F841 - alive while from_pretrained runs
     quant = _bnb_config(args)
     kw = {} if quant is None else {"quantization_config": quant}
@@ -128,7 +126,7 @@ def build_lora(args, ds_cfg: dict | None, device: torch.device):
         kw["device_map"] = {"": device}  # bitsandbytes quantizes as the weights reach the device
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, **kw)
     if args.gc:
-        _enable_gc(model)
+        enable_gradient_checkpointing(model)
     cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGETS, lora_dropout=0.0)
     model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
     return model, [{"params": [p for p in model.parameters() if p.requires_grad]}]
@@ -316,7 +314,8 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     r.add_argument("--steps", type=int, default=20, help="timed steps per window")
     r.add_argument("--repeats", type=int, default=2, help="timed windows")
-    r.add_argument("--gc", action="store_true", help="gradient checkpointing (reentrant) for both methods")
+    r.add_argument("--gc", action="store_true", help="gradient checkpointing (the trainer's, non-reentrant) for both "
+                   "methods")
     r.add_argument("--sparsity", type=float, default=0.02, help="FRoD density s of S")
     r.add_argument("--frod-save", choices=["z", "x"], default="z", help="FRoD token order keeps z (or x, recomputing z)")
     r.add_argument("--frod-dgrad", choices=["dense", "sampled"], default="dense", help="FRoD ∂S: dense GEMM or sampled")

@@ -40,7 +40,7 @@ class ModelCfg:
     seed: int = 0  # seed of the S supports
     init_adapter: str | None = None  # start from this adapter's supports, σ and S (e.g. launch/export.py --from-peft)
     dtype: str = "bfloat16"  # parameter dtype: bfloat16 | float32 (must agree with the DeepSpeed JSON)
-    gradient_checkpointing: bool = False  # reentrant (non-reentrant + frozen params fails under ZeRO-3)
+    gradient_checkpointing: bool = False  # per layer, non-reentrant (trainer.enable_gradient_checkpointing)
     frozen_quant: str = "none"  # none | int8 | nf4: every U_i held quantized (bitsandbytes), V/σ/S in dtype
     quantize_base: bool = False  # also quantize the untargeted linears of the layers (down_proj, …), as QLoRA
 

@@ -51,7 +51,7 @@ from frod_ds.run_identity import (BASE_SCOPE, RUN_IDENTITY, RunIdentity, RunIden
                                   training_hyperparameters)
 from frod_ds.store_format import StoreIdentity, category_of
 
-__all__ = ["Run", "setup", "fit", "lr_lambda"]
+__all__ = ["Run", "setup", "fit", "lr_lambda", "enable_gradient_checkpointing"]
 
 STOP_EXIT_CODE = 143  # 128 + SIGTERM: stopped on request, checkpoint written
 
@@ -206,6 +206,27 @@ def _load_tokenizer(recipe: Recipe, model_dir):
     return tok
 
 
+USE_REENTRANT = False  # the gradient-checkpointing variant; see enable_gradient_checkpointing
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Checkpoint every decoder layer (recomputed in the backward), non-reentrant (``USE_REENTRANT``).
+
+    Why non-reentrant: under ZeRO-3, DeepSpeed charges each frozen parameter a recompute gathers again to the
+    innermost module whose backward is running, and releases it when that module's backward ends. A
+    non-reentrant recompute runs inside the layer's backward, so a module of that layer holds them and ZeRO-3
+    holds about one layer gathered at a time. A reentrant recompute runs before any module of the layer has
+    started its backward; where the layer's own hooks are inside the checkpoint (transformers 5.17
+    checkpoints the layer's ``__call__``) they go to the model around the layers, whose backward never ends,
+    and the whole frozen model stays gathered until the step's end (tests/test_checkpoint_residency.py)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": USE_REENTRANT})
+    if USE_REENTRANT:  # a reentrant checkpoint passes a gradient only through inputs that require one
+        model.enable_input_require_grads()
+    else:  # transformers turns it on anyway; without it the backward stops at the first layer's input
+        model.disable_input_require_grads()
+    model.config.use_cache = False
+
+
 def _optimizer(model, recipe: Recipe, ds_cfg: dict):
     t = recipe.train
     groups = frod_param_groups(model, t.lr_sigma, t.lr_s, t.weight_decay)
@@ -246,9 +267,7 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     if init is not None:  # before deepspeed.initialize: the optimizer's master copies are made from these values
         load_adapter_into(model, init[0], zero3)
     if recipe.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-        model.enable_input_require_grads()
-        model.config.use_cache = False
+        enable_gradient_checkpointing(model)
     optimizer = _optimizer(model, recipe, ds_cfg)
     warmup = int(round(recipe.train.warmup_ratio * total))
     fn = lr_lambda(recipe.train.schedule, warmup, total)

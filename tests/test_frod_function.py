@@ -1,7 +1,7 @@
 """The FRoD autograd Functions (frod_ds/frod_function.py) against a dense fp64 reference: outputs and gradients
 of x, σ and the S values in both orderings, both ∂S paths, both saved tensors, with and without bias, 3-D
 inputs; what they keep for the backward; ZeRO-3's release and re-gather of parameters between the passes;
-reentrant gradient checkpointing; autocast to bf16; a whole tiny LLaMA."""
+reentrant and non-reentrant gradient checkpointing; autocast to bf16; a whole tiny LLaMA."""
 
 from __future__ import annotations
 
@@ -126,14 +126,26 @@ def test_autograd_reference_path_keeps_core_matrix_and_factor_views():
     assert 10 * 10 in numels and 14 * 10 in numels, numels
 
 
-@pytest.mark.parametrize("mode, save, dgrad", [PATHS[0], PATHS[3], PATHS[4]])
-def test_function_under_reentrant_checkpointing_gives_the_same_gradients(mode, save, dgrad):
-    layer = _layer()
+def _checkpointed_grads(layer, mode, save, dgrad, use_reentrant):
     _set_path(layer, mode, save, dgrad)
     x = torch.randn(4, 6, 10, dtype=torch.float64)
     g_y = torch.randn(4, 6, 12, dtype=torch.float64)
     plain = _grads(layer, layer, x, g_y)
-    ckpt = _grads(layer, lambda t: checkpoint(layer, t, use_reentrant=True), x, g_y)
+    ckpt = _grads(layer, lambda t: checkpoint(layer, t, use_reentrant=use_reentrant), x, g_y)
+    return plain, ckpt
+
+
+@pytest.mark.parametrize("mode, save, dgrad", [PATHS[0], PATHS[3], PATHS[4]])
+def test_function_under_reentrant_checkpointing_gives_the_same_gradients(mode, save, dgrad):
+    plain, ckpt = _checkpointed_grads(_layer(), mode, save, dgrad, use_reentrant=True)
+    for a, b in zip(plain, ckpt):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode, save, dgrad", [PATHS[0], PATHS[3], PATHS[4]])
+def test_function_under_nonreentrant_checkpointing_gives_the_same_gradients(mode, save, dgrad):
+    """The trainer's checkpointing (``frod_ds.trainer.enable_gradient_checkpointing``)."""
+    plain, ckpt = _checkpointed_grads(_layer(), mode, save, dgrad, use_reentrant=False)
     for a, b in zip(plain, ckpt):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 

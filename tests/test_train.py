@@ -142,7 +142,7 @@ def test_zero2_and_zero3_give_same_first_step_loss(one_step_zero3, env, tmp_path
 
 
 def test_gradient_checkpointing_under_zero3_gives_the_same_step(one_step_zero3, env, tmp_path):
-    """Reentrant checkpointing with frozen U/V: same loss and gradient norm as without it."""
+    """The trainer's (non-reentrant) checkpointing with frozen U/V: same loss and gradient norm as without it."""
     res = run_train(CPU_ZERO3, env.overrides(tmp_path / "gc", **ONE_STEP, **{"model.gradient_checkpointing": "true"}))
     assert res.returncode == 0, res.stderr[-3000:]
     gc = metrics(tmp_path / "gc")[0]

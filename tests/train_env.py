@@ -59,7 +59,7 @@ def env_vars() -> dict[str, str]:
     )
 
 
-def build_env(root: Path, seed: int = 0) -> TrainEnv:
+def build_env(root: Path, seed: int = 0, layers: int = 2) -> TrainEnv:
     from transformers import AutoTokenizer
 
     from frod_ds.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
@@ -74,7 +74,8 @@ def build_env(root: Path, seed: int = 0) -> TrainEnv:
     tok_dir = train_sentencepiece_tokenizer(root / "tokenizer", texts, vocab_size=400)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     write_tiny_llama(root / "model", vocab_size=len(tok), seed=seed, max_shard_size="60KB",
-                     hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+                     hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                     num_hidden_layers=layers)
     tok.save_pretrained(str(root / "model"))
     subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(root / "model"), "--out",
                     str(root / "factors")], check=True, env=env_vars(), cwd=REPO, capture_output=True)
