@@ -377,7 +377,11 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
     parts["logits + loss"] = T * model.vocab * (e + 4 * LOSS_FP32_COPIES) + (T * e * model.hidden if
                                                                             engine.linear_keeps_input else 0)
     gathered = 0.0
-    if engine.stage == 3 and N > 1:  # N = 1: ZeRO-3 points parameters at their only partition, no copy
+    # N = 1 without offload: ZeRO-3 points parameters at their only partition, no copy. With parameter offload the
+    # partitions live on the CPU and every gathered parameter is a full copy on the GPU, on any N (DeepSpeed's
+    # NoGatherHandle copies ds_tensor to the device). Checkpointing is non-reentrant (trainer.USE_REENTRANT): a
+    # recompute's gathers are released with its layer, so the window is the same as without checkpointing.
+    if engine.stage == 3 and (N > 1 or engine.offload_param):
         P_layer = _layer_gathered_numel(model, train, engine)
         P_head = model.vocab * model.hidden
         kept = sum(1 for k in range(L) if 2 * k * P_layer + P_head < engine.max_reuse)

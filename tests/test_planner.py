@@ -101,6 +101,25 @@ def test_offload_leaves_only_persistent_frozen_and_no_optimizer_state_on_the_gpu
     assert plan.parts["trainable + optimizer"] == 6 * 3 * 64 * 2  # σ persistent; S, gradients, Adam on the CPU
 
 
+def test_offloaded_parameters_are_gathered_as_full_copies_on_one_gpu_too():
+    """With parameter offload the partitions are on the CPU, so one GPU holds gathered copies like N GPUs do (one
+    layer's window, the shared Vs, lm_head; DeepSpeed copies each to the GPU); without offload one GPU holds its
+    only partition and gathers nothing. By hand for TINY: per layer 7 frozen linears + σ + S (64-wide, S 0.25·64²
+    per member; k/v are 32 x 64), head 100 x 64, Vs 6 x 64², prefetch bucket 0, reuse distance 1e9: all layers
+    kept."""
+    model = model_shape_from_config(TINY)
+    train = TrainShape(micro_batch=2, seq_len=8, sparsity=0.25)
+    off = Engine("off", 3, offload_param=True, offload_optimizer=True, persistence=0, prefetch_bucket=0,
+                 max_live=10**9, max_reuse=10**9)
+    on_gpu = Engine("z3", 3, persistence=0, prefetch_bucket=0, max_live=10**9, max_reuse=10**9)
+    layer = (2 * 64 * 64 + 2 * 32 * 64 + 2 * 128 * 64 + 64 * 128) + 2 * 64 + 6 * (64 + 1024)  # q,o k,v gate,up down; norms
+    by_hand = (3 * layer + 100 * 64) * 2 + 6 * 64 * 64 * 2
+    for gpus in (1, 2):
+        assert plan_memory(model, train, off, gpus, 1e9).parts["ZeRO-3 gathered"] == by_hand
+    assert plan_memory(model, train, on_gpu, 1, 1e9).parts["ZeRO-3 gathered"] == 0
+    assert plan_memory(model, train, on_gpu, 2, 1e9).parts["ZeRO-3 gathered"] == by_hand
+
+
 def test_recommendation_is_the_first_candidate_that_fits():
     model = model_shape_from_config(LLAMA2_70B)
     train = TrainShape(micro_batch=4, seq_len=256)
