@@ -85,6 +85,21 @@ def test_steps_out_of_order_are_one_line(tmp_path, capsys):
     assert "was generated with shape" in capsys.readouterr().err
 
 
+def test_layers_override_keeps_the_widths_and_is_part_of_the_work_dirs_identity(tmp_path, capsys):
+    """``--layers 24 --shape 70b``: LLaMA-2-70B's widths with 24 layers (70B's layer shapes on one GPU); a work dir
+    made with another layer count is refused with one line."""
+    from bench.seventy_b import _shape, main, parse_args
+
+    w = ["--work", str(tmp_path / "w")]
+    shape = _shape(parse_args(["report", *w, "--layers", "24"]))
+    assert shape.as_dict() == {**SHAPES["70b"].as_dict(), "layers": 24}
+    assert _shape(parse_args(["report", *w])) == SHAPES["70b"]
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "chain.json").write_text(json.dumps({"shape": shape.as_dict(), "seed": 0}))
+    assert main(["category", "q_proj", *w, "--layers", "20"]) == 2
+    assert "was generated with shape" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_tiny_chain_rehearsal(tmp_path):
     w, out = tmp_path / "w", tmp_path / "out"
