@@ -122,13 +122,18 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
 DS_NVME_BUFFER_DEFAULT = 100_000_000  # DeepSpeed's offload_param.buffer_size default (elements)
 
 
+def nvme_offloads(cfg: dict) -> set[str]:
+    """Which of ``offload_param`` / ``offload_optimizer`` go to NVMe."""
+    zo = cfg.get("zero_optimization", {})
+    return {k for k in ("offload_param", "offload_optimizer") if (zo.get(k) or {}).get("device") == "nvme"}
+
+
 def check_nvme_buffer(cfg: dict, largest_numel: int, world_size: int) -> None:
     """``DSConfigError`` (one line) when parameters go to NVMe and DeepSpeed's swap buffers cannot hold the
     largest parameter's partition: DeepSpeed would stop with an assertion in the middle of the model build."""
-    op = cfg.get("zero_optimization", {}).get("offload_param") or {}
-    if op.get("device") != "nvme":
+    if "offload_param" not in nvme_offloads(cfg):
         return
-    buf = int(op.get("buffer_size", DS_NVME_BUFFER_DEFAULT))
+    buf = int(cfg["zero_optimization"]["offload_param"].get("buffer_size", DS_NVME_BUFFER_DEFAULT))
     part = -(-largest_numel // world_size)
     if part > buf:
         raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_size is {buf:,} elements, smaller "
@@ -140,8 +145,7 @@ def check_aio_build_env(cfg: dict, env: dict) -> None:
     """``DSConfigError`` (one line) when NVMe offload will JIT-build DeepSpeed's ``async_io`` op and
     ``TORCH_CUDA_ARCH_LIST`` holds an architecture its op builder cannot parse (DeepSpeed 0.19 reads each entry as
     ``int.int[+PTX]``: ``9.0a``, which CUDA images for Hopper set, stops the build with a ValueError mid-setup)."""
-    zo = cfg.get("zero_optimization", {})
-    if "nvme" not in {(zo.get(k) or {}).get("device") for k in ("offload_param", "offload_optimizer")}:
+    if not nvme_offloads(cfg):
         return
     bad = [a for a in env.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").split()
            if not all(p.isdigit() for p in a.split("+")[0].split("."))]

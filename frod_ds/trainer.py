@@ -41,7 +41,8 @@ from frod_ds.apply import frod_modules, frod_param_groups
 from frod_ds.build import build_frod_model, check_store_quant, gathered, make_supports
 from frod_ds.checkpoint_dir import choose_checkpoint
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
-from frod_ds.ds_config import check_aio_build_env, check_nvme_buffer, load_ds_config, resolve_ds_config, zero_stage
+from frod_ds.ds_config import (check_aio_build_env, check_nvme_buffer, load_ds_config, nvme_offloads, resolve_ds_config,
+                               zero_stage)
 from frod_ds.dtypes import FLOAT_DTYPES
 from frod_ds.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.errors import FrodError, StoreError, note
@@ -318,7 +319,8 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
     rows = read_training_rows(recipe.data.train, recipe.data.limit)
     eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
     model_dir, store, identity, run_identity = _check_store(recipe, resume_tag)
-    check_nvme_buffer(ds_cfg, _largest_param(model_dir, store, list(recipe.model.targets)), dist.get_world_size())
+    if "offload_param" in nvme_offloads(ds_cfg):  # the largest parameter is read only when it matters
+        check_nvme_buffer(ds_cfg, _largest_param(model_dir, store, list(recipe.model.targets)), dist.get_world_size())
     check_aio_build_env(ds_cfg, dict(os.environ))
     tok = _load_tokenizer(recipe, model_dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
