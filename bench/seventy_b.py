@@ -421,26 +421,38 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _step_name(args, method: str) -> str:
+    """``seventy_b_step_<method>``, plus what differs from the chain's default run (``_1gpu``, ``_base``)."""
+    import torch
+
+    default_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    return (f"seventy_b_step_{method}" + (f"_{args.gpus}gpu" if args.gpus and args.gpus != default_gpus else "")
+            + ("_base" if args.quantize_base and method == "frod" else ""))
+
+
 def _step_cmd(args, method: str, model: Path, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(_gpus(args)),
            "bench/train_step.py", "run", "--method", method, "--config", args.config, "--model", str(model),
            "--frozen-quant", args.quant, "--gc", "--batch", str(args.batch), "--seq", "256",
-           "--out", str(_paths(args)["res"]), "--name", f"seventy_b_step_{method}", *extra]
+           "--out", str(_paths(args)["res"]), "--name", _step_name(args, method), *extra]
     return cmd + (["--warmup", "1", "--steps", "2", "--repeats", "1"] if args.tiny else
                   ["--warmup", "2", "--steps", str(args.step_steps), "--repeats", "2"])
 
 
 def step(args) -> None:
-    """FRoD's step time and peak in ``bench/train_step.py`` (the harness QLoRA is timed in): NF4 U_i, ZeRO-3,
-    gradient checkpointing, ``--batch`` × 256 random tokens per GPU."""
+    """FRoD's step time and peak in ``bench/train_step.py`` (the harness QLoRA is timed in): NF4 U_i, ``--config``
+    (ZeRO-3 by default), gradient checkpointing, ``--batch`` × 256 random tokens per GPU; ``--gpus 1
+    --quantize-base --config ds_configs/zero2.json`` is the whole model on one GPU (its own result file)."""
     p = _paths(args)
     _need_store(p)
-    rc, s = _launch(_step_cmd(args, "frod", p["model"], ["--factors", str(p["store"])]), _env(args),
-                    p["out"] / "logs" / "step_frod.log", None, args.timeout_s)
+    name = _step_name(args, "frod")
+    log = p["out"] / "logs" / f"{name.removeprefix('seventy_b_')}.log"
+    extra = ["--factors", str(p["store"])] + (["--quantize-base"] if args.quantize_base else [])
+    rc, s = _launch(_step_cmd(args, "frod", p["model"], extra), _env(args), log, None, args.timeout_s)
     if rc != 0:
-        raise ChainError(f"step: exit {rc}; log {p['out'] / 'logs' / 'step_frod.log'}")
-    _copy_out(p, p["res"] / "seventy_b_step_frod.json")
-    print(f"step: FRoD timed in {s:.0f} s: {p['res'] / 'seventy_b_step_frod.json'}")
+        raise ChainError(f"step: exit {rc}; log {log}")
+    _copy_out(p, p["res"] / f"{name}.json")
+    print(f"step: FRoD timed in {s:.0f} s: {p['res'] / f'{name}.json'}")
 
 
 def qlora_gen(args) -> None:
@@ -509,18 +521,22 @@ def qlora(args) -> None:
 
 def report(args) -> None:
     """One table of what the chain measured, from the step JSONs in ``WORK/results`` (every call's)."""
+    from bench.planner_check import check as check_planner
+
     p = _paths(args)
-    load = {n: json.loads((p["res"] / f"seventy_b_{n}.json").read_text())
-            for n in ("step_frod", "step_lora", "train_resume") if (p["res"] / f"seventy_b_{n}.json").is_file()}
-    plan = plan_prediction(args, p, None)["allocated_gib"] if p["recipe"].is_file() else None
-    rows = ["| run | step (median) | tok/s per GPU | peak alloc GiB (rank 0) | planner alloc GiB | MFU | GFLOP/token |",
+    load = {f.stem.removeprefix("seventy_b_"): json.loads(f.read_text())
+            for f in sorted(p["res"].glob("seventy_b_*.json"))
+            if f.stem.removeprefix("seventy_b_").startswith(("step_", "train_resume"))}
+    rows = ["| run | step (median) | tok/s per GPU | peak alloc GiB (highest rank; training: rank 0) | planner alloc GiB | MFU | GFLOP/token |",
             "|---|---|---|---|---|---|---|"]
-    for n, label in (("step_frod", "FRoD s=0.02, NF4 U_i"), ("step_lora", "QLoRA r=16, NF4 base")):
-        d = load.get(n)
+    labels = {"step_frod": "FRoD s=0.02, NF4 U_i", "step_lora": "QLoRA r=16, NF4 base"}
+    for n in sorted(k for k in load if k.startswith("step_")):
+        d, label = load[n], labels.get(n, "FRoD s=0.02, NF4 U_i" + (" and base" if n.endswith("_base") else ""))
         if d:
             mfu = f"{d['mfu'] * 100:.1f}%" if d.get("mfu") else "n/a"
             peak = f"{d['peak_allocated_gib']:.1f}" if d.get("peak_allocated_gib") else "n/a"
-            planned = f"{plan:.1f}" if plan and n == "step_frod" else "–"
+            checked = check_planner({**d, "_file": n}) if d.get("method") == "frod" else None
+            planned = f"{checked['predicted_gib']:.1f}" if checked else "–"
             rows.append(f"| {label} ({d['engine']}, gc, {d['world_size']} GPU(s), bench/train_step.py) | "
                         f"{d['step_s_median'] * 1e3:.0f} ms | {d['tokens_per_s_per_gpu']:,.0f} | {peak} | {planned} | {mfu} "
                         f"| {d['flops_per_token']['total'] / 1e9:.4g} |")
@@ -582,6 +598,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         s.add_argument("--shm", default=None, help="qlora: where the regenerated targeted weights go "
                                                     "(default WORK/qlora-shm; on the 2-GPU machine /dev/shm/...)")
         s.add_argument("--keep", action="store_true", help="qlora: keep the regenerated weights")
+        s.add_argument("--quantize-base", action="store_true",
+                       help="step: the untargeted linears in NF4 too (model.quantize_base), e.g. the one-GPU run")
         if name == "gen-untargeted":
             s.add_argument("--data", required=True, help="LLM-Adapters' dataset folder, or a data_prep output dir")
         if name == "category":

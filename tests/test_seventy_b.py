@@ -129,6 +129,14 @@ def test_tiny_chain_rehearsal(tmp_path):
     assert res["compared_steps"] == [5, 6] and res["max_rel_loss_diff"] <= 1e-3 and res["steps"] == 8
     assert res["planner"]["parts_gib"]["frozen U_i"] > 0
 
+    run([sys.executable, "bench/seventy_b.py", "step", *common])
+    run([sys.executable, "bench/seventy_b.py", "step", *common, "--gpus", "1", "--quantize-base",
+         "--config", "ds_configs/zero2.json"])
+    frod = json.loads((out / "seventy_b_step_frod.json").read_text())
+    one = json.loads((out / "seventy_b_step_frod_1gpu_base.json").read_text())
+    assert (frod["world_size"], frod["engine"], frod["quantize_base"]) == (2, "zero3", False)
+    assert (one["world_size"], one["engine"], one["quantize_base"], one["frozen_quant"]) == (1, "zero2", True, "nf4")
+
     stdout = run([sys.executable, "bench/seventy_b.py", "qlora", *common])
     lora = json.loads((out / "seventy_b_step_lora.json").read_text())
     assert lora["method"] == "lora" and lora["frozen_quant"] == "nf4" and lora["quantize_base"] and lora["engine"] == "zero3"
@@ -136,3 +144,4 @@ def test_tiny_chain_rehearsal(tmp_path):
     assert "holds the weights the factor store was built from" in (out / "logs" / "qlora_gen.log").read_text()
     stdout = run([sys.executable, "bench/seventy_b.py", "report", *common])
     assert "QLoRA r=16, NF4 base" in stdout and "FRoD training (launch/train.py" in stdout
+    assert "FRoD s=0.02, NF4 U_i and base (zero2, gc, 1 GPU(s)" in stdout and "FRoD s=0.02, NF4 U_i (zero3, gc, 2" in stdout
