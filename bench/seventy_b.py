@@ -488,6 +488,10 @@ def qlora_gen(args) -> None:
         from frod_ds.hf_checkpoint import HFCheckpoint
         from frod_ds.store import FactorStore, check_store_matches
 
+        if not (p["store"] / "manifest.json").is_file():  # a QLoRA-only work dir: nothing to check against
+            print(f"qlora-gen: no factor store in {p['work']}: the weights are regenerated from seed {args.seed}, "
+                  "not checked against a store", flush=True)
+            return
         check_store_matches(FactorStore.open(p["store"]), HFCheckpoint(qdir))  # the very weights HJD decomposed
         print(f"qlora-gen: {qdir} holds the weights the factor store was built from (fingerprint matches)", flush=True)
 
