@@ -132,6 +132,24 @@ def build_lora(args, ds_cfg: dict | None, device: torch.device):
     return model, [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
 
+class LayerPasses:
+    """How many times each decoder layer's MLP runs per training step: 1 without gradient checkpointing, 2 with it
+    (the backward recomputes the layer) — what ``--gc`` did, counted rather than assumed."""
+
+    def __init__(self, model):
+        self.mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+        self.calls = 0
+        self.handles = [m.register_forward_pre_hook(self._count) for m in self.mlps]
+
+    def _count(self, module, args) -> None:
+        self.calls += 1
+
+    def per_step(self, steps: int) -> float:
+        for h in self.handles:
+            h.remove()
+        return self.calls / (steps * len(self.mlps)) if self.mlps and steps else float("nan")
+
+
 def _numel(p) -> int:
     return int(getattr(p, "ds_numel", p.numel()))
 
@@ -150,6 +168,7 @@ class Stepper:
             import deepspeed
 
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
+            self.engine.train()  # from_pretrained leaves the base in eval mode, where no layer checkpoints
             self.model = self.engine.module
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -256,8 +275,14 @@ def run(args) -> None:
     frozen = sum(_numel(p) for p in step.model.parameters() if not p.requires_grad)
     trainable_dtypes = sorted({str(p.dtype) for p in step.model.parameters() if p.requires_grad})
 
+    passes = LayerPasses(step.model)
     timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
                         args.warmup, args.steps, args.repeats)
+    layer_passes = passes.per_step(args.warmup + args.steps * args.repeats)
+    if layer_passes != (2.0 if args.gc else 1.0):
+        raise SystemExit(f"error: each decoder layer ran {layer_passes:g} times per step, expected "
+                         f"{2 if args.gc else 1} with gradient checkpointing {'on' if args.gc else 'off'}: the "
+                         "measurement would not be of the requested configuration")
     tokens_per_step = args.batch * args.seq
     stats = summarize(timing["windows"], tokens_per_step)
     fl = flops_per_token(cfg, args.seq, args.method, tokens_per_step, targets=TARGETS, lora_r=LORA_R,
@@ -287,7 +312,7 @@ def run(args) -> None:
             "memory_per_rank": mems,
             "peak_allocated_gib": max(m["timed"].get("peak_allocated_gib", 0.0) for m in mems) or None,
             "peak_reserved_gib": max(m["timed"].get("peak_reserved_gib", 0.0) for m in mems) or None,
-            "build_s": build_s, "losses": timing["losses"],
+            "build_s": build_s, "losses": timing["losses"], "layer_passes_per_step": layer_passes,
         }
         path = write_result(args.name or config_name(args, engine, world), payload, args.out)
         print(f"{path}: step {stats['step_s_median'] * 1e3:.1f} ms, {stats['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "

@@ -185,3 +185,27 @@ def test_planner_check_plans_the_recorded_run_and_skips_what_the_planner_does_no
     assert got["predicted_gib"] == pytest.approx(want.allocated / GiB)
     assert got["error"] == pytest.approx(want.allocated / GiB - 1.0)
     assert check({**run, "method": "lora"}) is None and check({**run, "ds_config": None}) is None
+
+
+def test_step_harness_checkpoints_a_pretrained_lora_base_under_deepspeed(tmp_path):
+    """``from_pretrained`` returns the base in eval mode, where transformers' layers skip checkpointing: the
+    harness must put the engine in training mode, and it counts each layer's passes per step (2 = recomputed)
+    instead of assuming ``--gc`` took effect."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO),
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")))
+
+    def run(*argv):
+        res = subprocess.run([sys.executable, "bench/train_step.py", *argv], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+
+    run("make-model", "--out", str(tmp_path / "m"), "--layers", "2", "--hidden", "64", "--inter", "128", "--heads", "4",
+        "--vocab", "256")
+    for gc, passes in (("--gc", 2.0), (None, 1.0)):
+        out = tmp_path / f"out{passes:g}"
+        run("run", "--method", "lora", "--config", "ds_configs/zero3.json", "--model", str(tmp_path / "m"),
+            "--frozen-quant", "nf4", "--quantize-base", *([gc] if gc else []), "--batch", "2", "--seq", "32",
+            "--warmup", "1", "--steps", "1", "--repeats", "1", "--out", str(out))
+        (doc,) = [json.loads(p.read_text()) for p in out.glob("*.json")]
+        assert doc["gradient_checkpointing"] is bool(gc) and doc["layer_passes_per_step"] == passes
