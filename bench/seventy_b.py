@@ -523,6 +523,31 @@ def qlora(args) -> None:
             shutil.rmtree(p["work"] / "qlora-model", ignore_errors=True)
 
 
+def plot_resume(d: dict, png: Path) -> Path:
+    """The killed run's losses and the resumed run's, one plot (``train_resume``'s record)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    after = sorted((int(k), v) for k, v in d["losses"].items() if int(k) > d["resumed_from"])
+    ax.plot(*zip(*sorted((int(k), v) for k, v in d["losses_killed_run"].items())), "o-", color="0.55",
+            label="run killed after its checkpoint")
+    ax.plot(*zip(*after), "x-", color="C3", label=f"resumed from step {d['resumed_from']}")
+    ax.axvline(d["resumed_from"], color="0.8", lw=1, ls="--")
+    rel = d.get("max_rel_loss_diff")
+    ax.set(xlabel="optimizer step", ylabel="training loss",
+           title=d.get("device", "") + (f"; resumed vs killed: max rel. diff {rel:.1e}" if rel is not None else ""))
+    ax.title.set_fontsize(9)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(frameon=False)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def report(args) -> None:
     """One table of what the chain measured, from the step JSONs in ``WORK/results`` (every call's)."""
     from bench.planner_check import check as check_planner
@@ -558,6 +583,8 @@ def report(args) -> None:
         "train_peak_over_planner": load.get("train_resume", {}).get("peak_over_prediction"),
     }.items()}
     table = "\n".join(rows) + "\n"
+    if d:
+        _copy_out(p, plot_resume(d, p["res"] / "seventy_b_resume_losses.png"))
     _result(p, "report", {"table_md": table, "summary": summary, "chain": _chain(p)})
     print(table + json.dumps(summary, indent=1))
 

@@ -144,4 +144,5 @@ def test_tiny_chain_rehearsal(tmp_path):
     assert "holds the weights the factor store was built from" in (out / "logs" / "qlora_gen.log").read_text()
     stdout = run([sys.executable, "bench/seventy_b.py", "report", *common])
     assert "QLoRA r=16, NF4 base" in stdout and "FRoD training (launch/train.py" in stdout
+    assert (out / "seventy_b_resume_losses.png").stat().st_size > 0
     assert "FRoD s=0.02, NF4 U_i and base (zero2, gc, 1 GPU(s)" in stdout and "FRoD s=0.02, NF4 U_i (zero3, gc, 2" in stdout
