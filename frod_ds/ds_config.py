@@ -16,7 +16,8 @@ from typing import Any
 from frod_ds.errors import FrodError
 from frod_ds.recipe import Recipe
 
-__all__ = ["DSConfigError", "BatchSizes", "batch_sizes", "load_ds_config", "resolve_ds_config", "zero_stage"]
+__all__ = ["DSConfigError", "BatchSizes", "NvmeParams", "batch_sizes", "check_nvme_buffer", "load_ds_config",
+           "nvme_buffers_needed", "resolve_ds_config", "zero_stage"]
 
 
 class DSConfigError(FrodError):
@@ -139,6 +140,69 @@ def check_nvme_buffer(cfg: dict, largest_numel: int, world_size: int) -> None:
         raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_size is {buf:,} elements, smaller "
                             f"than the largest parameter's partition ({part:,} = {largest_numel:,} over {world_size} "
                             f"rank(s)); set buffer_size to at least {part}")
+
+
+DS_MIN_AIO_BYTES = 1024 ** 2  # DeepSpeed swaps a partition to NVMe only from max(this, aio.block_size) bytes
+DS_AIO_BLOCK_DEFAULT = 1024 ** 2
+
+
+@dataclass(frozen=True)
+class NvmeParams:
+    """Element counts of a model's parameters, grouped the way DeepSpeed's NVMe swap buffers are used."""
+    layers: list[list[int]]  # each decoder layer's own parameters
+    shared: list[int]  # parameters several layers use (FRoD's V per category), each once
+    other: list[int]  # the rest (embeddings, head, final norm)
+
+
+def _swapped(numels: list[int], world_size: int, elem_bytes: int, min_bytes: int) -> list[int]:
+    return [n for n in numels if -(-n // world_size) * elem_bytes >= min_bytes]
+
+
+def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_bytes: int) -> int:
+    """The ``offload_param.buffer_count`` a ZeRO-3 run with parameters on NVMe needs (DeepSpeed 0.19.8).
+
+    DeepSpeed gives each parameter whose partition it swaps to NVMe (``ds_numel / world_size`` elements of at
+    least max(1 MiB, ``aio.block_size``) bytes) one pinned swap buffer from when the partition is read back (the
+    gather that needs it, or an NVMe prefetch) until the parameter is partitioned again on release; a gather that
+    finds fewer free buffers than partitions to read stops with ``Not enough buffers``. Without prefetch and
+    without a reuse window what is gathered at once is at most one decoder layer, the shared parameters and one
+    other parameter (the head at the forward/backward turn), so that is the count. A reuse window
+    (``stage3_max_reuse_distance`` > 0) keeps every parameter that recurs within it gathered: up to one more
+    buffer per smallest swapped parameter that fits in the window."""
+    zo = cfg.get("zero_optimization", {})
+    min_bytes = max(DS_MIN_AIO_BYTES, int(cfg.get("aio", {}).get("block_size", DS_AIO_BLOCK_DEFAULT)))
+    swapped = lambda ns: _swapped(ns, world_size, elem_bytes, min_bytes)  # noqa: E731
+    layer = max((len(swapped(ns)) for ns in params.layers), default=0)
+    shared = len(swapped(params.shared))
+    other = min(len(swapped(params.other)), 1)
+    need = layer + shared + other
+    reuse = int(zo.get("stage3_max_reuse_distance", 1_000_000_000))
+    every = swapped([n for ns in params.layers for n in ns] + params.shared + params.other)
+    if reuse > 0 and every:
+        need += -(-reuse // min(every))
+    return max(min(need, len(every)), 1)
+
+
+def check_nvme_buffer_count(cfg: dict, params: NvmeParams, world_size: int, elem_bytes: int) -> None:
+    """``DSConfigError`` (one line) when parameters go to NVMe and DeepSpeed would run out of swap buffers
+    (``nvme_buffers_needed``), or would prefetch a shared parameter from NVMe twice (DeepSpeed 0.19.8's NVMe
+    prefetch does not skip a parameter that recurs in its window: ``param N already assigned swap buffer``)."""
+    if "offload_param" not in nvme_offloads(cfg):
+        return
+    zo = cfg["zero_optimization"]
+    min_bytes = max(DS_MIN_AIO_BYTES, int(cfg.get("aio", {}).get("block_size", DS_AIO_BLOCK_DEFAULT)))
+    prefetch = int(zo.get("stage3_prefetch_bucket_size", 50_000_000))
+    if prefetch > 0 and _swapped(params.shared, world_size, elem_bytes, min_bytes):
+        raise DSConfigError(f"DeepSpeed config: zero_optimization.stage3_prefetch_bucket_size is {prefetch:,} with "
+                            "parameters on NVMe, and DeepSpeed's NVMe prefetch swaps a parameter the layers share "
+                            "(FRoD's V) in twice and stops; set stage3_prefetch_bucket_size to 0")
+    have = int(zo["offload_param"].get("buffer_count", 5))
+    need = nvme_buffers_needed(cfg, params, world_size, elem_bytes)
+    if have < need:
+        raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_count is {have}, this model "
+                            f"gathers up to {need} NVMe-swapped parameters at once (one decoder layer, the shared "
+                            f"ones, one more{', and the stage3_max_reuse_distance window' if int(zo.get('stage3_max_reuse_distance', 1_000_000_000)) > 0 else ''}); "
+                            f"set buffer_count to at least {need}")
 
 
 def check_aio_build_env(cfg: dict, env: dict) -> None:

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -41,8 +42,8 @@ from frod_ds.apply import frod_modules, frod_param_groups
 from frod_ds.build import build_frod_model, check_store_quant, gathered, make_supports
 from frod_ds.checkpoint_dir import choose_checkpoint
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
-from frod_ds.ds_config import (check_aio_build_env, check_nvme_buffer, load_ds_config, nvme_offloads, resolve_ds_config,
-                               zero_stage)
+from frod_ds.ds_config import (NvmeParams, check_aio_build_env, check_nvme_buffer, check_nvme_buffer_count,
+                               load_ds_config, nvme_offloads, resolve_ds_config, zero_stage)
 from frod_ds.dtypes import FLOAT_DTYPES
 from frod_ds.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.errors import FrodError, StoreError, note
@@ -321,6 +322,8 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
     model_dir, store, identity, run_identity = _check_store(recipe, resume_tag)
     if "offload_param" in nvme_offloads(ds_cfg):  # the largest parameter is read only when it matters
         check_nvme_buffer(ds_cfg, _largest_param(model_dir, store, list(recipe.model.targets)), dist.get_world_size())
+        check_nvme_buffer_count(ds_cfg, nvme_params(model_dir, store, list(recipe.model.targets)),
+                                dist.get_world_size(), FLOAT_DTYPES[recipe.model.dtype].itemsize)
     check_aio_build_env(ds_cfg, dict(os.environ))
     tok = _load_tokenizer(recipe, model_dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
@@ -350,6 +353,22 @@ def _largest_param(model_dir, store, targets: list[str]) -> int:
         sizes.append(store.width(c) ** 2)
         sizes += [math.prod(store.member_shape(m)) for m in store.categories[c]]
     return max(sizes)
+
+
+def nvme_params(model_dir, store, targets: list[str]) -> NvmeParams:
+    """The FRoD model's parameter sizes per decoder layer (checkpoint tensors, a ``U`` in place of each targeted
+    weight), the ``V`` shared per category, and the rest: what ``check_nvme_buffer_count`` counts."""
+    from frod_ds.hf_checkpoint import HFCheckpoint
+
+    ckpt = HFCheckpoint(model_dir)
+    replaced = {f"{m}.weight": math.prod(store.member_shape(m)) for c in targets for m in store.categories[c]}
+    layers: dict[int, list[int]] = {}
+    other = []
+    for k in ckpt.keys():
+        numel = replaced.get(k, math.prod(ckpt.info(k).shape))
+        hit = re.search(r"\.layers\.(\d+)\.", k)
+        (layers.setdefault(int(hit.group(1)), []) if hit else other).append(numel)
+    return NvmeParams([layers[i] for i in sorted(layers)], [store.width(c) ** 2 for c in targets], other)
 
 
 def _check_output_dir(out: Path) -> None:

@@ -1,0 +1,66 @@
+"""The NVMe swap-buffer preflight (``frod_ds.ds_config.check_nvme_buffer_count``) against counts worked out by hand
+for LLaMA-2-7B and 70B with FRoD on q/k/v/o/gate/up, one rank, bf16: a decoder layer swaps 7 parameters (six U and
+down_proj; the norms are under 1 MiB), the six shared V are 6 more, the embeddings/head 1 more: 14."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from frod_ds.ds_config import DSConfigError, NvmeParams, check_nvme_buffer_count, nvme_buffers_needed
+from tests.train_env import REPO
+
+
+def llama(hidden: int, inter: int, kv: int, layers: int, vocab: int = 32000) -> NvmeParams:
+    u = [hidden * hidden, kv * hidden, kv * hidden, hidden * hidden, inter * hidden, inter * hidden]
+    layer = u + [hidden * inter, hidden, hidden]  # six U (the targets' shapes), down_proj, two norms
+    return NvmeParams([layer] * layers, [hidden * hidden] * 6, [vocab * hidden, vocab * hidden, hidden])
+
+
+L7B, L70B = llama(4096, 11008, 4096, 32), llama(8192, 28672, 1024, 80)
+
+
+def cfg(count: int, reuse: int = 0, prefetch: int = 0, block: int = 1048576) -> dict:
+    return {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": reuse,
+                                  "stage3_prefetch_bucket_size": prefetch,
+                                  "offload_param": {"device": "nvme", "buffer_count": count}},
+            "aio": {"block_size": block}}
+
+
+def test_counts_by_hand():
+    assert nvme_buffers_needed(cfg(5), L7B, 1, 2) == 7 + 6 + 1
+    assert nvme_buffers_needed(cfg(5), L70B, 1, 2) == 7 + 6 + 1
+    # a 1e9-element reuse window may keep ceil(1e9 / 4096^2) = 60 more 7B parameters gathered
+    assert nvme_buffers_needed(cfg(5, reuse=10**9), L7B, 1, 2) == 14 + 60
+    # 8 ranks: 70B's k/v U partitions (1024*8192/8 * 2 bytes = 2 MiB) still swap; a 4 MiB aio block drops them
+    assert nvme_buffers_needed(cfg(5), L70B, 8, 2) == 14
+    assert nvme_buffers_needed(cfg(5, block=4 << 20), L70B, 8, 2) == 12
+
+
+def test_too_few_buffers_is_one_line_naming_the_key_and_value():
+    with pytest.raises(DSConfigError) as e:
+        check_nvme_buffer_count(cfg(5), L7B, 1, 2)
+    msg = str(e.value)
+    assert "\n" not in msg and "offload_param.buffer_count is 5" in msg and "at least 14" in msg
+    check_nvme_buffer_count(cfg(14), L7B, 1, 2)
+    check_nvme_buffer_count(cfg(14), L70B, 1, 2)
+
+
+def test_prefetch_with_shared_nvme_parameters_is_refused():
+    with pytest.raises(DSConfigError, match="set stage3_prefetch_bucket_size to 0$"):
+        check_nvme_buffer_count(cfg(14, prefetch=50_000_000), L7B, 1, 2)
+
+
+def test_no_nvme_no_check():
+    c = cfg(1)
+    c["zero_optimization"]["offload_param"]["device"] = "cpu"
+    check_nvme_buffer_count(c, L7B, 1, 2)
+
+
+def test_shipped_nvme_config_is_enough_for_7b_and_70b():
+    c = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
+    for model in (L7B, L70B):
+        check_nvme_buffer_count(c, model, 1, 2)
+    op = c["zero_optimization"]["offload_param"]
+    assert op["buffer_count"] * op["buffer_size"] * 2 <= 9e9  # pinned host memory of the swap buffers
