@@ -364,8 +364,8 @@ def nvme_params(model_dir, store, targets: list[str]) -> NvmeParams:
     replaced = {f"{m}.weight": math.prod(store.member_shape(m)) for c in targets for m in store.categories[c]}
     layers: dict[int, list[int]] = {}
     other = []
-    for k in ckpt.keys():
-        numel = replaced.get(k, math.prod(ckpt.info(k).shape))
+    for k in sorted(set(ckpt.keys()) | set(replaced)):  # the targeted weights may be gone from the checkpoint
+        numel = replaced[k] if k in replaced else math.prod(ckpt.info(k).shape)
         hit = re.search(r"\.layers\.(\d+)\.", k)
         (layers.setdefault(int(hit.group(1)), []) if hit else other).append(numel)
     return NvmeParams([layers[i] for i in sorted(layers)], [store.width(c) ** 2 for c in targets], other)

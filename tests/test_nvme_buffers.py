@@ -64,3 +64,38 @@ def test_shipped_nvme_config_is_enough_for_7b_and_70b():
         check_nvme_buffer_count(c, model, 1, 2)
     op = c["zero_optimization"]["offload_param"]
     assert op["buffer_count"] * op["buffer_size"] * 2 <= 9e9  # pinned host memory of the swap buffers
+
+
+def test_nvme_params_match_the_built_frod_model_with_or_without_targeted_weights(tmp_path):
+    """``trainer.nvme_params`` (config-free: checkpoint tensor sizes, a ``U`` per targeted weight, a ``V`` per
+    category) against the parameters of the FRoD model ``build_frod_model`` builds; the same from a checkpoint
+    without the targeted weights (as the 70B chain keeps it once HJD has run)."""
+    import torch
+
+    from frod_ds.build import build_frod_model, make_supports
+    from frod_ds.store import FactorStore
+    from frod_ds.trainer import nvme_params
+    from launch.hjd import main
+    from tests.helpers_ckpt import strip_checkpoint, write_tiny_llama
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+    model_dir = write_tiny_llama(tmp_path / "model")
+    assert main(["--model", str(model_dir), "--out", str(tmp_path / "store"), "--targets", ",".join(targets),
+                 "--device", "cpu", "--no-fsync"]) == 0
+    store = FactorStore.open(tmp_path / "store")
+    model = build_frod_model(model_dir, store, make_supports(store, targets, 0.1, 0), torch.float32)
+    uses: dict[int, int] = {}
+    for layer in model.model.layers:
+        for p in layer.parameters():
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    shared = {i for i, n in uses.items() if n > 1}
+    want_layers = [sorted(p.numel() for p in layer.parameters() if not p.requires_grad and id(p) not in shared)
+                   for layer in model.model.layers]
+    want_shared = sorted(p.numel() for p in model.parameters() if id(p) in shared)
+    layer_ids = {id(p) for layer in model.model.layers for p in layer.parameters()}
+    want_other = sorted(p.numel() for p in model.parameters() if id(p) not in layer_ids and not p.requires_grad)
+    stripped = strip_checkpoint(model_dir, tmp_path / "stripped", targets)
+    for d in (model_dir, stripped):
+        got = nvme_params(d, store, targets)
+        assert [sorted(x) for x in got.layers] == want_layers, d
+        assert sorted(got.shared) == want_shared and sorted(got.other) == want_other, d
