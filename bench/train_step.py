@@ -24,7 +24,8 @@ Quantized frozen weights (``--frozen-quant nf4|int8``): FRoD holds every ``U_i``
 ``--quantize-base`` also the untargeted linears, ``model.quantize_base``); LoRA loads the targeted linears through
 bitsandbytes (``BitsAndBytesConfig``: NF4 in blocks of 64 without double quantization and ``bnb_4bit_quant_storage``
 bf16 so ZeRO-3 can partition it, or LLM.int8()), and with ``--quantize-base`` every decoder linear: QLoRA.
-``lm_head`` and the embeddings stay bf16 for both.
+``lm_head`` and the embeddings stay bf16 for both. Under ZeRO-3 the NF4 linears run through
+``bench/bnb_zero3.py`` (bitsandbytes' own autograd Function keeps every gathered weight alive until the backward).
 """
 
 from __future__ import annotations
@@ -125,6 +126,10 @@ def build_lora(args, ds_cfg: dict | None, device: torch.device):
     if quant is not None and not _zero3(ds_cfg):
         kw["device_map"] = {"": device}  # bitsandbytes quantizes as the weights reach the device
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, **kw)
+    if args.frozen_quant == "nf4" and _zero3(ds_cfg) and not args.stock_bnb:
+        from bench.bnb_zero3 import keep_linear4bit_weights_partitioned
+
+        keep_linear4bit_weights_partitioned(model)  # else each rank keeps the whole gathered NF4 model per step
     if args.gc:
         enable_gradient_checkpointing(model)
     cfg = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, target_modules=TARGETS, lora_dropout=0.0)
@@ -295,6 +300,7 @@ def run(args) -> None:
         payload = {
             "method": args.method, "engine": engine, "config": args.config, "ds_config": ds_cfg, "world_size": world,
             "gradient_checkpointing": args.gc, "frozen_quant": args.frozen_quant, "quantize_base": args.quantize_base,
+            "stock_bnb": args.stock_bnb,
             "micro_batch": args.batch, "seq_len": args.seq,
             "tokens_per_step_per_gpu": tokens_per_step, "warmup": args.warmup, "steps": args.steps,
             "repeats": args.repeats, "model": {k: cfg[k] for k in ("num_hidden_layers", "hidden_size",
@@ -326,6 +332,8 @@ def config_name(args, engine: str, world: int) -> str:
         extra = f"_{args.frod_impl}-{args.frod_save}-{args.frod_dgrad}"
     if args.frozen_quant != "none":
         extra += f"_{args.frozen_quant}{'-base' if args.quantize_base else ''}"
+    if args.stock_bnb:
+        extra += "_stockbnb"
     return f"train_step_{args.method}{extra}_{engine}{'_gc' if args.gc else ''}_{world}gpu"
 
 
@@ -351,6 +359,9 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                         "(bitsandbytes)")
     r.add_argument("--quantize-base", action="store_true",
                    help="with --frozen-quant: the untargeted decoder linears too (FRoD model.quantize_base; LoRA: QLoRA)")
+    r.add_argument("--stock-bnb", action="store_true",
+                   help="LoRA under ZeRO-3 with NF4: keep bitsandbytes' own Linear4bit forward, which holds every "
+                        "gathered NF4 weight until the backward (bench/bnb_zero3.py; for comparison)")
     r.add_argument("--name", default=None, help="result file name (default from method, engine, GPUs)")
     r.add_argument("--out", default=None, help="results dir (default $OUT or bench/results)")
 
