@@ -422,11 +422,13 @@ def _median(xs: list[float]) -> float | None:
 
 
 def _step_name(args, method: str) -> str:
-    """``seventy_b_step_<method>``, plus what differs from the chain's default run (``_1gpu``, ``_base``)."""
-    import torch
-
-    default_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
-    return (f"seventy_b_step_{method}" + (f"_{args.gpus}gpu" if args.gpus and args.gpus != default_gpus else "")
+    """``seventy_b_step_<method>``, plus what differs from the chain's default run (2 GPUs, ``zero3.json``, U_i
+    only): ``_<N>gpu``, ``_<config stem>``, ``_base``. From the arguments only, so the same command names its
+    result the same way on any machine."""
+    gpus = _gpus(args)
+    config = Path(args.config).stem
+    return (f"seventy_b_step_{method}" + (f"_{gpus}gpu" if gpus != 2 else "")
+            + (f"_{config}" if config != "zero3" else "")
             + ("_base" if args.quantize_base and method == "frod" else ""))
 
 
@@ -515,8 +517,9 @@ def qlora(args) -> None:
                         p["out"] / "logs" / "step_lora.log", None, args.timeout_s)
         if rc != 0:
             raise ChainError(f"qlora: exit {rc}; log {p['out'] / 'logs' / 'step_lora.log'}")
-        _copy_out(p, p["res"] / "seventy_b_step_lora.json")
-        print(f"qlora: weights regenerated in {s_gen:.0f} s, timed in {s:.0f} s: {p['res'] / 'seventy_b_step_lora.json'}")
+        result = p["res"] / f"{_step_name(args, 'lora')}.json"
+        _copy_out(p, result)
+        print(f"qlora: weights regenerated in {s_gen:.0f} s, timed in {s:.0f} s: {result}")
     finally:
         if not args.keep:
             shutil.rmtree(shm, ignore_errors=True)
@@ -558,9 +561,10 @@ def report(args) -> None:
             if f.stem.removeprefix("seventy_b_").startswith(("step_", "train_resume"))}
     rows = ["| run | step (median) | tok/s per GPU | peak alloc GiB (highest rank; training: rank 0) | planner alloc GiB | MFU | GFLOP/token |",
             "|---|---|---|---|---|---|---|"]
-    labels = {"step_frod": "FRoD s=0.02, NF4 U_i", "step_lora": "QLoRA r=16, NF4 base"}
     for n in sorted(k for k in load if k.startswith("step_")):
-        d, label = load[n], labels.get(n, "FRoD s=0.02, NF4 U_i" + (" and base" if n.endswith("_base") else ""))
+        d = load[n]
+        label = ("QLoRA r=16, NF4 base" if d.get("method") == "lora" else
+                 "FRoD s=0.02, NF4 U_i" + (" and base" if d.get("quantize_base") else ""))
         if d:
             mfu = f"{d['mfu'] * 100:.1f}%" if d.get("mfu") else "n/a"
             peak = f"{d['peak_allocated_gib']:.1f}" if d.get("peak_allocated_gib") else "n/a"
@@ -574,14 +578,17 @@ def report(args) -> None:
         peak = f"{d['peak_alloc_gib_rank0']:.1f}" if "cuda" in d.get("peak_is", "") else "n/a"
         rows.append(f"| FRoD training (launch/train.py, recipe batches ≤ 256 tokens) | {d['step_s_median'] * 1e3:.0f} ms "
                     f"| {d['tokens_per_s_per_gpu']:,.0f} (non-pad) | {peak} | {d['planner']['allocated_gib']:.1f} | – | – |")
-    summary = {k: v for k, v in {
-        "frod_step_over_qlora": load["step_frod"]["step_s_median"] / load["step_lora"]["step_s_median"]
-        if {"step_frod", "step_lora"} <= set(load) else None,
-        "flops_frod_over_qlora": load["step_frod"]["flops_per_token"]["total"] / load["step_lora"]["flops_per_token"]["total"]
-        if {"step_frod", "step_lora"} <= set(load) else None,
+    frod = load.get("step_frod")
+    qloras = [d for d in load.values() if d.get("method") == "lora" and frod and d["world_size"] == frod["world_size"]]
+    best = min(qloras, key=lambda d: d["step_s_median"]) if qloras else None  # QLoRA's fastest on FRoD's GPUs
+    summary = {
+        "qlora_best": {"engine": best["engine"], "gradient_checkpointing": best["gradient_checkpointing"],
+                       "layer_passes_per_step": best.get("layer_passes_per_step")} if best else None,
+        "frod_step_over_qlora_best": frod["step_s_median"] / best["step_s_median"] if best else None,
+        "flops_frod_over_qlora": frod["flops_per_token"]["total"] / best["flops_per_token"]["total"] if best else None,
         "resume_max_rel_loss_diff": load.get("train_resume", {}).get("max_rel_loss_diff"),
         "train_peak_over_planner": load.get("train_resume", {}).get("peak_over_prediction"),
-    }.items()}
+    }
     table = "\n".join(rows) + "\n"
     if d:
         _copy_out(p, plot_resume(d, p["res"] / "seventy_b_resume_losses.png"))

@@ -139,20 +139,32 @@ def build_lora(args, ds_cfg: dict | None, device: torch.device):
 
 class LayerPasses:
     """How many times each decoder layer's MLP runs per training step: 1 without gradient checkpointing, 2 with it
-    (the backward recomputes the layer) — what ``--gc`` did, counted rather than assumed."""
+    (the backward recomputes the layer) — what ``--gc`` did, counted rather than assumed. The MLP, not the layer:
+    transformers 5.17 checkpoints a layer's whole ``__call__`` (its hooks run again in the recompute), 5.23 only
+    its ``forward`` (they do not); the MLP's hooks run inside either."""
 
     def __init__(self, model):
-        self.mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+        self.mlps = [m.mlp for m in model.modules() if type(m).__name__.endswith("DecoderLayer") and hasattr(m, "mlp")]
+        if not self.mlps:
+            raise SystemExit(f"error: no decoder layer with an .mlp in {type(model).__name__}: cannot check that "
+                             "--gc checkpoints (bench/train_step.py times LLaMA-family models)")
         self.calls = 0
         self.handles = [m.register_forward_pre_hook(self._count) for m in self.mlps]
 
     def _count(self, module, args) -> None:
         self.calls += 1
 
-    def per_step(self, steps: int) -> float:
+    def check(self, steps: int, gc: bool) -> float:
+        """Passes per step over the ``steps`` run so far (hooks removed); ``SystemExit`` when they are not what
+        ``gc`` asks for."""
         for h in self.handles:
             h.remove()
-        return self.calls / (steps * len(self.mlps)) if self.mlps and steps else float("nan")
+        passes = self.calls / (steps * len(self.mlps))
+        if passes != (2.0 if gc else 1.0):
+            raise SystemExit(f"error: each decoder layer ran {passes:g} times per step, expected {2 if gc else 1} "
+                             f"with gradient checkpointing {'on' if gc else 'off'}: the measurement would not be of "
+                             "the requested configuration")
+        return passes
 
 
 def _numel(p) -> int:
@@ -205,9 +217,13 @@ def _mem(device: torch.device) -> dict:
             "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
 
 
-def time_steps(step, batches, device: torch.device, warmup: int, steps: int, repeats: int) -> dict:
-    """``warmup`` untimed steps, then ``repeats`` windows of ``steps`` timed steps (seconds each)."""
+def time_steps(step, batches, device: torch.device, warmup: int, steps: int, repeats: int,
+               after_warmup=None) -> dict:
+    """``warmup`` untimed steps (``after_warmup()`` then), then ``repeats`` windows of ``steps`` timed steps (seconds
+    each)."""
     losses = [float(step(next(batches))) for _ in range(warmup)]
+    if after_warmup is not None:
+        after_warmup()
     _sync(device)
     mem_warm = _mem(device)
     if device.type == "cuda":
@@ -253,6 +269,8 @@ def run(args) -> None:
     from bench.flops import flops_per_token, peak_bf16_flops
     from frod_ds import distributed as dist
 
+    if args.warmup < 1:
+        raise SystemExit("error: --warmup must be at least 1: the warm-up steps also check what --gc did")
     plain = args.config == "plain"
     if not plain:
         import deepspeed
@@ -281,13 +299,11 @@ def run(args) -> None:
     trainable_dtypes = sorted({str(p.dtype) for p in step.model.parameters() if p.requires_grad})
 
     passes = LayerPasses(step.model)
+    checked: list[float] = []  # checked after the warm-up steps, before any timed one
     timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
-                        args.warmup, args.steps, args.repeats)
-    layer_passes = passes.per_step(args.warmup + args.steps * args.repeats)
-    if layer_passes != (2.0 if args.gc else 1.0):
-        raise SystemExit(f"error: each decoder layer ran {layer_passes:g} times per step, expected "
-                         f"{2 if args.gc else 1} with gradient checkpointing {'on' if args.gc else 'off'}: the "
-                         "measurement would not be of the requested configuration")
+                        args.warmup, args.steps, args.repeats,
+                        after_warmup=lambda: checked.append(passes.check(args.warmup, args.gc)))
+    layer_passes = checked[0]
     tokens_per_step = args.batch * args.seq
     stats = summarize(timing["windows"], tokens_per_step)
     fl = flops_per_token(cfg, args.seq, args.method, tokens_per_step, targets=TARGETS, lora_r=LORA_R,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +152,7 @@ class NvmeParams:
     layers: list[list[int]]  # each decoder layer's own parameters
     shared: list[int]  # parameters several layers use (FRoD's V per category), each once
     other: list[int]  # the rest (embeddings, head, final norm)
+    trainable: list[list[int]] = field(default_factory=list)  # each decoder layer's trainable ones (σ, S)
 
 
 def _swapped(numels: list[int], world_size: int, elem_bytes: int, min_bytes: int) -> list[int]:
@@ -176,8 +177,16 @@ def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_byt
     shared = len(swapped(params.shared))
     other = min(len(swapped(params.other)), 1)
     need = layer + shared + other
+    # trainable partitions stay in host memory up to offload_param.max_in_cpu elements per rank; beyond that
+    # DeepSpeed swaps them to NVMe too (any partition of at least the minimum size), a layer's at a time
+    max_in_cpu = int(zo["offload_param"].get("max_in_cpu", 1_000_000_000))
+    trainable_per_rank = sum(-(-n // world_size) for ns in params.trainable for n in ns)
+    spill = trainable_per_rank > max_in_cpu
+    if spill:
+        need += max((len(swapped(ns)) for ns in params.trainable), default=0)
     reuse = int(zo.get("stage3_max_reuse_distance", 1_000_000_000))
-    every = swapped([n for ns in params.layers for n in ns] + params.shared + params.other)
+    every = swapped([n for ns in params.layers + (params.trainable if spill else []) for n in ns]
+                    + params.shared + params.other)
     if reuse > 0 and every:
         need += -(-reuse // min(every))
     return max(min(need, len(every)), 1)

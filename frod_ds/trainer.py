@@ -322,7 +322,8 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
     model_dir, store, identity, run_identity = _check_store(recipe, resume_tag)
     if "offload_param" in nvme_offloads(ds_cfg):  # the largest parameter is read only when it matters
         check_nvme_buffer(ds_cfg, _largest_param(model_dir, store, list(recipe.model.targets)), dist.get_world_size())
-        check_nvme_buffer_count(ds_cfg, nvme_params(model_dir, store, list(recipe.model.targets)),
+        check_nvme_buffer_count(ds_cfg, nvme_params(model_dir, store, list(recipe.model.targets),
+                                                    recipe.model.sparsity),
                                 dist.get_world_size(), FLOAT_DTYPES[recipe.model.dtype].itemsize)
     check_aio_build_env(ds_cfg, dict(os.environ))
     tok = _load_tokenizer(recipe, model_dir)
@@ -355,20 +356,28 @@ def _largest_param(model_dir, store, targets: list[str]) -> int:
     return max(sizes)
 
 
-def nvme_params(model_dir, store, targets: list[str]) -> NvmeParams:
+def nvme_params(model_dir, store, targets: list[str], sparsity: float) -> NvmeParams:
     """The FRoD model's parameter sizes per decoder layer (checkpoint tensors, a ``U`` in place of each targeted
-    weight), the ``V`` shared per category, and the rest: what ``check_nvme_buffer_count`` counts."""
+    weight), the ``V`` shared per category, the rest, and each layer's trainable σ (n) and S (round(s·n²)):
+    what ``check_nvme_buffer_count`` counts."""
     from frod_ds.hf_checkpoint import HFCheckpoint
 
     ckpt = HFCheckpoint(model_dir)
     replaced = {f"{m}.weight": math.prod(store.member_shape(m)) for c in targets for m in store.categories[c]}
     layers: dict[int, list[int]] = {}
+    trainable: dict[int, list[int]] = {}
     other = []
     for k in sorted(set(ckpt.keys()) | set(replaced)):  # the targeted weights may be gone from the checkpoint
         numel = replaced[k] if k in replaced else math.prod(ckpt.info(k).shape)
         hit = re.search(r"\.layers\.(\d+)\.", k)
         (layers.setdefault(int(hit.group(1)), []) if hit else other).append(numel)
-    return NvmeParams([layers[i] for i in sorted(layers)], [store.width(c) ** 2 for c in targets], other)
+    for c in targets:
+        n = store.width(c)
+        for m in store.categories[c]:
+            hit = re.search(r"\.layers\.(\d+)\.", m + ".")
+            trainable.setdefault(int(hit.group(1)), []).extend([n, int(round(sparsity * n * n))])
+    return NvmeParams([layers[i] for i in sorted(layers)], [store.width(c) ** 2 for c in targets], other,
+                      [trainable.get(i, []) for i in sorted(layers)])
 
 
 def _check_output_dir(out: Path) -> None:

@@ -73,7 +73,10 @@ def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
     C.fetch_sub_module = fetch_and_sample
     g = torch.Generator().manual_seed(0)
     try:
-        losses = [float(step(torch.randint(0, 1000, (args.batch, args.seq), generator=g))) for _ in range(steps)]
+        losses, grad_norms = [], []
+        for _ in range(steps):
+            losses.append(float(step(torch.randint(0, 1000, (args.batch, args.seq), generator=g))))
+            grad_norms.append(float(step.engine.get_global_grad_norm()))  # before clipping: the backward's own
     finally:
         C.fetch_sub_module = fetch
     lora = [(n, p) for n, p in step.model.named_parameters() if p.requires_grad]
@@ -82,7 +85,7 @@ def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
     layers = step.model.get_base_model().model.layers
     nf4 = [sum(p.ds_numel * p.element_size() for p in layer.parameters() if type(p).__name__ == "Params4bit")
            for layer in layers]
-    out = {"available": sampler.available, "retained": sampler.retained, "both": sampler.both, "losses": losses,
+    out = {"available": sampler.available, "retained": sampler.retained, "both": sampler.both, "losses": losses, "grad_norms": grad_norms,
            "lora_layer0_q": values, "nf4_layer_bytes": nf4,
            "nf4_module_bytes_max": max(p.ds_numel * p.element_size() for p in sampler.weights)}
     step.engine.destroy()

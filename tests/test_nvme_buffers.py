@@ -12,10 +12,12 @@ from frod_ds.ds_config import DSConfigError, NvmeParams, check_nvme_buffer_count
 from tests.train_env import REPO
 
 
-def llama(hidden: int, inter: int, kv: int, layers: int, vocab: int = 32000) -> NvmeParams:
+def llama(hidden: int, inter: int, kv: int, layers: int, vocab: int = 32000, s: float = 0.02) -> NvmeParams:
     u = [hidden * hidden, kv * hidden, kv * hidden, hidden * hidden, inter * hidden, inter * hidden]
     layer = u + [hidden * inter, hidden, hidden]  # six U (the targets' shapes), down_proj, two norms
-    return NvmeParams([layer] * layers, [hidden * hidden] * 6, [vocab * hidden, vocab * hidden, hidden])
+    trainable = [hidden, round(s * hidden * hidden)] * 6  # σ (n) and S (s·n²) per target; V is hidden × hidden
+    return NvmeParams([layer] * layers, [hidden * hidden] * 6, [vocab * hidden, vocab * hidden, hidden],
+                      [trainable] * layers)
 
 
 L7B, L70B = llama(4096, 11008, 4096, 32), llama(8192, 28672, 1024, 80)
@@ -36,6 +38,17 @@ def test_counts_by_hand():
     # 8 ranks: 70B's k/v U partitions (1024*8192/8 * 2 bytes = 2 MiB) still swap; a 4 MiB aio block drops them
     assert nvme_buffers_needed(cfg(5), L70B, 8, 2) == 14
     assert nvme_buffers_needed(cfg(5, block=4 << 20), L70B, 8, 2) == 12
+
+
+def test_trainable_partitions_beyond_max_in_cpu_need_buffers_too():
+    """70B, s=0.02, 2 ranks: per rank 80·6·(8192 + 1,342,177)/2 ≈ 324M trainable elements stay in host memory under
+    the shipped max_in_cpu (1e9); under 1e6 they spill to NVMe and each S partition (671,089 bf16 elements, 1.34 MB
+    ≥ 1 MiB) takes a buffer: 6 more per layer. σ (8 KiB per rank) is never swapped."""
+    c = cfg(5)
+    assert nvme_buffers_needed(c, L70B, 2, 2) == 14
+    c["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**6
+    assert nvme_buffers_needed(c, L70B, 2, 2) == 20
+    assert nvme_buffers_needed(c, L70B, 4, 2) == 14, "on 4 ranks an S partition (0.67 MB) is under 1 MiB"
 
 
 def test_too_few_buffers_is_one_line_naming_the_key_and_value():
@@ -94,8 +107,10 @@ def test_nvme_params_match_the_built_frod_model_with_or_without_targeted_weights
     want_shared = sorted(p.numel() for p in model.parameters() if id(p) in shared)
     layer_ids = {id(p) for layer in model.model.layers for p in layer.parameters()}
     want_other = sorted(p.numel() for p in model.parameters() if id(p) not in layer_ids and not p.requires_grad)
+    want_trainable = [sorted(p.numel() for p in layer.parameters() if p.requires_grad) for layer in model.model.layers]
     stripped = strip_checkpoint(model_dir, tmp_path / "stripped", targets)
     for d in (model_dir, stripped):
-        got = nvme_params(d, store, targets)
+        got = nvme_params(d, store, targets, 0.1)
         assert [sorted(x) for x in got.layers] == want_layers, d
+        assert [sorted(x) for x in got.trainable] == want_trainable, d
         assert sorted(got.shared) == want_shared and sorted(got.other) == want_other, d

@@ -68,5 +68,9 @@ def test_stock_bitsandbytes_keeps_every_gathered_weight_until_the_backward(repor
 def test_qlora_zero3_fix_computes_what_bitsandbytes_computes(reports):
     for rep in reports:
         assert rep["fixed"]["losses"] == pytest.approx(rep["stock"]["losses"], rel=1e-6)
+        # the backward's gradients (AdamW's first update is scale-free, so the LoRA values alone would not see a
+        # wrongly scaled gradient of the 4-bit linears)
+        assert rep["fixed"]["grad_norms"] == pytest.approx(rep["stock"]["grad_norms"], rel=1e-5)
+        assert all(n > 0 for n in rep["stock"]["grad_norms"])
         for name, value in rep["stock"]["lora_layer0_q"].items():
             assert rep["fixed"]["lora_layer0_q"][name] == pytest.approx(value, rel=1e-5, abs=1e-8), name

@@ -133,7 +133,7 @@ def test_tiny_chain_rehearsal(tmp_path):
     run([sys.executable, "bench/seventy_b.py", "step", *common, "--gpus", "1", "--quantize-base",
          "--config", "ds_configs/zero2.json"])
     frod = json.loads((out / "seventy_b_step_frod.json").read_text())
-    one = json.loads((out / "seventy_b_step_frod_1gpu_base.json").read_text())
+    one = json.loads((out / "seventy_b_step_frod_1gpu_zero2_base.json").read_text())
     assert (frod["world_size"], frod["engine"], frod["quantize_base"]) == (2, "zero3", False)
     assert (one["world_size"], one["engine"], one["quantize_base"], one["frozen_quant"]) == (1, "zero2", True, "nf4")
 
@@ -141,8 +141,14 @@ def test_tiny_chain_rehearsal(tmp_path):
     lora = json.loads((out / "seventy_b_step_lora.json").read_text())
     assert lora["method"] == "lora" and lora["frozen_quant"] == "nf4" and lora["quantize_base"] and lora["engine"] == "zero3"
     assert not (w / "qlora-shm").exists() and not (w / "qlora-model").exists(), "regenerated weights deleted"
+    run([sys.executable, "bench/seventy_b.py", "qlora", *common, "--gpus", "1", "--config", "ds_configs/zero2.json"])
+    one_lora = json.loads((out / "seventy_b_step_lora_1gpu_zero2.json").read_text())
+    assert (one_lora["method"], one_lora["world_size"], one_lora["engine"]) == ("lora", 1, "zero2")
     assert "holds the weights the factor store was built from" in (out / "logs" / "qlora_gen.log").read_text()
     stdout = run([sys.executable, "bench/seventy_b.py", "report", *common])
     assert "QLoRA r=16, NF4 base" in stdout and "FRoD training (launch/train.py" in stdout
     assert (out / "seventy_b_resume_losses.png").stat().st_size > 0
     assert "FRoD s=0.02, NF4 U_i and base (zero2, gc, 1 GPU(s)" in stdout and "FRoD s=0.02, NF4 U_i (zero3, gc, 2" in stdout
+    assert "QLoRA r=16, NF4 base (zero2, gc, 1 GPU(s)" in stdout
+    summary = json.loads((out / "seventy_b_report.json").read_text())["summary"]
+    assert summary["qlora_best"]["engine"] == "zero3", "QLoRA's fastest on FRoD's GPU count (2), not the 1-GPU run"
