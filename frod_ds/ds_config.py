@@ -144,6 +144,7 @@ def check_nvme_buffer(cfg: dict, largest_numel: int, world_size: int) -> None:
 
 DS_MIN_AIO_BYTES = 1024 ** 2  # DeepSpeed swaps a partition to NVMe only from max(this, aio.block_size) bytes
 DS_AIO_BLOCK_DEFAULT = 1024 ** 2
+DS_REUSE_DISTANCE_DEFAULT = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default (elements)
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,22 @@ class NvmeParams:
     other: list[int]  # the rest (embeddings, head, final norm)
     trainable: list[list[int]] = field(default_factory=list)  # each decoder layer's trainable ones (σ, S)
 
+    @property
+    def largest_frozen(self) -> int:
+        """Elements of the largest frozen parameter (what one swap buffer must hold, whole or as a partition)."""
+        return max([n for ns in self.layers for n in ns] + self.shared + self.other)
+
 
 def _swapped(numels: list[int], world_size: int, elem_bytes: int, min_bytes: int) -> list[int]:
     return [n for n in numels if -(-n // world_size) * elem_bytes >= min_bytes]
+
+
+def _min_swap_bytes(cfg: dict) -> int:
+    return max(DS_MIN_AIO_BYTES, int(cfg.get("aio", {}).get("block_size", DS_AIO_BLOCK_DEFAULT)))
+
+
+def _reuse_distance(cfg: dict) -> int:
+    return int(cfg.get("zero_optimization", {}).get("stage3_max_reuse_distance", DS_REUSE_DISTANCE_DEFAULT))
 
 
 def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_bytes: int) -> int:
@@ -171,8 +185,7 @@ def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_byt
     (``stage3_max_reuse_distance`` > 0) keeps every parameter that recurs within it gathered: up to one more
     buffer per smallest swapped parameter that fits in the window."""
     zo = cfg.get("zero_optimization", {})
-    min_bytes = max(DS_MIN_AIO_BYTES, int(cfg.get("aio", {}).get("block_size", DS_AIO_BLOCK_DEFAULT)))
-    swapped = lambda ns: _swapped(ns, world_size, elem_bytes, min_bytes)  # noqa: E731
+    swapped = lambda ns: _swapped(ns, world_size, elem_bytes, _min_swap_bytes(cfg))  # noqa: E731
     layer = max((len(swapped(ns)) for ns in params.layers), default=0)
     shared = len(swapped(params.shared))
     other = min(len(swapped(params.other)), 1)
@@ -184,7 +197,7 @@ def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_byt
     spill = trainable_per_rank > max_in_cpu
     if spill:
         need += max((len(swapped(ns)) for ns in params.trainable), default=0)
-    reuse = int(zo.get("stage3_max_reuse_distance", 1_000_000_000))
+    reuse = _reuse_distance(cfg)
     every = swapped([n for ns in params.layers + (params.trainable if spill else []) for n in ns]
                     + params.shared + params.other)
     if reuse > 0 and every:
@@ -199,9 +212,8 @@ def check_nvme_buffer_count(cfg: dict, params: NvmeParams, world_size: int, elem
     if "offload_param" not in nvme_offloads(cfg):
         return
     zo = cfg["zero_optimization"]
-    min_bytes = max(DS_MIN_AIO_BYTES, int(cfg.get("aio", {}).get("block_size", DS_AIO_BLOCK_DEFAULT)))
     prefetch = int(zo.get("stage3_prefetch_bucket_size", 50_000_000))
-    if prefetch > 0 and _swapped(params.shared, world_size, elem_bytes, min_bytes):
+    if prefetch > 0 and _swapped(params.shared, world_size, elem_bytes, _min_swap_bytes(cfg)):
         raise DSConfigError(f"DeepSpeed config: zero_optimization.stage3_prefetch_bucket_size is {prefetch:,} with "
                             "parameters on NVMe, and DeepSpeed's NVMe prefetch swaps a parameter the layers share "
                             "(FRoD's V) in twice and stops; set stage3_prefetch_bucket_size to 0")
@@ -210,7 +222,7 @@ def check_nvme_buffer_count(cfg: dict, params: NvmeParams, world_size: int, elem
     if have < need:
         raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_count is {have}, this model "
                             f"gathers up to {need} NVMe-swapped parameters at once (one decoder layer, the shared "
-                            f"ones, one more{', and the stage3_max_reuse_distance window' if int(zo.get('stage3_max_reuse_distance', 1_000_000_000)) > 0 else ''}); "
+                            f"ones, one more{', and the stage3_max_reuse_distance window' if _reuse_distance(cfg) > 0 else ''}); "
                             f"set buffer_count to at least {need}")
 
 

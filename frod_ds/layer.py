@@ -29,7 +29,7 @@ from frod_ds.frod_function import FRoDTokens, FRoDWeight, core_matrix
 from frod_ds.validate import sparsity_problem
 from frod_ds.quant import frozen_dense, frozen_linear, logical_shape
 
-__all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering"]
+__all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering", "support_nnz"]
 
 TRAINABLE_PREFIX = "frod_"
 
@@ -60,7 +60,7 @@ class SparseSupport:
         problem = sparsity_problem(sparsity, "sparsity s")
         if problem:
             raise FrodError(problem)
-        nnz = int(round(sparsity * n * n))
+        nnz = support_nnz(n, sparsity)
         if nnz > n * (n - 1):
             raise FrodError(
                 f"sparsity s={sparsity} asks for {nnz} off-diagonal entries but an {n}x{n} matrix has only "
@@ -238,9 +238,14 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+def support_nnz(n: int, sparsity: float) -> int:
+    """Entries of an n×n S at density ``sparsity``: ``round(s·n²)``."""
+    return int(round(sparsity * n * n))
+
+
 def trainable_numel(n: int, sparsity: float) -> int:
     """Trainable parameters per member: ``n + round(s·n²)``."""
-    return n + int(round(sparsity * n * n))
+    return n + support_nnz(n, sparsity)
 
 
 def tan_alpha(on_sq: float, off_sq: float) -> float:

@@ -47,7 +47,7 @@ from frod_ds.ds_config import (NvmeParams, check_aio_build_env, check_nvme_buffe
 from frod_ds.dtypes import FLOAT_DTYPES
 from frod_ds.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.errors import FrodError, StoreError, note
-from frod_ds.layer import tan_alpha
+from frod_ds.layer import support_nnz, tan_alpha
 from frod_ds.recipe import Recipe, recipe_to_dict
 from frod_ds.run_identity import (BASE_SCOPE, RUN_IDENTITY, RunIdentity, RunIdentityError, file_sha256,
                                   training_hyperparameters)
@@ -320,11 +320,10 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
     rows = read_training_rows(recipe.data.train, recipe.data.limit)
     eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
     model_dir, store, identity, run_identity = _check_store(recipe, resume_tag)
-    if "offload_param" in nvme_offloads(ds_cfg):  # the largest parameter is read only when it matters
-        check_nvme_buffer(ds_cfg, _largest_param(model_dir, store, list(recipe.model.targets)), dist.get_world_size())
-        check_nvme_buffer_count(ds_cfg, nvme_params(model_dir, store, list(recipe.model.targets),
-                                                    recipe.model.sparsity),
-                                dist.get_world_size(), FLOAT_DTYPES[recipe.model.dtype].itemsize)
+    if "offload_param" in nvme_offloads(ds_cfg):  # the model's parameter sizes are read only when they matter
+        params = nvme_params(model_dir, store, list(recipe.model.targets), recipe.model.sparsity)
+        check_nvme_buffer(ds_cfg, params.largest_frozen, dist.get_world_size())
+        check_nvme_buffer_count(ds_cfg, params, dist.get_world_size(), FLOAT_DTYPES[recipe.model.dtype].itemsize)
     check_aio_build_env(ds_cfg, dict(os.environ))
     tok = _load_tokenizer(recipe, model_dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
@@ -337,23 +336,11 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
                         "use more data or a smaller batch")
     for c in recipe.model.targets:
         n = store.width(c)
-        if int(round(recipe.model.sparsity * n * n)) == 0:
+        if support_nnz(n, recipe.model.sparsity) == 0:
             raise FrodError(f"model.sparsity={recipe.model.sparsity:g} gives S no entries for {c} (width {n}: "
                             f"round(s*n^2) = 0); use model.sparsity >= {0.5 / (n * n):.3g}")
     _check_output_dir(Path(recipe.output_dir))
     return ds_cfg, model_dir, store, identity, run_identity, tok, examples, eval_examples
-
-
-def _largest_param(model_dir, store, targets: list[str]) -> int:
-    """Elements of the FRoD model's largest parameter: a checkpoint tensor, a ``U_i`` (W's shape) or a ``V``."""
-    from frod_ds.hf_checkpoint import HFCheckpoint
-
-    ckpt = HFCheckpoint(model_dir)
-    sizes = [math.prod(ckpt.info(k).shape) for k in ckpt.keys()]
-    for c in targets:
-        sizes.append(store.width(c) ** 2)
-        sizes += [math.prod(store.member_shape(m)) for m in store.categories[c]]
-    return max(sizes)
 
 
 def nvme_params(model_dir, store, targets: list[str], sparsity: float) -> NvmeParams:
@@ -375,7 +362,7 @@ def nvme_params(model_dir, store, targets: list[str], sparsity: float) -> NvmePa
         n = store.width(c)
         for m in store.categories[c]:
             hit = re.search(r"\.layers\.(\d+)\.", m + ".")
-            trainable.setdefault(int(hit.group(1)), []).extend([n, int(round(sparsity * n * n))])
+            trainable.setdefault(int(hit.group(1)), []).extend([n, support_nnz(n, sparsity)])
     return NvmeParams([layers[i] for i in sorted(layers)], [store.width(c) ** 2 for c in targets], other,
                       [trainable.get(i, []) for i in sorted(layers)])
 
