@@ -565,14 +565,13 @@ def report(args) -> None:
         d = load[n]
         label = ("QLoRA r=16, NF4 base" if d.get("method") == "lora" else
                  "FRoD s=0.02, NF4 U_i" + (" and base" if d.get("quantize_base") else ""))
-        if d:
-            mfu = f"{d['mfu'] * 100:.1f}%" if d.get("mfu") else "n/a"
-            peak = f"{d['peak_allocated_gib']:.1f}" if d.get("peak_allocated_gib") else "n/a"
-            checked = check_planner({**d, "_file": n}) if d.get("method") == "frod" else None
-            planned = f"{checked['predicted_gib']:.1f}" if checked else "–"
-            rows.append(f"| {label} ({d['engine']}, gc, {d['world_size']} GPU(s), bench/train_step.py) | "
-                        f"{d['step_s_median'] * 1e3:.0f} ms | {d['tokens_per_s_per_gpu']:,.0f} | {peak} | {planned} | {mfu} "
-                        f"| {d['flops_per_token']['total'] / 1e9:.4g} |")
+        mfu = f"{d['mfu'] * 100:.1f}%" if d.get("mfu") else "n/a"
+        peak = f"{d['peak_allocated_gib']:.1f}" if d.get("peak_allocated_gib") else "n/a"
+        checked = check_planner({**d, "_file": n}) if d.get("method") == "frod" else None
+        planned = f"{checked['predicted_gib']:.1f}" if checked else "–"
+        rows.append(f"| {label} ({d['engine']}, gc, {d['world_size']} GPU(s), bench/train_step.py) | "
+                    f"{d['step_s_median'] * 1e3:.0f} ms | {d['tokens_per_s_per_gpu']:,.0f} | {peak} | {planned} | {mfu} "
+                    f"| {d['flops_per_token']['total'] / 1e9:.4g} |")
     d = load.get("train_resume")
     if d:
         peak = f"{d['peak_alloc_gib_rank0']:.1f}" if "cuda" in d.get("peak_is", "") else "n/a"

@@ -149,22 +149,22 @@ class LayerPasses:
             raise SystemExit(f"error: no decoder layer with an .mlp in {type(model).__name__}: cannot check that "
                              "--gc checkpoints (bench/train_step.py times LLaMA-family models)")
         self.calls = 0
+        self.per_step: float | None = None  # set by check()
         self.handles = [m.register_forward_pre_hook(self._count) for m in self.mlps]
 
     def _count(self, module, args) -> None:
         self.calls += 1
 
-    def check(self, steps: int, gc: bool) -> float:
-        """Passes per step over the ``steps`` run so far (hooks removed); ``SystemExit`` when they are not what
-        ``gc`` asks for."""
+    def check(self, steps: int, gc: bool) -> None:
+        """``per_step``: passes per step over the ``steps`` run so far (hooks removed); ``SystemExit`` when they are
+        not what ``gc`` asks for."""
         for h in self.handles:
             h.remove()
-        passes = self.calls / (steps * len(self.mlps))
+        passes = self.per_step = self.calls / (steps * len(self.mlps))
         if passes != (2.0 if gc else 1.0):
             raise SystemExit(f"error: each decoder layer ran {passes:g} times per step, expected {2 if gc else 1} "
                              f"with gradient checkpointing {'on' if gc else 'off'}: the measurement would not be of "
                              "the requested configuration")
-        return passes
 
 
 def _numel(p) -> int:
@@ -298,12 +298,9 @@ def run(args) -> None:
     frozen = sum(_numel(p) for p in step.model.parameters() if not p.requires_grad)
     trainable_dtypes = sorted({str(p.dtype) for p in step.model.parameters() if p.requires_grad})
 
-    passes = LayerPasses(step.model)
-    checked: list[float] = []  # checked after the warm-up steps, before any timed one
+    passes = LayerPasses(step.model)  # checked after the warm-up steps, before any timed one
     timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
-                        args.warmup, args.steps, args.repeats,
-                        after_warmup=lambda: checked.append(passes.check(args.warmup, args.gc)))
-    layer_passes = checked[0]
+                        args.warmup, args.steps, args.repeats, after_warmup=lambda: passes.check(args.warmup, args.gc))
     tokens_per_step = args.batch * args.seq
     stats = summarize(timing["windows"], tokens_per_step)
     fl = flops_per_token(cfg, args.seq, args.method, tokens_per_step, targets=TARGETS, lora_r=LORA_R,
@@ -334,7 +331,7 @@ def run(args) -> None:
             "memory_per_rank": mems,
             "peak_allocated_gib": max(m["timed"].get("peak_allocated_gib", 0.0) for m in mems) or None,
             "peak_reserved_gib": max(m["timed"].get("peak_reserved_gib", 0.0) for m in mems) or None,
-            "build_s": build_s, "losses": timing["losses"], "layer_passes_per_step": layer_passes,
+            "build_s": build_s, "losses": timing["losses"], "layer_passes_per_step": passes.per_step,
         }
         path = write_result(args.name or config_name(args, engine, world), payload, args.out)
         print(f"{path}: step {stats['step_s_median'] * 1e3:.1f} ms, {stats['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
