@@ -8,6 +8,7 @@ export OMP_NUM_THREADS ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
+export FROD_TEST_ORDER ?= normal
 
 .PHONY: venv demo test clean
 

@@ -273,13 +273,7 @@ def run(args) -> None:
         raise SystemExit("error: --warmup must be at least 1: the warm-up steps also check what --gc did")
     plain = args.config == "plain"
     if not plain:
-        import deepspeed
-
-        if "RANK" not in os.environ:  # one process without a launcher: DeepSpeed still wants a process group
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 10000))
-        dist.init_distributed()
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_deepspeed()  # one process without a launcher: DeepSpeed still wants a process group
     world, rank = dist.get_world_size(), dist.get_rank()
     assert plain is False or world == 1, "plain PyTorch runs on one GPU (no DDP here)"
     device = dist.local_device()

@@ -1,9 +1,14 @@
 """Every ``torch.distributed`` call of the project, as small named helpers.
 
 Launchers: ``torchrun`` and the ``deepspeed`` launcher set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (and
-``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables are mapped onto them (the torch-free
-parsing is ``frod_ds.launch_env``). With none of them set the program runs as one process and every helper
-below is the identity / a no-op, so library code calls the helpers unconditionally.
+``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables say the same (the torch-free parsing is
+``frod_ds.launch_env``). With none of them set the program runs as one process and every helper below is the
+identity / a no-op, so library code calls the helpers unconditionally.
+
+No process-wide state outlives :func:`destroy`: the environment is only read (a one-rank group for DeepSpeed
+uses an in-process store, no port), the one variable DeepSpeed needs set (``LOCAL_RANK``) is put back, and
+DeepSpeed's handle on the group is dropped, so a library caller or a test process can run an entry point
+again, or start launched subprocesses, without inheriting a stale job.
 
 User errors across ranks: a ``FrodError`` that every rank knows about is a ``CollectiveError``
 (``agree_on_error``, ``on_all``, ``on_main`` make one); ``frod_ds.entry`` prints it once, on rank 0.
@@ -15,6 +20,7 @@ Backend: NCCL when CUDA is available, gloo otherwise. Tensors handed to a collec
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -24,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from frod_ds.errors import FrodError
-from frod_ds.launch_env import srun_process_group_env
+from frod_ds.launch_env import ProcessGroupSpec, process_group_spec
 
 __all__ = [
     "CollectiveError",
@@ -54,45 +60,85 @@ __all__ = [
 T = TypeVar("T")
 
 
+# Process-wide state this module creates, undone by ``destroy``: the local rank of the group it joined, and the
+# environment variables it had to set for DeepSpeed (name -> the value they replaced, None when unset).
+_local_rank: int = 0
+_saved_env: dict[str, str | None] = {}
+
+
 def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) -> None:
     """Join the process group the launcher describes; a single process when no launcher env is set.
 
     ``backend``: ``"nccl"`` or ``"gloo"``; default NCCL if CUDA is available, else gloo. With NCCL the
-    current CUDA device is set to ``LOCAL_RANK``. ``timeout_minutes`` bounds every collective wait (a rank
-    reading a large shard from a slow filesystem can keep the others waiting for minutes).
+    current CUDA device is set to the local rank. ``timeout_minutes`` bounds every collective wait (a rank
+    reading a large shard from a slow filesystem can keep the others waiting for minutes). The environment is
+    only read (``frod_ds.launch_env.process_group_spec``); :func:`destroy` leaves the group.
     """
     if dist.is_initialized():
         return
-    launch = srun_process_group_env()
-    if launch is None:
+    spec = process_group_spec()
+    if spec is None:
         return
-    _, _, local_rank = launch
+    _join(spec, backend, timeout_minutes)
+
+
+def _join(spec: ProcessGroupSpec, backend: str | None, timeout_minutes: float = 60.0) -> None:
+    global _local_rank
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs: dict[str, Any] = {"timeout": timedelta(minutes=timeout_minutes)}
+    kwargs: dict[str, Any] = {"timeout": timedelta(minutes=timeout_minutes), "rank": spec.rank,
+                              "world_size": spec.world_size}
+    local_rank = spec.local_rank
     if backend == "nccl":
         local_rank %= max(torch.cuda.device_count(), 1)  # srun may give each task a single visible GPU
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
+    if spec.init_method is None:
+        kwargs["store"] = dist.HashStore()  # one process, no launcher: an in-process store, no port
+    else:
+        kwargs["init_method"] = spec.init_method
     dist.init_process_group(backend=backend, **kwargs)
+    _local_rank = spec.local_rank
 
 
 def init_deepspeed() -> None:
     """:func:`init_distributed`, then DeepSpeed's communication layer on the same group. DeepSpeed needs a
-    process group even for one process: without a launcher a one-rank group is made."""
+    process group even for one process: without a launcher a one-rank group on an in-process store is made
+    (no port, no environment). DeepSpeed reads ``LOCAL_RANK`` from the environment wherever it builds
+    parameters, so it is set for as long as the group lives; :func:`destroy` puts back what was there."""
     import deepspeed
 
-    if srun_process_group_env() is None:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 10000))
-    init_distributed()
+    if not dist.is_initialized():
+        spec = process_group_spec() or ProcessGroupSpec(rank=0, world_size=1, local_rank=0, init_method=None)
+        _join(spec, None)
+    _set_env(LOCAL_RANK=str(_local_rank))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
+def _set_env(**values: str) -> None:
+    for name, value in values.items():
+        if os.environ.get(name) != value:
+            _saved_env.setdefault(name, os.environ.get(name))
+            os.environ[name] = value
+
+
 def destroy() -> None:
-    """Leave the process group (avoids an occasional abort at interpreter exit)."""
-    if dist.is_initialized():
+    """Leave the process group and undo everything :func:`init_distributed` / :func:`init_deepspeed` set up in
+    this process: DeepSpeed's handle on the group and the environment variables set for it. Safe to call
+    when nothing was initialised; entry points call it on every exit (``frod_ds.entry.run``)."""
+    global _local_rank
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None and getattr(comm, "cdb", None) is not None:
+        comm.cdb = None  # DeepSpeed's backend object: a later init in this process builds it on the new group
+    for name, value in _saved_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved_env.clear()
+    _local_rank = 0
 
 
 def is_initialized() -> bool:
@@ -108,7 +154,7 @@ def get_world_size() -> int:
 
 
 def get_local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0)) if is_initialized() else 0
+    return _local_rank if is_initialized() else 0
 
 
 def is_main() -> bool:

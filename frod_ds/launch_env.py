@@ -2,7 +2,7 @@
 
 ``torchrun`` and the ``deepspeed`` launcher set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (and
 ``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables say the same and
-:func:`srun_process_group_env` maps them onto the torch names. The process-group helpers are in
+:func:`process_group_spec` turns either into a rendezvous without writing to the environment. The process-group helpers are in
 ``frod_ds.distributed``; this part imports no torch, so ``launch/hjd.py`` can start reading its rank's
 weights before torch is loaded.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-__all__ = ["launcher_rank_world", "ranks_on_this_node", "first_slurm_host", "srun_process_group_env"]
+__all__ = ["launcher_rank_world", "ranks_on_this_node", "first_slurm_host", "ProcessGroupSpec", "process_group_spec"]
 
 
 def launcher_rank_world(env: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
@@ -48,15 +49,36 @@ def first_slurm_host(nodelist: str) -> str:
     return m.group(1) + m.group(2) if m else first
 
 
-def srun_process_group_env(env: MutableMapping[str, str] | None = None) -> tuple[int, int, int] | None:
-    """:func:`launcher_rank_world`; under srun also sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and (unless
-    set) ``MASTER_ADDR`` (the step's first host) and ``MASTER_PORT`` (from the job id) for the process group."""
+@dataclass(frozen=True)
+class ProcessGroupSpec:
+    """Where this process sits in a launched job, and how its process group is reached.
+
+    ``init_method`` is ``"env://"`` under torchrun / the deepspeed launcher (they export ``MASTER_ADDR`` and
+    ``MASTER_PORT``); under srun it is ``tcp://HOST:PORT`` built from the SLURM variables, so nothing needs to
+    be written into the environment; ``None`` for a one-process group made without a launcher (an in-process
+    store, no port).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    init_method: str | None
+
+
+def process_group_spec(env: Mapping[str, str] | None = None) -> ProcessGroupSpec | None:
+    """The launcher's description of this process (:func:`launcher_rank_world`), or ``None`` for one process.
+
+    Under srun the rendezvous is ``MASTER_ADDR``/``MASTER_PORT`` when the batch script exports them, else the
+    step's first host and a port derived from the job id. The environment is only read.
+    """
     env = os.environ if env is None else env
     launch = launcher_rank_world(env)
-    if launch is not None and "RANK" not in env:  # srun
-        rank, world, local = launch
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
-        env.setdefault("MASTER_ADDR", first_slurm_host(nodes))
-        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
-    return launch
+    if launch is None:
+        return None
+    rank, world, local = launch
+    if "RANK" in env:  # torchrun / the deepspeed launcher
+        return ProcessGroupSpec(rank, world, local, "env://")
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    addr = env.get("MASTER_ADDR") or first_slurm_host(nodes)
+    port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return ProcessGroupSpec(rank, world, local, f"tcp://{addr}:{port}")

@@ -1,11 +1,16 @@
-"""Shared fixtures: tiny LLaMA models built from ``LlamaConfig`` (no hub access)."""
+"""Shared fixtures: tiny LLaMA models built from ``LlamaConfig`` (no hub access); the check that no test leaves
+process-wide state behind (``tests/leftovers.py``); the test order (``FROD_TEST_ORDER``)."""
 
 from __future__ import annotations
 
+import gc
 import os
+import random
 
 import pytest
 import torch
+
+from tests.leftovers import launcher_vars, listening_sockets
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,3 +45,76 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
 @pytest.fixture
 def llama_factory():
     return tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def no_process_wide_leftovers():
+    """Fail a test that leaves launcher variables, a live process group or a listening socket behind (each makes
+    later tests depend on the order they run in), after restoring what it can so the next test starts clean."""
+    env_before = launcher_vars()
+    sockets_before = listening_sockets()
+    yield
+    problems = []
+    env_after = launcher_vars()
+    if env_after != env_before:
+        changed = sorted(k for k in env_before.keys() | env_after.keys() if env_before.get(k) != env_after.get(k))
+        problems.append(f"launcher variables changed: {', '.join(changed)}")
+        for k in changed:
+            if k in env_before:
+                os.environ[k] = env_before[k]
+            else:
+                os.environ.pop(k, None)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        problems.append("a torch.distributed process group is still initialized")
+        dist.destroy_process_group()
+    new = listening_sockets() - sockets_before
+    if new:
+        gc.collect()
+        new = listening_sockets() - sockets_before
+        if new:
+            problems.append(f"listening sockets left open: {', '.join(sorted(new))}")
+    if problems:
+        pytest.fail("test left process-wide state behind: " + "; ".join(problems), pytrace=False)
+
+
+def _order_key(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """``FROD_TEST_ORDER``: unset or ``normal`` (collection order), ``reverse`` (test files in reverse order),
+    or ``shuffle:SEED`` (files shuffled, and the tests inside each file, with that seed; ``shuffle`` alone picks
+    a seed). Tests of one file stay together, so module fixtures are built once whatever the order."""
+    order = os.environ.get("FROD_TEST_ORDER", "normal")
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(_order_key(item), []).append(item)
+    names = list(files)
+    if order == "normal":
+        return
+    if order == "reverse":
+        names.reverse()
+    elif order.startswith("shuffle"):
+        seed = order.partition(":")[2] or str(random.SystemRandom().randrange(10**6))
+        config._frod_order = f"shuffle:{seed}"
+        rng = random.Random(int(seed))
+        rng.shuffle(names)
+        for name in names:
+            rng.shuffle(files[name])
+    else:
+        raise pytest.UsageError(f"FROD_TEST_ORDER={order!r}: use normal, reverse, shuffle or shuffle:SEED")
+    config._frod_order = getattr(config, "_frod_order", order)
+    items[:] = [item for name in names for item in files[name]]
+
+
+def pytest_report_header(config):
+    order = os.environ.get("FROD_TEST_ORDER", "normal")
+    return f"test order: FROD_TEST_ORDER={order} (re-run the same order with FROD_TEST_ORDER=<this value>)"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    order = getattr(config, "_frod_order", None)
+    if order:
+        terminalreporter.write_line(f"test order: FROD_TEST_ORDER={order}")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.leftovers import REPO, clean_env, free_port
+
 LAUNCH = REPO / "launch" / "hjd.py"
 
 
@@ -71,24 +72,15 @@ def strip_checkpoint(src: Path, dst: Path, categories, replace: dict[str, torch.
     return dst
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: float = 180,
             launcher: str = "torchrun") -> subprocess.CompletedProcess:
     """``launch/hjd.py ARGS`` as a subprocess: one plain process when ``nproc == 0``, else under
     ``torchrun --standalone --nproc_per_node NPROC`` or (``launcher="deepspeed"``) the DeepSpeed launcher,
     on CPU ranks (gloo)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="",
-               TOKENIZERS_PARALLELISM="false", DS_ACCELERATOR="cpu")
+    env = clean_env()
     cmd = [sys.executable]
     if nproc and launcher == "deepspeed":
-        cmd += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(_free_port())]
+        cmd += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(free_port())]
     elif nproc:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += [str(script), *args]

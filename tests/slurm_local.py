@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.leftovers import free_ports, is_launcher_var
+
 BINARIES = ("sbatch", "scontrol", "scancel", "squeue", "srun", "slurmctld", "slurmd", "munged")
 PACKAGES = ("slurm-wlm", "munge")
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -60,17 +62,6 @@ def install() -> float:
     return time.time() - t0
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @dataclass
 class Job:
     id: str
@@ -105,7 +96,7 @@ class LocalSlurm:
         for d in ("state", "spool", "log"):
             (root / d).mkdir()
         host = socket.gethostname().split(".")[0]
-        ctld_port, d_port = _free_ports(2)
+        ctld_port, d_port = free_ports(2)
         conf = root / "slurm.conf"
         conf.write_text("\n".join([
             "ClusterName=frodtest",
@@ -163,7 +154,8 @@ class LocalSlurm:
         """``base`` (default: this process's environment) without Slurm's job and input variables, with
         ``SLURM_CONF`` naming this cluster."""
         base = os.environ if base is None else base
-        env = {k: v for k, v in base.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))}
+        env = {k: v for k, v in base.items()
+               if not is_launcher_var(k) and not k.startswith(("SBATCH_", "SRUN_", "SALLOC_"))}
         return dict(env, SLURM_CONF=str(self.conf))
 
     def run(self, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 60,

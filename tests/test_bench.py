@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from bench.flops import flops_per_token, frod_target_macs, lora_target_macs
 from frod_ds import FRoDLinear, SparseSupport, decompose
 from tests.helpers_ckpt import REPO
+from tests.leftovers import clean_env
 
 
 def _counted_flops(fn) -> int:
@@ -76,9 +77,7 @@ def test_base_forward_flops_match_the_flop_counter(llama_factory):
 
 @pytest.mark.slow
 def test_train_matrix_rehearsal_runs_every_engine_and_method(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO),
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")))
+    env = clean_env()
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, "bench/train_matrix.py", "--tiny", "--work", str(tmp_path / "w"), "--out",
                           str(out), "--extras", "nf4", "--budget-s", "1e9", "--deadline-s", "1e9"], cwd=REPO, env=env,
@@ -156,7 +155,7 @@ def test_scaling_table_ratios_match_hand_computed_values():
 
 
 def test_link_benchmark_runs_on_two_gloo_ranks(tmp_path):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = clean_env()
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                           "bench/link.py", "--out", str(tmp_path), "--sizes-mib", "1", "--iters", "2"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -191,9 +190,7 @@ def test_step_harness_checkpoints_a_pretrained_lora_base_under_deepspeed(tmp_pat
     """``from_pretrained`` returns the base in eval mode, where transformers' layers skip checkpointing: the
     harness must put the engine in training mode, and it counts each layer's passes per step (2 = recomputed)
     instead of assuming ``--gc`` took effect."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO),
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")))
+    env = clean_env()
 
     def run(*argv):
         res = subprocess.run([sys.executable, "bench/train_step.py", *argv], cwd=REPO, env=env, capture_output=True,

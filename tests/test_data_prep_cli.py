@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from data_prep.cli import main, make_parser
+from tests.leftovers import clean_env
 
 REPO = Path(__file__).resolve().parents[1]
 MIRROR = Path(__file__).parent / "fixtures" / "data_prep" / "mirror"
@@ -134,13 +135,13 @@ def test_show_from_build_with_repr(capsys, tmp_path):
 
 def test_module_entry_point_runs(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "data_prep", "show", "--source", str(MIRROR), "--task", "obqa", "-n", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("=== obqa 7-980  label 3  choices ['Option A', 'Option B', 'Option C', 'Option D']\n")
 
 
 def test_hub_source_offline_fails_with_one_line_error(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env = clean_env(HF_HOME=str(tmp_path / "hf"))
     out = tmp_path / "cs"
     proc = subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", "hub", "--out", str(out),
                            "--tasks", "siqa"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

@@ -187,17 +187,20 @@ def test_split_counts_and_blocks():
 
 
 def test_launcher_env_maps_srun():
-    from frod_ds.launch_env import first_slurm_host, srun_process_group_env
+    from frod_ds.launch_env import ProcessGroupSpec, first_slurm_host, process_group_spec
 
     env = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
            "SLURM_STEP_NODELIST": "gpu[007-008,012],cpu1", "SLURM_JOB_ID": "123"}
-    assert srun_process_group_env(env) == (5, 16, 1)  # a private environment: nothing leaks into later tests
-    assert env["MASTER_ADDR"] == "gpu007" and env["RANK"] == "5" and env["LOCAL_RANK"] == "1"
+    before = dict(env)
+    assert process_group_spec(env) == ProcessGroupSpec(5, 16, 1, "tcp://gpu007:20123")
+    assert env == before, "the environment is only read"
+    exported = {**env, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400"}  # as an sbatch script exports them
+    assert process_group_spec(exported).init_method == "tcp://10.0.0.7:29400"
     assert first_slurm_host("node1") == "node1"
     sbatch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}
-    assert srun_process_group_env(sbatch) is None, "plain python inside sbatch stays one process"
-    assert srun_process_group_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == (1, 2, 1), \
-        "torchrun / deepspeed launcher"
+    assert process_group_spec(sbatch) is None, "plain python inside sbatch stays one process"
+    assert process_group_spec({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == \
+        ProcessGroupSpec(1, 2, 1, "env://"), "torchrun / deepspeed launcher"
 
 
 def test_small_part_files_split_a_block_and_still_equal_decompose(tmp_path):
@@ -285,11 +288,12 @@ def test_srun_style_environment_runs_the_stage(tmp_path):
     import subprocess
     import sys
 
-    from tests.helpers_ckpt import LAUNCH, _free_port
+    from tests.helpers_ckpt import LAUNCH
+    from tests.leftovers import clean_env, free_port
 
     model = write_tiny_llama(tmp_path / "model")
-    port = _free_port()
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    port = free_port()
+    base = clean_env()
     procs = []
     for rank in range(2):
         env = dict(base, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", SLURM_PROCID=str(rank),

@@ -49,3 +49,51 @@ def test_a_bug_in_a_launch_script_shows_its_traceback_and_exits_1(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "RuntimeError: torch broke" in proc.stderr
     assert not [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def _group_body(fail: BaseException | None):
+    import torch.distributed as tdist
+
+    from frod_ds import distributed as D
+    from tests.leftovers import launcher_vars
+
+    seen = {}
+
+    def body():
+        D.init_deepspeed()
+        seen["initialized"] = tdist.is_initialized() and D.get_world_size() == 1
+        seen["env"] = launcher_vars()
+        if fail is not None:
+            raise fail
+        return 0
+
+    return body, seen
+
+
+@pytest.mark.parametrize("fail", [None, "user", "bug"])
+def test_a_one_process_group_leaves_nothing_behind(monkeypatch, fail):
+    """Without a launcher, DeepSpeed's one-rank group needs no address or port (an in-process store), sets only
+    ``LOCAL_RANK`` (which DeepSpeed reads), and ``entry.run`` destroys it and restores the environment on every
+    exit: a return, a user error, a bug. A second run in the same process works (DeepSpeed's handle is reset)."""
+    import torch.distributed as tdist
+
+    from frod_ds import entry
+    from frod_ds.errors import FrodError
+    from tests.leftovers import launcher_vars, listening_sockets
+
+    for name in list(launcher_vars()):
+        monkeypatch.delenv(name)
+    sockets = listening_sockets()
+    for attempt in range(2):
+        error = {"user": FrodError("bad input"), "bug": RuntimeError("broke"), None: None}[fail]
+        body, seen = _group_body(error)
+        if fail == "bug":
+            with pytest.raises(RuntimeError, match="broke"):
+                entry.run(body, init_group=False)
+        else:
+            assert entry.run(body, init_group=False) == (0 if fail is None else entry.USER_ERROR)
+        assert seen["initialized"], attempt
+        assert seen["env"] == {"LOCAL_RANK": "0"}, "only the variable DeepSpeed reads, while the group lives"
+        assert not tdist.is_initialized()
+        assert launcher_vars() == {}
+        assert listening_sockets() <= sockets

@@ -29,6 +29,7 @@ from tests.eval_fixtures import (
     write_jsonl,
 )
 from tests.helpers_ckpt import make_adapter
+from tests.leftovers import clean_env
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = ("boolq", "piqa", "obqa")
@@ -170,7 +171,7 @@ def test_llm_adapters_mode_beside_loglik_end_to_end(la_assets, tmp_path, capsys)
 
 
 def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    env = clean_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(REPO / "launch" / "eval.py"), *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -268,7 +269,7 @@ def test_bad_modes_and_rows_the_mode_cannot_score_are_one_line_errors(assets, tm
 
 
 def test_script_exits_2_with_one_error_line(assets, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = clean_env()
     run = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), "--model", str(assets["known"]),
                           "--data", str(tmp_path), "--output", str(tmp_path / "out")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

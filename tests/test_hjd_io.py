@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from tests.helpers_ckpt import REPO, weights, write_tiny_llama
+from tests.leftovers import clean_env
 
 from frod_ds.hf_checkpoint import HFCheckpoint
 from frod_ds.hjd.io import FactorWriter, MemberReader, plan_parts
@@ -91,7 +92,7 @@ def test_plan_helpers_and_torch_free_import(model):
     assert my_members(Q, 1, 2) == Q[2:] and my_members(Q, 2, 4) == Q[2:] and my_members(Q, 3, 4) == [] and my_members(Q, 0, 1) == Q
     code = ("import sys; import frod_ds.hjd.plan, frod_ds.hf_checkpoint, launch.hjd; "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -123,8 +124,7 @@ def test_cpu_threading_of_launch_hjd_respects_the_user_and_shares_the_cores():
     code = ("import argparse, os, sys; import launch.hjd as h; ns = argparse.Namespace(device=sys.argv[1]); "
             "h._cpu_threading_env(ns); import torch; h._set_cpu_threads(ns); "
             "print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())")
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE")}
+    clean = {k: v for k, v in clean_env().items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
 
     def run(device: str = "cpu", **env: str) -> tuple[str, int]:
         proc = subprocess.run([sys.executable, "-c", code, device], cwd=REPO, env={**clean, **env}, capture_output=True,

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 from tests.helpers_ckpt import REPO
+from tests.leftovers import clean_env
 
 from frod_ds.realmodel import MARKER, SMOLLM2_GGUF, RealModelUnavailable, convert_gguf, locate_gguf
 
@@ -58,8 +59,7 @@ def real_fp32(real_gguf, tmp_path_factory):
 def real_store(real_fp32):
     """``launch/hjd.py`` as a user runs it: one process, no OMP_NUM_THREADS."""
     out = real_fp32.parent / "store"
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = {k: v for k, v in clean_env().items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     proc = subprocess.run([sys.executable, "launch/hjd.py", "--model", str(real_fp32), "--out", str(out), "--device", "cpu",
                            "--no-fsync", "--targets", *TARGETS], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

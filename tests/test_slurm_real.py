@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tests.slurm_local import LocalSlurm, SlurmUnavailable, install
+from tests.leftovers import clean_env
 from tests.train_env import REPO, metrics
 
 pytestmark = pytest.mark.slow
@@ -74,10 +75,8 @@ def tiny(tmp_path_factory) -> Tiny:
     from frod_ds.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
 
     root = tmp_path_factory.mktemp("slurm_tiny")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                    "MASTER_", "DS_", "CUDA_"))}
-    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")))
+    env = {k: v for k, v in clean_env().items() if not k.startswith(("DS_", "CUDA_"))}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
     write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=0)
     subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(root / "raw"), "--tasks", TASKS,
                     "--out", str(root / "data")], check=True, cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)),

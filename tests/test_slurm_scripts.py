@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers_ckpt import REPO, _free_port, weights, write_tiny_llama
+from tests.helpers_ckpt import REPO, weights, write_tiny_llama
+from tests.leftovers import clean_env, free_port
 
 from frod_ds.hjd.math import decompose
 from frod_ds.store import FactorStore
@@ -57,10 +58,9 @@ def test_hjd_sbatch_runs_two_tasks(tmp_path):
         (bin_dir / f).chmod(0o755)
     model = write_tiny_llama(tmp_path / "model")
     out = tmp_path / "store"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env = clean_env()
     env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="42", SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="2",
-               SLURM_SUBMIT_DIR=str(REPO), MASTER_PORT=str(_free_port()), MODEL=str(model), OUT=str(out),
-               PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+               SLURM_SUBMIT_DIR=str(REPO), MASTER_PORT=str(free_port()), MODEL=str(model), OUT=str(out))
     proc = subprocess.run(["bash", str(SLURM / "hjd.sbatch"), "--device", "cpu", "--dtype", "float64",
                            "--targets", "q_proj"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.leftovers import REPO, clean_env
 CPU_ZERO3 = REPO / "ds_configs" / "zero3_cpu_fp32.json"
 CPU_ZERO2 = REPO / "ds_configs" / "zero2_cpu_fp32.json"
 
@@ -47,16 +47,8 @@ class TrainEnv:
 
 
 def env_vars() -> dict[str, str]:
-    return dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        DS_ACCELERATOR="cpu",
-        CUDA_VISIBLE_DEVICES="",
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=str(REPO),
-        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")),
-    )
+    """The environment of a CPU training subprocess: no launcher variables (``tests.leftovers.clean_env``)."""
+    return clean_env()
 
 
 def build_env(root: Path, seed: int = 0, layers: int = 2) -> TrainEnv:
