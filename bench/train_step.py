@@ -65,12 +65,25 @@ def make_model(out: str, layers: int, hidden: int = 4096, inter: int = 11008, he
 # -- one configuration ---------------------------------------------------------------------------------
 
 
-def _ds_config(path: str, batch: int, world: int) -> dict | None:
+def _ds_config(path: str, batch: int, world: int, sets: list[str] = ()) -> dict | None:
+    """The DeepSpeed JSON with the batch keys filled in and each ``--ds-set KEY=VALUE`` applied (``KEY`` a
+    ``zero_optimization`` key, or a dotted path from the top, e.g. ``compile.deepcompile=true``; ``VALUE`` JSON)."""
     if path == "plain":
+        if sets:
+            raise SystemExit("error: --ds-set needs a DeepSpeed config, not plain")
         return None
     cfg = json.loads(Path(path).read_text())
     cfg.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=1, train_batch_size=batch * world,
                gradient_clipping=1.0)
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"error: --ds-set {item!r}: expected KEY=VALUE")
+        path_keys = key.split(".") if "." in key else ["zero_optimization", key]
+        node = cfg
+        for k in path_keys[:-1]:
+            node = node.setdefault(k, {})
+        node[path_keys[-1]] = json.loads(value)
     return cfg
 
 
@@ -88,7 +101,7 @@ def build_frod(args, ds_cfg: dict | None, rank: int):
     store = FactorStore.open(args.factors)
     supports = make_supports(store, TARGETS, args.sparsity, 0)
     model = build_frod_model(args.model, store, supports, torch.bfloat16, ds_cfg, rank=rank, quant=args.frozen_quant,
-                             quantize_base=args.quantize_base)
+                             quantize_base=args.quantize_base, replicate_v=not args.v_partitioned)
     for _, m in frod_modules(model):
         m.save, m.dgrad, m.impl = args.frod_save, args.frod_dgrad, args.frod_impl
     if args.gc:
@@ -174,7 +187,7 @@ def _numel(p) -> int:
 class Stepper:
     """forward + backward + optimizer step, the DeepSpeed engine's or plain PyTorch's."""
 
-    def __init__(self, model, groups, ds_cfg: dict | None, device: torch.device):
+    def __init__(self, model, groups, ds_cfg: dict | None, device: torch.device, compile_engine: bool = False):
         fused = device.type == "cuda"
         opt = torch.optim.AdamW(groups, lr=1e-4, fused=fused or None)
         self.params = [p for g in groups for p in g["params"]]
@@ -186,6 +199,8 @@ class Stepper:
 
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
             self.engine.train()  # from_pretrained leaves the base in eval mode, where no layer checkpoints
+            if compile_engine:
+                self.engine.compile()  # DeepCompile when the config has "compile": {"deepcompile": true}
             self.model = self.engine.module
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -243,6 +258,35 @@ def time_steps(step, batches, device: torch.device, warmup: int, steps: int, rep
     return {"windows": windows, "losses": losses, "mem_after_warmup": mem_warm, "mem_timed": _mem(device)}
 
 
+def profile_steps(step, batches, device: torch.device, steps: int = 3, top: int = 25) -> dict:
+    """``steps`` more steps under ``torch.profiler``: wall time per step, the device's busy time per step (the sum
+    of its kernels' time: far below the wall time means the GPU waits on the host, i.e. Python/hook overhead),
+    and the ops with the most host time and the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step(next(batches))
+        _sync(device)
+    wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+
+    def dev(e) -> float:
+        return float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0) or 0.0)
+
+    busy = sum(dev(e) for e in events) / 1e6 / steps
+    rows = [{"op": e.key, "calls_per_step": e.count / steps, "host_total_ms": e.cpu_time_total / 1e3 / steps,
+             "host_self_ms": e.self_cpu_time_total / 1e3 / steps, "device_self_ms": dev(e) / 1e3 / steps}
+            for e in events]
+    by_host = sorted(rows, key=lambda r: -r["host_self_ms"])[:top]
+    by_device = sorted(rows, key=lambda r: -r["device_self_ms"])[:top]
+    return {"steps": steps, "wall_s_per_step": wall, "device_busy_s_per_step": busy if device.type == "cuda" else None,
+            "top_host_self": by_host, "top_device_self": by_device}
+
+
 def _batches(batch: int, seq: int, vocab: int, rank: int, device: torch.device):
     g = torch.Generator(device="cpu").manual_seed(1234 + rank)
     while True:
@@ -279,12 +323,16 @@ def run(args) -> None:
     device = dist.local_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    ds_cfg = _ds_config(args.config, args.batch, world)
+    ds_cfg = _ds_config(args.config, args.batch, world, args.ds_set)
 
     t0 = time.perf_counter()
     model, groups = build_frod(args, ds_cfg, rank) if args.method == "frod" else build_lora(args, ds_cfg, device)
     model.config.use_cache = False
-    step = Stepper(model, groups, ds_cfg, device)
+    if args.leaf_modules:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")][:1])
+    step = Stepper(model, groups, ds_cfg, device, compile_engine=args.compile)
     build_s = time.perf_counter() - t0
     mem_built = _mem(device)
     cfg = step.model.config.to_dict()
@@ -295,6 +343,9 @@ def run(args) -> None:
     passes = LayerPasses(step.model)  # checked after the warm-up steps, before any timed one
     timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
                         args.warmup, args.steps, args.repeats, after_warmup=lambda: passes.check(args.warmup, args.gc))
+    prof = None
+    if args.profile:
+        prof = profile_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank + 7, device), device)
     tokens_per_step = args.batch * args.seq
     stats = summarize(timing["windows"], tokens_per_step)
     fl = flops_per_token(cfg, args.seq, args.method, tokens_per_step, targets=TARGETS, lora_r=LORA_R,
@@ -326,6 +377,9 @@ def run(args) -> None:
             "peak_allocated_gib": max(m["timed"].get("peak_allocated_gib", 0.0) for m in mems) or None,
             "peak_reserved_gib": max(m["timed"].get("peak_reserved_gib", 0.0) for m in mems) or None,
             "build_s": build_s, "losses": timing["losses"], "layer_passes_per_step": passes.per_step,
+            "levers": {"ds_set": list(args.ds_set), "v_partitioned": args.v_partitioned,
+                       "leaf_modules": args.leaf_modules, "compile": args.compile},
+            "profile": prof,
         }
         path = write_result(args.name or config_name(args, engine, world), payload, args.out)
         print(f"{path}: step {stats['step_s_median'] * 1e3:.1f} ms, {stats['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
@@ -369,6 +423,18 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--stock-bnb", action="store_true",
                    help="LoRA under ZeRO-3 with NF4: keep bitsandbytes' own Linear4bit forward, which holds every "
                         "gathered NF4 weight until the backward (bench/bnb_zero3.py; for comparison)")
+    r.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one DeepSpeed setting (a zero_optimization key, or a dotted path from the top; the "
+                        "value is JSON), e.g. stage3_param_persistence_threshold=2000000; repeatable")
+    r.add_argument("--v-partitioned", action="store_true",
+                   help="FRoD under ZeRO-3: leave each shared V partitioned like the other frozen weights (the build "
+                        "holds it replicated by default)")
+    r.add_argument("--leaf-modules", action="store_true",
+                   help="deepspeed.utils.set_z3_leaf_modules on the decoder layer class (one fetch per layer)")
+    r.add_argument("--compile", action="store_true", help="engine.compile() after deepspeed.initialize (DeepCompile "
+                   "with --ds-set compile.deepcompile=true)")
+    r.add_argument("--profile", action="store_true", help="after the timed windows, 3 steps under torch.profiler: "
+                   "device busy time per step and the top ops (in the result JSON)")
     r.add_argument("--name", default=None, help="result file name (default from method, engine, GPUs)")
     r.add_argument("--out", default=None, help="results dir (default $OUT or bench/results)")
 

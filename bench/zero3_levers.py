@@ -1,0 +1,279 @@
+"""What each ZeRO-3 setting buys FRoD on one GPU, each beside its own baseline in one call, and the headline ratios
+(the shipped ``zero3.json`` over ``zero2.json``, ``zero2.json`` over plain PyTorch) measured side by side.
+
+    python bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main      # GPU machine, ~6 min
+    python bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set levers    # ~8 min
+    DS_ACCELERATOR=cpu python bench/zero3_levers.py --tiny --work /tmp/fb --out /tmp/fb/lv --set main,levers
+    python bench/zero3_levers.py --report bench/results/zero3_levers              # report + plot from the JSONs
+
+Every configuration is one ``bench/train_step.py run`` process on the full-depth 7B shape (random bf16 weights,
+4×512 tokens, no checkpointing; ``bench/train_matrix.py``'s checkpoint and factor store in ``--work``). A call
+writes ``zero3_levers_<device>_<stamp>.json`` (each configuration's result, command, device, date, versions);
+``--report DIR`` reads every such JSON in DIR and writes ``zero3_levers.md`` and ``zero3_levers.png``: per call,
+the ratios of the main set and each lever's step time beside its baseline.
+
+Levers (``LEVERS``): each is ``BEFORE`` — the ``zero3.json`` this project shipped before V was replicated — plus one
+change. ``--set main`` runs FRoD and LoRA r=16 under plain PyTorch, ``zero2.json`` and the shipped ``zero3.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.train_matrix import TINY_MODEL, TINY_RUN, _run, _tail, prepare  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ZERO2, ZERO3 = "ds_configs/zero2.json", "ds_configs/zero3.json"
+# The zero_optimization keys of the zero3.json shipped before this benchmark's changes (and V partitioned).
+BEFORE_KEYS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+               "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000}
+BEFORE = [f"--ds-set={k}={v}" for k, v in BEFORE_KEYS.items()]
+# name -> (what it changes, the arguments added to BEFORE's, methods it applies to)
+LEVERS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
+    "persist-2e6": ("stage3_param_persistence_threshold 2e6: every S_i (3.4e5 elements at 7B, 1.3e6 at 70B) resident",
+                    ["--ds-set=stage3_param_persistence_threshold=2000000"], ("frod", "lora")),
+    "v-replicated": ("each category's shared V a persistent parameter (gathered once, never released)",
+                     ["--v-replicated"], ("frod",)),
+    "prefetch-2.5e8": ("stage3_prefetch_bucket_size 2.5e8: at least one 7B decoder layer's frozen elements (2.0e8)",
+                       ["--ds-set=stage3_prefetch_bucket_size=250000000"], ("frod", "lora")),
+    "reuse-2e9": ("stage3_max_reuse_distance and stage3_max_live_parameters 2e9: above one 70B layer (0.86e9)",
+                  ["--ds-set=stage3_max_reuse_distance=2000000000", "--ds-set=stage3_max_live_parameters=2000000000"],
+                  ("frod", "lora")),
+    "granularity-2e7": ("stage3_module_granularity_threshold 2e7 (modules below it fetched as one leaf)",
+                        ["--ds-set=stage3_module_granularity_threshold=20000000"], ("frod", "lora")),
+    "leaf-layers": ("set_z3_leaf_modules(model, [LlamaDecoderLayer]): one fetch and release per decoder layer",
+                    ["--leaf-modules"], ("frod", "lora")),
+}
+SETS = {
+    "main": [("frod", "plain", []), ("frod", ZERO2, []), ("frod", ZERO3, []),
+             ("lora", "plain", []), ("lora", ZERO2, []), ("lora", ZERO3, [])],
+    "levers": [("frod", ZERO3, ["before"])] + [("frod", ZERO3, [lever]) for lever in LEVERS]
+    + [("lora", ZERO3, ["before"])] + [("lora", ZERO3, [lv]) for lv, (_, _, m) in LEVERS.items() if "lora" in m],
+}
+
+
+def run_args(method: str, tags: list[str]) -> list[str]:
+    """The ``train_step.py run`` arguments of a configuration's tags ([] shipped, ["before"], or [lever])."""
+    if not tags:
+        return []
+    args = list(BEFORE)
+    v_replicated = False
+    for tag in tags:
+        if tag == "before":
+            continue
+        extra = LEVERS[tag][1]
+        v_replicated |= "--v-replicated" in extra
+        args += [a for a in extra if a != "--v-replicated"]
+    if method == "frod" and not v_replicated:
+        args.append("--v-partitioned")
+    return args
+
+
+def name_of(method: str, config: str, tags: list[str]) -> str:
+    engine = "plain" if config == "plain" else Path(config).stem
+    return "_".join([method, engine, *tags]).replace(".", "p")
+
+
+def measure(args, out: Path, model: Path, factors: Path, method: str, config: str, tags: list[str],
+            timeout: float) -> dict:
+    name = name_of(method, config, tags)
+    cmd = [sys.executable, "bench/train_step.py", "run", "--method", method, "--config", config, "--model", str(model),
+           "--out", str(out / "configs"), "--name", name, *run_args(method, tags)]
+    cmd += ["--factors", str(factors)] if method == "frod" else []
+    cmd += TINY_RUN if args.tiny else ["--steps", str(args.steps), "--repeats", str(args.repeats), "--warmup", "3"]
+    cmd += ["--profile"] if args.profile and config != "plain" else []
+    log = out / "logs" / f"{name}.log"
+    rc, wall = _run(cmd, log, timeout)
+    res = out / "configs" / f"{name}.json"
+    record = {"name": name, "method": method, "config": config, "tags": tags, "argv": cmd[1:], "wall_s": wall}
+    if rc == 0 and res.is_file():
+        d = json.loads(res.read_text())
+        record.update(status="ok", result=d)
+        print(f"  {name}: {d['step_s_median'] * 1e3:.0f} ms ({wall:.0f} s)", flush=True)
+    else:
+        record.update(status="timeout" if rc == 124 else f"failed (exit {rc})", log_tail=_tail(log, 25))
+        print(f"  {name}: {record['status']} ({wall:.0f} s), log {log}", flush=True)
+    return record
+
+
+def write_call(out: Path, doc: dict) -> Path:
+    path = out / f"zero3_levers_{doc['slug']}_{doc['started'].replace(':', '').replace('-', '')[:15]}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# -- report -------------------------------------------------------------------------------------------------------
+
+
+def _ms(rec: dict | None) -> float | None:
+    return rec["result"]["step_s_median"] * 1e3 if rec and rec.get("status") == "ok" else None
+
+
+def _window_ms(rec: dict) -> str:
+    return ", ".join(f"{w * 1e3:.0f}" for w in rec["result"]["window_medians_s"])
+
+
+def call_report(doc: dict) -> tuple[list[str], dict]:
+    """Markdown lines and the ratios of one call."""
+    by = {r["name"]: r for r in doc["runs"]}
+    lines = [f"### Call of {doc['started']} — {doc['device']} (`{doc['command']}`)", ""]
+    ratios: dict = {}
+    main = [r for r in doc["runs"] if not r["tags"]]
+    if main:
+        lines += ["| method | engine | step ms (window medians) | tok/s | MFU | peak GiB | device busy / step |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in main:
+            if r["status"] != "ok":
+                lines.append(f"| {r['method']} | {Path(r['config']).stem} | {r['status']} | | | | |")
+                continue
+            d = r["result"]
+            mfu = f"{d['mfu'] * 100:.1f}%" if d.get("mfu") else "n/a"
+            prof = d.get("profile") or {}
+            busy = (f"{prof['device_busy_s_per_step'] / prof['wall_s_per_step'] * 100:.0f}%"
+                    if prof.get("device_busy_s_per_step") else "–")
+            peak = f"{d['peak_allocated_gib']:.1f}" if d.get("peak_allocated_gib") else "n/a"
+            lines.append(f"| {'FRoD' if r['method'] == 'frod' else 'LoRA r=16'} | {Path(r['config']).stem} "
+                         f"| {_ms(r):.0f} ({_window_ms(r)}) | {d['tokens_per_s_per_gpu']:,.0f} | {mfu} | {peak} | {busy} |")
+        for method in ("frod", "lora"):
+            p, z2, z3 = (_ms(by.get(name_of(method, c, []))) for c in ("plain", ZERO2, ZERO3))
+            ratios[method] = {"zero3_over_zero2": z3 / z2 if z3 and z2 else None,
+                              "zero2_over_plain": z2 / p if z2 and p else None}
+        loras = [m for m in (_ms(by.get(name_of("lora", c, []))) for c in ("plain", ZERO2, ZERO3)) if m]
+        if loras:
+            ratios["frod_zero3_over_lora_best"] = (_ms(by.get(name_of("frod", ZERO3, []))) or float("nan")) / min(loras)
+        f = ratios.get("frod", {})
+        lines += ["", f"FRoD: `zero3.json` ÷ `zero2.json` = **{_fmt(f.get('zero3_over_zero2'))}** (goal ≤ 1.25×); "
+                      f"`zero2.json` ÷ plain = **{_fmt(f.get('zero2_over_plain'))}** (goal ≤ 1.15×). LoRA r=16: "
+                      f"{_fmt(ratios.get('lora', {}).get('zero3_over_zero2'))} and "
+                      f"{_fmt(ratios.get('lora', {}).get('zero2_over_plain'))}. FRoD `zero3.json` ÷ LoRA's fastest "
+                      f"configuration in this call: {_fmt(ratios.get('frod_zero3_over_lora_best'))}.", ""]
+    levers = [r for r in doc["runs"] if r["tags"] and r["tags"] != ["before"]]
+    if levers:
+        lines += ["| method | lever | what it changes | baseline ms | with lever ms | change |", "|---|---|---|---|---|---|"]
+        for r in levers:
+            base = by.get(name_of(r["method"], r["config"], ["before"]))
+            b, w = _ms(base), _ms(r)
+            change = f"{(w / b - 1) * 100:+.1f}%" if b and w else (r["status"] if not w else "–")
+            lines.append(f"| {'FRoD' if r['method'] == 'frod' else 'LoRA r=16'} | {r['tags'][0]} "
+                         f"| {LEVERS[r['tags'][0]][0]} | {_fmt(b, 'ms')} | {_fmt(w, 'ms')} | {change} |")
+            if not w:
+                lines.append(f"|  |  | failure: `{(r.get('log_tail') or '').splitlines()[-1:] or ['?']}` | | | |")
+        lines.append("")
+    return lines, ratios
+
+
+def _fmt(x: float | None, unit: str = "×") -> str:
+    if x is None or x != x:
+        return "–"
+    return f"{x:.0f}" if unit == "ms" else f"{x:.2f}×"
+
+
+def report(directory: Path) -> Path:
+    docs = [json.loads(p.read_text()) for p in sorted(directory.glob("zero3_levers_*.json"))]
+    if not docs:
+        raise SystemExit(f"error: no zero3_levers_*.json in {directory}")
+    lines = ["# ZeRO-3 levers for FRoD on one GPU", "",
+             f"Generated by `python bench/zero3_levers.py --report {directory.as_posix()}` from the JSON files beside "
+             "this report; do not edit by hand. Full-depth LLaMA-2-7B shape (random bf16 weights), FRoD s=0.02 and "
+             "PEFT LoRA r=16 on q/k/v/o/gate/up, 4×512 tokens, bf16, no checkpointing; median step of 2 windows. "
+             "Levers: the previously shipped `zero3.json` (V partitioned) plus one change, beside that baseline in "
+             "the same call.", ""]
+    summary = []
+    for doc in docs:
+        md, ratios = call_report(doc)
+        lines += md
+        summary.append({"started": doc["started"], "device": doc["device"], **ratios})
+    (directory / "zero3_levers.md").write_text("\n".join(lines) + "\n")
+    _plot(docs, directory / "zero3_levers.png")
+    return directory / "zero3_levers.md"
+
+
+def _plot(docs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(f"{doc['started'][11:16]} {r['name']}", _ms(r)) for doc in docs for r in doc["runs"] if _ms(r)]
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(runs) + 1.2))
+    ax.barh([n for n, _ in runs][::-1], [m for _, m in runs][::-1],
+            color=["tab:blue" if " frod" in n else "tab:gray" for n, _ in runs][::-1])
+    ax.set_xlabel("step time, ms (median)")
+    ax.set_title("FRoD (blue) and LoRA r=16 (gray) on one GPU, per call")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="results dir (e.g. $OUT on the GPU machine)")
+    ap.add_argument("--work", default="/tmp/frodbench", help="dir for the checkpoint and the factor store")
+    ap.add_argument("--tiny", action="store_true", help="tiny model, few steps: the CPU rehearsal")
+    ap.add_argument("--set", default="main", help=f"comma list of {', '.join(SETS)}")
+    ap.add_argument("--only", default="", help="comma list of configuration names to run, in this order (name_of)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per window")
+    ap.add_argument("--repeats", type=int, default=2, help="timed windows")
+    ap.add_argument("--profile", action="store_true", help="profile 3 steps of each DeepSpeed configuration")
+    ap.add_argument("--budget-s", type=float, default=500, help="start no configuration after this many seconds")
+    ap.add_argument("--deadline-s", type=float, default=570, help="kill the running configuration at this second")
+    ap.add_argument("--report", default=None, metavar="DIR", help="only write the report from DIR's JSONs")
+    args = ap.parse_args()
+    if args.report:
+        print(report(Path(args.report)).read_text())
+        return
+    if not args.out:
+        ap.error("--out is required")
+    unknown = [s for s in args.set.split(",") if s not in SETS]
+    if unknown:
+        ap.error(f"--set {unknown[0]!r} is not one of {', '.join(SETS)}")
+    t0 = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    stages: dict = {}
+    model, factors = prepare(argparse.Namespace(work=args.work, tiny=args.tiny), out, stages)
+    plan = [c for s in args.set.split(",") for c in SETS[s]]
+    only = [x for x in args.only.split(",") if x]
+    if only:  # in the order given
+        known = {name_of(*c): c for c in plan}
+        missing = [x for x in only if x not in known]
+        if missing:
+            ap.error(f"--only {missing[0]!r} is not a configuration of --set {args.set} ({', '.join(known)})")
+        plan = [known[x] for x in only]
+    doc = {"benchmark": "zero3_levers", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+           "started": started, "device": None, "slug": "cpu", "versions": None, "stages": stages,
+           "before_keys": BEFORE_KEYS, "shipped_zero3": json.loads((REPO / ZERO3).read_text()),
+           "levers": {k: {"what": v[0], "args": v[1]} for k, v in LEVERS.items()}, "runs": []}
+    for method, config, tags in plan:
+        if time.perf_counter() - t0 > args.budget_s:
+            doc["runs"].append({"name": name_of(method, config, tags), "method": method, "config": config,
+                                "tags": tags, "status": "skipped: time budget"})
+            continue
+        left = args.deadline_s - (time.perf_counter() - t0)
+        rec = measure(args, out, model, factors, method, config, tags, left)
+        doc["runs"].append(rec)
+        if rec["status"] == "ok" and doc["device"] is None:
+            doc["device"], doc["versions"] = rec["result"]["device"], rec["result"]["versions"]
+            doc["slug"] = next((k.lower() for k in ("H200", "H100") if k in doc["device"]), "cpu")
+        doc["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        path = write_call(out, doc)
+    stages["total_s"] = time.perf_counter() - t0
+    path = write_call(out, doc)
+    print(f"{path} ({stages['total_s']:.0f} s)")
+    print("\n".join(call_report(doc)[0]))
+
+
+if __name__ == "__main__":
+    main()
