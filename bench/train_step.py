@@ -328,10 +328,10 @@ def run(args) -> None:
     t0 = time.perf_counter()
     model, groups = build_frod(args, ds_cfg, rank) if args.method == "frod" else build_lora(args, ds_cfg, device)
     model.config.use_cache = False
-    if args.leaf_modules:
-        from deepspeed.utils import set_z3_leaf_modules
+    if _zero3(ds_cfg) and (args.leaf_modules if args.method == "lora" else not args.per_module_fetch):
+        from frod_ds.build import fetch_per_layer
 
-        set_z3_leaf_modules(model, [type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")][:1])
+        fetch_per_layer(model)  # FRoD: the trainer's default under ZeRO-3; LoRA: with --leaf-modules
     step = Stepper(model, groups, ds_cfg, device, compile_engine=args.compile)
     build_s = time.perf_counter() - t0
     mem_built = _mem(device)
@@ -378,7 +378,8 @@ def run(args) -> None:
             "peak_reserved_gib": max(m["timed"].get("peak_reserved_gib", 0.0) for m in mems) or None,
             "build_s": build_s, "losses": timing["losses"], "layer_passes_per_step": passes.per_step,
             "levers": {"ds_set": list(args.ds_set), "v_partitioned": args.v_partitioned,
-                       "leaf_modules": args.leaf_modules, "compile": args.compile},
+                       "leaf_modules": args.leaf_modules, "per_module_fetch": args.per_module_fetch,
+                       "compile": args.compile},
             "profile": prof,
         }
         path = write_result(args.name or config_name(args, engine, world), payload, args.out)
@@ -430,7 +431,10 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                    help="FRoD under ZeRO-3: leave each shared V partitioned like the other frozen weights (the build "
                         "holds it replicated by default)")
     r.add_argument("--leaf-modules", action="store_true",
-                   help="deepspeed.utils.set_z3_leaf_modules on the decoder layer class (one fetch per layer)")
+                   help="LoRA under ZeRO-3: each decoder layer one fetch unit (frod_ds.build.fetch_per_layer, what the "
+                        "trainer does for FRoD)")
+    r.add_argument("--per-module-fetch", action="store_true",
+                   help="FRoD under ZeRO-3: leave DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)")
     r.add_argument("--compile", action="store_true", help="engine.compile() after deepspeed.initialize (DeepCompile "
                    "with --ds-set compile.deepcompile=true)")
     r.add_argument("--profile", action="store_true", help="after the timed windows, 3 steps under torch.profiler: "

@@ -31,7 +31,8 @@ from bench.train_matrix import TINY_MODEL, TINY_RUN, _run, _tail, prepare  # noq
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO2, ZERO3 = "ds_configs/zero2.json", "ds_configs/zero3.json"
-# The zero_optimization keys of the zero3.json shipped before this benchmark's changes (and V partitioned).
+# The zero_optimization keys of the zero3.json shipped before this benchmark's changes (with V partitioned and
+# DeepSpeed's per-submodule fetch, as the build and trainer did then).
 BEFORE_KEYS = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
                "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000}
 BEFORE = [f"--ds-set={k}={v}" for k, v in BEFORE_KEYS.items()]
@@ -48,8 +49,8 @@ LEVERS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
                   ("frod", "lora")),
     "granularity-2e7": ("stage3_module_granularity_threshold 2e7 (modules below it fetched as one leaf)",
                         ["--ds-set=stage3_module_granularity_threshold=20000000"], ("frod", "lora")),
-    "leaf-layers": ("set_z3_leaf_modules(model, [LlamaDecoderLayer]): one fetch and release per decoder layer",
-                    ["--leaf-modules"], ("frod", "lora")),
+    "leaf-layers": ("each decoder layer one ZeRO-3 fetch unit (set_z3_leaf_modules + the first layer's input "
+                    "requiring a gradient: frod_ds.build.fetch_per_layer)", ["--leaf-modules"], ("frod", "lora")),
 }
 SETS = {
     "main": [("frod", "plain", []), ("frod", ZERO2, []), ("frod", ZERO3, []),
@@ -73,7 +74,9 @@ def run_args(method: str, tags: list[str]) -> list[str]:
         args += [a for a in extra if a != "--v-replicated"]
     if method == "frod" and not v_replicated:
         args.append("--v-partitioned")
-    return args
+    if method == "frod" and "--leaf-modules" not in args:
+        args.append("--per-module-fetch")
+    return [a for a in args if not (method == "frod" and a == "--leaf-modules")]
 
 
 def name_of(method: str, config: str, tags: list[str]) -> str:

@@ -39,7 +39,7 @@ from frod_ds import distributed as dist
 from frod_ds.adapter import adapter_state, load_adapter_into, read_adapter, supports_from_adapter, write_adapter
 from frod_ds.adapter_format import AdapterConfig
 from frod_ds.apply import frod_modules, frod_param_groups
-from frod_ds.build import build_frod_model, check_store_quant, gathered, make_supports
+from frod_ds.build import build_frod_model, check_store_quant, fetch_per_layer, gathered, make_supports
 from frod_ds.checkpoint_dir import choose_checkpoint
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
 from frod_ds.ds_config import (NvmeParams, check_aio_build_env, check_nvme_buffer, check_nvme_buffer_count,
@@ -270,6 +270,8 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         load_adapter_into(model, init[0], zero3)
     if recipe.model.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if zero3:
+        fetch_per_layer(model)  # after checkpointing, which turns the first layer's input gradient off
     optimizer = _optimizer(model, recipe, ds_cfg)
     warmup = int(round(recipe.train.warmup_ratio * total))
     fn = lr_lambda(recipe.train.schedule, warmup, total)
