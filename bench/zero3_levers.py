@@ -12,6 +12,7 @@ writes ``zero3_levers_<device>_<stamp>.json`` (each configuration's result, comm
 ``--report DIR`` reads every such JSON in DIR and writes ``zero3_levers.md`` and ``zero3_levers.png``: per call,
 the ratios of the main set and each lever's step time beside its baseline.
 
+Ablations (``ABLATIONS``, ``--set ablations``): the shipped configuration with one of its changes undone.
 Levers (``LEVERS``): each is ``BEFORE`` — the ``zero3.json`` this project shipped before V was replicated — plus one
 change. ``--set main`` runs FRoD and LoRA r=16 under plain PyTorch, ``zero2.json`` and the shipped ``zero3.json``.
 """
@@ -52,11 +53,21 @@ LEVERS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     "leaf-layers": ("each decoder layer one ZeRO-3 fetch unit (set_z3_leaf_modules + the first layer's input "
                     "requiring a gradient: frod_ds.build.fetch_per_layer)", ["--leaf-modules"], ("frod", "lora")),
 }
+# name -> (what it reverts, the arguments added to the shipped configuration's): the shipped zero3.json and build
+# with one of their changes undone, beside the shipped configuration in the same call.
+ABLATIONS: dict[str, tuple[str, list[str]]] = {
+    "no-persist": ("stage3_param_persistence_threshold back to 1e5 (S_i gathered and released like frozen weights)",
+                   ["--ds-set=stage3_param_persistence_threshold=100000"]),
+    "no-prefetch": ("stage3_prefetch_bucket_size back to 5e7", ["--ds-set=stage3_prefetch_bucket_size=50000000"]),
+    "v-partitioned": ("V partitioned like the other frozen weights (no replicate_shared_v)", ["--v-partitioned"]),
+    "per-module-fetch": ("DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)", ["--per-module-fetch"]),
+}
 SETS = {
     "main": [("frod", "plain", []), ("frod", ZERO2, []), ("frod", ZERO3, []),
              ("lora", "plain", []), ("lora", ZERO2, []), ("lora", ZERO3, [])],
     "levers": [("frod", ZERO3, ["before"])] + [("frod", ZERO3, [lever]) for lever in LEVERS]
     + [("lora", ZERO3, ["before"])] + [("lora", ZERO3, [lv]) for lv, (_, _, m) in LEVERS.items() if "lora" in m],
+    "ablations": [("frod", ZERO3, [])] + [("frod", ZERO3, [a]) for a in ABLATIONS],
 }
 
 
@@ -64,6 +75,8 @@ def run_args(method: str, tags: list[str]) -> list[str]:
     """The ``train_step.py run`` arguments of a configuration's tags ([] shipped, ["before"], or [lever])."""
     if not tags:
         return []
+    if tags[0] in ABLATIONS:
+        return list(ABLATIONS[tags[0]][1])
     args = list(BEFORE)
     v_replicated = False
     for tag in tags:
@@ -159,7 +172,18 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
                       f"{_fmt(ratios.get('lora', {}).get('zero3_over_zero2'))} and "
                       f"{_fmt(ratios.get('lora', {}).get('zero2_over_plain'))}. FRoD `zero3.json` ÷ LoRA's fastest "
                       f"configuration in this call: {_fmt(ratios.get('frod_zero3_over_lora_best'))}.", ""]
-    levers = [r for r in doc["runs"] if r["tags"] and r["tags"] != ["before"]]
+    ablations = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in ABLATIONS]
+    if ablations:
+        shipped = by.get(name_of("frod", ZERO3, []))
+        lines += ["| method | shipped zero3 without | what is undone | shipped ms | undone ms | change |",
+                  "|---|---|---|---|---|---|"]
+        for r in ablations:
+            b, w = _ms(shipped), _ms(r)
+            change = f"{(w / b - 1) * 100:+.1f}%" if b and w else r["status"]
+            lines.append(f"| FRoD | {r['tags'][0]} | {ABLATIONS[r['tags'][0]][0]} | {_fmt(b, 'ms')} | {_fmt(w, 'ms')} "
+                         f"| {change} |")
+        lines.append("")
+    levers = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in LEVERS]
     if levers:
         lines += ["| method | lever | what it changes | baseline ms | with lever ms | change |", "|---|---|---|---|---|---|"]
         for r in levers:
@@ -258,7 +282,8 @@ def main() -> None:
     doc = {"benchmark": "zero3_levers", "command": " ".join([Path(sys.executable).name, *sys.argv]),
            "started": started, "device": None, "slug": "cpu", "versions": None, "stages": stages,
            "before_keys": BEFORE_KEYS, "shipped_zero3": json.loads((REPO / ZERO3).read_text()),
-           "levers": {k: {"what": v[0], "args": v[1]} for k, v in LEVERS.items()}, "runs": []}
+           "levers": {k: {"what": v[0], "args": v[1]} for k, v in LEVERS.items()},
+           "ablations": {k: {"what": v[0], "args": v[1]} for k, v in ABLATIONS.items()}, "runs": []}
     for method, config, tags in plan:
         if time.perf_counter() - t0 > args.budget_s:
             doc["runs"].append({"name": name_of(method, config, tags), "method": method, "config": config,
