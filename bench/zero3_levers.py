@@ -62,12 +62,21 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "v-partitioned": ("V partitioned like the other frozen weights (no replicate_shared_v)", ["--v-partitioned"]),
     "per-module-fetch": ("DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)", ["--per-module-fetch"]),
 }
+# name -> (what it changes, the arguments added to the shipped zero2.json's): ZeRO-2 settings that leave the
+# numerics alone, each beside the shipped zero2.json in the same call.
+ZERO2_LEVERS: dict[str, tuple[str, list[str]]] = {
+    "no-overlap": ("overlap_comm false (one GPU has nothing to overlap; no side stream and its synchronisation)",
+                   ["--ds-set=overlap_comm=false"]),
+    "bucket-5e8": ("reduce_bucket_size and allgather_bucket_size 5e8 (one bucket for all of S and σ at 7B)",
+                   ["--ds-set=reduce_bucket_size=500000000", "--ds-set=allgather_bucket_size=500000000"]),
+}
 SETS = {
     "main": [("frod", "plain", []), ("frod", ZERO2, []), ("frod", ZERO3, []),
              ("lora", "plain", []), ("lora", ZERO2, []), ("lora", ZERO3, [])],
     "levers": [("frod", ZERO3, ["before"])] + [("frod", ZERO3, [lever]) for lever in LEVERS]
     + [("lora", ZERO3, ["before"])] + [("lora", ZERO3, [lv]) for lv, (_, _, m) in LEVERS.items() if "lora" in m],
     "ablations": [("frod", ZERO3, [])] + [("frod", ZERO3, [a]) for a in ABLATIONS],
+    "zero2": [("frod", ZERO2, [])] + [("frod", ZERO2, [z]) for z in ZERO2_LEVERS],
 }
 
 
@@ -77,6 +86,8 @@ def run_args(method: str, tags: list[str]) -> list[str]:
         return []
     if tags[0] in ABLATIONS:
         return list(ABLATIONS[tags[0]][1])
+    if tags[0] in ZERO2_LEVERS:
+        return list(ZERO2_LEVERS[tags[0]][1])
     args = list(BEFORE)
     v_replicated = False
     for tag in tags:
@@ -149,7 +160,8 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
                   "|---|---|---|---|---|---|---|"]
         for r in main:
             if r["status"] != "ok":
-                lines.append(f"| {r['method']} | {Path(r['config']).stem} | {r['status']} | | | | |")
+                lines.append(f"| {'FRoD' if r['method'] == 'frod' else 'LoRA r=16'} | {Path(r['config']).stem} "
+                             f"| {r['status']} | | | | |")
                 continue
             d = r["result"]
             mfu = f"{d['mfu'] * 100:.1f}%" if d.get("mfu") else "n/a"
@@ -183,6 +195,17 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
             lines.append(f"| FRoD | {r['tags'][0]} | {ABLATIONS[r['tags'][0]][0]} | {_fmt(b, 'ms')} | {_fmt(w, 'ms')} "
                          f"| {change} |")
         lines.append("")
+    zero2 = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in ZERO2_LEVERS]
+    if zero2:
+        shipped = by.get(name_of("frod", ZERO2, []))
+        lines += ["| method | zero2.json plus | what it changes | shipped ms | with it ms | change |",
+                  "|---|---|---|---|---|---|"]
+        for r in zero2:
+            b, w = _ms(shipped), _ms(r)
+            change = f"{(w / b - 1) * 100:+.1f}%" if b and w else r["status"]
+            lines.append(f"| FRoD | {r['tags'][0]} | {ZERO2_LEVERS[r['tags'][0]][0]} | {_fmt(b, 'ms')} | {_fmt(w, 'ms')} "
+                         f"| {change} |")
+        lines.append("")
     levers = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in LEVERS]
     if levers:
         lines += ["| method | lever | what it changes | baseline ms | with lever ms | change |", "|---|---|---|---|---|---|"]
@@ -196,6 +219,32 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
                 lines.append(f"|  |  | failure: `{(r.get('log_tail') or '').splitlines()[-1:] or ['?']}` | | | |")
         lines.append("")
     return lines, ratios
+
+
+def seventy_b_report(directory: Path) -> list[str]:
+    """The 70B-widths step runs of one call (``bench/seventy_b.py step --gpus 1 --quant none --config C``), if any."""
+    runs = {Path(d["config"]).stem: d for d in (json.loads(p.read_text())
+                                                 for p in sorted(directory.glob("seventy_b_step_frod_1gpu*.json")))}
+    if not runs:
+        return []
+    first = next(iter(runs.values()))
+    m = first["model"]
+    lines = [f"## 70B widths on one GPU ({first['device']}, {first['date'][:10]})", "",
+             f"{m['num_hidden_layers']} layers of LLaMA-2-70B's widths ({m['hidden_size']} / {m['intermediate_size']}, "
+             f"{m['num_key_value_heads']} KV heads), bf16 U_i, gradient checkpointing, {first['micro_batch']}×"
+             f"{first['seq_len']} tokens, one call (`{first['command']}` and its siblings). MFU from the model's FLOPs "
+             "without recomputation (`bench/flops.py`).", "",
+             "| config | step ms (window medians) | tok/s | MFU | peak GiB |", "|---|---|---|---|---|"]
+    for name in ("plain", "zero2", "zero3"):
+        d = runs.get(name)
+        if d:
+            lines.append(f"| {name} | {d['step_s_median'] * 1e3:.0f} ({', '.join(f'{w * 1e3:.0f}' for w in d['window_medians_s'])}) "
+                         f"| {d['tokens_per_s_per_gpu']:,.0f} | {d['mfu'] * 100:.1f}% | {d['peak_allocated_gib']:.1f} |")
+    if "zero3" in runs and "zero2" in runs:
+        r = runs["zero3"]["step_s_median"] / runs["zero2"]["step_s_median"]
+        lines += ["", f"`zero3.json` ÷ `zero2.json` = **{r:.2f}×** (goal ≤ 1.15×); ZeRO-3 MFU "
+                      f"**{runs['zero3']['mfu'] * 100:.1f}%** (goal ≥ 30%)."]
+    return lines + [""]
 
 
 def _fmt(x: float | None, unit: str = "×") -> str:
@@ -219,6 +268,7 @@ def report(directory: Path) -> Path:
         md, ratios = call_report(doc)
         lines += md
         summary.append({"started": doc["started"], "device": doc["device"], **ratios})
+    lines += seventy_b_report(directory / "70b_widths")
     (directory / "zero3_levers.md").write_text("\n".join(lines) + "\n")
     _plot(docs, directory / "zero3_levers.png")
     return directory / "zero3_levers.md"
@@ -283,7 +333,8 @@ def main() -> None:
            "started": started, "device": None, "slug": "cpu", "versions": None, "stages": stages,
            "before_keys": BEFORE_KEYS, "shipped_zero3": json.loads((REPO / ZERO3).read_text()),
            "levers": {k: {"what": v[0], "args": v[1]} for k, v in LEVERS.items()},
-           "ablations": {k: {"what": v[0], "args": v[1]} for k, v in ABLATIONS.items()}, "runs": []}
+           "ablations": {k: {"what": v[0], "args": v[1]} for k, v in ABLATIONS.items()},
+           "zero2_levers": {k: {"what": v[0], "args": v[1]} for k, v in ZERO2_LEVERS.items()}, "runs": []}
     for method, config, tags in plan:
         if time.perf_counter() - t0 > args.budget_s:
             doc["runs"].append({"name": name_of(method, config, tags), "method": method, "config": config,
