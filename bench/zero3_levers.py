@@ -62,8 +62,8 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "v-partitioned": ("V partitioned like the other frozen weights (no replicate_shared_v)", ["--v-partitioned"]),
     "per-module-fetch": ("DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)", ["--per-module-fetch"]),
 }
-# name -> (what it changes, the arguments added to the shipped zero2.json's): ZeRO-2 settings that leave the
-# numerics alone, each beside the shipped zero2.json in the same call.
+# name -> (what it changes, the arguments added to the shipped JSON's): settings that leave the numerics alone, each
+# beside the shipped zero2.json (zero3.json) in the same call.
 ZERO2_LEVERS: dict[str, tuple[str, list[str]]] = {
     "no-overlap": ("overlap_comm false (one GPU has nothing to overlap; no side stream and its synchronisation)",
                    ["--ds-set=overlap_comm=false"]),
@@ -77,6 +77,7 @@ SETS = {
     + [("lora", ZERO3, ["before"])] + [("lora", ZERO3, [lv]) for lv, (_, _, m) in LEVERS.items() if "lora" in m],
     "ablations": [("frod", ZERO3, [])] + [("frod", ZERO3, [a]) for a in ABLATIONS],
     "zero2": [("frod", ZERO2, [])] + [("frod", ZERO2, [z]) for z in ZERO2_LEVERS],
+    "zero3plus": [("frod", ZERO3, [])] + [("frod", ZERO3, [z]) for z in ZERO2_LEVERS],
 }
 
 
@@ -195,16 +196,16 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
             lines.append(f"| FRoD | {r['tags'][0]} | {ABLATIONS[r['tags'][0]][0]} | {_fmt(b, 'ms')} | {_fmt(w, 'ms')} "
                          f"| {change} |")
         lines.append("")
-    zero2 = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in ZERO2_LEVERS]
-    if zero2:
-        shipped = by.get(name_of("frod", ZERO2, []))
-        lines += ["| method | zero2.json plus | what it changes | shipped ms | with it ms | change |",
+    plus = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in ZERO2_LEVERS]
+    if plus:
+        lines += ["| method | shipped JSON plus | what it changes | shipped ms | with it ms | change |",
                   "|---|---|---|---|---|---|"]
-        for r in zero2:
+        for r in plus:
+            shipped = by.get(name_of("frod", r["config"], []))
             b, w = _ms(shipped), _ms(r)
             change = f"{(w / b - 1) * 100:+.1f}%" if b and w else r["status"]
-            lines.append(f"| FRoD | {r['tags'][0]} | {ZERO2_LEVERS[r['tags'][0]][0]} | {_fmt(b, 'ms')} | {_fmt(w, 'ms')} "
-                         f"| {change} |")
+            lines.append(f"| FRoD | {Path(r['config']).name} + {r['tags'][0]} | {ZERO2_LEVERS[r['tags'][0]][0]} "
+                         f"| {_fmt(b, 'ms')} | {_fmt(w, 'ms')} | {change} |")
         lines.append("")
     levers = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in LEVERS]
     if levers:
