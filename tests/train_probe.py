@@ -43,9 +43,15 @@ def main() -> int:
     if run.zero3:
         report["partition"] = {
             name: {"U_local": m.U.ds_tensor.numel(), "U_full": m.U.ds_numel,
-                   "V_local": m.V.ds_tensor.numel(), "V_full": m.V.ds_numel}
+                   "V_local": m.V.ds_tensor.numel(), "V_full": m.V.ds_numel, "V_persist": bool(m.V.ds_persist)}
             for name, m in layers.items()
         }
+        from deepspeed.utils import z3_leaf_module
+
+        decoder_layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        report["decoder_layers"] = len(decoder_layers)
+        report["leaf_decoder_layers"] = sum(bool(z3_leaf_module(m)) for m in decoder_layers)
+        report["leaf_other"] = sum(bool(z3_leaf_module(m)) for m in model.modules()) - report["leaf_decoder_layers"]
     categories = {n.rsplit(".", 1)[-1] for n in layers}
     report["shared_v"] = all(len({id(m.V) for n, m in layers.items() if n.endswith("." + c)}) == 1
                              for c in categories)
