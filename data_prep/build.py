@@ -27,9 +27,10 @@ from typing import Any
 from data_prep import io, llm_adapters, sources, tokens
 from data_prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from data_prep.templates import RowError, render, row_id
-from frod_ds.atomic import building_dir
+from frod_ds.atomic import building_dir, check_replaceable
 
 FORMAT = "frod-ds/commonsense170k/v1"
+KIND = "data-build"  # the marker's kind (frod_ds.atomic): --overwrite replaces only an earlier build
 DEFAULT_CUTOFF = 256  # tokens; LLM-Adapters' cutoff_len for Commonsense170K
 
 
@@ -88,12 +89,13 @@ def validate_options(options: BuildOptions) -> None:
     out = options.out
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} exists and is not a directory")
-    elif out.is_dir() and any(out.iterdir()):
-        if not options.overwrite:
-            problems.append(f"--out {out} already exists and is not empty; pass --overwrite to replace it")
-        elif not (out / "manifest.json").is_file():
-            # --overwrite deletes OUT: only ever do that to an earlier build, never to a mistyped directory
-            problems.append(f"--out {out} is not empty and has no manifest.json; refusing to replace a directory not written by build")
+    elif out.is_dir() and any(out.iterdir()) and not options.overwrite:
+        problems.append(f"--out {out} already exists and is not empty; pass --overwrite to replace it")
+    else:
+        try:  # --overwrite deletes OUT: only ever an earlier build, never a mistyped directory or the source
+            check_replaceable(out, KIND, {"--source": options.source}, error=DataPrepError)
+        except DataPrepError as exc:
+            problems.append(str(exc))
     if problems:
         raise DataPrepError("; ".join(problems))
 
@@ -349,7 +351,7 @@ def write_outputs(out: Path, train: list[dict[str, Any]], results: list[SplitRes
 
     Returns the sha256 of each written file, keyed by its path relative to `out`.
     """
-    with building_dir(out) as tmp:
+    with building_dir(out, KIND, error=DataPrepError) as tmp:
         (tmp / "eval").mkdir()
         files = {"train.jsonl": io.write_rows(tmp / "train.jsonl", train)}
         for r in results:

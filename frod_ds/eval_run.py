@@ -228,7 +228,7 @@ def write_outputs(output: Path, files: dict[str, str]) -> None:
         for name, text in files.items():
             atomic_write_text(output / name, text)
         return
-    with building_dir(output) as tmp:
+    with building_dir(output, "eval-results") as tmp:
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
 

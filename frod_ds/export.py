@@ -29,7 +29,7 @@ import torch
 
 from frod_ds.adapter import adapter_sources, supports_from_adapter
 from frod_ds.adapter_format import s_name, sigma_name
-from frod_ds.atomic import building_dir
+from frod_ds.atomic import building_dir, check_replaceable
 from frod_ds.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from frod_ds.errors import ExportError
 from frod_ds.hf_checkpoint import INDEX_NAME, HFCheckpoint
@@ -39,6 +39,7 @@ from frod_ds.safetensors_io import save_tensors_atomic
 
 __all__ = ["export_transformers", "side_files"]
 
+KIND = "hf-export"  # the marker's kind (frod_ds.atomic): --overwrite replaces only an earlier merged export
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz", ".onnx")
 WRITTEN_HERE = ("frod_export.json", "frod_convert.json")  # provenance of this export / of another artefact
@@ -107,7 +108,10 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
         raise ExportError(f"--shard-gb must be > 0, got {shard_gb}")
     if out.exists() and not overwrite:
         raise ExportError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
+    check_replaceable(out, KIND, {"--checkpoint": checkpoint_dir}, error=ExportError)  # before reading anything
     tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
+    inputs = {"--checkpoint": checkpoint_dir, "the base model": model_dir, "the factor store": store.path,
+              "the tokenizer": config.tokenizer}
     ckpt = HFCheckpoint(model_dir)
     device = torch.device(device)
     supports = {c: sup.flat for c, sup in supports_from_adapter(tensors, config).items()}
@@ -120,7 +124,7 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
     weight_dtype = _merged_dtypes(ckpt, store, member_of, out_dtype)
 
     t0 = time.perf_counter()
-    with building_dir(out) as tmp:
+    with building_dir(out, KIND, inputs, ExportError) as tmp:
         shards: list[dict[str, torch.Tensor | None]] = [{}]
         size, total_size, limit = 0, 0, shard_gb * 2**30
         V_of: dict[str, torch.Tensor] = {}  # fp32 as stored; layers interleave the categories

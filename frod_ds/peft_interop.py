@@ -55,6 +55,7 @@ from frod_ds.layer import core_matrix
 __all__ = ["PeftInteropError", "CategoryMapping", "export_peft", "import_peft", "basis_change",
            "core_in_peft_basis", "peft_nnz", "shared_sparse_rate", "TAUS"]
 
+EXPORT_KIND, IMPORT_KIND = "peft-export", "peft-import"  # the markers' kinds (frod_ds.atomic)
 EXPORT_FORMAT = "frod-ds-peft-export"
 IMPORT_FORMAT = "frod-ds-peft-import"
 EXPORT_REPORT = "frod_export.json"
@@ -130,9 +131,10 @@ def _pad(flat: Tensor, n: int, nnz: int) -> Tensor:
 # ---------------------------------------------------------------------------------------- output dirs
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an existing ``--out`` unless ``overwrite`` and the marker rule (``frod_ds.atomic``) allow replacing it."""
-    check_replaceable(out)
+def _check_out(out: Path, overwrite: bool, kind: str, inputs: dict[str, Any]) -> None:
+    """Refuse an existing ``--out`` unless ``overwrite`` and the marker rule (``frod_ds.atomic``) allow a command
+    writing ``kind`` from ``inputs`` to replace it."""
+    check_replaceable(out, kind, inputs, error=PeftInteropError)
     if out.exists() and not overwrite:
         raise PeftInteropError(f"--out {out} exists; pass --overwrite to replace it or choose another --out")
 
@@ -251,8 +253,9 @@ def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str 
     out = Path(out)
     if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
         raise PeftInteropError(f"--peft-tol must be a number > 0, got {tol!r}")
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, EXPORT_KIND, {"--checkpoint": checkpoint_dir})
     tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
+    inputs = {"--checkpoint": checkpoint_dir, "the base model": model_dir, "the factor store": store.path}
     bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise PeftInteropError(f"adapter {checkpoint_dir} has non-finite values in {bad[0]}; it cannot be exported")
@@ -295,7 +298,7 @@ def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str 
               "factor_store": str(store.path), "factor_store_fingerprint": store.fingerprint, "step": config.step,
               "peft_version": _peft_version(), "tol": tol, "sparse_rate": rate,
               "categories": {c: asdict(r) for c, r in reports.items()}, "seconds": round(time.perf_counter() - t0, 2)}
-    with building_dir(out, "peft-export") as tmp:
+    with building_dir(out, EXPORT_KIND, inputs, PeftInteropError) as tmp:
         model.save_pretrained(str(tmp))
         (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=1) + "\n")
     return report
@@ -351,8 +354,10 @@ def import_peft(peft_dir: str | Path, out: str | Path, *, base_model: str | None
     base = base_model or cfg.get("base_model_name_or_path")
     if not base:
         raise PeftInteropError(f"{peft_dir}/adapter_config.json names no base model; pass --base-model")
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, IMPORT_KIND, {"--from-peft": peft_dir})
     model_dir = resolve_model_dir(base)
+    inputs = {"--from-peft": peft_dir, "the base model": model_dir}
+    check_replaceable(out, IMPORT_KIND, inputs, error=PeftInteropError)
     t0 = time.perf_counter()
     with torch.no_grad():
         try:
@@ -410,7 +415,7 @@ def import_peft(peft_dir: str | Path, out: str | Path, *, base_model: str | None
             peft_cat = next(k for k, v in model.base_model.frod_V.items() if v is layers[members[0]].frod_V)
             report_cats[cat] = {"peft_category": peft_cat, "members": len(members), "n": n, "nnz": int(flat.numel()),
                                 "basis_drift": drift}
-    with building_dir(out, "peft-import") as tmp:
+    with building_dir(out, IMPORT_KIND, inputs, PeftInteropError) as tmp:
         errors = _write_store(tmp / STORE_DIR, store_cats, ckpt, base, float(cfg.get("regularization_alpha", 1e-3)))
         store = _open_store(tmp / STORE_DIR)
         report = {"format": IMPORT_FORMAT, "peft_adapter": str(peft_dir), "base_model": base,

@@ -7,7 +7,7 @@ and the schedule. ``fit`` runs optimizer steps from a stateless ``BatchPlan`` so
 
 Output dir::
 
-    metrics.jsonl  loss.png  recipe.yaml  adapter-<step>/  adapter-final/
+    .frod-ds-output (marker, kind training-run)  metrics.jsonl  loss.png  recipe.yaml  adapter-<step>/  adapter-final/
     checkpoints/<tag>/ (DeepSpeed engine state, rng_rank<r>.pt, trainable_state.safetensors, COMPLETE seal)
     checkpoints/latest_complete
 
@@ -15,6 +15,8 @@ Resume: the newest checkpoint whose files match their seal (``frod_ds.checkpoint
 are skipped with a ``note:`` and set aside. On the world size and ZeRO stage that wrote it, DeepSpeed loads its
 own files (bitwise exact); on another, the world-size-independent record restores σ/S, AdamW and the schedule
 (``frod_ds.engine_checkpoint``, ``frod_ds.trainable_state``; the data order depends on the global batch only).
+An ``output_dir`` holding files that frod-ds training did not write is refused before anything is written there
+(``check_run_dir``).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from frod_ds.adapter import adapter_state, load_adapter_into, read_adapter, supp
 from frod_ds.adapter_format import AdapterConfig
 from frod_ds.apply import frod_modules, frod_param_groups
 from frod_ds.build import build_frod_model, check_store_quant, fetch_per_layer, gathered, make_supports
-from frod_ds.checkpoint_dir import choose_checkpoint
+from frod_ds.atomic import check_replaceable, is_marked, mark_dir, marker_kind
+from frod_ds.checkpoint_dir import choose_checkpoint, sealed_checkpoints
 from frod_ds.data import BatchPlan, Example, collate, encode_examples, read_training_rows
 from frod_ds.ds_config import (NvmeParams, check_aio_build_env, check_nvme_buffer, check_nvme_buffer_count,
                                load_ds_config, nvme_offloads, resolve_ds_config, zero_stage)
@@ -53,7 +56,7 @@ from frod_ds.run_identity import (BASE_SCOPE, RUN_IDENTITY, RunIdentity, RunIden
                                   training_hyperparameters)
 from frod_ds.store_format import StoreIdentity, category_of
 
-__all__ = ["Run", "setup", "fit", "lr_lambda", "enable_gradient_checkpointing"]
+__all__ = ["Run", "setup", "fit", "lr_lambda", "enable_gradient_checkpointing", "check_run_dir"]
 
 STOP_EXIT_CODE = 143  # 128 + SIGTERM: stopped on request, checkpoint written
 
@@ -181,6 +184,25 @@ def _supersede_previous_run(out: Path) -> None:
     print(f"note: train.new_run: the previous run in {out} moved to {dest}", flush=True)
 
 
+RUN_KIND = "training-run"  # the marker's kind (frod_ds.atomic) of an output_dir training wrote
+RUN_HOSTS = (RUN_KIND, "demo")  # what training writes into: its own runs, and the demo's directory (launch/demo.py)
+
+
+def _is_legacy_run(out: Path) -> bool:
+    """A run written before training marked its output_dir: sealed checkpoints, or an adapter it wrote."""
+    if (out / "checkpoints").is_dir() and sealed_checkpoints(out / "checkpoints"):
+        return True
+    return any(p.name.startswith("adapter-") and marker_kind(p) == "adapter" for p in out.iterdir() if p.is_dir())
+
+
+def check_run_dir(out: Path) -> None:
+    """``FrodError`` unless training may write into ``output_dir`` ``out``: absent, empty, or a run frod-ds
+    training wrote (its marker, or an older run's checkpoints/adapters); the same command on its own run
+    resumes. Other commands' outputs beside the adapters (evals, exports) are not this check's business:
+    training deletes nothing."""
+    check_replaceable(out, RUN_HOSTS, what="output_dir", legacy=_is_legacy_run, nested=False)
+
+
 STORE_IDENTITY = "factor_store.json"  # beside each engine checkpoint: the store it was trained on
 
 
@@ -245,6 +267,7 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     import deepspeed
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    dist.on_all(lambda: check_run_dir(Path(recipe.output_dir)))  # before anything reads or writes there
     # The checkpoint to resume: rank 0 checks the files against their seals (newest first) once for all.
     resume = (None, []) if recipe.train.new_run else \
         dist.on_main(lambda: choose_checkpoint(Path(recipe.output_dir) / "checkpoints"))
@@ -304,6 +327,8 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         if recipe.train.new_run:
             _supersede_previous_run(out)
         out.mkdir(parents=True, exist_ok=True)
+        if not is_marked(out):
+            mark_dir(out, RUN_KIND)
         (out / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     dist.barrier()
     run.start_step = _maybe_resume(run)

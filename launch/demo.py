@@ -83,7 +83,7 @@ def demo(args: argparse.Namespace) -> int:
     from frod_ds.atomic import mark_dir, remove_marked
 
     out = (ROOT / args.out).resolve()
-    remove_marked(out, "--out")  # only a directory an earlier demo wrote (marker), never the repo or cwd
+    remove_marked(out, "demo")  # only a directory an earlier demo wrote (marker kind), never the repo or cwd
     out.mkdir(parents=True)
     mark_dir(out, "demo")
     log = out / "demo.log"

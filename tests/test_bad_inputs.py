@@ -248,7 +248,7 @@ def test_full_disk_while_publishing_is_one_line_and_leaves_nothing(tmp_path, mon
 
     out = tmp_path / "pub"
     with pytest.raises(FrodError, match="No space left") as e:
-        with building_dir(out) as tmp:
+        with building_dir(out, "eval-results") as tmp:
             (tmp / "a").write_text("x")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     assert "\n" not in str(e.value)
@@ -301,6 +301,7 @@ def test_new_run_moves_the_previous_run_aside(env, trained, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(trained, out)
     before = tree(out)
+    before.pop(".frod-ds-output")  # the directory's marker stays: it is still a training run
     proc = train_proc(env, out, "train.lr_sigma=0.02", "train.new_run=true")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (old,) = [p for p in out.iterdir() if p.name.startswith("superseded-")]

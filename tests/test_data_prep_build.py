@@ -356,7 +356,7 @@ def test_overwrite_refuses_a_directory_that_is_not_a_build(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    with pytest.raises(DataPrepError, match="has no manifest.json; refusing to replace"):
+    with pytest.raises(DataPrepError, match="not written by frod-ds"):
         run_build(out, tasks=("obqa",), overwrite=True)
     assert [p.name for p in out.iterdir()] == ["precious.txt"]
 

@@ -125,7 +125,8 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
         return store_dir.new_manifest(cfg.model, list(cfg.targets), cfg.pi, cfg.dtype, cfg.u_dtype, digests,
                                       categories, ckpt, cfg.quant, base_fingerprint(ckpt, cfg.targets))
 
-    manifest = D.on_main(lambda: store_dir.prepare_store(cfg.out, fresh(), cfg.overwrite))
+    manifest = D.on_main(lambda: store_dir.prepare_store(cfg.out, fresh(), cfg.overwrite,
+                                                                {"--model": model_dir}))
     return device, ckpt, categories, manifest
 
 

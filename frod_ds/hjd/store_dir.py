@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from frod_ds import distributed as D
-from frod_ds.atomic import TMP, atomic_write_text, fsync_dir
+from frod_ds.atomic import (MARKER, TMP, atomic_write_text, check_replaceable, fsync_dir, is_marked, mark_dir,
+                            marker_kind)
 from frod_ds.dtypes import dtype_name
 from frod_ds.errors import HJDError, StoreError
 from frod_ds.fingerprint import FINGERPRINT_METHOD, combine_digests
@@ -32,6 +33,7 @@ __all__ = ["CONFIG_FIELDS", "new_manifest", "prepare_store", "remove_store_files
            "record_category", "rank_summary"]
 
 GiB = 2**30
+KIND = "factor-store"  # the marker's kind (frod_ds.atomic)
 # a store to resume or add categories to must match on these (the targeted weights: per category, weight_sha256)
 CONFIG_FIELDS = ("format_version", "targets", "pi", "hjd_dtype", "u_dtype", "u_quant", "model_config", "base_fingerprint")
 
@@ -147,20 +149,40 @@ def _existing_manifest(out: Path, fresh: Manifest, overwrite: bool) -> Manifest 
     return manifest
 
 
-def prepare_store(out: Path, fresh: Manifest, overwrite: bool) -> Manifest:
-    """Rank 0: create the store directory, or resume / extend the one there; returns the manifest to continue."""
+def _is_legacy_store(out: Path) -> bool:
+    """A factor store written before markers recorded kinds: unmarked, with a manifest that reads as a store's."""
+    try:
+        Manifest.read(out / MANIFEST)
+    except (StoreError, OSError):
+        return False
+    return True
+
+
+def _is_store(out: Path) -> bool:
+    return marker_kind(out) == KIND if is_marked(out) else _is_legacy_store(out)
+
+
+def prepare_store(out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str, Any] | None = None) -> Manifest:
+    """Rank 0: create the store directory, or resume / extend the one there; returns the manifest to continue.
+    Store files are replaced (``overwrite``, or a corrupt manifest) only where ``frod_ds.atomic.check_replaceable``
+    allows it: a factor store, none of this run's ``inputs`` (the model)."""
     if out.exists() and not out.is_dir():
         raise HJDError(f"--out {out} is a file; pass a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite and not _is_store(out):
+        raise HJDError(f"--out {out} exists, is not empty and holds no factor store; choose a new or empty directory")
+    check_replaceable(out, KIND, inputs, error=HJDError, legacy=_is_legacy_store)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     manifest = None
     if (out / MANIFEST).is_file():
         manifest = _existing_manifest(out, fresh, overwrite)
         if manifest is None:
             remove_store_files(out)
-    elif any(out.iterdir()):
+    elif any(p.name != MARKER for p in out.iterdir()):  # a store's leftovers without its manifest
         if not overwrite:
-            raise HJDError(f"--out {out} exists, is not empty and holds no {MANIFEST}; choose a new or empty directory")
+            raise HJDError(f"--out {out} holds factor files but no {MANIFEST}; pass --overwrite to start it anew")
         remove_store_files(out)
+    if not is_marked(out):
+        mark_dir(out, KIND)
     if manifest is None:
         manifest = fresh
     # A completed category whose files went missing is redone (by a run that has its weights).
