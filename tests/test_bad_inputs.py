@@ -258,19 +258,22 @@ def test_full_disk_while_publishing_is_one_line_and_leaves_nothing(tmp_path, mon
 # -- run identity, resubmission, new runs ------------------------------------------------------------------
 
 def test_resubmitting_a_finished_run_changes_nothing(env, trained, capsys):
-    (trained / "adapter-final" / "eval").mkdir(exist_ok=True)
-    (trained / "adapter-final" / "eval" / "results.json").write_text("{}")
-    before = tree(trained)
-    proc = train_proc(env, trained)
+    run = trained  # in place (recipe.yaml records output_dir): no other test resubmits into it, so it is as written
+    (run / "adapter-final" / "eval").mkdir(exist_ok=True)
+    (run / "adapter-final" / "eval" / "results.json").write_text("{}")
+    before = tree(run)
+    proc = train_proc(env, run)
     assert proc.returncode == 0 and "finished run" in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    assert tree(trained) == before
+    assert tree(run) == before
 
 
-def test_resubmitting_with_another_micro_batch_split_is_the_same_run(env, trained, capsys):
-    before = tree(trained)
-    proc = train_proc(env, trained, "train.micro_batch_size=2", "train.grad_accum=4")
+def test_resubmitting_with_another_micro_batch_split_is_the_same_run(env, trained, tmp_path, capsys):
+    run = tmp_path / "run"  # a copy: resubmitting rewrites recipe.yaml, which later tests compare
+    shutil.copytree(trained, run)
+    before = tree(run)
+    proc = train_proc(env, run, "train.micro_batch_size=2", "train.grad_accum=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    after = tree(trained)
+    after = tree(run)
     assert after.pop("recipe.yaml") and before.pop("recipe.yaml"), "recipe.yaml records the latest command"
     assert after == before
 
