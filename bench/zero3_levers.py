@@ -70,6 +70,13 @@ ZERO2_LEVERS: dict[str, tuple[str, list[str]]] = {
     "bucket-5e8": ("reduce_bucket_size and allgather_bucket_size 5e8 (one bucket for all of S and σ at 7B)",
                    ["--ds-set=reduce_bucket_size=500000000", "--ds-set=allgather_bucket_size=500000000"]),
 }
+# Settings on top of the shipped JSON (name -> what, arguments): ZERO2_LEVERS for either JSON, and DeepCompile for
+# zero3.json (DeepSpeed gathers and releases inside the compiled graph; compilation happens in the warm-up steps).
+PLUS_LEVERS: dict[str, tuple[str, list[str]]] = {
+    **ZERO2_LEVERS,
+    "deepcompile": ('"compile": {"deepcompile": true} and engine.compile() (needs TORCH_CUDA_ARCH_LIST=9.0 on the '
+                    "H200 image)", ["--ds-set=compile.deepcompile=true", "--compile"]),
+}
 SETS = {
     "main": [("frod", "plain", []), ("frod", ZERO2, []), ("frod", ZERO3, []),
              ("lora", "plain", []), ("lora", ZERO2, []), ("lora", ZERO3, [])],
@@ -78,6 +85,7 @@ SETS = {
     "ablations": [("frod", ZERO3, [])] + [("frod", ZERO3, [a]) for a in ABLATIONS],
     "zero2": [("frod", ZERO2, [])] + [("frod", ZERO2, [z]) for z in ZERO2_LEVERS],
     "zero3plus": [("frod", ZERO3, [])] + [("frod", ZERO3, [z]) for z in ZERO2_LEVERS],
+    "compile": [("frod", ZERO3, []), ("frod", ZERO3, ["deepcompile"])],
 }
 
 
@@ -87,8 +95,8 @@ def run_args(method: str, tags: list[str]) -> list[str]:
         return []
     if tags[0] in ABLATIONS:
         return list(ABLATIONS[tags[0]][1])
-    if tags[0] in ZERO2_LEVERS:
-        return list(ZERO2_LEVERS[tags[0]][1])
+    if tags[0] in PLUS_LEVERS:
+        return list(PLUS_LEVERS[tags[0]][1])
     args = list(BEFORE)
     v_replicated = False
     for tag in tags:
@@ -196,7 +204,7 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
             lines.append(f"| FRoD | {r['tags'][0]} | {ABLATIONS[r['tags'][0]][0]} | {_fmt(b, 'ms')} | {_fmt(w, 'ms')} "
                          f"| {change} |")
         lines.append("")
-    plus = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in ZERO2_LEVERS]
+    plus = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in PLUS_LEVERS]
     if plus:
         lines += ["| method | shipped JSON plus | what it changes | shipped ms | with it ms | change |",
                   "|---|---|---|---|---|---|"]
@@ -204,8 +212,11 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
             shipped = by.get(name_of("frod", r["config"], []))
             b, w = _ms(shipped), _ms(r)
             change = f"{(w / b - 1) * 100:+.1f}%" if b and w else r["status"]
-            lines.append(f"| FRoD | {Path(r['config']).name} + {r['tags'][0]} | {ZERO2_LEVERS[r['tags'][0]][0]} "
+            lines.append(f"| FRoD | {Path(r['config']).name} + {r['tags'][0]} | {PLUS_LEVERS[r['tags'][0]][0]} "
                          f"| {_fmt(b, 'ms')} | {_fmt(w, 'ms')} | {change} |")
+            if not w:
+                tail = [ln for ln in (r.get("log_tail") or "").splitlines() if ln.strip()][-1:] or ["?"]
+                lines.append(f"|  | failure | `{tail[0][:300]}` | | | |")
         lines.append("")
     levers = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in LEVERS]
     if levers:
@@ -335,7 +346,7 @@ def main() -> None:
            "before_keys": BEFORE_KEYS, "shipped_zero3": json.loads((REPO / ZERO3).read_text()),
            "levers": {k: {"what": v[0], "args": v[1]} for k, v in LEVERS.items()},
            "ablations": {k: {"what": v[0], "args": v[1]} for k, v in ABLATIONS.items()},
-           "zero2_levers": {k: {"what": v[0], "args": v[1]} for k, v in ZERO2_LEVERS.items()}, "runs": []}
+           "plus_levers": {k: {"what": v[0], "args": v[1]} for k, v in PLUS_LEVERS.items()}, "runs": []}
     for method, config, tags in plan:
         if time.perf_counter() - t0 > args.budget_s:
             doc["runs"].append({"name": name_of(method, config, tags), "method": method, "config": config,
