@@ -9,6 +9,8 @@ import json
 import textwrap
 
 import pytest
+
+from frod_ds.atomic import MARKER
 import torch
 from tests.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
@@ -175,7 +177,7 @@ def test_distributed_hjd_resumes_after_kill(tmp_path, monkeypatch):
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("q_proj.*")} == q_files, "q_proj kept"
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
     listed = {f for spec in store.manifest.categories.values() for f in spec.files.values()}
-    assert {p.name for p in out.iterdir()} == listed | {"manifest.json"}, "no stale files"
+    assert {p.name for p in out.iterdir()} == listed | {"manifest.json", MARKER}, "no stale files"
     _assert_store_equals_decompose(store, model)
 
 

@@ -196,23 +196,24 @@ def test_training_without_targeted_weights_equals_training_from_the_full_checkpo
     steps = {"train.max_steps": 3, "train.save_every": 3, "train.schedule": "constant", "train.warmup_ratio": 0.0}
     runs = {}
     for name, base in (("full", env.model), ("stripped", stripped)):
-        res = run_train(CPU_ZERO3, env.overrides(tmp_path / name, **steps, **{"model.base": base}))
-        assert res.returncode == 0, res.stderr[-3000:]
-        runs[name] = metrics(tmp_path / name)
+        res = run_train(CPU_ZERO3, env.overrides(tmp_path / f"run-{name}", **steps, **{"model.base": base}))
+        assert res.returncode == 0, res.stderr[-3000:]  # (output_dir beside, never inside, the checkpoint)
+        runs[name] = metrics(tmp_path / f"run-{name}")
     assert [r["loss"] for r in runs["full"]] == [r["loss"] for r in runs["stripped"]]
     assert [r["grad_norm"] for r in runs["full"]] == [r["grad_norm"] for r in runs["stripped"]]
-    a = load_file(str(tmp_path / "full" / "adapter-final" / "adapter.safetensors"))
-    b = load_file(str(tmp_path / "stripped" / "adapter-final" / "adapter.safetensors"))
+    a = load_file(str(tmp_path / "run-full" / "adapter-final" / "adapter.safetensors"))
+    b = load_file(str(tmp_path / "run-stripped" / "adapter-final" / "adapter.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
-    before = (tmp_path / "full" / "metrics.jsonl").read_text()
-    res = run_train(CPU_ZERO3, env.overrides(tmp_path / "full", **steps, **{"model.base": stripped}))
+    before = (tmp_path / "run-full" / "metrics.jsonl").read_text()
+    res = run_train(CPU_ZERO3, env.overrides(tmp_path / "run-full", **steps, **{"model.base": stripped}))
     assert res.returncode == 0 and "another run" not in res.stderr, res.stderr[-3000:]
-    assert (tmp_path / "full" / "metrics.jsonl").read_text() == before, "a finished run: nothing redone"
+    assert (tmp_path / "run-full" / "metrics.jsonl").read_text() == before, "a finished run: nothing redone"
 
     merged = {}
     for name, base in (("full", env.model), ("stripped", stripped)):
-        out = export_transformers(tmp_path / "full" / "adapter-final", tmp_path / f"export-{name}", base_model=str(base))
+        out = export_transformers(tmp_path / "run-full" / "adapter-final", tmp_path / f"export-{name}",
+                                  base_model=str(base))
         merged[name] = {}
         for f in out.glob("*.safetensors"):
             merged[name].update(load_file(str(f)))
