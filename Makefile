@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(VPY) -m launch.demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf runs .pytest_cache
