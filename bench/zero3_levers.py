@@ -62,29 +62,27 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "v-partitioned": ("V partitioned like the other frozen weights (no replicate_shared_v)", ["--v-partitioned"]),
     "per-module-fetch": ("DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)", ["--per-module-fetch"]),
 }
-# name -> (what it changes, the arguments added to the shipped JSON's): settings that leave the numerics alone, each
-# beside the shipped zero2.json (zero3.json) in the same call.
-ZERO2_LEVERS: dict[str, tuple[str, list[str]]] = {
+# Settings on top of the shipped JSON (name -> what it changes, the arguments added to the shipped JSON's), each beside
+# the shipped zero2.json (zero3.json) in the same call; the first two leave the numerics alone and apply to either
+# JSON, DeepCompile to zero3.json (DeepSpeed gathers and releases inside the compiled graph; compilation happens in
+# the warm-up steps).
+PLUS_LEVERS: dict[str, tuple[str, list[str]]] = {
     "no-overlap": ("overlap_comm false (one GPU has nothing to overlap; no side stream and its synchronisation)",
                    ["--ds-set=overlap_comm=false"]),
     "bucket-5e8": ("reduce_bucket_size and allgather_bucket_size 5e8 (one bucket for all of S and σ at 7B)",
                    ["--ds-set=reduce_bucket_size=500000000", "--ds-set=allgather_bucket_size=500000000"]),
-}
-# Settings on top of the shipped JSON (name -> what, arguments): ZERO2_LEVERS for either JSON, and DeepCompile for
-# zero3.json (DeepSpeed gathers and releases inside the compiled graph; compilation happens in the warm-up steps).
-PLUS_LEVERS: dict[str, tuple[str, list[str]]] = {
-    **ZERO2_LEVERS,
     "deepcompile": ('"compile": {"deepcompile": true} and engine.compile() (needs TORCH_CUDA_ARCH_LIST=9.0 on the '
                     "H200 image)", ["--ds-set=compile.deepcompile=true", "--compile"]),
 }
+EITHER_JSON = ("no-overlap", "bucket-5e8")
 SETS = {
     "main": [("frod", "plain", []), ("frod", ZERO2, []), ("frod", ZERO3, []),
              ("lora", "plain", []), ("lora", ZERO2, []), ("lora", ZERO3, [])],
     "levers": [("frod", ZERO3, ["before"])] + [("frod", ZERO3, [lever]) for lever in LEVERS]
     + [("lora", ZERO3, ["before"])] + [("lora", ZERO3, [lv]) for lv, (_, _, m) in LEVERS.items() if "lora" in m],
     "ablations": [("frod", ZERO3, [])] + [("frod", ZERO3, [a]) for a in ABLATIONS],
-    "zero2": [("frod", ZERO2, [])] + [("frod", ZERO2, [z]) for z in ZERO2_LEVERS],
-    "zero3plus": [("frod", ZERO3, [])] + [("frod", ZERO3, [z]) for z in ZERO2_LEVERS],
+    "zero2": [("frod", ZERO2, [])] + [("frod", ZERO2, [z]) for z in EITHER_JSON],
+    "zero3plus": [("frod", ZERO3, [])] + [("frod", ZERO3, [z]) for z in EITHER_JSON],
     "compile": [("frod", ZERO3, []), ("frod", ZERO3, ["deepcompile"])],
 }
 

@@ -256,6 +256,7 @@ def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str 
     _check_out(out, overwrite, EXPORT_KIND, {"--checkpoint": checkpoint_dir})
     tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
     inputs = {"--checkpoint": checkpoint_dir, "the base model": model_dir, "the factor store": store.path}
+    check_replaceable(out, EXPORT_KIND, inputs, error=PeftInteropError)  # before building and checking the PEFT model
     bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise PeftInteropError(f"adapter {checkpoint_dir} has non-finite values in {bad[0]}; it cannot be exported")

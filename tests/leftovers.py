@@ -52,9 +52,7 @@ def clean_env(**overrides: str) -> dict[str, str]:
 
 def free_port() -> int:
     """A TCP port nothing on 127.0.0.1 listens on now (the kernel's choice of an ephemeral port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(n: int) -> list[int]:
