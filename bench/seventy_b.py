@@ -429,7 +429,8 @@ def _step_name(args, method: str) -> str:
     config = Path(args.config).stem
     return (f"seventy_b_step_{method}" + (f"_{gpus}gpu" if gpus != 2 else "")
             + (f"_{config}" if config != "zero3" else "")
-            + ("_base" if args.quantize_base and method == "frod" else ""))
+            + ("_base" if args.quantize_base and method == "frod" else "")
+            + ("_bf16" if method == "lora" and args.quant == "none" else ""))
 
 
 def _step_cmd(args, method: str, model: Path, extra: list[str]) -> list[str]:
@@ -500,30 +501,46 @@ def qlora_gen(args) -> None:
     D.on_main(assemble)
 
 
-def qlora(args) -> None:
-    """QLoRA (PEFT LoRA r=16, NF4 base with bitsandbytes' quant_storage bf16) in the harness FRoD's ``step`` used:
-    the targeted weights regenerated into ``--shm`` (a 2-GPU machine's disk cannot hold them beside the rest),
-    the run, then the regenerated weights deleted (unless ``--keep``)."""
+def _lora_step(args, quantize_base: bool) -> None:
+    """PEFT LoRA r=16 in the harness FRoD's ``step`` used, on the targeted weights regenerated into ``--shm`` (a
+    2-GPU machine's disk cannot hold them beside the rest), then the regenerated weights deleted (unless ``--keep``).
+    ``quantize_base``: QLoRA (NF4 base, bitsandbytes' quant_storage bf16); else LoRA on the bf16 base (``--quant
+    none``), the like-for-like baseline of a bf16 FRoD run under the same ``--config``."""
     p = _paths(args)
     shm = Path(args.shm or p["work"] / "qlora-shm")
+    what = "qlora" if quantize_base else "lora"
     try:
         gen = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(_gpus(args)),
                str(Path(__file__).resolve()), "qlora-gen", "--work", str(p["work"]), "--out", str(p["out"]),
                "--seed", str(args.seed), "--shm", str(shm), "--shape", args.shape, "--layers", str(args.layers)]
-        rc, s_gen = _launch(gen, _env(args), p["out"] / "logs" / "qlora_gen.log", None, args.timeout_s)
+        rc, s_gen = _launch(gen, _env(args), p["out"] / "logs" / f"{what}_gen.log", None, args.timeout_s)
         if rc != 0:
-            raise ChainError(f"qlora: generating the targeted weights failed (exit {rc}); log {p['out'] / 'logs'}")
-        rc, s = _launch(_step_cmd(args, "lora", p["work"] / "qlora-model", ["--quantize-base"]), _env(args),
-                        p["out"] / "logs" / "step_lora.log", None, args.timeout_s)
+            raise ChainError(f"{what}: generating the targeted weights failed (exit {rc}); log {p['out'] / 'logs'}")
+        log = p["out"] / "logs" / f"step_{what}.log"
+        rc, s = _launch(_step_cmd(args, "lora", p["work"] / "qlora-model", ["--quantize-base"] if quantize_base else []),
+                        _env(args), log, None, args.timeout_s)
         if rc != 0:
-            raise ChainError(f"qlora: exit {rc}; log {p['out'] / 'logs' / 'step_lora.log'}")
+            raise ChainError(f"{what}: exit {rc}; log {log}")
         result = p["res"] / f"{_step_name(args, 'lora')}.json"
         _copy_out(p, result)
-        print(f"qlora: weights regenerated in {s_gen:.0f} s, timed in {s:.0f} s: {result}")
+        print(f"{what}: weights regenerated in {s_gen:.0f} s, timed in {s:.0f} s: {result}")
     finally:
         if not args.keep:
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(p["work"] / "qlora-model", ignore_errors=True)
+
+
+def qlora(args) -> None:
+    """QLoRA r=16 (NF4 base) in FRoD's ``step`` harness (see ``_lora_step``)."""
+    _lora_step(args, quantize_base=True)
+
+
+def lora(args) -> None:
+    """LoRA r=16 on the bf16 base in FRoD's ``step`` harness, under the same ``--config`` (``--quant none`` chains)."""
+    if args.quant != "none":
+        raise ChainError("lora times LoRA on the bf16 base, the baseline of a --quant none chain; for an NF4 chain "
+                         "run qlora")
+    _lora_step(args, quantize_base=False)
 
 
 def plot_resume(d: dict, png: Path) -> Path:
@@ -563,8 +580,12 @@ def report(args) -> None:
             "|---|---|---|---|---|---|---|"]
     for n in sorted(k for k in load if k.startswith("step_")):
         d = load[n]
-        label = ("QLoRA r=16, NF4 base" if d.get("method") == "lora" else
-                 "FRoD s=0.02, NF4 U_i" + (" and base" if d.get("quantize_base") else ""))
+        quant = d.get("frozen_quant", "nf4")
+        if d.get("method") == "lora":
+            label = "QLoRA r=16, NF4 base" if d.get("quantize_base") else f"LoRA r=16, {quant} base"
+        else:
+            label = (f"FRoD s=0.02, {'bf16' if quant == 'none' else quant.upper()} U_i"
+                     + (" and NF4 base" if d.get("quantize_base") else ""))
         mfu = f"{d['mfu'] * 100:.1f}%" if d.get("mfu") else "n/a"
         peak = f"{d['peak_allocated_gib']:.1f}" if d.get("peak_allocated_gib") else "n/a"
         checked = check_planner({**d, "_file": n}) if d.get("method") == "frod" else None
@@ -581,6 +602,8 @@ def report(args) -> None:
     qloras = [d for d in load.values() if d.get("method") == "lora" and frod and d["world_size"] == frod["world_size"]]
     best = min(qloras, key=lambda d: d["step_s_median"]) if qloras else None  # QLoRA's fastest on FRoD's GPUs
     summary = {
+        "baseline": (("QLoRA r=16, NF4 base" if best.get("quantize_base") else "LoRA r=16, bf16 base")
+                     + f", {best['engine']}, {best['world_size']} GPU(s)") if best else None,
         "qlora_best": {"engine": best["engine"], "gradient_checkpointing": best["gradient_checkpointing"],
                        "layer_passes_per_step": best.get("layer_passes_per_step")} if best else None,
         "frod_step_over_qlora_best": frod["step_s_median"] / best["step_s_median"] if best else None,
@@ -609,6 +632,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "train-resume": "the killed run resumed; losses vs the killed run, planner vs peak",
         "step": "FRoD step time (bench/train_step.py)",
         "qlora": "QLoRA step time in the same harness (targeted weights regenerated into --shm)",
+        "lora": "LoRA r=16 on the bf16 base in the same harness and --config (--quant none chains)",
         "qlora-gen": "under a launcher: the targeted weights into --shm (qlora runs it)",
         "report": "the table of the chain's results",
     }
@@ -650,7 +674,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 LAUNCHED = {"gen-untargeted": gen_untargeted, "category": category, "qlora-gen": qlora_gen}
-DRIVERS = {"train": train, "train-resume": train_resume, "step": step, "qlora": qlora, "report": report}
+DRIVERS = {"train": train, "train-resume": train_resume, "step": step, "qlora": qlora, "lora": lora,
+           "report": report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,8 +165,9 @@ def load_results(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((out / "configs").glob("train_step_*.json"))]
 
 
-def table(results: list[dict]) -> tuple[str, list[dict]]:
-    """Markdown table per (GPU count, checkpointing) group, ratios against that group's fastest bf16 LoRA config."""
+def table(results: list[dict], links: dict[int, float] | None = None) -> tuple[str, list[dict]]:
+    """Markdown table per (GPU count, checkpointing) group, ratios against that group's fastest bf16 LoRA config;
+    ``links``: measured all-gather bus bandwidth (bytes/s) per GPU count, for the ZeRO-3 link floor."""
     lines, groups = [], []
     for key in sorted({(d["world_size"], d["gradient_checkpointing"]) for d in results}):
         rows = [d for d in results if (d["world_size"], d["gradient_checkpointing"]) == key]
@@ -200,12 +201,33 @@ def table(results: list[dict]) -> tuple[str, list[dict]]:
                                  "peak_allocated_gib": d.get("peak_allocated_gib"), "mfu": d.get("mfu"),
                                  "step_over_lora_best": best and d["step_s_median"] / best["step_s_median"]}
                                 for d in rows]})
-    scaling_md, scaling = scaling_table(results)
+    scaling_md, scaling = scaling_table(results, links or {})
     return ("\n".join(lines).strip() + "\n" + scaling_md), groups + ([{"scaling": scaling}] if scaling else [])
 
 
-def scaling_table(results: list[dict]) -> tuple[str, list[dict]]:
-    """Total tokens/s on N GPUs over 1 GPU per (method, config), and ZeRO-3 ÷ ZeRO-2 tokens/s per GPU count."""
+def link_bandwidths(out: Path) -> dict[int, float]:
+    """All-gather bus bandwidth (bytes/s) per GPU count from ``OUT/link_<N>gpu.json`` (bench/link.py), at its largest
+    message size (ZeRO-3 gathers whole layers' weights)."""
+    found = {}
+    for f in out.glob("link_*gpu.json"):
+        d = json.loads(f.read_text())
+        biggest = max(d["sizes"], key=lambda s: s["size_mib"])
+        found[int(d["world_size"])] = biggest["busbw_gbs"] * 1e9
+    return found
+
+
+def link_floor_s(d: dict, busbw: float) -> float:
+    """The least time one step of ZeRO-3 spends on the link: every pass over the model (forward, backward, and the
+    recomputation under gradient checkpointing) all-gathers the frozen bf16 weights this rank does not hold,
+    ``frozen_params * 2 B * (N-1)/N``, at the measured bus bandwidth; nothing overlapped, nothing kept resident."""
+    n = d["world_size"]
+    passes = 3 if d["gradient_checkpointing"] else 2
+    return passes * d["frozen_params"] * 2 * (n - 1) / n / busbw
+
+
+def scaling_table(results: list[dict], links: dict[int, float] | None = None) -> tuple[str, list[dict]]:
+    """Total tokens/s on N GPUs over 1 GPU per (method, config), ZeRO-3 ÷ ZeRO-2 tokens/s per GPU count, and the
+    link floor of each multi-GPU ZeRO-3 step (``link_floor_s``) where the link was measured."""
     by = {(_label(d), d["world_size"], d["gradient_checkpointing"]): d for d in results}
     rows = []
     for (label, n, gc), d in sorted(by.items()):
@@ -213,24 +235,42 @@ def scaling_table(results: list[dict]) -> tuple[str, list[dict]]:
         z2 = by.get((label.split(" zero3")[0] + " zero2", n, gc)) if " zero3" in label else None
         if n == 1 and not z2:
             continue
+        bf16 = d.get("frozen_quant", "none") == "none"
+        ones = [o for o in results if o["world_size"] == 1 and o["method"] == d["method"]
+                and o["gradient_checkpointing"] == gc and o.get("frozen_quant", "none") == "none"]
+        best1 = max(ones, key=lambda o: o["tokens_per_s_per_gpu"]) if ones and n > 1 else None
+        links = links or {}
+        floor = link_floor_s(d, links[n]) if z2 and n > 1 and n in links and bf16 and d.get("frozen_params") else None
         rows.append({"config": label, "gpus": n, "gradient_checkpointing": gc,
+                     "step_s_median": d.get("step_s_median"),
                      "tokens_per_s_total": d["tokens_per_s_per_gpu"] * n,
                      "scaling_vs_1gpu": d["tokens_per_s_per_gpu"] * n / one["tokens_per_s_per_gpu"] if one else None,
-                     "over_zero2": d["tokens_per_s_per_gpu"] / z2["tokens_per_s_per_gpu"] if z2 else None})
+                     "best_1gpu": best1 and _label(best1),
+                     "scaling_vs_best_1gpu": d["tokens_per_s_per_gpu"] * n / best1["tokens_per_s_per_gpu"] if best1 else None,
+                     "over_zero2": d["tokens_per_s_per_gpu"] / z2["tokens_per_s_per_gpu"] if z2 else None,
+                     "step_over_zero2": d["step_s_median"] / z2["step_s_median"] if z2 and "step_s_median" in d else None,
+                     "link_floor_s": floor})
     if not rows:
         return "", []
-    md = ["", "**Scaling** (total tokens/s; N GPUs ÷ 1 GPU of the same config; ZeRO-3 variants ÷ ZeRO-2 of the "
-          "same method and GPU count)", "", "| config | GPUs | tokens/s total | ÷ 1 GPU | ÷ ZeRO-2 |", "|---|---|---|---|---|"]
+    md = ["", "**Scaling** (total tokens/s; N GPUs ÷ 1 GPU of the same config, and ÷ the same method's fastest 1-GPU config; ZeRO-3 variants against ZeRO-2 of the "
+          "same method and GPU count; link floor: the frozen bf16 weights a rank does not hold, gathered once per pass "
+          "at the measured all-gather bus bandwidth)", "",
+          "| config | GPUs | step ms | tokens/s total | ÷ 1 GPU | ÷ fastest 1 GPU | tokens/s ÷ ZeRO-2 | step ÷ ZeRO-2 "
+          "| link floor ms |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        sc, z2 = r["scaling_vs_1gpu"], r["over_zero2"]
-        md.append(f"| {r['config']} | {r['gpus']} | {r['tokens_per_s_total']:,.0f} "
-                  f"| {f'{sc:.2f}×' if sc else '–'} | {f'{z2:.2f}×' if z2 else '–'} |")
+        sc, z2, st, fl = r["scaling_vs_1gpu"], r["over_zero2"], r["step_over_zero2"], r["link_floor_s"]
+        sb = r["scaling_vs_best_1gpu"]
+        best = f"{sb:.2f}× ({r['best_1gpu'].split(' ', 1)[-1]})" if sb else "–"
+        step = f"{r['step_s_median'] * 1e3:.0f}" if r["step_s_median"] else "–"
+        md.append(f"| {r['config']} | {r['gpus']} | {step} | {r['tokens_per_s_total']:,.0f} "
+                  f"| {f'{sc:.2f}×' if sc else '–'} | {best} | {f'{z2:.2f}×' if z2 else '–'} | {f'{st:.2f}×' if st else '–'} "
+                  f"| {f'{fl * 1e3:.0f}' if fl else '–'} |")
     return "\n".join(md) + "\n", rows
 
 
 def write_matrix(out: Path, results: list[dict], stages: dict, runs: list[dict], started: str) -> Path:
     """``train_step_matrix_<device>.json`` and ``train_step_table.md`` in ``out`` (atomic replace)."""
-    md, groups = table(results) if results else ("(no configuration finished)\n", [])
+    md, groups = table(results, link_bandwidths(out)) if results else ("(no configuration finished)\n", [])
     first = results[0] if results else {}
     device = first.get("device", "unknown")
     slug = next((k.lower() for k in ("H200", "H100", "A100") if k in device), "cpu")
@@ -279,7 +319,7 @@ def main() -> None:
     out = Path(args.out)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     if args.table_only:
-        print(table(load_results(out))[0])
+        print(table(load_results(out), link_bandwidths(out))[0])
         return
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
