@@ -582,7 +582,8 @@ def report(args) -> None:
         d = load[n]
         quant = d.get("frozen_quant", "nf4")
         if d.get("method") == "lora":
-            label = "QLoRA r=16, NF4 base" if d.get("quantize_base") else f"LoRA r=16, {quant} base"
+            label = ("QLoRA r=16, NF4 base" if d.get("quantize_base") else
+                     f"LoRA r=16, {'bf16' if quant == 'none' else quant.upper()} base")
         else:
             label = (f"FRoD s=0.02, {'bf16' if quant == 'none' else quant.upper()} U_i"
                      + (" and NF4 base" if d.get("quantize_base") else ""))
