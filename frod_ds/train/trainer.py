@@ -45,8 +45,9 @@ from frod_ds.model.build import build_frod_model, check_store_quant, fetch_per_l
 from frod_ds.runtime.atomic import check_replaceable, is_marked, mark_dir, marker_kind
 from frod_ds.train.checkpoint_dir import choose_checkpoint, sealed_checkpoints
 from frod_ds.train.data import BatchPlan, Example, collate, encode_examples, read_training_rows
-from frod_ds.config.ds_config import (NvmeParams, check_aio_build_env, check_nvme_buffer, check_nvme_buffer_count,
-                               load_ds_config, nvme_offloads, resolve_ds_config, zero_stage)
+from frod_ds.config.ds_config import (NvmeParams, batch_sizes, check_aio_build_env, check_nvme_buffer,
+                                      check_nvme_buffer_count, load_ds_config, nvme_offloads, resolve_ds_config,
+                                      zero_stage)
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.train.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.runtime.errors import FrodError, StoreError, note
@@ -124,14 +125,13 @@ def _check_store(recipe: Recipe, resume_tag: str | None = None):
     ckpt = HFCheckpoint(model_dir)
     from frod_ds.io.fingerprint import base_names, weights_fingerprint
 
-    t = recipe.train
     data = {"train": file_sha256(recipe.data.train)}
     if recipe.data.eval:
         data["eval"] = file_sha256(recipe.data.eval)
     run_identity = RunIdentity(
         base_fingerprint=weights_fingerprint(ckpt, base_names(ckpt.keys(), recipe.model.targets)), data_sha256=data,
         hyperparameters=training_hyperparameters(recipe_to_dict(recipe),
-                                                 t.micro_batch_size * t.grad_accum * dist.get_world_size()),
+                                                 batch_sizes(recipe, dist.get_world_size()).total),
         base_scope=BASE_SCOPE)
     if resume_tag is not None:
         _check_resume_store(Path(recipe.output_dir), resume_tag, identity)
@@ -356,7 +356,7 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
     eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
     t, world = recipe.train, dist.get_world_size()
-    batch = t.micro_batch_size * t.grad_accum * world
+    batch = batch_sizes(recipe, world).total
     if len(examples) < batch:
         raise FrodError(f"{recipe.data.train} has {len(examples)} rows, fewer than one global batch ({batch} = "
                         f"micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x {world} rank(s)); "
