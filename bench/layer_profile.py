@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import time_fn, write_result  # noqa: E402
 from bench.layer import LoRALinear  # noqa: E402
 from frod_ds import FRoDLinear, SparseSupport, decompose  # noqa: E402
-from frod_ds.frod_function import sampled_product  # noqa: E402
+from frod_ds.core.frod_function import sampled_product  # noqa: E402
 
 # (name, mode, impl, save, dgrad) of the FRoD variants
 FROD_VARIANTS = [

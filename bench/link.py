@@ -40,7 +40,7 @@ def _sync(device: torch.device) -> None:
 
 def measure(size_mib: float, iters: int, warmup: int) -> dict:
     """Median seconds of one all-gather whose output is ``size_mib`` MiB of bf16, and its bandwidths."""
-    from frod_ds import distributed as dist
+    from frod_ds.runtime import distributed as dist
 
     world, device = dist.get_world_size(), dist.local_device()
     n_out = int(size_mib * MIB) // 2 // world * world
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
     from bench.common import write_result
-    from frod_ds import distributed as dist
+    from frod_ds.runtime import distributed as dist
 
     dist.init_distributed()
     if dist.local_device().type == "cuda":

@@ -74,11 +74,11 @@ def main() -> None:
     from peft import FrodConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from frod_ds.adapter import load_frod_model, save_adapter_from_model
-    from frod_ds.apply import DEFAULT_TARGETS, frod_param_groups
-    from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.peft_interop import export_peft, import_peft
-    from frod_ds.store import FactorStore
+    from frod_ds.model.adapter import load_frod_model, save_adapter_from_model
+    from frod_ds.model.apply import DEFAULT_TARGETS, frod_param_groups
+    from frod_ds.model.build import build_frod_model, make_supports
+    from frod_ds.interop.peft_interop import export_peft, import_peft
+    from frod_ds.model.store import FactorStore
 
     def base():
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()

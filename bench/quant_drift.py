@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
-from frod_ds.dtypes import FLOAT_DTYPES  # noqa: E402
+from frod_ds.io.dtypes import FLOAT_DTYPES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "data_prep" / "llm_adapters"
@@ -77,7 +77,7 @@ def ensure_store(model: str, store: Path) -> None:
 
 def qlora_nf4(W: torch.Tensor) -> torch.Tensor:
     """The weight bitsandbytes' Linear4bit computes with under QLoRA's config: NF4, blocks of 64, double quantization."""
-    from frod_ds.quant import _bnb
+    from frod_ds.core.quant import _bnb
 
     F = _bnb()
     flat = W.reshape(-1)
@@ -97,9 +97,9 @@ def build(setting: str, args: argparse.Namespace, dtype: torch.dtype):
     """The model of one setting, in ``dtype`` on the device, at initialisation."""
     from transformers import AutoModelForCausalLM
 
-    from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.quant import roundtrip
-    from frod_ds.store import FactorStore
+    from frod_ds.model.build import build_frod_model, make_supports
+    from frod_ds.core.quant import roundtrip
+    from frod_ds.model.store import FactorStore
 
     if setting.startswith("frod"):
         store = FactorStore.open(args.factor_store)
@@ -121,8 +121,8 @@ def build(setting: str, args: argparse.Namespace, dtype: torch.dtype):
 @torch.no_grad()
 def weight_error(setting: str, args: argparse.Namespace, model) -> float:
     """Mean ‖W̃ − W‖/‖W‖ over the targeted weights (FRoD: W̃ = Ũ diag σ Vᵀ, from the built model)."""
-    from frod_ds.apply import frod_modules
-    from frod_ds.hf_checkpoint import HFCheckpoint
+    from frod_ds.model.apply import frod_modules
+    from frod_ds.io.hf_checkpoint import HFCheckpoint
 
     ckpt = HFCheckpoint(args.model)
     errs = []

@@ -66,7 +66,7 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     a("--eval-batch", type=int, default=64, help="rows per log-likelihood batch")
     a("--gen-batch", type=int, default=128, help="rows per generation batch (x beams sequences)")
     a("--protocols", default="loglik,llm-adapters", help="test protocols: loglik and/or llm-adapters")
-    a("--gen-impl", default="auto", help="llm-adapters scorer: local, project (frod_ds.evaluation) or auto")
+    a("--gen-impl", default="auto", help="llm-adapters scorer: local, project (frod_ds.eval.evaluation) or auto")
     a("--num-beams", type=int, default=4, help="beams of the llm-adapters protocol")
     a("--max-new-tokens", type=int, default=32, help="new tokens of the llm-adapters protocol")
     a("--select-by", default="accuracy", help="held-out criterion: accuracy (ties: answer loss) or answer_loss")

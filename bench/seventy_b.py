@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.synthetic_llama import (SHAPES, TARGETS, add_to_index, category_names, index_files,  # noqa: E402
                                    remove_from_index, split_files, untargeted_names, write_shard)
-from frod_ds.errors import FrodError  # noqa: E402
+from frod_ds.runtime.errors import FrodError  # noqa: E402
 
 GiB = 2**30
 FILE_BYTES = 4 * GiB  # one generated safetensors file at most
@@ -71,7 +71,7 @@ def _chain(p: dict) -> dict:
 
 
 def _save_chain(p: dict, chain: dict) -> None:
-    from frod_ds.atomic import atomic_write_text
+    from frod_ds.runtime.atomic import atomic_write_text
 
     atomic_write_text(p["chain"], json.dumps(chain, indent=1) + "\n")
 
@@ -154,7 +154,7 @@ def _generate(p: dict, prefix: str, names, seed: int, device) -> dict[str, str]:
 def gen_untargeted(args) -> None:
     """Every rank writes its layers' down_proj and norms (rank 0 also embeddings, final norm, lm_head); rank 0
     lists them in the index, writes config.json, the data (data_prep), a tokenizer trained on it and the recipe."""
-    from frod_ds import distributed as D
+    from frod_ds.runtime import distributed as D
 
     p, shape = _paths(args), _shape(args)
     device = D.local_device()
@@ -197,7 +197,7 @@ def _prepare_model_dir(args, p: dict, shape) -> None:
             raise ChainError(f"--data {args.data!r} is not a directory: pass LLM-Adapters' dataset folder "
                              "(../shared/data/llm_adapters) or a data_prep output (with train.jsonl)")
     if not (p["model"] / "tokenizer_config.json").is_file():
-        from frod_ds.toy import train_sentencepiece_tokenizer
+        from frod_ds.testing.toy import train_sentencepiece_tokenizer
 
         rows = [json.loads(line) for line in (p["data"] / "train.jsonl").read_text().splitlines()[:3000]]
         texts = [r["prompt"] + r.get("separator", "\nAnswer: ") + r["answer"] for r in rows]
@@ -229,9 +229,9 @@ def write_recipe(args, p: dict) -> None:
 def category(args) -> None:
     """Per category: every rank generates its members (HJD's split) → the index lists them → HJD over the
     launcher's ranks adds the category to the NF4 store → the weights are deleted."""
-    from frod_ds import distributed as D
+    from frod_ds.runtime import distributed as D
     from frod_ds.hjd.plan import my_members
-    from launch import hjd
+    from frod_ds.cli import hjd
 
     p, shape = _paths(args), _shape(args)
     device = D.local_device()
@@ -274,14 +274,14 @@ def category(args) -> None:
 
 
 def _store_has(p: dict, c: str) -> bool:
-    from frod_ds.store_format import MANIFEST, Manifest
+    from frod_ds.formats.store_format import MANIFEST, Manifest
 
     path = p["store"] / MANIFEST
     return path.is_file() and c in Manifest.read(path).completed_categories
 
 
 def _store_summary(p: dict, c: str) -> dict:
-    from frod_ds.store_format import MANIFEST, Manifest
+    from frod_ds.formats.store_format import MANIFEST, Manifest
 
     m = Manifest.read(p["store"] / MANIFEST)
     r = m.categories[c]
@@ -326,16 +326,16 @@ def _metrics(out: Path) -> list[dict]:
 
 
 def _need_store(p: dict) -> None:
-    from frod_ds.store import FactorStore
+    from frod_ds.model.store import FactorStore
 
     FactorStore.open(p["store"])  # one line when missing or incomplete
 
 
 def plan_prediction(args, p: dict, gpu_bytes: float | None) -> dict:
     """The memory planner's per-GPU prediction for the chain's training (config.json, recipe, DeepSpeed JSON)."""
-    from frod_ds.ds_config import load_ds_config
-    from frod_ds.planner import GiB as PG, engine_from_ds_config, load_model_shape, plan_memory, train_shape_from_recipe
-    from frod_ds.recipe import load_recipe
+    from frod_ds.config.ds_config import load_ds_config
+    from frod_ds.plan.planner import GiB as PG, engine_from_ds_config, load_model_shape, plan_memory, train_shape_from_recipe
+    from frod_ds.config.recipe import load_recipe
 
     recipe = load_recipe(p["recipe"], [], paths=False)
     plan = plan_memory(load_model_shape(str(p["model"])), train_shape_from_recipe(recipe),
@@ -461,7 +461,7 @@ def step(args) -> None:
 def qlora_gen(args) -> None:
     """Under the launcher: every targeted weight regenerated into ``--shm`` (each rank its layers), and
     ``WORK/qlora-model``: links to the untargeted shards and to these, with their index (a full bf16 checkpoint)."""
-    from frod_ds import distributed as D
+    from frod_ds.runtime import distributed as D
 
     p, shape = _paths(args), _shape(args)
     shm, qdir = Path(args.shm or p["work"] / "qlora-shm"), p["work"] / "qlora-model"
@@ -488,8 +488,8 @@ def qlora_gen(args) -> None:
         for f in {v for m in maps for v in m.values()}:
             (qdir / f).symlink_to((shm / f).resolve())
         add_to_index(qdir, {**base, **{k: v for m in maps for k, v in m.items()}})
-        from frod_ds.hf_checkpoint import HFCheckpoint
-        from frod_ds.store import FactorStore, check_store_matches
+        from frod_ds.io.hf_checkpoint import HFCheckpoint
+        from frod_ds.model.store import FactorStore, check_store_matches
 
         if not (p["store"] / "manifest.json").is_file():  # a QLoRA-only work dir: nothing to check against
             print(f"qlora-gen: no factor store in {p['work']}: the weights are regenerated from seed {args.seed}, "
@@ -683,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tiny and (args.steps, args.save_at, args.kill_at) == (24, 12, 18):  # the defaults: a shorter run
         args.steps, args.save_at, args.kill_at = 8, 4, 6
-    from frod_ds import entry
+    from frod_ds.runtime import entry
 
     if args.cmd in LAUNCHED:
         return entry.run(lambda: LAUNCHED[args.cmd](args))

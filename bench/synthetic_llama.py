@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from frod_ds.atomic import TMP, atomic_write_text
-from frod_ds.hf_checkpoint import INDEX_NAME
-from frod_ds.safetensors_io import safetensors_header, tensor_bytes
+from frod_ds.runtime.atomic import TMP, atomic_write_text
+from frod_ds.io.hf_checkpoint import INDEX_NAME
+from frod_ds.io.safetensors_io import safetensors_header, tensor_bytes
 
 __all__ = ["Shape", "SHAPES", "TARGETS", "STD", "tensor_seed", "make_tensor", "category_names", "untargeted_names",
            "split_files", "write_shard", "add_to_index", "remove_from_index", "index_files"]

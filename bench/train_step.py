@@ -93,10 +93,10 @@ def _zero3(ds_cfg: dict | None) -> bool:
 
 def build_frod(args, ds_cfg: dict | None, rank: int):
     """The FRoD model from checkpoint + factor store, and its two AdamW groups (σ, S)."""
-    from frod_ds.apply import frod_modules, frod_param_groups
-    from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.store import FactorStore
-    from frod_ds.trainer import enable_gradient_checkpointing
+    from frod_ds.model.apply import frod_modules, frod_param_groups
+    from frod_ds.model.build import build_frod_model, make_supports
+    from frod_ds.model.store import FactorStore
+    from frod_ds.train.trainer import enable_gradient_checkpointing
 
     store = FactorStore.open(args.factors)
     supports = make_supports(store, TARGETS, args.sparsity, 0)
@@ -131,7 +131,7 @@ def build_lora(args, ds_cfg: dict | None, device: torch.device):
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from frod_ds.trainer import enable_gradient_checkpointing  # the trainer's setting, for both methods
+    from frod_ds.train.trainer import enable_gradient_checkpointing  # the trainer's setting, for both methods
 
     keep = HfDeepSpeedConfig(ds_cfg) if _zero3(ds_cfg) else None  # noqa: F841 - alive while from_pretrained runs
     quant = _bnb_config(args)
@@ -311,7 +311,7 @@ def summarize(windows: list[list[float]], tokens_per_step: int) -> dict:
 def run(args) -> None:
     from bench.common import device_name, write_result
     from bench.flops import flops_per_token, peak_bf16_flops
-    from frod_ds import distributed as dist
+    from frod_ds.runtime import distributed as dist
 
     if args.warmup < 1:
         raise SystemExit("error: --warmup must be at least 1: the warm-up steps also check what --gc did")
@@ -329,7 +329,7 @@ def run(args) -> None:
     model, groups = build_frod(args, ds_cfg, rank) if args.method == "frod" else build_lora(args, ds_cfg, device)
     model.config.use_cache = False
     if _zero3(ds_cfg) and (args.leaf_modules if args.method == "lora" else not args.per_module_fetch):
-        from frod_ds.build import fetch_per_layer
+        from frod_ds.model.build import fetch_per_layer
 
         fetch_per_layer(model)  # FRoD: the trainer's default under ZeRO-3; LoRA: with --leaf-modules
     step = Stepper(model, groups, ds_cfg, device, compile_engine=args.compile)
@@ -431,7 +431,7 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                    help="FRoD under ZeRO-3: leave each shared V partitioned like the other frozen weights (the build "
                         "holds it replicated by default)")
     r.add_argument("--leaf-modules", action="store_true",
-                   help="LoRA under ZeRO-3: each decoder layer one fetch unit (frod_ds.build.fetch_per_layer, what the "
+                   help="LoRA under ZeRO-3: each decoder layer one fetch unit (frod_ds.model.build.fetch_per_layer, what the "
                         "trainer does for FRoD)")
     r.add_argument("--per-module-fetch", action="store_true",
                    help="FRoD under ZeRO-3: leave DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)")

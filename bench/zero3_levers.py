@@ -51,7 +51,7 @@ LEVERS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     "granularity-2e7": ("stage3_module_granularity_threshold 2e7 (modules below it fetched as one leaf)",
                         ["--ds-set=stage3_module_granularity_threshold=20000000"], ("frod", "lora")),
     "leaf-layers": ("each decoder layer one ZeRO-3 fetch unit (set_z3_leaf_modules + the first layer's input "
-                    "requiring a gradient: frod_ds.build.fetch_per_layer)", ["--leaf-modules"], ("frod", "lora")),
+                    "requiring a gradient: frod_ds.model.build.fetch_per_layer)", ["--leaf-modules"], ("frod", "lora")),
 }
 # name -> (what it reverts, the arguments added to the shipped configuration's): the shipped zero3.json and build
 # with one of their changes undone, beside the shipped configuration in the same call.

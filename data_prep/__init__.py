@@ -1,13 +1,8 @@
-"""Commonsense170K data preparation in the FRoD paper's or LLM-Adapters' prompt templates.
+"""``python -m data_prep build|stats|show``: kept for existing commands and imports; the code is ``frod_ds.prep``
+(``frod data ...``). Importing ``frod_ds`` makes the old module paths (``data_prep.io``, ...) resolve to it."""
 
-Modules: `tasks` (task keys, Hub ids, eval splits), `templates` (pure rendering per task),
-`llm_adapters` (LLM-Adapters' instruction format and prompts), `sources` (Hub, local-mirror and
-LLM-Adapters file reading), `build` (mixture, manifest, atomic write),
-`io` (the output row format and its reader `read_rows`), `tokens` (token-length checks),
-`cli` (``python -m data_prep build|stats|show``).
-"""
-
-from data_prep.io import read_rows
-from data_prep.tasks import TASKS, DataPrepError
+import frod_ds  # noqa: F401  (installs the old-path table, frod_ds._compat)
+from frod_ds.prep.io import read_rows
+from frod_ds.prep.tasks import TASKS, DataPrepError
 
 __all__ = ["TASKS", "DataPrepError", "read_rows"]

@@ -1,75 +1,11 @@
-"""Score a model on the commonsense tasks: per-task accuracy, a table beside the paper, per-row predictions.
+"""``frod eval``, in the form older commands and scripts use (``launch/eval.py``); the code is frod_ds/cli/eval.py."""
 
-    # a FRoD adapter checkpoint (base model and factor store from its adapter_config.json)
-    python launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k --tasks all --output out/run1/eval
-    # ... with the base model / factor store moved since training
-    python launch/eval.py --checkpoint out/run1/adapter-final --base-model models/llama2-7b \\
-        --factor-store factors/llama2-7b --data data/cs170k --tasks all --output out/run1/eval
-    # a plain HF model dir or Hub id: a merged export, or the untouched base model as a baseline
-    python launch/eval.py --model meta-llama/Llama-2-7b-hf --data data/cs170k --tasks boolq,piqa --output out/base/eval
-    # log-likelihood and LLM-Adapters' protocol (the published PEFT numbers' scoring) in one run, one table
-    python launch/eval.py --checkpoint out/run1/adapter-final --data data/la --mode loglik,llm-adapters --output out/run1/eval
-    # greedy generation instead of log-likelihood; a quick look at 50 rows per task
-    python launch/eval.py --model out/run1/merged --data data/cs170k --mode generate --limit 50 --output out/run1/eval-gen
-    # data-parallel: each rank scores whole batches, rank 0 gathers and writes (same numbers for any rank count)
-    torchrun --nproc_per_node 8 launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k --output out/run1/eval
-    deepspeed --num_gpus 8 launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k --output out/run1/eval
-
-Reads ``<data>/eval/<task>.jsonl`` (data_prep's output). Writes to ``--output``: ``results.json``,
-``results.md`` (the table, all modes side by side, also printed) and ``predictions.jsonl`` (one record
-per mode and row, in mode, task and file order). The files are written to a temporary directory and
-renamed into place, so a failed run leaves no partial results. User mistakes print one ``error: ...``
-line and exit with status 2. The run itself is ``frod_ds.eval_run``.
-"""
-
-from __future__ import annotations
-
-import argparse
-import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file from a checkout: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from frod_ds.cli.main import launch_shim  # noqa: E402
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = p.add_argument_group("model (exactly one of --checkpoint, --model)")
-    model.add_argument("--checkpoint", help="FRoD adapter checkpoint dir (e.g. out/run1/adapter-final)")
-    model.add_argument("--base-model", help="override the base model named in the checkpoint's adapter_config.json")
-    model.add_argument("--factor-store", help="override the factor store named in the checkpoint's adapter_config.json")
-    model.add_argument("--model", help="plain HF model dir or Hub id (a merged export, or a base model for a baseline)")
-    model.add_argument("--tokenizer", help="tokenizer dir or Hub id for --model (default: the --model path)")
-    p.add_argument("--data", required=True, help="data_prep output dir; rows are read from <data>/eval/<task>.jsonl")
-    p.add_argument("--tasks", default="all", help="'all' or a comma list, e.g. boolq,piqa,arc_easy")
-    p.add_argument("--output", required=True, help="dir for results.json, results.md and predictions.jsonl")
-    p.add_argument("--mode", default="loglik", help="one or a comma list of: loglik (argmax of the choices' summed "
-                   "log-probs), generate (greedy decoding, the earliest answer string in the output is the prediction), "
-                   "llm-adapters (LLM-Adapters' protocol: beam search of 4, 32 new tokens, first answer word)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="generate mode: tokens decoded per row")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (loglik scores all their choices at once)")
-    p.add_argument("--limit", type=int, help="score only the first N rows of each task (quick runs)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                   help="set by the deepspeed launcher; ignored (LOCAL_RANK from the environment is used)")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from frod_ds import entry
-    from frod_ds.eval_run import EvalConfig, run
-
-    return entry.run(lambda: run(EvalConfig.from_namespace(args)))
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Results are written and the process group is gone: skip the interpreter's teardown, where a native
-    # thread pool left joinable at exit occasionally aborts a gloo rank ("terminate called without an active
-    # exception", exit -6) after a successful run.
-    os._exit(code)
+launch_shim(__name__, "eval")

@@ -1,6 +1,6 @@
-"""Rows → the project's tokens and loss mask (``frod_ds.data.encode_examples``) → pre-collated batches.
+"""Rows → the project's tokens and loss mask (``frod_ds.train.data.encode_examples``) → pre-collated batches.
 
-Training text: ``prompt + separator + answer + EOS`` (``data_prep.io.row_separator``: LLM-Adapters' template
+Training text: ``prompt + separator + answer + EOS`` (``frod_ds.prep.io.row_separator``: LLM-Adapters' template
 has ``""``, the paper's ``"\\nAnswer: "``). The loss mask is the project's: the answer tokens and EOS
 (``train_on_inputs``: every token).
 
@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from bench.study.config import StudyError
-from data_prep.io import read_rows, row_separator, training_text
-from data_prep.tasks import DataPrepError
-from frod_ds.data import IGNORE_INDEX, BatchPlan, DataError, encode_examples, read_training_rows
-from frod_ds.evaluation import EvalError, common_prefix_len
+from frod_ds.prep.io import read_rows, row_separator, training_text
+from frod_ds.prep.tasks import DataPrepError
+from frod_ds.train.data import IGNORE_INDEX, BatchPlan, DataError, encode_examples, read_training_rows
+from frod_ds.eval.evaluation import EvalError, common_prefix_len
 
 __all__ = ["answer_word_start", "answer_word", "StudyExample", "encode_study_examples", "Batch", "make_batches",
            "split_rows", "load_test_rows"]

@@ -1,10 +1,10 @@
 """The study's evaluations: held-out losses, log-likelihood accuracy, LLM-Adapters' generation protocol.
 
-- loglik: ``frod_ds.evaluation.score_loglik_rows`` (the project's scoring of every choice's tokens after the
+- loglik: ``frod_ds.eval.evaluation.score_loglik_rows`` (the project's scoring of every choice's tokens after the
   training text's context).
 - llm-adapters: LLM-Adapters' ``commonsense_evaluate.py`` — its scoring prompt, beam search (4 beams, 32 new
   tokens), the first regex match of the task's answer words, correct iff equal to the gold answer word; no
-  match is wrong. ``--gen-impl project`` calls ``frod_ds.evaluation.score_llm_adapters_rows(model,
+  match is wrong. ``--gen-impl project`` calls ``frod_ds.eval.evaluation.score_llm_adapters_rows(model,
   tokenizer, rows, pad_id)`` instead (being added to the project; ``auto`` takes it when it exists) — a
   preflight on a few rows checks whichever is used before any training.
 """
@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-import frod_ds.evaluation as fe
+import frod_ds.eval.evaluation as fe
 from bench.study.data import Batch, answer_word
 from bench.study.loop import autocast, token_nll
-from data_prep.io import row_separator
-from frod_ds.scoring import summarize
+from frod_ds.prep.io import row_separator
+from frod_ds.eval.scoring import summarize
 
 __all__ = ["heldout_losses", "loglik_eval", "llm_adapters_eval", "llm_adapters_prompt", "extract_answer_word",
            "resolve_gen_impl", "LLM_ADAPTERS_WORDS"]
@@ -62,7 +62,7 @@ def heldout_losses(model: nn.Module, batches: Sequence[Batch], device: torch.dev
 
 def loglik_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_id: int, batch_size: int,
                 device: torch.device) -> tuple[dict, list[dict]]:
-    """(``frod_ds.scoring.summarize`` of the records, per-row records) under the log-likelihood protocol."""
+    """(``frod_ds.eval.scoring.summarize`` of the records, per-row records) under the log-likelihood protocol."""
     model.eval()
     records = []
     with autocast(device):
@@ -121,10 +121,10 @@ def resolve_gen_impl(choice: str) -> tuple[Callable, str]:
         if project is None:
             from bench.study.config import StudyError
 
-            raise StudyError("--gen-impl project: frod_ds.evaluation has no score_llm_adapters_rows yet; "
+            raise StudyError("--gen-impl project: frod_ds.eval.evaluation has no score_llm_adapters_rows yet; "
                              "use --gen-impl local")
         return (lambda model, tok, rows, pad_id, cfg: project(model, tok, rows, pad_id),
-                "frod_ds.evaluation.score_llm_adapters_rows")
+                "frod_ds.eval.evaluation.score_llm_adapters_rows")
     return (lambda model, tok, rows, pad_id, cfg: score_llm_adapters_local(
         model, tok, rows, pad_id, cfg.num_beams, cfg.max_new_tokens), "bench.study.evaluate.score_llm_adapters_local")
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from bench.study.config import TARGETS, MethodSpec, StudyConfig
-from frod_ds.apply import apply_frod, frod_modules, frod_param_groups, set_submodule
+from frod_ds.model.apply import apply_frod, frod_modules, frod_param_groups, set_submodule
 
 __all__ = ["load_base", "ModelFactory", "make_optimizer", "trainable_state", "load_trainable_state",
            "merged_for_eval", "decoder_and_head", "trainable_numel"]

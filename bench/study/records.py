@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.study.config import StudyConfig, StudyError
-from frod_ds.atomic import atomic_write_text
-from frod_ds.records import changed_keys, parse_json, record_from_dict, record_to_json
-from frod_ds.run_identity import file_sha256
+from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.formats.records import changed_keys, parse_json, record_from_dict, record_to_json
+from frod_ds.formats.run_identity import file_sha256
 
 __all__ = ["IDENTITY_NAME", "BASE_NAME", "INVOCATIONS_NAME", "RUNS_DIR", "STUDY_FORMAT", "IDENTITY_SETTINGS",
            "StudyIdentity", "RunRecord", "BaseRecord", "Invocation", "InvocationsRecord", "StudyDir",
@@ -130,13 +130,13 @@ def _file_sha256s(paths: list[Path], root: Path) -> dict[str, str]:
 
 def study_identity(cfg: StudyConfig, device_type: str) -> StudyIdentity:
     """The identity of the study ``cfg`` asks for (reads the data files and samples the model's weights)."""
-    from frod_ds.fingerprint import weights_fingerprint
-    from frod_ds.hf_checkpoint import HFCheckpoint
+    from frod_ds.io.fingerprint import weights_fingerprint
+    from frod_ds.io.hf_checkpoint import HFCheckpoint
 
     model_dir = Path(cfg.model)
     # config, generation config, tokenizer files; not dotfiles or the conversion record (it holds the
     # conversion's date and timing: a reconverted identical model must resume the study)
-    from frod_ds.realmodel import MARKER
+    from frod_ds.testing.realmodel import MARKER
 
     small = [p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != MARKER
              and p.suffix in (".json", ".jinja", ".txt", ".model")]

@@ -40,10 +40,10 @@ from bench.study.parallel import LocalExecutor, WorkerPool
 from bench.study.records import Invocation, RunRecord, StudyDir, study_identity
 from bench.study.report import RESULTS_NAME, claim, markdown_tables, smooth_window, sweep_table, write_plots
 from bench.study.schedule import Schedule
-from data_prep.io import check_row
-from frod_ds.atomic import atomic_write_text
-from frod_ds.data import BatchPlan
-from frod_ds.records import record_to_dict
+from frod_ds.prep.io import check_row
+from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.train.data import BatchPlan
+from frod_ds.formats.records import record_to_dict
 
 __all__ = ["run_study"]
 

@@ -23,14 +23,14 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from frod_ds import distributed as D
-from frod_ds.checksum import format_crc32
-from frod_ds.hf_checkpoint import HFCheckpoint
+from frod_ds.runtime import distributed as D
+from frod_ds.formats.checksum import format_crc32
+from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.hjd.io import FactorWriter, MemberReader
 from frod_ds.hjd.math import reconstruction_error_t
 from frod_ds.hjd.plan import my_members
-from frod_ds.quant import QuantSpec
-from frod_ds.store_format import sigma_key, u_key, v_file, v_key
+from frod_ds.core.quant import QuantSpec
+from frod_ds.formats.store_format import sigma_key, u_key, v_file, v_key
 
 __all__ = ["CategorySpec", "CategoryResult", "Phases", "MemberSource", "FactorSink", "open_category"]
 
@@ -47,7 +47,7 @@ class CategorySpec:
     heights: list[int]  # m_i of ``mine``
     n: int
     u_dtype: torch.dtype  # U is stored in it (or quantized from it): the checkpoint's dtype or --u-dtype
-    quant: str = "none"  # "none", or U_i written as a frod_ds.quant blob of this kind (--quant)
+    quant: str = "none"  # "none", or U_i written as a frod_ds.core.quant blob of this kind (--quant)
 
     @property
     def L(self) -> int:

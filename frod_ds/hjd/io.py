@@ -12,7 +12,7 @@ planned before the first byte: each tensor is copied off the GPU in chunks into 
 page-locked buffers and written at its offset (``os.pwrite``) by a thread pool while the GPU goes on; a
 part is fsynced and renamed from ``<name>.tmp`` once its last chunk is on disk. When the pool is empty the
 GPU side waits for the disk, which bounds host memory. Each chunk's CRC-32 is taken as it is written and
-the pieces are combined into the file's checksum (``frod_ds.checksum``): no second pass over the data.
+the pieces are combined into the file's checksum (``frod_ds.formats.checksum``): no second pass over the data.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from frod_ds.atomic import TMP
-from frod_ds.checksum import combine_pieces
-from frod_ds.hf_checkpoint import HFCheckpoint
-from frod_ds.safetensors_io import safetensors_header, save_tensors_atomic, tensor_bytes
-from frod_ds.store_format import part_file
+from frod_ds.runtime.atomic import TMP
+from frod_ds.formats.checksum import combine_pieces
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.io.safetensors_io import safetensors_header, save_tensors_atomic, tensor_bytes
+from frod_ds.formats.store_format import part_file
 
 __all__ = ["MemberReader", "FactorWriter", "plan_parts"]
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frod_ds.errors import HJDError
-from frod_ds.validate import pi_problem, widths_problem
+from frod_ds.runtime.errors import HJDError
+from frod_ds.runtime.validate import pi_problem, widths_problem
 
 __all__ = [
     "HJDResult",

@@ -13,18 +13,18 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from frod_ds.errors import FrodError, HJDError
-from frod_ds.launch_env import launcher_rank_world, ranks_on_this_node
-from frod_ds.store_format import category_of
-from frod_ds.validate import widths_problem
+from frod_ds.core.names import DEFAULT_TARGETS
+from frod_ds.runtime.errors import FrodError, HJDError
+from frod_ds.runtime.launch_env import launcher_rank_world, ranks_on_this_node
+from frod_ds.formats.store_format import category_of
+from frod_ds.runtime.validate import widths_problem
 
 if TYPE_CHECKING:
-    from frod_ds.hf_checkpoint import HFCheckpoint
+    from frod_ds.io.hf_checkpoint import HFCheckpoint
 
 __all__ = ["DEFAULT_TARGETS", "FLOAT_CODES", "natural_key", "targeted_members", "plan_categories", "split_counts",
            "my_members", "readahead_budget", "start_readahead"]
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
 FLOAT_CODES = ("F64", "F32", "F16", "BF16")  # safetensors dtypes HJD reads
 
 
@@ -105,7 +105,7 @@ def start_readahead(model: str, targets: Sequence[str], budget_bytes: float) -> 
     Only for a local checkpoint directory; anything unexpected (a Hub id, a broken index) returns ``None``
     and leaves the reporting to the stage itself.
     """
-    from frod_ds.hf_checkpoint import HFCheckpoint
+    from frod_ds.io.hf_checkpoint import HFCheckpoint
 
     try:
         if not os.path.isdir(model):

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frod_ds import distributed as D
-from frod_ds.errors import FrodError
+from frod_ds.runtime import distributed as D
+from frod_ds.runtime.errors import FrodError
 from frod_ds.hjd.category import CategoryResult, FactorSink, MemberSource, Phases
 from frod_ds.hjd.math import (
     gram,

@@ -19,21 +19,21 @@ from pathlib import Path
 
 import torch
 
-from frod_ds import distributed as D
-from frod_ds.atomic import atomic_write_text
-from frod_ds.dtypes import FLOAT_DTYPES, dtype_name
-from frod_ds.errors import HJDError
-from frod_ds.fingerprint import base_fingerprint, tensor_digests
-from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from frod_ds.runtime import distributed as D
+from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_name
+from frod_ds.runtime.errors import HJDError
+from frod_ds.io.fingerprint import base_fingerprint, tensor_digests
+from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
 from frod_ds.hjd import store_dir
 from frod_ds.hjd.category import CategoryResult, Phases, open_category
 from frod_ds.hjd.io import FactorWriter, MemberReader
 from frod_ds.hjd.math import no_tf32
 from frod_ds.hjd.plan import DEFAULT_TARGETS, my_members, plan_categories
 from frod_ds.hjd.routes import RouteOptions, factor_category, read_pass
-from frod_ds.quant import QUANT_KINDS
-from frod_ds.store_format import MANIFEST, Manifest, RunRecord
-from frod_ds.validate import pi_problem, targets_problem
+from frod_ds.core.quant import QUANT_KINDS
+from frod_ds.formats.store_format import MANIFEST, Manifest, RunRecord
+from frod_ds.runtime.validate import pi_problem, targets_problem
 
 __all__ = ["StageConfig", "run_stage"]
 
@@ -59,7 +59,7 @@ class StageConfig:
     io_threads: int = 8
     prefetch_gb: float = 4.0
     u_dtype: torch.dtype | None = None  # None: each category's checkpoint dtype
-    quant: str = "none"  # none | nf4 | int8: U_i written quantized (frod_ds.quant blobs), from U in u_dtype
+    quant: str = "none"  # none | nf4 | int8: U_i written quantized (frod_ds.core.quant blobs), from U in u_dtype
     categories: tuple[str, ...] | None = None  # the targets this run decomposes (None: all); the store holds targets
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Rank 0's side of the factor store directory during the HJD stage: create or resume it, record each
 finished category in the manifest (replaced from a background thread), and what each rank did.
 
-The manifest is ``frod_ds.store_format.Manifest``; a store in ``--out`` is resumed, or gets more categories
+The manifest is ``frod_ds.formats.store_format.Manifest``; a store in ``--out`` is resumed, or gets more categories
 (``--categories``), only when it was built with the same configuration (``CONFIG_FIELDS``: targets, π, dtypes,
 quantization, model config, the fingerprint of the checkpoint's untargeted tensors) and every category it holds
 complete whose weights this run sees has the same weight digests; else ``--overwrite`` is needed.
@@ -18,22 +18,22 @@ from typing import Any
 
 import torch
 
-from frod_ds import distributed as D
-from frod_ds.atomic import (MARKER, TMP, atomic_write_text, check_replaceable, fsync_dir, is_marked, mark_dir,
+from frod_ds.runtime import distributed as D
+from frod_ds.runtime.atomic import (MARKER, TMP, atomic_write_text, check_replaceable, fsync_dir, is_marked, mark_dir,
                             marker_kind)
-from frod_ds.dtypes import dtype_name
-from frod_ds.errors import HJDError, StoreError
-from frod_ds.fingerprint import FINGERPRINT_METHOD, combine_digests
-from frod_ds.hf_checkpoint import HFCheckpoint
+from frod_ds.io.dtypes import dtype_name
+from frod_ds.runtime.errors import HJDError, StoreError
+from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests
+from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.hjd.category import CategoryResult
-from frod_ds.quant import NF4_BLOCKSIZE
-from frod_ds.store_format import MANIFEST, CategoryRecord, Manifest, QuantRecord, RankRecord, is_store_file
+from frod_ds.core.quant import NF4_BLOCKSIZE
+from frod_ds.formats.store_format import MANIFEST, CategoryRecord, Manifest, QuantRecord, RankRecord, is_store_file
 
 __all__ = ["CONFIG_FIELDS", "new_manifest", "prepare_store", "remove_store_files", "ManifestWriter",
            "record_category", "rank_summary"]
 
 GiB = 2**30
-KIND = "factor-store"  # the marker's kind (frod_ds.atomic)
+KIND = "factor-store"  # the marker's kind (frod_ds.runtime.atomic)
 # a store to resume or add categories to must match on these (the targeted weights: per category, weight_sha256)
 CONFIG_FIELDS = ("format_version", "targets", "pi", "hjd_dtype", "u_dtype", "u_quant", "model_config", "base_fingerprint")
 
@@ -164,7 +164,7 @@ def _is_store(out: Path) -> bool:
 
 def prepare_store(out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str, Any] | None = None) -> Manifest:
     """Rank 0: create the store directory, or resume / extend the one there; returns the manifest to continue.
-    Store files are replaced (``overwrite``, or a corrupt manifest) only where ``frod_ds.atomic.check_replaceable``
+    Store files are replaced (``overwrite``, or a corrupt manifest) only where ``frod_ds.runtime.atomic.check_replaceable``
     allows it: a factor store, none of this run's ``inputs`` (the model)."""
     if out.exists() and not out.is_dir():
         raise HJDError(f"--out {out} is a file; pass a directory")

@@ -1,0 +1,103 @@
+"""``frod``: the one command of frod-ds; each subcommand is a module of ``frod_ds.cli`` (or ``frod_ds.prep.cli``).
+
+    frod data build --source hub --out data/cs170k
+    frod hjd --model meta-llama/Llama-2-7b-hf --out factors/llama2-7b
+    frod train --config ds_configs/zero2.json --recipe recipes/llama2_7b_cs170k.yaml output_dir=runs/x
+    frod eval --checkpoint runs/x/adapter-final --data data/cs170k --tasks all --output runs/x/eval
+    frod export --checkpoint runs/x/adapter-final --out exports/x
+    frod plan --model meta-llama/Llama-2-7b-hf --gpus 1
+    frod demo
+    frod convert-gguf fetch
+    # several ranks: the launchers run the module form
+    torchrun --nproc_per_node 8 -m frod_ds.cli hjd --model /ckpt/llama-2-70b --out factors/llama2-70b
+    deepspeed --num_gpus 8 --module frod_ds.cli train --config ds_configs/zero3.json --recipe R.yaml
+    srun python -m frod_ds.cli train --config ds_configs/zero3.json --recipe R.yaml
+
+``frod COMMAND --help`` shows a command's flags. The older forms (``deepspeed launch/train.py``, ``python
+launch/hjd.py``, ``python -m frod_ds plan``, ``python -m data_prep``, ``python -m launch.demo``) run the same code.
+Exit codes are the command's: 0 ok, 2 bad input (one ``error:`` line), 1 a failed check, 143 after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+__all__ = ["COMMANDS", "Command", "main", "console", "launch_shim"]
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str  # has ``main(argv) -> int``
+    help: str
+    fast_exit: bool = False  # leave with os._exit (frod_ds.runtime.entry.run_script says why)
+
+
+COMMANDS: dict[str, Command] = {
+    "data": Command("frod_ds.prep.cli", "build, inspect or show the Commonsense170K data (JSONL rows)"),
+    "hjd": Command("frod_ds.cli.hjd", "decompose a base model's targeted weights into a factor store", True),
+    "train": Command("frod_ds.cli.train", "train FRoD adapters with DeepSpeed ZeRO-2/3 (resumes output_dir)", True),
+    "eval": Command("frod_ds.cli.eval", "score a model or adapter on the commonsense tasks", True),
+    "export": Command("frod_ds.cli.export", "export an adapter as a merged HF checkpoint or a PEFT adapter"),
+    "plan": Command("frod_ds.cli.plan", "per-GPU memory of FRoD training and the fastest set-up that fits"),
+    "demo": Command("frod_ds.cli.demo", "the whole pipeline on a tiny local Llama (CPU or GPUs)"),
+    "convert-gguf": Command("frod_ds.cli.convert_gguf", "a GGUF model as a Hugging Face checkpoint"),
+}
+_LAUNCHER_FLAGS = ("--local_rank", "--local-rank")  # `deepspeed --module` puts --local_rank=N before the command
+
+
+def _parser() -> argparse.ArgumentParser:
+    from frod_ds import __version__
+
+    ap = argparse.ArgumentParser(prog="frod", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"frod-ds {__version__}", help="print the version and exit")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
+    for name, cmd in COMMANDS.items():
+        sub.add_parser(name, help=cmd.help, add_help=False)
+    return ap
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(``frod``'s own arguments up to the command name, the command's arguments); launcher flags that come
+    before the command name move to the command (train, eval and hjd accept ``--local_rank``)."""
+    launcher = [a for a in argv[:1] if a.split("=")[0] in _LAUNCHER_FLAGS]
+    if launcher and "=" not in launcher[0] and len(argv) > 1:
+        launcher = argv[:2]
+    rest = argv[len(launcher):]
+    return rest[:1], rest[1:] + launcher
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``frod COMMAND ARGS...``; returns the command's exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    head, tail = _split(args)
+    ns = _parser().parse_args(head)  # --help / --version / an unknown command end here
+    return int(_command_module(ns.command).main(tail) or 0)
+
+
+def _command_module(name: str) -> ModuleType:
+    return importlib.import_module(COMMANDS[name].module)
+
+
+def console() -> None:
+    """The ``frod`` console script (``[project.scripts]``) and ``python -m frod_ds.cli``."""
+    from frod_ds.runtime.entry import run_script
+
+    args = sys.argv[1:]
+    head, _ = _split(args)
+    fast = bool(head) and head[0] in COMMANDS and COMMANDS[head[0]].fast_exit
+    run_script(lambda: main(args), fast_exit=fast)
+
+
+def launch_shim(name: str, command: str) -> None:
+    """The whole body of ``launch/<command>.py``: run as a script, it runs the command; imported, the module
+    stands for the command's module itself (``from launch import train`` is ``frod_ds.cli.train``)."""
+    module = _command_module(command)
+    if name == "__main__":
+        from frod_ds.runtime.entry import run_script
+
+        run_script(module.main, fast_exit=COMMANDS[command].fast_exit)
+    sys.modules[name] = module

@@ -1,0 +1,110 @@
+"""``frod plan``: per-GPU memory of FRoD training and the fastest set-up that fits (reads config.json only).
+
+    frod plan --model meta-llama/Llama-2-7b-hf --gpus 1          # or: python -m frod_ds plan ...
+    frod plan --model /ckpt/llama-2-70b --gpus 2 --config ds_configs/zero3.json \\
+        --recipe recipes/llama2_7b_cs170k.yaml model.frozen_quant=nf4 model.gradient_checkpointing=true
+
+Exit codes: 0 the planned set-up fits, 1 it does not (or nothing does), 2 user error (one ``error:`` line).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+GiB = 2**30
+H100_GIB = 79.1  # torch.cuda.get_device_properties(0).total_memory of an 80 GB H100, in GiB
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ap = argparse.ArgumentParser(prog="frod plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory or Hub id (local cache only); config.json is read")
+    p.add_argument("--gpus", type=int, required=True, help="data-parallel GPUs (ranks)")
+    p.add_argument("--gpu-mem", type=float, default=H100_GIB,
+                   help=f"memory of one GPU in GiB as torch reports it (default {H100_GIB}: an 80 GB H100)")
+    p.add_argument("--recipe", default=None, help="YAML recipe: micro-batch, cutoff_len, targets, sparsity, dtype, "
+                                                  "checkpointing, frozen_quant (defaults: the recipe defaults)")
+    p.add_argument("--config", default=None, help="plan this DeepSpeed JSON; without it, plan the recommended set-up")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: the recipe's cutoff_len)")
+    p.add_argument("--layer-saves", choices=["z", "M"], default="z",
+                   help="what FRoDLinear keeps for its backward: z (autograd Function) or z and the dense M (the "
+                        "plain-autograd layer)")
+    p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. model.frozen_quant=nf4")
+    args = ap.parse_args(argv)
+    if args.gpus < 1 or args.gpu_mem <= 0:
+        ap.error("--gpus must be >= 1 and --gpu-mem > 0")
+    return args
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:8.2f}"
+
+
+def print_plan(plan, title: str) -> None:
+    print(title)
+    for part, b in plan.parts.items():
+        print(f"  {part:<24}{_gib(b)} GiB")
+    print(f"  {'total allocated':<24}{_gib(plan.allocated)} GiB")
+    from frod_ds.plan.planner import CUDA_CONTEXT_GIB, FRAGMENTATION
+
+    verdict = "fits" if plan.fits else "does NOT fit"
+    print(f"  needed (+{FRAGMENTATION:.0%} allocator, +{CUDA_CONTEXT_GIB:.1f} GiB CUDA/NCCL): "
+          f"{plan.needed / GiB:.1f} of {plan.gpu_bytes / GiB:.1f} GiB per GPU: {verdict}")
+    if plan.host_bytes:
+        print(f"  offloaded to host memory (all ranks of a node together): {plan.host_bytes / GiB:.1f} GiB"
+              + (" (NVMe: parameters on disk, host keeps buffers)" if "nvme" in plan.engine.name else ""))
+    other = "with" if not plan.train.checkpointing else "without"
+    print(f"  activations {other} gradient checkpointing: {plan.activations_other / GiB:.2f} GiB "
+          f"(instead of {plan.parts['activations'] / GiB:.2f})")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from frod_ds.config.ds_config import load_ds_config
+    from frod_ds.plan.planner import (ELEMENT_BYTES, PlanError, engine_from_ds_config, load_model_shape, plan_memory, recommend,
+                                 train_shape_from_recipe, trainable_numel)
+    from frod_ds.config.recipe import load_recipe
+    from frod_ds.core.names import LLAMA_LINEARS
+
+    model = load_model_shape(args.model)
+    recipe = load_recipe(args.recipe, args.overrides, paths=False)
+    train = train_shape_from_recipe(recipe, args.layer_saves, args.seq_len)
+    unknown = [t for t in train.targets if t not in LLAMA_LINEARS]
+    if unknown:
+        raise PlanError(f"model.targets {unknown} are not LLaMA linears ({' '.join(LLAMA_LINEARS)})")
+    gpu = args.gpu_mem * GiB
+    print(f"{args.model}: {model.model_type}, hidden {model.hidden}, intermediate {model.intermediate}, "
+          f"{model.layers} layers, {model.heads}/{model.kv_heads} heads, vocab {model.vocab}: "
+          f"{model.parameters / 1e9:.2f}B parameters")
+    print(f"FRoD on {' '.join(train.targets)}, density {train.sparsity}: {trainable_numel(model, train) / 1e6:.1f}M "
+          f"trainable; {train.micro_batch} x {train.seq_len} tokens per GPU, {train.dtype} "
+          f"({ELEMENT_BYTES[train.dtype]} bytes), FRoDLinear keeps {'z and M' if train.layer_saves == 'M' else 'z'}")
+    rec = recommend(model, train, args.gpus, gpu)
+    code = 0
+    if args.config:
+        engine = engine_from_ds_config(load_ds_config(args.config), args.config)
+        plan = plan_memory(model, train, engine, args.gpus, gpu)
+        q = "frozen bf16" if train.quant == "none" else f"frozen_quant={train.quant}" + (
+            " quantize_base=true" if train.quantize_base else "")
+        print_plan(plan, f"\n{args.config} on {args.gpus} GPU(s), {q}, gradient checkpointing "
+                         f"{'on' if train.checkpointing else 'off'}:")
+        code = 0 if plan.fits else 1
+    elif rec is not None:
+        print_plan(rec.plan, f"\n{rec.describe()} on {args.gpus} GPU(s):")
+    if rec is None:
+        print(f"\nnothing fits {args.gpus} GPU(s) of {args.gpu_mem:.1f} GiB, not even with offload and NF4: use more GPUs")
+        return 1
+    print(f"\nfastest set-up that fits: {rec.describe()} — {rec.reason}")
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    from frod_ds.runtime import entry
+
+    args = parse_args(argv)
+    return entry.run(lambda: plan_command(args), init_group=False)  # user errors: one ``error:`` line, exit 2
+
+
+if __name__ == "__main__":
+    from frod_ds.runtime.entry import run_script
+
+    run_script(main)

@@ -1,0 +1,242 @@
+"""The DeepSpeed JSON: the only source of engine settings, resolved against the recipe in one place.
+
+``resolve_ds_config`` fills the batch-size keys from the recipe (``"auto"`` or absent), refuses a JSON whose
+concrete values disagree, refuses every other ``"auto"`` (plain ``deepspeed.initialize`` would), and refuses
+``optimizer``/``scheduler`` blocks (they override the client optimizer's per-group learning rates).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from frod_ds.runtime.shipped import user_file
+from frod_ds.runtime.errors import FrodError
+from frod_ds.config.recipe import Recipe
+
+__all__ = ["DSConfigError", "BatchSizes", "NvmeParams", "batch_sizes", "check_nvme_buffer", "load_ds_config",
+           "nvme_buffers_needed", "resolve_ds_config", "zero_stage"]
+
+
+class DSConfigError(FrodError):
+    """A DeepSpeed config that cannot be used with this recipe."""
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    micro: int  # per rank per forward
+    accum: int  # micro-batches per optimizer step
+    world: int  # data-parallel ranks
+    total: int  # samples per optimizer step = micro * accum * world
+
+
+def batch_sizes(recipe: Recipe, world_size: int) -> BatchSizes:
+    """The one place the global batch size is computed."""
+    micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
+    return BatchSizes(micro, accum, world_size, micro * accum * world_size)
+
+
+def load_ds_config(path: str | Path) -> dict:
+    """The DeepSpeed JSON at ``path`` (or the shipped one it names, outside a checkout: ``runtime.shipped``)."""
+    p = user_file(path, "ds_configs")
+    if not p.is_file():
+        raise DSConfigError(f"DeepSpeed config {p} not found (see ds_configs/)")
+    try:
+        cfg = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DSConfigError(f"DeepSpeed config {p} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise DSConfigError(f"DeepSpeed config {p} must be a JSON object at the top level, got {type(cfg).__name__}")
+    return cfg
+
+
+def _autos(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [k for key, v in node.items() for k in _autos(v, f"{prefix}{key}.")]
+    if isinstance(node, list):
+        return [k for i, v in enumerate(node) for k in _autos(v, f"{prefix}{i}.")]
+    return [prefix[:-1]] if node == "auto" else []
+
+
+def zero_stage(cfg: dict) -> int:
+    """The ZeRO stage of a DeepSpeed config (0 when absent); ``DSConfigError`` unless it is 0, 1, 2 or 3."""
+    zo = cfg.get("zero_optimization", {})
+    stage = zo.get("stage", 0) if isinstance(zo, dict) else None
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise DSConfigError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    return stage
+
+
+def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str | None = None) -> dict:
+    """A concrete copy of ``cfg`` for ``deepspeed.initialize``; raises ``DSConfigError`` on any conflict."""
+    cfg = copy.deepcopy(cfg)
+    zero_stage(cfg)
+    bs = batch_sizes(recipe, world_size)
+    problems = []
+    for key, want in (
+        ("train_micro_batch_size_per_gpu", bs.micro),
+        ("gradient_accumulation_steps", bs.accum),
+        ("train_batch_size", bs.total),
+    ):
+        have = cfg.get(key, "auto")
+        if have == "auto":
+            cfg[key] = want
+        elif have != want:
+            problems.append(
+                f"{key}={have} in the DeepSpeed config but the recipe gives {want} "
+                f"(micro_batch_size={bs.micro} x grad_accum={bs.accum} x world_size={bs.world}); "
+                f'set it to "auto" or change the recipe'
+            )
+    if "gradient_clipping" not in cfg or cfg["gradient_clipping"] == "auto":
+        cfg["gradient_clipping"] = recipe.train.max_grad_norm
+    want_bf16 = recipe.model.dtype == "bfloat16"
+    bf16 = cfg.setdefault("bf16", {})
+    if bf16.get("enabled", "auto") == "auto":
+        bf16["enabled"] = want_bf16
+    elif bool(bf16["enabled"]) != want_bf16:
+        problems.append(
+            f"bf16.enabled={bf16['enabled']} in the DeepSpeed config but model.dtype={recipe.model.dtype}; "
+            "make them agree"
+        )
+    if cfg.get("fp16", {}).get("enabled") is True:
+        problems.append("fp16 is not supported (FRoD's sigma/S need bf16 or fp32); use bf16")
+    for block in ("optimizer", "scheduler"):
+        if block in cfg:
+            problems.append(
+                f'remove the "{block}" block: frod-ds passes its own AdamW with per-group learning rates '
+                "(lr_sigma, lr_s) and schedule from the recipe, and a DeepSpeed block would override them"
+            )
+    if nvme_path is not None:
+        zo = cfg.get("zero_optimization", {})
+        for key in ("offload_param", "offload_optimizer"):
+            if zo.get(key, {}).get("device") == "nvme":
+                zo[key]["nvme_path"] = nvme_path
+    autos = _autos(cfg)
+    if autos:
+        problems.append(f'unresolved "auto" for {", ".join(autos)}: give concrete values')
+    if problems:
+        raise DSConfigError("DeepSpeed config: " + "; ".join(problems))
+    return cfg
+
+
+DS_NVME_BUFFER_DEFAULT = 100_000_000  # DeepSpeed's offload_param.buffer_size default (elements)
+
+
+def nvme_offloads(cfg: dict) -> set[str]:
+    """Which of ``offload_param`` / ``offload_optimizer`` go to NVMe."""
+    zo = cfg.get("zero_optimization", {})
+    return {k for k in ("offload_param", "offload_optimizer") if (zo.get(k) or {}).get("device") == "nvme"}
+
+
+def check_nvme_buffer(cfg: dict, largest_numel: int, world_size: int) -> None:
+    """``DSConfigError`` (one line) when parameters go to NVMe and DeepSpeed's swap buffers cannot hold the
+    largest parameter's partition: DeepSpeed would stop with an assertion in the middle of the model build."""
+    if "offload_param" not in nvme_offloads(cfg):
+        return
+    buf = int(cfg["zero_optimization"]["offload_param"].get("buffer_size", DS_NVME_BUFFER_DEFAULT))
+    part = -(-largest_numel // world_size)
+    if part > buf:
+        raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_size is {buf:,} elements, smaller "
+                            f"than the largest parameter's partition ({part:,} = {largest_numel:,} over {world_size} "
+                            f"rank(s)); set buffer_size to at least {part}")
+
+
+DS_MIN_AIO_BYTES = 1024 ** 2  # DeepSpeed swaps a partition to NVMe only from max(this, aio.block_size) bytes
+DS_AIO_BLOCK_DEFAULT = 1024 ** 2
+DS_REUSE_DISTANCE_DEFAULT = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default (elements)
+
+
+@dataclass(frozen=True)
+class NvmeParams:
+    """Element counts of a model's parameters, grouped the way DeepSpeed's NVMe swap buffers are used."""
+    layers: list[list[int]]  # each decoder layer's own parameters
+    shared: list[int]  # parameters several layers use (FRoD's V per category), each once
+    other: list[int]  # the rest (embeddings, head, final norm)
+    trainable: list[list[int]] = field(default_factory=list)  # each decoder layer's trainable ones (σ, S)
+
+    @property
+    def largest_frozen(self) -> int:
+        """Elements of the largest frozen parameter (what one swap buffer must hold, whole or as a partition)."""
+        return max([n for ns in self.layers for n in ns] + self.shared + self.other)
+
+
+def _swapped(numels: list[int], world_size: int, elem_bytes: int, min_bytes: int) -> list[int]:
+    return [n for n in numels if -(-n // world_size) * elem_bytes >= min_bytes]
+
+
+def _min_swap_bytes(cfg: dict) -> int:
+    return max(DS_MIN_AIO_BYTES, int(cfg.get("aio", {}).get("block_size", DS_AIO_BLOCK_DEFAULT)))
+
+
+def _reuse_distance(cfg: dict) -> int:
+    return int(cfg.get("zero_optimization", {}).get("stage3_max_reuse_distance", DS_REUSE_DISTANCE_DEFAULT))
+
+
+def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_bytes: int) -> int:
+    """The ``offload_param.buffer_count`` a ZeRO-3 run with parameters on NVMe needs (DeepSpeed 0.19.8).
+
+    DeepSpeed gives each parameter whose partition it swaps to NVMe (``ds_numel / world_size`` elements of at
+    least max(1 MiB, ``aio.block_size``) bytes) one pinned swap buffer from when the partition is read back (the
+    gather that needs it, or an NVMe prefetch) until the parameter is partitioned again on release; a gather that
+    finds fewer free buffers than partitions to read stops with ``Not enough buffers``. Without prefetch and
+    without a reuse window what is gathered at once is at most one decoder layer, the shared parameters and one
+    other parameter (the head at the forward/backward turn), so that is the count. A reuse window
+    (``stage3_max_reuse_distance`` > 0) keeps every parameter that recurs within it gathered: up to one more
+    buffer per smallest swapped parameter that fits in the window."""
+    zo = cfg.get("zero_optimization", {})
+    swapped = lambda ns: _swapped(ns, world_size, elem_bytes, _min_swap_bytes(cfg))  # noqa: E731
+    layer = max((len(swapped(ns)) for ns in params.layers), default=0)
+    shared = len(swapped(params.shared))
+    other = min(len(swapped(params.other)), 1)
+    need = layer + shared + other
+    # trainable partitions stay in host memory up to offload_param.max_in_cpu elements per rank; beyond that
+    # DeepSpeed swaps them to NVMe too (any partition of at least the minimum size), a layer's at a time
+    max_in_cpu = int(zo["offload_param"].get("max_in_cpu", 1_000_000_000))
+    trainable_per_rank = sum(-(-n // world_size) for ns in params.trainable for n in ns)
+    spill = trainable_per_rank > max_in_cpu
+    if spill:
+        need += max((len(swapped(ns)) for ns in params.trainable), default=0)
+    reuse = _reuse_distance(cfg)
+    every = swapped([n for ns in params.layers + (params.trainable if spill else []) for n in ns]
+                    + params.shared + params.other)
+    if reuse > 0 and every:
+        need += -(-reuse // min(every))
+    return max(min(need, len(every)), 1)
+
+
+def check_nvme_buffer_count(cfg: dict, params: NvmeParams, world_size: int, elem_bytes: int) -> None:
+    """``DSConfigError`` (one line) when parameters go to NVMe and DeepSpeed would run out of swap buffers
+    (``nvme_buffers_needed``), or would prefetch a shared parameter from NVMe twice (DeepSpeed 0.19.8's NVMe
+    prefetch does not skip a parameter that recurs in its window: ``param N already assigned swap buffer``)."""
+    if "offload_param" not in nvme_offloads(cfg):
+        return
+    zo = cfg["zero_optimization"]
+    prefetch = int(zo.get("stage3_prefetch_bucket_size", 50_000_000))
+    if prefetch > 0 and _swapped(params.shared, world_size, elem_bytes, _min_swap_bytes(cfg)):
+        raise DSConfigError(f"DeepSpeed config: zero_optimization.stage3_prefetch_bucket_size is {prefetch:,} with "
+                            "parameters on NVMe, and DeepSpeed's NVMe prefetch swaps a parameter the layers share "
+                            "(FRoD's V) in twice and stops; set stage3_prefetch_bucket_size to 0")
+    have = int(zo["offload_param"].get("buffer_count", 5))
+    need = nvme_buffers_needed(cfg, params, world_size, elem_bytes)
+    if have < need:
+        raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_count is {have}, this model "
+                            f"gathers up to {need} NVMe-swapped parameters at once (one decoder layer, the shared "
+                            f"ones, one more{', and the stage3_max_reuse_distance window' if _reuse_distance(cfg) > 0 else ''}); "
+                            f"set buffer_count to at least {need}")
+
+
+def check_aio_build_env(cfg: dict, env: dict) -> None:
+    """``DSConfigError`` (one line) when NVMe offload will JIT-build DeepSpeed's ``async_io`` op and
+    ``TORCH_CUDA_ARCH_LIST`` holds an architecture its op builder cannot parse (DeepSpeed 0.19 reads each entry as
+    ``int.int[+PTX]``: ``9.0a``, which CUDA images for Hopper set, stops the build with a ValueError mid-setup)."""
+    if not nvme_offloads(cfg):
+        return
+    bad = [a for a in env.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").split()
+           if not all(p.isdigit() for p in a.split("+")[0].split("."))]
+    if bad:
+        raise DSConfigError(f"NVMe offload builds DeepSpeed's async_io op, whose builder cannot parse "
+                            f"TORCH_CUDA_ARCH_LIST entry {bad[0]!r}; set TORCH_CUDA_ARCH_LIST without letter suffixes "
+                            f"(e.g. {bad[0].rstrip('abcdefghijklmnopqrstuvwxyz')!r}) for this run")

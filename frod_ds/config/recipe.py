@@ -1,0 +1,244 @@
+"""The typed training recipe: dataclass defaults ← YAML ← dotted CLI overrides, validated.
+
+    recipe = load_recipe("recipes/llama2_7b_cs170k.yaml", ["train.lr_sigma=2e-4", "train.max_steps=100"])
+
+Unknown keys are rejected (with the valid ones listed); every problem found is reported in one
+``RecipeError``. Engine settings (ZeRO stage, offload, precision switches) live only in the DeepSpeed JSON;
+the recipe holds what the method and the data need. Defaults are the paper's (spec §3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from frod_ds.core.names import DEFAULT_TARGETS, QUANT_KINDS
+from frod_ds.runtime.shipped import user_file
+from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.validate import sparsity_problem, targets_problem
+
+__all__ = ["RecipeError", "ModelCfg", "DataCfg", "TrainCfg", "Recipe", "load_recipe", "recipe_to_dict"]
+
+
+class RecipeError(FrodError):
+    """A recipe that cannot run; the message lists every problem found."""
+
+
+@dataclass
+class ModelCfg:
+    base: str = ""  # HF id or local dir of the base checkpoint
+    factor_store: str = ""  # directory written by launch/hjd.py
+    tokenizer: str | None = None  # defaults to `base`
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    sparsity: float = 0.02  # density s of S
+    seed: int = 0  # seed of the S supports
+    init_adapter: str | None = None  # start from this adapter's supports, σ and S (e.g. launch/export.py --from-peft)
+    dtype: str = "bfloat16"  # parameter dtype: bfloat16 | float32 (must agree with the DeepSpeed JSON)
+    gradient_checkpointing: bool = False  # per layer, non-reentrant (trainer.enable_gradient_checkpointing)
+    frozen_quant: str = "none"  # none | int8 | nf4: every U_i held quantized (bitsandbytes), V/σ/S in dtype
+    quantize_base: bool = False  # also quantize the untargeted linears of the layers (down_proj, …), as QLoRA
+
+
+@dataclass
+class DataCfg:
+    train: str = ""  # train.jsonl (data_prep output) or the data_prep output dir
+    eval: str | None = None  # a held-out JSONL scored for loss every eval_every steps
+    cutoff_len: int = 256  # tokens per example, longer ones are truncated
+    train_on_inputs: bool = False  # false: loss on the answer tokens and EOS only
+    limit: int | None = None  # use only the first N training rows (quick runs)
+
+
+@dataclass
+class TrainCfg:
+    lr_sigma: float = 1e-4
+    lr_s: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    schedule: str = "cosine"  # cosine | linear | constant (all with linear warmup)
+    warmup_ratio: float = 0.1
+    epochs: float = 3.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs when set
+    micro_batch_size: int = 4  # per rank
+    grad_accum: int = 8
+    max_grad_norm: float = 1.0
+    seed: int = 42  # data order and dropout
+    log_every: int = 1
+    save_every: int = 200  # adapter + engine checkpoint interval (optimizer steps); 0 = only at the end
+    eval_every: int = 0  # 0 = never
+    rotation_every: int = 50  # tan α per category (gathers U, V); 0 = never
+    keep_checkpoints: int = 2  # engine checkpoints kept for resume
+    tensorboard: bool = False
+    max_nonfinite_steps: int = 3  # this many consecutive steps with a non-finite loss or gradient stop the run
+    new_run: bool = False  # output_dir holds another run: move it aside (output_dir/superseded-*) and start anew
+
+
+@dataclass
+class Recipe:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    train: TrainCfg = field(default_factory=TrainCfg)
+    output_dir: str = "runs/frod"
+
+    def problems(self, paths: bool = True) -> list[str]:
+        """Every problem found; ``paths=False`` leaves out the required paths (for the memory planner)."""
+        p = []
+        m, d, t = self.model, self.data, self.train
+        if paths and not m.base:
+            p.append("model.base is required (HF id or local checkpoint dir)")
+        if paths and not m.factor_store:
+            p.append("model.factor_store is required (the directory written by launch/hjd.py)")
+        p += [x for x in (targets_problem(m.targets, "model.targets"), sparsity_problem(m.sparsity, "model.sparsity")) if x]
+        if m.dtype not in ("bfloat16", "float32"):
+            p.append(f"model.dtype must be bfloat16 or float32, got {m.dtype!r}")
+        if m.frozen_quant not in QUANT_KINDS:
+            p.append(f"model.frozen_quant must be one of {', '.join(QUANT_KINDS)}, got {m.frozen_quant!r}")
+        elif m.quantize_base and m.frozen_quant == "none":
+            p.append("model.quantize_base=true needs model.frozen_quant nf4 or int8 (the kind it uses)")
+        if paths and not d.train:
+            p.append("data.train is required (train.jsonl from `python -m data_prep build`)")
+        if d.cutoff_len < 8:
+            p.append(f"data.cutoff_len must be >= 8, got {d.cutoff_len}")
+        if t.lr_sigma <= 0 or t.lr_s < 0:
+            p.append(f"train.lr_sigma must be > 0 and train.lr_s >= 0, got {t.lr_sigma}, {t.lr_s}")
+        if t.schedule not in ("cosine", "linear", "constant"):
+            p.append(f"train.schedule must be cosine, linear or constant, got {t.schedule!r}")
+        if not 0 <= t.warmup_ratio < 1:
+            p.append(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+        if t.max_steps is None and t.epochs <= 0:
+            p.append("set train.epochs > 0 or train.max_steps")
+        if t.max_steps is not None and t.max_steps <= 0:
+            p.append(f"train.max_steps must be > 0, got {t.max_steps}")
+        if t.micro_batch_size <= 0 or t.grad_accum <= 0:
+            p.append("train.micro_batch_size and train.grad_accum must be > 0")
+        if len(t.betas) != 2:
+            p.append(f"train.betas must be two numbers, got {t.betas}")
+        for name in ("log_every", "save_every", "eval_every", "rotation_every"):
+            if getattr(t, name) < 0:
+                p.append(f"train.{name} must be >= 0")
+        if t.log_every == 0:
+            p.append("train.log_every must be >= 1")
+        if t.keep_checkpoints < 1:
+            p.append("train.keep_checkpoints must be >= 1")
+        if t.max_nonfinite_steps < 1:
+            p.append(f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
+        for section in ("model", "data", "train"):
+            for f in dataclasses.fields(getattr(self, section)):
+                v = getattr(getattr(self, section), f.name)
+                for x in (v if isinstance(v, (list, tuple)) else [v]):
+                    if isinstance(x, float) and not math.isfinite(x):
+                        p.append(f"{section}.{f.name} must be a finite number, got {x}")
+        return p
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
+    """Check/convert a YAML value to the field's type; record a problem instead of raising."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where, problems)
+    if origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            problems.append(f"{where}: expected a list, got {value!r}")
+            return value
+        return [_coerce(v, args[0], f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        problems.append(f"{where}: expected a number, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        problems.append(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        problems.append(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls, data: dict, prefix: str, problems: list[str]):
+    types = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in types:
+            problems.append(f"unknown key {where!r} (valid: {', '.join(sorted(prefix + k for k in types))})")
+            continue
+        tp = types[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                problems.append(f"{where}: expected a mapping")
+                continue
+            kwargs[key] = _build(tp, value, f"{where}.", problems)
+        else:
+            kwargs[key] = _coerce(value, tp, where, problems)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"override {dotted!r}: {k!r} is not a section")
+    node[keys[-1]] = value
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool = True) -> Recipe:
+    """defaults ← YAML file ← ``key.sub=value`` overrides (values parsed as YAML scalars). ``paths=False``: the
+    model, factor store and data paths may be missing (``python -m frod_ds plan``)."""
+    tree: dict = {}
+    if path is not None:
+        p = user_file(path, "recipes")  # a shipped recipe by name also outside a checkout
+        if not p.is_file():
+            raise RecipeError(f"recipe file {p} not found")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise RecipeError(f"recipe {p} must be a YAML mapping")
+        tree = loaded
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} must look like section.key=value (e.g. train.lr_sigma=2e-4)")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+    problems: list[str] = []
+    recipe = _build(Recipe, tree, "", problems)
+    if not problems:
+        problems = recipe.problems(paths)
+    if problems:
+        raise RecipeError("invalid recipe: " + "; ".join(problems))
+    return recipe
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    return dataclasses.asdict(recipe)

@@ -1,0 +1,165 @@
+"""The FRoD product ``y = U (diag σ + S) Vᵀ x + b`` as autograd Functions, one per ordering (spec §2).
+
+Plain autograd through ``F.linear(F.linear(x @ V, M), U, b)`` keeps every member's dense
+``M = diag σ + S`` (n, n) from forward to backward (32 MB at n = 4096 in bf16: 6 GB over LLaMA-7B's 192
+targeted linears) and, under ZeRO-3, transposed views of the gathered ``U`` and ``V`` (``F.linear`` saves
+``weight.t()``), which keep the full factors alive after ZeRO-3 has released them. ``FRoDTokens`` saves
+only ``z = Vᵀx`` (or ``x``, and recomputes ``z``) and the Parameter objects themselves; the backward
+rebuilds ``M`` from σ and the S values and takes their gradients on the support only. ``FRoDWeight``
+(the order for many tokens: ``W = U M Vᵀ`` first) saves ``x`` and ``W``. A quantized ``U`` (``frod_ds.core.quant``)
+is dequantized where it is used, in the forward and again in the backward (``frozen_dense``), so only its packed
+Parameter is kept. Row-major, one row per token,
+``x, z, h`` of shape (T, n), ``y`` (T, m):
+
+    z = x V,    h = z Mᵀ,    y = h Uᵀ + b                       forward:  2·T·n² + T·m·n multiply-adds
+    g_h = g_y U,   g_z = g_h M,   g_x = g_z Vᵀ                  backward: T·m·n + 2·T·n²
+    ∂σ_j = Σ_t g_h[t, j] z[t, j]
+    ∂S_rc = Σ_t g_h[t, r] z[t, c]   for (r, c) in the support  (+ T·n² to recompute z from x)
+
+In the weight order ``A = U M``, ``W = A Vᵀ``, ``y = x Wᵀ + b``; ``g_x = g_y W``, ``g_A = (g_yᵀ x) V`` and
+``∂M = Uᵀ g_A`` on the support (forward 2·m·n² + T·m·n, backward 2·m·n² + 2·T·m·n).
+
+``∂S`` comes from one of two exact paths: ``dense`` forms ``g_hᵀ z`` (n, n) with one GEMM (T·n²
+multiply-adds on tensor cores, a transient n×n buffer) and gathers the support; ``sampled`` never forms
+it: T·(n + nnz) multiply-adds through row gathers, in chunks of bounded size. Which is faster depends on
+the device; ``bench/layer_profile.py`` races them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from frod_ds.core.quant import frozen_dense
+
+__all__ = ["core_matrix", "sampled_product", "support_grads", "FRoDTokens", "FRoDWeight"]
+
+SAMPLED_CHUNK_ELEMS = 1 << 25  # elements of one gathered (chunk, T) block in the sampled ∂S product
+
+
+def core_matrix(sigma: Tensor, s_values: Tensor, support_flat: Tensor, dtype: torch.dtype,
+                device: torch.device | str) -> Tensor:
+    """Dense ``diag σ + S`` (n, n); ``S``'s values at the flat (row·n + col) ``support_flat`` positions."""
+    n = sigma.shape[0]
+    diag = torch.arange(0, n * n, n + 1, device=device)
+    idx = torch.cat([diag, support_flat.to(device)])  # (n + nnz,)
+    vals = torch.cat([sigma, s_values]).to(device=device, dtype=dtype)  # (n + nnz,)
+    return torch.zeros(n * n, dtype=dtype, device=device).scatter(0, idx, vals).view(n, n)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # fp32 sums for bf16/fp16, fp64 stays fp64
+
+
+def sampled_product(a: Tensor, b: Tensor, rows: Tensor, cols: Tensor,
+                    chunk_elems: int = SAMPLED_CHUNK_ELEMS) -> Tensor:
+    """``out[k] = Σ_t a[t, rows[k]] · b[t, cols[k]]``: the (rows, cols) entries of ``aᵀ b`` without forming it.
+
+    ``a``, ``b``: (T, n); ``rows``, ``cols``: (nnz,) int64. Returns (nnz,) in fp32 (fp64 for fp64 inputs).
+    """
+    T = a.shape[0]
+    acc = _accumulation_dtype(a.dtype)
+    aT, bT = a.t().contiguous(), b.t().contiguous()  # (n, T): each support entry reads two contiguous rows
+    out = torch.empty(rows.numel(), dtype=acc, device=a.device)  # (nnz,)
+    step = max(1, chunk_elems // max(T, 1))
+    for s in range(0, rows.numel(), step):
+        out[s:s + step] = (aT[rows[s:s + step]] * bT[cols[s:s + step]]).sum(1, dtype=acc)  # (chunk, T) → (chunk,)
+    return out
+
+
+def support_grads(a: Tensor, b: Tensor, support, dense: bool) -> tuple[Tensor, Tensor]:
+    """``(∂σ, ∂S values)`` for ``∂M = aᵀ b`` (a, b: (K, n)): the diagonal and the support entries of ``aᵀ b``."""
+    device = a.device
+    if dense:
+        G = a.t() @ b  # (n, n), transient
+        return G.diagonal().clone(), G.view(-1)[support.on(device)]  # copies: G is freed on return
+    rows, cols = support.rows_cols_on(device)
+    g_sigma = (a * b).sum(0, dtype=_accumulation_dtype(a.dtype))  # (n,)
+    return g_sigma, sampled_product(a, b, rows, cols)
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class FRoDTokens(torch.autograd.Function):
+    """``y = U (diag σ + S) Vᵀ x + b`` for ``x`` (T, n) in the token order, saving ``z`` or ``x`` but never ``M``.
+
+    ``U``, ``V`` and ``bias`` are frozen Parameters passed whole: the Function keeps references to the
+    Parameter objects (not views or casts), so under ZeRO-3 the backward reads what the module's pre-backward
+    hook has gathered again. All arithmetic runs in ``x``'s dtype; σ and S gradients come back in theirs.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, sigma: Tensor, s_values: Tensor, U: Tensor, V: Tensor, bias: Tensor | None,
+                support, save_z: bool, dense_grad: bool) -> Tensor:
+        assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
+            "FRoDTokens takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
+        dt, device = x.dtype, x.device
+        M = core_matrix(sigma, s_values, support.on(device), dt, device)  # (n, n), dropped after the forward
+        z = x @ _as(V, dt)  # (T, n)
+        h = z @ M.t()  # (T, n)
+        Uc = frozen_dense(U, dt)
+        y = h @ Uc.t() if bias is None else torch.addmm(_as(bias, dt), h, Uc.t())  # (T, m)
+        ctx.save_for_backward(z if save_z else x, sigma, s_values, U, V)
+        ctx.support, ctx.save_z, ctx.dense_grad = support, save_z, dense_grad
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g_y: Tensor):
+        saved, sigma, s_values, U, V = ctx.saved_tensors
+        dt, device = saved.dtype, saved.device
+        need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
+        g_x = g_sigma = g_s = None
+        with torch.autocast(device.type, enabled=False):
+            g_y = _as(g_y, dt)
+            Vc = _as(V, dt)
+            M = core_matrix(sigma.detach(), s_values.detach(), ctx.support.on(device), dt, device)  # rebuilt
+            g_h = g_y @ frozen_dense(U, dt)  # (T, n)
+            if need_x:
+                g_x = (g_h @ M) @ Vc.t()  # (T, n)
+            if need_sigma or need_s:
+                z = saved if ctx.save_z else saved @ Vc  # (T, n)
+                gs, gS = support_grads(g_h, z, ctx.support, ctx.dense_grad)
+                g_sigma = gs.to(sigma.dtype) if need_sigma else None
+                g_s = gS.to(s_values.dtype) if need_s else None
+        return g_x, g_sigma, g_s, None, None, None, None, None, None
+
+
+class FRoDWeight(torch.autograd.Function):
+    """``y = x (U M Vᵀ)ᵀ + b`` for ``x`` (T, n) in the weight order, saving ``x`` and ``W = U M Vᵀ`` (m, n).
+
+    Same contract as ``FRoDTokens``: Parameter objects, never views of them, are kept for the backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, sigma: Tensor, s_values: Tensor, U: Tensor, V: Tensor, bias: Tensor | None,
+                support, dense_grad: bool) -> Tensor:
+        assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
+            "FRoDWeight takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
+        dt, device = x.dtype, x.device
+        M = core_matrix(sigma, s_values, support.on(device), dt, device)  # (n, n)
+        W = (frozen_dense(U, dt) @ M) @ _as(V, dt).t()  # (m, n)
+        y = x @ W.t() if bias is None else torch.addmm(_as(bias, dt), x, W.t())  # (T, m)
+        ctx.save_for_backward(x, W, sigma, s_values, U, V)
+        ctx.support, ctx.dense_grad = support, dense_grad
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g_y: Tensor):
+        x, W, sigma, s_values, U, V = ctx.saved_tensors
+        dt = x.dtype
+        need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
+        g_x = g_sigma = g_s = None
+        with torch.autocast(x.device.type, enabled=False):
+            g_y = _as(g_y, dt)
+            if need_x:
+                g_x = g_y @ W  # (T, n)
+            if need_sigma or need_s:
+                g_A = (g_y.t() @ x) @ _as(V, dt)  # (m, n): ∂(U M) = ∂W V
+                gs, gS = support_grads(frozen_dense(U, dt), g_A, ctx.support, ctx.dense_grad)  # ∂M = Uᵀ ∂(U M)
+                g_sigma = gs.to(sigma.dtype) if need_sigma else None
+                g_s = gS.to(s_values.dtype) if need_s else None
+        return g_x, g_sigma, g_s, None, None, None, None, None

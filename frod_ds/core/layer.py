@@ -1,0 +1,255 @@
+"""The FRoD layer, spec §2: ``y = U (diag σ + S) Vᵀ x + b`` with U, V frozen and σ, S trainable.
+
+One flat module, no adapter hierarchy. Frozen factors are ``nn.Parameter`` with ``requires_grad=False``
+(never buffers: ZeRO-3 partitions and offloads parameters, buffers are replicated on every GPU). ``V`` is
+one Parameter object shared by every member of a category. Trainable tensors share the prefix ``frod_``.
+
+The sparse ``S`` is a dense 1-D vector of values over a fixed strictly off-diagonal support (a flat index
+tensor shared by the category). The forward never gathers ``z`` per token: it scatters σ and the S
+values into a dense ``(n, n)`` matrix ``M = diag σ + S`` once per call and runs dense GEMMs, choosing
+between two exact orderings by FLOPs (see ``FRoDLinear.forward``). The token order runs as one autograd
+Function (``frod_ds.core.frod_function.FRoDTokens``) that keeps ``z`` (or ``x``) for the backward, never ``M``.
+
+``U`` may be quantized (``frod_ds.core.quant``: NF4 or int8 bytes in a Parameter of the model's dtype); every
+read of it goes through ``frozen_dense`` / ``frozen_linear``, which dequantize, so the layer computes
+``Ũ (diag σ + S) Vᵀ x + b`` with ``Ũ`` the dequantized ``U``. V, σ and S are never quantized.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from frod_ds.runtime.errors import FrodError
+from frod_ds.core.frod_function import FRoDTokens, FRoDWeight, core_matrix
+from frod_ds.runtime.validate import sparsity_problem
+from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
+
+__all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering", "support_nnz"]
+
+TRAINABLE_PREFIX = "frod_"
+
+
+def support_seed(seed: int, category: str) -> int:
+    """The support seed of a category: stable across processes, Python versions and category order."""
+    return (int(seed) * 1_000_003 + zlib.crc32(category.encode())) % (2**63 - 1)
+
+
+class SparseSupport:
+    """A fixed strictly off-diagonal support of ``S`` for an ``(n, n)`` matrix, shared by a category.
+
+    ``flat`` holds sorted row-major indices ``row * n + col`` (int64). Not a buffer and not a module, so
+    ``Module.to`` never duplicates it per member; ``on(device)`` caches one copy per device.
+    """
+
+    def __init__(self, n: int, flat: Tensor):
+        assert flat.dtype == torch.int64 and flat.ndim == 1, "support indices must be a 1-D int64 tensor"
+        self.n = int(n)
+        self.flat = flat.cpu()
+        self._cache: dict[torch.device, Tensor] = {}
+        self._rc_cache: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    @classmethod
+    def random(cls, n: int, sparsity: float, seed: int) -> SparseSupport:
+        """``nnz = round(sparsity·n²)`` positions off the diagonal, uniformly without replacement; ``sparsity``
+        is the density of S (the recipe's ``model.sparsity``)."""
+        problem = sparsity_problem(sparsity, "sparsity s")
+        if problem:
+            raise FrodError(problem)
+        nnz = support_nnz(n, sparsity)
+        if nnz > n * (n - 1):
+            raise FrodError(
+                f"sparsity s={sparsity} asks for {nnz} off-diagonal entries but an {n}x{n} matrix has only "
+                f"{n * (n - 1)}; use s <= {1 - 1 / n:.4g}"
+            )
+        g = torch.Generator(device="cpu").manual_seed(int(seed))
+        j = torch.randperm(n * (n - 1), generator=g)[:nnz]  # index among the off-diagonal positions
+        row, c = j // (n - 1), j % (n - 1)
+        col = c + (c >= row).long()  # skip the diagonal
+        return cls(n, torch.sort(row * n + col).values)
+
+    @classmethod
+    def from_rows_cols(cls, n: int, rows_cols: Tensor) -> SparseSupport:
+        """From a ``(2, nnz)`` (row, col) tensor as stored in adapter checkpoints; validated."""
+        rows, cols = rows_cols.long()
+        if rows.numel() and (rows.min() < 0 or cols.min() < 0 or rows.max() >= n or cols.max() >= n):
+            raise FrodError(f"S support has indices outside an {n}x{n} matrix")
+        if (rows == cols).any():
+            raise FrodError("S support must be strictly off-diagonal")
+        flat = rows * n + cols
+        if torch.unique(flat).numel() != flat.numel():
+            raise FrodError("S support has duplicate (row, col) entries")
+        return cls(n, flat)
+
+    @property
+    def nnz(self) -> int:
+        return self.flat.numel()
+
+    def rows_cols(self) -> Tensor:
+        """``(2, nnz)`` (row, col), the on-disk layout."""
+        return torch.stack([self.flat // self.n, self.flat % self.n])
+
+    def on(self, device: torch.device) -> Tensor:
+        if device not in self._cache:
+            self._cache[device] = self.flat.to(device)
+        return self._cache[device]
+
+    def rows_cols_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(rows, cols)`` (nnz,) each on ``device``, cached (the sampled ∂S product reads them)."""
+        if device not in self._rc_cache:
+            rows, cols = self.rows_cols().to(device)
+            self._rc_cache[device] = (rows, cols)
+        return self._rc_cache[device]
+
+
+class FRoDLinear(nn.Module):
+    """``y = U (diag σ + S) Vᵀ x + b`` — a drop-in for an ``nn.Linear`` of shape ``(m, n)``.
+
+    Args:
+        U: frozen ``(m, n)`` factor (a Parameter or a tensor, made a frozen Parameter), or a quantized one
+            (``frod_ds.core.quant.quantized_parameter``: its ``frod_quant`` spec gives (m, n)).
+        V: frozen ``(n, n)`` Parameter shared by the category (kept as the same object).
+        sigma: ``(n,)`` initial strengths ``σ_i`` from HJD.
+        support: the category's ``SparseSupport``.
+        bias: the base layer's bias ``(m,)`` or None, kept frozen.
+    Input ``(..., n)`` → output ``(..., m)``.
+    """
+
+    def __init__(self, U: Tensor, V: nn.Parameter, sigma: Tensor, support: SparseSupport, bias: Tensor | None = None):
+        super().__init__()
+        m, n = logical_shape(U)
+        v_shape = tuple(getattr(V, "ds_shape", V.shape))  # ZeRO-3 may already have partitioned a shared V
+        assert v_shape == (n, n), f"V must be ({n}, {n}) for U of shape {tuple(U.shape)}, got {v_shape}"
+        assert sigma.shape == (n,), f"sigma must be ({n},), got {tuple(sigma.shape)}"
+        assert support.n == n, f"support is for n={support.n}, layer has n={n}"
+        assert isinstance(V, nn.Parameter), "V must be an nn.Parameter shared by the category"
+        self.in_features, self.out_features = n, m
+        self.U = U if isinstance(U, nn.Parameter) else nn.Parameter(U, requires_grad=False)
+        self.U.requires_grad_(False)
+        self.V = V
+        self.V.requires_grad_(False)
+        self.frod_sigma = nn.Parameter(sigma.detach().clone().to(U.dtype))
+        self.frod_s = nn.Parameter(torch.zeros(support.nnz, dtype=U.dtype, device=U.device))
+        if bias is not None and not isinstance(bias, nn.Parameter):
+            bias = nn.Parameter(bias.detach().clone())
+        self.bias = bias  # the base layer's own Parameter (ZeRO-3 may hold it partitioned), frozen
+        if bias is not None:
+            bias.requires_grad_(False)
+        self.support = support
+        # "auto": the cheaper exact ordering per call (``ordering``); "tokens" / "weight" force one (benchmarks).
+        self.mode = "auto"
+        # "function": the autograd Functions of frod_function.py; "autograd": the same products through plain
+        # autograd, which keeps M (token order) for the backward — the reference they are measured against.
+        self.impl = "function"
+        # What the token order keeps for the backward: "z" (= Vᵀx, T·n per member) or "x" (shared by the
+        # members reading the same input, e.g. q/k/v; z is recomputed: T·n² more multiply-adds).
+        self.save = "z"
+        # How ∂σ, ∂S are taken: "dense" (one n×n GEMM, gathered) or "sampled" (support entries only).
+        self.dgrad = "dense"
+
+    # -- the math ------------------------------------------------------------------------------------
+
+    def core(self, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
+        """``M = diag σ + S`` as a dense ``(n, n)`` matrix (differentiable in σ and the S values)."""
+        device = device or self.frod_sigma.device
+        return core_matrix(self.frod_sigma, self.frod_s, self.support.on(device), dtype or self.frod_sigma.dtype, device)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x`` (..., n) → (..., m), by the cheaper of two exact orderings (``ordering``)."""
+        n, m = self.in_features, self.out_features
+        assert self.save in ("z", "x") and self.dgrad in ("dense", "sampled") and self.impl in ("function", "autograd"), \
+            (self.save, self.dgrad, self.impl)
+        dt = _compute_dtype(x)
+        mode = self.mode
+        if mode == "auto":
+            mode = ordering(x.numel() // n, m, n, torch.is_grad_enabled(), recompute=self.save == "x")
+        assert mode in ("tokens", "weight"), f"FRoDLinear.mode must be auto|tokens|weight, got {mode!r}"
+        frozen_train = self.U.requires_grad or self.V.requires_grad or getattr(self.bias, "requires_grad", False)
+        if self.impl == "function" and not frozen_train:
+            xt = x.reshape(-1, n).to(dt)  # (T, n)
+            with torch.autocast(x.device.type, enabled=False):  # the Functions run in dt, forward and backward
+                if mode == "tokens":
+                    y = FRoDTokens.apply(xt, self.frod_sigma, self.frod_s, self.U, self.V, self.bias, self.support,
+                                         self.save == "z", self.dgrad == "dense")  # (T, m)
+                else:
+                    y = FRoDWeight.apply(xt, self.frod_sigma, self.frod_s, self.U, self.V, self.bias, self.support,
+                                         self.dgrad == "dense")  # (T, m)
+            return y.view(*x.shape[:-1], m)
+        # Plain autograd (the reference, and the route when a frozen factor trains): keeps M or W, and views
+        # of U and V, for the backward; a quantized U is dequantized per use (frozen_dense / frozen_linear).
+        M = self.core(x.dtype, x.device)  # (n, n)
+        V, bias = self.V.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        if mode == "weight":
+            W = F.linear(frozen_dense(self.U, x.dtype) @ M, V)  # (m, n) = U M Vᵀ
+            return F.linear(x, W, bias)
+        z = x @ V  # (..., n)   z = Vᵀx
+        h = F.linear(z, M)  # (..., n)   h = M z
+        return frozen_linear(h, self.U, bias)  # (..., m)
+
+    @torch.no_grad()
+    def merged_weight(self, dtype: torch.dtype | None = None) -> Tensor:
+        """``W' = U (diag σ + S) Vᵀ`` (m, n), computed in fp32 (or ``dtype`` if wider), returned in U's dtype
+        (a quantized U: dequantized first)."""
+        cdt = dtype or (torch.float64 if self.U.dtype == torch.float64 else torch.float32)
+        W = (frozen_dense(self.U, cdt) @ self.core(cdt)) @ self.V.to(cdt).T
+        return W.to(self.U.dtype)
+
+    @torch.no_grad()
+    def update_norms_sq(self, sigma0: Tensor) -> tuple[float, float]:
+        """``(‖ΔW_on‖²_F, ‖ΔW_off‖²_F)`` with ``ΔW_on = U diag(σ−σ⁰) Vᵀ``, ``ΔW_off = U S Vᵀ`` (spec §2)."""
+        U, V = frozen_dense(self.U, torch.float32), self.V.float()
+        d = self.frod_sigma.float() - sigma0.to(U.device).float()
+        on = torch.linalg.matrix_norm((U * d) @ V.T) ** 2
+        n = self.in_features
+        S = torch.zeros(n * n, device=U.device).scatter(0, self.support.on(U.device), self.frod_s.float()).view(n, n)
+        off = torch.linalg.matrix_norm((U @ S) @ V.T) ** 2
+        return float(on), float(off)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"nnz={self.support.nnz}, bias={self.bias is not None}"
+        )
+
+
+def ordering(tokens: int, m: int, n: int, grad: bool, recompute: bool = False) -> str:
+    """The cheaper exact ordering of ``U M Vᵀ x`` for ``tokens`` inputs, U (m, n), by multiply-adds.
+
+        tokens ``U (M (Vᵀ x))``: forward 2Tn² + Tmn; with backward 5Tn² + 2Tmn (+ Tn² with ``recompute``:
+                                 the backward rebuilds z = Vᵀx from the saved x)
+        weight ``(U M Vᵀ) x``:   forward 2mn² + Tmn; with backward 4mn² + 3Tmn
+    """
+    if grad:
+        cost_tokens = (6 if recompute else 5) * tokens * n * n + 2 * tokens * m * n
+        cost_weight = 4 * m * n * n + 3 * tokens * m * n
+    else:
+        cost_tokens, cost_weight = 2 * tokens * n * n + tokens * m * n, 2 * m * n * n + tokens * m * n
+    return "weight" if cost_weight < cost_tokens else "tokens"
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype matmuls on ``x`` run in: the autocast dtype where autocast is on for its device, else x's."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def support_nnz(n: int, sparsity: float) -> int:
+    """Entries of an n×n S at density ``sparsity``: ``round(s·n²)``."""
+    return int(round(sparsity * n * n))
+
+
+def trainable_numel(n: int, sparsity: float) -> int:
+    """Trainable parameters per member: ``n + round(s·n²)``."""
+    return n + support_nnz(n, sparsity)
+
+
+def tan_alpha(on_sq: float, off_sq: float) -> float:
+    """Rotation angle ``tan α = ‖ΔW_off‖ / ‖ΔW_on‖`` (``inf`` when only S moved, 0 when nothing did)."""
+    if on_sq == 0:
+        return 0.0 if off_sq == 0 else math.inf
+    return math.sqrt(off_sq / on_sq)

@@ -1,0 +1,1 @@
+"""Evaluation: log-likelihood and LLM-Adapters scoring, and the evaluation run."""

@@ -1,0 +1,89 @@
+"""The identity of a training run: what determines its result, recorded beside every engine checkpoint
+(``run_identity.json``) so that re-running into an ``output_dir`` resumes only the same run.
+
+It holds the fingerprint of the base checkpoint's tensors the run reads (every tensor but the targeted weights,
+sampled: ``frod_ds.io.fingerprint.base_names``; the targeted weights are never read, their factors are identified by
+the factor store's record), the sha256 of the training and eval data files, and the recipe's training
+hyperparameters. So a run started from a full checkpoint resumes from the same checkpoint with the targeted
+weights deleted. It leaves out the
+layout of the run (world size, micro-batch split: only the global batch counts), paths (the content is
+recorded instead) and bookkeeping (logging, saving, keeping checkpoints). The factor store's identity is
+recorded apart (``factor_store.json``, ``frod_ds.formats.store_format.StoreIdentity``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from frod_ds.runtime.errors import FrodError
+from frod_ds.formats.records import changed_keys, parse_json, record_from_dict, record_to_json
+
+__all__ = ["RUN_IDENTITY", "BASE_SCOPE", "RunIdentityError", "RunIdentity", "file_sha256", "training_hyperparameters"]
+
+RUN_IDENTITY = "run_identity.json"
+
+# recipe keys that do not change the trained adapter (or whose content is recorded instead of the path)
+_NOT_IDENTITY = {
+    "output_dir", "model.base", "model.factor_store", "model.tokenizer", "model.gradient_checkpointing",
+    "data.train", "data.eval", "train.micro_batch_size", "train.grad_accum", "train.log_every", "train.save_every",
+    "train.eval_every", "train.rotation_every", "train.keep_checkpoints", "train.tensorboard",
+    "train.max_nonfinite_steps", "train.new_run",
+}
+
+
+class RunIdentityError(FrodError):
+    """``output_dir`` holds another run, or its identity record is unreadable."""
+
+
+def file_sha256(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def training_hyperparameters(recipe_dict: dict[str, Any], global_batch: int) -> dict[str, Any]:
+    """The recipe's keys that determine the result, flattened (``train.lr_sigma``), plus the global batch."""
+    flat: dict[str, Any] = {}
+    for section, value in recipe_dict.items():
+        if isinstance(value, dict):
+            flat.update({f"{section}.{k}": v for k, v in value.items()})
+        else:
+            flat[section] = value
+    out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(flat.items()) if k not in _NOT_IDENTITY}
+    out["global_batch"] = global_batch
+    return out
+
+
+BASE_SCOPE = "untargeted"  # base_fingerprint covers the tensors the run reads (before it: "all" tensors)
+
+
+@dataclass
+class RunIdentity:
+    base_fingerprint: str
+    data_sha256: dict[str, str]  # "train" / "eval" → sha256 of the file's bytes
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+    base_scope: str = "all"  # which tensors base_fingerprint covers: "all" (older records) or BASE_SCOPE
+
+    def differences(self, other: RunIdentity) -> list[str]:
+        """What differs between the run recorded (``self``) and the one asked for now (``other``); the base
+        fingerprints are compared when they cover the same tensors (``comparable_base``)."""
+        out = []
+        if self.comparable_base(other) and self.base_fingerprint != other.base_fingerprint:
+            out.append("base model weights")
+        out += [f"data.{k} content" for k in changed_keys(self.data_sha256, other.data_sha256)]
+        out += [f"{k}: {self.hyperparameters.get(k)!r} there, {other.hyperparameters.get(k)!r} now"
+                for k in changed_keys(self.hyperparameters, other.hyperparameters)]
+        return out
+
+    def comparable_base(self, other: RunIdentity) -> bool:
+        return self.base_scope == other.base_scope
+
+    def to_json(self) -> str:
+        return record_to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str, where: str | Path) -> RunIdentity:
+        hint = "; pass train.new_run=true to start a new run in this output_dir"
+        return record_from_dict(cls, parse_json(text, where, RunIdentityError, hint), str(where), RunIdentityError)

@@ -1,0 +1,262 @@
+"""The factor store's on-disk format: file and tensor names, and ``manifest.json`` as typed records.
+
+Layout of a store directory::
+
+    manifest.json                              written last, atomically replaced; the only index
+    <category>.V.safetensors                   key "<category>.V": (n, n) fp32
+    <category>.rank<PPPPP>.part<BBBB>.safetensors
+                                               keys "<member>.U": (m, n) in the checkpoint's dtype,
+                                                    "<member>.sigma": (n,) fp32
+                                               (built with --quant nf4|int8: "<member>.U" is the (nbytes,)
+                                               uint8 blob of frod_ds.core.quant, described by ``QuantRecord``)
+
+``<member>`` is the module's path in the HF model (``model.layers.3.self_attn.q_proj``; its weight is
+``<member>.weight``), ``<category>`` the target name, the last component of the path (``q_proj``); members
+are in layer order. ``CategoryRecord.files`` maps every key to its file, so readers never scan the
+directory, and ``CategoryRecord.checksums`` gives each file's CRC-32 (format 2). Every file is written
+under ``<name>.tmp`` and renamed; a category enters ``completed_categories`` only after all its files are
+renamed (and fsynced); ``complete`` is written last. A store whose manifest says complete is complete.
+
+``error`` is ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` with the factors in ``hjd_dtype``; ``stored_error``
+the same with the stored tensors (U rounded to the category's ``u_dtype``, or quantized from it and
+dequantized when ``u_quant`` is set; σ and V in fp32).
+
+A store may be built one category per ``launch/hjd.py`` run (``--categories``), each run seeing only its
+categories' weights: ``categories`` then holds the categories planned so far, ``complete`` is written once every
+target is in ``completed_categories``. Every run records each member weight's digest (``weight_sha256``; the
+store's ``fingerprint`` combines them, ``frod_ds.io.fingerprint.combine_digests``) and the fingerprint of the
+checkpoint's other tensors (``base_fingerprint``), which must agree across the runs of one store and identify
+the base model to training when the targeted weights are gone.
+
+Format versions: 1 (no checksums) and 2 are still read; 2 adds ``checksums``; 3 adds ``weight_sha256``,
+``base_fingerprint`` and categories added run by run. Imports nothing heavy (no torch).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from frod_ds.runtime.errors import StoreError
+from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
+
+__all__ = [
+    "FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "MANIFEST",
+    "v_key", "u_key", "sigma_key", "v_file", "part_file", "is_store_file", "category_of", "member_of_key",
+    "QuantRecord", "CategoryRecord", "RankRecord", "RunRecord", "Manifest", "CategoryIdentity", "StoreIdentity",
+]
+
+FORMAT = "frod-factor-store"
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+MANIFEST = "manifest.json"
+
+
+def category_of(member: str) -> str:
+    """The category of a module path: its last component (``model.layers.3.mlp.up_proj`` -> ``up_proj``)."""
+    return member.rsplit(".", 1)[-1]
+
+
+def v_key(category: str) -> str:
+    return f"{category}.V"
+
+
+def u_key(member: str) -> str:
+    return f"{member}.U"
+
+
+def sigma_key(member: str) -> str:
+    return f"{member}.sigma"
+
+
+def member_of_key(key: str) -> str:
+    """``<member>.U`` / ``<member>.sigma`` -> ``<member>``."""
+    return key.rsplit(".", 1)[0]
+
+
+def v_file(category: str) -> str:
+    return f"{category}.V.safetensors"
+
+
+def part_file(category: str, rank: int, part: int) -> str:
+    return f"{category}.rank{rank:05d}.part{part:04d}.safetensors"
+
+
+_STORE_FILE = re.compile(r"^[^.]+\.(V|rank\d{5}\.part\d{4})\.safetensors(\.tmp)?$")
+
+
+def is_store_file(name: str, category: str | None = None) -> bool:
+    """Whether ``name`` is a factor file (or its temporary) of this format, optionally of ``category``."""
+    return bool(_STORE_FILE.match(name)) and (category is None or name.startswith(category + "."))
+
+
+@dataclass(frozen=True)
+class QuantRecord:
+    """How a store's ``U_i`` are quantized (``launch/hjd.py --quant``): ``frod_ds.core.quant`` blobs of this kind."""
+
+    kind: str  # "nf4" | "int8"
+    blocksize: int  # NF4 block size (int8 is per row; recorded all the same)
+
+
+@dataclass
+class CategoryRecord:
+    """One category: its members and shapes, and, once complete, its files, checksums, errors and route."""
+
+    members: list[str]
+    shapes: dict[str, list[int]]  # member -> [m, n]
+    width: int  # n
+    u_dtype: str  # the dtype U is stored in: the checkpoint's, or the manifest's u_dtype
+    complete: bool = False
+    u_quant: QuantRecord | None = None  # U stored quantized from u_dtype (absent: dense)
+    files: dict[str, str] = field(default_factory=dict)  # key -> file
+    checksums: dict[str, str] | None = None  # file -> "crc32:…"; None in format 1
+    error: dict[str, float] = field(default_factory=dict)
+    stored_error: dict[str, float] = field(default_factory=dict)
+    max_error: float | None = None
+    max_stored_error: float | None = None
+    world_size: int | None = None
+    seconds: float | None = None
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    method: str | None = None  # "gram" | "householder"
+    cond_estimate: float | None = None  # Gram route's lower bound of cond(R)
+    weight_sha256: dict[str, str] | None = None  # member -> frod_ds.io.fingerprint.tensor_digests of its weight (format 3)
+
+    def expected_keys(self) -> set[str]:
+        """Every tensor key a complete category has."""
+        (category,) = {category_of(m) for m in self.members}
+        return {v_key(category)} | {u_key(m) for m in self.members} | {sigma_key(m) for m in self.members}
+
+
+@dataclass(kw_only=True)
+class RankRecord:
+    """What one rank of the HJD stage did."""
+
+    rank: int
+    device: str
+    seconds: float
+    cpu_threads: int | None = None  # torch's intra-op threads (absent in stores of older versions)
+    peak_host_rss_gib: float
+    tensors_read: int
+    bytes_read: int
+    gpu: str | None = None
+    peak_device_gib: float | None = None
+    peak_device_reserved_gib: float | None = None
+
+
+@dataclass
+class RunRecord:
+    """The last run of the HJD stage over this store."""
+
+    seconds: float
+    startup_s: float | None
+    prologue_s: float
+    world_size: int
+    categories_done: list[str]
+    categories_skipped: list[str]
+    ranks: list[RankRecord]
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """``manifest.json``; :meth:`to_json` / :meth:`from_json` are its only writer and reader."""
+
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    complete: bool = False
+    completed_categories: list[str] = field(default_factory=list)
+    base_model: str  # what --model named (Hub id or directory) in the run that created the store
+    fingerprint: str  # frod_ds.io.fingerprint.weights_fingerprint of every member's weight (of the planned categories)
+    fingerprint_method: str
+    model_config: dict[str, Any] | None  # a few config.json fields (model_type, hidden_size, ...)
+    targets: list[str]
+    pi: float
+    hjd_dtype: str  # "float32" | "float64"
+    u_dtype: str = "auto"  # "auto": each category's checkpoint dtype; else --u-dtype (absent before it existed: auto)
+    u_quant: QuantRecord | None = None  # --quant nf4|int8 (absent: U stored dense)
+    base_fingerprint: str | None = None  # frod_ds.io.fingerprint.base_fingerprint: the other tensors (format 3)
+    categories: dict[str, CategoryRecord]  # the targets planned so far (all of them once complete)
+    world_size: int
+    versions: dict[str, str]  # frod_ds, torch, safetensors, python
+    run: RunRecord | None = None
+
+    def to_json(self) -> str:
+        return record_to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str, where: str | Path) -> Manifest:
+        """Parse and check a manifest; ``StoreError`` naming ``where`` when it is not one this code reads."""
+        data = parse_json(text, where, StoreError, "; rebuild the store with launch/hjd.py --overwrite")
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise StoreError(f"{where} is not a FRoD factor store manifest")
+        version = data.get("format_version")
+        if version not in READABLE_VERSIONS:
+            raise StoreError(
+                f"{where} has format version {version}, this code reads {', '.join(map(str, READABLE_VERSIONS))}; "
+                "rebuild the store with this version's launch/hjd.py" + (" or upgrade frod-ds" if isinstance(version, int)
+                                                                         and version > FORMAT_VERSION else "")
+            )
+        manifest = record_from_dict(cls, data, str(where), StoreError)
+        unknown = [c for c in manifest.completed_categories if c not in manifest.categories]
+        if unknown:
+            raise StoreError(f"{where}: completed category {unknown[0]!r} is not in 'categories'; rebuild the store")
+        return manifest
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest:
+        return cls.from_json(path.read_text(), path)
+
+    @property
+    def has_checksums(self) -> bool:
+        return self.format_version >= 2
+
+    @property
+    def missing_categories(self) -> list[str]:
+        """Targets not yet complete, in target order."""
+        return [t for t in self.targets if t not in self.completed_categories]
+
+
+@dataclass(frozen=True)
+class CategoryIdentity:
+    """What makes a category's factors these factors: a sha256 of its ``V`` and the HJD route."""
+
+    v_sha256: str | None  # None: not recorded (adapter format 1)
+    method: str | None
+
+
+@dataclass(frozen=True)
+class StoreIdentity:
+    """The identity of a factor store as an adapter or a training run depends on it: the base weights'
+    fingerprint, π, and per category ``CategoryIdentity``. Fields that are ``None`` were not recorded."""
+
+    fingerprint: str | None
+    pi: float | None
+    categories: dict[str, CategoryIdentity]
+
+    def differences(self, other: StoreIdentity) -> list[str]:
+        """What differs between ``self`` (recorded) and ``other`` (found), comparing only recorded fields."""
+        out = []
+        if self.fingerprint is not None and other.fingerprint is not None and self.fingerprint != other.fingerprint:
+            out.append(f"base weights fingerprint {self.fingerprint[:16]}… there, {other.fingerprint[:16]}… here")
+        if self.pi is not None and other.pi is not None and self.pi != other.pi:
+            out.append(f"pi {self.pi:g} there, {other.pi:g} here")
+        for c, mine in self.categories.items():
+            if mine.v_sha256 is None and mine.method is None:
+                continue  # nothing recorded for it
+            theirs = other.categories.get(c)
+            if theirs is None:
+                out.append(f"no category {c!r} here")
+                continue
+            if mine.v_sha256 is not None and theirs.v_sha256 is not None and mine.v_sha256 != theirs.v_sha256:
+                out.append(f"V of {c} differs")
+            if mine.method is not None and theirs.method is not None and mine.method != theirs.method:
+                out.append(f"{c} by the {mine.method} route there, {theirs.method} here")
+        return out
+
+    def to_json(self) -> str:
+        return record_to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str, where: str | Path) -> StoreIdentity:
+        return record_from_dict(cls, parse_json(text, where, StoreError), str(where), StoreError)

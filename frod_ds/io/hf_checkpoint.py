@@ -1,0 +1,292 @@
+"""Read single tensors of a Hugging Face safetensors checkpoint without loading the model.
+
+``HFCheckpoint`` reads ``model.safetensors.index.json`` (or a single ``model.safetensors``), parses each
+shard's header itself (8-byte little-endian length + JSON) to know shapes, dtypes and byte offsets, and
+reads a requested tensor's byte range from the shard that holds it. Shard headers are checked against the
+file size on first use, so a missing or truncated shard is reported before any rank starts computing.
+
+Importing this module does not import torch (``launch/hjd.py`` uses it to start reading ahead while torch
+loads); tensors are made on demand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from frod_ds.runtime.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "safetensors_dtype", "resolve_model_dir", "resolve_config_file", "HFCheckpoint",
+           "TensorInfo"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_dtype(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code (``"BF16"`` -> ``torch.bfloat16``)."""
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}[code]
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A local checkpoint directory as is; otherwise a Hugging Face Hub id, downloaded (or found in the
+    local HF cache) with ``snapshot_download`` — only configs, safetensors and tokenizer files."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"--model {model!r} is a file; pass the checkpoint directory (config.json + *.safetensors)")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise CheckpointError(f"model directory {model!r} does not exist; pass a local checkpoint directory or a Hub id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS))
+    except (OSError, ValueError) as e:  # offline, no network, unknown or gated repo (HTTP errors are OSErrors)
+        raise CheckpointError(
+            f"could not resolve {model!r}: it is not a local directory and the Hugging Face Hub id could not be "
+            f"resolved (offline, or not in the local cache; {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "pass a local directory holding the checkpoint (config.json + *.safetensors)"
+        ) from None
+
+
+def resolve_config_file(model: str) -> Path:
+    """``config.json`` of a local checkpoint directory, or of a Hub id from the local HF cache only (nothing is
+    downloaded: the memory planner reads no weights). ``CheckpointError`` (one line) when there is none."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"model directory {path} has no config.json; pass the checkpoint directory (config.json + "
+                             "*.safetensors)")
+        return path / "config.json"
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise CheckpointError(f"--model {model!r} is not a checkpoint directory; pass a directory holding config.json or a "
+                         "Hub id in the local cache")
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(model, "config.json", local_files_only=True))
+    except Exception as e:  # not cached, malformed id: the same advice
+        raise CheckpointError(f"{model!r} is not a local directory and its config.json is not in the local Hugging Face "
+                         f"cache ({type(e).__name__}); pass a local checkpoint directory") from None
+
+
+class TensorInfo:
+    """Where one tensor lives: shard file, dtype, shape, absolute byte range in the file."""
+
+    __slots__ = ("file", "code", "shape", "start", "end")
+
+    def __init__(self, file: Path, code: str, shape: tuple[int, ...], start: int, end: int):
+        self.file, self.code, self.shape, self.start, self.end = file, code, shape, start, end
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return safetensors_dtype(self.code)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _read_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse and check a safetensors header; ``CheckpointError`` naming the file when it is missing or broken."""
+    if not file.is_file():
+        raise CheckpointError(
+            f"shard {file.name} is missing from {file.parent} (it is listed in {INDEX_NAME}); the download is "
+            "incomplete: download the checkpoint again"
+        )
+    size = file.stat().st_size
+    broken = (
+        f"safetensors file {file} is truncated or corrupt ({size} bytes on disk); delete it and download the "
+        "checkpoint again"
+    )
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(broken)
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            raise CheckpointError(broken)
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CheckpointError(broken) from None
+    base = 8 + n
+    out: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in meta["data_offsets"])
+            code = str(meta["dtype"])
+            itemsize = _ITEMSIZE[code]
+            shape = tuple(int(s) for s in meta["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{broken} (bad header entry for {name!r})") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * itemsize:
+            raise CheckpointError(f"{broken} (the byte range of {name!r} does not match its shape and dtype)")
+        data_end = max(data_end, end)
+        out[name] = TensorInfo(file, code, shape, base + begin, base + end)
+    if base + data_end != size:
+        raise CheckpointError(f"{broken}; its header says {base + data_end} bytes")
+    return out
+
+
+class HFCheckpoint:
+    """Tensor-level access to a safetensors checkpoint directory; nothing is read until asked for.
+
+    Counts what it reads (``tensors_read``, ``bytes_read``) so a distributed stage can report that each
+    rank read only its own members.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        index = self.dir / INDEX_NAME
+        single = self.dir / SINGLE_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map); download it again") from None
+            self._file_of = {name: self.dir / fname for name, fname in weight_map.items()}
+        elif single.is_file():
+            self._file_of = {name: single for name in _read_header(single)}
+        else:
+            hint = " (found PyTorch .bin files: convert them to safetensors first)" if any(self.dir.glob("*.bin")) else ""
+            raise CheckpointError(f"no {INDEX_NAME} or {SINGLE_NAME} in {self.dir}; HJD reads safetensors checkpoints{hint}")
+        self._headers: dict[Path, dict[str, TensorInfo]] = {}
+        self.tensors_read = 0
+        self.bytes_read = 0
+        self._lock = threading.Lock()  # reader threads count what they read
+
+    def keys(self) -> list[str]:
+        """All tensor names of the checkpoint (from the index; no shard is opened)."""
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def info(self, name: str) -> TensorInfo:
+        """Shard, dtype, shape and byte range of ``name`` (reads and checks that shard's header once)."""
+        if name not in self._file_of:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint {self.dir}; check the model and --targets")
+        file = self._file_of[name]
+        if file not in self._headers:
+            self._headers[file] = _read_header(file)
+        header = self._headers[file]
+        if name not in header:
+            raise CheckpointError(
+                f"{INDEX_NAME} in {self.dir} maps {name!r} to {file.name}, which does not contain it; the index and "
+                "shards are from different downloads: download the checkpoint again"
+            )
+        return header[name]
+
+    def check(self, names: Iterable[str]) -> None:
+        """Check the shards holding ``names`` (present, header readable, size consistent) up front."""
+        for name in names:
+            self.info(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.info(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.info(name).dtype
+
+    def files(self, names: Iterable[str]) -> list[Path]:
+        """The distinct shard files holding ``names``."""
+        return sorted({self.info(n).file for n in names})
+
+    def get(self, name: str, device: str | torch.device = "cpu") -> Tensor:
+        """Read one tensor: its byte range straight from its shard into a new tensor (``os.preadv``, which
+        releases the GIL, so reader threads run in parallel)."""
+        import torch
+
+        info = self.info(name)
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        self.read_range(name, 0, buf)
+        t = buf.view(info.dtype).reshape(info.shape)
+        return t if str(device) == "cpu" else t.to(device)
+
+    def read_range(self, name: str, start: int, out: Tensor) -> None:
+        """Bytes ``[start, start + out.numel())`` of ``name``'s data into the CPU ``uint8`` tensor ``out``."""
+        info = self.info(name)
+        length = out.numel()
+        assert out.element_size() == 1 and out.is_contiguous() and 0 <= start and start + length <= info.nbytes
+        if length:
+            view = memoryview(out.numpy())
+            try:
+                fd = os.open(info.file, os.O_RDONLY)
+                try:
+                    done = 0
+                    while done < length:
+                        k = os.preadv(fd, [view[done:]], info.start + start + done)
+                        if k <= 0:
+                            raise OSError(f"read ended {length - done} bytes early")
+                        done += k
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise CheckpointError(
+                    f"could not read {name!r} from {info.file}: {e}; the file is corrupt: download the checkpoint again"
+                ) from None
+        with self._lock:
+            self.bytes_read += length
+            if start + length == info.nbytes:
+                self.tensors_read += 1
+
+    def readahead(self, names: Iterable[str], budget_bytes: float) -> threading.Thread:
+        """Ask the kernel to start reading ``names`` (in this order, up to ``budget_bytes``) into the page
+        cache (``posix_fadvise(WILLNEED)``), from a daemon thread; returns it. Only a hint: errors end it
+        quietly, and later reads are correct either way."""
+
+        def run() -> None:
+            left = budget_bytes
+            try:
+                for name in names:
+                    info = self.info(name)
+                    if left < info.nbytes:
+                        return
+                    fd = os.open(info.file, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, info.start, info.nbytes, os.POSIX_FADV_WILLNEED)
+                    finally:
+                        os.close(fd)
+                    left -= info.nbytes
+            except (OSError, ValueError, AttributeError):
+                return
+
+        names = list(names)
+        thread = threading.Thread(target=run, name="hjd-readahead", daemon=True)
+        thread.start()
+        return thread
+
+    def read_bytes(self, name: str, offset: int, length: int) -> bytes:
+        """Raw bytes ``[offset, offset + length)`` of ``name``'s data (used by the weights fingerprint)."""
+        info = self.info(name)
+        assert 0 <= offset and offset + length <= info.nbytes, "byte range outside the tensor"
+        with open(info.file, "rb") as f:
+            f.seek(info.start + offset)
+            return f.read(length)

@@ -1,0 +1,248 @@
+"""Adapter checkpoints: σ_i, S values and S supports — the only trained state — plus how to rebuild the model.
+
+The format (file names, ``AdapterConfig``) is ``frod_ds.formats.adapter_format``. Directories are written under a
+temporary name and renamed, so an adapter that exists is complete. Under ZeRO-3, ``adapter_state`` gathers
+σ and S from their partitions on every rank. An adapter records the identity of the factor store it was
+trained on; ``adapter_sources`` refuses another store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from frod_ds.formats.adapter_format import (
+    CONFIG,
+    WEIGHTS,
+    AdapterCategory,
+    AdapterConfig,
+    s_name,
+    sigma_name,
+    support_name,
+)
+from frod_ds.model.apply import frod_modules
+from frod_ds.runtime.atomic import building_dir
+from frod_ds.model.build import build_frod_model, gathered
+from frod_ds.io.dtypes import FLOAT_DTYPES
+from frod_ds.runtime.errors import AdapterError, FrodError, note
+from frod_ds.core.layer import SparseSupport
+from frod_ds.model.store import FactorStore
+from frod_ds.formats.store_format import StoreIdentity, category_of
+
+__all__ = [
+    "adapter_state",
+    "write_adapter",
+    "save_adapter_from_model",
+    "read_adapter",
+    "load_adapter_into",
+    "is_adapter_checkpoint",
+    "load_frod_model",
+    "supports_from_adapter",
+    "check_adapter_store",
+    "merged_state_dict",
+    "adapter_sources",
+]
+
+
+def adapter_state(model: nn.Module, zero3: bool = False, store: StoreIdentity | None = None,
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, AdapterCategory]]:
+    """``(tensors, categories)`` of every FRoD layer, fp32 on CPU (complete on every rank); ``store``: the
+    identity of the factor store the model was built from, recorded per category.
+
+    Call on all ranks under ZeRO-3 (gathering is collective).
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    categories: dict[str, AdapterCategory] = {}
+    for name, m in frod_modules(model):
+        with gathered([m.frod_sigma, m.frod_s], zero3):
+            tensors[sigma_name(name)] = m.frod_sigma.detach().float().cpu().clone()
+            tensors[s_name(name)] = m.frod_s.detach().float().cpu().clone()
+        cat = category_of(name)
+        if cat not in categories:
+            ident = store.categories.get(cat) if store is not None else None
+            categories[cat] = AdapterCategory([], m.in_features, m.support.nnz,
+                                              v_sha256=ident.v_sha256 if ident else None,
+                                              method=ident.method if ident else None)
+            tensors[support_name(cat)] = m.support.rows_cols().contiguous()
+        categories[cat].members.append(name)
+    return tensors, categories
+
+
+def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: AdapterConfig,
+                  extra_files: dict[str, str] | None = None) -> Path:
+    """Write an adapter dir atomically (built under a temporary name, then renamed)."""
+    out_dir = Path(out_dir)
+    bad = nonfinite_tensor(tensors)
+    if bad:
+        raise AdapterError(f"refusing to write adapter {out_dir}: {bad}; the training diverged")
+    with building_dir(out_dir, "adapter") as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
+        (tmp / CONFIG).write_text(config.to_json())
+        for fname, text in (extra_files or {}).items():
+            (tmp / fname).write_text(text)
+    return out_dir
+
+
+def save_adapter_from_model(model: nn.Module, out_dir: str | Path, config: AdapterConfig,
+                            store: FactorStore | None = None) -> Path:
+    """Single-process convenience: write ``model``'s adapter with ``config``; with ``store`` (the one the
+    model was built from) its identity is recorded."""
+    categories = sorted({category_of(name) for name, _ in frod_modules(model)})
+    identity = store.identity(categories) if store is not None else None
+    tensors, cats = adapter_state(model, store=identity)
+    if identity is not None:
+        config = dataclasses.replace(config, factor_store_fingerprint=identity.fingerprint, pi=identity.pi)
+    return write_adapter(out_dir, tensors, dataclasses.replace(config, categories=cats))
+
+
+def is_adapter_checkpoint(path: str | Path) -> bool:
+    p = Path(path)
+    if not (p / CONFIG).is_file():
+        return False
+    try:
+        AdapterConfig.read(p / CONFIG)
+    except AdapterError as e:  # a damaged frod-ds config is still one: reading it reports the damage
+        return "corrupt" in str(e) or (p / WEIGHTS).is_file()
+    except (FrodError, OSError):
+        return False
+    return True
+
+
+def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
+    """A one-line description of the first tensor holding NaN or inf, or None when all are finite."""
+    for name, x in tensors.items():
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            n = int((~torch.isfinite(x)).sum())
+            return f"{name} holds {n} non-finite value(s) (NaN/inf) of {x.numel()}"
+    return None
+
+
+def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConfig]:
+    """``(tensors, config)``; ``AdapterError`` naming the file when something is missing or malformed."""
+    p = Path(path)
+    if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
+        raise AdapterError(f"{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS})")
+    config = AdapterConfig.read(p / CONFIG)
+    try:
+        tensors = load_file(str(p / WEIGHTS))
+    except (SafetensorError, OSError) as e:
+        raise AdapterError(f"{p / WEIGHTS} cannot be read ({e}); the adapter file is damaged") from None
+    missing = [k for c, info in config.categories.items()
+               for k in [support_name(c)] + [f(m) for m in info.members for f in (sigma_name, s_name)] if k not in tensors]
+    if missing:
+        raise AdapterError(f"{p / WEIGHTS} has no tensor {missing[0]!r} ({len(missing)} missing); the adapter is damaged")
+    bad = nonfinite_tensor(tensors)
+    if bad:
+        raise AdapterError(f"adapter {p} cannot be used: {bad}; its training diverged, use an earlier adapter or retrain")
+    return tensors, config
+
+
+def supports_from_adapter(tensors: dict[str, torch.Tensor], config: AdapterConfig) -> dict[str, SparseSupport]:
+    """Each category's S support, validated (``FrodError`` for indices off the matrix, on the diagonal or twice)."""
+    return {cat: SparseSupport.from_rows_cols(info.n, tensors[support_name(cat)]) for cat, info in config.categories.items()}
+
+
+@torch.no_grad()
+def load_adapter_into(model: nn.Module, tensors: dict[str, torch.Tensor], zero3: bool = False) -> None:
+    """Copy σ and S values into a model whose FRoD layers have the adapter's supports."""
+    layers = dict(frod_modules(model))
+    for name, m in layers.items():
+        for key in (sigma_name(name), s_name(name)):
+            if key not in tensors:
+                raise AdapterError(f"adapter has no tensor {key!r}; it was trained on other targets")
+        sup = tensors.get(support_name(category_of(name)))
+        if sup is not None and not torch.equal(sup.long(), m.support.rows_cols()):
+            raise AdapterError(f"{name}: the adapter's S support differs from the model's")
+        with gathered([m.frod_sigma, m.frod_s], zero3, modifier_rank=0):
+            m.frod_sigma.copy_(tensors[sigma_name(name)].to(m.frod_sigma.dtype))
+            m.frod_s.copy_(tensors[s_name(name)].to(m.frod_s.dtype))
+
+
+def check_adapter_store(config: AdapterConfig, store: FactorStore, where: str | Path) -> None:
+    """``AdapterError`` unless ``store`` is the factor store the adapter was trained on (as far as its
+    config records: base weights' fingerprint, π, and per category V's sha256 and the HJD route)."""
+    missing = [c for c in config.categories if c not in store.categories]
+    if missing:
+        raise AdapterError(f"adapter {where} has category {missing[0]!r}, which factor store {store.path} does not "
+                           f"have (it has {sorted(store.categories)}); pass --factor-store with the store it was trained on")
+    if config.records_store_identity:
+        found = store.identity(list(config.categories))
+    else:
+        note(f"adapter {where} does not record the identity of its factor store (adapter version {config.version}, "
+             f"written by an older frod-ds): only the base weights and pi of {store.path} are checked")
+        found = StoreIdentity(store.fingerprint, store.pi, {})
+    diffs = config.store_identity().differences(found)
+    if diffs:
+        raise AdapterError(
+            f"adapter {where} was trained on another factor store than {store.path} ({'; '.join(diffs)}); pass "
+            f"--factor-store with the store it was trained on (its adapter_config.json names {config.factor_store})"
+        )
+
+
+def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, factor_store: str | None = None):
+    """``(tensors, config, model_dir, store)`` of an adapter: its σ/S tensors and config, the base checkpoint
+    directory and the factor store (from the adapter's config unless given), checked to belong together."""
+    from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+    from frod_ds.model.store import check_store_matches
+
+    tensors, config = read_adapter(checkpoint_dir)
+    base = base_model or config.base_model
+    store_path = factor_store or config.factor_store
+    if not base:
+        raise AdapterError(f"{checkpoint_dir}: adapter names no base model; pass --base-model")
+    if not store_path or not Path(store_path).is_dir():
+        raise AdapterError(
+            f"factor store {store_path!r} named by {checkpoint_dir} not found; pass --factor-store DIR "
+            "(the directory written by launch/hjd.py for this base model)"
+        )
+    store = FactorStore.open(store_path)
+    model_dir = resolve_model_dir(base)
+    check_store_matches(store, HFCheckpoint(model_dir))
+    check_adapter_store(config, store, checkpoint_dir)
+    return tensors, config, model_dir, store
+
+
+def load_frod_model(
+    checkpoint_dir: str | Path,
+    base_model: str | None = None,
+    factor_store: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+):
+    """A plain (one-process) HF causal LM with FRoD layers from an adapter dir, and its tokenizer.
+
+    The base model and factor store come from the adapter's config unless given. Raises ``FrodError``
+    with a clear message if either is missing or the store belongs to another model or adapter.
+    """
+    from transformers import AutoTokenizer
+
+    tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
+    if isinstance(dtype, str):
+        dtype = FLOAT_DTYPES[dtype]
+    dtype = dtype or FLOAT_DTYPES.get(config.dtype, torch.float32)
+    model = build_frod_model(model_dir, store, supports_from_adapter(tensors, config), dtype,
+                             quant=config.frozen_quant, quantize_base=config.quantize_base)
+    load_adapter_into(model, tensors)
+    tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+    return model.to(device).eval(), tokenizer
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with each FRoD layer replaced by ``<module>.weight = U (diag σ + S) Vᵀ``."""
+    out: dict[str, torch.Tensor] = {}
+    frod = dict(frod_modules(model))
+    for name, t in model.state_dict().items():
+        mod, _, leaf = name.rpartition(".")
+        if mod in frod:
+            if leaf == "U":
+                out[f"{mod}.weight"] = frod[mod].merged_weight().contiguous()
+            elif leaf == "bias":
+                out[name] = t
+            continue
+        out[name] = t
+    return out

@@ -1,0 +1,365 @@
+"""Build a FRoD model from a base checkpoint and a factor store, under ZeRO-3 or in one process.
+
+The skeleton is created from the checkpoint's config with weight init disabled (under
+``deepspeed.zero.Init`` when ZeRO-3 is on, so every parameter is partitioned as it is made). Targeted
+linears are built without a weight and swapped for ``FRoDLinear`` before anything is loaded, so the base
+weights of targeted modules are never allocated nor read; U_i, V (one frozen Parameter per category) and σ_i come from the factor store, every other
+weight from the checkpoint. Under ZeRO-3 rank 0 reads each module's tensors into the gathered parameters
+and DeepSpeed re-partitions them (``GatheredParameters(modifier_rank=0)``).
+
+Under ZeRO-3 each category's ``V`` is a persistent parameter (``replicate_shared_v``): gathered once and held whole
+on every rank, as stock PEFT holds it, instead of being gathered and released by each of the L layers' modules
+that read it (n² elements per category: 0.2 GB at 7B, 0.8 GB at 70B widths, in bf16).
+With ``quant`` (``model.frozen_quant``: nf4 | int8) every ``U_i`` is a quantized Parameter (``frod_ds.core.quant``):
+read as stored from a quantized store, or quantized at load time (on the GPU when there is one)
+from a dense one; ``quantize_base`` also swaps the decoder layers' untargeted linears (down_proj, …) for
+``QuantLinear``s. V, σ, S, embeddings, norms and ``lm_head`` stay in ``dtype``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from frod_ds.model.apply import mark_only_frod_trainable, set_submodule
+from frod_ds.config.ds_config import zero_stage
+from frod_ds.runtime.errors import FrodError, StoreError
+from frod_ds.core.layer import FRoDLinear, SparseSupport, support_seed
+from frod_ds.core.quant import QuantError, QuantSpec, check_kind, quantize_untargeted, quantized_parameter, spec_of
+
+__all__ = ["make_supports", "build_frod_model", "gathered", "check_store_quant", "replicate_shared_v", "fetch_per_layer"]
+
+
+def make_supports(store, categories: list[str], sparsity: float, seed: int) -> dict[str, SparseSupport]:
+    """One reproducible support per category (``support_seed(seed, category)``)."""
+    return {c: SparseSupport.random(store.width(c), sparsity, support_seed(seed, c)) for c in categories}
+
+
+@contextlib.contextmanager
+def gathered(params: list[nn.Parameter], zero3: bool, modifier_rank: int | None = None) -> Iterator[None]:
+    """``deepspeed.zero.GatheredParameters`` under ZeRO-3, a no-op otherwise (no deepspeed import)."""
+    if not zero3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+        yield
+
+
+def _no_init_weights():
+    try:  # transformers >= 5
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def _keep_arange_dtype():
+    """Stop zero.Init from casting ``torch.arange`` (RoPE's inv_freq) to the parameter dtype, if supported."""
+    try:
+        from transformers.integrations.deepspeed import prevent_arange_dtype_change
+    except ImportError:  # older transformers: inv_freq is recomputed after the build instead
+        return contextlib.nullcontext()
+    return prevent_arange_dtype_change()
+
+
+class _LinearPlaceholders:
+    """Patch ``nn.Linear.__init__`` while a skeleton is built: the ``skip``-th constructions (0-based, in
+    construction order) get no weight (a bias, if asked for, is made as usual). ``record`` lists every
+    ``nn.Linear`` constructed, in order.
+
+    The targeted linears are replaced by ``FRoDLinear`` right after the skeleton is built, so allocating their
+    dense weights only to drop them is waste: at 70B under ZeRO-3 on 2 GPUs it was 46 GiB per GPU at the build's
+    peak (every weight of the model, partitioned) and minutes of zero.Init partitioning. Entered before
+    ``zero.Init``, which then wraps the patched ``__init__``.
+    """
+
+    def __init__(self, skip: frozenset[int] = frozenset()) -> None:
+        self.skip, self.record, self._orig = skip, [], None
+
+    def __enter__(self) -> "_LinearPlaceholders":
+        orig = self._orig = nn.Linear.__init__
+        outer = self
+
+        def init(self, in_features, out_features, bias=True, device=None, dtype=None):
+            index = len(outer.record)
+            outer.record.append(self)
+            if index not in outer.skip:
+                return orig(self, in_features, out_features, bias, device, dtype)
+            nn.Module.__init__(self)
+            self.in_features, self.out_features = in_features, out_features
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+                                    if bias else None)
+
+        nn.Linear.__init__ = init
+        return self
+
+    def __exit__(self, *exc) -> None:
+        nn.Linear.__init__ = self._orig
+
+
+def _placeholder_plan(config, dtype: torch.dtype, names: set[str]) -> frozenset[int]:
+    """Which ``nn.Linear`` constructions of ``from_config(config)`` are the modules ``names``: a skeleton built
+    on the meta device (no memory, about a second at 70B) with the constructions recorded."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), _no_init_weights(), _LinearPlaceholders() as rec:
+        meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    index = {id(m): i for i, m in enumerate(rec.record)}
+    return frozenset(index[id(m)] for n, m in meta.named_modules() if n in names and id(m) in index)
+
+
+def _check_placeholders(model: nn.Module, names: set[str]) -> None:
+    """The weightless linears are exactly ``names`` (construction order was the same in both passes)."""
+    empty = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight is None}
+    if empty != names:
+        odd = sorted(empty ^ names)[:3]
+        raise FrodError(f"building the skeleton: the linears built without weights differ from the targeted ones "
+                        f"({', '.join(odd)}); the model class constructs its layers in a varying order")
+
+
+def _skeleton_contexts(ds_config: Mapping | None) -> list:
+    ctxs: list = [_no_init_weights()]
+    if ds_config is not None and zero_stage(ds_config) == 3:
+        import deepspeed
+
+        # dtype comes from the config's bf16 switch (resolve_ds_config made it agree with the recipe). Passing
+        # dtype= explicitly is unsafe in deepspeed 0.19: on an accelerator without fp16 it yields bf16.
+        ctxs += [_keep_arange_dtype(), deepspeed.zero.Init(config_dict_or_path=dict(ds_config))]
+    return ctxs
+
+
+@torch.no_grad()
+def _recompute_rope(model: nn.Module) -> None:
+    """Rebuild RoPE ``inv_freq`` (non-persistent, never loaded) outside zero.Init, so it is exact fp32."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for buf in ("inv_freq", "original_inv_freq"):
+                if isinstance(getattr(module, buf, None), torch.Tensor):
+                    setattr(module, buf, getattr(fresh, buf).to(getattr(module, buf).device))
+
+
+def check_store_quant(store, categories, quant: str) -> None:
+    """``StoreError`` (one line) when the store holds quantized ``U`` of another kind than ``quant``.
+
+    A dense store serves every ``quant`` (quantized at load time); a quantized one only its own kind.
+    """
+    check_kind(quant)
+    for c in categories:
+        stored = store.u_quant(c)
+        if stored != "none" and stored != quant:
+            raise StoreError(
+                f"factor store {store.path} holds {stored}-quantized U ({c}) but model.frozen_quant is {quant}; set "
+                f"model.frozen_quant={stored} or use a store built without --quant"
+            )
+
+
+def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport], dtype: torch.dtype,
+                  quant: str = "none") -> None:
+    """Replace each member of the ``supports``' categories by an empty ``FRoDLinear`` (loaded afterwards)."""
+    for category in supports:
+        members = store.categories[category]
+        n = store.width(category)
+        V = nn.Parameter(torch.empty(n, n, dtype=dtype), requires_grad=False)
+        for name in members:
+            try:
+                old = model.get_submodule(name)
+            except AttributeError:
+                raise StoreError(
+                    f"factor store member {name!r} is not a module of this model; the store was built for a "
+                    "different architecture"
+                ) from None
+            m, n_in = store.member_shape(name)
+            if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (m, n_in):
+                raise StoreError(f"{name}: model has {old}, factor store has a ({m}, {n_in}) member")
+            if quant == "none":
+                U = torch.empty(m, n, dtype=dtype)
+            else:  # the store's own blob layout if it is quantized, else quantized at load time
+                U = quantized_parameter(store.u_spec(name) or QuantSpec(quant, (m, n)), dtype)
+            layer = FRoDLinear(U, V, torch.empty(n, dtype=dtype), supports[category], old.bias)
+            set_submodule(model, name, layer)
+
+
+def _read_param(name: str, pn: str, module: nn.Module, ckpt, keys: set[str], store) -> torch.Tensor | None:
+    """The tensor for parameter ``pn`` of module ``name``: from the factor store for FRoD factors, else from
+    the checkpoint; None when the checkpoint lacks it."""
+    if isinstance(module, FRoDLinear) and pn in ("U", "V", "frod_sigma"):
+        if pn == "U":
+            return store.load_U_packed(name) if store.u_spec(name) is not None else store.load_U(name)
+        if pn == "V":
+            return store.load_V(store.category_of(name))
+        return store.load_sigma(name)
+    key = f"{name}.{pn}" if name else pn
+    return ckpt.get(key) if key in keys else None
+
+
+def _load_module(name: str, module: nn.Module, ckpt, keys: set[str], store, rank0: bool, zero3: bool,
+                 state: dict) -> None:
+    """Fill the direct parameters of ``module`` (rank 0 reads, ZeRO-3 re-partitions).
+
+    Problems are recorded in ``state`` (``missing`` keys, the first ``error``) instead of raised, so every
+    rank keeps making the same collective gathers; the caller raises once all ranks know.
+    """
+    params = [(pn, p) for pn, p in module.named_parameters(recurse=False)]
+    if not params:
+        return
+    with gathered([p for _, p in params], zero3, modifier_rank=0):
+        if not rank0 or state["error"] is not None:
+            return
+        for pn, p in params:
+            key = f"{name}.{pn}" if name else pn
+            if isinstance(module, FRoDLinear) and pn == "V" and id(p) in state["v_done"]:
+                continue  # one V per category, shared by its members
+            try:
+                with torch.no_grad():
+                    if isinstance(module, FRoDLinear) and pn == "frod_s":
+                        p.zero_()
+                        continue
+                    t = _read_param(name, pn, module, ckpt, keys, store)
+                    if t is None:
+                        state["missing"].append(key)
+                        continue
+                    if spec_of(p) is not None:
+                        t = _packed(t, spec_of(p), p, key)
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise StoreError(f"{key}: shape {tuple(t.shape)} in the files, {tuple(p.shape)} in the model")
+                    p.copy_(t.to(p.dtype))
+                    if pn == "V":
+                        state["v_done"].add(id(p))
+            except FrodError as e:  # a bad file: reported on every rank by the caller
+                state["error"] = f"loading {key}: {e}"
+                return
+
+
+def _quant_device(p: nn.Parameter) -> torch.device:
+    """Where a dense weight is quantized: ``p``'s device, or this process's GPU when ``p`` is on the CPU (a
+    one-process or ZeRO-2 build): bitsandbytes quantizes ~8M weights/s on one CPU core, a 7B model in minutes."""
+    if p.device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return p.device
+
+
+def _packed(t: torch.Tensor, spec: QuantSpec, p: nn.Parameter, key: str) -> torch.Tensor:
+    """The bytes of quantized parameter ``p`` in its storage dtype: a stored blob (uint8) as it is, a dense
+    weight quantized on the GPU when there is one (``_quant_device``)."""
+    if t.dtype != torch.uint8:
+        if tuple(t.shape) != spec.shape:
+            raise StoreError(f"{key}: shape {tuple(t.shape)} in the files, {spec.shape} in the model")
+        t = spec.pack(t.to(_quant_device(p))).to(p.device)
+    if t.numel() != spec.nbytes:
+        raise StoreError(f"{key}: {t.numel()} bytes in the files, {spec.kind} {spec.shape} needs {spec.nbytes}")
+    return t.view(p.dtype)
+
+
+def replicate_shared_v(model: nn.Module) -> int:
+    """Make each category's shared ``V`` a ZeRO-3 persistent parameter: DeepSpeed gathers it at its first use and
+    never releases it (``ds_persist``; its 1/N partition stays as well), so the L modules reading one V no longer
+    gather and release it L times per pass. A no-op on a model not partitioned by ZeRO-3. Returns the elements
+    now held whole on every rank."""
+    shared = {id(m.V): m.V for m in model.modules() if isinstance(m, FRoDLinear) and hasattr(m.V, "ds_id")}
+    for V in shared.values():
+        V.ds_persist = True
+    return sum(int(V.ds_numel) for V in shared.values())
+
+
+def fetch_per_layer(model: nn.Module) -> list[str]:
+    """Make each decoder layer one ZeRO-3 fetch unit (``deepspeed.utils.set_z3_leaf_modules``): DeepSpeed gathers the
+    layer's parameters in one pre-forward hook and releases them after it, instead of running fetch/release hooks
+    and pre/post-backward autograd nodes on every one of the layer's ~12 submodules (on one GPU those host-side
+    hooks, not data movement, made ZeRO-3 twice as slow as ZeRO-2). Call before ``deepspeed.initialize`` and
+    after ``enable_gradient_checkpointing``; returns the leaf class names.
+
+    The first layer's input is made to require a gradient (``enable_input_require_grads``): DeepSpeed reduces a leaf
+    module's gradients in a full backward hook, which PyTorch fires as soon as the output's gradient is ready when
+    no input requires one, i.e. on the first layer (fed by the frozen embedding) before that layer's backward has
+    run. It then read the released parameters (size 0) and the layer's own gradients failed to accumulate."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    classes = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")},
+                     key=lambda c: c.__name__)
+    if not classes:
+        raise FrodError(f"no decoder layer class in {type(model).__name__}: cannot make the layers ZeRO-3 fetch units")
+    set_z3_leaf_modules(model, classes)
+    model.enable_input_require_grads()
+    return [c.__name__ for c in classes]
+
+
+def build_frod_model(
+    model_dir,
+    store,
+    supports: Mapping[str, SparseSupport],
+    dtype: torch.dtype,
+    ds_config: Mapping | None = None,
+    rank: int = 0,
+    quant: str = "none",
+    quantize_base: bool = False,
+    replicate_v: bool = True,
+) -> nn.Module:
+    """The base architecture with FRoD layers, loaded; σ and S values the only trainable parameters.
+
+    Args:
+        model_dir: local checkpoint dir (config.json + safetensors).
+        store: an open ``FactorStore``.
+        supports: ``{category: SparseSupport}`` for the categories to apply (``make_supports`` for training,
+            the adapter's for loading); other categories of the store are ignored.
+        dtype: parameter dtype.
+        ds_config: the resolved DeepSpeed config; ZeRO-3 builds under ``zero.Init``. None: one process.
+        rank: this process's rank (rank 0 reads files under ZeRO-3).
+        quant: ``none`` | ``nf4`` | ``int8``: how every ``U_i`` is held (``frod_ds.core.quant``).
+        quantize_base: also quantize (same kind) the untargeted linears of the decoder layers.
+        replicate_v: under ZeRO-3, hold each shared V whole on every rank (``replicate_shared_v``); False leaves
+            V partitioned like every other frozen weight (the benchmarks' comparison).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from frod_ds.io.hf_checkpoint import HFCheckpoint
+
+    check_store_quant(store, supports, quant)
+    if quantize_base and quant == "none":
+        raise QuantError("model.quantize_base=true needs model.frozen_quant nf4 or int8 (the kind it uses)")
+    ckpt = HFCheckpoint(model_dir)
+    keys = set(ckpt.keys())
+    zero3 = ds_config is not None and zero_stage(ds_config) == 3
+    config = AutoConfig.from_pretrained(str(ckpt.dir))
+    targeted = {name for c in supports for name in store.categories[c]}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_LinearPlaceholders(_placeholder_plan(config, dtype, targeted)))
+        for ctx in _skeleton_contexts(ds_config):
+            stack.enter_context(ctx)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
+        _check_placeholders(model, targeted & {n for n, _ in model.named_modules()})
+        _swap_targets(model, store, supports, dtype, quant)
+        if quantize_base:
+            quantize_untargeted(model, quant, dtype)
+    rank0 = rank == 0 or not zero3
+    state: dict = {"missing": [], "error": None, "v_done": set()}
+    seen: set = set()
+    for name, module in model.named_modules():
+        fresh = [p for p in module.parameters(recurse=False) if id(p) not in seen or isinstance(module, FRoDLinear)]
+        if not fresh:
+            continue  # tied weights already loaded through their first module
+        seen.update(id(p) for p in module.parameters(recurse=False))
+        _load_module(name, module, ckpt, keys, store, rank0, zero3, state)
+    missing, error = state["missing"], state["error"]
+    if missing:
+        error = error or (f"{len(missing)} tensors missing from checkpoint {ckpt.dir}: {', '.join(missing[:5])}"
+                          f"{' …' if len(missing) > 5 else ''}")
+    if zero3:
+        from frod_ds.runtime.distributed import agree_on_error
+
+        agree_on_error(error, src=0)  # only rank 0 read; all ranks fail together
+    elif error is not None:
+        raise FrodError(error)
+    _recompute_rope(model)
+    mark_only_frod_trainable(model)
+    if zero3 and replicate_v:
+        replicate_shared_v(model)
+    return model

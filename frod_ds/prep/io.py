@@ -1,0 +1,122 @@
+"""Output format of data_prep: JSONL rows ``{"task", "id", "prompt", ["separator",] "answer", "choices", "label"}``.
+
+The training text of a row is ``prompt + row_separator(row) + answer`` (+ EOS); log-likelihood scoring
+conditions on ``prompt + row_separator(row)``. ``separator`` is optional: rows without it use the
+paper-template separator `ANSWER_SEPARATOR` (``"\nAnswer: "``); LLM-Adapters-template rows carry
+``"separator": ""`` because their prompt already ends where the answer (``output``) begins.
+
+Training and evaluation read the built files through `read_rows`, which checks every row:
+
+    from frod_ds.prep.io import read_rows
+    rows = read_rows("data/cs170k/eval/piqa.jsonl")
+
+Files are written one JSON object per line, keys in the order above, non-ASCII characters
+escaped (so the files are plain ASCII and no Unicode line separator can split a row), ``\\n`` line
+endings. That fixed serialization is what makes builds byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from frod_ds.prep.tasks import DataPrepError
+
+FIELDS: dict[str, type] = {"task": str, "id": str, "prompt": str, "answer": str, "choices": list, "label": int}
+OPTIONAL_FIELDS: dict[str, type] = {"separator": str}
+# Key order on disk: a row without the optional fields serializes exactly as before they existed.
+ORDER = ("task", "id", "prompt", "separator", "answer", "choices", "label")
+
+# The paper-template separator between prompt and answer (the FRoD paper's "\nAnswer: ").
+ANSWER_SEPARATOR = "\nAnswer: "
+
+# A row whose prompt + answer is longer than this is no sensible prompt: build drops it, training refuses it.
+MAX_ROW_CHARS = 100_000
+
+
+def row_separator(row: dict[str, Any]) -> str:
+    """The text between a row's ``prompt`` and its answer: its ``separator`` field, else `ANSWER_SEPARATOR`."""
+    return row["separator"] if "separator" in row else ANSWER_SEPARATOR
+
+
+def training_text(row: dict[str, Any]) -> str:
+    """``prompt + row_separator(row) + answer``: a row's training text, EOS excluded."""
+    return row["prompt"] + row_separator(row) + row["answer"]
+
+
+def dumps_row(row: dict[str, Any]) -> str:
+    """Canonical one-line JSON of an output row (fields in `ORDER`; optional ones only when present)."""
+    return json.dumps({key: row[key] for key in ORDER if key in FIELDS or key in row}, ensure_ascii=True)
+
+
+def write_rows(path: Path, rows: Iterable[dict[str, Any]]) -> str:
+    """Write `rows` as JSONL to `path`; return the file's sha256 hex digest."""
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for row in rows:
+            line = (dumps_row(row) + "\n").encode("ascii")
+            digest.update(line)
+            f.write(line)
+    return digest.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 hex digest of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def check_row(row: Any) -> str | None:
+    """Why `row` is not a valid output row, or None if it is."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    for key, kind in FIELDS.items():
+        if key not in row:
+            return f"missing field '{key}'"
+        if type(row[key]) is not kind:
+            return f"field '{key}' must be {kind.__name__}, got {type(row[key]).__name__}"
+    for key, kind in OPTIONAL_FIELDS.items():
+        if key in row and type(row[key]) is not kind:
+            return f"field '{key}' must be {kind.__name__} when present, got {type(row[key]).__name__}"
+    choices, label = row["choices"], row["label"]
+    if not choices or not all(type(c) is str for c in choices):
+        return "field 'choices' must be a non-empty list of strings"
+    if not 0 <= label < len(choices):
+        return f"label {label} out of range for {len(choices)} choices"
+    if choices[label] != row["answer"]:
+        return f"answer {row['answer']!r} is not choices[{label}] ({choices[label]!r})"
+    return None
+
+
+def read_rows(
+    path: str | Path, check: Callable[[Any], str | None] = check_row, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """Read and validate a JSONL file (by default, data_prep's output schema).
+
+    ``check`` returns why a row is invalid or None; ``limit`` stops after that many rows.
+    Raises DataPrepError naming the file and 1-based line of the first bad row.
+    """
+    rows = []
+    line_no = 0
+    try:
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataPrepError(f"{path} line {line_no}: not valid JSON ({exc.msg})") from None
+                problem = check(row)
+                if problem:
+                    raise DataPrepError(f"{path} line {line_no}: {problem}")
+                rows.append(row)
+                if limit is not None and len(rows) >= limit:
+                    break
+    except UnicodeDecodeError as exc:
+        raise DataPrepError(f"{path} line {line_no}: not valid UTF-8 ({exc.reason} at byte {exc.start} of the line)") from None
+    return rows

@@ -1,0 +1,51 @@
+"""Token-length checks of rendered rows against a training cutoff.
+
+A row's length is the length of its training text ``prompt + separator + answer`` (`frod_ds.prep.io.training_text`) encoded with
+the tokenizer's special tokens (BOS for LLaMA), plus one for the EOS the training collator
+appends (not added twice if the tokenizer already ends the sequence with EOS).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from frod_ds.prep.tasks import DataPrepError
+
+
+def load_tokenizer(name: str) -> Any:
+    """`transformers.AutoTokenizer.from_pretrained(name)` (a Hub id or a local directory)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as exc:  # offline, missing files, unknown id: one clear line
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise DataPrepError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}") from None
+
+
+def token_lengths(tokenizer: Any, texts: Sequence[str], desc: str = "tokenizing", batch_size: int = 1024) -> list[int]:
+    """Length in tokens of each text, special tokens and the appended EOS included."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    lengths: list[int] = []
+    with tqdm(total=len(texts), desc=desc, unit="row", disable=None, leave=False) as bar:
+        for start in range(0, len(texts), batch_size):
+            batch = list(texts[start : start + batch_size])
+            for ids in tokenizer(batch, add_special_tokens=True)["input_ids"]:
+                lengths.append(len(ids) + (0 if ids and eos is not None and ids[-1] == eos else 1))
+            bar.update(len(batch))
+    return lengths
+
+
+def summarize(lengths: Sequence[int], cutoff: int | None) -> dict[str, Any]:
+    """Count, max, mean, 95th percentile (nearest rank) and rows over `cutoff` of token lengths."""
+    if not lengths:
+        return {"rows": 0, "max": 0, "mean": 0.0, "p95": 0, "over_cutoff": 0}
+    ordered = sorted(lengths)
+    p95 = ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+    summary = {"rows": len(ordered), "max": ordered[-1], "mean": round(sum(ordered) / len(ordered), 1), "p95": p95}
+    summary["over_cutoff"] = sum(1 for n in ordered if cutoff is not None and n > cutoff)
+    return summary

@@ -1,0 +1,226 @@
+"""Writes that readers never see half done: files via ``<name>.tmp`` + fsync + rename, directories built
+under a temporary sibling name and renamed into place. Imports nothing heavy (no torch).
+
+The marker rule: every directory frod-ds publishes or creates as a whole holds a marker file (``MARKER``,
+written by :func:`building_dir` and :func:`mark_dir`) recording its kind (``KINDS``: which command wrote it). A
+command replaces or deletes an existing directory only if :func:`check_replaceable` allows it: the marker records
+the kind that command writes (an export replaces an earlier export of the same format, never an adapter, a
+training run, a factor store or a data build), no directory inside it holds another command's output, and it is
+not, does not contain and is not inside one of the command's inputs, the working directory or the repository.
+A marker without a kind (older frod-ds) or of an unknown kind is not replaceable. Anything else is a one-line
+``FrodError``, raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TMP", "MARKER", "KINDS", "NESTED", "fsync_dir", "atomic_write_text", "atomic_write_json", "building_dir",
+           "publish_dir", "mark_dir", "is_marked", "marker_kind", "check_replaceable", "remove_marked"]
+
+TMP = ".tmp"
+MARKER = ".frod-ds-output"  # present in every directory frod-ds wrote as a whole; its "kind" says which command
+KINDS = {  # the kind each writer records → how messages name it
+    "adapter": "a trained adapter",
+    "training-run": "a training run",
+    "factor-store": "a factor store",
+    "hf-export": "a merged Hugging Face export",
+    "peft-export": "a PEFT adapter export",
+    "peft-import": "an imported PEFT adapter",
+    "data-build": "a data_prep build",
+    "eval-results": "evaluation results",
+    "demo": "a demo directory",
+}
+NESTED = {  # what a kind holds of its own making, so replacing it loses nothing else
+    "peft-import": ("factor-store", "adapter"),
+    "demo": ("data-build", "factor-store", "adapter", "eval-results"),
+}
+_REPO = Path(__file__).resolve().parents[1]
+_DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
+    tmp = path.with_name(path.name + TMP)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """:func:`atomic_write_text` of ``obj`` as indented JSON."""
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
+
+
+def mark_dir(path: Path, kind: str) -> None:
+    """Write the marker into directory ``path``: frod-ds wrote it, as ``kind`` (one of ``KINDS``)."""
+    assert kind in KINDS, f"unknown output kind {kind!r}; add it to frod_ds.runtime.atomic.KINDS"
+    (path / MARKER).write_text(json.dumps({"format": "frod-ds-output", "kind": kind}) + "\n")
+
+
+def is_marked(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and (path / MARKER).is_file()
+
+
+def marker_kind(path: Path) -> str | None:
+    """The kind the marker of directory ``path`` records; None when it is unreadable or records none (markers
+    written before kinds were recorded)."""
+    try:
+        record = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    kind = record.get("kind") if isinstance(record, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def _what_it_holds(path: Path) -> str:
+    if not is_marked(path):
+        return "files not written by frod-ds"
+    kind = marker_kind(path)
+    return KINDS.get(kind, f"frod-ds output of unknown kind {kind!r}") if kind else "frod-ds output of no recorded kind"
+
+
+def _input_clash(real: Path, inputs: dict[str, Path | str | None]) -> tuple[str, str] | None:
+    """``(relation, input name)`` when ``real`` is, contains or is inside one of ``inputs``."""
+    for name, path in inputs.items():
+        if path is None or not os.path.lexists(path):
+            continue
+        other = Path(os.path.realpath(path))
+        if other == real:
+            return "is", name
+        if real in other.parents:
+            return "contains", name
+        if other in real.parents:
+            return "is inside", name
+    return None
+
+
+def check_replaceable(out: Path, kind: str | tuple[str, ...], inputs: dict[str, Path | str | None] | None = None, *,
+                      what: str = "--out", error: type[Exception] | None = None,
+                      legacy: Callable[[Path], bool] | None = None, nested: bool = True) -> None:
+    """Raise ``error`` (a ``FrodError`` subclass; default ``FrodError``) unless a command that writes ``kind`` may
+    replace ``out`` (the module docstring's rule). ``out`` may be replaced when it does not exist or is an empty
+    directory, or when it is a directory (not a link) whose marker records ``kind`` (a tuple: any of them) and no
+    directory under it holds another command's marker (``NESTED`` lists what each kind holds itself; ``nested``:
+    check that). Never when it contains the working directory or the repository, nor when it is, contains or is
+    inside one of the command's ``inputs`` (name → path; missing paths are skipped). ``legacy``: recognises a
+    directory of this kind written before markers recorded kinds (no marker). Reads only."""
+    from frod_ds.runtime.errors import FrodError
+
+    error = error or FrodError
+    out = Path(out)
+    kinds = (kind,) if isinstance(kind, str) else tuple(kind)
+    real = Path(os.path.realpath(out))
+    for inside in (Path.cwd().resolve(), _REPO):
+        if os.path.lexists(out) and (inside == real or real in inside.parents):
+            raise error(f"{what} {out} contains {inside}; refusing to replace it, choose a new directory")
+    clash = _input_clash(real, inputs or {})
+    if clash:
+        relation, name = clash
+        holds = _what_it_holds(out) if out.is_dir() else "a file" if os.path.lexists(out) else "not there yet"
+        raise error(f"{what} {out} ({holds}) {relation} {name} {inputs[name]}, an input of this command; refusing "
+                    f"to write there, choose another {what}")
+    if not os.path.lexists(out):
+        return
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return  # an empty directory holds nothing to lose
+    wanted = " or ".join(KINDS[k] for k in kinds)
+    if not is_marked(out):
+        if legacy is not None and out.is_dir() and not out.is_symlink() and legacy(out):
+            found = kinds[0]
+        else:
+            raise error(f"{what} {out} exists and was not written by frod-ds (no {MARKER} marker); refusing to "
+                        "write there, remove it yourself or choose a new directory")
+    else:
+        found = marker_kind(out)
+    if found is None:
+        raise error(f"{what} {out} holds a frod-ds marker with no kind (written by an older frod-ds), so it is not "
+                    f"known to be {wanted}; refusing to replace it, remove it yourself or choose a new directory")
+    if found not in KINDS:
+        raise error(f"{what} {out} holds a frod-ds marker of unknown kind {found!r}, not {wanted}; refusing to "
+                    "replace it, remove it yourself or choose a new directory")
+    if found not in kinds:
+        raise error(f"{what} {out} holds {KINDS[found]}, not {wanted}; this command replaces only its own earlier "
+                    f"output, choose another {what}")
+    if nested:
+        allowed = NESTED.get(found, ())
+        for root, dirs, files in os.walk(out):  # links are not followed
+            if MARKER in files and Path(root) != out:
+                inner = marker_kind(Path(root))
+                if inner not in allowed:
+                    raise error(f"{what} {out} holds {KINDS.get(inner, 'other frod-ds output')} in {Path(root)}; "
+                                f"refusing to replace it, move that out first or choose another {what}")
+
+
+def remove_marked(out: Path, kind: str, what: str = "--out") -> None:
+    """Delete directory ``out`` if :func:`check_replaceable` allows a command writing ``kind`` to (``FrodError``
+    otherwise)."""
+    check_replaceable(out, kind, what=what)
+    if os.path.lexists(out):
+        shutil.rmtree(out)
+
+
+def publish_dir(new: Path, out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None,
+                error: type[Exception] | None = None) -> None:
+    """Rename the finished directory ``new`` to ``out``. An existing ``out`` must pass
+    :func:`check_replaceable` for ``kind``; it is moved aside first, put back if the rename fails, and deleted
+    after it succeeded. The caller decides whether ``out`` may be replaced at all."""
+    if not os.path.lexists(out):
+        os.rename(new, out)
+        return
+    check_replaceable(out, kind, inputs, error=error)
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rename(out, aside / out.name)
+    try:
+        os.rename(new, out)
+    except BaseException:
+        os.rename(aside / out.name, out)  # put the previous one back
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None,
+                 error: type[Exception] | None = None) -> Iterator[Path]:
+    """A fresh temporary sibling of ``out`` to fill; marked ``kind`` (:func:`mark_dir`) and published as ``out``
+    (:func:`publish_dir`) when the block ends normally, deleted when it raises. So ``out`` is either the old
+    directory or the complete new one. An existing ``out`` is checked (:func:`check_replaceable` with ``kind``
+    and the command's ``inputs``) before anything is built."""
+    from frod_ds.runtime.errors import FrodError
+
+    check_replaceable(out, kind, inputs, error=error)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise FrodError(f"cannot create a directory beside {out}: {e.strerror or e}; choose a writable location") from None
+    try:
+        yield tmp
+        mark_dir(tmp, kind)
+        publish_dir(tmp, out, kind, inputs, error)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
+            raise FrodError(f"cannot write {out}: {e.strerror}; free space or choose another location "
+                            "(nothing was left behind)") from None
+        raise

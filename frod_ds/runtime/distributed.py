@@ -1,0 +1,320 @@
+"""Every ``torch.distributed`` call of the project, as small named helpers.
+
+Launchers: ``torchrun`` and the ``deepspeed`` launcher set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (and
+``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables say the same (the torch-free parsing is
+``frod_ds.runtime.launch_env``). With none of them set the program runs as one process and every helper below is the
+identity / a no-op, so library code calls the helpers unconditionally.
+
+No process-wide state outlives :func:`destroy`: the environment is only read (a one-rank group for DeepSpeed
+uses an in-process store, no port), the one variable DeepSpeed needs set (``LOCAL_RANK``) is put back, and
+DeepSpeed's handle on the group is dropped, so a library caller or a test process can run an entry point
+again, or start launched subprocesses, without inheriting a stale job.
+
+User errors across ranks: a ``FrodError`` that every rank knows about is a ``CollectiveError``
+(``agree_on_error``, ``on_all``, ``on_main`` make one); ``frod_ds.runtime.entry`` prints it once, on rank 0.
+
+Backend: NCCL when CUDA is available, gloo otherwise. Tensors handed to a collective must live on
+``local_device()`` (NCCL needs them on the GPU; gloo on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.launch_env import ProcessGroupSpec, process_group_spec
+
+__all__ = [
+    "CollectiveError",
+    "init_distributed",
+    "init_deepspeed",
+    "destroy",
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "is_main",
+    "local_device",
+    "barrier",
+    "all_reduce_sum",
+    "all_gather_object",
+    "all_gather_into",
+    "broadcast",
+    "broadcast_object",
+    "gather_rows",
+    "scatter_rows",
+    "agree_on_error",
+    "on_all",
+    "on_main",
+    "print0",
+]
+
+T = TypeVar("T")
+
+
+# Process-wide state this module creates, undone by ``destroy``: the local rank of the group it joined, and the
+# environment variables it had to set for DeepSpeed (name -> the value they replaced, None when unset).
+_local_rank: int = 0
+_saved_env: dict[str, str | None] = {}
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) -> None:
+    """Join the process group the launcher describes; a single process when no launcher env is set.
+
+    ``backend``: ``"nccl"`` or ``"gloo"``; default NCCL if CUDA is available, else gloo. With NCCL the
+    current CUDA device is set to the local rank. ``timeout_minutes`` bounds every collective wait (a rank
+    reading a large shard from a slow filesystem can keep the others waiting for minutes). The environment is
+    only read (``frod_ds.runtime.launch_env.process_group_spec``); :func:`destroy` leaves the group.
+    """
+    if dist.is_initialized():
+        return
+    spec = process_group_spec()
+    if spec is None:
+        return
+    _join(spec, backend, timeout_minutes)
+
+
+def _join(spec: ProcessGroupSpec, backend: str | None, timeout_minutes: float = 60.0) -> None:
+    global _local_rank
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs: dict[str, Any] = {"timeout": timedelta(minutes=timeout_minutes), "rank": spec.rank,
+                              "world_size": spec.world_size}
+    local_rank = spec.local_rank
+    if backend == "nccl":
+        local_rank %= max(torch.cuda.device_count(), 1)  # srun may give each task a single visible GPU
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    if spec.init_method is None:
+        kwargs["store"] = dist.HashStore()  # one process, no launcher: an in-process store, no port
+    else:
+        kwargs["init_method"] = spec.init_method
+    dist.init_process_group(backend=backend, **kwargs)
+    _local_rank = spec.local_rank
+
+
+def init_deepspeed() -> None:
+    """:func:`init_distributed`, then DeepSpeed's communication layer on the same group. DeepSpeed needs a
+    process group even for one process: without a launcher a one-rank group on an in-process store is made
+    (no port, no environment). DeepSpeed reads ``LOCAL_RANK`` from the environment wherever it builds
+    parameters, so it is set for as long as the group lives; :func:`destroy` puts back what was there."""
+    import deepspeed
+
+    if not dist.is_initialized():
+        spec = process_group_spec() or ProcessGroupSpec(rank=0, world_size=1, local_rank=0, init_method=None)
+        _join(spec, None)
+    _set_env(LOCAL_RANK=str(_local_rank))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _set_env(**values: str) -> None:
+    for name, value in values.items():
+        if os.environ.get(name) != value:
+            _saved_env.setdefault(name, os.environ.get(name))
+            os.environ[name] = value
+
+
+def destroy() -> None:
+    """Leave the process group and undo everything :func:`init_distributed` / :func:`init_deepspeed` set up in
+    this process: DeepSpeed's handle on the group and the environment variables set for it. Safe to call
+    when nothing was initialised; entry points call it on every exit (``frod_ds.runtime.entry.run``)."""
+    global _local_rank
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None and getattr(comm, "cdb", None) is not None:
+        comm.cdb = None  # DeepSpeed's backend object: a later init in this process builds it on the new group
+    for name, value in _saved_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    _saved_env.clear()
+    _local_rank = 0
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    return _local_rank if is_initialized() else 0
+
+
+def is_main() -> bool:
+    return get_rank() == 0
+
+
+def local_device() -> torch.device:
+    """This rank's compute device: ``cuda:LOCAL_RANK`` when CUDA is available and the backend is not
+    gloo, else the CPU."""
+    if torch.cuda.is_available() and (not is_initialized() or dist.get_backend() == "nccl"):
+        return torch.device("cuda", get_local_rank() % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: Tensor) -> Tensor:
+    """In-place sum over ranks; returns ``t``."""
+    if is_initialized():
+        buf = t if t.is_contiguous() else t.contiguous()
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        if buf is not t:
+            t.copy_(buf)
+    return t
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable, small), in rank order, on every rank."""
+    if not is_initialized():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_gather_into(out: Tensor, t: Tensor) -> Tensor:
+    """Every rank's ``t`` concatenated along dim 0 into ``out`` (``world`` times ``t``'s rows); ``out``."""
+    if not is_initialized():
+        return out.copy_(t)
+    dist.all_gather_into_tensor(out, t)
+    return out
+
+
+def broadcast(t: Tensor, src: int = 0) -> Tensor:
+    """In-place broadcast from ``src``; other ranks pass a tensor of the same shape/dtype/device.
+
+    Any memory layout: LAPACK results (``linalg.qr``/``eigh``) are column-major, and a collective on a
+    non-contiguous tensor would ship its storage order (gloo silently, NCCL refuses).
+    """
+    if is_initialized():
+        buf = t if t.is_contiguous() else t.contiguous()
+        dist.broadcast(buf, src=src)
+        if buf is not t:
+            t.copy_(buf)
+    return t
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``src``'s ``obj`` (picklable, small) on every rank."""
+    if not is_initialized():
+        return obj
+    box = [obj if get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_rows(t: Tensor, dst: int = 0) -> list[Tensor] | None:
+    """Gather tensors that differ only in their first dimension (``(r_p, *rest)``) onto ``dst``.
+
+    Returns the list in rank order on ``dst`` and ``None`` elsewhere. Rows are zero-padded to the
+    longest for the collective and trimmed afterwards; a rank may contribute ``r_p = 0`` rows.
+    """
+    if not is_initialized():
+        return [t]
+    rows = [int(r) for r in all_gather_object(int(t.shape[0]))]
+    pad = t.new_zeros((max(rows), *t.shape[1:]))
+    pad[: t.shape[0]] = t
+    bufs = [torch.empty_like(pad) for _ in rows] if get_rank() == dst else None
+    dist.gather(pad, gather_list=bufs, dst=dst)
+    del pad
+    return [b[:r] for b, r in zip(bufs, rows)] if bufs is not None else None
+
+
+def scatter_rows(
+    parts: list[Tensor] | None, like: Tensor, src: int = 0
+) -> Tensor:
+    """Inverse of :func:`gather_rows`: rank ``p`` receives ``parts[p]`` (``(r_p, *rest)``) from ``src``.
+
+    ``like`` gives dtype and device on every rank; ``parts`` is only read on ``src``.
+    """
+    if not is_initialized():
+        assert parts is not None and len(parts) == 1, "one process: pass exactly one part"
+        return parts[0]
+    meta = None
+    if get_rank() == src:
+        assert parts is not None and len(parts) == get_world_size(), "one part per rank"
+        meta = [tuple(p.shape) for p in parts]
+    shapes = broadcast_object(meta, src=src)
+    longest = max(s[0] for s in shapes)
+    rest = shapes[0][1:]
+    buf = torch.empty((longest, *rest), dtype=like.dtype, device=like.device)
+    send = None
+    if get_rank() == src:
+        send = []
+        for p in parts:  # type: ignore[union-attr]
+            padded = p.new_zeros((longest, *rest))
+            padded[: p.shape[0]] = p
+            send.append(padded)
+    dist.scatter(buf, scatter_list=send, src=src)
+    del send
+    return buf[: shapes[get_rank()][0]]
+
+
+class CollectiveError(FrodError):
+    """A user error that every rank raised together (the ranks agreed on it): report it once, on rank 0."""
+
+
+def agree_on_error(error: str | None, src: int | None = None) -> None:
+    """Collective: if any rank passes an error message, raise the first as ``CollectiveError`` on all.
+    With ``src``, only that rank's ``error`` counts (it alone checked)."""
+    if src is not None:
+        errors = [broadcast_object(error, src=src)]
+    else:
+        errors = all_gather_object(error)
+    errors = [e for e in errors if e]
+    if errors:
+        raise CollectiveError(errors[0])
+
+
+def on_all(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; a ``FrodError`` on any rank becomes a ``CollectiveError`` on all. Any other
+    exception is a bug and propagates on the rank where it happened."""
+    result, error = None, None
+    try:
+        result = fn()
+    except FrodError as e:
+        error = str(e)
+    agree_on_error(error)
+    return result  # type: ignore[return-value]
+
+
+def on_main(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 and broadcast its (picklable) result; a ``FrodError`` there becomes a
+    ``CollectiveError`` on every rank. Any other exception is a bug and propagates on rank 0."""
+    result, error = None, None
+    if is_main():
+        try:
+            result = fn()
+        except FrodError as e:
+            error = str(e)
+    result, error = broadcast_object((result, error))
+    if error:
+        raise CollectiveError(error)
+    return result  # type: ignore[return-value]
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    """``print`` on rank 0 only, flushed."""
+    if is_main():
+        print(*args, flush=True, **kwargs)

@@ -1,0 +1,84 @@
+"""What the launcher tells a process through its environment: rank, world size, local rank, ranks per node.
+
+``torchrun`` and the ``deepspeed`` launcher set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (and
+``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables say the same and
+:func:`process_group_spec` turns either into a rendezvous without writing to the environment. The process-group helpers are in
+``frod_ds.runtime.distributed``; this part imports no torch, so ``launch/hjd.py`` can start reading its rank's
+weights before torch is loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["launcher_rank_world", "ranks_on_this_node", "first_slurm_host", "ProcessGroupSpec", "process_group_spec"]
+
+
+def launcher_rank_world(env: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` that torchrun / the deepspeed launcher / srun set, or ``None``.
+
+    Under srun, ``SLURM_STEP_NUM_TASKS`` (not ``SLURM_NTASKS``), so that a plain ``python`` inside an sbatch
+    script with ``--ntasks 8`` stays a single process.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return None
+
+
+def ranks_on_this_node(env: Mapping[str, str] | None = None) -> int:
+    """How many ranks share this node's memory: torchrun's ``LOCAL_WORLD_SIZE``, srun's
+    ``SLURM_STEP_TASKS_PER_NODE`` (``"8"`` or ``"8(x2)"``), else the world size, else 1."""
+    env = os.environ if env is None else env
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE"):
+        head = env.get(key, "").split("(")[0].split(",")[0]
+        if head.isdigit() and int(head) > 0:
+            return int(head)
+    return 1
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM node list: ``"gpu[003-004,9],cpu1"`` -> ``"gpu003"``."""
+    first = re.split(r",(?![^\[]*\])", nodelist)[0]
+    m = re.match(r"^([^\[]*)\[([^\],-]+)", first)
+    return m.group(1) + m.group(2) if m else first
+
+
+@dataclass(frozen=True)
+class ProcessGroupSpec:
+    """Where this process sits in a launched job, and how its process group is reached.
+
+    ``init_method`` is ``"env://"`` under torchrun / the deepspeed launcher (they export ``MASTER_ADDR`` and
+    ``MASTER_PORT``); under srun it is ``tcp://HOST:PORT`` built from the SLURM variables, so nothing needs to
+    be written into the environment; ``None`` for a one-process group made without a launcher (an in-process
+    store, no port).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    init_method: str | None
+
+
+def process_group_spec(env: Mapping[str, str] | None = None) -> ProcessGroupSpec | None:
+    """The launcher's description of this process (:func:`launcher_rank_world`), or ``None`` for one process.
+
+    Under srun the rendezvous is ``MASTER_ADDR``/``MASTER_PORT`` when the batch script exports them, else the
+    step's first host and a port derived from the job id. The environment is only read.
+    """
+    env = os.environ if env is None else env
+    launch = launcher_rank_world(env)
+    if launch is None:
+        return None
+    rank, world, local = launch
+    if "RANK" in env:  # torchrun / the deepspeed launcher
+        return ProcessGroupSpec(rank, world, local, "env://")
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    addr = env.get("MASTER_ADDR") or first_slurm_host(nodes)
+    port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return ProcessGroupSpec(rank, world, local, f"tcp://{addr}:{port}")

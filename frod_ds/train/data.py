@@ -1,0 +1,200 @@
+"""Training data: data_prep JSONL rows → token ids with answer-only labels → deterministic rank batches.
+
+The training text is ``prompt + separator + answer + EOS``, the separator being the row's ``"separator"``
+field when present (``""`` for LLM-Adapters' template, whose prompt ends where its ``output`` begins) and
+``"\\nAnswer: "`` otherwise (``frod_ds.prep.io.row_separator``). With ``train_on_inputs=False`` the loss
+covers the answer tokens and EOS only. The context/answer token boundary is the one the evaluator uses
+(``frod_ds.eval.evaluation.encode_rows``), so training and scoring see the same tokens.
+
+Order: one permutation of the dataset per epoch from ``(seed, epoch)``; each optimizer step takes
+``world × accum × micro`` consecutive examples of it, rank ``r`` and micro-step ``a`` taking the slice
+``[(a·world + r)·micro, +micro)``. A position is therefore just ``(epoch, step in epoch)``: resuming skips to
+it without replaying data, and the same global batch split differently (world × accum × micro) sees the same
+examples at every step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from frod_ds.prep.io import MAX_ROW_CHARS, read_rows, row_separator
+from frod_ds.prep.tasks import DataPrepError
+from frod_ds.runtime.errors import FrodError
+from frod_ds.eval.evaluation import encode_rows
+
+__all__ = ["DataError", "read_training_rows", "Example", "encode_examples", "collate", "BatchPlan"]
+
+IGNORE_INDEX = -100
+# MAX_ROW_CHARS (frod_ds.prep.io): a training row (prompt + answer) longer than this is refused, not silently truncated
+
+
+class DataError(FrodError):
+    """Training data that cannot be used; the message names the file, line and field."""
+
+
+def _resolve_train_path(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "train.jsonl"
+    if not p.is_file():
+        raise DataError(f"training data {p} not found; build it with `python -m data_prep build --out DIR`")
+    return p
+
+
+def _check_training_row(row) -> str | None:
+    if not isinstance(row, dict):
+        return "expected a JSON object"
+    for key in ("prompt", "answer"):
+        if not isinstance(row.get(key), str):
+            return (f"field {key!r} missing or not a string; rows need "
+                    '{"prompt": str, "answer": str} (the output of `python -m data_prep build`)')
+    if "separator" in row and not isinstance(row["separator"], str):
+        return "field 'separator' must be a string when present"
+    return None
+
+
+def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Rows with string ``prompt`` and ``answer``, optional string ``separator`` (other data_prep fields are
+    kept, not required)."""
+    p = _resolve_train_path(path)
+    try:
+        rows = read_rows(p, check=_check_training_row, limit=limit)
+    except DataPrepError as e:
+        raise DataError(str(e)) from None
+    if not rows:
+        raise DataError(f"{p} has no rows")
+    seen: dict[str, int] = {}
+    for i, row in enumerate(rows, start=1):
+        length = len(row["prompt"]) + len(row["answer"])
+        if length > MAX_ROW_CHARS:
+            raise DataError(f"{p} row {i}: {length} characters, more than any sensible prompt ({MAX_ROW_CHARS}); "
+                            "remove it or fix the data build")
+        rid = row.get("id")
+        if isinstance(rid, str):
+            if rid in seen:
+                raise DataError(f"{p} rows {seen[rid]} and {i} have the same id {rid!r}; duplicated rows would be "
+                                "trained on twice, deduplicate the data")
+            seen[rid] = i
+    return rows
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def _prompt_only_lead(tokenizer, texts: list[str], boundaries: list[int], enc) -> list[int]:
+    """How many leading continuation tokens of each row hold no answer character.
+
+    ``encode_rows`` splits context and answer where the tokens of ``prompt + separator`` and of the full text
+    part; a token straddling that point stays on the answer side. Where a separator or prompt ends in
+    whitespace (LLM-Adapters' prompt ends in 16 spaces, separator ``""``), a byte-level BPE tokenizer's
+    ``"\\n" + 15 spaces`` token — all prompt — lands there too. With a fast tokenizer the character offsets
+    tell such tokens apart, so the loss starts at the first token that contains an answer character; without
+    offsets (slow tokenizers) the split stays where ``encode_rows`` puts it (lead 0).
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        return [0] * len(texts)
+    batch = tokenizer(texts, add_special_tokens=True, return_offsets_mapping=True)
+    leads = []
+    for ids, offsets, boundary, e in zip(batch["input_ids"], batch["offset_mapping"], boundaries, enc):
+        cont = e.continuations[0]
+        assert list(ids[: len(e.context) + len(cont)]) == list(e.context) + list(cont), "same tokenization as encode_rows"
+        lead = 0
+        while lead < len(cont) - 1 and offsets[len(e.context) + lead][1] <= boundary:
+            lead += 1
+        leads.append(lead)
+    return leads
+
+
+def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_inputs: bool) -> list[Example]:
+    """Tokenize ``prompt + separator + answer + EOS``; labels are -100 outside the answer unless ``train_on_inputs``.
+
+    The answer's tokens are those from the first token that holds an answer character (with a fast
+    tokenizer; see `_prompt_only_lead`). Examples longer than ``cutoff_len`` are truncated from the left of
+    the prompt, so the answer and EOS (what the loss is on) survive; the BOS token is kept.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise DataError("the tokenizer has no EOS token; training needs one to end answers")
+    out = []
+    for start in range(0, len(rows), 256):
+        chunk = rows[start : start + 256]
+        contexts = [r["prompt"] + row_separator(r) for r in chunk]
+        enc = encode_rows(tokenizer, [r["prompt"] for r in chunk], [[r["answer"]] for r in chunk],
+                          [row_separator(r) for r in chunk])
+        leads = _prompt_only_lead(tokenizer, [c + r["answer"] for c, r in zip(contexts, chunk)], [len(c) for c in contexts], enc)
+        for e, lead in zip(enc, leads):
+            cont = list(e.continuations[0])
+            ctx, ans = list(e.context) + cont[:lead], cont[lead:] + [eos]
+            keep = cutoff_len - len(ans)
+            if keep < 1:
+                ans = ans[: cutoff_len - 1]
+                keep = 1
+            if len(ctx) > keep:
+                ctx = ctx[:1] + ctx[len(ctx) - keep + 1 :] if keep > 1 else ctx[:1]
+            labels = list(ctx) if train_on_inputs else [IGNORE_INDEX] * len(ctx)
+            out.append(Example(ctx + ans, labels + ans))
+    return out
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: ``input_ids``/``labels``/``attention_mask`` (B, T)."""
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+@dataclass
+class BatchPlan:
+    """Which examples rank ``rank`` uses at each micro-step; stateless, so resume is just a position."""
+
+    n_examples: int
+    micro: int
+    accum: int
+    world: int
+    rank: int
+    seed: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+    @property
+    def steps_per_epoch(self) -> int:
+        steps = self.n_examples // self.global_batch
+        if steps == 0:
+            raise DataError(
+                f"{self.n_examples} training rows are fewer than one global batch of {self.global_batch} "
+                f"(micro {self.micro} x accum {self.accum} x world {self.world}); lower the batch size"
+            )
+        return steps
+
+    def total_steps(self, epochs: float, max_steps: int | None) -> int:
+        return max_steps if max_steps is not None else max(1, math.ceil(epochs * self.steps_per_epoch))
+
+    def _perm(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(self.n_examples, generator=g)
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """Example indices of this rank's ``accum`` micro-batches at global optimizer ``step``."""
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        perm = self._perm(epoch)
+        base = in_epoch * self.global_batch
+        return [
+            perm[base + (a * self.world + self.rank) * self.micro : base + (a * self.world + self.rank + 1) * self.micro].tolist()
+            for a in range(self.accum)
+        ]

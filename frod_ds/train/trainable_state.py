@@ -1,0 +1,240 @@
+"""The trainable state of a run, independent of the world size: what resuming on another number of ranks needs.
+
+DeepSpeed's ZeRO-2/3 checkpoint holds the fp32 master copy of σ and S and their AdamW moments as one flat
+partition per rank, so it loads only on the world size that wrote it. FRoD trains few numbers (σ_i: n, S_i:
+round(s·n²) per layer), so each checkpoint also carries them whole, written once by rank 0:
+
+    trainable_state.safetensors
+        "<param name>"               full fp32 master value (e.g. model.layers.0.self_attn.q_proj.frod_sigma)
+        "<param name>.exp_avg"       AdamW first moment, same shape
+        "<param name>.exp_avg_sq"    AdamW second moment
+        metadata "frod_ds.trainable_state": the JSON record `TrainableState` (step, AdamW step, learning rates,
+        scheduler state, the layout that wrote it)
+
+`gather_state` reads it out of a live engine (collective: DeepSpeed's ``safe_get_full_*`` on every rank);
+`restore_state` writes it into a freshly initialised engine of any world size: the module's σ/S (ZeRO-3:
+gathered, set on rank 0, re-partitioned), each rank's slice of the fp32 master and of both moments (AdamW's
+state is created here, as its first step would), AdamW's step, the groups' learning rates, the LR scheduler
+and the engine's step counters. In fp32 the restored state is bitwise the saved one, so the run continues as
+it would have on the old layout up to the order of floating-point sums over ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from frod_ds.model.build import gathered
+from frod_ds.runtime.errors import FrodError
+from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
+
+__all__ = ["TRAINABLE_STATE", "FORMAT", "TrainableState", "gather_state", "write_state", "read_meta", "read_state",
+           "restore_state"]
+
+TRAINABLE_STATE = "trainable_state.safetensors"
+FORMAT = "frod-ds/trainable-state/v1"
+_META_KEY = "frod_ds.trainable_state"  # on-disk key (the module's path before the package moved): never change
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class TrainableState:
+    """What a resume needs besides the tensors; ``world_size``/``micro_batch_size``/``grad_accum`` say which
+    layout wrote it (not part of the run's identity: only their product, the global batch, is)."""
+
+    format: str
+    step: int  # optimizer steps taken: the data position (frod_ds.train.data.BatchPlan)
+    adam_step: int  # AdamW's step count (bias correction)
+    world_size: int
+    micro_batch_size: int
+    grad_accum: int
+    zero_stage: int
+    group_lrs: list[float]  # each optimizer group's learning rate for the next step
+    scheduler: dict[str, Any]  # LambdaLR.state_dict()
+    global_samples: int
+    skipped_steps: int
+    params: list[str] = field(default_factory=list)  # trainable parameter names, in the model's order
+
+
+def _trainable(engine) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def _base_optimizer(engine):
+    opt = engine.optimizer
+    base = getattr(opt, "optimizer", None)
+    if base is None:
+        raise FrodError("resuming on another world size needs a ZeRO stage 1-3 DeepSpeed config "
+                        "(zero_optimization.stage); resume on the world size that wrote the checkpoint")
+    return base
+
+
+def _link_optimizer_state(engine) -> None:
+    """ZeRO-1/2: point every parameter's optimizer-state fragment at AdamW's current state. DeepSpeed links
+    them once, right after the first group's first ``step()`` — before the second group (S) has any state —
+    so ``safe_get/set_full_optimizer_state`` would find no moments for S without this. ZeRO-3 reads the
+    state directly and needs nothing."""
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
+def _adam_step(base) -> int:
+    steps = {int(s["step"]) for s in base.state.values() if "step" in s}
+    assert len(steps) <= 1, f"AdamW partitions disagree on the step count: {steps}"
+    return steps.pop() if steps else 0
+
+
+def gather_state(engine, step: int, layout: tuple[int, int, int], zero_stage: int
+                 ) -> tuple[dict[str, torch.Tensor], TrainableState] | None:
+    """Collective. Full fp32 values and AdamW moments of every trainable parameter, on rank 0 (None elsewhere).
+    ``layout``: (world size, micro-batch size, grad accumulation) of the run writing it."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    from frod_ds.runtime import distributed as dist
+
+    base = _base_optimizer(engine)
+    _link_optimizer_state(engine)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, p in _trainable(engine):
+        value = safe_get_full_fp32_param(p)
+        assert value is not None, f"{name}: DeepSpeed holds no fp32 master for it"
+        moments = [safe_get_full_optimizer_state(p, k) for k in MOMENTS]
+        if dist.is_main():
+            tensors[name] = value.detach().float().cpu().contiguous()
+            for k, m in zip(MOMENTS, moments):
+                tensors[f"{name}.{k}"] = m.detach().float().cpu().contiguous()
+    if not dist.is_main():
+        return None
+    sched = engine.lr_scheduler
+    meta = TrainableState(
+        format=FORMAT, step=step, adam_step=_adam_step(base), world_size=layout[0], micro_batch_size=layout[1],
+        grad_accum=layout[2], zero_stage=zero_stage, group_lrs=[float(g["lr"]) for g in base.param_groups],
+        scheduler=_plain(sched.state_dict()) if sched is not None else {},
+        global_samples=int(engine.global_samples), skipped_steps=int(engine.skipped_steps),
+        params=[n for n, _ in _trainable(engine)])
+    return tensors, meta
+
+
+def _plain(obj: Any) -> Any:
+    """A scheduler state dict as JSON values (tensors and tuples become numbers and lists)."""
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    return obj
+
+
+def write_state(path: Path, tensors: dict[str, torch.Tensor], meta: TrainableState) -> None:
+    save_file(tensors, str(path), metadata={_META_KEY: record_to_json(meta, indent=None)})
+
+
+def _open(path: Path, tensors: bool) -> tuple[dict[str, torch.Tensor], TrainableState]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            text = (f.metadata() or {}).get(_META_KEY)
+            out = {k: f.get_tensor(k) for k in f.keys()} if tensors else {}
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise FrodError(f"{path} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    if text is None:
+        raise FrodError(f"{path} is not a frod-ds trainable-state record (no {_META_KEY!r} metadata)")
+    meta = record_from_dict(TrainableState, parse_json(text, path, FrodError), str(path), FrodError)
+    if meta.format != FORMAT:
+        raise FrodError(f"{path}: format {meta.format!r}, not {FORMAT!r}; it was written by another frod-ds")
+    return out, meta
+
+
+def read_meta(path: Path) -> TrainableState:
+    """The record's `TrainableState` only (no tensors read)."""
+    return _open(path, tensors=False)[1]
+
+
+def read_state(path: Path) -> tuple[dict[str, torch.Tensor], TrainableState]:
+    """The record at ``path``; ``FrodError`` naming the file when it is not one."""
+    tensors, meta = _open(path, tensors=True)
+    missing = [f"{n}{s}" for n in meta.params for s in ("", *(f".{k}" for k in MOMENTS)) if f"{n}{s}" not in tensors]
+    if missing:
+        raise FrodError(f"{path} has no tensor {missing[0]!r}; it is damaged")
+    return tensors, meta
+
+
+def _local_slice(full: torch.Tensor, param, rank: int) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of a flattened full tensor: ``[rank·k, (rank+1)·k)``, zero-padded at the end."""
+    k = param.ds_tensor.numel()
+    flat = full.reshape(-1)
+    out = torch.zeros(k, dtype=flat.dtype)
+    lo, hi = min(rank * k, flat.numel()), min((rank + 1) * k, flat.numel())
+    out[: hi - lo] = flat[lo:hi]
+    return out
+
+
+def _flat_partitions(engine, base) -> list[torch.Tensor]:
+    """The fp32 tensors AdamW steps on this rank: ZeRO-3 hands each sub-group's flat partition to the optimizer
+    only for the duration of its ``step()``; ZeRO-1/2 keep one per group in ``param_groups``."""
+    flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    return list(flats) if flats is not None else [p for g in base.param_groups for p in g["params"]]
+
+
+def _create_adam_state(engine, base, adam_step: int) -> None:
+    """AdamW's per-partition state as its first ``step()`` would create it (zeros), with ``adam_step`` steps."""
+    torch_adamw = type(base).__name__ != "DeepSpeedCPUAdam"  # which keeps its step count as an int
+    on_device = any(g.get("fused") or g.get("capturable") for g in base.param_groups)
+    for flat in _flat_partitions(engine, base):
+        state = base.state[flat]
+        if state:
+            continue
+        state["step"] = torch.full((), float(adam_step), dtype=torch.float32,
+                                   device=flat.device if on_device else "cpu") if torch_adamw else adam_step
+        for k in MOMENTS:
+            state[k] = torch.zeros_like(flat, dtype=torch.float32)
+
+
+def restore_state(engine, tensors: dict[str, torch.Tensor], meta: TrainableState, zero3: bool) -> None:
+    """Put a `read_state` record into a freshly initialised engine (any world size). Collective."""
+    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state,
+                                 safe_set_local_fp32_param, safe_set_local_optimizer_state)
+
+    from frod_ds.runtime import distributed as dist
+
+    params = _trainable(engine)
+    names = [n for n, _ in params]
+    if names != meta.params:
+        raise FrodError(f"the checkpoint's trainable parameters ({len(meta.params)}) are not this model's "
+                        f"({len(names)}); it belongs to another model or targets")
+    base = _base_optimizer(engine)
+    if getattr(engine.optimizer, "swap_optimizer", False):
+        raise FrodError(f"resuming on another world size with the optimizer state offloaded to NVMe is not "
+                        f"supported; resume on {meta.world_size} rank(s), or with a config without NVMe offload")
+    _create_adam_state(engine, base, meta.adam_step)
+    _link_optimizer_state(engine)
+    rank = dist.get_rank()
+    with torch.no_grad():
+        for name, p in params:
+            value = tensors[name]
+            with gathered([p], zero3, modifier_rank=0):
+                if not zero3 or dist.is_main():
+                    p.data.copy_(value.to(p.dtype).reshape(p.shape))
+            if zero3:
+                safe_set_local_fp32_param(p, _local_slice(value, p, rank).to(p.ds_tensor.device))
+                for k in MOMENTS:
+                    safe_set_local_optimizer_state(p, _local_slice(tensors[f"{name}.{k}"], p, rank)
+                                                   .to(p.ds_tensor.device), k)
+            else:
+                safe_set_full_fp32_param(p, value.to(p.device))
+                for k in MOMENTS:
+                    safe_set_full_optimizer_state(p, tensors[f"{name}.{k}"].to(p.device), k)
+    for group, lr in zip(base.param_groups, meta.group_lrs):
+        group["lr"] = lr
+    if engine.lr_scheduler is not None and meta.scheduler:
+        engine.lr_scheduler.load_state_dict(meta.scheduler)
+    engine.global_steps = meta.step
+    engine.global_samples = meta.global_samples
+    engine.skipped_steps = meta.skipped_steps
