@@ -203,8 +203,12 @@ def _seventy_b(folder: Path, results: Path) -> str:
              "| run | device | config | checkpointing | step | tok/s per GPU | peak alloc per GPU | GFLOP/token | MFU |",
              "|---|---|---|---|---|---|---|---|---|"]
     for d in sorted(steps, key=lambda d: d["method"] != "frod"):
-        label = "QLoRA r=16, NF4 base" if d["method"] == "lora" else "FRoD s=0.02, NF4 `U_i`"
-        label += " and base" if d["method"] == "frod" and d.get("quantize_base") else ""
+        quant = d.get("frozen_quant", "none")
+        if d["method"] == "lora":
+            label = "QLoRA r=16, NF4 base" if quant == "nf4" else f"LoRA r=16, {quant if quant != 'none' else 'bf16'} base"
+        else:
+            label = "FRoD s=0.02, " + (f"{quant.upper()} `U_i`" if quant != "none" else "bf16 `U_i`")
+            label += " and base" if d.get("quantize_base") else ""
         gc = "on" if d["gradient_checkpointing"] else "off"
         if "layer_passes_per_step" not in d and d["method"] == "lora":
             gc += " (asked; not in effect, see docs/benchmarks.md)"
