@@ -12,6 +12,7 @@ if ! command -v "$PYTHON" > /dev/null; then
   echo "error: no Python interpreter '$PYTHON'; set PYTHON to the project environment's python (e.g. .venv/bin/python)" >&2
   exit 2
 fi
+PYTHON=$(command -v "$PYTHON")  # a path, the same on every node of the shared filesystem
 if ! "$PYTHON" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ("torch", "deepspeed", "frod_ds")))' 2> /dev/null; then
   echo "error: PYTHON=$PYTHON cannot import torch, deepspeed and frod_ds; set PYTHON to the project environment's python (make venv builds .venv)" >&2
   exit 2
