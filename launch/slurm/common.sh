@@ -29,6 +29,7 @@ import socket, sys
 start = int(sys.argv[1])
 for port in [*range(start, 40000), *range(20000, start)]:
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the TCP store binds: TIME_WAIT is no owner
         try:
             s.bind(("", port))
         except OSError:
