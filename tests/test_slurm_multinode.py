@@ -215,16 +215,30 @@ def test_pipeline_runs_on_two_nodes_and_resumes_after_preemption(pipelines, tiny
     assert [row["step"] for row in metrics(r["run"])] == list(range(1, STEPS + 1))
 
 
+def _manifest_without_timings(store: Path) -> dict:
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest.pop("run")  # wall times and per-rank host memory of the run that built it
+    for record in manifest["categories"].values():
+        record.pop("seconds"), record.pop("phase_seconds")
+    return manifest
+
+
 def test_two_nodes_equal_one_node_with_the_same_world_size_bitwise(pipelines):
-    """Same world size and rank layout, so the same arithmetic: every file of the factor store, the adapter
-    and the eval outputs byte for byte."""
+    """Same world size and rank layout, so the same arithmetic: every factor file and the adapter byte for
+    byte, the store's manifest apart from its timings (its checksums and errors included), the eval
+    predictions byte for byte and its scores exactly (results.json also names its own paths)."""
     two, one = pipelines["2x2"], pipelines["1x4"]
     assert one["jobs"]["train"].fields["NodeList"] != two["jobs"]["train"].fields["NodeList"]
     for job in one["jobs"].values():
         assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), job
-    assert _tree_digest(two["store"]) == _tree_digest(one["store"])
+    factors = _tree_digest(two["store"], skip=("manifest.json",))
+    assert len(factors) > 2 and factors == _tree_digest(one["store"], skip=("manifest.json",))
+    assert _manifest_without_timings(two["store"]) == _manifest_without_timings(one["store"])
     _assert_same_adapter(two["run"] / "adapter-final", one["run"] / "adapter-final")
-    assert _tree_digest(two["run"] / "eval") == _tree_digest(one["run"] / "eval")
+    two_eval, one_eval = two["run"] / "eval", one["run"] / "eval"
+    assert _sha256(two_eval / "predictions.jsonl") == _sha256(one_eval / "predictions.jsonl")
+    scores = [json.loads((d / "results.json").read_text())["tasks"] for d in (two_eval, one_eval)]
+    assert scores[0] == scores[1] and sorted(scores[0]) == sorted(TASKS.split(","))
 
 
 def test_two_node_hjd_and_eval_equal_single_process(pipelines, tiny, tmp_path):
