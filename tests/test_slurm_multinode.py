@@ -303,7 +303,9 @@ def _kill_after_checkpoint(cluster: SlurmCluster, tiny: Tiny, job_id: str, out: 
     ``node`` is killed; returns the checkpoint's step (where the job must resume)."""
     t0 = time.time()
     while not (_latest_tag(out) > after and _steps_done(out) > _latest_tag(out)):
-        assert cluster.job(job_id).state in ("PENDING", "RUNNING", "CONFIGURING"), _all_logs(tiny)
+        # between a failure and its restart the job passes through REQUEUED/COMPLETING: still alive
+        assert cluster.job(job_id).state in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_FED",
+                                             "COMPLETING"), _all_logs(tiny)
         assert time.time() - t0 < 600, f"no checkpoint after step {after}\n{_all_logs(tiny)}"
         time.sleep(0.1)
     tag = _latest_tag(out)
