@@ -53,14 +53,14 @@ def test_hjd_sbatch_runs_two_tasks(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "scontrol").write_text('#!/bin/bash\necho localhost\n')
-    (bin_dir / "python").write_text(f'#!/bin/bash\nexec "{sys.executable}" "$@"\n')  # this interpreter, venv and all
-    for f in ("srun", "scontrol", "python"):
+    for f in ("srun", "scontrol"):
         (bin_dir / f).chmod(0o755)
     model = write_tiny_llama(tmp_path / "model")
     out = tmp_path / "store"
     env = clean_env()
     env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="42", SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="2",
-               SLURM_SUBMIT_DIR=str(REPO), MASTER_PORT=str(free_port()), MODEL=str(model), OUT=str(out))
+               SLURM_SUBMIT_DIR=str(REPO), MASTER_PORT=str(free_port()), MODEL=str(model), OUT=str(out),
+               PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(SLURM / "hjd.sbatch"), "--device", "cpu", "--dtype", "float64",
                            "--targets", "q_proj"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -80,9 +80,53 @@ def test_hjd_sbatch_without_model_says_what_to_set(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/bin/bash\necho localhost\n')
     (bin_dir / "scontrol").chmod(0o755)
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=str(REPO))
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=str(REPO),
+               PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(SLURM / "hjd.sbatch")], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode != 0 and "set MODEL" in proc.stderr
+
+
+def _home_without_python_on_path(tmp_path: Path, venv: bool) -> tuple[Path, dict[str, str]]:
+    """A checkout (links to this one's code) whose node has a ``python`` on PATH that is not the project's: it
+    fails the way a node without one does. With ``venv``, the checkout has ``.venv/bin/python`` (this
+    interpreter)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for part in ("launch", "frod_ds", "recipes", "ds_configs"):
+        (home / part).symlink_to(REPO / part)
+    if venv:
+        (home / ".venv" / "bin").mkdir(parents=True)
+        (home / ".venv" / "bin" / "python").write_text(f'#!/bin/bash\nexec "{sys.executable}" "$@"\n')
+        (home / ".venv" / "bin" / "python").chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text('#!/bin/bash\necho localhost\n')
+    (bin_dir / "python").write_text('#!/bin/bash\necho "python: not found" >&2\nexit 127\n')
+    for f in ("srun", "scontrol", "python"):
+        (bin_dir / f).chmod(0o755)
+    env = clean_env()
+    env.pop("PYTHON", None)
+    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", SLURM_JOB_ID="42", SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="1",
+               FROD_DS_HOME=str(home), MASTER_PORT=str(free_port()), MODEL="m", OUT=str(tmp_path / "store"))
+    return home, env
+
+
+def test_sbatch_scripts_run_the_checkouts_venv_python_not_a_bare_python(tmp_path):
+    home, env = _home_without_python_on_path(tmp_path, venv=True)
+    proc = subprocess.run(["bash", str(SLURM / "hjd.sbatch"), "--help"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"python {home}/.venv/bin/python," in proc.stdout and "usage:" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("python", ["/nonexistent/python", "python"])
+def test_sbatch_scripts_refuse_an_interpreter_that_cannot_run_the_project(tmp_path, python):
+    _, env = _home_without_python_on_path(tmp_path, venv=False)
+    proc = subprocess.run(["bash", str(SLURM / "train.sbatch")], env=dict(env, PYTHON=python, RECIPE="r"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("error: ") and python in proc.stderr and "set PYTHON" in proc.stderr, proc.stderr
 
 
 # ---- submit.sh and pipeline.sh under a stand-in sbatch that records its arguments ---------------------

@@ -127,6 +127,7 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
 
     manifest = D.on_main(lambda: store_dir.prepare_store(cfg.out, fresh(), cfg.overwrite,
                                                                 {"--model": model_dir}))
+    D.check_shared_dir(cfg.out, "--out")  # every rank writes its members' factors there
     return device, ckpt, categories, manifest
 
 

@@ -20,9 +20,12 @@ Backend: NCCL when CUDA is available, gloo otherwise. Tensors handed to a collec
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 import sys
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -54,6 +57,7 @@ __all__ = [
     "agree_on_error",
     "on_all",
     "on_main",
+    "check_shared_dir",
     "print0",
 ]
 
@@ -312,6 +316,37 @@ def on_main(fn: Callable[[], T]) -> T:
     if error:
         raise CollectiveError(error)
     return result  # type: ignore[return-value]
+
+
+def check_shared_dir(path: Path, what: str) -> None:
+    """Collective: ``CollectiveError`` on every rank unless all ranks see the same directory ``path`` (which
+    exists on rank 0): a file rank 0 writes there must be visible to each. A node-local path (``/dev/shm``,
+    ``/tmp`` on most clusters) is a different directory on each node; without this check each node would write
+    its own part of a store or checkpoint there and rank 0 would seal an incomplete one. One process: no-op."""
+    if get_world_size() == 1:
+        return
+    probe, error = None, None
+    if is_main():
+        probe = path / f".frod-shared-{secrets.token_hex(8)}"
+        try:
+            probe.write_text(probe.name)
+        except OSError as e:
+            error = f"{what} {path} is not writable on rank 0 ({e.strerror or e})"
+    probe, error = broadcast_object((probe, error))
+    if error:
+        raise CollectiveError(error)
+    try:
+        seen = probe.read_text() == probe.name
+    except OSError:
+        seen = False
+    views = all_gather_object((seen, socket.gethostname()))
+    if is_main():
+        probe.unlink(missing_ok=True)
+    blind = sorted({host for ok, host in views if not ok})
+    if blind:
+        raise CollectiveError(f"{what} {path} is not shared between the job's nodes: {', '.join(blind)} cannot see "
+                              "what rank 0 writes there (a node-local path such as /dev/shm?); put it on a "
+                              "filesystem every node mounts")
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -274,6 +274,8 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
     ds_cfg, model_dir, store, identity, run_identity, tok, examples, eval_examples = dist.on_all(
         lambda: _inputs(recipe, ds_config_path, nvme_path, resume[0]))
+    # every rank writes its checkpoint shards there and rank 0 seals them: one directory for all nodes
+    dist.check_shared_dir(Path(recipe.output_dir), "output_dir")
     plan = BatchPlan(len(examples), recipe.train.micro_batch_size, recipe.train.grad_accum, world, rank,
                      recipe.train.seed)
     total = plan.total_steps(recipe.train.epochs, recipe.train.max_steps)
