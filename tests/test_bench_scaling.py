@@ -39,3 +39,19 @@ def test_scaling_rows_name_the_fastest_one_gpu_config_and_the_link_floor(tmp_pat
     assert z3["step_over_zero2"] == pytest.approx(2.0) and z3["link_floor_s"] == pytest.approx(0.060)
     assert z2["link_floor_s"] is None, "ZeRO-2 gathers no frozen weights"
     assert "| FRoD zero3 | 2 | 560 |" in md and "| 60 |" in md
+
+
+def test_two_gpu_report_is_what_its_json_gives():
+    """The committed 2-GPU report is the generator's output from the committed JSONs (no hand edits), and its goal
+    ratios are the ones computed directly from two config JSONs."""
+    from pathlib import Path
+
+    from bench.two_gpu_report import collect, render
+
+    root = Path(__file__).resolve().parents[1] / "bench" / "results" / "two_gpu_2xh200"
+    doc = collect(root)
+    assert (root / "report.md").read_text() == render(doc)
+    z2 = json.loads((root / "matrix" / "configs" / "train_step_frod_zero2_2gpu.json").read_text())
+    z3 = json.loads((root / "matrix" / "configs" / "train_step_frod_zero3_2gpu.json").read_text())
+    (ratio,) = [g["value"] for g in doc["goals"] if g["key"] == "7b_zero3_over_zero2_2gpu"]
+    assert ratio == pytest.approx(z3["step_s_median"] / z2["step_s_median"])
