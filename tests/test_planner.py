@@ -120,16 +120,19 @@ def test_offloaded_parameters_are_gathered_as_full_copies_on_one_gpu_too():
     assert plan_memory(model, train, on_gpu, 2, 1e9).parts["ZeRO-3 gathered"] == by_hand
 
 
-def test_recommendation_is_the_first_candidate_that_fits():
+def test_recommendation_is_the_fastest_fitting_set_up_at_the_recipes_precision():
+    from frod_ds.plan.planner import predicted_seconds
+
     model = model_shape_from_config(LLAMA2_70B)
     train = TrainShape(micro_batch=4, seq_len=256)
     engines = shipped_engines()
     rec = recommend(model, train, 2, 79.1 * 2**30, engines)
-    assert rec is not None and rec.plan.fits
-    order = candidates(engines)
-    i = next(j for j, c in enumerate(order) if c == (rec.engine, rec.quant, rec.quantize_base, rec.checkpointing))
-    assert i == len(rec.tried) - 1 and not any(p.fits for p in rec.tried[:-1])
-    assert rec.quant != "none", "70B in bf16 does not fit 2 GPUs without quantization or offload"
+    assert rec is not None and rec.plan.fits and rec.quant == "none", "bf16 asked, bf16 given while anything fits"
+    same = [p for p in rec.tried if (p.train.quant, p.train.quantize_base) == ("none", False)]
+    assert len(same) == 2 * len(engines), "every engine, with and without checkpointing"
+    assert rec.seconds == min(predicted_seconds(model, p) for p in same if p.fits)
+    assert rec.engine.offload_param, "70B in bf16 fits 2 x 80 GB only with its weights in host memory"
+    assert "frozen_quant=nf4" in rec.reason, "the much faster quantized set-up is named, not chosen"
     offload = recommend(model, train, 1, 16 * 2**30, engines)
     assert offload.engine.offload_param and offload.plan.host_bytes > 30 * 2**30  # 70B: weights in host memory
     assert recommend(model, train, 1, 0.5 * 2**30, engines) is None  # not even the CUDA context fits
@@ -144,7 +147,8 @@ def test_hint_names_the_faster_or_the_fitting_set_up():
     assert hint(small, train, engines["ds_configs/zero2.json"], 1, 79.1 * 2**30) is None
     big = model_shape_from_config(LLAMA2_70B)
     line = hint(big, train, engines["ds_configs/zero2.json"], 2, 79.1 * 2**30)
-    assert "likely out of memory" in line and "frozen_quant" in line
+    assert "likely out of memory" in line and "zero3_offload.json, frozen bf16" in line, "the recipe's precision"
+    assert "with frozen_quant=nf4" in line, "and the much faster quantized set-up, named"
 
 
 def test_train_hint_reads_the_recipe_and_the_json(tmp_path):

@@ -40,7 +40,7 @@ def _gib(x: float) -> str:
     return f"{x / GiB:8.2f}"
 
 
-def print_plan(plan, title: str) -> None:
+def print_plan(plan, title: str, model=None) -> None:
     print(title)
     for part, b in plan.parts.items():
         print(f"  {part:<24}{_gib(b)} GiB")
@@ -50,6 +50,13 @@ def print_plan(plan, title: str) -> None:
     verdict = "fits" if plan.fits else "does NOT fit"
     print(f"  needed (+{FRAGMENTATION:.0%} allocator, +{CUDA_CONTEXT_GIB:.1f} GiB CUDA/NCCL): "
           f"{plan.needed / GiB:.1f} of {plan.gpu_bytes / GiB:.1f} GiB per GPU: {verdict}")
+    if model is not None:
+        from frod_ds.plan.timing import NVLINK, step_time
+
+        t = step_time(model, plan.train, plan.engine, plan.gpus, NVLINK)
+        parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t.parts.items() if v >= 5e-4)
+        print(f"  predicted step on H100/H200-class GPUs with NVLink: {t.seconds * 1e3:.0f} ms ({parts}; the model: "
+              "frod_ds/plan/timing.py, checked in bench/results/time_model_check.md)")
     if plan.host_bytes:
         print(f"  offloaded to host memory (all ranks of a node together): {plan.host_bytes / GiB:.1f} GiB"
               + (" (NVMe: parameters on disk, host keeps buffers)" if "nvme" in plan.engine.name else ""))
@@ -86,10 +93,10 @@ def plan_command(args: argparse.Namespace) -> int:
         q = "frozen bf16" if train.quant == "none" else f"frozen_quant={train.quant}" + (
             " quantize_base=true" if train.quantize_base else "")
         print_plan(plan, f"\n{args.config} on {args.gpus} GPU(s), {q}, gradient checkpointing "
-                         f"{'on' if train.checkpointing else 'off'}:")
+                         f"{'on' if train.checkpointing else 'off'}:", model)
         code = 0 if plan.fits else 1
     elif rec is not None:
-        print_plan(rec.plan, f"\n{rec.describe()} on {args.gpus} GPU(s):")
+        print_plan(rec.plan, f"\n{rec.describe()} on {args.gpus} GPU(s):", model)
     if rec is None:
         print(f"\nnothing fits {args.gpus} GPU(s) of {args.gpu_mem:.1f} GiB, not even with offload and NF4: use more GPUs")
         return 1
