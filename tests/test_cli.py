@@ -127,3 +127,17 @@ def test_torchrun_module_form_runs_hjd_on_two_ranks_like_the_script(tmp_path):
             wa, wb = ((s.load_U(member, torch.float64) * s.load_sigma(member, torch.float64))
                       @ s.load_V(category, torch.float64).T for s in (a, b))
             assert (torch.linalg.norm(wa - wb) / torch.linalg.norm(wa)).item() < 1e-5, member
+
+
+def test_every_import_in_the_library_names_a_module():
+    """Commands import most of their code inside functions, so a wrong path fails only when that branch runs
+    (``frod export --format peft`` and ``--from-peft`` once imported ``frod_ds.interop.export.peft_interop``).
+    Read from the source: every ``frod_ds`` import anywhere in the package names one of its module files."""
+    from frod_ds._compat import OLD_PATHS
+    from tests.test_layering import imports, modules
+
+    mods = modules()
+    unknown = sorted(f"{name} imports {target}" for name, path in mods.items()
+                     for target in imports(path, name, set(mods))
+                     if target.split(".")[0] == "frod_ds" and target not in mods and target not in OLD_PATHS)
+    assert unknown == []
