@@ -26,7 +26,6 @@ import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
-from frod_ds.runtime import distributed as D
 from frod_ds.runtime.errors import FrodError
 
 __all__ = ["USER_ERROR", "run", "report", "run_script"]
@@ -36,6 +35,8 @@ USER_ERROR = 2  # exit status of a user mistake
 
 def report(error: FrodError) -> None:
     """Print the one ``error:`` line of ``error`` where it belongs (see the module docstring)."""
+    from frod_ds.runtime import distributed as D  # torch: imported once a command runs, not when it is named
+
     if isinstance(error, D.CollectiveError):
         if D.is_main():
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -48,6 +49,8 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
     """Run a launch script's ``body`` (see the module docstring). ``init_group``: join the launcher's
     process group first (``distributed.init_distributed(backend)``); pass False when ``body`` sets up its
     own (training: cheap checks first, then DeepSpeed's group)."""
+    from frod_ds.runtime import distributed as D
+
     try:
         if init_group:
             D.init_distributed(backend)
