@@ -4,7 +4,7 @@
     python bench/frod_vs_peft.py --first-layers 6 --from-model models/smollm2-135m --model models/smollm2-6l
     python launch/hjd.py --model models/smollm2-6l --out factors/smollm2-6l --device cpu
     python bench/frod_vs_peft.py --model models/smollm2-6l --factor-store factors/smollm2-6l \\
-        --data ../shared/data/llm_adapters/ARC-Easy/train.json --steps 50 --batch 8 --cutoff 48 \\
+        --data ../shared/data/llm_adapters/ARC-Easy/train.json --steps 50 --batch 4 --cutoff 40 \\
         --model-name "SmolLM2-135M-Instruct, first 6 of its 30 layers (Q4_1 GGUF, dequantized)"
     python bench/frod_vs_peft.py --report-only      # report.md and the plot again, from results.json
 
@@ -222,7 +222,7 @@ class Side:
 
 
 def lockstep(frod: nn.Module, peft: nn.Module, batches: list[dict[str, Tensor]], cfg: OptCfg,
-             log=print) -> dict[str, Any]:
+             log=print, on_step=None) -> dict[str, Any]:
     """Train both models step by step on the same batches; per step: both losses, their relative difference,
     both gradient norms, and the parameters' disagreement relative to the update so far. Step 1 also records
     the logits at init and the gradients (the bisection: forward, then gradients, then the optimizer)."""
@@ -255,6 +255,8 @@ def lockstep(frod: nn.Module, peft: nn.Module, batches: list[dict[str, Tensor]],
                "grad_norm_frod": norm["frod"], "grad_norm_peft": norm["peft"],
                "lr_sigma": sides["frod"].opt.param_groups[0]["lr"], "update_rel_diff": params}
         out["steps"].append(row)
+        if on_step is not None:
+            on_step(out)
         log(f"step {i + 1}/{steps}: loss frod-ds {loss['frod']:.6f} peft {loss['peft']:.6f} "
             f"rel {row['loss_rel_diff']:.2e}; update σ {params['sigma']:.2e} S {params['s']:.2e}")
     out["seconds"] = {k: round(s.seconds, 1) for k, s in sides.items()}
@@ -376,6 +378,8 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         "## Result",
         "",
+        *([] if results.get("complete", True) else
+          [f"**Interrupted after {len(steps)} of {s['steps']} steps**; what follows covers those.", ""]),
         f"**{'Equal' if ok else 'Not equal'} within {TOL:g}:** the largest per-step relative loss difference over "
         f"{len(steps)} steps is {_fmt(worst['loss_rel_diff'])} (step {worst['step']}). Loss "
         f"{steps[0]['loss_frod']:.4f} → {steps[-1]['loss_frod']:.4f} (frod-ds), "
@@ -396,7 +400,8 @@ def render_report(results: dict[str, Any]) -> str:
         f"S {_fmt(steps[-1]['update_rel_diff']['s'])} |",
         "",
         f"Wall time on this CPU (forward, backward, optimizer; not a benchmark: the two run interleaved on shared "
-        f"cores): frod-ds {run['seconds']['frod']} s, PEFT {run['seconds']['peft']} s for {len(steps)} steps.",
+        f"cores): frod-ds {run.get('seconds', {}).get('frod')} s, PEFT {run.get('seconds', {}).get('peft')} s for "
+        f"{len(steps)} steps.",
         "",
         "![losses and their relative difference](loss_curves.png)",
         "",
@@ -591,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"models built and injected in {time.perf_counter() - t0:.0f} s; training {args.steps} steps", flush=True)
     cfg = OptCfg(args.lr_sigma, args.lr_s, args.weight_decay, (0.9, 0.999), args.eps, args.max_grad_norm,
                  args.warmup_ratio)
-    run = lockstep(frod, peft, batches, cfg, log=lambda s: print(s, flush=True))
-    results = {
+    def results_of(run: dict[str, Any]) -> dict[str, Any]:
+        return {
         "benchmark": "frod_vs_peft", "device": device_name(), "versions": versions(),
         "setup": {"model_name": args.model_name, "model_note": args.model.name, "targets": list(args.targets),
                   "members": len(frod_layers(frod)), "sparsity": args.sparsity, "pi": pi, "seed": args.seed,
@@ -605,11 +610,18 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "bench/frod_vs_peft.py", *(argv if argv is not None else sys.argv[1:])]),
         "run": run, "own_init": own, "max_loss_rel_diff": max(r["loss_rel_diff"] for r in run["steps"]),
         "tolerance": TOL, "seconds": round(time.perf_counter() - t0, 1),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    tmp.replace(out / "results.json")
+        "complete": len(run["steps"]) == args.steps,
+        }
+
+    def save(run: dict[str, Any]) -> None:  # after every step: an interrupted run keeps what it measured
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "results.json.tmp"
+        tmp.write_text(json.dumps(results_of(run), indent=1) + "\n")
+        tmp.replace(out / "results.json")
+
+    run = lockstep(frod, peft, batches, cfg, log=lambda s: print(s, flush=True), on_step=save)
+    save(run)
+    results = results_of(run)
     write_report(results, out)
     print(f"max per-step relative loss difference {results['max_loss_rel_diff']:.2e} (tolerance {TOL:g}); "
           f"{out / 'report.md'}")
