@@ -76,3 +76,18 @@ def test_the_check_notices_a_transposed_s(tiny):
     assert run["init"]["logits_max_abs_diff"] <= TOL * run["init"]["logits_max_abs"]  # S = 0: same forward
     assert run["step1_grads"]["s"] > 1e-2, run["step1_grads"]
     assert max(r["loss_rel_diff"] for r in run["steps"][1:]) > TOL, run["steps"]
+
+
+def test_committed_report_is_generated_from_its_results():
+    """``bench/results/frod_vs_peft/report.md`` is what the generator gives for the committed ``results.json``, and
+    the committed run met the tolerance over all its steps."""
+    import json
+
+    from bench.frod_vs_peft import DEFAULT_OUT, TOL as BENCH_TOL, render_report
+
+    results = json.loads((DEFAULT_OUT / "results.json").read_text())
+    assert (DEFAULT_OUT / "report.md").read_text() == render_report(results), \
+        "run python bench/frod_vs_peft.py --report-only (do not edit the report by hand)"
+    steps = results["run"]["steps"]
+    assert results["complete"] and len(steps) == results["setup"]["steps"] >= 50
+    assert max(r["loss_rel_diff"] for r in steps) <= BENCH_TOL
