@@ -7,10 +7,13 @@ test size. ``run_train`` runs ``launch/train.py`` (or another script) as a subpr
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +54,29 @@ def env_vars() -> dict[str, str]:
     return clean_env()
 
 
+# Built setups of this test process, (seed, layers) -> directory: each is built once and copied to every root
+# that asks for it (a copy takes milliseconds; a build, two subprocesses and a tokenizer, ~10 s on 2 cores).
+_BUILT: dict[tuple[int, int], Path] = {}
+
+
 def build_env(root: Path, seed: int = 0, layers: int = 2) -> TrainEnv:
+    """The setup of ``seed``/``layers`` at ``root``: what :func:`_build` writes there, byte for byte except the
+    absolute paths the data and store manifests record (rewritten to ``root``). Each caller gets its own copy,
+    so a test may change its files."""
+    key = (seed, layers)
+    if key not in _BUILT:
+        built = Path(tempfile.mkdtemp(prefix=f"frod-trainenv-s{seed}-l{layers}-"))
+        atexit.register(shutil.rmtree, built, ignore_errors=True)
+        _build(built / "env", seed, layers)
+        _BUILT[key] = built / "env"
+    src, root = _BUILT[key], Path(root)
+    shutil.copytree(src, root, dirs_exist_ok=True)
+    for manifest in (root / "data" / "manifest.json", root / "factors" / "manifest.json"):
+        manifest.write_text(manifest.read_text().replace(str(src), str(root)))
+    return TrainEnv(root, root / "model", root / "data", root / "factors")
+
+
+def _build(root: Path, seed: int, layers: int) -> None:
     from transformers import AutoTokenizer
 
     from frod_ds.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
@@ -71,7 +96,6 @@ def build_env(root: Path, seed: int = 0, layers: int = 2) -> TrainEnv:
     tok.save_pretrained(str(root / "model"))
     subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(root / "model"), "--out",
                     str(root / "factors")], check=True, env=env_vars(), cwd=REPO, capture_output=True)
-    return TrainEnv(root, root / "model", root / "data", root / "factors")
 
 
 def train_cmd(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None) -> list[str]:
