@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train_env import (CPU_ZERO2, CPU_ZERO3, REPO, build_env, env_vars, metrics, run_train, train_cmd)
+from tests.train_env import (CPU_ZERO2, CPU_ZERO3, REPO, build_env, env_vars, metrics, run_train, train_cmd,
+                              train_in_process)
 
 pytestmark = pytest.mark.slow
 PROBE = REPO / "tests" / "train_probe.py"
@@ -230,8 +231,7 @@ def test_sigterm_writes_checkpoint_then_exits(env, tmp_path):
 
 def _bad_run(env, tmp_path, config=CPU_ZERO3, **extra):
     out = tmp_path / "bad"
-    res = run_train(config, env.overrides(out, **extra), nproc=0, timeout=180)
-    return res, out
+    return train_in_process(config, env.overrides(out, **extra)), out
 
 
 def _assert_refused(res, out, *needles):
@@ -292,7 +292,7 @@ def test_resume_on_a_factor_store_rebuilt_with_another_pi_is_refused(probe, env,
     other = tmp_path / "store-pi"
     subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(env.model), "--out", str(other),
                     "--pi", "0.01"], check=True, env=env_vars(), cwd=REPO, capture_output=True)
-    res = run_train(CPU_ZERO3, env.overrides(out, **{"model.factor_store": other}), nproc=0, timeout=180)
+    res = train_in_process(CPU_ZERO3, env.overrides(out, **{"model.factor_store": other}))
     _assert_refused(res, out, "trained on another factor store", "pi 0.001 there, 0.01 here")
 
 
