@@ -5,14 +5,13 @@ store given to a dense recipe, and an unknown frozen_quant, are refused with one
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train_env import CPU_ZERO2, CPU_ZERO3, REPO, build_env, env_vars, metrics, run_train, train_in_process
+from tests.helpers_ckpt import hjd_in_process
+from tests.train_env import CPU_ZERO2, CPU_ZERO3, REPO, build_env, metrics, run_train, train_in_process
 
 pytestmark = pytest.mark.slow
 PROBE = REPO / "tests" / "train_probe.py"
@@ -101,8 +100,7 @@ def _refused(res):
 
 def test_quantized_store_given_to_a_dense_recipe_is_refused(env, tmp_path):
     store = tmp_path / "nf4store"
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(env.model), "--out",
-                           str(store), "--quant", "nf4"], env=env_vars(), cwd=REPO, capture_output=True, text=True)
+    proc = hjd_in_process(["--model", str(env.model), "--out", str(store), "--quant", "nf4"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = tmp_path / "bad"
     res = train_in_process(CPU_ZERO3, env.overrides(out, **{"model.factor_store": store}))
