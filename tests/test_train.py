@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers_ckpt import hjd_in_process
 from tests.train_env import (CPU_ZERO2, CPU_ZERO3, REPO, build_env, env_vars, metrics, run_train, train_cmd,
                               train_in_process)
 
@@ -299,8 +299,7 @@ def test_resume_on_a_factor_store_rebuilt_with_another_pi_is_refused(probe, env,
     shutil.copytree(trained / "checkpoints" / tag, out / "checkpoints" / tag)
     shutil.copy(trained / "checkpoints" / "latest_complete", out / "checkpoints")
     other = tmp_path / "store-pi"
-    subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(env.model), "--out", str(other),
-                    "--pi", "0.01"], check=True, env=env_vars(), cwd=REPO, capture_output=True)
+    assert hjd_in_process(["--model", str(env.model), "--out", str(other), "--pi", "0.01"]).returncode == 0
     res = train_in_process(CPU_ZERO3, env.overrides(out, **{"model.factor_store": other}))
     _assert_refused(res, out, "trained on another factor store", "pi 0.001 there, 0.01 here")
 
