@@ -127,10 +127,12 @@ def _skip_shm_comm_op(deepspeed) -> None:
     """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce op at ``init_distributed``.
 
     On the CPU accelerator DeepSpeed JIT-builds ``deepspeed_shm_comm`` (two C++ files against torch's headers:
-    minutes on a 2-core machine, a C++ compiler required) the first time in every ``TORCH_EXTENSIONS_DIR``, and
-    loads it in every rank of every launch after that. Only ``inference_all_reduce`` (AutoTP inference) uses
-    it; training collectives go through torch.distributed. DeepSpeed builds an op only when its entry in
-    ``deepspeed.ops.__compatible_ops__`` is true; the entry is set false here and put back by :func:`destroy`.
+    ~40 s on an idle 2-core machine, minutes on a busy one, a C++ compiler required) the first time in every
+    ``TORCH_EXTENSIONS_DIR`` and again whenever its build command changes, and loads it in every rank of every
+    launch (waiting, without a timeout, on the build lock another process holds or a killed build left behind).
+    Only ``inference_all_reduce`` (AutoTP inference) uses it; training collectives go through torch.distributed.
+    DeepSpeed builds an op only when its entry in ``deepspeed.ops.__compatible_ops__`` is true; the entry is set
+    false here and put back by :func:`destroy`.
     """
     ops = deepspeed.ops.__compatible_ops__  # probed once per process, then one dict that edits persist in
     if ops.get(SHM_COMM_OP):
