@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -85,6 +87,18 @@ def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: flo
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += [str(script), *args]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def hjd_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """``launch/hjd.py ARGS`` as one process without a launcher, run by its ``main`` in this process: the exit
+    code and what it printed, as :func:`run_hjd` returns them, without a subprocess's torch start-up. For runs
+    whose launcher or process boundary is not what the test checks."""
+    from launch.hjd import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return subprocess.CompletedProcess(["launch/hjd.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def make_adapter(model_dir: Path, root: Path, sparsity: float = 0.05, seed: int = 0):

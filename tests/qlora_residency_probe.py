@@ -95,7 +95,6 @@ def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
 
 
 def main() -> int:
-    import deepspeed
 
     from frod_ds import distributed as dist
 
@@ -104,8 +103,7 @@ def main() -> int:
     ap.add_argument("--modes", default="stock,fixed", help="comma-separated: stock, fixed")
     ap.add_argument("--probe-steps", type=int, default=1, help="optimizer steps per mode")
     args = ap.parse_args()
-    dist.init_distributed()
-    deepspeed.init_distributed(dist_backend="gloo")
+    dist.init_deepspeed()  # as launch/train.py: the launcher's group, DeepSpeed's comm layer without its shm op
     ds_cfg = train_step._ds_config(args.config, args.batch, dist.get_world_size())
     report = {m: measure(args, m, args.probe_steps, ds_cfg) for m in args.modes.split(",")}
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -143,7 +143,6 @@ def measure(recipe, config: str, mode: str, steps: int, sampler: GatheredSampler
 
 
 def main() -> int:
-    import deepspeed
 
     from frod_ds import distributed as dist
     from frod_ds.recipe import load_recipe
@@ -155,8 +154,7 @@ def main() -> int:
     probe_args, rest = ap.parse_known_args()
     args = parse_args(rest)
     recipe = load_recipe(args.recipe, args.overrides)
-    dist.init_distributed()
-    deepspeed.init_distributed(dist_backend="gloo")
+    dist.init_deepspeed()  # as launch/train.py: the launcher's group, DeepSpeed's comm layer without its shm op
     sampler = GatheredSampler()
     sampler.install()
     report = {m: measure(recipe, args.config, m, probe_args.steps, sampler) for m in probe_args.modes.split(",")}

@@ -1,4 +1,6 @@
-"""Model build from a checkpoint and a factor store (one process): equals plain transformers at init."""
+"""Model build from a checkpoint and a factor store (one process): equals plain transformers at init. The factor
+stores are built by ``launch/hjd.py``'s ``main`` in the test process (tests/test_distributed_hjd.py runs it as
+processes)."""
 
 from __future__ import annotations
 
@@ -7,13 +9,13 @@ import torch
 
 from frod_ds.build import build_frod_model, make_supports
 from frod_ds.store import FactorStore
-from tests.helpers_ckpt import run_hjd, write_tiny_llama
+from tests.helpers_ckpt import hjd_in_process, write_tiny_llama
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
 
 
 def _store_for(model_dir, out):
-    proc = run_hjd(["--model", str(model_dir), "--out", str(out), "--dtype", "float64"], nproc=0)
+    proc = hjd_in_process(["--model", str(model_dir), "--out", str(out), "--dtype", "float64"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     return FactorStore.open(out)
 
@@ -57,7 +59,7 @@ def test_bf16_checkpoint_with_fp32_u_is_exact_under_fp32_compute(tmp_path):
     drift = {}
     for u in ("auto", "float32"):
         out = tmp_path / f"f-{u}"
-        proc = run_hjd(["--model", str(model_dir), "--out", str(out), "--u-dtype", u], nproc=0)
+        proc = hjd_in_process(["--model", str(model_dir), "--out", str(out), "--u-dtype", u])
         assert proc.returncode == 0, proc.stderr[-2000:]
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["u_dtype"] == u
@@ -68,7 +70,7 @@ def test_bf16_checkpoint_with_fp32_u_is_exact_under_fp32_compute(tmp_path):
         with torch.no_grad():
             drift[u] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
     assert drift["float32"] < 1e-5 < drift["auto"] / 10, drift
-    proc = run_hjd(["--model", str(model_dir), "--out", str(tmp_path / "f-auto"), "--u-dtype", "float32"], nproc=0)
+    proc = hjd_in_process(["--model", str(model_dir), "--out", str(tmp_path / "f-auto"), "--u-dtype", "float32"])
     assert proc.returncode == 2 and "u_dtype: 'auto' there, 'float32' now" in proc.stderr, proc.stderr[-2000:]
 
 

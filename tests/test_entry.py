@@ -97,3 +97,30 @@ def test_a_one_process_group_leaves_nothing_behind(monkeypatch, fail):
         assert not tdist.is_initialized()
         assert launcher_vars() == {}
         assert listening_sockets() <= sockets
+
+
+def test_deepspeed_group_builds_no_shm_comm_op_and_restores_the_op_table(monkeypatch, tmp_path):
+    """DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce op (minutes on 2 cores, only
+    AutoTP inference uses it) into ``TORCH_EXTENSIONS_DIR``: ``init_deepspeed`` turns it off, so nothing is
+    built or loaded, and ``destroy`` puts DeepSpeed's table of compatible ops back as it was."""
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+
+    from tests.leftovers import launcher_vars
+
+    for name in list(launcher_vars()):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    before = dict(deepspeed.ops.__compatible_ops__)
+    seen = {}
+
+    def body():
+        D.init_deepspeed()
+        seen["shm_op"] = ds_comm.cdb.shm_comm_op
+        seen["table"] = deepspeed.ops.__compatible_ops__.get(D.SHM_COMM_OP, False)
+        return 0
+
+    assert entry.run(body, init_group=False) == 0
+    assert seen == {"shm_op": None, "table": False}
+    assert not (tmp_path / "ext").exists(), "no op compiled"
+    assert deepspeed.ops.__compatible_ops__ == before

@@ -13,12 +13,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tests.helpers_ckpt import run_hjd
-from tests.train_env import CPU_ZERO2, build_env, run_train
+from tests.train_env import CPU_ZERO2, build_env, run_train, train_in_process
 
 from data_prep.cli import main as data_prep_main
 from frod_ds.atomic import MARKER
 from launch import export as export_cli
+from launch import hjd as hjd_cli
 
 
 def tree(path: Path) -> dict[str, str]:
@@ -177,9 +177,9 @@ def test_data_build_over_a_factor_store_is_refused(env, tmp_path, capsys):
     assert tree(store) == before
 
 
-def test_hjd_over_a_data_build_is_refused(env):
+def test_hjd_over_a_data_build_is_refused(env, capsys):
     before = tree(env.data)
-    line = proc_error(run_hjd(["--model", str(env.model), "--out", str(env.data), "--overwrite"]))
+    line = one_error(capsys, hjd_cli.main(["--model", str(env.model), "--out", str(env.data), "--overwrite"]))
     assert "data_prep build" in line
     assert tree(env.data) == before
 
@@ -192,7 +192,8 @@ def test_training_into_a_foreign_directory_is_refused_before_writing(env, tmp_pa
     (mine / "recipe.yaml").write_text("my: own recipe\n")
     (mine / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.5}\n')
     before = tree(mine)
-    line = proc_error(train_proc(env, mine))
+    overrides = env.overrides(mine, **{"train.max_steps": 2, "train.save_every": 0})
+    line = proc_error(train_in_process(CPU_ZERO2, overrides))  # refused before the engine: no subprocess needed
     assert "output_dir" in line and "not written by frod-ds" in line
     assert tree(mine) == before and sorted(p.name for p in mine.iterdir()) == ["metrics.jsonl", "recipe.yaml"]
 

@@ -197,13 +197,13 @@ def test_quant_linear_equals_linear_of_dequantized_weight():
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    from tests.helpers_ckpt import run_hjd, write_tiny_llama
+    from tests.helpers_ckpt import hjd_in_process, write_tiny_llama
 
     root = tmp_path_factory.mktemp("quant")
     model_dir = write_tiny_llama(root / "m", dtype=torch.bfloat16)
     out = {}
     for kind in ("none", "nf4"):
-        proc = run_hjd(["--model", str(model_dir), "--out", str(root / kind), "--quant", kind], nproc=0)
+        proc = hjd_in_process(["--model", str(model_dir), "--out", str(root / kind), "--quant", kind])
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[kind] = root / kind
     return model_dir, out

@@ -5,14 +5,13 @@ store given to a dense recipe, and an unknown frozen_quant, are refused with one
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train_env import CPU_ZERO2, CPU_ZERO3, REPO, build_env, env_vars, metrics, run_train
+from tests.helpers_ckpt import hjd_in_process
+from tests.train_env import CPU_ZERO2, CPU_ZERO3, REPO, build_env, metrics, run_train, train_in_process
 
 pytestmark = pytest.mark.slow
 PROBE = REPO / "tests" / "train_probe.py"
@@ -101,16 +100,15 @@ def _refused(res):
 
 def test_quantized_store_given_to_a_dense_recipe_is_refused(env, tmp_path):
     store = tmp_path / "nf4store"
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(env.model), "--out",
-                           str(store), "--quant", "nf4"], env=env_vars(), cwd=REPO, capture_output=True, text=True)
+    proc = hjd_in_process(["--model", str(env.model), "--out", str(store), "--quant", "nf4"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = tmp_path / "bad"
-    res = run_train(CPU_ZERO3, env.overrides(out, **{"model.factor_store": store}), nproc=0, timeout=180)
+    res = train_in_process(CPU_ZERO3, env.overrides(out, **{"model.factor_store": store}))
     line = _refused(res)
     assert "nf4-quantized U" in line and "model.frozen_quant=nf4" in line, line
     assert not (out / "metrics.jsonl").exists()
 
 
 def test_unknown_frozen_quant_is_refused(env, tmp_path):
-    res = run_train(CPU_ZERO3, env.overrides(tmp_path / "bad", **{"model.frozen_quant": "nf5"}), nproc=0, timeout=180)
+    res = train_in_process(CPU_ZERO3, env.overrides(tmp_path / "bad", **{"model.frozen_quant": "nf5"}))
     assert "model.frozen_quant must be one of none, int8, nf4, got 'nf5'" in _refused(res)

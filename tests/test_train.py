@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train_env import (CPU_ZERO2, CPU_ZERO3, REPO, build_env, env_vars, metrics, run_train, train_cmd)
+from tests.helpers_ckpt import hjd_in_process
+from tests.train_env import (CPU_ZERO2, CPU_ZERO3, REPO, build_env, env_vars, metrics, run_train, train_cmd,
+                              train_in_process)
 
 pytestmark = pytest.mark.slow
 PROBE = REPO / "tests" / "train_probe.py"
@@ -136,15 +137,27 @@ def one_step_zero3(env, tmp_path_factory):
     return metrics(out)[0]
 
 
-def test_zero2_and_zero3_give_same_first_step_loss(one_step_zero3, env, tmp_path):
-    res = run_train(CPU_ZERO2, env.overrides(tmp_path / "z2", **ONE_STEP))
+FOUR_STEPS = {**ONE_STEP, "train.max_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def zero2_four_steps(env, tmp_path_factory):
+    """Four constant-LR steps under ZeRO-2 on 2 ranks, the reference of the ZeRO-3 comparisons. Its first step is
+    a one-step run's: the batch order does not depend on ``max_steps`` (``BatchPlan``) and the LR is constant."""
+    out = tmp_path_factory.mktemp("z2")
+    res = run_train(CPU_ZERO2, env.overrides(out, **FOUR_STEPS))
     assert res.returncode == 0, res.stderr[-3000:]
-    z2 = metrics(tmp_path / "z2")[0]
+    return [r for r in metrics(out) if "loss" in r]
+
+
+def test_zero2_and_zero3_give_same_first_step_loss(one_step_zero3, zero2_four_steps):
+    z2 = zero2_four_steps[0]
+    assert z2["step"] == one_step_zero3["step"] == 1
     assert z2["loss"] == pytest.approx(one_step_zero3["loss"], rel=1e-5, abs=1e-6)
     assert z2["grad_norm"] == pytest.approx(one_step_zero3["grad_norm"], rel=1e-4)
 
 
-def test_zero3_layout_trains_like_zero2_step_by_step(env, tmp_path):
+def test_zero3_layout_trains_like_zero2_step_by_step(env, zero2_four_steps, tmp_path):
     """The ZeRO-3 layout (each decoder layer one fetch unit, every V replicated, and here σ and S partitioned too:
     persistence threshold 0) against ZeRO-2 on the same 2 ranks, fp32: every step's loss within 1e-6 relative and
     its gradient norm within 1e-5, over 4 optimizer steps (so the updates, not only the first forward, agree)."""
@@ -152,12 +165,9 @@ def test_zero3_layout_trains_like_zero2_step_by_step(env, tmp_path):
     cfg["zero_optimization"].update(stage3_param_persistence_threshold=0)
     z3_config = tmp_path / "zero3_nothing_persistent.json"
     z3_config.write_text(json.dumps(cfg))
-    steps = {"train.max_steps": 4, "train.schedule": "constant", "train.warmup_ratio": 0.0}
-    rows = {}
-    for name, config in (("z3", z3_config), ("z2", CPU_ZERO2)):
-        res = run_train(config, env.overrides(tmp_path / name, **steps))
-        assert res.returncode == 0, res.stderr[-3000:]
-        rows[name] = [r for r in metrics(tmp_path / name) if "loss" in r]
+    res = run_train(z3_config, env.overrides(tmp_path / "z3", **FOUR_STEPS))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {"z3": [r for r in metrics(tmp_path / "z3") if "loss" in r], "z2": zero2_four_steps}
     assert [r["step"] for r in rows["z3"]] == [r["step"] for r in rows["z2"]] and len(rows["z3"]) == 4
     for a, b in zip(rows["z3"], rows["z2"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (a, b)
@@ -230,8 +240,7 @@ def test_sigterm_writes_checkpoint_then_exits(env, tmp_path):
 
 def _bad_run(env, tmp_path, config=CPU_ZERO3, **extra):
     out = tmp_path / "bad"
-    res = run_train(config, env.overrides(out, **extra), nproc=0, timeout=180)
-    return res, out
+    return train_in_process(config, env.overrides(out, **extra)), out
 
 
 def _assert_refused(res, out, *needles):
@@ -290,9 +299,8 @@ def test_resume_on_a_factor_store_rebuilt_with_another_pi_is_refused(probe, env,
     shutil.copytree(trained / "checkpoints" / tag, out / "checkpoints" / tag)
     shutil.copy(trained / "checkpoints" / "latest_complete", out / "checkpoints")
     other = tmp_path / "store-pi"
-    subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(env.model), "--out", str(other),
-                    "--pi", "0.01"], check=True, env=env_vars(), cwd=REPO, capture_output=True)
-    res = run_train(CPU_ZERO3, env.overrides(out, **{"model.factor_store": other}), nproc=0, timeout=180)
+    assert hjd_in_process(["--model", str(env.model), "--out", str(other), "--pi", "0.01"]).returncode == 0
+    res = train_in_process(CPU_ZERO3, env.overrides(out, **{"model.factor_store": other}))
     _assert_refused(res, out, "trained on another factor store", "pi 0.001 there, 0.01 here")
 
 

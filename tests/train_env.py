@@ -7,10 +7,15 @@ test size. ``run_train`` runs ``launch/train.py`` (or another script) as a subpr
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import io
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +56,29 @@ def env_vars() -> dict[str, str]:
     return clean_env()
 
 
+# Built setups of this test process, (seed, layers) -> directory: each is built once and copied to every root
+# that asks for it (a copy takes milliseconds; a build, two subprocesses and a tokenizer, ~10 s on 2 cores).
+_BUILT: dict[tuple[int, int], Path] = {}
+
+
 def build_env(root: Path, seed: int = 0, layers: int = 2) -> TrainEnv:
+    """The setup of ``seed``/``layers`` at ``root``: what :func:`_build` writes there, byte for byte except the
+    absolute paths the data and store manifests record (rewritten to ``root``). Each caller gets its own copy,
+    so a test may change its files."""
+    key = (seed, layers)
+    if key not in _BUILT:
+        built = Path(tempfile.mkdtemp(prefix=f"frod-trainenv-s{seed}-l{layers}-"))
+        atexit.register(shutil.rmtree, built, ignore_errors=True)
+        _build(built / "env", seed, layers)
+        _BUILT[key] = built / "env"
+    src, root = _BUILT[key], Path(root)
+    shutil.copytree(src, root, dirs_exist_ok=True)
+    for manifest in (root / "data" / "manifest.json", root / "factors" / "manifest.json"):
+        manifest.write_text(manifest.read_text().replace(str(src), str(root)))
+    return TrainEnv(root, root / "model", root / "data", root / "factors")
+
+
+def _build(root: Path, seed: int, layers: int) -> None:
     from transformers import AutoTokenizer
 
     from frod_ds.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
@@ -71,7 +98,6 @@ def build_env(root: Path, seed: int = 0, layers: int = 2) -> TrainEnv:
     tok.save_pretrained(str(root / "model"))
     subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(root / "model"), "--out",
                     str(root / "factors")], check=True, env=env_vars(), cwd=REPO, capture_output=True)
-    return TrainEnv(root, root / "model", root / "data", root / "factors")
 
 
 def train_cmd(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None) -> list[str]:
@@ -86,6 +112,18 @@ def run_train(config: Path, overrides: list[str], nproc: int = 2, script: Path |
               timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(train_cmd(config, overrides, nproc, script), env=env_vars(), cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def train_in_process(config: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """``launch/train.py``'s ``main`` in this process, for runs refused before the engine is built: the exit code
+    and what it printed, as ``run_train`` returns them, without a subprocess's start-up (torch, transformers and
+    DeepSpeed imports: most of a refused run's time). ``frod_ds.entry`` undoes its process group."""
+    from launch.train import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["--config", str(config), *overrides])
+    return subprocess.CompletedProcess(["launch/train.py"], code, out.getvalue(), err.getvalue())
 
 
 def metrics(out: Path) -> list[dict]:

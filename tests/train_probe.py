@@ -19,7 +19,6 @@ from launch.train import parse_args  # noqa: E402
 
 
 def main() -> int:
-    import deepspeed
 
     from frod_ds import distributed as dist
     from frod_ds.apply import frod_modules
@@ -29,8 +28,7 @@ def main() -> int:
 
     args = parse_args()
     recipe = load_recipe(args.recipe, args.overrides)
-    dist.init_distributed()
-    deepspeed.init_distributed(dist_backend="gloo")
+    dist.init_deepspeed()  # as launch/train.py: the launcher's group, DeepSpeed's comm layer without its shm op
     run = setup(recipe, args.config)
     engine, model = run.engine, run.engine.module
     layers = dict(frod_modules(model))

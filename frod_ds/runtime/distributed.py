@@ -68,6 +68,9 @@ T = TypeVar("T")
 # environment variables it had to set for DeepSpeed (name -> the value they replaced, None when unset).
 _local_rank: int = 0
 _saved_env: dict[str, str | None] = {}
+# Entries of ``deepspeed.ops.__compatible_ops__`` turned off by ``init_deepspeed`` (name -> the value they had).
+_saved_ops: dict[str, bool] = {}
+SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
 
 
 def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) -> None:
@@ -116,7 +119,25 @@ def init_deepspeed() -> None:
         spec = process_group_spec() or ProcessGroupSpec(rank=0, world_size=1, local_rank=0, init_method=None)
         _join(spec, None)
     _set_env(LOCAL_RANK=str(_local_rank))
+    _skip_shm_comm_op(deepspeed)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _skip_shm_comm_op(deepspeed) -> None:
+    """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce op at ``init_distributed``.
+
+    On the CPU accelerator DeepSpeed JIT-builds ``deepspeed_shm_comm`` (two C++ files against torch's headers:
+    ~40 s on an idle 2-core machine, minutes on a busy one, a C++ compiler required) the first time in every
+    ``TORCH_EXTENSIONS_DIR`` and again whenever its build command changes, and loads it in every rank of every
+    launch (waiting, without a timeout, on the build lock another process holds or a killed build left behind).
+    Only ``inference_all_reduce`` (AutoTP inference) uses it; training collectives go through torch.distributed.
+    DeepSpeed builds an op only when its entry in ``deepspeed.ops.__compatible_ops__`` is true; the entry is set
+    false here and put back by :func:`destroy`.
+    """
+    ops = deepspeed.ops.__compatible_ops__  # probed once per process, then one dict that edits persist in
+    if ops.get(SHM_COMM_OP):
+        _saved_ops.setdefault(SHM_COMM_OP, ops[SHM_COMM_OP])
+        ops[SHM_COMM_OP] = False
 
 
 def _set_env(**values: str) -> None:
@@ -142,6 +163,10 @@ def destroy() -> None:
         else:
             os.environ[name] = value
     _saved_env.clear()
+    ds_ops = sys.modules.get("deepspeed.ops")
+    if ds_ops is not None and _saved_ops:
+        ds_ops.__compatible_ops__.update(_saved_ops)
+    _saved_ops.clear()
     _local_rank = 0
 
 
