@@ -116,6 +116,9 @@ def init_deepspeed() -> None:
         spec = process_group_spec() or ProcessGroupSpec(rank=0, world_size=1, local_rank=0, init_method=None)
         _join(spec, None)
     _set_env(LOCAL_RANK=str(_local_rank))
+    from frod_ds.runtime.op_build import preload_comm_ops
+
+    preload_comm_ops()  # its JIT build under a lock that dies with this process, cached across launches
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
