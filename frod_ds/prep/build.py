@@ -91,7 +91,8 @@ def validate_options(options: BuildOptions) -> None:
         problems.append(f"--out {out} exists and is not a directory")
     else:
         try:  # --overwrite deletes OUT: only ever an earlier build, never a mistyped directory or the source
-            check_out(out, KIND, {"--source": options.source}, options.overwrite, error=DataPrepError)
+            check_out(out, KIND, {"--source": options.source}, options.overwrite, error=DataPrepError,
+                      empty_ok=True)
         except DataPrepError as exc:
             problems.append(str(exc))
     if problems:

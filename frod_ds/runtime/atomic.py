@@ -202,15 +202,16 @@ def check_replaceable(out: Path, kind: str | tuple[str, ...], inputs: dict[str, 
 
 def check_out(out: Path, kind: str | tuple[str, ...], inputs: dict[str, Path | str | None] | None, overwrite: bool, *,
               what: str = "--out", error: type[Exception] | None = None,
-              legacy: Callable[[Path], bool] | None = None) -> None:
+              legacy: Callable[[Path], bool] | None = None, empty_ok: bool = False) -> None:
     """The output check of a command that writes ``kind`` to ``out`` and replaces it only with ``--overwrite``:
     first :func:`check_replaceable` (so a directory ``--overwrite`` may not replace is never answered with "pass
-    --overwrite", which would then be refused), then a non-empty ``out`` without ``overwrite``."""
+    --overwrite", which would then be refused), then an existing ``out`` without ``overwrite`` (``empty_ok``: an
+    empty directory is written into without it)."""
     from frod_ds.runtime.errors import FrodError
 
     check_replaceable(out, kind, inputs, what=what, error=error, legacy=legacy)
     out = Path(out)
-    empty_dir = out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    empty_dir = empty_ok and out.is_dir() and not out.is_symlink() and not any(out.iterdir())
     if os.path.lexists(out) and not empty_dir and not overwrite:
         raise (error or FrodError)(f"{what} {out} exists; pass --overwrite to replace it (an earlier output of this "
                                    f"command) or choose another {what}")
