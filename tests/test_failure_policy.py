@@ -431,8 +431,9 @@ def _train(env, out: Path, **extra):
 
 
 def _one_error_line(res) -> str:
-    lines = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    lines = [line for line in res.stderr.replace("\r", "\n").splitlines() if line.startswith("error: ")]
     assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert any(line.startswith("error: ") for line in res.stderr.splitlines()), "the error line starts a line"
     return lines[0]
 
 

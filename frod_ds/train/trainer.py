@@ -632,12 +632,20 @@ def _train_step(run: Run, step: int) -> dict[str, float]:
 
 def fit(run: Run) -> int:
     """Train from ``run.start_step`` to ``run.total_steps``; returns the process exit code."""
+    bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train",
+               dynamic_ncols=True)
+    try:
+        return _fit(run, bar)
+    except BaseException:
+        bar.close()  # so that the one error line starts a line of its own, not after the progress bar
+        raise
+
+
+def _fit(run: Run, bar) -> int:
     t = run.recipe.train
     _install_sigterm(run)
     writer = _tensorboard(run) if t.tensorboard and dist.is_main() else None  # importable: checked in setup
     metrics_path = run.out / "metrics.jsonl"
-    bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train",
-               dynamic_ncols=True)
     run.engine.train()
     step = run.start_step
     if step >= run.total_steps and (run.out / "adapter-final").is_dir():
