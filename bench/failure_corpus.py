@@ -7,7 +7,8 @@
 Builds one tiny world (model, tokenizer, data, factor store, a trained adapter) with the checkout's own
 commands, then runs every case in its own directory and classifies the outcome: ``success`` (exit 0, its check
 holds), ``clear-error`` (exit 2, one ``error:`` line, no traceback, nothing under the case directory changed),
-``exact-recovery`` (a clear error, the fix, then the same command succeeds and its check holds); anything else
+``exact-recovery`` (a clear error that may leave resumable state, the fix, then the same command succeeds and
+its check holds); anything else
 is ``unclear-failure`` (a traceback, another exit code, several lines, something left behind) or
 ``wrong-result`` (exit 0 where an error was due, or a failed check). Prints the counts per expected class and
 every mismatch; exits 1 when there is one. A case whose preparation cannot run here (mounting a small tmpfs
@@ -239,8 +240,9 @@ def _snapshot(case: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _clear_error(res: subprocess.CompletedProcess, before: dict, case: Path) -> str | None:
-    """None when ``res`` is a clear error that left nothing behind, else why not."""
+def _clear_error(res: subprocess.CompletedProcess, before: dict | None, case: Path) -> str | None:
+    """None when ``res`` is a clear error that left nothing behind (``before``: the case directory's snapshot;
+    None: what it left is not checked, as for a recovery, which resumes from it), else why not."""
     errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
     if res.returncode != 2:
         return f"exit {res.returncode}"
@@ -248,7 +250,7 @@ def _clear_error(res: subprocess.CompletedProcess, before: dict, case: Path) -> 
         return "traceback"
     if len(errors) != 1:
         return f"{len(errors)} error lines"
-    changed = sorted(set(before.items()) ^ set(_snapshot(case).items()))
+    changed = [] if before is None else sorted(set(before.items()) ^ set(_snapshot(case).items()))
     if changed:
         return f"left behind / changed: {changed[0][0]}"
     return None
@@ -270,7 +272,8 @@ def run_case(world: World, case_spec: dict, case: Path) -> dict:
             observed = "success" if ok else ("wrong-result" if res.returncode == 0 else "unclear-failure")
             why = None if ok else (res.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
         else:
-            why = _clear_error(res, before, case) if res.returncode != 0 else "exit 0"
+            kept = None if expected == "exact-recovery" else before  # a recovery resumes from what is left
+            why = _clear_error(res, kept, case) if res.returncode != 0 else "exit 0"
             if why == "exit 0":
                 observed = "wrong-result"
             elif why:
