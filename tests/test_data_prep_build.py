@@ -342,7 +342,7 @@ def test_existing_output_needs_overwrite_and_survives_a_failed_build(tmp_path):
     out = tmp_path / "out"
     run_build(out, tasks=("obqa",))
     before = file_bytes(out)
-    with pytest.raises(DataPrepError, match="already exists and is not empty; pass --overwrite"):
+    with pytest.raises(DataPrepError, match="exists; pass --overwrite"):
         run_build(out, tasks=("piqa",))
     with pytest.raises(DataPrepError):
         run_build(out, tasks=("piqa",), overwrite=True, strict=True)

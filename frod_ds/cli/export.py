@@ -53,6 +53,11 @@ def check_args(args: argparse.Namespace) -> list[str]:
         problems.append("--dtype/--shard-gb apply to --format hf only")
     if args.peft_tol is not None and (args.from_peft or fmt != "peft"):
         problems.append("--peft-tol applies to --format peft only")
+    from frod_ds.runtime.validate import device_problem
+
+    device = device_problem(args.device)
+    if device:
+        problems.append(device)
     return problems
 
 

@@ -15,6 +15,7 @@ prints one ``hint:`` line when the memory planner (``frod_ds.plan.planner.train_
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 
@@ -38,13 +39,14 @@ def train(args: argparse.Namespace) -> int:
     import torch
 
     from frod_ds.plan.planner import train_hint
-    from frod_ds.train.trainer import fit, setup
+    from frod_ds.train.trainer import fit, removed_if_failed, setup
 
     gpu_bytes = torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
     hint = train_hint(recipe, args.config, dist.get_world_size(), gpu_bytes)  # the planner's decision, config.json only
     if hint:
         dist.print0(hint)
-    return fit(setup(recipe, args.config, args.nvme_path))
+    with removed_if_failed(Path(recipe.output_dir)):  # a failed fresh run leaves no output_dir behind
+        return fit(setup(recipe, args.config, args.nvme_path))
 
 
 def main(argv: list[str] | None = None) -> int:

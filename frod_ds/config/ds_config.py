@@ -8,6 +8,8 @@ concrete values disagree, refuses every other ``"auto"`` (plain ``deepspeed.init
 from __future__ import annotations
 
 import copy
+import difflib
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +55,53 @@ def load_ds_config(path: str | Path) -> dict:
     return cfg
 
 
+# DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed itself ignores a top-level key it
+# does not know, so a misspelled "gradient_cliping" silently trained without clipping.
+_DS_TOP_LEVEL = frozenset("""
+train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler
+communication_data_type seq_parallel_communication_data_type prescale_gradients gradient_predivide_factor
+sparse_gradients fp16 bf16 amp torch_autocast gradient_clipping zero_optimization zero_allow_untested_optimizer
+zero_force_ds_cpu_optimizer aio activation_checkpointing steps_per_print wall_clock_breakdown dump_state
+memory_breakdown flops_profiler tensorboard wandb csv_monitor comet comms_logger autotuning elasticity
+data_efficiency curriculum_learning data_types compression_training sparse_attention pipeline checkpoint nebula
+eigenvalue progressive_layer_drop quantize_training hybrid_engine compile weight_quantization timers
+disable_allgather dataloader_drop_last graph_harvesting use_data_before_expert_parallelism tensor_parallel
+expert_parallel gradient_allreduce_op disable_python_gc log_level zenflow
+""".split())
+
+
+@functools.lru_cache(maxsize=1)
+def _known_keys() -> tuple[frozenset[str], frozenset[str]]:
+    """(top-level keys, ``zero_optimization`` keys) this DeepSpeed accepts: the documented list above plus every
+    key name DeepSpeed's runtime defines as a constant (so a newer DeepSpeed's keys are not refused), and the
+    fields and aliases of its ZeRO config model."""
+    top = set(_DS_TOP_LEVEL)
+    try:
+        from deepspeed.runtime import constants as C
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError:  # no DeepSpeed: nothing more to compare against
+        return frozenset(top), frozenset()
+    top.update(v for k, v in vars(C).items() if k.isupper() and isinstance(v, str) and v.isidentifier())
+    zero = {name for name, f in DeepSpeedZeroConfig.model_fields.items() for name in (name, f.alias) if name}
+    return frozenset(top), frozenset(zero)
+
+
+def _unknown_keys(cfg: dict) -> list[str]:
+    """One problem per key DeepSpeed does not know, with the closest key it does."""
+    top, zero = _known_keys()
+    problems = []
+    zo = cfg.get("zero_optimization")
+    for where, keys, known in (("", cfg, top), ("zero_optimization.", zo if isinstance(zo, dict) else {}, zero)):
+        if not known:
+            continue
+        for key in keys:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+                hint = f'; did you mean "{where}{close[0]}"?' if close else "; remove it"
+                problems.append(f'unknown key "{where}{key}"{hint}')
+    return problems
+
+
 def _autos(node: Any, prefix: str = "") -> list[str]:
     if isinstance(node, dict):
         return [k for key, v in node.items() for k in _autos(v, f"{prefix}{key}.")]
@@ -75,7 +124,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
     cfg = copy.deepcopy(cfg)
     zero_stage(cfg)
     bs = batch_sizes(recipe, world_size)
-    problems = []
+    problems = _unknown_keys(cfg)
     for key, want in (
         ("train_micro_batch_size_per_gpu", bs.micro),
         ("gradient_accumulation_steps", bs.accum),
@@ -90,8 +139,16 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
                 f"(micro_batch_size={bs.micro} x grad_accum={bs.accum} x world_size={bs.world}); "
                 f'set it to "auto" or change the recipe'
             )
-    if "gradient_clipping" not in cfg or cfg["gradient_clipping"] == "auto":
+    clip = cfg.get("gradient_clipping", "auto")
+    if clip == "auto":
         cfg["gradient_clipping"] = recipe.train.max_grad_norm
+    elif isinstance(clip, bool) or not isinstance(clip, (int, float)) or float(clip) != float(recipe.train.max_grad_norm):
+        # DeepSpeed would clip at its own value while the recorded recipe says another: one source of truth
+        problems.append(
+            f"gradient_clipping={clip!r} in the DeepSpeed config but the recipe gives "
+            f"train.max_grad_norm={recipe.train.max_grad_norm}; set gradient_clipping to \"auto\" or change "
+            "train.max_grad_norm"
+        )
     want_bf16 = recipe.model.dtype == "bfloat16"
     bf16 = cfg.setdefault("bf16", {})
     if bf16.get("enabled", "auto") == "auto":

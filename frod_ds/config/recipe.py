@@ -222,7 +222,13 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         p = user_file(path, "recipes")  # a shipped recipe by name also outside a checkout
         if not p.is_file():
             raise RecipeError(f"recipe file {p} not found")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:  # the parser's own position (line, column) says where to look
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+            raise RecipeError(f"recipe {p} is not valid YAML{at}: {getattr(e, 'problem', None) or e}; fix the "
+                              "file") from None
         if not isinstance(loaded, dict):
             raise RecipeError(f"recipe {p} must be a YAML mapping")
         tree = loaded
@@ -230,7 +236,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         if "=" not in item:
             raise RecipeError(f"override {item!r} must look like section.key=value (e.g. train.lr_sigma=2e-4)")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            raise RecipeError(f"override {item!r}: the value is not a YAML scalar; quote it") from None
+        _set_dotted(tree, key.strip(), value)
     problems: list[str] = []
     recipe = _build(Recipe, tree, "", problems)
     if not problems:

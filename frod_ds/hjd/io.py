@@ -17,6 +17,7 @@ the pieces are combined into the file's checksum (``frod_ds.formats.checksum``):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -236,8 +237,14 @@ class FactorWriter:
             pieces = [part.head] + [f.result() for f in part.chunks]
             if self.fsync:
                 os.fsync(part.fd)
-        finally:
+        except BaseException as e:
             os.close(part.fd)
+            with contextlib.suppress(OSError):
+                os.unlink(part.tmp)  # a full disk: no half-written part stays in the store
+            if isinstance(e, OSError) and e.filename is None:
+                e.filename = str(part.path)  # pwrite names no file; the error line should
+            raise
+        os.close(part.fd)
         os.replace(part.tmp, part.path)
         return part.path.name, combine_pieces(pieces)
 

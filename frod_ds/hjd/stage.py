@@ -126,7 +126,7 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
                                       categories, ckpt, cfg.quant, base_fingerprint(ckpt, cfg.targets))
 
     manifest = D.on_main(lambda: store_dir.prepare_store(cfg.out, fresh(), cfg.overwrite,
-                                                                {"--model": model_dir}))
+                                                                {"--model": model_dir}, ckpt))
     D.check_shared_dir(cfg.out, "--out")  # every rank writes its members' factors there
     return device, ckpt, categories, manifest
 

@@ -23,7 +23,7 @@ from frod_ds.runtime.atomic import (MARKER, TMP, atomic_write_text, check_replac
                             marker_kind)
 from frod_ds.io.dtypes import dtype_name
 from frod_ds.runtime.errors import HJDError, StoreError
-from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests
+from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.hjd.category import CategoryResult
 from frod_ds.core.quant import NF4_BLOCKSIZE
@@ -102,13 +102,23 @@ def remove_store_files(out: Path, category: str | None = None) -> None:
             p.unlink()
 
 
-def _config_diffs(manifest: Manifest, fresh: Manifest) -> list[str]:
+def _config_diffs(manifest: Manifest, fresh: Manifest, ckpt: HFCheckpoint | None = None) -> list[str]:
     """Why ``manifest`` (in ``--out``) cannot take this run's categories: configuration fields that differ, and
-    completed categories whose weights this run sees with other digests."""
+    completed categories whose weights this run sees with other digests: this run's categories, and (with
+    ``ckpt``) the store's other categories whose weights the checkpoint also holds, so that a ``--categories``
+    run on another model's checkpoint cannot add its factors beside the first model's."""
     diffs = [k for k in CONFIG_FIELDS if getattr(manifest, k) != getattr(fresh, k)]
     for c, rec in fresh.categories.items():
         old = manifest.categories.get(c)
         if c in manifest.completed_categories and old is not None and old.weight_sha256 != rec.weight_sha256:
+            diffs.append(f"weights:{c}")
+    for c in manifest.completed_categories:
+        old = manifest.categories.get(c)
+        if ckpt is None or c in fresh.categories or old is None or not old.weight_sha256:
+            continue
+        seen = {m: m + ".weight" for m in old.weight_sha256 if m + ".weight" in ckpt}
+        now = tensor_digests(ckpt, seen.values()) if seen else {}
+        if any(now[name] != old.weight_sha256[m] for m, name in seen.items()):
             diffs.append(f"weights:{c}")
     return diffs
 
@@ -125,12 +135,12 @@ def _describe(manifest: Manifest, fresh: Manifest, diffs: list[str]) -> str:
     return shown
 
 
-def _existing_manifest(out: Path, fresh: Manifest, overwrite: bool) -> Manifest | None:
+def _existing_manifest(out: Path, fresh: Manifest, overwrite: bool, ckpt: HFCheckpoint | None = None) -> Manifest | None:
     """The manifest in ``out`` with this run's categories merged in, if it is one to resume or extend; ``None``
     if it is to be replaced (``overwrite``); ``HJDError`` if it is of another configuration or model."""
     try:
         manifest = Manifest.read(out / MANIFEST)
-        diffs = _config_diffs(manifest, fresh)
+        diffs = _config_diffs(manifest, fresh, ckpt)
     except StoreError:
         manifest, diffs = None, ["format_version"]
     if diffs and not overwrite:
@@ -162,7 +172,8 @@ def _is_store(out: Path) -> bool:
     return marker_kind(out) == KIND if is_marked(out) else _is_legacy_store(out)
 
 
-def prepare_store(out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str, Any] | None = None) -> Manifest:
+def prepare_store(out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str, Any] | None = None,
+                  ckpt: HFCheckpoint | None = None) -> Manifest:
     """Rank 0: create the store directory, or resume / extend the one there; returns the manifest to continue.
     Store files are replaced (``overwrite``, or a corrupt manifest) only where ``frod_ds.runtime.atomic.check_replaceable``
     allows it: a factor store, none of this run's ``inputs`` (the model)."""
@@ -174,7 +185,7 @@ def prepare_store(out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str,
     out.mkdir(parents=True, exist_ok=True)
     manifest = None
     if (out / MANIFEST).is_file():
-        manifest = _existing_manifest(out, fresh, overwrite)
+        manifest = _existing_manifest(out, fresh, overwrite, ckpt)
         if manifest is None:
             remove_store_files(out)
     elif any(p.name != MARKER for p in out.iterdir()):  # a store's leftovers without its manifest

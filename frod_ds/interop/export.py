@@ -29,7 +29,7 @@ import torch
 
 from frod_ds.model.adapter import adapter_sources, supports_from_adapter
 from frod_ds.formats.adapter_format import s_name, sigma_name
-from frod_ds.runtime.atomic import building_dir, check_replaceable
+from frod_ds.runtime.atomic import building_dir, check_out
 from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from frod_ds.runtime.errors import ExportError
 from frod_ds.io.hf_checkpoint import INDEX_NAME, HFCheckpoint
@@ -106,9 +106,7 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
     out_dtype = None if dtype == "auto" else dtype_from_name(dtype, OUT_DTYPES, "--dtype (or auto)")
     if not shard_gb > 0:
         raise ExportError(f"--shard-gb must be > 0, got {shard_gb}")
-    if out.exists() and not overwrite:
-        raise ExportError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
-    check_replaceable(out, KIND, {"--checkpoint": checkpoint_dir}, error=ExportError)  # before reading anything
+    check_out(out, KIND, {"--checkpoint": checkpoint_dir}, overwrite, error=ExportError)  # before reading anything
     tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
     inputs = {"--checkpoint": checkpoint_dir, "the base model": model_dir, "the factor store": store.path,
               "the tokenizer": config.tokenizer}

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from frod_ds.formats.adapter_format import AdapterCategory, AdapterConfig, s_name, sigma_name, support_name
-from frod_ds.runtime.atomic import building_dir, check_replaceable, mark_dir
+from frod_ds.runtime.atomic import building_dir, check_out, check_replaceable, mark_dir
 from frod_ds.runtime.errors import FrodError
 from frod_ds.core.layer import core_matrix
 
@@ -134,9 +134,7 @@ def _pad(flat: Tensor, n: int, nnz: int) -> Tensor:
 def _check_out(out: Path, overwrite: bool, kind: str, inputs: dict[str, Any]) -> None:
     """Refuse an existing ``--out`` unless ``overwrite`` and the marker rule (``frod_ds.runtime.atomic``) allow a command
     writing ``kind`` from ``inputs`` to replace it."""
-    check_replaceable(out, kind, inputs, error=PeftInteropError)
-    if out.exists() and not overwrite:
-        raise PeftInteropError(f"--out {out} exists; pass --overwrite to replace it or choose another --out")
+    check_out(out, kind, inputs, overwrite, error=PeftInteropError)
 
 
 # -------------------------------------------------------------------------------------------- PEFT side
@@ -197,9 +195,13 @@ def _update_error(dW_p: Tensor, dW_o: Tensor, W_o: Tensor) -> float:
 
 
 def _map_category(members: list[str], tensors: dict[str, Tensor], support: Tensor, n: int, store, layers, tol: float,
-                  device: torch.device) -> tuple[CategoryMapping, dict[str, tuple[Tensor, Tensor, Tensor]]]:
+                  device: torch.device, quant: str = "none") -> tuple[CategoryMapping, dict[str, tuple[Tensor, Tensor, Tensor]]]:
     """Choose τ and map every member's core into PEFT's basis; returns the report and ``{member: (λ_p (n,),
-    flat off-diagonal positions, their values)}`` (fp32, CPU)."""
+    flat off-diagonal positions, their values)}`` (fp32, CPU). The reported errors compare PEFT's weights with
+    the trained model's: ``Ũ_i M_i Vᵀ`` with ``Ũ_i`` the dequantized ``U_i`` when training held it quantized
+    (``quant``), which PEFT, building ``U`` from the dense base, cannot reproduce."""
+    from frod_ds.interop.export import _frozen_U
+
     f64 = torch.float64
     V_o = store.load_V(store.category_of(members[0]), f64, device)
     V_p = layers[members[0]].frod_V[ADAPTER].to(device, f64)
@@ -231,7 +233,8 @@ def _map_category(members: list[str], tensors: dict[str, Tensor], support: Tenso
     worst, weight_err, nnz, out = 0.0, 0.0, set(), {}
     for m, (U_o, s0, M_o, U_p, lam0) in data.items():
         M_p = core_in_peft_basis(M_o, s0, lam0, Gs)  # (n, n)
-        W_o, W_p = (U_o @ M_o) @ V_o.T, (U_p @ M_p) @ V_p.T
+        U_t = U_o if quant == "none" else _frozen_U(store, m, quant, device).to(f64)  # (m, n) as trained
+        W_o, W_p = (U_t @ M_o) @ V_o.T, (U_p @ M_p) @ V_p.T
         worst = max(worst, _update_error(W_p - (U_p * lam0) @ V_p.T, W_o - (U_o * s0) @ V_o.T, W_o))
         weight_err = max(weight_err, _rel(W_p - W_o, W_o))
         off = (M_p - torch.diag(torch.diagonal(M_p))).flatten()
@@ -239,6 +242,26 @@ def _map_category(members: list[str], tensors: dict[str, Tensor], support: Tenso
         nnz.update(flat.tolist())
         out[m] = (torch.diagonal(M_p).float().cpu(), flat.cpu(), off[flat].float().cpu())
     return CategoryMapping(tau, int(support.numel()), len(nnz), 0, worst, weight_err), out
+
+
+def _tol_that_passes(err: float) -> float:
+    """``err`` rounded up to two significant digits (a ``--peft-tol`` that accepts it)."""
+    step = 10.0 ** (math.floor(math.log10(err)) - 1)
+    return math.ceil(err / step * (1 - 1e-12)) * step
+
+
+def _check_tol(reports: dict[str, CategoryMapping], tol: float, quant: str) -> None:
+    """``PeftInteropError`` naming the worst category, its measured update error and the ``--peft-tol`` that
+    would pass, when a category's mapping is worse than ``tol``: PEFT would load a different model, exit 0."""
+    cat, worst = max(((c, r.max_update_error) for c, r in reports.items()), key=lambda cw: cw[1])
+    if not worst > tol:  # a NaN error fails too
+        return
+    why = (f" (training held U {quant}-quantized; stock PEFT rebuilds U from the dense base)" if quant != "none"
+           else "")
+    accept = f"pass --peft-tol {_tol_that_passes(worst):.2g} to accept that, or " if math.isfinite(worst) else ""
+    raise PeftInteropError(f"--peft-tol {tol:g} cannot be met: the {cat} updates in PEFT's basis differ from the "
+                           f"trained ones by {worst:.2e} (relative){why}; {accept}export with --format hf (exact); "
+                           "nothing was written")
 
 
 def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str | None = None,
@@ -260,6 +283,10 @@ def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str 
     bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise PeftInteropError(f"adapter {checkpoint_dir} has non-finite values in {bad[0]}; it cannot be exported")
+    if config.quantize_base:
+        raise PeftInteropError(f"adapter {checkpoint_dir} was trained with model.quantize_base (the untargeted linears "
+                               f"{config.frozen_quant}-quantized), which a PEFT adapter cannot express: PEFT loads them "
+                               "from the dense base model; export with --format hf instead")
     categories = config.categories
     t0 = time.perf_counter()
     peft_cfg = FrodConfig(target_modules=sorted(categories), sparse_rate=float(config.sparsity or 0.02),
@@ -281,7 +308,8 @@ def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str 
             n = info.n
             rows, cols = tensors[support_name(cat)].long()
             reports[cat], mapped[cat] = _map_category(info.members, tensors, rows * n + cols, n, store, layers, tol,
-                                                      device)
+                                                      device, config.frozen_quant)
+        _check_tol(reports, tol, config.frozen_quant)
         rate = shared_sparse_rate({c: (i.n, reports[c].nnz_mapped) for c, i in categories.items()})
         for cat, info in categories.items():
             n = info.n

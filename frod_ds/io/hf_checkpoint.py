@@ -177,6 +177,7 @@ class HFCheckpoint:
         else:
             hint = " (found PyTorch .bin files: convert them to safetensors first)" if any(self.dir.glob("*.bin")) else ""
             raise CheckpointError(f"no {INDEX_NAME} or {SINGLE_NAME} in {self.dir}; HJD reads safetensors checkpoints{hint}")
+        self._indexed = index.is_file()
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
         self.tensors_read = 0
         self.bytes_read = 0
@@ -195,7 +196,7 @@ class HFCheckpoint:
             raise CheckpointError(f"tensor {name!r} is not in the checkpoint {self.dir}; check the model and --targets")
         file = self._file_of[name]
         if file not in self._headers:
-            self._headers[file] = _read_header(file)
+            self._headers[file] = self._checked_header(file)
         header = self._headers[file]
         if name not in header:
             raise CheckpointError(
@@ -203,6 +204,20 @@ class HFCheckpoint:
                 "shards are from different downloads: download the checkpoint again"
             )
         return header[name]
+
+    def _checked_header(self, file: Path) -> dict[str, TensorInfo]:
+        """``file``'s header; with an index, every tensor the shard holds must be listed there: a tensor the
+        index leaves out is invisible to every reader (no factors, no adapter for that module), not an error."""
+        header = _read_header(file)
+        if self._indexed:
+            unlisted = sorted(n for n in header if n not in self._file_of)
+            if unlisted:
+                raise CheckpointError(
+                    f"{self.dir / INDEX_NAME} does not list tensor {unlisted[0]!r} (held by {file.name}"
+                    f"{f', and {len(unlisted) - 1} more' if len(unlisted) > 1 else ''}); the index is incomplete: "
+                    "download the checkpoint again or add the tensor to its weight_map"
+                )
+        return header
 
     def check(self, names: Iterable[str]) -> None:
         """Check the shards holding ``names`` (present, header readable, size consistent) up front."""

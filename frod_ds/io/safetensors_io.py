@@ -7,6 +7,7 @@ filled at known offsets by several threads); ``save_tensors_atomic`` writes a wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -59,15 +60,22 @@ def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = Tr
     head, _ = safetensors_header([(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()])
     tmp = path.with_name(path.name + TMP)
     crc = zlib.crc32(head)
-    with open(tmp, "wb") as f:
-        f.write(head)
-        for t in tensors.values():
-            if t.numel():
-                data = memoryview(tensor_bytes(t).numpy())
-                crc = zlib.crc32(data, crc)
-                f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for t in tensors.values():
+                if t.numel():
+                    data = memoryview(tensor_bytes(t).numpy())
+                    crc = zlib.crc32(data, crc)
+                    f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a full disk or a kill: no half-written temporary stays beside the file
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a failed write() names no file; the error line should
+        raise
     return crc

@@ -27,7 +27,7 @@ from typing import Any
 from frod_ds.prep import io, llm_adapters, sources, tokens
 from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from frod_ds.prep.templates import RowError, render, row_id
-from frod_ds.runtime.atomic import building_dir, check_replaceable
+from frod_ds.runtime.atomic import building_dir, check_out
 
 FORMAT = "frod-ds/commonsense170k/v1"
 KIND = "data-build"  # the marker's kind (frod_ds.runtime.atomic): --overwrite replaces only an earlier build
@@ -89,11 +89,10 @@ def validate_options(options: BuildOptions) -> None:
     out = options.out
     if out.exists() and not out.is_dir():
         problems.append(f"--out {out} exists and is not a directory")
-    elif out.is_dir() and any(out.iterdir()) and not options.overwrite:
-        problems.append(f"--out {out} already exists and is not empty; pass --overwrite to replace it")
     else:
         try:  # --overwrite deletes OUT: only ever an earlier build, never a mistyped directory or the source
-            check_replaceable(out, KIND, {"--source": options.source}, error=DataPrepError)
+            check_out(out, KIND, {"--source": options.source}, options.overwrite, error=DataPrepError,
+                      empty_ok=True)
         except DataPrepError as exc:
             problems.append(str(exc))
     if problems:
@@ -181,6 +180,10 @@ def load_llm_adapters_splits(options: BuildOptions, path: Path) -> list[SplitRes
         return results
     for task in options.tasks:
         for role in ("train", "eval"):
+            if not sources.has_llm_adapters_split(path, task, role):  # check_llm_adapters_source: test.json is there
+                log(f"note: {path / sources.LLM_ADAPTERS_FOLDERS[task]} has no train.json; {task} adds its test "
+                    "split only, no training rows")
+                continue
             data = sources.load_llm_adapters_split(path, task, role)
             split = sources.LLM_ADAPTERS_SPLITS[role]
             conv = llm_adapters.convert(data.rows, task=task, role=role, template=template, origin=data.origin,

@@ -14,7 +14,8 @@ rows are in the task's Hugging Face schema. WinoGrande may keep one folder per s
 An LLM-Adapters source, ``llm-adapters:PATH``, is either its combined training file
 (``commonsense_170k.json``: training rows only) or a folder in the layout of its ``dataset/``:
 ``PATH/<folder>/train.json`` and ``PATH/<folder>/test.json`` with LLM-Adapters' folder names
-(`LLM_ADAPTERS_FOLDERS`); only the selected tasks' folders must exist.
+(`LLM_ADAPTERS_FOLDERS`); only the selected tasks' folders must exist, each with a ``test.json`` (a folder
+without ``train.json`` adds its test split only, with a note).
 """
 
 from __future__ import annotations
@@ -234,7 +235,9 @@ def check_llm_adapters_source(path: Path, tasks: list[str]) -> None:
         raise DataPrepError(f"--source llm-adapters:{path}: no such file or directory "
                             "(pass commonsense_170k.json or a folder of <task>/{train,test}.json)")
 
-    def absent(task: str) -> list[str]:
+    def absent(task: str) -> list[str]:  # test.json is required; train.json is optional (evaluation folders)
+        if has_llm_adapters_split(path, task, "eval"):
+            return []
         return [str(path / LLM_ADAPTERS_FOLDERS[task] / f"{stem}.json") for stem in LLM_ADAPTERS_SPLITS.values()
                 if not (path / LLM_ADAPTERS_FOLDERS[task] / f"{stem}.json").is_file()]
 
@@ -250,6 +253,12 @@ def load_llm_adapters_file(path: Path, root: Path) -> SplitData:
     rows = read_split_file(path)
     name = path.name if path == root else path.relative_to(root).as_posix()
     return SplitData(rows, str(path), {"path": name, "sha256": sha256_tree(path)})
+
+
+def has_llm_adapters_split(root: Path, task: str, role: str) -> bool:
+    """Whether ``root/<folder>/{train,test}.json`` of `task` exists (LLM-Adapters' evaluation folders in common
+    use, ``dataset/piqa/test.json``, hold the test split only)."""
+    return (root / LLM_ADAPTERS_FOLDERS[task] / f"{LLM_ADAPTERS_SPLITS[role]}.json").is_file()
 
 
 def load_llm_adapters_split(root: Path, task: str, role: str) -> SplitData:

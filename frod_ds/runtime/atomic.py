@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TMP", "MARKER", "KINDS", "NESTED", "fsync_dir", "atomic_write_text", "atomic_write_json", "building_dir",
-           "publish_dir", "mark_dir", "is_marked", "marker_kind", "check_replaceable", "remove_marked"]
+__all__ = ["TMP", "MARKER", "KINDS", "NESTED", "DISK_FULL_ERRNOS", "disk_full_error", "fsync_dir", "atomic_write_text", "atomic_write_json", "building_dir",
+           "publish_dir", "mark_dir", "is_marked", "marker_kind", "check_replaceable", "check_out", "remove_marked"]
 
 TMP = ".tmp"
 MARKER = ".frod-ds-output"  # present in every directory frod-ds wrote as a whole; its "kind" says which command
@@ -45,6 +45,7 @@ NESTED = {  # what a kind holds of its own making, so replacing it loses nothing
 }
 _REPO = Path(__file__).resolve().parents[1]
 _DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM)
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a write the user fixes by freeing space or moving
 
 
 def fsync_dir(path: Path) -> None:
@@ -58,17 +59,45 @@ def fsync_dir(path: Path) -> None:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
     tmp = path.with_name(path.name + TMP)
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # a full disk or a kill: no half-written temporary stays beside the file
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)  # a failed write() names no file; the error line should
+        raise
     fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     """:func:`atomic_write_text` of ``obj`` as indented JSON."""
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
+
+
+LOW_SPACE = 16 * 2**20  # bytes: below this a failed write is taken for a full disk
+
+
+def disk_full_error(path: Path, error: BaseException) -> OSError | None:
+    """An ``ENOSPC`` ``OSError`` naming ``path`` when a write to it failed (``error``) and its disk has under
+    ``LOW_SPACE`` bytes left; None otherwise. For writers that report a full disk as something else (torch.save:
+    ``RuntimeError: ... iostream error``), so that it reaches the user as a full disk, not as a traceback."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        return error
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return None
+    if st.f_bavail * st.f_frsize >= LOW_SPACE:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def mark_dir(path: Path, kind: str) -> None:
@@ -169,6 +198,23 @@ def check_replaceable(out: Path, kind: str | tuple[str, ...], inputs: dict[str, 
                 if inner not in allowed:
                     raise error(f"{what} {out} holds {KINDS.get(inner, 'other frod-ds output')} in {Path(root)}; "
                                 f"refusing to replace it, move that out first or choose another {what}")
+
+
+def check_out(out: Path, kind: str | tuple[str, ...], inputs: dict[str, Path | str | None] | None, overwrite: bool, *,
+              what: str = "--out", error: type[Exception] | None = None,
+              legacy: Callable[[Path], bool] | None = None, empty_ok: bool = False) -> None:
+    """The output check of a command that writes ``kind`` to ``out`` and replaces it only with ``--overwrite``:
+    first :func:`check_replaceable` (so a directory ``--overwrite`` may not replace is never answered with "pass
+    --overwrite", which would then be refused), then an existing ``out`` without ``overwrite`` (``empty_ok``: an
+    empty directory is written into without it)."""
+    from frod_ds.runtime.errors import FrodError
+
+    check_replaceable(out, kind, inputs, what=what, error=error, legacy=legacy)
+    out = Path(out)
+    empty_dir = empty_ok and out.is_dir() and not out.is_symlink() and not any(out.iterdir())
+    if os.path.lexists(out) and not empty_dir and not overwrite:
+        raise (error or FrodError)(f"{what} {out} exists; pass --overwrite to replace it (an earlier output of this "
+                                   f"command) or choose another {what}")
 
 
 def remove_marked(out: Path, kind: str, what: str = "--out") -> None:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["pi_problem", "sparsity_problem", "targets_problem", "widths_problem"]
+__all__ = ["pi_problem", "sparsity_problem", "targets_problem", "widths_problem", "device_problem"]
 
 
 def _number(x: Any) -> bool:
@@ -44,4 +44,25 @@ def widths_problem(widths: Iterable[int], what: str = "the category") -> str | N
     if len(widths) > 1:
         return (f"{what} mixes input widths {widths}; members of one category must share the input width n "
                 "(split them into separate categories)")
+    return None
+
+
+def device_problem(device: Any, name: str = "--device") -> str | None:
+    """A torch device this process can use: parseable, and a CUDA one only when that GPU is visible (torch
+    otherwise fails deep inside the first copy with an assertion). Imports torch."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return f"{name} {device!r} is not a device; use cpu or cuda (cuda:N for the N-th GPU)"
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        return f"{name} {device!r} is not supported here; use cpu or cuda"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return f"{name} {device} but no CUDA device is visible to this process; use --device cpu"
+    if dev.index is not None and dev.index >= count:
+        return f"{name} {device} but only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})"
     return None

@@ -141,11 +141,11 @@ def _check_out(out: Path, overwrite: bool) -> None:
         return
     if not out.is_dir():
         raise ConvertError(f"--out {out} is a file; pass a directory path that does not exist")
-    if not overwrite:
-        raise ConvertError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
-    if not (out / MARKER).is_file():
+    if not (out / MARKER).is_file():  # before the --overwrite hint: --overwrite would not replace this one
         raise ConvertError(f"--out {out} exists and was not written by this converter (no {MARKER}); refusing to "
                            "replace it, choose another directory")
+    if not overwrite:
+        raise ConvertError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
 
 
 def _load_gguf(gguf: Path):

@@ -26,7 +26,7 @@ from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError
 from frod_ds.eval.evaluation import encode_rows
 
-__all__ = ["DataError", "read_training_rows", "Example", "encode_examples", "collate", "BatchPlan"]
+__all__ = ["DataError", "training_file", "read_training_rows", "check_vocab", "Example", "encode_examples", "collate", "BatchPlan"]
 
 IGNORE_INDEX = -100
 # MAX_ROW_CHARS (frod_ds.prep.io): a training row (prompt + answer) longer than this is refused, not silently truncated
@@ -36,7 +36,9 @@ class DataError(FrodError):
     """Training data that cannot be used; the message names the file, line and field."""
 
 
-def _resolve_train_path(path: str | Path) -> Path:
+def training_file(path: str | Path) -> Path:
+    """The JSONL file ``data.train`` / ``data.eval`` names: the file itself, or ``train.jsonl`` of a data_prep
+    output directory (the recipe allows both; everything that reads or records the data goes through here)."""
     p = Path(path)
     if p.is_dir():
         p = p / "train.jsonl"
@@ -60,7 +62,7 @@ def _check_training_row(row) -> str | None:
 def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows with string ``prompt`` and ``answer``, optional string ``separator`` (other data_prep fields are
     kept, not required)."""
-    p = _resolve_train_path(path)
+    p = training_file(path)
     try:
         rows = read_rows(p, check=_check_training_row, limit=limit)
     except DataPrepError as e:
@@ -110,6 +112,16 @@ def _prompt_only_lead(tokenizer, texts: list[str], boundaries: list[int], enc) -
             lead += 1
         leads.append(lead)
     return leads
+
+
+def check_vocab(examples: list[Example], vocab_size: int, tokenizer_name: str, model_dir: str | Path) -> None:
+    """``DataError`` when a token id the tokenizer produced has no row in the model's embedding (a tokenizer of
+    another model, or one with added tokens): the forward would fail with an index error mid-run."""
+    top = max((max(e.input_ids) for e in examples if e.input_ids), default=-1)
+    if top >= vocab_size:
+        raise DataError(f"the tokenizer {tokenizer_name} produces token id {top}, but the model {model_dir} has "
+                        f"vocab_size {vocab_size} (config.json); use the model's own tokenizer (model.tokenizer) "
+                        "or a model whose embedding holds every id")
 
 
 def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_inputs: bool) -> list[Example]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.atomic import atomic_write_text, disk_full_error
 from frod_ds.train.checkpoint_dir import COMPLETE, LATEST, file_seal, files_to_seal, set_aside, step_of, tag_of, write_seal
 from frod_ds.runtime.errors import FrodError, note
 from frod_ds.train.trainable_state import TRAINABLE_STATE, gather_state, read_meta, read_state, restore_state, write_state
@@ -49,10 +49,17 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
         shutil.rmtree(ckpt)
     dist.barrier()
     state = gather_state(engine, step, (layout.world, layout.micro, layout.accum), zero_stage_of(engine))
-    engine.save_checkpoint(str(root), tag=ckpt.name, client_state={"step": step}, exclude_frozen_parameters=True)
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(rng, ckpt / f"rng_rank{dist.get_rank()}.pt")
+    try:
+        engine.save_checkpoint(str(root), tag=ckpt.name, client_state={"step": step}, exclude_frozen_parameters=True)
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+        torch.save(rng, ckpt / f"rng_rank{dist.get_rank()}.pt")
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        full = disk_full_error(ckpt, e)
+        if full is None:
+            raise
+        shutil.rmtree(ckpt, ignore_errors=True)  # unsealed: never resumed from, only in the way
+        raise full from None
     if dist.is_main():
         write_state(ckpt / TRAINABLE_STATE, *state)
         for name, text in records.items():

@@ -21,16 +21,19 @@ An ``output_dir`` holding files that frod-ds training did not write is refused b
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import random
 import re
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,7 +47,8 @@ from frod_ds.model.apply import frod_modules, frod_param_groups
 from frod_ds.model.build import build_frod_model, check_store_quant, fetch_per_layer, gathered, make_supports
 from frod_ds.runtime.atomic import check_replaceable, is_marked, mark_dir, marker_kind
 from frod_ds.train.checkpoint_dir import choose_checkpoint, sealed_checkpoints
-from frod_ds.train.data import BatchPlan, Example, collate, encode_examples, read_training_rows
+from frod_ds.train.data import (BatchPlan, Example, check_vocab, collate, encode_examples, read_training_rows,
+                                training_file)
 from frod_ds.config.ds_config import (NvmeParams, batch_sizes, check_aio_build_env, check_nvme_buffer,
                                       check_nvme_buffer_count, load_ds_config, nvme_offloads, resolve_ds_config,
                                       zero_stage)
@@ -125,9 +129,9 @@ def _check_store(recipe: Recipe, resume_tag: str | None = None):
     ckpt = HFCheckpoint(model_dir)
     from frod_ds.io.fingerprint import base_names, weights_fingerprint
 
-    data = {"train": file_sha256(recipe.data.train)}
+    data = {"train": file_sha256(training_file(recipe.data.train))}
     if recipe.data.eval:
-        data["eval"] = file_sha256(recipe.data.eval)
+        data["eval"] = file_sha256(training_file(recipe.data.eval))
     run_identity = RunIdentity(
         base_fingerprint=weights_fingerprint(ckpt, base_names(ckpt.keys(), recipe.model.targets)), data_sha256=data,
         hyperparameters=training_hyperparameters(recipe_to_dict(recipe),
@@ -219,6 +223,16 @@ def _check_resume_store(out: Path, tag: str, identity: StoreIdentity) -> None:
             f"output_dir {out} holds a run trained on another factor store ({'; '.join(diffs)}); use the factor "
             "store it was trained on, or another output_dir for a new run"
         )
+
+
+def _model_vocab_size(model_dir) -> int | None:
+    """``vocab_size`` of the base model's config.json (also under ``text_config``), None when it names none."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = cfg.get("vocab_size", (cfg.get("text_config") or {}).get("vocab_size"))
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
 
 
 def _load_tokenizer(recipe: Recipe, model_dir):
@@ -357,12 +371,18 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
     tok = _load_tokenizer(recipe, model_dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
     eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
+    vocab = _model_vocab_size(model_dir)
+    if vocab is not None:
+        check_vocab(examples + eval_examples, vocab, str(recipe.model.tokenizer or model_dir), model_dir)
     t, world = recipe.train, dist.get_world_size()
     batch = batch_sizes(recipe, world).total
     if len(examples) < batch:
-        raise FrodError(f"{recipe.data.train} has {len(examples)} rows, fewer than one global batch ({batch} = "
-                        f"micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x {world} rank(s)); "
-                        "use more data or a smaller batch")
+        limited = (f" (data.limit={recipe.data.limit})" if recipe.data.limit is not None
+                   and len(rows) == recipe.data.limit else "")
+        raise FrodError(f"{training_file(recipe.data.train)} gives {len(examples)} training rows{limited}, fewer than "
+                        f"one global batch ({batch} = micro_batch_size {t.micro_batch_size} x grad_accum "
+                        f"{t.grad_accum} x {world} rank(s)); use more data{', a larger data.limit' if limited else ''} "
+                        "or a smaller batch")
     for c in recipe.model.targets:
         n = store.width(c)
         if support_nnz(n, recipe.model.sparsity) == 0:
@@ -397,15 +417,36 @@ def nvme_params(model_dir, store, targets: list[str], sparsity: float) -> NvmePa
 
 
 def _check_output_dir(out: Path) -> None:
-    """``output_dir`` must be a directory this process can write to (created if missing)."""
+    """``output_dir`` must be a directory this process can write to, or creatable: checked on it or its nearest
+    existing parent, without creating anything (a run that fails later leaves no empty ``output_dir``)."""
     import tempfile
 
+    where = out
+    while not where.exists() and where != where.parent:
+        where = where.parent
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
+        if not where.is_dir():
+            raise NotADirectoryError(20, "not a directory")
+        with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as e:
-        raise FrodError(f"output_dir {out} is not writable: {e.strerror or e}; choose another output_dir") from None
+        raise FrodError(f"output_dir {out} is not writable ({where}: {e.strerror or e}); choose another "
+                        "output_dir") from None
+
+
+@contextlib.contextmanager
+def removed_if_failed(out: Path) -> Iterator[None]:
+    """Run the block; if it raises and ``out`` did not exist before it and holds no sealed checkpoint or adapter
+    (what a rerun would resume or keep), rank 0 deletes ``out``: a failed run leaves nothing it created behind, and
+    never touches a directory it did not create."""
+    created = not os.path.lexists(out)
+    try:
+        yield
+    except BaseException:
+        if created and dist.is_main() and out.is_dir() and not out.is_symlink() and \
+                not sealed_checkpoints(out / "checkpoints") and not any(out.glob("adapter-*")):
+            shutil.rmtree(out, ignore_errors=True)  # an unsealed checkpoint is nothing a rerun would resume
+        raise
 
 
 def _init_adapter(recipe: Recipe, store, identity: StoreIdentity | None = None):
@@ -591,12 +632,20 @@ def _train_step(run: Run, step: int) -> dict[str, float]:
 
 def fit(run: Run) -> int:
     """Train from ``run.start_step`` to ``run.total_steps``; returns the process exit code."""
+    bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train",
+               dynamic_ncols=True)
+    try:
+        return _fit(run, bar)
+    except BaseException:
+        bar.close()  # so that the one error line starts a line of its own, not after the progress bar
+        raise
+
+
+def _fit(run: Run, bar) -> int:
     t = run.recipe.train
     _install_sigterm(run)
     writer = _tensorboard(run) if t.tensorboard and dist.is_main() else None  # importable: checked in setup
     metrics_path = run.out / "metrics.jsonl"
-    bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train",
-               dynamic_ncols=True)
     run.engine.train()
     step = run.start_step
     if step >= run.total_steps and (run.out / "adapter-final").is_dir():
@@ -634,7 +683,11 @@ def fit(run: Run) -> int:
                             lr_s=f"{row['lr_s']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
         bar.update(1)
         stop = dist.all_reduce_sum(torch.tensor([float(run.stop_requested)], device=_device())).item() > 0
-        if t.save_every and step % t.save_every == 0 and step < run.total_steps or stop:
+        if t.save_every and step % t.save_every == 0 and step < run.total_steps and nonfinite and not stop:
+            # the optimizer skipped this step: its state may not exist yet (DeepSpeed fails to save it) and a
+            # non-finite state is nothing to resume from; the non-finite stop above decides what happens
+            dist.print0(f"step {step}: loss not finite, checkpoint skipped")
+        elif t.save_every and step % t.save_every == 0 and step < run.total_steps or stop:
             save_checkpoint(run, step)
             save_adapter(run, step, f"adapter-{step}")
         if stop:

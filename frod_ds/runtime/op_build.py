@@ -1,0 +1,159 @@
+"""DeepSpeed's JIT-built ops, built once and never left locked: what every training launch loads before
+``deepspeed.init_distributed``.
+
+DeepSpeed builds a C++ op on first use through ``torch.utils.cpp_extension.load`` (on CPU,
+``deepspeed_shm_comm`` in every ``init_distributed``, ~30 s to compile). Two things went wrong there:
+
+- torch serialises builders with a *file baton*: ``$TORCH_EXTENSIONS_DIR/<op>/lock`` is created with
+  ``O_EXCL`` and deleted when the build ends. A process killed during the build (``kill -9``, an OOM kill, a
+  scheduler's time limit) never deletes it, and every later launch spins in ``FileBaton.wait`` forever.
+- torch runs whichever ``ninja`` comes first on ``PATH``. The ``ninja`` wheel in a virtual environment and the
+  system's ninja write incompatible build logs (format v7 with one command hash, v5 with another), so each
+  launch whose ``PATH`` differs from the last one's (an activated venv vs a plain ``.venv/bin/python``) finds
+  "changed" commands and recompiles the op.
+
+:func:`load_op` builds under an ``fcntl`` lock (the kernel drops it when its holder dies, so it can never go
+stale), deletes a baton left by a dead builder, and always runs the same ninja: the one installed beside this
+Python if there is one, else the one on ``PATH``. ``PATH`` is changed only for the duration of the build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from frod_ds.runtime.errors import note
+
+__all__ = ["BATON", "extensions_dir", "ninja_dir", "baton_owners", "clear_stale_baton", "wait_for_baton", "build_lock",
+           "load_op", "preload_comm_ops"]
+
+BATON = "lock"  # torch.utils.file_baton.FileBaton's file in each extension's build directory
+_GUARD = ".frod-ds-build.lock"  # our fcntl lock beside it
+
+
+def extensions_dir() -> Path:
+    """Where torch JIT-builds extensions (``torch.utils.cpp_extension._get_build_directory``'s root)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    accel = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+    return Path(get_default_build_root()) / f"py{sys.version_info.major}{sys.version_info.minor}_{accel}"
+
+
+def ninja_dir() -> str | None:
+    """The directory of the ninja every build uses: beside this interpreter (a venv's ``ninja`` wheel) when
+    present, else the first on ``PATH``; None when there is none (torch then reports it)."""
+    here = Path(sys.executable).parent / "ninja"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here.parent)
+    found = shutil.which("ninja")
+    return str(Path(found).parent) if found else None
+
+
+def baton_owners(baton: Path) -> list[int]:
+    """Pids of live processes holding ``baton`` open. torch's builder keeps the baton's descriptor open from
+    creating it to deleting it, so a baton nobody holds open was left by a process that died (Linux /proc)."""
+    target = os.path.realpath(baton)
+    owners = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    owners.append(int(pid))
+                    break
+            except OSError:
+                continue
+    return owners
+
+
+def clear_stale_baton(build_dir: Path) -> bool:
+    """Delete ``build_dir``'s baton when no live process holds it (see :func:`baton_owners`); True if deleted."""
+    baton = build_dir / BATON
+    if not baton.exists() or not Path("/proc/self/fd").is_dir() or baton_owners(baton):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        baton.unlink()
+    note(f"removed {baton}, a build lock left by a process that died mid-build")
+    return True
+
+
+def wait_for_baton(build_dir: Path, poll_s: float = 0.5) -> None:
+    """Return once ``build_dir`` holds no baton: wait while a live process builds there (any builder, frod-ds or
+    not), and clear the baton as soon as its owner is dead, also when it dies during the wait (torch's own wait
+    would spin on it forever)."""
+    baton, waited, told = build_dir / BATON, 0.0, False
+    while baton.exists():
+        if clear_stale_baton(build_dir):
+            return
+        if waited > 10 and not told:
+            note(f"waiting for process(es) {baton_owners(baton)} building in {build_dir}")
+            told = True
+        time.sleep(poll_s)
+        waited += poll_s
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold an exclusive ``fcntl`` lock on ``build_dir`` for the block; the kernel releases it when the holder
+    exits however it exits. Inside it, no baton is left (:func:`wait_for_baton`) before the block starts."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(build_dir / _GUARD, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        wait_for_baton(build_dir)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+@contextlib.contextmanager
+def _ninja_first() -> Iterator[None]:
+    """``PATH`` with :func:`ninja_dir` first, for the block only (put back exactly as it was)."""
+    first = ninja_dir()
+    old = os.environ.get("PATH")
+    if first is None or (old or "").split(os.pathsep)[0] == first:
+        yield
+        return
+    os.environ["PATH"] = os.pathsep.join([first, old]) if old else first
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
+
+
+def load_op(builder: Any) -> Any:
+    """``builder.load()`` (a DeepSpeed ``OpBuilder``) under :func:`build_lock`, with the pinned ninja. DeepSpeed
+    keeps the loaded module, so its own later ``load()`` of the same op builds nothing."""
+    with build_lock(extensions_dir() / builder.name), _ninja_first():
+        return builder.load(verbose=False)
+
+
+def preload_comm_ops() -> None:
+    """Load the op ``deepspeed.init_distributed`` would build (``deepspeed.comm.torch.build_shm_op``: the CPU
+    shared-memory all-reduce), under the same conditions DeepSpeed checks, so its build is guarded."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return
+    load_op(builder)
