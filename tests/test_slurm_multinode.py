@@ -369,8 +369,11 @@ def test_node_failure_requeues_and_resumes_on_the_node_back_then_on_a_spare(clus
 # ---- failures that must end a job quickly and say why ------------------------------------------------------
 
 def test_a_killed_worker_ends_the_job_on_every_node_within_60s(cluster, tiny, pipelines):
+    """A rank killed (kill -9): srun ends the others with SIGTERM and exits 143 like a preempted step; the job
+    must fail, not requeue itself as after a SIGTERM checkpoint (it would crash again, forever). Requeue left
+    allowed, as a user submits it."""
     out = tiny.root / "killed_worker"
-    job_id = _submit_train(cluster, tiny, pipelines["1x4"]["store"], out, TWO_BY_TWO, sbatch=("--no-requeue",))
+    job_id = _submit_train(cluster, tiny, pipelines["1x4"]["store"], out, TWO_BY_TWO)
     _wait_for_step(cluster, tiny, job_id, out, 1)
     nodes = cluster.run(["scontrol", "show", "hostnames", cluster.job(job_id).fields["NodeList"]]).stdout.split()
     victim = _task_pids(cluster, nodes[1])[0]
@@ -384,6 +387,7 @@ def test_a_killed_worker_ends_the_job_on_every_node_within_60s(cluster, tiny, pi
     log = _log(tiny, "frod-train", job_id)
     assert (job.state, job.restarts) == ("FAILED", 0), (job, log)
     assert f"{nodes[1]}: task" in log and "Killed" in log, log
+    assert "a task failed" in log and "requeueing" not in log, log
 
 
 def test_a_path_on_one_node_only_fails_within_60s_naming_it(cluster, tiny, pipelines):
