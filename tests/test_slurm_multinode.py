@@ -361,7 +361,11 @@ def test_node_failure_requeues_and_resumes_on_the_node_back_then_on_a_spare(clus
     assert (job.state, job.exit_code) == ("COMPLETED", "0:0") and job.restarts >= 2, (job, log)
     assert job.fields["NodeList"] == "n[2-3]", job.fields
     assert f"resumed from step{first:08d}" in log and f"resumed from step{second:08d}" in log, log
-    assert f"rendezvous n1:{derived}" not in log and f"rendezvous n2:" in log, log
+    # the first start found the held port taken and took another; starts after the holder ended may take it;
+    # the last start, without n1, meets on n2
+    starts = [line for line in log.splitlines() if line.startswith(f"job {job_id}: ") and " rendezvous " in line]
+    assert "rendezvous n1:" in starts[0] and not starts[0].endswith(f"rendezvous n1:{derived}"), starts
+    assert " rendezvous n2:" in starts[-1], starts
     assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
     _assert_same_adapter(out / "adapter-final", ref["run"] / "adapter-final")
 
