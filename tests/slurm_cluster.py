@@ -172,7 +172,7 @@ class SlurmCluster:
             "MpiDefault=none", "SwitchType=switch/none", "ReturnToService=2", "MailProg=/bin/true",
             "MinJobAge=3600", "SlurmdParameters=config_overrides",
             # a dead node is noticed in ~SlurmdTimeout and the queue looked at every few seconds (defaults 300, 60)
-            "SlurmdTimeout=10", "SchedulerParameters=sched_interval=2,bf_interval=2", "KillWait=5",
+            "SlurmdTimeout=6", "SchedulerParameters=sched_interval=2,bf_interval=2", "KillWait=5",
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool' / '%n'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",

@@ -33,13 +33,14 @@ import torch
 from safetensors.torch import load_file
 from tests.leftovers import clean_env
 from tests.slurm_cluster import SlurmCluster, available
+from tests.prebuilt_ops import OpBuild
 from tests.slurm_local import SlurmUnavailable
 from tests.train_env import REPO, metrics
 
 pytestmark = pytest.mark.slow
 
 SLURM = REPO / "launch" / "slurm"
-STEPS = 24
+STEPS = 12  # SIGTERM at step >= 2; node failures after the checkpoints of steps 3 and 6
 TRAIN_OVERRIDES = [
     "model.sparsity=0.1", "data.cutoff_len=64", "train.micro_batch_size=4", "train.grad_accum=2",
     "train.lr_sigma=1e-2", "train.lr_s=1e-3", "train.log_every=1", "train.rotation_every=0", "train.save_every=0",
@@ -48,6 +49,7 @@ TRAIN_OVERRIDES = [
 TASKS = "boolq,piqa"
 TWO_BY_TWO = {"GPUS_PER_NODE": "0", "NODES": "2", "TASKS_PER_NODE": "2", "CPUS_PER_TASK": "1"}
 ONE_BY_FOUR = {"GPUS_PER_NODE": "0", "NODES": "1", "TASKS_PER_NODE": "4", "CPUS_PER_TASK": "1"}
+TWO_BY_ONE = {"GPUS_PER_NODE": "0", "NODES": "2", "TASKS_PER_NODE": "1", "CPUS_PER_TASK": "1"}
 
 
 def _in_ci() -> bool:
@@ -83,10 +85,11 @@ class Tiny:
     model: Path
     data: Path
     env: dict[str, str]  # a user's shell when submitting
+    ops: OpBuild  # DeepSpeed's op for the training jobs: tiny.ops.wait() before relying on it
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Tiny:
+def tiny(tmp_path_factory):
     """Tiny Llama, its tokenizer and data_prep output, on the filesystem every node shares."""
     from transformers import AutoTokenizer
 
@@ -94,20 +97,26 @@ def tiny(tmp_path_factory) -> Tiny:
 
     root = tmp_path_factory.mktemp("slurm_multinode")
     env = {k: v for k, v in clean_env().items() if not k.startswith(("DS_", "CUDA_"))}
-    # PYTHON names the interpreter (the documented way); PATH stays as it is, so the jobs' DeepSpeed op builds
-    # find the same ninja as every other test (a second ninja version rewrites the shared build log and each
-    # then rebuilds the op, minutes on 2 cores)
-    env.update(PYTHON=sys.executable, LOG_DIR=str(root / "logs"), RECIPE="recipes/demo_tiny.yaml")
-    write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=0)
-    subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(root / "raw"), "--tasks", TASKS,
-                    "--out", str(root / "data")], check=True, cwd=REPO, env=env, capture_output=True)
-    texts = [json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
-             for line in (root / "data" / "train.jsonl").read_text().splitlines()]
-    tok = AutoTokenizer.from_pretrained(str(train_sentencepiece_tokenizer(root / "tokenizer", texts, vocab_size=400)))
-    write_tiny_llama(root / "model", vocab_size=len(tok), seed=0, max_shard_size="60KB", hidden_size=32,
-                     intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
-    tok.save_pretrained(str(root / "model"))
-    return Tiny(root, root / "model", root / "data", env)
+    # PYTHON names the interpreter (the documented way); the jobs' DeepSpeed op is built once for the session
+    # (tests/prebuilt_ops.py), while the tiny model is written and the HJD jobs run
+    ops = OpBuild(env, root / "torch_extensions")
+    env = {**ops.env, "PYTHON": sys.executable, "LOG_DIR": str(root / "logs"), "RECIPE": "recipes/demo_tiny.yaml"}
+    try:
+        write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=0)
+        subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(root / "raw"), "--tasks", TASKS,
+                        "--out", str(root / "data")], check=True, cwd=REPO, env=env, capture_output=True)
+        texts = [json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
+                 for line in (root / "data" / "train.jsonl").read_text().splitlines()]
+        tok = AutoTokenizer.from_pretrained(str(train_sentencepiece_tokenizer(root / "tokenizer", texts,
+                                                                              vocab_size=400)))
+        write_tiny_llama(root / "model", vocab_size=len(tok), seed=0, max_shard_size="60KB", hidden_size=32,
+                         intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+        tok.save_pretrained(str(root / "model"))
+    except BaseException:
+        ops.kill()
+        raise
+    yield Tiny(root, root / "model", root / "data", env, ops)
+    ops.kill()
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------
@@ -193,6 +202,7 @@ def pipelines(cluster, tiny):
         assert res.returncode == 0, res.stdout + res.stderr
         runs[name] = {"ids": dict(line.split() for line in res.stdout.splitlines()), "store": base / "store",
                       "run": base / "run"}
+    tiny.ops.wait()  # while the HJD jobs run; the training jobs load what it built
     t0 = time.time()
     train = runs["2x2"]["ids"]["train"]
     _wait_for_step(cluster, tiny, train, runs["2x2"]["run"], 2)
@@ -308,16 +318,14 @@ def _kill_after_checkpoint(cluster: SlurmCluster, tiny: Tiny, job_id: str, out: 
                                              "COMPLETING"), _all_logs(tiny)
         assert time.time() - t0 < 600, f"no checkpoint after step {after}\n{_all_logs(tiny)}"
         time.sleep(0.1)
-    tag = _latest_tag(out)
+    tag, restarts = _latest_tag(out), cluster.job(job_id).restarts
     cluster.kill_node(node)
-    return tag
-
-
-def _wait_requeued(cluster: SlurmCluster, job_id: str, restarts: int, timeout: float = 120) -> None:
-    t0 = time.time()
-    while cluster.job(job_id).restarts < restarts:
-        assert time.time() - t0 < timeout, f"job {job_id} not requeued after {timeout} s\n{cluster.logs()}"
+    t_fail = time.time()
+    while cluster.job(job_id).restarts <= restarts:
+        assert time.time() - t_fail < 120, f"job {job_id} not requeued 120 s after {node} failed\n{cluster.logs()}"
         time.sleep(0.3)
+    print(f"\n{node} failed: requeued after {time.time() - t_fail:.1f} s", flush=True)
+    return tag
 
 
 def test_node_failure_requeues_and_resumes_on_the_node_back_then_on_a_spare(cluster, tiny, pipelines):
@@ -333,18 +341,14 @@ def test_node_failure_requeues_and_resumes_on_the_node_back_then_on_a_spare(clus
     holder = _hold_port(cluster, tiny, "n1", derived)
     job_id = None
     try:
-        job_id = _submit_train(cluster, tiny, ref["store"], out, TWO_BY_TWO, "train.save_every=4")
+        job_id = _submit_train(cluster, tiny, ref["store"], out, TWO_BY_TWO, "train.save_every=3")
         assert int(job_id) == int(holder) + 1
         first = _kill_after_checkpoint(cluster, tiny, job_id, out, 0, "n2")
-        t_fail = time.time()
-        _wait_requeued(cluster, job_id, 1)
-        print(f"\nn2 failed: requeued after {time.time() - t_fail:.1f} s", flush=True)
         assert cluster.node_state("n2").startswith("down"), cluster.node_state("n2")
         cluster.run(["scancel", holder])
         cluster.restart_node("n2")
         assert cluster.run(["scontrol", "update", "nodename=n3", "state=resume"]).returncode == 0
         second = _kill_after_checkpoint(cluster, tiny, job_id, out, first, "n1")
-        _wait_requeued(cluster, job_id, 2)
         job = cluster.wait(job_id, timeout=600)
     finally:
         cluster.run(["scancel", holder])
@@ -353,10 +357,16 @@ def test_node_failure_requeues_and_resumes_on_the_node_back_then_on_a_spare(clus
         cluster.run(["scontrol", "update", "nodename=n3", "state=resume"])
         cluster.wait_nodes("idle", cluster.nodes, 60)
     log = _log(tiny, "frod-train", job_id)
-    assert (job.state, job.exit_code, job.restarts) == ("COMPLETED", "0:0", 2), (job, log)
+    # >= 2: Slurm may also deliver the failed run's kill to n2 once it is back, after the job restarted there
+    # (the same job id): that start then ends on SIGTERM, requeues and resumes like any preemption
+    assert (job.state, job.exit_code) == ("COMPLETED", "0:0") and job.restarts >= 2, (job, log)
     assert job.fields["NodeList"] == "n[2-3]", job.fields
     assert f"resumed from step{first:08d}" in log and f"resumed from step{second:08d}" in log, log
-    assert f"rendezvous n1:{derived}" not in log and f"rendezvous n2:" in log, log
+    # the first start found the held port taken and took another; starts after the holder ended may take it;
+    # the last start, without n1, meets on n2
+    starts = [line for line in log.splitlines() if line.startswith(f"job {job_id}: ") and " rendezvous " in line]
+    assert "rendezvous n1:" in starts[0] and not starts[0].endswith(f"rendezvous n1:{derived}"), starts
+    assert " rendezvous n2:" in starts[-1], starts
     assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
     _assert_same_adapter(out / "adapter-final", ref["run"] / "adapter-final")
 
@@ -364,8 +374,11 @@ def test_node_failure_requeues_and_resumes_on_the_node_back_then_on_a_spare(clus
 # ---- failures that must end a job quickly and say why ------------------------------------------------------
 
 def test_a_killed_worker_ends_the_job_on_every_node_within_60s(cluster, tiny, pipelines):
+    """A rank killed (kill -9): srun ends the others with SIGTERM and exits 143 like a preempted step; the job
+    must fail, not requeue itself as after a SIGTERM checkpoint (it would crash again, forever). Requeue left
+    allowed, as a user submits it."""
     out = tiny.root / "killed_worker"
-    job_id = _submit_train(cluster, tiny, pipelines["1x4"]["store"], out, TWO_BY_TWO, sbatch=("--no-requeue",))
+    job_id = _submit_train(cluster, tiny, pipelines["1x4"]["store"], out, TWO_BY_TWO)
     _wait_for_step(cluster, tiny, job_id, out, 1)
     nodes = cluster.run(["scontrol", "show", "hostnames", cluster.job(job_id).fields["NodeList"]]).stdout.split()
     victim = _task_pids(cluster, nodes[1])[0]
@@ -379,22 +392,24 @@ def test_a_killed_worker_ends_the_job_on_every_node_within_60s(cluster, tiny, pi
     log = _log(tiny, "frod-train", job_id)
     assert (job.state, job.restarts) == ("FAILED", 0), (job, log)
     assert f"{nodes[1]}: task" in log and "Killed" in log, log
+    assert "a task failed" in log and "requeueing" not in log, log
 
 
 def test_a_path_on_one_node_only_fails_within_60s_naming_it(cluster, tiny, pipelines):
     """/dev/shm is each node's own: an HJD --out there would be two half stores, a data file there exists on
-    the first node only. Both jobs fail fast with a one-line error naming the path."""
+    the first node only. Both jobs fail fast with a one-line error naming the path. (One rank per node: two
+    nodes are what makes the paths differ, and half the ranks start twice as fast on a loaded machine.)"""
     shm = f"/dev/shm/frod-{cluster.tag}"
     assert cluster.on_node("n1", ["sh", "-c", f"mkdir -p {shm} && cp {tiny.data}/train.jsonl {shm}/"]).returncode == 0
-    res = cluster.run([str(SLURM / "submit.sh"), "--no-requeue", str(SLURM / "hjd.sbatch")],
-                      env={**tiny.env, **TWO_BY_TWO, "MODEL": str(tiny.model), "OUT": f"{shm}/store"})
-    assert res.returncode == 0, res.stderr
-    jobs = {"hjd": (res.stdout.strip(), f"--out {shm}/store is not shared"),
-            "train": (_submit_train(cluster, tiny, pipelines["1x4"]["store"], tiny.root / "one_node_data", TWO_BY_TWO,
-                                    sbatch=("--no-requeue",), data=Path(shm) / "train.jsonl"), f"{shm}/train.jsonl")}
     t0 = time.time()
+    res = cluster.run([str(SLURM / "submit.sh"), "--no-requeue", str(SLURM / "hjd.sbatch")],
+                      env={**tiny.env, **TWO_BY_ONE, "MODEL": str(tiny.model), "OUT": f"{shm}/store"})
+    assert res.returncode == 0, res.stderr
+    jobs = {"hjd": (res.stdout.strip(), f"--out {shm}/store is not shared between the job's nodes: n2 cannot"),
+            "train": (_submit_train(cluster, tiny, pipelines["1x4"]["store"], tiny.root / "one_node_data", TWO_BY_ONE,
+                                    sbatch=("--no-requeue",), data=Path(shm) / "train.jsonl"), f"{shm}/train.jsonl")}
     for stage, (job_id, says) in jobs.items():
-        job = cluster.wait(job_id, timeout=max(1.0, 90 - (time.time() - t0)))
+        job = cluster.wait(job_id, timeout=max(1.0, 60 - (time.time() - t0)))
         log = _log(tiny, f"frod-{stage}", job_id)
         assert job.state == "FAILED", (job, log)
         errors = [line for line in log.splitlines() if line.startswith("error:")]

@@ -129,6 +129,39 @@ def test_sbatch_scripts_refuse_an_interpreter_that_cannot_run_the_project(tmp_pa
     assert proc.stderr.startswith("error: ") and python in proc.stderr and "set PYTHON" in proc.stderr, proc.stderr
 
 
+# srun's report after a step ended with 143, as a real 2 x 2 job printed it (tests/test_slurm_multinode.py)
+PREEMPTED = ["n1: tasks 0-1: Exited with exit code 143", "n2: tasks 2-3: Exited with exit code 143"]
+STOPPED_STARTING = ["n2: tasks 2-3: Terminated", "n1: tasks 0-1: Terminated"]  # SIGTERM before the handler
+KILLED_WORKER = ["n2: task 2: Killed", "n1: task 1: Terminated", "n1: task 0: Exited with exit code 1",
+                 "n2: task 3: Exited with exit code 1"]
+
+
+@pytest.mark.parametrize("report,requeued", [(PREEMPTED, True), (STOPPED_STARTING, True), (KILLED_WORKER, False)],
+                         ids=["preempted", "stopped-starting", "killed-worker"])
+def test_train_sbatch_requeues_a_sigterm_stop_but_not_a_failed_task(tmp_path, report, requeued):
+    """srun exits 143 in all three cases (after a failed task --kill-on-bad-exit ends the others with SIGTERM);
+    only a stop on SIGTERM may requeue: a crash requeued would crash again, forever."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    lines = "".join(f"echo 'srun: error: {line}' >&2\n" for line in report)
+    (bin_dir / "srun").write_text(f"#!/bin/bash\necho 'training output'\n{lines}exit 143\n")
+    (bin_dir / "scontrol").write_text('#!/bin/bash\nif [ "$1" = requeue ]; then echo "$2" >> "$REQUEUED"; '
+                                      'else echo localhost; fi\n')
+    for f in ("srun", "scontrol"):
+        (bin_dir / f).chmod(0o755)
+    env = clean_env()
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="42", SLURM_JOB_NODELIST="localhost", SLURM_NTASKS="4",
+               SLURM_SUBMIT_DIR=str(REPO), MASTER_PORT="20042", PYTHON=sys.executable, RECIPE="recipes/demo_tiny.yaml",
+               DEVICE="cpu", REQUEUED=str(tmp_path / "requeued"), TMPDIR=str(tmp_path))
+    proc = subprocess.run(["bash", str(SLURM / "train.sbatch")], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert "training output" in proc.stdout and all(line in proc.stderr for line in report), proc.stdout + proc.stderr
+    assert (tmp_path / "requeued").exists() == requeued, proc.stdout + proc.stderr
+    assert ("requeueing it to resume" in proc.stdout) == requeued and ("a task failed" in proc.stderr) != requeued
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("frod-train-")] == []  # its report file removed
+
+
 # ---- submit.sh and pipeline.sh under a stand-in sbatch that records its arguments ---------------------
 
 FAKE_SBATCH = """#!/bin/bash
