@@ -33,7 +33,6 @@ import torch
 from safetensors.torch import load_file
 from tests.leftovers import clean_env
 from tests.slurm_cluster import SlurmCluster, available
-from tests.prebuilt_ops import OpBuild
 from tests.slurm_local import SlurmUnavailable
 from tests.train_env import REPO, metrics
 
@@ -85,7 +84,6 @@ class Tiny:
     model: Path
     data: Path
     env: dict[str, str]  # a user's shell when submitting
-    ops: OpBuild  # DeepSpeed's op for the training jobs: tiny.ops.wait() before relying on it
 
 
 @pytest.fixture(scope="module")
@@ -97,26 +95,20 @@ def tiny(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("slurm_multinode")
     env = {k: v for k, v in clean_env().items() if not k.startswith(("DS_", "CUDA_"))}
-    # PYTHON names the interpreter (the documented way); the jobs' DeepSpeed op is built once for the session
-    # (tests/prebuilt_ops.py), while the tiny model is written and the HJD jobs run
-    ops = OpBuild(env, root / "torch_extensions")
-    env = {**ops.env, "PYTHON": sys.executable, "LOG_DIR": str(root / "logs"), "RECIPE": "recipes/demo_tiny.yaml"}
-    try:
-        write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=0)
-        subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(root / "raw"), "--tasks", TASKS,
-                        "--out", str(root / "data")], check=True, cwd=REPO, env=env, capture_output=True)
-        texts = [json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
-                 for line in (root / "data" / "train.jsonl").read_text().splitlines()]
-        tok = AutoTokenizer.from_pretrained(str(train_sentencepiece_tokenizer(root / "tokenizer", texts,
-                                                                              vocab_size=400)))
-        write_tiny_llama(root / "model", vocab_size=len(tok), seed=0, max_shard_size="60KB", hidden_size=32,
-                         intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
-        tok.save_pretrained(str(root / "model"))
-    except BaseException:
-        ops.kill()
-        raise
-    yield Tiny(root, root / "model", root / "data", env, ops)
-    ops.kill()
+    # PYTHON names the interpreter (the documented way); training builds no DeepSpeed op on CPU (init_deepspeed),
+    # so the jobs need no shared extension cache
+    env = {**env, "PYTHON": sys.executable, "LOG_DIR": str(root / "logs"), "RECIPE": "recipes/demo_tiny.yaml"}
+    write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=0)
+    subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(root / "raw"), "--tasks", TASKS,
+                    "--out", str(root / "data")], check=True, cwd=REPO, env=env, capture_output=True)
+    texts = [json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
+             for line in (root / "data" / "train.jsonl").read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(str(train_sentencepiece_tokenizer(root / "tokenizer", texts,
+                                                                          vocab_size=400)))
+    write_tiny_llama(root / "model", vocab_size=len(tok), seed=0, max_shard_size="60KB", hidden_size=32,
+                     intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+    tok.save_pretrained(str(root / "model"))
+    yield Tiny(root, root / "model", root / "data", env)
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------
@@ -202,7 +194,6 @@ def pipelines(cluster, tiny):
         assert res.returncode == 0, res.stdout + res.stderr
         runs[name] = {"ids": dict(line.split() for line in res.stdout.splitlines()), "store": base / "store",
                       "run": base / "run"}
-    tiny.ops.wait()  # while the HJD jobs run; the training jobs load what it built
     t0 = time.time()
     train = runs["2x2"]["ids"]["train"]
     _wait_for_step(cluster, tiny, train, runs["2x2"]["run"], 2)
