@@ -23,17 +23,6 @@ SHM_OP = "deepspeed_shm_comm"
 INIT_DEEPSPEED = "from frod_ds import distributed as D; D.init_deepspeed(); D.destroy(); print('started')"
 
 
-def _warm_extensions(tmp: Path) -> Path:
-    """A private copy of this session's torch extension cache (a test never locks the shared one)."""
-    shared = Path(clean_env()["TORCH_EXTENSIONS_DIR"])
-    mine = tmp / "torch_extensions"
-    if (shared / SHM_OP).is_dir():
-        shutil.copytree(shared / SHM_OP, mine / SHM_OP, ignore=shutil.ignore_patterns("lock", ".frod-ds-build.lock"))
-    else:
-        mine.mkdir(parents=True)
-    return mine
-
-
 def _start_deepspeed(ext: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", INIT_DEEPSPEED], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=clean_env(TORCH_EXTENSIONS_DIR=str(ext), **env))
@@ -49,8 +38,8 @@ def _die_holding_baton(baton: Path) -> None:
 def test_a_launch_killed_mid_build_does_not_block_the_next(tmp_path):
     """A build killed mid-way leaves torch's baton; the next launch must start anyway (DeepSpeed's CPU op is no longer
     built at start-up, and any op that is waits only for a live builder: see the baton tests below)."""
-    ext = _warm_extensions(tmp_path)
-    (ext / SHM_OP).mkdir(parents=True, exist_ok=True)
+    ext = tmp_path / "torch_extensions"
+    (ext / SHM_OP).mkdir(parents=True)
     _die_holding_baton(ext / SHM_OP / "lock")
     proc = _start_deepspeed(ext, timeout=300)
     assert proc.returncode == 0 and "started" in proc.stdout, proc.stderr[-2000:]
