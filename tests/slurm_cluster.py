@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.leftovers import free_ports
-from tests.slurm_local import DONE_STATES, Job, LocalSlurm, SlurmUnavailable, install
+from tests.slurm_local import Job, LocalSlurm, SlurmUnavailable, install
 
 TOOLS = ("ip", "nsenter", "unshare", "setpriv", "mount")
 
@@ -261,24 +261,8 @@ class SlurmCluster:
     environ = LocalSlurm.environ
     run = LocalSlurm.run
     job = LocalSlurm.job
-
-    def wait(self, job_id: str, timeout: float = 300, states: set[str] = DONE_STATES) -> Job:
-        """Poll until the job is in one of ``states`` (default: ended); fails with the daemon logs on timeout."""
-        t0 = time.time()
-        while True:
-            job = self.job(job_id)
-            if job.state in states or job.fields.get("Reason") == "DependencyNeverSatisfied":
-                return job
-            if time.time() - t0 > timeout:
-                raise AssertionError(f"job {job_id} still {job.state} after {timeout} s\n{self.logs()}")
-            time.sleep(0.2)
-
-    def logs(self, tail: int = 15) -> str:
-        parts = []
-        for p in sorted((self.root / "log").glob("*")):
-            lines = p.read_text(errors="replace").splitlines()[-tail:]
-            parts.append(f"--- {p.name}\n" + "\n".join(lines))
-        return "\n".join(parts)
+    wait = LocalSlurm.wait
+    logs = LocalSlurm.logs
 
     # --- stop --------------------------------------------------------------------------------------------
     def stop(self) -> None:

@@ -169,17 +169,17 @@ class LocalSlurm:
         return Job(job_id, fields.get("JobState", "?"), fields.get("ExitCode", "?"),
                    int(fields.get("Restarts", "0") or 0), fields)
 
-    def wait(self, job_id: str, timeout: float = 300) -> Job:
-        """Poll until the job has ended, or waits on a dependency that failed; fails with the daemon logs on
-        timeout."""
+    def wait(self, job_id: str, timeout: float = 300, states: set[str] = DONE_STATES) -> Job:
+        """Poll until the job is in one of ``states`` (default: ended), or waits on a dependency that failed;
+        fails with the daemon logs on timeout."""
         t0 = time.time()
         while True:
             job = self.job(job_id)
-            if job.state in DONE_STATES or job.fields.get("Reason") == "DependencyNeverSatisfied":
+            if job.state in states or job.fields.get("Reason") == "DependencyNeverSatisfied":
                 return job
             if time.time() - t0 > timeout:
                 raise AssertionError(f"job {job_id} still {job.state} after {timeout} s\n{self.logs()}")
-            time.sleep(0.3)
+            time.sleep(0.2)
 
     def logs(self, tail: int = 15) -> str:
         parts = []

@@ -7,7 +7,6 @@ filled at known offsets by several threads); ``save_tensors_atomic`` writes a wh
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from frod_ds.runtime.atomic import TMP
+from frod_ds.runtime.atomic import replacing
 from frod_ds.io.dtypes import ST_CODES
 
 __all__ = ["safetensors_header", "save_tensors_atomic", "tensor_bytes"]
@@ -58,9 +57,8 @@ def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = Tr
     for name, t in tensors.items():
         assert t.device.type == "cpu", f"{name}: CPU tensor expected"
     head, _ = safetensors_header([(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()])
-    tmp = path.with_name(path.name + TMP)
     crc = zlib.crc32(head)
-    try:
+    with replacing(path) as tmp:
         with open(tmp, "wb") as f:
             f.write(head)
             for t in tensors.values():
@@ -72,10 +70,4 @@ def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = Tr
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)  # a full disk or a kill: no half-written temporary stays beside the file
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = str(path)  # a failed write() names no file; the error line should
-        raise
     return crc

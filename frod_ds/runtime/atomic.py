@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TMP", "MARKER", "KINDS", "NESTED", "DISK_FULL_ERRNOS", "disk_full_error", "fsync_dir", "atomic_write_text", "atomic_write_json", "building_dir",
-           "publish_dir", "mark_dir", "is_marked", "marker_kind", "check_replaceable", "check_out", "remove_marked"]
+__all__ = ["TMP", "MARKER", "KINDS", "NESTED", "DISK_FULL_ERRNOS", "disk_full_error", "fsync_dir", "replacing",
+           "atomic_write_text", "atomic_write_json", "building_dir", "publish_dir", "mark_dir", "is_marked", "marker_kind", "check_replaceable", "check_out", "remove_marked"]
 
 TMP = ".tmp"
 MARKER = ".frod-ds-output"  # present in every directory frod-ds wrote as a whole; its "kind" says which command
@@ -56,21 +56,30 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Yield ``path``'s temporary (``path.tmp``) for the block to write and ``os.replace`` onto ``path``; if the
+    block fails, the temporary is removed (a full disk or a kill leaves no half-written file beside ``path``) and
+    an ``OSError`` that names no file names ``path`` (a failed ``write()`` does not; the error line should)."""
     tmp = path.with_name(path.name + TMP)
     try:
+        yield tmp
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            e.filename = str(path)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
+    with replacing(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)  # a full disk or a kill: no half-written temporary stays beside the file
-        if isinstance(e, OSError) and e.filename is None:
-            e.filename = str(path)  # a failed write() names no file; the error line should
-        raise
     fsync_dir(path.parent)
 
 
