@@ -537,7 +537,7 @@ def test_demo_never_deletes_the_repository(capsys, monkeypatch):
     head = (REPO / ".git").exists()
     line = one_error(capsys, demo_cli.main(["--out", "."]))
     assert "refusing" in line
-    assert (REPO / ".git").exists() == head and (REPO / "frod_ds" / "trainer.py").is_file()
+    assert (REPO / ".git").exists() == head and (REPO / "frod_ds" / "train" / "trainer.py").is_file()
 
 
 def test_demo_refuses_a_directory_it_did_not_write(tmp_path, capsys):

@@ -349,15 +349,18 @@ def on_main(fn: Callable[[], T]) -> T:
 
 
 def check_shared_dir(path: Path, what: str) -> None:
-    """Collective: ``CollectiveError`` on every rank unless all ranks see the same directory ``path`` (which
-    exists on rank 0): a file rank 0 writes there must be visible to each. A node-local path (``/dev/shm``,
+    """Collective: ``CollectiveError`` on every rank unless all ranks see the same directory ``path`` (or, while it
+    does not exist yet, its nearest existing parent on rank 0): a file rank 0 writes there must be visible to each. A node-local path (``/dev/shm``,
     ``/tmp`` on most clusters) is a different directory on each node; without this check each node would write
     its own part of a store or checkpoint there and rank 0 would seal an incomplete one. One process: no-op."""
     if get_world_size() == 1:
         return
     probe, error = None, None
     if is_main():
-        probe = path / f".frod-shared-{secrets.token_hex(8)}"
+        where = path  # not created yet (nothing is created before the run starts): its nearest existing parent,
+        while not where.is_dir() and where != where.parent:  # where it will be created
+            where = where.parent
+        probe = where / f".frod-shared-{secrets.token_hex(8)}"
         try:
             probe.write_text(probe.name)
         except OSError as e:
