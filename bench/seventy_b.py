@@ -586,7 +586,7 @@ def report(args) -> None:
                      f"LoRA r=16, {'bf16' if quant == 'none' else quant.upper()} base")
         else:
             label = (f"FRoD s=0.02, {'bf16' if quant == 'none' else quant.upper()} U_i"
-                     + (" and NF4 base" if d.get("quantize_base") else ""))
+                     + (" and base" if d.get("quantize_base") else ""))  # the base takes U_i's quantization
         mfu = f"{d['mfu'] * 100:.1f}%" if d.get("mfu") else "n/a"
         peak = f"{d['peak_allocated_gib']:.1f}" if d.get("peak_allocated_gib") else "n/a"
         checked = check_planner({**d, "_file": n}) if d.get("method") == "frod" else None
