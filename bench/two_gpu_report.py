@@ -70,8 +70,8 @@ def collect(root: Path) -> dict:
         "goals": goals, "best_1gpu": best1["engine"],
         "link_busbw_gbs": {n: bw / 1e9 for n, bw in links.items()},
         "link_floor_ms_7b_zero3_2gpu": link_floor_s(f[("zero3", 2)], links[2]) * 1e3 if 2 in links else None,
-        "link_floor_ms_70b_zero3_2gpu": (link_floor_s({**frod70, "frozen_params": frod70["frozen_params"]}, links[2])
-                                         * 1e3 if 2 in links and frod70.get("frozen_params") else None),
+        "link_floor_ms_70b_zero3_2gpu": (link_floor_s(frod70, links[2]) * 1e3
+                                         if 2 in links and frod70.get("frozen_params") else None),
         "seventy_b": {"layers": frod70["model"]["num_hidden_layers"], "steps": resume["steps"],
                       "resumed_from": resume["resumed_from"], "compared_steps": resume["compared_steps"],
                       "frod_step_ms": frod70["step_s_median"] * 1e3, "lora_step_ms": lora70["step_s_median"] * 1e3,
