@@ -8,8 +8,14 @@
 #                                        # zero3.json training run killed after its checkpoint and resumed
 #   bash bench/run_two_gpu.sh 70b-bf16-b # the same chain (same warm machine): FRoD step, LoRA r=16 bf16 step under
 #                                        # the same zero3.json, the report
+#   bash bench/run_two_gpu.sh host       # full-depth 7B on ONE of the GPUs: DeepSpeed's host-side levers beside the
+#                                        # shipped zero2.json / zero3.json and plain (bench/zero3_levers.py --set host)
+#   bash bench/run_two_gpu.sh 70b-nf4-a  # LLaMA-2-70B, 80 layers, NF4 U_i: generate + HJD, FRoD step under zero2.json
+#                                        # with the NF4 base (quantize_base), checkpointing, 4x256 tokens per GPU
+#   bash bench/run_two_gpu.sh 70b-nf4-b  # the same chain: QLoRA r=16 under zero2.json in the same harness (targeted
+#                                        # weights regenerated into /dev/shm), the chain's report
 set -euo pipefail
-stage=${1:?usage: bench/run_two_gpu.sh matrix|70b-bf16-a|70b-bf16-b}
+stage=${1:?usage: bench/run_two_gpu.sh matrix|70b-bf16-a|70b-bf16-b|host|70b-nf4-a|70b-nf4-b}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -47,5 +53,28 @@ case "$stage" in
       python3 bench/seventy_b.py report "${C[@]}"
     fi
     ;;
-  *) echo "error: unknown stage $stage (matrix, 70b-bf16-a, 70b-bf16-b)" >&2; exit 2 ;;
+  host)
+    R=/tmp/two_gpu/host
+    watch_and_pack "$R"
+    CUDA_VISIBLE_DEVICES=0 python3 bench/zero3_levers.py --work /tmp/two_gpu/fb1 --out "$R" --set host --budget-s 500 \
+      --deadline-s 565
+    ;;
+  70b-nf4-a | 70b-nf4-b)
+    W=/tmp/two_gpu/w70nf4; R=/tmp/two_gpu/r70nf4
+    C=(--work "$W" --out "$R" --shape 70b --layers 80 --quant nf4 --gpus 2 --config ds_configs/zero2.json
+       --step-steps 5 --timeout-s 500)
+    L=(python3 -m torch.distributed.run --standalone --nproc_per_node 2 bench/seventy_b.py)
+    watch_and_pack "$R"
+    if [ "$stage" = 70b-nf4-a ]; then
+      df -h /tmp /dev/shm | tee -a "$OUT/gpus.txt"
+      "${L[@]}" gen-untargeted "${C[@]}" --data .gpu/llm_adapters
+      "${L[@]}" category q_proj k_proj v_proj o_proj gate_proj up_proj "${C[@]}"
+      python3 bench/seventy_b.py step "${C[@]}" --quantize-base
+    else
+      [ -f "$W/results/seventy_b_step_frod_zero2_base.json" ] || python3 bench/seventy_b.py step "${C[@]}" --quantize-base
+      python3 bench/seventy_b.py qlora "${C[@]}" --shm /dev/shm/two_gpu_qlora
+      python3 bench/seventy_b.py report "${C[@]}" || true
+    fi
+    ;;
+  *) echo "error: unknown stage $stage (matrix, 70b-bf16-a, 70b-bf16-b, host, 70b-nf4-a, 70b-nf4-b)" >&2; exit 2 ;;
 esac
