@@ -76,5 +76,18 @@ case "$stage" in
       python3 bench/seventy_b.py report "${C[@]}" || true
     fi
     ;;
+  pair)  # after host and 70b-nf4-a/b on the same warm machine: the 7B main ratios with the shipped JSONs (a second
+         # call), then FRoD and QLoRA on the 80-layer chain timed again inside this one call
+    R=/tmp/two_gpu/pair; W=/tmp/two_gpu/w70nf4
+    watch_and_pack "$R"
+    CUDA_VISIBLE_DEVICES=0 python3 bench/zero3_levers.py --work /tmp/two_gpu/fb1 --out "$R/host" --set main \
+      --only frod_plain,frod_zero2,frod_zero3,lora_plain,lora_zero2 --budget-s 240 --deadline-s 290
+    rm -f "$W/results/seventy_b_step_frod_zero2_base.json" "$W/results/seventy_b_step_lora_zero2.json"
+    C=(--work "$W" --out "$R/70b" --shape 70b --layers 80 --quant nf4 --gpus 2 --config ds_configs/zero2.json
+       --step-steps 5 --timeout-s 280)
+    python3 bench/seventy_b.py step "${C[@]}" --quantize-base
+    python3 bench/seventy_b.py qlora "${C[@]}" --shm /dev/shm/two_gpu_qlora
+    python3 bench/seventy_b.py report "${C[@]}" || true
+    ;;
   *) echo "error: unknown stage $stage (matrix, 70b-bf16-a, 70b-bf16-b, host, 70b-nf4-a, 70b-nf4-b)" >&2; exit 2 ;;
 esac

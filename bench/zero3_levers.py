@@ -292,17 +292,29 @@ def report(directory: Path) -> Path:
     for doc in docs:
         md, ratios = call_report(doc)
         calls += md
-        summary.append({"started": doc["started"], "device": doc["device"], **ratios})
+        by = {r["name"]: r for r in doc["runs"] if r.get("status") == "ok"}
+        z2 = by.get(name_of("frod", ZERO2, []))
+        check = ("off" if z2["result"]["ds_config"].get("bf16", {}).get("check_grad_overflow") is False else "on"
+                 ) if z2 else "–"
+        spread = max((r["result"].get("window_spread", 0) for r in by.values()
+                      if not r["tags"] and r["method"] == "frod"), default=None)
+        summary.append({"started": doc["started"], "device": doc["device"], "zero2_check": check,
+                        "frod_spread": spread, **ratios})
     lines += ["## The goals per call", "", "FRoD on the full-depth 7B shape, one GPU; each ratio is a pair measured in the "
               "same call (medians of 2 windows). Goals: `zero3.json` ÷ `zero2.json` ≤ 1.25×, `zero2.json` ÷ plain "
-              "≤ 1.15×.", "", "| call | device | FRoD zero3 ÷ zero2 | FRoD zero2 ÷ plain | LoRA zero3 ÷ zero2 "
-              "| FRoD zero3 ÷ LoRA's fastest |", "|---|---|---|---|---|---|"]
+              "≤ 1.15×. `zero2.json` overflow check: DeepSpeed's per-gradient bf16 check in the shipped `zero2.json` "
+              "of that call (off since 2026-11-27). Window spread: the largest relative gap between a FRoD "
+              "configuration's two window medians in that call (a noisy machine shows here first).", "",
+              "| call | device | FRoD zero3 ÷ zero2 | FRoD zero2 ÷ plain | LoRA zero3 ÷ zero2 "
+              "| FRoD zero3 ÷ LoRA's fastest | `zero2.json` overflow check | window spread |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in summary:
         f, lo = r.get("frod", {}), r.get("lora", {})
+        spread = "–" if r["frod_spread"] is None else f"{r['frod_spread'] * 100:.0f}%"
         if f.get("zero3_over_zero2") or f.get("zero2_over_plain"):
             lines.append(f"| {r['started'][:16]} | {r['device']} | {_fmt(f.get('zero3_over_zero2'))} "
                          f"| {_fmt(f.get('zero2_over_plain'))} | {_fmt(lo.get('zero3_over_zero2'))} "
-                         f"| {_fmt(r.get('frod_zero3_over_lora_best'))} |")
+                         f"| {_fmt(r.get('frod_zero3_over_lora_best'))} | {r['zero2_check']} | {spread} |")
     lines += ["", "## Each call", ""] + calls
     lines += seventy_b_report(directory / "70b_widths")
     (directory / "zero3_levers.md").write_text("\n".join(lines) + "\n")
