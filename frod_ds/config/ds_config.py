@@ -19,8 +19,9 @@ from frod_ds.runtime.shipped import user_file
 from frod_ds.runtime.errors import FrodError
 from frod_ds.config.recipe import Recipe
 
-__all__ = ["DSConfigError", "BatchSizes", "NvmeParams", "batch_sizes", "check_nvme_buffer", "load_ds_config",
-           "nvme_buffers_needed", "resolve_ds_config", "zero_stage"]
+__all__ = ["DSConfigError", "BatchSizes", "NvmeParams", "ZeroSettings", "DS_DEFAULTS", "batch_sizes",
+           "check_nvme_buffer", "load_ds_config", "nvme_buffers_needed", "nvme_offloads", "offload_device",
+           "resolve_ds_config", "zero_settings", "zero_stage"]
 
 
 class DSConfigError(FrodError):
@@ -110,13 +111,112 @@ def _autos(node: Any, prefix: str = "") -> list[str]:
     return [prefix[:-1]] if node == "auto" else []
 
 
+# DeepSpeed 0.19.8's value for each key a JSON leaves out, by the block it sits in: ``zero_optimization``
+# (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig, under the JSON names, i.e. the stage3_* aliases),
+# ``zero_optimization.offload_param`` (zero/offload_config.py DeepSpeedZeroOffloadParamConfig) and ``aio``
+# (swap_tensor/constants.py). overlap_comm is absent on purpose: its default depends on the stage
+# (``zero_settings``). The one table of them; tests/test_ds_config_defaults.py reads the installed DeepSpeed's
+# config classes and fails when one drifts.
+DS_DEFAULTS: dict[str, dict[str, int | bool]] = {
+    "zero_optimization": {
+        "stage": 0,
+        "reduce_bucket_size": 500_000_000,
+        "allgather_bucket_size": 500_000_000,
+        "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_param_persistence_threshold": 100_000,
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
+        "memory_efficient_linear": True,
+    },
+    "zero_optimization.offload_param": {"buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
+    "aio": {"block_size": 1_048_576},
+}
+OFFLOADS = ("offload_param", "offload_optimizer")
+
+
+def _zero_block(cfg: dict) -> Any:
+    """``zero_optimization`` (``{}`` when absent; ``zero_stage`` refuses anything but an object)."""
+    return cfg.get("zero_optimization", {})
+
+
 def zero_stage(cfg: dict) -> int:
     """The ZeRO stage of a DeepSpeed config (0 when absent); ``DSConfigError`` unless it is 0, 1, 2 or 3."""
-    zo = cfg.get("zero_optimization", {})
-    stage = zo.get("stage", 0) if isinstance(zo, dict) else None
+    zo = _zero_block(cfg)
+    stage = zo.get("stage", DS_DEFAULTS["zero_optimization"]["stage"]) if isinstance(zo, dict) else None
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise DSConfigError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     return stage
+
+
+def offload_device(cfg: dict, which: str) -> str | None:
+    """Where ``zero_optimization.<which>`` (``offload_param`` or ``offload_optimizer``) puts its tensors:
+    ``"cpu"``, ``"nvme"``, or None (absent, null, or ``"device": "none"``). The one reader of the offload blocks:
+    the trainer's optimizer choice, the planner's engine and the NVMe checks all ask here."""
+    assert which in OFFLOADS, f"{which!r} is not one of {OFFLOADS}"
+    zo = _zero_block(cfg)
+    block = zo.get(which) if isinstance(zo, dict) else None
+    device = block.get("device") if isinstance(block, dict) else None
+    return device if device in ("cpu", "nvme") else None
+
+
+def nvme_offloads(cfg: dict) -> set[str]:
+    """Which of ``offload_param`` / ``offload_optimizer`` go to NVMe."""
+    return {k for k in OFFLOADS if offload_device(cfg, k) == "nvme"}
+
+
+def _number(cfg: dict, block: str, key: str) -> int | float:
+    """``block.key`` of ``cfg`` (``block`` dotted from the top), DeepSpeed's default (``DS_DEFAULTS``) when absent;
+    ``DSConfigError`` when it is not a number (DeepSpeed would refuse it mid-start)."""
+    node: Any = cfg
+    for part in block.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    value = node.get(key) if isinstance(node, dict) else None
+    if value is None:
+        return DS_DEFAULTS[block][key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DSConfigError(f"DeepSpeed config: {block}.{key} must be a number, got {value!r}; give a number or "
+                            f"leave the key out for DeepSpeed's default ({DS_DEFAULTS[block][key]:,})")
+    return value
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    """The ZeRO settings of a DeepSpeed JSON that decide memory and the NVMe checks, each key the JSON leaves out
+    at DeepSpeed's default (``DS_DEFAULTS``). Sizes are in elements, as DeepSpeed counts them."""
+
+    stage: int
+    offload_param: str | None  # "cpu", "nvme" or None
+    offload_optimizer: str | None
+    overlap_comm: bool
+    reduce_bucket_size: int | float
+    allgather_bucket_size: int | float
+    prefetch_bucket_size: int | float  # stage3_prefetch_bucket_size
+    param_persistence_threshold: int | float  # stage3_param_persistence_threshold
+    max_live_parameters: int | float  # stage3_max_live_parameters
+    max_reuse_distance: int | float  # stage3_max_reuse_distance
+    memory_efficient_linear: bool
+    nvme_buffer_count: int  # offload_param.buffer_count
+    nvme_buffer_size: int  # offload_param.buffer_size
+    max_in_cpu: int  # offload_param.max_in_cpu
+    aio_block_size: int  # aio.block_size (bytes)
+
+
+def zero_settings(cfg: dict) -> ZeroSettings:
+    """``cfg``'s ZeRO settings as DeepSpeed 0.19.8 reads them; ``DSConfigError`` for a stage or size it would refuse."""
+    stage = zero_stage(cfg)
+    zo = _zero_block(cfg)
+    z = lambda key: _number(cfg, "zero_optimization", key)  # noqa: E731
+    op = lambda key: int(_number(cfg, "zero_optimization.offload_param", key))  # noqa: E731
+    # DeepSpeedZeroConfig.overlap_comm_valid: on by default under ZeRO-3 only
+    overlap = zo.get("overlap_comm")
+    linear = zo.get("memory_efficient_linear")
+    return ZeroSettings(
+        stage, offload_device(cfg, "offload_param"), offload_device(cfg, "offload_optimizer"),
+        stage == 3 if overlap is None else bool(overlap),
+        z("reduce_bucket_size"), z("allgather_bucket_size"), z("stage3_prefetch_bucket_size"),
+        z("stage3_param_persistence_threshold"), z("stage3_max_live_parameters"), z("stage3_max_reuse_distance"),
+        bool(DS_DEFAULTS["zero_optimization"]["memory_efficient_linear"] if linear is None else linear),
+        op("buffer_count"), op("buffer_size"), op("max_in_cpu"), int(_number(cfg, "aio", "block_size")))
 
 
 def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str | None = None) -> dict:
@@ -167,10 +267,8 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
                 "(lr_sigma, lr_s) and schedule from the recipe, and a DeepSpeed block would override them"
             )
     if nvme_path is not None:
-        zo = cfg.get("zero_optimization", {})
-        for key in ("offload_param", "offload_optimizer"):
-            if zo.get(key, {}).get("device") == "nvme":
-                zo[key]["nvme_path"] = nvme_path
+        for key in nvme_offloads(cfg):
+            cfg["zero_optimization"][key]["nvme_path"] = nvme_path
     autos = _autos(cfg)
     if autos:
         problems.append(f'unresolved "auto" for {", ".join(autos)}: give concrete values')
@@ -179,21 +277,12 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
     return cfg
 
 
-DS_NVME_BUFFER_DEFAULT = 100_000_000  # DeepSpeed's offload_param.buffer_size default (elements)
-
-
-def nvme_offloads(cfg: dict) -> set[str]:
-    """Which of ``offload_param`` / ``offload_optimizer`` go to NVMe."""
-    zo = cfg.get("zero_optimization", {})
-    return {k for k in ("offload_param", "offload_optimizer") if (zo.get(k) or {}).get("device") == "nvme"}
-
-
 def check_nvme_buffer(cfg: dict, largest_numel: int, world_size: int) -> None:
     """``DSConfigError`` (one line) when parameters go to NVMe and DeepSpeed's swap buffers cannot hold the
     largest parameter's partition: DeepSpeed would stop with an assertion in the middle of the model build."""
     if "offload_param" not in nvme_offloads(cfg):
         return
-    buf = int(cfg["zero_optimization"]["offload_param"].get("buffer_size", DS_NVME_BUFFER_DEFAULT))
+    buf = zero_settings(cfg).nvme_buffer_size
     part = -(-largest_numel // world_size)
     if part > buf:
         raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_size is {buf:,} elements, smaller "
@@ -202,8 +291,6 @@ def check_nvme_buffer(cfg: dict, largest_numel: int, world_size: int) -> None:
 
 
 DS_MIN_AIO_BYTES = 1024 ** 2  # DeepSpeed swaps a partition to NVMe only from max(this, aio.block_size) bytes
-DS_AIO_BLOCK_DEFAULT = 1024 ** 2
-DS_REUSE_DISTANCE_DEFAULT = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default (elements)
 
 
 @dataclass(frozen=True)
@@ -225,11 +312,11 @@ def _swapped(numels: list[int], world_size: int, elem_bytes: int, min_bytes: int
 
 
 def _min_swap_bytes(cfg: dict) -> int:
-    return max(DS_MIN_AIO_BYTES, int(cfg.get("aio", {}).get("block_size", DS_AIO_BLOCK_DEFAULT)))
+    return max(DS_MIN_AIO_BYTES, zero_settings(cfg).aio_block_size)
 
 
 def _reuse_distance(cfg: dict) -> int:
-    return int(cfg.get("zero_optimization", {}).get("stage3_max_reuse_distance", DS_REUSE_DISTANCE_DEFAULT))
+    return int(zero_settings(cfg).max_reuse_distance)
 
 
 def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_bytes: int) -> int:
@@ -243,7 +330,7 @@ def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_byt
     other parameter (the head at the forward/backward turn), so that is the count. A reuse window
     (``stage3_max_reuse_distance`` > 0) keeps every parameter that recurs within it gathered: up to one more
     buffer per smallest swapped parameter that fits in the window."""
-    zo = cfg.get("zero_optimization", {})
+    zs = zero_settings(cfg)
     swapped = lambda ns: _swapped(ns, world_size, elem_bytes, _min_swap_bytes(cfg))  # noqa: E731
     layer = max((len(swapped(ns)) for ns in params.layers), default=0)
     shared = len(swapped(params.shared))
@@ -251,7 +338,7 @@ def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_byt
     need = layer + shared + other
     # trainable partitions stay in host memory up to offload_param.max_in_cpu elements per rank; beyond that
     # DeepSpeed swaps them to NVMe too (any partition of at least the minimum size), a layer's at a time
-    max_in_cpu = int(zo["offload_param"].get("max_in_cpu", 1_000_000_000))
+    max_in_cpu = zs.max_in_cpu
     trainable_per_rank = sum(-(-n // world_size) for ns in params.trainable for n in ns)
     spill = trainable_per_rank > max_in_cpu
     if spill:
@@ -270,13 +357,13 @@ def check_nvme_buffer_count(cfg: dict, params: NvmeParams, world_size: int, elem
     prefetch does not skip a parameter that recurs in its window: ``param N already assigned swap buffer``)."""
     if "offload_param" not in nvme_offloads(cfg):
         return
-    zo = cfg["zero_optimization"]
-    prefetch = int(zo.get("stage3_prefetch_bucket_size", 50_000_000))
+    zs = zero_settings(cfg)
+    prefetch = int(zs.prefetch_bucket_size)
     if prefetch > 0 and _swapped(params.shared, world_size, elem_bytes, _min_swap_bytes(cfg)):
         raise DSConfigError(f"DeepSpeed config: zero_optimization.stage3_prefetch_bucket_size is {prefetch:,} with "
                             "parameters on NVMe, and DeepSpeed's NVMe prefetch swaps a parameter the layers share "
                             "(FRoD's V) in twice and stops; set stage3_prefetch_bucket_size to 0")
-    have = int(zo["offload_param"].get("buffer_count", 5))
+    have = zs.nvme_buffer_count
     need = nvme_buffers_needed(cfg, params, world_size, elem_bytes)
     if have < need:
         raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_count is {have}, this model "

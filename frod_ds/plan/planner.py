@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from frod_ds.config.ds_config import DS_DEFAULTS, load_ds_config, zero_settings
 from frod_ds.core.names import DEFAULT_TARGETS, LLAMA_LINEARS
 from frod_ds.runtime.errors import FrodError
 
@@ -75,14 +76,13 @@ LOSS_FP32_COPIES = 3
 # not counted by torch.cuda.max_memory_allocated: about 0.5 GiB (context) + 0.5 GiB (NCCL) on an H100.
 FRAGMENTATION = 0.10
 CUDA_CONTEXT_GIB = 1.0
-# DeepSpeed's defaults for keys a JSON leaves out (deepspeed/runtime/zero/config.py).
-DS_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
-               "stage3_param_persistence_threshold": 1e5, "stage3_max_live_parameters": 1e9,
-               "stage3_max_reuse_distance": 1e9}
+# DeepSpeed's values for the keys a JSON leaves out are frod_ds.config.ds_config.DS_DEFAULTS (checked against the
+# installed DeepSpeed); an Engine built without a JSON takes them too.
+_ZERO_DEFAULTS = DS_DEFAULTS["zero_optimization"]
 # Under ZeRO-3, DeepSpeed replaces torch.nn.functional.linear process-wide with LinearFunctionForZeroStage3
 # (zero_optimization.memory_efficient_linear, default true; deepspeed/runtime/zero/linear.py), which saves its
 # input for the backward even when the weight is frozen: every F.linear then keeps its input.
-LINEAR_KEEPS_INPUT_ZERO3 = True
+LINEAR_KEEPS_INPUT_ZERO3 = bool(_ZERO_DEFAULTS["memory_efficient_linear"])
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 LINEARS = LLAMA_LINEARS
 # The shipped configs, in the order ties are broken (the step-time model, frod_ds.plan.timing, ranks them).
@@ -193,11 +193,11 @@ class Engine:
     offload_param: bool = False
     offload_optimizer: bool = False
     overlap_comm: bool = False
-    reduce_bucket: float = DS_DEFAULTS["reduce_bucket_size"]
-    prefetch_bucket: float = DS_DEFAULTS["stage3_prefetch_bucket_size"]
-    persistence: float = DS_DEFAULTS["stage3_param_persistence_threshold"]
-    max_live: float = DS_DEFAULTS["stage3_max_live_parameters"]
-    max_reuse: float = DS_DEFAULTS["stage3_max_reuse_distance"]
+    reduce_bucket: float = float(_ZERO_DEFAULTS["reduce_bucket_size"])
+    prefetch_bucket: float = float(_ZERO_DEFAULTS["stage3_prefetch_bucket_size"])
+    persistence: float = float(_ZERO_DEFAULTS["stage3_param_persistence_threshold"])
+    max_live: float = float(_ZERO_DEFAULTS["stage3_max_live_parameters"])
+    max_reuse: float = float(_ZERO_DEFAULTS["stage3_max_reuse_distance"])
     memory_efficient_linear: bool = LINEAR_KEEPS_INPUT_ZERO3
 
     @property
@@ -206,25 +206,18 @@ class Engine:
 
 
 def engine_from_ds_config(cfg: dict[str, Any], name: str = "config") -> Engine:
-    z = cfg.get("zero_optimization", {}) or {}
-
-    def num(key: str) -> float:
-        v = z.get(key, DS_DEFAULTS[key])
-        return float(v) if isinstance(v, (int, float)) else DS_DEFAULTS[key]
-
-    stage = int(z.get("stage", 0))
-    return Engine(name, 3 if stage == 3 else 2,
-                  (z.get("offload_param") or {}).get("device") in ("cpu", "nvme"),
-                  (z.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"),
-                  bool(z.get("overlap_comm", False)), num("reduce_bucket_size"), num("stage3_prefetch_bucket_size"),
-                  num("stage3_param_persistence_threshold"), num("stage3_max_live_parameters"),
-                  num("stage3_max_reuse_distance"), bool(z.get("memory_efficient_linear", LINEAR_KEEPS_INPUT_ZERO3)))
+    """The ``Engine`` of a DeepSpeed JSON as the one reader of it (``ds_config.zero_settings``) sees it. ZeRO-0/1
+    are planned like ZeRO-2: each replicates the frozen model on every GPU."""
+    z = zero_settings(cfg)
+    return Engine(name, 3 if z.stage == 3 else 2, z.offload_param is not None, z.offload_optimizer is not None,
+                  z.overlap_comm, float(z.reduce_bucket_size), float(z.prefetch_bucket_size),
+                  float(z.param_persistence_threshold), float(z.max_live_parameters), float(z.max_reuse_distance),
+                  z.memory_efficient_linear)
 
 
 def shipped_engines() -> list[Engine]:
     """The shipped ds_configs, fastest first (their bucket sizes as written), read by the one DeepSpeed JSON
     reader; a missing one is an error naming it (``runtime.shipped``), never a stand-in."""
-    from frod_ds.config.ds_config import load_ds_config
     from frod_ds.runtime.shipped import shipped_file
 
     return [engine_from_ds_config(load_ds_config(shipped_file("ds_configs", fname)), f"ds_configs/{fname}")
@@ -529,8 +522,6 @@ def train_hint(recipe, config_path: str, world_size: int, gpu_bytes: float | Non
     without a GPU: no line). None too when an input is unreadable (training's own checks report that)."""
     if not gpu_bytes:
         return None
-    from frod_ds.config.ds_config import load_ds_config
-
     try:
         model = load_model_shape(recipe.model.base)
         engine = engine_from_ds_config(load_ds_config(config_path), str(config_path))

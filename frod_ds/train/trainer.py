@@ -50,8 +50,8 @@ from frod_ds.train.checkpoint_dir import choose_checkpoint, sealed_checkpoints
 from frod_ds.train.data import (BatchPlan, Example, check_vocab, collate, encode_examples, read_training_rows,
                                 training_file)
 from frod_ds.config.ds_config import (NvmeParams, batch_sizes, check_aio_build_env, check_nvme_buffer,
-                                      check_nvme_buffer_count, load_ds_config, nvme_offloads, resolve_ds_config,
-                                      zero_stage)
+                                      check_nvme_buffer_count, load_ds_config, nvme_offloads, offload_device,
+                                      resolve_ds_config, zero_stage)
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.train.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.runtime.errors import FrodError, StoreError, note
@@ -268,8 +268,7 @@ def enable_gradient_checkpointing(model) -> None:
 def _optimizer(model, recipe: Recipe, ds_cfg: dict):
     t = recipe.train
     groups = frod_param_groups(model, t.lr_sigma, t.lr_s, t.weight_decay)
-    offload = ds_cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
-    if offload:
+    if offload_device(ds_cfg, "offload_optimizer") is not None:  # DeepSpeed steps an offloaded optimizer on the CPU
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=t.lr_sigma, betas=tuple(t.betas), adamw_mode=True)
