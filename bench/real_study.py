@@ -66,9 +66,11 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     a("--eval-batch", type=int, default=64, help="rows per log-likelihood batch")
     a("--gen-batch", type=int, default=128, help="rows per generation batch (x beams sequences)")
     a("--protocols", default="loglik,llm-adapters", help="test protocols: loglik and/or llm-adapters")
-    a("--gen-impl", default="auto", help="llm-adapters scorer: local, project (frod_ds.eval.evaluation) or auto")
-    a("--num-beams", type=int, default=4, help="beams of the llm-adapters protocol")
-    a("--max-new-tokens", type=int, default=32, help="new tokens of the llm-adapters protocol")
+    a("--gen-impl", default="auto", help="llm-adapters scorer: auto or project, both the library's "
+                                         "frod_ds.eval.evaluation.score_llm_adapters_rows (recorded in the study)")
+    a("--num-beams", type=int, default=4, help="beams of the llm-adapters protocol: LLM-Adapters' 4, the only value")
+    a("--max-new-tokens", type=int, default=32,
+      help="new tokens of the llm-adapters protocol: LLM-Adapters' 32, the only value")
     a("--select-by", default="accuracy", help="held-out criterion: accuracy (ties: answer loss) or answer_loss")
     a("--smooth-frac", type=float, default=0.05, help="trailing-mean window for steps-to-loss, as a fraction of steps")
     a("--no-base-eval", action="store_true", help="skip the base model's test evaluation")

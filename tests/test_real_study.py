@@ -75,7 +75,7 @@ def setup(tmp_path_factory):
     out = root / "out"
     argv = ["--model", str(model_dir), "--data", str(data), "--out", str(out), "--device", "cpu",
             "--heldout", "8", "--batch-size", "8", "--curve-limit", "3", "--checkpoints", "2",
-            "--max-new-tokens", "6", "--gen-batch", "4", "--eval-batch", "8",
+            "--gen-batch", "4", "--eval-batch", "8",
             "--lrs", "frod=1e-3,1e-2,1e-1", "--lrs", "lora16=1e-3,1e-2,1e-1",
             "--lrs", "lora32=1e-3,1e-2,1e-1", "--lrs", "full=1e-4,1e-3,1e-2", "--extend", "0"]
     assert real_study.main(argv) == 0
@@ -150,6 +150,48 @@ def test_step_one_losses_equal_a_plain_transformers_forward(setup):
             assert run["log"]["answer_loss"][0] == pytest.approx(word, rel=1e-4), name
 
 
+def test_llm_adapters_results_are_the_library_scorers(setup):
+    """The study's llm-adapters numbers are frod_ds.eval.evaluation.score_llm_adapters_rows's: the base model's
+    recorded results (the curve slice) equal that scorer run here on the same rows, one row at a time."""
+    from frod_ds.eval.evaluation import score_llm_adapters_rows
+    from frod_ds.prep.io import read_rows
+    from transformers import AutoModelForCausalLM
+
+    doc, _, tok, model_dir, out, _ = setup
+    assert doc["data"]["generation_scorer"] == "frod_ds.eval.evaluation.score_llm_adapters_rows"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    got = doc["base"]["test"]["llm-adapters"]
+    for task in ("boolq", "arc_easy"):
+        rows = read_rows(out.parent / "data" / "eval" / f"{task}.jsonl", limit=3)  # --curve-limit 3
+        records = [r for row in rows for r in score_llm_adapters_rows(model, tok, [row], tok.pad_token_id)]
+        assert got["correct_bits"][task] == "".join("1" if r["correct"] else "0"
+                                                     for r in sorted(records, key=lambda r: r["id"]))
+        assert sorted(got["examples"][task]) == sorted(r["output"] for r in records)  # (in the study's batch order)
+
+
+def test_study_generation_goes_through_the_library_scorer(setup, monkeypatch):
+    """bench.study's llm-adapters evaluation calls the library's scorer for every row, and returns its records."""
+    import frod_ds.eval.evaluation as fe
+    from bench.study.evaluate import llm_adapters_eval
+    from frod_ds.prep.io import read_rows
+    from transformers import AutoModelForCausalLM
+
+    _, _, tok, model_dir, out, _ = setup
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = {"boolq": read_rows(out.parent / "data" / "eval" / "boolq.jsonl", limit=3)}
+    real, seen = fe.score_llm_adapters_rows, []
+
+    def spy(model, tokenizer, batch, pad_id):
+        seen.extend(r["id"] for r in batch)
+        return real(model, tokenizer, batch, pad_id)
+
+    monkeypatch.setattr(fe, "score_llm_adapters_rows", spy)
+    summary, records = llm_adapters_eval(model, tok, rows, tok.pad_token_id, 2, torch.device("cpu"))
+    assert sorted(seen) == sorted(r["id"] for r in rows["boolq"])  # each row once, in the study's batch order
+    by_id = lambda recs: sorted(recs, key=lambda r: r["id"])  # noqa: E731
+    assert by_id(records) == by_id(real(model, tok, rows["boolq"], tok.pad_token_id))
+
+
 def test_user_mistakes_exit_2_with_one_line_and_write_nothing(setup, tmp_path, capsys):
     _, _, _, model_dir, _, _ = setup
     data = Path(setup[4]).parent / "data"
@@ -158,6 +200,8 @@ def test_user_mistakes_exit_2_with_one_line_and_write_nothing(setup, tmp_path, c
         (["--lrs", "frod=abc"], "must be numbers"),
         (["--methods", "frod,dora"], "unknown method"),
         (["--heldout", "1000"], "--heldout 1000"),
+        (["--gen-impl", "local"], "score_llm_adapters_rows only"),
+        (["--max-new-tokens", "6"], "uses 32"),
     ]
     for extra, needle in cases:
         out = tmp_path / "o"

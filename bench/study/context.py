@@ -18,7 +18,7 @@ import torch
 
 from bench.study.config import StudyConfig, method_spec
 from bench.study.data import Batch
-from bench.study.evaluate import heldout_losses, llm_adapters_eval, loglik_eval, resolve_gen_impl
+from bench.study.evaluate import GENERATION_SCORER, heldout_losses, llm_adapters_eval, loglik_eval
 from bench.study.loop import train_run
 from bench.study.models import (ModelFactory, load_base, load_trainable_state, make_optimizer, merged_for_eval,
                                 trainable_numel, trainable_state)
@@ -50,7 +50,7 @@ class RunContext:
 
     def __post_init__(self) -> None:
         self.pad_id = self.tok.pad_token_id
-        self.gen_scorer, self.gen_name = resolve_gen_impl(self.cfg.gen_impl)
+        self.gen_name = GENERATION_SCORER
         self.factory = ModelFactory(self.base, self.cfg)
 
     # -- transport to worker processes -------------------------------------------------------------------
@@ -92,8 +92,7 @@ class RunContext:
                 summary, records = loglik_eval(model, self.tok, rows, self.pad_id, cfg.eval_batch, self.device)
             else:
                 rows = gen_rows or self.test
-                summary, records = llm_adapters_eval(model, self.tok, rows, self.pad_id, cfg, self.device,
-                                                     self.gen_scorer)
+                summary, records = llm_adapters_eval(model, self.tok, rows, self.pad_id, cfg.gen_batch, self.device)
                 summary["examples"] = {task: [r["output"] for r in records if r["task"] == task][:3] for task in rows}
             summary["correct_bits"] = correct_bits(records, list(rows))
             summary["seconds"] = time.perf_counter() - t
@@ -108,7 +107,7 @@ class RunContext:
         few = {t: rows[:2] for t, rows in self.test.items()}
         loglik_eval(self.base, self.tok, few, self.pad_id, self.cfg.eval_batch, self.device)
         if "llm-adapters" in self.cfg.protocols:
-            llm_adapters_eval(self.base, self.tok, few, self.pad_id, self.cfg, self.device, self.gen_scorer)
+            llm_adapters_eval(self.base, self.tok, few, self.pad_id, self.cfg.gen_batch, self.device)
 
     # -- one run -----------------------------------------------------------------------------------------
 
