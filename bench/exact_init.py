@@ -31,8 +31,9 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from bench.common import write_result  # noqa: E402
+from frod_ds.core.names import DEFAULT_TARGETS  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+TARGETS = list(DEFAULT_TARGETS)
 PROMPTS = [
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\nPlease answer the following question with true or false, question: is water wet?\n\n"

@@ -33,12 +33,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from frod_ds.core.names import DEFAULT_TARGETS  # noqa: E402
+
 PRESETS = {  # LLaMA shapes: hidden, intermediate, layers, attention heads, KV heads
     "tiny": dict(hidden=256, intermediate=688, layers=5, heads=4, kv_heads=2),
     "7b": dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32),
     "70b": dict(hidden=8192, intermediate=28672, layers=80, heads=64, kv_heads=8),
 }
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+TARGETS = list(DEFAULT_TARGETS)
 ENV = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", HF_HUB_OFFLINE="1")
 
 

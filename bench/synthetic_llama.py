@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from frod_ds.core.names import DEFAULT_TARGETS
 from frod_ds.runtime.atomic import TMP, atomic_write_text
 from frod_ds.io.hf_checkpoint import INDEX_NAME
 from frod_ds.io.safetensors_io import safetensors_header, tensor_bytes
@@ -31,7 +32,7 @@ from frod_ds.io.safetensors_io import safetensors_header, tensor_bytes
 __all__ = ["Shape", "SHAPES", "TARGETS", "STD", "tensor_seed", "make_tensor", "category_names", "untargeted_names",
            "split_files", "write_shard", "add_to_index", "remove_from_index", "index_files"]
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+TARGETS = DEFAULT_TARGETS
 STD = 0.02
 DTYPE = torch.bfloat16
 

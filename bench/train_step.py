@@ -42,7 +42,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+from frod_ds.core.names import DEFAULT_TARGETS  # noqa: E402
+
+TARGETS = list(DEFAULT_TARGETS)
 LORA_R, LORA_ALPHA = 16, 32
 GIB = 2**30
 

@@ -13,9 +13,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from frod_ds.core.names import DEFAULT_TARGETS
+
 __all__ = ["StudyError", "MethodSpec", "method_spec", "DEFAULT_LRS", "StudyConfig", "parse_lrs", "TARGETS"]
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+# FRoD's targets and LoRA's (the same modules for both): the library's default FRoD targets
+TARGETS = DEFAULT_TARGETS
 
 # Half-decade grids centred on the best held-out accuracy of the two one-H200 runs so far
 # (bench/results/real_study_1xh200{,_sweep}: FRoD σ 3e-3 over 1e-3, LoRA r16 and r32 3e-4 over 1e-3, full 1e-4

@@ -18,7 +18,9 @@ Gradient-checkpointing recomputation is not model work and is not counted (MFU, 
 
 from __future__ import annotations
 
-TARGET_SHAPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+from frod_ds.core.names import DEFAULT_TARGETS
+
+TARGET_SHAPES = DEFAULT_TARGETS  # the FRoD targets counted unless a caller names others
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, by a substring of torch.cuda.get_device_name().
 PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12), ("GH200", 989.4e12),
