@@ -33,13 +33,16 @@ class BatchSizes:
     micro: int  # per rank per forward
     accum: int  # micro-batches per optimizer step
     world: int  # data-parallel ranks
-    total: int  # samples per optimizer step = micro * accum * world
+
+    @property
+    def total(self) -> int:
+        """Samples per optimizer step: the one place the global batch size is computed."""
+        return self.micro * self.accum * self.world
 
 
 def batch_sizes(recipe: Recipe, world_size: int) -> BatchSizes:
-    """The one place the global batch size is computed."""
-    micro, accum = recipe.train.micro_batch_size, recipe.train.grad_accum
-    return BatchSizes(micro, accum, world_size, micro * accum * world_size)
+    """The recipe's batch sizes on ``world_size`` data-parallel ranks."""
+    return BatchSizes(recipe.train.micro_batch_size, recipe.train.grad_accum, world_size)
 
 
 def load_ds_config(path: str | Path) -> dict:

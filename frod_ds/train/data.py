@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from frod_ds.config.ds_config import BatchSizes
 from frod_ds.prep.io import MAX_ROW_CHARS, read_rows, row_separator
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError
@@ -182,7 +183,7 @@ class BatchPlan:
 
     @property
     def global_batch(self) -> int:
-        return self.micro * self.accum * self.world
+        return BatchSizes(self.micro, self.accum, self.world).total
 
     @property
     def steps_per_epoch(self) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from frod_ds.config.ds_config import BatchSizes
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text, disk_full_error
 from frod_ds.train.checkpoint_dir import COMPLETE, LATEST, file_seal, files_to_seal, set_aside, step_of, tag_of, write_seal
@@ -138,6 +139,6 @@ def _load_trainable_state(engine, ckpt: Path, world: int, stage: int | None, her
     split = "" if meta.micro_batch_size == layout.micro else (
         f"; micro_batch_size {meta.micro_batch_size} -> {layout.micro} weights each micro-batch's tokens "
         "differently, so losses are close to, not equal to, the original layout's")
-    note(f"resumed {change} (same global batch {meta.micro_batch_size * meta.grad_accum * meta.world_size}) "
+    note(f"resumed {change} (same global batch {BatchSizes(meta.micro_batch_size, meta.grad_accum, meta.world_size).total}) "
          f"from {ckpt.name}/{TRAINABLE_STATE}{split}")
     return meta.step
