@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import write_result  # noqa: E402
+from frod_ds.config.ds_config import load_ds_config  # noqa: E402
 
 
 def summarise(metrics: list[dict], log: str, host_mib: list[float], skip: int = 2) -> dict:
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"command": args.command, "device": args.device,
                **({"date": f"{started.group(1)}T{started.group(2)}+00:00"} if started else {}),
                "versions": json.loads(args.versions_from.read_text())["versions"] if args.versions_from else None,
-               "config": json.loads(Path(args.config).read_text()) if args.config else None,
+               "config": load_ds_config(args.config) if args.config else None,
                "completed": bool(metrics), "error": errors[0] if errors and not metrics else None,
                **summarise(metrics, log, host)}
     path = write_result(args.name, payload, args.out)

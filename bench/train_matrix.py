@@ -29,6 +29,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from frod_ds.config.ds_config import load_ds_config  # noqa: E402
+
 ENGINES = {"plain": "plain", "zero2": "ds_configs/zero2.json", "zero3": "ds_configs/zero3.json"}
 MAIN = [(e, m, ()) for e in ("zero2", "plain", "zero3") for m in ("frod", "lora")]
 EXTRAS = {"save-x": [("zero2", "frod", ("--frod-save", "x"))],
@@ -96,7 +101,7 @@ def engine_config(engine: str, out: Path) -> str:
     """The DeepSpeed JSON (or ``plain``) of an engine name; a ZeRO-3 variant is written under OUT/ds_variants."""
     if engine in ENGINES:
         return ENGINES[engine]
-    base = json.loads((REPO / ENGINES["zero3"]).read_text())
+    base = load_ds_config(REPO / ENGINES["zero3"])
     base["zero_optimization"].update(ZERO3_VARIANTS[engine])
     path = out / "ds_variants" / f"{engine}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

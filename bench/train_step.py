@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from frod_ds.config.ds_config import BatchSizes, load_ds_config, zero_stage  # noqa: E402
 from frod_ds.core.names import DEFAULT_TARGETS  # noqa: E402
 
 TARGETS = list(DEFAULT_TARGETS)
@@ -74,9 +75,9 @@ def _ds_config(path: str, batch: int, world: int, sets: list[str] = ()) -> dict 
         if sets:
             raise SystemExit("error: --ds-set needs a DeepSpeed config, not plain")
         return None
-    cfg = json.loads(Path(path).read_text())
-    cfg.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=1, train_batch_size=batch * world,
-               gradient_clipping=1.0)
+    cfg = load_ds_config(path)
+    cfg.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=1,
+               train_batch_size=BatchSizes(batch, 1, world).total, gradient_clipping=1.0)
     for item in sets:
         key, sep, value = item.partition("=")
         if not sep:
@@ -90,7 +91,7 @@ def _ds_config(path: str, batch: int, world: int, sets: list[str] = ()) -> dict 
 
 
 def _zero3(ds_cfg: dict | None) -> bool:
-    return ds_cfg is not None and int(ds_cfg.get("zero_optimization", {}).get("stage", 0)) == 3
+    return ds_cfg is not None and zero_stage(ds_cfg) == 3
 
 
 def build_frod(args, ds_cfg: dict | None, rank: int):
@@ -356,7 +357,7 @@ def run(args) -> None:
     mems = dist.all_gather_object({"built": mem_built, "after_warmup": timing["mem_after_warmup"],
                                    "timed": timing["mem_timed"]})
     if dist.is_main():
-        engine = "plain" if plain else f"zero{ds_cfg['zero_optimization']['stage']}"
+        engine = "plain" if plain else f"zero{zero_stage(ds_cfg)}"
         payload = {
             "method": args.method, "engine": engine, "config": args.config, "ds_config": ds_cfg, "world_size": world,
             "gradient_checkpointing": args.gc, "frozen_quant": args.frozen_quant, "quantize_base": args.quantize_base,

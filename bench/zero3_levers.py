@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.train_matrix import TINY_MODEL, TINY_RUN, _run, _tail, prepare  # noqa: E402
+from frod_ds.config.ds_config import load_ds_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO2, ZERO3 = "ds_configs/zero2.json", "ds_configs/zero3.json"
@@ -379,7 +380,7 @@ def main() -> None:
         plan = [known[x] for x in only]
     doc = {"benchmark": "zero3_levers", "command": " ".join([Path(sys.executable).name, *sys.argv]),
            "started": started, "device": None, "slug": "cpu", "versions": None, "stages": stages,
-           "before_keys": BEFORE_KEYS, "shipped_zero3": json.loads((REPO / ZERO3).read_text()),
+           "before_keys": BEFORE_KEYS, "shipped_zero3": load_ds_config(REPO / ZERO3),
            "levers": {k: {"what": v[0], "args": v[1]} for k, v in LEVERS.items()},
            "ablations": {k: {"what": v[0], "args": v[1]} for k, v in ABLATIONS.items()},
            "plus_levers": {k: {"what": v[0], "args": v[1]} for k, v in PLUS_LEVERS.items()}, "runs": []}
