@@ -100,6 +100,18 @@ def test_non_number_size_is_refused_with_the_key_and_default():
         engine_from_ds_config(cfg)
 
 
+def test_training_refuses_a_non_number_size_before_deepspeed_starts():
+    from frod_ds.config.ds_config import resolve_ds_config
+    from frod_ds.config.recipe import load_recipe
+
+    cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    cfg["zero_optimization"]["stage3_max_live_parameters"] = "1e9"
+    recipe = load_recipe(None, ["model.base=m", "model.factor_store=f", "data.train=t.jsonl"])
+    with pytest.raises(DSConfigError, match=r"zero_optimization\.stage3_max_live_parameters must be a number, "
+                                            r"got '1e9'"):
+        resolve_ds_config(cfg, recipe, world_size=1)
+
+
 def test_no_module_reads_zero_optimization_itself():
     """The DeepSpeed JSON's ZeRO block is read in frod_ds/config/ds_config.py only (one home)."""
     reads = re.compile(r"""(\.get\(\s*|(?<!DS_DEFAULTS)\[\s*)["'](zero_optimization|offload_optimizer|offload_param)["']""")

@@ -4,7 +4,7 @@
     data.py      rows → the project's tokens and loss mask, answer-word masks, pre-collated batches
     models.py    one model per method (apply_frod / PEFT LoRA / full), optimizer groups, merge for eval
     loop.py      the one training loop every method runs: per-step losses, schedule, checkpoint hook
-    evaluate.py  held-out losses, log-likelihood accuracy, LLM-Adapters generation protocol
+    evaluate.py  held-out losses, log-likelihood accuracy, LLM-Adapters generation protocol (the library's scorers)
     context.py   what one run or one final evaluation needs, in the main process or a worker
     parallel.py  the jobs (train a run, score a run) and who runs them: the main process or GPU-sharing workers
     records.py   the output directory as typed records (identity, base, runs, invocations), so a study resumes

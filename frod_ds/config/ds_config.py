@@ -275,6 +275,11 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
     autos = _autos(cfg)
     if autos:
         problems.append(f'unresolved "auto" for {", ".join(autos)}: give concrete values')
+    else:
+        try:  # a ZeRO size DeepSpeed would refuse only in the middle of deepspeed.initialize
+            zero_settings(cfg)
+        except DSConfigError as e:
+            problems.append(str(e).removeprefix("DeepSpeed config: "))
     if problems:
         raise DSConfigError("DeepSpeed config: " + "; ".join(problems))
     return cfg
