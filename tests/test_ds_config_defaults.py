@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from frod_ds.config.ds_config import DS_DEFAULTS, DSConfigError, offload_device, zero_settings
+from frod_ds.config.ds_config import DS_DEFAULTS, DSConfigError, bf16_overflow_check, offload_device, zero_settings
 from frod_ds.plan.planner import Engine, engine_from_ds_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,11 +27,12 @@ def _by_json_name(model) -> dict[str, object]:
 
 def test_defaults_table_is_deepspeeds_own():
     """Every entry of DS_DEFAULTS equals the default the installed DeepSpeed's config classes give that key."""
+    from deepspeed.runtime import precision_config
     from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 
     theirs = {"zero_optimization": _by_json_name(zero_config.DeepSpeedZeroConfig()),
               "zero_optimization.offload_param": _by_json_name(offload_config.DeepSpeedZeroOffloadParamConfig()),
-              "aio": get_aio_config({})}
+              "aio": get_aio_config({}), "bf16": _by_json_name(precision_config.DeepSpeedBF16Config())}
     for block, table in DS_DEFAULTS.items():
         for key, ours in table.items():
             assert key in theirs[block], f"DeepSpeed has no {block}.{key}"
@@ -119,3 +120,14 @@ def test_no_module_reads_zero_optimization_itself():
                  for p in sorted((REPO / base).rglob("*.py")) if p.name != "ds_config.py"
                  for i, line in enumerate(p.read_text().splitlines(), 1) if reads.search(line)]
     assert offenders == []
+
+
+@pytest.mark.parametrize("bf16, expected", [(None, True), ({"enabled": True}, True),
+                                            ({"enabled": True, "check_grad_overflow": False}, False),
+                                            ({"enabled": True, "check_grad_overflow": True}, True)])
+def test_bf16_overflow_check_is_read_as_deepspeed_reads_it(bf16, expected):
+    from deepspeed.runtime import precision_config
+
+    cfg = {} if bf16 is None else {"bf16": bf16}
+    assert bf16_overflow_check(cfg) is expected
+    assert precision_config.get_bfloat16_config(cfg).check_grad_overflow is expected

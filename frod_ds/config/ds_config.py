@@ -19,7 +19,7 @@ from frod_ds.runtime.shipped import user_file
 from frod_ds.runtime.errors import FrodError
 from frod_ds.config.recipe import Recipe
 
-__all__ = ["DSConfigError", "BatchSizes", "NvmeParams", "ZeroSettings", "DS_DEFAULTS", "batch_sizes",
+__all__ = ["DSConfigError", "BatchSizes", "NvmeParams", "ZeroSettings", "DS_DEFAULTS", "batch_sizes", "bf16_overflow_check",
            "check_nvme_buffer", "load_ds_config", "nvme_buffers_needed", "nvme_offloads", "offload_device",
            "resolve_ds_config", "zero_settings", "zero_stage"]
 
@@ -133,6 +133,7 @@ DS_DEFAULTS: dict[str, dict[str, int | bool]] = {
     },
     "zero_optimization.offload_param": {"buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
     "aio": {"block_size": 1_048_576},
+    "bf16": {"check_grad_overflow": True},
 }
 OFFLOADS = ("offload_param", "offload_optimizer")
 
@@ -149,6 +150,14 @@ def zero_stage(cfg: dict) -> int:
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise DSConfigError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     return stage
+
+
+def bf16_overflow_check(cfg: dict) -> bool:
+    """Whether DeepSpeed tests every bf16 gradient for inf/NaN before a ZeRO-1/2 step (``bf16.check_grad_overflow``,
+    DeepSpeed's default when absent; ZeRO-3 checks only fp16 steps)."""
+    bf16 = cfg.get("bf16")
+    value = bf16.get("check_grad_overflow") if isinstance(bf16, dict) else None
+    return bool(DS_DEFAULTS["bf16"]["check_grad_overflow"] if value is None else value)
 
 
 def offload_device(cfg: dict, which: str) -> str | None:

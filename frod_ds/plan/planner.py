@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from frod_ds.config.ds_config import DS_DEFAULTS, load_ds_config, zero_settings
+from frod_ds.config.ds_config import DS_DEFAULTS, bf16_overflow_check, load_ds_config, zero_settings
 from frod_ds.core.names import DEFAULT_TARGETS, LLAMA_LINEARS
 from frod_ds.runtime.errors import FrodError
 
@@ -199,6 +199,7 @@ class Engine:
     max_live: float = float(_ZERO_DEFAULTS["stage3_max_live_parameters"])
     max_reuse: float = float(_ZERO_DEFAULTS["stage3_max_reuse_distance"])
     memory_efficient_linear: bool = LINEAR_KEEPS_INPUT_ZERO3
+    bf16_overflow_check: bool = True  # ZeRO-2 tests every bf16 gradient before a step (time only, not memory)
 
     @property
     def linear_keeps_input(self) -> bool:
@@ -212,7 +213,7 @@ def engine_from_ds_config(cfg: dict[str, Any], name: str = "config") -> Engine:
     return Engine(name, 3 if z.stage == 3 else 2, z.offload_param is not None, z.offload_optimizer is not None,
                   z.overlap_comm, float(z.reduce_bucket_size), float(z.prefetch_bucket_size),
                   float(z.param_persistence_threshold), float(z.max_live_parameters), float(z.max_reuse_distance),
-                  z.memory_efficient_linear)
+                  z.memory_efficient_linear, bf16_overflow_check(cfg))
 
 
 def shipped_engines() -> list[Engine]:
