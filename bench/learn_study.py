@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.study.config import StudyError  # noqa: E402
 
 DEFAULT_TASKS = "arith,facts64,facts256,facts1024"
-H100_REFERENCE = Path(__file__).parent / "results" / "real_study_1xh100" / "real_study.json"
+H100_REFERENCE = Path("bench/results/real_study_1xh100/real_study.json")  # relative to the checkout
 
 
 def gen(args) -> None:
@@ -93,7 +93,8 @@ def report(args) -> None:
 
 def estimate(args) -> None:
     """GPU calls for the defaults, from the H100 runs of real_study (same model, 3 workers sharing the GPU)."""
-    ref = json.loads(Path(args.reference).read_text())
+    path = Path(args.reference)
+    ref = json.loads((path if path.is_absolute() or path.exists() else Path(__file__).parents[1] / path).read_text())
     runs = [r for m in ref["methods"].values() for r in m["sweep"]]
     step_s = sorted(r["step_ms"] for r in runs)[len(runs) // 2] / 1e3  # median, 3 workers sharing
     extra_s = sorted(r["wall_seconds"] - r["train_seconds"] for r in runs)[len(runs) // 2]  # build + checkpoint evals
@@ -131,7 +132,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--ratio-methods", default="frod_ratio3,frod_ratio30",
                    help="FRoD S-rate variants run at frod's chosen σ LR ('' for none)")
     r.add_argument("--lrs", action="append", default=[], metavar="METHOD=LR,LR,LR", help="a method's LR grid")
-    r.add_argument("--steps", type=int, default=96, help="optimizer steps of every run of a task")
+    r.add_argument("--steps", type=int, default=72, help="optimizer steps of every run of a task")
     r.add_argument("--batch-size", type=int, default=128, help="rows per step")
     r.add_argument("--seeds", type=int, default=3, help="seeds of every chosen setting (seed 0 is the sweep's)")
     r.add_argument("--extend", type=int, default=2, help="LRs a sweep may add past the end it chose")
@@ -148,7 +149,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     e.add_argument("--tasks", default=DEFAULT_TASKS, help="as for run")
     e.add_argument("--methods", default="frod,peftfrod,lora16,lora64,full", help="as for run")
     e.add_argument("--ratio-methods", default="frod_ratio3,frod_ratio30", help="as for run")
-    e.add_argument("--steps", type=int, default=96, help="as for run")
+    e.add_argument("--steps", type=int, default=72, help="as for run")
     e.add_argument("--seeds", type=int, default=3, help="as for run")
     e.add_argument("--max-minutes", type=float, default=8.5, help="as for run")
     return p.parse_args(argv)

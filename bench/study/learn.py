@@ -41,7 +41,7 @@ class LearnConfig:
     methods: list[str] = field(default_factory=lambda: list(MAIN_METHODS))
     ratio_methods: list[str] = field(default_factory=lambda: list(RATIO_METHODS))
     lrs: list[str] = field(default_factory=list)  # --lrs METHOD=LR,... overrides
-    steps: int = 96
+    steps: int = 72
     batch_size: int = 128
     seeds: int = 3
     max_minutes: float = 8.5
