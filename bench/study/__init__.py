@@ -10,6 +10,10 @@
     records.py   the output directory as typed records (identity, base, runs, invocations), so a study resumes
     schedule.py  which job comes next (runs centre out, extensions, test evals of each best run), from the records
     report.py    smoothing, steps-to-loss, the paper's claim, plots and tables
+    rotation.py  tan α = ‖ΔW_off‖/‖ΔW_on‖ per category of a frod-ds or stock PEFT FRoD model (checkpoints)
+    tasks.py     generated tasks (arithmetic, a fact base) from a seed, with held-out and test splits
+    learn.py     the learnability study (bench/learn_study.py): per task, sweeps, S-rate ratios, seeds
+    learn_report.py  learn_study.json from the study directories, then report.md and plots from it
     runner.py    the study under one command's time budget: setup and identity, base evals, the jobs, the
                  combined report of every command's records
 """

@@ -1,8 +1,9 @@
 """The study's configuration: methods, their LR sweeps and every shared training/eval setting, validated.
 
-A method is ``frod``, ``full`` or ``lora<r>`` (PEFT LoRA of rank r on the same targets as FRoD). Each
-method's sweep is a tuple of learning rates (FRoD: the σ LR; the S LR is ``frod_s_ratio`` times it, the
-paper's 10:1). All sweeps must have the same size (≥ 3 for a study whose selection can be trusted); a method
+A method is ``frod``, ``full``, ``lora<r>`` (PEFT LoRA of rank r on the same targets as FRoD), ``peftfrod``
+(stock PEFT's ``FrodConfig`` given frod-ds' factors and support, as ``bench/frod_vs_peft.py`` builds it) or
+``frod_ratio<k>`` (frod-ds' FRoD with S LR = σ LR / k). Each method's sweep is a tuple of learning rates (FRoD:
+the σ LR; the S LR is ``frod_s_ratio`` times it, the paper's 10:1, for ``frod`` and ``peftfrod``). All sweeps must have the same size (≥ 3 for a study whose selection can be trusted); a method
 whose choice sits at an end of its sweep may add up to ``extend`` LRs past that end (``runner``).
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from frod_ds.core.names import DEFAULT_TARGETS
 
-__all__ = ["StudyError", "MethodSpec", "method_spec", "DEFAULT_LRS", "StudyConfig", "parse_lrs", "TARGETS"]
+__all__ = ["StudyError", "MethodSpec", "method_spec", "DEFAULT_LRS", "PROTOCOLS", "StudyConfig", "parse_lrs", "TARGETS"]
 
 # FRoD's targets and LoRA's (the same modules for both): the library's default FRoD targets
 TARGETS = DEFAULT_TARGETS
@@ -27,7 +28,9 @@ DEFAULT_LRS: dict[str, tuple[float, ...]] = {
     "frod": (1e-3, 3e-3, 1e-2),
     "lora": (1e-4, 3e-4, 1e-3),
     "full": (3e-5, 1e-4, 3e-4),
+    "peftfrod": (1e-3, 3e-3, 1e-2),
 }
+PROTOCOLS = ("loglik", "llm-adapters", "exact")
 
 
 class StudyError(ValueError):
@@ -40,18 +43,27 @@ class StudyError(ValueError):
 @dataclass(frozen=True)
 class MethodSpec:
     name: str  # "frod", "full", "lora16", ...
-    kind: str  # "frod" | "lora" | "full"
+    kind: str  # "frod" | "lora" | "full" | "peftfrod"
     rank: int | None = None  # LoRA rank
+    s_per_sigma: float | None = None  # frod_ratio<k>: S LR / σ LR = 1/k (None: the study's frod_s_ratio)
+
+    def s_ratio(self, default: float) -> float:
+        """S LR / σ LR of a FRoD method."""
+        return default if self.s_per_sigma is None else self.s_per_sigma
 
 
 def method_spec(name: str) -> MethodSpec:
-    """``frod`` | ``full`` | ``lora<r>`` → its spec; StudyError otherwise."""
-    if name in ("frod", "full"):
+    """``frod`` | ``full`` | ``peftfrod`` | ``lora<r>`` | ``frod_ratio<k>`` → its spec; StudyError otherwise."""
+    if name in ("frod", "full", "peftfrod"):
         return MethodSpec(name, name)
     m = re.fullmatch(r"lora(\d+)", name)
     if m and int(m.group(1)) > 0:
         return MethodSpec(name, "lora", int(m.group(1)))
-    raise StudyError(f"unknown method {name!r}; use frod, full or lora<r> (e.g. lora16)")
+    m = re.fullmatch(r"frod_ratio(\d+)", name)
+    if m and int(m.group(1)) > 0:
+        return MethodSpec(name, "frod", s_per_sigma=1 / int(m.group(1)))
+    raise StudyError(f"unknown method {name!r}; use frod, full, peftfrod, lora<r> (e.g. lora16) or frod_ratio<k> "
+                     "(e.g. frod_ratio30: S LR = σ LR / 30)")
 
 
 def parse_lrs(items: list[str], methods: list[str]) -> dict[str, tuple[float, ...]]:
@@ -78,6 +90,7 @@ class StudyConfig:
     out: str
     train: str | None = None  # defaults to <data>/train.jsonl
     eval_dir: str | None = None  # defaults to <data>/eval
+    heldout_file: str | None = None  # LR-selection rows; None: ``heldout`` rows split off the training rows
     methods: list[str] = field(default_factory=lambda: ["frod", "lora16", "lora32", "full"])
     lrs: dict[str, tuple[float, ...]] = field(default_factory=dict)
     batch_size: int = 64
@@ -101,6 +114,7 @@ class StudyConfig:
     gen_impl: str = "auto"
     num_beams: int = 4
     max_new_tokens: int = 32
+    exact_max_new_tokens: int = 16  # greedy tokens of the exact-match protocol (answer + EOS must fit)
     select_by: str = "accuracy"
     smooth_frac: float = 0.05
     base_eval: bool = True
@@ -176,9 +190,11 @@ class StudyConfig:
             if value != protocol:
                 problems.append(f"{name} {value}: LLM-Adapters' protocol (frod_ds.eval.evaluation) uses {protocol}; "
                                 f"leave {name} out")
-        bad = [p for p in self.protocols if p not in ("loglik", "llm-adapters")]
+        bad = [p for p in self.protocols if p not in PROTOCOLS]
         if bad or not self.protocols:
-            problems.append(f"--protocols {','.join(self.protocols)!r}: use loglik and/or llm-adapters")
+            problems.append(f"--protocols {','.join(self.protocols)!r}: use some of {', '.join(PROTOCOLS)}")
+        if self.heldout_file is not None and not Path(self.heldout_file).is_file():
+            problems.append(f"--heldout-file {self.heldout_file} not found")
         if self.device not in ("auto", "cpu", "cuda"):
             problems.append(f"--device {self.device!r}: use auto, cpu or cuda")
         if problems:

@@ -18,11 +18,12 @@ import torch
 
 from bench.study.config import StudyConfig, method_spec
 from bench.study.data import Batch
-from bench.study.evaluate import GENERATION_SCORER, heldout_losses, llm_adapters_eval, loglik_eval
+from bench.study.evaluate import GENERATION_SCORER, exact_eval, heldout_losses, llm_adapters_eval, loglik_eval
 from bench.study.loop import train_run
 from bench.study.models import (ModelFactory, load_base, load_trainable_state, make_optimizer, merged_for_eval,
                                 trainable_numel, trainable_state)
 from bench.study.report import correct_bits
+from bench.study.rotation import initial_sigmas, rotation_by_category
 
 __all__ = ["RunContext"]
 
@@ -90,6 +91,11 @@ class RunContext:
             if protocol == "loglik":
                 rows = self.test
                 summary, records = loglik_eval(model, self.tok, rows, self.pad_id, cfg.eval_batch, self.device)
+            elif protocol == "exact":
+                rows = self.test
+                summary, records = exact_eval(model, self.tok, rows, self.pad_id, cfg.eval_batch,
+                                              cfg.exact_max_new_tokens, self.device)
+                summary["examples"] = {task: [r["output"] for r in records if r["task"] == task][:3] for task in rows}
             else:
                 rows = gen_rows or self.test
                 summary, records = llm_adapters_eval(model, self.tok, rows, self.pad_id, cfg.gen_batch, self.device)
@@ -108,6 +114,9 @@ class RunContext:
         loglik_eval(self.base, self.tok, few, self.pad_id, self.cfg.eval_batch, self.device)
         if "llm-adapters" in self.cfg.protocols:
             llm_adapters_eval(self.base, self.tok, few, self.pad_id, self.cfg.gen_batch, self.device)
+        if "exact" in self.cfg.protocols:
+            exact_eval(self.base, self.tok, few, self.pad_id, self.cfg.eval_batch, self.cfg.exact_max_new_tokens,
+                       self.device)
 
     # -- one run -----------------------------------------------------------------------------------------
 
@@ -118,12 +127,21 @@ class RunContext:
         w0 = time.perf_counter()
         model = self.factory.build(spec)
         optimizer = make_optimizer(spec, model, lr, cfg)
+        # FRoD kinds: how far the update rotates each category's weights, at every checkpoint (paper §3)
+        sigma0 = initial_sigmas(self.factory.frod_template()) if spec.kind in ("frod", "peftfrod") else None
+
+        def on_checkpoint(step: int) -> dict[str, Any]:
+            out = self.checkpoint_eval(model)
+            if sigma0 is not None:
+                out["tan_alpha"] = rotation_by_category(model, sigma0)
+            return out
+
         log = train_run(model, optimizer, self.batches, cfg, self.device, set(self.checkpoint_steps),
-                        lambda step: self.checkpoint_eval(model), deadline)
+                        on_checkpoint, deadline)
         last = log.checkpoints[-1] if log.checkpoints and log.checkpoints[-1]["step"] == self.steps else None
         d = log.to_dict()
         entry: dict[str, Any] = dict(
-            lr=lr, lr_s=cfg.frod_s_ratio * lr if spec.kind == "frod" else None, trainable_params=trainable_numel(model),
+            lr=lr, lr_s=spec.s_ratio(cfg.frod_s_ratio) * lr if spec.kind in ("frod", "peftfrod") else None, trainable_params=trainable_numel(model),
             completed=log.completed, steps=log.steps, train_seconds=log.train_seconds,
             step_ms=1e3 * log.train_seconds / max(1, log.steps), tokens=log.tokens, scored_tokens=log.scored_tokens,
             answer_tokens=log.answer_tokens, data_order_sha256=log.data_order_sha256, peak_mem_gb=log.peak_mem_gb,

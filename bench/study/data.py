@@ -143,10 +143,14 @@ def make_batches(examples: Sequence[StudyExample], plan: BatchPlan | None, steps
             for i in range(0, len(examples), batch_size)]
 
 
-def split_rows(path: Path, heldout: int, seed: int, train_limit: int | None) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows): a seeded permutation's first ``heldout`` rows are held out for LR selection."""
+def split_rows(path: Path, heldout: int, seed: int, train_limit: int | None,
+               heldout_file: Path | None = None) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows): a seeded permutation's first ``heldout`` rows are held out for LR selection,
+    or (``heldout_file``) every training row is trained on and the held-out rows are that file's."""
     try:
         rows = read_training_rows(path)
+        if heldout_file is not None:  # generated tasks: the held-out rows are a split of their own
+            return (rows[:train_limit] if train_limit else rows), read_training_rows(heldout_file)
     except DataError as e:
         raise StudyError(str(e)) from None
     if heldout >= len(rows):

@@ -6,6 +6,9 @@
   ``commonsense_evaluate.py`` (its scoring prompt as the rows store it, beam search with 4 beams and 32 new
   tokens, the text after ``### Response:``, the first regex match of the task's answer words, correct iff it is
   the gold word; no match is wrong). The study keeps no scorer of its own: its numbers are the library's.
+- exact: greedy decoding (``fe.generate_outputs``, up to ``exact_max_new_tokens``, stopping at EOS) after the
+  context the log-likelihood protocol scores from; correct iff the first line of the output, stripped, is the
+  row's answer. For generated tasks whose answer is a number or a word (``bench.study.tasks``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from bench.study.data import Batch
 from bench.study.loop import autocast, token_nll
 from frod_ds.eval.scoring import summarize
 
-__all__ = ["heldout_losses", "loglik_eval", "llm_adapters_eval", "GENERATION_SCORER"]
+__all__ = ["heldout_losses", "loglik_eval", "llm_adapters_eval", "exact_answer", "exact_eval", "GENERATION_SCORER"]
 
 # The name the study records for its generation scorer (``data.generation_scorer`` of real_study.json).
 GENERATION_SCORER = f"{fe.score_llm_adapters_rows.__module__}.{fe.score_llm_adapters_rows.__qualname__}"
@@ -64,4 +67,29 @@ def llm_adapters_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]]
         with autocast(device):
             for idx in fe.plan_batches(rows, gen_batch):
                 records += fe.score_llm_adapters_rows(model, tok, [rows[i] for i in idx], pad_id)
+    return summarize(records, list(rows_by_task), "generate"), records
+
+
+def exact_answer(output: str) -> str:
+    """What a greedy output answers: its first line, stripped (the answer's leading space may be generated)."""
+    return output.strip().split("\n", 1)[0].strip()
+
+
+def exact_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_id: int, batch_size: int,
+               max_new_tokens: int, device: torch.device) -> tuple[dict, list[dict]]:
+    """(summary in ``summarize``'s shape, records) of exact match of a greedy answer to each row's ``answer``."""
+    from frod_ds.prep.io import row_separator
+
+    model.eval()
+    records = []
+    with autocast(device):
+        for rows in rows_by_task.values():
+            for idx in fe.plan_batches(rows, batch_size):
+                batch = [rows[i] for i in idx]
+                enc = fe.encode_rows(tok, [r["prompt"] for r in batch], [[r["answer"]] for r in batch],
+                                     [row_separator(r) for r in batch])
+                outs = fe.generate_outputs(model, tok, [e.context for e in enc], max_new_tokens, pad_id)
+                records += [{"task": r["task"], "id": r["id"], "answer": r["answer"], "output": o,
+                             "pred": exact_answer(o), "correct": exact_answer(o) == r["answer"]}
+                            for r, o in zip(batch, outs)]
     return summarize(records, list(rows_by_task), "generate"), records

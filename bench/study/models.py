@@ -1,4 +1,6 @@
-"""One model per method from one base model in memory: FRoD (``apply_frod``), PEFT LoRA, full fine-tuning.
+"""One model per method from one base model in memory: FRoD (``apply_frod``), PEFT LoRA, full fine-tuning, and
+stock PEFT's FRoD (``peftfrod``) holding frod-ds' factors, support and σ⁰ (``bench.frod_vs_peft.inject``), so
+the two FRoD implementations start from the same model and differ only in their code.
 
 All start from a deep copy of the same fp32 base on the same device. FRoD's HJD runs once per study (the
 factored model is kept as a template and copied per run). LoRA: PEFT ``LoraConfig`` on the FRoD targets,
@@ -41,6 +43,7 @@ class ModelFactory:
     def __init__(self, base: nn.Module, cfg: StudyConfig):
         self.base, self.cfg = base, cfg
         self._frod: nn.Module | None = None
+        self._peft_frod: nn.Module | None = None
         self.hjd_seconds: float | None = None
 
     def frod_template(self) -> nn.Module:
@@ -53,9 +56,21 @@ class ModelFactory:
             self.hjd_seconds = time.perf_counter() - t0
         return self._frod
 
+    def peft_frod_template(self) -> nn.Module:
+        """Stock PEFT's FRoD on the base, its frozen factors, support, σ and S replaced by frod-ds' template's."""
+        if self._peft_frod is None:
+            from bench.frod_vs_peft import inject, peft_frod_model
+
+            model = peft_frod_model(copy.deepcopy(self.base), list(TARGETS), self.cfg.frod_sparsity, self.cfg.frod_pi)
+            inject(model, self.frod_template())
+            self._peft_frod = model
+        return self._peft_frod
+
     def build(self, spec: MethodSpec) -> nn.Module:
         if spec.kind == "frod":
             model = copy.deepcopy(self.frod_template())
+        elif spec.kind == "peftfrod":
+            model = copy.deepcopy(self.peft_frod_template())
         elif spec.kind == "full":
             model = copy.deepcopy(self.base).requires_grad_(True)
         else:
@@ -70,9 +85,13 @@ class ModelFactory:
 
 
 def param_groups(spec: MethodSpec, model: nn.Module, lr: float, cfg: StudyConfig) -> list[dict]:
-    """FRoD: σ at ``lr``, S at ``frod_s_ratio · lr``; others: every trainable tensor at ``lr``."""
+    """FRoD: σ at ``lr``, S at ``s_ratio · lr``; others: every trainable tensor at ``lr``."""
     if spec.kind == "frod":
-        return frod_param_groups(model, lr, cfg.frod_s_ratio * lr, cfg.weight_decay)
+        return frod_param_groups(model, lr, spec.s_ratio(cfg.frod_s_ratio) * lr, cfg.weight_decay)
+    if spec.kind == "peftfrod":
+        from bench.frod_vs_peft import param_groups as peft_groups
+
+        return peft_groups(model, "peft", lr, spec.s_ratio(cfg.frod_s_ratio) * lr, cfg.weight_decay)
     params = [p for p in model.parameters() if p.requires_grad]
     return [{"name": "all", "params": params, "lr": lr, "weight_decay": cfg.weight_decay}]
 
@@ -104,7 +123,7 @@ def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 @torch.no_grad()
 def merged_for_eval(spec: MethodSpec, model: nn.Module) -> nn.Module:
     """A plain ``LlamaForCausalLM`` computing what ``model`` computes (consumes ``model``), in eval mode."""
-    if spec.kind == "lora":
+    if spec.kind in ("lora", "peftfrod"):
         model = model.merge_and_unload()
     elif spec.kind == "frod":
         for name, layer in list(frod_modules(model)):

@@ -48,6 +48,8 @@ IDENTITY_SETTINGS = (
     "frod_s_ratio", "frod_pi", "lora_alpha_ratio", "lora_dropout",
 )
 
+OPTIONAL_SETTINGS = {"exact_max_new_tokens": lambda cfg: "exact" in cfg.protocols}
+
 
 @dataclass
 class StudyIdentity:
@@ -144,8 +146,12 @@ def study_identity(cfg: StudyConfig, device_type: str) -> StudyIdentity:
     model = {"weights": weights_fingerprint(ckpt, ckpt.keys()), **_file_sha256s(small, model_dir)}
     data = {"train": file_sha256(cfg.train_path),
             **_file_sha256s(list(cfg.eval_path.glob("*.jsonl")), cfg.eval_path.parent)}
+    if cfg.heldout_file is not None:
+        data["heldout"] = file_sha256(Path(cfg.heldout_file))
     settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()
                 if k in IDENTITY_SETTINGS}
+    # settings added later enter the identity only where used, so studies recorded before them still resume
+    settings.update({k: getattr(cfg, k) for k, used in OPTIONAL_SETTINGS.items() if used(cfg)})
     return StudyIdentity(format=STUDY_FORMAT, model=model, data=data, device_type=device_type, settings=settings)
 
 

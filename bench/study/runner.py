@@ -106,7 +106,8 @@ class Study:
     def setup(self) -> None:
         cfg, dev = self.cfg, self.device
         torch.manual_seed(cfg.seed)  # TF32 stays off: fp32 matmuls (HJD, merges, the init check) stay exact
-        train_rows, held_rows = split_rows(cfg.train_path, cfg.heldout, cfg.seed, cfg.train_limit)
+        train_rows, held_rows = split_rows(cfg.train_path, cfg.heldout, cfg.seed, cfg.train_limit,
+                                          Path(cfg.heldout_file) if cfg.heldout_file else None)
         for row in held_rows:
             problem = check_row(row)
             if problem:

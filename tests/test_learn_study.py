@@ -1,0 +1,148 @@
+"""bench/learn_study.py end to end on CPU with a tiny Llama (frod_ds.testing.toy): generate a task, sweep two
+methods and an S-rate variant, a second seed, resume (the same command again trains nothing), report.
+
+Checked against independent computations: every run of the task saw the training tokens counted here from the
+rows; tan α of frod-ds' and of stock PEFT's FRoD is the ratio of the norms of the merged weight's change with
+only S moved and with only σ moved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import learn_study
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_tiny_llama
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("learn")
+    work, out = root / "work", root / "out"
+    assert learn_study.main(["gen", "--work", str(work), "--tasks", "arith", "--arith-train", "48", "--digits", "1-2",
+                             "--heldout-rows", "8", "--test-rows", "6"]) == 0
+    rows = [json.loads(line) for line in (work / "tasks" / "arith" / "train.jsonl").read_text().splitlines()]
+    texts = [r["prompt"] + r["separator"] + c for r in rows for c in r["choices"]] * 4
+    model = root / "model"
+    train_sentencepiece_tokenizer(model, texts)
+    tok = AutoTokenizer.from_pretrained(model)
+    write_tiny_llama(model, len(tok), num_hidden_layers=2)
+    argv = ["run", "--model", str(model), "--work", str(work), "--out", str(out), "--tasks", "arith",
+            "--methods", "frod,peftfrod", "--ratio-methods", "frod_ratio3", "--lrs", "frod=1e-2",
+            "--lrs", "peftfrod=1e-2", "--steps", "2", "--batch-size", "8", "--seeds", "2", "--extend", "0",
+            "--checkpoints", "1", "--device", "cpu", "--workers", "1", "--min-study-minutes", "0"]
+    assert learn_study.main(argv) == 0
+    return root, work, out, argv, rows, tok
+
+
+def _records(out: Path) -> dict[str, int]:
+    return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("records/*.json")}
+
+
+def test_every_method_and_seed_is_recorded_on_the_same_tokens(rehearsal):
+    _, _, out, _, rows, tok = rehearsal
+    assert sorted(_records(out)) == ["arith/seed0/records/frod_lr0.01.json", "arith/seed0/records/frod_ratio3_lr0.01.json",
+                                     "arith/seed0/records/peftfrod_lr0.01.json", "arith/seed1/records/frod_lr0.01.json",
+                                     "arith/seed1/records/frod_ratio3_lr0.01.json",
+                                     "arith/seed1/records/peftfrod_lr0.01.json"]
+    for seed in (0, 1):
+        doc = json.loads((out / "arith" / f"seed{seed}" / "real_study.json").read_text())
+        runs = {m: d["sweep"][0] for m, d in doc["methods"].items()}
+        assert doc["data"]["steps"] == 2 and len({r["data_order_sha256"] for r in runs.values()}) == 1
+        # the tokens of the rows the 2 steps used, counted here: BOS + prompt + separator + answer, then EOS
+        by_id = {r["id"]: r for r in rows}
+        assert runs["frod_ratio3"]["lr_s"] == pytest.approx(1e-2 / 3) and runs["frod"]["lr_s"] == pytest.approx(1e-3)
+        for r in runs.values():
+            assert r["steps"] == 2 and r["checkpoints"][-1]["tan_alpha"].keys() >= {"q_proj", "up_proj"}
+        assert all("exact" in d["test"] and "loglik" in d["test"] for d in doc["methods"].values())
+        first = [by_id[i] for i in doc["data"]["first_batch_ids"]]
+        n_first = sum(len(tok(r["prompt"] + r["separator"] + r["answer"])["input_ids"]) + 1 for r in first)
+        assert n_first <= runs["frod"]["tokens"] and all(r["tokens"] == runs["frod"]["tokens"] for r in runs.values())
+
+
+def test_the_same_command_again_trains_nothing(rehearsal, capsys):
+    _, _, out, argv, _, _ = rehearsal
+    before = _records(out)
+    assert learn_study.main(argv) == 0
+    assert _records(out) == before
+    assert capsys.readouterr().out.count("finished: ") == 3  # sweep, ratio variant, seed 1: none loaded again
+
+
+def test_a_copy_resumes_into_a_new_output_without_training(rehearsal, tmp_path):
+    _, _, out, argv, _, _ = rehearsal
+    new = tmp_path / "new"
+    args = [*argv[:argv.index("--out") + 1], str(new), *argv[argv.index("--out") + 2:], "--resume-from", str(out)]
+    assert learn_study.main(args) == 0
+    assert sorted(_records(new)) == sorted(_records(out))
+
+
+def test_report_comes_from_the_json(rehearsal):
+    _, _, out, _, _, _ = rehearsal
+    assert learn_study.main(["report", "--out", str(out)]) == 0
+    doc = json.loads((out / "learn_study.json").read_text())
+    t = doc["tasks"]["arith"]
+    assert t["seeds"] == [0, 1] and set(t["methods"]) == {"frod", "peftfrod", "frod_ratio3"}
+    for e in t["methods"].values():
+        assert set(e["seeds"]) == {"0", "1"}
+        for split, acc in e["exact"].items():
+            values = [s["exact"][split] for s in e["seeds"].values()]
+            assert acc["mean"] == pytest.approx(sum(values) / 2) and acc["lo"] <= acc["mean"] <= acc["hi"]
+    text = (out / "report.md").read_text()
+    assert "is not LLaMA-2-7B" in text and "tan α" in text and "exact match % arith_longer" in text
+    assert (out / "loss_arith.png").is_file()
+
+
+def test_t_quantile_matches_the_normal_limit_and_a_known_small_sample_property():
+    from bench.study.learn_report import t_quantile
+
+    assert t_quantile(0.975, 10_000) == pytest.approx(1.95996, abs=1e-3)  # the normal quantile
+    # with 1 degree of freedom t is Cauchy: quantile tan(pi (p - 1/2))
+    assert t_quantile(0.975, 1) == pytest.approx(float(torch.tan(torch.tensor(torch.pi * 0.475))), rel=1e-3)
+
+
+def test_user_mistakes_exit_2_with_one_line(tmp_path, capsys):
+    assert learn_study.main(["gen", "--work", str(tmp_path), "--tasks", "algebra"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: unknown task 'algebra'")
+    assert learn_study.main(["run", "--model", str(tmp_path), "--work", str(tmp_path), "--out", str(tmp_path / "o"),
+                             "--tasks", "arith"]) == 2
+    assert "run `gen --work" in capsys.readouterr().err
+
+
+def test_tan_alpha_of_both_implementations_is_the_split_of_the_merged_weight_change(rehearsal):
+    from bench.study.config import StudyConfig
+    from bench.study.models import ModelFactory, load_base
+    from bench.study.rotation import initial_sigmas, rotation_by_category
+    from frod_ds.model.apply import frod_modules
+
+    root = rehearsal[0]
+    base, _ = load_base(str(root / "model"), torch.device("cpu"))
+    factory = ModelFactory(base, StudyConfig(model=".", data=".", out="."))
+    frod = factory.frod_template()
+    sigma0 = initial_sigmas(frod)
+    g = torch.Generator().manual_seed(0)
+    on, off = {}, {}
+    with torch.no_grad():
+        for name, layer in frod_modules(frod):
+            w0 = layer.merged_weight().clone()
+            d_sigma = 1e-2 * torch.randn(layer.frod_sigma.shape, generator=g)
+            d_s = 1e-2 * torch.randn(layer.frod_s.shape, generator=g)
+            layer.frod_s.add_(d_s)
+            w_off = layer.merged_weight() - w0  # S alone
+            layer.frod_s.sub_(d_s)
+            layer.frod_sigma.add_(d_sigma)
+            w_on = layer.merged_weight() - w0  # σ alone
+            layer.frod_s.add_(d_s)
+            cat = name.rsplit(".", 1)[-1]
+            on[cat] = on.get(cat, 0.0) + float(w_on.double().square().sum())
+            off[cat] = off.get(cat, 0.0) + float(w_off.double().square().sum())
+    want = {c: (off[c] / on[c]) ** 0.5 for c in on}
+    got = rotation_by_category(frod, sigma0)
+    assert got.keys() == want.keys() and all(got[c] == pytest.approx(want[c], rel=1e-3) for c in want)
+    peft = factory.peft_frod_template()  # injected from the template as it is now: the same σ and S
+    got_peft = rotation_by_category(peft, sigma0)
+    assert all(got_peft[c] == pytest.approx(want[c], rel=1e-3) for c in want)

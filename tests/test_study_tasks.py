@@ -1,0 +1,91 @@
+"""bench/study/tasks.py: generated tasks are deterministic from their seed, their splits are disjoint, and every
+answer equals one computed here from the row's own text (arithmetic) or from the trained sentences (facts)."""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import pytest
+
+from bench.study.tasks import ArithSpec, FactsSpec, RELATIONS, TaskError, parse_task, task_rows, write_task
+from frod_ds.prep.io import check_row
+
+SMALL_ARITH = ArithSpec(seed=3, train=300, heldout=40, test=40, digits=(1, 2), long_digits=(3, 3))
+
+
+def _problem(row: dict) -> tuple[str, int, int]:
+    a, op, b = row["prompt"].split(" ")
+    return op, int(a), int(b)
+
+
+def test_arith_rows_are_valid_and_answers_are_the_arithmetic_of_their_prompt():
+    ops = {"+": operator.add, "*": operator.mul}
+    for part, rows in task_rows(SMALL_ARITH).items():
+        for row in rows:
+            assert check_row(row) is None, row
+            op, a, b = _problem(row)
+            assert row["separator"] == " = " and row["answer"] == str(ops[op](a, b))
+            assert len(set(row["choices"])) == 4 and row["choices"][row["label"]] == row["answer"]
+            lengths = {len(str(a)), len(str(b))}
+            assert lengths <= ({3} if part == "arith_longer" else {1, 2}), (part, row["prompt"])
+
+
+def test_no_held_out_or_test_pair_is_trained_in_either_order():
+    parts = task_rows(SMALL_ARITH)
+    keys = {p: {(op, min(a, b), max(a, b)) for op, a, b in map(_problem, rows)} for p, rows in parts.items()}
+    assert {p: len(k) for p, k in keys.items()} == {p: len(r) for p, r in parts.items()}  # no repeats inside
+    names = list(keys)
+    for i, x in enumerate(names):
+        for y in names[i + 1:]:
+            assert not keys[x] & keys[y], (x, y)
+
+
+def test_tasks_are_deterministic_from_their_seed(tmp_path):
+    assert task_rows(SMALL_ARITH) == task_rows(SMALL_ARITH)
+    assert task_rows(ArithSpec(**{**SMALL_ARITH.__dict__, "seed": 4}))["train"] != task_rows(SMALL_ARITH)["train"]
+    spec = FactsSpec(size=20, seed=1, heldout=5, test=10)
+    a, b = write_task(spec, tmp_path / "a"), write_task(spec, tmp_path / "b")
+    assert a == b
+    for rel in a["files"]:
+        assert (tmp_path / "a" / "facts20" / rel).read_bytes() == (tmp_path / "b" / "facts20" / rel).read_bytes()
+    assert task_rows(FactsSpec(size=20, seed=2))["train"] != task_rows(FactsSpec(size=20, seed=1))["train"]
+
+
+def test_fact_answers_follow_from_the_trained_sentences_and_questions_of_tested_people_are_never_trained():
+    spec = FactsSpec(size=40, seed=0, heldout=10, test=30)
+    parts = task_rows(spec)
+    sentence = {r: re.compile("^" + re.escape(t[0]).replace(r"\{e\}", "(.+)") + "$") for r, t in RELATIONS.items()}
+    question = {r: re.compile("^" + re.escape(t[1]).replace(r"\{e\}", "(.+)") + "$") for r, t in RELATIONS.items()}
+
+    def parse(row, patterns):
+        hits = [(rel, m.group(1)) for rel, p in patterns.items() if (m := p.match(row["prompt"]))]
+        assert len(hits) == 1, row["prompt"]
+        return hits[0]
+
+    stated, asked = {}, set()
+    for row in parts["train"]:
+        assert check_row(row) is None
+        if row["separator"] == " ":
+            stated[parse(row, sentence)] = row["answer"]
+        else:
+            asked.add(parse(row, question)[1])
+    assert len(stated) == 3 * spec.size and len(asked) == spec.size // 2
+    for row in parts["recall"]:
+        assert stated[parse(row, sentence)] == row["answer"]
+    held = {parse(r, question) for r in parts["heldout"]}
+    qa = {parse(r, question) for r in parts["qa"]}
+    for rows in (parts["heldout"], parts["qa"]):
+        for row in rows:
+            rel, person = parse(row, question)
+            assert stated[(rel, person)] == row["answer"] and person not in asked
+    assert not held & qa and len(qa) == len(parts["qa"])
+
+
+def test_unknown_task_names_are_refused():
+    assert parse_task("facts64").size == 64 and parse_task("arith").digits == (1, 3)
+    for bad in ("facts", "facts4", "algebra"):
+        with pytest.raises(TaskError, match="unknown task"):
+            parse_task(bad)
+    with pytest.raises(TaskError, match="too many"):
+        task_rows(ArithSpec(train=500, digits=(1, 1), long_digits=(2, 2)))
