@@ -61,10 +61,10 @@ def _env(repo: Path) -> dict[str, str]:
 
 
 def build_world(repo: Path, root: Path) -> World:
-    """Model, tokenizer, data and store as the training tests make them (``tests.train_env.build_env`` of
+    """Model, tokenizer, data and store as the training tests make them (``tests.support.train_env.build_env`` of
     ``repo``), and an adapter from two training steps."""
     world = World(repo, root, _env(repo))
-    code = ("import sys; from pathlib import Path; from tests.train_env import build_env; "
+    code = ("import sys; from pathlib import Path; from tests.support.train_env import build_env; "
             "build_env(Path(sys.argv[1]))")
     res = world.python("-c", code, str(root / "world"))
     if res.returncode:

@@ -6,7 +6,7 @@
 A block is the text between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; NAME picks one of the
 generators below, each a pure function from the results directory to Markdown. Nothing outside the markers is
 touched, so prose stays hand-written while every number in a table comes from a result file (a hand edit inside
-a block is undone by the next run, and ``tests/test_docs.py`` fails on it). Each block names its source files.
+a block is undone by the next run, and ``tests/repo/test_docs.py`` fails on it). Each block names its source files.
 """
 
 from __future__ import annotations

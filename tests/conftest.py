@@ -1,5 +1,5 @@
 """Shared fixtures: tiny LLaMA models built from ``LlamaConfig`` (no hub access); the check that no test leaves
-process-wide state behind (``tests/leftovers.py``); the test order (``FROD_TEST_ORDER``)."""
+process-wide state behind (``tests/support/leftovers.py``); the test order (``FROD_TEST_ORDER``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.leftovers import launcher_vars, listening_sockets
+from tests.support.leftovers import launcher_vars, listening_sockets
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -256,7 +256,7 @@ def enable_gradient_checkpointing(model) -> None:
     holds about one layer gathered at a time. A reentrant recompute runs before any module of the layer has
     started its backward; where the layer's own hooks are inside the checkpoint (transformers 5.17
     checkpoints the layer's ``__call__``) they go to the model around the layers, whose backward never ends,
-    and the whole frozen model stays gathered until the step's end (tests/test_checkpoint_residency.py)."""
+    and the whole frozen model stays gathered until the step's end (tests/train/test_checkpoint_residency.py)."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": USE_REENTRANT})
     if USE_REENTRANT:  # a reentrant checkpoint passes a gradient only through inputs that require one
         model.enable_input_require_grads()

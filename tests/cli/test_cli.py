@@ -1,0 +1,143 @@
+"""The ``frod`` command and the older command forms: each runs its ``--help``, every flag of every parser
+has a help text, ``frod`` dispatches to the same code as the old forms, and the module form runs under a
+multi-rank launcher (torchrun -m frod_ds.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from frod_ds.cli.main import COMMANDS
+from tests.support.leftovers import REPO, clean_env
+
+PY = sys.executable
+OLD_FORMS = {
+    "train": [PY, "launch/train.py"],
+    "hjd": [PY, "launch/hjd.py"],
+    "eval": [PY, "launch/eval.py"],
+    "export": [PY, "launch/export.py"],
+    "convert-gguf": [PY, "launch/convert_gguf.py"],
+    "demo": [PY, "-m", "launch.demo"],
+    "plan": [PY, "-m", "frod_ds", "plan"],
+    "data": [PY, "-m", "data_prep"],
+}
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=kw.pop("cwd", REPO), env=kw.pop("env", clean_env()), capture_output=True,
+                          text=True, timeout=kw.pop("timeout", 120), **kw)
+
+
+def usage_of(cmd: list[str]) -> str:
+    res = run([*cmd, "--help"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("usage: "), res.stdout[:200]
+    return res.stdout
+
+
+def test_every_command_has_an_old_form():
+    assert set(OLD_FORMS) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_frod_command_and_its_old_form_print_the_same_help(command):
+    new = usage_of([PY, "-m", "frod_ds.cli", command])
+    assert new.startswith(f"usage: frod {command} ")
+    assert usage_of(OLD_FORMS[command]) == new
+
+
+def test_frod_lists_every_command_and_its_version():
+    top = usage_of([PY, "-m", "frod_ds.cli"])
+    assert all(name in top for name in COMMANDS)
+    res = run([PY, "-m", "frod_ds.cli", "--version"])
+    from frod_ds import __version__
+
+    assert (res.returncode, res.stdout.strip()) == (0, f"frod-ds {__version__}")
+    bad = run([PY, "-m", "frod_ds.cli", "tarin"])
+    assert bad.returncode == 2 and "invalid choice: 'tarin'" in bad.stderr
+
+
+def _parsers(command: str, monkeypatch) -> list[argparse.ArgumentParser]:
+    """The parsers ``frod COMMAND --help`` builds (sub-commands' included), caught as they parse."""
+    seen: list[argparse.ArgumentParser] = []
+    real = argparse.ArgumentParser.parse_known_args
+
+    def spy(self, args=None, namespace=None):
+        seen.append(self)
+        return real(self, args, namespace)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", spy)
+    from frod_ds.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    out = []
+    todo = seen[-1:]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo += list(action.choices.values())
+    return out
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_flag_has_help(command, monkeypatch, capsys):
+    missing = [f"{p.prog}: {a.option_strings or a.dest}" for p in _parsers(command, monkeypatch) for a in p._actions
+               if a.help is None and not isinstance(a, argparse._SubParsersAction)]
+    capsys.readouterr()
+    assert missing == []
+
+
+def test_deepspeed_module_form_takes_local_rank_before_the_command():
+    """``deepspeed --module frod_ds.cli train ...`` runs ``python -m frod_ds.cli --local_rank=N train ...``."""
+    from frod_ds.cli.main import _split
+
+    assert _split(["--local_rank=3", "train", "--config", "c.json"]) == (["train"], ["--config", "c.json", "--local_rank=3"])
+    assert _split(["--local-rank", "3", "eval", "-h"]) == (["eval"], ["-h", "--local-rank", "3"])
+    assert _split(["plan", "--gpus", "1"]) == (["plan"], ["--gpus", "1"])
+
+
+@pytest.mark.slow
+def test_torchrun_module_form_runs_hjd_on_two_ranks_like_the_script(tmp_path):
+    """``torchrun -m frod_ds.cli hjd`` (2 ranks) writes the same factors as ``python launch/hjd.py`` (1 process)."""
+    import torch
+
+    from frod_ds.testing.toy import write_tiny_llama
+
+    write_tiny_llama(tmp_path / "model", vocab_size=64, hidden_size=16, intermediate_size=24, num_attention_heads=2,
+                     num_key_value_heads=1, num_hidden_layers=2)
+    one = run([PY, "launch/hjd.py", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "one"),
+               "--device", "cpu"], timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "frod_ds.cli", "hjd",
+               "--model", str(tmp_path / "model"), "--out", str(tmp_path / "two"), "--device", "cpu"], timeout=240)
+    assert two.returncode == 0, two.stderr[-3000:]
+    from frod_ds.model.store import FactorStore
+
+    a, b = FactorStore.open(tmp_path / "one"), FactorStore.open(tmp_path / "two")
+    assert a.categories == b.categories and a.categories
+    for category, members in a.categories.items():
+        for member in members:  # the weight each store rebuilds, U_i diag(sigma_i) V^T
+            wa, wb = ((s.load_U(member, torch.float64) * s.load_sigma(member, torch.float64))
+                      @ s.load_V(category, torch.float64).T for s in (a, b))
+            assert (torch.linalg.norm(wa - wb) / torch.linalg.norm(wa)).item() < 1e-5, member
+
+
+def test_every_import_in_the_library_names_a_module():
+    """Commands import most of their code inside functions, so a wrong path fails only when that branch runs
+    (``frod export --format peft`` and ``--from-peft`` once imported ``frod_ds.interop.export.peft_interop``).
+    Read from the source: every ``frod_ds`` import anywhere in the package names one of its module files."""
+    from frod_ds._compat import OLD_PATHS
+    from tests.repo.test_layering import imports, modules
+
+    mods = modules()
+    unknown = sorted(f"{name} imports {target}" for name, path in mods.items()
+                     for target in imports(path, name, set(mods))
+                     if target.split(".")[0] == "frod_ds" and target not in mods and target not in OLD_PATHS)
+    assert unknown == []

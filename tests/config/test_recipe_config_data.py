@@ -1,0 +1,224 @@
+"""Recipe parsing, DeepSpeed config resolution, training tokenisation and batch plans (no processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from frod_ds.data import IGNORE_INDEX, BatchPlan, DataError, collate, encode_examples, read_training_rows
+from frod_ds.ds_config import DSConfigError, batch_sizes, resolve_ds_config
+from frod_ds.recipe import Recipe, RecipeError, load_recipe
+from frod_ds.trainer import lr_lambda
+
+REPO = Path(__file__).resolve().parents[2]
+REQUIRED = ["model.base=m", "model.factor_store=f", "data.train=t.jsonl"]
+
+
+def test_paper_recipe_loads_with_paper_hyperparameters():
+    r = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml")
+    assert (r.train.lr_sigma, r.train.lr_s, r.model.sparsity) == (1e-4, 1e-5, 0.02)
+    assert r.train.schedule == "cosine" and r.train.warmup_ratio == 0.1 and r.train.epochs == 3
+    assert batch_sizes(r, 8).total == 32, "the paper's batch size 32 on 8 GPUs"
+    assert r.model.targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+
+
+def test_demo_recipe_loads():
+    assert load_recipe(REPO / "recipes" / "demo_tiny.yaml").model.dtype == "float32"
+
+
+def test_real_model_recipe_loads_with_paper_ratio_and_batch():
+    r = load_recipe(REPO / "recipes" / "smollm2_135m_llm_adapters.yaml")
+    assert r.train.lr_sigma == pytest.approx(10 * r.train.lr_s, rel=1e-12) and batch_sizes(r, 1).total == 32  # 10:1 in binary floats
+
+
+def test_overrides_take_precedence_and_are_typed(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump({"model": {"base": "x", "factor_store": "f"}, "data": {"train": "t"},
+                                 "train": {"lr_sigma": 1e-4}}))
+    r = load_recipe(p, ["train.lr_sigma=2e-4", "train.max_steps=10", "model.targets=q_proj,v_proj",
+                        "data.train_on_inputs=true"])
+    assert r.train.lr_sigma == 2e-4 and r.train.max_steps == 10
+    assert r.model.targets == ["q_proj", "v_proj"] and r.data.train_on_inputs is True
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (["train.lr=1"], "unknown key 'train.lr'"),
+    (["nope.x=1"], "unknown key 'nope'"),
+    (["train.max_steps=ten"], "train.max_steps: expected an integer"),
+    (["model.sparsity=1.5"], "model.sparsity must be in (0, 1)"),
+    (["train.schedule=step"], "train.schedule"),
+    (["model.dtype=float16"], "model.dtype"),
+    (["train.lr_sigma"], "must look like section.key=value"),
+])
+def test_bad_recipes_raise_one_error_naming_the_problem(bad, needle):
+    with pytest.raises(RecipeError, match=None) as e:
+        load_recipe(None, REQUIRED + bad)
+    assert needle in str(e.value)
+
+
+def test_missing_required_fields_are_all_reported():
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, [])
+    msg = str(e.value)
+    assert "model.base" in msg and "model.factor_store" in msg and "data.train" in msg
+
+
+def _recipe(**train) -> Recipe:
+    r = load_recipe(None, REQUIRED)
+    for k, v in train.items():
+        setattr(r.train, k, v)
+    return r
+
+
+def test_ds_config_autos_resolved_from_recipe():
+    cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    out = resolve_ds_config(cfg, _recipe(micro_batch_size=4, grad_accum=8), world_size=1)
+    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == (4, 8, 32)
+    assert out["gradient_clipping"] == 1.0 and out["bf16"]["enabled"] is True
+    assert "auto" not in json.dumps(out)
+
+
+@pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json", "zero3_nvme.json", "zero2.json",
+                                  "zero3_cpu_fp32.json", "zero2_cpu_fp32.json"])
+def test_every_shipped_ds_config_resolves(name):
+    cfg = json.loads((REPO / "ds_configs" / name).read_text())
+    r = _recipe()
+    r.model.dtype = "float32" if "fp32" in name else "bfloat16"
+    out = resolve_ds_config(cfg, r, world_size=8, nvme_path="/scratch/nvme")
+    assert "auto" not in json.dumps(out)
+    if "nvme" in name:
+        assert out["zero_optimization"]["offload_param"]["nvme_path"] == "/scratch/nvme"
+
+
+def test_nvme_buffers_must_hold_the_largest_partition():
+    """DeepSpeed asserts mid-build when a parameter partition exceeds offload_param.buffer_size; the shipped
+    NVMe config holds LLaMA-2-70B's embeddings (32000 x 8192) on one GPU, and a smaller buffer is one line."""
+    from frod_ds.ds_config import DSConfigError, check_nvme_buffer
+
+    cfg = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
+    check_nvme_buffer(cfg, 32000 * 8192, world_size=1)
+    check_nvme_buffer(json.loads((REPO / "ds_configs" / "zero3.json").read_text()), 10**12, world_size=1)  # no NVMe
+    cfg["zero_optimization"]["offload_param"]["buffer_size"] = 100_000_000
+    check_nvme_buffer(cfg, 32000 * 8192, world_size=4)  # 65.5M per rank
+    with pytest.raises(DSConfigError, match=r"buffer_size is 100,000,000 elements.*131,072,000 = 262,144,000 over 2 "
+                                            r"rank\(s\)\); set buffer_size to at least 131072000"):
+        check_nvme_buffer(cfg, 32000 * 8192, world_size=2)
+
+
+def test_nvme_offload_refuses_an_arch_list_deepspeed_cannot_parse():
+    """DeepSpeed 0.19's op builder reads TORCH_CUDA_ARCH_LIST entries as int.int[+PTX]; Hopper images set 9.0a,
+    which stops the async_io build that NVMe offload needs (seen on an H100): one line before the run instead."""
+    from frod_ds.ds_config import DSConfigError, check_aio_build_env
+
+    nvme = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
+    offload = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())
+    for ok in ("", "9.0", "8.0;9.0+PTX", "8.6 9.0"):
+        check_aio_build_env(nvme, {"TORCH_CUDA_ARCH_LIST": ok})
+    check_aio_build_env(offload, {"TORCH_CUDA_ARCH_LIST": "9.0a"})  # CPU offload builds no CUDA op
+    with pytest.raises(DSConfigError, match=r"cannot parse TORCH_CUDA_ARCH_LIST entry '9.0a'.*\(e.g. '9.0'\)"):
+        check_aio_build_env(nvme, {"TORCH_CUDA_ARCH_LIST": "8.0;9.0a"})
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ({"train_batch_size": 64}, "train_batch_size=64"),
+    ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps=3"),
+    ({"optimizer": {"type": "AdamW"}}, 'remove the "optimizer" block'),
+    ({"scheduler": {"type": "WarmupLR"}}, 'remove the "scheduler" block'),
+    ({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, "zero_optimization.sub_group_size"),
+    ({"bf16": {"enabled": False}}, "bf16.enabled=False"),
+])
+def test_ds_config_conflicts_raise(edit, needle):
+    cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
+    cfg.update(edit)
+    with pytest.raises(DSConfigError) as e:
+        resolve_ds_config(cfg, _recipe(), world_size=1)
+    assert needle in str(e.value)
+
+
+class _Tok:
+    """A character-level stand-in tokenizer (BOS=1, EOS=2), independent of the library's boundary logic."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    def __call__(self, texts, add_special_tokens=True):
+        return {"input_ids": [[1] * add_special_tokens + [3 + ord(c) % 200 for c in t] for t in texts]}
+
+
+def test_training_labels_cover_answer_and_eos_only():
+    ex = encode_examples(_Tok(), [{"prompt": "ab", "answer": "yes"}], cutoff_len=64, train_on_inputs=False)[0]
+    text = "ab\nAnswer: yes"
+    assert ex.input_ids == [1] + [3 + ord(c) % 200 for c in text] + [2]
+    n_ans = len("yes") + 1
+    assert ex.labels == [IGNORE_INDEX] * (len(ex.input_ids) - n_ans) + ex.input_ids[-n_ans:]
+    ex2 = encode_examples(_Tok(), [{"prompt": "ab", "answer": "yes"}], 64, train_on_inputs=True)[0]
+    assert ex2.labels == ex2.input_ids
+
+
+def test_truncation_keeps_bos_answer_and_eos():
+    ex = encode_examples(_Tok(), [{"prompt": "x" * 100, "answer": "no"}], cutoff_len=16, train_on_inputs=False)[0]
+    assert len(ex.input_ids) == 16 and ex.input_ids[0] == 1 and ex.input_ids[-1] == 2
+    assert [t for t in ex.labels if t != IGNORE_INDEX] == ex.input_ids[-3:]
+
+
+def test_collate_right_pads():
+    exs = encode_examples(_Tok(), [{"prompt": "a", "answer": "b"}, {"prompt": "abcd", "answer": "b"}], 64, False)
+    b = collate(exs, pad_id=0)
+    assert b["input_ids"].shape == b["labels"].shape == b["attention_mask"].shape
+    assert b["attention_mask"][0].sum() == len(exs[0].input_ids)
+    assert (b["labels"][0][len(exs[0].input_ids):] == IGNORE_INDEX).all()
+
+
+def test_batch_plan_global_batches_do_not_depend_on_world_size():
+    """world × accum × micro fixed at 8: the union of all ranks' examples per step is the same set."""
+    def step_sets(world, accum):
+        plans = [BatchPlan(50, 8 // (world * accum), accum, world, r, seed=3) for r in range(world)]
+        return [sorted(i for p in plans for mb in p.micro_batches(s) for i in mb) for s in range(12)]
+    assert step_sets(1, 1) == step_sets(2, 1) == step_sets(2, 2) == step_sets(4, 2)
+
+
+def test_batch_plan_covers_each_epoch_without_repeats_and_reshuffles():
+    p = BatchPlan(40, 2, 2, 2, 0, seed=0)
+    q = BatchPlan(40, 2, 2, 2, 1, seed=0)
+    epoch0 = [i for s in range(p.steps_per_epoch) for pl in (p, q) for mb in pl.micro_batches(s) for i in mb]
+    assert sorted(epoch0) == list(range(40))
+    assert p.micro_batches(0) != p.micro_batches(p.steps_per_epoch)
+
+
+def test_batch_plan_too_small_dataset_is_a_clear_error():
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        BatchPlan(3, 4, 1, 1, 0, 0).steps_per_epoch
+
+
+def test_read_training_rows_errors_name_file_and_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"prompt": "a", "answer": "b"}\nnot json\n')
+    with pytest.raises(DataError, match="line 2: not valid JSON"):
+        read_training_rows(p)
+    p.write_text('{"prompt": 3, "answer": "b"}\n')
+    with pytest.raises(DataError, match="line 1: field 'prompt'"):
+        read_training_rows(p)
+    with pytest.raises(DataError, match="not found"):
+        read_training_rows(tmp_path / "missing.jsonl")
+
+
+def test_lr_schedule_warmup_then_cosine_to_zero():
+    fn = lr_lambda("cosine", warmup_steps=10, total_steps=110)
+    assert fn(0) == pytest.approx(0.1) and fn(9) == pytest.approx(1.0)
+    assert fn(60) == pytest.approx(0.5) and fn(110) == pytest.approx(0.0, abs=1e-12)
+    assert lr_lambda("constant", 0, 10)(5) == 1.0
+    assert lr_lambda("linear", 0, 10)(5) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("stage", ["three", 4, None, True])
+def test_zero_stage_must_be_0_to_3(stage):
+    from frod_ds.ds_config import DSConfigError, resolve_ds_config, zero_stage
+
+    cfg = {"zero_optimization": {"stage": stage}}
+    with pytest.raises(DSConfigError, match=r"zero_optimization.stage must be 0, 1, 2 or 3, got"):
+        zero_stage(cfg)
+    with pytest.raises(DSConfigError, match="zero_optimization.stage"):
+        resolve_ds_config(cfg, load_recipe(None, ["model.base=m", "model.factor_store=f", "data.train=t"]), 1)
+    assert zero_stage({}) == 0 and zero_stage({"zero_optimization": {"stage": 3}}) == 3

@@ -1,0 +1,138 @@
+"""Bad inputs to ``launch/hjd.py``: one clear ``error:`` line, a non-zero exit, and never a store that
+looks complete. Mostly in-process (``main()`` returns the exit code); the exit codes and the cross-rank
+agreement on an error are checked once each as real processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tests.support.helpers_ckpt import run_hjd, shard_of, write_tiny_llama
+from safetensors.torch import load_file, save_file
+
+from frod_ds.store import FactorStore
+from launch.hjd import main
+
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _no_complete_store(out) -> bool:
+    manifest = out / "manifest.json"
+    return not manifest.exists() or json.loads(manifest.read_text())["complete"] is False
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error: ")]
+
+
+@pytest.fixture
+def model(tmp_path):
+    return write_tiny_llama(tmp_path / "model")
+
+
+def test_hjd_missing_shard_is_a_user_error(model, tmp_path, capsys):
+    shard = shard_of(model, Q0)
+    shard.unlink()
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert shard.name in line and "download" in line
+    assert not out.exists()
+
+
+def test_hjd_truncated_shard_exits_2_as_a_process(model, tmp_path):
+    shard = shard_of(model, "model.layers.1.mlp.up_proj.weight")
+    shard.write_bytes(shard.read_bytes()[:-100])
+    out = tmp_path / "store"
+    proc = run_hjd(["--model", str(model), "--out", str(out)])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = _error_lines(proc.stderr)
+    assert f"{shard} is truncated or corrupt" in line
+    assert _no_complete_store(out) and not out.exists()
+
+
+def test_hjd_no_target_found(model, tmp_path, capsys):
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj,qkv_proj"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert "qkv_proj" in line and "q_proj" in line
+    assert not out.exists()
+
+
+def test_hjd_bad_flags_and_not_a_model(tmp_path, capsys):
+    assert main(["--model", str(tmp_path), "--out", str(tmp_path / "s")]) == 2
+    assert "no model.safetensors.index.json" in _error_lines(capsys.readouterr().err)[0]
+    assert main(["--model", str(tmp_path), "--out", str(tmp_path / "s"), "--pi", "0"]) == 2
+    assert "--pi" in _error_lines(capsys.readouterr().err)[0]
+
+
+def test_hjd_existing_store_with_other_config_needs_overwrite(model, tmp_path, capsys):
+    out = tmp_path / "store"
+    base = ["--model", str(model), "--out", str(out), "--targets", "q_proj", "--device", "cpu"]
+    assert main(base) == 0
+    assert main(base + ["--pi", "0.01"]) == 2
+    assert "different configuration (pi: 0.001 there, 0.01 now)" in _error_lines(capsys.readouterr().err)[0]
+    assert FactorStore.open(out).pi == 1e-3, "the old store is untouched"
+    assert main(base + ["--pi", "0.01", "--overwrite"]) == 0
+    assert FactorStore.open(out).pi == 0.01
+    (out / "notes.txt").write_text("x")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    assert main(["--model", str(model), "--out", str(other), "--targets", "q_proj"]) == 2
+    assert "not empty" in _error_lines(capsys.readouterr().err)[0]
+
+
+def test_hjd_verify_passes_then_catches_another_model_and_corruption(model, tmp_path, capsys):
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj", "v_proj"]) == 0
+    assert main(["--verify", str(out), "--model", str(model), "--samples", "3"]) == 0
+    other = write_tiny_llama(tmp_path / "other", seed=3)
+    capsys.readouterr()
+    assert main(["--verify", str(out), "--model", str(other)]) == 1
+    assert "fingerprint" in capsys.readouterr().err
+    # A U tensor overwritten in place: the fingerprint still matches, the reconstruction does not.
+    store = FactorStore.open(out)
+    member = store.categories["v_proj"][1]
+    part = store.file_of(member + ".U")
+    tensors = load_file(part)
+    tensors[member + ".U"] = torch.flip(tensors[member + ".U"], dims=[0]).contiguous()
+    save_file(tensors, part)
+    assert main(["--verify", str(out), "--model", str(model), "--samples", "3"]) == 1
+    assert f"{member}: reconstruction error" in capsys.readouterr().err
+    assert main(["--verify", str(tmp_path / "nowhere"), "--model", str(model)]) == 2
+
+
+def test_hjd_nan_on_one_rank_stops_every_rank_and_leaves_store_incomplete(tmp_path):
+    model = write_tiny_llama(tmp_path / "model")
+    bad = "model.layers.2.self_attn.k_proj.weight"  # layer 2 belongs to rank 1 of 2
+    shard = shard_of(model, bad)
+    tensors = load_file(shard)
+    tensors[bad][0, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "store"
+    proc = run_hjd(["--model", str(model), "--out", str(out), "--targets", "q_proj", "k_proj"], nproc=2)
+    assert proc.returncode != 0
+    (line,) = _error_lines(proc.stderr)  # from rank 0 only, although rank 1 found it
+    assert bad in line and "NaN" in line
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is False and manifest["completed_categories"] == ["q_proj"]
+    with pytest.raises(ValueError, match="incomplete"):
+        FactorStore.open(out)
+
+
+def test_hjd_verify_reports_a_changed_byte_in_any_member_file(model, tmp_path, capsys):
+    """``--verify`` checks the checksum of every file (every member), not only the sampled reconstructions."""
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj", "--part-mb", "0.000001"]) == 0
+    store = FactorStore.open(out)
+    last = store.categories["q_proj"][-1]
+    part = store.file_of(last + ".sigma")
+    data = bytearray(part.read_bytes())
+    data[-1] ^= 0x10  # the last σ entry of the last member: outside --samples 1's pick most of the time
+    part.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["--verify", str(out), "--model", str(model), "--samples", "1", "--seed", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"q_proj: factor store file {part} is corrupt" in err

@@ -1,0 +1,134 @@
+"""Export to a plain transformers checkpoint: stock ``LlamaForCausalLM.from_pretrained`` computes what the
+FRoD model computes; every untargeted tensor is the base checkpoint's, bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tests.support.helpers_ckpt import make_adapter, weights, write_tiny_llama
+
+from frod_ds.adapter import merged_state_dict
+from launch.export import main
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("export")
+    model_dir = write_tiny_llama(root / "model")
+    ckpt, store, model = make_adapter(model_dir, root)
+    return {"model_dir": model_dir, "checkpoint": ckpt, "store": store, "frod": model.eval(), "root": root}
+
+
+def test_exported_checkpoint_loads_with_stock_transformers_and_matches(trained, tmp_path, capsys):
+    from transformers import LlamaForCausalLM
+
+    out = tmp_path / "merged"
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out), "--shard-gb", str(20 * 2**10 / 2**30)]) == 0
+    assert "exported" in capsys.readouterr().out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "small --shard-gb: several shards"
+    plain = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, plain.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = plain(ids).logits, trained["frod"](ids).logits
+    assert (got - want).abs().max().item() < 1e-4
+    # Merged weights equal the model-side merge; everything else is the base checkpoint's tensor.
+    state, merged = plain.state_dict(), merged_state_dict(trained["frod"])
+    provenance = json.loads((out / "frod_export.json").read_text())
+    targeted = {m + ".weight" for m in provenance["merged"]}
+    assert len(targeted) == 6 * 3
+    for name in targeted:
+        assert torch.allclose(state[name], merged[name], atol=1e-6, rtol=1e-5), name
+    others = [n for n in index["weight_map"] if n not in targeted]
+    for name, base in zip(others, weights(trained["model_dir"], [n.removesuffix(".weight") for n in others])):
+        assert torch.equal(state[name], base), name
+    assert provenance["factor_store_fingerprint"] == json.loads((trained["store"] / "manifest.json").read_text())["fingerprint"]
+
+
+def test_export_bf16_sets_the_config_dtype(trained, tmp_path):
+    from transformers import AutoConfig
+
+    out = tmp_path / "bf16"
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    from safetensors import safe_open
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.up_proj.weight"
+    with safe_open(str(out / index["weight_map"][name]), framework="pt") as f:
+        assert f.get_tensor(name).dtype == torch.bfloat16
+    assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16
+
+
+def test_export_bad_input_leaves_nothing(trained, tmp_path, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out)]) == 2
+    assert "exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
+    assert "not a frod-ds adapter checkpoint" in capsys.readouterr().err
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(tmp_path / "y"), "--dtype", "int8"]) == 2
+    assert "--dtype" in capsys.readouterr().err
+    other = write_tiny_llama(tmp_path / "other", seed=7)
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(tmp_path / "z"), "--base-model", str(other)]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "taken"], "no partial export left behind"
+
+
+def test_export_refuses_a_store_that_is_not_the_adapters(trained, tmp_path, capsys):
+    """A store rebuilt from the same base model with another π: same fingerprint, other V; refused, nothing written."""
+    from frod_ds.hjd.stage import StageConfig, run_stage
+
+    other = tmp_path / "store-pi"
+    run_stage(StageConfig(model=str(trained["model_dir"]), out=other, pi=1e-2, device="cpu", fsync=False))
+    capsys.readouterr()
+    out = tmp_path / "merged"
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--factor-store", str(other), "--out", str(out)]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert "was trained on another factor store" in line and "pi 0.001 there, 0.01 here" in line
+    assert "V of q_proj differs" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store-pi"], "nothing exported"
+
+
+def test_adapter_records_the_identity_of_its_factor_store(trained):
+    """Per category: a sha256 of V as the store holds it (computed here from the file) and the HJD route."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    config = json.loads((trained["checkpoint"] / "adapter_config.json").read_text())
+    manifest = json.loads((trained["store"] / "manifest.json").read_text())
+    assert config["version"] == 2 and config["pi"] == manifest["pi"]
+    for category, info in config["categories"].items():
+        spec = manifest["categories"][category]
+        V = load_file(str(trained["store"] / spec["files"][f"{category}.V"]))[f"{category}.V"]
+        assert info["v_sha256"] == hashlib.sha256(V.contiguous().numpy().tobytes()).hexdigest()
+        assert info["method"] == spec["method"]
+
+
+def test_export_carries_every_non_weight_file_of_the_base_checkpoint(trained, tmp_path):
+    """Tokenizer files whatever their names (chat template, BPE vocab and merges), licence and readme travel
+    with the merged weights; weights, weight indexes, provenance and hidden files of the base do not."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(trained["model_dir"], base)
+    carried = {"chat_template.jinja": "{{ messages }}", "tokenizer.json": "{}", "tokenizer_config.json": "{}",
+               "special_tokens_map.json": "{}", "vocab.json": "{}", "merges.txt": "#v\n", "LICENSE": "Apache",
+               "README.md": "# base", "generation_config.json": "{\"do_sample\": false}"}
+    dropped = {"pytorch_model.bin": "w", "pytorch_model.bin.index.json": "{}", "model.gguf": "w",
+               "frod_convert.json": "{}", ".gitattributes": "*"}
+    for name, text in {**carried, **dropped}.items():
+        (base / name).write_text(text)
+    (base / "onnx").mkdir()
+    (base / "onnx" / "model.onnx").write_text("w")
+    out = tmp_path / "merged"
+    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out), "--base-model", str(base)]) == 0
+    for name, text in carried.items():
+        assert (out / name).read_text() == text, name
+    assert not any((out / name).exists() for name in [*dropped, "onnx"])
+    assert json.loads((out / "config.json").read_text()) == json.loads((base / "config.json").read_text())
+    names = {p.name for p in out.iterdir()}
+    assert names == set(carried) | {"config.json", "model.safetensors.index.json", "frod_export.json", ".frod-ds-output"} | {
+        n for n in names if n.startswith("model-") and n.endswith(".safetensors")}

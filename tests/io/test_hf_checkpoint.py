@@ -1,0 +1,82 @@
+"""HFCheckpoint reads single tensors from safetensors shards and names the file when one is broken."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tests.support.helpers_ckpt import shard_files, shard_of, write_tiny_llama
+
+from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
+
+Q0 = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny", dtype=torch.bfloat16)
+
+
+def test_checkpoint_reads_each_tensor_from_its_shard(ckpt_dir):
+    from transformers import LlamaForCausalLM
+
+    assert len(shard_files(ckpt_dir)) > 2, "the fixture must be sharded"
+    ckpt = HFCheckpoint(ckpt_dir)
+    model = LlamaForCausalLM.from_pretrained(ckpt_dir, dtype=torch.bfloat16)
+    state = model.state_dict()
+    assert set(ckpt.keys()) == set(state)
+    for name in [Q0, "model.layers.2.mlp.up_proj.weight", "lm_head.weight"]:
+        assert ckpt.shape(name) == tuple(state[name].shape)
+        assert ckpt.dtype(name) == torch.bfloat16
+        assert torch.equal(ckpt.get(name), state[name])
+    assert ckpt.tensors_read == 3 and ckpt.bytes_read == sum(state[n].numel() * 2 for n in
+                                                             [Q0, "model.layers.2.mlp.up_proj.weight", "lm_head.weight"])
+
+
+def test_checkpoint_single_file_without_index(tmp_path):
+    path = write_tiny_llama(tmp_path / "one", max_shard_size="100MB")
+    assert not (path / "model.safetensors.index.json").exists()
+    ckpt = HFCheckpoint(path)
+    assert Q0 in ckpt.keys() and ckpt.get(Q0).shape == (32, 32)
+
+
+def test_checkpoint_missing_shard_is_named(tmp_path):
+    path = write_tiny_llama(tmp_path / "m")
+    shard_of(path, Q0).unlink()
+    ckpt = HFCheckpoint(path)
+    with pytest.raises(ValueError, match=rf"shard {shard_of(path, Q0).name} is missing.*download"):
+        ckpt.shape(Q0)
+
+
+@pytest.mark.parametrize("cut", [4, 100, -10])
+def test_checkpoint_truncated_shard_is_named(tmp_path, cut):
+    path = write_tiny_llama(tmp_path / "t")
+    shard = shard_of(path, Q0)
+    data = shard.read_bytes()
+    shard.write_bytes(data[:cut])
+    with pytest.raises(ValueError, match=rf"{shard.name} is truncated or corrupt"):
+        HFCheckpoint(path).get(Q0)
+
+
+def test_checkpoint_missing_tensor_and_missing_index(tmp_path):
+    path = write_tiny_llama(tmp_path / "x")
+    with pytest.raises(ValueError, match="'nope.weight' is not in the checkpoint"):
+        HFCheckpoint(path).get("nope.weight")
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {Q0: "model-00001-of-00099.safetensors"}}))
+    with pytest.raises(ValueError, match="model-00001-of-00099.safetensors is missing"):
+        HFCheckpoint(path).get(Q0)
+    index.unlink()
+    with pytest.raises(ValueError, match="no model.safetensors.index.json or model.safetensors"):
+        HFCheckpoint(path)
+
+
+def test_resolve_model_dir_local_and_offline_hub_id(tmp_path, monkeypatch):
+    assert resolve_model_dir(str(tmp_path)) == tmp_path
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(ValueError, match="could not be resolved.*pass a local directory"):
+        resolve_model_dir("someone/not-a-cached-model")
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_dir(str(tmp_path / "no" / "such" / "dir"))

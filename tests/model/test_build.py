@@ -1,0 +1,102 @@
+"""Model build from a checkpoint and a factor store (one process): equals plain transformers at init. The factor
+stores are built by ``launch/hjd.py``'s ``main`` in the test process (tests/hjd/test_distributed_hjd.py runs it as
+processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from frod_ds.build import build_frod_model, make_supports
+from frod_ds.store import FactorStore
+from tests.support.helpers_ckpt import hjd_in_process, write_tiny_llama
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+
+
+def _store_for(model_dir, out):
+    proc = hjd_in_process(["--model", str(model_dir), "--out", str(out), "--dtype", "float64"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return FactorStore.open(out)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_built_model_equals_plain_transformers_at_init(tmp_path, tied):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_tiny_llama(tmp_path / "m", tie_word_embeddings=tied)
+    store = _store_for(model_dir, tmp_path / "f")
+    model = build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5)
+    assert {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad} == {"frod_sigma", "frod_s"}
+
+
+def test_built_model_reports_a_damaged_factor_file(tmp_path):
+    model_dir = write_tiny_llama(tmp_path / "m")
+    store = _store_for(model_dir, tmp_path / "f")
+    part = next((tmp_path / "f").glob("k_proj.rank*.safetensors"))
+    part.write_bytes(part.read_bytes()[:200])  # truncated after the store was opened
+    with pytest.raises(ValueError, match=r"loading model\.layers\.0\.self_attn\.k_proj\.U"):
+        build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32)
+
+
+def test_bf16_checkpoint_with_fp32_u_is_exact_under_fp32_compute(tmp_path):
+    """``--u-dtype float32``: U is stored in fp32 and the FRoD model of a bf16 checkpoint computes, in fp32,
+    what the base computes (U rounded to bf16 moves it by bf16's rounding instead); recorded in the manifest,
+    and a resume with another U dtype is refused."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = write_tiny_llama(tmp_path / "m", dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    drift = {}
+    for u in ("auto", "float32"):
+        out = tmp_path / f"f-{u}"
+        proc = hjd_in_process(["--model", str(model_dir), "--out", str(out), "--u-dtype", u])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["u_dtype"] == u
+        assert {s["u_dtype"] for s in manifest["categories"].values()} == {"bfloat16" if u == "auto" else "float32"}
+        store = FactorStore.open(out)
+        assert store.load_U("model.layers.0.mlp.up_proj").dtype == (torch.bfloat16 if u == "auto" else torch.float32)
+        model = build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32)
+        with torch.no_grad():
+            drift[u] = (model(input_ids=ids).logits - ref(input_ids=ids).logits).abs().max().item()
+    assert drift["float32"] < 1e-5 < drift["auto"] / 10, drift
+    proc = hjd_in_process(["--model", str(model_dir), "--out", str(tmp_path / "f-auto"), "--u-dtype", "float32"])
+    assert proc.returncode == 2 and "u_dtype: 'auto' there, 'float32' now" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("targets", [TARGETS, ["q_proj", "v_proj"]])
+def test_targeted_dense_weights_are_never_allocated(tmp_path, monkeypatch, targets):
+    """The skeleton's targeted linears have no weight when they are swapped (their dense W would be dropped at
+    once: at 70B that is two thirds of the model); every other linear has its weight, and the built model still
+    equals plain transformers. With q and v targeted, o_proj (q_proj's shape) keeps its weight."""
+    from transformers import AutoModelForCausalLM
+
+    import frod_ds.build as build
+
+    model_dir = write_tiny_llama(tmp_path / "m")
+    store = _store_for(model_dir, tmp_path / "f")
+    seen = {}
+    swap = build._swap_targets
+
+    def spy(model, *args, **kwargs):
+        seen.update({n: m.weight is None for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        return swap(model, *args, **kwargs)
+
+    monkeypatch.setattr(build, "_swap_targets", spy)
+    model = build_frod_model(model_dir, store, make_supports(store, targets, 0.1, 0), torch.float32)
+    assert seen and {n for n, empty in seen.items() if empty} == {n for n in seen if n.rsplit(".", 1)[-1] in targets}
+    assert torch.nn.Linear.__init__.__qualname__ == "Linear.__init__"  # the patch is undone
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5)

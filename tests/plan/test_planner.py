@@ -1,0 +1,312 @@
+"""Memory planner: the arithmetic against hand computations on tiny configs, the decision, the CLI and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from frod_ds.planner import (Engine, TrainShape, candidates, hint, model_shape_from_config, plan_memory, recommend,
+                             shipped_engines)
+from tests.support.train_env import REPO, env_vars
+
+TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=100)
+LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+LLAMA2_70B = dict(LLAMA2_7B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                  num_key_value_heads=8)
+
+
+def test_zero2_plan_equals_hand_computation():
+    """L=3, h=64, f=128, 4 heads / 2 KV heads (d=16), vocab 100 untied; 2 × 8 tokens, bf16, density 0.25; 2 GPUs."""
+    model = model_shape_from_config(TINY)
+    train = TrainShape(micro_batch=2, seq_len=8, sparsity=0.25)
+    plan = plan_memory(model, train, Engine("z2", 2, reduce_bucket=1000), gpus=2, gpu_bytes=1e9)
+    e, L, T = 2, 3, 16
+    U = (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 128 * 64 + 128 * 64) * L * e  # q k v o gate up, replicated
+    V = 6 * 64 * 64 * e
+    other = 64 * 128 * L * e + (2 * L + 1) * 64 * e + 2 * 100 * 64 * e  # down_proj, norms, embed + lm_head
+    trainable = (64 + round(0.25 * 64 * 64)) * 6 * L  # σ (n) + S (s·n²) per member = 19584
+    train_bytes = trainable * (e + (e + 12) / 2)  # bf16 params replicated; grads, fp32 master, Adam m/v halved
+    per_token = 2 * 4 * 64 + e * 4 * 64 + 4 * 4 + e * 3 * 128 + e * 64 * 6  # norms fp32, SDPA q k v o + lse, SwiGLU, z
+    act = per_token * T * L
+    loss = T * 100 * (e + 12)
+    want = {"frozen U_i": U, "frozen V": V, "frozen other": other, "trainable + optimizer": train_bytes,
+            "activations": act, "M kept for backward": 0, "logits + loss": loss, "ZeRO-3 gathered": 0,
+            "DeepSpeed buffers": 1000 * e}
+    assert plan.parts == pytest.approx(want)
+    assert plan.allocated == pytest.approx(621136)
+    assert plan.activations_other == pytest.approx(L * e * 64 * T + per_token * T)  # checkpointing: inputs + one layer
+
+
+def test_zero3_nf4_plan_with_m_kept_equals_hand_computation():
+    """The same model under ZeRO-3 on 2 GPUs, NF4 U_i, the plain-autograd layer (keeps M), persistence threshold 100,
+    reuse distance 60000 (two of the three layers stay gathered at the turn of the backward)."""
+    model = model_shape_from_config(TINY)
+    train = TrainShape(micro_batch=2, seq_len=8, sparsity=0.25, quant="nf4", layer_saves="M")
+    engine = Engine("z3", 3, reduce_bucket=1000, prefetch_bucket=500, persistence=100, max_reuse=60000)
+    plan = plan_memory(model, train, engine, gpus=2, gpu_bytes=1e9)
+    e, L, T = 2, 3, 16
+
+    def nf4_bytes(m, n):  # codes (½ byte each) then fp32 absmax per 64, each 8-aligned
+        codes = -(-(m * n // 2) // 8) * 8
+        return -(-(codes + 4 * (m * n // 64)) // 8) * 8
+
+    blobs = [nf4_bytes(64, 64), nf4_bytes(32, 64), nf4_bytes(32, 64), nf4_bytes(64, 64), nf4_bytes(128, 64),
+             nf4_bytes(128, 64)]
+    assert blobs == [2304, 1152, 1152, 2304, 4608, 4608]
+    U = sum(blobs) * L / 2  # every blob ≥ 100 elements: partitioned
+    V = 6 * 64 * 64 * e / 2
+    other = 64 * 128 * L * e / 2 + (2 * L + 1) * 64 * e + 2 * 100 * 64 * e / 2  # norms (64 < 100) persistent
+    sigma = 64 * (e + (e + 12) / 2)  # persistent bf16 σ; gradient (bf16), fp32 master and Adam m, v halved
+    s_vals = 1024 * (e / 2 + (e + 12) / 2)
+    train_bytes = (sigma + s_vals) * 6 * L
+    # per token: norms, SDPA, SwiGLU, z per member; memory_efficient_linear keeps down_proj's input (a quantized U
+    # goes through its own Function: h is not kept)
+    per_token = 2 * 4 * 64 + e * 4 * 64 + 4 * 4 + e * 3 * 128 + e * 64 * 6 + e * 128
+    M = e * 64 * 64 * 6 * L
+    loss = T * 100 * (e + 12) + T * e * 64  # + lm_head's input (memory_efficient_linear)
+    P_layer = sum(blobs) / 2 + 64 * 128 + 1024 * 6  # gathered per layer: blobs, down_proj, S values (σ, norms persist)
+    kept = 2  # 2k·P_layer + P_head < 60000 for k = 0, 1
+    gathered = (kept * P_layer + 100 * 64 + 500) * e + 6 * 64 * 64 * e
+    want = {"frozen U_i": U, "frozen V": V, "frozen other": other, "trainable + optimizer": train_bytes,
+            "activations": per_token * T * L, "M kept for backward": M, "logits + loss": loss,
+            "ZeRO-3 gathered": gathered, "DeepSpeed buffers": 1000 * e}
+    assert plan.parts == pytest.approx(want)
+    assert plan.allocated == pytest.approx(707256)
+
+
+def test_weight_order_keeps_x_per_shared_input_and_w_per_member():
+    """At 1024 tokens every member of TINY takes the weight order (``frod_ds.layer.ordering``): x is kept once per
+    input (attention, o_proj, MLP: 3 × n), W = U M Vᵀ once per member per call (Σ m·n)."""
+    from frod_ds.planner import layer_activation_bytes
+
+    model = model_shape_from_config(TINY)
+    per_token, per_call = layer_activation_bytes(model, TrainShape(micro_batch=4, seq_len=256, sparsity=0.25))
+    e = 2
+    assert per_token == 2 * 4 * 64 + e * 4 * 64 + 4 * 4 + e * 3 * 128 + e * 64 * 3
+    assert per_call == e * (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64 + 128 * 64 + 128 * 64)
+
+
+def test_offload_leaves_only_persistent_frozen_and_no_optimizer_state_on_the_gpu():
+    model = model_shape_from_config(TINY)
+    train = TrainShape(micro_batch=2, seq_len=8, sparsity=0.25)
+    engine = Engine("off", 3, offload_param=True, offload_optimizer=True, persistence=100)
+    plan = plan_memory(model, train, engine, gpus=2, gpu_bytes=1e9)
+    assert plan.parts["frozen U_i"] == 0 and plan.parts["frozen V"] == 0
+    assert plan.parts["frozen other"] == (2 * 3 + 1) * 64 * 2  # the norms (persistent) stay
+    assert plan.parts["trainable + optimizer"] == 6 * 3 * 64 * 2  # σ persistent; S, gradients, Adam on the CPU
+
+
+def test_offloaded_parameters_are_gathered_as_full_copies_on_one_gpu_too():
+    """With parameter offload the partitions are on the CPU, so one GPU holds gathered copies like N GPUs do (one
+    layer's window, the shared Vs, lm_head; DeepSpeed copies each to the GPU); without offload one GPU holds its
+    only partition and gathers nothing. By hand for TINY: per layer 7 frozen linears + σ + S (64-wide, S 0.25·64²
+    per member; k/v are 32 x 64), head 100 x 64, Vs 6 x 64², prefetch bucket 0, reuse distance 1e9: all layers
+    kept."""
+    model = model_shape_from_config(TINY)
+    train = TrainShape(micro_batch=2, seq_len=8, sparsity=0.25)
+    off = Engine("off", 3, offload_param=True, offload_optimizer=True, persistence=0, prefetch_bucket=0,
+                 max_live=10**9, max_reuse=10**9)
+    on_gpu = Engine("z3", 3, persistence=0, prefetch_bucket=0, max_live=10**9, max_reuse=10**9)
+    layer = (2 * 64 * 64 + 2 * 32 * 64 + 2 * 128 * 64 + 64 * 128) + 2 * 64 + 6 * (64 + 1024)  # q,o k,v gate,up down; norms
+    by_hand = (3 * layer + 100 * 64) * 2 + 6 * 64 * 64 * 2
+    for gpus in (1, 2):
+        assert plan_memory(model, train, off, gpus, 1e9).parts["ZeRO-3 gathered"] == by_hand
+    assert plan_memory(model, train, on_gpu, 1, 1e9).parts["ZeRO-3 gathered"] == 0
+    assert plan_memory(model, train, on_gpu, 2, 1e9).parts["ZeRO-3 gathered"] == by_hand
+
+
+def test_recommendation_is_the_fastest_fitting_set_up_at_the_recipes_precision():
+    from frod_ds.plan.planner import predicted_seconds
+
+    model = model_shape_from_config(LLAMA2_70B)
+    train = TrainShape(micro_batch=4, seq_len=256)
+    engines = shipped_engines()
+    rec = recommend(model, train, 2, 79.1 * 2**30, engines)
+    assert rec is not None and rec.plan.fits and rec.quant == "none", "bf16 asked, bf16 given while anything fits"
+    same = [p for p in rec.tried if (p.train.quant, p.train.quantize_base) == ("none", False)]
+    assert len(same) == 2 * len(engines), "every engine, with and without checkpointing"
+    assert rec.seconds == min(predicted_seconds(model, p) for p in same if p.fits)
+    assert rec.engine.offload_param, "70B in bf16 fits 2 x 80 GB only with its weights in host memory"
+    assert "frozen_quant=nf4" in rec.reason, "the much faster quantized set-up is named, not chosen"
+    offload = recommend(model, train, 1, 16 * 2**30, engines)
+    assert offload.engine.offload_param and offload.plan.host_bytes > 30 * 2**30  # 70B: weights in host memory
+    assert recommend(model, train, 1, 0.5 * 2**30, engines) is None  # not even the CUDA context fits
+
+
+def test_hint_names_the_faster_or_the_fitting_set_up():
+    engines = {e.name: e for e in shipped_engines()}
+    small = model_shape_from_config(LLAMA2_7B)
+    train = TrainShape(micro_batch=4, seq_len=256, checkpointing=True)
+    line = hint(small, train, engines["ds_configs/zero3.json"], 1, 79.1 * 2**30)
+    assert line.startswith("hint:") and "ds_configs/zero2.json fits" in line and "\n" not in line
+    assert hint(small, train, engines["ds_configs/zero2.json"], 1, 79.1 * 2**30) is None
+    big = model_shape_from_config(LLAMA2_70B)
+    line = hint(big, train, engines["ds_configs/zero2.json"], 2, 79.1 * 2**30)
+    assert "likely out of memory" in line and "zero3_offload.json, frozen bf16" in line, "the recipe's precision"
+    assert "with frozen_quant=nf4" in line, "and the much faster quantized set-up, named"
+
+
+def test_train_hint_reads_the_recipe_and_the_json(tmp_path):
+    from frod_ds.planner import train_hint
+    from frod_ds.recipe import load_recipe
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
+    line = train_hint(recipe, str(REPO / "ds_configs" / "zero3.json"), 2, 79.1 * 2**30)
+    assert line is not None and "zero2.json fits" in line
+    assert train_hint(recipe, str(REPO / "ds_configs" / "zero3.json"), 2, None) is None  # no GPU: no line
+    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path / 'nothing'}"])
+    assert train_hint(recipe, str(REPO / "ds_configs" / "zero3.json"), 2, 79.1 * 2**30) is None
+
+
+# ---- the decision launch/train.py's hint is built on (formerly frod_ds/engine_choice.py's rule) -----------------------
+
+
+def _needed(model, train, name: str, gpus: int) -> float:
+    """What ``name`` (a shipped config) needs per GPU, by the planner's own arithmetic (GPU size does not enter it)."""
+    engine = {e.name: e for e in shipped_engines()}[name]
+    return plan_memory(model, train, engine, gpus, 1.0).needed
+
+
+@pytest.mark.parametrize("shape", [LLAMA2_7B, LLAMA2_70B])
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_recommendation_boundary_is_where_the_faster_set_up_stops_fitting(shape, gpus):
+    """ZeRO-2 (exact, no checkpointing) is chosen exactly while it fits; one byte less and the planner moves on to
+    a slower candidate; ZeRO-3 with the same recipe is chosen on a GPU where it fits and nothing before it does."""
+    model, train = model_shape_from_config(shape), TrainShape(micro_batch=4, seq_len=256)
+    z2 = _needed(model, train, "ds_configs/zero2.json", gpus)
+    rec = recommend(model, train, gpus, z2)
+    assert (rec.engine.name, rec.quant, rec.checkpointing) == ("ds_configs/zero2.json", "none", False)
+    assert "the fastest set-up fits" in rec.reason
+    smaller = recommend(model, train, gpus, z2 - 1)
+    assert smaller is None or (smaller.engine.name, smaller.quant, smaller.checkpointing) != (
+        "ds_configs/zero2.json", "none", False)
+    if smaller is not None:
+        assert "more than" in smaller.reason and smaller.plan.needed <= z2 - 1
+
+
+def test_shipped_configs_map_to_their_engine():
+    """Every shipped JSON as the planner reads it: ZeRO stage (0-2 replicate the frozen model, like 2) and offload."""
+    from frod_ds.planner import engine_from_ds_config
+
+    cfgs = {p.stem: json.loads(p.read_text()) for p in (REPO / "ds_configs").glob("*.json")}
+    got = {k: (engine_from_ds_config(c).stage, engine_from_ds_config(c).offload_param) for k, c in cfgs.items()}
+    assert got == {"zero2": (2, False), "zero2_cpu_fp32": (2, False), "zero3": (3, False), "zero3_cpu_fp32": (3, False),
+                   "zero3_offload": (3, True), "zero3_nvme": (3, True)}
+    assert [e.name for e in shipped_engines()] == [f"ds_configs/{f}" for f in ("zero2.json", "zero3.json",
+                                                                               "zero3_offload.json", "zero3_nvme.json")]
+    assert all((REPO / e.name).is_file() for e in shipped_engines())
+
+
+def test_train_hint_boundaries_follow_the_plan(tmp_path):
+    """launch/train.py's hint (``train_hint``) at the planner's own boundaries: silent where the chosen config is
+    the fastest that fits; names ZeRO-2 when ZeRO-3 was chosen and ZeRO-2 fits; says out of memory (one line) when
+    ZeRO-2 was chosen and does not fit; silent again when the partitioned model fits more GPUs."""
+    from frod_ds.planner import train_hint
+    from frod_ds.recipe import load_recipe
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
+    from frod_ds.planner import train_shape_from_recipe
+
+    model, train = model_shape_from_config(LLAMA2_7B), train_shape_from_recipe(recipe)
+    z2_json, z3_json = str(REPO / "ds_configs" / "zero2.json"), str(REPO / "ds_configs" / "zero3.json")
+    z2 = _needed(model, train, "ds_configs/zero2.json", 1)
+    assert train_hint(recipe, z3_json, 1, None) is None, "no GPU: no hint"
+    assert train_hint(recipe, z2_json, 1, z2) is None, "ZeRO-2 fits exactly: nothing to say"
+    slow = train_hint(recipe, z3_json, 1, z2)
+    assert slow.startswith("hint: ds_configs/zero2.json fits") and "\n" not in slow
+    oom = train_hint(recipe, z2_json, 1, z2 - 1)
+    assert oom.startswith("hint: predicted") and "likely out of memory" in oom and "\n" not in oom
+    z3_two = _needed(model, train, "ds_configs/zero3.json", 2)
+    if z3_two < _needed(model, train, "ds_configs/zero2.json", 2):
+        assert train_hint(recipe, z3_json, 2, z3_two) is None, "ZeRO-3 over 2 GPUs fits, ZeRO-2 does not"
+    assert train_hint(recipe, str(tmp_path / "missing.json"), 1, z2) is None, "training's own checks report it"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_launch_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypatch, capsys, rank):
+    """launch/train.py on a (pretended) GPU whose ZeRO-2 fits, asked for ZeRO-3: rank 0 prints the planner's line,
+    exactly once and as one line; another rank prints nothing. Process group, setup and fit are stand-ins."""
+    import types
+
+    import torch
+
+    import frod_ds.distributed as dist
+    import frod_ds.trainer as trainer
+    from frod_ds.planner import train_hint, train_shape_from_recipe
+    from frod_ds.recipe import load_recipe
+    from launch.train import parse_args, train
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    overrides = [f"model.base={tmp_path}"]
+    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", overrides)
+    gpu = _needed(model_shape_from_config(LLAMA2_7B), train_shape_from_recipe(recipe), "ds_configs/zero2.json", 1)
+    monkeypatch.setattr(dist, "init_deepspeed", lambda: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=gpu))
+    monkeypatch.setattr(trainer, "setup", lambda *a: "run")
+    monkeypatch.setattr(trainer, "fit", lambda run: 0)
+    config = str(REPO / "ds_configs" / "zero3.json")
+    assert train(parse_args(["--config", config, "--recipe", str(REPO / "recipes" / "llama2_7b_cs170k.yaml"),
+                             *overrides])) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    if rank == 0:
+        assert printed == [train_hint(recipe, config, 1, gpu)] and printed[0].startswith("hint:")
+    else:
+        assert printed == []
+    assert not (REPO / "frod_ds" / "engine_choice.py").exists(), "one implementation: the planner's"
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------------------------
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "frod_ds", "plan", *args], env=env_vars(), cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_prints_every_part_and_the_verdict(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    res = _plan("--model", str(tmp_path), "--gpus", "2", "--config", "ds_configs/zero3.json", "--seq-len", "512",
+                "train.micro_batch_size=4")
+    assert res.returncode == 0, res.stderr
+    for part in ("frozen U_i", "frozen V", "frozen other", "trainable + optimizer", "activations",
+                 "M kept for backward", "logits + loss", "ZeRO-3 gathered", "DeepSpeed buffers", "total allocated"):
+        assert part in res.stdout, part
+    assert "fits" in res.stdout and "fastest set-up that fits: ds_configs/zero2.json" in res.stdout
+    assert "activations with gradient checkpointing" in res.stdout
+    res = _plan("--model", str(tmp_path), "--gpus", "1", "--gpu-mem", "4", "--config", "ds_configs/zero2.json")
+    assert res.returncode == 1 and "does NOT fit" in res.stdout
+
+
+@pytest.mark.parametrize("config,needle", [
+    (None, "has no config.json"),
+    ({"model_type": "gpt2", "n_embd": 768}, "model_type 'gpt2' is not one the planner models"),
+    ({"model_type": "llama", "hidden_size": 64}, "missing or non-integer intermediate_size"),
+])
+def test_cli_bad_model_is_one_line(tmp_path, config, needle):
+    if config is not None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    res = _plan("--model", str(tmp_path), "--gpus", "1")
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
+
+
+def test_planner_errors_are_user_errors(tmp_path):
+    """In-process: the planner's and the config lookup's errors are ``FrodError``s (the entry prints them)."""
+    from frod_ds.errors import CheckpointError
+    from frod_ds.planner import PlanError, load_model_shape
+
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        load_model_shape(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(PlanError, match="model_type 'gpt2'"):
+        load_model_shape(str(tmp_path))

@@ -1,0 +1,397 @@
+"""Building from a local mirror: outputs, manifest, determinism, source formats, every error path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from data_prep.build import BuildOptions, build
+from data_prep.io import read_rows
+from data_prep.tasks import TASKS, DataPrepError
+from data_prep.templates import RowError, render
+
+MIRROR = Path(__file__).parents[1] / "fixtures" / "data_prep" / "mirror"
+ALL = tuple(TASKS)
+
+
+def run_build(out: Path, source: Path = MIRROR, **kw) -> tuple[dict, dict]:
+    return build(BuildOptions(source=str(source), out=out, tasks=kw.pop("tasks", ALL), **kw))
+
+
+def file_bytes(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != ".frod-ds-output"}  # the data files; the marker is atomic.py's
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Path, dict, dict]:
+    out = tmp_path_factory.mktemp("build") / "cs"
+    manifest, files = run_build(out)
+    return out, manifest, files
+
+
+# --- outputs -----------------------------------------------------------------------------------
+
+
+def test_build_writes_train_eval_and_manifest(built):
+    out, _, files = built
+    expected = {"train.jsonl", "manifest.json"} | {f"eval/{t}.jsonl" for t in TASKS}
+    assert set(file_bytes(out)) == expected == set(files)
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], "temporary dirs left behind"
+
+
+def test_manifest_counts_kept_and_dropped_per_task_and_split(built):
+    _, manifest, _ = built
+    kept = {t: (c["train"]["kept"], c["eval"]["kept"]) for t, c in manifest["counts"].items()}
+    assert kept == {"boolq": (3, 2), "piqa": (2, 1), "siqa": (2, 2), "hellaswag": (2, 1), "winogrande": (2, 1),
+                    "obqa": (2, 1), "arc_easy": (2, 1), "arc_challenge": (1, 1)}
+    assert manifest["dropped"] == {
+        "boolq": {"train": {"missing field 'passage'": 1, "wrong type for 'answer'": 1}},
+        "piqa": {"train": {"label missing": 1, "label out of range": 1, "row is not an object": 1}},
+        "siqa": {"train": {"label out of range": 1, "wrong type for 'label'": 1}},
+        "hellaswag": {"train": {"malformed 'endings'": 1}, "eval": {"label missing": 1}},
+        "winogrande": {"train": {"label missing": 1}},
+        "obqa": {"train": {"label out of range": 1}},
+        "arc_challenge": {"train": {"malformed 'choices'": 1}},
+    }
+    assert manifest["train_rows"] == 16
+    assert manifest["reference"]["rows"] == 170_420
+    assert manifest["reference"]["train_rows_minus_reference"] == 16 - 170_420
+    assert manifest["seed"] == 42
+
+
+def test_eval_split_is_validation_or_test_for_obqa_and_arc(built):
+    _, manifest, _ = built
+    splits = {t: c["eval"]["split"] for t, c in manifest["counts"].items()}
+    assert splits == {"boolq": "validation", "piqa": "validation", "siqa": "validation", "hellaswag": "validation",
+                      "winogrande": "validation", "obqa": "test", "arc_easy": "test", "arc_challenge": "test"}
+    assert manifest["sources"]["obqa"]["eval"]["path"] == "obqa/test.jsonl"
+    assert manifest["sources"]["piqa"]["train"]["path"] == "piqa/train.json"
+
+
+def test_manifest_sha256_matches_every_file(built):
+    out, manifest, files = built
+    for name, data in file_bytes(out).items():
+        assert files[name] == hashlib.sha256(data).hexdigest()
+        if name != "manifest.json":
+            assert manifest["files"][name] == files[name]
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+
+
+def test_every_output_row_has_the_schema(built):
+    out, _, _ = built
+    for path in [out / "train.jsonl", *sorted((out / "eval").iterdir())]:
+        for row in read_rows(path):
+            assert list(row) == ["task", "id", "prompt", "answer", "choices", "label"]
+            assert row["choices"][row["label"]] == row["answer"]
+            assert "\nAnswer: " not in row["prompt"]
+
+
+def test_train_is_a_shuffle_of_all_training_rows(built):
+    out, _, _ = built
+    rows = read_rows(out / "train.jsonl")
+    assert Counter(r["task"] for r in rows) == {"boolq": 3, "piqa": 2, "siqa": 2, "hellaswag": 2, "winogrande": 2,
+                                               "obqa": 2, "arc_easy": 2, "arc_challenge": 1}
+    assert len({(r["task"], r["id"]) for r in rows}) == len(rows)
+    assert [r["task"] for r in rows] != sorted((r["task"] for r in rows), key=list(TASKS).index)
+
+
+def test_awkward_rows_come_out_rendered_verbatim(built):
+    out, _, _ = built
+    rows = {(r["task"], r["id"]): r for r in read_rows(out / "train.jsonl")}
+    assert rows["boolq", "boolq-train-0"] == {
+        "task": "boolq", "id": "boolq-train-0",
+        "prompt": "Reference document:\n  Sky \u2014 \u00abbleu\u00bb \U0001f30c\nsecond line {0} \nQuestion:\n"
+                  "is the sky blue {at night}?",
+        "answer": "false", "choices": ["true", "false"], "label": 1,
+    }
+    # the blank line in the JSONL is skipped, so the row after it is record 4
+    assert rows["boolq", "boolq-train-4"]["prompt"] == "Reference document:\ntab\there\nQuestion:\nline\u2028separator"
+    assert rows["obqa", "obqa-{odd}"]["prompt"] == (
+        "Please choose the correct answer to the question: What is 2+2?\n\n"
+        "Option A:\nfour \nOption B:\n\nOption C:\n{x}\nOption D:\n\u00fcnf\n."
+    )
+    assert rows["arc_challenge", "NYSEDREGENTS_2015_4_8"]["answer"] == "Option 2"
+    assert rows["piqa", "piqa-train-1"]["answer"] == "Choice B"
+    evals = read_rows(out / "eval" / "hellaswag.jsonl")
+    assert [(r["id"], r["answer"]) for r in evals] == [("hellaswag-validation-0", "Ending D")]
+
+
+def test_output_files_are_ascii_one_row_per_line(built):
+    out, _, _ = built
+    data = (out / "train.jsonl").read_bytes()
+    data.decode("ascii")
+    assert data.count(b"\n") == 16 and data.endswith(b"\n")
+    assert b"\\u2028" in data and b"\\ud83c\\udf0c" in data
+
+
+# --- determinism -------------------------------------------------------------------------------
+
+
+def test_same_inputs_and_seed_give_byte_identical_outputs(built, tmp_path):
+    out, _, files = built
+    _, files_again = run_build(tmp_path / "again")
+    assert file_bytes(tmp_path / "again") == file_bytes(out)
+    assert files_again == files
+
+
+def test_task_order_in_tasks_flag_does_not_matter(tmp_path):
+    run_build(tmp_path / "a", tasks=("boolq", "piqa", "obqa"))
+    run_build(tmp_path / "b", tasks=("obqa", "boolq", "piqa"))
+    assert file_bytes(tmp_path / "a") == file_bytes(tmp_path / "b")
+
+
+def test_other_seed_reorders_train_only(built, tmp_path):
+    out, _, _ = built
+    run_build(tmp_path / "s7", seed=7)
+    a, b = file_bytes(out), file_bytes(tmp_path / "s7")
+    assert a["train.jsonl"] != b["train.jsonl"]
+    assert sorted(a["train.jsonl"].splitlines()) == sorted(b["train.jsonl"].splitlines())
+    assert all(a[k] == b[k] for k in a if k.startswith("eval/"))
+
+
+# --- source formats ----------------------------------------------------------------------------
+
+
+def _valid_rows(task: str, path: Path) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    good = []
+    for row in rows:
+        try:
+            render(task, row)
+            good.append(row)
+        except RowError:
+            pass
+    return good
+
+
+def test_jsonl_json_parquet_and_save_to_disk_give_identical_outputs(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tasks = ("hellaswag", "obqa")
+    clean = tmp_path / "clean"
+    for task in tasks:
+        (clean / task).mkdir(parents=True)
+        for split in ("train", TASKS[task].eval_split):
+            rows = _valid_rows(task, MIRROR / task / f"{split}.jsonl")
+            (clean / task / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    writers = {
+        "json": lambda rows, d, s: (d / f"{s}.json").write_text(json.dumps(rows, indent=1)),
+        "parquet": lambda rows, d, s: pq.write_table(pa.Table.from_pylist(rows), d / f"{s}.parquet"),
+        "disk": lambda rows, d, s: datasets.Dataset.from_list(rows).save_to_disk(str(d / s)),
+    }
+    run_build(tmp_path / "out-jsonl", source=clean, tasks=tasks)
+    reference = file_bytes(tmp_path / "out-jsonl")
+    for fmt, write in writers.items():
+        mirror = tmp_path / fmt
+        for task in tasks:
+            (mirror / task).mkdir(parents=True)
+            for split in ("train", TASKS[task].eval_split):
+                write(_valid_rows(task, clean / task / f"{split}.jsonl"), mirror / task, split)
+        run_build(tmp_path / f"out-{fmt}", source=mirror, tasks=tasks)
+        got = file_bytes(tmp_path / f"out-{fmt}")
+        assert {k: v for k, v in got.items() if k != "manifest.json"} == \
+               {k: v for k, v in reference.items() if k != "manifest.json"}, fmt
+
+
+def test_winogrande_size_folder_is_used_when_present(tmp_path):
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / "winogrande", mirror / "winogrande" / "winogrande_xl")
+    (mirror / "winogrande" / "winogrande_xl" / "train.jsonl").write_text(
+        '{"sentence": "xl _", "option1": "a", "option2": "b", "answer": "1"}\n')
+    manifest, _ = run_build(tmp_path / "xl", source=mirror, tasks=("winogrande",), winogrande_size="xl")
+    assert manifest["counts"]["winogrande"]["train"]["kept"] == 1
+    assert manifest["winogrande_size"] == "xl"
+    assert manifest["sources"]["winogrande"]["train"]["path"] == "winogrande/winogrande_xl/train.jsonl"
+    with pytest.raises(DataPrepError, match="no train split in .*winogrande"):
+        run_build(tmp_path / "l", source=mirror, tasks=("winogrande",), winogrande_size="l")
+
+
+# --- validation and errors: clear message, nothing left in OUT ---------------------------------
+
+
+def assert_nothing_written(out: Path) -> None:
+    assert not out.exists(), f"{out} was created"
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")], "temporary dir left behind"
+
+
+def test_strict_names_task_file_and_row(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(DataPrepError) as info:
+        run_build(out, strict=True)
+    message = str(info.value)
+    assert message.startswith(f"boolq: {MIRROR / 'boolq' / 'train.jsonl'} row index 2: missing field 'passage'")
+    assert "\n" not in message
+    assert_nothing_written(out)
+
+
+def test_strict_reports_label_value(tmp_path):
+    with pytest.raises(DataPrepError, match=r"piqa: .*train\.json row index 2: label out of range \('label' is 2"):
+        run_build(tmp_path / "out", strict=True, tasks=("piqa",))
+
+
+def test_strict_passes_on_clean_tasks(tmp_path):
+    manifest, _ = run_build(tmp_path / "out", strict=True, tasks=("arc_easy",))
+    assert manifest["dropped"] == {}
+
+
+def test_rows_training_would_refuse_are_dropped_and_counted(tmp_path):
+    """A repeated id (the first row kept) and a row over MAX_ROW_CHARS: dropped and counted like invalid rows,
+    so the build never hands training a file it refuses; --strict makes the first one an error."""
+    from data_prep.build import DUPLICATE_ID, OVERLONG
+    from data_prep.io import MAX_ROW_CHARS
+
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / "arc_easy", mirror / "arc_easy")
+    lines = (mirror / "arc_easy" / "train.jsonl").read_text().splitlines()
+    huge = {**json.loads(lines[0]), "id": "huge", "question": "q" * MAX_ROW_CHARS}
+    (mirror / "arc_easy" / "train.jsonl").write_text("\n".join([*lines, lines[0], json.dumps(huge)]) + "\n")
+    manifest, _ = run_build(tmp_path / "out", source=mirror, tasks=("arc_easy",))
+    assert manifest["dropped"] == {"arc_easy": {"train": {DUPLICATE_ID: 1, OVERLONG: 1}}}
+    counts = manifest["counts"]["arc_easy"]["train"]
+    assert (counts["read"], counts["kept"], counts["dropped"]) == (len(lines) + 2, len(lines), 2)
+    ids = [r["id"] for r in read_rows(tmp_path / "out" / "train.jsonl")]
+    assert sorted(ids) == sorted(json.loads(x)["id"] for x in lines)
+    with pytest.raises(DataPrepError, match=f"arc_easy: .*train.jsonl row id '{json.loads(lines[0])['id']}': "
+                                            f"{DUPLICATE_ID} \\(--strict\\)"):
+        run_build(tmp_path / "strict", source=mirror, tasks=("arc_easy",), strict=True)
+    assert_nothing_written(tmp_path / "strict")
+
+
+def test_missing_task_directory_names_it_and_suggests_tasks(tmp_path):
+    mirror = tmp_path / "mirror"
+    for task in ("boolq", "piqa"):
+        shutil.copytree(MIRROR / task, mirror / task)
+    out = tmp_path / "out"
+    with pytest.raises(DataPrepError) as info:
+        run_build(out, source=mirror, tasks=("boolq", "piqa", "siqa", "obqa"))
+    message = str(info.value)
+    assert "no directory for task(s) siqa, obqa" in message
+    assert str(mirror / "siqa") in message
+    assert "--tasks boolq,piqa" in message
+    assert_nothing_written(out)
+
+
+def test_missing_split_file_is_an_error(tmp_path):
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / "obqa", mirror / "obqa")
+    (mirror / "obqa" / "test.jsonl").unlink()
+    out = tmp_path / "out"
+    with pytest.raises(DataPrepError, match=r"no test split in .*obqa \(expected test\.jsonl"):
+        run_build(out, source=mirror, tasks=("obqa",))
+    assert_nothing_written(out)
+
+
+def test_ambiguous_split_files_are_an_error(tmp_path):
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / "obqa", mirror / "obqa")
+    shutil.copy(mirror / "obqa" / "test.jsonl", mirror / "obqa" / "test.json")
+    with pytest.raises(DataPrepError, match="test split in .* is ambiguous: test.jsonl, test.json"):
+        run_build(tmp_path / "out", source=mirror, tasks=("obqa",))
+
+
+@pytest.mark.parametrize("name,content,pattern", [
+    ("test.jsonl", '{"id": "1"}\n{"id": \n', r"cannot read .*test\.jsonl: line 2 is not valid JSON"),
+    ("test.json", '[{"id": "1"},', r"cannot read .*test\.json: line 1 is not valid JSON"),
+    ("test.parquet", "not parquet", r"cannot read .*test\.parquet: not a readable parquet file"),
+    ("test.jsonl", b"\xff\xfe{}", r"cannot read .*test\.jsonl: not UTF-8"),
+    ("test.json", '42', r"cannot read .*test\.json: expected a JSON array of rows or JSON lines, got int"),
+])
+def test_unreadable_file_is_an_error_and_writes_nothing(tmp_path, name, content, pattern):
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / "obqa", mirror / "obqa")
+    (mirror / "obqa" / "test.jsonl").unlink()
+    target = mirror / "obqa" / name
+    target.write_bytes(content if isinstance(content, bytes) else content.encode())
+    out = tmp_path / "out"
+    with pytest.raises(DataPrepError, match=pattern):
+        run_build(out, source=mirror, tasks=("obqa",))
+    assert_nothing_written(out)
+
+
+def test_broken_save_to_disk_folder_is_an_error(tmp_path):
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / "obqa", mirror / "obqa")
+    (mirror / "obqa" / "test.jsonl").unlink()
+    (mirror / "obqa" / "test").mkdir()
+    with pytest.raises(DataPrepError, match=r"cannot read .*test: not a readable save_to_disk folder"):
+        run_build(tmp_path / "out", source=mirror, tasks=("obqa",))
+
+
+def test_bad_options_are_reported_together(tmp_path):
+    with pytest.raises(DataPrepError) as info:
+        run_build(tmp_path / "out", tasks=("boolq", "mmlu"), winogrande_size="xxl", cutoff=0)
+    message = str(info.value)
+    assert "unknown task 'mmlu'" in message and "unknown WinoGrande size 'xxl'" in message
+    assert "--cutoff needs --tokenizer" in message and "--cutoff must be positive" in message
+
+
+def test_source_directory_must_exist(tmp_path):
+    with pytest.raises(DataPrepError, match="no such directory"):
+        run_build(tmp_path / "out", source=tmp_path / "nope")
+
+
+def test_existing_output_needs_overwrite_and_survives_a_failed_build(tmp_path):
+    out = tmp_path / "out"
+    run_build(out, tasks=("obqa",))
+    before = file_bytes(out)
+    with pytest.raises(DataPrepError, match="exists; pass --overwrite"):
+        run_build(out, tasks=("piqa",))
+    with pytest.raises(DataPrepError):
+        run_build(out, tasks=("piqa",), overwrite=True, strict=True)
+    assert file_bytes(out) == before
+    run_build(out, tasks=("piqa",), overwrite=True)
+    assert set(file_bytes(out)) == {"train.jsonl", "eval/piqa.jsonl", "manifest.json"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_build(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(DataPrepError, match="not written by frod-ds"):
+        run_build(out, tasks=("obqa",), overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["precious.txt"]
+
+
+def test_empty_output_directory_is_reused(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_build(out, tasks=("obqa",))
+    assert (out / "eval" / "obqa.jsonl").is_file()
+
+
+# --- token lengths -----------------------------------------------------------------------------
+
+
+class WhitespaceTokenizer:
+    """One token per whitespace-separated word, a BOS in front; EOS id 2."""
+
+    eos_token_id = 2
+
+    def __call__(self, texts, add_special_tokens=True):
+        return {"input_ids": [[1] * add_special_tokens + [5] * len(t.split()) for t in texts]}
+
+
+def test_cutoff_counts_rows_over_it_per_task(tmp_path, monkeypatch):
+    from data_prep import tokens
+
+    monkeypatch.setattr(tokens, "load_tokenizer", lambda name: WhitespaceTokenizer())
+    manifest, _ = run_build(tmp_path / "out", tasks=("piqa", "winogrande"), tokenizer="ws", cutoff=32)
+    report = manifest["token_lengths"]
+    assert (report["tokenizer"], report["cutoff"]) == ("ws", 32)
+    # piqa train: "Physical situation description:" (3) + goal + "Choice A:" (2) + sol1 + "Choice B:" (2) + sol2
+    # + "Question:" (1) + question sentence (11) + "Answer:" (1) + answer (2), + BOS + EOS
+    piqa_train = [3 + 4 + 2 + 4 + 2 + 0 + 1 + 11 + 1 + 2 + 2, 3 + 3 + 2 + 2 + 2 + 4 + 1 + 11 + 1 + 2 + 2]
+    assert piqa_train == [32, 33]
+    assert report["per_task"]["piqa"]["train"] == {"rows": 2, "max": 33, "mean": 32.5, "p95": 33, "over_cutoff": 1}
+    piqa_eval = 3 + 2 + 2 + 3 + 2 + 3 + 1 + 11 + 1 + 2 + 2  # exactly at the cutoff: not over it
+    assert report["per_task"]["piqa"]["eval"] == {"rows": 1, "max": piqa_eval, "mean": 32.0, "p95": 32, "over_cutoff": 0}
+    assert report["per_task"]["winogrande"]["train"]["rows"] == 2

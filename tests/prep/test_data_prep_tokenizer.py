@@ -1,0 +1,48 @@
+"""`--tokenizer DIR --cutoff N` end to end with a real `transformers` tokenizer saved to disk (no Hub)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from data_prep.cli import main
+
+MIRROR = Path(__file__).parents[1] / "fixtures" / "data_prep" / "mirror"
+
+
+def save_whitespace_tokenizer(path: Path) -> None:
+    """A word-level tokenizer: one token per whitespace-separated word, BOS prepended, EOS id 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1, "</s>": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+
+
+def test_tokenizer_dir_reports_rows_over_cutoff(capsys, tmp_path):
+    save_whitespace_tokenizer(tmp_path / "tok")
+    out = tmp_path / "cs"
+    code = main(["build", "--source", str(MIRROR), "--out", str(out), "--tasks", "piqa",
+                 "--tokenizer", str(tmp_path / "tok"), "--cutoff", "32"])
+    stdout = capsys.readouterr().out
+    assert code == 0
+    # PIQA training texts are 32 and 33 words + BOS + EOS long (counted by hand in test_data_prep_build.py)
+    assert "  piqa           train max    33  p95    33  over cutoff      1 of 2" in stdout
+    assert "  piqa           eval  max    32  p95    32  over cutoff      0 of 1" in stdout
+    report = json.loads((out / "manifest.json").read_text())["token_lengths"]
+    assert report["per_task"]["piqa"]["train"]["over_cutoff"] == 1
+    code = main(["stats", "--out", str(out), "--tokenizer", str(tmp_path / "tok"), "--cutoff", "32"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:3] == ["train.jsonl", "piqa", "2"] and line.split()[-1] == "1" for line in lines)
+
+
+def test_unloadable_tokenizer_is_a_one_line_error(capsys, tmp_path):
+    code = main(["build", "--source", str(MIRROR), "--out", str(tmp_path / "cs"), "--tasks", "piqa",
+                 "--tokenizer", str(tmp_path / "no-such-tokenizer")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"error: cannot load tokenizer '{tmp_path / 'no-such-tokenizer'}': ") and err.count("\n") == 1
+    assert not (tmp_path / "cs").exists()

@@ -1,0 +1,148 @@
+"""The package's layering, read from the source (ast, nothing imported): no import cycle between frod_ds's
+sub-packages, each sub-package imports only from layers below it (or itself), library code uses no old
+module path (frod_ds/_compat.py), frod_ds never imports data_prep / launch / bench, and frod_ds.formats
+imports no torch, directly or through any frod_ds module it imports (function-level imports included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.support.leftovers import REPO
+
+PKG = REPO / "frod_ds"
+# Lowest first. A sub-package may import its own modules and those of lower layers; sub-packages sharing a
+# layer do not import each other. docs/layout.md explains the order.
+LAYERS: list[tuple[str, ...]] = [
+    ("runtime",), ("formats",), ("prep",), ("io",), ("core",), ("config",), ("hjd",), ("model",), ("eval",),
+    ("train", "interop", "plan"), ("testing",), ("cli",),
+]
+RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+TOP_LEVEL = {"frod_ds", "frod_ds._compat", "frod_ds.__main__"}  # the package's door: may name every layer
+TORCH = ("torch", "safetensors.torch", "deepspeed", "transformers", "bitsandbytes", "peft")
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(pkg: Path = PKG) -> dict[str, Path]:
+    return {module_name(p, pkg.parent): p for p in sorted(pkg.rglob("*.py"))}
+
+
+def imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """Every module ``path`` imports anywhere in it: ``from a.b import c`` is ``a.b.c`` when that is a module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known}
+    return out
+
+
+def graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    mods = modules(pkg)
+    return {name: imports(path, name, set(mods)) for name, path in mods.items()}
+
+
+def subpackage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in RANK) else None
+
+
+def layer_violations(g: dict[str, set[str]]) -> list[str]:
+    out = []
+    for src, targets in g.items():
+        if src in TOP_LEVEL:
+            continue
+        a = subpackage(src)
+        assert a in RANK, f"{src} is in no declared layer: add its sub-package to LAYERS (and docs/layout.md)"
+        for t in sorted(x for x in targets if x.startswith("frod_ds.")):
+            b = subpackage(t)
+            if b is None or b == a:
+                continue
+            if b not in RANK or RANK[b] > RANK[a] or (RANK[b] == RANK[a]):
+                out.append(f"{src} imports {t} ({a} may import only layers below it: {LAYERS[:RANK[a]]})")
+    return out
+
+
+def package_cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    edges: dict[str, set[str]] = {}
+    for src, targets in g.items():
+        a = subpackage(src)
+        for t in targets:
+            b = subpackage(t) if t.startswith("frod_ds.") else None
+            if a and b and a != b:
+                edges.setdefault(a, set()).add(b)
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+@pytest.fixture(scope="module")
+def g() -> dict[str, set[str]]:
+    return graph()
+
+
+def test_no_import_cycle_between_subpackages(g):
+    assert package_cycles(g) == []
+
+
+def test_each_subpackage_imports_only_lower_layers(g):
+    assert layer_violations(g) == []
+
+
+def test_library_uses_no_old_module_paths(g):
+    from frod_ds._compat import OLD_PATHS
+
+    used = [f"{src} imports {t} (now {OLD_PATHS[t]})" for src, ts in g.items() for t in ts if t in OLD_PATHS]
+    assert used == []
+
+
+def test_frod_ds_and_data_prep_import_one_way(g):
+    """data_prep (``python -m data_prep``) is an entry point of frod_ds.prep; frod_ds never imports it, nor the
+    scripts outside the wheel (launch/, bench/)."""
+    back = [f"{src} imports {t}" for src, ts in g.items() for t in ts if t.split(".")[0] in ("data_prep", "launch", "bench")]
+    assert back == []
+    dp = graph(REPO / "data_prep")
+    assert any(t.startswith("frod_ds") for ts in dp.values() for t in ts)
+
+
+def test_formats_import_no_torch(g):
+    """Reading a record (store manifest, adapter config, run identity) never loads torch: everything a
+    formats module imports, followed through frod_ds, is torch-free."""
+    seen, todo, found = set(), [m for m in g if m.startswith("frod_ds.formats")], []
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        for t in g[m]:
+            if t.split(".")[0] in {x.split(".")[0] for x in TORCH} and any(t == x or t.startswith(x + ".") for x in TORCH):
+                found.append(f"{m} imports {t}")
+            if t in g:
+                todo.append(t)
+    assert found == [], f"formats reach torch: {found}"
+    assert {m.split(".")[1] for m in seen} <= {"formats", "runtime"}, sorted(seen)

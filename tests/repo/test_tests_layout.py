@@ -1,0 +1,56 @@
+"""tests/ mirrors the project: every sub-directory is named after what its tests cover (a frod_ds sub-package,
+launch/slurm, bench, or the repository as a whole), shared helpers live in tests/support and data in tests/fixtures,
+and no test file sits flat in tests/. A new test file therefore has exactly one obvious home."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.support.leftovers import REPO
+
+TESTS = REPO / "tests"
+# The directories that are not frod_ds sub-packages, each with the part of the repository it tests.
+OTHER_PARTS = {"slurm": "launch/slurm", "bench": "bench", "repo": "."}
+# Not tests: helpers imported by tests or run by them as scripts, and data files.
+NOT_TESTS = {"support", "fixtures"}
+
+
+def _frod_parts() -> set[str]:
+    return {p.name for p in (REPO / "frod_ds").iterdir() if (p / "__init__.py").is_file()}
+
+
+def _test_dirs() -> set[str]:
+    return {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+
+
+def test_every_tests_directory_names_a_part_of_the_project():
+    unknown = sorted(_test_dirs() - _frod_parts() - OTHER_PARTS.keys() - NOT_TESTS)
+    assert not unknown, (f"tests/{unknown[0]}/ names no part of the project: name a test directory after a frod_ds "
+                         f"sub-package ({', '.join(sorted(_frod_parts()))}) or one of {sorted(OTHER_PARTS)}")
+    for name, target in OTHER_PARTS.items():
+        assert (REPO / target).is_dir(), f"tests/{name}/ tests {target}/, which does not exist"
+
+
+def test_every_frod_ds_sub_package_has_its_test_directory():
+    missing = sorted(_frod_parts() - _test_dirs())
+    assert not missing, f"frod_ds sub-packages without tests/<name>/: {missing}"
+
+
+def test_no_test_file_is_left_flat_or_outside_a_part():
+    flat = sorted(p.name for p in TESTS.glob("*.py") if p.name not in {"conftest.py", "__init__.py"})
+    assert not flat, f"files flat in tests/ (move each into the directory of the part it tests): {flat}"
+    hidden = sorted(str(p.relative_to(TESTS)) for d in NOT_TESTS for p in (TESTS / d).rglob("test_*.py"))
+    assert not hidden, f"test files under a helper or data directory are never collected as tests: {hidden}"
+
+
+def test_every_test_directory_is_a_package_with_unique_file_names():
+    """Each directory is a package, so files import as tests.<part>.<module>; basenames stay unique across the
+    tree so a file name alone (in --durations, -k, a junit record or a doc) says which file is meant."""
+    dirs = sorted(_test_dirs() - {"fixtures"})
+    no_init = [d for d in dirs if not (TESTS / d / "__init__.py").is_file()]
+    assert not no_init, f"tests/<dir>/__init__.py missing for {no_init}"
+    seen: dict[str, str] = {}
+    for d in dirs:
+        for p in sorted((TESTS / d).glob("test_*.py")):
+            assert p.name not in seen, f"tests/{d}/{p.name} and tests/{seen[p.name]}/{p.name} share a name"
+            seen[p.name] = d
+    assert seen, "no test files found under tests/<part>/"

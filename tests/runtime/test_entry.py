@@ -1,0 +1,126 @@
+"""The entry helper every launch script runs through: a user mistake is one ``error:`` line and exit 2, a bug
+keeps its traceback; the cross-rank helpers turn only user mistakes into agreed errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from frod_ds import distributed as D
+from frod_ds import entry
+from frod_ds.errors import FrodError, StoreError
+from tests.support.helpers_ckpt import REPO
+
+
+def _raise(e: BaseException):
+    def body():
+        raise e
+
+    return body
+
+
+def test_user_error_is_one_line_and_exit_2(capsys):
+    assert entry.run(_raise(StoreError("factor store x is corrupt\nrebuild it")), init_group=False) == 2
+    assert capsys.readouterr().err == "error: factor store x is corrupt rebuild it\n"
+    assert entry.run(_raise(D.CollectiveError("agreed")), init_group=False) == 2
+    assert capsys.readouterr().err == "error: agreed\n"
+    assert entry.run(lambda: None, init_group=False) == 0 and entry.run(lambda: 143, init_group=False) == 143
+
+
+def test_a_bug_is_not_a_user_error():
+    with pytest.raises(ValueError, match="a bug"):
+        entry.run(_raise(ValueError("a bug")), init_group=False)
+    with pytest.raises(ValueError):
+        D.on_all(_raise(ValueError("a bug in a collective step")))
+    with pytest.raises(D.CollectiveError, match="bad input"):
+        D.on_main(_raise(FrodError("bad input")))
+
+
+def test_a_bug_in_a_launch_script_shows_its_traceback_and_exits_1(tmp_path):
+    """An exception that is not a ``FrodError`` (here a stand-in for a failure inside torch) is a bug: its
+    traceback, exit 1, and no one-line 'user error'."""
+    code = ("import sys; sys.argv = ['export']; from frod_ds import entry\n"
+            "def body():\n    raise RuntimeError('torch broke')\n"
+            "sys.exit(entry.run(body, init_group=False))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "RuntimeError: torch broke" in proc.stderr
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+
+
+def _group_body(fail: BaseException | None):
+    import torch.distributed as tdist
+
+    from frod_ds import distributed as D
+    from tests.support.leftovers import launcher_vars
+
+    seen = {}
+
+    def body():
+        D.init_deepspeed()
+        seen["initialized"] = tdist.is_initialized() and D.get_world_size() == 1
+        seen["env"] = launcher_vars()
+        if fail is not None:
+            raise fail
+        return 0
+
+    return body, seen
+
+
+@pytest.mark.parametrize("fail", [None, "user", "bug"])
+def test_a_one_process_group_leaves_nothing_behind(monkeypatch, fail):
+    """Without a launcher, DeepSpeed's one-rank group needs no address or port (an in-process store), sets only
+    ``LOCAL_RANK`` (which DeepSpeed reads), and ``entry.run`` destroys it and restores the environment on every
+    exit: a return, a user error, a bug. A second run in the same process works (DeepSpeed's handle is reset)."""
+    import torch.distributed as tdist
+
+    from frod_ds import entry
+    from frod_ds.errors import FrodError
+    from tests.support.leftovers import launcher_vars, listening_sockets
+
+    for name in list(launcher_vars()):
+        monkeypatch.delenv(name)
+    sockets = listening_sockets()
+    for attempt in range(2):
+        error = {"user": FrodError("bad input"), "bug": RuntimeError("broke"), None: None}[fail]
+        body, seen = _group_body(error)
+        if fail == "bug":
+            with pytest.raises(RuntimeError, match="broke"):
+                entry.run(body, init_group=False)
+        else:
+            assert entry.run(body, init_group=False) == (0 if fail is None else entry.USER_ERROR)
+        assert seen["initialized"], attempt
+        assert seen["env"] == {"LOCAL_RANK": "0"}, "only the variable DeepSpeed reads, while the group lives"
+        assert not tdist.is_initialized()
+        assert launcher_vars() == {}
+        assert listening_sockets() <= sockets
+
+
+def test_deepspeed_group_builds_no_shm_comm_op_and_restores_the_op_table(monkeypatch, tmp_path):
+    """DeepSpeed's CPU backend would JIT-compile its shared-memory all-reduce op (minutes on 2 cores, only
+    AutoTP inference uses it) into ``TORCH_EXTENSIONS_DIR``: ``init_deepspeed`` turns it off, so nothing is
+    built or loaded, and ``destroy`` puts DeepSpeed's table of compatible ops back as it was."""
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+
+    from tests.support.leftovers import launcher_vars
+
+    for name in list(launcher_vars()):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    before = dict(deepspeed.ops.__compatible_ops__)
+    seen = {}
+
+    def body():
+        D.init_deepspeed()
+        seen["shm_op"] = ds_comm.cdb.shm_comm_op
+        seen["table"] = deepspeed.ops.__compatible_ops__.get(D.SHM_COMM_OP, False)
+        return 0
+
+    assert entry.run(body, init_group=False) == 0
+    assert seen == {"shm_op": None, "table": False}
+    assert not (tmp_path / "ext").exists(), "no op compiled"
+    assert deepspeed.ops.__compatible_ops__ == before

@@ -1,0 +1,211 @@
+"""The overwrite rule (``frod_ds.atomic.check_replaceable``): ``--overwrite`` replaces only a directory an earlier
+run of the same command wrote (the marker's kind), never one holding another command's output, never one of the
+command's own inputs (or a directory containing or inside one), and training never writes into a directory that
+frod-ds training did not write. Each refusal is exit 2 with one ``error:`` line, and the refused directory is
+byte-identical afterwards. One tiny model, factor store, data build and trained run are shared by the module;
+CLIs run in-process where they stop before a DeepSpeed engine, training and HJD as one-process subprocesses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from tests.support.train_env import CPU_ZERO2, build_env, run_train, train_in_process
+
+from data_prep.cli import main as data_prep_main
+from frod_ds.atomic import MARKER
+from launch import export as export_cli
+from launch import hjd as hjd_cli
+
+
+def tree(path: Path) -> dict[str, str]:
+    """Every file under ``path`` (relative name → sha256 of its bytes): proof that nothing changed."""
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def one_error(capsys, code: int) -> str:
+    err = capsys.readouterr().err
+    assert code == 2, err[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def proc_error(proc) -> str:
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+def train_proc(env, out: Path, *extra: str):
+    overrides = env.overrides(out, **{"train.max_steps": 2, "train.save_every": 0})
+    return run_train(CPU_ZERO2, [*overrides, *extra], nproc=0)
+
+
+def marked(path: Path, kind: str | None, files: dict[str, str] | None = None) -> Path:
+    """A directory with a marker of ``kind`` (None: an old marker without one) and ``files``."""
+    path.mkdir(parents=True)
+    record = {"format": "frod-ds-output"} if kind is None else {"format": "frod-ds-output", "kind": kind}
+    (path / MARKER).write_text(json.dumps(record) + "\n")
+    for name, text in (files or {"keep.txt": "keep"}).items():
+        (path / name).write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return build_env(tmp_path_factory.mktemp("overwrite_rule"))
+
+
+@pytest.fixture(scope="module")
+def run(env):
+    out = env.root / "run"
+    proc = train_proc(env, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter(run):
+    return run / "adapter-final"
+
+
+@pytest.fixture(scope="module")
+def hf_export(env, adapter):
+    out = env.root / "hf-export"
+    assert export_cli.main(["--checkpoint", str(adapter), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def peft_export(env, adapter):
+    out = env.root / "peft-export"
+    assert export_cli.main(["--checkpoint", str(adapter), "--out", str(out), "--format", "peft"]) == 0
+    return out
+
+
+def refuse_export(capsys, argv: list[str], victim: Path) -> str:
+    """``launch/export.py ARGV --overwrite`` is refused and ``victim`` is byte-identical afterwards."""
+    before = tree(victim)
+    line = one_error(capsys, export_cli.main([*argv, "--overwrite"]))
+    assert tree(victim) == before
+    assert str(victim) in line or victim.name in line, line
+    return line
+
+
+# -- an export never replaces its own input --------------------------------------------------------------
+
+def test_export_onto_its_own_checkpoint_is_refused(adapter, capsys):
+    line = refuse_export(capsys, ["--checkpoint", str(adapter), "--out", str(adapter)], adapter)
+    assert "--checkpoint" in line and "trained adapter" in line
+
+
+def test_export_inside_its_own_checkpoint_is_refused(adapter, capsys):
+    line = refuse_export(capsys, ["--checkpoint", str(adapter), "--out", str(adapter / "merged")], adapter)
+    assert "inside" in line
+    assert not (adapter / "merged").exists()
+
+
+def test_export_onto_the_run_holding_its_checkpoint_is_refused(run, capsys):
+    refuse_export(capsys, ["--checkpoint", str(run / "adapter-final"), "--out", str(run)], run)
+
+
+def test_export_onto_a_demo_directory_is_refused(env, run, tmp_path, capsys):
+    """``make demo``'s directory (marker kind ``demo``: model, store, data, checkpoints, adapters)."""
+    demo = tmp_path / "demo"
+    shutil.copytree(run, demo)
+    (demo / MARKER).write_text(json.dumps({"format": "frod-ds-output", "kind": "demo"}) + "\n")
+    line = refuse_export(capsys, ["--checkpoint", str(run / "adapter-final"), "--out", str(demo)], demo)
+    assert "demo" in line
+
+
+# -- --overwrite replaces only an earlier output of the same command --------------------------------------
+
+def test_peft_export_over_a_data_build_is_refused(env, adapter, capsys):
+    line = refuse_export(capsys, ["--checkpoint", str(adapter), "--format", "peft", "--out", str(env.data)], env.data)
+    assert "data_prep build" in line
+
+
+def test_peft_import_over_an_hf_export_is_refused(env, peft_export, hf_export, capsys):
+    line = refuse_export(capsys, ["--from-peft", str(peft_export), "--base-model", str(env.model), "--out",
+                                  str(hf_export)], hf_export)
+    assert "Hugging Face export" in line
+
+
+def test_hf_export_over_a_peft_export_is_refused(adapter, peft_export, capsys):
+    line = refuse_export(capsys, ["--checkpoint", str(adapter), "--out", str(peft_export)], peft_export)
+    assert "PEFT" in line
+
+
+@pytest.mark.parametrize("kind,needle", [(None, "no kind"), ("output", "unknown kind"), ("adapter", "trained adapter"),
+                                         ("factor-store", "factor store"), ("training-run", "training run")])
+def test_export_trusts_a_marker_only_of_its_own_kind(adapter, tmp_path, capsys, kind, needle):
+    victim = marked(tmp_path / "victim", kind)
+    line = refuse_export(capsys, ["--checkpoint", str(adapter), "--out", str(victim)], victim)
+    assert needle in line
+
+
+def test_export_refuses_its_own_kind_holding_an_adapter(adapter, tmp_path, capsys):
+    victim = marked(tmp_path / "victim", "hf-export")
+    shutil.copytree(adapter, victim / "kept" / "adapter-final")
+    line = refuse_export(capsys, ["--checkpoint", str(adapter), "--out", str(victim)], victim)
+    assert "adapter-final" in line
+
+
+def test_export_still_replaces_its_own_earlier_export(adapter, tmp_path, capsys):
+    out = tmp_path / "merged"
+    args = ["--checkpoint", str(adapter), "--out", str(out)]
+    assert export_cli.main(args) == 0
+    assert export_cli.main([*args, "--overwrite"]) == 0
+    assert json.loads((out / MARKER).read_text())["kind"] == "hf-export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+
+
+def test_data_build_over_a_factor_store_is_refused(env, tmp_path, capsys):
+    store = tmp_path / "store"
+    shutil.copytree(env.store, store)  # holds a manifest.json, as a data build does
+    (store / MARKER).write_text(json.dumps({"format": "frod-ds-output", "kind": "factor-store"}) + "\n")
+    before = tree(store)
+    line = one_error(capsys, data_prep_main(["build", "--source", str(env.root / "raw"), "--tasks", "boolq",
+                                             "--out", str(store), "--overwrite"]))
+    assert "factor store" in line
+    assert tree(store) == before
+
+
+def test_hjd_over_a_data_build_is_refused(env, capsys):
+    before = tree(env.data)
+    line = one_error(capsys, hjd_cli.main(["--model", str(env.model), "--out", str(env.data), "--overwrite"]))
+    assert "data_prep build" in line
+    assert tree(env.data) == before
+
+
+# -- training writes only into its own run ----------------------------------------------------------------
+
+def test_training_into_a_foreign_directory_is_refused_before_writing(env, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "recipe.yaml").write_text("my: own recipe\n")
+    (mine / "metrics.jsonl").write_text('{"epoch": 1, "acc": 0.5}\n')
+    before = tree(mine)
+    overrides = env.overrides(mine, **{"train.max_steps": 2, "train.save_every": 0})
+    line = proc_error(train_in_process(CPU_ZERO2, overrides))  # refused before the engine: no subprocess needed
+    assert "output_dir" in line and "not written by frod-ds" in line
+    assert tree(mine) == before and sorted(p.name for p in mine.iterdir()) == ["metrics.jsonl", "recipe.yaml"]
+
+
+def test_training_run_dir_is_recognised_with_or_without_its_marker(env, run, tmp_path):
+    """Re-running the same command resumes (tests/cli/test_bad_inputs.py runs it); a run from before the marker is
+    recognised by its checkpoints or adapters."""
+    from frod_ds.trainer import check_run_dir
+
+    assert json.loads((run / MARKER).read_text())["kind"] == "training-run"
+    check_run_dir(run)
+    old = tmp_path / "old-run"
+    shutil.copytree(run, old)
+    (old / MARKER).unlink()
+    check_run_dir(old)

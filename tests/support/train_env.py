@@ -1,0 +1,130 @@
+"""A complete tiny training setup on disk for the training tests: model, tokenizer, data, factor store.
+
+Built with the same library pieces as ``make demo`` (``frod_ds.toy``, ``data_prep``, ``launch/hjd.py``), at
+test size. ``run_train`` runs ``launch/train.py`` (or another script) as a subprocess, one process or under
+``torchrun --standalone`` on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.leftovers import REPO, clean_env
+CPU_ZERO3 = REPO / "ds_configs" / "zero3_cpu_fp32.json"
+CPU_ZERO2 = REPO / "ds_configs" / "zero2_cpu_fp32.json"
+
+
+@dataclass
+class TrainEnv:
+    root: Path
+    model: Path
+    data: Path
+    store: Path
+
+    def overrides(self, out: Path, **extra) -> list[str]:
+        base = {
+            "model.base": self.model,
+            "model.factor_store": self.store,
+            "model.dtype": "float32",
+            "model.sparsity": 0.1,
+            "data.train": self.data / "train.jsonl",
+            "data.cutoff_len": 64,
+            "train.micro_batch_size": 4,
+            "train.grad_accum": 2,
+            "train.lr_sigma": 1e-2,
+            "train.lr_s": 1e-3,
+            "train.log_every": 1,
+            "train.rotation_every": 0,
+            "output_dir": out,
+        }
+        base.update(extra)
+        return [f"{k}={v}" for k, v in base.items()]
+
+
+def env_vars() -> dict[str, str]:
+    """The environment of a CPU training subprocess: no launcher variables (``tests.support.leftovers.clean_env``)."""
+    return clean_env()
+
+
+# Built setups of this test process, (seed, layers) -> directory: each is built once and copied to every root
+# that asks for it (a copy takes milliseconds; a build, two subprocesses and a tokenizer, ~10 s on 2 cores).
+_BUILT: dict[tuple[int, int], Path] = {}
+
+
+def build_env(root: Path, seed: int = 0, layers: int = 2) -> TrainEnv:
+    """The setup of ``seed``/``layers`` at ``root``: what :func:`_build` writes there, byte for byte except the
+    absolute paths the data and store manifests record (rewritten to ``root``). Each caller gets its own copy,
+    so a test may change its files."""
+    key = (seed, layers)
+    if key not in _BUILT:
+        built = Path(tempfile.mkdtemp(prefix=f"frod-trainenv-s{seed}-l{layers}-"))
+        atexit.register(shutil.rmtree, built, ignore_errors=True)
+        _build(built / "env", seed, layers)
+        _BUILT[key] = built / "env"
+    src, root = _BUILT[key], Path(root)
+    shutil.copytree(src, root, dirs_exist_ok=True)
+    for manifest in (root / "data" / "manifest.json", root / "factors" / "manifest.json"):
+        manifest.write_text(manifest.read_text().replace(str(src), str(root)))
+    return TrainEnv(root, root / "model", root / "data", root / "factors")
+
+
+def _build(root: Path, seed: int, layers: int) -> None:
+    from transformers import AutoTokenizer
+
+    from frod_ds.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
+
+    root.mkdir(parents=True, exist_ok=True)
+    write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=seed)
+    subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(root / "raw"), "--tasks",
+                    "boolq,piqa", "--out", str(root / "data")], check=True, env=env_vars(), cwd=REPO,
+                   capture_output=True)
+    texts = [json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
+             for line in (root / "data" / "train.jsonl").read_text().splitlines()]
+    tok_dir = train_sentencepiece_tokenizer(root / "tokenizer", texts, vocab_size=400)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    write_tiny_llama(root / "model", vocab_size=len(tok), seed=seed, max_shard_size="60KB",
+                     hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                     num_hidden_layers=layers)
+    tok.save_pretrained(str(root / "model"))
+    subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(root / "model"), "--out",
+                    str(root / "factors")], check=True, env=env_vars(), cwd=REPO, capture_output=True)
+
+
+def train_cmd(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None) -> list[str]:
+    script = script or REPO / "launch" / "train.py"
+    cmd = [sys.executable]
+    if nproc:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return cmd + [str(script), "--config", str(config), *overrides]
+
+
+def run_train(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(train_cmd(config, overrides, nproc, script), env=env_vars(), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def train_in_process(config: Path, overrides: list[str]) -> subprocess.CompletedProcess:
+    """``launch/train.py``'s ``main`` in this process, for runs refused before the engine is built: the exit code
+    and what it printed, as ``run_train`` returns them, without a subprocess's start-up (torch, transformers and
+    DeepSpeed imports: most of a refused run's time). ``frod_ds.entry`` undoes its process group."""
+    from launch.train import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["--config", str(config), *overrides])
+    return subprocess.CompletedProcess(["launch/train.py"], code, out.getvalue(), err.getvalue())
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -1,0 +1,41 @@
+"""A run directory written by frod-ds before the package was split by stage (``tests/fixtures/run_v1``, made by
+``tests/fixtures/make_run_v1.py`` with that code: stopped after its sealed step-3 checkpoint) resumes with
+today's code, and steps 4-6 give the losses the original code logged when it ran the same 6 steps
+uninterrupted (``expected_losses.json``, written by the original code)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+
+from tests.support.leftovers import REPO
+from tests.support.train_env import CPU_ZERO2, metrics, run_train
+
+FIX = REPO / "tests" / "fixtures" / "run_v1"
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("make_run_v1", REPO / "tests" / "fixtures" / "make_run_v1.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_run_written_before_the_move_resumes_with_the_original_losses(tmp_path):
+    root = tmp_path / "run_v1"
+    shutil.copytree(FIX, root)
+    expected = {int(k): v for k, v in json.loads((root / "expected_losses.json").read_text()).items()}
+    make = _maker()
+    res = run_train(CPU_ZERO2, [f"{k}={v}" for k, v in make.run_overrides(root).items()], nproc=0)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in res.stdout + res.stderr
+    rows = metrics(root / "run")
+    assert [r["step"] for r in rows] == list(range(1, make.STEPS + 1))
+    assert {r["step"]: r["loss"] for r in rows[:make.SAVE_AT]} == {s: expected[s] for s in range(1, make.SAVE_AT + 1)}
+    for r in rows[make.SAVE_AT:]:  # computed now, from the old checkpoint
+        assert r["loss"] == pytest.approx(expected[r["step"]], rel=1e-6, abs=1e-6), r["step"]
+    assert (root / "run" / "adapter-final" / "adapter.safetensors").is_file()
