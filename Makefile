@@ -9,6 +9,8 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 export FROD_TEST_ORDER ?= normal
+# xdist workers for make test (0: one process). Two fit 2 cores: most tests wait on launched ranks or daemons.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo test clean
 
@@ -26,7 +28,7 @@ demo: $(STAMP)
 	$(VPY) -m launch.demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q --durations=15 tests
+	$(VPY) -m pytest -q --durations=15 -n $(TEST_WORKERS) tests
 
 clean:
 	rm -rf runs .pytest_cache

@@ -83,11 +83,69 @@ def _order_key(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+# Files that share a machine-wide resource (Slurm daemons, munge, the namespaces' bridge) run on one xdist worker,
+# one after the other, as one unit; every other file is a unit of its own, so its module fixtures are built once.
+XDIST_UNITS = {"tests/slurm/test_slurm_real.py": "slurm", "tests/slurm/test_slurm_multinode.py": "slurm"}
+# Dispatched before the others: by far the longest unit, so starting it last would leave one worker idle for minutes.
+XDIST_FIRST = ("slurm",)
+
+
+def _requested_order(config) -> str:
+    """The order for this run; an xdist worker takes the controller's (with the seed it drew), since every
+    worker must collect the same tests in the same order."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and "frod_order" in workerinput:
+        return workerinput["frod_order"]
+    order = os.environ.get("FROD_TEST_ORDER", "normal")
+    if order == "shuffle":
+        order = f"shuffle:{random.SystemRandom().randrange(10**6)}"
+    return order
+
+
+def pytest_configure(config):
+    config._frod_order = _requested_order(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist (controller side): hand each worker the resolved order."""
+    node.workerinput["frod_order"] = node.config._frod_order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist (controller side): whole files (XDIST_UNITS: the Slurm files together) go to one worker each, in the
+    FROD_TEST_ORDER of the collection, XDIST_FIRST first. (xdist's own ``--dist loadgroup`` marks nothing under
+    pytest 9, whose node ids it can no longer rename, and its ``loadfile`` reorders files by test count.)"""
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FirstUnitsFirst(OrderedDict):
+        def __setitem__(self, unit, tests):
+            super().__setitem__(unit, tests)
+            if unit in XDIST_FIRST:
+                self.move_to_end(unit, last=False)
+
+    class FileUnits(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = FirstUnitsFirst()
+
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return XDIST_UNITS.get(file, file)
+
+    config.option.loadscopereorder = False  # the files' order is FROD_TEST_ORDER's, not xdist's by test count
+    return FileUnits(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items):
     """``FROD_TEST_ORDER``: unset or ``normal`` (collection order), ``reverse`` (test files in reverse order),
     or ``shuffle:SEED`` (files shuffled, and the tests inside each file, with that seed; ``shuffle`` alone picks
-    a seed). Tests of one file stay together, so module fixtures are built once whatever the order."""
-    order = os.environ.get("FROD_TEST_ORDER", "normal")
+    a seed). Tests of one file stay together, so module fixtures are built once whatever the order. Under xdist
+    each file is handed to one worker whole, in this order (``pytest_xdist_make_scheduler``)."""
+    order = config._frod_order
     files: dict[str, list] = {}
     for item in items:
         files.setdefault(_order_key(item), []).append(item)
@@ -96,25 +154,20 @@ def pytest_collection_modifyitems(session, config, items):
         return
     if order == "reverse":
         names.reverse()
-    elif order.startswith("shuffle"):
-        seed = order.partition(":")[2] or str(random.SystemRandom().randrange(10**6))
-        config._frod_order = f"shuffle:{seed}"
-        rng = random.Random(int(seed))
+    elif order.startswith("shuffle:") and order.partition(":")[2].isdigit():
+        rng = random.Random(int(order.partition(":")[2]))
         rng.shuffle(names)
         for name in names:
             rng.shuffle(files[name])
     else:
         raise pytest.UsageError(f"FROD_TEST_ORDER={order!r}: use normal, reverse, shuffle or shuffle:SEED")
-    config._frod_order = getattr(config, "_frod_order", order)
     items[:] = [item for name in names for item in files[name]]
 
 
 def pytest_report_header(config):
-    order = os.environ.get("FROD_TEST_ORDER", "normal")
-    return f"test order: FROD_TEST_ORDER={order} (re-run the same order with FROD_TEST_ORDER=<this value>)"
+    return f"test order: FROD_TEST_ORDER={config._frod_order} (re-run the same order with FROD_TEST_ORDER=<this value>)"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    order = getattr(config, "_frod_order", None)
-    if order:
-        terminalreporter.write_line(f"test order: FROD_TEST_ORDER={order}")
+    if config._frod_order != "normal":
+        terminalreporter.write_line(f"test order: FROD_TEST_ORDER={config._frod_order}")
