@@ -118,7 +118,7 @@ def _autos(node: Any, prefix: str = "") -> list[str]:
 # (deepspeed/runtime/zero/config.py DeepSpeedZeroConfig, under the JSON names, i.e. the stage3_* aliases),
 # ``zero_optimization.offload_param`` (zero/offload_config.py DeepSpeedZeroOffloadParamConfig) and ``aio``
 # (swap_tensor/constants.py). overlap_comm is absent on purpose: its default depends on the stage
-# (``zero_settings``). The one table of them; tests/test_ds_config_defaults.py reads the installed DeepSpeed's
+# (``zero_settings``). The one table of them; tests/config/test_ds_config_defaults.py reads the installed DeepSpeed's
 # config classes and fails when one drifts.
 DS_DEFAULTS: dict[str, dict[str, int | bool]] = {
     "zero_optimization": {

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from tests.leftovers import REPO
-from tests.train_env import build_env, metrics, run_train
+from tests.support.leftovers import REPO
+from tests.support.train_env import build_env, metrics, run_train
 
 ZERO2 = REPO / "ds_configs" / "zero2.json"
 

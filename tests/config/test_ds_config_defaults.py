@@ -13,7 +13,7 @@ import pytest
 from frod_ds.config.ds_config import DS_DEFAULTS, DSConfigError, bf16_overflow_check, offload_device, zero_settings
 from frod_ds.plan.planner import Engine, engine_from_ds_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "ds_configs").glob("*.json"))
 
 zero_config = pytest.importorskip("deepspeed.runtime.zero.config")
