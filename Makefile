@@ -9,7 +9,8 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 export FROD_TEST_ORDER ?= normal
-# xdist workers for make test (0: one process). Two fit 2 cores: most tests wait on launched ranks or daemons.
+# xdist workers for make test (0: one process): the Slurm tests, which mostly wait on daemons, run on one worker
+# while the other runs the rest.
 TEST_WORKERS ?= 2
 
 .PHONY: venv demo test clean
