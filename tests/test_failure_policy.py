@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.leftovers import REPO, clean_env
 
@@ -79,6 +80,34 @@ def test_a_builder_that_dies_while_others_wait_does_not_block_them(tmp_path):
         if builder.poll() is None:
             builder.kill()
             builder.wait()
+
+
+def test_an_offload_run_builds_cpu_adam_under_the_build_lock(monkeypatch):
+    """DeepSpeedCPUAdam (optimizer offload) JIT-builds the cpu_adam op at start-up: that build must go through
+    op_build.load_op (a lock that dies with its holder, a dead builder's baton cleared), not torch's bare baton."""
+    from frod_ds.config.recipe import load_recipe
+    from frod_ds.runtime import op_build
+    from frod_ds.train import trainer
+
+    loaded = []
+
+    class Stop(Exception):
+        pass
+
+    def record(builder):
+        loaded.append(builder.name)
+        raise Stop  # the real build is what the launch tests cover; here only the route
+
+    monkeypatch.setattr(op_build, "load_op", record)
+    model = torch.nn.Linear(2, 2)
+    recipe = load_recipe(None, [*REQUIRED, "model.dtype=float32"])
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    monkeypatch.setattr(trainer, "frod_param_groups", lambda m, *a: [{"params": list(m.parameters())}])
+    with pytest.raises(Stop):
+        trainer._optimizer(model, recipe, offload)
+    assert loaded == ["cpu_adam"]
+    assert isinstance(trainer._optimizer(model, recipe, {"zero_optimization": {"stage": 2}}), torch.optim.AdamW)
+    assert loaded == ["cpu_adam"], "no op is built without offload"
 
 
 def _venv_ninja() -> Path | None:

@@ -270,8 +270,15 @@ def _optimizer(model, recipe: Recipe, ds_cfg: dict):
     groups = frod_param_groups(model, t.lr_sigma, t.lr_s, t.weight_decay)
     offload = ds_cfg.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") in ("cpu", "nvme")
     if offload:
+        from deepspeed.accelerator import get_accelerator
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        from frod_ds.runtime import op_build
+
+        # DeepSpeedCPUAdam JIT-builds cpu_adam on its first use in a TORCH_EXTENSIONS_DIR: built here under a lock
+        # that dies with its holder (a build killed mid-way must not hang every later launch); DeepSpeed then
+        # reuses the loaded op, and later launches load the cached build.
+        op_build.load_op(get_accelerator().create_op_builder("CPUAdamBuilder"))
         return DeepSpeedCPUAdam(groups, lr=t.lr_sigma, betas=tuple(t.betas), adamw_mode=True)
     return torch.optim.AdamW(groups, lr=t.lr_sigma, betas=tuple(t.betas))
 
