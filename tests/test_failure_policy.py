@@ -211,6 +211,20 @@ def test_a_malformed_yaml_recipe_is_one_line(tmp_path, capsys, text):
     assert "line " in lines[0] and "Traceback" not in err
 
 
+@pytest.mark.parametrize("name", ["missing-tok", "a/b/c"])
+def test_a_tokenizer_that_cannot_be_loaded_is_one_line_naming_it(tmp_path, name):
+    """model.tokenizer / eval --tokenizer: a missing directory (or an id that cannot be resolved offline) is a
+    user mistake named in one line, not transformers' OSError traceback."""
+    from frod_ds.prep.tokens import load_tokenizer
+    from frod_ds.runtime.errors import FrodError
+
+    path = str(tmp_path / name)
+    with pytest.raises(FrodError) as e:
+        load_tokenizer(path)
+    msg = str(e.value)
+    assert "\n" not in msg and path in msg and "no such directory" in msg
+
+
 # --- export --format peft: --peft-tol is a promise --------------------------------------------------------------
 
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]

@@ -236,9 +236,9 @@ def _model_vocab_size(model_dir) -> int | None:
 
 
 def _load_tokenizer(recipe: Recipe, model_dir):
-    from transformers import AutoTokenizer
+    from frod_ds.prep.tokens import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(recipe.model.tokenizer or model_dir))
+    tok = load_tokenizer(str(recipe.model.tokenizer or model_dir))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok
