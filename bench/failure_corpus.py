@@ -896,6 +896,16 @@ def load(path: Path) -> list[dict]:
 # ------------------------------------------------------------------------------------------ classification
 
 
+def _contents(*dirs: Path) -> dict[str, str]:
+    """Every file's sha256 (the world is small): what another command's output holds, not when it was touched."""
+    out = {}
+    for top in dirs:
+        for p in sorted(top.rglob("*")):
+            if p.is_file() and not p.is_symlink():
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
 def _snapshot(*dirs: Path) -> dict[str, tuple[int, int]]:
     out = {}
     for top in dirs:
@@ -986,7 +996,7 @@ def run_case(world: World, spec: dict, case: Path) -> dict:
     try:
         if spec.get("prepare"):
             STEPS[spec["prepare"]](world, case, spec)
-        before_world = _snapshot(*world_dirs)
+        before_world = _contents(*world_dirs)
         before = _snapshot(case)
         if spec.get("interrupt"):
             rc, err = _run_interrupted(world, argv, case, spec)
@@ -996,7 +1006,12 @@ def run_case(world: World, spec: dict, case: Path) -> dict:
         else:
             res = world.python(*argv, timeout=timeout)
         observed, why = _classify(world, spec, case, argv, res, before, timeout)
-        lost = _changed(before_world, _snapshot(*world_dirs))
+        # a command writes only where its arguments point: a change of the world under a path this case named is
+        # this case's doing (cases run in parallel, so another change may be another case's)
+        named = [a.split("=", 1)[-1] for a in argv]
+        lost = [p for p in _changed(before_world, _contents(*world_dirs))
+                if any(p.startswith(n.rstrip("/") + "/") or p.rstrip("/") == n.rstrip("/") for n in named
+                       if n.startswith(str(world.root)))]
         if lost:
             observed, why = "data-loss", f"changed another command's output: {lost[0]}"
         result.update(observed=observed, why=why, rc=res.returncode,
@@ -1106,7 +1121,7 @@ def report(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_all(repo: Path, cases: list[dict], jobs: int, tmp: Path) -> list[dict]:
+def run_all(repo: Path, cases: list[dict], jobs: int, tmp: Path, partial: Path | None = None) -> list[dict]:
     world = build_world(repo, tmp)
     print(f"world built in {tmp}", flush=True)
     slots = itertools.count()
@@ -1115,6 +1130,9 @@ def run_all(repo: Path, cases: list[dict], jobs: int, tmp: Path) -> list[dict]:
         i, spec = item
         r = run_case(world, spec, tmp / f"case{i:03d}")
         mark = "ok" if r["observed"] in (r["expected"], "skipped") else "MISMATCH"
+        if partial is not None:  # a run cut short still counts what it ran
+            with open(partial, "a") as f:
+                f.write(json.dumps(r) + "\n")
         print(f"{next(slots) + 1:>4}/{len(cases)} {mark:>8}  {r['expected']:>14} -> {r['observed']:<15} {r['name']}"
               + (f"  ({r['why']})" if r.get("why") and mark != "ok" else ""), flush=True)
         return r
@@ -1151,7 +1169,8 @@ def main(argv: list[str] | None = None) -> int:
     repo = args.repo.resolve()
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="frod-failure-corpus-") as tmp:
-        results = run_all(repo, cases, args.jobs, Path(tmp))
+        partial = args.json.with_suffix(".partial.jsonl") if args.json else None
+        results = run_all(repo, cases, args.jobs, Path(tmp), partial)
     summary = summarise(results)
     print("per expected class:", "; ".join(f"{c}: " + ", ".join(f"{o} {n}" for o, n in sorted(v.items()))
                                            for c, v in summary["by_expected"].items() if v))
