@@ -155,3 +155,14 @@ def test_demo_refuses_a_bad_recipe_or_ranks_before_writing_anything(tmp_path, ca
     err = capsys.readouterr().err
     assert code == 2 and err.count("error: ") == 1 and needle in err and "Traceback" not in err, err
     assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize("argv", [["--gpu-mem", "nan"], ["--gpu-mem", "inf"], ["--seq-len", "0"], ["--seq-len", "-1"]])
+def test_plan_refuses_a_number_it_cannot_plan_with(argv, capsys):
+    """A memory of nan GiB (no line, exit 1) or a sequence of 0 tokens (a plan, exit 0) was taken as given."""
+    from frod_ds.cli.plan import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "m", "--gpus", "1", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and argv[0] in err.splitlines()[-1], err
