@@ -127,7 +127,8 @@ def build_world(repo: Path, root: Path) -> World:
     ``repo``), an adapter from two training steps, its merged export, and a second model (another seed and depth)
     with its own store for the mismatched-pair cases."""
     world = World(repo, root, _env(repo), frod=(repo / "frod_ds" / "cli" / "main.py").is_file())
-    code = ("import sys; from pathlib import Path; from tests.train_env import build_env; "
+    where = "tests.support.train_env" if (repo / "tests" / "support" / "train_env.py").is_file() else "tests.train_env"
+    code = (f"import sys; from pathlib import Path; from {where} import build_env; "
             "build_env(Path(sys.argv[1])); build_env(Path(sys.argv[2]), seed=1, layers=3)")
     res = world.python("-c", code, str(root / "world"), str(root / "world2"))
     if res.returncode:
