@@ -1,31 +1,56 @@
 """Run the failure-policy corpus (bench/failure_corpus.yaml) against a frod-ds checkout and count what happened.
 
-    python bench/failure_corpus.py                         # this checkout
+    python bench/failure_corpus.py                          # this checkout, every case
     python bench/failure_corpus.py --repo ../other-checkout --json results.json
-    python bench/failure_corpus.py --only "full disk"       # cases whose name contains this
+    python bench/failure_corpus.py --only "full disk"        # cases whose name contains this
+    python bench/failure_corpus.py --validate                # check the corpus file only (no command runs)
+    python bench/failure_corpus.py --report results.json     # the Markdown report of a results JSON
 
-Builds one tiny world (model, tokenizer, data, factor store, a trained adapter) with the checkout's own
-commands, then runs every case in its own directory and classifies the outcome: ``success`` (exit 0, its check
-holds), ``clear-error`` (exit 2, one ``error:`` line, no traceback, nothing under the case directory changed),
-``exact-recovery`` (a clear error that may leave resumable state, the fix, then the same command succeeds and
-its check holds); anything else
-is ``unclear-failure`` (a traceback, another exit code, several lines, something left behind) or
-``wrong-result`` (exit 0 where an error was due, or a failed check). Prints the counts per expected class and
-every mismatch; exits 1 when there is one. A case whose preparation cannot run here (mounting a small tmpfs
-needs root) is skipped.
+Builds one tiny world (model, tokenizer, data, factor store, a trained adapter, its export, a second model of
+another shape and its store) with the checkout's own commands, then runs every case in its own directory and
+classifies the outcome against the case's expected class:
+
+- ``success``: exit 0 and the case's ``check`` holds.
+- ``clear-error``: exit 2, exactly one ``error:`` line, no traceback, nothing under the case directory or the
+  world changed.
+- ``failed-check``: exit 1 (a check such as ``frod hjd --verify`` found damage), one ``error:`` line, no
+  traceback, nothing changed.
+- ``exact-recovery``: the command fails (a clear error, or the ``interrupt`` signal kills it mid-run), the
+  ``fix`` runs, the same command again succeeds and its ``check`` holds (``same_output``: bitwise equal to an
+  uninterrupted run of the same command).
+
+Anything else is ``unclear-failure`` (a traceback, another exit code, several or no ``error:`` lines, something
+left behind), ``wrong-result`` (exit 0 where an error was due, or a failed check), ``data-loss`` (a file of the
+world, i.e. another command's output, changed) or ``hang`` (no exit within the case's time limit). A case whose
+preparation cannot run here (mounting a tmpfs needs root) is ``skipped`` with the reason.
+
+Commands are written in ``frod`` form (``[train, ...]`` runs ``python -m frod_ds.cli train ...``) or in an older
+form (``[launch/train.py, ...]``, ``[data_prep, ...]``, ``[frod_ds, plan, ...]``). A checkout without ``frod``
+(frod-ds before the single entry point) runs each ``frod`` command as the older form it had: ``launch/<cmd>.py``,
+``python -m data_prep``, ``python -m frod_ds plan``; a command it does not have at all runs as written and counts
+as whatever it does.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import fnmatch
+import hashlib
+import itertools
 import json
 import os
+import platform
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +58,14 @@ import yaml
 
 HERE = Path(__file__).resolve().parents[1]
 CORPUS = Path(__file__).with_suffix(".yaml")
-CLASSES = ("clear-error", "success", "exact-recovery")
+CLASSES = ("success", "clear-error", "failed-check", "exact-recovery")
+OBSERVED = (*CLASSES, "unclear-failure", "wrong-result", "data-loss", "hang", "skipped")
+FROD = ("data", "hjd", "train", "eval", "export", "plan", "demo", "convert-gguf")
+OLD_FORMS = ("launch/train.py", "launch/hjd.py", "launch/eval.py", "launch/export.py", "launch/demo.py",
+             "launch/convert_gguf.py", "data_prep", "frod_ds")
+CASE_KEYS = {"name", "class", "cmd", "prepare", "fix", "check", "each", "interrupt", "timeout", "output", "compare",
+             "note"}
+DEFAULT_TIMEOUT = 300.0
 
 
 @dataclass
@@ -42,69 +74,84 @@ class World:
     root: Path
     env: dict[str, str]
     paths: dict[str, str] = field(default_factory=dict)
+    frod: bool = True  # the checkout has ``python -m frod_ds.cli``
+    _refs: dict[str, Path] = field(default_factory=dict)
 
     def python(self, *argv: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, *argv], cwd=cwd or self.repo, env=self.env, capture_output=True,
                               text=True, timeout=timeout)
 
-    def hjd(self, *argv: str) -> subprocess.CompletedProcess:
-        return self.python(str(self.repo / "launch" / "hjd.py"), "--device", "cpu", *argv)
+    def run(self, argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+        return self.python(*command(self, argv), timeout=timeout)
+
+    @property
+    def base(self) -> list[str]:
+        p = self.paths
+        return [f"model.base={p['model']}", f"model.factor_store={p['store']}", "model.dtype=float32",
+                "model.sparsity=0.1", f"data.train={p['train_jsonl']}", "data.cutoff_len=64",
+                "train.micro_batch_size=4", "train.grad_accum=2", "train.log_every=1", "train.rotation_every=0"]
 
 
 def _env(repo: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                               "MASTER_PORT") and not k.startswith("SLURM_")}
+                                                               "MASTER_PORT", "LOCAL_WORLD_SIZE")
+           and not k.startswith("SLURM_")}
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(repo),
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(repo),
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(repo / ".cache" / "torch_extensions")))
     return env
 
 
-def build_world(repo: Path, root: Path) -> World:
-    """Model, tokenizer, data and store as the training tests make them (``tests.support.train_env.build_env`` of
-    ``repo``), and an adapter from two training steps."""
-    world = World(repo, root, _env(repo))
-    code = ("import sys; from pathlib import Path; from tests.support.train_env import build_env; "
-            "build_env(Path(sys.argv[1]))")
-    res = world.python("-c", code, str(root / "world"))
-    if res.returncode:
-        raise SystemExit(f"building the world failed:\n{res.stderr[-3000:]}")
-    w = root / "world"
-    world.paths = {"model": str(w / "model"), "store": str(w / "factors"), "data": str(w / "data"),
-                   "train_jsonl": str(w / "data" / "train.jsonl")}
-    run = train_cmd(world, ["train.max_steps=2", f"output_dir={root / 'adapter-run'}"])
-    res = world.python(*run)
-    if res.returncode:
-        raise SystemExit(f"training the world's adapter failed:\n{res.stderr[-3000:]}")
-    world.paths["adapter"] = str(root / "adapter-run" / "adapter-final")
-    return world
-
-
-def train_cmd(world: World, extra: list[str]) -> list[str]:
-    p = world.paths
-    base = [f"model.base={p['model']}", f"model.factor_store={p['store']}", "model.dtype=float32",
-            "model.sparsity=0.1", f"data.train={p['train_jsonl']}", "data.cutoff_len=64", "train.micro_batch_size=4",
-            "train.grad_accum=2", "train.log_every=1", "train.rotation_every=0"]
-    flags = [a for i, a in enumerate(extra) if a.startswith("--") or (i and extra[i - 1].startswith("--"))]
-    overrides = [a for a in extra if a not in flags]
-    return [str(world.repo / "launch" / "train.py"), "--config", str(world.repo / "ds_configs" / "zero2_cpu_fp32.json"),
-            *flags, *base, *overrides]
-
-
 def command(world: World, argv: list[str]) -> list[str]:
-    tool, rest = argv[0], argv[1:]
-    if tool == "train":
-        return train_cmd(world, rest)
-    if tool == "export":
-        return [str(world.repo / "launch" / "export.py"), *rest]
-    if tool == "hjd":
-        return [str(world.repo / "launch" / "hjd.py"), "--device", "cpu", *rest]
-    if tool == "data_prep":
-        return ["-m", "data_prep", *rest]
+    """The interpreter arguments that run ``argv`` (a corpus command) in ``world.repo``."""
+    tool, rest = argv[0], list(argv[1:])
+    if tool == "train":  # the world's set-up first; the case's flags and overrides after it win
+        rest = ["--config", world.paths["ds"], *world.base, *rest]
+    if tool in FROD:
+        if world.frod:
+            return ["-m", "frod_ds.cli", tool, *rest]
+        if tool == "data":
+            return ["-m", "data_prep", *rest]
+        if tool == "plan":
+            return ["-m", "frod_ds", "plan", *rest]
+        return [str(world.repo / "launch" / f"{tool.replace('-', '_')}.py"), *rest]
+    if tool.startswith("launch/"):
+        return [str(world.repo / tool), *rest]
+    if tool in ("data_prep", "frod_ds"):
+        return ["-m", tool, *rest]
     raise ValueError(f"unknown tool {tool!r} in the corpus")
 
 
+def build_world(repo: Path, root: Path) -> World:
+    """Model, tokenizer, data and store as the training tests make them (``tests.train_env.build_env`` of
+    ``repo``), an adapter from two training steps, its merged export, and a second model (another seed and depth)
+    with its own store for the mismatched-pair cases."""
+    world = World(repo, root, _env(repo), frod=(repo / "frod_ds" / "cli" / "main.py").is_file())
+    where = "tests.support.train_env" if (repo / "tests" / "support" / "train_env.py").is_file() else "tests.train_env"
+    code = (f"import sys; from pathlib import Path; from {where} import build_env; "
+            "build_env(Path(sys.argv[1])); build_env(Path(sys.argv[2]), seed=1, layers=3)")
+    res = world.python("-c", code, str(root / "world"), str(root / "world2"))
+    if res.returncode:
+        raise SystemExit(f"building the world failed:\n{res.stderr[-3000:]}")
+    w, w2 = root / "world", root / "world2"
+    world.paths = {"model": str(w / "model"), "store": str(w / "factors"), "data": str(w / "data"),
+                   "train_jsonl": str(w / "data" / "train.jsonl"), "model2": str(w2 / "model"),
+                   "store2": str(w2 / "factors"), "data2": str(w2 / "data"),
+                   "ds": str(repo / "ds_configs" / "zero2_cpu_fp32.json"),
+                   "ds3": str(repo / "ds_configs" / "zero3_cpu_fp32.json"), "repo": str(repo),
+                   "fixtures": str(repo / "tests" / "fixtures" / "data_prep"), "run": str(w / "run")}
+    for step, argv in (("training the world's adapter", ["train", "train.max_steps=2", f"output_dir={w / 'run'}"]),
+                       ("exporting it", ["export", "--checkpoint", str(w / "run" / "adapter-final"), "--out",
+                                         str(w / "export")])):
+        res = world.run(argv)
+        if res.returncode:
+            raise SystemExit(f"{step} failed:\n{res.stderr[-3000:]}")
+    world.paths.update(adapter=str(w / "run" / "adapter-final"), export=str(w / "export"))
+    return world
+
+
 # ------------------------------------------------------------------------------------------ preparations
+# Each step takes (world, case directory, the case's spec); what it writes goes under the case directory.
 
 
 class Skip(Exception):
@@ -115,37 +162,219 @@ def _copy_model(world: World, dst: Path, edit: Callable[[dict], None]) -> None:
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(world.paths["model"], dst)
-    for shard in dst.glob("*.safetensors"):
+    for shard in sorted(dst.glob("*.safetensors")):
         tensors = load_file(shard)
         edit(tensors)
         save_file(tensors, shard, metadata={"format": "pt"})
 
 
 def _store_of(world: World, model: Path, out: Path, *argv: str) -> None:
-    res = world.hjd("--model", str(model), "--out", str(out), *argv)
+    res = world.run(["hjd", "--device", "cpu", "--model", str(model), "--out", str(out), *argv])
     if res.returncode:
         raise RuntimeError(f"hjd for the case failed: {res.stderr[-2000:]}")
 
 
-def bad_yaml(world: World, case: Path) -> None:
-    (case / "bad.yaml").write_text("model:\n  base: m\n   factor_store: f\n")
+def _copy(world: World, key: str, dst: Path) -> Path:
+    shutil.copytree(world.paths[key], dst, symlinks=True)
+    return dst
 
 
 def _ds(world: World, case: Path, **edit) -> None:
-    cfg = json.loads((world.repo / "ds_configs" / "zero2_cpu_fp32.json").read_text())
+    cfg = json.loads(Path(world.paths["ds"]).read_text())
     cfg.update(edit)
     (case / "ds.json").write_text(json.dumps(cfg))
 
 
-def ds_clip(world: World, case: Path) -> None:
+def _first(d: Path, pattern: str) -> Path:
+    found = sorted(d.rglob(pattern))
+    if not found:
+        raise Skip(f"no {pattern} under {d.name} in this checkout's output")
+    return found[0]
+
+
+def _truncate(path: Path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _flip_byte(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    i = min(len(data) - 1, max(0, int(len(data) * at)))
+    data[i] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _mount(case: Path, name: str, opts: str) -> Path:
+    (case / name).mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(case / name)],
+                      capture_output=True).returncode:
+        raise Skip("cannot mount a tmpfs here (needs root)")
+    return case / name
+
+
+# -- recipes and DeepSpeed JSONs
+
+def bad_yaml(world, case, spec):
+    (case / "bad.yaml").write_text("model:\n  base: m\n   factor_store: f\n")
+
+
+def yaml_list(world, case, spec):
+    (case / "r.yaml").write_text("- model\n- train\n")
+
+
+def yaml_empty(world, case, spec):
+    (case / "r.yaml").write_text("")
+
+
+def yaml_typo_key(world, case, spec):
+    (case / "r.yaml").write_text("train:\n  max_step: 2\n")
+
+
+def yaml_typo_section(world, case, spec):
+    (case / "r.yaml").write_text("trian:\n  max_steps: 2\n")
+
+
+def yaml_bad_value(world, case, spec):
+    (case / "r.yaml").write_text("train:\n  lr_sigma: fast\n")
+
+
+def ds_clip(world, case, spec):
     _ds(world, case, gradient_clipping=0.3)
 
 
-def ds_typo(world: World, case: Path) -> None:
+def ds_typo(world, case, spec):
     _ds(world, case, gradient_cliping=1.0)
 
 
-def small_vocab(world: World, case: Path) -> None:
+def ds_stage9(world, case, spec):
+    cfg = json.loads(Path(world.paths["ds"]).read_text())
+    cfg.setdefault("zero_optimization", {})["stage"] = 9
+    (case / "ds.json").write_text(json.dumps(cfg))
+
+
+def ds_list(world, case, spec):
+    (case / "ds.json").write_text("[1, 2]")
+
+
+def ds_torn(world, case, spec):
+    text = Path(world.paths["ds"]).read_text()
+    (case / "ds.json").write_text(text[: len(text) // 2])
+
+
+def ds_empty(world, case, spec):
+    (case / "ds.json").write_text("")
+
+
+def ds_batch(world, case, spec):
+    _ds(world, case, train_batch_size=7)
+
+
+def ds_micro(world, case, spec):
+    _ds(world, case, train_micro_batch_size_per_gpu=3)
+
+
+def ds_fp16(world, case, spec):
+    _ds(world, case, fp16={"enabled": True}, bf16={"enabled": True})
+
+
+def ds_lr_sched(world, case, spec):
+    _ds(world, case, optimizer={"type": "Adam", "params": {"lr": 1e-3}})
+
+
+# -- training data
+
+def _jsonl(case: Path, lines: list[str], name: str = "train.jsonl") -> None:
+    (case / name).write_text("".join(line + "\n" for line in lines))
+
+
+def _rows(world: World, n: int = 40) -> list[str]:
+    return Path(world.paths["train_jsonl"]).read_text().splitlines()[:n]
+
+
+def data_empty(world, case, spec):
+    (case / "train.jsonl").write_text("")
+
+
+def data_not_json(world, case, spec):
+    rows = _rows(world)
+    rows[5] = "{not json"
+    _jsonl(case, rows)
+
+
+def data_missing_answer(world, case, spec):
+    rows = _rows(world)
+    row = json.loads(rows[3])
+    row.pop("answer", None)
+    rows[3] = json.dumps(row)
+    _jsonl(case, rows)
+
+
+def data_missing_prompt(world, case, spec):
+    rows = _rows(world)
+    row = json.loads(rows[7])
+    row.pop("prompt", None)
+    rows[7] = json.dumps(row)
+    _jsonl(case, rows)
+
+
+def data_number_answer(world, case, spec):
+    rows = _rows(world)
+    row = json.loads(rows[2])
+    row["answer"] = 3
+    rows[2] = json.dumps(row)
+    _jsonl(case, rows)
+
+
+def data_dup_id(world, case, spec):
+    rows = _rows(world)
+    a, b = json.loads(rows[0]), json.loads(rows[1])
+    if "id" not in a:
+        raise Skip("rows of this checkout carry no id")
+    b["id"] = a["id"]
+    rows[1] = json.dumps(b)
+    _jsonl(case, rows)
+
+
+def data_latin1(world, case, spec):
+    rows = _rows(world)
+    (case / "train.jsonl").write_bytes(("\n".join(rows[:4]) + "\n").encode() + b'{"prompt": "caf\xe9", "answer": "x"}\n'
+                                       + ("\n".join(rows[4:]) + "\n").encode())
+
+
+def data_torn(world, case, spec):
+    text = "\n".join(_rows(world)) + "\n"
+    (case / "train.jsonl").write_text(text[: len(text) // 2 + 7])
+
+
+def data_array(world, case, spec):
+    (case / "train.json").write_text(json.dumps([json.loads(r) for r in _rows(world)]))
+
+
+def data_blank_lines(world, case, spec):
+    rows = _rows(world)
+    _jsonl(case, rows[:10] + ["", "   "] + rows[10:])
+
+
+def data_huge_row(world, case, spec):
+    rows = _rows(world)
+    row = json.loads(rows[0])
+    row["prompt"] = "a " * 60_000
+    rows[0] = json.dumps(row)
+    _jsonl(case, rows)
+
+
+def data_dir_no_train(world, case, spec):
+    shutil.copytree(world.paths["data"], case / "data")
+    (case / "data" / "train.jsonl").unlink()
+
+
+def data_dir_empty(world, case, spec):
+    (case / "data").mkdir()
+
+
+# -- models, stores, adapters
+
+def small_vocab(world, case, spec):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -156,7 +385,7 @@ def small_vocab(world: World, case: Path) -> None:
     _store_of(world, case / "model", case / "store")
 
 
-def nan_norm(world: World, case: Path) -> None:
+def nan_norm(world, case, spec):
     def edit(tensors: dict) -> None:
         name = "model.layers.0.input_layernorm.weight"
         if name in tensors:
@@ -166,12 +395,20 @@ def nan_norm(world: World, case: Path) -> None:
     _store_of(world, case / "model", case / "store")
 
 
-def foreign_dir(world: World, case: Path) -> None:
+def foreign_dir(world, case, spec):
     (case / "foreign").mkdir()
     (case / "foreign" / "notes.txt").write_text("not frod-ds output\n")
 
 
-def other_model_store(world: World, case: Path) -> None:
+def a_file(world, case, spec):
+    (case / "afile").write_text("a file where a directory belongs\n")
+
+
+def empty_dir(world, case, spec):
+    (case / "empty").mkdir()
+
+
+def other_model_store(world, case, spec):
     _store_of(world, Path(world.paths["model"]), case / "store", "--categories", "q_proj")
 
     def edit(tensors: dict) -> None:
@@ -182,8 +419,8 @@ def other_model_store(world: World, case: Path) -> None:
     _copy_model(world, case / "other", edit)
 
 
-def index_missing_member(world: World, case: Path) -> None:
-    shutil.copytree(world.paths["model"], case / "model")
+def index_missing_member(world, case, spec):
+    _copy(world, "model", case / "model")
     index = case / "model" / "model.safetensors.index.json"
     if not index.is_file():
         raise Skip("the world's model is not sharded")
@@ -192,106 +429,753 @@ def index_missing_member(world: World, case: Path) -> None:
     index.write_text(json.dumps(data))
 
 
-def test_json_only(world: World, case: Path) -> None:
-    fixture = world.repo / "tests" / "fixtures" / "data_prep" / "llm_adapters"
+def model_torn_shard(world, case, spec):
+    _copy(world, "model", case / "model")
+    _truncate(_first(case / "model", "*.safetensors"), 0.6)
+
+
+def model_no_config(world, case, spec):
+    _copy(world, "model", case / "model")
+    (case / "model" / "config.json").unlink()
+
+
+def model_bad_config(world, case, spec):
+    _copy(world, "model", case / "model")
+    (case / "model" / "config.json").write_text("{\"hidden_size\": ")
+
+
+def model_no_weights(world, case, spec):
+    _copy(world, "model", case / "model")
+    for f in (case / "model").glob("*.safetensors*"):
+        f.unlink()
+
+
+def model_empty_shard(world, case, spec):
+    _copy(world, "model", case / "model")
+    _first(case / "model", "*.safetensors").write_bytes(b"")
+
+
+def store_copy(world, case, spec):
+    _copy(world, "store", case / "store")
+
+
+def store_flip_manifest(world, case, spec):
+    _copy(world, "store", case / "store")
+    m = case / "store" / "manifest.json"
+    text = m.read_text()
+    i = text.index('"', len(text) // 2)  # a byte inside the manifest's second half, kept valid JSON
+    m.write_text(text[: i + 1] + ("x" if text[i + 1] != "x" else "y") + text[i + 2:])
+
+
+def store_torn_manifest(world, case, spec):
+    _copy(world, "store", case / "store")
+    _truncate(case / "store" / "manifest.json", 0.5)
+
+
+def store_no_manifest(world, case, spec):
+    _copy(world, "store", case / "store")
+    (case / "store" / "manifest.json").unlink()
+
+
+def store_torn_factor(world, case, spec):
+    _copy(world, "store", case / "store")
+    _truncate(_first(case / "store", "*.safetensors"), 0.5)
+
+
+def store_flip_factor(world, case, spec):
+    _copy(world, "store", case / "store")
+    _flip_byte(_first(case / "store", "*.safetensors"), 0.9)
+
+
+def store_missing_factor(world, case, spec):
+    _copy(world, "store", case / "store")
+    _first(case / "store", "*.safetensors").unlink()
+
+
+def store_interrupted(world, case, spec):
+    """An HJD killed mid-way: a store directory holding only part of what a finished run writes."""
+    _copy(world, "store", case / "store")
+    for f in sorted((case / "store").rglob("*.safetensors"))[1:]:
+        f.unlink()
+    with_manifest = case / "store" / "manifest.json"
+    if with_manifest.exists():
+        with_manifest.unlink()
+
+
+def adapter_copy(world, case, spec):
+    _copy(world, "adapter", case / "adapter")
+
+
+def adapter_no_config(world, case, spec):
+    _copy(world, "adapter", case / "adapter")
+    (case / "adapter" / "adapter_config.json").unlink()
+
+
+def adapter_bad_config(world, case, spec):
+    _copy(world, "adapter", case / "adapter")
+    _truncate(case / "adapter" / "adapter_config.json", 0.5)
+
+
+def adapter_torn(world, case, spec):
+    _copy(world, "adapter", case / "adapter")
+    _truncate(case / "adapter" / "adapter.safetensors", 0.5)
+
+
+def adapter_flip(world, case, spec):
+    _copy(world, "adapter", case / "adapter")
+    _flip_byte(case / "adapter" / "adapter.safetensors", 0.95)
+
+
+def adapter_empty_weights(world, case, spec):
+    _copy(world, "adapter", case / "adapter")
+    (case / "adapter" / "adapter.safetensors").write_bytes(b"")
+
+
+def adapter_nan(world, case, spec):
+    from safetensors.torch import load_file, save_file
+
+    _copy(world, "adapter", case / "adapter")
+    f = case / "adapter" / "adapter.safetensors"
+    tensors = load_file(f)
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, f, metadata={"format": "pt"})
+
+
+def run_copy(world, case, spec):
+    _copy(world, "run", case / "run")
+
+
+def _checkpoint(case: Path) -> Path:
+    ckpts = sorted(p for p in (case / "run").rglob("step*") if p.is_dir())
+    if not ckpts:
+        raise Skip("the world's run has no engine checkpoint")
+    return ckpts[-1]
+
+
+def _unfinished_run(world: World, case: Path) -> Path:
+    """The world's run without its final adapter, so that re-running it resumes from the checkpoint."""
+    _copy(world, "run", case / "run")
+    for p in (case / "run").glob("adapter-*"):
+        shutil.rmtree(p)
+    return _checkpoint(case)
+
+
+def ckpt_no_seal(world, case, spec):
+    ck = _unfinished_run(world, case)
+    if not (ck / "COMPLETE").exists():
+        raise Skip("this checkout's checkpoints have no COMPLETE seal")
+    (ck / "COMPLETE").unlink()
+
+
+def ckpt_missing_file(world, case, spec):
+    ck = _unfinished_run(world, case)
+    _first(ck, "*optim_states.pt").unlink()
+
+
+def ckpt_torn_file(world, case, spec):
+    ck = _unfinished_run(world, case)
+    _truncate(_first(ck, "*model_states.pt"), 0.5)
+
+
+def export_copy(world, case, spec):
+    _copy(world, "export", case / "export")
+
+
+def export_torn(world, case, spec):
+    _copy(world, "export", case / "export")
+    _truncate(_first(case / "export", "*.safetensors"), 0.4)
+
+
+def export_no_tokenizer(world, case, spec):
+    _copy(world, "export", case / "export")
+    for f in (case / "export").glob("tokenizer*"):
+        f.unlink()
+
+
+# -- eval data
+
+def _eval_dir(world: World, case: Path) -> Path:
+    shutil.copytree(world.paths["data"], case / "data")
+    return case / "data" / "eval"
+
+
+def _first_task(ev: Path) -> Path:
+    return sorted(ev.glob("*.jsonl"))[0]
+
+
+def eval_missing_field(world, case, spec):
+    f = _first_task(_eval_dir(world, case))
+    rows = f.read_text().splitlines()
+    row = json.loads(rows[0])
+    row.pop(spec.get("field", "label") if spec.get("field", "label") in row else sorted(row)[0])
+    rows[0] = json.dumps(row)
+    f.write_text("\n".join(rows) + "\n")
+
+
+def eval_not_json(world, case, spec):
+    f = _first_task(_eval_dir(world, case))
+    rows = f.read_text().splitlines()
+    rows[1] = rows[1][: len(rows[1]) // 2]
+    f.write_text("\n".join(rows) + "\n")
+
+
+def eval_empty(world, case, spec):
+    _first_task(_eval_dir(world, case)).write_text("")
+
+
+def eval_no_dir(world, case, spec):
+    shutil.rmtree(_eval_dir(world, case))
+
+
+def eval_bad_label(world, case, spec):
+    f = _first_task(_eval_dir(world, case))
+    rows = f.read_text().splitlines()
+    row = json.loads(rows[0])
+    for key in ("label", "answer", "gold"):
+        if key in row:
+            row[key] = 99 if isinstance(row[key], int) else "not-a-choice"
+            break
+    rows[0] = json.dumps(row)
+    f.write_text("\n".join(rows) + "\n")
+
+
+# -- data build sources
+
+def mirror_copy(world, case, spec):
+    shutil.copytree(Path(world.paths["fixtures"]) / "mirror", case / "mirror")
+
+
+def mirror_torn(world, case, spec):
+    mirror_copy(world, case, spec)
+    f = _first(case / "mirror" / "boolq", "train*")
+    _truncate(f, 0.5)
+
+
+def mirror_empty_task(world, case, spec):
+    mirror_copy(world, case, spec)
+    for f in (case / "mirror" / "boolq").iterdir():
+        f.write_text("")
+
+
+def la_copy(world, case, spec):
+    shutil.copytree(Path(world.paths["fixtures"]) / "llm_adapters", case / "dataset")
+
+
+def la_torn(world, case, spec):
+    la_copy(world, case, spec)
+    _truncate(case / "dataset" / "boolq" / "train.json", 0.5)
+
+
+def la_not_list(world, case, spec):
+    la_copy(world, case, spec)
+    (case / "dataset" / "boolq" / "train.json").write_text('{"instruction": "x"}')
+
+
+def la_missing_field(world, case, spec):
+    la_copy(world, case, spec)
+    f = case / "dataset" / "boolq" / "train.json"
+    rows = json.loads(f.read_text())
+    rows[0].pop("answer", None)
+    rows[0].pop("output", None)
+    f.write_text(json.dumps(rows))
+
+
+def test_json_only(world, case, spec):
+    fixture = Path(world.paths["fixtures"]) / "llm_adapters"
     shutil.copytree(fixture / "boolq", case / "dataset" / "boolq")
     (case / "dataset" / "piqa").mkdir(parents=True)
     shutil.copy(fixture / "piqa" / "test.json", case / "dataset" / "piqa" / "test.json")
 
 
-def small_disk(world: World, case: Path) -> None:
-    (case / "disk").mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(case / "disk")],
-                      capture_output=True).returncode:
-        raise Skip("cannot mount a small tmpfs here (needs root)")
+def data_build_copy(world, case, spec):
+    shutil.copytree(world.paths["data"], case / "data")
 
 
-def grow_disk(world: World, case: Path) -> None:
-    subprocess.run(["mount", "-o", "remount,size=16m", str(case / "disk")], check=True)
+def data_build_flip(world, case, spec):
+    shutil.copytree(world.paths["data"], case / "data")
+    _flip_byte(case / "data" / "train.jsonl", 0.3)
 
 
-def verify_store(world: World, case: Path) -> bool:
-    res = world.hjd("--verify", str(case / "disk" / "store"), "--model", world.paths["model"])
+def data_build_no_manifest(world, case, spec):
+    shutil.copytree(world.paths["data"], case / "data")
+    (case / "data" / "manifest.json").unlink()
+
+
+def gguf_torn(world, case, spec):
+    (case / "m.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 7)
+
+
+def gguf_not(world, case, spec):
+    (case / "m.gguf").write_text("this is not a gguf file\n")
+
+
+# -- the environment
+
+def small_disk(world, case, spec):
+    _mount(case, "disk", "size=64k")
+
+
+def grow_disk(world, case, spec):
+    subprocess.run(["mount", "-o", "remount,size=64m", str(case / "disk")], check=True)
+
+
+def read_only(world, case, spec):
+    _mount(case, "ro", "size=1m,ro")
+
+
+def _read_only_copy(world: World, case: Path, key: str) -> None:
+    """A read-only directory that holds an earlier output of the same command (its marker included)."""
+    d = _mount(case, "ro", "size=16m")
+    shutil.copytree(world.paths[key], d / "out")
+    subprocess.run(["mount", "-o", "remount,ro", str(d)], check=True)
+
+
+def ro_export(world, case, spec):
+    _read_only_copy(world, case, "export")
+
+
+def ro_data(world, case, spec):
+    _read_only_copy(world, case, "data")
+
+
+def ro_store(world, case, spec):
+    _read_only_copy(world, case, "store")
+
+
+def remove_checkpoints(world, case, spec):
+    """What the error says to do when no checkpoint of a run can be resumed."""
+    shutil.rmtree(case / "run" / "checkpoints")
+
+
+def noop(world, case, spec):
+    """Nothing to prepare (the ``fix`` of a recovery that needs none)."""
+
+
+# -- checks (True when the case's result is right)
+
+def verify_store(world, case, spec) -> bool:
+    res = world.run(["hjd", "--device", "cpu", "--verify", str(case / "disk" / "store"), "--model",
+                     world.paths["model"]])
     return res.returncode == 0 and "OK" in res.stdout
 
 
+def verify_store_in_case(world, case, spec) -> bool:
+    res = world.run(["hjd", "--device", "cpu", "--verify", str(case / "store"), "--model", world.paths["model"]])
+    return res.returncode == 0
+
+
+def verify_new_store(world, case, spec) -> bool:
+    res = world.run(["hjd", "--device", "cpu", "--verify", str(case / "new"), "--model", world.paths["model"]])
+    return res.returncode == 0
+
+
+def has_new(world, case, spec) -> bool:
+    return (case / "new").is_dir() and any((case / "new").iterdir())
+
+
+def same_output(world, case, spec) -> bool:
+    """The files ``compare`` names under ``output`` are bitwise those of the same command run uninterrupted in a
+    fresh directory (run once per distinct command and cached)."""
+    out = Path(spec["output"].format(**_subs(world, case)))
+    argv = [str(a) for a in spec["cmd"]]
+    key = json.dumps(argv)
+    if key not in world._refs:
+        ref_case = world.root / f"reference-{len(world._refs)}"
+        ref_case.mkdir()
+        res = world.run(_argv(world, argv, _subs(world, ref_case)))
+        if res.returncode:
+            raise RuntimeError(f"the uninterrupted reference run failed: {res.stderr[-1500:]}")
+        world._refs[key] = Path(spec["output"].format(**_subs(world, ref_case)))
+    ref = world._refs[key]
+    ours, theirs = _hashes(out, spec["compare"]), _hashes(ref, spec["compare"])
+    return bool(theirs) and ours == theirs
+
+
+def _hashes(root: Path, patterns: list[str]) -> dict[str, str]:
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_file() and any(fnmatch.fnmatch(rel, pat) for pat in patterns):
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+STEPS: dict[str, Callable] = {f.__name__: f for f in (
+    bad_yaml, yaml_list, yaml_empty, yaml_typo_key, yaml_typo_section, yaml_bad_value, ds_clip, ds_typo, ds_stage9,
+    ds_list, ds_torn, ds_empty, ds_batch, ds_micro, ds_fp16, ds_lr_sched, data_empty, data_not_json,
+    data_missing_answer, data_missing_prompt, data_number_answer, data_dup_id, data_latin1, data_torn, data_array,
+    data_blank_lines, data_huge_row, data_dir_no_train, data_dir_empty, small_vocab, nan_norm, foreign_dir, a_file,
+    empty_dir, other_model_store, index_missing_member, model_torn_shard, model_no_config, model_bad_config,
+    model_no_weights, model_empty_shard, store_copy, store_flip_manifest, store_torn_manifest, store_no_manifest,
+    store_torn_factor, store_flip_factor, store_missing_factor, store_interrupted, adapter_copy, adapter_no_config,
+    adapter_bad_config, adapter_torn, adapter_flip, adapter_empty_weights, adapter_nan, run_copy, ckpt_no_seal,
+    ckpt_missing_file, ckpt_torn_file, export_copy, export_torn, export_no_tokenizer, eval_missing_field,
+    eval_not_json, eval_empty, eval_no_dir, eval_bad_label, mirror_copy, mirror_torn, mirror_empty_task, la_copy,
+    la_torn, la_not_list, la_missing_field, test_json_only, data_build_copy, data_build_flip, data_build_no_manifest,
+    gguf_torn, gguf_not, small_disk, grow_disk, read_only, ro_export, ro_data, ro_store, remove_checkpoints, noop)}
+CHECKS: dict[str, Callable] = {f.__name__: f for f in (verify_store, verify_store_in_case, verify_new_store, has_new,
+                                                        same_output)}
+PLACEHOLDERS = ("model", "store", "data", "train_jsonl", "model2", "store2", "data2", "ds", "ds3", "repo", "fixtures",
+                "run", "adapter", "export", "case", "new", "base")
+
+
 def _unmount(case: Path) -> None:
-    if (case / "disk").is_dir() and os.path.ismount(case / "disk"):
-        subprocess.run(["umount", str(case / "disk")], check=False)
+    for name in ("disk", "ro"):
+        if (case / name).is_dir() and os.path.ismount(case / name):
+            subprocess.run(["umount", "-l", str(case / name)], check=False)
 
 
-STEPS: dict[str, Callable] = {f.__name__: f for f in (bad_yaml, ds_clip, ds_typo, small_vocab, nan_norm, foreign_dir,
-                                                        other_model_store, index_missing_member, test_json_only,
-                                                        small_disk, grow_disk, verify_store)}
+# ------------------------------------------------------------------------------------------ the corpus
+
+
+def expand(raw: list[dict]) -> list[dict]:
+    """One case per entry of each ``each`` list: its keys fill ``{key}`` in every string of the case."""
+    cases = []
+    for spec in raw:
+        variants = spec.get("each") or [{}]
+        for var in variants:
+            case = {k: _fill(v, var) for k, v in spec.items() if k != "each"}
+            cases.append(case)
+    return cases
+
+
+def _fill(value, var: dict):
+    if isinstance(value, str) and value.startswith("{") and value.endswith("}") and value[1:-1] in var:
+        return var[value[1:-1]]  # a whole value: may be a list (a command) or a number
+    if isinstance(value, str):
+        for k, v in var.items():
+            value = value.replace("{" + k + "}", str(v))
+        return value
+    if isinstance(value, list):  # a whole-value list inside a list is spliced in: [plan, "{flags}"]
+        out: list = []
+        for v in value:
+            r = _fill(v, var)
+            out += r if isinstance(v, str) and isinstance(r, list) else [r]
+        return out
+    if isinstance(value, dict):
+        return {k: _fill(v, var) for k, v in value.items()}
+    return value
+
+
+def validate(cases: list[dict]) -> list[str]:
+    """Problems of the (expanded) corpus: unknown keys, classes, steps, tools or placeholders, repeated names."""
+    import string
+
+    problems = []
+    names = Counter(c.get("name") for c in cases)
+    problems += [f"case name {n!r} is used {k} times" for n, k in names.items() if k > 1]
+    for c in cases:
+        name = c.get("name", "?")
+        problems += [f"{name}: unknown key {k!r}" for k in set(c) - CASE_KEYS]
+        if c.get("class") not in CLASSES:
+            problems.append(f"{name}: unknown class {c.get('class')!r} (one of {', '.join(CLASSES)})")
+        for key, table in (("prepare", STEPS), ("fix", STEPS), ("check", CHECKS)):
+            if c.get(key) is not None and c[key] not in table:
+                problems.append(f"{name}: unknown {key} step {c[key]!r}")
+        cmd = c.get("cmd") or []
+        if not cmd or (cmd[0] not in FROD and cmd[0] not in OLD_FORMS):
+            problems.append(f"{name}: unknown tool {cmd[:1]!r}")
+        for s in [*map(str, cmd), c.get("output", "")]:
+            for _, fieldname, _, _ in string.Formatter().parse(s):
+                if fieldname is not None and fieldname not in PLACEHOLDERS:
+                    problems.append(f"{name}: unknown placeholder {{{fieldname}}}")
+        if c.get("class") == "exact-recovery" and not (c.get("fix") or c.get("interrupt")):
+            problems.append(f"{name}: an exact-recovery case needs a fix or an interrupt")
+        if c.get("check") == "same_output" and not (c.get("output") and c.get("compare")):
+            problems.append(f"{name}: check same_output needs output and compare")
+        sig = (c.get("interrupt") or {}).get("signal")
+        if c.get("interrupt") and sig not in ("KILL", "TERM", "INT"):
+            problems.append(f"{name}: interrupt signal {sig!r} is not KILL, TERM or INT")
+    return problems
+
+
+def load(path: Path) -> list[dict]:
+    return expand(yaml.safe_load(path.read_text()))
 
 
 # ------------------------------------------------------------------------------------------ classification
 
 
-def _snapshot(case: Path) -> dict[str, tuple[int, int]]:
+def _contents(*dirs: Path) -> dict[str, str]:
+    """Every file's sha256 (the world is small): what another command's output holds, not when it was touched."""
     out = {}
-    for root, _, files in os.walk(case):
-        for f in files:
-            p = Path(root) / f
-            st = p.lstat()
-            out[str(p.relative_to(case))] = (st.st_size, st.st_mtime_ns)
-        if root != str(case):
-            out.setdefault(str(Path(root).relative_to(case)) + "/", (0, 0))
+    for top in dirs:
+        for p in sorted(top.rglob("*")):
+            if p.is_file() and not p.is_symlink():
+                out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
 
 
-def _clear_error(res: subprocess.CompletedProcess, before: dict | None, case: Path) -> str | None:
-    """None when ``res`` is a clear error that left nothing behind (``before``: the case directory's snapshot;
-    None: what it left is not checked, as for a recovery, which resumes from it), else why not."""
-    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
-    if res.returncode != 2:
-        return f"exit {res.returncode}"
+def _snapshot(*dirs: Path) -> dict[str, tuple[int, int]]:
+    out = {}
+    for top in dirs:
+        for root, subdirs, files in os.walk(top):
+            for f in files:
+                p = Path(root) / f
+                try:
+                    st = p.lstat()
+                except FileNotFoundError:
+                    continue
+                out[str(p)] = (st.st_size, st.st_mtime_ns)
+            if root != str(top):
+                out.setdefault(root + "/", (0, 0))
+    return out
+
+
+def _changed(before: dict, after: dict) -> list[str]:
+    return sorted({k for k, _ in set(before.items()) ^ set(after.items())})
+
+
+ERROR_LINE = re.compile(r"^(?:[\w./-]+(?: [\w./-]+)*: )?error: ")  # "error: ..." or argparse's "frod eval: error: ..."
+
+
+def _clear_error(res: subprocess.CompletedProcess, code: int) -> str | None:
+    """None when ``res`` is a clear error with exit ``code``, else why not."""
+    errors = [line for line in res.stderr.splitlines() if ERROR_LINE.match(line)]
     if "Traceback" in res.stderr:
-        return "traceback"
+        return f"exit {res.returncode}, traceback: {_last(res)}"
+    if res.returncode != code:
+        return f"exit {res.returncode}: {_last(res)}"
     if len(errors) != 1:
-        return f"{len(errors)} error lines"
-    changed = [] if before is None else sorted(set(before.items()) ^ set(_snapshot(case).items()))
-    if changed:
-        return f"left behind / changed: {changed[0][0]}"
+        return f"{len(errors)} error lines: {_last(res)}"
     return None
 
 
-def run_case(world: World, case_spec: dict, case: Path) -> dict:
-    expected = case_spec["class"]
-    assert expected in CLASSES, f"unknown class {expected!r}"
+def _last(res) -> str:
+    lines = [x for x in (res.stderr or "").strip().splitlines() if x.strip()]
+    return (lines[-1] if lines else "(no output)")[:240]
+
+
+def _argv(world: World, cmd: list, subs: dict[str, str]) -> list[str]:
+    """The case's command with its placeholders filled; an argument ``{base}`` stands for the world's training
+    overrides (what the ``train`` tool puts first by itself)."""
+    out: list[str] = []
+    for a in map(str, cmd):
+        out += world.base if a == "{base}" else [a.format(**subs)]
+    return out
+
+
+def _subs(world: World, case: Path) -> dict[str, str]:
+    return {**world.paths, "case": str(case), "new": str(case / "new")}
+
+
+def _run_interrupted(world: World, argv: list[str], case: Path, spec: dict) -> tuple[int | None, str]:
+    """Start ``argv``, wait until the ``when`` glob exists under the case directory (or ``after_s``), send the
+    signal to its process group; (exit code, stderr). None: it finished before the signal."""
+    it = spec["interrupt"]
+    proc = subprocess.Popen([sys.executable, *argv], cwd=world.repo, env=world.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    start, deadline = time.monotonic(), time.monotonic() + float(it.get("within_s", 600))
+    fired = False
+    while proc.poll() is None and time.monotonic() < deadline:
+        if (it.get("when") and any(case.glob(it["when"]))) or \
+                (it.get("after_s") is not None and time.monotonic() - start >= float(it["after_s"])):
+            os.killpg(proc.pid, getattr(signal, f"SIG{it['signal']}"))
+            fired = True
+            break
+        time.sleep(0.05)
+    if proc.poll() is None and not fired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    try:  # children the signal left running (a launcher's workers): the group this runner started, only it
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return (proc.returncode if fired else None), err
+
+
+def run_case(world: World, spec: dict, case: Path) -> dict:
+    expected = spec["class"]
     case.mkdir(parents=True)
-    subs = {**world.paths, "case": str(case), "new": str(case / "new")}
-    argv = command(world, [str(a).format(**subs) for a in case_spec["cmd"]])
+    subs = _subs(world, case)
+    argv = command(world, _argv(world, spec["cmd"], subs))
+    timeout = float(spec.get("timeout", DEFAULT_TIMEOUT))
+    world_dirs = [world.root / "world", world.root / "world2"]
+    result = {"name": spec["name"], "expected": expected, "cmd": [str(a) for a in spec["cmd"]]}
+    t0 = time.monotonic()
     try:
-        if case_spec.get("prepare"):
-            STEPS[case_spec["prepare"]](world, case)
+        if spec.get("prepare"):
+            STEPS[spec["prepare"]](world, case, spec)
+        before_world = _contents(*world_dirs)
         before = _snapshot(case)
-        res = world.python(*argv)
-        if expected == "success":
-            ok = res.returncode == 0 and (not case_spec.get("check") or STEPS[case_spec["check"]](world, case))
-            observed = "success" if ok else ("wrong-result" if res.returncode == 0 else "unclear-failure")
-            why = None if ok else (res.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
+        if spec.get("interrupt"):
+            rc, err = _run_interrupted(world, argv, case, spec)
+            res = subprocess.CompletedProcess(argv, rc if rc is not None else 0, "", err)
+            if rc is None:
+                raise Skip("the command finished before the interrupt fired")
         else:
-            kept = None if expected == "exact-recovery" else before  # a recovery resumes from what is left
-            why = _clear_error(res, kept, case) if res.returncode != 0 else "exit 0"
-            if why == "exit 0":
-                observed = "wrong-result"
-            elif why:
-                observed = "unclear-failure"
-            elif expected == "exact-recovery":
-                STEPS[case_spec["fix"]](world, case)
-                again = world.python(*argv)
-                ok = again.returncode == 0 and (not case_spec.get("check") or STEPS[case_spec["check"]](world, case))
-                observed = "exact-recovery" if ok else "unclear-failure"
-                why = None if ok else f"after the fix: exit {again.returncode}"
-            else:
-                observed = "clear-error"
-        line = next((x for x in res.stderr.splitlines() if x.startswith("error: ")), "")
+            res = world.python(*argv, timeout=timeout)
+        observed, why = _classify(world, spec, case, argv, res, before, timeout)
+        # a command writes only where its arguments point: a change of the world under a path this case named is
+        # this case's doing (cases run in parallel, so another change may be another case's)
+        named = [a.split("=", 1)[-1] for a in argv]
+        lost = [p for p in _changed(before_world, _contents(*world_dirs))
+                if any(p.startswith(n.rstrip("/") + "/") or p.rstrip("/") == n.rstrip("/") for n in named
+                       if n.startswith(str(world.root)))]
+        if lost:
+            observed, why = "data-loss", f"changed another command's output: {lost[0]}"
+        result.update(observed=observed, why=why, rc=res.returncode,
+                      error=next((x for x in res.stderr.splitlines() if ERROR_LINE.match(x)), "")[:400])
+    except subprocess.TimeoutExpired:
+        result.update(observed="hang", why=f"no exit within {timeout:.0f} s")
     except Skip as e:
-        return {"name": case_spec["name"], "expected": expected, "observed": "skipped", "why": str(e)}
+        result.update(observed="skipped", why=str(e))
     finally:
         _unmount(case)
-    return {"name": case_spec["name"], "expected": expected, "observed": observed, "why": why, "error": line[:300]}
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    return result
+
+
+def _classify(world, spec, case, argv, res, before, timeout) -> tuple[str, str | None]:
+    expected = spec["class"]
+    if expected == "success":
+        if res.returncode != 0:
+            return "unclear-failure", f"exit {res.returncode}: {_last(res)}"
+        if "Traceback" in res.stderr:
+            return "unclear-failure", "exit 0 with a traceback"
+        if spec.get("check") and not CHECKS[spec["check"]](world, case, spec):
+            return "wrong-result", f"check {spec['check']} failed"
+        return "success", None
+    if res.returncode == 0 and not spec.get("interrupt"):
+        return "wrong-result", "exit 0 where an error was due"
+    if expected in ("clear-error", "failed-check"):
+        why = _clear_error(res, 2 if expected == "clear-error" else 1)
+        if why is None:
+            changed = _changed(before, _snapshot(case))
+            why = f"left behind / changed: {Path(changed[0]).relative_to(case)}" if changed else None
+        return (expected, None) if why is None else ("unclear-failure", why)
+    # exact-recovery: a killed run may die any way; an error must be clear (what it leaves, it resumes from)
+    if spec.get("interrupt"):
+        sig = spec["interrupt"]["signal"]
+        if sig == "TERM" and res.returncode not in (143, -signal.SIGTERM):
+            return "unclear-failure", f"SIGTERM gave exit {res.returncode}: {_last(res)}"
+    else:
+        why = _clear_error(res, 2)
+        if why:
+            return "unclear-failure", why
+    if spec.get("fix"):
+        STEPS[spec["fix"]](world, case, spec)
+    again = world.python(*argv, timeout=timeout)
+    if again.returncode != 0:
+        return "unclear-failure", f"the same command again: exit {again.returncode}: {_last(again)}"
+    if spec.get("check") and not CHECKS[spec["check"]](world, case, spec):
+        return "wrong-result", f"after recovery, check {spec['check']} failed"
+    return "exact-recovery", None
+
+
+# ------------------------------------------------------------------------------------------ results and report
+
+
+def _versions(repo: Path) -> dict[str, str]:
+    def git(*a: str) -> str:
+        r = subprocess.run(["git", "-C", str(repo), *a], capture_output=True, text=True)
+        return r.stdout.strip()
+
+    out = {"commit": git("rev-parse", "--short", "HEAD"), "python": platform.python_version()}
+    for mod in ("torch", "deepspeed", "transformers", "peft"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - a missing package is recorded as such
+            out[mod] = "missing"
+    return out
+
+
+def summarise(results: list[dict]) -> dict:
+    by_expected: dict[str, Counter] = {c: Counter() for c in CLASSES}
+    for r in results:
+        by_expected[r["expected"]][r["observed"]] += 1
+    ran = [r for r in results if r["observed"] != "skipped"]
+    return {"cases": len(results), "ran": len(ran),
+            "as_expected": sum(r["observed"] == r["expected"] for r in ran),
+            "observed": dict(Counter(r["observed"] for r in results)),
+            "by_expected": {c: dict(v) for c, v in by_expected.items()},
+            "mismatches": [r for r in ran if r["observed"] != r["expected"]]}
+
+
+HEADER = ["| run | commit | date | cases run (of the corpus) | as expected | unclear-failure | wrong-result | data-loss "
+          "| hang | skipped |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def report(runs: dict[str, dict]) -> str:
+    """Markdown of results JSONs (label -> results): per run the counts over the cases it ran, then every run's
+    counts over the cases all of them ran (a run cut short is compared on what it reached), then the mismatches."""
+    common = set.intersection(*({r["name"] for r in d["results"]} for d in runs.values()))
+    lines = ["# Failure corpus results", "",
+             "Generated by `python bench/failure_corpus.py --report` from the JSON files beside this one; the corpus is "
+             "`bench/failure_corpus.yaml`, the policy [docs/failure-policy.md](../../../docs/failure-policy.md).", "",
+             *HEADER]
+
+    def row(label: str, d: dict, results: list[dict]) -> str:
+        s, o = summarise(results), Counter(r["observed"] for r in results)
+        return (f"| {label} | {d['versions']['commit']} | {d['date'][:10]} | {s['cases']} ({d.get('corpus_cases', '?')}) "
+                f"| {s['as_expected']} | {o['unclear-failure']} | {o['wrong-result']} | {o['data-loss']} | {o['hang']} "
+                f"| {o['skipped']} |")
+
+    lines += [row(label, d, d["results"]) for label, d in runs.items()]
+    if len(runs) > 1:
+        lines += ["", f"On the {len(common)} cases every run reached:", "", *HEADER]
+        lines += [row(label, d, [r for r in d["results"] if r["name"] in common]) for label, d in runs.items()]
+    for label, d in runs.items():
+        lines += ["", f"## {label}: expected class -> observed", "", f"{d.get('note', '')}", "",
+                  "| expected | " + " | ".join(OBSERVED) + " |", "|---" * (len(OBSERVED) + 1) + "|"]
+        for c, counts in summarise(d["results"])["by_expected"].items():
+            lines.append(f"| {c} | " + " | ".join(str(counts.get(o, 0)) for o in OBSERVED) + " |")
+        mism = summarise(d["results"])["mismatches"]
+        lines += ["", f"### {label}: {len(mism)} mismatches", ""]
+        lines += [f"- **{m['name']}** (expected {m['expected']}, got {m['observed']}): {m.get('why') or ''}"
+                  .replace("|", "\\|") for m in mism]
+        skipped = [r for r in d["results"] if r["observed"] == "skipped"]
+        if skipped:
+            lines += ["", f"### {label}: {len(skipped)} skipped", ""] + [f"- {r['name']}: {r['why']}" for r in skipped]
+    return "\n".join(lines) + "\n"
+
+
+LOG_LINE = re.compile(r"^\s*\d+/\d+\s+(ok|MISMATCH)\s+(\S+) -> (\S+)\s+(.*)$")
+
+
+def collect(path: Path, cases: list[dict]) -> list[dict]:
+    """The results of a run that did not finish: its ``.partial.jsonl``, or the lines it printed (a runner
+    without the partial file), each completed with the case's command from the corpus."""
+    by_name = {c["name"]: c for c in cases}
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for line in path.read_text().splitlines():
+        m = LOG_LINE.match(line)
+        if not m:
+            continue
+        mark, expected, observed, rest = m.groups()
+        name, _, why = rest.partition("  (") if mark == "MISMATCH" else (rest.strip(), "", "")
+        name = name.strip()
+        out.append({"name": name, "expected": expected, "observed": observed, "why": why[:-1] if why else None,
+                    "cmd": by_name.get(name, {}).get("cmd")})
+    return out
+
+
+def run_all(repo: Path, cases: list[dict], jobs: int, tmp: Path, partial: Path | None = None) -> list[dict]:
+    world = build_world(repo, tmp)
+    print(f"world built in {tmp}", flush=True)
+    slots = itertools.count()
+
+    def one(item):
+        i, spec = item
+        r = run_case(world, spec, tmp / f"case{i:03d}")
+        mark = "ok" if r["observed"] in (r["expected"], "skipped") else "MISMATCH"
+        if partial is not None:  # a run cut short still counts what it ran
+            with open(partial, "a") as f:
+                f.write(json.dumps(r) + "\n")
+        print(f"{next(slots) + 1:>4}/{len(cases)} {mark:>8}  {r['expected']:>14} -> {r['observed']:<15} {r['name']}"
+              + (f"  ({r['why']})" if r.get("why") and mark != "ok" else ""), flush=True)
+        return r
+
+    # interrupted and disk cases run alone: their timing and mounts must not depend on the other jobs
+    serial = [(i, c) for i, c in enumerate(cases) if c.get("interrupt") or c.get("prepare") in ("small_disk",)]
+    parallel = [(i, c) for i, c in enumerate(cases) if (i, c) not in serial]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = dict(zip([i for i, _ in parallel], pool.map(one, parallel)))
+    results.update({i: one((i, c)) for i, c in serial})
+    return [results[i] for i in range(len(cases))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,26 +1184,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", type=Path, default=CORPUS, help="the case list (YAML)")
     ap.add_argument("--only", default=None, help="run only the cases whose name contains this")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1)")
+    ap.add_argument("--validate", action="store_true", help="check the corpus file and exit (no command runs)")
+    ap.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="print the Markdown report of results JSONs (e.g. before.json after.json) and exit")
+    ap.add_argument("--collect", type=Path, default=None, metavar="PARTIAL",
+                    help="write --json from a run cut short: its .partial.jsonl or its printed lines")
+    ap.add_argument("--note", default=None, help="--collect: a note on the run kept in the JSON and the report")
     args = ap.parse_args(argv)
-    cases = [c for c in yaml.safe_load(args.corpus.read_text()) if not args.only or args.only in c["name"]]
+    if args.report:
+        print(report({p.stem: json.loads(p.read_text()) for p in args.report}), end="")
+        return 0
+    cases = load(args.corpus)
+    if args.collect:
+        results = collect(args.collect, cases)
+        doc = {"command": f"python bench/failure_corpus.py --repo {args.repo} (cut short; collected from "
+                          f"{args.collect.name})", "date": datetime.datetime.fromtimestamp(
+                   args.collect.stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds"),
+               "versions": _versions(args.repo.resolve()), "corpus_cases": len(cases), "note": args.note or "",
+               "summary": summarise(results), "results": results}
+        (args.json or Path("/dev/stdout")).write_text(json.dumps(doc, indent=1) + "\n")
+        return 0
+    problems = validate(cases)
+    if problems or args.validate:
+        print("\n".join(problems) or f"{len(cases)} cases, all valid")
+        return 1 if problems else 0
+    cases = [c for c in cases if not args.only or args.only in c["name"]]
     repo = args.repo.resolve()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="frod-failure-corpus-") as tmp:
-        world = build_world(repo, Path(tmp))
-        results = []
-        for i, spec in enumerate(cases):
-            r = run_case(world, spec, Path(tmp) / f"case{i:02d}")
-            results.append(r)
-            mark = "ok" if r["observed"] in (r["expected"], "skipped") else "MISMATCH"
-            print(f"{mark:>8}  {r['expected']:>14} -> {r['observed']:<15} {r['name']}"
-                  + (f"  ({r['why']})" if r.get("why") and mark != "ok" else ""), flush=True)
-    expected = Counter(r["expected"] for r in results if r["observed"] != "skipped")
-    matched = Counter(r["expected"] for r in results if r["observed"] == r["expected"])
-    mismatches = [r for r in results if r["observed"] not in (r["expected"], "skipped")]
-    print("per class (as expected / cases):", ", ".join(f"{c} {matched[c]}/{expected[c]}" for c in CLASSES))
-    print(f"mismatches: {len(mismatches)}; skipped: {sum(r['observed'] == 'skipped' for r in results)}")
+        partial = args.json.with_suffix(".partial.jsonl") if args.json else None
+        results = run_all(repo, cases, args.jobs, Path(tmp), partial)
+    summary = summarise(results)
+    print("per expected class:", "; ".join(f"{c}: " + ", ".join(f"{o} {n}" for o, n in sorted(v.items()))
+                                           for c, v in summary["by_expected"].items() if v))
+    print(f"as expected: {summary['as_expected']}/{summary['ran']}; mismatches: {len(summary['mismatches'])}; "
+          f"skipped: {summary['observed'].get('skipped', 0)}")
     if args.json:
-        args.json.write_text(json.dumps({"repo": str(repo), "results": results}, indent=1) + "\n")
-    return 1 if mismatches else 0
+        cmdline = ["python", "bench/failure_corpus.py", *(argv if argv is not None else sys.argv[1:])]
+        args.json.write_text(json.dumps({"command": " ".join(cmdline), "date": date, "versions": _versions(repo),
+                                         "corpus_cases": len(cases), "summary": summary, "results": results},
+                                        indent=1) + "\n")
+    return 1 if summary["mismatches"] else 0
 
 
 if __name__ == "__main__":

@@ -78,12 +78,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _check_args(args: argparse.Namespace) -> Path:
+    """The recipe to train with, once ``--ranks`` and ``--recipe`` are known to be usable: checked before anything
+    is written, so that a mistake is one line, not a failed stage minutes later with the output half made."""
+    from frod_ds.config.recipe import load_recipe
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.runtime.shipped import user_file
+
+    if args.ranks < 1:
+        raise FrodError(f"--ranks {args.ranks}: pass 1 or more processes")
+    recipe = user_file(args.recipe, "recipes").resolve()
+    if not recipe.is_file():
+        raise FrodError(f"--recipe {args.recipe}: no such file; pass a YAML recipe (e.g. recipes/demo_tiny.yaml)")
+    load_recipe(str(recipe), ["model.base=m", "model.factor_store=f", "data.train=t"])  # what the demo sets itself
+    return recipe
+
+
 def demo(args: argparse.Namespace) -> int:
     import torch
 
     from frod_ds.runtime.atomic import mark_dir, remove_marked
-    from frod_ds.runtime.shipped import shipped_file, user_file
+    from frod_ds.runtime.shipped import shipped_file
 
+    recipe = _check_args(args)
     out = Path(args.out).resolve()
     remove_marked(out, "demo")  # only a directory an earlier demo wrote (marker kind), never the repo or cwd
     out.mkdir(parents=True)
@@ -104,7 +121,7 @@ def demo(args: argparse.Namespace) -> int:
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     _run([launcher, "--num_nodes", "1", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
           "--module", "frod_ds.cli", "train", "--config", ds_config, "--recipe",
-          str(user_file(args.recipe, "recipes").resolve()),
+          str(recipe),
           f"model.base={out / 'model'}", f"model.factor_store={out / 'factors'}", f"model.dtype={dtype}",
           f"data.train={out / 'data' / 'train.jsonl'}", f"output_dir={out}"],
          "ZeRO-3 training of the FRoD adapters (deepspeed launcher)", log)

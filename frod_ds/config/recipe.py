@@ -112,12 +112,17 @@ class Recipe:
             p.append(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
         if t.max_steps is None and t.epochs <= 0:
             p.append("set train.epochs > 0 or train.max_steps")
+        elif t.epochs < 0:  # unused beside max_steps, but a negative count is a typo either way
+            p.append(f"train.epochs must be > 0, got {t.epochs}")
         if t.max_steps is not None and t.max_steps <= 0:
             p.append(f"train.max_steps must be > 0, got {t.max_steps}")
         if t.micro_batch_size <= 0 or t.grad_accum <= 0:
             p.append("train.micro_batch_size and train.grad_accum must be > 0")
-        if len(t.betas) != 2:
-            p.append(f"train.betas must be two numbers, got {t.betas}")
+        if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):  # AdamW's own check is a traceback
+            p.append(f"train.betas must be two numbers in [0, 1), got {t.betas}")
+        for name in ("max_grad_norm", "weight_decay"):  # 0 turns each off; below 0 it would be taken silently
+            if getattr(t, name) < 0:
+                p.append(f"train.{name} must be >= 0, got {getattr(t, name)}")
         for name in ("log_every", "save_every", "eval_every", "rotation_every"):
             if getattr(t, name) < 0:
                 p.append(f"train.{name} must be >= 0")

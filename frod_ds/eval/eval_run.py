@@ -173,7 +173,9 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
         assert config.model is not None
         if adapter.is_adapter_checkpoint(config.model):
             raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from frod_ds.prep.tokens import load_tokenizer
 
         try:
             model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
@@ -184,10 +186,7 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
                 raise
             raise EvalError(f"--model {config.model}: {_unreadable_shard(config.model)} cannot be read ({e}); the "
                             "checkpoint is damaged (truncated or overwritten), copy it again") from None
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        except OSError as e:
-            raise EvalError(f"cannot load the tokenizer of --model {config.model}: {e}") from None
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
     return model.eval(), tokenizer
 
 

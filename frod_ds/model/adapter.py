@@ -219,7 +219,7 @@ def load_frod_model(
     The base model and factor store come from the adapter's config unless given. Raises ``FrodError``
     with a clear message if either is missing or the store belongs to another model or adapter.
     """
-    from transformers import AutoTokenizer
+    from frod_ds.prep.tokens import load_tokenizer
 
     tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
     if isinstance(dtype, str):
@@ -228,7 +228,7 @@ def load_frod_model(
     model = build_frod_model(model_dir, store, supports_from_adapter(tensors, config), dtype,
                              quant=config.frozen_quant, quantize_base=config.quantize_base)
     load_adapter_into(model, tensors)
-    tokenizer = AutoTokenizer.from_pretrained(str(config.tokenizer or model_dir))
+    tokenizer = load_tokenizer(str(config.tokenizer or model_dir))
     return model.to(device).eval(), tokenizer
 
 

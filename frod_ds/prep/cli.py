@@ -271,11 +271,14 @@ COMMANDS = {"build": cmd_build, "stats": cmd_stats, "show": cmd_show}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse `argv`, run the command; a DataPrepError becomes `error: ...` on stderr and status 2."""
+    """Parse `argv`, run the command; a user mistake becomes `error: ...` on stderr and status 2."""
+    from frod_ds.runtime import entry
+
     args = make_parser().parse_args(argv)
-    try:
+
+    def body() -> None:
         COMMANDS[args.command](args)
-    except DataPrepError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    # every FrodError (DataPrepError and those of the shared writers in frod_ds.runtime.atomic) and a full disk:
+    # one `error:` line and exit 2, as for every other command
+    return entry.run(body, init_group=False)

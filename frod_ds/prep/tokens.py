@@ -9,22 +9,31 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from frod_ds.prep.tasks import DataPrepError
 
 
 def load_tokenizer(name: str) -> Any:
-    """`transformers.AutoTokenizer.from_pretrained(name)` (a Hub id or a local directory)."""
+    """`transformers.AutoTokenizer.from_pretrained(name)` (a Hub id or a local directory); what cannot be loaded is
+    one line naming it (``FrodError``): every command that loads a tokenizer (data build, training, eval, the
+    adapter loader) comes here."""
+    from frod_ds.runtime.errors import FrodError
+
+    path = Path(name).expanduser()
+    if not path.is_dir() and (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
+        what = "is a file, not a directory" if path.exists() else "no such directory"
+        raise FrodError(f"tokenizer {name}: {what}; pass the directory holding the tokenizer files (by default "
+                        "the model's) or a Hugging Face Hub id")
     try:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(name)
     except Exception as exc:  # offline, missing files, unknown id: one clear line
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise DataPrepError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}") from None
+        raise FrodError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}") from None
 
 
 def token_lengths(tokenizer: Any, texts: Sequence[str], desc: str = "tokenizing", batch_size: int = 1024) -> list[int]:

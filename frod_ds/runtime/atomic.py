@@ -48,6 +48,24 @@ _DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPE
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a write the user fixes by freeing space or moving
 
 
+def file_in_the_way(path: Path | str) -> Path | None:
+    """The nearest existing ancestor of ``path`` (or ``path`` itself) that is not a directory: what makes creating
+    ``path`` as a directory fail (``--out some/file/x``); None when there is none."""
+    for p in (Path(path), *Path(path).parents):
+        if os.path.lexists(p):
+            return None if p.is_dir() else p
+    return None
+
+
+def path_error(path: Path | str, e: OSError) -> str | None:
+    """One line for an ``OSError`` raised while creating ``path`` when the cause is the user's path (a file where a
+    directory belongs); None when it is something else."""
+    blocker = file_in_the_way(path)
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and blocker is not None:
+        return f"cannot create {path}: {blocker} is a file, not a directory; choose another path"
+    return None
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -268,7 +286,8 @@ def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | No
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as e:
-        raise FrodError(f"cannot create a directory beside {out}: {e.strerror or e}; choose a writable location") from None
+        raise FrodError(path_error(out, e) or f"cannot create a directory beside {out}: {e.strerror or e}; choose a "
+                        "writable location") from None
     try:
         yield tmp
         mark_dir(tmp, kind)

@@ -119,12 +119,7 @@ def init_deepspeed() -> None:
         spec = process_group_spec() or ProcessGroupSpec(rank=0, world_size=1, local_rank=0, init_method=None)
         _join(spec, None)
     _set_env(LOCAL_RANK=str(_local_rank))
-    _skip_shm_comm_op(deepspeed)
-    from frod_ds.runtime.op_build import preload_comm_ops
-
-    # Any comm op DeepSpeed would still JIT-build here (the shm op is off, so on CPU none) is built under a lock that
-    # dies with its process, with the interpreter's ninja, and cached across launches.
-    preload_comm_ops()
+    _skip_shm_comm_op(deepspeed)  # so no launch builds an op here (the CUDA accelerator has none to build)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 

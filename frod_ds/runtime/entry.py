@@ -20,13 +20,14 @@ The process group is left in every case.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
-from frod_ds.runtime.atomic import DISK_FULL_ERRNOS
+from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, path_error
 from frod_ds.runtime.errors import FrodError
 
 __all__ = ["USER_ERROR", "run", "report", "run_script"]
@@ -63,6 +64,12 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
             D.barrier()  # rank 0 has printed before any rank leaves
         return USER_ERROR
     except OSError as e:
+        # an output path below a file (``--out notes.txt/x``), wherever the command first creates it: the user's
+        # path, named with the file in the way; nothing was created under it
+        line = path_error(e.filename, e) if e.filename and e.errno == errno.ENOTDIR else None
+        if line:
+            report(FrodError(line))
+            return USER_ERROR
         if e.errno not in DISK_FULL_ERRNOS:
             raise
         # a full (or read-only) disk is the user's to fix, wherever the write was: one line, not a traceback.

@@ -1,8 +1,11 @@
-"""DeepSpeed's JIT-built ops, built once and never left locked: what every training launch loads before
-``deepspeed.init_distributed``.
+"""DeepSpeed's JIT-built ops, built once and never left locked: the ops a training launch builds go through
+:func:`load_op`.
 
-DeepSpeed builds a C++ op on first use through ``torch.utils.cpp_extension.load`` (on CPU,
-``deepspeed_shm_comm`` in every ``init_distributed``, ~30 s to compile). Two things went wrong there:
+DeepSpeed builds a C++ op on first use through ``torch.utils.cpp_extension.load``. What a launch builds today:
+nothing at ``init_distributed`` (``frod_ds.runtime.distributed`` turns the CPU shared-memory all-reduce op off, and
+the CUDA accelerator has no comm op to build), and ``cpu_adam`` when the DeepSpeed JSON offloads the optimizer
+(``DeepSpeedCPUAdam``, built in ``frod_ds.train.trainer``), once per ``TORCH_EXTENSIONS_DIR``. Two things go wrong
+with a bare build:
 
 - torch serialises builders with a *file baton*: ``$TORCH_EXTENSIONS_DIR/<op>/lock`` is created with
   ``O_EXCL`` and deleted when the build ends. A process killed during the build (``kill -9``, an OOM kill, a
@@ -32,7 +35,7 @@ from typing import Any
 from frod_ds.runtime.errors import note
 
 __all__ = ["BATON", "extensions_dir", "ninja_dir", "baton_owners", "clear_stale_baton", "wait_for_baton", "build_lock",
-           "load_op", "preload_comm_ops"]
+           "load_op"]
 
 BATON = "lock"  # torch.utils.file_baton.FileBaton's file in each extension's build directory
 _GUARD = ".frod-ds-build.lock"  # our fcntl lock beside it
@@ -146,14 +149,3 @@ def load_op(builder: Any) -> Any:
     with build_lock(extensions_dir() / builder.name), _ninja_first():
         return builder.load(verbose=False)
 
-
-def preload_comm_ops() -> None:
-    """Load the op ``deepspeed.init_distributed`` would build (``deepspeed.comm.torch.build_shm_op``: the CPU
-    shared-memory all-reduce), under the same conditions DeepSpeed checks, so its build is guarded."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        return
-    load_op(builder)

@@ -236,9 +236,9 @@ def _model_vocab_size(model_dir) -> int | None:
 
 
 def _load_tokenizer(recipe: Recipe, model_dir):
-    from transformers import AutoTokenizer
+    from frod_ds.prep.tokens import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(recipe.model.tokenizer or model_dir))
+    tok = load_tokenizer(str(recipe.model.tokenizer or model_dir))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     return tok
@@ -269,8 +269,15 @@ def _optimizer(model, recipe: Recipe, ds_cfg: dict):
     t = recipe.train
     groups = frod_param_groups(model, t.lr_sigma, t.lr_s, t.weight_decay)
     if offload_device(ds_cfg, "offload_optimizer") is not None:  # DeepSpeed steps an offloaded optimizer on the CPU
+        from deepspeed.accelerator import get_accelerator
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        from frod_ds.runtime import op_build
+
+        # DeepSpeedCPUAdam JIT-builds cpu_adam on its first use in a TORCH_EXTENSIONS_DIR: built here under a lock
+        # that dies with its holder (a build killed mid-way must not hang every later launch); DeepSpeed then
+        # reuses the loaded op, and later launches load the cached build.
+        op_build.load_op(get_accelerator().create_op_builder("CPUAdamBuilder"))
         return DeepSpeedCPUAdam(groups, lr=t.lr_sigma, betas=tuple(t.betas), adamw_mode=True)
     return torch.optim.AdamW(groups, lr=t.lr_sigma, betas=tuple(t.betas))
 

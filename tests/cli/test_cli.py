@@ -141,3 +141,28 @@ def test_every_import_in_the_library_names_a_module():
                      for target in imports(path, name, set(mods))
                      if target.split(".")[0] == "frod_ds" and target not in mods and target not in OLD_PATHS)
     assert unknown == []
+
+
+@pytest.mark.parametrize("argv, needle", [(["--recipe", "missing.yaml"], "--recipe missing.yaml: no such file"),
+                                          (["--ranks", "0"], "--ranks 0"),
+                                          (["--recipe", "{bad}"], "train.max_step")])
+def test_demo_refuses_a_bad_recipe_or_ranks_before_writing_anything(tmp_path, capsys, argv, needle):
+    from frod_ds.cli.demo import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  max_step: 2\n")  # a misspelled key
+    code = main(["--out", str(tmp_path / "demo"), *[a.replace("{bad}", str(bad)) for a in argv]])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error: ") == 1 and needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize("argv", [["--gpu-mem", "nan"], ["--gpu-mem", "inf"], ["--seq-len", "0"], ["--seq-len", "-1"]])
+def test_plan_refuses_a_number_it_cannot_plan_with(argv, capsys):
+    """A memory of nan GiB (no line, exit 1) or a sequence of 0 tokens (a plan, exit 0) was taken as given."""
+    from frod_ds.cli.plan import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "m", "--gpus", "1", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and argv[0] in err.splitlines()[-1], err

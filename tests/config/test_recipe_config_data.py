@@ -52,6 +52,12 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
     (["train.schedule=step"], "train.schedule"),
     (["model.dtype=float16"], "model.dtype"),
     (["train.lr_sigma"], "must look like section.key=value"),
+    # numbers the optimizer would take silently or fail on with a traceback (the failure corpus)
+    (["train.max_steps=1", "train.epochs=-1"], "train.epochs must be > 0"),
+    (["train.betas=[0.9,1.5]"], "train.betas must be two numbers in [0, 1)"),
+    (["train.betas=[-0.1,0.9]"], "train.betas must be two numbers in [0, 1)"),
+    (["train.max_grad_norm=-1"], "train.max_grad_norm must be >= 0"),
+    (["train.weight_decay=-0.1"], "train.weight_decay must be >= 0"),
 ])
 def test_bad_recipes_raise_one_error_naming_the_problem(bad, needle):
     with pytest.raises(RecipeError, match=None) as e:

@@ -78,6 +78,13 @@ def test_bad_flags_are_one_line_errors(capsys, tmp_path, argv, message):
     assert not (tmp_path / "cs").exists()
 
 
+def test_out_under_a_file_is_one_line_status_2(capsys, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    code, _, err = run_cli(capsys, "build", "--source", MIRROR, "--out", tmp_path / "afile" / "d")
+    assert code == 2 and str(tmp_path / "afile") in error_line(err) and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 def test_missing_task_dir_suggests_tasks_flag(capsys, tmp_path):
     mirror = tmp_path / "mirror"
     (mirror / "piqa").mkdir(parents=True)

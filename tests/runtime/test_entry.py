@@ -29,6 +29,19 @@ def test_user_error_is_one_line_and_exit_2(capsys):
     assert entry.run(lambda: None, init_group=False) == 0 and entry.run(lambda: 143, init_group=False) == 143
 
 
+def test_an_output_path_under_a_file_is_one_line_naming_the_file(tmp_path, capsys):
+    """``--out some/file/x``: wherever the command first creates the directory, one line that names the file in the
+    way, exit 2, not a NotADirectoryError traceback."""
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "afile" / "store"
+    assert entry.run(lambda: out.mkdir(parents=True), init_group=False) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and str(tmp_path / "afile") in err, err
+    assert "is a file" in err and "Traceback" not in err
+    with pytest.raises(FileNotFoundError):  # other OSErrors are not guessed at: a missing input stays the command's
+        entry.run(lambda: open(tmp_path / "missing"), init_group=False)
+
+
 def test_a_bug_is_not_a_user_error():
     with pytest.raises(ValueError, match="a bug"):
         entry.run(_raise(ValueError("a bug")), init_group=False)

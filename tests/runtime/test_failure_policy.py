@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.leftovers import REPO, clean_env
 
@@ -79,6 +80,34 @@ def test_a_builder_that_dies_while_others_wait_does_not_block_them(tmp_path):
         if builder.poll() is None:
             builder.kill()
             builder.wait()
+
+
+def test_an_offload_run_builds_cpu_adam_under_the_build_lock(monkeypatch):
+    """DeepSpeedCPUAdam (optimizer offload) JIT-builds the cpu_adam op at start-up: that build must go through
+    op_build.load_op (a lock that dies with its holder, a dead builder's baton cleared), not torch's bare baton."""
+    from frod_ds.config.recipe import load_recipe
+    from frod_ds.runtime import op_build
+    from frod_ds.train import trainer
+
+    loaded = []
+
+    class Stop(Exception):
+        pass
+
+    def record(builder):
+        loaded.append(builder.name)
+        raise Stop  # the real build is what the launch tests cover; here only the route
+
+    monkeypatch.setattr(op_build, "load_op", record)
+    model = torch.nn.Linear(2, 2)
+    recipe = load_recipe(None, [*REQUIRED, "model.dtype=float32"])
+    offload = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    monkeypatch.setattr(trainer, "frod_param_groups", lambda m, *a: [{"params": list(m.parameters())}])
+    with pytest.raises(Stop):
+        trainer._optimizer(model, recipe, offload)
+    assert loaded == ["cpu_adam"]
+    assert isinstance(trainer._optimizer(model, recipe, {"zero_optimization": {"stage": 2}}), torch.optim.AdamW)
+    assert loaded == ["cpu_adam"], "no op is built without offload"
 
 
 def _venv_ninja() -> Path | None:
@@ -180,6 +209,20 @@ def test_a_malformed_yaml_recipe_is_one_line(tmp_path, capsys, text):
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and str(recipe) in lines[0], err
     assert "line " in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["missing-tok", "a/b/c"])
+def test_a_tokenizer_that_cannot_be_loaded_is_one_line_naming_it(tmp_path, name):
+    """model.tokenizer / eval --tokenizer: a missing directory (or an id that cannot be resolved offline) is a
+    user mistake named in one line, not transformers' OSError traceback."""
+    from frod_ds.prep.tokens import load_tokenizer
+    from frod_ds.runtime.errors import FrodError
+
+    path = str(tmp_path / name)
+    with pytest.raises(FrodError) as e:
+        load_tokenizer(path)
+    msg = str(e.value)
+    assert "\n" not in msg and path in msg and "no such directory" in msg
 
 
 # --- export --format peft: --peft-tol is a promise --------------------------------------------------------------
