@@ -11,7 +11,9 @@ Layout of ``adapter-<step>/`` and ``adapter-final/``::
 factor store uses. Versions: 1 is still read; 2 records the identity of the factor store the adapter was
 trained on (per category a sha256 of ``V`` and the HJD route), so that eval, export and resume refuse
 another store. ``frozen_quant`` / ``quantize_base`` (absent: none / false) say how the frozen weights were
-quantized in training, so eval and export rebuild the same model. Imports nothing heavy (no torch).
+quantized in training, so eval and export rebuild the same model. Version 3 adds ``weights_crc32``, the CRC-32 of
+``adapter.safetensors`` as written, so a changed byte is refused instead of evaluated (versions 1 and 2, without it,
+are still read). Imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ __all__ = ["ADAPTER_FORMAT", "ADAPTER_VERSION", "WEIGHTS", "CONFIG", "AdapterCat
            "sigma_name", "s_name", "support_name"]
 
 ADAPTER_FORMAT = "frod-ds-adapter"
-ADAPTER_VERSION = 2
+ADAPTER_VERSION = 3
 WEIGHTS = "adapter.safetensors"
 CONFIG = "adapter_config.json"
 
@@ -79,6 +81,7 @@ class AdapterConfig:
     quantize_base: bool = False  # the untargeted linears quantized too (of frozen_quant's kind)
     step: int | None = None
     categories: dict[str, AdapterCategory] = field(default_factory=dict)
+    weights_crc32: str | None = None  # "crc32:…" of adapter.safetensors (version 3; absent before: not checked)
 
     def to_json(self) -> str:
         return record_to_json(self, indent=2, sort_keys=True)

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from frod_ds.formats.adapter_format import (
+    ADAPTER_VERSION,
     CONFIG,
     WEIGHTS,
     AdapterCategory,
@@ -32,6 +33,7 @@ from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.runtime.errors import AdapterError, FrodError, note
 from frod_ds.core.layer import SparseSupport
 from frod_ds.model.store import FactorStore
+from frod_ds.formats.checksum import file_crc32, format_crc32, parse_crc32
 from frod_ds.formats.store_format import StoreIdentity, category_of
 
 __all__ = [
@@ -82,6 +84,8 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], config:
         raise AdapterError(f"refusing to write adapter {out_dir}: {bad}; the training diverged")
     with building_dir(out_dir, "adapter") as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
+        config = dataclasses.replace(config, version=ADAPTER_VERSION,
+                                     weights_crc32=format_crc32(file_crc32(tmp / WEIGHTS)))
         (tmp / CONFIG).write_text(config.to_json())
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)
@@ -128,6 +132,10 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
     if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
         raise AdapterError(f"{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS})")
     config = AdapterConfig.read(p / CONFIG)
+    if config.weights_crc32 is not None and parse_crc32(config.weights_crc32) != file_crc32(p / WEIGHTS):
+        raise AdapterError(f"{p / WEIGHTS} does not match the checksum its {CONFIG} records; the adapter file was "
+                           "changed or damaged after it was written: use another adapter (e.g. an earlier "
+                           "adapter-<step>) or retrain")
     try:
         tensors = load_file(str(p / WEIGHTS))
     except (SafetensorError, OSError) as e:

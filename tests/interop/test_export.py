@@ -99,7 +99,7 @@ def test_adapter_records_the_identity_of_its_factor_store(trained):
 
     config = json.loads((trained["checkpoint"] / "adapter_config.json").read_text())
     manifest = json.loads((trained["store"] / "manifest.json").read_text())
-    assert config["version"] == 2 and config["pi"] == manifest["pi"]
+    assert config["version"] == 3 and config["pi"] == manifest["pi"]
     for category, info in config["categories"].items():
         spec = manifest["categories"][category]
         V = load_file(str(trained["store"] / spec["files"][f"{category}.V"]))[f"{category}.V"]
@@ -132,3 +132,32 @@ def test_export_carries_every_non_weight_file_of_the_base_checkpoint(trained, tm
     names = {p.name for p in out.iterdir()}
     assert names == set(carried) | {"config.json", "model.safetensors.index.json", "frod_export.json", ".frod-ds-output"} | {
         n for n in names if n.startswith("model-") and n.endswith(".safetensors")}
+
+
+def test_an_adapter_with_one_changed_byte_is_refused_not_used(trained, tmp_path, capsys):
+    """adapter_config.json (format 3) records the CRC-32 of adapter.safetensors: a byte changed after writing
+    (bit rot, a half-copied file, a hand edit) is one error line naming the file, and the export writes nothing;
+    the untouched copy still exports. An adapter of format 2 (no checksum) is still read."""
+    import shutil
+
+    from frod_ds.adapter import read_adapter
+    from frod_ds.adapter_format import AdapterConfig
+
+    config = AdapterConfig.read(trained["checkpoint"] / "adapter_config.json")
+    assert config.version == 3 and config.weights_crc32 and config.weights_crc32.startswith("crc32:")
+    bad = tmp_path / "adapter-final"
+    shutil.copytree(trained["checkpoint"], bad)
+    weights_file = bad / "adapter.safetensors"
+    data = bytearray(weights_file.read_bytes())
+    data[-5] ^= 0x01  # one bit of the last tensor's values: still a valid safetensors file
+    weights_file.write_bytes(bytes(data))
+    assert main(["--checkpoint", str(bad), "--out", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match the checksum" in err[0] and str(weights_file) in err[0], err
+    assert not (tmp_path / "merged").exists()
+    # the same bytes under a format-2 config (no checksum) are read as they are: the check is the record's
+    old = json.loads((bad / "adapter_config.json").read_text())
+    old.pop("weights_crc32")
+    (bad / "adapter_config.json").write_text(json.dumps({**old, "version": 2}))
+    tensors, cfg = read_adapter(bad)
+    assert cfg.version == 2 and cfg.weights_crc32 is None and tensors
