@@ -68,7 +68,7 @@ def print_plan(plan, title: str, model=None) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from frod_ds.config.ds_config import load_ds_config
+    from frod_ds.config.ds_config import check_ds_keys, load_ds_config
     from frod_ds.plan.planner import (ELEMENT_BYTES, PlanError, engine_from_ds_config, load_model_shape, plan_memory, recommend,
                                  train_shape_from_recipe, trainable_numel)
     from frod_ds.config.recipe import load_recipe
@@ -90,7 +90,9 @@ def plan_command(args: argparse.Namespace) -> int:
     rec = recommend(model, train, args.gpus, gpu)
     code = 0
     if args.config:
-        engine = engine_from_ds_config(load_ds_config(args.config), args.config)
+        cfg = load_ds_config(args.config)
+        check_ds_keys(cfg, args.config)
+        engine = engine_from_ds_config(cfg, args.config)
         plan = plan_memory(model, train, engine, args.gpus, gpu)
         q = "frozen bf16" if train.quant == "none" else f"frozen_quant={train.quant}" + (
             " quantize_base=true" if train.quantize_base else "")

@@ -19,7 +19,7 @@ from frod_ds.runtime.shipped import user_file
 from frod_ds.runtime.errors import FrodError
 from frod_ds.config.recipe import Recipe
 
-__all__ = ["DSConfigError", "BatchSizes", "NvmeParams", "ZeroSettings", "DS_DEFAULTS", "batch_sizes", "bf16_overflow_check",
+__all__ = ["DSConfigError", "BatchSizes", "NvmeParams", "ZeroSettings", "DS_DEFAULTS", "batch_sizes", "bf16_overflow_check", "check_ds_keys",
            "check_nvme_buffer", "load_ds_config", "nvme_buffers_needed", "nvme_offloads", "offload_device",
            "resolve_ds_config", "zero_settings", "zero_stage"]
 
@@ -104,6 +104,14 @@ def _unknown_keys(cfg: dict) -> list[str]:
                 hint = f'; did you mean "{where}{close[0]}"?' if close else "; remove it"
                 problems.append(f'unknown key "{where}{key}"{hint}')
     return problems
+
+
+def check_ds_keys(cfg: dict, where: str | Path) -> None:
+    """``DSConfigError`` naming every key of ``cfg`` DeepSpeed does not know (the check training makes too), for
+    the commands that read a DeepSpeed JSON without training on it (``frod plan --config``)."""
+    problems = _unknown_keys(cfg)
+    if problems:
+        raise DSConfigError(f"DeepSpeed config {where}: " + "; ".join(problems))
 
 
 def _autos(node: Any, prefix: str = "") -> list[str]:

@@ -286,6 +286,21 @@ def test_cli_prints_every_part_and_the_verdict(tmp_path):
     assert res.returncode == 1 and "does NOT fit" in res.stdout
 
 
+@pytest.mark.parametrize("change,needle", [
+    ({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e7}}, 'did you mean "zero_optimization.reduce_bucket_size"'),
+    ({"gradient_cliping": 1.0}, 'did you mean "gradient_clipping"'),
+    ({"zero_optimization": {"stage": 9}}, "zero_optimization.stage must be 0, 1, 2 or 3, got 9"),
+])
+def test_cli_plan_refuses_a_deepspeed_json_training_would_refuse(tmp_path, change, needle):
+    """A misspelled key plans against DeepSpeed's default silently unless refused, as training refuses it."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    cfg = {**json.loads((REPO / "ds_configs" / "zero2.json").read_text()), **change}
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    res = _plan("--model", str(tmp_path), "--gpus", "1", "--config", str(tmp_path / "ds.json"))
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
+
+
 @pytest.mark.parametrize("config,needle", [
     (None, "has no config.json"),
     ({"model_type": "gpt2", "n_embd": 768}, "model_type 'gpt2' is not one the planner models"),
