@@ -88,6 +88,21 @@ def resolve_config_file(model: str) -> Path:
                          f"cache ({type(e).__name__}); pass a local checkpoint directory") from None
 
 
+def check_config_file(model_dir: str | os.PathLike) -> None:
+    """A local checkpoint directory's ``config.json`` exists and is a JSON object; ``CheckpointError`` (one line)
+    otherwise. HJD reads only the weights, so a checkpoint without a usable config decomposes; the commands that
+    build the model (train, eval, export) check it first instead of failing inside transformers."""
+    path = resolve_config_file(str(model_dir))
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint's config is damaged: copy config.json "
+                              "from the original checkpoint") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not a model config; copy config.json from "
+                              "the original checkpoint")
+
+
 class TensorInfo:
     """Where one tensor lives: shard file, dtype, shape, absolute byte range in the file."""
 

@@ -318,12 +318,13 @@ def build_frod_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from frod_ds.io.hf_checkpoint import HFCheckpoint
+    from frod_ds.io.hf_checkpoint import HFCheckpoint, check_config_file
 
     check_store_quant(store, supports, quant)
     if quantize_base and quant == "none":
         raise QuantError("model.quantize_base=true needs model.frozen_quant nf4 or int8 (the kind it uses)")
     ckpt = HFCheckpoint(model_dir)
+    check_config_file(ckpt.dir)
     keys = set(ckpt.keys())
     zero3 = ds_config is not None and zero_stage(ds_config) == 3
     config = AutoConfig.from_pretrained(str(ckpt.dir))

@@ -112,12 +112,13 @@ def _check_store(recipe: Recipe, resume_tag: str | None = None):
     """Open the factor store and refuse one built from another model — before anything heavy. Returns
     ``(model_dir, store, identity, run_identity)``; the identities are what the adapters and checkpoints
     record, and the checkpoint ``resume_tag`` in ``output_dir`` must have the same ones."""
-    from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+    from frod_ds.io.hf_checkpoint import HFCheckpoint, check_config_file, resolve_model_dir
     from frod_ds.model.store import FactorStore, check_store_matches
 
     model_dir = resolve_model_dir(recipe.model.base)
     store = FactorStore.open(recipe.model.factor_store)
     check_store_matches(store, HFCheckpoint(model_dir))
+    check_config_file(model_dir)  # HJD needs only the weights; building the model needs the config too
     missing = sorted(set(recipe.model.targets) - set(store.categories))
     if missing:
         raise StoreError(

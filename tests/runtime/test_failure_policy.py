@@ -599,3 +599,27 @@ def test_training_on_a_full_disk_is_one_line_and_leaves_no_output_dir(train_env,
     grow()
     res = _train(train_env, out, **extra)
     assert res.returncode == 0 and (out / "adapter-final").is_dir(), res.stderr[-3000:]
+
+
+# --- a checkpoint whose config.json is missing or torn --------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["missing", "torn"])
+def test_training_on_a_checkpoint_without_a_usable_config_is_one_line(peft_env, tmp_path, damage):
+    """HJD decomposes the weights alone, so a checkpoint without a usable config.json gets a store; training on it
+    names the file before building anything (it was transformers' OSError / JSONDecodeError traceback)."""
+    from tests.support.train_env import CPU_ZERO2, train_in_process
+
+    model = tmp_path / "model"
+    shutil.copytree(peft_env.model, model)
+    config = model / "config.json"
+    if damage == "missing":
+        config.unlink()
+    else:
+        config.write_text(config.read_text()[: len(config.read_text()) // 2])
+    out = tmp_path / "run"
+    res = train_in_process(CPU_ZERO2, peft_env.overrides(out, **{"model.base": model, "train.max_steps": 1}))
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    assert str(config) in lines[0] or str(model) in lines[0], lines[0]
+    assert ("no config.json" if damage == "missing" else "not valid JSON") in lines[0]
+    assert not out.exists()
