@@ -44,5 +44,6 @@ def test_unloadable_tokenizer_is_a_one_line_error(capsys, tmp_path):
                  "--tokenizer", str(tmp_path / "no-such-tokenizer")])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.startswith(f"error: cannot load tokenizer '{tmp_path / 'no-such-tokenizer'}': ") and err.count("\n") == 1
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert str(tmp_path / "no-such-tokenizer") in err and "no such directory" in err, err
     assert not (tmp_path / "cs").exists()
