@@ -161,3 +161,22 @@ def test_an_adapter_with_one_changed_byte_is_refused_not_used(trained, tmp_path,
     (bad / "adapter_config.json").write_text(json.dumps({**old, "version": 2}))
     tensors, cfg = read_adapter(bad)
     assert cfg.version == 2 and cfg.weights_crc32 is None and tensors
+
+
+@pytest.mark.parametrize("damage", ["missing", "torn"])
+def test_export_of_a_base_without_a_usable_config_is_refused(trained, tmp_path, capsys, damage):
+    """The export copies the base's config.json into a transformers checkpoint: without a usable one it would
+    write a checkpoint nothing can load (the failure corpus saw exit 0), so it is one line naming the file."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(trained["model_dir"], base)
+    config = base / "config.json"
+    if damage == "missing":
+        config.unlink()
+    else:
+        config.write_text(config.read_text()[:20])
+    code = main(["--checkpoint", str(trained["checkpoint"]), "--base-model", str(base), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and str(base) in err[0], err
+    assert not (tmp_path / "m").exists()
