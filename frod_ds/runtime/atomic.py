@@ -293,8 +293,14 @@ def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | No
         mark_dir(tmp, kind)
         publish_dir(tmp, out, kind, inputs, error)
     except BaseException as e:
+        # asked before the partial output is deleted (which frees the space): writers that report a full disk as
+        # something else (safetensors' SafetensorError "No space left on device") reach the user as a full disk
+        full = disk_full_error(tmp, e) if isinstance(e, Exception) else None
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
             raise FrodError(f"cannot write {out}: {e.strerror}; free space or choose another location "
+                            "(nothing was left behind)") from None
+        if full is not None:
+            raise FrodError(f"cannot write {out}: {full.strerror}; free space or choose another location "
                             "(nothing was left behind)") from None
         raise

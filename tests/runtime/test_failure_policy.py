@@ -573,6 +573,32 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def test_a_writer_that_reports_a_full_disk_as_something_else_is_a_full_disk(small_disk, tmp_path):
+    """building_dir (every published output) asks the disk, before deleting the partial output, when its writer
+    fails with something other than ENOSPC: safetensors' Rust writer raises SafetensorError("... No space left on
+    device (os error 28)"), which reached the user of `export --format peft` as a traceback (failure corpus)."""
+    from frod_ds.runtime.atomic import building_dir
+    from frod_ds.runtime.errors import FrodError
+
+    disk, _ = small_disk
+    out = disk / "export"
+
+    class WriterError(Exception):  # what a non-Python writer raises instead of OSError
+        pass
+
+    with pytest.raises(FrodError, match=r"cannot write .*export: No space left on device; free space"):
+        with building_dir(out, "hf-export") as tmp:
+            try:
+                (tmp / "weights").write_bytes(b"\0" * 200_000)
+            except OSError:
+                raise WriterError("I/O error: No space left on device (os error 28)") from None
+    assert not out.exists() and list(disk.iterdir()) == [], "nothing left behind"
+    with pytest.raises(ValueError, match="not a disk problem"):  # with space left, other errors stay themselves
+        with building_dir(tmp_path / "roomy", "hf-export"):
+            raise ValueError("not a disk problem")
+    assert not (tmp_path / "roomy").exists()
+
+
 def test_hjd_on_a_full_disk_is_one_line_and_the_same_command_resumes(hjd_model, small_disk):
     disk, grow = small_disk
     store = disk / "store"
