@@ -301,28 +301,25 @@ def data_not_json(world, case, spec):
     _jsonl(case, rows)
 
 
-def data_missing_answer(world, case, spec):
+def _edit_row(world, case, index: int, edit: Callable[[dict], None]) -> None:
+    """The world's training rows with row ``index`` changed by ``edit``, as the case's train.jsonl."""
     rows = _rows(world)
-    row = json.loads(rows[3])
-    row.pop("answer", None)
-    rows[3] = json.dumps(row)
+    row = json.loads(rows[index])
+    edit(row)
+    rows[index] = json.dumps(row)
     _jsonl(case, rows)
+
+
+def data_missing_answer(world, case, spec):
+    _edit_row(world, case, 3, lambda row: row.pop("answer", None))
 
 
 def data_missing_prompt(world, case, spec):
-    rows = _rows(world)
-    row = json.loads(rows[7])
-    row.pop("prompt", None)
-    rows[7] = json.dumps(row)
-    _jsonl(case, rows)
+    _edit_row(world, case, 7, lambda row: row.pop("prompt", None))
 
 
 def data_number_answer(world, case, spec):
-    rows = _rows(world)
-    row = json.loads(rows[2])
-    row["answer"] = 3
-    rows[2] = json.dumps(row)
-    _jsonl(case, rows)
+    _edit_row(world, case, 2, lambda row: row.update(answer=3))
 
 
 def data_dup_id(world, case, spec):
