@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.planner_check import GOAL as PLANNER_GOAL, check as check_planner  # noqa: E402
+from frod_ds.config.ds_config import bf16_overflow_check  # noqa: E402
 from bench.train_matrix import link_bandwidths, link_floor_s, load_results  # noqa: E402
 
 GOALS = {  # (description, comparison, bound)
@@ -48,8 +49,7 @@ def _nf4_chain(root: Path) -> dict:
                      "qlora_ms": qlora["step_s_median"] * 1e3, "ratio": frod["step_s_median"] / qlora["step_s_median"],
                      "flops_ratio": flops[0] / flops[1], "frod_peak_gib": frod["peak_allocated_gib"],
                      "qlora_peak_gib": qlora["peak_allocated_gib"], "date": frod["date"],
-                     "zero2_overflow_check": "off" if frod["ds_config"].get("bf16", {}).get("check_grad_overflow")
-                     is False else "on"}
+                     "zero2_overflow_check": "on" if bf16_overflow_check(frod["ds_config"]) else "off"}
     return out
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.train_matrix import TINY_MODEL, TINY_RUN, _run, _tail, prepare  # noqa: E402
-from frod_ds.config.ds_config import load_ds_config  # noqa: E402
+from frod_ds.config.ds_config import bf16_overflow_check, load_ds_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO2, ZERO3 = "ds_configs/zero2.json", "ds_configs/zero3.json"
@@ -295,8 +295,7 @@ def report(directory: Path) -> Path:
         calls += md
         by = {r["name"]: r for r in doc["runs"] if r.get("status") == "ok"}
         z2 = by.get(name_of("frod", ZERO2, []))
-        check = ("off" if z2["result"]["ds_config"].get("bf16", {}).get("check_grad_overflow") is False else "on"
-                 ) if z2 else "–"
+        check = ("on" if bf16_overflow_check(z2["result"]["ds_config"]) else "off") if z2 else "–"
         spread = max((r["result"].get("window_spread", 0) for r in by.values()
                       if not r["tags"] and r["method"] == "frod"), default=None)
         summary.append({"started": doc["started"], "device": doc["device"], "zero2_check": check,
