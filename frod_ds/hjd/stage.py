@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from frod_ds.runtime import distributed as D
-from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, atomic_write_text, disk_full_line
 from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_name
 from frod_ds.runtime.errors import HJDError
 from frod_ds.io.fingerprint import base_fingerprint, tensor_digests
@@ -151,7 +151,8 @@ class _Recorder:
             out.wait()
             out.phase_seconds["write_wait"] = round(time.perf_counter() - t_wait, 3)
         except OSError as e:
-            error = f"writing the factor store in {self.cfg.out} failed ({e}); check free space and permissions"
+            error = (disk_full_line(e) if e.errno in DISK_FULL_ERRNOS else
+                     f"writing the factor store in {self.cfg.out} failed ({e}); check free space and permissions")
         D.agree_on_error(error)
         outs = D.all_gather_object(out)
         D.on_main(lambda: store_dir.record_category(self.cfg.out, self.manifest, category, outs, seconds, self.writer))

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TMP", "MARKER", "KINDS", "NESTED", "DISK_FULL_ERRNOS", "disk_full_error", "fsync_dir", "replacing",
+__all__ = ["TMP", "MARKER", "KINDS", "NESTED", "DISK_FULL_ERRNOS", "disk_full_error", "disk_full_line", "fsync_dir", "replacing",
            "atomic_write_text", "atomic_write_json", "building_dir", "publish_dir", "mark_dir", "is_marked", "marker_kind", "check_replaceable", "check_out", "remove_marked"]
 
 TMP = ".tmp"
@@ -107,6 +107,14 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 LOW_SPACE = 16 * 2**20  # bytes: below this a failed write is taken for a full disk
+
+
+def disk_full_line(e: OSError) -> str:
+    """The one line for a write that failed on a full (or read-only) disk: every writer replaces its files
+    atomically, so what is on disk is the state before that write and the same command resumes."""
+    target = e.filename2 or e.filename or "the output"  # a failed copy names its source first
+    return (f"cannot write {target}: {e.strerror}; free space on that disk (or choose another location) and "
+            "re-run the same command")
 
 
 def disk_full_error(path: Path, error: BaseException) -> OSError | None:

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
-from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, path_error
+from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, disk_full_line, path_error
 from frod_ds.runtime.errors import FrodError
 
 __all__ = ["USER_ERROR", "run", "report", "run_script"]
@@ -72,11 +72,7 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
             return USER_ERROR
         if e.errno not in DISK_FULL_ERRNOS:
             raise
-        # a full (or read-only) disk is the user's to fix, wherever the write was: one line, not a traceback.
-        # Every writer replaces files atomically, so what is on disk is the state before that write.
-        target = e.filename2 or e.filename or "the output"  # a failed copy names its source first
-        report(FrodError(f"cannot write {target}: {e.strerror}; free space on that disk (or choose another "
-                         "location) and re-run the same command"))
+        report(FrodError(disk_full_line(e)))  # a full (or read-only) disk: the user's to fix, not a traceback
         return USER_ERROR
     finally:
         D.destroy()
