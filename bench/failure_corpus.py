@@ -773,7 +773,7 @@ def has_new(world, case, spec) -> bool:
 
 def same_output(world, case, spec) -> bool:
     """The files ``compare`` names under ``output`` are bitwise those of the same command run uninterrupted in a
-    fresh directory (run once per distinct command and cached)."""
+    fresh directory (run once per distinct command and cached), and no temporary sibling of ``output`` is left."""
     out = Path(spec["output"].format(**_subs(world, case)))
     argv = [str(a) for a in spec["cmd"]]
     key = json.dumps(argv)
@@ -786,7 +786,8 @@ def same_output(world, case, spec) -> bool:
         world._refs[key] = Path(spec["output"].format(**_subs(world, ref_case)))
     ref = world._refs[key]
     ours, theirs = _hashes(out, spec["compare"]), _hashes(ref, spec["compare"])
-    return bool(theirs) and ours == theirs
+    litter = list(out.parent.glob(f".{out.name}.tmp-*"))  # what the killed build left, swept by the re-run
+    return bool(theirs) and ours == theirs and not litter
 
 
 def _hashes(root: Path, patterns: list[str]) -> dict[str, str]:

@@ -118,7 +118,12 @@ def verify(args: argparse.Namespace) -> int:
     if D.is_main():
         for line in problems:
             print(f"verify: {line}", file=sys.stderr)
-        print(f"verify {args.verify}: " + ("OK" if not problems else f"FAILED ({len(problems)} problems)"), flush=True)
+        if problems:  # the details above, then the one line a failed check ends with
+            print(f"error: factor store {args.verify} failed verification against --model {args.model} "
+                  f"({len(problems)} problem(s) above); build it again: frod hjd --model {args.model} --out "
+                  f"{args.verify} --overwrite", file=sys.stderr, flush=True)
+        else:
+            print(f"verify {args.verify}: OK", flush=True)
     return 1 if problems else 0
 
 

@@ -22,7 +22,7 @@ from frod_ds.runtime import distributed as D
 from frod_ds.runtime.atomic import (MARKER, TMP, atomic_write_text, check_replaceable, fsync_dir, is_marked, mark_dir,
                             marker_kind)
 from frod_ds.io.dtypes import dtype_name
-from frod_ds.runtime.errors import HJDError, StoreError
+from frod_ds.runtime.errors import HJDError, StoreError, note
 from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.hjd.category import CategoryResult
@@ -189,8 +189,12 @@ def prepare_store(out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str,
         if manifest is None:
             remove_store_files(out)
     elif any(p.name != MARKER for p in out.iterdir()):  # a store's leftovers without its manifest
-        if not overwrite:
+        # Without the manifest no factor file can be trusted (which weights, which configuration): a store the
+        # marker says HJD wrote is started anew (its files only); an unmarked one is left to the user
+        if not overwrite and not is_marked(out):
             raise HJDError(f"--out {out} holds factor files but no {MANIFEST}; pass --overwrite to start it anew")
+        if not overwrite:
+            note(f"--out {out} holds factor files but no {MANIFEST} (a damaged store): building it anew")
         remove_store_files(out)
     if not is_marked(out):
         mark_dir(out, KIND)

@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -280,6 +281,29 @@ def publish_dir(new: Path, out: Path, kind: str, inputs: dict[str, Path | str | 
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def _build_prefix(out: Path, pid: int) -> str:
+    """The name of a temporary sibling that process ``pid`` of this host builds ``out`` in (the host and pid tell
+    a later run whether its builder is gone)."""
+    return f".{out.name}.tmp-{socket.gethostname()}-{pid}-"
+
+
+def _sweep_dead_builds(out: Path) -> None:
+    """Delete the temporary siblings of ``out`` whose builder, a process of this host, is gone (killed with
+    SIGKILL, or its machine lost power): a merged 70B export left that way is 140 GB nobody would find. Builds
+    of other hosts (a shared filesystem) and of live processes are left alone."""
+    prefix = _build_prefix(out, 0)[:-2]  # up to the pid
+    for p in out.parent.iterdir() if out.parent.is_dir() else ():
+        pid = p.name[len(prefix):].split("-", 1)[0] if p.name.startswith(prefix) else ""
+        if not pid.isdigit() or p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 @contextlib.contextmanager
 def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None,
                  error: type[Exception] | None = None) -> Iterator[Path]:
@@ -292,7 +316,8 @@ def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | No
     check_replaceable(out, kind, inputs, error=error)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        _sweep_dead_builds(out)
+        tmp = Path(tempfile.mkdtemp(prefix=_build_prefix(out, os.getpid()), dir=out.parent))
     except OSError as e:
         raise FrodError(path_error(out, e) or f"cannot create a directory beside {out}: {e.strerror or e}; choose a "
                         "writable location") from None

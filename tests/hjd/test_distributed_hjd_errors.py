@@ -91,7 +91,10 @@ def test_hjd_verify_passes_then_catches_another_model_and_corruption(model, tmp_
     other = write_tiny_llama(tmp_path / "other", seed=3)
     capsys.readouterr()
     assert main(["--verify", str(out), "--model", str(other)]) == 1
-    assert "fingerprint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "fingerprint" in err
+    (line,) = _error_lines(err)  # the details, then one error line naming the store and what to do
+    assert f"factor store {out} failed verification" in line and "--overwrite" in line
     # A U tensor overwritten in place: the fingerprint still matches, the reconstruction does not.
     store = FactorStore.open(out)
     member = store.categories["v_proj"][1]

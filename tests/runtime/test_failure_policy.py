@@ -599,6 +599,27 @@ def test_a_writer_that_reports_a_full_disk_as_something_else_is_a_full_disk(smal
     assert not (tmp_path / "roomy").exists()
 
 
+def test_hjd_over_its_own_store_without_a_manifest_builds_it_anew(hjd_model, tmp_path):
+    """Factor files without their manifest cannot be trusted (which weights, which configuration): a store the
+    marker says HJD wrote is rebuilt by the same command (it asked for --overwrite); an unmarked one is not touched."""
+    from frod_ds.formats.store_format import MANIFEST
+    from frod_ds.runtime.atomic import MARKER
+
+    store = tmp_path / "store"
+    argv = ("--model", str(hjd_model), "--out", str(store), "--categories", "v_proj")
+    assert _hjd(*argv).returncode == 0
+    built = {p.name: p.read_bytes() for p in store.iterdir() if p.name != MANIFEST}
+    (store / MANIFEST).unlink()
+    res = _hjd(*argv)
+    assert res.returncode == 0 and "no manifest.json (a damaged store): building it anew" in res.stderr, res.stderr
+    assert {p.name: p.read_bytes() for p in store.iterdir() if p.name != MANIFEST} == built, "the same factors again"
+    (store / MANIFEST).unlink()
+    (store / MARKER).unlink()  # not known to be HJD's: the user's files stay
+    res = _hjd(*argv)
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1].startswith(f"error: --out {store} "), res.stderr
+    assert sorted(p.name for p in store.iterdir()) == sorted(n for n in built if n != MARKER)
+
+
 def test_hjd_on_a_full_disk_is_one_line_and_the_same_command_resumes(hjd_model, small_disk):
     disk, grow = small_disk
     store = disk / "store"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -209,3 +210,34 @@ def test_training_run_dir_is_recognised_with_or_without_its_marker(env, run, tmp
     shutil.copytree(run, old)
     (old / MARKER).unlink()
     check_run_dir(old)
+
+
+def test_a_build_killed_with_sigkill_is_swept_by_the_next_build_of_that_output(tmp_path):
+    """A builder killed with SIGKILL leaves its temporary sibling (a merged export: the model's size); the next
+    build of the same output deletes it when its process, on this host, is gone, and leaves live builds, other
+    hosts' builds and other outputs' alone."""
+    import socket
+    import subprocess
+    import sys
+
+    from frod_ds.runtime.atomic import building_dir
+
+    out = tmp_path / "export"
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    killed.kill()
+    killed.wait()
+    host = socket.gethostname()
+    leftovers = {
+        "dead": tmp_path / f".export.tmp-{host}-{killed.pid}-abc",
+        "live": tmp_path / f".export.tmp-{host}-{os.getpid()}-def",
+        "other host": tmp_path / f".export.tmp-{host}x-{killed.pid}-ghi",
+        "other output": tmp_path / f".export2.tmp-{host}-{killed.pid}-jkl",
+    }
+    for d in leftovers.values():
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"\0" * 10)
+    with building_dir(out, "hf-export") as tmp:
+        assert tmp.name.startswith(f".export.tmp-{host}-{os.getpid()}-")
+        (tmp / "config.json").write_text("{}")
+    assert (out / "config.json").is_file()
+    assert {k for k, d in leftovers.items() if d.exists()} == {"live", "other host", "other output"}
