@@ -15,6 +15,10 @@ from tests.support.leftovers import launcher_vars, listening_sockets
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# One intra-op thread, as every process the tests start runs (clean_env: OMP_NUM_THREADS=1), whatever the shell
+# says: tests compare in-process results with subprocess and worker results bit for bit or to 1e-5.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 
 def tiny_llama_config(**overrides):
@@ -49,12 +53,17 @@ def llama_factory():
 
 @pytest.fixture(autouse=True)
 def no_process_wide_leftovers():
-    """Fail a test that leaves launcher variables, a live process group or a listening socket behind (each makes
+    """Fail a test that leaves launcher variables, a live process group, a listening socket or another torch thread
+    count behind (each makes
     later tests depend on the order they run in), after restoring what it can so the next test starts clean."""
     env_before = launcher_vars()
     sockets_before = listening_sockets()
+    threads_before = torch.get_num_threads()
     yield
     problems = []
+    if torch.get_num_threads() != threads_before:  # later tests' float results depend on the thread count
+        problems.append(f"torch's intra-op thread count changed: {threads_before} -> {torch.get_num_threads()}")
+        torch.set_num_threads(threads_before)
     env_after = launcher_vars()
     if env_after != env_before:
         changed = sorted(k for k in env_before.keys() | env_after.keys() if env_before.get(k) != env_after.get(k))
@@ -85,7 +94,7 @@ def _order_key(item) -> str:
 
 # Files that share a machine-wide resource (Slurm daemons, munge, the namespaces' bridge) run on one xdist worker,
 # one after the other, as one unit; every other file is a unit of its own, so its module fixtures are built once.
-XDIST_UNITS = {"tests/slurm/test_slurm_real.py": "slurm", "tests/slurm/test_slurm_multinode.py": "slurm"}
+XDIST_UNITS = {"tests/slurm/test_slurm_multinode.py": "slurm"}
 # Dispatched before the others: by far the longest unit, so starting it last would leave one worker idle for minutes.
 XDIST_FIRST = ("slurm",)
 
@@ -151,8 +160,8 @@ def pytest_collection_modifyitems(session, config, items):
         files.setdefault(_order_key(item), []).append(item)
     names = list(files)
     if order == "normal":
-        return
-    if order == "reverse":
+        pass
+    elif order == "reverse":
         names.reverse()
     elif order.startswith("shuffle:") and order.partition(":")[2].isdigit():
         rng = random.Random(int(order.partition(":")[2]))
@@ -162,6 +171,17 @@ def pytest_collection_modifyitems(session, config, items):
     else:
         raise pytest.UsageError(f"FROD_TEST_ORDER={order!r}: use normal, reverse, shuffle or shuffle:SEED")
     items[:] = [item for name in names for item in files[name]]
+    if hasattr(config, "workerinput"):
+        # under xdist the order above is the order files are handed out: the Slurm unit first, then the files with
+        # multi-process (slow) tests, then the quick ones, so that the last files to start are short and no worker
+        # idles for minutes at the end (each group keeps the order above)
+        def rank(item) -> int:
+            file = _order_key(item)
+            if XDIST_UNITS.get(file) in XDIST_FIRST:
+                return 0
+            return 1 if any(i.get_closest_marker("slow") for i in files[file]) else 2
+
+        items.sort(key=rank)  # stable
 
 
 def pytest_report_header(config):

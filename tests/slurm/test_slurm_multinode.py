@@ -9,7 +9,9 @@ private bridge; gloo on CPU, 2 CPUs declared per rank slot). One cluster serves 
   the adapter bitwise equal to the uninterrupted one. A job of its own holds the port the training job's id
   would have given it on its first node, so it must pick another;
 - a killed worker ends the job on every node within 60 s; a path that exists on one node only fails the job
-  within 60 s with a one-line error naming it.
+  within 60 s with a one-line error naming it;
+- a SIGTERM stop without requeue (REQUEUE=0) resumes bitwise when the same command is submitted again; the
+  pipeline's afterok chain; pipeline.sh's own errors (GPU defaults on a GPU-less cluster, a missing input).
 
 Skips, with the reason, only where namespaces or Slurm cannot be had; in CI (``CI=true``) that is a failure,
 and .ci/run checks that these tests ran.
@@ -192,8 +194,10 @@ def pipelines(cluster, tiny):
                "RUN": str(base / "run"), "TASKS": TASKS, "EVAL_ARGS": "--batch-size 4"}
         res = cluster.run([str(SLURM / "pipeline.sh"), *TRAIN_OVERRIDES], env=env, cwd=tiny.root)
         assert res.returncode == 0, res.stdout + res.stderr
-        runs[name] = {"ids": dict(line.split() for line in res.stdout.splitlines()), "store": base / "store",
-                      "run": base / "run"}
+        ids = dict(line.split() for line in res.stdout.splitlines())
+        assert list(ids) == ["hjd", "train", "eval"], res.stdout
+        runs[name] = {"ids": ids, "store": base / "store", "run": base / "run",
+                      "deps": {stage: cluster.job(i).fields.get("Dependency", "") for stage, i in ids.items()}}
     t0 = time.time()
     train = runs["2x2"]["ids"]["train"]
     _wait_for_step(cluster, tiny, train, runs["2x2"]["run"], 2)
@@ -214,6 +218,13 @@ def test_pipeline_runs_on_two_nodes_and_resumes_after_preemption(pipelines, tiny
     assert "4 tasks on n[1-2]" in train_log and "rendezvous n1:" in train_log, train_log
     assert "requeueing it to resume" in train_log and "resumed from step" in train_log, train_log
     assert [row["step"] for row in metrics(r["run"])] == list(range(1, STEPS + 1))
+    ids, jobs = r["ids"], r["jobs"]  # chained with afterok: each stage starts after the previous one succeeded
+    assert r["deps"]["train"].startswith(f"afterok:{ids['hjd']}") and \
+        r["deps"]["eval"].startswith(f"afterok:{ids['train']}"), r["deps"]
+    start = {stage: job.fields["StartTime"] for stage, job in jobs.items()}
+    end = {stage: job.fields["EndTime"] for stage, job in jobs.items()}
+    assert end["hjd"] <= start["train"] and end["train"] <= start["eval"], (start, end)
+    assert "device cpu" in _log(tiny, "frod-hjd", ids["hjd"])
 
 
 def _manifest_without_timings(store: Path) -> dict:
@@ -243,7 +254,7 @@ def test_two_nodes_equal_one_node_with_the_same_world_size_bitwise(pipelines):
 
 
 def test_two_node_hjd_and_eval_equal_single_process(pipelines, tiny, tmp_path):
-    """The tolerances of test_distributed_hjd / test_slurm_real against one process."""
+    """The tolerances of test_distributed_hjd against one process."""
     from frod_ds.hjd import decompose
     from frod_ds.store import FactorStore
     from launch.eval import main as eval_main
@@ -360,6 +371,48 @@ def test_node_failure_requeues_and_resumes_on_the_node_back_then_on_a_spare(clus
     assert " rendezvous n2:" in starts[-1], starts
     assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
     _assert_same_adapter(out / "adapter-final", ref["run"] / "adapter-final")
+
+
+# ---- a stop without requeue, resubmitted by hand; pipeline.sh's own errors ------------------------------------
+
+def test_sigterm_without_requeue_then_the_same_submission_resumes_bitwise(cluster, tiny, pipelines):
+    """REQUEUE=0: the job checkpoints on SIGTERM and fails with 143; submitting the same command again resumes
+    from that checkpoint and ends with the uninterrupted 1 x 4 run's adapter."""
+    out = tiny.root / "resubmitted"
+    store = pipelines["1x4"]["store"]
+    first = _submit_train(cluster, tiny, store, out, TWO_BY_TWO, REQUEUE="0")
+    _wait_for_step(cluster, tiny, first, out, 2)
+    assert cluster.run(["scancel", "--signal=TERM", first]).returncode == 0
+    job = cluster.wait(first, timeout=120)
+    assert (job.state, job.exit_code, job.restarts) == ("FAILED", "143:0", 0), (job, _log(tiny, "frod-train", first))
+    tag = _latest_tag(out)
+    assert 2 <= tag < STEPS and not (out / "adapter-final").exists()
+    second = cluster.wait(_submit_train(cluster, tiny, store, out, TWO_BY_TWO, REQUEUE="0"), timeout=600)
+    assert (second.state, second.exit_code) == ("COMPLETED", "0:0"), (second, _log(tiny, "frod-train", second.id))
+    assert f"resumed from step{tag:08d}" in _log(tiny, "frod-train", second.id)
+    _assert_same_adapter(out / "adapter-final", pipelines["1x4"]["run"] / "adapter-final")
+
+
+def test_pipeline_with_the_gpu_defaults_is_refused_on_a_gpu_less_cluster(cluster, tiny):
+    """Without GPUS_PER_NODE=0 the scripts ask for 8 GPUs a node: sbatch refuses, pipeline.sh exits non-zero and
+    leaves nothing of its own queued."""
+    before = cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+    env = {**tiny.env, "MODEL": str(tiny.model), "STORE": str(tiny.root / "s2"), "DATA": str(tiny.data),
+           "RUN": str(tiny.root / "r2")}
+    res = cluster.run([str(SLURM / "pipeline.sh")], env=env)
+    assert res.returncode != 0 and "gres" in res.stderr.lower(), res.stdout + res.stderr
+    assert cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split() == before
+
+
+@pytest.mark.parametrize("unset", ["MODEL", "RECIPE"])
+def test_pipeline_without_an_input_says_what_to_set(cluster, tiny, unset):
+    before = cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+    env = {**tiny.env, "MODEL": str(tiny.model), "STORE": "s", "DATA": str(tiny.data), "RUN": "r"}
+    env.pop(unset)
+    res = cluster.run([str(SLURM / "pipeline.sh")], env=env)
+    assert res.returncode == 2 and res.stderr.strip() == res.stderr.strip().splitlines()[0], res.stderr
+    assert res.stderr.startswith(f"error: set {unset}"), res.stderr
+    assert cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split() == before
 
 
 # ---- failures that must end a job quickly and say why ------------------------------------------------------

@@ -1,6 +1,6 @@
 """The scripts in launch/slurm without a Slurm: shell syntax, hjd.sbatch end to end under stand-ins for srun and
 scontrol that start one process per task with the variables SLURM sets (two CPU ranks), and submit.sh /
-pipeline.sh under a stand-in sbatch. tests/slurm/test_slurm_real.py runs them under a real Slurm."""
+pipeline.sh under a stand-in sbatch. tests/slurm/test_slurm_multinode.py runs them under a real Slurm."""
 
 from __future__ import annotations
 
