@@ -9,9 +9,9 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export PYTHONPATH := $(CURDIR)
 export TOKENIZERS_PARALLELISM := false
 export FROD_TEST_ORDER ?= normal
-# xdist workers for make test (0: one process): the Slurm tests, which mostly wait on daemons, run on one worker
-# while the other runs the rest.
-TEST_WORKERS ?= 2
+# xdist workers for make test (0: one process): the Slurm tests run on one worker while the others run the rest; a
+# third worker on 2 cores fills the time the first two spend waiting on daemons, launched ranks and barriers.
+TEST_WORKERS ?= 3
 
 .PHONY: venv demo test clean
 

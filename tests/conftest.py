@@ -95,8 +95,11 @@ def _order_key(item) -> str:
 # Files that share a machine-wide resource (Slurm daemons, munge, the namespaces' bridge) run on one xdist worker,
 # one after the other, as one unit; every other file is a unit of its own, so its module fixtures are built once.
 XDIST_UNITS = {"tests/slurm/test_slurm_multinode.py": "slurm"}
-# Dispatched before the others: by far the longest unit, so starting it last would leave one worker idle for minutes.
-XDIST_FIRST = ("slurm",)
+# Handed out first, in this order: the longest units (minutes each on 2 cores), so that none starts near the end
+# and leaves the other workers idle while it runs. Then the other files with multi-process (slow) tests, then the
+# quick ones.
+XDIST_FIRST = ("slurm", "tests/bench/test_seventy_b.py", "tests/train/test_train.py", "tests/bench/test_bench.py",
+               "tests/train/test_elastic_resume.py", "tests/hjd/test_store_by_category.py")
 
 
 def _requested_order(config) -> str:
@@ -124,23 +127,11 @@ def pytest_configure_node(node):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist (controller side): whole files (XDIST_UNITS: the Slurm files together) go to one worker each, in the
-    FROD_TEST_ORDER of the collection, XDIST_FIRST first. (xdist's own ``--dist loadgroup`` marks nothing under
+    order of the collection (``pytest_collection_modifyitems``). (xdist's own ``--dist loadgroup`` marks nothing under
     pytest 9, whose node ids it can no longer rename, and its ``loadfile`` reorders files by test count.)"""
-    from collections import OrderedDict
-
     from xdist.scheduler import LoadScopeScheduling
 
-    class FirstUnitsFirst(OrderedDict):
-        def __setitem__(self, unit, tests):
-            super().__setitem__(unit, tests)
-            if unit in XDIST_FIRST:
-                self.move_to_end(unit, last=False)
-
     class FileUnits(LoadScopeScheduling):
-        def __init__(self, config, log=None):
-            super().__init__(config, log)
-            self.workqueue = FirstUnitsFirst()
-
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
             return XDIST_UNITS.get(file, file)
@@ -172,14 +163,14 @@ def pytest_collection_modifyitems(session, config, items):
         raise pytest.UsageError(f"FROD_TEST_ORDER={order!r}: use normal, reverse, shuffle or shuffle:SEED")
     items[:] = [item for name in names for item in files[name]]
     if hasattr(config, "workerinput"):
-        # under xdist the order above is the order files are handed out: the Slurm unit first, then the files with
-        # multi-process (slow) tests, then the quick ones, so that the last files to start are short and no worker
-        # idles for minutes at the end (each group keeps the order above)
-        def rank(item) -> int:
+        # under xdist this is the order files are handed out: XDIST_FIRST, then the files with multi-process (slow)
+        # tests, then the quick ones (each group in the order above), so the last files to start are short
+        def rank(item) -> tuple[int, int]:
             file = _order_key(item)
-            if XDIST_UNITS.get(file) in XDIST_FIRST:
-                return 0
-            return 1 if any(i.get_closest_marker("slow") for i in files[file]) else 2
+            unit = XDIST_UNITS.get(file, file)
+            if unit in XDIST_FIRST:
+                return 0, XDIST_FIRST.index(unit)
+            return (1 if any(i.get_closest_marker("slow") for i in files[file]) else 2), 0
 
         items.sort(key=rank)  # stable
 
