@@ -1167,12 +1167,13 @@ def run_all(repo: Path, cases: list[dict], jobs: int, tmp: Path, partial: Path |
               + (f"  ({r['why']})" if r.get("why") and mark != "ok" else ""), flush=True)
         return r
 
-    # interrupted and disk cases run alone: their timing and mounts must not depend on the other jobs
+    # interrupted and disk cases run alone (their timing and mounts must not depend on the other jobs), and first:
+    # a run cut short has the cases most likely to lose data
     serial = [(i, c) for i, c in enumerate(cases) if c.get("interrupt") or c.get("prepare") in ("small_disk",)]
     parallel = [(i, c) for i, c in enumerate(cases) if (i, c) not in serial]
+    results = {i: one((i, c)) for i, c in serial}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        results = dict(zip([i for i, _ in parallel], pool.map(one, parallel)))
-    results.update({i: one((i, c)) for i, c in serial})
+        results.update(zip([i for i, _ in parallel], pool.map(one, parallel)))
     return [results[i] for i in range(len(cases))]
 
 
