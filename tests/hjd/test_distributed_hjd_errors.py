@@ -139,3 +139,29 @@ def test_hjd_verify_reports_a_changed_byte_in_any_member_file(model, tmp_path, c
     assert main(["--verify", str(out), "--model", str(model), "--samples", "1", "--seed", "1"]) == 1
     err = capsys.readouterr().err
     assert f"q_proj: factor store file {part} is corrupt" in err
+
+
+def test_a_factor_write_on_a_full_disk_is_the_full_disk_line(tmp_path):
+    """A factor file's write fails in the writer thread, seen when HJD waits for it: the same one line as a full
+    disk anywhere else (which write fills the disk first depends on timing)."""
+    import errno
+    from types import SimpleNamespace
+
+    from frod_ds.hjd.stage import _Recorder
+    from frod_ds.runtime.errors import FrodError
+
+    target = tmp_path / "v_proj.V.safetensors"
+
+    class Writes:
+        phase_seconds: dict = {}
+
+        def wait(self):
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+
+    recorder = _Recorder.__new__(_Recorder)  # no manifest writer: the error comes before any record
+    recorder.cfg, recorder.manifest, recorder.writer = SimpleNamespace(out=tmp_path), None, None
+    recorder.pending = ("v_proj", Writes(), 0.0)
+    with pytest.raises(FrodError) as raised:
+        recorder.record_pending()
+    assert str(raised.value) == (f"cannot write {target}: No space left on device; free space on that disk (or "
+                                 "choose another location) and re-run the same command")
