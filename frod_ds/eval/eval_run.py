@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.atomic import atomic_write_text, building_dir
+from frod_ds.runtime.atomic import atomic_write_text, building_dir, check_replaceable
 from frod_ds.eval.evaluation import (
     LLM_ADAPTERS_MAX_NEW_TOKENS,
     LLM_ADAPTERS_NUM_BEAMS,
@@ -102,6 +102,12 @@ class EvalConfig:
             problems.append(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if Path(self.output).exists() and not Path(self.output).is_dir():
             problems.append(f"--output {self.output} exists and is not a directory")
+        elif Path(self.output).is_dir():  # results are written into it: only an earlier eval's, or an empty one
+            try:
+                check_replaceable(Path(self.output), RESULTS_KIND, what="--output", error=EvalError,
+                                  legacy=_is_legacy_results)
+            except EvalError as exc:
+                problems.append(str(exc))
         if problems:
             raise EvalError("; ".join(problems))
 
@@ -220,14 +226,23 @@ def evaluate_shard(model: torch.nn.Module, tokenizer: Any, rows: Rows, config: E
     return records
 
 
+RESULTS_KIND = "eval-results"
+
+
+def _is_legacy_results(path: Path) -> bool:
+    """Results of an eval run before markers recorded kinds: an unmarked directory holding ``results.json``."""
+    return (path / "results.json").is_file()
+
+
 def write_outputs(output: Path, files: dict[str, str]) -> None:
-    """A new `output` is built under a temporary name and renamed into place; into an existing one each file
-    is written under a temporary name and renamed over the old one."""
-    if output.is_dir():
+    """A new (or empty) `output` is built under a temporary name and renamed into place; into an earlier eval's
+    results (checked by ``EvalConfig.validate``) each file is written under a temporary name and renamed over the
+    old one."""
+    if output.is_dir() and any(output.iterdir()):
         for name, text in files.items():
             atomic_write_text(output / name, text)
         return
-    with building_dir(output, "eval-results") as tmp:
+    with building_dir(output, RESULTS_KIND) as tmp:
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
 

@@ -57,9 +57,12 @@ def hub_config(task: str, winogrande_size: str) -> str | None:
 
 def parse_tasks(spec: str) -> list[str]:
     """Parse `--tasks` ("all" or a comma list) into task keys in canonical order."""
-    names = [name.strip() for name in spec.split(",") if name.strip()]
-    if not names:
+    names = [name.strip() for name in spec.split(",")]
+    if not any(names):
         raise DataPrepError("--tasks is empty; pass 'all' or a comma list of " + ", ".join(TASKS))
+    if not all(names):  # "boolq,,piqa": a name left out by mistake, not to be guessed
+        raise DataPrepError(f"--tasks {spec!r} has an empty name between commas; pass 'all' or a comma list of "
+                            + ", ".join(TASKS))
     if names == ["all"]:
         return list(TASKS)
     unknown = [name for name in names if name not in TASKS]

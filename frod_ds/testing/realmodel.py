@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -160,7 +161,7 @@ def _load_gguf(gguf: Path):
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, struct.error) as e:  # struct.error: a header cut short
         raise ConvertError(f"transformers cannot load {gguf} as a GGUF model ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return model.eval(), tok

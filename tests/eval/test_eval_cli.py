@@ -287,3 +287,28 @@ def test_adapter_with_a_store_rebuilt_with_another_pi_is_refused(assets, adapter
             "--tasks", "piqa", "--output", str(tmp_path / "out")]
     _fails(args, capsys, "was trained on another factor store")
     assert not (tmp_path / "out").exists()
+
+
+def test_output_into_a_directory_eval_did_not_write_is_refused(assets, adapter, tmp_path, capsys):
+    """Results go into --output: only an empty directory or an earlier eval's (marked, or an older eval's
+    results.json) takes them; a user's directory or another command's output (the adapter being scored) is
+    refused before anything runs, and stays as it was."""
+    import shutil
+
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "results.json").with_name("predictions.jsonl").write_text("mine\n")
+    common = ["--data", str(assets["data"]), "--tasks", "boolq", "--limit", "2"]
+    _fails(["--model", str(assets["known"]), *common, "--output", str(foreign)], capsys,
+           f"--output {foreign} exists and was not written by frod-ds")
+    assert [p.name for p in foreign.iterdir()] == ["predictions.jsonl"]
+    scored = tmp_path / "adapter"
+    shutil.copytree(adapter["checkpoint"], scored)
+    before = sorted(p.name for p in scored.iterdir())
+    _fails(["--checkpoint", str(scored), *common, "--output", str(scored)], capsys, "holds a trained adapter")
+    assert sorted(p.name for p in scored.iterdir()) == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["--model", str(assets["known"]), *common, "--output", str(empty)]) == 0
+    assert (empty / "results.json").is_file()
+    assert main(["--model", str(assets["known"]), *common, "--output", str(empty)]) == 0  # its own: again

@@ -65,6 +65,10 @@ def test_hjd_bad_flags_and_not_a_model(tmp_path, capsys):
     assert "no model.safetensors.index.json" in _error_lines(capsys.readouterr().err)[0]
     assert main(["--model", str(tmp_path), "--out", str(tmp_path / "s"), "--pi", "0"]) == 2
     assert "--pi" in _error_lines(capsys.readouterr().err)[0]
+    with pytest.raises(SystemExit) as stop:  # a check's setting on a build: meant for --verify, refused
+        main(["--model", str(tmp_path), "--out", str(tmp_path / "s"), "--tol", "1e-3"])
+    assert stop.value.code == 2 and "--tol set the checks of --verify DIR" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
 
 
 def test_hjd_existing_store_with_other_config_needs_overwrite(model, tmp_path, capsys):

@@ -69,6 +69,7 @@ def test_strict_error_is_one_line_status_2_and_out_untouched(capsys, tmp_path):
     (["--tasks", "boolq,mmlu"], "error: unknown task 'mmlu'; valid tasks: boolq, piqa, siqa, hellaswag, winogrande, "
                                 "obqa, arc_easy, arc_challenge (or 'all')"),
     (["--tasks", ","], "error: --tasks is empty"),
+    (["--tasks", "boolq,,piqa"], "error: --tasks 'boolq,,piqa' has an empty name between commas"),
     (["--cutoff", "128"], "error: --cutoff needs --tokenizer"),
 ])
 def test_bad_flags_are_one_line_errors(capsys, tmp_path, argv, message):

