@@ -17,6 +17,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -281,23 +282,27 @@ def publish_dir(new: Path, out: Path, kind: str, inputs: dict[str, Path | str | 
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _build_prefix(out: Path, pid: int) -> str:
-    """The name of a temporary sibling that process ``pid`` of this host builds ``out`` in (the host and pid tell
-    a later run whether its builder is gone)."""
-    return f".{out.name}.tmp-{socket.gethostname()}-{pid}-"
+def _build_prefix(out: Path) -> str:
+    """Where the name of a temporary sibling that a process of this host builds ``out`` in starts; the builder's
+    pid and mkdtemp's random part follow (``<prefix><pid>-<random>``), so a later run can tell its builder is gone."""
+    return f".{out.name}.tmp-{socket.gethostname()}-"
+
+
+_BUILD_REST = re.compile(r"(\d+)-[a-z0-9_]{8}")  # after the prefix: the pid, then mkdtemp's 8 random characters
 
 
 def _sweep_dead_builds(out: Path) -> None:
     """Delete the temporary siblings of ``out`` whose builder, a process of this host, is gone (killed with
     SIGKILL, or its machine lost power): a merged 70B export left that way is 140 GB nobody would find. Builds
-    of other hosts (a shared filesystem) and of live processes are left alone."""
-    prefix = _build_prefix(out, 0)[:-2]  # up to the pid
+    of other hosts (a shared filesystem; also a host whose name extends this one's, ``gpu`` and ``gpu-12``) and
+    of live processes are left alone."""
+    prefix = _build_prefix(out)
     for p in out.parent.iterdir() if out.parent.is_dir() else ():
-        pid = p.name[len(prefix):].split("-", 1)[0] if p.name.startswith(prefix) else ""
-        if not pid.isdigit() or p.is_symlink() or not p.is_dir():
+        rest = _BUILD_REST.fullmatch(p.name[len(prefix):]) if p.name.startswith(prefix) else None
+        if rest is None or p.is_symlink() or not p.is_dir():
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(rest.group(1)), 0)
         except ProcessLookupError:
             shutil.rmtree(p, ignore_errors=True)
         except PermissionError:  # alive, another user's
@@ -317,7 +322,7 @@ def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | No
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _sweep_dead_builds(out)
-        tmp = Path(tempfile.mkdtemp(prefix=_build_prefix(out, os.getpid()), dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(out)}{os.getpid()}-", dir=out.parent))
     except OSError as e:
         raise FrodError(path_error(out, e) or f"cannot create a directory beside {out}: {e.strerror or e}; choose a "
                         "writable location") from None
@@ -328,12 +333,12 @@ def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | No
     except BaseException as e:
         # asked before the partial output is deleted (which frees the space): writers that report a full disk as
         # something else (safetensors' SafetensorError "No space left on device") reach the user as a full disk
-        full = disk_full_error(tmp, e) if isinstance(e, Exception) else None
-        shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
-            raise FrodError(f"cannot write {out}: {e.strerror}; free space or choose another location "
-                            "(nothing was left behind)") from None
-        if full is not None:
-            raise FrodError(f"cannot write {out}: {full.strerror}; free space or choose another location "
+            disk = e
+        else:
+            disk = disk_full_error(tmp, e) if isinstance(e, Exception) else None
+        shutil.rmtree(tmp, ignore_errors=True)
+        if disk is not None:
+            raise FrodError(f"cannot write {out}: {disk.strerror}; free space or choose another location "
                             "(nothing was left behind)") from None
         raise

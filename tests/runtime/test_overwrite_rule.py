@@ -227,11 +227,12 @@ def test_a_build_killed_with_sigkill_is_swept_by_the_next_build_of_that_output(t
     killed.kill()
     killed.wait()
     host = socket.gethostname()
-    leftovers = {
-        "dead": tmp_path / f".export.tmp-{host}-{killed.pid}-abc",
-        "live": tmp_path / f".export.tmp-{host}-{os.getpid()}-def",
-        "other host": tmp_path / f".export.tmp-{host}x-{killed.pid}-ghi",
-        "other output": tmp_path / f".export2.tmp-{host}-{killed.pid}-jkl",
+    leftovers = {  # named as building_dir names them: host, pid, mkdtemp's 8 random characters
+        "dead": tmp_path / f".export.tmp-{host}-{killed.pid}-abc_1234",
+        "live": tmp_path / f".export.tmp-{host}-{os.getpid()}-def_1234",
+        "other host": tmp_path / f".export.tmp-{host}x-{killed.pid}-ghi_1234",
+        "other host extending this one's name": tmp_path / f".export.tmp-{host}-12-{killed.pid}-ghi_5678",
+        "other output": tmp_path / f".export2.tmp-{host}-{killed.pid}-jkl_1234",
     }
     for d in leftovers.values():
         d.mkdir()
@@ -240,4 +241,4 @@ def test_a_build_killed_with_sigkill_is_swept_by_the_next_build_of_that_output(t
         assert tmp.name.startswith(f".export.tmp-{host}-{os.getpid()}-")
         (tmp / "config.json").write_text("{}")
     assert (out / "config.json").is_file()
-    assert {k for k, d in leftovers.items() if d.exists()} == {"live", "other host", "other output"}
+    assert {k for k, d in leftovers.items() if not d.exists()} == {"dead"}
