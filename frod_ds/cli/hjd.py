@@ -84,8 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.categories = [c for item in args.categories for c in item.split(",") if c]
     if (args.out is None) == (args.verify is None):
         p.error("pass exactly one of --out (build a store) or --verify DIR (check one)")
-    given = [f for f, v, default in (("--samples", args.samples, 2), ("--seed", args.seed, 0), ("--tol", args.tol, None))
-             if v != default]
+    given = [f"--{dest}" for dest in ("samples", "seed", "tol") if getattr(args, dest) != p.get_default(dest)]
     if args.verify is None and given:  # a check's settings on a build: the user meant --verify
         p.error(f"{', '.join(given)} set the checks of --verify DIR; they do nothing when building a store with --out")
     return args

@@ -191,9 +191,9 @@ def prepare_store(out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str,
     elif any(p.name != MARKER for p in out.iterdir()):  # a store's leftovers without its manifest
         # Without the manifest no factor file can be trusted (which weights, which configuration): a store the
         # marker says HJD wrote is started anew (its files only); an unmarked one is left to the user
-        if not overwrite and not is_marked(out):
-            raise HJDError(f"--out {out} holds factor files but no {MANIFEST}; pass --overwrite to start it anew")
         if not overwrite:
+            if not is_marked(out):
+                raise HJDError(f"--out {out} holds factor files but no {MANIFEST}; pass --overwrite to start it anew")
             note(f"--out {out} holds factor files but no {MANIFEST} (a damaged store): building it anew")
         remove_store_files(out)
     if not is_marked(out):
