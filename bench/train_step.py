@@ -236,9 +236,10 @@ def _mem(device: torch.device) -> dict:
 
 
 def time_steps(step, batches, device: torch.device, warmup: int, steps: int, repeats: int,
-               after_warmup=None) -> dict:
+               after_warmup=None, gate=None) -> dict:
     """``warmup`` untimed steps (``after_warmup()`` then), then ``repeats`` windows of ``steps`` timed steps (seconds
-    each)."""
+    each). ``gate(k)`` (if given) is called before window k and once more after the last (k = repeats): it returns
+    when the window may start (``window_gate``)."""
     losses = [float(step(next(batches))) for _ in range(warmup)]
     if after_warmup is not None:
         after_warmup()
@@ -247,7 +248,9 @@ def time_steps(step, batches, device: torch.device, warmup: int, steps: int, rep
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     windows = []
-    for _ in range(repeats):
+    for k in range(repeats):
+        if gate is not None:
+            gate(k)
         times = []
         for _ in range(steps):
             ids = next(batches)
@@ -258,7 +261,29 @@ def time_steps(step, batches, device: torch.device, warmup: int, steps: int, rep
             times.append(time.perf_counter() - t0)
         windows.append(times)
         losses.append(float(loss))
+    if gate is not None:
+        gate(repeats)
     return {"windows": windows, "losses": losses, "mem_after_warmup": mem_warm, "mem_timed": _mem(device)}
+
+
+def window_gate(directory: str, name: str, repeats: int, wait_s: float = 1800.0):
+    """The gate of ``--gate DIR``: before window k this process writes ``DIR/NAME.ready<k>`` and waits for
+    ``DIR/NAME.go<k>``; after its last window it writes ``ready<repeats>`` and goes on. A driver running several
+    configurations at once on one GPU (``bench/zero3_levers.py --interleave``) opens one window at a time, so each
+    configuration's windows alternate with the others' and a machine that slows down for a while slows all of them."""
+    gate_dir = Path(directory)
+
+    def gate(k: int) -> None:
+        (gate_dir / f"{name}.ready{k}").touch()
+        if k >= repeats:
+            return
+        go, t0 = gate_dir / f"{name}.go{k}", time.monotonic()
+        while not go.exists():
+            if time.monotonic() - t0 > wait_s:
+                raise SystemExit(f"error: no {go} after {wait_s:.0f} s: the driver of --gate is gone")
+            time.sleep(0.005)
+
+    return gate
 
 
 def profile_steps(step, batches, device: torch.device, steps: int = 3, top: int = 25) -> dict:
@@ -345,7 +370,8 @@ def run(args) -> None:
 
     passes = LayerPasses(step.model)  # checked after the warm-up steps, before any timed one
     timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
-                        args.warmup, args.steps, args.repeats, after_warmup=lambda: passes.check(args.warmup, args.gc))
+                        args.warmup, args.steps, args.repeats, after_warmup=lambda: passes.check(args.warmup, args.gc),
+                        gate=window_gate(args.gate, args.name, args.repeats) if args.gate else None)
     prof = None
     if args.profile:
         prof = profile_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank + 7, device), device)
@@ -442,6 +468,9 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                    "with --ds-set compile.deepcompile=true)")
     r.add_argument("--profile", action="store_true", help="after the timed windows, 3 steps under torch.profiler: "
                    "device busy time per step and the top ops (in the result JSON)")
+    r.add_argument("--gate", default=None, metavar="DIR",
+                   help="wait for DIR/NAME.go<k> before timed window k (window_gate; needs --name): a driver "
+                        "interleaves the windows of configurations sharing one GPU")
     r.add_argument("--name", default=None, help="result file name (default from method, engine, GPUs)")
     r.add_argument("--out", default=None, help="results dir (default $OUT or bench/results)")
 
@@ -461,6 +490,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.cmd == "run" and args.quantize_base and args.frozen_quant == "none":
         ap.error("--quantize-base needs --frozen-quant nf4 or int8")
+    if args.cmd == "run" and args.gate and not args.name:
+        ap.error("--gate needs --name (the gate files are named by it)")
     if args.cmd == "make-model":
         make_model(args.out, args.layers, args.hidden, args.inter, args.heads, args.vocab)
     else:

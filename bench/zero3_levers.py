@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -127,18 +128,30 @@ def name_of(method: str, config: str, tags: list[str]) -> str:
     return "_".join([method, engine, *tags]).replace(".", "p")
 
 
-def measure(args, out: Path, model: Path, factors: Path, method: str, config: str, tags: list[str],
-            timeout: float) -> dict:
+def _command(args, out: Path, model: Path, factors: Path, method: str, config: str, tags: list[str]) -> list[str]:
     name = name_of(method, config, tags)
     cmd = [sys.executable, "bench/train_step.py", "run", "--method", method, "--config", config, "--model", str(model),
            "--out", str(out / "configs"), "--name", name, *run_args(method, tags)]
     cmd += ["--factors", str(factors)] if method == "frod" else []
-    cmd += TINY_RUN if args.tiny else ["--steps", str(args.steps), "--repeats", str(args.repeats), "--warmup", "3"]
+    cmd += TINY_RUN if args.tiny else ["--steps", str(args.steps), "--warmup", "3"]
+    cmd += ["--repeats", str(args.repeats)]  # after TINY_RUN's: the last one counts
     cmd += ["--profile"] if args.profile and config != "plain" else []
+    return cmd
+
+
+def measure(args, out: Path, model: Path, factors: Path, method: str, config: str, tags: list[str],
+            timeout: float) -> dict:
+    name = name_of(method, config, tags)
+    cmd = _command(args, out, model, factors, method, config, tags)
     log = out / "logs" / f"{name}.log"
     rc, wall = _run(cmd, log, timeout)
+    return _record(out, name, method, config, tags, cmd, rc, wall, log)
+
+
+def _record(out: Path, name: str, method: str, config: str, tags: list[str], cmd: list[str], rc: int, wall: float,
+            log: Path, **extra) -> dict:
     res = out / "configs" / f"{name}.json"
-    record = {"name": name, "method": method, "config": config, "tags": tags, "argv": cmd[1:], "wall_s": wall}
+    record = {"name": name, "method": method, "config": config, "tags": tags, "argv": cmd[1:], "wall_s": wall, **extra}
     if rc == 0 and res.is_file():
         d = json.loads(res.read_text())
         record.update(status="ok", result=d)
@@ -147,6 +160,68 @@ def measure(args, out: Path, model: Path, factors: Path, method: str, config: st
         record.update(status="timeout" if rc == 124 else f"failed (exit {rc})", log_tail=_tail(log, 25))
         print(f"  {name}: {record['status']} ({wall:.0f} s), log {log}", flush=True)
     return record
+
+
+def measure_interleaved(args, out: Path, model: Path, factors: Path, group: list[tuple[str, str, list[str]]],
+                        timeout: float) -> list[dict]:
+    """The configurations of ``group`` at once on one GPU, their timed windows taken in turn (``--gate``): every
+    process builds and warms up, then window k of each runs alone while the others wait, the order rotated by one
+    per round. A ratio of two of them is then a ratio of windows that alternated within seconds of each other,
+    which a machine slowing down for a minute (seen as 20-30% between the two windows of one configuration run
+    alone) moves together. Each process holds its memory while it waits: the group must fit on the GPU at once."""
+    gate = out / "gates" / f"g{int(time.time() * 1e3) % 10**9}"
+    gate.mkdir(parents=True)
+    names = [name_of(*c) for c in group]
+    cmds = {n: _command(args, out, model, factors, *c) + ["--gate", str(gate)] for n, c in zip(names, group)}
+    logs = {n: out / "logs" / f"{n}.log" for n in names}
+    t0 = time.perf_counter()
+    deadline = t0 + timeout
+    procs, files = {}, []
+    for n in names:
+        logs[n].parent.mkdir(parents=True, exist_ok=True)
+        f = logs[n].open("w")
+        f.write(" ".join(cmds[n]) + "\n")
+        f.flush()
+        files.append(f)
+        procs[n] = subprocess.Popen(cmds[n], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+
+    def wait_for(n: str, k: int) -> bool:  # True: n is at its gate k; False: it exited or the deadline passed
+        flag = gate / f"{n}.ready{k}"
+        while not flag.exists():
+            if procs[n].poll() is not None or time.perf_counter() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    order: list[list[str]] = []
+    try:
+        for k in range(args.repeats):
+            ready = [n for n in names if wait_for(n, k)]
+            turn = [names[(i + k) % len(names)] for i in range(len(names))]
+            order.append([n for n in turn if n in ready])
+            for n in order[-1]:
+                (gate / f"{n}.go{k}").touch()
+                wait_for(n, k + 1)
+        for n in names:
+            try:
+                procs[n].wait(timeout=max(1.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+    wall = time.perf_counter() - t0
+    records = []
+    for n, (method, config, tags) in zip(names, group):
+        rc = procs[n].returncode
+        rc = 124 if rc in (-9, None) and time.perf_counter() > deadline else rc
+        records.append(_record(out, n, method, config, tags, cmds[n], rc, wall, logs[n], interleaved_with=names,
+                               window_order=order))
+    return records
 
 
 def write_call(out: Path, doc: dict) -> Path:
@@ -351,6 +426,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per window")
     ap.add_argument("--repeats", type=int, default=2, help="timed windows")
     ap.add_argument("--profile", action="store_true", help="profile 3 steps of each DeepSpeed configuration")
+    ap.add_argument("--interleave", type=int, default=0, metavar="K",
+                    help="run the configurations K at a time on the one GPU, their timed windows alternating "
+                         "(measure_interleaved; K of them must fit in its memory at once); 0: one after another")
     ap.add_argument("--budget-s", type=float, default=500, help="start no configuration after this many seconds")
     ap.add_argument("--deadline-s", type=float, default=570, help="kill the running configuration at this second")
     ap.add_argument("--report", default=None, metavar="DIR", help="only write the report from DIR's JSONs")
@@ -360,6 +438,10 @@ def main() -> None:
         return
     if not args.out:
         ap.error("--out is required")
+    if args.interleave and args.profile:
+        ap.error("--profile with --interleave would profile the configurations at once; use one of them")
+    if args.interleave < 0:
+        ap.error("--interleave must be 0 (one configuration after another) or the configurations run at once")
     unknown = [s for s in args.set.split(",") if s not in SETS]
     if unknown:
         ap.error(f"--set {unknown[0]!r} is not one of {', '.join(SETS)}")
@@ -383,17 +465,21 @@ def main() -> None:
            "levers": {k: {"what": v[0], "args": v[1]} for k, v in LEVERS.items()},
            "ablations": {k: {"what": v[0], "args": v[1]} for k, v in ABLATIONS.items()},
            "plus_levers": {k: {"what": v[0], "args": v[1]} for k, v in PLUS_LEVERS.items()}, "runs": []}
-    for method, config, tags in plan:
+    doc["interleave"] = args.interleave
+    size = args.interleave or 1
+    for group in [plan[i:i + size] for i in range(0, len(plan), size)]:
         if time.perf_counter() - t0 > args.budget_s:
-            doc["runs"].append({"name": name_of(method, config, tags), "method": method, "config": config,
-                                "tags": tags, "status": "skipped: time budget"})
+            doc["runs"] += [{"name": name_of(method, config, tags), "method": method, "config": config, "tags": tags,
+                             "status": "skipped: time budget"} for method, config, tags in group]
             continue
         left = args.deadline_s - (time.perf_counter() - t0)
-        rec = measure(args, out, model, factors, method, config, tags, left)
-        doc["runs"].append(rec)
-        if rec["status"] == "ok" and doc["device"] is None:
-            doc["device"], doc["versions"] = rec["result"]["device"], rec["result"]["versions"]
-            doc["slug"] = next((k.lower() for k in ("H200", "H100") if k in doc["device"]), "cpu")
+        recs = (measure_interleaved(args, out, model, factors, group, left) if args.interleave
+                else [measure(args, out, model, factors, *group[0], left)])
+        for rec in recs:
+            doc["runs"].append(rec)
+            if rec["status"] == "ok" and doc["device"] is None:
+                doc["device"], doc["versions"] = rec["result"]["device"], rec["result"]["versions"]
+                doc["slug"] = next((k.lower() for k in ("H200", "H100") if k in doc["device"]), "cpu")
         doc["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         path = write_call(out, doc)
     stages["total_s"] = time.perf_counter() - t0

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The one-GPU ZeRO-3 calls, on the GPU machine from the repo root with the wheels in .whl/ (carried, git-ignored).
+# Results go straight to $OUT (what a call leaves there comes back even when the call is cut off).
+#
+#   bash bench/run_one_gpu.sh pair   # full-depth 7B: FRoD plain / zero2.json / zero3.json and LoRA r=16 plain in one
+#                                    # group, LoRA zero2 / zero3 in a second, each group's timed windows alternating
+#                                    # (bench/zero3_levers.py --interleave; ~5 min with the model and store made)
+set -euo pipefail
+stage=${1:?usage: bench/run_one_gpu.sh pair}
+OUT=${OUT:?set OUT to the results folder}
+python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+  HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpus.txt"
+case "$stage" in
+  pair)
+    # four processes of ~26 GiB at once need an H200; on an 80-GB card two at a time (zero2.json beside zero3.json)
+    mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    if [ "$mib" -gt 100000 ]; then k=4; only=frod_plain,frod_zero2,frod_zero3,lora_plain,lora_zero2,lora_zero3
+    else k=2; only=frod_zero2,frod_zero3,frod_plain,lora_plain,lora_zero2,lora_zero3; fi
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main --interleave "$k" --repeats 3 \
+      --only "$only" --budget-s "${BUDGET_S:-450}" --deadline-s "${DEADLINE_S:-560}"
+    ;;
+  *) echo "error: unknown stage $stage (pair)" >&2; exit 2 ;;
+esac
