@@ -5,8 +5,10 @@
 #   bash bench/run_one_gpu.sh pair   # full-depth 7B: FRoD plain / zero2.json / zero3.json and LoRA r=16 plain in one
 #                                    # group, LoRA zero2 / zero3 in a second, each group's timed windows alternating
 #                                    # (bench/zero3_levers.py --interleave; ~5 min with the model and store made)
+#   bash bench/run_one_gpu.sh profile   # FRoD plain / zero2 / zero3: phases, cProfile, torch.profiler; then zero3.json
+#                                       # beside its host-side variants (interleaved)
 set -euo pipefail
-stage=${1:?usage: bench/run_one_gpu.sh pair}
+stage=${1:?usage: bench/run_one_gpu.sh pair|profile}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -22,5 +24,12 @@ case "$stage" in
     python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main --interleave "$k" --repeats 3 \
       --only "$only" --budget-s "${BUDGET_S:-450}" --deadline-s "${DEADLINE_S:-560}"
     ;;
-  *) echo "error: unknown stage $stage (pair)" >&2; exit 2 ;;
+  profile)  # where ZeRO-3's extra time goes: phases, cProfile and torch.profiler of plain / zero2 / zero3 one after
+            # another; then zero3.json beside its host-side variants, interleaved
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT/profile" --set main --phases --pyprofile --profile \
+      --only frod_plain,frod_zero2,frod_zero3 --budget-s 300 --deadline-s 330
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT/zero3plus" --set zero3plus --interleave 4 \
+      --repeats 3 --budget-s 200 --deadline-s 220
+    ;;
+  *) echo "error: unknown stage $stage (pair, profile)" >&2; exit 2 ;;
 esac

@@ -206,6 +206,29 @@ class Stepper:
                 self.engine.compile()  # DeepCompile when the config has "compile": {"deepcompile": true}
             self.model = self.engine.module
 
+    def phases(self, ids: torch.Tensor, sync) -> dict[str, float]:
+        """One step, ``sync()`` after each phase: milliseconds of forward, backward and optimizer step."""
+        t = [time.perf_counter()]
+        run = self.engine if self.engine is not None else self.model
+        loss = run(input_ids=ids, labels=ids).loss
+        sync()
+        t.append(time.perf_counter())
+        if self.engine is not None:
+            self.engine.backward(loss)
+        else:
+            loss.backward()
+        sync()
+        t.append(time.perf_counter())
+        if self.engine is not None:
+            self.engine.step()
+        else:
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        sync()
+        t.append(time.perf_counter())
+        return {name: (b - a) * 1e3 for name, a, b in zip(("forward", "backward", "step"), t, t[1:])}
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.engine is not None:
             loss = self.engine(input_ids=ids, labels=ids).loss
@@ -315,6 +338,51 @@ def profile_steps(step, batches, device: torch.device, steps: int = 3, top: int 
             "top_host_self": by_host, "top_device_self": by_device}
 
 
+def phase_steps(step, batches, device: torch.device, steps: int = 5) -> dict:
+    """``steps`` more steps with the device synchronised between forward, backward and optimizer step: the median
+    milliseconds of each phase (where a configuration's extra time goes)."""
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+    for _ in range(steps):
+        ids = next(batches)
+        _sync(device)
+        for name, ms in step.phases(ids, lambda: _sync(device)).items():
+            phases[name].append(ms)
+    return {name: statistics.median(v) for name, v in phases.items()}
+
+
+def python_profile_steps(step, batches, device: torch.device, steps: int = 3, top: int = 40) -> dict:
+    """``steps`` more steps under ``cProfile``: the Python functions with the most own time and the most time
+    under them, per step (host-side cost by function: DeepSpeed's hooks, the layer's autograd Functions)."""
+    import cProfile
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        step(next(batches))
+    _sync(device)
+    prof.disable()
+    wall = (time.perf_counter() - t0) / steps
+    st = pstats.Stats(prof)
+
+    def where(key) -> str:
+        path, line, fn = key
+        parts = Path(path).parts
+        for anchor in ("site-packages", "frod_ds", "bench"):
+            if anchor in parts:
+                parts = parts[parts.index(anchor) + (anchor == "site-packages"):]
+                break
+        return f"{'/'.join(parts[-3:])}:{line}({fn})"
+
+    rows = [{"function": where(k), "calls_per_step": nc / steps, "own_ms": tt * 1e3 / steps, "cum_ms": ct * 1e3 / steps}
+            for k, (cc, nc, tt, ct, _) in st.stats.items()]
+    return {"steps": steps, "wall_s_per_step": wall,
+            "top_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "top_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
+
+
 def _batches(batch: int, seq: int, vocab: int, rank: int, device: torch.device):
     g = torch.Generator(device="cpu").manual_seed(1234 + rank)
     while True:
@@ -372,9 +440,13 @@ def run(args) -> None:
     timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
                         args.warmup, args.steps, args.repeats, after_warmup=lambda: passes.check(args.warmup, args.gc),
                         gate=window_gate(args.gate, args.name, args.repeats) if args.gate else None)
-    prof = None
+    prof = pyprof = phases = None
     if args.profile:
         prof = profile_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank + 7, device), device)
+    if args.phases:
+        phases = phase_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank + 8, device), device)
+    if args.pyprofile:
+        pyprof = python_profile_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank + 9, device), device)
     tokens_per_step = args.batch * args.seq
     stats = summarize(timing["windows"], tokens_per_step)
     fl = flops_per_token(cfg, args.seq, args.method, tokens_per_step, targets=TARGETS, lora_r=LORA_R,
@@ -409,7 +481,7 @@ def run(args) -> None:
             "levers": {"ds_set": list(args.ds_set), "v_partitioned": args.v_partitioned,
                        "leaf_modules": args.leaf_modules, "per_module_fetch": args.per_module_fetch,
                        "compile": args.compile},
-            "profile": prof,
+            "profile": prof, "phases_ms": phases, "python_profile": pyprof,
         }
         path = write_result(args.name or config_name(args, engine, world), payload, args.out)
         print(f"{path}: step {stats['step_s_median'] * 1e3:.1f} ms, {stats['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
@@ -468,6 +540,10 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                    "with --ds-set compile.deepcompile=true)")
     r.add_argument("--profile", action="store_true", help="after the timed windows, 3 steps under torch.profiler: "
                    "device busy time per step and the top ops (in the result JSON)")
+    r.add_argument("--phases", action="store_true", help="after the timed windows, 5 steps synchronised between "
+                   "forward, backward and optimizer step: each phase's median ms (in the result JSON)")
+    r.add_argument("--pyprofile", action="store_true", help="after the timed windows, 3 steps under cProfile: the "
+                   "Python functions with the most host time (in the result JSON)")
     r.add_argument("--gate", default=None, metavar="DIR",
                    help="wait for DIR/NAME.go<k> before timed window k (window_gate; needs --name): a driver "
                         "interleaves the windows of configurations sharing one GPU")

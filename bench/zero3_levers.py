@@ -73,6 +73,8 @@ PLUS_LEVERS: dict[str, tuple[str, list[str]]] = {
                    ["--ds-set=overlap_comm=false"]),
     "bucket-5e8": ("reduce_bucket_size and allgather_bucket_size 5e8 (one bucket for all of S and σ at 7B)",
                    ["--ds-set=reduce_bucket_size=500000000", "--ds-set=allgather_bucket_size=500000000"]),
+    "prefetch-0": ("stage3_prefetch_bucket_size 0: no prefetching (one GPU has no transfer to hide; the prefetch "
+                   "coordinator's trace and lookahead are host work every module)", ["--ds-set=stage3_prefetch_bucket_size=0"]),
     "no-overflow-check": ('bf16.check_grad_overflow false (DeepSpeed 0.19.8 checks every gradient for inf/NaN with '
                           "a few kernels per trainable tensor and a host sync before each bf16 step; the step's "
                           "global norm is still computed and clipped)", ["--ds-set=bf16.check_grad_overflow=false"]),
@@ -82,6 +84,7 @@ PLUS_LEVERS: dict[str, tuple[str, list[str]]] = {
                     "H200 image)", ["--ds-set=compile.deepcompile=true", "--compile"]),
 }
 EITHER_JSON = ("no-overlap", "bucket-5e8")
+ZERO3_ONLY = ("prefetch-0",)
 HOST_LEVERS = ("no-overflow-check", "no-check-no-overlap")
 SETS = {
     "main": [("frod", "plain", []), ("frod", ZERO2, []), ("frod", ZERO3, []),
@@ -90,7 +93,7 @@ SETS = {
     + [("lora", ZERO3, ["before"])] + [("lora", ZERO3, [lv]) for lv, (_, _, m) in LEVERS.items() if "lora" in m],
     "ablations": [("frod", ZERO3, [])] + [("frod", ZERO3, [a]) for a in ABLATIONS],
     "zero2": [("frod", ZERO2, [])] + [("frod", ZERO2, [z]) for z in EITHER_JSON],
-    "zero3plus": [("frod", ZERO3, [])] + [("frod", ZERO3, [z]) for z in EITHER_JSON],
+    "zero3plus": [("frod", ZERO3, [])] + [("frod", ZERO3, [z]) for z in EITHER_JSON + ZERO3_ONLY],
     "compile": [("frod", ZERO3, []), ("frod", ZERO3, ["deepcompile"])],
     # host-side work per trainable tensor: both shipped JSONs with DeepSpeed's per-gradient overflow check off
     # (ZeRO-3 checks no bf16 gradient for overflow in 0.19.8: only fp16 steps are checked there)
@@ -136,6 +139,7 @@ def _command(args, out: Path, model: Path, factors: Path, method: str, config: s
     cmd += TINY_RUN if args.tiny else ["--steps", str(args.steps), "--warmup", "3"]
     cmd += ["--repeats", str(args.repeats)]  # after TINY_RUN's: the last one counts
     cmd += ["--profile"] if args.profile and config != "plain" else []
+    cmd += ["--phases"] * args.phases + ["--pyprofile"] * args.pyprofile
     return cmd
 
 
@@ -426,6 +430,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per window")
     ap.add_argument("--repeats", type=int, default=2, help="timed windows")
     ap.add_argument("--profile", action="store_true", help="profile 3 steps of each DeepSpeed configuration")
+    ap.add_argument("--phases", action="store_true", help="time forward, backward and step apart (5 more steps)")
+    ap.add_argument("--pyprofile", action="store_true", help="3 more steps under cProfile (host time by function)")
     ap.add_argument("--interleave", type=int, default=0, metavar="K",
                     help="run the configurations K at a time on the one GPU, their timed windows alternating "
                          "(measure_interleaved; K of them must fit in its memory at once); 0: one after another")
@@ -438,8 +444,9 @@ def main() -> None:
         return
     if not args.out:
         ap.error("--out is required")
-    if args.interleave and args.profile:
-        ap.error("--profile with --interleave would profile the configurations at once; use one of them")
+    if args.interleave and (args.profile or args.phases or args.pyprofile):
+        ap.error("--profile, --phases and --pyprofile with --interleave would run the configurations' extra steps at "
+                 "once; use one or the other")
     if args.interleave < 0:
         ap.error("--interleave must be 0 (one configuration after another) or the configurations run at once")
     unknown = [s for s in args.set.split(",") if s not in SETS]
