@@ -7,8 +7,12 @@
 #                                    # (bench/zero3_levers.py --interleave; ~5 min with the model and store made)
 #   bash bench/run_one_gpu.sh profile   # FRoD plain / zero2 / zero3: phases, cProfile, torch.profiler; then zero3.json
 #                                       # beside its host-side variants (interleaved)
+#   bash bench/run_one_gpu.sh flat      # one after another: FRoD plain / zero2 / zero3, zero3 with σ and S per FRoD layer,
+#                                       # zero3 + prefetch 0, zero3 + 5e8 buckets, LoRA plain / zero2
+#   bash bench/run_one_gpu.sh final-a   # the shipped configurations, ZeRO-3's changes undone one at a time, LoRA
+#   bash bench/run_one_gpu.sh final-b   # the headline pairs again, a second call
 set -euo pipefail
-stage=${1:?usage: bench/run_one_gpu.sh pair|profile}
+stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|final-a|final-b}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -31,5 +35,24 @@ case "$stage" in
     python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT/zero3plus" --set zero3plus --interleave 4 \
       --repeats 3 --budget-s 200 --deadline-s 220
     ;;
-  *) echo "error: unknown stage $stage (pair, profile)" >&2; exit 2 ;;
+  flat)  # one after another: the headline configurations, ZeRO-3 with σ and S per FRoD layer (the previous build)
+         # and two host-side zero3.json settings beside the shipped one
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main,ablations,zero3plus \
+      --only frod_plain,frod_zero2,frod_zero3,frod_zero3_per-member,frod_zero3_prefetch-0,frod_zero3_bucket-5e8,lora_plain,lora_zero2 \
+      --budget-s "${BUDGET_S:-470}" --deadline-s "${DEADLINE_S:-560}"
+    rm -rf "$OUT/gates"
+    ;;
+  final-a)  # the shipped JSONs and build one after another, each ZeRO-3 change of this round undone beside them
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main,ablations \
+      --only frod_plain,frod_zero2,frod_zero3,frod_zero3_per-member,frod_zero3_bucket-5e7,lora_plain,lora_zero2,lora_zero3 \
+      --budget-s "${BUDGET_S:-470}" --deadline-s "${DEADLINE_S:-560}"
+    rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"  # the call's JSON holds every result
+    ;;
+  final-b)  # the headline pairs again (a second call)
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main \
+      --only frod_plain,frod_zero2,frod_zero3,lora_plain,lora_zero2 --steps 16 --repeats 3 --budget-s "${BUDGET_S:-470}" \
+      --deadline-s "${DEADLINE_S:-560}"
+    rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
+    ;;
+  *) echo "error: unknown stage $stage (pair, profile, flat, final-a, final-b)" >&2; exit 2 ;;
 esac

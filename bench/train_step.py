@@ -104,7 +104,8 @@ def build_frod(args, ds_cfg: dict | None, rank: int):
     store = FactorStore.open(args.factors)
     supports = make_supports(store, TARGETS, args.sparsity, 0)
     model = build_frod_model(args.model, store, supports, torch.bfloat16, ds_cfg, rank=rank, quant=args.frozen_quant,
-                             quantize_base=args.quantize_base, replicate_v=not args.v_partitioned)
+                             quantize_base=args.quantize_base, replicate_v=not args.v_partitioned,
+                             flat_trainables=False if args.per_member_trainables else None)
     for _, m in frod_modules(model):
         m.save, m.dgrad, m.impl = args.frod_save, args.frod_dgrad, args.frod_impl
     if args.gc:
@@ -479,6 +480,7 @@ def run(args) -> None:
             "peak_reserved_gib": max(m["timed"].get("peak_reserved_gib", 0.0) for m in mems) or None,
             "build_s": build_s, "losses": timing["losses"], "layer_passes_per_step": passes.per_step,
             "levers": {"ds_set": list(args.ds_set), "v_partitioned": args.v_partitioned,
+                       "per_member_trainables": args.per_member_trainables,
                        "leaf_modules": args.leaf_modules, "per_module_fetch": args.per_module_fetch,
                        "compile": args.compile},
             "profile": prof, "phases_ms": phases, "python_profile": pyprof,
@@ -534,6 +536,9 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--leaf-modules", action="store_true",
                    help="LoRA under ZeRO-3: each decoder layer one fetch unit (frod_ds.model.build.fetch_per_layer, what the "
                         "trainer does for FRoD)")
+    r.add_argument("--per-member-trainables", action="store_true",
+                   help="FRoD under ZeRO-3: one σ and one S Parameter per FRoD layer (the build holds them per "
+                        "decoder layer, frod_ds.core.layer.FRoDTrainables, by default)")
     r.add_argument("--per-module-fetch", action="store_true",
                    help="FRoD under ZeRO-3: leave DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)")
     r.add_argument("--compile", action="store_true", help="engine.compile() after deepspeed.initialize (DeepCompile "

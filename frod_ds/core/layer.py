@@ -29,7 +29,7 @@ from frod_ds.core.frod_function import FRoDTokens, FRoDWeight, core_matrix
 from frod_ds.runtime.validate import sparsity_problem
 from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
 
-__all__ = ["SparseSupport", "FRoDLinear", "core_matrix", "support_seed", "ordering", "support_nnz"]
+__all__ = ["SparseSupport", "FRoDLinear", "FRoDTrainables", "core_matrix", "support_seed", "ordering", "support_nnz"]
 
 TRAINABLE_PREFIX = "frod_"
 
@@ -106,6 +106,35 @@ class SparseSupport:
         return self._rc_cache[device]
 
 
+class FRoDTrainables(nn.Module):
+    """σ and S values of several FRoD layers (the members of one decoder layer) as two flat Parameters,
+    ``frod_sigma`` (Σ n) and ``frod_s`` (Σ nnz), the members' in ``members`` order; each member's ``frod_sigma`` /
+    ``frod_s`` is a view of its span. The values, gradients and AdamW arithmetic are the members' own, element for
+    element; what changes is how many tensors an engine handles: ZeRO-3 runs its per-parameter bookkeeping
+    (fetch, release, gradient reduce, re-partition after the step) on host for every trainable tensor, so a 7B
+    layer's 12 trainable tensors cost it 12 times what 2 do (``frod_ds.model.build`` uses this under ZeRO-3).
+
+    Not in the adapter or checkpoint formats: those keep one σ and one S per member (``member_spans``).
+    """
+
+    def __init__(self, members: list[tuple[str, int, int]], dtype: torch.dtype, device: torch.device | None = None):
+        """``members``: ``(name relative to the owning module, n, nnz)`` each, in the model's module order."""
+        super().__init__()
+        self.members = [name for name, _, _ in members]
+        self.sigma_spans: list[tuple[int, int]] = []
+        self.s_spans: list[tuple[int, int]] = []
+        a = b = 0
+        for _, n, nnz in members:
+            self.sigma_spans.append((a, a + n))
+            self.s_spans.append((b, b + nnz))
+            a, b = a + n, b + nnz
+        self.frod_sigma = nn.Parameter(torch.empty(a, dtype=dtype, device=device))
+        self.frod_s = nn.Parameter(torch.zeros(b, dtype=dtype, device=device))
+
+    def extra_repr(self) -> str:
+        return f"members={len(self.members)}, sigma={self.sigma_spans[-1][1]}, s={self.s_spans[-1][1]}"
+
+
 class FRoDLinear(nn.Module):
     """``y = U (diag σ + S) Vᵀ x + b`` — a drop-in for an ``nn.Linear`` of shape ``(m, n)``.
 
@@ -116,10 +145,13 @@ class FRoDLinear(nn.Module):
         sigma: ``(n,)`` initial strengths ``σ_i`` from HJD.
         support: the category's ``SparseSupport``.
         bias: the base layer's bias ``(m,)`` or None, kept frozen.
+        flat: ``(holder, i)``: σ and S are views of member ``i`` of a ``FRoDTrainables`` (which owns them; this
+            module then has no trainable Parameter of its own and ``sigma`` is ignored: the holder is loaded).
     Input ``(..., n)`` → output ``(..., m)``.
     """
 
-    def __init__(self, U: Tensor, V: nn.Parameter, sigma: Tensor, support: SparseSupport, bias: Tensor | None = None):
+    def __init__(self, U: Tensor, V: nn.Parameter, sigma: Tensor, support: SparseSupport, bias: Tensor | None = None,
+                 flat: tuple[FRoDTrainables, int] | None = None):
         super().__init__()
         m, n = logical_shape(U)
         v_shape = tuple(getattr(V, "ds_shape", V.shape))  # ZeRO-3 may already have partitioned a shared V
@@ -132,8 +164,14 @@ class FRoDLinear(nn.Module):
         self.U.requires_grad_(False)
         self.V = V
         self.V.requires_grad_(False)
-        self.frod_sigma = nn.Parameter(sigma.detach().clone().to(U.dtype))
-        self.frod_s = nn.Parameter(torch.zeros(support.nnz, dtype=U.dtype, device=U.device))
+        object.__setattr__(self, "_flat", flat)  # not a submodule: the holder belongs to the decoder layer
+        if flat is None:
+            self.frod_sigma = nn.Parameter(sigma.detach().clone().to(U.dtype))
+            self.frod_s = nn.Parameter(torch.zeros(support.nnz, dtype=U.dtype, device=U.device))
+        else:
+            holder, i = flat
+            (a, b), (c, d) = holder.sigma_spans[i], holder.s_spans[i]
+            assert b - a == n and d - c == support.nnz, f"holder span {i} is ({b - a}, {d - c}), not ({n}, {support.nnz})"
         if bias is not None and not isinstance(bias, nn.Parameter):
             bias = nn.Parameter(bias.detach().clone())
         self.bias = bias  # the base layer's own Parameter (ZeRO-3 may hold it partitioned), frozen
@@ -150,6 +188,33 @@ class FRoDLinear(nn.Module):
         self.save = "z"
         # How ∂σ, ∂S are taken: "dense" (one n×n GEMM, gathered) or "sampled" (support entries only).
         self.dgrad = "dense"
+
+    # -- the trainable tensors -------------------------------------------------------------------------
+
+    @property
+    def frod_sigma(self) -> Tensor:
+        """σ (n,): this module's Parameter, or its span of the holder's (a view; ZeRO-3: valid while gathered)."""
+        if self._flat is None:
+            return _own(self, "frod_sigma")
+        holder, i = self._flat
+        a, b = holder.sigma_spans[i]
+        return holder.frod_sigma[a:b]
+
+    @property
+    def frod_s(self) -> Tensor:
+        """S values (nnz,): this module's Parameter, or its span of the holder's."""
+        if self._flat is None:
+            return _own(self, "frod_s")
+        holder, i = self._flat
+        a, b = holder.s_spans[i]
+        return holder.frod_s[a:b]
+
+    def frod_parameters(self) -> list[nn.Parameter]:
+        """The Parameters holding this module's σ and S (its own, or its holder's): what a ZeRO-3 gather needs."""
+        if self._flat is None:
+            return [self._parameters["frod_sigma"], self._parameters["frod_s"]]
+        holder = self._flat[0]
+        return [holder.frod_sigma, holder.frod_s]
 
     # -- the math ------------------------------------------------------------------------------------
 
@@ -214,6 +279,13 @@ class FRoDLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"nnz={self.support.nnz}, bias={self.bias is not None}"
         )
+
+
+def _own(module: nn.Module, name: str) -> nn.Parameter:
+    p = module._parameters.get(name)
+    if p is None:  # AttributeError, as for any missing attribute (nn.Module's registration asks hasattr first)
+        raise AttributeError(f"{type(module).__name__} has no parameter {name!r} yet")
+    return p
 
 
 def ordering(tokens: int, m: int, n: int, grad: bool, recompute: bool = False) -> str:

@@ -31,7 +31,7 @@ from frod_ds.runtime.atomic import building_dir
 from frod_ds.model.build import build_frod_model, gathered
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.runtime.errors import AdapterError, FrodError, note
-from frod_ds.core.layer import SparseSupport
+from frod_ds.core.layer import FRoDTrainables, SparseSupport
 from frod_ds.model.store import FactorStore
 from frod_ds.formats.checksum import file_crc32, format_crc32, parse_crc32
 from frod_ds.formats.store_format import StoreIdentity, category_of
@@ -61,7 +61,7 @@ def adapter_state(model: nn.Module, zero3: bool = False, store: StoreIdentity | 
     tensors: dict[str, torch.Tensor] = {}
     categories: dict[str, AdapterCategory] = {}
     for name, m in frod_modules(model):
-        with gathered([m.frod_sigma, m.frod_s], zero3):
+        with gathered(m.frod_parameters(), zero3):
             tensors[sigma_name(name)] = m.frod_sigma.detach().float().cpu().clone()
             tensors[s_name(name)] = m.frod_s.detach().float().cpu().clone()
         cat = category_of(name)
@@ -166,7 +166,7 @@ def load_adapter_into(model: nn.Module, tensors: dict[str, torch.Tensor], zero3:
         sup = tensors.get(support_name(category_of(name)))
         if sup is not None and not torch.equal(sup.long(), m.support.rows_cols()):
             raise AdapterError(f"{name}: the adapter's S support differs from the model's")
-        with gathered([m.frod_sigma, m.frod_s], zero3, modifier_rank=0):
+        with gathered(m.frod_parameters(), zero3, modifier_rank=0):
             m.frod_sigma.copy_(tensors[sigma_name(name)].to(m.frod_sigma.dtype))
             m.frod_s.copy_(tensors[s_name(name)].to(m.frod_s.dtype))
 
@@ -244,8 +244,11 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with each FRoD layer replaced by ``<module>.weight = U (diag σ + S) Vᵀ``."""
     out: dict[str, torch.Tensor] = {}
     frod = dict(frod_modules(model))
+    flat = {n for n, m in model.named_modules() if isinstance(m, FRoDTrainables)}  # σ, S: in the merged weights
     for name, t in model.state_dict().items():
         mod, _, leaf = name.rpartition(".")
+        if mod in flat:
+            continue
         if mod in frod:
             if leaf == "U":
                 out[f"{mod}.weight"] = frod[mod].merged_weight().contiguous()

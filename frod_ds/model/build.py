@@ -27,7 +27,7 @@ from torch import nn
 from frod_ds.model.apply import mark_only_frod_trainable, set_submodule
 from frod_ds.config.ds_config import zero_stage
 from frod_ds.runtime.errors import FrodError, StoreError
-from frod_ds.core.layer import FRoDLinear, SparseSupport, support_seed
+from frod_ds.core.layer import FRoDLinear, FRoDTrainables, SparseSupport, support_seed
 from frod_ds.core.quant import QuantError, QuantSpec, check_kind, quantize_untargeted, quantized_parameter, spec_of
 
 __all__ = ["make_supports", "build_frod_model", "gathered", "check_store_quant", "replicate_shared_v", "fetch_per_layer"]
@@ -160,9 +160,17 @@ def check_store_quant(store, categories, quant: str) -> None:
             )
 
 
+def _decoder_layer_of(model: nn.Module) -> dict[str, str]:
+    """``{module name: its decoder layer's name}`` for every module inside a ``*DecoderLayer``."""
+    layers = [n for n, m in model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
+    return {n: layer for layer in layers for n, _ in model.get_submodule(layer).named_modules(prefix=layer)}
+
+
 def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport], dtype: torch.dtype,
-                  quant: str = "none") -> None:
-    """Replace each member of the ``supports``' categories by an empty ``FRoDLinear`` (loaded afterwards)."""
+                  quant: str = "none", flat: bool = False) -> None:
+    """Replace each member of the ``supports``' categories by an empty ``FRoDLinear`` (loaded afterwards). With
+    ``flat``, the σ and S of a decoder layer's members are one ``FRoDTrainables`` of that layer (``frod_flat``)."""
+    found: dict[str, tuple[str, nn.Parameter, int, int]] = {}  # member -> (category, V, m, n)
     for category in supports:
         members = store.categories[category]
         n = store.width(category)
@@ -178,17 +186,35 @@ def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport]
             m, n_in = store.member_shape(name)
             if not isinstance(old, nn.Linear) or (old.out_features, old.in_features) != (m, n_in):
                 raise StoreError(f"{name}: model has {old}, factor store has a ({m}, {n_in}) member")
-            if quant == "none":
-                U = torch.empty(m, n, dtype=dtype)
-            else:  # the store's own blob layout if it is quantized, else quantized at load time
-                U = quantized_parameter(store.u_spec(name) or QuantSpec(quant, (m, n)), dtype)
-            layer = FRoDLinear(U, V, torch.empty(n, dtype=dtype), supports[category], old.bias)
-            set_submodule(model, name, layer)
+            found[name] = (category, V, m, n)
+    holders: dict[str, tuple[FRoDTrainables, int]] = {}
+    if flat:
+        owner = _decoder_layer_of(model)
+        order = [name for name, _ in model.named_modules() if name in found and name in owner]
+        by_layer: dict[str, list[str]] = {}
+        for name in order:
+            by_layer.setdefault(owner[name], []).append(name)
+        for layer, names in by_layer.items():
+            holder = FRoDTrainables([(name[len(layer) + 1:], found[name][3], supports[found[name][0]].nnz)
+                                     for name in names], dtype)
+            model.get_submodule(layer).frod_flat = holder
+            holders.update({name: (holder, i) for i, name in enumerate(names)})
+    for name, (category, V, m, n) in found.items():
+        old = model.get_submodule(name)
+        if quant == "none":
+            U = torch.empty(m, n, dtype=dtype)
+        else:  # the store's own blob layout if it is quantized, else quantized at load time
+            U = quantized_parameter(store.u_spec(name) or QuantSpec(quant, (m, n)), dtype)
+        layer = FRoDLinear(U, V, torch.empty(n, dtype=dtype), supports[category], old.bias, flat=holders.get(name))
+        set_submodule(model, name, layer)
 
 
 def _read_param(name: str, pn: str, module: nn.Module, ckpt, keys: set[str], store) -> torch.Tensor | None:
     """The tensor for parameter ``pn`` of module ``name``: from the factor store for FRoD factors, else from
     the checkpoint; None when the checkpoint lacks it."""
+    if isinstance(module, FRoDTrainables) and pn == "frod_sigma":
+        owner = name.rsplit(".", 1)[0]
+        return torch.cat([store.load_sigma(f"{owner}.{member}") for member in module.members])
     if isinstance(module, FRoDLinear) and pn in ("U", "V", "frod_sigma"):
         if pn == "U":
             return store.load_U_packed(name) if store.u_spec(name) is not None else store.load_U(name)
@@ -218,7 +244,7 @@ def _load_module(name: str, module: nn.Module, ckpt, keys: set[str], store, rank
                 continue  # one V per category, shared by its members
             try:
                 with torch.no_grad():
-                    if isinstance(module, FRoDLinear) and pn == "frod_s":
+                    if isinstance(module, (FRoDLinear, FRoDTrainables)) and pn == "frod_s":
                         p.zero_()
                         continue
                     t = _read_param(name, pn, module, ckpt, keys, store)
@@ -300,6 +326,7 @@ def build_frod_model(
     quant: str = "none",
     quantize_base: bool = False,
     replicate_v: bool = True,
+    flat_trainables: bool | None = None,
 ) -> nn.Module:
     """The base architecture with FRoD layers, loaded; σ and S values the only trainable parameters.
 
@@ -315,6 +342,9 @@ def build_frod_model(
         quantize_base: also quantize (same kind) the untargeted linears of the decoder layers.
         replicate_v: under ZeRO-3, hold each shared V whole on every rank (``replicate_shared_v``); False leaves
             V partitioned like every other frozen weight (the benchmarks' comparison).
+        flat_trainables: σ and S of each decoder layer as one ``FRoDTrainables`` (two Parameters per layer instead
+            of two per member); None: under ZeRO-3 only, where the per-tensor host work is the cost. Plain PyTorch
+            and ZeRO-1/2 keep one Parameter each (their gradient norm sums per tensor: the same grouping as ever).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -337,7 +367,8 @@ def build_frod_model(
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
         _check_placeholders(model, targeted & {n for n, _ in model.named_modules()})
-        _swap_targets(model, store, supports, dtype, quant)
+        flat = zero3 if flat_trainables is None else flat_trainables
+        _swap_targets(model, store, supports, dtype, quant, flat)
         if quantize_base:
             quantize_untargeted(model, quant, dtype)
     rank0 = rank == 0 or not zero3
@@ -363,4 +394,23 @@ def build_frod_model(
     mark_only_frod_trainable(model)
     if zero3 and replicate_v:
         replicate_shared_v(model)
+    if zero3 and flat:
+        _register_flat_with_zero3(model)
     return model
+
+
+def _register_flat_with_zero3(model: nn.Module) -> None:
+    """Each FRoD layer reads its decoder layer's ``FRoDTrainables``: declare those Parameters to ZeRO-3 as the
+    layer's (``register_external_parameter``), so per-module fetching (no ``fetch_per_layer``) gathers them before
+    the layer runs. They are persistent (``ds_persist``: gathered once, held whole on every rank, as every S_i of
+    its own was below the shipped persistence threshold): a 7B layer's S (2.0e6 elements) would otherwise cross
+    it and be gathered and released twice per step. σ and S are about 1% of the model's elements (7B, 70B)."""
+    from deepspeed.runtime.zero import register_external_parameter
+
+    for m in model.modules():
+        if isinstance(m, FRoDTrainables):
+            for p in m.parameters(recurse=False):
+                p.ds_persist = True
+        if isinstance(m, FRoDLinear) and m._flat is not None:
+            for p in m.frod_parameters():
+                register_external_parameter(m, p)

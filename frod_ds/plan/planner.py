@@ -168,6 +168,9 @@ class TrainShape:
     quantize_base: bool = False
     checkpointing: bool = False
     layer_saves: str = "z"  # "z": FRoDLinear's autograd Function keeps z = Vᵀx only; "M": it also keeps M
+    # ZeRO-3 holds a decoder layer's σ and S as two Parameters (frod_ds.core.layer.FRoDTrainables, the build's
+    # default); False: one σ and one S Parameter per FRoD layer (builds before it, and the benchmarks' comparison)
+    zero3_flat_trainables: bool = True
 
     @property
     def tokens(self) -> int:

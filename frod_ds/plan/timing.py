@@ -9,7 +9,8 @@ constants, so the planner can rank the set-ups that fit by speed instead of by a
     recompute     with gradient checkpointing one more forward: F / 3 of the same
     zero hooks    ZeRO-3, and ZeRO-2 with DeepSpeed's bf16 overflow check: ZERO_TENSOR_S per trainable tensor (σ_i
                   and S_i of every target: gradient hooks, bucketing, the per-gradient check, the partitioned
-                  optimizer step); ZeRO-2 without the check (the shipped zero2.json): ZERO2_UNCHECKED_TENSOR_S
+                  optimizer step; under ZeRO-3 two per decoder layer, ``FRoDTrainables``); ZeRO-2 without the
+                  check (the shipped zero2.json): ZERO2_UNCHECKED_TENSOR_S
     layer fetch   ZeRO-3: ZERO3_LAYER_PASS_S per decoder layer and pass (fetch/release of one layer's parameters,
                   the shipped per-layer fetch; passes = 2, 3 with checkpointing)
     link          N > 1 under ZeRO-3: LINK_EXPOSED × the bytes of the frozen weights a rank does not hold, gathered
@@ -100,6 +101,8 @@ def step_time(model, train, engine, gpus: int, link: Link = NVLINK, *, plain: bo
     parts = {"compute": tokens * flops / rate, "recompute": tokens * flops / 3 / rate if train.checkpointing else 0.0}
     trainable = trainable_tensors(model, train)  # [(numel, count)]
     n_trainable = sum(count for _, count in trainable)
+    if engine.stage == 3 and train.zero3_flat_trainables and n_trainable:
+        n_trainable = 2 * model.layers  # σ and S of each decoder layer as one Parameter each
     frozen_bytes = sum(b * c for group in frozen_tensors(model, train).values() for b, c, _ in group)
     quantized = 0
     if train.quant != "none":

@@ -24,7 +24,8 @@ from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text, disk_full_error
 from frod_ds.train.checkpoint_dir import COMPLETE, LATEST, file_seal, files_to_seal, set_aside, step_of, tag_of, write_seal
 from frod_ds.runtime.errors import FrodError, note
-from frod_ds.train.trainable_state import TRAINABLE_STATE, gather_state, read_meta, read_state, restore_state, write_state
+from frod_ds.train.trainable_state import (TRAINABLE_STATE, engine_params, gather_state, read_meta, read_state,
+                                           restore_state, write_state)
 
 __all__ = ["Layout", "write_checkpoint", "restore_checkpoint"]
 
@@ -84,13 +85,14 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
     dist.barrier()
 
 
-def _written_by(ckpt: Path) -> tuple[int, int | None]:
-    """``(world size, ZeRO stage)`` of the run that wrote ``ckpt``; the stage is None for a checkpoint of an
-    older frod-ds (no trainable-state record), whose world size is its number of RNG files."""
+def _written_by(ckpt: Path) -> tuple[int, int | None, list[str] | None]:
+    """``(world size, ZeRO stage, the engine's trainable Parameter names)`` of the run that wrote ``ckpt``; stage
+    and names are None for a checkpoint of an older frod-ds (no trainable-state record), whose world size is its
+    number of RNG files."""
     if (ckpt / TRAINABLE_STATE).is_file():
         meta = read_meta(ckpt / TRAINABLE_STATE)
-        return meta.world_size, meta.zero_stage
-    return len(list(ckpt.glob("rng_rank*.pt"))), None
+        return meta.world_size, meta.zero_stage, meta.engine_params or meta.params
+    return len(list(ckpt.glob("rng_rank*.pt"))), None, None
 
 
 def restore_checkpoint(engine, root: Path, tag: str, skipped: list[tuple[str, str]], layout: Layout,
@@ -102,11 +104,23 @@ def restore_checkpoint(engine, root: Path, tag: str, skipped: list[tuple[str, st
             dest = set_aside(root, bad)
             note(f"checkpoint {root / bad} skipped ({why}); resuming from the newest complete one, {tag} "
                  f"(the skipped one moved to {dest.name})")
-    world, stage = dist.on_main(lambda: _written_by(root / tag))
+    world, stage, params = dist.on_main(lambda: _written_by(root / tag))
     here = zero_stage_of(engine)
-    if world == layout.world and stage in (None, here):
+    if stage is None and engine_params(engine) != _own_params(engine):
+        raise FrodError(f"checkpoint {root / tag} was written by an older frod-ds, without the record needed to "
+                        "load its σ and S into this engine's per-decoder-layer tensors; resume it with the "
+                        "frod-ds that wrote it")
+    if world == layout.world and stage in (None, here) and params in (None, engine_params(engine)):
         return _load_engine_files(engine, root, tag)
     return _load_trainable_state(engine, root / tag, world, stage, here, layout, zero3)
+
+
+def _own_params(engine) -> list[str]:
+    """The names the engine's trainable Parameters would have with one σ and one S Parameter per FRoD layer."""
+    from frod_ds.core.layer import FRoDLinear
+
+    return [f"{n}.{leaf}" for n, m in engine.module.named_modules() if isinstance(m, FRoDLinear)
+            for leaf in ("frod_sigma", "frod_s")]
 
 
 def _load_engine_files(engine, root: Path, tag: str) -> int:
@@ -134,8 +148,11 @@ def _load_trainable_state(engine, ckpt: Path, world: int, stage: int | None, her
     tensors, meta = dist.on_all(lambda: read_state(ckpt / TRAINABLE_STATE))
     restore_state(engine, tensors, meta, zero3)
     del tensors
+    held = "per decoder layer" if meta.engine_params else "per FRoD layer"
+    now = "per FRoD layer" if engine_params(engine) == _own_params(engine) else "per decoder layer"
     change = ", ".join([f"from {world} rank{'s' * (world != 1)} on {layout.world}"] * (world != layout.world)
-                       + [f"from ZeRO-{stage} on ZeRO-{here}"] * (stage != here))
+                       + [f"from ZeRO-{stage} on ZeRO-{here}"] * (stage != here)
+                       + [f"from σ and S held {held} to {now}"] * (held != now))
     split = "" if meta.micro_batch_size == layout.micro else (
         f"; micro_batch_size {meta.micro_batch_size} -> {layout.micro} weights each micro-batch's tokens "
         "differently, so losses are close to, not equal to, the original layout's")

@@ -5,7 +5,9 @@ partition per rank, so it loads only on the world size that wrote it. FRoD train
 round(s·n²) per layer), so each checkpoint also carries them whole, written once by rank 0:
 
     trainable_state.safetensors
-        "<param name>"               full fp32 master value (e.g. model.layers.0.self_attn.q_proj.frod_sigma)
+        "<param name>"               full fp32 master value of one FRoD layer's σ or S, named as that layer's own
+                                     Parameter (e.g. model.layers.0.self_attn.q_proj.frod_sigma), also where the
+                                     engine holds a decoder layer's σ (S) as one Parameter (``FRoDTrainables``)
         "<param name>.exp_avg"       AdamW first moment, same shape
         "<param name>.exp_avg_sq"    AdamW second moment
         metadata "frod_ds.trainable_state": the JSON record `TrainableState` (step, AdamW step, learning rates,
@@ -29,11 +31,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from frod_ds.core.layer import FRoDTrainables
 from frod_ds.model.build import gathered
 from frod_ds.runtime.errors import FrodError
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 
-__all__ = ["TRAINABLE_STATE", "FORMAT", "TrainableState", "gather_state", "write_state", "read_meta", "read_state",
+__all__ = ["TRAINABLE_STATE", "FORMAT", "TrainableState", "engine_params", "gather_state", "write_state", "read_meta", "read_state",
            "restore_state"]
 
 TRAINABLE_STATE = "trainable_state.safetensors"
@@ -58,11 +61,54 @@ class TrainableState:
     scheduler: dict[str, Any]  # LambdaLR.state_dict()
     global_samples: int
     skipped_steps: int
-    params: list[str] = field(default_factory=list)  # trainable parameter names, in the model's order
+    params: list[str] = field(default_factory=list)  # one σ and one S per FRoD layer (the tensors' names)
+    # the engine's own trainable Parameters, in its order, where they are not ``params`` (σ and S held per decoder
+    # layer: ``frod_ds.core.layer.FRoDTrainables``); DeepSpeed's files load only into the same ones
+    engine_params: list[str] = field(default_factory=list)
 
 
-def _trainable(engine) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+Spans = list[tuple[str, int, int]]  # (tensor name in the record, start, end) within a Parameter, flattened
+
+
+def _trainable(engine) -> list[tuple[str, torch.nn.Parameter, Spans]]:
+    """Each trainable Parameter of the engine's module with the record's tensors it holds: a Parameter of one
+    FRoD layer holds one (itself), a decoder layer's ``FRoDTrainables`` Parameter one per member, in order."""
+    held = {id(p): (name, m, leaf) for name, m in engine.module.named_modules() if isinstance(m, FRoDTrainables)
+            for leaf, p in m.named_parameters(recurse=False)}
+    out = []
+    for n, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) not in held:
+            out.append((n, p, [(n, 0, int(getattr(p, "ds_numel", p.numel())))]))
+            continue
+        name, m, leaf = held[id(p)]
+        owner = name.rsplit(".", 1)[0]
+        spans = m.sigma_spans if leaf == "frod_sigma" else m.s_spans
+        out.append((n, p, [(f"{owner}.{member}.{leaf}", a, b) for member, (a, b) in zip(m.members, spans)]))
+    return out
+
+
+def engine_params(engine) -> list[str]:
+    """The engine's trainable Parameter names (what its DeepSpeed files hold, in order)."""
+    return [n for n, _, _ in _trainable(engine)]
+
+
+def _record_names(trainable) -> list[str]:
+    return [name for _, _, spans in trainable for name, _, _ in spans]
+
+
+def _split(value: torch.Tensor, n: str, spans: Spans) -> dict[str, torch.Tensor]:
+    if len(spans) == 1 and spans[0][0] == n:
+        return {n: value}
+    flat = value.reshape(-1)
+    return {name: flat[a:b].clone() for name, a, b in spans}
+
+
+def _join(tensors: dict[str, torch.Tensor], n: str, spans: Spans, suffix: str = "") -> torch.Tensor:
+    if len(spans) == 1 and spans[0][0] == n:
+        return tensors[n + suffix]
+    return torch.cat([tensors[name + suffix].reshape(-1) for name, _, _ in spans])
 
 
 def _base_optimizer(engine):
@@ -102,14 +148,16 @@ def gather_state(engine, step: int, layout: tuple[int, int, int], zero_stage: in
     base = _base_optimizer(engine)
     _link_optimizer_state(engine)
     tensors: dict[str, torch.Tensor] = {}
-    for name, p in _trainable(engine):
+    trainable = _trainable(engine)
+    for name, p, spans in trainable:
         value = safe_get_full_fp32_param(p)
         assert value is not None, f"{name}: DeepSpeed holds no fp32 master for it"
         moments = [safe_get_full_optimizer_state(p, k) for k in MOMENTS]
         if dist.is_main():
-            tensors[name] = value.detach().float().cpu().contiguous()
+            tensors.update(_split(value.detach().float().cpu().contiguous(), name, spans))
             for k, m in zip(MOMENTS, moments):
-                tensors[f"{name}.{k}"] = m.detach().float().cpu().contiguous()
+                part = _split(m.detach().float().cpu().contiguous(), name, spans)
+                tensors.update({f"{t}.{k}": v for t, v in part.items()})
     if not dist.is_main():
         return None
     sched = engine.lr_scheduler
@@ -118,7 +166,8 @@ def gather_state(engine, step: int, layout: tuple[int, int, int], zero_stage: in
         grad_accum=layout[2], zero_stage=zero_stage, group_lrs=[float(g["lr"]) for g in base.param_groups],
         scheduler=_plain(sched.state_dict()) if sched is not None else {},
         global_samples=int(engine.global_samples), skipped_steps=int(engine.skipped_steps),
-        params=[n for n, _ in _trainable(engine)])
+        params=_record_names(trainable),
+        engine_params=[] if _record_names(trainable) == engine_params(engine) else engine_params(engine))
     return tensors, meta
 
 
@@ -205,8 +254,8 @@ def restore_state(engine, tensors: dict[str, torch.Tensor], meta: TrainableState
     from frod_ds.runtime import distributed as dist
 
     params = _trainable(engine)
-    names = [n for n, _ in params]
-    if names != meta.params:
+    names = _record_names(params)
+    if sorted(names) != sorted(meta.params):
         raise FrodError(f"the checkpoint's trainable parameters ({len(meta.params)}) are not this model's "
                         f"({len(names)}); it belongs to another model or targets")
     base = _base_optimizer(engine)
@@ -217,20 +266,20 @@ def restore_state(engine, tensors: dict[str, torch.Tensor], meta: TrainableState
     _link_optimizer_state(engine)
     rank = dist.get_rank()
     with torch.no_grad():
-        for name, p in params:
-            value = tensors[name]
+        for name, p, spans in params:
+            value = _join(tensors, name, spans)
+            moments = {k: _join(tensors, name, spans, f".{k}") for k in MOMENTS}
             with gathered([p], zero3, modifier_rank=0):
                 if not zero3 or dist.is_main():
                     p.data.copy_(value.to(p.dtype).reshape(p.shape))
             if zero3:
                 safe_set_local_fp32_param(p, _local_slice(value, p, rank).to(p.ds_tensor.device))
                 for k in MOMENTS:
-                    safe_set_local_optimizer_state(p, _local_slice(tensors[f"{name}.{k}"], p, rank)
-                                                   .to(p.ds_tensor.device), k)
+                    safe_set_local_optimizer_state(p, _local_slice(moments[k], p, rank).to(p.ds_tensor.device), k)
             else:
                 safe_set_full_fp32_param(p, value.to(p.device))
                 for k in MOMENTS:
-                    safe_set_full_optimizer_state(p, tensors[f"{name}.{k}"].to(p.device), k)
+                    safe_set_full_optimizer_state(p, moments[k].to(p.device), k)
     for group, lr in zip(base.param_groups, meta.group_lrs):
         group["lr"] = lr
     if engine.lr_scheduler is not None and meta.scheduler:

@@ -486,7 +486,7 @@ def _initial_sigma(model, zero3: bool) -> dict[str, torch.Tensor]:
     """σ⁰ as the model holds it (model dtype, so bf16 rounding is not counted as an update); rank 0 keeps it."""
     sigma0 = {}
     for name, m in frod_modules(model):
-        with gathered([m.frod_sigma], zero3):
+        with gathered(m.frod_parameters(), zero3):
             if dist.is_main():
                 sigma0[name] = m.frod_sigma.detach().float().cpu().clone()
     return sigma0
@@ -562,7 +562,7 @@ def rotation_angles(run: Run) -> dict[str, float]:
     """``tan α`` per category (spec §2): ``sqrt(Σ‖ΔW_off‖² / Σ‖ΔW_on‖²)`` over the category's members."""
     sums: dict[str, list[float]] = {}
     for name, m in frod_modules(run.engine.module):
-        with gathered([m.U, m.V, m.frod_sigma, m.frod_s], run.zero3):
+        with gathered([m.U, m.V, *m.frod_parameters()], run.zero3):
             if dist.is_main():
                 on, off = m.update_norms_sq(run.sigma0[name])
                 acc = sums.setdefault(category_of(name), [0.0, 0.0])

@@ -100,3 +100,45 @@ def test_targeted_dense_weights_are_never_allocated(tmp_path, monkeypatch, targe
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5)
+
+
+def test_flat_trainables_train_exactly_as_one_parameter_per_layer(tmp_path):
+    """σ and S held per decoder layer (``FRoDTrainables``, what ZeRO-3 builds) give the same loss, the same
+    gradients element for element, the same AdamW steps and the same adapter as one Parameter per FRoD layer."""
+    from frod_ds.core.layer import FRoDLinear, FRoDTrainables
+    from frod_ds.model.adapter import adapter_state
+    from frod_ds.model.apply import frod_param_groups
+
+    model_dir = write_tiny_llama(tmp_path / "m")
+    store = _store_for(model_dir, tmp_path / "f")
+    models = {flat: build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32,
+                                     flat_trainables=flat) for flat in (False, True)}
+    holders = [m for m in models[True].modules() if isinstance(m, FRoDTrainables)]
+    assert len(holders) == models[True].config.num_hidden_layers and len(holders[0].members) == len(TARGETS)
+    assert sum(p.requires_grad for p in models[True].parameters()) == 2 * len(holders)
+    assert not any(isinstance(m, FRoDTrainables) for m in models[False].modules())
+    opts = {flat: torch.optim.AdamW(frod_param_groups(m, lr_sigma=1e-2, lr_s=1e-3), foreach=False)
+            for flat, m in models.items()}
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        ids = torch.randint(0, 64, (2, 9), generator=g)
+        losses = {}
+        for flat, m in models.items():
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses[flat] = loss.detach()
+        assert torch.equal(losses[False], losses[True])
+        flat_layers = dict((n, m) for n, m in models[True].named_modules() if isinstance(m, FRoDLinear))
+        for name, m in ((n, m) for n, m in models[False].named_modules() if isinstance(m, FRoDLinear)):
+            holder, i = flat_layers[name]._flat
+            (a, b), (c, d) = holder.sigma_spans[i], holder.s_spans[i]
+            assert torch.equal(m.frod_sigma.grad, holder.frod_sigma.grad[a:b]), name
+            assert torch.equal(m.frod_s.grad, holder.frod_s.grad[c:d]), name
+        for opt in opts.values():
+            opt.step()
+            opt.zero_grad()
+    ref, got = adapter_state(models[False])[0], adapter_state(models[True])[0]
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert any(not torch.equal(v, adapter_state(build_frod_model(
+        model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32))[0][k]) for k, v in got.items()
+        if k.endswith("frod_s")), "the steps moved S"

@@ -34,9 +34,6 @@ def main() -> int:
     layers = dict(frod_modules(model))
     report: dict = {"rank": dist.get_rank(), "zero3": run.zero3}
 
-    def full(p):
-        with gathered([p], run.zero3):
-            return p.detach().clone().float().cpu()
 
     if run.zero3:
         report["partition"] = {
@@ -61,9 +58,13 @@ def main() -> int:
     report["trainable_leaves"] = sorted({n.rsplit(".", 1)[-1] for n in trainable})
 
     # First optimizer step, taken by hand so σ/S can be read around it; fit() then continues from step 1.
-    before = {n: (full(m.frod_sigma), full(m.frod_s)) for n, m in layers.items()}
+    def values(m):  # σ, S of one FRoD layer (views of its decoder layer's FRoDTrainables under ZeRO-3)
+        with gathered(m.frod_parameters(), run.zero3):
+            return m.frod_sigma.detach().clone().float().cpu(), m.frod_s.detach().clone().float().cpu()
+
+    before = {n: values(m) for n, m in layers.items()}
     row = _train_step(run, 0)
-    after = {n: (full(m.frod_sigma), full(m.frod_s)) for n, m in layers.items()}
+    after = {n: values(m) for n, m in layers.items()}
     d_sigma = torch.cat([(after[n][0] - before[n][0]).abs() for n in layers])
     d_s = torch.cat([(after[n][1] - before[n][1]).abs() for n in layers])
     report["first_step"] = {"logged_lr_sigma": row["lr_sigma"], "logged_lr_s": row["lr_s"],

@@ -39,3 +39,24 @@ def test_run_written_before_the_move_resumes_with_the_original_losses(tmp_path):
     for r in rows[make.SAVE_AT:]:  # computed now, from the old checkpoint
         assert r["loss"] == pytest.approx(expected[r["step"]], rel=1e-6, abs=1e-6), r["step"]
     assert (root / "run" / "adapter-final" / "adapter.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_zero3_run_with_sigma_and_s_per_frod_layer_resumes_with_them_per_decoder_layer(tmp_path):
+    """``tests/fixtures/run_zero3_v2`` (``make_run_zero3.py``, 2 ranks, ZeRO-3, written while every FRoD layer held
+    its own σ and S Parameters) resumes on the same 2 ranks under the same JSON, where ZeRO-3 now holds σ and S per
+    decoder layer: DeepSpeed's own files cannot load into the new Parameters, so the run comes back through the
+    trainable-state record, and steps 4-6 give the losses the old code logged uninterrupted."""
+    from tests.support.train_env import CPU_ZERO3
+
+    root = tmp_path / "run_zero3_v2"
+    shutil.copytree(REPO / "tests" / "fixtures" / "run_zero3_v2", root)
+    expected = {int(k): v for k, v in json.loads((root / "expected_losses.json").read_text()).items()}
+    make = _maker()
+    res = run_train(CPU_ZERO3, [f"{k}={v}" for k, v in make.run_overrides(root).items()], nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "from σ and S held per FRoD layer to per decoder layer" in res.stdout + res.stderr
+    rows = metrics(root / "run")
+    assert [r["step"] for r in rows] == list(range(1, make.STEPS + 1))
+    for r in rows[make.SAVE_AT:]:
+        assert r["loss"] == pytest.approx(expected[r["step"]], rel=1e-6, abs=1e-6), r["step"]
