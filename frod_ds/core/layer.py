@@ -194,20 +194,19 @@ class FRoDLinear(nn.Module):
     @property
     def frod_sigma(self) -> Tensor:
         """σ (n,): this module's Parameter, or its span of the holder's (a view; ZeRO-3: valid while gathered)."""
-        if self._flat is None:
-            return _own(self, "frod_sigma")
-        holder, i = self._flat
-        a, b = holder.sigma_spans[i]
-        return holder.frod_sigma[a:b]
+        return self._trainable("frod_sigma")
 
     @property
     def frod_s(self) -> Tensor:
         """S values (nnz,): this module's Parameter, or its span of the holder's."""
+        return self._trainable("frod_s")
+
+    def _trainable(self, leaf: str) -> Tensor:
         if self._flat is None:
-            return _own(self, "frod_s")
+            return _own(self, leaf)
         holder, i = self._flat
-        a, b = holder.s_spans[i]
-        return holder.frod_s[a:b]
+        a, b = (holder.sigma_spans if leaf == "frod_sigma" else holder.s_spans)[i]
+        return getattr(holder, leaf)[a:b]
 
     def frod_parameters(self) -> list[nn.Parameter]:
         """The Parameters holding this module's σ and S (its own, or its holder's): what a ZeRO-3 gather needs."""

@@ -24,21 +24,27 @@ def _maker():
     return module
 
 
-@pytest.mark.slow
-def test_run_written_before_the_move_resumes_with_the_original_losses(tmp_path):
-    root = tmp_path / "run_v1"
-    shutil.copytree(FIX, root)
+def _resume(tmp_path, fixture: str, config, nproc: int):
+    """Copy ``tests/fixtures/<fixture>``, train on with today's code; (output, metrics rows, expected losses, maker)."""
+    root = tmp_path / fixture
+    shutil.copytree(REPO / "tests" / "fixtures" / fixture, root)
     expected = {int(k): v for k, v in json.loads((root / "expected_losses.json").read_text()).items()}
     make = _maker()
-    res = run_train(CPU_ZERO2, [f"{k}={v}" for k, v in make.run_overrides(root).items()], nproc=0)
+    res = run_train(config, [f"{k}={v}" for k, v in make.run_overrides(root).items()], nproc=nproc)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout + res.stderr
     rows = metrics(root / "run")
     assert [r["step"] for r in rows] == list(range(1, make.STEPS + 1))
-    assert {r["step"]: r["loss"] for r in rows[:make.SAVE_AT]} == {s: expected[s] for s in range(1, make.SAVE_AT + 1)}
     for r in rows[make.SAVE_AT:]:  # computed now, from the old checkpoint
         assert r["loss"] == pytest.approx(expected[r["step"]], rel=1e-6, abs=1e-6), r["step"]
-    assert (root / "run" / "adapter-final" / "adapter.safetensors").is_file()
+    return res.stdout + res.stderr, rows, expected, make
+
+
+@pytest.mark.slow
+def test_run_written_before_the_move_resumes_with_the_original_losses(tmp_path):
+    out, rows, expected, make = _resume(tmp_path, FIX.name, CPU_ZERO2, nproc=0)
+    assert "resumed from" in out
+    assert {r["step"]: r["loss"] for r in rows[:make.SAVE_AT]} == {s: expected[s] for s in range(1, make.SAVE_AT + 1)}
+    assert (tmp_path / FIX.name / "run" / "adapter-final" / "adapter.safetensors").is_file()
 
 
 @pytest.mark.slow
@@ -49,14 +55,5 @@ def test_zero3_run_with_sigma_and_s_per_frod_layer_resumes_with_them_per_decoder
     trainable-state record, and steps 4-6 give the losses the old code logged uninterrupted."""
     from tests.support.train_env import CPU_ZERO3
 
-    root = tmp_path / "run_zero3_v2"
-    shutil.copytree(REPO / "tests" / "fixtures" / "run_zero3_v2", root)
-    expected = {int(k): v for k, v in json.loads((root / "expected_losses.json").read_text()).items()}
-    make = _maker()
-    res = run_train(CPU_ZERO3, [f"{k}={v}" for k, v in make.run_overrides(root).items()], nproc=2)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "from σ and S held per FRoD layer to per decoder layer" in res.stdout + res.stderr
-    rows = metrics(root / "run")
-    assert [r["step"] for r in rows] == list(range(1, make.STEPS + 1))
-    for r in rows[make.SAVE_AT:]:
-        assert r["loss"] == pytest.approx(expected[r["step"]], rel=1e-6, abs=1e-6), r["step"]
+    out, _, _, _ = _resume(tmp_path, "run_zero3_v2", CPU_ZERO3, nproc=2)
+    assert "from σ and S held per FRoD layer to per decoder layer" in out
