@@ -713,6 +713,10 @@ def small_disk(world, case, spec):
     _mount(case, "disk", "size=64k")
 
 
+def page_disk(world, case, spec):
+    _mount(case, "disk", "size=4k")  # one page: a second file does not fit
+
+
 def grow_disk(world, case, spec):
     subprocess.run(["mount", "-o", "remount,size=64m", str(case / "disk")], check=True)
 
@@ -811,7 +815,7 @@ STEPS: dict[str, Callable] = {f.__name__: f for f in (
     ckpt_missing_file, ckpt_torn_file, export_copy, export_torn, export_no_tokenizer, eval_missing_field,
     eval_not_json, eval_empty, eval_no_dir, eval_bad_label, mirror_copy, mirror_torn, mirror_empty_task, la_copy,
     la_torn, la_not_list, la_missing_field, test_json_only, data_build_copy, data_build_flip, data_build_no_manifest,
-    gguf_torn, gguf_not, small_disk, grow_disk, read_only, ro_export, ro_data, ro_store, remove_checkpoints, noop)}
+    gguf_torn, gguf_not, small_disk, page_disk, grow_disk, read_only, ro_export, ro_data, ro_store, remove_checkpoints, noop)}
 CHECKS: dict[str, Callable] = {f.__name__: f for f in (verify_store, verify_store_in_case, verify_new_store, has_new,
                                                         same_output)}
 PLACEHOLDERS = ("model", "store", "data", "train_jsonl", "model2", "store2", "data2", "ds", "ds3", "repo", "fixtures",
@@ -1169,7 +1173,7 @@ def run_all(repo: Path, cases: list[dict], jobs: int, tmp: Path, partial: Path |
 
     # interrupted and disk cases run alone (their timing and mounts must not depend on the other jobs), and first:
     # a run cut short has the cases most likely to lose data
-    serial = [(i, c) for i, c in enumerate(cases) if c.get("interrupt") or c.get("prepare") in ("small_disk",)]
+    serial = [(i, c) for i, c in enumerate(cases) if c.get("interrupt") or c.get("prepare") in ("small_disk", "page_disk")]
     parallel = [(i, c) for i, c in enumerate(cases) if (i, c) not in serial]
     results = {i: one((i, c)) for i, c in serial}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
