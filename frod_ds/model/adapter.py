@@ -26,7 +26,7 @@ from frod_ds.formats.adapter_format import (
     sigma_name,
     support_name,
 )
-from frod_ds.model.apply import frod_modules
+from frod_ds.model.apply import frod_groups, frod_modules
 from frod_ds.runtime.atomic import building_dir
 from frod_ds.model.build import build_frod_model, gathered
 from frod_ds.io.dtypes import FLOAT_DTYPES
@@ -60,10 +60,12 @@ def adapter_state(model: nn.Module, zero3: bool = False, store: StoreIdentity | 
     """
     tensors: dict[str, torch.Tensor] = {}
     categories: dict[str, AdapterCategory] = {}
+    for params, members in frod_groups(model):
+        with gathered(params, zero3):
+            for name, m in members:
+                tensors[sigma_name(name)] = m.frod_sigma.detach().float().cpu().clone()
+                tensors[s_name(name)] = m.frod_s.detach().float().cpu().clone()
     for name, m in frod_modules(model):
-        with gathered(m.frod_parameters(), zero3):
-            tensors[sigma_name(name)] = m.frod_sigma.detach().float().cpu().clone()
-            tensors[s_name(name)] = m.frod_s.detach().float().cpu().clone()
         cat = category_of(name)
         if cat not in categories:
             ident = store.categories.get(cat) if store is not None else None
@@ -158,17 +160,18 @@ def supports_from_adapter(tensors: dict[str, torch.Tensor], config: AdapterConfi
 @torch.no_grad()
 def load_adapter_into(model: nn.Module, tensors: dict[str, torch.Tensor], zero3: bool = False) -> None:
     """Copy σ and S values into a model whose FRoD layers have the adapter's supports."""
-    layers = dict(frod_modules(model))
-    for name, m in layers.items():
+    for name, m in frod_modules(model):
         for key in (sigma_name(name), s_name(name)):
             if key not in tensors:
                 raise AdapterError(f"adapter has no tensor {key!r}; it was trained on other targets")
         sup = tensors.get(support_name(category_of(name)))
         if sup is not None and not torch.equal(sup.long(), m.support.rows_cols()):
             raise AdapterError(f"{name}: the adapter's S support differs from the model's")
-        with gathered(m.frod_parameters(), zero3, modifier_rank=0):
-            m.frod_sigma.copy_(tensors[sigma_name(name)].to(m.frod_sigma.dtype))
-            m.frod_s.copy_(tensors[s_name(name)].to(m.frod_s.dtype))
+    for params, members in frod_groups(model):
+        with gathered(params, zero3, modifier_rank=0):
+            for name, m in members:
+                m.frod_sigma.copy_(tensors[sigma_name(name)].to(m.frod_sigma.dtype))
+                m.frod_s.copy_(tensors[s_name(name)].to(m.frod_s.dtype))
 
 
 def check_adapter_store(config: AdapterConfig, store: FactorStore, where: str | Path) -> None:

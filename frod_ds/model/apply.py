@@ -95,6 +95,17 @@ def frod_modules(model: nn.Module) -> Iterable[tuple[str, FRoDLinear]]:
     return ((name, m) for name, m in model.named_modules() if isinstance(m, FRoDLinear))
 
 
+def frod_groups(model: nn.Module) -> list[tuple[list[nn.Parameter], list[tuple[str, FRoDLinear]]]]:
+    """FRoD layers grouped by the Parameters that hold their σ and S, in module order: one group per decoder layer
+    where ZeRO-3 holds them per decoder layer (``FRoDTrainables``), one per FRoD layer otherwise. A ZeRO-3 gather
+    per group reads every member of it."""
+    groups: dict[tuple[int, ...], tuple[list[nn.Parameter], list[tuple[str, FRoDLinear]]]] = {}
+    for name, m in frod_modules(model):
+        params = m.frod_parameters()
+        groups.setdefault(tuple(id(p) for p in params), (params, []))[1].append((name, m))
+    return list(groups.values())
+
+
 def mark_only_frod_trainable(model: nn.Module) -> None:
     """σ and S values trainable, everything else frozen."""
     for name, p in model.named_parameters():

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from frod_ds.model.apply import mark_only_frod_trainable, set_submodule
-from frod_ds.config.ds_config import zero_stage
+from frod_ds.config.ds_config import zero_settings, zero_stage
 from frod_ds.runtime.errors import FrodError, StoreError
 from frod_ds.core.layer import FRoDLinear, FRoDTrainables, SparseSupport, support_seed
 from frod_ds.core.quant import QuantError, QuantSpec, check_kind, quantize_untargeted, quantized_parameter, spec_of
@@ -395,22 +395,25 @@ def build_frod_model(
     if zero3 and replicate_v:
         replicate_shared_v(model)
     if zero3 and flat:
-        _register_flat_with_zero3(model)
+        _register_flat_with_zero3(model, ds_config)
     return model
 
 
-def _register_flat_with_zero3(model: nn.Module) -> None:
+def _register_flat_with_zero3(model: nn.Module, ds_config: Mapping) -> None:
     """Each FRoD layer reads its decoder layer's ``FRoDTrainables``: declare those Parameters to ZeRO-3 as the
     layer's (``register_external_parameter``), so per-module fetching (no ``fetch_per_layer``) gathers them before
-    the layer runs. They are persistent (``ds_persist``: gathered once, held whole on every rank, as every S_i of
-    its own was below the shipped persistence threshold): a 7B layer's S (2.0e6 elements) would otherwise cross
-    it and be gathered and released twice per step. σ and S are about 1% of the model's elements (7B, 70B)."""
+    the layer runs. A holder's σ (S) Parameter is persistent (``ds_persist``: gathered once, held whole on every
+    rank) exactly where DeepSpeed would have made every member's own σ (S) persistent, i.e. each member's span is
+    within ``stage3_param_persistence_threshold``: residency is what it was with one Parameter per FRoD layer (the
+    shipped ``zero3.json``: all of σ and S; a threshold below a member's S: S partitioned, gathered with its layer)."""
     from deepspeed.runtime.zero import register_external_parameter
 
+    threshold = zero_settings(dict(ds_config)).param_persistence_threshold
     for m in model.modules():
         if isinstance(m, FRoDTrainables):
-            for p in m.parameters(recurse=False):
-                p.ds_persist = True
+            for p, spans in ((m.frod_sigma, m.sigma_spans), (m.frod_s, m.s_spans)):
+                if max(b - a for a, b in spans) <= threshold:
+                    p.ds_persist = True
         if isinstance(m, FRoDLinear) and m._flat is not None:
             for p in m.frod_parameters():
                 register_external_parameter(m, p)

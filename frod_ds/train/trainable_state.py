@@ -63,8 +63,9 @@ class TrainableState:
     skipped_steps: int
     params: list[str] = field(default_factory=list)  # one σ and one S per FRoD layer (the tensors' names)
     # the engine's own trainable Parameters, in its order, where they are not ``params`` (σ and S held per decoder
-    # layer: ``frod_ds.core.layer.FRoDTrainables``); DeepSpeed's files load only into the same ones
-    engine_params: list[str] = field(default_factory=list)
+    # layer: ``frod_ds.core.layer.FRoDTrainables``); left out otherwise, so an unchanged layout's record reads as
+    # before. DeepSpeed's files load only into the same Parameters
+    engine_params: list[str] | None = None
 
 
 Spans = list[tuple[str, int, int]]  # (tensor name in the record, start, end) within a Parameter, flattened
@@ -167,7 +168,7 @@ def gather_state(engine, step: int, layout: tuple[int, int, int], zero_stage: in
         scheduler=_plain(sched.state_dict()) if sched is not None else {},
         global_samples=int(engine.global_samples), skipped_steps=int(engine.skipped_steps),
         params=_record_names(trainable),
-        engine_params=[] if _record_names(trainable) == engine_params(engine) else engine_params(engine))
+        engine_params=None if _record_names(trainable) == engine_params(engine) else engine_params(engine))
     return tensors, meta
 
 

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from frod_ds.runtime import distributed as dist
 from frod_ds.model.adapter import adapter_state, load_adapter_into, read_adapter, supports_from_adapter, write_adapter
 from frod_ds.formats.adapter_format import AdapterConfig
-from frod_ds.model.apply import frod_modules, frod_param_groups
+from frod_ds.model.apply import frod_groups, frod_modules, frod_param_groups
 from frod_ds.model.build import build_frod_model, check_store_quant, fetch_per_layer, gathered, make_supports
 from frod_ds.runtime.atomic import check_replaceable, is_marked, mark_dir, marker_kind
 from frod_ds.train.checkpoint_dir import choose_checkpoint, sealed_checkpoints
@@ -485,10 +485,10 @@ def _absolute_if_local(path_or_id: str) -> str:
 def _initial_sigma(model, zero3: bool) -> dict[str, torch.Tensor]:
     """σ⁰ as the model holds it (model dtype, so bf16 rounding is not counted as an update); rank 0 keeps it."""
     sigma0 = {}
-    for name, m in frod_modules(model):
-        with gathered(m.frod_parameters(), zero3):
+    for params, members in frod_groups(model):
+        with gathered(params, zero3):
             if dist.is_main():
-                sigma0[name] = m.frod_sigma.detach().float().cpu().clone()
+                sigma0.update({name: m.frod_sigma.detach().float().cpu().clone() for name, m in members})
     return sigma0
 
 

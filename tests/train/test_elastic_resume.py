@@ -63,3 +63,26 @@ def test_resume_on_one_and_four_ranks_continues_the_two_rank_run(env, tmp_path, 
         assert adapter.keys() == want_adapter.keys()
         for k, v in want_adapter.items():
             assert (adapter[k] - v).abs().max() <= 1e-5 * v.abs().max(), (nproc, k)
+
+
+def test_zero2_run_continues_under_zero3_with_sigma_and_s_per_decoder_layer(env, tmp_path):
+    """A ZeRO-2 run (one σ and one S Parameter per FRoD layer) continues from its step-3 checkpoint under ZeRO-3,
+    which holds them per decoder layer (``FRoDTrainables``): through the trainable-state record, with the
+    uninterrupted run's losses (1e-6 relative) and adapter."""
+    ref = tmp_path / "ref"
+    res = run_train(CPU_ZERO2, env.overrides(ref, **COMMON, **{"train.grad_accum": 2}), nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = {r["step"]: r["loss"] for r in metrics(ref)}
+    out = _stopped_at_step3(ref, tmp_path / "zero3")
+    res = run_train(CPU_ZERO3, env.overrides(out, **COMMON, **{"train.grad_accum": 2}), nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    notes = [x for x in res.stderr.splitlines() if x.startswith("note: resumed from")]
+    assert notes == ["note: resumed from ZeRO-2 on ZeRO-3, from σ and S held per FRoD layer to per decoder layer "
+                     f"(same global batch 8) from step{SAVED:08d}/trainable_state.safetensors"], res.stderr[-3000:]
+    got = {r["step"]: r["loss"] for r in metrics(out)}
+    for step in range(SAVED + 1, STEPS + 1):
+        assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got[step], want[step])
+    want_adapter, adapter = _adapter(ref), _adapter(out)
+    assert adapter.keys() == want_adapter.keys()
+    for k, v in want_adapter.items():
+        assert (adapter[k] - v).abs().max() <= 1e-5 * v.abs().max(), k
