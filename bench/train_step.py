@@ -207,40 +207,41 @@ class Stepper:
                 self.engine.compile()  # DeepCompile when the config has "compile": {"deepcompile": true}
             self.model = self.engine.module
 
-    def phases(self, ids: torch.Tensor, sync) -> dict[str, float]:
-        """One step, ``sync()`` after each phase: milliseconds of forward, backward and optimizer step."""
-        t = [time.perf_counter()]
-        run = self.engine if self.engine is not None else self.model
-        loss = run(input_ids=ids, labels=ids).loss
-        sync()
-        t.append(time.perf_counter())
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.engine if self.engine is not None else self.model)(input_ids=ids, labels=ids).loss
+
+    def _backward(self, loss: torch.Tensor) -> None:
         if self.engine is not None:
             self.engine.backward(loss)
         else:
             loss.backward()
-        sync()
-        t.append(time.perf_counter())
-        if self.engine is not None:
-            self.engine.step()
-        else:
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        sync()
-        t.append(time.perf_counter())
-        return {name: (b - a) * 1e3 for name, a, b in zip(("forward", "backward", "step"), t, t[1:])}
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+    def _step(self) -> None:
         if self.engine is not None:
-            loss = self.engine(input_ids=ids, labels=ids).loss
-            self.engine.backward(loss)
             self.engine.step()
-            return loss.detach()
-        loss = self.model(input_ids=ids, labels=ids).loss
-        loss.backward()
+            return
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+    def phases(self, ids: torch.Tensor, sync) -> dict[str, float]:
+        """One step, ``sync()`` after each phase: milliseconds of forward, backward and optimizer step."""
+        t0 = time.perf_counter()
+        loss = self._forward(ids)
+        sync()
+        t1 = time.perf_counter()
+        self._backward(loss)
+        sync()
+        t2 = time.perf_counter()
+        self._step()
+        sync()
+        t3 = time.perf_counter()
+        return {"forward": (t1 - t0) * 1e3, "backward": (t2 - t1) * 1e3, "step": (t3 - t2) * 1e3}
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        loss = self._forward(ids)
+        self._backward(loss)
+        self._step()
         return loss.detach()
 
 

@@ -114,7 +114,8 @@ class FRoDTrainables(nn.Module):
     (fetch, release, gradient reduce, re-partition after the step) on host for every trainable tensor, so a 7B
     layer's 12 trainable tensors cost it 12 times what 2 do (``frod_ds.model.build`` uses this under ZeRO-3).
 
-    Not in the adapter or checkpoint formats: those keep one σ and one S per member (``member_spans``).
+    Not in the adapter or checkpoint formats: those keep one σ and one S per member (``spans`` says where each
+    member's lies; ``frod_ds.train.trainable_state`` splits and joins by it).
     """
 
     def __init__(self, members: list[tuple[str, int, int]], dtype: torch.dtype, device: torch.device | None = None):
@@ -130,6 +131,10 @@ class FRoDTrainables(nn.Module):
             a, b = a + n, b + nnz
         self.frod_sigma = nn.Parameter(torch.empty(a, dtype=dtype, device=device))
         self.frod_s = nn.Parameter(torch.zeros(b, dtype=dtype, device=device))
+
+    def spans(self, leaf: str) -> list[tuple[int, int]]:
+        """Each member's ``(start, end)`` in the Parameter ``leaf`` (``frod_sigma`` or ``frod_s``)."""
+        return self.sigma_spans if leaf == "frod_sigma" else self.s_spans
 
     def extra_repr(self) -> str:
         return f"members={len(self.members)}, sigma={self.sigma_spans[-1][1]}, s={self.s_spans[-1][1]}"
@@ -205,7 +210,7 @@ class FRoDLinear(nn.Module):
         if self._flat is None:
             return _own(self, leaf)
         holder, i = self._flat
-        a, b = (holder.sigma_spans if leaf == "frod_sigma" else holder.s_spans)[i]
+        a, b = holder.spans(leaf)[i]
         return getattr(holder, leaf)[a:b]
 
     def frod_parameters(self) -> list[nn.Parameter]:

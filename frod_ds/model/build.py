@@ -411,8 +411,8 @@ def _register_flat_with_zero3(model: nn.Module, ds_config: Mapping) -> None:
     threshold = zero_settings(dict(ds_config)).param_persistence_threshold
     for m in model.modules():
         if isinstance(m, FRoDTrainables):
-            for p, spans in ((m.frod_sigma, m.sigma_spans), (m.frod_s, m.s_spans)):
-                if max(b - a for a, b in spans) <= threshold:
+            for leaf, p in m.named_parameters(recurse=False):
+                if max(b - a for a, b in m.spans(leaf)) <= threshold:
                     p.ds_persist = True
         if isinstance(m, FRoDLinear) and m._flat is not None:
             for p in m.frod_parameters():

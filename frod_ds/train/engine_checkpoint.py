@@ -24,8 +24,8 @@ from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text, disk_full_error
 from frod_ds.train.checkpoint_dir import COMPLETE, LATEST, file_seal, files_to_seal, set_aside, step_of, tag_of, write_seal
 from frod_ds.runtime.errors import FrodError, note
-from frod_ds.train.trainable_state import (TRAINABLE_STATE, engine_params, gather_state, read_meta, read_state,
-                                           restore_state, write_state)
+from frod_ds.train.trainable_state import (TRAINABLE_STATE, engine_layout, engine_params, gather_state, read_meta,
+                                           read_state, restore_state, write_state)
 
 __all__ = ["Layout", "write_checkpoint", "restore_checkpoint"]
 
@@ -106,21 +106,13 @@ def restore_checkpoint(engine, root: Path, tag: str, skipped: list[tuple[str, st
                  f"(the skipped one moved to {dest.name})")
     world, stage, params = dist.on_main(lambda: _written_by(root / tag))
     here = zero_stage_of(engine)
-    if stage is None and engine_params(engine) != _own_params(engine):
+    if stage is None and engine_layout(engine) is not None:
         raise FrodError(f"checkpoint {root / tag} was written by an older frod-ds, without the record needed to "
                         "load its σ and S into this engine's per-decoder-layer tensors; resume it with the "
                         "frod-ds that wrote it")
     if world == layout.world and stage in (None, here) and params in (None, engine_params(engine)):
         return _load_engine_files(engine, root, tag)
     return _load_trainable_state(engine, root / tag, world, stage, here, layout, zero3)
-
-
-def _own_params(engine) -> list[str]:
-    """The names the engine's trainable Parameters would have with one σ and one S Parameter per FRoD layer."""
-    from frod_ds.core.layer import FRoDLinear
-
-    return [f"{n}.{leaf}" for n, m in engine.module.named_modules() if isinstance(m, FRoDLinear)
-            for leaf in ("frod_sigma", "frod_s")]
 
 
 def _load_engine_files(engine, root: Path, tag: str) -> int:
@@ -149,7 +141,7 @@ def _load_trainable_state(engine, ckpt: Path, world: int, stage: int | None, her
     restore_state(engine, tensors, meta, zero3)
     del tensors
     held = "per decoder layer" if meta.engine_params else "per FRoD layer"
-    now = "per FRoD layer" if engine_params(engine) == _own_params(engine) else "per decoder layer"
+    now = "per FRoD layer" if engine_layout(engine) is None else "per decoder layer"
     change = ", ".join([f"from {world} rank{'s' * (world != 1)} on {layout.world}"] * (world != layout.world)
                        + [f"from ZeRO-{stage} on ZeRO-{here}"] * (stage != here)
                        + [f"from σ and S held {held} to {now}"] * (held != now))

@@ -36,8 +36,8 @@ from frod_ds.model.build import gathered
 from frod_ds.runtime.errors import FrodError
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 
-__all__ = ["TRAINABLE_STATE", "FORMAT", "TrainableState", "engine_params", "gather_state", "write_state", "read_meta", "read_state",
-           "restore_state"]
+__all__ = ["TRAINABLE_STATE", "FORMAT", "TrainableState", "engine_params", "engine_layout", "gather_state", "write_state",
+           "read_meta", "read_state", "restore_state"]
 
 TRAINABLE_STATE = "trainable_state.safetensors"
 FORMAT = "frod-ds/trainable-state/v1"
@@ -85,8 +85,7 @@ def _trainable(engine) -> list[tuple[str, torch.nn.Parameter, Spans]]:
             continue
         name, m, leaf = held[id(p)]
         owner = name.rsplit(".", 1)[0]
-        spans = m.sigma_spans if leaf == "frod_sigma" else m.s_spans
-        out.append((n, p, [(f"{owner}.{member}.{leaf}", a, b) for member, (a, b) in zip(m.members, spans)]))
+        out.append((n, p, [(f"{owner}.{member}.{leaf}", a, b) for member, (a, b) in zip(m.members, m.spans(leaf))]))
     return out
 
 
@@ -95,8 +94,19 @@ def engine_params(engine) -> list[str]:
     return [n for n, _, _ in _trainable(engine)]
 
 
+def engine_layout(engine) -> list[str] | None:
+    """The record's ``engine_params`` for this engine: its trainable Parameter names where they are not one σ and
+    one S per FRoD layer (σ and S held per decoder layer), None where they are."""
+    return _layout(_trainable(engine))
+
+
 def _record_names(trainable) -> list[str]:
     return [name for _, _, spans in trainable for name, _, _ in spans]
+
+
+def _layout(trainable) -> list[str] | None:
+    own = [n for n, _, _ in trainable]
+    return None if own == _record_names(trainable) else own
 
 
 def _split(value: torch.Tensor, n: str, spans: Spans) -> dict[str, torch.Tensor]:
@@ -167,8 +177,7 @@ def gather_state(engine, step: int, layout: tuple[int, int, int], zero_stage: in
         grad_accum=layout[2], zero_stage=zero_stage, group_lrs=[float(g["lr"]) for g in base.param_groups],
         scheduler=_plain(sched.state_dict()) if sched is not None else {},
         global_samples=int(engine.global_samples), skipped_steps=int(engine.skipped_steps),
-        params=_record_names(trainable),
-        engine_params=None if _record_names(trainable) == engine_params(engine) else engine_params(engine))
+        params=_record_names(trainable), engine_params=_layout(trainable))
     return tensors, meta
 
 
