@@ -11,8 +11,12 @@
 #                                       # zero3 + prefetch 0, zero3 + 5e8 buckets, LoRA plain / zero2
 #   bash bench/run_one_gpu.sh final-a   # the shipped configurations, ZeRO-3's changes undone one at a time, LoRA
 #   bash bench/run_one_gpu.sh final-b   # the headline pairs again, a second call
+#   bash bench/run_one_gpu.sh 70b-a     # 70B widths, 20 layers, bf16 U_i, checkpointing, 4x256 tokens: generate + HJD,
+#                                       # then FRoD plain / zero2.json / zero3.json one after another (bench/seventy_b.py)
+#   bash bench/run_one_gpu.sh 70b-b     # the same chain (same warm machine): FRoD NF4 U_i + NF4 base and QLoRA r=16,
+#                                       # both zero2.json, then FRoD zero2.json / zero3.json again (a second call)
 set -euo pipefail
-stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|final-a|final-b}
+stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|final-a|final-b|70b-a|70b-b}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -54,5 +58,28 @@ case "$stage" in
       --deadline-s "${DEADLINE_S:-560}"
     rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
     ;;
-  *) echo "error: unknown stage $stage (pair, profile, flat, final-a, final-b)" >&2; exit 2 ;;
+  70b-a | 70b-b)  # results tarred into $OUT/<stage>.tgz just before the call's 600 s end (or at exit)
+    W=/tmp/one_gpu/w70; R=/tmp/one_gpu/$stage
+    C=(--work "$W" --out "$R" --shape 70b --layers 20 --gpus 1 --step-steps 5 --timeout-s 240)
+    L=(python3 -m torch.distributed.run --standalone --nproc_per_node 1 bench/seventy_b.py)
+    mkdir -p "$R"; t0=$SECONDS
+    pack() { tar czf "$OUT/$stage.tgz.tmp" -C "$R" . && mv "$OUT/$stage.tgz.tmp" "$OUT/$stage.tgz" \
+      && echo "packed $R into $OUT/$stage.tgz ($((SECONDS - t0)) s)"; }
+    (sleep "${PACK_AT_S:-575}"; pack) & watcher=$!; trap 'pkill -P $watcher 2>/dev/null; kill $watcher 2>/dev/null; pack' EXIT
+    if [ "$stage" = 70b-a ]; then
+      df -h /tmp /dev/shm | tee -a "$OUT/gpus.txt"
+      "${L[@]}" gen-untargeted "${C[@]}" --quant none --data .gpu/llm_adapters
+      "${L[@]}" category q_proj k_proj v_proj o_proj gate_proj up_proj "${C[@]}" --quant none
+      for cfg in plain ds_configs/zero2.json ds_configs/zero3.json; do
+        python3 bench/seventy_b.py step "${C[@]}" --quant none --config "$cfg"
+      done
+    else
+      python3 bench/seventy_b.py step "${C[@]}" --quant nf4 --config ds_configs/zero2.json --quantize-base
+      python3 bench/seventy_b.py qlora "${C[@]}" --quant nf4 --config ds_configs/zero2.json --shm /dev/shm/one_gpu_qlora
+      for cfg in ds_configs/zero2.json ds_configs/zero3.json; do
+        python3 bench/seventy_b.py step "${C[@]}" --quant none --config "$cfg"
+      done
+    fi
+    ;;
+  *) echo "error: unknown stage $stage (pair, profile, flat, final-a, final-b, 70b-a, 70b-b)" >&2; exit 2 ;;
 esac

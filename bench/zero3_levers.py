@@ -334,30 +334,71 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
     return lines, ratios
 
 
+def _seventy_b_label(d: dict) -> str:
+    quant = "bf16" if d["frozen_quant"] == "none" else d["frozen_quant"].upper()
+    if d["method"] == "lora":
+        return "QLoRA r=16 (NF4 base)" if d.get("quantize_base") else f"LoRA r=16 ({quant} base)"
+    return f"FRoD ({quant} U_i" + (" and base)" if d.get("quantize_base") else ")")
+
+
 def seventy_b_report(directory: Path) -> list[str]:
-    """The 70B-widths step runs of one call (``bench/seventy_b.py step --gpus 1 --quant none --config C``), if any."""
-    runs = {Path(d["config"]).stem: d for d in (json.loads(p.read_text())
-                                                 for p in sorted(directory.glob("seventy_b_step_frod_1gpu*.json")))}
-    if not runs:
+    """The 70B-widths step runs (``bench/seventy_b.py step|qlora --gpus 1 …``), one folder per device call."""
+    from bench.planner_check import check as check_planner
+
+    calls = sorted(p for p in directory.glob("*") if p.is_dir() and any(p.glob("seventy_b_step_*.json")))
+    if not calls:
         return []
-    first = next(iter(runs.values()))
+    first = json.loads(next(calls[0].glob("seventy_b_step_*.json")).read_text())
     m = first["model"]
-    lines = [f"## 70B widths on one GPU ({first['device']}, {first['date'][:10]})", "",
+    lines = ["## 70B widths on one GPU", "",
              f"{m['num_hidden_layers']} layers of LLaMA-2-70B's widths ({m['hidden_size']} / {m['intermediate_size']}, "
-             f"{m['num_key_value_heads']} KV heads), bf16 U_i, gradient checkpointing, {first['micro_batch']}×"
-             f"{first['seq_len']} tokens, one call (`{first['command']}` and its siblings). MFU from the model's FLOPs "
-             "without recomputation (`bench/flops.py`).", "",
-             "| config | step ms (window medians) | tok/s | MFU | peak GiB |", "|---|---|---|---|---|"]
-    for name in ("plain", "zero2", "zero3"):
-        d = runs.get(name)
-        if d:
-            lines.append(f"| {name} | {d['step_s_median'] * 1e3:.0f} ({', '.join(f'{w * 1e3:.0f}' for w in d['window_medians_s'])}) "
-                         f"| {d['tokens_per_s_per_gpu']:,.0f} | {d['mfu'] * 100:.1f}% | {d['peak_allocated_gib']:.1f} |")
-    if "zero3" in runs and "zero2" in runs:
-        r = runs["zero3"]["step_s_median"] / runs["zero2"]["step_s_median"]
-        lines += ["", f"`zero3.json` ÷ `zero2.json` = **{r:.2f}×** (goal ≤ 1.15×); ZeRO-3 MFU "
-                      f"**{runs['zero3']['mfu'] * 100:.1f}%** (goal ≥ 30%)."]
-    return lines + [""]
+             f"{m['num_key_value_heads']} KV heads), gradient checkpointing, {first['micro_batch']}×{first['seq_len']} "
+             "random tokens, one configuration after another in `bench/train_step.py` (`bench/seventy_b.py step` for "
+             "FRoD, `qlora` for PEFT LoRA r=16 on the NF4 base; `bench/run_one_gpu.sh 70b-a|70b-b`). One folder per "
+             "device call. MFU from the model's FLOPs without recomputation (`bench/flops.py`); planner: "
+             "`frod plan`'s allocated-memory prediction for that run (`bench/planner_check.py`). Goals: FRoD bf16 "
+             "`zero3.json` ÷ `zero2.json` ≤ 1.15× with ZeRO-3 MFU ≥ 30%; FRoD with NF4 U_i and base beside QLoRA r=16 "
+             "in the same call, and each method's fastest configuration (plain PyTorch on one GPU) beside the other's. "
+             "Read a call's ratios only from its own rows: QLoRA's `zero2.json` step was 431 ms in one call (steps "
+             "from 340 to 440 ms inside each window) and 296 ms in the next.", ""]
+    for call in calls:
+        runs = [json.loads(p.read_text()) | {"_file": p.name} for p in sorted(call.glob("seventy_b_step_*.json"))]
+        lines += [f"### Call {call.name} ({runs[0]['device']}, {runs[0]['date'][:16]})", "",
+                  "| method | config | step ms (window medians) | p10–p90 ms | tok/s | MFU | GFLOP/token | peak GiB "
+                  "| planner GiB |", "|---|---|---|---|---|---|---|---|---|"]
+        for d in sorted(runs, key=lambda d: (d["method"], d["frozen_quant"], ("plain", "zero2", "zero3").index(d["engine"]))):
+            checked = check_planner(d)
+            planned = f"{checked['predicted_gib']:.1f} ({checked['error'] * 100:+.0f}%)" if checked else "–"
+            windows = ", ".join(f"{w * 1e3:.0f}" for w in d["window_medians_s"])
+            lines.append(f"| {_seventy_b_label(d)} | {d['engine']} | {d['step_s_median'] * 1e3:.0f} ({windows}) "
+                         f"| {d['step_s_p10'] * 1e3:.0f}–{d['step_s_p90'] * 1e3:.0f} "
+                         f"| {d['tokens_per_s_per_gpu']:,.0f} | {d['mfu'] * 100:.1f}% "
+                         f"| {d['flops_per_token']['total'] / 1e9:.1f} | {d['peak_allocated_gib']:.1f} | {planned} |")
+        frod_bf16 = {d["engine"]: d for d in runs if d["method"] == "frod" and d["frozen_quant"] == "none"}
+        frod_nf4 = {d["engine"]: d for d in runs if d["method"] == "frod" and d.get("quantize_base")}
+        qlora = {d["engine"]: d for d in runs if d["method"] == "lora" and d.get("quantize_base")}
+        notes = []
+        if "zero3" in frod_bf16 and "zero2" in frod_bf16:
+            z3, z2 = frod_bf16["zero3"], frod_bf16["zero2"]
+            r = z3["step_s_median"] / z2["step_s_median"]
+            notes.append(f"FRoD bf16 `zero3.json` ÷ `zero2.json` = **{r:.2f}×** "
+                         f"({'met' if r <= 1.15 else 'not met'}: ≤ 1.15×), ZeRO-3 MFU **{z3['mfu'] * 100:.1f}%** "
+                         f"({'met' if z3['mfu'] >= 0.30 else 'not met'}: ≥ 30%)"
+                         + (f"; plain {frod_bf16['plain']['step_s_median'] * 1e3:.0f} ms" if "plain" in frod_bf16 else ""))
+        if "zero2" in frod_nf4 and "zero2" in qlora:
+            f2, q2 = frod_nf4["zero2"], qlora["zero2"]
+            notes.append(f"like for like, `zero2.json` with NF4 U_i and base ÷ QLoRA r=16 `zero2.json`: "
+                         f"**{f2['step_s_median'] / q2['step_s_median']:.2f}×** at "
+                         f"{f2['flops_per_token']['total'] / q2['flops_per_token']['total']:.2f}× the FLOPs")
+        if frod_nf4 and len(qlora) > 1:
+            fb = min(frod_nf4.values(), key=lambda d: d["step_s_median"])
+            qb = min(qlora.values(), key=lambda d: d["step_s_median"])
+            notes.append(f"FRoD NF4's fastest ({fb['engine']}) ÷ QLoRA's fastest ({qb['engine']}): "
+                         f"**{fb['step_s_median'] / qb['step_s_median']:.2f}×**")
+        spread = max(d["window_spread"] for d in runs)
+        lines += [""] + [f"- {n}." for n in notes] + [f"- Largest gap between one run's window medians: {spread * 100:.0f}%; "
+                                                       "steps inside a window: the p10–p90 column.", ""]
+    return lines
 
 
 def _fmt(x: float | None, unit: str = "×") -> str:
