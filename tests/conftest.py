@@ -182,3 +182,28 @@ def pytest_report_header(config):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config._frod_order != "normal":
         terminalreporter.write_line(f"test order: FROD_TEST_ORDER={config._frod_order}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``FROD_TEST_CPU=FILE``: append one JSON line per test with its wall time and the CPU seconds it used, its own
+    and its finished subprocesses' (setup, call and teardown together): on 2 cores the suite is CPU-bound, so this,
+    not the wall time under load, says which tests cost the suite its minutes."""
+    path = os.environ.get("FROD_TEST_CPU")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> tuple[float, float]:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+    t0, (s0, c0) = time.monotonic(), cpu()
+    yield
+    s1, c1 = cpu()
+    with open(path, "a") as f:
+        f.write(json.dumps({"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2), "self_cpu_s": round(s1 - s0, 2),
+                            "children_cpu_s": round(c1 - c0, 2)}) + "\n")
