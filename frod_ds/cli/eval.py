@@ -29,7 +29,7 @@ import argparse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="frod eval", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="frod eval", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     model = p.add_argument_group("model (exactly one of --checkpoint, --model)")
     model.add_argument("--checkpoint", help="FRoD adapter checkpoint dir (e.g. out/run1/adapter-final)")
     model.add_argument("--base-model", help="override the base model named in the checkpoint's adapter_config.json")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="frod export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="frod export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="adapter directory written by training (adapter-<step> or adapter-final)")
     src.add_argument("--from-peft", metavar="PEFT_DIR", help="import this stock PEFT FRoD adapter directory instead")

@@ -37,7 +37,7 @@ from frod_ds.runtime.launch_env import ranks_on_this_node
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="frod hjd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="frod hjd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors) or HF Hub id")
     p.add_argument("--out", type=Path, help="factor store directory to create or resume (shared by all ranks)")
     p.add_argument("--verify", type=Path, metavar="DIR", help="verify the factor store DIR against --model instead of building")

@@ -52,11 +52,11 @@ _LAUNCHER_FLAGS = ("--local_rank", "--local-rank")  # `deepspeed --module` puts 
 def _parser() -> argparse.ArgumentParser:
     from frod_ds import __version__
 
-    ap = argparse.ArgumentParser(prog="frod", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="frod", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"frod-ds {__version__}", help="print the version and exit")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
     for name, cmd in COMMANDS.items():
-        sub.add_parser(name, help=cmd.help, add_help=False)
+        sub.add_parser(name, allow_abbrev=False, help=cmd.help, add_help=False)
     return ap
 
 

@@ -16,7 +16,7 @@ H100_GIB = 79.1  # torch.cuda.get_device_properties(0).total_memory of an 80 GB 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ap = argparse.ArgumentParser(prog="frod plan", description=__doc__,
+    p = ap = argparse.ArgumentParser(allow_abbrev=False, prog="frod plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="checkpoint directory or Hub id (local cache only); config.json is read")
     p.add_argument("--gpus", type=int, required=True, help="data-parallel GPUs (ranks)")

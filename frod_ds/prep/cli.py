@@ -60,10 +60,10 @@ def _add_tokenizer_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     """The argparse tree: build, stats, show."""
-    parser = argparse.ArgumentParser(prog="frod data", description="Commonsense170K in the paper's or LLM-Adapters' prompt templates.")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="frod data", description="Commonsense170K in the paper's or LLM-Adapters' prompt templates.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,show}")
 
-    p = sub.add_parser("build", help="render the training mixture and per-task eval files into OUT")
+    p = sub.add_parser("build", allow_abbrev=False, help="render the training mixture and per-task eval files into OUT")
     _add_source_flags(p, required=True)
     p.add_argument("--out", type=Path, required=True, help="output directory (must be absent or empty unless --overwrite)")
     p.add_argument("--tasks", default="all", help=f"comma list of tasks or 'all' (default); tasks: {', '.join(TASKS)}")
@@ -72,11 +72,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT (only once the new build succeeded)")
     _add_tokenizer_flags(p)
 
-    p = sub.add_parser("stats", help="check a built OUT against its manifest and print counts and length stats")
+    p = sub.add_parser("stats", allow_abbrev=False, help="check a built OUT against its manifest and print counts and length stats")
     p.add_argument("--out", type=Path, required=True, help="a directory written by 'build'")
     _add_tokenizer_flags(p)
 
-    p = sub.add_parser("show", help="print N rendered examples of one task, from a source or from a built OUT")
+    p = sub.add_parser("show", allow_abbrev=False, help="print N rendered examples of one task, from a source or from a built OUT")
     _add_source_flags(p, required=False)
     p.add_argument("--out", type=Path, help="read rendered rows from this built directory instead of a source")
     p.add_argument("--task", required=True, choices=list(TASKS), help="task key")

@@ -28,7 +28,8 @@ from frod_ds.runtime.errors import FrodError
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 
 __all__ = ["COMPLETE", "LATEST", "SEAL_FORMAT", "FileSeal", "Seal", "ResumeError", "tag_of", "step_of",
-           "file_seal", "files_to_seal", "write_seal", "check_sealed", "sealed_checkpoints", "choose_checkpoint",
+           "file_seal", "files_to_seal", "write_seal", "check_sealed", "sealed_checkpoints", "unsealed_checkpoints",
+           "choose_checkpoint",
            "set_aside"]
 
 COMPLETE = "COMPLETE"
@@ -130,6 +131,15 @@ def sealed_checkpoints(root: Path) -> list[str]:
         return []
     tags = [p.name for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None and (p / COMPLETE).is_file()]
     return sorted(tags, key=lambda t: step_of(t), reverse=True)  # type: ignore[arg-type, return-value]
+
+
+def unsealed_checkpoints(root: Path) -> list[str]:
+    """Tags of the checkpoints in ``root`` without a ``COMPLETE`` seal (saves that never finished), oldest first:
+    never resumed from; a save of the same step replaces one."""
+    if not root.is_dir():
+        return []
+    tags = [p.name for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None and not (p / COMPLETE).exists()]
+    return sorted(tags, key=lambda t: step_of(t))  # type: ignore[arg-type, return-value]
 
 
 def choose_checkpoint(root: Path) -> tuple[str | None, list[tuple[str, str]]]:

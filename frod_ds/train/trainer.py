@@ -46,7 +46,7 @@ from frod_ds.formats.adapter_format import AdapterConfig
 from frod_ds.model.apply import frod_groups, frod_modules, frod_param_groups
 from frod_ds.model.build import build_frod_model, check_store_quant, fetch_per_layer, gathered, make_supports
 from frod_ds.runtime.atomic import check_replaceable, is_marked, mark_dir, marker_kind
-from frod_ds.train.checkpoint_dir import choose_checkpoint, sealed_checkpoints
+from frod_ds.train.checkpoint_dir import choose_checkpoint, sealed_checkpoints, step_of, unsealed_checkpoints
 from frod_ds.train.data import (BatchPlan, Example, check_vocab, collate, encode_examples, read_training_rows,
                                 training_file)
 from frod_ds.config.ds_config import (NvmeParams, batch_sizes, check_aio_build_env, check_nvme_buffer,
@@ -506,18 +506,25 @@ def _ckpt_root(run: Run) -> Path:
 def _maybe_resume(run: Run) -> int:
     """Restore the checkpoint ``setup`` chose (``run.resume``); returns the step to continue from (0: none)."""
     tag, skipped = run.resume
-    if tag is None:
-        return 0
-    t = run.recipe.train
-    step = restore_checkpoint(run.engine, _ckpt_root(run), tag, skipped,
-                              Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum), run.zero3)
+    unsealed = [t for t in dist.on_main(lambda: unsealed_checkpoints(_ckpt_root(run)))
+                if tag is None or step_of(t) > step_of(tag)]  # type: ignore[operator]
+    if unsealed and dist.is_main():
+        note(f"{', '.join(unsealed)} in {_ckpt_root(run)}: no COMPLETE seal (a save that never finished), not resumed "
+             f"from; {'starting at step 0' if tag is None else f'resuming from {tag}'}")
+    step = 0
+    if tag is not None:
+        t = run.recipe.train
+        step = restore_checkpoint(run.engine, _ckpt_root(run), tag, skipped,
+                                  Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum), run.zero3)
     metrics = run.out / "metrics.jsonl"
-    if dist.is_main() and metrics.is_file():  # drop rows of steps after the checkpoint: they are replayed
+    if dist.is_main() and metrics.is_file():  # rows of steps after the one continued from are replayed (all of
+        # them when a run killed before its first sealed checkpoint starts over): dropped, so no step is logged twice
         kept = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
         tmp = metrics.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, metrics)
-    dist.print0(f"resumed from {tag}: step {step}/{run.total_steps}")
+    if tag is not None:
+        dist.print0(f"resumed from {tag}: step {step}/{run.total_steps}")
     return step
 
 

@@ -403,6 +403,29 @@ def test_newest_checkpoint_with_a_changed_byte_falls_back(saved_each_step, tmp_p
     assert (out / "adapter-final").is_dir()
 
 
+@pytest.mark.parametrize("unsealed", [("step00000003",), ("step00000001", "step00000002", "step00000003")])
+def test_a_checkpoint_without_its_seal_is_named_in_a_note_and_not_resumed(saved_each_step, tmp_path, unsealed):
+    """A save that never finished (no COMPLETE): the run resumes from the newest sealed checkpoint, or starts at
+    step 0 when there is none, saying so; either way it ends with the uninterrupted run's losses and adapter."""
+    run, overrides = saved_each_step
+    out = _unfinished(run, tmp_path / "unsealed")
+    for tag in unsealed:
+        (out / "checkpoints" / tag / "COMPLETE").unlink()
+    proc = run_train(CPU_ZERO2, overrides(out), nproc=0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = _notes(proc)
+    assert line.startswith(f"note: {', '.join(unsealed)} in {out / 'checkpoints'}: no COMPLETE seal"), line
+    if len(unsealed) == 1:
+        assert "resuming from step00000002" in line and "resumed from step00000002: step 2/3" in proc.stdout
+    else:
+        assert "starting at step 0" in line and "resumed from" not in proc.stdout
+    assert [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()] == \
+        [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    a, b = (load_file(str(d / "adapter-final" / "adapter.safetensors")) for d in (out, run))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all((out / "checkpoints" / t / "COMPLETE").is_file() for t in unsealed), "each step saved again, sealed"
+
+
 @pytest.mark.parametrize("damage", ["truncated", "missing", "seal"])
 def test_no_resumable_checkpoint_is_one_line_and_touches_nothing(env, trained, tmp_path, capsys, damage):
     out = tmp_path / "run"

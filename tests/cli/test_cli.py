@@ -94,6 +94,23 @@ def test_every_flag_has_help(command, monkeypatch, capsys):
     assert missing == []
 
 
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_no_parser_takes_an_abbreviated_flag(command, monkeypatch, capsys):
+    """argparse would read ``--rank 2`` as ``--ranks 2`` (a prefix): a typo must be an error, not another flag."""
+    parsers = _parsers(command, monkeypatch)
+    capsys.readouterr()
+    assert [p.prog for p in parsers if p.allow_abbrev] == []
+
+
+def test_a_prefix_of_a_flag_is_refused_with_one_line(tmp_path, capsys):
+    from frod_ds.cli.main import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--out", str(tmp_path / "d"), "--rank", "2"])
+    assert done.value.code == 2 and "unrecognized arguments: --rank 2" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
 def test_deepspeed_module_form_takes_local_rank_before_the_command():
     """``deepspeed --module frod_ds.cli train ...`` runs ``python -m frod_ds.cli --local_rank=N train ...``."""
     from frod_ds.cli.main import _split
