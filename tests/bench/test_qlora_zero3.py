@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.support.train_env import REPO, env_vars
+from tests.support.train_env import RANKS, REPO, env_vars
 
 pytestmark = pytest.mark.slow
 LAYERS, HIDDEN, INTER = 2, 512, 1376
@@ -40,8 +40,7 @@ def reports(tmp_path_factory):
     cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
                                     stage3_max_reuse_distance=0, reduce_bucket_size=500000)
     (root / "z3.json").write_text(json.dumps(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "support" / "qlora_residency_probe.py"), "--method", "lora", "--config", str(root / "z3.json"),
+    cmd = [sys.executable, str(RANKS), "2", str(REPO / "tests" / "support" / "qlora_residency_probe.py"), "--method", "lora", "--config", str(root / "z3.json"),
            "--model", str(root / "m"), "--frozen-quant", "nf4", "--quantize-base", "--gc", "--batch", "2",
            "--seq", "32", "--out", str(root / "out"), "--probe-steps", "1"]
     res = subprocess.run(cmd, env=env_vars(), cwd=REPO, capture_output=True, text=True, timeout=300)

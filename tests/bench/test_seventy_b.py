@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from bench.synthetic_llama import (SHAPES, add_to_index, category_names, index_files, make_tensor, remove_from_index,
                                    split_files, tensor_seed, untargeted_names, write_shard)
-from tests.support.train_env import REPO, env_vars
+from tests.support.train_env import RANKS, REPO, env_vars
 
 TINY = SHAPES["tiny"]
 CPU = torch.device("cpu")
@@ -105,8 +105,7 @@ def test_layers_override_keeps_the_widths_and_is_part_of_the_work_dirs_identity(
 def test_tiny_chain_rehearsal(tmp_path):
     w, out = tmp_path / "w", tmp_path / "out"
     common = ["--tiny", "--work", str(w), "--out", str(out)]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-              "bench/seventy_b.py"]
+    launch = [sys.executable, str(RANKS), "2", "bench/seventy_b.py"]  # the chain's own steps run torchrun
 
     def run(cmd):
         res = subprocess.run(cmd, cwd=REPO, env=env_vars(), capture_output=True, text=True, timeout=900)

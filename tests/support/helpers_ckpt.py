@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tests.support.leftovers import REPO, clean_env, free_port
+from tests.support.train_env import RANKS
 
 LAUNCH = REPO / "launch" / "hjd.py"
 
@@ -75,16 +76,18 @@ def strip_checkpoint(src: Path, dst: Path, categories, replace: dict[str, torch.
 
 
 def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: float = 180,
-            launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    """``launch/hjd.py ARGS`` as a subprocess: one plain process when ``nproc == 0``, else under
-    ``torchrun --standalone --nproc_per_node NPROC`` or (``launcher="deepspeed"``) the DeepSpeed launcher,
-    on CPU ranks (gloo)."""
+            launcher: str = "ranks") -> subprocess.CompletedProcess:
+    """``launch/hjd.py ARGS`` as a subprocess: one plain process when ``nproc == 0``, else NPROC CPU ranks (gloo)
+    started by ``tests/support/ranks.py`` (torchrun's environment, without its start-up), ``launcher="torchrun"``
+    (``torchrun --standalone``) or ``launcher="deepspeed"`` (the DeepSpeed launcher)."""
     env = clean_env()
     cmd = [sys.executable]
     if nproc and launcher == "deepspeed":
         cmd += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(free_port())]
-    elif nproc:
+    elif nproc and launcher == "torchrun":
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    elif nproc:
+        cmd += [str(RANKS), str(nproc)]
     cmd += [str(script), *args]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.leftovers import REPO, clean_env
+RANKS = REPO / "tests" / "support" / "ranks.py"  # N ranks with torchrun's environment (the module's docstring)
 CPU_ZERO3 = REPO / "ds_configs" / "zero3_cpu_fp32.json"
 CPU_ZERO2 = REPO / "ds_configs" / "zero2_cpu_fp32.json"
 
@@ -103,8 +104,8 @@ def _build(root: Path, seed: int, layers: int) -> None:
 def train_cmd(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None) -> list[str]:
     script = script or REPO / "launch" / "train.py"
     cmd = [sys.executable]
-    if nproc:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if nproc:  # torchrun's environment without its start-up (tests/support/ranks.py)
+        cmd += [str(RANKS), str(nproc)]
     return cmd + [str(script), "--config", str(config), *overrides]
 
 
