@@ -88,6 +88,15 @@ PLUS_LEVERS: dict[str, tuple[str, list[str]]] = {
     "deepcompile": ('"compile": {"deepcompile": true} and engine.compile() (needs TORCH_CUDA_ARCH_LIST=9.0 on the '
                     "H200 image)", ["--ds-set=compile.deepcompile=true", "--compile"]),
 }
+# Why a lever's run failed, read from its log (shown under the failure in the report)
+# What a failed lever's log shows, beyond its last line (printed under the failure in the report)
+FAILURE_CAUSES = {
+    "deepcompile": "not explained. The frames show transformers' LlamaModel.forward resumed after a graph break "
+                   "(`torch_dynamo_resume_in_wrapper`, its output-capturing wrapper) and running `embed_tokens` "
+                   "eagerly on a 1-D weight, i.e. this rank's ZeRO-3 partition, not gathered: DeepCompile removes the "
+                   "per-module gather hooks, and DeepSpeed 0.19.8's eager fallback (`compile/z3_eager_fallback.py`), "
+                   "which should gather a parameter touched outside a graph, did not for this one.",
+}
 EITHER_JSON = ("no-overlap", "bucket-5e8")
 ZERO3_ONLY = ("prefetch-0",)
 HOST_LEVERS = ("no-overflow-check", "no-check-no-overlap")
@@ -318,6 +327,8 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
             if not w:
                 tail = [ln for ln in (r.get("log_tail") or "").splitlines() if ln.strip()][-1:] or ["?"]
                 lines.append(f"|  | failure | `{tail[0][:300]}` | | | |")
+                if r["tags"][0] in FAILURE_CAUSES:
+                    lines.append(f"|  | log | {FAILURE_CAUSES[r['tags'][0]]} | | | |")
         lines.append("")
     levers = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in LEVERS]
     if levers:
