@@ -125,21 +125,23 @@ def check_sealed(ckpt: Path) -> str | None:
     return None
 
 
-def sealed_checkpoints(root: Path) -> list[str]:
-    """Tags of the sealed checkpoints in ``root``, newest first."""
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    """The checkpoint directories (``step<N>``) in ``root``, sealed or not, oldest first."""
     if not root.is_dir():
         return []
-    tags = [p.name for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None and (p / COMPLETE).is_file()]
-    return sorted(tags, key=lambda t: step_of(t), reverse=True)  # type: ignore[arg-type, return-value]
+    dirs = [p for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None]
+    return sorted(dirs, key=lambda p: step_of(p.name))  # type: ignore[arg-type, return-value]
+
+
+def sealed_checkpoints(root: Path) -> list[str]:
+    """Tags of the sealed checkpoints in ``root``, newest first."""
+    return [p.name for p in reversed(_checkpoint_dirs(root)) if (p / COMPLETE).is_file()]
 
 
 def unsealed_checkpoints(root: Path) -> list[str]:
     """Tags of the checkpoints in ``root`` without a ``COMPLETE`` seal (saves that never finished), oldest first:
     never resumed from; a save of the same step replaces one."""
-    if not root.is_dir():
-        return []
-    tags = [p.name for p in root.iterdir() if p.is_dir() and step_of(p.name) is not None and not (p / COMPLETE).exists()]
-    return sorted(tags, key=lambda t: step_of(t))  # type: ignore[arg-type, return-value]
+    return [p.name for p in _checkpoint_dirs(root) if not (p / COMPLETE).exists()]
 
 
 def choose_checkpoint(root: Path) -> tuple[str | None, list[tuple[str, str]]]:

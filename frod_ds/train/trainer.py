@@ -506,8 +506,8 @@ def _ckpt_root(run: Run) -> Path:
 def _maybe_resume(run: Run) -> int:
     """Restore the checkpoint ``setup`` chose (``run.resume``); returns the step to continue from (0: none)."""
     tag, skipped = run.resume
-    unsealed = [t for t in dist.on_main(lambda: unsealed_checkpoints(_ckpt_root(run)))
-                if tag is None or step_of(t) > step_of(tag)]  # type: ignore[operator]
+    unsealed = [u for u in dist.on_main(lambda: unsealed_checkpoints(_ckpt_root(run)))
+                if tag is None or step_of(u) > step_of(tag)]  # type: ignore[operator]
     if unsealed and dist.is_main():
         note(f"{', '.join(unsealed)} in {_ckpt_root(run)}: no COMPLETE seal (a save that never finished), not resumed "
              f"from; {'starting at step 0' if tag is None else f'resuming from {tag}'}")

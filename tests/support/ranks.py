@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo for tests.support
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.leftovers import free_port  # noqa: E402  (torch-free)
 
 
 def main(argv: list[str]) -> int:
     n, cmd = int(argv[0]), argv[1:]
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(n):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n),
