@@ -15,8 +15,11 @@
 #                                       # then FRoD plain / zero2.json / zero3.json one after another (bench/seventy_b.py)
 #   bash bench/run_one_gpu.sh 70b-b     # the same chain (same warm machine): FRoD NF4 U_i + NF4 base and QLoRA r=16,
 #                                       # both zero2.json, then FRoD zero2.json / zero3.json again (a second call)
+#   bash bench/run_one_gpu.sh host-device  # host vs GPU time of a plain FRoD step, bf16 / NF4 / int8 U_i, with and
+#                                          # without the base quantized: 7B widths x 8 layers, 70B widths x 4
+#                                          # (bench/host_device.py, ~3 min; nothing to generate)
 set -euo pipefail
-stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|final-a|final-b|70b-a|70b-b}
+stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|final-a|final-b|70b-a|70b-b|host-device}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -24,6 +27,9 @@ export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
   HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/gpus.txt"
 case "$stage" in
+  host-device)
+    python3 bench/host_device.py --out "$OUT/host_device"
+    ;;
   pair)
     # four processes of ~26 GiB at once need an H200; on an 80-GB card two at a time (zero2.json beside zero3.json)
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
