@@ -18,8 +18,11 @@
 #   bash bench/run_one_gpu.sh host-device  # host vs GPU time of a plain FRoD step, bf16 / NF4 / int8 U_i, with and
 #                                          # without the base quantized: 7B widths x 8 layers, 70B widths x 4
 #                                          # (bench/host_device.py, ~3 min; nothing to generate)
+#   bash bench/run_one_gpu.sh quant-7b     # full-depth 7B under zero2.json: FRoD and LoRA r=16 in bf16, NF4, int8, with
+#                                          # and without the base quantized (bench/train_matrix.py, ~7 min with the
+#                                          # model and store made); the call of train_matrix_quant_1xh100 again
 set -euo pipefail
-stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|final-a|final-b|70b-a|70b-b|host-device}
+stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|final-a|final-b|70b-a|70b-b|host-device|quant-7b}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -29,6 +32,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | t
 case "$stage" in
   host-device)
     python3 bench/host_device.py --out "$OUT/host_device"
+    ;;
+  quant-7b)
+    python3 bench/train_matrix.py --work /tmp/frodbench --out "$OUT/quant_7b" --engines zero2 \
+      --extras nf4,int8,nf4-base,int8-base --no-profile --steps 5 --repeats 2 --warmup 2 --budget-s "${BUDGET_S:-400}" \
+      --config-timeout-s 90 --deadline-s "${DEADLINE_S:-450}"
     ;;
   pair)
     # four processes of ~26 GiB at once need an H200; on an 80-GB card two at a time (zero2.json beside zero3.json)

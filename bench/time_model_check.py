@@ -34,7 +34,7 @@ RESULTS = REPO / "bench" / "results"
 POINTS = [*sorted((RESULTS / "two_gpu_2xh200" / "matrix" / "configs").glob("train_step_frod_*.json")),
           *sorted((RESULTS / "zero3_levers" / "70b_widths").glob("*/seventy_b_step_frod_1gpu*.json")),
           RESULTS / "two_gpu_2xh200" / "70b_bf16_40_layers" / "seventy_b_step_frod.json",
-          *sorted((RESULTS / "train_matrix_quant_1xh100" / "configs").glob("train_step_frod_*.json")),
+          *sorted((RESULTS / "train_matrix_quant_1xh100").glob("**/configs/train_step_frod_*.json")),
           RESULTS / "offload_7b_1xh100" / "offload_zero3_7b.json",
           *sorted((RESULTS / "two_gpu_2xh200" / "70b_nf4_80_layers").glob("*/seventy_b_step_frod_*.json"))]
 HOST_DEVICE = sorted((RESULTS / "host_device").glob("*/host_device.json"))
