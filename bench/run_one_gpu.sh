@@ -21,7 +21,7 @@
 #   bash bench/run_one_gpu.sh quant-7b     # full-depth 7B under zero2.json: FRoD and LoRA r=16 in bf16, NF4, int8, with
 #                                          # and without the base quantized (bench/train_matrix.py, ~7 min with the
 #                                          # model and store made); the call of train_matrix_quant_1xh100 again
-#   bash bench/run_one_gpu.sh deepcompile  # DeepCompile under zero3.json on a 4-layer 7B-width model: FRoD as shipped,
+#   bash bench/run_one_gpu.sh deepcompile  # DeepCompile under zero3.json on a 4-layer (DC_LAYERS) 7B-width model: FRoD as shipped,
 #                                          # FRoD with DeepSpeed's own layout (V partitioned, σ/S per FRoD layer,
 #                                          # per-module fetch), LoRA r=16; each beside zero3.json without it (~5 min)
 set -euo pipefail
@@ -38,14 +38,14 @@ case "$stage" in
     ;;
   deepcompile)
     export TORCH_CUDA_ARCH_LIST=9.0  # DeepCompile builds its op for the card
-    w=/tmp/dc; o="$OUT/deepcompile"; mkdir -p "$o"
-    [ -f "$w/model/MADE" ] || { python3 bench/train_step.py make-model --out "$w/model" --layers 4 > "$o/make.log" 2>&1 \
+    layers=${DC_LAYERS:-4}; w=/tmp/dc$layers; o="$OUT/deepcompile"; mkdir -p "$o"
+    [ -f "$w/model/MADE" ] || { python3 bench/train_step.py make-model --out "$w/model" --layers "$layers" > "$o/make.log" 2>&1 \
       && touch "$w/model/MADE"; }
     [ -f "$w/factors/manifest.json" ] || python3 launch/hjd.py --model "$w/model" --out "$w/factors" > "$o/hjd.log" 2>&1
     dc="--ds-set=compile.deepcompile=true --compile"
     own="--v-partitioned --per-member-trainables --per-module-fetch"
-    # ONLY="name ...": a subset; the last three put back one of the shipped layout's choices each
-    for v in "frod:zero3:" "frod:zero3_dc:$dc" "frod:zero3_own:$own" "frod:zero3_own_dc:$own $dc" "lora:zero3:" \
+    # ONLY="name ...": a subset; the last three put back one of the shipped layout's choices each; DC_LAYERS: depth
+    for v in "frod:zero2:--config ds_configs/zero2.json" "frod:zero3:" "frod:zero3_dc:$dc" "frod:zero3_own:$own" "frod:zero3_own_dc:$own $dc" "lora:zero3:" \
              "lora:zero3_dc:$dc" "frod:zero3_dc_v_replicated:--per-member-trainables --per-module-fetch $dc" \
              "frod:zero3_dc_layer_trainables:--v-partitioned --per-module-fetch $dc" \
              "frod:zero3_dc_layer_fetch:--v-partitioned --per-member-trainables $dc"; do
@@ -53,7 +53,7 @@ case "$stage" in
       [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" ${method}_$name "* ]] || continue
       rc=0
       # shellcheck disable=SC2086
-      timeout 200 python3 bench/train_step.py run --method "$method" --model "$w/model" --factors "$w/factors" \
+      timeout "${DC_TIMEOUT:-200}" python3 bench/train_step.py run --method "$method" --model "$w/model" --factors "$w/factors" \
         --config ds_configs/zero3.json --out "$o" --name "${method}_$name" --warmup 2 --steps 5 --repeats 2 $flags \
         > "$o/${method}_$name.log" 2>&1 || rc=$?
       echo "${method}_$name: exit $rc"
