@@ -78,7 +78,7 @@ def strip_checkpoint(src: Path, dst: Path, categories, replace: dict[str, torch.
 def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: float = 180,
             launcher: str = "ranks") -> subprocess.CompletedProcess:
     """``launch/hjd.py ARGS`` as a subprocess: one plain process when ``nproc == 0``, else NPROC CPU ranks (gloo)
-    started by ``tests/support/ranks.py`` (torchrun's environment, without its start-up), ``launcher="torchrun"``
+    started by ``tests/support/ranks.py`` (torchrun's environment, the imports paid once), ``launcher="torchrun"``
     (``torchrun --standalone``) or ``launcher="deepspeed"`` (the DeepSpeed launcher)."""
     env = clean_env()
     cmd = [sys.executable]

@@ -104,7 +104,7 @@ def _build(root: Path, seed: int, layers: int) -> None:
 def train_cmd(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None) -> list[str]:
     script = script or REPO / "launch" / "train.py"
     cmd = [sys.executable]
-    if nproc:  # torchrun's environment without its start-up (tests/support/ranks.py)
+    if nproc:  # torchrun's environment, the imports paid once (tests/support/ranks.py)
         cmd += [str(RANKS), str(nproc)]
     return cmd + [str(script), "--config", str(config), *overrides]
 
