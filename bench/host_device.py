@@ -148,8 +148,6 @@ def main() -> None:
     for shape in shapes:
         for quant, base in QUANTS:
             name = f"{shape}_{quant}" + ("+base" if base else "")
-            if base and quant == "none":
-                continue
             model = build(shape, quant, base, device, dtype, args.sparsity)
             if SHAPES[shape][-1]:
                 from frod_ds.train.trainer import enable_gradient_checkpointing
