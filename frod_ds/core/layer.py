@@ -28,6 +28,7 @@ from frod_ds.runtime.errors import FrodError
 from frod_ds.core.frod_function import FRoDTokens, FRoDWeight, core_matrix
 from frod_ds.runtime.validate import sparsity_problem
 from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
+from frod_ds.core.sizes import ordering
 
 __all__ = ["SparseSupport", "FRoDLinear", "FRoDTrainables", "core_matrix", "support_seed", "ordering", "support_nnz"]
 
@@ -290,21 +291,6 @@ def _own(module: nn.Module, name: str) -> nn.Parameter:
     if p is None:  # AttributeError, as for any missing attribute (nn.Module's registration asks hasattr first)
         raise AttributeError(f"{type(module).__name__} has no parameter {name!r} yet")
     return p
-
-
-def ordering(tokens: int, m: int, n: int, grad: bool, recompute: bool = False) -> str:
-    """The cheaper exact ordering of ``U M Vᵀ x`` for ``tokens`` inputs, U (m, n), by multiply-adds.
-
-        tokens ``U (M (Vᵀ x))``: forward 2Tn² + Tmn; with backward 5Tn² + 2Tmn (+ Tn² with ``recompute``:
-                                 the backward rebuilds z = Vᵀx from the saved x)
-        weight ``(U M Vᵀ) x``:   forward 2mn² + Tmn; with backward 4mn² + 3Tmn
-    """
-    if grad:
-        cost_tokens = (6 if recompute else 5) * tokens * n * n + 2 * tokens * m * n
-        cost_weight = 4 * m * n * n + 3 * tokens * m * n
-    else:
-        cost_tokens, cost_weight = 2 * tokens * n * n + tokens * m * n, 2 * m * n * n + tokens * m * n
-    return "weight" if cost_weight < cost_tokens else "tokens"
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from frod_ds.runtime.errors import FrodError
 from frod_ds.core.names import QUANT_KINDS
+from frod_ds.core.sizes import NF4_BLOCKSIZE, blob_nbytes, blob_sections
 
 __all__ = [
     "QuantError",
@@ -54,8 +55,6 @@ __all__ = [
     "is_base_linear_weight",
 ]
 
-NF4_BLOCKSIZE = 64  # QLoRA's block size
-_ALIGN = 8
 
 
 class QuantError(FrodError):
@@ -84,10 +83,6 @@ def check_kind(kind: str, where: str = "model.frozen_quant") -> str:
     return kind
 
 
-def _align(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
 @dataclass(frozen=True)
 class QuantSpec:
     """How a dense ``shape`` (m, n) weight is packed into a blob (module docstring)."""
@@ -106,21 +101,13 @@ class QuantSpec:
         return self.shape[0] * self.shape[1]
 
     def sections(self) -> list[tuple[str, torch.dtype, int, int]]:
-        """``(name, dtype, count, byte offset)`` of the blob's parts, in order."""
-        if self.kind == "nf4":
-            parts = [("codes", torch.uint8, -(-self.numel // 2)), ("absmax", torch.float32, -(-self.numel // self.blocksize))]
-        else:
-            parts = [("CB", torch.int8, self.numel), ("SCB", torch.float32, self.shape[0])]
-        out, offset = [], 0
-        for name, dt, count in parts:
-            out.append((name, dt, count, offset))
-            offset = _align(offset + count * dt.itemsize)
-        return out
+        """``(name, dtype, count, byte offset)`` of the blob's parts, in order (``frod_ds.core.sizes.blob_sections``)."""
+        return [(name, getattr(torch, dtype), count, offset)
+                for name, dtype, count, offset in blob_sections(self.kind, self.shape, self.blocksize)]
 
     @property
     def nbytes(self) -> int:
-        _, dt, count, offset = self.sections()[-1]
-        return _align(offset + count * dt.itemsize)
+        return blob_nbytes(self.kind, self.shape, self.blocksize)
 
     def storage_numel(self, dtype: torch.dtype) -> int:
         """Elements of a blob viewed in ``dtype`` (the Parameter's length)."""

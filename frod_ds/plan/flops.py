@@ -51,7 +51,7 @@ def lora_target_macs(m: int, n: int, r: int) -> float:
 
 def frod_target_macs(m: int, n: int, nnz: int, tokens_per_call: int, save: str, dgrad: str) -> float:
     """Extra MACs per token of one FRoD target over the frozen linear it replaces (see the module docstring)."""
-    from frod_ds.core.layer import ordering
+    from frod_ds.core.sizes import ordering
 
     if ordering(tokens_per_call, m, n, True, recompute=save == "x") == "weight":
         return m * n + 4 * m * n * n / tokens_per_call

@@ -257,13 +257,13 @@ class Plan:
 def _weight_bytes(shape: tuple[int, int], quant: str, e: int) -> int:
     if quant == "none":
         return math.prod(shape) * e
-    from frod_ds.core.quant import QuantSpec
+    from frod_ds.core.sizes import blob_nbytes
 
-    return QuantSpec(quant, shape).nbytes
+    return blob_nbytes(quant, shape)
 
 
 def _orders(model: ModelShape, train: TrainShape, grad: bool = True) -> dict[str, str]:
-    from frod_ds.core.layer import ordering
+    from frod_ds.core.sizes import ordering
 
     return {t: ordering(train.tokens, *model.linear(t), grad) for t in train.targets}
 

@@ -35,15 +35,25 @@ __all__ = ["USER_ERROR", "run", "report", "run_script"]
 USER_ERROR = 2  # exit status of a user mistake
 
 
+def _distributed():
+    """``frod_ds.runtime.distributed`` once the command uses torch, else None: a command that never imports torch
+    (``frod plan``, ``frod data``) has no process group to report from or leave, and starts in a fraction of a
+    second instead of paying torch's import for its teardown."""
+    if "torch" not in sys.modules:
+        return None
+    from frod_ds.runtime import distributed as D
+
+    return D
+
+
 def report(error: FrodError) -> None:
     """Print the one ``error:`` line of ``error`` where it belongs (see the module docstring)."""
-    from frod_ds.runtime import distributed as D  # torch: imported once a command runs, not when it is named
-
-    if isinstance(error, D.CollectiveError):
+    D = _distributed()
+    if D is not None and isinstance(error, D.CollectiveError):
         if D.is_main():
             print(f"error: {error}", file=sys.stderr, flush=True)
         return
-    where = f"[rank {D.get_rank()}] " if D.get_world_size() > 1 else ""
+    where = f"[rank {D.get_rank()}] " if D is not None and D.get_world_size() > 1 else ""
     print(f"error: {where}{error}", file=sys.stderr, flush=True)
 
 
@@ -51,16 +61,17 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
     """Run a launch script's ``body`` (see the module docstring). ``init_group``: join the launcher's
     process group first (``distributed.init_distributed(backend)``); pass False when ``body`` sets up its
     own (training: cheap checks first, then DeepSpeed's group)."""
-    from frod_ds.runtime import distributed as D
-
     try:
         if init_group:
+            from frod_ds.runtime import distributed as D
+
             D.init_distributed(backend)
         code = body()
         return 0 if code is None else int(code)
     except FrodError as e:
         report(e)
-        if isinstance(e, D.CollectiveError):
+        D = _distributed()
+        if D is not None and isinstance(e, D.CollectiveError):
             D.barrier()  # rank 0 has printed before any rank leaves
         return USER_ERROR
     except OSError as e:
@@ -75,7 +86,9 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
         report(FrodError(disk_full_line(e)))  # a full (or read-only) disk: the user's to fix, not a traceback
         return USER_ERROR
     finally:
-        D.destroy()
+        D = _distributed()
+        if D is not None:
+            D.destroy()
 
 
 def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:

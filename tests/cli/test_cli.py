@@ -5,6 +5,7 @@ multi-rank launcher (torchrun -m frod_ds.cli)."""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -183,3 +184,30 @@ def test_plan_refuses_a_number_it_cannot_plan_with(argv, capsys):
         parse_args(["--model", "m", "--gpus", "1", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and argv[0] in err.splitlines()[-1], err
+
+
+def test_plan_and_data_never_import_torch(tmp_path):
+    from frod_ds.testing.toy import write_synthetic_tasks
+
+    """``frod plan`` (with its quantized alternatives) and ``frod data build`` are torch-free: they answer on a
+    login node in a fraction of a second. Checked in a fresh interpreter, the command run to its exit, the
+    planner's answer and the data build's output checked too (so the check cannot pass on an early error)."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000}))
+    write_synthetic_tasks(tmp_path / "raw", n_train=16, n_eval=8, seed=0)
+    probe = ("import runpy, sys\n"
+             "sys.argv = sys.argv[1:]\n"
+             "try:\n"
+             "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+             "except SystemExit as e:\n"
+             "    print('exit', e.code)\n"
+             "print('torch imported:', 'torch' in sys.modules)\n")
+    res = run([PY, "-c", probe, "frod_ds", "plan", "--model", str(tmp_path / "m"), "--gpus", "1"])
+    assert "fastest set-up that fits" in res.stdout and "nf4" in res.stdout.lower(), res.stdout + res.stderr
+    assert "torch imported: False" in res.stdout, res.stdout[-500:]
+    res = run([PY, "-c", probe, "data_prep", "build", "--source", str(tmp_path / "raw"), "--tasks", "boolq,piqa", "--out",
+               str(tmp_path / "d")])
+    assert (tmp_path / "d" / "train.jsonl").is_file(), res.stdout + res.stderr
+    assert "torch imported: False" in res.stdout, res.stdout[-500:]

@@ -106,6 +106,10 @@ def main(argv: list[str]) -> int:
         import transformers.models.llama.modeling_llama  # noqa: F401
         try:
             import deepspeed  # noqa: F401
+
+            if "--config" in cmd:  # a DeepSpeed engine: its ZeRO optimizer check imports Muon, whose @torch.compile
+                # kernels import torch._inductor (~9 CPU-seconds per rank here, whatever the optimizer)
+                import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
         except ImportError:
             pass
     procs = []
