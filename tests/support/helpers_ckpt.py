@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from tests.support.leftovers import REPO, clean_env, free_port
-from tests.support.train_env import RANKS
 
 LAUNCH = REPO / "launch" / "hjd.py"
 
@@ -81,13 +80,15 @@ def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: flo
     started by ``tests/support/ranks.py`` (torchrun's environment, the imports paid once), ``launcher="torchrun"``
     (``torchrun --standalone``) or ``launcher="deepspeed"`` (the DeepSpeed launcher)."""
     env = clean_env()
+    if launcher == "ranks":  # forked from this test process (tests.support.ranks.run): the imports paid already
+        from tests.support import ranks
+
+        return ranks.run(nproc, [str(script), *args], env, REPO, timeout)
     cmd = [sys.executable]
     if nproc and launcher == "deepspeed":
         cmd += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(free_port())]
     elif nproc and launcher == "torchrun":
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    elif nproc:
-        cmd += [str(RANKS), str(nproc)]
     cmd += [str(script), *args]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 

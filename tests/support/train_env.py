@@ -111,8 +111,12 @@ def train_cmd(config: Path, overrides: list[str], nproc: int = 2, script: Path |
 
 def run_train(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None,
               timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(train_cmd(config, overrides, nproc, script), env=env_vars(), cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    """What ``train_cmd``'s command line gives (``subprocess.run``, output captured), its processes forked from
+    this test process, whose imports they reuse (``tests.support.ranks.run``)."""
+    from tests.support import ranks
+
+    script = script or REPO / "launch" / "train.py"
+    return ranks.run(nproc, [str(script), "--config", str(config), *overrides], env_vars(), REPO, timeout)
 
 
 def train_in_process(config: Path, overrides: list[str]) -> subprocess.CompletedProcess:
