@@ -35,8 +35,8 @@ def blob_sections(kind: str, shape: tuple[int, int], blocksize: int = NF4_BLOCKS
 
 def blob_nbytes(kind: str, shape: tuple[int, int], blocksize: int = NF4_BLOCKSIZE) -> int:
     """Bytes of a ``kind`` blob of a dense ``shape`` weight, padded to ``BLOB_ALIGN``."""
-    (_, dtype, count, offset), itemsize = blob_sections(kind, shape, blocksize)[-1], _PARTS[kind][-1][2]
-    return _align(offset + count * itemsize)
+    _, _, count, offset = blob_sections(kind, shape, blocksize)[-1]
+    return _align(offset + count * _PARTS[kind][-1][2])
 
 
 def ordering(tokens: int, m: int, n: int, grad: bool, recompute: bool = False) -> str:

@@ -187,11 +187,11 @@ def test_plan_refuses_a_number_it_cannot_plan_with(argv, capsys):
 
 
 def test_plan_and_data_never_import_torch(tmp_path):
-    from frod_ds.testing.toy import write_synthetic_tasks
-
     """``frod plan`` (with its quantized alternatives) and ``frod data build`` are torch-free: they answer on a
     login node in a fraction of a second. Checked in a fresh interpreter, the command run to its exit, the
     planner's answer and the data build's output checked too (so the check cannot pass on an early error)."""
+    from frod_ds.testing.toy import write_synthetic_tasks
+
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,

@@ -23,6 +23,7 @@ a run or checks the launcher starts the command line itself.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import signal
@@ -69,14 +70,23 @@ def _run_rank(cmd: list[str], env: dict[str, str]) -> None:
             os._exit(code)
 
 
-def _start(cmd: list[str], env: dict[str, str]):
-    """One rank: a forked child of this (already imported) process, or a fresh interpreter."""
+def _start(cmd: list[str], env: dict[str, str], prepare=None):
+    """One rank: a forked child of this (already imported) process, which first calls ``prepare()`` (a failure
+    there ends the child with exit code 1), or a fresh interpreter."""
     if os.environ.get("FROD_RANKS_EXEC") == "1":
         return subprocess.Popen([sys.executable, *cmd], env=env)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
+        if prepare is not None:
+            try:
+                prepare()
+            except BaseException:  # noqa: BLE001 - the child must not return into its parent's code
+                import traceback
+
+                traceback.print_exc()
+                os._exit(1)
         _run_rank(cmd, env)
     return _Child(pid)
 
@@ -179,22 +189,11 @@ def run(n: int, cmd: list[str], env: dict[str, str], cwd: str | Path, timeout: f
     port = str(free_port())
     envs = [dict(env)] if n == 0 else [_rank_env(env, rank, n, port) for rank in range(n)]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        procs = []
-        for e in envs:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    _as_fresh(out.fileno(), err.fileno(), e)
-                    os.chdir(cwd)
-                except BaseException:  # noqa: BLE001 - the child must not return into the test
-                    import traceback
+        def prepare(e: dict[str, str]) -> None:
+            _as_fresh(out.fileno(), err.fileno(), e)
+            os.chdir(cwd)
 
-                    traceback.print_exc()
-                    os._exit(1)
-                _run_rank(cmd, e)  # never returns
-            procs.append(_Child(pid))
+        procs = [_start(cmd, e, functools.partial(prepare, e)) for e in envs]
         code = _supervise(procs, deadline=time.monotonic() + timeout)
         if code is None:
             for p in procs:
@@ -208,8 +207,8 @@ def run(n: int, cmd: list[str], env: dict[str, str], cwd: str | Path, timeout: f
             texts.append(f.read().decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n"))
     if code is None:
         raise subprocess.TimeoutExpired(argv, timeout, output=texts[0], stderr=texts[1])
-    if n == 0 and code > 128 and procs[0].returncode < 0:
-        code = procs[0].returncode  # one plain process: killed by a signal, as subprocess reports it
+    if n == 0:
+        code = procs[0].returncode  # one plain process: as subprocess reports it (killed by signal S: -S)
     return subprocess.CompletedProcess(argv, code, texts[0], texts[1])
 
 

@@ -101,12 +101,15 @@ def _build(root: Path, seed: int, layers: int) -> None:
                     str(root / "factors")], check=True, env=env_vars(), cwd=REPO, capture_output=True)
 
 
+def _train_args(config: Path, overrides: list[str], script: Path | None) -> list[str]:
+    return [str(script or REPO / "launch" / "train.py"), "--config", str(config), *overrides]
+
+
 def train_cmd(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None) -> list[str]:
-    script = script or REPO / "launch" / "train.py"
     cmd = [sys.executable]
     if nproc:  # torchrun's environment, the imports paid once (tests/support/ranks.py)
         cmd += [str(RANKS), str(nproc)]
-    return cmd + [str(script), "--config", str(config), *overrides]
+    return cmd + _train_args(config, overrides, script)
 
 
 def run_train(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None,
@@ -115,8 +118,7 @@ def run_train(config: Path, overrides: list[str], nproc: int = 2, script: Path |
     this test process, whose imports they reuse (``tests.support.ranks.run``)."""
     from tests.support import ranks
 
-    script = script or REPO / "launch" / "train.py"
-    return ranks.run(nproc, [str(script), "--config", str(config), *overrides], env_vars(), REPO, timeout)
+    return ranks.run(nproc, _train_args(config, overrides, script), env_vars(), REPO, timeout)
 
 
 def train_in_process(config: Path, overrides: list[str]) -> subprocess.CompletedProcess:
