@@ -11,6 +11,10 @@
 #                                       # zero3 + prefetch 0, zero3 + 5e8 buckets, LoRA plain / zero2
 #   bash bench/run_one_gpu.sh final-a   # the shipped configurations, ZeRO-3's changes undone one at a time, LoRA
 #   bash bench/run_one_gpu.sh final-b   # the headline pairs again, a second call
+#   bash bench/run_one_gpu.sh turns     # the headline pairs, windows in turn (FRoD's three at once, then LoRA's
+#                                       # two), 6 windows of 8 steps, an untimed step as each turn starts
+#   bash bench/run_one_gpu.sh flat-u    # zero3.json with a decoder layer's U as one Parameter (shipped) and as one per
+#                                       # FRoD layer, beside plain / zero2.json (FRoD and LoRA), one after another
 #   bash bench/run_one_gpu.sh 70b-a     # 70B widths, 20 layers, bf16 U_i, checkpointing, 4x256 tokens: generate + HJD,
 #                                       # then FRoD plain / zero2.json / zero3.json one after another (bench/seventy_b.py)
 #   bash bench/run_one_gpu.sh 70b-b     # the same chain (same warm machine): FRoD NF4 U_i + NF4 base and QLoRA r=16,
@@ -25,7 +29,7 @@
 #                                          # FRoD with DeepSpeed's own layout (V partitioned, σ/S per FRoD layer,
 #                                          # per-module fetch), LoRA r=16; each beside zero3.json without it (~5 min)
 set -euo pipefail
-stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|final-a|final-b|70b-a|70b-b|host-device|quant-7b|deepcompile}
+stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|flat-u|turns|final-a|final-b|70b-a|70b-b|host-device|quant-7b|deepcompile}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -92,6 +96,20 @@ case "$stage" in
       --only frod_plain,frod_zero2,frod_zero3,frod_zero3_per-member,frod_zero3_bucket-5e7,lora_plain,lora_zero2,lora_zero3 \
       --budget-s "${BUDGET_S:-470}" --deadline-s "${DEADLINE_S:-560}"
     rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"  # the call's JSON holds every result
+    ;;
+  flat-u)  # U of a decoder layer as one frozen Parameter (FRoDFrozen, shipped) against one per FRoD layer, beside
+           # plain / zero2.json and LoRA's plain / zero2.json, one configuration after another
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main,ablations \
+      --only frod_plain,frod_zero2,frod_zero3,frod_zero3_per-member-u,lora_plain,lora_zero2 --steps 16 --repeats 3 \
+      --budget-s "${BUDGET_S:-470}" --deadline-s "${DEADLINE_S:-560}"
+    rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
+    ;;
+  turns)  # the headline pairs with their windows taken in turn (FRoD plain / zero2.json / zero3.json at once, then
+          # LoRA plain / zero2.json), 6 windows of 8 steps, one untimed step after each turn starts
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main --interleave 3 \
+      --only frod_plain,frod_zero2,frod_zero3,lora_plain,lora_zero2 --steps 8 --repeats 6 \
+      --budget-s "${BUDGET_S:-470}" --deadline-s "${DEADLINE_S:-560}"
+    rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
     ;;
   final-b)  # the headline pairs again (a second call)
     python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main \

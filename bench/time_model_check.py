@@ -47,7 +47,8 @@ NOISY_SPREAD = 0.15
 # bench/zero3_levers.py calls whose FRoD runs differ from the shipped JSONs in DeepSpeed settings only (the model
 # reads each run's recorded JSON): the calls since the per-gradient bf16 check became a lever
 LEVER_CALLS = sorted((RESULTS / "zero3_levers").glob("zero3_levers_*_2026112[7-9]T*.json"))
-# build changes the model lacks (one σ and one S Parameter per FRoD layer under ZeRO-3 it has: zero3_flat_trainables)
+# build changes the model lacks (one σ and one S Parameter per FRoD layer under ZeRO-3 it has: zero3_flat_trainables;
+# one U per FRoD layer too: zero3_flat_frozen)
 MODEL_LEVERS = ("v_partitioned", "leaf_modules", "per_module_fetch", "compile")
 # bench/seventy_b.py --shape 7b's recipe (the offload run records the step time, not the shape): full-depth 7B,
 # micro-batch 4, cutoff 256, checkpointing, bf16, FRoD s=0.02 on the six targets
@@ -106,7 +107,8 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         label, d = str(path.relative_to(REPO)), json.loads(path.read_text())
     if d.get("benchmark") == "offload_zero3_7b":
         model, gpus, config = SEVEN_B, 1, d["config"]
-        train = TrainShape(micro_batch=4, seq_len=256, checkpointing=True, zero3_flat_trainables=False)  # before them
+        train = TrainShape(micro_batch=4, seq_len=256, checkpointing=True, zero3_flat_trainables=False,
+                           zero3_flat_frozen=False)  # before them
         engine, plain = engine_from_ds_config(config, "zero3_offload.json"), False
     else:
         m = d["model"]
@@ -117,7 +119,8 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         train = TrainShape(micro_batch=d["micro_batch"], seq_len=d["seq_len"], targets=tuple(d["targets"]),
                            sparsity=f.get("sparsity", 0.02), quant=d.get("frozen_quant") or "none",
                            quantize_base=bool(d.get("quantize_base", False)), checkpointing=d["gradient_checkpointing"],
-                           zero3_flat_trainables=d.get("levers", {}).get("per_member_trainables") is False)
+                           zero3_flat_trainables=d.get("levers", {}).get("per_member_trainables") is False,
+                           zero3_flat_frozen=d.get("levers", {}).get("per_member_frozen") is False)
         gpus, plain = d["world_size"], d["engine"] == "plain"
         engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"])
     pred = step_time(model_shape_from_config(model), train, engine, gpus, Link(host=hosts[_kind(d["device"])]),

@@ -31,6 +31,7 @@ bf16 so ZeRO-3 can partition it, or LLM.int8()), and with ``--quantize-base`` ev
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -105,7 +106,8 @@ def build_frod(args, ds_cfg: dict | None, rank: int):
     supports = make_supports(store, TARGETS, args.sparsity, 0)
     model = build_frod_model(args.model, store, supports, torch.bfloat16, ds_cfg, rank=rank, quant=args.frozen_quant,
                              quantize_base=args.quantize_base, replicate_v=not args.v_partitioned,
-                             flat_trainables=False if args.per_member_trainables else None)
+                             flat_trainables=False if args.per_member_trainables else None,
+                             flat_frozen=False if args.per_member_frozen else None)
     for _, m in frod_modules(model):
         m.save, m.dgrad, m.impl = args.frod_save, args.frod_dgrad, args.frod_impl
     if args.gc:
@@ -260,14 +262,28 @@ def _mem(device: torch.device) -> dict:
             "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
 
 
+def _steal_s() -> float | None:
+    """CPU time the hypervisor gave other guests, summed over this machine's CPUs (``/proc/stat``), in seconds; None
+    where there is no such file. Read per window: a host-bound step slows when it grows."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def time_steps(step, batches, device: torch.device, warmup: int, steps: int, repeats: int,
-               after_warmup=None, gate=None) -> dict:
+               after_warmup=None, gate=None, gc_freeze: bool = False, rewarm: int = 0) -> dict:
     """``warmup`` untimed steps (``after_warmup()`` then), then ``repeats`` windows of ``steps`` timed steps (seconds
     each). ``gate(k)`` (if given) is called before window k and once more after the last (k = repeats): it returns
-    when the window may start (``window_gate``)."""
+    when the window may start (``window_gate``); ``rewarm`` untimed steps then run before the window's timed ones."""
     losses = [float(step(next(batches))) for _ in range(warmup)]
     if after_warmup is not None:
         after_warmup()
+    if gc_freeze:  # what the build and warm-up made is never collected again: collections scan only what is new
+        gc.collect()
+        gc.freeze()
+    gc_counts, host = [], []
     _sync(device)
     mem_warm = _mem(device)
     if device.type == "cuda":
@@ -276,7 +292,11 @@ def time_steps(step, batches, device: torch.device, warmup: int, steps: int, rep
     for k in range(repeats):
         if gate is not None:
             gate(k)
+            for _ in range(rewarm):  # back from waiting while others ran: caches and clocks as a running loop has them
+                step(next(batches))
         times = []
+        before = [g["collections"] for g in gc.get_stats()]
+        cpu0, steal0 = time.process_time(), _steal_s()
         for _ in range(steps):
             ids = next(batches)
             _sync(device)
@@ -285,10 +305,14 @@ def time_steps(step, batches, device: torch.device, warmup: int, steps: int, rep
             _sync(device)
             times.append(time.perf_counter() - t0)
         windows.append(times)
+        gc_counts.append([g["collections"] - b for g, b in zip(gc.get_stats(), before)])
+        host.append({"process_cpu_s": time.process_time() - cpu0,
+                     "steal_s": None if steal0 is None else _steal_s() - steal0})
         losses.append(float(loss))
     if gate is not None:
         gate(repeats)
-    return {"windows": windows, "losses": losses, "mem_after_warmup": mem_warm, "mem_timed": _mem(device)}
+    return {"windows": windows, "losses": losses, "mem_after_warmup": mem_warm, "mem_timed": _mem(device),
+            "gc_collections": gc_counts, "host": host}
 
 
 def window_gate(directory: str, name: str, repeats: int, wait_s: float = 1800.0):
@@ -441,7 +465,8 @@ def run(args) -> None:
     passes = LayerPasses(step.model)  # checked after the warm-up steps, before any timed one
     timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
                         args.warmup, args.steps, args.repeats, after_warmup=lambda: passes.check(args.warmup, args.gc),
-                        gate=window_gate(args.gate, args.name, args.repeats) if args.gate else None)
+                        gate=window_gate(args.gate, args.name, args.repeats) if args.gate else None,
+                        gc_freeze=args.gc_freeze, rewarm=args.rewarm if args.gate else 0)
     prof = pyprof = phases = None
     if args.profile:
         prof = profile_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank + 7, device), device)
@@ -482,8 +507,11 @@ def run(args) -> None:
             "build_s": build_s, "losses": timing["losses"], "layer_passes_per_step": passes.per_step,
             "levers": {"ds_set": list(args.ds_set), "v_partitioned": args.v_partitioned,
                        "per_member_trainables": args.per_member_trainables,
+                       "per_member_frozen": args.per_member_frozen,
                        "leaf_modules": args.leaf_modules, "per_module_fetch": args.per_module_fetch,
-                       "compile": args.compile},
+                       "compile": args.compile, "gc_freeze": args.gc_freeze},
+            "rewarm_steps": args.rewarm if args.gate else 0,
+            "gc_collections_per_window": timing["gc_collections"], "host_per_window": timing["host"],
             "profile": prof, "phases_ms": phases, "python_profile": pyprof,
         }
         path = write_result(args.name or config_name(args, engine, world), payload, args.out)
@@ -540,6 +568,15 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--per-member-trainables", action="store_true",
                    help="FRoD under ZeRO-3: one σ and one S Parameter per FRoD layer (the build holds them per "
                         "decoder layer, frod_ds.core.layer.FRoDTrainables, by default)")
+    r.add_argument("--rewarm", type=int, default=1,
+                   help="with --gate: untimed steps after each gate opens, before the window's timed steps (a process "
+                        "that waited while others ran resumes cold)")
+    r.add_argument("--gc-freeze", action="store_true",
+                   help="after the warm-up: gc.collect() and gc.freeze() (Python's collector then never scans the "
+                        "build's objects again)")
+    r.add_argument("--per-member-frozen", action="store_true",
+                   help="FRoD under ZeRO-3: one frozen U Parameter per FRoD layer (the build holds a decoder layer's "
+                        "dense U_i as one, frod_ds.core.layer.FRoDFrozen, by default)")
     r.add_argument("--per-module-fetch", action="store_true",
                    help="FRoD under ZeRO-3: leave DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)")
     r.add_argument("--compile", action="store_true", help="engine.compile() after deepspeed.initialize (DeepCompile "

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.train_matrix import TINY_MODEL, TINY_RUN, _run, _tail, prepare  # noqa: E402
-from frod_ds.config.ds_config import bf16_overflow_check, load_ds_config  # noqa: E402
+from frod_ds.config.ds_config import bf16_overflow_check, load_ds_config, zero_settings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ZERO2, ZERO3 = "ds_configs/zero2.json", "ds_configs/zero3.json"
@@ -68,6 +68,8 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
                    ["--ds-set=reduce_bucket_size=50000000"]),
     "per-member": ("one σ and one S Parameter per FRoD layer (12 per 7B decoder layer) instead of one each per "
                    "decoder layer (FRoDTrainables)", ["--per-member-trainables"]),
+    "per-member-u": ("one frozen U Parameter per FRoD layer (6 per 7B decoder layer) instead of one per decoder layer "
+                     "(FRoDFrozen)", ["--per-member-frozen"]),
 }
 # Settings on top of the shipped JSON (name -> what it changes, the arguments added to the shipped JSON's), each beside
 # the shipped zero2.json (zero3.json) in the same call; the first two leave the numerics alone and apply to either
@@ -85,6 +87,8 @@ PLUS_LEVERS: dict[str, tuple[str, list[str]]] = {
                           "global norm is still computed and clipped)", ["--ds-set=bf16.check_grad_overflow=false"]),
     "no-check-no-overlap": ("both: bf16.check_grad_overflow false and overlap_comm false",
                             ["--ds-set=bf16.check_grad_overflow=false", "--ds-set=overlap_comm=false"]),
+    "gc-freeze": ("gc.collect() and gc.freeze() after the warm-up (Python's collector no longer scans the model's "
+                  "and DeepSpeed's objects; its collections during the windows are recorded either way)", ["--gc-freeze"]),
     "deepcompile": ('"compile": {"deepcompile": true} and engine.compile() (needs TORCH_CUDA_ARCH_LIST=9.0 on the '
                     "H200 image)", ["--ds-set=compile.deepcompile=true", "--compile"]),
 }
@@ -97,7 +101,7 @@ FAILURE_CAUSES = {
                    "at a time\" below put back the build's three ZeRO-3 choices one by one: with the per-decoder-layer "
                    "fetch this error comes back; without it DeepCompile trains.",
 }
-EITHER_JSON = ("no-overlap", "bucket-5e8")
+EITHER_JSON = ("no-overlap", "bucket-5e8", "gc-freeze")
 ZERO3_ONLY = ("prefetch-0",)
 HOST_LEVERS = ("no-overflow-check", "no-check-no-overlap")
 SETS = {
@@ -138,7 +142,7 @@ def run_args(method: str, tags: list[str]) -> list[str]:
     if method == "frod" and "--leaf-modules" not in args:
         args.append("--per-module-fetch")
     if method == "frod":
-        args.append("--per-member-trainables")  # as built before FRoDTrainables
+        args += ["--per-member-trainables", "--per-member-frozen"]  # as built before FRoDTrainables and FRoDFrozen
     return [a for a in args if not (method == "frod" and a == "--leaf-modules")]
 
 
@@ -420,9 +424,12 @@ def _fmt(x: float | None, unit: str = "×") -> str:
 
 def _zero3_build(result: dict) -> str:
     """How a run's ZeRO-3 held σ and S, and its gradient bucket: what changed between the calls of this report."""
-    per_member = result.get("levers", {}).get("per_member_trainables", True)  # runs before FRoDTrainables: per member
+    levers = result.get("levers", {})
+    per_member = levers.get("per_member_trainables", True)  # runs before FRoDTrainables: per member
+    per_member_u = levers.get("per_member_frozen", True)  # runs before FRoDFrozen: per member
     bucket = (result.get("ds_config") or {}).get("zero_optimization", {}).get("reduce_bucket_size")
-    held = "σ, S per FRoD layer" if per_member else "σ, S per decoder layer"
+    held = ("σ, S per FRoD layer" if per_member else "σ, S per decoder layer") + (
+        "" if per_member_u else "; U per decoder layer")
     return f"{held}; reduce bucket {bucket:.0e}" if isinstance(bucket, (int, float)) else held
 
 
@@ -505,46 +512,60 @@ def report(directory: Path) -> Path:
         by = {r["name"]: r for r in doc["runs"] if r.get("status") == "ok"}
         z2 = by.get(name_of("frod", ZERO2, []))
         check = ("on" if bf16_overflow_check(z2["result"]["ds_config"]) else "off") if z2 else "–"
+        overlap = ("on" if zero_settings(z2["result"]["ds_config"]).overlap_comm else "off") if z2 else "–"
+        rewarm = max((r["result"].get("rewarm_steps", 0) for r in by.values()), default=0)
         spread = max((r["result"].get("window_spread", 0) for r in by.values()
                       if not r["tags"] and r["method"] == "frod"), default=None)
         z3 = by.get(name_of("frod", ZERO3, []))
         build = _zero3_build(z3["result"]) if z3 else None
         summary.append({"started": doc["started"], "device": doc["device"], "zero2_check": check,
+                        "zero2_overlap": overlap, "rewarm": rewarm,
                         "frod_spread": spread, "zero3_build": build, "interleave": doc.get("interleave", 0),
                         **ratios})
     lines += ["## The goals per call", "", "FRoD on the full-depth 7B shape, one GPU; each ratio is a pair measured in the "
-              "same call. ZeRO-3 build: how that call's ZeRO-3 held σ and S and the shipped `reduce_bucket_size`. "
+              "same call. ZeRO-3 build: how that call's ZeRO-3 held σ, S and U and the shipped `reduce_bucket_size`. "
               "Windows: interleaved calls ran several configurations at once on the GPU, taking turns window by window "
               "(ZeRO-3 came out slower that way than alone: a host-bound process resuming after seconds idle); the "
-              "goals are read from calls timed one configuration after another. (The 10:39 call's per-decoder-layer σ and S "
+              "goals were read from calls timed one configuration after another until 2026-11-27T22:50, when each turn "
+              "started to begin with an untimed step (\"in turn, re-warmed\"); both kinds are counted below, apart. (The 10:39 call's per-decoder-layer σ and S "
               "were a first version that ZeRO-3 still gathered and released layer by layer; since the next call they "
               "are persistent, as each member's were.) Goals: `zero3.json` ÷ `zero2.json` ≤ 1.25×, `zero2.json` ÷ plain "
               "≤ 1.15×. `zero2.json` overflow check: DeepSpeed's per-gradient bf16 check in the shipped `zero2.json` "
-              "of that call (off since 2026-11-27). Window spread: the largest relative gap between a FRoD "
+              "of that call (off since 2026-11-27); `zero2.json` overlap: its `overlap_comm` (off since 2026-11-27T22:35: "
+              "one GPU has nothing to overlap, and FRoD's gradients are small on any number). Window spread: the largest relative gap between a FRoD "
               "configuration's window medians in that call (a noisy machine shows here first).", "",
               "| call | device | FRoD zero3 ÷ zero2 | FRoD zero2 ÷ plain | LoRA zero3 ÷ zero2 "
-              "| FRoD zero3 ÷ LoRA's fastest | `zero2.json` overflow check | ZeRO-3 build | windows | window spread |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    shipped = _zero3_build({"ds_config": load_ds_config(REPO / ZERO3), "levers": {"per_member_trainables": False}})
-    current = []
+              "| FRoD zero3 ÷ LoRA's fastest | `zero2.json` overflow check | `zero2.json` overlap | ZeRO-3 build | windows "
+              "| window spread |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    shipped_overlap = "on" if zero_settings(load_ds_config(REPO / ZERO2)).overlap_comm else "off"
+    shipped = _zero3_build({"ds_config": load_ds_config(REPO / ZERO3), "levers": {"per_member_trainables": False,
+                                                                                    "per_member_frozen": False}})
+    current: dict[str, list[dict]] = {"timed one configuration after another": [], "windows in turn, re-warmed": []}
     for r in summary:
         f, lo = r.get("frod", {}), r.get("lora", {})
         spread = "–" if r["frod_spread"] is None else f"{r['frod_spread'] * 100:.0f}%"
-        windows = f"interleaved, {r['interleave']} at a time" if r["interleave"] else "one configuration after another"
+        windows = ("one configuration after another" if not r["interleave"] else
+                   f"in turn, {r['interleave']} at a time" + (", re-warmed" if r["rewarm"] else ""))
         if f.get("zero3_over_zero2") or f.get("zero2_over_plain"):
             lines.append(f"| {r['started'][:16]} | {r['device']} | {_fmt(f.get('zero3_over_zero2'))} "
                          f"| {_fmt(f.get('zero2_over_plain'))} | {_fmt(lo.get('zero3_over_zero2'))} "
-                         f"| {_fmt(r.get('frod_zero3_over_lora_best'))} | {r['zero2_check']} | {r['zero3_build'] or '–'} "
-                         f"| {windows} | {spread} |")
-            if r["zero3_build"] == shipped and not r["interleave"]:
-                current.append(r)
-    if current:
-        met = [r for r in current if (r["frod"].get("zero3_over_zero2") or 9) <= 1.25
+                         f"| {_fmt(r.get('frod_zero3_over_lora_best'))} | {r['zero2_check']} | {r['zero2_overlap']} "
+                         f"| {r['zero3_build'] or '–'} | {windows} | {spread} |")
+            if r["zero3_build"] == shipped and r["zero2_overlap"] == shipped_overlap and r["zero2_check"] == "off":
+                if not r["interleave"]:
+                    current["timed one configuration after another"].append(r)
+                elif r["rewarm"]:
+                    current["windows in turn, re-warmed"].append(r)
+    for how, calls_now in current.items():
+        if not calls_now:
+            continue
+        met = [r for r in calls_now if (r["frod"].get("zero3_over_zero2") or 9) <= 1.25
                and (r["frod"].get("zero2_over_plain") or 9) <= 1.15]
-        lines += ["", f"With the build and `zero3.json` shipped now ({shipped}), timed one configuration after another: "
-                  f"{len(current)} call(s); `zero3.json` ÷ `zero2.json` "
-                  + ", ".join(_fmt(r["frod"].get("zero3_over_zero2")) for r in current)
-                  + "; `zero2.json` ÷ plain " + ", ".join(_fmt(r["frod"].get("zero2_over_plain")) for r in current)
+        lines += ["", f"With the build and JSONs shipped now ({shipped}; `zero2.json` overlap {shipped_overlap}), {how}: "
+                  f"{len(calls_now)} call(s); `zero3.json` ÷ `zero2.json` "
+                  + ", ".join(_fmt(r["frod"].get("zero3_over_zero2")) for r in calls_now)
+                  + "; `zero2.json` ÷ plain " + ", ".join(_fmt(r["frod"].get("zero2_over_plain")) for r in calls_now)
                   + f"; both goals met in {len(met)} of them."]
     lines += ["", "## Each call", ""] + calls
     lines += seventy_b_report(directory / "70b_widths")

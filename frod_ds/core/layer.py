@@ -30,7 +30,7 @@ from frod_ds.runtime.validate import sparsity_problem
 from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
 from frod_ds.core.sizes import ordering
 
-__all__ = ["SparseSupport", "FRoDLinear", "FRoDTrainables", "core_matrix", "support_seed", "ordering", "support_nnz"]
+__all__ = ["SparseSupport", "FRoDLinear", "FRoDTrainables", "FRoDFrozen", "core_matrix", "support_seed", "ordering", "support_nnz"]
 
 TRAINABLE_PREFIX = "frod_"
 
@@ -141,6 +141,39 @@ class FRoDTrainables(nn.Module):
         return f"members={len(self.members)}, sigma={self.sigma_spans[-1][1]}, s={self.s_spans[-1][1]}"
 
 
+class FRoDFrozen(nn.Module):
+    """The frozen ``U_i`` of several FRoD layers (the members of one decoder layer) as one flat frozen Parameter
+    ``U`` (Σ m·n elements, the members' in ``members`` order, each row-major); each member's ``U`` is an ``(m, n)``
+    view of its span. What a ZeRO-3 fetch of the layer handles is then one frozen tensor instead of one per member:
+    DeepSpeed's host work per gather, release and re-partition is per Parameter (on one GPU, where nothing crosses a
+    link, that work is ZeRO-3's cost), while the elements gathered are the same. Dense ``U`` only: a quantized ``U``
+    keeps its own Parameter, whose spec says how to read its bytes.
+
+    Frozen and never saved (checkpoints exclude frozen parameters; adapters hold σ and S): no on-disk format sees it.
+    """
+
+    def __init__(self, members: list[tuple[str, int, int]], dtype: torch.dtype, device: torch.device | None = None):
+        """``members``: ``(name relative to the owning module, m, n)`` each, in the model's module order."""
+        super().__init__()
+        self.members = [name for name, _, _ in members]
+        self.shapes: list[tuple[int, int]] = []
+        self.spans: list[tuple[int, int]] = []
+        a = 0
+        for _, m, n in members:
+            self.shapes.append((m, n))
+            self.spans.append((a, a + m * n))
+            a += m * n
+        self.U = nn.Parameter(torch.empty(a, dtype=dtype, device=device), requires_grad=False)
+
+    def member(self, i: int) -> Tensor:
+        """Member ``i``'s ``U`` (m, n): a view of the flat Parameter (ZeRO-3: valid while gathered)."""
+        a, b = self.spans[i]
+        return self.U[a:b].view(self.shapes[i])
+
+    def extra_repr(self) -> str:
+        return f"members={len(self.members)}, numel={self.spans[-1][1]}"
+
+
 class FRoDLinear(nn.Module):
     """``y = U (diag σ + S) Vᵀ x + b`` — a drop-in for an ``nn.Linear`` of shape ``(m, n)``.
 
@@ -153,27 +186,33 @@ class FRoDLinear(nn.Module):
         bias: the base layer's bias ``(m,)`` or None, kept frozen.
         flat: ``(holder, i)``: σ and S are views of member ``i`` of a ``FRoDTrainables`` (which owns them; this
             module then has no trainable Parameter of its own and ``sigma`` is ignored: the holder is loaded).
+        frozen: ``(holder, i)``: ``U`` is member ``i`` of a ``FRoDFrozen`` (which owns it; ``U`` is then ignored
+            and may be None).
     Input ``(..., n)`` → output ``(..., m)``.
     """
 
-    def __init__(self, U: Tensor, V: nn.Parameter, sigma: Tensor, support: SparseSupport, bias: Tensor | None = None,
-                 flat: tuple[FRoDTrainables, int] | None = None):
+    def __init__(self, U: Tensor | None, V: nn.Parameter, sigma: Tensor, support: SparseSupport,
+                 bias: Tensor | None = None, flat: tuple[FRoDTrainables, int] | None = None,
+                 frozen: tuple[FRoDFrozen, int] | None = None):
         super().__init__()
-        m, n = logical_shape(U)
+        m, n = frozen[0].shapes[frozen[1]] if frozen is not None else logical_shape(U)
         v_shape = tuple(getattr(V, "ds_shape", V.shape))  # ZeRO-3 may already have partitioned a shared V
-        assert v_shape == (n, n), f"V must be ({n}, {n}) for U of shape {tuple(U.shape)}, got {v_shape}"
+        assert v_shape == (n, n), f"V must be ({n}, {n}) for U of shape {(m, n)}, got {v_shape}"
         assert sigma.shape == (n,), f"sigma must be ({n},), got {tuple(sigma.shape)}"
         assert support.n == n, f"support is for n={support.n}, layer has n={n}"
         assert isinstance(V, nn.Parameter), "V must be an nn.Parameter shared by the category"
         self.in_features, self.out_features = n, m
-        self.U = U if isinstance(U, nn.Parameter) else nn.Parameter(U, requires_grad=False)
-        self.U.requires_grad_(False)
+        object.__setattr__(self, "_frozen", frozen)  # not a submodule: the holder belongs to the decoder layer
+        if frozen is None:
+            self.U = U if isinstance(U, nn.Parameter) else nn.Parameter(U, requires_grad=False)
+        u = self.u_parameter()
+        u.requires_grad_(False)
         self.V = V
         self.V.requires_grad_(False)
-        object.__setattr__(self, "_flat", flat)  # not a submodule: the holder belongs to the decoder layer
+        object.__setattr__(self, "_flat", flat)
         if flat is None:
-            self.frod_sigma = nn.Parameter(sigma.detach().clone().to(U.dtype))
-            self.frod_s = nn.Parameter(torch.zeros(support.nnz, dtype=U.dtype, device=U.device))
+            self.frod_sigma = nn.Parameter(sigma.detach().clone().to(u.dtype))
+            self.frod_s = nn.Parameter(torch.zeros(support.nnz, dtype=u.dtype, device=u.device))
         else:
             holder, i = flat
             (a, b), (c, d) = holder.sigma_spans[i], holder.s_spans[i]
@@ -195,7 +234,19 @@ class FRoDLinear(nn.Module):
         # How ∂σ, ∂S are taken: "dense" (one n×n GEMM, gathered) or "sampled" (support entries only).
         self.dgrad = "dense"
 
-    # -- the trainable tensors -------------------------------------------------------------------------
+    # -- the frozen and trainable tensors ----------------------------------------------------------------
+
+    @property
+    def U(self) -> Tensor:
+        """U (m, n): this module's Parameter, or its span of the holder's (a view; ZeRO-3: valid while gathered)."""
+        if self._frozen is None:
+            return _own(self, "U")
+        holder, i = self._frozen
+        return holder.member(i)
+
+    def u_parameter(self) -> nn.Parameter:
+        """The Parameter holding this module's U (its own, or its holder's): what a ZeRO-3 gather needs."""
+        return _own(self, "U") if self._frozen is None else self._frozen[0].U
 
     @property
     def frod_sigma(self) -> Tensor:

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from frod_ds.model.apply import mark_only_frod_trainable, set_submodule
-from frod_ds.config.ds_config import zero_settings, zero_stage
+from frod_ds.config.ds_config import nvme_offloads, zero_settings, zero_stage
 from frod_ds.runtime.errors import FrodError, StoreError
-from frod_ds.core.layer import FRoDLinear, FRoDTrainables, SparseSupport, support_seed
+from frod_ds.core.layer import FRoDFrozen, FRoDLinear, FRoDTrainables, SparseSupport, support_seed
 from frod_ds.core.quant import QuantError, QuantSpec, check_kind, quantize_untargeted, quantized_parameter, spec_of
 
 __all__ = ["make_supports", "build_frod_model", "gathered", "check_store_quant", "replicate_shared_v", "fetch_per_layer"]
@@ -167,9 +167,10 @@ def _decoder_layer_of(model: nn.Module) -> dict[str, str]:
 
 
 def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport], dtype: torch.dtype,
-                  quant: str = "none", flat: bool = False) -> None:
+                  quant: str = "none", flat: bool = False, flat_frozen: bool = False) -> None:
     """Replace each member of the ``supports``' categories by an empty ``FRoDLinear`` (loaded afterwards). With
-    ``flat``, the σ and S of a decoder layer's members are one ``FRoDTrainables`` of that layer (``frod_flat``)."""
+    ``flat``, the σ and S of a decoder layer's members are one ``FRoDTrainables`` of that layer (``frod_flat``); with
+    ``flat_frozen`` (dense U only), their U one ``FRoDFrozen`` of that layer (``frod_frozen``)."""
     found: dict[str, tuple[str, nn.Parameter, int, int]] = {}  # member -> (category, V, m, n)
     for category in supports:
         members = store.categories[category]
@@ -188,24 +189,35 @@ def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport]
                 raise StoreError(f"{name}: model has {old}, factor store has a ({m}, {n_in}) member")
             found[name] = (category, V, m, n)
     holders: dict[str, tuple[FRoDTrainables, int]] = {}
-    if flat:
+    frozen: dict[str, tuple[FRoDFrozen, int]] = {}
+    flat_frozen = flat_frozen and quant == "none"
+    if flat or flat_frozen:
         owner = _decoder_layer_of(model)
         order = [name for name, _ in model.named_modules() if name in found and name in owner]
         by_layer: dict[str, list[str]] = {}
         for name in order:
             by_layer.setdefault(owner[name], []).append(name)
         for layer, names in by_layer.items():
-            holder = FRoDTrainables([(name[len(layer) + 1:], found[name][3], supports[found[name][0]].nnz)
-                                     for name in names], dtype)
-            model.get_submodule(layer).frod_flat = holder
-            holders.update({name: (holder, i) for i, name in enumerate(names)})
+            rel = [name[len(layer) + 1:] for name in names]
+            if flat:
+                holder = FRoDTrainables([(r, found[name][3], supports[found[name][0]].nnz)
+                                         for r, name in zip(rel, names)], dtype)
+                model.get_submodule(layer).frod_flat = holder
+                holders.update({name: (holder, i) for i, name in enumerate(names)})
+            if flat_frozen:
+                u_holder = FRoDFrozen([(r, found[name][2], found[name][3]) for r, name in zip(rel, names)], dtype)
+                model.get_submodule(layer).frod_frozen = u_holder
+                frozen.update({name: (u_holder, i) for i, name in enumerate(names)})
     for name, (category, V, m, n) in found.items():
         old = model.get_submodule(name)
-        if quant == "none":
+        if name in frozen:
+            U = None
+        elif quant == "none":
             U = torch.empty(m, n, dtype=dtype)
         else:  # the store's own blob layout if it is quantized, else quantized at load time
             U = quantized_parameter(store.u_spec(name) or QuantSpec(quant, (m, n)), dtype)
-        layer = FRoDLinear(U, V, torch.empty(n, dtype=dtype), supports[category], old.bias, flat=holders.get(name))
+        layer = FRoDLinear(U, V, torch.empty(n, dtype=dtype), supports[category], old.bias, flat=holders.get(name),
+                           frozen=frozen.get(name))
         set_submodule(model, name, layer)
 
 
@@ -215,6 +227,15 @@ def _read_param(name: str, pn: str, module: nn.Module, ckpt, keys: set[str], sto
     if isinstance(module, FRoDTrainables) and pn == "frod_sigma":
         owner = name.rsplit(".", 1)[0]
         return torch.cat([store.load_sigma(f"{owner}.{member}") for member in module.members])
+    if isinstance(module, FRoDFrozen) and pn == "U":
+        owner = name.rsplit(".", 1)[0]
+        parts = []
+        for member, shape in zip(module.members, module.shapes):
+            U = store.load_U(f"{owner}.{member}")
+            if tuple(U.shape) != shape:
+                raise StoreError(f"{owner}.{member}.U: shape {tuple(U.shape)} in the files, {shape} in the model")
+            parts.append(U.reshape(-1))
+        return torch.cat(parts)
     if isinstance(module, FRoDLinear) and pn in ("U", "V", "frod_sigma"):
         if pn == "U":
             return store.load_U_packed(name) if store.u_spec(name) is not None else store.load_U(name)
@@ -327,6 +348,7 @@ def build_frod_model(
     quantize_base: bool = False,
     replicate_v: bool = True,
     flat_trainables: bool | None = None,
+    flat_frozen: bool | None = None,
 ) -> nn.Module:
     """The base architecture with FRoD layers, loaded; σ and S values the only trainable parameters.
 
@@ -345,6 +367,9 @@ def build_frod_model(
         flat_trainables: σ and S of each decoder layer as one ``FRoDTrainables`` (two Parameters per layer instead
             of two per member); None: under ZeRO-3 only, where the per-tensor host work is the cost. Plain PyTorch
             and ZeRO-1/2 keep one Parameter each (their gradient norm sums per tensor: the same grouping as ever).
+        flat_frozen: the dense ``U_i`` of each decoder layer as one ``FRoDFrozen`` (one frozen Parameter per layer
+            instead of one per member; ignored with ``quant``); None: under ZeRO-3 unless parameters go to NVMe
+            (whose swap buffers are sized by the largest parameter, ``frod_ds.config.ds_config.check_nvme_buffer``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -368,7 +393,8 @@ def build_frod_model(
             model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
         _check_placeholders(model, targeted & {n for n, _ in model.named_modules()})
         flat = zero3 if flat_trainables is None else flat_trainables
-        _swap_targets(model, store, supports, dtype, quant, flat)
+        flat_u = (zero3 and "offload_param" not in nvme_offloads(dict(ds_config))) if flat_frozen is None else flat_frozen
+        _swap_targets(model, store, supports, dtype, quant, flat, flat_u)
         if quantize_base:
             quantize_untargeted(model, quant, dtype)
     rank0 = rank == 0 or not zero3
@@ -394,15 +420,15 @@ def build_frod_model(
     mark_only_frod_trainable(model)
     if zero3 and replicate_v:
         replicate_shared_v(model)
-    if zero3 and flat:
+    if zero3 and (flat or flat_u):
         _register_flat_with_zero3(model, ds_config)
     return model
 
 
 def _register_flat_with_zero3(model: nn.Module, ds_config: Mapping) -> None:
-    """Each FRoD layer reads its decoder layer's ``FRoDTrainables``: declare those Parameters to ZeRO-3 as the
-    layer's (``register_external_parameter``), so per-module fetching (no ``fetch_per_layer``) gathers them before
-    the layer runs. A holder's σ (S) Parameter is persistent (``ds_persist``: gathered once, held whole on every
+    """Each FRoD layer reads its decoder layer's ``FRoDTrainables`` and ``FRoDFrozen``: declare those Parameters to
+    ZeRO-3 as the layer's (``register_external_parameter``), so per-module fetching (no ``fetch_per_layer``) gathers
+    them before the layer runs. A holder's σ (S) Parameter is persistent (``ds_persist``: gathered once, held whole on every
     rank) exactly where DeepSpeed would have made every member's own σ (S) persistent, i.e. each member's span is
     within ``stage3_param_persistence_threshold``: residency is what it was with one Parameter per FRoD layer (the
     shipped ``zero3.json``: all of σ and S; a threshold below a member's S: S partitioned, gathered with its layer)."""
@@ -417,3 +443,5 @@ def _register_flat_with_zero3(model: nn.Module, ds_config: Mapping) -> None:
         if isinstance(m, FRoDLinear) and m._flat is not None:
             for p in m.frod_parameters():
                 register_external_parameter(m, p)
+        if isinstance(m, FRoDLinear) and m._frozen is not None:
+            register_external_parameter(m, m.u_parameter())

@@ -21,7 +21,8 @@ constants, so the planner can rank the set-ups that fit by speed instead of by a
                   check (the shipped zero2.json): ZERO2_UNCHECKED_TENSOR_S. They synchronize: added, not overlapped;
                   host work, so × ``Link.host`` like the layer fetches.
     layer fetch   ZeRO-3: ZERO3_LAYER_PASS_S per decoder layer and pass (fetch/release of one layer's parameters,
-                  the shipped per-layer fetch; passes = 2, 3 with checkpointing)
+                  the shipped per-layer fetch; passes = 2, 3 with checkpointing), less ZERO3_FROZEN_TENSOR_PASS_S for
+                  each U_i beyond the first when a layer's dense U_i are one Parameter (``FRoDFrozen``)
     link          N > 1 under ZeRO-3: LINK_EXPOSED × the bytes of the frozen weights a rank does not hold, gathered
                   once per pass, at the link's all-gather bus bandwidth; ZeRO-2: the trainable gradients'
                   reduce-scatter
@@ -51,6 +52,10 @@ ZERO2_UNCHECKED_TENSOR_S = 3e-6
 # ZeRO-3 over ZeRO-2 on one H200 (nothing on a link): 7B 435 − 325 ms over 32 layers × 2 passes = 1.7 ms; 70B
 # widths × 20 layers with checkpointing 485 − 443 ms over 20 × 3 = 0.7 ms; the mean.
 ZERO3_LAYER_PASS_S = 1.2e-3
+# ... less this per frozen tensor a decoder layer no longer has once its dense U_i are one Parameter (FRoDFrozen):
+# full-depth 7B, one H200, zero3.json with U per FRoD layer 395 ms, per decoder layer 344 ms, same call
+# (zero3_levers, 2026-11-27T22:26), over 32 layers × 2 passes × 5 tensors.
+ZERO3_FROZEN_TENSOR_PASS_S = 1.6e-4
 # Exposed gather time ÷ the link floor on 2 H200s: 7B 74 ms of 51 (1.45), 70B widths × 40 layers 348 ms of 393
 # (0.89): DeepSpeed's prefetch hides little of it; the mean.
 LINK_EXPOSED = 1.2
@@ -136,7 +141,10 @@ def step_time(model, train, engine, gpus: int, link: Link = NVLINK, *, plain: bo
     parts["zero hooks"] = link.host * (ZERO_TENSOR_S if checked else ZERO2_UNCHECKED_TENSOR_S) * n_trainable
     n = gpus
     if engine.stage == 3:
-        parts["layer fetch"] = link.host * ZERO3_LAYER_PASS_S * model.layers * passes
+        per_pass = ZERO3_LAYER_PASS_S
+        if train.zero3_flat_frozen and train.quant == "none":
+            per_pass -= ZERO3_FROZEN_TENSOR_PASS_S * (len(train.targets) - 1)
+        parts["layer fetch"] = link.host * per_pass * model.layers * passes
         if engine.offload_param:
             parts["offload"] = passes * frozen_bytes / OFFLOAD_BYTES_PER_S
         elif n > 1:

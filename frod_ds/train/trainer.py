@@ -569,7 +569,7 @@ def rotation_angles(run: Run) -> dict[str, float]:
     """``tan α`` per category (spec §2): ``sqrt(Σ‖ΔW_off‖² / Σ‖ΔW_on‖²)`` over the category's members."""
     sums: dict[str, list[float]] = {}
     for name, m in frod_modules(run.engine.module):
-        with gathered([m.U, m.V, *m.frod_parameters()], run.zero3):
+        with gathered([m.u_parameter(), m.V, *m.frod_parameters()], run.zero3):
             if dist.is_main():
                 on, off = m.update_norms_sq(run.sigma0[name])
                 acc = sums.setdefault(category_of(name), [0.0, 0.0])

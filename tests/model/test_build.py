@@ -102,6 +102,41 @@ def test_targeted_dense_weights_are_never_allocated(tmp_path, monkeypatch, targe
         assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5)
 
 
+def test_flat_frozen_u_computes_exactly_as_one_parameter_per_member(tmp_path):
+    """The dense U_i of a decoder layer held as one frozen Parameter (``FRoDFrozen``, what ZeRO-3 builds) give the
+    same logits, loss and σ/S gradients bit for bit as one U Parameter per FRoD layer; each member reads its own
+    span; a quantized U keeps its own Parameter."""
+    from frod_ds.core.layer import FRoDFrozen, FRoDLinear
+
+    model_dir = write_tiny_llama(tmp_path / "m")
+    store = _store_for(model_dir, tmp_path / "f")
+    models = {flat: build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32,
+                                     flat_frozen=flat) for flat in (False, True)}
+    holders = [m for m in models[True].modules() if isinstance(m, FRoDFrozen)]
+    assert len(holders) == models[True].config.num_hidden_layers and len(holders[0].members) == len(TARGETS)
+    assert not any(isinstance(m, FRoDFrozen) for m in models[False].modules())
+    flat_layers = {n: m for n, m in models[True].named_modules() if isinstance(m, FRoDLinear)}
+    for name, m in ((n, m) for n, m in models[False].named_modules() if isinstance(m, FRoDLinear)):
+        got = flat_layers[name]
+        assert "U" not in got._parameters and got.u_parameter() is got._frozen[0].U and not got.U.requires_grad
+        assert torch.equal(got.U, m.U) and torch.equal(got.U, store.load_U(name).float()), name
+    assert sum(p.numel() for p in models[True].parameters()) == sum(p.numel() for p in models[False].parameters())
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for flat, m in models.items():
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses[flat] = loss.detach()
+    assert torch.equal(losses[False], losses[True])
+    for name, m in ((n, m) for n, m in models[False].named_modules() if isinstance(m, FRoDLinear)):
+        assert torch.equal(m.frod_s.grad, flat_layers[name].frod_s.grad), name
+        assert torch.equal(m.frod_sigma.grad, flat_layers[name].frod_sigma.grad), name
+    assert all(h.U.grad is None for h in holders)
+    nf4 = build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32, quant="nf4",
+                           flat_frozen=True)
+    assert not any(isinstance(m, FRoDFrozen) for m in nf4.modules())
+
+
 def test_flat_trainables_train_exactly_as_one_parameter_per_layer(tmp_path):
     """σ and S held per decoder layer (``FRoDTrainables``, what ZeRO-3 builds) give the same loss, the same
     gradients element for element, the same AdamW steps and the same adapter as one Parameter per FRoD layer."""

@@ -9,8 +9,8 @@ import pytest
 
 from frod_ds.plan.planner import (GiB, TrainShape, frozen_tensors, model_shape_from_config, plan_memory,
                                   predicted_seconds, recommend, shipped_engines)
-from frod_ds.plan.timing import (CHECK_GOAL, EFFICIENCY, ZERO2_UNCHECKED_TENSOR_S, ZERO3_LAYER_PASS_S, ZERO_TENSOR_S, Link,
-                                 step_time)
+from frod_ds.plan.timing import (CHECK_GOAL, EFFICIENCY, ZERO2_UNCHECKED_TENSOR_S, ZERO3_FROZEN_TENSOR_PASS_S,
+                                 ZERO3_LAYER_PASS_S, ZERO_TENSOR_S, Link, step_time)
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
@@ -40,7 +40,12 @@ def test_step_parts_add_up_from_flops_hooks_and_the_link():
     fp32 = TrainShape(micro_batch=4, seq_len=512, dtype="float32")  # DeepSpeed checks no fp32 gradient
     assert step_time(model, fp32, checked, 1, link).parts["zero hooks"] == pytest.approx(ZERO2_UNCHECKED_TENSOR_S * 384)
     z3 = step_time(model, train, e["zero3"], 2, link)
-    assert z3.parts["layer fetch"] == pytest.approx(ZERO3_LAYER_PASS_S * 32 * 2)
+    # a decoder layer's six U_i are one frozen Parameter (FRoDFrozen): five tensors fewer per layer and pass
+    assert z3.parts["layer fetch"] == pytest.approx((ZERO3_LAYER_PASS_S - 5 * ZERO3_FROZEN_TENSOR_PASS_S) * 32 * 2)
+    per_member = step_time(model, dataclasses.replace(train, zero3_flat_frozen=False), e["zero3"], 2, link)
+    assert per_member.parts["layer fetch"] == pytest.approx(ZERO3_LAYER_PASS_S * 32 * 2)
+    nf4 = step_time(model, dataclasses.replace(train, quant="nf4"), e["zero3"], 2, link)  # a quantized U: one each
+    assert nf4.parts["layer fetch"] == pytest.approx(ZERO3_LAYER_PASS_S * 32 * 2)
     frozen = sum(b * c for g in frozen_tensors(model, train).values() for b, c, _ in g)
     assert z3.parts["link"] == pytest.approx(1.2 * 2 * frozen / 2 / 100e9), "the half a rank lacks, twice"
     gc = step_time(model, TrainShape(micro_batch=4, seq_len=512, checkpointing=True), e["zero3"], 2, link)
@@ -129,8 +134,11 @@ def test_hint_names_a_faster_engine_with_both_predictions():
 
     small, e = model_shape_from_config(LLAMA2_7B), _engines()
     train = TrainShape(micro_batch=4, seq_len=512)
-    line = hint(small, train, e["zero3"], 1, 79.1 * GiB)
-    z2 = predicted_seconds(small, plan_memory(small, train, e["zero2"], 1, 79.1 * GiB))
-    z3 = predicted_seconds(small, plan_memory(small, train, e["zero3"], 1, 79.1 * GiB))
+    line = hint(small, train, e["zero3"], 2, 79.1 * GiB)
+    z2 = predicted_seconds(small, plan_memory(small, train, e["zero2"], 2, 79.1 * GiB))
+    z3 = predicted_seconds(small, plan_memory(small, train, e["zero3"], 2, 79.1 * GiB))
     assert line.startswith("hint: ds_configs/zero2.json fits") and f"predicted {z2 * 1e3:.0f} vs {z3 * 1e3:.0f} ms" in line
-    assert hint(small, train, e["zero2"], 1, 79.1 * GiB) is None, "nothing predicted faster"
+    assert hint(small, train, e["zero2"], 2, 79.1 * GiB) is None, "nothing predicted faster"
+    one = [predicted_seconds(small, plan_memory(small, train, e[k], 1, 79.1 * GiB)) for k in ("zero2", "zero3")]
+    assert one[0] < one[1] < one[0] / (1 - 0.15) and hint(small, train, e["zero3"], 1, 79.1 * GiB) is None, \
+        "one GPU, 7B in bf16: zero3.json predicted within the hint's margin of zero2.json, so no hint"

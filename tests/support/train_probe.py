@@ -37,7 +37,7 @@ def main() -> int:
 
     if run.zero3:
         report["partition"] = {
-            name: {"U_local": m.U.ds_tensor.numel(), "U_full": m.U.ds_numel,
+            name: {"U_local": m.u_parameter().ds_tensor.numel(), "U_full": m.u_parameter().ds_numel,
                    "V_local": m.V.ds_tensor.numel(), "V_full": m.V.ds_numel, "V_persist": bool(m.V.ds_persist)}
             for name, m in layers.items()
         }
@@ -47,12 +47,13 @@ def main() -> int:
         report["decoder_layers"] = len(decoder_layers)
         report["leaf_decoder_layers"] = sum(bool(z3_leaf_module(m)) for m in decoder_layers)
         report["leaf_other"] = sum(bool(z3_leaf_module(m)) for m in model.modules()) - report["leaf_decoder_layers"]
+        report["u_parameters"] = len({id(m.u_parameter()) for m in layers.values()})
     categories = {n.rsplit(".", 1)[-1] for n in layers}
     report["shared_v"] = all(len({id(m.V) for n, m in layers.items() if n.endswith("." + c)}) == 1
                              for c in categories)
     opt_params = {id(p) for g in engine.optimizer.optimizer.param_groups for p in g["params"]} \
         if hasattr(engine.optimizer, "optimizer") else set()
-    report["frozen_in_optimizer"] = any(id(m.U) in opt_params or id(m.V) in opt_params for m in layers.values())
+    report["frozen_in_optimizer"] = any(id(m.u_parameter()) in opt_params or id(m.V) in opt_params for m in layers.values())
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     report["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     report["trainable_leaves"] = sorted({n.rsplit(".", 1)[-1] for n in trainable})
@@ -72,7 +73,7 @@ def main() -> int:
                             "median_abs_ds": float(d_s[d_s > 0].median()),
                             "frac_sigma_moved": float((d_sigma > 0).float().mean()),
                             "frac_s_moved": float((d_s > 0).float().mean())}
-    report["frozen_grads_none"] = all(m.U.grad is None and m.V.grad is None for m in layers.values())
+    report["frozen_grads_none"] = all(m.u_parameter().grad is None and m.V.grad is None for m in layers.values())
     run.start_step = 1
     rc = fit(run)
     ids = torch.arange(3, 3 + 2 * 12).reshape(2, 12) % model.config.vocab_size
