@@ -30,7 +30,8 @@ from frod_ds.runtime.validate import sparsity_problem
 from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
 from frod_ds.core.sizes import ordering
 
-__all__ = ["SparseSupport", "FRoDLinear", "FRoDTrainables", "FRoDFrozen", "core_matrix", "support_seed", "ordering", "support_nnz"]
+__all__ = ["SparseSupport", "FRoDLinear", "FRoDTrainables", "FRoDFrozen", "core_matrix", "support_seed", "ordering",
+           "support_nnz"]
 
 TRAINABLE_PREFIX = "frod_"
 
@@ -209,7 +210,7 @@ class FRoDLinear(nn.Module):
         u.requires_grad_(False)
         self.V = V
         self.V.requires_grad_(False)
-        object.__setattr__(self, "_flat", flat)
+        object.__setattr__(self, "_flat", flat)  # not a submodule either
         if flat is None:
             self.frod_sigma = nn.Parameter(sigma.detach().clone().to(u.dtype))
             self.frod_s = nn.Parameter(torch.zeros(support.nnz, dtype=u.dtype, device=u.device))
