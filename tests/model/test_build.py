@@ -102,32 +102,43 @@ def test_targeted_dense_weights_are_never_allocated(tmp_path, monkeypatch, targe
         assert torch.allclose(model(input_ids=ids).logits, ref(input_ids=ids).logits, atol=1e-5)
 
 
-def test_flat_frozen_u_computes_exactly_as_one_parameter_per_member(tmp_path):
-    """The dense U_i of a decoder layer held as one frozen Parameter (``FRoDFrozen``, what ZeRO-3 builds) give the
-    same logits, loss and σ/S gradients bit for bit as one U Parameter per FRoD layer; each member reads its own
-    span; a quantized U keeps its own Parameter."""
-    from frod_ds.core.layer import FRoDFrozen, FRoDLinear
-
+def _built_both_ways(tmp_path, flag: str, holder_type):
+    """The tiny model built with ``flag`` (``flat_trainables`` / ``flat_frozen``) off and on, and the on-build's
+    holders: one per decoder layer, each holding every target of it; the off-build has none."""
     model_dir = write_tiny_llama(tmp_path / "m")
     store = _store_for(model_dir, tmp_path / "f")
     models = {flat: build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32,
-                                     flat_frozen=flat) for flat in (False, True)}
-    holders = [m for m in models[True].modules() if isinstance(m, FRoDFrozen)]
+                                     **{flag: flat}) for flat in (False, True)}
+    holders = [m for m in models[True].modules() if isinstance(m, holder_type)]
     assert len(holders) == models[True].config.num_hidden_layers and len(holders[0].members) == len(TARGETS)
-    assert not any(isinstance(m, FRoDFrozen) for m in models[False].modules())
-    flat_layers = {n: m for n, m in models[True].named_modules() if isinstance(m, FRoDLinear)}
-    for name, m in ((n, m) for n, m in models[False].named_modules() if isinstance(m, FRoDLinear)):
-        got = flat_layers[name]
-        assert "U" not in got._parameters and got.u_parameter() is got._frozen[0].U and not got.U.requires_grad
-        assert torch.equal(got.U, m.U) and torch.equal(got.U, store.load_U(name).float()), name
-    assert sum(p.numel() for p in models[True].parameters()) == sum(p.numel() for p in models[False].parameters())
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert not any(isinstance(m, holder_type) for m in models[False].modules())
+    return model_dir, store, models, holders
+
+
+def _same_loss_backward(models: dict, ids: torch.Tensor) -> None:
+    """Each model's loss on ``ids``, backpropagated; the losses are bit for bit equal."""
     losses = {}
     for flat, m in models.items():
         loss = m(input_ids=ids, labels=ids).loss
         loss.backward()
         losses[flat] = loss.detach()
     assert torch.equal(losses[False], losses[True])
+
+
+def test_flat_frozen_u_computes_exactly_as_one_parameter_per_member(tmp_path):
+    """The dense U_i of a decoder layer held as one frozen Parameter (``FRoDFrozen``, what ZeRO-3 builds) give the
+    same logits, loss and σ/S gradients bit for bit as one U Parameter per FRoD layer; each member reads its own
+    span; a quantized U keeps its own Parameter."""
+    from frod_ds.core.layer import FRoDFrozen, FRoDLinear
+
+    model_dir, store, models, holders = _built_both_ways(tmp_path, "flat_frozen", FRoDFrozen)
+    flat_layers = {n: m for n, m in models[True].named_modules() if isinstance(m, FRoDLinear)}
+    for name, m in ((n, m) for n, m in models[False].named_modules() if isinstance(m, FRoDLinear)):
+        got = flat_layers[name]
+        assert "U" not in got._parameters and got.u_parameter() is got._frozen[0].U and not got.U.requires_grad
+        assert torch.equal(got.U, m.U) and torch.equal(got.U, store.load_U(name).float()), name
+    assert sum(p.numel() for p in models[True].parameters()) == sum(p.numel() for p in models[False].parameters())
+    _same_loss_backward(models, torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0)))
     for name, m in ((n, m) for n, m in models[False].named_modules() if isinstance(m, FRoDLinear)):
         assert torch.equal(m.frod_s.grad, flat_layers[name].frod_s.grad), name
         assert torch.equal(m.frod_sigma.grad, flat_layers[name].frod_sigma.grad), name
@@ -144,25 +155,13 @@ def test_flat_trainables_train_exactly_as_one_parameter_per_layer(tmp_path):
     from frod_ds.model.adapter import adapter_state
     from frod_ds.model.apply import frod_param_groups
 
-    model_dir = write_tiny_llama(tmp_path / "m")
-    store = _store_for(model_dir, tmp_path / "f")
-    models = {flat: build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32,
-                                     flat_trainables=flat) for flat in (False, True)}
-    holders = [m for m in models[True].modules() if isinstance(m, FRoDTrainables)]
-    assert len(holders) == models[True].config.num_hidden_layers and len(holders[0].members) == len(TARGETS)
+    model_dir, store, models, holders = _built_both_ways(tmp_path, "flat_trainables", FRoDTrainables)
     assert sum(p.requires_grad for p in models[True].parameters()) == 2 * len(holders)
-    assert not any(isinstance(m, FRoDTrainables) for m in models[False].modules())
     opts = {flat: torch.optim.AdamW(frod_param_groups(m, lr_sigma=1e-2, lr_s=1e-3), foreach=False)
             for flat, m in models.items()}
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
-        ids = torch.randint(0, 64, (2, 9), generator=g)
-        losses = {}
-        for flat, m in models.items():
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses[flat] = loss.detach()
-        assert torch.equal(losses[False], losses[True])
+        _same_loss_backward(models, torch.randint(0, 64, (2, 9), generator=g))
         flat_layers = dict((n, m) for n, m in models[True].named_modules() if isinstance(m, FRoDLinear))
         for name, m in ((n, m) for n, m in models[False].named_modules() if isinstance(m, FRoDLinear)):
             holder, i = flat_layers[name]._flat
