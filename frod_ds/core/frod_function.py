@@ -84,32 +84,45 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def member_of(U: Tensor, span: tuple[int, int, int, int] | None) -> Tensor:
+    """``U`` itself (``span`` None), or the ``(m, n)`` view of elements ``[a, b)`` of a flat holder Parameter ``U``
+    (``span = (a, b, m, n)``, ``frod_ds.core.layer.FRoDFrozen``). The Functions take the holder and the span, keep
+    the holder for the backward and take the view again there: a kept view would hold the gathered buffer alive
+    after ZeRO-3 released the layer (it only swaps the Parameter's ``data``)."""
+    if span is None:
+        return U
+    a, b, m, n = span
+    return U[a:b].view(m, n)
+
+
 class FRoDTokens(torch.autograd.Function):
     """``y = U (diag σ + S) Vᵀ x + b`` for ``x`` (T, n) in the token order, saving ``z`` or ``x`` but never ``M``.
 
     ``U``, ``V`` and ``bias`` are frozen Parameters passed whole: the Function keeps references to the
     Parameter objects (not views or casts), so under ZeRO-3 the backward reads what the module's pre-backward
-    hook has gathered again. All arithmetic runs in ``x``'s dtype; σ and S gradients come back in theirs.
+    hook has gathered again. ``u_span`` (a, b, m, n): ``U`` is a flat holder and this layer's U is that view of it
+    (``member_of``), taken in each pass. All arithmetic runs in ``x``'s dtype; σ and S gradients come back in theirs.
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, sigma: Tensor, s_values: Tensor, U: Tensor, V: Tensor, bias: Tensor | None,
-                support, save_z: bool, dense_grad: bool) -> Tensor:
+                support, save_z: bool, dense_grad: bool, u_span: tuple[int, int, int, int] | None = None) -> Tensor:
         assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
             "FRoDTokens takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
         dt, device = x.dtype, x.device
         M = core_matrix(sigma, s_values, support.on(device), dt, device)  # (n, n), dropped after the forward
         z = x @ _as(V, dt)  # (T, n)
         h = z @ M.t()  # (T, n)
-        Uc = frozen_dense(U, dt)
+        Uc = frozen_dense(member_of(U, u_span), dt)
         y = h @ Uc.t() if bias is None else torch.addmm(_as(bias, dt), h, Uc.t())  # (T, m)
         ctx.save_for_backward(z if save_z else x, sigma, s_values, U, V)
-        ctx.support, ctx.save_z, ctx.dense_grad = support, save_z, dense_grad
+        ctx.support, ctx.save_z, ctx.dense_grad, ctx.u_span = support, save_z, dense_grad, u_span
         return y
 
     @staticmethod
     def backward(ctx: Any, g_y: Tensor):
         saved, sigma, s_values, U, V = ctx.saved_tensors
+        U = member_of(U, ctx.u_span)
         dt, device = saved.dtype, saved.device
         need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
         g_x = g_sigma = g_s = None
@@ -125,31 +138,33 @@ class FRoDTokens(torch.autograd.Function):
                 gs, gS = support_grads(g_h, z, ctx.support, ctx.dense_grad)
                 g_sigma = gs.to(sigma.dtype) if need_sigma else None
                 g_s = gS.to(s_values.dtype) if need_s else None
-        return g_x, g_sigma, g_s, None, None, None, None, None, None
+        return g_x, g_sigma, g_s, None, None, None, None, None, None, None
 
 
 class FRoDWeight(torch.autograd.Function):
     """``y = x (U M Vᵀ)ᵀ + b`` for ``x`` (T, n) in the weight order, saving ``x`` and ``W = U M Vᵀ`` (m, n).
 
-    Same contract as ``FRoDTokens``: Parameter objects, never views of them, are kept for the backward.
+    Same contract as ``FRoDTokens``: Parameter objects, never views of them, are kept for the backward (``u_span``
+    as there).
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, sigma: Tensor, s_values: Tensor, U: Tensor, V: Tensor, bias: Tensor | None,
-                support, dense_grad: bool) -> Tensor:
+                support, dense_grad: bool, u_span: tuple[int, int, int, int] | None = None) -> Tensor:
         assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
             "FRoDWeight takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
         dt, device = x.dtype, x.device
         M = core_matrix(sigma, s_values, support.on(device), dt, device)  # (n, n)
-        W = (frozen_dense(U, dt) @ M) @ _as(V, dt).t()  # (m, n)
+        W = (frozen_dense(member_of(U, u_span), dt) @ M) @ _as(V, dt).t()  # (m, n)
         y = x @ W.t() if bias is None else torch.addmm(_as(bias, dt), x, W.t())  # (T, m)
         ctx.save_for_backward(x, W, sigma, s_values, U, V)
-        ctx.support, ctx.dense_grad = support, dense_grad
+        ctx.support, ctx.dense_grad, ctx.u_span = support, dense_grad, u_span
         return y
 
     @staticmethod
     def backward(ctx: Any, g_y: Tensor):
         x, W, sigma, s_values, U, V = ctx.saved_tensors
+        U = member_of(U, ctx.u_span)
         dt = x.dtype
         need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
         g_x = g_sigma = g_s = None
@@ -162,4 +177,4 @@ class FRoDWeight(torch.autograd.Function):
                 gs, gS = support_grads(frozen_dense(U, dt), g_A, ctx.support, ctx.dense_grad)  # ∂M = Uᵀ ∂(U M)
                 g_sigma = gs.to(sigma.dtype) if need_sigma else None
                 g_s = gS.to(s_values.dtype) if need_s else None
-        return g_x, g_sigma, g_s, None, None, None, None, None
+        return g_x, g_sigma, g_s, None, None, None, None, None, None

@@ -290,16 +290,18 @@ class FRoDLinear(nn.Module):
         if mode == "auto":
             mode = ordering(x.numel() // n, m, n, torch.is_grad_enabled(), recompute=self.save == "x")
         assert mode in ("tokens", "weight"), f"FRoDLinear.mode must be auto|tokens|weight, got {mode!r}"
-        frozen_train = self.U.requires_grad or self.V.requires_grad or getattr(self.bias, "requires_grad", False)
+        u = self.u_parameter()
+        frozen_train = u.requires_grad or self.V.requires_grad or getattr(self.bias, "requires_grad", False)
         if self.impl == "function" and not frozen_train:
             xt = x.reshape(-1, n).to(dt)  # (T, n)
+            span = None if self._frozen is None else (*self._frozen[0].spans[self._frozen[1]], m, n)
             with torch.autocast(x.device.type, enabled=False):  # the Functions run in dt, forward and backward
-                if mode == "tokens":
-                    y = FRoDTokens.apply(xt, self.frod_sigma, self.frod_s, self.U, self.V, self.bias, self.support,
-                                         self.save == "z", self.dgrad == "dense")  # (T, m)
+                if mode == "tokens":  # the holder of U and this layer's span of it, never a view (member_of)
+                    y = FRoDTokens.apply(xt, self.frod_sigma, self.frod_s, u, self.V, self.bias, self.support,
+                                         self.save == "z", self.dgrad == "dense", span)  # (T, m)
                 else:
-                    y = FRoDWeight.apply(xt, self.frod_sigma, self.frod_s, self.U, self.V, self.bias, self.support,
-                                         self.dgrad == "dense")  # (T, m)
+                    y = FRoDWeight.apply(xt, self.frod_sigma, self.frod_s, u, self.V, self.bias, self.support,
+                                         self.dgrad == "dense", span)  # (T, m)
             return y.view(*x.shape[:-1], m)
         # Plain autograd (the reference, and the route when a frozen factor trains): keeps M or W, and views
         # of U and V, for the backward; a quantized U is dequantized per use (frozen_dense / frozen_linear).

@@ -31,7 +31,7 @@ from frod_ds.runtime.atomic import building_dir
 from frod_ds.model.build import build_frod_model, gathered
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.runtime.errors import AdapterError, FrodError, note
-from frod_ds.core.layer import FRoDTrainables, SparseSupport
+from frod_ds.core.layer import FRoDFrozen, FRoDTrainables, SparseSupport
 from frod_ds.model.store import FactorStore
 from frod_ds.formats.checksum import file_crc32, format_crc32, parse_crc32
 from frod_ds.formats.store_format import StoreIdentity, category_of
@@ -247,15 +247,16 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with each FRoD layer replaced by ``<module>.weight = U (diag σ + S) Vᵀ``."""
     out: dict[str, torch.Tensor] = {}
     frod = dict(frod_modules(model))
-    flat = {n for n, m in model.named_modules() if isinstance(m, FRoDTrainables)}  # σ, S: in the merged weights
+    # σ, S and U held per decoder layer: in the merged weights
+    flat = {n for n, m in model.named_modules() if isinstance(m, (FRoDTrainables, FRoDFrozen))}
     for name, t in model.state_dict().items():
         mod, _, leaf = name.rpartition(".")
         if mod in flat:
             continue
-        if mod in frod:
-            if leaf == "U":
+        if mod in frod:  # its merged weight where its first tensor was (V: every member has one)
+            if f"{mod}.weight" not in out:
                 out[f"{mod}.weight"] = frod[mod].merged_weight().contiguous()
-            elif leaf == "bias":
+            if leaf == "bias":
                 out[name] = t
             continue
         out[name] = t

@@ -430,7 +430,7 @@ def _register_flat_with_zero3(model: nn.Module, ds_config: Mapping) -> None:
     ZeRO-3 as the layer's (``register_external_parameter``), so per-module fetching (no ``fetch_per_layer``) gathers
     them before the layer runs. A holder's σ (S) Parameter is persistent (``ds_persist``: gathered once, held whole on every
     rank) exactly where DeepSpeed would have made every member's own σ (S) persistent, i.e. each member's span is
-    within ``stage3_param_persistence_threshold``: residency is what it was with one Parameter per FRoD layer (the
+    within ``stage3_param_persistence_threshold`` (a holder of U likewise): residency is what it was with one Parameter per FRoD layer (the
     shipped ``zero3.json``: all of σ and S; a threshold below a member's S: S partitioned, gathered with its layer)."""
     from deepspeed.runtime.zero import register_external_parameter
 
@@ -443,5 +443,7 @@ def _register_flat_with_zero3(model: nn.Module, ds_config: Mapping) -> None:
         if isinstance(m, FRoDLinear) and m._flat is not None:
             for p in m.frod_parameters():
                 register_external_parameter(m, p)
+        if isinstance(m, FRoDFrozen) and max(b - a for a, b in m.spans) <= threshold:
+            m.U.ds_persist = True  # each member's own U would have been persistent: so is their holder
         if isinstance(m, FRoDLinear) and m._frozen is not None:
             register_external_parameter(m, m.u_parameter())

@@ -128,7 +128,7 @@ def _same_loss_backward(models: dict, ids: torch.Tensor) -> None:
 def test_flat_frozen_u_computes_exactly_as_one_parameter_per_member(tmp_path):
     """The dense U_i of a decoder layer held as one frozen Parameter (``FRoDFrozen``, what ZeRO-3 builds) give the
     same logits, loss and σ/S gradients bit for bit as one U Parameter per FRoD layer; each member reads its own
-    span; a quantized U keeps its own Parameter."""
+    span; the backward keeps the holder, never a view of it; a quantized U keeps its own Parameter."""
     from frod_ds.core.layer import FRoDFrozen, FRoDLinear
 
     model_dir, store, models, holders = _built_both_ways(tmp_path, "flat_frozen", FRoDFrozen)
@@ -138,6 +138,24 @@ def test_flat_frozen_u_computes_exactly_as_one_parameter_per_member(tmp_path):
         assert "U" not in got._parameters and got.u_parameter() is got._frozen[0].U and not got.U.requires_grad
         assert torch.equal(got.U, m.U) and torch.equal(got.U, store.load_U(name).float()), name
     assert sum(p.numel() for p in models[True].parameters()) == sum(p.numel() for p in models[False].parameters())
+    # what autograd keeps for the backward shares no memory with a holder except the holder Parameter itself (whose
+    # data ZeRO-3 swaps on release): a kept view of it would hold the gathered layer until the backward
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        for mode in ("tokens", "weight"):
+            for m in flat_layers.values():
+                m.mode = mode
+            models[True](input_ids=torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))).logits.sum()
+    for m in flat_layers.values():
+        m.mode = "auto"
+    storages = {h.U.untyped_storage().data_ptr(): h.U for h in holders}
+    held = [t for t in kept if t.untyped_storage().data_ptr() in storages]
+    assert held and all(any(t is h for h in storages.values()) for t in held), [tuple(t.shape) for t in held]
+    from frod_ds.model.adapter import merged_state_dict
+
+    merged = {flat: merged_state_dict(m) for flat, m in models.items()}  # the export's dense weights: the same
+    assert list(merged[True]) == list(merged[False]) and all(torch.equal(merged[True][k], v)
+                                                             for k, v in merged[False].items())
     _same_loss_backward(models, torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0)))
     for name, m in ((n, m) for n, m in models[False].named_modules() if isinstance(m, FRoDLinear)):
         assert torch.equal(m.frod_s.grad, flat_layers[name].frod_s.grad), name
