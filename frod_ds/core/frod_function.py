@@ -95,18 +95,37 @@ def member_of(U: Tensor, span: tuple[int, int, int, int] | None) -> Tensor:
     return U[a:b].view(m, n)
 
 
+Held = tuple[Tensor, tuple[int, int], Tensor, tuple[int, int]]  # σ holder, this layer's span, S holder, its span
+
+
+def _kept_trainables(sigma: Tensor, s_values: Tensor, held: Held | None) -> tuple[Tensor, Tensor]:
+    """What the backward keeps of σ and S: the tensors themselves, or (``held``) the Parameters of a decoder layer's
+    ``FRoDTrainables`` that they are spans of, never the views (``member_of``'s reason)."""
+    return (sigma, s_values) if held is None else (held[0], held[2])
+
+
+def _spans_of(sigma: Tensor, s_values: Tensor, held: Held | None) -> tuple[Tensor, Tensor]:
+    """σ and S again from what ``_kept_trainables`` kept."""
+    if held is None:
+        return sigma, s_values
+    (a, b), (c, d) = held[1], held[3]
+    return sigma[a:b], s_values[c:d]
+
+
 class FRoDTokens(torch.autograd.Function):
     """``y = U (diag σ + S) Vᵀ x + b`` for ``x`` (T, n) in the token order, saving ``z`` or ``x`` but never ``M``.
 
     ``U``, ``V`` and ``bias`` are frozen Parameters passed whole: the Function keeps references to the
     Parameter objects (not views or casts), so under ZeRO-3 the backward reads what the module's pre-backward
     hook has gathered again. ``u_span`` (a, b, m, n): ``U`` is a flat holder and this layer's U is that view of it
-    (``member_of``), taken in each pass. All arithmetic runs in ``x``'s dtype; σ and S gradients come back in theirs.
+    (``member_of``), taken in each pass; ``held``: σ and S are spans of a decoder layer's Parameters, which are what
+    is kept (``_kept_trainables``). All arithmetic runs in ``x``'s dtype; σ and S gradients come back in theirs.
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, sigma: Tensor, s_values: Tensor, U: Tensor, V: Tensor, bias: Tensor | None,
-                support, save_z: bool, dense_grad: bool, u_span: tuple[int, int, int, int] | None = None) -> Tensor:
+                support, save_z: bool, dense_grad: bool, u_span: tuple[int, int, int, int] | None = None,
+                held: Held | None = None) -> Tensor:
         assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
             "FRoDTokens takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
         dt, device = x.dtype, x.device
@@ -115,14 +134,14 @@ class FRoDTokens(torch.autograd.Function):
         h = z @ M.t()  # (T, n)
         Uc = frozen_dense(member_of(U, u_span), dt)
         y = h @ Uc.t() if bias is None else torch.addmm(_as(bias, dt), h, Uc.t())  # (T, m)
-        ctx.save_for_backward(z if save_z else x, sigma, s_values, U, V)
-        ctx.support, ctx.save_z, ctx.dense_grad, ctx.u_span = support, save_z, dense_grad, u_span
+        ctx.save_for_backward(z if save_z else x, *_kept_trainables(sigma, s_values, held), U, V)
+        ctx.support, ctx.save_z, ctx.dense_grad, ctx.u_span, ctx.held = support, save_z, dense_grad, u_span, held
         return y
 
     @staticmethod
     def backward(ctx: Any, g_y: Tensor):
         saved, sigma, s_values, U, V = ctx.saved_tensors
-        U = member_of(U, ctx.u_span)
+        U, (sigma, s_values) = member_of(U, ctx.u_span), _spans_of(sigma, s_values, ctx.held)
         dt, device = saved.dtype, saved.device
         need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
         g_x = g_sigma = g_s = None
@@ -138,7 +157,7 @@ class FRoDTokens(torch.autograd.Function):
                 gs, gS = support_grads(g_h, z, ctx.support, ctx.dense_grad)
                 g_sigma = gs.to(sigma.dtype) if need_sigma else None
                 g_s = gS.to(s_values.dtype) if need_s else None
-        return g_x, g_sigma, g_s, None, None, None, None, None, None, None
+        return g_x, g_sigma, g_s, None, None, None, None, None, None, None, None
 
 
 class FRoDWeight(torch.autograd.Function):
@@ -150,21 +169,22 @@ class FRoDWeight(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, sigma: Tensor, s_values: Tensor, U: Tensor, V: Tensor, bias: Tensor | None,
-                support, dense_grad: bool, u_span: tuple[int, int, int, int] | None = None) -> Tensor:
+                support, dense_grad: bool, u_span: tuple[int, int, int, int] | None = None,
+                held: Held | None = None) -> Tensor:
         assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
             "FRoDWeight takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
         dt, device = x.dtype, x.device
         M = core_matrix(sigma, s_values, support.on(device), dt, device)  # (n, n)
         W = (frozen_dense(member_of(U, u_span), dt) @ M) @ _as(V, dt).t()  # (m, n)
         y = x @ W.t() if bias is None else torch.addmm(_as(bias, dt), x, W.t())  # (T, m)
-        ctx.save_for_backward(x, W, sigma, s_values, U, V)
-        ctx.support, ctx.dense_grad, ctx.u_span = support, dense_grad, u_span
+        ctx.save_for_backward(x, W, *_kept_trainables(sigma, s_values, held), U, V)
+        ctx.support, ctx.dense_grad, ctx.u_span, ctx.held = support, dense_grad, u_span, held
         return y
 
     @staticmethod
     def backward(ctx: Any, g_y: Tensor):
         x, W, sigma, s_values, U, V = ctx.saved_tensors
-        U = member_of(U, ctx.u_span)
+        U, (sigma, s_values) = member_of(U, ctx.u_span), _spans_of(sigma, s_values, ctx.held)
         dt = x.dtype
         need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
         g_x = g_sigma = g_s = None
@@ -177,4 +197,4 @@ class FRoDWeight(torch.autograd.Function):
                 gs, gS = support_grads(frozen_dense(U, dt), g_A, ctx.support, ctx.dense_grad)  # ∂M = Uᵀ ∂(U M)
                 g_sigma = gs.to(sigma.dtype) if need_sigma else None
                 g_s = gS.to(s_values.dtype) if need_s else None
-        return g_x, g_sigma, g_s, None, None, None, None, None, None
+        return g_x, g_sigma, g_s, None, None, None, None, None, None, None

@@ -294,14 +294,19 @@ class FRoDLinear(nn.Module):
         frozen_train = u.requires_grad or self.V.requires_grad or getattr(self.bias, "requires_grad", False)
         if self.impl == "function" and not frozen_train:
             xt = x.reshape(-1, n).to(dt)  # (T, n)
+            # the holders of U, σ and S and this layer's spans of them: the Functions keep holders, never views
             span = None if self._frozen is None else (*self._frozen[0].spans[self._frozen[1]], m, n)
+            held = None
+            if self._flat is not None:
+                holder, i = self._flat
+                held = (holder.frod_sigma, holder.sigma_spans[i], holder.frod_s, holder.s_spans[i])
             with torch.autocast(x.device.type, enabled=False):  # the Functions run in dt, forward and backward
-                if mode == "tokens":  # the holder of U and this layer's span of it, never a view (member_of)
+                if mode == "tokens":
                     y = FRoDTokens.apply(xt, self.frod_sigma, self.frod_s, u, self.V, self.bias, self.support,
-                                         self.save == "z", self.dgrad == "dense", span)  # (T, m)
+                                         self.save == "z", self.dgrad == "dense", span, held)  # (T, m)
                 else:
                     y = FRoDWeight.apply(xt, self.frod_sigma, self.frod_s, u, self.V, self.bias, self.support,
-                                         self.dgrad == "dense", span)  # (T, m)
+                                         self.dgrad == "dense", span, held)  # (T, m)
             return y.view(*x.shape[:-1], m)
         # Plain autograd (the reference, and the route when a frozen factor trains): keeps M or W, and views
         # of U and V, for the backward; a quantized U is dequantized per use (frozen_dense / frozen_linear).

@@ -125,6 +125,26 @@ def _same_loss_backward(models: dict, ids: torch.Tensor) -> None:
     assert torch.equal(losses[False], losses[True])
 
 
+def _keeps_holders_not_views(model, params: list) -> None:
+    """What autograd keeps for the backward of a forward in either ordering shares no memory with the holder
+    Parameters ``params`` except those Parameters themselves (whose data ZeRO-3 swaps on release): a kept view of
+    one would hold a gathered layer until the backward."""
+    from frod_ds.core.layer import FRoDLinear
+
+    layers = [m for m in model.modules() if isinstance(m, FRoDLinear)]
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        for mode in ("tokens", "weight"):
+            for m in layers:
+                m.mode = mode
+            model(input_ids=torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))).logits.sum()
+    for m in layers:
+        m.mode = "auto"
+    storages = {p.untyped_storage().data_ptr(): p for p in params}
+    held = [t for t in kept if t.untyped_storage().data_ptr() in storages]
+    assert held and all(any(t is p for p in params) for t in held), [tuple(t.shape) for t in held]
+
+
 def test_flat_frozen_u_computes_exactly_as_one_parameter_per_member(tmp_path):
     """The dense U_i of a decoder layer held as one frozen Parameter (``FRoDFrozen``, what ZeRO-3 builds) give the
     same logits, loss and σ/S gradients bit for bit as one U Parameter per FRoD layer; each member reads its own
@@ -138,19 +158,7 @@ def test_flat_frozen_u_computes_exactly_as_one_parameter_per_member(tmp_path):
         assert "U" not in got._parameters and got.u_parameter() is got._frozen[0].U and not got.U.requires_grad
         assert torch.equal(got.U, m.U) and torch.equal(got.U, store.load_U(name).float()), name
     assert sum(p.numel() for p in models[True].parameters()) == sum(p.numel() for p in models[False].parameters())
-    # what autograd keeps for the backward shares no memory with a holder except the holder Parameter itself (whose
-    # data ZeRO-3 swaps on release): a kept view of it would hold the gathered layer until the backward
-    kept = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
-        for mode in ("tokens", "weight"):
-            for m in flat_layers.values():
-                m.mode = mode
-            models[True](input_ids=torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))).logits.sum()
-    for m in flat_layers.values():
-        m.mode = "auto"
-    storages = {h.U.untyped_storage().data_ptr(): h.U for h in holders}
-    held = [t for t in kept if t.untyped_storage().data_ptr() in storages]
-    assert held and all(any(t is h for h in storages.values()) for t in held), [tuple(t.shape) for t in held]
+    _keeps_holders_not_views(models[True], [h.U for h in holders])
     from frod_ds.model.adapter import merged_state_dict
 
     merged = {flat: merged_state_dict(m) for flat, m in models.items()}  # the export's dense weights: the same
@@ -175,6 +183,7 @@ def test_flat_trainables_train_exactly_as_one_parameter_per_layer(tmp_path):
 
     model_dir, store, models, holders = _built_both_ways(tmp_path, "flat_trainables", FRoDTrainables)
     assert sum(p.requires_grad for p in models[True].parameters()) == 2 * len(holders)
+    _keeps_holders_not_views(models[True], [p for h in holders for p in (h.frod_sigma, h.frod_s)])
     opts = {flat: torch.optim.AdamW(frod_param_groups(m, lr_sigma=1e-2, lr_s=1e-3), foreach=False)
             for flat, m in models.items()}
     g = torch.Generator().manual_seed(3)
