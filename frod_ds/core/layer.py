@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from frod_ds.runtime.errors import FrodError
-from frod_ds.core.frod_function import FRoDTokens, FRoDWeight, core_matrix
+from frod_ds.core.frod_function import FRoDTokens, FRoDWeight, core_matrix, member_of
 from frod_ds.runtime.validate import sparsity_problem
 from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
 from frod_ds.core.sizes import ordering
@@ -166,10 +166,13 @@ class FRoDFrozen(nn.Module):
             a += m * n
         self.U = nn.Parameter(torch.empty(a, dtype=dtype, device=device), requires_grad=False)
 
+    def span(self, i: int) -> tuple[int, int, int, int]:
+        """Member ``i``'s ``(start, end, m, n)`` in ``U`` (``frod_ds.core.frod_function.member_of``)."""
+        return (*self.spans[i], *self.shapes[i])
+
     def member(self, i: int) -> Tensor:
         """Member ``i``'s ``U`` (m, n): a view of the flat Parameter (ZeRO-3: valid while gathered)."""
-        a, b = self.spans[i]
-        return self.U[a:b].view(self.shapes[i])
+        return member_of(self.U, self.span(i))
 
     def extra_repr(self) -> str:
         return f"members={len(self.members)}, numel={self.spans[-1][1]}"
@@ -295,7 +298,7 @@ class FRoDLinear(nn.Module):
         if self.impl == "function" and not frozen_train:
             xt = x.reshape(-1, n).to(dt)  # (T, n)
             # the holders of U, σ and S and this layer's spans of them: the Functions keep holders, never views
-            span = None if self._frozen is None else (*self._frozen[0].spans[self._frozen[1]], m, n)
+            span = None if self._frozen is None else self._frozen[0].span(self._frozen[1])
             held = None
             if self._flat is not None:
                 holder, i = self._flat

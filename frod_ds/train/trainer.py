@@ -55,7 +55,7 @@ from frod_ds.config.ds_config import (NvmeParams, batch_sizes, check_aio_build_e
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.train.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.runtime.errors import FrodError, StoreError, note
-from frod_ds.core.layer import FRoDLinear, support_nnz, tan_alpha
+from frod_ds.core.layer import support_nnz, tan_alpha
 from frod_ds.config.recipe import Recipe, recipe_to_dict
 from frod_ds.formats.run_identity import (BASE_SCOPE, RUN_IDENTITY, RunIdentity, RunIdentityError, file_sha256,
                                   training_hyperparameters)
@@ -568,11 +568,8 @@ def _reset_peak_mem() -> None:
 def rotation_angles(run: Run) -> dict[str, float]:
     """``tan α`` per category (spec §2): ``sqrt(Σ‖ΔW_off‖² / Σ‖ΔW_on‖²)`` over the category's members."""
     sums: dict[str, list[float]] = {}
-    layers: dict[tuple[int, ...], list[tuple[str, FRoDLinear]]] = {}  # by the Parameters holding U, σ and S
-    for name, m in frod_modules(run.engine.module):
-        layers.setdefault(tuple(id(p) for p in (m.u_parameter(), *m.frod_parameters())), []).append((name, m))
-    for members in layers.values():  # one gather per decoder layer where ZeRO-3 holds them per decoder layer
-        params = {id(p): p for _, m in members for p in (m.u_parameter(), m.V, *m.frod_parameters())}
+    for held, members in frod_groups(run.engine.module):  # one gather per decoder layer under ZeRO-3
+        params = {id(p): p for p in [*held, *(p for _, m in members for p in (m.u_parameter(), m.V))]}
         with gathered(list(params.values()), run.zero3):
             if dist.is_main():
                 for name, m in members:
