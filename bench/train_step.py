@@ -276,7 +276,8 @@ def time_steps(step, batches, device: torch.device, warmup: int, steps: int, rep
                after_warmup=None, gate=None, gc_freeze: bool = False, rewarm: int = 0) -> dict:
     """``warmup`` untimed steps (``after_warmup()`` then), then ``repeats`` windows of ``steps`` timed steps (seconds
     each). ``gate(k)`` (if given) is called before window k and once more after the last (k = repeats): it returns
-    when the window may start (``window_gate``); ``rewarm`` untimed steps then run before the window's timed ones."""
+    when the window may start (``window_gate``); ``rewarm`` untimed steps then run before the window's timed ones (with a
+    gate only)."""
     losses = [float(step(next(batches))) for _ in range(warmup)]
     if after_warmup is not None:
         after_warmup()
@@ -466,7 +467,7 @@ def run(args) -> None:
     timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
                         args.warmup, args.steps, args.repeats, after_warmup=lambda: passes.check(args.warmup, args.gc),
                         gate=window_gate(args.gate, args.name, args.repeats) if args.gate else None,
-                        gc_freeze=args.gc_freeze, rewarm=args.rewarm if args.gate else 0)
+                        gc_freeze=args.gc_freeze, rewarm=args.rewarm)
     prof = pyprof = phases = None
     if args.profile:
         prof = profile_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank + 7, device), device)
