@@ -405,7 +405,7 @@ def python_profile_steps(step, batches, device: torch.device, steps: int = 3, to
 
     rows = [{"function": where(k), "calls_per_step": nc / steps, "own_ms": tt * 1e3 / steps, "cum_ms": ct * 1e3 / steps}
             for k, (cc, nc, tt, ct, _) in st.stats.items()]
-    return {"steps": steps, "wall_s_per_step": wall,
+    return {"steps": steps, "wall_s_per_step": wall, "python_calls_per_step": st.total_calls / steps,
             "top_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
             "top_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
 
@@ -455,6 +455,9 @@ def run(args) -> None:
         from frod_ds.model.build import fetch_per_layer
 
         fetch_per_layer(model)  # FRoD: the trainer's default under ZeRO-3; LoRA: with --leaf-modules
+        if args.walk_parameters:  # undo fetch_per_layer's FixedParameters: DeepSpeed walks the modules every time
+            for module in model.modules():
+                module.__dict__.pop("named_parameters", None)
     step = Stepper(model, groups, ds_cfg, device, compile_engine=args.compile)
     build_s = time.perf_counter() - t0
     mem_built = _mem(device)
@@ -508,7 +511,7 @@ def run(args) -> None:
             "build_s": build_s, "losses": timing["losses"], "layer_passes_per_step": passes.per_step,
             "levers": {"ds_set": list(args.ds_set), "v_partitioned": args.v_partitioned,
                        "per_member_trainables": args.per_member_trainables,
-                       "per_member_frozen": args.per_member_frozen,
+                       "per_member_frozen": args.per_member_frozen, "walk_parameters": args.walk_parameters,
                        "leaf_modules": args.leaf_modules, "per_module_fetch": args.per_module_fetch,
                        "compile": args.compile, "gc_freeze": args.gc_freeze},
             "rewarm_steps": args.rewarm if args.gate else 0,
@@ -578,6 +581,9 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--per-member-frozen", action="store_true",
                    help="FRoD under ZeRO-3: one frozen U Parameter per FRoD layer (the build holds a decoder layer's "
                         "dense U_i as one, frod_ds.core.layer.FRoDFrozen, by default)")
+    r.add_argument("--walk-parameters", action="store_true",
+                   help="ZeRO-3: without fetch_per_layer's FixedParameters (DeepSpeed walks a layer's modules for its "
+                        "parameters at every fetch and release, the whole model's twice per optimizer step)")
     r.add_argument("--per-module-fetch", action="store_true",
                    help="FRoD under ZeRO-3: leave DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)")
     r.add_argument("--compile", action="store_true", help="engine.compile() after deepspeed.initialize (DeepCompile "

@@ -70,6 +70,8 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
                    "decoder layer (FRoDTrainables)", ["--per-member-trainables"]),
     "per-member-u": ("one frozen U Parameter per FRoD layer (6 per 7B decoder layer) instead of one per decoder layer "
                      "(FRoDFrozen)", ["--per-member-frozen"]),
+    "walk-parameters": ("DeepSpeed walks a decoder layer's modules for its parameters at every fetch and release, and "
+                        "the whole model's twice per optimizer step (no FixedParameters)", ["--walk-parameters"]),
 }
 # Settings on top of the shipped JSON (name -> what it changes, the arguments added to the shipped JSON's), each beside
 # the shipped zero2.json (zero3.json) in the same call; the first two leave the numerics alone and apply to either

@@ -27,6 +27,7 @@ the device; ``bench/layer_profile.py`` races them.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from frod_ds.core.quant import frozen_dense
 
-__all__ = ["core_matrix", "sampled_product", "support_grads", "FRoDTokens", "FRoDWeight"]
+__all__ = ["core_matrix", "core_matrix_at", "sampled_product", "support_grads", "FRoDTokens", "FRoDWeight"]
 
 SAMPLED_CHUNK_ELEMS = 1 << 25  # elements of one gathered (chunk, T) block in the sampled ∂S product
 
@@ -44,9 +45,15 @@ def core_matrix(sigma: Tensor, s_values: Tensor, support_flat: Tensor, dtype: to
     """Dense ``diag σ + S`` (n, n); ``S``'s values at the flat (row·n + col) ``support_flat`` positions."""
     n = sigma.shape[0]
     diag = torch.arange(0, n * n, n + 1, device=device)
-    idx = torch.cat([diag, support_flat.to(device)])  # (n + nnz,)
-    vals = torch.cat([sigma, s_values]).to(device=device, dtype=dtype)  # (n + nnz,)
-    return torch.zeros(n * n, dtype=dtype, device=device).scatter(0, idx, vals).view(n, n)
+    return core_matrix_at(sigma, s_values, torch.cat([diag, support_flat.to(device)]), dtype)
+
+
+def core_matrix_at(sigma: Tensor, s_values: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor:
+    """``core_matrix`` given the flat positions of σ then S, ``positions`` (n + nnz,) on the device it is built on
+    (``SparseSupport.core_positions_on`` caches them: the Functions build ``M`` twice a step per member)."""
+    n = sigma.shape[0]
+    vals = torch.cat([sigma, s_values]).to(device=positions.device, dtype=dtype)  # (n + nnz,)
+    return torch.zeros(n * n, dtype=dtype, device=positions.device).scatter_(0, positions, vals).view(n, n)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -78,6 +85,14 @@ def support_grads(a: Tensor, b: Tensor, support, dense: bool) -> tuple[Tensor, T
     rows, cols = support.rows_cols_on(device)
     g_sigma = (a * b).sum(0, dtype=_accumulation_dtype(a.dtype))  # (n,)
     return g_sigma, sampled_product(a, b, rows, cols)
+
+
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast disabled for ``device_type``: ``torch.autocast(enabled=False)`` where autocast is on, else nothing
+    (entering and leaving an autocast context is host work, twice per FRoD layer and pass)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -129,7 +144,7 @@ class FRoDTokens(torch.autograd.Function):
         assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
             "FRoDTokens takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
         dt, device = x.dtype, x.device
-        M = core_matrix(sigma, s_values, support.on(device), dt, device)  # (n, n), dropped after the forward
+        M = core_matrix_at(sigma, s_values, support.core_positions_on(device), dt)  # (n, n), dropped after the forward
         z = x @ _as(V, dt)  # (T, n)
         h = z @ M.t()  # (T, n)
         Uc = frozen_dense(member_of(U, u_span), dt)
@@ -145,10 +160,10 @@ class FRoDTokens(torch.autograd.Function):
         dt, device = saved.dtype, saved.device
         need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
         g_x = g_sigma = g_s = None
-        with torch.autocast(device.type, enabled=False):
+        with autocast_off(device.type):
             g_y = _as(g_y, dt)
             Vc = _as(V, dt)
-            M = core_matrix(sigma.detach(), s_values.detach(), ctx.support.on(device), dt, device)  # rebuilt
+            M = core_matrix_at(sigma.detach(), s_values.detach(), ctx.support.core_positions_on(device), dt)  # rebuilt
             g_h = g_y @ frozen_dense(U, dt)  # (T, n)
             if need_x:
                 g_x = (g_h @ M) @ Vc.t()  # (T, n)
@@ -174,7 +189,7 @@ class FRoDWeight(torch.autograd.Function):
         assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
             "FRoDWeight takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
         dt, device = x.dtype, x.device
-        M = core_matrix(sigma, s_values, support.on(device), dt, device)  # (n, n)
+        M = core_matrix_at(sigma, s_values, support.core_positions_on(device), dt)  # (n, n)
         W = (frozen_dense(member_of(U, u_span), dt) @ M) @ _as(V, dt).t()  # (m, n)
         y = x @ W.t() if bias is None else torch.addmm(_as(bias, dt), x, W.t())  # (T, m)
         ctx.save_for_backward(x, W, *_kept_trainables(sigma, s_values, held), U, V)
@@ -188,7 +203,7 @@ class FRoDWeight(torch.autograd.Function):
         dt = x.dtype
         need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
         g_x = g_sigma = g_s = None
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             g_y = _as(g_y, dt)
             if need_x:
                 g_x = g_y @ W  # (T, n)

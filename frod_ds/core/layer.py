@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from frod_ds.runtime.errors import FrodError
-from frod_ds.core.frod_function import FRoDTokens, FRoDWeight, core_matrix, member_of
+from frod_ds.core.frod_function import FRoDTokens, FRoDWeight, autocast_off, core_matrix, member_of
 from frod_ds.runtime.validate import sparsity_problem
 from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
 from frod_ds.core.sizes import ordering
@@ -54,6 +54,7 @@ class SparseSupport:
         self.flat = flat.cpu()
         self._cache: dict[torch.device, Tensor] = {}
         self._rc_cache: dict[torch.device, tuple[Tensor, Tensor]] = {}
+        self._core_cache: dict[torch.device, Tensor] = {}
 
     @classmethod
     def random(cls, n: int, sparsity: float, seed: int) -> SparseSupport:
@@ -99,6 +100,14 @@ class SparseSupport:
         if device not in self._cache:
             self._cache[device] = self.flat.to(device)
         return self._cache[device]
+
+    def core_positions_on(self, device: torch.device) -> Tensor:
+        """The flat positions of ``diag σ + S`` in an (n, n) matrix, the diagonal's then the support's ((n + nnz,),
+        int64), cached per device (``frod_ds.core.frod_function.core_matrix_at``)."""
+        if device not in self._core_cache:
+            diag = torch.arange(0, self.n * self.n, self.n + 1)
+            self._core_cache[device] = torch.cat([diag, self.flat]).to(device)
+        return self._core_cache[device]
 
     def rows_cols_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """``(rows, cols)`` (nnz,) each on ``device``, cached (the sampled ∂S product reads them)."""
@@ -293,22 +302,26 @@ class FRoDLinear(nn.Module):
         if mode == "auto":
             mode = ordering(x.numel() // n, m, n, torch.is_grad_enabled(), recompute=self.save == "x")
         assert mode in ("tokens", "weight"), f"FRoDLinear.mode must be auto|tokens|weight, got {mode!r}"
-        u = self.u_parameter()
-        frozen_train = u.requires_grad or self.V.requires_grad or getattr(self.bias, "requires_grad", False)
+        # Each Parameter read once per call: under ZeRO-3 every attribute read of one runs DeepSpeed's Python
+        u, V, bias = self.u_parameter(), self.V, self.bias
+        frozen_train = u.requires_grad or V.requires_grad or getattr(bias, "requires_grad", False)
         if self.impl == "function" and not frozen_train:
             xt = x.reshape(-1, n).to(dt)  # (T, n)
             # the holders of U, σ and S and this layer's spans of them: the Functions keep holders, never views
             span = None if self._frozen is None else self._frozen[0].span(self._frozen[1])
-            held = None
-            if self._flat is not None:
+            if self._flat is None:
+                sigma, s_values, held = self.frod_sigma, self.frod_s, None
+            else:
                 holder, i = self._flat
                 held = (holder.frod_sigma, holder.sigma_spans[i], holder.frod_s, holder.s_spans[i])
-            with torch.autocast(x.device.type, enabled=False):  # the Functions run in dt, forward and backward
+                (a, b), (c, d) = held[1], held[3]
+                sigma, s_values = held[0][a:b], held[2][c:d]
+            with autocast_off(x.device.type):  # the Functions run in dt, forward and backward
                 if mode == "tokens":
-                    y = FRoDTokens.apply(xt, self.frod_sigma, self.frod_s, u, self.V, self.bias, self.support,
+                    y = FRoDTokens.apply(xt, sigma, s_values, u, V, bias, self.support,
                                          self.save == "z", self.dgrad == "dense", span, held)  # (T, m)
                 else:
-                    y = FRoDWeight.apply(xt, self.frod_sigma, self.frod_s, u, self.V, self.bias, self.support,
+                    y = FRoDWeight.apply(xt, sigma, s_values, u, V, bias, self.support,
                                          self.dgrad == "dense", span, held)  # (T, m)
             return y.view(*x.shape[:-1], m)
         # Plain autograd (the reference, and the route when a frozen factor trains): keeps M or W, and views

@@ -30,7 +30,8 @@ from frod_ds.runtime.errors import FrodError, StoreError
 from frod_ds.core.layer import FRoDFrozen, FRoDLinear, FRoDTrainables, SparseSupport, support_seed
 from frod_ds.core.quant import QuantError, QuantSpec, check_kind, quantize_untargeted, quantized_parameter, spec_of
 
-__all__ = ["make_supports", "build_frod_model", "gathered", "check_store_quant", "replicate_shared_v", "fetch_per_layer"]
+__all__ = ["make_supports", "build_frod_model", "gathered", "check_store_quant", "replicate_shared_v", "fetch_per_layer",
+           "FixedParameters"]
 
 
 def make_supports(store, categories: list[str], sparsity: float, seed: int) -> dict[str, SparseSupport]:
@@ -334,7 +335,34 @@ def fetch_per_layer(model: nn.Module) -> list[str]:
         raise FrodError(f"no decoder layer class in {type(model).__name__}: cannot make the layers ZeRO-3 fetch units")
     set_z3_leaf_modules(model, classes)
     model.enable_input_require_grads()
+    for module in [model, *(m for m in model.modules() if type(m) in classes)]:
+        module.named_parameters = FixedParameters(module)
     return [c.__name__ for c in classes]
+
+
+class FixedParameters:
+    """``named_parameters`` of a module whose Parameters no longer change: each call's list is walked once, then
+    replayed. DeepSpeed's ZeRO-3 walks a fetch unit's submodules for its parameters each time it fetches or releases
+    it (four walks per decoder layer and step) and the whole model twice in each optimizer step; at 7B depth those
+    walks were a quarter of ZeRO-3's host-side Python calls per step (the CPU rehearsal in docs/benchmarks.md).
+    ``fetch_per_layer`` installs one on the model and on each decoder layer, as an instance attribute: it goes with
+    the model (and with a copy of it), nothing else sees it. Its contract is that no Parameter is added to or removed
+    from those modules afterwards (ZeRO-3 keeps the Parameter objects and swaps their data); ``forget()`` drops the
+    lists after such a change."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.cache: dict[tuple[str, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+
+    def __call__(self, prefix: str = "", recurse: bool = True,
+                 remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        key = (prefix, recurse, remove_duplicate)
+        if key not in self.cache:
+            self.cache[key] = list(type(self.module).named_parameters(self.module, prefix, recurse, remove_duplicate))
+        return iter(self.cache[key])
+
+    def forget(self) -> None:
+        self.cache.clear()
 
 
 def build_frod_model(

@@ -203,3 +203,38 @@ def test_flat_trainables_train_exactly_as_one_parameter_per_layer(tmp_path):
     assert any(not torch.equal(v, adapter_state(build_frod_model(
         model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32))[0][k]) for k, v in got.items()
         if k.endswith("frod_s")), "the steps moved S"
+
+
+def test_fixed_parameter_walks_replay_the_walk_and_follow_a_copy(tmp_path):
+    """``fetch_per_layer`` makes the model's and each decoder layer's ``named_parameters`` replay one walk
+    (``FixedParameters``): the same names and Parameter objects as nn.Module's own walk for every argument
+    combination; a deep copy replays its own Parameters; ``forget`` walks again."""
+    import copy
+
+    from frod_ds.model.build import FixedParameters, fetch_per_layer
+
+    model_dir = write_tiny_llama(tmp_path / "m")
+    store = _store_for(model_dir, tmp_path / "f")
+    model = build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32)
+    fetch_per_layer(model)
+    fixed = [m for m in model.modules() if isinstance(m.__dict__.get("named_parameters"), FixedParameters)]
+    assert len(fixed) == model.config.num_hidden_layers + 1 and fixed[0] is model
+
+    def walks(m):
+        return [[(n, id(p)) for n, p in f(prefix=pre, recurse=rec)]
+                for f in (m.named_parameters, lambda **k: type(m).named_parameters(m, **k))
+                for pre in ("", "x") for rec in (True, False)]
+
+    for m in fixed:
+        got = walks(m)
+        assert got[:4] == got[4:] and got[0], type(m).__name__
+        assert [id(p) for p in m.parameters()] == [id(p) for p in type(m).parameters(m)]
+    twin = copy.deepcopy(model)
+    mine, theirs = dict(model.named_parameters()), dict(twin.named_parameters())
+    assert list(mine) == list(theirs) and not any(mine[k] is theirs[k] for k in mine)
+    assert all(theirs[n] is p for n, p in type(twin).named_parameters(twin))
+    layer = fixed[1]
+    layer.register_parameter("extra", torch.nn.Parameter(torch.zeros(1)))
+    assert "extra" not in dict(layer.named_parameters())  # the contract: no Parameter is added afterwards...
+    layer.named_parameters.forget()
+    assert "extra" in dict(layer.named_parameters())  # ...or the lists are dropped

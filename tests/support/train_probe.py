@@ -76,6 +76,14 @@ def main() -> int:
     report["frozen_grads_none"] = all(m.u_parameter().grad is None and m.V.grad is None for m in layers.values())
     run.start_step = 1
     rc = fit(run)
+    if run.zero3:  # fetch_per_layer's FixedParameters still replay what a fresh walk finds, the same objects
+        from frod_ds.model.build import FixedParameters
+
+        fixed = [m for m in model.modules() if isinstance(m.__dict__.get("named_parameters"), FixedParameters)]
+        report["fixed_walks"] = {
+            "modules": len(fixed), "used": sum(bool(m.named_parameters.cache) for m in fixed),
+            "same": all([(n, id(p)) for n, p in m.named_parameters()]
+                        == [(n, id(p)) for n, p in type(m).named_parameters(m)] for m in fixed)}
     ids = torch.arange(3, 3 + 2 * 12).reshape(2, 12) % model.config.vocab_size
     engine.eval()
     with torch.no_grad():

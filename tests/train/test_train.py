@@ -68,6 +68,8 @@ def test_frozen_factors_partitioned_without_grad_or_optimizer_state(probe):
         assert rep["leaf_decoder_layers"] == rep["decoder_layers"] > 0 and rep["leaf_other"] == 0, \
             "each decoder layer, and nothing else, is one ZeRO-3 fetch unit (build.fetch_per_layer)"
         assert rep["u_parameters"] == rep["decoder_layers"], "one frozen U Parameter per decoder layer (FRoDFrozen)"
+        assert rep["fixed_walks"] == {"modules": rep["decoder_layers"] + 1, "used": rep["decoder_layers"] + 1,
+                                      "same": True}, "DeepSpeed's parameter walks replayed, and still right after fit"
         assert rep["shared_v"]
         assert rep["frozen_grads_none"]
         assert not rep["frozen_in_optimizer"]

@@ -1,0 +1,135 @@
+"""The host's share of a training step, counted: Python function calls per step (``cProfile``'s count over steady
+steps) for FRoD under plain PyTorch, ``zero2.json`` and ``zero3.json``, and ZeRO-3 with each of the build's host-side
+changes undone. A call count does not depend on the machine's speed or its neighbours, so it separates what the
+code asks of the host from how fast a given host is: where a step is host-bound (ZeRO-3 on one GPU, see
+``bench/results/zero3_levers``), its time follows this count.
+
+    python bench/host_calls.py --work /tmp/hc --out bench/results/host_calls     # CPU or GPU, ~4 min on 2 cores
+    python bench/host_calls.py --report bench/results/host_calls                  # the report from the JSONs
+
+The model is the full depth of LLaMA-2-7B (32 decoder layers, FRoD on q/k/v/o/gate/up) at tiny widths (64 / 176,
+one sequence of 8 tokens): every per-layer and per-parameter cost of the step is there, the arithmetic is not.
+Each configuration is one ``bench/train_step.py run --pyprofile`` process (2 warm-up steps, then 3 profiled ones).
+A call writes ``host_calls_<device>_<stamp>.json`` (command, device, date, versions, per configuration its
+arguments, calls per step and the profiled step's wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import device_name, versions  # noqa: E402
+from bench.train_matrix import _run, _tail  # noqa: E402
+
+MODEL = ["--layers", "32", "--hidden", "64", "--inter", "176", "--heads", "4", "--vocab", "256"]
+RUN = ["--batch", "1", "--seq", "8", "--warmup", "2", "--steps", "1", "--repeats", "1", "--pyprofile"]
+ZERO2, ZERO3 = "ds_configs/zero2.json", "ds_configs/zero3.json"
+# name -> (what it is, config, extra train_step arguments)
+CONFIGS: dict[str, tuple[str, str, list[str]]] = {
+    "plain": ("plain PyTorch, AdamW", "plain", []),
+    "zero2": ("the shipped zero2.json", ZERO2, []),
+    "zero3": ("the shipped zero3.json and build", ZERO3, []),
+    "zero3-walk-parameters": ("zero3.json, DeepSpeed walking the modules for their parameters at every fetch and "
+                              "release (no FixedParameters)", ZERO3, ["--walk-parameters"]),
+    "zero3-per-member-u": ("zero3.json, one frozen U Parameter per FRoD layer (no FRoDFrozen)", ZERO3,
+                           ["--per-member-frozen"]),
+    "zero3-per-member": ("zero3.json, one σ and one S Parameter per FRoD layer (no FRoDTrainables)", ZERO3,
+                         ["--per-member-trainables"]),
+    "zero3-per-module-fetch": ("zero3.json, DeepSpeed's fetch hooks on every submodule (no fetch_per_layer)", ZERO3,
+                               ["--per-module-fetch"]),
+}
+
+
+def measure(args) -> Path:
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, factors = work / "model", work / "factors"
+    logs = work / "logs"
+    if not (model / "MADE").is_file():
+        rc, _ = _run([sys.executable, "bench/train_step.py", "make-model", "--out", str(model)] + MODEL,
+                     logs / "make_model.log", 600)
+        if rc != 0:
+            raise SystemExit(f"error: make-model failed (exit {rc}):\n{_tail(logs / 'make_model.log')}")
+        (model / "MADE").write_text("complete\n")
+    if not (factors / "manifest.json").is_file():
+        rc, _ = _run([sys.executable, "launch/hjd.py", "--model", str(model), "--out", str(factors)],
+                     logs / "hjd.log", 600)
+        if rc != 0:
+            raise SystemExit(f"error: HJD failed (exit {rc}):\n{_tail(logs / 'hjd.log')}")
+    rows = []
+    for name in args.only.split(",") if args.only else CONFIGS:
+        what, config, extra = CONFIGS[name]
+        res_dir = work / "runs"
+        cmd = [sys.executable, "bench/train_step.py", "run", "--method", "frod", "--model", str(model), "--factors",
+               str(factors), "--config", config, *RUN, *extra, "--out", str(res_dir), "--name", name]
+        rc, seconds = _run(cmd, logs / f"{name}.log", 900)
+        if rc != 0:
+            raise SystemExit(f"error: {name} failed (exit {rc}):\n{_tail(logs / f'{name}.log')}")
+        res = json.loads((res_dir / f"{name}.json").read_text())
+        prof = res["python_profile"]
+        rows.append({"name": name, "what": what, "config": config, "args": extra,
+                     "python_calls_per_step": prof["python_calls_per_step"],
+                     "profiled_wall_s_per_step": prof["wall_s_per_step"], "run_s": seconds})
+        print(f"{name}: {prof['python_calls_per_step']:,.0f} Python calls per step", flush=True)
+    device = device_name()
+    stamp = _dt.datetime.now(_dt.timezone.utc)
+    doc = {"benchmark": "host_calls", "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+           "device": device, "date": stamp.isoformat(timespec="seconds"), "versions": versions(),
+           "model": MODEL, "run": RUN, "runs": rows}
+    tag = "cpu" if device.startswith("cpu") else device.split()[-1].lower()
+    path = out / f"host_calls_{tag}_{stamp:%Y%m%dT%H%M%S}.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def report(directory: Path) -> Path:
+    docs = [json.loads(p.read_text()) for p in sorted(directory.glob("host_calls_*.json"))]
+    if not docs:
+        raise SystemExit(f"error: no host_calls_*.json in {directory}: run bench/host_calls.py --out {directory} first")
+    lines = ["# Host work per training step, counted", "",
+             f"Generated by `python bench/host_calls.py --report {directory.as_posix()}` from the JSON files beside "
+             "this report; do not edit by hand. Python function calls per step (`cProfile`'s count over 3 steady "
+             "steps) of FRoD on LLaMA-2-7B's depth (32 decoder layers, q/k/v/o/gate/up) at tiny widths, one "
+             "sequence of 8 tokens: the host's work, which a machine's speed does not change. Relative to plain "
+             "PyTorch's count in the same call.", ""]
+    for doc in docs:
+        runs = {r["name"]: r for r in doc["runs"]}
+        base = runs.get("plain", {}).get("python_calls_per_step")
+        lines += [f"## Call of {doc['date']} — {doc['device']} (`{doc['command']}`)", "",
+                  "| configuration | what | Python calls per step | ÷ plain |", "|---|---|---|---|"]
+        for r in doc["runs"]:
+            ratio = f"{r['python_calls_per_step'] / base:.2f}×" if base else "–"
+            lines.append(f"| {r['name']} | {r['what']} | {r['python_calls_per_step']:,.0f} | {ratio} |")
+        lines.append("")
+    path = directory / "host_calls.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", help="model, factor store, logs and per-run results (reused when complete)")
+    ap.add_argument("--out", help="where the call's JSON goes")
+    ap.add_argument("--only", default=None, help="comma-separated configurations (default: all): " + ", ".join(CONFIGS))
+    ap.add_argument("--report", default=None, metavar="DIR", help="write DIR/host_calls.md from DIR's JSONs and exit")
+    args = ap.parse_args()
+    if args.report:
+        print(report(Path(args.report)))
+        return 0
+    if not (args.work and args.out):
+        ap.error("--work and --out are needed to measure (or --report DIR)")
+    bad = [n for n in (args.only.split(",") if args.only else []) if n not in CONFIGS]
+    if bad:
+        ap.error(f"unknown configuration(s) {bad}; known: {', '.join(CONFIGS)}")
+    print(measure(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
