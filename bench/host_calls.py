@@ -1,8 +1,9 @@
 """The host's share of a training step, counted: Python function calls per step (``cProfile``'s count over steady
 steps) for FRoD under plain PyTorch, ``zero2.json`` and ``zero3.json``, and ZeRO-3 with each of the build's host-side
 changes undone. A call count does not depend on the machine's speed or its neighbours, so it separates what the
-code asks of the host from how fast a given host is: where a step is host-bound (ZeRO-3 on one GPU, see
-``bench/results/zero3_levers``), its time follows this count.
+code asks of the host from how fast a given host is. It is a proxy, not a time: calls differ in cost (on the H200,
+undoing ``FixedParameters`` added a quarter more calls and no measurable step time, undoing ``FRoDFrozen`` about as
+many and 15%: ``bench/results/zero3_levers``).
 
     python bench/host_calls.py --work /tmp/hc --out bench/results/host_calls     # CPU or GPU, ~4 min on 2 cores
     python bench/host_calls.py --report bench/results/host_calls                  # the report from the JSONs
@@ -97,7 +98,8 @@ def report(directory: Path) -> Path:
              "this report; do not edit by hand. Python function calls per step (`cProfile`'s count over 3 steady "
              "steps) of FRoD on LLaMA-2-7B's depth (32 decoder layers, q/k/v/o/gate/up) at tiny widths, one "
              "sequence of 8 tokens: the host's work, which a machine's speed does not change. Relative to plain "
-             "PyTorch's count in the same call.", ""]
+             "PyTorch's count in the same call. A proxy, not a time: calls differ in cost (step times beside each "
+             "ablation are in `bench/results/zero3_levers/zero3_levers.md`).", ""]
     for doc in docs:
         runs = {r["name"]: r for r in doc["runs"]}
         base = runs.get("plain", {}).get("python_calls_per_step")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,8 @@ from bench.train_matrix import TINY_MODEL, TINY_RUN, _run, _tail, prepare  # noq
 from frod_ds.config.ds_config import bf16_overflow_check, load_ds_config, zero_settings  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# environment variables that change a run's host work, recorded with each call
+ENV_RECORDED = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_LAUNCH_BLOCKING", "TORCH_CUDA_ARCH_LIST")
 ZERO2, ZERO3 = "ds_configs/zero2.json", "ds_configs/zero3.json"
 # The zero_optimization keys of the zero3.json shipped before this benchmark's changes (with V partitioned,
 # DeepSpeed's per-submodule fetch and one σ and one S Parameter per FRoD layer, as the build and trainer did then).
@@ -430,8 +433,9 @@ def _zero3_build(result: dict) -> str:
     per_member = levers.get("per_member_trainables", True)  # runs before FRoDTrainables: per member
     per_member_u = levers.get("per_member_frozen", True)  # runs before FRoDFrozen: per member
     bucket = (result.get("ds_config") or {}).get("zero_optimization", {}).get("reduce_bucket_size")
+    walks = levers.get("walk_parameters", True)  # runs before FixedParameters: DeepSpeed walked the modules
     held = ("σ, S per FRoD layer" if per_member else "σ, S per decoder layer") + (
-        "" if per_member_u else "; U per decoder layer")
+        "" if per_member_u else "; U per decoder layer") + ("" if walks else "; parameter walks replayed")
     return f"{held}; reduce bucket {bucket:.0e}" if isinstance(bucket, (int, float)) else held
 
 
@@ -541,8 +545,8 @@ def report(directory: Path) -> Path:
               "| window spread |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     shipped_overlap = "on" if zero_settings(load_ds_config(REPO / ZERO2)).overlap_comm else "off"
-    shipped = _zero3_build({"ds_config": load_ds_config(REPO / ZERO3), "levers": {"per_member_trainables": False,
-                                                                                    "per_member_frozen": False}})
+    shipped = _zero3_build({"ds_config": load_ds_config(REPO / ZERO3), "levers": {
+        "per_member_trainables": False, "per_member_frozen": False, "walk_parameters": False}})
     current: dict[str, list[dict]] = {"timed one configuration after another": [], "windows in turn, re-warmed": []}
     for r in summary:
         f, lo = r.get("frod", {}), r.get("lora", {})
@@ -643,6 +647,7 @@ def main() -> None:
             ap.error(f"--only {missing[0]!r} is not a configuration of --set {args.set} ({', '.join(known)})")
         plan = [known[x] for x in only]
     doc = {"benchmark": "zero3_levers", "command": " ".join([Path(sys.executable).name, *sys.argv]),
+           "env": {k: os.environ[k] for k in ENV_RECORDED if k in os.environ},
            "started": started, "device": None, "slug": "cpu", "versions": None, "stages": stages,
            "before_keys": BEFORE_KEYS, "shipped_zero3": load_ds_config(REPO / ZERO3),
            "levers": {k: {"what": v[0], "args": v[1]} for k, v in LEVERS.items()},
