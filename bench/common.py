@@ -72,3 +72,11 @@ def write_result(name: str, payload: dict, out_dir: str | None = None) -> Path:
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)
     return path
+
+
+def read_results(directory: Path, pattern: str, hint: str = "") -> list[dict]:
+    """Every JSON in ``directory`` matching ``pattern``, in name order; exits with an error naming what is missing."""
+    docs = [json.loads(p.read_text()) for p in sorted(directory.glob(pattern))]
+    if not docs:
+        raise SystemExit(f"error: no {pattern} in {directory}{hint}")
+    return docs
