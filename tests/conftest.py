@@ -111,6 +111,9 @@ def _requested_order(config) -> str:
     order = os.environ.get("FROD_TEST_ORDER", "normal")
     if order == "shuffle":
         order = f"shuffle:{random.SystemRandom().randrange(10**6)}"
+    if not (order in ("normal", "reverse") or (order.startswith("shuffle:") and order.partition(":")[2].isdigit())):
+        # here, before xdist starts workers: a worker's usage error would end the run as an xdist internal error
+        raise pytest.UsageError(f"FROD_TEST_ORDER={order!r}: use normal, reverse, shuffle or shuffle:SEED")
     return order
 
 
@@ -154,13 +157,11 @@ def pytest_collection_modifyitems(session, config, items):
         pass
     elif order == "reverse":
         names.reverse()
-    elif order.startswith("shuffle:") and order.partition(":")[2].isdigit():
+    else:  # shuffle:SEED (checked by _requested_order)
         rng = random.Random(int(order.partition(":")[2]))
         rng.shuffle(names)
         for name in names:
             rng.shuffle(files[name])
-    else:
-        raise pytest.UsageError(f"FROD_TEST_ORDER={order!r}: use normal, reverse, shuffle or shuffle:SEED")
     items[:] = [item for name in names for item in files[name]]
     if hasattr(config, "workerinput"):
         # under xdist this is the order files are handed out: XDIST_FIRST, then the files with multi-process (slow)

@@ -54,3 +54,21 @@ def test_every_test_directory_is_a_package_with_unique_file_names():
             assert p.name not in seen, f"tests/{d}/{p.name} and tests/{seen[p.name]}/{p.name} share a name"
             seen[p.name] = d
     assert seen, "no test files found under tests/<part>/"
+
+
+def test_an_unknown_test_order_is_one_usage_error_also_under_xdist():
+    """``FROD_TEST_ORDER`` is checked before xdist starts its workers: a typo ends the run with pytest's usage error
+    (exit 4) naming the value and the accepted ones, not with an xdist internal error from a crashed worker."""
+    import subprocess
+    import sys
+
+    from tests.support.leftovers import clean_env
+
+    for workers in ([], ["-n", "2"]):
+        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
+                              "tests/repo/test_tests_layout.py::test_every_tests_directory_names_a_part_of_the_project"],
+                             cwd=REPO, env=clean_env(FROD_TEST_ORDER="shuff:7"), capture_output=True, text=True,
+                             timeout=120)
+        out = res.stdout + res.stderr
+        assert res.returncode == 4 and "INTERNALERROR" not in out, (workers, res.returncode, out[-2000:])
+        assert "FROD_TEST_ORDER='shuff:7': use normal, reverse, shuffle or shuffle:SEED" in out, out[-2000:]
