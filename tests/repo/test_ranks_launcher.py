@@ -14,15 +14,19 @@ import pytest
 from tests.support import ranks
 from tests.support.leftovers import REPO, clean_env
 
+# Each line one write: two ranks share the pipe, and print() writes its pieces one by one, which interleave
+# between processes where the output is unbuffered.
 SCRIPT = '''
 import atexit, logging, os, sys, warnings
-print("argv", sys.argv, "name", __name__, "cwd", os.getcwd())
-print("env", os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), os.environ.get("FROD_PROBE"))
-print("path0", sys.path[0] == os.path.dirname(os.path.abspath(sys.argv[0])))
+def line(*parts):
+    sys.stdout.write(" ".join(map(str, parts)) + "\\n")
+line("argv", sys.argv, "name", __name__, "cwd", os.getcwd())
+line("env", os.environ.get("RANK"), os.environ.get("WORLD_SIZE"), os.environ.get("FROD_PROBE"))
+line("path0", sys.path[0] == os.path.dirname(os.path.abspath(sys.argv[0])))
 warnings.warn("a user warning")
 warnings.warn("a deprecation", DeprecationWarning)
 logging.getLogger("frod_probe_bound").warning("a log line")
-atexit.register(lambda: print("the script's exit handler ran"))
+atexit.register(lambda: line("the script's exit handler ran"))
 print("to stderr", file=sys.stderr)
 sys.exit(int(os.environ.get("FROD_PROBE_EXIT", "0")))
 '''
