@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import device_name, read_results, versions  # noqa: E402
-from bench.train_matrix import _run, _tail  # noqa: E402
+from bench.train_matrix import _run, _tail, prepare  # noqa: E402
 
 MODEL = ["--layers", "32", "--hidden", "64", "--inter", "176", "--heads", "4", "--vocab", "256"]
 RUN = ["--batch", "1", "--seq", "8", "--warmup", "2", "--steps", "1", "--repeats", "1", "--pyprofile"]
@@ -50,19 +50,8 @@ CONFIGS: dict[str, tuple[str, str, list[str]]] = {
 def measure(args) -> Path:
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, factors = work / "model", work / "factors"
     logs = work / "logs"
-    if not (model / "MADE").is_file():
-        rc, _ = _run([sys.executable, "bench/train_step.py", "make-model", "--out", str(model)] + MODEL,
-                     logs / "make_model.log", 600)
-        if rc != 0:
-            raise SystemExit(f"error: make-model failed (exit {rc}):\n{_tail(logs / 'make_model.log')}")
-        (model / "MADE").write_text("complete\n")
-    if not (factors / "manifest.json").is_file():
-        rc, _ = _run([sys.executable, "launch/hjd.py", "--model", str(model), "--out", str(factors)],
-                     logs / "hjd.log", 600)
-        if rc != 0:
-            raise SystemExit(f"error: HJD failed (exit {rc}):\n{_tail(logs / 'hjd.log')}")
+    model, factors = prepare(argparse.Namespace(work=work, tiny=False), work, {}, model_args=MODEL)
     rows = []
     for name in args.only.split(",") if args.only else CONFIGS:
         what, config, extra = CONFIGS[name]

@@ -77,12 +77,15 @@ def _tail(log: Path, n: int = 15) -> str:
     return "\n".join(lines[-n:])
 
 
-def prepare(args, out: Path, stages: dict) -> tuple[Path, Path]:
-    """The checkpoint and its factor store in ``--work`` (reused when complete)."""
+def prepare(args, out: Path, stages: dict, model_args: list[str] | None = None) -> tuple[Path, Path]:
+    """The checkpoint and its factor store in ``--work`` (reused when complete); ``model_args``: make-model's shape
+    arguments (default: the 7B shape, or ``TINY_MODEL`` with ``--tiny``)."""
     work = Path(args.work)
     model, factors = work / "model", work / "factors"
+    if model_args is None:
+        model_args = TINY_MODEL if args.tiny else []
     if not (model / "MADE").is_file():
-        cmd = [sys.executable, "bench/train_step.py", "make-model", "--out", str(model)] + (TINY_MODEL if args.tiny else [])
+        cmd = [sys.executable, "bench/train_step.py", "make-model", "--out", str(model)] + model_args
         rc, s = _run(cmd, out / "logs" / "make_model.log", 900)
         stages["make_model_s"] = s
         if rc != 0:

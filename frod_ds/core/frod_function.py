@@ -35,7 +35,7 @@ from torch import Tensor
 
 from frod_ds.core.quant import frozen_dense
 
-__all__ = ["core_matrix", "core_matrix_at", "sampled_product", "support_grads", "FRoDTokens", "FRoDWeight"]
+__all__ = ["core_matrix", "core_matrix_at", "core_positions", "spans_of", "sampled_product", "support_grads", "FRoDTokens", "FRoDWeight"]
 
 SAMPLED_CHUNK_ELEMS = 1 << 25  # elements of one gathered (chunk, T) block in the sampled ∂S product
 
@@ -43,9 +43,13 @@ SAMPLED_CHUNK_ELEMS = 1 << 25  # elements of one gathered (chunk, T) block in th
 def core_matrix(sigma: Tensor, s_values: Tensor, support_flat: Tensor, dtype: torch.dtype,
                 device: torch.device | str) -> Tensor:
     """Dense ``diag σ + S`` (n, n); ``S``'s values at the flat (row·n + col) ``support_flat`` positions."""
-    n = sigma.shape[0]
-    diag = torch.arange(0, n * n, n + 1, device=device)
-    return core_matrix_at(sigma, s_values, torch.cat([diag, support_flat.to(device)]), dtype)
+    return core_matrix_at(sigma, s_values, core_positions(sigma.shape[0], support_flat, device), dtype)
+
+
+def core_positions(n: int, support_flat: Tensor, device: torch.device | str) -> Tensor:
+    """The flat positions of ``diag σ + S`` in an (n, n) matrix on ``device``: the diagonal's, then the support's
+    ((n + nnz,), int64)."""
+    return torch.cat([torch.arange(0, n * n, n + 1, device=device), support_flat.to(device)])
 
 
 def core_matrix_at(sigma: Tensor, s_values: Tensor, positions: Tensor, dtype: torch.dtype) -> Tensor:
@@ -119,8 +123,9 @@ def _kept_trainables(sigma: Tensor, s_values: Tensor, held: Held | None) -> tupl
     return (sigma, s_values) if held is None else (held[0], held[2])
 
 
-def _spans_of(sigma: Tensor, s_values: Tensor, held: Held | None) -> tuple[Tensor, Tensor]:
-    """σ and S again from what ``_kept_trainables`` kept."""
+def spans_of(sigma: Tensor, s_values: Tensor, held: Held | None) -> tuple[Tensor, Tensor]:
+    """σ and S (this layer's) from the tensors themselves, or (``held``) from its decoder layer's holders: what
+    ``_kept_trainables`` kept, or the holders before a forward."""
     if held is None:
         return sigma, s_values
     (a, b), (c, d) = held[1], held[3]
@@ -156,7 +161,7 @@ class FRoDTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_y: Tensor):
         saved, sigma, s_values, U, V = ctx.saved_tensors
-        U, (sigma, s_values) = member_of(U, ctx.u_span), _spans_of(sigma, s_values, ctx.held)
+        U, (sigma, s_values) = member_of(U, ctx.u_span), spans_of(sigma, s_values, ctx.held)
         dt, device = saved.dtype, saved.device
         need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
         g_x = g_sigma = g_s = None
@@ -199,7 +204,7 @@ class FRoDWeight(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_y: Tensor):
         x, W, sigma, s_values, U, V = ctx.saved_tensors
-        U, (sigma, s_values) = member_of(U, ctx.u_span), _spans_of(sigma, s_values, ctx.held)
+        U, (sigma, s_values) = member_of(U, ctx.u_span), spans_of(sigma, s_values, ctx.held)
         dt = x.dtype
         need_x, need_sigma, need_s = ctx.needs_input_grad[:3]
         g_x = g_sigma = g_s = None

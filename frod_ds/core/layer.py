@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from frod_ds.runtime.errors import FrodError
-from frod_ds.core.frod_function import FRoDTokens, FRoDWeight, autocast_off, core_matrix, member_of
+from frod_ds.core.frod_function import (FRoDTokens, FRoDWeight, autocast_off, core_matrix, core_matrix_at,
+                                        core_positions, member_of, spans_of)
 from frod_ds.runtime.validate import sparsity_problem
 from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
 from frod_ds.core.sizes import ordering
@@ -105,8 +106,7 @@ class SparseSupport:
         """The flat positions of ``diag σ + S`` in an (n, n) matrix, the diagonal's then the support's ((n + nnz,),
         int64), cached per device (``frod_ds.core.frod_function.core_matrix_at``)."""
         if device not in self._core_cache:
-            diag = torch.arange(0, self.n * self.n, self.n + 1)
-            self._core_cache[device] = torch.cat([diag, self.flat]).to(device)
+            self._core_cache[device] = core_positions(self.n, self.flat, device)
         return self._core_cache[device]
 
     def rows_cols_on(self, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -289,8 +289,9 @@ class FRoDLinear(nn.Module):
 
     def core(self, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
         """``M = diag σ + S`` as a dense ``(n, n)`` matrix (differentiable in σ and the S values)."""
-        device = device or self.frod_sigma.device
-        return core_matrix(self.frod_sigma, self.frod_s, self.support.on(device), dtype or self.frod_sigma.dtype, device)
+        sigma = self.frod_sigma
+        return core_matrix_at(sigma, self.frod_s, self.support.core_positions_on(device or sigma.device),
+                              dtype or sigma.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x`` (..., n) → (..., m), by the cheaper of two exact orderings (``ordering``)."""
@@ -314,8 +315,7 @@ class FRoDLinear(nn.Module):
             else:
                 holder, i = self._flat
                 held = (holder.frod_sigma, holder.sigma_spans[i], holder.frod_s, holder.s_spans[i])
-                (a, b), (c, d) = held[1], held[3]
-                sigma, s_values = held[0][a:b], held[2][c:d]
+                sigma, s_values = spans_of(held[0], held[2], held)
             with autocast_off(x.device.type):  # the Functions run in dt, forward and backward
                 if mode == "tokens":
                     y = FRoDTokens.apply(xt, sigma, s_values, u, V, bias, self.support,
