@@ -35,6 +35,8 @@ ZERO2, ZERO3 = "ds_configs/zero2.json", "ds_configs/zero3.json"
 CONFIGS: dict[str, tuple[str, str, list[str]]] = {
     "plain": ("plain PyTorch, AdamW", "plain", []),
     "zero2": ("the shipped zero2.json", ZERO2, []),
+    "zero2-per-member": ("zero2.json, one σ and one S Parameter per FRoD layer (no FRoDTrainables)", ZERO2,
+                         ["--per-member-trainables"]),
     "zero3": ("the shipped zero3.json and build", ZERO3, []),
     "zero3-walk-parameters": ("zero3.json, DeepSpeed walking the modules for their parameters at every fetch and "
                               "release (no FixedParameters)", ZERO3, ["--walk-parameters"]),
@@ -65,6 +67,7 @@ def measure(args) -> Path:
         prof = res["python_profile"]
         rows.append({"name": name, "what": what, "config": config, "args": extra,
                      "python_calls_per_step": prof["python_calls_per_step"],
+                     "trainable_tensors": res["trainable_tensors"],
                      "profiled_wall_s_per_step": prof["wall_s_per_step"], "run_s": seconds})
         print(f"{name}: {prof['python_calls_per_step']:,.0f} Python calls per step", flush=True)
     device = device_name()
@@ -86,15 +89,21 @@ def report(directory: Path) -> Path:
              "steps) of FRoD on LLaMA-2-7B's depth (32 decoder layers, q/k/v/o/gate/up) at tiny widths, one "
              "sequence of 8 tokens: the host's work, which a machine's speed does not change. Relative to plain "
              "PyTorch's count in the same call. A proxy, not a time: calls differ in cost (step times beside each "
-             "ablation are in `bench/results/zero3_levers/zero3_levers.md`).", ""]
+             "ablation are in `bench/results/zero3_levers/zero3_levers.md`). `zero2` is the shipped `zero2.json` of its "
+             "call: σ and S per FRoD layer until 2026-11-28, per decoder layer (`FRoDTrainables`) from the call of "
+             "2026-11-28T02:39 on, whose `zero2-per-member` row is the layout before. Trainable tensors (σ and S "
+             "Parameters: 64 per decoder layer, 384 per FRoD layer) are recorded by the calls after that one.",
+             ""]
     for doc in docs:
         runs = {r["name"]: r for r in doc["runs"]}
         base = runs.get("plain", {}).get("python_calls_per_step")
         lines += [f"## Call of {doc['date']} — {doc['device']} (`{doc['command']}`)", "",
-                  "| configuration | what | Python calls per step | ÷ plain |", "|---|---|---|---|"]
+                  "| configuration | what | trainable tensors | Python calls per step | ÷ plain |",
+                  "|---|---|---|---|---|"]
         for r in doc["runs"]:
             ratio = f"{r['python_calls_per_step'] / base:.2f}×" if base else "–"
-            lines.append(f"| {r['name']} | {r['what']} | {r['python_calls_per_step']:,.0f} | {ratio} |")
+            lines.append(f"| {r['name']} | {r['what']} | {r.get('trainable_tensors', '–')} "
+                         f"| {r['python_calls_per_step']:,.0f} | {ratio} |")
         lines.append("")
     path = directory / "host_calls.md"
     path.write_text("\n".join(lines))

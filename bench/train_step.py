@@ -465,6 +465,7 @@ def run(args) -> None:
     trainable = sum(_numel(p) for p in step.model.parameters() if p.requires_grad)
     frozen = sum(_numel(p) for p in step.model.parameters() if not p.requires_grad)
     trainable_dtypes = sorted({str(p.dtype) for p in step.model.parameters() if p.requires_grad})
+    trainable_tensors = sum(1 for p in step.model.parameters() if p.requires_grad)  # DeepSpeed's host work is per tensor
 
     passes = LayerPasses(step.model)  # checked after the warm-up steps, before any timed one
     timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
@@ -496,7 +497,8 @@ def run(args) -> None:
             "repeats": args.repeats, "model": {k: cfg[k] for k in ("num_hidden_layers", "hidden_size",
                                                                    "intermediate_size", "num_attention_heads",
                                                                    "num_key_value_heads", "vocab_size")},
-            "targets": TARGETS, "trainable_params": trainable, "frozen_params": frozen,
+            "targets": TARGETS, "trainable_params": trainable, "trainable_tensors": trainable_tensors,
+            "frozen_params": frozen,
             "trainable_dtypes": trainable_dtypes, "optimizer": "torch.optim.AdamW" + (" fused" if
                                                                                       device.type == "cuda" else ""),
             "frod": {"sparsity": args.sparsity, "save": args.frod_save, "dgrad": args.frod_dgrad,
@@ -570,8 +572,8 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                    help="LoRA under ZeRO-3: each decoder layer one fetch unit (frod_ds.model.build.fetch_per_layer, what the "
                         "trainer does for FRoD)")
     r.add_argument("--per-member-trainables", action="store_true",
-                   help="FRoD under ZeRO-3: one σ and one S Parameter per FRoD layer (the build holds them per "
-                        "decoder layer, frod_ds.core.layer.FRoDTrainables, by default)")
+                   help="FRoD under DeepSpeed (ZeRO-1/2/3): one σ and one S Parameter per FRoD layer (the build "
+                        "holds them per decoder layer, frod_ds.core.layer.FRoDTrainables, by default)")
     r.add_argument("--rewarm", type=int, default=1,
                    help="with --gate: untimed steps after each gate opens, before the window's timed steps (a process "
                         "that waited while others ran resumes cold)")

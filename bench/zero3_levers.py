@@ -115,7 +115,8 @@ SETS = {
              ("lora", "plain", []), ("lora", ZERO2, []), ("lora", ZERO3, [])],
     "levers": [("frod", ZERO3, ["before"])] + [("frod", ZERO3, [lever]) for lever in LEVERS]
     + [("lora", ZERO3, ["before"])] + [("lora", ZERO3, [lv]) for lv, (_, _, m) in LEVERS.items() if "lora" in m],
-    "ablations": [("frod", ZERO3, [])] + [("frod", ZERO3, [a]) for a in ABLATIONS],
+    "ablations": [("frod", ZERO3, [])] + [("frod", ZERO3, [a]) for a in ABLATIONS]
+    + [("frod", ZERO2, []), ("frod", ZERO2, ["per-member"])],
     "zero2": [("frod", ZERO2, [])] + [("frod", ZERO2, [z]) for z in EITHER_JSON],
     "zero3plus": [("frod", ZERO3, [])] + [("frod", ZERO3, [z]) for z in EITHER_JSON + ZERO3_ONLY],
     "compile": [("frod", ZERO3, []), ("frod", ZERO3, ["deepcompile"])],
@@ -314,14 +315,13 @@ def call_report(doc: dict) -> tuple[list[str], dict]:
         lines.append("")
     ablations = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in ABLATIONS]
     if ablations:
-        shipped = by.get(name_of("frod", ZERO3, []))
-        lines += ["| method | shipped zero3 without | what is undone | shipped ms | undone ms | change |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| method | engine | shipped build without | what is undone | shipped ms | undone ms | change |",
+                  "|---|---|---|---|---|---|---|"]
         for r in ablations:
-            b, w = _ms(shipped), _ms(r)
+            b, w = _ms(by.get(name_of("frod", r["config"], []))), _ms(r)
             change = f"{(w / b - 1) * 100:+.1f}%" if b and w else r["status"]
-            lines.append(f"| FRoD | {r['tags'][0]} | {ABLATIONS[r['tags'][0]][0]} | {_fmt(b, 'ms')} | {_fmt(w, 'ms')} "
-                         f"| {change} |")
+            lines.append(f"| FRoD | {Path(r['config']).stem} | {r['tags'][0]} | {ABLATIONS[r['tags'][0]][0]} "
+                         f"| {_fmt(b, 'ms')} | {_fmt(w, 'ms')} | {change} |")
         lines.append("")
     plus = [r for r in doc["runs"] if r["tags"] and r["tags"][0] in PLUS_LEVERS]
     if plus:
@@ -440,6 +440,13 @@ def _zero3_build(result: dict) -> str:
     return f"{held}; reduce bucket {bucket:.0e}" if isinstance(bucket, (int, float)) else held
 
 
+def _zero2_trainables(result: dict) -> str:
+    """How a run's ZeRO-2 held σ and S: per decoder layer (``FRoDTrainables``, two trainable tensors per layer) since
+    2026-11-28, per FRoD layer before (runs from before then did not record their tensor count)."""
+    flat = result.get("trainable_tensors") == 2 * result["model"]["num_hidden_layers"]
+    return "per decoder layer" if flat else "per FRoD layer"
+
+
 DEEPCOMPILE_LAYOUT = (("v_partitioned", "V partitioned", "V replicated"),
                       ("per_member_trainables", "σ/S per FRoD layer", "σ/S per decoder layer"),
                       ("per_module_fetch", "per-module fetch", "per-decoder-layer fetch"))
@@ -523,8 +530,9 @@ def report(directory: Path) -> Path:
                       if not r["tags"] and r["method"] == "frod"), default=None)
         z3 = by.get(name_of("frod", ZERO3, []))
         build = _zero3_build(z3["result"]) if z3 else None
+        z2_held = _zero2_trainables(z2["result"]) if z2 else "–"
         summary.append({"started": doc["started"], "device": doc["device"], "zero2_check": check,
-                        "zero2_overlap": overlap, "rewarm": rewarm,
+                        "zero2_overlap": overlap, "zero2_held": z2_held, "rewarm": rewarm,
                         "frod_spread": spread, "zero3_build": build, "interleave": doc.get("interleave", 0),
                         **ratios})
     lines += ["## The goals per call", "", "FRoD on the full-depth 7B shape, one GPU; each ratio is a pair measured in the "
@@ -537,12 +545,12 @@ def report(directory: Path) -> Path:
               "are persistent, as each member's were.) Goals: `zero3.json` ÷ `zero2.json` ≤ 1.25×, `zero2.json` ÷ plain "
               "≤ 1.15×. `zero2.json` overflow check: DeepSpeed's per-gradient bf16 check in the shipped `zero2.json` "
               "of that call (off since 2026-11-27); `zero2.json` overlap: its `overlap_comm` (off since 2026-11-27T22:35: "
-              "one GPU has nothing to overlap, and FRoD's gradients are small on any number). Window spread: the largest relative gap between a FRoD "
+              "one GPU has nothing to overlap, and FRoD's gradients are small on any number); `zero2.json` σ, S: how that call's ZeRO-2 held them (per decoder layer since 2026-11-28, `FRoDTrainables`, as ZeRO-3 does). Window spread: the largest relative gap between a FRoD "
               "configuration's window medians in that call (a noisy machine shows here first).", "",
               "| call | device | FRoD zero3 ÷ zero2 | FRoD zero2 ÷ plain | LoRA zero3 ÷ zero2 "
-              "| FRoD zero3 ÷ LoRA's fastest | `zero2.json` overflow check | `zero2.json` overlap | ZeRO-3 build | windows "
-              "| window spread |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| FRoD zero3 ÷ LoRA's fastest | `zero2.json` overflow check | `zero2.json` overlap | `zero2.json` σ, S "
+              "| ZeRO-3 build | windows | window spread |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     shipped_overlap = "on" if zero_settings(load_ds_config(REPO / ZERO2)).overlap_comm else "off"
     shipped = _zero3_build({"ds_config": load_ds_config(REPO / ZERO3), "levers": {
         "per_member_trainables": False, "per_member_frozen": False, "walk_parameters": False}})
@@ -556,8 +564,9 @@ def report(directory: Path) -> Path:
             lines.append(f"| {r['started'][:16]} | {r['device']} | {_fmt(f.get('zero3_over_zero2'))} "
                          f"| {_fmt(f.get('zero2_over_plain'))} | {_fmt(lo.get('zero3_over_zero2'))} "
                          f"| {_fmt(r.get('frod_zero3_over_lora_best'))} | {r['zero2_check']} | {r['zero2_overlap']} "
-                         f"| {r['zero3_build'] or '–'} | {windows} | {spread} |")
-            if r["zero3_build"] == shipped and r["zero2_overlap"] == shipped_overlap and r["zero2_check"] == "off":
+                         f"| {r['zero2_held']} | {r['zero3_build'] or '–'} | {windows} | {spread} |")
+            if (r["zero3_build"] == shipped and r["zero2_overlap"] == shipped_overlap and r["zero2_check"] == "off"
+                    and r["zero2_held"] == "per decoder layer"):
                 if not r["interleave"]:
                     current["timed one configuration after another"].append(r)
                 elif r["rewarm"]:
@@ -567,7 +576,8 @@ def report(directory: Path) -> Path:
             continue
         met = [r for r in calls_now if (r["frod"].get("zero3_over_zero2") or 9) <= 1.25
                and (r["frod"].get("zero2_over_plain") or 9) <= 1.15]
-        lines += ["", f"With the build and JSONs shipped now ({shipped}; `zero2.json` overlap {shipped_overlap}), {how}: "
+        lines += ["", f"With the build and JSONs shipped now ({shipped}; `zero2.json` overlap {shipped_overlap}, σ and S "
+                  f"per decoder layer), {how}: "
                   f"{len(calls_now)} call(s); `zero3.json` ÷ `zero2.json` "
                   + ", ".join(_fmt(r["frod"].get("zero3_over_zero2")) for r in calls_now)
                   + "; `zero2.json` ÷ plain " + ", ".join(_fmt(r["frod"].get("zero2_over_plain")) for r in calls_now)

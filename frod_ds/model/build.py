@@ -393,8 +393,11 @@ def build_frod_model(
         replicate_v: under ZeRO-3, hold each shared V whole on every rank (``replicate_shared_v``); False leaves
             V partitioned like every other frozen weight (the benchmarks' comparison).
         flat_trainables: σ and S of each decoder layer as one ``FRoDTrainables`` (two Parameters per layer instead
-            of two per member); None: under ZeRO-3 only, where the per-tensor host work is the cost. Plain PyTorch
-            and ZeRO-1/2 keep one Parameter each (their gradient norm sums per tensor: the same grouping as ever).
+            of two per member); None: under ZeRO stages 1-3, whose host work is per trainable tensor (gradient
+            hooks, bucketing, the partitioned optimizer step). Their gradient norm sums per-tensor norms in fp64,
+            so grouping the tensors leaves training bit for bit as it was
+            (``tests/train/test_zero2_trainables_layout.py``). One process without DeepSpeed and ZeRO stage 0 keep
+            one Parameter per member (their norms are fp32: grouping would change their sums' rounding).
         flat_frozen: the dense ``U_i`` of each decoder layer as one ``FRoDFrozen`` (one frozen Parameter per layer
             instead of one per member; ignored with ``quant``); None: under ZeRO-3 unless parameters go to NVMe
             (whose swap buffers are sized by the largest parameter, ``frod_ds.config.ds_config.check_nvme_buffer``).
@@ -420,7 +423,7 @@ def build_frod_model(
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
         _check_placeholders(model, targeted & {n for n, _ in model.named_modules()})
-        flat = zero3 if flat_trainables is None else flat_trainables
+        flat = (ds_config is not None and zero_stage(ds_config) > 0) if flat_trainables is None else flat_trainables
         flat_u = (zero3 and "offload_param" not in nvme_offloads(dict(ds_config))) if flat_frozen is None else flat_frozen
         _swap_targets(model, store, supports, dtype, quant, flat, flat_u)
         if quantize_base:

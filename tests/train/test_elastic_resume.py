@@ -65,10 +65,11 @@ def test_resume_on_one_and_four_ranks_continues_the_two_rank_run(env, tmp_path, 
             assert (adapter[k] - v).abs().max() <= 1e-5 * v.abs().max(), (nproc, k)
 
 
-def test_zero2_run_continues_under_zero3_with_sigma_and_s_per_decoder_layer(env, tmp_path):
-    """A ZeRO-2 run (one σ and one S Parameter per FRoD layer) continues from its step-3 checkpoint under ZeRO-3,
-    which holds them per decoder layer (``FRoDTrainables``): through the trainable-state record, with the
-    uninterrupted run's losses (1e-6 relative) and adapter."""
+def test_zero2_run_continues_under_zero3(env, tmp_path):
+    """A ZeRO-2 run continues from its step-3 checkpoint under ZeRO-3 (both hold σ and S per decoder layer,
+    ``FRoDTrainables``, but in DeepSpeed files of another stage): through the trainable-state record, with the
+    uninterrupted run's losses (1e-6 relative) and adapter. A checkpoint with σ and S per FRoD layer coming back
+    per decoder layer: ``tests/train/test_resume_fixture.py``."""
     ref = tmp_path / "ref"
     res = run_train(CPU_ZERO2, env.overrides(ref, **COMMON, **{"train.grad_accum": 2}), nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -77,8 +78,8 @@ def test_zero2_run_continues_under_zero3_with_sigma_and_s_per_decoder_layer(env,
     res = run_train(CPU_ZERO3, env.overrides(out, **COMMON, **{"train.grad_accum": 2}), nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     notes = [x for x in res.stderr.splitlines() if x.startswith("note: resumed from")]
-    assert notes == ["note: resumed from ZeRO-2 on ZeRO-3, from σ and S held per FRoD layer to per decoder layer "
-                     f"(same global batch 8) from step{SAVED:08d}/trainable_state.safetensors"], res.stderr[-3000:]
+    assert notes == [f"note: resumed from ZeRO-2 on ZeRO-3 (same global batch 8) from step{SAVED:08d}/"
+                     "trainable_state.safetensors"], res.stderr[-3000:]
     got = {r["step"]: r["loss"] for r in metrics(out)}
     for step in range(SAVED + 1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got[step], want[step])

@@ -43,6 +43,8 @@ def _resume(tmp_path, fixture: str, config, nproc: int):
 def test_run_written_before_the_move_resumes_with_the_original_losses(tmp_path):
     out, rows, expected, make = _resume(tmp_path, FIX.name, CPU_ZERO2, nproc=0)
     assert "resumed from" in out
+    # written while ZeRO-2 held σ and S per FRoD layer: back through the trainable-state record
+    assert "from σ and S held per FRoD layer to per decoder layer" in out
     assert {r["step"]: r["loss"] for r in rows[:make.SAVE_AT]} == {s: expected[s] for s in range(1, make.SAVE_AT + 1)}
     assert (tmp_path / FIX.name / "run" / "adapter-final" / "adapter.safetensors").is_file()
 
