@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from frod_ds.config.ds_config import zero_stage  # noqa: E402
 from frod_ds.plan.planner import TrainShape, engine_from_ds_config, model_shape_from_config  # noqa: E402
 from frod_ds.plan.timing import CHECK_GOAL, Link, step_time  # noqa: E402
 
@@ -47,7 +48,7 @@ NOISY_SPREAD = 0.15
 # bench/zero3_levers.py calls whose FRoD runs differ from the shipped JSONs in DeepSpeed settings only (the model
 # reads each run's recorded JSON): the calls since the per-gradient bf16 check became a lever
 LEVER_CALLS = sorted((RESULTS / "zero3_levers").glob("zero3_levers_*_2026112[7-9]T*.json"))
-# build changes the model lacks (one σ and one S Parameter per FRoD layer under ZeRO-3 it has: zero3_flat_trainables;
+# build changes the model lacks (one σ and one S Parameter per FRoD layer it has: flat_trainables;
 # one U per FRoD layer too: zero3_flat_frozen)
 MODEL_LEVERS = ("v_partitioned", "leaf_modules", "per_module_fetch", "compile")
 # bench/seventy_b.py --shape 7b's recipe (the offload run records the step time, not the shape): full-depth 7B,
@@ -100,6 +101,15 @@ def _host_device_points(path: Path) -> list[tuple[str, dict]]:
     return out
 
 
+def _flat_trainables(d: dict) -> bool:
+    """Whether a run held σ and S per decoder layer: its recorded trainable tensor count where it has one; before
+    that field, ZeRO-3 runs did unless ``--per-member-trainables``, ZeRO-2 runs never did."""
+    if "trainable_tensors" in d:
+        return d["trainable_tensors"] == 2 * d["model"]["num_hidden_layers"]
+    return (zero_stage(d["ds_config"]) == 3 if d.get("ds_config") else False) and \
+        d.get("levers", {}).get("per_member_trainables") is False
+
+
 def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
     if isinstance(path, tuple):
         label, d = path
@@ -107,7 +117,7 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         label, d = str(path.relative_to(REPO)), json.loads(path.read_text())
     if d.get("benchmark") == "offload_zero3_7b":
         model, gpus, config = SEVEN_B, 1, d["config"]
-        train = TrainShape(micro_batch=4, seq_len=256, checkpointing=True, zero3_flat_trainables=False,
+        train = TrainShape(micro_batch=4, seq_len=256, checkpointing=True, flat_trainables=False,
                            zero3_flat_frozen=False)  # before them
         engine, plain = engine_from_ds_config(config, "zero3_offload.json"), False
     else:
@@ -119,7 +129,7 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         train = TrainShape(micro_batch=d["micro_batch"], seq_len=d["seq_len"], targets=tuple(d["targets"]),
                            sparsity=f.get("sparsity", 0.02), quant=d.get("frozen_quant") or "none",
                            quantize_base=bool(d.get("quantize_base", False)), checkpointing=d["gradient_checkpointing"],
-                           zero3_flat_trainables=d.get("levers", {}).get("per_member_trainables") is False,
+                           flat_trainables=_flat_trainables(d),
                            zero3_flat_frozen=d.get("levers", {}).get("per_member_frozen") is False)
         gpus, plain = d["world_size"], d["engine"] == "plain"
         engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"])
@@ -130,7 +140,8 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
             "gpus": gpus, "layers": model["num_hidden_layers"], "hidden": model["hidden_size"],
             "checkpointing": train.checkpointing, "quant": train.quant + ("+base" if train.quantize_base else ""),
             "measured_ms": meas * 1e3, "predicted_ms": pred.seconds * 1e3, "error": pred.seconds / meas - 1,
-            "parts_ms": {k: v * 1e3 for k, v in pred.parts.items() if v}, "window_spread": d.get("window_spread", 0.0)}
+            "parts_ms": {k: v * 1e3 for k, v in pred.parts.items() if v},
+            "host_ms": {k: v * 1e3 for k, v in pred.host.items() if v}, "window_spread": d.get("window_spread", 0.0)}
 
 
 def check() -> dict:
@@ -156,7 +167,8 @@ def check() -> dict:
                        "hidden": members[0]["hidden"], "checkpointing": members[0]["checkpointing"],
                        "quant": members[0]["quant"], "calls": len(members), "measured_ms": measured,
                        "measured_range_ms": [min(m["measured_ms"] for m in members), max(m["measured_ms"] for m in members)],
-                       "predicted_ms": pred, "error": pred / measured - 1, "parts_ms": members[0]["parts_ms"]})
+                       "predicted_ms": pred, "error": pred / measured - 1, "parts_ms": members[0]["parts_ms"],
+                       "host_ms": members[0]["host_ms"]})
     return {"benchmark": "time_model_check", "goal": CHECK_GOAL, "noisy_spread": NOISY_SPREAD,
             "host_factors": hosts, "rows": rows, "configs": groups,
             "worst_error": max(abs(g["error"]) for g in groups),
@@ -182,10 +194,12 @@ def render(doc: dict) -> str:
              f"relative to the H200 machine (`Link.host`, from the bf16 host probes of `bench/host_device.py`): {hosts}.",
              "", "## Configurations", "",
              "| configuration (first call) | calls | device | engine | GPUs | layers × hidden | ckpt | frozen | measured ms "
-             "(median of calls) | calls' range ms | model ms | error | model parts (ms) |",
+             "(median of calls) | calls' range ms | model ms | error | model parts, ms (the host's work beside the "
+             "device's) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in doc["configs"]:
-        parts = ", ".join(f"{k} {v:.0f}" for k, v in g["parts_ms"].items())
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in g["parts_ms"].items()) + " (host: " + ", ".join(
+            f"{k} {v:.0f}" for k, v in g["host_ms"].items()) + ")"
         lo, hi = g["measured_range_ms"]
         lines.append(f"| {g['files'][0].removeprefix('bench/results/')} | {g['calls']} | {g['device']} | {g['engine']} "
                      f"| {g['gpus']} | {g['layers']} × {g['hidden']} | {'on' if g['checkpointing'] else 'off'} "

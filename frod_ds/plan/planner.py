@@ -168,9 +168,10 @@ class TrainShape:
     quantize_base: bool = False
     checkpointing: bool = False
     layer_saves: str = "z"  # "z": FRoDLinear's autograd Function keeps z = Vᵀx only; "M": it also keeps M
-    # ZeRO-3 holds a decoder layer's σ and S as two Parameters (frod_ds.core.layer.FRoDTrainables, the build's
-    # default); False: one σ and one S Parameter per FRoD layer (builds before it, and the benchmarks' comparison)
-    zero3_flat_trainables: bool = True
+    # DeepSpeed's ZeRO (stages 1-3) holds a decoder layer's σ and S as two Parameters (frod_ds.core.layer.
+    # FRoDTrainables, the build's default); False: one σ and one S Parameter per FRoD layer (builds before it, and
+    # the benchmarks' comparison)
+    flat_trainables: bool = True
     # ZeRO-3 holds a decoder layer's dense U_i as one frozen Parameter (frod_ds.core.layer.FRoDFrozen, the build's
     # default without quantization or NVMe parameter offload); False: one per FRoD layer (builds before it)
     zero3_flat_frozen: bool = True
