@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,11 @@ def tiny(tmp_path_factory):
 
 # ---- helpers ----------------------------------------------------------------------------------------------
 
+def _hostnames(cluster, nodelist: str) -> list[str]:
+    """The node names of a Slurm node list (``n[1-2]`` -> n1, n2), as Slurm expands it."""
+    return cluster.run(["scontrol", "show", "hostnames", nodelist]).stdout.split()
+
+
 def _log(tiny: Tiny, name: str, job_id: str) -> str:
     path = tiny.root / "logs" / f"{name}-{job_id}.out"
     return path.read_text(errors="replace") if path.exists() else ""
@@ -185,8 +191,8 @@ def _task_pids(cluster: SlurmCluster, node: str, script: str = "launch/train.py"
 
 @pytest.fixture(scope="module")
 def pipelines(cluster, tiny):
-    """Both pipelines submitted together (the 2 x 2 one lands on n1+n2, the 1 x 4 one on n3); the 2 x 2
-    training gets SIGTERM at step >= 2 and requeues itself."""
+    """Both pipelines submitted together (the 2 x 2 one on two nodes, the 1 x 4 one on the third); the 2 x 2
+    training gets SIGTERM at step >= 2 and requeues itself (onto whichever two nodes are free then)."""
     runs = {}
     for name, shape in (("2x2", TWO_BY_TWO), ("1x4", ONE_BY_FOUR)):
         base = tiny.root / name
@@ -208,14 +214,24 @@ def pipelines(cluster, tiny):
     return runs
 
 
-def test_pipeline_runs_on_two_nodes_and_resumes_after_preemption(pipelines, tiny):
+def test_pipeline_runs_on_two_nodes_and_resumes_after_preemption(cluster, pipelines, tiny):
     r = pipelines["2x2"]
     for stage, job in r["jobs"].items():
         assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), (stage, job, _log(tiny, f"frod-{stage}", job.id))
-        assert job.fields["NodeList"] == "n[1-2]" and job.fields["NumTasks"] == "4", (stage, job.fields)
+        assert len(_hostnames(cluster, job.fields["NodeList"])) == 2 and job.fields["NumTasks"] == "4", \
+            (stage, job.fields)
     train_log = _log(tiny, "frod-train", r["ids"]["train"])
     assert r["jobs"]["train"].restarts == 1, train_log
-    assert "4 tasks on n[1-2]" in train_log and "rendezvous n1:" in train_log, train_log
+    # each start (the first, and the requeued one: Slurm places it on whichever two nodes are free then) runs 4
+    # tasks on two nodes and meets on the first of them
+    marker = f"job {r['ids']['train']}: "
+    starts = [line[line.index(marker):] for line in train_log.splitlines() if marker in line and " rendezvous " in line]
+    assert len(starts) == 2, train_log
+    for start in starts:
+        placed = re.search(r"4 tasks on (\S+), .* rendezvous ([^:]+):", start)
+        assert placed, start
+        nodes = _hostnames(cluster, placed.group(1))
+        assert len(nodes) == 2 and placed.group(2) == nodes[0], start
     assert "requeueing it to resume" in train_log and "resumed from step" in train_log, train_log
     assert [row["step"] for row in metrics(r["run"])] == list(range(1, STEPS + 1))
     ids, jobs = r["ids"], r["jobs"]  # chained with afterok: each stage starts after the previous one succeeded
@@ -426,7 +442,7 @@ def test_a_killed_worker_ends_the_job_on_every_node_within_60s(cluster, tiny, pi
     out = tiny.root / "killed_worker"
     job_id = _submit_train(cluster, tiny, pipelines["1x4"]["store"], out, TWO_BY_TWO)
     _wait_for_step(cluster, tiny, job_id, out, 1)
-    nodes = cluster.run(["scontrol", "show", "hostnames", cluster.job(job_id).fields["NodeList"]]).stdout.split()
+    nodes = _hostnames(cluster, cluster.job(job_id).fields["NodeList"])
     victim = _task_pids(cluster, nodes[1])[0]
     os.kill(victim, 9)
     t0 = time.time()
