@@ -38,6 +38,9 @@ CONFIGS: dict[str, tuple[str, str, list[str]]] = {
     "zero2-per-member": ("zero2.json, one σ and one S Parameter per FRoD layer (no FRoDTrainables)", ZERO2,
                          ["--per-member-trainables"]),
     "zero3": ("the shipped zero3.json and build", ZERO3, []),
+    "zero3-linear-replaced": ("zero3.json with memory_efficient_linear true, DeepSpeed's default "
+                              "(torch.nn.functional.linear replaced by an autograd Function)", ZERO3,
+                              ["--ds-set=memory_efficient_linear=true"]),
     "zero3-walk-parameters": ("zero3.json, DeepSpeed walking the modules for their parameters at every fetch and "
                               "release (no FixedParameters)", ZERO3, ["--walk-parameters"]),
     "zero3-per-member-u": ("zero3.json, one frozen U Parameter per FRoD layer (no FRoDFrozen)", ZERO3,

@@ -18,6 +18,8 @@
 #   bash bench/run_one_gpu.sh zero2-flat  # the headline trio beside zero2.json with σ and S per FRoD layer (the
 #                                       # layout before FRoDTrainables under ZeRO-2), windows in turn, re-warmed; LoRA's
 #                                       # plain / zero2.json; then bench/host_calls.py for plain and both ZeRO-2 layouts
+#   bash bench/run_one_gpu.sh linear      # the headline trio beside zero3.json with memory_efficient_linear back on
+#                                       # (DeepSpeed's default), windows in turn, re-warmed; then bench/host_calls.py
 #   bash bench/run_one_gpu.sh flat-u    # zero3.json with a decoder layer's U as one Parameter (shipped) and as one per
 #                                       # FRoD layer, beside plain / zero2.json (FRoD and LoRA), one after another
 #   bash bench/run_one_gpu.sh 70b-a     # 70B widths, 20 layers, bf16 U_i, checkpointing, 4x256 tokens: generate + HJD,
@@ -34,7 +36,7 @@
 #                                          # FRoD with DeepSpeed's own layout (V partitioned, σ/S per FRoD layer,
 #                                          # per-module fetch), LoRA r=16; each beside zero3.json without it (~5 min)
 set -euo pipefail
-stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|flat-u|turns|walks|zero2-flat|final-a|final-b|70b-a|70b-b|host-device|quant-7b|deepcompile}
+stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|flat-u|turns|walks|zero2-flat|linear|final-a|final-b|70b-a|70b-b|host-device|quant-7b|deepcompile}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -116,6 +118,14 @@ case "$stage" in
       --only frod_plain,frod_zero2,frod_zero2_per-member,frod_zero3,lora_plain,lora_zero2 --steps 8 --repeats 6 \
       --budget-s "${BUDGET_S:-420}" --deadline-s "${DEADLINE_S:-470}"
     python3 bench/host_calls.py --work /tmp/hostcalls --out "$OUT" --only plain,zero2,zero2-per-member,zero3
+    rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
+    ;;
+  linear)  # FRoD plain / zero2.json / zero3.json / zero3.json with memory_efficient_linear true, windows in turn,
+           # re-warmed; then Python calls per step of zero3.json with and without it
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main,ablations --interleave 4 \
+      --only frod_plain,frod_zero2,frod_zero3,frod_zero3_linear-replaced --steps 8 --repeats 6 \
+      --budget-s "${BUDGET_S:-300}" --deadline-s "${DEADLINE_S:-340}"
+    python3 bench/host_calls.py --work /tmp/hostcalls --out "$OUT" --only zero3,zero3-linear-replaced
     rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
     ;;
   flat-u)  # U of a decoder layer as one frozen Parameter (FRoDFrozen, shipped) against one per FRoD layer, beside

@@ -74,6 +74,9 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
                    "decoder layer (FRoDTrainables)", ["--per-member-trainables"]),
     "per-member-u": ("one frozen U Parameter per FRoD layer (6 per 7B decoder layer) instead of one per decoder layer "
                      "(FRoDFrozen)", ["--per-member-frozen"]),
+    "linear-replaced": ("zero_optimization.memory_efficient_linear back to DeepSpeed's default, true: zero.Init "
+                        "replaces torch.nn.functional.linear process-wide with an autograd Function that keeps every "
+                        "linear's input for the backward", ["--ds-set=memory_efficient_linear=true"]),
     "walk-parameters": ("DeepSpeed walks a decoder layer's modules for its parameters at every fetch and release, and "
                         "the whole model's twice per optimizer step (no FixedParameters)", ["--walk-parameters"]),
 }
@@ -433,10 +436,13 @@ def _zero3_build(result: dict) -> str:
     levers = result.get("levers", {})
     per_member = levers.get("per_member_trainables", True)  # runs before FRoDTrainables: per member
     per_member_u = levers.get("per_member_frozen", True)  # runs before FRoDFrozen: per member
-    bucket = (result.get("ds_config") or {}).get("zero_optimization", {}).get("reduce_bucket_size")
+    zo = (result.get("ds_config") or {}).get("zero_optimization", {})
+    bucket = zo.get("reduce_bucket_size")
     walks = levers.get("walk_parameters", True)  # runs before FixedParameters: DeepSpeed walked the modules
+    replaced = zo.get("memory_efficient_linear", True)  # DeepSpeed's default until zero3.json turned it off
     held = ("σ, S per FRoD layer" if per_member else "σ, S per decoder layer") + (
-        "" if per_member_u else "; U per decoder layer") + ("" if walks else "; parameter walks replayed")
+        "" if per_member_u else "; U per decoder layer") + ("" if walks else "; parameter walks replayed") + (
+        "" if replaced else "; F.linear not replaced")
     return f"{held}; reduce bucket {bucket:.0e}" if isinstance(bucket, (int, float)) else held
 
 

@@ -53,14 +53,18 @@ def llama_factory():
 
 @pytest.fixture(autouse=True)
 def no_process_wide_leftovers():
-    """Fail a test that leaves launcher variables, a live process group, a listening socket or another torch thread
-    count behind (each makes later tests depend on the order they run in), after restoring what it can so the next
+    """Fail a test that leaves launcher variables, a live process group, a listening socket, another torch thread
+    count or a replaced ``torch.nn.functional.linear`` behind (each makes later tests depend on the order they run in), after restoring what it can so the next
     test starts clean."""
     env_before = launcher_vars()
     sockets_before = listening_sockets()
     threads_before = torch.get_num_threads()
+    linear_before = torch.nn.functional.linear
     yield
     problems = []
+    if torch.nn.functional.linear is not linear_before:  # deepspeed.zero.Init's memory_efficient_linear replacement
+        problems.append("torch.nn.functional.linear was replaced (DeepSpeed's memory_efficient_linear)")
+        torch.nn.functional.linear = linear_before
     if torch.get_num_threads() != threads_before:  # later tests' float results depend on the thread count
         problems.append(f"torch's intra-op thread count changed: {threads_before} -> {torch.get_num_threads()}")
         torch.set_num_threads(threads_before)

@@ -40,6 +40,7 @@ __all__ = [
     "init_distributed",
     "init_deepspeed",
     "destroy",
+    "restore_functional_linear",
     "is_initialized",
     "get_rank",
     "get_world_size",
@@ -167,7 +168,18 @@ def destroy() -> None:
     if ds_ops is not None and _saved_ops:
         ds_ops.__compatible_ops__.update(_saved_ops)
     _saved_ops.clear()
+    restore_functional_linear()
     _local_rank = 0
+
+
+def restore_functional_linear() -> None:
+    """Put ``torch.nn.functional.linear`` back where ``deepspeed.zero.Init`` replaced it process-wide (a JSON with
+    ``zero_optimization.memory_efficient_linear`` true, DeepSpeed's default; the shipped ones turn it off): DeepSpeed
+    keeps the original and leaves the replacement in place for the rest of the process."""
+    pp = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(pp, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is not original:
+        torch.nn.functional.linear = original
 
 
 def is_initialized() -> bool:

@@ -137,3 +137,28 @@ def test_deepspeed_group_builds_no_shm_comm_op_and_restores_the_op_table(monkeyp
     assert seen == {"shm_op": None, "table": False}
     assert not (tmp_path / "ext").exists(), "no op compiled"
     assert deepspeed.ops.__compatible_ops__ == before
+
+
+def test_destroy_puts_back_the_linear_deepspeeds_zero_init_replaced(monkeypatch):
+    """``deepspeed.zero.Init`` with ``memory_efficient_linear`` true (DeepSpeed's default; a user's JSON may keep
+    it) replaces ``torch.nn.functional.linear`` for the rest of the process; ``destroy``, which every entry point
+    runs on exit, puts PyTorch's back. Nothing to do, and nothing done, when it was not replaced."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    from frod_ds import distributed as D
+    from tests.support.leftovers import launcher_vars
+
+    for name in list(launcher_vars()):
+        monkeypatch.delenv(name)
+    original = F.linear
+    D.destroy()
+    assert F.linear is original
+    try:
+        D.init_deepspeed()
+        InsertPostInitMethodToModuleSubClasses._enable_mem_efficient_linear(object())  # as zero.Init does
+        assert F.linear is zero3_linear_wrap and F.linear is not original
+    finally:
+        D.destroy()
+    assert F.linear is original
