@@ -95,7 +95,8 @@ def report(directory: Path) -> Path:
              "ablation are in `bench/results/zero3_levers/zero3_levers.md`). `zero2` is the shipped `zero2.json` of its "
              "call: σ and S per FRoD layer until 2026-11-28, per decoder layer (`FRoDTrainables`) from the call of "
              "2026-11-28T02:39 on, whose `zero2-per-member` row is the layout before. Trainable tensors (σ and S "
-             "Parameters: 64 per decoder layer, 384 per FRoD layer) are recorded by the calls after that one.",
+             "Parameters at 32 layers: 64 with two per decoder layer, 384 with two per FRoD layer) are recorded by the "
+             "calls after that one.",
              ""]
     for doc in docs:
         runs = {r["name"]: r for r in doc["runs"]}

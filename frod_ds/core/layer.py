@@ -121,9 +121,10 @@ class FRoDTrainables(nn.Module):
     """σ and S values of several FRoD layers (the members of one decoder layer) as two flat Parameters,
     ``frod_sigma`` (Σ n) and ``frod_s`` (Σ nnz), the members' in ``members`` order; each member's ``frod_sigma`` /
     ``frod_s`` is a view of its span. The values, gradients and AdamW arithmetic are the members' own, element for
-    element; what changes is how many tensors an engine handles: ZeRO-3 runs its per-parameter bookkeeping
-    (fetch, release, gradient reduce, re-partition after the step) on host for every trainable tensor, so a 7B
-    layer's 12 trainable tensors cost it 12 times what 2 do (``frod_ds.model.build`` uses this under ZeRO-3).
+    element; what changes is how many tensors an engine handles: DeepSpeed's ZeRO runs its per-parameter
+    bookkeeping (gradient hooks and reduce, copies into the partition; under ZeRO-3 also fetch, release and the
+    re-partition after the step) on host for every trainable tensor, so a 7B layer's 12 trainable tensors cost it
+    12 times what 2 do (``frod_ds.model.build`` uses this under ZeRO stages 1-3).
 
     Not in the adapter or checkpoint formats: those keep one σ and one S per member (``spans`` says where each
     member's lies; ``frod_ds.train.trainable_state`` splits and joins by it).

@@ -11,8 +11,8 @@ constants, so the planner can rank the set-ups that fit by speed instead of by a
       dequantize  NF4/int8 frozen weights: DEQUANT_DEVICE_S[kind] per quantized element and pass
     host          what Python issues, × ``Link.host`` (the host's speed relative to the machine the constants were read
                   on). The GPU runs what the host queued, so the two overlap: a step is the slower of the two. At 7B
-                  widths the host is close to the GPU already, and DeepSpeed's work makes ZeRO steps host-bound; at
-                  70B widths the GPU is the slower and hides it.
+                  widths the host is close to the GPU already, and DeepSpeed's work makes ZeRO-3 steps host-bound
+                  (ZeRO-2's too while σ and S were 384 tensors); at 70B widths the GPU is the slower and hides it.
       layers      per decoder layer and pass: HOST_LAYER_PASS_S, plus HOST_DEQUANT_CALL_S for each quantized linear
                   (bitsandbytes' dequantization and its autograd Function)
       DeepSpeed   under a ZeRO engine: ZERO_STEP_HOST_S per step (the engine's forward, backward and step wrappers,
@@ -45,18 +45,20 @@ __all__ = ["StepTime", "Link", "step_time", "CHECK_GOAL", "NVLINK"]
 EFFICIENCY = 0.50
 # DeepSpeed's host work on the H200 machine's host (the module's docstring says what each covers). Read off
 # host-bound steps, where step = host: the layers' share there is 2 × 32 × HOST_LAYER_PASS_S = 179 ms at full-depth 7B.
-# Per step: FRoD zero3.json on 4 layers of 7B widths (deepcompile_4_layers, 78 ms: 78 − 22 layers − 1 tensors − 14
-# fetches = 40 ms) and zero2.json with σ and S per FRoD layer, unchecked, full depth (zero3_levers 2026-11-27T03:33,
-# 282 ms median of 11 calls: 282 − 179 − 384 tensors = 45 ms).
+# Per step: FRoD zero3.json on 4 layers of 7B widths, U per FRoD layer (deepcompile_4_layers, 78 ms: 78 − 22 layers
+# − 1 tensors − 18 fetches = 36 ms) and zero2.json with σ and S per FRoD layer, unchecked, full depth (zero3_levers
+# 2026-11-27T03:33, 282 ms median of 11 calls: 282 − 179 − 58 for 384 tensors = 45 ms); about their mean.
 ZERO_STEP_HOST_S = 40e-3
 # Per trainable tensor: σ and S per FRoD layer against per decoder layer, same call, full-depth 7B on one H200 —
-# zero2.json 305 − 270 ms (2026-11-28T02:33) and zero3.json 13–16% of ~400 ms (2026-11-27T10:53 and 22:26) over
-# the 320 tensors fewer: 0.11 and 0.17 ms.
+# zero2.json 305 − 270 ms (2026-11-28T02:33) and zero3.json 443 − 386 ms (2026-11-27T10:47) over the 320 tensors
+# fewer: 0.11 and 0.18 ms.
 ZERO_TENSOR_HOST_S = 1.5e-4
-# Per decoder layer and pass under ZeRO-3, with a layer's U_i as six Parameters: the shipped zero3.json at full-depth
-# 7B (2026-11-27T22:31, 333 ms, U one Parameter per layer): (333 − 179 − 40 − 10 for 64 tensors) / 64 = 1.6 ms,
-# plus the five U tensors below.
-ZERO3_LAYER_PASS_S = 2.4e-3
+# Per decoder layer and pass under ZeRO-3, with a layer's U_i as six Parameters: zero3.json at full-depth 7B with U
+# one Parameter per layer and DeepSpeed's F.linear replacement on (2026-11-27T22:31, 322 ms, the median of its three
+# calls): (322 − 179 − 40 − 10 for 64 tensors) / 64 = 1.5 ms, plus the five U tensors below. The shipped zero3.json
+# since turns that replacement off (memory_efficient_linear): 311 and 312 ms in two calls (2026-11-28T03:16, 03:21,
+# windows in turn), against 325 predicted.
+ZERO3_LAYER_PASS_S = 2.3e-3
 # ... less this per frozen tensor a decoder layer no longer has once its dense U_i are one Parameter (FRoDFrozen):
 # full-depth 7B, one H200, zero3.json with U per FRoD layer 395 ms, per decoder layer 344 ms, same call
 # (zero3_levers, 2026-11-27T22:26), over 32 layers × 2 passes × 5 tensors.

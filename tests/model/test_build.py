@@ -175,7 +175,7 @@ def test_flat_frozen_u_computes_exactly_as_one_parameter_per_member(tmp_path):
 
 
 def test_flat_trainables_train_exactly_as_one_parameter_per_layer(tmp_path):
-    """σ and S held per decoder layer (``FRoDTrainables``, what ZeRO-3 builds) give the same loss, the same
+    """σ and S held per decoder layer (``FRoDTrainables``, what DeepSpeed's ZeRO builds) give the same loss, the same
     gradients element for element, the same AdamW steps and the same adapter as one Parameter per FRoD layer."""
     from frod_ds.core.layer import FRoDLinear, FRoDTrainables
     from frod_ds.model.adapter import adapter_state

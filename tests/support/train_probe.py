@@ -59,7 +59,7 @@ def main() -> int:
     report["trainable_leaves"] = sorted({n.rsplit(".", 1)[-1] for n in trainable})
 
     # First optimizer step, taken by hand so σ/S can be read around it; fit() then continues from step 1.
-    def values(m):  # σ, S of one FRoD layer (views of its decoder layer's FRoDTrainables under ZeRO-3)
+    def values(m):  # σ, S of one FRoD layer (views of its decoder layer's FRoDTrainables under ZeRO)
         with gathered(m.frod_parameters(), run.zero3):
             return m.frod_sigma.detach().clone().float().cpu(), m.frod_s.detach().clone().float().cpu()
 
