@@ -1,0 +1,25 @@
+"""bench/results/host_calls: the committed report is what ``bench/host_calls.py --report`` generates from the JSONs
+beside it, and every call's rows are in it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from tests.support.leftovers import REPO
+
+RESULTS = REPO / "bench" / "results" / "host_calls"
+
+
+def test_committed_report_is_the_generated_one(tmp_path):
+    from bench.host_calls import report
+
+    copy = tmp_path / "host_calls"
+    shutil.copytree(RESULTS, copy)
+    text = report(copy).read_text().replace(str(copy), "bench/results/host_calls")  # the command it names
+    assert text == (RESULTS / "host_calls.md").read_text()
+    for path in RESULTS.glob("host_calls_*.json"):
+        doc = json.loads(path.read_text())
+        assert f"## Call of {doc['date']}" in text, path.name
+        for r in doc["runs"]:
+            assert f"| {r['name']} | {r['what']} |" in text and f"{r['python_calls_per_step']:,.0f}" in text, r["name"]
