@@ -74,6 +74,14 @@ def write_result(name: str, payload: dict, out_dir: str | None = None) -> Path:
     return path
 
 
+def trainables_per_decoder_layer(result: dict) -> bool | None:
+    """Whether a ``bench/train_step.py`` result held σ and S per decoder layer (``FRoDTrainables``: two trainable
+    tensors per layer), from its recorded tensor count; None for results from before that field."""
+    if "trainable_tensors" not in result:
+        return None
+    return result["trainable_tensors"] == 2 * result["model"]["num_hidden_layers"]
+
+
 def read_results(directory: Path, pattern: str, hint: str = "") -> list[dict]:
     """Every JSON in ``directory`` matching ``pattern``, in name order; exits with an error naming what is missing."""
     docs = [json.loads(p.read_text()) for p in sorted(directory.glob(pattern))]

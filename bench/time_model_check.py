@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import trainables_per_decoder_layer  # noqa: E402
 from frod_ds.config.ds_config import zero_stage  # noqa: E402
 from frod_ds.plan.planner import TrainShape, engine_from_ds_config, model_shape_from_config  # noqa: E402
 from frod_ds.plan.timing import CHECK_GOAL, Link, step_time  # noqa: E402
@@ -104,9 +105,10 @@ def _host_device_points(path: Path) -> list[tuple[str, dict]]:
 def _flat_trainables(d: dict) -> bool:
     """Whether a run held σ and S per decoder layer: its recorded trainable tensor count where it has one; before
     that field, ZeRO-3 runs did unless ``--per-member-trainables``, ZeRO-2 runs never did."""
-    if "trainable_tensors" in d:
-        return d["trainable_tensors"] == 2 * d["model"]["num_hidden_layers"]
-    return (zero_stage(d["ds_config"]) == 3 if d.get("ds_config") else False) and \
+    recorded = trainables_per_decoder_layer(d)
+    if recorded is not None:
+        return recorded
+    return bool(d.get("ds_config")) and zero_stage(d["ds_config"]) == 3 and \
         d.get("levers", {}).get("per_member_trainables") is False
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import read_results  # noqa: E402
+from bench.common import read_results, trainables_per_decoder_layer  # noqa: E402
 from bench.train_matrix import TINY_MODEL, TINY_RUN, _run, _tail, prepare  # noqa: E402
 from frod_ds.config.ds_config import bf16_overflow_check, load_ds_config, zero_settings  # noqa: E402
 
@@ -449,8 +449,7 @@ def _zero3_build(result: dict) -> str:
 def _zero2_trainables(result: dict) -> str:
     """How a run's ZeRO-2 held σ and S: per decoder layer (``FRoDTrainables``, two trainable tensors per layer) since
     2026-11-28, per FRoD layer before (runs from before then did not record their tensor count)."""
-    flat = result.get("trainable_tensors") == 2 * result["model"]["num_hidden_layers"]
-    return "per decoder layer" if flat else "per FRoD layer"
+    return "per decoder layer" if trainables_per_decoder_layer(result) else "per FRoD layer"
 
 
 DEEPCOMPILE_LAYOUT = (("v_partitioned", "V partitioned", "V replicated"),

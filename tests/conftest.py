@@ -54,8 +54,8 @@ def llama_factory():
 @pytest.fixture(autouse=True)
 def no_process_wide_leftovers():
     """Fail a test that leaves launcher variables, a live process group, a listening socket, another torch thread
-    count or a replaced ``torch.nn.functional.linear`` behind (each makes later tests depend on the order they run in), after restoring what it can so the next
-    test starts clean."""
+    count or a replaced ``torch.nn.functional.linear`` behind (each makes later tests depend on the order they run
+    in), after restoring what it can so the next test starts clean."""
     env_before = launcher_vars()
     sockets_before = listening_sockets()
     threads_before = torch.get_num_threads()

@@ -97,8 +97,8 @@ def frod_modules(model: nn.Module) -> Iterable[tuple[str, FRoDLinear]]:
 
 def frod_groups(model: nn.Module) -> list[tuple[list[nn.Parameter], list[tuple[str, FRoDLinear]]]]:
     """FRoD layers grouped by the Parameters that hold their σ and S, in module order: one group per decoder layer
-    where DeepSpeed's ZeRO holds them per decoder layer (``FRoDTrainables``), one per FRoD layer otherwise. A ZeRO-3 gather
-    per group reads every member of it."""
+    where DeepSpeed's ZeRO holds them per decoder layer (``FRoDTrainables``), one per FRoD layer otherwise. A ZeRO-3
+    gather per group reads every member of it."""
     groups: dict[tuple[int, ...], tuple[list[nn.Parameter], list[tuple[str, FRoDLinear]]]] = {}
     for name, m in frod_modules(model):
         params = m.frod_parameters()

@@ -394,8 +394,8 @@ def build_frod_model(
             V partitioned like every other frozen weight (the benchmarks' comparison).
         flat_trainables: σ and S of each decoder layer as one ``FRoDTrainables`` (two Parameters per layer instead
             of two per member); None: under ZeRO stages 1-3, whose host work is per trainable tensor (gradient
-            hooks, bucketing, the partitioned optimizer step). Their gradient norm sums per-tensor norms in fp64,
-            so grouping the tensors leaves training bit for bit as it was
+            hooks, bucketing, the partitioned optimizer step). Their gradient norm sums per-tensor norms in fp64
+            and rounds the sum to fp32, so grouping the tensors leaves training bit for bit as it was in practice
             (``tests/train/test_zero2_trainables_layout.py``). One process without DeepSpeed and ZeRO stage 0 keep
             one Parameter per member (their norms are fp32: grouping would change their sums' rounding).
         flat_frozen: the dense ``U_i`` of each decoder layer as one ``FRoDFrozen`` (one frozen Parameter per layer
@@ -412,7 +412,8 @@ def build_frod_model(
     ckpt = HFCheckpoint(model_dir)
     check_config_file(ckpt.dir)
     keys = set(ckpt.keys())
-    zero3 = ds_config is not None and zero_stage(ds_config) == 3
+    stage = 0 if ds_config is None else zero_stage(ds_config)
+    zero3 = stage == 3
     config = AutoConfig.from_pretrained(str(ckpt.dir))
     targeted = {name for c in supports for name in store.categories[c]}
     with contextlib.ExitStack() as stack:
@@ -423,7 +424,7 @@ def build_frod_model(
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
         _check_placeholders(model, targeted & {n for n, _ in model.named_modules()})
-        flat = (ds_config is not None and zero_stage(ds_config) > 0) if flat_trainables is None else flat_trainables
+        flat = stage > 0 if flat_trainables is None else flat_trainables
         flat_u = (zero3 and "offload_param" not in nvme_offloads(dict(ds_config))) if flat_frozen is None else flat_frozen
         _swap_targets(model, store, supports, dtype, quant, flat, flat_u)
         if quantize_base:

@@ -135,7 +135,7 @@ def step_time(model, train, engine, gpus: int, link: Link = NVLINK, *, plain: bo
     parts = {"compute": tokens * flops / rate, "recompute": tokens * flops / 3 / rate if train.checkpointing else 0.0}
     trainable = trainable_tensors(model, train)  # [(numel, count)]
     n_trainable = sum(count for _, count in trainable)
-    if not plain and engine.stage > 0 and train.flat_trainables and n_trainable:
+    if not plain and train.flat_trainables and n_trainable:
         n_trainable = 2 * model.layers  # σ and S of each decoder layer as one Parameter each
     frozen_bytes = sum(b * c for group in frozen_tensors(model, train).values() for b, c, _ in group)
     quantized_linears = 0
@@ -147,7 +147,7 @@ def step_time(model, train, engine, gpus: int, link: Link = NVLINK, *, plain: bo
         parts["dequantize"] = DEQUANT_DEVICE_S[train.quant] * elements * passes
     device = sum(parts.values())
     host = {"layers": passes * model.layers * (HOST_LAYER_PASS_S + HOST_DEQUANT_CALL_S * quantized_linears)}
-    if not plain and engine.stage > 0:
+    if not plain:
         host["DeepSpeed step"] = ZERO_STEP_HOST_S
         host["DeepSpeed tensors"] = ZERO_TENSOR_HOST_S * n_trainable
         if engine.stage == 3:
