@@ -45,6 +45,8 @@ CONFIGS: dict[str, tuple[str, str, list[str]]] = {
     "zero3-linear-replaced": ("zero3.json with memory_efficient_linear true, DeepSpeed's default "
                               "(torch.nn.functional.linear replaced by an autograd Function)", ZERO3,
                               [*ZERO3_PERSISTENCE, "--ds-set=memory_efficient_linear=true"]),
+    "zero3-nvtx-on": ("zero3.json with DeepSpeed's NVTX ranges on, its default (frod_ds turns them off unless "
+                      "FROD_DS_NVTX=1)", ZERO3, [*ZERO3_PERSISTENCE, "--nvtx"]),
     "zero3-walk-parameters": ("zero3.json, DeepSpeed walking the modules for their parameters at every fetch and "
                               "release (no FixedParameters)", ZERO3, [*ZERO3_PERSISTENCE, "--walk-parameters"]),
     "zero3-per-member-u": ("zero3.json, one frozen U Parameter per FRoD layer (no FRoDFrozen)", ZERO3,

@@ -11,6 +11,9 @@
 #                                       # zero3 + prefetch 0, zero3 + 5e8 buckets, LoRA plain / zero2
 #   bash bench/run_one_gpu.sh final-a   # the shipped configurations, ZeRO-3's changes undone one at a time, LoRA
 #   bash bench/run_one_gpu.sh final-b   # the headline pairs again, a second call
+#   bash bench/run_one_gpu.sh final-c   # the headline pairs with LoRA's zero3.json, windows in turn, re-warmed
+#   bash bench/run_one_gpu.sh nvtx      # the headline trio beside zero3.json / zero2.json with DeepSpeed's NVTX ranges
+#                                       # on, zero3.json + DeepSpeed's fast fetch path, LoRA plain / zero2.json
 #   bash bench/run_one_gpu.sh turns     # the headline pairs, windows in turn (FRoD's three at once, then LoRA's
 #                                       # two), 6 windows of 8 steps, an untimed step as each turn starts
 #   bash bench/run_one_gpu.sh walks     # the headline trio beside zero3.json without FixedParameters, windows in turn,
@@ -26,6 +29,8 @@
 #                                       # then FRoD plain / zero2.json / zero3.json one after another (bench/seventy_b.py)
 #   bash bench/run_one_gpu.sh 70b-b     # the same chain (same warm machine): FRoD NF4 U_i + NF4 base and QLoRA r=16,
 #                                       # both zero2.json, then FRoD zero2.json / zero3.json again (a second call)
+#   bash bench/run_one_gpu.sh 70b-nf4   # generate + HJD as 70b-a, then FRoD NF4 U_i + NF4 base and QLoRA r=16 under
+#                                       # zero2.json, then both under plain PyTorch (each one's fastest), one call
 #   bash bench/run_one_gpu.sh host-device  # host vs GPU time of a plain FRoD step, bf16 / NF4 / int8 U_i, with and
 #                                          # without the base quantized: 7B widths x 8 layers, 70B widths x 4
 #                                          # (bench/host_device.py, ~3 min; nothing to generate)
@@ -36,7 +41,7 @@
 #                                          # FRoD with DeepSpeed's own layout (V partitioned, σ/S per FRoD layer,
 #                                          # per-module fetch), LoRA r=16; each beside zero3.json without it (~5 min)
 set -euo pipefail
-stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|flat-u|turns|walks|zero2-flat|linear|final-a|final-b|70b-a|70b-b|host-device|quant-7b|deepcompile}
+stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|flat-u|turns|walks|zero2-flat|linear|nvtx|final-a|final-b|final-c|70b-a|70b-b|70b-nf4|host-device|quant-7b|deepcompile}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -128,6 +133,15 @@ case "$stage" in
     python3 bench/host_calls.py --work /tmp/hostcalls --out "$OUT" --only zero3,zero3-linear-replaced
     rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
     ;;
+  nvtx)  # FRoD plain / zero2.json / zero3.json / zero3.json with DeepSpeed's NVTX ranges back on, windows in turn,
+        # re-warmed; then zero2.json with them on, zero3.json + stage3_module_granularity_threshold 1 (DeepSpeed's fast
+        # fetch path) and LoRA plain / zero2.json, in turn; then Python calls per step of zero3.json
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main,ablations,zero3plus --interleave 4 \
+      --only frod_plain,frod_zero2,frod_zero3,frod_zero3_nvtx-on,frod_zero2_nvtx-on,frod_zero3_fast-sharding,lora_plain,lora_zero2 \
+      --steps 8 --repeats 6 --budget-s "${BUDGET_S:-420}" --deadline-s "${DEADLINE_S:-480}"
+    python3 bench/host_calls.py --work /tmp/hostcalls --out "$OUT" --only zero3,zero3-nvtx-on
+    rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
+    ;;
   flat-u)  # U of a decoder layer as one frozen Parameter (FRoDFrozen, shipped) against one per FRoD layer, beside
            # plain / zero2.json and LoRA's plain / zero2.json, one configuration after another
     python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main,ablations \
@@ -142,13 +156,20 @@ case "$stage" in
       --budget-s "${BUDGET_S:-470}" --deadline-s "${DEADLINE_S:-560}"
     rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
     ;;
+  final-c)  # the headline pairs, windows in turn, re-warmed: FRoD plain / zero2.json / zero3.json at once, then LoRA
+            # r=16 plain / zero2.json / zero3.json at once
+    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main --interleave 3 \
+      --only frod_plain,frod_zero2,frod_zero3,lora_plain,lora_zero2,lora_zero3 --steps 8 --repeats 6 \
+      --budget-s "${BUDGET_S:-420}" --deadline-s "${DEADLINE_S:-520}"
+    rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
+    ;;
   final-b)  # the headline pairs again (a second call)
     python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main \
       --only frod_plain,frod_zero2,frod_zero3,lora_plain,lora_zero2 --steps 16 --repeats 3 --budget-s "${BUDGET_S:-470}" \
       --deadline-s "${DEADLINE_S:-560}"
     rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
     ;;
-  70b-a | 70b-b)  # results tarred into $OUT/<stage>.tgz just before the call's 600 s end (or at exit)
+  70b-a | 70b-b | 70b-nf4)  # results tarred into $OUT/<stage>.tgz just before the call's 600 s end (or at exit)
     W=/tmp/one_gpu/w70; R=/tmp/one_gpu/$stage
     C=(--work "$W" --out "$R" --shape 70b --layers 20 --gpus 1 --step-steps 5 --timeout-s 240)
     L=(python3 -m torch.distributed.run --standalone --nproc_per_node 1 bench/seventy_b.py)
@@ -156,10 +177,17 @@ case "$stage" in
     pack() { tar czf "$OUT/$stage.tgz.tmp" -C "$R" . && mv "$OUT/$stage.tgz.tmp" "$OUT/$stage.tgz" \
       && echo "packed $R into $OUT/$stage.tgz ($((SECONDS - t0)) s)"; }
     (sleep "${PACK_AT_S:-575}"; pack) & watcher=$!; trap 'pkill -P $watcher 2>/dev/null; kill $watcher 2>/dev/null; pack' EXIT
-    if [ "$stage" = 70b-a ]; then
+    if [ "$stage" != 70b-b ]; then
       df -h /tmp /dev/shm | tee -a "$OUT/gpus.txt"
       "${L[@]}" gen-untargeted "${C[@]}" --quant none --data .gpu/llm_adapters
       "${L[@]}" category q_proj k_proj v_proj o_proj gate_proj up_proj "${C[@]}" --quant none
+    fi
+    if [ "$stage" = 70b-nf4 ]; then  # like for like and each method's fastest, in one call
+      for cfg in ds_configs/zero2.json plain; do
+        python3 bench/seventy_b.py step "${C[@]}" --quant nf4 --config "$cfg" --quantize-base
+        python3 bench/seventy_b.py qlora "${C[@]}" --quant nf4 --config "$cfg" --shm /dev/shm/one_gpu_qlora
+      done
+    elif [ "$stage" = 70b-a ]; then
       for cfg in plain ds_configs/zero2.json ds_configs/zero3.json; do
         python3 bench/seventy_b.py step "${C[@]}" --quant none --config "$cfg"
       done

@@ -439,6 +439,8 @@ def run(args) -> None:
     if args.warmup < 1:
         raise SystemExit("error: --warmup must be at least 1: the warm-up steps also check what --gc did")
     plain = args.config == "plain"
+    if args.nvtx:  # read by init_deepspeed: DeepSpeed's NVTX ranges stay on (its default) in this one-run process
+        os.environ[dist.NVTX_ENV] = "1"
     if not plain:
         dist.init_deepspeed()  # one process without a launcher: DeepSpeed still wants a process group
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -515,7 +517,7 @@ def run(args) -> None:
                        "per_member_trainables": args.per_member_trainables,
                        "per_member_frozen": args.per_member_frozen, "walk_parameters": args.walk_parameters,
                        "leaf_modules": args.leaf_modules, "per_module_fetch": args.per_module_fetch,
-                       "compile": args.compile, "gc_freeze": args.gc_freeze},
+                       "compile": args.compile, "gc_freeze": args.gc_freeze, "nvtx": args.nvtx},
             "rewarm_steps": args.rewarm if args.gate else 0,
             "gc_collections_per_window": timing["gc_collections"], "host_per_window": timing["host"],
             "profile": prof, "phases_ms": phases, "python_profile": pyprof,
@@ -588,6 +590,8 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
                         "parameters at every fetch and release, the whole model's twice per optimizer step)")
     r.add_argument("--per-module-fetch", action="store_true",
                    help="FRoD under ZeRO-3: leave DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)")
+    r.add_argument("--nvtx", action="store_true",
+                   help="keep DeepSpeed's NVTX ranges on, its default (frod_ds turns them off unless FROD_DS_NVTX=1)")
     r.add_argument("--compile", action="store_true", help="engine.compile() after deepspeed.initialize (DeepCompile "
                    "with --ds-set compile.deepcompile=true)")
     r.add_argument("--profile", action="store_true", help="after the timed windows, 3 steps under torch.profiler: "

@@ -77,6 +77,9 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "linear-replaced": ("zero_optimization.memory_efficient_linear back to DeepSpeed's default, true: zero.Init "
                         "replaces torch.nn.functional.linear process-wide with an autograd Function that keeps every "
                         "linear's input for the backward", ["--ds-set=memory_efficient_linear=true"]),
+    "nvtx-on": ("DeepSpeed's NVTX ranges back on, its default (a range push and pop with two is_compiling checks "
+                "around each of ~1,400 ZeRO-3 host calls per step; frod_ds.runtime.distributed turns them off unless "
+                "FROD_DS_NVTX=1)", ["--nvtx"]),
     "walk-parameters": ("DeepSpeed walks a decoder layer's modules for its parameters at every fetch and release, and "
                         "the whole model's twice per optimizer step (no FixedParameters)", ["--walk-parameters"]),
 }
@@ -96,6 +99,10 @@ PLUS_LEVERS: dict[str, tuple[str, list[str]]] = {
                           "global norm is still computed and clipped)", ["--ds-set=bf16.check_grad_overflow=false"]),
     "no-check-no-overlap": ("both: bf16.check_grad_overflow false and overlap_comm false",
                             ["--ds-set=bf16.check_grad_overflow=false", "--ds-set=overlap_comm=false"]),
+    "fast-sharding": ("stage3_module_granularity_threshold 1: no module made a fetch unit by size (every one is "
+                      "larger), but DeepSpeed's fast path for fetch units is on: no event per fetched parameter and no "
+                      "host sync on the third one in flight, a released unit's data dropped without record_stream",
+                      ["--ds-set=stage3_module_granularity_threshold=1"]),
     "gc-freeze": ("gc.collect() and gc.freeze() after the warm-up (Python's collector no longer scans the model's "
                   "and DeepSpeed's objects; its collections during the windows are recorded either way)", ["--gc-freeze"]),
     "deepcompile": ('"compile": {"deepcompile": true} and engine.compile() (needs TORCH_CUDA_ARCH_LIST=9.0 on the '
@@ -111,7 +118,7 @@ FAILURE_CAUSES = {
                    "fetch this error comes back; without it DeepCompile trains.",
 }
 EITHER_JSON = ("no-overlap", "bucket-5e8", "gc-freeze")
-ZERO3_ONLY = ("prefetch-0",)
+ZERO3_ONLY = ("prefetch-0", "fast-sharding")
 HOST_LEVERS = ("no-overflow-check", "no-check-no-overlap")
 SETS = {
     "main": [("frod", "plain", []), ("frod", ZERO2, []), ("frod", ZERO3, []),
@@ -119,7 +126,7 @@ SETS = {
     "levers": [("frod", ZERO3, ["before"])] + [("frod", ZERO3, [lever]) for lever in LEVERS]
     + [("lora", ZERO3, ["before"])] + [("lora", ZERO3, [lv]) for lv, (_, _, m) in LEVERS.items() if "lora" in m],
     "ablations": [("frod", ZERO3, [])] + [("frod", ZERO3, [a]) for a in ABLATIONS]
-    + [("frod", ZERO2, []), ("frod", ZERO2, ["per-member"])],
+    + [("frod", ZERO2, []), ("frod", ZERO2, ["per-member"]), ("frod", ZERO2, ["nvtx-on"])],
     "zero2": [("frod", ZERO2, [])] + [("frod", ZERO2, [z]) for z in EITHER_JSON],
     "zero3plus": [("frod", ZERO3, [])] + [("frod", ZERO3, [z]) for z in EITHER_JSON + ZERO3_ONLY],
     "compile": [("frod", ZERO3, []), ("frod", ZERO3, ["deepcompile"])],
@@ -440,9 +447,10 @@ def _zero3_build(result: dict) -> str:
     bucket = zo.get("reduce_bucket_size")
     walks = levers.get("walk_parameters", True)  # runs before FixedParameters: DeepSpeed walked the modules
     replaced = zo.get("memory_efficient_linear", True)  # DeepSpeed's default until zero3.json turned it off
+    nvtx = levers.get("nvtx", True)  # DeepSpeed's default until frod_ds.runtime.distributed turned it off
     held = ("σ, S per FRoD layer" if per_member else "σ, S per decoder layer") + (
         "" if per_member_u else "; U per decoder layer") + ("" if walks else "; parameter walks replayed") + (
-        "" if replaced else "; F.linear not replaced")
+        "" if replaced else "; F.linear not replaced") + ("" if nvtx else "; NVTX off")
     return f"{held}; reduce bucket {bucket:.0e}" if isinstance(bucket, (int, float)) else held
 
 
@@ -558,7 +566,7 @@ def report(directory: Path) -> Path:
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     shipped_overlap = "on" if zero_settings(load_ds_config(REPO / ZERO2)).overlap_comm else "off"
     shipped = _zero3_build({"ds_config": load_ds_config(REPO / ZERO3), "levers": {
-        "per_member_trainables": False, "per_member_frozen": False, "walk_parameters": False}})
+        "per_member_trainables": False, "per_member_frozen": False, "walk_parameters": False, "nvtx": False}})
     current: dict[str, list[dict]] = {"timed one configuration after another": [], "windows in turn, re-warmed": []}
     for r in summary:
         f, lo = r.get("frod", {}), r.get("lora", {})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -54,14 +55,19 @@ def llama_factory():
 @pytest.fixture(autouse=True)
 def no_process_wide_leftovers():
     """Fail a test that leaves launcher variables, a live process group, a listening socket, another torch thread
-    count or a replaced ``torch.nn.functional.linear`` behind (each makes later tests depend on the order they run
+    count, a replaced ``torch.nn.functional.linear`` or DeepSpeed's NVTX ranges switched off behind (each makes later tests depend on the order they run
     in), after restoring what it can so the next test starts clean."""
     env_before = launcher_vars()
     sockets_before = listening_sockets()
     threads_before = torch.get_num_threads()
     linear_before = torch.nn.functional.linear
+    nvtx_before = _deepspeed_nvtx()
     yield
     problems = []
+    nvtx_after = _deepspeed_nvtx()
+    if nvtx_after is not None and nvtx_after != (True if nvtx_before is None else nvtx_before):
+        problems.append("deepspeed.utils.nvtx.enable_nvtx was left switched (frod_ds.runtime.distributed.destroy)")
+        sys.modules["deepspeed.utils.nvtx"].enable_nvtx = True if nvtx_before is None else nvtx_before
     if torch.nn.functional.linear is not linear_before:  # deepspeed.zero.Init's memory_efficient_linear replacement
         problems.append("torch.nn.functional.linear was replaced (DeepSpeed's memory_efficient_linear)")
         torch.nn.functional.linear = linear_before
@@ -90,6 +96,12 @@ def no_process_wide_leftovers():
             problems.append(f"listening sockets left open: {', '.join(sorted(new))}")
     if problems:
         pytest.fail("test left process-wide state behind: " + "; ".join(problems), pytrace=False)
+
+
+def _deepspeed_nvtx() -> bool | None:
+    """DeepSpeed's NVTX switch, None while DeepSpeed is not imported (its import sets it to True)."""
+    module = sys.modules.get("deepspeed.utils.nvtx")
+    return None if module is None else module.enable_nvtx
 
 
 def _order_key(item) -> str:

@@ -71,6 +71,9 @@ _local_rank: int = 0
 _saved_env: dict[str, str | None] = {}
 # Entries of ``deepspeed.ops.__compatible_ops__`` turned off by ``init_deepspeed`` (name -> the value they had).
 _saved_ops: dict[str, bool] = {}
+# ``deepspeed.utils.nvtx.enable_nvtx`` as it was before ``init_deepspeed`` turned it off (None: not turned off).
+_saved_nvtx: bool | None = None
+NVTX_ENV = "FROD_DS_NVTX"  # "1": keep DeepSpeed's NVTX ranges (for a profiler such as Nsight Systems)
 SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
 
 
@@ -121,6 +124,7 @@ def init_deepspeed() -> None:
         _join(spec, None)
     _set_env(LOCAL_RANK=str(_local_rank))
     _skip_shm_comm_op(deepspeed)  # so no launch builds an op here (the CUDA accelerator has none to build)
+    _quiet_nvtx(deepspeed)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
@@ -141,6 +145,21 @@ def _skip_shm_comm_op(deepspeed) -> None:
         ops[SHM_COMM_OP] = False
 
 
+def _quiet_nvtx(deepspeed) -> None:
+    """Turn off DeepSpeed's NVTX ranges unless ``$FROD_DS_NVTX`` is 1. DeepSpeed wraps ~1,400 of ZeRO-3's host
+    calls per training step (each fetch, release, hook and partition) in an NVTX range push and pop, each with two
+    ``torch.compiler.is_compiling`` checks: Python that runs whether or not a profiler listens, on a step whose host
+    work is what bounds it on one GPU (``bench/results/zero3_levers``, lever ``nvtx``). The ranges only serve a
+    profiler such as Nsight Systems: ``FROD_DS_NVTX=1`` keeps them. DeepSpeed itself turns them off for
+    ``engine.compile()``; :func:`destroy` puts back the value it had."""
+    global _saved_nvtx
+    nvtx = deepspeed.utils.nvtx
+    if os.environ.get(NVTX_ENV) != "1" and nvtx.enable_nvtx:
+        if _saved_nvtx is None:
+            _saved_nvtx = nvtx.enable_nvtx
+        nvtx.enable_nvtx = False
+
+
 def _set_env(**values: str) -> None:
     for name, value in values.items():
         if os.environ.get(name) != value:
@@ -152,7 +171,7 @@ def destroy() -> None:
     """Leave the process group and undo everything :func:`init_distributed` / :func:`init_deepspeed` set up in
     this process: DeepSpeed's handle on the group and the environment variables set for it. Safe to call
     when nothing was initialised; entry points call it on every exit (``frod_ds.runtime.entry.run``)."""
-    global _local_rank
+    global _local_rank, _saved_nvtx
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     comm = sys.modules.get("deepspeed.comm.comm")
@@ -168,6 +187,10 @@ def destroy() -> None:
     if ds_ops is not None and _saved_ops:
         ds_ops.__compatible_ops__.update(_saved_ops)
     _saved_ops.clear()
+    ds_nvtx = sys.modules.get("deepspeed.utils.nvtx")
+    if ds_nvtx is not None and _saved_nvtx is not None:
+        ds_nvtx.enable_nvtx = _saved_nvtx
+    _saved_nvtx = None
     restore_functional_linear()
     _local_rank = 0
 

@@ -162,3 +162,45 @@ def test_destroy_puts_back_the_linear_deepspeeds_zero_init_replaced(monkeypatch)
     finally:
         D.destroy()
     assert F.linear is original
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_deepspeeds_nvtx_ranges_are_off_while_the_group_lives_unless_asked_for(monkeypatch, keep):
+    """DeepSpeed pushes and pops an NVTX range around each of ZeRO-3's ~1,400 host calls per step: ``init_deepspeed``
+    turns them off (``FROD_DS_NVTX=1`` keeps them, for a profiler) and ``destroy`` puts DeepSpeed's setting back.
+    Checked on what DeepSpeed does, not on the flag: a function it instruments pushes a range or not."""
+    import deepspeed.utils.nvtx as ds_nvtx
+
+    from tests.support.leftovers import launcher_vars
+
+    for name in list(launcher_vars()):
+        monkeypatch.delenv(name)
+    if keep:
+        monkeypatch.setenv(D.NVTX_ENV, "1")
+    else:
+        monkeypatch.delenv(D.NVTX_ENV, raising=False)
+    pushed = []
+    monkeypatch.setattr(ds_nvtx, "_range_push", lambda accelerator, msg: pushed.append(msg))
+    monkeypatch.setattr(ds_nvtx, "_range_pop", lambda accelerator: None)
+
+    def instrumented():
+        return 7
+
+    call = ds_nvtx.instrument_w_nvtx(instrumented)
+    before = ds_nvtx.enable_nvtx
+    assert before is True, "DeepSpeed's default"
+    seen = {}
+
+    def body():
+        D.init_deepspeed()
+        seen["result"] = call()
+        seen["pushed"] = list(pushed)
+        return 0
+
+    assert entry.run(body, init_group=False) == 0
+    assert seen["result"] == 7
+    assert seen["pushed"] == (["test_deepspeeds_nvtx_ranges_are_off_while_the_group_lives_unless_asked_for."
+                               "<locals>.instrumented"] if keep else [])
+    assert ds_nvtx.enable_nvtx is before
+    call()
+    assert len(pushed) == (2 if keep else 1), "after destroy DeepSpeed's ranges are back"
