@@ -178,6 +178,7 @@ case "$stage" in
       && echo "packed $R into $OUT/$stage.tgz ($((SECONDS - t0)) s)"; }
     (sleep "${PACK_AT_S:-575}"; pack) & watcher=$!; trap 'pkill -P $watcher 2>/dev/null; kill $watcher 2>/dev/null; pack' EXIT
     if [ "$stage" != 70b-b ]; then
+      rm -rf /tmp/frodbench /tmp/hostcalls  # this script's 7B work folders: the 70B store needs the disk
       df -h /tmp /dev/shm | tee -a "$OUT/gpus.txt"
       "${L[@]}" gen-untargeted "${C[@]}" --quant none --data .gpu/llm_adapters
       "${L[@]}" category q_proj k_proj v_proj o_proj gate_proj up_proj "${C[@]}" --quant none
