@@ -120,7 +120,7 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
     if d.get("benchmark") == "offload_zero3_7b":
         model, gpus, config = SEVEN_B, 1, d["config"]
         train = TrainShape(micro_batch=4, seq_len=256, checkpointing=True, flat_trainables=False,
-                           zero3_flat_frozen=False)  # before them
+                           zero3_flat_frozen=False, deepspeed_nvtx=True)  # before them
         engine, plain = engine_from_ds_config(config, "zero3_offload.json"), False
     else:
         m = d["model"]
@@ -132,7 +132,8 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
                            sparsity=f.get("sparsity", 0.02), quant=d.get("frozen_quant") or "none",
                            quantize_base=bool(d.get("quantize_base", False)), checkpointing=d["gradient_checkpointing"],
                            flat_trainables=_flat_trainables(d),
-                           zero3_flat_frozen=d.get("levers", {}).get("per_member_frozen") is False)
+                           zero3_flat_frozen=d.get("levers", {}).get("per_member_frozen") is False,
+                           deepspeed_nvtx=d.get("levers", {}).get("nvtx", True))  # on before frod-ds turned it off
         gpus, plain = d["world_size"], d["engine"] == "plain"
         engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"])
     pred = step_time(model_shape_from_config(model), train, engine, gpus, Link(host=hosts[_kind(d["device"])]),

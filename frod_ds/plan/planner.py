@@ -175,6 +175,8 @@ class TrainShape:
     # ZeRO-3 holds a decoder layer's dense U_i as one frozen Parameter (frod_ds.core.layer.FRoDFrozen, the build's
     # default without quantization or NVMe parameter offload); False: one per FRoD layer (builds before it)
     zero3_flat_frozen: bool = True
+    # DeepSpeed's NVTX ranges on (FROD_DS_NVTX=1; DeepSpeed's default, the runs before frod-ds turned them off)
+    deepspeed_nvtx: bool = False
 
     @property
     def tokens(self) -> int:

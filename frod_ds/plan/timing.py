@@ -21,7 +21,8 @@ constants, so the planner can rank the set-ups that fit by speed instead of by a
                   layer; one per FRoD layer where built so), and under ZeRO-3 ZERO3_LAYER_PASS_S per decoder layer
                   and pass (fetch and release of one layer's parameters, the shipped per-layer fetch; passes = 2, 3
                   with checkpointing), less ZERO3_FROZEN_TENSOR_PASS_S for each U_i beyond the first when a layer's
-                  dense U_i are one Parameter (``FRoDFrozen``)
+                  dense U_i are one Parameter (``FRoDFrozen``), less ZERO3_NVTX_LAYER_PASS_S with DeepSpeed's NVTX ranges
+                  off (frod-ds's default)
     overflow check ZeRO-2 with DeepSpeed's bf16 per-gradient check (off in the shipped zero2.json): ZERO_CHECK_TENSOR_S
                   per trainable tensor, × ``Link.host``; it ends in a host sync, so it adds instead of overlapping
     link          N > 1 under ZeRO-3: LINK_EXPOSED × the bytes of the frozen weights a rank does not hold, gathered
@@ -57,12 +58,16 @@ ZERO_TENSOR_HOST_S = 1.5e-4
 # one Parameter per layer and DeepSpeed's F.linear replacement on (2026-11-27T22:31, 322 ms, the median of its three
 # calls): (322 − 179 − 40 − 10 for 64 tensors) / 64 = 1.5 ms, plus the five U tensors below. The shipped zero3.json
 # since turns that replacement off (memory_efficient_linear): 311 and 312 ms in two calls (2026-11-28T03:16, 03:21,
-# windows in turn), against 325 predicted.
+# windows in turn), against 325 predicted with DeepSpeed's NVTX ranges on, as they were.
 ZERO3_LAYER_PASS_S = 2.3e-3
 # ... less this per frozen tensor a decoder layer no longer has once its dense U_i are one Parameter (FRoDFrozen):
 # full-depth 7B, one H200, zero3.json with U per FRoD layer 395 ms, per decoder layer 344 ms, same call
 # (zero3_levers, 2026-11-27T22:26), over 32 layers × 2 passes × 5 tensors.
 ZERO3_FROZEN_TENSOR_PASS_S = 1.6e-4
+# ... less this with DeepSpeed's NVTX ranges off (frod_ds.runtime.distributed; every point above ran with them on):
+# zero3.json at full-depth 7B on one H200 with them on 307 ms, off 297 ms, same call, windows in turn (zero3_levers
+# 2026-11-28T04:31), over 32 layers × 2 passes. The shipped build is predicted at 315 ms.
+ZERO3_NVTX_LAYER_PASS_S = 1.6e-4
 # DeepSpeed 0.19.8's bf16 per-gradient overflow check, per trainable tensor (ZeRO-2; off in the shipped zero2.json).
 # Alone it was 92 ms over 384 tensors in one call (zero3_levers 2026-11-27T03:33: 0.24 ms); set against every
 # committed step with the check on (7B and 70B widths, H200 and H100 machines, 1 and 2 GPUs) that overstates it, part
@@ -154,6 +159,8 @@ def step_time(model, train, engine, gpus: int, link: Link = NVLINK, *, plain: bo
             per_pass = ZERO3_LAYER_PASS_S
             if train.zero3_flat_frozen and train.quant == "none":
                 per_pass -= ZERO3_FROZEN_TENSOR_PASS_S * (len(train.targets) - 1)
+            if not train.deepspeed_nvtx:
+                per_pass -= ZERO3_NVTX_LAYER_PASS_S
             host["ZeRO-3 layer fetch"] = per_pass * model.layers * passes
     host = {k: link.host * v for k, v in host.items()}
     parts["host beyond device"] = max(0.0, sum(host.values()) - device)
