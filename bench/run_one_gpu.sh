@@ -180,7 +180,8 @@ case "$stage" in
     if [ "$stage" != 70b-b ]; then
       rm -rf /tmp/frodbench /tmp/hostcalls  # this script's 7B work folders: the 70B store needs the disk
       df -h /tmp /dev/shm | tee -a "$OUT/gpus.txt"
-      "${L[@]}" gen-untargeted "${C[@]}" --quant none --data .gpu/llm_adapters
+      # DATA_DIR: LLM-Adapters' task folders (the tokenizer's text; the timed steps use random tokens)
+      "${L[@]}" gen-untargeted "${C[@]}" --quant none --data "${DATA_DIR:-.gpu/llm_adapters}"
       "${L[@]}" category q_proj k_proj v_proj o_proj gate_proj up_proj "${C[@]}" --quant none
     fi
     if [ "$stage" = 70b-nf4 ]; then  # like for like and each method's fastest, in one call
