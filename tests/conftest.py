@@ -55,8 +55,8 @@ def llama_factory():
 @pytest.fixture(autouse=True)
 def no_process_wide_leftovers():
     """Fail a test that leaves launcher variables, a live process group, a listening socket, another torch thread
-    count, a replaced ``torch.nn.functional.linear`` or DeepSpeed's NVTX ranges switched off behind (each makes later tests depend on the order they run
-    in), after restoring what it can so the next test starts clean."""
+    count, a replaced ``torch.nn.functional.linear`` or DeepSpeed's NVTX ranges switched off behind (each makes later
+    tests depend on the order they run in), after restoring what it can so the next test starts clean."""
     env_before = launcher_vars()
     sockets_before = listening_sockets()
     threads_before = torch.get_num_threads()

@@ -149,7 +149,7 @@ def _quiet_nvtx(deepspeed) -> None:
     """Turn off DeepSpeed's NVTX ranges unless ``$FROD_DS_NVTX`` is 1. DeepSpeed wraps ~1,400 of ZeRO-3's host
     calls per training step (each fetch, release, hook and partition) in an NVTX range push and pop, each with two
     ``torch.compiler.is_compiling`` checks: Python that runs whether or not a profiler listens, on a step whose host
-    work is what bounds it on one GPU (``bench/results/zero3_levers``, lever ``nvtx``). The ranges only serve a
+    work is what bounds it on one GPU (``bench/results/zero3_levers``, ablation ``nvtx-on``). The ranges only serve a
     profiler such as Nsight Systems: ``FROD_DS_NVTX=1`` keeps them. DeepSpeed itself turns them off for
     ``engine.compile()``; :func:`destroy` puts back the value it had."""
     global _saved_nvtx
@@ -169,7 +169,8 @@ def _set_env(**values: str) -> None:
 
 def destroy() -> None:
     """Leave the process group and undo everything :func:`init_distributed` / :func:`init_deepspeed` set up in
-    this process: DeepSpeed's handle on the group and the environment variables set for it. Safe to call
+    this process: DeepSpeed's handle on the group, the environment variables set for it, its op table and its NVTX
+    switch, and PyTorch's ``linear`` where ``zero.Init`` replaced it. Safe to call
     when nothing was initialised; entry points call it on every exit (``frod_ds.runtime.entry.run``)."""
     global _local_rank, _saved_nvtx
     if dist.is_available() and dist.is_initialized():
