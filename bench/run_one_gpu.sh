@@ -41,7 +41,8 @@
 #                                          # FRoD with DeepSpeed's own layout (V partitioned, σ/S per FRoD layer,
 #                                          # per-module fetch), LoRA r=16; each beside zero3.json without it (~5 min)
 set -euo pipefail
-stage=${1:?usage: bench/run_one_gpu.sh pair|profile|flat|flat-u|turns|walks|zero2-flat|linear|nvtx|final-a|final-b|final-c|70b-a|70b-b|70b-nf4|host-device|quant-7b|deepcompile}
+STAGES="pair|profile|flat|flat-u|turns|walks|zero2-flat|linear|nvtx|final-a|final-b|final-c|70b-a|70b-b|70b-nf4|host-device|quant-7b|deepcompile"
+stage=${1:?usage: bench/run_one_gpu.sh $STAGES}
 OUT=${OUT:?set OUT to the results folder}
 python3 -c "import deepspeed" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site .whl/*.whl
@@ -201,5 +202,5 @@ case "$stage" in
       done
     fi
     ;;
-  *) echo "error: unknown stage $stage (pair, profile, flat, final-a, final-b, 70b-a, 70b-b)" >&2; exit 2 ;;
+  *) echo "error: unknown stage $stage (one of $STAGES)" >&2; exit 2 ;;
 esac

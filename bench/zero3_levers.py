@@ -385,7 +385,7 @@ def seventy_b_report(directory: Path) -> list[str]:
              f"{m['num_hidden_layers']} layers of LLaMA-2-70B's widths ({m['hidden_size']} / {m['intermediate_size']}, "
              f"{m['num_key_value_heads']} KV heads), gradient checkpointing, {first['micro_batch']}×{first['seq_len']} "
              "random tokens, one configuration after another in `bench/train_step.py` (`bench/seventy_b.py step` for "
-             "FRoD, `qlora` for PEFT LoRA r=16 on the NF4 base; `bench/run_one_gpu.sh 70b-a|70b-b`). One folder per "
+             "FRoD, `qlora` for PEFT LoRA r=16 on the NF4 base; `bench/run_one_gpu.sh 70b-a|70b-b|70b-nf4`). One folder per "
              "device call. MFU from the model's FLOPs without recomputation (`bench/flops.py`); planner: "
              "`frod plan`'s allocated-memory prediction for that run (`bench/planner_check.py`). Goals: FRoD bf16 "
              "`zero3.json` ÷ `zero2.json` ≤ 1.15× with ZeRO-3 MFU ≥ 30%; FRoD with NF4 U_i and base beside QLoRA r=16 "

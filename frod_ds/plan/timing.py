@@ -21,8 +21,8 @@ constants, so the planner can rank the set-ups that fit by speed instead of by a
                   layer; one per FRoD layer where built so), and under ZeRO-3 ZERO3_LAYER_PASS_S per decoder layer
                   and pass (fetch and release of one layer's parameters, the shipped per-layer fetch; passes = 2, 3
                   with checkpointing), less ZERO3_FROZEN_TENSOR_PASS_S for each U_i beyond the first when a layer's
-                  dense U_i are one Parameter (``FRoDFrozen``), less ZERO3_NVTX_LAYER_PASS_S with DeepSpeed's NVTX ranges
-                  off (frod-ds's default)
+                  dense U_i are one Parameter (``FRoDFrozen``), less ZERO3_NVTX_LAYER_PASS_S with DeepSpeed's
+                  NVTX ranges off (frod-ds's default)
     overflow check ZeRO-2 with DeepSpeed's bf16 per-gradient check (off in the shipped zero2.json): ZERO_CHECK_TENSOR_S
                   per trainable tensor, × ``Link.host``; it ends in a host sync, so it adds instead of overlapping
     link          N > 1 under ZeRO-3: LINK_EXPOSED × the bytes of the frozen weights a rank does not hold, gathered
@@ -66,7 +66,8 @@ ZERO3_LAYER_PASS_S = 2.3e-3
 ZERO3_FROZEN_TENSOR_PASS_S = 1.6e-4
 # ... less this with DeepSpeed's NVTX ranges off (frod_ds.runtime.distributed; every point above ran with them on):
 # zero3.json at full-depth 7B on one H200 with them on 307 ms, off 297 ms, same call, windows in turn (zero3_levers
-# 2026-11-28T04:31), over 32 layers × 2 passes. The shipped build is predicted at 315 ms.
+# 2026-11-28T04:31, a noisy call: slower with them on in 4 of its 6 rounds), over 32 layers × 2 passes. The shipped
+# build is predicted at 315 ms.
 ZERO3_NVTX_LAYER_PASS_S = 1.6e-4
 # DeepSpeed 0.19.8's bf16 per-gradient overflow check, per trainable tensor (ZeRO-2; off in the shipped zero2.json).
 # Alone it was 92 ms over 384 tensors in one call (zero3_levers 2026-11-27T03:33: 0.24 ms); set against every

@@ -10,7 +10,8 @@ import pytest
 from frod_ds.plan.planner import (GiB, TrainShape, frozen_tensors, model_shape_from_config, plan_memory,
                                   predicted_seconds, recommend, shipped_engines)
 from frod_ds.plan.timing import (CHECK_GOAL, EFFICIENCY, HOST_LAYER_PASS_S, ZERO3_FROZEN_TENSOR_PASS_S,
-                                 ZERO3_LAYER_PASS_S, ZERO3_NVTX_LAYER_PASS_S, ZERO_CHECK_TENSOR_S, ZERO_STEP_HOST_S, ZERO_TENSOR_HOST_S, Link,
+                                 ZERO3_LAYER_PASS_S, ZERO3_NVTX_LAYER_PASS_S,
+                                 ZERO_CHECK_TENSOR_S, ZERO_STEP_HOST_S, ZERO_TENSOR_HOST_S, Link,
                                  step_time)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +61,8 @@ def test_step_parts_add_up_from_flops_host_work_and_the_link():
     nf4 = step_time(model, dataclasses.replace(train, quant="nf4"), e["zero3"], 2, link)  # a quantized U: one each
     assert nf4.host["ZeRO-3 layer fetch"] == pytest.approx(fetch * 32 * 2)
     nvtx = step_time(model, dataclasses.replace(train, deepspeed_nvtx=True), e["zero3"], 2, link)
-    assert nvtx.host["ZeRO-3 layer fetch"] == pytest.approx(z3.host["ZeRO-3 layer fetch"] + ZERO3_NVTX_LAYER_PASS_S * 64)
+    assert nvtx.host["ZeRO-3 layer fetch"] == \
+        pytest.approx(z3.host["ZeRO-3 layer fetch"] + ZERO3_NVTX_LAYER_PASS_S * 64)
     assert step_time(model, dataclasses.replace(train, deepspeed_nvtx=True), e["zero2"], 1, link).seconds == \
         pytest.approx(z2.seconds), "ZeRO-2 measured the same either way"
     frozen = sum(b * c for g in frozen_tensors(model, train).values() for b, c, _ in g)

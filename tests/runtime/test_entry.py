@@ -204,3 +204,26 @@ def test_deepspeeds_nvtx_ranges_are_off_while_the_group_lives_unless_asked_for(m
     assert ds_nvtx.enable_nvtx is before
     call()
     assert len(pushed) == (2 if keep else 1), "after destroy DeepSpeed's ranges are back"
+
+
+def test_destroy_leaves_nvtx_ranges_off_where_they_were_off_before(monkeypatch):
+    """``destroy`` puts back the value DeepSpeed's switch had, not DeepSpeed's default: ranges a caller had turned off
+    before ``init_deepspeed`` (as ``engine.compile()`` does) stay off."""
+    import deepspeed.utils.nvtx as ds_nvtx
+
+    from tests.support.leftovers import launcher_vars
+
+    for name in list(launcher_vars()):
+        monkeypatch.delenv(name)
+    monkeypatch.delenv(D.NVTX_ENV, raising=False)
+    monkeypatch.setattr(ds_nvtx, "enable_nvtx", False)
+    seen = {}
+
+    def body():
+        D.init_deepspeed()
+        seen["during"] = ds_nvtx.enable_nvtx
+        return 0
+
+    assert entry.run(body, init_group=False) == 0
+    assert seen == {"during": False}
+    assert ds_nvtx.enable_nvtx is False
