@@ -82,6 +82,12 @@ def trainables_per_decoder_layer(result: dict) -> bool | None:
     return result["trainable_tensors"] == 2 * result["model"]["num_hidden_layers"]
 
 
+def deepspeed_nvtx(result: dict) -> bool:
+    """Whether a ``bench/train_step.py`` run had DeepSpeed's NVTX ranges on: its recorded ``--nvtx``; results from
+    before frod-ds turned them off record nothing, and ran with DeepSpeed's default, on."""
+    return result.get("levers", {}).get("nvtx", True)
+
+
 def read_results(directory: Path, pattern: str, hint: str = "") -> list[dict]:
     """Every JSON in ``directory`` matching ``pattern``, in name order; exits with an error naming what is missing."""
     docs = [json.loads(p.read_text()) for p in sorted(directory.glob(pattern))]

@@ -150,18 +150,13 @@ case "$stage" in
       --budget-s "${BUDGET_S:-470}" --deadline-s "${DEADLINE_S:-560}"
     rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
     ;;
-  turns)  # the headline pairs with their windows taken in turn (FRoD plain / zero2.json / zero3.json at once, then
-          # LoRA plain / zero2.json), 6 windows of 8 steps, one untimed step after each turn starts
+  turns | final-c)  # the headline pairs with their windows taken in turn (FRoD plain / zero2.json / zero3.json at
+                    # once, then LoRA plain / zero2.json, final-c: and LoRA's zero3.json), 6 windows of 8 steps, one
+                    # untimed step after each turn starts
+    only=frod_plain,frod_zero2,frod_zero3,lora_plain,lora_zero2
+    [ "$stage" = turns ] || only+=,lora_zero3
     python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main --interleave 3 \
-      --only frod_plain,frod_zero2,frod_zero3,lora_plain,lora_zero2 --steps 8 --repeats 6 \
-      --budget-s "${BUDGET_S:-470}" --deadline-s "${DEADLINE_S:-560}"
-    rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
-    ;;
-  final-c)  # the headline pairs, windows in turn, re-warmed: FRoD plain / zero2.json / zero3.json at once, then LoRA
-            # r=16 plain / zero2.json / zero3.json at once
-    python3 bench/zero3_levers.py --work /tmp/frodbench --out "$OUT" --set main --interleave 3 \
-      --only frod_plain,frod_zero2,frod_zero3,lora_plain,lora_zero2,lora_zero3 --steps 8 --repeats 6 \
-      --budget-s "${BUDGET_S:-420}" --deadline-s "${DEADLINE_S:-520}"
+      --only "$only" --steps 8 --repeats 6 --budget-s "${BUDGET_S:-470}" --deadline-s "${DEADLINE_S:-560}"
     rm -rf "$OUT/gates" "$OUT/logs" "$OUT/configs"
     ;;
   final-b)  # the headline pairs again (a second call)

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import trainables_per_decoder_layer  # noqa: E402
+from bench.common import deepspeed_nvtx, trainables_per_decoder_layer  # noqa: E402
 from frod_ds.config.ds_config import zero_stage  # noqa: E402
 from frod_ds.plan.planner import TrainShape, engine_from_ds_config, model_shape_from_config  # noqa: E402
 from frod_ds.plan.timing import CHECK_GOAL, Link, step_time  # noqa: E402
@@ -133,7 +133,7 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
                            quantize_base=bool(d.get("quantize_base", False)), checkpointing=d["gradient_checkpointing"],
                            flat_trainables=_flat_trainables(d),
                            zero3_flat_frozen=d.get("levers", {}).get("per_member_frozen") is False,
-                           deepspeed_nvtx=d.get("levers", {}).get("nvtx", True))  # on before frod-ds turned it off
+                           deepspeed_nvtx=deepspeed_nvtx(d))
         gpus, plain = d["world_size"], d["engine"] == "plain"
         engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"])
     pred = step_time(model_shape_from_config(model), train, engine, gpus, Link(host=hosts[_kind(d["device"])]),

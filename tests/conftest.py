@@ -64,10 +64,10 @@ def no_process_wide_leftovers():
     nvtx_before = _deepspeed_nvtx()
     yield
     problems = []
-    nvtx_after = _deepspeed_nvtx()
-    if nvtx_after is not None and nvtx_after != (True if nvtx_before is None else nvtx_before):
+    nvtx_after, nvtx_expected = _deepspeed_nvtx(), True if nvtx_before is None else nvtx_before
+    if nvtx_after is not None and nvtx_after != nvtx_expected:
         problems.append("deepspeed.utils.nvtx.enable_nvtx was left switched (frod_ds.runtime.distributed.destroy)")
-        sys.modules["deepspeed.utils.nvtx"].enable_nvtx = True if nvtx_before is None else nvtx_before
+        sys.modules["deepspeed.utils.nvtx"].enable_nvtx = nvtx_expected
     if torch.nn.functional.linear is not linear_before:  # deepspeed.zero.Init's memory_efficient_linear replacement
         problems.append("torch.nn.functional.linear was replaced (DeepSpeed's memory_efficient_linear)")
         torch.nn.functional.linear = linear_before

@@ -146,10 +146,11 @@ def _skip_shm_comm_op(deepspeed) -> None:
 
 
 def _quiet_nvtx(deepspeed) -> None:
-    """Turn off DeepSpeed's NVTX ranges unless ``$FROD_DS_NVTX`` is 1. DeepSpeed wraps ~1,400 of ZeRO-3's host
-    calls per training step (each fetch, release, hook and partition) in an NVTX range push and pop, each with two
-    ``torch.compiler.is_compiling`` checks: Python that runs whether or not a profiler listens, on a step whose host
-    work is what bounds it on one GPU (``bench/results/zero3_levers``, ablation ``nvtx-on``). The ranges only serve a
+    """Turn off DeepSpeed's NVTX ranges unless ``$FROD_DS_NVTX`` is 1. DeepSpeed wraps each of ZeRO-3's fetches,
+    releases, hooks and partitions in an NVTX range push and pop, each with two ``torch.compiler.is_compiling``
+    checks: Python that runs whether or not a profiler listens (15% of a 7B ``zero3.json`` step's Python calls,
+    ``bench/results/host_calls``), on a step whose host work is what bounds it on one GPU
+    (``bench/results/zero3_levers``, ablation ``nvtx-on``). The ranges only serve a
     profiler such as Nsight Systems: ``FROD_DS_NVTX=1`` keeps them. DeepSpeed itself turns them off for
     ``engine.compile()``; :func:`destroy` puts back the value it had."""
     global _saved_nvtx

@@ -166,7 +166,7 @@ def test_destroy_puts_back_the_linear_deepspeeds_zero_init_replaced(monkeypatch)
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_deepspeeds_nvtx_ranges_are_off_while_the_group_lives_unless_asked_for(monkeypatch, keep):
-    """DeepSpeed pushes and pops an NVTX range around each of ZeRO-3's ~1,400 host calls per step: ``init_deepspeed``
+    """DeepSpeed pushes and pops an NVTX range around each of ZeRO-3's fetches, releases and hooks: ``init_deepspeed``
     turns them off (``FROD_DS_NVTX=1`` keeps them, for a profiler) and ``destroy`` puts DeepSpeed's setting back.
     Checked on what DeepSpeed does, not on the flag: a function it instruments pushes a range or not."""
     import deepspeed.utils.nvtx as ds_nvtx
