@@ -69,7 +69,7 @@ def _store(model: Path, out: Path, u_dtype: str) -> dict:
     if not (out / "manifest.json").is_file():
         _run([sys.executable, "launch/hjd.py", "--model", str(model), "--out", str(out), "--device", "cpu",
               "--no-fsync", "--u-dtype", u_dtype])
-    from frod_ds.formats.store_format import Manifest
+    from frod_ds.formats.factor_store import Manifest
 
     manifest = Manifest.read(out / "manifest.json")
     return {c: {"method": s.method, "cond_estimate": s.cond_estimate, "max_error": s.max_error,
@@ -87,7 +87,7 @@ def main() -> int:
 
     from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.testing.realmodel import convert_gguf, locate_gguf
-    from frod_ds.model.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
 
     t0 = time.perf_counter()
     work = args.work or Path(tempfile.mkdtemp(prefix="exact_init."))

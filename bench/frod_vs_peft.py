@@ -271,7 +271,7 @@ def own_inits(peft_model: nn.Module, store, supports: dict) -> dict[str, Any]:
     """How PEFT initialises on its own, against frod-ds' store and supports, per frod-ds category: its basis
     ``V_p`` against ``V_o`` (``G = V_p⁻¹ V_o``: how far from a signed permutation), λ⁰ against σ⁰ matched
     through ``G``'s largest entries, U's reconstruction, and the S supports (size and overlap)."""
-    from frod_ds.interop.peft_interop import basis_change
+    from frod_ds.interop.peft_export import basis_change
 
     layers = peft_layers(peft_model)
     out = {}
@@ -548,7 +548,7 @@ def build_pair(args: argparse.Namespace):
     from transformers import AutoModelForCausalLM
 
     from frod_ds.model.build import build_frod_model, make_supports
-    from frod_ds.model.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
 
     store = FactorStore.open(args.factor_store)
     supports = make_supports(store, list(args.targets), args.sparsity, args.seed)

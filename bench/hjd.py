@@ -147,7 +147,7 @@ def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, col
               "wall_s": round(wall, 2), "cold_cache": dropped}
     mpath = out / "manifest.json"
     if mpath.is_file():
-        from frod_ds.formats.store_format import Manifest
+        from frod_ds.formats.factor_store import Manifest
 
         m = Manifest.read(mpath)
         ranks = m.run.ranks if m.run is not None else []
@@ -171,7 +171,7 @@ def check_against_decompose(model: Path, out: Path) -> dict:
     """The GPU store (fp64) against single-process ``decompose`` on the CPU: V and reconstruction."""
     from frod_ds.io.hf_checkpoint import HFCheckpoint
     from frod_ds.hjd.math import decompose
-    from frod_ds.model.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
 
     store, ckpt = FactorStore.open(out), HFCheckpoint(model)
     worst = {"v_rel": 0.0, "recon_rel": 0.0}

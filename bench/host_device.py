@@ -1,5 +1,5 @@
 """How much of a FRoD step is the host's work and how much the GPU's: the measurement behind the step-time model's
-``max(host, device)`` form (``frod_ds/plan/timing.py``).
+``max(host, device)`` form (``frod_ds/plan/step_time.py``).
 
     python bench/host_device.py --out $OUT                       # 7B widths × 8 layers and 70B widths × 4, one GPU
     python bench/host_device.py --tiny --out /tmp/hd             # CPU rehearsal (host and device are one there)

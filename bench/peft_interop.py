@@ -77,8 +77,8 @@ def main() -> None:
     from frod_ds.model.adapter import load_frod_model, save_adapter_from_model
     from frod_ds.model.apply import DEFAULT_TARGETS, frod_param_groups
     from frod_ds.model.build import build_frod_model, make_supports
-    from frod_ds.interop.peft_interop import export_peft, import_peft
-    from frod_ds.model.store import FactorStore
+    from frod_ds.interop.peft_export import export_peft, import_peft
+    from frod_ds.model.store_reader import FactorStore
 
     def base():
         return AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()

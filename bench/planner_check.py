@@ -4,7 +4,7 @@
         --out bench/results/planner_check.json
 
 Inputs are ``bench/train_step.py`` result JSONs (one per file, or a matrix JSON's ``configs`` list). For each FRoD
-run under ZeRO-2/3 the planner (``frod_ds.plan.planner.plan_memory``, which reads the model's config fields only) is
+run under ZeRO-2/3 the planner (``frod_ds.plan.memory.plan_memory``, which reads the model's config fields only) is
 given the run's shape, micro-batch × sequence, checkpointing, layer variant and DeepSpeed JSON (as recorded in the
 result), and its ``allocated`` prediction is set against the measured ``torch.cuda.max_memory_allocated`` over the
 timed steps (the highest rank). Plain-PyTorch runs and LoRA runs are not what the planner models and are skipped.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from frod_ds.plan.planner import GiB, TrainShape, engine_from_ds_config, model_shape_from_config, plan_memory  # noqa: E402
+from frod_ds.plan.memory import GiB, TrainShape, engine_from_ds_config, model_shape_from_config, plan_memory  # noqa: E402
 
 GOAL = 0.15
 

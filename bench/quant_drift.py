@@ -99,7 +99,7 @@ def build(setting: str, args: argparse.Namespace, dtype: torch.dtype):
 
     from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.core.quant import roundtrip
-    from frod_ds.model.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
 
     if setting.startswith("frod"):
         store = FactorStore.open(args.factor_store)

@@ -67,7 +67,7 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     a("--gen-batch", type=int, default=128, help="rows per generation batch (x beams sequences)")
     a("--protocols", default="loglik,llm-adapters", help="test protocols: loglik and/or llm-adapters")
     a("--gen-impl", default="auto", help="llm-adapters scorer: auto or project, both the library's "
-                                         "frod_ds.eval.evaluation.score_llm_adapters_rows (recorded in the study)")
+                                         "frod_ds.eval.predict.score_llm_adapters_rows (recorded in the study)")
     a("--num-beams", type=int, default=4, help="beams of the llm-adapters protocol: LLM-Adapters' 4, the only value")
     a("--max-new-tokens", type=int, default=32,
       help="new tokens of the llm-adapters protocol: LLM-Adapters' 32, the only value")

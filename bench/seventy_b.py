@@ -136,7 +136,7 @@ def _check_chain(args, p: dict, device_type: str) -> dict:
 
 
 def _my_layers(layers: int, rank: int, world: int) -> list[int]:
-    from frod_ds.hjd.plan import my_members
+    from frod_ds.hjd.sharding import my_members
 
     return my_members(list(range(layers)), rank, world)
 
@@ -230,7 +230,7 @@ def category(args) -> None:
     """Per category: every rank generates its members (HJD's split) → the index lists them → HJD over the
     launcher's ranks adds the category to the NF4 store → the weights are deleted."""
     from frod_ds.runtime import distributed as D
-    from frod_ds.hjd.plan import my_members
+    from frod_ds.hjd.sharding import my_members
     from frod_ds.cli import hjd
 
     p, shape = _paths(args), _shape(args)
@@ -274,14 +274,14 @@ def category(args) -> None:
 
 
 def _store_has(p: dict, c: str) -> bool:
-    from frod_ds.formats.store_format import MANIFEST, Manifest
+    from frod_ds.formats.factor_store import MANIFEST, Manifest
 
     path = p["store"] / MANIFEST
     return path.is_file() and c in Manifest.read(path).completed_categories
 
 
 def _store_summary(p: dict, c: str) -> dict:
-    from frod_ds.formats.store_format import MANIFEST, Manifest
+    from frod_ds.formats.factor_store import MANIFEST, Manifest
 
     m = Manifest.read(p["store"] / MANIFEST)
     r = m.categories[c]
@@ -326,7 +326,7 @@ def _metrics(out: Path) -> list[dict]:
 
 
 def _need_store(p: dict) -> None:
-    from frod_ds.model.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
 
     FactorStore.open(p["store"])  # one line when missing or incomplete
 
@@ -334,7 +334,7 @@ def _need_store(p: dict) -> None:
 def plan_prediction(args, p: dict, gpu_bytes: float | None) -> dict:
     """The memory planner's per-GPU prediction for the chain's training (config.json, recipe, DeepSpeed JSON)."""
     from frod_ds.config.ds_config import load_ds_config
-    from frod_ds.plan.planner import GiB as PG, engine_from_ds_config, load_model_shape, plan_memory, train_shape_from_recipe
+    from frod_ds.plan.memory import GiB as PG, engine_from_ds_config, load_model_shape, plan_memory, train_shape_from_recipe
     from frod_ds.config.recipe import load_recipe
 
     recipe = load_recipe(p["recipe"], [], paths=False)
@@ -489,7 +489,7 @@ def qlora_gen(args) -> None:
             (qdir / f).symlink_to((shm / f).resolve())
         add_to_index(qdir, {**base, **{k: v for m in maps for k, v in m.items()}})
         from frod_ds.io.hf_checkpoint import HFCheckpoint
-        from frod_ds.model.store import FactorStore, check_store_matches
+        from frod_ds.model.store_reader import FactorStore, check_store_matches
 
         if not (p["store"] / "manifest.json").is_file():  # a QLoRA-only work dir: nothing to check against
             print(f"qlora-gen: no factor store in {p['work']}: the weights are regenerated from seed {args.seed}, "

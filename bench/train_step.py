@@ -99,7 +99,7 @@ def build_frod(args, ds_cfg: dict | None, rank: int):
     """The FRoD model from checkpoint + factor store, and its two AdamW groups (σ, S)."""
     from frod_ds.model.apply import frod_modules, frod_param_groups
     from frod_ds.model.build import build_frod_model, make_supports
-    from frod_ds.model.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
     from frod_ds.train.trainer import enable_gradient_checkpointing
 
     store = FactorStore.open(args.factors)

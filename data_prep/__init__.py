@@ -1,7 +1,7 @@
-"""``python -m data_prep build|stats|show``: kept for existing commands and imports; the code is ``frod_ds.prep``
-(``frod data ...``). Importing ``frod_ds`` makes the old module paths (``data_prep.io``, ...) resolve to it."""
+"""``python -m data_prep build|stats|show``: the data-prep script form of ``frod data``; the code is
+``frod_ds.prep``. The module paths ``data_prep.io``, ``data_prep.build``, ... are kept for one release
+(``frod_ds._moved``)."""
 
-import frod_ds  # noqa: F401  (installs the old-path table, frod_ds._compat)
 from frod_ds.prep.io import read_rows
 from frod_ds.prep.tasks import TASKS, DataPrepError
 

@@ -1,6 +1,6 @@
 """frod-ds: FRoD fine-tuning of LLaMA-family models on DeepSpeed.
 
-The names below load on first use, so that importing a torch-free submodule (``frod_ds.hjd.plan``,
+The names below load on first use, so that importing a torch-free submodule (``frod_ds.hjd.sharding``,
 ``frod_ds.io.hf_checkpoint``) does not import torch.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from frod_ds import _compat
+from frod_ds._moved import MOVED, old_paths
 
-_compat.install()
+__path__ = old_paths(__path__, __name__)  # old module paths, kept for one release (frod_ds._moved)
 
 __all__ = [
     "DEFAULT_TARGETS",
@@ -23,7 +23,7 @@ __all__ = [
     "frod_param_groups",
     "mark_only_frod_trainable",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _WHERE = {
     "DEFAULT_TARGETS": "frod_ds.core.names",
@@ -40,6 +40,6 @@ _WHERE = {
 def __getattr__(name: str) -> Any:
     if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)
-    if f"frod_ds.{name}" in _compat.OLD_PATHS:  # ``frod_ds.trainer`` as an attribute, before any import of it
+    if f"frod_ds.{name}" in MOVED:  # ``frod_ds.trainer`` as an attribute, before any import of it
         return importlib.import_module(f"frod_ds.{name}")
     raise AttributeError(f"module 'frod_ds' has no attribute {name!r}")

@@ -180,15 +180,15 @@ class StudyConfig:
         if self.select_by not in ("accuracy", "answer_loss"):
             problems.append(f"--select-by {self.select_by!r}: use accuracy or answer_loss")
         # the llm-adapters protocol is the library's scorer, with LLM-Adapters' own beams and new tokens
-        from frod_ds.eval.evaluation import LLM_ADAPTERS_MAX_NEW_TOKENS, LLM_ADAPTERS_NUM_BEAMS
+        from frod_ds.eval.predict import LLM_ADAPTERS_MAX_NEW_TOKENS, LLM_ADAPTERS_NUM_BEAMS
 
         if self.gen_impl not in ("auto", "project"):
             problems.append(f"--gen-impl {self.gen_impl!r}: the study scores with the library's "
-                            "frod_ds.eval.evaluation.score_llm_adapters_rows only; use auto or project")
+                            "frod_ds.eval.predict.score_llm_adapters_rows only; use auto or project")
         for name, value, protocol in (("--num-beams", self.num_beams, LLM_ADAPTERS_NUM_BEAMS),
                                       ("--max-new-tokens", self.max_new_tokens, LLM_ADAPTERS_MAX_NEW_TOKENS)):
             if value != protocol:
-                problems.append(f"{name} {value}: LLM-Adapters' protocol (frod_ds.eval.evaluation) uses {protocol}; "
+                problems.append(f"{name} {value}: LLM-Adapters' protocol (frod_ds.eval.predict) uses {protocol}; "
                                 f"leave {name} out")
         bad = [p for p in self.protocols if p not in PROTOCOLS]
         if bad or not self.protocols:

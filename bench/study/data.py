@@ -25,7 +25,7 @@ from bench.study.config import StudyError
 from frod_ds.prep.io import read_rows, row_separator, training_text
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.train.data import IGNORE_INDEX, BatchPlan, DataError, encode_examples, read_training_rows
-from frod_ds.eval.evaluation import EvalError, common_prefix_len
+from frod_ds.eval.predict import EvalError, common_prefix_len
 
 __all__ = ["answer_word_start", "answer_word", "StudyExample", "encode_study_examples", "Batch", "make_batches",
            "split_rows", "load_test_rows"]

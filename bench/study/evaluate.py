@@ -1,8 +1,8 @@
 """The study's evaluations: held-out losses, log-likelihood accuracy, LLM-Adapters' generation protocol.
 
-- loglik: ``frod_ds.eval.evaluation.score_loglik_rows`` (the project's scoring of every choice's tokens after the
+- loglik: ``frod_ds.eval.predict.score_loglik_rows`` (the project's scoring of every choice's tokens after the
   training text's context).
-- llm-adapters: ``frod_ds.eval.evaluation.score_llm_adapters_rows``, the library's implementation of LLM-Adapters'
+- llm-adapters: ``frod_ds.eval.predict.score_llm_adapters_rows``, the library's implementation of LLM-Adapters'
   ``commonsense_evaluate.py`` (its scoring prompt as the rows store it, beam search with 4 beams and 32 new
   tokens, the text after ``### Response:``, the first regex match of the task's answer words, correct iff it is
   the gold word; no match is wrong). The study keeps no scorer of its own: its numbers are the library's.
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-import frod_ds.eval.evaluation as fe
+import frod_ds.eval.predict as fe
 from bench.study.data import Batch
 from bench.study.loop import autocast, token_nll
-from frod_ds.eval.scoring import summarize
+from frod_ds.eval.accuracy import summarize
 
 __all__ = ["heldout_losses", "loglik_eval", "llm_adapters_eval", "exact_answer", "exact_eval", "GENERATION_SCORER"]
 
@@ -47,7 +47,7 @@ def heldout_losses(model: nn.Module, batches: Sequence[Batch], device: torch.dev
 
 def loglik_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_id: int, batch_size: int,
                 device: torch.device) -> tuple[dict, list[dict]]:
-    """(``frod_ds.eval.scoring.summarize`` of the records, per-row records) under the log-likelihood protocol."""
+    """(``frod_ds.eval.accuracy.summarize`` of the records, per-row records) under the log-likelihood protocol."""
     model.eval()
     records = []
     with autocast(device):

@@ -19,7 +19,7 @@ Reads ``<data>/eval/<task>.jsonl`` (data_prep's output). Writes to ``--output``:
 ``results.md`` (the table, all modes side by side, also printed) and ``predictions.jsonl`` (one record
 per mode and row, in mode, task and file order). The files are written to a temporary directory and
 renamed into place, so a failed run leaves no partial results. User mistakes print one ``error: ...``
-line and exit with status 2. The run itself is ``frod_ds.eval.eval_run``.
+line and exit with status 2. The run itself is ``frod_ds.eval.run``.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from frod_ds.runtime import entry
-    from frod_ds.eval.eval_run import EvalConfig, run
+    from frod_ds.eval.run import EvalConfig, run
 
     return entry.run(lambda: run(EvalConfig.from_namespace(args)))
 

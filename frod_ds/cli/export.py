@@ -85,13 +85,13 @@ def export(args: argparse.Namespace) -> int:
     if args.from_peft or args.format == "peft":
         quiet_libraries()
     if args.from_peft:
-        from frod_ds.interop.peft_interop import import_peft
+        from frod_ds.interop.peft_export import import_peft
 
         rep = import_peft(args.from_peft, args.out, base_model=args.base_model, overwrite=args.overwrite)
         print(f"imported {args.from_peft} -> {args.out}/factor-store + {args.out}/adapter (max weight difference "
               f"{rep['max_weight_error']:.1e} relative to stock PEFT's)", flush=True)
     elif args.format == "peft":
-        from frod_ds.interop.peft_interop import export_peft
+        from frod_ds.interop.peft_export import export_peft
 
         rep = export_peft(args.checkpoint, args.out, base_model=args.base_model, factor_store=args.factor_store,
                           tol=1e-3 if args.peft_tol is None else args.peft_tol, device=args.device,
@@ -102,7 +102,7 @@ def export(args: argparse.Namespace) -> int:
         print(f"exported {args.checkpoint} -> {args.out} (loads with peft.PeftModel.from_pretrained(base, "
               f"{str(args.out)!r}))", flush=True)
     else:
-        from frod_ds.interop.export import export_transformers
+        from frod_ds.interop.hf_export import export_transformers
 
         out = export_transformers(args.checkpoint, args.out, base_model=args.base_model,
                                   factor_store=args.factor_store, dtype=args.dtype or "auto",

@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 
-from frod_ds.hjd.plan import DEFAULT_TARGETS, readahead_budget, start_readahead  # no torch yet
+from frod_ds.hjd.sharding import DEFAULT_TARGETS, readahead_budget, start_readahead  # no torch yet
 from frod_ds.runtime.launch_env import ranks_on_this_node
 
 

@@ -47,18 +47,18 @@ def print_plan(plan, title: str, model=None) -> None:
     for part, b in plan.parts.items():
         print(f"  {part:<24}{_gib(b)} GiB")
     print(f"  {'total allocated':<24}{_gib(plan.allocated)} GiB")
-    from frod_ds.plan.planner import CUDA_CONTEXT_GIB, FRAGMENTATION
+    from frod_ds.plan.memory import CUDA_CONTEXT_GIB, FRAGMENTATION
 
     verdict = "fits" if plan.fits else "does NOT fit"
     print(f"  needed (+{FRAGMENTATION:.0%} allocator, +{CUDA_CONTEXT_GIB:.1f} GiB CUDA/NCCL): "
           f"{plan.needed / GiB:.1f} of {plan.gpu_bytes / GiB:.1f} GiB per GPU: {verdict}")
     if model is not None:
-        from frod_ds.plan.timing import NVLINK, step_time
+        from frod_ds.plan.step_time import NVLINK, step_time
 
         t = step_time(model, plan.train, plan.engine, plan.gpus, NVLINK)
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t.parts.items() if v >= 5e-4)
         print(f"  predicted step on H100/H200-class GPUs with NVLink: {t.seconds * 1e3:.0f} ms ({parts}; the model: "
-              "frod_ds/plan/timing.py, checked in bench/results/time_model_check.md)")
+              "frod_ds/plan/step_time.py, checked in bench/results/time_model_check.md)")
     if plan.host_bytes:
         print(f"  offloaded to host memory (all ranks of a node together): {plan.host_bytes / GiB:.1f} GiB"
               + (" (NVMe: parameters on disk, host keeps buffers)" if "nvme" in plan.engine.name else ""))
@@ -69,7 +69,7 @@ def print_plan(plan, title: str, model=None) -> None:
 
 def plan_command(args: argparse.Namespace) -> int:
     from frod_ds.config.ds_config import check_ds_keys, load_ds_config
-    from frod_ds.plan.planner import (ELEMENT_BYTES, PlanError, engine_from_ds_config, load_model_shape, plan_memory, recommend,
+    from frod_ds.plan.memory import (ELEMENT_BYTES, PlanError, engine_from_ds_config, load_model_shape, plan_memory, recommend,
                                  train_shape_from_recipe, trainable_numel)
     from frod_ds.config.recipe import load_recipe
     from frod_ds.core.names import LLAMA_LINEARS

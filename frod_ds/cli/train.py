@@ -8,7 +8,7 @@
 
 Re-running the same command resumes from the last complete checkpoint in ``output_dir``. SIGTERM writes a
 checkpoint and exits with 143. Exit 2 on invalid input (one ``error:`` line), before any training. On GPUs rank 0
-prints one ``hint:`` line when the memory planner (``frod_ds.plan.planner.train_hint``, the decision of
+prints one ``hint:`` line when the memory planner (``frod_ds.plan.memory.train_hint``, the decision of
 ``python -m frod_ds plan``) predicts the chosen set-up out of memory, or a faster ZeRO set-up that fits.
 """
 
@@ -38,7 +38,7 @@ def train(args: argparse.Namespace) -> int:
     dist.init_deepspeed()
     import torch
 
-    from frod_ds.plan.planner import train_hint
+    from frod_ds.plan.memory import train_hint
     from frod_ds.train.trainer import fit, removed_if_failed, setup
 
     gpu_bytes = torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None

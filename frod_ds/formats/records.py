@@ -1,6 +1,6 @@
 """Typed on-disk records: dataclasses to and from JSON objects, checked field by field.
 
-The factor-store manifest (``frod_ds.formats.store_format``) and the adapter config (``frod_ds.formats.adapter_format``)
+The factor-store manifest (``frod_ds.formats.factor_store``) and the adapter config (``frod_ds.formats.adapter_dir``)
 are dataclasses; this module turns them into JSON objects and back. Reading checks that every required
 field is there, that no unknown field is, and that each value has its field's type (``int`` is accepted
 for ``float``; nested dataclasses, ``list[...]``, ``dict[str, ...]`` and ``X | None`` are followed), and

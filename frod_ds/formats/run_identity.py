@@ -8,7 +8,7 @@ hyperparameters. So a run started from a full checkpoint resumes from the same c
 weights deleted. It leaves out the
 layout of the run (world size, micro-batch split: only the global batch counts), paths (the content is
 recorded instead) and bookkeeping (logging, saving, keeping checkpoints). The factor store's identity is
-recorded apart (``factor_store.json``, ``frod_ds.formats.store_format.StoreIdentity``). Torch-free.
+recorded apart (``factor_store.json``, ``frod_ds.formats.factor_store.StoreIdentity``). Torch-free.
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ from tqdm import tqdm
 from frod_ds.runtime import distributed as D
 from frod_ds.formats.checksum import format_crc32
 from frod_ds.io.hf_checkpoint import HFCheckpoint
-from frod_ds.hjd.io import FactorWriter, MemberReader
+from frod_ds.hjd.streaming import FactorWriter, MemberReader
 from frod_ds.hjd.math import reconstruction_error_t
-from frod_ds.hjd.plan import my_members
+from frod_ds.hjd.sharding import my_members
 from frod_ds.core.quant import QuantSpec
-from frod_ds.formats.store_format import sigma_key, u_key, v_file, v_key
+from frod_ds.formats.factor_store import sigma_key, u_key, v_file, v_key
 
 __all__ = ["CategorySpec", "CategoryResult", "Phases", "MemberSource", "FactorSink", "open_category"]
 

@@ -2,7 +2,7 @@
 
 ``run_stage`` plans this run's categories (``categories``, default all ``targets``) from the checkpoint's tensor
 names, fingerprints their weights and the checkpoint's other tensors, creates, resumes or extends the store
-directory (``store_dir``), then factors each of them not yet complete, one at a time so memory is one
+directory (``store_writer``), then factors each of them not yet complete, one at a time so memory is one
 category's share: ``read_pass`` (every read), then ``factor_category`` (a route,
 ``routes``). The work overlaps: while a category is computed the next one's weights are read
 (``MemberReader``), and a category's files finish writing (``FactorWriter``) while the next one is computed;
@@ -25,14 +25,14 @@ from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_name
 from frod_ds.runtime.errors import HJDError
 from frod_ds.io.fingerprint import base_fingerprint, tensor_digests
 from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
-from frod_ds.hjd import store_dir
+from frod_ds.hjd import store_writer
 from frod_ds.hjd.category import CategoryResult, Phases, open_category
-from frod_ds.hjd.io import FactorWriter, MemberReader
+from frod_ds.hjd.streaming import FactorWriter, MemberReader
 from frod_ds.hjd.math import no_tf32
-from frod_ds.hjd.plan import DEFAULT_TARGETS, my_members, plan_categories
+from frod_ds.hjd.sharding import DEFAULT_TARGETS, my_members, plan_categories
 from frod_ds.hjd.routes import RouteOptions, factor_category, read_pass
 from frod_ds.core.quant import QUANT_KINDS
-from frod_ds.formats.store_format import MANIFEST, Manifest, RunRecord
+from frod_ds.formats.factor_store import MANIFEST, Manifest, RunRecord
 from frod_ds.runtime.validate import pi_problem, targets_problem
 
 __all__ = ["StageConfig", "run_stage"]
@@ -122,10 +122,10 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
     def fresh() -> Manifest:
         by_name = tensor_digests(ckpt, [m + ".weight" for members in categories.values() for m in members])
         digests = {c: {m: by_name[m + ".weight"] for m in members} for c, members in categories.items()}
-        return store_dir.new_manifest(cfg.model, list(cfg.targets), cfg.pi, cfg.dtype, cfg.u_dtype, digests,
+        return store_writer.new_manifest(cfg.model, list(cfg.targets), cfg.pi, cfg.dtype, cfg.u_dtype, digests,
                                       categories, ckpt, cfg.quant, base_fingerprint(ckpt, cfg.targets))
 
-    manifest = D.on_main(lambda: store_dir.prepare_store(cfg.out, fresh(), cfg.overwrite,
+    manifest = D.on_main(lambda: store_writer.prepare_store(cfg.out, fresh(), cfg.overwrite,
                                                                 {"--model": model_dir}, ckpt))
     D.check_shared_dir(cfg.out, "--out")  # every rank writes its members' factors there
     return device, ckpt, categories, manifest
@@ -136,7 +136,7 @@ class _Recorder:
 
     def __init__(self, cfg: StageConfig, manifest: Manifest):
         self.cfg, self.manifest = cfg, manifest
-        self.writer = store_dir.ManifestWriter(cfg.out) if D.is_main() else None
+        self.writer = store_writer.ManifestWriter(cfg.out) if D.is_main() else None
         self.pending: tuple[str, CategoryResult, float] | None = None
 
     def record_pending(self) -> None:
@@ -155,7 +155,7 @@ class _Recorder:
                      f"writing the factor store in {self.cfg.out} failed ({e}); check free space and permissions")
         D.agree_on_error(error)
         outs = D.all_gather_object(out)
-        D.on_main(lambda: store_dir.record_category(self.cfg.out, self.manifest, category, outs, seconds, self.writer))
+        D.on_main(lambda: store_writer.record_category(self.cfg.out, self.manifest, category, outs, seconds, self.writer))
 
     def close(self) -> None:
         if self.writer is not None:
@@ -170,7 +170,7 @@ def _factor_all(cfg: StageConfig, ckpt: HFCheckpoint, categories: dict[str, list
         reader.schedule(my_members(categories[todo[0]], rank, world))
     for j, category in enumerate(todo):
         t0 = time.perf_counter()
-        D.on_main(lambda: store_dir.remove_store_files(cfg.out, category))  # leftovers of a killed run
+        D.on_main(lambda: store_writer.remove_store_files(cfg.out, category))  # leftovers of a killed run
         source, sink = open_category(ckpt, category, categories[category], reader, writer, device, cfg.dtype,
                                      cfg.u_dtype, cfg.device_cache_gb * GiB, cfg.quant)
         try:
@@ -214,7 +214,7 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest 
         reader.close()
         writer.close()
         recorder.close()
-    ranks = D.all_gather_object(store_dir.rank_summary(time.perf_counter() - t_start, device, ckpt))
+    ranks = D.all_gather_object(store_writer.rank_summary(time.perf_counter() - t_start, device, ckpt))
 
     def finish() -> Manifest:
         manifest.run = RunRecord(seconds=round(time.perf_counter() - t_start, 3), startup_s=startup, prologue_s=prologue,

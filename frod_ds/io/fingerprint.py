@@ -81,7 +81,7 @@ def combine_digests(digests: Mapping[str, str]) -> str:
 
 def base_names(keys: Iterable[str], targets: Iterable[str]) -> list[str]:
     """Every tensor but the targeted weights (``<path>.<target>.weight``, the rule of
-    ``frod_ds.hjd.plan.targeted_members``): what a FRoD model reads from the checkpoint, in name order."""
+    ``frod_ds.hjd.sharding.targeted_members``): what a FRoD model reads from the checkpoint, in name order."""
     wanted = set(targets)
     return sorted(k for k in keys if not (k.endswith(".weight") and k[: -len(".weight")].rsplit(".", 1)[-1] in wanted))
 

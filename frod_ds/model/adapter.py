@@ -1,6 +1,6 @@
 """Adapter checkpoints: σ_i, S values and S supports — the only trained state — plus how to rebuild the model.
 
-The format (file names, ``AdapterConfig``) is ``frod_ds.formats.adapter_format``. Directories are written under a
+The format (file names, ``AdapterConfig``) is ``frod_ds.formats.adapter_dir``. Directories are written under a
 temporary name and renamed, so an adapter that exists is complete. Under ZeRO-3, ``adapter_state`` gathers
 σ and S from their partitions on every rank. An adapter records the identity of the factor store it was
 trained on; ``adapter_sources`` refuses another store.
@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from frod_ds.formats.adapter_format import (
+from frod_ds.formats.adapter_dir import (
     ADAPTER_VERSION,
     CONFIG,
     WEIGHTS,
@@ -32,9 +32,9 @@ from frod_ds.model.build import build_frod_model, gathered
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.runtime.errors import AdapterError, FrodError, note
 from frod_ds.core.layer import FRoDFrozen, FRoDTrainables, SparseSupport
-from frod_ds.model.store import FactorStore
+from frod_ds.model.store_reader import FactorStore
 from frod_ds.formats.checksum import file_crc32, format_crc32, parse_crc32
-from frod_ds.formats.store_format import StoreIdentity, category_of
+from frod_ds.formats.factor_store import StoreIdentity, category_of
 
 __all__ = [
     "adapter_state",
@@ -199,7 +199,7 @@ def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, f
     """``(tensors, config, model_dir, store)`` of an adapter: its σ/S tensors and config, the base checkpoint
     directory and the factor store (from the adapter's config unless given), checked to belong together."""
     from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
-    from frod_ds.model.store import check_store_matches
+    from frod_ds.model.store_reader import check_store_matches
 
     tensors, config = read_adapter(checkpoint_dir)
     base = base_model or config.base_model

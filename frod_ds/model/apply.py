@@ -13,9 +13,9 @@ from torch import nn
 
 from frod_ds.runtime.errors import FrodError
 from frod_ds.hjd.math import decompose
-from frod_ds.hjd.plan import DEFAULT_TARGETS
+from frod_ds.hjd.sharding import DEFAULT_TARGETS
 from frod_ds.core.layer import TRAINABLE_PREFIX, FRoDLinear, SparseSupport, support_seed
-from frod_ds.formats.store_format import category_of
+from frod_ds.formats.factor_store import category_of
 from frod_ds.runtime.validate import pi_problem, sparsity_problem, targets_problem, widths_problem
 
 __all__ = [

@@ -4,7 +4,7 @@ The training text is ``prompt + separator + answer + EOS``, the separator being 
 field when present (``""`` for LLM-Adapters' template, whose prompt ends where its ``output`` begins) and
 ``"\\nAnswer: "`` otherwise (``frod_ds.prep.io.row_separator``). With ``train_on_inputs=False`` the loss
 covers the answer tokens and EOS only. The context/answer token boundary is the one the evaluator uses
-(``frod_ds.eval.evaluation.encode_rows``), so training and scoring see the same tokens.
+(``frod_ds.eval.predict.encode_rows``), so training and scoring see the same tokens.
 
 Order: one permutation of the dataset per epoch from ``(seed, epoch)``; each optimizer step takes
 ``world × accum × micro`` consecutive examples of it, rank ``r`` and micro-step ``a`` taking the slice
@@ -25,7 +25,7 @@ from frod_ds.config.ds_config import BatchSizes
 from frod_ds.prep.io import MAX_ROW_CHARS, read_rows, row_separator
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError
-from frod_ds.eval.evaluation import encode_rows
+from frod_ds.eval.predict import encode_rows
 
 __all__ = ["DataError", "training_file", "read_training_rows", "check_vocab", "Example", "encode_examples", "collate", "BatchPlan"]
 

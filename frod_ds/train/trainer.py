@@ -11,10 +11,10 @@ Output dir::
     checkpoints/<tag>/ (DeepSpeed engine state, rng_rank<r>.pt, trainable_state.safetensors, COMPLETE seal)
     checkpoints/latest_complete
 
-Resume: the newest checkpoint whose files match their seal (``frod_ds.train.checkpoint_dir``); newer ones that do not
+Resume: the newest checkpoint whose files match their seal (``frod_ds.train.checkpoints``); newer ones that do not
 are skipped with a ``note:`` and set aside. On the world size and ZeRO stage that wrote it, DeepSpeed loads its
 own files (bitwise exact); on another, the world-size-independent record restores σ/S, AdamW and the schedule
-(``frod_ds.train.engine_checkpoint``, ``frod_ds.train.trainable_state``; the data order depends on the global batch only).
+(``frod_ds.train.engine_state``, ``frod_ds.train.trainable_state``; the data order depends on the global batch only).
 An ``output_dir`` holding files that frod-ds training did not write is refused before anything is written there
 (``check_run_dir``).
 """
@@ -42,24 +42,24 @@ from tqdm import tqdm
 
 from frod_ds.runtime import distributed as dist
 from frod_ds.model.adapter import adapter_state, load_adapter_into, read_adapter, supports_from_adapter, write_adapter
-from frod_ds.formats.adapter_format import AdapterConfig
+from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.model.apply import frod_groups, frod_modules, frod_param_groups
 from frod_ds.model.build import build_frod_model, check_store_quant, fetch_per_layer, gathered, make_supports
 from frod_ds.runtime.atomic import check_replaceable, is_marked, mark_dir, marker_kind
-from frod_ds.train.checkpoint_dir import choose_checkpoint, sealed_checkpoints, step_of, unsealed_checkpoints
+from frod_ds.train.checkpoints import choose_checkpoint, sealed_checkpoints, step_of, unsealed_checkpoints
 from frod_ds.train.data import (BatchPlan, Example, check_vocab, collate, encode_examples, read_training_rows,
                                 training_file)
 from frod_ds.config.ds_config import (NvmeParams, batch_sizes, check_aio_build_env, check_nvme_buffer,
                                       check_nvme_buffer_count, load_ds_config, nvme_offloads, offload_device,
                                       resolve_ds_config, zero_stage)
 from frod_ds.io.dtypes import FLOAT_DTYPES
-from frod_ds.train.engine_checkpoint import Layout, restore_checkpoint, write_checkpoint
+from frod_ds.train.engine_state import Layout, restore_checkpoint, write_checkpoint
 from frod_ds.runtime.errors import FrodError, StoreError, note
 from frod_ds.core.layer import support_nnz, tan_alpha
 from frod_ds.config.recipe import Recipe, recipe_to_dict
 from frod_ds.formats.run_identity import (BASE_SCOPE, RUN_IDENTITY, RunIdentity, RunIdentityError, file_sha256,
                                   training_hyperparameters)
-from frod_ds.formats.store_format import StoreIdentity, category_of
+from frod_ds.formats.factor_store import StoreIdentity, category_of
 
 __all__ = ["Run", "setup", "fit", "lr_lambda", "enable_gradient_checkpointing", "check_run_dir"]
 
@@ -113,7 +113,7 @@ def _check_store(recipe: Recipe, resume_tag: str | None = None):
     ``(model_dir, store, identity, run_identity)``; the identities are what the adapters and checkpoints
     record, and the checkpoint ``resume_tag`` in ``output_dir`` must have the same ones."""
     from frod_ds.io.hf_checkpoint import HFCheckpoint, check_config_file, resolve_model_dir
-    from frod_ds.model.store import FactorStore, check_store_matches
+    from frod_ds.model.store_reader import FactorStore, check_store_matches
 
     model_dir = resolve_model_dir(recipe.model.base)
     store = FactorStore.open(recipe.model.factor_store)
@@ -529,7 +529,7 @@ def _maybe_resume(run: Run) -> int:
 
 
 def save_checkpoint(run: Run, step: int) -> None:
-    """The engine checkpoint of ``step`` with the run's identity records, sealed (``frod_ds.train.engine_checkpoint``)."""
+    """The engine checkpoint of ``step`` with the run's identity records, sealed (``frod_ds.train.engine_state``)."""
     t = run.recipe.train
     write_checkpoint(run.engine, _ckpt_root(run), step, Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum),
                      t.keep_checkpoints, {STORE_IDENTITY: run.store_identity.to_json(),

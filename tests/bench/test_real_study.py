@@ -151,14 +151,14 @@ def test_step_one_losses_equal_a_plain_transformers_forward(setup):
 
 
 def test_llm_adapters_results_are_the_library_scorers(setup):
-    """The study's llm-adapters numbers are frod_ds.eval.evaluation.score_llm_adapters_rows's: the base model's
+    """The study's llm-adapters numbers are frod_ds.eval.predict.score_llm_adapters_rows's: the base model's
     recorded results (the curve slice) equal that scorer run here on the same rows, one row at a time."""
-    from frod_ds.eval.evaluation import score_llm_adapters_rows
+    from frod_ds.eval.predict import score_llm_adapters_rows
     from frod_ds.prep.io import read_rows
     from transformers import AutoModelForCausalLM
 
     doc, _, tok, model_dir, out, _ = setup
-    assert doc["data"]["generation_scorer"] == "frod_ds.eval.evaluation.score_llm_adapters_rows"
+    assert doc["data"]["generation_scorer"] == "frod_ds.eval.predict.score_llm_adapters_rows"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     got = doc["base"]["test"]["llm-adapters"]
     for task in ("boolq", "arc_easy"):
@@ -171,7 +171,7 @@ def test_llm_adapters_results_are_the_library_scorers(setup):
 
 def test_study_generation_goes_through_the_library_scorer(setup, monkeypatch):
     """bench.study's llm-adapters evaluation calls the library's scorer for every row, and returns its records."""
-    import frod_ds.eval.evaluation as fe
+    import frod_ds.eval.predict as fe
     from bench.study.evaluate import llm_adapters_eval
     from frod_ds.prep.io import read_rows
     from transformers import AutoModelForCausalLM

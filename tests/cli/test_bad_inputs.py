@@ -183,7 +183,7 @@ MIRROR_FIXTURE = REPO / "tests" / "fixtures" / "data_prep" / "mirror"
 
 
 def _build(capsys, source: str, out: Path, tasks: str) -> str:
-    from data_prep.cli import main as data_prep_main
+    from frod_ds.prep.cli import main as data_prep_main
 
     return one_error(capsys, data_prep_main(["build", "--source", source, "--out", str(out), "--tasks", tasks]))
 
@@ -247,8 +247,8 @@ def test_output_dir_that_cannot_be_written(env, tmp_path, capsys):
 def test_full_disk_while_publishing_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     import errno
 
-    from frod_ds.atomic import building_dir
-    from frod_ds.errors import FrodError
+    from frod_ds.runtime.atomic import building_dir
+    from frod_ds.runtime.errors import FrodError
 
     out = tmp_path / "pub"
     with pytest.raises(FrodError, match="No space left") as e:
@@ -586,9 +586,9 @@ def test_demo_refuses_a_parent_of_the_working_directory(tmp_path, capsys, monkey
 
 
 def test_adapter_publish_refuses_to_replace_an_unmarked_directory(tmp_path):
-    from frod_ds.adapter import write_adapter
-    from frod_ds.adapter_format import AdapterConfig
-    from frod_ds.errors import FrodError
+    from frod_ds.model.adapter import write_adapter
+    from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.runtime.errors import FrodError
 
     out = tmp_path / "adapter-final"
     out.mkdir()
@@ -602,9 +602,9 @@ def test_adapter_publish_refuses_to_replace_an_unmarked_directory(tmp_path):
 
 
 def test_adapter_write_refuses_non_finite_tensors(tmp_path):
-    from frod_ds.adapter import write_adapter
-    from frod_ds.adapter_format import AdapterConfig
-    from frod_ds.errors import FrodError
+    from frod_ds.model.adapter import write_adapter
+    from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.runtime.errors import FrodError
 
     config = AdapterConfig(base_model="b", factor_store="s", targets=["q_proj"], sparsity=0.1, seed=0, dtype="float32")
     with pytest.raises(FrodError, match="non-finite"):

@@ -136,7 +136,7 @@ def test_torchrun_module_form_runs_hjd_on_two_ranks_like_the_script(tmp_path):
     two = run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "frod_ds.cli", "hjd",
                "--model", str(tmp_path / "model"), "--out", str(tmp_path / "two"), "--device", "cpu"], timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
-    from frod_ds.model.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
 
     a, b = FactorStore.open(tmp_path / "one"), FactorStore.open(tmp_path / "two")
     assert a.categories == b.categories and a.categories
@@ -149,15 +149,15 @@ def test_torchrun_module_form_runs_hjd_on_two_ranks_like_the_script(tmp_path):
 
 def test_every_import_in_the_library_names_a_module():
     """Commands import most of their code inside functions, so a wrong path fails only when that branch runs
-    (``frod export --format peft`` and ``--from-peft`` once imported ``frod_ds.interop.export.peft_interop``).
+    (``frod export --format peft`` and ``--from-peft`` once imported ``frod_ds.interop.hf_export.peft_interop``).
     Read from the source: every ``frod_ds`` import anywhere in the package names one of its module files."""
-    from frod_ds._compat import OLD_PATHS
+    from frod_ds._moved import MOVED
     from tests.repo.test_layering import imports, modules
 
     mods = modules()
     unknown = sorted(f"{name} imports {target}" for name, path in mods.items()
                      for target in imports(path, name, set(mods))
-                     if target.split(".")[0] == "frod_ds" and target not in mods and target not in OLD_PATHS)
+                     if target.split(".")[0] == "frod_ds" and target not in mods and target not in MOVED)
     assert unknown == []
 
 

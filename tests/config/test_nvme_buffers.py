@@ -1,4 +1,4 @@
-"""The NVMe swap-buffer preflight (``frod_ds.ds_config.check_nvme_buffer_count``) against counts worked out by hand
+"""The NVMe swap-buffer preflight (``frod_ds.config.ds_config.check_nvme_buffer_count``) against counts worked out by hand
 for LLaMA-2-7B and 70B with FRoD on q/k/v/o/gate/up, one rank, bf16: a decoder layer swaps 7 parameters (six U and
 down_proj; the norms are under 1 MiB), the six shared V are 6 more, the embeddings/head 1 more: 14."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from frod_ds.ds_config import DSConfigError, NvmeParams, check_nvme_buffer_count, nvme_buffers_needed
+from frod_ds.config.ds_config import DSConfigError, NvmeParams, check_nvme_buffer_count, nvme_buffers_needed
 from tests.support.train_env import REPO
 
 
@@ -85,9 +85,9 @@ def test_nvme_params_match_the_built_frod_model_with_or_without_targeted_weights
     without the targeted weights (as the 70B chain keeps it once HJD has run)."""
     import torch
 
-    from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.store import FactorStore
-    from frod_ds.trainer import nvme_params
+    from frod_ds.model.build import build_frod_model, make_supports
+    from frod_ds.model.store_reader import FactorStore
+    from frod_ds.train.trainer import nvme_params
     from launch.hjd import main
     from tests.support.helpers_ckpt import strip_checkpoint, write_tiny_llama
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from frod_ds.data import IGNORE_INDEX, BatchPlan, DataError, collate, encode_examples, read_training_rows
-from frod_ds.ds_config import DSConfigError, batch_sizes, resolve_ds_config
-from frod_ds.recipe import Recipe, RecipeError, load_recipe
-from frod_ds.trainer import lr_lambda
+from frod_ds.train.data import IGNORE_INDEX, BatchPlan, DataError, collate, encode_examples, read_training_rows
+from frod_ds.config.ds_config import DSConfigError, batch_sizes, resolve_ds_config
+from frod_ds.config.recipe import Recipe, RecipeError, load_recipe
+from frod_ds.train.trainer import lr_lambda
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = ["model.base=m", "model.factor_store=f", "data.train=t.jsonl"]
@@ -102,7 +102,7 @@ def test_every_shipped_ds_config_resolves(name):
 def test_nvme_buffers_must_hold_the_largest_partition():
     """DeepSpeed asserts mid-build when a parameter partition exceeds offload_param.buffer_size; the shipped
     NVMe config holds LLaMA-2-70B's embeddings (32000 x 8192) on one GPU, and a smaller buffer is one line."""
-    from frod_ds.ds_config import DSConfigError, check_nvme_buffer
+    from frod_ds.config.ds_config import DSConfigError, check_nvme_buffer
 
     cfg = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
     check_nvme_buffer(cfg, 32000 * 8192, world_size=1)
@@ -117,7 +117,7 @@ def test_nvme_buffers_must_hold_the_largest_partition():
 def test_nvme_offload_refuses_an_arch_list_deepspeed_cannot_parse():
     """DeepSpeed 0.19's op builder reads TORCH_CUDA_ARCH_LIST entries as int.int[+PTX]; Hopper images set 9.0a,
     which stops the async_io build that NVMe offload needs (seen on an H100): one line before the run instead."""
-    from frod_ds.ds_config import DSConfigError, check_aio_build_env
+    from frod_ds.config.ds_config import DSConfigError, check_aio_build_env
 
     nvme = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
     offload = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())
@@ -220,7 +220,7 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
 
 @pytest.mark.parametrize("stage", ["three", 4, None, True])
 def test_zero_stage_must_be_0_to_3(stage):
-    from frod_ds.ds_config import DSConfigError, resolve_ds_config, zero_stage
+    from frod_ds.config.ds_config import DSConfigError, resolve_ds_config, zero_stage
 
     cfg = {"zero_optimization": {"stage": stage}}
     with pytest.raises(DSConfigError, match=r"zero_optimization.stage must be 0, 1, 2 or 3, got"):

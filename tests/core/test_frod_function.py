@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from frod_ds import FRoDLinear, SparseSupport, apply_frod, decompose
-from frod_ds.apply import frod_modules
-from frod_ds.frod_function import sampled_product
+from frod_ds.model.apply import frod_modules
+from frod_ds.core.frod_function import sampled_product
 
 # Every (ordering, saved tensor, ∂S path) the Functions take; "weight" has no save option.
 PATHS = [("tokens", save, dgrad) for save, dgrad in itertools.product(("z", "x"), ("dense", "sampled"))] + [
@@ -144,7 +144,7 @@ def test_function_under_reentrant_checkpointing_gives_the_same_gradients(mode, s
 
 @pytest.mark.parametrize("mode, save, dgrad", [PATHS[0], PATHS[3], PATHS[4]])
 def test_function_under_nonreentrant_checkpointing_gives_the_same_gradients(mode, save, dgrad):
-    """The trainer's checkpointing (``frod_ds.trainer.enable_gradient_checkpointing``)."""
+    """The trainer's checkpointing (``frod_ds.train.trainer.enable_gradient_checkpointing``)."""
     plain, ckpt = _checkpointed_grads(_layer(), mode, save, dgrad, use_reentrant=False)
     for a, b in zip(plain, ckpt):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from frod_ds import FRoDLinear, SparseSupport, apply_frod, decompose, frod_param_groups
-from frod_ds.apply import DEFAULT_TARGETS
-from frod_ds.layer import support_seed
+from frod_ds.model.apply import DEFAULT_TARGETS
+from frod_ds.core.layer import support_seed
 
 
 def _layer(m=12, n=10, density=0.2, seed=0, dtype=torch.float64, bias=True):
@@ -83,7 +83,7 @@ def test_frod_auto_mode_picks_cheaper_ordering_and_both_agree():
 
 
 def test_ordering_picks_the_fewer_multiply_adds():
-    from frod_ds.layer import ordering
+    from frod_ds.core.layer import ordering
 
     def flops(mode, T, m, n, grad, recompute):  # counted GEMM by GEMM, independently of ordering()'s formula
         if mode == "tokens":

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frod_ds.layer import FRoDLinear, SparseSupport
-from frod_ds.quant import (QuantLinear, QuantSpec, frozen_dense, frozen_linear, quantized_parameter, roundtrip,
+from frod_ds.core.layer import FRoDLinear, SparseSupport
+from frod_ds.core.quant import (QuantLinear, QuantSpec, frozen_dense, frozen_linear, quantized_parameter, roundtrip,
                            spec_of)
 
 # bitsandbytes' NF4 code book (QLoRA, appendix E), written out so the decoding below does not use bitsandbytes.
@@ -212,9 +212,9 @@ def stores(tmp_path_factory):
 def test_quantized_store_equals_load_time_quantization(stores):
     """``launch/hjd.py --quant nf4`` stores exactly the blobs that quantizing the bf16 store at load time makes,
     so both give the same model; the quantized store's load_U is the dequantized U; its manifest says nf4."""
-    from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.store import FactorStore
-    from frod_ds.store_format import QuantRecord
+    from frod_ds.model.build import build_frod_model, make_supports
+    from frod_ds.model.store_reader import FactorStore
+    from frod_ds.formats.factor_store import QuantRecord
 
     model_dir, paths = stores
     dense, nf4 = FactorStore.open(paths["none"]), FactorStore.open(paths["nf4"])
@@ -240,9 +240,9 @@ def test_quantized_store_equals_load_time_quantization(stores):
 
 
 def test_quantized_store_needs_the_same_frozen_quant(stores):
-    from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.errors import StoreError
-    from frod_ds.store import FactorStore
+    from frod_ds.model.build import build_frod_model, make_supports
+    from frod_ds.runtime.errors import StoreError
+    from frod_ds.model.store_reader import FactorStore
 
     model_dir, paths = stores
     nf4 = FactorStore.open(paths["nf4"])
@@ -255,7 +255,7 @@ def test_quantized_store_needs_the_same_frozen_quant(stores):
 
 
 def test_recipe_rejects_unknown_frozen_quant():
-    from frod_ds.recipe import RecipeError, load_recipe
+    from frod_ds.config.recipe import RecipeError, load_recipe
 
     base = ["model.base=m", "model.factor_store=f", "data.train=t.jsonl"]
     with pytest.raises(RecipeError) as e:
@@ -269,9 +269,9 @@ def test_recipe_rejects_unknown_frozen_quant():
 
 def test_bad_quant_settings_are_user_errors():
     """An unknown kind or quantize_base without a kind is a ``FrodError`` (one ``error:`` line at the entry)."""
-    from frod_ds.build import build_frod_model
-    from frod_ds.errors import FrodError
-    from frod_ds.quant import QuantError, check_kind
+    from frod_ds.model.build import build_frod_model
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.core.quant import QuantError, check_kind
 
     assert issubclass(QuantError, FrodError)
     with pytest.raises(QuantError, match="model.frozen_quant must be one of none, int8, nf4, got 'nf5'"):

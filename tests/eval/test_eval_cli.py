@@ -70,7 +70,7 @@ def adapter(assets, tmp_path_factory):
     their initial values) and its merged export as a plain HF model dir."""
     from transformers import LlamaForCausalLM
 
-    from frod_ds.adapter import merged_state_dict
+    from frod_ds.model.adapter import merged_state_dict
 
     root = tmp_path_factory.mktemp("adapter")
     ckpt, store, model = make_adapter(assets["random"], root)

@@ -8,14 +8,14 @@ import re
 import pytest
 import torch
 
-from frod_ds.evaluation import (
+from frod_ds.eval.predict import (
     LLM_ADAPTERS_WORDS,
     EvalError,
     extract_answer_word,
     llm_adapters_response,
     score_llm_adapters_rows,
 )
-from frod_ds.scoring import markdown_table, summarize
+from frod_ds.eval.accuracy import markdown_table, summarize
 from tests.support.eval_fixtures import (
     LLM_ADAPTERS_VOCAB,
     make_llm_adapters_rows,
@@ -65,7 +65,7 @@ def test_extract_answer_word_takes_the_first_match_case_sensitive(task, output, 
 
 
 def test_answer_words_cover_every_task_with_the_reference_patterns():
-    from data_prep.tasks import TASKS
+    from frod_ds.prep.tasks import TASKS
 
     assert set(LLM_ADAPTERS_WORDS) == set(TASKS)
     for task, words in LLM_ADAPTERS_WORDS.items():

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from frod_ds.evaluation import (
+from frod_ds.eval.predict import (
     ANSWER_SEPARATOR,
     EvalError,
     encode_row,
@@ -18,7 +18,7 @@ from frod_ds.evaluation import (
     score_generate_rows,
     score_loglik_rows,
 )
-from frod_ds.scoring import PAPER_RESULTS, markdown_table, summarize
+from frod_ds.eval.accuracy import PAPER_RESULTS, markdown_table, summarize
 from tests.support.eval_fixtures import (
     TASK_CHOICES,
     bigram_llama,
@@ -31,7 +31,7 @@ from tests.support.eval_fixtures import (
 
 
 def test_answer_separator_is_the_training_format():
-    from data_prep.templates import ANSWER_SEPARATOR as data_prep_separator
+    from frod_ds.prep.templates import ANSWER_SEPARATOR as data_prep_separator
 
     assert ANSWER_SEPARATOR == data_prep_separator
 

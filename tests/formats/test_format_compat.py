@@ -17,7 +17,7 @@ FIX = Path(__file__).parents[1] / "fixtures" / "format_v1"
 @pytest.fixture(autouse=True)
 def fresh_notes():
     """Notes are printed once per process; each test here looks for its own."""
-    from frod_ds.errors import _noted
+    from frod_ds.runtime.errors import _noted
 
     _noted.clear()
 
@@ -50,7 +50,7 @@ def _plain_model(weights: dict[str, torch.Tensor]):
 
 
 def test_format1_store_reconstructs_the_model_weights(capsys):
-    from frod_ds.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
 
     store = FactorStore.open(FIX / "store")
     (note,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
@@ -73,8 +73,8 @@ def test_format1_store_verifies():
 
 
 def test_format1_adapter_builds_the_model_it_was_saved_from(capsys):
-    from frod_ds.adapter import adapter_sources, load_adapter_into, supports_from_adapter
-    from frod_ds.build import build_frod_model
+    from frod_ds.model.adapter import adapter_sources, load_adapter_into, supports_from_adapter
+    from frod_ds.model.build import build_frod_model
 
     tensors, config, model_dir, store = adapter_sources(FIX / "adapter", str(FIX / "model"), str(FIX / "store"))
     notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]

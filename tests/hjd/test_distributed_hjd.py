@@ -10,15 +10,15 @@ import textwrap
 
 import pytest
 
-from frod_ds.atomic import MARKER
+from frod_ds.runtime.atomic import MARKER
 import torch
 from tests.support.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
-from frod_ds import distributed as D
+from frod_ds.runtime import distributed as D
 from frod_ds.hjd.math import decompose
-from frod_ds.hjd.plan import split_counts
+from frod_ds.hjd.sharding import split_counts
 from frod_ds.hjd.routes import make_blocks
-from frod_ds.store import FactorStore
+from frod_ds.model.store_reader import FactorStore
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +135,7 @@ def test_distributed_hjd_more_ranks_than_members(tmp_path):
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-import frod_ds.hjd.store_dir as store_dir
+import frod_ds.hjd.store_writer as store_dir
 
 _record = store_dir.record_category
 
@@ -189,7 +189,7 @@ def test_split_counts_and_blocks():
 
 
 def test_launcher_env_maps_srun():
-    from frod_ds.launch_env import ProcessGroupSpec, first_slurm_host, process_group_spec
+    from frod_ds.runtime.launch_env import ProcessGroupSpec, first_slurm_host, process_group_spec
 
     env = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
            "SLURM_STEP_NODELIST": "gpu[007-008,012],cpu1", "SLURM_JOB_ID": "123"}

@@ -11,7 +11,7 @@ import torch
 from tests.support.helpers_ckpt import run_hjd, shard_of, write_tiny_llama
 from safetensors.torch import load_file, save_file
 
-from frod_ds.store import FactorStore
+from frod_ds.model.store_reader import FactorStore
 from launch.hjd import main
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"

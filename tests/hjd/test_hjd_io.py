@@ -12,9 +12,9 @@ from safetensors import safe_open
 from tests.support.helpers_ckpt import REPO, weights, write_tiny_llama
 from tests.support.leftovers import clean_env
 
-from frod_ds.hf_checkpoint import HFCheckpoint
-from frod_ds.hjd.io import FactorWriter, MemberReader, plan_parts
-from frod_ds.hjd.plan import my_members, targeted_members
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.hjd.streaming import FactorWriter, MemberReader, plan_parts
+from frod_ds.hjd.sharding import my_members, targeted_members
 
 Q = [f"model.layers.{i}.self_attn.q_proj" for i in range(3)]
 
@@ -90,7 +90,7 @@ def test_plan_helpers_and_torch_free_import(model):
     members = targeted_members(HFCheckpoint(model).keys(), ["q_proj", "up_proj"])
     assert members["q_proj"] == Q and len(members["up_proj"]) == 3
     assert my_members(Q, 1, 2) == Q[2:] and my_members(Q, 2, 4) == Q[2:] and my_members(Q, 3, 4) == [] and my_members(Q, 0, 1) == Q
-    code = ("import sys; import frod_ds.hjd.plan, frod_ds.hf_checkpoint, launch.hjd; "
+    code = ("import sys; import frod_ds.hjd.sharding, frod_ds.io.hf_checkpoint, launch.hjd; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -104,8 +104,8 @@ def test_readahead_hint_runs_over_the_members(model):
 
 
 def test_readahead_budget_is_shared_by_the_ranks_of_a_node(monkeypatch):
-    import frod_ds.hjd.plan as plan
-    from frod_ds.launch_env import ranks_on_this_node
+    import frod_ds.hjd.sharding as plan
+    from frod_ds.runtime.launch_env import ranks_on_this_node
 
     for key in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 from tests.support.helpers_ckpt import strip_checkpoint, write_tiny_llama
 
-from frod_ds.errors import StoreError
-from frod_ds.hf_checkpoint import HFCheckpoint
-from frod_ds.store import FactorStore, check_store_matches
+from frod_ds.runtime.errors import StoreError
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.model.store_reader import FactorStore, check_store_matches
 from launch.hjd import main
 
 TARGETS = ["q_proj", "k_proj", "up_proj"]
@@ -187,7 +187,7 @@ def test_training_without_targeted_weights_equals_training_from_the_full_checkpo
     redone); exporting the adapter over it gives the full checkpoint's merged model."""
     from tests.support.train_env import CPU_ZERO3, build_env, metrics, run_train
 
-    from frod_ds.export import export_transformers
+    from frod_ds.interop.hf_export import export_transformers
 
     six = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
     env = build_env(tmp_path / "env")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tests.support.helpers_ckpt import make_adapter, weights, write_tiny_llama
 
-from frod_ds.adapter import merged_state_dict
+from frod_ds.model.adapter import merged_state_dict
 from launch.export import main
 
 
@@ -140,8 +140,8 @@ def test_an_adapter_with_one_changed_byte_is_refused_not_used(trained, tmp_path,
     the untouched copy still exports. An adapter of format 2 (no checksum) is still read."""
     import shutil
 
-    from frod_ds.adapter import read_adapter
-    from frod_ds.adapter_format import AdapterConfig
+    from frod_ds.model.adapter import read_adapter
+    from frod_ds.formats.adapter_dir import AdapterConfig
 
     config = AdapterConfig.read(trained["checkpoint"] / "adapter_config.json")
     assert config.version == 3 and config.weights_crc32 and config.weights_crc32.startswith("crc32:")

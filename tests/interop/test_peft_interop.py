@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from frod_ds.errors import FrodError
+from frod_ds.runtime.errors import FrodError
 from launch.export import main
 from tests.support.train_env import CPU_ZERO3, build_env, run_train
 
@@ -52,7 +52,7 @@ def _base_peft_frod_logits(model_dir, peft_dir, frod) -> tuple[torch.Tensor, tor
 def test_core_in_peft_basis_is_exact_and_sparse_for_a_signed_permutation():
     """``M_p`` reproduces ``U_o M_o V_oᵀ`` with PEFT's ``U_p``, ``V_p`` (built as PEFT builds them: ``B = W V⁻ᵀ``,
     unit columns); for a signed permutation ``G`` it keeps S's nnz (permuted), for a rotation it is dense."""
-    from frod_ds.peft_interop import core_in_peft_basis
+    from frod_ds.interop.peft_export import core_in_peft_basis
 
     g = torch.Generator().manual_seed(0)
     m, n = 5, 6
@@ -90,11 +90,11 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(env):
     """A frod-ds adapter after 8 AdamW steps on a fixed batch (σ moved, S ≠ 0), saved like training saves it."""
-    from frod_ds.adapter import save_adapter_from_model
-    from frod_ds.adapter_format import AdapterConfig
-    from frod_ds.apply import frod_modules, frod_param_groups
-    from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.store import FactorStore
+    from frod_ds.model.adapter import save_adapter_from_model
+    from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.model.apply import frod_modules, frod_param_groups
+    from frod_ds.model.build import build_frod_model, make_supports
+    from frod_ds.model.store_reader import FactorStore
 
     store = FactorStore.open(env.store)
     model = build_frod_model(env.model, store, make_supports(store, TARGETS, 0.1, 0), torch.float32)
@@ -144,7 +144,7 @@ def test_peft_export_after_training_loads_with_stock_peft_and_matches(env, train
 def test_peft_export_sparse_rate_gives_each_category_its_nnz(exported):
     """Every category's saved support has the nnz PEFT derives from the one sparse_rate, no duplicates, off the
     diagonal, and one S value per entry (what PeftModel.from_pretrained needs to load without a size mismatch)."""
-    from frod_ds.peft_interop import peft_nnz
+    from frod_ds.interop.peft_export import peft_nnz
 
     report = json.loads((exported / "frod_export.json").read_text())
     sd = load_file(str(exported / "adapter_model.safetensors"))
@@ -186,7 +186,7 @@ def imported(env, stock_peft):
 
 
 def test_peft_import_loads_in_frod_ds_with_stock_peft_logits(env, stock_peft, imported):
-    from frod_ds.adapter import load_frod_model
+    from frod_ds.model.adapter import load_frod_model
 
     report = json.loads((imported / "frod_import.json").read_text())
     assert report["max_weight_error"] < 1e-6 and report["max_reconstruction_error"] < 1e-5, report
@@ -241,9 +241,9 @@ def test_imported_adapter_continues_training(env, imported, tmp_path):
 
 
 def test_init_adapter_of_another_factor_store_is_refused(env, imported):
-    from frod_ds.recipe import load_recipe
-    from frod_ds.store import FactorStore
-    from frod_ds.trainer import _init_adapter
+    from frod_ds.config.recipe import load_recipe
+    from frod_ds.model.store_reader import FactorStore
+    from frod_ds.train.trainer import _init_adapter
 
     recipe = load_recipe(None, env.overrides(env.root / "unused", **{"model.init_adapter": imported / "adapter"}))
     with pytest.raises(FrodError, match="belongs to factor store"):

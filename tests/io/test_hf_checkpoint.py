@@ -8,7 +8,7 @@ import pytest
 import torch
 from tests.support.helpers_ckpt import shard_files, shard_of, write_tiny_llama
 
-from frod_ds.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from frod_ds.build import build_frod_model, make_supports
-from frod_ds.store import FactorStore
+from frod_ds.model.build import build_frod_model, make_supports
+from frod_ds.model.store_reader import FactorStore
 from tests.support.helpers_ckpt import hjd_in_process, write_tiny_llama
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
@@ -81,7 +81,7 @@ def test_targeted_dense_weights_are_never_allocated(tmp_path, monkeypatch, targe
     equals plain transformers. With q and v targeted, o_proj (q_proj's shape) keeps its weight."""
     from transformers import AutoModelForCausalLM
 
-    import frod_ds.build as build
+    import frod_ds.model.build as build
 
     model_dir = write_tiny_llama(tmp_path / "m")
     store = _store_for(model_dir, tmp_path / "f")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from tests.support.helpers_ckpt import shard_of, weights, write_tiny_llama
 
-from frod_ds.fingerprint import sample_ranges, weights_fingerprint
-from frod_ds.hf_checkpoint import HFCheckpoint
-from frod_ds.store import FactorStore, check_store_matches
-from frod_ds.store_format import FORMAT_VERSION
+from frod_ds.io.fingerprint import sample_ranges, weights_fingerprint
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.model.store_reader import FactorStore, check_store_matches
+from frod_ds.formats.factor_store import FORMAT_VERSION
 from launch.hjd import main
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
@@ -141,7 +141,7 @@ def test_a_changed_byte_in_any_factor_file_is_refused_at_load(tmp_path, bf16_sto
     """Any single changed byte of a U, σ or V file (header or data) stops the first read of that file."""
     import shutil
 
-    from frod_ds.errors import StoreError
+    from frod_ds.runtime.errors import StoreError
 
     _, path = bf16_store
     files = sorted(p.name for p in path.iterdir() if p.name.endswith(".safetensors"))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from frod_ds.planner import (Engine, TrainShape, candidates, hint, model_shape_from_config, plan_memory, recommend,
+from frod_ds.plan.memory import (Engine, TrainShape, candidates, hint, model_shape_from_config, plan_memory, recommend,
                              shipped_engines)
 from tests.support.train_env import REPO, env_vars
 
@@ -80,9 +80,9 @@ def test_zero3_nf4_plan_with_m_kept_equals_hand_computation():
 
 
 def test_weight_order_keeps_x_per_shared_input_and_w_per_member():
-    """At 1024 tokens every member of TINY takes the weight order (``frod_ds.layer.ordering``): x is kept once per
+    """At 1024 tokens every member of TINY takes the weight order (``frod_ds.core.layer.ordering``): x is kept once per
     input (attention, o_proj, MLP: 3 × n), W = U M Vᵀ once per member per call (Σ m·n)."""
-    from frod_ds.planner import layer_activation_bytes
+    from frod_ds.plan.memory import layer_activation_bytes
 
     model = model_shape_from_config(TINY)
     per_token, per_call = layer_activation_bytes(model, TrainShape(micro_batch=4, seq_len=256, sparsity=0.25))
@@ -121,7 +121,7 @@ def test_offloaded_parameters_are_gathered_as_full_copies_on_one_gpu_too():
 
 
 def test_recommendation_is_the_fastest_fitting_set_up_at_the_recipes_precision():
-    from frod_ds.plan.planner import predicted_seconds
+    from frod_ds.plan.memory import predicted_seconds
 
     model = model_shape_from_config(LLAMA2_70B)
     train = TrainShape(micro_batch=4, seq_len=256)
@@ -152,8 +152,8 @@ def test_hint_names_the_faster_or_the_fitting_set_up():
 
 
 def test_train_hint_reads_the_recipe_and_the_json(tmp_path):
-    from frod_ds.planner import train_hint
-    from frod_ds.recipe import load_recipe
+    from frod_ds.plan.memory import train_hint
+    from frod_ds.config.recipe import load_recipe
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
@@ -192,7 +192,7 @@ def test_recommendation_boundary_is_where_the_faster_set_up_stops_fitting(shape,
 
 def test_shipped_configs_map_to_their_engine():
     """Every shipped JSON as the planner reads it: ZeRO stage (0-2 replicate the frozen model, like 2) and offload."""
-    from frod_ds.planner import engine_from_ds_config
+    from frod_ds.plan.memory import engine_from_ds_config
 
     cfgs = {p.stem: json.loads(p.read_text()) for p in (REPO / "ds_configs").glob("*.json")}
     got = {k: (engine_from_ds_config(c).stage, engine_from_ds_config(c).offload_param) for k, c in cfgs.items()}
@@ -207,12 +207,12 @@ def test_train_hint_boundaries_follow_the_plan(tmp_path):
     """launch/train.py's hint (``train_hint``) at the planner's own boundaries: silent where the chosen config is
     the fastest that fits; names ZeRO-2 when ZeRO-3 was chosen and ZeRO-2 fits; says out of memory (one line) when
     ZeRO-2 was chosen and does not fit; silent again when the partitioned model fits more GPUs."""
-    from frod_ds.planner import train_hint
-    from frod_ds.recipe import load_recipe
+    from frod_ds.plan.memory import train_hint
+    from frod_ds.config.recipe import load_recipe
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
-    from frod_ds.planner import train_shape_from_recipe
+    from frod_ds.plan.memory import train_shape_from_recipe
 
     model, train = model_shape_from_config(LLAMA2_7B), train_shape_from_recipe(recipe)
     z2_json, z3_json = str(REPO / "ds_configs" / "zero2.json"), str(REPO / "ds_configs" / "zero3.json")
@@ -238,10 +238,10 @@ def test_launch_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypa
 
     import torch
 
-    import frod_ds.distributed as dist
-    import frod_ds.trainer as trainer
-    from frod_ds.planner import train_hint, train_shape_from_recipe
-    from frod_ds.recipe import load_recipe
+    import frod_ds.runtime.distributed as dist
+    import frod_ds.train.trainer as trainer
+    from frod_ds.plan.memory import train_hint, train_shape_from_recipe
+    from frod_ds.config.recipe import load_recipe
     from launch.train import parse_args, train
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
@@ -318,8 +318,8 @@ def test_cli_bad_model_is_one_line(tmp_path, config, needle):
 
 def test_planner_errors_are_user_errors(tmp_path):
     """In-process: the planner's and the config lookup's errors are ``FrodError``s (the entry prints them)."""
-    from frod_ds.errors import CheckpointError
-    from frod_ds.planner import PlanError, load_model_shape
+    from frod_ds.runtime.errors import CheckpointError
+    from frod_ds.plan.memory import PlanError, load_model_shape
 
     with pytest.raises(CheckpointError, match="has no config.json"):
         load_model_shape(str(tmp_path))

@@ -1,4 +1,4 @@
-"""The planner's step-time model (frod_ds/plan/timing.py): its parts against hand-computed values, its predictions
+"""The planner's step-time model (frod_ds/plan/step_time.py): its parts against hand-computed values, its predictions
 against every committed measured step (bench/time_model_check.py), and the decisions built on it."""
 
 import dataclasses
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from frod_ds.plan.planner import (GiB, TrainShape, frozen_tensors, model_shape_from_config, plan_memory,
+from frod_ds.plan.memory import (GiB, TrainShape, frozen_tensors, model_shape_from_config, plan_memory,
                                   predicted_seconds, recommend, shipped_engines)
-from frod_ds.plan.timing import (CHECK_GOAL, EFFICIENCY, HOST_LAYER_PASS_S, ZERO3_FROZEN_TENSOR_PASS_S,
+from frod_ds.plan.step_time import (CHECK_GOAL, EFFICIENCY, HOST_LAYER_PASS_S, ZERO3_FROZEN_TENSOR_PASS_S,
                                  ZERO3_LAYER_PASS_S, ZERO3_NVTX_LAYER_PASS_S,
                                  ZERO_CHECK_TENSOR_S, ZERO_STEP_HOST_S, ZERO_TENSOR_HOST_S, Link,
                                  step_time)
@@ -113,7 +113,7 @@ def test_the_committed_check_is_what_the_model_gives_and_hides_no_point():
 def test_a_step_is_the_slower_of_host_and_device():
     """At 7B widths a quantized step is host-bound (dequantization's host calls exceed the GPU's short layers); at 70B
     widths the GPU is the slower and dequantization costs its device time only; a slower host moves only the first."""
-    from frod_ds.plan.timing import DEQUANT_DEVICE_S, HOST_DEQUANT_CALL_S, HOST_LAYER_PASS_S
+    from frod_ds.plan.step_time import DEQUANT_DEVICE_S, HOST_DEQUANT_CALL_S, HOST_LAYER_PASS_S
 
     e = _engines()
     seven = model_shape_from_config({**LLAMA2_7B, "num_hidden_layers": 8})
@@ -154,7 +154,7 @@ def test_recommendations_follow_the_recipes_precision_and_the_predicted_step():
 
 
 def test_hint_names_a_faster_engine_with_both_predictions():
-    from frod_ds.plan.planner import hint
+    from frod_ds.plan.memory import hint
 
     small, e = model_shape_from_config(LLAMA2_7B), _engines()
     train = TrainShape(micro_batch=4, seq_len=512)

@@ -1,4 +1,4 @@
-"""`data_prep.io.read_rows`: the reader training and eval use checks every row of the output format."""
+"""`frod_ds.prep.io.read_rows`: the reader training and eval use checks every row of the output format."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from data_prep import DataPrepError, read_rows
-from data_prep.io import write_rows
+from frod_ds.prep.io import write_rows
 
 GOOD = {"task": "piqa", "id": "piqa-train-0", "prompt": "p {x}\n\u00e9", "answer": "Choice B",
         "choices": ["Choice A", "Choice B"], "label": 1}

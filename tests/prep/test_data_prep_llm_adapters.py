@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from data_prep.build import BuildOptions, build
-from data_prep.io import ANSWER_SEPARATOR, check_row, dumps_row, read_rows, row_separator, training_text
-from data_prep.tasks import TASKS, DataPrepError
-from frod_ds.atomic import MARKER
+from frod_ds.prep.build import BuildOptions, build
+from frod_ds.prep.io import ANSWER_SEPARATOR, check_row, dumps_row, read_rows, row_separator, training_text
+from frod_ds.prep.tasks import TASKS, DataPrepError
+from frod_ds.runtime.atomic import MARKER
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "data_prep" / "llm_adapters"
@@ -306,7 +306,7 @@ def test_combined_file_paper_template_renders_the_single_task_families(combined,
 
 
 def test_cli_reports_rows_of_unselected_families(combined, tmp_path, capsys):
-    from data_prep.cli import main
+    from frod_ds.prep.cli import main
 
     argv = ["build", "--source", f"llm-adapters:{combined}", "--out", str(tmp_path / "o"), "--tasks", "boolq,piqa,hellaswag,winogrande"]
     assert main(argv) == 0
@@ -423,7 +423,7 @@ def test_bad_source_or_template_is_one_clear_error(tmp_path, src, kw, pattern):
 
 
 def test_cli_builds_and_shows_llm_adapters_rows(tmp_path, capsys):
-    from data_prep.cli import main
+    from frod_ds.prep.cli import main
 
     assert main(["build", "--source", f"llm-adapters:{FIXTURE}", "--out", str(tmp_path / "o"), "--tasks", "boolq,piqa"]) == 0
     out = capsys.readouterr().out
@@ -449,7 +449,7 @@ def test_separator_field_is_optional_validated_and_serialized_after_prompt():
 
 
 def test_evaluation_uses_the_data_prep_separator():
-    from frod_ds import evaluation
+    from frod_ds.eval import predict as evaluation
 
     assert evaluation.ANSWER_SEPARATOR is ANSWER_SEPARATOR
 
@@ -487,7 +487,7 @@ def _bpe(texts: list[str], kind: str):
 
 @pytest.fixture(scope="module")
 def train_rows(built) -> list[dict]:
-    from frod_ds.data import read_training_rows
+    from frod_ds.train.data import read_training_rows
 
     return read_training_rows(built["llm-adapters"][0], limit=40)
 
@@ -499,7 +499,7 @@ def _expected_text(row: dict) -> tuple[str, str]:
 
 
 def test_training_tokens_are_the_finetune_text_and_eos_with_loss_on_output_only(train_rows):
-    from frod_ds.data import IGNORE_INDEX, encode_examples
+    from frod_ds.train.data import IGNORE_INDEX, encode_examples
 
     tok = CharTokenizer()
     examples = encode_examples(tok, train_rows, cutoff_len=2048, train_on_inputs=False)
@@ -514,7 +514,7 @@ def test_training_tokens_are_the_finetune_text_and_eos_with_loss_on_output_only(
 
 @pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])
 def test_bpe_training_tokens_decode_to_the_finetune_text_and_loss_starts_at_output(train_rows, kind):
-    from frod_ds.data import IGNORE_INDEX, encode_examples
+    from frod_ds.train.data import IGNORE_INDEX, encode_examples
 
     tok = _bpe([training_text(r) for r in train_rows] * 3, kind)
     for row, ex in zip(train_rows, encode_examples(tok, train_rows, cutoff_len=2048, train_on_inputs=False)):
@@ -539,7 +539,7 @@ def test_loglik_scores_condition_on_each_rows_separator(built):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    from frod_ds.evaluation import score_loglik_rows
+    from frod_ds.eval.predict import score_loglik_rows
     from tests.support.eval_fixtures import random_llama
 
     la = read_rows(built["llm-adapters"][0] / "eval" / "boolq.jsonl")[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from data_prep.templates import RowError, render, row_id
+from frod_ds.prep.templates import RowError, render, row_id
 
 # --- exact rendering with awkward content ------------------------------------------------------
 

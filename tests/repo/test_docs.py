@@ -120,14 +120,14 @@ def test_repository_paths_in_prose_exist(page: Path) -> None:
     assert not missing, f"{page.relative_to(REPO)} names files that do not exist (moved? see docs/layout.md): {missing}"
 
 
-# A dotted name of the project: `frod_ds.model.store.FactorStore`, `frod_ds.prep.io.MAX_ROW_CHARS`, `launch.demo`.
+# A dotted name of the project: `frod_ds.model.store_reader.FactorStore`, `frod_ds.prep.io.MAX_ROW_CHARS`, `launch.demo`.
 MODULE_NAME = re.compile(r"(?<![\w./-])((?:frod_ds|data_prep|launch)(?:\.\w+)+)")
 OLD_PATHS_SECTION = "## Old import paths"  # docs/layout.md's table of old names, old on purpose
 
 
 def _unresolved(name: str) -> str | None:
     """Why ``name`` names no module file (with its attributes defined in it) of the checkout, or None. Old module
-    paths fail here: they import only through frod_ds/_compat.py's aliases, and no file is left at them."""
+    paths fail here: their files (frod_ds/_old_paths/) only forward, for one release."""
     parts = name.split(".")
     path = REPO / parts[0]
     for i, part in enumerate(parts[1:], 1):

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from frod_ds import distributed as D
-from frod_ds import entry
-from frod_ds.errors import FrodError, StoreError
+from frod_ds.runtime import distributed as D
+from frod_ds.runtime import entry
+from frod_ds.runtime.errors import FrodError, StoreError
 from tests.support.helpers_ckpt import REPO
 
 
@@ -54,7 +54,7 @@ def test_a_bug_is_not_a_user_error():
 def test_a_bug_in_a_launch_script_shows_its_traceback_and_exits_1(tmp_path):
     """An exception that is not a ``FrodError`` (here a stand-in for a failure inside torch) is a bug: its
     traceback, exit 1, and no one-line 'user error'."""
-    code = ("import sys; sys.argv = ['export']; from frod_ds import entry\n"
+    code = ("import sys; sys.argv = ['export']; from frod_ds.runtime import entry\n"
             "def body():\n    raise RuntimeError('torch broke')\n"
             "sys.exit(entry.run(body, init_group=False))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
@@ -67,7 +67,7 @@ def test_a_bug_in_a_launch_script_shows_its_traceback_and_exits_1(tmp_path):
 def _group_body(fail: BaseException | None):
     import torch.distributed as tdist
 
-    from frod_ds import distributed as D
+    from frod_ds.runtime import distributed as D
     from tests.support.leftovers import launcher_vars
 
     seen = {}
@@ -90,8 +90,8 @@ def test_a_one_process_group_leaves_nothing_behind(monkeypatch, fail):
     exit: a return, a user error, a bug. A second run in the same process works (DeepSpeed's handle is reset)."""
     import torch.distributed as tdist
 
-    from frod_ds import entry
-    from frod_ds.errors import FrodError
+    from frod_ds.runtime import entry
+    from frod_ds.runtime.errors import FrodError
     from tests.support.leftovers import launcher_vars, listening_sockets
 
     for name in list(launcher_vars()):
@@ -147,7 +147,7 @@ def test_destroy_puts_back_the_linear_deepspeeds_zero_init_replaced(monkeypatch)
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
-    from frod_ds import distributed as D
+    from frod_ds.runtime import distributed as D
     from tests.support.leftovers import launcher_vars
 
     for name in list(launcher_vars()):

@@ -21,7 +21,7 @@ from tests.support.leftovers import REPO, clean_env
 
 SHM_OP = "deepspeed_shm_comm"
 # What a training launch does first that builds a DeepSpeed op (launch/train.py: load_recipe, then this).
-INIT_DEEPSPEED = "from frod_ds import distributed as D; D.init_deepspeed(); D.destroy(); print('started')"
+INIT_DEEPSPEED = "from frod_ds.runtime import distributed as D; D.init_deepspeed(); D.destroy(); print('started')"
 
 
 def _start_deepspeed(ext: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
@@ -242,10 +242,10 @@ def _trained_adapter(env, out: Path, quant: str = "none"):
     import torch
 
     from frod_ds.model.adapter import save_adapter_from_model
-    from frod_ds.formats.adapter_format import AdapterConfig
+    from frod_ds.formats.adapter_dir import AdapterConfig
     from frod_ds.model.apply import frod_param_groups
     from frod_ds.model.build import build_frod_model, make_supports
-    from frod_ds.model.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
 
     store = FactorStore.open(env.store)
     torch.manual_seed(0)
@@ -602,7 +602,7 @@ def test_a_writer_that_reports_a_full_disk_as_something_else_is_a_full_disk(smal
 def test_hjd_over_its_own_store_without_a_manifest_builds_it_anew(hjd_model, tmp_path):
     """Factor files without their manifest cannot be trusted (which weights, which configuration): a store the
     marker says HJD wrote is rebuilt by the same command (it asked for --overwrite); an unmarked one is not touched."""
-    from frod_ds.formats.store_format import MANIFEST
+    from frod_ds.formats.factor_store import MANIFEST
     from frod_ds.runtime.atomic import MARKER
 
     store = tmp_path / "store"

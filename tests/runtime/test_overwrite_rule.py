@@ -1,4 +1,4 @@
-"""The overwrite rule (``frod_ds.atomic.check_replaceable``): ``--overwrite`` replaces only a directory an earlier
+"""The overwrite rule (``frod_ds.runtime.atomic.check_replaceable``): ``--overwrite`` replaces only a directory an earlier
 run of the same command wrote (the marker's kind), never one holding another command's output, never one of the
 command's own inputs (or a directory containing or inside one), and training never writes into a directory that
 frod-ds training did not write. Each refusal is exit 2 with one ``error:`` line, and the refused directory is
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from tests.support.train_env import CPU_ZERO2, build_env, run_train, train_in_process
 
-from data_prep.cli import main as data_prep_main
-from frod_ds.atomic import MARKER
+from frod_ds.prep.cli import main as data_prep_main
+from frod_ds.runtime.atomic import MARKER
 from launch import export as export_cli
 from launch import hjd as hjd_cli
 
@@ -202,7 +202,7 @@ def test_training_into_a_foreign_directory_is_refused_before_writing(env, tmp_pa
 def test_training_run_dir_is_recognised_with_or_without_its_marker(env, run, tmp_path):
     """Re-running the same command resumes (tests/cli/test_bad_inputs.py runs it); a run from before the marker is
     recognised by its checkpoints or adapters."""
-    from frod_ds.trainer import check_run_dir
+    from frod_ds.train.trainer import check_run_dir
 
     assert json.loads((run / MARKER).read_text())["kind"] == "training-run"
     check_run_dir(run)

@@ -94,7 +94,7 @@ def tiny(tmp_path_factory):
     """Tiny Llama, its tokenizer and data_prep output, on the filesystem every node shares."""
     from transformers import AutoTokenizer
 
-    from frod_ds.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
+    from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
 
     root = tmp_path_factory.mktemp("slurm_multinode")
     env = {k: v for k, v in clean_env().items() if not k.startswith(("DS_", "CUDA_"))}
@@ -272,7 +272,7 @@ def test_two_nodes_equal_one_node_with_the_same_world_size_bitwise(pipelines):
 def test_two_node_hjd_and_eval_equal_single_process(pipelines, tiny, tmp_path):
     """The tolerances of test_distributed_hjd against one process."""
     from frod_ds.hjd import decompose
-    from frod_ds.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
     from launch.eval import main as eval_main
     from tests.support.helpers_ckpt import weights
 
@@ -485,8 +485,8 @@ def test_a_path_on_one_node_only_fails_within_60s_naming_it(cluster, tiny, pipel
 def test_srun_task_takes_the_gpu_of_its_local_id(monkeypatch, visible, local_id, want):
     """``--ntasks-per-node`` = GPUs per node: task SLURM_LOCALID k uses GPU k of the node; where srun gives each
     task one visible GPU (``--gpus-per-task=1`` / ``--gpu-bind``), GPU 0 of what it sees."""
-    import frod_ds.distributed as D
-    from frod_ds.launch_env import process_group_spec
+    import frod_ds.runtime.distributed as D
+    from frod_ds.runtime.launch_env import process_group_spec
 
     env = {"SLURM_PROCID": "11", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": local_id,
            "SLURM_STEP_NODELIST": "gpu[007-008]", "SLURM_JOB_ID": "77", "MASTER_ADDR": "gpu007", "MASTER_PORT": "20077"}

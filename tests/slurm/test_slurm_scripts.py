@@ -15,7 +15,7 @@ from tests.support.helpers_ckpt import REPO, weights, write_tiny_llama
 from tests.support.leftovers import clean_env, free_port
 
 from frod_ds.hjd.math import decompose
-from frod_ds.store import FactorStore
+from frod_ds.model.store_reader import FactorStore
 
 SLURM = REPO / "launch" / "slurm"
 

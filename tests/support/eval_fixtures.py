@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from data_prep.io import dumps_row
+from frod_ds.prep.io import dumps_row
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 WORDS = "the a big small red blue cat dog sits runs on mat is it true false which one Choice Option A B C D Question Answer".split()

@@ -20,9 +20,9 @@ LAUNCH = REPO / "launch" / "hjd.py"
 
 def write_tiny_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str = "12KB",
                      **overrides) -> Path:
-    """``frod_ds.toy.write_tiny_llama`` at HJD-test size, in several shards (``model.safetensors.index.json``).
+    """``frod_ds.testing.toy.write_tiny_llama`` at HJD-test size, in several shards (``model.safetensors.index.json``).
     Defaults: hidden 32, 3 layers, 4 heads, 2 KV heads (k/v 16×32), LLaMA's init std 0.02."""
-    from frod_ds.toy import write_tiny_llama as write
+    from frod_ds.testing.toy import write_tiny_llama as write
 
     kw = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.02)
@@ -108,12 +108,12 @@ def hjd_in_process(args: list[str]) -> subprocess.CompletedProcess:
 def make_adapter(model_dir: Path, root: Path, sparsity: float = 0.05, seed: int = 0):
     """A trained-looking FRoD adapter over ``model_dir``: factor store by the HJD stage (one process), σ
     scaled and S filled with random values. Returns ``(adapter_dir, store_dir, frod_model)``."""
-    from frod_ds.adapter import save_adapter_from_model
-    from frod_ds.adapter_format import AdapterConfig
-    from frod_ds.apply import frod_modules
-    from frod_ds.build import build_frod_model, make_supports
+    from frod_ds.model.adapter import save_adapter_from_model
+    from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.model.apply import frod_modules
+    from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.hjd.stage import StageConfig, run_stage
-    from frod_ds.store import FactorStore
+    from frod_ds.model.store_reader import FactorStore
 
     run_stage(StageConfig(model=str(model_dir), out=root / "store", device="cpu", fsync=False))
     store = FactorStore.open(root / "store")

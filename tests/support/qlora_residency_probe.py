@@ -55,7 +55,7 @@ class Sampler:
 def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
 
-    from frod_ds.build import gathered
+    from frod_ds.model.build import gathered
 
     args.stock_bnb = mode == "stock"
     torch.manual_seed(0)  # the same LoRA initialisation in both modes
@@ -96,7 +96,7 @@ def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
 
 def main() -> int:
 
-    from frod_ds import distributed as dist
+    from frod_ds.runtime import distributed as dist
 
     ap = argparse.ArgumentParser()
     train_step.add_run_args(ap)

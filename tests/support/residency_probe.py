@@ -1,7 +1,7 @@
 """Run by tests/train/test_checkpoint_residency.py under torchrun: how many frozen parameter elements ZeRO-3 holds
 gathered at once during training, with and without gradient checkpointing.
 
-Each ``--modes`` entry builds the run with ``frod_ds.trainer.setup`` and takes ``--steps`` optimizer steps with
+Each ``--modes`` entry builds the run with ``frod_ds.train.trainer.setup`` and takes ``--steps`` optimizer steps with
 ``_train_step``. Modes: ``plain`` (no checkpointing); ``trainer`` (``enable_gradient_checkpointing`` as the trainer
 sets it), ``nonreentrant``, ``reentrant`` (the same with ``USE_REENTRANT`` forced); and any of the last three with
 ``-call``: each decoder layer's whole ``__call__`` is checkpointed, its module hooks included, as transformers
@@ -105,9 +105,9 @@ def model_sizes(model) -> dict[str, int]:
 
 
 def measure(recipe, config: str, mode: str, steps: int, sampler: GatheredSampler) -> dict:
-    from frod_ds import distributed as dist
-    from frod_ds import trainer
-    from frod_ds.build import gathered
+    from frod_ds.runtime import distributed as dist
+    from frod_ds.train import trainer
+    from frod_ds.model.build import gathered
 
     checkpointing = mode != "plain"
     reentrant, enable = trainer.USE_REENTRANT, trainer.enable_gradient_checkpointing
@@ -144,8 +144,8 @@ def measure(recipe, config: str, mode: str, steps: int, sampler: GatheredSampler
 
 def main() -> int:
 
-    from frod_ds import distributed as dist
-    from frod_ds.recipe import load_recipe
+    from frod_ds.runtime import distributed as dist
+    from frod_ds.config.recipe import load_recipe
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default="plain,trainer,trainer-call,reentrant-call",

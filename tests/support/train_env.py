@@ -1,6 +1,6 @@
 """A complete tiny training setup on disk for the training tests: model, tokenizer, data, factor store.
 
-Built with the same library pieces as ``make demo`` (``frod_ds.toy``, ``data_prep``, ``launch/hjd.py``), at
+Built with the same library pieces as ``make demo`` (``frod_ds.testing.toy``, ``data_prep``, ``launch/hjd.py``), at
 test size. ``run_train`` runs ``launch/train.py`` (or another script) as a subprocess, one process or under
 ``torchrun --standalone`` on CPU with gloo.
 """
@@ -82,7 +82,7 @@ def build_env(root: Path, seed: int = 0, layers: int = 2) -> TrainEnv:
 def _build(root: Path, seed: int, layers: int) -> None:
     from transformers import AutoTokenizer
 
-    from frod_ds.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
+    from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
 
     root.mkdir(parents=True, exist_ok=True)
     write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=seed)
@@ -124,7 +124,7 @@ def run_train(config: Path, overrides: list[str], nproc: int = 2, script: Path |
 def train_in_process(config: Path, overrides: list[str]) -> subprocess.CompletedProcess:
     """``launch/train.py``'s ``main`` in this process, for runs refused before the engine is built: the exit code
     and what it printed, as ``run_train`` returns them, without a subprocess's start-up (torch, transformers and
-    DeepSpeed imports: most of a refused run's time). ``frod_ds.entry`` undoes its process group."""
+    DeepSpeed imports: most of a refused run's time). ``frod_ds.runtime.entry`` undoes its process group."""
     from launch.train import main
 
     out, err = io.StringIO(), io.StringIO()

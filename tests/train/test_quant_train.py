@@ -35,7 +35,7 @@ def zero3(env, tmp_path_factory):
 
 
 def test_quantized_factors_are_partitioned_under_zero3(zero3):
-    from frod_ds.quant import QuantSpec
+    from frod_ds.core.quant import QuantSpec
 
     _, reports = zero3
     for rep in reports:
@@ -69,8 +69,8 @@ def test_adapter_records_quantization_and_eval_rebuilds_the_trained_model(zero3,
     the export merges the dequantized U (and writes the dequantized base linears): stock transformers agrees."""
     from transformers import LlamaForCausalLM
 
-    from frod_ds.adapter import load_frod_model, read_adapter
-    from frod_ds.quant import QuantLinear
+    from frod_ds.model.adapter import load_frod_model, read_adapter
+    from frod_ds.core.quant import QuantLinear
     from launch.export import main as export_main
 
     out, _ = zero3

@@ -89,7 +89,7 @@ def test_applied_learning_rates_are_the_recipes(probe):
 
 def test_adapter_checkpoint_content_and_round_trip(probe, env):
     """Saved σ/S are the trained values (not empty ZeRO-3 shards); a fresh model loads them to the same logits."""
-    from frod_ds.adapter import load_frod_model, read_adapter
+    from frod_ds.model.adapter import load_frod_model, read_adapter
 
     out, _ = probe
     assert (out / "adapter-4").is_dir() and (out / "adapter-final").is_dir()
@@ -114,7 +114,7 @@ def test_adapter_checkpoint_content_and_round_trip(probe, env):
     assert torch.allclose(logits, torch.load(out / "probe_logits.pt"), atol=1e-5, rtol=1e-5)
 
     # The held-out loss logged at the last step, recomputed with plain forwards of the loaded model.
-    from frod_ds.data import collate, encode_examples, read_training_rows
+    from frod_ds.train.data import collate, encode_examples, read_training_rows
 
     tok = __import__("transformers").AutoTokenizer.from_pretrained(str(env.model))
     examples = encode_examples(tok, read_training_rows(env.data / "eval" / "boolq.jsonl"), 64, False)
@@ -309,7 +309,7 @@ def test_resume_on_a_factor_store_rebuilt_with_another_pi_is_refused(probe, env,
 
 def test_step_peak_is_reset_before_each_step_on_gpus(monkeypatch):
     """On CUDA, peak_mem_gb is the step's own peak: the allocator's peak counter is reset before the step."""
-    from frod_ds import trainer
+    from frod_ds.train import trainer
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,0 +1,310 @@
+"""An evaluation run: validate → read rows → load the model → score this rank's batches in every mode →
+gather on rank 0 → write ``results.json``, ``results.md`` and ``predictions.jsonl``.
+
+Orchestration only: the scoring math lives in `frod_ds.eval.predict`, per-task accuracy and the table
+in `frod_ds.eval.accuracy`, every collective in `frod_ds.runtime.distributed`. ``launch/eval.py`` parses flags into
+an `EvalConfig` and calls `run`.
+
+Ranks take whole batches of a plan that depends only on the rows and the batch size
+(`plan_batches`), so every row is scored in the same padded batch, with the same numbers, for any
+number of ranks. The model is a plain module on each rank (no ZeRO partitioning), so generation
+needs no ``synced_gpus``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from frod_ds.runtime import distributed as dist
+from frod_ds.runtime.atomic import atomic_write_text, building_dir, check_replaceable
+from frod_ds.eval.predict import (
+    LLM_ADAPTERS_MAX_NEW_TOKENS,
+    LLM_ADAPTERS_NUM_BEAMS,
+    EvalError,
+    llm_adapters_row_problem,
+    plan_batches,
+    score_generate_rows,
+    score_llm_adapters_rows,
+    score_loglik_rows,
+)
+from frod_ds.eval.accuracy import markdown_table, summarize
+
+__all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "run"]
+
+# loglik: argmax of summed log-probs; generate: greedy, earliest answer string; llm-adapters: LLM-Adapters' protocol.
+MODES = ("loglik", "generate", "llm-adapters")
+
+Rows = dict[str, list[dict[str, Any]]]  # {task: rows in file order}
+
+
+def parse_modes(spec: str) -> tuple[str, ...]:
+    """``"loglik,llm-adapters"`` → ``("loglik", "llm-adapters")``, in the order given; EvalError for an
+    unknown, repeated or empty entry."""
+    modes = tuple(m.strip() for m in spec.split(","))
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise EvalError(f"unknown --mode {unknown[0]!r}; pass one or a comma list of {', '.join(MODES)}")
+    if len(set(modes)) < len(modes):
+        raise EvalError(f"--mode {spec!r} names a mode twice")
+    return modes
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Everything a run needs; the fields are ``launch/eval.py``'s flags (``mode`` the comma list as given)."""
+
+    data: str
+    output: str
+    tasks: str = "all"
+    mode: str = "loglik"
+    checkpoint: str | None = None
+    base_model: str | None = None
+    factor_store: str | None = None
+    model: str | None = None
+    tokenizer: str | None = None
+    max_new_tokens: int = 16
+    batch_size: int = 8
+    limit: int | None = None
+    dtype: str = "auto"
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> EvalConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return parse_modes(self.mode)
+
+    def validate(self) -> None:
+        """Raise EvalError listing every problem with the flags."""
+        problems = []
+        if bool(self.checkpoint) == bool(self.model):
+            problems.append("pass exactly one of --checkpoint (FRoD adapter) or --model (plain HF model)")
+        if self.model and (self.base_model or self.factor_store):
+            problems.append("--base-model/--factor-store apply to --checkpoint only")
+        if self.checkpoint and self.tokenizer:
+            problems.append("--tokenizer applies to --model only (an adapter checkpoint brings its tokenizer)")
+        for flag, value in (("--batch-size", self.batch_size), ("--max-new-tokens", self.max_new_tokens), ("--limit", self.limit)):
+            if value is not None and value < 1:
+                problems.append(f"{flag} must be >= 1, got {value}")
+        try:
+            self.modes
+        except EvalError as exc:
+            problems.append(str(exc))
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            problems.append(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if Path(self.output).exists() and not Path(self.output).is_dir():
+            problems.append(f"--output {self.output} exists and is not a directory")
+        elif Path(self.output).is_dir():  # results are written into it: only an earlier eval's, or an empty one
+            try:
+                check_replaceable(Path(self.output), RESULTS_KIND, what="--output", error=EvalError,
+                                  legacy=_is_legacy_results)
+            except EvalError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise EvalError("; ".join(problems))
+
+
+def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[str, ...] = ("loglik",)) -> Rows:
+    """``{task: rows}`` from ``<data>/eval/<task>.jsonl``, validated by data_prep's reader and for `modes`.
+
+    Every missing file is reported in one EvalError; a bad row raises DataPrepError naming file and line.
+    """
+    from frod_ds.prep.io import read_rows
+    from frod_ds.prep.tasks import parse_tasks
+
+    tasks = parse_tasks(tasks_spec)
+    paths = {task: Path(data) / "eval" / f"{task}.jsonl" for task in tasks}
+    missing = [str(path) for path in paths.values() if not path.is_file()]
+    if missing:
+        raise EvalError(f"no eval file {', '.join(missing)}; build it with data_prep or drop the task from --tasks")
+    rows = {}
+    for task, path in paths.items():
+        task_rows = read_rows(path)[:limit]
+        if not task_rows:
+            raise EvalError(f"{path} has no rows")
+        other = [r["task"] for r in task_rows if r["task"] != task]
+        if other:
+            raise EvalError(f"{path} holds rows of task {other[0]!r}; expected only {task!r}")
+        empty = [r["id"] for r in task_rows if not all(r["choices"])]
+        if empty:
+            raise EvalError(f"{path}: row {empty[0]!r} has an empty answer string in 'choices'")
+        if "llm-adapters" in modes:
+            problem = next(filter(None, map(llm_adapters_row_problem, task_rows)), None)
+            if problem:
+                raise EvalError(f"{path}: {problem}; --mode llm-adapters cannot score it")
+        rows[task] = task_rows
+    return rows
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _unreadable_shard(model: str) -> str:
+    """The first safetensors shard of ``model`` that safetensors cannot open (safetensors' errors name no file)."""
+    from safetensors import safe_open
+
+    from frod_ds.io.hf_checkpoint import resolve_model_dir
+
+    for shard in sorted(Path(resolve_model_dir(model)).glob("*.safetensors")):
+        try:
+            with safe_open(str(shard), "pt"):
+                pass
+        except Exception:  # noqa: BLE001 - any unreadable shard is the one to name
+            return shard.name
+    return "a weight file"
+
+
+def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    """(model in eval mode on `device`, tokenizer) from --checkpoint (FRoD adapter) or --model (plain HF)."""
+    from frod_ds.model import adapter
+
+    if config.checkpoint:
+        if not adapter.is_adapter_checkpoint(config.checkpoint):
+            raise EvalError(f"--checkpoint {config.checkpoint} is not a FRoD adapter checkpoint (no adapter_config.json); "
+                            "pass a plain HF model with --model")
+        model, tokenizer = adapter.load_frod_model(config.checkpoint, base_model=config.base_model,
+                                                   factor_store=config.factor_store, dtype=dtype, device=str(device))
+    else:
+        assert config.model is not None
+        if adapter.is_adapter_checkpoint(config.model):
+            raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
+        from transformers import AutoModelForCausalLM
+
+        from frod_ds.prep.tokens import load_tokenizer
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+        except OSError as e:  # transformers says what is missing or unreadable with an OSError
+            raise EvalError(f"cannot load --model {config.model}: {e}") from None
+        except Exception as e:  # a damaged shard: safetensors' error names no file
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise EvalError(f"--model {config.model}: {_unreadable_shard(config.model)} cannot be read ({e}); the "
+                            "checkpoint is damaged (truncated or overwritten), copy it again") from None
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
+    return model.eval(), tokenizer
+
+
+def score_batch(mode: str, model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]], pad_id: int,
+                config: EvalConfig) -> list[dict[str, Any]]:
+    """Prediction records of one batch of rows in one mode."""
+    if mode == "loglik":
+        return score_loglik_rows(model, tokenizer, rows, pad_id)
+    if mode == "generate":
+        return score_generate_rows(model, tokenizer, rows, pad_id, config.max_new_tokens)
+    assert mode == "llm-adapters", f"unknown mode {mode!r}"
+    return score_llm_adapters_rows(model, tokenizer, rows, pad_id)
+
+
+def evaluate_shard(model: torch.nn.Module, tokenizer: Any, rows: Rows, config: EvalConfig) -> list[dict[str, Any]]:
+    """Prediction records of this rank's batches (batches strided over ranks) in every mode, each with
+    its ``mode`` and its row's ``index`` in the task file."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+    records = []
+    for mode in config.modes:
+        for task, task_rows in rows.items():
+            batches = plan_batches(task_rows, config.batch_size)[rank::world]
+            desc = f"{mode} {task}" + (f" (rank 0 of {world})" if world > 1 else "")
+            with tqdm(total=sum(map(len, batches)), desc=desc, unit="row", disable=not dist.is_main(),
+                      dynamic_ncols=True) as bar:
+                for batch in batches:
+                    scored = score_batch(mode, model, tokenizer, [task_rows[i] for i in batch], pad_id, config)
+                    records += [{"mode": mode, "index": i, **record} for i, record in zip(batch, scored)]
+                    bar.update(len(batch))
+    return records
+
+
+RESULTS_KIND = "eval-results"
+
+
+def _is_legacy_results(path: Path) -> bool:
+    """Results of an eval run before markers recorded kinds: an unmarked directory holding ``results.json``."""
+    return (path / "results.json").is_file()
+
+
+def write_outputs(output: Path, files: dict[str, str]) -> None:
+    """A new (or empty) `output` is built under a temporary name and renamed into place; into an earlier eval's
+    results (checked by ``EvalConfig.validate``) each file is written under a temporary name and renamed over the
+    old one."""
+    if output.is_dir() and any(output.iterdir()):
+        for name, text in files.items():
+            atomic_write_text(output / name, text)
+        return
+    with building_dir(output, RESULTS_KIND) as tmp:
+        for name, text in files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+
+
+def build_results(config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(``results.json`` body, records in mode, task and file order) from all ranks' records.
+
+    ``results["modes"][mode]`` is each mode's `summarize` result (per task: accuracy, n, correct and
+    unmatched or accuracy_norm); the top-level ``mode``, ``tasks``, ``average``, ... repeat the first
+    mode's, so readers of a single-mode run find them where they always were.
+    """
+    modes = config.modes
+    order = {task: k for k, task in enumerate(tasks)}
+    records = sorted(records, key=lambda r: (modes.index(r["mode"]), order[r["task"]], r["index"]))
+    by_mode = {mode: summarize([r for r in records if r["mode"] == mode], tasks, mode) for mode in modes}
+    run_config = {k: v for k, v in asdict(config).items() if k != "mode"}
+    run_config.update(modes=list(modes), world_size=dist.get_world_size())
+    if "generate" not in modes:
+        run_config["max_new_tokens"] = None
+    if "llm-adapters" in modes:
+        run_config["llm_adapters"] = {"num_beams": LLM_ADAPTERS_NUM_BEAMS, "max_new_tokens": LLM_ADAPTERS_MAX_NEW_TOKENS}
+    results = {"mode": modes[0], **by_mode[modes[0]], "modes": by_mode, "config": run_config}
+    return results, records
+
+
+def report(config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]) -> None:
+    """Rank 0: results.json, results.md and predictions.jsonl from all ranks' records."""
+    results, records = build_results(config, tasks, records)
+    title = f"Commonsense accuracy, {' and '.join(config.modes)}: {config.checkpoint or config.model}"
+    table = markdown_table(results["modes"], title=title)
+    write_outputs(Path(config.output), {
+        "results.json": json.dumps(results, indent=2) + "\n",
+        "results.md": table,
+        "predictions.jsonl": "".join(json.dumps(r) + "\n" for r in records),
+    })
+    dist.print0(table)
+    dist.print0(f"wrote {config.output}/results.json, results.md, predictions.jsonl")
+
+
+def _inputs(config: EvalConfig) -> tuple[dict[str, list[dict[str, Any]]], torch.nn.Module, Any]:
+    """Everything a user can get wrong before scoring: flags, rows, the model; the same outcome on every rank."""
+    config.validate()
+    rows = load_task_rows(config.data, config.tasks, config.limit, config.modes)
+    device = dist.local_device()
+    model, tokenizer = load_model(config, device, resolve_dtype(config.dtype, device))
+    return rows, model, tokenizer
+
+
+def run(config: EvalConfig) -> None:
+    """The whole run on every rank (the process group already joined); rank 0 writes the outputs.
+
+    User mistakes are ``FrodError``s (``frod_ds.runtime.entry`` prints them): those up to the model load and in
+    writing the outputs are agreed by every rank (one line, from rank 0); one in a row that only one rank
+    scores is raised on that rank.
+    """
+    rows, model, tokenizer = dist.on_all(lambda: _inputs(config))
+    records = evaluate_shard(model, tokenizer, rows, config)
+    shards = dist.all_gather_object(records)
+    error = None
+    if dist.is_main():
+        try:
+            report(config, list(rows), [r for shard in shards for r in shard])
+        except OSError as exc:
+            error = f"cannot write results to {config.output}: {exc}"
+    dist.agree_on_error(error, src=0)

@@ -1,0 +1,112 @@
+"""The adapter checkpoint's on-disk format: file names and ``adapter_config.json`` as a typed record.
+
+Layout of ``adapter-<step>/`` and ``adapter-final/``::
+
+    adapter.safetensors    <module>.frod_sigma (n,) fp32, <module>.frod_s (nnz,) fp32,
+                           <category>.support (2, nnz) int64 (row, col) of S
+    adapter_config.json    AdapterConfig below
+    recipe.yaml            the full training recipe (written by training)
+
+``<module>`` is the module's path in the HF model (``model.layers.3.self_attn.q_proj``), the same names the
+factor store uses. Versions: 1 is still read; 2 records the identity of the factor store the adapter was
+trained on (per category a sha256 of ``V`` and the HJD route), so that eval, export and resume refuse
+another store. ``frozen_quant`` / ``quantize_base`` (absent: none / false) say how the frozen weights were
+quantized in training, so eval and export rebuild the same model. Version 3 adds ``weights_crc32``, the CRC-32 of
+``adapter.safetensors`` as written, so a changed byte is refused instead of evaluated (versions 1 and 2, without it,
+are still read). Imports nothing heavy (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from frod_ds.runtime.errors import AdapterError
+from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
+from frod_ds.formats.factor_store import CategoryIdentity, StoreIdentity
+
+__all__ = ["ADAPTER_FORMAT", "ADAPTER_VERSION", "WEIGHTS", "CONFIG", "AdapterCategory", "AdapterConfig",
+           "sigma_name", "s_name", "support_name"]
+
+ADAPTER_FORMAT = "frod-ds-adapter"
+ADAPTER_VERSION = 3
+WEIGHTS = "adapter.safetensors"
+CONFIG = "adapter_config.json"
+
+
+def sigma_name(module: str) -> str:
+    """Key of ``σ_i`` (n,) in ``adapter.safetensors`` (the module's own parameter name)."""
+    return f"{module}.frod_sigma"
+
+
+def s_name(module: str) -> str:
+    """Key of the S values (nnz,) of a module."""
+    return f"{module}.frod_s"
+
+
+def support_name(category: str) -> str:
+    """Key of a category's S support, (2, nnz) int64 rows and columns."""
+    return f"{category}.support"
+
+
+@dataclass
+class AdapterCategory:
+    """One category of the adapter: its members, ``n`` and the number of S entries; from version 2 also
+    the identity of the factor store's category it was trained on."""
+
+    members: list[str]
+    n: int
+    nnz: int
+    v_sha256: str | None = None  # sha256 of the store's V (fp32 bytes, as stored)
+    method: str | None = None  # the store's HJD route for the category
+
+
+@dataclass(kw_only=True)
+class AdapterConfig:
+    """``adapter_config.json``; :meth:`to_json` / :meth:`from_json` are its only writer and reader."""
+
+    format: str = ADAPTER_FORMAT
+    version: int = ADAPTER_VERSION
+    base_model: str  # Hub id or directory (made absolute by training)
+    factor_store: str  # directory of the factor store
+    factor_store_fingerprint: str | None = None  # the store's base weights fingerprint
+    tokenizer: str | None = None  # default: the base model's
+    targets: list[str] = field(default_factory=list)
+    sparsity: float  # density of S
+    seed: int  # seed of the S supports
+    pi: float | None = None  # the store's π
+    init_adapter: str | None = None  # the adapter training started from (model.init_adapter); absent in older configs
+    dtype: str = "float32"  # parameter dtype of the trained model
+    frozen_quant: str = "none"  # none | nf4 | int8: how the frozen U_i were held (absent in older adapters: none)
+    quantize_base: bool = False  # the untargeted linears quantized too (of frozen_quant's kind)
+    step: int | None = None
+    categories: dict[str, AdapterCategory] = field(default_factory=dict)
+    weights_crc32: str | None = None  # "crc32:…" of adapter.safetensors (version 3; absent before: not checked)
+
+    def to_json(self) -> str:
+        return record_to_json(self, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str | Path) -> AdapterConfig:
+        """Parse and check; ``AdapterError`` naming ``where`` when it is not an adapter config this code reads."""
+        data = parse_json(text, where, AdapterError, "; the adapter is damaged")
+        if not isinstance(data, dict) or data.get("format") != ADAPTER_FORMAT:
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise AdapterError(f"{where}: format is {got!r}, expected {ADAPTER_FORMAT!r}")
+        version = data.get("version", 0)
+        if isinstance(version, int) and version > ADAPTER_VERSION:
+            raise AdapterError(f"{where}: adapter version {version} is newer than this frod-ds; upgrade frod-ds")
+        return record_from_dict(cls, data, str(where), AdapterError)
+
+    @classmethod
+    def read(cls, path: Path) -> AdapterConfig:
+        return cls.from_json(path.read_text(), path)
+
+    def store_identity(self) -> StoreIdentity:
+        """The factor store this adapter was trained on, as far as the config records it."""
+        return StoreIdentity(self.factor_store_fingerprint, self.pi,
+                             {c: CategoryIdentity(info.v_sha256, info.method) for c, info in self.categories.items()})
+
+    @property
+    def records_store_identity(self) -> bool:
+        return all(info.v_sha256 is not None for info in self.categories.values())

@@ -1,0 +1,49 @@
+"""Module paths that moved keep working for one release: every entry of ``frod_ds._moved.MOVED`` is a file at
+its old path that forwards each name to the very object of its new module with a ``DeprecationWarning``, no old
+path is missing its file or left without an entry, and none shadows a current module."""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from pathlib import Path
+
+import pytest
+
+from frod_ds._moved import MOVED
+from tests.support.leftovers import REPO
+
+
+def shim_file(old: str) -> Path:
+    top, *rest = old.split(".")
+    return REPO / top / ("_old_paths" if top == "frod_ds" else "") / Path(*rest).with_suffix(".py")
+
+
+def test_every_moved_path_has_its_file_and_every_file_an_entry():
+    files = {p for p in (REPO / "frod_ds" / "_old_paths").rglob("*.py")}
+    files |= {p for p in (REPO / "data_prep").glob("*.py") if p.stem not in ("__init__", "__main__")}
+    assert {shim_file(old) for old in MOVED} == files
+
+
+def test_no_old_path_shadows_a_current_module():
+    current = {p for p in (REPO / "frod_ds").rglob("*.py") if "_old_paths" not in p.parts}
+    clashes = [old for old in MOVED if (REPO / Path(*old.split("."))).with_suffix(".py") in current]
+    assert clashes == []
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_path_forwards_to_the_same_object_and_warns(old):
+    module = importlib.import_module(old)
+    assert Path(module.__file__) == shim_file(old)
+    new = [importlib.import_module(path) for path in MOVED[old]]
+    names = [(n, m) for m in new for n in getattr(m, "__all__", None) or
+             [k for k, v in vars(m).items() if not k.startswith("_") and getattr(v, "__module__", None) == m.__name__]]
+    assert names, f"{MOVED[old]} defines nothing public to forward"
+    name, home = names[0]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert getattr(module, name) is getattr(home, name)
+    assert [w.category for w in seen] == [DeprecationWarning], seen
+    assert home.__name__ in str(seen[0].message) and "0.3.0" in str(seen[0].message)
+    with pytest.raises(AttributeError, match="moved to"):
+        module.no_such_name_here
