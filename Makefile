@@ -13,7 +13,7 @@ export FROD_TEST_ORDER ?= normal
 # third worker on 2 cores fills the time the first two spend waiting on daemons, launched ranks and barriers.
 TEST_WORKERS ?= 3
 
-.PHONY: venv demo test clean
+.PHONY: venv demo lint format test clean
 
 venv: $(STAMP)
 
@@ -28,9 +28,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VPY) -m launch.demo
 
+# ruff (pinned in pyproject.toml's test extra): lint and format are checked by make test, fixed by make format.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
 # The suite starts ~300 interpreters: bytecode caching stays on for it even where the environment turns it off
 # (PYTHONDONTWRITEBYTECODE), or each would compile the project's modules again (~0.5 CPU-s apiece on 2 cores).
-test: $(STAMP)
+test: $(STAMP) lint
 	env -u PYTHONDONTWRITEBYTECODE $(VPY) -m pytest -q --durations=15 -n $(TEST_WORKERS) tests
 
 clean:

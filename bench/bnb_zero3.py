@@ -8,7 +8,8 @@ autograd graph keeps every ``ctx`` until the step's backward is done. So every N
 gradient (all of them after the first LoRA product) stays gathered in full from its forward to the end of the step:
 each rank holds its partition plus the whole quantized model, although DeepSpeed's own status says one module.
 
-``keep_linear4bit_weights_partitioned`` gives each ``Linear4bit`` a forward that computes the same product with the same kernels (``bnb.matmul_4bit`` without grad: the
+``keep_linear4bit_weights_partitioned`` gives each ``Linear4bit`` a forward that computes the same product with the same
+kernels (``bnb.matmul_4bit`` without grad: the
 ``gemm_4bit`` op; backward ``grad_x = grad_y · dequantize_4bit(W)``, as ``MatMul4Bit.backward``) but saves the
 Parameter itself with ``save_for_backward``: a saved leaf is the variable, so the backward sees the data DeepSpeed
 gathers again before the module's backward, and nothing outlives the module's release.

@@ -63,7 +63,7 @@ def write_result(name: str, payload: dict, out_dir: str | None = None) -> Path:
         "benchmark": name,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "device": device_name(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "versions": versions(),
         **payload,
     }

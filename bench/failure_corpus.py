@@ -61,10 +61,30 @@ CORPUS = Path(__file__).with_suffix(".yaml")
 CLASSES = ("success", "clear-error", "failed-check", "exact-recovery")
 OBSERVED = (*CLASSES, "unclear-failure", "wrong-result", "data-loss", "hang", "skipped")
 FROD = ("data", "hjd", "train", "eval", "export", "plan", "demo", "convert-gguf")
-OLD_FORMS = ("launch/train.py", "launch/hjd.py", "launch/eval.py", "launch/export.py", "launch/demo.py",
-             "launch/convert_gguf.py", "data_prep", "frod_ds")
-CASE_KEYS = {"name", "class", "cmd", "prepare", "fix", "check", "each", "interrupt", "timeout", "output", "compare",
-             "note"}
+OLD_FORMS = (
+    "launch/train.py",
+    "launch/hjd.py",
+    "launch/eval.py",
+    "launch/export.py",
+    "launch/demo.py",
+    "launch/convert_gguf.py",
+    "data_prep",
+    "frod_ds",
+)
+CASE_KEYS = {
+    "name",
+    "class",
+    "cmd",
+    "prepare",
+    "fix",
+    "check",
+    "each",
+    "interrupt",
+    "timeout",
+    "output",
+    "compare",
+    "note",
+}
 DEFAULT_TIMEOUT = 300.0
 
 
@@ -78,8 +98,9 @@ class World:
     _refs: dict[str, Path] = field(default_factory=dict)
 
     def python(self, *argv: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *argv], cwd=cwd or self.repo, env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, *argv], cwd=cwd or self.repo, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
 
     def run(self, argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
         return self.python(*command(self, argv), timeout=timeout)
@@ -87,18 +108,37 @@ class World:
     @property
     def base(self) -> list[str]:
         p = self.paths
-        return [f"model.base={p['model']}", f"model.factor_store={p['store']}", "model.dtype=float32",
-                "model.sparsity=0.1", f"data.train={p['train_jsonl']}", "data.cutoff_len=64",
-                "train.micro_batch_size=4", "train.grad_accum=2", "train.log_every=1", "train.rotation_every=0"]
+        return [
+            f"model.base={p['model']}",
+            f"model.factor_store={p['store']}",
+            "model.dtype=float32",
+            "model.sparsity=0.1",
+            f"data.train={p['train_jsonl']}",
+            "data.cutoff_len=64",
+            "train.micro_batch_size=4",
+            "train.grad_accum=2",
+            "train.log_every=1",
+            "train.rotation_every=0",
+        ]
 
 
 def _env(repo: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                               "MASTER_PORT", "LOCAL_WORLD_SIZE")
-           and not k.startswith("SLURM_")}
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(repo),
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(repo / ".cache" / "torch_extensions")))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+        and not k.startswith("SLURM_")
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        CUDA_VISIBLE_DEVICES="",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(repo),
+        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(repo / ".cache" / "torch_extensions")),
+    )
     return env
 
 
@@ -128,21 +168,32 @@ def build_world(repo: Path, root: Path) -> World:
     with its own store for the mismatched-pair cases."""
     world = World(repo, root, _env(repo), frod=(repo / "frod_ds" / "cli" / "main.py").is_file())
     where = "tests.support.train_env" if (repo / "tests" / "support" / "train_env.py").is_file() else "tests.train_env"
-    code = (f"import sys; from pathlib import Path; from {where} import build_env; "
-            "build_env(Path(sys.argv[1])); build_env(Path(sys.argv[2]), seed=1, layers=3)")
+    code = (
+        f"import sys; from pathlib import Path; from {where} import build_env; "
+        "build_env(Path(sys.argv[1])); build_env(Path(sys.argv[2]), seed=1, layers=3)"
+    )
     res = world.python("-c", code, str(root / "world"), str(root / "world2"))
     if res.returncode:
         raise SystemExit(f"building the world failed:\n{res.stderr[-3000:]}")
     w, w2 = root / "world", root / "world2"
-    world.paths = {"model": str(w / "model"), "store": str(w / "factors"), "data": str(w / "data"),
-                   "train_jsonl": str(w / "data" / "train.jsonl"), "model2": str(w2 / "model"),
-                   "store2": str(w2 / "factors"), "data2": str(w2 / "data"),
-                   "ds": str(repo / "ds_configs" / "zero2_cpu_fp32.json"),
-                   "ds3": str(repo / "ds_configs" / "zero3_cpu_fp32.json"), "repo": str(repo),
-                   "fixtures": str(repo / "tests" / "fixtures" / "data_prep"), "run": str(w / "run")}
-    for step, argv in (("training the world's adapter", ["train", "train.max_steps=2", f"output_dir={w / 'run'}"]),
-                       ("exporting it", ["export", "--checkpoint", str(w / "run" / "adapter-final"), "--out",
-                                         str(w / "export")])):
+    world.paths = {
+        "model": str(w / "model"),
+        "store": str(w / "factors"),
+        "data": str(w / "data"),
+        "train_jsonl": str(w / "data" / "train.jsonl"),
+        "model2": str(w2 / "model"),
+        "store2": str(w2 / "factors"),
+        "data2": str(w2 / "data"),
+        "ds": str(repo / "ds_configs" / "zero2_cpu_fp32.json"),
+        "ds3": str(repo / "ds_configs" / "zero3_cpu_fp32.json"),
+        "repo": str(repo),
+        "fixtures": str(repo / "tests" / "fixtures" / "data_prep"),
+        "run": str(w / "run"),
+    }
+    for step, argv in (
+        ("training the world's adapter", ["train", "train.max_steps=2", f"output_dir={w / 'run'}"]),
+        ("exporting it", ["export", "--checkpoint", str(w / "run" / "adapter-final"), "--out", str(w / "export")]),
+    ):
         res = world.run(argv)
         if res.returncode:
             raise SystemExit(f"{step} failed:\n{res.stderr[-3000:]}")
@@ -206,13 +257,13 @@ def _flip_byte(path: Path, at: float = 0.5) -> None:
 
 def _mount(case: Path, name: str, opts: str) -> Path:
     (case / name).mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(case / name)],
-                      capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(case / name)], capture_output=True).returncode:
         raise Skip("cannot mount a tmpfs here (needs root)")
     return case / name
 
 
 # -- recipes and DeepSpeed JSONs
+
 
 def bad_yaml(world, case, spec):
     (case / "bad.yaml").write_text("model:\n  base: m\n   factor_store: f\n")
@@ -283,6 +334,7 @@ def ds_lr_sched(world, case, spec):
 
 # -- training data
 
+
 def _jsonl(case: Path, lines: list[str], name: str = "train.jsonl") -> None:
     (case / name).write_text("".join(line + "\n" for line in lines))
 
@@ -334,8 +386,11 @@ def data_dup_id(world, case, spec):
 
 def data_latin1(world, case, spec):
     rows = _rows(world)
-    (case / "train.jsonl").write_bytes(("\n".join(rows[:4]) + "\n").encode() + b'{"prompt": "caf\xe9", "answer": "x"}\n'
-                                       + ("\n".join(rows[4:]) + "\n").encode())
+    (case / "train.jsonl").write_bytes(
+        ("\n".join(rows[:4]) + "\n").encode()
+        + b'{"prompt": "caf\xe9", "answer": "x"}\n'
+        + ("\n".join(rows[4:]) + "\n").encode()
+    )
 
 
 def data_torn(world, case, spec):
@@ -370,6 +425,7 @@ def data_dir_empty(world, case, spec):
 
 
 # -- models, stores, adapters
+
 
 def small_vocab(world, case, spec):
     import torch
@@ -438,7 +494,7 @@ def model_no_config(world, case, spec):
 
 def model_bad_config(world, case, spec):
     _copy(world, "model", case / "model")
-    (case / "model" / "config.json").write_text("{\"hidden_size\": ")
+    (case / "model" / "config.json").write_text('{"hidden_size": ')
 
 
 def model_no_weights(world, case, spec):
@@ -461,7 +517,7 @@ def store_flip_manifest(world, case, spec):
     m = case / "store" / "manifest.json"
     text = m.read_text()
     i = text.index('"', len(text) // 2)  # a byte inside the manifest's second half, kept valid JSON
-    m.write_text(text[: i + 1] + ("x" if text[i + 1] != "x" else "y") + text[i + 2:])
+    m.write_text(text[: i + 1] + ("x" if text[i + 1] != "x" else "y") + text[i + 2 :])
 
 
 def store_torn_manifest(world, case, spec):
@@ -592,6 +648,7 @@ def export_no_tokenizer(world, case, spec):
 
 # -- eval data
 
+
 def _eval_dir(world: World, case: Path) -> Path:
     shutil.copytree(world.paths["data"], case / "data")
     return case / "data" / "eval"
@@ -638,6 +695,7 @@ def eval_bad_label(world, case, spec):
 
 
 # -- data build sources
+
 
 def mirror_copy(world, case, spec):
     shutil.copytree(Path(world.paths["fixtures"]) / "mirror", case / "mirror")
@@ -709,6 +767,7 @@ def gguf_not(world, case, spec):
 
 # -- the environment
 
+
 def small_disk(world, case, spec):
     _mount(case, "disk", "size=64k")
 
@@ -755,9 +814,11 @@ def noop(world, case, spec):
 
 # -- checks (True when the case's result is right)
 
+
 def verify_store(world, case, spec) -> bool:
-    res = world.run(["hjd", "--device", "cpu", "--verify", str(case / "disk" / "store"), "--model",
-                     world.paths["model"]])
+    res = world.run(
+        ["hjd", "--device", "cpu", "--verify", str(case / "disk" / "store"), "--model", world.paths["model"]]
+    )
     return res.returncode == 0 and "OK" in res.stdout
 
 
@@ -803,23 +864,123 @@ def _hashes(root: Path, patterns: list[str]) -> dict[str, str]:
     return out
 
 
-STEPS: dict[str, Callable] = {f.__name__: f for f in (
-    bad_yaml, yaml_list, yaml_empty, yaml_typo_key, yaml_typo_section, yaml_bad_value, ds_clip, ds_typo, ds_stage9,
-    ds_list, ds_torn, ds_empty, ds_batch, ds_micro, ds_fp16, ds_lr_sched, data_empty, data_not_json,
-    data_missing_answer, data_missing_prompt, data_number_answer, data_dup_id, data_latin1, data_torn, data_array,
-    data_blank_lines, data_huge_row, data_dir_no_train, data_dir_empty, small_vocab, nan_norm, foreign_dir, a_file,
-    empty_dir, other_model_store, index_missing_member, model_torn_shard, model_no_config, model_bad_config,
-    model_no_weights, model_empty_shard, store_copy, store_flip_manifest, store_torn_manifest, store_no_manifest,
-    store_torn_factor, store_flip_factor, store_missing_factor, store_interrupted, adapter_copy, adapter_no_config,
-    adapter_bad_config, adapter_torn, adapter_flip, adapter_empty_weights, adapter_nan, run_copy, ckpt_no_seal,
-    ckpt_missing_file, ckpt_torn_file, export_copy, export_torn, export_no_tokenizer, eval_missing_field,
-    eval_not_json, eval_empty, eval_no_dir, eval_bad_label, mirror_copy, mirror_torn, mirror_empty_task, la_copy,
-    la_torn, la_not_list, la_missing_field, test_json_only, data_build_copy, data_build_flip, data_build_no_manifest,
-    gguf_torn, gguf_not, small_disk, page_disk, grow_disk, read_only, ro_export, ro_data, ro_store, remove_checkpoints, noop)}
-CHECKS: dict[str, Callable] = {f.__name__: f for f in (verify_store, verify_store_in_case, verify_new_store, has_new,
-                                                        same_output)}
-PLACEHOLDERS = ("model", "store", "data", "train_jsonl", "model2", "store2", "data2", "ds", "ds3", "repo", "fixtures",
-                "run", "adapter", "export", "case", "new", "base")
+STEPS: dict[str, Callable] = {
+    f.__name__: f
+    for f in (
+        bad_yaml,
+        yaml_list,
+        yaml_empty,
+        yaml_typo_key,
+        yaml_typo_section,
+        yaml_bad_value,
+        ds_clip,
+        ds_typo,
+        ds_stage9,
+        ds_list,
+        ds_torn,
+        ds_empty,
+        ds_batch,
+        ds_micro,
+        ds_fp16,
+        ds_lr_sched,
+        data_empty,
+        data_not_json,
+        data_missing_answer,
+        data_missing_prompt,
+        data_number_answer,
+        data_dup_id,
+        data_latin1,
+        data_torn,
+        data_array,
+        data_blank_lines,
+        data_huge_row,
+        data_dir_no_train,
+        data_dir_empty,
+        small_vocab,
+        nan_norm,
+        foreign_dir,
+        a_file,
+        empty_dir,
+        other_model_store,
+        index_missing_member,
+        model_torn_shard,
+        model_no_config,
+        model_bad_config,
+        model_no_weights,
+        model_empty_shard,
+        store_copy,
+        store_flip_manifest,
+        store_torn_manifest,
+        store_no_manifest,
+        store_torn_factor,
+        store_flip_factor,
+        store_missing_factor,
+        store_interrupted,
+        adapter_copy,
+        adapter_no_config,
+        adapter_bad_config,
+        adapter_torn,
+        adapter_flip,
+        adapter_empty_weights,
+        adapter_nan,
+        run_copy,
+        ckpt_no_seal,
+        ckpt_missing_file,
+        ckpt_torn_file,
+        export_copy,
+        export_torn,
+        export_no_tokenizer,
+        eval_missing_field,
+        eval_not_json,
+        eval_empty,
+        eval_no_dir,
+        eval_bad_label,
+        mirror_copy,
+        mirror_torn,
+        mirror_empty_task,
+        la_copy,
+        la_torn,
+        la_not_list,
+        la_missing_field,
+        test_json_only,
+        data_build_copy,
+        data_build_flip,
+        data_build_no_manifest,
+        gguf_torn,
+        gguf_not,
+        small_disk,
+        page_disk,
+        grow_disk,
+        read_only,
+        ro_export,
+        ro_data,
+        ro_store,
+        remove_checkpoints,
+        noop,
+    )
+}
+CHECKS: dict[str, Callable] = {
+    f.__name__: f for f in (verify_store, verify_store_in_case, verify_new_store, has_new, same_output)
+}
+PLACEHOLDERS = (
+    "model",
+    "store",
+    "data",
+    "train_jsonl",
+    "model2",
+    "store2",
+    "data2",
+    "ds",
+    "ds3",
+    "repo",
+    "fixtures",
+    "run",
+    "adapter",
+    "export",
+    "case",
+    "new",
+    "base",
+)
 
 
 def _unmount(case: Path) -> None:
@@ -966,13 +1127,21 @@ def _run_interrupted(world: World, argv: list[str], case: Path, spec: dict) -> t
     """Start ``argv``, wait until the ``when`` glob exists under the case directory (or ``after_s``), send the
     signal to its process group; (exit code, stderr). None: it finished before the signal."""
     it = spec["interrupt"]
-    proc = subprocess.Popen([sys.executable, *argv], cwd=world.repo, env=world.env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=world.repo,
+        env=world.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     start, deadline = time.monotonic(), time.monotonic() + float(it.get("within_s", 600))
     fired = False
     while proc.poll() is None and time.monotonic() < deadline:
-        if (it.get("when") and any(case.glob(it["when"]))) or \
-                (it.get("after_s") is not None and time.monotonic() - start >= float(it["after_s"])):
+        if (it.get("when") and any(case.glob(it["when"]))) or (
+            it.get("after_s") is not None and time.monotonic() - start >= float(it["after_s"])
+        ):
             os.killpg(proc.pid, getattr(signal, f"SIG{it['signal']}"))
             fired = True
             break
@@ -1012,13 +1181,23 @@ def run_case(world: World, spec: dict, case: Path) -> dict:
         # a command writes only where its arguments point: a change of the world under a path this case named is
         # this case's doing (cases run in parallel, so another change may be another case's)
         named = [a.split("=", 1)[-1] for a in argv]
-        lost = [p for p in _changed(before_world, _contents(*world_dirs))
-                if any(p.startswith(n.rstrip("/") + "/") or p.rstrip("/") == n.rstrip("/") for n in named
-                       if n.startswith(str(world.root)))]
+        lost = [
+            p
+            for p in _changed(before_world, _contents(*world_dirs))
+            if any(
+                p.startswith(n.rstrip("/") + "/") or p.rstrip("/") == n.rstrip("/")
+                for n in named
+                if n.startswith(str(world.root))
+            )
+        ]
         if lost:
             observed, why = "data-loss", f"changed another command's output: {lost[0]}"
-        result.update(observed=observed, why=why, rc=res.returncode,
-                      error=next((x for x in res.stderr.splitlines() if ERROR_LINE.match(x)), "")[:400])
+        result.update(
+            observed=observed,
+            why=why,
+            rc=res.returncode,
+            error=next((x for x in res.stderr.splitlines() if ERROR_LINE.match(x)), "")[:400],
+        )
     except subprocess.TimeoutExpired:
         result.update(observed="hang", why=f"no exit within {timeout:.0f} s")
     except Skip as e:
@@ -1088,45 +1267,68 @@ def summarise(results: list[dict]) -> dict:
     for r in results:
         by_expected[r["expected"]][r["observed"]] += 1
     ran = [r for r in results if r["observed"] != "skipped"]
-    return {"cases": len(results), "ran": len(ran),
-            "as_expected": sum(r["observed"] == r["expected"] for r in ran),
-            "observed": dict(Counter(r["observed"] for r in results)),
-            "by_expected": {c: dict(v) for c, v in by_expected.items()},
-            "mismatches": [r for r in ran if r["observed"] != r["expected"]]}
+    return {
+        "cases": len(results),
+        "ran": len(ran),
+        "as_expected": sum(r["observed"] == r["expected"] for r in ran),
+        "observed": dict(Counter(r["observed"] for r in results)),
+        "by_expected": {c: dict(v) for c, v in by_expected.items()},
+        "mismatches": [r for r in ran if r["observed"] != r["expected"]],
+    }
 
 
-HEADER = ["| run | commit | date | cases run (of the corpus) | as expected | unclear-failure | wrong-result | data-loss "
-          "| hang | skipped |", "|---|---|---|---|---|---|---|---|---|---|"]
+HEADER = [
+    "| run | commit | date | cases run (of the corpus) | as expected | unclear-failure | wrong-result | data-loss "
+    "| hang | skipped |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+]
 
 
 def report(runs: dict[str, dict]) -> str:
     """Markdown of results JSONs (label -> results): per run the counts over the cases it ran, then every run's
     counts over the cases all of them ran (a run cut short is compared on what it reached), then the mismatches."""
     common = set.intersection(*({r["name"] for r in d["results"]} for d in runs.values()))
-    lines = ["# Failure corpus results", "",
-             "Generated by `python bench/failure_corpus.py --report` from the JSON files beside this one; the corpus is "
-             "`bench/failure_corpus.yaml`, the policy [docs/failure-policy.md](../../../docs/failure-policy.md).", "",
-             *HEADER]
+    lines = [
+        "# Failure corpus results",
+        "",
+        "Generated by `python bench/failure_corpus.py --report` from the JSON files beside this one; the corpus is "
+        "`bench/failure_corpus.yaml`, the policy [docs/failure-policy.md](../../../docs/failure-policy.md).",
+        "",
+        *HEADER,
+    ]
 
     def row(label: str, d: dict, results: list[dict]) -> str:
         s, o = summarise(results), Counter(r["observed"] for r in results)
-        return (f"| {label} | {d['versions']['commit']} | {d['date'][:10]} | {s['cases']} ({d.get('corpus_cases', '?')}) "
-                f"| {s['as_expected']} | {o['unclear-failure']} | {o['wrong-result']} | {o['data-loss']} | {o['hang']} "
-                f"| {o['skipped']} |")
+        return (
+            f"| {label} | {d['versions']['commit']} | {d['date'][:10]} | {s['cases']} ({d.get('corpus_cases', '?')}) "
+            f"| {s['as_expected']} | {o['unclear-failure']} | {o['wrong-result']} | {o['data-loss']} | {o['hang']} "
+            f"| {o['skipped']} |"
+        )
 
     lines += [row(label, d, d["results"]) for label, d in runs.items()]
     if len(runs) > 1:
         lines += ["", f"On the {len(common)} cases every run reached:", "", *HEADER]
         lines += [row(label, d, [r for r in d["results"] if r["name"] in common]) for label, d in runs.items()]
     for label, d in runs.items():
-        lines += ["", f"## {label}: expected class -> observed", "", f"{d.get('note', '')}", "",
-                  "| expected | " + " | ".join(OBSERVED) + " |", "|---" * (len(OBSERVED) + 1) + "|"]
+        lines += [
+            "",
+            f"## {label}: expected class -> observed",
+            "",
+            f"{d.get('note', '')}",
+            "",
+            "| expected | " + " | ".join(OBSERVED) + " |",
+            "|---" * (len(OBSERVED) + 1) + "|",
+        ]
         for c, counts in summarise(d["results"])["by_expected"].items():
             lines.append(f"| {c} | " + " | ".join(str(counts.get(o, 0)) for o in OBSERVED) + " |")
         mism = summarise(d["results"])["mismatches"]
         lines += ["", f"### {label}: {len(mism)} mismatches", ""]
-        lines += [f"- **{m['name']}** (expected {m['expected']}, got {m['observed']}): {m.get('why') or ''}"
-                  .replace("|", "\\|") for m in mism]
+        lines += [
+            f"- **{m['name']}** (expected {m['expected']}, got {m['observed']}): {m.get('why') or ''}".replace(
+                "|", "\\|"
+            )
+            for m in mism
+        ]
         skipped = [r for r in d["results"] if r["observed"] == "skipped"]
         if skipped:
             lines += ["", f"### {label}: {len(skipped)} skipped", ""] + [f"- {r['name']}: {r['why']}" for r in skipped]
@@ -1150,8 +1352,15 @@ def collect(path: Path, cases: list[dict]) -> list[dict]:
         mark, expected, observed, rest = m.groups()
         name, _, why = rest.partition("  (") if mark == "MISMATCH" else (rest.strip(), "", "")
         name = name.strip()
-        out.append({"name": name, "expected": expected, "observed": observed, "why": why[:-1] if why else None,
-                    "cmd": by_name.get(name, {}).get("cmd")})
+        out.append(
+            {
+                "name": name,
+                "expected": expected,
+                "observed": observed,
+                "why": why[:-1] if why else None,
+                "cmd": by_name.get(name, {}).get("cmd"),
+            }
+        )
     return out
 
 
@@ -1167,13 +1376,18 @@ def run_all(repo: Path, cases: list[dict], jobs: int, tmp: Path, partial: Path |
         if partial is not None:  # a run cut short still counts what it ran
             with open(partial, "a") as f:
                 f.write(json.dumps(r) + "\n")
-        print(f"{next(slots) + 1:>4}/{len(cases)} {mark:>8}  {r['expected']:>14} -> {r['observed']:<15} {r['name']}"
-              + (f"  ({r['why']})" if r.get("why") and mark != "ok" else ""), flush=True)
+        print(
+            f"{next(slots) + 1:>4}/{len(cases)} {mark:>8}  {r['expected']:>14} -> {r['observed']:<15} {r['name']}"
+            + (f"  ({r['why']})" if r.get("why") and mark != "ok" else ""),
+            flush=True,
+        )
         return r
 
     # interrupted and disk cases run alone (their timing and mounts must not depend on the other jobs), and first:
     # a run cut short has the cases most likely to lose data
-    serial = [(i, c) for i, c in enumerate(cases) if c.get("interrupt") or c.get("prepare") in ("small_disk", "page_disk")]
+    serial = [
+        (i, c) for i, c in enumerate(cases) if c.get("interrupt") or c.get("prepare") in ("small_disk", "page_disk")
+    ]
     parallel = [(i, c) for i, c in enumerate(cases) if (i, c) not in serial]
     results = {i: one((i, c)) for i, c in serial}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -1189,10 +1403,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1)")
     ap.add_argument("--validate", action="store_true", help="check the corpus file and exit (no command runs)")
-    ap.add_argument("--report", type=Path, nargs="+", default=None, metavar="JSON",
-                    help="print the Markdown report of results JSONs (e.g. before.json after.json) and exit")
-    ap.add_argument("--collect", type=Path, default=None, metavar="PARTIAL",
-                    help="write --json from a run cut short: its .partial.jsonl or its printed lines")
+    ap.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="print the Markdown report of results JSONs (e.g. before.json after.json) and exit",
+    )
+    ap.add_argument(
+        "--collect",
+        type=Path,
+        default=None,
+        metavar="PARTIAL",
+        help="write --json from a run cut short: its .partial.jsonl or its printed lines",
+    )
     ap.add_argument("--note", default=None, help="--collect: a note on the run kept in the JSON and the report")
     args = ap.parse_args(argv)
     if args.report:
@@ -1201,11 +1426,18 @@ def main(argv: list[str] | None = None) -> int:
     cases = load(args.corpus)
     if args.collect:
         results = collect(args.collect, cases)
-        doc = {"command": f"python bench/failure_corpus.py --repo {args.repo} (cut short; collected from "
-                          f"{args.collect.name})", "date": datetime.datetime.fromtimestamp(
-                   args.collect.stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds"),
-               "versions": _versions(args.repo.resolve()), "corpus_cases": len(cases), "note": args.note or "",
-               "summary": summarise(results), "results": results}
+        doc = {
+            "command": f"python bench/failure_corpus.py --repo {args.repo} (cut short; collected from "
+            f"{args.collect.name})",
+            "date": datetime.datetime.fromtimestamp(args.collect.stat().st_mtime, datetime.UTC).isoformat(
+                timespec="seconds"
+            ),
+            "versions": _versions(args.repo.resolve()),
+            "corpus_cases": len(cases),
+            "note": args.note or "",
+            "summary": summarise(results),
+            "results": results,
+        }
         (args.json or Path("/dev/stdout")).write_text(json.dumps(doc, indent=1) + "\n")
         return 0
     problems = validate(cases)
@@ -1214,20 +1446,39 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     cases = [c for c in cases if not args.only or args.only in c["name"]]
     repo = args.repo.resolve()
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="frod-failure-corpus-") as tmp:
         partial = args.json.with_suffix(".partial.jsonl") if args.json else None
         results = run_all(repo, cases, args.jobs, Path(tmp), partial)
     summary = summarise(results)
-    print("per expected class:", "; ".join(f"{c}: " + ", ".join(f"{o} {n}" for o, n in sorted(v.items()))
-                                           for c, v in summary["by_expected"].items() if v))
-    print(f"as expected: {summary['as_expected']}/{summary['ran']}; mismatches: {len(summary['mismatches'])}; "
-          f"skipped: {summary['observed'].get('skipped', 0)}")
+    print(
+        "per expected class:",
+        "; ".join(
+            f"{c}: " + ", ".join(f"{o} {n}" for o, n in sorted(v.items()))
+            for c, v in summary["by_expected"].items()
+            if v
+        ),
+    )
+    print(
+        f"as expected: {summary['as_expected']}/{summary['ran']}; mismatches: {len(summary['mismatches'])}; "
+        f"skipped: {summary['observed'].get('skipped', 0)}"
+    )
     if args.json:
         cmdline = ["python", "bench/failure_corpus.py", *(argv if argv is not None else sys.argv[1:])]
-        args.json.write_text(json.dumps({"command": " ".join(cmdline), "date": date, "versions": _versions(repo),
-                                         "corpus_cases": len(cases), "summary": summary, "results": results},
-                                        indent=1) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": " ".join(cmdline),
+                    "date": date,
+                    "versions": _versions(repo),
+                    "corpus_cases": len(cases),
+                    "summary": summary,
+                    "results": results,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 1 if summary["mismatches"] else 0
 
 

@@ -56,8 +56,13 @@ def peft_frod_model(base: nn.Module, targets: list[str], sparsity: float, pi: fl
     """Stock PEFT's FRoD on ``base`` (fp32), with PEFT's own initialisation (its HJD, support, λ⁰)."""
     from peft import FrodConfig, get_peft_model
 
-    cfg = FrodConfig(target_modules=list(targets), sparse_rate=sparsity, regularization_alpha=pi, progressbar=False,
-                     task_type="CAUSAL_LM")
+    cfg = FrodConfig(
+        target_modules=list(targets),
+        sparse_rate=sparsity,
+        regularization_alpha=pi,
+        progressbar=False,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(base, cfg)
 
 
@@ -65,8 +70,11 @@ def peft_layers(peft_model: nn.Module) -> dict[str, nn.Module]:
     """``{module path in the HF model: PEFT FRoD layer}``."""
     from peft.tuners.frod import FrodLayer
 
-    return {name.removeprefix("base_model.model."): m for name, m in peft_model.named_modules()
-            if isinstance(m, FrodLayer) and ADAPTER in m.frod_lambda_l}
+    return {
+        name.removeprefix("base_model.model."): m
+        for name, m in peft_model.named_modules()
+        if isinstance(m, FrodLayer) and ADAPTER in m.frod_lambda_l
+    }
 
 
 def frod_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -111,19 +119,23 @@ def param_groups(model: nn.Module, kind: str, lr_sigma: float, lr_s: float, weig
     s = [p for n, p in model.named_parameters() if p.requires_grad and ".frod_lambda_s_values." in n]
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(sigma) + len(s) == len(trainable), f"PEFT trains more than λ and S: {trainable[:3]}"
-    return [{"name": "sigma", "params": sigma, "lr": lr_sigma, "weight_decay": weight_decay},
-            {"name": "s", "params": s, "lr": lr_s, "weight_decay": weight_decay}]
+    return [
+        {"name": "sigma", "params": sigma, "lr": lr_sigma, "weight_decay": weight_decay},
+        {"name": "s", "params": s, "lr": lr_s, "weight_decay": weight_decay},
+    ]
 
 
 def member_tensors(model: nn.Module, kind: str, grad: bool = False) -> dict[str, tuple[Tensor, Tensor]]:
     """``{member: (σ, S values)}`` (or their gradients), in frod-ds' support order on both sides."""
     if kind == "frod":
         get = (lambda p: p.grad) if grad else (lambda p: p)
-        return {m: (get(l.frod_sigma).detach().clone(), get(l.frod_s).detach().clone())
-                for m, l in frod_layers(model).items()}
+        return {
+            m: (get(layer.frod_sigma).detach().clone(), get(layer.frod_s).detach().clone())
+            for m, layer in frod_layers(model).items()
+        }
     out = {}
-    for m, l in peft_layers(model).items():
-        lam, s = l.frod_lambda_l[ADAPTER], l.frod_lambda_s_values[ADAPTER]
+    for m, layer in peft_layers(model).items():
+        lam, s = layer.frod_lambda_l[ADAPTER], layer.frod_lambda_s_values[ADAPTER]
         out[m] = ((lam.grad if grad else lam).detach().clone(), (s.grad if grad else s).detach().clone())
     return out
 
@@ -138,8 +150,11 @@ def rel(a: Tensor, b: Tensor, ref: Tensor | None = None) -> float:
     return 0.0 if num == 0 else (math.inf if den == 0 else num / den)
 
 
-def compare_members(a: dict[str, tuple[Tensor, Tensor]], b: dict[str, tuple[Tensor, Tensor]],
-                    ref: dict[str, tuple[Tensor, Tensor]] | None = None) -> dict[str, Any]:
+def compare_members(
+    a: dict[str, tuple[Tensor, Tensor]],
+    b: dict[str, tuple[Tensor, Tensor]],
+    ref: dict[str, tuple[Tensor, Tensor]] | None = None,
+) -> dict[str, Any]:
     """Worst member's ``‖a − b‖ / ‖ref‖`` for σ and S (``ref`` defaults to ``b``), and which member it is."""
     out: dict[str, Any] = {}
     for j, name in ((0, "sigma"), (1, "s")):
@@ -171,7 +186,7 @@ def fixed_batches(tokenizer, data: Path, steps: int, batch: int, cutoff: int) ->
     rows = [{"prompt": r["instruction"], "answer": r["output"]} for r in rows[:need]]
     examples = encode_examples(tokenizer, rows, cutoff, train_on_inputs=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return [collate(examples[k * batch:(k + 1) * batch], pad) for k in range(steps)]
+    return [collate(examples[k * batch : (k + 1) * batch], pad) for k in range(steps)]
 
 
 # ---------------------------------------------------------------------------------------------- train
@@ -221,8 +236,9 @@ class Side:
         return float(norm)
 
 
-def lockstep(frod: nn.Module, peft: nn.Module, batches: list[dict[str, Tensor]], cfg: OptCfg,
-             log=print, on_step=None) -> dict[str, Any]:
+def lockstep(
+    frod: nn.Module, peft: nn.Module, batches: list[dict[str, Tensor]], cfg: OptCfg, log=print, on_step=None
+) -> dict[str, Any]:
     """Train both models step by step on the same batches; per step: both losses, their relative difference,
     both gradient norms, and the parameters' disagreement relative to the update so far. Step 1 also records
     the logits at init and the gradients (the bisection: forward, then gradients, then the optimizer)."""
@@ -250,15 +266,23 @@ def lockstep(frod: nn.Module, peft: nn.Module, batches: list[dict[str, Tensor]],
         now = {k: member_tensors(s.model, k) for k, s in sides.items()}
         d_frod = update(now["frod"], init["frod"])
         params = compare_members(update(now["peft"], init["peft"]), d_frod)
-        row = {"step": i + 1, "loss_frod": loss["frod"], "loss_peft": loss["peft"],
-               "loss_rel_diff": abs(loss["peft"] - loss["frod"]) / abs(loss["frod"]),
-               "grad_norm_frod": norm["frod"], "grad_norm_peft": norm["peft"],
-               "lr_sigma": sides["frod"].opt.param_groups[0]["lr"], "update_rel_diff": params}
+        row = {
+            "step": i + 1,
+            "loss_frod": loss["frod"],
+            "loss_peft": loss["peft"],
+            "loss_rel_diff": abs(loss["peft"] - loss["frod"]) / abs(loss["frod"]),
+            "grad_norm_frod": norm["frod"],
+            "grad_norm_peft": norm["peft"],
+            "lr_sigma": sides["frod"].opt.param_groups[0]["lr"],
+            "update_rel_diff": params,
+        }
         out["steps"].append(row)
         if on_step is not None:
             on_step(out)
-        log(f"step {i + 1}/{steps}: loss frod-ds {loss['frod']:.6f} peft {loss['peft']:.6f} "
-            f"rel {row['loss_rel_diff']:.2e}; update σ {params['sigma']:.2e} S {params['s']:.2e}")
+        log(
+            f"step {i + 1}/{steps}: loss frod-ds {loss['frod']:.6f} peft {loss['peft']:.6f} "
+            f"rel {row['loss_rel_diff']:.2e}; update σ {params['sigma']:.2e} S {params['s']:.2e}"
+        )
     out["seconds"] = {k: round(s.seconds, 1) for k, s in sides.items()}
     return out
 
@@ -297,14 +321,16 @@ def own_inits(peft_model: nn.Module, store, supports: dict) -> dict[str, Any]:
         peft_flat = torch.unique(idx[0] * n + idx[1])
         ours = supports[cat].flat
         out[cat] = {
-            "n": n, "members": len(members),
+            "n": n,
+            "members": len(members),
             "basis_columns_matched_one_to_one": is_perm,
             "basis_columns_reordered": int((perm != torch.arange(n)).sum()),
             "basis_columns_sign_flipped": flips,
             "basis_max_column_rel_diff": float(col_err.max()),
             "basis_median_column_rel_diff": float(col_err.median()),
             "lambda0_vs_sigma0_max_rel_diff": sig_err,
-            "nnz_peft": int(peft_flat.numel()), "nnz_frod": int(ours.numel()),
+            "nnz_peft": int(peft_flat.numel()),
+            "nnz_frod": int(ours.numel()),
             "support_overlap": int(torch.isin(ours, peft_flat).sum()),
             "support_overlap_expected_if_independent": round(ours.numel() * peft_flat.numel() / (n * (n - 1)), 1),
         }
@@ -333,8 +359,9 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     a.plot(x, [r["loss_peft"] for r in steps], label="stock PEFT FRoD", ls="--", lw=1.5)
     a.set_ylabel("training loss (answer tokens)")
     a.legend()
-    a.set_title(f"{results['setup']['model_name']}\nsame factors, support, σ⁰, batches, optimizer (fp32, CPU)",
-                fontsize=9)
+    a.set_title(
+        f"{results['setup']['model_name']}\nsame factors, support, σ⁰, batches, optimizer (fp32, CPU)", fontsize=9
+    )
     b.semilogy(x, [max(r["loss_rel_diff"], 1e-12) for r in steps], label="|loss_peft − loss_frod| / loss_frod")
     b.semilogy(x, [max(r["update_rel_diff"]["sigma"], 1e-12) for r in steps], label="σ update: rel. difference")
     b.semilogy(x, [max(r["update_rel_diff"]["s"], 1e-12) for r in steps], label="S update: rel. difference")
@@ -379,8 +406,11 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         "## Result",
         "",
-        *([] if results.get("complete", True) else
-          [f"**Interrupted after {len(steps)} of {s['steps']} steps**; what follows covers those.", ""]),
+        *(
+            []
+            if results.get("complete", True)
+            else [f"**Interrupted after {len(steps)} of {s['steps']} steps**; what follows covers those.", ""]
+        ),
         f"**{'Equal' if ok else 'Not equal'} within {TOL:g}:** the largest per-step relative loss difference over "
         f"{len(steps)} steps is {_fmt(worst['loss_rel_diff'])} (step {worst['step']}). Loss "
         f"{steps[0]['loss_frod']:.4f} → {steps[-1]['loss_frod']:.4f} (frod-ds), "
@@ -390,7 +420,8 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         "| stage | quantity | relative difference |",
         "|---|---|---|",
-        f"| init | σ⁰ and S⁰ as held | σ {_fmt(run['init']['params']['sigma'])}, S {_fmt(run['init']['params']['s'])} |",
+        f"| init | σ⁰ and S⁰ as held | σ {_fmt(run['init']['params']['sigma'])}, "
+        f"S {_fmt(run['init']['params']['s'])} |",
         f"| forward at init | max abs logit difference / max abs logit | "
         f"{_fmt(run['init']['logits_max_abs_diff'] / run['init']['logits_max_abs'])} |",
         f"| step 1 gradients | ‖g_peft − g_frod‖ / ‖g_frod‖ | σ {_fmt(run['step1_grads']['sigma'])}, "
@@ -410,19 +441,29 @@ def render_report(results: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in steps:
-        lines.append(f"| {r['step']} | {r['loss_frod']:.6f} | {r['loss_peft']:.6f} | {_fmt(r['loss_rel_diff'])} | "
-                     f"{_fmt(r['update_rel_diff']['sigma'])} | {_fmt(r['update_rel_diff']['s'])} | "
-                     f"{r['grad_norm_frod']:.4f} |")
-    lines += ["", "## Initialisation from scratch (not injected)", "", own_init_text(own), "",
-              "| category | n | columns matched 1:1 | columns reordered | sign flips | median / max column diff | "
-              "max λ⁰/σ⁰ diff | nnz PEFT | nnz frod-ds | support overlap (independent: expected) |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['step']} | {r['loss_frod']:.6f} | {r['loss_peft']:.6f} | {_fmt(r['loss_rel_diff'])} | "
+            f"{_fmt(r['update_rel_diff']['sigma'])} | {_fmt(r['update_rel_diff']['s'])} | "
+            f"{r['grad_norm_frod']:.4f} |"
+        )
+    lines += [
+        "",
+        "## Initialisation from scratch (not injected)",
+        "",
+        own_init_text(own),
+        "",
+        "| category | n | columns matched 1:1 | columns reordered | sign flips | median / max column diff | "
+        "max λ⁰/σ⁰ diff | nnz PEFT | nnz frod-ds | support overlap (independent: expected) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for cat, c in own.items():
-        lines.append(f"| {cat} | {c['n']} | {c['basis_columns_matched_one_to_one']} | {c['basis_columns_reordered']} | "
-                     f"{c['basis_columns_sign_flipped']} | {_fmt(c['basis_median_column_rel_diff'])} / "
-                     f"{_fmt(c['basis_max_column_rel_diff'])} | "
-                     f"{_fmt(c['lambda0_vs_sigma0_max_rel_diff'])} | {c['nnz_peft']} | {c['nnz_frod']} | "
-                     f"{c['support_overlap']} ({c['support_overlap_expected_if_independent']}) |")
+        lines.append(
+            f"| {cat} | {c['n']} | {c['basis_columns_matched_one_to_one']} | {c['basis_columns_reordered']} | "
+            f"{c['basis_columns_sign_flipped']} | {_fmt(c['basis_median_column_rel_diff'])} / "
+            f"{_fmt(c['basis_max_column_rel_diff'])} | "
+            f"{_fmt(c['lambda0_vs_sigma0_max_rel_diff'])} | {c['nnz_peft']} | {c['nnz_frod']} | "
+            f"{c['support_overlap']} ({c['support_overlap_expected_if_independent']}) |"
+        )
     lines += ["", "## Which behaves as the paper describes", "", paper_text(results), ""]
     return "\n".join(lines)
 
@@ -470,9 +511,12 @@ def paper_text(results: dict[str, Any]) -> str:
     worst = max(r["loss_rel_diff"] for r in results["run"]["steps"])
     agree = worst <= TOL
     return (
-        ("The layer's arithmetic, its gradients and the optimizer update agree to fp32 rounding, so on "
-         "identical factors, support and σ⁰ the two implementations are the same method. " if agree else
-         "The two runs disagree beyond the tolerance; the bisection table above says at which stage. ")
+        (
+            "The layer's arithmetic, its gradients and the optimizer update agree to fp32 rounding, so on "
+            "identical factors, support and σ⁰ the two implementations are the same method. "
+            if agree
+            else "The two runs disagree beyond the tolerance; the bisection table above says at which stage. "
+        )
         + _adam_note(results["run"])
         + "Both replace W_i by U_i (diag σ_i + S_i) Vᵀ (paper §3.2, spec §2): PEFT's forward skips the base layer "
         "when one adapter is active without dropout, so neither doubles the output at init as the authors' "
@@ -496,11 +540,13 @@ def _adam_note(run: dict[str, Any]) -> str:
     if u[k] <= 10 * max(g[k], 1e-12):
         return ""
     name = "σ" if k == "sigma" else "S"
-    return (f"The updates agree less closely than the gradients (step 1: {name} gradients {_fmt(g[k])}, {name} "
-            f"update {_fmt(u[k])}): AdamW divides each gradient entry by its own running size, so an entry whose gradient "
-            "is near zero — fp32 rounding of a cancelling sum, different in the two orders of summation — moves by "
-            "about a full LR step on both sides with a rounding-sized difference in size or sign. That is rounding "
-            "amplified by the optimizer, not a difference of method; the losses stay within the tolerance. ")
+    return (
+        f"The updates agree less closely than the gradients (step 1: {name} gradients {_fmt(g[k])}, {name} "
+        f"update {_fmt(u[k])}): AdamW divides each gradient entry by its own running size, so an entry whose gradient "
+        "is near zero — fp32 rounding of a cancelling sum, different in the two orders of summation — moves by "
+        "about a full LR step on both sides with a rounding-sized difference in size or sign. That is rounding "
+        "amplified by the optimizer, not a difference of method; the losses stay within the tolerance. "
+    )
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -513,8 +559,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, help="fp32 HF checkpoint directory (launch/convert_gguf.py convert)")
     p.add_argument("--factor-store", type=Path, help="frod-ds factor store of --model (launch/hjd.py)")
     p.add_argument("--data", type=Path, help="LLM-Adapters JSON file (instruction/output rows), read in file order")
-    p.add_argument("--model-name", default="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
-                   help="what --model is, for the report")
+    p.add_argument(
+        "--model-name", default="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)", help="what --model is, for the report"
+    )
     p.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS), help="targeted linear names")
     p.add_argument("--sparsity", type=float, default=0.02, help="density s of S (PEFT's sparse_rate)")
     p.add_argument("--seed", type=int, default=0, help="frod-ds' support seed (make_supports)")
@@ -530,8 +577,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument("--report-only", action="store_true", help="regenerate report.md and the plot from results.json")
-    p.add_argument("--first-layers", type=int, default=None,
-                   help="write --model as the first N decoder layers of --from-model (fp32), then exit")
+    p.add_argument(
+        "--first-layers",
+        type=int,
+        default=None,
+        help="write --model as the first N decoder layers of --from-model (fp32), then exit",
+    )
     p.add_argument("--from-model", type=Path, default=None, help="the full checkpoint --first-layers reads")
     args = p.parse_args(argv)
     if args.first_layers is not None:
@@ -586,8 +637,11 @@ def first_layers(src: Path, dst: Path, n: int) -> None:
         model.config.layer_types = model.config.layer_types[:n]
     model.save_pretrained(str(dst))
     for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja",
-                                                        "generation_config.json"):
+        if f.name.startswith("tokenizer") or f.name in (
+            "special_tokens_map.json",
+            "chat_template.jinja",
+            "generation_config.json",
+        ):
             shutil.copy(f, dst / f.name)
 
 
@@ -608,26 +662,50 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     frod, peft, own, pi = build_pair(args)
-    batches = fixed_batches(AutoTokenizer.from_pretrained(str(args.model)), args.data, args.steps, args.batch,
-                            args.cutoff)
+    batches = fixed_batches(
+        AutoTokenizer.from_pretrained(str(args.model)), args.data, args.steps, args.batch, args.cutoff
+    )
     print(f"models built and injected in {time.perf_counter() - t0:.0f} s; training {args.steps} steps", flush=True)
-    cfg = OptCfg(args.lr_sigma, args.lr_s, args.weight_decay, (0.9, 0.999), args.eps, args.max_grad_norm,
-                 args.warmup_ratio)
+    cfg = OptCfg(
+        args.lr_sigma, args.lr_s, args.weight_decay, (0.9, 0.999), args.eps, args.max_grad_norm, args.warmup_ratio
+    )
+
     def results_of(run: dict[str, Any]) -> dict[str, Any]:
         return {
-        "benchmark": "frod_vs_peft", "device": device_name(), "versions": versions(),
-        "setup": {"model_name": args.model_name, "model_note": args.model.name, "targets": list(args.targets),
-                  "members": len(frod_layers(frod)), "sparsity": args.sparsity, "pi": pi, "seed": args.seed,
-                  "steps": args.steps, "batch": args.batch, "cutoff": args.cutoff,
-                  "data": "/".join(args.data.parts[-2:]),
-                  "tokens": int(sum(int(b["attention_mask"].sum()) for b in batches)),
-                  "optimizer": {"lr_sigma": cfg.lr_sigma, "lr_s": cfg.lr_s, "weight_decay": cfg.weight_decay,
-                                "betas": list(cfg.betas), "eps": cfg.eps, "max_grad_norm": cfg.max_grad_norm,
-                                "warmup_ratio": cfg.warmup_ratio, "schedule": cfg.schedule}},
-        "command": command_line(args),
-        "run": run, "own_init": own, "max_loss_rel_diff": max(r["loss_rel_diff"] for r in run["steps"]),
-        "tolerance": TOL, "seconds": round(time.perf_counter() - t0, 1),
-        "complete": len(run["steps"]) == args.steps,
+            "benchmark": "frod_vs_peft",
+            "device": device_name(),
+            "versions": versions(),
+            "setup": {
+                "model_name": args.model_name,
+                "model_note": args.model.name,
+                "targets": list(args.targets),
+                "members": len(frod_layers(frod)),
+                "sparsity": args.sparsity,
+                "pi": pi,
+                "seed": args.seed,
+                "steps": args.steps,
+                "batch": args.batch,
+                "cutoff": args.cutoff,
+                "data": "/".join(args.data.parts[-2:]),
+                "tokens": int(sum(int(b["attention_mask"].sum()) for b in batches)),
+                "optimizer": {
+                    "lr_sigma": cfg.lr_sigma,
+                    "lr_s": cfg.lr_s,
+                    "weight_decay": cfg.weight_decay,
+                    "betas": list(cfg.betas),
+                    "eps": cfg.eps,
+                    "max_grad_norm": cfg.max_grad_norm,
+                    "warmup_ratio": cfg.warmup_ratio,
+                    "schedule": cfg.schedule,
+                },
+            },
+            "command": command_line(args),
+            "run": run,
+            "own_init": own,
+            "max_loss_rel_diff": max(r["loss_rel_diff"] for r in run["steps"]),
+            "tolerance": TOL,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "complete": len(run["steps"]) == args.steps,
         }
 
     def save(run: dict[str, Any]) -> None:  # after every step: an interrupted run keeps what it measured
@@ -640,8 +718,10 @@ def main(argv: list[str] | None = None) -> int:
     save(run)
     results = results_of(run)
     write_report(results, out)
-    print(f"max per-step relative loss difference {results['max_loss_rel_diff']:.2e} (tolerance {TOL:g}); "
-          f"{out / 'report.md'}")
+    print(
+        f"max per-step relative loss difference {results['max_loss_rel_diff']:.2e} (tolerance {TOL:g}); "
+        f"{out / 'report.md'}"
+    )
     return 0 if results["max_loss_rel_diff"] <= TOL else 1
 
 

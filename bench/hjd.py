@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -47,8 +47,14 @@ ENV = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_D
 def weight_shape(preset: str, category: str) -> tuple[int, int]:
     p = PRESETS[preset]
     h, kv = p["hidden"], p["hidden"] // p["heads"] * p["kv_heads"]
-    return {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
-            "gate_proj": (p["intermediate"], h), "up_proj": (p["intermediate"], h)}[category]
+    return {
+        "q_proj": (h, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, h),
+        "gate_proj": (p["intermediate"], h),
+        "up_proj": (p["intermediate"], h),
+    }[category]
 
 
 def module_name(category: str, layer: int) -> str:
@@ -78,7 +84,9 @@ def write_checkpoint(path: Path, preset: str, categories: list[str], shard_gb: f
     t0 = time.perf_counter()
     path.mkdir(parents=True, exist_ok=True)
     p = PRESETS[preset]
-    names = [(module_name(c, layer) + ".weight", weight_shape(preset, c)) for c in categories for layer in range(p["layers"])]
+    names = [
+        (module_name(c, layer) + ".weight", weight_shape(preset, c)) for c in categories for layer in range(p["layers"])
+    ]
     shards: list[list[tuple[str, tuple[int, int]]]] = [[]]
     size = 0
     for name, shape in names:
@@ -106,14 +114,32 @@ def write_checkpoint(path: Path, preset: str, categories: list[str], shard_gb: f
             pending.append(pool.submit(write_safetensors, path / fname, tensors))
         for f in pending:
             f.result()
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": p["hidden"],
-        "intermediate_size": p["intermediate"], "num_hidden_layers": p["layers"], "num_attention_heads": p["heads"],
-        "num_key_value_heads": p["kv_heads"], "torch_dtype": "bfloat16", "vocab_size": 32000}))
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": p["hidden"],
+                "intermediate_size": p["intermediate"],
+                "num_hidden_layers": p["layers"],
+                "num_attention_heads": p["heads"],
+                "num_key_value_heads": p["kv_heads"],
+                "torch_dtype": "bfloat16",
+                "vocab_size": 32000,
+            }
+        )
+    )
     os.sync()
-    return {"preset": preset, "categories": categories, "gib": round(total / 2**30, 3), "shards": len(shards),
-            "seconds": round(time.perf_counter() - t0, 2)}
+    return {
+        "preset": preset,
+        "categories": categories,
+        "gib": round(total / 2**30, 3),
+        "shards": len(shards),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
 
 
 def drop_caches() -> bool:
@@ -143,8 +169,14 @@ def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, col
         f.flush()
         rc = subprocess.run(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
-    result = {"gpus": gpus, "launcher": "torchrun" if torchrun else "python", "args": args, "rc": rc,
-              "wall_s": round(wall, 2), "cold_cache": dropped}
+    result = {
+        "gpus": gpus,
+        "launcher": "torchrun" if torchrun else "python",
+        "args": args,
+        "rc": rc,
+        "wall_s": round(wall, 2),
+        "cold_cache": dropped,
+    }
     mpath = out / "manifest.json"
     if mpath.is_file():
         from frod_ds.formats.factor_store import Manifest
@@ -159,18 +191,28 @@ def run_stage(model: Path, out: Path, gpus: int, args: list[str], log: Path, col
             ranks=[dataclasses.asdict(r) for r in ranks],
             peak_gpu_gib=max((r.peak_device_gib or 0 for r in ranks), default=None),
             peak_gpu_reserved_gib=max((r.peak_device_reserved_gib or 0 for r in ranks), default=None),
-            categories={c: {"seconds": r.seconds, "phase_seconds": r.phase_seconds, "max_error": r.max_error,
-                            "max_stored_error": r.max_stored_error, "width": r.width, "method": r.method,
-                            "cond_estimate": r.cond_estimate, "members": len(r.members)}
-                        for c, r in m.categories.items() if r.complete},
+            categories={
+                c: {
+                    "seconds": r.seconds,
+                    "phase_seconds": r.phase_seconds,
+                    "max_error": r.max_error,
+                    "max_stored_error": r.max_stored_error,
+                    "width": r.width,
+                    "method": r.method,
+                    "cond_estimate": r.cond_estimate,
+                    "members": len(r.members),
+                }
+                for c, r in m.categories.items()
+                if r.complete
+            },
         )
     return result
 
 
 def check_against_decompose(model: Path, out: Path) -> dict:
     """The GPU store (fp64) against single-process ``decompose`` on the CPU: V and reconstruction."""
-    from frod_ds.io.hf_checkpoint import HFCheckpoint
     from frod_ds.hjd.math import decompose
+    from frod_ds.io.hf_checkpoint import HFCheckpoint
     from frod_ds.model.store_reader import FactorStore
 
     store, ckpt = FactorStore.open(out), HFCheckpoint(model)
@@ -183,14 +225,20 @@ def check_against_decompose(model: Path, out: Path) -> dict:
         for m, W in zip(members, Ws):
             U, s = store.load_U(m, torch.float64), store.load_sigma(m, torch.float64)
             # U is stored in bf16, so this is bf16-level; the stage's fp64 HJD error is max_hjd_error.
-            worst["recon_rel"] = max(worst["recon_rel"], (torch.linalg.norm((U * s) @ V.T - W) / torch.linalg.norm(W)).item())
+            worst["recon_rel"] = max(
+                worst["recon_rel"], (torch.linalg.norm((U * s) @ V.T - W) / torch.linalg.norm(W)).item()
+            )
         worst["max_hjd_error"] = max(worst.get("max_hjd_error", 0.0), store.record(category).max_error)
     return worst
 
 
 def environment() -> dict:
-    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
-           "torch": torch.__version__, "host_cpus": os.cpu_count()}
+    env = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "host_cpus": os.cpu_count(),
+    }
     try:
         import safetensors
 
@@ -202,10 +250,13 @@ def environment() -> dict:
         env["gpu_count"] = torch.cuda.device_count()
         env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
     try:
-        commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=REPO, capture_output=True, text=True)
+        commit = subprocess.run(
+            ["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
         if commit.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                                   text=True).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+            ).stdout.strip()
             env["git_commit"] = commit.stdout.strip() + ("-dirty" if dirty else "")
     except OSError:
         pass
@@ -219,8 +270,14 @@ class Suite:
         self.work, self.out, self.deadline = work, out, time.monotonic() + budget_s
         self.log = out.with_suffix(".log")
         argv = [Path(a).name if a == str(out) else a for a in sys.argv]  # no machine path in the results
-        self.results: dict = {"command": "python3 " + " ".join(argv), "environment": environment(), "generated": [], "runs": [],
-                              "skipped": [], "notes": []}
+        self.results: dict = {
+            "command": "python3 " + " ".join(argv),
+            "environment": environment(),
+            "generated": [],
+            "runs": [],
+            "skipped": [],
+            "notes": [],
+        }
         work.mkdir(parents=True, exist_ok=True)
 
     def left(self) -> float:
@@ -253,8 +310,14 @@ def suite(kind: str, work: Path, out: Path, budget_s: float) -> None:
     # 1. Correctness on this machine's backend: fp64 store vs CPU decompose.
     shutil.rmtree(ckpt, ignore_errors=True)
     s.step("gen-tiny", 30, lambda: write_checkpoint(ckpt, "tiny", TARGETS))
-    s.step("tiny-fp64-check", 60, lambda: {**run_stage(ckpt, store, gpus2, ["--dtype", "float64"], s.log, False),
-                                          "vs_decompose": check_against_decompose(ckpt, store)})
+    s.step(
+        "tiny-fp64-check",
+        60,
+        lambda: {
+            **run_stage(ckpt, store, gpus2, ["--dtype", "float64"], s.log, False),
+            "vs_decompose": check_against_decompose(ckpt, store),
+        },
+    )
     if kind == "tiny":
         s.step("tiny-fp32", 60, lambda: run_stage(ckpt, store, gpus2, [], s.log, False))
         shutil.rmtree(work, ignore_errors=True)
@@ -262,16 +325,37 @@ def suite(kind: str, work: Path, out: Path, budget_s: float) -> None:
     if kind == "7b-1gpu":  # where the 7B time goes on one GPU: launcher, disk reads, durable writes, route
         shutil.rmtree(ckpt, ignore_errors=True)
         if s.step("gen-7b", 90, lambda: write_checkpoint(ckpt, "7b", TARGETS)):
-            s.step("7b-1gpu-python-cold", 60, lambda: run_stage(ckpt, store, 1, [], s.log, True, torchrun=False), preset="7b")
-            s.step("7b-1gpu-python-cold-again", 60, lambda: run_stage(ckpt, store, 1, [], s.log, True, torchrun=False),
-                   preset="7b")
+            s.step(
+                "7b-1gpu-python-cold",
+                60,
+                lambda: run_stage(ckpt, store, 1, [], s.log, True, torchrun=False),
+                preset="7b",
+            )
+            s.step(
+                "7b-1gpu-python-cold-again",
+                60,
+                lambda: run_stage(ckpt, store, 1, [], s.log, True, torchrun=False),
+                preset="7b",
+            )
             s.step("7b-1gpu-torchrun-cold", 60, lambda: run_stage(ckpt, store, 1, [], s.log, True), preset="7b")
-            s.step("7b-1gpu-python-warm", 60, lambda: run_stage(ckpt, store, 1, [], s.log, False, torchrun=False),
-                   preset="7b")
-            s.step("7b-1gpu-python-warm-nofsync", 60,
-                   lambda: run_stage(ckpt, store, 1, ["--no-fsync"], s.log, False, torchrun=False), preset="7b")
-            s.step("7b-1gpu-python-cold-householder", 80,
-                   lambda: run_stage(ckpt, store, 1, ["--method", "householder"], s.log, True, torchrun=False), preset="7b")
+            s.step(
+                "7b-1gpu-python-warm",
+                60,
+                lambda: run_stage(ckpt, store, 1, [], s.log, False, torchrun=False),
+                preset="7b",
+            )
+            s.step(
+                "7b-1gpu-python-warm-nofsync",
+                60,
+                lambda: run_stage(ckpt, store, 1, ["--no-fsync"], s.log, False, torchrun=False),
+                preset="7b",
+            )
+            s.step(
+                "7b-1gpu-python-cold-householder",
+                80,
+                lambda: run_stage(ckpt, store, 1, ["--method", "householder"], s.log, True, torchrun=False),
+                preset="7b",
+            )
         shutil.rmtree(work, ignore_errors=True)
         return
 
@@ -291,8 +375,12 @@ def suite(kind: str, work: Path, out: Path, budget_s: float) -> None:
             s.save()
             continue
         if s.step(f"gen-70b-{category}", need[category], lambda: write_checkpoint(ckpt, "70b", [category])):
-            s.step(f"70b-2gpu-{category}", need[category] * 0.6,
-                   lambda: run_stage(ckpt, store, gpus2, ["--targets", category], s.log, True), preset="70b")
+            s.step(
+                f"70b-2gpu-{category}",
+                need[category] * 0.6,
+                lambda: run_stage(ckpt, store, gpus2, ["--targets", category], s.log, True),
+                preset="70b",
+            )
         shutil.rmtree(ckpt, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
     runs = {r["name"]: r for r in s.results["runs"]}
@@ -311,8 +399,12 @@ def suite(kind: str, work: Path, out: Path, budget_s: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=["tiny", "device", "7b-1gpu"], required=True,
-                   help="tiny: CPU harness check; device: GPUs (7B and 70B shapes); 7b-1gpu: 7B I/O breakdown")
+    p.add_argument(
+        "--suite",
+        choices=["tiny", "device", "7b-1gpu"],
+        required=True,
+        help="tiny: CPU harness check; device: GPUs (7B and 70B shapes); 7b-1gpu: 7B I/O breakdown",
+    )
     p.add_argument("--work", type=Path, required=True, help="scratch directory for checkpoints and stores (deleted)")
     p.add_argument("--out", type=Path, required=True, help="results JSON (a .log with the stage output beside it)")
     p.add_argument("--budget-s", type=float, default=540, help="stop starting new steps after this many seconds")

@@ -34,14 +34,23 @@ def _one(model: str, out: Path, env: dict[str, str]) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "launch/hjd.py", "--model", model, "--out", str(out), "--device", "cpu", "--no-fsync"],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "launch/hjd.py", "--model", model, "--out", str(out), "--device", "cpu", "--no-fsync"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"error: launch/hjd.py failed:\n{proc.stderr[-3000:]}")
     run = json.loads((out / "manifest.json").read_text())["run"]
-    return {"wall_s": round(wall, 2), "stage_s": run["seconds"], "cpu_threads": run["ranks"][0]["cpu_threads"],
-            "loadavg_1min_before": load}
+    return {
+        "wall_s": round(wall, 2),
+        "stage_s": run["seconds"],
+        "cpu_threads": run["ranks"][0]["cpu_threads"],
+        "loadavg_1min_before": load,
+    }
 
 
 def main() -> int:
@@ -55,8 +64,11 @@ def main() -> int:
     default = torch.get_num_threads()
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     base.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1")
-    settings = {"launcher default (no OMP variables)": {}, "OMP_NUM_THREADS=1": {"OMP_NUM_THREADS": "1"},
-                f"OMP_NUM_THREADS={default} (spinning, as before)": {"OMP_NUM_THREADS": str(default)}}
+    settings = {
+        "launcher default (no OMP variables)": {},
+        "OMP_NUM_THREADS=1": {"OMP_NUM_THREADS": "1"},
+        f"OMP_NUM_THREADS={default} (spinning, as before)": {"OMP_NUM_THREADS": str(default)},
+    }
     runs: dict[str, dict[str, list]] = {s: {"alone": [], "beside a busy process": []} for s in settings}
     out = Path(tempfile.mkdtemp(prefix="hjd_threads.")) / "store"
     for _ in range(args.reps):
@@ -71,9 +83,19 @@ def main() -> int:
                     busy.kill()
                     busy.wait()
     shutil.rmtree(out.parent, ignore_errors=True)
-    summary = {s: {load: statistics.median(r["wall_s"] for r in rs) for load, rs in by.items()} for s, by in runs.items()}
-    path = write_result(args.name, {"model": args.model, "torch_default_threads": default, "cpus": os.cpu_count(),
-                                    "median_wall_s": summary, "runs": runs})
+    summary = {
+        s: {load: statistics.median(r["wall_s"] for r in rs) for load, rs in by.items()} for s, by in runs.items()
+    }
+    path = write_result(
+        args.name,
+        {
+            "model": args.model,
+            "torch_default_threads": default,
+            "cpus": os.cpu_count(),
+            "median_wall_s": summary,
+            "runs": runs,
+        },
+    )
     print(json.dumps(summary, indent=1))
     print(f"wrote {path}")
     return 0

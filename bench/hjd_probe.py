@@ -42,19 +42,31 @@ def timed(fn, repeat: int = 3) -> float:
 
 def startup() -> dict:
     out = {}
-    for name, code in [("python", "pass"), ("import_torch", "import torch"),
-                       ("torch_cuda_init", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()")]:
+    for name, code in [
+        ("python", "pass"),
+        ("import_torch", "import torch"),
+        ("torch_cuda_init", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"),
+    ]:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", code], check=True)
         out[name] = round(time.perf_counter() - t0, 3)
-    script = "import torch, torch.distributed as d; d.init_process_group('nccl', device_id=torch.device('cuda', 0)); d.barrier(); d.destroy_process_group()"
+    script = (
+        "import torch, torch.distributed as d; d.init_process_group('nccl', device_id=torch.device('cuda', 0)); "
+        "d.barrier(); d.destroy_process_group()"
+    )
     Path("/tmp/probe_ddp.py").write_text(script)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "/tmp/probe_ddp.py"],
-                   check=True, env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "/tmp/probe_ddp.py"],
+        check=True,
+        env=dict(os.environ, NCCL_NVLS_ENABLE="0"),
+    )
     out["torchrun_1proc_nccl"] = round(time.perf_counter() - t0, 3)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import sys; sys.argv=['x','--help']; sys.path.insert(0,'.'); import launch.hjd"], check=True)
+    subprocess.run(
+        [sys.executable, "-c", "import sys; sys.argv=['x','--help']; sys.path.insert(0,'.'); import launch.hjd"],
+        check=True,
+    )
     out["import_launch_hjd"] = round(time.perf_counter() - t0, 3)
     return out
 
@@ -77,7 +89,7 @@ def gpu() -> dict:
         out[f"bf16_to_fp32_{m}_ms"] = round(t * 1e3, 3)
     Ad = torch.randn(11008, n, device=dev, dtype=torch.float64)
     Bd = torch.randn(n, n, device=dev, dtype=torch.float64)
-    t = timed(lambda: Ad @ Bd, 5)
+    t = timed(lambda A=Ad, B=Bd: A @ B, 5)
     out["dgemm_11008x4096x4096_tflops"] = round(2 * 11008 * n * n / t / 1e12, 1)
     del Ad, Bd
     for M in (131072, 352256):
@@ -98,7 +110,9 @@ def gpu() -> dict:
     out["eigh_4096_fp64_s"] = round(timed(lambda: torch.linalg.eigh(S.double()), 2), 3)
     out["chol_inv_4096_fp32_s"] = round(timed(lambda: torch.cholesky_inverse(torch.linalg.cholesky(S)), 3), 4)
     Sb = S.expand(16, n, n).contiguous()
-    out["chol_inv_batch16_4096_fp32_s"] = round(timed(lambda: torch.cholesky_inverse(torch.linalg.cholesky(Sb)), 2), 4)
+    out["chol_inv_batch16_4096_fp32_s"] = round(
+        timed(lambda Sb=Sb: torch.cholesky_inverse(torch.linalg.cholesky(Sb)), 2), 4
+    )
     del Sb
     out["inv_4096_fp32_s"] = round(timed(lambda: torch.linalg.inv(S), 3), 4)
     # host <-> device
@@ -150,7 +164,9 @@ def disk(work: Path) -> dict:
             t0 = time.perf_counter()
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(lambda p: write(p, fsync), files))
-            out[f"write_{threads}t_{'fsync' if fsync else 'buffered'}_gbs"] = round(4 * GiB / (time.perf_counter() - t0) / 1e9, 2)
+            out[f"write_{threads}t_{'fsync' if fsync else 'buffered'}_gbs"] = round(
+                4 * GiB / (time.perf_counter() - t0) / 1e9, 2
+            )
     t0 = time.perf_counter()
     os.sync()
     out["sync_after_s"] = round(time.perf_counter() - t0, 2)

@@ -49,8 +49,16 @@ def build(shape: str, quant: str, base: bool, device: torch.device, dtype: torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, inter, heads, kv, layers, *_ = SHAPES[shape]
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype)
@@ -77,8 +85,11 @@ def build(shape: str, quant: str, base: bool, device: torch.device, dtype: torch
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     if base and quant != "none":
-        dense = {n: m.weight.detach().clone() for n, m in model.named_modules()
-                 if type(m) is nn.Linear and ".layers." in f".{n}"}
+        dense = {
+            n: m.weight.detach().clone()
+            for n, m in model.named_modules()
+            if type(m) is nn.Linear and ".layers." in f".{n}"
+        }
         for name in quantize_untargeted(model, quant, dtype):
             w = model.get_submodule(name).weight
             w.data = w.data.to(device)
@@ -86,7 +97,9 @@ def build(shape: str, quant: str, base: bool, device: torch.device, dtype: torch
     return model
 
 
-def measure(model, shape: str, device: torch.device, steps: int, windows: int, tokens: tuple[int, int] | None = None) -> dict:
+def measure(
+    model, shape: str, device: torch.device, steps: int, windows: int, tokens: tuple[int, int] | None = None
+) -> dict:
     """Step and device milliseconds (medians; every value under ``all``) of ``steps`` × ``windows`` training steps on
     the shape's micro-batch, or on ``tokens`` = (batch, seq) instead."""
     *_, batch, seq, _ = SHAPES[shape]
@@ -133,12 +146,20 @@ def measure(model, shape: str, device: torch.device, steps: int, windows: int, t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["7b", "70b"], choices=[s for s in SHAPES if s != "tiny"])
-    ap.add_argument("--tiny", action="store_true", help="the CPU rehearsal shape (fp32, NF4 via bitsandbytes' CPU path)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="the CPU rehearsal shape (fp32, NF4 via bitsandbytes' CPU path)"
+    )
     ap.add_argument("--steps", type=int, default=10, help="steps per window")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--sparsity", type=float, default=0.02)
-    ap.add_argument("--host-tokens", type=int, nargs=2, default=[1, 8], metavar=("BATCH", "SEQ"),
-                    help="the short step that measures the host's time")
+    ap.add_argument(
+        "--host-tokens",
+        type=int,
+        nargs=2,
+        default=[1, 8],
+        metavar=("BATCH", "SEQ"),
+        help="the short step that measures the host's time",
+    )
     ap.add_argument("--out", default=None, help="results dir (default $OUT or bench/results)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -156,18 +177,46 @@ def main() -> None:
             res = measure(model, shape, device, args.steps, args.windows)
             res["host"] = measure(model, shape, device, args.steps, args.windows, tuple(args.host_tokens))
             hidden, inter, heads, kv, layers, batch, seq, ckpt = SHAPES[shape]
-            runs.append({"name": name, "shape": shape, "quant": quant, "quantize_base": base, "hidden": hidden,
-                         "intermediate": inter, "heads": heads, "kv_heads": kv, "layers": layers, "micro_batch": batch,
-                         "seq_len": seq, "checkpointing": ckpt, **res})
+            runs.append(
+                {
+                    "name": name,
+                    "shape": shape,
+                    "quant": quant,
+                    "quantize_base": base,
+                    "hidden": hidden,
+                    "intermediate": inter,
+                    "heads": heads,
+                    "kv_heads": kv,
+                    "layers": layers,
+                    "micro_batch": batch,
+                    "seq_len": seq,
+                    "checkpointing": ckpt,
+                    **res,
+                }
+            )
             h = res["host"]
-            print(f"{name}: step {res['step_ms']:.1f} ms, device {res['device_ms'] or 0:.1f}; on "
-                  f"{'x'.join(map(str, args.host_tokens))} tokens: step {h['step_ms']:.1f}, device {h['device_ms'] or 0:.1f}",
-                  flush=True)
+            print(
+                f"{name}: step {res['step_ms']:.1f} ms, device {res['device_ms'] or 0:.1f}; on "
+                f"{'x'.join(map(str, args.host_tokens))} tokens: step {h['step_ms']:.1f}, "
+                f"device {h['device_ms'] or 0:.1f}",
+                flush=True,
+            )
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    print(write_result("host_device", {"dtype": str(dtype), "sparsity": args.sparsity, "targets": list(DEFAULT_TARGETS),
-                                       "host_tokens": args.host_tokens, "runs": runs}, args.out))
+    print(
+        write_result(
+            "host_device",
+            {
+                "dtype": str(dtype),
+                "sparsity": args.sparsity,
+                "targets": list(DEFAULT_TARGETS),
+                "host_tokens": args.host_tokens,
+                "runs": runs,
+            },
+            args.out,
+        )
+    )
 
 
 if __name__ == "__main__":

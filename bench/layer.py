@@ -79,20 +79,29 @@ def main() -> None:
 
     rows = []
     for tokens in args.tokens:
-        row = {"tokens": tokens, "frozen": measure(frozen, tokens, args.n, dtype, device),
-               "lora_r16": measure(lora, tokens, args.n, dtype, device)}
+        row = {
+            "tokens": tokens,
+            "frozen": measure(frozen, tokens, args.n, dtype, device),
+            "lora_r16": measure(lora, tokens, args.n, dtype, device),
+        }
         for mode in ("tokens", "weight", "auto"):
             frod.mode = mode
             row[f"frod_{mode}"] = measure(frod, tokens, args.n, dtype, device)
         base = row["frozen"]["median_ms"]
-        row["ratio_vs_frozen"] = {k: row[k]["median_ms"] / base for k in row if isinstance(row[k], dict) and "median_ms" in row[k]}
-        row["ratio_vs_lora"] = {k: row[k]["median_ms"] / row["lora_r16"]["median_ms"]
-                                for k in row["ratio_vs_frozen"]}
+        row["ratio_vs_frozen"] = {
+            k: row[k]["median_ms"] / base for k in row if isinstance(row[k], dict) and "median_ms" in row[k]
+        }
+        row["ratio_vs_lora"] = {k: row[k]["median_ms"] / row["lora_r16"]["median_ms"] for k in row["ratio_vs_frozen"]}
         rows.append(row)
         print(f"tokens={tokens}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["ratio_vs_frozen"].items()))
-    payload = {"shape": [args.n, args.n], "dtype": str(dtype), "sparsity": args.sparsity,
-               "hjd_max_rel_error_fp32": max(res.error), "rows": rows,
-               "target": "FRoDLinear (auto) fwd+bwd <= 3x the frozen layer at 8192 tokens"}
+    payload = {
+        "shape": [args.n, args.n],
+        "dtype": str(dtype),
+        "sparsity": args.sparsity,
+        "hjd_max_rel_error_fp32": max(res.error),
+        "rows": rows,
+        "target": "FRoDLinear (auto) fwd+bwd <= 3x the frozen layer at 8192 tokens",
+    }
     print(write_result("layer", payload, args.out))
 
 

@@ -45,8 +45,17 @@ FROD_VARIANTS = [
 ]
 OP_CLASSES = {
     "gemm": ("mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "_scaled_mm", "sparse_sampled_addmm"),
-    "scatter/gather": ("scatter", "scatter_", "gather", "index", "index_select", "index_put_", "index_put", "take",
-                       "_index_put_impl_"),
+    "scatter/gather": (
+        "scatter",
+        "scatter_",
+        "gather",
+        "index",
+        "index_select",
+        "index_put_",
+        "index_put",
+        "take",
+        "_index_put_impl_",
+    ),
     "reduction": ("sum", "mean", "norm", "amax", "max", "linalg_vector_norm"),
     "elementwise": ("mul", "mul_", "add", "add_", "sub", "div", "neg", "addcmul_", "where"),
     "copy/cast/fill": ("copy_", "_to_copy", "fill_", "zero_", "zeros", "cat", "clone", "contiguous", "empty_like"),
@@ -124,12 +133,15 @@ def race_dgrad(n: int, tokens: int, sparsity: float, dtype, device: torch.device
     sup = SparseSupport.random(n, sparsity, 0)
     flat = sup.on(device)
     rows, cols = sup.rows_cols_on(device)
-    out = {"dense_gemm_gather": time_fn(lambda: (gh.t() @ z).view(-1)[flat]),
-           "sampled_chunked": time_fn(lambda: sampled_product(gh, z, rows, cols))}
+    out = {
+        "dense_gemm_gather": time_fn(lambda: (gh.t() @ z).view(-1)[flat]),
+        "sampled_chunked": time_fn(lambda: sampled_product(gh, z, rows, cols)),
+    }
     ref = (gh.double().t() @ z.double()).view(-1)[flat]
     out["max_rel_err"] = {
         "dense_gemm_gather": ((gh.t() @ z).view(-1)[flat].double() - ref).abs().max().item() / ref.abs().max().item(),
-        "sampled_chunked": (sampled_product(gh, z, rows, cols).double() - ref).abs().max().item() / ref.abs().max().item(),
+        "sampled_chunked": (sampled_product(gh, z, rows, cols).double() - ref).abs().max().item()
+        / ref.abs().max().item(),
     }
     for dt in (dtype, torch.float32):  # cuSPARSE SDDMM; bf16 is not always there, fp32 is timed for reference
         key = f"torch_sparse_sampled_addmm_{str(dt).removeprefix('torch.')}"
@@ -188,8 +200,9 @@ def profile_shape(m: int, n: int, tokens: int, sparsity: float, dtype, device: t
     return {"m": m, "n": n, "tokens": tokens, "variants": rows}
 
 
-def model_memory(shapes: list[dict], layers: int, hidden: int, inter: int, vocab: int, sparsity: float,
-                 lora_r: int = 16) -> dict:
+def model_memory(
+    shapes: list[dict], layers: int, hidden: int, inter: int, vocab: int, sparsity: float, lora_r: int = 16
+) -> dict:
     """GiB by category for a LLaMA-shaped model with q/k/v/o (m = n = hidden) and gate/up (m = inter) targets,
     from the per-layer saved bytes (x is shared by q/k/v and by gate/up: counted once per input)."""
     gib = 2**30
@@ -197,8 +210,10 @@ def model_memory(shapes: list[dict], layers: int, hidden: int, inter: int, vocab
     sq, wide = by_m.get(hidden), by_m.get(inter, by_m.get(hidden))
     n_base = layers * (4 * hidden * hidden + 3 * hidden * inter) + 2 * vocab * hidden  # LLaMA, untied embeddings
     members = {"square": 4 * layers, "wide": 2 * layers}
-    trainable = {"frod": 6 * layers * (hidden + round(sparsity * hidden * hidden)),
-                 "lora": layers * lora_r * (4 * 2 * hidden + 2 * (hidden + inter))}
+    trainable = {
+        "frod": 6 * layers * (hidden + round(sparsity * hidden * hidden)),
+        "lora": layers * lora_r * (4 * 2 * hidden + 2 * (hidden + inter)),
+    }
     out = {}
     for method, names in (("lora", ["lora_r16"]), ("frod", [v[0] for v in FROD_VARIANTS])):
         for name in names:
@@ -211,16 +226,25 @@ def model_memory(shapes: list[dict], layers: int, hidden: int, inter: int, vocab
             x_inputs = 3 * layers  # q/k/v share one input, o has one, gate/up share one
             keeps_x = any("input x" in var[name]["saved_bytes"] for var in (sq, wide))
             frozen = n_base * 2 + (6 * hidden * hidden * 2 if method == "frod" else 0)
-            row = {"frozen weights (bf16)": frozen / gib,
-                   "optimizer: DeepSpeed bf16 (fp32 master + Adam m, v + fp32 grads)": trainable[method] * 16 / gib,
-                   "optimizer: plain bf16 (grads + Adam m, v in bf16)": trainable[method] * 6 / gib,
-                   "adapter inputs x kept for backward": (x_inputs * sq[name]["saved_bytes"].get("input x", 0) / gib
-                                                          if keeps_x else 0.0)}
+            row = {
+                "frozen weights (bf16)": frozen / gib,
+                "optimizer: DeepSpeed bf16 (fp32 master + Adam m, v + fp32 grads)": trainable[method] * 16 / gib,
+                "optimizer: plain bf16 (grads + Adam m, v in bf16)": trainable[method] * 6 / gib,
+                "adapter inputs x kept for backward": (
+                    x_inputs * sq[name]["saved_bytes"].get("input x", 0) / gib if keeps_x else 0.0
+                ),
+            }
             row.update({f"saved {k}": v for k, v in cats.items()})
             out[name] = row
-    return {"layers": layers, "hidden": hidden, "intermediate": inter, "tokens_per_call": shapes[0]["tokens"],
-            "gib": out, "note": "adapter-side memory only; the base model's own activations (attention, MLP, "
-                                "norms, logits) are the same for both methods and are not included"}
+    return {
+        "layers": layers,
+        "hidden": hidden,
+        "intermediate": inter,
+        "tokens_per_call": shapes[0]["tokens"],
+        "gib": out,
+        "note": "adapter-side memory only; the base model's own activations (attention, MLP, "
+        "norms, logits) are the same for both methods and are not included",
+    }
 
 
 def main() -> None:
@@ -249,14 +273,21 @@ def main() -> None:
         for name, r in s["variants"].items():
             saved = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in r["saved_bytes"].items())
             ops = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["op_ms"].items())
-            print(f"  {name:26s} {r['time']['median_ms']:8.3f} ms ({r['ratio_vs_frozen']:.2f}x frozen) | ops ms: {ops}"
-                  f" | saved: {saved}")
+            print(
+                f"  {name:26s} {r['time']['median_ms']:8.3f} ms ({r['ratio_vs_frozen']:.2f}x frozen) | ops ms: {ops}"
+                f" | saved: {saved}"
+            )
     print("dS race:", {k: (v["median_ms"] if isinstance(v, dict) and "median_ms" in v else v) for k, v in race.items()})
     print(f"whole-model adapter memory, GiB ({args.layers} layers):")
     for name, row in mem["gib"].items():
         print(f"  {name:26s} " + ", ".join(f"{k}: {v:.2f}" for k, v in row.items()))
-    print(write_result("layer_profile", {"dtype": str(dtype), "sparsity": args.sparsity, "shapes": shapes,
-                                         "dgrad_race": race, "model_memory": mem}, args.out))
+    print(
+        write_result(
+            "layer_profile",
+            {"dtype": str(dtype), "sparsity": args.sparsity, "shapes": shapes, "dgrad_race": race, "model_memory": mem},
+            args.out,
+        )
+    )
 
 
 if __name__ == "__main__":

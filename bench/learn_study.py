@@ -61,8 +61,14 @@ def gen(args) -> None:
             raise StudyError(str(e)) from None
         if isinstance(spec, ArithSpec) and args.arith_train:
             lo, hi = (int(x) for x in args.digits.split("-"))
-            spec = ArithSpec(seed=args.task_seed, train=args.arith_train, heldout=args.heldout_rows,
-                             test=args.test_rows, digits=(lo, hi), long_digits=(hi + 1, hi + 1))
+            spec = ArithSpec(
+                seed=args.task_seed,
+                train=args.arith_train,
+                heldout=args.heldout_rows,
+                test=args.test_rows,
+                digits=(lo, hi),
+                long_digits=(hi + 1, hi + 1),
+            )
         elif isinstance(spec, FactsSpec):
             spec = FactsSpec(size=spec.size, seed=args.task_seed, heldout=args.heldout_rows, test=args.test_rows)
         meta = write_task(spec, root)
@@ -76,12 +82,26 @@ def run(args, argv: list[str], started: float) -> None:
     missing = [t for t in tasks if not (Path(args.work) / "tasks" / t / "train.jsonl").is_file()]
     if missing:
         raise StudyError(f"no generated task {missing[0]} in {args.work}/tasks; run `gen --work {args.work}` first")
-    cfg = LearnConfig(model=args.model, work=args.work, out=args.out, tasks=tasks,
-                      methods=args.methods.split(","), ratio_methods=[m for m in args.ratio_methods.split(",") if m],
-                      lrs=args.lrs, steps=args.steps, batch_size=args.batch_size, seeds=args.seeds,
-                      max_minutes=args.max_minutes, eval_reserve_minutes=args.eval_reserve_minutes,
-                      min_study_minutes=args.min_study_minutes, resume_from=args.resume_from, extend=args.extend,
-                      workers=args.workers, device=args.device, checkpoints=args.checkpoints)
+    cfg = LearnConfig(
+        model=args.model,
+        work=args.work,
+        out=args.out,
+        tasks=tasks,
+        methods=args.methods.split(","),
+        ratio_methods=[m for m in args.ratio_methods.split(",") if m],
+        lrs=args.lrs,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seeds=args.seeds,
+        max_minutes=args.max_minutes,
+        eval_reserve_minutes=args.eval_reserve_minutes,
+        min_study_minutes=args.min_study_minutes,
+        resume_from=args.resume_from,
+        extend=args.extend,
+        workers=args.workers,
+        device=args.device,
+        checkpoints=args.checkpoints,
+    )
     run_learn(cfg, argv, started)
 
 
@@ -105,15 +125,27 @@ def estimate(args) -> None:
     step_s = sorted(r["step_ms"] for r in runs)[len(runs) // 2] / 1e3  # median, 3 workers sharing
     extra_s = sorted(r["wall_seconds"] - r["train_seconds"] for r in runs)[len(runs) // 2]  # build + checkpoint evals
     workers = runs[0]["workers"]
-    n_main, n_ratio, n_tasks = len(args.methods.split(",")), len(args.ratio_methods.split(",")), len(args.tasks.split(","))
+    n_main, n_ratio, n_tasks = (
+        len(args.methods.split(",")),
+        len(args.ratio_methods.split(",")),
+        len(args.tasks.split(",")),
+    )
     per_task = n_main * (3 + 1) + n_ratio + (args.seeds - 1) * (n_main + n_ratio)  # 3 LRs + about 1 extension
     worker_s = n_tasks * per_task * (args.steps * step_s + extra_s)
     usable_s = 60 * (args.max_minutes - 1.5)  # less the model load, worker start and base evals of each call
     calls = math.ceil(worker_s / workers / usable_s) + 1  # + the call that only stages half of the model
-    doc = {"reference": str(args.reference), "reference_device": ref["device"],
-                      "median_step_s_with_workers": step_s, "median_run_overhead_s": extra_s, "workers": workers,
-                      "runs": n_tasks * per_task, "steps_per_run": args.steps, "worker_seconds": round(worker_s),
-                      "calls_of_max_minutes": calls, "max_minutes": args.max_minutes}
+    doc = {
+        "reference": str(args.reference),
+        "reference_device": ref["device"],
+        "median_step_s_with_workers": step_s,
+        "median_run_overhead_s": extra_s,
+        "workers": workers,
+        "runs": n_tasks * per_task,
+        "steps_per_run": args.steps,
+        "worker_seconds": round(worker_s),
+        "calls_of_max_minutes": calls,
+        "max_minutes": args.max_minutes,
+    }
     text = json.dumps(doc, indent=1)
     print(text)
     if args.json_out:
@@ -129,8 +161,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     g.add_argument("--task-seed", type=int, default=0, help="seed of the generated rows")
     g.add_argument("--arith-train", type=int, default=0, help="arith training rows (0: the task's default, 8192)")
     g.add_argument("--digits", default="1-3", help="arith operand lengths trained, LO-HI (the longer split: HI+1)")
-    g.add_argument("--heldout-rows", type=int, default=256, help="LR-selection rows per task (facts: at most half "
-                                                                 "the unasked questions)")
+    g.add_argument(
+        "--heldout-rows",
+        type=int,
+        default=256,
+        help="LR-selection rows per task (facts: at most half the unasked questions)",
+    )
     g.add_argument("--test-rows", type=int, default=256, help="rows per test split")
     r = sub.add_parser("run", help="train and score what is not recorded yet, within --max-minutes")
     r.add_argument("--model", required=True, help="HF checkpoint directory with its tokenizer")
@@ -139,8 +175,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--resume-from", help="an earlier --out (e.g. carried back) whose records are copied in first")
     r.add_argument("--tasks", default=DEFAULT_TASKS, help="comma list, worked through in this order")
     r.add_argument("--methods", default="frod,peftfrod,lora16,lora64,full", help="methods with LR sweeps")
-    r.add_argument("--ratio-methods", default="frod_ratio3,frod_ratio30",
-                   help="FRoD S-rate variants run at frod's chosen σ LR ('' for none)")
+    r.add_argument(
+        "--ratio-methods",
+        default="frod_ratio3,frod_ratio30",
+        help="FRoD S-rate variants run at frod's chosen σ LR ('' for none)",
+    )
     r.add_argument("--lrs", action="append", default=[], metavar="METHOD=LR,LR,LR", help="a method's LR grid")
     r.add_argument("--steps", type=int, default=72, help="optimizer steps of every run of a task")
     r.add_argument("--batch-size", type=int, default=128, help="rows per step")

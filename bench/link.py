@@ -1,7 +1,7 @@
 """The link between the GPUs: topology and NCCL all-gather bandwidth, the numbers a ZeRO-3 step floor needs.
 
     torchrun --standalone --nproc_per_node 2 bench/link.py --out "$OUT"           # GPU machine
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 bench/link.py --out /tmp/l --sizes-mib 1 4   # CPU (gloo)
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 bench/link.py --out /tmp/l --sizes-mib 1 4  # CPU (gloo)
 
 For each message size (MiB per rank after the gather, bf16) it times ``all_gather_into_tensor`` and reports
 algorithm bandwidth (bytes gathered / time) and bus bandwidth (algbw × (N−1)/N, the bytes each GPU receives
@@ -57,8 +57,13 @@ def measure(size_mib: float, iters: int, warmup: int) -> dict:
             times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     nbytes = n_out * 2
-    return {"size_mib": nbytes / MIB, "median_s": t, "min_s": min(times), "algbw_gbs": nbytes / t / 1e9,
-            "busbw_gbs": nbytes / t / 1e9 * (world - 1) / world}
+    return {
+        "size_mib": nbytes / MIB,
+        "median_s": t,
+        "min_s": min(times),
+        "algbw_gbs": nbytes / t / 1e9,
+        "busbw_gbs": nbytes / t / 1e9 * (world - 1) / world,
+    }
 
 
 def main() -> None:
@@ -77,11 +82,16 @@ def main() -> None:
     rows = [measure(s, args.iters, args.warmup) for s in args.sizes_mib]
     world = dist.get_world_size()
     if dist.is_main():
-        path = write_result(f"link_{world}gpu", {"world_size": world, "collective": "all_gather_into_tensor bf16",
-                                                "sizes": rows, "topology": _topology()}, args.out)
+        path = write_result(
+            f"link_{world}gpu",
+            {"world_size": world, "collective": "all_gather_into_tensor bf16", "sizes": rows, "topology": _topology()},
+            args.out,
+        )
         for r in rows:
-            print(f"all-gather {r['size_mib']:.0f} MiB over {world}: {r['median_s'] * 1e3:.2f} ms, "
-                  f"algbw {r['algbw_gbs']:.1f} GB/s, busbw {r['busbw_gbs']:.1f} GB/s")
+            print(
+                f"all-gather {r['size_mib']:.0f} MiB over {world}: {r['median_s'] * 1e3:.2f} ms, "
+                f"algbw {r['algbw_gbs']:.1f} GB/s, busbw {r['busbw_gbs']:.1f} GB/s"
+            )
         print(path)
     dist.destroy()
 

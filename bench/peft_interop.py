@@ -30,7 +30,9 @@ def batches(tokenizer, rows: list[dict], batch: int, cutoff: int) -> list[torch.
     texts = [r["instruction"] + "\n" + r["output"] for r in rows]
     out = []
     for i in range(0, len(texts) - batch + 1, batch):
-        enc = tokenizer(texts[i:i + batch], return_tensors="pt", padding="max_length", truncation=True, max_length=cutoff)
+        enc = tokenizer(
+            texts[i : i + batch], return_tensors="pt", padding="max_length", truncation=True, max_length=cutoff
+        )
         out.append(enc["input_ids"])
     return out
 
@@ -74,10 +76,10 @@ def main() -> None:
     from peft import FrodConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from frod_ds.interop.peft_export import export_peft, import_peft
     from frod_ds.model.adapter import load_frod_model, save_adapter_from_model
     from frod_ds.model.apply import DEFAULT_TARGETS, frod_param_groups
     from frod_ds.model.build import build_frod_model, make_supports
-    from frod_ds.interop.peft_export import export_peft, import_peft
     from frod_ds.model.store_reader import FactorStore
 
     def base():
@@ -88,37 +90,57 @@ def main() -> None:
     tok.pad_token = tok.pad_token or tok.eos_token
     rows = json.loads(Path(args.data).read_text())
     data = batches(tok, rows[: args.steps * args.batch], args.batch, args.cutoff)
-    held = batches(tok, rows[-args.eval_rows:], args.eval_rows, args.cutoff)[0]
+    held = batches(tok, rows[-args.eval_rows :], args.eval_rows, args.cutoff)[0]
     with torch.no_grad():
         base_logits = base()(held).logits
-    result: dict = {"model": args.model, "steps": args.steps, "lr_sigma": args.lr_sigma, "lr_s": args.lr_s,
-                    "sparsity": args.sparsity, "peft_tol": args.peft_tol}
+    result: dict = {
+        "model": args.model,
+        "steps": args.steps,
+        "lr_sigma": args.lr_sigma,
+        "lr_s": args.lr_s,
+        "sparsity": args.sparsity,
+        "peft_tol": args.peft_tol,
+    }
 
     # frod-ds -> PEFT
     t0 = time.perf_counter()
     store = FactorStore.open(args.factor_store)
-    frod = build_frod_model(Path(args.model), store, make_supports(store, list(DEFAULT_TARGETS), args.sparsity, 0),
-                            torch.float32)
+    frod = build_frod_model(
+        Path(args.model), store, make_supports(store, list(DEFAULT_TARGETS), args.sparsity, 0), torch.float32
+    )
     losses = train(frod, frod_param_groups(frod, args.lr_sigma, args.lr_s), data, tok.pad_token_id)
-    ckpt = save_adapter_from_model(frod, args.work / "frod-adapter", {
-        "base_model": args.model, "factor_store": args.factor_store, "dtype": "float32", "sparsity": args.sparsity,
-        "seed": 0})
+    ckpt = save_adapter_from_model(
+        frod,
+        args.work / "frod-adapter",
+        {
+            "base_model": args.model,
+            "factor_store": args.factor_store,
+            "dtype": "float32",
+            "sparsity": args.sparsity,
+            "seed": 0,
+        },
+    )
     report = export_peft(ckpt, args.work / "to-peft", tol=args.peft_tol, overwrite=True)
     with torch.no_grad():
         want = frod(held).logits
         got = PeftModel.from_pretrained(base(), str(args.work / "to-peft")).eval()(held).logits
-    result["export"] = {"losses": losses, "logits": compare(got, want, base_logits), "sparse_rate": report["sparse_rate"],
-                        "categories": report["categories"], "seconds": round(time.perf_counter() - t0, 1)}
+    result["export"] = {
+        "losses": losses,
+        "logits": compare(got, want, base_logits),
+        "sparse_rate": report["sparse_rate"],
+        "categories": report["categories"],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     print(json.dumps(result["export"]["logits"]), flush=True)
 
     # stock PEFT -> frod-ds
     t0 = time.perf_counter()
-    peft = get_peft_model(base(), FrodConfig(target_modules=list(DEFAULT_TARGETS), sparse_rate=args.sparsity,
-                                              progressbar=False))
+    peft = get_peft_model(
+        base(), FrodConfig(target_modules=list(DEFAULT_TARGETS), sparse_rate=args.sparsity, progressbar=False)
+    )
     lam = [p for n, p in peft.named_parameters() if "frod_lambda_l" in n]
     s = [p for n, p in peft.named_parameters() if "frod_lambda_s_values" in n]
-    losses = train(peft, [{"params": lam, "lr": args.lr_sigma}, {"params": s, "lr": args.lr_s}], data,
-                   tok.pad_token_id)
+    losses = train(peft, [{"params": lam, "lr": args.lr_sigma}, {"params": s, "lr": args.lr_s}], data, tok.pad_token_id)
     peft.save_pretrained(str(args.work / "stock-peft"))
     with torch.no_grad():
         want = PeftModel.from_pretrained(base(), str(args.work / "stock-peft")).eval()(held).logits
@@ -126,10 +148,13 @@ def main() -> None:
     frod, _ = load_frod_model(args.work / "from-peft" / "adapter")
     with torch.no_grad():
         got = frod(held).logits
-    result["import"] = {"losses": losses, "logits": compare(got, want, base_logits),
-                        "max_weight_error": report["max_weight_error"],
-                        "max_reconstruction_error": report["max_reconstruction_error"],
-                        "seconds": round(time.perf_counter() - t0, 1)}
+    result["import"] = {
+        "losses": losses,
+        "logits": compare(got, want, base_logits),
+        "max_weight_error": report["max_weight_error"],
+        "max_reconstruction_error": report["max_reconstruction_error"],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     print(json.dumps(result["import"]["logits"]), flush=True)
     print(write_result(args.name, result))
 

@@ -1,7 +1,7 @@
 """The memory planner against measured GPU peaks: every FRoD DeepSpeed configuration in step-matrix results.
 
-    python bench/planner_check.py bench/results/train_matrix_4xh200/configs bench/results/train_step_matrix_1xh200.json \\
-        --out bench/results/planner_check.json
+    python bench/planner_check.py bench/results/train_matrix_4xh200/configs \\
+        bench/results/train_step_matrix_1xh200.json --out bench/results/planner_check.json
 
 Inputs are ``bench/train_step.py`` result JSONs (one per file, or a matrix JSON's ``configs`` list). For each FRoD
 run under ZeRO-2/3 the planner (``frod_ds.plan.memory.plan_memory``, which reads the model's config fields only) is
@@ -41,22 +41,47 @@ def check(d: dict) -> dict | None:
     if d.get("method") != "frod" or d.get("ds_config") is None or not d.get("peak_allocated_gib"):
         return None
     m = d["model"]
-    cfg = {"model_type": "llama", "hidden_size": m["hidden_size"], "intermediate_size": m["intermediate_size"],
-           "num_hidden_layers": m["num_hidden_layers"], "num_attention_heads": m["num_attention_heads"],
-           "num_key_value_heads": m["num_key_value_heads"], "vocab_size": m["vocab_size"]}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": m["hidden_size"],
+        "intermediate_size": m["intermediate_size"],
+        "num_hidden_layers": m["num_hidden_layers"],
+        "num_attention_heads": m["num_attention_heads"],
+        "num_key_value_heads": m["num_key_value_heads"],
+        "vocab_size": m["vocab_size"],
+    }
     f = d.get("frod") or {}
-    train = TrainShape(micro_batch=d["micro_batch"], seq_len=d["seq_len"], dtype="bfloat16", targets=tuple(d["targets"]),
-                       sparsity=f.get("sparsity", 0.02), quant=d.get("frozen_quant") or "none",
-                       quantize_base=bool(d.get("quantize_base", False)), checkpointing=d["gradient_checkpointing"],
-                       layer_saves="M" if f.get("impl") == "autograd" else "z")
-    variant = {"autograd": "keeps M"}.get(f.get("impl"), "") or ("keeps x, modelled as z" if f.get("save") == "x" else "")
+    train = TrainShape(
+        micro_batch=d["micro_batch"],
+        seq_len=d["seq_len"],
+        dtype="bfloat16",
+        targets=tuple(d["targets"]),
+        sparsity=f.get("sparsity", 0.02),
+        quant=d.get("frozen_quant") or "none",
+        quantize_base=bool(d.get("quantize_base", False)),
+        checkpointing=d["gradient_checkpointing"],
+        layer_saves="M" if f.get("impl") == "autograd" else "z",
+    )
+    variant = {"autograd": "keeps M"}.get(f.get("impl"), "") or (
+        "keeps x, modelled as z" if f.get("save") == "x" else ""
+    )
     engine = engine_from_ds_config(d["ds_config"], Path(d["config"]).name)
     plan = plan_memory(model_shape_from_config(cfg), train, engine, d["world_size"], 140 * GiB)
     pred, meas = plan.allocated / GiB, d["peak_allocated_gib"]
-    return {"file": d["_file"], "device": d["device"], "config": Path(d["config"]).name, "gpus": d["world_size"],
-            "gradient_checkpointing": d["gradient_checkpointing"], "layer_saves": train.layer_saves, "frozen_quant": train.quant, "variant": variant,
-            "measured_gib": meas, "predicted_gib": pred, "error": pred / meas - 1,
-            "parts_gib": {k: v / GiB for k, v in plan.parts.items()}}
+    return {
+        "file": d["_file"],
+        "device": d["device"],
+        "config": Path(d["config"]).name,
+        "gpus": d["world_size"],
+        "gradient_checkpointing": d["gradient_checkpointing"],
+        "layer_saves": train.layer_saves,
+        "frozen_quant": train.quant,
+        "variant": variant,
+        "measured_gib": meas,
+        "predicted_gib": pred,
+        "error": pred / meas - 1,
+        "parts_gib": {k: v / GiB for k, v in plan.parts.items()},
+    }
 
 
 def main() -> None:
@@ -69,18 +94,38 @@ def main() -> None:
         raise SystemExit("error: no FRoD DeepSpeed run with a measured peak in the inputs")
     md = ["| run | device | config | GPUs | measured peak GiB | planner GiB | error |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["device"], r["config"], r["gpus"])):
-        notes = [x for x in (r["variant"], r["frozen_quant"] if r["frozen_quant"] != "none" else "",
-                             "checkpointing" if r["gradient_checkpointing"] else "") if x]
+        notes = [
+            x
+            for x in (
+                r["variant"],
+                r["frozen_quant"] if r["frozen_quant"] != "none" else "",
+                "checkpointing" if r["gradient_checkpointing"] else "",
+            )
+            if x
+        ]
         tag = f" ({', '.join(notes)})" if notes else ""
-        md.append(f"| {r['file']} | {r['device']} | {r['config']}{tag} "
-                  f"| {r['gpus']} | {r['measured_gib']:.1f} | {r['predicted_gib']:.1f} | {r['error'] * 100:+.0f}% |")
+        md.append(
+            f"| {r['file']} | {r['device']} | {r['config']}{tag} "
+            f"| {r['gpus']} | {r['measured_gib']:.1f} | {r['predicted_gib']:.1f} | {r['error'] * 100:+.0f}% |"
+        )
     within = sum(abs(r["error"]) <= GOAL for r in rows)
     md.append(f"\n{within} of {len(rows)} within ±{GOAL:.0%}")
     text = "\n".join(md)
     print(text)
     if args.out:
-        args.out.write_text(json.dumps({"benchmark": "planner_check", "inputs": [str(p) for p in args.inputs],
-                                        "goal": GOAL, "rows": rows, "table_md": text}, indent=2) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "benchmark": "planner_check",
+                    "inputs": [str(p) for p in args.inputs],
+                    "goal": GOAL,
+                    "rows": rows,
+                    "table_md": text,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

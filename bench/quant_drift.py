@@ -1,7 +1,8 @@
 """Init drift of quantized frozen weights: FRoD with NF4/int8 U_i next to QLoRA-style NF4/int8 of W, against the base.
 
     python bench/quant_drift.py --model /ckpt/smollm2-135m --factor-store factors/smollm2 --out bench/results
-    python bench/quant_drift.py --model /ckpt/llama-2-7b --factor-store factors/llama2-7b --device cuda --batch 8 --seq-len 256
+    python bench/quant_drift.py --model /ckpt/llama-2-7b --factor-store factors/llama2-7b \\
+        --device cuda --batch 8 --seq-len 256
 
 Every setting is the model at initialisation (S = 0, σ from HJD), compared on one fixed batch with the base model in
 the same dtype (bf16 by default): relative logits error ``‖L − L_base‖_F / ‖L_base‖_F`` over the non-padding
@@ -43,16 +44,25 @@ DTYPES = {k: FLOAT_DTYPES[k] for k in ("bfloat16", "float32")}  # compute dtypes
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="plain HF checkpoint directory (config.json, safetensors, tokenizer)")
-    ap.add_argument("--factor-store", required=True, type=Path,
-                    help="its factor store; built here with launch/hjd.py (one process) if the directory does not exist")
+    ap.add_argument(
+        "--model", required=True, help="plain HF checkpoint directory (config.json, safetensors, tokenizer)"
+    )
+    ap.add_argument(
+        "--factor-store",
+        required=True,
+        type=Path,
+        help="its factor store; built here with launch/hjd.py (one process) if the directory does not exist",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="compute dtype of every model")
     ap.add_argument("--batch", type=int, default=8, help="sequences in the fixed batch")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence at most")
     ap.add_argument("--text", type=Path, default=None, help="a text file, one sequence per line (default: fixtures)")
-    ap.add_argument("--settings", default="frod,frod-nf4,frod-int8,frod-nf4-base,w-nf4,w-int8,qlora-nf4",
-                    help="comma list of settings (module docstring)")
+    ap.add_argument(
+        "--settings",
+        default="frod,frod-nf4,frod-int8,frod-nf4-base,w-nf4,w-int8,qlora-nf4",
+        help="comma list of settings (module docstring)",
+    )
     ap.add_argument("--out", default=None, help="result directory (default bench/results, or $OUT)")
     ap.add_argument("--name", default="quant_drift", help="result file name without .json")
     return ap.parse_args(argv)
@@ -76,7 +86,8 @@ def ensure_store(model: str, store: Path) -> None:
 
 
 def qlora_nf4(W: torch.Tensor) -> torch.Tensor:
-    """The weight bitsandbytes' Linear4bit computes with under QLoRA's config: NF4, blocks of 64, double quantization."""
+    """The weight bitsandbytes' Linear4bit computes with under QLoRA's config: NF4, blocks of 64, double
+    quantization."""
     from frod_ds.core.quant import _bnb
 
     F = _bnb()
@@ -97,16 +108,27 @@ def build(setting: str, args: argparse.Namespace, dtype: torch.dtype):
     """The model of one setting, in ``dtype`` on the device, at initialisation."""
     from transformers import AutoModelForCausalLM
 
-    from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.core.quant import roundtrip
+    from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.model.store_reader import FactorStore
 
     if setting.startswith("frod"):
         store = FactorStore.open(args.factor_store)
-        quant = {"frod": "none", "frod-nf4": "nf4", "frod-int8": "int8", "frod-nf4-base": "nf4",
-                 "frod-int8-base": "int8"}[setting]
-        model = build_frod_model(args.model, store, make_supports(store, store.targets, 0.02, 0), dtype,
-                                 quant=quant, quantize_base=setting.endswith("-base"))
+        quant = {
+            "frod": "none",
+            "frod-nf4": "nf4",
+            "frod-int8": "int8",
+            "frod-nf4-base": "nf4",
+            "frod-int8-base": "int8",
+        }[setting]
+        model = build_frod_model(
+            args.model,
+            store,
+            make_supports(store, store.targets, 0.02, 0),
+            dtype,
+            quant=quant,
+            quantize_base=setting.endswith("-base"),
+        )
         return model.to(args.device).eval()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     if setting == "base":
@@ -121,8 +143,8 @@ def build(setting: str, args: argparse.Namespace, dtype: torch.dtype):
 @torch.no_grad()
 def weight_error(setting: str, args: argparse.Namespace, model) -> float:
     """Mean ‖W̃ − W‖/‖W‖ over the targeted weights (FRoD: W̃ = Ũ diag σ Vᵀ, from the built model)."""
-    from frod_ds.model.apply import frod_modules
     from frod_ds.io.hf_checkpoint import HFCheckpoint
+    from frod_ds.model.apply import frod_modules
 
     ckpt = HFCheckpoint(args.model)
     errs = []
@@ -134,8 +156,12 @@ def weight_error(setting: str, args: argparse.Namespace, model) -> float:
         modules = dict(model.named_modules())
         for key in ckpt.keys():
             mod = key.removesuffix(".weight")
-            if key.endswith(".weight") and isinstance(modules.get(mod), torch.nn.Linear) and ".layers." in f".{mod}" \
-                    and not mod.endswith("down_proj"):
+            if (
+                key.endswith(".weight")
+                and isinstance(modules.get(mod), torch.nn.Linear)
+                and ".layers." in f".{mod}"
+                and not mod.endswith("down_proj")
+            ):
                 W = ckpt.get(key).float().to(args.device)
                 errs.append(float((modules[mod].weight.float() - W).norm() / W.norm()))
     return sum(errs) / max(len(errs), 1)
@@ -145,9 +171,12 @@ def weight_error(setting: str, args: argparse.Namespace, model) -> float:
 def compare(logits: torch.Tensor, base: torch.Tensor, mask: torch.Tensor) -> dict:
     L, B = logits[mask].float(), base[mask].float()  # (positions, vocab)
     kl = torch.nn.functional.kl_div(L.log_softmax(-1), B.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-    return {"rel_logits_error": float((L - B).norm() / B.norm()),
-            "top1_agreement": float((L.argmax(-1) == B.argmax(-1)).float().mean()),
-            "mean_kl": float(kl.mean()), "positions": int(mask.sum())}
+    return {
+        "rel_logits_error": float((L - B).norm() / B.norm()),
+        "top1_agreement": float((L.argmax(-1) == B.argmax(-1)).float().mean()),
+        "mean_kl": float(kl.mean()),
+        "positions": int(mask.sum()),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,13 +203,25 @@ def main(argv: list[str] | None = None) -> int:
         row["weight_rel_error"] = weight_error(setting, args, model)
         row["build_s"] = round(time.perf_counter() - t0, 2)
         results[setting] = row
-        print(f"{setting:>14}: rel logits error {row['rel_logits_error']:.4f}, top-1 agreement "
-              f"{row['top1_agreement']:.4f}, KL {row['mean_kl']:.2e}, weight error {row['weight_rel_error']:.4f}",
-              flush=True)
+        print(
+            f"{setting:>14}: rel logits error {row['rel_logits_error']:.4f}, top-1 agreement "
+            f"{row['top1_agreement']:.4f}, KL {row['mean_kl']:.2e}, weight error {row['weight_rel_error']:.4f}",
+            flush=True,
+        )
         del model
-    path = write_result(args.name, {"model": str(args.model), "factor_store": str(args.factor_store),
-                                    "dtype": args.dtype, "batch": args.batch, "seq_len": args.seq_len,
-                                    "positions": int(mask.sum()), "settings": results}, args.out)
+    path = write_result(
+        args.name,
+        {
+            "model": str(args.model),
+            "factor_store": str(args.factor_store),
+            "dtype": args.dtype,
+            "batch": args.batch,
+            "seq_len": args.seq_len,
+            "positions": int(mask.sum()),
+            "settings": results,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -64,8 +64,7 @@ def _engine_name(d: dict) -> str:
 
 
 def _step_cell(d: dict) -> str:
-    return (f"{d['step_s_median'] * 1e3:.0f} ms / {d['tokens_per_s_per_gpu']:,.0f} / "
-            f"{d['peak_allocated_gib']:.1f} GiB")
+    return f"{d['step_s_median'] * 1e3:.0f} ms / {d['tokens_per_s_per_gpu']:,.0f} / {d['peak_allocated_gib']:.1f} GiB"
 
 
 def headline(results: Path) -> str:
@@ -73,19 +72,25 @@ def headline(results: Path) -> str:
     folder = results / "train_matrix_4xh200" / "configs"
     runs = [_load(p) for p in sorted(folder.glob("train_step_*.json"))]
     runs = [d for d in runs if not d["gradient_checkpointing"] and d.get("frozen_quant", "none") == "none"]
-    lines = [_source(folder, results=results).rstrip("\n"), "",
-             f"Device: {runs[0]['device']}; LLaMA-2-7B shape (random bf16 weights), "
-             f"{runs[0]['micro_batch']}×{runs[0]['seq_len']} tokens per GPU; FRoD s=0.02 vs PEFT LoRA r=16.", "",
-             "| GPUs | LoRA's best config | LoRA step / tok/s per GPU / peak | FRoD's best config "
-             "| FRoD step / tok/s per GPU / peak | FRoD step ÷ LoRA best | FRoD peak ÷ LoRA best |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        _source(folder, results=results).rstrip("\n"),
+        "",
+        f"Device: {runs[0]['device']}; LLaMA-2-7B shape (random bf16 weights), "
+        f"{runs[0]['micro_batch']}×{runs[0]['seq_len']} tokens per GPU; FRoD s=0.02 vs PEFT LoRA r=16.",
+        "",
+        "| GPUs | LoRA's best config | LoRA step / tok/s per GPU / peak | FRoD's best config "
+        "| FRoD step / tok/s per GPU / peak | FRoD step ÷ LoRA best | FRoD peak ÷ LoRA best |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for gpus in sorted({d["world_size"] for d in runs}):
         group = [d for d in runs if d["world_size"] == gpus]
         lora = min((d for d in group if d["method"] == "lora"), key=lambda d: d["step_s_median"])
         frod = min((d for d in group if d["method"] == "frod"), key=lambda d: d["step_s_median"])
-        lines.append(f"| {gpus} | {_engine_name(lora)} | {_step_cell(lora)} | {_engine_name(frod)} | {_step_cell(frod)} "
-                     f"| **{frod['step_s_median'] / lora['step_s_median']:.2f}×** "
-                     f"| **{frod['peak_allocated_gib'] / lora['peak_allocated_gib']:.2f}×** |")
+        lines.append(
+            f"| {gpus} | {_engine_name(lora)} | {_step_cell(lora)} | {_engine_name(frod)} | {_step_cell(frod)} "
+            f"| **{frod['step_s_median'] / lora['step_s_median']:.2f}×** "
+            f"| **{frod['peak_allocated_gib'] / lora['peak_allocated_gib']:.2f}×** |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -96,23 +101,38 @@ def exact_init(results: Path) -> str:
     """FRoD at init against the base checkpoint, per checkpoint / stored U / compute dtype; the base for scale."""
     path = results / "exact_init_smollm2_cpu.json"
     d = _load(path)
-    lines = [_source(path, results=results).rstrip("\n"), "",
-             f"{d['model']}; {d['device']}; logits over {d['positions']} positions of {d['prompts']} prompts.", "",
-             "| checkpoint | `U` stored | compute | compared with | max \\|Δ logit\\| | ‖Δ‖/‖logits‖ | top-1 agreement |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        _source(path, results=results).rstrip("\n"),
+        "",
+        f"{d['model']}; {d['device']}; logits over {d['positions']} positions of {d['prompts']} prompts.",
+        "",
+        "| checkpoint | `U` stored | compute | compared with | max \\|Δ logit\\| | ‖Δ‖/‖logits‖ | top-1 agreement |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for c in d["cases"]:
-        lines.append(f"| {c['checkpoint']} | {c['u_stored']} | {c['compute']} | {c['compared_with']} "
-                     f"| {_sig(c['max_abs_logit_diff'])} | {_sig(c['rel_error'])} | {_pct(c['top1_agreement'])} |")
+        lines.append(
+            f"| {c['checkpoint']} | {c['u_stored']} | {c['compute']} | {c['compared_with']} "
+            f"| {_sig(c['max_abs_logit_diff'])} | {_sig(c['rel_error'])} | {_pct(c['top1_agreement'])} |"
+        )
         if "vs_base_fp32_compute" in c:
             v = c["vs_base_fp32_compute"]
-            lines.append(f"| {c['checkpoint']} | {c['u_stored']} | {c['compute']} | base, float32 compute "
-                         f"| {_sig(v['max_abs_logit_diff'])} | {_sig(v['rel_error'])} | {_pct(v['top1_agreement'])} |")
+            lines.append(
+                f"| {c['checkpoint']} | {c['u_stored']} | {c['compute']} | base, float32 compute "
+                f"| {_sig(v['max_abs_logit_diff'])} | {_sig(v['rel_error'])} | {_pct(v['top1_agreement'])} |"
+            )
     for s in d["scale"]:
-        lines.append(f"| for scale: {s['what']} | | | | {_sig(s['max_abs_logit_diff'])} | {_sig(s['rel_error'])} "
-                     f"| {_pct(s['top1_agreement'])} |")
-    lines += ["", "HJD error per member (`error`, and `stored_error` with `U` rounded to its stored dtype), "
-              "lowest and highest over the six categories' maxima:", "",
-              "| store | max `error` | max `stored_error` |", "|---|---|---|"]
+        lines.append(
+            f"| for scale: {s['what']} | | | | {_sig(s['max_abs_logit_diff'])} | {_sig(s['rel_error'])} "
+            f"| {_pct(s['top1_agreement'])} |"
+        )
+    lines += [
+        "",
+        "HJD error per member (`error`, and `stored_error` with `U` rounded to its stored dtype), "
+        "lowest and highest over the six categories' maxima:",
+        "",
+        "| store | max `error` | max `stored_error` |",
+        "|---|---|---|",
+    ]
     for store, cats in d["hjd"].items():
         err = [c["max_error"] for c in cats.values()]
         stored = [c["max_stored_error"] for c in cats.values()]
@@ -122,22 +142,35 @@ def exact_init(results: Path) -> str:
 
 # -- quantized frozen weights: init drift (bench/quant_drift.py) ---------------------------------------------------
 
-QUANT_LABELS = {"frod": "FRoD, bf16 `U` (floor)", "frod-int8": "FRoD-int8 (`U_i`)", "w-int8": "int8 of every `W`",
-                "frod-nf4": "FRoD-nf4 (`U_i`)", "frod-nf4-base": "FRoD-nf4 + `quantize_base`",
-                "w-nf4": "NF4 of every `W` (blocks of 64)", "qlora-nf4": "QLoRA NF4 (double quantization)"}
+QUANT_LABELS = {
+    "frod": "FRoD, bf16 `U` (floor)",
+    "frod-int8": "FRoD-int8 (`U_i`)",
+    "w-int8": "int8 of every `W`",
+    "frod-nf4": "FRoD-nf4 (`U_i`)",
+    "frod-nf4-base": "FRoD-nf4 + `quantize_base`",
+    "w-nf4": "NF4 of every `W` (blocks of 64)",
+    "qlora-nf4": "QLoRA NF4 (double quantization)",
+}
 
 
 def quant_drift(results: Path) -> str:
     """Each quantized setting at init against the bf16 base: logits error, top-1, KL, weight error."""
     path = results / "quant_drift_smollm2_gpu_h100.json"
     d = _load(path)
-    lines = [_source(path, results=results).rstrip("\n"), "",
-             f"{d['device']}; {d['dtype']}; {d['positions']} positions.", "",
-             "| setting | rel. logits error | top-1 agreement | mean KL | weight error |", "|---|---|---|---|---|"]
+    lines = [
+        _source(path, results=results).rstrip("\n"),
+        "",
+        f"{d['device']}; {d['dtype']}; {d['positions']} positions.",
+        "",
+        "| setting | rel. logits error | top-1 agreement | mean KL | weight error |",
+        "|---|---|---|---|---|",
+    ]
     for key, label in QUANT_LABELS.items():
         s = d["settings"][key]
-        lines.append(f"| {label} | {s['rel_logits_error']:.3f} | {s['top1_agreement']:.3f} | {s['mean_kl']:.3f} "
-                     f"| {s['weight_rel_error']:.3f} |")
+        lines.append(
+            f"| {label} | {s['rel_logits_error']:.3f} | {s['top1_agreement']:.3f} | {s['mean_kl']:.3f} "
+            f"| {s['weight_rel_error']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -148,25 +181,44 @@ def planner_check(results: Path) -> str:
     """Every measured FRoD DeepSpeed peak beside the planner's prediction for the same run."""
     path = results / "planner_check.json"
     d = _load(path)
-    lines = [_source(path, results / "seventy_b_70b_2xh100" / "seventy_b_train_resume.json",
-                     results / "seventy_b_70b_widths_24_layers_1xh100" / "seventy_b_train_killed.json",
-                     results=results).rstrip("\n"), "",
-             "| run | device | GPUs | config | checkpointing | `U_i` | layer keeps | measured GiB | planner GiB | error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        _source(
+            path,
+            results / "seventy_b_70b_2xh100" / "seventy_b_train_resume.json",
+            results / "seventy_b_70b_widths_24_layers_1xh100" / "seventy_b_train_killed.json",
+            results=results,
+        ).rstrip("\n"),
+        "",
+        "| run | device | GPUs | config | checkpointing | `U_i` | layer keeps | measured GiB | planner GiB | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in d["rows"]:
-        lines.append(f"| `{r['file']}` (`bench/train_step.py`) | {r['device']} | {r['gpus']} | {r['config']} "
-                     f"| {'on' if r['gradient_checkpointing'] else 'off'} | {r['frozen_quant']} | {r['layer_saves']} "
-                     f"| {r['measured_gib']:.1f} | {r['predicted_gib']:.1f} | {r['error'] * 100:+.0f}% |")
+        lines.append(
+            f"| `{r['file']}` (`bench/train_step.py`) | {r['device']} | {r['gpus']} | {r['config']} "
+            f"| {'on' if r['gradient_checkpointing'] else 'off'} | {r['frozen_quant']} | {r['layer_saves']} "
+            f"| {r['measured_gib']:.1f} | {r['predicted_gib']:.1f} | {r['error'] * 100:+.0f}% |"
+        )
     resume = _load(results / "seventy_b_70b_2xh100" / "seventy_b_train_resume.json")
     widths = _load(results / "seventy_b_70b_widths_24_layers_1xh100" / "seventy_b_train_killed.json")
     widths_peak = max(m["peak_mem_gb"] for m in widths["metrics"])
     for name, dev, measured, planned in (
-            ("LLaMA-2-70B, `launch/train.py` (recipe rows, per-step peak, rank 0)", resume["device"],
-             resume["peak_alloc_gib_rank0"], resume["planner"]["allocated_gib"]),
-            ("70B widths, 24 layers, `launch/train.py` (recipe rows, per-step peak)", widths["device"],
-             widths_peak, widths["planner"]["allocated_gib"])):
-        lines.append(f"| {name} | {dev} | {dev.split('x')[0]} | zero3.json | on | nf4 | z | {measured:.1f} "
-                     f"| {planned:.1f} | {(planned - measured) / measured * 100:+.0f}% |")
+        (
+            "LLaMA-2-70B, `launch/train.py` (recipe rows, per-step peak, rank 0)",
+            resume["device"],
+            resume["peak_alloc_gib_rank0"],
+            resume["planner"]["allocated_gib"],
+        ),
+        (
+            "70B widths, 24 layers, `launch/train.py` (recipe rows, per-step peak)",
+            widths["device"],
+            widths_peak,
+            widths["planner"]["allocated_gib"],
+        ),
+    ):
+        lines.append(
+            f"| {name} | {dev} | {dev.split('x')[0]} | zero3.json | on | nf4 | z | {measured:.1f} "
+            f"| {planned:.1f} | {(planned - measured) / measured * 100:+.0f}% |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -178,19 +230,30 @@ def peft_interop(results: Path) -> str:
     path = results / "peft_interop.json"
     d = _load(path)
     ex, im = d["export"], d["import"]
-    lines = [_source(path, results=results).rstrip("\n"), "",
-             f"{d['device']}; {d['steps']} AdamW steps per side (σ lr {d['lr_sigma']:g}, S lr {d['lr_s']:g}), "
-             f"s = {d['sparsity']:g}, `--peft-tol {d['peft_tol']:g}`.", "",
-             "| export, category | τ | S entries per member: frod-ds → mapped → PEFT | max update error |",
-             "|---|---|---|---|"]
+    lines = [
+        _source(path, results=results).rstrip("\n"),
+        "",
+        f"{d['device']}; {d['steps']} AdamW steps per side (σ lr {d['lr_sigma']:g}, S lr {d['lr_s']:g}), "
+        f"s = {d['sparsity']:g}, `--peft-tol {d['peft_tol']:g}`.",
+        "",
+        "| export, category | τ | S entries per member: frod-ds → mapped → PEFT | max update error |",
+        "|---|---|---|---|",
+    ]
     for cat, c in ex["categories"].items():
-        lines.append(f"| {cat} | {c['tau']:g} | {c['nnz_frod']} → {c['nnz_mapped']} → {c['nnz_peft']} "
-                     f"| {_sig(c['max_update_error'])} |")
-    lines += ["", "| direction | max \\|Δlogit\\| | max \\|logit change from training\\| | ratio |", "|---|---|---|---|"]
+        lines.append(
+            f"| {cat} | {c['tau']:g} | {c['nnz_frod']} → {c['nnz_mapped']} → {c['nnz_peft']} "
+            f"| {_sig(c['max_update_error'])} |"
+        )
+    lines += [
+        "",
+        "| direction | max \\|Δlogit\\| | max \\|logit change from training\\| | ratio |",
+        "|---|---|---|---|",
+    ]
     for name, side in (("export (frod-ds → stock PEFT)", ex), ("import (stock PEFT → frod-ds)", im)):
         lg = side["logits"]
-        lines.append(f"| {name} | {_sig(lg['max_abs_logit_diff'])} | {lg['max_abs_logit_change']:.1f} "
-                     f"| {_sig(lg['relative'])} |")
+        lines.append(
+            f"| {name} | {_sig(lg['max_abs_logit_diff'])} | {lg['max_abs_logit_change']:.1f} | {_sig(lg['relative'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -199,33 +262,45 @@ def peft_interop(results: Path) -> str:
 
 def _seventy_b(folder: Path, results: Path) -> str:
     steps = [_load(p) for p in sorted(folder.glob("seventy_b_step_*.json"))]
-    lines = [_source(folder, results=results).rstrip("\n"), "",
-             "| run | device | config | checkpointing | step | tok/s per GPU | peak alloc per GPU | GFLOP/token | MFU |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        _source(folder, results=results).rstrip("\n"),
+        "",
+        "| run | device | config | checkpointing | step | tok/s per GPU | peak alloc per GPU | GFLOP/token | MFU |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for d in sorted(steps, key=lambda d: d["method"] != "frod"):
         quant = d.get("frozen_quant", "none")
         if d["method"] == "lora":
-            label = "QLoRA r=16, NF4 base" if quant == "nf4" else f"LoRA r=16, {quant if quant != 'none' else 'bf16'} base"
+            label = (
+                "QLoRA r=16, NF4 base" if quant == "nf4" else f"LoRA r=16, {quant if quant != 'none' else 'bf16'} base"
+            )
         else:
             label = "FRoD s=0.02, " + (f"{quant.upper()} `U_i`" if quant != "none" else "bf16 `U_i`")
             label += " and base" if d.get("quantize_base") else ""
         gc = "on" if d["gradient_checkpointing"] else "off"
         if "layer_passes_per_step" not in d and d["method"] == "lora":
             gc += " (asked; not in effect, see docs/benchmarks.md)"
-        lines.append(f"| {label} | {d['device']} | `{Path(d['config']).name}` | {gc} | {d['step_s_median'] * 1e3:,.0f} ms "
-                     f"| {d['tokens_per_s_per_gpu']:,.0f} | {d['peak_allocated_gib']:.1f} GiB "
-                     f"| {d['flops_per_token']['total'] / 1e9:.1f} | {_pct(d['mfu'])} |")
+        lines.append(
+            f"| {label} | {d['device']} | `{Path(d['config']).name}` | {gc} | {d['step_s_median'] * 1e3:,.0f} ms "
+            f"| {d['tokens_per_s_per_gpu']:,.0f} | {d['peak_allocated_gib']:.1f} GiB "
+            f"| {d['flops_per_token']['total'] / 1e9:.1f} | {_pct(d['mfu'])} |"
+        )
     frod = next(d for d in steps if d["method"] == "frod")
     lora = min((d for d in steps if d["method"] == "lora"), key=lambda d: d["step_s_median"])
-    lines += ["", f"FRoD step ÷ QLoRA step: **{frod['step_s_median'] / lora['step_s_median']:.2f}×**; "
-              f"FLOPs per token: {frod['flops_per_token']['total'] / lora['flops_per_token']['total']:.2f}×."]
+    lines += [
+        "",
+        f"FRoD step ÷ QLoRA step: **{frod['step_s_median'] / lora['step_s_median']:.2f}×**; "
+        f"FLOPs per token: {frod['flops_per_token']['total'] / lora['flops_per_token']['total']:.2f}×.",
+    ]
     resume = folder / "seventy_b_train_resume.json"
     if resume.is_file():
         r = _load(resume)
-        lines.append(f"Training (`launch/train.py`, {r['device']}): killed and resumed from step {r['resumed_from']}; "
-                     f"steps {', '.join(map(str, r['compared_steps']))} compared with the killed run: max relative "
-                     f"loss difference {r['max_rel_loss_diff']:g}; per-step peak {r['peak_alloc_gib_rank0']:.1f} GiB "
-                     f"(planner {r['planner']['allocated_gib']:.1f}); median step {r['step_s_median']:.2f} s.")
+        lines.append(
+            f"Training (`launch/train.py`, {r['device']}): killed and resumed from step {r['resumed_from']}; "
+            f"steps {', '.join(map(str, r['compared_steps']))} compared with the killed run: max relative "
+            f"loss difference {r['max_rel_loss_diff']:g}; per-step peak {r['peak_alloc_gib_rank0']:.1f} GiB "
+            f"(planner {r['planner']['allocated_gib']:.1f}); median step {r['step_s_median']:.2f} s."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -245,19 +320,27 @@ def seventy_b_7b(results: Path) -> str:
 def offload(results: Path) -> str:
     """Each launch/train.py run under an offload config, as bench/run_summary.py summarised it."""
     paths = sorted((results / "offload_7b_1xh100").glob("*.json")) + sorted(
-        (results / "offload_7b_1xh100_nonreentrant").glob("*.json"))
-    lines = [_source(results / "offload_7b_1xh100", results / "offload_7b_1xh100_nonreentrant",
-                     results=results).rstrip("\n"), "",
-             "| result | checkpointing | completed | build s | step s (median) | tok/s | GPU peak GiB | host peak GiB | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+        (results / "offload_7b_1xh100_nonreentrant").glob("*.json")
+    )
+    lines = [
+        _source(results / "offload_7b_1xh100", results / "offload_7b_1xh100_nonreentrant", results=results).rstrip(
+            "\n"
+        ),
+        "",
+        "| result | checkpointing | completed | build s | step s (median) | tok/s "
+        "| GPU peak GiB | host peak GiB | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in paths:
         d = _load(p)
         opt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
         gc = "non-reentrant" if "nonreentrant" in p.parent.name else "reentrant"
-        lines.append(f"| `{p.parent.name}/{p.name}` | {gc} | {'yes' if d['completed'] else 'no'} | {d['build_s']:.1f} "
-                     f"| {opt(d['step_s_median'], '.2f')} | {opt(d['tokens_per_s_median'], '.0f')} "
-                     f"| {opt(d['gpu_peak_alloc_gib'], '.2f')} | {opt(d['host_used_peak_gib'], '.1f')} "
-                     f"| {(d['error'] or '–').replace('|', '/')} |")
+        lines.append(
+            f"| `{p.parent.name}/{p.name}` | {gc} | {'yes' if d['completed'] else 'no'} | {d['build_s']:.1f} "
+            f"| {opt(d['step_s_median'], '.2f')} | {opt(d['tokens_per_s_median'], '.0f')} "
+            f"| {opt(d['gpu_peak_alloc_gib'], '.2f')} | {opt(d['host_used_peak_gib'], '.1f')} "
+            f"| {(d['error'] or '–').replace('|', '/')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -267,15 +350,20 @@ def offload(results: Path) -> str:
 def layer(results: Path) -> str:
     """FRoDLinear and LoRA r=16 forward + backward time over a frozen nn.Linear, per device and token count."""
     paths = [results / "layer_h100.json", results / "layer_h200.json"]
-    lines = [_source(*paths, results=results).rstrip("\n"), "",
-             "| device | shape | tokens | frozen `nn.Linear` | LoRA r=16 ÷ frozen | FRoD (auto order) ÷ frozen |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        _source(*paths, results=results).rstrip("\n"),
+        "",
+        "| device | shape | tokens | frozen `nn.Linear` | LoRA r=16 ÷ frozen | FRoD (auto order) ÷ frozen |",
+        "|---|---|---|---|---|---|",
+    ]
     for p in paths:
         d = _load(p)
         for r in d["rows"]:
-            lines.append(f"| {d['device']} | {d['shape'][0]}×{d['shape'][1]} | {r['tokens']} "
-                         f"| {r['frozen']['median_ms']:.2f} ms | {r['ratio_vs_frozen']['lora_r16']:.2f}× "
-                         f"| {r['ratio_vs_frozen']['frod_auto']:.2f}× |")
+            lines.append(
+                f"| {d['device']} | {d['shape'][0]}×{d['shape'][1]} | {r['tokens']} "
+                f"| {r['frozen']['median_ms']:.2f} ms | {r['ratio_vs_frozen']['lora_r16']:.2f}× "
+                f"| {r['ratio_vs_frozen']['frod_auto']:.2f}× |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -291,19 +379,28 @@ def real_study(results: Path) -> str:
 
 
 GENERATORS: dict[str, Callable[[Path], str]] = {
-    "headline": headline, "exact-init": exact_init, "quant-drift": quant_drift, "planner-check": planner_check,
-    "peft-interop": peft_interop, "seventy-b-70b": seventy_b_70b, "seventy-b-7b": seventy_b_7b,
-    "offload": offload, "layer": layer, "real-study": real_study,
+    "headline": headline,
+    "exact-init": exact_init,
+    "quant-drift": quant_drift,
+    "planner-check": planner_check,
+    "peft-interop": peft_interop,
+    "seventy-b-70b": seventy_b_70b,
+    "seventy-b-7b": seventy_b_7b,
+    "offload": offload,
+    "layer": layer,
+    "real-study": real_study,
 }
 
 
 def rewrite(text: str, results: Path = RESULTS) -> str:
     """``text`` with every generated block replaced by its generator's output; an unknown NAME is an error."""
+
     def one(m: re.Match) -> str:
         name = m.group("name")
         if name not in GENERATORS:
             raise KeyError(f"unknown generated block {name!r} (known: {', '.join(GENERATORS)})")
         return m.group(1) + GENERATORS[name](results) + m.group(4)
+
     return BLOCK.sub(one, text)
 
 

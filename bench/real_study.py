@@ -34,7 +34,9 @@ from bench.study.config import StudyConfig, StudyError, parse_lrs  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> StudyConfig | Path:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     a = p.add_argument
     a("--replot", metavar="JSON", help="only redo the Markdown table and the plots of a results file, beside it")
     a("--model", help="HF checkpoint directory with its tokenizer (e.g. SmolLM2-135M-Instruct)")
@@ -42,14 +44,28 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     a("--train", help="training rows (default DATA/train.jsonl)")
     a("--eval-dir", help="test rows, one <task>.jsonl per task (default DATA/eval)")
     a("--out", help="new or empty directory for the study, or the directory of this study to go on with")
-    a("--resume-from", metavar="DIR", help="a study directory (e.g. an unpacked copy) whose records are copied "
-      "into --out first; it must be of the same study")
-    a("--extend", type=int, default=1, help="LRs a method may add, one at a time, past the end of its sweep that "
-      "its choice sits at (each a step of the sweep's own ratio, put on the 1/3 x 10^k grid); 0: never")
+    a(
+        "--resume-from",
+        metavar="DIR",
+        help="a study directory (e.g. an unpacked copy) whose records are copied "
+        "into --out first; it must be of the same study",
+    )
+    a(
+        "--extend",
+        type=int,
+        default=1,
+        help="LRs a method may add, one at a time, past the end of its sweep that "
+        "its choice sits at (each a step of the sweep's own ratio, put on the 1/3 x 10^k grid); 0: never",
+    )
     a("--methods", default="frod,lora16,lora32,full", help="comma list of frod, full, lora<r>")
-    a("--lrs", action="append", default=[], metavar="METHOD=LR,LR,...",
-      help="a method's LR sweep (FRoD: σ LRs); repeatable; defaults frod 1e-3,3e-3,1e-2; lora 1e-4,3e-4,1e-3; "
-           "full 3e-5,1e-4,3e-4")
+    a(
+        "--lrs",
+        action="append",
+        default=[],
+        metavar="METHOD=LR,LR,...",
+        help="a method's LR sweep (FRoD: σ LRs); repeatable; defaults frod 1e-3,3e-3,1e-2; lora 1e-4,3e-4,1e-3; "
+        "full 3e-5,1e-4,3e-4",
+    )
     a("--batch-size", type=int, default=64, help="examples per optimizer step (no accumulation)")
     a("--cutoff", type=int, default=256, help="max tokens per example (the prompt's start is cut, never the answer)")
     a("--epochs", type=float, default=1.0, help="passes over the training rows (all methods alike)")
@@ -66,20 +82,40 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     a("--eval-batch", type=int, default=64, help="rows per log-likelihood batch")
     a("--gen-batch", type=int, default=128, help="rows per generation batch (x beams sequences)")
     a("--protocols", default="loglik,llm-adapters", help="test protocols: loglik and/or llm-adapters")
-    a("--gen-impl", default="auto", help="llm-adapters scorer: auto or project, both the library's "
-                                         "frod_ds.eval.predict.score_llm_adapters_rows (recorded in the study)")
+    a(
+        "--gen-impl",
+        default="auto",
+        help="llm-adapters scorer: auto or project, both the library's "
+        "frod_ds.eval.predict.score_llm_adapters_rows (recorded in the study)",
+    )
     a("--num-beams", type=int, default=4, help="beams of the llm-adapters protocol: LLM-Adapters' 4, the only value")
-    a("--max-new-tokens", type=int, default=32,
-      help="new tokens of the llm-adapters protocol: LLM-Adapters' 32, the only value")
+    a(
+        "--max-new-tokens",
+        type=int,
+        default=32,
+        help="new tokens of the llm-adapters protocol: LLM-Adapters' 32, the only value",
+    )
     a("--select-by", default="accuracy", help="held-out criterion: accuracy (ties: answer loss) or answer_loss")
     a("--smooth-frac", type=float, default=0.05, help="trailing-mean window for steps-to-loss, as a fraction of steps")
     a("--no-base-eval", action="store_true", help="skip the base model's test evaluation")
-    a("--max-minutes", type=float, default=8.5, help="time budget of this command, from its start: runs that do "
-      "not fit are left for the next command")
-    a("--eval-reserve-minutes", type=float, default=2.0,
-      help="budget kept for the test evaluations: a run starts only if it is predicted to end before that")
-    a("--workers", type=int, default=0,
-      help="runs trained at a time in worker processes sharing the device (0: 3 on CUDA, 1 on CPU)")
+    a(
+        "--max-minutes",
+        type=float,
+        default=8.5,
+        help="time budget of this command, from its start: runs that do not fit are left for the next command",
+    )
+    a(
+        "--eval-reserve-minutes",
+        type=float,
+        default=2.0,
+        help="budget kept for the test evaluations: a run starts only if it is predicted to end before that",
+    )
+    a(
+        "--workers",
+        type=int,
+        default=0,
+        help="runs trained at a time in worker processes sharing the device (0: 3 on CUDA, 1 on CPU)",
+    )
     a("--device", default="auto", help="auto, cuda or cpu")
     a("--frod-sparsity", type=float, default=0.02, help="FRoD density s of S")
     a("--frod-s-ratio", type=float, default=0.1, help="S LR / σ LR (the paper's 10:1)")
@@ -95,18 +131,45 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
     if not methods or len(set(methods)) != len(methods):
         raise StudyError(f"--methods {args.methods!r}: give distinct methods, e.g. frod,lora16,lora32,full")
     cfg = StudyConfig(
-        model=args.model, data=args.data, train=args.train, eval_dir=args.eval_dir, out=args.out, methods=methods,
-        lrs=parse_lrs(args.lrs, methods), batch_size=args.batch_size, cutoff=args.cutoff, epochs=args.epochs,
-        schedule=args.schedule, warmup_ratio=args.warmup_ratio, max_grad_norm=args.max_grad_norm,
-        train_on_inputs=args.train_on_inputs, seed=args.seed, heldout=args.heldout, train_limit=args.train_limit,
-        eval_limit=args.eval_limit, curve_limit=args.curve_limit, checkpoints=args.checkpoints,
-        eval_batch=args.eval_batch, gen_batch=args.gen_batch,
-        protocols=tuple(x.strip() for x in args.protocols.split(",") if x.strip()), gen_impl=args.gen_impl,
-        num_beams=args.num_beams, max_new_tokens=args.max_new_tokens, select_by=args.select_by,
-        smooth_frac=args.smooth_frac, base_eval=not args.no_base_eval, max_minutes=args.max_minutes,
-        eval_reserve_minutes=args.eval_reserve_minutes, workers=args.workers,
-        device=args.device, frod_sparsity=args.frod_sparsity, frod_s_ratio=args.frod_s_ratio,
-        lora_alpha_ratio=args.lora_alpha_ratio, resume_from=args.resume_from, extend=args.extend)
+        model=args.model,
+        data=args.data,
+        train=args.train,
+        eval_dir=args.eval_dir,
+        out=args.out,
+        methods=methods,
+        lrs=parse_lrs(args.lrs, methods),
+        batch_size=args.batch_size,
+        cutoff=args.cutoff,
+        epochs=args.epochs,
+        schedule=args.schedule,
+        warmup_ratio=args.warmup_ratio,
+        max_grad_norm=args.max_grad_norm,
+        train_on_inputs=args.train_on_inputs,
+        seed=args.seed,
+        heldout=args.heldout,
+        train_limit=args.train_limit,
+        eval_limit=args.eval_limit,
+        curve_limit=args.curve_limit,
+        checkpoints=args.checkpoints,
+        eval_batch=args.eval_batch,
+        gen_batch=args.gen_batch,
+        protocols=tuple(x.strip() for x in args.protocols.split(",") if x.strip()),
+        gen_impl=args.gen_impl,
+        num_beams=args.num_beams,
+        max_new_tokens=args.max_new_tokens,
+        select_by=args.select_by,
+        smooth_frac=args.smooth_frac,
+        base_eval=not args.no_base_eval,
+        max_minutes=args.max_minutes,
+        eval_reserve_minutes=args.eval_reserve_minutes,
+        workers=args.workers,
+        device=args.device,
+        frod_sparsity=args.frod_sparsity,
+        frod_s_ratio=args.frod_s_ratio,
+        lora_alpha_ratio=args.lora_alpha_ratio,
+        resume_from=args.resume_from,
+        extend=args.extend,
+    )
     cfg.validate()
     return cfg
 

@@ -52,17 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--name", required=True)
     args = ap.parse_args(argv)
-    metrics = [json.loads(x) for x in args.metrics.read_text().splitlines() if x.strip()] if args.metrics.is_file() else []
+    metrics = (
+        [json.loads(x) for x in args.metrics.read_text().splitlines() if x.strip()] if args.metrics.is_file() else []
+    )
     log = args.log.read_text(errors="replace")
     host = [float(x) for x in args.host_mem.read_text().split()] if args.host_mem else []
     errors = [ln.strip() for ln in log.splitlines() if re.search(r"(Error|error):", ln)][-1:]
     started = re.search(r"\[(\d{4}-\d\d-\d\d) (\d\d:\d\d:\d\d)", log)  # the launcher's first log line
-    payload = {"command": args.command, "device": args.device,
-               **({"date": f"{started.group(1)}T{started.group(2)}+00:00"} if started else {}),
-               "versions": json.loads(args.versions_from.read_text())["versions"] if args.versions_from else None,
-               "config": load_ds_config(args.config) if args.config else None,
-               "completed": bool(metrics), "error": errors[0] if errors and not metrics else None,
-               **summarise(metrics, log, host)}
+    payload = {
+        "command": args.command,
+        "device": args.device,
+        **({"date": f"{started.group(1)}T{started.group(2)}+00:00"} if started else {}),
+        "versions": json.loads(args.versions_from.read_text())["versions"] if args.versions_from else None,
+        "config": load_ds_config(args.config) if args.config else None,
+        "completed": bool(metrics),
+        "error": errors[0] if errors and not metrics else None,
+        **summarise(metrics, log, host),
+    }
     path = write_result(args.name, payload, args.out)
     print(f"wrote {path}")
     return 0

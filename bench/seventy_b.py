@@ -7,15 +7,17 @@ category (for QLoRA, or after a lost machine) gives the same weights on the same
 
     W=/tmp/work/70b; O=$OUT; L="torchrun --standalone --nproc_per_node 2"
     $L bench/seventy_b.py gen-untargeted --work $W --out $O --data ../shared/data/llm_adapters   # ~1-2 min
-    $L bench/seventy_b.py category q_proj k_proj v_proj o_proj --work $W --out $O   # generate → HJD → delete, each
+    $L bench/seventy_b.py category q_proj k_proj v_proj o_proj --work $W --out $O  # generate → HJD → delete, each
     $L bench/seventy_b.py category gate_proj up_proj --work $W --out $O
     python bench/seventy_b.py train --work $W --out $O          # deepspeed launch/train.py, ZeRO-3 + checkpointing,
-                                                                # NF4 U_i, recipe batches (cutoff 256); killed at step 18
+                                                                # NF4 U_i, recipe batches (cutoff 256);
+                                                                # killed at step 18
     python bench/seventy_b.py train-resume --work $W --out $O   # resumed from step 12's checkpoint to 24; losses 13-18
                                                                 # vs the killed run's; planner prediction vs peak
     python bench/seventy_b.py step --work $W --out $O           # FRoD step time, bench/train_step.py harness
     python bench/seventy_b.py qlora --work $W --out $O          # QLoRA r=16 (NF4 base) in the same harness; its
-                                                                # targeted weights regenerated into /dev/shm, deleted after
+                                                                # targeted weights regenerated into /dev/shm,
+                                                                # deleted after
     python bench/seventy_b.py report --work $W --out $O         # the table: step, tok/s, MFU, peak, plan, FLOPs
     # rehearsals: --shape 7b on one GPU (nproc_per_node 1, --gpus 1); --tiny (= --shape tiny) on CPU, 2 gloo ranks
 
@@ -42,14 +44,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.synthetic_llama import (SHAPES, TARGETS, add_to_index, category_names, index_files,  # noqa: E402
-                                   remove_from_index, split_files, untargeted_names, write_shard)
+from bench.synthetic_llama import (  # noqa: E402
+    SHAPES,
+    TARGETS,
+    add_to_index,
+    category_names,
+    index_files,
+    remove_from_index,
+    split_files,
+    untargeted_names,
+    write_shard,
+)
 from frod_ds.runtime.errors import FrodError  # noqa: E402
 
 GiB = 2**30
 FILE_BYTES = 4 * GiB  # one generated safetensors file at most
-ENV = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", HF_HUB_OFFLINE="1",
-           TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+ENV = dict(
+    NCCL_NVLS_ENABLE="0",
+    TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+    NVSHMEM_DISABLE_NVLS="1",
+    HF_HUB_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+    PYTHONUNBUFFERED="1",
+)
 TASKS = "boolq,obqa,arc_easy,arc_challenge"
 
 
@@ -62,8 +79,16 @@ class ChainError(FrodError):
 
 def _paths(args) -> dict[str, Path]:
     w = Path(args.work)
-    return {"work": w, "model": w / "model", "store": w / "store", "data": w / "data", "recipe": w / "recipe.yaml",
-            "chain": w / "chain.json", "res": w / "results", "out": Path(args.out) if args.out else w / "results"}
+    return {
+        "work": w,
+        "model": w / "model",
+        "store": w / "store",
+        "data": w / "data",
+        "recipe": w / "recipe.yaml",
+        "chain": w / "chain.json",
+        "res": w / "results",
+        "out": Path(args.out) if args.out else w / "results",
+    }
 
 
 def _chain(p: dict) -> dict:
@@ -127,8 +152,10 @@ def _check_chain(args, p: dict, device_type: str) -> dict:
     mine = {"shape": _shape(args).as_dict(), "seed": args.seed, "device_type": device_type}
     for k, v in mine.items():
         if k in chain and chain[k] != v:
-            raise ChainError(f"--work {p['work']} was generated with {k} {chain[k]!r}, this run has {v!r}; use another "
-                             "--work or the same settings")
+            raise ChainError(
+                f"--work {p['work']} was generated with {k} {chain[k]!r}, this run has {v!r}; use another "
+                "--work or the same settings"
+            )
     return {**mine, **chain}
 
 
@@ -188,14 +215,33 @@ def _prepare_model_dir(args, p: dict, shape) -> None:
         if args.data and (Path(args.data) / "train.jsonl").is_file():
             shutil.copytree(args.data, p["data"])
         elif args.data and Path(args.data).is_dir():
-            res = subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", f"llm-adapters:{args.data}",
-                                  "--out", str(p["data"]), "--tasks", TASKS, "--template", "llm-adapters"],
-                                 cwd=REPO, env=_env(args), capture_output=True, text=True)
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "data_prep",
+                    "build",
+                    "--source",
+                    f"llm-adapters:{args.data}",
+                    "--out",
+                    str(p["data"]),
+                    "--tasks",
+                    TASKS,
+                    "--template",
+                    "llm-adapters",
+                ],
+                cwd=REPO,
+                env=_env(args),
+                capture_output=True,
+                text=True,
+            )
             if res.returncode != 0:
                 raise ChainError(f"data_prep failed on --data {args.data}: {res.stderr.strip().splitlines()[-1:]}")
         else:
-            raise ChainError(f"--data {args.data!r} is not a directory: pass LLM-Adapters' dataset folder "
-                             "(../shared/data/llm_adapters) or a data_prep output (with train.jsonl)")
+            raise ChainError(
+                f"--data {args.data!r} is not a directory: pass LLM-Adapters' dataset folder "
+                "(../shared/data/llm_adapters) or a data_prep output (with train.jsonl)"
+            )
     if not (p["model"] / "tokenizer_config.json").is_file():
         from frod_ds.testing.toy import train_sentencepiece_tokenizer
 
@@ -214,13 +260,32 @@ def write_recipe(args, p: dict) -> None:
     import yaml
 
     recipe = {
-        "model": {"base": str(p["model"]), "factor_store": str(p["store"]), "targets": list(TARGETS),
-                  "sparsity": 0.02, "seed": 0, "dtype": "bfloat16", "gradient_checkpointing": True,
-                  "frozen_quant": args.quant, "quantize_base": False},
+        "model": {
+            "base": str(p["model"]),
+            "factor_store": str(p["store"]),
+            "targets": list(TARGETS),
+            "sparsity": 0.02,
+            "seed": 0,
+            "dtype": "bfloat16",
+            "gradient_checkpointing": True,
+            "frozen_quant": args.quant,
+            "quantize_base": False,
+        },
         "data": {"train": str(p["data"] / "train.jsonl"), "cutoff_len": 256, "train_on_inputs": False},
-        "train": {"lr_sigma": 1e-4, "lr_s": 1e-5, "schedule": "cosine", "warmup_ratio": 0.1, "max_steps": args.steps,
-                  "micro_batch_size": args.batch, "grad_accum": 1, "max_grad_norm": 1.0, "log_every": 1,
-                  "save_every": args.save_at, "rotation_every": 0, "keep_checkpoints": 2},
+        "train": {
+            "lr_sigma": 1e-4,
+            "lr_s": 1e-5,
+            "schedule": "cosine",
+            "warmup_ratio": 0.1,
+            "max_steps": args.steps,
+            "micro_batch_size": args.batch,
+            "grad_accum": 1,
+            "max_grad_norm": 1.0,
+            "log_every": 1,
+            "save_every": args.save_at,
+            "rotation_every": 0,
+            "keep_checkpoints": 2,
+        },
         "output_dir": str(p["work"] / "train"),
     }
     p["recipe"].write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -229,9 +294,9 @@ def write_recipe(args, p: dict) -> None:
 def category(args) -> None:
     """Per category: every rank generates its members (HJD's split) → the index lists them → HJD over the
     launcher's ranks adds the category to the NF4 store → the weights are deleted."""
-    from frod_ds.runtime import distributed as D
-    from frod_ds.hjd.sharding import my_members
     from frod_ds.cli import hjd
+    from frod_ds.hjd.sharding import my_members
+    from frod_ds.runtime import distributed as D
 
     p, shape = _paths(args), _shape(args)
     device = D.local_device()
@@ -246,7 +311,9 @@ def category(args) -> None:
         prefix = f"model-{c}-r"
         done = D.on_main(lambda: _store_has(p, c))
         if done:
-            D.on_main(lambda: remove_from_index(p["model"], {f for f in index_files(p["model"]) if f.startswith(prefix)}))
+            D.on_main(
+                lambda: remove_from_index(p["model"], {f for f in index_files(p["model"]) if f.startswith(prefix)})
+            )
             D.print0(f"{c}: in the store already")
             continue
         t0 = time.perf_counter()
@@ -255,14 +322,28 @@ def category(args) -> None:
         maps = D.all_gather_object(_generate(p, f"{prefix}{rank}", mine, args.seed, device))
         D.on_main(lambda: add_to_index(p["model"], {k: v for m in maps for k, v in m.items()}))
         t_gen = time.perf_counter() - t0
-        hjd_args = ["--model", str(p["model"]), "--out", str(p["store"]), "--targets", ",".join(TARGETS),
-                    "--categories", c, "--quant", args.quant] + (["--device", "cpu"] if device.type == "cpu" else [])
+        hjd_args = [
+            "--model",
+            str(p["model"]),
+            "--out",
+            str(p["store"]),
+            "--targets",
+            ",".join(TARGETS),
+            "--categories",
+            c,
+            "--quant",
+            args.quant,
+        ] + (["--device", "cpu"] if device.type == "cpu" else [])
         hjd.build(hjd.parse_args(hjd_args))
         t_hjd = time.perf_counter() - t0 - t_gen
         D.barrier()
         D.on_main(lambda: remove_from_index(p["model"], {f for m in maps for f in m.values()}))
-        record = {"generate_s": round(t_gen, 1), "hjd_s": round(t_hjd, 1),
-                  "delete_s": round(time.perf_counter() - t0 - t_gen - t_hjd, 1), "world_size": world}
+        record = {
+            "generate_s": round(t_gen, 1),
+            "hjd_s": round(t_hjd, 1),
+            "delete_s": round(time.perf_counter() - t0 - t_gen - t_hjd, 1),
+            "world_size": world,
+        }
 
         def note() -> None:
             chain.setdefault("categories", {})[c] = record
@@ -285,9 +366,16 @@ def _store_summary(p: dict, c: str) -> dict:
 
     m = Manifest.read(p["store"] / MANIFEST)
     r = m.categories[c]
-    return {"members": len(r.members), "width": r.width, "method": r.method, "max_error": r.max_error,
-            "max_stored_error": r.max_stored_error, "seconds": r.seconds, "store_complete": m.complete,
-            "peak_gpu_gib": max((x.peak_device_gib or 0 for x in m.run.ranks), default=None) if m.run else None}
+    return {
+        "members": len(r.members),
+        "width": r.width,
+        "method": r.method,
+        "max_error": r.max_error,
+        "max_stored_error": r.max_stored_error,
+        "seconds": r.seconds,
+        "store_complete": m.complete,
+        "peak_gpu_gib": max((x.peak_device_gib or 0 for x in m.run.ranks), default=None) if m.run else None,
+    }
 
 
 # ---- drivers: training, step times, QLoRA ---------------------------------------------------------------------------
@@ -316,8 +404,20 @@ def _launch(cmd: list[str], env: dict, log: Path, stop=None, timeout: float = 1e
 
 
 def _train_cmd(args, p: dict) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(_gpus(args)), "--master_port",
-            str(_free_port()), "launch/train.py", "--config", args.config, "--recipe", str(p["recipe"])]
+    return [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(_gpus(args)),
+        "--master_port",
+        str(_free_port()),
+        "launch/train.py",
+        "--config",
+        args.config,
+        "--recipe",
+        str(p["recipe"]),
+    ]
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -334,15 +434,31 @@ def _need_store(p: dict) -> None:
 def plan_prediction(args, p: dict, gpu_bytes: float | None) -> dict:
     """The memory planner's per-GPU prediction for the chain's training (config.json, recipe, DeepSpeed JSON)."""
     from frod_ds.config.ds_config import load_ds_config
-    from frod_ds.plan.memory import GiB as PG, engine_from_ds_config, load_model_shape, plan_memory, train_shape_from_recipe
     from frod_ds.config.recipe import load_recipe
+    from frod_ds.plan.memory import (
+        GiB as PG,
+    )
+    from frod_ds.plan.memory import (
+        engine_from_ds_config,
+        load_model_shape,
+        plan_memory,
+        train_shape_from_recipe,
+    )
 
     recipe = load_recipe(p["recipe"], [], paths=False)
-    plan = plan_memory(load_model_shape(str(p["model"])), train_shape_from_recipe(recipe),
-                       engine_from_ds_config(load_ds_config(args.config), args.config), _gpus(args),
-                       gpu_bytes or 79.1 * PG)
-    return {"allocated_gib": plan.allocated / PG, "needed_gib": plan.needed / PG, "fits": plan.fits,
-            "parts_gib": {k: v / PG for k, v in plan.parts.items()}}
+    plan = plan_memory(
+        load_model_shape(str(p["model"])),
+        train_shape_from_recipe(recipe),
+        engine_from_ds_config(load_ds_config(args.config), args.config),
+        _gpus(args),
+        gpu_bytes or 79.1 * PG,
+    )
+    return {
+        "allocated_gib": plan.allocated / PG,
+        "needed_gib": plan.needed / PG,
+        "fits": plan.fits,
+        "parts_gib": {k: v / PG for k, v in plan.parts.items()},
+    }
 
 
 def _gpu_bytes() -> float | None:
@@ -358,8 +474,10 @@ def train(args) -> None:
     write_recipe(args, p)
     out = p["work"] / "train"
     if (out / "killed.json").is_file():
-        print(f"train: killed at step {json.loads((out / 'killed.json').read_text())['killed_after_step']} already; "
-              "next: train-resume")
+        print(
+            f"train: killed at step {json.loads((out / 'killed.json').read_text())['killed_after_step']} already; "
+            "next: train-resume"
+        )
         return
     ckpt = out / "checkpoints" / "latest_complete"
 
@@ -370,8 +488,10 @@ def train(args) -> None:
     rc, s = _launch(_train_cmd(args, p), _env(args), p["out"] / "logs" / "train.log", stop, args.timeout_s)
     rows = _metrics(out)
     if rc != -9:
-        raise ChainError(f"train: the run ended with exit {rc} before it was killed at step {args.kill_at} (logged "
-                         f"{len(rows)} steps; log {p['out'] / 'logs' / 'train.log'}); rerun train to go on")
+        raise ChainError(
+            f"train: the run ended with exit {rc} before it was killed at step {args.kill_at} (logged "
+            f"{len(rows)} steps; log {p['out'] / 'logs' / 'train.log'}); rerun train to go on"
+        )
     (out / "metrics_before_kill.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     record = {"killed_after_step": max(r["step"] for r in rows), "wall_s": round(s, 1), "checkpoint": args.save_at}
     (out / "killed.json").write_text(json.dumps(record) + "\n")
@@ -396,19 +516,30 @@ def train_resume(args) -> None:
     peak = max(r["peak_mem_gb"] for r in after.values())
     pred = plan_prediction(args, p, _gpu_bytes())
     steady = [r for k, r in sorted(after.items()) if k > args.save_at + 1]
-    payload = {"steps": max(after), "resumed_from": args.save_at, "compared_steps": overlap,
-               "max_rel_loss_diff": rel, "within_1e-3": rel is not None and rel <= 1e-3, "wall_s": round(s, 1),
-               "peak_alloc_gib_rank0": peak, "peak_is": "torch.cuda.max_memory_allocated" if _gpu_bytes() else
-               "host max RSS (CPU run: not comparable with the plan)", "planner": pred,
-               "peak_over_prediction": peak / pred["allocated_gib"] if _gpu_bytes() else None,
-               "step_s_median": _median([r["step_time_s"] for r in steady]),
-               "tokens_per_s_per_gpu": _median([r["tokens_per_s"] / _gpus(args) for r in steady]),  # non-pad tokens
-               "losses_killed_run": {k: before[k]["loss"] for k in sorted(before)},
-               "losses": {k: after[k]["loss"] for k in sorted(after)}}
+    payload = {
+        "steps": max(after),
+        "resumed_from": args.save_at,
+        "compared_steps": overlap,
+        "max_rel_loss_diff": rel,
+        "within_1e-3": rel is not None and rel <= 1e-3,
+        "wall_s": round(s, 1),
+        "peak_alloc_gib_rank0": peak,
+        "peak_is": "torch.cuda.max_memory_allocated"
+        if _gpu_bytes()
+        else "host max RSS (CPU run: not comparable with the plan)",
+        "planner": pred,
+        "peak_over_prediction": peak / pred["allocated_gib"] if _gpu_bytes() else None,
+        "step_s_median": _median([r["step_time_s"] for r in steady]),
+        "tokens_per_s_per_gpu": _median([r["tokens_per_s"] / _gpus(args) for r in steady]),  # non-pad tokens
+        "losses_killed_run": {k: before[k]["loss"] for k in sorted(before)},
+        "losses": {k: after[k]["loss"] for k in sorted(after)},
+    }
     _result(p, "train_resume", payload)
-    print(f"train-resume: steps {args.save_at + 1}-{max(after)}; losses of steps {overlap[:1]}..{overlap[-1:]} vs the "
-          f"killed run: max relative difference {rel:.2e}; peak {peak:.2f} GiB (rank 0; {payload['peak_is']}), planner "
-          f"{pred['allocated_gib']:.2f} GiB allocated")
+    print(
+        f"train-resume: steps {args.save_at + 1}-{max(after)}; losses of steps {overlap[:1]}..{overlap[-1:]} vs the "
+        f"killed run: max relative difference {rel:.2e}; peak {peak:.2f} GiB (rank 0; {payload['peak_is']}), planner "
+        f"{pred['allocated_gib']:.2f} GiB allocated"
+    )
 
 
 def _metrics_file(path: Path) -> list[dict]:
@@ -427,19 +558,49 @@ def _step_name(args, method: str) -> str:
     result the same way on any machine."""
     gpus = _gpus(args)
     config = Path(args.config).stem
-    return (f"seventy_b_step_{method}" + (f"_{gpus}gpu" if gpus != 2 else "")
-            + (f"_{config}" if config != "zero3" else "")
-            + ("_base" if args.quantize_base and method == "frod" else "")
-            + ("_bf16" if method == "lora" and args.quant == "none" else ""))
+    return (
+        f"seventy_b_step_{method}"
+        + (f"_{gpus}gpu" if gpus != 2 else "")
+        + (f"_{config}" if config != "zero3" else "")
+        + ("_base" if args.quantize_base and method == "frod" else "")
+        + ("_bf16" if method == "lora" and args.quant == "none" else "")
+    )
 
 
 def _step_cmd(args, method: str, model: Path, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(_gpus(args)),
-           "bench/train_step.py", "run", "--method", method, "--config", args.config, "--model", str(model),
-           "--frozen-quant", args.quant, "--gc", "--batch", str(args.batch), "--seq", "256",
-           "--out", str(_paths(args)["res"]), "--name", _step_name(args, method), *extra]
-    return cmd + (["--warmup", "1", "--steps", "2", "--repeats", "1"] if args.tiny else
-                  ["--warmup", "2", "--steps", str(args.step_steps), "--repeats", "2"])
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(_gpus(args)),
+        "bench/train_step.py",
+        "run",
+        "--method",
+        method,
+        "--config",
+        args.config,
+        "--model",
+        str(model),
+        "--frozen-quant",
+        args.quant,
+        "--gc",
+        "--batch",
+        str(args.batch),
+        "--seq",
+        "256",
+        "--out",
+        str(_paths(args)["res"]),
+        "--name",
+        _step_name(args, method),
+        *extra,
+    ]
+    return cmd + (
+        ["--warmup", "1", "--steps", "2", "--repeats", "1"]
+        if args.tiny
+        else ["--warmup", "2", "--steps", str(args.step_steps), "--repeats", "2"]
+    )
 
 
 def step(args) -> None:
@@ -469,8 +630,12 @@ def qlora_gen(args) -> None:
     D.on_main(lambda: _check_chain(args, p, device.type))
     D.on_main(lambda: shm.mkdir(parents=True, exist_ok=True))
     rank, world = D.get_rank(), D.get_world_size()
-    names = [n for c in TARGETS for n in category_names(shape, c) if int(n[0].split(".")[2]) in
-             set(_my_layers(shape.layers, rank, world))]
+    names = [
+        n
+        for c in TARGETS
+        for n in category_names(shape, c)
+        if int(n[0].split(".")[2]) in set(_my_layers(shape.layers, rank, world))
+    ]
     weight_map = {}
     for j, group in enumerate(split_files(names, FILE_BYTES)):
         fname = f"model-targets-r{rank}-{j:03d}.safetensors"
@@ -492,8 +657,11 @@ def qlora_gen(args) -> None:
         from frod_ds.model.store_reader import FactorStore, check_store_matches
 
         if not (p["store"] / "manifest.json").is_file():  # a QLoRA-only work dir: nothing to check against
-            print(f"qlora-gen: no factor store in {p['work']}: the weights are regenerated from seed {args.seed}, "
-                  "not checked against a store", flush=True)
+            print(
+                f"qlora-gen: no factor store in {p['work']}: the weights are regenerated from seed {args.seed}, "
+                "not checked against a store",
+                flush=True,
+            )
             return
         check_store_matches(FactorStore.open(p["store"]), HFCheckpoint(qdir))  # the very weights HJD decomposed
         print(f"qlora-gen: {qdir} holds the weights the factor store was built from (fingerprint matches)", flush=True)
@@ -510,15 +678,39 @@ def _lora_step(args, quantize_base: bool) -> None:
     shm = Path(args.shm or p["work"] / "qlora-shm")
     what = "qlora" if quantize_base else "lora"
     try:
-        gen = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(_gpus(args)),
-               str(Path(__file__).resolve()), "qlora-gen", "--work", str(p["work"]), "--out", str(p["out"]),
-               "--seed", str(args.seed), "--shm", str(shm), "--shape", args.shape, "--layers", str(args.layers)]
+        gen = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(_gpus(args)),
+            str(Path(__file__).resolve()),
+            "qlora-gen",
+            "--work",
+            str(p["work"]),
+            "--out",
+            str(p["out"]),
+            "--seed",
+            str(args.seed),
+            "--shm",
+            str(shm),
+            "--shape",
+            args.shape,
+            "--layers",
+            str(args.layers),
+        ]
         rc, s_gen = _launch(gen, _env(args), p["out"] / "logs" / f"{what}_gen.log", None, args.timeout_s)
         if rc != 0:
             raise ChainError(f"{what}: generating the targeted weights failed (exit {rc}); log {p['out'] / 'logs'}")
         log = p["out"] / "logs" / f"step_{what}.log"
-        rc, s = _launch(_step_cmd(args, "lora", p["work"] / "qlora-model", ["--quantize-base"] if quantize_base else []),
-                        _env(args), log, None, args.timeout_s)
+        rc, s = _launch(
+            _step_cmd(args, "lora", p["work"] / "qlora-model", ["--quantize-base"] if quantize_base else []),
+            _env(args),
+            log,
+            None,
+            args.timeout_s,
+        )
         if rc != 0:
             raise ChainError(f"{what}: exit {rc}; log {log}")
         result = p["res"] / f"{_step_name(args, 'lora')}.json"
@@ -538,8 +730,9 @@ def qlora(args) -> None:
 def lora(args) -> None:
     """LoRA r=16 on the bf16 base in FRoD's ``step`` harness, under the same ``--config`` (``--quant none`` chains)."""
     if args.quant != "none":
-        raise ChainError("lora times LoRA on the bf16 base, the baseline of a --quant none chain; for an NF4 chain "
-                         "run qlora")
+        raise ChainError(
+            "lora times LoRA on the bf16 base, the baseline of a --quant none chain; for an NF4 chain run qlora"
+        )
     _lora_step(args, quantize_base=False)
 
 
@@ -552,13 +745,20 @@ def plot_resume(d: dict, png: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     after = sorted((int(k), v) for k, v in d["losses"].items() if int(k) > d["resumed_from"])
-    ax.plot(*zip(*sorted((int(k), v) for k, v in d["losses_killed_run"].items())), "o-", color="0.55",
-            label="run killed after its checkpoint")
+    ax.plot(
+        *zip(*sorted((int(k), v) for k, v in d["losses_killed_run"].items())),
+        "o-",
+        color="0.55",
+        label="run killed after its checkpoint",
+    )
     ax.plot(*zip(*after), "x-", color="C3", label=f"resumed from step {d['resumed_from']}")
     ax.axvline(d["resumed_from"], color="0.8", lw=1, ls="--")
     rel = d.get("max_rel_loss_diff")
-    ax.set(xlabel="optimizer step", ylabel="training loss",
-           title=d.get("device", "") + (f"; resumed vs killed: max rel. diff {rel:.1e}" if rel is not None else ""))
+    ax.set(
+        xlabel="optimizer step",
+        ylabel="training loss",
+        title=d.get("device", "") + (f"; resumed vs killed: max rel. diff {rel:.1e}" if rel is not None else ""),
+    )
     ax.title.set_fontsize(9)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(frameon=False)
@@ -573,40 +773,62 @@ def report(args) -> None:
     from bench.planner_check import check as check_planner
 
     p = _paths(args)
-    load = {f.stem.removeprefix("seventy_b_"): json.loads(f.read_text())
-            for f in sorted(p["res"].glob("seventy_b_*.json"))
-            if f.stem.removeprefix("seventy_b_").startswith(("step_", "train_resume"))}
-    rows = ["| run | step (median) | tok/s per GPU | peak alloc GiB (highest rank; training: rank 0) | planner alloc GiB | MFU | GFLOP/token |",
-            "|---|---|---|---|---|---|---|"]
+    load = {
+        f.stem.removeprefix("seventy_b_"): json.loads(f.read_text())
+        for f in sorted(p["res"].glob("seventy_b_*.json"))
+        if f.stem.removeprefix("seventy_b_").startswith(("step_", "train_resume"))
+    }
+    rows = [
+        "| run | step (median) | tok/s per GPU | peak alloc GiB (highest rank; training: rank 0) "
+        "| planner alloc GiB | MFU | GFLOP/token |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for n in sorted(k for k in load if k.startswith("step_")):
         d = load[n]
         quant = d.get("frozen_quant", "nf4")
         if d.get("method") == "lora":
-            label = ("QLoRA r=16, NF4 base" if d.get("quantize_base") else
-                     f"LoRA r=16, {'bf16' if quant == 'none' else quant.upper()} base")
+            label = (
+                "QLoRA r=16, NF4 base"
+                if d.get("quantize_base")
+                else f"LoRA r=16, {'bf16' if quant == 'none' else quant.upper()} base"
+            )
         else:
-            label = (f"FRoD s=0.02, {'bf16' if quant == 'none' else quant.upper()} U_i"
-                     + (" and base" if d.get("quantize_base") else ""))  # the base takes U_i's quantization
+            label = f"FRoD s=0.02, {'bf16' if quant == 'none' else quant.upper()} U_i" + (
+                " and base" if d.get("quantize_base") else ""
+            )  # the base takes U_i's quantization
         mfu = f"{d['mfu'] * 100:.1f}%" if d.get("mfu") else "n/a"
         peak = f"{d['peak_allocated_gib']:.1f}" if d.get("peak_allocated_gib") else "n/a"
         checked = check_planner({**d, "_file": n}) if d.get("method") == "frod" else None
         planned = f"{checked['predicted_gib']:.1f}" if checked else "–"
-        rows.append(f"| {label} ({d['engine']}, gc, {d['world_size']} GPU(s), bench/train_step.py) | "
-                    f"{d['step_s_median'] * 1e3:.0f} ms | {d['tokens_per_s_per_gpu']:,.0f} | {peak} | {planned} | {mfu} "
-                    f"| {d['flops_per_token']['total'] / 1e9:.4g} |")
+        rows.append(
+            f"| {label} ({d['engine']}, gc, {d['world_size']} GPU(s), bench/train_step.py) | "
+            f"{d['step_s_median'] * 1e3:.0f} ms | {d['tokens_per_s_per_gpu']:,.0f} | {peak} | {planned} | {mfu} "
+            f"| {d['flops_per_token']['total'] / 1e9:.4g} |"
+        )
     d = load.get("train_resume")
     if d:
         peak = f"{d['peak_alloc_gib_rank0']:.1f}" if "cuda" in d.get("peak_is", "") else "n/a"
-        rows.append(f"| FRoD training (launch/train.py, recipe batches ≤ 256 tokens) | {d['step_s_median'] * 1e3:.0f} ms "
-                    f"| {d['tokens_per_s_per_gpu']:,.0f} (non-pad) | {peak} | {d['planner']['allocated_gib']:.1f} | – | – |")
+        rows.append(
+            f"| FRoD training (launch/train.py, recipe batches ≤ 256 tokens) | {d['step_s_median'] * 1e3:.0f} ms "
+            f"| {d['tokens_per_s_per_gpu']:,.0f} (non-pad) | {peak} | {d['planner']['allocated_gib']:.1f} | – | – |"
+        )
     frod = load.get("step_frod")
     qloras = [d for d in load.values() if d.get("method") == "lora" and frod and d["world_size"] == frod["world_size"]]
     best = min(qloras, key=lambda d: d["step_s_median"]) if qloras else None  # QLoRA's fastest on FRoD's GPUs
     summary = {
-        "baseline": (("QLoRA r=16, NF4 base" if best.get("quantize_base") else "LoRA r=16, bf16 base")
-                     + f", {best['engine']}, {best['world_size']} GPU(s)") if best else None,
-        "qlora_best": {"engine": best["engine"], "gradient_checkpointing": best["gradient_checkpointing"],
-                       "layer_passes_per_step": best.get("layer_passes_per_step")} if best else None,
+        "baseline": (
+            ("QLoRA r=16, NF4 base" if best.get("quantize_base") else "LoRA r=16, bf16 base")
+            + f", {best['engine']}, {best['world_size']} GPU(s)"
+        )
+        if best
+        else None,
+        "qlora_best": {
+            "engine": best["engine"],
+            "gradient_checkpointing": best["gradient_checkpointing"],
+            "layer_passes_per_step": best.get("layer_passes_per_step"),
+        }
+        if best
+        else None,
         "frod_step_over_qlora_best": frod["step_s_median"] / best["step_s_median"] if best else None,
         "flops_frod_over_qlora": frod["flops_per_token"]["total"] / best["flops_per_token"]["total"] if best else None,
         "resume_max_rel_loss_diff": load.get("train_resume", {}).get("max_rel_loss_diff"),
@@ -641,11 +863,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         s = sub.add_parser(name, help=text, description=text)
         s.add_argument("--work", required=True, help="work dir: model, store, data, recipe, runs, chain.json")
         s.add_argument("--out", default=None, help="results dir (default WORK/results; $OUT on the GPU machine)")
-        s.add_argument("--shape", choices=list(SHAPES), default="70b",
-                       help="70b: LLaMA-2-70B (80 layers, 8192/28672, 64/8 heads, vocab 32000); 7b: LLaMA-2-7B, the "
-                            "one-GPU rehearsal; tiny: 4 layers, hidden 64, the CPU rehearsal")
-        s.add_argument("--layers", type=int, default=0,
-                       help="decoder layers instead of the shape's (e.g. 70B widths on one GPU: --shape 70b --layers 24)")
+        s.add_argument(
+            "--shape",
+            choices=list(SHAPES),
+            default="70b",
+            help="70b: LLaMA-2-70B (80 layers, 8192/28672, 64/8 heads, vocab 32000); 7b: LLaMA-2-7B, the "
+            "one-GPU rehearsal; tiny: 4 layers, hidden 64, the CPU rehearsal",
+        )
+        s.add_argument(
+            "--layers",
+            type=int,
+            default=0,
+            help="decoder layers instead of the shape's (e.g. 70B widths on one GPU: --shape 70b --layers 24)",
+        )
         s.add_argument("--tiny", dest="shape", action="store_const", const="tiny", help="--shape tiny")
         s.add_argument("--seed", type=int, default=0, help="seed of the generated weights")
         s.add_argument("--quant", choices=["nf4", "int8", "none"], default="nf4", help="U_i in the store and training")
@@ -657,11 +887,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         s.add_argument("--kill-at", type=int, default=18, help="train: SIGKILL once this step is logged")
         s.add_argument("--step-steps", type=int, default=5, help="step/qlora: timed steps per window (2 windows)")
         s.add_argument("--timeout-s", type=float, default=560, help="drivers: kill the child after this long")
-        s.add_argument("--shm", default=None, help="qlora: where the regenerated targeted weights go "
-                                                    "(default WORK/qlora-shm; on the 2-GPU machine /dev/shm/...)")
+        s.add_argument(
+            "--shm",
+            default=None,
+            help="qlora: where the regenerated targeted weights go "
+            "(default WORK/qlora-shm; on the 2-GPU machine /dev/shm/...)",
+        )
         s.add_argument("--keep", action="store_true", help="qlora: keep the regenerated weights")
-        s.add_argument("--quantize-base", action="store_true",
-                       help="step: the untargeted linears in NF4 too (model.quantize_base), e.g. the one-GPU run")
+        s.add_argument(
+            "--quantize-base",
+            action="store_true",
+            help="step: the untargeted linears in NF4 too (model.quantize_base), e.g. the one-GPU run",
+        )
         if name == "gen-untargeted":
             s.add_argument("--data", required=True, help="LLM-Adapters' dataset folder, or a data_prep output dir")
         if name == "category":
@@ -669,14 +906,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.tiny = args.shape == "tiny"
     if not 0 < args.save_at < args.kill_at < min(2 * args.save_at, args.steps + 1):
-        ap.error(f"need 0 < --save-at < --kill-at < min(2 x --save-at, --steps + 1), got {args.save_at}, "
-                 f"{args.kill_at}, {args.steps}")
+        ap.error(
+            f"need 0 < --save-at < --kill-at < min(2 x --save-at, --steps + 1), got {args.save_at}, "
+            f"{args.kill_at}, {args.steps}"
+        )
     return args
 
 
 LAUNCHED = {"gen-untargeted": gen_untargeted, "category": category, "qlora-gen": qlora_gen}
-DRIVERS = {"train": train, "train-resume": train_resume, "step": step, "qlora": qlora, "lora": lora,
-           "report": report}
+DRIVERS = {"train": train, "train-resume": train_resume, "step": step, "qlora": qlora, "lora": lora, "report": report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,12 +25,25 @@ from pathlib import Path
 import torch
 
 from frod_ds.core.names import DEFAULT_TARGETS
-from frod_ds.runtime.atomic import TMP, atomic_write_text
 from frod_ds.io.hf_checkpoint import INDEX_NAME
 from frod_ds.io.safetensors_io import safetensors_header, tensor_bytes
+from frod_ds.runtime.atomic import TMP, atomic_write_text
 
-__all__ = ["Shape", "SHAPES", "TARGETS", "STD", "tensor_seed", "make_tensor", "category_names", "untargeted_names",
-           "split_files", "write_shard", "add_to_index", "remove_from_index", "index_files"]
+__all__ = [
+    "Shape",
+    "SHAPES",
+    "TARGETS",
+    "STD",
+    "tensor_seed",
+    "make_tensor",
+    "category_names",
+    "untargeted_names",
+    "split_files",
+    "write_shard",
+    "add_to_index",
+    "remove_from_index",
+    "index_files",
+]
 
 TARGETS = DEFAULT_TARGETS
 STD = 0.02
@@ -49,18 +62,40 @@ class Shape:
     def linear(self, name: str) -> tuple[int, int]:
         """(out, in) of a decoder layer's linear ``name``."""
         h, kv = self.hidden, self.hidden // self.heads * self.kv_heads
-        return {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
-                "gate_proj": (self.intermediate, h), "up_proj": (self.intermediate, h),
-                "down_proj": (h, self.intermediate)}[name]
+        return {
+            "q_proj": (h, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, h),
+            "gate_proj": (self.intermediate, h),
+            "up_proj": (self.intermediate, h),
+            "down_proj": (h, self.intermediate),
+        }[name]
 
     def config(self) -> dict:
         """config.json of a LlamaForCausalLM of this shape (bf16, untied, LLaMA-2's special ids and rope)."""
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden,
-                "intermediate_size": self.intermediate, "num_hidden_layers": self.layers,
-                "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads, "vocab_size": self.vocab,
-                "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-                "initializer_range": STD, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-                "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16", "use_cache": False}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "hidden_act": "silu",
+            "initializer_range": STD,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "bfloat16",
+            "use_cache": False,
+        }
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -88,12 +123,17 @@ def untargeted_names(shape: Shape, layers: Iterable[int] | None = None, globals_
     (of ``layers``, default all), and (``globals_``) embeddings, final norm and lm_head."""
     out: list[tuple[str, tuple[int, ...]]] = []
     if globals_:
-        out += [("model.embed_tokens.weight", (shape.vocab, shape.hidden)), ("model.norm.weight", (shape.hidden,)),
-                ("lm_head.weight", (shape.vocab, shape.hidden))]
+        out += [
+            ("model.embed_tokens.weight", (shape.vocab, shape.hidden)),
+            ("model.norm.weight", (shape.hidden,)),
+            ("lm_head.weight", (shape.vocab, shape.hidden)),
+        ]
     for i in range(shape.layers) if layers is None else layers:
-        out += [(_module("down_proj", i) + ".weight", shape.linear("down_proj")),
-                (f"model.layers.{i}.input_layernorm.weight", (shape.hidden,)),
-                (f"model.layers.{i}.post_attention_layernorm.weight", (shape.hidden,))]
+        out += [
+            (_module("down_proj", i) + ".weight", shape.linear("down_proj")),
+            (f"model.layers.{i}.input_layernorm.weight", (shape.hidden,)),
+            (f"model.layers.{i}.post_attention_layernorm.weight", (shape.hidden,)),
+        ]
     return out
 
 

@@ -33,12 +33,14 @@ from frod_ds.plan.memory import TrainShape, engine_from_ds_config, model_shape_f
 from frod_ds.plan.step_time import CHECK_GOAL, Link, step_time  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-POINTS = [*sorted((RESULTS / "two_gpu_2xh200" / "matrix" / "configs").glob("train_step_frod_*.json")),
-          *sorted((RESULTS / "zero3_levers" / "70b_widths").glob("*/seventy_b_step_frod_1gpu*.json")),
-          RESULTS / "two_gpu_2xh200" / "70b_bf16_40_layers" / "seventy_b_step_frod.json",
-          *sorted((RESULTS / "train_matrix_quant_1xh100").glob("**/configs/train_step_frod_*.json")),
-          RESULTS / "offload_7b_1xh100" / "offload_zero3_7b.json",
-          *sorted((RESULTS / "two_gpu_2xh200" / "70b_nf4_80_layers").glob("*/seventy_b_step_frod_*.json"))]
+POINTS = [
+    *sorted((RESULTS / "two_gpu_2xh200" / "matrix" / "configs").glob("train_step_frod_*.json")),
+    *sorted((RESULTS / "zero3_levers" / "70b_widths").glob("*/seventy_b_step_frod_1gpu*.json")),
+    RESULTS / "two_gpu_2xh200" / "70b_bf16_40_layers" / "seventy_b_step_frod.json",
+    *sorted((RESULTS / "train_matrix_quant_1xh100").glob("**/configs/train_step_frod_*.json")),
+    RESULTS / "offload_7b_1xh100" / "offload_zero3_7b.json",
+    *sorted((RESULTS / "two_gpu_2xh200" / "70b_nf4_80_layers").glob("*/seventy_b_step_frod_*.json")),
+]
 # bench/run_one_gpu.sh deepcompile: its FRoD runs in the shipped layout without DeepCompile (train_step JSONs)
 DEEPCOMPILE_CALLS = sorted((RESULTS / "zero3_levers").glob("deepcompile_*_layers/*/frod_*.json"))
 HOST_DEVICE = sorted((RESULTS / "host_device").glob("*/host_device.json"))
@@ -54,16 +56,27 @@ LEVER_CALLS = sorted((RESULTS / "zero3_levers").glob("zero3_levers_*_2026112[7-9
 MODEL_LEVERS = ("v_partitioned", "leaf_modules", "per_module_fetch", "compile")
 # bench/seventy_b.py --shape 7b's recipe (the offload run records the step time, not the shape): full-depth 7B,
 # micro-batch 4, cutoff 256, checkpointing, bf16, FRoD s=0.02 on the six targets
-SEVEN_B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-           "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000}
+SEVEN_B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+}
 
 
 def _lever_runs(path: Path) -> list[tuple[str, dict]]:
     doc = json.loads(path.read_text())
-    return [(f"{path.relative_to(REPO)}: {r['name']}", r["result"]) for r in doc["runs"]
-            if r.get("status") == "ok" and r["method"] == "frod"
-            and not any(r["result"].get("levers", {}).get(k) for k in MODEL_LEVERS)
-            and not doc.get("interleave")]  # configurations sharing the GPU in turns: not a step run alone
+    return [
+        (f"{path.relative_to(REPO)}: {r['name']}", r["result"])
+        for r in doc["runs"]
+        if r.get("status") == "ok"
+        and r["method"] == "frod"
+        and not any(r["result"].get("levers", {}).get(k) for k in MODEL_LEVERS)
+        and not doc.get("interleave")
+    ]  # configurations sharing the GPU in turns: not a step run alone
 
 
 def host_factors() -> dict[str, float]:
@@ -89,16 +102,36 @@ def _host_device_points(path: Path) -> list[tuple[str, dict]]:
     out = []
     for r in doc["runs"]:
         steps = r["all"]["step_ms"]  # two windows of --steps each, in order
-        windows = [steps[:len(steps) // 2], steps[len(steps) // 2:]]
+        windows = [steps[: len(steps) // 2], steps[len(steps) // 2 :]]
         medians = [statistics.median(w) for w in windows]
-        out.append((f"{path.relative_to(REPO)}: {r['name']}", {
-            "device": doc["device"], "engine": "plain", "world_size": 1, "ds_config": None,
-            "model": {"hidden_size": r["hidden"], "intermediate_size": r["intermediate"], "num_hidden_layers": r["layers"],
-                      "num_attention_heads": r["heads"], "num_key_value_heads": r["kv_heads"], "vocab_size": 32000},
-            "micro_batch": r["micro_batch"], "seq_len": r["seq_len"], "targets": doc["targets"],
-            "frod": {"sparsity": doc["sparsity"]}, "frozen_quant": r["quant"], "quantize_base": r["quantize_base"],
-            "gradient_checkpointing": r["checkpointing"], "step_s_median": r["step_ms"] / 1e3,
-            "window_spread": (max(medians) - min(medians)) / r["step_ms"]}))
+        out.append(
+            (
+                f"{path.relative_to(REPO)}: {r['name']}",
+                {
+                    "device": doc["device"],
+                    "engine": "plain",
+                    "world_size": 1,
+                    "ds_config": None,
+                    "model": {
+                        "hidden_size": r["hidden"],
+                        "intermediate_size": r["intermediate"],
+                        "num_hidden_layers": r["layers"],
+                        "num_attention_heads": r["heads"],
+                        "num_key_value_heads": r["kv_heads"],
+                        "vocab_size": 32000,
+                    },
+                    "micro_batch": r["micro_batch"],
+                    "seq_len": r["seq_len"],
+                    "targets": doc["targets"],
+                    "frod": {"sparsity": doc["sparsity"]},
+                    "frozen_quant": r["quant"],
+                    "quantize_base": r["quantize_base"],
+                    "gradient_checkpointing": r["checkpointing"],
+                    "step_s_median": r["step_ms"] / 1e3,
+                    "window_spread": (max(medians) - min(medians)) / r["step_ms"],
+                },
+            )
+        )
     return out
 
 
@@ -108,8 +141,11 @@ def _flat_trainables(d: dict) -> bool:
     recorded = trainables_per_decoder_layer(d)
     if recorded is not None:
         return recorded
-    return bool(d.get("ds_config")) and zero_stage(d["ds_config"]) == 3 and \
-        d.get("levers", {}).get("per_member_trainables") is False
+    return (
+        bool(d.get("ds_config"))
+        and zero_stage(d["ds_config"]) == 3
+        and d.get("levers", {}).get("per_member_trainables") is False
+    )
 
 
 def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
@@ -119,40 +155,72 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         label, d = str(path.relative_to(REPO)), json.loads(path.read_text())
     if d.get("benchmark") == "offload_zero3_7b":
         model, gpus, config = SEVEN_B, 1, d["config"]
-        train = TrainShape(micro_batch=4, seq_len=256, checkpointing=True, flat_trainables=False,
-                           zero3_flat_frozen=False, deepspeed_nvtx=True)  # before them
+        train = TrainShape(
+            micro_batch=4,
+            seq_len=256,
+            checkpointing=True,
+            flat_trainables=False,
+            zero3_flat_frozen=False,
+            deepspeed_nvtx=True,
+        )  # before them
         engine, plain = engine_from_ds_config(config, "zero3_offload.json"), False
     else:
         m = d["model"]
-        model = {"model_type": "llama", "hidden_size": m["hidden_size"], "intermediate_size": m["intermediate_size"],
-                 "num_hidden_layers": m["num_hidden_layers"], "num_attention_heads": m["num_attention_heads"],
-                 "num_key_value_heads": m["num_key_value_heads"], "vocab_size": m["vocab_size"]}
+        model = {
+            "model_type": "llama",
+            "hidden_size": m["hidden_size"],
+            "intermediate_size": m["intermediate_size"],
+            "num_hidden_layers": m["num_hidden_layers"],
+            "num_attention_heads": m["num_attention_heads"],
+            "num_key_value_heads": m["num_key_value_heads"],
+            "vocab_size": m["vocab_size"],
+        }
         f = d.get("frod") or {}
-        train = TrainShape(micro_batch=d["micro_batch"], seq_len=d["seq_len"], targets=tuple(d["targets"]),
-                           sparsity=f.get("sparsity", 0.02), quant=d.get("frozen_quant") or "none",
-                           quantize_base=bool(d.get("quantize_base", False)), checkpointing=d["gradient_checkpointing"],
-                           flat_trainables=_flat_trainables(d),
-                           zero3_flat_frozen=d.get("levers", {}).get("per_member_frozen") is False,
-                           deepspeed_nvtx=deepspeed_nvtx(d))
+        train = TrainShape(
+            micro_batch=d["micro_batch"],
+            seq_len=d["seq_len"],
+            targets=tuple(d["targets"]),
+            sparsity=f.get("sparsity", 0.02),
+            quant=d.get("frozen_quant") or "none",
+            quantize_base=bool(d.get("quantize_base", False)),
+            checkpointing=d["gradient_checkpointing"],
+            flat_trainables=_flat_trainables(d),
+            zero3_flat_frozen=d.get("levers", {}).get("per_member_frozen") is False,
+            deepspeed_nvtx=deepspeed_nvtx(d),
+        )
         gpus, plain = d["world_size"], d["engine"] == "plain"
         engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"])
-    pred = step_time(model_shape_from_config(model), train, engine, gpus, Link(host=hosts[_kind(d["device"])]),
-                     plain=plain)
+    pred = step_time(
+        model_shape_from_config(model), train, engine, gpus, Link(host=hosts[_kind(d["device"])]), plain=plain
+    )
     meas = d["step_s_median"]
-    return {"file": label, "device": d["device"], "engine": "plain" if plain else engine.name,
-            "gpus": gpus, "layers": model["num_hidden_layers"], "hidden": model["hidden_size"],
-            "checkpointing": train.checkpointing, "quant": train.quant + ("+base" if train.quantize_base else ""),
-            "measured_ms": meas * 1e3, "predicted_ms": pred.seconds * 1e3, "error": pred.seconds / meas - 1,
-            "parts_ms": {k: v * 1e3 for k, v in pred.parts.items() if v},
-            "host_ms": {k: v * 1e3 for k, v in pred.host.items() if v}, "window_spread": d.get("window_spread", 0.0)}
+    return {
+        "file": label,
+        "device": d["device"],
+        "engine": "plain" if plain else engine.name,
+        "gpus": gpus,
+        "layers": model["num_hidden_layers"],
+        "hidden": model["hidden_size"],
+        "checkpointing": train.checkpointing,
+        "quant": train.quant + ("+base" if train.quantize_base else ""),
+        "measured_ms": meas * 1e3,
+        "predicted_ms": pred.seconds * 1e3,
+        "error": pred.seconds / meas - 1,
+        "parts_ms": {k: v * 1e3 for k, v in pred.parts.items() if v},
+        "host_ms": {k: v * 1e3 for k, v in pred.host.items() if v},
+        "window_spread": d.get("window_spread", 0.0),
+    }
 
 
 def check() -> dict:
     hosts = host_factors()
     runs = [p for p in POINTS if p not in OUTSIDE] + [r for call in LEVER_CALLS for r in _lever_runs(call)]
     runs += [r for path in HOST_DEVICE for r in _host_device_points(path)]
-    runs += [p for p in DEEPCOMPILE_CALLS
-             if not any(json.loads(p.read_text()).get("levers", {}).get(k) for k in (*MODEL_LEVERS, "per_member_trainables"))]
+    runs += [
+        p
+        for p in DEEPCOMPILE_CALLS
+        if not any(json.loads(p.read_text()).get("levers", {}).get(k) for k in (*MODEL_LEVERS, "per_member_trainables"))
+    ]
     rows = [_point(p, hosts) for p in runs] + [{**_point(p, hosts), "outside": why} for p, why in OUTSIDE.items()]
     for r in rows:
         if not r.get("outside") and r["window_spread"] > NOISY_SPREAD:
@@ -165,57 +233,100 @@ def check() -> dict:
     for members in configs.values():
         measured = statistics.median(m["measured_ms"] for m in members)
         pred = members[0]["predicted_ms"]
-        groups.append({"files": [m["file"] for m in members], "device": members[0]["device"],
-                       "engine": members[0]["engine"], "gpus": members[0]["gpus"], "layers": members[0]["layers"],
-                       "hidden": members[0]["hidden"], "checkpointing": members[0]["checkpointing"],
-                       "quant": members[0]["quant"], "calls": len(members), "measured_ms": measured,
-                       "measured_range_ms": [min(m["measured_ms"] for m in members), max(m["measured_ms"] for m in members)],
-                       "predicted_ms": pred, "error": pred / measured - 1, "parts_ms": members[0]["parts_ms"],
-                       "host_ms": members[0]["host_ms"]})
-    return {"benchmark": "time_model_check", "goal": CHECK_GOAL, "noisy_spread": NOISY_SPREAD,
-            "host_factors": hosts, "rows": rows, "configs": groups,
-            "worst_error": max(abs(g["error"]) for g in groups),
-            "within_goal": all(abs(g["error"]) <= CHECK_GOAL for g in groups)}
+        groups.append(
+            {
+                "files": [m["file"] for m in members],
+                "device": members[0]["device"],
+                "engine": members[0]["engine"],
+                "gpus": members[0]["gpus"],
+                "layers": members[0]["layers"],
+                "hidden": members[0]["hidden"],
+                "checkpointing": members[0]["checkpointing"],
+                "quant": members[0]["quant"],
+                "calls": len(members),
+                "measured_ms": measured,
+                "measured_range_ms": [min(m["measured_ms"] for m in members), max(m["measured_ms"] for m in members)],
+                "predicted_ms": pred,
+                "error": pred / measured - 1,
+                "parts_ms": members[0]["parts_ms"],
+                "host_ms": members[0]["host_ms"],
+            }
+        )
+    return {
+        "benchmark": "time_model_check",
+        "goal": CHECK_GOAL,
+        "noisy_spread": NOISY_SPREAD,
+        "host_factors": hosts,
+        "rows": rows,
+        "configs": groups,
+        "worst_error": max(abs(g["error"]) for g in groups),
+        "within_goal": all(abs(g["error"]) <= CHECK_GOAL for g in groups),
+    }
 
 
 def _config_key(r: dict) -> tuple:
     """What the model sees of a point: the device kind and its prediction (the same inputs give the same one)."""
-    return _kind(r["device"]), r["engine"], r["gpus"], r["layers"], r["hidden"], r["checkpointing"], r["quant"], \
-        round(r["predicted_ms"], 6)
+    return (
+        _kind(r["device"]),
+        r["engine"],
+        r["gpus"],
+        r["layers"],
+        r["hidden"],
+        r["checkpointing"],
+        r["quant"],
+        round(r["predicted_ms"], 6),
+    )
 
 
 def render(doc: dict) -> str:
     hosts = ", ".join(f"{k} machine {v:.2f}" for k, v in sorted(doc["host_factors"].items()))
-    lines = ["# The planner's step-time model against measured steps", "",
-             "Generated by `python bench/time_model_check.py` from the committed result JSONs; the model is "
-             "`frod_ds/plan/step_time.py`. Goal: |error| ≤ "
-             f"{doc['goal']:.0%} on every configuration; worst {doc['worst_error']:.1%} "
-             f"({'met' if doc['within_goal'] else '**not met**'}). A configuration is what the model sees of a point "
-             "(device kind and every input of the model, hence one prediction); measured in several calls, it is held "
-             "to the goal by the median of its calls, and each call is listed below with its own error. Not held to "
-             f"it: a measurement whose two windows differ by more than {doc['noisy_spread']:.0%}. Host speed "
-             f"relative to the H200 machine (`Link.host`, from the bf16 host probes of `bench/host_device.py`): {hosts}.",
-             "", "## Configurations", "",
-             "| configuration (first call) | calls | device | engine | GPUs | layers × hidden | ckpt | frozen | measured ms "
-             "(median of calls) | calls' range ms | model ms | error | model parts, ms (the host's work beside the "
-             "device's) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# The planner's step-time model against measured steps",
+        "",
+        "Generated by `python bench/time_model_check.py` from the committed result JSONs; the model is "
+        "`frod_ds/plan/step_time.py`. Goal: |error| ≤ "
+        f"{doc['goal']:.0%} on every configuration; worst {doc['worst_error']:.1%} "
+        f"({'met' if doc['within_goal'] else '**not met**'}). A configuration is what the model sees of a point "
+        "(device kind and every input of the model, hence one prediction); measured in several calls, it is held "
+        "to the goal by the median of its calls, and each call is listed below with its own error. Not held to "
+        f"it: a measurement whose two windows differ by more than {doc['noisy_spread']:.0%}. Host speed "
+        f"relative to the H200 machine (`Link.host`, from the bf16 host probes of `bench/host_device.py`): {hosts}.",
+        "",
+        "## Configurations",
+        "",
+        "| configuration (first call) | calls | device | engine | GPUs | layers × hidden | ckpt | frozen | measured ms "
+        "(median of calls) | calls' range ms | model ms | error | model parts, ms (the host's work beside the "
+        "device's) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for g in doc["configs"]:
-        parts = ", ".join(f"{k} {v:.0f}" for k, v in g["parts_ms"].items()) + " (host: " + ", ".join(
-            f"{k} {v:.0f}" for k, v in g["host_ms"].items()) + ")"
+        parts = (
+            ", ".join(f"{k} {v:.0f}" for k, v in g["parts_ms"].items())
+            + " (host: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in g["host_ms"].items())
+            + ")"
+        )
         lo, hi = g["measured_range_ms"]
-        lines.append(f"| {g['files'][0].removeprefix('bench/results/')} | {g['calls']} | {g['device']} | {g['engine']} "
-                     f"| {g['gpus']} | {g['layers']} × {g['hidden']} | {'on' if g['checkpointing'] else 'off'} "
-                     f"| {g['quant']} | {g['measured_ms']:.0f} | {lo:.0f}–{hi:.0f} | {g['predicted_ms']:.0f} "
-                     f"| {g['error']:+.1%} | {parts} |")
-    lines += ["", "## Every call", "",
-              "| result | device | engine | GPUs | layers × hidden | ckpt | frozen | measured ms | model ms | error |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {g['files'][0].removeprefix('bench/results/')} | {g['calls']} | {g['device']} | {g['engine']} "
+            f"| {g['gpus']} | {g['layers']} × {g['hidden']} | {'on' if g['checkpointing'] else 'off'} "
+            f"| {g['quant']} | {g['measured_ms']:.0f} | {lo:.0f}–{hi:.0f} | {g['predicted_ms']:.0f} "
+            f"| {g['error']:+.1%} | {parts} |"
+        )
+    lines += [
+        "",
+        "## Every call",
+        "",
+        "| result | device | engine | GPUs | layers × hidden | ckpt | frozen | measured ms | model ms | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["rows"]:
         why = f" ({r['outside']})" if r.get("outside") else ""
-        lines.append(f"| {r['file'].removeprefix('bench/results/')}{why} | {r['device']} | {r['engine']} "
-                     f"| {r['gpus']} | {r['layers']} × {r['hidden']} | {'on' if r['checkpointing'] else 'off'} "
-                     f"| {r['quant']} | {r['measured_ms']:.0f} | {r['predicted_ms']:.0f} | {r['error']:+.1%} |")
+        lines.append(
+            f"| {r['file'].removeprefix('bench/results/')}{why} | {r['device']} | {r['engine']} "
+            f"| {r['gpus']} | {r['layers']} × {r['hidden']} | {'on' if r['checkpointing'] else 'off'} "
+            f"| {r['quant']} | {r['measured_ms']:.0f} | {r['predicted_ms']:.0f} | {r['error']:+.1%} |"
+        )
     lines.append("")
     return "\n".join(lines)
 

@@ -51,14 +51,22 @@ LORA_R, LORA_ALPHA = 16, 32
 GIB = 2**30
 
 
-def make_model(out: str, layers: int, hidden: int = 4096, inter: int = 11008, heads: int = 32,
-               vocab: int = 32000) -> None:
+def make_model(
+    out: str, layers: int, hidden: int = 4096, inter: int = 11008, heads: int = 32, vocab: int = 32000
+) -> None:
     """A random bf16 LLaMA-shaped checkpoint (LLaMA-2-7B: 32 layers, 4096/11008, 32 heads, vocab 32000)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=4096,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -77,8 +85,12 @@ def _ds_config(path: str, batch: int, world: int, sets: list[str] = ()) -> dict 
             raise SystemExit("error: --ds-set needs a DeepSpeed config, not plain")
         return None
     cfg = load_ds_config(path)
-    cfg.update(train_micro_batch_size_per_gpu=batch, gradient_accumulation_steps=1,
-               train_batch_size=BatchSizes(batch, 1, world).total, gradient_clipping=1.0)
+    cfg.update(
+        train_micro_batch_size_per_gpu=batch,
+        gradient_accumulation_steps=1,
+        train_batch_size=BatchSizes(batch, 1, world).total,
+        gradient_clipping=1.0,
+    )
     for item in sets:
         key, sep, value = item.partition("=")
         if not sep:
@@ -104,10 +116,19 @@ def build_frod(args, ds_cfg: dict | None, rank: int):
 
     store = FactorStore.open(args.factors)
     supports = make_supports(store, TARGETS, args.sparsity, 0)
-    model = build_frod_model(args.model, store, supports, torch.bfloat16, ds_cfg, rank=rank, quant=args.frozen_quant,
-                             quantize_base=args.quantize_base, replicate_v=not args.v_partitioned,
-                             flat_trainables=False if args.per_member_trainables else None,
-                             flat_frozen=False if args.per_member_frozen else None)
+    model = build_frod_model(
+        args.model,
+        store,
+        supports,
+        torch.bfloat16,
+        ds_cfg,
+        rank=rank,
+        quant=args.frozen_quant,
+        quantize_base=args.quantize_base,
+        replicate_v=not args.v_partitioned,
+        flat_trainables=False if args.per_member_trainables else None,
+        flat_frozen=False if args.per_member_frozen else None,
+    )
     for _, m in frod_modules(model):
         m.save, m.dgrad, m.impl = args.frod_save, args.frod_dgrad, args.frod_impl
     if args.gc:
@@ -125,9 +146,14 @@ def _bnb_config(args):
     skip = ["lm_head"] + ([] if args.quantize_base else ["down_proj"])
     if args.frozen_quant == "int8":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
-                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16,
-                              llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=False,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+        llm_int8_skip_modules=skip,
+    )
 
 
 def build_lora(args, ds_cfg: dict | None, device: torch.device):
@@ -165,8 +191,10 @@ class LayerPasses:
     def __init__(self, model):
         self.mlps = [m.mlp for m in model.modules() if type(m).__name__.endswith("DecoderLayer") and hasattr(m, "mlp")]
         if not self.mlps:
-            raise SystemExit(f"error: no decoder layer with an .mlp in {type(model).__name__}: cannot check that "
-                             "--gc checkpoints (bench/train_step.py times LLaMA-family models)")
+            raise SystemExit(
+                f"error: no decoder layer with an .mlp in {type(model).__name__}: cannot check that "
+                "--gc checkpoints (bench/train_step.py times LLaMA-family models)"
+            )
         self.calls = 0
         self.per_step: float | None = None  # set by check()
         self.handles = [m.register_forward_pre_hook(self._count) for m in self.mlps]
@@ -181,9 +209,11 @@ class LayerPasses:
             h.remove()
         passes = self.per_step = self.calls / (steps * len(self.mlps))
         if passes != (2.0 if gc else 1.0):
-            raise SystemExit(f"error: each decoder layer ran {passes:g} times per step, expected {2 if gc else 1} "
-                             f"with gradient checkpointing {'on' if gc else 'off'}: the measurement would not be of "
-                             "the requested configuration")
+            raise SystemExit(
+                f"error: each decoder layer ran {passes:g} times per step, expected {2 if gc else 1} "
+                f"with gradient checkpointing {'on' if gc else 'off'}: the measurement would not be of "
+                "the requested configuration"
+            )
 
 
 def _numel(p) -> int:
@@ -257,9 +287,11 @@ def _mem(device: torch.device) -> dict:
         import resource
 
         return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    return {"allocated_gib": torch.cuda.memory_allocated(device) / GIB,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB}
+    return {
+        "allocated_gib": torch.cuda.memory_allocated(device) / GIB,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+    }
 
 
 def _steal_s() -> float | None:
@@ -272,12 +304,22 @@ def _steal_s() -> float | None:
         return None
 
 
-def time_steps(step, batches, device: torch.device, warmup: int, steps: int, repeats: int,
-               after_warmup=None, gate=None, gc_freeze: bool = False, rewarm: int = 0) -> dict:
+def time_steps(
+    step,
+    batches,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    repeats: int,
+    after_warmup=None,
+    gate=None,
+    gc_freeze: bool = False,
+    rewarm: int = 0,
+) -> dict:
     """``warmup`` untimed steps (``after_warmup()`` then), then ``repeats`` windows of ``steps`` timed steps (seconds
     each). ``gate(k)`` (if given) is called before window k and once more after the last (k = repeats): it returns
-    when the window may start (``window_gate``); ``rewarm`` untimed steps then run before the window's timed ones (with a
-    gate only)."""
+    when the window may start (``window_gate``); ``rewarm`` untimed steps then run before the window's timed ones (with
+    a gate only)."""
     losses = [float(step(next(batches))) for _ in range(warmup)]
     if after_warmup is not None:
         after_warmup()
@@ -307,13 +349,20 @@ def time_steps(step, batches, device: torch.device, warmup: int, steps: int, rep
             times.append(time.perf_counter() - t0)
         windows.append(times)
         gc_counts.append([g["collections"] - b for g, b in zip(gc.get_stats(), before)])
-        host.append({"process_cpu_s": time.process_time() - cpu0,
-                     "steal_s": None if steal0 is None else _steal_s() - steal0})
+        host.append(
+            {"process_cpu_s": time.process_time() - cpu0, "steal_s": None if steal0 is None else _steal_s() - steal0}
+        )
         losses.append(float(loss))
     if gate is not None:
         gate(repeats)
-    return {"windows": windows, "losses": losses, "mem_after_warmup": mem_warm, "mem_timed": _mem(device),
-            "gc_collections": gc_counts, "host": host}
+    return {
+        "windows": windows,
+        "losses": losses,
+        "mem_after_warmup": mem_warm,
+        "mem_timed": _mem(device),
+        "gc_collections": gc_counts,
+        "host": host,
+    }
 
 
 def window_gate(directory: str, name: str, repeats: int, wait_s: float = 1800.0):
@@ -356,13 +405,25 @@ def profile_steps(step, batches, device: torch.device, steps: int = 3, top: int 
         return float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0) or 0.0)
 
     busy = sum(dev(e) for e in events) / 1e6 / steps
-    rows = [{"op": e.key, "calls_per_step": e.count / steps, "host_total_ms": e.cpu_time_total / 1e3 / steps,
-             "host_self_ms": e.self_cpu_time_total / 1e3 / steps, "device_self_ms": dev(e) / 1e3 / steps}
-            for e in events]
+    rows = [
+        {
+            "op": e.key,
+            "calls_per_step": e.count / steps,
+            "host_total_ms": e.cpu_time_total / 1e3 / steps,
+            "host_self_ms": e.self_cpu_time_total / 1e3 / steps,
+            "device_self_ms": dev(e) / 1e3 / steps,
+        }
+        for e in events
+    ]
     by_host = sorted(rows, key=lambda r: -r["host_self_ms"])[:top]
     by_device = sorted(rows, key=lambda r: -r["device_self_ms"])[:top]
-    return {"steps": steps, "wall_s_per_step": wall, "device_busy_s_per_step": busy if device.type == "cuda" else None,
-            "top_host_self": by_host, "top_device_self": by_device}
+    return {
+        "steps": steps,
+        "wall_s_per_step": wall,
+        "device_busy_s_per_step": busy if device.type == "cuda" else None,
+        "top_host_self": by_host,
+        "top_device_self": by_device,
+    }
 
 
 def phase_steps(step, batches, device: torch.device, steps: int = 5) -> dict:
@@ -399,15 +460,21 @@ def python_profile_steps(step, batches, device: torch.device, steps: int = 3, to
         parts = Path(path).parts
         for anchor in ("site-packages", "frod_ds", "bench"):
             if anchor in parts:
-                parts = parts[parts.index(anchor) + (anchor == "site-packages"):]
+                parts = parts[parts.index(anchor) + (anchor == "site-packages") :]
                 break
         return f"{'/'.join(parts[-3:])}:{line}({fn})"
 
-    rows = [{"function": where(k), "calls_per_step": nc / steps, "own_ms": tt * 1e3 / steps, "cum_ms": ct * 1e3 / steps}
-            for k, (cc, nc, tt, ct, _) in st.stats.items()]
-    return {"steps": steps, "wall_s_per_step": wall, "python_calls_per_step": st.total_calls / steps,
-            "top_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
-            "top_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top]}
+    rows = [
+        {"function": where(k), "calls_per_step": nc / steps, "own_ms": tt * 1e3 / steps, "cum_ms": ct * 1e3 / steps}
+        for k, (cc, nc, tt, ct, _) in st.stats.items()
+    ]
+    return {
+        "steps": steps,
+        "wall_s_per_step": wall,
+        "python_calls_per_step": st.total_calls / steps,
+        "top_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+        "top_cum": sorted(rows, key=lambda r: -r["cum_ms"])[:top],
+    }
 
 
 def _batches(batch: int, seq: int, vocab: int, rank: int, device: torch.device):
@@ -425,10 +492,17 @@ def summarize(windows: list[list[float]], tokens_per_step: int) -> dict:
     def pct(q):
         return flat[min(len(flat) - 1, int(q * (len(flat) - 1) + 0.5))]
 
-    return {"step_s_median": med, "step_s_p10": pct(0.1), "step_s_p90": pct(0.9), "step_s_min": flat[0],
-            "step_s_max": flat[-1], "window_medians_s": per_window,
-            "window_spread": (max(per_window) - min(per_window)) / med if med else 0.0,
-            "tokens_per_s_per_gpu": tokens_per_step / med, "step_s_all": windows}
+    return {
+        "step_s_median": med,
+        "step_s_p10": pct(0.1),
+        "step_s_p90": pct(0.9),
+        "step_s_min": flat[0],
+        "step_s_max": flat[-1],
+        "window_medians_s": per_window,
+        "window_spread": (max(per_window) - min(per_window)) / med if med else 0.0,
+        "tokens_per_s_per_gpu": tokens_per_step / med,
+        "step_s_all": windows,
+    }
 
 
 def run(args) -> None:
@@ -467,13 +541,23 @@ def run(args) -> None:
     trainable = sum(_numel(p) for p in step.model.parameters() if p.requires_grad)
     frozen = sum(_numel(p) for p in step.model.parameters() if not p.requires_grad)
     trainable_dtypes = sorted({str(p.dtype) for p in step.model.parameters() if p.requires_grad})
-    trainable_tensors = sum(1 for p in step.model.parameters() if p.requires_grad)  # DeepSpeed's host work is per tensor
+    trainable_tensors = sum(
+        1 for p in step.model.parameters() if p.requires_grad
+    )  # DeepSpeed's host work is per tensor
 
     passes = LayerPasses(step.model)  # checked after the warm-up steps, before any timed one
-    timing = time_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank, device), device,
-                        args.warmup, args.steps, args.repeats, after_warmup=lambda: passes.check(args.warmup, args.gc),
-                        gate=window_gate(args.gate, args.name, args.repeats) if args.gate else None,
-                        gc_freeze=args.gc_freeze, rewarm=args.rewarm)
+    timing = time_steps(
+        step,
+        _batches(args.batch, args.seq, cfg["vocab_size"], rank, device),
+        device,
+        args.warmup,
+        args.steps,
+        args.repeats,
+        after_warmup=lambda: passes.check(args.warmup, args.gc),
+        gate=window_gate(args.gate, args.name, args.repeats) if args.gate else None,
+        gc_freeze=args.gc_freeze,
+        rewarm=args.rewarm,
+    )
     prof = pyprof = phases = None
     if args.profile:
         prof = profile_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank + 7, device), device)
@@ -483,48 +567,99 @@ def run(args) -> None:
         pyprof = python_profile_steps(step, _batches(args.batch, args.seq, cfg["vocab_size"], rank + 9, device), device)
     tokens_per_step = args.batch * args.seq
     stats = summarize(timing["windows"], tokens_per_step)
-    fl = flops_per_token(cfg, args.seq, args.method, tokens_per_step, targets=TARGETS, lora_r=LORA_R,
-                         sparsity=args.sparsity, save=args.frod_save, dgrad=args.frod_dgrad)
+    fl = flops_per_token(
+        cfg,
+        args.seq,
+        args.method,
+        tokens_per_step,
+        targets=TARGETS,
+        lora_r=LORA_R,
+        sparsity=args.sparsity,
+        save=args.frod_save,
+        dgrad=args.frod_dgrad,
+    )
     peak = peak_bf16_flops(device_name()) if device.type == "cuda" else None
-    mems = dist.all_gather_object({"built": mem_built, "after_warmup": timing["mem_after_warmup"],
-                                   "timed": timing["mem_timed"]})
+    mems = dist.all_gather_object(
+        {"built": mem_built, "after_warmup": timing["mem_after_warmup"], "timed": timing["mem_timed"]}
+    )
     if dist.is_main():
         engine = "plain" if plain else f"zero{zero_stage(ds_cfg)}"
         payload = {
-            "method": args.method, "engine": engine, "config": args.config, "ds_config": ds_cfg, "world_size": world,
-            "gradient_checkpointing": args.gc, "frozen_quant": args.frozen_quant, "quantize_base": args.quantize_base,
+            "method": args.method,
+            "engine": engine,
+            "config": args.config,
+            "ds_config": ds_cfg,
+            "world_size": world,
+            "gradient_checkpointing": args.gc,
+            "frozen_quant": args.frozen_quant,
+            "quantize_base": args.quantize_base,
             "stock_bnb": args.stock_bnb,
-            "micro_batch": args.batch, "seq_len": args.seq,
-            "tokens_per_step_per_gpu": tokens_per_step, "warmup": args.warmup, "steps": args.steps,
-            "repeats": args.repeats, "model": {k: cfg[k] for k in ("num_hidden_layers", "hidden_size",
-                                                                   "intermediate_size", "num_attention_heads",
-                                                                   "num_key_value_heads", "vocab_size")},
-            "targets": TARGETS, "trainable_params": trainable, "trainable_tensors": trainable_tensors,
+            "micro_batch": args.batch,
+            "seq_len": args.seq,
+            "tokens_per_step_per_gpu": tokens_per_step,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "model": {
+                k: cfg[k]
+                for k in (
+                    "num_hidden_layers",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "vocab_size",
+                )
+            },
+            "targets": TARGETS,
+            "trainable_params": trainable,
+            "trainable_tensors": trainable_tensors,
             "frozen_params": frozen,
-            "trainable_dtypes": trainable_dtypes, "optimizer": "torch.optim.AdamW" + (" fused" if
-                                                                                      device.type == "cuda" else ""),
-            "frod": {"sparsity": args.sparsity, "save": args.frod_save, "dgrad": args.frod_dgrad,
-                     "impl": args.frod_impl} if args.method == "frod" else None,
+            "trainable_dtypes": trainable_dtypes,
+            "optimizer": "torch.optim.AdamW" + (" fused" if device.type == "cuda" else ""),
+            "frod": {
+                "sparsity": args.sparsity,
+                "save": args.frod_save,
+                "dgrad": args.frod_dgrad,
+                "impl": args.frod_impl,
+            }
+            if args.method == "frod"
+            else None,
             "lora": {"r": LORA_R, "alpha": LORA_ALPHA, "dropout": 0.0} if args.method == "lora" else None,
             **stats,
-            "flops_per_token": fl, "peak_bf16_flops": peak,
+            "flops_per_token": fl,
+            "peak_bf16_flops": peak,
             "mfu": fl["total"] * stats["tokens_per_s_per_gpu"] / peak if peak else None,
             "memory_per_rank": mems,
             "peak_allocated_gib": max(m["timed"].get("peak_allocated_gib", 0.0) for m in mems) or None,
             "peak_reserved_gib": max(m["timed"].get("peak_reserved_gib", 0.0) for m in mems) or None,
-            "build_s": build_s, "losses": timing["losses"], "layer_passes_per_step": passes.per_step,
-            "levers": {"ds_set": list(args.ds_set), "v_partitioned": args.v_partitioned,
-                       "per_member_trainables": args.per_member_trainables,
-                       "per_member_frozen": args.per_member_frozen, "walk_parameters": args.walk_parameters,
-                       "leaf_modules": args.leaf_modules, "per_module_fetch": args.per_module_fetch,
-                       "compile": args.compile, "gc_freeze": args.gc_freeze, "nvtx": args.nvtx},
+            "build_s": build_s,
+            "losses": timing["losses"],
+            "layer_passes_per_step": passes.per_step,
+            "levers": {
+                "ds_set": list(args.ds_set),
+                "v_partitioned": args.v_partitioned,
+                "per_member_trainables": args.per_member_trainables,
+                "per_member_frozen": args.per_member_frozen,
+                "walk_parameters": args.walk_parameters,
+                "leaf_modules": args.leaf_modules,
+                "per_module_fetch": args.per_module_fetch,
+                "compile": args.compile,
+                "gc_freeze": args.gc_freeze,
+                "nvtx": args.nvtx,
+            },
             "rewarm_steps": args.rewarm if args.gate else 0,
-            "gc_collections_per_window": timing["gc_collections"], "host_per_window": timing["host"],
-            "profile": prof, "phases_ms": phases, "python_profile": pyprof,
+            "gc_collections_per_window": timing["gc_collections"],
+            "host_per_window": timing["host"],
+            "profile": prof,
+            "phases_ms": phases,
+            "python_profile": pyprof,
         }
         path = write_result(args.name or config_name(args, engine, world), payload, args.out)
-        print(f"{path}: step {stats['step_s_median'] * 1e3:.1f} ms, {stats['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
-              f"peak {payload['peak_allocated_gib']} GiB")
+        print(
+            f"{path}: step {stats['step_s_median'] * 1e3:.1f} ms, {stats['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
+            f"peak {payload['peak_allocated_gib']} GiB"
+        )
     dist.destroy()
 
 
@@ -543,66 +678,136 @@ def add_run_args(r: argparse.ArgumentParser) -> None:
     r.add_argument("--method", choices=["frod", "lora"], required=True, help="adapter method")
     r.add_argument("--model", required=True, help="checkpoint dir (make-model)")
     r.add_argument("--factors", default=None, help="factor store (frod)")
-    r.add_argument("--config", default="ds_configs/zero2.json", help="DeepSpeed JSON, or 'plain' (one GPU, no DeepSpeed)")
+    r.add_argument(
+        "--config", default="ds_configs/zero2.json", help="DeepSpeed JSON, or 'plain' (one GPU, no DeepSpeed)"
+    )
     r.add_argument("--batch", type=int, default=4, help="micro-batch per GPU")
     r.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     r.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     r.add_argument("--steps", type=int, default=20, help="timed steps per window")
     r.add_argument("--repeats", type=int, default=2, help="timed windows")
-    r.add_argument("--gc", action="store_true", help="gradient checkpointing (the trainer's, non-reentrant) for both "
-                   "methods")
+    r.add_argument(
+        "--gc", action="store_true", help="gradient checkpointing (the trainer's, non-reentrant) for both methods"
+    )
     r.add_argument("--sparsity", type=float, default=0.02, help="FRoD density s of S")
-    r.add_argument("--frod-save", choices=["z", "x"], default="z", help="FRoD token order keeps z (or x, recomputing z)")
+    r.add_argument(
+        "--frod-save", choices=["z", "x"], default="z", help="FRoD token order keeps z (or x, recomputing z)"
+    )
     r.add_argument("--frod-dgrad", choices=["dense", "sampled"], default="dense", help="FRoD ∂S: dense GEMM or sampled")
-    r.add_argument("--frod-impl", choices=["function", "autograd"], default="function",
-                   help="FRoD autograd Functions, or plain autograd (keeps M: the previous implementation)")
-    r.add_argument("--frozen-quant", choices=["none", "int8", "nf4"], default="none",
-                   help="quantized frozen weights: FRoD's U_i (model.frozen_quant), LoRA's targeted base linears "
-                        "(bitsandbytes)")
-    r.add_argument("--quantize-base", action="store_true",
-                   help="with --frozen-quant: the untargeted decoder linears too (FRoD model.quantize_base; LoRA: QLoRA)")
-    r.add_argument("--stock-bnb", action="store_true",
-                   help="LoRA under ZeRO-3 with NF4: keep bitsandbytes' own Linear4bit forward, which holds every "
-                        "gathered NF4 weight until the backward (bench/bnb_zero3.py; for comparison)")
-    r.add_argument("--ds-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one DeepSpeed setting (a zero_optimization key, or a dotted path from the top; the "
-                        "value is JSON), e.g. stage3_param_persistence_threshold=2000000; repeatable")
-    r.add_argument("--v-partitioned", action="store_true",
-                   help="FRoD under ZeRO-3: leave each shared V partitioned like the other frozen weights (the build "
-                        "holds it replicated by default)")
-    r.add_argument("--leaf-modules", action="store_true",
-                   help="LoRA under ZeRO-3: each decoder layer one fetch unit (frod_ds.model.build.fetch_per_layer, what the "
-                        "trainer does for FRoD)")
-    r.add_argument("--per-member-trainables", action="store_true",
-                   help="FRoD under DeepSpeed (ZeRO-1/2/3): one σ and one S Parameter per FRoD layer (the build "
-                        "holds them per decoder layer, frod_ds.core.layer.FRoDTrainables, by default)")
-    r.add_argument("--rewarm", type=int, default=1,
-                   help="with --gate: untimed steps after each gate opens, before the window's timed steps (a process "
-                        "that waited while others ran resumes cold)")
-    r.add_argument("--gc-freeze", action="store_true",
-                   help="after the warm-up: gc.collect() and gc.freeze() (Python's collector then never scans the "
-                        "build's objects again)")
-    r.add_argument("--per-member-frozen", action="store_true",
-                   help="FRoD under ZeRO-3: one frozen U Parameter per FRoD layer (the build holds a decoder layer's "
-                        "dense U_i as one, frod_ds.core.layer.FRoDFrozen, by default)")
-    r.add_argument("--walk-parameters", action="store_true",
-                   help="ZeRO-3: without fetch_per_layer's FixedParameters (DeepSpeed walks a layer's modules for its "
-                        "parameters at every fetch and release, the whole model's twice per optimizer step)")
-    r.add_argument("--per-module-fetch", action="store_true",
-                   help="FRoD under ZeRO-3: leave DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)")
-    r.add_argument("--nvtx", action="store_true",
-                   help="keep DeepSpeed's NVTX ranges on, its default (frod_ds turns them off unless FROD_DS_NVTX=1)")
-    r.add_argument("--compile", action="store_true", help="engine.compile() after deepspeed.initialize (DeepCompile "
-                   "with --ds-set compile.deepcompile=true)")
-    r.add_argument("--profile", action="store_true", help="after the timed windows, 3 steps under torch.profiler: "
-                   "device busy time per step and the top ops (in the result JSON)")
-    r.add_argument("--phases", action="store_true", help="after the timed windows, 5 steps synchronised between "
-                   "forward, backward and optimizer step: each phase's median ms (in the result JSON)")
-    r.add_argument("--pyprofile", action="store_true", help="after the timed windows, 3 steps under cProfile: the "
-                   "Python functions with the most host time (in the result JSON)")
-    r.add_argument("--gate", default=None, metavar="DIR",
-                   help="wait for DIR/NAME.go<k> before timed window k (window_gate; needs --name): a driver "
-                        "interleaves the windows of configurations sharing one GPU")
+    r.add_argument(
+        "--frod-impl",
+        choices=["function", "autograd"],
+        default="function",
+        help="FRoD autograd Functions, or plain autograd (keeps M: the previous implementation)",
+    )
+    r.add_argument(
+        "--frozen-quant",
+        choices=["none", "int8", "nf4"],
+        default="none",
+        help="quantized frozen weights: FRoD's U_i (model.frozen_quant), LoRA's targeted base linears (bitsandbytes)",
+    )
+    r.add_argument(
+        "--quantize-base",
+        action="store_true",
+        help="with --frozen-quant: the untargeted decoder linears too (FRoD model.quantize_base; LoRA: QLoRA)",
+    )
+    r.add_argument(
+        "--stock-bnb",
+        action="store_true",
+        help="LoRA under ZeRO-3 with NF4: keep bitsandbytes' own Linear4bit forward, which holds every "
+        "gathered NF4 weight until the backward (bench/bnb_zero3.py; for comparison)",
+    )
+    r.add_argument(
+        "--ds-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one DeepSpeed setting (a zero_optimization key, or a dotted path from the top; the "
+        "value is JSON), e.g. stage3_param_persistence_threshold=2000000; repeatable",
+    )
+    r.add_argument(
+        "--v-partitioned",
+        action="store_true",
+        help="FRoD under ZeRO-3: leave each shared V partitioned like the other frozen weights (the build "
+        "holds it replicated by default)",
+    )
+    r.add_argument(
+        "--leaf-modules",
+        action="store_true",
+        help="LoRA under ZeRO-3: each decoder layer one fetch unit (frod_ds.model.build.fetch_per_layer, what the "
+        "trainer does for FRoD)",
+    )
+    r.add_argument(
+        "--per-member-trainables",
+        action="store_true",
+        help="FRoD under DeepSpeed (ZeRO-1/2/3): one σ and one S Parameter per FRoD layer (the build "
+        "holds them per decoder layer, frod_ds.core.layer.FRoDTrainables, by default)",
+    )
+    r.add_argument(
+        "--rewarm",
+        type=int,
+        default=1,
+        help="with --gate: untimed steps after each gate opens, before the window's timed steps (a process "
+        "that waited while others ran resumes cold)",
+    )
+    r.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="after the warm-up: gc.collect() and gc.freeze() (Python's collector then never scans the "
+        "build's objects again)",
+    )
+    r.add_argument(
+        "--per-member-frozen",
+        action="store_true",
+        help="FRoD under ZeRO-3: one frozen U Parameter per FRoD layer (the build holds a decoder layer's "
+        "dense U_i as one, frod_ds.core.layer.FRoDFrozen, by default)",
+    )
+    r.add_argument(
+        "--walk-parameters",
+        action="store_true",
+        help="ZeRO-3: without fetch_per_layer's FixedParameters (DeepSpeed walks a layer's modules for its "
+        "parameters at every fetch and release, the whole model's twice per optimizer step)",
+    )
+    r.add_argument(
+        "--per-module-fetch",
+        action="store_true",
+        help="FRoD under ZeRO-3: leave DeepSpeed's per-submodule fetch hooks (no fetch_per_layer)",
+    )
+    r.add_argument(
+        "--nvtx",
+        action="store_true",
+        help="keep DeepSpeed's NVTX ranges on, its default (frod_ds turns them off unless FROD_DS_NVTX=1)",
+    )
+    r.add_argument(
+        "--compile",
+        action="store_true",
+        help="engine.compile() after deepspeed.initialize (DeepCompile with --ds-set compile.deepcompile=true)",
+    )
+    r.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed windows, 3 steps under torch.profiler: "
+        "device busy time per step and the top ops (in the result JSON)",
+    )
+    r.add_argument(
+        "--phases",
+        action="store_true",
+        help="after the timed windows, 5 steps synchronised between "
+        "forward, backward and optimizer step: each phase's median ms (in the result JSON)",
+    )
+    r.add_argument(
+        "--pyprofile",
+        action="store_true",
+        help="after the timed windows, 3 steps under cProfile: the "
+        "Python functions with the most host time (in the result JSON)",
+    )
+    r.add_argument(
+        "--gate",
+        default=None,
+        metavar="DIR",
+        help="wait for DIR/NAME.go<k> before timed window k (window_gate; needs --name): a driver "
+        "interleaves the windows of configurations sharing one GPU",
+    )
     r.add_argument("--name", default=None, help="result file name (default from method, engine, GPUs)")
     r.add_argument("--out", default=None, help="results dir (default $OUT or bench/results)")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 __all__ = ["MOVED", "REMOVED_IN", "forward", "old_paths"]
@@ -94,8 +94,11 @@ def forward(old: str) -> Callable[[str], Any]:
         for path in new:
             module = importlib.import_module(path)
             if hasattr(module, name):
-                warnings.warn(f"{old} is deprecated and goes in frod-ds {REMOVED_IN}: import {name} from {path}",
-                              DeprecationWarning, stacklevel=2)
+                warnings.warn(
+                    f"{old} is deprecated and goes in frod-ds {REMOVED_IN}: import {name} from {path}",
+                    DeprecationWarning,
+                    stacklevel=2,
+                )
                 return getattr(module, name)
         raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {', '.join(new)})")
 

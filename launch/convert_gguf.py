@@ -1,4 +1,5 @@
-"""``frod convert-gguf``, in the form older commands and scripts use (``launch/convert_gguf.py``); the code is frod_ds/cli/convert_gguf.py."""
+"""``frod convert-gguf``, in the form older commands and scripts use (``launch/convert_gguf.py``); the code is
+frod_ds/cli/convert_gguf.py."""
 
 import sys
 from pathlib import Path

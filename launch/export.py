@@ -1,4 +1,5 @@
-"""``frod export``, in the form older commands and scripts use (``launch/export.py``); the code is frod_ds/cli/export.py."""
+"""``frod export``, in the form older commands and scripts use (``launch/export.py``); the code is
+frod_ds/cli/export.py."""
 
 import sys
 from pathlib import Path

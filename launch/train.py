@@ -1,4 +1,5 @@
-"""``frod train``, in the form older commands and scripts use (``launch/train.py``); the code is frod_ds/cli/train.py."""
+"""``frod train``, in the form older commands and scripts use (``launch/train.py``); the code is
+frod_ds/cli/train.py."""
 
 import sys
 from pathlib import Path

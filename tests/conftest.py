@@ -114,8 +114,14 @@ XDIST_UNITS = {"tests/slurm/test_slurm_multinode.py": "slurm"}
 # Handed out first, in this order: the longest units (minutes each on 2 cores), so that none starts near the end
 # and leaves the other workers idle while it runs. Then the other files with multi-process (slow) tests, then the
 # quick ones.
-XDIST_FIRST = ("slurm", "tests/bench/test_seventy_b.py", "tests/train/test_train.py", "tests/bench/test_bench.py",
-               "tests/train/test_elastic_resume.py", "tests/hjd/test_store_by_category.py")
+XDIST_FIRST = (
+    "slurm",
+    "tests/bench/test_seventy_b.py",
+    "tests/train/test_train.py",
+    "tests/bench/test_bench.py",
+    "tests/train/test_elastic_resume.py",
+    "tests/hjd/test_store_by_category.py",
+)
 
 
 def _requested_order(config) -> str:
@@ -222,5 +228,14 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     s1, c1 = cpu()
     with open(path, "a") as f:
-        f.write(json.dumps({"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 2), "self_cpu_s": round(s1 - s0, 2),
-                            "children_cpu_s": round(c1 - c0, 2)}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "test": item.nodeid,
+                    "wall_s": round(time.monotonic() - t0, 2),
+                    "self_cpu_s": round(s1 - s0, 2),
+                    "children_cpu_s": round(c1 - c0, 2),
+                }
+            )
+            + "\n"
+        )

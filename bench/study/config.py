@@ -3,7 +3,8 @@
 A method is ``frod``, ``full``, ``lora<r>`` (PEFT LoRA of rank r on the same targets as FRoD), ``peftfrod``
 (stock PEFT's ``FrodConfig`` given frod-ds' factors and support, as ``bench/frod_vs_peft.py`` builds it) or
 ``frod_ratio<k>`` (frod-ds' FRoD with S LR = σ LR / k). Each method's sweep is a tuple of learning rates (FRoD:
-the σ LR; the S LR is ``frod_s_ratio`` times it, the paper's 10:1, for ``frod`` and ``peftfrod``). All sweeps must have the same size (≥ 3 for a study whose selection can be trusted); a method
+the σ LR; the S LR is ``frod_s_ratio`` times it, the paper's 10:1, for ``frod`` and ``peftfrod``). All sweeps must have
+the same size (≥ 3 for a study whose selection can be trusted); a method
 whose choice sits at an end of its sweep may add up to ``extend`` LRs past that end (``runner``).
 """
 
@@ -62,8 +63,10 @@ def method_spec(name: str) -> MethodSpec:
     m = re.fullmatch(r"frod_ratio(\d+)", name)
     if m and int(m.group(1)) > 0:
         return MethodSpec(name, "frod", s_per_sigma=1 / int(m.group(1)))
-    raise StudyError(f"unknown method {name!r}; use frod, full, peftfrod, lora<r> (e.g. lora16) or frod_ratio<k> "
-                     "(e.g. frod_ratio30: S LR = σ LR / 30)")
+    raise StudyError(
+        f"unknown method {name!r}; use frod, full, peftfrod, lora<r> (e.g. lora16) or frod_ratio<k> "
+        "(e.g. frod_ratio30: S LR = σ LR / 30)"
+    )
 
 
 def parse_lrs(items: list[str], methods: list[str]) -> dict[str, tuple[float, ...]]:
@@ -151,21 +154,29 @@ class StudyConfig:
             problems.append(f"test rows {self.eval_path}/<task>.jsonl not found")
         out = Path(self.out)
         if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "study.json").is_file())):
-            problems.append(f"--out {out} exists and is neither empty nor a study directory (no study.json); "
-                            "choose a new one")
+            problems.append(
+                f"--out {out} exists and is neither empty nor a study directory (no study.json); choose a new one"
+            )
         if self.resume_from is not None and not (Path(self.resume_from) / "study.json").is_file():
-            problems.append(f"--resume-from {self.resume_from} is not a study directory (no study.json); give the "
-                            "--out of an earlier run (unpacked)")
+            problems.append(
+                f"--resume-from {self.resume_from} is not a study directory (no study.json); give the "
+                "--out of an earlier run (unpacked)"
+            )
         sizes = {m: len(v) for m, v in self.lrs.items()}
         if len(set(sizes.values())) > 1:
             problems.append(f"LR sweeps must have equal sizes, got {sizes}; adjust --lrs")
         for name, value, ok in (
-            ("--batch-size", self.batch_size, self.batch_size >= 1), ("--cutoff", self.cutoff, self.cutoff >= 8),
-            ("--epochs", self.epochs, self.epochs > 0), ("--warmup-ratio", self.warmup_ratio, 0 <= self.warmup_ratio < 1),
-            ("--heldout", self.heldout, self.heldout >= 1), ("--checkpoints", self.checkpoints, self.checkpoints >= 1),
+            ("--batch-size", self.batch_size, self.batch_size >= 1),
+            ("--cutoff", self.cutoff, self.cutoff >= 8),
+            ("--epochs", self.epochs, self.epochs > 0),
+            ("--warmup-ratio", self.warmup_ratio, 0 <= self.warmup_ratio < 1),
+            ("--heldout", self.heldout, self.heldout >= 1),
+            ("--checkpoints", self.checkpoints, self.checkpoints >= 1),
             ("--curve-limit", self.curve_limit, self.curve_limit >= 1),
-            ("--workers", self.workers, self.workers >= 0), ("--extend", self.extend, self.extend >= 0),
-            ("--eval-batch", self.eval_batch, self.eval_batch >= 1), ("--gen-batch", self.gen_batch, self.gen_batch >= 1),
+            ("--workers", self.workers, self.workers >= 0),
+            ("--extend", self.extend, self.extend >= 0),
+            ("--eval-batch", self.eval_batch, self.eval_batch >= 1),
+            ("--gen-batch", self.gen_batch, self.gen_batch >= 1),
             ("--max-minutes", self.max_minutes, self.max_minutes > 0),
             ("--eval-reserve-minutes", self.eval_reserve_minutes, 0 <= self.eval_reserve_minutes < self.max_minutes),
             ("--frod-sparsity", self.frod_sparsity, 0 < self.frod_sparsity < 1),
@@ -183,13 +194,18 @@ class StudyConfig:
         from frod_ds.eval.predict import LLM_ADAPTERS_MAX_NEW_TOKENS, LLM_ADAPTERS_NUM_BEAMS
 
         if self.gen_impl not in ("auto", "project"):
-            problems.append(f"--gen-impl {self.gen_impl!r}: the study scores with the library's "
-                            "frod_ds.eval.predict.score_llm_adapters_rows only; use auto or project")
-        for name, value, protocol in (("--num-beams", self.num_beams, LLM_ADAPTERS_NUM_BEAMS),
-                                      ("--max-new-tokens", self.max_new_tokens, LLM_ADAPTERS_MAX_NEW_TOKENS)):
+            problems.append(
+                f"--gen-impl {self.gen_impl!r}: the study scores with the library's "
+                "frod_ds.eval.predict.score_llm_adapters_rows only; use auto or project"
+            )
+        for name, value, protocol in (
+            ("--num-beams", self.num_beams, LLM_ADAPTERS_NUM_BEAMS),
+            ("--max-new-tokens", self.max_new_tokens, LLM_ADAPTERS_MAX_NEW_TOKENS),
+        ):
             if value != protocol:
-                problems.append(f"{name} {value}: LLM-Adapters' protocol (frod_ds.eval.predict) uses {protocol}; "
-                                f"leave {name} out")
+                problems.append(
+                    f"{name} {value}: LLM-Adapters' protocol (frod_ds.eval.predict) uses {protocol}; leave {name} out"
+                )
         bad = [p for p in self.protocols if p not in PROTOCOLS]
         if bad or not self.protocols:
             problems.append(f"--protocols {','.join(self.protocols)!r}: use some of {', '.join(PROTOCOLS)}")
@@ -204,7 +220,8 @@ class StudyConfig:
         d = asdict(self)
         d["lrs"] = {m: list(v) for m, v in self.lrs.items()}
         d["lr_s_per_frod_sigma_lr"] = self.frod_s_ratio
-        d["lora_alpha"] = {m: self.lora_alpha_ratio * method_spec(m).rank for m in self.methods
-                           if method_spec(m).kind == "lora"}
+        d["lora_alpha"] = {
+            m: self.lora_alpha_ratio * method_spec(m).rank for m in self.methods if method_spec(m).kind == "lora"
+        }
         d["targets"] = list(TARGETS)
         return d

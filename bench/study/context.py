@@ -20,8 +20,15 @@ from bench.study.config import StudyConfig, method_spec
 from bench.study.data import Batch
 from bench.study.evaluate import GENERATION_SCORER, exact_eval, heldout_losses, llm_adapters_eval, loglik_eval
 from bench.study.loop import train_run
-from bench.study.models import (ModelFactory, load_base, load_trainable_state, make_optimizer, merged_for_eval,
-                                trainable_numel, trainable_state)
+from bench.study.models import (
+    ModelFactory,
+    load_base,
+    load_trainable_state,
+    make_optimizer,
+    merged_for_eval,
+    trainable_numel,
+    trainable_state,
+)
 from bench.study.report import correct_bits
 from bench.study.rotation import initial_sigmas, rotation_by_category
 
@@ -58,18 +65,38 @@ class RunContext:
 
     def save(self, path: Path) -> None:
         cpu = torch.device("cpu")
-        torch.save({"cfg": self.cfg, "batches": [b.to(cpu) for b in self.batches],
-                    "held_batches": [b.to(cpu) for b in self.held_batches], "held_by_task": self.held_by_task,
-                    "curve": self.curve, "test": self.test, "steps": self.steps,
-                    "checkpoint_steps": self.checkpoint_steps}, path)
+        torch.save(
+            {
+                "cfg": self.cfg,
+                "batches": [b.to(cpu) for b in self.batches],
+                "held_batches": [b.to(cpu) for b in self.held_batches],
+                "held_by_task": self.held_by_task,
+                "curve": self.curve,
+                "test": self.test,
+                "steps": self.steps,
+                "checkpoint_steps": self.checkpoint_steps,
+            },
+            path,
+        )
 
     @classmethod
-    def load(cls, path: Path, device: torch.device, log: Callable[[str], None] = print) -> "RunContext":
+    def load(cls, path: Path, device: torch.device, log: Callable[[str], None] = print) -> RunContext:
         d = torch.load(path, weights_only=False)
         base, tok = load_base(d["cfg"].model, device)
-        return cls(cfg=d["cfg"], device=device, tok=tok, base=base, batches=[b.to(device) for b in d["batches"]],
-                   held_batches=[b.to(device) for b in d["held_batches"]], held_by_task=d["held_by_task"],
-                   curve=d["curve"], test=d["test"], steps=d["steps"], checkpoint_steps=d["checkpoint_steps"], log=log)
+        return cls(
+            cfg=d["cfg"],
+            device=device,
+            tok=tok,
+            base=base,
+            batches=[b.to(device) for b in d["batches"]],
+            held_batches=[b.to(device) for b in d["held_batches"]],
+            held_by_task=d["held_by_task"],
+            curve=d["curve"],
+            test=d["test"],
+            steps=d["steps"],
+            checkpoint_steps=d["checkpoint_steps"],
+            log=log,
+        )
 
     # -- evaluations -------------------------------------------------------------------------------------
 
@@ -79,9 +106,12 @@ class RunContext:
         held = heldout_losses(model, self.held_batches, self.device)
         acc_h, _ = loglik_eval(model, self.tok, self.held_by_task, self.pad_id, cfg.eval_batch, self.device)
         acc_t, _ = loglik_eval(model, self.tok, self.curve, self.pad_id, cfg.eval_batch, self.device)
-        return {"heldout_accuracy": _micro(acc_h), **{f"heldout_{k}": v for k, v in held.items()},
-                "test_slice_average": acc_t["average"],
-                "test_slice_tasks": {t: e["accuracy"] for t, e in acc_t["tasks"].items()}}
+        return {
+            "heldout_accuracy": _micro(acc_h),
+            **{f"heldout_{k}": v for k, v in held.items()},
+            "test_slice_average": acc_t["average"],
+            "test_slice_tasks": {t: e["accuracy"] for t, e in acc_t["tasks"].items()},
+        }
 
     def test_eval(self, model, gen_rows: dict[str, list[dict]] | None = None, label: str = "") -> dict[str, Any]:
         """Every protocol on the test rows (llm-adapters on ``gen_rows`` when given)."""
@@ -93,8 +123,9 @@ class RunContext:
                 summary, records = loglik_eval(model, self.tok, rows, self.pad_id, cfg.eval_batch, self.device)
             elif protocol == "exact":
                 rows = self.test
-                summary, records = exact_eval(model, self.tok, rows, self.pad_id, cfg.eval_batch,
-                                              cfg.exact_max_new_tokens, self.device)
+                summary, records = exact_eval(
+                    model, self.tok, rows, self.pad_id, cfg.eval_batch, cfg.exact_max_new_tokens, self.device
+                )
                 summary["examples"] = {task: [r["output"] for r in records if r["task"] == task][:3] for task in rows}
             else:
                 rows = gen_rows or self.test
@@ -103,9 +134,11 @@ class RunContext:
             summary["correct_bits"] = correct_bits(records, list(rows))
             summary["seconds"] = time.perf_counter() - t
             out[protocol] = summary
-            self.log(f"  {label} test {protocol}: average {summary['average']:.4f} over {summary['n']} rows; "
-                     + " ".join(f"{k}={e['accuracy']:.3f}" for k, e in summary["tasks"].items())
-                     + f" ({summary['seconds']:.1f} s)")
+            self.log(
+                f"  {label} test {protocol}: average {summary['average']:.4f} over {summary['n']} rows; "
+                + " ".join(f"{k}={e['accuracy']:.3f}" for k, e in summary["tasks"].items())
+                + f" ({summary['seconds']:.1f} s)"
+            )
         return out
 
     def preflight(self) -> None:
@@ -115,8 +148,9 @@ class RunContext:
         if "llm-adapters" in self.cfg.protocols:
             llm_adapters_eval(self.base, self.tok, few, self.pad_id, self.cfg.gen_batch, self.device)
         if "exact" in self.cfg.protocols:
-            exact_eval(self.base, self.tok, few, self.pad_id, self.cfg.eval_batch, self.cfg.exact_max_new_tokens,
-                       self.device)
+            exact_eval(
+                self.base, self.tok, few, self.pad_id, self.cfg.eval_batch, self.cfg.exact_max_new_tokens, self.device
+            )
 
     # -- one run -----------------------------------------------------------------------------------------
 
@@ -130,28 +164,43 @@ class RunContext:
         # FRoD kinds: how far the update rotates each category's weights, at every checkpoint (paper §3)
         sigma0 = initial_sigmas(self.factory.frod_template()) if spec.kind in ("frod", "peftfrod") else None
 
-        def on_checkpoint(step: int) -> dict[str, Any]:
+        def on_checkpoint(step: int, model: torch.nn.Module = model) -> dict[str, Any]:
             out = self.checkpoint_eval(model)
             if sigma0 is not None:
                 out["tan_alpha"] = rotation_by_category(model, sigma0)
             return out
 
-        log = train_run(model, optimizer, self.batches, cfg, self.device, set(self.checkpoint_steps),
-                        on_checkpoint, deadline)
+        log = train_run(
+            model, optimizer, self.batches, cfg, self.device, set(self.checkpoint_steps), on_checkpoint, deadline
+        )
         last = log.checkpoints[-1] if log.checkpoints and log.checkpoints[-1]["step"] == self.steps else None
         d = log.to_dict()
         entry: dict[str, Any] = dict(
-            lr=lr, lr_s=spec.s_ratio(cfg.frod_s_ratio) * lr if spec.kind in ("frod", "peftfrod") else None, trainable_params=trainable_numel(model),
-            completed=log.completed, steps=log.steps, train_seconds=log.train_seconds,
-            step_ms=1e3 * log.train_seconds / max(1, log.steps), tokens=log.tokens, scored_tokens=log.scored_tokens,
-            answer_tokens=log.answer_tokens, data_order_sha256=log.data_order_sha256, peak_mem_gb=log.peak_mem_gb,
+            lr=lr,
+            lr_s=spec.s_ratio(cfg.frod_s_ratio) * lr if spec.kind in ("frod", "peftfrod") else None,
+            trainable_params=trainable_numel(model),
+            completed=log.completed,
+            steps=log.steps,
+            train_seconds=log.train_seconds,
+            step_ms=1e3 * log.train_seconds / max(1, log.steps),
+            tokens=log.tokens,
+            scored_tokens=log.scored_tokens,
+            answer_tokens=log.answer_tokens,
+            data_order_sha256=log.data_order_sha256,
+            peak_mem_gb=log.peak_mem_gb,
             checkpoints=log.checkpoints,
-            heldout=None if last is None else {
-                "accuracy": last["heldout_accuracy"], "loss": last["heldout_loss"],
-                "response_loss": last["heldout_response_loss"], "answer_loss": last["heldout_answer_loss"]},
-            log={k: d[k] for k in ("loss", "response_loss", "answer_loss", "grad_norm", "lr")})
+            heldout=None
+            if last is None
+            else {
+                "accuracy": last["heldout_accuracy"],
+                "loss": last["heldout_loss"],
+                "response_loss": last["heldout_response_loss"],
+                "answer_loss": last["heldout_answer_loss"],
+            },
+            log={k: d[k] for k in ("loss", "response_loss", "answer_loss", "grad_norm", "lr")},
+        )
         state = trainable_state(model) if log.completed else None
-        del model, optimizer
+        del model, optimizer, on_checkpoint
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         entry["wall_seconds"] = time.perf_counter() - w0

@@ -22,13 +22,21 @@ from pathlib import Path
 import torch
 
 from bench.study.config import StudyError
+from frod_ds.eval.predict import EvalError, common_prefix_len
 from frod_ds.prep.io import read_rows, row_separator, training_text
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.train.data import IGNORE_INDEX, BatchPlan, DataError, encode_examples, read_training_rows
-from frod_ds.eval.predict import EvalError, common_prefix_len
 
-__all__ = ["answer_word_start", "answer_word", "StudyExample", "encode_study_examples", "Batch", "make_batches",
-           "split_rows", "load_test_rows"]
+__all__ = [
+    "answer_word_start",
+    "answer_word",
+    "StudyExample",
+    "encode_study_examples",
+    "Batch",
+    "make_batches",
+    "split_rows",
+    "load_test_rows",
+]
 
 
 def answer_word_start(answer: str, choices: Sequence[str] | None) -> int:
@@ -41,7 +49,7 @@ def answer_word_start(answer: str, choices: Sequence[str] | None) -> int:
 
 
 def answer_word(answer: str, choices: Sequence[str] | None) -> str:
-    return answer[answer_word_start(answer, choices):]
+    return answer[answer_word_start(answer, choices) :]
 
 
 @dataclass
@@ -75,10 +83,13 @@ def encode_study_examples(tokenizer, rows: list[dict], cutoff: int) -> list[Stud
         f, w = _strip_eos(list(f), eos), _strip_eos(list(w), eos)
         truncated = len(f) + 1 > cutoff
         assert truncated or e.input_ids == f + [eos], (
-            f"row {row.get('id')!r}: the project's tokens are not tokenize(prompt + separator + answer) + EOS")
+            f"row {row.get('id')!r}: the project's tokens are not tokenize(prompt + separator + answer) + EOS"
+        )
         n_label = sum(1 for t in e.labels if t != IGNORE_INDEX) - 1  # answer tokens, EOS excluded
         k = min(len(f) - common_prefix_len(w, f), n_label)
-        assert k >= 1, f"row {row.get('id')!r}: its answer word {answer_word(row['answer'], row.get('choices'))!r} has no tokens"
+        assert k >= 1, (
+            f"row {row.get('id')!r}: its answer word {answer_word(row['answer'], row.get('choices'))!r} has no tokens"
+        )
         out.append(StudyExample(e.input_ids, e.labels, k, truncated))
     return out
 
@@ -103,11 +114,19 @@ class Batch:
     n_answer: int  # answer-word targets
     digest: str  # sha256 of the ids, so runs can prove they saw the same data
 
-    def to(self, device: torch.device) -> "Batch":
-        move = {k: getattr(self, k).to(device) for k in ("input_ids", "attention_mask", "pos", "target",
-                                                          "response", "answer_word")}
-        return Batch(**move, indices=self.indices, n_tokens=self.n_tokens, n_scored=self.n_scored,
-                     n_answer=self.n_answer, digest=self.digest)
+    def to(self, device: torch.device) -> Batch:
+        move = {
+            k: getattr(self, k).to(device)
+            for k in ("input_ids", "attention_mask", "pos", "target", "response", "answer_word")
+        }
+        return Batch(
+            **move,
+            indices=self.indices,
+            n_tokens=self.n_tokens,
+            n_scored=self.n_scored,
+            n_answer=self.n_answer,
+            digest=self.digest,
+        )
 
 
 def make_batch(examples: Sequence[StudyExample], indices: list[int], pad_id: int, train_on_inputs: bool) -> Batch:
@@ -129,22 +148,42 @@ def make_batch(examples: Sequence[StudyExample], indices: list[int], pad_id: int
                 response.append(is_response)
                 word.append(word_lo <= t + 1 < n - 1)
     digest = hashlib.sha256(ids.numpy().tobytes() + mask.numpy().tobytes()).hexdigest()
-    return Batch(ids, mask, torch.tensor(pos), torch.tensor(target), torch.tensor(response), torch.tensor(word),
-                 list(indices), int(mask.sum()), len(pos), sum(word), digest)
+    return Batch(
+        ids,
+        mask,
+        torch.tensor(pos),
+        torch.tensor(target),
+        torch.tensor(response),
+        torch.tensor(word),
+        list(indices),
+        int(mask.sum()),
+        len(pos),
+        sum(word),
+        digest,
+    )
 
 
-def make_batches(examples: Sequence[StudyExample], plan: BatchPlan | None, steps: int, pad_id: int,
-                 train_on_inputs: bool, batch_size: int | None = None) -> list[Batch]:
+def make_batches(
+    examples: Sequence[StudyExample],
+    plan: BatchPlan | None,
+    steps: int,
+    pad_id: int,
+    train_on_inputs: bool,
+    batch_size: int | None = None,
+) -> list[Batch]:
     """Training batches of ``plan`` for ``steps`` steps, or (``plan`` None) the examples in order in chunks."""
     if plan is not None:
         return [make_batch(examples, plan.micro_batches(s)[0], pad_id, train_on_inputs) for s in range(steps)]
     assert batch_size
-    return [make_batch(examples, list(range(i, min(i + batch_size, len(examples)))), pad_id, train_on_inputs)
-            for i in range(0, len(examples), batch_size)]
+    return [
+        make_batch(examples, list(range(i, min(i + batch_size, len(examples)))), pad_id, train_on_inputs)
+        for i in range(0, len(examples), batch_size)
+    ]
 
 
-def split_rows(path: Path, heldout: int, seed: int, train_limit: int | None,
-               heldout_file: Path | None = None) -> tuple[list[dict], list[dict]]:
+def split_rows(
+    path: Path, heldout: int, seed: int, train_limit: int | None, heldout_file: Path | None = None
+) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows): a seeded permutation's first ``heldout`` rows are held out for LR selection,
     or (``heldout_file``) every training row is trained on and the held-out rows are that file's."""
     try:

@@ -45,8 +45,9 @@ def heldout_losses(model: nn.Module, batches: Sequence[Batch], device: torch.dev
     return {"loss": loss, "response_loss": response, "answer_loss": word_loss}
 
 
-def loglik_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_id: int, batch_size: int,
-                device: torch.device) -> tuple[dict, list[dict]]:
+def loglik_eval(
+    model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_id: int, batch_size: int, device: torch.device
+) -> tuple[dict, list[dict]]:
     """(``frod_ds.eval.accuracy.summarize`` of the records, per-row records) under the log-likelihood protocol."""
     model.eval()
     records = []
@@ -57,8 +58,9 @@ def loglik_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_
     return summarize(records, list(rows_by_task), "loglik"), records
 
 
-def llm_adapters_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_id: int, gen_batch: int,
-                      device: torch.device) -> tuple[dict, list[dict]]:
+def llm_adapters_eval(
+    model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_id: int, gen_batch: int, device: torch.device
+) -> tuple[dict, list[dict]]:
     """(summary, records) under LLM-Adapters' generation protocol (``fe.score_llm_adapters_rows``); batches of
     ``gen_batch`` rows (a row's output does not depend on its batch)."""
     model.eval()
@@ -75,8 +77,15 @@ def exact_answer(output: str) -> str:
     return output.strip().split("\n", 1)[0].strip()
 
 
-def exact_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_id: int, batch_size: int,
-               max_new_tokens: int, device: torch.device) -> tuple[dict, list[dict]]:
+def exact_eval(
+    model: nn.Module,
+    tok,
+    rows_by_task: dict[str, list[dict]],
+    pad_id: int,
+    batch_size: int,
+    max_new_tokens: int,
+    device: torch.device,
+) -> tuple[dict, list[dict]]:
     """(summary in ``summarize``'s shape, records) of exact match of a greedy answer to each row's ``answer``."""
     from frod_ds.prep.io import row_separator
 
@@ -86,10 +95,19 @@ def exact_eval(model: nn.Module, tok, rows_by_task: dict[str, list[dict]], pad_i
         for rows in rows_by_task.values():
             for idx in fe.plan_batches(rows, batch_size):
                 batch = [rows[i] for i in idx]
-                enc = fe.encode_rows(tok, [r["prompt"] for r in batch], [[r["answer"]] for r in batch],
-                                     [row_separator(r) for r in batch])
+                enc = fe.encode_rows(
+                    tok, [r["prompt"] for r in batch], [[r["answer"]] for r in batch], [row_separator(r) for r in batch]
+                )
                 outs = fe.generate_outputs(model, tok, [e.context for e in enc], max_new_tokens, pad_id)
-                records += [{"task": r["task"], "id": r["id"], "answer": r["answer"], "output": o,
-                             "pred": exact_answer(o), "correct": exact_answer(o) == r["answer"]}
-                            for r, o in zip(batch, outs)]
+                records += [
+                    {
+                        "task": r["task"],
+                        "id": r["id"],
+                        "answer": r["answer"],
+                        "output": o,
+                        "pred": exact_answer(o),
+                        "correct": exact_answer(o) == r["answer"],
+                    }
+                    for r, o in zip(batch, outs)
+                ]
     return summarize(records, list(rows_by_task), "generate"), records

@@ -65,20 +65,36 @@ def epochs_for_steps(n_rows: int, batch: int, steps: int) -> float:
     return (steps - 0.5) / per_epoch
 
 
-def _study_config(cfg: LearnConfig, task: str, seed: int, methods: list[str], lrs: dict[str, tuple[float, ...]],
-                  extend: int) -> StudyConfig:
+def _study_config(
+    cfg: LearnConfig, task: str, seed: int, methods: list[str], lrs: dict[str, tuple[float, ...]], extend: int
+) -> StudyConfig:
     tdir = Path(cfg.work) / "tasks" / task
     n_rows = sum(1 for _ in open(tdir / "train.jsonl"))
     sub = f"{task}/seed{seed}"
     resume = Path(cfg.resume_from) / sub if cfg.resume_from else None
     study = StudyConfig(
-        model=cfg.model, data=str(tdir), out=str(Path(cfg.out) / sub), heldout_file=str(tdir / "heldout.jsonl"),
-        methods=methods, lrs=lrs, batch_size=cfg.batch_size, cutoff=cfg.cutoff,
-        epochs=epochs_for_steps(n_rows, cfg.batch_size, cfg.steps), seed=seed, checkpoints=cfg.checkpoints,
-        curve_limit=cfg.curve_limit, eval_batch=cfg.eval_batch, protocols=("loglik", "exact"),
-        select_by="answer_loss", max_minutes=cfg.max_minutes, eval_reserve_minutes=cfg.eval_reserve_minutes,
-        workers=cfg.workers, device=cfg.device, extend=extend,
-        resume_from=str(resume) if resume is not None and (resume / "study.json").is_file() else None)
+        model=cfg.model,
+        data=str(tdir),
+        out=str(Path(cfg.out) / sub),
+        heldout_file=str(tdir / "heldout.jsonl"),
+        methods=methods,
+        lrs=lrs,
+        batch_size=cfg.batch_size,
+        cutoff=cfg.cutoff,
+        epochs=epochs_for_steps(n_rows, cfg.batch_size, cfg.steps),
+        seed=seed,
+        checkpoints=cfg.checkpoints,
+        curve_limit=cfg.curve_limit,
+        eval_batch=cfg.eval_batch,
+        protocols=("loglik", "exact"),
+        select_by="answer_loss",
+        max_minutes=cfg.max_minutes,
+        eval_reserve_minutes=cfg.eval_reserve_minutes,
+        workers=cfg.workers,
+        device=cfg.device,
+        extend=extend,
+        resume_from=str(resume) if resume is not None and (resume / "study.json").is_file() else None,
+    )
     study.validate()
     return study
 
@@ -105,8 +121,13 @@ def _finished(study: StudyConfig) -> dict | None:
     for where in (study.out, study.resume_from):
         doc = _doc(Path(where)) if where else None
         methods = (doc or {}).get("methods", {})
-        if doc and all(m in methods and "test" in methods[m] and methods[m]["chosen"]["final"]
-                       and set(study.lrs[m]) <= set(methods[m]["lrs"]) for m in study.methods):
+        if doc and all(
+            m in methods
+            and "test" in methods[m]
+            and methods[m]["chosen"]["final"]
+            and set(study.lrs[m]) <= set(methods[m]["lrs"])
+            for m in study.methods
+        ):
             if Path(where) != Path(study.out):
                 shutil.copytree(where, study.out, dirs_exist_ok=True)
             return doc
@@ -136,13 +157,16 @@ def run_learn(cfg: LearnConfig, argv: list[str], started: float, log=print) -> N
         doc = _run(cfg, sweep, argv, started, log)
         chosen = {m: _chosen(doc, m) for m in cfg.methods}
         if any(lr is None for lr in chosen.values()):
-            log(f"{task}: sweeps not final yet ({', '.join(m for m, lr in chosen.items() if lr is None)}); "
-                "the next command goes on")
+            log(
+                f"{task}: sweeps not final yet ({', '.join(m for m, lr in chosen.items() if lr is None)}); "
+                "the next command goes on"
+            )
             break
         ratios = {m: (chosen["frod"],) for m in cfg.ratio_methods} if "frod" in chosen else {}
         if ratios:  # the same directory: same identity, more methods
-            doc = _run(cfg, replace(sweep, methods=list(ratios), lrs=ratios, extend=0, resume_from=None),
-                       argv, started, log)
+            doc = _run(
+                cfg, replace(sweep, methods=list(ratios), lrs=ratios, extend=0, resume_from=None), argv, started, log
+            )
             if not all(_chosen(doc, m) is not None and "test" in doc["methods"][m] for m in ratios):
                 break
         every = {**{m: (lr,) for m, lr in chosen.items()}, **ratios}

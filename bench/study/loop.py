@@ -80,16 +80,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_run(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], cfg,
-              device: torch.device, checkpoint_steps: set[int], on_checkpoint: Callable[[int], dict],
-              deadline: float) -> RunLog:
+def train_run(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    cfg,
+    device: torch.device,
+    checkpoint_steps: set[int],
+    on_checkpoint: Callable[[int], dict],
+    deadline: float,
+) -> RunLog:
     """Train ``model`` on ``batches`` (one per step); ``on_checkpoint(step)`` after the listed steps.
 
     Stops early (``completed`` False) once ``time.time()`` passes ``deadline``.
     """
     steps = len(batches)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(cfg.schedule, int(round(cfg.warmup_ratio * steps)), steps))
+        optimizer, lr_lambda(cfg.schedule, int(round(cfg.warmup_ratio * steps)), steps)
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     values = torch.zeros(steps, 4, device=device)  # (steps, [objective, response, answer word, grad norm])
     log, order = RunLog(steps), hashlib.sha256()

@@ -21,8 +21,16 @@ from torch import nn
 from bench.study.config import TARGETS, MethodSpec, StudyConfig
 from frod_ds.model.apply import apply_frod, frod_modules, frod_param_groups, set_submodule
 
-__all__ = ["load_base", "ModelFactory", "make_optimizer", "trainable_state", "load_trainable_state",
-           "merged_for_eval", "decoder_and_head", "trainable_numel"]
+__all__ = [
+    "load_base",
+    "ModelFactory",
+    "make_optimizer",
+    "trainable_state",
+    "load_trainable_state",
+    "merged_for_eval",
+    "decoder_and_head",
+    "trainable_numel",
+]
 
 
 def load_base(model_dir: str, device: torch.device):
@@ -49,8 +57,14 @@ class ModelFactory:
     def frod_template(self) -> nn.Module:
         if self._frod is None:
             t0 = time.perf_counter()
-            self._frod = apply_frod(copy.deepcopy(self.base), TARGETS, sparsity=self.cfg.frod_sparsity,
-                                    seed=self.cfg.seed, pi=self.cfg.frod_pi, hjd_dtype=torch.float64)
+            self._frod = apply_frod(
+                copy.deepcopy(self.base),
+                TARGETS,
+                sparsity=self.cfg.frod_sparsity,
+                seed=self.cfg.seed,
+                pi=self.cfg.frod_pi,
+                hjd_dtype=torch.float64,
+            )
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.hjd_seconds = time.perf_counter() - t0
@@ -77,9 +91,14 @@ class ModelFactory:
             from peft import LoraConfig, get_peft_model
 
             torch.manual_seed(self.cfg.seed)
-            config = LoraConfig(r=spec.rank, lora_alpha=self.cfg.lora_alpha_ratio * spec.rank,
-                                lora_dropout=self.cfg.lora_dropout, target_modules=list(TARGETS), bias="none",
-                                task_type="CAUSAL_LM")
+            config = LoraConfig(
+                r=spec.rank,
+                lora_alpha=self.cfg.lora_alpha_ratio * spec.rank,
+                lora_dropout=self.cfg.lora_dropout,
+                target_modules=list(TARGETS),
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
             model = get_peft_model(copy.deepcopy(self.base), config)
         return model.train()
 
@@ -128,8 +147,9 @@ def merged_for_eval(spec: MethodSpec, model: nn.Module) -> nn.Module:
     elif spec.kind == "frod":
         for name, layer in list(frod_modules(model)):
             W = layer.merged_weight()  # (m, n) = U (diag σ + S) Vᵀ
-            lin = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                            device=W.device, dtype=W.dtype)
+            lin = nn.Linear(
+                layer.in_features, layer.out_features, bias=layer.bias is not None, device=W.device, dtype=W.dtype
+            )
             lin.weight.copy_(W)
             if layer.bias is not None:
                 lin.bias.copy_(layer.bias)

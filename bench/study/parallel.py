@@ -83,8 +83,12 @@ class WorkerPool:
         spawn = mp.get_context("spawn")
         self.jobs, self.results, self.log, self.capacity = spawn.Queue(), spawn.Queue(), log, n
         threads = max(1, min(4, (os.cpu_count() or 2) // (n + 1)))
-        self.procs = [spawn.Process(target=_worker, args=(str(ctx_path), str(device), self.jobs, self.results, threads),
-                                    daemon=True) for _ in range(n)]
+        self.procs = [
+            spawn.Process(
+                target=_worker, args=(str(ctx_path), str(device), self.jobs, self.results, threads), daemon=True
+            )
+            for _ in range(n)
+        ]
         for p in self.procs:
             p.start()
 

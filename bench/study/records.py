@@ -26,13 +26,26 @@ from pathlib import Path
 from typing import Any
 
 from bench.study.config import StudyConfig, StudyError
-from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.formats.records import changed_keys, parse_json, record_from_dict, record_to_json
 from frod_ds.formats.run_identity import file_sha256
+from frod_ds.runtime.atomic import atomic_write_text
 
-__all__ = ["IDENTITY_NAME", "BASE_NAME", "INVOCATIONS_NAME", "RUNS_DIR", "STUDY_FORMAT", "IDENTITY_SETTINGS",
-           "StudyIdentity", "RunRecord", "BaseRecord", "Invocation", "InvocationsRecord", "StudyDir",
-           "study_identity", "run_file_name"]
+__all__ = [
+    "IDENTITY_NAME",
+    "BASE_NAME",
+    "INVOCATIONS_NAME",
+    "RUNS_DIR",
+    "STUDY_FORMAT",
+    "IDENTITY_SETTINGS",
+    "StudyIdentity",
+    "RunRecord",
+    "BaseRecord",
+    "Invocation",
+    "InvocationsRecord",
+    "StudyDir",
+    "study_identity",
+    "run_file_name",
+]
 
 STUDY_FORMAT = 1
 IDENTITY_NAME = "study.json"
@@ -42,10 +55,33 @@ RUNS_DIR = "records"  # not "runs/": the repository ignores every runs/ folder, 
 
 # StudyConfig fields that change a run's numbers or which run is chosen (everything else is bookkeeping).
 IDENTITY_SETTINGS = (
-    "batch_size", "cutoff", "epochs", "schedule", "warmup_ratio", "max_grad_norm", "betas", "weight_decay",
-    "train_on_inputs", "seed", "heldout", "train_limit", "eval_limit", "curve_limit", "checkpoints", "eval_batch",
-    "gen_batch", "protocols", "gen_impl", "num_beams", "max_new_tokens", "select_by", "frod_sparsity",
-    "frod_s_ratio", "frod_pi", "lora_alpha_ratio", "lora_dropout",
+    "batch_size",
+    "cutoff",
+    "epochs",
+    "schedule",
+    "warmup_ratio",
+    "max_grad_norm",
+    "betas",
+    "weight_decay",
+    "train_on_inputs",
+    "seed",
+    "heldout",
+    "train_limit",
+    "eval_limit",
+    "curve_limit",
+    "checkpoints",
+    "eval_batch",
+    "gen_batch",
+    "protocols",
+    "gen_impl",
+    "num_beams",
+    "max_new_tokens",
+    "select_by",
+    "frod_sparsity",
+    "frod_s_ratio",
+    "frod_pi",
+    "lora_alpha_ratio",
+    "lora_dropout",
 )
 
 OPTIONAL_SETTINGS = {"exact_max_new_tokens": lambda cfg: "exact" in cfg.protocols}
@@ -67,8 +103,10 @@ class StudyIdentity:
                 out.append(f"{name} content ({', '.join(changed_keys(a, b))})")
         if self.device_type != other.device_type:
             out.append(f"device: {self.device_type} there, {other.device_type} now")
-        out += [f"{k}: {self.settings.get(k)!r} there, {other.settings.get(k)!r} now"
-                for k in changed_keys(self.settings, other.settings)]
+        out += [
+            f"{k}: {self.settings.get(k)!r} there, {other.settings.get(k)!r} now"
+            for k in changed_keys(self.settings, other.settings)
+        ]
         return out
 
 
@@ -140,16 +178,27 @@ def study_identity(cfg: StudyConfig, device_type: str) -> StudyIdentity:
     # conversion's date and timing: a reconverted identical model must resume the study)
     from frod_ds.testing.realmodel import MARKER
 
-    small = [p for p in model_dir.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != MARKER
-             and p.suffix in (".json", ".jinja", ".txt", ".model")]
+    small = [
+        p
+        for p in model_dir.iterdir()
+        if p.is_file()
+        and not p.name.startswith(".")
+        and p.name != MARKER
+        and p.suffix in (".json", ".jinja", ".txt", ".model")
+    ]
     ckpt = HFCheckpoint(model_dir)
     model = {"weights": weights_fingerprint(ckpt, ckpt.keys()), **_file_sha256s(small, model_dir)}
-    data = {"train": file_sha256(cfg.train_path),
-            **_file_sha256s(list(cfg.eval_path.glob("*.jsonl")), cfg.eval_path.parent)}
+    data = {
+        "train": file_sha256(cfg.train_path),
+        **_file_sha256s(list(cfg.eval_path.glob("*.jsonl")), cfg.eval_path.parent),
+    }
     if cfg.heldout_file is not None:
         data["heldout"] = file_sha256(Path(cfg.heldout_file))
-    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()
-                if k in IDENTITY_SETTINGS}
+    settings = {
+        k: (list(v) if isinstance(v, tuple) else v)
+        for k, v in dataclasses.asdict(cfg).items()
+        if k in IDENTITY_SETTINGS
+    }
     # settings added later enter the identity only where used, so studies recorded before them still resume
     settings.update({k: getattr(cfg, k) for k, used in OPTIONAL_SETTINGS.items() if used(cfg)})
     return StudyIdentity(format=STUDY_FORMAT, model=model, data=data, device_type=device_type, settings=settings)
@@ -180,8 +229,10 @@ class StudyDir:
         diff = self.identity().differences(wanted)
         if diff:
             shown = "; ".join(diff[:4]) + (f"; and {len(diff) - 4} more" if len(diff) > 4 else "")
-            raise StudyError(f"{what} {self.path} holds a study with another configuration ({shown}); "
-                             "use its settings, or choose a new --out")
+            raise StudyError(
+                f"{what} {self.path} holds a study with another configuration ({shown}); "
+                "use its settings, or choose a new --out"
+            )
 
     def create(self, identity: StudyIdentity) -> None:
         self.runs_dir.mkdir(parents=True, exist_ok=True)
@@ -208,8 +259,10 @@ class StudyDir:
         for path in sorted(self.runs_dir.glob("*.json")) if self.runs_dir.is_dir() else []:
             record = _read(RunRecord, path)
             if path.name != run_file_name(record.method, record.lr):
-                raise StudyError(f"{path} holds the run {record.method} lr={record.lr!r}, not the one its name says; "
-                                 "it was renamed or edited by hand")
+                raise StudyError(
+                    f"{path} holds the run {record.method} lr={record.lr!r}, not the one its name says; "
+                    "it was renamed or edited by hand"
+                )
             out.append(record)
         return out
 

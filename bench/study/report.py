@@ -14,8 +14,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS_NAME", "smooth", "smooth_window", "steps_to_reach", "paired_difference", "claim", "write_plots",
-           "correct_bits", "sweep_table", "markdown_tables"]
+__all__ = [
+    "RESULTS_NAME",
+    "smooth",
+    "smooth_window",
+    "steps_to_reach",
+    "paired_difference",
+    "claim",
+    "write_plots",
+    "correct_bits",
+    "sweep_table",
+    "markdown_tables",
+]
 
 RESULTS_NAME = "real_study.json"
 
@@ -60,9 +70,15 @@ def paired_difference(bits_a: dict[str, str], bits_b: dict[str, str]) -> dict[st
     mean = sum(d) / n
     var = sum((x - mean) ** 2 for x in d) / max(1, n - 1)
     se = math.sqrt(var / n)
-    return {"n": n, "micro_diff": mean, "micro_ci95": 1.96 * se, "macro_diff": sum(per_task.values()) / len(per_task),
-            "per_task_diff": per_task, "significantly_worse": mean + 1.96 * se < 0,
-            "significantly_better": mean - 1.96 * se > 0}
+    return {
+        "n": n,
+        "micro_diff": mean,
+        "micro_ci95": 1.96 * se,
+        "macro_diff": sum(per_task.values()) / len(per_task),
+        "per_task_diff": per_task,
+        "significantly_worse": mean + 1.96 * se < 0,
+        "significantly_better": mean - 1.96 * se > 0,
+    }
 
 
 def claim(methods: dict[str, dict], frod: str, loras: Sequence[str], window: int, total_steps: int) -> dict[str, Any]:
@@ -81,11 +97,15 @@ def claim(methods: dict[str, dict], frod: str, loras: Sequence[str], window: int
         for key in ("answer_loss", "response_loss"):
             target = smooth(l_run["log"][key], window)[-1]
             reach = steps_to_reach(smooth(f_run["log"][key], window), target)
-            entry[key] = {"lora_final_smoothed": target, "frod_final_smoothed": smooth(f_run["log"][key], window)[-1],
-                          "frod_steps_to_lora_final": reach,
-                          "ratio": None if reach is None else reach / len(l_run["log"][key]),
-                          "frod_sweep_steps_to_lora_final": [
-                              steps_to_reach(smooth(r["log"][key], window), target) for r in f["sweep"]]}
+            entry[key] = {
+                "lora_final_smoothed": target,
+                "frod_final_smoothed": smooth(f_run["log"][key], window)[-1],
+                "frod_steps_to_lora_final": reach,
+                "ratio": None if reach is None else reach / len(l_run["log"][key]),
+                "frod_sweep_steps_to_lora_final": [
+                    steps_to_reach(smooth(r["log"][key], window), target) for r in f["sweep"]
+                ],
+            }
         ratio = entry["answer_loss"]["ratio"]
         entry["loss_claim_holds"] = ratio is not None and ratio <= 0.5
         acc_ok = []
@@ -114,19 +134,28 @@ def write_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         return []
     colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     window = doc.get("claim", {}).get("smoothing_window_steps") or smooth_window(
-        doc["data"]["steps"], doc["config"]["smooth_frac"])
+        doc["data"]["steps"], doc["config"]["smooth_frac"]
+    )
     paths = []
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    for ax, key, title in ((axes[0], "response_loss", "whole-response loss (answer + EOS)"),
-                           (axes[1], "answer_loss", "answer-word loss")):
+    for ax, key, title in (
+        (axes[0], "response_loss", "whole-response loss (answer + EOS)"),
+        (axes[1], "answer_loss", "answer-word loss"),
+    ):
         for name, m in methods.items():
             chosen = m.get("chosen", {}).get("index")
             for i, run in enumerate(m["sweep"]):
                 ys = smooth(run["log"][key], window)
                 main = i == chosen
-                ax.plot(range(1, len(ys) + 1), ys, color=colors[name], lw=1.8 if main else 0.7,
-                        alpha=1.0 if main else 0.35, label=f"{name} lr={run['lr']:g}" + (" (chosen)" if main else ""))
+                ax.plot(
+                    range(1, len(ys) + 1),
+                    ys,
+                    color=colors[name],
+                    lw=1.8 if main else 0.7,
+                    alpha=1.0 if main else 0.35,
+                    label=f"{name} lr={run['lr']:g}" + (" (chosen)" if main else ""),
+                )
         for name, entry in doc.get("claim", {}).get("vs", {}).items():
             if entry.get("available"):
                 ax.axhline(entry[key]["lora_final_smoothed"], color=colors[name], ls=":", lw=1)
@@ -149,16 +178,26 @@ def write_plots(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             continue
         run = m["sweep"][m["chosen"]["index"]]
         pts = [(0, base.get("test_slice_average"), base.get("heldout_accuracy"))] + [
-            (c["step"], c["test_slice_average"], c["heldout_accuracy"]) for c in run["checkpoints"]]
+            (c["step"], c["test_slice_average"], c["heldout_accuracy"]) for c in run["checkpoints"]
+        ]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[name], label=f"{name}: test slice")
-        ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=colors[name], alpha=0.6,
-                label=f"{name}: held-out train slice")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[2] for p in pts],
+            "x--",
+            color=colors[name],
+            alpha=0.6,
+            label=f"{name}: held-out train slice",
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("log-likelihood accuracy (mean over tasks)")
     per_task = doc["data"].get("curve_rows_per_task", {})
     rows = f"{min(per_task.values())}-{max(per_task.values())}" if per_task else "?"
-    ax.set_title(f"accuracy vs step, each method at its chosen LR\n(test slice: first {rows} rows of each of "
-                 f"{len(per_task)} tasks)", fontsize=10)
+    ax.set_title(
+        f"accuracy vs step, each method at its chosen LR\n(test slice: first {rows} rows of each of "
+        f"{len(per_task)} tasks)",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -192,12 +231,22 @@ def sweep_table(doc: dict[str, Any]) -> list[dict[str, Any]]:
     for name, m in doc.get("methods", {}).items():
         for i, run in enumerate(m["sweep"]):
             h = run.get("heldout") or {}
-            rows.append({"method": name, "lr": run["lr"], "lr_s": run.get("lr_s"), "completed": run["completed"],
-                         "chosen": m.get("chosen", {}).get("index") == i, "extension": run["lr"] in m.get("extended", []),
-                         "heldout_accuracy": h.get("accuracy"), "heldout_answer_loss": h.get("answer_loss"),
-                         "final_answer_loss": smooth(run["log"]["answer_loss"], window)[-1] if run["steps"] else None,
-                         "final_response_loss": smooth(run["log"]["response_loss"], window)[-1] if run["steps"] else None,
-                         "step_ms": run["step_ms"], "trainable_params": run["trainable_params"]})
+            rows.append(
+                {
+                    "method": name,
+                    "lr": run["lr"],
+                    "lr_s": run.get("lr_s"),
+                    "completed": run["completed"],
+                    "chosen": m.get("chosen", {}).get("index") == i,
+                    "extension": run["lr"] in m.get("extended", []),
+                    "heldout_accuracy": h.get("accuracy"),
+                    "heldout_answer_loss": h.get("answer_loss"),
+                    "final_answer_loss": smooth(run["log"]["answer_loss"], window)[-1] if run["steps"] else None,
+                    "final_response_loss": smooth(run["log"]["response_loss"], window)[-1] if run["steps"] else None,
+                    "step_ms": run["step_ms"],
+                    "trainable_params": run["trainable_params"],
+                }
+            )
     return rows
 
 
@@ -213,28 +262,49 @@ def markdown_tables(doc: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, m in methods.items():
         run = m["sweep"][m["chosen"]["index"]]
-        lr = f"{run['lr']:g}" + (f" (S {run['lr_s']:g})" if "lr_s" in run else "") + (" ⚠ end" if m["chosen"]["at_sweep_end"] else "")
-        cells = [name, lr, f"{run['trainable_params']:,}", f"{run['step_ms']:.1f}",
-                 f"{smooth(run['log']['answer_loss'], window)[-1]:.4f}", f"{100 * run['heldout']['accuracy']:.2f}"]
-        cells += [f"{100 * m['test'][p]['average']:.2f}" if p in m.get("test", {}) else "—"
-                  for p in doc["config"]["protocols"]]
+        lr = (
+            f"{run['lr']:g}"
+            + (f" (S {run['lr_s']:g})" if "lr_s" in run else "")
+            + (" ⚠ end" if m["chosen"]["at_sweep_end"] else "")
+        )
+        cells = [
+            name,
+            lr,
+            f"{run['trainable_params']:,}",
+            f"{run['step_ms']:.1f}",
+            f"{smooth(run['log']['answer_loss'], window)[-1]:.4f}",
+            f"{100 * run['heldout']['accuracy']:.2f}",
+        ]
+        cells += [
+            f"{100 * m['test'][p]['average']:.2f}" if p in m.get("test", {}) else "—"
+            for p in doc["config"]["protocols"]
+        ]
         for lora in loras:
             a = vs[lora]["answer_loss"]
-            cells.append(f"{a['frod_steps_to_lora_final']} / {doc['data']['steps']}" if name == "frod"
-                         and a["frod_steps_to_lora_final"] is not None else ("never" if name == "frod" else ""))
+            cells.append(
+                f"{a['frod_steps_to_lora_final']} / {doc['data']['steps']}"
+                if name == "frod" and a["frod_steps_to_lora_final"] is not None
+                else ("never" if name == "frod" else "")
+            )
         lines.append("| " + " | ".join(cells) + " |")
     out = "\n".join(lines) + "\n"
-    out += ("\nLR sweeps (held-out = train rows never trained on):\n\n| method | LR | held-out acc | held-out answer "
-            "loss | final answer-word loss | ms/step |\n|---|---|---|---|---|---|\n")
+    out += (
+        "\nLR sweeps (held-out = train rows never trained on):\n\n| method | LR | held-out acc | held-out answer "
+        "loss | final answer-word loss | ms/step |\n|---|---|---|---|---|---|\n"
+    )
     for r in sweep_table(doc):
         fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
         acc = None if r["heldout_accuracy"] is None else 100 * r["heldout_accuracy"]
         mark = (" (past the grid)" if r.get("extension") else "") + (" (chosen)" if r["chosen"] else "")
-        out += (f"| {r['method']} | {r['lr']:g}{mark} | {fmt(acc, '.2f')} | "
-                f"{fmt(r['heldout_answer_loss'], '.4f')} | {fmt(r['final_answer_loss'], '.4f')} | {r['step_ms']:.1f} |\n")
+        out += (
+            f"| {r['method']} | {r['lr']:g}{mark} | {fmt(acc, '.2f')} | "
+            f"{fmt(r['heldout_answer_loss'], '.4f')} | {fmt(r['final_answer_loss'], '.4f')} | {r['step_ms']:.1f} |\n"
+        )
     for p in doc["config"]["protocols"]:
-        rows = {**({"base": doc["base"]["test"]} if "base" in doc else {}),
-                **{k: v["test"] for k, v in methods.items() if "test" in v}}
+        rows = {
+            **({"base": doc["base"]["test"]} if "base" in doc else {}),
+            **{k: v["test"] for k, v in methods.items() if "test" in v},
+        }
         rows = {k: v[p] for k, v in rows.items() if p in v}
         if not rows:
             continue
@@ -242,7 +312,9 @@ def markdown_tables(doc: dict[str, Any]) -> str:
         out += f"\nTest accuracy (%), {p}:\n\n| method | " + " | ".join(tasks) + " | average |\n"
         out += "|" + "---|" * (len(tasks) + 2) + "\n"
         for k, s in rows.items():
-            cells = [f"{100 * s['tasks'][t]['accuracy']:.2f} (n={s['tasks'][t]['n']})" if t in s["tasks"] else "—"
-                     for t in tasks]
+            cells = [
+                f"{100 * s['tasks'][t]['accuracy']:.2f} (n={s['tasks'][t]['n']})" if t in s["tasks"] else "—"
+                for t in tasks
+            ]
             out += f"| {k} | " + " | ".join(cells) + f" | {100 * s['average']:.2f} |\n"
     return out

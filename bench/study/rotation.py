@@ -28,8 +28,11 @@ def _strip(path: str) -> str:
 
 def initial_sigmas(template: nn.Module) -> dict[str, torch.Tensor]:
     """``{module path: σ⁰ (n,)}`` of a FRoD model at initialisation (CPU copies)."""
-    return {_strip(n): m.frod_sigma.detach().to("cpu", copy=True) for n, m in template.named_modules()
-            if isinstance(m, FRoDLinear)}
+    return {
+        _strip(n): m.frod_sigma.detach().to("cpu", copy=True)
+        for n, m in template.named_modules()
+        if isinstance(m, FRoDLinear)
+    }
 
 
 @torch.no_grad()
@@ -40,8 +43,9 @@ def _peft_norms_sq(layer: nn.Module, sigma0: torch.Tensor) -> tuple[float, float
     lam = layer.frod_lambda_l["default"].float()  # (n,)
     idx = layer.frod_s_indices["default"].long()  # (2, nnz)
     n = V.shape[0]
-    S = torch.zeros(n, n, device=U.device).index_put_((idx[0], idx[1]), layer.frod_lambda_s_values["default"].float(),
-                                                      accumulate=True)  # (n, n)
+    S = torch.zeros(n, n, device=U.device).index_put_(
+        (idx[0], idx[1]), layer.frod_lambda_s_values["default"].float(), accumulate=True
+    )  # (n, n)
     on = torch.linalg.matrix_norm((U * (lam - sigma0.to(U.device))) @ V.T) ** 2
     off = torch.linalg.matrix_norm((U @ S) @ V.T) ** 2
     return float(on), float(off)

@@ -40,10 +40,10 @@ from bench.study.parallel import LocalExecutor, WorkerPool
 from bench.study.records import Invocation, RunRecord, StudyDir, study_identity
 from bench.study.report import RESULTS_NAME, claim, markdown_tables, smooth_window, sweep_table, write_plots
 from bench.study.schedule import Schedule
+from frod_ds.formats.records import record_to_dict
 from frod_ds.prep.io import check_row
 from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.train.data import BatchPlan
-from frod_ds.formats.records import record_to_dict
 
 __all__ = ["run_study"]
 
@@ -73,8 +73,9 @@ def _git_commit() -> str | None:
     try:
         root = Path(__file__).resolve().parents[2]
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
-                               timeout=10)
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=10
+        )
         return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if sha.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -93,9 +94,13 @@ class Study:
         self.device = torch.device(want)
         self.workers = cfg.workers or (3 if self.device.type == "cuda" else 1)
         self.invocation = Invocation(
-            command=" ".join([Path(sys.executable).name, *argv]), device=device_name(),
-            date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            versions={**versions(), "git": _git_commit()}, workers=self.workers, max_minutes=cfg.max_minutes)
+            command=" ".join([Path(sys.executable).name, *argv]),
+            device=device_name(),
+            date=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            versions={**versions(), "git": _git_commit()},
+            workers=self.workers,
+            max_minutes=cfg.max_minutes,
+        )
         self.warned: set[str] = set()
         self.executor: LocalExecutor | WorkerPool | None = None
         self.busy = 0  # jobs handed out and not yet reported
@@ -106,13 +111,16 @@ class Study:
     def setup(self) -> None:
         cfg, dev = self.cfg, self.device
         torch.manual_seed(cfg.seed)  # TF32 stays off: fp32 matmuls (HJD, merges, the init check) stay exact
-        train_rows, held_rows = split_rows(cfg.train_path, cfg.heldout, cfg.seed, cfg.train_limit,
-                                          Path(cfg.heldout_file) if cfg.heldout_file else None)
+        train_rows, held_rows = split_rows(
+            cfg.train_path, cfg.heldout, cfg.seed, cfg.train_limit, Path(cfg.heldout_file) if cfg.heldout_file else None
+        )
         for row in held_rows:
             problem = check_row(row)
             if problem:
-                raise StudyError(f"held-out row {row.get('id')!r} of {cfg.train_path}: {problem}; training rows "
-                                 "need choices and label (the output of `python -m data_prep build`)")
+                raise StudyError(
+                    f"held-out row {row.get('id')!r} of {cfg.train_path}: {problem}; training rows "
+                    "need choices and label (the output of `python -m data_prep build`)"
+                )
         held_by_task: dict[str, list[dict]] = {}
         for row in held_rows:
             held_by_task.setdefault(row["task"], []).append(row)
@@ -134,24 +142,39 @@ class Study:
         batches = make_batches(train_ex, plan, steps, tok.pad_token_id, cfg.train_on_inputs)
         # Held-out losses are token sums: batches of similar lengths (less padding) change nothing but the order.
         by_length = sorted(range(len(held_ex)), key=lambda i: (len(held_ex[i].input_ids), i))
-        held_batches = make_batches([held_ex[i] for i in by_length], None, 0, tok.pad_token_id, cfg.train_on_inputs,
-                                    batch_size=cfg.eval_batch)
+        held_batches = make_batches(
+            [held_ex[i] for i in by_length], None, 0, tok.pad_token_id, cfg.train_on_inputs, batch_size=cfg.eval_batch
+        )
         checkpoints = sorted({max(1, round(steps * (i + 1) / cfg.checkpoints)) for i in range(cfg.checkpoints)})
-        self.ctx = ctx = RunContext(cfg=cfg, device=dev, tok=tok, base=base, batches=[b.to(dev) for b in batches],
-                                    held_batches=[b.to(dev) for b in held_batches], held_by_task=held_by_task,
-                                    curve={t: rows[: cfg.curve_limit] for t, rows in test.items()}, test=test,
-                                    steps=steps, checkpoint_steps=checkpoints, log=self.log)
+        self.ctx = ctx = RunContext(
+            cfg=cfg,
+            device=dev,
+            tok=tok,
+            base=base,
+            batches=[b.to(dev) for b in batches],
+            held_batches=[b.to(dev) for b in held_batches],
+            held_by_task=held_by_task,
+            curve={t: rows[: cfg.curve_limit] for t, rows in test.items()},
+            test=test,
+            steps=steps,
+            checkpoint_steps=checkpoints,
+            log=self.log,
+        )
         order = hashlib.sha256()
         for b in batches:
             order.update(b.digest.encode())
         self.data_order, self.total_tokens = order.hexdigest(), sum(b.n_tokens for b in batches)
         seen = [i for b in batches for i in b.indices]
         self.data = {
-            "train_file": str(cfg.train_path), "eval_dir": str(cfg.eval_path),
-            "train_rows": len(train_rows), "heldout_rows": len(held_rows),
+            "train_file": str(cfg.train_path),
+            "eval_dir": str(cfg.eval_path),
+            "train_rows": len(train_rows),
+            "heldout_rows": len(held_rows),
             "heldout_ids": [r.get("id") for r in held_rows],
             "heldout_rows_per_task": {t: len(r) for t, r in held_by_task.items()},
-            "steps": steps, "batch_size": cfg.batch_size, "epochs_seen": len(seen) / len(train_ex),
+            "steps": steps,
+            "batch_size": cfg.batch_size,
+            "epochs_seen": len(seen) / len(train_ex),
             "distinct_rows_seen": len(set(seen)),
             "train_tokens": self.total_tokens,
             "scored_tokens": sum(b.n_scored for b in batches),
@@ -173,8 +196,10 @@ class Study:
             for record in where.runs():
                 seen = (record.steps, record.data_order_sha256, record.tokens)
                 if seen != (steps, self.data_order, self.total_tokens):
-                    raise StudyError(f"run {record.method} lr={record.lr:g} in {where.path} saw other batches than "
-                                     "this command builds (the batching code changed?); choose a new --out")
+                    raise StudyError(
+                        f"run {record.method} lr={record.lr:g} in {where.path} saw other batches than "
+                        "this command builds (the batching code changed?); choose a new --out"
+                    )
         # Nothing is written before every input and every record has been read and checked.
         self.out.mkdir(parents=True, exist_ok=True)
         if not self.dir.exists():
@@ -184,8 +209,15 @@ class Study:
             self.log(f"resume: copied {len(copied)} record(s) from {src.path}")
         self.identity = identity
         self.log.attach(self.out)
-        self.plan = Schedule(cfg, {(r.method, r.lr): r for r in self.dir.runs()}, self.deadline, self.train_deadline,
-                             None, self.log, self.warn_once)
+        self.plan = Schedule(
+            cfg,
+            {(r.method, r.lr): r for r in self.dir.runs()},
+            self.deadline,
+            self.train_deadline,
+            None,
+            self.log,
+            self.warn_once,
+        )
         self.runs = self.plan.runs  # every finished run, by (method, lr)
         self.base = self.dir.base()
         self.history = self.dir.invocations()
@@ -193,17 +225,20 @@ class Study:
         self.index = len(self.history.invocations) - 1
         self.dir.write_invocations(self.history)
         d = self.data
-        self.log(f"data: {d['train_rows']} train rows ({steps} steps of {cfg.batch_size}), "
-                 f"{d['heldout_rows']} held out, test {d['test_rows_per_task']}, "
-                 f"{d['train_tokens']} tokens/run ({d['answer_word_tokens']} answer-word); {self.workers} worker(s); "
-                 f"{len(self.runs)} finished run(s) in {self.out}")
+        self.log(
+            f"data: {d['train_rows']} train rows ({steps} steps of {cfg.batch_size}), "
+            f"{d['heldout_rows']} held out, test {d['test_rows_per_task']}, "
+            f"{d['train_tokens']} tokens/run ({d['answer_word_tokens']} answer-word); {self.workers} worker(s); "
+            f"{len(self.runs)} finished run(s) in {self.out}"
+        )
         self.save()
 
     # -- 2. base model ---------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
         return bool(self.plan.wanted_training()) or any(
-            (b := self.plan.best(m)) is not None and b.test is None for m in self.plan.methods())
+            (b := self.plan.best(m)) is not None and b.test is None for m in self.plan.methods()
+        )
 
     def start_workers(self) -> None:
         """Spawn the workers and hand them their first jobs, so they start up and train while the main process
@@ -242,8 +277,10 @@ class Study:
         diff = (template(**kw).logits - self.ctx.base(**kw).logits).abs().max().item()
         self.base.frod_init = {"max_logit_diff_fp32": diff, "hjd_seconds": self.ctx.factory.hjd_seconds}
         self.dir.write_base(self.base)
-        self.log(f"frod: HJD + apply_frod in {self.ctx.factory.hjd_seconds:.1f} s; init max |logit - base| = "
-                 f"{diff:.2e} (fp32)")
+        self.log(
+            f"frod: HJD + apply_frod in {self.ctx.factory.hjd_seconds:.1f} s; init max |logit - base| = "
+            f"{diff:.2e} (fp32)"
+        )
 
     # -- 3. jobs ---------------------------------------------------------------------------------------------
 
@@ -255,7 +292,11 @@ class Study:
 
     def fill(self) -> None:
         """Hand out jobs until every executor slot is busy or nothing more can start now."""
-        while self.executor is not None and self.busy < self.executor.capacity and (job := self.plan.next_job(time.time())) is not None:
+        while (
+            self.executor is not None
+            and self.busy < self.executor.capacity
+            and (job := self.plan.next_job(time.time())) is not None
+        ):
             self.executor.submit(job)
             self.busy += 1
 
@@ -277,16 +318,20 @@ class Study:
         for m in self.cfg.methods:
             left = [k for k in self.plan.wanted_training() if k[0] == m]
             if left:
-                self.warn_once(f"LEFT FOR A LATER COMMAND: {m} lr={', '.join(f'{lr:g}' for _, lr in left)} "
-                               f"(--max-minutes {self.cfg.max_minutes}); run the same command again, it resumes")
+                self.warn_once(
+                    f"LEFT FOR A LATER COMMAND: {m} lr={', '.join(f'{lr:g}' for _, lr in left)} "
+                    f"(--max-minutes {self.cfg.max_minutes}); run the same command again, it resumes"
+                )
 
     def handle(self, msg: tuple) -> None:
         if msg[0] == "trained":
             _, m, lr, entry, state_path = msg
             self.plan.in_flight.pop((m, lr))
             if not entry.pop("completed"):
-                self.warn_once(f"RUN STOPPED BY THE TIME BUDGET: {m} lr={lr:g} after {entry['steps']}/"
-                               f"{self.ctx.steps} steps; not recorded, a later command trains it")
+                self.warn_once(
+                    f"RUN STOPPED BY THE TIME BUDGET: {m} lr={lr:g} after {entry['steps']}/"
+                    f"{self.ctx.steps} steps; not recorded, a later command trains it"
+                )
                 return
             record = RunRecord(method=m, workers=self.workers, invocation=self.index, **entry)
             self.runs[(m, lr)] = record
@@ -294,9 +339,11 @@ class Study:
             self.plan.states[(m, lr)] = Path(state_path)
             self.prune_states(m)
             tail = record.log["answer_loss"][-20:]
-            self.log(f"{m} lr={lr:g}: {record.steps}/{self.ctx.steps} steps, {record.step_ms:.1f} ms/step, final "
-                     f"answer-word loss {sum(tail) / max(1, len(tail)):.4f}, held-out acc "
-                     f"{record.heldout['accuracy']:.4f} ({record.wall_seconds:.1f} s)")
+            self.log(
+                f"{m} lr={lr:g}: {record.steps}/{self.ctx.steps} steps, {record.step_ms:.1f} ms/step, final "
+                f"answer-word loss {sum(tail) / max(1, len(tail)):.4f}, held-out acc "
+                f"{record.heldout['accuracy']:.4f} ({record.wall_seconds:.1f} s)"
+            )
         else:
             _, m, lr, test, seconds = msg
             self.plan.in_flight.pop((m, lr))
@@ -319,8 +366,14 @@ class Study:
     def method_doc(self, m: str) -> dict[str, Any]:
         spec = method_spec(m)
         sweep, grid = self.plan.sweep(m), self.plan.grid(m)
-        doc: dict[str, Any] = {"kind": spec.kind, "rank": spec.rank, "lrs": sweep, "grid": grid,
-                               "extended": [lr for lr in sweep if lr not in grid], "sweep": []}
+        doc: dict[str, Any] = {
+            "kind": spec.kind,
+            "rank": spec.rank,
+            "lrs": sweep,
+            "grid": grid,
+            "extended": [lr for lr in sweep if lr not in grid],
+            "sweep": [],
+        }
         if spec.kind == "lora":
             doc["lora_alpha"] = self.cfg.lora_alpha_ratio * spec.rank
         for lr in self.plan.recorded(m):
@@ -332,9 +385,14 @@ class Study:
         best = self.plan.best(m)
         if best is not None:
             at_end = len(sweep) > 1 and best.lr in (sweep[0], sweep[-1])
-            doc["chosen"] = {"index": self.plan.recorded(m).index(best.lr), "lr": best.lr,
-                             "selected_by": f"held-out {self.cfg.select_by}", "at_sweep_end": at_end,
-                             "sweep_complete": self.plan.grid_complete(m), "final": self.plan.settled(m)}
+            doc["chosen"] = {
+                "index": self.plan.recorded(m).index(best.lr),
+                "lr": best.lr,
+                "selected_by": f"held-out {self.cfg.select_by}",
+                "at_sweep_end": at_end,
+                "sweep_complete": self.plan.grid_complete(m),
+                "final": self.plan.settled(m),
+            }
             if best.test is not None:
                 doc["test"] = best.test
         return doc
@@ -346,15 +404,22 @@ class Study:
                 continue
             done = sum((m, lr) in self.runs for lr in d["grid"])
             if done < len(d["grid"]):
-                out.append(f"SWEEP INCOMPLETE: {m} has {done} of {len(d['grid'])} LRs; run the same command again "
-                           "(it resumes in --out, or from --resume-from)")
+                out.append(
+                    f"SWEEP INCOMPLETE: {m} has {done} of {len(d['grid'])} LRs; run the same command again "
+                    "(it resumes in --out, or from --resume-from)"
+                )
             c = d.get("chosen")
             if c and c["at_sweep_end"] and c["sweep_complete"]:
                 side = "lowest" if c["lr"] == d["lrs"][0] else "highest"
-                out.append(f"LR AT SWEEP END: {m} chose lr={c['lr']:g}, the {side} of its sweep {d['lrs']}"
-                           + (f" after {len(d['extended'])} extension(s)" if d["extended"] else "")
-                           + ("; run again to extend it" if not c["final"] else
-                              f"; raise --extend (now {self.cfg.extend}) or widen with --lrs {m}=..."))
+                out.append(
+                    f"LR AT SWEEP END: {m} chose lr={c['lr']:g}, the {side} of its sweep {d['lrs']}"
+                    + (f" after {len(d['extended'])} extension(s)" if d["extended"] else "")
+                    + (
+                        "; run again to extend it"
+                        if not c["final"]
+                        else f"; raise --extend (now {self.cfg.extend}) or widen with --lrs {m}=..."
+                    )
+                )
             if c and "test" not in d:
                 out.append(f"NO TEST RESULTS: {m} lr={c['lr']:g}; run the same command again")
         return out + list(self.invocation.warnings)
@@ -364,13 +429,19 @@ class Study:
         methods = {m: self.method_doc(m) for m in self.plan.methods()}
         inv = self.invocation
         doc: dict[str, Any] = {
-            "benchmark": "real_study", "command": inv.command, "device": inv.device, "date": inv.date,
+            "benchmark": "real_study",
+            "command": inv.command,
+            "device": inv.device,
+            "date": inv.date,
             "versions": inv.versions,
             "invocations": [record_to_dict(i) for i in self.history.invocations],
             "identity": record_to_dict(self.identity),
-            "config": {**cfg.to_dict(), "workers_used": self.workers}, "data": self.data,
-            "timing_note": ("step_ms: training time per step, checkpoint evaluations excluded, with `workers` run(s) "
-                            "sharing the device (a speed comparison only when 1); wall_seconds: the whole run"),
+            "config": {**cfg.to_dict(), "workers_used": self.workers},
+            "data": self.data,
+            "timing_note": (
+                "step_ms: training time per step, checkpoint evaluations excluded, with `workers` run(s) "
+                "sharing the device (a speed comparison only when 1); wall_seconds: the whole run"
+            ),
             "methods": methods,
         }
         if self.base.step0 is not None:
@@ -380,8 +451,9 @@ class Study:
         if self.base.frod_init is not None:
             doc["frod_init"] = self.base.frod_init
         doc["warnings"] = self.warnings(methods)
-        doc["complete"] = (all("test" in methods[m] and methods[m]["chosen"]["final"] for m in cfg.methods)
-                           and (not cfg.base_eval or "base" in doc))
+        doc["complete"] = all("test" in methods[m] and methods[m]["chosen"]["final"] for m in cfg.methods) and (
+            not cfg.base_eval or "base" in doc
+        )
         return doc
 
     def save(self, doc: dict[str, Any] | None = None) -> Path:
@@ -400,9 +472,11 @@ class Study:
             for name, entry in doc["claim"]["vs"].items():
                 if entry.get("available"):
                     a = entry["answer_loss"]
-                    self.log(f"claim vs {name}: FRoD reaches LoRA's final answer-word loss at step "
-                             f"{a['frod_steps_to_lora_final']} of {steps} (ratio {a['ratio']}); "
-                             f"loss claim {entry['loss_claim_holds']}, accuracy claim {entry['accuracy_claim_holds']}")
+                    self.log(
+                        f"claim vs {name}: FRoD reaches LoRA's final answer-word loss at step "
+                        f"{a['frod_steps_to_lora_final']} of {steps} (ratio {a['ratio']}); "
+                        f"loss claim {entry['loss_claim_holds']}, accuracy claim {entry['accuracy_claim_holds']}"
+                    )
         sha = {r.data_order_sha256 for r in self.runs.values()}
         tokens = {r.tokens for r in self.runs.values()}
         doc["same_data_all_runs"] = len(sha) <= 1 and len(tokens) <= 1
@@ -421,8 +495,9 @@ class Study:
             doc["warnings"].append(f"table/plots failed: {type(e).__name__}: {e}; rerun with --replot")
             self.log(f"WARNING: {doc['warnings'][-1]}")
         path = self.save(doc)
-        self.log(f"done in {doc['wall_seconds']:.1f} s; {len(self.runs)} run(s) recorded; complete={doc['complete']}; "
-                 f"{path}")
+        self.log(
+            f"done in {doc['wall_seconds']:.1f} s; {len(self.runs)} run(s) recorded; complete={doc['complete']}; {path}"
+        )
 
     def close(self) -> None:
         if self.executor is not None:

@@ -46,8 +46,16 @@ def next_lr(end: float, inner: float) -> float:
 class Schedule:
     """The runs recorded so far (``runs``), the weights at hand (``states``), the jobs out (``in_flight``)."""
 
-    def __init__(self, cfg: StudyConfig, runs: dict[Key, RunRecord], deadline: float, train_deadline: float,
-                 tmp: Path | None, log: Callable[[str], None], warn: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg: StudyConfig,
+        runs: dict[Key, RunRecord],
+        deadline: float,
+        train_deadline: float,
+        tmp: Path | None,
+        log: Callable[[str], None],
+        warn: Callable[[str], None],
+    ):
         self.cfg, self.runs, self.deadline, self.train_deadline = cfg, runs, deadline, train_deadline
         self.tmp, self.log, self.warn = tmp, log, warn
         self.states: dict[Key, Path] = {}  # trained weights of runs of this command (only each method's best kept)
@@ -138,8 +146,10 @@ class Schedule:
             if self.training(m) or any(k[0] == m and self.startable(k, now) for k in wanted):
                 continue  # a run of this method is still to come in this command: it may become the best
             if now + self.predicted_eval() > self.deadline:
-                self.warn(f"TEST EVAL DID NOT FIT: {m} lr={best.lr:g} (--max-minutes {self.cfg.max_minutes}); "
-                               "the next command trains it again and scores it")
+                self.warn(
+                    f"TEST EVAL DID NOT FIT: {m} lr={best.lr:g} (--max-minutes {self.cfg.max_minutes}); "
+                    "the next command trains it again and scores it"
+                )
                 continue
             self.in_flight[key] = "eval"
             self.log(f"{m} lr={best.lr:g}: test evaluation ({'chosen' if self.settled(m) else 'best so far'})")
@@ -152,4 +162,3 @@ class Schedule:
                 path = self.tmp / f"state_{key[0]}_{key[1]!r}.pt"
                 return ("train", key[0], key[1], stop, str(path))
         return None
-

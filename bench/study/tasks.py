@@ -25,22 +25,64 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ArithSpec", "FactsSpec", "TaskSpec", "parse_task", "arith_rows", "facts_rows", "task_rows",
-           "write_task", "ARITH_OPS", "RELATIONS"]
+__all__ = [
+    "ArithSpec",
+    "FactsSpec",
+    "TaskSpec",
+    "parse_task",
+    "arith_rows",
+    "facts_rows",
+    "task_rows",
+    "write_task",
+    "ARITH_OPS",
+    "RELATIONS",
+]
 
 ARITH_OPS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}  # both commute: a pair is the same in either order
 
-SYLLABLES = ("ka", "lo", "mi", "ren", "tor", "va", "sel", "dun", "pri", "mo", "zan", "fel", "qui", "bra", "nor",
-             "ti", "gal", "ve", "sh", "rud", "ol", "ex", "yn", "cas")
+SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tor",
+    "va",
+    "sel",
+    "dun",
+    "pri",
+    "mo",
+    "zan",
+    "fel",
+    "qui",
+    "bra",
+    "nor",
+    "ti",
+    "gal",
+    "ve",
+    "sh",
+    "rud",
+    "ol",
+    "ex",
+    "yn",
+    "cas",
+)
 # relation → (sentence template, question template, values); the value ends the sentence and answers the question
 RELATIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "colour": ("The favourite colour of {e} is", "What is the favourite colour of {e}?",
-               ("red", "blue", "green", "teal", "amber", "violet", "grey", "olive", "coral", "navy", "ivory", "plum")),
-    "city": ("{e} was born in the city of", "In which city was {e} born?",
-             ("Lima", "Oslo", "Perth", "Quito", "Turin", "Hanoi", "Dakar", "Porto", "Bergen", "Tunis", "Minsk", "Kyoto")),
-    "instrument": ("The instrument {e} plays is the", "Which instrument does {e} play?",
-                   ("harp", "oboe", "cello", "flute", "drum", "lute", "viola", "tuba", "sitar", "banjo", "organ",
-                    "horn")),
+    "colour": (
+        "The favourite colour of {e} is",
+        "What is the favourite colour of {e}?",
+        ("red", "blue", "green", "teal", "amber", "violet", "grey", "olive", "coral", "navy", "ivory", "plum"),
+    ),
+    "city": (
+        "{e} was born in the city of",
+        "In which city was {e} born?",
+        ("Lima", "Oslo", "Perth", "Quito", "Turin", "Hanoi", "Dakar", "Porto", "Bergen", "Tunis", "Minsk", "Kyoto"),
+    ),
+    "instrument": (
+        "The instrument {e} plays is the",
+        "Which instrument does {e} play?",
+        ("harp", "oboe", "cello", "flute", "drum", "lute", "viola", "tuba", "sitar", "banjo", "organ", "horn"),
+    ),
 }
 
 
@@ -92,8 +134,15 @@ def _row(task: str, idx: int, prompt: str, sep: str, answer: str, wrong: list[st
     label = rng.randrange(len(choices) + 1)
     choices.insert(label, answer)
     assert len(set(choices)) == len(choices), choices
-    return {"task": task, "id": f"{task}-{idx}", "prompt": prompt, "separator": sep, "answer": answer,
-            "choices": choices, "label": label}
+    return {
+        "task": task,
+        "id": f"{task}-{idx}",
+        "prompt": prompt,
+        "separator": sep,
+        "answer": answer,
+        "choices": choices,
+        "label": label,
+    }
 
 
 def _near_misses(value: int, rng: random.Random, k: int = 3) -> list[str]:
@@ -117,8 +166,10 @@ def _arith_pairs(rng: random.Random, n: int, lengths: tuple[int, int], taken: se
     out = []
     space = sum(10**d for d in range(lengths[0], lengths[1] + 1)) ** 2 * len(ARITH_OPS) // 2
     if n + len(taken) > space // 2:  # keep rejection sampling quick and the sets far from exhausting the space
-        raise TaskError(f"{n} arithmetic rows with {lengths[0]}-{lengths[1]}-digit operands is too many for their "
-                        f"{space} distinct problems; lower the row counts or widen the digits")
+        raise TaskError(
+            f"{n} arithmetic rows with {lengths[0]}-{lengths[1]}-digit operands is too many for their "
+            f"{space} distinct problems; lower the row counts or widen the digits"
+        )
     while len(out) < n:
         op, a, b = rng.choice(sorted(ARITH_OPS)), _operand(rng, lengths), _operand(rng, lengths)
         key = (op, min(a, b), max(a, b))
@@ -131,16 +182,27 @@ def _arith_pairs(rng: random.Random, n: int, lengths: tuple[int, int], taken: se
 def arith_rows(spec: ArithSpec) -> dict[str, list[dict]]:
     """``{"train", "heldout", "arith_unseen", "arith_longer"}`` → rows; answers by Python's integers."""
     rng, taken = random.Random(f"arith:{spec.seed}"), set()
-    parts = {"train": _arith_pairs(rng, spec.train, spec.digits, taken),
-             "heldout": _arith_pairs(rng, spec.heldout, spec.digits, taken),
-             "arith_unseen": _arith_pairs(rng, spec.test, spec.digits, taken),
-             "arith_longer": _arith_pairs(rng, spec.test, spec.long_digits, taken)}
+    parts = {
+        "train": _arith_pairs(rng, spec.train, spec.digits, taken),
+        "heldout": _arith_pairs(rng, spec.heldout, spec.digits, taken),
+        "arith_unseen": _arith_pairs(rng, spec.test, spec.digits, taken),
+        "arith_longer": _arith_pairs(rng, spec.test, spec.long_digits, taken),
+    }
     out = {}
     for part, problems in parts.items():
         task = "arith" if part in ("train", "heldout") else part
-        out[part] = [_row(task, i if part != "heldout" else spec.train + i, f"{a} {op} {b}", " = ",
-                          str(ARITH_OPS[op](a, b)), _near_misses(ARITH_OPS[op](a, b), rng), rng)
-                     for i, (op, a, b) in enumerate(problems)]
+        out[part] = [
+            _row(
+                task,
+                i if part != "heldout" else spec.train + i,
+                f"{a} {op} {b}",
+                " = ",
+                str(ARITH_OPS[op](a, b)),
+                _near_misses(ARITH_OPS[op](a, b), rng),
+                rng,
+            )
+            for i, (op, a, b) in enumerate(problems)
+        ]
     return out
 
 
@@ -182,7 +244,7 @@ def facts_rows(spec: FactsSpec) -> dict[str, list[dict]]:
     rng.shuffle(unasked)
     n_held = min(spec.heldout, len(unasked) // 2)
     held = [question(10**7 + i, e, r, task) for i, (e, r) in enumerate(unasked[:n_held])]
-    qa = [question(i, e, r, f"{task}_qa") for i, (e, r) in enumerate(unasked[n_held:n_held + spec.test])]
+    qa = [question(i, e, r, f"{task}_qa") for i, (e, r) in enumerate(unasked[n_held : n_held + spec.test])]
     stored = rng.sample(keys, min(spec.test, len(keys)))
     recall = [sentence(i, e, r, f"{task}_recall") for i, (e, r) in enumerate(stored)]
     return {"train": train, "heldout": held, "recall": recall, "qa": qa}

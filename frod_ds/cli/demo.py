@@ -54,8 +54,22 @@ def prepare(out: Path, log: Path) -> None:
     from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
 
     write_synthetic_tasks(out / "raw", n_train=600, n_eval=200, seed=0)
-    _run([sys.executable, *FROD, "data", "build", "--source", str(out / "raw"), "--tasks", TASKS,
-          "--out", str(out / "data")], "frod data build (paper templates)", log)
+    _run(
+        [
+            sys.executable,
+            *FROD,
+            "data",
+            "build",
+            "--source",
+            str(out / "raw"),
+            "--tasks",
+            TASKS,
+            "--out",
+            str(out / "data"),
+        ],
+        "frod data build (paper templates)",
+        log,
+    )
     texts = []
     for path in [out / "data" / "train.jsonl", *sorted((out / "data" / "eval").glob("*.jsonl"))]:
         for line in path.read_text().splitlines():
@@ -71,7 +85,9 @@ def prepare(out: Path, log: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog="frod demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="frod demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="runs/demo", help="output directory (replaced only if an earlier demo wrote it)")
     ap.add_argument("--ranks", type=int, default=2, help="processes for HJD, training and eval")
     ap.add_argument("--recipe", default="recipes/demo_tiny.yaml", help="training recipe")
@@ -113,25 +129,76 @@ def demo(args: argparse.Namespace) -> int:
     t0 = time.time()
 
     prepare(out, log)
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-          *FROD, "hjd", "--model", str(out / "model"), "--out", str(out / "factors")],
-         "HJD (tall-skinny QR across ranks) → factor store", log)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            *FROD,
+            "hjd",
+            "--model",
+            str(out / "model"),
+            "--out",
+            str(out / "factors"),
+        ],
+        "HJD (tall-skinny QR across ranks) → factor store",
+        log,
+    )
     ds_config = str(shipped_file("ds_configs", "zero3.json" if gpu else "zero3_cpu_fp32.json"))
     dtype = "bfloat16" if gpu else "float32"
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    _run([launcher, "--num_nodes", "1", "--num_gpus", str(ranks), "--master_port", str(_free_port()),
-          "--module", "frod_ds.cli", "train", "--config", ds_config, "--recipe",
-          str(recipe),
-          f"model.base={out / 'model'}", f"model.factor_store={out / 'factors'}", f"model.dtype={dtype}",
-          f"data.train={out / 'data' / 'train.jsonl'}", f"output_dir={out}"],
-         "ZeRO-3 training of the FRoD adapters (deepspeed launcher)", log)
+    _run(
+        [
+            launcher,
+            "--num_nodes",
+            "1",
+            "--num_gpus",
+            str(ranks),
+            "--master_port",
+            str(_free_port()),
+            "--module",
+            "frod_ds.cli",
+            "train",
+            "--config",
+            ds_config,
+            "--recipe",
+            str(recipe),
+            f"model.base={out / 'model'}",
+            f"model.factor_store={out / 'factors'}",
+            f"model.dtype={dtype}",
+            f"data.train={out / 'data' / 'train.jsonl'}",
+            f"output_dir={out}",
+        ],
+        "ZeRO-3 training of the FRoD adapters (deepspeed launcher)",
+        log,
+    )
     evals = {}
-    for name, model_args in (("eval_base", ["--model", str(out / "model")]),
-                             ("eval", ["--checkpoint", str(out / "adapter-final")])):
-        _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-              *FROD, "eval", *model_args, "--data", str(out / "data"), "--tasks", TASKS,
-              "--output", str(out / name)], f"eval ({'untrained base' if name == 'eval_base' else 'FRoD adapter'})",
-             log)
+    for name, model_args in (
+        ("eval_base", ["--model", str(out / "model")]),
+        ("eval", ["--checkpoint", str(out / "adapter-final")]),
+    ):
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+                *FROD,
+                "eval",
+                *model_args,
+                "--data",
+                str(out / "data"),
+                "--tasks",
+                TASKS,
+                "--output",
+                str(out / name),
+            ],
+            f"eval ({'untrained base' if name == 'eval_base' else 'FRoD adapter'})",
+            log,
+        )
         evals[name] = json.loads((out / name / "results.json").read_text())
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -142,8 +209,10 @@ def demo(args: argparse.Namespace) -> int:
         base = evals["eval_base"]["tasks"][task]["accuracy"]
         tuned = evals["eval"]["tasks"][task]["accuracy"]
         print(f"{task:>8}: held-out accuracy {tuned:.3f} (base model {base:.3f}, chance 0.500)")
-    print(f"outputs: {out / 'metrics.jsonl'}, {out / 'adapter-final'}, {out / 'eval' / 'results.json'}, "
-          f"{out / 'loss.png'}")
+    print(
+        f"outputs: {out / 'metrics.jsonl'}, {out / 'adapter-final'}, {out / 'eval' / 'results.json'}, "
+        f"{out / 'loss.png'}"
+    )
     return 0
 
 

@@ -8,11 +8,14 @@
     # a plain HF model dir or Hub id: a merged export, or the untouched base model as a baseline
     python launch/eval.py --model meta-llama/Llama-2-7b-hf --data data/cs170k --tasks boolq,piqa --output out/base/eval
     # log-likelihood and LLM-Adapters' protocol (the published PEFT numbers' scoring) in one run, one table
-    python launch/eval.py --checkpoint out/run1/adapter-final --data data/la --mode loglik,llm-adapters --output out/run1/eval
+    python launch/eval.py --checkpoint out/run1/adapter-final --data data/la --mode loglik,llm-adapters \\
+        --output out/run1/eval
     # greedy generation instead of log-likelihood; a quick look at 50 rows per task
-    python launch/eval.py --model out/run1/merged --data data/cs170k --mode generate --limit 50 --output out/run1/eval-gen
+    python launch/eval.py --model out/run1/merged --data data/cs170k --mode generate --limit 50 \\
+        --output out/run1/eval-gen
     # data-parallel: each rank scores whole batches, rank 0 gathers and writes (same numbers for any rank count)
-    torchrun --nproc_per_node 8 launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k --output out/run1/eval
+    torchrun --nproc_per_node 8 launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k \\
+        --output out/run1/eval
     deepspeed --num_gpus 8 launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k --output out/run1/eval
 
 Reads ``<data>/eval/<task>.jsonl`` (data_prep's output). Writes to ``--output``: ``results.json``,
@@ -27,9 +30,13 @@ from __future__ import annotations
 import argparse
 
 
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="frod eval", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="frod eval",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     model = p.add_argument_group("model (exactly one of --checkpoint, --model)")
     model.add_argument("--checkpoint", help="FRoD adapter checkpoint dir (e.g. out/run1/adapter-final)")
     model.add_argument("--base-model", help="override the base model named in the checkpoint's adapter_config.json")
@@ -39,23 +46,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", required=True, help="data_prep output dir; rows are read from <data>/eval/<task>.jsonl")
     p.add_argument("--tasks", default="all", help="'all' or a comma list, e.g. boolq,piqa,arc_easy")
     p.add_argument("--output", required=True, help="dir for results.json, results.md and predictions.jsonl")
-    p.add_argument("--mode", default="loglik", help="one or a comma list of: loglik (argmax of the choices' summed "
-                   "log-probs), generate (greedy decoding, the earliest answer string in the output is the prediction), "
-                   "llm-adapters (LLM-Adapters' protocol: beam search of 4, 32 new tokens, first answer word)")
+    p.add_argument(
+        "--mode",
+        default="loglik",
+        help="one or a comma list of: loglik (argmax of the choices' summed "
+        "log-probs), generate (greedy decoding, the earliest answer string in the output is the prediction), "
+        "llm-adapters (LLM-Adapters' protocol: beam search of 4, 32 new tokens, first answer word)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=16, help="generate mode: tokens decoded per row")
-    p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (loglik scores all their choices at once)")
+    p.add_argument(
+        "--batch-size", type=int, default=8, help="rows per forward pass (loglik scores all their choices at once)"
+    )
     p.add_argument("--limit", type=int, help="score only the first N rows of each task (quick runs)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                   help="set by the deepspeed launcher; ignored (LOCAL_RANK from the environment is used)")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="model dtype; auto = bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=None,
+        help="set by the deepspeed launcher; ignored (LOCAL_RANK from the environment is used)",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from frod_ds.runtime import entry
     from frod_ds.eval.run import EvalConfig, run
+    from frod_ds.runtime import entry
 
     return entry.run(lambda: run(EvalConfig.from_namespace(args)))
 

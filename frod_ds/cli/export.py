@@ -19,23 +19,42 @@ import argparse
 from pathlib import Path
 
 
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="frod export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="frod export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="adapter directory written by training (adapter-<step> or adapter-final)")
     src.add_argument("--from-peft", metavar="PEFT_DIR", help="import this stock PEFT FRoD adapter directory instead")
     p.add_argument("--out", required=True, type=Path, help="output directory (created; see --overwrite)")
-    p.add_argument("--format", choices=("hf", "peft"), default=None,
-                   help="with --checkpoint: hf (merged transformers checkpoint, default) or peft (stock PEFT adapter)")
-    p.add_argument("--base-model", default=None,
-                   help="base model (directory or Hub id); default: the one the adapter's config names")
+    p.add_argument(
+        "--format",
+        choices=("hf", "peft"),
+        default=None,
+        help="with --checkpoint: hf (merged transformers checkpoint, default) or peft (stock PEFT adapter)",
+    )
+    p.add_argument(
+        "--base-model",
+        default=None,
+        help="base model (directory or Hub id); default: the one the adapter's config names",
+    )
     p.add_argument("--factor-store", default=None, help="--checkpoint: override the adapter's factor store directory")
-    p.add_argument("--dtype", default=None, help="--format hf: auto (keep each tensor's dtype), bfloat16, float16 or float32")
-    p.add_argument("--shard-gb", type=float, default=None, help="--format hf: size of one output shard, GiB (default 5)")
-    p.add_argument("--peft-tol", type=float, default=None,
-                   help="--format peft: largest relative error of a member's update ‖ΔW‖ allowed when S's support is "
-                        "kept sparse in PEFT's basis (default 1e-3; see README)")
+    p.add_argument(
+        "--dtype", default=None, help="--format hf: auto (keep each tensor's dtype), bfloat16, float16 or float32"
+    )
+    p.add_argument(
+        "--shard-gb", type=float, default=None, help="--format hf: size of one output shard, GiB (default 5)"
+    )
+    p.add_argument(
+        "--peft-tol",
+        type=float,
+        default=None,
+        help="--format peft: largest relative error of a member's update ‖ΔW‖ allowed when S's support is "
+        "kept sparse in PEFT's basis (default 1e-3; see README)",
+    )
     p.add_argument("--device", default="cpu", help="where merges / basis changes are computed (cpu, cuda)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier output of this command at --out")
     return p.parse_args(argv)
@@ -88,28 +107,51 @@ def export(args: argparse.Namespace) -> int:
         from frod_ds.interop.peft_export import import_peft
 
         rep = import_peft(args.from_peft, args.out, base_model=args.base_model, overwrite=args.overwrite)
-        print(f"imported {args.from_peft} -> {args.out}/factor-store + {args.out}/adapter (max weight difference "
-              f"{rep['max_weight_error']:.1e} relative to stock PEFT's)", flush=True)
+        print(
+            f"imported {args.from_peft} -> {args.out}/factor-store + {args.out}/adapter (max weight difference "
+            f"{rep['max_weight_error']:.1e} relative to stock PEFT's)",
+            flush=True,
+        )
     elif args.format == "peft":
         from frod_ds.interop.peft_export import export_peft
 
-        rep = export_peft(args.checkpoint, args.out, base_model=args.base_model, factor_store=args.factor_store,
-                          tol=1e-3 if args.peft_tol is None else args.peft_tol, device=args.device,
-                          overwrite=args.overwrite)
+        rep = export_peft(
+            args.checkpoint,
+            args.out,
+            base_model=args.base_model,
+            factor_store=args.factor_store,
+            tol=1e-3 if args.peft_tol is None else args.peft_tol,
+            device=args.device,
+            overwrite=args.overwrite,
+        )
         for cat, c in rep["categories"].items():
-            print(f"  {cat:>10}: tau {c['tau']:g}, S nnz {c['nnz_frod']} -> {c['nnz_peft']}, update error "
-                  f"{c['max_update_error']:.1e}, weight error {c['max_weight_error']:.1e}", flush=True)
-        print(f"exported {args.checkpoint} -> {args.out} (loads with peft.PeftModel.from_pretrained(base, "
-              f"{str(args.out)!r}))", flush=True)
+            print(
+                f"  {cat:>10}: tau {c['tau']:g}, S nnz {c['nnz_frod']} -> {c['nnz_peft']}, update error "
+                f"{c['max_update_error']:.1e}, weight error {c['max_weight_error']:.1e}",
+                flush=True,
+            )
+        print(
+            f"exported {args.checkpoint} -> {args.out} (loads with peft.PeftModel.from_pretrained(base, "
+            f"{str(args.out)!r}))",
+            flush=True,
+        )
     else:
         from frod_ds.interop.hf_export import export_transformers
 
-        out = export_transformers(args.checkpoint, args.out, base_model=args.base_model,
-                                  factor_store=args.factor_store, dtype=args.dtype or "auto",
-                                  shard_gb=5.0 if args.shard_gb is None else args.shard_gb, device=args.device,
-                                  overwrite=args.overwrite)
-        print(f"exported {args.checkpoint} -> {out} (loads with transformers.AutoModelForCausalLM.from_pretrained)",
-              flush=True)
+        out = export_transformers(
+            args.checkpoint,
+            args.out,
+            base_model=args.base_model,
+            factor_store=args.factor_store,
+            dtype=args.dtype or "auto",
+            shard_gb=5.0 if args.shard_gb is None else args.shard_gb,
+            device=args.device,
+            overwrite=args.overwrite,
+        )
+        print(
+            f"exported {args.checkpoint} -> {out} (loads with transformers.AutoModelForCausalLM.from_pretrained)",
+            flush=True,
+        )
     return 0
 
 

@@ -5,7 +5,8 @@
     srun --ntasks-per-node 8 --gpus-per-node 8 python launch/hjd.py --model /ckpt/llama-2-70b --out factors/llama2-70b
     python launch/hjd.py --model /ckpt/tiny --out factors/tiny --device cpu        # one process
     torchrun --nproc_per_node 2 launch/hjd.py --model /ckpt/llama2-70b --out factors/llama2-70b-nf4 --quant nf4
-    torchrun --nproc_per_node 2 launch/hjd.py --model /ckpt/70b-q-only --out factors/70b-nf4 --quant nf4 --categories q_proj
+    torchrun --nproc_per_node 2 launch/hjd.py --model /ckpt/70b-q-only --out factors/70b-nf4 --quant nf4 \\
+        --categories q_proj
     python launch/hjd.py --verify factors/llama2-7b --model meta-llama/Llama-2-7b-hf
 
 Rerunning a killed run with the same arguments skips the categories already complete. ``--categories`` builds
@@ -26,57 +27,113 @@ import time
 
 PROCESS_START = time.time()  # before the imports: start-up time is reported
 
-import argparse
-import os
-import sys
-from pathlib import Path
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-
-from frod_ds.hjd.sharding import DEFAULT_TARGETS, readahead_budget, start_readahead  # no torch yet
-from frod_ds.runtime.launch_env import ranks_on_this_node
+from frod_ds.hjd.sharding import DEFAULT_TARGETS, readahead_budget, start_readahead  # noqa: E402  (no torch yet)
+from frod_ds.runtime.launch_env import ranks_on_this_node  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="frod hjd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="local checkpoint directory (config.json + *.safetensors) or HF Hub id")
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="frod hjd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", required=True, help="local checkpoint directory (config.json + *.safetensors) or HF Hub id"
+    )
     p.add_argument("--out", type=Path, help="factor store directory to create or resume (shared by all ranks)")
-    p.add_argument("--verify", type=Path, metavar="DIR", help="verify the factor store DIR against --model instead of building")
-    p.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS),
-                   help="module names forming one category each across layers (space- or comma-separated)")
-    p.add_argument("--categories", nargs="+", default=None,
-                   help="only these of --targets in this run (space- or comma-separated), added to the store in --out; "
-                        "the checkpoint needs only their weights. Default: all targets")
+    p.add_argument(
+        "--verify", type=Path, metavar="DIR", help="verify the factor store DIR against --model instead of building"
+    )
+    p.add_argument(
+        "--targets",
+        nargs="+",
+        default=list(DEFAULT_TARGETS),
+        help="module names forming one category each across layers (space- or comma-separated)",
+    )
+    p.add_argument(
+        "--categories",
+        nargs="+",
+        default=None,
+        help="only these of --targets in this run (space- or comma-separated), added to the store in --out; "
+        "the checkpoint needs only their weights. Default: all targets",
+    )
     p.add_argument("--pi", type=float, default=1e-3, help="ridge term π > 0 of T_pi (spec §1)")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32",
-                   help="HJD compute dtype (fp32 runs with TF32 off)")
-    p.add_argument("--u-dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"], default="auto",
-                   help="dtype U_i is stored in; auto: the checkpoint's. float32 for a bf16 checkpoint keeps the FRoD "
-                        "model exact at init under fp32 compute (the store's U then takes twice the checkpoint's bytes)")
-    p.add_argument("--quant", choices=["none", "nf4", "int8"], default="none",
-                   help="store U_i quantized (bitsandbytes NF4, blocks of 64, or int8 per row): a 70B store ~4x (nf4) "
-                        "smaller; training then needs model.frozen_quant of the same kind")
-    p.add_argument("--part-mb", type=float, default=256.0,
-                   help="size of one U/sigma part file, MiB; smaller parts overlap writing with computing")
-    p.add_argument("--method", choices=["auto", "householder"], default="auto",
-                   help="auto: Gram/Cholesky route where the stack is well conditioned, Householder TSQR elsewhere; "
-                        "householder: always the Householder TSQR")
-    p.add_argument("--device-cache-gb", type=float, default=16.0,
-                   help="weights and Gram matrices (Householder route: Q blocks) kept on the GPU between passes, GiB")
-    p.add_argument("--block-gb", type=float, default=4.0,
-                   help="Householder route: largest stack of weights (in the compute dtype) a rank QRs at once, GiB")
+    p.add_argument(
+        "--dtype", choices=["float32", "float64"], default="float32", help="HJD compute dtype (fp32 runs with TF32 off)"
+    )
+    p.add_argument(
+        "--u-dtype",
+        choices=["auto", "float32", "bfloat16", "float16", "float64"],
+        default="auto",
+        help="dtype U_i is stored in; auto: the checkpoint's. float32 for a bf16 checkpoint keeps the FRoD "
+        "model exact at init under fp32 compute (the store's U then takes twice the checkpoint's bytes)",
+    )
+    p.add_argument(
+        "--quant",
+        choices=["none", "nf4", "int8"],
+        default="none",
+        help="store U_i quantized (bitsandbytes NF4, blocks of 64, or int8 per row): a 70B store ~4x (nf4) "
+        "smaller; training then needs model.frozen_quant of the same kind",
+    )
+    p.add_argument(
+        "--part-mb",
+        type=float,
+        default=256.0,
+        help="size of one U/sigma part file, MiB; smaller parts overlap writing with computing",
+    )
+    p.add_argument(
+        "--method",
+        choices=["auto", "householder"],
+        default="auto",
+        help="auto: Gram/Cholesky route where the stack is well conditioned, Householder TSQR elsewhere; "
+        "householder: always the Householder TSQR",
+    )
+    p.add_argument(
+        "--device-cache-gb",
+        type=float,
+        default=16.0,
+        help="weights and Gram matrices (Householder route: Q blocks) kept on the GPU between passes, GiB",
+    )
+    p.add_argument(
+        "--block-gb",
+        type=float,
+        default=4.0,
+        help="Householder route: largest stack of weights (in the compute dtype) a rank QRs at once, GiB",
+    )
     p.add_argument("--io-threads", type=int, default=8, help="threads reading weights (half as many write factors)")
-    p.add_argument("--prefetch-gb", type=float, default=4.0,
-                   help="weights read ahead of use onto the device, at most this many GiB")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: the rank's GPU (NCCL) if CUDA is available, else CPU (gloo)")
+    p.add_argument(
+        "--prefetch-gb",
+        type=float,
+        default=4.0,
+        help="weights read ahead of use onto the device, at most this many GiB",
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto: the rank's GPU (NCCL) if CUDA is available, else CPU (gloo)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a store in --out built with another configuration")
-    p.add_argument("--no-fsync", dest="fsync", action="store_false",
-                   help="skip fsync of factor files (faster; a power loss may then corrupt a store marked complete)")
-    p.add_argument("--samples", type=int, default=2, help="--verify: members per category whose reconstruction is checked")
+    p.add_argument(
+        "--no-fsync",
+        dest="fsync",
+        action="store_false",
+        help="skip fsync of factor files (faster; a power loss may then corrupt a store marked complete)",
+    )
+    p.add_argument(
+        "--samples", type=int, default=2, help="--verify: members per category whose reconstruction is checked"
+    )
     p.add_argument("--seed", type=int, default=0, help="--verify: seed of the member sample")
-    p.add_argument("--tol", type=float, default=None,
-                   help="--verify: largest relative reconstruction error (default by U's dtype: bf16 2e-2, fp32 1e-4; "
-                        "quantized U: nf4 0.2, int8 3e-2)")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="--verify: largest relative reconstruction error (default by U's dtype: bf16 2e-2, fp32 1e-4; "
+        "quantized U: nf4 0.2, int8 3e-2)",
+    )
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
     args.targets = [t for item in args.targets for t in item.split(",") if t]
@@ -93,15 +150,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build(args: argparse.Namespace) -> int:
     import torch
 
-    from frod_ds.runtime import distributed as D
     from frod_ds.hjd.stage import StageConfig, run_stage
+    from frod_ds.runtime import distributed as D
 
-    cfg = D.on_all(lambda: StageConfig(
-        model=args.model, out=args.out, targets=tuple(args.targets), pi=args.pi, dtype=getattr(torch, args.dtype),
-        block_gb=args.block_gb, device_cache_gb=args.device_cache_gb, part_mb=args.part_mb, device=args.device, overwrite=args.overwrite,
-        fsync=args.fsync, method=args.method, io_threads=args.io_threads, prefetch_gb=args.prefetch_gb,
-        quant=args.quant, categories=None if args.categories is None else tuple(args.categories),
-        **({} if args.u_dtype == "auto" else {"u_dtype": getattr(torch, args.u_dtype)})))
+    cfg = D.on_all(
+        lambda: StageConfig(
+            model=args.model,
+            out=args.out,
+            targets=tuple(args.targets),
+            pi=args.pi,
+            dtype=getattr(torch, args.dtype),
+            block_gb=args.block_gb,
+            device_cache_gb=args.device_cache_gb,
+            part_mb=args.part_mb,
+            device=args.device,
+            overwrite=args.overwrite,
+            fsync=args.fsync,
+            method=args.method,
+            io_threads=args.io_threads,
+            prefetch_gb=args.prefetch_gb,
+            quant=args.quant,
+            categories=None if args.categories is None else tuple(args.categories),
+            **({} if args.u_dtype == "auto" else {"u_dtype": getattr(torch, args.u_dtype)}),
+        )
+    )
     manifest = run_stage(cfg, process_start=PROCESS_START)
     if manifest is not None:
         _print_summary(manifest)
@@ -112,19 +184,24 @@ def verify(args: argparse.Namespace) -> int:
     """Rank 0 checks the store; the other ranks (if any) wait for the verdict."""
     import torch
 
-    from frod_ds.runtime import distributed as D
     from frod_ds.model.store_verify import verify_store
+    from frod_ds.runtime import distributed as D
 
     device = torch.device("cpu") if args.device == "cpu" else D.local_device()
-    problems = D.on_main(lambda: verify_store(args.verify, args.model, samples=args.samples, seed=args.seed,
-                                              tol=args.tol, device=device))
+    problems = D.on_main(
+        lambda: verify_store(args.verify, args.model, samples=args.samples, seed=args.seed, tol=args.tol, device=device)
+    )
     if D.is_main():
         for line in problems:
             print(f"verify: {line}", file=sys.stderr)
         if problems:  # the details above, then the one line a failed check ends with
-            print(f"error: factor store {args.verify} failed verification against --model {args.model} "
-                  f"({len(problems)} problem(s) above); build it again: frod hjd --model {args.model} --out "
-                  f"{args.verify} --overwrite", file=sys.stderr, flush=True)
+            print(
+                f"error: factor store {args.verify} failed verification against --model {args.model} "
+                f"({len(problems)} problem(s) above); build it again: frod hjd --model {args.model} --out "
+                f"{args.verify} --overwrite",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             print(f"verify {args.verify}: OK", flush=True)
     return 1 if problems else 0
@@ -132,18 +209,31 @@ def verify(args: argparse.Namespace) -> int:
 
 def _print_summary(manifest) -> None:
     run = manifest.run
-    print(f"{'category':>10} {'members':>7} {'width':>6} {'route':>11} {'seconds':>8} {'max err':>9} {'stored err':>10}")
+    print(
+        f"{'category':>10} {'members':>7} {'width':>6} {'route':>11} {'seconds':>8} {'max err':>9} {'stored err':>10}"
+    )
     for c, rec in manifest.categories.items():
         if rec.complete:
-            print(f"{c:>10} {len(rec.members):>7} {rec.width:>6} {rec.method or '?':>11} {rec.seconds:>8.2f} "
-                  f"{rec.max_error:>9.2e} {rec.max_stored_error:>10.2e}")
-    print(f"total {run.seconds:.1f} s, world size {run.world_size}, complete: {manifest.complete}"
-          + ("" if manifest.complete else f" (missing {', '.join(manifest.missing_categories)}: add them with "
-                                          f"--categories {','.join(manifest.missing_categories)})"))
+            print(
+                f"{c:>10} {len(rec.members):>7} {rec.width:>6} {rec.method or '?':>11} {rec.seconds:>8.2f} "
+                f"{rec.max_error:>9.2e} {rec.max_stored_error:>10.2e}"
+            )
+    print(
+        f"total {run.seconds:.1f} s, world size {run.world_size}, complete: {manifest.complete}"
+        + (
+            ""
+            if manifest.complete
+            else f" (missing {', '.join(manifest.missing_categories)}: add them with "
+            f"--categories {','.join(manifest.missing_categories)})"
+        )
+    )
     for r in run.ranks:
         mem = f", peak GPU {r.peak_device_gib:.2f} GiB" if r.peak_device_gib is not None else ""
-        print(f"  rank {r.rank}: {r.seconds:.1f} s{mem}, peak host RSS {r.peak_host_rss_gib:.2f} GiB, "
-              f"read {r.tensors_read} tensors / {r.bytes_read / 2**30:.2f} GiB", flush=True)
+        print(
+            f"  rank {r.rank}: {r.seconds:.1f} s{mem}, peak host RSS {r.peak_host_rss_gib:.2f} GiB, "
+            f"read {r.tensors_read} tensors / {r.bytes_read / 2**30:.2f} GiB",
+            flush=True,
+        )
 
 
 def _cpu_threading_env(args: argparse.Namespace) -> None:
@@ -173,8 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     _set_cpu_threads(args)
     from frod_ds.runtime import entry
 
-    return entry.run(lambda: verify(args) if args.verify is not None else build(args),
-                     backend="gloo" if args.device == "cpu" else None)
+    return entry.run(
+        lambda: verify(args) if args.verify is not None else build(args),
+        backend="gloo" if args.device == "cpu" else None,
+    )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ _LAUNCHER_FLAGS = ("--local_rank", "--local-rank")  # `deepspeed --module` puts 
 def _parser() -> argparse.ArgumentParser:
     from frod_ds import __version__
 
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog="frod", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="frod", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--version", action="version", version=f"frod-ds {__version__}", help="print the version and exit")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
     for name, cmd in COMMANDS.items():
@@ -66,7 +68,7 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     launcher = [a for a in argv[:1] if a.split("=")[0] in _LAUNCHER_FLAGS]
     if launcher and "=" not in launcher[0] and len(argv) > 1:
         launcher = argv[:2]
-    rest = argv[len(launcher):]
+    rest = argv[len(launcher) :]
     return rest[:1], rest[1:] + launcher
 
 

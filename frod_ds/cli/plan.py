@@ -16,19 +16,34 @@ H100_GIB = 79.1  # torch.cuda.get_device_properties(0).total_memory of an 80 GB 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ap = argparse.ArgumentParser(allow_abbrev=False, prog="frod plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint directory or Hub id (local cache only); config.json is read")
+    p = ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="frod plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", required=True, help="checkpoint directory or Hub id (local cache only); config.json is read"
+    )
     p.add_argument("--gpus", type=int, required=True, help="data-parallel GPUs (ranks)")
-    p.add_argument("--gpu-mem", type=float, default=H100_GIB,
-                   help=f"memory of one GPU in GiB as torch reports it (default {H100_GIB}: an 80 GB H100)")
-    p.add_argument("--recipe", default=None, help="YAML recipe: micro-batch, cutoff_len, targets, sparsity, dtype, "
-                                                  "checkpointing, frozen_quant (defaults: the recipe defaults)")
+    p.add_argument(
+        "--gpu-mem",
+        type=float,
+        default=H100_GIB,
+        help=f"memory of one GPU in GiB as torch reports it (default {H100_GIB}: an 80 GB H100)",
+    )
+    p.add_argument(
+        "--recipe",
+        default=None,
+        help="YAML recipe: micro-batch, cutoff_len, targets, sparsity, dtype, "
+        "checkpointing, frozen_quant (defaults: the recipe defaults)",
+    )
     p.add_argument("--config", default=None, help="plan this DeepSpeed JSON; without it, plan the recommended set-up")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: the recipe's cutoff_len)")
-    p.add_argument("--layer-saves", choices=["z", "M"], default="z",
-                   help="what FRoDLinear keeps for its backward: z (autograd Function) or z and the dense M (the "
-                        "plain-autograd layer)")
+    p.add_argument(
+        "--layer-saves",
+        choices=["z", "M"],
+        default="z",
+        help="what FRoDLinear keeps for its backward: z (autograd Function) or z and the dense M (the "
+        "plain-autograd layer)",
+    )
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. model.frozen_quant=nf4")
     args = ap.parse_args(argv)
     if args.gpus < 1 or not args.gpu_mem > 0 or args.gpu_mem == float("inf"):  # nan compares false
@@ -50,29 +65,45 @@ def print_plan(plan, title: str, model=None) -> None:
     from frod_ds.plan.memory import CUDA_CONTEXT_GIB, FRAGMENTATION
 
     verdict = "fits" if plan.fits else "does NOT fit"
-    print(f"  needed (+{FRAGMENTATION:.0%} allocator, +{CUDA_CONTEXT_GIB:.1f} GiB CUDA/NCCL): "
-          f"{plan.needed / GiB:.1f} of {plan.gpu_bytes / GiB:.1f} GiB per GPU: {verdict}")
+    print(
+        f"  needed (+{FRAGMENTATION:.0%} allocator, +{CUDA_CONTEXT_GIB:.1f} GiB CUDA/NCCL): "
+        f"{plan.needed / GiB:.1f} of {plan.gpu_bytes / GiB:.1f} GiB per GPU: {verdict}"
+    )
     if model is not None:
         from frod_ds.plan.step_time import NVLINK, step_time
 
         t = step_time(model, plan.train, plan.engine, plan.gpus, NVLINK)
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t.parts.items() if v >= 5e-4)
-        print(f"  predicted step on H100/H200-class GPUs with NVLink: {t.seconds * 1e3:.0f} ms ({parts}; the model: "
-              "frod_ds/plan/step_time.py, checked in bench/results/time_model_check.md)")
+        print(
+            f"  predicted step on H100/H200-class GPUs with NVLink: {t.seconds * 1e3:.0f} ms ({parts}; the model: "
+            "frod_ds/plan/step_time.py, checked in bench/results/time_model_check.md)"
+        )
     if plan.host_bytes:
-        print(f"  offloaded to host memory (all ranks of a node together): {plan.host_bytes / GiB:.1f} GiB"
-              + (" (NVMe: parameters on disk, host keeps buffers)" if "nvme" in plan.engine.name else ""))
+        print(
+            f"  offloaded to host memory (all ranks of a node together): {plan.host_bytes / GiB:.1f} GiB"
+            + (" (NVMe: parameters on disk, host keeps buffers)" if "nvme" in plan.engine.name else "")
+        )
     other = "with" if not plan.train.checkpointing else "without"
-    print(f"  activations {other} gradient checkpointing: {plan.activations_other / GiB:.2f} GiB "
-          f"(instead of {plan.parts['activations'] / GiB:.2f})")
+    print(
+        f"  activations {other} gradient checkpointing: {plan.activations_other / GiB:.2f} GiB "
+        f"(instead of {plan.parts['activations'] / GiB:.2f})"
+    )
 
 
 def plan_command(args: argparse.Namespace) -> int:
     from frod_ds.config.ds_config import check_ds_keys, load_ds_config
-    from frod_ds.plan.memory import (ELEMENT_BYTES, PlanError, engine_from_ds_config, load_model_shape, plan_memory, recommend,
-                                 train_shape_from_recipe, trainable_numel)
     from frod_ds.config.recipe import load_recipe
     from frod_ds.core.names import LLAMA_LINEARS
+    from frod_ds.plan.memory import (
+        ELEMENT_BYTES,
+        PlanError,
+        engine_from_ds_config,
+        load_model_shape,
+        plan_memory,
+        recommend,
+        train_shape_from_recipe,
+        trainable_numel,
+    )
 
     model = load_model_shape(args.model)
     recipe = load_recipe(args.recipe, args.overrides, paths=False)
@@ -81,12 +112,16 @@ def plan_command(args: argparse.Namespace) -> int:
     if unknown:
         raise PlanError(f"model.targets {unknown} are not LLaMA linears ({' '.join(LLAMA_LINEARS)})")
     gpu = args.gpu_mem * GiB
-    print(f"{args.model}: {model.model_type}, hidden {model.hidden}, intermediate {model.intermediate}, "
-          f"{model.layers} layers, {model.heads}/{model.kv_heads} heads, vocab {model.vocab}: "
-          f"{model.parameters / 1e9:.2f}B parameters")
-    print(f"FRoD on {' '.join(train.targets)}, density {train.sparsity}: {trainable_numel(model, train) / 1e6:.1f}M "
-          f"trainable; {train.micro_batch} x {train.seq_len} tokens per GPU, {train.dtype} "
-          f"({ELEMENT_BYTES[train.dtype]} bytes), FRoDLinear keeps {'z and M' if train.layer_saves == 'M' else 'z'}")
+    print(
+        f"{args.model}: {model.model_type}, hidden {model.hidden}, intermediate {model.intermediate}, "
+        f"{model.layers} layers, {model.heads}/{model.kv_heads} heads, vocab {model.vocab}: "
+        f"{model.parameters / 1e9:.2f}B parameters"
+    )
+    print(
+        f"FRoD on {' '.join(train.targets)}, density {train.sparsity}: {trainable_numel(model, train) / 1e6:.1f}M "
+        f"trainable; {train.micro_batch} x {train.seq_len} tokens per GPU, {train.dtype} "
+        f"({ELEMENT_BYTES[train.dtype]} bytes), FRoDLinear keeps {'z and M' if train.layer_saves == 'M' else 'z'}"
+    )
     rec = recommend(model, train, args.gpus, gpu)
     code = 0
     if args.config:
@@ -94,15 +129,24 @@ def plan_command(args: argparse.Namespace) -> int:
         check_ds_keys(cfg, args.config)
         engine = engine_from_ds_config(cfg, args.config)
         plan = plan_memory(model, train, engine, args.gpus, gpu)
-        q = "frozen bf16" if train.quant == "none" else f"frozen_quant={train.quant}" + (
-            " quantize_base=true" if train.quantize_base else "")
-        print_plan(plan, f"\n{args.config} on {args.gpus} GPU(s), {q}, gradient checkpointing "
-                         f"{'on' if train.checkpointing else 'off'}:", model)
+        q = (
+            "frozen bf16"
+            if train.quant == "none"
+            else f"frozen_quant={train.quant}" + (" quantize_base=true" if train.quantize_base else "")
+        )
+        print_plan(
+            plan,
+            f"\n{args.config} on {args.gpus} GPU(s), {q}, gradient checkpointing "
+            f"{'on' if train.checkpointing else 'off'}:",
+            model,
+        )
         code = 0 if plan.fits else 1
     elif rec is not None:
         print_plan(rec.plan, f"\n{rec.describe()} on {args.gpus} GPU(s):", model)
     if rec is None:
-        print(f"\nnothing fits {args.gpus} GPU(s) of {args.gpu_mem:.1f} GiB, not even with offload and NF4: use more GPUs")
+        print(
+            f"\nnothing fits {args.gpus} GPU(s) of {args.gpu_mem:.1f} GiB, not even with offload and NF4: use more GPUs"
+        )
         return 1
     print(f"\nfastest set-up that fits: {rec.describe()} — {rec.reason}")
     return code

@@ -18,21 +18,27 @@ import argparse
 from pathlib import Path
 
 
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog="frod train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, prog="frod train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--config", required=True, help="DeepSpeed JSON (ds_configs/*.json); the only engine settings")
     ap.add_argument("--recipe", default=None, help="YAML recipe (recipes/*.yaml); omitted keys take defaults")
     ap.add_argument("--nvme-path", default=None, help="override the NVMe offload path of the DeepSpeed config")
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                    help="set by the deepspeed launcher; the LOCAL_RANK env is used instead")
+    ap.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=None,
+        help="set by the deepspeed launcher; the LOCAL_RANK env is used instead",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. train.lr_sigma=2e-4 output_dir=runs/x")
     return ap.parse_args(argv)
 
 
 def train(args: argparse.Namespace) -> int:
-    from frod_ds.runtime import distributed as dist
     from frod_ds.config.recipe import load_recipe
+    from frod_ds.runtime import distributed as dist
 
     recipe = load_recipe(args.recipe, args.overrides)  # cheap checks first, before any process group
     dist.init_deepspeed()
@@ -41,7 +47,9 @@ def train(args: argparse.Namespace) -> int:
     from frod_ds.plan.memory import train_hint
     from frod_ds.train.trainer import fit, removed_if_failed, setup
 
-    gpu_bytes = torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
+    gpu_bytes = (
+        torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
+    )
     hint = train_hint(recipe, args.config, dist.get_world_size(), gpu_bytes)  # the planner's decision, config.json only
     if hint:
         dist.print0(hint)

@@ -15,13 +15,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frod_ds.runtime.shipped import user_file
-from frod_ds.runtime.errors import FrodError
 from frod_ds.config.recipe import Recipe
+from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.shipped import user_file
 
-__all__ = ["DSConfigError", "BatchSizes", "NvmeParams", "ZeroSettings", "DS_DEFAULTS", "batch_sizes", "bf16_overflow_check", "check_ds_keys",
-           "check_nvme_buffer", "load_ds_config", "nvme_buffers_needed", "nvme_offloads", "offload_device",
-           "resolve_ds_config", "zero_settings", "zero_stage"]
+__all__ = [
+    "DSConfigError",
+    "BatchSizes",
+    "NvmeParams",
+    "ZeroSettings",
+    "DS_DEFAULTS",
+    "batch_sizes",
+    "bf16_overflow_check",
+    "check_ds_keys",
+    "check_nvme_buffer",
+    "load_ds_config",
+    "nvme_buffers_needed",
+    "nvme_offloads",
+    "offload_device",
+    "resolve_ds_config",
+    "zero_settings",
+    "zero_stage",
+]
 
 
 class DSConfigError(FrodError):
@@ -61,7 +76,8 @@ def load_ds_config(path: str | Path) -> dict:
 
 # DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed itself ignores a top-level key it
 # does not know, so a misspelled "gradient_cliping" silently trained without clipping.
-_DS_TOP_LEVEL = frozenset("""
+_DS_TOP_LEVEL = frozenset(
+    """
 train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler
 communication_data_type seq_parallel_communication_data_type prescale_gradients gradient_predivide_factor
 sparse_gradients fp16 bf16 amp torch_autocast gradient_clipping zero_optimization zero_allow_untested_optimizer
@@ -71,7 +87,8 @@ data_efficiency curriculum_learning data_types compression_training sparse_atten
 eigenvalue progressive_layer_drop quantize_training hybrid_engine compile weight_quantization timers
 disable_allgather dataloader_drop_last graph_harvesting use_data_before_expert_parallelism tensor_parallel
 expert_parallel gradient_allreduce_op disable_python_gc log_level zenflow
-""".split())
+""".split()
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -194,8 +211,10 @@ def _number(cfg: dict, block: str, key: str) -> int | float:
     if value is None:
         return DS_DEFAULTS[block][key]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise DSConfigError(f"DeepSpeed config: {block}.{key} must be a number, got {value!r}; give a number or "
-                            f"leave the key out for DeepSpeed's default ({DS_DEFAULTS[block][key]:,})")
+        raise DSConfigError(
+            f"DeepSpeed config: {block}.{key} must be a number, got {value!r}; give a number or "
+            f"leave the key out for DeepSpeed's default ({DS_DEFAULTS[block][key]:,})"
+        )
     return value
 
 
@@ -231,12 +250,22 @@ def zero_settings(cfg: dict) -> ZeroSettings:
     overlap = zo.get("overlap_comm")
     linear = zo.get("memory_efficient_linear")
     return ZeroSettings(
-        stage, offload_device(cfg, "offload_param"), offload_device(cfg, "offload_optimizer"),
+        stage,
+        offload_device(cfg, "offload_param"),
+        offload_device(cfg, "offload_optimizer"),
         stage == 3 if overlap is None else bool(overlap),
-        z("reduce_bucket_size"), z("allgather_bucket_size"), z("stage3_prefetch_bucket_size"),
-        z("stage3_param_persistence_threshold"), z("stage3_max_live_parameters"), z("stage3_max_reuse_distance"),
+        z("reduce_bucket_size"),
+        z("allgather_bucket_size"),
+        z("stage3_prefetch_bucket_size"),
+        z("stage3_param_persistence_threshold"),
+        z("stage3_max_live_parameters"),
+        z("stage3_max_reuse_distance"),
         bool(DS_DEFAULTS["zero_optimization"]["memory_efficient_linear"] if linear is None else linear),
-        op("buffer_count"), op("buffer_size"), op("max_in_cpu"), int(_number(cfg, "aio", "block_size")))
+        op("buffer_count"),
+        op("buffer_size"),
+        op("max_in_cpu"),
+        int(_number(cfg, "aio", "block_size")),
+    )
 
 
 def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str | None = None) -> dict:
@@ -262,11 +291,13 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
     clip = cfg.get("gradient_clipping", "auto")
     if clip == "auto":
         cfg["gradient_clipping"] = recipe.train.max_grad_norm
-    elif isinstance(clip, bool) or not isinstance(clip, (int, float)) or float(clip) != float(recipe.train.max_grad_norm):
+    elif (
+        isinstance(clip, bool) or not isinstance(clip, (int, float)) or float(clip) != float(recipe.train.max_grad_norm)
+    ):
         # DeepSpeed would clip at its own value while the recorded recipe says another: one source of truth
         problems.append(
             f"gradient_clipping={clip!r} in the DeepSpeed config but the recipe gives "
-            f"train.max_grad_norm={recipe.train.max_grad_norm}; set gradient_clipping to \"auto\" or change "
+            f'train.max_grad_norm={recipe.train.max_grad_norm}; set gradient_clipping to "auto" or change '
             "train.max_grad_norm"
         )
     want_bf16 = recipe.model.dtype == "bfloat16"
@@ -310,17 +341,20 @@ def check_nvme_buffer(cfg: dict, largest_numel: int, world_size: int) -> None:
     buf = zero_settings(cfg).nvme_buffer_size
     part = -(-largest_numel // world_size)
     if part > buf:
-        raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_size is {buf:,} elements, smaller "
-                            f"than the largest parameter's partition ({part:,} = {largest_numel:,} over {world_size} "
-                            f"rank(s)); set buffer_size to at least {part}")
+        raise DSConfigError(
+            f"DeepSpeed config: zero_optimization.offload_param.buffer_size is {buf:,} elements, smaller "
+            f"than the largest parameter's partition ({part:,} = {largest_numel:,} over {world_size} "
+            f"rank(s)); set buffer_size to at least {part}"
+        )
 
 
-DS_MIN_AIO_BYTES = 1024 ** 2  # DeepSpeed swaps a partition to NVMe only from max(this, aio.block_size) bytes
+DS_MIN_AIO_BYTES = 1024**2  # DeepSpeed swaps a partition to NVMe only from max(this, aio.block_size) bytes
 
 
 @dataclass(frozen=True)
 class NvmeParams:
     """Element counts of a model's parameters, grouped the way DeepSpeed's NVMe swap buffers are used."""
+
     layers: list[list[int]]  # each decoder layer's own parameters
     shared: list[int]  # parameters several layers use (FRoD's V per category), each once
     other: list[int]  # the rest (embeddings, head, final norm)
@@ -369,8 +403,9 @@ def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_byt
     if spill:
         need += max((len(swapped(ns)) for ns in params.trainable), default=0)
     reuse = _reuse_distance(cfg)
-    every = swapped([n for ns in params.layers + (params.trainable if spill else []) for n in ns]
-                    + params.shared + params.other)
+    every = swapped(
+        [n for ns in params.layers + (params.trainable if spill else []) for n in ns] + params.shared + params.other
+    )
     if reuse > 0 and every:
         need += -(-reuse // min(every))
     return max(min(need, len(every)), 1)
@@ -385,16 +420,20 @@ def check_nvme_buffer_count(cfg: dict, params: NvmeParams, world_size: int, elem
     zs = zero_settings(cfg)
     prefetch = int(zs.prefetch_bucket_size)
     if prefetch > 0 and _swapped(params.shared, world_size, elem_bytes, _min_swap_bytes(cfg)):
-        raise DSConfigError(f"DeepSpeed config: zero_optimization.stage3_prefetch_bucket_size is {prefetch:,} with "
-                            "parameters on NVMe, and DeepSpeed's NVMe prefetch swaps a parameter the layers share "
-                            "(FRoD's V) in twice and stops; set stage3_prefetch_bucket_size to 0")
+        raise DSConfigError(
+            f"DeepSpeed config: zero_optimization.stage3_prefetch_bucket_size is {prefetch:,} with "
+            "parameters on NVMe, and DeepSpeed's NVMe prefetch swaps a parameter the layers share "
+            "(FRoD's V) in twice and stops; set stage3_prefetch_bucket_size to 0"
+        )
     have = zs.nvme_buffer_count
     need = nvme_buffers_needed(cfg, params, world_size, elem_bytes)
     if have < need:
-        raise DSConfigError(f"DeepSpeed config: zero_optimization.offload_param.buffer_count is {have}, this model "
-                            f"gathers up to {need} NVMe-swapped parameters at once (one decoder layer, the shared "
-                            f"ones, one more{', and the stage3_max_reuse_distance window' if _reuse_distance(cfg) > 0 else ''}); "
-                            f"set buffer_count to at least {need}")
+        raise DSConfigError(
+            f"DeepSpeed config: zero_optimization.offload_param.buffer_count is {have}, this model "
+            f"gathers up to {need} NVMe-swapped parameters at once (one decoder layer, the shared "
+            f"ones, one more{', and the stage3_max_reuse_distance window' if _reuse_distance(cfg) > 0 else ''}); "
+            f"set buffer_count to at least {need}"
+        )
 
 
 def check_aio_build_env(cfg: dict, env: dict) -> None:
@@ -403,9 +442,14 @@ def check_aio_build_env(cfg: dict, env: dict) -> None:
     ``int.int[+PTX]``: ``9.0a``, which CUDA images for Hopper set, stops the build with a ValueError mid-setup)."""
     if not nvme_offloads(cfg):
         return
-    bad = [a for a in env.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").split()
-           if not all(p.isdigit() for p in a.split("+")[0].split("."))]
+    bad = [
+        a
+        for a in env.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").split()
+        if not all(p.isdigit() for p in a.split("+")[0].split("."))
+    ]
     if bad:
-        raise DSConfigError(f"NVMe offload builds DeepSpeed's async_io op, whose builder cannot parse "
-                            f"TORCH_CUDA_ARCH_LIST entry {bad[0]!r}; set TORCH_CUDA_ARCH_LIST without letter suffixes "
-                            f"(e.g. {bad[0].rstrip('abcdefghijklmnopqrstuvwxyz')!r}) for this run")
+        raise DSConfigError(
+            f"NVMe offload builds DeepSpeed's async_io op, whose builder cannot parse "
+            f"TORCH_CUDA_ARCH_LIST entry {bad[0]!r}; set TORCH_CUDA_ARCH_LIST without letter suffixes "
+            f"(e.g. {bad[0].rstrip('abcdefghijklmnopqrstuvwxyz')!r}) for this run"
+        )

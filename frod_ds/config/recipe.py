@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from frod_ds.core.names import DEFAULT_TARGETS, QUANT_KINDS
-from frod_ds.runtime.shipped import user_file
 from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.shipped import user_file
 from frod_ds.runtime.validate import sparsity_problem, targets_problem
 
 __all__ = ["RecipeError", "ModelCfg", "DataCfg", "TrainCfg", "Recipe", "load_recipe", "recipe_to_dict"]
@@ -93,7 +93,11 @@ class Recipe:
             p.append("model.base is required (HF id or local checkpoint dir)")
         if paths and not m.factor_store:
             p.append("model.factor_store is required (the directory written by launch/hjd.py)")
-        p += [x for x in (targets_problem(m.targets, "model.targets"), sparsity_problem(m.sparsity, "model.sparsity")) if x]
+        p += [
+            x
+            for x in (targets_problem(m.targets, "model.targets"), sparsity_problem(m.sparsity, "model.sparsity"))
+            if x
+        ]
         if m.dtype not in ("bfloat16", "float32"):
             p.append(f"model.dtype must be bfloat16 or float32, got {m.dtype!r}")
         if m.frozen_quant not in QUANT_KINDS:
@@ -135,7 +139,7 @@ class Recipe:
         for section in ("model", "data", "train"):
             for f in dataclasses.fields(getattr(self, section)):
                 v = getattr(getattr(self, section), f.name)
-                for x in (v if isinstance(v, (list, tuple)) else [v]):
+                for x in v if isinstance(v, (list, tuple)) else [v]:
                     if isinstance(x, float) and not math.isfinite(x):
                         p.append(f"{section}.{f.name} must be a finite number, got {x}")
         return p
@@ -232,8 +236,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         except yaml.YAMLError as e:  # the parser's own position (line, column) says where to look
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-            raise RecipeError(f"recipe {p} is not valid YAML{at}: {getattr(e, 'problem', None) or e}; fix the "
-                              "file") from None
+            raise RecipeError(
+                f"recipe {p} is not valid YAML{at}: {getattr(e, 'problem', None) or e}; fix the file"
+            ) from None
         if not isinstance(loaded, dict):
             raise RecipeError(f"recipe {p} must be a YAML mapping")
         tree = loaded

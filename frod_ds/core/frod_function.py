@@ -35,13 +35,23 @@ from torch import Tensor
 
 from frod_ds.core.quant import frozen_dense
 
-__all__ = ["core_matrix", "core_matrix_at", "core_positions", "spans_of", "sampled_product", "support_grads", "FRoDTokens", "FRoDWeight"]
+__all__ = [
+    "core_matrix",
+    "core_matrix_at",
+    "core_positions",
+    "spans_of",
+    "sampled_product",
+    "support_grads",
+    "FRoDTokens",
+    "FRoDWeight",
+]
 
 SAMPLED_CHUNK_ELEMS = 1 << 25  # elements of one gathered (chunk, T) block in the sampled ∂S product
 
 
-def core_matrix(sigma: Tensor, s_values: Tensor, support_flat: Tensor, dtype: torch.dtype,
-                device: torch.device | str) -> Tensor:
+def core_matrix(
+    sigma: Tensor, s_values: Tensor, support_flat: Tensor, dtype: torch.dtype, device: torch.device | str
+) -> Tensor:
     """Dense ``diag σ + S`` (n, n); ``S``'s values at the flat (row·n + col) ``support_flat`` positions."""
     return core_matrix_at(sigma, s_values, core_positions(sigma.shape[0], support_flat, device), dtype)
 
@@ -64,8 +74,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # fp32 sums for bf16/fp16, fp64 stays fp64
 
 
-def sampled_product(a: Tensor, b: Tensor, rows: Tensor, cols: Tensor,
-                    chunk_elems: int = SAMPLED_CHUNK_ELEMS) -> Tensor:
+def sampled_product(a: Tensor, b: Tensor, rows: Tensor, cols: Tensor, chunk_elems: int = SAMPLED_CHUNK_ELEMS) -> Tensor:
     """``out[k] = Σ_t a[t, rows[k]] · b[t, cols[k]]``: the (rows, cols) entries of ``aᵀ b`` without forming it.
 
     ``a``, ``b``: (T, n); ``rows``, ``cols``: (nnz,) int64. Returns (nnz,) in fp32 (fp64 for fp64 inputs).
@@ -76,7 +85,7 @@ def sampled_product(a: Tensor, b: Tensor, rows: Tensor, cols: Tensor,
     out = torch.empty(rows.numel(), dtype=acc, device=a.device)  # (nnz,)
     step = max(1, chunk_elems // max(T, 1))
     for s in range(0, rows.numel(), step):
-        out[s:s + step] = (aT[rows[s:s + step]] * bT[cols[s:s + step]]).sum(1, dtype=acc)  # (chunk, T) → (chunk,)
+        out[s : s + step] = (aT[rows[s : s + step]] * bT[cols[s : s + step]]).sum(1, dtype=acc)  # (chunk, T) → (chunk,)
     return out
 
 
@@ -143,11 +152,23 @@ class FRoDTokens(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, sigma: Tensor, s_values: Tensor, U: Tensor, V: Tensor, bias: Tensor | None,
-                support, save_z: bool, dense_grad: bool, u_span: tuple[int, int, int, int] | None = None,
-                held: Held | None = None) -> Tensor:
-        assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        sigma: Tensor,
+        s_values: Tensor,
+        U: Tensor,
+        V: Tensor,
+        bias: Tensor | None,
+        support,
+        save_z: bool,
+        dense_grad: bool,
+        u_span: tuple[int, int, int, int] | None = None,
+        held: Held | None = None,
+    ) -> Tensor:
+        assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), (
             "FRoDTokens takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
+        )
         dt, device = x.dtype, x.device
         M = core_matrix_at(sigma, s_values, support.core_positions_on(device), dt)  # (n, n), dropped after the forward
         z = x @ _as(V, dt)  # (T, n)
@@ -188,11 +209,22 @@ class FRoDWeight(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, sigma: Tensor, s_values: Tensor, U: Tensor, V: Tensor, bias: Tensor | None,
-                support, dense_grad: bool, u_span: tuple[int, int, int, int] | None = None,
-                held: Held | None = None) -> Tensor:
-        assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), \
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        sigma: Tensor,
+        s_values: Tensor,
+        U: Tensor,
+        V: Tensor,
+        bias: Tensor | None,
+        support,
+        dense_grad: bool,
+        u_span: tuple[int, int, int, int] | None = None,
+        held: Held | None = None,
+    ) -> Tensor:
+        assert not (U.requires_grad or V.requires_grad or (bias is not None and bias.requires_grad)), (
             "FRoDWeight takes no gradient of U, V or the bias; FRoDLinear uses plain autograd when they train"
+        )
         dt, device = x.dtype, x.device
         M = core_matrix_at(sigma, s_values, support.core_positions_on(device), dt)  # (n, n)
         W = (frozen_dense(member_of(U, u_span), dt) @ M) @ _as(V, dt).t()  # (m, n)

@@ -24,15 +24,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from frod_ds.runtime.errors import FrodError
-from frod_ds.core.frod_function import (FRoDTokens, FRoDWeight, autocast_off, core_matrix, core_matrix_at,
-                                        core_positions, member_of, spans_of)
-from frod_ds.runtime.validate import sparsity_problem
+from frod_ds.core.frod_function import (
+    FRoDTokens,
+    FRoDWeight,
+    autocast_off,
+    core_matrix,
+    core_matrix_at,
+    core_positions,
+    member_of,
+    spans_of,
+)
 from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
 from frod_ds.core.sizes import ordering
+from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.validate import sparsity_problem
 
-__all__ = ["SparseSupport", "FRoDLinear", "FRoDTrainables", "FRoDFrozen", "core_matrix", "support_seed", "ordering",
-           "support_nnz"]
+__all__ = [
+    "SparseSupport",
+    "FRoDLinear",
+    "FRoDTrainables",
+    "FRoDFrozen",
+    "core_matrix",
+    "support_seed",
+    "ordering",
+    "support_nnz",
+]
 
 TRAINABLE_PREFIX = "frod_"
 
@@ -205,9 +221,16 @@ class FRoDLinear(nn.Module):
     Input ``(..., n)`` → output ``(..., m)``.
     """
 
-    def __init__(self, U: Tensor | None, V: nn.Parameter, sigma: Tensor, support: SparseSupport,
-                 bias: Tensor | None = None, flat: tuple[FRoDTrainables, int] | None = None,
-                 frozen: tuple[FRoDFrozen, int] | None = None):
+    def __init__(
+        self,
+        U: Tensor | None,
+        V: nn.Parameter,
+        sigma: Tensor,
+        support: SparseSupport,
+        bias: Tensor | None = None,
+        flat: tuple[FRoDTrainables, int] | None = None,
+        frozen: tuple[FRoDFrozen, int] | None = None,
+    ):
         super().__init__()
         m, n = frozen[0].shapes[frozen[1]] if frozen is not None else logical_shape(U)
         v_shape = tuple(getattr(V, "ds_shape", V.shape))  # ZeRO-3 may already have partitioned a shared V
@@ -230,7 +253,9 @@ class FRoDLinear(nn.Module):
         else:
             holder, i = flat
             (a, b), (c, d) = holder.sigma_spans[i], holder.s_spans[i]
-            assert b - a == n and d - c == support.nnz, f"holder span {i} is ({b - a}, {d - c}), not ({n}, {support.nnz})"
+            assert b - a == n and d - c == support.nnz, (
+                f"holder span {i} is ({b - a}, {d - c}), not ({n}, {support.nnz})"
+            )
         if bias is not None and not isinstance(bias, nn.Parameter):
             bias = nn.Parameter(bias.detach().clone())
         self.bias = bias  # the base layer's own Parameter (ZeRO-3 may hold it partitioned), frozen
@@ -291,14 +316,16 @@ class FRoDLinear(nn.Module):
     def core(self, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Tensor:
         """``M = diag σ + S`` as a dense ``(n, n)`` matrix (differentiable in σ and the S values)."""
         sigma = self.frod_sigma
-        return core_matrix_at(sigma, self.frod_s, self.support.core_positions_on(device or sigma.device),
-                              dtype or sigma.dtype)
+        return core_matrix_at(
+            sigma, self.frod_s, self.support.core_positions_on(device or sigma.device), dtype or sigma.dtype
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         """``x`` (..., n) → (..., m), by the cheaper of two exact orderings (``ordering``)."""
         n, m = self.in_features, self.out_features
-        assert self.save in ("z", "x") and self.dgrad in ("dense", "sampled") and self.impl in ("function", "autograd"), \
-            (self.save, self.dgrad, self.impl)
+        assert (
+            self.save in ("z", "x") and self.dgrad in ("dense", "sampled") and self.impl in ("function", "autograd")
+        ), (self.save, self.dgrad, self.impl)
         dt = _compute_dtype(x)
         mode = self.mode
         if mode == "auto":
@@ -319,11 +346,23 @@ class FRoDLinear(nn.Module):
                 sigma, s_values = spans_of(held[0], held[2], held)
             with autocast_off(x.device.type):  # the Functions run in dt, forward and backward
                 if mode == "tokens":
-                    y = FRoDTokens.apply(xt, sigma, s_values, u, V, bias, self.support,
-                                         self.save == "z", self.dgrad == "dense", span, held)  # (T, m)
+                    y = FRoDTokens.apply(
+                        xt,
+                        sigma,
+                        s_values,
+                        u,
+                        V,
+                        bias,
+                        self.support,
+                        self.save == "z",
+                        self.dgrad == "dense",
+                        span,
+                        held,
+                    )  # (T, m)
                 else:
-                    y = FRoDWeight.apply(xt, sigma, s_values, u, V, bias, self.support,
-                                         self.dgrad == "dense", span, held)  # (T, m)
+                    y = FRoDWeight.apply(
+                        xt, sigma, s_values, u, V, bias, self.support, self.dgrad == "dense", span, held
+                    )  # (T, m)
             return y.view(*x.shape[:-1], m)
         # Plain autograd (the reference, and the route when a frozen factor trains): keeps M or W, and views
         # of U and V, for the backward; a quantized U is dequantized per use (frozen_dense / frozen_linear).

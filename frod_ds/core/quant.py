@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from frod_ds.runtime.errors import FrodError
 from frod_ds.core.names import QUANT_KINDS
 from frod_ds.core.sizes import NF4_BLOCKSIZE, blob_nbytes, blob_sections
+from frod_ds.runtime.errors import FrodError
 
 __all__ = [
     "QuantError",
@@ -56,9 +56,10 @@ __all__ = [
 ]
 
 
-
 class QuantError(FrodError):
     """Bad quantization settings (an unknown kind, quantize_base without a kind), or bitsandbytes missing."""
+
+
 _CODES: dict[torch.device, Tensor] = {}
 
 
@@ -101,9 +102,12 @@ class QuantSpec:
         return self.shape[0] * self.shape[1]
 
     def sections(self) -> list[tuple[str, torch.dtype, int, int]]:
-        """``(name, dtype, count, byte offset)`` of the blob's parts, in order (``frod_ds.core.sizes.blob_sections``)."""
-        return [(name, getattr(torch, dtype), count, offset)
-                for name, dtype, count, offset in blob_sections(self.kind, self.shape, self.blocksize)]
+        """``(name, dtype, count, byte offset)`` of the blob's parts, in order
+        (``frod_ds.core.sizes.blob_sections``)."""
+        return [
+            (name, getattr(torch, dtype), count, offset)
+            for name, dtype, count, offset in blob_sections(self.kind, self.shape, self.blocksize)
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -127,8 +131,9 @@ class QuantSpec:
         blob = torch.zeros(self.nbytes, dtype=torch.uint8, device=W.device)
         if self.kind == "nf4":
             src = W if W.dtype in (torch.bfloat16, torch.float16, torch.float32) else W.float()
-            codes, state = bnbf.quantize_4bit(src.reshape(-1), blocksize=self.blocksize, compress_statistics=False,
-                                              quant_type="nf4")  # flat: blocks run across rows
+            codes, state = bnbf.quantize_4bit(
+                src.reshape(-1), blocksize=self.blocksize, compress_statistics=False, quant_type="nf4"
+            )  # flat: blocks run across rows
             parts = {"codes": codes.reshape(-1), "absmax": state.absmax.float()}
         else:
             CB, SCB, _ = bnbf.int8_vectorwise_quant(W.to(torch.float16))  # as bitsandbytes' Int8Params does
@@ -138,13 +143,13 @@ class QuantSpec:
             t = parts[name]
             assert t.dtype == dt and t.numel() == count, (name, t.dtype, t.numel(), dt, count)
             nb = count * t.element_size()
-            blob[offset:offset + nb] = t.reshape(-1).view(torch.uint8)
+            blob[offset : offset + nb] = t.reshape(-1).view(torch.uint8)
         return blob
 
     def _part(self, blob: Tensor, name: str) -> Tensor:
         for n_, dt, count, offset in self.sections():
             if n_ == name:
-                raw = blob[offset:offset + count * dt.itemsize]
+                raw = blob[offset : offset + count * dt.itemsize]
                 return raw if dt == torch.uint8 else raw.clone().view(dt)  # clone: aligned for the wider view
         raise KeyError(name)
 
@@ -153,15 +158,22 @@ class QuantSpec:
         blob = blob.detach().contiguous().reshape(-1)
         if blob.dtype != torch.uint8:
             blob = blob.view(torch.uint8)
-        assert blob.numel() == self.nbytes, f"blob has {blob.numel()} bytes, {self.kind} {self.shape} needs {self.nbytes}"
+        assert blob.numel() == self.nbytes, (
+            f"blob has {blob.numel()} bytes, {self.kind} {self.shape} needs {self.nbytes}"
+        )
         bnbf = _bnb()
         out_dtype = dtype if dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         if self.kind == "nf4":
             # A flat shape: bitsandbytes 0.50.2's CPU kernel decodes an (m, n) shape wrongly when n is not a
             # multiple of the block size (48x32: relative error 0.38 instead of 0.09); the blocks are flat anyway.
-            state = bnbf.QuantState(absmax=self._part(blob, "absmax"), shape=torch.Size([self.numel]),
-                                    code=_nf4_code(blob.device), blocksize=self.blocksize, quant_type="nf4",
-                                    dtype=out_dtype)
+            state = bnbf.QuantState(
+                absmax=self._part(blob, "absmax"),
+                shape=torch.Size([self.numel]),
+                code=_nf4_code(blob.device),
+                blocksize=self.blocksize,
+                quant_type="nf4",
+                dtype=out_dtype,
+            )
             W = bnbf.dequantize_4bit(self._part(blob, "codes"), state).view(self.shape)  # (m, n)
         else:
             CB = self._part(blob, "CB").view(self.shape)
@@ -280,4 +292,3 @@ def is_base_linear_weight(key: str, shape) -> bool:
     """Whether checkpoint tensor ``key`` is the weight of a linear that ``quantize_untargeted`` swaps (a 2-D
     ``….layers.<i>.….weight``; LLaMA's norms inside the layers are 1-D). Used where no model is built (export)."""
     return len(shape) == 2 and key.endswith(".weight") and ".layers." in f".{key}"
-

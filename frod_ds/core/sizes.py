@@ -11,10 +11,11 @@ BLOB_ALIGN = 8  # byte offsets and the total of a quantized blob (frod_ds.core.q
 
 # a blob's parts per kind: (name, dtype name, bytes per element, count from (numel, rows, blocksize))
 _PARTS = {
-    "nf4": (("codes", "uint8", 1, lambda numel, rows, bs: -(-numel // 2)),
-            ("absmax", "float32", 4, lambda numel, rows, bs: -(-numel // bs))),
-    "int8": (("CB", "int8", 1, lambda numel, rows, bs: numel),
-             ("SCB", "float32", 4, lambda numel, rows, bs: rows)),
+    "nf4": (
+        ("codes", "uint8", 1, lambda numel, rows, bs: -(-numel // 2)),
+        ("absmax", "float32", 4, lambda numel, rows, bs: -(-numel // bs)),
+    ),
+    "int8": (("CB", "int8", 1, lambda numel, rows, bs: numel), ("SCB", "float32", 4, lambda numel, rows, bs: rows)),
 }
 
 
@@ -42,9 +43,9 @@ def blob_nbytes(kind: str, shape: tuple[int, int], blocksize: int = NF4_BLOCKSIZ
 def ordering(tokens: int, m: int, n: int, grad: bool, recompute: bool = False) -> str:
     """The cheaper exact ordering of ``U M Vᵀ x`` for ``tokens`` inputs, U (m, n), by multiply-adds.
 
-        tokens ``U (M (Vᵀ x))``: forward 2Tn² + Tmn; with backward 5Tn² + 2Tmn (+ Tn² with ``recompute``:
-                                 the backward rebuilds z = Vᵀx from the saved x)
-        weight ``(U M Vᵀ) x``:   forward 2mn² + Tmn; with backward 4mn² + 3Tmn
+    tokens ``U (M (Vᵀ x))``: forward 2Tn² + Tmn; with backward 5Tn² + 2Tmn (+ Tn² with ``recompute``:
+                             the backward rebuilds z = Vᵀx from the saved x)
+    weight ``(U M Vᵀ) x``:   forward 2mn² + Tmn; with backward 4mn² + 3Tmn
     """
     if grad:
         cost_tokens = (6 if recompute else 5) * tokens * n * n + 2 * tokens * m * n

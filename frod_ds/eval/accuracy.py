@@ -17,7 +17,14 @@ __all__ = ["PAPER_RESULTS", "PAPER_MODEL", "MODE_NOTES", "summarize", "markdown_
 # the mean over these six tasks; it reports no ARC numbers.
 PAPER_MODEL = "LLaMA2-7B"
 PAPER_RESULTS: dict[str, dict[str, float]] = {
-    "FRoD s=0.02": {"boolq": 87.74, "piqa": 83.62, "siqa": 81.17, "hellaswag": 93.28, "winogrande": 80.98, "obqa": 74.40},
+    "FRoD s=0.02": {
+        "boolq": 87.74,
+        "piqa": 83.62,
+        "siqa": 81.17,
+        "hellaswag": 93.28,
+        "winogrande": 80.98,
+        "obqa": 74.40,
+    },
     "Full FT": {"boolq": 88.50, "piqa": 83.79, "siqa": 81.16, "hellaswag": 92.50, "winogrande": 82.95, "obqa": 78.60},
     "LoRA": {"boolq": 69.80, "piqa": 79.90, "siqa": 70.50, "hellaswag": 83.60, "winogrande": 82.60, "obqa": 81.00},
     "DoRA": {"boolq": 71.80, "piqa": 83.10, "siqa": 79.90, "hellaswag": 89.10, "winogrande": 83.00, "obqa": 81.20},
@@ -38,10 +45,11 @@ TASK_NAMES = {
 
 # One sentence per mode under the table.
 MODE_NOTES = {
-    "loglik": "loglik: argmax of the choices' summed log-probabilities (norm: divided by the answer's length in characters).",
+    "loglik": "loglik: argmax of the choices' summed log-probabilities "
+    "(norm: divided by the answer's length in characters).",
     "generate": "generate: greedy decoding, the earliest answer string in the output.",
     "llm-adapters": "llm-adapters: LLM-Adapters' commonsense protocol (beam search of 4, 32 new tokens, first answer "
-                    "word after \"### Response:\"), the scoring of LLM-Adapters' and DoRA's published numbers.",
+    "word after \"### Response:\"), the scoring of LLM-Adapters' and DoRA's published numbers.",
 }
 _UNMATCHED_NOTE = "unmatched: rows whose output holds no answer (counted wrong)."
 
@@ -87,6 +95,7 @@ def _pct(fraction: float) -> str:
 
 def _mode_columns(mode: str) -> list[tuple[str, Callable[[Sequence[dict[str, Any]]], str]]]:
     """(header, cell of one or more task entries) of one mode's columns; several entries make an average row."""
+
     def acc(key: str) -> Callable[[Sequence[dict[str, Any]]], str]:
         return lambda entries: _pct(_mean([e[key] for e in entries]))
 
@@ -109,8 +118,9 @@ def markdown_table(results_by_mode: Mapping[str, dict[str, Any]], title: str | N
     for mode in modes:
         per_task = results_by_mode[mode]["tasks"]
         assert list(per_task) == tasks, f"mode {mode} scored tasks {list(per_task)}, not {tasks}"
-        assert all(per_task[t]["n"] == results_by_mode[modes[0]]["tasks"][t]["n"] for t in tasks), \
+        assert all(per_task[t]["n"] == results_by_mode[modes[0]]["tasks"][t]["n"] for t in tasks), (
             f"mode {mode} scored other row counts than {modes[0]}"
+        )
     columns = [(mode, header, cell) for mode in modes for header, cell in _mode_columns(mode)]
     methods = list(PAPER_RESULTS)
     head = ["task", "n"] + [header for _, header, _ in columns] + [f"paper {m}" for m in methods]
@@ -138,6 +148,9 @@ def markdown_table(results_by_mode: Mapping[str, dict[str, Any]], title: str | N
     if paper and len(paper) < len(tasks):
         lines.append(row("average (paper's tasks)", paper))
     notes = [MODE_NOTES[m] for m in modes] + ([_UNMATCHED_NOTE] if any(m != "loglik" for m in modes) else [])
-    lines += ["", "Accuracy in %; average rows: unweighted mean over their tasks. " + " ".join(notes),
-              f"Paper columns: the FRoD paper's commonsense results on {PAPER_MODEL}."]
+    lines += [
+        "",
+        "Accuracy in %; average rows: unweighted mean over their tasks. " + " ".join(notes),
+        f"Paper columns: the FRoD paper's commonsense results on {PAPER_MODEL}.",
+    ]
     return "\n".join(lines) + "\n"

@@ -59,6 +59,7 @@ __all__ = [
     "score_llm_adapters_rows",
 ]
 
+
 class EvalError(FrodError):
     """A user-facing evaluation failure; the message is one line saying what to change."""
 
@@ -169,7 +170,9 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 @torch.inference_mode()
-def loglik_scores(model: nn.Module, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], pad_id: int) -> list[float]:
+def loglik_scores(
+    model: nn.Module, contexts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], pad_id: int
+) -> list[float]:
     """``sum_t log p(continuation_t | context, continuation_<t)`` for each (context, continuation) pair.
 
     One left-padded forward pass; only the last ``max_j len(continuation_j) + 1`` positions'
@@ -199,8 +202,14 @@ def loglik_scores(model: nn.Module, contexts: Sequence[Sequence[int]], continuat
 
 
 @torch.inference_mode()
-def generate_outputs(model: nn.Module, tokenizer: Any, contexts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int,
-                     num_beams: int = 1) -> list[str]:
+def generate_outputs(
+    model: nn.Module,
+    tokenizer: Any,
+    contexts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    pad_id: int,
+    num_beams: int = 1,
+) -> list[str]:
     """Decode up to ``max_new_tokens`` after each left-padded context; return the new text.
 
     Greedy for ``num_beams=1``, else beam search (no sampling, length penalty 1, no early stopping:
@@ -214,10 +223,22 @@ def generate_outputs(model: nn.Module, tokenizer: Any, contexts: Sequence[Sequen
     eos = tokenizer.eos_token_id
     input_ids, attention_mask, _ = left_pad(contexts, pad_id)
     device = _device_of(model)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, min_length=0, do_sample=False, num_beams=num_beams,
-                              num_return_sequences=1, length_penalty=1.0, early_stopping=False, repetition_penalty=1.0,
-                              no_repeat_ngram_size=0, pad_token_id=pad_id, eos_token_id=eos)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_length=0,
+        do_sample=False,
+        num_beams=num_beams,
+        num_return_sequences=1,
+        length_penalty=1.0,
+        early_stopping=False,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        pad_token_id=pad_id,
+        eos_token_id=eos,
+    )
+    out = model.generate(
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=config
+    )
     new = out[:, input_ids.shape[1] :].cpu().tolist()  # (B, <= max_new_tokens)
     texts = []
     for ids in new:
@@ -270,14 +291,18 @@ def _record(row: dict[str, Any], pred: int | None) -> dict[str, Any]:
     }
 
 
-def score_loglik_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int) -> list[dict[str, Any]]:
+def score_loglik_rows(
+    model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int
+) -> list[dict[str, Any]]:
     """Loglik prediction records for one batch of rows; all choices of all rows in one forward pass.
 
     Each record: ``task, id, label, answer, pred, prediction, correct`` plus ``pred_norm``,
     ``correct_norm``, ``scores`` (summed log-probs), ``scores_norm`` (per character) and
     ``n_tokens`` (scored tokens per choice).
     """
-    encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows], [row_separator(r) for r in rows])
+    encoded = encode_rows(
+        tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows], [row_separator(r) for r in rows]
+    )
     contexts = [e.context for e in encoded for _ in e.continuations]
     conts = [y for e in encoded for y in e.continuations]
     flat = loglik_scores(model, contexts, conts, pad_id)
@@ -294,10 +319,14 @@ def score_loglik_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str,
     return records
 
 
-def score_generate_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int, max_new_tokens: int) -> list[dict[str, Any]]:
+def score_generate_rows(
+    model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int, max_new_tokens: int
+) -> list[dict[str, Any]]:
     """Generate-mode prediction records for one batch: ``task, id, label, answer, pred, prediction,
     correct, output``; ``pred`` is None (wrong) when no answer string occurs in ``output``."""
-    encoded = encode_rows(tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows], [row_separator(r) for r in rows])
+    encoded = encode_rows(
+        tokenizer, [r["prompt"] for r in rows], [r["choices"] for r in rows], [row_separator(r) for r in rows]
+    )
     texts = generate_outputs(model, tokenizer, [e.context for e in encoded], max_new_tokens, pad_id)
     records = []
     for row, text in zip(rows, texts):
@@ -336,8 +365,10 @@ def llm_adapters_row_problem(row: dict[str, Any]) -> str | None:
     if words is None:
         return f"task {row['task']!r} has no LLM-Adapters answer words (known: {', '.join(LLM_ADAPTERS_WORDS)})"
     if len(row["choices"]) > len(words):
-        return (f"row {row['id']!r} has {len(row['choices'])} choices but {row['task']} has "
-                f"{len(words)} LLM-Adapters answer words ({'/'.join(words)})")
+        return (
+            f"row {row['id']!r} has {len(row['choices'])} choices but {row['task']} has "
+            f"{len(words)} LLM-Adapters answer words ({'/'.join(words)})"
+        )
     return None
 
 
@@ -374,7 +405,9 @@ def prompt_ids(tokenizer: Any, prompts: Sequence[str]) -> list[list[int]]:
     return ids
 
 
-def score_llm_adapters_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int) -> list[dict[str, Any]]:
+def score_llm_adapters_rows(
+    model: nn.Module, tokenizer: Any, rows: Sequence[dict[str, Any]], pad_id: int
+) -> list[dict[str, Any]]:
     """LLM-Adapters-protocol records for one batch of rows (any mix of tasks).
 
     Beam search (`LLM_ADAPTERS_NUM_BEAMS` beams, `LLM_ADAPTERS_MAX_NEW_TOKENS` new tokens) after each
@@ -388,21 +421,25 @@ def score_llm_adapters_rows(model: nn.Module, tokenizer: Any, rows: Sequence[dic
     if problems:
         raise EvalError(problems[0])
     contexts = prompt_ids(tokenizer, [r["prompt"] for r in rows])
-    texts = generate_outputs(model, tokenizer, contexts, LLM_ADAPTERS_MAX_NEW_TOKENS, pad_id, num_beams=LLM_ADAPTERS_NUM_BEAMS)
+    texts = generate_outputs(
+        model, tokenizer, contexts, LLM_ADAPTERS_MAX_NEW_TOKENS, pad_id, num_beams=LLM_ADAPTERS_NUM_BEAMS
+    )
     records = []
     for row, text in zip(rows, texts):
         words = LLM_ADAPTERS_WORDS[row["task"]]
         response = llm_adapters_response(row["prompt"], text)
         word = extract_answer_word(response, row["task"])
         pred = None if word is None else words.index(word)
-        records.append({
-            "task": row["task"],
-            "id": row["id"],
-            "label": row["label"],
-            "answer": words[row["label"]],
-            "pred": pred,
-            "prediction": word,
-            "correct": pred == row["label"],
-            "output": response,
-        })
+        records.append(
+            {
+                "task": row["task"],
+                "id": row["id"],
+                "label": row["label"],
+                "answer": words[row["label"]],
+                "pred": pred,
+                "prediction": word,
+                "correct": pred == row["label"],
+                "output": response,
+            }
+        )
     return records

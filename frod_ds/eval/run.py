@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.atomic import atomic_write_text, building_dir, check_replaceable
+from frod_ds.eval.accuracy import markdown_table, summarize
 from frod_ds.eval.predict import (
     LLM_ADAPTERS_MAX_NEW_TOKENS,
     LLM_ADAPTERS_NUM_BEAMS,
@@ -34,7 +33,8 @@ from frod_ds.eval.predict import (
     score_llm_adapters_rows,
     score_loglik_rows,
 )
-from frod_ds.eval.accuracy import markdown_table, summarize
+from frod_ds.runtime import distributed as dist
+from frod_ds.runtime.atomic import atomic_write_text, building_dir, check_replaceable
 
 __all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "run"]
 
@@ -91,7 +91,11 @@ class EvalConfig:
             problems.append("--base-model/--factor-store apply to --checkpoint only")
         if self.checkpoint and self.tokenizer:
             problems.append("--tokenizer applies to --model only (an adapter checkpoint brings its tokenizer)")
-        for flag, value in (("--batch-size", self.batch_size), ("--max-new-tokens", self.max_new_tokens), ("--limit", self.limit)):
+        for flag, value in (
+            ("--batch-size", self.batch_size),
+            ("--max-new-tokens", self.max_new_tokens),
+            ("--limit", self.limit),
+        ):
             if value is not None and value < 1:
                 problems.append(f"{flag} must be >= 1, got {value}")
         try:
@@ -104,8 +108,9 @@ class EvalConfig:
             problems.append(f"--output {self.output} exists and is not a directory")
         elif Path(self.output).is_dir():  # results are written into it: only an earlier eval's, or an empty one
             try:
-                check_replaceable(Path(self.output), RESULTS_KIND, what="--output", error=EvalError,
-                                  legacy=_is_legacy_results)
+                check_replaceable(
+                    Path(self.output), RESULTS_KIND, what="--output", error=EvalError, legacy=_is_legacy_results
+                )
             except EvalError as exc:
                 problems.append(str(exc))
         if problems:
@@ -171,10 +176,17 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
 
     if config.checkpoint:
         if not adapter.is_adapter_checkpoint(config.checkpoint):
-            raise EvalError(f"--checkpoint {config.checkpoint} is not a FRoD adapter checkpoint (no adapter_config.json); "
-                            "pass a plain HF model with --model")
-        model, tokenizer = adapter.load_frod_model(config.checkpoint, base_model=config.base_model,
-                                                   factor_store=config.factor_store, dtype=dtype, device=str(device))
+            raise EvalError(
+                f"--checkpoint {config.checkpoint} is not a FRoD adapter checkpoint (no adapter_config.json); "
+                "pass a plain HF model with --model"
+            )
+        model, tokenizer = adapter.load_frod_model(
+            config.checkpoint,
+            base_model=config.base_model,
+            factor_store=config.factor_store,
+            dtype=dtype,
+            device=str(device),
+        )
     else:
         assert config.model is not None
         if adapter.is_adapter_checkpoint(config.model):
@@ -190,14 +202,17 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
         except Exception as e:  # a damaged shard: safetensors' error names no file
             if type(e).__name__ != "SafetensorError":
                 raise
-            raise EvalError(f"--model {config.model}: {_unreadable_shard(config.model)} cannot be read ({e}); the "
-                            "checkpoint is damaged (truncated or overwritten), copy it again") from None
+            raise EvalError(
+                f"--model {config.model}: {_unreadable_shard(config.model)} cannot be read ({e}); the "
+                "checkpoint is damaged (truncated or overwritten), copy it again"
+            ) from None
         tokenizer = load_tokenizer(config.tokenizer or config.model)
     return model.eval(), tokenizer
 
 
-def score_batch(mode: str, model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]], pad_id: int,
-                config: EvalConfig) -> list[dict[str, Any]]:
+def score_batch(
+    mode: str, model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]], pad_id: int, config: EvalConfig
+) -> list[dict[str, Any]]:
     """Prediction records of one batch of rows in one mode."""
     if mode == "loglik":
         return score_loglik_rows(model, tokenizer, rows, pad_id)
@@ -217,8 +232,9 @@ def evaluate_shard(model: torch.nn.Module, tokenizer: Any, rows: Rows, config: E
         for task, task_rows in rows.items():
             batches = plan_batches(task_rows, config.batch_size)[rank::world]
             desc = f"{mode} {task}" + (f" (rank 0 of {world})" if world > 1 else "")
-            with tqdm(total=sum(map(len, batches)), desc=desc, unit="row", disable=not dist.is_main(),
-                      dynamic_ncols=True) as bar:
+            with tqdm(
+                total=sum(map(len, batches)), desc=desc, unit="row", disable=not dist.is_main(), dynamic_ncols=True
+            ) as bar:
                 for batch in batches:
                     scored = score_batch(mode, model, tokenizer, [task_rows[i] for i in batch], pad_id, config)
                     records += [{"mode": mode, "index": i, **record} for i, record in zip(batch, scored)]
@@ -247,7 +263,9 @@ def write_outputs(output: Path, files: dict[str, str]) -> None:
             (tmp / name).write_text(text, encoding="utf-8")
 
 
-def build_results(config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def build_results(
+    config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(``results.json`` body, records in mode, task and file order) from all ranks' records.
 
     ``results["modes"][mode]`` is each mode's `summarize` result (per task: accuracy, n, correct and
@@ -263,7 +281,10 @@ def build_results(config: EvalConfig, tasks: list[str], records: list[dict[str, 
     if "generate" not in modes:
         run_config["max_new_tokens"] = None
     if "llm-adapters" in modes:
-        run_config["llm_adapters"] = {"num_beams": LLM_ADAPTERS_NUM_BEAMS, "max_new_tokens": LLM_ADAPTERS_MAX_NEW_TOKENS}
+        run_config["llm_adapters"] = {
+            "num_beams": LLM_ADAPTERS_NUM_BEAMS,
+            "max_new_tokens": LLM_ADAPTERS_MAX_NEW_TOKENS,
+        }
     results = {"mode": modes[0], **by_mode[modes[0]], "modes": by_mode, "config": run_config}
     return results, records
 
@@ -273,11 +294,14 @@ def report(config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]) 
     results, records = build_results(config, tasks, records)
     title = f"Commonsense accuracy, {' and '.join(config.modes)}: {config.checkpoint or config.model}"
     table = markdown_table(results["modes"], title=title)
-    write_outputs(Path(config.output), {
-        "results.json": json.dumps(results, indent=2) + "\n",
-        "results.md": table,
-        "predictions.jsonl": "".join(json.dumps(r) + "\n" for r in records),
-    })
+    write_outputs(
+        Path(config.output),
+        {
+            "results.json": json.dumps(results, indent=2) + "\n",
+            "results.md": table,
+            "predictions.jsonl": "".join(json.dumps(r) + "\n" for r in records),
+        },
+    )
     dist.print0(table)
     dist.print0(f"wrote {config.output}/results.json, results.md, predictions.jsonl")
 

@@ -21,12 +21,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from frod_ds.runtime.errors import AdapterError
-from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 from frod_ds.formats.factor_store import CategoryIdentity, StoreIdentity
+from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
+from frod_ds.runtime.errors import AdapterError
 
-__all__ = ["ADAPTER_FORMAT", "ADAPTER_VERSION", "WEIGHTS", "CONFIG", "AdapterCategory", "AdapterConfig",
-           "sigma_name", "s_name", "support_name"]
+__all__ = [
+    "ADAPTER_FORMAT",
+    "ADAPTER_VERSION",
+    "WEIGHTS",
+    "CONFIG",
+    "AdapterCategory",
+    "AdapterConfig",
+    "sigma_name",
+    "s_name",
+    "support_name",
+]
 
 ADAPTER_FORMAT = "frod-ds-adapter"
 ADAPTER_VERSION = 3
@@ -104,8 +113,11 @@ class AdapterConfig:
 
     def store_identity(self) -> StoreIdentity:
         """The factor store this adapter was trained on, as far as the config records it."""
-        return StoreIdentity(self.factor_store_fingerprint, self.pi,
-                             {c: CategoryIdentity(info.v_sha256, info.method) for c, info in self.categories.items()})
+        return StoreIdentity(
+            self.factor_store_fingerprint,
+            self.pi,
+            {c: CategoryIdentity(info.v_sha256, info.method) for c, info in self.categories.items()},
+        )
 
     @property
     def records_store_identity(self) -> bool:

@@ -39,13 +39,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frod_ds.runtime.errors import StoreError
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
+from frod_ds.runtime.errors import StoreError
 
 __all__ = [
-    "FORMAT", "FORMAT_VERSION", "READABLE_VERSIONS", "MANIFEST",
-    "v_key", "u_key", "sigma_key", "v_file", "part_file", "is_store_file", "category_of", "member_of_key",
-    "QuantRecord", "CategoryRecord", "RankRecord", "RunRecord", "Manifest", "CategoryIdentity", "StoreIdentity",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "MANIFEST",
+    "v_key",
+    "u_key",
+    "sigma_key",
+    "v_file",
+    "part_file",
+    "is_store_file",
+    "category_of",
+    "member_of_key",
+    "QuantRecord",
+    "CategoryRecord",
+    "RankRecord",
+    "RunRecord",
+    "Manifest",
+    "CategoryIdentity",
+    "StoreIdentity",
 ]
 
 FORMAT = "frod-factor-store"
@@ -121,7 +137,9 @@ class CategoryRecord:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     method: str | None = None  # "gram" | "householder"
     cond_estimate: float | None = None  # Gram route's lower bound of cond(R)
-    weight_sha256: dict[str, str] | None = None  # member -> frod_ds.io.fingerprint.tensor_digests of its weight (format 3)
+    weight_sha256: dict[str, str] | None = (
+        None  # member -> frod_ds.io.fingerprint.tensor_digests of its weight (format 3)
+    )
 
     def expected_keys(self) -> set[str]:
         """Every tensor key a complete category has."""
@@ -194,8 +212,8 @@ class Manifest:
         if version not in READABLE_VERSIONS:
             raise StoreError(
                 f"{where} has format version {version}, this code reads {', '.join(map(str, READABLE_VERSIONS))}; "
-                "rebuild the store with this version's launch/hjd.py" + (" or upgrade frod-ds" if isinstance(version, int)
-                                                                         and version > FORMAT_VERSION else "")
+                "rebuild the store with this version's launch/hjd.py"
+                + (" or upgrade frod-ds" if isinstance(version, int) and version > FORMAT_VERSION else "")
             )
         manifest = record_from_dict(cls, data, str(where), StoreError)
         unknown = [c for c in manifest.completed_categories if c not in manifest.categories]

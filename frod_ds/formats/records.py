@@ -37,8 +37,11 @@ def _plain(value: Any) -> Any:
 def record_to_dict(record: Any) -> dict[str, Any]:
     """A JSON-ready dict of a record, fields in declaration order (nested records too); an optional field
     that is ``None`` and defaults to ``None`` is left out."""
-    return {f.name: _plain(getattr(record, f.name)) for f in dataclasses.fields(record)
-            if not (getattr(record, f.name) is None and f.default is None)}
+    return {
+        f.name: _plain(getattr(record, f.name))
+        for f in dataclasses.fields(record)
+        if not (getattr(record, f.name) is None and f.default is None)
+    }
 
 
 def _type_name(tp: Any) -> str:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frod_ds.runtime.errors import FrodError
 from frod_ds.formats.records import changed_keys, parse_json, record_from_dict, record_to_json
+from frod_ds.runtime.errors import FrodError
 
 __all__ = ["RUN_IDENTITY", "BASE_SCOPE", "RunIdentityError", "RunIdentity", "file_sha256", "training_hyperparameters"]
 
@@ -27,10 +27,23 @@ RUN_IDENTITY = "run_identity.json"
 
 # recipe keys that do not change the trained adapter (or whose content is recorded instead of the path)
 _NOT_IDENTITY = {
-    "output_dir", "model.base", "model.factor_store", "model.tokenizer", "model.gradient_checkpointing",
-    "data.train", "data.eval", "train.micro_batch_size", "train.grad_accum", "train.log_every", "train.save_every",
-    "train.eval_every", "train.rotation_every", "train.keep_checkpoints", "train.tensorboard",
-    "train.max_nonfinite_steps", "train.new_run",
+    "output_dir",
+    "model.base",
+    "model.factor_store",
+    "model.tokenizer",
+    "model.gradient_checkpointing",
+    "data.train",
+    "data.eval",
+    "train.micro_batch_size",
+    "train.grad_accum",
+    "train.log_every",
+    "train.save_every",
+    "train.eval_every",
+    "train.rotation_every",
+    "train.keep_checkpoints",
+    "train.tensorboard",
+    "train.max_nonfinite_steps",
+    "train.new_run",
 }
 
 
@@ -73,8 +86,10 @@ class RunIdentity:
         if self.comparable_base(other) and self.base_fingerprint != other.base_fingerprint:
             out.append("base model weights")
         out += [f"data.{k} content" for k in changed_keys(self.data_sha256, other.data_sha256)]
-        out += [f"{k}: {self.hyperparameters.get(k)!r} there, {other.hyperparameters.get(k)!r} now"
-                for k in changed_keys(self.hyperparameters, other.hyperparameters)]
+        out += [
+            f"{k}: {self.hyperparameters.get(k)!r} there, {other.hyperparameters.get(k)!r} now"
+            for k in changed_keys(self.hyperparameters, other.hyperparameters)
+        ]
         return out
 
     def comparable_base(self, other: RunIdentity) -> bool:

@@ -21,9 +21,25 @@ from frod_ds._moved import old_paths
 
 __path__ = old_paths(__path__, __name__)  # old module paths, kept for one release
 
-_MATH = ("HJDResult", "decompose", "validate_members", "thin_qr", "tsqr_combine", "t_pi_term", "shared_basis",
-         "member_factors", "gram", "gram_factor", "gram_t_pi_term", "gram_t_pi", "gram_basis", "weight_factors",
-         "reconstruction_error", "reconstruction_error_t", "no_tf32")
+_MATH = (
+    "HJDResult",
+    "decompose",
+    "validate_members",
+    "thin_qr",
+    "tsqr_combine",
+    "t_pi_term",
+    "shared_basis",
+    "member_factors",
+    "gram",
+    "gram_factor",
+    "gram_t_pi_term",
+    "gram_t_pi",
+    "gram_basis",
+    "weight_factors",
+    "reconstruction_error",
+    "reconstruction_error_t",
+    "no_tf32",
+)
 
 __all__ = list(_MATH)
 

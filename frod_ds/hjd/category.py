@@ -23,14 +23,14 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from frod_ds.runtime import distributed as D
+from frod_ds.core.quant import QuantSpec
 from frod_ds.formats.checksum import format_crc32
-from frod_ds.io.hf_checkpoint import HFCheckpoint
-from frod_ds.hjd.streaming import FactorWriter, MemberReader
+from frod_ds.formats.factor_store import sigma_key, u_key, v_file, v_key
 from frod_ds.hjd.math import reconstruction_error_t
 from frod_ds.hjd.sharding import my_members
-from frod_ds.core.quant import QuantSpec
-from frod_ds.formats.factor_store import sigma_key, u_key, v_file, v_key
+from frod_ds.hjd.streaming import FactorWriter, MemberReader
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.runtime import distributed as D
 
 __all__ = ["CategorySpec", "CategoryResult", "Phases", "MemberSource", "FactorSink", "open_category"]
 
@@ -125,8 +125,9 @@ class MemberSource:
     cache (``("W", i)``: a weight, ``("G", i)``: its Gram matrix); ``reread`` schedules the reads a pass is
     about to need, ahead of anything else queued."""
 
-    def __init__(self, spec: CategorySpec, ckpt: HFCheckpoint, reader: MemberReader, device: torch.device,
-                 cache_bytes: float):
+    def __init__(
+        self, spec: CategorySpec, ckpt: HFCheckpoint, reader: MemberReader, device: torch.device, cache_bytes: float
+    ):
         self.spec, self.ckpt, self.reader, self.device = spec, ckpt, reader, device
         self.cache_bytes = cache_bytes
         self.cache = _Cache(cache_bytes)
@@ -173,11 +174,24 @@ class FactorSink:
 
     def __init__(self, spec: CategorySpec, writer: FactorWriter, dtype: torch.dtype):
         self.spec, self.writer, self.dtype = spec, writer, dtype
-        self.bar = tqdm(total=2 * len(spec.mine), desc=f"{spec.name} L={spec.L} n={spec.n}", unit="member",
-                        disable=not D.is_main(), dynamic_ncols=True, file=sys.stderr)
+        self.bar = tqdm(
+            total=2 * len(spec.mine),
+            desc=f"{spec.name} L={spec.L} n={spec.n}",
+            unit="member",
+            disable=not D.is_main(),
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
 
-    def emit(self, source: MemberSource, V: Tensor, factors: Factors, method: str, cond: float | None,
-             phase_seconds: dict[str, float]) -> CategoryResult:
+    def emit(
+        self,
+        source: MemberSource,
+        V: Tensor,
+        factors: Factors,
+        method: str,
+        cond: float | None,
+        phase_seconds: dict[str, float],
+    ) -> CategoryResult:
         """``factors(i, W_i) -> (U_i, σ_i)`` per member: errors measured, U/σ written; V by rank 0."""
         spec, dtype, n = self.spec, self.dtype, self.spec.n
         V_c = V.to(dtype)
@@ -186,12 +200,23 @@ class FactorSink:
         exact_store = dtype == torch.float32 and spec.u_dtype == torch.float32 and spec.quant == "none"
         err: dict[str, Tensor] = {}
         stored: dict[str, Tensor] = {}
-        qspecs = {m: QuantSpec(spec.quant, (h, n)) for m, h in zip(spec.mine, spec.heights)} \
-            if spec.quant != "none" else {}
-        self.writer.begin(spec.name, D.get_rank(), [
-            (m, [(u_key(m), torch.uint8, (qspecs[m].nbytes,)) if qspecs else (u_key(m), spec.u_dtype, (h, n)),
-                 (sigma_key(m), torch.float32, (n,))])
-            for m, h in zip(spec.mine, spec.heights)])
+        qspecs = (
+            {m: QuantSpec(spec.quant, (h, n)) for m, h in zip(spec.mine, spec.heights)} if spec.quant != "none" else {}
+        )
+        self.writer.begin(
+            spec.name,
+            D.get_rank(),
+            [
+                (
+                    m,
+                    [
+                        (u_key(m), torch.uint8, (qspecs[m].nbytes,)) if qspecs else (u_key(m), spec.u_dtype, (h, n)),
+                        (sigma_key(m), torch.float32, (n,)),
+                    ],
+                )
+                for m, h in zip(spec.mine, spec.heights)
+            ],
+        )
         for i, member in enumerate(spec.mine):
             W = source.weight(i)
             U_i, sigma_i = factors(i, W)  # (m_i, n), (n,) in the compute dtype
@@ -200,8 +225,9 @@ class FactorSink:
             if qspecs:  # quantized from U in u_dtype, as load-time quantization of a dense store would
                 blob = qspecs[member].pack(U_s)  # (nbytes,) uint8
                 U_s = qspecs[member].unpack(blob, spec.u_dtype)  # (m_i, n): what training will compute with
-            stored[member] = err[member] if exact_store else reconstruction_error_t(
-                W, U_s.to(dtype), sigma_s.to(dtype), V_stored)
+            stored[member] = (
+                err[member] if exact_store else reconstruction_error_t(W, U_s.to(dtype), sigma_s.to(dtype), V_stored)
+            )
             self.writer.add(u_key(member), blob if qspecs else U_s)
             self.writer.add(sigma_key(member), sigma_s)
             del W, U_i, U_s
@@ -218,12 +244,28 @@ class FactorSink:
         self.bar.close()
 
 
-def open_category(ckpt: HFCheckpoint, category: str, members: list[str], reader: MemberReader,
-                  writer: FactorWriter, device: torch.device, dtype: torch.dtype, u_dtype: torch.dtype | None,
-                  cache_bytes: float, quant: str = "none") -> tuple[MemberSource, FactorSink]:
+def open_category(
+    ckpt: HFCheckpoint,
+    category: str,
+    members: list[str],
+    reader: MemberReader,
+    writer: FactorWriter,
+    device: torch.device,
+    dtype: torch.dtype,
+    u_dtype: torch.dtype | None,
+    cache_bytes: float,
+    quant: str = "none",
+) -> tuple[MemberSource, FactorSink]:
     """This rank's source and sink of ``category`` (close both when done, also on errors). ``u_dtype``: the
     dtype U is stored in (None: the checkpoint's); ``quant``: nf4 | int8 stores U quantized from it."""
     mine = my_members(members, D.get_rank(), D.get_world_size())
-    spec = CategorySpec(category, list(members), mine, [ckpt.shape(m + ".weight")[0] for m in mine],
-                        ckpt.shape(members[0] + ".weight")[1], u_dtype or ckpt.dtype(members[0] + ".weight"), quant)
+    spec = CategorySpec(
+        category,
+        list(members),
+        mine,
+        [ckpt.shape(m + ".weight")[0] for m in mine],
+        ckpt.shape(members[0] + ".weight")[1],
+        u_dtype or ckpt.dtype(members[0] + ".weight"),
+        quant,
+    )
     return MemberSource(spec, ckpt, reader, device, cache_bytes), FactorSink(spec, writer, dtype)

@@ -232,8 +232,11 @@ def reconstruction_error(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor) -
 
 
 def decompose(
-    weights: Sequence[Tensor], pi: float = 1e-3, dtype: torch.dtype = torch.float64,
-    names: Sequence[str] | None = None, method: str = "householder",
+    weights: Sequence[Tensor],
+    pi: float = 1e-3,
+    dtype: torch.dtype = torch.float64,
+    names: Sequence[str] | None = None,
+    method: str = "householder",
 ) -> HJDResult:
     """HJD of one category on the members' device, computed in ``dtype`` (fp32: TF32 off).
 
@@ -261,8 +264,10 @@ def decompose(
             G = sum(Gs)
             R, _ = gram_factor(G)
             if R is None:
-                raise HJDError("the Gram route needs a stack of full column rank (sum of m_i >= n, no null "
-                                 "direction); use method='householder'")
+                raise HJDError(
+                    "the Gram route needs a stack of full column rank (sum of m_i >= n, no null "
+                    "direction); use method='householder'"
+                )
             T_pi = gram_t_pi(R, sum(gram_t_pi_term(G_i, G, pi) for G_i in Gs), len(Ws))
             V, _, Y = gram_basis(R, T_pi)
             V, Y = V.to(dtype), Y.to(dtype)

@@ -40,8 +40,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from frod_ds.runtime import distributed as D
-from frod_ds.runtime.errors import FrodError
 from frod_ds.hjd.category import CategoryResult, FactorSink, MemberSource, Phases
 from frod_ds.hjd.math import (
     gram,
@@ -56,9 +54,19 @@ from frod_ds.hjd.math import (
     tsqr_combine,
     weight_factors,
 )
+from frod_ds.runtime import distributed as D
+from frod_ds.runtime.errors import FrodError
 
-__all__ = ["RouteOptions", "read_pass", "factor_category", "gram_route", "householder_route", "make_blocks",
-           "GRAM_MAX_COND", "GRAM_MAX_ERROR"]
+__all__ = [
+    "RouteOptions",
+    "read_pass",
+    "factor_category",
+    "gram_route",
+    "householder_route",
+    "make_blocks",
+    "GRAM_MAX_COND",
+    "GRAM_MAX_ERROR",
+]
 
 # Gram route limits per compute dtype: its rounding error grows like eps·cond(R), Householder's does not.
 GRAM_MAX_COND = {torch.float32: 1e3, torch.float64: 1e8}
@@ -104,8 +112,15 @@ def read_pass(source: MemberSource, sink: FactorSink, phases: Phases) -> Tensor:
     return G
 
 
-def gram_route(source: MemberSource, sink: FactorSink, G: Tensor, R_box: list[Tensor], cond: float,
-               opts: RouteOptions, phases: Phases) -> CategoryResult:
+def gram_route(
+    source: MemberSource,
+    sink: FactorSink,
+    G: Tensor,
+    R_box: list[Tensor],
+    cond: float,
+    opts: RouteOptions,
+    phases: Phases,
+) -> CategoryResult:
     """Passes B and C of the Gram route from the summed ``G``; rank 0 passes ``R`` in ``R_box``, taken out
     here so that it is freed before pass C."""
     n, L = source.spec.n, source.spec.L
@@ -205,8 +220,12 @@ def _local_qr(source: MemberSource, blocks: _Blocks, qcache: _QCache, dtype: tor
     return R_blocks
 
 
-def _combine(R_blocks: list[Tensor], n: int, dtype: torch.dtype, device: torch.device,
-             ) -> tuple[list[Tensor], Tensor | None, int]:
+def _combine(
+    R_blocks: list[Tensor],
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[list[Tensor], Tensor | None, int]:
     """Both TSQR levels. Returns ``M_b = Q̂_b Q̃_p`` (k_b, k) per block, R (k, n) on rank 0, and k."""
     if not R_blocks:
         Q_hat: list[Tensor] | None = []
@@ -226,8 +245,17 @@ def _combine(R_blocks: list[Tensor], n: int, dtype: torch.dtype, device: torch.d
     return M, R, int(Q_tilde_p.shape[1])
 
 
-def _basis(blocks: _Blocks, qcache: _QCache, M: list[Tensor], R: Tensor | None, k: int, opts: RouteOptions, n: int,
-           L: int, device: torch.device) -> tuple[Tensor, Tensor]:
+def _basis(
+    blocks: _Blocks,
+    qcache: _QCache,
+    M: list[Tensor],
+    R: Tensor | None,
+    k: int,
+    opts: RouteOptions,
+    n: int,
+    L: int,
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
     """``Q_b ← Q_b M_b`` (rows of the global Q), ``T_pi`` summed over ranks, ``V, Z`` from rank 0."""
     T_pi = torch.zeros(k, k, dtype=opts.dtype, device=device)
     for b, block in enumerate(blocks.ranges):
@@ -250,8 +278,9 @@ def _basis(blocks: _Blocks, qcache: _QCache, M: list[Tensor], R: Tensor | None, 
     return V, Z
 
 
-def householder_route(source: MemberSource, sink: FactorSink, cond: float | None, opts: RouteOptions,
-                      phases: Phases) -> CategoryResult:
+def householder_route(
+    source: MemberSource, sink: FactorSink, cond: float | None, opts: RouteOptions, phases: Phases
+) -> CategoryResult:
     """The Householder TSQR route for this rank's members (see the module docstring)."""
     spec = source.spec
     blocks = _Blocks(spec.heights, spec.n, torch.finfo(opts.dtype).bits // 8, opts.block_bytes)
@@ -282,8 +311,9 @@ def householder_route(source: MemberSource, sink: FactorSink, cond: float | None
 # ------------------------------------------------------------------------------------------- the choice
 
 
-def factor_category(source: MemberSource, sink: FactorSink, G: Tensor, phases: Phases,
-                    opts: RouteOptions) -> CategoryResult:
+def factor_category(
+    source: MemberSource, sink: FactorSink, G: Tensor, phases: Phases, opts: RouteOptions
+) -> CategoryResult:
     """Everything after ``read_pass``: the Gram route where ``G`` says it holds (checked again on the
     errors), the Householder route otherwise. Returns with this rank's writes still in flight."""
     D.all_reduce_sum(G)

@@ -14,16 +14,25 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from frod_ds.core.names import DEFAULT_TARGETS
+from frod_ds.formats.factor_store import category_of
 from frod_ds.runtime.errors import FrodError, HJDError
 from frod_ds.runtime.launch_env import launcher_rank_world, ranks_on_this_node
-from frod_ds.formats.factor_store import category_of
 from frod_ds.runtime.validate import widths_problem
 
 if TYPE_CHECKING:
     from frod_ds.io.hf_checkpoint import HFCheckpoint
 
-__all__ = ["DEFAULT_TARGETS", "FLOAT_CODES", "natural_key", "targeted_members", "plan_categories", "split_counts",
-           "my_members", "readahead_budget", "start_readahead"]
+__all__ = [
+    "DEFAULT_TARGETS",
+    "FLOAT_CODES",
+    "natural_key",
+    "targeted_members",
+    "plan_categories",
+    "split_counts",
+    "my_members",
+    "readahead_budget",
+    "start_readahead",
+]
 
 FLOAT_CODES = ("F64", "F32", "F16", "BF16")  # safetensors dtypes HJD reads
 
@@ -67,7 +76,9 @@ def plan_categories(ckpt: HFCheckpoint, targets: Sequence[str]) -> dict[str, lis
             if len(info.shape) != 2:
                 raise HJDError(f"{m}.weight has shape {list(info.shape)}; HJD targets 2-D linear weights")
             if info.code not in FLOAT_CODES:
-                raise HJDError(f"{m}.weight has dtype {info.code}; HJD needs bf16/fp16/fp32/fp64 weights (dequantize first)")
+                raise HJDError(
+                    f"{m}.weight has dtype {info.code}; HJD needs bf16/fp16/fp32/fp64 weights (dequantize first)"
+                )
         problem = widths_problem([info.shape[1] for _, info in infos], f"category {category!r}")
         if problem:
             raise HJDError(problem)
@@ -112,8 +123,11 @@ def start_readahead(model: str, targets: Sequence[str], budget_bytes: float) -> 
             return None
         rank, world, _ = launcher_rank_world() or (0, 1, 0)
         ckpt = HFCheckpoint(model)
-        names = [m + ".weight" for members in targeted_members(ckpt.keys(), targets).values()
-                 for m in my_members(members, rank, world)]
+        names = [
+            m + ".weight"
+            for members in targeted_members(ckpt.keys(), targets).values()
+            for m in my_members(members, rank, world)
+        ]
         return ckpt.readahead(names, budget_bytes)
     except (OSError, FrodError):
         return None

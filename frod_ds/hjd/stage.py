@@ -19,20 +19,20 @@ from pathlib import Path
 
 import torch
 
-from frod_ds.runtime import distributed as D
-from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, atomic_write_text, disk_full_line
-from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_name
-from frod_ds.runtime.errors import HJDError
-from frod_ds.io.fingerprint import base_fingerprint, tensor_digests
-from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
-from frod_ds.hjd import store_writer
-from frod_ds.hjd.category import CategoryResult, Phases, open_category
-from frod_ds.hjd.streaming import FactorWriter, MemberReader
-from frod_ds.hjd.math import no_tf32
-from frod_ds.hjd.sharding import DEFAULT_TARGETS, my_members, plan_categories
-from frod_ds.hjd.routes import RouteOptions, factor_category, read_pass
 from frod_ds.core.quant import QUANT_KINDS
 from frod_ds.formats.factor_store import MANIFEST, Manifest, RunRecord
+from frod_ds.hjd import store_writer
+from frod_ds.hjd.category import CategoryResult, Phases, open_category
+from frod_ds.hjd.math import no_tf32
+from frod_ds.hjd.routes import RouteOptions, factor_category, read_pass
+from frod_ds.hjd.sharding import DEFAULT_TARGETS, my_members, plan_categories
+from frod_ds.hjd.streaming import FactorWriter, MemberReader
+from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_name
+from frod_ds.io.fingerprint import base_fingerprint, tensor_digests
+from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from frod_ds.runtime import distributed as D
+from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, atomic_write_text, disk_full_line
+from frod_ds.runtime.errors import HJDError
 from frod_ds.runtime.validate import pi_problem, targets_problem
 
 __all__ = ["StageConfig", "run_stage"]
@@ -69,8 +69,10 @@ class StageConfig:
         problems = [p for p in (targets_problem(self.targets, "--targets"), pi_problem(self.pi, "--pi")) if p]
         strangers = [c for c in self.categories if c not in self.targets]
         if strangers or not self.categories:
-            problems.append(f"--categories {list(self.categories)} must be a non-empty subset of --targets "
-                            f"{list(self.targets)} (the store's categories)")
+            problems.append(
+                f"--categories {list(self.categories)} must be a non-empty subset of --targets "
+                f"{list(self.targets)} (the store's categories)"
+            )
         if self.dtype not in (torch.float32, torch.float64):
             problems.append(f"--dtype must be float32 or float64, got {self.dtype}")
         if not self.block_gb > 0:
@@ -122,11 +124,22 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
     def fresh() -> Manifest:
         by_name = tensor_digests(ckpt, [m + ".weight" for members in categories.values() for m in members])
         digests = {c: {m: by_name[m + ".weight"] for m in members} for c, members in categories.items()}
-        return store_writer.new_manifest(cfg.model, list(cfg.targets), cfg.pi, cfg.dtype, cfg.u_dtype, digests,
-                                      categories, ckpt, cfg.quant, base_fingerprint(ckpt, cfg.targets))
+        return store_writer.new_manifest(
+            cfg.model,
+            list(cfg.targets),
+            cfg.pi,
+            cfg.dtype,
+            cfg.u_dtype,
+            digests,
+            categories,
+            ckpt,
+            cfg.quant,
+            base_fingerprint(ckpt, cfg.targets),
+        )
 
-    manifest = D.on_main(lambda: store_writer.prepare_store(cfg.out, fresh(), cfg.overwrite,
-                                                                {"--model": model_dir}, ckpt))
+    manifest = D.on_main(
+        lambda: store_writer.prepare_store(cfg.out, fresh(), cfg.overwrite, {"--model": model_dir}, ckpt)
+    )
     D.check_shared_dir(cfg.out, "--out")  # every rank writes its members' factors there
     return device, ckpt, categories, manifest
 
@@ -151,19 +164,32 @@ class _Recorder:
             out.wait()
             out.phase_seconds["write_wait"] = round(time.perf_counter() - t_wait, 3)
         except OSError as e:
-            error = (disk_full_line(e) if e.errno in DISK_FULL_ERRNOS else
-                     f"writing the factor store in {self.cfg.out} failed ({e}); check free space and permissions")
+            error = (
+                disk_full_line(e)
+                if e.errno in DISK_FULL_ERRNOS
+                else f"writing the factor store in {self.cfg.out} failed ({e}); check free space and permissions"
+            )
         D.agree_on_error(error)
         outs = D.all_gather_object(out)
-        D.on_main(lambda: store_writer.record_category(self.cfg.out, self.manifest, category, outs, seconds, self.writer))
+        D.on_main(
+            lambda: store_writer.record_category(self.cfg.out, self.manifest, category, outs, seconds, self.writer)
+        )
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
 
 
-def _factor_all(cfg: StageConfig, ckpt: HFCheckpoint, categories: dict[str, list[str]], todo: list[str],
-                device: torch.device, reader: MemberReader, writer: FactorWriter, recorder: _Recorder) -> None:
+def _factor_all(
+    cfg: StageConfig,
+    ckpt: HFCheckpoint,
+    categories: dict[str, list[str]],
+    todo: list[str],
+    device: torch.device,
+    reader: MemberReader,
+    writer: FactorWriter,
+    recorder: _Recorder,
+) -> None:
     """The categories in ``todo``, one after the other, reads of the next overlapping the compute."""
     rank, world = D.get_rank(), D.get_world_size()
     if todo:
@@ -171,8 +197,18 @@ def _factor_all(cfg: StageConfig, ckpt: HFCheckpoint, categories: dict[str, list
     for j, category in enumerate(todo):
         t0 = time.perf_counter()
         D.on_main(lambda: store_writer.remove_store_files(cfg.out, category))  # leftovers of a killed run
-        source, sink = open_category(ckpt, category, categories[category], reader, writer, device, cfg.dtype,
-                                     cfg.u_dtype, cfg.device_cache_gb * GiB, cfg.quant)
+        source, sink = open_category(
+            ckpt,
+            category,
+            categories[category],
+            reader,
+            writer,
+            device,
+            cfg.dtype,
+            cfg.u_dtype,
+            cfg.device_cache_gb * GiB,
+            cfg.quant,
+        )
         try:
             phases = Phases(device)
             G = read_pass(source, sink, phases)  # every read of this category (unless the cache overflows)
@@ -200,11 +236,18 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest 
     device, ckpt, categories, manifest = _open(cfg)
     todo = [c for c in categories if c not in manifest.completed_categories]
     skipped = [c for c in categories if c not in todo]
-    D.print0(f"HJD {cfg.model}: {len(categories)} categories, world size {D.get_world_size()}, {dtype_name(cfg.dtype)} on "
-             f"{device.type}" + (f"; resuming, done: {', '.join(skipped)}" if skipped else ""))
+    D.print0(
+        f"HJD {cfg.model}: {len(categories)} categories, world size {D.get_world_size()}, {dtype_name(cfg.dtype)} on "
+        f"{device.type}" + (f"; resuming, done: {', '.join(skipped)}" if skipped else "")
+    )
     reader = MemberReader(ckpt, device, threads=cfg.io_threads, ahead_bytes=cfg.prefetch_gb * GiB)
-    writer = FactorWriter(cfg.out, fsync=cfg.fsync, part_bytes=cfg.part_mb * 2**20, threads=max(1, cfg.io_threads // 2),
-                          buffer_bytes=min(cfg.prefetch_gb, 1.0) * GiB)
+    writer = FactorWriter(
+        cfg.out,
+        fsync=cfg.fsync,
+        part_bytes=cfg.part_mb * 2**20,
+        threads=max(1, cfg.io_threads // 2),
+        buffer_bytes=min(cfg.prefetch_gb, 1.0) * GiB,
+    )
     recorder = _Recorder(cfg, manifest)
     prologue = round(time.perf_counter() - t_start, 3)
     try:
@@ -217,9 +260,15 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest 
     ranks = D.all_gather_object(store_writer.rank_summary(time.perf_counter() - t_start, device, ckpt))
 
     def finish() -> Manifest:
-        manifest.run = RunRecord(seconds=round(time.perf_counter() - t_start, 3), startup_s=startup, prologue_s=prologue,
-                                 world_size=D.get_world_size(), categories_done=todo, categories_skipped=skipped,
-                                 ranks=ranks)
+        manifest.run = RunRecord(
+            seconds=round(time.perf_counter() - t_start, 3),
+            startup_s=startup,
+            prologue_s=prologue,
+            world_size=D.get_world_size(),
+            categories_done=todo,
+            categories_skipped=skipped,
+            ranks=ranks,
+        )
         manifest.complete = not manifest.missing_categories
         atomic_write_text(cfg.out / MANIFEST, manifest.to_json())
         return manifest

@@ -18,24 +18,48 @@ from typing import Any
 
 import torch
 
-from frod_ds.runtime import distributed as D
-from frod_ds.runtime.atomic import (MARKER, TMP, atomic_write_text, check_replaceable, fsync_dir, is_marked, mark_dir,
-                            marker_kind)
-from frod_ds.io.dtypes import dtype_name
-from frod_ds.runtime.errors import HJDError, StoreError, note
-from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
-from frod_ds.io.hf_checkpoint import HFCheckpoint
-from frod_ds.hjd.category import CategoryResult
 from frod_ds.core.quant import NF4_BLOCKSIZE
 from frod_ds.formats.factor_store import MANIFEST, CategoryRecord, Manifest, QuantRecord, RankRecord, is_store_file
+from frod_ds.hjd.category import CategoryResult
+from frod_ds.io.dtypes import dtype_name
+from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.runtime import distributed as D
+from frod_ds.runtime.atomic import (
+    MARKER,
+    TMP,
+    atomic_write_text,
+    check_replaceable,
+    fsync_dir,
+    is_marked,
+    mark_dir,
+    marker_kind,
+)
+from frod_ds.runtime.errors import HJDError, StoreError, note
 
-__all__ = ["CONFIG_FIELDS", "new_manifest", "prepare_store", "remove_store_files", "ManifestWriter",
-           "record_category", "rank_summary"]
+__all__ = [
+    "CONFIG_FIELDS",
+    "new_manifest",
+    "prepare_store",
+    "remove_store_files",
+    "ManifestWriter",
+    "record_category",
+    "rank_summary",
+]
 
 GiB = 2**30
 KIND = "factor-store"  # the marker's kind (frod_ds.runtime.atomic)
 # a store to resume or add categories to must match on these (the targeted weights: per category, weight_sha256)
-CONFIG_FIELDS = ("format_version", "targets", "pi", "hjd_dtype", "u_dtype", "u_quant", "model_config", "base_fingerprint")
+CONFIG_FIELDS = (
+    "format_version",
+    "targets",
+    "pi",
+    "hjd_dtype",
+    "u_dtype",
+    "u_quant",
+    "model_config",
+    "base_fingerprint",
+)
 
 
 def _versions() -> dict[str, str]:
@@ -59,14 +83,31 @@ def _model_config(model_dir: Path) -> dict[str, Any] | None:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "torch_dtype", "dtype")
+    keys = (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "torch_dtype",
+        "dtype",
+    )
     return {k: cfg[k] for k in keys if k in cfg}
 
 
-def new_manifest(model: str, targets: list[str], pi: float, dtype: torch.dtype, u_dtype: torch.dtype | None,
-                 digests: dict[str, dict[str, str]], categories: dict[str, list[str]], ckpt: HFCheckpoint,
-                 quant: str = "none", base_fingerprint: str | None = None) -> Manifest:
+def new_manifest(
+    model: str,
+    targets: list[str],
+    pi: float,
+    dtype: torch.dtype,
+    u_dtype: torch.dtype | None,
+    digests: dict[str, dict[str, str]],
+    categories: dict[str, list[str]],
+    ckpt: HFCheckpoint,
+    quant: str = "none",
+    base_fingerprint: str | None = None,
+) -> Manifest:
     """The manifest of a store not yet started: this run's ``categories`` planned, none complete. ``u_dtype``: the
     dtype U is stored in (None: each category's checkpoint dtype); ``quant``: nf4 | int8 stores U quantized;
     ``digests``: ``{category: {member: weight digest}}``; ``base_fingerprint``: the checkpoint's other tensors."""
@@ -83,11 +124,21 @@ def new_manifest(model: str, targets: list[str], pi: float, dtype: torch.dtype, 
         )
         for c, members in categories.items()
     }
-    return Manifest(base_model=model, fingerprint=_fingerprint(records), fingerprint_method=FINGERPRINT_METHOD,
-                    model_config=_model_config(ckpt.dir), targets=list(targets), pi=pi, hjd_dtype=dtype_name(dtype),
-                    u_dtype=dtype_name(u_dtype) if u_dtype is not None else "auto", u_quant=u_quant,
-                    base_fingerprint=base_fingerprint, categories=records, world_size=D.get_world_size(),
-                    versions=_versions())
+    return Manifest(
+        base_model=model,
+        fingerprint=_fingerprint(records),
+        fingerprint_method=FINGERPRINT_METHOD,
+        model_config=_model_config(ckpt.dir),
+        targets=list(targets),
+        pi=pi,
+        hjd_dtype=dtype_name(dtype),
+        u_dtype=dtype_name(u_dtype) if u_dtype is not None else "auto",
+        u_quant=u_quant,
+        base_fingerprint=base_fingerprint,
+        categories=records,
+        world_size=D.get_world_size(),
+        versions=_versions(),
+    )
 
 
 def _fingerprint(records: dict[str, CategoryRecord]) -> str:
@@ -127,15 +178,21 @@ def _describe(manifest: Manifest, fresh: Manifest, diffs: list[str]) -> str:
     other_weights = [d.split(":", 1)[1] for d in diffs if d.startswith("weights:")]
     if "base_fingerprint" in diffs:
         other_weights.insert(0, "the untargeted tensors")
-    shown = ", ".join(f"{k}: {getattr(manifest, k)!r} there, {getattr(fresh, k)!r} now" for k in diffs
-                      if k in CONFIG_FIELDS and k != "base_fingerprint")
+    shown = ", ".join(
+        f"{k}: {getattr(manifest, k)!r} there, {getattr(fresh, k)!r} now"
+        for k in diffs
+        if k in CONFIG_FIELDS and k != "base_fingerprint"
+    )
     if other_weights:
-        shown = (f"built from {manifest.base_model!r} (another model's weights: {', '.join(other_weights)} differ)"
-                 + (f"; {shown}" if shown else ""))
+        shown = f"built from {manifest.base_model!r} (another model's weights: {', '.join(other_weights)} differ)" + (
+            f"; {shown}" if shown else ""
+        )
     return shown
 
 
-def _existing_manifest(out: Path, fresh: Manifest, overwrite: bool, ckpt: HFCheckpoint | None = None) -> Manifest | None:
+def _existing_manifest(
+    out: Path, fresh: Manifest, overwrite: bool, ckpt: HFCheckpoint | None = None
+) -> Manifest | None:
     """The manifest in ``out`` with this run's categories merged in, if it is one to resume or extend; ``None``
     if it is to be replaced (``overwrite``); ``HJDError`` if it is of another configuration or model."""
     try:
@@ -172,10 +229,12 @@ def _is_store(out: Path) -> bool:
     return marker_kind(out) == KIND if is_marked(out) else _is_legacy_store(out)
 
 
-def prepare_store(out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str, Any] | None = None,
-                  ckpt: HFCheckpoint | None = None) -> Manifest:
+def prepare_store(
+    out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str, Any] | None = None, ckpt: HFCheckpoint | None = None
+) -> Manifest:
     """Rank 0: create the store directory, or resume / extend the one there; returns the manifest to continue.
-    Store files are replaced (``overwrite``, or a corrupt manifest) only where ``frod_ds.runtime.atomic.check_replaceable``
+    Store files are replaced (``overwrite``, or a corrupt manifest) only where
+    ``frod_ds.runtime.atomic.check_replaceable``
     allows it: a factor store, none of this run's ``inputs`` (the model)."""
     if out.exists() and not out.is_dir():
         raise HJDError(f"--out {out} is a file; pass a directory")
@@ -247,8 +306,9 @@ class ManifestWriter:
             self._pool.shutdown(wait=True)
 
 
-def record_category(out: Path, manifest: Manifest, category: str, outs: list[CategoryResult], seconds: float,
-                    writer: ManifestWriter) -> None:
+def record_category(
+    out: Path, manifest: Manifest, category: str, outs: list[CategoryResult], seconds: float, writer: ManifestWriter
+) -> None:
     """Rank 0: check every rank's files are there, then record the category as complete (manifest replaced)."""
     record = manifest.categories[category]
     files: dict[str, str] = {}
@@ -286,9 +346,15 @@ def record_category(out: Path, manifest: Manifest, category: str, outs: list[Cat
 
 def rank_summary(seconds: float, device: torch.device, ckpt: HFCheckpoint) -> RankRecord:
     """What this rank did: time, peak memory, what it read."""
-    out = RankRecord(rank=D.get_rank(), device=str(device), seconds=round(seconds, 3), cpu_threads=torch.get_num_threads(),
-                     peak_host_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
-                     tensors_read=ckpt.tensors_read, bytes_read=ckpt.bytes_read)
+    out = RankRecord(
+        rank=D.get_rank(),
+        device=str(device),
+        seconds=round(seconds, 3),
+        cpu_threads=torch.get_num_threads(),
+        peak_host_rss_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, 3),
+        tensors_read=ckpt.tensors_read,
+        bytes_read=ckpt.bytes_read,
+    )
     if device.type == "cuda":
         out.gpu = torch.cuda.get_device_name(device)
         out.peak_device_gib = round(torch.cuda.max_memory_allocated(device) / GiB, 3)

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from frod_ds.runtime.atomic import TMP
 from frod_ds.formats.checksum import combine_pieces
+from frod_ds.formats.factor_store import part_file
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.io.safetensors_io import safetensors_header, save_tensors_atomic, tensor_bytes
-from frod_ds.formats.factor_store import part_file
+from frod_ds.runtime.atomic import TMP
 
 __all__ = ["MemberReader", "FactorWriter", "plan_parts"]
 
@@ -44,8 +44,15 @@ MiB = 2**20
 class MemberReader:
     """Reads ``<member>.weight`` tensors ahead of use; ``take`` returns them on ``device`` (checkpoint dtype)."""
 
-    def __init__(self, ckpt: HFCheckpoint, device: torch.device, *, threads: int = 8, ahead_bytes: float = 4 * 2**30,
-                 chunk_bytes: int = 32 * MiB):
+    def __init__(
+        self,
+        ckpt: HFCheckpoint,
+        device: torch.device,
+        *,
+        threads: int = 8,
+        ahead_bytes: float = 4 * 2**30,
+        chunk_bytes: int = 32 * MiB,
+    ):
         self.ckpt, self.device, self.ahead, self.chunk = ckpt, device, ahead_bytes, int(chunk_bytes)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="hjd-read")
         self._local = threading.local()  # per thread: staging buffer, copy stream
@@ -119,8 +126,9 @@ class MemberReader:
         self._pool.shutdown(wait=True)
 
 
-def plan_parts(members: Sequence[tuple[str, Sequence[tuple[str, torch.dtype, Sequence[int]]]]],
-               part_bytes: float) -> list[list[str]]:
+def plan_parts(
+    members: Sequence[tuple[str, Sequence[tuple[str, torch.dtype, Sequence[int]]]]], part_bytes: float
+) -> list[list[str]]:
     """Group members (``(member, [(key, dtype, shape), ...])``, in order) into parts of about ``part_bytes``:
     a part is closed once it reaches the size; a member never spans two parts."""
     parts: list[list[str]] = [[]]
@@ -152,8 +160,16 @@ class FactorWriter:
     """One rank's part files of one category at a time: ``begin`` with the plan, ``add`` each key's tensor
     (any device), then ``finish`` for the file map and the pending writes (each gives ``(file, crc32)``)."""
 
-    def __init__(self, out: Path, *, fsync: bool, part_bytes: float, threads: int = 4, buffer_bytes: float = 2**30,
-                 chunk_bytes: int = 32 * MiB):
+    def __init__(
+        self,
+        out: Path,
+        *,
+        fsync: bool,
+        part_bytes: float,
+        threads: int = 4,
+        buffer_bytes: float = 2**30,
+        chunk_bytes: int = 32 * MiB,
+    ):
         self.out, self.fsync, self.part_bytes, self.chunk = out, fsync, part_bytes, int(chunk_bytes)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="hjd-write")
         self._n_buffers = max(2, int(buffer_bytes // self.chunk))
@@ -175,7 +191,9 @@ class FactorWriter:
 
     # -- plan and data
 
-    def begin(self, category: str, rank: int, members: Sequence[tuple[str, Sequence[tuple[str, torch.dtype, Sequence[int]]]]]) -> None:
+    def begin(
+        self, category: str, rank: int, members: Sequence[tuple[str, Sequence[tuple[str, torch.dtype, Sequence[int]]]]]
+    ) -> None:
         """Plan this rank's part files of ``category``: ``members`` as in :func:`plan_parts`."""
         self.category, self.rank = category, rank
         self.files: dict[str, str] = {}
@@ -216,8 +234,9 @@ class FactorWriter:
         if part.keys_left == 0:
             self._futures.append(self._pool.submit(self._close_part, part))
 
-    def _write_chunk(self, part: _Part, buf: Tensor, n: int, offset: int,
-                     event: torch.cuda.Event | None) -> tuple[int, int, int]:
+    def _write_chunk(
+        self, part: _Part, buf: Tensor, n: int, offset: int, event: torch.cuda.Event | None
+    ) -> tuple[int, int, int]:
         try:
             if event is not None:
                 event.synchronize()

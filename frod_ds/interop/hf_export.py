@@ -27,15 +27,15 @@ from typing import Any
 
 import torch
 
-from frod_ds.model.adapter import adapter_sources, supports_from_adapter
-from frod_ds.formats.adapter_dir import s_name, sigma_name
-from frod_ds.runtime.atomic import building_dir, check_out
-from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
-from frod_ds.runtime.errors import ExportError
-from frod_ds.io.hf_checkpoint import INDEX_NAME, HFCheckpoint, check_config_file
 from frod_ds.core.layer import core_matrix
 from frod_ds.core.quant import is_base_linear_weight, roundtrip
+from frod_ds.formats.adapter_dir import s_name, sigma_name
+from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
+from frod_ds.io.hf_checkpoint import INDEX_NAME, HFCheckpoint, check_config_file
 from frod_ds.io.safetensors_io import save_tensors_atomic
+from frod_ds.model.adapter import adapter_sources, supports_from_adapter
+from frod_ds.runtime.atomic import building_dir, check_out
+from frod_ds.runtime.errors import ExportError
 
 __all__ = ["export_transformers", "side_files"]
 
@@ -70,8 +70,16 @@ def _frozen_U(store, member: str, quant: str, device: torch.device) -> torch.Ten
     return roundtrip(U, quant, torch.float64 if U.dtype == torch.float64 else torch.float32)
 
 
-def _merged(store, member: str, sigma: torch.Tensor, s_values: torch.Tensor, support_flat: torch.Tensor,
-            V: torch.Tensor, device: torch.device, quant: str = "none") -> torch.Tensor:
+def _merged(
+    store,
+    member: str,
+    sigma: torch.Tensor,
+    s_values: torch.Tensor,
+    support_flat: torch.Tensor,
+    V: torch.Tensor,
+    device: torch.device,
+    quant: str = "none",
+) -> torch.Tensor:
     U = _frozen_U(store, member, quant, device)
     cdt = U.dtype
     M = core_matrix(sigma, s_values, support_flat, cdt, device)  # (n, n)
@@ -89,14 +97,24 @@ def _merged_dtypes(ckpt, store, member_of: dict[str, tuple[str, str]], out_dtype
         elif store.manifest.u_dtype == "auto":
             out[name] = FLOAT_DTYPES[store.record(category).u_dtype]
         else:
-            raise ExportError(f"{ckpt.dir} has no {name} (deleted after HJD) and the store was built with --u-dtype "
-                              f"{store.manifest.u_dtype}, so its dtype is not recorded; pass --dtype")
+            raise ExportError(
+                f"{ckpt.dir} has no {name} (deleted after HJD) and the store was built with --u-dtype "
+                f"{store.manifest.u_dtype}, so its dtype is not recorded; pass --dtype"
+            )
     return out
 
 
-def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_model: str | None = None,
-                        factor_store: str | None = None, dtype: str = "auto", shard_gb: float = 5.0,
-                        device: str | torch.device = "cpu", overwrite: bool = False) -> Path:
+def export_transformers(
+    checkpoint_dir: str | Path,
+    out: str | Path,
+    *,
+    base_model: str | None = None,
+    factor_store: str | None = None,
+    dtype: str = "auto",
+    shard_gb: float = 5.0,
+    device: str | torch.device = "cpu",
+    overwrite: bool = False,
+) -> Path:
     """Write the merged model of adapter ``checkpoint_dir`` to ``out``; returns ``out``.
 
     ``dtype``: ``auto`` keeps each tensor's dtype (a merged weight gets its base weight's), or one of
@@ -108,8 +126,12 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
         raise ExportError(f"--shard-gb must be > 0, got {shard_gb}")
     check_out(out, KIND, {"--checkpoint": checkpoint_dir}, overwrite, error=ExportError)  # before reading anything
     tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
-    inputs = {"--checkpoint": checkpoint_dir, "the base model": model_dir, "the factor store": store.path,
-              "the tokenizer": config.tokenizer}
+    inputs = {
+        "--checkpoint": checkpoint_dir,
+        "the base model": model_dir,
+        "the factor store": store.path,
+        "the tokenizer": config.tokenizer,
+    }
     ckpt = HFCheckpoint(model_dir)
     check_config_file(model_dir)  # an export without a usable config.json would be no transformers checkpoint
     device = torch.device(device)
@@ -118,8 +140,10 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
     member_of = {m + ".weight": (c, m) for c, members in store.categories.items() for m in members}
     missing = [m for c, m in member_of.values() if sigma_name(m) not in tensors]
     if missing:
-        raise ExportError(f"adapter {checkpoint_dir} has no σ for {missing[0]} (of {len(missing)}); it was trained "
-                          "with other targets than the factor store's")
+        raise ExportError(
+            f"adapter {checkpoint_dir} has no σ for {missing[0]} (of {len(missing)}); it was trained "
+            "with other targets than the factor store's"
+        )
     weight_dtype = _merged_dtypes(ckpt, store, member_of, out_dtype)
 
     t0 = time.perf_counter()
@@ -133,8 +157,16 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
                     category, member = member_of[name]
                     if category not in V_of:
                         V_of[category] = store.load_V(category, torch.float32, device)
-                    W = _merged(store, member, tensors[sigma_name(member)], tensors[s_name(member)],
-                                supports[category], V_of[category], device, quant).to(weight_dtype[name])
+                    W = _merged(
+                        store,
+                        member,
+                        tensors[sigma_name(member)],
+                        tensors[s_name(member)],
+                        supports[category],
+                        V_of[category],
+                        device,
+                        quant,
+                    ).to(weight_dtype[name])
                 elif quantize_base and is_base_linear_weight(name, ckpt.shape(name)):
                     W = ckpt.get(name, device)
                     W = roundtrip(W, quant, torch.float32).to(out_dtype or W.dtype)  # as training saw it
@@ -162,10 +194,17 @@ def export_transformers(checkpoint_dir: str | Path, out: str | Path, *, base_mod
         (tmp / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
         _copy_side_files(model_dir, Path(config.tokenizer) if config.tokenizer else None, tmp, out_dtype)
         provenance: dict[str, Any] = {
-            "format": "frod-ds-export", "adapter": str(checkpoint_dir), "base_model": config.base_model,
-            "factor_store": str(store.path), "factor_store_fingerprint": store.fingerprint, "step": config.step,
-            "merged": sorted(m for _, m in member_of.values()), "dtype": dtype, "frozen_quant": quant,
-            "quantize_base": quantize_base, "seconds": round(time.perf_counter() - t0, 2),
+            "format": "frod-ds-export",
+            "adapter": str(checkpoint_dir),
+            "base_model": config.base_model,
+            "factor_store": str(store.path),
+            "factor_store_fingerprint": store.fingerprint,
+            "step": config.step,
+            "merged": sorted(m for _, m in member_of.values()),
+            "dtype": dtype,
+            "frozen_quant": quant,
+            "quantize_base": quantize_base,
+            "seconds": round(time.perf_counter() - t0, 2),
         }
         (tmp / "frod_export.json").write_text(json.dumps(provenance, indent=1) + "\n")
     return out

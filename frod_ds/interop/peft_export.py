@@ -47,13 +47,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import AdapterCategory, AdapterConfig, s_name, sigma_name, support_name
 from frod_ds.runtime.atomic import building_dir, check_out, check_replaceable, mark_dir
 from frod_ds.runtime.errors import FrodError
-from frod_ds.core.layer import core_matrix
 
-__all__ = ["PeftInteropError", "CategoryMapping", "export_peft", "import_peft", "basis_change",
-           "core_in_peft_basis", "peft_nnz", "shared_sparse_rate", "TAUS"]
+__all__ = [
+    "PeftInteropError",
+    "CategoryMapping",
+    "export_peft",
+    "import_peft",
+    "basis_change",
+    "core_in_peft_basis",
+    "peft_nnz",
+    "shared_sparse_rate",
+    "TAUS",
+]
 
 EXPORT_KIND, IMPORT_KIND = "peft-export", "peft-import"  # the markers' kinds (frod_ds.runtime.atomic)
 EXPORT_FORMAT = "frod-ds-peft-export"
@@ -132,8 +141,8 @@ def _pad(flat: Tensor, n: int, nnz: int) -> Tensor:
 
 
 def _check_out(out: Path, overwrite: bool, kind: str, inputs: dict[str, Any]) -> None:
-    """Refuse an existing ``--out`` unless ``overwrite`` and the marker rule (``frod_ds.runtime.atomic``) allow a command
-    writing ``kind`` from ``inputs`` to replace it."""
+    """Refuse an existing ``--out`` unless ``overwrite`` and the marker rule (``frod_ds.runtime.atomic``) allow a
+    command writing ``kind`` from ``inputs`` to replace it."""
     check_out(out, kind, inputs, overwrite, error=PeftInteropError)
 
 
@@ -180,8 +189,10 @@ def _group_by_leaf(layers: dict[str, Any]) -> dict[str, list[str]]:
         cats.setdefault(path.rsplit(".", 1)[-1], []).append(path)
     for cat, members in cats.items():
         if len({id(layers[m].frod_V) for m in members}) != 1:
-            raise PeftInteropError(f"PEFT splits the {cat} modules over several bases; frod-ds shares one basis per "
-                                   "module name, so this adapter cannot be expressed")
+            raise PeftInteropError(
+                f"PEFT splits the {cat} modules over several bases; frod-ds shares one basis per "
+                "module name, so this adapter cannot be expressed"
+            )
     return cats
 
 
@@ -194,8 +205,17 @@ def _update_error(dW_p: Tensor, dW_o: Tensor, W_o: Tensor) -> float:
     return float(torch.linalg.matrix_norm(dW_p - dW_o)) / den
 
 
-def _map_category(members: list[str], tensors: dict[str, Tensor], support: Tensor, n: int, store, layers, tol: float,
-                  device: torch.device, quant: str = "none") -> tuple[CategoryMapping, dict[str, tuple[Tensor, Tensor, Tensor]]]:
+def _map_category(
+    members: list[str],
+    tensors: dict[str, Tensor],
+    support: Tensor,
+    n: int,
+    store,
+    layers,
+    tol: float,
+    device: torch.device,
+    quant: str = "none",
+) -> tuple[CategoryMapping, dict[str, tuple[Tensor, Tensor, Tensor]]]:
     """Choose τ and map every member's core into PEFT's basis; returns the report and ``{member: (λ_p (n,),
     flat off-diagonal positions, their values)}`` (fp32, CPU). The reported errors compare PEFT's weights with
     the trained model's: ``Ũ_i M_i Vᵀ`` with ``Ũ_i`` the dequantized ``U_i`` when training held it quantized
@@ -208,9 +228,13 @@ def _map_category(members: list[str], tensors: dict[str, Tensor], support: Tenso
     G = basis_change(V_o, V_p)
     data = {}
     for m in members:
-        data[m] = (store.load_U(m, f64, device), store.load_sigma(m, f64, device),
-                   core_matrix(tensors[sigma_name(m)], tensors[s_name(m)], support, f64, device),
-                   layers[m].frod_U[ADAPTER].to(device, f64), layers[m].frod_lambda_l[ADAPTER].detach().to(device, f64))
+        data[m] = (
+            store.load_U(m, f64, device),
+            store.load_sigma(m, f64, device),
+            core_matrix(tensors[sigma_name(m)], tensors[s_name(m)], support, f64, device),
+            layers[m].frod_U[ADAPTER].to(device, f64),
+            layers[m].frod_lambda_l[ADAPTER].detach().to(device, f64),
+        )
     best: tuple[float, float, Tensor] | None = None  # (worst update error, tau, G with τ applied)
     for tau in TAUS:
         Gs = G if tau == 0 else torch.where(G.abs() >= tau, G, torch.zeros_like(G))
@@ -256,17 +280,25 @@ def _check_tol(reports: dict[str, CategoryMapping], tol: float, quant: str) -> N
     cat, worst = max(((c, r.max_update_error) for c, r in reports.items()), key=lambda cw: cw[1])
     if not worst > tol:  # a NaN error fails too
         return
-    why = (f" (training held U {quant}-quantized; stock PEFT rebuilds U from the dense base)" if quant != "none"
-           else "")
+    why = f" (training held U {quant}-quantized; stock PEFT rebuilds U from the dense base)" if quant != "none" else ""
     accept = f"pass --peft-tol {_tol_that_passes(worst):.2g} to accept that, or " if math.isfinite(worst) else ""
-    raise PeftInteropError(f"--peft-tol {tol:g} cannot be met: the {cat} updates in PEFT's basis differ from the "
-                           f"trained ones by {worst:.2e} (relative){why}; {accept}export with --format hf (exact); "
-                           "nothing was written")
+    raise PeftInteropError(
+        f"--peft-tol {tol:g} cannot be met: the {cat} updates in PEFT's basis differ from the "
+        f"trained ones by {worst:.2e} (relative){why}; {accept}export with --format hf (exact); "
+        "nothing was written"
+    )
 
 
-def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str | None = None,
-                factor_store: str | None = None, tol: float = 1e-3, device: str | torch.device = "cpu",
-                overwrite: bool = False) -> dict[str, Any]:
+def export_peft(
+    checkpoint_dir: str | Path,
+    out: str | Path,
+    *,
+    base_model: str | None = None,
+    factor_store: str | None = None,
+    tol: float = 1e-3,
+    device: str | torch.device = "cpu",
+    overwrite: bool = False,
+) -> dict[str, Any]:
     """Write adapter ``checkpoint_dir`` as a stock PEFT FRoD adapter in ``out``; returns the report (also written to
     ``out/frod_export.json``). ``tol``: the largest update error a category's mapping may have (module docstring)."""
     from peft import FrodConfig, get_peft_model
@@ -284,13 +316,20 @@ def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str 
     if bad:
         raise PeftInteropError(f"adapter {checkpoint_dir} has non-finite values in {bad[0]}; it cannot be exported")
     if config.quantize_base:
-        raise PeftInteropError(f"adapter {checkpoint_dir} was trained with model.quantize_base (the untargeted linears "
-                               f"{config.frozen_quant}-quantized), which a PEFT adapter cannot express: PEFT loads them "
-                               "from the dense base model; export with --format hf instead")
+        raise PeftInteropError(
+            f"adapter {checkpoint_dir} was trained with model.quantize_base (the untargeted linears "
+            f"{config.frozen_quant}-quantized), which a PEFT adapter cannot express: PEFT loads them "
+            "from the dense base model; export with --format hf instead"
+        )
     categories = config.categories
     t0 = time.perf_counter()
-    peft_cfg = FrodConfig(target_modules=sorted(categories), sparse_rate=float(config.sparsity or 0.02),
-                          regularization_alpha=store.pi, progressbar=False, task_type="CAUSAL_LM")
+    peft_cfg = FrodConfig(
+        target_modules=sorted(categories),
+        sparse_rate=float(config.sparsity or 0.02),
+        regularization_alpha=store.pi,
+        progressbar=False,
+        task_type="CAUSAL_LM",
+    )
     with torch.no_grad():
         try:
             model = get_peft_model(_load_base(model_dir), peft_cfg)
@@ -300,15 +339,18 @@ def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str 
         members = {m for info in categories.values() for m in info.members}
         if set(layers) != members:
             extra = sorted(set(layers) ^ members)
-            raise PeftInteropError(f"PEFT targets {len(layers)} modules, the adapter {len(members)} (first difference "
-                                   f"{extra[0]!r}); the base model does not match the adapter's")
+            raise PeftInteropError(
+                f"PEFT targets {len(layers)} modules, the adapter {len(members)} (first difference "
+                f"{extra[0]!r}); the base model does not match the adapter's"
+            )
         device = torch.device(device)
         reports, mapped = {}, {}
         for cat, info in categories.items():
             n = info.n
             rows, cols = tensors[support_name(cat)].long()
-            reports[cat], mapped[cat] = _map_category(info.members, tensors, rows * n + cols, n, store, layers, tol,
-                                                      device, config.frozen_quant)
+            reports[cat], mapped[cat] = _map_category(
+                info.members, tensors, rows * n + cols, n, store, layers, tol, device, config.frozen_quant
+            )
         _check_tol(reports, tol, config.frozen_quant)
         rate = shared_sparse_rate({c: (i.n, reports[c].nnz_mapped) for c, i in categories.items()})
         for cat, info in categories.items():
@@ -323,10 +365,19 @@ def export_peft(checkpoint_dir: str | Path, out: str | Path, *, base_model: str 
                 layers[m].frod_lambda_s_values[ADAPTER] = torch.nn.Parameter(values)
     saved_cfg = model.peft_config[ADAPTER]
     saved_cfg.sparse_rate, saved_cfg.base_model_name_or_path = rate, config.base_model
-    report = {"format": EXPORT_FORMAT, "adapter": str(checkpoint_dir), "base_model": config.base_model,
-              "factor_store": str(store.path), "factor_store_fingerprint": store.fingerprint, "step": config.step,
-              "peft_version": _peft_version(), "tol": tol, "sparse_rate": rate,
-              "categories": {c: asdict(r) for c, r in reports.items()}, "seconds": round(time.perf_counter() - t0, 2)}
+    report = {
+        "format": EXPORT_FORMAT,
+        "adapter": str(checkpoint_dir),
+        "base_model": config.base_model,
+        "factor_store": str(store.path),
+        "factor_store_fingerprint": store.fingerprint,
+        "step": config.step,
+        "peft_version": _peft_version(),
+        "tol": tol,
+        "sparse_rate": rate,
+        "categories": {c: asdict(r) for c, r in reports.items()},
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     with building_dir(out, EXPORT_KIND, inputs, PeftInteropError) as tmp:
         model.save_pretrained(str(tmp))
         (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=1) + "\n")
@@ -348,14 +399,20 @@ def _read_peft_config(peft_dir: Path) -> dict[str, Any]:
         kind = cfg.get("peft_type") if isinstance(cfg, dict) else None
         raise PeftInteropError(f"--from-peft {peft_dir} is a PEFT {kind} adapter, not a FRoD one (peft_type FROD)")
     if not (peft_dir / "adapter_model.safetensors").is_file():
-        raise PeftInteropError(f"--from-peft {peft_dir} has no adapter_model.safetensors; save it with "
-                               "save_pretrained(safe_serialization=True)")
-    unsupported = [f"{k}={cfg.get(k)!r}" for k, ok in (("bias", "none"), ("fan_in_fan_out", False)) if cfg.get(k, ok) != ok]
+        raise PeftInteropError(
+            f"--from-peft {peft_dir} has no adapter_model.safetensors; save it with "
+            "save_pretrained(safe_serialization=True)"
+        )
+    unsupported = [
+        f"{k}={cfg.get(k)!r}" for k, ok in (("bias", "none"), ("fan_in_fan_out", False)) if cfg.get(k, ok) != ok
+    ]
     if cfg.get("modules_to_save"):
         unsupported.append(f"modules_to_save={cfg['modules_to_save']}")
     if unsupported:
-        raise PeftInteropError(f"--from-peft {peft_dir} uses {', '.join(unsupported)}; frod-ds adapters train only σ "
-                               "and S (no biases, no extra modules), so it cannot be imported")
+        raise PeftInteropError(
+            f"--from-peft {peft_dir} uses {', '.join(unsupported)}; frod-ds adapters train only σ "
+            "and S (no biases, no extra modules), so it cannot be imported"
+        )
     return cfg
 
 
@@ -369,8 +426,9 @@ def _fold_support(n: int, idx: Tensor, values: Tensor, lam: Tensor) -> tuple[Ten
     return flat[~diag], vals[~diag].float(), lam.float()
 
 
-def import_peft(peft_dir: str | Path, out: str | Path, *, base_model: str | None = None,
-                overwrite: bool = False) -> dict[str, Any]:
+def import_peft(
+    peft_dir: str | Path, out: str | Path, *, base_model: str | None = None, overwrite: bool = False
+) -> dict[str, Any]:
     """Write ``out/factor-store`` and ``out/adapter`` from a stock PEFT FRoD adapter; returns the report (also
     ``out/frod_import.json``). The adapter loads with ``frod_ds.model.adapter.load_frod_model`` and trains further
     with ``model.init_adapter``."""
@@ -402,8 +460,10 @@ def import_peft(peft_dir: str | Path, out: str | Path, *, base_model: str | None
         try:
             result = model.load_adapter(str(peft_dir), ADAPTER)
         except Exception as e:  # noqa: BLE001 - size mismatch (another architecture), damaged file: both end here
-            raise PeftInteropError(f"stock PEFT cannot load {peft_dir} onto {base} ({type(e).__name__}: "
-                                   f"{_first_line(e)}); pass the base model it was trained on") from None
+            raise PeftInteropError(
+                f"stock PEFT cannot load {peft_dir} onto {base} ({type(e).__name__}: "
+                f"{_first_line(e)}); pass the base model it was trained on"
+            ) from None
         missing = [k for k in result.missing_keys if ".frod_" in k]
         if missing:
             raise PeftInteropError(f"{peft_dir}/adapter_model.safetensors lacks {missing[0]} ({len(missing)} tensors)")
@@ -419,21 +479,24 @@ def import_peft(peft_dir: str | Path, out: str | Path, *, base_model: str | None
             if drift > BASIS_MISMATCH:
                 raise PeftInteropError(
                     f"{peft_dir}: the saved {cat} basis differs from the one stock PEFT computes from {base} (relative "
-                    f"difference {drift:.2g}); the adapter was made for another base model")
+                    f"difference {drift:.2g}); the adapter was made for another base model"
+                )
             n = V.shape[0]
             u_dtype = ckpt.dtype(members[0] + ".weight")
             idx = layers[members[0]].frod_s_indices[ADAPTER]
             factors = {"V": V}
             for m in members:
                 layer = layers[m]
-                flat, vals, lam = _fold_support(n, idx, layer.frod_lambda_s_values[ADAPTER].detach(),
-                                                layer.frod_lambda_l[ADAPTER].detach())
+                flat, vals, lam = _fold_support(
+                    n, idx, layer.frod_lambda_s_values[ADAPTER].detach(), layer.frod_lambda_l[ADAPTER].detach()
+                )
                 if not (torch.isfinite(vals).all() and torch.isfinite(lam).all()):
                     raise PeftInteropError(f"{peft_dir}: {m} has non-finite σ or S values; it cannot be imported")
                 U = layer.frod_U[ADAPTER].float()
                 factors[f"{m}.U"], factors[f"{m}.sigma"] = U, lam0[m].float()
                 adapter[f"{m}.frod_sigma"], adapter[f"{m}.frod_s"] = lam, vals
-                # PEFT's own forward on the identity gives its W'ᵀ; frod-ds' W' from what is written (U rounded as stored)
+                # PEFT's own forward on the identity gives its W'ᵀ; frod-ds' W' from what is written
+                # (U rounded as stored)
                 bias = layer.get_base_layer().bias
                 W_peft = (layer(torch.eye(n)) - (0 if bias is None else bias)).T.float()  # (m, n)
                 W_ours = (U.to(u_dtype).float() @ core_matrix(lam, vals, flat, torch.float32, "cpu")) @ V.T
@@ -442,25 +505,52 @@ def import_peft(peft_dir: str | Path, out: str | Path, *, base_model: str | None
             adapter_cats[cat] = AdapterCategory(members, n, int(flat.numel()))
             store_cats[cat] = factors
             peft_cat = next(k for k, v in model.base_model.frod_V.items() if v is layers[members[0]].frod_V)
-            report_cats[cat] = {"peft_category": peft_cat, "members": len(members), "n": n, "nnz": int(flat.numel()),
-                                "basis_drift": drift}
+            report_cats[cat] = {
+                "peft_category": peft_cat,
+                "members": len(members),
+                "n": n,
+                "nnz": int(flat.numel()),
+                "basis_drift": drift,
+            }
     with building_dir(out, IMPORT_KIND, inputs, PeftInteropError) as tmp:
         errors = _write_store(tmp / STORE_DIR, store_cats, ckpt, base, float(cfg.get("regularization_alpha", 1e-3)))
         store = _open_store(tmp / STORE_DIR)
-        report = {"format": IMPORT_FORMAT, "peft_adapter": str(peft_dir), "base_model": base,
-                  "peft_version": _peft_version(), "peft_config": {k: cfg.get(k) for k in (
-                      "target_modules", "sparse_rate", "projection_prng_key", "regularization_alpha", "save_projection",
-                      "frod_dropout", "layers_to_transform")},
-                  "categories": report_cats, "max_reconstruction_error": max(errors.values()),
-                  "max_weight_error": weight_err, "seconds": round(time.perf_counter() - t0, 2)}
+        report = {
+            "format": IMPORT_FORMAT,
+            "peft_adapter": str(peft_dir),
+            "base_model": base,
+            "peft_version": _peft_version(),
+            "peft_config": {
+                k: cfg.get(k)
+                for k in (
+                    "target_modules",
+                    "sparse_rate",
+                    "projection_prng_key",
+                    "regularization_alpha",
+                    "save_projection",
+                    "frod_dropout",
+                    "layers_to_transform",
+                )
+            },
+            "categories": report_cats,
+            "max_reconstruction_error": max(errors.values()),
+            "max_weight_error": weight_err,
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
         identity = store.identity(sorted(cats))
         for cat, info in adapter_cats.items():  # the store's identity, as training records it
             info.v_sha256, info.method = identity.categories[cat].v_sha256, identity.categories[cat].method
         adapter_config = AdapterConfig(
             base_model=str(Path(base).resolve()) if Path(base).exists() else base,
-            factor_store=str((out / STORE_DIR).resolve()), factor_store_fingerprint=identity.fingerprint,
-            tokenizer=None, targets=sorted(cats), sparsity=float(cfg.get("sparse_rate") or 0.0),
-            seed=int(cfg.get("projection_prng_key") or 0), pi=identity.pi, dtype="float32", step=None,
+            factor_store=str((out / STORE_DIR).resolve()),
+            factor_store_fingerprint=identity.fingerprint,
+            tokenizer=None,
+            targets=sorted(cats),
+            sparsity=float(cfg.get("sparse_rate") or 0.0),
+            seed=int(cfg.get("projection_prng_key") or 0),
+            pi=identity.pi,
+            dtype="float32",
+            step=None,
             categories=adapter_cats,
         )
         _write_adapter(tmp / ADAPTER_DIR, adapter, adapter_config)
@@ -483,8 +573,7 @@ def _write_adapter(path: Path, tensors: dict[str, Tensor], config: AdapterConfig
     write_adapter(path, tensors, config)
 
 
-def _write_store(path: Path, categories: dict[str, dict[str, Tensor]], ckpt, base: str,
-                 pi: float) -> dict[str, float]:
+def _write_store(path: Path, categories: dict[str, dict[str, Tensor]], ckpt, base: str, pi: float) -> dict[str, float]:
     """A complete factor store (one part file per category) of PEFT's factors: a ``store_format.Manifest`` with
     ``CategoryRecord`` checksums as the HJD stage writes them, ``method`` ``"peft"``, marked as frod-ds output.
     ``U`` is stored in the checkpoint's dtype, as the HJD stage does. Returns each member's reconstruction error
@@ -494,13 +583,22 @@ def _write_store(path: Path, categories: dict[str, dict[str, Tensor]], ckpt, bas
     import safetensors
 
     import frod_ds
-    from frod_ds.runtime.atomic import atomic_write_text
     from frod_ds.formats.checksum import file_crc32, format_crc32
+    from frod_ds.formats.factor_store import (
+        MANIFEST,
+        CategoryRecord,
+        Manifest,
+        part_file,
+        sigma_key,
+        u_key,
+        v_file,
+        v_key,
+    )
+    from frod_ds.hjd.math import reconstruction_error
     from frod_ds.io.dtypes import dtype_name
     from frod_ds.io.fingerprint import FINGERPRINT_METHOD, weights_fingerprint
-    from frod_ds.hjd.math import reconstruction_error
     from frod_ds.io.safetensors_io import save_tensors_atomic
-    from frod_ds.formats.factor_store import MANIFEST, CategoryRecord, Manifest, part_file, sigma_key, u_key, v_file, v_key
+    from frod_ds.runtime.atomic import atomic_write_text
 
     path.mkdir()
     members_all = [m for factors in categories.values() for m in factors if m.endswith(".U")]
@@ -524,18 +622,40 @@ def _write_store(path: Path, categories: dict[str, dict[str, Tensor]], ckpt, bas
         errors.update(err)
         files = {v_key(cat): v_file(cat), **{k: part_file(cat, 0, 0) for k in part}}
         records[cat] = CategoryRecord(
-            members=members, shapes={m: list(ckpt.shape(m + ".weight")) for m in members}, width=int(V.shape[0]),
-            u_dtype=dtype_name(u_dtype), complete=True, files=files,
+            members=members,
+            shapes={m: list(ckpt.shape(m + ".weight")) for m in members},
+            width=int(V.shape[0]),
+            u_dtype=dtype_name(u_dtype),
+            complete=True,
+            files=files,
             checksums={f: format_crc32(file_crc32(path / f)) for f in sorted(set(files.values()))},
-            error=err, stored_error=stored, max_error=max(err.values()), max_stored_error=max(stored.values()),
-            world_size=1, method="peft",
+            error=err,
+            stored_error=stored,
+            max_error=max(err.values()),
+            max_stored_error=max(stored.values()),
+            world_size=1,
+            method="peft",
         )
     manifest = Manifest(
-        complete=True, completed_categories=list(categories), base_model=base,
-        fingerprint=weights_fingerprint(ckpt, names), fingerprint_method=FINGERPRINT_METHOD, model_config=None,
-        targets=list(categories), pi=pi, hjd_dtype="float32", u_dtype="auto", categories=records, world_size=1,
-        versions={"frod_ds": frod_ds.__version__, "torch": torch.__version__, "safetensors": safetensors.__version__,
-                  "python": sys.version.split()[0], "peft": _peft_version()},
+        complete=True,
+        completed_categories=list(categories),
+        base_model=base,
+        fingerprint=weights_fingerprint(ckpt, names),
+        fingerprint_method=FINGERPRINT_METHOD,
+        model_config=None,
+        targets=list(categories),
+        pi=pi,
+        hjd_dtype="float32",
+        u_dtype="auto",
+        categories=records,
+        world_size=1,
+        versions={
+            "frod_ds": frod_ds.__version__,
+            "torch": torch.__version__,
+            "safetensors": safetensors.__version__,
+            "python": sys.version.split()[0],
+            "peft": _peft_version(),
+        },
     )
     atomic_write_text(path / MANIFEST, manifest.to_json())
     mark_dir(path, "factor-store")

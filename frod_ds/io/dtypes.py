@@ -7,13 +7,16 @@ from collections.abc import Sequence
 
 import torch
 
-from frod_ds.runtime.errors import FrodError
 from frod_ds.io.hf_checkpoint import safetensors_dtype
+from frod_ds.runtime.errors import FrodError
 
 __all__ = ["FLOAT_DTYPES", "ST_CODES", "dtype_name", "dtype_from_name"]
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
 }
 # safetensors codes of what frod-ds writes: the float dtypes, and uint8 for quantized blobs (frod_ds.core.quant)
 ST_CODES: dict[torch.dtype, str] = {safetensors_dtype(code): code for code in ("F64", "F32", "F16", "BF16", "U8")}

@@ -16,8 +16,15 @@ from pathlib import Path
 from frod_ds.io.dtypes import dtype_name
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 
-__all__ = ["FINGERPRINT_METHOD", "weights_fingerprint", "tensor_digests", "combine_digests", "base_names",
-           "base_fingerprint", "sample_ranges"]
+__all__ = [
+    "FINGERPRINT_METHOD",
+    "weights_fingerprint",
+    "tensor_digests",
+    "combine_digests",
+    "base_names",
+    "base_fingerprint",
+    "sample_ranges",
+]
 
 FINGERPRINT_METHOD = "sha256-sampled-v1"
 _SAMPLE_EDGE = 64 * 1024  # bytes hashed at each end of a tensor

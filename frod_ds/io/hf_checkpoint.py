@@ -25,24 +25,54 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "safetensors_dtype", "resolve_model_dir", "resolve_config_file", "HFCheckpoint",
-           "TensorInfo"]
+__all__ = [
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "safetensors_dtype",
+    "resolve_model_dir",
+    "resolve_config_file",
+    "HFCheckpoint",
+    "TensorInfo",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
 
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1}
+_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def safetensors_dtype(code: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype code (``"BF16"`` -> ``torch.bfloat16``)."""
     import torch
 
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}[code]
+    return {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+    }[code]
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -52,9 +82,13 @@ def resolve_model_dir(model: str) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise CheckpointError(f"--model {model!r} is a file; pass the checkpoint directory (config.json + *.safetensors)")
+        raise CheckpointError(
+            f"--model {model!r} is a file; pass the checkpoint directory (config.json + *.safetensors)"
+        )
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise CheckpointError(f"model directory {model!r} does not exist; pass a local checkpoint directory or a Hub id")
+        raise CheckpointError(
+            f"model directory {model!r} does not exist; pass a local checkpoint directory or a Hub id"
+        )
     try:
         from huggingface_hub import snapshot_download
 
@@ -62,7 +96,8 @@ def resolve_model_dir(model: str) -> Path:
     except (OSError, ValueError) as e:  # offline, no network, unknown or gated repo (HTTP errors are OSErrors)
         raise CheckpointError(
             f"could not resolve {model!r}: it is not a local directory and the Hugging Face Hub id could not be "
-            f"resolved (offline, or not in the local cache; {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"resolved (offline, or not in the local cache; "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
             "pass a local directory holding the checkpoint (config.json + *.safetensors)"
         ) from None
 
@@ -73,19 +108,25 @@ def resolve_config_file(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise CheckpointError(f"model directory {path} has no config.json; pass the checkpoint directory (config.json + "
-                             "*.safetensors)")
+            raise CheckpointError(
+                f"model directory {path} has no config.json; pass the checkpoint directory (config.json + "
+                "*.safetensors)"
+            )
         return path / "config.json"
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise CheckpointError(f"--model {model!r} is not a checkpoint directory; pass a directory holding config.json or a "
-                         "Hub id in the local cache")
+        raise CheckpointError(
+            f"--model {model!r} is not a checkpoint directory; pass a directory holding config.json or a "
+            "Hub id in the local cache"
+        )
     try:
         from huggingface_hub import hf_hub_download
 
         return Path(hf_hub_download(model, "config.json", local_files_only=True))
     except Exception as e:  # not cached, malformed id: the same advice
-        raise CheckpointError(f"{model!r} is not a local directory and its config.json is not in the local Hugging Face "
-                         f"cache ({type(e).__name__}); pass a local checkpoint directory") from None
+        raise CheckpointError(
+            f"{model!r} is not a local directory and its config.json is not in the local Hugging Face "
+            f"cache ({type(e).__name__}); pass a local checkpoint directory"
+        ) from None
 
 
 def check_config_file(model_dir: str | os.PathLike) -> None:
@@ -96,11 +137,15 @@ def check_config_file(model_dir: str | os.PathLike) -> None:
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the checkpoint's config is damaged: copy config.json "
-                              "from the original checkpoint") from None
+        raise CheckpointError(
+            f"{path} is not valid JSON ({e}); the checkpoint's config is damaged: copy config.json "
+            "from the original checkpoint"
+        ) from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(data).__name__}, not a model config; copy config.json from "
-                              "the original checkpoint")
+        raise CheckpointError(
+            f"{path} holds a JSON {type(data).__name__}, not a model config; copy config.json from "
+            "the original checkpoint"
+        )
 
 
 class TensorInfo:
@@ -185,13 +230,19 @@ class HFCheckpoint:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index} is not a valid safetensors index (no weight_map); download it again") from None
+                raise CheckpointError(
+                    f"{index} is not a valid safetensors index (no weight_map); download it again"
+                ) from None
             self._file_of = {name: self.dir / fname for name, fname in weight_map.items()}
         elif single.is_file():
             self._file_of = {name: single for name in _read_header(single)}
         else:
-            hint = " (found PyTorch .bin files: convert them to safetensors first)" if any(self.dir.glob("*.bin")) else ""
-            raise CheckpointError(f"no {INDEX_NAME} or {SINGLE_NAME} in {self.dir}; HJD reads safetensors checkpoints{hint}")
+            hint = (
+                " (found PyTorch .bin files: convert them to safetensors first)" if any(self.dir.glob("*.bin")) else ""
+            )
+            raise CheckpointError(
+                f"no {INDEX_NAME} or {SINGLE_NAME} in {self.dir}; HJD reads safetensors checkpoints{hint}"
+            )
         self._indexed = index.is_file()
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
         self.tensors_read = 0

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from frod_ds.runtime.atomic import replacing
 from frod_ds.io.dtypes import ST_CODES
+from frod_ds.runtime.atomic import replacing
 
 __all__ = ["safetensors_header", "save_tensors_atomic", "tensor_bytes"]
 

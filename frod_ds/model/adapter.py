@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from frod_ds.core.layer import FRoDFrozen, FRoDTrainables, SparseSupport
 from frod_ds.formats.adapter_dir import (
     ADAPTER_VERSION,
     CONFIG,
@@ -26,15 +27,14 @@ from frod_ds.formats.adapter_dir import (
     sigma_name,
     support_name,
 )
-from frod_ds.model.apply import frod_groups, frod_modules
-from frod_ds.runtime.atomic import building_dir
-from frod_ds.model.build import build_frod_model, gathered
-from frod_ds.io.dtypes import FLOAT_DTYPES
-from frod_ds.runtime.errors import AdapterError, FrodError, note
-from frod_ds.core.layer import FRoDFrozen, FRoDTrainables, SparseSupport
-from frod_ds.model.store_reader import FactorStore
 from frod_ds.formats.checksum import file_crc32, format_crc32, parse_crc32
 from frod_ds.formats.factor_store import StoreIdentity, category_of
+from frod_ds.io.dtypes import FLOAT_DTYPES
+from frod_ds.model.apply import frod_groups, frod_modules
+from frod_ds.model.build import build_frod_model, gathered
+from frod_ds.model.store_reader import FactorStore
+from frod_ds.runtime.atomic import building_dir
+from frod_ds.runtime.errors import AdapterError, FrodError, note
 
 __all__ = [
     "adapter_state",
@@ -51,8 +51,11 @@ __all__ = [
 ]
 
 
-def adapter_state(model: nn.Module, zero3: bool = False, store: StoreIdentity | None = None,
-                  ) -> tuple[dict[str, torch.Tensor], dict[str, AdapterCategory]]:
+def adapter_state(
+    model: nn.Module,
+    zero3: bool = False,
+    store: StoreIdentity | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, AdapterCategory]]:
     """``(tensors, categories)`` of every FRoD layer, fp32 on CPU (complete on every rank); ``store``: the
     identity of the factor store the model was built from, recorded per category.
 
@@ -69,16 +72,24 @@ def adapter_state(model: nn.Module, zero3: bool = False, store: StoreIdentity | 
         cat = category_of(name)
         if cat not in categories:
             ident = store.categories.get(cat) if store is not None else None
-            categories[cat] = AdapterCategory([], m.in_features, m.support.nnz,
-                                              v_sha256=ident.v_sha256 if ident else None,
-                                              method=ident.method if ident else None)
+            categories[cat] = AdapterCategory(
+                [],
+                m.in_features,
+                m.support.nnz,
+                v_sha256=ident.v_sha256 if ident else None,
+                method=ident.method if ident else None,
+            )
             tensors[support_name(cat)] = m.support.rows_cols().contiguous()
         categories[cat].members.append(name)
     return tensors, categories
 
 
-def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: AdapterConfig,
-                  extra_files: dict[str, str] | None = None) -> Path:
+def write_adapter(
+    out_dir: str | Path,
+    tensors: dict[str, torch.Tensor],
+    config: AdapterConfig,
+    extra_files: dict[str, str] | None = None,
+) -> Path:
     """Write an adapter dir atomically (built under a temporary name, then renamed)."""
     out_dir = Path(out_dir)
     bad = nonfinite_tensor(tensors)
@@ -86,16 +97,18 @@ def write_adapter(out_dir: str | Path, tensors: dict[str, torch.Tensor], config:
         raise AdapterError(f"refusing to write adapter {out_dir}: {bad}; the training diverged")
     with building_dir(out_dir, "adapter") as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
-        config = dataclasses.replace(config, version=ADAPTER_VERSION,
-                                     weights_crc32=format_crc32(file_crc32(tmp / WEIGHTS)))
+        config = dataclasses.replace(
+            config, version=ADAPTER_VERSION, weights_crc32=format_crc32(file_crc32(tmp / WEIGHTS))
+        )
         (tmp / CONFIG).write_text(config.to_json())
         for fname, text in (extra_files or {}).items():
             (tmp / fname).write_text(text)
     return out_dir
 
 
-def save_adapter_from_model(model: nn.Module, out_dir: str | Path, config: AdapterConfig,
-                            store: FactorStore | None = None) -> Path:
+def save_adapter_from_model(
+    model: nn.Module, out_dir: str | Path, config: AdapterConfig, store: FactorStore | None = None
+) -> Path:
     """Single-process convenience: write ``model``'s adapter with ``config``; with ``store`` (the one the
     model was built from) its identity is recorded."""
     categories = sorted({category_of(name) for name, _ in frod_modules(model)})
@@ -135,26 +148,38 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
         raise AdapterError(f"{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS})")
     config = AdapterConfig.read(p / CONFIG)
     if config.weights_crc32 is not None and parse_crc32(config.weights_crc32) != file_crc32(p / WEIGHTS):
-        raise AdapterError(f"{p / WEIGHTS} does not match the checksum its {CONFIG} records; the adapter file was "
-                           "changed or damaged after it was written: use another adapter (e.g. an earlier "
-                           "adapter-<step>) or retrain")
+        raise AdapterError(
+            f"{p / WEIGHTS} does not match the checksum its {CONFIG} records; the adapter file was "
+            "changed or damaged after it was written: use another adapter (e.g. an earlier "
+            "adapter-<step>) or retrain"
+        )
     try:
         tensors = load_file(str(p / WEIGHTS))
     except (SafetensorError, OSError) as e:
         raise AdapterError(f"{p / WEIGHTS} cannot be read ({e}); the adapter file is damaged") from None
-    missing = [k for c, info in config.categories.items()
-               for k in [support_name(c)] + [f(m) for m in info.members for f in (sigma_name, s_name)] if k not in tensors]
+    missing = [
+        k
+        for c, info in config.categories.items()
+        for k in [support_name(c)] + [f(m) for m in info.members for f in (sigma_name, s_name)]
+        if k not in tensors
+    ]
     if missing:
-        raise AdapterError(f"{p / WEIGHTS} has no tensor {missing[0]!r} ({len(missing)} missing); the adapter is damaged")
+        raise AdapterError(
+            f"{p / WEIGHTS} has no tensor {missing[0]!r} ({len(missing)} missing); the adapter is damaged"
+        )
     bad = nonfinite_tensor(tensors)
     if bad:
-        raise AdapterError(f"adapter {p} cannot be used: {bad}; its training diverged, use an earlier adapter or retrain")
+        raise AdapterError(
+            f"adapter {p} cannot be used: {bad}; its training diverged, use an earlier adapter or retrain"
+        )
     return tensors, config
 
 
 def supports_from_adapter(tensors: dict[str, torch.Tensor], config: AdapterConfig) -> dict[str, SparseSupport]:
     """Each category's S support, validated (``FrodError`` for indices off the matrix, on the diagonal or twice)."""
-    return {cat: SparseSupport.from_rows_cols(info.n, tensors[support_name(cat)]) for cat, info in config.categories.items()}
+    return {
+        cat: SparseSupport.from_rows_cols(info.n, tensors[support_name(cat)]) for cat, info in config.categories.items()
+    }
 
 
 @torch.no_grad()
@@ -179,13 +204,17 @@ def check_adapter_store(config: AdapterConfig, store: FactorStore, where: str | 
     config records: base weights' fingerprint, π, and per category V's sha256 and the HJD route)."""
     missing = [c for c in config.categories if c not in store.categories]
     if missing:
-        raise AdapterError(f"adapter {where} has category {missing[0]!r}, which factor store {store.path} does not "
-                           f"have (it has {sorted(store.categories)}); pass --factor-store with the store it was trained on")
+        raise AdapterError(
+            f"adapter {where} has category {missing[0]!r}, which factor store {store.path} does not "
+            f"have (it has {sorted(store.categories)}); pass --factor-store with the store it was trained on"
+        )
     if config.records_store_identity:
         found = store.identity(list(config.categories))
     else:
-        note(f"adapter {where} does not record the identity of its factor store (adapter version {config.version}, "
-             f"written by an older frod-ds): only the base weights and pi of {store.path} are checked")
+        note(
+            f"adapter {where} does not record the identity of its factor store (adapter version {config.version}, "
+            f"written by an older frod-ds): only the base weights and pi of {store.path} are checked"
+        )
         found = StoreIdentity(store.fingerprint, store.pi, {})
     diffs = config.store_identity().differences(found)
     if diffs:
@@ -236,8 +265,14 @@ def load_frod_model(
     if isinstance(dtype, str):
         dtype = FLOAT_DTYPES[dtype]
     dtype = dtype or FLOAT_DTYPES.get(config.dtype, torch.float32)
-    model = build_frod_model(model_dir, store, supports_from_adapter(tensors, config), dtype,
-                             quant=config.frozen_quant, quantize_base=config.quantize_base)
+    model = build_frod_model(
+        model_dir,
+        store,
+        supports_from_adapter(tensors, config),
+        dtype,
+        quant=config.frozen_quant,
+        quantize_base=config.quantize_base,
+    )
     load_adapter_into(model, tensors)
     tokenizer = load_tokenizer(str(config.tokenizer or model_dir))
     return model.to(device).eval(), tokenizer

@@ -11,11 +11,11 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from frod_ds.runtime.errors import FrodError
-from frod_ds.hjd.math import decompose
-from frod_ds.hjd.sharding import DEFAULT_TARGETS
 from frod_ds.core.layer import TRAINABLE_PREFIX, FRoDLinear, SparseSupport, support_seed
 from frod_ds.formats.factor_store import category_of
+from frod_ds.hjd.math import decompose
+from frod_ds.hjd.sharding import DEFAULT_TARGETS
+from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.validate import pi_problem, sparsity_problem, targets_problem, widths_problem
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "mark_only_frod_trainable",
     "frod_modules",
 ]
-
 
 
 def find_categories(model: nn.Module, targets: Sequence[str]) -> dict[str, list[str]]:
@@ -125,8 +124,10 @@ def frod_param_groups(
             s.append(p)
     if not sigma:
         raise FrodError("the model has no FRoD layers; call apply_frod (or build it from a factor store) first")
-    groups = [{"name": "sigma", "params": sigma, "weight_decay": weight_decay},
-              {"name": "s", "params": s, "weight_decay": weight_decay}]
+    groups = [
+        {"name": "sigma", "params": sigma, "weight_decay": weight_decay},
+        {"name": "s", "params": s, "weight_decay": weight_decay},
+    ]
     if lr_sigma is not None:
         groups[0]["lr"] = lr_sigma
     if lr_s is not None:

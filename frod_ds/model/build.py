@@ -3,7 +3,8 @@
 The skeleton is created from the checkpoint's config with weight init disabled (under
 ``deepspeed.zero.Init`` when ZeRO-3 is on, so every parameter is partitioned as it is made). Targeted
 linears are built without a weight and swapped for ``FRoDLinear`` before anything is loaded, so the base
-weights of targeted modules are never allocated nor read; U_i, V (one frozen Parameter per category) and σ_i come from the factor store, every other
+weights of targeted modules are never allocated nor read; U_i, V (one frozen Parameter per category) and σ_i come from
+the factor store, every other
 weight from the checkpoint. Under ZeRO-3 rank 0 reads each module's tensors into the gathered parameters
 and DeepSpeed re-partitions them (``GatheredParameters(modifier_rank=0)``).
 
@@ -24,14 +25,21 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from frod_ds.model.apply import mark_only_frod_trainable, set_submodule
 from frod_ds.config.ds_config import nvme_offloads, zero_settings, zero_stage
-from frod_ds.runtime.errors import FrodError, StoreError
 from frod_ds.core.layer import FRoDFrozen, FRoDLinear, FRoDTrainables, SparseSupport, support_seed
 from frod_ds.core.quant import QuantError, QuantSpec, check_kind, quantize_untargeted, quantized_parameter, spec_of
+from frod_ds.model.apply import mark_only_frod_trainable, set_submodule
+from frod_ds.runtime.errors import FrodError, StoreError
 
-__all__ = ["make_supports", "build_frod_model", "gathered", "check_store_quant", "replicate_shared_v", "fetch_per_layer",
-           "FixedParameters"]
+__all__ = [
+    "make_supports",
+    "build_frod_model",
+    "gathered",
+    "check_store_quant",
+    "replicate_shared_v",
+    "fetch_per_layer",
+    "FixedParameters",
+]
 
 
 def make_supports(store, categories: list[str], sparsity: float, seed: int) -> dict[str, SparseSupport]:
@@ -82,7 +90,7 @@ class _LinearPlaceholders:
     def __init__(self, skip: frozenset[int] = frozenset()) -> None:
         self.skip, self.record, self._orig = skip, [], None
 
-    def __enter__(self) -> "_LinearPlaceholders":
+    def __enter__(self) -> _LinearPlaceholders:
         orig = self._orig = nn.Linear.__init__
         outer = self
 
@@ -94,8 +102,9 @@ class _LinearPlaceholders:
             nn.Module.__init__(self)
             self.in_features, self.out_features = in_features, out_features
             self.register_parameter("weight", None)
-            self.register_parameter("bias", nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
-                                    if bias else None)
+            self.register_parameter(
+                "bias", nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+            )
 
         nn.Linear.__init__ = init
         return self
@@ -120,8 +129,10 @@ def _check_placeholders(model: nn.Module, names: set[str]) -> None:
     empty = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight is None}
     if empty != names:
         odd = sorted(empty ^ names)[:3]
-        raise FrodError(f"building the skeleton: the linears built without weights differ from the targeted ones "
-                        f"({', '.join(odd)}); the model class constructs its layers in a varying order")
+        raise FrodError(
+            f"building the skeleton: the linears built without weights differ from the targeted ones "
+            f"({', '.join(odd)}); the model class constructs its layers in a varying order"
+        )
 
 
 def _skeleton_contexts(ds_config: Mapping | None) -> list:
@@ -167,8 +178,15 @@ def _decoder_layer_of(model: nn.Module) -> dict[str, str]:
     return {n: layer for layer in layers for n, _ in model.get_submodule(layer).named_modules(prefix=layer)}
 
 
-def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport], dtype: torch.dtype,
-                  quant: str = "none", flat: bool = False, flat_frozen: bool = False) -> None:
+def _swap_targets(
+    model: nn.Module,
+    store,
+    supports: Mapping[str, SparseSupport],
+    dtype: torch.dtype,
+    quant: str = "none",
+    flat: bool = False,
+    flat_frozen: bool = False,
+) -> None:
     """Replace each member of the ``supports``' categories by an empty ``FRoDLinear`` (loaded afterwards). With
     ``flat``, the σ and S of a decoder layer's members are one ``FRoDTrainables`` of that layer (``frod_flat``); with
     ``flat_frozen`` (dense U only), their U one ``FRoDFrozen`` of that layer (``frod_frozen``)."""
@@ -199,10 +217,11 @@ def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport]
         for name in order:
             by_layer.setdefault(owner[name], []).append(name)
         for layer, names in by_layer.items():
-            rel = [name[len(layer) + 1:] for name in names]
+            rel = [name[len(layer) + 1 :] for name in names]
             if flat:
-                holder = FRoDTrainables([(r, found[name][3], supports[found[name][0]].nnz)
-                                         for r, name in zip(rel, names)], dtype)
+                holder = FRoDTrainables(
+                    [(r, found[name][3], supports[found[name][0]].nnz) for r, name in zip(rel, names)], dtype
+                )
                 model.get_submodule(layer).frod_flat = holder
                 holders.update({name: (holder, i) for i, name in enumerate(names)})
             if flat_frozen:
@@ -217,8 +236,15 @@ def _swap_targets(model: nn.Module, store, supports: Mapping[str, SparseSupport]
             U = torch.empty(m, n, dtype=dtype)
         else:  # the store's own blob layout if it is quantized, else quantized at load time
             U = quantized_parameter(store.u_spec(name) or QuantSpec(quant, (m, n)), dtype)
-        layer = FRoDLinear(U, V, torch.empty(n, dtype=dtype), supports[category], old.bias, flat=holders.get(name),
-                           frozen=frozen.get(name))
+        layer = FRoDLinear(
+            U,
+            V,
+            torch.empty(n, dtype=dtype),
+            supports[category],
+            old.bias,
+            flat=holders.get(name),
+            frozen=frozen.get(name),
+        )
         set_submodule(model, name, layer)
 
 
@@ -247,8 +273,9 @@ def _read_param(name: str, pn: str, module: nn.Module, ckpt, keys: set[str], sto
     return ckpt.get(key) if key in keys else None
 
 
-def _load_module(name: str, module: nn.Module, ckpt, keys: set[str], store, rank0: bool, zero3: bool,
-                 state: dict) -> None:
+def _load_module(
+    name: str, module: nn.Module, ckpt, keys: set[str], store, rank0: bool, zero3: bool, state: dict
+) -> None:
     """Fill the direct parameters of ``module`` (rank 0 reads, ZeRO-3 re-partitions).
 
     Problems are recorded in ``state`` (``missing`` keys, the first ``error``) instead of raised, so every
@@ -329,8 +356,9 @@ def fetch_per_layer(model: nn.Module) -> list[str]:
     run. It then read the released parameters (size 0) and the layer's own gradients failed to accumulate."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    classes = sorted({type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")},
-                     key=lambda c: c.__name__)
+    classes = sorted(
+        {type(m) for m in model.modules() if type(m).__name__.endswith("DecoderLayer")}, key=lambda c: c.__name__
+    )
     if not classes:
         raise FrodError(f"no decoder layer class in {type(model).__name__}: cannot make the layers ZeRO-3 fetch units")
     set_z3_leaf_modules(model, classes)
@@ -354,8 +382,9 @@ class FixedParameters:
         self.module = module
         self.cache: dict[tuple[str, bool, bool], list[tuple[str, nn.Parameter]]] = {}
 
-    def __call__(self, prefix: str = "", recurse: bool = True,
-                 remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def __call__(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         key = (prefix, recurse, remove_duplicate)
         if key not in self.cache:
             self.cache[key] = list(type(self.module).named_parameters(self.module, prefix, recurse, remove_duplicate))
@@ -425,7 +454,9 @@ def build_frod_model(
             model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
         _check_placeholders(model, targeted & {n for n, _ in model.named_modules()})
         flat = stage > 0 if flat_trainables is None else flat_trainables
-        flat_u = (zero3 and "offload_param" not in nvme_offloads(dict(ds_config))) if flat_frozen is None else flat_frozen
+        flat_u = (
+            (zero3 and "offload_param" not in nvme_offloads(dict(ds_config))) if flat_frozen is None else flat_frozen
+        )
         _swap_targets(model, store, supports, dtype, quant, flat, flat_u)
         if quantize_base:
             quantize_untargeted(model, quant, dtype)
@@ -440,8 +471,10 @@ def build_frod_model(
         _load_module(name, module, ckpt, keys, store, rank0, zero3, state)
     missing, error = state["missing"], state["error"]
     if missing:
-        error = error or (f"{len(missing)} tensors missing from checkpoint {ckpt.dir}: {', '.join(missing[:5])}"
-                          f"{' …' if len(missing) > 5 else ''}")
+        error = error or (
+            f"{len(missing)} tensors missing from checkpoint {ckpt.dir}: {', '.join(missing[:5])}"
+            f"{' …' if len(missing) > 5 else ''}"
+        )
     if zero3:
         from frod_ds.runtime.distributed import agree_on_error
 
@@ -460,9 +493,10 @@ def build_frod_model(
 def _register_flat_with_zero3(model: nn.Module, ds_config: Mapping) -> None:
     """Each FRoD layer reads its decoder layer's ``FRoDTrainables`` and ``FRoDFrozen``: declare those Parameters to
     ZeRO-3 as the layer's (``register_external_parameter``), so per-module fetching (no ``fetch_per_layer``) gathers
-    them before the layer runs. A holder's σ (S) Parameter is persistent (``ds_persist``: gathered once, held whole on every
-    rank) exactly where DeepSpeed would have made every member's own σ (S) persistent, i.e. each member's span is
-    within ``stage3_param_persistence_threshold`` (a holder of U likewise): residency is what it was with one Parameter per FRoD layer (the
+    them before the layer runs. A holder's σ (S) Parameter is persistent (``ds_persist``: gathered once, held whole on
+    every rank) exactly where DeepSpeed would have made every member's own σ (S) persistent, i.e. each member's span is
+    within ``stage3_param_persistence_threshold`` (a holder of U likewise): residency is what it was with one Parameter
+    per FRoD layer (the
     shipped ``zero3.json``: all of σ and S; a threshold below a member's S: S partitioned, gathered with its layer)."""
     from deepspeed.runtime.zero import register_external_parameter
 

@@ -15,13 +15,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from frod_ds.formats.checksum import file_crc32, format_crc32
-from frod_ds.io.dtypes import FLOAT_DTYPES
-from frod_ds.runtime.errors import StoreError, note
-from frod_ds.io.fingerprint import base_fingerprint, tensor_digests, weights_fingerprint
-from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.core.quant import QuantSpec
-from frod_ds.io.safetensors_io import tensor_bytes
+from frod_ds.formats.checksum import file_crc32, format_crc32
 from frod_ds.formats.factor_store import (
     MANIFEST,
     CategoryIdentity,
@@ -34,6 +29,11 @@ from frod_ds.formats.factor_store import (
     u_key,
     v_key,
 )
+from frod_ds.io.dtypes import FLOAT_DTYPES
+from frod_ds.io.fingerprint import base_fingerprint, tensor_digests, weights_fingerprint
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.io.safetensors_io import tensor_bytes
+from frod_ds.runtime.errors import StoreError, note
 
 __all__ = ["FactorStore", "check_store_matches", "category_of"]
 
@@ -65,8 +65,10 @@ class FactorStore:
                 f"--out {path} --categories {','.join(missing)} (rerun with the same arguments after a killed run)"
             )
         if not store.manifest.has_checksums:
-            note(f"factor store {path} has no checksums (format {store.manifest.format_version}, written by an older "
-                 "frod-ds): its files are not checked; rebuild it with launch/hjd.py --overwrite to add them")
+            note(
+                f"factor store {path} has no checksums (format {store.manifest.format_version}, written by an older "
+                "frod-ds): its files are not checked; rebuild it with launch/hjd.py --overwrite to add them"
+            )
         return store
 
     @property
@@ -106,7 +108,9 @@ class FactorStore:
 
     def record(self, category: str) -> CategoryRecord:
         if category not in self.manifest.categories:
-            raise StoreError(f"factor store {self.path} has no category {category!r} (has {list(self.manifest.categories)})")
+            raise StoreError(
+                f"factor store {self.path} has no category {category!r} (has {list(self.manifest.categories)})"
+            )
         return self.manifest.categories[category]
 
     def width(self, category: str) -> int:
@@ -138,14 +142,19 @@ class FactorStore:
         if record.checksums is not None:
             want = record.checksums.get(name)
             if want is None:
-                return f"factor store {self.path} records no checksum for {name}; rebuild it with launch/hjd.py --overwrite"
+                return (
+                    f"factor store {self.path} records no checksum for {name}; "
+                    "rebuild it with launch/hjd.py --overwrite"
+                )
             try:
                 got = format_crc32(file_crc32(file))
             except OSError as e:
                 return f"could not read {file}: {e}; rebuild the store with launch/hjd.py --overwrite"
             if got != want:
-                return (f"factor store file {file} is corrupt (its checksum is {got}, the manifest records {want}); "
-                        "rebuild the store with launch/hjd.py --overwrite")
+                return (
+                    f"factor store file {file} is corrupt (its checksum is {got}, the manifest records {want}); "
+                    "rebuild the store with launch/hjd.py --overwrite"
+                )
         self._checked.add(name)
         return None
 

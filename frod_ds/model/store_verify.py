@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from frod_ds.runtime.errors import StoreError
-from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
-from frod_ds.hjd.math import reconstruction_error
-from frod_ds.model.store_reader import FactorStore, check_store_matches
 from frod_ds.formats.factor_store import member_of_key, sigma_key, u_key, v_key
+from frod_ds.hjd.math import reconstruction_error
+from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from frod_ds.model.store_reader import FactorStore, check_store_matches
+from frod_ds.runtime.errors import StoreError
 
 __all__ = ["verify_store"]
 
@@ -40,7 +40,13 @@ def _check_files(store: FactorStore, category: str) -> tuple[list[str], bool]:
         if checksum is not None:
             problems.append(f"{category}: {checksum}")
         for key in keys:
-            want = [n, n] if key == v_key(category) else [n] if key.endswith(".sigma") else record.shapes[member_of_key(key)]
+            want = (
+                [n, n]
+                if key == v_key(category)
+                else [n]
+                if key.endswith(".sigma")
+                else record.shapes[member_of_key(key)]
+            )
             if key.endswith(".U") and record.u_quant is not None:
                 want = [store.u_spec(member_of_key(key)).nbytes]  # the quantized blob, (nbytes,) uint8
             if have.get(key) != list(want):
@@ -58,8 +64,14 @@ def _read(store: FactorStore, key: str, dtype: torch.dtype | None, device: str |
     return t.to(device=device, dtype=dtype or t.dtype)
 
 
-def verify_store(store_dir: str | Path, model: str, samples: int = 2, seed: int = 0, tol: float | None = None,
-                 device: str | torch.device = "cpu") -> list[str]:
+def verify_store(
+    store_dir: str | Path,
+    model: str,
+    samples: int = 2,
+    seed: int = 0,
+    tol: float | None = None,
+    device: str | torch.device = "cpu",
+) -> list[str]:
     """Re-check a store against a checkpoint; returns the problems found (empty: verified).
 
     Checks that the store is complete, the weights fingerprint (``check_store_matches``), that every file
@@ -93,8 +105,13 @@ def verify_store(store_dir: str | Path, model: str, samples: int = 2, seed: int 
             spec = store.u_spec(member)
             if spec is not None:
                 U = spec.unpack(U, torch.float32)  # (m, n) dequantized
-            limit = tol if tol is not None else _VERIFY_TOL_QUANT[spec.kind] if spec is not None \
+            limit = (
+                tol
+                if tol is not None
+                else _VERIFY_TOL_QUANT[spec.kind]
+                if spec is not None
                 else _VERIFY_TOL.get(U.dtype, 1e-8)
+            )
             W = ckpt.get(member + ".weight", device).double()
             e = reconstruction_error(W, U.double(), _read(store, sigma_key(member), torch.float64, device), V)
             if not e <= limit:

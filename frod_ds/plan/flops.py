@@ -23,8 +23,14 @@ from frod_ds.core.names import DEFAULT_TARGETS
 TARGET_SHAPES = DEFAULT_TARGETS  # the FRoD targets counted unless a caller names others
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, by a substring of torch.cuda.get_device_name().
-PEAK_BF16 = [("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12), ("GH200", 989.4e12),
-             ("A100", 312e12), ("L40S", 362e12)]
+PEAK_BF16 = [
+    ("H100 PCIe", 756e12),
+    ("H100", 989.4e12),
+    ("H200", 989.4e12),
+    ("GH200", 989.4e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+]
 
 
 def peak_bf16_flops(device_name: str) -> float | None:
@@ -40,8 +46,15 @@ def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or h // heads
-    return {"q_proj": (heads * head_dim, h), "k_proj": (kv * head_dim, h), "v_proj": (kv * head_dim, h),
-            "o_proj": (h, heads * head_dim), "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    return {
+        "q_proj": (heads * head_dim, h),
+        "k_proj": (kv * head_dim, h),
+        "v_proj": (kv * head_dim, h),
+        "o_proj": (h, heads * head_dim),
+        "gate_proj": (inter, h),
+        "up_proj": (inter, h),
+        "down_proj": (h, inter),
+    }
 
 
 def lora_target_macs(m: int, n: int, r: int) -> float:
@@ -59,8 +72,18 @@ def frod_target_macs(m: int, n: int, nnz: int, tokens_per_call: int, save: str, 
     return 4 * n * n + dmat + (n * n if save == "x" else 0)
 
 
-def flops_per_token(cfg: dict, seq: int, method: str, tokens_per_call: int, *, targets=TARGET_SHAPES,
-                    lora_r: int = 16, sparsity: float = 0.02, save: str = "z", dgrad: str = "dense") -> dict:
+def flops_per_token(
+    cfg: dict,
+    seq: int,
+    method: str,
+    tokens_per_call: int,
+    *,
+    targets=TARGET_SHAPES,
+    lora_r: int = 16,
+    sparsity: float = 0.02,
+    save: str = "z",
+    dgrad: str = "dense",
+) -> dict:
     """Model FLOPs per training token: base forward, base backward to inputs, adapter, total."""
     L, h, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
     shapes = linear_shapes(cfg)
@@ -75,8 +98,7 @@ def flops_per_token(cfg: dict, seq: int, method: str, tokens_per_call: int, *, t
             adapter += L * frod_target_macs(m, n, int(round(sparsity * n * n)), tokens_per_call, save, dgrad)
         else:
             raise ValueError(f"method must be frod or lora, got {method!r}")
-    out = {"base_forward": 2 * (n_mm + attn), "base_backward_to_input": 2 * (n_mm + 2 * attn),
-           "adapter": 2 * adapter}
+    out = {"base_forward": 2 * (n_mm + attn), "base_backward_to_input": 2 * (n_mm + 2 * attn), "adapter": 2 * adapter}
     out["total"] = sum(out.values())
     out["formula"] = __doc__.split("\n\n", 2)[1].strip()
     return out

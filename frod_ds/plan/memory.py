@@ -1,7 +1,9 @@
-"""Memory planner: per-GPU memory of FRoD training by part, from ``config.json`` alone, and the fastest set-up that fits.
+"""Memory planner: per-GPU memory of FRoD training by part, from ``config.json`` alone, and the fastest set-up that
+fits.
 
     python -m frod_ds plan --model meta-llama/Llama-2-7b-hf --gpus 2 --recipe recipes/llama2_7b_cs170k.yaml
-    python -m frod_ds plan --model /ckpt/llama-2-70b --gpus 2 --config ds_configs/zero3.json recipe: model.frozen_quant=nf4
+    python -m frod_ds plan --model /ckpt/llama-2-70b --gpus 2 --config ds_configs/zero3.json \\
+        recipe: model.frozen_quant=nf4
 
 Everything is derived from the shapes (no weights are read) and the constants below, which say where each comes
 from. ``plan_memory`` gives the bytes one GPU allocates at the peak (end of the forward / start of the backward,
@@ -33,20 +35,38 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from frod_ds.config.ds_config import DS_DEFAULTS, bf16_overflow_check, load_ds_config, zero_settings
 from frod_ds.core.names import DEFAULT_TARGETS, LLAMA_LINEARS
 from frod_ds.runtime.errors import FrodError
 
-__all__ = ["PlanError", "ModelShape", "TrainShape", "Engine", "Plan", "Recommendation", "plan_memory", "recommend", "hint",
-           "candidates", "predicted_seconds", "load_model_shape", "model_shape_from_config", "engine_from_ds_config",
-           "train_shape_from_recipe", "shipped_engines", "trainable_numel", "layer_activation_bytes", "train_hint"]
+__all__ = [
+    "PlanError",
+    "ModelShape",
+    "TrainShape",
+    "Engine",
+    "Plan",
+    "Recommendation",
+    "plan_memory",
+    "recommend",
+    "hint",
+    "candidates",
+    "predicted_seconds",
+    "load_model_shape",
+    "model_shape_from_config",
+    "engine_from_ds_config",
+    "train_shape_from_recipe",
+    "shipped_engines",
+    "trainable_numel",
+    "layer_activation_bytes",
+    "train_hint",
+]
 
 
 class PlanError(FrodError):
     """Input the memory planner cannot plan for (a config.json it does not model, unknown targets)."""
+
 
 GiB = 2**30
 
@@ -116,8 +136,15 @@ class ModelShape:
     def linear(self, name: str) -> tuple[int, int]:
         """(out, in) of one layer's linear ``name``."""
         h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (f, h),
-                "up_proj": (f, h), "down_proj": (h, f)}[name]
+        return {
+            "q_proj": (q, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, q),
+            "gate_proj": (f, h),
+            "up_proj": (f, h),
+            "down_proj": (h, f),
+        }[name]
 
     @property
     def parameters(self) -> int:
@@ -129,16 +156,26 @@ def model_shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> 
     """``PlanError`` (one line) for a config the planner does not model."""
     mtype = cfg.get("model_type")
     if mtype not in LLAMA_FAMILY:
-        raise PlanError(f"{where}: model_type {mtype!r} is not one the planner models (LLaMA-family decoders: "
-                         f"{', '.join(LLAMA_FAMILY)})")
+        raise PlanError(
+            f"{where}: model_type {mtype!r} is not one the planner models (LLaMA-family decoders: "
+            f"{', '.join(LLAMA_FAMILY)})"
+        )
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in need if not isinstance(cfg.get(k), int)]
     if missing:
         raise PlanError(f"{where}: missing or non-integer {', '.join(missing)}; not a complete {mtype} config")
     heads = cfg["num_attention_heads"]
-    return ModelShape(mtype, cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], heads,
-                      int(cfg.get("num_key_value_heads") or heads), int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-                      cfg["vocab_size"], bool(cfg.get("tie_word_embeddings", False)))
+    return ModelShape(
+        mtype,
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_hidden_layers"],
+        heads,
+        int(cfg.get("num_key_value_heads") or heads),
+        int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        cfg["vocab_size"],
+        bool(cfg.get("tie_word_embeddings", False)),
+    )
 
 
 def load_model_shape(model: str) -> ModelShape:
@@ -189,8 +226,17 @@ class TrainShape:
 
 def train_shape_from_recipe(recipe, layer_saves: str = "z", seq_len: int | None = None) -> TrainShape:
     m, d, t = recipe.model, recipe.data, recipe.train
-    return TrainShape(t.micro_batch_size, seq_len or d.cutoff_len, m.dtype, tuple(m.targets), m.sparsity,
-                      m.frozen_quant, m.quantize_base, m.gradient_checkpointing, layer_saves)
+    return TrainShape(
+        t.micro_batch_size,
+        seq_len or d.cutoff_len,
+        m.dtype,
+        tuple(m.targets),
+        m.sparsity,
+        m.frozen_quant,
+        m.quantize_base,
+        m.gradient_checkpointing,
+        layer_saves,
+    )
 
 
 @dataclass(frozen=True)
@@ -219,10 +265,20 @@ def engine_from_ds_config(cfg: dict[str, Any], name: str = "config") -> Engine:
     """The ``Engine`` of a DeepSpeed JSON as the one reader of it (``ds_config.zero_settings``) sees it. ZeRO-0/1
     are planned like ZeRO-2: each replicates the frozen model on every GPU."""
     z = zero_settings(cfg)
-    return Engine(name, 3 if z.stage == 3 else 2, z.offload_param is not None, z.offload_optimizer is not None,
-                  z.overlap_comm, float(z.reduce_bucket_size), float(z.prefetch_bucket_size),
-                  float(z.param_persistence_threshold), float(z.max_live_parameters), float(z.max_reuse_distance),
-                  z.memory_efficient_linear, bf16_overflow_check(cfg))
+    return Engine(
+        name,
+        3 if z.stage == 3 else 2,
+        z.offload_param is not None,
+        z.offload_optimizer is not None,
+        z.overlap_comm,
+        float(z.reduce_bucket_size),
+        float(z.prefetch_bucket_size),
+        float(z.param_persistence_threshold),
+        float(z.max_live_parameters),
+        float(z.max_reuse_distance),
+        z.memory_efficient_linear,
+        bf16_overflow_check(cfg),
+    )
 
 
 def shipped_engines() -> list[Engine]:
@@ -230,8 +286,10 @@ def shipped_engines() -> list[Engine]:
     reader; a missing one is an error naming it (``runtime.shipped``), never a stand-in."""
     from frod_ds.runtime.shipped import shipped_file
 
-    return [engine_from_ds_config(load_ds_config(shipped_file("ds_configs", fname)), f"ds_configs/{fname}")
-            for fname in ENGINE_FILES]
+    return [
+        engine_from_ds_config(load_ds_config(shipped_file("ds_configs", fname)), f"ds_configs/{fname}")
+        for fname in ENGINE_FILES
+    ]
 
 
 # ---- the arithmetic -------------------------------------------------------------------------------------------------
@@ -274,7 +332,9 @@ def _orders(model: ModelShape, train: TrainShape, grad: bool = True) -> dict[str
     return {t: ordering(train.tokens, *model.linear(t), grad) for t in train.targets}
 
 
-def layer_activation_bytes(model: ModelShape, train: TrainShape, linear_keeps_input: bool = False) -> tuple[float, float]:
+def layer_activation_bytes(
+    model: ModelShape, train: TrainShape, linear_keeps_input: bool = False
+) -> tuple[float, float]:
     """``(per token, per forward call)`` bytes one decoder layer keeps for its backward.
 
     Per token: 2 norms × NORM_SAVED_BYTES·h; SDPA's q, k, v, output (k, v repeated to all heads) and logsumexp;
@@ -289,8 +349,15 @@ def layer_activation_bytes(model: ModelShape, train: TrainShape, linear_keeps_in
     q = model.heads * model.head_dim
     per_token = 2 * NORM_SAVED_BYTES * h + e * (4 * q) + LSE_BYTES * model.heads + e * 3 * f
     per_call = 0.0
-    groups = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "o_proj": "o", "gate_proj": "mlp",
-              "up_proj": "mlp", "down_proj": "down"}
+    groups = {
+        "q_proj": "attn",
+        "k_proj": "attn",
+        "v_proj": "attn",
+        "o_proj": "o",
+        "gate_proj": "mlp",
+        "up_proj": "mlp",
+        "down_proj": "down",
+    }
     x_saved = set()
     plain = train.layer_saves == "M"  # the plain-autograd layer (impl="autograd") calls F.linear; the Functions do not
     for t, order in _orders(model, train).items():
@@ -325,15 +392,20 @@ def frozen_tensors(model: ModelShape, train: TrainShape) -> dict[str, list[tuple
     return {
         "frozen U_i": [(_weight_bytes(model.linear(t), train.quant, e), L, True) for t in train.targets],
         "frozen V": [(model.linear(t)[1] ** 2 * e, 1, False) for t in train.targets],
-        "frozen other": [(_weight_bytes(model.linear(n), base_q, e), L, True) for n in LINEARS if n not in train.targets]
+        "frozen other": [
+            (_weight_bytes(model.linear(n), base_q, e), L, True) for n in LINEARS if n not in train.targets
+        ]
         + [(h * e, 2 * L, True), (h * e, 1, False), (model.vocab * h * e, 1 if model.tied else 2, False)],
     }
 
 
 def trainable_tensors(model: ModelShape, train: TrainShape) -> list[tuple[int, int]]:
     """``[(numel, count), ...]`` of σ (n) and S (round(s·n²)) per member (``frod_ds.core.layer.trainable_numel``)."""
-    return [x for t in train.targets for x in ((model.linear(t)[1], model.layers),
-                                                 (round(train.sparsity * model.linear(t)[1] ** 2), model.layers))]
+    return [
+        x
+        for t in train.targets
+        for x in ((model.linear(t)[1], model.layers), (round(train.sparsity * model.linear(t)[1] ** 2), model.layers))
+    ]
 
 
 def trainable_numel(model: ModelShape, train: TrainShape) -> int:
@@ -366,8 +438,9 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
         parts[part] = sum(b * c * _resident(b / e, engine, N) for b, c, _ in items)
     P = trainable_numel(model, train)
     on_gpu = 0 if engine.offload_optimizer else e + ADAM_STATE_BYTES  # gradient partition + fp32 master and moments
-    parts["trainable + optimizer"] = sum(n * c * (e * _resident(n, engine, N) + on_gpu / N)
-                                         for n, c in trainable_tensors(model, train))
+    parts["trainable + optimizer"] = sum(
+        n * c * (e * _resident(n, engine, N) + on_gpu / N) for n, c in trainable_tensors(model, train)
+    )
     per_token, per_call = layer_activation_bytes(model, train, engine.linear_keeps_input)
     full = L * (per_token * T + per_call)
     ckpt = L * e * model.hidden * T + per_token * T + per_call  # each layer's input + one layer recomputed
@@ -377,8 +450,9 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
         parts["activations"], parts["M kept for backward"], other = ckpt - m_ckpt, m_ckpt, full - m_all
     else:
         parts["activations"], parts["M kept for backward"], other = full - m_all, m_all, ckpt - m_ckpt
-    parts["logits + loss"] = T * model.vocab * (e + 4 * LOSS_FP32_COPIES) + (T * e * model.hidden if
-                                                                            engine.linear_keeps_input else 0)
+    parts["logits + loss"] = T * model.vocab * (e + 4 * LOSS_FP32_COPIES) + (
+        T * e * model.hidden if engine.linear_keeps_input else 0
+    )
     gathered = 0.0
     # N = 1 without offload: ZeRO-3 points parameters at their only partition, no copy. With parameter offload the
     # partitions live on the CPU and every gathered parameter is a full copy on the GPU, on any N (DeepSpeed's
@@ -418,8 +492,11 @@ class Recommendation:
     alternative: str = ""  # a much faster set-up at a coarser precision, named but not chosen
 
     def describe(self) -> str:
-        q = "frozen bf16" if self.quant == "none" else f"frozen_quant={self.quant}" + (
-            " quantize_base=true" if self.quantize_base else "")
+        q = (
+            "frozen bf16"
+            if self.quant == "none"
+            else f"frozen_quant={self.quant}" + (" quantize_base=true" if self.quantize_base else "")
+        )
         return f"{self.engine.name}, {q}, gradient checkpointing {'on' if self.checkpointing else 'off'}"
 
 
@@ -439,8 +516,9 @@ def predicted_seconds(model: ModelShape, plan: Plan, link=None) -> float:
     return step_time(model, plan.train, plan.engine, plan.gpus, link or NVLINK).seconds
 
 
-def recommend(model: ModelShape, train: TrainShape, gpus: int, gpu_bytes: float,
-              engines: list[Engine] | None = None, link=None) -> Recommendation | None:
+def recommend(
+    model: ModelShape, train: TrainShape, gpus: int, gpu_bytes: float, engines: list[Engine] | None = None, link=None
+) -> Recommendation | None:
     """The fastest set-up that fits (None when none does): within the first precision of ``candidates`` where
     anything fits, the engine and checkpointing with the least predicted step time; a one-line reason."""
     tried: list[Plan] = []
@@ -458,20 +536,32 @@ def recommend(model: ModelShape, train: TrainShape, gpus: int, gpu_bytes: float,
         return None
     (eng, q, qb, gc), plan, secs = min(fitting, key=lambda t: t[2])
     alternative = _quantized_alternative(model, train, gpus, gpu_bytes, engines, link, (q, qb), secs)
-    return Recommendation(eng, q, qb, gc, plan, _reason(plan, secs, tier, tried) + alternative, tried, secs, alternative)
+    return Recommendation(
+        eng, q, qb, gc, plan, _reason(plan, secs, tier, tried) + alternative, tried, secs, alternative
+    )
 
 
-def _quantized_alternative(model: ModelShape, train: TrainShape, gpus: int, gpu_bytes: float,
-                           engines: list[Engine] | None, link, chosen: tuple[str, bool], secs: float) -> str:
-    """``; with <precision>: <engine> would take N ms`` when a coarser precision (the fastest of them) fits at under half the chosen
+def _quantized_alternative(
+    model: ModelShape,
+    train: TrainShape,
+    gpus: int,
+    gpu_bytes: float,
+    engines: list[Engine] | None,
+    link,
+    chosen: tuple[str, bool],
+    secs: float,
+) -> str:
+    """``; with <precision>: <engine> would take N ms`` when a coarser precision (the fastest of them) fits at under
+    half the chosen
     step time (e.g. 70B in bf16 only fits with parameter offload), else ``""``. Not chosen: it changes the model."""
-    later = VARIANTS[VARIANTS.index(chosen) + 1:] if chosen in VARIANTS else ()
+    later = VARIANTS[VARIANTS.index(chosen) + 1 :] if chosen in VARIANTS else ()
     best = None
     for q, qb in later:
         for eng in engines or shipped_engines():
             for gc in (False, True):
-                plan = plan_memory(model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus,
-                                   gpu_bytes)
+                plan = plan_memory(
+                    model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus, gpu_bytes
+                )
                 if plan.fits:
                     t = predicted_seconds(model, plan, link)
                     if best is None or t < best[0]:
@@ -480,8 +570,10 @@ def _quantized_alternative(model: ModelShape, train: TrainShape, gpus: int, gpu_
         return ""
     t, plan = best
     q = f"frozen_quant={plan.train.quant}" + (" quantize_base=true" if plan.train.quantize_base else "")
-    return (f"; with {q} (a quantized model: it moves the logits), {plan.engine.name} would take a predicted "
-            f"{t * 1e3:.0f} ms per step")
+    return (
+        f"; with {q} (a quantized model: it moves the logits), {plan.engine.name} would take a predicted "
+        f"{t * 1e3:.0f} ms per step"
+    )
 
 
 def _reason(plan: Plan, secs: float, tier: list[tuple[tuple, Plan, float]], tried: list[Plan]) -> str:
@@ -490,12 +582,17 @@ def _reason(plan: Plan, secs: float, tier: list[tuple[tuple, Plan, float]], trie
     (_, fastest, fast_s) = min(tier, key=lambda t: t[2])
     step = f"predicted {secs * 1e3:.0f} ms per step"
     if fastest is plan:
-        head = "the fastest set-up fits" if any(tried[0] is p for _, p, _ in tier) else (
-            "the recipe's precision fits nowhere; the most exact precision that fits, fastest set-up")
+        head = (
+            "the fastest set-up fits"
+            if any(tried[0] is p for _, p, _ in tier)
+            else ("the recipe's precision fits nowhere; the most exact precision that fits, fastest set-up")
+        )
         return f"{head}: {need:.1f} of {have:.1f} GiB per GPU, {step}{tight}"
-    return (f"{fastest.engine.name} (gradient checkpointing {'on' if fastest.train.checkpointing else 'off'}) would be "
-            f"faster ({fast_s * 1e3:.0f} ms) but needs {fastest.needed / GiB:.1f} GiB per GPU, more than {have:.1f}; "
-            f"this is the fastest set-up that fits ({need:.1f} GiB, {step}){tight}")
+    return (
+        f"{fastest.engine.name} (gradient checkpointing {'on' if fastest.train.checkpointing else 'off'}) would be "
+        f"faster ({fast_s * 1e3:.0f} ms) but needs {fastest.needed / GiB:.1f} GiB per GPU, more than {have:.1f}; "
+        f"this is the fastest set-up that fits ({need:.1f} GiB, {step}){tight}"
+    )
 
 
 def hint(model: ModelShape, train: TrainShape, chosen: Engine, gpus: int, gpu_bytes: float) -> str | None:
@@ -507,27 +604,39 @@ def hint(model: ModelShape, train: TrainShape, chosen: Engine, gpus: int, gpu_by
     if not plan.fits:
         rec = recommend(model, train, gpus, gpu_bytes, engines)
         fix = f"use {rec.describe()}{rec.alternative}" if rec else "no shipped set-up fits: use more GPUs"
-        return (f"hint: predicted {plan.needed / GiB:.1f} GiB per GPU under {chosen.name} ({gpus} GPU(s) of "
-                f"{gpu_bytes / GiB:.1f} GiB): likely out of memory; {fix} (python -m frod_ds plan)")
+        return (
+            f"hint: predicted {plan.needed / GiB:.1f} GiB per GPU under {chosen.name} ({gpus} GPU(s) of "
+            f"{gpu_bytes / GiB:.1f} GiB): likely out of memory; {fix} (python -m frod_ds plan)"
+        )
     mine = predicted_seconds(model, plan)
-    others = [(predicted_seconds(model, p), p) for p in (plan_memory(model, train, e, gpus, gpu_bytes) for e in engines
-                                                         if e.name != chosen.name) if p.fits]
+    others = [
+        (predicted_seconds(model, p), p)
+        for p in (plan_memory(model, train, e, gpus, gpu_bytes) for e in engines if e.name != chosen.name)
+        if p.fits
+    ]
     if others:
         secs, best = min(others, key=lambda t: t[0])
         if secs < mine * (1 - HINT_MARGIN):
-            return (f"hint: {best.engine.name} fits this recipe on {gpus} GPU(s) ({best.needed / GiB:.1f} of "
-                    f"{gpu_bytes / GiB:.1f} GiB) and is faster than {chosen.name}: predicted {secs * 1e3:.0f} vs "
-                    f"{mine * 1e3:.0f} ms per step (python -m frod_ds plan)")
+            return (
+                f"hint: {best.engine.name} fits this recipe on {gpus} GPU(s) ({best.needed / GiB:.1f} of "
+                f"{gpu_bytes / GiB:.1f} GiB) and is faster than {chosen.name}: predicted {secs * 1e3:.0f} vs "
+                f"{mine * 1e3:.0f} ms per step (python -m frod_ds plan)"
+            )
     return None
 
 
 def activation_bytes_per_token(model: ModelShape, train: TrainShape) -> dict[str, float]:
     """Saved bytes per token over the whole model, without and with gradient checkpointing (for reports)."""
     per_token, _ = layer_activation_bytes(model, train, False)
-    return {"no_checkpointing": model.layers * per_token, "checkpointing": model.layers * train.e * model.hidden + per_token}
+    return {
+        "no_checkpointing": model.layers * per_token,
+        "checkpointing": model.layers * train.e * model.hidden + per_token,
+    }
 
 
-def train_hint(recipe, config_path: str, world_size: int, gpu_bytes: float | None, layer_saves: str = "z") -> str | None:
+def train_hint(
+    recipe, config_path: str, world_size: int, gpu_bytes: float | None, layer_saves: str = "z"
+) -> str | None:
     """``hint`` for ``launch/train.py``: the recipe, its DeepSpeed JSON, the world size and one GPU's memory (None
     without a GPU: no line). None too when an input is unreadable (training's own checks report that)."""
     if not gpu_bytes:

@@ -121,9 +121,15 @@ class StepTime:
 
 
 def _config_dict(model) -> dict:
-    return {"num_hidden_layers": model.layers, "hidden_size": model.hidden, "intermediate_size": model.intermediate,
-            "num_attention_heads": model.heads, "num_key_value_heads": model.kv_heads, "vocab_size": model.vocab,
-            "head_dim": model.head_dim}
+    return {
+        "num_hidden_layers": model.layers,
+        "hidden_size": model.hidden,
+        "intermediate_size": model.intermediate,
+        "num_attention_heads": model.heads,
+        "num_key_value_heads": model.kv_heads,
+        "vocab_size": model.vocab,
+        "head_dim": model.head_dim,
+    }
 
 
 def step_time(model, train, engine, gpus: int, link: Link = NVLINK, *, plain: bool = False) -> StepTime:
@@ -134,8 +140,9 @@ def step_time(model, train, engine, gpus: int, link: Link = NVLINK, *, plain: bo
     from frod_ds.plan.memory import frozen_tensors, trainable_tensors
 
     tokens = train.tokens
-    flops = flops_per_token(_config_dict(model), train.seq_len, "frod", tokens, targets=train.targets,
-                            sparsity=train.sparsity)["total"]
+    flops = flops_per_token(
+        _config_dict(model), train.seq_len, "frod", tokens, targets=train.targets, sparsity=train.sparsity
+    )["total"]
     rate = link.peak_flops * EFFICIENCY
     passes = 3 if train.checkpointing else 2
     parts = {"compute": tokens * flops / rate, "recompute": tokens * flops / 3 / rate if train.checkpointing else 0.0}
@@ -146,8 +153,9 @@ def step_time(model, train, engine, gpus: int, link: Link = NVLINK, *, plain: bo
     frozen_bytes = sum(b * c for group in frozen_tensors(model, train).values() for b, c, _ in group)
     quantized_linears = 0
     if train.quant != "none":
-        names = [t for t in train.targets] + ([n for n in LLAMA_LINEARS if n not in train.targets]
-                                              if train.quantize_base else [])
+        names = [t for t in train.targets] + (
+            [n for n in LLAMA_LINEARS if n not in train.targets] if train.quantize_base else []
+        )
         quantized_linears = len(names)
         elements = model.layers * sum(model.linear(n)[0] * model.linear(n)[1] for n in names)
         parts["dequantize"] = DEQUANT_DEVICE_S[train.quant] * elements * passes

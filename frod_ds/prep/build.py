@@ -91,8 +91,7 @@ def validate_options(options: BuildOptions) -> None:
         problems.append(f"--out {out} exists and is not a directory")
     else:
         try:  # --overwrite deletes OUT: only ever an earlier build, never a mistyped directory or the source
-            check_out(out, KIND, {"--source": options.source}, options.overwrite, error=DataPrepError,
-                      empty_ok=True)
+            check_out(out, KIND, {"--source": options.source}, options.overwrite, error=DataPrepError, empty_ok=True)
         except DataPrepError as exc:
             problems.append(str(exc))
     if problems:
@@ -113,10 +112,15 @@ def template_problems(options: BuildOptions) -> list[str]:
         return [f"unknown template {template!r}; choose one of {', '.join(llm_adapters.TEMPLATES)}"]
     if path is None:
         if template != "paper":
-            return [f"--template {template} needs --source llm-adapters:PATH (hub and mirror rows have no LLM-Adapters instruction)"]
+            return [
+                f"--template {template} needs --source llm-adapters:PATH "
+                "(hub and mirror rows have no LLM-Adapters instruction)"
+            ]
         return []
     if options.source == sources.LLM_ADAPTERS:
-        return ["--source llm-adapters:PATH needs a PATH (commonsense_170k.json or a folder of <task>/{train,test}.json)"]
+        return [
+            "--source llm-adapters:PATH needs a PATH (commonsense_170k.json or a folder of <task>/{train,test}.json)"
+        ]
     if not path.is_file():
         return []
     problems = []
@@ -136,7 +140,9 @@ def template_problems(options: BuildOptions) -> list[str]:
     return problems
 
 
-def convert_split(task: str, split: str, data: sources.SplitData, strict: bool) -> tuple[list[dict[str, Any]], Counter[str]]:
+def convert_split(
+    task: str, split: str, data: sources.SplitData, strict: bool
+) -> tuple[list[dict[str, Any]], Counter[str]]:
     """Render every row of one split; drop (or, if `strict`, reject) rows that do not fit the schema."""
     rows: list[dict[str, Any]] = []
     dropped: Counter[str] = Counter()
@@ -150,8 +156,14 @@ def convert_split(task: str, split: str, data: sources.SplitData, strict: bool) 
             dropped[err.reason] += 1
             continue
         rows.append(
-            {"task": task, "id": rid, "prompt": example.prompt, "answer": example.answer,
-             "choices": list(example.choices), "label": example.label}
+            {
+                "task": task,
+                "id": rid,
+                "prompt": example.prompt,
+                "answer": example.answer,
+                "choices": list(example.choices),
+                "label": example.label,
+            }
         )
     return rows, dropped
 
@@ -159,8 +171,11 @@ def convert_split(task: str, split: str, data: sources.SplitData, strict: bool) 
 def _families(converted: llm_adapters.Converted) -> dict[str, Any]:
     """Per family found in a file: its tasks, rows read and rows kept (manifest ``families``)."""
     return {
-        key: {"tasks": list(llm_adapters.FAMILIES[key].tasks) if key in llm_adapters.FAMILIES else [],
-              "read": n, "kept": converted.kept_families[key]}
+        key: {
+            "tasks": list(llm_adapters.FAMILIES[key].tasks) if key in llm_adapters.FAMILIES else [],
+            "read": n,
+            "kept": converted.kept_families[key],
+        }
         for key, n in sorted(converted.families.items())
     }
 
@@ -172,25 +187,65 @@ def load_llm_adapters_splits(options: BuildOptions, path: Path) -> list[SplitRes
     results = []
     if path.is_file():
         data = sources.load_llm_adapters_file(path, path)
-        conv = llm_adapters.convert(data.rows, task=None, role="train", template=template, origin=data.origin,
-                                    strict=options.strict, selected=frozenset(options.tasks), id_prefix=path.stem)
+        conv = llm_adapters.convert(
+            data.rows,
+            task=None,
+            role="train",
+            template=template,
+            origin=data.origin,
+            strict=options.strict,
+            selected=frozenset(options.tasks),
+            id_prefix=path.stem,
+        )
         log(f"{path.name}: {len(conv.rows)} rows kept of {len(data.rows)}")
-        results.append(SplitResult(path.name, "train", "train", conv.rows, len(data.rows), conv.dropped,
-                                   data.provenance, _families(conv), conv.not_selected, data.origin))
+        results.append(
+            SplitResult(
+                path.name,
+                "train",
+                "train",
+                conv.rows,
+                len(data.rows),
+                conv.dropped,
+                data.provenance,
+                _families(conv),
+                conv.not_selected,
+                data.origin,
+            )
+        )
         return results
     for task in options.tasks:
         for role in ("train", "eval"):
             if not sources.has_llm_adapters_split(path, task, role):  # check_llm_adapters_source: test.json is there
-                log(f"note: {path / sources.LLM_ADAPTERS_FOLDERS[task]} has no train.json; {task} adds its test "
-                    "split only, no training rows")
+                log(
+                    f"note: {path / sources.LLM_ADAPTERS_FOLDERS[task]} has no train.json; {task} adds its test "
+                    "split only, no training rows"
+                )
                 continue
             data = sources.load_llm_adapters_split(path, task, role)
             split = sources.LLM_ADAPTERS_SPLITS[role]
-            conv = llm_adapters.convert(data.rows, task=task, role=role, template=template, origin=data.origin,
-                                        strict=options.strict, split=split)
+            conv = llm_adapters.convert(
+                data.rows,
+                task=task,
+                role=role,
+                template=template,
+                origin=data.origin,
+                strict=options.strict,
+                split=split,
+            )
             log(f"{task} {split}: {len(conv.rows)} rows kept of {len(data.rows)} ({data.origin})")
-            results.append(SplitResult(task, role, split, conv.rows, len(data.rows), conv.dropped,
-                                       data.provenance, _families(conv), origin=data.origin))
+            results.append(
+                SplitResult(
+                    task,
+                    role,
+                    split,
+                    conv.rows,
+                    len(data.rows),
+                    conv.dropped,
+                    data.provenance,
+                    _families(conv),
+                    origin=data.origin,
+                )
+            )
     return results
 
 
@@ -209,8 +264,9 @@ def load_splits(options: BuildOptions) -> list[SplitResult]:
             data = sources.load_split(options.source, task, split, options.winogrande_size)
             rows, dropped = convert_split(task, split, data, options.strict)
             log(f"{task} {split}: {len(rows)} rows kept of {len(data.rows)} ({data.origin})")
-            results.append(SplitResult(task, role, split, rows, len(data.rows), dropped, data.provenance,
-                                       origin=data.origin))
+            results.append(
+                SplitResult(task, role, split, rows, len(data.rows), dropped, data.provenance, origin=data.origin)
+            )
     return results
 
 
@@ -225,8 +281,13 @@ def drop_rows_training_refuses(result: SplitResult, strict: bool) -> None:
     seen: set[str] = set()
     kept = []
     for row in result.rows:
-        reason = DUPLICATE_ID if row["id"] in seen else \
-            OVERLONG if len(row["prompt"]) + len(row["answer"]) > io.MAX_ROW_CHARS else None
+        reason = (
+            DUPLICATE_ID
+            if row["id"] in seen
+            else OVERLONG
+            if len(row["prompt"]) + len(row["answer"]) > io.MAX_ROW_CHARS
+            else None
+        )
         if reason is None:
             seen.add(row["id"])
             kept.append(row)
@@ -253,14 +314,22 @@ def check_no_empty_split(results: list[SplitResult], tasks: tuple[str, ...]) -> 
             problems.append(f"{what}: all {r.read} rows were dropped ({reasons})")
         elif combined and r.families is not None:
             kept = {key for key, f in r.families.items() if f["kept"]}
-            missing = [t for f in llm_adapters.FAMILIES.values() if set(f.tasks) <= set(tasks) and f.key not in kept
-                       for t in f.tasks]
+            missing = [
+                t
+                for f in llm_adapters.FAMILIES.values()
+                if set(f.tasks) <= set(tasks) and f.key not in kept
+                for t in f.tasks
+            ]
             if missing:
                 problems.append(f"{what} has no usable rows of {','.join(missing)}, selected by --tasks")
     if problems:
         dropped = any("were dropped" in p for p in problems)
-        raise DataPrepError("; ".join(problems) + "; fix the source" + (" (--strict names the first bad row)" if dropped
-                                                                       else "") + " or leave it out of --tasks")
+        raise DataPrepError(
+            "; ".join(problems)
+            + "; fix the source"
+            + (" (--strict names the first bad row)" if dropped else "")
+            + " or leave it out of --tasks"
+        )
 
 
 def mixture(results: list[SplitResult], seed: int) -> list[dict[str, Any]]:
@@ -316,7 +385,12 @@ def make_manifest(options: BuildOptions, results: list[SplitResult], n_train: in
     }
     for r in results:
         manifest["sources"].setdefault(r.task, {})[r.role] = r.provenance
-        counts = {"split": r.split, "read": r.read, "kept": len(r.rows), "dropped": r.read - len(r.rows) - r.not_selected}
+        counts = {
+            "split": r.split,
+            "read": r.read,
+            "kept": len(r.rows),
+            "dropped": r.read - len(r.rows) - r.not_selected,
+        }
         if r.not_selected:
             counts["not_selected"] = r.not_selected
         manifest["counts"].setdefault(r.task, {})[r.role] = counts
@@ -334,14 +408,20 @@ def llm_adapters_manifest(options: BuildOptions, results: list[SplitResult]) -> 
     tasks = set(options.tasks)
     if template == "paper":
         notes = {task: note for task, note in llm_adapters.PAPER_NOTES.items() if task in tasks}
-        prompts = {"train": "the paper's templates (frod_ds.prep.templates)", "eval": "the paper's templates (frod_ds.prep.templates)"}
+        prompts = {
+            "train": "the paper's templates (frod_ds.prep.templates)",
+            "eval": "the paper's templates (frod_ds.prep.templates)",
+        }
     else:
         notes = {"boolq": llm_adapters.BOOLQ_NOTE_LLM_ADAPTERS} if "boolq" in tasks else {}
-        prompts = {"train": "LLM-Adapters finetune.py generate_prompt (empty input), up to where output starts",
-                   "eval": "LLM-Adapters commonsense_evaluate.py generate_prompt (empty input)"}
+        prompts = {
+            "train": "LLM-Adapters finetune.py generate_prompt (empty input), up to where output starts",
+            "eval": "LLM-Adapters commonsense_evaluate.py generate_prompt (empty input)",
+        }
     return {
         "template": template,
-        "training_text": "prompt + separator + answer + EOS; separator: the row's 'separator' field, else '\\nAnswer: '",
+        "training_text": "prompt + separator + answer + EOS; "
+        "separator: the row's 'separator' field, else '\\nAnswer: '",
         "separator": llm_adapters.SEPARATOR if template == "llm-adapters" else io.ANSWER_SEPARATOR,
         "prompts": prompts,
         "families": families,
@@ -349,7 +429,9 @@ def llm_adapters_manifest(options: BuildOptions, results: list[SplitResult]) -> 
     }
 
 
-def write_outputs(out: Path, train: list[dict[str, Any]], results: list[SplitResult], manifest: dict[str, Any]) -> dict[str, str]:
+def write_outputs(
+    out: Path, train: list[dict[str, Any]], results: list[SplitResult], manifest: dict[str, Any]
+) -> dict[str, str]:
     """Write every file into a temporary sibling of `out`, then rename it to `out`.
 
     Returns the sha256 of each written file, keyed by its path relative to `out`.
@@ -378,7 +460,8 @@ def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
     train = mixture(results, options.seed)
     manifest = make_manifest(options, results, len(train))
     if tokenizer is not None:
-        manifest["token_lengths"] = token_report(results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF,
-                                                 resolved_template(options))
+        manifest["token_lengths"] = token_report(
+            results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF, resolved_template(options)
+        )
     files = write_outputs(options.out, train, results, manifest)
     return manifest, files

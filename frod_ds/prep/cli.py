@@ -1,8 +1,10 @@
 """Command line of data_prep: build Commonsense170K, inspect a build, show rendered examples.
 
     python -m data_prep build --source hub --out data/cs170k
-    python -m data_prep build --source llm-adapters:LLM-Adapters/dataset --out data/la --tasks boolq,obqa,arc_easy,arc_challenge
-    python -m data_prep build --source llm-adapters:ft-training_set/commonsense_170k.json --out data/la170k --template llm-adapters
+    python -m data_prep build --source llm-adapters:LLM-Adapters/dataset --out data/la \\
+        --tasks boolq,obqa,arc_easy,arc_challenge
+    python -m data_prep build --source llm-adapters:ft-training_set/commonsense_170k.json --out data/la170k \\
+        --template llm-adapters
     python -m data_prep build --source /data/mirror --out data/cs170k --tasks boolq,piqa --strict
     python -m data_prep build --source hub --out data/cs170k --tokenizer meta-llama/Llama-2-7b-hf --cutoff 256
     python -m data_prep stats --out data/cs170k [--tokenizer DIR]
@@ -24,13 +26,22 @@ from typing import Any
 
 from frod_ds.prep import io, llm_adapters, sources, tokens
 from frod_ds.prep.build import DEFAULT_CUTOFF, BuildOptions, build, resolved_template, template_problems
-from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, WINOGRANDE_SIZES, DataPrepError, parse_tasks
+from frod_ds.prep.tasks import (
+    DEFAULT_WINOGRANDE_SIZE,
+    LLM_ADAPTERS_ROWS,
+    TASKS,
+    WINOGRANDE_SIZES,
+    DataPrepError,
+    parse_tasks,
+)
 from frod_ds.prep.templates import RowError, render, row_id
 
 
 def _add_source_flags(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument(
-        "--source", required=required, metavar="hub|DIR|llm-adapters:PATH",
+        "--source",
+        required=required,
+        metavar="hub|DIR|llm-adapters:PATH",
         help="'hub' to load each task from the Hugging Face Hub with datasets, a local mirror "
         "directory with one subdirectory per task key holding train/validation/test split files, or "
         "llm-adapters:PATH with PATH LLM-Adapters' commonsense_170k.json (training rows only) or a folder of "
@@ -38,49 +49,75 @@ def _add_source_flags(parser: argparse.ArgumentParser, required: bool) -> None:
         "ARC-Easy, ARC-Challenge, openbookqa)",
     )
     parser.add_argument(
-        "--template", choices=llm_adapters.TEMPLATES,
+        "--template",
+        choices=llm_adapters.TEMPLATES,
         help="prompt template: 'paper' (the FRoD paper's, answer after '\\nAnswer: ') or 'llm-adapters' "
         "(LLM-Adapters' training/scoring prompts and 'the correct answer is ...' answers, character for "
         "character; needs an llm-adapters source). Default: llm-adapters for an llm-adapters source, else paper",
     )
     parser.add_argument(
-        "--winogrande-size", choices=WINOGRANDE_SIZES, default=DEFAULT_WINOGRANDE_SIZE,
+        "--winogrande-size",
+        choices=WINOGRANDE_SIZES,
+        default=DEFAULT_WINOGRANDE_SIZE,
         help="WinoGrande training set size, i.e. the Hub config winogrande_<size> "
         f"(default: {DEFAULT_WINOGRANDE_SIZE}, the paper's winogrande_l)",
     )
 
 
 def _add_tokenizer_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokenizer", metavar="ID|DIR", help="Hugging Face tokenizer id or directory to measure token lengths with")
     parser.add_argument(
-        "--cutoff", type=int, metavar="N",
+        "--tokenizer", metavar="ID|DIR", help="Hugging Face tokenizer id or directory to measure token lengths with"
+    )
+    parser.add_argument(
+        "--cutoff",
+        type=int,
+        metavar="N",
         help=f"report rows whose training text is longer than N tokens (needs --tokenizer; default {DEFAULT_CUTOFF})",
     )
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The argparse tree: build, stats, show."""
-    parser = argparse.ArgumentParser(allow_abbrev=False, prog="frod data", description="Commonsense170K in the paper's or LLM-Adapters' prompt templates.")
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="frod data",
+        description="Commonsense170K in the paper's or LLM-Adapters' prompt templates.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,show}")
 
     p = sub.add_parser("build", allow_abbrev=False, help="render the training mixture and per-task eval files into OUT")
     _add_source_flags(p, required=True)
-    p.add_argument("--out", type=Path, required=True, help="output directory (must be absent or empty unless --overwrite)")
+    p.add_argument(
+        "--out", type=Path, required=True, help="output directory (must be absent or empty unless --overwrite)"
+    )
     p.add_argument("--tasks", default="all", help=f"comma list of tasks or 'all' (default); tasks: {', '.join(TASKS)}")
     p.add_argument("--seed", type=int, default=42, help="seed of the training-mixture shuffle (default: 42)")
-    p.add_argument("--strict", action="store_true", help="fail on the first invalid source row instead of dropping and counting it")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty OUT (only once the new build succeeded)")
+    p.add_argument(
+        "--strict", action="store_true", help="fail on the first invalid source row instead of dropping and counting it"
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing non-empty OUT (only once the new build succeeded)"
+    )
     _add_tokenizer_flags(p)
 
-    p = sub.add_parser("stats", allow_abbrev=False, help="check a built OUT against its manifest and print counts and length stats")
+    p = sub.add_parser(
+        "stats", allow_abbrev=False, help="check a built OUT against its manifest and print counts and length stats"
+    )
     p.add_argument("--out", type=Path, required=True, help="a directory written by 'build'")
     _add_tokenizer_flags(p)
 
-    p = sub.add_parser("show", allow_abbrev=False, help="print N rendered examples of one task, from a source or from a built OUT")
+    p = sub.add_parser(
+        "show", allow_abbrev=False, help="print N rendered examples of one task, from a source or from a built OUT"
+    )
     _add_source_flags(p, required=False)
     p.add_argument("--out", type=Path, help="read rendered rows from this built directory instead of a source")
     p.add_argument("--task", required=True, choices=list(TASKS), help="task key")
-    p.add_argument("--split", choices=("train", "eval"), default="train", help="training split or the task's eval split (default: train)")
+    p.add_argument(
+        "--split",
+        choices=("train", "eval"),
+        default="train",
+        help="training split or the task's eval split (default: train)",
+    )
     p.add_argument("-n", type=int, default=3, help="number of examples to print (default: 3)")
     p.add_argument("--repr", action="store_true", help="print Python reprs to make spaces and newlines visible")
     return parser
@@ -117,7 +154,10 @@ def print_build_report(manifest: dict[str, Any], files: dict[str, str]) -> None:
         print(f"token lengths ({report['tokenizer']}, cutoff {report['cutoff']}):")
         for task, roles in report["per_task"].items():
             for role, s in roles.items():
-                print(f"  {task:<14} {role:<5} max {s['max']:>5}  p95 {s['p95']:>5}  over cutoff {s['over_cutoff']:>6} of {s['rows']}")
+                print(
+                    f"  {task:<14} {role:<5} max {s['max']:>5}  p95 {s['p95']:>5}  "
+                    f"over cutoff {s['over_cutoff']:>6} of {s['rows']}"
+                )
     for name, digest in files.items():
         print(f"sha256 {digest}  {name}")
 
@@ -125,9 +165,16 @@ def print_build_report(manifest: dict[str, Any], files: dict[str, str]) -> None:
 def cmd_build(args: argparse.Namespace) -> None:
     """`build`: render the selected tasks into OUT and print the report."""
     options = BuildOptions(
-        source=args.source, out=args.out, tasks=tuple(parse_tasks(args.tasks)),
-        winogrande_size=args.winogrande_size, seed=args.seed, strict=args.strict,
-        tokenizer=args.tokenizer, cutoff=args.cutoff, overwrite=args.overwrite, template=args.template,
+        source=args.source,
+        out=args.out,
+        tasks=tuple(parse_tasks(args.tasks)),
+        winogrande_size=args.winogrande_size,
+        seed=args.seed,
+        strict=args.strict,
+        tokenizer=args.tokenizer,
+        cutoff=args.cutoff,
+        overwrite=args.overwrite,
+        template=args.template,
     )
     manifest, files = build(options)
     print_build_report(manifest, files)
@@ -165,7 +212,9 @@ def cmd_stats(args: argparse.Namespace) -> None:
     if args.cutoff is not None and tokenizer is None:
         raise DataPrepError("--cutoff needs --tokenizer")
     cutoff = args.cutoff or DEFAULT_CUTOFF
-    print(f"{args.out}: seed {manifest.get('seed')}, source {manifest.get('source', {}).get('kind')}, all sha256s match")
+    print(
+        f"{args.out}: seed {manifest.get('seed')}, source {manifest.get('source', {}).get('kind')}, all sha256s match"
+    )
     header = f"{'file':<26} {'task':<14} {'rows':>7} {'prompt chars mean/max':>22}"
     print(header + (f" {'tokens mean/p95/max':>20} {'>' + str(cutoff):>7}" if tokenizer is not None else ""))
     for name, rows in files.items():
@@ -199,8 +248,16 @@ def examples_from_source(source: str, task: str, role: str, winogrande_size: str
             break
         try:
             ex = render(task, raw)
-            shown.append({"task": task, "id": row_id(task, split, index, raw), "prompt": ex.prompt,
-                          "answer": ex.answer, "choices": list(ex.choices), "label": ex.label})
+            shown.append(
+                {
+                    "task": task,
+                    "id": row_id(task, split, index, raw),
+                    "prompt": ex.prompt,
+                    "answer": ex.answer,
+                    "choices": list(ex.choices),
+                    "label": ex.label,
+                }
+            )
         except RowError as err:
             skipped[err.reason] += 1
     for reason, count in skipped.items():
@@ -216,21 +273,40 @@ def examples_from_llm_adapters(source: str, task: str, role: str, template: str 
     """
     path = sources.llm_adapters_path(source)
     family = llm_adapters.FAMILY_OF_TASK[task]
-    options = BuildOptions(source=source, out=Path(), tasks=family.tasks if path.is_file() else (task,), template=template)
+    options = BuildOptions(
+        source=source, out=Path(), tasks=family.tasks if path.is_file() else (task,), template=template
+    )
     problems = template_problems(options)
     if problems:
         raise DataPrepError("; ".join(problems))
     sources.check_llm_adapters_source(path, [task])
     if path.is_file():
         if role != "train":
-            raise DataPrepError(f"{path.name} holds training rows only; show --split eval needs a folder of <task>/test.json")
+            raise DataPrepError(
+                f"{path.name} holds training rows only; show --split eval needs a folder of <task>/test.json"
+            )
         data = sources.load_llm_adapters_file(path, path)
-        conv = llm_adapters.convert(data.rows, task=None, role=role, template=resolved_template(options), origin=data.origin,
-                                    strict=False, selected=frozenset(family.tasks), id_prefix=path.stem)
+        conv = llm_adapters.convert(
+            data.rows,
+            task=None,
+            role=role,
+            template=resolved_template(options),
+            origin=data.origin,
+            strict=False,
+            selected=frozenset(family.tasks),
+            id_prefix=path.stem,
+        )
     else:
         data = sources.load_llm_adapters_split(path, task, role)
-        conv = llm_adapters.convert(data.rows, task=task, role=role, template=resolved_template(options), origin=data.origin,
-                                    strict=False, split=sources.LLM_ADAPTERS_SPLITS[role])
+        conv = llm_adapters.convert(
+            data.rows,
+            task=task,
+            role=role,
+            template=resolved_template(options),
+            origin=data.origin,
+            strict=False,
+            split=sources.LLM_ADAPTERS_SPLITS[role],
+        )
     for reason, count in conv.dropped.items():
         print(f"(skipped {count} invalid row(s): {reason})", file=sys.stderr)
     return conv.rows[:n]

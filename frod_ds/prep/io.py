@@ -118,5 +118,7 @@ def read_rows(
                 if limit is not None and len(rows) >= limit:
                     break
     except UnicodeDecodeError as exc:
-        raise DataPrepError(f"{path} line {line_no}: not valid UTF-8 ({exc.reason} at byte {exc.start} of the line)") from None
+        raise DataPrepError(
+            f"{path} line {line_no}: not valid UTF-8 ({exc.reason} at byte {exc.start} of the line)"
+        ) from None
     return rows

@@ -14,7 +14,8 @@ use one instruction per *family* (``{...}`` a field, ``\\n`` a newline)::
         "\\n\\nAnswer format: answer1/answer2/.../answerK"
     ending (hellaswag)
         "Please choose the correct ending to complete the given sentence: {activity_label}: {ctx}"
-        "\\n\\nEnding1: {e1} Ending2: {e2} Ending3: {e3} Ending4: {e4}\\n\\nAnswer format: ending1/ending2/ending3/ending4"
+        "\\n\\nEnding1: {e1} Ending2: {e2} Ending3: {e3} Ending4: {e4}"
+        "\\n\\nAnswer format: ending1/ending2/ending3/ending4"
     fill_blank (winogrande)
         "Please choose the correct answer to fill in the blank to complete the given sentence: {sentence}"
         "\\n\\nOption1: {o1} Option2: {o2} Answer format: option1/option2"
@@ -111,17 +112,51 @@ class Family:
 FAMILIES: dict[str, Family] = {
     f.key: f
     for f in (
-        Family("true_false", ("boolq",), "Please answer the following question with true or false, question: ",
-               None, "", "\n\n", None),
-        Family("solution", ("piqa",), "Please choose the correct solution to the question: ",
-               "Solution", "\n\n", "\n\n", "solution"),
-        Family("answer", ("siqa", "obqa", "arc_easy", "arc_challenge"), "Please choose the correct answer to the question: ",
-               "Answer", " ", "\n\n", "answer"),
-        Family("ending", ("hellaswag",), "Please choose the correct ending to complete the given sentence: ",
-               "Ending", " ", "\n\n", "ending"),
-        Family("fill_blank", ("winogrande",),
-               "Please choose the correct answer to fill in the blank to complete the given sentence: ",
-               "Option", " ", " ", "option"),
+        Family(
+            "true_false",
+            ("boolq",),
+            "Please answer the following question with true or false, question: ",
+            None,
+            "",
+            "\n\n",
+            None,
+        ),
+        Family(
+            "solution",
+            ("piqa",),
+            "Please choose the correct solution to the question: ",
+            "Solution",
+            "\n\n",
+            "\n\n",
+            "solution",
+        ),
+        Family(
+            "answer",
+            ("siqa", "obqa", "arc_easy", "arc_challenge"),
+            "Please choose the correct answer to the question: ",
+            "Answer",
+            " ",
+            "\n\n",
+            "answer",
+        ),
+        Family(
+            "ending",
+            ("hellaswag",),
+            "Please choose the correct ending to complete the given sentence: ",
+            "Ending",
+            " ",
+            "\n\n",
+            "ending",
+        ),
+        Family(
+            "fill_blank",
+            ("winogrande",),
+            "Please choose the correct answer to fill in the blank to complete the given sentence: ",
+            "Option",
+            " ",
+            " ",
+            "option",
+        ),
     )
 }
 FAMILY_OF_TASK: dict[str, Family] = {task: f for f in FAMILIES.values() for task in f.tasks}
@@ -152,7 +187,9 @@ def identify(instruction: str) -> Family | None:
 def _answer_words(family: Family, line: str) -> tuple[str, ...]:
     """The words of an ``Answer format:`` line, checked against the family's form."""
     words = tuple(line.split("/"))
-    expected = ("true", "false") if family.word is None else tuple(f"{family.word}{k}" for k in range(1, len(words) + 1))
+    expected = (
+        ("true", "false") if family.word is None else tuple(f"{family.word}{k}" for k in range(1, len(words) + 1))
+    )
     if words != expected or len(words) < 2:
         raise RowError("malformed 'Answer format:' line", repr(line))
     return words
@@ -164,7 +201,7 @@ def _split_options(family: Family, text: str, k_max: int) -> tuple[str, tuple[st
     at = text.find(first)
     if at < 0:
         raise RowError("malformed options", f"no {first.strip()!r}")
-    body, rest = text[:at], text[at + len(first):]
+    body, rest = text[:at], text[at + len(first) :]
     options = []
     for k in range(2, k_max + 1):
         marker = f"{family.option_sep}{family.option}{k}: "
@@ -172,7 +209,7 @@ def _split_options(family: Family, text: str, k_max: int) -> tuple[str, tuple[st
         if at < 0:
             raise RowError("malformed options", f"no {marker.strip()!r} for {k_max} answer words")
         options.append(rest[:at])
-        rest = rest[at + len(marker):]
+        rest = rest[at + len(marker) :]
     if f"{family.option_sep}{family.option}{k_max + 1}: " in rest:
         raise RowError("malformed options", f"more options than the {k_max} answer words")
     return body, (*options, rest)
@@ -189,12 +226,12 @@ def parse(row: Any) -> Parsed:
     family = identify(instruction)
     if family is None:
         raise RowError("unrecognized instruction", repr(instruction[:60]))
-    rest = instruction[len(family.head):]
+    rest = instruction[len(family.head) :]
     marker = family.format_sep + "Answer format: "
     at = rest.rfind(marker)
     if at < 0:
         raise RowError("no 'Answer format:' line")
-    words = _answer_words(family, rest[at + len(marker):])
+    words = _answer_words(family, rest[at + len(marker) :])
     rest = rest[:at]
     body, options = (rest, ()) if family.option is None else _split_options(family, rest, len(words))
     if answer not in words:
@@ -224,7 +261,7 @@ def split_siqa(text: str) -> tuple[str, str]:
     ends = [m.end() for m in _SENTENCE_END.finditer(text)]
     if not ends or not text.endswith("?"):
         raise RowError("cannot split SIQA context and question")
-    return text[: ends[-1] - 1], text[ends[-1]:]
+    return text[: ends[-1] - 1], text[ends[-1] :]
 
 
 def _need_options(task: str, parsed: Parsed, n: int) -> None:
@@ -243,14 +280,20 @@ def paper_fields(task: str, parsed: Parsed) -> dict[str, Any]:
     if task == "siqa":
         _need_options(task, parsed, 3)
         context, question = split_siqa(body)
-        return {"context": context, "question": question, "answerA": opts[0], "answerB": opts[1],
-                "answerC": opts[2], "label": str(label + 1)}
+        return {
+            "context": context,
+            "question": question,
+            "answerA": opts[0],
+            "answerB": opts[1],
+            "answerC": opts[2],
+            "label": str(label + 1),
+        }
     if task == "hellaswag":
         _need_options(task, parsed, 4)
         at = body.find(": ")
         if at < 0:
             raise RowError("no activity label before the HellaSwag context")
-        return {"ctx": body[at + 2:], "endings": list(opts), "label": str(label)}
+        return {"ctx": body[at + 2 :], "endings": list(opts), "label": str(label)}
     if task == "winogrande":
         _need_options(task, parsed, 2)
         return {"sentence": body, "option1": opts[0], "option2": opts[1], "answer": str(label + 1)}
@@ -300,8 +343,16 @@ def _family_key(row: Any) -> str:
 
 
 def convert(
-    raw_rows: list[Any], *, task: str | None, role: str, template: str, origin: str, strict: bool,
-    split: str = "train", selected: frozenset[str] = frozenset(), id_prefix: str = "",
+    raw_rows: list[Any],
+    *,
+    task: str | None,
+    role: str,
+    template: str,
+    origin: str,
+    strict: bool,
+    split: str = "train",
+    selected: frozenset[str] = frozenset(),
+    id_prefix: str = "",
 ) -> Converted:
     """Parse and render the rows of one file.
 

@@ -33,8 +33,14 @@ SPLIT_SUFFIXES = (".jsonl", ".json", ".parquet")
 LLM_ADAPTERS = "llm-adapters:"
 # task key -> LLM-Adapters' dataset/<folder> name
 LLM_ADAPTERS_FOLDERS = {
-    "boolq": "boolq", "piqa": "piqa", "siqa": "social_i_qa", "hellaswag": "hellaswag", "winogrande": "winogrande",
-    "obqa": "openbookqa", "arc_easy": "ARC-Easy", "arc_challenge": "ARC-Challenge",
+    "boolq": "boolq",
+    "piqa": "piqa",
+    "siqa": "social_i_qa",
+    "hellaswag": "hellaswag",
+    "winogrande": "winogrande",
+    "obqa": "openbookqa",
+    "arc_easy": "ARC-Easy",
+    "arc_challenge": "ARC-Challenge",
 }
 LLM_ADAPTERS_SPLITS = {"train": "train", "eval": "test"}  # role -> file stem
 
@@ -75,7 +81,8 @@ def load_hub_split(task: str, split: str, winogrande_size: str) -> SplitData:
     except Exception as exc:  # any failure to reach or parse the Hub becomes one clear line
         raise DataPrepError(
             f"cannot load {task} from the Hugging Face Hub ({name}, split {split}): {_one_line(exc)}; "
-            "check network access and that HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are unset, or use --source DIR with a local mirror"
+            "check network access and that HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are unset, "
+            "or use --source DIR with a local mirror"
         ) from None
     provenance = {"hub_id": spec.hub_id, "config": config, "split": split}
     return SplitData(dataset.to_list(), f"{name} split {split}", provenance)
@@ -145,7 +152,9 @@ def _read_json(path: Path) -> list[Any]:
         else:
             if isinstance(value, (list, dict)):
                 return value if isinstance(value, list) else [value]
-            raise DataPrepError(f"cannot read {path}: expected a JSON array of rows or JSON lines, got {type(value).__name__}")
+            raise DataPrepError(
+                f"cannot read {path}: expected a JSON array of rows or JSON lines, got {type(value).__name__}"
+            )
     return _read_json_lines(path, text)
 
 
@@ -224,7 +233,7 @@ def describe_source(source: str) -> dict[str, Any]:
 
 def llm_adapters_path(source: str) -> Path | None:
     """PATH of an ``llm-adapters:PATH`` source; None for any other source."""
-    return Path(source[len(LLM_ADAPTERS):]) if source.startswith(LLM_ADAPTERS) else None
+    return Path(source[len(LLM_ADAPTERS) :]) if source.startswith(LLM_ADAPTERS) else None
 
 
 def check_llm_adapters_source(path: Path, tasks: list[str]) -> None:
@@ -232,14 +241,19 @@ def check_llm_adapters_source(path: Path, tasks: list[str]) -> None:
     if path.is_file():
         return
     if not path.is_dir():
-        raise DataPrepError(f"--source llm-adapters:{path}: no such file or directory "
-                            "(pass commonsense_170k.json or a folder of <task>/{train,test}.json)")
+        raise DataPrepError(
+            f"--source llm-adapters:{path}: no such file or directory "
+            "(pass commonsense_170k.json or a folder of <task>/{train,test}.json)"
+        )
 
     def absent(task: str) -> list[str]:  # test.json is required; train.json is optional (evaluation folders)
         if has_llm_adapters_split(path, task, "eval"):
             return []
-        return [str(path / LLM_ADAPTERS_FOLDERS[task] / f"{stem}.json") for stem in LLM_ADAPTERS_SPLITS.values()
-                if not (path / LLM_ADAPTERS_FOLDERS[task] / f"{stem}.json").is_file()]
+        return [
+            str(path / LLM_ADAPTERS_FOLDERS[task] / f"{stem}.json")
+            for stem in LLM_ADAPTERS_SPLITS.values()
+            if not (path / LLM_ADAPTERS_FOLDERS[task] / f"{stem}.json").is_file()
+        ]
 
     missing = [f"{task} (no {' and no '.join(absent(task))})" for task in tasks if absent(task)]
     if missing:

@@ -61,8 +61,9 @@ def parse_tasks(spec: str) -> list[str]:
     if not any(names):
         raise DataPrepError("--tasks is empty; pass 'all' or a comma list of " + ", ".join(TASKS))
     if not all(names):  # "boolq,,piqa": a name left out by mistake, not to be guessed
-        raise DataPrepError(f"--tasks {spec!r} has an empty name between commas; pass 'all' or a comma list of "
-                            + ", ".join(TASKS))
+        raise DataPrepError(
+            f"--tasks {spec!r} has an empty name between commas; pass 'all' or a comma list of " + ", ".join(TASKS)
+        )
     if names == ["all"]:
         return list(TASKS)
     unknown = [name for name in names if name not in TASKS]

@@ -44,8 +44,7 @@ SIQA = (
     "Which choice best answers the question, Choice A, B, or C?"
 )
 HELLASWAG = (
-    "Context:\n{ctx}\n{endings}Question:\n"
-    "Which ending is the most plausible continuation, Ending A, B, C, or D?"
+    "Context:\n{ctx}\n{endings}Question:\nWhich ending is the most plausible continuation, Ending A, B, C, or D?"
 )
 HELLASWAG_ENDING = "Ending {k}:\n{text}\n"
 WINOGRANDE = (

@@ -1,7 +1,7 @@
 """Token-length checks of rendered rows against a training cutoff.
 
-A row's length is the length of its training text ``prompt + separator + answer`` (`frod_ds.prep.io.training_text`) encoded with
-the tokenizer's special tokens (BOS for LLaMA), plus one for the EOS the training collator
+A row's length is the length of its training text ``prompt + separator + answer`` (`frod_ds.prep.io.training_text`)
+encoded with the tokenizer's special tokens (BOS for LLaMA), plus one for the EOS the training collator
 appends (not added twice if the tokenizer already ends the sequence with EOS).
 """
 
@@ -15,7 +15,6 @@ from typing import Any
 from tqdm import tqdm
 
 
-
 def load_tokenizer(name: str) -> Any:
     """`transformers.AutoTokenizer.from_pretrained(name)` (a Hub id or a local directory); what cannot be loaded is
     one line naming it (``FrodError``): every command that loads a tokenizer (data build, training, eval, the
@@ -25,8 +24,10 @@ def load_tokenizer(name: str) -> Any:
     path = Path(name).expanduser()
     if not path.is_dir() and (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
         what = "is a file, not a directory" if path.exists() else "no such directory"
-        raise FrodError(f"tokenizer {name}: {what}; pass the directory holding the tokenizer files (by default "
-                        "the model's) or a Hugging Face Hub id")
+        raise FrodError(
+            f"tokenizer {name}: {what}; pass the directory holding the tokenizer files (by default "
+            "the model's) or a Hugging Face Hub id"
+        )
     try:
         from transformers import AutoTokenizer
 

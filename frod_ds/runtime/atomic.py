@@ -25,8 +25,27 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TMP", "MARKER", "KINDS", "NESTED", "DISK_FULL_ERRNOS", "disk_full_error", "disk_full_line", "fsync_dir", "replacing",
-           "atomic_write_text", "atomic_write_json", "building_dir", "publish_dir", "mark_dir", "is_marked", "marker_kind", "check_replaceable", "check_out", "remove_marked"]
+__all__ = [
+    "TMP",
+    "MARKER",
+    "KINDS",
+    "NESTED",
+    "DISK_FULL_ERRNOS",
+    "disk_full_error",
+    "disk_full_line",
+    "fsync_dir",
+    "replacing",
+    "atomic_write_text",
+    "atomic_write_json",
+    "building_dir",
+    "publish_dir",
+    "mark_dir",
+    "is_marked",
+    "marker_kind",
+    "check_replaceable",
+    "check_out",
+    "remove_marked",
+]
 
 TMP = ".tmp"
 MARKER = ".frod-ds-output"  # present in every directory frod-ds wrote as a whole; its "kind" says which command
@@ -115,8 +134,10 @@ def disk_full_line(e: OSError) -> str:
     """The one line for a write that failed on a full (or read-only) disk: every writer replaces its files
     atomically, so what is on disk is the state before that write and the same command resumes."""
     target = e.filename2 or e.filename or "the output"  # a failed copy names its source first
-    return (f"cannot write {target}: {e.strerror}; free space on that disk (or choose another location) and "
-            "re-run the same command")
+    return (
+        f"cannot write {target}: {e.strerror}; free space on that disk (or choose another location) and "
+        "re-run the same command"
+    )
 
 
 def disk_full_error(path: Path, error: BaseException) -> OSError | None:
@@ -180,9 +201,16 @@ def _input_clash(real: Path, inputs: dict[str, Path | str | None]) -> tuple[str,
     return None
 
 
-def check_replaceable(out: Path, kind: str | tuple[str, ...], inputs: dict[str, Path | str | None] | None = None, *,
-                      what: str = "--out", error: type[Exception] | None = None,
-                      legacy: Callable[[Path], bool] | None = None, nested: bool = True) -> None:
+def check_replaceable(
+    out: Path,
+    kind: str | tuple[str, ...],
+    inputs: dict[str, Path | str | None] | None = None,
+    *,
+    what: str = "--out",
+    error: type[Exception] | None = None,
+    legacy: Callable[[Path], bool] | None = None,
+    nested: bool = True,
+) -> None:
     """Raise ``error`` (a ``FrodError`` subclass; default ``FrodError``) unless a command that writes ``kind`` may
     replace ``out`` (the module docstring's rule). ``out`` may be replaced when it does not exist or is an empty
     directory, or when it is a directory (not a link) whose marker records ``kind`` (a tuple: any of them) and no
@@ -203,8 +231,10 @@ def check_replaceable(out: Path, kind: str | tuple[str, ...], inputs: dict[str, 
     if clash:
         relation, name = clash
         holds = _what_it_holds(out) if out.is_dir() else "a file" if os.path.lexists(out) else "not there yet"
-        raise error(f"{what} {out} ({holds}) {relation} {name} {inputs[name]}, an input of this command; refusing "
-                    f"to write there, choose another {what}")
+        raise error(
+            f"{what} {out} ({holds}) {relation} {name} {inputs[name]}, an input of this command; refusing "
+            f"to write there, choose another {what}"
+        )
     if not os.path.lexists(out):
         return
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
@@ -214,32 +244,50 @@ def check_replaceable(out: Path, kind: str | tuple[str, ...], inputs: dict[str, 
         if legacy is not None and out.is_dir() and not out.is_symlink() and legacy(out):
             found = kinds[0]
         else:
-            raise error(f"{what} {out} exists and was not written by frod-ds (no {MARKER} marker); refusing to "
-                        "write there, remove it yourself or choose a new directory")
+            raise error(
+                f"{what} {out} exists and was not written by frod-ds (no {MARKER} marker); refusing to "
+                "write there, remove it yourself or choose a new directory"
+            )
     else:
         found = marker_kind(out)
     if found is None:
-        raise error(f"{what} {out} holds a frod-ds marker with no kind (written by an older frod-ds), so it is not "
-                    f"known to be {wanted}; refusing to replace it, remove it yourself or choose a new directory")
+        raise error(
+            f"{what} {out} holds a frod-ds marker with no kind (written by an older frod-ds), so it is not "
+            f"known to be {wanted}; refusing to replace it, remove it yourself or choose a new directory"
+        )
     if found not in KINDS:
-        raise error(f"{what} {out} holds a frod-ds marker of unknown kind {found!r}, not {wanted}; refusing to "
-                    "replace it, remove it yourself or choose a new directory")
+        raise error(
+            f"{what} {out} holds a frod-ds marker of unknown kind {found!r}, not {wanted}; refusing to "
+            "replace it, remove it yourself or choose a new directory"
+        )
     if found not in kinds:
-        raise error(f"{what} {out} holds {KINDS[found]}, not {wanted}; this command replaces only its own earlier "
-                    f"output, choose another {what}")
+        raise error(
+            f"{what} {out} holds {KINDS[found]}, not {wanted}; this command replaces only its own earlier "
+            f"output, choose another {what}"
+        )
     if nested:
         allowed = NESTED.get(found, ())
         for root, dirs, files in os.walk(out):  # links are not followed
             if MARKER in files and Path(root) != out:
                 inner = marker_kind(Path(root))
                 if inner not in allowed:
-                    raise error(f"{what} {out} holds {KINDS.get(inner, 'other frod-ds output')} in {Path(root)}; "
-                                f"refusing to replace it, move that out first or choose another {what}")
+                    raise error(
+                        f"{what} {out} holds {KINDS.get(inner, 'other frod-ds output')} in {Path(root)}; "
+                        f"refusing to replace it, move that out first or choose another {what}"
+                    )
 
 
-def check_out(out: Path, kind: str | tuple[str, ...], inputs: dict[str, Path | str | None] | None, overwrite: bool, *,
-              what: str = "--out", error: type[Exception] | None = None,
-              legacy: Callable[[Path], bool] | None = None, empty_ok: bool = False) -> None:
+def check_out(
+    out: Path,
+    kind: str | tuple[str, ...],
+    inputs: dict[str, Path | str | None] | None,
+    overwrite: bool,
+    *,
+    what: str = "--out",
+    error: type[Exception] | None = None,
+    legacy: Callable[[Path], bool] | None = None,
+    empty_ok: bool = False,
+) -> None:
     """The output check of a command that writes ``kind`` to ``out`` and replaces it only with ``--overwrite``:
     first :func:`check_replaceable` (so a directory ``--overwrite`` may not replace is never answered with "pass
     --overwrite", which would then be refused), then an existing ``out`` without ``overwrite`` (``empty_ok``: an
@@ -250,8 +298,10 @@ def check_out(out: Path, kind: str | tuple[str, ...], inputs: dict[str, Path | s
     out = Path(out)
     empty_dir = empty_ok and out.is_dir() and not out.is_symlink() and not any(out.iterdir())
     if os.path.lexists(out) and not empty_dir and not overwrite:
-        raise (error or FrodError)(f"{what} {out} exists; pass --overwrite to replace it (an earlier output of this "
-                                   f"command) or choose another {what}")
+        raise (error or FrodError)(
+            f"{what} {out} exists; pass --overwrite to replace it (an earlier output of this "
+            f"command) or choose another {what}"
+        )
 
 
 def remove_marked(out: Path, kind: str, what: str = "--out") -> None:
@@ -262,8 +312,13 @@ def remove_marked(out: Path, kind: str, what: str = "--out") -> None:
         shutil.rmtree(out)
 
 
-def publish_dir(new: Path, out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None,
-                error: type[Exception] | None = None) -> None:
+def publish_dir(
+    new: Path,
+    out: Path,
+    kind: str,
+    inputs: dict[str, Path | str | None] | None = None,
+    error: type[Exception] | None = None,
+) -> None:
     """Rename the finished directory ``new`` to ``out``. An existing ``out`` must pass
     :func:`check_replaceable` for ``kind``; it is moved aside first, put back if the rename fails, and deleted
     after it succeeded. The caller decides whether ``out`` may be replaced at all."""
@@ -298,7 +353,7 @@ def _sweep_dead_builds(out: Path) -> None:
     of live processes are left alone."""
     prefix = _build_prefix(out)
     for p in out.parent.iterdir() if out.parent.is_dir() else ():
-        rest = _BUILD_REST.fullmatch(p.name[len(prefix):]) if p.name.startswith(prefix) else None
+        rest = _BUILD_REST.fullmatch(p.name[len(prefix) :]) if p.name.startswith(prefix) else None
         if rest is None or p.is_symlink() or not p.is_dir():
             continue
         try:
@@ -310,8 +365,9 @@ def _sweep_dead_builds(out: Path) -> None:
 
 
 @contextlib.contextmanager
-def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None,
-                 error: type[Exception] | None = None) -> Iterator[Path]:
+def building_dir(
+    out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None, error: type[Exception] | None = None
+) -> Iterator[Path]:
     """A fresh temporary sibling of ``out`` to fill; marked ``kind`` (:func:`mark_dir`) and published as ``out``
     (:func:`publish_dir`) when the block ends normally, deleted when it raises. So ``out`` is either the old
     directory or the complete new one. An existing ``out`` is checked (:func:`check_replaceable` with ``kind``
@@ -324,8 +380,10 @@ def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | No
         _sweep_dead_builds(out)
         tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(out)}{os.getpid()}-", dir=out.parent))
     except OSError as e:
-        raise FrodError(path_error(out, e) or f"cannot create a directory beside {out}: {e.strerror or e}; choose a "
-                        "writable location") from None
+        raise FrodError(
+            path_error(out, e)
+            or f"cannot create a directory beside {out}: {e.strerror or e}; choose a writable location"
+        ) from None
     try:
         yield tmp
         mark_dir(tmp, kind)
@@ -339,6 +397,7 @@ def building_dir(out: Path, kind: str, inputs: dict[str, Path | str | None] | No
             disk = disk_full_error(tmp, e) if isinstance(e, Exception) else None
         shutil.rmtree(tmp, ignore_errors=True)
         if disk is not None:
-            raise FrodError(f"cannot write {out}: {disk.strerror}; free space or choose another location "
-                            "(nothing was left behind)") from None
+            raise FrodError(
+                f"cannot write {out}: {disk.strerror}; free space or choose another location (nothing was left behind)"
+            ) from None
         raise

@@ -97,8 +97,11 @@ def _join(spec: ProcessGroupSpec, backend: str | None, timeout_minutes: float = 
     global _local_rank
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    kwargs: dict[str, Any] = {"timeout": timedelta(minutes=timeout_minutes), "rank": spec.rank,
-                              "world_size": spec.world_size}
+    kwargs: dict[str, Any] = {
+        "timeout": timedelta(minutes=timeout_minutes),
+        "rank": spec.rank,
+        "world_size": spec.world_size,
+    }
     local_rank = spec.local_rank
     if backend == "nccl":
         local_rank %= max(torch.cuda.device_count(), 1)  # srun may give each task a single visible GPU
@@ -307,9 +310,7 @@ def gather_rows(t: Tensor, dst: int = 0) -> list[Tensor] | None:
     return [b[:r] for b, r in zip(bufs, rows)] if bufs is not None else None
 
 
-def scatter_rows(
-    parts: list[Tensor] | None, like: Tensor, src: int = 0
-) -> Tensor:
+def scatter_rows(parts: list[Tensor] | None, like: Tensor, src: int = 0) -> Tensor:
     """Inverse of :func:`gather_rows`: rank ``p`` receives ``parts[p]`` (``(r_p, *rest)``) from ``src``.
 
     ``like`` gives dtype and device on every rank; ``parts`` is only read on ``src``.
@@ -382,7 +383,8 @@ def on_main(fn: Callable[[], T]) -> T:
 
 def check_shared_dir(path: Path, what: str) -> None:
     """Collective: ``CollectiveError`` on every rank unless all ranks see the same directory ``path`` (or, while it
-    does not exist yet, its nearest existing parent on rank 0): a file rank 0 writes there must be visible to each. A node-local path (``/dev/shm``,
+    does not exist yet, its nearest existing parent on rank 0): a file rank 0 writes there must be visible to each. A
+    node-local path (``/dev/shm``,
     ``/tmp`` on most clusters) is a different directory on each node; without this check each node would write
     its own part of a store or checkpoint there and rank 0 would seal an incomplete one. One process: no-op."""
     if get_world_size() == 1:
@@ -409,9 +411,11 @@ def check_shared_dir(path: Path, what: str) -> None:
         probe.unlink(missing_ok=True)
     blind = sorted({host for ok, host in views if not ok})
     if blind:
-        raise CollectiveError(f"{what} {path} is not shared between the job's nodes: {', '.join(blind)} cannot see "
-                              "what rank 0 writes there (a node-local path such as /dev/shm?); put it on a "
-                              "filesystem every node mounts")
+        raise CollectiveError(
+            f"{what} {path} is not shared between the job's nodes: {', '.join(blind)} cannot see "
+            "what rank 0 writes there (a node-local path such as /dev/shm?); put it on a "
+            "filesystem every node mounts"
+        )
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -34,8 +34,16 @@ from typing import Any
 
 from frod_ds.runtime.errors import note
 
-__all__ = ["BATON", "extensions_dir", "ninja_dir", "baton_owners", "clear_stale_baton", "wait_for_baton", "build_lock",
-           "load_op"]
+__all__ = [
+    "BATON",
+    "extensions_dir",
+    "ninja_dir",
+    "baton_owners",
+    "clear_stale_baton",
+    "wait_for_baton",
+    "build_lock",
+    "load_op",
+]
 
 BATON = "lock"  # torch.utils.file_baton.FileBaton's file in each extension's build directory
 _GUARD = ".frod-ds-build.lock"  # our fcntl lock beside it
@@ -148,4 +156,3 @@ def load_op(builder: Any) -> Any:
     keeps the loaded module, so its own later ``load()`` of the same op builds nothing."""
     with build_lock(extensions_dir() / builder.name), _ninja_first():
         return builder.load(verbose=False)
-

@@ -27,8 +27,10 @@ def shipped_dir(kind: str) -> Path:
     for root in (_PACKAGE / "_shipped", _PACKAGE.parent):
         if (root / kind).is_dir():
             return root / kind
-    raise ShippedFileError(f"no {kind}/ beside frod_ds ({_PACKAGE}): this install of frod-ds lacks its shipped "
-                           f"files; reinstall it from a wheel or a checkout")
+    raise ShippedFileError(
+        f"no {kind}/ beside frod_ds ({_PACKAGE}): this install of frod-ds lacks its shipped "
+        f"files; reinstall it from a wheel or a checkout"
+    )
 
 
 def shipped_file(kind: str, name: str) -> Path:

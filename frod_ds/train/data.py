@@ -22,12 +22,21 @@ from pathlib import Path
 import torch
 
 from frod_ds.config.ds_config import BatchSizes
+from frod_ds.eval.predict import encode_rows
 from frod_ds.prep.io import MAX_ROW_CHARS, read_rows, row_separator
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError
-from frod_ds.eval.predict import encode_rows
 
-__all__ = ["DataError", "training_file", "read_training_rows", "check_vocab", "Example", "encode_examples", "collate", "BatchPlan"]
+__all__ = [
+    "DataError",
+    "training_file",
+    "read_training_rows",
+    "check_vocab",
+    "Example",
+    "encode_examples",
+    "collate",
+    "BatchPlan",
+]
 
 IGNORE_INDEX = -100
 # MAX_ROW_CHARS (frod_ds.prep.io): a training row (prompt + answer) longer than this is refused, not silently truncated
@@ -53,8 +62,10 @@ def _check_training_row(row) -> str | None:
         return "expected a JSON object"
     for key in ("prompt", "answer"):
         if not isinstance(row.get(key), str):
-            return (f"field {key!r} missing or not a string; rows need "
-                    '{"prompt": str, "answer": str} (the output of `python -m data_prep build`)')
+            return (
+                f"field {key!r} missing or not a string; rows need "
+                '{"prompt": str, "answer": str} (the output of `python -m data_prep build`)'
+            )
     if "separator" in row and not isinstance(row["separator"], str):
         return "field 'separator' must be a string when present"
     return None
@@ -74,13 +85,17 @@ def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]
     for i, row in enumerate(rows, start=1):
         length = len(row["prompt"]) + len(row["answer"])
         if length > MAX_ROW_CHARS:
-            raise DataError(f"{p} row {i}: {length} characters, more than any sensible prompt ({MAX_ROW_CHARS}); "
-                            "remove it or fix the data build")
+            raise DataError(
+                f"{p} row {i}: {length} characters, more than any sensible prompt ({MAX_ROW_CHARS}); "
+                "remove it or fix the data build"
+            )
         rid = row.get("id")
         if isinstance(rid, str):
             if rid in seen:
-                raise DataError(f"{p} rows {seen[rid]} and {i} have the same id {rid!r}; duplicated rows would be "
-                                "trained on twice, deduplicate the data")
+                raise DataError(
+                    f"{p} rows {seen[rid]} and {i} have the same id {rid!r}; duplicated rows would be "
+                    "trained on twice, deduplicate the data"
+                )
             seen[rid] = i
     return rows
 
@@ -107,7 +122,9 @@ def _prompt_only_lead(tokenizer, texts: list[str], boundaries: list[int], enc) -
     leads = []
     for ids, offsets, boundary, e in zip(batch["input_ids"], batch["offset_mapping"], boundaries, enc):
         cont = e.continuations[0]
-        assert list(ids[: len(e.context) + len(cont)]) == list(e.context) + list(cont), "same tokenization as encode_rows"
+        assert list(ids[: len(e.context) + len(cont)]) == list(e.context) + list(cont), (
+            "same tokenization as encode_rows"
+        )
         lead = 0
         while lead < len(cont) - 1 and offsets[len(e.context) + lead][1] <= boundary:
             lead += 1
@@ -120,9 +137,11 @@ def check_vocab(examples: list[Example], vocab_size: int, tokenizer_name: str, m
     another model, or one with added tokens): the forward would fail with an index error mid-run."""
     top = max((max(e.input_ids) for e in examples if e.input_ids), default=-1)
     if top >= vocab_size:
-        raise DataError(f"the tokenizer {tokenizer_name} produces token id {top}, but the model {model_dir} has "
-                        f"vocab_size {vocab_size} (config.json); use the model's own tokenizer (model.tokenizer) "
-                        "or a model whose embedding holds every id")
+        raise DataError(
+            f"the tokenizer {tokenizer_name} produces token id {top}, but the model {model_dir} has "
+            f"vocab_size {vocab_size} (config.json); use the model's own tokenizer (model.tokenizer) "
+            "or a model whose embedding holds every id"
+        )
 
 
 def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_inputs: bool) -> list[Example]:
@@ -139,9 +158,12 @@ def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_input
     for start in range(0, len(rows), 256):
         chunk = rows[start : start + 256]
         contexts = [r["prompt"] + row_separator(r) for r in chunk]
-        enc = encode_rows(tokenizer, [r["prompt"] for r in chunk], [[r["answer"]] for r in chunk],
-                          [row_separator(r) for r in chunk])
-        leads = _prompt_only_lead(tokenizer, [c + r["answer"] for c, r in zip(contexts, chunk)], [len(c) for c in contexts], enc)
+        enc = encode_rows(
+            tokenizer, [r["prompt"] for r in chunk], [[r["answer"]] for r in chunk], [row_separator(r) for r in chunk]
+        )
+        leads = _prompt_only_lead(
+            tokenizer, [c + r["answer"] for c, r in zip(contexts, chunk)], [len(c) for c in contexts], enc
+        )
         for e, lead in zip(enc, leads):
             cont = list(e.continuations[0])
             ctx, ans = list(e.context) + cont[:lead], cont[lead:] + [eos]
@@ -208,6 +230,8 @@ class BatchPlan:
         perm = self._perm(epoch)
         base = in_epoch * self.global_batch
         return [
-            perm[base + (a * self.world + self.rank) * self.micro : base + (a * self.world + self.rank + 1) * self.micro].tolist()
+            perm[
+                base + (a * self.world + self.rank) * self.micro : base + (a * self.world + self.rank + 1) * self.micro
+            ].tolist()
             for a in range(self.accum)
         ]

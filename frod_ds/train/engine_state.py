@@ -22,10 +22,18 @@ import torch
 from frod_ds.config.ds_config import BatchSizes
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text, disk_full_error
-from frod_ds.train.checkpoints import COMPLETE, LATEST, file_seal, files_to_seal, set_aside, step_of, tag_of, write_seal
 from frod_ds.runtime.errors import FrodError, note
-from frod_ds.train.trainable_state import (TRAINABLE_STATE, engine_layout, engine_params, gather_state, read_meta,
-                                           read_state, restore_state, write_state)
+from frod_ds.train.checkpoints import COMPLETE, LATEST, file_seal, files_to_seal, set_aside, step_of, tag_of, write_seal
+from frod_ds.train.trainable_state import (
+    TRAINABLE_STATE,
+    engine_layout,
+    engine_params,
+    gather_state,
+    read_meta,
+    read_state,
+    restore_state,
+    write_state,
+)
 
 __all__ = ["Layout", "write_checkpoint", "restore_checkpoint"]
 
@@ -53,8 +61,11 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
     state = gather_state(engine, step, (layout.world, layout.micro, layout.accum), zero_stage_of(engine))
     try:
         engine.save_checkpoint(str(root), tag=ckpt.name, client_state={"step": step}, exclude_frozen_parameters=True)
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+        rng = {
+            "python": random.getstate(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        }
         torch.save(rng, ckpt / f"rng_rank{dist.get_rank()}.pt")
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         full = disk_full_error(ckpt, e)
@@ -69,13 +80,14 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
     del state
     dist.barrier()
     names = files_to_seal(ckpt)  # every rank hashes (and fsyncs) its share of the files
-    mine = {n: file_seal(ckpt / n) for n in names[dist.get_rank():: dist.get_world_size()]}
+    mine = {n: file_seal(ckpt / n) for n in names[dist.get_rank() :: dist.get_world_size()]}
     seals = {n: s for part in dist.all_gather_object(mine) for n, s in part.items()}
     if dist.is_main():
         write_seal(ckpt, seals)
         atomic_write_text(root / LATEST, ckpt.name)
-        sealed = sorted((p.name for p in root.iterdir() if step_of(p.name) is not None and (p / COMPLETE).is_file()),
-                        key=step_of)
+        sealed = sorted(
+            (p.name for p in root.iterdir() if step_of(p.name) is not None and (p / COMPLETE).is_file()), key=step_of
+        )
         for old in sealed[:-keep]:
             if old != ckpt.name:
                 shutil.rmtree(root / old, ignore_errors=True)
@@ -95,21 +107,26 @@ def _written_by(ckpt: Path) -> tuple[int, int | None, list[str] | None]:
     return len(list(ckpt.glob("rng_rank*.pt"))), None, None
 
 
-def restore_checkpoint(engine, root: Path, tag: str, skipped: list[tuple[str, str]], layout: Layout,
-                       zero3: bool) -> int:
+def restore_checkpoint(
+    engine, root: Path, tag: str, skipped: list[tuple[str, str]], layout: Layout, zero3: bool
+) -> int:
     """Collective. Restore ``root/tag`` into ``engine`` (after setting aside ``skipped``: ``(tag, why)``);
     returns the step it was written at."""
     if dist.is_main():
         for bad, why in skipped:
             dest = set_aside(root, bad)
-            note(f"checkpoint {root / bad} skipped ({why}); resuming from the newest complete one, {tag} "
-                 f"(the skipped one moved to {dest.name})")
+            note(
+                f"checkpoint {root / bad} skipped ({why}); resuming from the newest complete one, {tag} "
+                f"(the skipped one moved to {dest.name})"
+            )
     world, stage, params = dist.on_main(lambda: _written_by(root / tag))
     here = zero_stage_of(engine)
     if stage is None and engine_layout(engine) is not None:
-        raise FrodError(f"checkpoint {root / tag} was written by an older frod-ds, without the record needed to "
-                        "load its σ and S into this engine's per-decoder-layer tensors; resume it with the "
-                        "frod-ds that wrote it")
+        raise FrodError(
+            f"checkpoint {root / tag} was written by an older frod-ds, without the record needed to "
+            "load its σ and S into this engine's per-decoder-layer tensors; resume it with the "
+            "frod-ds that wrote it"
+        )
     if world == layout.world and stage in (None, here) and params in (None, engine_params(engine)):
         return _load_engine_files(engine, root, tag)
     return _load_trainable_state(engine, root / tag, world, stage, here, layout, zero3)
@@ -117,8 +134,9 @@ def restore_checkpoint(engine, root: Path, tag: str, skipped: list[tuple[str, st
 
 def _load_engine_files(engine, root: Path, tag: str) -> int:
     """Same world size and ZeRO stage: DeepSpeed's own files, and each rank's RNG state."""
-    path, client = engine.load_checkpoint(str(root), tag=tag, load_module_strict=False, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    path, client = engine.load_checkpoint(
+        str(root), tag=tag, load_module_strict=False, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:
         raise RuntimeError(f"could not load engine checkpoint {tag} from {root}")
     rng = torch.load(root / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
@@ -129,25 +147,38 @@ def _load_engine_files(engine, root: Path, tag: str) -> int:
     return int(client["step"])
 
 
-def _load_trainable_state(engine, ckpt: Path, world: int, stage: int | None, here: int, layout: Layout,
-                          zero3: bool) -> int:
+def _load_trainable_state(
+    engine, ckpt: Path, world: int, stage: int | None, here: int, layout: Layout, zero3: bool
+) -> int:
     """Another world size (or ZeRO stage): the world-size-independent record. The RNG states stay as seeded
     (seed + rank): training draws no random numbers (no dropout; the data order is ``BatchPlan``'s)."""
     if stage is None:
-        raise FrodError(f"checkpoint {ckpt} was written on {world} rank(s) by an older frod-ds, without the "
-                        f"record a resume on another world size needs ({TRAINABLE_STATE}); resume it on {world} "
-                        "rank(s) with the same DeepSpeed config")
+        raise FrodError(
+            f"checkpoint {ckpt} was written on {world} rank(s) by an older frod-ds, without the "
+            f"record a resume on another world size needs ({TRAINABLE_STATE}); resume it on {world} "
+            "rank(s) with the same DeepSpeed config"
+        )
     tensors, meta = dist.on_all(lambda: read_state(ckpt / TRAINABLE_STATE))
     restore_state(engine, tensors, meta, zero3)
     del tensors
     held = "per decoder layer" if meta.engine_params else "per FRoD layer"
     now = "per FRoD layer" if engine_layout(engine) is None else "per decoder layer"
-    change = ", ".join([f"from {world} rank{'s' * (world != 1)} on {layout.world}"] * (world != layout.world)
-                       + [f"from ZeRO-{stage} on ZeRO-{here}"] * (stage != here)
-                       + [f"from σ and S held {held} to {now}"] * (held != now))
-    split = "" if meta.micro_batch_size == layout.micro else (
-        f"; micro_batch_size {meta.micro_batch_size} -> {layout.micro} weights each micro-batch's tokens "
-        "differently, so losses are close to, not equal to, the original layout's")
-    note(f"resumed {change} (same global batch {BatchSizes(meta.micro_batch_size, meta.grad_accum, meta.world_size).total}) "
-         f"from {ckpt.name}/{TRAINABLE_STATE}{split}")
+    change = ", ".join(
+        [f"from {world} rank{'s' * (world != 1)} on {layout.world}"] * (world != layout.world)
+        + [f"from ZeRO-{stage} on ZeRO-{here}"] * (stage != here)
+        + [f"from σ and S held {held} to {now}"] * (held != now)
+    )
+    split = (
+        ""
+        if meta.micro_batch_size == layout.micro
+        else (
+            f"; micro_batch_size {meta.micro_batch_size} -> {layout.micro} weights each micro-batch's tokens "
+            "differently, so losses are close to, not equal to, the original layout's"
+        )
+    )
+    note(
+        f"resumed {change} "
+        f"(same global batch {BatchSizes(meta.micro_batch_size, meta.grad_accum, meta.world_size).total}) "
+        f"from {ckpt.name}/{TRAINABLE_STATE}{split}"
+    )
     return meta.step

@@ -32,12 +32,22 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from frod_ds.core.layer import FRoDTrainables
+from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 from frod_ds.model.build import gathered
 from frod_ds.runtime.errors import FrodError
-from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 
-__all__ = ["TRAINABLE_STATE", "FORMAT", "TrainableState", "engine_params", "engine_layout", "gather_state", "write_state",
-           "read_meta", "read_state", "restore_state"]
+__all__ = [
+    "TRAINABLE_STATE",
+    "FORMAT",
+    "TrainableState",
+    "engine_params",
+    "engine_layout",
+    "gather_state",
+    "write_state",
+    "read_meta",
+    "read_state",
+    "restore_state",
+]
 
 TRAINABLE_STATE = "trainable_state.safetensors"
 FORMAT = "frod-ds/trainable-state/v1"
@@ -74,8 +84,12 @@ Spans = list[tuple[str, int, int]]  # (tensor name in the record, start, end) wi
 def _trainable(engine) -> list[tuple[str, torch.nn.Parameter, Spans]]:
     """Each trainable Parameter of the engine's module with the record's tensors it holds: a Parameter of one
     FRoD layer holds one (itself), a decoder layer's ``FRoDTrainables`` Parameter one per member, in order."""
-    held = {id(p): (name, m, leaf) for name, m in engine.module.named_modules() if isinstance(m, FRoDTrainables)
-            for leaf, p in m.named_parameters(recurse=False)}
+    held = {
+        id(p): (name, m, leaf)
+        for name, m in engine.module.named_modules()
+        if isinstance(m, FRoDTrainables)
+        for leaf, p in m.named_parameters(recurse=False)
+    }
     out = []
     for n, p in engine.module.named_parameters():
         if not p.requires_grad:
@@ -126,8 +140,10 @@ def _base_optimizer(engine):
     opt = engine.optimizer
     base = getattr(opt, "optimizer", None)
     if base is None:
-        raise FrodError("resuming on another world size needs a ZeRO stage 1-3 DeepSpeed config "
-                        "(zero_optimization.stage); resume on the world size that wrote the checkpoint")
+        raise FrodError(
+            "resuming on another world size needs a ZeRO stage 1-3 DeepSpeed config "
+            "(zero_optimization.stage); resume on the world size that wrote the checkpoint"
+        )
     return base
 
 
@@ -148,8 +164,9 @@ def _adam_step(base) -> int:
     return steps.pop() if steps else 0
 
 
-def gather_state(engine, step: int, layout: tuple[int, int, int], zero_stage: int
-                 ) -> tuple[dict[str, torch.Tensor], TrainableState] | None:
+def gather_state(
+    engine, step: int, layout: tuple[int, int, int], zero_stage: int
+) -> tuple[dict[str, torch.Tensor], TrainableState] | None:
     """Collective. Full fp32 values and AdamW moments of every trainable parameter, on rank 0 (None elsewhere).
     ``layout``: (world size, micro-batch size, grad accumulation) of the run writing it."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -173,11 +190,20 @@ def gather_state(engine, step: int, layout: tuple[int, int, int], zero_stage: in
         return None
     sched = engine.lr_scheduler
     meta = TrainableState(
-        format=FORMAT, step=step, adam_step=_adam_step(base), world_size=layout[0], micro_batch_size=layout[1],
-        grad_accum=layout[2], zero_stage=zero_stage, group_lrs=[float(g["lr"]) for g in base.param_groups],
+        format=FORMAT,
+        step=step,
+        adam_step=_adam_step(base),
+        world_size=layout[0],
+        micro_batch_size=layout[1],
+        grad_accum=layout[2],
+        zero_stage=zero_stage,
+        group_lrs=[float(g["lr"]) for g in base.param_groups],
         scheduler=_plain(sched.state_dict()) if sched is not None else {},
-        global_samples=int(engine.global_samples), skipped_steps=int(engine.skipped_steps),
-        params=_record_names(trainable), engine_params=_layout(trainable))
+        global_samples=int(engine.global_samples),
+        skipped_steps=int(engine.skipped_steps),
+        params=_record_names(trainable),
+        engine_params=_layout(trainable),
+    )
     return tensors, meta
 
 
@@ -250,28 +276,39 @@ def _create_adam_state(engine, base, adam_step: int) -> None:
         state = base.state[flat]
         if state:
             continue
-        state["step"] = torch.full((), float(adam_step), dtype=torch.float32,
-                                   device=flat.device if on_device else "cpu") if torch_adamw else adam_step
+        state["step"] = (
+            torch.full((), float(adam_step), dtype=torch.float32, device=flat.device if on_device else "cpu")
+            if torch_adamw
+            else adam_step
+        )
         for k in MOMENTS:
             state[k] = torch.zeros_like(flat, dtype=torch.float32)
 
 
 def restore_state(engine, tensors: dict[str, torch.Tensor], meta: TrainableState, zero3: bool) -> None:
     """Put a `read_state` record into a freshly initialised engine (any world size). Collective."""
-    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state,
-                                 safe_set_local_fp32_param, safe_set_local_optimizer_state)
+    from deepspeed.utils import (
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+        safe_set_local_fp32_param,
+        safe_set_local_optimizer_state,
+    )
 
     from frod_ds.runtime import distributed as dist
 
     params = _trainable(engine)
     names = _record_names(params)
     if sorted(names) != sorted(meta.params):
-        raise FrodError(f"the checkpoint's trainable parameters ({len(meta.params)}) are not this model's "
-                        f"({len(names)}); it belongs to another model or targets")
+        raise FrodError(
+            f"the checkpoint's trainable parameters ({len(meta.params)}) are not this model's "
+            f"({len(names)}); it belongs to another model or targets"
+        )
     base = _base_optimizer(engine)
     if getattr(engine.optimizer, "swap_optimizer", False):
-        raise FrodError(f"resuming on another world size with the optimizer state offloaded to NVMe is not "
-                        f"supported; resume on {meta.world_size} rank(s), or with a config without NVMe offload")
+        raise FrodError(
+            f"resuming on another world size with the optimizer state offloaded to NVMe is not "
+            f"supported; resume on {meta.world_size} rank(s), or with a config without NVMe offload"
+        )
     _create_adam_state(engine, base, meta.adam_step)
     _link_optimizer_state(engine)
     rank = dist.get_rank()

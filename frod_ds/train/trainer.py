@@ -31,35 +31,57 @@ import re
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import yaml
 from tqdm import tqdm
 
-from frod_ds.runtime import distributed as dist
-from frod_ds.model.adapter import adapter_state, load_adapter_into, read_adapter, supports_from_adapter, write_adapter
-from frod_ds.formats.adapter_dir import AdapterConfig
-from frod_ds.model.apply import frod_groups, frod_modules, frod_param_groups
-from frod_ds.model.build import build_frod_model, check_store_quant, fetch_per_layer, gathered, make_supports
-from frod_ds.runtime.atomic import check_replaceable, is_marked, mark_dir, marker_kind
-from frod_ds.train.checkpoints import choose_checkpoint, sealed_checkpoints, step_of, unsealed_checkpoints
-from frod_ds.train.data import (BatchPlan, Example, check_vocab, collate, encode_examples, read_training_rows,
-                                training_file)
-from frod_ds.config.ds_config import (NvmeParams, batch_sizes, check_aio_build_env, check_nvme_buffer,
-                                      check_nvme_buffer_count, load_ds_config, nvme_offloads, offload_device,
-                                      resolve_ds_config, zero_stage)
-from frod_ds.io.dtypes import FLOAT_DTYPES
-from frod_ds.train.engine_state import Layout, restore_checkpoint, write_checkpoint
-from frod_ds.runtime.errors import FrodError, StoreError, note
-from frod_ds.core.layer import support_nnz, tan_alpha
+from frod_ds.config.ds_config import (
+    NvmeParams,
+    batch_sizes,
+    check_aio_build_env,
+    check_nvme_buffer,
+    check_nvme_buffer_count,
+    load_ds_config,
+    nvme_offloads,
+    offload_device,
+    resolve_ds_config,
+    zero_stage,
+)
 from frod_ds.config.recipe import Recipe, recipe_to_dict
-from frod_ds.formats.run_identity import (BASE_SCOPE, RUN_IDENTITY, RunIdentity, RunIdentityError, file_sha256,
-                                  training_hyperparameters)
+from frod_ds.core.layer import support_nnz, tan_alpha
+from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.formats.factor_store import StoreIdentity, category_of
+from frod_ds.formats.run_identity import (
+    BASE_SCOPE,
+    RUN_IDENTITY,
+    RunIdentity,
+    RunIdentityError,
+    file_sha256,
+    training_hyperparameters,
+)
+from frod_ds.io.dtypes import FLOAT_DTYPES
+from frod_ds.model.adapter import adapter_state, load_adapter_into, read_adapter, supports_from_adapter, write_adapter
+from frod_ds.model.apply import frod_groups, frod_param_groups
+from frod_ds.model.build import build_frod_model, check_store_quant, fetch_per_layer, gathered, make_supports
+from frod_ds.runtime import distributed as dist
+from frod_ds.runtime.atomic import check_replaceable, is_marked, mark_dir, marker_kind
+from frod_ds.runtime.errors import FrodError, StoreError, note
+from frod_ds.train.checkpoints import choose_checkpoint, sealed_checkpoints, step_of, unsealed_checkpoints
+from frod_ds.train.data import (
+    BatchPlan,
+    Example,
+    check_vocab,
+    collate,
+    encode_examples,
+    read_training_rows,
+    training_file,
+)
+from frod_ds.train.engine_state import Layout, restore_checkpoint, write_checkpoint
 
 __all__ = ["Run", "setup", "fit", "lr_lambda", "enable_gradient_checkpointing", "check_run_dir"]
 
@@ -134,10 +156,13 @@ def _check_store(recipe: Recipe, resume_tag: str | None = None):
     if recipe.data.eval:
         data["eval"] = file_sha256(training_file(recipe.data.eval))
     run_identity = RunIdentity(
-        base_fingerprint=weights_fingerprint(ckpt, base_names(ckpt.keys(), recipe.model.targets)), data_sha256=data,
-        hyperparameters=training_hyperparameters(recipe_to_dict(recipe),
-                                                 batch_sizes(recipe, dist.get_world_size()).total),
-        base_scope=BASE_SCOPE)
+        base_fingerprint=weights_fingerprint(ckpt, base_names(ckpt.keys(), recipe.model.targets)),
+        data_sha256=data,
+        hyperparameters=training_hyperparameters(
+            recipe_to_dict(recipe), batch_sizes(recipe, dist.get_world_size()).total
+        ),
+        base_scope=BASE_SCOPE,
+    )
     if resume_tag is not None:
         _check_resume_store(Path(recipe.output_dir), resume_tag, identity)
         _check_resume_run(Path(recipe.output_dir), resume_tag, run_identity)
@@ -157,19 +182,25 @@ def _checkpoint_record(out: Path, tag: str, name: str, missing_note: str) -> Pat
 def _check_resume_run(out: Path, tag: str, identity: RunIdentity) -> None:
     """``RunIdentityError`` when checkpoint ``tag`` in ``out`` is of a run with another identity."""
     recorded = _checkpoint_record(
-        out, tag, RUN_IDENTITY, "does not record its run identity (written by an older frod-ds): "
-        "resuming without checking that it is this run")
+        out,
+        tag,
+        RUN_IDENTITY,
+        "does not record its run identity (written by an older frod-ds): resuming without checking that it is this run",
+    )
     if recorded is None:
         return
     recorded_identity = RunIdentity.from_json(recorded.read_text(), recorded)
     if not recorded_identity.comparable_base(identity):
-        note(f"checkpoint {recorded.parent} records the fingerprint of all base tensors (written by an older frod-ds): "
-             "resuming without checking the base model's weights against it")
+        note(
+            f"checkpoint {recorded.parent} records the fingerprint of all base tensors (written by an older frod-ds): "
+            "resuming without checking the base model's weights against it"
+        )
     diffs = recorded_identity.differences(identity)
     if diffs:
         raise RunIdentityError(
             f"output_dir {out} holds another run ({'; '.join(diffs[:4])}{'; …' if len(diffs) > 4 else ''}); "
-            "use another output_dir, or pass train.new_run=true to move that run aside and start anew")
+            "use another output_dir, or pass train.new_run=true to move that run aside and start anew"
+        )
 
 
 PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard")
@@ -178,8 +209,11 @@ PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tens
 def _supersede_previous_run(out: Path) -> None:
     """``train.new_run``: move a previous run's files in ``out`` into ``out/superseded-<time>/`` (nothing is
     deleted; adapters included)."""
-    old = [p for p in out.iterdir() if p.name in PREVIOUS_RUN or (p.name.startswith("adapter-") and p.is_dir())] \
-        if out.is_dir() else []
+    old = (
+        [p for p in out.iterdir() if p.name in PREVIOUS_RUN or (p.name.startswith("adapter-") and p.is_dir())]
+        if out.is_dir()
+        else []
+    )
     if not old:
         return
     dest = out / time.strftime("superseded-%Y%m%d-%H%M%S")
@@ -214,8 +248,12 @@ STORE_IDENTITY = "factor_store.json"  # beside each engine checkpoint: the store
 def _check_resume_store(out: Path, tag: str, identity: StoreIdentity) -> None:
     """``StoreError`` when checkpoint ``tag`` in ``out`` was trained on another factor store."""
     recorded = _checkpoint_record(
-        out, tag, STORE_IDENTITY, "does not record its factor store (written by an older frod-ds): "
-        f"resuming without checking that {identity.fingerprint[:16]}… is the store it was trained on")
+        out,
+        tag,
+        STORE_IDENTITY,
+        "does not record its factor store (written by an older frod-ds): "
+        f"resuming without checking that {identity.fingerprint[:16]}… is the store it was trained on",
+    )
     if recorded is None:
         return
     diffs = StoreIdentity.from_json(recorded.read_text(), recorded).differences(identity)
@@ -290,25 +328,41 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
     world, rank = dist.get_world_size(), dist.get_rank()
     dist.on_all(lambda: check_run_dir(Path(recipe.output_dir)))  # before anything reads or writes there
     # The checkpoint to resume: rank 0 checks the files against their seals (newest first) once for all.
-    resume = (None, []) if recipe.train.new_run else \
-        dist.on_main(lambda: choose_checkpoint(Path(recipe.output_dir) / "checkpoints"))
+    resume = (
+        (None, [])
+        if recipe.train.new_run
+        else dist.on_main(lambda: choose_checkpoint(Path(recipe.output_dir) / "checkpoints"))
+    )
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
     ds_cfg, model_dir, store, identity, run_identity, tok, examples, eval_examples = dist.on_all(
-        lambda: _inputs(recipe, ds_config_path, nvme_path, resume[0]))
+        lambda: _inputs(recipe, ds_config_path, nvme_path, resume[0])
+    )
     # every rank writes its checkpoint shards there and rank 0 seals them: one directory for all nodes
     dist.check_shared_dir(Path(recipe.output_dir), "output_dir")
-    plan = BatchPlan(len(examples), recipe.train.micro_batch_size, recipe.train.grad_accum, world, rank,
-                     recipe.train.seed)
+    plan = BatchPlan(
+        len(examples), recipe.train.micro_batch_size, recipe.train.grad_accum, world, rank, recipe.train.seed
+    )
     total = plan.total_steps(recipe.train.epochs, recipe.train.max_steps)
 
     _seed_everything(recipe.train.seed + rank)
     dtype = FLOAT_DTYPES[recipe.model.dtype]
     init = _init_adapter(recipe, store, identity)
-    supports = make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed) \
-        if init is None else supports_from_adapter(*init)
+    supports = (
+        make_supports(store, list(recipe.model.targets), recipe.model.sparsity, recipe.model.seed)
+        if init is None
+        else supports_from_adapter(*init)
+    )
     t_build = time.perf_counter()
-    model = build_frod_model(model_dir, store, supports, dtype, ds_cfg, rank=rank, quant=recipe.model.frozen_quant,
-                             quantize_base=recipe.model.quantize_base)
+    model = build_frod_model(
+        model_dir,
+        store,
+        supports,
+        dtype,
+        ds_cfg,
+        rank=rank,
+        quant=recipe.model.frozen_quant,
+        quantize_base=recipe.model.quantize_base,
+    )
     dist.print0(f"model built in {time.perf_counter() - t_build:.1f} s (skeleton, factor store and checkpoint reads)")
     zero3 = zero_stage(ds_cfg) == 3
     sigma0 = _initial_sigma(model, zero3)  # the factor store's σ, before an init adapter replaces it
@@ -342,8 +396,21 @@ def setup(recipe: Recipe, ds_config_path: str, nvme_path: str | None = None) -> 
         frozen_quant=recipe.model.frozen_quant,  # eval and export rebuild the same quantized model
         quantize_base=recipe.model.quantize_base,
     )
-    run = Run(recipe, engine, plan, examples, eval_examples, total, tok.pad_token_id,
-              zero3, store, identity, run_identity, out, config)
+    run = Run(
+        recipe,
+        engine,
+        plan,
+        examples,
+        eval_examples,
+        total,
+        tok.pad_token_id,
+        zero3,
+        store,
+        identity,
+        run_identity,
+        out,
+        config,
+    )
     run.sigma0 = sigma0
     run.resume = resume
     if dist.is_main():
@@ -384,17 +451,24 @@ def _inputs(recipe: Recipe, ds_config_path: str, nvme_path: str | None, resume_t
     t, world = recipe.train, dist.get_world_size()
     batch = batch_sizes(recipe, world).total
     if len(examples) < batch:
-        limited = (f" (data.limit={recipe.data.limit})" if recipe.data.limit is not None
-                   and len(rows) == recipe.data.limit else "")
-        raise FrodError(f"{training_file(recipe.data.train)} gives {len(examples)} training rows{limited}, fewer than "
-                        f"one global batch ({batch} = micro_batch_size {t.micro_batch_size} x grad_accum "
-                        f"{t.grad_accum} x {world} rank(s)); use more data{', a larger data.limit' if limited else ''} "
-                        "or a smaller batch")
+        limited = (
+            f" (data.limit={recipe.data.limit})"
+            if recipe.data.limit is not None and len(rows) == recipe.data.limit
+            else ""
+        )
+        raise FrodError(
+            f"{training_file(recipe.data.train)} gives {len(examples)} training rows{limited}, fewer than "
+            f"one global batch ({batch} = micro_batch_size {t.micro_batch_size} x grad_accum "
+            f"{t.grad_accum} x {world} rank(s)); use more data{', a larger data.limit' if limited else ''} "
+            "or a smaller batch"
+        )
     for c in recipe.model.targets:
         n = store.width(c)
         if support_nnz(n, recipe.model.sparsity) == 0:
-            raise FrodError(f"model.sparsity={recipe.model.sparsity:g} gives S no entries for {c} (width {n}: "
-                            f"round(s*n^2) = 0); use model.sparsity >= {0.5 / (n * n):.3g}")
+            raise FrodError(
+                f"model.sparsity={recipe.model.sparsity:g} gives S no entries for {c} (width {n}: "
+                f"round(s*n^2) = 0); use model.sparsity >= {0.5 / (n * n):.3g}"
+            )
     _check_output_dir(Path(recipe.output_dir))
     return ds_cfg, model_dir, store, identity, run_identity, tok, examples, eval_examples
 
@@ -419,8 +493,12 @@ def nvme_params(model_dir, store, targets: list[str], sparsity: float) -> NvmePa
         for m in store.categories[c]:
             hit = re.search(r"\.layers\.(\d+)\.", m + ".")
             trainable.setdefault(int(hit.group(1)), []).extend([n, support_nnz(n, sparsity)])
-    return NvmeParams([layers[i] for i in sorted(layers)], [store.width(c) ** 2 for c in targets], other,
-                      [trainable.get(i, []) for i in sorted(layers)])
+    return NvmeParams(
+        [layers[i] for i in sorted(layers)],
+        [store.width(c) ** 2 for c in targets],
+        other,
+        [trainable.get(i, []) for i in sorted(layers)],
+    )
 
 
 def _check_output_dir(out: Path) -> None:
@@ -437,8 +515,9 @@ def _check_output_dir(out: Path) -> None:
         with tempfile.TemporaryFile(dir=where):
             pass
     except OSError as e:
-        raise FrodError(f"output_dir {out} is not writable ({where}: {e.strerror or e}); choose another "
-                        "output_dir") from None
+        raise FrodError(
+            f"output_dir {out} is not writable ({where}: {e.strerror or e}); choose another output_dir"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -450,8 +529,14 @@ def removed_if_failed(out: Path) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if created and dist.is_main() and out.is_dir() and not out.is_symlink() and \
-                not sealed_checkpoints(out / "checkpoints") and not any(out.glob("adapter-*")):
+        if (
+            created
+            and dist.is_main()
+            and out.is_dir()
+            and not out.is_symlink()
+            and not sealed_checkpoints(out / "checkpoints")
+            and not any(out.glob("adapter-*"))
+        ):
             shutil.rmtree(out, ignore_errors=True)  # an unsealed checkpoint is nothing a rerun would resume
         raise
 
@@ -467,12 +552,20 @@ def _init_adapter(recipe: Recipe, store, identity: StoreIdentity | None = None):
     tensors, config = read_adapter(path)
     identity = identity or store.identity(list(recipe.model.targets))
     named = config.factor_store
-    if not named or Path(named).resolve() != store.path.resolve() or config.factor_store_fingerprint != identity.fingerprint:
-        raise FrodError(f"model.init_adapter {path} belongs to factor store {named}, not model.factor_store "
-                        f"{store.path}; set model.factor_store={named}")
+    if (
+        not named
+        or Path(named).resolve() != store.path.resolve()
+        or config.factor_store_fingerprint != identity.fingerprint
+    ):
+        raise FrodError(
+            f"model.init_adapter {path} belongs to factor store {named}, not model.factor_store "
+            f"{store.path}; set model.factor_store={named}"
+        )
     if sorted(config.categories) != sorted(recipe.model.targets):
-        raise FrodError(f"model.init_adapter {path} adapts {sorted(config.categories)}, model.targets "
-                        f"are {sorted(recipe.model.targets)}; set model.targets to the adapter's")
+        raise FrodError(
+            f"model.init_adapter {path} adapts {sorted(config.categories)}, model.targets "
+            f"are {sorted(recipe.model.targets)}; set model.targets to the adapter's"
+        )
     check_adapter_store(config, store, path)  # V and HJD route per category, where the adapter records them
     return tensors, config
 
@@ -499,6 +592,7 @@ def _seed_everything(seed: int) -> None:
 
 # -- checkpoints ----------------------------------------------------------------------------------
 
+
 def _ckpt_root(run: Run) -> Path:
     return run.out / "checkpoints"
 
@@ -506,16 +600,27 @@ def _ckpt_root(run: Run) -> Path:
 def _maybe_resume(run: Run) -> int:
     """Restore the checkpoint ``setup`` chose (``run.resume``); returns the step to continue from (0: none)."""
     tag, skipped = run.resume
-    unsealed = [u for u in dist.on_main(lambda: unsealed_checkpoints(_ckpt_root(run)))
-                if tag is None or step_of(u) > step_of(tag)]  # type: ignore[operator]
+    unsealed = [
+        u
+        for u in dist.on_main(lambda: unsealed_checkpoints(_ckpt_root(run)))
+        if tag is None or step_of(u) > step_of(tag)
+    ]  # type: ignore[operator]
     if unsealed and dist.is_main():
-        note(f"{', '.join(unsealed)} in {_ckpt_root(run)}: no COMPLETE seal (a save that never finished), not resumed "
-             f"from; {'starting at step 0' if tag is None else f'resuming from {tag}'}")
+        note(
+            f"{', '.join(unsealed)} in {_ckpt_root(run)}: no COMPLETE seal (a save that never finished), not resumed "
+            f"from; {'starting at step 0' if tag is None else f'resuming from {tag}'}"
+        )
     step = 0
     if tag is not None:
         t = run.recipe.train
-        step = restore_checkpoint(run.engine, _ckpt_root(run), tag, skipped,
-                                  Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum), run.zero3)
+        step = restore_checkpoint(
+            run.engine,
+            _ckpt_root(run),
+            tag,
+            skipped,
+            Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum),
+            run.zero3,
+        )
     metrics = run.out / "metrics.jsonl"
     if dist.is_main() and metrics.is_file():  # rows of steps after the one continued from are replayed (all of
         # them when a run killed before its first sealed checkpoint starts over): dropped, so no step is logged twice
@@ -531,9 +636,14 @@ def _maybe_resume(run: Run) -> int:
 def save_checkpoint(run: Run, step: int) -> None:
     """The engine checkpoint of ``step`` with the run's identity records, sealed (``frod_ds.train.engine_state``)."""
     t = run.recipe.train
-    write_checkpoint(run.engine, _ckpt_root(run), step, Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum),
-                     t.keep_checkpoints, {STORE_IDENTITY: run.store_identity.to_json(),
-                                          RUN_IDENTITY: run.run_identity.to_json()})
+    write_checkpoint(
+        run.engine,
+        _ckpt_root(run),
+        step,
+        Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum),
+        t.keep_checkpoints,
+        {STORE_IDENTITY: run.store_identity.to_json(), RUN_IDENTITY: run.run_identity.to_json()},
+    )
 
 
 def save_adapter(run: Run, step: int, name: str) -> None:
@@ -549,6 +659,7 @@ def save_adapter(run: Run, step: int, name: str) -> None:
 
 
 # -- metrics --------------------------------------------------------------------------------------
+
 
 def _peak_mem_gb() -> float:
     """GPU: the most memory allocated since the last ``_reset_peak_mem`` (one training step's peak, the figure
@@ -593,16 +704,16 @@ def eval_loss(run: Run) -> float:
     """Mean answer-token loss over the held-out rows, split across ranks."""
     engine, dev = run.engine, _device()
     engine.eval()
-    mine = run.eval_examples[dist.get_rank():: dist.get_world_size()]
+    mine = run.eval_examples[dist.get_rank() :: dist.get_world_size()]
     total = torch.zeros(2, dtype=torch.float64, device=dev)
     mb = run.recipe.train.micro_batch_size
     n_batches = math.ceil(len(run.eval_examples) / (mb * dist.get_world_size()))
     for b in range(n_batches):  # same number of forwards on every rank (ZeRO-3 gathers are collective)
-        chunk = mine[b * mb:(b + 1) * mb] or run.eval_examples[:1]
+        chunk = mine[b * mb : (b + 1) * mb] or run.eval_examples[:1]
         batch = {k: v.to(dev) for k, v in collate(chunk, run.pad_id).items()}
         loss = engine(**batch).loss.double()
         count = (batch["labels"][:, 1:] != -100).sum()
-        if mine[b * mb:(b + 1) * mb]:
+        if mine[b * mb : (b + 1) * mb]:
             total += torch.stack([loss * count, count.double()])
     engine.train()
     total = dist.all_reduce_sum(total)
@@ -610,6 +721,7 @@ def eval_loss(run: Run) -> float:
 
 
 # -- the loop ---------------------------------------------------------------------------------------
+
 
 def _install_sigterm(run: Run) -> None:
     def handler(signum, frame):  # noqa: ARG001
@@ -631,8 +743,9 @@ def _train_step(run: Run, step: int) -> dict[str, float]:
         engine.step()
         losses.append(loss.detach().float())
         tokens += int(batch["attention_mask"].sum())
-    stats = dist.all_reduce_sum(torch.tensor([torch.stack(losses).mean().item(), tokens], dtype=torch.float64,
-                                             device=dev))
+    stats = dist.all_reduce_sum(
+        torch.tensor([torch.stack(losses).mean().item(), tokens], dtype=torch.float64, device=dev)
+    )
     dt = time.perf_counter() - t0
     grad_norm = engine.get_global_grad_norm()
     return {
@@ -648,8 +761,9 @@ def _train_step(run: Run, step: int) -> dict[str, float]:
 
 def fit(run: Run) -> int:
     """Train from ``run.start_step`` to ``run.total_steps``; returns the process exit code."""
-    bar = tqdm(total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train",
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train", dynamic_ncols=True
+    )
     try:
         return _fit(run, bar)
     except BaseException:
@@ -669,8 +783,10 @@ def _fit(run: Run, bar) -> int:
         dist.print0(f"{run.out} holds a finished run (step {step}/{run.total_steps}); adapter-final left as it is")
         return 0
     if torch.cuda.is_available():
-        dist.print0(f"memory: {_peak_mem_gb():.2f} GiB allocated at most while building and restoring the model "
-                    "(rank 0); metrics.jsonl's peak_mem_gb is each step's own peak")
+        dist.print0(
+            f"memory: {_peak_mem_gb():.2f} GiB allocated at most while building and restoring the model "
+            "(rank 0); metrics.jsonl's peak_mem_gb is each step's own peak"
+        )
     nonfinite = 0
     while step < run.total_steps:
         row = _train_step(run, step)
@@ -683,7 +799,8 @@ def _fit(run: Run, bar) -> int:
                 f"{nonfinite} consecutive steps with a non-finite loss (last: step {step}, loss "
                 f"{row['loss']}, grad norm {row['grad_norm']}); stopped without writing adapter-final. Check the "
                 "base weights and factor store for NaN/inf and lower train.lr_sigma / train.lr_s "
-                "(train.max_nonfinite_steps sets how many are allowed)")
+                "(train.max_nonfinite_steps sets how many are allowed)"
+            )
         if t.eval_every and run.eval_examples and step % t.eval_every == 0:
             row["eval_loss"] = eval_loss(run)
         if t.rotation_every and (step % t.rotation_every == 0 or step == run.total_steps):
@@ -695,8 +812,12 @@ def _fit(run: Run, bar) -> int:
                 for k, v in row.items():
                     if isinstance(v, (int, float)) and k != "step":
                         writer.add_scalar(f"train/{k}", v, step)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", lr_sigma=f"{row['lr_sigma']:.2e}",
-                            lr_s=f"{row['lr_s']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.set_postfix(
+                loss=f"{row['loss']:.4f}",
+                lr_sigma=f"{row['lr_sigma']:.2e}",
+                lr_s=f"{row['lr_s']:.2e}",
+                tok_s=f"{row['tokens_per_s']:.0f}",
+            )
         bar.update(1)
         stop = dist.all_reduce_sum(torch.tensor([float(run.stop_requested)], device=_device())).item() > 0
         if t.save_every and step % t.save_every == 0 and step < run.total_steps and nonfinite and not stop:

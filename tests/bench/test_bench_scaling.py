@@ -7,9 +7,17 @@ import pytest
 
 
 def _rec(method, engine, n, tps, step_s, gc=False, frozen=6.0e9):
-    return {"method": method, "engine": engine, "world_size": n, "gradient_checkpointing": gc,
-            "tokens_per_s_per_gpu": tps, "step_s_median": step_s, "config": f"ds_configs/{engine}.json", "frod": {},
-            "frozen_params": frozen}
+    return {
+        "method": method,
+        "engine": engine,
+        "world_size": n,
+        "gradient_checkpointing": gc,
+        "tokens_per_s_per_gpu": tps,
+        "step_s_median": step_s,
+        "config": f"ds_configs/{engine}.json",
+        "frod": {},
+        "frozen_params": frozen,
+    }
 
 
 def test_link_floor_is_the_missing_half_of_the_frozen_weights_once_per_pass():
@@ -25,12 +33,19 @@ def test_link_floor_is_the_missing_half_of_the_frozen_weights_once_per_pass():
 def test_scaling_rows_name_the_fastest_one_gpu_config_and_the_link_floor(tmp_path):
     from bench.train_matrix import link_bandwidths, scaling_table
 
-    (tmp_path / "link_2gpu.json").write_text(json.dumps({"world_size": 2, "sizes": [
-        {"size_mib": 16, "busbw_gbs": 50.0}, {"size_mib": 1024, "busbw_gbs": 200.0}]}))
+    (tmp_path / "link_2gpu.json").write_text(
+        json.dumps(
+            {"world_size": 2, "sizes": [{"size_mib": 16, "busbw_gbs": 50.0}, {"size_mib": 1024, "busbw_gbs": 200.0}]}
+        )
+    )
     links = link_bandwidths(tmp_path)
     assert links == {2: 200e9}, "the largest message's bus bandwidth"
-    results = [_rec("frod", "plain", 1, 1000.0, 0.25), _rec("frod", "zero2", 1, 800.0, 0.30),
-               _rec("frod", "zero2", 2, 900.0, 0.28), _rec("frod", "zero3", 2, 450.0, 0.56)]
+    results = [
+        _rec("frod", "plain", 1, 1000.0, 0.25),
+        _rec("frod", "zero2", 1, 800.0, 0.30),
+        _rec("frod", "zero2", 2, 900.0, 0.28),
+        _rec("frod", "zero3", 2, 450.0, 0.56),
+    ]
     md, rows = scaling_table(results, links)
     got = {(r["config"], r["gpus"]): r for r in rows}
     z2, z3 = got[("FRoD zero2", 2)], got[("FRoD zero3", 2)]

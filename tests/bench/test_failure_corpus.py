@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.support.leftovers import REPO
 
 # cases that need no world (no model, store or adapter): their inputs are the data_prep fixtures or made in the case
-FAST = ["missing path: data build --source", "data with no subcommand", "data build from a mirror with --tasks misspelled",
-        "data build --out a foreign directory with --overwrite", "python -m data_prep build --tasks misspelled"]
+FAST = [
+    "missing path: data build --source",
+    "data with no subcommand",
+    "data build from a mirror with --tasks misspelled",
+    "data build --out a foreign directory with --overwrite",
+    "python -m data_prep build --tasks misspelled",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +39,35 @@ def test_every_case_names_a_known_class_step_tool_and_placeholder(corpus):
     assert len(cases) >= 300 and {c["class"] for c in cases} == set(corpus.CLASSES)
 
 
-@pytest.mark.parametrize("bad, problem", [({"class": "clear-eror"}, "unknown class"),
-                                          ({"prepare": "no_such_step"}, "unknown prepare step"),
-                                          ({"cmd": ["hjd", "--out", "{nwe}"]}, "unknown placeholder {nwe}"),
-                                          ({"cmd": ["frod-train"]}, "unknown tool"),
-                                          ({"class": "exact-recovery"}, "needs a fix or an interrupt"),
-                                          ({"fix_": "noop"}, "unknown key")])
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        ({"class": "clear-eror"}, "unknown class"),
+        ({"prepare": "no_such_step"}, "unknown prepare step"),
+        ({"cmd": ["hjd", "--out", "{nwe}"]}, "unknown placeholder {nwe}"),
+        ({"cmd": ["frod-train"]}, "unknown tool"),
+        ({"class": "exact-recovery"}, "needs a fix or an interrupt"),
+        ({"fix_": "noop"}, "unknown key"),
+    ],
+)
 def test_the_validator_names_what_is_wrong(corpus, bad, problem):
     case = {"name": "x", "class": "clear-error", "cmd": ["hjd", "--out", "{new}"], **bad}
     assert any(problem in p for p in corpus.validate([case])), corpus.validate([case])
 
 
 def test_each_expands_into_one_case_per_entry(corpus):
-    raw = [{"name": "{t} x", "class": "clear-error", "cmd": ["plan", "{c}"], "each": [{"t": "a", "c": ["--gpus", "0"]},
-                                                                                     {"t": "b", "c": []}]}]
-    assert corpus.expand(raw) == [{"name": "a x", "class": "clear-error", "cmd": ["plan", "--gpus", "0"]},
-                                  {"name": "b x", "class": "clear-error", "cmd": ["plan"]}]
+    raw = [
+        {
+            "name": "{t} x",
+            "class": "clear-error",
+            "cmd": ["plan", "{c}"],
+            "each": [{"t": "a", "c": ["--gpus", "0"]}, {"t": "b", "c": []}],
+        }
+    ]
+    assert corpus.expand(raw) == [
+        {"name": "a x", "class": "clear-error", "cmd": ["plan", "--gpus", "0"]},
+        {"name": "b x", "class": "clear-error", "cmd": ["plan"]},
+    ]
 
 
 def test_the_fastest_cases_run_as_the_corpus_says(corpus, tmp_path):

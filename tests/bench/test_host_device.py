@@ -35,7 +35,9 @@ def test_rehearsal_writes_every_configuration(tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
     from bench import host_device
 
-    monkeypatch.setattr(sys, "argv", ["host_device.py", "--tiny", "--steps", "1", "--windows", "2", "--out", str(tmp_path)])
+    monkeypatch.setattr(
+        sys, "argv", ["host_device.py", "--tiny", "--steps", "1", "--windows", "2", "--out", str(tmp_path)]
+    )
     host_device.main()
     doc = json.loads((tmp_path / "host_device.json").read_text())
     assert [r["name"] for r in doc["runs"]] == ["tiny_none", "tiny_nf4", "tiny_nf4+base", "tiny_int8", "tiny_int8+base"]

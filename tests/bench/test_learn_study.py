@@ -18,23 +18,73 @@ from bench import learn_study
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_tiny_llama
     from transformers import AutoTokenizer
+
+    from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_tiny_llama
 
     root = tmp_path_factory.mktemp("learn")
     work, out = root / "work", root / "out"
-    assert learn_study.main(["gen", "--work", str(work), "--tasks", "arith", "--arith-train", "48", "--digits", "1-2",
-                             "--heldout-rows", "8", "--test-rows", "6"]) == 0
+    assert (
+        learn_study.main(
+            [
+                "gen",
+                "--work",
+                str(work),
+                "--tasks",
+                "arith",
+                "--arith-train",
+                "48",
+                "--digits",
+                "1-2",
+                "--heldout-rows",
+                "8",
+                "--test-rows",
+                "6",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (work / "tasks" / "arith" / "train.jsonl").read_text().splitlines()]
     texts = [r["prompt"] + r["separator"] + c for r in rows for c in r["choices"]] * 4
     model = root / "model"
     train_sentencepiece_tokenizer(model, texts)
     tok = AutoTokenizer.from_pretrained(model)
     write_tiny_llama(model, len(tok), num_hidden_layers=2)
-    argv = ["run", "--model", str(model), "--work", str(work), "--out", str(out), "--tasks", "arith",
-            "--methods", "frod,peftfrod", "--ratio-methods", "frod_ratio3", "--lrs", "frod=1e-2",
-            "--lrs", "peftfrod=1e-2", "--steps", "2", "--batch-size", "8", "--seeds", "2", "--extend", "0",
-            "--checkpoints", "1", "--device", "cpu", "--workers", "1", "--min-study-minutes", "0"]
+    argv = [
+        "run",
+        "--model",
+        str(model),
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--tasks",
+        "arith",
+        "--methods",
+        "frod,peftfrod",
+        "--ratio-methods",
+        "frod_ratio3",
+        "--lrs",
+        "frod=1e-2",
+        "--lrs",
+        "peftfrod=1e-2",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--seeds",
+        "2",
+        "--extend",
+        "0",
+        "--checkpoints",
+        "1",
+        "--device",
+        "cpu",
+        "--workers",
+        "1",
+        "--min-study-minutes",
+        "0",
+    ]
     assert learn_study.main(argv) == 0
     return root, work, out, argv, rows, tok
 
@@ -45,10 +95,14 @@ def _records(out: Path) -> dict[str, int]:
 
 def test_every_method_and_seed_is_recorded_on_the_same_tokens(rehearsal):
     _, _, out, _, rows, tok = rehearsal
-    assert sorted(_records(out)) == ["arith/seed0/records/frod_lr0.01.json", "arith/seed0/records/frod_ratio3_lr0.01.json",
-                                     "arith/seed0/records/peftfrod_lr0.01.json", "arith/seed1/records/frod_lr0.01.json",
-                                     "arith/seed1/records/frod_ratio3_lr0.01.json",
-                                     "arith/seed1/records/peftfrod_lr0.01.json"]
+    assert sorted(_records(out)) == [
+        "arith/seed0/records/frod_lr0.01.json",
+        "arith/seed0/records/frod_ratio3_lr0.01.json",
+        "arith/seed0/records/peftfrod_lr0.01.json",
+        "arith/seed1/records/frod_lr0.01.json",
+        "arith/seed1/records/frod_ratio3_lr0.01.json",
+        "arith/seed1/records/peftfrod_lr0.01.json",
+    ]
     for seed in (0, 1):
         doc = json.loads((out / "arith" / f"seed{seed}" / "real_study.json").read_text())
         runs = {m: d["sweep"][0] for m, d in doc["methods"].items()}
@@ -75,7 +129,7 @@ def test_the_same_command_again_trains_nothing(rehearsal, capsys):
 def test_a_copy_resumes_into_a_new_output_without_training(rehearsal, tmp_path):
     _, _, out, argv, _, _ = rehearsal
     new = tmp_path / "new"
-    args = [*argv[:argv.index("--out") + 1], str(new), *argv[argv.index("--out") + 2:], "--resume-from", str(out)]
+    args = [*argv[: argv.index("--out") + 1], str(new), *argv[argv.index("--out") + 2 :], "--resume-from", str(out)]
     assert learn_study.main(args) == 0
     assert sorted(_records(new)) == sorted(_records(out))
 
@@ -108,8 +162,12 @@ def test_user_mistakes_exit_2_with_one_line(tmp_path, capsys):
     assert learn_study.main(["gen", "--work", str(tmp_path), "--tasks", "algebra"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: unknown task 'algebra'")
-    assert learn_study.main(["run", "--model", str(tmp_path), "--work", str(tmp_path), "--out", str(tmp_path / "o"),
-                             "--tasks", "arith"]) == 2
+    assert (
+        learn_study.main(
+            ["run", "--model", str(tmp_path), "--work", str(tmp_path), "--out", str(tmp_path / "o"), "--tasks", "arith"]
+        )
+        == 2
+    )
     assert "run `gen --work" in capsys.readouterr().err
 
 

@@ -33,16 +33,61 @@ LAYER_BYTES = 4 * _nf4_bytes(HIDDEN, HIDDEN) + 3 * _nf4_bytes(INTER, HIDDEN)  # 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora_zero3")
-    subprocess.run([sys.executable, str(REPO / "bench" / "train_step.py"), "make-model", "--out", str(root / "m"),
-                    "--layers", str(LAYERS), "--hidden", str(HIDDEN), "--inter", str(INTER), "--heads", "8",
-                    "--vocab", "1000"], check=True, env=env_vars(), cwd=REPO, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "train_step.py"),
+            "make-model",
+            "--out",
+            str(root / "m"),
+            "--layers",
+            str(LAYERS),
+            "--hidden",
+            str(HIDDEN),
+            "--inter",
+            str(INTER),
+            "--heads",
+            "8",
+            "--vocab",
+            "1000",
+        ],
+        check=True,
+        env=env_vars(),
+        cwd=REPO,
+        capture_output=True,
+    )
     cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
-    cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
-                                    stage3_max_reuse_distance=0, reduce_bucket_size=500000)
+    cfg["zero_optimization"].update(
+        stage3_param_persistence_threshold=0,
+        stage3_prefetch_bucket_size=0,
+        stage3_max_reuse_distance=0,
+        reduce_bucket_size=500000,
+    )
     (root / "z3.json").write_text(json.dumps(cfg))
-    cmd = [sys.executable, str(RANKS), "2", str(REPO / "tests" / "support" / "qlora_residency_probe.py"), "--method", "lora", "--config", str(root / "z3.json"),
-           "--model", str(root / "m"), "--frozen-quant", "nf4", "--quantize-base", "--gc", "--batch", "2",
-           "--seq", "32", "--out", str(root / "out"), "--probe-steps", "1"]
+    cmd = [
+        sys.executable,
+        str(RANKS),
+        "2",
+        str(REPO / "tests" / "support" / "qlora_residency_probe.py"),
+        "--method",
+        "lora",
+        "--config",
+        str(root / "z3.json"),
+        "--model",
+        str(root / "m"),
+        "--frozen-quant",
+        "nf4",
+        "--quantize-base",
+        "--gc",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--out",
+        str(root / "out"),
+        "--probe-steps",
+        "1",
+    ]
     res = subprocess.run(cmd, env=env_vars(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [json.loads((root / "out" / f"qlora_rank{r}.json").read_text()) for r in (0, 1)]

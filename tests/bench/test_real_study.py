@@ -18,9 +18,11 @@ import torch
 
 from bench import real_study
 
-TEMPLATE = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
-            "request.  \n\n                ### Instruction:\n                {instruction}\n                \n"
-            "                ### Response:\n                ")
+TEMPLATE = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the "
+    "request.  \n\n                ### Instruction:\n                {instruction}\n                \n"
+    "                ### Response:\n                "
+)
 WORDS = "red blue green cat dog bird sky sea tree stone rain sun moon fish road hill".split()
 
 
@@ -32,8 +34,17 @@ def _rows(task: str, n: int, rng: random.Random) -> list[dict]:
         question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))
         instruction = f"Please answer the question: {question}?\n\nAnswer format: {'/'.join(words)}"
         choices = [f"the correct answer is {w}" for w in words]
-        rows.append({"task": task, "id": f"{task}-{i}", "prompt": TEMPLATE.format(instruction=instruction),
-                     "answer": choices[label], "choices": choices, "label": label, "separator": ""})
+        rows.append(
+            {
+                "task": task,
+                "id": f"{task}-{i}",
+                "prompt": TEMPLATE.format(instruction=instruction),
+                "answer": choices[label],
+                "choices": choices,
+                "label": label,
+                "separator": "",
+            }
+        )
     return rows
 
 
@@ -44,8 +55,12 @@ def _tokenizer(texts: list[str]):
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
-    t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_end|>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    t.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["<|im_end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", pad_token="<|im_end|>")
 
 
@@ -65,19 +80,55 @@ def setup(tmp_path_factory):
         (data / "eval" / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tok = _tokenizer([r["prompt"] + c for r in train for c in r["choices"]])
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     model_dir = root / "model"
     LlamaForCausalLM(cfg).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     out = root / "out"
-    argv = ["--model", str(model_dir), "--data", str(data), "--out", str(out), "--device", "cpu",
-            "--heldout", "8", "--batch-size", "8", "--curve-limit", "3", "--checkpoints", "2",
-            "--gen-batch", "4", "--eval-batch", "8",
-            "--lrs", "frod=1e-3,1e-2,1e-1", "--lrs", "lora16=1e-3,1e-2,1e-1",
-            "--lrs", "lora32=1e-3,1e-2,1e-1", "--lrs", "full=1e-4,1e-3,1e-2", "--extend", "0"]
+    argv = [
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--heldout",
+        "8",
+        "--batch-size",
+        "8",
+        "--curve-limit",
+        "3",
+        "--checkpoints",
+        "2",
+        "--gen-batch",
+        "4",
+        "--eval-batch",
+        "8",
+        "--lrs",
+        "frod=1e-3,1e-2,1e-1",
+        "--lrs",
+        "lora16=1e-3,1e-2,1e-1",
+        "--lrs",
+        "lora32=1e-3,1e-2,1e-1",
+        "--lrs",
+        "full=1e-4,1e-3,1e-2",
+        "--extend",
+        "0",
+    ]
     assert real_study.main(argv) == 0
     doc = json.loads((out / "real_study.json").read_text())
     return doc, train, tok, model_dir, out, argv
@@ -141,7 +192,7 @@ def test_step_one_losses_equal_a_plain_transformers_forward(setup):
             logp = model(torch.tensor([full])).logits[0].log_softmax(-1)  # (T, V)
             nll = [-logp[t - 1, full[t]].item() for t in range(n_ctx, len(full))]
             nll_resp += nll
-            nll_word += nll[-1 - len(word):-1]
+            nll_word += nll[-1 - len(word) : -1]
     resp, word = sum(nll_resp) / len(nll_resp), sum(nll_word) / len(nll_word)
     for name, m in doc["methods"].items():
         for run in m["sweep"]:
@@ -153,9 +204,10 @@ def test_step_one_losses_equal_a_plain_transformers_forward(setup):
 def test_llm_adapters_results_are_the_library_scorers(setup):
     """The study's llm-adapters numbers are frod_ds.eval.predict.score_llm_adapters_rows's: the base model's
     recorded results (the curve slice) equal that scorer run here on the same rows, one row at a time."""
+    from transformers import AutoModelForCausalLM
+
     from frod_ds.eval.predict import score_llm_adapters_rows
     from frod_ds.prep.io import read_rows
-    from transformers import AutoModelForCausalLM
 
     doc, _, tok, model_dir, out, _ = setup
     assert doc["data"]["generation_scorer"] == "frod_ds.eval.predict.score_llm_adapters_rows"
@@ -164,17 +216,19 @@ def test_llm_adapters_results_are_the_library_scorers(setup):
     for task in ("boolq", "arc_easy"):
         rows = read_rows(out.parent / "data" / "eval" / f"{task}.jsonl", limit=3)  # --curve-limit 3
         records = [r for row in rows for r in score_llm_adapters_rows(model, tok, [row], tok.pad_token_id)]
-        assert got["correct_bits"][task] == "".join("1" if r["correct"] else "0"
-                                                     for r in sorted(records, key=lambda r: r["id"]))
+        assert got["correct_bits"][task] == "".join(
+            "1" if r["correct"] else "0" for r in sorted(records, key=lambda r: r["id"])
+        )
         assert sorted(got["examples"][task]) == sorted(r["output"] for r in records)  # (in the study's batch order)
 
 
 def test_study_generation_goes_through_the_library_scorer(setup, monkeypatch):
     """bench.study's llm-adapters evaluation calls the library's scorer for every row, and returns its records."""
+    from transformers import AutoModelForCausalLM
+
     import frod_ds.eval.predict as fe
     from bench.study.evaluate import llm_adapters_eval
     from frod_ds.prep.io import read_rows
-    from transformers import AutoModelForCausalLM
 
     _, _, tok, model_dir, out, _ = setup
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -205,8 +259,9 @@ def test_user_mistakes_exit_2_with_one_line_and_write_nothing(setup, tmp_path, c
     ]
     for extra, needle in cases:
         out = tmp_path / "o"
-        rc = real_study.main(["--model", str(model_dir), "--data", str(data), "--out", str(out), "--device", "cpu",
-                              *extra])
+        rc = real_study.main(
+            ["--model", str(model_dir), "--data", str(data), "--out", str(out), "--device", "cpu", *extra]
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and err[0].startswith("error:") and needle in err[0], (extra, err)
         assert not out.exists()
@@ -241,7 +296,7 @@ def _same_results(got: dict, want: dict) -> None:
 def test_a_command_past_its_budget_leaves_the_runs_to_the_next_one(setup, tmp_path):
     doc, _, _, _, _, argv = setup
     out = tmp_path / "cut"
-    argv = [*argv[:argv.index("--out") + 1], str(out), *argv[argv.index("--out") + 2:]]
+    argv = [*argv[: argv.index("--out") + 1], str(out), *argv[argv.index("--out") + 2 :]]
     # training must start by 0.06 s after the command's start: no run fits, the base evals are recorded
     assert real_study.main([*argv, "--max-minutes", "1", "--eval-reserve-minutes", "0.999"]) == 0
     cut = json.loads((out / "real_study.json").read_text())
@@ -276,7 +331,7 @@ def test_resume_trains_only_what_is_missing_and_scores_a_best_run_whose_results_
     shutil.copytree(part, src)
     src_bytes = {p: p.read_bytes() for p in src.rglob("*") if p.is_file()}
 
-    argv = [*argv[:argv.index("--out") + 1], str(part), *argv[argv.index("--out") + 2:]]
+    argv = [*argv[: argv.index("--out") + 1], str(part), *argv[argv.index("--out") + 2 :]]
     assert real_study.main(argv) == 0
     got = json.loads((part / "real_study.json").read_text())
     assert got["complete"] is True
@@ -289,7 +344,7 @@ def test_resume_trains_only_what_is_missing_and_scores_a_best_run_whose_results_
 
     # --resume-from: the same from a copy, into a new directory; the copy is left as it was
     fresh = tmp_path / "fresh"
-    argv = [*argv[:argv.index("--out") + 1], str(fresh), *argv[argv.index("--out") + 2:], "--resume-from", str(src)]
+    argv = [*argv[: argv.index("--out") + 1], str(fresh), *argv[argv.index("--out") + 2 :], "--resume-from", str(src)]
     assert real_study.main(argv) == 0
     _same_results(json.loads((fresh / "real_study.json").read_text()), doc)
     assert {k for k, r in _runs(fresh).items() if r["invocation"] == 1} == trained_now
@@ -299,14 +354,22 @@ def test_resume_trains_only_what_is_missing_and_scores_a_best_run_whose_results_
 def test_a_study_directory_of_other_settings_is_refused_with_one_line(setup, tmp_path, capsys):
     _, _, _, _, out, argv = setup
     files = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
-    for extra, needle in ((["--batch-size", "4"], "batch_size: 8 there, 4 now"),
-                          (["--seed", "1", "--cutoff", "64"], "cutoff: 256 there, 64 now; seed: 0 there, 1 now")):
+    for extra, needle in (
+        (["--batch-size", "4"], "batch_size: 8 there, 4 now"),
+        (["--seed", "1", "--cutoff", "64"], "cutoff: 256 there, 64 now; seed: 0 there, 1 now"),
+    ):
         assert real_study.main([*argv, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: --out {out} holds a study with another configuration")
         assert needle in err[0], err
         other = tmp_path / "other"
-        args = [*argv[:argv.index("--out") + 1], str(other), *argv[argv.index("--out") + 2:], "--resume-from", str(out)]
+        args = [
+            *argv[: argv.index("--out") + 1],
+            str(other),
+            *argv[argv.index("--out") + 2 :],
+            "--resume-from",
+            str(out),
+        ]
         assert real_study.main([*args, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "error: --resume-from" in err[0] and needle in err[0], err
@@ -328,24 +391,51 @@ def test_next_lr_steps_past_the_end_on_the_half_decade_grid():
 def _record(method: str, lr: float, acc: float, wall: float = 100.0):
     from bench.study.records import RunRecord
 
-    return RunRecord(method=method, lr=lr, lr_s=None, trainable_params=1, steps=6, train_seconds=1.0, step_ms=1.0,
-                     wall_seconds=wall, workers=1, tokens=1, scored_tokens=1, answer_tokens=1, data_order_sha256="x",
-                     peak_mem_gb=None, heldout={"accuracy": acc, "answer_loss": 1 - acc}, checkpoints=[], log={},
-                     invocation=0)
+    return RunRecord(
+        method=method,
+        lr=lr,
+        lr_s=None,
+        trainable_params=1,
+        steps=6,
+        train_seconds=1.0,
+        step_ms=1.0,
+        wall_seconds=wall,
+        workers=1,
+        tokens=1,
+        scored_tokens=1,
+        answer_tokens=1,
+        data_order_sha256="x",
+        peak_mem_gb=None,
+        heldout={"accuracy": acc, "answer_loss": 1 - acc},
+        checkpoints=[],
+        log={},
+        invocation=0,
+    )
 
 
 def test_schedule_starts_only_what_fits_and_scores_a_best_run_once_its_method_can_train_no_more(tmp_path):
     from bench.study.config import StudyConfig, parse_lrs
     from bench.study.schedule import Schedule
 
-    cfg = StudyConfig(model=".", data=".", out=".", methods=["frod", "full"], eval_reserve_minutes=1.0,
-                      lrs=parse_lrs(["frod=1e-3,3e-3,1e-2", "full=3e-5,1e-4,3e-4"], ["frod", "full"]))
+    cfg = StudyConfig(
+        model=".",
+        data=".",
+        out=".",
+        methods=["frod", "full"],
+        eval_reserve_minutes=1.0,
+        lrs=parse_lrs(["frod=1e-3,3e-3,1e-2", "full=3e-5,1e-4,3e-4"], ["frod", "full"]),
+    )
     warned = []
-    plan = Schedule(cfg, {}, deadline=1000.0, train_deadline=940.0, tmp=tmp_path, log=lambda m: None,
-                    warn=warned.append)
+    plan = Schedule(
+        cfg, {}, deadline=1000.0, train_deadline=940.0, tmp=tmp_path, log=lambda m: None, warn=warned.append
+    )
     jobs = [plan.next_job(0.0) for _ in range(4)]  # nothing recorded: every run may start; centre out, by round
-    assert [(j[0], j[1], j[2]) for j in jobs] == [("train", "frod", 3e-3), ("train", "full", 1e-4),
-                                                 ("train", "frod", 1e-3), ("train", "full", 3e-5)]
+    assert [(j[0], j[1], j[2]) for j in jobs] == [
+        ("train", "frod", 3e-3),
+        ("train", "full", 1e-4),
+        ("train", "frod", 1e-3),
+        ("train", "full", 3e-5),
+    ]
     for (m, lr), acc in {("frod", 3e-3): 0.5, ("frod", 1e-3): 0.4}.items():
         plan.runs[(m, lr)] = _record(m, lr, acc)
         plan.states[(m, lr)] = tmp_path / f"{m}{lr}"
@@ -369,10 +459,35 @@ def test_a_choice_at_an_end_extends_the_sweep_now_and_in_a_later_command(setup, 
     ext = tmp_path / "ext"
     # LRs far too small to move the model in 6 steps: the held-out answer loss falls with the LR, so the
     # highest LR is the best, and so is every extension past it
-    argv = ["--model", str(model_dir), "--data", str(out.parent / "data"), "--out", str(ext), "--device", "cpu",
-            "--heldout", "8", "--batch-size", "8", "--curve-limit", "3", "--checkpoints", "1", "--eval-batch", "8",
-            "--methods", "full", "--lrs", "full=1e-5,2e-5,3e-5", "--protocols", "loglik", "--no-base-eval",
-            "--select-by", "answer_loss"]
+    argv = [
+        "--model",
+        str(model_dir),
+        "--data",
+        str(out.parent / "data"),
+        "--out",
+        str(ext),
+        "--device",
+        "cpu",
+        "--heldout",
+        "8",
+        "--batch-size",
+        "8",
+        "--curve-limit",
+        "3",
+        "--checkpoints",
+        "1",
+        "--eval-batch",
+        "8",
+        "--methods",
+        "full",
+        "--lrs",
+        "full=1e-5,2e-5,3e-5",
+        "--protocols",
+        "loglik",
+        "--no-base-eval",
+        "--select-by",
+        "answer_loss",
+    ]
     assert real_study.main([*argv, "--extend", "1"]) == 0
     doc = json.loads((ext / "real_study.json").read_text())
     full = doc["methods"]["full"]
@@ -380,8 +495,10 @@ def test_a_choice_at_an_end_extends_the_sweep_now_and_in_a_later_command(setup, 
     losses = [r["heldout"]["answer_loss"] for r in full["sweep"]]
     assert losses == sorted(losses, reverse=True)
     assert full["chosen"]["lr"] == 4.5e-5 and full["chosen"]["at_sweep_end"] and full["chosen"]["final"]
-    assert any(w.startswith("LR AT SWEEP END: full chose lr=4.5e-05, the highest") and "raise --extend (now 1)" in w
-               for w in doc["warnings"])
+    assert any(
+        w.startswith("LR AT SWEEP END: full chose lr=4.5e-05, the highest") and "raise --extend (now 1)" in w
+        for w in doc["warnings"]
+    )
     assert set(_runs(ext)) == {("full", lr) for lr in full["lrs"]} and _runs(ext)[("full", 4.5e-5)]["test"]
     assert real_study.main([*argv, "--extend", "2"]) == 0  # a later command may go one further
     doc = json.loads((ext / "real_study.json").read_text())
@@ -394,10 +511,39 @@ def test_a_choice_at_an_end_extends_the_sweep_now_and_in_a_later_command(setup, 
 def test_worker_processes_train_exactly_what_one_process_trains(setup, tmp_path):
     doc, _, _, model_dir, out, _ = setup
     par = tmp_path / "par"
-    argv = ["--model", str(model_dir), "--data", str(out.parent / "data"), "--out", str(par), "--device", "cpu",
-            "--heldout", "8", "--batch-size", "8", "--curve-limit", "3", "--checkpoints", "2", "--eval-batch", "8",
-            "--methods", "frod,lora16", "--lrs", "frod=1e-3,1e-2,1e-1", "--lrs", "lora16=1e-3,1e-2,1e-1",
-            "--protocols", "loglik", "--no-base-eval", "--workers", "2", "--extend", "0"]
+    argv = [
+        "--model",
+        str(model_dir),
+        "--data",
+        str(out.parent / "data"),
+        "--out",
+        str(par),
+        "--device",
+        "cpu",
+        "--heldout",
+        "8",
+        "--batch-size",
+        "8",
+        "--curve-limit",
+        "3",
+        "--checkpoints",
+        "2",
+        "--eval-batch",
+        "8",
+        "--methods",
+        "frod,lora16",
+        "--lrs",
+        "frod=1e-3,1e-2,1e-1",
+        "--lrs",
+        "lora16=1e-3,1e-2,1e-1",
+        "--protocols",
+        "loglik",
+        "--no-base-eval",
+        "--workers",
+        "2",
+        "--extend",
+        "0",
+    ]
     assert real_study.main(argv) == 0
     got = json.loads((par / "real_study.json").read_text())
     assert got["config"]["workers_used"] == 2 and got["complete"] is True
@@ -408,4 +554,7 @@ def test_worker_processes_train_exactly_what_one_process_trains(setup, tmp_path)
                 assert a["log"][key] == pytest.approx(b["log"][key], rel=1e-5)
             assert a["heldout"]["accuracy"] == b["heldout"]["accuracy"]
         assert got["methods"][name]["chosen"]["lr"] == doc["methods"][name]["chosen"]["lr"]
-        assert got["methods"][name]["test"]["loglik"]["correct_bits"] == doc["methods"][name]["test"]["loglik"]["correct_bits"]
+        assert (
+            got["methods"][name]["test"]["loglik"]["correct_bits"]
+            == doc["methods"][name]["test"]["loglik"]["correct_bits"]
+        )

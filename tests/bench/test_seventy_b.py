@@ -15,8 +15,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from bench.synthetic_llama import (SHAPES, add_to_index, category_names, index_files, make_tensor, remove_from_index,
-                                   split_files, tensor_seed, untargeted_names, write_shard)
+from bench.synthetic_llama import (
+    SHAPES,
+    add_to_index,
+    category_names,
+    index_files,
+    make_tensor,
+    remove_from_index,
+    split_files,
+    tensor_seed,
+    untargeted_names,
+    write_shard,
+)
 from tests.support.train_env import RANKS, REPO, env_vars
 
 TINY = SHAPES["tiny"]
@@ -63,7 +73,9 @@ def test_shards_and_index_read_back(tmp_path):
         with safe_open(str(tmp_path / weight_map[n]), framework="pt") as f:
             assert torch.equal(f.get_tensor(n), make_tensor(n, shape, 0, CPU)), n
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert index["metadata"]["total_size"] == sum((tmp_path / f).stat().st_size for f in ("f0.safetensors", "f1.safetensors"))
+    assert index["metadata"]["total_size"] == sum(
+        (tmp_path / f).stat().st_size for f in ("f0.safetensors", "f1.safetensors")
+    )
     remove_from_index(tmp_path, {"f0.safetensors"})
     assert index_files(tmp_path) == {"f1.safetensors"} and not (tmp_path / "f0.safetensors").exists()
 
@@ -118,8 +130,10 @@ def test_tiny_chain_rehearsal(tmp_path):
     stdout = run(launch + ["category", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", *common])
     assert "complete: True" in stdout
     assert set(json.loads((w / "model" / "model.safetensors.index.json").read_text())["weight_map"]) == untargeted
-    assert sorted(p.name for p in (w / "model").glob("*.safetensors")) == ["model-base-r0-000.safetensors",
-                                                                           "model-base-r1-000.safetensors"]
+    assert sorted(p.name for p in (w / "model").glob("*.safetensors")) == [
+        "model-base-r0-000.safetensors",
+        "model-base-r1-000.safetensors",
+    ]
     manifest = json.loads((w / "store" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["u_quant"]["kind"] == "nf4"
 
@@ -130,8 +144,19 @@ def test_tiny_chain_rehearsal(tmp_path):
     assert res["planner"]["parts_gib"]["frozen U_i"] > 0
 
     run([sys.executable, "bench/seventy_b.py", "step", *common])
-    run([sys.executable, "bench/seventy_b.py", "step", *common, "--gpus", "1", "--quantize-base",
-         "--config", "ds_configs/zero2.json"])
+    run(
+        [
+            sys.executable,
+            "bench/seventy_b.py",
+            "step",
+            *common,
+            "--gpus",
+            "1",
+            "--quantize-base",
+            "--config",
+            "ds_configs/zero2.json",
+        ]
+    )
     frod = json.loads((out / "seventy_b_step_frod.json").read_text())
     one = json.loads((out / "seventy_b_step_frod_1gpu_zero2_base.json").read_text())
     assert (frod["world_size"], frod["engine"], frod["quantize_base"]) == (2, "zero3", False)
@@ -147,7 +172,10 @@ def test_tiny_chain_rehearsal(tmp_path):
     stdout = run([sys.executable, "bench/seventy_b.py", "report", *common])
     assert "QLoRA r=16, NF4 base" in stdout and "FRoD training (launch/train.py" in stdout
     assert (out / "seventy_b_resume_losses.png").stat().st_size > 0
-    assert "FRoD s=0.02, NF4 U_i and base (zero2, gc, 1 GPU(s)" in stdout and "FRoD s=0.02, NF4 U_i (zero3, gc, 2" in stdout
+    assert (
+        "FRoD s=0.02, NF4 U_i and base (zero2, gc, 1 GPU(s)" in stdout
+        and "FRoD s=0.02, NF4 U_i (zero3, gc, 2" in stdout
+    )
     assert "QLoRA r=16, NF4 base (zero2, gc, 2 GPU(s)" in stdout
     summary = json.loads((out / "seventy_b_report.json").read_text())["summary"]
     assert summary["qlora_best"]["engine"] == "zero2" and summary["baseline"].endswith("zero2, 2 GPU(s)")

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from bench.study.tasks import ArithSpec, FactsSpec, RELATIONS, TaskError, parse_task, task_rows, write_task
+from bench.study.tasks import RELATIONS, ArithSpec, FactsSpec, TaskError, parse_task, task_rows, write_task
 from frod_ds.prep.io import check_row
 
 SMALL_ARITH = ArithSpec(seed=3, train=300, heldout=40, test=40, digits=(1, 2), long_digits=(3, 3))
@@ -37,7 +37,7 @@ def test_no_held_out_or_test_pair_is_trained_in_either_order():
     assert {p: len(k) for p, k in keys.items()} == {p: len(r) for p, r in parts.items()}  # no repeats inside
     names = list(keys)
     for i, x in enumerate(names):
-        for y in names[i + 1:]:
+        for y in names[i + 1 :]:
             assert not keys[x] & keys[y], (x, y)
 
 

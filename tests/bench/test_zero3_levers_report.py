@@ -16,7 +16,10 @@ def test_committed_report_is_the_generated_one(tmp_path):
 
     text = regenerated(RESULTS, report, tmp_path)
     section = text.split("## DeepCompile, one layout choice at a time", 1)[1]
-    runs = [p for p in RESULTS.glob("deepcompile_*_layers/*/*") if p.suffix in (".json", ".log")
-            and not (p.suffix == ".log" and p.with_suffix(".json").is_file())]
+    runs = [
+        p
+        for p in RESULTS.glob("deepcompile_*_layers/*/*")
+        if p.suffix in (".json", ".log") and not (p.suffix == ".log" and p.with_suffix(".json").is_file())
+    ]
     assert runs and all(f"| {p.stem}" in section for p in runs), "every DeepCompile run in the table"
     assert "'weight' must be 2-D" in section and "did not finish" in section

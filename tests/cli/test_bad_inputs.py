@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tests.support.train_env import CPU_ZERO2, REPO, build_env, run_train
 
 from launch import demo as demo_cli
 from launch import eval as eval_cli
 from launch import export as export_cli
 from launch import train as train_cli
+from tests.support.train_env import CPU_ZERO2, REPO, build_env, run_train
 
 MAX_STEPS = 2
 
@@ -31,8 +31,11 @@ def tree(path: Path) -> dict[str, str]:
         return {}
     if path.is_file():
         return {".": hashlib.sha256(path.read_bytes()).hexdigest()}
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def one_error(capsys, code: int, expected_code: int = 2) -> str:
@@ -95,14 +98,18 @@ def nan_adapter(env, trained):
 
 # -- recipe and configs ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("override,needle", [
-    ("train.lr_sigma=.nan", "train.lr_sigma must be a finite number"),
-    ("train.lr_s=.inf", "train.lr_s must be a finite number"),
-    ("train.warmup_ratio=.nan", "train.warmup_ratio must be a finite number"),
-    ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps must be >= 1"),
-    ("train.bogus=1", "unknown key 'train.bogus'"),
-    ("model.sparsity=2", "model.sparsity"),
-])
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.lr_sigma=.nan", "train.lr_sigma must be a finite number"),
+        ("train.lr_s=.inf", "train.lr_s must be a finite number"),
+        ("train.warmup_ratio=.nan", "train.warmup_ratio must be a finite number"),
+        ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps must be >= 1"),
+        ("train.bogus=1", "unknown key 'train.bogus'"),
+        ("model.sparsity=2", "model.sparsity"),
+    ],
+)
 def test_bad_recipe_values_are_one_line(env, tmp_path, capsys, override, needle):
     out = tmp_path / "out"
     line = one_error(capsys, train(env, out, override))
@@ -119,11 +126,14 @@ def test_recipe_yaml_whose_top_level_is_not_a_mapping(env, tmp_path, capsys):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("[1, 2]", "object"),
-    ('{"zero_optimization": {"stage": "three"}}', "got 'three'"),
-    ("{not json", "JSON"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("[1, 2]", "object"),
+        ('{"zero_optimization": {"stage": "three"}}', "got 'three'"),
+        ("{not json", "JSON"),
+    ],
+)
 def test_bad_deepspeed_config_is_one_line(env, tmp_path, capsys, text, needle):
     cfg = tmp_path / "ds.json"
     cfg.write_text(text)
@@ -134,6 +144,7 @@ def test_bad_deepspeed_config_is_one_line(env, tmp_path, capsys, text, needle):
 
 
 # -- training data ----------------------------------------------------------------------------------------
+
 
 def _data(env, tmp_path: Path, rows: list[dict] | None = None, raw: bytes | None = None) -> Path:
     p = tmp_path / "train.jsonl"
@@ -148,15 +159,18 @@ def _rows(env) -> list[dict]:
     return [json.loads(x) for x in (env.data / "train.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("case,needle", [
-    ("non_utf8", "line 3: not valid UTF-8"),
-    ("not_json", "line 2: not valid JSON"),
-    ("no_prompt", "line 1: field 'prompt'"),
-    ("empty", "has no rows"),
-    ("few", "fewer than one global batch"),
-    ("duplicate_id", "have the same id"),
-    ("huge_row", "more than any sensible prompt"),
-])
+@pytest.mark.parametrize(
+    "case,needle",
+    [
+        ("non_utf8", "line 3: not valid UTF-8"),
+        ("not_json", "line 2: not valid JSON"),
+        ("no_prompt", "line 1: field 'prompt'"),
+        ("empty", "has no rows"),
+        ("few", "fewer than one global batch"),
+        ("duplicate_id", "have the same id"),
+        ("huge_row", "more than any sensible prompt"),
+    ],
+)
 def test_bad_training_data_is_one_line_naming_the_file(env, tmp_path, capsys, case, needle):
     rows = _rows(env)
     good = "".join(json.dumps(r) + "\n" for r in rows).encode()
@@ -261,6 +275,7 @@ def test_full_disk_while_publishing_is_one_line_and_leaves_nothing(tmp_path, mon
 
 # -- run identity, resubmission, new runs ------------------------------------------------------------------
 
+
 def test_resubmitting_a_finished_run_changes_nothing(env, trained, capsys):
     run = trained  # in place (recipe.yaml records output_dir): no other test resubmits into it, so it is as written
     (run / "adapter-final" / "eval").mkdir(exist_ok=True)
@@ -282,12 +297,15 @@ def test_resubmitting_with_another_micro_batch_split_is_the_same_run(env, traine
     assert after == before
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("train.lr_sigma=0.5", "train.lr_sigma: 0.01 there, 0.5 now"),
-    ("train.seed=7", "train.seed"),
-    ("train.micro_batch_size=8", "global_batch: 8 there, 16 now"),
-    ("model.sparsity=0.2", "model.sparsity"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.lr_sigma=0.5", "train.lr_sigma: 0.01 there, 0.5 now"),
+        ("train.seed=7", "train.seed"),
+        ("train.micro_batch_size=8", "global_batch: 8 there, 16 now"),
+        ("model.sparsity=0.2", "model.sparsity"),
+    ],
+)
 def test_rerunning_into_another_runs_output_dir_is_refused(env, trained, capsys, override, needle):
     before = tree(trained)
     line = one_error(capsys, train(env, trained, override))
@@ -329,9 +347,11 @@ def test_corrupt_run_identity_record_is_one_line(env, trained, tmp_path, capsys)
 
 # -- damaged checkpoints: fall back to the newest complete one, or say what to do ----------------------------
 
+
 @pytest.fixture(scope="module")
 def saved_each_step(env):
     """A finished 3-step run with a sealed checkpoint after every step; and its command for another output_dir."""
+
     def overrides(out: Path) -> list[str]:
         return env.overrides(out, **{"train.max_steps": 3, "train.save_every": 1, "train.keep_checkpoints": 3})
 
@@ -381,8 +401,12 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(saved_each_s
     assert proc.returncode == 0 and not _notes(proc), proc.stderr[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [r["loss"] for r in rows] == [json.loads(x)["loss"] for x in (direct / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] for r in rows] == [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in rows] == [
+        json.loads(x)["loss"] for x in (direct / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["loss"] for r in rows] == [
+        json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()
+    ]
     a, b = (load_file(str(d / "adapter-final" / "adapter.safetensors")) for d in (out, direct))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -419,8 +443,9 @@ def test_a_checkpoint_without_its_seal_is_named_in_a_note_and_not_resumed(saved_
         assert "resuming from step00000002" in line and "resumed from step00000002: step 2/3" in proc.stdout
     else:
         assert "starting at step 0" in line and "resumed from" not in proc.stdout
-    assert [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()] == \
-        [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [
+        json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()
+    ]
     a, b = (load_file(str(d / "adapter-final" / "adapter.safetensors")) for d in (out, run))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all((out / "checkpoints" / t / "COMPLETE").is_file() for t in unsealed), "each step saved again, sealed"
@@ -441,14 +466,18 @@ def test_no_resumable_checkpoint_is_one_line_and_touches_nothing(env, trained, t
         (ckpt / "COMPLETE").write_text('{"format": ')
     before = tree(out)
     line = one_error(capsys, train(env, out))
-    why = {"truncated": f"{shard.name} is truncated (100 of", "missing": f"{shard.name} is missing",
-           "seal": "its COMPLETE record is corrupt"}[damage]
+    why = {
+        "truncated": f"{shard.name} is truncated (100 of",
+        "missing": f"{shard.name} is missing",
+        "seal": "its COMPLETE record is corrupt",
+    }[damage]
     assert f"no checkpoint in {out / 'checkpoints'} can be resumed" in line and why in line
     assert "train.new_run=true" in line and f"remove {out / 'checkpoints'}" in line
     assert tree(out) == before
 
 
 # -- non-finite values ------------------------------------------------------------------------------------
+
 
 def test_nan_in_a_frozen_weight_stops_training_without_an_adapter(env, tmp_path, capsys):
     model = tmp_path / "model"
@@ -473,13 +502,18 @@ def test_export_refuses_a_non_finite_adapter(nan_adapter, tmp_path, capsys):
 
 def test_eval_refuses_a_non_finite_adapter(env, nan_adapter, tmp_path, capsys):
     out = tmp_path / "eval"
-    line = one_error(capsys, eval_cli.main(["--checkpoint", str(nan_adapter), "--data", str(env.data),
-                                            "--tasks", "boolq", "--output", str(out)]))
+    line = one_error(
+        capsys,
+        eval_cli.main(
+            ["--checkpoint", str(nan_adapter), "--data", str(env.data), "--tasks", "boolq", "--output", str(out)]
+        ),
+    )
     assert "non-finite" in line
     assert not out.exists()
 
 
 # -- damaged inputs of eval and export --------------------------------------------------------------------
+
 
 def test_corrupt_adapter_config_is_called_corrupt(env, trained, tmp_path, capsys):
     adapter = tmp_path / "adapter"
@@ -487,8 +521,12 @@ def test_corrupt_adapter_config_is_called_corrupt(env, trained, tmp_path, capsys
     (adapter / "adapter_config.json").write_text('{"format": "frod')
     line = one_error(capsys, export_cli.main(["--checkpoint", str(adapter), "--out", str(tmp_path / "m")]))
     assert "corrupt" in line and "missing" not in line
-    line = one_error(capsys, eval_cli.main(["--checkpoint", str(adapter), "--data", str(env.data), "--tasks",
-                                            "boolq", "--output", str(tmp_path / "e")]))
+    line = one_error(
+        capsys,
+        eval_cli.main(
+            ["--checkpoint", str(adapter), "--data", str(env.data), "--tasks", "boolq", "--output", str(tmp_path / "e")]
+        ),
+    )
     assert "corrupt" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
 
@@ -499,27 +537,44 @@ def test_truncated_checkpoint_shard_given_to_eval(env, tmp_path, capsys):
     shard = sorted(model.glob("*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     out = tmp_path / "eval"
-    line = one_error(capsys, eval_cli.main(["--model", str(model), "--data", str(env.data), "--tasks", "boolq",
-                                            "--output", str(out)]))
+    line = one_error(
+        capsys,
+        eval_cli.main(["--model", str(model), "--data", str(env.data), "--tasks", "boolq", "--output", str(out)]),
+    )
     assert shard.name in line
     assert not out.exists()
 
 
 def test_eval_of_a_missing_checkpoint(env, tmp_path, capsys):
-    line = one_error(capsys, eval_cli.main(["--checkpoint", str(tmp_path / "nope"), "--data", str(env.data),
-                                            "--tasks", "boolq", "--output", str(tmp_path / "e")]))
+    line = one_error(
+        capsys,
+        eval_cli.main(
+            [
+                "--checkpoint",
+                str(tmp_path / "nope"),
+                "--data",
+                str(env.data),
+                "--tasks",
+                "boolq",
+                "--output",
+                str(tmp_path / "e"),
+            ]
+        ),
+    )
     assert "nope" in line
     assert list(tmp_path.iterdir()) == []
 
 
 # -- never replace what frod-ds did not write ------------------------------------------------------------
 
+
 def test_export_overwrite_refuses_a_directory_it_did_not_write(trained, tmp_path, capsys):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.tex").write_text("years of work")
-    line = one_error(capsys, export_cli.main(["--checkpoint", str(trained / "adapter-final"), "--out", str(mine),
-                                              "--overwrite"]))
+    line = one_error(
+        capsys, export_cli.main(["--checkpoint", str(trained / "adapter-final"), "--out", str(mine), "--overwrite"])
+    )
     assert "not written by frod-ds" in line
     assert tree(mine) == {"thesis.tex": hashlib.sha256(b"years of work").hexdigest()}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
@@ -530,8 +585,9 @@ def test_export_overwrite_refuses_the_working_directory(trained, tmp_path, capsy
     (work / "sub").mkdir(parents=True)
     (work / ".frod-ds-output").write_text("{}")  # even a marked directory, if the user stands in it
     monkeypatch.chdir(work / "sub")
-    line = one_error(capsys, export_cli.main(["--checkpoint", str(trained / "adapter-final"), "--out", str(work),
-                                              "--overwrite"]))
+    line = one_error(
+        capsys, export_cli.main(["--checkpoint", str(trained / "adapter-final"), "--out", str(work), "--overwrite"])
+    )
     assert "contains" in line
     assert (work / "sub").is_dir()
 
@@ -547,14 +603,18 @@ def test_export_overwrite_replaces_its_own_export(trained, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--dtype", "int8"], "--dtype"),
-    (["--shard-gb", "0"], "--shard-gb"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--dtype", "int8"], "--dtype"),
+        (["--shard-gb", "0"], "--shard-gb"),
+    ],
+)
 def test_bad_export_options(trained, tmp_path, capsys, argv, needle):
     out = tmp_path / "m"
-    line = one_error(capsys, export_cli.main(["--checkpoint", str(trained / "adapter-final"), "--out", str(out),
-                                              *argv]))
+    line = one_error(
+        capsys, export_cli.main(["--checkpoint", str(trained / "adapter-final"), "--out", str(out), *argv])
+    )
     assert needle in line
     assert not out.exists()
 
@@ -586,8 +646,8 @@ def test_demo_refuses_a_parent_of_the_working_directory(tmp_path, capsys, monkey
 
 
 def test_adapter_publish_refuses_to_replace_an_unmarked_directory(tmp_path):
-    from frod_ds.model.adapter import write_adapter
     from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.model.adapter import write_adapter
     from frod_ds.runtime.errors import FrodError
 
     out = tmp_path / "adapter-final"
@@ -602,8 +662,8 @@ def test_adapter_publish_refuses_to_replace_an_unmarked_directory(tmp_path):
 
 
 def test_adapter_write_refuses_non_finite_tensors(tmp_path):
-    from frod_ds.model.adapter import write_adapter
     from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.model.adapter import write_adapter
     from frod_ds.runtime.errors import FrodError
 
     config = AdapterConfig(base_model="b", factor_store="s", targets=["q_proj"], sparsity=0.1, seed=0, dtype="float32")

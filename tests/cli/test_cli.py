@@ -28,8 +28,15 @@ OLD_FORMS = {
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=kw.pop("cwd", REPO), env=kw.pop("env", clean_env()), capture_output=True,
-                          text=True, timeout=kw.pop("timeout", 120), **kw)
+    return subprocess.run(
+        cmd,
+        cwd=kw.pop("cwd", REPO),
+        env=kw.pop("env", clean_env()),
+        capture_output=True,
+        text=True,
+        timeout=kw.pop("timeout", 120),
+        **kw,
+    )
 
 
 def usage_of(cmd: list[str]) -> str:
@@ -89,8 +96,12 @@ def _parsers(command: str, monkeypatch) -> list[argparse.ArgumentParser]:
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_flag_has_help(command, monkeypatch, capsys):
-    missing = [f"{p.prog}: {a.option_strings or a.dest}" for p in _parsers(command, monkeypatch) for a in p._actions
-               if a.help is None and not isinstance(a, argparse._SubParsersAction)]
+    missing = [
+        f"{p.prog}: {a.option_strings or a.dest}"
+        for p in _parsers(command, monkeypatch)
+        for a in p._actions
+        if a.help is None and not isinstance(a, argparse._SubParsersAction)
+    ]
     capsys.readouterr()
     assert missing == []
 
@@ -116,7 +127,10 @@ def test_deepspeed_module_form_takes_local_rank_before_the_command():
     """``deepspeed --module frod_ds.cli train ...`` runs ``python -m frod_ds.cli --local_rank=N train ...``."""
     from frod_ds.cli.main import _split
 
-    assert _split(["--local_rank=3", "train", "--config", "c.json"]) == (["train"], ["--config", "c.json", "--local_rank=3"])
+    assert _split(["--local_rank=3", "train", "--config", "c.json"]) == (
+        ["train"],
+        ["--config", "c.json", "--local_rank=3"],
+    )
     assert _split(["--local-rank", "3", "eval", "-h"]) == (["eval"], ["-h", "--local-rank", "3"])
     assert _split(["plan", "--gpus", "1"]) == (["plan"], ["--gpus", "1"])
 
@@ -128,13 +142,39 @@ def test_torchrun_module_form_runs_hjd_on_two_ranks_like_the_script(tmp_path):
 
     from frod_ds.testing.toy import write_tiny_llama
 
-    write_tiny_llama(tmp_path / "model", vocab_size=64, hidden_size=16, intermediate_size=24, num_attention_heads=2,
-                     num_key_value_heads=1, num_hidden_layers=2)
-    one = run([PY, "launch/hjd.py", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "one"),
-               "--device", "cpu"], timeout=240)
+    write_tiny_llama(
+        tmp_path / "model",
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+    )
+    one = run(
+        [PY, "launch/hjd.py", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "one"), "--device", "cpu"],
+        timeout=240,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "frod_ds.cli", "hjd",
-               "--model", str(tmp_path / "model"), "--out", str(tmp_path / "two"), "--device", "cpu"], timeout=240)
+    two = run(
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "frod_ds.cli",
+            "hjd",
+            "--model",
+            str(tmp_path / "model"),
+            "--out",
+            str(tmp_path / "two"),
+            "--device",
+            "cpu",
+        ],
+        timeout=240,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     from frod_ds.model.store_reader import FactorStore
 
@@ -142,8 +182,11 @@ def test_torchrun_module_form_runs_hjd_on_two_ranks_like_the_script(tmp_path):
     assert a.categories == b.categories and a.categories
     for category, members in a.categories.items():
         for member in members:  # the weight each store rebuilds, U_i diag(sigma_i) V^T
-            wa, wb = ((s.load_U(member, torch.float64) * s.load_sigma(member, torch.float64))
-                      @ s.load_V(category, torch.float64).T for s in (a, b))
+            wa, wb = (
+                (s.load_U(member, torch.float64) * s.load_sigma(member, torch.float64))
+                @ s.load_V(category, torch.float64).T
+                for s in (a, b)
+            )
             assert (torch.linalg.norm(wa - wb) / torch.linalg.norm(wa)).item() < 1e-5, member
 
 
@@ -155,15 +198,23 @@ def test_every_import_in_the_library_names_a_module():
     from tests.repo.test_layering import imports, modules
 
     mods = modules()
-    unknown = sorted(f"{name} imports {target}" for name, path in mods.items()
-                     for target in imports(path, name, set(mods))
-                     if target.split(".")[0] == "frod_ds" and target not in mods and target not in MOVED)
+    unknown = sorted(
+        f"{name} imports {target}"
+        for name, path in mods.items()
+        for target in imports(path, name, set(mods))
+        if target.split(".")[0] == "frod_ds" and target not in mods and target not in MOVED
+    )
     assert unknown == []
 
 
-@pytest.mark.parametrize("argv, needle", [(["--recipe", "missing.yaml"], "--recipe missing.yaml: no such file"),
-                                          (["--ranks", "0"], "--ranks 0"),
-                                          (["--recipe", "{bad}"], "train.max_step")])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--recipe", "missing.yaml"], "--recipe missing.yaml: no such file"),
+        (["--ranks", "0"], "--ranks 0"),
+        (["--recipe", "{bad}"], "train.max_step"),
+    ],
+)
 def test_demo_refuses_a_bad_recipe_or_ranks_before_writing_anything(tmp_path, capsys, argv, needle):
     from frod_ds.cli.demo import main
 
@@ -193,21 +244,46 @@ def test_plan_and_data_never_import_torch(tmp_path):
     from frod_ds.testing.toy import write_synthetic_tasks
 
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000}))
+    (tmp_path / "m" / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 8192,
+                "intermediate_size": 28672,
+                "num_hidden_layers": 80,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "vocab_size": 32000,
+            }
+        )
+    )
     write_synthetic_tasks(tmp_path / "raw", n_train=16, n_eval=8, seed=0)
-    probe = ("import runpy, sys\n"
-             "sys.argv = sys.argv[1:]\n"
-             "try:\n"
-             "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
-             "except SystemExit as e:\n"
-             "    print('exit', e.code)\n"
-             "print('torch imported:', 'torch' in sys.modules)\n")
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = sys.argv[1:]\n"
+        "try:\n"
+        "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as e:\n"
+        "    print('exit', e.code)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
     res = run([PY, "-c", probe, "frod_ds", "plan", "--model", str(tmp_path / "m"), "--gpus", "1"])
     assert "fastest set-up that fits" in res.stdout and "nf4" in res.stdout.lower(), res.stdout + res.stderr
     assert "torch imported: False" in res.stdout, res.stdout[-500:]
-    res = run([PY, "-c", probe, "data_prep", "build", "--source", str(tmp_path / "raw"), "--tasks", "boolq,piqa", "--out",
-               str(tmp_path / "d")])
+    res = run(
+        [
+            PY,
+            "-c",
+            probe,
+            "data_prep",
+            "build",
+            "--source",
+            str(tmp_path / "raw"),
+            "--tasks",
+            "boolq,piqa",
+            "--out",
+            str(tmp_path / "d"),
+        ]
+    )
     assert (tmp_path / "d" / "train.jsonl").is_file(), res.stdout + res.stderr
     assert "torch imported: False" in res.stdout, res.stdout[-500:]

@@ -30,19 +30,26 @@ def test_defaults_table_is_deepspeeds_own():
     from deepspeed.runtime import precision_config
     from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
 
-    theirs = {"zero_optimization": _by_json_name(zero_config.DeepSpeedZeroConfig()),
-              "zero_optimization.offload_param": _by_json_name(offload_config.DeepSpeedZeroOffloadParamConfig()),
-              "aio": get_aio_config({}), "bf16": _by_json_name(precision_config.DeepSpeedBF16Config())}
+    theirs = {
+        "zero_optimization": _by_json_name(zero_config.DeepSpeedZeroConfig()),
+        "zero_optimization.offload_param": _by_json_name(offload_config.DeepSpeedZeroOffloadParamConfig()),
+        "aio": get_aio_config({}),
+        "bf16": _by_json_name(precision_config.DeepSpeedBF16Config()),
+    }
     for block, table in DS_DEFAULTS.items():
         for key, ours in table.items():
             assert key in theirs[block], f"DeepSpeed has no {block}.{key}"
-            assert theirs[block][key] == ours, f"{block}.{key}: DeepSpeed's default {theirs[block][key]!r}, ours {ours!r}"
+            assert theirs[block][key] == ours, (
+                f"{block}.{key}: DeepSpeed's default {theirs[block][key]!r}, ours {ours!r}"
+            )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_absent_overlap_comm_follows_deepspeeds_stage_rule(stage):
-    assert zero_settings({"zero_optimization": {"stage": stage}}).overlap_comm == \
-        zero_config.DeepSpeedZeroConfig(stage=stage).overlap_comm
+    assert (
+        zero_settings({"zero_optimization": {"stage": stage}}).overlap_comm
+        == zero_config.DeepSpeedZeroConfig(stage=stage).overlap_comm
+    )
 
 
 def _device(block) -> str | None:
@@ -57,26 +64,61 @@ def test_zero_settings_read_every_shipped_json_as_deepspeed_does(path):
     cfg = json.loads(path.read_text())
     ds = zero_config.DeepSpeedZeroConfig(**cfg["zero_optimization"])
     ours = zero_settings(cfg)
-    assert (ours.stage, ours.overlap_comm, ours.reduce_bucket_size, ours.allgather_bucket_size,
-            ours.prefetch_bucket_size, ours.param_persistence_threshold, ours.max_live_parameters,
-            ours.max_reuse_distance, ours.memory_efficient_linear) == \
-        (int(ds.stage), ds.overlap_comm, ds.reduce_bucket_size, ds.allgather_bucket_size, ds.prefetch_bucket_size,
-         ds.param_persistence_threshold, ds.max_live_parameters, ds.max_reuse_distance, ds.memory_efficient_linear)
+    assert (
+        ours.stage,
+        ours.overlap_comm,
+        ours.reduce_bucket_size,
+        ours.allgather_bucket_size,
+        ours.prefetch_bucket_size,
+        ours.param_persistence_threshold,
+        ours.max_live_parameters,
+        ours.max_reuse_distance,
+        ours.memory_efficient_linear,
+    ) == (
+        int(ds.stage),
+        ds.overlap_comm,
+        ds.reduce_bucket_size,
+        ds.allgather_bucket_size,
+        ds.prefetch_bucket_size,
+        ds.param_persistence_threshold,
+        ds.max_live_parameters,
+        ds.max_reuse_distance,
+        ds.memory_efficient_linear,
+    )
     assert (ours.offload_param, ours.offload_optimizer) == (_device(ds.offload_param), _device(ds.offload_optimizer))
     param = ds.offload_param or offload_config.DeepSpeedZeroOffloadParamConfig()
-    assert (ours.nvme_buffer_count, ours.nvme_buffer_size, ours.max_in_cpu) == \
-        (param.buffer_count, param.buffer_size, param.max_in_cpu)
+    assert (ours.nvme_buffer_count, ours.nvme_buffer_size, ours.max_in_cpu) == (
+        param.buffer_count,
+        param.buffer_size,
+        param.max_in_cpu,
+    )
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_planner_engine_is_the_ds_config_reading(path):
     cfg = json.loads(path.read_text())
     z, e = zero_settings(cfg), engine_from_ds_config(cfg, path.name)
-    assert (e.stage, e.offload_param, e.offload_optimizer, e.reduce_bucket, e.prefetch_bucket, e.persistence,
-            e.max_live, e.max_reuse, e.memory_efficient_linear) == \
-        (3 if z.stage == 3 else 2, z.offload_param is not None, z.offload_optimizer is not None, z.reduce_bucket_size,
-         z.prefetch_bucket_size, z.param_persistence_threshold, z.max_live_parameters, z.max_reuse_distance,
-         z.memory_efficient_linear)
+    assert (
+        e.stage,
+        e.offload_param,
+        e.offload_optimizer,
+        e.reduce_bucket,
+        e.prefetch_bucket,
+        e.persistence,
+        e.max_live,
+        e.max_reuse,
+        e.memory_efficient_linear,
+    ) == (
+        3 if z.stage == 3 else 2,
+        z.offload_param is not None,
+        z.offload_optimizer is not None,
+        z.reduce_bucket_size,
+        z.prefetch_bucket_size,
+        z.param_persistence_threshold,
+        z.max_live_parameters,
+        z.max_reuse_distance,
+        z.memory_efficient_linear,
+    )
 
 
 def test_engine_without_a_json_is_an_empty_jsons_engine():
@@ -84,8 +126,16 @@ def test_engine_without_a_json_is_an_empty_jsons_engine():
     assert engine_from_ds_config({"zero_optimization": {"stage": 3}}, "z3") == Engine("z3", 3, overlap_comm=True)
 
 
-@pytest.mark.parametrize("block, want", [({}, None), (None, None), ({"device": "none"}, None),
-                                         ({"device": "cpu"}, "cpu"), ({"device": "nvme", "nvme_path": "/x"}, "nvme")])
+@pytest.mark.parametrize(
+    "block, want",
+    [
+        ({}, None),
+        (None, None),
+        ({"device": "none"}, None),
+        ({"device": "cpu"}, "cpu"),
+        ({"device": "nvme", "nvme_path": "/x"}, "nvme"),
+    ],
+)
 def test_offload_device(block, want):
     cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": block, "offload_param": block}}
     assert offload_device(cfg, "offload_optimizer") == want and offload_device(cfg, "offload_param") == want
@@ -94,8 +144,11 @@ def test_offload_device(block, want):
 
 def test_non_number_size_is_refused_with_the_key_and_default():
     cfg = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}
-    with pytest.raises(DSConfigError, match=r"zero_optimization\.reduce_bucket_size must be a number, got 'auto'.*"
-                                            r"default \(500,000,000\)"):
+    with pytest.raises(
+        DSConfigError,
+        match=r"zero_optimization\.reduce_bucket_size must be a number, got 'auto'.*"
+        r"default \(500,000,000\)",
+    ):
         zero_settings(cfg)
     with pytest.raises(DSConfigError, match="reduce_bucket_size"):
         engine_from_ds_config(cfg)
@@ -108,23 +161,39 @@ def test_training_refuses_a_non_number_size_before_deepspeed_starts():
     cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     cfg["zero_optimization"]["stage3_max_live_parameters"] = "1e9"
     recipe = load_recipe(None, ["model.base=m", "model.factor_store=f", "data.train=t.jsonl"])
-    with pytest.raises(DSConfigError, match=r"zero_optimization\.stage3_max_live_parameters must be a number, "
-                                            r"got '1e9'"):
+    with pytest.raises(
+        DSConfigError,
+        match=r"zero_optimization\.stage3_max_live_parameters must be a number, "
+        r"got '1e9'",
+    ):
         resolve_ds_config(cfg, recipe, world_size=1)
 
 
 def test_no_module_reads_zero_optimization_itself():
     """The DeepSpeed JSON's ZeRO block is read in frod_ds/config/ds_config.py only (one home)."""
-    reads = re.compile(r"""(\.get\(\s*|(?<!DS_DEFAULTS)\[\s*)["'](zero_optimization|offload_optimizer|offload_param)["']""")
-    offenders = [f"{p.relative_to(REPO)}:{i}" for base in ("frod_ds", "launch")
-                 for p in sorted((REPO / base).rglob("*.py")) if p.name != "ds_config.py"
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if reads.search(line)]
+    reads = re.compile(
+        r"""(\.get\(\s*|(?<!DS_DEFAULTS)\[\s*)["'](zero_optimization|offload_optimizer|offload_param)["']"""
+    )
+    offenders = [
+        f"{p.relative_to(REPO)}:{i}"
+        for base in ("frod_ds", "launch")
+        for p in sorted((REPO / base).rglob("*.py"))
+        if p.name != "ds_config.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if reads.search(line)
+    ]
     assert offenders == []
 
 
-@pytest.mark.parametrize("bf16, expected", [(None, True), ({"enabled": True}, True),
-                                            ({"enabled": True, "check_grad_overflow": False}, False),
-                                            ({"enabled": True, "check_grad_overflow": True}, True)])
+@pytest.mark.parametrize(
+    "bf16, expected",
+    [
+        (None, True),
+        ({"enabled": True}, True),
+        ({"enabled": True, "check_grad_overflow": False}, False),
+        ({"enabled": True, "check_grad_overflow": True}, True),
+    ],
+)
 def test_bf16_overflow_check_is_read_as_deepspeed_reads_it(bf16, expected):
     from deepspeed.runtime import precision_config
 

@@ -1,6 +1,6 @@
-"""The NVMe swap-buffer preflight (``frod_ds.config.ds_config.check_nvme_buffer_count``) against counts worked out by hand
-for LLaMA-2-7B and 70B with FRoD on q/k/v/o/gate/up, one rank, bf16: a decoder layer swaps 7 parameters (six U and
-down_proj; the norms are under 1 MiB), the six shared V are 6 more, the embeddings/head 1 more: 14."""
+"""The NVMe swap-buffer preflight (``frod_ds.config.ds_config.check_nvme_buffer_count``) against counts worked out
+by hand for LLaMA-2-7B and 70B with FRoD on q/k/v/o/gate/up, one rank, bf16: a decoder layer swaps 7 parameters (six U
+and down_proj; the norms are under 1 MiB), the six shared V are 6 more, the embeddings/head 1 more: 14."""
 
 from __future__ import annotations
 
@@ -16,18 +16,24 @@ def llama(hidden: int, inter: int, kv: int, layers: int, vocab: int = 32000, s: 
     u = [hidden * hidden, kv * hidden, kv * hidden, hidden * hidden, inter * hidden, inter * hidden]
     layer = u + [hidden * inter, hidden, hidden]  # six U (the targets' shapes), down_proj, two norms
     trainable = [hidden, round(s * hidden * hidden)] * 6  # σ (n) and S (s·n²) per target; V is hidden × hidden
-    return NvmeParams([layer] * layers, [hidden * hidden] * 6, [vocab * hidden, vocab * hidden, hidden],
-                      [trainable] * layers)
+    return NvmeParams(
+        [layer] * layers, [hidden * hidden] * 6, [vocab * hidden, vocab * hidden, hidden], [trainable] * layers
+    )
 
 
 L7B, L70B = llama(4096, 11008, 4096, 32), llama(8192, 28672, 1024, 80)
 
 
 def cfg(count: int, reuse: int = 0, prefetch: int = 0, block: int = 1048576) -> dict:
-    return {"zero_optimization": {"stage": 3, "stage3_max_reuse_distance": reuse,
-                                  "stage3_prefetch_bucket_size": prefetch,
-                                  "offload_param": {"device": "nvme", "buffer_count": count}},
-            "aio": {"block_size": block}}
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_max_reuse_distance": reuse,
+            "stage3_prefetch_bucket_size": prefetch,
+            "offload_param": {"device": "nvme", "buffer_count": count},
+        },
+        "aio": {"block_size": block},
+    }
 
 
 def test_counts_by_hand():
@@ -93,8 +99,22 @@ def test_nvme_params_match_the_built_frod_model_with_or_without_targeted_weights
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
     model_dir = write_tiny_llama(tmp_path / "model")
-    assert main(["--model", str(model_dir), "--out", str(tmp_path / "store"), "--targets", ",".join(targets),
-                 "--device", "cpu", "--no-fsync"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(model_dir),
+                "--out",
+                str(tmp_path / "store"),
+                "--targets",
+                ",".join(targets),
+                "--device",
+                "cpu",
+                "--no-fsync",
+            ]
+        )
+        == 0
+    )
     store = FactorStore.open(tmp_path / "store")
     model = build_frod_model(model_dir, store, make_supports(store, targets, 0.1, 0), torch.float32)
     uses: dict[int, int] = {}
@@ -102,8 +122,10 @@ def test_nvme_params_match_the_built_frod_model_with_or_without_targeted_weights
         for p in layer.parameters():
             uses[id(p)] = uses.get(id(p), 0) + 1
     shared = {i for i, n in uses.items() if n > 1}
-    want_layers = [sorted(p.numel() for p in layer.parameters() if not p.requires_grad and id(p) not in shared)
-                   for layer in model.model.layers]
+    want_layers = [
+        sorted(p.numel() for p in layer.parameters() if not p.requires_grad and id(p) not in shared)
+        for layer in model.model.layers
+    ]
     want_shared = sorted(p.numel() for p in model.parameters() if id(p) in shared)
     layer_ids = {id(p) for layer in model.model.layers for p in layer.parameters()}
     want_other = sorted(p.numel() for p in model.parameters() if id(p) not in layer_ids and not p.requires_grad)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from frod_ds.train.data import IGNORE_INDEX, BatchPlan, DataError, collate, encode_examples, read_training_rows
 from frod_ds.config.ds_config import DSConfigError, batch_sizes, resolve_ds_config
 from frod_ds.config.recipe import Recipe, RecipeError, load_recipe
+from frod_ds.train.data import IGNORE_INDEX, BatchPlan, DataError, collate, encode_examples, read_training_rows
 from frod_ds.train.trainer import lr_lambda
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,34 +31,43 @@ def test_demo_recipe_loads():
 
 def test_real_model_recipe_loads_with_paper_ratio_and_batch():
     r = load_recipe(REPO / "recipes" / "smollm2_135m_llm_adapters.yaml")
-    assert r.train.lr_sigma == pytest.approx(10 * r.train.lr_s, rel=1e-12) and batch_sizes(r, 1).total == 32  # 10:1 in binary floats
+    assert (
+        r.train.lr_sigma == pytest.approx(10 * r.train.lr_s, rel=1e-12) and batch_sizes(r, 1).total == 32
+    )  # 10:1 in binary floats
 
 
 def test_overrides_take_precedence_and_are_typed(tmp_path):
     p = tmp_path / "r.yaml"
-    p.write_text(yaml.safe_dump({"model": {"base": "x", "factor_store": "f"}, "data": {"train": "t"},
-                                 "train": {"lr_sigma": 1e-4}}))
-    r = load_recipe(p, ["train.lr_sigma=2e-4", "train.max_steps=10", "model.targets=q_proj,v_proj",
-                        "data.train_on_inputs=true"])
+    p.write_text(
+        yaml.safe_dump(
+            {"model": {"base": "x", "factor_store": "f"}, "data": {"train": "t"}, "train": {"lr_sigma": 1e-4}}
+        )
+    )
+    r = load_recipe(
+        p, ["train.lr_sigma=2e-4", "train.max_steps=10", "model.targets=q_proj,v_proj", "data.train_on_inputs=true"]
+    )
     assert r.train.lr_sigma == 2e-4 and r.train.max_steps == 10
     assert r.model.targets == ["q_proj", "v_proj"] and r.data.train_on_inputs is True
 
 
-@pytest.mark.parametrize("bad, needle", [
-    (["train.lr=1"], "unknown key 'train.lr'"),
-    (["nope.x=1"], "unknown key 'nope'"),
-    (["train.max_steps=ten"], "train.max_steps: expected an integer"),
-    (["model.sparsity=1.5"], "model.sparsity must be in (0, 1)"),
-    (["train.schedule=step"], "train.schedule"),
-    (["model.dtype=float16"], "model.dtype"),
-    (["train.lr_sigma"], "must look like section.key=value"),
-    # numbers the optimizer would take silently or fail on with a traceback (the failure corpus)
-    (["train.max_steps=1", "train.epochs=-1"], "train.epochs must be > 0"),
-    (["train.betas=[0.9,1.5]"], "train.betas must be two numbers in [0, 1)"),
-    (["train.betas=[-0.1,0.9]"], "train.betas must be two numbers in [0, 1)"),
-    (["train.max_grad_norm=-1"], "train.max_grad_norm must be >= 0"),
-    (["train.weight_decay=-0.1"], "train.weight_decay must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        (["train.lr=1"], "unknown key 'train.lr'"),
+        (["nope.x=1"], "unknown key 'nope'"),
+        (["train.max_steps=ten"], "train.max_steps: expected an integer"),
+        (["model.sparsity=1.5"], "model.sparsity must be in (0, 1)"),
+        (["train.schedule=step"], "train.schedule"),
+        (["model.dtype=float16"], "model.dtype"),
+        (["train.lr_sigma"], "must look like section.key=value"),
+        # numbers the optimizer would take silently or fail on with a traceback (the failure corpus)
+        (["train.max_steps=1", "train.epochs=-1"], "train.epochs must be > 0"),
+        (["train.betas=[0.9,1.5]"], "train.betas must be two numbers in [0, 1)"),
+        (["train.betas=[-0.1,0.9]"], "train.betas must be two numbers in [0, 1)"),
+        (["train.max_grad_norm=-1"], "train.max_grad_norm must be >= 0"),
+        (["train.weight_decay=-0.1"], "train.weight_decay must be >= 0"),
+    ],
+)
 def test_bad_recipes_raise_one_error_naming_the_problem(bad, needle):
     with pytest.raises(RecipeError, match=None) as e:
         load_recipe(None, REQUIRED + bad)
@@ -82,13 +91,19 @@ def _recipe(**train) -> Recipe:
 def test_ds_config_autos_resolved_from_recipe():
     cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     out = resolve_ds_config(cfg, _recipe(micro_batch_size=4, grad_accum=8), world_size=1)
-    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == (4, 8, 32)
+    assert (out["train_micro_batch_size_per_gpu"], out["gradient_accumulation_steps"], out["train_batch_size"]) == (
+        4,
+        8,
+        32,
+    )
     assert out["gradient_clipping"] == 1.0 and out["bf16"]["enabled"] is True
     assert "auto" not in json.dumps(out)
 
 
-@pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json", "zero3_nvme.json", "zero2.json",
-                                  "zero3_cpu_fp32.json", "zero2_cpu_fp32.json"])
+@pytest.mark.parametrize(
+    "name",
+    ["zero3.json", "zero3_offload.json", "zero3_nvme.json", "zero2.json", "zero3_cpu_fp32.json", "zero2_cpu_fp32.json"],
+)
 def test_every_shipped_ds_config_resolves(name):
     cfg = json.loads((REPO / "ds_configs" / name).read_text())
     r = _recipe()
@@ -109,8 +124,11 @@ def test_nvme_buffers_must_hold_the_largest_partition():
     check_nvme_buffer(json.loads((REPO / "ds_configs" / "zero3.json").read_text()), 10**12, world_size=1)  # no NVMe
     cfg["zero_optimization"]["offload_param"]["buffer_size"] = 100_000_000
     check_nvme_buffer(cfg, 32000 * 8192, world_size=4)  # 65.5M per rank
-    with pytest.raises(DSConfigError, match=r"buffer_size is 100,000,000 elements.*131,072,000 = 262,144,000 over 2 "
-                                            r"rank\(s\)\); set buffer_size to at least 131072000"):
+    with pytest.raises(
+        DSConfigError,
+        match=r"buffer_size is 100,000,000 elements.*131,072,000 = 262,144,000 over 2 "
+        r"rank\(s\)\); set buffer_size to at least 131072000",
+    ):
         check_nvme_buffer(cfg, 32000 * 8192, world_size=2)
 
 
@@ -128,14 +146,17 @@ def test_nvme_offload_refuses_an_arch_list_deepspeed_cannot_parse():
         check_aio_build_env(nvme, {"TORCH_CUDA_ARCH_LIST": "8.0;9.0a"})
 
 
-@pytest.mark.parametrize("edit, needle", [
-    ({"train_batch_size": 64}, "train_batch_size=64"),
-    ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps=3"),
-    ({"optimizer": {"type": "AdamW"}}, 'remove the "optimizer" block'),
-    ({"scheduler": {"type": "WarmupLR"}}, 'remove the "scheduler" block'),
-    ({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, "zero_optimization.sub_group_size"),
-    ({"bf16": {"enabled": False}}, "bf16.enabled=False"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        ({"train_batch_size": 64}, "train_batch_size=64"),
+        ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps=3"),
+        ({"optimizer": {"type": "AdamW"}}, 'remove the "optimizer" block'),
+        ({"scheduler": {"type": "WarmupLR"}}, 'remove the "scheduler" block'),
+        ({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, "zero_optimization.sub_group_size"),
+        ({"bf16": {"enabled": False}}, "bf16.enabled=False"),
+    ],
+)
 def test_ds_config_conflicts_raise(edit, needle):
     cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
     cfg.update(edit)
@@ -174,14 +195,16 @@ def test_collate_right_pads():
     b = collate(exs, pad_id=0)
     assert b["input_ids"].shape == b["labels"].shape == b["attention_mask"].shape
     assert b["attention_mask"][0].sum() == len(exs[0].input_ids)
-    assert (b["labels"][0][len(exs[0].input_ids):] == IGNORE_INDEX).all()
+    assert (b["labels"][0][len(exs[0].input_ids) :] == IGNORE_INDEX).all()
 
 
 def test_batch_plan_global_batches_do_not_depend_on_world_size():
     """world × accum × micro fixed at 8: the union of all ranks' examples per step is the same set."""
+
     def step_sets(world, accum):
         plans = [BatchPlan(50, 8 // (world * accum), accum, world, r, seed=3) for r in range(world)]
         return [sorted(i for p in plans for mb in p.micro_batches(s) for i in mb) for s in range(12)]
+
     assert step_sets(1, 1) == step_sets(2, 1) == step_sets(2, 2) == step_sets(4, 2)
 
 

@@ -13,12 +13,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from frod_ds import FRoDLinear, SparseSupport, apply_frod, decompose
-from frod_ds.model.apply import frod_modules
 from frod_ds.core.frod_function import sampled_product
+from frod_ds.model.apply import frod_modules
 
 # Every (ordering, saved tensor, ∂S path) the Functions take; "weight" has no save option.
 PATHS = [("tokens", save, dgrad) for save, dgrad in itertools.product(("z", "x"), ("dense", "sampled"))] + [
-    ("weight", "z", "dense"), ("weight", "z", "sampled")]
+    ("weight", "z", "dense"),
+    ("weight", "z", "sampled"),
+]
 
 
 def _layer(m=12, n=10, density=0.2, seed=0, dtype=torch.float64, bias=True, random_core=True):
@@ -26,8 +28,9 @@ def _layer(m=12, n=10, density=0.2, seed=0, dtype=torch.float64, bias=True, rand
     W = torch.randn(m, n, generator=g, dtype=dtype)
     b = torch.randn(m, generator=g, dtype=dtype) if bias else None
     res = decompose([W])
-    layer = FRoDLinear(res.U[0], nn.Parameter(res.V, requires_grad=False), res.sigma[0],
-                       SparseSupport.random(n, density, seed), b)
+    layer = FRoDLinear(
+        res.U[0], nn.Parameter(res.V, requires_grad=False), res.sigma[0], SparseSupport.random(n, density, seed), b
+    )
     if random_core:  # away from the special point S = 0
         with torch.no_grad():
             layer.frod_sigma.copy_(torch.randn(n, generator=g, dtype=dtype))

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from frod_ds import FRoDLinear, SparseSupport, apply_frod, decompose, frod_param_groups
-from frod_ds.model.apply import DEFAULT_TARGETS
 from frod_ds.core.layer import support_seed
+from frod_ds.model.apply import DEFAULT_TARGETS
 
 
 def _layer(m=12, n=10, density=0.2, seed=0, dtype=torch.float64, bias=True):
@@ -198,8 +198,10 @@ def test_apply_frod_shares_v_and_keeps_no_copy_of_w(llama_factory):
     cfg = model.config
     apply_frod(model, sparsity=0.1)
     for target in DEFAULT_TARGETS:
-        layers = [getattr(getattr(l, "mlp" if target in ("gate_proj", "up_proj") else "self_attn"), target)
-                  for l in model.model.layers]
+        layers = [
+            getattr(getattr(decoder, "mlp" if target in ("gate_proj", "up_proj") else "self_attn"), target)
+            for decoder in model.model.layers
+        ]
         assert all(isinstance(x, FRoDLinear) for x in layers)
         assert all(x.V is layers[0].V for x in layers), f"{target}: one V object per category"
         assert all(x.support is layers[0].support for x in layers)

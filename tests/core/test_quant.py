@@ -13,14 +13,38 @@ import pytest
 import torch
 
 from frod_ds.core.layer import FRoDLinear, SparseSupport
-from frod_ds.core.quant import (QuantLinear, QuantSpec, frozen_dense, frozen_linear, quantized_parameter, roundtrip,
-                           spec_of)
+from frod_ds.core.quant import (
+    QuantLinear,
+    QuantSpec,
+    frozen_dense,
+    frozen_linear,
+    quantized_parameter,
+    roundtrip,
+    spec_of,
+)
 
 # bitsandbytes' NF4 code book (QLoRA, appendix E), written out so the decoding below does not use bitsandbytes.
-NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-                    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-                    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-                    0.7229568362236023, 1.0], dtype=torch.float64)
+NF4 = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ],
+    dtype=torch.float64,
+)
 
 
 def _decode_nf4(blob: torch.Tensor, shape: tuple[int, int], blocksize: int = 64) -> torch.Tensor:
@@ -30,15 +54,15 @@ def _decode_nf4(blob: torch.Tensor, shape: tuple[int, int], blocksize: int = 64)
     codes = blob[:nb].long()
     idx = torch.stack([codes >> 4, codes & 15], 1).reshape(-1)[:numel]
     off = -(-nb // 8) * 8
-    absmax = blob[off:off + 4 * -(-numel // blocksize)].clone().view(torch.float32).double()
+    absmax = blob[off : off + 4 * -(-numel // blocksize)].clone().view(torch.float32).double()
     return (NF4[idx] * absmax.repeat_interleave(blocksize)[:numel]).view(shape)
 
 
 def _decode_int8(blob: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     m, n = shape
-    CB = blob[:m * n].view(torch.int8).double().view(m, n)
+    CB = blob[: m * n].view(torch.int8).double().view(m, n)
     off = -(-(m * n) // 8) * 8
-    SCB = blob[off:off + 4 * m].clone().view(torch.float32).double()
+    SCB = blob[off : off + 4 * m].clone().view(torch.float32).double()
     return CB * SCB[:, None] / 127
 
 
@@ -72,7 +96,7 @@ def test_blob_decodes_to_independent_dequantization(kind):
         best = (x[:, None] - NF4[None]).abs().min(1).values
         assert torch.all((x - chosen).abs() <= best + 1e-6)
     else:
-        CB = blob[:m * n].view(torch.int8).view(m, n).double()
+        CB = blob[: m * n].view(torch.int8).view(m, n).double()
         scale = W.abs().amax(1, keepdim=True).double()
         want = torch.where(scale > 0, torch.round(W.double().half().double() * 127 / scale), torch.zeros_like(CB))
         assert (CB - want).abs().max() <= 1  # fp16 input rounding may move a tie by one step
@@ -88,7 +112,7 @@ def test_quantization_error_has_the_expected_size(kind, lo, hi):
 
 def _quant_layer(kind: str, m: int, n: int, dtype=torch.float32, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    U = torch.randn(m, n, generator=g, dtype=torch.float64) / n ** 0.5
+    U = torch.randn(m, n, generator=g, dtype=torch.float64) / n**0.5
     V = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))[0]
     sigma = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
     support = SparseSupport.random(n, 0.1, seed)
@@ -97,12 +121,14 @@ def _quant_layer(kind: str, m: int, n: int, dtype=torch.float32, seed: int = 0):
     blob = spec.pack(U.to(dtype))
     Uq = quantized_parameter(spec, dtype)
     Uq.data.copy_(blob.view(dtype))
-    layer = FRoDLinear(Uq, torch.nn.Parameter(V.to(dtype), requires_grad=False), sigma.to(dtype), support,
-                       bias.to(dtype))
+    layer = FRoDLinear(
+        Uq, torch.nn.Parameter(V.to(dtype), requires_grad=False), sigma.to(dtype), support, bias.to(dtype)
+    )
     with torch.no_grad():
         layer.frod_s.copy_(torch.randn(support.nnz, generator=g) * 0.05)
-    dense = FRoDLinear(U.to(dtype), torch.nn.Parameter(V.to(dtype), requires_grad=False), sigma.to(dtype), support,
-                       bias.to(dtype))
+    dense = FRoDLinear(
+        U.to(dtype), torch.nn.Parameter(V.to(dtype), requires_grad=False), sigma.to(dtype), support, bias.to(dtype)
+    )
     with torch.no_grad():
         dense.frod_s.copy_(layer.frod_s)
     return layer, dense, DECODE[kind](blob, (m, n)), V, bias
@@ -113,8 +139,7 @@ def _reference(Ut, V, layer, bias, x):
     n = V.shape[0]
     sigma = layer.frod_sigma.detach().double().requires_grad_(True)
     s = layer.frod_s.detach().double().requires_grad_(True)
-    M = torch.diag(sigma) + torch.zeros(n * n, dtype=torch.float64).index_put(
-        (layer.support.flat,), s).view(n, n)
+    M = torch.diag(sigma) + torch.zeros(n * n, dtype=torch.float64).index_put((layer.support.flat,), s).view(n, n)
     return x @ (Ut @ M @ V.T).T + bias, sigma, s
 
 
@@ -212,9 +237,9 @@ def stores(tmp_path_factory):
 def test_quantized_store_equals_load_time_quantization(stores):
     """``launch/hjd.py --quant nf4`` stores exactly the blobs that quantizing the bf16 store at load time makes,
     so both give the same model; the quantized store's load_U is the dequantized U; its manifest says nf4."""
+    from frod_ds.formats.factor_store import QuantRecord
     from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.model.store_reader import FactorStore
-    from frod_ds.formats.factor_store import QuantRecord
 
     model_dir, paths = stores
     dense, nf4 = FactorStore.open(paths["none"]), FactorStore.open(paths["nf4"])
@@ -241,8 +266,8 @@ def test_quantized_store_equals_load_time_quantization(stores):
 
 def test_quantized_store_needs_the_same_frozen_quant(stores):
     from frod_ds.model.build import build_frod_model, make_supports
-    from frod_ds.runtime.errors import StoreError
     from frod_ds.model.store_reader import FactorStore
+    from frod_ds.runtime.errors import StoreError
 
     model_dir, paths = stores
     nf4 = FactorStore.open(paths["nf4"])
@@ -269,9 +294,9 @@ def test_recipe_rejects_unknown_frozen_quant():
 
 def test_bad_quant_settings_are_user_errors():
     """An unknown kind or quantize_base without a kind is a ``FrodError`` (one ``error:`` line at the entry)."""
+    from frod_ds.core.quant import QuantError, check_kind
     from frod_ds.model.build import build_frod_model
     from frod_ds.runtime.errors import FrodError
-    from frod_ds.core.quant import QuantError, check_kind
 
     assert issubclass(QuantError, FrodError)
     with pytest.raises(QuantError, match="model.frozen_quant must be one of none, int8, nf4, got 'nf5'"):

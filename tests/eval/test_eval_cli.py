@@ -4,7 +4,6 @@ two gloo ranks, and its errors on bad input (one ``error:`` line, exit status 2,
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -55,8 +54,11 @@ def la_assets(tmp_path_factory):
     LLM-Adapters' format for three tasks."""
     root = tmp_path_factory.mktemp("eval-la")
     tok = word_tokenizer(LLM_ADAPTERS_VOCAB)
-    rows = {"boolq": make_llm_adapters_rows("boolq", 6), "piqa": make_llm_adapters_rows("piqa", 4),
-            "obqa": make_llm_adapters_rows("obqa", 7)}
+    rows = {
+        "boolq": make_llm_adapters_rows("boolq", 6),
+        "piqa": make_llm_adapters_rows("piqa", 4),
+        "obqa": make_llm_adapters_rows("obqa", 7),
+    }
     return {
         "known": save_model(root / "known", bigram_llama(len(tok), llm_adapters_preference_logits(tok)), tok),
         "data": write_eval_dir(root / "data", rows),
@@ -88,13 +90,25 @@ def _read(out: Path) -> tuple[dict, list[dict]]:
 
 def test_known_preferences_give_predicted_accuracy_end_to_end(assets, tmp_path, capsys):
     out = tmp_path / "eval"
-    argv = ["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", ",".join(TASKS),
-            "--output", str(out), "--batch-size", "3"]
+    argv = [
+        "--model",
+        str(assets["known"]),
+        "--data",
+        str(assets["data"]),
+        "--tasks",
+        ",".join(TASKS),
+        "--output",
+        str(out),
+        "--batch-size",
+        "3",
+    ]
     assert main(argv) == 0
     results, preds = _read(out)
     # The model always answers false / Choice B / Option C (see preference_logits).
-    expected = {task: sum(r["label"] == pick for r in assets["rows"][task]) / len(assets["rows"][task])
-                for task, pick in (("boolq", 1), ("piqa", 1), ("obqa", 2))}
+    expected = {
+        task: sum(r["label"] == pick for r in assets["rows"][task]) / len(assets["rows"][task])
+        for task, pick in (("boolq", 1), ("piqa", 1), ("obqa", 2))
+    }
     assert {t: e["accuracy"] for t, e in results["tasks"].items()} == expected
     assert {t: e["n"] for t, e in results["tasks"].items()} == {t: len(assets["rows"][t]) for t in TASKS}
     assert results["average"] == pytest.approx(sum(expected.values()) / 3)
@@ -110,8 +124,27 @@ def test_known_preferences_give_predicted_accuracy_end_to_end(assets, tmp_path, 
 
 def test_generate_mode_takes_first_answer_string_and_unmatched_is_wrong(assets, tmp_path):
     out = tmp_path / "gen"
-    assert main(["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", "piqa,boolq",
-                 "--output", str(out), "--mode", "generate", "--max-new-tokens", "4", "--limit", "5"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                str(assets["known"]),
+                "--data",
+                str(assets["data"]),
+                "--tasks",
+                "piqa,boolq",
+                "--output",
+                str(out),
+                "--mode",
+                "generate",
+                "--max-new-tokens",
+                "4",
+                "--limit",
+                "5",
+            ]
+        )
+        == 0
+    )
     results, preds = _read(out)
     piqa = assets["rows"]["piqa"][:5]
     assert results["tasks"]["piqa"]["accuracy"] == sum(r["label"] == 1 for r in piqa) / 5
@@ -129,24 +162,42 @@ def _plain_beam_search(model_dir: Path, rows: list[dict]) -> list[str]:
     for row in rows:
         ids = torch.tensor([tok(row["prompt"])["input_ids"]])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, num_beams=4, max_new_tokens=32, do_sample=False,
-                                 pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-        outputs.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+            out = model.generate(
+                input_ids=ids,
+                num_beams=4,
+                max_new_tokens=32,
+                do_sample=False,
+                pad_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+        outputs.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip())
     return outputs
 
 
 def test_llm_adapters_mode_beside_loglik_end_to_end(la_assets, tmp_path, capsys):
     out = tmp_path / "eval"
-    argv = ["--model", str(la_assets["known"]), "--data", str(la_assets["data"]), "--tasks", ",".join(TASKS),
-            "--batch-size", "3"]
+    argv = [
+        "--model",
+        str(la_assets["known"]),
+        "--data",
+        str(la_assets["data"]),
+        "--tasks",
+        ",".join(TASKS),
+        "--batch-size",
+        "3",
+    ]
     assert main([*argv, "--mode", "loglik,llm-adapters", "--output", str(out)]) == 0
     results, preds = _read(out)
     rows = la_assets["rows"]
     # The model writes "false, answer2 answer1": BoolQ reads false, OBQA answer2 (first match), PIQA nothing.
     la = results["modes"]["llm-adapters"]["tasks"]
     for task, pick in (("boolq", 1), ("obqa", 1)):
-        assert la[task] == {"accuracy": sum(r["label"] == pick for r in rows[task]) / len(rows[task]),
-                            "n": len(rows[task]), "correct": sum(r["label"] == pick for r in rows[task]), "unmatched": 0}
+        assert la[task] == {
+            "accuracy": sum(r["label"] == pick for r in rows[task]) / len(rows[task]),
+            "n": len(rows[task]),
+            "correct": sum(r["label"] == pick for r in rows[task]),
+            "unmatched": 0,
+        }
     assert la["piqa"] == {"accuracy": 0.0, "n": 4, "correct": 0, "unmatched": 4}
     # Every row's searched text and word against stock beam search one row at a time, regex by hand.
     la_preds = [p for p in preds if p["mode"] == "llm-adapters"]
@@ -172,15 +223,32 @@ def test_llm_adapters_mode_beside_loglik_end_to_end(la_assets, tmp_path, capsys)
 
 def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
     env = clean_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "launch" / "eval.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "launch" / "eval.py"),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank(assets, tmp_path):
-    args = ["--model", str(assets["random"]), "--data", str(assets["data"]), "--tasks", ",".join(TASKS),
-            "--batch-size", "2", "--mode", "loglik,llm-adapters"]
+    args = [
+        "--model",
+        str(assets["random"]),
+        "--data",
+        str(assets["data"]),
+        "--tasks",
+        ",".join(TASKS),
+        "--batch-size",
+        "2",
+        "--mode",
+        "loglik,llm-adapters",
+    ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks run (OMP_NUM_THREADS=1): same kernels, same bits
     try:
@@ -193,7 +261,9 @@ def test_two_ranks_equal_one_rank(assets, tmp_path):
     assert two[0]["config"]["world_size"] == 2
     assert {k: v for k, v in one[0].items() if k != "config"} == {k: v for k, v in two[0].items() if k != "config"}
     assert one[1] == two[1]  # every row's prediction and score, bit for bit
-    assert len({p["pred"] for p in one[1] if p["mode"] == "loglik"}) > 1  # the random model does not answer one index everywhere
+    assert (
+        len({p["pred"] for p in one[1] if p["mode"] == "loglik"}) > 1
+    )  # the random model does not answer one index everywhere
     assert len({p["output"] for p in one[1] if p["mode"] == "llm-adapters"}) > 1  # nor generate one text everywhere
 
 
@@ -228,8 +298,11 @@ def _fails(argv: list[str], capsys, match: str) -> None:
 
 def test_missing_task_file_is_a_clear_error(assets, tmp_path, capsys):
     out = tmp_path / "out"
-    _fails(["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", "piqa,siqa",
-            "--output", str(out)], capsys, "eval/siqa.jsonl")
+    _fails(
+        ["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", "piqa,siqa", "--output", str(out)],
+        capsys,
+        "eval/siqa.jsonl",
+    )
     assert not out.exists()
 
 
@@ -239,8 +312,11 @@ def test_rows_without_choices_are_a_clear_error(assets, tmp_path, capsys):
     (tmp_path / "data" / "eval").mkdir(parents=True)
     write_jsonl(tmp_path / "data" / "eval" / "piqa.jsonl", rows)
     out = tmp_path / "out"
-    _fails(["--model", str(assets["known"]), "--data", str(tmp_path / "data"), "--tasks", "piqa",
-            "--output", str(out)], capsys, "piqa.jsonl line 2: missing field 'choices'")
+    _fails(
+        ["--model", str(assets["known"]), "--data", str(tmp_path / "data"), "--tasks", "piqa", "--output", str(out)],
+        capsys,
+        "piqa.jsonl line 2: missing field 'choices'",
+    )
     assert not out.exists()
 
 
@@ -253,9 +329,21 @@ def test_unknown_task_and_conflicting_model_flags_are_clear_errors(assets, tmp_p
 
 
 def test_bad_modes_and_rows_the_mode_cannot_score_are_one_line_errors(assets, tmp_path, capsys):
-    base = ["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", "boolq", "--output", str(tmp_path / "out")]
-    for mode, match in (("loglik,beam", "unknown --mode 'beam'"), ("loglik,loglik", "names a mode twice"),
-                        ("", "unknown --mode ''")):
+    base = [
+        "--model",
+        str(assets["known"]),
+        "--data",
+        str(assets["data"]),
+        "--tasks",
+        "boolq",
+        "--output",
+        str(tmp_path / "out"),
+    ]
+    for mode, match in (
+        ("loglik,beam", "unknown --mode 'beam'"),
+        ("loglik,loglik", "names a mode twice"),
+        ("", "unknown --mode ''"),
+    ):
         assert main([*base, "--mode", mode]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and match in err[0], err
@@ -270,9 +358,23 @@ def test_bad_modes_and_rows_the_mode_cannot_score_are_one_line_errors(assets, tm
 
 def test_script_exits_2_with_one_error_line(assets, tmp_path):
     env = clean_env()
-    run = subprocess.run([sys.executable, str(REPO / "launch" / "eval.py"), "--model", str(assets["known"]),
-                          "--data", str(tmp_path), "--output", str(tmp_path / "out")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch" / "eval.py"),
+            "--model",
+            str(assets["known"]),
+            "--data",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().startswith("error: no eval file") and len(run.stderr.strip().splitlines()) == 1
 
@@ -283,8 +385,18 @@ def test_adapter_with_a_store_rebuilt_with_another_pi_is_refused(assets, adapter
 
     other = tmp_path / "store-pi"
     run_stage(StageConfig(model=str(assets["random"]), out=other, pi=1e-2, device="cpu", fsync=False))
-    args = ["--checkpoint", str(adapter["checkpoint"]), "--factor-store", str(other), "--data", str(assets["data"]),
-            "--tasks", "piqa", "--output", str(tmp_path / "out")]
+    args = [
+        "--checkpoint",
+        str(adapter["checkpoint"]),
+        "--factor-store",
+        str(other),
+        "--data",
+        str(assets["data"]),
+        "--tasks",
+        "piqa",
+        "--output",
+        str(tmp_path / "out"),
+    ]
     _fails(args, capsys, "was trained on another factor store")
     assert not (tmp_path / "out").exists()
 
@@ -299,8 +411,11 @@ def test_output_into_a_directory_eval_did_not_write_is_refused(assets, adapter, 
     foreign.mkdir()
     (foreign / "results.json").with_name("predictions.jsonl").write_text("mine\n")
     common = ["--data", str(assets["data"]), "--tasks", "boolq", "--limit", "2"]
-    _fails(["--model", str(assets["known"]), *common, "--output", str(foreign)], capsys,
-           f"--output {foreign} exists and was not written by frod-ds")
+    _fails(
+        ["--model", str(assets["known"]), *common, "--output", str(foreign)],
+        capsys,
+        f"--output {foreign} exists and was not written by frod-ds",
+    )
     assert [p.name for p in foreign.iterdir()] == ["predictions.jsonl"]
     scored = tmp_path / "adapter"
     shutil.copytree(adapter["checkpoint"], scored)

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from frod_ds.eval.accuracy import markdown_table, summarize
 from frod_ds.eval.predict import (
     LLM_ADAPTERS_WORDS,
     EvalError,
@@ -15,7 +16,6 @@ from frod_ds.eval.predict import (
     llm_adapters_response,
     score_llm_adapters_rows,
 )
-from frod_ds.eval.accuracy import markdown_table, summarize
 from tests.support.eval_fixtures import (
     LLM_ADAPTERS_VOCAB,
     make_llm_adapters_rows,
@@ -85,25 +85,41 @@ def _reference_generate(model, tok, prompt: str) -> str:
     """Plain transformers beam search on one unpadded row, decoded, cut at the marker as LLM-Adapters does."""
     ids = torch.tensor([tok(prompt)["input_ids"]])
     with torch.no_grad():
-        out = model.generate(input_ids=ids, num_beams=4, max_new_tokens=32, do_sample=False,
-                             pad_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
-    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            input_ids=ids,
+            num_beams=4,
+            max_new_tokens=32,
+            do_sample=False,
+            pad_token_id=tok.eos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     return text.split("### Response:")[0].strip()  # the prompt ends with the marker and whitespace only
 
 
 def test_batched_beam_search_equals_plain_generate_one_row_at_a_time():
     tok = word_tokenizer(LLM_ADAPTERS_VOCAB)
     model = random_llama(len(tok), seed=0)
-    rows = (make_llm_adapters_rows("obqa", 4) + make_llm_adapters_rows("boolq", 3) + make_llm_adapters_rows("piqa", 2)
-            + make_rows("boolq", 3, seed=2))  # paper-like rows too: generated on their prompt as stored
+    rows = (
+        make_llm_adapters_rows("obqa", 4)
+        + make_llm_adapters_rows("boolq", 3)
+        + make_llm_adapters_rows("piqa", 2)
+        + make_rows("boolq", 3, seed=2)
+    )  # paper-like rows too: generated on their prompt as stored
     assert len({len(tok(r["prompt"])["input_ids"]) for r in rows}) > 3  # left padding is exercised
     records = score_llm_adapters_rows(model, tok, rows, pad_id=tok.eos_token_id)
     for row, rec in zip(rows, records):
         output = _reference_generate(model, tok, row["prompt"])
         word = _reference_extract(output, row["task"])
-        gold = {"boolq": ["true", "false"], "piqa": ["solution1", "solution2"]}.get(row["task"], [f"answer{k}" for k in range(1, 6)])
+        gold = {"boolq": ["true", "false"], "piqa": ["solution1", "solution2"]}.get(
+            row["task"], [f"answer{k}" for k in range(1, 6)]
+        )
         assert rec["output"] == output
-        assert (rec["prediction"], rec["answer"], rec["correct"]) == (word, gold[row["label"]], word == gold[row["label"]])
+        assert (rec["prediction"], rec["answer"], rec["correct"]) == (
+            word,
+            gold[row["label"]],
+            word == gold[row["label"]],
+        )
         assert rec["pred"] == (None if word is None else gold.index(word))
     assert len({r["output"] for r in records}) > 2  # a non-degenerate model
     assert {r["pred"] is None for r in records} == {True, False}  # matched and unmatched rows
@@ -120,10 +136,16 @@ def test_row_with_more_choices_than_answer_words_is_a_clear_error():
 
 
 def test_table_shows_each_mode_per_task_with_row_counts():
-    loglik = summarize([{"task": t, "correct": k < 2, "correct_norm": k < 3} for t in ("boolq", "arc_easy") for k in range(4)],
-                       ["boolq", "arc_easy"], "loglik")
-    llm = summarize([{"task": t, "correct": k < 1, "pred": None if k == 3 else 0} for t in ("boolq", "arc_easy") for k in range(4)],
-                    ["boolq", "arc_easy"], "llm-adapters")
+    loglik = summarize(
+        [{"task": t, "correct": k < 2, "correct_norm": k < 3} for t in ("boolq", "arc_easy") for k in range(4)],
+        ["boolq", "arc_easy"],
+        "loglik",
+    )
+    llm = summarize(
+        [{"task": t, "correct": k < 1, "pred": None if k == 3 else 0} for t in ("boolq", "arc_easy") for k in range(4)],
+        ["boolq", "arc_easy"],
+        "llm-adapters",
+    )
     table = markdown_table({"loglik": loglik, "llm-adapters": llm})
     assert "| task | n | loglik | loglik norm | llm-adapters | llm-adapters unmatched | paper FRoD s=0.02 |" in table
     assert "| BoolQ | 4 | 50.00 | 75.00 | 25.00 | 1 | 87.74 |" in table

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from frod_ds.eval.accuracy import PAPER_RESULTS, markdown_table, summarize
 from frod_ds.eval.predict import (
     ANSWER_SEPARATOR,
     EvalError,
@@ -18,7 +19,6 @@ from frod_ds.eval.predict import (
     score_generate_rows,
     score_loglik_rows,
 )
-from frod_ds.eval.accuracy import PAPER_RESULTS, markdown_table, summarize
 from tests.support.eval_fixtures import (
     TASK_CHOICES,
     bigram_llama,
@@ -41,8 +41,10 @@ def test_context_plus_continuation_is_the_training_tokenization():
     enc = encode_row(tok, "Question:\nis it red?", ["true", "false"])
     assert enc.context[0] == tok.bos_token_id
     assert enc.context == tok("Question:\nis it red?" + ANSWER_SEPARATOR)["input_ids"]
-    assert enc.continuations == [tok("true", add_special_tokens=False)["input_ids"],
-                                 tok("false", add_special_tokens=False)["input_ids"]]
+    assert enc.continuations == [
+        tok("true", add_special_tokens=False)["input_ids"],
+        tok("false", add_special_tokens=False)["input_ids"],
+    ]
 
 
 def test_sentencepiece_separator_space_joins_the_answer_token():
@@ -164,7 +166,13 @@ def test_table_average_matches_paper_avg_on_the_six_tasks():
     records = [{"task": t, "correct": k < 3, "correct_norm": True} for t in tasks for k in range(4)]
     results = summarize(records, tasks, "loglik")
     assert results["average"] == pytest.approx(0.75) and results["average_norm"] == 1.0
-    assert results["tasks"]["boolq"] == {"accuracy": 0.75, "n": 4, "correct": 3, "accuracy_norm": 1.0, "correct_norm": 4}
+    assert results["tasks"]["boolq"] == {
+        "accuracy": 0.75,
+        "n": 4,
+        "correct": 3,
+        "accuracy_norm": 1.0,
+        "correct_norm": 4,
+    }
     table = markdown_table({"loglik": results})
     assert "| **average** | 28 | 75.00 | 100.00 | — | — | — | — |" in table  # ARC has no paper number
     paper_row = next(line for line in table.splitlines() if line.startswith("| average (paper's tasks)"))

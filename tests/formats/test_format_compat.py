@@ -91,8 +91,21 @@ def test_format1_adapter_exports(tmp_path):
     from launch.export import main
 
     out = tmp_path / "merged"
-    assert main(["--checkpoint", str(FIX / "adapter"), "--base-model", str(FIX / "model"),
-                 "--factor-store", str(FIX / "store"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(FIX / "adapter"),
+                "--base-model",
+                str(FIX / "model"),
+                "--factor-store",
+                str(FIX / "store"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     exported = {}
     for f in out.glob("*.safetensors"):
         exported.update(load_file(str(f)))

@@ -9,16 +9,14 @@ import json
 import textwrap
 
 import pytest
-
-from frod_ds.runtime.atomic import MARKER
 import torch
-from tests.support.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
-from frod_ds.runtime import distributed as D
 from frod_ds.hjd.math import decompose
-from frod_ds.hjd.sharding import split_counts
 from frod_ds.hjd.routes import make_blocks
+from frod_ds.hjd.sharding import split_counts
 from frod_ds.model.store_reader import FactorStore
+from frod_ds.runtime.atomic import MARKER
+from tests.support.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +62,9 @@ def two_rank_store(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     model = write_tiny_llama(root / "model", **WIDE)
     # A tiny --block-gb puts every member in its own block: both TSQR levels (in-rank and across ranks) run.
-    proc = run_hjd(["--model", str(model), "--out", str(root / "store"), "--dtype", "float64",
-                    "--block-gb", "1e-6"], nproc=2)
+    proc = run_hjd(
+        ["--model", str(model), "--out", str(root / "store"), "--dtype", "float64", "--block-gb", "1e-6"], nproc=2
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return model, root / "store"
 
@@ -82,8 +81,11 @@ def test_distributed_hjd_odd_layers_split_contiguously(two_rank_store):
     store = FactorStore.open(path)
     files = store.manifest.categories["q_proj"].files
     owner = {m: files[m + ".U"].split(".")[1] for m in store.categories["q_proj"]}
-    assert owner == {"model.layers.0.self_attn.q_proj": "rank00000", "model.layers.1.self_attn.q_proj": "rank00000",
-                     "model.layers.2.self_attn.q_proj": "rank00001"}
+    assert owner == {
+        "model.layers.0.self_attn.q_proj": "rank00000",
+        "model.layers.1.self_attn.q_proj": "rank00000",
+        "model.layers.2.self_attn.q_proj": "rank00001",
+    }
     assert files["q_proj.V"] == "q_proj.V.safetensors"
 
 
@@ -105,8 +107,13 @@ def test_distributed_hjd_route_per_category(two_rank_store):
     _, path = two_rank_store
     cats = FactorStore.open(path).manifest.categories
     assert {c: spec.method for c, spec in cats.items()} == {
-        "q_proj": "gram", "k_proj": "householder", "v_proj": "householder", "o_proj": "gram",
-        "gate_proj": "gram", "up_proj": "gram"}
+        "q_proj": "gram",
+        "k_proj": "householder",
+        "v_proj": "householder",
+        "o_proj": "gram",
+        "gate_proj": "gram",
+        "up_proj": "gram",
+    }
     assert cats["k_proj"].cond_estimate is None and 1 <= cats["q_proj"].cond_estimate < 1e3
 
 
@@ -122,8 +129,19 @@ def test_distributed_hjd_wide_category_has_zero_completion(two_rank_store):
 
 def test_distributed_hjd_more_ranks_than_members(tmp_path):
     model = write_tiny_llama(tmp_path / "model", num_hidden_layers=2, **WIDE)
-    proc = run_hjd(["--model", str(model), "--out", str(tmp_path / "store"), "--dtype", "float64",
-                    "--targets", "q_proj,k_proj,up_proj"], nproc=3)
+    proc = run_hjd(
+        [
+            "--model",
+            str(model),
+            "--out",
+            str(tmp_path / "store"),
+            "--dtype",
+            "float64",
+            "--targets",
+            "q_proj,k_proj,up_proj",
+        ],
+        nproc=3,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = FactorStore.open(tmp_path / "store")
     owners = {f.split(".")[1] for f in store.manifest.categories["q_proj"].files.values()}
@@ -191,8 +209,13 @@ def test_split_counts_and_blocks():
 def test_launcher_env_maps_srun():
     from frod_ds.runtime.launch_env import ProcessGroupSpec, first_slurm_host, process_group_spec
 
-    env = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
-           "SLURM_STEP_NODELIST": "gpu[007-008,012],cpu1", "SLURM_JOB_ID": "123"}
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_STEP_NUM_TASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_NODELIST": "gpu[007-008,012],cpu1",
+        "SLURM_JOB_ID": "123",
+    }
     before = dict(env)
     assert process_group_spec(env) == ProcessGroupSpec(5, 16, 1, "tcp://gpu007:20123")
     assert env == before, "the environment is only read"
@@ -201,15 +224,17 @@ def test_launcher_env_maps_srun():
     assert first_slurm_host("node1") == "node1"
     sbatch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}
     assert process_group_spec(sbatch) is None, "plain python inside sbatch stays one process"
-    assert process_group_spec({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == \
-        ProcessGroupSpec(1, 2, 1, "env://"), "torchrun / deepspeed launcher"
+    assert process_group_spec({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == ProcessGroupSpec(
+        1, 2, 1, "env://"
+    ), "torchrun / deepspeed launcher"
 
 
 def test_small_part_files_split_a_block_and_still_equal_decompose(tmp_path):
     """--part-mb smaller than one member: every member's U/σ lands in its own part file of the one block."""
     model = write_tiny_llama(tmp_path / "model", **WIDE)
-    proc = run_hjd(["--model", str(model), "--out", str(tmp_path / "store"), "--dtype", "float64",
-                    "--part-mb", "1e-6"], nproc=0)
+    proc = run_hjd(
+        ["--model", str(model), "--out", str(tmp_path / "store"), "--dtype", "float64", "--part-mb", "1e-6"], nproc=0
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = FactorStore.open(tmp_path / "store")
     files = store.manifest.categories["q_proj"].files
@@ -225,15 +250,33 @@ def test_no_device_cache_rereads_and_still_equals_decompose(tmp_path, method):
     recomputed); fp32 weights, both routes, 2 ranks, against ``decompose``."""
     model = write_tiny_llama(tmp_path / "model", **WIDE)
     out = tmp_path / "store"
-    proc = run_hjd(["--model", str(model), "--out", str(out), "--dtype", "float64", "--device-cache-gb", "0",
-                    "--method", method, "--targets", "q_proj,k_proj", "--block-gb", "1e-6"], nproc=2)
+    proc = run_hjd(
+        [
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+            "--dtype",
+            "float64",
+            "--device-cache-gb",
+            "0",
+            "--method",
+            method,
+            "--targets",
+            "q_proj,k_proj",
+            "--block-gb",
+            "1e-6",
+        ],
+        nproc=2,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = FactorStore.open(out)
     cats = store.manifest.categories
     assert cats["q_proj"].method == ("gram" if method == "auto" else "householder")
     assert cats["k_proj"].method == "householder"
-    owned = sum(m * n * 4 for c in ("q_proj", "k_proj") for m, n in
-                (store.member_shape(x) for x in store.categories[c][:2]))
+    owned = sum(
+        m * n * 4 for c in ("q_proj", "k_proj") for m, n in (store.member_shape(x) for x in store.categories[c][:2])
+    )
     # rank 0: every pass reads again -- Gram pass, then (Gram route) T_pi pass + factors, or (Householder)
     # local QR + factors
     assert store.manifest.run.ranks[0].bytes_read == 3 * owned
@@ -248,11 +291,13 @@ def test_gram_route_error_check_falls_back_to_householder(tmp_path, monkeypatch)
 
     model = write_tiny_llama(tmp_path / "model", **WIDE)
     monkeypatch.setattr(routes, "GRAM_MAX_ERROR", {torch.float32: 0.0, torch.float64: 0.0})
-    manifest = run_stage(StageConfig(model=str(model), out=tmp_path / "store", targets=("q_proj", "up_proj"),
-                                     dtype=torch.float64, device="cpu"))
+    manifest = run_stage(
+        StageConfig(
+            model=str(model), out=tmp_path / "store", targets=("q_proj", "up_proj"), dtype=torch.float64, device="cpu"
+        )
+    )
     assert manifest.complete
-    assert {c: s.method for c, s in manifest.categories.items()} == {"q_proj": "householder",
-                                                                           "up_proj": "householder"}
+    assert {c: s.method for c, s in manifest.categories.items()} == {"q_proj": "householder", "up_proj": "householder"}
     assert manifest.categories["q_proj"].cond_estimate >= 1, "the Gram route ran first"
     assert not [p for p in (tmp_path / "store").iterdir() if p.name.endswith(".tmp")]
     _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)
@@ -264,8 +309,16 @@ def test_device_cache_keeps_weights_before_gram_matrices(tmp_path):
     from frod_ds.hjd.stage import StageConfig, run_stage
 
     model = write_tiny_llama(tmp_path / "model", **WIDE)  # fp32 q_proj 64 x 64: W 16 KiB, G (fp64) 32 KiB
-    manifest = run_stage(StageConfig(model=str(model), out=tmp_path / "store", targets=("q_proj",),
-                                     dtype=torch.float64, device="cpu", device_cache_gb=64 * 2**10 / 2**30))
+    manifest = run_stage(
+        StageConfig(
+            model=str(model),
+            out=tmp_path / "store",
+            targets=("q_proj",),
+            dtype=torch.float64,
+            device="cpu",
+            device_cache_gb=64 * 2**10 / 2**30,
+        )
+    )
     assert manifest.categories["q_proj"].method == "gram"
     assert manifest.run.ranks[0].bytes_read == 3 * 64 * 64 * 4
     _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)
@@ -275,8 +328,22 @@ def test_deepspeed_launcher_runs_the_stage(tmp_path):
     """``deepspeed --num_gpus 2 launch/hjd.py`` (CPU accelerator): the launcher's ``--local_rank`` argument is
     accepted and the two ranks build the same store as one process would."""
     model = write_tiny_llama(tmp_path / "model")
-    proc = run_hjd(["--model", str(model), "--out", str(tmp_path / "store"), "--dtype", "float64",
-                    "--targets", "q_proj,k_proj", "--device", "cpu"], nproc=2, launcher="deepspeed")
+    proc = run_hjd(
+        [
+            "--model",
+            str(model),
+            "--out",
+            str(tmp_path / "store"),
+            "--dtype",
+            "float64",
+            "--targets",
+            "q_proj,k_proj",
+            "--device",
+            "cpu",
+        ],
+        nproc=2,
+        launcher="deepspeed",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = FactorStore.open(tmp_path / "store")
     assert store.manifest.world_size == 2
@@ -286,7 +353,6 @@ def test_deepspeed_launcher_runs_the_stage(tmp_path):
 def test_srun_style_environment_runs_the_stage(tmp_path):
     """Two plain ``python launch/hjd.py`` processes with the SLURM variables srun sets (no torchrun, no
     RANK/WORLD_SIZE/MASTER_ADDR): they find each other and build the single-process store."""
-    import os
     import subprocess
     import sys
 
@@ -298,12 +364,41 @@ def test_srun_style_environment_runs_the_stage(tmp_path):
     base = clean_env()
     procs = []
     for rank in range(2):
-        env = dict(base, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", SLURM_PROCID=str(rank),
-                   SLURM_LOCALID=str(rank), SLURM_STEP_NUM_TASKS="2", SLURM_STEP_NODELIST="localhost",
-                   SLURM_JOB_ID="1", MASTER_PORT=str(port))  # MASTER_PORT as an sbatch script exports it
-        procs.append(subprocess.Popen([sys.executable, str(LAUNCH), "--model", str(model), "--out", str(tmp_path / "store"),
-                                       "--dtype", "float64", "--targets", "q_proj", "--device", "cpu"],
-                                      env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = dict(
+            base,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(REPO),
+            CUDA_VISIBLE_DEVICES="",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_STEP_NUM_TASKS="2",
+            SLURM_STEP_NODELIST="localhost",
+            SLURM_JOB_ID="1",
+            MASTER_PORT=str(port),
+        )  # MASTER_PORT as an sbatch script exports it
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(LAUNCH),
+                    "--model",
+                    str(model),
+                    "--out",
+                    str(tmp_path / "store"),
+                    "--dtype",
+                    "float64",
+                    "--targets",
+                    "q_proj",
+                    "--device",
+                    "cpu",
+                ],
+                env=env,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     store = FactorStore.open(tmp_path / "store")

@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
-from tests.support.helpers_ckpt import run_hjd, shard_of, write_tiny_llama
 from safetensors.torch import load_file, save_file
 
 from frod_ds.model.store_reader import FactorStore
 from launch.hjd import main
+from tests.support.helpers_ckpt import run_hjd, shard_of, write_tiny_llama
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 
@@ -167,5 +167,7 @@ def test_a_factor_write_on_a_full_disk_is_the_full_disk_line(tmp_path):
     recorder.pending = ("v_proj", Writes(), 0.0)
     with pytest.raises(FrodError) as raised:
         recorder.record_pending()
-    assert str(raised.value) == (f"cannot write {target}: No space left on device; free space on that disk (or "
-                                 "choose another location) and re-run the same command")
+    assert str(raised.value) == (
+        f"cannot write {target}: No space left on device; free space on that disk (or "
+        "choose another location) and re-run the same command"
+    )

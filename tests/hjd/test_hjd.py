@@ -159,8 +159,9 @@ def test_gram_route_equals_householder_fp64(case):
 def test_gram_route_fp32_reconstructs_mixed_scale_members():
     """fp32: the Gram route keeps per-member error at fp32 level also when members differ in scale by 50x
     (the Householder route's error grows with ‖W‖/‖W_i‖ there)."""
-    Ws = [w * 0.02 for w in _members([(48, 32)] * 5, seed=1, dtype=torch.float32)] + _members([(20, 32)], seed=2,
-                                                                                                dtype=torch.float32)
+    Ws = [w * 0.02 for w in _members([(48, 32)] * 5, seed=1, dtype=torch.float32)] + _members(
+        [(20, 32)], seed=2, dtype=torch.float32
+    )
     got = decompose(Ws, dtype=torch.float32, method="gram")
     _dense_check([w.double() for w in Ws], got, tol=1e-6)
 

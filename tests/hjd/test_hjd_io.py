@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors import safe_open
+
+from frod_ds.hjd.sharding import my_members, targeted_members
+from frod_ds.hjd.streaming import FactorWriter, MemberReader, plan_parts
+from frod_ds.io.hf_checkpoint import HFCheckpoint
 from tests.support.helpers_ckpt import REPO, weights, write_tiny_llama
 from tests.support.leftovers import clean_env
-
-from frod_ds.io.hf_checkpoint import HFCheckpoint
-from frod_ds.hjd.streaming import FactorWriter, MemberReader, plan_parts
-from frod_ds.hjd.sharding import my_members, targeted_members
 
 Q = [f"model.layers.{i}.self_attn.q_proj" for i in range(3)]
 
@@ -69,8 +68,14 @@ def test_writer_files_load_with_safetensors(tmp_path):
     tensors = {f"m{i}": (torch.randn(3 + i, 8, generator=g).bfloat16(), torch.rand(8, generator=g)) for i in range(4)}
     writer = FactorWriter(tmp_path, fsync=True, part_bytes=100, threads=2)
     try:
-        writer.begin("q_proj", 1, [(m, [(m + ".U", torch.bfloat16, tuple(U.shape)), (m + ".sigma", torch.float32, (8,))])
-                                   for m, (U, _) in tensors.items()])
+        writer.begin(
+            "q_proj",
+            1,
+            [
+                (m, [(m + ".U", torch.bfloat16, tuple(U.shape)), (m + ".sigma", torch.float32, (8,))])
+                for m, (U, _) in tensors.items()
+            ],
+        )
         for m, (U, s) in tensors.items():
             writer.add(m + ".U", U)
             writer.add(m + ".sigma", s)
@@ -89,9 +94,16 @@ def test_writer_files_load_with_safetensors(tmp_path):
 def test_plan_helpers_and_torch_free_import(model):
     members = targeted_members(HFCheckpoint(model).keys(), ["q_proj", "up_proj"])
     assert members["q_proj"] == Q and len(members["up_proj"]) == 3
-    assert my_members(Q, 1, 2) == Q[2:] and my_members(Q, 2, 4) == Q[2:] and my_members(Q, 3, 4) == [] and my_members(Q, 0, 1) == Q
-    code = ("import sys; import frod_ds.hjd.sharding, frod_ds.io.hf_checkpoint, launch.hjd; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    assert (
+        my_members(Q, 1, 2) == Q[2:]
+        and my_members(Q, 2, 4) == Q[2:]
+        and my_members(Q, 3, 4) == []
+        and my_members(Q, 0, 1) == Q
+    )
+    code = (
+        "import sys; import frod_ds.hjd.sharding, frod_ds.io.hf_checkpoint, launch.hjd; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -117,24 +129,38 @@ def test_readahead_budget_is_shared_by_the_ranks_of_a_node(monkeypatch):
     assert ranks_on_this_node() == 4 and plan.readahead_budget() == 2**28
 
 
-
 def test_cpu_threading_of_launch_hjd_respects_the_user_and_shares_the_cores():
     """CPU runs without OMP_NUM_THREADS: OpenMP threads wait passively and a rank takes torch's default
     thread count divided by the ranks on the node; an explicit OMP_NUM_THREADS / OMP_WAIT_POLICY is kept."""
-    code = ("import argparse, os, sys; import launch.hjd as h; ns = argparse.Namespace(device=sys.argv[1]); "
-            "h._cpu_threading_env(ns); import torch; h._set_cpu_threads(ns); "
-            "print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())")
+    code = (
+        "import argparse, os, sys; import launch.hjd as h; ns = argparse.Namespace(device=sys.argv[1]); "
+        "h._cpu_threading_env(ns); import torch; h._set_cpu_threads(ns); "
+        "print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())"
+    )
     clean = {k: v for k, v in clean_env().items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
 
     def run(device: str = "cpu", **env: str) -> tuple[str, int]:
-        proc = subprocess.run([sys.executable, "-c", code, device], cwd=REPO, env={**clean, **env}, capture_output=True,
-                              text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", code, device],
+            cwd=REPO,
+            env={**clean, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         policy, threads = proc.stdout.split()
         return policy, int(threads)
 
-    default = int(subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=clean,
-                                 capture_output=True, text=True, timeout=120).stdout)
+    default = int(
+        subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+            env=clean,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    )
     assert run() == ("PASSIVE", default)
     assert run(LOCAL_WORLD_SIZE="2") == ("PASSIVE", max(1, default // 2))
     assert run(SLURM_STEP_TASKS_PER_NODE=str(2 * default)) == ("PASSIVE", 1)

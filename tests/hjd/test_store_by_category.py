@@ -11,12 +11,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.support.helpers_ckpt import strip_checkpoint, write_tiny_llama
 
-from frod_ds.runtime.errors import StoreError
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.model.store_reader import FactorStore, check_store_matches
+from frod_ds.runtime.errors import StoreError
 from launch.hjd import main
+from tests.support.helpers_ckpt import strip_checkpoint, write_tiny_llama
 
 TARGETS = ["q_proj", "k_proj", "up_proj"]
 T = ["--targets", ",".join(TARGETS), "--device", "cpu", "--no-fsync"]
@@ -75,30 +75,48 @@ def test_store_built_category_by_category_equals_one_run(built):
 def test_incomplete_store_is_refused_with_the_categories_to_add(built, tmp_path, capsys):
     root, model, _, _ = built
     part = tmp_path / "part"
-    assert main(["--model", str(_only(model, tmp_path, "k_proj")), "--out", str(part), "--categories", "k_proj", *T]) == 0
+    assert (
+        main(["--model", str(_only(model, tmp_path, "k_proj")), "--out", str(part), "--categories", "k_proj", *T]) == 0
+    )
     out = capsys.readouterr().out
     assert "complete: False (missing q_proj, up_proj: add them with --categories q_proj,up_proj)" in out
-    with pytest.raises(StoreError, match=r"incomplete \(done: \['k_proj'\], missing: \['q_proj', 'up_proj'\]\); "
-                                         r"finish it with launch/hjd.py --out .* --categories q_proj,up_proj"):
+    with pytest.raises(
+        StoreError,
+        match=r"incomplete \(done: \['k_proj'\], missing: \['q_proj', 'up_proj'\]\); "
+        r"finish it with launch/hjd.py --out .* --categories q_proj,up_proj",
+    ):
         FactorStore.open(part)
-
 
 
 def test_training_refuses_an_incomplete_store_in_one_line(built, tmp_path, capsys):
     root, model, _, _ = built
+    from launch import train as train_cli
     from tests.support.train_env import CPU_ZERO2
 
-    from launch import train as train_cli
-
     part = tmp_path / "part"
-    assert main(["--model", str(_only(model, tmp_path, "q_proj")), "--out", str(part), "--categories", "q_proj", *T]) == 0
+    assert (
+        main(["--model", str(_only(model, tmp_path, "q_proj")), "--out", str(part), "--categories", "q_proj", *T]) == 0
+    )
     data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"task": "boolq", "id": "0", "prompt": "p", "answer": "true",
-                                "choices": ["true", "false"], "label": 0}) + "\n")
+    data.write_text(
+        json.dumps(
+            {"task": "boolq", "id": "0", "prompt": "p", "answer": "true", "choices": ["true", "false"], "label": 0}
+        )
+        + "\n"
+    )
     capsys.readouterr()
-    code = train_cli.main(["--config", str(CPU_ZERO2), f"model.base={model}", f"model.factor_store={part}",
-                           f"data.train={data}", f"output_dir={tmp_path / 'run'}", "model.dtype=float32",
-                           "model.targets=[q_proj,k_proj,up_proj]"])
+    code = train_cli.main(
+        [
+            "--config",
+            str(CPU_ZERO2),
+            f"model.base={model}",
+            f"model.factor_store={part}",
+            f"data.train={data}",
+            f"output_dir={tmp_path / 'run'}",
+            "model.dtype=float32",
+            "model.targets=[q_proj,k_proj,up_proj]",
+        ]
+    )
     line = _error(capsys)
     assert code == 2 and "is incomplete" in line and "--categories k_proj,up_proj" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -113,23 +131,30 @@ def test_rerunning_a_done_category_changes_nothing(built, capsys):
     assert FactorStore.open(parts).complete
 
 
-@pytest.mark.parametrize("case", ["pi", "quant", "dtype", "u_dtype", "other_model", "other_weight", "not_a_target",
-                                  "targets"])
+@pytest.mark.parametrize(
+    "case", ["pi", "quant", "dtype", "u_dtype", "other_model", "other_weight", "not_a_target", "targets"]
+)
 def test_adding_to_a_store_of_another_configuration_or_model_is_refused(built, tmp_path, capsys, case):
     """After q_proj is in: adding k_proj with another π, quantization, HJD dtype, U dtype, from another model (its
     untargeted tensors differ) or re-adding q_proj with another q weight is one line, and the store is untouched."""
     root, model, _, _ = built
     store = tmp_path / "store"
-    assert main(["--model", str(_only(model, tmp_path, "q_proj")), "--out", str(store), "--categories", "q_proj",
-                 *T]) == 0
+    assert (
+        main(["--model", str(_only(model, tmp_path, "q_proj")), "--out", str(store), "--categories", "q_proj", *T]) == 0
+    )
     snapshot = {p.name: p.read_bytes() for p in store.iterdir()}
     k_only = _only(model, tmp_path, "k_proj")
     argv = ["--model", str(k_only), "--out", str(store), "--categories", "k_proj", *T]
-    needle = {"pi": "pi: 0.001 there, 0.01 now", "quant": "u_quant: None there", "dtype": "hjd_dtype: 'float32' there",
-              "u_dtype": "u_dtype: 'auto' there, 'bfloat16' now",
-              "other_model": "another model's weights: the untargeted tensors differ",
-              "other_weight": "another model's weights: q_proj differ",
-              "not_a_target": "must be a non-empty subset of --targets", "targets": "targets: ["}[case]
+    needle = {
+        "pi": "pi: 0.001 there, 0.01 now",
+        "quant": "u_quant: None there",
+        "dtype": "hjd_dtype: 'float32' there",
+        "u_dtype": "u_dtype: 'auto' there, 'bfloat16' now",
+        "other_model": "another model's weights: the untargeted tensors differ",
+        "other_weight": "another model's weights: q_proj differ",
+        "not_a_target": "must be a non-empty subset of --targets",
+        "targets": "targets: [",
+    }[case]
     if case == "pi":
         argv += ["--pi", "0.01"]
     elif case == "quant":
@@ -185,9 +210,8 @@ def test_training_without_targeted_weights_equals_training_from_the_full_checkpo
     """2-rank ZeRO-3 on CPU: the checkpoint with every targeted weight deleted (U lives in the store) trains the same
     losses and adapter bit for bit as the full one; rerunning the full run's command on it is the same run (nothing
     redone); exporting the adapter over it gives the full checkpoint's merged model."""
-    from tests.support.train_env import CPU_ZERO3, build_env, metrics, run_train
-
     from frod_ds.interop.hf_export import export_transformers
+    from tests.support.train_env import CPU_ZERO3, build_env, metrics, run_train
 
     six = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
     env = build_env(tmp_path / "env")
@@ -212,12 +236,14 @@ def test_training_without_targeted_weights_equals_training_from_the_full_checkpo
 
     merged = {}
     for name, base in (("full", env.model), ("stripped", stripped)):
-        out = export_transformers(tmp_path / "run-full" / "adapter-final", tmp_path / f"export-{name}",
-                                  base_model=str(base))
+        out = export_transformers(
+            tmp_path / "run-full" / "adapter-final", tmp_path / f"export-{name}", base_model=str(base)
+        )
         merged[name] = {}
         for f in out.glob("*.safetensors"):
             merged[name].update(load_file(str(f)))
     assert merged["full"].keys() == merged["stripped"].keys()
     assert all(torch.equal(merged["full"][k], merged["stripped"][k]) for k in merged["full"])
     assert merged["full"]["model.layers.0.self_attn.q_proj.weight"].dtype == HFCheckpoint(env.model).dtype(
-        "model.layers.0.self_attn.q_proj.weight")
+        "model.layers.0.self_attn.q_proj.weight"
+    )

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from tests.support.helpers_ckpt import make_adapter, weights, write_tiny_llama
 
 from frod_ds.model.adapter import merged_state_dict
 from launch.export import main
+from tests.support.helpers_ckpt import make_adapter, weights, write_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,10 @@ def test_exported_checkpoint_loads_with_stock_transformers_and_matches(trained, 
     from transformers import LlamaForCausalLM
 
     out = tmp_path / "merged"
-    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out), "--shard-gb", str(20 * 2**10 / 2**30)]) == 0
+    assert (
+        main(["--checkpoint", str(trained["checkpoint"]), "--out", str(out), "--shard-gb", str(20 * 2**10 / 2**30)])
+        == 0
+    )
     assert "exported" in capsys.readouterr().out
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1, "small --shard-gb: several shards"
@@ -44,7 +47,10 @@ def test_exported_checkpoint_loads_with_stock_transformers_and_matches(trained, 
     others = [n for n in index["weight_map"] if n not in targeted]
     for name, base in zip(others, weights(trained["model_dir"], [n.removesuffix(".weight") for n in others])):
         assert torch.equal(state[name], base), name
-    assert provenance["factor_store_fingerprint"] == json.loads((trained["store"] / "manifest.json").read_text())["fingerprint"]
+    assert (
+        provenance["factor_store_fingerprint"]
+        == json.loads((trained["store"] / "manifest.json").read_text())["fingerprint"]
+    )
 
 
 def test_export_bf16_sets_the_config_dtype(trained, tmp_path):
@@ -71,7 +77,10 @@ def test_export_bad_input_leaves_nothing(trained, tmp_path, capsys):
     assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(tmp_path / "y"), "--dtype", "int8"]) == 2
     assert "--dtype" in capsys.readouterr().err
     other = write_tiny_llama(tmp_path / "other", seed=7)
-    assert main(["--checkpoint", str(trained["checkpoint"]), "--out", str(tmp_path / "z"), "--base-model", str(other)]) == 2
+    assert (
+        main(["--checkpoint", str(trained["checkpoint"]), "--out", str(tmp_path / "z"), "--base-model", str(other)])
+        == 2
+    )
     assert "error:" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "taken"], "no partial export left behind"
 
@@ -114,11 +123,24 @@ def test_export_carries_every_non_weight_file_of_the_base_checkpoint(trained, tm
 
     base = tmp_path / "base"
     shutil.copytree(trained["model_dir"], base)
-    carried = {"chat_template.jinja": "{{ messages }}", "tokenizer.json": "{}", "tokenizer_config.json": "{}",
-               "special_tokens_map.json": "{}", "vocab.json": "{}", "merges.txt": "#v\n", "LICENSE": "Apache",
-               "README.md": "# base", "generation_config.json": "{\"do_sample\": false}"}
-    dropped = {"pytorch_model.bin": "w", "pytorch_model.bin.index.json": "{}", "model.gguf": "w",
-               "frod_convert.json": "{}", ".gitattributes": "*"}
+    carried = {
+        "chat_template.jinja": "{{ messages }}",
+        "tokenizer.json": "{}",
+        "tokenizer_config.json": "{}",
+        "special_tokens_map.json": "{}",
+        "vocab.json": "{}",
+        "merges.txt": "#v\n",
+        "LICENSE": "Apache",
+        "README.md": "# base",
+        "generation_config.json": '{"do_sample": false}',
+    }
+    dropped = {
+        "pytorch_model.bin": "w",
+        "pytorch_model.bin.index.json": "{}",
+        "model.gguf": "w",
+        "frod_convert.json": "{}",
+        ".gitattributes": "*",
+    }
     for name, text in {**carried, **dropped}.items():
         (base / name).write_text(text)
     (base / "onnx").mkdir()
@@ -130,8 +152,12 @@ def test_export_carries_every_non_weight_file_of_the_base_checkpoint(trained, tm
     assert not any((out / name).exists() for name in [*dropped, "onnx"])
     assert json.loads((out / "config.json").read_text()) == json.loads((base / "config.json").read_text())
     names = {p.name for p in out.iterdir()}
-    assert names == set(carried) | {"config.json", "model.safetensors.index.json", "frod_export.json", ".frod-ds-output"} | {
-        n for n in names if n.startswith("model-") and n.endswith(".safetensors")}
+    assert names == set(carried) | {
+        "config.json",
+        "model.safetensors.index.json",
+        "frod_export.json",
+        ".frod-ds-output",
+    } | {n for n in names if n.startswith("model-") and n.endswith(".safetensors")}
 
 
 def test_an_adapter_with_one_changed_byte_is_refused_not_used(trained, tmp_path, capsys):
@@ -140,8 +166,8 @@ def test_an_adapter_with_one_changed_byte_is_refused_not_used(trained, tmp_path,
     the untouched copy still exports. An adapter of format 2 (no checksum) is still read."""
     import shutil
 
-    from frod_ds.model.adapter import read_adapter
     from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.model.adapter import read_adapter
 
     config = AdapterConfig.read(trained["checkpoint"] / "adapter_config.json")
     assert config.version == 3 and config.weights_crc32 and config.weights_crc32.startswith("crc32:")

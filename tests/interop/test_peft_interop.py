@@ -90,8 +90,8 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trained(env):
     """A frod-ds adapter after 8 AdamW steps on a fixed batch (σ moved, S ≠ 0), saved like training saves it."""
-    from frod_ds.model.adapter import save_adapter_from_model
     from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.model.adapter import save_adapter_from_model
     from frod_ds.model.apply import frod_modules, frod_param_groups
     from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.model.store_reader import FactorStore
@@ -112,8 +112,12 @@ def trained(env):
     moved = max((m.frod_sigma - sigma0[n]).abs().max().item() for n, m in frod_modules(model))
     s_max = max(m.frod_s.abs().max().item() for _, m in frod_modules(model))
     assert moved > 0.02 and s_max > 0.02, (moved, s_max)
-    ckpt = save_adapter_from_model(model, env.root / "frod-adapter", AdapterConfig(
-        base_model=str(env.model), factor_store=str(env.store), dtype="float32", sparsity=0.1, seed=0), store=store)
+    ckpt = save_adapter_from_model(
+        model,
+        env.root / "frod-adapter",
+        AdapterConfig(base_model=str(env.model), factor_store=str(env.store), dtype="float32", sparsity=0.1, seed=0),
+        store=store,
+    )
     return ckpt, model.eval()
 
 
@@ -164,8 +168,9 @@ def stock_peft(env):
     """A FRoD adapter made and trained (6 AdamW steps) with stock PEFT only, on the same base model."""
     from peft import FrodConfig, get_peft_model
 
-    model = get_peft_model(_base(env.model), FrodConfig(target_modules=TARGETS, sparse_rate=0.05, progressbar=False,
-                                                         projection_prng_key=3))
+    model = get_peft_model(
+        _base(env.model), FrodConfig(target_modules=TARGETS, sparse_rate=0.05, progressbar=False, projection_prng_key=3)
+    )
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = _ids(model.config.vocab_size, seed=2)
@@ -221,9 +226,22 @@ def test_imported_adapter_continues_training(env, imported, tmp_path):
     adapter = imported / "adapter"
     start = load_file(str(adapter / "adapter.safetensors"))
     out = tmp_path / "run"
-    res = run_train(CPU_ZERO3, env.overrides(out, **{
-        "model.factor_store": imported / "factor-store", "model.init_adapter": adapter, "train.max_steps": 2,
-        "train.lr_sigma": 1e-3, "train.lr_s": 1e-4, "train.warmup_ratio": 0.0, "train.save_every": 0}), nproc=0)
+    res = run_train(
+        CPU_ZERO3,
+        env.overrides(
+            out,
+            **{
+                "model.factor_store": imported / "factor-store",
+                "model.init_adapter": adapter,
+                "train.max_steps": 2,
+                "train.lr_sigma": 1e-3,
+                "train.lr_s": 1e-4,
+                "train.warmup_ratio": 0.0,
+                "train.save_every": 0,
+            },
+        ),
+        nproc=0,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     final = load_file(str(out / "adapter-final" / "adapter.safetensors"))
     assert final.keys() == start.keys()
@@ -250,8 +268,9 @@ def test_init_adapter_of_another_factor_store_is_refused(env, imported):
         _init_adapter(recipe, FactorStore.open(env.store))
 
 
-def test_peft_interop_bad_input_is_one_line_and_leaves_nothing(env, trained, stock_peft, exported, imported, tmp_path,
-                                                               capsys):
+def test_peft_interop_bad_input_is_one_line_and_leaves_nothing(
+    env, trained, stock_peft, exported, imported, tmp_path, capsys
+):
     from peft import LoraConfig, get_peft_model
 
     from tests.support.helpers_ckpt import write_tiny_llama
@@ -268,18 +287,28 @@ def test_peft_interop_bad_input_is_one_line_and_leaves_nothing(env, trained, sto
     corrupt = tmp_path / "corrupt"
     shutil.copytree(stock_peft, corrupt)
     (corrupt / "adapter_config.json").write_text("{not json")
-    other = write_tiny_llama(tmp_path / "other", seed=7, vocab_size=_base(env.model).config.vocab_size,
-                             hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2)
+    other = write_tiny_llama(
+        tmp_path / "other",
+        seed=7,
+        vocab_size=_base(env.model).config.vocab_size,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("not ours")
     imp = ["--base-model", str(env.model)]
     assert "not a FRoD one" in err(["--from-peft", str(lora), *imp, "--out", str(tmp_path / "x1")])
-    assert "not a PEFT adapter directory" in err(["--from-peft", str(tmp_path / "nowhere"), *imp, "--out", str(tmp_path / "x2")])
+    assert "not a PEFT adapter directory" in err(
+        ["--from-peft", str(tmp_path / "nowhere"), *imp, "--out", str(tmp_path / "x2")]
+    )
     assert "corrupt" in err(["--from-peft", str(corrupt), *imp, "--out", str(tmp_path / "x3")])
-    assert "another base model" in err(["--from-peft", str(stock_peft), "--base-model", str(other), "--out",
-                                        str(tmp_path / "x4")])
+    assert "another base model" in err(
+        ["--from-peft", str(stock_peft), "--base-model", str(other), "--out", str(tmp_path / "x4")]
+    )
     assert "not written by frod-ds" in err(["--from-peft", str(stock_peft), *imp, "--out", str(foreign), "--overwrite"])
     assert "pass --overwrite" in err(["--from-peft", str(stock_peft), *imp, "--out", str(imported)])
     ck = ["--checkpoint", str(trained[0]), "--format", "peft"]
@@ -287,7 +316,14 @@ def test_peft_interop_bad_input_is_one_line_and_leaves_nothing(env, trained, sto
     assert "pass --overwrite" in err([*ck, "--out", str(exported)])
     assert "--peft-tol" in err([*ck, "--out", str(tmp_path / "x5"), "--peft-tol", "0"])
     assert "--format hf only" in err([*ck, "--out", str(tmp_path / "x6"), "--dtype", "bfloat16"])
-    assert "--checkpoint only" in err(["--from-peft", str(stock_peft), "--format", "peft", "--out", str(tmp_path / "x7")])
+    assert "--checkpoint only" in err(
+        ["--from-peft", str(stock_peft), "--format", "peft", "--out", str(tmp_path / "x7")]
+    )
     assert (foreign / "keep.txt").read_text() == "not ours"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt", "foreign", "lora", "other"], "nothing partial"
-    assert sorted(p.name for p in imported.iterdir()) == [".frod-ds-output", "adapter", "factor-store", "frod_import.json"]
+    assert sorted(p.name for p in imported.iterdir()) == [
+        ".frod-ds-output",
+        "adapter",
+        "factor-store",
+        "frod_import.json",
+    ]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from tests.support.helpers_ckpt import shard_files, shard_of, write_tiny_llama
 
 from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from tests.support.helpers_ckpt import shard_files, shard_of, write_tiny_llama
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 
@@ -30,8 +30,9 @@ def test_checkpoint_reads_each_tensor_from_its_shard(ckpt_dir):
         assert ckpt.shape(name) == tuple(state[name].shape)
         assert ckpt.dtype(name) == torch.bfloat16
         assert torch.equal(ckpt.get(name), state[name])
-    assert ckpt.tensors_read == 3 and ckpt.bytes_read == sum(state[n].numel() * 2 for n in
-                                                             [Q0, "model.layers.2.mlp.up_proj.weight", "lm_head.weight"])
+    assert ckpt.tensors_read == 3 and ckpt.bytes_read == sum(
+        state[n].numel() * 2 for n in [Q0, "model.layers.2.mlp.up_proj.weight", "lm_head.weight"]
+    )
 
 
 def test_checkpoint_single_file_without_index(tmp_path):

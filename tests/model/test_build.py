@@ -107,8 +107,10 @@ def _built_both_ways(tmp_path, flag: str, holder_type):
     holders: one per decoder layer, each holding every target of it; the off-build has none."""
     model_dir = write_tiny_llama(tmp_path / "m")
     store = _store_for(model_dir, tmp_path / "f")
-    models = {flat: build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32,
-                                     **{flag: flat}) for flat in (False, True)}
+    models = {
+        flat: build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32, **{flag: flat})
+        for flat in (False, True)
+    }
     holders = [m for m in models[True].modules() if isinstance(m, holder_type)]
     assert len(holders) == models[True].config.num_hidden_layers and len(holders[0].members) == len(TARGETS)
     assert not any(isinstance(m, holder_type) for m in models[False].modules())
@@ -162,15 +164,17 @@ def test_flat_frozen_u_computes_exactly_as_one_parameter_per_member(tmp_path):
     from frod_ds.model.adapter import merged_state_dict
 
     merged = {flat: merged_state_dict(m) for flat, m in models.items()}  # the export's dense weights: the same
-    assert list(merged[True]) == list(merged[False]) and all(torch.equal(merged[True][k], v)
-                                                             for k, v in merged[False].items())
+    assert list(merged[True]) == list(merged[False]) and all(
+        torch.equal(merged[True][k], v) for k, v in merged[False].items()
+    )
     _same_loss_backward(models, torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0)))
     for name, m in ((n, m) for n, m in models[False].named_modules() if isinstance(m, FRoDLinear)):
         assert torch.equal(m.frod_s.grad, flat_layers[name].frod_s.grad), name
         assert torch.equal(m.frod_sigma.grad, flat_layers[name].frod_sigma.grad), name
     assert all(h.U.grad is None for h in holders)
-    nf4 = build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32, quant="nf4",
-                           flat_frozen=True)
+    nf4 = build_frod_model(
+        model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32, quant="nf4", flat_frozen=True
+    )
     assert not any(isinstance(m, FRoDFrozen) for m in nf4.modules())
 
 
@@ -184,8 +188,10 @@ def test_flat_trainables_train_exactly_as_one_parameter_per_layer(tmp_path):
     model_dir, store, models, holders = _built_both_ways(tmp_path, "flat_trainables", FRoDTrainables)
     assert sum(p.requires_grad for p in models[True].parameters()) == 2 * len(holders)
     _keeps_holders_not_views(models[True], [p for h in holders for p in (h.frod_sigma, h.frod_s)])
-    opts = {flat: torch.optim.AdamW(frod_param_groups(m, lr_sigma=1e-2, lr_s=1e-3), foreach=False)
-            for flat, m in models.items()}
+    opts = {
+        flat: torch.optim.AdamW(frod_param_groups(m, lr_sigma=1e-2, lr_s=1e-3), foreach=False)
+        for flat, m in models.items()
+    }
     g = torch.Generator().manual_seed(3)
     for _ in range(3):
         _same_loss_backward(models, torch.randint(0, 64, (2, 9), generator=g))
@@ -200,9 +206,16 @@ def test_flat_trainables_train_exactly_as_one_parameter_per_layer(tmp_path):
             opt.zero_grad()
     ref, got = adapter_state(models[False])[0], adapter_state(models[True])[0]
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
-    assert any(not torch.equal(v, adapter_state(build_frod_model(
-        model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32))[0][k]) for k, v in got.items()
-        if k.endswith("frod_s")), "the steps moved S"
+    assert any(
+        not torch.equal(
+            v,
+            adapter_state(build_frod_model(model_dir, store, make_supports(store, TARGETS, 0.1, 0), torch.float32))[0][
+                k
+            ],
+        )
+        for k, v in got.items()
+        if k.endswith("frod_s")
+    ), "the steps moved S"
 
 
 def test_fixed_parameter_walks_replay_the_walk_and_follow_a_copy(tmp_path):
@@ -221,9 +234,12 @@ def test_fixed_parameter_walks_replay_the_walk_and_follow_a_copy(tmp_path):
     assert len(fixed) == model.config.num_hidden_layers + 1 and fixed[0] is model
 
     def walks(m):
-        return [[(n, id(p)) for n, p in f(prefix=pre, recurse=rec)]
-                for f in (m.named_parameters, lambda **k: type(m).named_parameters(m, **k))
-                for pre in ("", "x") for rec in (True, False)]
+        return [
+            [(n, id(p)) for n, p in f(prefix=pre, recurse=rec)]
+            for f in (m.named_parameters, lambda **k: type(m).named_parameters(m, **k))
+            for pre in ("", "x")
+            for rec in (True, False)
+        ]
 
     for m in fixed:
         got = walks(m)

@@ -83,11 +83,13 @@ def test_committed_report_is_generated_from_its_results():
     the committed run met the tolerance over all its steps."""
     import json
 
-    from bench.frod_vs_peft import DEFAULT_OUT, TOL as BENCH_TOL, render_report
+    from bench.frod_vs_peft import DEFAULT_OUT, render_report
+    from bench.frod_vs_peft import TOL as BENCH_TOL
 
     results = json.loads((DEFAULT_OUT / "results.json").read_text())
-    assert (DEFAULT_OUT / "report.md").read_text() == render_report(results), \
+    assert (DEFAULT_OUT / "report.md").read_text() == render_report(results), (
         "run python bench/frod_vs_peft.py --report-only (do not edit the report by hand)"
+    )
     steps = results["run"]["steps"]
     assert results["complete"] and len(steps) == results["setup"]["steps"] >= 50
     assert max(r["loss_rel_diff"] for r in steps) <= BENCH_TOL

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-from tests.support.helpers_ckpt import shard_of, weights, write_tiny_llama
 
+from frod_ds.formats.factor_store import FORMAT_VERSION
 from frod_ds.io.fingerprint import sample_ranges, weights_fingerprint
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.model.store_reader import FactorStore, check_store_matches
-from frod_ds.formats.factor_store import FORMAT_VERSION
 from launch.hjd import main
+from tests.support.helpers_ckpt import shard_of, weights, write_tiny_llama
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
 
@@ -98,8 +98,11 @@ def test_check_store_matches_refuses_another_model(tmp_path, bf16_store):
     store = FactorStore.open(path)
     check_store_matches(store, HFCheckpoint(model))
     other = write_tiny_llama(tmp_path / "other", seed=7, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"was built from .* \(fingerprint [0-9a-f]{16}…\) but .* has fingerprint "
-                                         r"[0-9a-f]{16}…; rebuild it with launch/hjd.py"):
+    with pytest.raises(
+        ValueError,
+        match=r"was built from .* \(fingerprint [0-9a-f]{16}…\) but .* has fingerprint "
+        r"[0-9a-f]{16}…; rebuild it with launch/hjd.py",
+    ):
         check_store_matches(store, HFCheckpoint(other))
 
 
@@ -153,8 +156,11 @@ def test_a_changed_byte_in_any_factor_file_is_refused_at_load(tmp_path, bf16_sto
         data[at] ^= 0x01
         (copy / fname).write_bytes(bytes(data))
         store = FactorStore.open(copy)
-        with pytest.raises(StoreError, match=rf"{fname} is corrupt \(its checksum is crc32:[0-9a-f]{{8}}, the manifest "
-                                             r"records crc32:[0-9a-f]{8}\); rebuild the store"):
+        with pytest.raises(
+            StoreError,
+            match=rf"{fname} is corrupt \(its checksum is crc32:[0-9a-f]{{8}}, the manifest "
+            r"records crc32:[0-9a-f]{8}\); rebuild the store",
+        ):
             for category, members in store.categories.items():
                 store.load_V(category)
                 for m in members:

@@ -8,16 +8,43 @@ import sys
 
 import pytest
 
-from frod_ds.plan.memory import (Engine, TrainShape, candidates, hint, model_shape_from_config, plan_memory, recommend,
-                             shipped_engines)
+from frod_ds.plan.memory import (
+    Engine,
+    TrainShape,
+    hint,
+    model_shape_from_config,
+    plan_memory,
+    recommend,
+    shipped_engines,
+)
 from tests.support.train_env import REPO, env_vars
 
-TINY = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=100)
-LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
-LLAMA2_70B = dict(LLAMA2_7B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                  num_key_value_heads=8)
+TINY = dict(
+    model_type="llama",
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+)
+LLAMA2_7B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+)
+LLAMA2_70B = dict(
+    LLAMA2_7B,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+)
 
 
 def test_zero2_plan_equals_hand_computation():
@@ -34,9 +61,17 @@ def test_zero2_plan_equals_hand_computation():
     per_token = 2 * 4 * 64 + e * 4 * 64 + 4 * 4 + e * 3 * 128 + e * 64 * 6  # norms fp32, SDPA q k v o + lse, SwiGLU, z
     act = per_token * T * L
     loss = T * 100 * (e + 12)
-    want = {"frozen U_i": U, "frozen V": V, "frozen other": other, "trainable + optimizer": train_bytes,
-            "activations": act, "M kept for backward": 0, "logits + loss": loss, "ZeRO-3 gathered": 0,
-            "DeepSpeed buffers": 1000 * e}
+    want = {
+        "frozen U_i": U,
+        "frozen V": V,
+        "frozen other": other,
+        "trainable + optimizer": train_bytes,
+        "activations": act,
+        "M kept for backward": 0,
+        "logits + loss": loss,
+        "ZeRO-3 gathered": 0,
+        "DeepSpeed buffers": 1000 * e,
+    }
     assert plan.parts == pytest.approx(want)
     assert plan.allocated == pytest.approx(621136)
     assert plan.activations_other == pytest.approx(L * e * 64 * T + per_token * T)  # checkpointing: inputs + one layer
@@ -55,8 +90,14 @@ def test_zero3_nf4_plan_with_m_kept_equals_hand_computation():
         codes = -(-(m * n // 2) // 8) * 8
         return -(-(codes + 4 * (m * n // 64)) // 8) * 8
 
-    blobs = [nf4_bytes(64, 64), nf4_bytes(32, 64), nf4_bytes(32, 64), nf4_bytes(64, 64), nf4_bytes(128, 64),
-             nf4_bytes(128, 64)]
+    blobs = [
+        nf4_bytes(64, 64),
+        nf4_bytes(32, 64),
+        nf4_bytes(32, 64),
+        nf4_bytes(64, 64),
+        nf4_bytes(128, 64),
+        nf4_bytes(128, 64),
+    ]
     assert blobs == [2304, 1152, 1152, 2304, 4608, 4608]
     U = sum(blobs) * L / 2  # every blob ≥ 100 elements: partitioned
     V = 6 * 64 * 64 * e / 2
@@ -72,9 +113,17 @@ def test_zero3_nf4_plan_with_m_kept_equals_hand_computation():
     P_layer = sum(blobs) / 2 + 64 * 128 + 1024 * 6  # gathered per layer: blobs, down_proj, S values (σ, norms persist)
     kept = 2  # 2k·P_layer + P_head < 60000 for k = 0, 1
     gathered = (kept * P_layer + 100 * 64 + 500) * e + 6 * 64 * 64 * e
-    want = {"frozen U_i": U, "frozen V": V, "frozen other": other, "trainable + optimizer": train_bytes,
-            "activations": per_token * T * L, "M kept for backward": M, "logits + loss": loss,
-            "ZeRO-3 gathered": gathered, "DeepSpeed buffers": 1000 * e}
+    want = {
+        "frozen U_i": U,
+        "frozen V": V,
+        "frozen other": other,
+        "trainable + optimizer": train_bytes,
+        "activations": per_token * T * L,
+        "M kept for backward": M,
+        "logits + loss": loss,
+        "ZeRO-3 gathered": gathered,
+        "DeepSpeed buffers": 1000 * e,
+    }
     assert plan.parts == pytest.approx(want)
     assert plan.allocated == pytest.approx(707256)
 
@@ -109,10 +158,20 @@ def test_offloaded_parameters_are_gathered_as_full_copies_on_one_gpu_too():
     kept."""
     model = model_shape_from_config(TINY)
     train = TrainShape(micro_batch=2, seq_len=8, sparsity=0.25)
-    off = Engine("off", 3, offload_param=True, offload_optimizer=True, persistence=0, prefetch_bucket=0,
-                 max_live=10**9, max_reuse=10**9)
+    off = Engine(
+        "off",
+        3,
+        offload_param=True,
+        offload_optimizer=True,
+        persistence=0,
+        prefetch_bucket=0,
+        max_live=10**9,
+        max_reuse=10**9,
+    )
     on_gpu = Engine("z3", 3, persistence=0, prefetch_bucket=0, max_live=10**9, max_reuse=10**9)
-    layer = (2 * 64 * 64 + 2 * 32 * 64 + 2 * 128 * 64 + 64 * 128) + 2 * 64 + 6 * (64 + 1024)  # q,o k,v gate,up down; norms
+    layer = (
+        (2 * 64 * 64 + 2 * 32 * 64 + 2 * 128 * 64 + 64 * 128) + 2 * 64 + 6 * (64 + 1024)
+    )  # q,o k,v gate,up down; norms
     by_hand = (3 * layer + 100 * 64) * 2 + 6 * 64 * 64 * 2
     for gpus in (1, 2):
         assert plan_memory(model, train, off, gpus, 1e9).parts["ZeRO-3 gathered"] == by_hand
@@ -152,8 +211,8 @@ def test_hint_names_the_faster_or_the_fitting_set_up():
 
 
 def test_train_hint_reads_the_recipe_and_the_json(tmp_path):
-    from frod_ds.plan.memory import train_hint
     from frod_ds.config.recipe import load_recipe
+    from frod_ds.plan.memory import train_hint
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
@@ -164,7 +223,7 @@ def test_train_hint_reads_the_recipe_and_the_json(tmp_path):
     assert train_hint(recipe, str(REPO / "ds_configs" / "zero3.json"), 2, 79.1 * 2**30) is None
 
 
-# ---- the decision launch/train.py's hint is built on (formerly frod_ds/engine_choice.py's rule) -----------------------
+# ---- the decision launch/train.py's hint is built on (formerly frod_ds/engine_choice.py's rule) ----------------------
 
 
 def _needed(model, train, name: str, gpus: int) -> float:
@@ -185,7 +244,10 @@ def test_recommendation_boundary_is_where_the_faster_set_up_stops_fitting(shape,
     assert "the fastest set-up fits" in rec.reason
     smaller = recommend(model, train, gpus, z2 - 1)
     assert smaller is None or (smaller.engine.name, smaller.quant, smaller.checkpointing) != (
-        "ds_configs/zero2.json", "none", False)
+        "ds_configs/zero2.json",
+        "none",
+        False,
+    )
     if smaller is not None:
         assert "more than" in smaller.reason and smaller.plan.needed <= z2 - 1
 
@@ -196,10 +258,17 @@ def test_shipped_configs_map_to_their_engine():
 
     cfgs = {p.stem: json.loads(p.read_text()) for p in (REPO / "ds_configs").glob("*.json")}
     got = {k: (engine_from_ds_config(c).stage, engine_from_ds_config(c).offload_param) for k, c in cfgs.items()}
-    assert got == {"zero2": (2, False), "zero2_cpu_fp32": (2, False), "zero3": (3, False), "zero3_cpu_fp32": (3, False),
-                   "zero3_offload": (3, True), "zero3_nvme": (3, True)}
-    assert [e.name for e in shipped_engines()] == [f"ds_configs/{f}" for f in ("zero2.json", "zero3.json",
-                                                                               "zero3_offload.json", "zero3_nvme.json")]
+    assert got == {
+        "zero2": (2, False),
+        "zero2_cpu_fp32": (2, False),
+        "zero3": (3, False),
+        "zero3_cpu_fp32": (3, False),
+        "zero3_offload": (3, True),
+        "zero3_nvme": (3, True),
+    }
+    assert [e.name for e in shipped_engines()] == [
+        f"ds_configs/{f}" for f in ("zero2.json", "zero3.json", "zero3_offload.json", "zero3_nvme.json")
+    ]
     assert all((REPO / e.name).is_file() for e in shipped_engines())
 
 
@@ -207,8 +276,8 @@ def test_train_hint_boundaries_follow_the_plan(tmp_path):
     """launch/train.py's hint (``train_hint``) at the planner's own boundaries: silent where the chosen config is
     the fastest that fits; names ZeRO-2 when ZeRO-3 was chosen and ZeRO-2 fits; says out of memory (one line) when
     ZeRO-2 was chosen and does not fit; silent again when the partitioned model fits more GPUs."""
-    from frod_ds.plan.memory import train_hint
     from frod_ds.config.recipe import load_recipe
+    from frod_ds.plan.memory import train_hint
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
@@ -240,8 +309,8 @@ def test_launch_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypa
 
     import frod_ds.runtime.distributed as dist
     import frod_ds.train.trainer as trainer
-    from frod_ds.plan.memory import train_hint, train_shape_from_recipe
     from frod_ds.config.recipe import load_recipe
+    from frod_ds.plan.memory import train_hint, train_shape_from_recipe
     from launch.train import parse_args, train
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
@@ -255,8 +324,10 @@ def test_launch_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypa
     monkeypatch.setattr(trainer, "setup", lambda *a: "run")
     monkeypatch.setattr(trainer, "fit", lambda run: 0)
     config = str(REPO / "ds_configs" / "zero3.json")
-    assert train(parse_args(["--config", config, "--recipe", str(REPO / "recipes" / "llama2_7b_cs170k.yaml"),
-                             *overrides])) == 0
+    assert (
+        train(parse_args(["--config", config, "--recipe", str(REPO / "recipes" / "llama2_7b_cs170k.yaml"), *overrides]))
+        == 0
+    )
     printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     if rank == 0:
         assert printed == [train_hint(recipe, config, 1, gpu)] and printed[0].startswith("hint:")
@@ -269,17 +340,42 @@ def test_launch_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypa
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "frod_ds", "plan", *args], env=env_vars(), cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "frod_ds", "plan", *args],
+        env=env_vars(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_prints_every_part_and_the_verdict(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
-    res = _plan("--model", str(tmp_path), "--gpus", "2", "--config", "ds_configs/zero3.json", "--seq-len", "512",
-                "train.micro_batch_size=4")
+    res = _plan(
+        "--model",
+        str(tmp_path),
+        "--gpus",
+        "2",
+        "--config",
+        "ds_configs/zero3.json",
+        "--seq-len",
+        "512",
+        "train.micro_batch_size=4",
+    )
     assert res.returncode == 0, res.stderr
-    for part in ("frozen U_i", "frozen V", "frozen other", "trainable + optimizer", "activations",
-                 "M kept for backward", "logits + loss", "ZeRO-3 gathered", "DeepSpeed buffers", "total allocated"):
+    for part in (
+        "frozen U_i",
+        "frozen V",
+        "frozen other",
+        "trainable + optimizer",
+        "activations",
+        "M kept for backward",
+        "logits + loss",
+        "ZeRO-3 gathered",
+        "DeepSpeed buffers",
+        "total allocated",
+    ):
         assert part in res.stdout, part
     assert "fits" in res.stdout and "fastest set-up that fits: ds_configs/zero2.json" in res.stdout
     assert "activations with gradient checkpointing" in res.stdout
@@ -287,11 +383,17 @@ def test_cli_prints_every_part_and_the_verdict(tmp_path):
     assert res.returncode == 1 and "does NOT fit" in res.stdout
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e7}}, 'did you mean "zero_optimization.reduce_bucket_size"'),
-    ({"gradient_cliping": 1.0}, 'did you mean "gradient_clipping"'),
-    ({"zero_optimization": {"stage": 9}}, "zero_optimization.stage must be 0, 1, 2 or 3, got 9"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (
+            {"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e7}},
+            'did you mean "zero_optimization.reduce_bucket_size"',
+        ),
+        ({"gradient_cliping": 1.0}, 'did you mean "gradient_clipping"'),
+        ({"zero_optimization": {"stage": 9}}, "zero_optimization.stage must be 0, 1, 2 or 3, got 9"),
+    ],
+)
 def test_cli_plan_refuses_a_deepspeed_json_training_would_refuse(tmp_path, change, needle):
     """A misspelled key plans against DeepSpeed's default silently unless refused, as training refuses it."""
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
@@ -302,11 +404,14 @@ def test_cli_plan_refuses_a_deepspeed_json_training_would_refuse(tmp_path, chang
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
 
 
-@pytest.mark.parametrize("config,needle", [
-    (None, "has no config.json"),
-    ({"model_type": "gpt2", "n_embd": 768}, "model_type 'gpt2' is not one the planner models"),
-    ({"model_type": "llama", "hidden_size": 64}, "missing or non-integer intermediate_size"),
-])
+@pytest.mark.parametrize(
+    "config,needle",
+    [
+        (None, "has no config.json"),
+        ({"model_type": "gpt2", "n_embd": 768}, "model_type 'gpt2' is not one the planner models"),
+        ({"model_type": "llama", "hidden_size": 64}, "missing or non-integer intermediate_size"),
+    ],
+)
 def test_cli_bad_model_is_one_line(tmp_path, config, needle):
     if config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
@@ -318,8 +423,8 @@ def test_cli_bad_model_is_one_line(tmp_path, config, needle):
 
 def test_planner_errors_are_user_errors(tmp_path):
     """In-process: the planner's and the config lookup's errors are ``FrodError``s (the entry prints them)."""
-    from frod_ds.runtime.errors import CheckpointError
     from frod_ds.plan.memory import PlanError, load_model_shape
+    from frod_ds.runtime.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="has no config.json"):
         load_model_shape(str(tmp_path))

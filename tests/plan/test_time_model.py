@@ -7,18 +7,49 @@ from pathlib import Path
 
 import pytest
 
-from frod_ds.plan.memory import (GiB, TrainShape, frozen_tensors, model_shape_from_config, plan_memory,
-                                  predicted_seconds, recommend, shipped_engines)
-from frod_ds.plan.step_time import (CHECK_GOAL, EFFICIENCY, HOST_LAYER_PASS_S, ZERO3_FROZEN_TENSOR_PASS_S,
-                                 ZERO3_LAYER_PASS_S, ZERO3_NVTX_LAYER_PASS_S,
-                                 ZERO_CHECK_TENSOR_S, ZERO_STEP_HOST_S, ZERO_TENSOR_HOST_S, Link,
-                                 step_time)
+from frod_ds.plan.memory import (
+    GiB,
+    TrainShape,
+    frozen_tensors,
+    model_shape_from_config,
+    plan_memory,
+    predicted_seconds,
+    recommend,
+    shipped_engines,
+)
+from frod_ds.plan.step_time import (
+    CHECK_GOAL,
+    EFFICIENCY,
+    HOST_LAYER_PASS_S,
+    ZERO3_FROZEN_TENSOR_PASS_S,
+    ZERO3_LAYER_PASS_S,
+    ZERO3_NVTX_LAYER_PASS_S,
+    ZERO_CHECK_TENSOR_S,
+    ZERO_STEP_HOST_S,
+    ZERO_TENSOR_HOST_S,
+    Link,
+    step_time,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000}
-LLAMA2_70B = {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-              "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000}
+LLAMA2_7B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32000,
+}
+LLAMA2_70B = {
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+}
 
 
 def _engines():
@@ -43,8 +74,9 @@ def test_step_parts_add_up_from_flops_host_work_and_the_link():
     assert z2.seconds == pytest.approx(max(compute, sum(z2.host.values()))), "the host overlaps the device"
     assert "overflow check" not in z2.parts, "the shipped zero2.json skips DeepSpeed's per-gradient bf16 check"
     per_member = dataclasses.replace(train, flat_trainables=False)
-    assert step_time(model, per_member, e["zero2"], 1, link).host["DeepSpeed tensors"] == \
-        pytest.approx(ZERO_TENSOR_HOST_S * 32 * 6 * 2), "σ and S, 6 targets x 32"
+    assert step_time(model, per_member, e["zero2"], 1, link).host["DeepSpeed tensors"] == pytest.approx(
+        ZERO_TENSOR_HOST_S * 32 * 6 * 2
+    ), "σ and S, 6 targets x 32"
     checked = dataclasses.replace(e["zero2"], bf16_overflow_check=True)
     z2c = step_time(model, train, checked, 1, link)
     assert z2c.parts["overflow check"] == pytest.approx(ZERO_CHECK_TENSOR_S * 64)
@@ -61,14 +93,17 @@ def test_step_parts_add_up_from_flops_host_work_and_the_link():
     nf4 = step_time(model, dataclasses.replace(train, quant="nf4"), e["zero3"], 2, link)  # a quantized U: one each
     assert nf4.host["ZeRO-3 layer fetch"] == pytest.approx(fetch * 32 * 2)
     nvtx = step_time(model, dataclasses.replace(train, deepspeed_nvtx=True), e["zero3"], 2, link)
-    assert nvtx.host["ZeRO-3 layer fetch"] == \
-        pytest.approx(z3.host["ZeRO-3 layer fetch"] + ZERO3_NVTX_LAYER_PASS_S * 64)
-    assert step_time(model, dataclasses.replace(train, deepspeed_nvtx=True), e["zero2"], 1, link).seconds == \
-        pytest.approx(z2.seconds), "ZeRO-2 measured the same either way"
+    assert nvtx.host["ZeRO-3 layer fetch"] == pytest.approx(
+        z3.host["ZeRO-3 layer fetch"] + ZERO3_NVTX_LAYER_PASS_S * 64
+    )
+    assert step_time(
+        model, dataclasses.replace(train, deepspeed_nvtx=True), e["zero2"], 1, link
+    ).seconds == pytest.approx(z2.seconds), "ZeRO-2 measured the same either way"
     frozen = sum(b * c for g in frozen_tensors(model, train).values() for b, c, _ in g)
     assert z3.parts["link"] == pytest.approx(1.2 * 2 * frozen / 2 / 100e9), "the half a rank lacks, twice"
-    assert z3.seconds == pytest.approx(max(compute, sum(z3.host.values())) + z3.parts["link"]
-                                       + z3.parts["gradient reduce"])
+    assert z3.seconds == pytest.approx(
+        max(compute, sum(z3.host.values())) + z3.parts["link"] + z3.parts["gradient reduce"]
+    )
     slow = step_time(model, train, e["zero3"], 2, dataclasses.replace(link, host=2.0))
     assert slow.host == {k: pytest.approx(2 * v) for k, v in z3.host.items()}, "host work scales with the host"
     gc = step_time(model, TrainShape(micro_batch=4, seq_len=512, checkpointing=True), e["zero3"], 2, link)
@@ -122,7 +157,9 @@ def test_a_step_is_the_slower_of_host_and_device():
     device = t.parts["compute"] + t.parts["dequantize"]
     host = 2 * 8 * (HOST_LAYER_PASS_S + 6 * HOST_DEQUANT_CALL_S)
     assert host > device and t.seconds == pytest.approx(host)
-    assert t.parts["dequantize"] == pytest.approx(DEQUANT_DEVICE_S["nf4"] * 2 * 8 * (4 * 4096 * 4096 + 2 * 11008 * 4096))
+    assert t.parts["dequantize"] == pytest.approx(
+        DEQUANT_DEVICE_S["nf4"] * 2 * 8 * (4 * 4096 * 4096 + 2 * 11008 * 4096)
+    )
     slow = step_time(seven, train, e["zero2"], 1, Link(host=2.0), plain=True)
     assert slow.seconds == pytest.approx(2 * host)
     bf16 = step_time(seven, TrainShape(micro_batch=4, seq_len=512), e["zero2"], 1, Link(), plain=True)
@@ -161,7 +198,9 @@ def test_hint_names_a_faster_engine_with_both_predictions():
     line = hint(small, train, e["zero3"], 2, 79.1 * GiB)
     z2 = predicted_seconds(small, plan_memory(small, train, e["zero2"], 2, 79.1 * GiB))
     z3 = predicted_seconds(small, plan_memory(small, train, e["zero3"], 2, 79.1 * GiB))
-    assert line.startswith("hint: ds_configs/zero2.json fits") and f"predicted {z2 * 1e3:.0f} vs {z3 * 1e3:.0f} ms" in line
+    assert (
+        line.startswith("hint: ds_configs/zero2.json fits") and f"predicted {z2 * 1e3:.0f} vs {z3 * 1e3:.0f} ms" in line
+    )
     assert hint(small, train, e["zero2"], 2, 79.1 * GiB) is None, "nothing predicted faster"
     one = [predicted_seconds(small, plan_memory(small, train, e[k], 1, 79.1 * GiB)) for k in ("zero2", "zero3")]
     assert one[1] > one[0] / (1 - 0.15), "one GPU, 7B in bf16: ZeRO-3's layer fetches make it the slower by more"

@@ -24,8 +24,11 @@ def run_build(out: Path, source: Path = MIRROR, **kw) -> tuple[dict, dict]:
 
 
 def file_bytes(out: Path) -> dict[str, bytes]:
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.name != ".frod-ds-output"}  # the data files; the marker is atomic.py's
+    return {
+        p.relative_to(out).as_posix(): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name != ".frod-ds-output"
+    }  # the data files; the marker is atomic.py's
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +51,16 @@ def test_build_writes_train_eval_and_manifest(built):
 def test_manifest_counts_kept_and_dropped_per_task_and_split(built):
     _, manifest, _ = built
     kept = {t: (c["train"]["kept"], c["eval"]["kept"]) for t, c in manifest["counts"].items()}
-    assert kept == {"boolq": (3, 2), "piqa": (2, 1), "siqa": (2, 2), "hellaswag": (2, 1), "winogrande": (2, 1),
-                    "obqa": (2, 1), "arc_easy": (2, 1), "arc_challenge": (1, 1)}
+    assert kept == {
+        "boolq": (3, 2),
+        "piqa": (2, 1),
+        "siqa": (2, 2),
+        "hellaswag": (2, 1),
+        "winogrande": (2, 1),
+        "obqa": (2, 1),
+        "arc_easy": (2, 1),
+        "arc_challenge": (1, 1),
+    }
     assert manifest["dropped"] == {
         "boolq": {"train": {"missing field 'passage'": 1, "wrong type for 'answer'": 1}},
         "piqa": {"train": {"label missing": 1, "label out of range": 1, "row is not an object": 1}},
@@ -68,8 +79,16 @@ def test_manifest_counts_kept_and_dropped_per_task_and_split(built):
 def test_eval_split_is_validation_or_test_for_obqa_and_arc(built):
     _, manifest, _ = built
     splits = {t: c["eval"]["split"] for t, c in manifest["counts"].items()}
-    assert splits == {"boolq": "validation", "piqa": "validation", "siqa": "validation", "hellaswag": "validation",
-                      "winogrande": "validation", "obqa": "test", "arc_easy": "test", "arc_challenge": "test"}
+    assert splits == {
+        "boolq": "validation",
+        "piqa": "validation",
+        "siqa": "validation",
+        "hellaswag": "validation",
+        "winogrande": "validation",
+        "obqa": "test",
+        "arc_easy": "test",
+        "arc_challenge": "test",
+    }
     assert manifest["sources"]["obqa"]["eval"]["path"] == "obqa/test.jsonl"
     assert manifest["sources"]["piqa"]["train"]["path"] == "piqa/train.json"
 
@@ -95,8 +114,16 @@ def test_every_output_row_has_the_schema(built):
 def test_train_is_a_shuffle_of_all_training_rows(built):
     out, _, _ = built
     rows = read_rows(out / "train.jsonl")
-    assert Counter(r["task"] for r in rows) == {"boolq": 3, "piqa": 2, "siqa": 2, "hellaswag": 2, "winogrande": 2,
-                                               "obqa": 2, "arc_easy": 2, "arc_challenge": 1}
+    assert Counter(r["task"] for r in rows) == {
+        "boolq": 3,
+        "piqa": 2,
+        "siqa": 2,
+        "hellaswag": 2,
+        "winogrande": 2,
+        "obqa": 2,
+        "arc_easy": 2,
+        "arc_challenge": 1,
+    }
     assert len({(r["task"], r["id"]) for r in rows}) == len(rows)
     assert [r["task"] for r in rows] != sorted((r["task"] for r in rows), key=list(TASKS).index)
 
@@ -105,10 +132,13 @@ def test_awkward_rows_come_out_rendered_verbatim(built):
     out, _, _ = built
     rows = {(r["task"], r["id"]): r for r in read_rows(out / "train.jsonl")}
     assert rows["boolq", "boolq-train-0"] == {
-        "task": "boolq", "id": "boolq-train-0",
+        "task": "boolq",
+        "id": "boolq-train-0",
         "prompt": "Reference document:\n  Sky \u2014 \u00abbleu\u00bb \U0001f30c\nsecond line {0} \nQuestion:\n"
-                  "is the sky blue {at night}?",
-        "answer": "false", "choices": ["true", "false"], "label": 1,
+        "is the sky blue {at night}?",
+        "answer": "false",
+        "choices": ["true", "false"],
+        "label": 1,
     }
     # the blank line in the JSONL is skipped, so the row after it is record 4
     assert rows["boolq", "boolq-train-4"]["prompt"] == "Reference document:\ntab\there\nQuestion:\nline\u2028separator"
@@ -197,15 +227,17 @@ def test_jsonl_json_parquet_and_save_to_disk_give_identical_outputs(tmp_path):
                 write(_valid_rows(task, clean / task / f"{split}.jsonl"), mirror / task, split)
         run_build(tmp_path / f"out-{fmt}", source=mirror, tasks=tasks)
         got = file_bytes(tmp_path / f"out-{fmt}")
-        assert {k: v for k, v in got.items() if k != "manifest.json"} == \
-               {k: v for k, v in reference.items() if k != "manifest.json"}, fmt
+        assert {k: v for k, v in got.items() if k != "manifest.json"} == {
+            k: v for k, v in reference.items() if k != "manifest.json"
+        }, fmt
 
 
 def test_winogrande_size_folder_is_used_when_present(tmp_path):
     mirror = tmp_path / "mirror"
     shutil.copytree(MIRROR / "winogrande", mirror / "winogrande" / "winogrande_xl")
     (mirror / "winogrande" / "winogrande_xl" / "train.jsonl").write_text(
-        '{"sentence": "xl _", "option1": "a", "option2": "b", "answer": "1"}\n')
+        '{"sentence": "xl _", "option1": "a", "option2": "b", "answer": "1"}\n'
+    )
     manifest, _ = run_build(tmp_path / "xl", source=mirror, tasks=("winogrande",), winogrande_size="xl")
     assert manifest["counts"]["winogrande"]["train"]["kept"] == 1
     assert manifest["winogrande_size"] == "xl"
@@ -259,8 +291,10 @@ def test_rows_training_would_refuse_are_dropped_and_counted(tmp_path):
     assert (counts["read"], counts["kept"], counts["dropped"]) == (len(lines) + 2, len(lines), 2)
     ids = [r["id"] for r in read_rows(tmp_path / "out" / "train.jsonl")]
     assert sorted(ids) == sorted(json.loads(x)["id"] for x in lines)
-    with pytest.raises(DataPrepError, match=f"arc_easy: .*train.jsonl row id '{json.loads(lines[0])['id']}': "
-                                            f"{DUPLICATE_ID} \\(--strict\\)"):
+    with pytest.raises(
+        DataPrepError,
+        match=f"arc_easy: .*train.jsonl row id '{json.loads(lines[0])['id']}': {DUPLICATE_ID} \\(--strict\\)",
+    ):
         run_build(tmp_path / "strict", source=mirror, tasks=("arc_easy",), strict=True)
     assert_nothing_written(tmp_path / "strict")
 
@@ -297,13 +331,16 @@ def test_ambiguous_split_files_are_an_error(tmp_path):
         run_build(tmp_path / "out", source=mirror, tasks=("obqa",))
 
 
-@pytest.mark.parametrize("name,content,pattern", [
-    ("test.jsonl", '{"id": "1"}\n{"id": \n', r"cannot read .*test\.jsonl: line 2 is not valid JSON"),
-    ("test.json", '[{"id": "1"},', r"cannot read .*test\.json: line 1 is not valid JSON"),
-    ("test.parquet", "not parquet", r"cannot read .*test\.parquet: not a readable parquet file"),
-    ("test.jsonl", b"\xff\xfe{}", r"cannot read .*test\.jsonl: not UTF-8"),
-    ("test.json", '42', r"cannot read .*test\.json: expected a JSON array of rows or JSON lines, got int"),
-])
+@pytest.mark.parametrize(
+    "name,content,pattern",
+    [
+        ("test.jsonl", '{"id": "1"}\n{"id": \n', r"cannot read .*test\.jsonl: line 2 is not valid JSON"),
+        ("test.json", '[{"id": "1"},', r"cannot read .*test\.json: line 1 is not valid JSON"),
+        ("test.parquet", "not parquet", r"cannot read .*test\.parquet: not a readable parquet file"),
+        ("test.jsonl", b"\xff\xfe{}", r"cannot read .*test\.jsonl: not UTF-8"),
+        ("test.json", "42", r"cannot read .*test\.json: expected a JSON array of rows or JSON lines, got int"),
+    ],
+)
 def test_unreadable_file_is_an_error_and_writes_nothing(tmp_path, name, content, pattern):
     mirror = tmp_path / "mirror"
     shutil.copytree(MIRROR / "obqa", mirror / "obqa")
@@ -393,5 +430,11 @@ def test_cutoff_counts_rows_over_it_per_task(tmp_path, monkeypatch):
     assert piqa_train == [32, 33]
     assert report["per_task"]["piqa"]["train"] == {"rows": 2, "max": 33, "mean": 32.5, "p95": 33, "over_cutoff": 1}
     piqa_eval = 3 + 2 + 2 + 3 + 2 + 3 + 1 + 11 + 1 + 2 + 2  # exactly at the cutoff: not over it
-    assert report["per_task"]["piqa"]["eval"] == {"rows": 1, "max": piqa_eval, "mean": 32.0, "p95": 32, "over_cutoff": 0}
+    assert report["per_task"]["piqa"]["eval"] == {
+        "rows": 1,
+        "max": piqa_eval,
+        "mean": 32.0,
+        "p95": 32,
+        "over_cutoff": 0,
+    }
     assert report["per_task"]["winogrande"]["train"]["rows"] == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,13 +64,19 @@ def test_strict_error_is_one_line_status_2_and_out_untouched(capsys, tmp_path):
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--tasks", "boolq,mmlu"], "error: unknown task 'mmlu'; valid tasks: boolq, piqa, siqa, hellaswag, winogrande, "
-                                "obqa, arc_easy, arc_challenge (or 'all')"),
-    (["--tasks", ","], "error: --tasks is empty"),
-    (["--tasks", "boolq,,piqa"], "error: --tasks 'boolq,,piqa' has an empty name between commas"),
-    (["--cutoff", "128"], "error: --cutoff needs --tokenizer"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--tasks", "boolq,mmlu"],
+            "error: unknown task 'mmlu'; valid tasks: boolq, piqa, siqa, hellaswag, winogrande, "
+            "obqa, arc_easy, arc_challenge (or 'all')",
+        ),
+        (["--tasks", ","], "error: --tasks is empty"),
+        (["--tasks", "boolq,,piqa"], "error: --tasks 'boolq,,piqa' has an empty name between commas"),
+        (["--cutoff", "128"], "error: --cutoff needs --tokenizer"),
+    ],
+)
 def test_bad_flags_are_one_line_errors(capsys, tmp_path, argv, message):
     code, _, err = run_cli(capsys, "build", "--source", MIRROR, "--out", tmp_path / "cs", *argv)
     assert code == 2
@@ -142,8 +147,14 @@ def test_show_from_build_with_repr(capsys, tmp_path):
 
 
 def test_module_entry_point_runs(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "show", "--source", str(MIRROR), "--task", "obqa", "-n", "1"],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", "show", "--source", str(MIRROR), "--task", "obqa", "-n", "1"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("=== obqa 7-980  label 3  choices ['Option A', 'Option B', 'Option C', 'Option D']\n")
 
@@ -151,8 +162,14 @@ def test_module_entry_point_runs(tmp_path):
 def test_hub_source_offline_fails_with_one_line_error(tmp_path):
     env = clean_env(HF_HOME=str(tmp_path / "hf"))
     out = tmp_path / "cs"
-    proc = subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", "hub", "--out", str(out),
-                           "--tasks", "siqa"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "data_prep", "build", "--source", "hub", "--out", str(out), "--tasks", "siqa"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     line = error_line(proc.stderr)
     assert line.startswith("error: cannot load siqa from the Hugging Face Hub (lighteval/siqa, split train): ")

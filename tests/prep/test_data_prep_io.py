@@ -9,8 +9,14 @@ import pytest
 from data_prep import DataPrepError, read_rows
 from frod_ds.prep.io import write_rows
 
-GOOD = {"task": "piqa", "id": "piqa-train-0", "prompt": "p {x}\n\u00e9", "answer": "Choice B",
-        "choices": ["Choice A", "Choice B"], "label": 1}
+GOOD = {
+    "task": "piqa",
+    "id": "piqa-train-0",
+    "prompt": "p {x}\n\u00e9",
+    "answer": "Choice B",
+    "choices": ["Choice A", "Choice B"],
+    "label": 1,
+}
 
 
 def test_write_then_read_round_trips(tmp_path):
@@ -20,16 +26,19 @@ def test_write_then_read_round_trips(tmp_path):
     assert path.read_bytes().count(b"\n") == 2
 
 
-@pytest.mark.parametrize("row,message", [
-    ({k: v for k, v in GOOD.items() if k != "answer"}, "missing field 'answer'"),
-    ({**GOOD, "label": "1"}, "field 'label' must be int, got str"),
-    ({**GOOD, "label": True}, "field 'label' must be int, got bool"),
-    ({**GOOD, "choices": "Choice A"}, "field 'choices' must be list, got str"),
-    ({**GOOD, "choices": []}, "field 'choices' must be a non-empty list of strings"),
-    ({**GOOD, "label": 2}, "label 2 out of range for 2 choices"),
-    ({**GOOD, "answer": "Choice A"}, "answer 'Choice A' is not choices[1] ('Choice B')"),
-    (["a", "list"], "expected a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({k: v for k, v in GOOD.items() if k != "answer"}, "missing field 'answer'"),
+        ({**GOOD, "label": "1"}, "field 'label' must be int, got str"),
+        ({**GOOD, "label": True}, "field 'label' must be int, got bool"),
+        ({**GOOD, "choices": "Choice A"}, "field 'choices' must be list, got str"),
+        ({**GOOD, "choices": []}, "field 'choices' must be a non-empty list of strings"),
+        ({**GOOD, "label": 2}, "label 2 out of range for 2 choices"),
+        ({**GOOD, "answer": "Choice A"}, "answer 'Choice A' is not choices[1] ('Choice B')"),
+        (["a", "list"], "expected a JSON object, got list"),
+    ],
+)
 def test_bad_row_raises_value_error_naming_file_and_line(tmp_path, row, message):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(row) + "\n")

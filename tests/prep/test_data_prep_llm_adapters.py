@@ -30,8 +30,16 @@ SHARED_README = REPO.parent / "shared" / "data" / "llm_adapters" / "README.md"
 FINETUNE = "Below is an instruction that describes a task. Write a response that appropriately completes the request.  \n\n                ### Instruction:\n                {instruction}\n                \n                ### Response:\n                {output}"  # noqa: E501
 SCORING = "Below is an instruction that describes a task. Write a response that appropriately completes the request. \n\n                ### Instruction:\n                {instruction}\n\n                ### Response:\n                "  # noqa: E501
 
-FOLDER = {"boolq": "boolq", "piqa": "piqa", "siqa": "social_i_qa", "hellaswag": "hellaswag", "winogrande": "winogrande",
-          "obqa": "openbookqa", "arc_easy": "ARC-Easy", "arc_challenge": "ARC-Challenge"}
+FOLDER = {
+    "boolq": "boolq",
+    "piqa": "piqa",
+    "siqa": "social_i_qa",
+    "hellaswag": "hellaswag",
+    "winogrande": "winogrande",
+    "obqa": "openbookqa",
+    "arc_easy": "ARC-Easy",
+    "arc_challenge": "ARC-Challenge",
+}
 ALL = tuple(TASKS)
 
 
@@ -45,8 +53,11 @@ def run_build(out: Path, src: str, **kw) -> tuple[dict, dict]:
 
 def file_bytes(out: Path) -> dict[str, bytes]:
     """The data files of a build (the publish marker is atomic.py's, not data)."""
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and p.name != MARKER}
+    return {
+        p.relative_to(out).as_posix(): p.read_bytes()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
 
 
 def words_of(instruction: str) -> list[str]:
@@ -57,7 +68,9 @@ def words_of(instruction: str) -> list[str]:
 def built(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     """The fixture folder built with each template, all eight tasks."""
     root = tmp_path_factory.mktemp("la")
-    return {t: (root / t, run_build(root / t, f"llm-adapters:{FIXTURE}", template=t)[0]) for t in ("llm-adapters", "paper")}
+    return {
+        t: (root / t, run_build(root / t, f"llm-adapters:{FIXTURE}", template=t)[0]) for t in ("llm-adapters", "paper")
+    }
 
 
 def rows_by_id(out: Path) -> dict[str, dict]:
@@ -76,7 +89,9 @@ def source_of(row_id: str) -> dict:
 def test_prompt_literals_are_the_shared_readmes():
     if not SHARED_README.is_file():
         pytest.skip(f"the shared data README is not beside this checkout ({SHARED_README})")
-    literals = [ast.literal_eval(m) for m in re.findall(r'`("Below is an instruction[^`]*")`', SHARED_README.read_text())]
+    literals = [
+        ast.literal_eval(m) for m in re.findall(r'`("Below is an instruction[^`]*")`', SHARED_README.read_text())
+    ]
     assert literals == [FINETUNE, SCORING]
 
 
@@ -125,31 +140,54 @@ def test_choices_are_every_answer_word_in_order(built):
 
 
 PAPER_EXPECTED = {
-    "piqa-train-0": ("Physical situation description:\nHow do I keep {curly} braces in a note?\nChoice A:\nWrite them twice "
-                     "\nChoice B:\nWrite them once\nQuestion:\nWhich solution is more physically plausible, Choice A or "
-                     "Choice B?", "Choice B"),
-    "piqa-train-3": ("Physical situation description:\nOpen a jar\nwith a tight lid\nChoice A:\nTap the lid on the counter, "
-                     "then twist.\nChoice B:\nPour water on the label.\nQuestion:\nWhich solution is more physically "
-                     "plausible, Choice A or Choice B?", "Choice A"),
-    "siqa-train-1": ("Please choose the correct Choice to the question: Robin shouted \"Stop!\", Question:\nWhat's going to "
-                     "happen to Robin?\nChoice A:\nget a reply\nChoice B:\nturn into a cat\nChoice C:\nfly\nWhich choice best "
-                     "answers the question, Choice A, B, or C?", "Choice A"),
-    "siqa-train-2": ("Please choose the correct Choice to the question: Was it late? Robin still went out., Question:\nHow "
-                     "would Robin feel afterwards?\nChoice A:\ntired\nChoice B:\na {brace}\nChoice C:\npleased\nWhich choice "
-                     "best answers the question, Choice A, B, or C?", "Choice C"),
-    "siqa-train-3": ("Please choose the correct Choice to the question: Jan gave Sam a ride home after work., Question:\nWhy "
-                     "did Jan do this?\nChoice A:\nto be kind\nChoice B:\n\nChoice C:\nto lose the car\nWhich choice best "
-                     "answers the question, Choice A, B, or C?", "Choice A"),
-    "hellaswag-train-2": ("Context:\nThe host says: hello. he\nEnding A:\nleaves.\nEnding B:\nsings.\nEnding C:\nsmiles and "
-                          "sits down.\nEnding D:\n\nQuestion:\nWhich ending is the most plausible continuation, Ending A, B, "
-                          "C, or D?", "Ending C"),
-    "hellaswag-train-1": ("Context:\n[header] How to clean a rug [title] Vacuum it first. [step] Then\nEnding A:\nburn the "
-                          "rug.\nEnding B:\nsprinkle baking soda over it.\nEnding C:\nfold it into a hat.\nEnding D:\nsell the "
-                          "vacuum.\nQuestion:\nWhich ending is the most plausible continuation, Ending A, B, C, or D?",
-                          "Ending B"),
-    "winogrande-train-1": ("Please choose the correct answer to fill in the blank to complete the given sentence: "
-                           "Zo\u00eb gave Ren\u00e9e {the} book because _ was leaving.\n\nOption1: Zo\u00eb\nOption2:  "
-                           "Ren\u00e9e .", "Option1"),
+    "piqa-train-0": (
+        "Physical situation description:\nHow do I keep {curly} braces in a note?\nChoice A:\nWrite them twice "
+        "\nChoice B:\nWrite them once\nQuestion:\nWhich solution is more physically plausible, Choice A or "
+        "Choice B?",
+        "Choice B",
+    ),
+    "piqa-train-3": (
+        "Physical situation description:\nOpen a jar\nwith a tight lid\nChoice A:\nTap the lid on the counter, "
+        "then twist.\nChoice B:\nPour water on the label.\nQuestion:\nWhich solution is more physically "
+        "plausible, Choice A or Choice B?",
+        "Choice A",
+    ),
+    "siqa-train-1": (
+        'Please choose the correct Choice to the question: Robin shouted "Stop!", Question:\nWhat\'s going to '
+        "happen to Robin?\nChoice A:\nget a reply\nChoice B:\nturn into a cat\nChoice C:\nfly\nWhich choice best "
+        "answers the question, Choice A, B, or C?",
+        "Choice A",
+    ),
+    "siqa-train-2": (
+        "Please choose the correct Choice to the question: Was it late? Robin still went out., Question:\nHow "
+        "would Robin feel afterwards?\nChoice A:\ntired\nChoice B:\na {brace}\nChoice C:\npleased\nWhich choice "
+        "best answers the question, Choice A, B, or C?",
+        "Choice C",
+    ),
+    "siqa-train-3": (
+        "Please choose the correct Choice to the question: Jan gave Sam a ride home after work., Question:\nWhy "
+        "did Jan do this?\nChoice A:\nto be kind\nChoice B:\n\nChoice C:\nto lose the car\nWhich choice best "
+        "answers the question, Choice A, B, or C?",
+        "Choice A",
+    ),
+    "hellaswag-train-2": (
+        "Context:\nThe host says: hello. he\nEnding A:\nleaves.\nEnding B:\nsings.\nEnding C:\nsmiles and "
+        "sits down.\nEnding D:\n\nQuestion:\nWhich ending is the most plausible continuation, Ending A, B, "
+        "C, or D?",
+        "Ending C",
+    ),
+    "hellaswag-train-1": (
+        "Context:\n[header] How to clean a rug [title] Vacuum it first. [step] Then\nEnding A:\nburn the "
+        "rug.\nEnding B:\nsprinkle baking soda over it.\nEnding C:\nfold it into a hat.\nEnding D:\nsell the "
+        "vacuum.\nQuestion:\nWhich ending is the most plausible continuation, Ending A, B, C, or D?",
+        "Ending B",
+    ),
+    "winogrande-train-1": (
+        "Please choose the correct answer to fill in the blank to complete the given sentence: "
+        "Zo\u00eb gave Ren\u00e9e {the} book because _ was leaving.\n\nOption1: Zo\u00eb\nOption2:  "
+        "Ren\u00e9e .",
+        "Option1",
+    ),
 }
 
 
@@ -169,15 +207,20 @@ def test_paper_template_of_real_rows_boolq_without_passage_and_options_by_positi
         ins = src["instruction"]
         if row["task"] == "boolq":
             assert ins.startswith(head) and ins.endswith("\n\nAnswer format: true/false")
-            question = ins[len(head): -len("\n\nAnswer format: true/false")]
+            question = ins[len(head) : -len("\n\nAnswer format: true/false")]
             assert row["prompt"] == "Question:\n" + question
             assert (row["choices"], row["answer"]) == (["true", "false"], src["answer"])
         elif row["task"] in ("obqa", "arc_easy", "arc_challenge"):
             question, options = ins.split("\n\nAnswer1: ")
             texts = re.split(r" Answer\d: ", options.rsplit("\n\nAnswer format: ", 1)[0])
             letters = "ABCDE"[: len(texts)]
-            expected = ("Please choose the correct answer to the question:" + question.split("question: ", 1)[1] + "\n"
-                        + "".join(f"Option {k}:\n{t}\n" for k, t in zip(letters, texts)) + ".")
+            expected = (
+                "Please choose the correct answer to the question:"
+                + question.split("question: ", 1)[1]
+                + "\n"
+                + "".join(f"Option {k}:\n{t}\n" for k, t in zip(letters, texts))
+                + "."
+            )
             assert row["prompt"] == expected, row_id
             assert row["answer"] == f"Option {letters[int(src['answer'][-1]) - 1]}"
 
@@ -200,7 +243,8 @@ def test_manifest_records_template_sources_families_notes_and_sha256s(built):
         families = manifest["families"]
         assert families["boolq/train.json"] == {"true_false": {"tasks": ["boolq"], "read": 24, "kept": 24}}
         assert families["ARC-Easy/test.json"] == {
-            "answer": {"tasks": ["siqa", "obqa", "arc_easy", "arc_challenge"], "read": 26, "kept": 26}}
+            "answer": {"tasks": ["siqa", "obqa", "arc_easy", "arc_challenge"], "read": 26, "kept": 26}
+        }
         assert families["winogrande/train.json"] == {"fill_blank": {"tasks": ["winogrande"], "read": 3, "kept": 3}}
         assert manifest["dropped"] == {} and manifest["winogrande_size"] is None
         assert "no passage" in manifest["notes"]["boolq"]
@@ -221,8 +265,9 @@ def test_rebuild_is_byte_identical(built, tmp_path):
 def test_default_template_follows_the_source(built, tmp_path):
     manifest, _ = run_build(tmp_path / "default", f"llm-adapters:{FIXTURE}", tasks=("boolq",))
     assert manifest["template"] == "llm-adapters"
-    assert (tmp_path / "default" / "eval" / "boolq.jsonl").read_bytes() == \
-        (built["llm-adapters"][0] / "eval" / "boolq.jsonl").read_bytes()
+    assert (tmp_path / "default" / "eval" / "boolq.jsonl").read_bytes() == (
+        built["llm-adapters"][0] / "eval" / "boolq.jsonl"
+    ).read_bytes()
 
 
 def test_paper_builds_from_mirrors_are_unchanged_by_the_separator_field(tmp_path):
@@ -230,10 +275,14 @@ def test_paper_builds_from_mirrors_are_unchanged_by_the_separator_field(tmp_path
     run_build(tmp_path / "m", str(MIRROR))
     got = {name: hashlib.sha256(data).hexdigest()[:16] for name, data in file_bytes(tmp_path / "m").items()}
     assert {k: v for k, v in got.items() if k != "manifest.json"} == {
-        "train.jsonl": "60e5aa474b2c8672", "eval/arc_challenge.jsonl": "2de9eafe1a919d9f",
-        "eval/arc_easy.jsonl": "1ebdf6c1b3df805a", "eval/boolq.jsonl": "95f29dd8a6e64df8",
-        "eval/hellaswag.jsonl": "e7f50a029ee45ad0", "eval/obqa.jsonl": "145ceac2cf27cc18",
-        "eval/piqa.jsonl": "19096bcbaf9a31a9", "eval/siqa.jsonl": "cd4ec0af442f77e7",
+        "train.jsonl": "60e5aa474b2c8672",
+        "eval/arc_challenge.jsonl": "2de9eafe1a919d9f",
+        "eval/arc_easy.jsonl": "1ebdf6c1b3df805a",
+        "eval/boolq.jsonl": "95f29dd8a6e64df8",
+        "eval/hellaswag.jsonl": "e7f50a029ee45ad0",
+        "eval/obqa.jsonl": "145ceac2cf27cc18",
+        "eval/piqa.jsonl": "19096bcbaf9a31a9",
+        "eval/siqa.jsonl": "cd4ec0af442f77e7",
         "eval/winogrande.jsonl": "0227fca4bffc130a",
     }
     assert "template" not in json.loads((tmp_path / "m" / "manifest.json").read_text())
@@ -265,29 +314,46 @@ def test_combined_file_tasks_families_and_ids(combined, tmp_path):
     rows = read_rows(tmp_path / "out" / "train.jsonl")
     shared = "siqa|obqa|arc_easy|arc_challenge"
     n = {task: len(source(task, "train")) for task in TASKS}
-    assert Counter(r["task"] for r in rows) == {"boolq": n["boolq"], "piqa": n["piqa"], "hellaswag": n["hellaswag"],
-                                               "winogrande": n["winogrande"],
-                                               shared: n["siqa"] + n["obqa"] + n["arc_easy"] + n["arc_challenge"]}
+    assert Counter(r["task"] for r in rows) == {
+        "boolq": n["boolq"],
+        "piqa": n["piqa"],
+        "hellaswag": n["hellaswag"],
+        "winogrande": n["winogrande"],
+        shared: n["siqa"] + n["obqa"] + n["arc_easy"] + n["arc_challenge"],
+    }
     for row in rows:
         src = raw[int(row["id"].rsplit("-", 1)[1])]
         assert row["id"].startswith("commonsense_170k-")
         assert training_text(row) == FINETUNE.format(instruction=src["instruction"], output=src["output"])
     families = manifest["families"]["commonsense_170k.json"]
     assert {k: (f["read"], f["kept"]) for k, f in families.items()} == {
-        "true_false": (n["boolq"],) * 2, "solution": (n["piqa"],) * 2, "ending": (n["hellaswag"],) * 2,
-        "fill_blank": (n["winogrande"],) * 2, "answer": (len(rows) - n["boolq"] - n["piqa"] - n["hellaswag"] - n["winogrande"],) * 2,
-        "unrecognized": (2, 0)}
-    assert manifest["dropped"] == {"commonsense_170k.json": {"train": {"row is not an object": 1, "unrecognized instruction": 1}}}
-    assert manifest["counts"] == {"commonsense_170k.json": {"train": {"split": "train", "read": len(raw), "kept": len(rows), "dropped": 2}}}
+        "true_false": (n["boolq"],) * 2,
+        "solution": (n["piqa"],) * 2,
+        "ending": (n["hellaswag"],) * 2,
+        "fill_blank": (n["winogrande"],) * 2,
+        "answer": (len(rows) - n["boolq"] - n["piqa"] - n["hellaswag"] - n["winogrande"],) * 2,
+        "unrecognized": (2, 0),
+    }
+    assert manifest["dropped"] == {
+        "commonsense_170k.json": {"train": {"row is not an object": 1, "unrecognized instruction": 1}}
+    }
+    assert manifest["counts"] == {
+        "commonsense_170k.json": {"train": {"split": "train", "read": len(raw), "kept": len(rows), "dropped": 2}}
+    }
     assert manifest["source"]["layout"] == "combined file"
 
 
 def test_combined_file_paper_template_refuses_the_shared_family(combined, tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(DataPrepError, match=r"--template paper cannot render commonsense_170k\.json's 'answer' rows: "
-                                            r"siqa, obqa, arc_easy, arc_challenge share"):
+    with pytest.raises(
+        DataPrepError,
+        match=r"--template paper cannot render commonsense_170k\.json's 'answer' rows: "
+        r"siqa, obqa, arc_easy, arc_challenge share",
+    ):
         run_build(out, f"llm-adapters:{combined}", template="paper")
-    with pytest.raises(DataPrepError, match=r"cannot tell siqa, obqa, arc_easy, arc_challenge apart .* select all of them or none"):
+    with pytest.raises(
+        DataPrepError, match=r"cannot tell siqa, obqa, arc_easy, arc_challenge apart .* select all of them or none"
+    ):
         run_build(out, f"llm-adapters:{combined}", tasks=("boolq", "obqa"))
     assert not out.exists()
 
@@ -296,8 +362,11 @@ def test_combined_file_paper_template_renders_the_single_task_families(combined,
     tasks = ("boolq", "piqa", "hellaswag", "winogrande")
     manifest, _ = run_build(tmp_path / "out", f"llm-adapters:{combined}", template="paper", tasks=tasks)
     rows = read_rows(tmp_path / "out" / "train.jsonl")
-    by_folder_build = {(r["task"], r["prompt"], r["answer"]) for r in read_rows(built["paper"][0] / "train.jsonl")
-                       if r["task"] in tasks}
+    by_folder_build = {
+        (r["task"], r["prompt"], r["answer"])
+        for r in read_rows(built["paper"][0] / "train.jsonl")
+        if r["task"] in tasks
+    }
     assert {(r["task"], r["prompt"], r["answer"]) for r in rows} == by_folder_build
     counts = manifest["counts"]["commonsense_170k.json"]["train"]
     n_shared = sum(len(source(t, "train")) for t in ("siqa", "obqa", "arc_easy", "arc_challenge"))
@@ -308,22 +377,40 @@ def test_combined_file_paper_template_renders_the_single_task_families(combined,
 def test_cli_reports_rows_of_unselected_families(combined, tmp_path, capsys):
     from frod_ds.prep.cli import main
 
-    argv = ["build", "--source", f"llm-adapters:{combined}", "--out", str(tmp_path / "o"), "--tasks", "boolq,piqa,hellaswag,winogrande"]
+    argv = [
+        "build",
+        "--source",
+        f"llm-adapters:{combined}",
+        "--out",
+        str(tmp_path / "o"),
+        "--tasks",
+        "boolq,piqa,hellaswag,winogrande",
+    ]
     assert main(argv) == 0
     n_shared = sum(len(source(t, "train")) for t in ("siqa", "obqa", "arc_easy", "arc_challenge"))
-    assert f"not selected: commonsense_170k.json train: {n_shared} rows of instruction families outside --tasks" in capsys.readouterr().out
+    assert (
+        f"not selected: commonsense_170k.json train: {n_shared} rows of instruction families outside --tasks"
+        in capsys.readouterr().out
+    )
 
 
 # --- drops, --strict, missing folders, bad options -----------------------------------------------------
 
 
 def _bad(instruction: str, answer: str = "true", output: str | None = None, input_: str = "") -> dict:
-    return {"instruction": instruction, "input": input_, "output": f"the correct answer is {answer}" if output is None else output,
-            "answer": answer}
+    return {
+        "instruction": instruction,
+        "input": input_,
+        "output": f"the correct answer is {answer}" if output is None else output,
+        "answer": answer,
+    }
 
 
 BOOLQ_Q = "Please answer the following question with true or false, question: is it?\n\nAnswer format: true/false"
-ARC_Q = "Please choose the correct answer to the question: Which?\n\nAnswer1: a Answer2: b Answer3: c\n\nAnswer format: answer1/answer2/answer3"
+ARC_Q = (
+    "Please choose the correct answer to the question: Which?\n\nAnswer1: a Answer2: b Answer3: c"
+    "\n\nAnswer format: answer1/answer2/answer3"
+)
 
 
 @pytest.fixture()
@@ -334,9 +421,14 @@ def broken(tmp_path) -> Path:
         shutil.copytree(FIXTURE / folder, root / folder)
     extra = {
         "boolq": [
-            "a string", {"instruction": BOOLQ_Q, "input": "", "answer": "true"}, _bad(BOOLQ_Q, input_="context"),
-            _bad("Tell me a joke"), _bad(BOOLQ_Q.replace("true/false", "yes/no")), _bad(BOOLQ_Q, answer="maybe"),
-            _bad(BOOLQ_Q, output="the answer is true"), _bad(ARC_Q, answer="answer1"),
+            "a string",
+            {"instruction": BOOLQ_Q, "input": "", "answer": "true"},
+            _bad(BOOLQ_Q, input_="context"),
+            _bad("Tell me a joke"),
+            _bad(BOOLQ_Q.replace("true/false", "yes/no")),
+            _bad(BOOLQ_Q, answer="maybe"),
+            _bad(BOOLQ_Q, output="the answer is true"),
+            _bad(ARC_Q, answer="answer1"),
             _bad("Please answer the following question with true or false, question: is it?", answer="true"),
         ],
         "ARC-Easy": [
@@ -345,8 +437,11 @@ def broken(tmp_path) -> Path:
             _bad(ARC_Q.replace("answer1/answer2/answer3", "answer1/answer3"), answer="answer1"),
         ],
         "social_i_qa": [
-            _bad("Please choose the correct answer to the question: Jordan left early What will Jordan do next?\n\n"
-                 "Answer1: a Answer2: b Answer3: c\n\nAnswer format: answer1/answer2/answer3", answer="answer2"),
+            _bad(
+                "Please choose the correct answer to the question: Jordan left early What will Jordan do next?\n\n"
+                "Answer1: a Answer2: b Answer3: c\n\nAnswer format: answer1/answer2/answer3",
+                answer="answer2",
+            ),
         ],
     }
     for folder, rows in extra.items():
@@ -359,17 +454,28 @@ def test_unparseable_rows_are_dropped_and_counted_by_reason(broken, tmp_path):
     tasks = ("boolq", "siqa", "arc_easy")
     manifest, _ = run_build(tmp_path / "la", f"llm-adapters:{broken}", tasks=tasks)
     assert manifest["dropped"] == {
-        "boolq": {"train": {"row is not an object": 1, "missing field 'output'": 1, "non-empty 'input'": 1,
-                            "unrecognized instruction": 1, "malformed 'Answer format:' line": 1,
-                            "'answer' is not one of the answer words": 1,
-                            "'output' is not 'the correct answer is <answer>'": 1,
-                            "instruction of another task's format": 1, "no 'Answer format:' line": 1}},
+        "boolq": {
+            "train": {
+                "row is not an object": 1,
+                "missing field 'output'": 1,
+                "non-empty 'input'": 1,
+                "unrecognized instruction": 1,
+                "malformed 'Answer format:' line": 1,
+                "'answer' is not one of the answer words": 1,
+                "'output' is not 'the correct answer is <answer>'": 1,
+                "instruction of another task's format": 1,
+                "no 'Answer format:' line": 1,
+            }
+        },
         "arc_easy": {"train": {"malformed options": 2, "malformed 'Answer format:' line": 1}},
     }
     assert manifest["counts"]["boolq"]["train"] == {"split": "train", "read": 33, "kept": 24, "dropped": 9}
     families = manifest["families"]["boolq/train.json"]
-    assert {k: (f["read"], f["kept"]) for k, f in families.items()} == {"true_false": (30, 24), "answer": (1, 0),
-                                                                       "unrecognized": (2, 0)}
+    assert {k: (f["read"], f["kept"]) for k, f in families.items()} == {
+        "true_false": (30, 24),
+        "answer": (1, 0),
+        "unrecognized": (2, 0),
+    }
     # the SIQA row without a sentence end before its question is fine for LLM-Adapters' template, not for the paper's
     assert manifest["counts"]["siqa"]["train"]["kept"] == 5
     paper, _ = run_build(tmp_path / "paper", f"llm-adapters:{broken}", tasks=tasks, template="paper")
@@ -380,7 +486,9 @@ def test_strict_names_task_file_and_row_and_writes_nothing(broken, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(DataPrepError) as info:
         run_build(out, f"llm-adapters:{broken}", tasks=("boolq",), strict=True)
-    assert str(info.value) == (f"boolq: {broken / 'boolq' / 'train.json'} row index 24: row is not an object (got str) (--strict)")
+    assert str(info.value) == (
+        f"boolq: {broken / 'boolq' / 'train.json'} row index 24: row is not an object (got str) (--strict)"
+    )
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
     manifest, _ = run_build(out, f"llm-adapters:{FIXTURE}", tasks=("boolq", "arc_easy"), strict=True)
     assert manifest["dropped"] == {}
@@ -390,7 +498,9 @@ def test_strict_on_the_combined_file_names_file_and_row(combined, tmp_path):
     raw = json.loads(combined.read_text())
     index = min(raw.index(bad) for bad in BAD_ROWS)
     reason = "row is not an object" if raw[index] == BAD_ROWS[0] else "unrecognized instruction"
-    with pytest.raises(DataPrepError, match=rf"^{re.escape(str(combined))} row index {index}: {reason} .*\(--strict\)$"):
+    with pytest.raises(
+        DataPrepError, match=rf"^{re.escape(str(combined))} row index {index}: {reason} .*\(--strict\)$"
+    ):
         run_build(tmp_path / "out", f"llm-adapters:{combined}", strict=True)
 
 
@@ -410,12 +520,15 @@ def test_only_selected_tasks_need_folders(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
-@pytest.mark.parametrize("src,kw,pattern", [
-    (str(MIRROR), {"template": "llm-adapters"}, r"--template llm-adapters needs --source llm-adapters:PATH"),
-    ("llm-adapters:", {}, r"llm-adapters:PATH needs a PATH"),
-    ("llm-adapters:/nonexistent/la", {}, r"llm-adapters:/nonexistent/la: no such file or directory"),
-    (f"llm-adapters:{FIXTURE}", {"template": "alpaca"}, r"unknown template 'alpaca'"),
-])
+@pytest.mark.parametrize(
+    "src,kw,pattern",
+    [
+        (str(MIRROR), {"template": "llm-adapters"}, r"--template llm-adapters needs --source llm-adapters:PATH"),
+        ("llm-adapters:", {}, r"llm-adapters:PATH needs a PATH"),
+        ("llm-adapters:/nonexistent/la", {}, r"llm-adapters:/nonexistent/la: no such file or directory"),
+        (f"llm-adapters:{FIXTURE}", {"template": "alpaca"}, r"unknown template 'alpaca'"),
+    ],
+)
 def test_bad_source_or_template_is_one_clear_error(tmp_path, src, kw, pattern):
     with pytest.raises(DataPrepError, match=pattern):
         run_build(tmp_path / "out", src, **kw)
@@ -425,7 +538,10 @@ def test_bad_source_or_template_is_one_clear_error(tmp_path, src, kw, pattern):
 def test_cli_builds_and_shows_llm_adapters_rows(tmp_path, capsys):
     from frod_ds.prep.cli import main
 
-    assert main(["build", "--source", f"llm-adapters:{FIXTURE}", "--out", str(tmp_path / "o"), "--tasks", "boolq,piqa"]) == 0
+    assert (
+        main(["build", "--source", f"llm-adapters:{FIXTURE}", "--out", str(tmp_path / "o"), "--tasks", "boolq,piqa"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "template: llm-adapters" in out and "families: boolq/train.json: true_false 24 read/24 kept" in out
     assert "note: boolq: LLM-Adapters' BoolQ rows have no passage" in out
@@ -474,15 +590,23 @@ def _bpe(texts: list[str], kind: str):
     t = Tokenizer(models.BPE(unk_token=None if kind == "bytelevel" else "<unk>"))
     if kind == "bytelevel":
         t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-        t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        t.train_from_iterator(
+            texts,
+            trainers.BpeTrainer(
+                vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+            ),
+        )
         t.post_processor = processors.ByteLevel(trim_offsets=True)
     else:
         t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
         t.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
         t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"]))
-        t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", t.token_to_id("<s>"))])
-    return PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token=None if kind == "bytelevel" else "<unk>")
+        t.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", t.token_to_id("<s>"))]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=t, bos_token="<s>", eos_token="</s>", unk_token=None if kind == "bytelevel" else "<unk>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -521,7 +645,7 @@ def test_bpe_training_tokens_decode_to_the_finetune_text_and_loss_starts_at_outp
         text, output = _expected_text(row)
         assert ex.input_ids == tok(text)["input_ids"] + [tok.eos_token_id]
         labelled = [t for t in ex.labels if t != IGNORE_INDEX]
-        assert ex.labels == [IGNORE_INDEX] * (len(ex.labels) - len(labelled)) + ex.input_ids[-len(labelled):]
+        assert ex.labels == [IGNORE_INDEX] * (len(ex.labels) - len(labelled)) + ex.input_ids[-len(labelled) :]
         if kind == "bytelevel":
             assert tok.decode(ex.input_ids) == text + "</s>"
             # the answer's first token " the" carries the prompt's 16th space; nothing else of the prompt is in the loss

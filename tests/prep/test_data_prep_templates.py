@@ -36,8 +36,14 @@ def test_piqa_renders_paper_template_verbatim():
 
 
 def test_siqa_renders_paper_template_verbatim_with_odd_comma():
-    row = {"context": " Zo\u00eb said {hi}\n", "question": "", "answerA": "\u00e9t\u00e9", "answerB": "",
-           "answerC": " c ", "label": "1"}
+    row = {
+        "context": " Zo\u00eb said {hi}\n",
+        "question": "",
+        "answerA": "\u00e9t\u00e9",
+        "answerB": "",
+        "answerC": " c ",
+        "label": "1",
+    }
     ex = render("siqa", row)
     assert ex.prompt == (
         "Please choose the correct Choice to the question:  Zo\u00eb said {hi}\n, Question:\n\n"
@@ -48,8 +54,14 @@ def test_siqa_renders_paper_template_verbatim_with_odd_comma():
 
 
 def test_hellaswag_renders_paper_template_verbatim():
-    row = {"ctx": "[header] How to {cook}\n rice ", "endings": ["", " Boil.", "Fry \U0001f35a", "Wait\nthen eat"],
-           "label": "2", "activity_label": "ignored", "ctx_a": "ignored", "ctx_b": "ignored"}
+    row = {
+        "ctx": "[header] How to {cook}\n rice ",
+        "endings": ["", " Boil.", "Fry \U0001f35a", "Wait\nthen eat"],
+        "label": "2",
+        "activity_label": "ignored",
+        "ctx_a": "ignored",
+        "ctx_b": "ignored",
+    }
     ex = render("hellaswag", row)
     assert ex.prompt == (
         "Context:\n[header] How to {cook}\n rice \n"
@@ -61,8 +73,12 @@ def test_hellaswag_renders_paper_template_verbatim():
 
 
 def test_winogrande_renders_paper_template_verbatim_with_trailing_period():
-    row = {"sentence": " Zo\u00eb gave Ren\u00e9e {the} book because _ left.\n", "option1": "Zo\u00eb",
-           "option2": " Ren\u00e9e ", "answer": "2"}
+    row = {
+        "sentence": " Zo\u00eb gave Ren\u00e9e {the} book because _ left.\n",
+        "option1": "Zo\u00eb",
+        "option2": " Ren\u00e9e ",
+        "answer": "2",
+    }
     ex = render("winogrande", row)
     assert ex.prompt == (
         "Please choose the correct answer to fill in the blank to complete the given sentence: "
@@ -72,8 +88,12 @@ def test_winogrande_renders_paper_template_verbatim_with_trailing_period():
 
 
 def test_obqa_renders_paper_template_verbatim_without_space_after_colon():
-    row = {"id": "7-980", "question_stem": " What is 2+2?\n",
-           "choices": {"text": ["four ", "", "{x}", "\u00fcnf"], "label": ["A", "B", "C", "D"]}, "answerKey": "C"}
+    row = {
+        "id": "7-980",
+        "question_stem": " What is 2+2?\n",
+        "choices": {"text": ["four ", "", "{x}", "\u00fcnf"], "label": ["A", "B", "C", "D"]},
+        "answerKey": "C",
+    }
     ex = render("obqa", row)
     assert ex.prompt == (
         "Please choose the correct answer to the question: What is 2+2?\n\n"
@@ -83,8 +103,12 @@ def test_obqa_renders_paper_template_verbatim_without_space_after_colon():
 
 
 def test_arc_renders_obqa_style_template_with_numeric_labels():
-    row = {"id": "NYSEDREGENTS_2015_4_8", "question": "Which tool measures {mass}?",
-           "choices": {"text": ["ruler", " balance ", "thermometer"], "label": ["1", "2", "3"]}, "answerKey": "2"}
+    row = {
+        "id": "NYSEDREGENTS_2015_4_8",
+        "question": "Which tool measures {mass}?",
+        "choices": {"text": ["ruler", " balance ", "thermometer"], "label": ["1", "2", "3"]},
+        "answerKey": "2",
+    }
     for task in ("arc_easy", "arc_challenge"):
         ex = render(task, row)
         assert ex.prompt == (
@@ -113,18 +137,38 @@ BASE = {
     "arc_easy": {"question": "q", "choices": {"text": list("abcd"), "label": list("ABCD")}},
     "arc_challenge": {"question": "q", "choices": {"text": list("abcd"), "label": list("1234")}},
 }
-LABEL_FIELD = {"boolq": "answer", "piqa": "label", "siqa": "label", "hellaswag": "label", "winogrande": "answer",
-               "obqa": "answerKey", "arc_easy": "answerKey", "arc_challenge": "answerKey"}
+LABEL_FIELD = {
+    "boolq": "answer",
+    "piqa": "label",
+    "siqa": "label",
+    "hellaswag": "label",
+    "winogrande": "answer",
+    "obqa": "answerKey",
+    "arc_easy": "answerKey",
+    "arc_challenge": "answerKey",
+}
 GOLD = [
-    ("boolq", True, 0, "true"), ("boolq", False, 1, "false"),
-    ("piqa", 0, 0, "Choice A"), ("piqa", 1, 1, "Choice B"),
-    ("siqa", "1", 0, "Choice A"), ("siqa", "2", 1, "Choice B"), ("siqa", "3", 2, "Choice C"),
-    ("hellaswag", "0", 0, "Ending A"), ("hellaswag", "1", 1, "Ending B"),
-    ("hellaswag", "2", 2, "Ending C"), ("hellaswag", "3", 3, "Ending D"),
-    ("winogrande", "1", 0, "Option1"), ("winogrande", "2", 1, "Option2"),
-    ("obqa", "A", 0, "Option A"), ("obqa", "B", 1, "Option B"), ("obqa", "C", 2, "Option C"), ("obqa", "D", 3, "Option D"),
-    ("arc_easy", "A", 0, "Option A"), ("arc_easy", "D", 3, "Option D"),
-    ("arc_challenge", "1", 0, "Option 1"), ("arc_challenge", "4", 3, "Option 4"),
+    ("boolq", True, 0, "true"),
+    ("boolq", False, 1, "false"),
+    ("piqa", 0, 0, "Choice A"),
+    ("piqa", 1, 1, "Choice B"),
+    ("siqa", "1", 0, "Choice A"),
+    ("siqa", "2", 1, "Choice B"),
+    ("siqa", "3", 2, "Choice C"),
+    ("hellaswag", "0", 0, "Ending A"),
+    ("hellaswag", "1", 1, "Ending B"),
+    ("hellaswag", "2", 2, "Ending C"),
+    ("hellaswag", "3", 3, "Ending D"),
+    ("winogrande", "1", 0, "Option1"),
+    ("winogrande", "2", 1, "Option2"),
+    ("obqa", "A", 0, "Option A"),
+    ("obqa", "B", 1, "Option B"),
+    ("obqa", "C", 2, "Option C"),
+    ("obqa", "D", 3, "Option D"),
+    ("arc_easy", "A", 0, "Option A"),
+    ("arc_easy", "D", 3, "Option D"),
+    ("arc_challenge", "1", 0, "Option 1"),
+    ("arc_challenge", "4", 3, "Option 4"),
 ]
 
 
@@ -170,12 +214,27 @@ INVALID = [
     ("obqa", {**BASE["obqa"], "answerKey": ""}, "label missing"),
     ("obqa", {"question_stem": "q", "answerKey": "A"}, "missing field 'choices'"),
     ("obqa", {"question_stem": "q", "choices": [["a", "A"]], "answerKey": "A"}, "wrong type for 'choices'"),
-    ("arc_easy", {"question": "q", "choices": {"text": ["a"], "label": ["A", "B"]}, "answerKey": "A"}, "malformed 'choices'"),
-    ("arc_easy", {"question": "q", "choices": {"text": ["a", "b"], "label": ["A", "A"]}, "answerKey": "A"}, "malformed 'choices'"),
-    ("arc_easy", {"question": "q", "choices": {"text": ["a", 2], "label": ["A", "B"]}, "answerKey": "A"}, "wrong type for 'choices'"),
+    (
+        "arc_easy",
+        {"question": "q", "choices": {"text": ["a"], "label": ["A", "B"]}, "answerKey": "A"},
+        "malformed 'choices'",
+    ),
+    (
+        "arc_easy",
+        {"question": "q", "choices": {"text": ["a", "b"], "label": ["A", "A"]}, "answerKey": "A"},
+        "malformed 'choices'",
+    ),
+    (
+        "arc_easy",
+        {"question": "q", "choices": {"text": ["a", 2], "label": ["A", "B"]}, "answerKey": "A"},
+        "wrong type for 'choices'",
+    ),
     ("arc_challenge", {**BASE["arc_challenge"], "answerKey": "A"}, "label out of range"),
-    ("arc_challenge", {"question_stem": "q", "choices": BASE["arc_challenge"]["choices"], "answerKey": "1"},
-     "missing field 'question'"),
+    (
+        "arc_challenge",
+        {"question_stem": "q", "choices": BASE["arc_challenge"]["choices"], "answerKey": "1"},
+        "missing field 'question'",
+    ),
     ("boolq", ["not", "a", "dict"], "row is not an object"),
 ]
 

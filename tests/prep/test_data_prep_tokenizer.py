@@ -18,14 +18,29 @@ def save_whitespace_tokenizer(path: Path) -> None:
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<s>": 1, "</s>": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>").save_pretrained(
+        path
+    )
 
 
 def test_tokenizer_dir_reports_rows_over_cutoff(capsys, tmp_path):
     save_whitespace_tokenizer(tmp_path / "tok")
     out = tmp_path / "cs"
-    code = main(["build", "--source", str(MIRROR), "--out", str(out), "--tasks", "piqa",
-                 "--tokenizer", str(tmp_path / "tok"), "--cutoff", "32"])
+    code = main(
+        [
+            "build",
+            "--source",
+            str(MIRROR),
+            "--out",
+            str(out),
+            "--tasks",
+            "piqa",
+            "--tokenizer",
+            str(tmp_path / "tok"),
+            "--cutoff",
+            "32",
+        ]
+    )
     stdout = capsys.readouterr().out
     assert code == 0
     # PIQA training texts are 32 and 33 words + BOS + EOS long (counted by hand in test_data_prep_build.py)
@@ -40,8 +55,19 @@ def test_tokenizer_dir_reports_rows_over_cutoff(capsys, tmp_path):
 
 
 def test_unloadable_tokenizer_is_a_one_line_error(capsys, tmp_path):
-    code = main(["build", "--source", str(MIRROR), "--out", str(tmp_path / "cs"), "--tasks", "piqa",
-                 "--tokenizer", str(tmp_path / "no-such-tokenizer")])
+    code = main(
+        [
+            "build",
+            "--source",
+            str(MIRROR),
+            "--out",
+            str(tmp_path / "cs"),
+            "--tasks",
+            "piqa",
+            "--tokenizer",
+            str(tmp_path / "no-such-tokenizer"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err

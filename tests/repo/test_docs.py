@@ -33,10 +33,13 @@ def test_generated_blocks_match_the_committed_results(page: Path) -> None:
     text = page.read_text()
     opened = re.findall(r"^<!-- generated:", text, re.M)
     assert len(opened) == len(readme_table.block_names(text)), (
-        f"{page.name}: a generated block's markers do not pair up")
+        f"{page.name}: a generated block's markers do not pair up"
+    )
     regenerated = readme_table.rewrite(text)
-    assert regenerated == text, (f"{page.relative_to(REPO)}: a generated block differs from bench/results; "
-                                 "run python bench/readme_table.py (do not edit generated blocks by hand)")
+    assert regenerated == text, (
+        f"{page.relative_to(REPO)}: a generated block differs from bench/results; "
+        "run python bench/readme_table.py (do not edit generated blocks by hand)"
+    )
 
 
 def test_every_generator_is_used_somewhere() -> None:
@@ -59,7 +62,9 @@ def test_headline_ratio_equals_the_two_config_jsons() -> None:
     others = [json.loads(p.read_text()) for p in configs.glob("train_step_*_1gpu.json")]
     assert all(d["step_s_median"] >= (frod if d["method"] == "frod" else lora)["step_s_median"] for d in others)
     ratio = frod["step_s_median"] / lora["step_s_median"]
-    row = next(line for line in readme_table.headline(REPO / "bench" / "results").splitlines() if line.startswith("| 1 |"))
+    row = next(
+        line for line in readme_table.headline(REPO / "bench" / "results").splitlines() if line.startswith("| 1 |")
+    )
     assert f"**{ratio:.2f}×**" in row
 
 
@@ -104,8 +109,11 @@ def _without_code_blocks(text: str) -> str:
 
 def _inline_spans(text: str) -> list[tuple[int, str]]:
     """(line number, text) of every backticked span in the prose."""
-    return [(n, span) for n, line in enumerate(_without_code_blocks(text).splitlines(), 1)
-            for span in re.findall(r"`([^`]+)`", line)]
+    return [
+        (n, span)
+        for n, line in enumerate(_without_code_blocks(text).splitlines(), 1)
+        for span in re.findall(r"`([^`]+)`", line)
+    ]
 
 
 # A path into the repository as prose names it: `frod_ds/model/build.py`, `bench/results/x.json`, `launch/slurm/`.
@@ -115,12 +123,18 @@ PLACEHOLDER = re.compile(r"[<>*{}|]|\.\.\.")
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.relative_to(REPO).as_posix())
 def test_repository_paths_in_prose_exist(page: Path) -> None:
-    missing = [f"line {n}: {path}" for n, span in _inline_spans(page.read_text()) if not PLACEHOLDER.search(span)
-               for path in (m.rstrip(".,:") for m in REPO_PATH.findall(span)) if not (REPO / path).exists()]
+    missing = [
+        f"line {n}: {path}"
+        for n, span in _inline_spans(page.read_text())
+        if not PLACEHOLDER.search(span)
+        for path in (m.rstrip(".,:") for m in REPO_PATH.findall(span))
+        if not (REPO / path).exists()
+    ]
     assert not missing, f"{page.relative_to(REPO)} names files that do not exist (moved? see docs/layout.md): {missing}"
 
 
-# A dotted name of the project: `frod_ds.model.store_reader.FactorStore`, `frod_ds.prep.io.MAX_ROW_CHARS`, `launch.demo`.
+# A dotted name of the project: `frod_ds.model.store_reader.FactorStore`, `frod_ds.prep.io.MAX_ROW_CHARS`,
+# `launch.demo`.
 MODULE_NAME = re.compile(r"(?<![\w./-])((?:frod_ds|data_prep|launch)(?:\.\w+)+)")
 OLD_PATHS_SECTION = "## Old import paths"  # docs/layout.md's table of old names, old on purpose
 
@@ -134,7 +148,7 @@ def _unresolved(name: str) -> str | None:
         if (path / part / "__init__.py").is_file():
             path = path / part
         elif (path / f"{part}.py").is_file():
-            path, parts = path / f"{part}.py", parts[i + 1:]
+            path, parts = path / f"{part}.py", parts[i + 1 :]
             break
         else:
             parts = parts[i:]
@@ -143,7 +157,9 @@ def _unresolved(name: str) -> str | None:
         parts = []
     source = (path / "__init__.py" if path.is_dir() else path).read_text()
     for attr in parts:  # defined (def, class, assignment) or named as a string (__all__, a lazy export table)
-        if not re.search(rf"^\s*(?:(?:async\s+)?def|class)\s+{attr}\b|^\s*{attr}\s*[:=]|[\"']{attr}[\"']", source, re.M):
+        if not re.search(
+            rf"^\s*(?:(?:async\s+)?def|class)\s+{attr}\b|^\s*{attr}\s*[:=]|[\"']{attr}[\"']", source, re.M
+        ):
             return f"{name}: no {attr!r} in {path.relative_to(REPO)}"
     return None
 
@@ -151,8 +167,12 @@ def _unresolved(name: str) -> str | None:
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.relative_to(REPO).as_posix())
 def test_module_names_in_prose_resolve_at_their_new_paths(page: Path) -> None:
     text = page.read_text().split(OLD_PATHS_SECTION)[0]
-    problems = [f"line {n}: {why}" for n, span in _inline_spans(text) for name in MODULE_NAME.findall(span)
-                if (why := _unresolved(name.rstrip(".")))]
+    problems = [
+        f"line {n}: {why}"
+        for n, span in _inline_spans(text)
+        for name in MODULE_NAME.findall(span)
+        if (why := _unresolved(name.rstrip(".")))
+    ]
     assert not problems, f"{page.relative_to(REPO)}: {problems} (old module paths: see docs/layout.md)"
 
 
@@ -182,18 +202,24 @@ def _as_frod(line: str) -> list[str] | None:
     while words and re.match(r"[A-Z_]+=", words[0]):
         words.pop(0)
     if words and words[0] in LAUNCHERS:  # the launcher's own options end at the program it starts
-        i = next((i for i, w in enumerate(words) if w.endswith(".py") or w in PYTHONS | {"-m", "--module"}),
-                 len(words))
-        words = ["python", "-m", *words[i + 1:]] if words[i:i + 1] in (["-m"], ["--module"]) else (
-            ["python", *words[i:]] if words[i:i + 1] and words[i].endswith(".py") else words[i:])
+        i = next((i for i, w in enumerate(words) if w.endswith(".py") or w in PYTHONS | {"-m", "--module"}), len(words))
+        words = (
+            ["python", "-m", *words[i + 1 :]]
+            if words[i : i + 1] in (["-m"], ["--module"])
+            else (["python", *words[i:]] if words[i : i + 1] and words[i].endswith(".py") else words[i:])
+        )
     if not words:
         return None
     if words[0] == "frod":
         return words[1:]
     if words[0] not in PYTHONS or len(words) < 2:
         return None
-    module = {("-m", "frod_ds"): [], ("-m", "frod_ds.cli"): [], ("-m", "data_prep"): ["data"],
-              ("-m", "launch.demo"): ["demo"]}.get(tuple(words[1:3]))
+    module = {
+        ("-m", "frod_ds"): [],
+        ("-m", "frod_ds.cli"): [],
+        ("-m", "data_prep"): ["data"],
+        ("-m", "launch.demo"): ["demo"],
+    }.get(tuple(words[1:3]))
     if module is not None:
         return module + words[3:]
     script = re.fullmatch(r"launch/(\w+)\.py", words[1])
@@ -232,8 +258,13 @@ def _problem(args: list[str], whole: bool) -> str | None:
         return None if PLACEHOLDER.search(command) or command.isupper() else f"frod has no command {command!r}"
     if not whole:
         flags = {o for p in _parsers(command) for a in p._actions for o in a.option_strings}
-        subs = {n for p in _parsers(command) for a in p._actions if isinstance(a, argparse._SubParsersAction)
-                for n in a.choices}
+        subs = {
+            n
+            for p in _parsers(command)
+            for a in p._actions
+            if isinstance(a, argparse._SubParsersAction)
+            for n in a.choices
+        }
         unknown = [w for w in rest if w.startswith("-") and w.split("=")[0] not in flags]
         if subs and rest and not rest[0].startswith("-") and rest[0] not in subs and not PLACEHOLDER.search(rest[0]):
             unknown.insert(0, rest[0])
@@ -251,25 +282,34 @@ def _problem(args: list[str], whole: bool) -> str | None:
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.relative_to(REPO).as_posix())
 def test_every_command_shown_is_accepted_by_its_parser(page: Path) -> None:
-    shown = [(line, args, whole) for line, whole in _shown_commands(page.read_text())
-             if (args := _as_frod(line)) is not None]
+    shown = [
+        (line, args, whole) for line, whole in _shown_commands(page.read_text()) if (args := _as_frod(line)) is not None
+    ]
     problems = [f"{line!r}: {why}" for line, args, whole in shown if (why := _problem(args, whole))]
     assert not problems, f"{page.relative_to(REPO)}: " + "\n".join(problems)
 
 
 def test_the_command_check_catches_a_wrong_command() -> None:
     # The forms the docs use, each with a mistake the parsers refuse.
-    for line in ("frod data --source hub --out d", "frod convert-gguf --out m", "python launch/hjd.py --out f",
-                 "deepspeed --num_gpus 2 launch/train.py --recipe r.yaml",
-                 "torchrun --nproc_per_node 2 -m frod_ds.cli eval --data d --output o --no-such-flag",
-                 "python -m data_prep build --out d"):
+    for line in (
+        "frod data --source hub --out d",
+        "frod convert-gguf --out m",
+        "python launch/hjd.py --out f",
+        "deepspeed --num_gpus 2 launch/train.py --recipe r.yaml",
+        "torchrun --nproc_per_node 2 -m frod_ds.cli eval --data d --output o --no-such-flag",
+        "python -m data_prep build --out d",
+    ):
         args = _as_frod(line)
         assert args is not None and _problem(args, whole=True), line
     assert _problem(_as_frod("python -m launch.demo --outdir"), whole=False)
     assert _problem(_as_frod("frod data built --out d"), whole=False)
     assert _problem(["frod-data"], whole=True)
-    for line in ("frod data build --source hub --out data/x", "srun python launch/hjd.py --model m --out f",
-                 "deepspeed --module frod_ds.cli train --config c.json --recipe r.yaml output_dir=o",
-                 "python -m frod_ds plan --model m --gpus 2", "python launch/convert_gguf.py fetch"):
+    for line in (
+        "frod data build --source hub --out data/x",
+        "srun python launch/hjd.py --model m --out f",
+        "deepspeed --module frod_ds.cli train --config c.json --recipe r.yaml output_dir=o",
+        "python -m frod_ds plan --model m --gpus 2",
+        "python launch/convert_gguf.py fetch",
+    ):
         assert _problem(_as_frod(line), whole=True) is None, line
     assert _as_frod("python bench/layer.py --tiny") is None

@@ -16,8 +16,18 @@ PKG = REPO / "frod_ds"
 # Lowest first. A sub-package may import its own modules and those of lower layers; sub-packages sharing a
 # layer do not import each other. docs/layout.md explains the order.
 LAYERS: list[tuple[str, ...]] = [
-    ("runtime",), ("formats",), ("prep",), ("io",), ("core",), ("config",), ("hjd",), ("model",), ("eval",),
-    ("train", "interop", "plan"), ("testing",), ("cli",),
+    ("runtime",),
+    ("formats",),
+    ("prep",),
+    ("io",),
+    ("core",),
+    ("config",),
+    ("hjd",),
+    ("model",),
+    ("eval",),
+    ("train", "interop", "plan"),
+    ("testing",),
+    ("cli",),
 ]
 RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 TOP_LEVEL = {"frod_ds", "frod_ds._moved", "frod_ds.__main__"}  # the package's door: may name every layer
@@ -73,7 +83,7 @@ def layer_violations(g: dict[str, set[str]]) -> list[str]:
             if b is None or b == a:
                 continue
             if b not in RANK or RANK[b] > RANK[a] or (RANK[b] == RANK[a]):
-                out.append(f"{src} imports {t} ({a} may import only layers below it: {LAYERS[:RANK[a]]})")
+                out.append(f"{src} imports {t} ({a} may import only layers below it: {LAYERS[: RANK[a]]})")
     return out
 
 
@@ -91,7 +101,7 @@ def package_cycles(g: dict[str, set[str]]) -> list[list[str]]:
         state[node] = "open"
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"
@@ -125,7 +135,9 @@ def test_library_uses_no_old_module_paths(g):
 def test_frod_ds_and_data_prep_import_one_way(g):
     """data_prep (``python -m data_prep``) is an entry point of frod_ds.prep; frod_ds never imports it, nor the
     scripts outside the wheel (launch/, bench/)."""
-    back = [f"{src} imports {t}" for src, ts in g.items() for t in ts if t.split(".")[0] in ("data_prep", "launch", "bench")]
+    back = [
+        f"{src} imports {t}" for src, ts in g.items() for t in ts if t.split(".")[0] in ("data_prep", "launch", "bench")
+    ]
     assert back == []
     dp = graph(REPO / "data_prep")
     assert any(t.startswith("frod_ds") for ts in dp.values() for t in ts)
@@ -141,7 +153,9 @@ def test_formats_import_no_torch(g):
             continue
         seen.add(m)
         for t in g[m]:
-            if t.split(".")[0] in {x.split(".")[0] for x in TORCH} and any(t == x or t.startswith(x + ".") for x in TORCH):
+            if t.split(".")[0] in {x.split(".")[0] for x in TORCH} and any(
+                t == x or t.startswith(x + ".") for x in TORCH
+            ):
                 found.append(f"{m} imports {t}")
             if t in g:
                 todo.append(t)

@@ -36,8 +36,12 @@ def test_old_path_forwards_to_the_same_object_and_warns(old):
     module = importlib.import_module(old)
     assert Path(module.__file__) == shim_file(old)
     new = [importlib.import_module(path) for path in MOVED[old]]
-    names = [(n, m) for m in new for n in getattr(m, "__all__", None) or
-             [k for k, v in vars(m).items() if not k.startswith("_") and getattr(v, "__module__", None) == m.__name__]]
+    names = [
+        (n, m)
+        for m in new
+        for n in getattr(m, "__all__", None)
+        or [k for k, v in vars(m).items() if not k.startswith("_") and getattr(v, "__module__", None) == m.__name__]
+    ]
     assert names, f"{MOVED[old]} defines nothing public to forward"
     name, home = names[0]
     with warnings.catch_warnings(record=True) as seen:

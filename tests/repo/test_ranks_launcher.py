@@ -16,7 +16,7 @@ from tests.support.leftovers import REPO, clean_env
 
 # Each line one write: two ranks share the pipe, and print() writes its pieces one by one, which interleave
 # between processes where the output is unbuffered.
-SCRIPT = '''
+SCRIPT = """
 import atexit, logging, os, sys, warnings
 def line(*parts):
     sys.stdout.write(" ".join(map(str, parts)) + "\\n")
@@ -29,7 +29,7 @@ logging.getLogger("frod_probe_bound").warning("a log line")
 atexit.register(lambda: line("the script's exit handler ran"))
 print("to stderr", file=sys.stderr)
 sys.exit(int(os.environ.get("FROD_PROBE_EXIT", "0")))
-'''
+"""
 
 
 def _fresh(cmd: list[str], env: dict[str, str], cwd) -> subprocess.CompletedProcess:
@@ -78,9 +78,7 @@ def test_ranks_get_torchruns_environment_and_match_the_launcher_script(tmp_path)
 
 def test_a_failed_rank_stops_the_others_and_a_timeout_kills_them(tmp_path):
     script = tmp_path / "fail.py"
-    script.write_text("import os, sys, time\n"
-                      "if os.environ['RANK'] == '1':\n    sys.exit(3)\n"
-                      "time.sleep(120)\n")
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(120)\n")
     t0 = time.monotonic()
     res = ranks.run(2, [str(script)], clean_env(), tmp_path, timeout=100)
     assert res.returncode == 3 and time.monotonic() - t0 < 30  # rank 0 got SIGTERM, not its 120 s

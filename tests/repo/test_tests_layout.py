@@ -1,9 +1,8 @@
 """tests/ mirrors the project: every sub-directory is named after what its tests cover (a frod_ds sub-package,
 launch/slurm, bench, or the repository as a whole), shared helpers live in tests/support and data in tests/fixtures,
 and no test file sits flat in tests/. A new test file therefore has exactly one obvious home."""
-from __future__ import annotations
 
-from pathlib import Path
+from __future__ import annotations
 
 from tests.support.leftovers import REPO
 
@@ -24,8 +23,10 @@ def _test_dirs() -> set[str]:
 
 def test_every_tests_directory_names_a_part_of_the_project():
     unknown = sorted(_test_dirs() - _frod_parts() - OTHER_PARTS.keys() - NOT_TESTS)
-    assert not unknown, (f"tests/{unknown[0]}/ names no part of the project: name a test directory after a frod_ds "
-                         f"sub-package ({', '.join(sorted(_frod_parts()))}) or one of {sorted(OTHER_PARTS)}")
+    assert not unknown, (
+        f"tests/{unknown[0]}/ names no part of the project: name a test directory after a frod_ds "
+        f"sub-package ({', '.join(sorted(_frod_parts()))}) or one of {sorted(OTHER_PARTS)}"
+    )
     for name, target in OTHER_PARTS.items():
         assert (REPO / target).is_dir(), f"tests/{name}/ tests {target}/, which does not exist"
 
@@ -65,10 +66,23 @@ def test_an_unknown_test_order_is_one_usage_error_also_under_xdist():
     from tests.support.leftovers import clean_env
 
     for workers in ([], ["-n", "2"]):
-        res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
-                              "tests/repo/test_tests_layout.py::test_every_tests_directory_names_a_part_of_the_project"],
-                             cwd=REPO, env=clean_env(FROD_TEST_ORDER="shuff:7"), capture_output=True, text=True,
-                             timeout=120)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                *workers,
+                "tests/repo/test_tests_layout.py::test_every_tests_directory_names_a_part_of_the_project",
+            ],
+            cwd=REPO,
+            env=clean_env(FROD_TEST_ORDER="shuff:7"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         out = res.stdout + res.stderr
         assert res.returncode == 4 and "INTERNALERROR" not in out, (workers, res.returncode, out[-2000:])
         assert "FROD_TEST_ORDER='shuff:7': use normal, reverse, shuffle or shuffle:SEED" in out, out[-2000:]

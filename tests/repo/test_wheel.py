@@ -31,11 +31,18 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
     src.mkdir()
     for name in SOURCES:
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
-        copy(REPO / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+        copy(
+            REPO / name,
+            src / name,
+            **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}),
+        )
     env = clean_env()
     env.pop("PYTHONPATH")
-    built = _sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist", src],
-                tmp, env)
+    built = _sh(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp / "dist", src],
+        tmp,
+        env,
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (tmp / "dist").glob("frod_ds-*.whl")
     venv = tmp / "venv"
@@ -45,14 +52,28 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
     # line adds this environment's site-packages (as a plain path, so its editable frod_ds finder stays off)
     (new_site,) = (venv / "lib").glob("python3*/site-packages")
     (new_site / "test_env.pth").write_text("".join(p + "\n" for p in site.getsitepackages()))
-    inst = _sh([sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--no-deps", "-q", wheel],
-               tmp, env)
+    inst = _sh(
+        [sys.executable, "-m", "pip", "--python", venv / "bin" / "python", "install", "--no-deps", "-q", wheel],
+        tmp,
+        env,
+    )
     assert inst.returncode == 0, inst.stderr[-3000:]
     work = tmp / "elsewhere"
     (work / "model").mkdir(parents=True)
-    (work / "model" / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000, "torch_dtype": "float32"}))
+    (work / "model" / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "vocab_size": 1000,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     return venv, work, env
 
 
@@ -64,15 +85,21 @@ def test_installed_frod_runs_outside_the_repository(installed):
     from frod_ds import __version__
 
     assert (version.returncode, version.stdout.strip()) == (0, f"frod-ds {__version__}"), version.stderr
-    plan = _sh([venv / "bin" / "frod", "plan", "--model", "model", "--gpus", "1", "--config", "ds_configs/zero3.json"],
-               work, env)
+    plan = _sh(
+        [venv / "bin" / "frod", "plan", "--model", "model", "--gpus", "1", "--config", "ds_configs/zero3.json"],
+        work,
+        env,
+    )
     assert plan.returncode == 0, plan.stdout + plan.stderr
     assert "ds_configs/zero3.json on 1 GPU(s)" in plan.stdout and "fastest set-up that fits: " in plan.stdout
 
 
 def test_installed_frod_names_a_config_it_does_not_ship(installed):
     venv, work, env = installed
-    res = _sh([venv / "bin" / "frod", "plan", "--model", "model", "--gpus", "1", "--config", "ds_configs/zero9.json"],
-              work, env)
+    res = _sh(
+        [venv / "bin" / "frod", "plan", "--model", "model", "--gpus", "1", "--config", "ds_configs/zero9.json"],
+        work,
+        env,
+    )
     assert res.returncode == 2 and res.stderr.count("error:") == 1, res.stdout + res.stderr
     assert "zero9.json" in res.stderr

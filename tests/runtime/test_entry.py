@@ -54,11 +54,18 @@ def test_a_bug_is_not_a_user_error():
 def test_a_bug_in_a_launch_script_shows_its_traceback_and_exits_1(tmp_path):
     """An exception that is not a ``FrodError`` (here a stand-in for a failure inside torch) is a bug: its
     traceback, exit 1, and no one-line 'user error'."""
-    code = ("import sys; sys.argv = ['export']; from frod_ds.runtime import entry\n"
-            "def body():\n    raise RuntimeError('torch broke')\n"
-            "sys.exit(entry.run(body, init_group=False))\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    code = (
+        "import sys; sys.argv = ['export']; from frod_ds.runtime import entry\n"
+        "def body():\n    raise RuntimeError('torch broke')\n"
+        "sys.exit(entry.run(body, init_group=False))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "RuntimeError: torch broke" in proc.stderr
     assert not [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -199,8 +206,11 @@ def test_deepspeeds_nvtx_ranges_are_off_while_the_group_lives_unless_asked_for(m
 
     assert entry.run(body, init_group=False) == 0
     assert seen["result"] == 7
-    assert seen["pushed"] == (["test_deepspeeds_nvtx_ranges_are_off_while_the_group_lives_unless_asked_for."
-                               "<locals>.instrumented"] if keep else [])
+    assert seen["pushed"] == (
+        ["test_deepspeeds_nvtx_ranges_are_off_while_the_group_lives_unless_asked_for.<locals>.instrumented"]
+        if keep
+        else []
+    )
     assert ds_nvtx.enable_nvtx is before
     call()
     assert len(pushed) == (2 if keep else 1), "after destroy DeepSpeed's ranges are back"

@@ -25,8 +25,14 @@ INIT_DEEPSPEED = "from frod_ds.runtime import distributed as D; D.init_deepspeed
 
 
 def _start_deepspeed(ext: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", INIT_DEEPSPEED], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=clean_env(TORCH_EXTENSIONS_DIR=str(ext), **env))
+    return subprocess.run(
+        [sys.executable, "-c", INIT_DEEPSPEED],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(TORCH_EXTENSIONS_DIR=str(ext), **env),
+    )
 
 
 def _die_holding_baton(baton: Path) -> None:
@@ -66,8 +72,10 @@ def test_a_builder_that_dies_while_others_wait_does_not_block_them(tmp_path):
     from frod_ds.runtime.op_build import BATON, wait_for_baton
 
     baton = tmp_path / BATON
-    code = (f"import os, signal, time; os.open({str(baton)!r}, os.O_CREAT | os.O_EXCL); time.sleep(2); "
-            "os.kill(os.getpid(), signal.SIGKILL)")
+    code = (
+        f"import os, signal, time; os.open({str(baton)!r}, os.O_CREAT | os.O_EXCL); time.sleep(2); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
     builder = subprocess.Popen([sys.executable, "-c", code], env=clean_env())
     try:
         while not baton.exists() and builder.poll() is None:
@@ -168,12 +176,15 @@ def test_gradient_clipping_that_agrees_or_is_auto_is_the_recipes():
     assert resolve_ds_config(cfg, _recipe("train.max_grad_norm=0.5"), 1)["gradient_clipping"] == 0.5
 
 
-@pytest.mark.parametrize("where, typo, meant", [
-    ("", "gradient_cliping", "gradient_clipping"),
-    ("", "steps_per_prnt", "steps_per_print"),
-    ("zero_optimization", "overlap_com", "overlap_comm"),
-    ("zero_optimization", "stage3_prefetch_bucket", "stage3_prefetch_bucket_size"),
-])
+@pytest.mark.parametrize(
+    "where, typo, meant",
+    [
+        ("", "gradient_cliping", "gradient_clipping"),
+        ("", "steps_per_prnt", "steps_per_print"),
+        ("zero_optimization", "overlap_com", "overlap_comm"),
+        ("zero_optimization", "stage3_prefetch_bucket", "stage3_prefetch_bucket_size"),
+    ],
+)
 def test_a_misspelled_deepspeed_key_is_named_with_the_closest_valid_one(where, typo, meant):
     from frod_ds.config.ds_config import DSConfigError, resolve_ds_config
 
@@ -185,8 +196,10 @@ def test_a_misspelled_deepspeed_key_is_named_with_the_closest_valid_one(where, t
     assert f'unknown key "{dotted}{typo}"' in str(e.value) and f'did you mean "{dotted}{meant}"' in str(e.value)
 
 
-@pytest.mark.parametrize("name", ["zero3.json", "zero3_offload.json", "zero3_nvme.json", "zero2.json",
-                                  "zero3_cpu_fp32.json", "zero2_cpu_fp32.json"])
+@pytest.mark.parametrize(
+    "name",
+    ["zero3.json", "zero3_offload.json", "zero3_nvme.json", "zero2.json", "zero3_cpu_fp32.json", "zero2_cpu_fp32.json"],
+)
 def test_every_shipped_deepspeed_key_is_known(name):
     from frod_ds.config.ds_config import _unknown_keys
 
@@ -204,8 +217,9 @@ def _train_main(argv: list[str], capsys) -> tuple[int, str]:
 def test_a_malformed_yaml_recipe_is_one_line(tmp_path, capsys, text):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text(text)
-    code, err = _train_main(["--config", str(REPO / "ds_configs" / "zero2_cpu_fp32.json"), "--recipe", str(recipe)],
-                            capsys)
+    code, err = _train_main(
+        ["--config", str(REPO / "ds_configs" / "zero2_cpu_fp32.json"), "--recipe", str(recipe)], capsys
+    )
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and str(recipe) in lines[0], err
     assert "line " in lines[0] and "Traceback" not in err
@@ -241,8 +255,8 @@ def _trained_adapter(env, out: Path, quant: str = "none"):
     """A frod-ds adapter after 8 AdamW steps on a fixed batch (σ moved, S ≠ 0), U held ``quant`` in training."""
     import torch
 
-    from frod_ds.model.adapter import save_adapter_from_model
     from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.model.adapter import save_adapter_from_model
     from frod_ds.model.apply import frod_param_groups
     from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.model.store_reader import FactorStore
@@ -256,9 +270,19 @@ def _trained_adapter(env, out: Path, quant: str = "none"):
         model(ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    ckpt = save_adapter_from_model(model, out, AdapterConfig(base_model=str(env.model), factor_store=str(env.store),
-                                                             dtype="float32", sparsity=0.1, seed=0,
-                                                             frozen_quant=quant), store=store)
+    ckpt = save_adapter_from_model(
+        model,
+        out,
+        AdapterConfig(
+            base_model=str(env.model),
+            factor_store=str(env.store),
+            dtype="float32",
+            sparsity=0.1,
+            seed=0,
+            frozen_quant=quant,
+        ),
+        store=store,
+    )
     return ckpt, model.eval()
 
 
@@ -288,13 +312,17 @@ def test_a_peft_export_that_misses_peft_tol_is_refused_and_the_tol_it_names_pass
 
     ckpt, frod = _trained_adapter(peft_env, tmp_path / "adapter")
     out = tmp_path / "peft"
-    code, err = _export(["--checkpoint", str(ckpt), "--format", "peft", "--out", str(out), "--peft-tol", "1e-9"], capsys)
+    code, err = _export(
+        ["--checkpoint", str(ckpt), "--format", "peft", "--out", str(out), "--peft-tol", "1e-9"], capsys
+    )
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: --peft-tol 1e-09 cannot be met"), err
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["adapter"], "nothing partial"
     measured = float(re.search(r"differ from the trained ones by (\S+) ", err).group(1))
     accept = re.search(r"pass --peft-tol (\S+) to accept", err).group(1)
     assert float(accept) >= measured
-    code, err = _export(["--checkpoint", str(ckpt), "--format", "peft", "--out", str(out), "--peft-tol", accept], capsys)
+    code, err = _export(
+        ["--checkpoint", str(ckpt), "--format", "peft", "--out", str(out), "--peft-tol", accept], capsys
+    )
     assert code == 0, err
     ids = torch.randint(0, frod.config.vocab_size, (3, 13), generator=torch.Generator().manual_seed(0))
     base_logits, peft_logits = _peft_logits(peft_env, out, ids)
@@ -328,22 +356,35 @@ def test_a_peft_export_of_an_nf4_trained_adapter_is_refused_with_its_error(peft_
 @pytest.fixture(scope="module")
 def hjd_model(tmp_path_factory):
     """A tiny sharded LLaMA checkpoint (several safetensors shards and an index)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("policy-hjd")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).save_pretrained(str(root / "model"), max_shard_size="40KB")
     assert (root / "model" / "model.safetensors.index.json").is_file()
     return root / "model"
 
 
 def _hjd(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--device", "cpu", *argv], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "launch" / "hjd.py"), "--device", "cpu", *argv],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _other_targeted_weights(src: Path, dst: Path, category: str) -> None:
@@ -417,9 +458,25 @@ def test_data_prep_out_onto_a_foreign_directory_does_not_suggest_overwrite(tmp_p
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
-    res = subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(tmp_path / "raw"), "--tasks",
-                          "boolq", "--out", str(foreign)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "build",
+            "--source",
+            str(tmp_path / "raw"),
+            "--tasks",
+            "boolq",
+            "--out",
+            str(foreign),
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode != 0 and "pass --overwrite" not in res.stderr, res.stderr[-1000:]
     assert (foreign / "notes.txt").read_text() == "keep"
 
@@ -464,8 +521,23 @@ def _variant(env, root: Path, name: str, edit) -> tuple[Path, Path]:
     shutil.copytree(env.model, model)
     edit(model)
     store = root / f"{name}-factors"
-    res = subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(model), "--out", str(store),
-                          "--device", "cpu"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch" / "hjd.py"),
+            "--model",
+            str(model),
+            "--out",
+            str(store),
+            "--device",
+            "cpu",
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return model, store
 
@@ -495,13 +567,27 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(train_env, tmp_path)
         cfg = __import__("json").loads((model / "config.json").read_text())
         for f in model.glob("*.safetensors*"):
             f.unlink()
-        write_tiny_llama(model, vocab_size=64, max_shard_size="60KB", **{k: cfg[k] for k in (
-            "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers")})
+        write_tiny_llama(
+            model,
+            vocab_size=64,
+            max_shard_size="60KB",
+            **{
+                k: cfg[k]
+                for k in (
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "num_hidden_layers",
+                )
+            },
+        )
 
     model, store = _variant(train_env, tmp_path, "small-vocab", smaller_vocab)
     out = tmp_path / "run"
-    line = _one_error_line(_train(train_env, out, **{"model.base": model, "model.factor_store": store,
-                                                     "model.tokenizer": train_env.model}))
+    line = _one_error_line(
+        _train(train_env, out, **{"model.base": model, "model.factor_store": store, "model.tokenizer": train_env.model})
+    )
     assert "vocab_size 64" in line and "token id" in line, line
     assert not out.exists()
 
@@ -519,8 +605,11 @@ def test_nan_in_a_base_norm_with_save_every_is_the_non_finite_stop(train_env, tm
 
     model, store = _variant(train_env, tmp_path, "nan-norm", nan_norm)
     out = tmp_path / "run"
-    res = _train(train_env, out, **{"model.base": model, "model.factor_store": store, "train.save_every": 1,
-                                     "train.max_steps": 6})
+    res = _train(
+        train_env,
+        out,
+        **{"model.base": model, "model.factor_store": store, "train.save_every": 1, "train.max_steps": 6},
+    )
     line = _one_error_line(res)
     assert "non-finite loss" in line, line
     assert not out.exists(), "the failed fresh run removed the output_dir it created"
@@ -626,8 +715,9 @@ def test_hjd_on_a_full_disk_is_one_line_and_the_same_command_resumes(hjd_model, 
     argv = ("--model", str(hjd_model), "--out", str(store))
     res = _hjd(*argv)
     lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and lines[-1].startswith("error: cannot write ") and "No space left" in lines[-1], \
+    assert res.returncode == 2 and lines[-1].startswith("error: cannot write ") and "No space left" in lines[-1], (
         res.stderr[-2000:]
+    )
     assert "Traceback" not in res.stderr
     grow()
     assert _hjd(*argv).returncode == 0
@@ -649,6 +739,7 @@ def test_training_on_a_full_disk_is_one_line_and_leaves_no_output_dir(train_env,
 
 
 # --- a checkpoint whose config.json is missing or torn --------------------------------------------------------------
+
 
 @pytest.mark.parametrize("damage", ["missing", "torn"])
 def test_training_on_a_checkpoint_without_a_usable_config_is_one_line(peft_env, tmp_path, damage):

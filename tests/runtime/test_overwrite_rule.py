@@ -1,5 +1,5 @@
-"""The overwrite rule (``frod_ds.runtime.atomic.check_replaceable``): ``--overwrite`` replaces only a directory an earlier
-run of the same command wrote (the marker's kind), never one holding another command's output, never one of the
+"""The overwrite rule (``frod_ds.runtime.atomic.check_replaceable``): ``--overwrite`` replaces only a directory an
+earlier run of the same command wrote (the marker's kind), never one holding another command's output, never one of the
 command's own inputs (or a directory containing or inside one), and training never writes into a directory that
 frod-ds training did not write. Each refusal is exit 2 with one ``error:`` line, and the refused directory is
 byte-identical afterwards. One tiny model, factor store, data build and trained run are shared by the module;
@@ -14,18 +14,21 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tests.support.train_env import CPU_ZERO2, build_env, run_train, train_in_process
 
 from frod_ds.prep.cli import main as data_prep_main
 from frod_ds.runtime.atomic import MARKER
 from launch import export as export_cli
 from launch import hjd as hjd_cli
+from tests.support.train_env import CPU_ZERO2, build_env, run_train, train_in_process
 
 
 def tree(path: Path) -> dict[str, str]:
     """Every file under ``path`` (relative name → sha256 of its bytes): proof that nothing changed."""
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def one_error(capsys, code: int) -> str:
@@ -101,6 +104,7 @@ def refuse_export(capsys, argv: list[str], victim: Path) -> str:
 
 # -- an export never replaces its own input --------------------------------------------------------------
 
+
 def test_export_onto_its_own_checkpoint_is_refused(adapter, capsys):
     line = refuse_export(capsys, ["--checkpoint", str(adapter), "--out", str(adapter)], adapter)
     assert "--checkpoint" in line and "trained adapter" in line
@@ -127,14 +131,16 @@ def test_export_onto_a_demo_directory_is_refused(env, run, tmp_path, capsys):
 
 # -- --overwrite replaces only an earlier output of the same command --------------------------------------
 
+
 def test_peft_export_over_a_data_build_is_refused(env, adapter, capsys):
     line = refuse_export(capsys, ["--checkpoint", str(adapter), "--format", "peft", "--out", str(env.data)], env.data)
     assert "data_prep build" in line
 
 
 def test_peft_import_over_an_hf_export_is_refused(env, peft_export, hf_export, capsys):
-    line = refuse_export(capsys, ["--from-peft", str(peft_export), "--base-model", str(env.model), "--out",
-                                  str(hf_export)], hf_export)
+    line = refuse_export(
+        capsys, ["--from-peft", str(peft_export), "--base-model", str(env.model), "--out", str(hf_export)], hf_export
+    )
     assert "Hugging Face export" in line
 
 
@@ -143,8 +149,16 @@ def test_hf_export_over_a_peft_export_is_refused(adapter, peft_export, capsys):
     assert "PEFT" in line
 
 
-@pytest.mark.parametrize("kind,needle", [(None, "no kind"), ("output", "unknown kind"), ("adapter", "trained adapter"),
-                                         ("factor-store", "factor store"), ("training-run", "training run")])
+@pytest.mark.parametrize(
+    "kind,needle",
+    [
+        (None, "no kind"),
+        ("output", "unknown kind"),
+        ("adapter", "trained adapter"),
+        ("factor-store", "factor store"),
+        ("training-run", "training run"),
+    ],
+)
 def test_export_trusts_a_marker_only_of_its_own_kind(adapter, tmp_path, capsys, kind, needle):
     victim = marked(tmp_path / "victim", kind)
     line = refuse_export(capsys, ["--checkpoint", str(adapter), "--out", str(victim)], victim)
@@ -172,8 +186,12 @@ def test_data_build_over_a_factor_store_is_refused(env, tmp_path, capsys):
     shutil.copytree(env.store, store)  # holds a manifest.json, as a data build does
     (store / MARKER).write_text(json.dumps({"format": "frod-ds-output", "kind": "factor-store"}) + "\n")
     before = tree(store)
-    line = one_error(capsys, data_prep_main(["build", "--source", str(env.root / "raw"), "--tasks", "boolq",
-                                             "--out", str(store), "--overwrite"]))
+    line = one_error(
+        capsys,
+        data_prep_main(
+            ["build", "--source", str(env.root / "raw"), "--tasks", "boolq", "--out", str(store), "--overwrite"]
+        ),
+    )
     assert "factor store" in line
     assert tree(store) == before
 
@@ -186,6 +204,7 @@ def test_hjd_over_a_data_build_is_refused(env, capsys):
 
 
 # -- training writes only into its own run ----------------------------------------------------------------
+
 
 def test_training_into_a_foreign_directory_is_refused_before_writing(env, tmp_path):
     mine = tmp_path / "mine"

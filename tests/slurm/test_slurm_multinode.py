@@ -1,5 +1,5 @@
-"""launch/slurm on a real multi-node Slurm (tests/support/slurm_cluster.py: three slurmds, each in its own namespaces on a
-private bridge; gloo on CPU, 2 CPUs declared per rank slot). One cluster serves every test here.
+"""launch/slurm on a real multi-node Slurm (tests/support/slurm_cluster.py: three slurmds, each in its own namespaces on
+a private bridge; gloo on CPU, 2 CPUs declared per rank slot). One cluster serves every test here.
 
 - pipeline.sh on 2 nodes x 2 ranks, its training preempted (SIGTERM -> checkpoint -> requeue -> resume), against
   the same pipeline on 1 node x 4 ranks, uninterrupted: factor store, adapter and eval bitwise equal; HJD and
@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from tests.support.leftovers import clean_env
 from tests.support.slurm_cluster import SlurmCluster, available
 from tests.support.slurm_local import SlurmUnavailable
@@ -44,9 +45,18 @@ pytestmark = pytest.mark.slow
 SLURM = REPO / "launch" / "slurm"
 STEPS = 12  # SIGTERM at step >= 2; node failures after the checkpoints of steps 3 and 6
 TRAIN_OVERRIDES = [
-    "model.sparsity=0.1", "data.cutoff_len=64", "train.micro_batch_size=4", "train.grad_accum=2",
-    "train.lr_sigma=1e-2", "train.lr_s=1e-3", "train.log_every=1", "train.rotation_every=0", "train.save_every=0",
-    "train.warmup_ratio=0.25", "train.schedule=cosine", f"train.max_steps={STEPS}",
+    "model.sparsity=0.1",
+    "data.cutoff_len=64",
+    "train.micro_batch_size=4",
+    "train.grad_accum=2",
+    "train.lr_sigma=1e-2",
+    "train.lr_s=1e-3",
+    "train.log_every=1",
+    "train.rotation_every=0",
+    "train.save_every=0",
+    "train.warmup_ratio=0.25",
+    "train.schedule=cosine",
+    f"train.max_steps={STEPS}",
 ]
 TASKS = "boolq,piqa"
 TWO_BY_TWO = {"GPUS_PER_NODE": "0", "NODES": "2", "TASKS_PER_NODE": "2", "CPUS_PER_TASK": "1"}
@@ -102,19 +112,45 @@ def tiny(tmp_path_factory):
     # so the jobs need no shared extension cache
     env = {**env, "PYTHON": sys.executable, "LOG_DIR": str(root / "logs"), "RECIPE": "recipes/demo_tiny.yaml"}
     write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=0)
-    subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(root / "raw"), "--tasks", TASKS,
-                    "--out", str(root / "data")], check=True, cwd=REPO, env=env, capture_output=True)
-    texts = [json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
-             for line in (root / "data" / "train.jsonl").read_text().splitlines()]
-    tok = AutoTokenizer.from_pretrained(str(train_sentencepiece_tokenizer(root / "tokenizer", texts,
-                                                                          vocab_size=400)))
-    write_tiny_llama(root / "model", vocab_size=len(tok), seed=0, max_shard_size="60KB", hidden_size=32,
-                     intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "build",
+            "--source",
+            str(root / "raw"),
+            "--tasks",
+            TASKS,
+            "--out",
+            str(root / "data"),
+        ],
+        check=True,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+    )
+    texts = [
+        json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
+        for line in (root / "data" / "train.jsonl").read_text().splitlines()
+    ]
+    tok = AutoTokenizer.from_pretrained(str(train_sentencepiece_tokenizer(root / "tokenizer", texts, vocab_size=400)))
+    write_tiny_llama(
+        root / "model",
+        vocab_size=len(tok),
+        seed=0,
+        max_shard_size="60KB",
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     tok.save_pretrained(str(root / "model"))
     yield Tiny(root, root / "model", root / "data", env)
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------
+
 
 def _hostnames(cluster, nodelist: str) -> list[str]:
     """The node names of a Slurm node list (``n[1-2]`` -> n1, n2), as Slurm expands it."""
@@ -127,33 +163,59 @@ def _log(tiny: Tiny, name: str, job_id: str) -> str:
 
 
 def _all_logs(tiny: Tiny) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                     for p in sorted((tiny.root / "logs").glob("*.out")))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((tiny.root / "logs").glob("*.out"))
+    )
 
 
 def _steps_done(out: Path) -> int:
     rows = out / "metrics.jsonl"
-    return max((json.loads(line)["step"] for line in rows.read_text().splitlines() if line.strip()), default=0) \
-        if rows.exists() else 0
+    return (
+        max((json.loads(line)["step"] for line in rows.read_text().splitlines() if line.strip()), default=0)
+        if rows.exists()
+        else 0
+    )
 
 
 def _wait_for_step(cluster: SlurmCluster, tiny: Tiny, job_id: str, out: Path, step: int, timeout: float = 600) -> None:
     t0 = time.time()
     while _steps_done(out) < step:
         job = cluster.job(job_id)
-        ok = job.state in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED") and \
-            job.fields.get("Reason") != "DependencyNeverSatisfied"
+        ok = (
+            job.state in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED")
+            and job.fields.get("Reason") != "DependencyNeverSatisfied"
+        )
         assert ok, f"job {job_id} {job.state} ({job.fields.get('Reason')}) before step {step}\n{_all_logs(tiny)}"
         assert time.time() - t0 < timeout, f"job {job_id}: no step {step} after {timeout} s\n{cluster.logs()}"
         time.sleep(0.1)
 
 
-def _submit_train(cluster: SlurmCluster, tiny: Tiny, store: Path, out: Path, shape: dict[str, str],
-                  *extra: str, sbatch: tuple[str, ...] = (), data: Path | None = None, **env) -> str:
+def _submit_train(
+    cluster: SlurmCluster,
+    tiny: Tiny,
+    store: Path,
+    out: Path,
+    shape: dict[str, str],
+    *extra: str,
+    sbatch: tuple[str, ...] = (),
+    data: Path | None = None,
+    **env,
+) -> str:
     data_file = data if data is not None else tiny.data / "train.jsonl"
-    res = cluster.run([str(SLURM / "submit.sh"), *sbatch, str(SLURM / "train.sbatch"), f"model.base={tiny.model}",
-                       f"model.factor_store={store}", f"data.train={data_file}", f"output_dir={out}",
-                       *TRAIN_OVERRIDES, *extra], env={**tiny.env, **shape, **env})
+    res = cluster.run(
+        [
+            str(SLURM / "submit.sh"),
+            *sbatch,
+            str(SLURM / "train.sbatch"),
+            f"model.base={tiny.model}",
+            f"model.factor_store={store}",
+            f"data.train={data_file}",
+            f"output_dir={out}",
+            *TRAIN_OVERRIDES,
+            *extra,
+        ],
+        env={**tiny.env, **shape, **env},
+    )
     assert res.returncode == 0 and res.stdout.strip().isdigit(), res.stdout + res.stderr
     return res.stdout.strip()
 
@@ -163,8 +225,7 @@ def _sha256(path: Path) -> str:
 
 
 def _tree_digest(root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
-    return {str(p.relative_to(root)): _sha256(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name not in skip}
+    return {str(p.relative_to(root)): _sha256(p) for p in sorted(root.rglob("*")) if p.is_file() and p.name not in skip}
 
 
 def _assert_same_adapter(a_dir: Path, b_dir: Path) -> None:
@@ -189,6 +250,7 @@ def _task_pids(cluster: SlurmCluster, node: str, script: str = "launch/train.py"
 
 # ---- pipeline.sh: 2 nodes x 2 ranks (preempted) against 1 node x 4 ranks -----------------------------------
 
+
 @pytest.fixture(scope="module")
 def pipelines(cluster, tiny):
     """Both pipelines submitted together (the 2 x 2 one on two nodes, the 1 x 4 one on the third); the 2 x 2
@@ -196,14 +258,26 @@ def pipelines(cluster, tiny):
     runs = {}
     for name, shape in (("2x2", TWO_BY_TWO), ("1x4", ONE_BY_FOUR)):
         base = tiny.root / name
-        env = {**tiny.env, **shape, "MODEL": str(tiny.model), "STORE": str(base / "store"), "DATA": str(tiny.data),
-               "RUN": str(base / "run"), "TASKS": TASKS, "EVAL_ARGS": "--batch-size 4"}
+        env = {
+            **tiny.env,
+            **shape,
+            "MODEL": str(tiny.model),
+            "STORE": str(base / "store"),
+            "DATA": str(tiny.data),
+            "RUN": str(base / "run"),
+            "TASKS": TASKS,
+            "EVAL_ARGS": "--batch-size 4",
+        }
         res = cluster.run([str(SLURM / "pipeline.sh"), *TRAIN_OVERRIDES], env=env, cwd=tiny.root)
         assert res.returncode == 0, res.stdout + res.stderr
         ids = dict(line.split() for line in res.stdout.splitlines())
         assert list(ids) == ["hjd", "train", "eval"], res.stdout
-        runs[name] = {"ids": ids, "store": base / "store", "run": base / "run",
-                      "deps": {stage: cluster.job(i).fields.get("Dependency", "") for stage, i in ids.items()}}
+        runs[name] = {
+            "ids": ids,
+            "store": base / "store",
+            "run": base / "run",
+            "deps": {stage: cluster.job(i).fields.get("Dependency", "") for stage, i in ids.items()},
+        }
     t0 = time.time()
     train = runs["2x2"]["ids"]["train"]
     _wait_for_step(cluster, tiny, train, runs["2x2"]["run"], 2)
@@ -218,14 +292,18 @@ def test_pipeline_runs_on_two_nodes_and_resumes_after_preemption(cluster, pipeli
     r = pipelines["2x2"]
     for stage, job in r["jobs"].items():
         assert (job.state, job.exit_code) == ("COMPLETED", "0:0"), (stage, job, _log(tiny, f"frod-{stage}", job.id))
-        assert len(_hostnames(cluster, job.fields["NodeList"])) == 2 and job.fields["NumTasks"] == "4", \
-            (stage, job.fields)
+        assert len(_hostnames(cluster, job.fields["NodeList"])) == 2 and job.fields["NumTasks"] == "4", (
+            stage,
+            job.fields,
+        )
     train_log = _log(tiny, "frod-train", r["ids"]["train"])
     assert r["jobs"]["train"].restarts == 1, train_log
     # each start (the first, and the requeued one: Slurm places it on whichever two nodes are free then) runs 4
     # tasks on two nodes and meets on the first of them
     marker = f"job {r['ids']['train']}: "
-    starts = [line[line.index(marker):] for line in train_log.splitlines() if marker in line and " rendezvous " in line]
+    starts = [
+        line[line.index(marker) :] for line in train_log.splitlines() if marker in line and " rendezvous " in line
+    ]
     assert len(starts) == 2, train_log
     for start in starts:
         placed = re.search(r"4 tasks on (\S+), .* rendezvous ([^:]+):", start)
@@ -235,8 +313,9 @@ def test_pipeline_runs_on_two_nodes_and_resumes_after_preemption(cluster, pipeli
     assert "requeueing it to resume" in train_log and "resumed from step" in train_log, train_log
     assert [row["step"] for row in metrics(r["run"])] == list(range(1, STEPS + 1))
     ids, jobs = r["ids"], r["jobs"]  # chained with afterok: each stage starts after the previous one succeeded
-    assert r["deps"]["train"].startswith(f"afterok:{ids['hjd']}") and \
-        r["deps"]["eval"].startswith(f"afterok:{ids['train']}"), r["deps"]
+    assert r["deps"]["train"].startswith(f"afterok:{ids['hjd']}") and r["deps"]["eval"].startswith(
+        f"afterok:{ids['train']}"
+    ), r["deps"]
     start = {stage: job.fields["StartTime"] for stage, job in jobs.items()}
     end = {stage: job.fields["EndTime"] for stage, job in jobs.items()}
     assert end["hjd"] <= start["train"] and end["train"] <= start["eval"], (start, end)
@@ -292,14 +371,30 @@ def test_two_node_hjd_and_eval_equal_single_process(pipelines, tiny, tmp_path):
             assert rel((U * sigma) @ V.T, W) < 1e-5, member
     run = pipelines["2x2"]["run"]
     ref = tmp_path / "eval_ref"
-    assert eval_main(["--checkpoint", str(run / "adapter-final"), "--data", str(tiny.data), "--tasks", TASKS,
-                      "--output", str(ref), "--batch-size", "4"]) == 0
+    assert (
+        eval_main(
+            [
+                "--checkpoint",
+                str(run / "adapter-final"),
+                "--data",
+                str(tiny.data),
+                "--tasks",
+                TASKS,
+                "--output",
+                str(ref),
+                "--batch-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert (run / "eval" / "predictions.jsonl").read_text() == (ref / "predictions.jsonl").read_text()
     got, want = (json.loads((d / "results.json").read_text())["tasks"] for d in (run / "eval", ref))
     assert got == want
 
 
 # ---- a node fails mid-training ----------------------------------------------------------------------------
+
 
 def _next_job_id(cluster: SlurmCluster) -> int:
     out = cluster.run(["scontrol", "show", "config"]).stdout
@@ -309,10 +404,26 @@ def _next_job_id(cluster: SlurmCluster) -> int:
 def _hold_port(cluster: SlurmCluster, tiny: Tiny, node: str, port: int) -> str:
     """A job of its own on ``node`` listening on ``port`` (on every address), until cancelled."""
     ready = tiny.root / f"holding-{port}"
-    code = (f"import socket, time, pathlib; s = socket.socket(); s.bind(('', {port})); s.listen(); "
-            f"pathlib.Path('{ready}').touch(); time.sleep(3600)")
-    res = cluster.run(["sbatch", "--parsable", "--no-requeue", "-w", node, "-n", "1", "-o", "/dev/null",
-                       "--wrap", f"exec {sys.executable} -c \"{code}\""], env=tiny.env)
+    code = (
+        f"import socket, time, pathlib; s = socket.socket(); s.bind(('', {port})); s.listen(); "
+        f"pathlib.Path('{ready}').touch(); time.sleep(3600)"
+    )
+    res = cluster.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--no-requeue",
+            "-w",
+            node,
+            "-n",
+            "1",
+            "-o",
+            "/dev/null",
+            "--wrap",
+            f'exec {sys.executable} -c "{code}"',
+        ],
+        env=tiny.env,
+    )
     assert res.returncode == 0, res.stderr
     t0 = time.time()
     while not ready.exists():
@@ -332,8 +443,14 @@ def _kill_after_checkpoint(cluster: SlurmCluster, tiny: Tiny, job_id: str, out: 
     t0 = time.time()
     while not (_latest_tag(out) > after and _steps_done(out) > _latest_tag(out)):
         # between a failure and its restart the job passes through REQUEUED/COMPLETING: still alive
-        assert cluster.job(job_id).state in ("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_FED",
-                                             "COMPLETING"), _all_logs(tiny)
+        assert cluster.job(job_id).state in (
+            "PENDING",
+            "RUNNING",
+            "CONFIGURING",
+            "REQUEUED",
+            "REQUEUE_FED",
+            "COMPLETING",
+        ), _all_logs(tiny)
         assert time.time() - t0 < 600, f"no checkpoint after step {after}\n{_all_logs(tiny)}"
         time.sleep(0.1)
     tag, restarts = _latest_tag(out), cluster.job(job_id).restarts
@@ -384,7 +501,7 @@ def test_node_failure_requeues_and_resumes_on_the_node_back_then_on_a_spare(clus
     # the last start, without n1, meets on n2
     # a start's line may follow the unterminated output of a process killed with its node, on the same line
     marker = f"job {job_id}: "
-    starts = [line[line.index(marker):] for line in log.splitlines() if marker in line and " rendezvous " in line]
+    starts = [line[line.index(marker) :] for line in log.splitlines() if marker in line and " rendezvous " in line]
     assert "rendezvous n1:" in starts[0] and not starts[0].endswith(f"rendezvous n1:{derived}"), starts
     assert " rendezvous n2:" in starts[-1], starts
     assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
@@ -392,6 +509,7 @@ def test_node_failure_requeues_and_resumes_on_the_node_back_then_on_a_spare(clus
 
 
 # ---- a stop without requeue, resubmitted by hand; pipeline.sh's own errors ------------------------------------
+
 
 def test_sigterm_without_requeue_then_the_same_submission_resumes_bitwise(cluster, tiny, pipelines):
     """REQUEUE=0: the job checkpoints on SIGTERM and fails with 143; submitting the same command again resumes
@@ -415,8 +533,13 @@ def test_pipeline_with_the_gpu_defaults_is_refused_on_a_gpu_less_cluster(cluster
     """Without GPUS_PER_NODE=0 the scripts ask for 8 GPUs a node: sbatch refuses, pipeline.sh exits non-zero and
     leaves nothing of its own queued."""
     before = cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
-    env = {**tiny.env, "MODEL": str(tiny.model), "STORE": str(tiny.root / "s2"), "DATA": str(tiny.data),
-           "RUN": str(tiny.root / "r2")}
+    env = {
+        **tiny.env,
+        "MODEL": str(tiny.model),
+        "STORE": str(tiny.root / "s2"),
+        "DATA": str(tiny.data),
+        "RUN": str(tiny.root / "r2"),
+    }
     res = cluster.run([str(SLURM / "pipeline.sh")], env=env)
     assert res.returncode != 0 and "gres" in res.stderr.lower(), res.stdout + res.stderr
     assert cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split() == before
@@ -434,6 +557,7 @@ def test_pipeline_without_an_input_says_what_to_set(cluster, tiny, unset):
 
 
 # ---- failures that must end a job quickly and say why ------------------------------------------------------
+
 
 def test_a_killed_worker_ends_the_job_on_every_node_within_60s(cluster, tiny, pipelines):
     """A rank killed (kill -9): srun ends the others with SIGTERM and exits 143 like a preempted step; the job
@@ -464,12 +588,26 @@ def test_a_path_on_one_node_only_fails_within_60s_naming_it(cluster, tiny, pipel
     shm = f"/dev/shm/frod-{cluster.tag}"
     assert cluster.on_node("n1", ["sh", "-c", f"mkdir -p {shm} && cp {tiny.data}/train.jsonl {shm}/"]).returncode == 0
     t0 = time.time()
-    res = cluster.run([str(SLURM / "submit.sh"), "--no-requeue", str(SLURM / "hjd.sbatch")],
-                      env={**tiny.env, **TWO_BY_ONE, "MODEL": str(tiny.model), "OUT": f"{shm}/store"})
+    res = cluster.run(
+        [str(SLURM / "submit.sh"), "--no-requeue", str(SLURM / "hjd.sbatch")],
+        env={**tiny.env, **TWO_BY_ONE, "MODEL": str(tiny.model), "OUT": f"{shm}/store"},
+    )
     assert res.returncode == 0, res.stderr
-    jobs = {"hjd": (res.stdout.strip(), f"--out {shm}/store is not shared between the job's nodes: n2 cannot"),
-            "train": (_submit_train(cluster, tiny, pipelines["1x4"]["store"], tiny.root / "one_node_data", TWO_BY_ONE,
-                                    sbatch=("--no-requeue",), data=Path(shm) / "train.jsonl"), f"{shm}/train.jsonl")}
+    jobs = {
+        "hjd": (res.stdout.strip(), f"--out {shm}/store is not shared between the job's nodes: n2 cannot"),
+        "train": (
+            _submit_train(
+                cluster,
+                tiny,
+                pipelines["1x4"]["store"],
+                tiny.root / "one_node_data",
+                TWO_BY_ONE,
+                sbatch=("--no-requeue",),
+                data=Path(shm) / "train.jsonl",
+            ),
+            f"{shm}/train.jsonl",
+        ),
+    }
     for stage, (job_id, says) in jobs.items():
         job = cluster.wait(job_id, timeout=max(1.0, 60 - (time.time() - t0)))
         log = _log(tiny, f"frod-{stage}", job_id)
@@ -481,6 +619,7 @@ def test_a_path_on_one_node_only_fails_within_60s_naming_it(cluster, tiny, pipel
 
 # ---- the GPU each srun task takes (no GPU here: CUDA and the process group faked) ---------------------------
 
+
 @pytest.mark.parametrize("visible,local_id,want", [(8, "3", 3), (1, "3", 0)])
 def test_srun_task_takes_the_gpu_of_its_local_id(monkeypatch, visible, local_id, want):
     """``--ntasks-per-node`` = GPUs per node: task SLURM_LOCALID k uses GPU k of the node; where srun gives each
@@ -488,8 +627,15 @@ def test_srun_task_takes_the_gpu_of_its_local_id(monkeypatch, visible, local_id,
     import frod_ds.runtime.distributed as D
     from frod_ds.runtime.launch_env import process_group_spec
 
-    env = {"SLURM_PROCID": "11", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": local_id,
-           "SLURM_STEP_NODELIST": "gpu[007-008]", "SLURM_JOB_ID": "77", "MASTER_ADDR": "gpu007", "MASTER_PORT": "20077"}
+    env = {
+        "SLURM_PROCID": "11",
+        "SLURM_STEP_NUM_TASKS": "16",
+        "SLURM_LOCALID": local_id,
+        "SLURM_STEP_NODELIST": "gpu[007-008]",
+        "SLURM_JOB_ID": "77",
+        "MASTER_ADDR": "gpu007",
+        "MASTER_PORT": "20077",
+    }
     joined, devices = {}, []
     monkeypatch.setattr(D, "_local_rank", 0)  # restored after the test: no process-wide state left
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

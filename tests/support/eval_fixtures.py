@@ -20,10 +20,14 @@ import torch
 from frod_ds.prep.io import dumps_row
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
-WORDS = "the a big small red blue cat dog sits runs on mat is it true false which one Choice Option A B C D Question Answer".split()
+WORDS = (
+    "the a big small red blue cat dog sits runs on mat is it true false which one Choice Option A B C D Question Answer"
+).split()
 PUNCT = [":", "?", ".", ","]
 # Extra vocabulary for rows in LLM-Adapters' format (`word_tokenizer(LLM_ADAPTERS_VOCAB)`).
-LLM_ADAPTERS_VOCAB = "answer1 answer2 answer3 answer4 answer5 solution1 solution2 correct ### Response Instruction".split()
+LLM_ADAPTERS_VOCAB = (
+    "answer1 answer2 answer3 answer4 answer5 solution1 solution2 correct ### Response Instruction".split()
+)
 # LLM-Adapters' scoring prompt (its commonsense_evaluate.py; see the shared data README), written out here
 # independently of any code under test.
 LLM_ADAPTERS_SCORING_PROMPT = (
@@ -50,10 +54,20 @@ def make_rows(task: str, n: int, seed: int = 0) -> list[dict]:
     rows = []
     for i in range(n):
         words = " ".join(rng.choice(WORDS[:14]) for _ in range(rng.randint(1, 12)))
-        prompt = f"Question:\n{words}?\n" + "\n".join(f"{c}: {rng.choice(WORDS[:10])}" for c in choices) + "\nwhich one?"
+        prompt = (
+            f"Question:\n{words}?\n" + "\n".join(f"{c}: {rng.choice(WORDS[:10])}" for c in choices) + "\nwhich one?"
+        )
         label = rng.randrange(len(choices))
-        rows.append({"task": task, "id": f"{task}-{i}", "prompt": prompt, "answer": choices[label],
-                     "choices": list(choices), "label": label})
+        rows.append(
+            {
+                "task": task,
+                "id": f"{task}-{i}",
+                "prompt": prompt,
+                "answer": choices[label],
+                "choices": list(choices),
+                "label": label,
+            }
+        )
     return rows
 
 
@@ -66,11 +80,23 @@ def make_llm_adapters_rows(task: str, n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         question = " ".join(rng.choice(WORDS[:14]) for _ in range(rng.randint(1, 12)))
         options = " ".join(f"{w.capitalize()}: {rng.choice(WORDS[:10])}" for w in words)
-        instruction = f"Please choose the correct answer to the question: {question}\n\n{options}\n\nAnswer format: {'/'.join(words)}"
+        instruction = (
+            f"Please choose the correct answer to the question: {question}\n\n{options}"
+            f"\n\nAnswer format: {'/'.join(words)}"
+        )
         label = rng.randrange(len(words))
         choices = [f"the correct answer is {w}" for w in words]
-        rows.append({"task": task, "id": f"{task}-la-{i}", "prompt": LLM_ADAPTERS_SCORING_PROMPT.format(instruction=instruction),
-                     "separator": "", "answer": choices[label], "choices": choices, "label": label})
+        rows.append(
+            {
+                "task": task,
+                "id": f"{task}-la-{i}",
+                "prompt": LLM_ADAPTERS_SCORING_PROMPT.format(instruction=instruction),
+                "separator": "",
+                "answer": choices[label],
+                "choices": choices,
+                "label": label,
+            }
+        )
     return rows
 
 
@@ -115,9 +141,19 @@ def metaspace_tokenizer(texts: list[str]):
 def llama_config(vocab_size: int, hidden: int = 32):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+    )
 
 
 def random_llama(vocab_size: int, seed: int = 0):

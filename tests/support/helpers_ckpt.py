@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,14 +17,22 @@ from tests.support.leftovers import REPO, clean_env, free_port
 LAUNCH = REPO / "launch" / "hjd.py"
 
 
-def write_tiny_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str = "12KB",
-                     **overrides) -> Path:
+def write_tiny_llama(
+    path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, max_shard_size: str = "12KB", **overrides
+) -> Path:
     """``frod_ds.testing.toy.write_tiny_llama`` at HJD-test size, in several shards (``model.safetensors.index.json``).
     Defaults: hidden 32, 3 layers, 4 heads, 2 KV heads (k/v 16×32), LLaMA's init std 0.02."""
     from frod_ds.testing.toy import write_tiny_llama as write
 
-    kw = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.02)
+    kw = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.02,
+    )
     kw.update(overrides)
     return write(path, vocab_size=kw.pop("vocab_size", 64), seed=seed, dtype=dtype, max_shard_size=max_shard_size, **kw)
 
@@ -64,8 +71,11 @@ def strip_checkpoint(src: Path, dst: Path, categories, replace: dict[str, torch.
     for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     drop = set(categories)
-    kept = {k: v for k, v in tensors.items()
-            if not (k.endswith(".weight") and k[: -len(".weight")].rsplit(".", 1)[-1] in drop)}
+    kept = {
+        k: v
+        for k, v in tensors.items()
+        if not (k.endswith(".weight") and k[: -len(".weight")].rsplit(".", 1)[-1] in drop)
+    }
     kept.update(replace or {})
     save_file(kept, str(dst / "model.safetensors"), metadata={"format": "pt"})
     for f in src.iterdir():
@@ -74,8 +84,9 @@ def strip_checkpoint(src: Path, dst: Path, categories, replace: dict[str, torch.
     return dst
 
 
-def run_hjd(args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: float = 180,
-            launcher: str = "ranks") -> subprocess.CompletedProcess:
+def run_hjd(
+    args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: float = 180, launcher: str = "ranks"
+) -> subprocess.CompletedProcess:
     """``launch/hjd.py ARGS`` as a subprocess: one plain process when ``nproc == 0``, else NPROC CPU ranks (gloo)
     started by ``tests/support/ranks.py`` (torchrun's environment, the imports paid once), ``launcher="torchrun"``
     (``torchrun --standalone``) or ``launcher="deepspeed"`` (the DeepSpeed launcher)."""
@@ -108,22 +119,34 @@ def hjd_in_process(args: list[str]) -> subprocess.CompletedProcess:
 def make_adapter(model_dir: Path, root: Path, sparsity: float = 0.05, seed: int = 0):
     """A trained-looking FRoD adapter over ``model_dir``: factor store by the HJD stage (one process), σ
     scaled and S filled with random values. Returns ``(adapter_dir, store_dir, frod_model)``."""
-    from frod_ds.model.adapter import save_adapter_from_model
     from frod_ds.formats.adapter_dir import AdapterConfig
+    from frod_ds.hjd.stage import StageConfig, run_stage
+    from frod_ds.model.adapter import save_adapter_from_model
     from frod_ds.model.apply import frod_modules
     from frod_ds.model.build import build_frod_model, make_supports
-    from frod_ds.hjd.stage import StageConfig, run_stage
     from frod_ds.model.store_reader import FactorStore
 
     run_stage(StageConfig(model=str(model_dir), out=root / "store", device="cpu", fsync=False))
     store = FactorStore.open(root / "store")
-    model = build_frod_model(model_dir, store, make_supports(store, list(store.categories), sparsity, seed), torch.float32)
+    model = build_frod_model(
+        model_dir, store, make_supports(store, list(store.categories), sparsity, seed), torch.float32
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, m in frod_modules(model):
             m.frod_sigma.mul_(1 + 0.3 * torch.randn(m.frod_sigma.shape, generator=g))
             m.frod_s.add_(0.1 * torch.randn(m.frod_s.shape, generator=g))
-    ckpt = save_adapter_from_model(model, root / "adapter-final", AdapterConfig(
-        base_model=str(model_dir), factor_store=str(root / "store"), dtype="float32", sparsity=sparsity, seed=seed,
-        targets=list(store.categories)), store=store)
+    ckpt = save_adapter_from_model(
+        model,
+        root / "adapter-final",
+        AdapterConfig(
+            base_model=str(model_dir),
+            factor_store=str(root / "store"),
+            dtype="float32",
+            sparsity=sparsity,
+            seed=seed,
+            targets=list(store.categories),
+        ),
+        store=store,
+    )
     return ckpt, root / "store", model

@@ -17,9 +17,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 # What torchrun, the deepspeed launcher, torchelastic and srun tell a process about its place in a job.
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
-                 "CROSS_SIZE", "LOCAL_SIZE")
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "LOCAL_SIZE",
+)
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_")
 
 

@@ -65,7 +65,7 @@ def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
     sampler = Sampler(step.model)
     fetch = C.fetch_sub_module
 
-    def fetch_and_sample(coord, module, forward):
+    def fetch_and_sample(coord, module, forward, *, sampler=sampler):
         fetch(coord, module, forward)
         if id(module) in sampler.linears:
             sampler.sample()
@@ -83,13 +83,22 @@ def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
     with gathered([p for _, p in lora], True):
         values = {n: p.detach().float().flatten().tolist() for n, p in lora if "layers.0.self_attn.q_proj" in n}
     layers = step.model.get_base_model().model.layers
-    nf4 = [sum(p.ds_numel * p.element_size() for p in layer.parameters() if type(p).__name__ == "Params4bit")
-           for layer in layers]
-    out = {"available": sampler.available, "retained": sampler.retained, "both": sampler.both, "losses": losses, "grad_norms": grad_norms,
-           "lora_layer0_q": values, "nf4_layer_bytes": nf4,
-           "nf4_module_bytes_max": max(p.ds_numel * p.element_size() for p in sampler.weights)}
+    nf4 = [
+        sum(p.ds_numel * p.element_size() for p in layer.parameters() if type(p).__name__ == "Params4bit")
+        for layer in layers
+    ]
+    out = {
+        "available": sampler.available,
+        "retained": sampler.retained,
+        "both": sampler.both,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "lora_layer0_q": values,
+        "nf4_layer_bytes": nf4,
+        "nf4_module_bytes_max": max(p.ds_numel * p.element_size() for p in sampler.weights),
+    }
     step.engine.destroy()
-    del step, model, sampler
+    del step, model, sampler, fetch_and_sample
     gc.collect()
     return out
 

@@ -122,6 +122,7 @@ def _preimport(cmd: list[str]) -> None:
     """The imports every rank would pay (nothing started by them)."""
     import torch  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
+
     try:
         import deepspeed  # noqa: F401
 
@@ -133,8 +134,16 @@ def _preimport(cmd: list[str]) -> None:
 
 
 def _rank_env(env: dict[str, str], rank: int, n: int, port: str) -> dict[str, str]:
-    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    return {
+        **env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
 
 
 def _supervise(procs: list, deadline: float | None = None) -> int | None:
@@ -189,6 +198,7 @@ def run(n: int, cmd: list[str], env: dict[str, str], cwd: str | Path, timeout: f
     port = str(free_port())
     envs = [dict(env)] if n == 0 else [_rank_env(env, rank, n, port) for rank in range(n)]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+
         def prepare(e: dict[str, str]) -> None:
             _as_fresh(out.fileno(), err.fileno(), e)
             os.chdir(cwd)
@@ -246,28 +256,42 @@ def _as_fresh(out_fd: int, err_fd: int, env: dict[str, str]) -> None:
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
     unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.open(0, "rb", closefd=False))
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.open(1, "wb", buffering=0 if unbuffered else -1, closefd=False),
-                                                   write_through=unbuffered)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.open(2, "wb", buffering=0 if unbuffered else -1, closefd=False),
-                                                   errors="backslashreplace", line_buffering=True)
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False))
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        open(1, "wb", buffering=0 if unbuffered else -1, closefd=False), write_through=unbuffered
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        open(2, "wb", buffering=0 if unbuffered else -1, closefd=False),
+        errors="backslashreplace",
+        line_buffering=True,
+    )
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
     for lg in loggers:
         for h in list(lg.handlers):
             if type(h).__module__.startswith("_pytest"):
                 lg.removeHandler(h)
-            elif type(h) is logging.StreamHandler or (isinstance(h, logging.StreamHandler)
-                                                      and not isinstance(h, logging.FileHandler)
-                                                      and not isinstance(type(h).__dict__.get("stream"), property)):
+            elif type(h) is logging.StreamHandler or (
+                isinstance(h, logging.StreamHandler)
+                and not isinstance(h, logging.FileHandler)
+                and not isinstance(type(h).__dict__.get("stream"), property)
+            ):
                 if any(h.stream is o for o in old_out):
                     h.stream = sys.stdout
                 elif any(h.stream is o for o in old_err):
                     h.stream = sys.stderr
     # pytest records warnings (and sets 'always' for deprecations) while a test runs: print them as Python does
-    warnings.filters[:] = [f for f in warnings.filters
-                           if not (f[0] == "always" and f[1] is None and f[3] is None
-                                   and f[2] in (DeprecationWarning, PendingDeprecationWarning))]
+    warnings.filters[:] = [
+        f
+        for f in warnings.filters
+        if not (
+            f[0] == "always"
+            and f[1] is None
+            and f[3] is None
+            and f[2] in (DeprecationWarning, PendingDeprecationWarning)
+        )
+    ]
     warnings.showwarning = warnings._showwarning_orig
     warnings._showwarnmsg_impl = _showwarnmsg
     warnings._filters_mutated()

@@ -99,15 +99,18 @@ def model_sizes(model) -> dict[str, int]:
         for i in params:
             uses[i] = uses.get(i, 0) + 1
     own = [sum(p.ds_numel for i, p in params.items() if uses[i] == 1) for params in per_layer]
-    return {"layers": len(per_layer), "layer_own": max(own),
-            "shared": sum(p.ds_numel for p in frozen if uses.get(id(p), 0) > 1),
-            "total": sum(p.ds_numel for p in frozen)}
+    return {
+        "layers": len(per_layer),
+        "layer_own": max(own),
+        "shared": sum(p.ds_numel for p in frozen if uses.get(id(p), 0) > 1),
+        "total": sum(p.ds_numel for p in frozen),
+    }
 
 
 def measure(recipe, config: str, mode: str, steps: int, sampler: GatheredSampler) -> dict:
+    from frod_ds.model.build import gathered
     from frod_ds.runtime import distributed as dist
     from frod_ds.train import trainer
-    from frod_ds.model.build import gathered
 
     checkpointing = mode != "plain"
     reentrant, enable = trainer.USE_REENTRANT, trainer.enable_gradient_checkpointing
@@ -115,8 +118,11 @@ def measure(recipe, config: str, mode: str, steps: int, sampler: GatheredSampler
         trainer.USE_REENTRANT = mode.startswith("reentrant")
     if mode.endswith("-call"):
         trainer.enable_gradient_checkpointing = lambda model: (enable(model), checkpoint_whole_call(model))
-    recipe = dataclasses.replace(recipe, output_dir=str(Path(recipe.output_dir) / mode),
-                                 model=dataclasses.replace(recipe.model, gradient_checkpointing=checkpointing))
+    recipe = dataclasses.replace(
+        recipe,
+        output_dir=str(Path(recipe.output_dir) / mode),
+        model=dataclasses.replace(recipe.model, gradient_checkpointing=checkpointing),
+    )
     try:
         run = trainer.setup(recipe, config)
     finally:
@@ -131,11 +137,17 @@ def measure(recipe, config: str, mode: str, steps: int, sampler: GatheredSampler
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with gathered([p for _, p in trainable], run.zero3):
         if dist.is_main():
-            torch.save({n: p.detach().float().cpu().clone() for n, p in trainable},
-                       Path(recipe.output_dir).parent / f"trainable_{mode}.pt")
-    out = {"max_available": [a for a, _ in sampler.per_micro_batch],
-           "max_gathered": [g for _, g in sampler.per_micro_batch], "loss": [r["loss"] for r in rows],
-           "grad_norm": [r["grad_norm"] for r in rows], "sizes": model_sizes(model)}
+            torch.save(
+                {n: p.detach().float().cpu().clone() for n, p in trainable},
+                Path(recipe.output_dir).parent / f"trainable_{mode}.pt",
+            )
+    out = {
+        "max_available": [a for a, _ in sampler.per_micro_batch],
+        "max_gathered": [g for _, g in sampler.per_micro_batch],
+        "loss": [r["loss"] for r in rows],
+        "grad_norm": [r["grad_norm"] for r in rows],
+        "sizes": model_sizes(model),
+    }
     run.engine.destroy()
     del run, model
     gc.collect()
@@ -144,12 +156,13 @@ def measure(recipe, config: str, mode: str, steps: int, sampler: GatheredSampler
 
 def main() -> int:
 
-    from frod_ds.runtime import distributed as dist
     from frod_ds.config.recipe import load_recipe
+    from frod_ds.runtime import distributed as dist
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="plain,trainer,trainer-call,reentrant-call",
-                    help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument(
+        "--modes", default="plain,trainer,trainer-call,reentrant-call", help=f"comma-separated, of {', '.join(MODES)}"
+    )
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps per mode")
     probe_args, rest = ap.parse_known_args()
     args = parse_args(rest)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.leftovers import free_ports
-from tests.support.slurm_local import Job, LocalSlurm, SlurmUnavailable, install
+from tests.support.slurm_local import LocalSlurm, install
 
 TOOLS = ("ip", "nsenter", "unshare", "setpriv", "mount")
 
@@ -111,7 +111,7 @@ class SlurmCluster:
 
     # --- start -------------------------------------------------------------------------------------------
     @classmethod
-    def start(cls, root: Path, nodes: int = 2, cpus: int = 2) -> "SlurmCluster":
+    def start(cls, root: Path, nodes: int = 2, cpus: int = 2) -> SlurmCluster:
         """munged and slurmctld on the host, ``nodes`` slurmds (``n1`` … ``nN``) each advertising ``cpus``
         CPUs (``config_overrides``: may exceed the machine's); waits until every node is idle."""
         t0 = time.time()
@@ -145,12 +145,16 @@ class SlurmCluster:
             _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
             self.created.append(("link", veth))
             _run(["ip", "link", "set", veth, "master", self.bridge, "up"])
-            for cmd in (["ip", "addr", "add", f"{self.addr(node)}/24", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"],
-                        ["ip", "link", "set", "lo", "up"]):
+            for cmd in (
+                ["ip", "addr", "add", f"{self.addr(node)}/24", "dev", "eth0"],
+                ["ip", "link", "set", "eth0", "up"],
+                ["ip", "link", "set", "lo", "up"],
+            ):
                 _run(["ip", "-n", ns, *cmd[1:]])
         host = socket.gethostname().split(".")[0]
-        (self.root / "hosts").write_text(f"127.0.0.1 localhost\n{self.host_addr} {host}\n"
-                                         + "".join(f"{self.addr(n)} {n}\n" for n in self.nodes))
+        (self.root / "hosts").write_text(
+            f"127.0.0.1 localhost\n{self.host_addr} {host}\n" + "".join(f"{self.addr(n)} {n}\n" for n in self.nodes)
+        )
         (self.root / "resolv.conf").write_text("")
 
     def _write_config(self, cpus: int) -> None:
@@ -159,27 +163,53 @@ class SlurmCluster:
             (r / d).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname().split(".")[0]
         ctld_port, d_port = free_ports(2)
-        self.conf.write_text("\n".join([
-            f"ClusterName=frod{self.tag}",
-            f"SlurmctldHost={host}({self.host_addr})",
-            f"SlurmctldPort={ctld_port}", f"SlurmdPort={d_port}",
-            "SlurmUser=root", "SlurmdUser=root",
-            # cred_expire: a requeued job waits it out (default 120 s)
-            "AuthType=auth/munge", "CryptoType=crypto/munge", f"AuthInfo=socket={r / 'munge' / 'munge.socket'},cred_expire=10",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "MpiDefault=none", "SwitchType=switch/none", "ReturnToService=2", "MailProg=/bin/true",
-            "MinJobAge=3600", "SlurmdParameters=config_overrides",
-            # a dead node is noticed in ~SlurmdTimeout and the queue looked at every few seconds (defaults 300, 60)
-            "SlurmdTimeout=6", "SchedulerParameters=sched_interval=2,bf_interval=2", "KillWait=5",
-            f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool' / '%n'}",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
-            *(f"NodeName={n} NodeAddr={self.addr(n)} CPUs={cpus} Boards=1 SocketsPerBoard=1 CoresPerSocket={cpus} "
-              "ThreadsPerCore=1 RealMemory=4000 State=UNKNOWN" for n in self.nodes),
-            f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP",
-        ]) + "\n")
+        self.conf.write_text(
+            "\n".join(
+                [
+                    f"ClusterName=frod{self.tag}",
+                    f"SlurmctldHost={host}({self.host_addr})",
+                    f"SlurmctldPort={ctld_port}",
+                    f"SlurmdPort={d_port}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    # cred_expire: a requeued job waits it out (default 120 s)
+                    "AuthType=auth/munge",
+                    "CryptoType=crypto/munge",
+                    f"AuthInfo=socket={r / 'munge' / 'munge.socket'},cred_expire=10",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "MpiDefault=none",
+                    "SwitchType=switch/none",
+                    "ReturnToService=2",
+                    "MailProg=/bin/true",
+                    "MinJobAge=3600",
+                    "SlurmdParameters=config_overrides",
+                    # a dead node is noticed in ~SlurmdTimeout and the queue looked at every few seconds
+                    # (defaults 300, 60)
+                    "SlurmdTimeout=6",
+                    "SchedulerParameters=sched_interval=2,bf_interval=2",
+                    "KillWait=5",
+                    f"StateSaveLocation={r / 'state'}",
+                    f"SlurmdSpoolDir={r / 'spool' / '%n'}",
+                    f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
+                    f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
+                    *(
+                        f"NodeName={n} NodeAddr={self.addr(n)} CPUs={cpus} Boards=1 SocketsPerBoard=1 "
+                        f"CoresPerSocket={cpus} "
+                        "ThreadsPerCore=1 RealMemory=4000 State=UNKNOWN"
+                        for n in self.nodes
+                    ),
+                    f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP",
+                ]
+            )
+            + "\n"
+        )
 
     def _start_munge(self) -> None:
         munge = self.root / "munge"
@@ -189,17 +219,37 @@ class SlurmCluster:
         key.chmod(0o600)
         subprocess.run(["chown", "-R", "munge:munge", str(munge)], check=True)
         # setpriv, not runuser: runuser stays as a parent, and the pid we hold must be munged's own
-        self._spawn("munged", ["setpriv", "--reuid", "munge", "--regid", "munge", "--init-groups", "munged", "-F",
-                               f"--socket={munge / 'munge.socket'}", f"--key-file={key}",
-                               f"--log-file={munge / 'munged.log'}", f"--pid-file={munge / 'munged.pid'}",
-                               f"--seed-file={munge / 'munged.seed'}"])
+        self._spawn(
+            "munged",
+            [
+                "setpriv",
+                "--reuid",
+                "munge",
+                "--regid",
+                "munge",
+                "--init-groups",
+                "munged",
+                "-F",
+                f"--socket={munge / 'munge.socket'}",
+                f"--key-file={key}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--seed-file={munge / 'munged.seed'}",
+            ],
+        )
         self._wait(lambda: (munge / "munge.socket").exists(), "munged socket", 20)
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "a")
         try:
-            self.procs[name] = subprocess.Popen(cmd, env=self.environ(), stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                cmd,
+                env=self.environ(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             log.close()
 
@@ -208,8 +258,9 @@ class SlurmCluster:
         while not ready():
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead or time.time() - t0 > timeout:
-                raise RuntimeError(f"test Slurm: {what} not ready ({'exited: ' + str(dead) if dead else 'timeout'})"
-                                   f"\n{self.logs()}")
+                raise RuntimeError(
+                    f"test Slurm: {what} not ready ({'exited: ' + str(dead) if dead else 'timeout'})\n{self.logs()}"
+                )
             time.sleep(0.1)
 
     # --- nodes -------------------------------------------------------------------------------------------
@@ -218,10 +269,26 @@ class SlurmCluster:
         hostname, ``/etc/hosts`` and an empty ``/dev/shm``. (``nsenter``, not ``ip netns exec``: that remounts
         /sys, and slurmd then finds no cgroup filesystem and dies.)"""
         r = self.root
-        inner = (f"hostname {node} && mount --bind {r / 'hosts'} /etc/hosts && mount --bind {r / 'resolv.conf'} "
-                 f"/etc/resolv.conf && mount -t tmpfs -o size=1g,mode=1777 shm-{node} /dev/shm && exec slurmd -D")
-        self._spawn(node, ["nsenter", f"--net=/run/netns/{self.netns(node)}", "unshare", "--uts", "--ipc", "--mount",
-                           "--propagation", "private", "sh", "-c", inner])
+        inner = (
+            f"hostname {node} && mount --bind {r / 'hosts'} /etc/hosts && mount --bind {r / 'resolv.conf'} "
+            f"/etc/resolv.conf && mount -t tmpfs -o size=1g,mode=1777 shm-{node} /dev/shm && exec slurmd -D"
+        )
+        self._spawn(
+            node,
+            [
+                "nsenter",
+                f"--net=/run/netns/{self.netns(node)}",
+                "unshare",
+                "--uts",
+                "--ipc",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                inner,
+            ],
+        )
 
     def node_pids(self, node: str) -> list[int]:
         out = _run(["ip", "netns", "pids", self.netns(node)], check=False).stdout
@@ -247,15 +314,22 @@ class SlurmCluster:
 
     def wait_nodes(self, state: str, nodes: list[str], timeout: float) -> None:
         """Until each of ``nodes`` reports ``state`` (``idle``, ``down`` …; a trailing ``*`` ignored)."""
-        self._wait(lambda: all(self.node_state(n).rstrip("*~#").startswith(state) for n in nodes),
-                   f"nodes {nodes} {state}", timeout)
+        self._wait(
+            lambda: all(self.node_state(n).rstrip("*~#").startswith(state) for n in nodes),
+            f"nodes {nodes} {state}",
+            timeout,
+        )
 
     def on_node(self, node: str, cmd: list[str]) -> subprocess.CompletedProcess:
         """``cmd`` inside ``node``'s namespaces (its slurmd's: ``sh -c 'exec slurmd'`` keeps the pid we started),
         e.g. to put a file into that node's own ``/dev/shm``."""
         pid = str(self.procs[node].pid)
-        return subprocess.run(["nsenter", "-t", pid, "--net", "--uts", "--ipc", "--mount", *cmd],
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            ["nsenter", "-t", pid, "--net", "--uts", "--ipc", "--mount", *cmd],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     # --- clients -----------------------------------------------------------------------------------------
     environ = LocalSlurm.environ

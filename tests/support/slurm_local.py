@@ -1,7 +1,8 @@
 """A real single-node Slurm for the tests: Debian's ``slurm-wlm`` and ``munge``, daemons started by hand.
 
 ``install()`` installs the packages with apt-get where they are missing (root only) or raises
-``SlurmUnavailable`` saying why Slurm cannot be had. ``LocalSlurm.start(root)`` runs a private munged, slurmctld and slurmd for this
+``SlurmUnavailable`` saying why Slurm cannot be had. ``LocalSlurm.start(root)`` runs a private munged, slurmctld and
+slurmd for this
 host with every file under ``root`` (configuration via ``SLURM_CONF``, free ports, nothing in /etc touched) and
 ``stop()`` cancels the jobs left and ends the daemons. No systemd or cgroups: ``proctrack/linuxproc``,
 ``task/none``.
@@ -23,8 +24,17 @@ from tests.support.leftovers import free_ports, is_launcher_var
 
 BINARIES = ("sbatch", "scontrol", "scancel", "squeue", "srun", "slurmctld", "slurmd", "munged")
 PACKAGES = ("slurm-wlm", "munge")
-DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-               "DEADLINE", "PREEMPTED"}
+DONE_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def _missing() -> list[str]:
@@ -48,8 +58,9 @@ def install() -> float:
     if not _missing():
         return 0.0
     if shutil.which("apt-get") is None:
-        raise SlurmUnavailable(f"{', '.join(_missing())} missing and no apt-get to install {' '.join(PACKAGES)}",
-                               tried_apt=False)
+        raise SlurmUnavailable(
+            f"{', '.join(_missing())} missing and no apt-get to install {' '.join(PACKAGES)}", tried_apt=False
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -57,8 +68,9 @@ def install() -> float:
             last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:]
             raise SlurmUnavailable(f"`{' '.join(cmd)}` failed: {' '.join(last)}", tried_apt=True)
     if _missing():
-        raise SlurmUnavailable(f"installed {' '.join(PACKAGES)} but {', '.join(_missing())} still missing",
-                               tried_apt=True)
+        raise SlurmUnavailable(
+            f"installed {' '.join(PACKAGES)} but {', '.join(_missing())} still missing", tried_apt=True
+        )
     return time.time() - t0
 
 
@@ -79,7 +91,7 @@ class LocalSlurm:
     started_in_s: float
 
     @classmethod
-    def start(cls, root: Path, cpus: int = 4) -> "LocalSlurm":
+    def start(cls, root: Path, cpus: int = 4) -> LocalSlurm:
         """munged, slurmctld and slurmd for this host, all state under ``root``; waits until the node is idle.
 
         ``cpus``: CPUs the node advertises (``config_overrides``: may exceed the machine's, so that 2-task jobs
@@ -98,30 +110,62 @@ class LocalSlurm:
         host = socket.gethostname().split(".")[0]
         ctld_port, d_port = free_ports(2)
         conf = root / "slurm.conf"
-        conf.write_text("\n".join([
-            "ClusterName=frodtest",
-            f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={ctld_port}",
-            f"SlurmdPort={d_port}",
-            "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CryptoType=crypto/munge", f"AuthInfo=socket={munge / 'munge.socket'},cred_expire=10",  # a requeued job waits cred_expire + 1 s
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-            "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "MpiDefault=none", "SwitchType=switch/none", "ReturnToService=2", "MailProg=/bin/true",
-            "MinJobAge=3600", "SlurmdParameters=config_overrides",
-            f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool'}",
-            f"SlurmctldPidFile={root / 'slurmctld.pid'}", f"SlurmdPidFile={root / 'slurmd.pid'}",
-            f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
-            f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} Boards=1 SocketsPerBoard=1 CoresPerSocket={cpus} "
-            "ThreadsPerCore=1 State=UNKNOWN",
-            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
-        ]) + "\n")
+        conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=frodtest",
+                    f"SlurmctldHost={host}(127.0.0.1)",
+                    f"SlurmctldPort={ctld_port}",
+                    f"SlurmdPort={d_port}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CryptoType=crypto/munge",
+                    # a requeued job waits cred_expire + 1 s
+                    f"AuthInfo=socket={munge / 'munge.socket'},cred_expire=10",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "JobAcctGatherType=jobacct_gather/none",
+                    "AccountingStorageType=accounting_storage/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "MpiDefault=none",
+                    "SwitchType=switch/none",
+                    "ReturnToService=2",
+                    "MailProg=/bin/true",
+                    "MinJobAge=3600",
+                    "SlurmdParameters=config_overrides",
+                    f"StateSaveLocation={root / 'state'}",
+                    f"SlurmdSpoolDir={root / 'spool'}",
+                    f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={root / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
+                    f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
+                    f"NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} Boards=1 SocketsPerBoard=1 CoresPerSocket={cpus} "
+                    "ThreadsPerCore=1 State=UNKNOWN",
+                    f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP",
+                ]
+            )
+            + "\n"
+        )
         self = cls(root, conf, [], 0.0)
         try:
-            self._spawn(["runuser", "-u", "munge", "--", "munged", "-F", f"--socket={munge / 'munge.socket'}",
-                         f"--key-file={key}", f"--log-file={munge / 'munged.log'}",
-                         f"--pid-file={munge / 'munged.pid'}", f"--seed-file={munge / 'munged.seed'}"], "munged")
+            self._spawn(
+                [
+                    "runuser",
+                    "-u",
+                    "munge",
+                    "--",
+                    "munged",
+                    "-F",
+                    f"--socket={munge / 'munge.socket'}",
+                    f"--key-file={key}",
+                    f"--log-file={munge / 'munged.log'}",
+                    f"--pid-file={munge / 'munged.pid'}",
+                    f"--seed-file={munge / 'munged.seed'}",
+                ],
+                "munged",
+            )
             self._wait(lambda: (munge / "munge.socket").exists(), "munged socket", 20)
             self._spawn(["slurmctld", "-D", "-i"], "slurmctld")
             self._wait(lambda: self._ok(["scontrol", "ping"]), "slurmctld", 30)
@@ -135,16 +179,18 @@ class LocalSlurm:
 
     def _spawn(self, cmd: list[str], name: str) -> None:
         log = open(self.root / "log" / f"{name}.out", "w")
-        self.procs.append(subprocess.Popen(cmd, env=self.environ(), stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+        self.procs.append(
+            subprocess.Popen(cmd, env=self.environ(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        )
 
     def _wait(self, ready, what: str, timeout: float) -> None:
         t0 = time.time()
         while not ready():
             dead = [p.args[0] for p in self.procs if p.poll() is not None]
             if dead or time.time() - t0 > timeout:
-                raise RuntimeError(f"local Slurm: {what} not ready ({'exited: ' + str(dead) if dead else 'timeout'})"
-                                   f"\n{self.logs()}")
+                raise RuntimeError(
+                    f"local Slurm: {what} not ready ({'exited: ' + str(dead) if dead else 'timeout'})\n{self.logs()}"
+                )
             time.sleep(0.2)
 
     def _ok(self, cmd: list[str]) -> bool:
@@ -154,20 +200,29 @@ class LocalSlurm:
         """``base`` (default: this process's environment) without Slurm's job and input variables, with
         ``SLURM_CONF`` naming this cluster."""
         base = os.environ if base is None else base
-        env = {k: v for k, v in base.items()
-               if not is_launcher_var(k) and not k.startswith(("SBATCH_", "SRUN_", "SALLOC_"))}
+        env = {
+            k: v
+            for k, v in base.items()
+            if not is_launcher_var(k) and not k.startswith(("SBATCH_", "SRUN_", "SALLOC_"))
+        }
         return dict(env, SLURM_CONF=str(self.conf))
 
-    def run(self, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 60,
-            **kw) -> subprocess.CompletedProcess:
+    def run(
+        self, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 60, **kw
+    ) -> subprocess.CompletedProcess:
         """A Slurm client command (sbatch, squeue, or a script calling them) against this cluster, in ``env``."""
         return subprocess.run(cmd, env=self.environ(env), capture_output=True, text=True, timeout=timeout, **kw)
 
     def job(self, job_id: str) -> Job:
         out = self.run(["scontrol", "-o", "show", "job", job_id]).stdout
         fields = dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", out))
-        return Job(job_id, fields.get("JobState", "?"), fields.get("ExitCode", "?"),
-                   int(fields.get("Restarts", "0") or 0), fields)
+        return Job(
+            job_id,
+            fields.get("JobState", "?"),
+            fields.get("ExitCode", "?"),
+            int(fields.get("Restarts", "0") or 0),
+            fields,
+        )
 
     def wait(self, job_id: str, timeout: float = 300, states: set[str] = DONE_STATES) -> Job:
         """Poll until the job is in one of ``states`` (default: ended), or waits on a dependency that failed;

@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.leftovers import REPO, clean_env
+
 RANKS = REPO / "tests" / "support" / "ranks.py"  # N ranks with torchrun's environment (the module's docstring)
 CPU_ZERO3 = REPO / "ds_configs" / "zero3_cpu_fp32.json"
 CPU_ZERO2 = REPO / "ds_configs" / "zero2_cpu_fp32.json"
@@ -86,19 +86,56 @@ def _build(root: Path, seed: int, layers: int) -> None:
 
     root.mkdir(parents=True, exist_ok=True)
     write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=seed)
-    subprocess.run([sys.executable, "-m", "data_prep", "build", "--source", str(root / "raw"), "--tasks",
-                    "boolq,piqa", "--out", str(root / "data")], check=True, env=env_vars(), cwd=REPO,
-                   capture_output=True)
-    texts = [json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
-             for line in (root / "data" / "train.jsonl").read_text().splitlines()]
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "build",
+            "--source",
+            str(root / "raw"),
+            "--tasks",
+            "boolq,piqa",
+            "--out",
+            str(root / "data"),
+        ],
+        check=True,
+        env=env_vars(),
+        cwd=REPO,
+        capture_output=True,
+    )
+    texts = [
+        json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
+        for line in (root / "data" / "train.jsonl").read_text().splitlines()
+    ]
     tok_dir = train_sentencepiece_tokenizer(root / "tokenizer", texts, vocab_size=400)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    write_tiny_llama(root / "model", vocab_size=len(tok), seed=seed, max_shard_size="60KB",
-                     hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-                     num_hidden_layers=layers)
+    write_tiny_llama(
+        root / "model",
+        vocab_size=len(tok),
+        seed=seed,
+        max_shard_size="60KB",
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=layers,
+    )
     tok.save_pretrained(str(root / "model"))
-    subprocess.run([sys.executable, str(REPO / "launch" / "hjd.py"), "--model", str(root / "model"), "--out",
-                    str(root / "factors")], check=True, env=env_vars(), cwd=REPO, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "launch" / "hjd.py"),
+            "--model",
+            str(root / "model"),
+            "--out",
+            str(root / "factors"),
+        ],
+        check=True,
+        env=env_vars(),
+        cwd=REPO,
+        capture_output=True,
+    )
 
 
 def _train_args(config: Path, overrides: list[str], script: Path | None) -> list[str]:
@@ -112,8 +149,9 @@ def train_cmd(config: Path, overrides: list[str], nproc: int = 2, script: Path |
     return cmd + _train_args(config, overrides, script)
 
 
-def run_train(config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None,
-              timeout: float = 300) -> subprocess.CompletedProcess:
+def run_train(
+    config: Path, overrides: list[str], nproc: int = 2, script: Path | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """What ``train_cmd``'s command line gives (``subprocess.run``, output captured), its processes forked from
     this test process, whose imports they reuse (``tests.support.ranks.run``)."""
     from tests.support import ranks

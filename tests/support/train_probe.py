@@ -20,10 +20,10 @@ from launch.train import parse_args  # noqa: E402
 
 def main() -> int:
 
-    from frod_ds.runtime import distributed as dist
+    from frod_ds.config.recipe import load_recipe
     from frod_ds.model.apply import frod_modules
     from frod_ds.model.build import gathered
-    from frod_ds.config.recipe import load_recipe
+    from frod_ds.runtime import distributed as dist
     from frod_ds.train.trainer import _train_step, fit, setup
 
     args = parse_args()
@@ -34,11 +34,15 @@ def main() -> int:
     layers = dict(frod_modules(model))
     report: dict = {"rank": dist.get_rank(), "zero3": run.zero3}
 
-
     if run.zero3:
         report["partition"] = {
-            name: {"U_local": m.u_parameter().ds_tensor.numel(), "U_full": m.u_parameter().ds_numel,
-                   "V_local": m.V.ds_tensor.numel(), "V_full": m.V.ds_numel, "V_persist": bool(m.V.ds_persist)}
+            name: {
+                "U_local": m.u_parameter().ds_tensor.numel(),
+                "U_full": m.u_parameter().ds_numel,
+                "V_local": m.V.ds_tensor.numel(),
+                "V_full": m.V.ds_numel,
+                "V_persist": bool(m.V.ds_persist),
+            }
             for name, m in layers.items()
         }
         from deepspeed.utils import z3_leaf_module
@@ -49,11 +53,15 @@ def main() -> int:
         report["leaf_other"] = sum(bool(z3_leaf_module(m)) for m in model.modules()) - report["leaf_decoder_layers"]
         report["u_parameters"] = len({id(m.u_parameter()) for m in layers.values()})
     categories = {n.rsplit(".", 1)[-1] for n in layers}
-    report["shared_v"] = all(len({id(m.V) for n, m in layers.items() if n.endswith("." + c)}) == 1
-                             for c in categories)
-    opt_params = {id(p) for g in engine.optimizer.optimizer.param_groups for p in g["params"]} \
-        if hasattr(engine.optimizer, "optimizer") else set()
-    report["frozen_in_optimizer"] = any(id(m.u_parameter()) in opt_params or id(m.V) in opt_params for m in layers.values())
+    report["shared_v"] = all(len({id(m.V) for n, m in layers.items() if n.endswith("." + c)}) == 1 for c in categories)
+    opt_params = (
+        {id(p) for g in engine.optimizer.optimizer.param_groups for p in g["params"]}
+        if hasattr(engine.optimizer, "optimizer")
+        else set()
+    )
+    report["frozen_in_optimizer"] = any(
+        id(m.u_parameter()) in opt_params or id(m.V) in opt_params for m in layers.values()
+    )
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     report["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     report["trainable_leaves"] = sorted({n.rsplit(".", 1)[-1] for n in trainable})
@@ -68,11 +76,14 @@ def main() -> int:
     after = {n: values(m) for n, m in layers.items()}
     d_sigma = torch.cat([(after[n][0] - before[n][0]).abs() for n in layers])
     d_s = torch.cat([(after[n][1] - before[n][1]).abs() for n in layers])
-    report["first_step"] = {"logged_lr_sigma": row["lr_sigma"], "logged_lr_s": row["lr_s"],
-                            "median_abs_dsigma": float(d_sigma[d_sigma > 0].median()),
-                            "median_abs_ds": float(d_s[d_s > 0].median()),
-                            "frac_sigma_moved": float((d_sigma > 0).float().mean()),
-                            "frac_s_moved": float((d_s > 0).float().mean())}
+    report["first_step"] = {
+        "logged_lr_sigma": row["lr_sigma"],
+        "logged_lr_s": row["lr_s"],
+        "median_abs_dsigma": float(d_sigma[d_sigma > 0].median()),
+        "median_abs_ds": float(d_s[d_s > 0].median()),
+        "frac_sigma_moved": float((d_sigma > 0).float().mean()),
+        "frac_s_moved": float((d_s > 0).float().mean()),
+    }
     report["frozen_grads_none"] = all(m.u_parameter().grad is None and m.V.grad is None for m in layers.values())
     run.start_step = 1
     rc = fit(run)
@@ -81,9 +92,13 @@ def main() -> int:
 
         fixed = [m for m in model.modules() if isinstance(m.__dict__.get("named_parameters"), FixedParameters)]
         report["fixed_walks"] = {
-            "modules": len(fixed), "used": sum(bool(m.named_parameters.cache) for m in fixed),
-            "same": all([(n, id(p)) for n, p in m.named_parameters()]
-                        == [(n, id(p)) for n, p in type(m).named_parameters(m)] for m in fixed)}
+            "modules": len(fixed),
+            "used": sum(bool(m.named_parameters.cache) for m in fixed),
+            "same": all(
+                [(n, id(p)) for n, p in m.named_parameters()] == [(n, id(p)) for n, p in type(m).named_parameters(m)]
+                for m in fixed
+            ),
+        }
     ids = torch.arange(3, 3 + 2 * 12).reshape(2, 12) % model.config.vocab_size
     engine.eval()
     with torch.no_grad():

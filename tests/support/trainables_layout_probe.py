@@ -27,10 +27,10 @@ MODES = ("decoder-layer", "frod-layer")
 
 
 def measure(recipe, config: str, mode: str, steps: int) -> None:
-    from frod_ds.runtime import distributed as dist
-    from frod_ds.train import trainer
     from frod_ds.model.apply import frod_modules
     from frod_ds.model.build import gathered
+    from frod_ds.runtime import distributed as dist
+    from frod_ds.train import trainer
 
     build = trainer.build_frod_model
     if mode == "frod-layer":
@@ -47,19 +47,28 @@ def measure(recipe, config: str, mode: str, steps: int) -> None:
     params = [p for m in layers.values() for p in m.frod_parameters()]
     with gathered(params, run.zero3):
         if dist.is_main():
-            values = {f"{name}.{leaf}": getattr(m, leaf).detach().float().cpu().clone()
-                      for name, m in layers.items() for leaf in ("frod_sigma", "frod_s")}
-            torch.save({"params": [n for n, p in model.named_parameters() if p.requires_grad],
-                        "loss": [r["loss"] for r in rows], "grad_norm": [r["grad_norm"] for r in rows],
-                        "values": values}, Path(recipe.output_dir).parent / f"layout_{mode}.pt")
+            values = {
+                f"{name}.{leaf}": getattr(m, leaf).detach().float().cpu().clone()
+                for name, m in layers.items()
+                for leaf in ("frod_sigma", "frod_s")
+            }
+            torch.save(
+                {
+                    "params": [n for n, p in model.named_parameters() if p.requires_grad],
+                    "loss": [r["loss"] for r in rows],
+                    "grad_norm": [r["grad_norm"] for r in rows],
+                    "values": values,
+                },
+                Path(recipe.output_dir).parent / f"layout_{mode}.pt",
+            )
     run.engine.destroy()
     del run, model
     gc.collect()
 
 
 def main() -> int:
-    from frod_ds.runtime import distributed as dist
     from frod_ds.config.recipe import load_recipe
+    from frod_ds.runtime import distributed as dist
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")

@@ -17,10 +17,10 @@ import sys
 
 import pytest
 import torch
-from tests.support.helpers_ckpt import REPO
-from tests.support.leftovers import clean_env
 
 from frod_ds.testing.realmodel import MARKER, SMOLLM2_GGUF, RealModelUnavailable, convert_gguf, locate_gguf
+from tests.support.helpers_ckpt import REPO
+from tests.support.leftovers import clean_env
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
 PROMPTS = [
@@ -60,8 +60,26 @@ def real_store(real_fp32):
     """``launch/hjd.py`` as a user runs it: one process, no OMP_NUM_THREADS."""
     out = real_fp32.parent / "store"
     env = {k: v for k, v in clean_env().items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    proc = subprocess.run([sys.executable, "launch/hjd.py", "--model", str(real_fp32), "--out", str(out), "--device", "cpu",
-                           "--no-fsync", "--targets", *TARGETS], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "launch/hjd.py",
+            "--model",
+            str(real_fp32),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--no-fsync",
+            "--targets",
+            *TARGETS,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -79,8 +97,15 @@ def test_converted_checkpoint_equals_the_gguf_model(real_gguf, real_fp32):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     names = {p.name for p in real_fp32.iterdir()}
-    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "chat_template.jinja", MARKER} <= names
+    assert {
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        MARKER,
+    } <= names
     config = AutoConfig.from_pretrained(real_fp32)
     assert getattr(config, "quantization_config", None) is None and config.tie_word_embeddings
     assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (30, 576, 3)
@@ -91,9 +116,13 @@ def test_converted_checkpoint_equals_the_gguf_model(real_gguf, real_fp32):
         assert tok.decode(tok(p)["input_ids"]) == p
     assert tok.apply_chat_template(CHAT, tokenize=False) == ref_tok.apply_chat_template(CHAT, tokenize=False)
     assert "<|im_start|>user\nSay hello.<|im_end|>" in tok.apply_chat_template(CHAT, tokenize=False)
-    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|im_end|>") and tok(PROMPTS[2])["input_ids"][0] != tok.bos_token_id
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|im_end|>") and tok(PROMPTS[2])["input_ids"][
+        0
+    ] != tok.bos_token_id
 
-    ref = AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(real_gguf.parent), gguf_file=real_gguf.name, dtype=torch.float32
+    ).eval()
     plain = AutoModelForCausalLM.from_pretrained(real_fp32, dtype=torch.float32).eval()
     for a, b in zip(_logits(plain, _ids(tok)), _logits(ref, _ids(tok))):
         assert torch.equal(a, b)
@@ -122,7 +151,11 @@ def test_hjd_on_the_real_model_records_route_cond_and_error_per_category(real_fp
     assert manifest["complete"] and list(manifest["categories"]) == TARGETS
     for c, spec in manifest["categories"].items():
         assert len(spec["members"]) == 30 and spec["u_dtype"] == "float32", c
-        assert spec["method"] == "gram" and 1.0 <= spec["cond_estimate"] < 1e3, (c, spec["method"], spec["cond_estimate"])
+        assert spec["method"] == "gram" and 1.0 <= spec["cond_estimate"] < 1e3, (
+            c,
+            spec["method"],
+            spec["cond_estimate"],
+        )
         assert set(spec["error"]) == set(spec["members"]) and spec["stored_error"] == spec["error"]
         assert all(0 < e < 1e-6 for e in spec["error"].values()), (c, spec["max_error"])
     assert manifest["run"]["ranks"][0]["cpu_threads"] >= 1
@@ -164,7 +197,10 @@ def test_convert_leaves_nothing_when_the_checkpoint_does_not_reproduce_the_model
 
     import frod_ds.testing.realmodel as rm
 
-    loaded = (AutoModelForCausalLM.from_pretrained(real_fp32, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(real_fp32))
+    loaded = (
+        AutoModelForCausalLM.from_pretrained(real_fp32, dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(real_fp32),
+    )
     monkeypatch.setattr(rm, "_load_gguf", lambda gguf: loaded)
     plain_model = rm._plain_model
 

@@ -1,8 +1,8 @@
 """Gradient checkpointing under ZeRO-3 (CPU, gloo, 2 ranks, an 8-layer tiny LLaMA): the trainer's checkpointing keeps
 about one decoder layer of frozen parameters gathered at a time, and leaves losses, gradients and updates unchanged.
 
-tests/support/residency_probe.py runs every mode in one launch and samples, after each of DeepSpeed's fetches, the frozen
-elements gathered. The DeepSpeed JSON is the CPU ZeRO-3 one without prefetching, reuse window or persistent
+tests/support/residency_probe.py runs every mode in one launch and samples, after each of DeepSpeed's fetches, the
+frozen elements gathered. The DeepSpeed JSON is the CPU ZeRO-3 one without prefetching, reuse window or persistent
 parameters, so that what stays gathered is what the checkpointing leaves there: with the project's
 ``stage3_param_persistence_threshold`` every parameter of a model this small is persistent (never released), and
 1e9-element prefetch and reuse windows reach across the whole model.
@@ -29,8 +29,9 @@ def residency(tmp_path_factory):
     root = tmp_path_factory.mktemp("residency")
     env = build_env(root / "env", layers=LAYERS)
     cfg = json.loads(CPU_ZERO3.read_text())
-    cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0,
-                                    stage3_max_reuse_distance=0)
+    cfg["zero_optimization"].update(
+        stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0
+    )
     config = root / "zero3_no_prefetch.json"
     config.write_text(json.dumps(cfg))
     out = root / "out"
@@ -51,8 +52,11 @@ def test_trainer_checkpointing_gathers_about_one_layer_of_frozen_parameters(resi
         bound = BOUND_LAYERS * sizes["layer_own"]
         for mode in ("trainer", "trainer-call"):
             peak = max(rep[mode]["max_gathered"])
-            assert peak < bound, (f"{mode}: {peak} frozen elements gathered at once, more than {BOUND_LAYERS} layers "
-                                  f"({bound:.0f}); the whole frozen model is {sizes['total']}", rep[mode])
+            assert peak < bound, (
+                f"{mode}: {peak} frozen elements gathered at once, more than {BOUND_LAYERS} layers "
+                f"({bound:.0f}); the whole frozen model is {sizes['total']}",
+                rep[mode],
+            )
             assert max(rep[mode]["max_available"]) <= peak
         assert max(rep["plain"]["max_gathered"]) < bound
 

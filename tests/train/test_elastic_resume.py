@@ -16,8 +16,14 @@ from tests.support.train_env import CPU_ZERO2, CPU_ZERO3, build_env, metrics, ru
 pytestmark = pytest.mark.slow
 
 STEPS, SAVED = 6, 3
-COMMON = {"train.max_steps": STEPS, "train.save_every": SAVED, "train.keep_checkpoints": 3,
-          "train.warmup_ratio": 0.25, "train.schedule": "cosine", "train.micro_batch_size": 2}
+COMMON = {
+    "train.max_steps": STEPS,
+    "train.save_every": SAVED,
+    "train.keep_checkpoints": 3,
+    "train.warmup_ratio": 0.25,
+    "train.schedule": "cosine",
+    "train.micro_batch_size": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +41,11 @@ def _stopped_at_step3(ref: Path, out: Path) -> Path:
 
 
 def _adapter(out: Path) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in load_file(str(out / "adapter-final" / "adapter.safetensors")).items()
-            if not k.endswith(".support")}
+    return {
+        k: v
+        for k, v in load_file(str(out / "adapter-final" / "adapter.safetensors")).items()
+        if not k.endswith(".support")
+    }
 
 
 @pytest.mark.parametrize("config", [CPU_ZERO2, CPU_ZERO3], ids=["zero2", "zero3"])
@@ -53,8 +62,10 @@ def test_resume_on_one_and_four_ranks_continues_the_two_rank_run(env, tmp_path, 
         res = run_train(config, env.overrides(out, **COMMON, **{"train.grad_accum": accum}), nproc=nproc)
         assert res.returncode == 0, res.stderr[-3000:]
         notes = [x for x in res.stderr.splitlines() if x.startswith("note: resumed from")]
-        assert notes == [f"note: resumed from 2 ranks on {nproc} (same global batch 8) from "
-                         f"step{SAVED:08d}/trainable_state.safetensors"], res.stderr[-3000:]
+        assert notes == [
+            f"note: resumed from 2 ranks on {nproc} (same global batch 8) from "
+            f"step{SAVED:08d}/trainable_state.safetensors"
+        ], res.stderr[-3000:]
         got = {r["step"]: r["loss"] for r in metrics(out)}
         assert sorted(got) == list(range(1, STEPS + 1)), "replayed rows dropped, one row per step"
         for step in range(SAVED + 1, STEPS + 1):
@@ -78,8 +89,9 @@ def test_zero2_run_continues_under_zero3(env, tmp_path):
     res = run_train(CPU_ZERO3, env.overrides(out, **COMMON, **{"train.grad_accum": 2}), nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     notes = [x for x in res.stderr.splitlines() if x.startswith("note: resumed from")]
-    assert notes == [f"note: resumed from ZeRO-2 on ZeRO-3 (same global batch 8) from step{SAVED:08d}/"
-                     "trainable_state.safetensors"], res.stderr[-3000:]
+    assert notes == [
+        f"note: resumed from ZeRO-2 on ZeRO-3 (same global batch 8) from step{SAVED:08d}/trainable_state.safetensors"
+    ], res.stderr[-3000:]
     got = {r["step"]: r["loss"] for r in metrics(out)}
     for step in range(SAVED + 1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got[step], want[step])

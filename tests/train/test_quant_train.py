@@ -15,8 +15,13 @@ from tests.support.train_env import CPU_ZERO2, CPU_ZERO3, REPO, build_env, metri
 
 pytestmark = pytest.mark.slow
 PROBE = REPO / "tests" / "support" / "train_probe.py"
-QUANT = {"model.frozen_quant": "nf4", "model.quantize_base": "true", "train.max_steps": 2,
-         "train.schedule": "constant", "train.warmup_ratio": 0.0}
+QUANT = {
+    "model.frozen_quant": "nf4",
+    "model.quantize_base": "true",
+    "train.max_steps": 2,
+    "train.schedule": "constant",
+    "train.warmup_ratio": 0.0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +33,9 @@ def env(tmp_path_factory):
 def zero3(env, tmp_path_factory):
     """Two optimizer steps under ZeRO-3 on 2 ranks, NF4 everywhere, inspected by train_probe.py."""
     out = tmp_path_factory.mktemp("z3nf4")
-    res = run_train(CPU_ZERO3, env.overrides(out, **QUANT, **{"train.save_every": 1, "train.rotation_every": 2}),
-                    script=PROBE)
+    res = run_train(
+        CPU_ZERO3, env.overrides(out, **QUANT, **{"train.save_every": 1, "train.rotation_every": 2}), script=PROBE
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out, [json.loads((out / f"probe_rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -43,9 +49,16 @@ def test_quantized_factors_are_partitioned_under_zero3(zero3):
         assert rep["trainable_leaves"] == ["frod_s", "frod_sigma"]
         assert rep["param_dtypes"] == ["torch.float32"]
         for name, p in rep["partition"].items():
-            m, n = (16, 32) if name.endswith(("k_proj", "v_proj")) else (48, 32) if name.endswith(("gate_proj", "up_proj")) \
+            m, n = (
+                (16, 32)
+                if name.endswith(("k_proj", "v_proj"))
+                else (48, 32)
+                if name.endswith(("gate_proj", "up_proj"))
                 else (32, 32)
-            assert p["U_full"] == QuantSpec("nf4", (m, n)).storage_numel(torch.float32), name  # the blob, 4.5 bits/weight
+            )
+            assert p["U_full"] == QuantSpec("nf4", (m, n)).storage_numel(torch.float32), (
+                name
+            )  # the blob, 4.5 bits/weight
             assert 0 < p["U_local"] < p["U_full"], (name, p)
 
 
@@ -69,8 +82,8 @@ def test_adapter_records_quantization_and_eval_rebuilds_the_trained_model(zero3,
     the export merges the dequantized U (and writes the dequantized base linears): stock transformers agrees."""
     from transformers import LlamaForCausalLM
 
-    from frod_ds.model.adapter import load_frod_model, read_adapter
     from frod_ds.core.quant import QuantLinear
+    from frod_ds.model.adapter import load_frod_model, read_adapter
     from launch.export import main as export_main
 
     out, _ = zero3

@@ -34,7 +34,7 @@ def _resume(tmp_path, fixture: str, config, nproc: int):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(root / "run")
     assert [r["step"] for r in rows] == list(range(1, make.STEPS + 1))
-    for r in rows[make.SAVE_AT:]:  # computed now, from the old checkpoint
+    for r in rows[make.SAVE_AT :]:  # computed now, from the old checkpoint
         assert r["loss"] == pytest.approx(expected[r["step"]], rel=1e-6, abs=1e-6), r["step"]
     return res.stdout + res.stderr, rows, expected, make
 
@@ -45,7 +45,7 @@ def test_run_written_before_the_move_resumes_with_the_original_losses(tmp_path):
     assert "resumed from" in out
     # written while ZeRO-2 held σ and S per FRoD layer: back through the trainable-state record
     assert "from σ and S held per FRoD layer to per decoder layer" in out
-    assert {r["step"]: r["loss"] for r in rows[:make.SAVE_AT]} == {s: expected[s] for s in range(1, make.SAVE_AT + 1)}
+    assert {r["step"]: r["loss"] for r in rows[: make.SAVE_AT]} == {s: expected[s] for s in range(1, make.SAVE_AT + 1)}
     assert (tmp_path / FIX.name / "run" / "adapter-final" / "adapter.safetensors").is_file()
 
 

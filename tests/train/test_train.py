@@ -15,8 +15,17 @@ import torch
 from safetensors.torch import load_file
 
 from tests.support.helpers_ckpt import hjd_in_process
-from tests.support.train_env import (CPU_ZERO2, CPU_ZERO3, REPO, build_env, env_vars, metrics, run_train, train_cmd,
-                              train_in_process)
+from tests.support.train_env import (
+    CPU_ZERO2,
+    CPU_ZERO3,
+    REPO,
+    build_env,
+    env_vars,
+    metrics,
+    run_train,
+    train_cmd,
+    train_in_process,
+)
 
 pytestmark = pytest.mark.slow
 PROBE = REPO / "tests" / "support" / "train_probe.py"
@@ -31,11 +40,22 @@ def env(tmp_path_factory):
 def probe(env, tmp_path_factory):
     """One uninterrupted 2-rank ZeRO-3 run with constant LR, inspected from inside (train_probe.py)."""
     out = tmp_path_factory.mktemp("probe")
-    res = run_train(CPU_ZERO3, env.overrides(out, **{"train.max_steps": 8, "train.schedule": "constant",
-                                                     "train.warmup_ratio": 0.0, "train.save_every": 4,
-                                                     "train.rotation_every": 4, "train.eval_every": 4,
-                                                     "data.eval": env.data / "eval" / "boolq.jsonl"}),
-                    script=PROBE)
+    res = run_train(
+        CPU_ZERO3,
+        env.overrides(
+            out,
+            **{
+                "train.max_steps": 8,
+                "train.schedule": "constant",
+                "train.warmup_ratio": 0.0,
+                "train.save_every": 4,
+                "train.rotation_every": 4,
+                "train.eval_every": 4,
+                "data.eval": env.data / "eval" / "boolq.jsonl",
+            },
+        ),
+        script=PROBE,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out, [json.loads((out / f"probe_rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -65,11 +85,15 @@ def test_frozen_factors_partitioned_without_grad_or_optimizer_state(probe):
             assert 0 < p["U_local"] < p["U_full"], (name, p)
             assert 0 < p["V_local"] < p["V_full"], (name, p)
             assert p["V_persist"], f"{name}: the shared V is held whole on every rank (build.replicate_shared_v)"
-        assert rep["leaf_decoder_layers"] == rep["decoder_layers"] > 0 and rep["leaf_other"] == 0, \
+        assert rep["leaf_decoder_layers"] == rep["decoder_layers"] > 0 and rep["leaf_other"] == 0, (
             "each decoder layer, and nothing else, is one ZeRO-3 fetch unit (build.fetch_per_layer)"
+        )
         assert rep["u_parameters"] == rep["decoder_layers"], "one frozen U Parameter per decoder layer (FRoDFrozen)"
-        assert rep["fixed_walks"] == {"modules": rep["decoder_layers"] + 1, "used": rep["decoder_layers"] + 1,
-                                      "same": True}, "DeepSpeed's parameter walks replayed, and still right after fit"
+        assert rep["fixed_walks"] == {
+            "modules": rep["decoder_layers"] + 1,
+            "used": rep["decoder_layers"] + 1,
+            "same": True,
+        }, "DeepSpeed's parameter walks replayed, and still right after fit"
         assert rep["shared_v"]
         assert rep["frozen_grads_none"]
         assert not rep["frozen_in_optimizer"]
@@ -202,8 +226,9 @@ def test_resume_after_kill9_equals_uninterrupted(env, tmp_path):
 
     out = tmp_path / "killed"
     cmd = train_cmd(CPU_ZERO3, env.overrides(out, **common))
-    proc = subprocess.Popen(cmd, env=env_vars(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env_vars(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     _wait_for(out / "checkpoints" / "latest_complete", proc)
     os.killpg(proc.pid, signal.SIGKILL)  # kill -9 the launcher and both ranks
     proc.wait()
@@ -225,8 +250,15 @@ def test_resume_after_kill9_equals_uninterrupted(env, tmp_path):
 def test_sigterm_writes_checkpoint_then_exits(env, tmp_path):
     out = tmp_path / "term"
     cmd = train_cmd(CPU_ZERO3, env.overrides(out, **{"train.max_steps": 400, "train.save_every": 0}))
-    proc = subprocess.Popen(cmd, env=env_vars(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env_vars(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     _wait_for(out / "metrics.jsonl", proc)
     os.killpg(proc.pid, signal.SIGTERM)  # what SLURM sends before preemption
     _, err = proc.communicate(timeout=120)

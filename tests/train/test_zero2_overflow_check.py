@@ -28,8 +28,10 @@ def test_shipped_zero2_skips_the_overflow_check_without_changing_bf16_training(t
         out = tmp_path / name
         res = run_train(config, env.overrides(out, **{"model.dtype": "bfloat16", "train.max_steps": 4}), nproc=1)
         assert res.returncode == 0, res.stderr[-2000:]
-        runs[name] = ([m["loss"] for m in metrics(out) if "loss" in m],
-                      load_file(str(out / "adapter-final" / "adapter.safetensors")))
+        runs[name] = (
+            [m["loss"] for m in metrics(out) if "loss" in m],
+            load_file(str(out / "adapter-final" / "adapter.safetensors")),
+        )
     (loss_a, ad_a), (loss_b, ad_b) = runs["shipped"], runs["checked"]
     assert len(loss_a) == 4 and loss_a == loss_b
     assert ad_a.keys() == ad_b.keys() and ad_a

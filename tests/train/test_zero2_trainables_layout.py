@@ -21,15 +21,25 @@ STEPS = 4
 CLIP = 0.05  # below every step's gradient norm here, so every update is clipped
 
 
-@pytest.mark.parametrize("config,dtype,nproc", [(CPU_ZERO2, "float32", 2),
-                                                (REPO / "ds_configs" / "zero2.json", "bfloat16", 1)],
-                         ids=["fp32-2-ranks", "bf16-shipped-1-rank"])
+@pytest.mark.parametrize(
+    "config,dtype,nproc",
+    [(CPU_ZERO2, "float32", 2), (REPO / "ds_configs" / "zero2.json", "bfloat16", 1)],
+    ids=["fp32-2-ranks", "bf16-shipped-1-rank"],
+)
 def test_zero2_trains_bit_for_bit_as_with_sigma_and_s_per_frod_layer(tmp_path, config, dtype, nproc):
     assert json.loads(config.read_text())["zero_optimization"]["stage"] == 2
     env = build_env(tmp_path / "env")
     out = tmp_path / "out"
-    overrides = env.overrides(out, **{"model.dtype": dtype, "train.max_grad_norm": CLIP, "train.max_steps": STEPS,
-                                      "train.schedule": "constant", "train.warmup_ratio": 0.0})
+    overrides = env.overrides(
+        out,
+        **{
+            "model.dtype": dtype,
+            "train.max_grad_norm": CLIP,
+            "train.max_steps": STEPS,
+            "train.schedule": "constant",
+            "train.warmup_ratio": 0.0,
+        },
+    )
     res = run_train(config, overrides + ["--steps", str(STEPS)], nproc=nproc, script=PROBE)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     new, old = (torch.load(out / f"layout_{m}.pt") for m in ("decoder-layer", "frod-layer"))
