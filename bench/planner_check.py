@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from frod_ds.plan.memory import GiB, TrainShape, engine_from_ds_config, model_shape_from_config, plan_memory  # noqa: E402
+from frod_ds.plan.memory import plan_memory  # noqa: E402
+from frod_ds.plan.shapes import GiB, TrainShape, engine_from_ds_config, model_shape_from_config  # noqa: E402
 
 GOAL = 0.15
 

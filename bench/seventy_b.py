@@ -435,15 +435,9 @@ def plan_prediction(args, p: dict, gpu_bytes: float | None) -> dict:
     """The memory planner's per-GPU prediction for the chain's training (config.json, recipe, DeepSpeed JSON)."""
     from frod_ds.config.ds_config import load_ds_config
     from frod_ds.config.recipe import load_recipe
-    from frod_ds.plan.memory import (
-        GiB as PG,
-    )
-    from frod_ds.plan.memory import (
-        engine_from_ds_config,
-        load_model_shape,
-        plan_memory,
-        train_shape_from_recipe,
-    )
+    from frod_ds.plan.memory import plan_memory
+    from frod_ds.plan.shapes import GiB as PG
+    from frod_ds.plan.shapes import engine_from_ds_config, load_model_shape, train_shape_from_recipe
 
     recipe = load_recipe(p["recipe"], [], paths=False)
     plan = plan_memory(

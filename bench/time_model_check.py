@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import deepspeed_nvtx, trainables_per_decoder_layer  # noqa: E402
 from frod_ds.config.ds_config import zero_stage  # noqa: E402
-from frod_ds.plan.memory import TrainShape, engine_from_ds_config, model_shape_from_config  # noqa: E402
+from frod_ds.plan.shapes import TrainShape, engine_from_ds_config, model_shape_from_config  # noqa: E402
 from frod_ds.plan.step_time import CHECK_GOAL, Link, step_time  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

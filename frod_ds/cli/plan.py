@@ -1,6 +1,6 @@
 """``frod plan``: per-GPU memory of FRoD training and the fastest set-up that fits (reads config.json only).
 
-    frod plan --model meta-llama/Llama-2-7b-hf --gpus 1          # or: python -m frod_ds plan ...
+    frod plan --model meta-llama/Llama-2-7b-hf --gpus 1
     frod plan --model /ckpt/llama-2-70b --gpus 2 --config ds_configs/zero3.json \\
         --recipe recipes/llama2_7b_cs170k.yaml model.frozen_quant=nf4 model.gradient_checkpointing=true
 
@@ -94,15 +94,14 @@ def plan_command(args: argparse.Namespace) -> int:
     from frod_ds.config.ds_config import check_ds_keys, load_ds_config
     from frod_ds.config.recipe import load_recipe
     from frod_ds.core.names import LLAMA_LINEARS
-    from frod_ds.plan.memory import (
+    from frod_ds.plan.memory import plan_memory, trainable_numel
+    from frod_ds.plan.recommend import recommend
+    from frod_ds.plan.shapes import (
         ELEMENT_BYTES,
         PlanError,
         engine_from_ds_config,
         load_model_shape,
-        plan_memory,
-        recommend,
         train_shape_from_recipe,
-        trainable_numel,
     )
 
     model = load_model_shape(args.model)

@@ -8,7 +8,7 @@
 
 Re-running the same command resumes from the last complete checkpoint in ``output_dir``. SIGTERM writes a
 checkpoint and exits with 143. Exit 2 on invalid input (one ``error:`` line), before any training. On GPUs rank 0
-prints one ``hint:`` line when the memory planner (``frod_ds.plan.memory.train_hint``, the decision of
+prints one ``hint:`` line when the memory planner (``frod_ds.plan.recommend.train_hint``, the decision of
 ``python -m frod_ds plan``) predicts the chosen set-up out of memory, or a faster ZeRO set-up that fits.
 """
 
@@ -44,13 +44,15 @@ def train(args: argparse.Namespace) -> int:
     dist.init_deepspeed()
     import torch
 
-    from frod_ds.plan.memory import train_hint
+    from frod_ds.config.ds_config import load_ds_config
+    from frod_ds.plan.recommend import train_hint
     from frod_ds.train.trainer import fit, removed_if_failed, setup
 
     gpu_bytes = (
         torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
     )
-    hint = train_hint(recipe, args.config, dist.get_world_size(), gpu_bytes)  # the planner's decision, config.json only
+    ds_cfg = load_ds_config(args.config)
+    hint = train_hint(recipe, ds_cfg, dist.get_world_size(), gpu_bytes, name=args.config)  # reads config.json only
     if hint:
         dist.print0(hint)
     with removed_if_failed(Path(recipe.output_dir)):  # a failed fresh run leaves no output_dir behind

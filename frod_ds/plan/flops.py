@@ -1,19 +1,8 @@
 """Model FLOPs per training token of a LLaMA-shaped model under FRoD and under LoRA, for MFU estimates.
 
-Counted in multiply-adds (MACs) per token, reported as FLOPs = 2 · MACs. Frozen base weights get no weight
-gradient, so the base model costs its forward plus the backward to its inputs:
-
-    base      forward  N_mm + A        N_mm = matmul weights per token (q,k,v,o,gate,up,down per layer, lm_head)
-              backward N_mm + 2A       A = causal attention, L · seq · h  (QKᵀ and PV, half the square each)
-    LoRA r    + 3 r (m + n) per target (forward B A x; backward to x, ∂A and ∂B)
-    FRoD      + per target, token order (the Function in frod_ds/core/frod_function.py):
-                forward z = Vᵀx and h = M z: 2 n²;  backward g_z = Mᵀ g_h and g_x = V g_z: 2 n²;
-                ∂M: n² (dense g_hᵀz) or n + nnz (sampled);  + n² when x is saved and z recomputed
-              weight order (many tokens per call): W = U M Vᵀ costs 2 m n² per call, its backward 2 m n²
-                plus ∂W = g_yᵀ x (m n per token): m n + 4 m n² / T per token
-              (U h and Uᵀ g_y are the m·n of the base weight U replaces, counted in N_mm.)
-
-Gradient-checkpointing recomputation is not model work and is not counted (MFU, not hardware utilisation).
+Multiply-adds per token, reported as FLOPs = 2 · MACs: the frozen base's forward and backward to its inputs, plus
+each method's own work (LoRA's B A x, FRoD's z = Vᵀx, h = M z and ∂M in the token or the weight order).
+Gradient-checkpointing recomputation is not model work and is not counted. The count term by term: docs/memory.md.
 """
 
 from __future__ import annotations

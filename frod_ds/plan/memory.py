@@ -1,78 +1,31 @@
-"""Memory planner: per-GPU memory of FRoD training by part, from ``config.json`` alone, and the fastest set-up that
-fits.
+"""Per-GPU memory of FRoD training by part, from the shapes alone (no weights are read): ``plan_memory``.
 
-    python -m frod_ds plan --model meta-llama/Llama-2-7b-hf --gpus 2 --recipe recipes/llama2_7b_cs170k.yaml
-    python -m frod_ds plan --model /ckpt/llama-2-70b --gpus 2 --config ds_configs/zero3.json \\
-        recipe: model.frozen_quant=nf4
-
-Everything is derived from the shapes (no weights are read) and the constants below, which say where each comes
-from. ``plan_memory`` gives the bytes one GPU allocates at the peak (end of the forward / start of the backward,
-where every saved activation is alive) for one set-up; ``recommend`` walks the set-ups from fastest to slowest
-(``candidates``: the recipe's precision first) and returns, within the first precision where anything fits, the set-up
-with the least predicted step time (``frod_ds.plan.step_time``, a model checked against measured steps), with a one-line
-reason. ``hint`` is what ``launch/train.py`` prints when the chosen set-up is the slow (or the failing) one.
-
-Parts (bytes per GPU; ``e`` = bytes of the model dtype, ``N`` = GPUs, ``T`` = tokens per micro-batch per GPU):
-
-    frozen U_i          Σ U_i in the model dtype or as quantized blobs;      / N under ZeRO-3, 0 with parameter offload
-    frozen V            Σ_c n_c² · e (one V per category);                   idem
-    frozen other        embeddings, lm_head, norms, untargeted linears (quantized with quantize_base); idem
-    trainable+optimizer σ, S: parameter e, gradient e, fp32 master + Adam moments (ADAM_STATE_BYTES), partitioned
-    activations         Σ_layers T · (saved bytes per token of a LLaMA block + FRoD's z per member); with gradient
-                        checkpointing: each layer's input, plus one layer recomputed in the backward
-    M kept for backward the dense (n, n) M = diag σ + S of every member per forward (the layer before its autograd
-                        Function: ``layer_saves="M"``; the Function keeps z only: ``"z"``)
-    logits + loss       T · vocab · LOSS_BYTES_PER_VOCAB(e)
-    ZeRO-3 gathered     full parameters gathered and not yet released (N > 1): the V's, lm_head, and the layers whose
-                        next use (in the backward) is within stage3_max_reuse_distance, capped by max_live_parameters
-    DeepSpeed buffers   gradient reduce buckets (reduce_bucket_size from the JSON)
-
-``fits``: allocated · (1 + FRAGMENTATION) + CUDA_CONTEXT_GIB ≤ GPU memory.
+The bytes are those one GPU allocates at the peak (end of the forward, start of the backward, where every saved
+activation is alive); ``Plan.fits``: allocated · (1 + FRAGMENTATION) + CUDA_CONTEXT_GIB ≤ GPU memory. The parts and
+how each is counted: docs/memory.md.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass
 
-from frod_ds.config.ds_config import DS_DEFAULTS, bf16_overflow_check, load_ds_config, zero_settings
-from frod_ds.core.names import DEFAULT_TARGETS, LLAMA_LINEARS
-from frod_ds.runtime.errors import FrodError
+from frod_ds.core.sizes import blob_nbytes, ordering
+from frod_ds.plan.shapes import LINEARS, Engine, GiB, ModelShape, TrainShape
 
 __all__ = [
-    "PlanError",
-    "ModelShape",
-    "TrainShape",
-    "Engine",
+    "ADAM_STATE_BYTES",
+    "CUDA_CONTEXT_GIB",
+    "FRAGMENTATION",
     "Plan",
-    "Recommendation",
     "plan_memory",
-    "recommend",
-    "hint",
-    "candidates",
-    "predicted_seconds",
-    "load_model_shape",
-    "model_shape_from_config",
-    "engine_from_ds_config",
-    "train_shape_from_recipe",
-    "shipped_engines",
-    "trainable_numel",
     "layer_activation_bytes",
-    "train_hint",
+    "frozen_tensors",
+    "trainable_tensors",
+    "trainable_numel",
+    "activation_bytes_per_token",
 ]
 
-
-class PlanError(FrodError):
-    """Input the memory planner cannot plan for (a config.json it does not model, unknown targets)."""
-
-
-GiB = 2**30
-
-# ---- constants: every number the plan uses, with where it comes from ----------------------------------------------
-
-ELEMENT_BYTES = {"bfloat16": 2, "float32": 4}
 # DeepSpeed ZeRO with a bf16/fp16 model keeps, per trainable element, an fp32 master copy and Adam's exp_avg and
 # exp_avg_sq in fp32 (ZeRO paper, "mixed precision Adam": 12 bytes); on the CPU with offload_optimizer.
 ADAM_STATE_BYTES = 12
@@ -90,209 +43,11 @@ LSE_BYTES = 4
 # output (4) and the backward starts with a dense fp32 gradient of it (4), while the model's logits (e) are
 # alive: (e + 12) bytes per vocabulary entry and token at the start of the backward.
 LOSS_FP32_COPIES = 3
-# PyTorch's caching allocator reserves more than it allocates (block rounding, fragmentation between micro-
-# batches of different lengths): 10% is what the HJD and training benches here show (reserved / allocated
-# 1.05–1.5 on small peaks, lower on large ones). CUDA context, cuBLAS workspaces and NCCL channel buffers are
-# not counted by torch.cuda.max_memory_allocated: about 0.5 GiB (context) + 0.5 GiB (NCCL) on an H100.
+# The caching allocator reserves more than it allocates (block rounding, fragmentation between micro-batches of
+# different lengths); CUDA context, cuBLAS workspaces and NCCL buffers are outside max_memory_allocated (about
+# 0.5 + 0.5 GiB on an H100). Where both numbers come from: docs/memory.md.
 FRAGMENTATION = 0.10
 CUDA_CONTEXT_GIB = 1.0
-# DeepSpeed's values for the keys a JSON leaves out are frod_ds.config.ds_config.DS_DEFAULTS (checked against the
-# installed DeepSpeed); an Engine built without a JSON takes them too.
-_ZERO_DEFAULTS = DS_DEFAULTS["zero_optimization"]
-# Under ZeRO-3, DeepSpeed replaces torch.nn.functional.linear process-wide with LinearFunctionForZeroStage3
-# (zero_optimization.memory_efficient_linear, default true; deepspeed/runtime/zero/linear.py), which saves its
-# input for the backward even when the weight is frozen: every F.linear then keeps its input.
-LINEAR_KEEPS_INPUT_ZERO3 = bool(_ZERO_DEFAULTS["memory_efficient_linear"])
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-LINEARS = LLAMA_LINEARS
-# The shipped configs, in the order ties are broken (the step-time model, frod_ds.plan.step_time, ranks them).
-ENGINE_FILES = ("zero2.json", "zero3.json", "zero3_offload.json", "zero3_nvme.json")
-# Within one engine: the exact model first (gradient checkpointing costs about one more forward, ~1/3 of a
-# step), then quantized frozen weights (they change the model: init drift, README), int8 before nf4 (smaller
-# error), the targeted U_i alone before the whole base too (quantize_base).
-VARIANTS = (("none", False), ("int8", False), ("int8", True), ("nf4", False), ("nf4", True))
-# launch/train.py names a faster shipped engine only when the step-time model predicts it this much faster (the
-# model's check against measured steps: within 15%, bench/results/time_model_check.md).
-HINT_MARGIN = 0.15
-
-
-# ---- inputs ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A LLaMA-family decoder's shapes, from its config.json."""
-
-    model_type: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-
-    def linear(self, name: str) -> tuple[int, int]:
-        """(out, in) of one layer's linear ``name``."""
-        h, q, kv, f = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {
-            "q_proj": (q, h),
-            "k_proj": (kv, h),
-            "v_proj": (kv, h),
-            "o_proj": (h, q),
-            "gate_proj": (f, h),
-            "up_proj": (f, h),
-            "down_proj": (h, f),
-        }[name]
-
-    @property
-    def parameters(self) -> int:
-        per_layer = sum(math.prod(self.linear(n)) for n in LINEARS) + 2 * self.hidden
-        return self.layers * per_layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
-
-
-def model_shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> ModelShape:
-    """``PlanError`` (one line) for a config the planner does not model."""
-    mtype = cfg.get("model_type")
-    if mtype not in LLAMA_FAMILY:
-        raise PlanError(
-            f"{where}: model_type {mtype!r} is not one the planner models (LLaMA-family decoders: "
-            f"{', '.join(LLAMA_FAMILY)})"
-        )
-    need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in need if not isinstance(cfg.get(k), int)]
-    if missing:
-        raise PlanError(f"{where}: missing or non-integer {', '.join(missing)}; not a complete {mtype} config")
-    heads = cfg["num_attention_heads"]
-    return ModelShape(
-        mtype,
-        cfg["hidden_size"],
-        cfg["intermediate_size"],
-        cfg["num_hidden_layers"],
-        heads,
-        int(cfg.get("num_key_value_heads") or heads),
-        int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        cfg["vocab_size"],
-        bool(cfg.get("tie_word_embeddings", False)),
-    )
-
-
-def load_model_shape(model: str) -> ModelShape:
-    """From a checkpoint directory or a Hub id in the local cache; reads config.json only."""
-    from frod_ds.io.hf_checkpoint import resolve_config_file
-
-    path = resolve_config_file(model)
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError) as e:
-        raise PlanError(f"{path} is not readable JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise PlanError(f"{path} is not a JSON object")
-    return model_shape_from_config(cfg, str(path))
-
-
-@dataclass(frozen=True)
-class TrainShape:
-    """What the recipe decides about memory."""
-
-    micro_batch: int = 4
-    seq_len: int = 256
-    dtype: str = "bfloat16"
-    targets: tuple[str, ...] = DEFAULT_TARGETS
-    sparsity: float = 0.02
-    quant: str = "none"
-    quantize_base: bool = False
-    checkpointing: bool = False
-    layer_saves: str = "z"  # "z": FRoDLinear's autograd Function keeps z = Vᵀx only; "M": it also keeps M
-    # DeepSpeed's ZeRO (stages 1-3) holds a decoder layer's σ and S as two Parameters (frod_ds.core.layer.
-    # FRoDTrainables, the build's default); False: one σ and one S Parameter per FRoD layer (builds before it, and
-    # the benchmarks' comparison)
-    flat_trainables: bool = True
-    # ZeRO-3 holds a decoder layer's dense U_i as one frozen Parameter (frod_ds.core.layer.FRoDFrozen, the build's
-    # default without quantization or NVMe parameter offload); False: one per FRoD layer (builds before it)
-    zero3_flat_frozen: bool = True
-    # DeepSpeed's NVTX ranges on (FROD_DS_NVTX=1; DeepSpeed's default, the runs before frod-ds turned them off)
-    deepspeed_nvtx: bool = False
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
-
-    @property
-    def e(self) -> int:
-        return ELEMENT_BYTES[self.dtype]
-
-
-def train_shape_from_recipe(recipe, layer_saves: str = "z", seq_len: int | None = None) -> TrainShape:
-    m, d, t = recipe.model, recipe.data, recipe.train
-    return TrainShape(
-        t.micro_batch_size,
-        seq_len or d.cutoff_len,
-        m.dtype,
-        tuple(m.targets),
-        m.sparsity,
-        m.frozen_quant,
-        m.quantize_base,
-        m.gradient_checkpointing,
-        layer_saves,
-    )
-
-
-@dataclass(frozen=True)
-class Engine:
-    """The DeepSpeed settings that decide memory."""
-
-    name: str
-    stage: int
-    offload_param: bool = False
-    offload_optimizer: bool = False
-    overlap_comm: bool = False
-    reduce_bucket: float = float(_ZERO_DEFAULTS["reduce_bucket_size"])
-    prefetch_bucket: float = float(_ZERO_DEFAULTS["stage3_prefetch_bucket_size"])
-    persistence: float = float(_ZERO_DEFAULTS["stage3_param_persistence_threshold"])
-    max_live: float = float(_ZERO_DEFAULTS["stage3_max_live_parameters"])
-    max_reuse: float = float(_ZERO_DEFAULTS["stage3_max_reuse_distance"])
-    memory_efficient_linear: bool = LINEAR_KEEPS_INPUT_ZERO3
-    bf16_overflow_check: bool = True  # ZeRO-2 tests every bf16 gradient before a step (time only, not memory)
-
-    @property
-    def linear_keeps_input(self) -> bool:
-        return self.stage == 3 and self.memory_efficient_linear
-
-
-def engine_from_ds_config(cfg: dict[str, Any], name: str = "config") -> Engine:
-    """The ``Engine`` of a DeepSpeed JSON as the one reader of it (``ds_config.zero_settings``) sees it. ZeRO-0/1
-    are planned like ZeRO-2: each replicates the frozen model on every GPU."""
-    z = zero_settings(cfg)
-    return Engine(
-        name,
-        3 if z.stage == 3 else 2,
-        z.offload_param is not None,
-        z.offload_optimizer is not None,
-        z.overlap_comm,
-        float(z.reduce_bucket_size),
-        float(z.prefetch_bucket_size),
-        float(z.param_persistence_threshold),
-        float(z.max_live_parameters),
-        float(z.max_reuse_distance),
-        z.memory_efficient_linear,
-        bf16_overflow_check(cfg),
-    )
-
-
-def shipped_engines() -> list[Engine]:
-    """The shipped ds_configs, fastest first (their bucket sizes as written), read by the one DeepSpeed JSON
-    reader; a missing one is an error naming it (``runtime.shipped``), never a stand-in."""
-    from frod_ds.runtime.shipped import shipped_file
-
-    return [
-        engine_from_ds_config(load_ds_config(shipped_file("ds_configs", fname)), f"ds_configs/{fname}")
-        for fname in ENGINE_FILES
-    ]
-
-
-# ---- the arithmetic -------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -319,16 +74,10 @@ class Plan:
 
 
 def _weight_bytes(shape: tuple[int, int], quant: str, e: int) -> int:
-    if quant == "none":
-        return math.prod(shape) * e
-    from frod_ds.core.sizes import blob_nbytes
-
-    return blob_nbytes(quant, shape)
+    return math.prod(shape) * e if quant == "none" else blob_nbytes(quant, shape)
 
 
 def _orders(model: ModelShape, train: TrainShape, grad: bool = True) -> dict[str, str]:
-    from frod_ds.core.sizes import ordering
-
     return {t: ordering(train.tokens, *model.linear(t), grad) for t in train.targets}
 
 
@@ -337,13 +86,10 @@ def layer_activation_bytes(
 ) -> tuple[float, float]:
     """``(per token, per forward call)`` bytes one decoder layer keeps for its backward.
 
-    Per token: 2 norms × NORM_SAVED_BYTES·h; SDPA's q, k, v, output (k, v repeated to all heads) and logsumexp;
-    SwiGLU's gate (SiLU's input), SiLU's output and up (the product's operands); frozen linears keep no input.
-    FRoD per member in the token order: z = Vᵀx (n); in the weight order: its input x once per input shared by
-    several members. Per call: the weight order's W = U M Vᵀ (m·n) per member, and M (n²) with ``layer_saves="M"``.
-    ``linear_keeps_input`` (ZeRO-3's memory_efficient_linear, LINEAR_KEEPS_INPUT): every ``F.linear`` also keeps
-    its input: the plain-autograd FRoD layer's h = M z (n) per member (token order) or U M (m·n, weight order),
-    and a dense untargeted linear's input (down_proj: f).
+    Norms, SDPA and SwiGLU's saved tensors, FRoD's z = Vᵀx per member (token order) or its shared input x (weight
+    order) per token; the weight order's W = U M Vᵀ and, with ``layer_saves="M"``, M per call.
+    ``linear_keeps_input`` (ZeRO-3's memory_efficient_linear): every ``F.linear`` also keeps its input. Term by
+    term: docs/memory.md.
     """
     e, h, f = train.e, model.hidden, model.intermediate
     q = model.heads * model.head_dim
@@ -430,7 +176,7 @@ def _layer_gathered_numel(model: ModelShape, train: TrainShape, engine: Engine) 
 
 
 def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int, gpu_bytes: float) -> Plan:
-    """Peak bytes per GPU by part for one set-up (module docstring)."""
+    """Peak bytes per GPU by part for one set-up (the parts: docs/memory.md)."""
     e, T, L, N = train.e, train.tokens, model.layers, max(1, gpus)
     parts: dict[str, float] = {}
     frozen = frozen_tensors(model, train)
@@ -476,155 +222,6 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
     return Plan(parts, N, gpu_bytes, other, engine, train, host)
 
 
-# ---- decisions ------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Recommendation:
-    engine: Engine
-    quant: str
-    quantize_base: bool
-    checkpointing: bool
-    plan: Plan
-    reason: str
-    tried: list[Plan] = field(default_factory=list)
-    seconds: float = 0.0  # predicted seconds per step (frod_ds.plan.step_time)
-    alternative: str = ""  # a much faster set-up at a coarser precision, named but not chosen
-
-    def describe(self) -> str:
-        q = (
-            "frozen bf16"
-            if self.quant == "none"
-            else f"frozen_quant={self.quant}" + (" quantize_base=true" if self.quantize_base else "")
-        )
-        return f"{self.engine.name}, {q}, gradient checkpointing {'on' if self.checkpointing else 'off'}"
-
-
-def candidates(engines: list[Engine], train: TrainShape | None = None) -> list[tuple[Engine, str, bool, bool]]:
-    """Every (engine, quant, quantize_base, checkpointing), grouped by precision: the recipe's own first (``train``;
-    a quantized model is a different model, so precision is the recipe's choice), then ``VARIANTS`` from the most
-    exact; within a precision, engines and checkpointing in the shipped order (the time model ranks them)."""
-    own = [(train.quant, train.quantize_base)] if train is not None else []
-    tiers = own + [v for v in VARIANTS if v not in own]
-    return [(eng, q, qb, gc) for q, qb in tiers for eng in engines for gc in (False, True)]
-
-
-def predicted_seconds(model: ModelShape, plan: Plan, link=None) -> float:
-    """The step-time model's seconds for a planned set-up (``frod_ds.plan.step_time``)."""
-    from frod_ds.plan.step_time import NVLINK, step_time
-
-    return step_time(model, plan.train, plan.engine, plan.gpus, link or NVLINK).seconds
-
-
-def recommend(
-    model: ModelShape, train: TrainShape, gpus: int, gpu_bytes: float, engines: list[Engine] | None = None, link=None
-) -> Recommendation | None:
-    """The fastest set-up that fits (None when none does): within the first precision of ``candidates`` where
-    anything fits, the engine and checkpointing with the least predicted step time; a one-line reason."""
-    tried: list[Plan] = []
-    tier: list[tuple[tuple, Plan, float]] = []
-    for eng, q, qb, gc in candidates(engines or shipped_engines(), train):
-        if tier and (q, qb) != tier[-1][0][1:3]:
-            if any(p.fits for _, p, _ in tier):
-                break
-            tier = []
-        plan = plan_memory(model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus, gpu_bytes)
-        tried.append(plan)
-        tier.append(((eng, q, qb, gc), plan, predicted_seconds(model, plan, link)))
-    fitting = [t for t in tier if t[1].fits]
-    if not fitting:
-        return None
-    (eng, q, qb, gc), plan, secs = min(fitting, key=lambda t: t[2])
-    alternative = _quantized_alternative(model, train, gpus, gpu_bytes, engines, link, (q, qb), secs)
-    return Recommendation(
-        eng, q, qb, gc, plan, _reason(plan, secs, tier, tried) + alternative, tried, secs, alternative
-    )
-
-
-def _quantized_alternative(
-    model: ModelShape,
-    train: TrainShape,
-    gpus: int,
-    gpu_bytes: float,
-    engines: list[Engine] | None,
-    link,
-    chosen: tuple[str, bool],
-    secs: float,
-) -> str:
-    """``; with <precision>: <engine> would take N ms`` when a coarser precision (the fastest of them) fits at under
-    half the chosen
-    step time (e.g. 70B in bf16 only fits with parameter offload), else ``""``. Not chosen: it changes the model."""
-    later = VARIANTS[VARIANTS.index(chosen) + 1 :] if chosen in VARIANTS else ()
-    best = None
-    for q, qb in later:
-        for eng in engines or shipped_engines():
-            for gc in (False, True):
-                plan = plan_memory(
-                    model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus, gpu_bytes
-                )
-                if plan.fits:
-                    t = predicted_seconds(model, plan, link)
-                    if best is None or t < best[0]:
-                        best = (t, plan)
-    if best is None or best[0] > 0.5 * secs:
-        return ""
-    t, plan = best
-    q = f"frozen_quant={plan.train.quant}" + (" quantize_base=true" if plan.train.quantize_base else "")
-    return (
-        f"; with {q} (a quantized model: it moves the logits), {plan.engine.name} would take a predicted "
-        f"{t * 1e3:.0f} ms per step"
-    )
-
-
-def _reason(plan: Plan, secs: float, tier: list[tuple[tuple, Plan, float]], tried: list[Plan]) -> str:
-    need, have = plan.needed / GiB, plan.gpu_bytes / GiB
-    tight = f" (tight: {need / have:.0%} of the GPU)" if need > 0.9 * have else ""
-    (_, fastest, fast_s) = min(tier, key=lambda t: t[2])
-    step = f"predicted {secs * 1e3:.0f} ms per step"
-    if fastest is plan:
-        head = (
-            "the fastest set-up fits"
-            if any(tried[0] is p for _, p, _ in tier)
-            else ("the recipe's precision fits nowhere; the most exact precision that fits, fastest set-up")
-        )
-        return f"{head}: {need:.1f} of {have:.1f} GiB per GPU, {step}{tight}"
-    return (
-        f"{fastest.engine.name} (gradient checkpointing {'on' if fastest.train.checkpointing else 'off'}) would be "
-        f"faster ({fast_s * 1e3:.0f} ms) but needs {fastest.needed / GiB:.1f} GiB per GPU, more than {have:.1f}; "
-        f"this is the fastest set-up that fits ({need:.1f} GiB, {step}){tight}"
-    )
-
-
-def hint(model: ModelShape, train: TrainShape, chosen: Engine, gpus: int, gpu_bytes: float) -> str | None:
-    """One line for ``launch/train.py`` when ``chosen`` (with the recipe's quantization and checkpointing) is likely
-    out of memory, or another shipped engine fits the same recipe and the step-time model predicts it at least
-    ``HINT_MARGIN`` faster; None otherwise."""
-    engines = shipped_engines()
-    plan = plan_memory(model, train, chosen, gpus, gpu_bytes)
-    if not plan.fits:
-        rec = recommend(model, train, gpus, gpu_bytes, engines)
-        fix = f"use {rec.describe()}{rec.alternative}" if rec else "no shipped set-up fits: use more GPUs"
-        return (
-            f"hint: predicted {plan.needed / GiB:.1f} GiB per GPU under {chosen.name} ({gpus} GPU(s) of "
-            f"{gpu_bytes / GiB:.1f} GiB): likely out of memory; {fix} (python -m frod_ds plan)"
-        )
-    mine = predicted_seconds(model, plan)
-    others = [
-        (predicted_seconds(model, p), p)
-        for p in (plan_memory(model, train, e, gpus, gpu_bytes) for e in engines if e.name != chosen.name)
-        if p.fits
-    ]
-    if others:
-        secs, best = min(others, key=lambda t: t[0])
-        if secs < mine * (1 - HINT_MARGIN):
-            return (
-                f"hint: {best.engine.name} fits this recipe on {gpus} GPU(s) ({best.needed / GiB:.1f} of "
-                f"{gpu_bytes / GiB:.1f} GiB) and is faster than {chosen.name}: predicted {secs * 1e3:.0f} vs "
-                f"{mine * 1e3:.0f} ms per step (python -m frod_ds plan)"
-            )
-    return None
-
-
 def activation_bytes_per_token(model: ModelShape, train: TrainShape) -> dict[str, float]:
     """Saved bytes per token over the whole model, without and with gradient checkpointing (for reports)."""
     per_token, _ = layer_activation_bytes(model, train, False)
@@ -632,18 +229,3 @@ def activation_bytes_per_token(model: ModelShape, train: TrainShape) -> dict[str
         "no_checkpointing": model.layers * per_token,
         "checkpointing": model.layers * train.e * model.hidden + per_token,
     }
-
-
-def train_hint(
-    recipe, config_path: str, world_size: int, gpu_bytes: float | None, layer_saves: str = "z"
-) -> str | None:
-    """``hint`` for ``launch/train.py``: the recipe, its DeepSpeed JSON, the world size and one GPU's memory (None
-    without a GPU: no line). None too when an input is unreadable (training's own checks report that)."""
-    if not gpu_bytes:
-        return None
-    try:
-        model = load_model_shape(recipe.model.base)
-        engine = engine_from_ds_config(load_ds_config(config_path), str(config_path))
-        return hint(model, train_shape_from_recipe(recipe, layer_saves), engine, world_size, gpu_bytes)
-    except (FrodError, OSError, KeyError):
-        return None

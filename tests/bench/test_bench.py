@@ -258,7 +258,8 @@ def test_link_benchmark_runs_on_two_gloo_ranks(tmp_path):
 
 def test_planner_check_plans_the_recorded_run_and_skips_what_the_planner_does_not_model():
     from bench.planner_check import check
-    from frod_ds.plan.memory import GiB, TrainShape, engine_from_ds_config, model_shape_from_config, plan_memory
+    from frod_ds.plan.memory import plan_memory
+    from frod_ds.plan.shapes import GiB, TrainShape, engine_from_ds_config, model_shape_from_config
 
     model = {
         "num_hidden_layers": 2,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from frod_ds.config.ds_config import DS_DEFAULTS, DSConfigError, bf16_overflow_check, offload_device, zero_settings
-from frod_ds.plan.memory import Engine, engine_from_ds_config
+from frod_ds.plan.shapes import Engine, engine_from_ds_config
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "ds_configs").glob("*.json"))

@@ -8,15 +8,10 @@ import sys
 
 import pytest
 
-from frod_ds.plan.memory import (
-    Engine,
-    TrainShape,
-    hint,
-    model_shape_from_config,
-    plan_memory,
-    recommend,
-    shipped_engines,
-)
+from frod_ds.config.ds_config import load_ds_config
+from frod_ds.plan.memory import plan_memory
+from frod_ds.plan.recommend import hint, recommend
+from frod_ds.plan.shapes import Engine, TrainShape, model_shape_from_config, shipped_engines
 from tests.support.train_env import REPO, env_vars
 
 TINY = dict(
@@ -180,7 +175,7 @@ def test_offloaded_parameters_are_gathered_as_full_copies_on_one_gpu_too():
 
 
 def test_recommendation_is_the_fastest_fitting_set_up_at_the_recipes_precision():
-    from frod_ds.plan.memory import predicted_seconds
+    from frod_ds.plan.recommend import predicted_seconds
 
     model = model_shape_from_config(LLAMA2_70B)
     train = TrainShape(micro_batch=4, seq_len=256)
@@ -210,20 +205,41 @@ def test_hint_names_the_faster_or_the_fitting_set_up():
     assert "with frozen_quant=nf4" in line, "and the much faster quantized set-up, named"
 
 
-def test_train_hint_reads_the_recipe_and_the_json(tmp_path):
+def test_train_hint_reads_the_recipe_and_the_loaded_json(tmp_path):
+    """``train_hint`` takes the DeepSpeed JSON as ``load_ds_config`` returned it and names it as it is told."""
     from frod_ds.config.recipe import load_recipe
-    from frod_ds.plan.memory import train_hint
+    from frod_ds.plan.recommend import train_hint
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
-    line = train_hint(recipe, str(REPO / "ds_configs" / "zero3.json"), 2, 79.1 * 2**30)
-    assert line is not None and "zero2.json fits" in line
-    assert train_hint(recipe, str(REPO / "ds_configs" / "zero3.json"), 2, None) is None  # no GPU: no line
+    zero3 = load_ds_config(REPO / "ds_configs" / "zero3.json")
+    line = train_hint(recipe, zero3, 2, 79.1 * 2**30, name="my/zero3.json")
+    assert line is not None and "zero2.json fits" in line and "faster than my/zero3.json" in line
+    assert line.endswith("(frod plan)"), "the hint names the command in the one vocabulary"
+    assert train_hint(recipe, zero3, 2, None) is None  # no GPU: no line
     recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path / 'nothing'}"])
-    assert train_hint(recipe, str(REPO / "ds_configs" / "zero3.json"), 2, 79.1 * 2**30) is None
+    assert train_hint(recipe, zero3, 2, 79.1 * 2**30) is None
 
 
-# ---- the decision launch/train.py's hint is built on (formerly frod_ds/engine_choice.py's rule) ----------------------
+def test_train_hint_never_reads_the_trainings_json_again(tmp_path, monkeypatch):
+    """The DeepSpeed JSON is parsed once, by the trainer: ``train_hint`` gets the loaded dict and never opens the
+    file (only the shipped JSONs it compares against are read)."""
+    import frod_ds.plan.shapes as shapes
+    from frod_ds.config.recipe import load_recipe
+    from frod_ds.plan.recommend import train_hint
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
+    mine = tmp_path / "mine.json"
+    mine.write_text((REPO / "ds_configs" / "zero2.json").read_text())
+    cfg = load_ds_config(mine)
+    read = []
+    monkeypatch.setattr(shapes, "load_ds_config", lambda path: read.append(str(path)) or load_ds_config(path))
+    assert train_hint(recipe, cfg, 1, 1.0 * 2**30, name=str(mine)).startswith("hint: predicted")
+    assert read and str(mine) not in read, read
+
+
+# ---- the decision frod train's hint is built on -----------------------------------------------------------------
 
 
 def _needed(model, train, name: str, gpus: int) -> float:
@@ -254,7 +270,7 @@ def test_recommendation_boundary_is_where_the_faster_set_up_stops_fitting(shape,
 
 def test_shipped_configs_map_to_their_engine():
     """Every shipped JSON as the planner reads it: ZeRO stage (0-2 replicate the frozen model, like 2) and offload."""
-    from frod_ds.plan.memory import engine_from_ds_config
+    from frod_ds.plan.shapes import engine_from_ds_config
 
     cfgs = {p.stem: json.loads(p.read_text()) for p in (REPO / "ds_configs").glob("*.json")}
     got = {k: (engine_from_ds_config(c).stage, engine_from_ds_config(c).offload_param) for k, c in cfgs.items()}
@@ -273,18 +289,17 @@ def test_shipped_configs_map_to_their_engine():
 
 
 def test_train_hint_boundaries_follow_the_plan(tmp_path):
-    """launch/train.py's hint (``train_hint``) at the planner's own boundaries: silent where the chosen config is
+    """``frod train``'s hint (``train_hint``) at the planner's own boundaries: silent where the chosen config is
     the fastest that fits; names ZeRO-2 when ZeRO-3 was chosen and ZeRO-2 fits; says out of memory (one line) when
     ZeRO-2 was chosen and does not fit; silent again when the partitioned model fits more GPUs."""
     from frod_ds.config.recipe import load_recipe
-    from frod_ds.plan.memory import train_hint
+    from frod_ds.plan.recommend import train_hint
+    from frod_ds.plan.shapes import train_shape_from_recipe
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
-    from frod_ds.plan.memory import train_shape_from_recipe
-
     model, train = model_shape_from_config(LLAMA2_7B), train_shape_from_recipe(recipe)
-    z2_json, z3_json = str(REPO / "ds_configs" / "zero2.json"), str(REPO / "ds_configs" / "zero3.json")
+    z2_json, z3_json = (load_ds_config(REPO / "ds_configs" / f"{n}.json") for n in ("zero2", "zero3"))
     z2 = _needed(model, train, "ds_configs/zero2.json", 1)
     assert train_hint(recipe, z3_json, 1, None) is None, "no GPU: no hint"
     assert train_hint(recipe, z2_json, 1, z2) is None, "ZeRO-2 fits exactly: nothing to say"
@@ -296,12 +311,13 @@ def test_train_hint_boundaries_follow_the_plan(tmp_path):
     z3_two = _needed(model, train, "ds_configs/zero3.json", 2)
     if z3_two < _needed(model, train, "ds_configs/zero2.json", 2):
         assert train_hint(recipe, z3_json, 2, z3_two) is None, "ZeRO-3 over 2 GPUs fits, ZeRO-2 does not"
-    assert train_hint(recipe, str(tmp_path / "missing.json"), 1, z2) is None, "training's own checks report it"
+    bad = {"zero_optimization": {"stage": 9}}
+    assert train_hint(recipe, bad, 1, z2) is None, "training's own checks report it"
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_launch_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypatch, capsys, rank):
-    """launch/train.py on a (pretended) GPU whose ZeRO-2 fits, asked for ZeRO-3: rank 0 prints the planner's line,
+def test_frod_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypatch, capsys, rank):
+    """``frod train`` on a (pretended) GPU whose ZeRO-2 fits, asked for ZeRO-3: rank 0 prints the planner's line,
     exactly once and as one line; another rank prints nothing. Process group, setup and fit are stand-ins."""
     import types
 
@@ -309,9 +325,10 @@ def test_launch_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypa
 
     import frod_ds.runtime.distributed as dist
     import frod_ds.train.trainer as trainer
+    from frod_ds.cli.train import parse_args, train
     from frod_ds.config.recipe import load_recipe
-    from frod_ds.plan.memory import train_hint, train_shape_from_recipe
-    from launch.train import parse_args, train
+    from frod_ds.plan.recommend import train_hint
+    from frod_ds.plan.shapes import train_shape_from_recipe
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     overrides = [f"model.base={tmp_path}"]
@@ -330,7 +347,8 @@ def test_launch_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypa
     )
     printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     if rank == 0:
-        assert printed == [train_hint(recipe, config, 1, gpu)] and printed[0].startswith("hint:")
+        assert printed == [train_hint(recipe, load_ds_config(config), 1, gpu, name=config)]
+        assert printed[0].startswith("hint:")
     else:
         assert printed == []
     assert not (REPO / "frod_ds" / "engine_choice.py").exists(), "one implementation: the planner's"
@@ -423,7 +441,7 @@ def test_cli_bad_model_is_one_line(tmp_path, config, needle):
 
 def test_planner_errors_are_user_errors(tmp_path):
     """In-process: the planner's and the config lookup's errors are ``FrodError``s (the entry prints them)."""
-    from frod_ds.plan.memory import PlanError, load_model_shape
+    from frod_ds.plan.shapes import PlanError, load_model_shape
     from frod_ds.runtime.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="has no config.json"):

@@ -7,16 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from frod_ds.plan.memory import (
-    GiB,
-    TrainShape,
-    frozen_tensors,
-    model_shape_from_config,
-    plan_memory,
-    predicted_seconds,
-    recommend,
-    shipped_engines,
-)
+from frod_ds.plan.memory import frozen_tensors, plan_memory
+from frod_ds.plan.recommend import predicted_seconds, recommend
+from frod_ds.plan.shapes import GiB, TrainShape, model_shape_from_config, shipped_engines
 from frod_ds.plan.step_time import (
     CHECK_GOAL,
     EFFICIENCY,
@@ -191,7 +184,7 @@ def test_recommendations_follow_the_recipes_precision_and_the_predicted_step():
 
 
 def test_hint_names_a_faster_engine_with_both_predictions():
-    from frod_ds.plan.memory import hint
+    from frod_ds.plan.recommend import hint
 
     small, e = model_shape_from_config(LLAMA2_7B), _engines()
     train = TrainShape(micro_batch=4, seq_len=512)

@@ -1,0 +1,212 @@
+"""The planner's decisions: the fastest shipped set-up that fits (``recommend``) and the one-line hint
+``frod train`` prints when the chosen set-up is likely out of memory or much slower (``hint``, ``train_hint``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from frod_ds.plan.memory import Plan, plan_memory
+from frod_ds.plan.shapes import (
+    Engine,
+    GiB,
+    ModelShape,
+    TrainShape,
+    engine_from_ds_config,
+    load_model_shape,
+    shipped_engines,
+    train_shape_from_recipe,
+)
+from frod_ds.plan.step_time import NVLINK, Link, step_time
+from frod_ds.runtime.errors import FrodError
+
+__all__ = [
+    "VARIANTS",
+    "HINT_MARGIN",
+    "Recommendation",
+    "candidates",
+    "predicted_seconds",
+    "recommend",
+    "hint",
+    "train_hint",
+]
+
+# Within one engine: the exact model first (gradient checkpointing costs about one more forward, ~1/3 of a
+# step), then quantized frozen weights (they change the model: init drift, README), int8 before nf4 (smaller
+# error), the targeted U_i alone before the whole base too (quantize_base).
+VARIANTS = (("none", False), ("int8", False), ("int8", True), ("nf4", False), ("nf4", True))
+# frod train names a faster shipped engine only when the step-time model predicts it this much faster (the
+# model's check against measured steps: within 15%, bench/results/time_model_check.md).
+HINT_MARGIN = 0.15
+
+
+@dataclass
+class Recommendation:
+    engine: Engine
+    quant: str
+    quantize_base: bool
+    checkpointing: bool
+    plan: Plan
+    reason: str
+    tried: list[Plan] = field(default_factory=list)
+    seconds: float = 0.0  # predicted seconds per step (frod_ds.plan.step_time)
+    alternative: str = ""  # a much faster set-up at a coarser precision, named but not chosen
+
+    def describe(self) -> str:
+        q = (
+            "frozen bf16"
+            if self.quant == "none"
+            else f"frozen_quant={self.quant}" + (" quantize_base=true" if self.quantize_base else "")
+        )
+        return f"{self.engine.name}, {q}, gradient checkpointing {'on' if self.checkpointing else 'off'}"
+
+
+def candidates(engines: list[Engine], train: TrainShape | None = None) -> list[tuple[Engine, str, bool, bool]]:
+    """Every (engine, quant, quantize_base, checkpointing), grouped by precision: the recipe's own first (``train``;
+    a quantized model is a different model, so precision is the recipe's choice), then ``VARIANTS`` from the most
+    exact; within a precision, engines and checkpointing in the shipped order (the time model ranks them)."""
+    own = [(train.quant, train.quantize_base)] if train is not None else []
+    tiers = own + [v for v in VARIANTS if v not in own]
+    return [(eng, q, qb, gc) for q, qb in tiers for eng in engines for gc in (False, True)]
+
+
+def predicted_seconds(model: ModelShape, plan: Plan, link: Link | None = None) -> float:
+    """The step-time model's seconds for a planned set-up (``frod_ds.plan.step_time``)."""
+    return step_time(model, plan.train, plan.engine, plan.gpus, link or NVLINK).seconds
+
+
+def recommend(
+    model: ModelShape,
+    train: TrainShape,
+    gpus: int,
+    gpu_bytes: float,
+    engines: list[Engine] | None = None,
+    link: Link | None = None,
+) -> Recommendation | None:
+    """The fastest set-up that fits (None when none does): within the first precision of ``candidates`` where
+    anything fits, the engine and checkpointing with the least predicted step time; a one-line reason."""
+    tried: list[Plan] = []
+    tier: list[tuple[tuple, Plan, float]] = []
+    for eng, q, qb, gc in candidates(engines or shipped_engines(), train):
+        if tier and (q, qb) != tier[-1][0][1:3]:
+            if any(p.fits for _, p, _ in tier):
+                break
+            tier = []
+        plan = plan_memory(model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus, gpu_bytes)
+        tried.append(plan)
+        tier.append(((eng, q, qb, gc), plan, predicted_seconds(model, plan, link)))
+    fitting = [t for t in tier if t[1].fits]
+    if not fitting:
+        return None
+    (eng, q, qb, gc), plan, secs = min(fitting, key=lambda t: t[2])
+    alternative = _quantized_alternative(model, train, gpus, gpu_bytes, engines, link, (q, qb), secs)
+    return Recommendation(
+        eng, q, qb, gc, plan, _reason(plan, secs, tier, tried) + alternative, tried, secs, alternative
+    )
+
+
+def _quantized_alternative(
+    model: ModelShape,
+    train: TrainShape,
+    gpus: int,
+    gpu_bytes: float,
+    engines: list[Engine] | None,
+    link: Link | None,
+    chosen: tuple[str, bool],
+    secs: float,
+) -> str:
+    """``; with <precision>: <engine> would take N ms`` when a coarser precision (the fastest of them) fits at under
+    half the chosen step time (e.g. 70B in bf16 only fits with parameter offload), else ``""``. Not chosen: it changes
+    the model."""
+    later = VARIANTS[VARIANTS.index(chosen) + 1 :] if chosen in VARIANTS else ()
+    best = None
+    for q, qb in later:
+        for eng in engines or shipped_engines():
+            for gc in (False, True):
+                plan = plan_memory(
+                    model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus, gpu_bytes
+                )
+                if plan.fits:
+                    t = predicted_seconds(model, plan, link)
+                    if best is None or t < best[0]:
+                        best = (t, plan)
+    if best is None or best[0] > 0.5 * secs:
+        return ""
+    t, plan = best
+    q = f"frozen_quant={plan.train.quant}" + (" quantize_base=true" if plan.train.quantize_base else "")
+    return (
+        f"; with {q} (a quantized model: it moves the logits), {plan.engine.name} would take a predicted "
+        f"{t * 1e3:.0f} ms per step"
+    )
+
+
+def _reason(plan: Plan, secs: float, tier: list[tuple[tuple, Plan, float]], tried: list[Plan]) -> str:
+    need, have = plan.needed / GiB, plan.gpu_bytes / GiB
+    tight = f" (tight: {need / have:.0%} of the GPU)" if need > 0.9 * have else ""
+    (_, fastest, fast_s) = min(tier, key=lambda t: t[2])
+    step = f"predicted {secs * 1e3:.0f} ms per step"
+    if fastest is plan:
+        head = (
+            "the fastest set-up fits"
+            if any(tried[0] is p for _, p, _ in tier)
+            else ("the recipe's precision fits nowhere; the most exact precision that fits, fastest set-up")
+        )
+        return f"{head}: {need:.1f} of {have:.1f} GiB per GPU, {step}{tight}"
+    return (
+        f"{fastest.engine.name} (gradient checkpointing {'on' if fastest.train.checkpointing else 'off'}) would be "
+        f"faster ({fast_s * 1e3:.0f} ms) but needs {fastest.needed / GiB:.1f} GiB per GPU, more than {have:.1f}; "
+        f"this is the fastest set-up that fits ({need:.1f} GiB, {step}){tight}"
+    )
+
+
+def hint(model: ModelShape, train: TrainShape, chosen: Engine, gpus: int, gpu_bytes: float) -> str | None:
+    """One line for ``frod train`` when ``chosen`` (with the recipe's quantization and checkpointing) is likely
+    out of memory, or another shipped engine fits the same recipe and the step-time model predicts it at least
+    ``HINT_MARGIN`` faster; None otherwise."""
+    engines = shipped_engines()
+    plan = plan_memory(model, train, chosen, gpus, gpu_bytes)
+    if not plan.fits:
+        rec = recommend(model, train, gpus, gpu_bytes, engines)
+        fix = f"use {rec.describe()}{rec.alternative}" if rec else "no shipped set-up fits: use more GPUs"
+        return (
+            f"hint: predicted {plan.needed / GiB:.1f} GiB per GPU under {chosen.name} ({gpus} GPU(s) of "
+            f"{gpu_bytes / GiB:.1f} GiB): likely out of memory; {fix} (frod plan)"
+        )
+    mine = predicted_seconds(model, plan)
+    others = [
+        (predicted_seconds(model, p), p)
+        for p in (plan_memory(model, train, e, gpus, gpu_bytes) for e in engines if e.name != chosen.name)
+        if p.fits
+    ]
+    if others:
+        secs, best = min(others, key=lambda t: t[0])
+        if secs < mine * (1 - HINT_MARGIN):
+            return (
+                f"hint: {best.engine.name} fits this recipe on {gpus} GPU(s) ({best.needed / GiB:.1f} of "
+                f"{gpu_bytes / GiB:.1f} GiB) and is faster than {chosen.name}: predicted {secs * 1e3:.0f} vs "
+                f"{mine * 1e3:.0f} ms per step (frod plan)"
+            )
+    return None
+
+
+def train_hint(
+    recipe: Any,
+    ds_config: Mapping[str, Any],
+    world_size: int,
+    gpu_bytes: float | None,
+    *,
+    name: str = "the DeepSpeed config",
+    layer_saves: str = "z",
+) -> str | None:
+    """``hint`` for ``frod train``: the recipe, its DeepSpeed JSON as ``load_ds_config`` returned it (``name``: how
+    the line names it), the world size and one GPU's memory. None without a GPU, and when an input is unusable
+    (training's own checks report that)."""
+    if not gpu_bytes:
+        return None
+    try:
+        model = load_model_shape(recipe.model.base)
+        engine = engine_from_ds_config(dict(ds_config), name)
+        return hint(model, train_shape_from_recipe(recipe, layer_saves), engine, world_size, gpu_bytes)
+    except (FrodError, OSError, KeyError):
+        return None
