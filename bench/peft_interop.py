@@ -76,7 +76,8 @@ def main() -> None:
     from peft import FrodConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from frod_ds.interop.peft_export import export_peft, import_peft
+    from frod_ds.interop.peft_export import export_peft
+    from frod_ds.interop.peft_import import import_peft
     from frod_ds.model.adapter import load_frod_model, save_adapter_from_model
     from frod_ds.model.apply import DEFAULT_TARGETS, frod_param_groups
     from frod_ds.model.build import build_frod_model, make_supports

@@ -1,16 +1,11 @@
-"""Export a FRoD adapter (merged Hugging Face checkpoint or stock PEFT adapter), or import a stock PEFT FRoD adapter.
+"""``frod export``: an adapter as a merged Hugging Face checkpoint or a stock PEFT adapter; a PEFT adapter imported.
 
-    python launch/export.py --checkpoint runs/llama2-7b-cs170k/adapter-final --out exports/llama2-7b-frod
-    python launch/export.py --checkpoint runs/x/adapter-final --out exports/x --dtype bfloat16 --device cuda
-    python launch/export.py --checkpoint runs/x/adapter-final --format peft --out exports/x-peft
-    python launch/export.py --from-peft peft/my-frod-adapter --base-model meta-llama/Llama-2-7b-hf --out imports/x
+    frod export --checkpoint runs/llama2-7b-cs170k/adapter-final --out exports/llama2-7b-frod
+    frod export --checkpoint runs/x/adapter-final --format peft --out exports/x-peft
+    frod export --from-peft peft/my-frod-adapter --base-model meta-llama/Llama-2-7b-hf --out imports/x
 
-``--format hf`` (default) writes merged weights that ``AutoModelForCausalLM.from_pretrained`` loads; ``--format peft``
-writes an adapter that ``PeftModel.from_pretrained(base, DIR)`` loads. ``--from-peft`` writes ``OUT/factor-store`` and
-``OUT/adapter`` (evaluate with ``launch/eval.py --checkpoint OUT/adapter``, train on with
-``model.init_adapter=OUT/adapter model.factor_store=OUT/factor-store``). The base model and factor store come from
-the adapter's ``adapter_config.json`` unless ``--base-model`` / ``--factor-store`` say otherwise. Exit codes: 0 ok,
-2 bad input (one ``error:`` line).
+``--from-peft`` writes ``OUT/factor-store`` and ``OUT/adapter`` (``frod eval --checkpoint OUT/adapter``). The base
+model and factor store are the adapter's own unless given. Exit codes: 0 ok, 2 bad input (one ``error:`` line).
 """
 
 from __future__ import annotations
@@ -104,7 +99,7 @@ def export(args: argparse.Namespace) -> int:
     if args.from_peft or args.format == "peft":
         quiet_libraries()
     if args.from_peft:
-        from frod_ds.interop.peft_export import import_peft
+        from frod_ds.interop.peft_import import import_peft
 
         rep = import_peft(args.from_peft, args.out, base_model=args.base_model, overwrite=args.overwrite)
         print(

@@ -1,20 +1,9 @@
 """Export a FRoD adapter as a plain Hugging Face checkpoint that stock ``transformers`` loads (no frod-ds).
 
-Every targeted module's weight becomes ``W'_i = U_i (diag σ_i + S_i) Vᵀ`` (spec §2, "Merge/export"); every
-other tensor of the base checkpoint is copied as it is. The export streams: tensors are taken one at a time
-from the base checkpoint's shards and the factor store, merged in fp32 (fp64 for fp64 factors) on
-``device``, and written into output shards of about ``shard_gb``, so no process holds the whole model (a
-70B export needs one shard and one member's factors in memory). The output directory is built under a
-temporary name and renamed at the end; besides the shards, ``model.safetensors.index.json`` and
-``frod_export.json`` (provenance) it holds every other file of the base checkpoint directory (``side_files``:
-config, generation config, tokenizer files whatever their names, chat template, licence; ``config.json``'s
-dtype is rewritten for ``dtype != auto``) and the tokenizer files of the adapter's tokenizer directory.
-
-An adapter trained on quantized frozen weights (``frozen_quant`` nf4/int8 in its config) is exported as the
-model it was trained and evaluated as: ``W'_i = Ũ_i (diag σ_i + S_i) Vᵀ`` with ``Ũ_i`` the dequantized
-``U_i`` (quantized the way training did, from the store's U), and with ``quantize_base`` every other linear
-weight of the decoder layers is written dequantized too (``W̃ = dequantize(quantize(W))``). The export is a
-plain dense checkpoint; the bf16 ``U_i`` of a dense store is not merged in its place.
+Every targeted weight becomes ``W'_i = U_i (diag σ_i + S_i) Vᵀ`` (spec §2, "Merge/export"; with ``Ũ_i``, the
+dequantized ``U_i``, for an adapter trained on quantized frozen weights); every other tensor is copied. The export
+streams one tensor at a time into shards of about ``shard_gb`` (a 70B export fits one host) and appears only when
+complete, beside the base checkpoint's side files and ``frod_export.json``. Details: docs/export.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Interop with stock PEFT's FRoD tuner (peft 0.21.2): ``launch/export.py --format peft`` after training (σ moved,
+"""Interop with stock PEFT's FRoD tuner (peft 0.21.2): ``frod export --format peft`` after training (σ moved,
 S ≠ 0) loads with ``PeftModel.from_pretrained`` and computes the FRoD model's logits; ``--from-peft`` turns a
 stock-PEFT-trained adapter into a factor store + adapter that frod-ds loads (same logits as PEFT), evaluates (same
 scores as PEFT's merged model) and trains on; bad input is one ``error:`` line and leaves nothing behind."""
