@@ -1,20 +1,11 @@
 """Build a FRoD model from a base checkpoint and a factor store, under ZeRO-3 or in one process.
 
-The skeleton is created from the checkpoint's config with weight init disabled (under
-``deepspeed.zero.Init`` when ZeRO-3 is on, so every parameter is partitioned as it is made). Targeted
-linears are built without a weight and swapped for ``FRoDLinear`` before anything is loaded, so the base
-weights of targeted modules are never allocated nor read; U_i, V (one frozen Parameter per category) and σ_i come from
-the factor store, every other
-weight from the checkpoint. Under ZeRO-3 rank 0 reads each module's tensors into the gathered parameters
-and DeepSpeed re-partitions them (``GatheredParameters(modifier_rank=0)``).
-
-Under ZeRO-3 each category's ``V`` is a persistent parameter (``replicate_shared_v``): gathered once and held whole
-on every rank, as stock PEFT holds it, instead of being gathered and released by each of the L layers' modules
-that read it (n² elements per category: 0.2 GB at 7B, 0.8 GB at 70B widths, in bf16).
-With ``quant`` (``model.frozen_quant``: nf4 | int8) every ``U_i`` is a quantized Parameter (``frod_ds.core.quant``):
-read as stored from a quantized store, or quantized at load time (on the GPU when there is one)
-from a dense one; ``quantize_base`` also swaps the decoder layers' untargeted linears (down_proj, …) for
-``QuantLinear``s. V, σ, S, embeddings, norms and ``lm_head`` stay in ``dtype``.
+The skeleton (``frod_ds.model.skeleton``) never allocates the targeted weights; U_i, V (one frozen Parameter per
+category) and σ_i come from the factor store, every other weight from the checkpoint. Under ZeRO-3 rank 0 reads each
+module's tensors into the gathered parameters and DeepSpeed re-partitions them, and each category's ``V`` is held
+whole on every rank (``replicate_shared_v``). With ``quant`` (nf4 | int8) every ``U_i`` is a quantized Parameter
+(``frod_ds.core.quant``), read as stored or quantized at load time; ``quantize_base`` also quantizes the decoder
+layers' untargeted linears.
 """
 
 from __future__ import annotations
@@ -29,6 +20,7 @@ from frod_ds.config.ds_config import nvme_offloads, zero_settings, zero_stage
 from frod_ds.core.layer import FRoDFrozen, FRoDLinear, FRoDTrainables, SparseSupport, support_seed
 from frod_ds.core.quant import QuantError, QuantSpec, check_kind, quantize_untargeted, quantized_parameter, spec_of
 from frod_ds.model.apply import mark_only_frod_trainable, set_submodule
+from frod_ds.model.skeleton import recompute_rope, skeleton
 from frod_ds.runtime.errors import FrodError, StoreError
 
 __all__ = [
@@ -57,104 +49,6 @@ def gathered(params: list[nn.Parameter], zero3: bool, modifier_rank: int | None 
 
     with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
         yield
-
-
-def _no_init_weights():
-    try:  # transformers >= 5
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-    return no_init_weights()
-
-
-def _keep_arange_dtype():
-    """Stop zero.Init from casting ``torch.arange`` (RoPE's inv_freq) to the parameter dtype, if supported."""
-    try:
-        from transformers.integrations.deepspeed import prevent_arange_dtype_change
-    except ImportError:  # older transformers: inv_freq is recomputed after the build instead
-        return contextlib.nullcontext()
-    return prevent_arange_dtype_change()
-
-
-class _LinearPlaceholders:
-    """Patch ``nn.Linear.__init__`` while a skeleton is built: the ``skip``-th constructions (0-based, in
-    construction order) get no weight (a bias, if asked for, is made as usual). ``record`` lists every
-    ``nn.Linear`` constructed, in order.
-
-    The targeted linears are replaced by ``FRoDLinear`` right after the skeleton is built, so allocating their
-    dense weights only to drop them is waste: at 70B under ZeRO-3 on 2 GPUs it was 46 GiB per GPU at the build's
-    peak (every weight of the model, partitioned) and minutes of zero.Init partitioning. Entered before
-    ``zero.Init``, which then wraps the patched ``__init__``.
-    """
-
-    def __init__(self, skip: frozenset[int] = frozenset()) -> None:
-        self.skip, self.record, self._orig = skip, [], None
-
-    def __enter__(self) -> _LinearPlaceholders:
-        orig = self._orig = nn.Linear.__init__
-        outer = self
-
-        def init(self, in_features, out_features, bias=True, device=None, dtype=None):
-            index = len(outer.record)
-            outer.record.append(self)
-            if index not in outer.skip:
-                return orig(self, in_features, out_features, bias, device, dtype)
-            nn.Module.__init__(self)
-            self.in_features, self.out_features = in_features, out_features
-            self.register_parameter("weight", None)
-            self.register_parameter(
-                "bias", nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-            )
-
-        nn.Linear.__init__ = init
-        return self
-
-    def __exit__(self, *exc) -> None:
-        nn.Linear.__init__ = self._orig
-
-
-def _placeholder_plan(config, dtype: torch.dtype, names: set[str]) -> frozenset[int]:
-    """Which ``nn.Linear`` constructions of ``from_config(config)`` are the modules ``names``: a skeleton built
-    on the meta device (no memory, about a second at 70B) with the constructions recorded."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"), _no_init_weights(), _LinearPlaceholders() as rec:
-        meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    index = {id(m): i for i, m in enumerate(rec.record)}
-    return frozenset(index[id(m)] for n, m in meta.named_modules() if n in names and id(m) in index)
-
-
-def _check_placeholders(model: nn.Module, names: set[str]) -> None:
-    """The weightless linears are exactly ``names`` (construction order was the same in both passes)."""
-    empty = {n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight is None}
-    if empty != names:
-        odd = sorted(empty ^ names)[:3]
-        raise FrodError(
-            f"building the skeleton: the linears built without weights differ from the targeted ones "
-            f"({', '.join(odd)}); the model class constructs its layers in a varying order"
-        )
-
-
-def _skeleton_contexts(ds_config: Mapping | None) -> list:
-    ctxs: list = [_no_init_weights()]
-    if ds_config is not None and zero_stage(ds_config) == 3:
-        import deepspeed
-
-        # dtype comes from the config's bf16 switch (resolve_ds_config made it agree with the recipe). Passing
-        # dtype= explicitly is unsafe in deepspeed 0.19: on an accelerator without fp16 it yields bf16.
-        ctxs += [_keep_arange_dtype(), deepspeed.zero.Init(config_dict_or_path=dict(ds_config))]
-    return ctxs
-
-
-@torch.no_grad()
-def _recompute_rope(model: nn.Module) -> None:
-    """Rebuild RoPE ``inv_freq`` (non-persistent, never loaded) outside zero.Init, so it is exact fp32."""
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config"):
-            fresh = type(module)(module.config)
-            for buf in ("inv_freq", "original_inv_freq"):
-                if isinstance(getattr(module, buf, None), torch.Tensor):
-                    setattr(module, buf, getattr(fresh, buf).to(getattr(module, buf).device))
 
 
 def check_store_quant(store, categories, quant: str) -> None:
@@ -344,16 +238,10 @@ def replicate_shared_v(model: nn.Module) -> int:
 
 
 def fetch_per_layer(model: nn.Module) -> list[str]:
-    """Make each decoder layer one ZeRO-3 fetch unit (``deepspeed.utils.set_z3_leaf_modules``): DeepSpeed gathers the
-    layer's parameters in one pre-forward hook and releases them after it, instead of running fetch/release hooks
-    and pre/post-backward autograd nodes on every one of the layer's ~12 submodules (on one GPU those host-side
-    hooks, not data movement, made ZeRO-3 twice as slow as ZeRO-2). Call before ``deepspeed.initialize`` and
-    after ``enable_gradient_checkpointing``; returns the leaf class names.
-
-    The first layer's input is made to require a gradient (``enable_input_require_grads``): DeepSpeed reduces a leaf
-    module's gradients in a full backward hook, which PyTorch fires as soon as the output's gradient is ready when
-    no input requires one, i.e. on the first layer (fed by the frozen embedding) before that layer's backward has
-    run. It then read the released parameters (size 0) and the layer's own gradients failed to accumulate."""
+    """Make each decoder layer one ZeRO-3 fetch unit (``deepspeed.utils.set_z3_leaf_modules``): one gather before
+    the layer and one release after it, instead of hooks on each of its ~12 submodules (on one GPU those host-side
+    hooks made ZeRO-3 twice as slow as ZeRO-2). Call before ``deepspeed.initialize`` and after
+    ``enable_gradient_checkpointing``; returns the leaf class names."""
     from deepspeed.utils import set_z3_leaf_modules
 
     classes = sorted(
@@ -362,6 +250,9 @@ def fetch_per_layer(model: nn.Module) -> list[str]:
     if not classes:
         raise FrodError(f"no decoder layer class in {type(model).__name__}: cannot make the layers ZeRO-3 fetch units")
     set_z3_leaf_modules(model, classes)
+    # DeepSpeed reduces a leaf module's gradients in a full backward hook, which PyTorch fires as soon as the output's
+    # gradient is ready when no input requires one: the first layer (fed by the frozen embedding) would then read its
+    # released parameters before its own backward ran.
     model.enable_input_require_grads()
     for module in [model, *(m for m in model.modules() if type(m) in classes)]:
         module.named_parameters = FixedParameters(module)
@@ -409,29 +300,14 @@ def build_frod_model(
 ) -> nn.Module:
     """The base architecture with FRoD layers, loaded; σ and S values the only trainable parameters.
 
-    Args:
-        model_dir: local checkpoint dir (config.json + safetensors).
-        store: an open ``FactorStore``.
-        supports: ``{category: SparseSupport}`` for the categories to apply (``make_supports`` for training,
-            the adapter's for loading); other categories of the store are ignored.
-        dtype: parameter dtype.
-        ds_config: the resolved DeepSpeed config; ZeRO-3 builds under ``zero.Init``. None: one process.
-        rank: this process's rank (rank 0 reads files under ZeRO-3).
-        quant: ``none`` | ``nf4`` | ``int8``: how every ``U_i`` is held (``frod_ds.core.quant``).
-        quantize_base: also quantize (same kind) the untargeted linears of the decoder layers.
-        replicate_v: under ZeRO-3, hold each shared V whole on every rank (``replicate_shared_v``); False leaves
-            V partitioned like every other frozen weight (the benchmarks' comparison).
-        flat_trainables: σ and S of each decoder layer as one ``FRoDTrainables`` (two Parameters per layer instead
-            of two per member); None: under ZeRO stages 1-3, whose host work is per trainable tensor (gradient
-            hooks, bucketing, the partitioned optimizer step). Their gradient norm sums per-tensor norms in fp64
-            and rounds the sum to fp32, so grouping the tensors leaves training bit for bit as it was in practice
-            (``tests/train/test_zero2_trainables_layout.py``). One process without DeepSpeed and ZeRO stage 0 keep
-            one Parameter per member (their norms are fp32: grouping would change their sums' rounding).
-        flat_frozen: the dense ``U_i`` of each decoder layer as one ``FRoDFrozen`` (one frozen Parameter per layer
-            instead of one per member; ignored with ``quant``); None: under ZeRO-3 unless parameters go to NVMe
-            (whose swap buffers are sized by the largest parameter, ``frod_ds.config.ds_config.check_nvme_buffer``).
+    ``model_dir``: a local checkpoint directory; ``store``: an open ``FactorStore``; ``supports``:
+    ``{category: SparseSupport}`` to apply (``make_supports`` for training, the adapter's for loading).
+    ``ds_config``: the resolved DeepSpeed config (ZeRO-3 builds under ``zero.Init``, rank 0 reads), None in one
+    process. ``replicate_v``: False leaves V partitioned (the benchmarks' comparison). ``flat_trainables`` /
+    ``flat_frozen``: a decoder layer's σ and S (dense U_i) as one ``FRoDTrainables`` (``FRoDFrozen``); None chooses
+    per engine.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from frod_ds.io.hf_checkpoint import HFCheckpoint, check_config_file
 
@@ -445,15 +321,12 @@ def build_frod_model(
     zero3 = stage == 3
     config = AutoConfig.from_pretrained(str(ckpt.dir))
     targeted = {name for c in supports for name in store.categories[c]}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_LinearPlaceholders(_placeholder_plan(config, dtype, targeted)))
-        for ctx in _skeleton_contexts(ds_config):
-            stack.enter_context(ctx)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        if getattr(config, "tie_word_embeddings", False):
-            model.tie_weights()  # no_init_weights also skips tying; untied, lm_head would be a missing key
-        _check_placeholders(model, targeted & {n for n, _ in model.named_modules()})
+    with skeleton(config, dtype, targeted, ds_config) as model:
+        # ZeRO's host work is per trainable tensor; its gradient norm sums per-tensor norms in fp64 and rounds to fp32,
+        # so grouping leaves training as it was (tests/train/test_zero2_trainables_layout.py). Without DeepSpeed and
+        # under stage 0 the norms are fp32: grouping would change their rounding.
         flat = stage > 0 if flat_trainables is None else flat_trainables
+        # NVMe parameter offload sizes its swap buffers by the largest parameter (ds_config.check_nvme_buffer)
         flat_u = (
             (zero3 and "offload_param" not in nvme_offloads(dict(ds_config))) if flat_frozen is None else flat_frozen
         )
@@ -481,7 +354,7 @@ def build_frod_model(
         agree_on_error(error, src=0)  # only rank 0 read; all ranks fail together
     elif error is not None:
         raise FrodError(error)
-    _recompute_rope(model)
+    recompute_rope(model)
     mark_only_frod_trainable(model)
     if zero3 and replicate_v:
         replicate_shared_v(model)

@@ -201,14 +201,14 @@ def _load_gguf(gguf: Path):
 
 def _plain_model(model, dtype):
     """The same architecture without GGUF quantization state, holding ``model``'s weights (cast to ``dtype``)."""
-    from frod_ds.model.build import _no_init_weights  # weight init skipped: every tensor is overwritten
+    from frod_ds.model.skeleton import no_init_weights  # weight init skipped: every tensor is overwritten
 
     cfg = model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         cfg.pop(key, None)
     cfg["dtype"] = str(dtype).removeprefix("torch.")
     config = type(model.config).from_dict(cfg)
-    with _no_init_weights():
+    with no_init_weights():
         plain = type(model)(config)
     if getattr(config, "tie_word_embeddings", False):
         plain.tie_weights()
