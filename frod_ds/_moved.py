@@ -61,7 +61,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     ),
     "frod_ds.planner": ("frod_ds.plan.shapes", "frod_ds.plan.memory", "frod_ds.plan.recommend"),
     "frod_ds.toy": ("frod_ds.testing.toy",),
-    "frod_ds.realmodel": ("frod_ds.testing.realmodel",),
+    "frod_ds.realmodel": ("frod_ds.interop.gguf",),
     "data_prep.build": ("frod_ds.prep.build",),
     "data_prep.cli": ("frod_ds.prep.cli",),
     "data_prep.io": ("frod_ds.prep.io",),
@@ -87,6 +87,7 @@ MOVED: dict[str, tuple[str, ...]] = {
         "frod_ds.interop.peft_common",
     ),
     "frod_ds.interop.export": ("frod_ds.interop.hf_export",),
+    "frod_ds.testing.realmodel": ("frod_ds.interop.gguf",),
     "frod_ds.train.checkpoint_dir": ("frod_ds.train.checkpoints",),
     "frod_ds.train.engine_checkpoint": ("frod_ds.train.engine_state",),
 }

@@ -176,7 +176,7 @@ def study_identity(cfg: StudyConfig, device_type: str) -> StudyIdentity:
     model_dir = Path(cfg.model)
     # config, generation config, tokenizer files; not dotfiles or the conversion record (it holds the
     # conversion's date and timing: a reconverted identical model must resume the study)
-    from frod_ds.testing.realmodel import MARKER
+    from frod_ds.interop.gguf import MARKER
 
     small = [
         p

