@@ -203,13 +203,13 @@ def planner_check(results: Path) -> str:
     widths_peak = max(m["peak_mem_gb"] for m in widths["metrics"])
     for name, dev, measured, planned in (
         (
-            "LLaMA-2-70B, `launch/train.py` (recipe rows, per-step peak, rank 0)",
+            "LLaMA-2-70B, `frod train` (recipe rows, per-step peak, rank 0)",
             resume["device"],
             resume["peak_alloc_gib_rank0"],
             resume["planner"]["allocated_gib"],
         ),
         (
-            "70B widths, 24 layers, `launch/train.py` (recipe rows, per-step peak)",
+            "70B widths, 24 layers, `frod train` (recipe rows, per-step peak)",
             widths["device"],
             widths_peak,
             widths["planner"]["allocated_gib"],
@@ -296,7 +296,7 @@ def _seventy_b(folder: Path, results: Path) -> str:
     if resume.is_file():
         r = _load(resume)
         lines.append(
-            f"Training (`launch/train.py`, {r['device']}): killed and resumed from step {r['resumed_from']}; "
+            f"Training (`frod train`, {r['device']}): killed and resumed from step {r['resumed_from']}; "
             f"steps {', '.join(map(str, r['compared_steps']))} compared with the killed run: max relative "
             f"loss difference {r['max_rel_loss_diff']:g}; per-step peak {r['peak_alloc_gib_rank0']:.1f} GiB "
             f"(planner {r['planner']['allocated_gib']:.1f}); median step {r['step_s_median']:.2f} s."

@@ -238,7 +238,7 @@ def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, f
     if not store_path or not Path(store_path).is_dir():
         raise AdapterError(
             f"factor store {store_path!r} named by {checkpoint_dir} not found; pass --factor-store DIR "
-            "(the directory written by launch/hjd.py for this base model)"
+            "(the directory written by frod hjd for this base model)"
         )
     store = FactorStore.open(store_path)
     model_dir = resolve_model_dir(base)

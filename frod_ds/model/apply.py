@@ -1,6 +1,6 @@
 """In-process FRoD for models that fit one process: HJD per category, then swap the targeted linears.
 
-For 7B–70B checkpoints use the distributed HJD stage (``launch/hjd.py``) and build the model under
+For 7B–70B checkpoints use the distributed HJD stage (``frod hjd``) and build the model under
 ZeRO-3 from the factor store instead; this path is for small models, tests and notebooks.
 """
 

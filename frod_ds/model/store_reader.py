@@ -54,20 +54,20 @@ class FactorStore:
         path = Path(path)
         mpath = path / MANIFEST
         if not path.is_dir():
-            raise StoreError(f"factor store {path} does not exist; build it with launch/hjd.py --model M --out {path}")
+            raise StoreError(f"factor store {path} does not exist; build it with frod hjd --model M --out {path}")
         if not mpath.is_file():
-            raise StoreError(f"{path} is not a factor store (no {MANIFEST}); build it with launch/hjd.py")
+            raise StoreError(f"{path} is not a factor store (no {MANIFEST}); build it with frod hjd")
         store = cls(path, Manifest.read(mpath))
         if not allow_incomplete and not store.complete:
             done, missing = store.manifest.completed_categories, store.manifest.missing_categories
             raise StoreError(
-                f"factor store {path} is incomplete (done: {done}, missing: {missing}); finish it with launch/hjd.py "
+                f"factor store {path} is incomplete (done: {done}, missing: {missing}); finish it with frod hjd "
                 f"--out {path} --categories {','.join(missing)} (rerun with the same arguments after a killed run)"
             )
         if not store.manifest.has_checksums:
             note(
                 f"factor store {path} has no checksums (format {store.manifest.format_version}, written by an older "
-                "frod-ds): its files are not checked; rebuild it with launch/hjd.py --overwrite to add them"
+                "frod-ds): its files are not checked; rebuild it with frod hjd --overwrite to add them"
             )
         return store
 
@@ -142,18 +142,15 @@ class FactorStore:
         if record.checksums is not None:
             want = record.checksums.get(name)
             if want is None:
-                return (
-                    f"factor store {self.path} records no checksum for {name}; "
-                    "rebuild it with launch/hjd.py --overwrite"
-                )
+                return f"factor store {self.path} records no checksum for {name}; rebuild it with frod hjd --overwrite"
             try:
                 got = format_crc32(file_crc32(file))
             except OSError as e:
-                return f"could not read {file}: {e}; rebuild the store with launch/hjd.py --overwrite"
+                return f"could not read {file}: {e}; rebuild the store with frod hjd --overwrite"
             if got != want:
                 return (
                     f"factor store file {file} is corrupt (its checksum is {got}, the manifest records {want}); "
-                    "rebuild the store with launch/hjd.py --overwrite"
+                    "rebuild the store with frod hjd --overwrite"
                 )
         self._checked.add(name)
         return None
@@ -215,20 +212,18 @@ class FactorStore:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 t = f.get_tensor(key)
         except (SafetensorError, OSError) as e:
-            raise StoreError(f"could not read {key!r} from {file}: {e}; rebuild the store with launch/hjd.py") from None
+            raise StoreError(f"could not read {key!r} from {file}: {e}; rebuild the store with frod hjd") from None
         return t.to(device=device, dtype=dtype or t.dtype)
 
 
 def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
     """``StoreError`` (one line) unless ``ckpt`` is the base model the store was built from.
 
-    A checkpoint with every targeted weight: they must have the store's ``fingerprint`` (what the store's factors
-    are factors of; the other tensors may differ, e.g. another lm_head, as before). A checkpoint lacking some or
-    all of them (deleted once decomposed: training never reads them): the ones it holds must have their recorded
-    digests, and its other tensors, which training reads, the store's ``base_fingerprint`` (format 3), so such a
-    checkpoint is never taken on trust; the targeted weights it lacks are the store's own (their digests, V and
-    every factor file's checksum are in the manifest). An older store records no ``base_fingerprint``: the full
-    checkpoint is needed.
+    With every targeted weight, they must have the store's ``fingerprint`` (other tensors may differ). Lacking some
+    (deleted once decomposed: training never reads them), the ones it holds must have their recorded digests and its
+    other tensors the store's ``base_fingerprint`` (format 3; an older store needs the full checkpoint): such a
+    checkpoint is never taken on trust, and the weights it lacks are the store's own (their digests, V and every
+    factor file's checksum are in the manifest).
     """
     names = {m + ".weight": m for members in store.categories.values() for m in members}
     absent = [n for n in names if n not in ckpt]
@@ -239,14 +234,14 @@ def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
             f"factor store {store.path} was built from {store.base_model} but {ckpt.dir} has no tensor "
             f"{absent[0]!r} ({len(absent)} missing), and the store (format {store.manifest.format_version}) records no "
             "fingerprint of the other weights to identify the model by; use the full checkpoint or rebuild the store "
-            "with this version's launch/hjd.py"
+            "with this version's frod hjd"
         )
     if not absent:
         fingerprint = weights_fingerprint(ckpt, list(names))
         if fingerprint != store.fingerprint:
             raise StoreError(
                 f"factor store {store.path} was built from {store.base_model} (fingerprint {store.fingerprint[:16]}…) "
-                f"but {ckpt.dir} has fingerprint {fingerprint[:16]}…; rebuild it with launch/hjd.py"
+                f"but {ckpt.dir} has fingerprint {fingerprint[:16]}…; rebuild it with frod hjd"
             )
         return
     found = base_fingerprint(ckpt, store.targets)
@@ -255,7 +250,7 @@ def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
             f"factor store {store.path} was built from {store.base_model} but {ckpt.dir}, which lacks the targeted "
             f"weights, has other untargeted tensors (embeddings, norms, untargeted linears: fingerprint "
             f"{recorded_base[:16]}… there, {(found or 'none')[:16]}… here); use that model's checkpoint or rebuild "
-            "the store with launch/hjd.py"
+            "the store with frod hjd"
         )
     digests = tensor_digests(ckpt, present)
     for name in present:
@@ -263,5 +258,5 @@ def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
         if digests[name] != want:
             raise StoreError(
                 f"factor store {store.path} was built from {store.base_model} but {name} in {ckpt.dir} is another "
-                "weight than the one decomposed; use that model's checkpoint or rebuild the store with launch/hjd.py"
+                "weight than the one decomposed; use that model's checkpoint or rebuild the store with frod hjd"
             )

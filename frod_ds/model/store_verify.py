@@ -1,4 +1,4 @@
-"""``launch/hjd.py --verify``: re-check a factor store against its base checkpoint."""
+"""``frod hjd --verify``: re-check a factor store against its base checkpoint."""
 
 from __future__ import annotations
 
@@ -74,13 +74,10 @@ def verify_store(
 ) -> list[str]:
     """Re-check a store against a checkpoint; returns the problems found (empty: verified).
 
-    Checks that the store is complete, the weights fingerprint (``check_store_matches``), that every file
-    has the CRC-32 the manifest records (so every member's U and σ and every V, byte for byte) and holds its
-    keys with the manifest's shapes, and for ``samples`` members per category (seeded) the relative
-    reconstruction ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` from the stored tensors against the full
-    weights, within ``tol`` (default by U's dtype: bf16 2e-2, fp16 5e-3, fp32 1e-4, fp64 1e-8; quantized U:
-    nf4 0.2, int8 3e-2).
-    ``FrodError`` when the store or the model cannot be opened at all.
+    The store is complete and of these weights (``check_store_matches``), every file has its recorded CRC-32 and
+    the manifest's keys and shapes, and for ``samples`` members per category (seeded) ``‖W_i − U_i diag(σ_i) Vᵀ‖_F /
+    ‖W_i‖_F`` is within ``tol`` (default by U's dtype: bf16 2e-2, fp16 5e-3, fp32 1e-4, fp64 1e-8; nf4 0.2, int8
+    3e-2). ``FrodError`` when the store or the model cannot be opened at all.
     """
     store = FactorStore.open(store_dir, allow_incomplete=True)
     ckpt = HFCheckpoint(resolve_model_dir(model))

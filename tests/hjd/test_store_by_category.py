@@ -83,7 +83,7 @@ def test_incomplete_store_is_refused_with_the_categories_to_add(built, tmp_path,
     with pytest.raises(
         StoreError,
         match=r"incomplete \(done: \['k_proj'\], missing: \['q_proj', 'up_proj'\]\); "
-        r"finish it with launch/hjd.py --out .* --categories q_proj,up_proj",
+        r"finish it with frod hjd --out .* --categories q_proj,up_proj",
     ):
         FactorStore.open(part)
 

@@ -1,5 +1,5 @@
 """Model build from a checkpoint and a factor store (one process): equals plain transformers at init. The factor
-stores are built by ``launch/hjd.py``'s ``main`` in the test process (tests/hjd/test_distributed_hjd.py runs it as
+stores are built by ``frod hjd``'s ``main`` in the test process (tests/hjd/test_distributed_hjd.py runs it as
 processes)."""
 
 from __future__ import annotations

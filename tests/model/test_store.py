@@ -101,7 +101,7 @@ def test_check_store_matches_refuses_another_model(tmp_path, bf16_store):
     with pytest.raises(
         ValueError,
         match=r"was built from .* \(fingerprint [0-9a-f]{16}…\) but .* has fingerprint "
-        r"[0-9a-f]{16}…; rebuild it with launch/hjd.py",
+        r"[0-9a-f]{16}…; rebuild it with frod hjd",
     ):
         check_store_matches(store, HFCheckpoint(other))
 
