@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m launch.demo
+	$(VENV)/bin/frod demo
 
 # ruff (pinned in pyproject.toml's test extra): lint and format are checked by make test, fixed by make format.
 lint: $(STAMP)

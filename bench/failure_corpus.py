@@ -24,7 +24,7 @@ left behind), ``wrong-result`` (exit 0 where an error was due, or a failed check
 world, i.e. another command's output, changed) or ``hang`` (no exit within the case's time limit). A case whose
 preparation cannot run here (mounting a tmpfs needs root) is ``skipped`` with the reason.
 
-Commands are written in ``frod`` form (``[train, ...]`` runs ``python -m frod_ds.cli train ...``) or in an older
+Commands are written in ``frod`` form (``[train, ...]`` runs ``python -m frod_ds train ...``) or in an older
 form (``[launch/train.py, ...]``, ``[data_prep, ...]``, ``[frod_ds, plan, ...]``). A checkout without ``frod``
 (frod-ds before the single entry point) runs each ``frod`` command as the older form it had: ``launch/<cmd>.py``,
 ``python -m data_prep``, ``python -m frod_ds plan``; a command it does not have at all runs as written and counts
@@ -94,7 +94,7 @@ class World:
     root: Path
     env: dict[str, str]
     paths: dict[str, str] = field(default_factory=dict)
-    frod: bool = True  # the checkout has ``python -m frod_ds.cli``
+    frod: bool = True  # the checkout has ``python -m frod_ds COMMAND`` (frod_ds/cli/main.py)
     _refs: dict[str, Path] = field(default_factory=dict)
 
     def python(self, *argv: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -149,7 +149,7 @@ def command(world: World, argv: list[str]) -> list[str]:
         rest = ["--config", world.paths["ds"], *world.base, *rest]
     if tool in FROD:
         if world.frod:
-            return ["-m", "frod_ds.cli", tool, *rest]
+            return ["-m", "frod_ds", tool, *rest]
         if tool == "data":
             return ["-m", "data_prep", *rest]
         if tool == "plan":

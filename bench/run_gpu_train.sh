@@ -10,6 +10,6 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 mkdir -p "$OUT"
 python3 -c "import deepspeed" 2>/dev/null || pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 python3 -c "import transformers, peft; print(\"transformers\", transformers.__version__, \"peft\", peft.__version__)"
-[ -n "${SKIP_DEMO:-}" ] || (python3 -m launch.demo --ranks "$NGPU" --out runs/demo_gpu 2>&1 || true) | tail -12 | tee "$OUT/demo_gpu${NGPU}.txt"
-[ -n "${SKIP_DEMO:-}" ] || (python3 -m launch.demo --ranks 1 --out runs/demo_gpu1 2>&1 || true) | tail -12 | tee "$OUT/demo_gpu1.txt"
+[ -n "${SKIP_DEMO:-}" ] || (python3 -m frod_ds demo --ranks "$NGPU" --out runs/demo_gpu 2>&1 || true) | tail -12 | tee "$OUT/demo_gpu${NGPU}.txt"
+[ -n "${SKIP_DEMO:-}" ] || (python3 -m frod_ds demo --ranks 1 --out runs/demo_gpu1 2>&1 || true) | tail -12 | tee "$OUT/demo_gpu1.txt"
 python3 bench/train_matrix.py --work /tmp/frodbench --out "$OUT" --gpus "$NGPU" "$@"

@@ -1,4 +1,4 @@
-"""``python -m frod_ds COMMAND ...`` is ``frod COMMAND ...`` (``python -m frod_ds plan`` among them)."""
+"""``frod`` run as a module, for launchers that start a module rather than a program (docs/commands.md)."""
 
 from frod_ds.cli.main import console
 

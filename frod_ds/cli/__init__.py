@@ -1,1 +1,1 @@
-"""The ``frod`` command (``frod_ds.cli.main``) and one module per subcommand; ``launch/*.py`` are thin shims."""
+"""The ``frod`` command (``frod_ds.cli.main``) and one module per subcommand."""

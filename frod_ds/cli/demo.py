@@ -1,39 +1,47 @@
-"""The embedded default, end to end on a tiny Llama: data → HJD (2 ranks) → ZeRO-3 training (2 ranks) → eval.
+"""``frod demo``: the whole pipeline on a tiny local Llama, data → HJD (2 ranks) → ZeRO-3 training (2 ranks) → eval.
 
-    make demo                       # creates .venv, then runs this
-    frod demo [--out runs/demo] [--ranks 2]      # or: python -m launch.demo
-
-Everything is local: a randomly initialised tiny Llama, a SentencePiece tokenizer trained on the demo
-text, and synthetic BoolQ/PIQA-schema rows rendered by ``data_prep`` in the paper's templates. On a CPU
-machine the ranks use gloo and fp32 (``ds_configs/zero3_cpu_fp32.json``); with GPUs, NCCL and bf16
-(``ds_configs/zero3.json``). Prints loss start → end and held-out accuracy against chance.
+Everything is local: a random tiny Llama, a SentencePiece tokenizer trained on the demo text and synthetic
+BoolQ/PIQA-schema rows in the paper's templates. CPU ranks use gloo and fp32 (``ds_configs/zero3_cpu_fp32.json``),
+GPUs NCCL and bf16 (``ds_configs/zero3.json``). Prints loss start → end and held-out accuracy against chance.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-# Each stage runs as `python -m frod_ds.cli ...` from the directory that holds the frod_ds package (a checkout or
-# site-packages), so the stages import this very frod_ds whether or not it is installed.
+EXAMPLES = """examples:
+  make demo                                   # creates .venv, then runs frod demo
+  frod demo --out runs/demo --ranks 2
+"""
+# The stages import this very frod_ds (a checkout or site-packages) whether or not another one is installed.
 SRC = Path(__file__).resolve().parents[2]
-FROD = ["-m", "frod_ds.cli"]
-
 TASKS = "boolq,piqa"
+
+
+def _frod(launcher: str = "") -> list[str]:
+    """How a stage starts ``frod`` under ``launcher`` (torchrun, deepspeed or none), as docs/commands.md shows:
+    the ``frod`` program beside this interpreter, else (not installed) the ``frod_ds`` module in this one."""
+    program = Path(sys.executable).parent / "frod"
+    if program.is_file():
+        return {"torchrun": ["--no-python"], "deepspeed": ["--no_python"]}.get(launcher, []) + [str(program)]
+    return {"torchrun": ["-m"], "deepspeed": ["--module"]}.get(launcher, [sys.executable, "-m"]) + ["frod_ds"]
 
 
 def _run(cmd: list[str], what: str, log: Path) -> None:
     print(f"\n== {what}\n$ {' '.join(cmd)}", flush=True)
     t0 = time.time()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
     with open(log, "a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
-        proc = subprocess.run(cmd, cwd=SRC, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=SRC, env=env, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         tail = log.read_text().splitlines()[-25:]
         print("\n".join(tail), file=sys.stderr)
@@ -50,14 +58,13 @@ def _free_port() -> int:
 
 
 def prepare(out: Path, log: Path) -> None:
-    """Synthetic rows → data_prep build → tokenizer trained on the rendered text → tiny Llama."""
+    """Synthetic rows → ``frod data build`` → tokenizer trained on the rendered text → tiny Llama."""
     from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
 
     write_synthetic_tasks(out / "raw", n_train=600, n_eval=200, seed=0)
     _run(
         [
-            sys.executable,
-            *FROD,
+            *_frod(),
             "data",
             "build",
             "--source",
@@ -86,7 +93,11 @@ def prepare(out: Path, log: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        allow_abbrev=False, prog="frod demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        prog="frod demo",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--out", default="runs/demo", help="output directory (replaced only if an earlier demo wrote it)")
     ap.add_argument("--ranks", type=int, default=2, help="processes for HJD, training and eval")
@@ -135,8 +146,8 @@ def demo(args: argparse.Namespace) -> int:
             "-m",
             "torch.distributed.run",
             "--standalone",
-            f"--nproc_per_node={ranks}",
-            *FROD,
+            f"--nproc-per-node={ranks}",
+            *_frod("torchrun"),
             "hjd",
             "--model",
             str(out / "model"),
@@ -158,8 +169,7 @@ def demo(args: argparse.Namespace) -> int:
             str(ranks),
             "--master_port",
             str(_free_port()),
-            "--module",
-            "frod_ds.cli",
+            *_frod("deepspeed"),
             "train",
             "--config",
             ds_config,
@@ -185,8 +195,8 @@ def demo(args: argparse.Namespace) -> int:
                 "-m",
                 "torch.distributed.run",
                 "--standalone",
-                f"--nproc_per_node={ranks}",
-                *FROD,
+                f"--nproc-per-node={ranks}",
+                *_frod("torchrun"),
                 "eval",
                 *model_args,
                 "--data",

@@ -1,40 +1,38 @@
-"""Score a model on the commonsense tasks: per-task accuracy, a table beside the paper, per-row predictions.
+"""``frod eval``: score a model on the commonsense tasks: per-task accuracy, a table beside the paper, per-row
+predictions (docs/eval.md).
 
-    # a FRoD adapter checkpoint (base model and factor store from its adapter_config.json)
-    python launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k --tasks all --output out/run1/eval
-    # ... with the base model / factor store moved since training
-    python launch/eval.py --checkpoint out/run1/adapter-final --base-model models/llama2-7b \\
-        --factor-store factors/llama2-7b --data data/cs170k --tasks all --output out/run1/eval
-    # a plain HF model dir or Hub id: a merged export, or the untouched base model as a baseline
-    python launch/eval.py --model meta-llama/Llama-2-7b-hf --data data/cs170k --tasks boolq,piqa --output out/base/eval
-    # log-likelihood and LLM-Adapters' protocol (the published PEFT numbers' scoring) in one run, one table
-    python launch/eval.py --checkpoint out/run1/adapter-final --data data/la --mode loglik,llm-adapters \\
-        --output out/run1/eval
-    # greedy generation instead of log-likelihood; a quick look at 50 rows per task
-    python launch/eval.py --model out/run1/merged --data data/cs170k --mode generate --limit 50 \\
-        --output out/run1/eval-gen
-    # data-parallel: each rank scores whole batches, rank 0 gathers and writes (same numbers for any rank count)
-    torchrun --nproc_per_node 8 launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k \\
-        --output out/run1/eval
-    deepspeed --num_gpus 8 launch/eval.py --checkpoint out/run1/adapter-final --data data/cs170k --output out/run1/eval
-
-Reads ``<data>/eval/<task>.jsonl`` (data_prep's output). Writes to ``--output``: ``results.json``,
-``results.md`` (the table, all modes side by side, also printed) and ``predictions.jsonl`` (one record
-per mode and row, in mode, task and file order). The files are written to a temporary directory and
-renamed into place, so a failed run leaves no partial results. User mistakes print one ``error: ...``
-line and exit with status 2. The run itself is ``frod_ds.eval.run``.
+Reads ``<data>/eval/<task>.jsonl`` (``frod data build``'s output) and writes ``results.json``, ``results.md``
+and ``predictions.jsonl`` to ``--output`` all at once (a failed run leaves no partial results). Several ranks
+each score whole batches; rank 0 gathers and writes the same numbers for any rank count. The run itself is
+``frod_ds.eval.run``.
 """
 
 from __future__ import annotations
 
 import argparse
 
+EXAMPLES = """examples:
+  # a FRoD adapter (base model and factor store from its adapter_config.json; --base-model, --factor-store
+  # where they moved since training)
+  frod eval --checkpoint out/run1/adapter-final --data data/cs170k --tasks all --output out/run1/eval
+  # a plain HF model dir or Hub id: a merged export, or the untouched base model as a baseline
+  frod eval --model meta-llama/Llama-2-7b-hf --data data/cs170k --tasks boolq,piqa --output out/base/eval
+  # log-likelihood and LLM-Adapters' protocol (the published PEFT numbers' scoring) in one table
+  frod eval --checkpoint out/run1/adapter-final --data data/la --mode loglik,llm-adapters --output out/run1/eval
+  # greedy generation on 50 rows per task
+  frod eval --model out/run1/merged --data data/cs170k --mode generate --limit 50 --output out/run1/eval-gen
+  # several ranks
+  torchrun --nproc-per-node 8 --no-python frod eval --checkpoint out/run1/adapter-final --data data/cs170k \\
+      --output out/run1/eval
+"""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         allow_abbrev=False,
         prog="frod eval",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__,
+        epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     model = p.add_argument_group("model (exactly one of --checkpoint, --model)")
@@ -43,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--factor-store", help="override the factor store named in the checkpoint's adapter_config.json")
     model.add_argument("--model", help="plain HF model dir or Hub id (a merged export, or a base model for a baseline)")
     model.add_argument("--tokenizer", help="tokenizer dir or Hub id for --model (default: the --model path)")
-    p.add_argument("--data", required=True, help="data_prep output dir; rows are read from <data>/eval/<task>.jsonl")
+    p.add_argument(
+        "--data", required=True, help="frod data build's output dir; rows are read from <data>/eval/<task>.jsonl"
+    )
     p.add_argument("--tasks", default="all", help="'all' or a comma list, e.g. boolq,piqa,arc_easy")
     p.add_argument("--output", required=True, help="dir for results.json, results.md and predictions.jsonl")
     p.add_argument(

@@ -1,24 +1,9 @@
-"""Distributed HJD: decompose a base model's targeted weights once, into a factor store.
+"""``frod hjd``: decompose a base model's targeted weights once, into a factor store (docs/hjd.md).
 
-    torchrun --nproc_per_node 8 launch/hjd.py --model meta-llama/Llama-2-7b-hf --out factors/llama2-7b
-    deepspeed --num_gpus 8 launch/hjd.py --model /ckpt/llama-2-70b --out factors/llama2-70b
-    srun --ntasks-per-node 8 --gpus-per-node 8 python launch/hjd.py --model /ckpt/llama-2-70b --out factors/llama2-70b
-    python launch/hjd.py --model /ckpt/tiny --out factors/tiny --device cpu        # one process
-    torchrun --nproc_per_node 2 launch/hjd.py --model /ckpt/llama2-70b --out factors/llama2-70b-nf4 --quant nf4
-    torchrun --nproc_per_node 2 launch/hjd.py --model /ckpt/70b-q-only --out factors/70b-nf4 --quant nf4 \\
-        --categories q_proj
-    python launch/hjd.py --verify factors/llama2-7b --model meta-llama/Llama-2-7b-hf
-
-Rerunning a killed run with the same arguments skips the categories already complete. ``--categories`` builds
-the store one part at a time: each run decomposes only those of ``--targets`` (its checkpoint needs only their
-weights) and adds them to ``--out``; the store is complete, and usable by training, once every target is in.
-Runs that add to one store must agree on targets, π, dtypes, ``--quant``, config.json and the checkpoint's
-untargeted tensors (else one ``error:`` line). On CPU, unless
-OMP_NUM_THREADS is set, each rank uses its share of the cores (torch's default divided by the ranks on the
-node) and OpenMP threads sleep instead of spinning while they wait (OMP_WAIT_POLICY=PASSIVE): with spinning
-threads a single-process run on a shared 2-core machine took 4-15x longer (bench/hjd_cpu_threads.py).
-Exit codes: 0 ok, 2 user error (one ``error: ...`` line on stderr from rank 0), 1 verification failed.
-Under torchrun any failing worker makes torchrun itself exit 1.
+Rerunning a killed run with the same arguments skips the categories already complete; ``--categories`` builds
+the store one part at a time (runs adding to one store must agree on its settings). On CPU each rank takes its
+share of the cores, with passive OpenMP waits unless OMP_* is set. Exit codes: 0 ok, 2 user error (one
+``error:`` line from rank 0), 1 verification failed; under torchrun any failing worker makes it exit 1.
 """
 
 from __future__ import annotations
@@ -35,10 +20,22 @@ from pathlib import Path  # noqa: E402
 from frod_ds.hjd.sharding import DEFAULT_TARGETS, readahead_budget, start_readahead  # noqa: E402  (no torch yet)
 from frod_ds.runtime.launch_env import ranks_on_this_node  # noqa: E402
 
+EXAMPLES = """examples:
+  frod hjd --model meta-llama/Llama-2-7b-hf --out factors/llama2-7b
+  frod hjd --model /ckpt/tiny --out factors/tiny --device cpu
+  frod hjd --model /ckpt/70b-q-only --out factors/70b-nf4 --quant nf4 --categories q_proj
+  frod hjd --verify factors/llama2-7b --model meta-llama/Llama-2-7b-hf
+  torchrun --nproc-per-node 8 --no-python frod hjd --model /ckpt/llama-2-70b --out factors/llama2-70b
+"""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        allow_abbrev=False, prog="frod hjd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        prog="frod hjd",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--model", required=True, help="local checkpoint directory (config.json + *.safetensors) or HF Hub id"

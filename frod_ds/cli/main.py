@@ -1,21 +1,7 @@
 """``frod``: the one command of frod-ds; each subcommand is a module of ``frod_ds.cli`` (or ``frod_ds.prep.cli``).
 
-    frod data build --source hub --out data/cs170k
-    frod hjd --model meta-llama/Llama-2-7b-hf --out factors/llama2-7b
-    frod train --config ds_configs/zero2.json --recipe recipes/llama2_7b_cs170k.yaml output_dir=runs/x
-    frod eval --checkpoint runs/x/adapter-final --data data/cs170k --tasks all --output runs/x/eval
-    frod export --checkpoint runs/x/adapter-final --out exports/x
-    frod plan --model meta-llama/Llama-2-7b-hf --gpus 1
-    frod demo
-    frod convert-gguf convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
-    # several ranks: the launchers run the module form
-    torchrun --nproc_per_node 8 -m frod_ds.cli hjd --model /ckpt/llama-2-70b --out factors/llama2-70b
-    deepspeed --num_gpus 8 --module frod_ds.cli train --config ds_configs/zero3.json --recipe R.yaml
-    srun python -m frod_ds.cli train --config ds_configs/zero3.json --recipe R.yaml
-
-``frod COMMAND --help`` shows a command's flags. The older forms (``deepspeed launch/train.py``, ``python
-launch/hjd.py``, ``python -m frod_ds plan``, ``python -m data_prep``, ``python -m launch.demo``) run the same code.
-Exit codes are the command's: 0 ok, 2 bad input (one ``error:`` line), 1 a failed check, 143 after SIGTERM.
+``frod COMMAND --help`` shows a command's flags and examples. Exit codes are the command's: 0 ok, 2 bad input
+(one ``error:`` line), 1 a failed check, 143 after SIGTERM. Launchers and script forms: docs/commands.md.
 """
 
 from __future__ import annotations
@@ -26,7 +12,21 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["COMMANDS", "Command", "main", "console", "launch_shim"]
+__all__ = ["COMMANDS", "Command", "main", "console", "launch_shim", "deprecated_form"]
+
+EXAMPLES = """examples:
+  frod data build --source hub --out data/cs170k
+  frod hjd --model meta-llama/Llama-2-7b-hf --out factors/llama2-7b
+  frod plan --model meta-llama/Llama-2-7b-hf --gpus 1
+  frod train --config ds_configs/zero2.json --recipe recipes/llama2_7b_cs170k.yaml output_dir=runs/x
+  frod eval --checkpoint runs/x/adapter-final --data data/cs170k --tasks all --output runs/x/eval
+  frod export --checkpoint runs/x/adapter-final --out exports/x
+  frod demo
+  frod convert-gguf convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
+
+several ranks: a launcher starts frod on each rank (docs/commands.md)
+  torchrun --nproc-per-node 8 --no-python frod train --config ds_configs/zero3.json --recipe R.yaml output_dir=runs/x
+"""
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     from frod_ds import __version__
 
     ap = argparse.ArgumentParser(
-        allow_abbrev=False, prog="frod", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        prog="frod",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--version", action="version", version=f"frod-ds {__version__}", help="print the version and exit")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of:")
@@ -84,22 +88,38 @@ def _command_module(name: str) -> ModuleType:
     return importlib.import_module(COMMANDS[name].module)
 
 
-def console() -> None:
-    """The ``frod`` console script (``[project.scripts]``) and ``python -m frod_ds.cli``."""
+def console(old_form: str | None = None) -> None:
+    """The ``frod`` console script (``[project.scripts]``) and the module forms; ``old_form``: the deprecated
+    form this process was started as, named in one stderr line before the command runs."""
     from frod_ds.runtime.entry import run_script
 
     args = sys.argv[1:]
     head, _ = _split(args)
-    fast = bool(head) and head[0] in COMMANDS and COMMANDS[head[0]].fast_exit
-    run_script(lambda: main(args), fast_exit=fast)
+    known = bool(head) and head[0] in COMMANDS
+    if old_form:
+        deprecated_form(old_form, f"frod {head[0] if known else 'COMMAND'}")
+    run_script(lambda: main(args), fast_exit=known and COMMANDS[head[0]].fast_exit)
+
+
+def deprecated_form(used: str, instead: str) -> None:
+    """One stderr line for an entry form that 0.2.0 keeps and 0.3.0 removes (rank 0's only under a launcher)."""
+    from frod_ds.runtime.launch_env import launcher_rank_world
+
+    where = launcher_rank_world()
+    if where is None or where[0] == 0:
+        print(f"DeprecationWarning: `{used}` goes in 0.3.0; run `{instead}` (docs/commands.md)", file=sys.stderr)
 
 
 def launch_shim(name: str, command: str) -> None:
-    """The whole body of ``launch/<command>.py``: run as a script, it runs the command; imported, the module
-    stands for the command's module itself (``from launch import train`` is ``frod_ds.cli.train``)."""
+    """The whole body of each script in ``launch/``: run as a script, it runs the command (run as a module, the
+    deprecated form, after one stderr line); imported, the module stands for the command's module itself
+    (``from launch import train`` is ``frod_ds.cli.train``)."""
     module = _command_module(command)
     if name == "__main__":
         from frod_ds.runtime.entry import run_script
 
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        if spec is not None:  # started by its module name, not as the file
+            deprecated_form(f"python -m {spec.name}", f"frod {command}")
         run_script(module.main, fast_exit=COMMANDS[command].fast_exit)
     sys.modules[name] = module

@@ -1,15 +1,4 @@
-"""Command line of data_prep: build Commonsense170K, inspect a build, show rendered examples.
-
-    python -m data_prep build --source hub --out data/cs170k
-    python -m data_prep build --source llm-adapters:LLM-Adapters/dataset --out data/la \\
-        --tasks boolq,obqa,arc_easy,arc_challenge
-    python -m data_prep build --source llm-adapters:ft-training_set/commonsense_170k.json --out data/la170k \\
-        --template llm-adapters
-    python -m data_prep build --source /data/mirror --out data/cs170k --tasks boolq,piqa --strict
-    python -m data_prep build --source hub --out data/cs170k --tokenizer meta-llama/Llama-2-7b-hf --cutoff 256
-    python -m data_prep stats --out data/cs170k [--tokenizer DIR]
-    python -m data_prep show --source /data/mirror --task piqa -n 3
-    python -m data_prep show --out data/cs170k --task arc_easy --split eval --repr
+"""``frod data``: build Commonsense170K, inspect a build, show rendered examples (docs/data.md).
 
 Errors print ``error: <one line>`` to stderr and exit with status 2.
 """
@@ -35,6 +24,18 @@ from frod_ds.prep.tasks import (
     parse_tasks,
 )
 from frod_ds.prep.templates import RowError, render, row_id
+
+EXAMPLES = """examples:
+  frod data build --source hub --out data/cs170k
+  frod data build --source llm-adapters:LLM-Adapters/dataset --out data/la --tasks boolq,obqa,arc_easy,arc_challenge
+  frod data build --source llm-adapters:ft-training_set/commonsense_170k.json --out data/la170k \\
+      --template llm-adapters
+  frod data build --source /data/mirror --out data/cs170k --tasks boolq,piqa --strict
+  frod data build --source hub --out data/cs170k --tokenizer meta-llama/Llama-2-7b-hf --cutoff 256
+  frod data stats --out data/cs170k [--tokenizer DIR]
+  frod data show --source /data/mirror --task piqa -n 3
+  frod data show --out data/cs170k --task arc_easy --split eval --repr
+"""
 
 
 def _add_source_flags(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -82,6 +83,8 @@ def make_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         prog="frod data",
         description="Commonsense170K in the paper's or LLM-Adapters' prompt templates.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{build,stats,show}")
 
@@ -188,7 +191,7 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
     """The manifest and rows of each file of a built OUT, after checking every sha256."""
     path = out / "manifest.json"
     if not path.is_file():
-        raise DataPrepError(f"{out} is not a data_prep build (no manifest.json)")
+        raise DataPrepError(f"{out} is not a frod data build (no manifest.json)")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         recorded = manifest["files"]
@@ -316,7 +319,7 @@ def examples_from_build(out: Path, task: str, role: str, n: int) -> list[dict[st
     """The first `n` rows of `task` in a built OUT (mixture order for train)."""
     path = out / "train.jsonl" if role == "train" else out / "eval" / f"{task}.jsonl"
     if not path.is_file():
-        raise DataPrepError(f"{path} not found; is {out} a data_prep build that includes {task}?")
+        raise DataPrepError(f"{path} not found; is {out} a frod data build that includes {task}?")
     rows = io.read_rows(path)
     return [row for row in rows if row["task"] == task][:n]
 

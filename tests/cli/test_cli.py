@@ -1,13 +1,15 @@
-"""The ``frod`` command and the older command forms: each runs its ``--help``, every flag of every parser
-has a help text, ``frod`` dispatches to the same code as the old forms, and the module form runs under a
-multi-rank launcher (torchrun -m frod_ds.cli)."""
+"""The ``frod`` command and its other forms: each runs its ``--help``, every flag of every parser has a help text,
+``frod`` dispatches to the same code as the script forms, the deprecated forms still run after one stderr line,
+and the documented launcher lines (``torchrun --no-python frod``, ``deepspeed --no_python frod``) run it on ranks."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,15 +17,21 @@ from frod_ds.cli.main import COMMANDS
 from tests.support.leftovers import REPO, clean_env
 
 PY = sys.executable
-OLD_FORMS = {
+FROD = [PY, "-m", "frod_ds"]  # the module form: what the installed frod program runs (frod_ds.cli.main.console)
+SCRIPT_FORMS = {  # docs/commands.md
     "train": [PY, "launch/train.py"],
     "hjd": [PY, "launch/hjd.py"],
     "eval": [PY, "launch/eval.py"],
     "export": [PY, "launch/export.py"],
     "convert-gguf": [PY, "launch/convert_gguf.py"],
-    "demo": [PY, "-m", "launch.demo"],
-    "plan": [PY, "-m", "frod_ds", "plan"],
+    "demo": [PY, "launch/demo.py"],
+    "plan": [*FROD, "plan"],
     "data": [PY, "-m", "data_prep"],
+}
+DEPRECATED = {  # the form, the command its note names
+    "python -m frod_ds.cli": ([PY, "-m", "frod_ds.cli", "plan"], "frod plan"),
+    "python -m launch.demo": ([PY, "-m", "launch.demo"], "frod demo"),
+    "python -m launch.train": ([PY, "-m", "launch.train"], "frod train"),
 }
 
 
@@ -46,26 +54,52 @@ def usage_of(cmd: list[str]) -> str:
     return res.stdout
 
 
-def test_every_command_has_an_old_form():
-    assert set(OLD_FORMS) == set(COMMANDS)
+def test_every_command_has_a_script_form():
+    assert set(SCRIPT_FORMS) == set(COMMANDS)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_frod_command_and_its_old_form_print_the_same_help(command):
-    new = usage_of([PY, "-m", "frod_ds.cli", command])
+def test_frod_command_and_its_script_form_print_the_same_help(command):
+    new = usage_of([*FROD, command])
     assert new.startswith(f"usage: frod {command} ")
-    assert usage_of(OLD_FORMS[command]) == new
+    assert usage_of(SCRIPT_FORMS[command]) == new
 
 
 def test_frod_lists_every_command_and_its_version():
-    top = usage_of([PY, "-m", "frod_ds.cli"])
+    top = usage_of(FROD)
     assert all(name in top for name in COMMANDS)
-    res = run([PY, "-m", "frod_ds.cli", "--version"])
+    res = run([*FROD, "--version"])
     from frod_ds import __version__
 
     assert (res.returncode, res.stdout.strip()) == (0, f"frod-ds {__version__}")
-    bad = run([PY, "-m", "frod_ds.cli", "tarin"])
+    bad = run([*FROD, "tarin"])
     assert bad.returncode == 2 and "invalid choice: 'tarin'" in bad.stderr
+
+
+def test_the_frod_program_is_the_module_form():
+    """The console script an install puts beside the interpreter (``pyproject.toml``) runs what ``-m frod_ds`` runs."""
+    program = Path(PY).parent / "frod"
+    assert program.is_file(), "the frod program is missing: pip install -e . (make venv) installs it"
+    assert usage_of([str(program), "demo"]) == usage_of([*FROD, "demo"])
+
+
+@pytest.mark.parametrize("form", sorted(DEPRECATED))
+def test_a_deprecated_form_says_so_in_one_line_then_runs(form):
+    cmd, instead = DEPRECATED[form]
+    res = run([*cmd, "--help"])
+    assert res.returncode == 0 and res.stdout == usage_of([*FROD, instead.split()[1]])
+    notes = [line for line in res.stderr.splitlines() if "DeprecationWarning" in line]
+    assert notes == [f"DeprecationWarning: `{form}` goes in 0.3.0; run `{instead}` (docs/commands.md)"], res.stderr
+    # under a launcher only rank 0 says it
+    rank1 = run([*cmd, "--help"], env=clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1"))
+    assert rank1.returncode == 0 and "DeprecationWarning" not in rank1.stderr
+
+
+@pytest.mark.parametrize("command", ["hjd", "data"])
+def test_the_forms_that_keep_working_say_nothing_of_deprecation(command):
+    for cmd in ([*FROD, command], SCRIPT_FORMS[command]):
+        res = run([*cmd, "--help"])
+        assert res.returncode == 0 and "Deprecat" not in res.stderr, (cmd, res.stderr)
 
 
 def _parsers(command: str, monkeypatch) -> list[argparse.ArgumentParser]:
@@ -123,8 +157,8 @@ def test_a_prefix_of_a_flag_is_refused_with_one_line(tmp_path, capsys):
     assert not (tmp_path / "d").exists()
 
 
-def test_deepspeed_module_form_takes_local_rank_before_the_command():
-    """``deepspeed --module frod_ds.cli train ...`` runs ``python -m frod_ds.cli --local_rank=N train ...``."""
+def test_deepspeed_launcher_puts_local_rank_before_the_command():
+    """``deepspeed --no_python frod train ...`` runs ``frod --local_rank=N train ...`` on each rank."""
     from frod_ds.cli.main import _split
 
     assert _split(["--local_rank=3", "train", "--config", "c.json"]) == (
@@ -136,11 +170,13 @@ def test_deepspeed_module_form_takes_local_rank_before_the_command():
 
 
 @pytest.mark.slow
-def test_torchrun_module_form_runs_hjd_on_two_ranks_like_the_script(tmp_path):
-    """``torchrun -m frod_ds.cli hjd`` (2 ranks) writes the same factors as ``python launch/hjd.py`` (1 process)."""
+def test_the_launcher_lines_run_hjd_on_two_ranks_like_one_process(tmp_path):
+    """``torchrun --no-python frod hjd`` and ``deepspeed --no_python frod hjd`` (2 CPU ranks each, the launcher
+    lines of docs/commands.md) write the factors ``frod hjd`` writes in one process."""
     import torch
 
     from frod_ds.testing.toy import write_tiny_llama
+    from tests.support.leftovers import free_port
 
     write_tiny_llama(
         tmp_path / "model",
@@ -151,43 +187,28 @@ def test_torchrun_module_form_runs_hjd_on_two_ranks_like_the_script(tmp_path):
         num_key_value_heads=1,
         num_hidden_layers=2,
     )
-    one = run(
-        [PY, "launch/hjd.py", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "one"), "--device", "cpu"],
-        timeout=240,
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = run(
-        [
-            PY,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "frod_ds.cli",
-            "hjd",
-            "--model",
-            str(tmp_path / "model"),
-            "--out",
-            str(tmp_path / "two"),
-            "--device",
-            "cpu",
-        ],
-        timeout=240,
-    )
-    assert two.returncode == 0, two.stderr[-3000:]
+    env = clean_env(PATH=os.pathsep.join([str(Path(PY).parent), os.environ.get("PATH", "")]))  # frod, deepspeed
+    args = ["hjd", "--model", str(tmp_path / "model"), "--device", "cpu", "--out"]
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python", "frod"]
+    deepspeed = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--no_python", "frod"]
+    for name, launcher in (("one", ["frod"]), ("torchrun", torchrun), ("deepspeed", deepspeed)):
+        res = run([*launcher, *args, str(tmp_path / name)], env=env, timeout=240)
+        assert res.returncode == 0, (name, res.stderr[-3000:])
     from frod_ds.model.store_reader import FactorStore
 
-    a, b = FactorStore.open(tmp_path / "one"), FactorStore.open(tmp_path / "two")
-    assert a.categories == b.categories and a.categories
-    for category, members in a.categories.items():
-        for member in members:  # the weight each store rebuilds, U_i diag(sigma_i) V^T
-            wa, wb = (
-                (s.load_U(member, torch.float64) * s.load_sigma(member, torch.float64))
-                @ s.load_V(category, torch.float64).T
-                for s in (a, b)
-            )
-            assert (torch.linalg.norm(wa - wb) / torch.linalg.norm(wa)).item() < 1e-5, member
+    one = FactorStore.open(tmp_path / "one")
+    assert one.categories and one.manifest.world_size == 1
+    for name in ("torchrun", "deepspeed"):
+        other = FactorStore.open(tmp_path / name)
+        assert other.categories == one.categories and other.manifest.world_size == 2, name
+        for category, members in one.categories.items():
+            for member in members:  # the weight each store rebuilds, U_i diag(sigma_i) V^T
+                wa, wb = (
+                    (s.load_U(member, torch.float64) * s.load_sigma(member, torch.float64))
+                    @ s.load_V(category, torch.float64).T
+                    for s in (one, other)
+                )
+                assert (torch.linalg.norm(wa - wb) / torch.linalg.norm(wa)).item() < 1e-5, (name, member)
 
 
 def test_every_import_in_the_library_names_a_module():

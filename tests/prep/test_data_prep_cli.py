@@ -115,7 +115,7 @@ def test_stats_verifies_sha256_and_prints_counts(capsys, tmp_path):
     code, _, err = run_cli(capsys, "stats", "--out", out)
     assert code == 2 and "piqa.jsonl does not match its sha256 in the manifest" in error_line(err)
     code, _, err = run_cli(capsys, "stats", "--out", tmp_path)
-    assert code == 2 and "is not a data_prep build (no manifest.json)" in error_line(err)
+    assert code == 2 and "is not a frod data build (no manifest.json)" in error_line(err)
 
 
 def test_show_from_source_prints_training_text(capsys):

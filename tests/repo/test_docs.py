@@ -1,7 +1,6 @@
 """README.md and docs/*.md: generated tables equal what bench/results gives, relative links resolve, README stays
-short, the repository files and modules they name exist, and every ``frod`` command they show (in any of its forms:
-``python launch/X.py``, ``python -m frod_ds``, ``python -m data_prep``, under torchrun, deepspeed or srun) is
-accepted by that command's own argument parser."""
+short, the repository files and modules they name exist, and every ``frod`` command they show (as ``frod <verb>``,
+under a launcher, or in one of the forms docs/commands.md lists) is accepted by that command's own parser."""
 
 from __future__ import annotations
 
@@ -202,7 +201,8 @@ def _as_frod(line: str) -> list[str] | None:
     while words and re.match(r"[A-Z_]+=", words[0]):
         words.pop(0)
     if words and words[0] in LAUNCHERS:  # the launcher's own options end at the program it starts
-        i = next((i for i, w in enumerate(words) if w.endswith(".py") or w in PYTHONS | {"-m", "--module"}), len(words))
+        program = PYTHONS | {"-m", "--module", "frod"}  # `--no-python frod` starts the frod program itself
+        i = next((i for i, w in enumerate(words) if w.endswith(".py") or w in program), len(words))
         words = (
             ["python", "-m", *words[i + 1 :]]
             if words[i : i + 1] in (["-m"], ["--module"])
@@ -297,6 +297,8 @@ def test_the_command_check_catches_a_wrong_command() -> None:
         "python launch/hjd.py --out f",
         "deepspeed --num_gpus 2 launch/train.py --recipe r.yaml",
         "torchrun --nproc_per_node 2 -m frod_ds.cli eval --data d --output o --no-such-flag",
+        "torchrun --nproc-per-node 2 --no-python frod eval --data d --output o --no-such-flag",
+        "deepspeed --no_python frod train --recipe r.yaml",
         "python -m data_prep build --out d",
     ):
         args = _as_frod(line)
@@ -310,6 +312,8 @@ def test_the_command_check_catches_a_wrong_command() -> None:
         "deepspeed --module frod_ds.cli train --config c.json --recipe r.yaml output_dir=o",
         "python -m frod_ds plan --model m --gpus 2",
         "python launch/convert_gguf.py fetch",
+        "torchrun --nproc-per-node 8 --no-python frod hjd --model m --out f",
+        "deepspeed --no_python frod train --config c.json --recipe r.yaml output_dir=o",
     ):
         assert _problem(_as_frod(line), whole=True) is None, line
     assert _as_frod("python bench/layer.py --tiny") is None
