@@ -381,14 +381,11 @@ def _reuse_distance(cfg: dict) -> int:
 def nvme_buffers_needed(cfg: dict, params: NvmeParams, world_size: int, elem_bytes: int) -> int:
     """The ``offload_param.buffer_count`` a ZeRO-3 run with parameters on NVMe needs (DeepSpeed 0.19.8).
 
-    DeepSpeed gives each parameter whose partition it swaps to NVMe (``ds_numel / world_size`` elements of at
-    least max(1 MiB, ``aio.block_size``) bytes) one pinned swap buffer from when the partition is read back (the
-    gather that needs it, or an NVMe prefetch) until the parameter is partitioned again on release; a gather that
-    finds fewer free buffers than partitions to read stops with ``Not enough buffers``. Without prefetch and
-    without a reuse window what is gathered at once is at most one decoder layer, the shared parameters and one
-    other parameter (the head at the forward/backward turn), so that is the count. A reuse window
-    (``stage3_max_reuse_distance`` > 0) keeps every parameter that recurs within it gathered: up to one more
-    buffer per smallest swapped parameter that fits in the window."""
+    DeepSpeed holds one pinned swap buffer per swapped partition from its read-back until it is re-partitioned; a
+    gather that finds too few stops with ``Not enough buffers``. Without prefetch or a reuse window at most one
+    decoder layer, the shared parameters and one other parameter are gathered at once, so that is the count; a
+    reuse window (``stage3_max_reuse_distance`` > 0) adds up to one buffer per smallest parameter that fits in it.
+    """
     zs = zero_settings(cfg)
     swapped = lambda ns: _swapped(ns, world_size, elem_bytes, _min_swap_bytes(cfg))  # noqa: E731
     layer = max((len(swapped(ns)) for ns in params.layers), default=0)

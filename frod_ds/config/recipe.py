@@ -33,12 +33,12 @@ class RecipeError(FrodError):
 @dataclass
 class ModelCfg:
     base: str = ""  # HF id or local dir of the base checkpoint
-    factor_store: str = ""  # directory written by launch/hjd.py
+    factor_store: str = ""  # directory written by frod hjd
     tokenizer: str | None = None  # defaults to `base`
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     sparsity: float = 0.02  # density s of S
     seed: int = 0  # seed of the S supports
-    init_adapter: str | None = None  # start from this adapter's supports, σ and S (e.g. launch/export.py --from-peft)
+    init_adapter: str | None = None  # start from this adapter's supports, σ and S (e.g. frod export --from-peft)
     dtype: str = "bfloat16"  # parameter dtype: bfloat16 | float32 (must agree with the DeepSpeed JSON)
     gradient_checkpointing: bool = False  # per layer, non-reentrant (trainer.enable_gradient_checkpointing)
     frozen_quant: str = "none"  # none | int8 | nf4: every U_i held quantized (bitsandbytes), V/σ/S in dtype
@@ -47,7 +47,7 @@ class ModelCfg:
 
 @dataclass
 class DataCfg:
-    train: str = ""  # train.jsonl (data_prep output) or the data_prep output dir
+    train: str = ""  # train.jsonl of `frod data build`, or its output dir
     eval: str | None = None  # a held-out JSONL scored for loss every eval_every steps
     cutoff_len: int = 256  # tokens per example, longer ones are truncated
     train_on_inputs: bool = False  # false: loss on the answer tokens and EOS only
@@ -92,7 +92,7 @@ class Recipe:
         if paths and not m.base:
             p.append("model.base is required (HF id or local checkpoint dir)")
         if paths and not m.factor_store:
-            p.append("model.factor_store is required (the directory written by launch/hjd.py)")
+            p.append("model.factor_store is required (the directory written by `frod hjd`)")
         p += [
             x
             for x in (targets_problem(m.targets, "model.targets"), sparsity_problem(m.sparsity, "model.sparsity"))
@@ -105,7 +105,7 @@ class Recipe:
         elif m.quantize_base and m.frozen_quant == "none":
             p.append("model.quantize_base=true needs model.frozen_quant nf4 or int8 (the kind it uses)")
         if paths and not d.train:
-            p.append("data.train is required (train.jsonl from `python -m data_prep build`)")
+            p.append("data.train is required (train.jsonl from `frod data build`)")
         if d.cutoff_len < 8:
             p.append(f"data.cutoff_len must be >= 8, got {d.cutoff_len}")
         if t.lr_sigma <= 0 or t.lr_s < 0:
@@ -225,7 +225,7 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool = True) -> Recipe:
     """defaults ← YAML file ← ``key.sub=value`` overrides (values parsed as YAML scalars). ``paths=False``: the
-    model, factor store and data paths may be missing (``python -m frod_ds plan``)."""
+    model, factor store and data paths may be missing (``frod plan``)."""
     tree: dict = {}
     if path is not None:
         p = user_file(path, "recipes")  # a shipped recipe by name also outside a checkout

@@ -1,28 +1,10 @@
 """The FRoD product ``y = U (diag σ + S) Vᵀ x + b`` as autograd Functions, one per ordering (spec §2).
 
-Plain autograd through ``F.linear(F.linear(x @ V, M), U, b)`` keeps every member's dense
-``M = diag σ + S`` (n, n) from forward to backward (32 MB at n = 4096 in bf16: 6 GB over LLaMA-7B's 192
-targeted linears) and, under ZeRO-3, transposed views of the gathered ``U`` and ``V`` (``F.linear`` saves
-``weight.t()``), which keep the full factors alive after ZeRO-3 has released them. ``FRoDTokens`` saves
-only ``z = Vᵀx`` (or ``x``, and recomputes ``z``) and the Parameter objects themselves; the backward
-rebuilds ``M`` from σ and the S values and takes their gradients on the support only. ``FRoDWeight``
-(the order for many tokens: ``W = U M Vᵀ`` first) saves ``x`` and ``W``. A quantized ``U`` (``frod_ds.core.quant``)
-is dequantized where it is used, in the forward and again in the backward (``frozen_dense``), so only its packed
-Parameter is kept. Row-major, one row per token,
-``x, z, h`` of shape (T, n), ``y`` (T, m):
-
-    z = x V,    h = z Mᵀ,    y = h Uᵀ + b                       forward:  2·T·n² + T·m·n multiply-adds
-    g_h = g_y U,   g_z = g_h M,   g_x = g_z Vᵀ                  backward: T·m·n + 2·T·n²
-    ∂σ_j = Σ_t g_h[t, j] z[t, j]
-    ∂S_rc = Σ_t g_h[t, r] z[t, c]   for (r, c) in the support  (+ T·n² to recompute z from x)
-
-In the weight order ``A = U M``, ``W = A Vᵀ``, ``y = x Wᵀ + b``; ``g_x = g_y W``, ``g_A = (g_yᵀ x) V`` and
-``∂M = Uᵀ g_A`` on the support (forward 2·m·n² + T·m·n, backward 2·m·n² + 2·T·m·n).
-
-``∂S`` comes from one of two exact paths: ``dense`` forms ``g_hᵀ z`` (n, n) with one GEMM (T·n²
-multiply-adds on tensor cores, a transient n×n buffer) and gathers the support; ``sampled`` never forms
-it: T·(n + nnz) multiply-adds through row gathers, in chunks of bounded size. Which is faster depends on
-the device; ``bench/layer_profile.py`` races them.
+Plain autograd would keep every member's dense ``M = diag σ + S`` (n, n) and, under ZeRO-3, views of the
+gathered ``U`` and ``V`` until the backward. ``FRoDTokens`` saves only ``z = Vᵀx`` (or ``x``) and the Parameters,
+rebuilds ``M`` in the backward and takes σ and S gradients on the support only; ``FRoDWeight`` (many tokens:
+``W = U M Vᵀ`` first) saves ``x`` and ``W``. ``∂S`` is exact either ``dense`` (one GEMM) or ``sampled`` (row
+gathers). The forward and backward products with their FLOPs: docs/layer.md#the-two-orders.
 """
 
 from __future__ import annotations

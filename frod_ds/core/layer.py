@@ -1,18 +1,10 @@
 """The FRoD layer, spec §2: ``y = U (diag σ + S) Vᵀ x + b`` with U, V frozen and σ, S trainable.
 
-One flat module, no adapter hierarchy. Frozen factors are ``nn.Parameter`` with ``requires_grad=False``
-(never buffers: ZeRO-3 partitions and offloads parameters, buffers are replicated on every GPU). ``V`` is
-one Parameter object shared by every member of a category. Trainable tensors share the prefix ``frod_``.
-
-The sparse ``S`` is a dense 1-D vector of values over a fixed strictly off-diagonal support (a flat index
-tensor shared by the category). The forward never gathers ``z`` per token: it scatters σ and the S
-values into a dense ``(n, n)`` matrix ``M = diag σ + S`` once per call and runs dense GEMMs, choosing
-between two exact orderings by FLOPs (see ``FRoDLinear.forward``). The token order runs as one autograd
-Function (``frod_ds.core.frod_function.FRoDTokens``) that keeps ``z`` (or ``x``) for the backward, never ``M``.
-
-``U`` may be quantized (``frod_ds.core.quant``: NF4 or int8 bytes in a Parameter of the model's dtype); every
-read of it goes through ``frozen_dense`` / ``frozen_linear``, which dequantize, so the layer computes
-``Ũ (diag σ + S) Vᵀ x + b`` with ``Ũ`` the dequantized ``U``. V, σ and S are never quantized.
+One flat module: frozen factors are frozen Parameters (never buffers, so ZeRO-3 partitions them), ``V`` one
+Parameter shared by a category, trainable tensors prefixed ``frod_``. ``S`` is a value vector over a fixed
+off-diagonal support; each call scatters ``M = diag σ + S`` once and runs dense GEMMs in the cheaper of two exact
+orders. A quantized ``U`` (``frod_ds.core.quant``) is read through ``frozen_dense`` / ``frozen_linear``.
+Design and algebra: docs/layer.md.
 """
 
 from __future__ import annotations
@@ -135,15 +127,10 @@ class SparseSupport:
 
 class FRoDTrainables(nn.Module):
     """σ and S values of several FRoD layers (the members of one decoder layer) as two flat Parameters,
-    ``frod_sigma`` (Σ n) and ``frod_s`` (Σ nnz), the members' in ``members`` order; each member's ``frod_sigma`` /
-    ``frod_s`` is a view of its span. The values, gradients and AdamW arithmetic are the members' own, element for
-    element; what changes is how many tensors an engine handles: DeepSpeed's ZeRO runs its per-parameter
-    bookkeeping (gradient hooks and reduce, copies into the partition; under ZeRO-3 also fetch, release and the
-    re-partition after the step) on host for every trainable tensor, so a 7B layer's 12 trainable tensors cost it
-    12 times what 2 do (``frod_ds.model.build`` uses this under ZeRO stages 1-3).
-
-    Not in the adapter or checkpoint formats: those keep one σ and one S per member (``spans`` says where each
-    member's lies; ``frod_ds.train.trainable_state`` splits and joins by it).
+    ``frod_sigma`` (Σ n) and ``frod_s`` (Σ nnz), in ``members`` order; each member's ``frod_sigma`` / ``frod_s`` is a
+    view of its span. Values, gradients and AdamW's arithmetic are unchanged; DeepSpeed's per-parameter host work
+    then runs for 2 tensors instead of 12 per 7B layer (docs/layer.md#one-flat-module). The adapter and checkpoint
+    formats keep one σ and one S per member (``spans``; ``frod_ds.train.trainable_state`` splits and joins by it).
     """
 
     def __init__(self, members: list[tuple[str, int, int]], dtype: torch.dtype, device: torch.device | None = None):
@@ -205,20 +192,14 @@ class FRoDFrozen(nn.Module):
 
 
 class FRoDLinear(nn.Module):
-    """``y = U (diag σ + S) Vᵀ x + b`` — a drop-in for an ``nn.Linear`` of shape ``(m, n)``.
+    """``y = U (diag σ + S) Vᵀ x + b``: a drop-in for an ``nn.Linear`` of shape ``(m, n)``; ``(..., n)`` → ``(..., m)``.
 
     Args:
-        U: frozen ``(m, n)`` factor (a Parameter or a tensor, made a frozen Parameter), or a quantized one
-            (``frod_ds.core.quant.quantized_parameter``: its ``frod_quant`` spec gives (m, n)).
-        V: frozen ``(n, n)`` Parameter shared by the category (kept as the same object).
-        sigma: ``(n,)`` initial strengths ``σ_i`` from HJD.
-        support: the category's ``SparseSupport``.
-        bias: the base layer's bias ``(m,)`` or None, kept frozen.
-        flat: ``(holder, i)``: σ and S are views of member ``i`` of a ``FRoDTrainables`` (which owns them; this
-            module then has no trainable Parameter of its own and ``sigma`` is ignored: the holder is loaded).
-        frozen: ``(holder, i)``: ``U`` is member ``i`` of a ``FRoDFrozen`` (which owns it; ``U`` is then ignored
-            and may be None).
-    Input ``(..., n)`` → output ``(..., m)``.
+        U: frozen ``(m, n)`` factor, or a quantized one (``frod_ds.core.quant.quantized_parameter``); V: frozen
+            ``(n, n)`` Parameter shared by the category (kept as the same object).
+        sigma: ``(n,)`` initial strengths ``σ_i`` from HJD; support: the category's ``SparseSupport``; bias: the
+            base layer's ``(m,)`` or None, kept frozen. flat, frozen: ``(holder, i)``: σ and S (``FRoDTrainables``)
+            or ``U`` (``FRoDFrozen``) are member ``i`` of a holder that owns them (``sigma`` resp. ``U`` ignored).
     """
 
     def __init__(

@@ -1,27 +1,10 @@
 """Quantized frozen weights (bitsandbytes NF4 or int8), held in plain Parameters that ZeRO-2/3 handle as usual.
 
-A quantized frozen weight ``W`` (m, n) — a FRoD ``U_i``, or an untargeted linear's weight under
-``model.quantize_base`` — is one frozen ``nn.Parameter`` whose 1-D data is a byte *blob* viewed in the
-model's dtype (bitsandbytes' ``quant_storage`` idea): DeepSpeed sees a bf16 (or fp32) tensor, partitions it
-under ZeRO-3, gathers it bit for bit, and never casts it (it only casts parameters of another dtype). The
-blob's layout is described by a ``QuantSpec`` attached to the Parameter as ``p.frod_quant`` (an attribute of
-the Python object, which ZeRO-3 and ``Module.to`` keep), so code that reads the weight calls
-``frozen_dense(p, dtype)`` and gets the dequantized ``(m, n)`` tensor whatever the storage.
-
-Blob layouts (byte offsets 8-aligned, total padded to a multiple of 8 so any storage dtype divides it):
-
-    nf4   codes  uint8  ⌈mn/2⌉        two 4-bit NF4 indices per byte, row-major (bitsandbytes quantize_4bit)
-          absmax fp32   ⌈mn/64⌉       one scale per block of 64 consecutive elements (no double quantization)
-    int8  CB     int8   mn            round(127 · W / absmax_row)  (bitsandbytes int8_vectorwise_quant, from fp16)
-          SCB    fp32   m             absmax_row
-
-NF4 costs 4.5 bits per weight, int8 8.25 (+ padding). Dequantization is bitsandbytes' own
-(``dequantize_4bit``, ``int8_vectorwise_dequant``): ``W̃ = code[q] · absmax`` resp. ``CB · SCB / 127``.
-
-``frozen_linear(x, p, bias)`` computes ``x W̃ᵀ + b`` through an autograd Function that keeps only the
-Parameter for the backward and dequantizes again there (as bitsandbytes' ``MatMul4Bit`` does), so no dense
-copy of a quantized weight outlives its product. The math here is single-process; ``bitsandbytes`` is
-imported on first use.
+A quantized frozen weight (a FRoD ``U_i``, or an untargeted linear's under ``model.quantize_base``) is one frozen
+Parameter whose 1-D data is a byte blob viewed in the model's dtype, so DeepSpeed partitions and gathers it bit
+for bit and never casts it; its ``QuantSpec`` rides on the Parameter as ``p.frod_quant``. ``frozen_dense``
+dequantizes it; ``frozen_linear`` computes ``x W̃ᵀ + b`` keeping only the Parameter for the backward. Blob layouts
+and costs: docs/layer.md#quantized-frozen-weights. Single-process; bitsandbytes is imported on first use.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Zero-shot scoring of multiple-choice rows with a causal LM: log-likelihood, greedy generation and
 LLM-Adapters' generation protocol.
 
-Single-process and rank-free: every function maps a model, a tokenizer and rows to numbers or
-strings. ``launch/eval.py`` decides which rank scores which batch and gathers the results.
-
-A row is ``{"prompt", "choices", "label", ...}`` (data_prep's eval JSONL). The text the model was
-trained on is ``prompt + ANSWER_SEPARATOR + answer``, so both modes condition on exactly the
-tokens that precede the answer in that training text (see `encode_row` for the token boundary).
-
-- loglik: ``score_j = sum_t log p(y_t | context, y_<t)`` over the tokens ``y`` of choice ``j``
-  (no EOS); prediction ``argmax_j score_j``. The length-normalised score divides by the choice's
-  length in characters, ``score_j / len(choices[j])`` (lm-eval-harness ``acc_norm``), which does
-  not depend on the tokenizer.
-- generate: greedy decoding of up to ``max_new_tokens`` tokens; the prediction is the choice found
-  earliest in the decoded output (`match_choice`), no match is wrong.
-- llm-adapters: the protocol behind the published PEFT commonsense numbers (LLM-Adapters'
-  ``commonsense_evaluate.py``, Hu et al. 2023): beam search (4 beams, 32 new tokens) after the row's
-  ``prompt`` as stored, the text after ``"### Response:"`` (`llm_adapters_response`), and the first
-  match of the task's answer words (`LLM_ADAPTERS_WORDS`, `extract_answer_word`); the gold word is
-  ``LLM_ADAPTERS_WORDS[task][label]``, no match is wrong.
+Single-process and rank-free: every function maps a model, a tokenizer and rows (``{"prompt", "choices",
+"label", ...}``, ``frod data build``'s eval JSONL) to numbers or strings; ``frod eval`` decides which rank scores
+which batch. Each mode conditions on exactly the tokens that precede the answer in the training text
+(`encode_row`). The modes (loglik, generate, llm-adapters) and their rules: docs/eval.md.
 """
 
 from __future__ import annotations
@@ -132,18 +118,10 @@ def encode_rows(
 def encode_row(tokenizer: Any, prompt: str, choices: Sequence[str], separator: str = ANSWER_SEPARATOR) -> EncodedRow:
     """Context ids and one continuation per choice, split where the training text's tokens split.
 
-    Each full text ``prompt + separator + choice`` is tokenized as training tokenizes it
-    (``add_special_tokens=True``, so BOS for LLaMA; a trailing EOS is dropped), and so is the
-    context ``prompt + separator``. The context kept is the longest token prefix shared by
-    the context and all full texts; each continuation is the rest of its full text. For
-    tokenizers whose pieces never cross the separator's end (whitespace pre-tokenizers) this is
-    ``tok(prompt + sep)`` and ``tok(choice)``; for SentencePiece/byte-level BPE the separator's
-    trailing space joins the answer's first token (``"▁true"``), so that token is scored — the
-    model never saw a lone ``"▁"`` before an answer in training. Tokenizing the choice on its own
-    would feed it exactly that unseen sequence.
-
-    Raises EvalError if nothing precedes the answer (no BOS and an empty prompt) or a choice
-    adds no tokens.
+    The context is the longest token prefix shared by ``tok(prompt + separator)`` and every
+    ``tok(prompt + separator + choice)`` (tokenized as training does: BOS, no EOS); each continuation is the rest
+    of its full text, so a separator's trailing space that joins the answer's first token is scored with it
+    (docs/eval.md). Raises EvalError if nothing precedes the answer or a choice adds no tokens.
     """
     return encode_rows(tokenizer, [prompt], [choices], [separator])[0]
 
@@ -410,12 +388,10 @@ def score_llm_adapters_rows(
 ) -> list[dict[str, Any]]:
     """LLM-Adapters-protocol records for one batch of rows (any mix of tasks).
 
-    Beam search (`LLM_ADAPTERS_NUM_BEAMS` beams, `LLM_ADAPTERS_MAX_NEW_TOKENS` new tokens) after each
-    row's ``prompt`` exactly as stored: for rows built with data_prep's LLM-Adapters template that is its
-    scoring prompt, ending ``"### Response:\n" + 16 spaces``; for paper-template rows it is the paper's
-    prompt without the ``"\nAnswer: "`` separator, which a model trained on that template writes itself.
-    Each record: ``task, id, label, answer`` (the gold word), ``pred`` (index of the matched word, None when
-    no word matched), ``prediction`` (the matched word), ``correct`` and ``output`` (the searched text).
+    Beam search (`LLM_ADAPTERS_NUM_BEAMS` beams, `LLM_ADAPTERS_MAX_NEW_TOKENS` new tokens) after each row's
+    ``prompt`` exactly as stored (LLM-Adapters' scoring prompt for rows of its template; the paper's prompt without
+    its separator otherwise). Each record: ``task, id, label, answer`` (the gold word), ``pred`` (index of the
+    matched word, None when none matched), ``prediction`` (the word), ``correct`` and ``output`` (the searched text).
     """
     problems = [p for p in map(llm_adapters_row_problem, rows) if p]
     if problems:

@@ -1,14 +1,10 @@
 """An evaluation run: validate → read rows → load the model → score this rank's batches in every mode →
 gather on rank 0 → write ``results.json``, ``results.md`` and ``predictions.jsonl``.
 
-Orchestration only: the scoring math lives in `frod_ds.eval.predict`, per-task accuracy and the table
-in `frod_ds.eval.accuracy`, every collective in `frod_ds.runtime.distributed`. ``launch/eval.py`` parses flags into
-an `EvalConfig` and calls `run`.
-
-Ranks take whole batches of a plan that depends only on the rows and the batch size
-(`plan_batches`), so every row is scored in the same padded batch, with the same numbers, for any
-number of ranks. The model is a plain module on each rank (no ZeRO partitioning), so generation
-needs no ``synced_gpus``.
+Orchestration only: scoring is `frod_ds.eval.predict`, accuracy and the table `frod_ds.eval.accuracy`,
+collectives `frod_ds.runtime.distributed`; ``frod eval`` parses flags into an `EvalConfig` and calls `run`.
+Ranks take whole batches of a plan that depends only on the rows and the batch size (`plan_batches`), so any
+number of ranks gives the same numbers; the model is unpartitioned on each rank (no ``synced_gpus``).
 """
 
 from __future__ import annotations
@@ -58,7 +54,7 @@ def parse_modes(spec: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """Everything a run needs; the fields are ``launch/eval.py``'s flags (``mode`` the comma list as given)."""
+    """Everything a run needs; the fields are ``frod eval``'s flags (``mode`` the comma list as given)."""
 
     data: str
     output: str
@@ -118,7 +114,7 @@ class EvalConfig:
 
 
 def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[str, ...] = ("loglik",)) -> Rows:
-    """``{task: rows}`` from ``<data>/eval/<task>.jsonl``, validated by data_prep's reader and for `modes`.
+    """``{task: rows}`` from ``<data>/eval/<task>.jsonl``, validated by ``frod data``'s reader and for `modes`.
 
     Every missing file is reported in one EvalError; a bad row raises DataPrepError naming file and line.
     """
@@ -129,7 +125,9 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
     paths = {task: Path(data) / "eval" / f"{task}.jsonl" for task in tasks}
     missing = [str(path) for path in paths.values() if not path.is_file()]
     if missing:
-        raise EvalError(f"no eval file {', '.join(missing)}; build it with data_prep or drop the task from --tasks")
+        raise EvalError(
+            f"no eval file {', '.join(missing)}; build it with frod data build or drop the task from --tasks"
+        )
     rows = {}
     for task, path in paths.items():
         task_rows = read_rows(path)[:limit]

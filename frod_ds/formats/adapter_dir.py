@@ -1,19 +1,8 @@
 """The adapter checkpoint's on-disk format: file names and ``adapter_config.json`` as a typed record.
 
-Layout of ``adapter-<step>/`` and ``adapter-final/``::
-
-    adapter.safetensors    <module>.frod_sigma (n,) fp32, <module>.frod_s (nnz,) fp32,
-                           <category>.support (2, nnz) int64 (row, col) of S
-    adapter_config.json    AdapterConfig below
-    recipe.yaml            the full training recipe (written by training)
-
-``<module>`` is the module's path in the HF model (``model.layers.3.self_attn.q_proj``), the same names the
-factor store uses. Versions: 1 is still read; 2 records the identity of the factor store the adapter was
-trained on (per category a sha256 of ``V`` and the HJD route), so that eval, export and resume refuse
-another store. ``frozen_quant`` / ``quantize_base`` (absent: none / false) say how the frozen weights were
-quantized in training, so eval and export rebuild the same model. Version 3 adds ``weights_crc32``, the CRC-32 of
-``adapter.safetensors`` as written, so a changed byte is refused instead of evaluated (versions 1 and 2, without it,
-are still read). Imports nothing heavy (no torch).
+``adapter-<step>/`` and ``adapter-final/`` hold ``adapter.safetensors`` (σ, S values and supports per module, the
+same module paths the factor store uses), ``adapter_config.json`` (``AdapterConfig``) and ``recipe.yaml``.
+Layout and versions (1 and 2 still read, 3 written): docs/formats.md#the-adapter-checkpoint. Torch-free.
 """
 
 from __future__ import annotations

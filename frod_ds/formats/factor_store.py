@@ -1,35 +1,8 @@
 """The factor store's on-disk format: file and tensor names, and ``manifest.json`` as typed records.
 
-Layout of a store directory::
-
-    manifest.json                              written last, atomically replaced; the only index
-    <category>.V.safetensors                   key "<category>.V": (n, n) fp32
-    <category>.rank<PPPPP>.part<BBBB>.safetensors
-                                               keys "<member>.U": (m, n) in the checkpoint's dtype,
-                                                    "<member>.sigma": (n,) fp32
-                                               (built with --quant nf4|int8: "<member>.U" is the (nbytes,)
-                                               uint8 blob of frod_ds.core.quant, described by ``QuantRecord``)
-
-``<member>`` is the module's path in the HF model (``model.layers.3.self_attn.q_proj``; its weight is
-``<member>.weight``), ``<category>`` the target name, the last component of the path (``q_proj``); members
-are in layer order. ``CategoryRecord.files`` maps every key to its file, so readers never scan the
-directory, and ``CategoryRecord.checksums`` gives each file's CRC-32 (format 2). Every file is written
-under ``<name>.tmp`` and renamed; a category enters ``completed_categories`` only after all its files are
-renamed (and fsynced); ``complete`` is written last. A store whose manifest says complete is complete.
-
-``error`` is ``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` with the factors in ``hjd_dtype``; ``stored_error``
-the same with the stored tensors (U rounded to the category's ``u_dtype``, or quantized from it and
-dequantized when ``u_quant`` is set; σ and V in fp32).
-
-A store may be built one category per ``launch/hjd.py`` run (``--categories``), each run seeing only its
-categories' weights: ``categories`` then holds the categories planned so far, ``complete`` is written once every
-target is in ``completed_categories``. Every run records each member weight's digest (``weight_sha256``; the
-store's ``fingerprint`` combines them, ``frod_ds.io.fingerprint.combine_digests``) and the fingerprint of the
-checkpoint's other tensors (``base_fingerprint``), which must agree across the runs of one store and identify
-the base model to training when the targeted weights are gone.
-
-Format versions: 1 (no checksums) and 2 are still read; 2 adds ``checksums``; 3 adds ``weight_sha256``,
-``base_fingerprint`` and categories added run by run. Imports nothing heavy (no torch).
+The layout, every manifest field, the write order that makes ``complete`` true only of a whole store, building
+a store one category per ``frod hjd`` run, and the format versions (1 and 2 still read, 3 written) are in
+docs/formats.md#the-factor-store. Imports nothing heavy (no torch).
 """
 
 from __future__ import annotations
@@ -110,7 +83,7 @@ def is_store_file(name: str, category: str | None = None) -> bool:
 
 @dataclass(frozen=True)
 class QuantRecord:
-    """How a store's ``U_i`` are quantized (``launch/hjd.py --quant``): ``frod_ds.core.quant`` blobs of this kind."""
+    """How a store's ``U_i`` are quantized (``frod hjd --quant``): ``frod_ds.core.quant`` blobs of this kind."""
 
     kind: str  # "nf4" | "int8"
     blocksize: int  # NF4 block size (int8 is per row; recorded all the same)
@@ -205,14 +178,14 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str, where: str | Path) -> Manifest:
         """Parse and check a manifest; ``StoreError`` naming ``where`` when it is not one this code reads."""
-        data = parse_json(text, where, StoreError, "; rebuild the store with launch/hjd.py --overwrite")
+        data = parse_json(text, where, StoreError, "; rebuild the store with frod hjd --overwrite")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise StoreError(f"{where} is not a FRoD factor store manifest")
         version = data.get("format_version")
         if version not in READABLE_VERSIONS:
             raise StoreError(
                 f"{where} has format version {version}, this code reads {', '.join(map(str, READABLE_VERSIONS))}; "
-                "rebuild the store with this version's launch/hjd.py"
+                "rebuild the store with this version's frod hjd"
                 + (" or upgrade frod-ds" if isinstance(version, int) and version > FORMAT_VERSION else "")
             )
         manifest = record_from_dict(cls, data, str(where), StoreError)

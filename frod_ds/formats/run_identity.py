@@ -1,14 +1,9 @@
 """The identity of a training run: what determines its result, recorded beside every engine checkpoint
 (``run_identity.json``) so that re-running into an ``output_dir`` resumes only the same run.
 
-It holds the fingerprint of the base checkpoint's tensors the run reads (every tensor but the targeted weights,
-sampled: ``frod_ds.io.fingerprint.base_names``; the targeted weights are never read, their factors are identified by
-the factor store's record), the sha256 of the training and eval data files, and the recipe's training
-hyperparameters. So a run started from a full checkpoint resumes from the same checkpoint with the targeted
-weights deleted. It leaves out the
-layout of the run (world size, micro-batch split: only the global batch counts), paths (the content is
-recorded instead) and bookkeeping (logging, saving, keeping checkpoints). The factor store's identity is
-recorded apart (``factor_store.json``, ``frod_ds.formats.factor_store.StoreIdentity``). Torch-free.
+It holds the base tensors' fingerprint (all but the targeted weights), the data files' sha256 and the training
+hyperparameters; it leaves out the world size, the micro-batch split, paths and bookkeeping
+(docs/formats.md#engine-checkpoints). Torch-free.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """HJD, FRoD paper §3.1 / spec §1: the math and the distributed stage that writes the factor store.
 
-    math.py          the decomposition as pure single-process functions (decompose() and its building blocks)
-    sharding.py      targets, members per category, which rank owns which, kernel read-ahead (no torch)
-    streaming.py     weights read ahead onto the device, factors written behind the compute with their CRC-32
-    category.py      one category on one rank: its member source and factor sink
-    routes.py        the Gram/Cholesky and Householder TSQR routes over a source and a sink
-    store_writer.py  rank 0's side of the store directory: create/resume, manifest records
-    stage.py         run_stage: the categories one after the other, reads and writes overlapping the compute
-
-The math names (``decompose``, ``HJDResult``, ...) are importable from here; they load on first use, so
-that ``frod_ds.hjd.sharding`` imports no torch.
+``math`` is the decomposition as pure single-process functions; ``sharding`` says which rank owns which weights
+(no torch); ``streaming`` reads weights ahead and writes factors behind; ``category`` and ``routes`` run one
+category on one rank; ``store_writer`` is rank 0's side of the store; ``stage`` runs the categories in turn.
+The math names (``decompose``, ``HJDResult``, ...) load from here on first use, so ``sharding`` stays torch-free.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
-"""Hierarchical joint decomposition (HJD), FRoD paper §3.1, spec §1 — pure, single-process math.
+"""Hierarchical joint decomposition (HJD), FRoD paper §3.1, spec §1: pure, single-process math.
 
-For one category (members ``W_1 … W_L``, ``W_i`` of shape ``(m_i, n)``)::
-
-    W = [W_1; …; W_L] = Q R                          thin QR, Q (M, k), R (k, n), k = min(M, n)
-    T_pi = (1/L) Σ_i (Q_iᵀ Q_i + π I)⁻¹             (k, k)
-    T_pi = Z Λ Zᵀ                                   symmetric eigendecomposition, Z (k, k)
-    V = Rᵀ Z                                        (n, k), completed to (n, n) when k < n
-    B_i = Q_i Z,  σ_i = ‖B_i[:, j]‖,  U_i = B_i diag(σ_i)⁻¹
-    ⇒ W_i = U_i diag(σ_i) Vᵀ
-
-Wide or rank-deficient stacks (M < n): ``V`` is completed with an orthonormal basis of the orthogonal
-complement of ``Rᵀ``'s column space; those directions get ``σ = 0`` and a zero ``U`` column, so every
-member still reconstructs exactly and ``V`` is always ``(n, n)``.
-
-Conventions (so single-process, distributed and stock PEFT agree): eigenvalues of ``T_pi`` ascending
-(``torch.linalg.eigh`` order, as PEFT's ``FrodConfig``); each column of ``V`` is signed so that its
-largest-magnitude entry is positive (eigenvectors are only defined up to sign).
-
-Gram route (``method="gram"``, what the distributed stage uses when the stack is well conditioned): the
-same factors from each member's Gram matrix ``G_i = W_iᵀW_i`` (fp64; products of bf16/fp16/fp32 entries are
-exact there), without ever forming Q::
-
-    G = Σ_i G_i = RᵀR                               Cholesky (R upper, n × n), i.e. Q = W R⁻¹
-    Q_iᵀQ_i + πI = R⁻ᵀ (G_i + πG) R⁻¹              ⇒ T_pi = R [(1/L) Σ_i (G_i + πG)⁻¹] Rᵀ
-    B_i = Q_i Z = W_i Y,  Y = R⁻¹ Z
-
-It needs full column rank (``G`` positive definite); its rounding error grows with ``cond(R)``, so callers
-keep the Householder route for rank-deficient, wide or ill-conditioned stacks. Members stream through it one
-at a time (only n × n state), which is what lets a stage overlap reading with computing.
-
-The building blocks below are also what the distributed stage (tall-skinny QR) calls on its slices;
-nothing here knows about ranks, devices or configs.
+For one category, ``W = [W_1; …; W_L] = Q R`` (thin QR), ``T_pi = (1/L) Σ_i (Q_iᵀQ_i + πI)⁻¹ = Z Λ Zᵀ``,
+``V = Rᵀ Z`` completed to ``(n, n)``, ``B_i = Q_i Z``, ``σ_i = ‖B_i[:, j]‖``, ``U_i = B_i diag(σ_i)⁻¹``; then
+``W_i = U_i diag(σ_i) Vᵀ``. The Gram route gets the same factors from ``G_i = W_iᵀW_i`` without forming Q.
+Eigenvalues ascending and each ``V`` column's largest entry positive, as stock PEFT. The derivations and
+rank-deficient stacks: docs/hjd.md#the-algebra. Nothing here knows ranks, devices or configs.
 """
 
 from __future__ import annotations
@@ -241,15 +215,11 @@ def decompose(
     """HJD of one category on the members' device, computed in ``dtype`` (fp32: TF32 off).
 
     Args:
-        weights: ``W_i`` of shape ``(m_i, n)``, same ``n`` for all.
-        pi: ridge term ``π > 0`` of ``T_pi``.
-        dtype: compute dtype, ``torch.float64`` (default) or ``torch.float32``.
-        names: the members' names for error messages (default ``member i``).
-        method: ``"householder"`` (thin QR of the stack; the reference) or ``"gram"`` (the Gram route of
-            the module docstring: Gram matrices, Cholesky and ``n × n`` algebra in fp64, ``B_i = W_i Y`` in
-            ``dtype``; needs a stack of full column rank).
-    Returns:
-        ``HJDResult`` with ``V`` (n, n), ``U[i]`` (m_i, n), ``sigma[i]`` (n,), all in ``dtype``.
+        weights: ``W_i`` of shape ``(m_i, n)``, same ``n`` for all; ``names`` name them in errors.
+        pi: ridge term ``π > 0`` of ``T_pi``; dtype: ``torch.float64`` (default) or ``torch.float32``.
+        method: ``"householder"`` (thin QR of the stack; the reference) or ``"gram"`` (Gram matrices, Cholesky and
+            ``n × n`` algebra in fp64, ``B_i = W_i Y`` in ``dtype``; needs a stack of full column rank).
+    Returns ``HJDResult`` with ``V`` (n, n), ``U[i]`` (m_i, n), ``sigma[i]`` (n,), all in ``dtype``.
     """
     validate_members(weights, pi, names)
     if dtype not in (torch.float32, torch.float64):

@@ -1,35 +1,10 @@
 """The two routes of one category's HJD on one rank (spec §1, "Distributed HJD"), each a function over a
 ``MemberSource`` (weights in) and a ``FactorSink`` (factors out). All math is ``frod_ds.hjd.math``.
 
-With ``P`` ranks and ``L`` members, rank ``p`` owns a contiguous run of members (``P > L`` allowed: a rank
-without members still joins every collective).
-
-Gram route (default when the stack has full column rank and is well conditioned): the local QR is a
-Cholesky QR, members stream through one at a time and nothing of size ``Σ m_i × n`` is ever formed::
-
-    pass A, member i:  G_i = W_iᵀW_i (fp64), G⁽ᵖ⁾ = Σ G_i        read_pass: every read of the category
-    all ranks:         G = Σ_p G⁽ᵖ⁾ (all-reduce);  rank 0: G = RᵀR (Cholesky), cond(R) checked
-    pass B, member i:  S += (G_i + πG)⁻¹;  S summed by all-reduce
-    rank 0:            T_pi = R S Rᵀ / L;  V, Z, Y = R⁻¹Z          broadcast V, Y
-    pass C, member i:  U_i, σ_i from B_i = W_i Y                  written behind by the sink
-
-``W_i`` (checkpoint dtype) and ``G_i`` wait on the device between passes up to the source's cache budget;
-beyond it ``G_i`` is recomputed and ``W_i`` read again. If any member's reconstruction error exceeds
-``GRAM_MAX_ERROR`` the category is redone by the Householder route.
-
-Householder route (rank-deficient, wide or ill-conditioned stacks, or ``method="householder"``): each
-rank splits its members into blocks of at most ``block_bytes``::
-
-    block b:  W_b = Q_b R_b                                   thin_qr; W_b (m_b, n) from the source
-    rank p:   [R_1; …; R_B] = Q̂ R⁽ᵖ⁾                           tsqr_combine (skipped for one block)
-    rank 0:   [R⁽¹⁾; …; R⁽ᴾ⁾] = Q̃ R                            gather_rows, tsqr_combine, scatter_rows
-    member i: Q_i = Q_b[i] Q̂_b Q̃_p                           (m_i, k), k = min(Σ m_i, n)
-    T_pi = (1/L) Σ_i (Q_iᵀQ_i + πI)⁻¹                         local sums + one all-reduce
-    rank 0:   V, Z = shared_basis(R, T_pi)                     broadcast
-    member i: U_i, σ_i = member_factors(Q_i, Z, n)             written by the rank that owns it
-
-The ``Q_b`` wait between passes on the device up to the cache budget left and in host memory beyond, so
-peak device memory ≈ min(local Q, cache) + ~3 blocks + a few (n, n).
+Gram route (full column rank, well conditioned): a Cholesky QR, members streamed one at a time, redone by the
+Householder route when a member's error exceeds ``GRAM_MAX_ERROR``. Householder route (rank-deficient, wide or
+ill-conditioned stacks): a tall-skinny QR over blocks, ranks and rank 0. The passes, collectives and memory of
+each: docs/hjd.md#the-routes-on-one-rank.
 """
 
 from __future__ import annotations

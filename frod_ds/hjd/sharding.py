@@ -1,6 +1,6 @@
 """Which weights the HJD stage decomposes and which rank owns which: pure helpers that import no torch.
 
-``launch/hjd.py`` calls :func:`start_readahead` before it imports torch, so the kernel is already reading
+``frod hjd`` calls :func:`start_readahead` before it imports torch, so the kernel is already reading
 this rank's first weights from disk while the interpreter loads torch and CUDA (seconds on a cold start).
 :func:`plan_categories` checks the targeted weights from the shard headers alone.
 """

@@ -1,14 +1,10 @@
 """The distributed HJD stage (spec §1, "Distributed HJD"): checkpoint shards in, factor store out.
 
-``run_stage`` plans this run's categories (``categories``, default all ``targets``) from the checkpoint's tensor
-names, fingerprints their weights and the checkpoint's other tensors, creates, resumes or extends the store
-directory (``store_writer``), then factors each of them not yet complete, one at a time so memory is one
-category's share: ``read_pass`` (every read), then ``factor_category`` (a route,
-``routes``). The work overlaps: while a category is computed the next one's weights are read
-(``MemberReader``), and a category's files finish writing (``FactorWriter``) while the next one is computed;
-it enters the manifest once every rank's files are on disk, one category behind the compute (a killed run
-redoes at most the last two). Every rank calls it; rank 0 alone writes the manifest. User errors reach every
-rank as ``CollectiveError``.
+``run_stage`` plans this run's categories from the checkpoint's tensor names, fingerprints the weights, creates,
+resumes or extends the store (``store_writer``), then factors each category not yet complete, one at a time
+(``read_pass``, then a route): the next category's reads and the last one's writes overlap the compute, and a
+category enters the manifest one behind it. Every rank calls it; rank 0 alone writes the manifest; user errors
+reach every rank as ``CollectiveError``.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ GiB = 2**30
 
 @dataclass
 class StageConfig:
-    """What ``launch/hjd.py`` was asked to do; validated on construction."""
+    """What ``frod hjd`` was asked to do; validated on construction."""
 
     model: str
     out: Path

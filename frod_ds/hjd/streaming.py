@@ -1,18 +1,9 @@
 """Reading weights ahead of use and writing factors behind it, for the HJD stage.
 
-``MemberReader`` reads members' weights from the checkpoint shards in a thread pool, in the order they were
-scheduled, straight onto the compute device: each thread streams its tensor through one page-locked
-staging buffer of ``chunk_bytes`` (so the copy to the GPU is asynchronous and no page-locked memory is
-allocated per tensor) into device memory on a copy stream of its own. At most ``ahead_bytes`` are read
-but not yet taken. The stage schedules the next category's weights while it still computes the current
-one, so disk reads overlap GPU work.
-
-``FactorWriter`` writes a rank's factors into part files whose layout (members, header, offsets) is
-planned before the first byte: each tensor is copied off the GPU in chunks into a fixed pool of
-page-locked buffers and written at its offset (``os.pwrite``) by a thread pool while the GPU goes on; a
-part is fsynced and renamed from ``<name>.tmp`` once its last chunk is on disk. When the pool is empty the
-GPU side waits for the disk, which bounds host memory. Each chunk's CRC-32 is taken as it is written and
-the pieces are combined into the file's checksum (``frod_ds.formats.checksum``): no second pass over the data.
+``MemberReader`` streams scheduled members' weights from the shards onto the compute device through page-locked
+staging buffers (at most ``ahead_bytes`` ahead); ``FactorWriter`` copies factors off the device into a fixed pool
+of page-locked buffers and writes them into pre-planned part files with their CRC-32, so disk reads and writes
+overlap GPU work with bounded host memory (docs/hjd.md#the-routes-on-one-rank).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def weights_fingerprint(ckpt: HFCheckpoint, names: Sequence[str]) -> str:
     of a fixed sample of its bytes — the first and last 64 KiB and four 4 KiB blocks at 1/5 … 4/5 of the
     data (the whole tensor when it is smaller than 144 KiB), read at the offsets of the safetensors
     header. About 144 KiB per tensor, so a 70B checkpoint's 480 targeted weights cost ~70 MB of reads.
-    Any other model or fine-tune changes it; an edit confined to unsampled bytes does not (``launch/hjd.py
+    Any other model or fine-tune changes it; an edit confined to unsampled bytes does not (``frod hjd
     --verify`` re-checks reconstruction against the full weights of sampled members).
     """
     assert names, "weights_fingerprint needs at least one tensor name"

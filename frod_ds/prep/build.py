@@ -1,17 +1,9 @@
 """Build Commonsense170K in the paper's or LLM-Adapters' templates: read, render, validate, shuffle, write.
 
-Layout of a built directory OUT (see `frod_ds.prep.io` for the row format)::
-
-    OUT/train.jsonl          the training splits of the selected tasks, rendered and shuffled
-    OUT/eval/<task>.jsonl    each task's evaluation split (validation; test for OBQA and ARC), source order
-    OUT/manifest.json        sources, counts per task and split, drops per reason, seed, sha256 of each file
-
-An ``llm-adapters:PATH`` source (`frod_ds.prep.llm_adapters`) also records the template, the instruction
-families found in each file, and what the paper template cannot recover (``notes``). From
-`commonsense_170k.json` only ``train.jsonl`` is written: the test sets come from per-task folders.
-
-Everything is built in a temporary sibling directory and renamed to OUT at the end, so a failed
-build leaves nothing in OUT. Same inputs and seed give byte-identical files.
+A build is ``OUT/train.jsonl`` (the selected tasks' training splits, rendered and shuffled),
+``OUT/eval/<task>.jsonl`` (each task's evaluation split) and ``OUT/manifest.json`` (sources, counts, drops per
+reason, seed, sha256s), made in a temporary sibling directory and renamed to OUT at the end: a failed build
+leaves nothing in OUT, and the same inputs and seed give byte-identical files (docs/data.md).
 """
 
 from __future__ import annotations

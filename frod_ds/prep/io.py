@@ -1,18 +1,9 @@
-"""Output format of data_prep: JSONL rows ``{"task", "id", "prompt", ["separator",] "answer", "choices", "label"}``.
+"""Output format of ``frod data build``: JSONL rows ``{task, id, prompt, [separator,] answer, choices, label}``.
 
 The training text of a row is ``prompt + row_separator(row) + answer`` (+ EOS); log-likelihood scoring
-conditions on ``prompt + row_separator(row)``. ``separator`` is optional: rows without it use the
-paper-template separator `ANSWER_SEPARATOR` (``"\nAnswer: "``); LLM-Adapters-template rows carry
-``"separator": ""`` because their prompt already ends where the answer (``output``) begins.
-
-Training and evaluation read the built files through `read_rows`, which checks every row:
-
-    from frod_ds.prep.io import read_rows
-    rows = read_rows("data/cs170k/eval/piqa.jsonl")
-
-Files are written one JSON object per line, keys in the order above, non-ASCII characters
-escaped (so the files are plain ASCII and no Unicode line separator can split a row), ``\\n`` line
-endings. That fixed serialization is what makes builds byte-identical.
+conditions on ``prompt + row_separator(row)`` (``ANSWER_SEPARATOR`` unless the row carries ``"separator"``).
+Training and evaluation read the files through `read_rows`, which checks every row; the fixed serialization
+that makes builds byte-identical: docs/data.md#the-templates-and-files-in-detail.
 """
 
 from __future__ import annotations
@@ -94,7 +85,7 @@ def check_row(row: Any) -> str | None:
 def read_rows(
     path: str | Path, check: Callable[[Any], str | None] = check_row, limit: int | None = None
 ) -> list[dict[str, Any]]:
-    """Read and validate a JSONL file (by default, data_prep's output schema).
+    """Read and validate a JSONL file (by default, ``frod data build``'s output schema).
 
     ``check`` returns why a row is invalid or None; ``limit`` stops after that many rows.
     Raises DataPrepError naming the file and 1-based line of the first bad row.

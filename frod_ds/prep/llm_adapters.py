@@ -1,41 +1,10 @@
 """LLM-Adapters' commonsense format (Hu et al. 2023): instruction families, parsing, both templates.
 
-LLM-Adapters' rows are ``{"instruction", "input", "output", "answer"}``; `commonsense_170k.json` (the
-FRoD paper's training set) and the test sets ``dataset/<task>/test.json`` every PEFT paper reports on
-use one instruction per *family* (``{...}`` a field, ``\\n`` a newline)::
-
-    true_false (boolq)
-        "Please answer the following question with true or false, question: {q}\\n\\nAnswer format: true/false"
-    solution (piqa)
-        "Please choose the correct solution to the question: {goal}\\n\\nSolution1: {s1}\\n\\nSolution2: {s2}"
-        "\\n\\nAnswer format: solution1/solution2"
-    answer (siqa, obqa, arc_easy, arc_challenge)
-        "Please choose the correct answer to the question: {q}\\n\\nAnswer1: {a1} Answer2: {a2} ... AnswerK: {aK}"
-        "\\n\\nAnswer format: answer1/answer2/.../answerK"
-    ending (hellaswag)
-        "Please choose the correct ending to complete the given sentence: {activity_label}: {ctx}"
-        "\\n\\nEnding1: {e1} Ending2: {e2} Ending3: {e3} Ending4: {e4}"
-        "\\n\\nAnswer format: ending1/ending2/ending3/ending4"
-    fill_blank (winogrande)
-        "Please choose the correct answer to fill in the blank to complete the given sentence: {sentence}"
-        "\\n\\nOption1: {o1} Option2: {o2} Answer format: option1/option2"
-
-``output`` is ``"the correct answer is " + answer``. A row's family is read from its instruction; its
-*task* cannot always be: SIQA, OBQA and both ARCs share the ``answer`` family, so rows of that family
-read from `commonsense_170k.json` get the task value ``"siqa|obqa|arc_easy|arc_challenge"`` (never a
-guess); per-task splits come from per-task folders.
-
-Two templates turn a parsed row into data_prep's output row:
-
-- ``llm-adapters``: LLM-Adapters' own text, character for character. Training rows: `TRAIN_PROMPT`
-  (``finetune.py``'s ``generate_prompt`` for an empty ``input``, up to where ``output`` starts) with
-  ``"separator": ""`` and ``answer = output``, so ``prompt + separator + answer + EOS`` is exactly
-  ``finetune.py``'s training text. Eval rows: `SCORING_PROMPT` (``commonsense_evaluate.py``'s).
-  ``choices`` = ``"the correct answer is " + w`` for every answer word ``w`` of the row, in order
-  (``choices[i]`` ↔ word ``i+1``; BoolQ ``true``, ``false``).
-- ``paper``: the instruction is parsed back into the task's Hugging Face fields and rendered with
-  `frod_ds.prep.templates` (answers ``Choice A``, ``Option B``, ...; separator ``"\\nAnswer: "``). What
-  cannot be recovered exactly is stated in `PAPER_NOTES` and recorded in the build's manifest.
+Rows are ``{"instruction", "input", "output", "answer"}``, one instruction per *family* (``true_false``,
+``solution``, ``answer``, ``ending``, ``fill_blank``); a row's task is never guessed (SIQA, OBQA and both ARCs
+share ``answer``). The ``llm-adapters`` template keeps LLM-Adapters' text character for character; ``paper``
+parses the instruction back into the task's fields and renders `frod_ds.prep.templates`. The families'
+exact text and what ``paper`` cannot recover: docs/data.md#the-templates-and-files-in-detail.
 """
 
 from __future__ import annotations

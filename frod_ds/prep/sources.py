@@ -1,21 +1,9 @@
 """Reading each task's source splits: from the Hugging Face Hub or from a local mirror.
 
-A local mirror is a directory with one subdirectory per task key, each holding its split files::
-
-    DIR/boolq/train.jsonl        DIR/boolq/validation.jsonl
-    DIR/obqa/train.parquet       DIR/obqa/test.parquet
-    DIR/piqa/train/  (a `datasets.Dataset.save_to_disk` folder)   ...
-
-A split may be ``<split>.jsonl`` (JSON lines), ``<split>.json`` (a JSON array, or JSON lines as
-`datasets.Dataset.to_json` writes them), ``<split>.parquet`` or a ``<split>/`` `save_to_disk` folder;
-rows are in the task's Hugging Face schema. WinoGrande may keep one folder per size,
-``DIR/winogrande/winogrande_<size>/``, used when present for the requested size.
-
-An LLM-Adapters source, ``llm-adapters:PATH``, is either its combined training file
-(``commonsense_170k.json``: training rows only) or a folder in the layout of its ``dataset/``:
-``PATH/<folder>/train.json`` and ``PATH/<folder>/test.json`` with LLM-Adapters' folder names
-(`LLM_ADAPTERS_FOLDERS`); only the selected tasks' folders must exist, each with a ``test.json`` (a folder
-without ``train.json`` adds its test split only, with a note).
+A local mirror holds one folder per task key with its split files (``DIR/boolq/train.jsonl``,
+``DIR/obqa/test.parquet``, a ``save_to_disk`` folder, ...), rows in the task's Hugging Face schema; an
+``llm-adapters:PATH`` source is ``commonsense_170k.json`` or a folder in the layout of LLM-Adapters' ``dataset/``
+(`LLM_ADAPTERS_FOLDERS`). The accepted file kinds: docs/data.md#the-templates-and-files-in-detail.
 """
 
 from __future__ import annotations

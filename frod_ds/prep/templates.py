@@ -1,28 +1,10 @@
 """The paper's zero-shot prompt templates (FRoD, Appendix D.1), one pure renderer per task.
 
-Each renderer maps one source row, in its task's Hugging Face schema, to an `Example`:
-the rendered `prompt`, the answer strings `choices` and the gold index `label`. Rows that do not
-fit the schema raise `RowError`, whose `reason` is the key the build counts drops under.
-
-Templates are rendered character for character as specified (odd spacing and punctuation
-included: SIQA's ``", Question:"``, WinoGrande's trailing ``.``, OBQA's missing space after
-``question:``). Field values are inserted verbatim: no stripping, no unescaping.
-A training example is ``prompt + "\\nAnswer: " + answer`` (+ EOS); the prompt never contains
-the ``"\\nAnswer: "`` separator.
-
-Answer strings (a project decision; the paper trains classification heads):
-BoolQ ``true``/``false``; PIQA ``Choice A``/``Choice B``; SIQA ``Choice A``..``Choice C``;
-HellaSwag ``Ending A``..``Ending D``; WinoGrande ``Option1``/``Option2``;
-OBQA and ARC ``Option {label}`` with the row's own choice labels.
-
-ARC template (ARC-Easy and ARC-Challenge; the paper gives none). It is OBQA's template with
-ARC's ``question`` field in place of ``question_stem``::
-
-    Please choose the correct answer to the question:{question}\\n{opts}.
-
-where ``{opts}`` is, for each choice j, ``Option {choices.label[j]}:\\n{choices.text[j]}\\n`` and the
-answer strings are ``Option {choices.label[j]}``. ARC labels are kept as the source gives them
-(``A``..``E`` or ``1``..``4``), so a numerically labelled row answers ``Option 1``..``Option 4``.
+Each renderer maps one source row, in its task's Hugging Face schema, to an `Example` (``prompt``, answer
+strings ``choices``, gold index ``label``); a row that does not fit raises `RowError`, whose ``reason`` the build
+counts drops under. Rendered character for character, fields verbatim; a training example is
+``prompt + "\nAnswer: " + answer`` (+ EOS). Answer strings and the ARC template (the paper gives none):
+docs/data.md#the-templates-and-files-in-detail.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Writes that readers never see half done: files via ``<name>.tmp`` + fsync + rename, directories built
 under a temporary sibling name and renamed into place. Imports nothing heavy (no torch).
 
-The marker rule: every directory frod-ds publishes or creates as a whole holds a marker file (``MARKER``,
-written by :func:`building_dir` and :func:`mark_dir`) recording its kind (``KINDS``: which command wrote it). A
-command replaces or deletes an existing directory only if :func:`check_replaceable` allows it: the marker records
-the kind that command writes (an export replaces an earlier export of the same format, never an adapter, a
-training run, a factor store or a data build), no directory inside it holds another command's output, and it is
-not, does not contain and is not inside one of the command's inputs, the working directory or the repository.
-A marker without a kind (older frod-ds) or of an unknown kind is not replaceable. Anything else is a one-line
-``FrodError``, raised before anything is written.
+The marker rule: every directory frod-ds publishes holds a marker (``MARKER``) recording which command wrote it
+(``KINDS``); :func:`check_replaceable` lets a command replace or delete only a directory of its own kind that
+holds no other command's output and is none of its inputs, the working directory or the repository, else a
+one-line ``FrodError`` before anything is written (docs/failure-policy.md).
 """
 
 from __future__ import annotations
@@ -56,7 +52,7 @@ KINDS = {  # the kind each writer records → how messages name it
     "hf-export": "a merged Hugging Face export",
     "peft-export": "a PEFT adapter export",
     "peft-import": "an imported PEFT adapter",
-    "data-build": "a data_prep build",
+    "data-build": "a frod data build",
     "eval-results": "evaluation results",
     "demo": "a demo directory",
 }

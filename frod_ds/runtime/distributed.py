@@ -1,20 +1,10 @@
 """Every ``torch.distributed`` call of the project, as small named helpers.
 
-Launchers: ``torchrun`` and the ``deepspeed`` launcher set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (and
-``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables say the same (the torch-free parsing is
-``frod_ds.runtime.launch_env``). With none of them set the program runs as one process and every helper below is the
-identity / a no-op, so library code calls the helpers unconditionally.
-
-No process-wide state outlives :func:`destroy`: the environment is only read (a one-rank group for DeepSpeed
-uses an in-process store, no port), the one variable DeepSpeed needs set (``LOCAL_RANK``) is put back, and
-DeepSpeed's handle on the group is dropped, so a library caller or a test process can run an entry point
-again, or start launched subprocesses, without inheriting a stale job.
-
-User errors across ranks: a ``FrodError`` that every rank knows about is a ``CollectiveError``
-(``agree_on_error``, ``on_all``, ``on_main`` make one); ``frod_ds.runtime.entry`` prints it once, on rank 0.
-
-Backend: NCCL when CUDA is available, gloo otherwise. Tensors handed to a collective must live on
-``local_device()`` (NCCL needs them on the GPU; gloo on the CPU).
+Ranks come from the launcher's environment (``frod_ds.runtime.launch_env``); with no launcher the program is one
+process and every helper is the identity or a no-op, so library code calls them unconditionally. No
+process-wide state outlives :func:`destroy`, so a caller can run an entry point again. A ``FrodError`` every rank
+knows is a ``CollectiveError`` (``agree_on_error``, ``on_all``, ``on_main``), printed once by rank 0. NCCL when
+CUDA is available, gloo otherwise; collective tensors live on ``local_device()``.
 """
 
 from __future__ import annotations
@@ -134,13 +124,9 @@ def init_deepspeed() -> None:
 def _skip_shm_comm_op(deepspeed) -> None:
     """Keep DeepSpeed's CPU backend from compiling its shared-memory all-reduce op at ``init_distributed``.
 
-    On the CPU accelerator DeepSpeed JIT-builds ``deepspeed_shm_comm`` (two C++ files against torch's headers:
-    ~40 s on an idle 2-core machine, minutes on a busy one, a C++ compiler required) the first time in every
-    ``TORCH_EXTENSIONS_DIR`` and again whenever its build command changes, and loads it in every rank of every
-    launch (waiting, without a timeout, on the build lock another process holds or a killed build left behind).
-    Only ``inference_all_reduce`` (AutoTP inference) uses it; training collectives go through torch.distributed.
-    DeepSpeed builds an op only when its entry in ``deepspeed.ops.__compatible_ops__`` is true; the entry is set
-    false here and put back by :func:`destroy`.
+    Only AutoTP inference uses ``deepspeed_shm_comm``, yet DeepSpeed JIT-builds and loads it in every rank of every
+    launch, waiting without a timeout on a build lock (docs/failure-policy.md#deepspeeds-jit-built-ops). Its
+    ``deepspeed.ops.__compatible_ops__`` entry is set false here and put back by :func:`destroy`.
     """
     ops = deepspeed.ops.__compatible_ops__  # probed once per process, then one dict that edits persist in
     if ops.get(SHM_COMM_OP):

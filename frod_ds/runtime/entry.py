@@ -1,21 +1,9 @@
-"""How every launch script runs: process group, user errors as one line, bugs as tracebacks, teardown.
+"""How every command runs: process group, user errors as one line, bugs as tracebacks, teardown.
 
-    from frod_ds.runtime import entry
-
-    def main(argv=None) -> int:
-        args = parse_args(argv)
-        return entry.run(lambda: work(args))          # joins the launcher's process group first
-
-``run`` calls ``body`` and returns the process's exit code:
-
-- ``body``'s return value (``None`` is 0);
-- 2 for a user mistake (``FrodError``): a ``CollectiveError`` (every rank knows it: ``distributed.on_all``,
-  ``on_main``, ``agree_on_error``) is printed once, by rank 0; any other ``FrodError`` by the rank that
-  raised it, prefixed with ``[rank r]`` when there are several (the launcher then stops the others);
-- anything else is a bug: it propagates, so Python prints its traceback on the rank where it happened and
-  the process exits with 1.
-
-The process group is left in every case.
+A command's ``main`` returns ``entry.run(lambda: work(args))``, which joins the launcher's process group and
+returns the exit code: ``body``'s value (``None`` is 0); 2 for a ``FrodError``, printed once by rank 0 when every
+rank knows it (``CollectiveError``), else by the rank that raised it, prefixed ``[rank r]`` among several; any
+other exception is a bug and propagates (a traceback, exit 1). The process group is left in every case.
 """
 
 from __future__ import annotations
@@ -92,7 +80,7 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
 
 
 def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
-    """The tail of every command (``frod``, ``python -m frod_ds.cli``, ``launch/*.py``): run ``main`` and exit
+    """The tail of every command (``frod`` in each of its forms): run ``main`` and exit
     with its code. ``fast_exit`` (training, HJD, evaluation): flush and ``os._exit``. Their files are written
     atomically and the process group is gone by then; the interpreter's teardown only costs time (CUDA,
     page-locked memory) and, on gloo, a native thread pool left joinable at exit occasionally aborts a rank

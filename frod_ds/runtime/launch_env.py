@@ -3,7 +3,7 @@
 ``torchrun`` and the ``deepspeed`` launcher set ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (and
 ``MASTER_ADDR``/``MASTER_PORT``); under ``srun`` the SLURM variables say the same and
 :func:`process_group_spec` turns either into a rendezvous without writing to the environment. The process-group helpers
-are in ``frod_ds.runtime.distributed``; this part imports no torch, so ``launch/hjd.py`` can start reading its rank's
+are in ``frod_ds.runtime.distributed``; this part imports no torch, so ``frod hjd`` can start reading its rank's
 weights before torch is loaded.
 """
 

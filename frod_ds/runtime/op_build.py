@@ -1,23 +1,10 @@
-"""DeepSpeed's JIT-built ops, built once and never left locked: the ops a training launch builds go through
-:func:`load_op`.
+"""DeepSpeed's JIT-built ops, built once and never left locked: the ops a training launch builds (``cpu_adam``
+under optimizer offload) go through :func:`load_op`.
 
-DeepSpeed builds a C++ op on first use through ``torch.utils.cpp_extension.load``. What a launch builds today:
-nothing at ``init_distributed`` (``frod_ds.runtime.distributed`` turns the CPU shared-memory all-reduce op off, and
-the CUDA accelerator has no comm op to build), and ``cpu_adam`` when the DeepSpeed JSON offloads the optimizer
-(``DeepSpeedCPUAdam``, built in ``frod_ds.train.trainer``), once per ``TORCH_EXTENSIONS_DIR``. Two things go wrong
-with a bare build:
-
-- torch serialises builders with a *file baton*: ``$TORCH_EXTENSIONS_DIR/<op>/lock`` is created with
-  ``O_EXCL`` and deleted when the build ends. A process killed during the build (``kill -9``, an OOM kill, a
-  scheduler's time limit) never deletes it, and every later launch spins in ``FileBaton.wait`` forever.
-- torch runs whichever ``ninja`` comes first on ``PATH``. The ``ninja`` wheel in a virtual environment and the
-  system's ninja write incompatible build logs (format v7 with one command hash, v5 with another), so each
-  launch whose ``PATH`` differs from the last one's (an activated venv vs a plain ``.venv/bin/python``) finds
-  "changed" commands and recompiles the op.
-
-:func:`load_op` builds under an ``fcntl`` lock (the kernel drops it when its holder dies, so it can never go
-stale), deletes a baton left by a dead builder, and always runs the same ninja: the one installed beside this
-Python if there is one, else the one on ``PATH``. ``PATH`` is changed only for the duration of the build.
+A build killed mid-way leaves torch's lock file behind (every later launch waits forever), and a different
+``ninja`` on ``PATH`` recompiles the op. :func:`load_op` builds under an ``fcntl`` lock (the kernel drops it with
+its holder), deletes a baton left by a dead builder, and always runs the ninja beside this Python if there is
+one (``PATH`` changed only during the build). Details: docs/failure-policy.md#deepspeeds-jit-built-ops.
 """
 
 from __future__ import annotations

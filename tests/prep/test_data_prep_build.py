@@ -418,7 +418,7 @@ class WhitespaceTokenizer:
 
 
 def test_cutoff_counts_rows_over_it_per_task(tmp_path, monkeypatch):
-    from data_prep import tokens
+    from frod_ds.prep import tokens
 
     monkeypatch.setattr(tokens, "load_tokenizer", lambda name: WhitespaceTokenizer())
     manifest, _ = run_build(tmp_path / "out", tasks=("piqa", "winogrande"), tokenizer="ws", cutoff=32)

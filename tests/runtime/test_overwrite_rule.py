@@ -134,7 +134,7 @@ def test_export_onto_a_demo_directory_is_refused(env, run, tmp_path, capsys):
 
 def test_peft_export_over_a_data_build_is_refused(env, adapter, capsys):
     line = refuse_export(capsys, ["--checkpoint", str(adapter), "--format", "peft", "--out", str(env.data)], env.data)
-    assert "data_prep build" in line
+    assert "frod data build" in line
 
 
 def test_peft_import_over_an_hf_export_is_refused(env, peft_export, hf_export, capsys):
@@ -199,7 +199,7 @@ def test_data_build_over_a_factor_store_is_refused(env, tmp_path, capsys):
 def test_hjd_over_a_data_build_is_refused(env, capsys):
     before = tree(env.data)
     line = one_error(capsys, hjd_cli.main(["--model", str(env.model), "--out", str(env.data), "--overwrite"]))
-    assert "data_prep build" in line
+    assert "frod data build" in line
     assert tree(env.data) == before
 
 
