@@ -5,7 +5,7 @@ shard's header itself (8-byte little-endian length + JSON) to know shapes, dtype
 reads a requested tensor's byte range from the shard that holds it. Shard headers are checked against the
 file size on first use, so a missing or truncated shard is reported before any rank starts computing.
 
-Importing this module does not import torch (``launch/hjd.py`` uses it to start reading ahead while torch
+Importing this module does not import torch (``frod hjd`` uses it to start reading ahead while torch
 loads); tensors are made on demand.
 """
 
