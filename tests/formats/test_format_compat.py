@@ -54,7 +54,7 @@ def test_format1_store_reconstructs_the_model_weights(capsys):
 
     store = FactorStore.open(FIX / "store")
     (note,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
-    assert "has no checksums (format 1" in note and "launch/hjd.py --overwrite" in note
+    assert "has no checksums (format 1" in note and "rebuild it with frod hjd --overwrite" in note
     base = {}
     for f in (FIX / "model").glob("*.safetensors"):
         base.update(load_file(str(f)))
