@@ -208,7 +208,7 @@ class Side:
     """One model with the trainer's optimizer (two AdamW groups) and schedule."""
 
     def __init__(self, model: nn.Module, kind: str, cfg: OptCfg, steps: int):
-        from frod_ds.train.trainer import lr_lambda
+        from frod_ds.train.schedule import lr_lambda
 
         self.model, self.kind = model.train(), kind
         groups = param_groups(model, kind, cfg.lr_sigma, cfg.lr_s, cfg.weight_decay)

@@ -52,7 +52,14 @@ MOVED: dict[str, tuple[str, ...]] = {
     "frod_ds.trainable_state": ("frod_ds.train.trainable_state",),
     "frod_ds.checkpoint_dir": ("frod_ds.train.checkpoints",),
     "frod_ds.engine_checkpoint": ("frod_ds.train.engine_state",),
-    "frod_ds.trainer": ("frod_ds.train.trainer",),
+    "frod_ds.trainer": (
+        "frod_ds.train.schedule",
+        "frod_ds.train.run_dir",
+        "frod_ds.train.preflight",
+        "frod_ds.train.metrics",
+        "frod_ds.train.loop",
+        "frod_ds.train.trainer",
+    ),
     "frod_ds.export": ("frod_ds.interop.hf_export",),
     "frod_ds.peft_interop": (
         "frod_ds.interop.peft_export",

@@ -4,7 +4,7 @@ Per step: forward the decoder, the LM head only at the positions whose next toke
 speed-up for every method: no ``(B, T, vocab)`` logits), cross-entropy in fp32; the objective is the mean
 over the scored tokens (the project's loss mask), and two diagnostics come from the same numbers: the mean
 over the answer+EOS tokens ("response") and over the answer-word tokens only. Gradient clipping, AdamW,
-warmup + decay (``frod_ds.train.trainer.lr_lambda``). Per-step values stay on the device until the run ends, so
+warmup + decay (``frod_ds.train.schedule.lr_lambda``). Per-step values stay on the device until the run ends, so
 the loop never waits for the GPU.
 """
 
@@ -22,7 +22,7 @@ from torch import nn
 
 from bench.study.data import Batch
 from bench.study.models import decoder_and_head
-from frod_ds.train.trainer import lr_lambda
+from frod_ds.train.schedule import lr_lambda
 
 __all__ = ["autocast", "token_nll", "batch_losses", "RunLog", "train_run"]
 

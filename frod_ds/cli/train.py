@@ -1,15 +1,9 @@
-"""DeepSpeed training of FRoD adapters: ZeRO-2 when the frozen model fits one GPU (7B), ZeRO-3 when it does not (70B).
+"""``frod train``: DeepSpeed ZeRO-2/3 training of FRoD adapters from a recipe and a DeepSpeed JSON (docs/training.md).
 
-    deepspeed launch/train.py --config ds_configs/zero2.json --recipe recipes/llama2_7b_cs170k.yaml \\
-        train.lr_sigma=2e-4 output_dir=runs/llama2-7b
-    torchrun --nproc_per_node 8 launch/train.py --config ds_configs/zero3.json --recipe R_70b.yaml
-    # CPU (CI, the demo): DS_ACCELERATOR=cpu deepspeed --num_gpus 2 launch/train.py --config \\
-    #     ds_configs/zero3_cpu_fp32.json --recipe recipes/demo_tiny.yaml
-
-Re-running the same command resumes from the last complete checkpoint in ``output_dir``. SIGTERM writes a
-checkpoint and exits with 143. Exit 2 on invalid input (one ``error:`` line), before any training. On GPUs rank 0
-prints one ``hint:`` line when the memory planner (``frod_ds.plan.recommend.train_hint``, the decision of
-``python -m frod_ds plan``) predicts the chosen set-up out of memory, or a faster ZeRO set-up that fits.
+ZeRO-2 when the frozen model fits one GPU (7B), ZeRO-3 when it does not (70B). Re-running the same command resumes
+from the last complete checkpoint in ``output_dir``; SIGTERM writes a checkpoint and exits with 143; invalid input
+is one ``error:`` line and exit 2, before any training. On GPUs rank 0 prints one ``hint:`` line when the memory
+planner (``frod plan``) predicts the chosen set-up out of memory, or a faster ZeRO set-up that fits.
 """
 
 from __future__ import annotations
@@ -17,10 +11,23 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+EXAMPLES = """examples:
+  frod train --config ds_configs/zero2.json --recipe recipes/llama2_7b_cs170k.yaml train.lr_sigma=2e-4 \\
+      output_dir=runs/llama2-7b
+  frod train --config ds_configs/zero3_nvme.json --nvme-path /local_nvme --recipe R_70b.yaml
+  torchrun --nproc-per-node 8 --no-python frod train --config ds_configs/zero3.json --recipe R_70b.yaml
+  DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 --no-python frod train --config ds_configs/zero3_cpu_fp32.json \\
+      --recipe recipes/demo_tiny.yaml
+"""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        allow_abbrev=False, prog="frod train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        prog="frod train",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--config", required=True, help="DeepSpeed JSON (ds_configs/*.json); the only engine settings")
     ap.add_argument("--recipe", default=None, help="YAML recipe (recipes/*.yaml); omitted keys take defaults")
@@ -46,17 +53,18 @@ def train(args: argparse.Namespace) -> int:
 
     from frod_ds.config.ds_config import load_ds_config
     from frod_ds.plan.recommend import train_hint
-    from frod_ds.train.trainer import fit, removed_if_failed, setup
+    from frod_ds.train.run_dir import removed_if_failed
+    from frod_ds.train.trainer import fit, setup
 
     gpu_bytes = (
         torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
     )
-    ds_cfg = load_ds_config(args.config)
+    ds_cfg = dist.on_all(lambda: load_ds_config(args.config))  # parsed once, for the hint and for training
     hint = train_hint(recipe, ds_cfg, dist.get_world_size(), gpu_bytes, name=args.config)  # reads config.json only
     if hint:
         dist.print0(hint)
     with removed_if_failed(Path(recipe.output_dir)):  # a failed fresh run leaves no output_dir behind
-        return fit(setup(recipe, args.config, args.nvme_path))
+        return fit(setup(recipe, ds_cfg, args.nvme_path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -129,8 +129,8 @@ def resolve_config_file(model: str) -> Path:
         ) from None
 
 
-def check_config_file(model_dir: str | os.PathLike) -> None:
-    """A local checkpoint directory's ``config.json`` exists and is a JSON object; ``CheckpointError`` (one line)
+def check_config_file(model_dir: str | os.PathLike) -> dict:
+    """A local checkpoint directory's ``config.json``, checked to be a JSON object; ``CheckpointError`` (one line)
     otherwise. HJD reads only the weights, so a checkpoint without a usable config decomposes; the commands that
     build the model (train, eval, export) check it first instead of failing inside transformers."""
     path = resolve_config_file(str(model_dir))
@@ -146,6 +146,7 @@ def check_config_file(model_dir: str | os.PathLike) -> None:
             f"{path} holds a JSON {type(data).__name__}, not a model config; copy config.json from "
             "the original checkpoint"
         )
+    return data
 
 
 class TensorInfo:
@@ -245,9 +246,16 @@ class HFCheckpoint:
             )
         self._indexed = index.is_file()
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
+        self._config: dict | None = None
         self.tensors_read = 0
         self.bytes_read = 0
         self._lock = threading.Lock()  # reader threads count what they read
+
+    def config(self) -> dict:
+        """The checkpoint's ``config.json``, read and checked (``check_config_file``) on first use only."""
+        if self._config is None:
+            self._config = check_config_file(self.dir)
+        return self._config
 
     def keys(self) -> list[str]:
         """All tensor names of the checkpoint (from the index; no shard is opened)."""

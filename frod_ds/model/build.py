@@ -300,8 +300,8 @@ def build_frod_model(
 ) -> nn.Module:
     """The base architecture with FRoD layers, loaded; σ and S values the only trainable parameters.
 
-    ``model_dir``: a local checkpoint directory; ``store``: an open ``FactorStore``; ``supports``:
-    ``{category: SparseSupport}`` to apply (``make_supports`` for training, the adapter's for loading).
+    ``model_dir``: a checkpoint directory (or its ``HFCheckpoint``); ``store``: an open ``FactorStore``;
+    ``supports``: ``{category: SparseSupport}`` to apply (``make_supports`` for training, the adapter's for loading).
     ``ds_config``: the resolved DeepSpeed config (ZeRO-3 builds under ``zero.Init``, rank 0 reads), None in one
     process. ``replicate_v``: False leaves V partitioned (the benchmarks' comparison). ``flat_trainables`` /
     ``flat_frozen``: a decoder layer's σ and S (dense U_i) as one ``FRoDTrainables`` (``FRoDFrozen``); None chooses
@@ -309,13 +309,13 @@ def build_frod_model(
     """
     from transformers import AutoConfig
 
-    from frod_ds.io.hf_checkpoint import HFCheckpoint, check_config_file
+    from frod_ds.io.hf_checkpoint import HFCheckpoint
 
     check_store_quant(store, supports, quant)
     if quantize_base and quant == "none":
         raise QuantError("model.quantize_base=true needs model.frozen_quant nf4 or int8 (the kind it uses)")
-    ckpt = HFCheckpoint(model_dir)
-    check_config_file(ckpt.dir)
+    ckpt = model_dir if isinstance(model_dir, HFCheckpoint) else HFCheckpoint(model_dir)
+    ckpt.config()  # checked (read once per opened checkpoint)
     keys = set(ckpt.keys())
     stage = 0 if ds_config is None else zero_stage(ds_config)
     zero3 = stage == 3

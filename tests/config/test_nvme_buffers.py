@@ -86,14 +86,15 @@ def test_shipped_nvme_config_is_enough_for_7b_and_70b():
 
 
 def test_nvme_params_match_the_built_frod_model_with_or_without_targeted_weights(tmp_path):
-    """``trainer.nvme_params`` (config-free: checkpoint tensor sizes, a ``U`` per targeted weight, a ``V`` per
+    """``preflight.nvme_params`` (config-free: checkpoint tensor sizes, a ``U`` per targeted weight, a ``V`` per
     category) against the parameters of the FRoD model ``build_frod_model`` builds; the same from a checkpoint
     without the targeted weights (as the 70B chain keeps it once HJD has run)."""
     import torch
 
+    from frod_ds.io.hf_checkpoint import HFCheckpoint
     from frod_ds.model.build import build_frod_model, make_supports
     from frod_ds.model.store_reader import FactorStore
-    from frod_ds.train.trainer import nvme_params
+    from frod_ds.train.preflight import nvme_params
     from launch.hjd import main
     from tests.support.helpers_ckpt import strip_checkpoint, write_tiny_llama
 
@@ -132,7 +133,7 @@ def test_nvme_params_match_the_built_frod_model_with_or_without_targeted_weights
     want_trainable = [sorted(p.numel() for p in layer.parameters() if p.requires_grad) for layer in model.model.layers]
     stripped = strip_checkpoint(model_dir, tmp_path / "stripped", targets)
     for d in (model_dir, stripped):
-        got = nvme_params(d, store, targets, 0.1)
+        got = nvme_params(HFCheckpoint(d), store, targets, 0.1)
         assert [sorted(x) for x in got.layers] == want_layers, d
         assert [sorted(x) for x in got.trainable] == want_trainable, d
         assert sorted(got.shared) == want_shared and sorted(got.other) == want_other, d

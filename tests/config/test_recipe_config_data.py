@@ -11,7 +11,7 @@ import yaml
 from frod_ds.config.ds_config import DSConfigError, batch_sizes, resolve_ds_config
 from frod_ds.config.recipe import Recipe, RecipeError, load_recipe
 from frod_ds.train.data import IGNORE_INDEX, BatchPlan, DataError, collate, encode_examples, read_training_rows
-from frod_ds.train.trainer import lr_lambda
+from frod_ds.train.schedule import lr_lambda
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = ["model.base=m", "model.factor_store=f", "data.train=t.jsonl"]

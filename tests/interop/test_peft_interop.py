@@ -261,11 +261,11 @@ def test_imported_adapter_continues_training(env, imported, tmp_path):
 def test_init_adapter_of_another_factor_store_is_refused(env, imported):
     from frod_ds.config.recipe import load_recipe
     from frod_ds.model.store_reader import FactorStore
-    from frod_ds.train.trainer import _init_adapter
+    from frod_ds.train.preflight import init_adapter
 
     recipe = load_recipe(None, env.overrides(env.root / "unused", **{"model.init_adapter": imported / "adapter"}))
     with pytest.raises(FrodError, match="belongs to factor store"):
-        _init_adapter(recipe, FactorStore.open(env.store))
+        init_adapter(recipe, FactorStore.open(env.store))
 
 
 def test_peft_interop_bad_input_is_one_line_and_leaves_nothing(

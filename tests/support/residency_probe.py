@@ -2,7 +2,7 @@
 gathered at once during training, with and without gradient checkpointing.
 
 Each ``--modes`` entry builds the run with ``frod_ds.train.trainer.setup`` and takes ``--steps`` optimizer steps with
-``_train_step``. Modes: ``plain`` (no checkpointing); ``trainer`` (``enable_gradient_checkpointing`` as the trainer
+``train_step``. Modes: ``plain`` (no checkpointing); ``trainer`` (``enable_gradient_checkpointing`` as the trainer
 sets it), ``nonreentrant``, ``reentrant`` (the same with ``USE_REENTRANT`` forced); and any of the last three with
 ``-call``: each decoder layer's whole ``__call__`` is checkpointed, its module hooks included, as transformers
 5.17's ``GradientCheckpointingLayer`` does (5.23 checkpoints ``forward`` and leaves the layer's own hooks outside).
@@ -110,7 +110,7 @@ def model_sizes(model) -> dict[str, int]:
 def measure(recipe, config: str, mode: str, steps: int, sampler: GatheredSampler) -> dict:
     from frod_ds.model.build import gathered
     from frod_ds.runtime import distributed as dist
-    from frod_ds.train import trainer
+    from frod_ds.train import loop, trainer
 
     checkpointing = mode != "plain"
     reentrant, enable = trainer.USE_REENTRANT, trainer.enable_gradient_checkpointing
@@ -131,7 +131,7 @@ def measure(recipe, config: str, mode: str, steps: int, sampler: GatheredSampler
     sampler.frozen = [p for p in model.parameters() if not p.requires_grad]
     sampler.per_micro_batch, sampler.current = [], None
     run.engine.train()
-    rows = [trainer._train_step(run, s) for s in range(steps)]
+    rows = [loop.train_step(run, s) for s in range(steps)]
     sampler.close_micro_batch()
     sampler.frozen = []
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -7,6 +7,7 @@ step (to recover the learning rates actually applied), and rank 0's logits on fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ def main() -> int:
     from frod_ds.model.apply import frod_modules
     from frod_ds.model.build import gathered
     from frod_ds.runtime import distributed as dist
-    from frod_ds.train.trainer import _train_step, fit, setup
+    from frod_ds.train.loop import train_step
+    from frod_ds.train.trainer import fit, setup
 
     args = parse_args()
     recipe = load_recipe(args.recipe, args.overrides)
@@ -72,7 +74,7 @@ def main() -> int:
             return m.frod_sigma.detach().clone().float().cpu(), m.frod_s.detach().clone().float().cpu()
 
     before = {n: values(m) for n, m in layers.items()}
-    row = _train_step(run, 0)
+    row = train_step(run, 0)
     after = {n: values(m) for n, m in layers.items()}
     d_sigma = torch.cat([(after[n][0] - before[n][0]).abs() for n in layers])
     d_s = torch.cat([(after[n][1] - before[n][1]).abs() for n in layers])
@@ -85,7 +87,7 @@ def main() -> int:
         "frac_s_moved": float((d_s > 0).float().mean()),
     }
     report["frozen_grads_none"] = all(m.u_parameter().grad is None and m.V.grad is None for m in layers.values())
-    run.start_step = 1
+    run = dataclasses.replace(run, start_step=1)
     rc = fit(run)
     if run.zero3:  # fetch_per_layer's FixedParameters still replay what a fresh walk finds, the same objects
         from frod_ds.model.build import FixedParameters

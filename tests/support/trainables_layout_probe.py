@@ -3,7 +3,7 @@ once as the trainer builds it (under ZeRO-1/2 σ and S held per decoder layer, `
 one σ and one S Parameter per FRoD layer (``build_frod_model(..., flat_trainables=False)``, the layout before).
 
 Each ``--modes`` entry builds the run with ``frod_ds.train.trainer.setup`` and takes ``--steps`` optimizer steps with
-``_train_step``. Rank 0 writes ``<output_dir>/layout_<mode>.pt``: the engine's trainable Parameter names, each
+``train_step``. Rank 0 writes ``<output_dir>/layout_<mode>.pt``: the engine's trainable Parameter names, each
 step's loss and gradient norm, and every FRoD layer's σ and S after the last step (read through the layer, so both
 layouts give them per member).
 """
@@ -30,7 +30,7 @@ def measure(recipe, config: str, mode: str, steps: int) -> None:
     from frod_ds.model.apply import frod_modules
     from frod_ds.model.build import gathered
     from frod_ds.runtime import distributed as dist
-    from frod_ds.train import trainer
+    from frod_ds.train import loop, trainer
 
     build = trainer.build_frod_model
     if mode == "frod-layer":
@@ -42,7 +42,7 @@ def measure(recipe, config: str, mode: str, steps: int) -> None:
         trainer.build_frod_model = build
     model = run.engine.module
     run.engine.train()
-    rows = [trainer._train_step(run, s) for s in range(steps)]
+    rows = [loop.train_step(run, s) for s in range(steps)]
     layers = dict(frod_modules(model))
     params = [p for m in layers.values() for p in m.frod_parameters()]
     with gathered(params, run.zero3):

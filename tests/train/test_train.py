@@ -341,11 +341,11 @@ def test_resume_on_a_factor_store_rebuilt_with_another_pi_is_refused(probe, env,
 
 def test_step_peak_is_reset_before_each_step_on_gpus(monkeypatch):
     """On CUDA, peak_mem_gb is the step's own peak: the allocator's peak counter is reset before the step."""
-    from frod_ds.train import trainer
+    from frod_ds.train import metrics
 
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset"))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * 2**30)
-    trainer._reset_peak_mem()
-    assert calls == ["reset"] and trainer._peak_mem_gb() == 3.0
+    metrics.reset_peak_mem()
+    assert calls == ["reset"] and metrics.peak_mem_gb() == 3.0

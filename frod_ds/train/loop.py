@@ -1,0 +1,264 @@
+"""The training loop: optimizer steps from a ``Run``'s start to its end, with held-out loss, rotation angles, metrics,
+periodic and SIGTERM checkpoints, and the final adapter. ``Run`` is what setup decided; ``LoopState`` what changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from frod_ds.config.ds_config import zero_stage
+from frod_ds.config.recipe import Recipe
+from frod_ds.core.layer import tan_alpha
+from frod_ds.formats.adapter_dir import AdapterConfig
+from frod_ds.formats.factor_store import category_of
+from frod_ds.model.adapter import adapter_state, write_adapter
+from frod_ds.model.apply import frod_groups
+from frod_ds.model.build import gathered
+from frod_ds.runtime import distributed as dist
+from frod_ds.train.data import BatchPlan, collate
+from frod_ds.train.engine_state import Layout, write_checkpoint
+from frod_ds.train.identity import identity_records
+from frod_ds.train.metrics import MetricsLog, peak_mem_gb, plot_loss, reset_peak_mem
+from frod_ds.train.preflight import Inputs
+from frod_ds.train.run_dir import recipe_yaml
+from frod_ds.train.schedule import group_lrs
+
+__all__ = [
+    "STOP_EXIT_CODE",
+    "Run",
+    "LoopState",
+    "fit",
+    "train_step",
+    "eval_loss",
+    "rotation_angles",
+    "save_checkpoint",
+    "save_adapter",
+]
+
+STOP_EXIT_CODE = 143  # 128 + SIGTERM: stopped on request, checkpoint written
+
+
+@dataclass(frozen=True)
+class Run:
+    """What ``setup`` decided for the loop; nothing in it changes while the loop runs."""
+
+    inputs: Inputs  # the checked inputs: recipe, DeepSpeed config, base checkpoint, store, identities, data
+    engine: Any  # the DeepSpeed engine (model, optimizer, LR scheduler)
+    plan: BatchPlan
+    total_steps: int
+    adapter_config: AdapterConfig  # step and categories filled in at each save
+    sigma0: dict[str, torch.Tensor]  # σ before training (rank 0), for the rotation angles
+    start_step: int = 0  # the step of the checkpoint resumed from, 0 for a fresh run
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.inputs.recipe
+
+    @property
+    def out(self) -> Path:
+        return Path(self.recipe.output_dir)
+
+    @property
+    def zero3(self) -> bool:
+        return zero_stage(self.inputs.ds_config) == 3
+
+    @property
+    def pad_id(self) -> int:
+        return self.inputs.tokenizer.pad_token_id
+
+    @property
+    def layout(self) -> Layout:
+        """How this run splits its global batch over ranks (the layout its checkpoints record)."""
+        t = self.recipe.train
+        return Layout(dist.get_world_size(), t.micro_batch_size, t.grad_accum)
+
+
+@dataclass
+class LoopState:
+    """What the loop changes: the step reached, consecutive non-finite losses, and a SIGTERM's request to stop."""
+
+    step: int
+    nonfinite: int = 0
+    stop_requested: bool = False
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """The engine checkpoint of ``step`` with the run's identity records, sealed (``frod_ds.train.engine_state``)."""
+    records = identity_records(run.inputs.store_identity, run.inputs.run_identity)
+    write_checkpoint(run.engine, run.out / "checkpoints", step, run.layout, run.recipe.train.keep_checkpoints, records)
+
+
+def save_adapter(run: Run, step: int, name: str) -> None:
+    """The adapter of ``step`` as ``output_dir/name`` (collective under ZeRO-3; rank 0 writes)."""
+    tensors, categories = adapter_state(run.engine.module, run.zero3, run.inputs.store_identity)
+    if dist.is_main():
+        write_adapter(
+            run.out / name,
+            tensors,
+            dataclasses.replace(run.adapter_config, step=step, categories=categories),
+            extra_files={"recipe.yaml": recipe_yaml(run.recipe)},
+        )
+    dist.barrier()
+
+
+def rotation_angles(run: Run) -> dict[str, float]:
+    """``tan α`` per category (spec §2): ``sqrt(Σ‖ΔW_off‖² / Σ‖ΔW_on‖²)`` over the category's members."""
+    sums: dict[str, list[float]] = {}
+    for held, members in frod_groups(run.engine.module):  # one gather per decoder layer under ZeRO-3
+        params = {id(p): p for p in [*held, *(p for _, m in members for p in (m.u_parameter(), m.V))]}
+        with gathered(list(params.values()), run.zero3):
+            if dist.is_main():
+                for name, m in members:
+                    on, off = m.update_norms_sq(run.sigma0[name])
+                    acc = sums.setdefault(category_of(name), [0.0, 0.0])
+                    acc[0] += on
+                    acc[1] += off
+    return {cat: tan_alpha(on, off) for cat, (on, off) in sums.items()}
+
+
+@torch.no_grad()
+def eval_loss(run: Run) -> float:
+    """Mean answer-token loss over the held-out rows, split across ranks."""
+    engine, dev, examples = run.engine, dist.local_device(), run.inputs.eval_examples
+    engine.eval()
+    mine = examples[dist.get_rank() :: dist.get_world_size()]
+    total = torch.zeros(2, dtype=torch.float64, device=dev)
+    mb = run.recipe.train.micro_batch_size
+    n_batches = math.ceil(len(examples) / (mb * dist.get_world_size()))
+    for b in range(n_batches):  # same number of forwards on every rank (ZeRO-3 gathers are collective)
+        chunk = mine[b * mb : (b + 1) * mb] or examples[:1]
+        batch = {k: v.to(dev) for k, v in collate(chunk, run.pad_id).items()}
+        loss = engine(**batch).loss.double()
+        count = (batch["labels"][:, 1:] != -100).sum()
+        if mine[b * mb : (b + 1) * mb]:
+            total += torch.stack([loss * count, count.double()])
+    engine.train()
+    total = dist.all_reduce_sum(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """Optimizer step ``step`` (0-based) over this rank's micro-batches; the metrics row's values, all-reduced."""
+    engine, dev = run.engine, dist.local_device()
+    reset_peak_mem()
+    t0 = time.perf_counter()
+    lr_sigma, lr_s = group_lrs(engine.optimizer)  # the rates this step applies (the scheduler steps in engine.step)
+    losses, tokens = [], 0
+    for idx in run.plan.micro_batches(step):
+        batch = {k: v.to(dev) for k, v in collate([run.inputs.examples[i] for i in idx], run.pad_id).items()}
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+        tokens += int(batch["attention_mask"].sum())
+    stats = dist.all_reduce_sum(
+        torch.tensor([torch.stack(losses).mean().item(), tokens], dtype=torch.float64, device=dev)
+    )
+    dt = time.perf_counter() - t0
+    grad_norm = engine.get_global_grad_norm()
+    return {
+        "loss": float(stats[0]) / dist.get_world_size(),
+        "lr_sigma": lr_sigma,
+        "lr_s": lr_s,
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "tokens_per_s": float(stats[1]) / dt,
+        "step_time_s": dt,
+        "peak_mem_gb": peak_mem_gb(),
+    }
+
+
+def fit(run: Run) -> int:
+    """Train from ``run.start_step`` to ``run.total_steps``; returns the process exit code."""
+    bar = tqdm(
+        total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train", dynamic_ncols=True
+    )
+    try:
+        return _fit(run, bar)
+    except BaseException:
+        bar.close()  # so that the one error line starts a line of its own, not after the progress bar
+        raise
+
+
+def _fit(run: Run, bar: tqdm) -> int:
+    t = run.recipe.train
+    state = LoopState(run.start_step)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        state.stop_requested = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    log = MetricsLog(run.out, t.tensorboard) if dist.is_main() else None  # importable: checked in preflight
+    run.engine.train()
+    if state.step >= run.total_steps and (run.out / "adapter-final").is_dir():
+        bar.close()
+        dist.print0(
+            f"{run.out} holds a finished run (step {state.step}/{run.total_steps}); adapter-final left as it is"
+        )
+        return 0
+    if torch.cuda.is_available():
+        dist.print0(
+            f"memory: {peak_mem_gb():.2f} GiB allocated at most while building and restoring the model "
+            "(rank 0); metrics.jsonl's peak_mem_gb is each step's own peak"
+        )
+    while state.step < run.total_steps:
+        stop = _step(run, state, log, bar)
+        if stop:
+            bar.close()
+            dist.print0(f"SIGTERM: checkpoint saved at step {state.step}; re-run the same command to resume")
+            return STOP_EXIT_CODE
+    bar.close()
+    if state.step > run.start_step:  # resumed at the last step: the checkpoint resumed from is that step's
+        save_checkpoint(run, state.step)
+    save_adapter(run, state.step, "adapter-final")
+    if log is not None:
+        plot_loss(log.path, run.out / "loss.png")
+        log.close()
+    return 0
+
+
+def _step(run: Run, state: LoopState, log: MetricsLog | None, bar: tqdm) -> bool:
+    """One optimizer step with what follows it (eval, rotation angles, the metrics row, a checkpoint); True when
+    a SIGTERM stopped the run (its checkpoint written)."""
+    t = run.recipe.train
+    row: dict[str, Any] = {"step": state.step + 1, **train_step(run, state.step)}
+    state.step = step = row["step"]
+    state.nonfinite = 0 if math.isfinite(row["loss"]) else state.nonfinite + 1
+    if state.nonfinite >= t.max_nonfinite_steps:  # the loss is all-reduced: every rank agrees
+        bar.close()
+        raise dist.CollectiveError(
+            f"{state.nonfinite} consecutive steps with a non-finite loss (last: step {step}, loss "
+            f"{row['loss']}, grad norm {row['grad_norm']}); stopped without writing adapter-final. Check the "
+            "base weights and factor store for NaN/inf and lower train.lr_sigma / train.lr_s "
+            "(train.max_nonfinite_steps sets how many are allowed)"
+        )
+    if t.eval_every and run.inputs.eval_examples and step % t.eval_every == 0:
+        row["eval_loss"] = eval_loss(run)
+    if t.rotation_every and (step % t.rotation_every == 0 or step == run.total_steps):
+        row["tan_alpha"] = rotation_angles(run)
+    if log is not None and (step % t.log_every == 0 or step == run.total_steps or "tan_alpha" in row):
+        log.write(row)
+        bar.set_postfix(
+            loss=f"{row['loss']:.4f}",
+            lr_sigma=f"{row['lr_sigma']:.2e}",
+            lr_s=f"{row['lr_s']:.2e}",
+            tok_s=f"{row['tokens_per_s']:.0f}",
+        )
+    bar.update(1)
+    stop = dist.all_reduce_sum(torch.tensor([float(state.stop_requested)], device=dist.local_device())).item() > 0
+    due = bool(t.save_every) and step % t.save_every == 0 and step < run.total_steps
+    if due and state.nonfinite and not stop:
+        # the optimizer skipped this step: its state may not exist yet (DeepSpeed fails to save it) and a
+        # non-finite state is nothing to resume from; the non-finite stop above decides what happens
+        dist.print0(f"step {step}: loss not finite, checkpoint skipped")
+    elif due or stop:
+        save_checkpoint(run, step)
+        save_adapter(run, step, f"adapter-{step}")
+    return stop

@@ -1,0 +1,92 @@
+"""What a run records of its steps: metrics.jsonl rows, TensorBoard scalars, loss.png, and each step's peak memory.
+
+The keys of a row are listed in docs/training.md (Outputs and resume); rank 0 writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["METRICS", "MetricsLog", "drop_rows_after", "plot_loss", "peak_mem_gb", "reset_peak_mem"]
+
+METRICS = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Rank 0's log of a run in ``out``: one JSON row per logged step appended to ``metrics.jsonl``, its numbers also
+    to ``out/tensorboard`` as ``train/<key>`` when ``tensorboard`` (checked importable before the run starts)."""
+
+    def __init__(self, out: Path, tensorboard: bool) -> None:
+        self.path = out / METRICS
+        self.writer: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(out / "tensorboard"))
+
+    def write(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.writer.add_scalar(f"train/{k}", v, row["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep only the rows of ``path`` up to ``step``, the step a run continues from: the steps after it are
+    replayed (all of them when a run killed before its first sealed checkpoint starts over), none logged twice."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def peak_mem_gb() -> float:
+    """GPU: the most memory allocated since the last ``reset_peak_mem`` (one training step's peak, the figure
+    ``frod plan`` predicts); CPU: the process's max RSS so far."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB → GiB (Linux)
+
+
+def reset_peak_mem() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def plot_loss(metrics_path: Path, png: Path) -> None:
+    """Loss (and eval loss) against step, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
+    ev = [r for r in rows if "eval_loss" in r]
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png.with_name(png.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png)

@@ -1,0 +1,124 @@
+"""A run's ``output_dir``: who may write there, a new run moving an old one aside, its marker, cleanup on failure.
+
+Training writes only into a directory that is absent, empty, or a run frod-ds training wrote (``check_run_dir``);
+the same command on its own run resumes. A failed fresh run leaves nothing it created (``removed_if_failed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+from frod_ds.config.recipe import Recipe, recipe_to_dict
+from frod_ds.runtime import distributed as dist
+from frod_ds.runtime.atomic import check_replaceable, is_marked, mark_dir, marker_kind
+from frod_ds.runtime.errors import FrodError
+from frod_ds.train.checkpoints import sealed_checkpoints
+
+__all__ = [
+    "RUN_KIND",
+    "RUN_HOSTS",
+    "PREVIOUS_RUN",
+    "check_run_dir",
+    "check_writable",
+    "recipe_yaml",
+    "open_run_dir",
+    "removed_if_failed",
+]
+
+RUN_KIND = "training-run"  # the marker's kind (frod_ds.runtime.atomic) of an output_dir training wrote
+RUN_HOSTS = (RUN_KIND, "demo")  # what training writes into: its own runs, and the directory of `frod demo`
+PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard")  # and adapter-*/
+
+
+def _is_legacy_run(out: Path) -> bool:
+    """A run written before training marked its output_dir: sealed checkpoints, or an adapter it wrote."""
+    if (out / "checkpoints").is_dir() and sealed_checkpoints(out / "checkpoints"):
+        return True
+    return any(p.name.startswith("adapter-") and marker_kind(p) == "adapter" for p in out.iterdir() if p.is_dir())
+
+
+def check_run_dir(out: Path) -> None:
+    """``FrodError`` unless training may write into ``output_dir`` ``out``: absent, empty, or a run frod-ds
+    training wrote (its marker, or an older run's checkpoints/adapters). Other commands' outputs beside the
+    adapters (evals, exports) are not this check's business: training deletes nothing."""
+    check_replaceable(out, RUN_HOSTS, what="output_dir", legacy=_is_legacy_run, nested=False)
+
+
+def check_writable(out: Path) -> None:
+    """``output_dir`` must be a directory this process can write to, or creatable: checked on it or its nearest
+    existing parent, without creating anything (a run that fails later leaves no empty ``output_dir``)."""
+    where = out
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        if not where.is_dir():
+            raise NotADirectoryError(20, "not a directory")
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        raise FrodError(
+            f"output_dir {out} is not writable ({where}: {e.strerror or e}); choose another output_dir"
+        ) from None
+
+
+def recipe_yaml(recipe: Recipe) -> str:
+    """The recipe as the run records it (``recipe.yaml`` beside the run and in every adapter)."""
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False)
+
+
+def _supersede_previous_run(out: Path) -> None:
+    """``train.new_run``: move a previous run's files in ``out`` into ``out/superseded-<time>/`` (nothing is
+    deleted; adapters included)."""
+    old = (
+        [p for p in out.iterdir() if p.name in PREVIOUS_RUN or (p.name.startswith("adapter-") and p.is_dir())]
+        if out.is_dir()
+        else []
+    )
+    if not old:
+        return
+    dest = out / time.strftime("superseded-%Y%m%d-%H%M%S")
+    dest.mkdir()
+    for p in old:
+        os.rename(p, dest / p.name)
+    print(f"note: train.new_run: the previous run in {out} moved to {dest}", flush=True)
+
+
+def open_run_dir(recipe: Recipe) -> None:
+    """Rank 0, once every input is checked: a previous run moved aside (``train.new_run``), ``output_dir`` made
+    and marked as a training run, ``recipe.yaml`` written."""
+    out = Path(recipe.output_dir)
+    if recipe.train.new_run:
+        _supersede_previous_run(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not is_marked(out):
+        mark_dir(out, RUN_KIND)
+    (out / "recipe.yaml").write_text(recipe_yaml(recipe))
+
+
+@contextlib.contextmanager
+def removed_if_failed(out: Path) -> Iterator[None]:
+    """Run the block; if it raises and ``out`` did not exist before it and holds no sealed checkpoint or adapter
+    (what a rerun would resume or keep), rank 0 deletes ``out``: a failed run leaves nothing it created behind, and
+    never touches a directory it did not create."""
+    created = not os.path.lexists(out)
+    try:
+        yield
+    except BaseException:
+        if (
+            created
+            and dist.is_main()
+            and out.is_dir()
+            and not out.is_symlink()
+            and not sealed_checkpoints(out / "checkpoints")
+            and not any(out.glob("adapter-*"))
+        ):
+            shutil.rmtree(out, ignore_errors=True)  # an unsealed checkpoint is nothing a rerun would resume
+        raise
