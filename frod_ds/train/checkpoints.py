@@ -1,18 +1,10 @@
 """A training run's ``checkpoints/`` directory: sealed checkpoints, and the choice of the one to resume.
 
-Layout::
-
-    checkpoints/step<NNNNNNNN>/   DeepSpeed engine files, rng_rank<r>.pt, trainable_state.safetensors,
-                                  factor_store.json, run_identity.json, COMPLETE (written last)
-    checkpoints/latest_complete   the tag of the newest sealed checkpoint (for people and scripts)
-    checkpoints/skipped-<tag>/    a checkpoint that failed its check at a resume, kept for inspection
-
-A checkpoint is *sealed* by its ``COMPLETE`` file, the typed record `Seal`: the size and sha256 of every other
-file in it, written (fsynced, then renamed into place) only after every file was fsynced. A run resumes from
-the newest sealed checkpoint whose files still match their seal (`choose_checkpoint`); one that does not — a
-truncated shard, a flipped byte, a missing file — is skipped with one ``note:`` line naming it and why, and the
-next older one is tried. ``COMPLETE`` files of older frod-ds versions are empty: such a checkpoint is checked
-by loading each of its ``.pt`` files. Torch-free except for that legacy check.
+A checkpoint is sealed by its ``COMPLETE`` file (``Seal``: size and sha256 of every other file, written last).
+A run resumes from the newest sealed checkpoint whose files still match their seal (``choose_checkpoint``); one
+that does not is skipped with one ``note:`` and set aside as ``skipped-<tag>/``. Layout and older versions:
+docs/formats.md (Engine checkpoints); what a damaged one does: docs/failure-policy.md. Torch-free but for the
+check of an older version's empty ``COMPLETE``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Training data: data_prep JSONL rows → token ids with answer-only labels → deterministic rank batches.
+"""Training data: ``frod data build`` JSONL rows → token ids with answer-only labels → deterministic rank batches.
 
-The training text is ``prompt + separator + answer + EOS``, the separator being the row's ``"separator"``
-field when present (``""`` for LLM-Adapters' template, whose prompt ends where its ``output`` begins) and
-``"\\nAnswer: "`` otherwise (``frod_ds.prep.io.row_separator``). With ``train_on_inputs=False`` the loss
-covers the answer tokens and EOS only. The context/answer token boundary is the one the evaluator uses
-(``frod_ds.eval.predict.encode_rows``), so training and scoring see the same tokens.
-
-Order: one permutation of the dataset per epoch from ``(seed, epoch)``; each optimizer step takes
-``world × accum × micro`` consecutive examples of it, rank ``r`` and micro-step ``a`` taking the slice
-``[(a·world + r)·micro, +micro)``. A position is therefore just ``(epoch, step in epoch)``: resuming skips to
-it without replaying data, and the same global batch split differently (world × accum × micro) sees the same
-examples at every step.
+The text is ``prompt + separator + answer + EOS`` with the evaluator's context/answer boundary (docs/data.md);
+with ``train_on_inputs=False`` the loss covers the answer and EOS only. ``BatchPlan`` takes one seeded permutation
+per epoch and gives step ``k`` the same global batch however it is split over ranks, so a position is ``(epoch,
+step)`` and resuming replays no data (docs/training.md, Outputs and resume).
 """
 
 from __future__ import annotations
@@ -47,13 +40,13 @@ class DataError(FrodError):
 
 
 def training_file(path: str | Path) -> Path:
-    """The JSONL file ``data.train`` / ``data.eval`` names: the file itself, or ``train.jsonl`` of a data_prep
+    """The JSONL file ``data.train`` / ``data.eval`` names: the file itself, or ``train.jsonl`` of a ``frod data build``
     output directory (the recipe allows both; everything that reads or records the data goes through here)."""
     p = Path(path)
     if p.is_dir():
         p = p / "train.jsonl"
     if not p.is_file():
-        raise DataError(f"training data {p} not found; build it with `python -m data_prep build --out DIR`")
+        raise DataError(f"training data {p} not found; build it with `frod data build --out DIR`")
     return p
 
 
@@ -64,7 +57,7 @@ def _check_training_row(row) -> str | None:
         if not isinstance(row.get(key), str):
             return (
                 f"field {key!r} missing or not a string; rows need "
-                '{"prompt": str, "answer": str} (the output of `python -m data_prep build`)'
+                '{"prompt": str, "answer": str} (the output of `frod data build`)'
             )
     if "separator" in row and not isinstance(row["separator"], str):
         return "field 'separator' must be a string when present"

@@ -1,13 +1,9 @@
 """Engine checkpoints of a training run: write one (sealed), restore one on any world size.
 
-``write_checkpoint``: DeepSpeed's own files, each rank's RNG state, the world-size-independent record
-(``frod_ds.train.trainable_state``), the caller's records (run and store identity), then the seal
-(``frod_ds.train.checkpoints``: size and sha256 of every file, each fsynced first; every rank hashes its share).
-Older checkpoints beyond ``keep`` are removed only once the new one is sealed.
-
-``restore_checkpoint``: sets aside the newer checkpoints that failed their check (one ``note:`` each), then, on
-the world size and ZeRO stage that wrote the checkpoint, lets DeepSpeed load its own files (bitwise exact, RNG
-included); on another, writes the record into the new engine's partitions and says so in one ``note:``.
+``write_checkpoint``: DeepSpeed's files, each rank's RNG state, the world-size-independent record
+(``frod_ds.train.trainable_state``) and the caller's identity records, then the seal (``frod_ds.train.checkpoints``);
+older checkpoints beyond ``keep`` go only once the new one is sealed. ``restore_checkpoint``: on the layout that
+wrote it DeepSpeed loads its own files (bitwise exact); on another, the record fills the new engine's partitions.
 """
 
 from __future__ import annotations

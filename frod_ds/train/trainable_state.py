@@ -1,24 +1,10 @@
 """The trainable state of a run, independent of the world size: what resuming on another number of ranks needs.
 
-DeepSpeed's ZeRO-2/3 checkpoint holds the fp32 master copy of σ and S and their AdamW moments as one flat
-partition per rank, so it loads only on the world size that wrote it. FRoD trains few numbers (σ_i: n, S_i:
-round(s·n²) per layer), so each checkpoint also carries them whole, written once by rank 0:
-
-    trainable_state.safetensors
-        "<param name>"               full fp32 master value of one FRoD layer's σ or S, named as that layer's own
-                                     Parameter (e.g. model.layers.0.self_attn.q_proj.frod_sigma), also where the
-                                     engine holds a decoder layer's σ (S) as one Parameter (``FRoDTrainables``)
-        "<param name>.exp_avg"       AdamW first moment, same shape
-        "<param name>.exp_avg_sq"    AdamW second moment
-        metadata "frod_ds.trainable_state": the JSON record `TrainableState` (step, AdamW step, learning rates,
-        scheduler state, the layout that wrote it)
-
-`gather_state` reads it out of a live engine (collective: DeepSpeed's ``safe_get_full_*`` on every rank);
-`restore_state` writes it into a freshly initialised engine of any world size: the module's σ/S (ZeRO-3:
-gathered, set on rank 0, re-partitioned), each rank's slice of the fp32 master and of both moments (AdamW's
-state is created here, as its first step would), AdamW's step, the groups' learning rates, the LR scheduler
-and the engine's step counters. In fp32 the restored state is bitwise the saved one, so the run continues as
-it would have on the old layout up to the order of floating-point sums over ranks.
+DeepSpeed's ZeRO files hold σ, S and their AdamW moments as one flat partition per rank; each checkpoint also
+carries them whole in ``trainable_state.safetensors`` (format: docs/formats.md, Engine checkpoints), written by
+rank 0. ``gather_state`` reads it out of a live engine (collective); ``restore_state`` writes it into a fresh
+engine of any world size: σ/S, each rank's slice of the fp32 master and moments, AdamW's step, the learning rates,
+the scheduler and the engine's step counters. In fp32 the restored state is bitwise the saved one.
 """
 
 from __future__ import annotations
