@@ -367,14 +367,14 @@ def layer(results: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-# -- FRoD vs LoRA vs full fine-tuning on a real model (bench/real_study.py) ----------------------------------------
+# -- FRoD vs LoRA vs full fine-tuning on a real model (studies/real_study.py) ----------------------------------------
 
 
 def real_study(results: Path) -> str:
-    """The study's own tables (bench/study/report.py) from its committed results document."""
-    from bench.study.report import markdown_tables
+    """The study's own tables (studies/report.py) from its committed results document."""
+    from studies.report import markdown_tables
 
-    path = results / "real_study_1xh100" / "real_study.json"
+    path = results.parent.parent / "studies" / "results" / "real_study_1xh100" / "real_study.json"
     return _source(path, results=results) + markdown_tables(_load(path))
 
 

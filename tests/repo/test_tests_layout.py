@@ -8,9 +8,9 @@ from tests.support.leftovers import REPO
 
 TESTS = REPO / "tests"
 # The directories that are not frod_ds sub-packages, each with the part of the repository it tests.
-OTHER_PARTS = {"slurm": "launch/slurm", "bench": "bench", "repo": "."}
+OTHER_PARTS = {"slurm": "launch/slurm", "bench": "bench", "studies": "studies", "repo": "."}
 # Not tests: helpers imported by tests or run by them as scripts, and data files.
-NOT_TESTS = {"support", "fixtures"}
+NOT_TESTS = {"support", "fixtures", "failure_corpus"}
 
 
 def _frod_parts() -> set[str]:

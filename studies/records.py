@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.study.config import StudyConfig, StudyError
 from frod_ds.formats.records import changed_keys, parse_json, record_from_dict, record_to_json
 from frod_ds.formats.run_identity import file_sha256
 from frod_ds.runtime.atomic import atomic_write_text
+from studies.config import StudyConfig, StudyError
 
 __all__ = [
     "IDENTITY_NAME",

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from bench.study.config import StudyConfig, method_spec
-from bench.study.data import Batch
-from bench.study.evaluate import GENERATION_SCORER, exact_eval, heldout_losses, llm_adapters_eval, loglik_eval
-from bench.study.loop import train_run
-from bench.study.models import (
+from studies.config import StudyConfig, method_spec
+from studies.data import Batch
+from studies.evaluate import GENERATION_SCORER, exact_eval, heldout_losses, llm_adapters_eval, loglik_eval
+from studies.loop import train_run
+from studies.models import (
     ModelFactory,
     load_base,
     load_trainable_state,
@@ -29,8 +29,8 @@ from bench.study.models import (
     trainable_numel,
     trainable_state,
 )
-from bench.study.report import correct_bits
-from bench.study.rotation import initial_sigmas, rotation_by_category
+from studies.report import correct_bits
+from studies.rotation import initial_sigmas, rotation_by_category
 
 __all__ = ["RunContext"]
 

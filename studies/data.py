@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from bench.study.config import StudyError
 from frod_ds.eval.predict import EvalError, common_prefix_len
 from frod_ds.prep.io import read_rows, row_separator, training_text
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.train.data import IGNORE_INDEX, BatchPlan, DataError, encode_examples, read_training_rows
+from studies.config import StudyError
 
 __all__ = [
     "answer_word_start",

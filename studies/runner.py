@@ -32,18 +32,18 @@ from typing import Any
 import torch
 
 from bench.common import device_name, versions
-from bench.study.config import StudyConfig, StudyError, method_spec
-from bench.study.context import RunContext
-from bench.study.data import encode_study_examples, load_test_rows, make_batches, split_rows
-from bench.study.models import load_base
-from bench.study.parallel import LocalExecutor, WorkerPool
-from bench.study.records import Invocation, RunRecord, StudyDir, study_identity
-from bench.study.report import RESULTS_NAME, claim, markdown_tables, smooth_window, sweep_table, write_plots
-from bench.study.schedule import Schedule
 from frod_ds.formats.records import record_to_dict
 from frod_ds.prep.io import check_row
 from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.train.data import BatchPlan
+from studies.config import StudyConfig, StudyError, method_spec
+from studies.context import RunContext
+from studies.data import encode_study_examples, load_test_rows, make_batches, split_rows
+from studies.models import load_base
+from studies.parallel import LocalExecutor, WorkerPool
+from studies.records import Invocation, RunRecord, StudyDir, study_identity
+from studies.report import RESULTS_NAME, claim, markdown_tables, smooth_window, sweep_table, write_plots
+from studies.schedule import Schedule
 
 __all__ = ["run_study"]
 

@@ -1,4 +1,4 @@
-"""bench/real_study.py end to end on CPU: a tiny tied-embedding Llama with a byte-level BPE tokenizer (no BOS,
+"""studies/real_study.py end to end on CPU: a tiny tied-embedding Llama with a byte-level BPE tokenizer (no BOS,
 like SmolLM2), rows in LLM-Adapters' format (separator ""), every method, three LRs each.
 
 Checked against independent computations: the token counts every run saw equal the training rows'
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import real_study
+from studies import real_study
 
 TEMPLATE = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the "
@@ -223,12 +223,12 @@ def test_llm_adapters_results_are_the_library_scorers(setup):
 
 
 def test_study_generation_goes_through_the_library_scorer(setup, monkeypatch):
-    """bench.study's llm-adapters evaluation calls the library's scorer for every row, and returns its records."""
+    """studies's llm-adapters evaluation calls the library's scorer for every row, and returns its records."""
     from transformers import AutoModelForCausalLM
 
     import frod_ds.eval.predict as fe
-    from bench.study.evaluate import llm_adapters_eval
     from frod_ds.prep.io import read_rows
+    from studies.evaluate import llm_adapters_eval
 
     _, _, tok, model_dir, out, _ = setup
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -380,7 +380,7 @@ def test_a_study_directory_of_other_settings_is_refused_with_one_line(setup, tmp
 
 
 def test_next_lr_steps_past_the_end_on_the_half_decade_grid():
-    from bench.study.schedule import next_lr
+    from studies.schedule import next_lr
 
     assert next_lr(1e-4, 3e-4) == 3e-5 and next_lr(1e-3, 3e-4) == 3e-3
     assert next_lr(3e-5, 1e-4) == 1e-5 and next_lr(3e-4, 1e-4) == 1e-3
@@ -389,7 +389,7 @@ def test_next_lr_steps_past_the_end_on_the_half_decade_grid():
 
 
 def _record(method: str, lr: float, acc: float, wall: float = 100.0):
-    from bench.study.records import RunRecord
+    from studies.records import RunRecord
 
     return RunRecord(
         method=method,
@@ -414,8 +414,8 @@ def _record(method: str, lr: float, acc: float, wall: float = 100.0):
 
 
 def test_schedule_starts_only_what_fits_and_scores_a_best_run_once_its_method_can_train_no_more(tmp_path):
-    from bench.study.config import StudyConfig, parse_lrs
-    from bench.study.schedule import Schedule
+    from studies.config import StudyConfig, parse_lrs
+    from studies.schedule import Schedule
 
     cfg = StudyConfig(
         model=".",

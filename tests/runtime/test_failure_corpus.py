@@ -1,6 +1,6 @@
-"""The failure-policy corpus (bench/failure_corpus.yaml) is well formed, and a handful of its fastest cases pass
-through its runner (bench/failure_corpus.py) as the corpus says they should. The whole corpus is a bench run
-(`python bench/failure_corpus.py`), not a test: it builds a world and runs ~470 commands."""
+"""The failure-policy corpus (tests/failure_corpus/corpus.yaml) is well formed, and a handful of its fastest cases pass
+through its runner (tests/failure_corpus/run.py) as the corpus says they should. The whole corpus is a bench run
+(`python -m tests.failure_corpus.run`), not a test: it builds a world and runs ~470 commands."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ FAST = [
 
 @pytest.fixture(scope="module")
 def corpus():
-    spec = importlib.util.spec_from_file_location("failure_corpus", REPO / "bench" / "failure_corpus.py")
+    spec = importlib.util.spec_from_file_location("failure_corpus", REPO / "tests" / "failure_corpus" / "run.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     try:

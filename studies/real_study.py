@@ -1,13 +1,13 @@
 """FRoD vs PEFT LoRA (r=16, r=32) vs full fine-tuning on a real model and real data, one GPU, resumable.
 
     python -m data_prep build --source llm-adapters:/data/llm_adapters --template llm-adapters --out data/la
-    python bench/real_study.py --model models/smollm2-135m --data data/la --out $S --max-minutes 9    # 1st command
-    python bench/real_study.py --model models/smollm2-135m --data data/la --out $S --max-minutes 9    # goes on in $S
-    python bench/real_study.py ... --out $S2 --resume-from $S       # goes on from a copy of $S's records, into $S2
-    python bench/real_study.py --model M --data D --out /tmp/s --lrs frod=3e-3,1e-2,3e-2       # another sweep
-    python bench/real_study.py --model M --data D --out /tmp/s --train-limit 64 --eval-limit 4 \\
+    python -m studies.real_study --model models/smollm2-135m --data data/la --out $S --max-minutes 9    # 1st command
+    python -m studies.real_study --model models/smollm2-135m --data data/la --out $S --max-minutes 9    # goes on in $S
+    python -m studies.real_study ... --out $S2 --resume-from $S       # goes on from a copy of $S's records, into $S2
+    python -m studies.real_study --model M --data D --out /tmp/s --lrs frod=3e-3,1e-2,3e-2       # another sweep
+    python -m studies.real_study --model M --data D --out /tmp/s --train-limit 64 --eval-limit 4 \\
         --heldout 16 --batch-size 8 --device cpu                                               # CPU rehearsal
-    python bench/real_study.py --replot $S/real_study.json         # tables and PNGs again, from the JSON alone
+    python -m studies.real_study --replot $S/real_study.json         # tables and PNGs again, from the JSON alone
 
 Every method trains with the same loop, loss mask, tokenizer, batches (same order) and schedule for the
 same number of steps (``--epochs`` of the train rows less a held-out slice); each sweeps an equal number of
@@ -28,9 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.study.config import StudyConfig, StudyError, parse_lrs  # noqa: E402
+from studies.config import StudyConfig, StudyError, parse_lrs
 
 
 def parse_args(argv: list[str]) -> StudyConfig | Path:
@@ -177,7 +175,7 @@ def parse_args(argv: list[str]) -> StudyConfig | Path:
 def replot(path: Path) -> None:
     import json
 
-    from bench.study.report import markdown_tables, write_plots
+    from studies.report import markdown_tables, write_plots
 
     doc = json.loads(path.read_text())
     print(markdown_tables(doc))
@@ -193,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(cfg, Path):
             replot(cfg)
             return 0
-        from bench.study.runner import run_study
+        from studies.runner import run_study
 
         run_study(cfg, [Path(__file__).name, *argv], started)
     except StudyError as e:

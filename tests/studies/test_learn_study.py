@@ -1,4 +1,4 @@
-"""bench/learn_study.py end to end on CPU with a tiny Llama (frod_ds.testing.toy): generate a task, sweep two
+"""studies/learn_study.py end to end on CPU with a tiny Llama (frod_ds.testing.toy): generate a task, sweep two
 methods and an S-rate variant, a second seed, resume (the same command again trains nothing), report.
 
 Checked against independent computations: every run of the task saw the training tokens counted here from the
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import learn_study
+from studies import learn_study
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_report_comes_from_the_json(rehearsal):
 
 
 def test_t_quantile_matches_the_normal_limit_and_a_known_small_sample_property():
-    from bench.study.learn_report import t_quantile
+    from studies.learn_report import t_quantile
 
     assert t_quantile(0.975, 10_000) == pytest.approx(1.95996, abs=1e-3)  # the normal quantile
     # with 1 degree of freedom t is Cauchy: quantile tan(pi (p - 1/2))
@@ -172,10 +172,10 @@ def test_user_mistakes_exit_2_with_one_line(tmp_path, capsys):
 
 
 def test_tan_alpha_of_both_implementations_is_the_split_of_the_merged_weight_change(rehearsal):
-    from bench.study.config import StudyConfig
-    from bench.study.models import ModelFactory, load_base
-    from bench.study.rotation import initial_sigmas, rotation_by_category
     from frod_ds.model.apply import frod_modules
+    from studies.config import StudyConfig
+    from studies.models import ModelFactory, load_base
+    from studies.rotation import initial_sigmas, rotation_by_category
 
     root = rehearsal[0]
     base, _ = load_base(str(root / "model"), torch.device("cpu"))

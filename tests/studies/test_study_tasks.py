@@ -1,4 +1,4 @@
-"""bench/study/tasks.py: generated tasks are deterministic from their seed, their splits are disjoint, and every
+"""studies/tasks.py: generated tasks are deterministic from their seed, their splits are disjoint, and every
 answer equals one computed here from the row's own text (arithmetic) or from the trained sentences (facts)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from bench.study.tasks import RELATIONS, ArithSpec, FactsSpec, TaskError, parse_task, task_rows, write_task
 from frod_ds.prep.io import check_row
+from studies.tasks import RELATIONS, ArithSpec, FactsSpec, TaskError, parse_task, task_rows, write_task
 
 SMALL_ARITH = ArithSpec(seed=3, train=300, heldout=40, test=40, digits=(1, 2), long_digits=(3, 3))
 

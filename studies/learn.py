@@ -1,6 +1,6 @@
-"""The learnability study (``bench/learn_study.py``): generated tasks, every method, LR sweeps, then seeds.
+"""The learnability study (``studies/learn_study.py``): generated tasks, every method, LR sweeps, then seeds.
 
-Per task, the study directories under ``OUT/<task>/``, each one ``bench.study`` study (its records, identity,
+Per task, the study directories under ``OUT/<task>/``, each one ``studies`` study (its records, identity,
 resume and time budget unchanged):
 
     seed0/   the LR sweeps of the main methods (frod, peftfrod, lora16, lora64, full; extended past an end as
@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.study.config import StudyConfig, StudyError, parse_lrs
-from bench.study.report import RESULTS_NAME
-from bench.study.runner import run_study
+from studies.config import StudyConfig, StudyError, parse_lrs
+from studies.report import RESULTS_NAME
+from studies.runner import run_study
 
 __all__ = ["MAIN_METHODS", "RATIO_METHODS", "LearnConfig", "epochs_for_steps", "run_learn"]
 

@@ -18,8 +18,8 @@ import time
 import torch
 from torch import nn
 
-from bench.study.config import TARGETS, MethodSpec, StudyConfig
 from frod_ds.model.apply import apply_frod, frod_modules, frod_param_groups, set_submodule
+from studies.config import TARGETS, MethodSpec, StudyConfig
 
 __all__ = [
     "load_base",

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.study.data import Batch
-from bench.study.models import decoder_and_head
 from frod_ds.train.schedule import lr_lambda
+from studies.data import Batch
+from studies.models import decoder_and_head
 
 __all__ = ["autocast", "token_nll", "batch_losses", "RunLog", "train_run"]
 

@@ -1,4 +1,4 @@
-"""FRoD vs PEFT LoRA vs full fine-tuning on a real model and real data (``bench/real_study.py``).
+"""FRoD vs PEFT LoRA vs full fine-tuning on a real model and real data (``studies/real_study.py``).
 
 config.py    the study's typed configuration, the methods and their LR sweeps, validation
 data.py      rows → the project's tokens and loss mask, answer-word masks, pre-collated batches
@@ -12,7 +12,7 @@ schedule.py  which job comes next (runs centre out, extensions, test evals of ea
 report.py    smoothing, steps-to-loss, the paper's claim, plots and tables
 rotation.py  tan α = ‖ΔW_off‖/‖ΔW_on‖ per category of a frod-ds or stock PEFT FRoD model (checkpoints)
 tasks.py     generated tasks (arithmetic, a fact base) from a seed, with held-out and test splits
-learn.py     the learnability study (bench/learn_study.py): per task, sweeps, S-rate ratios, seeds
+learn.py     the learnability study (studies/learn_study.py): per task, sweeps, S-rate ratios, seeds
 learn_report.py  learn_study.json from the study directories, then report.md and plots from it
 runner.py    the study under one command's time budget: setup and identity, base evals, the jobs, the
              combined report of every command's records

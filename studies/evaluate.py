@@ -8,7 +8,7 @@
   the gold word; no match is wrong). The study keeps no scorer of its own: its numbers are the library's.
 - exact: greedy decoding (``fe.generate_outputs``, up to ``exact_max_new_tokens``, stopping at EOS) after the
   context the log-likelihood protocol scores from; correct iff the first line of the output, stripped, is the
-  row's answer. For generated tasks whose answer is a number or a word (``bench.study.tasks``).
+  row's answer. For generated tasks whose answer is a number or a word (``studies.tasks``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import frod_ds.eval.predict as fe
-from bench.study.data import Batch
-from bench.study.loop import autocast, token_nll
 from frod_ds.eval.accuracy import summarize
+from studies.data import Batch
+from studies.loop import autocast, token_nll
 
 __all__ = ["heldout_losses", "loglik_eval", "llm_adapters_eval", "exact_answer", "exact_eval", "GENERATION_SCORER"]
 

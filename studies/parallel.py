@@ -64,7 +64,7 @@ class LocalExecutor:
 def _worker(ctx_path: str, device: str, jobs, results, threads: int) -> None:
     torch.set_num_threads(threads)
     try:
-        from bench.study.context import RunContext
+        from studies.context import RunContext
 
         ctx = RunContext.load(Path(ctx_path), torch.device(device), log=lambda m: results.put(("log", m)))
         results.put(("ready", os.getpid()))

@@ -1,10 +1,10 @@
-"""Tasks a small model can learn, generated in code from a seed, as rows the study reads (``bench/learn_study.py``).
+"""Tasks a small model can learn, generated in code from a seed, as rows the study reads (``studies/learn_study.py``).
 
 A task directory holds ``train.jsonl`` (trained on), ``heldout.jsonl`` (the study's LR selection, never trained on,
 disjoint from the test splits) and ``eval/<split>.jsonl`` (the test splits), each row in data_prep's format
 ``{task, id, prompt, separator, answer, choices, label}`` (``frod_ds.prep.io.check_row``). Choices are the answer
 and three near misses, so the study's log-likelihood accuracy works unchanged; the accuracy the report quotes is
-exact match of a greedy answer (``bench.study.evaluate.exact_eval``).
+exact match of a greedy answer (``studies.evaluate.exact_eval``).
 
 - ``arith``: ``a + b`` and ``a * b`` with operands of ``digits`` digits. Splits: ``arith_unseen`` (operand pairs of
   the trained lengths that no training or held-out row has, in either order) and ``arith_longer`` (operands of
