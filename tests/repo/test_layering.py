@@ -195,7 +195,10 @@ def test_frod_ds_and_data_prep_import_one_way(g):
     """data_prep (``python -m data_prep``) is an entry point of frod_ds.prep; frod_ds never imports it, nor the
     scripts outside the wheel (launch/, bench/)."""
     back = [
-        f"{src} imports {t}" for src, ts in g.items() for t in ts if t.split(".")[0] in ("data_prep", "launch", "bench", "studies", "tests")
+        f"{src} imports {t}"
+        for src, ts in g.items()
+        for t in ts
+        if t.split(".")[0] in ("data_prep", "launch", "bench", "studies", "tests")
     ]
     assert back == []
     dp = graph(REPO / "data_prep")

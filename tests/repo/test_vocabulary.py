@@ -1,7 +1,7 @@
-"""One vocabulary: the library's strings (help texts, errors, log lines, docstrings), README.md and docs/*.md
-name a command as ``frod <verb>``. The script and module forms that keep working (``launch/X.py``, ``python -m
-frod_ds``, ``python -m data_prep``) and the deprecated ones are listed once, in docs/commands.md (and in
-CHANGELOG.md); anywhere else they are a second vocabulary."""
+"""One vocabulary: the library's strings (help texts, errors, log lines, docstrings), README.md, docs/*.md and
+the shipped recipes name a command as ``frod <verb>``. The script and module forms that keep working
+(``launch/X.py``, ``python -m frod_ds``, ``python -m data_prep``) and the deprecated ones are listed once, in
+docs/commands.md (and in CHANGELOG.md); anywhere else they are a second vocabulary."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def old_forms_in_text(text: str) -> list[str]:
 
 
 def _pages() -> list[Path]:
-    return [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p != THE_LIST)]
+    """README, docs/ and the shipped recipes (their header comments show how to run them)."""
+    docs = sorted(p for p in (REPO / "docs").glob("*.md") if p != THE_LIST)
+    return [REPO / "README.md", *docs, *sorted((REPO / "recipes").glob("*.yaml"))]
 
 
 @pytest.mark.parametrize(
