@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MOVED", "REMOVED_IN", "forward", "old_paths"]
+__all__ = ["MOVED", "REMOVED", "REMOVED_IN", "forward", "old_paths"]
 
 REMOVED_IN = "0.3.0"
 
@@ -58,6 +58,7 @@ MOVED: dict[str, tuple[str, ...]] = {
         "frod_ds.train.preflight",
         "frod_ds.train.metrics",
         "frod_ds.train.loop",
+        "frod_ds.train.identity",
         "frod_ds.train.trainer",
     ),
     "frod_ds.export": ("frod_ds.interop.hf_export",),
@@ -69,9 +70,9 @@ MOVED: dict[str, tuple[str, ...]] = {
     "frod_ds.planner": ("frod_ds.plan.shapes", "frod_ds.plan.memory", "frod_ds.plan.recommend"),
     "frod_ds.toy": ("frod_ds.testing.toy",),
     "frod_ds.realmodel": ("frod_ds.interop.gguf",),
-    "data_prep.build": ("frod_ds.prep.build",),
-    "data_prep.cli": ("frod_ds.prep.cli",),
-    "data_prep.io": ("frod_ds.prep.io",),
+    "data_prep.build": ("frod_ds.prep.dataset",),
+    "data_prep.cli": ("frod_ds.prep.command",),
+    "data_prep.io": ("frod_ds.prep.rows",),
     "data_prep.llm_adapters": ("frod_ds.prep.llm_adapters",),
     "data_prep.sources": ("frod_ds.prep.sources",),
     "data_prep.tasks": ("frod_ds.prep.tasks",),
@@ -97,6 +98,24 @@ MOVED: dict[str, tuple[str, ...]] = {
     "frod_ds.testing.realmodel": ("frod_ds.interop.gguf",),
     "frod_ds.train.checkpoint_dir": ("frod_ds.train.checkpoints",),
     "frod_ds.train.engine_checkpoint": ("frod_ds.train.engine_state",),
+    "frod_ds.prep.io": ("frod_ds.prep.rows",),
+    "frod_ds.prep.cli": ("frod_ds.prep.command",),
+    "frod_ds.prep.build": ("frod_ds.prep.dataset",),
+}
+
+# Names that left the package in 0.2.0 instead of moving: the GGUF downloader (nothing that downloads ships in the
+# wheel; the tests' copy is tests/support/realmodel.py).
+REMOVED: dict[str, str] = {
+    name: "the GGUF download left the package in 0.2.0; pass the file to frod convert-gguf convert --gguf"
+    for name in (
+        "RealModelUnavailable",
+        "SMOLLM2_GGUF",
+        "SMOLLM2_GGUF_MD5",
+        "SMOLLM2_GGUF_SIZE",
+        "SMOLLM2_PACKAGE",
+        "default_cache_dir",
+        "locate_gguf",
+    )
 }
 
 
@@ -116,6 +135,8 @@ def forward(old: str) -> Callable[[str], Any]:
                     stacklevel=2,
                 )
                 return getattr(module, name)
+        if name in REMOVED:
+            raise AttributeError(f"module {old!r} has no attribute {name!r}: {REMOVED[name]}")
         raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {', '.join(new)})")
 
     return __getattr__

@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of every saved weight")
     c.add_argument("--overwrite", action="store_true", help="replace --out if an earlier conversion wrote it")
+    # 0.1's download flags: accepted and ignored for one release (nothing is downloaded; CHANGELOG.md)
+    c.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    c.add_argument("--no-download", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

@@ -1,4 +1,4 @@
-"""``frod``: the one command of frod-ds; each subcommand is a module of ``frod_ds.cli`` (or ``frod_ds.prep.cli``).
+"""``frod``: the one command of frod-ds; each subcommand is a module of ``frod_ds.cli`` (or ``frod_ds.prep.command``).
 
 ``frod COMMAND --help`` shows a command's flags and examples. Exit codes are the command's: 0 ok, 2 bad input
 (one ``error:`` line), 1 a failed check, 143 after SIGTERM. Launchers and script forms: docs/commands.md.
@@ -37,7 +37,7 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "data": Command("frod_ds.prep.cli", "build, inspect or show the Commonsense170K data (JSONL rows)"),
+    "data": Command("frod_ds.prep.command", "build, inspect or show the Commonsense170K data (JSONL rows)"),
     "hjd": Command("frod_ds.cli.hjd", "decompose a base model's targeted weights into a factor store", True),
     "train": Command("frod_ds.cli.train", "train FRoD adapters with DeepSpeed ZeRO-2/3 (resumes output_dir)", True),
     "eval": Command("frod_ds.cli.eval", "score a model or adapter on the commonsense tasks", True),

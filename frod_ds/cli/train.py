@@ -43,28 +43,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def gpu_memory() -> float | None:
+    """Bytes of this rank's GPU, None without one (then no hint is printed)."""
+    import torch
+
+    from frod_ds.runtime import distributed as dist
+
+    return torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
+
+
 def train(args: argparse.Namespace) -> int:
     from frod_ds.config.recipe import load_recipe
     from frod_ds.runtime import distributed as dist
 
     recipe = load_recipe(args.recipe, args.overrides)  # cheap checks first, before any process group
     dist.init_deepspeed()
-    import torch
-
-    from frod_ds.config.ds_config import load_ds_config
     from frod_ds.plan.recommend import train_hint
     from frod_ds.train.run_dir import removed_if_failed
     from frod_ds.train.trainer import fit, setup
 
-    gpu_bytes = (
-        torch.cuda.get_device_properties(dist.local_device()).total_memory if torch.cuda.is_available() else None
-    )
-    ds_cfg = dist.on_all(lambda: load_ds_config(args.config))  # parsed once, for the hint and for training
-    hint = train_hint(recipe, ds_cfg, dist.get_world_size(), gpu_bytes, name=args.config)  # reads config.json only
-    if hint:
-        dist.print0(hint)
+    gpu_bytes = gpu_memory()
+
+    def print_hint(inputs) -> None:  # from what setup read once: the parsed JSON and the base's config.json
+        world = dist.get_world_size()
+        hint = train_hint(
+            recipe, inputs.ds_config, world, gpu_bytes, name=args.config, model_config=inputs.base.config()
+        )
+        if hint:
+            dist.print0(hint)
+
     with removed_if_failed(Path(recipe.output_dir)):  # a failed fresh run leaves no output_dir behind
-        return fit(setup(recipe, ds_cfg, args.nvme_path))
+        return fit(setup(recipe, args.config, args.nvme_path, on_inputs=print_hint))
 
 
 def main(argv: list[str] | None = None) -> int:

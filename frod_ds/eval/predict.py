@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from frod_ds.prep.io import ANSWER_SEPARATOR, row_separator
+from frod_ds.prep.rows import ANSWER_SEPARATOR, row_separator
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
@@ -82,7 +82,7 @@ def encode_rows(
 ) -> list[EncodedRow]:
     """Tokenize rows into a shared context and per-choice continuations (see `encode_row`).
 
-    ``separators[i]`` is the text between prompt ``i`` and its answers (``frod_ds.prep.io.row_separator``
+    ``separators[i]`` is the text between prompt ``i`` and its answers (``frod_ds.prep.rows.row_separator``
     of the row); None means `ANSWER_SEPARATOR` for every row.
     """
     eos = getattr(tokenizer, "eos_token_id", None)

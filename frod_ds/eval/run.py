@@ -118,7 +118,7 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
 
     Every missing file is reported in one EvalError; a bad row raises DataPrepError naming file and line.
     """
-    from frod_ds.prep.io import read_rows
+    from frod_ds.prep.rows import read_rows
     from frod_ds.prep.tasks import parse_tasks
 
     tasks = parse_tasks(tasks_spec)

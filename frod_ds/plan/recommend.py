@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from frod_ds.config.ds_config import load_ds_config
 from frod_ds.plan.memory import Plan, plan_memory
 from frod_ds.plan.shapes import (
     Engine,
@@ -15,6 +17,7 @@ from frod_ds.plan.shapes import (
     TrainShape,
     engine_from_ds_config,
     load_model_shape,
+    model_shape_from_config,
     shipped_engines,
     train_shape_from_recipe,
 )
@@ -192,20 +195,27 @@ def hint(model: ModelShape, train: TrainShape, chosen: Engine, gpus: int, gpu_by
 
 def train_hint(
     recipe: Any,
-    ds_config: Mapping[str, Any],
+    ds_config: Mapping[str, Any] | str | os.PathLike,
     world_size: int,
     gpu_bytes: float | None,
+    layer_saves: str = "z",
     *,
     name: str = "the DeepSpeed config",
-    layer_saves: str = "z",
+    model_config: Mapping[str, Any] | None = None,
 ) -> str | None:
-    """``hint`` for ``frod train``: the recipe, its DeepSpeed JSON as ``load_ds_config`` returned it (``name``: how
-    the line names it), the world size and one GPU's memory. None without a GPU, and when an input is unusable
-    (training's own checks report that)."""
+    """``hint`` for ``frod train``: the recipe, its DeepSpeed JSON (parsed, or its path; ``name``: how the line
+    names it), the world size and one GPU's memory; ``model_config``: the base model's config.json when the caller
+    has read it already. None without a GPU, and when an input is unusable (training's own checks report that)."""
     if not gpu_bytes:
         return None
     try:
-        model = load_model_shape(recipe.model.base)
+        if isinstance(ds_config, (str, os.PathLike)):
+            name, ds_config = str(ds_config), load_ds_config(ds_config)
+        model = (
+            model_shape_from_config(dict(model_config))
+            if model_config is not None
+            else load_model_shape(recipe.model.base)
+        )
         engine = engine_from_ds_config(dict(ds_config), name)
         return hint(model, train_shape_from_recipe(recipe, layer_saves), engine, world_size, gpu_bytes)
     except (FrodError, OSError, KeyError):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from frod_ds.prep.io import ANSWER_SEPARATOR  # noqa: F401  (re-exported: training text = prompt + it + answer)
+from frod_ds.prep.rows import ANSWER_SEPARATOR  # noqa: F401  (re-exported: training text = prompt + it + answer)
 
 BOOLQ = "Reference document:\n{passage}\nQuestion:\n{question}"
 PIQA = (

@@ -1,6 +1,6 @@
 """Token-length checks of rendered rows against a training cutoff.
 
-A row's length is the length of its training text ``prompt + separator + answer`` (`frod_ds.prep.io.training_text`)
+A row's length is the length of its training text ``prompt + separator + answer`` (`frod_ds.prep.rows.training_text`)
 encoded with the tokenizer's special tokens (BOS for LLaMA), plus one for the EOS the training collator
 appends (not added twice if the tokenizer already ends the sequence with EOS).
 """

@@ -16,7 +16,7 @@ import torch
 
 from frod_ds.config.ds_config import BatchSizes
 from frod_ds.eval.predict import encode_rows
-from frod_ds.prep.io import MAX_ROW_CHARS, read_rows, row_separator
+from frod_ds.prep.rows import MAX_ROW_CHARS, read_rows, row_separator
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError
 
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-# MAX_ROW_CHARS (frod_ds.prep.io): a training row (prompt + answer) longer than this is refused, not silently truncated
+# MAX_ROW_CHARS (frod_ds.prep.rows): a training row (prompt + answer) longer than this is refused, not truncated
 
 
 class DataError(FrodError):

@@ -168,10 +168,14 @@ def _check_sparsity(recipe: Recipe, store: FactorStore) -> None:
             )
 
 
-def nvme_params(base: HFCheckpoint, store: FactorStore, targets: list[str], sparsity: float) -> NvmeParams:
+def nvme_params(
+    base: HFCheckpoint | str | os.PathLike, store: FactorStore, targets: list[str], sparsity: float
+) -> NvmeParams:
     """The FRoD model's parameter sizes per decoder layer (checkpoint tensors, a ``U`` in place of each targeted
     weight), the ``V`` shared per category, the rest, and each layer's trainable σ (n) and S (round(s·n²)):
-    what ``check_nvme_buffer_count`` counts."""
+    what ``check_nvme_buffer_count`` counts. ``base``: the opened checkpoint, or its directory."""
+    if not isinstance(base, HFCheckpoint):
+        base = HFCheckpoint(resolve_model_dir(str(base)))
     replaced = {f"{m}.weight": math.prod(store.member_shape(m)) for c in targets for m in store.categories[c]}
     layers: dict[int, list[int]] = {}
     trainable: dict[int, list[int]] = {}

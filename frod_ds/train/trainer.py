@@ -14,7 +14,7 @@ import os
 import random
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +44,17 @@ __all__ = ["Run", "setup", "fit", "enable_gradient_checkpointing"]
 USE_REENTRANT = False  # the gradient-checkpointing variant; see enable_gradient_checkpointing
 
 
-def setup(recipe: Recipe, ds_config: Mapping[str, Any] | str | os.PathLike, nvme_path: str | None = None) -> Run:
+def setup(
+    recipe: Recipe,
+    ds_config: Mapping[str, Any] | str | os.PathLike,
+    nvme_path: str | None = None,
+    *,
+    on_inputs: Callable[[Inputs], None] | None = None,
+) -> Run:
     """Check the inputs, build model, optimizer and engine, restore the newest sound checkpoint if any.
 
-    ``ds_config``: the DeepSpeed JSON as ``load_ds_config`` parsed it (``frod train`` parses it once, for the
-    planner's hint and for this), or its path."""
+    ``ds_config``: the DeepSpeed JSON or its path (read here, once). ``on_inputs`` sees the checked inputs before
+    the model is built (``frod train`` prints the planner's hint from them, so nothing is read twice)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     out = Path(recipe.output_dir)
     dist.on_all(lambda: check_run_dir(out))  # before anything reads or writes there
@@ -56,6 +62,8 @@ def setup(recipe: Recipe, ds_config: Mapping[str, Any] | str | os.PathLike, nvme
     resume = (None, []) if recipe.train.new_run else dist.on_main(lambda: choose_checkpoint(out / "checkpoints"))
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
     inputs = dist.on_all(lambda: preflight(recipe, _parsed(ds_config), nvme_path, resume[0]))
+    if on_inputs is not None:
+        on_inputs(inputs)
     # every rank writes its checkpoint shards there and rank 0 seals them: one directory for all nodes
     dist.check_shared_dir(out, "output_dir")
     t = recipe.train
@@ -206,6 +214,10 @@ def _resume(run: Run, tag: str | None, skipped: list[tuple[str, str]]) -> int:
 _MOVED_NAMES = {
     "lr_lambda": "frod_ds.train.schedule",
     "removed_if_failed": "frod_ds.train.run_dir",
+    "PREVIOUS_RUN": "frod_ds.train.run_dir",
+    "RUN_KIND": "frod_ds.train.run_dir",
+    "RUN_HOSTS": "frod_ds.train.run_dir",
+    "STORE_IDENTITY": "frod_ds.train.identity",
     "nvme_params": "frod_ds.train.preflight",
     "plot_loss": "frod_ds.train.metrics",
     "eval_loss": "frod_ds.train.loop",

@@ -197,7 +197,7 @@ MIRROR_FIXTURE = REPO / "tests" / "fixtures" / "data_prep" / "mirror"
 
 
 def _build(capsys, source: str, out: Path, tasks: str) -> str:
-    from frod_ds.prep.cli import main as data_prep_main
+    from frod_ds.prep.command import main as data_prep_main
 
     return one_error(capsys, data_prep_main(["build", "--source", source, "--out", str(out), "--tasks", tasks]))
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from frod_ds.prep.build import BuildOptions, build
-from frod_ds.prep.io import read_rows
+from frod_ds.prep.dataset import BuildOptions, build
+from frod_ds.prep.rows import read_rows
 from frod_ds.prep.tasks import TASKS, DataPrepError
 from frod_ds.prep.templates import RowError, render
 
@@ -277,8 +277,8 @@ def test_strict_passes_on_clean_tasks(tmp_path):
 def test_rows_training_would_refuse_are_dropped_and_counted(tmp_path):
     """A repeated id (the first row kept) and a row over MAX_ROW_CHARS: dropped and counted like invalid rows,
     so the build never hands training a file it refuses; --strict makes the first one an error."""
-    from frod_ds.prep.build import DUPLICATE_ID, OVERLONG
-    from frod_ds.prep.io import MAX_ROW_CHARS
+    from frod_ds.prep.dataset import DUPLICATE_ID, OVERLONG
+    from frod_ds.prep.rows import MAX_ROW_CHARS
 
     mirror = tmp_path / "mirror"
     shutil.copytree(MIRROR / "arc_easy", mirror / "arc_easy")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from frod_ds.prep.cli import main, make_parser
+from frod_ds.prep.command import main, make_parser
 from tests.support.leftovers import clean_env
 
 REPO = Path(__file__).resolve().parents[2]

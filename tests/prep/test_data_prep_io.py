@@ -1,4 +1,4 @@
-"""`frod_ds.prep.io.read_rows`: the reader training and eval use checks every row of the output format."""
+"""`frod_ds.prep.rows.read_rows`: the reader training and eval use checks every row of the output format."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from data_prep import DataPrepError, read_rows
-from frod_ds.prep.io import write_rows
+from frod_ds.prep.rows import write_rows
 
 GOOD = {
     "task": "piqa",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from frod_ds.prep.build import BuildOptions, build
-from frod_ds.prep.io import ANSWER_SEPARATOR, check_row, dumps_row, read_rows, row_separator, training_text
+from frod_ds.prep.dataset import BuildOptions, build
+from frod_ds.prep.rows import ANSWER_SEPARATOR, check_row, dumps_row, read_rows, row_separator, training_text
 from frod_ds.prep.tasks import TASKS, DataPrepError
 from frod_ds.runtime.atomic import MARKER
 
@@ -375,7 +375,7 @@ def test_combined_file_paper_template_renders_the_single_task_families(combined,
 
 
 def test_cli_reports_rows_of_unselected_families(combined, tmp_path, capsys):
-    from frod_ds.prep.cli import main
+    from frod_ds.prep.command import main
 
     argv = [
         "build",
@@ -536,7 +536,7 @@ def test_bad_source_or_template_is_one_clear_error(tmp_path, src, kw, pattern):
 
 
 def test_cli_builds_and_shows_llm_adapters_rows(tmp_path, capsys):
-    from frod_ds.prep.cli import main
+    from frod_ds.prep.command import main
 
     assert (
         main(["build", "--source", f"llm-adapters:{FIXTURE}", "--out", str(tmp_path / "o"), "--tasks", "boolq,piqa"])

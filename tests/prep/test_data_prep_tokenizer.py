@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from frod_ds.prep.cli import main
+from frod_ds.prep.command import main
 
 MIRROR = Path(__file__).parents[1] / "fixtures" / "data_prep" / "mirror"
 

@@ -132,7 +132,7 @@ def test_repository_paths_in_prose_exist(page: Path) -> None:
     assert not missing, f"{page.relative_to(REPO)} names files that do not exist (moved? see docs/layout.md): {missing}"
 
 
-# A dotted name of the project: `frod_ds.model.store_reader.FactorStore`, `frod_ds.prep.io.MAX_ROW_CHARS`,
+# A dotted name of the project: `frod_ds.model.store_reader.FactorStore`, `frod_ds.prep.rows.MAX_ROW_CHARS`,
 # `launch.demo`.
 MODULE_NAME = re.compile(r"(?<![\w./-])((?:frod_ds|data_prep|launch)(?:\.\w+)+)")
 OLD_PATHS_SECTION = "## Old import paths"  # docs/layout.md's table of old names, old on purpose

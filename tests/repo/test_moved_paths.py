@@ -5,12 +5,13 @@ path is missing its file or left without an entry, and none shadows a current mo
 from __future__ import annotations
 
 import importlib
+import json
 import warnings
 from pathlib import Path
 
 import pytest
 
-from frod_ds._moved import MOVED
+from frod_ds._moved import MOVED, REMOVED
 from tests.support.leftovers import REPO
 
 
@@ -20,7 +21,7 @@ def shim_file(old: str) -> Path:
 
 
 def test_every_moved_path_has_its_file_and_every_file_an_entry():
-    files = {p for p in (REPO / "frod_ds" / "_old_paths").rglob("*.py")}
+    files = {p for p in (REPO / "frod_ds" / "_old_paths").rglob("*.py") if p.name != "__init__.py"}
     files |= {p for p in (REPO / "data_prep").glob("*.py") if p.stem not in ("__init__", "__main__")}
     assert {shim_file(old) for old in MOVED} == files
 
@@ -51,3 +52,22 @@ def test_old_path_forwards_to_the_same_object_and_warns(old):
     assert home.__name__ in str(seen[0].message) and "0.3.0" in str(seen[0].message)
     with pytest.raises(AttributeError, match="moved to"):
         module.no_such_name_here
+
+
+# Every public name each library module defined in the last 0.1 tree (commit e313e16), read from its source.
+PUBLIC_0_1 = REPO / "tests" / "fixtures" / "public_names_0_1.json"
+
+
+@pytest.mark.parametrize("module", sorted(json.loads(PUBLIC_0_1.read_text())))
+def test_every_public_name_of_0_1_still_imports_from_its_path(module):
+    """What a user could import from a module path in 0.1 imports from that path in 0.2 (warning where it moved),
+    except the downloader's names, which left the package (``REMOVED``) and say so."""
+    names = json.loads(PUBLIC_0_1.read_text())[module]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        mod = importlib.import_module(module)
+        missing = [n for n in names if n not in REMOVED and not hasattr(mod, n)]
+        for name in (n for n in names if n in REMOVED):
+            with pytest.raises(AttributeError, match="left the package"):
+                getattr(mod, name)
+    assert missing == []

@@ -14,7 +14,7 @@ NOT_TESTS = {"support", "fixtures", "failure_corpus"}
 
 
 def _frod_parts() -> set[str]:
-    return {p.name for p in (REPO / "frod_ds").iterdir() if (p / "__init__.py").is_file()}
+    return {p.name for p in (REPO / "frod_ds").iterdir() if (p / "__init__.py").is_file() and p.name[0] != "_"}
 
 
 def _test_dirs() -> set[str]:

@@ -154,3 +154,22 @@ def test_no_module_in_the_wheel_runs_pip(wheel):
     assert "frod_ds/interop/gguf.py" in sources and "frod_ds/cli/convert_gguf.py" in sources
     assert [n for n in sources if runs_pip(sources[n])] == []
     assert not [n for n in sources if n.endswith("/realmodel.py") and "_old_paths" not in n], "the downloader ships"
+
+
+def test_installed_old_module_paths_forward_with_a_warning(installed):
+    """The old paths ship in the wheel (frod_ds/_old_paths/) and forward to the new modules from an install."""
+    venv, work, env = installed
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "from frod_ds.plan import recommend\n"
+        "try:\n    from frod_ds.plan.planner import train_hint\nexcept DeprecationWarning as w:\n    print(w)\n"
+        "warnings.simplefilter('ignore')\n"
+        "from frod_ds.trainer import setup\nfrom data_prep.io import read_rows\n"
+        "from frod_ds.plan.planner import train_hint\nprint(train_hint is recommend.train_hint)\n"
+    )
+    res = _sh([venv / "bin" / "python", "-c", code], work, env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split("\n")[:2] == [
+        "frod_ds.plan.planner is deprecated and goes in frod-ds 0.3.0: import train_hint from frod_ds.plan.recommend",
+        "True",
+    ], res.stdout

@@ -628,8 +628,8 @@ def test_a_failed_run_never_removes_an_output_dir_it_did_not_create(train_env, t
 def test_a_task_folder_with_only_test_json_builds_its_test_split(tmp_path, capsys):
     import json
 
-    from frod_ds.prep.build import BuildOptions, build
-    from frod_ds.prep.io import read_rows
+    from frod_ds.prep.dataset import BuildOptions, build
+    from frod_ds.prep.rows import read_rows
 
     fixture = REPO / "tests" / "fixtures" / "data_prep" / "llm_adapters"
     root = tmp_path / "dataset"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from frod_ds.prep.cli import main as data_prep_main
+from frod_ds.prep.command import main as data_prep_main
 from frod_ds.runtime.atomic import MARKER
 from launch import export as export_cli
 from launch import hjd as hjd_cli

@@ -207,7 +207,7 @@ def test_llm_adapters_results_are_the_library_scorers(setup):
     from transformers import AutoModelForCausalLM
 
     from frod_ds.eval.predict import score_llm_adapters_rows
-    from frod_ds.prep.io import read_rows
+    from frod_ds.prep.rows import read_rows
 
     doc, _, tok, model_dir, out, _ = setup
     assert doc["data"]["generation_scorer"] == "frod_ds.eval.predict.score_llm_adapters_rows"
@@ -227,7 +227,7 @@ def test_study_generation_goes_through_the_library_scorer(setup, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     import frod_ds.eval.predict as fe
-    from frod_ds.prep.io import read_rows
+    from frod_ds.prep.rows import read_rows
     from studies.evaluate import llm_adapters_eval
 
     _, _, tok, model_dir, out, _ = setup

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from frod_ds.prep.io import check_row
+from frod_ds.prep.rows import check_row
 from studies.tasks import RELATIONS, ArithSpec, FactsSpec, TaskError, parse_task, task_rows, write_task
 
 SMALL_ARITH = ArithSpec(seed=3, train=300, heldout=40, test=40, digits=(1, 2), long_digits=(3, 3))

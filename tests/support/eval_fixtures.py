@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from frod_ds.prep.io import dumps_row
+from frod_ds.prep.rows import dumps_row
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 WORDS = (

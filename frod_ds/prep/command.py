@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from frod_ds.prep import io, llm_adapters, sources, tokens
-from frod_ds.prep.build import DEFAULT_CUTOFF, BuildOptions, build, resolved_template, template_problems
+from frod_ds.prep import llm_adapters, sources, tokens
+from frod_ds.prep import rows as prep_rows
+from frod_ds.prep.dataset import DEFAULT_CUTOFF, BuildOptions, build, resolved_template, template_problems
 from frod_ds.prep.tasks import (
     DEFAULT_WINOGRANDE_SIZE,
     LLM_ADAPTERS_ROWS,
@@ -202,9 +203,9 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
         file = out / name
         if not file.is_file():
             raise DataPrepError(f"{file} is listed in the manifest but missing")
-        if io.sha256_file(file) != digest:
+        if prep_rows.sha256_file(file) != digest:
             raise DataPrepError(f"{file} does not match its sha256 in the manifest; rebuild it")
-        rows[name] = io.read_rows(file)
+        rows[name] = prep_rows.read_rows(file)
     return manifest, rows
 
 
@@ -228,7 +229,7 @@ def cmd_stats(args: argparse.Namespace) -> None:
             chars = [len(row["prompt"]) for row in task_rows]
             line = f"{name:<26} {task:<14} {len(task_rows):>7} {sum(chars) / len(chars):>14.0f} / {max(chars):>5}"
             if tokenizer is not None:
-                texts = [io.training_text(row) for row in task_rows]
+                texts = [prep_rows.training_text(row) for row in task_rows]
                 s = tokens.summarize(tokens.token_lengths(tokenizer, texts, desc=f"tokenizing {task}"), cutoff)
                 line += f" {s['mean']:>8.0f}/{s['p95']:>5}/{s['max']:>5} {s['over_cutoff']:>7}"
             print(line)
@@ -320,7 +321,7 @@ def examples_from_build(out: Path, task: str, role: str, n: int) -> list[dict[st
     path = out / "train.jsonl" if role == "train" else out / "eval" / f"{task}.jsonl"
     if not path.is_file():
         raise DataPrepError(f"{path} not found; is {out} a frod data build that includes {task}?")
-    rows = io.read_rows(path)
+    rows = prep_rows.read_rows(path)
     return [row for row in rows if row["task"] == task][:n]
 
 
@@ -340,7 +341,7 @@ def cmd_show(args: argparse.Namespace) -> None:
         rows = examples_from_build(args.out, args.task, args.split, args.n)
     for row in rows:
         print(f"=== {row['task']} {row['id']}  label {row['label']}  choices {row['choices']}")
-        text = io.training_text(row)
+        text = prep_rows.training_text(row)
         print(repr(text) if args.repr else text)
     if not rows:
         print(f"no valid {args.task} {args.split} rows found", file=sys.stderr)

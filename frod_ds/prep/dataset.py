@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from frod_ds.prep import io, llm_adapters, sources, tokens
+from frod_ds.prep import llm_adapters, sources, tokens
+from frod_ds.prep import rows as prep_rows
 from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from frod_ds.prep.templates import RowError, render, row_id
 from frod_ds.runtime.atomic import building_dir, check_out
@@ -263,12 +264,12 @@ def load_splits(options: BuildOptions) -> list[SplitResult]:
 
 
 DUPLICATE_ID = "duplicate id"
-OVERLONG = f"prompt + answer over {io.MAX_ROW_CHARS} characters"
+OVERLONG = f"prompt + answer over {prep_rows.MAX_ROW_CHARS} characters"
 
 
 def drop_rows_training_refuses(result: SplitResult, strict: bool) -> None:
     """Drop (and count) rows that training would refuse: a repeat of an earlier row's ``id`` in the split (the
-    first is kept), and a row whose prompt + answer exceeds `io.MAX_ROW_CHARS`; with `strict`, the first is an
+    first is kept), and a row whose prompt + answer exceeds `prep_rows.MAX_ROW_CHARS`; with `strict`, the first is an
     error naming the task and file."""
     seen: set[str] = set()
     kept = []
@@ -277,7 +278,7 @@ def drop_rows_training_refuses(result: SplitResult, strict: bool) -> None:
             DUPLICATE_ID
             if row["id"] in seen
             else OVERLONG
-            if len(row["prompt"]) + len(row["answer"]) > io.MAX_ROW_CHARS
+            if len(row["prompt"]) + len(row["answer"]) > prep_rows.MAX_ROW_CHARS
             else None
         )
         if reason is None:
@@ -335,7 +336,7 @@ def token_report(results: list[SplitResult], tokenizer: Any, name: str, cutoff: 
     """Token-length summary (and rows over `cutoff`) per task and split, for the manifest."""
     per_task: dict[str, dict[str, Any]] = {}
     for result in results:
-        texts = [io.training_text(row) for row in result.rows]
+        texts = [prep_rows.training_text(row) for row in result.rows]
         lengths = tokens.token_lengths(tokenizer, texts, desc=f"tokenizing {result.task} {result.split}")
         per_task.setdefault(result.task, {})[result.role] = tokens.summarize(lengths, cutoff)
     return {
@@ -414,7 +415,7 @@ def llm_adapters_manifest(options: BuildOptions, results: list[SplitResult]) -> 
         "template": template,
         "training_text": "prompt + separator + answer + EOS; "
         "separator: the row's 'separator' field, else '\\nAnswer: '",
-        "separator": llm_adapters.SEPARATOR if template == "llm-adapters" else io.ANSWER_SEPARATOR,
+        "separator": llm_adapters.SEPARATOR if template == "llm-adapters" else prep_rows.ANSWER_SEPARATOR,
         "prompts": prompts,
         "families": families,
         "notes": notes,
@@ -430,13 +431,13 @@ def write_outputs(
     """
     with building_dir(out, KIND, error=DataPrepError) as tmp:
         (tmp / "eval").mkdir()
-        files = {"train.jsonl": io.write_rows(tmp / "train.jsonl", train)}
+        files = {"train.jsonl": prep_rows.write_rows(tmp / "train.jsonl", train)}
         for r in results:
             if r.role == "eval":
-                files[f"eval/{r.task}.jsonl"] = io.write_rows(tmp / "eval" / f"{r.task}.jsonl", r.rows)
+                files[f"eval/{r.task}.jsonl"] = prep_rows.write_rows(tmp / "eval" / f"{r.task}.jsonl", r.rows)
         manifest["files"] = files
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=True) + "\n", encoding="ascii")
-        files = {**files, "manifest.json": io.sha256_file(tmp / "manifest.json")}
+        files = {**files, "manifest.json": prep_rows.sha256_file(tmp / "manifest.json")}
     return files
 
 

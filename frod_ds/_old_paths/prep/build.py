@@ -1,0 +1,5 @@
+"""Moved to ``frod_ds.prep.dataset``; this path goes in 0.3.0 (``frod_ds._moved``)."""
+
+from frod_ds._moved import forward as _forward
+
+__getattr__ = _forward(__name__)
