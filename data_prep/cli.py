@@ -1,4 +1,4 @@
-"""Moved to ``frod_ds.prep.cli``; this path goes in 0.3.0 (``frod_ds._moved``)."""
+"""Moved to ``frod_ds.prep.command``; this path goes in 0.3.0 (``frod_ds._moved``)."""
 
 from frod_ds._moved import forward as _forward
 

@@ -1,6 +1,6 @@
 """Rows → the project's tokens and loss mask (``frod_ds.train.data.encode_examples``) → pre-collated batches.
 
-Training text: ``prompt + separator + answer + EOS`` (``frod_ds.prep.io.row_separator``: LLM-Adapters' template
+Training text: ``prompt + separator + answer + EOS`` (``frod_ds.prep.rows.row_separator``: LLM-Adapters' template
 has ``""``, the paper's ``"\\nAnswer: "``). The loss mask is the project's: the answer tokens and EOS
 (``train_on_inputs``: every token).
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from frod_ds.eval.predict import EvalError, common_prefix_len
-from frod_ds.prep.io import read_rows, row_separator, training_text
+from frod_ds.prep.rows import read_rows, row_separator, training_text
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.train.data import IGNORE_INDEX, BatchPlan, DataError, encode_examples, read_training_rows
 from studies.config import StudyError

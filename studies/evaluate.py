@@ -87,7 +87,7 @@ def exact_eval(
     device: torch.device,
 ) -> tuple[dict, list[dict]]:
     """(summary in ``summarize``'s shape, records) of exact match of a greedy answer to each row's ``answer``."""
-    from frod_ds.prep.io import row_separator
+    from frod_ds.prep.rows import row_separator
 
     model.eval()
     records = []

@@ -33,7 +33,7 @@ import torch
 
 from bench.common import device_name, versions
 from frod_ds.formats.records import record_to_dict
-from frod_ds.prep.io import check_row
+from frod_ds.prep.rows import check_row
 from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.train.data import BatchPlan
 from studies.config import StudyConfig, StudyError, method_spec

@@ -2,7 +2,7 @@
 
 A task directory holds ``train.jsonl`` (trained on), ``heldout.jsonl`` (the study's LR selection, never trained on,
 disjoint from the test splits) and ``eval/<split>.jsonl`` (the test splits), each row in data_prep's format
-``{task, id, prompt, separator, answer, choices, label}`` (``frod_ds.prep.io.check_row``). Choices are the answer
+``{task, id, prompt, separator, answer, choices, label}`` (``frod_ds.prep.rows.check_row``). Choices are the answer
 and three near misses, so the study's log-likelihood accuracy works unchanged; the accuracy the report quotes is
 exact match of a greedy answer (``studies.evaluate.exact_eval``).
 
