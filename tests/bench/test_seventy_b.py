@@ -87,7 +87,7 @@ def test_steps_out_of_order_are_one_line(tmp_path, capsys):
     assert main(["category", "q_proj", *work]) == 2
     assert "run gen-untargeted on --work" in capsys.readouterr().err
     assert main(["train", *work]) == 2
-    assert "does not exist; build it with launch/hjd.py" in capsys.readouterr().err
+    assert "does not exist; build it with frod hjd" in capsys.readouterr().err
     assert main(["train-resume", *work]) == 2
     assert "run train first" in capsys.readouterr().err
     assert main(["gen-untargeted", *work, "--data", str(tmp_path / "nodata")]) == 2

@@ -313,7 +313,7 @@ def test_batch_size_conflict_is_refused(env, tmp_path):
 def test_factor_store_of_another_model_is_refused(env, tmp_path):
     other = build_env(tmp_path / "other", seed=1)
     res, out = _bad_run(env, tmp_path, **{"model.factor_store": other.store})
-    _assert_refused(res, out, "fingerprint", "launch/hjd.py")
+    _assert_refused(res, out, "fingerprint", "frod hjd")
 
 
 def test_data_rows_missing_fields_are_refused(env, tmp_path):
