@@ -207,6 +207,7 @@ def test_hint_names_the_faster_or_the_fitting_set_up():
 
 def test_train_hint_reads_the_recipe_and_the_loaded_json(tmp_path):
     """``train_hint`` takes the DeepSpeed JSON as ``load_ds_config`` returned it and names it as it is told."""
+    from frod_ds.config.ds_config import load_ds_config
     from frod_ds.config.recipe import load_recipe
     from frod_ds.plan.recommend import train_hint
 
@@ -318,7 +319,8 @@ def test_train_hint_boundaries_follow_the_plan(tmp_path):
 @pytest.mark.parametrize("rank", [0, 1])
 def test_frod_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypatch, capsys, rank):
     """``frod train`` on a (pretended) GPU whose ZeRO-2 fits, asked for ZeRO-3: rank 0 prints the planner's line,
-    exactly once and as one line; another rank prints nothing. Process group, setup and fit are stand-ins."""
+    exactly once and as one line; another rank prints nothing. Process group, setup and fit are stand-ins (setup
+    hands the hint what it read: the parsed JSON and config.json)."""
     import types
 
     import torch
@@ -338,7 +340,13 @@ def test_frod_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypatc
     monkeypatch.setattr(dist, "get_rank", lambda: rank)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=gpu))
-    monkeypatch.setattr(trainer, "setup", lambda *a: "run")
+
+    def setup(recipe, ds_config, nvme_path=None, *, on_inputs=None):
+        base = types.SimpleNamespace(config=lambda: LLAMA2_7B)
+        on_inputs(types.SimpleNamespace(ds_config=load_ds_config(ds_config), base=base))
+        return "run"
+
+    monkeypatch.setattr(trainer, "setup", setup)
     monkeypatch.setattr(trainer, "fit", lambda run: 0)
     config = str(REPO / "ds_configs" / "zero3.json")
     assert (
