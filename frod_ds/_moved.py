@@ -1,4 +1,4 @@
-"""Module paths that moved, kept importable for one release: 0.2.0 warns, {REMOVED_IN} removes them.
+"""Module paths that moved, kept importable for one release: 0.2.0 warns, 0.3.0 (``REMOVED_IN``) removes them.
 
 Each old path is a three-line file under ``frod_ds/_old_paths/`` whose module-level ``__getattr__`` is
 :func:`forward`: each use of a name warns (``DeprecationWarning``, naming the new path) and returns the very object of
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MOVED", "REMOVED", "REMOVED_IN", "forward", "old_paths"]
+__all__ = ["MOVED", "REMOVED", "REMOVED_IN", "forward", "forward_names", "old_paths"]
 
 REMOVED_IN = "0.3.0"
 
@@ -119,6 +119,16 @@ REMOVED: dict[str, str] = {
 }
 
 
+def _warned(old: str, name: str, module: Any) -> Any:
+    """``module.name``, with the warning that ``old`` (where it was imported from) goes in ``REMOVED_IN``."""
+    warnings.warn(
+        f"{old} is deprecated and goes in frod-ds {REMOVED_IN}: import {name} from {module.__name__}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return getattr(module, name)
+
+
 def forward(old: str) -> Callable[[str], Any]:
     """The ``__getattr__`` of the module at the old path ``old``: looks a name up in its new module(s)."""
     new = MOVED[old]
@@ -129,15 +139,21 @@ def forward(old: str) -> Callable[[str], Any]:
         for path in new:
             module = importlib.import_module(path)
             if hasattr(module, name):
-                warnings.warn(
-                    f"{old} is deprecated and goes in frod-ds {REMOVED_IN}: import {name} from {path}",
-                    DeprecationWarning,
-                    stacklevel=2,
-                )
-                return getattr(module, name)
+                return _warned(old, name, module)
         if name in REMOVED:
             raise AttributeError(f"module {old!r} has no attribute {name!r}: {REMOVED[name]}")
         raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {', '.join(new)})")
+
+    return __getattr__
+
+
+def forward_names(module: str, names: dict[str, str]) -> Callable[[str], Any]:
+    """The ``__getattr__`` of a module that stays while some of its names moved (``names``: name -> new module)."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        return _warned(f"{module}.{name}", name, importlib.import_module(names[name]))
 
     return __getattr__
 

@@ -9,18 +9,16 @@ steps from a stateless ``BatchPlan``, so resume is a position. The output direct
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import random
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from frod_ds._moved import REMOVED_IN
+from frod_ds._moved import forward_names
 from frod_ds.config.ds_config import load_ds_config, offload_device, zero_stage
 from frod_ds.config.recipe import Recipe
 from frod_ds.formats.adapter_dir import AdapterConfig
@@ -210,7 +208,7 @@ def _resume(run: Run, tag: str | None, skipped: list[tuple[str, str]]) -> int:
     return step
 
 
-# Names that moved to the trainer's parts in 0.2.0: importing them from here warns, and stops in REMOVED_IN.
+# Names that moved to the trainer's parts in 0.2.0: importing them from here warns (frod_ds._moved).
 _MOVED_NAMES = {
     "lr_lambda": "frod_ds.train.schedule",
     "removed_if_failed": "frod_ds.train.run_dir",
@@ -228,12 +226,4 @@ _MOVED_NAMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED_NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"{__name__}.{name} is deprecated and goes in frod-ds {REMOVED_IN}: import it from {_MOVED_NAMES[name]}",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(_MOVED_NAMES[name]), name)
+__getattr__ = forward_names(__name__, _MOVED_NAMES)
