@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from frod_ds.runtime.atomic import atomic_write_text
+
 __all__ = ["METRICS", "MetricsLog", "drop_rows_after", "plot_loss", "peak_mem_gb", "reset_peak_mem"]
 
 METRICS = "metrics.jsonl"
@@ -48,9 +50,7 @@ def drop_rows_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def peak_mem_gb() -> float:
