@@ -11,6 +11,7 @@ import copy
 import difflib
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "ZeroSettings",
     "DS_DEFAULTS",
     "batch_sizes",
+    "as_ds_config",
     "bf16_overflow_check",
     "check_ds_keys",
     "check_nvme_buffer",
@@ -72,6 +74,11 @@ def load_ds_config(path: str | Path) -> dict:
     if not isinstance(cfg, dict):
         raise DSConfigError(f"DeepSpeed config {p} must be a JSON object at the top level, got {type(cfg).__name__}")
     return cfg
+
+
+def as_ds_config(config: Mapping[str, Any] | str | Path) -> dict:
+    """A DeepSpeed config handed over parsed (a copy) or as its path (``load_ds_config``)."""
+    return dict(config) if isinstance(config, Mapping) else load_ds_config(config)
 
 
 # DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed itself ignores a top-level key it

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from frod_ds.config.ds_config import load_ds_config
+from frod_ds.config.ds_config import as_ds_config
 from frod_ds.plan.memory import Plan, plan_memory
 from frod_ds.plan.shapes import (
     Engine,
@@ -209,14 +209,14 @@ def train_hint(
     if not gpu_bytes:
         return None
     try:
-        if isinstance(ds_config, (str, os.PathLike)):
-            name, ds_config = str(ds_config), load_ds_config(ds_config)
+        if isinstance(ds_config, (str, os.PathLike)):  # named by its path, as in 0.1
+            name = str(ds_config)
         model = (
             model_shape_from_config(dict(model_config))
             if model_config is not None
             else load_model_shape(recipe.model.base)
         )
-        engine = engine_from_ds_config(dict(ds_config), name)
+        engine = engine_from_ds_config(as_ds_config(ds_config), name)
         return hint(model, train_shape_from_recipe(recipe, layer_saves), engine, world_size, gpu_bytes)
     except (FrodError, OSError, KeyError):
         return None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from frod_ds._moved import forward_names
-from frod_ds.config.ds_config import load_ds_config, offload_device, zero_stage
+from frod_ds.config.ds_config import as_ds_config, offload_device, zero_stage
 from frod_ds.config.recipe import Recipe
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.io.dtypes import FLOAT_DTYPES
@@ -59,7 +59,7 @@ def setup(
     # The checkpoint to resume: rank 0 checks the files against their seals (newest first) once for all.
     resume = (None, []) if recipe.train.new_run else dist.on_main(lambda: choose_checkpoint(out / "checkpoints"))
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
-    inputs = dist.on_all(lambda: preflight(recipe, _parsed(ds_config), nvme_path, resume[0]))
+    inputs = dist.on_all(lambda: preflight(recipe, as_ds_config(ds_config), nvme_path, resume[0]))
     if on_inputs is not None:
         on_inputs(inputs)
     # every rank writes its checkpoint shards there and rank 0 seals them: one directory for all nodes
@@ -74,10 +74,6 @@ def setup(
         open_run_dir(recipe)
     dist.barrier()
     return dataclasses.replace(run, start_step=_resume(run, *resume))
-
-
-def _parsed(ds_config: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any]:
-    return load_ds_config(ds_config) if isinstance(ds_config, (str, os.PathLike)) else ds_config
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
