@@ -33,7 +33,7 @@ def _run(args) -> int:
 
     suite = load_suite(args.suite)
     outcomes = run_suite(suite, args.results, args.work, budget_s=args.budget_s, only=args.only)
-    for path in write_reports(args.results, suite.name):
+    for path in write_reports(args.results, suite):
         print(f"wrote {path}")
     bad = [o for o in outcomes if o.status in ("failed", "timeout")]
     for o in outcomes:
@@ -44,7 +44,7 @@ def _run(args) -> int:
 def _report(args) -> int:
     from bench.report import write_reports
 
-    paths = write_reports(args.results, load_suite(args.suite).name)
+    paths = write_reports(args.results, load_suite(args.suite))
     if not paths:
         raise BenchError(f"no records of {args.suite} under {args.results}")
     for path in paths:

@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from bench.record import Record, read_records
-from bench.suite import load_suite
+from bench.suite import Suite
 
 __all__ = ["render", "write_reports"]
 
@@ -65,8 +65,7 @@ def _machine(device: dict) -> str:
     return f"{device['count']} × {device['name']}" if device["count"] else device["name"]
 
 
-def render(suite_name: str, device: str, records: list[Record]) -> str:
-    suite = load_suite(suite_name)
+def render(suite: Suite, device: str, records: list[Record]) -> str:
     order = {c.name: i for i, c in enumerate(suite.configs)}
     first = records[0]
     lines = [
@@ -101,13 +100,13 @@ def render(suite_name: str, device: str, records: list[Record]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_reports(results: Path, suite_name: str) -> list[Path]:
-    """Regenerate ``report.md`` in every device folder of ``suite_name`` that holds records."""
+def write_reports(results: Path, suite: Suite) -> list[Path]:
+    """Regenerate ``report.md`` in every device folder of ``suite`` that holds records."""
     written = []
-    for folder in sorted(p for p in (Path(results) / suite_name).glob("*") if p.is_dir()):
-        records = read_records(results, suite_name, folder.name)
+    for folder in sorted(p for p in (Path(results) / suite.name).glob("*") if p.is_dir()):
+        records = read_records(results, suite.name, folder.name)
         if records:
             path = folder / "report.md"
-            path.write_text(render(suite_name, folder.name, records))
+            path.write_text(render(suite, folder.name, records))
             written.append(path)
     return written
