@@ -13,7 +13,7 @@ from pathlib import Path
 from bench.record import Record, read_records
 from bench.suite import Suite
 
-__all__ = ["render", "write_reports"]
+__all__ = ["headline", "render", "write_reports"]
 
 
 def _ms(r: Record) -> str:
@@ -110,3 +110,49 @@ def write_reports(results: Path, suite: Suite) -> list[Path]:
             path.write_text(render(suite, folder.name, records))
             written.append(path)
     return written
+
+
+def headline(results: Path, suite: Suite, device: str) -> str:
+    """Per GPU count, FRoD's fastest configuration that ``frod train`` runs (a DeepSpeed JSON) against LoRA's
+    fastest of any engine, from the call of ``suite`` on ``device`` that measured the most configurations."""
+    calls: dict[str, list[Record]] = defaultdict(list)
+    for r in read_records(results, suite.name, device):
+        if r.status == "ok":
+            calls[r.call].append(r)
+    rows = max(calls.values(), key=len)
+    trainer = [r for r in rows if r.settings["method"] == "lora" or r.settings["engine"].startswith("zero")]
+    lora1 = _fastest(rows, "lora", 1)
+    lines = [
+        f"Call {rows[0].call} on {_machine(rows[0].device)}; LLaMA-2-7B shape (random bf16 weights), "
+        f"{rows[0].settings['batch']}×{rows[0].settings['seq']} tokens per GPU; FRoD s=0.02 vs PEFT LoRA r=16.",
+        "",
+        "| GPUs | LoRA's fastest | LoRA step / tok/s per GPU / peak | FRoD's fastest in `frod train` | "
+        "FRoD step / tok/s per GPU / peak | FRoD step ÷ LoRA's | FRoD peak ÷ LoRA's | "
+        "FRoD tok/s ÷ N × LoRA's 1-GPU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(r: Record) -> str:
+        m = r.metrics
+        return (
+            f"{m['step_s_median'] * 1e3:.0f} ms / {m['tokens_per_s_per_gpu']:,.0f} / {m['peak_allocated_gib']:.1f} GiB"
+        )
+
+    for n in sorted({r.settings["gpus"] for r in rows}):
+        f, lo = _fastest(trainer, "frod", n), _fastest(rows, "lora", n)
+        if f is None or lo is None or lora1 is None:
+            continue
+        fm, lm = f.metrics, lo.metrics
+        lines.append(
+            f"| {n} | {_engine(lo)} | {cell(lo)} | {_engine(f)} | {cell(f)} "
+            f"| **{fm['step_s_median'] / lm['step_s_median']:.2f}×** "
+            f"| {fm['peak_allocated_gib'] / lm['peak_allocated_gib']:.2f}× "
+            f"| {fm['tokens_per_s_per_gpu'] / lora1.metrics['tokens_per_s_per_gpu']:.2f}× |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _engine(r: Record) -> str:
+    e = r.settings["engine"]
+    name = {"plain": "plain PyTorch", "ddp": "torch DDP"}.get(e, f"`{e}.json`")
+    return name + (f" ({r.settings['tag']})" if r.settings["tag"] else "")
