@@ -116,9 +116,7 @@ XDIST_UNITS = {"tests/slurm/test_slurm_multinode.py": "slurm"}
 # quick ones.
 XDIST_FIRST = (
     "slurm",
-    "tests/bench/test_seventy_b.py",
     "tests/train/test_train.py",
-    "tests/bench/test_bench.py",
     "tests/train/test_elastic_resume.py",
     "tests/hjd/test_store_by_category.py",
 )

@@ -33,7 +33,7 @@ ZERO3_NVTX_LAYER_PASS_S = 1.6e-4
 ZERO_CHECK_TENSOR_S = 1.0e-4
 # Exposed ZeRO-3 gather time over the link floor (DeepSpeed's prefetch hides little of it).
 LINK_EXPOSED = 1.2
-# All-gather bus bandwidth of 2 H200s over NVLink (bench/link.py).
+# All-gather bus bandwidth of 2 H200s over NVLink (bench/results/two_gpu_2xh200/matrix/link_2gpu.json).
 NVLINK_BUSBW = 268e9
 # Host-to-GPU copies of offloaded frozen weights (fitted on the one measured offload step).
 OFFLOAD_BYTES_PER_S = 47e9

@@ -14,7 +14,7 @@ import torch
 
 from bench.record import RESULTS, read_records
 from bench.report import render
-from bench.suite import BenchError, load_suite
+from bench.suite import BenchError, load_suite, with_defaults
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 
@@ -43,6 +43,8 @@ def test_list_values_expand_to_one_configuration_each(tmp_path):
         ('[[configs]]\nmethod = "frod"\nengine = "zero2"\nbatchsize = 8\n', "unknown keys ['batchsize']"),
         ('[[configs]]\nmethod = "frod"\nengine = ["zero2", "zero2"]\n', "declared twice"),
         ('[[configs]]\nmethod = "frod"\nengine = "zero2"\nshape = "13b"\n', "shape '13b'"),
+        ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nquant = "fp8"\n', "quant 'fp8'"),
+        ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nquantize_base = true\n', "quantize_base needs quant"),
         ("", "declares no configurations"),
     ],
 )
@@ -51,15 +53,23 @@ def test_a_bad_suite_is_refused_with_what_to_change(tmp_path, body, says):
         load_suite(_suite(tmp_path, body))
 
 
-def _bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m bench ARGS``; past ``timeout`` it is stopped with SIGTERM, which ends its running configuration."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "bench", *args],
         cwd=REPO,
         env=clean_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate()
+        pytest.fail(f"python -m bench {' '.join(args)} ran past {timeout} s\n{out[-2000:]}{err[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _base_loss(model_dir: Path, batch: int, seq: int) -> float:
@@ -154,4 +164,4 @@ def test_every_committed_record_is_of_a_declared_configuration():
         if doc.get("schema") is None:
             continue  # results of the scripts before the runner
         suite = load_suite(doc["suite"])
-        assert suite.config(doc["config"]).settings == doc["settings"], path
+        assert suite.config(doc["config"]).settings == with_defaults(doc["settings"]), path
