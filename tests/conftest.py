@@ -205,6 +205,33 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"test order: FROD_TEST_ORDER={config._frod_order}")
 
 
+# No test takes longer than this, its fixtures' set-up included: on a 2-core machine with nothing else running
+# `make test` stays within minutes only so. FROD_TEST_LIMIT_S changes it (0: no limit) on a machine shared with
+# other work, where wall times say little.
+TEST_LIMIT_S = float(os.environ.get("FROD_TEST_LIMIT_S", "120"))
+_SETUP_S = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test whose set-up and call together take longer than ``TEST_LIMIT_S`` fails: a test that grows past the
+    limit is a bug (make it smaller, or build what several tests share once in a module fixture), never silent."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup":
+        item.stash[_SETUP_S] = report.duration
+    if not TEST_LIMIT_S or report.when == "teardown" or not report.passed:
+        return
+    setup = item.stash.get(_SETUP_S, 0.0)
+    spent = setup + (report.duration if report.when == "call" else 0.0)
+    if spent > TEST_LIMIT_S:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {spent:.1f} s (set-up {setup:.1f} s), over the {TEST_LIMIT_S:g} s a test may take "
+            "(FROD_TEST_LIMIT_S): make it smaller"
+        )
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """``FROD_TEST_CPU=FILE``: append one JSON line per test with its wall time and the CPU seconds it used, its own
