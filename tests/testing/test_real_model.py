@@ -21,7 +21,8 @@ from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 from tests.support.realmodel import SMOLLM2_GGUF, RealModelUnavailable, locate_gguf
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+# one category of each shape SmolLM2 has: square (q, o), its narrower GQA k/v, the wide MLP (gate, up)
+TARGETS = ["q_proj", "k_proj", "gate_proj"]
 PROMPTS = [
     "<|im_start|>user\nWhat is the boiling point of water at sea level?<|im_end|>\n<|im_start|>assistant\n",
     "Please answer the following question with true or false, question: do penguins fly?\n\nAnswer format: true/false",
@@ -50,11 +51,28 @@ def real_gguf():
 
 @pytest.fixture(scope="module")
 def gguf_loaded(real_gguf):
-    """The GGUF file through transformers' GGUF loader (fp32 model, tokenizer), read once here: the converter's
-    input and the reference its checkpoint is held to (dequantizing the file is most of the conversion's time)."""
+    """The GGUF file through the converter's loader (transformers': fp32 model, tokenizer), read once here: the
+    converter's input and the reference its checkpoint is held to. While it reads, gguf-py's parse of the file and
+    its tensor-name table are memoized: transformers parses the whole file again for the model after the
+    tokenizer, and builds the table once per submodule; the same objects come out in a third of the time."""
+    import functools
+
+    import gguf
+
     from frod_ds.interop.gguf import _load_gguf
 
-    return _load_gguf(real_gguf)
+    parse, parsed = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = parse(path, *args, **kwargs)
+        return parsed[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        return _load_gguf(real_gguf)
 
 
 @pytest.fixture(scope="module")
