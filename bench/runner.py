@@ -110,7 +110,7 @@ def run_suite(
         left = budget_s - (time.monotonic() - t_start)
         need = before["wall_s"] if before is not None and before["status"] == "ok" else EST_S
         if left < min(need, cfg["timeout_s"]):
-            outcomes.append(Outcome(cfg.name, f"skipped: {left:.0f} s of the budget left"))
+            outcomes.append(Outcome(cfg.name, f"skipped: {max(left, 0.0):.0f} s of the budget left"))
             continue
         shapes.prepare(cfg["shape"], work, log=log)
         left = budget_s - (time.monotonic() - t_start)

@@ -4,7 +4,8 @@ Both methods adapt the library's default targets and get the same treatment: bf1
 random token ids per GPU, gradient clipping at 1.0, torch AdamW (fused on CUDA), LoRA dropout 0, the trainer's
 gradient checkpointing when ``gc``. Engines: ``plain`` (one GPU, no wrapper; bf16 parameters and AdamW states),
 ``ddp`` (torch DistributedDataParallel, 25 MB buckets, static graph), and DeepSpeed through a shipped JSON
-(``zero0`` is ``zero2.json`` at stage 0, DeepSpeed's data parallel; the JSONs keep fp32 master weights). LoRA under
+(``zero0`` is ``zero2.json`` at stage 0, DeepSpeed's data parallel; the JSONs keep fp32 master weights), and
+``fshard``: ``zero2.json`` with the frozen weights partitioned by ``frod_ds.model.frozen_shards``. LoRA under
 ZeRO-3 is loaded the way HF users do (``from_pretrained`` under ``HfDeepSpeedConfig``), FRoD by
 ``build_frod_model``. A step is forward + backward + optimizer step, timed between device synchronisations over
 ``repeats`` windows of ``steps`` steps after ``warmup`` untimed ones; memory is each rank's peak over the timed
@@ -36,6 +37,8 @@ ENGINES: dict[str, tuple[str, dict[str, Any]] | None] = {
     "zero0": ("ds_configs/zero2.json", {"zero_optimization.stage": 0}),
     "zero2": ("ds_configs/zero2.json", {}),
     "zero3": ("ds_configs/zero3.json", {}),
+    # zero2.json for the trainables, the frozen weights partitioned by frod_ds.model.frozen_shards
+    "fshard": ("ds_configs/zero2.json", {}),
 }
 DDP_DEFAULTS = {"bucket_cap_mb": 25, "static_graph": True, "gradient_as_bucket_view": True}
 
@@ -96,6 +99,7 @@ def _build_lora(s: dict, model_dir: Path, ds_cfg: dict | None):
     if s["gc"]:
         enable_gradient_checkpointing(model)
     cfg = LoraConfig(r=s["lora_r"], lora_alpha=2 * s["lora_r"], target_modules=TARGETS, lora_dropout=0.0)
+    torch.manual_seed(0)  # LoRA's A is drawn at random: the same on every rank and in every run
     model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
     return model, [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
@@ -206,6 +210,11 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
     else:
         model, groups = _build_lora(s, model_dir, ds_cfg)
     model.config.use_cache = False
+    shards = None
+    if s["engine"] == "fshard":
+        from frod_ds.model.frozen_shards import shard_frozen
+
+        shards = shard_frozen(model, device)
     step = Stepper(model, groups, s, ds_cfg, device)
     build_s = time.perf_counter() - t0
     cfg = step.model.config.to_dict()
@@ -256,4 +265,12 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
         "build_s": build_s,
         "losses": losses,
         "layer_passes_per_step": passes,
+        "frozen_shards": None
+        if shards is None
+        else {
+            "units": len(shards.units),
+            "shard_gib": shards.shard_bytes() / GIB,
+            "full_gib": shards.full_bytes() / GIB,
+            "peak_units_gathered": shards.peak_installed,
+        },
     }

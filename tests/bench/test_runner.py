@@ -51,7 +51,7 @@ def test_a_bad_suite_is_refused_with_what_to_change(tmp_path, body, says):
         load_suite(_suite(tmp_path, body))
 
 
-def _bench(*args: str, timeout: float = 110) -> subprocess.CompletedProcess:
+def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "bench", *args],
         cwd=REPO,
