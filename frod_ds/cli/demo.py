@@ -23,6 +23,7 @@ EXAMPLES = """examples:
 # The stages import this very frod_ds (a checkout or site-packages) whether or not another one is installed.
 SRC = Path(__file__).resolve().parents[2]
 TASKS = "boolq,piqa"
+DEMO_FILES = ("demo.log", "raw/", "tokenizer/", "model/", "data/", "factors/", "eval_base/", "eval/")  # its own
 
 
 def _frod(launcher: str = "") -> list[str]:
@@ -124,14 +125,14 @@ def _check_args(args: argparse.Namespace) -> Path:
 def demo(args: argparse.Namespace) -> int:
     import torch
 
-    from frod_ds.runtime.atomic import mark_dir, remove_marked
+    from frod_ds.formats.ownership import mark_dir, remove_owned
     from frod_ds.runtime.shipped import shipped_file
 
     recipe = _check_args(args)
     out = Path(args.out).resolve()
-    remove_marked(out, "demo")  # only a directory an earlier demo wrote (marker kind), never the repo or cwd
-    out.mkdir(parents=True)
-    mark_dir(out, "demo")
+    remove_owned(out, "demo")  # only what an earlier demo wrote, never the repo or cwd, nothing put there since
+    out.mkdir(parents=True, exist_ok=True)
+    mark_dir(out, "demo", DEMO_FILES)
     log = out / "demo.log"
     gpu = torch.cuda.is_available()
     ranks = min(args.ranks, torch.cuda.device_count()) if gpu else args.ranks

@@ -19,16 +19,16 @@ import torch
 from frod_ds.core.layer import core_matrix
 from frod_ds.core.quant import is_base_linear_weight, roundtrip
 from frod_ds.formats.adapter_dir import s_name, sigma_name
+from frod_ds.formats.ownership import building_dir, check_out
 from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from frod_ds.io.hf_checkpoint import INDEX_NAME, HFCheckpoint, check_config_file
 from frod_ds.io.safetensors_io import save_tensors_atomic
 from frod_ds.model.adapter import adapter_sources, supports_from_adapter
-from frod_ds.runtime.atomic import building_dir, check_out
 from frod_ds.runtime.errors import ExportError
 
 __all__ = ["export_transformers", "side_files"]
 
-KIND = "hf-export"  # the marker's kind (frod_ds.runtime.atomic): --overwrite replaces only an earlier merged export
+KIND = "hf-export"  # the ownership record's kind: --overwrite replaces only an earlier merged export
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz", ".onnx")
 WRITTEN_HERE = ("frod_export.json", "frod_convert.json")  # provenance of this export / of another artefact

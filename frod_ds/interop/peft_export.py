@@ -19,6 +19,7 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import s_name, sigma_name, support_name
+from frod_ds.formats.ownership import building_dir, check_replaceable
 from frod_ds.interop.peft_common import (
     ADAPTER,
     PeftInteropError,
@@ -29,7 +30,6 @@ from frod_ds.interop.peft_common import (
     peft_version,
     rel_error,
 )
-from frod_ds.runtime.atomic import building_dir, check_replaceable
 
 __all__ = [
     "TAUS",
@@ -41,7 +41,7 @@ __all__ = [
     "shared_sparse_rate",
 ]
 
-EXPORT_KIND = "peft-export"  # the marker's kind (frod_ds.runtime.atomic)
+EXPORT_KIND = "peft-export"  # the ownership record's kind (frod_ds.formats.output_dir)
 EXPORT_FORMAT = "frod-ds-peft-export"
 EXPORT_REPORT = "frod_export.json"
 TAUS = (0.5, 1e-2, 1e-3, 1e-4, 1e-5, 0.0)

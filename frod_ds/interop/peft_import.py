@@ -17,6 +17,7 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import AdapterCategory, AdapterConfig, support_name
+from frod_ds.formats.ownership import building_dir, check_replaceable, inventory, mark_dir
 from frod_ds.interop.peft_common import (
     ADAPTER,
     PeftInteropError,
@@ -28,11 +29,10 @@ from frod_ds.interop.peft_common import (
     peft_version,
     rel_error,
 )
-from frod_ds.runtime.atomic import building_dir, check_replaceable, mark_dir
 
 __all__ = ["import_peft"]
 
-IMPORT_KIND = "peft-import"  # the marker's kind (frod_ds.runtime.atomic)
+IMPORT_KIND = "peft-import"  # the ownership record's kind (frod_ds.formats.output_dir)
 IMPORT_FORMAT = "frod-ds-peft-import"
 IMPORT_REPORT = "frod_import.json"
 STORE_DIR, ADAPTER_DIR = "factor-store", "adapter"
@@ -307,5 +307,5 @@ def _write_store(path: Path, categories: dict[str, dict[str, Tensor]], ckpt, bas
         },
     )
     atomic_write_text(path / MANIFEST, manifest.to_json())
-    mark_dir(path, "factor-store")
+    mark_dir(path, "factor-store", inventory(path))
     return errors

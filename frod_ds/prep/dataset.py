@@ -16,14 +16,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.ownership import building_dir, check_out
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
 from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from frod_ds.prep.templates import RowError, render, row_id
-from frod_ds.runtime.atomic import building_dir, check_out
 
 FORMAT = "frod-ds/commonsense170k/v1"
-KIND = "data-build"  # the marker's kind (frod_ds.runtime.atomic): --overwrite replaces only an earlier build
+KIND = "data-build"  # the ownership record's kind (frod_ds.formats.output_dir): --overwrite replaces only a build
 DEFAULT_CUTOFF = 256  # tokens; LLM-Adapters' cutoff_len for Commonsense170K
 
 
