@@ -29,6 +29,7 @@ from frod_ds.eval.predict import (
     score_llm_adapters_rows,
     score_loglik_rows,
 )
+from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_replaceable, record_files
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text
@@ -317,19 +318,21 @@ def _inputs(config: EvalConfig) -> tuple[dict[str, list[dict[str, Any]]], torch.
 
 
 def run(config: EvalConfig) -> None:
-    """The whole run on every rank (the process group already joined); rank 0 writes the outputs.
+    """The whole run on every rank (the process group already joined); rank 0 holds the lease on ``--output``
+    from the first check to the last write (a second eval there is refused at once) and writes the outputs.
 
     User mistakes are ``FrodError``s (``frod_ds.runtime.entry`` prints them): those up to the model load and in
     writing the outputs are agreed by every rank (one line, from rank 0); one in a row that only one rank
     scores is raised on that rank.
     """
-    rows, model, tokenizer = dist.on_all(lambda: _inputs(config))
-    records = evaluate_shard(model, tokenizer, rows, config)
-    shards = dist.all_gather_object(records)
-    error = None
-    if dist.is_main():
-        try:
-            report(config, list(rows), [r for shard in shards for r in shard])
-        except OSError as exc:
-            error = f"cannot write results to {config.output}: {exc}"
-    dist.agree_on_error(error, src=0)
+    with dist.held_on_main(lambda: holding(config.output, RESULTS_KIND, "--output", EvalError)):
+        rows, model, tokenizer = dist.on_all(lambda: _inputs(config))
+        records = evaluate_shard(model, tokenizer, rows, config)
+        shards = dist.all_gather_object(records)
+        error = None
+        if dist.is_main():
+            try:
+                report(config, list(rows), [r for shard in shards for r in shard])
+            except OSError as exc:
+                error = f"cannot write results to {config.output}: {exc}"
+        dist.agree_on_error(error, src=0)

@@ -6,7 +6,7 @@
 appears only when complete and checked; ``frod_convert.json`` in it records the source, its md5, the dtype and the
 checks; the directory's ownership record (kind ``gguf-conversion``) lists what it wrote, and only an earlier
 conversion holding nothing else is ever replaced (one from before records: recognised by ``frod_convert.json``).
-Nothing here downloads.
+The converter holds the lease on ``--out`` throughout. Nothing here downloads.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_out
 from frod_ds.runtime.errors import FrodError
 
@@ -201,28 +202,29 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
     if not gguf.is_file():
         raise ConvertError(f"--gguf {gguf} is not a file; pass the path of a .gguf model file")
     inputs = {"--gguf": gguf}
-    _check_out(out, overwrite, inputs)
-    t0 = time.perf_counter()
-    tdtype = getattr(torch, dtype)
-    gguf_model, ref_tok = _load_gguf(gguf)
-    with building_dir(out, KIND, inputs, ConvertError) as tmp:
-        _plain_model(gguf_model, tdtype).save_pretrained(str(tmp))
-        ref_tok.save_pretrained(str(tmp))
-        _tidy_tokenizer_config(tmp / "tokenizer_config.json", gguf_model.config)
-        tok = transformers.AutoTokenizer.from_pretrained(str(tmp))
-        checks = {
-            "tokenizer": _check_tokenizer(ref_tok, tok),
-            "logits": _check_model(gguf_model, tmp, tdtype, tok),
-        }
-        problems = list(checks["tokenizer"]["problems"])
-        if not checks["logits"]["max_abs_logit_diff"] <= LOGIT_TOL:
-            diff = checks["logits"]["max_abs_logit_diff"]
-            problems.append(f"logits differ from the GGUF model's by {diff:.3g}")
-        if problems:
-            raise ConversionMismatch(f"the converted checkpoint does not match {gguf.name}: {'; '.join(problems)}")
-        record = _provenance(gguf, dtype, tmp, checks, time.perf_counter() - t0)
-        (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private
+    with holding(out, KIND, "--out", ConvertError):  # a second writer of out is refused at once
+        _check_out(out, overwrite, inputs)
+        t0 = time.perf_counter()
+        tdtype = getattr(torch, dtype)
+        gguf_model, ref_tok = _load_gguf(gguf)
+        with building_dir(out, KIND, inputs, ConvertError) as tmp:
+            _plain_model(gguf_model, tdtype).save_pretrained(str(tmp))
+            ref_tok.save_pretrained(str(tmp))
+            _tidy_tokenizer_config(tmp / "tokenizer_config.json", gguf_model.config)
+            tok = transformers.AutoTokenizer.from_pretrained(str(tmp))
+            checks = {
+                "tokenizer": _check_tokenizer(ref_tok, tok),
+                "logits": _check_model(gguf_model, tmp, tdtype, tok),
+            }
+            problems = list(checks["tokenizer"]["problems"])
+            if not checks["logits"]["max_abs_logit_diff"] <= LOGIT_TOL:
+                diff = checks["logits"]["max_abs_logit_diff"]
+                problems.append(f"logits differ from the GGUF model's by {diff:.3g}")
+            if problems:
+                raise ConversionMismatch(f"the converted checkpoint does not match {gguf.name}: {'; '.join(problems)}")
+            record = _provenance(gguf, dtype, tmp, checks, time.perf_counter() - t0)
+            (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private
     return ConvertResult(out, record["seconds"], checks)
 
 

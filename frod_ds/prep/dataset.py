@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_out
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
@@ -442,19 +443,21 @@ def write_outputs(
 
 
 def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
-    """Build OUT from the options; returns the manifest and the sha256 of every written file."""
-    validate_options(options)
-    options = replace(options, tasks=tuple(task for task in TASKS if task in options.tasks))  # canonical order
-    tokenizer = tokens.load_tokenizer(options.tokenizer) if options.tokenizer else None
-    results = load_splits(options)
-    for result in results:
-        drop_rows_training_refuses(result, options.strict)
-    check_no_empty_split(results, options.tasks)
-    train = mixture(results, options.seed)
-    manifest = make_manifest(options, results, len(train))
-    if tokenizer is not None:
-        manifest["token_lengths"] = token_report(
-            results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF, resolved_template(options)
-        )
-    files = write_outputs(options.out, train, results, manifest)
-    return manifest, files
+    """Build OUT from the options, holding its lease throughout (a second build of OUT is refused at once);
+    returns the manifest and the sha256 of every written file."""
+    with holding(options.out, KIND, "--out", DataPrepError):
+        validate_options(options)
+        options = replace(options, tasks=tuple(task for task in TASKS if task in options.tasks))  # canonical order
+        tokenizer = tokens.load_tokenizer(options.tokenizer) if options.tokenizer else None
+        results = load_splits(options)
+        for result in results:
+            drop_rows_training_refuses(result, options.strict)
+        check_no_empty_split(results, options.tasks)
+        train = mixture(results, options.seed)
+        manifest = make_manifest(options, results, len(train))
+        if tokenizer is not None:
+            manifest["token_lengths"] = token_report(
+                results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF, resolved_template(options)
+            )
+        files = write_outputs(options.out, train, results, manifest)
+        return manifest, files

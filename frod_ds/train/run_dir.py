@@ -1,8 +1,9 @@
 """A run's ``output_dir``: who may write there, a new run moving an old one aside, its record, cleanup on failure.
 
 Training writes only into a directory that is absent, empty, or a run frod-ds training wrote (``check_run_dir``);
-the same command on its own run resumes. Rank 0 records each file and folder of the run before it is made; a failed
-fresh run leaves nothing it created (``removed_if_failed``).
+the same command on its own run resumes. Rank 0 holds the lease on ``output_dir`` for the run's whole life, so a
+second run (``train.new_run=true`` included) is refused while one is alive, and records each file and folder
+before it is made. A failed fresh run leaves nothing it created (``writing_run``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from frod_ds.config.recipe import Recipe, recipe_to_dict
+from frod_ds.formats.lease import holding
 from frod_ds.formats.output_dir import entries_of, match, read_record
 from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_kind, record_files
 from frod_ds.runtime import distributed as dist
@@ -33,6 +35,7 @@ __all__ = [
     "open_run_dir",
     "record_adapter",
     "removed_if_failed",
+    "writing_run",
 ]
 
 RUN_KIND = "training-run"  # the marker's kind (frod_ds.runtime.atomic) of an output_dir training wrote
@@ -134,3 +137,11 @@ def removed_if_failed(out: Path) -> Iterator[None]:
         ):
             delete_owned(out)  # an unsealed checkpoint is nothing a rerun would resume
         raise
+
+
+@contextlib.contextmanager
+def writing_run(out: Path) -> Iterator[None]:
+    """Collective: the life of a run's writer. Rank 0 holds the lease on ``output_dir`` (another live run there is
+    refused at once, naming it); a failed fresh run leaves nothing it created (``removed_if_failed``)."""
+    with dist.held_on_main(lambda: holding(out, RUN_KIND, "output_dir")), removed_if_failed(out):
+        yield
