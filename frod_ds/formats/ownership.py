@@ -100,13 +100,13 @@ def inventory(folder: Path) -> list[str]:
     for root, dirs, files in os.walk(folder):
         rel = Path(root).relative_to(folder).as_posix()
         prefix = "" if rel == "." else rel + "/"
+        if prefix and not dirs and not files:
+            out.append(prefix)
         for d in list(dirs):
             if listed_dir(Path(root, d)) or os.path.islink(Path(root, d)):
                 out.append(prefix + d + ("" if os.path.islink(Path(root, d)) else "/"))
                 dirs.remove(d)
         out += [prefix + f for f in files if prefix or f != MARKER]
-        if prefix and not dirs and not files:
-            out.append(prefix)
     return sorted(out)
 
 

@@ -72,7 +72,9 @@ def test_inventory_lists_a_nested_output_as_one_folder_and_keeps_empty_folders(t
     write(tmp_path, {"frod_import.json": "{}", "store/manifest.json": "{}", "store/q.V.safetensors": "v"})
     mark_dir(tmp_path / "store", "factor-store", ["manifest.json", "q.V.safetensors"])
     (tmp_path / "empty").mkdir()
-    assert inventory(tmp_path) == ["empty/", "frod_import.json", "store/"]
+    write(tmp_path, {"runs/a/adapter.safetensors": "a"})  # runs/ holds only a nested output: not an empty folder
+    mark_dir(tmp_path / "runs" / "a", "adapter", ["adapter.safetensors"])
+    assert inventory(tmp_path) == ["empty/", "frod_import.json", "runs/a/", "store/"]
 
 
 @pytest.mark.parametrize(
