@@ -35,6 +35,13 @@ from studies.rotation import initial_sigmas, rotation_by_category
 __all__ = ["RunContext"]
 
 
+def _validation_curve(light: list[dict], checkpoints: list[dict]) -> list[dict]:
+    """``[{"step", "loss", "response_loss", "answer_loss"}]`` of every validation evaluation, by step."""
+    keys = ("loss", "response_loss", "answer_loss")
+    points = [{"step": c["step"], **{k: c[f"heldout_{k}"] for k in keys}} for c in light + checkpoints]
+    return sorted(points, key=lambda p: p["step"])
+
+
 def _micro(summary: dict) -> float:
     tasks = summary["tasks"].values()
     return sum(e["correct"] for e in tasks) / sum(e["n"] for e in tasks)
@@ -80,9 +87,15 @@ class RunContext:
         )
 
     @classmethod
-    def load(cls, path: Path, device: torch.device, log: Callable[[str], None] = print) -> RunContext:
+    def load(cls, path: Path, device: torch.device, log: Callable[[str], None] = print, bases=None) -> RunContext:
+        """The context saved at ``path`` on ``device``; ``bases``: a dict of base models by path, kept by a worker
+        across studies (the base is never trained: every method builds on a copy)."""
         d = torch.load(path, weights_only=False)
-        base, tok = load_base(d["cfg"].model, device)
+        bases = {} if bases is None else bases
+        if d["cfg"].model not in bases:
+            bases.clear()
+            bases[d["cfg"].model] = load_base(d["cfg"].model, device)
+        base, tok = bases[d["cfg"].model]
         return cls(
             cfg=d["cfg"],
             device=device,
@@ -162,7 +175,7 @@ class RunContext:
         model = self.factory.build(spec)
         optimizer = make_optimizer(spec, model, lr, cfg)
         # FRoD kinds: how far the update rotates each category's weights, at every checkpoint (paper §3)
-        sigma0 = initial_sigmas(self.factory.frod_template()) if spec.kind in ("frod", "peftfrod") else None
+        sigma0 = initial_sigmas(model) if spec.kind in ("frod", "peftfrod", "peftfrod_inj") else None
 
         def on_checkpoint(step: int, model: torch.nn.Module = model) -> dict[str, Any]:
             out = self.checkpoint_eval(model)
@@ -170,14 +183,27 @@ class RunContext:
                 out["tan_alpha"] = rotation_by_category(model, sigma0)
             return out
 
+        def on_validation(step: int, model: torch.nn.Module = model) -> dict[str, Any]:
+            return {f"heldout_{k}": v for k, v in heldout_losses(model, self.held_batches, self.device).items()}
+
+        every = cfg.val_every
         log = train_run(
-            model, optimizer, self.batches, cfg, self.device, set(self.checkpoint_steps), on_checkpoint, deadline
+            model,
+            optimizer,
+            self.batches,
+            cfg,
+            self.device,
+            set(self.checkpoint_steps),
+            on_checkpoint,
+            deadline,
+            validation_steps=set(range(every, self.steps + 1, every)) if every else set(),
+            on_validation=on_validation,
         )
         last = log.checkpoints[-1] if log.checkpoints and log.checkpoints[-1]["step"] == self.steps else None
         d = log.to_dict()
         entry: dict[str, Any] = dict(
             lr=lr,
-            lr_s=spec.s_ratio(cfg.frod_s_ratio) * lr if spec.kind in ("frod", "peftfrod") else None,
+            lr_s=spec.s_ratio(cfg.frod_s_ratio) * lr if spec.two_rates else None,
             trainable_params=trainable_numel(model),
             completed=log.completed,
             steps=log.steps,
@@ -198,6 +224,7 @@ class RunContext:
                 "answer_loss": last["heldout_answer_loss"],
             },
             log={k: d[k] for k in ("loss", "response_loss", "answer_loss", "grad_norm", "lr")},
+            validation=_validation_curve(log.validation, log.checkpoints) if every else None,
         )
         state = trainable_state(model) if log.completed else None
         del model, optimizer, on_checkpoint

@@ -63,6 +63,7 @@ class RunLog:
     grad_norm: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
     checkpoints: list[dict] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)  # {"step", ...} of the light validation evaluations
     train_seconds: float = 0.0
     tokens: int = 0  # padded-away tokens excluded
     scored_tokens: int = 0
@@ -89,8 +90,11 @@ def train_run(
     checkpoint_steps: set[int],
     on_checkpoint: Callable[[int], dict],
     deadline: float,
+    validation_steps: set[int] = frozenset(),
+    on_validation: Callable[[int], dict] | None = None,
 ) -> RunLog:
-    """Train ``model`` on ``batches`` (one per step); ``on_checkpoint(step)`` after the listed steps.
+    """Train ``model`` on ``batches`` (one per step); ``on_checkpoint(step)`` after the listed steps, and the lighter
+    ``on_validation(step)`` after ``validation_steps`` that are no checkpoint. Evaluation time is not training time.
 
     Stops early (``completed`` False) once ``time.time()`` passes ``deadline``.
     """
@@ -121,10 +125,13 @@ def train_run(
         log.answer_tokens += batch.n_answer
         order.update(batch.digest.encode())
         done = step + 1
-        if done in checkpoint_steps:
+        if done in checkpoint_steps or (on_validation is not None and done in validation_steps):
             _sync(device)
             e0 = time.perf_counter()
-            log.checkpoints.append({"step": done, **on_checkpoint(done)})
+            if done in checkpoint_steps:
+                log.checkpoints.append({"step": done, **on_checkpoint(done)})
+            else:
+                log.validation.append({"step": done, **on_validation(done)})
             model.train()
             eval_seconds += time.perf_counter() - e0
         if time.time() > deadline:
