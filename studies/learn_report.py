@@ -145,7 +145,12 @@ def _ratios(seed0: dict) -> dict[str, Any] | None:
     if len(out) < 2:
         return None
     best = min(out, key=out.get)
-    return {"validation_answer_loss": {str(k): v for k, v in sorted(out.items())}, "chosen": best}
+    ends = (min(out), max(out))
+    return {
+        "validation_answer_loss": {str(k): v for k, v in sorted(out.items())},
+        "chosen": best,
+        "at_end": best in ends and best != 10,
+    }
 
 
 def collect(out: Path) -> dict[str, Any]:
@@ -178,6 +183,7 @@ def collect(out: Path) -> dict[str, Any]:
                     "lr": r["lr"],
                     "validation_answer_loss": r["heldout"]["answer_loss"],
                     "chosen": i == m.get("chosen", {}).get("index"),
+                    "at_end": i == m.get("chosen", {}).get("index") and m["chosen"]["at_sweep_end"],
                     "extension": r["lr"] in m.get("extended", []),
                 }
                 for i, r in enumerate(m["sweep"])
@@ -344,6 +350,7 @@ def _task_md(name: str, t: dict) -> str:
     for m, rows in t["sweeps"].items():
         for r in rows:
             mark = (" (past the grid)" if r["extension"] else "") + (" (chosen)" if r["chosen"] else "")
+            mark += " ⚠ still at an end of the sweep" if r.get("at_end") else ""
             out.append(f"| {m} | {r['lr']:g}{mark} | {r['validation_answer_loss']:.4f} |")
     if t["ratios"]:
         r = t["ratios"]
@@ -351,7 +358,8 @@ def _task_md(name: str, t: dict) -> str:
             f"σ:S {k}:1 → {v:.4f}" + (" (chosen)" if int(k) == r["chosen"] else "")
             for k, v in r["validation_answer_loss"].items()
         )
-        out.append(f"\nFRoD's σ:S LR ratio at its chosen σ LR (validation answer loss): {cells}\n")
+        end = " ⚠ the choice is still at an end of the ratios tried" if r.get("at_end") else ""
+        out.append(f"\nFRoD's σ:S LR ratio at its chosen σ LR (validation answer loss): {cells}{end}\n")
     if t["cross_check"]:
         c = t["cross_check"]
         out.append(
@@ -408,10 +416,10 @@ def _facts_md(tasks: dict[str, Any]) -> str:
         cells = []
         for _, n in sizes:
             e = tasks[n]["methods"].get(m, {}).get("exact", {})
-            pick = [e[k]["mean"] for k in sorted(e)]
-            cells.append(" / ".join(f"{100 * v:.1f}" for v in pick) or "—")
+            pick = [_pct(e[k]["mean"]) if k in e else "—" for k in (f"{n}_recall", f"{n}_qa")]
+            cells.append(" / ".join(pick))
         out.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n\nPlot: `facts_by_size.png`.\n\n"
 
 
 def render(doc: dict[str, Any], out: Path) -> list[Path]:
@@ -433,6 +441,7 @@ def render(doc: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     for name, t in doc["tasks"].items():
+        base = t.get("base_validation_answer_loss")
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
         for m, e in t["methods"].items():
             color = f"C{list(t['methods']).index(m) % 10}"
@@ -440,11 +449,12 @@ def render(doc: dict[str, Any], out: Path) -> list[Path]:
                 main = dict(lw=1.6 if s == "0" else 0.6, alpha=1 if s == "0" else 0.5, color=color)
                 ys = smooth(r["answer_loss"], t["smoothing_window"])
                 axes[0].plot(range(1, len(ys) + 1), ys, label=m if s == "0" else None, **main)
-                axes[1].plot([p[0] for p in r["validation"]], [p[1] for p in r["validation"]], **main)
+                v = [[0, base]] + r["validation"] if base else r["validation"]
+                axes[1].plot([p[0] for p in v], [p[1] for p in v], **main)
         if t["better_lora_final_validation_loss"] is not None:
             axes[1].axhline(t["better_lora_final_validation_loss"], color="k", ls=":", lw=1)
         axes[0].set_title(f"{name}: training answer-token loss (trailing mean of {t['smoothing_window']})")
-        axes[1].set_title(f"validation answer-token loss (dotted: {t['better_lora']}'s final)")
+        axes[1].set_title(f"validation answer-token loss from the base (dotted: {t['better_lora']}'s final)")
         for ax in axes:
             ax.set_yscale("log")
             ax.set_xlabel("step (thin: other seeds)")
@@ -452,6 +462,31 @@ def render(doc: dict[str, Any], out: Path) -> list[Path]:
         axes[0].legend(fontsize=7)
         fig.tight_layout()
         paths.append(out / f"loss_{name}.png")
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
+    sizes = sorted((int(n[5:]), n) for n in doc["tasks"] if re.fullmatch(r"facts\d+", n))
+    if len(sizes) >= 2:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+        for ax, split in zip(axes, ("recall", "qa")):
+            methods = list(dict.fromkeys(m for _, n in sizes for m in doc["tasks"][n]["methods"]))
+            for i, m in enumerate(methods):
+                pts = [
+                    (size, e["mean"], e["lo"], e["hi"])
+                    for size, n in sizes
+                    if (e := doc["tasks"][n]["methods"].get(m, {}).get("exact", {}).get(f"{n}_{split}"))
+                ]
+                if pts:
+                    err = [[p[1] - (p[2] if p[2] is not None else p[1]) for p in pts]]
+                    err.append([(p[3] if p[3] is not None else p[1]) - p[1] for p in pts])
+                    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                    ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("people in the fact base (3 facts each)")
+            ax.set_ylabel(f"exact match, {split} (95% CI over seeds)")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "facts_by_size.png")
         fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
     return paths

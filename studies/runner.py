@@ -266,7 +266,8 @@ class Study:
             self.base.step0 = self.ctx.checkpoint_eval(self.ctx.base)
             self.dir.write_base(self.base)
         if self.cfg.base_eval and self.base.test is None:
-            self.log("base model: test evaluation (llm-adapters on the curve slice)")
+            gen = " (llm-adapters on the curve slice)" if "llm-adapters" in self.cfg.protocols else ""
+            self.log(f"base model: test evaluation{gen}")
             self.base.test = self.ctx.test_eval(self.ctx.base, gen_rows=self.ctx.curve, label="base")
             self.dir.write_base(self.base)
         else:
