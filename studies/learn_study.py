@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError
 
 DEFAULT_TASKS = "arith,facts64,facts256,facts1024"
 ALL_TASKS = "arith,arith_d12,facts64,facts256,facts1024,facts4096"  # gen: the plan's tasks and its fallbacks
+RECORDS = "records.tgz"  # a results folder's study directories, packed (the folder travels to every GPU call)
 
 
 def gen(args) -> None:
@@ -95,30 +97,53 @@ def run(args, argv: list[str], started: float) -> None:
     run_learn(cfg, argv, started)
 
 
-def report(args) -> None:
+def _write_report(records: Path, into: Path) -> None:
+    """``learn_study.json``, ``report.md`` and the plots in ``into``, from the study directories in ``records``."""
     from studies.learn_report import collect, render
 
-    out = Path(args.out)
-    doc = collect(out)
+    doc = collect(records)
     if not doc["tasks"]:
-        raise StudyError(f"no study results under {out}/<task>/seed<k>/; run `run` first")
-    (out / "learn_study.json").write_text(json.dumps(doc, indent=1) + "\n")
-    for p in render(doc, out):
+        raise StudyError(f"no study results under {records}/<task>/seed<k>/; run `run` first")
+    (into / "learn_study.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for p in render(doc, into):
         print(f"wrote {p}")
 
 
-def merge(args) -> None:
-    """Unpack carried-back tarballs (``run --pack``) into ``--into``, then write the report there."""
+def _unpack(tarball: Path, into: Path) -> None:
     import tarfile
+
+    with tarfile.open(tarball, "r:gz") as tar:
+        tar.extractall(into, filter="data")
+
+
+def report(args) -> None:
+    """From the study directories in OUT, or (a results folder) from its records.tgz."""
+    out = Path(args.out)
+    if (out / RECORDS).is_file() and not any(out.glob("*/seed*")):
+        with tempfile.TemporaryDirectory() as tmp:
+            _unpack(out / RECORDS, Path(tmp))
+            _write_report(Path(tmp), out)
+    else:
+        _write_report(out, out)
+
+
+def merge(args) -> None:
+    """A results folder's records.tgz (if any) with the carried-back tarballs (``run --pack``) over it, packed
+    again; then the report there. A task's directories come whole from the call that last worked on it."""
+    from studies.learn import pack
 
     into = Path(args.into)
     into.mkdir(parents=True, exist_ok=True)
-    for name in args.tarballs:
-        with tarfile.open(name, "r:gz") as tar:
-            tar.extractall(into, filter="data")
-        print(f"unpacked {name} into {into}")
-    args.out = str(into)
-    report(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        records = Path(tmp)
+        if (into / RECORDS).is_file():
+            _unpack(into / RECORDS, records)
+        for name in args.tarballs:
+            _unpack(Path(name), records)
+            print(f"unpacked {name}")
+        pack(records, into / RECORDS)
+        print(f"wrote {into / RECORDS}")
+        _write_report(records, into)
 
 
 def plan(args) -> None:
@@ -196,7 +221,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     r.add_argument("--device", default="auto", help="auto, cuda or cpu")
     o = sub.add_parser("report", help="learn_study.json, report.md and loss plots from OUT")
     o.add_argument("--out", required=True, help="the run's --out (or a carried-back copy)")
-    m = sub.add_parser("merge", help="unpack `run --pack` tarballs into a results folder, then report")
+    m = sub.add_parser("merge", help="a call's `run --pack` tarballs into a results folder's records.tgz; report")
     m.add_argument("--into", required=True, help="the results folder (e.g. studies/results/learn_study)")
     m.add_argument("tarballs", nargs="+", help="the .tgz files a call brought back")
     e = sub.add_parser("plan", help="the units, their estimated GPU seconds and the calls they make")

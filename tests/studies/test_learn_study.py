@@ -149,11 +149,19 @@ def test_timing_times_the_main_methods_and_the_cross_check_alone(rehearsal):
         assert e["step_ms"] > 0 and e["tokens_per_s"] > 0 and e["build_seconds"] > 0 and e["trainable_params"] > 0
 
 
-def test_the_pack_holds_every_record(rehearsal, tmp_path):
+def test_a_merged_pack_holds_every_record_and_reports(rehearsal, tmp_path):
+    import tarfile
+
     root, _, out, _, _, _ = rehearsal
-    assert learn_study.main(["merge", "--into", str(tmp_path / "res"), str(root / "pack.tgz")]) == 0
-    assert sorted(_records(tmp_path / "res")) == sorted(_records(out))
-    assert (tmp_path / "res" / "arith" / "timing.json").is_file() and (tmp_path / "res" / "report.md").is_file()
+    res = tmp_path / "res"
+    assert learn_study.main(["merge", "--into", str(res), str(root / "pack.tgz")]) == 0
+    assert learn_study.main(["merge", "--into", str(res), str(root / "pack.tgz")]) == 0  # again: the same records
+    with tarfile.open(res / "records.tgz") as tar:
+        tar.extractall(tmp_path / "records", filter="data")
+    assert sorted(_records(tmp_path / "records")) == sorted(_records(out))
+    assert (tmp_path / "records" / "arith" / "timing.json").is_file()
+    assert (res / "report.md").is_file() and (res / "learn_study.json").is_file() and not (res / "arith").exists()
+    assert learn_study.main(["report", "--out", str(res)]) == 0  # from records.tgz
 
 
 def test_the_same_command_again_trains_nothing(rehearsal, capsys):
