@@ -156,6 +156,7 @@ class StudyConfig:
     frod_sparsity: float = 0.02
     frod_s_ratio: float = 0.1
     frod_pi: float = 1e-3
+    peft_frod_fp32: bool = False  # stock PEFT FRoD kinds without autocast (its sparse matmul fails under bf16)
     lora_alpha_ratio: float = 2.0
     lora_dropout: float = 0.0
     resume_from: str | None = None  # a study directory whose records are copied into ``out`` first

@@ -8,6 +8,7 @@ tensors), so worker processes train on exactly the batches the main process buil
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 from studies.config import StudyConfig, method_spec
 from studies.data import Batch
 from studies.evaluate import GENERATION_SCORER, exact_eval, heldout_losses, llm_adapters_eval, loglik_eval
-from studies.loop import train_run
+from studies.loop import fp32_only, train_run
 from studies.models import (
     ModelFactory,
     load_base,
@@ -187,18 +188,9 @@ class RunContext:
             return {f"heldout_{k}": v for k, v in heldout_losses(model, self.held_batches, self.device).items()}
 
         every = cfg.val_every
-        log = train_run(
-            model,
-            optimizer,
-            self.batches,
-            cfg,
-            self.device,
-            set(self.checkpoint_steps),
-            on_checkpoint,
-            deadline,
-            validation_steps=set(range(every, self.steps + 1, every)) if every else set(),
-            on_validation=on_validation,
-        )
+        fp32 = cfg.peft_frod_fp32 and spec.kind in ("peftfrod", "peftfrod_inj")
+        with fp32_only() if fp32 else contextlib.nullcontext():
+            log = self._train(model, optimizer, deadline, on_checkpoint, on_validation)
         last = log.checkpoints[-1] if log.checkpoints and log.checkpoints[-1]["step"] == self.steps else None
         d = log.to_dict()
         entry: dict[str, Any] = dict(
@@ -232,6 +224,21 @@ class RunContext:
             torch.cuda.empty_cache()
         entry["wall_seconds"] = time.perf_counter() - w0
         return entry, state
+
+    def _train(self, model, optimizer, deadline, on_checkpoint, on_validation):
+        every = self.cfg.val_every
+        return train_run(
+            model,
+            optimizer,
+            self.batches,
+            self.cfg,
+            self.device,
+            set(self.checkpoint_steps),
+            on_checkpoint,
+            deadline,
+            validation_steps=set(range(every, self.steps + 1, every)) if every else set(),
+            on_validation=on_validation,
+        )
 
     def final_test(self, name: str, state: dict) -> dict[str, Any]:
         """A trained run (its trainable ``state``), merged into a plain model, on the test sets."""

@@ -8,7 +8,8 @@
 # 2. model: SmolLM2-135M-Instruct's GGUF travels in two halves (a call carries at most 64 MiB), .gpu/m1/part_aa and
 #    .gpu/m2/part_ab, one per call; /tmp keeps them while the machine stays warm. With both, it is joined, checked
 #    (md5) and converted to /tmp/ls/smol; with one, the call stops and says which half the next call must carry;
-# 3. tasks: generated into /tmp/ls/work (deterministic from their seed);
+# 3. tasks: generated into /tmp/ls/work (deterministic from their seed); with CHECK=1, every method briefly
+#    on GPU 0 (`learn_study check`), the call stopping if one fails;
 # 4. each item runs `python -m studies.learn_study run ARGS` on its GPU, resuming from the committed results
 #    (studies/results/learn_study/records.tgz); items on different GPUs run at once, items on one GPU one after
 #    the other (with one GPU, all in the given order). Each GPU's results are rewritten into $OUT/gpuN.tgz after
@@ -49,6 +50,10 @@ fi
 python3 -c 'import peft, torch; from peft import FrodConfig; print("peft", peft.__version__, "torch", torch.__version__, "GPUs", torch.cuda.device_count())' || exit 1
 [ -f $ROOT/work/.done ] || { python3 -m studies.learn_study gen --work $ROOT/work ${GEN_ARGS:-} && touch $ROOT/work/.done; } || exit 1
 
+if [ "${CHECK:-0}" = 1 ]; then  # every method briefly on GPU 0 first; nothing else runs if one fails
+  CUDA_VISIBLE_DEVICES=0 python3 -m studies.learn_study check --model $ROOT/smol --work $ROOT/work \
+    --out $ROOT/check || { echo "CHECK FAILED: no items run"; exit 1; }
+fi
 rm -rf $ROOT/res $ROOT/out && mkdir -p $ROOT/res  # the committed results are the one source
 if [ -f "$RECORDS" ]; then tar xzf "$RECORDS" -C $ROOT/res || exit 1; fi
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}

@@ -29,6 +29,7 @@ import torch
 
 from frod_ds.runtime.atomic import atomic_write_text
 from studies.config import MAIN_METHODS, RATIO_METHODS, StudyConfig, StudyError, parse_lrs
+from studies.loop import sparse_mm_autocast_ok
 from studies.report import RESULTS_NAME
 from studies.runner import run_study
 
@@ -78,7 +79,13 @@ def epochs_for_steps(n_rows: int, batch: int, steps: int) -> float:
 
 
 def _study_config(
-    cfg: LearnConfig, task: str, seed: int, methods: list[str], lrs: dict[str, tuple[float, ...]], extend: int
+    cfg: LearnConfig,
+    task: str,
+    seed: int,
+    methods: list[str],
+    lrs: dict[str, tuple[float, ...]],
+    extend: int,
+    peft_frod_fp32: bool = False,
 ) -> StudyConfig:
     tdir = Path(cfg.work) / "tasks" / task
     n_rows = sum(1 for _ in open(tdir / "train.jsonl"))
@@ -102,6 +109,7 @@ def _study_config(
         protocols=("loglik", "exact"),
         select_by="answer_loss",
         plots=False,
+        peft_frod_fp32=peft_frod_fp32,
         max_minutes=cfg.max_minutes,
         eval_reserve_minutes=cfg.eval_reserve_minutes,
         workers=cfg.workers,
@@ -183,6 +191,13 @@ class Learn:
         want = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(want)
         self.pool = None
+        # stock PEFT FRoD trains as a PEFT user can: in fp32 where its sparse matmul fails under bf16 autocast
+        self.peft_fp32 = not sparse_mm_autocast_ok(self.device)
+        if self.peft_fp32:
+            log("stock PEFT FRoD runs in fp32: torch.sparse.mm fails under bf16 autocast on this device")
+
+    def config(self, task: str, seed: int, methods: list[str], lrs: dict, extend: int) -> StudyConfig:
+        return _study_config(self.cfg, task, seed, methods, lrs, extend, self.peft_fp32)
 
     def shared_pool(self):
         n = self.cfg.workers or (3 if self.device.type == "cuda" else 1)
@@ -253,7 +268,7 @@ class Learn:
         if _left(self.started, cfg) < cfg.min_study_minutes:
             self.log(f"left for a later command: timing of {task}")
             return False
-        study = _study_config(cfg, task, 0, list(missing), {m: (lr,) for m, lr in missing.items()}, 0)
+        study = self.config(task, 0, list(missing), {m: (lr,) for m, lr in missing.items()}, 0)
         new = time_methods(study, missing, self.device, cfg.timing_warmup, cfg.timing_steps, self.log)
         if doc:
             new["methods"] = {**doc["methods"], **new["methods"]}
@@ -264,7 +279,7 @@ class Learn:
     def task(self, task: str) -> bool:
         """Every unit of ``task`` that fits; True once all are recorded."""
         cfg = self.cfg
-        sweep = _study_config(cfg, task, 0, cfg.methods, parse_lrs(cfg.lrs, cfg.methods), cfg.extend)
+        sweep = self.config(task, 0, cfg.methods, parse_lrs(cfg.lrs, cfg.methods), cfg.extend)
         doc = self.study(sweep)
         chosen = {m: _chosen(doc, m) for m in cfg.methods}
         if any(lr is None for lr in chosen.values()) or not _scored(doc, cfg.methods):
@@ -279,7 +294,7 @@ class Learn:
         every = {**chosen, **{m: chosen["frod"] for m in extra}}
         for seed in range(1, cfg.seeds):
             lrs = {m: (lr,) for m, lr in every.items()}
-            doc = self.study(_study_config(cfg, task, seed, list(every), lrs, 0))
+            doc = self.study(self.config(task, seed, list(every), lrs, 0))
             if not (doc and doc.get("complete")):
                 return False
         if cfg.timing_steps:  # a ratio variant runs at frod's speed: the main methods and the cross-check

@@ -217,6 +217,7 @@ def collect(out: Path) -> dict[str, Any]:
                 e["alone"] = alone
         base = first.get("base", {}).get("test", {}).get("exact", {}).get("tasks", {})
         tasks[task_dir.name] = {
+            "peft_frod_fp32": bool(first["config"].get("peft_frod_fp32")),
             "steps": steps,
             "batch_size": first["config"]["batch_size"],
             "smoothing_window": window,
@@ -309,6 +310,11 @@ def _task_md(name: str, t: dict) -> str:
         f"({t['train_tokens']:,} training tokens, {t['answer_tokens']:,} answer tokens), the same batches in the same "
         f"order; seeds {t['seeds']}. Training losses are trailing means over {t['smoothing_window']} steps.\n",
     ]
+    if t.get("peft_frod_fp32"):
+        out.append(
+            "Stock PEFT FRoD (`peftfrod*`) trained in fp32, the others under bf16 autocast: its sparse matmul fails "
+            "under bf16 autocast on this GPU.\n"
+        )
     splits = sorted({s for e in t["methods"].values() for s in e["exact"]})
     target = t["better_lora_final_validation_loss"]
     head = [

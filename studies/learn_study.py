@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError
+from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError, parse_lrs
 
 DEFAULT_TASKS = "arith,facts64,facts256,facts1024"
 ALL_TASKS = "arith,arith_d12,facts64,facts256,facts1024,facts4096"  # gen: the plan's tasks and its fallbacks
@@ -146,6 +146,22 @@ def merge(args) -> None:
         _write_report(records, into)
 
 
+def check(args) -> int:
+    """Every method briefly on the device (build, steps, evaluations, merge, test protocols); 1 if any fails."""
+    from studies.learn import Learn, LearnConfig
+    from studies.timing import check_methods
+
+    methods = args.methods.split(",")
+    cfg = LearnConfig(args.model, args.work, args.out, [args.task], device=args.device, batch_size=args.batch_size)
+    learn = Learn(cfg, [], time.time())
+    lrs = {m: v[len(v) // 2] for m, v in parse_lrs([], methods).items()}  # each grid's middle
+    study = learn.config(args.task, 0, methods, {m: (lr,) for m, lr in lrs.items()}, 0)
+    got = check_methods(study, lrs, learn.device)
+    bad = {m: e for m, e in got.items() if e != "ok"}
+    print(f"check: {len(got) - len(bad)} of {len(got)} methods ok" + (f"; FAILED: {bad}" if bad else ""))
+    return 1 if bad else 0
+
+
 def plan(args) -> None:
     """The ordered units, their estimated seconds and the calls they make (Markdown, and JSON with --json-out)."""
     from studies.learn_plan import Costs, calls, from_results, units
@@ -224,6 +240,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     m = sub.add_parser("merge", help="a call's `run --pack` tarballs into a results folder's records.tgz; report")
     m.add_argument("--into", required=True, help="the results folder (e.g. studies/results/learn_study)")
     m.add_argument("tarballs", nargs="+", help="the .tgz files a call brought back")
+    c = sub.add_parser("check", help="every method briefly on the device; exit 1 if any fails")
+    c.add_argument("--model", required=True, help="HF checkpoint directory with its tokenizer")
+    c.add_argument("--work", required=True, help="the directory `gen` wrote to")
+    c.add_argument("--out", required=True, help="a scratch directory (nothing is recorded)")
+    c.add_argument("--task", default="facts64", help="the task whose rows it uses")
+    c.add_argument("--batch-size", type=int, default=128, help="rows per step")
+    c.add_argument(
+        "--methods",
+        default=",".join([*MAIN_METHODS, *RATIO_METHODS, "peftfrod_inj"]),
+        help="methods to check",
+    )
+    c.add_argument("--device", default="auto", help="auto, cuda or cpu")
     e = sub.add_parser("plan", help="the units, their estimated GPU seconds and the calls they make")
     e.add_argument("--gpu", action="append", default=[], help="one GPU's tasks in order (repeat per GPU)")
     e.add_argument("--methods", default=",".join(MAIN_METHODS), help="as for run")
@@ -252,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             report(args)
         elif args.cmd == "merge":
             merge(args)
+        elif args.cmd == "check":
+            return check(args)
         else:
             plan(args)
     except StudyError as e:

@@ -87,6 +87,7 @@ IDENTITY_SETTINGS = (
 OPTIONAL_SETTINGS = {
     "exact_max_new_tokens": lambda cfg: "exact" in cfg.protocols,
     "val_every": lambda cfg: cfg.val_every > 0,
+    "peft_frod_fp32": lambda cfg: cfg.peft_frod_fp32,
 }
 
 

@@ -280,3 +280,21 @@ def test_tan_alpha_of_both_implementations_is_the_split_of_the_merged_weight_cha
     # stock PEFT FRoD from its own initialisation: its own λ⁰ is σ⁰, so an untrained model does not rotate
     stock = factory.peft_stock_template(0.02)
     assert set(rotation_by_category(stock, initial_sigmas(stock)).values()) == {0.0}
+
+
+def test_check_takes_every_method_through_a_short_run(rehearsal, tmp_path, capsys):
+    root, work, _, _, _, _ = rehearsal
+    args = ["check", "--model", str(root / "model"), "--work", str(work), "--out", str(tmp_path / "c")]
+    assert learn_study.main([*args, "--task", "arith", "--batch-size", "8", "--device", "cpu"]) == 0
+    assert "check: 9 of 9 methods ok" in capsys.readouterr().out
+    assert not (tmp_path / "c").exists()  # nothing recorded
+
+
+def test_fp32_only_turns_the_study_autocast_off():
+    from studies.loop import autocast, fp32_only, sparse_mm_autocast_ok
+
+    cuda = torch.device("cuda")
+    assert isinstance(autocast(cuda), torch.autocast)
+    with fp32_only():
+        assert not isinstance(autocast(cuda), torch.autocast)
+    assert isinstance(autocast(cuda), torch.autocast) and sparse_mm_autocast_ok(torch.device("cpu"))
