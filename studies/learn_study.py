@@ -167,7 +167,11 @@ def plan(args) -> None:
     from studies.learn_plan import Costs, calls, from_results, units
 
     costs = Costs(workers=args.workers)
-    if args.measured and Path(args.measured).is_dir():
+    if args.measured and (Path(args.measured) / RECORDS).is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            _unpack(Path(args.measured) / RECORDS, Path(tmp))
+            costs = from_results(Path(tmp), costs)
+    elif args.measured and Path(args.measured).is_dir():
         costs = from_results(Path(args.measured), costs)
     methods = len(args.methods.split(","))
     per_gpu = [
