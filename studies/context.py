@@ -62,12 +62,13 @@ class RunContext:
     steps: int
     checkpoint_steps: list[int]
     log: Callable[[str], None] = print
+    templates: dict | None = None  # a worker's factored models, kept across its studies (``ModelFactory``)
     factory: ModelFactory = field(init=False)
 
     def __post_init__(self) -> None:
         self.pad_id = self.tok.pad_token_id
         self.gen_name = GENERATION_SCORER
-        self.factory = ModelFactory(self.base, self.cfg)
+        self.factory = ModelFactory(self.base, self.cfg, self.templates)
 
     # -- transport to worker processes -------------------------------------------------------------------
 
@@ -88,15 +89,16 @@ class RunContext:
         )
 
     @classmethod
-    def load(cls, path: Path, device: torch.device, log: Callable[[str], None] = print, bases=None) -> RunContext:
-        """The context saved at ``path`` on ``device``; ``bases``: a dict of base models by path, kept by a worker
-        across studies (the base is never trained: every method builds on a copy)."""
+    def load(cls, path: Path, device: torch.device, log: Callable[[str], None] = print, cache=None) -> RunContext:
+        """The context saved at ``path`` on ``device``; ``cache``: a worker's dict kept across studies, holding
+        the base model and the factored templates while the model path stays the same (the base is never
+        trained: every method builds on a copy)."""
         d = torch.load(path, weights_only=False)
-        bases = {} if bases is None else bases
-        if d["cfg"].model not in bases:
-            bases.clear()
-            bases[d["cfg"].model] = load_base(d["cfg"].model, device)
-        base, tok = bases[d["cfg"].model]
+        cache = {} if cache is None else cache
+        if cache.get("model") != d["cfg"].model:
+            cache.clear()
+            cache.update(model=d["cfg"].model, base=load_base(d["cfg"].model, device), templates={})
+        base, tok = cache["base"]
         return cls(
             cfg=d["cfg"],
             device=device,
@@ -110,6 +112,7 @@ class RunContext:
             steps=d["steps"],
             checkpoint_steps=d["checkpoint_steps"],
             log=log,
+            templates=cache["templates"],
         )
 
     # -- evaluations -------------------------------------------------------------------------------------

@@ -46,50 +46,60 @@ def load_base(model_dir: str, device: torch.device):
 
 
 class ModelFactory:
-    """Fresh trainable models of each method from ``base`` (left untouched)."""
+    """Fresh trainable models of each method from ``base`` (left untouched). ``templates``: the factored models
+    (FRoD's HJD, PEFT's own initialisation) by what determines them, shared across the studies of one worker."""
 
-    def __init__(self, base: nn.Module, cfg: StudyConfig):
+    def __init__(self, base: nn.Module, cfg: StudyConfig, templates: dict | None = None):
         self.base, self.cfg = base, cfg
-        self._frod: nn.Module | None = None
-        self._peft_frod: nn.Module | None = None
-        self._peft_stock: dict[float | None, nn.Module] = {}
+        self.templates: dict[tuple, tuple[nn.Module, float]] = {} if templates is None else templates
         self.hjd_seconds: float | None = None
-        self.peft_init_seconds: dict[float | None, float] = {}
+
+    def _template(self, key: tuple, build) -> nn.Module:
+        key = (*key, self.cfg.seed, self.cfg.frod_sparsity, self.cfg.frod_pi)
+        if key not in self.templates:
+            t0 = time.perf_counter()
+            model = build()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.templates[key] = (model, time.perf_counter() - t0)
+        return self.templates[key][0]
 
     def frod_template(self) -> nn.Module:
-        if self._frod is None:
-            t0 = time.perf_counter()
-            self._frod = apply_frod(
+        model = self._template(
+            ("frod",),
+            lambda: apply_frod(
                 copy.deepcopy(self.base),
                 TARGETS,
                 sparsity=self.cfg.frod_sparsity,
                 seed=self.cfg.seed,
                 pi=self.cfg.frod_pi,
                 hjd_dtype=torch.float64,
-            )
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.hjd_seconds = time.perf_counter() - t0
-        return self._frod
+            ),
+        )
+        key = ("frod", self.cfg.seed, self.cfg.frod_sparsity, self.cfg.frod_pi)
+        self.hjd_seconds = self.templates[key][1]
+        return model
 
     def peft_frod_template(self) -> nn.Module:
         """Stock PEFT's FRoD on the base, its frozen factors, support, σ and S replaced by frod-ds' template's."""
-        if self._peft_frod is None:
+
+        def build() -> nn.Module:
             from bench.frod_vs_peft import inject, peft_frod_model
 
             model = peft_frod_model(copy.deepcopy(self.base), list(TARGETS), self.cfg.frod_sparsity, self.cfg.frod_pi)
             inject(model, self.frod_template())
-            self._peft_frod = model
-        return self._peft_frod
+            return model
+
+        return self._template(("peftfrod_inj",), build)
 
     def peft_stock_template(self, sparse_rate: float | None) -> nn.Module:
         """Stock PEFT's FRoD as ``get_peft_model(base, FrodConfig(...))`` gives it: its own HJD, support and λ⁰;
         ``sparse_rate`` None: PEFT's default. The study's seed is PEFT's ``projection_prng_key`` (seed 0: its
         default), as frod-ds' support follows the seed."""
-        if sparse_rate not in self._peft_stock:
+
+        def build() -> nn.Module:
             from peft import FrodConfig, get_peft_model
 
-            t0 = time.perf_counter()
             config = FrodConfig(
                 target_modules=list(TARGETS),
                 projection_prng_key=self.cfg.seed,
@@ -97,11 +107,9 @@ class ModelFactory:
                 task_type="CAUSAL_LM",
                 **({} if sparse_rate is None else {"sparse_rate": sparse_rate}),
             )
-            self._peft_stock[sparse_rate] = get_peft_model(copy.deepcopy(self.base), config)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.peft_init_seconds[sparse_rate] = time.perf_counter() - t0
-        return self._peft_stock[sparse_rate]
+            return get_peft_model(copy.deepcopy(self.base), config)
+
+        return self._template(("peftfrod", sparse_rate), build)
 
     def build(self, spec: MethodSpec) -> nn.Module:
         if spec.kind == "frod":

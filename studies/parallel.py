@@ -12,7 +12,8 @@ worker and decides the next one from the results (``runner``):
     None                                         → exit
 
 A pool outlives a study: ``load`` hands every worker the next study's context, and a worker keeps its base model
-while the model path stays the same (one interpreter and model start-up per worker and command).
+and factored templates while the model path stays the same (one interpreter and model start-up per worker and
+command; FRoD's HJD and PEFT's initialisation once per seed).
 ``LocalExecutor`` runs the same jobs in the main process, one at a time (CPU, ``--workers 1``). A worker that
 raises sends ("error", traceback) and exits; the pool re-raises it in the main process.
 """
@@ -71,13 +72,13 @@ def _worker(wid: int, device: str, jobs, results, threads: int) -> None:
     try:
         from studies.context import RunContext
 
-        ctx, bases = None, {}
+        ctx, cache = None, {}
         results.put((wid, ("ready", os.getpid())))
         while (job := jobs.get()) is not None:
             if job[0] == "context":
                 ctx = None  # the last study's batches and templates go before the next ones arrive
                 log = lambda m: results.put((wid, ("log", m)))  # noqa: E731
-                ctx = RunContext.load(Path(job[1]), torch.device(device), log=log, bases=bases)
+                ctx = RunContext.load(Path(job[1]), torch.device(device), log=log, cache=cache)
                 continue
             results.put((wid, execute(ctx, job)))
     except Exception:  # noqa: BLE001 - reported to the main process, which raises it

@@ -44,16 +44,18 @@ def initial_sigmas(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _peft_norms_sq(layer: nn.Module, sigma0: torch.Tensor) -> tuple[float, float]:
-    """``(‖ΔW_on‖², ‖ΔW_off‖²)`` of one stock PEFT FRoD layer (adapter ``default``), in fp32."""
-    U = layer.frod_U["default"].float()  # (m, n)
-    V = layer.frod_V["default"].float()  # (n, n)
+    """``(‖ΔW_on‖², ‖ΔW_off‖²)`` of one stock PEFT FRoD layer (adapter ``default``), in fp32, on the device of its
+    trainable λ (PEFT keeps the frozen projections on the host)."""
     lam = layer.frod_lambda_l["default"].float()  # (n,)
-    idx = layer.frod_s_indices["default"].long()  # (2, nnz)
+    dev = lam.device
+    U = layer.frod_U["default"].to(dev, torch.float32)  # (m, n)
+    V = layer.frod_V["default"].to(dev, torch.float32)  # (n, n)
+    idx = layer.frod_s_indices["default"].to(dev, torch.long)  # (2, nnz)
     n = V.shape[0]
-    S = torch.zeros(n, n, device=U.device).index_put_(
+    S = torch.zeros(n, n, device=dev).index_put_(
         (idx[0], idx[1]), layer.frod_lambda_s_values["default"].float(), accumulate=True
     )  # (n, n)
-    on = torch.linalg.matrix_norm((U * (lam - sigma0.to(U.device))) @ V.T) ** 2
+    on = torch.linalg.matrix_norm((U * (lam - sigma0.to(dev))) @ V.T) ** 2
     off = torch.linalg.matrix_norm((U @ S) @ V.T) ** 2
     return float(on), float(off)
 

@@ -312,7 +312,8 @@ class Study:
             return
         if isinstance(self.executor, WorkerPool):
             # The main process's copy of the data and models is no longer needed on the device.
-            self.ctx.batches, self.ctx.factory._frod = [], None
+            self.ctx.batches = []
+            self.ctx.factory.templates.clear()
             self.ctx.base.to("cpu")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
