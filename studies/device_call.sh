@@ -34,6 +34,8 @@ if [ ! -f $SITE/.done ] && compgen -G ".gpu/whl/*.whl" >/dev/null; then
     .gpu/whl/*.whl && touch $SITE/.done || exit 1
 fi
 export PYTHONPATH=$SITE:$PWD
+python3 -c 'import peft, torch, transformers; from peft import FrodConfig; print("peft", peft.__version__, "torch",
+  torch.__version__, "transformers", transformers.__version__, "GPUs", torch.cuda.device_count())' || exit 1
 
 if [ ! -f $ROOT/smol/config.json ]; then
   for p in .gpu/m1/part_aa .gpu/m2/part_ab; do [ -f $p ] && cp $p $ROOT/; done
@@ -47,7 +49,6 @@ if [ ! -f $ROOT/smol/config.json ]; then
   [ "$(md5sum $ROOT/smol.gguf | cut -d' ' -f1)" = $MD5 ] || { echo "GGUF md5 mismatch"; rm -f $ROOT/part_*; exit 1; }
   python3 -m frod_ds.cli.convert_gguf convert --gguf $ROOT/smol.gguf --out $ROOT/smol --dtype float32 || exit 1
 fi
-python3 -c 'import peft, torch; from peft import FrodConfig; print("peft", peft.__version__, "torch", torch.__version__, "GPUs", torch.cuda.device_count())' || exit 1
 [ -f $ROOT/work/.done ] || { python3 -m studies.learn_study gen --work $ROOT/work ${GEN_ARGS:-} && touch $ROOT/work/.done; } || exit 1
 
 if [ "${CHECK:-0}" = 1 ]; then  # every method briefly on GPU 0 first; nothing else runs if one fails
