@@ -13,8 +13,8 @@
 # 4. each item runs `python -m studies.learn_study run ARGS` on its GPU, resuming from the committed results
 #    (studies/results/learn_study/records.tgz); items on different GPUs run at once, items on one GPU one after
 #    the other (with one GPU, all in the given order). Each GPU's results are rewritten into $OUT/gpuN.tgz after
-#    every unit. Then, in the checkout: python -m studies.learn_study merge --into studies/results/learn_study
-#    FILES_AT/gpu*.tgz, and commit.
+#    every unit and when it ends. Then, in the checkout (while the next call already runs, if the machine is
+#    warm): python -m studies.learn_study merge --into studies/results/learn_study FILES_AT/gpu*.tgz; commit.
 set -u
 T0=$(date +%s)
 LIMIT=${LIMIT_S:-570}  # seconds for this script; the call's own limit is 600
@@ -55,7 +55,9 @@ if [ "${CHECK:-0}" = 1 ]; then  # every method briefly on GPU 0 first; nothing e
   CUDA_VISIBLE_DEVICES=0 python3 -m studies.learn_study check --model $ROOT/smol --work $ROOT/work \
     --out $ROOT/check || { echo "CHECK FAILED: no items run"; exit 1; }
 fi
-rm -rf $ROOT/res $ROOT/out && mkdir -p $ROOT/res  # the committed results are the one source
+# a warm machine goes on from its own $ROOT/out (so the next call need not wait for this one's merge); the
+# committed records fill in whatever it lacks
+rm -rf $ROOT/res && mkdir -p $ROOT/res
 if [ -f "$RECORDS" ]; then tar xzf "$RECORDS" -C $ROOT/res || exit 1; fi
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$NGPU" -ge 1 ] || { echo "no GPU"; exit 1; }
