@@ -3,9 +3,12 @@
 FRoD trains only σ and S, so the frozen weights need no gradient reduce-scatter and no optimizer state: each rank
 keeps 1/N of a unit's frozen tensors as one flat shard; a unit is all-gathered before its forward (the next one's
 gather issued then, on a side stream) and released after; its output's gradient hook gathers it again for the
-backward, frees the unit after it and prefetches the one before. A gather points each Parameter's ``.data`` at its
-view of the buffer and a release at an empty tensor, so autograd's saved references see the values when needed.
-Tensors shared by several units (FRoD's V), trainable ones and those outside every unit stay replicated.
+backward, frees the unit after it and prefetches the one before. Each unit owns one gathered buffer whose storage is
+resized to nothing on release and back on gather (as FSDP2 does): views autograd saved of a weight (an untargeted
+``nn.Linear`` keeps its weight's transpose) share that storage, so a release frees them too and a gather refills
+them. A gather also points each Parameter's ``.data`` at its view and a release at an empty tensor, so code outside
+the hooks never reads a freed storage. Tensors shared by several units (FRoD's V), trainable ones and those outside
+every unit stay replicated.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class Unit:
     params: list[nn.Parameter]
     spans: list[tuple[int, int]]
     shard: Tensor  # (numel_padded / world,)
-    full: Tensor | None = None  # the gathered buffer while installed or in flight
+    full: Tensor  # (numel_padded,), its storage allocated only while gathered or in flight
+    live: bool = False
     ready: object = None  # the side stream's event after the gather (CUDA)
     index: int = 0
     backward: bool = False  # its output took part in this step's autograd graph
@@ -56,14 +60,18 @@ class FrozenShards:
     def full_bytes(self) -> int:
         return sum(u.numel * u.shard.element_size() for u in self.units)
 
+    def gathered_bytes(self) -> int:
+        """Bytes the units' gathered buffers hold now (their storages, whoever references them)."""
+        return sum(u.full.untyped_storage().nbytes() for u in self.units)
+
     # -- gather and release ---------------------------------------------------------------------------
 
     def _launch(self, u: Unit) -> None:
         """Start gathering ``u`` (no-op when gathered or in flight); on CUDA on the side stream."""
-        if u.full is not None:
+        if u.live:
             return
-        world = dist.get_world_size()
-        full = torch.empty(u.shard.numel() * world, dtype=u.shard.dtype, device=u.shard.device)
+        full = u.full
+        full.untyped_storage().resize_(full.numel() * full.element_size())  # allocated on the compute stream
         if self.stream is None:
             dist.all_gather_into(full, u.shard)
         else:
@@ -72,8 +80,8 @@ class FrozenShards:
                 dist.all_gather_into(full, u.shard)
                 u.ready = torch.cuda.Event()
                 u.ready.record(self.stream)
-        u.full = full
-        self.peak_installed = max(self.peak_installed, sum(x.full is not None for x in self.units))
+        u.live = True
+        self.peak_installed = max(self.peak_installed, sum(x.live for x in self.units))
 
     def _install(self, u: Unit) -> None:
         self._launch(u)
@@ -84,12 +92,13 @@ class FrozenShards:
             p.data = u.full[a:b].view(p._frozen_shape)
 
     def _release(self, u: Unit) -> None:
-        if u.full is None:
+        if not u.live:
             return
         empty = u.shard.new_empty(0)
         for p in u.params:
             p.data = empty
-        u.full, u.ready = None, None
+        u.full.untyped_storage().resize_(0)
+        u.live, u.ready = False, None
 
     def release_all(self) -> None:
         for u in self.units:
@@ -130,8 +139,7 @@ class FrozenShards:
             h.remove()
         self.handles.clear()
         for u in self.units:
-            self._install(u)
-            u.full = None  # the Parameters keep their views of it
+            self._install(u)  # the Parameters keep their views of the buffer, which stays allocated
 
 
 def frozen_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -186,9 +194,11 @@ def shard_frozen(
                 flat[s:e] = p.detach().reshape(-1).to("cpu")
                 p._frozen_shape = tuple(p.shape)
             shard = flat[rank * per_rank : (rank + 1) * per_rank].to(device).clone()
+            full = torch.empty(per_rank * world, dtype=dtype, device=device)
+            full.untyped_storage().resize_(0)
             for p in params:
                 p.data = shard.new_empty(0)
-            made.append(Unit(f"{name}:{dtype}".removesuffix(":torch.bfloat16"), module, params, spans, shard))
+            made.append(Unit(f"{name}:{dtype}".removesuffix(":torch.bfloat16"), module, params, spans, shard, full))
     for i, u in enumerate(made):
         u.index = i
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None

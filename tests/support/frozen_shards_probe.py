@@ -41,17 +41,35 @@ def _model(gc: bool):
     return model.train()
 
 
-def _steps(model, rank: int, steps: int = 2) -> tuple[list[float], list[torch.Tensor]]:
+def _live_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes the distinct storages under ``tensors`` hold now: views share one storage, a freed one holds 0."""
+    held: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            held[st.data_ptr()] = max(held.get(st.data_ptr(), 0), st.nbytes())
+    return sum(held.values())
+
+
+def _steps(model, rank: int, steps: int = 2, shards=None) -> tuple[list[float], list[torch.Tensor], int]:
+    """Losses and σ/S gradients of ``steps`` steps, and the bytes held at the end of the first forward: the
+    module's tensors, every tensor autograd saved for the backward, and the partitioning's own buffers."""
     g = torch.Generator().manual_seed(100 + rank)
-    losses, grads = [], []
-    for _ in range(steps):
+    losses, grads, live = [], [], 0
+    for i in range(steps):
         ids = torch.randint(0, 64, (2, 12), generator=g)
-        loss = model(input_ids=ids, labels=ids).loss
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        if i == 0:
+            own = [] if shards is None else [b for u in shards.units for b in (u.shard, u.full) if b is not None]
+            live = _live_bytes([*model.parameters(), *model.buffers(), *saved, *own])
+        saved.clear()
         loss.backward()
         losses.append(float(loss))
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]))
         model.zero_grad(set_to_none=True)
-    return losses, grads
+    return losses, grads, live
 
 
 def main() -> None:
@@ -62,8 +80,8 @@ def main() -> None:
     parted = copy.deepcopy(whole)
     frozen_numel = sum(p.numel() for p in parted.parameters() if not p.requires_grad)
     shards = shard_frozen(parted, torch.device("cpu"))
-    ref_losses, ref_grads = _steps(whole, rank)
-    losses, grads = _steps(parted, rank)
+    ref_losses, ref_grads, ref_live = _steps(whole, rank)
+    losses, grads, live = _steps(parted, rank, shards=shards)
     released = all(p.numel() == 0 for u in shards.units for p in u.params)
     doc = {
         "losses": losses,
@@ -73,6 +91,9 @@ def main() -> None:
         "released_after_step": released,
         "peak_installed": shards.peak_installed,
         "units": len(shards.units),
+        "live_bytes": live,
+        "ref_live_bytes": ref_live,
+        "unit_bytes": [u.numel * u.shard.element_size() for u in shards.units],
         "shard_bytes": shards.shard_bytes(),
         "full_bytes": shards.full_bytes(),
         "frozen_numel": frozen_numel,
