@@ -33,7 +33,7 @@ def _run(args) -> int:
     from bench.runner import run_suite
 
     suite = load_suite(args.suite)
-    outcomes = run_suite(suite, args.results, args.work, budget_s=args.budget_s, only=args.only)
+    outcomes = run_suite(suite, args.results, args.work, budget_s=args.budget_s, only=args.only, series=args.series)
     for path in write_reports(args.results, suite):
         print(f"wrote {path}")
     bad = [o for o in outcomes if o.status in ("failed", "timeout")]
@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=Path("/tmp/frod-bench"), help="scratch: checkpoints, stores, logs")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start nothing after this many seconds")
     p.add_argument("--only", default=None, help="a glob over configuration names")
+    p.add_argument(
+        "--series", type=int, default=1, help="measure the suite again in a later call: series 2, 3, ... (own records)"
+    )
     p = sub.add_parser("report", help="regenerate a suite's reports from its records")
     p.add_argument("suite", help="a suite name")
     p.add_argument("--results", type=Path, default=RESULTS, help="results root (default bench/results)")

@@ -41,10 +41,11 @@ class Record:
     wall_s: float
     metrics: dict[str, Any] = field(default_factory=dict)
     error: str = ""
+    series: int = 1  # the same configurations measured again in a later call: its own record beside the first
     schema: int = SCHEMA
 
     def write(self, results: Path) -> Path:
-        path = record_path(results, self.suite, self.device["key"], self.config)
+        path = record_path(results, self.suite, self.device["key"], self.config, self.series)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
         return path
@@ -56,8 +57,9 @@ class Record:
         return cls(**doc)
 
 
-def record_path(results: Path, suite: str, device: str, config: str) -> Path:
-    return Path(results) / suite / device / f"{config}.json"
+def record_path(results: Path, suite: str, device: str, config: str, series: int = 1) -> Path:
+    name = config if series == 1 else f"{config}.s{series}"
+    return Path(results) / suite / device / f"{name}.json"
 
 
 def read_records(results: Path, suite: str, device: str | None = None) -> list[Record]:

@@ -21,16 +21,27 @@ def _ms(r: Record) -> str:
     return f"{m['step_s_median'] * 1e3:.1f} ({m['step_s_p10'] * 1e3:.1f}–{m['step_s_p90'] * 1e3:.1f})"
 
 
-def _row(r: Record) -> str:
+def _vs_zero2(r: Record, rows: list[Record]) -> str:
+    """``r``'s step over the ``zero2`` step of the same method, GPUs and other settings in the same call."""
+    same = {k: v for k, v in r.settings.items() if k not in ("engine", "ds_set", "tag")}
+    for b in rows:
+        if b.status == "ok" and b.settings["engine"] == "zero2" and not b.settings.get("ds_set"):
+            if {k: v for k, v in b.settings.items() if k not in ("engine", "ds_set", "tag")} == same:
+                return f"{r.metrics['step_s_median'] / b.metrics['step_s_median']:.3f}×"
+    return "–"
+
+
+def _row(r: Record, rows: list[Record]) -> str:
     s = r.settings
     if r.status != "ok":
         why = (r.error.strip().splitlines() or [""])[-1][:100].replace("|", "/")
-        return f"| `{r.config}` | {s['method']} | {s['engine']} | {s['gpus']} | {r.status}: {why} | | | |"
+        return f"| `{r.config}` | {s['method']} | {s['engine']} | {s['gpus']} | {r.status}: {why} | | | | |"
     m = r.metrics
     mfu = f"{m['mfu'] * 100:.1f}%" if m.get("mfu") else "–"
     peak = f"{m['peak_allocated_gib']:.1f}" if m.get("peak_allocated_gib") else "–"
     tok = f"{m['tokens_per_s_per_gpu']:,.0f}"
-    return f"| `{r.config}` | {s['method']} | {s['engine']} | {s['gpus']} | {_ms(r)} | {tok} | {mfu} | {peak} |"
+    vs = _vs_zero2(r, rows)
+    return f"| `{r.config}` | {s['method']} | {s['engine']} | {s['gpus']} | {_ms(r)} | {vs} | {tok} | {mfu} | {peak} |"
 
 
 def _fastest(rows: list[Record], method: str, gpus: int) -> Record | None:
@@ -89,10 +100,10 @@ def render(suite: Suite, device: str, records: list[Record]) -> str:
             f"Commit `{rows[0].commit[:12]}`; torch {v.get('torch')}, DeepSpeed {v.get('deepspeed')}, "
             f"transformers {v.get('transformers')}, PEFT {v.get('peft')}.",
             "",
-            "| configuration | method | engine | GPUs | step ms, median (p10–p90) | tokens/s per GPU | MFU | "
-            "peak allocated GiB (max rank) |",
-            "|---|---|---|---|---|---|---|---|",
-            *(_row(r) for r in rows),
+            "| configuration | method | engine | GPUs | step ms, median (p10–p90) | ÷ `zero2` | tokens/s per GPU | "
+            "MFU | peak allocated GiB (max rank) |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *(_row(r, rows) for r in rows),
         ]
         comparison = _comparison(rows)
         if comparison:

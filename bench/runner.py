@@ -46,9 +46,9 @@ def _previous(path: Path, cfg: Config) -> dict | None:
     return doc if with_defaults(doc.get("settings", {})) == cfg.settings else None
 
 
-def _command(suite: Suite, cfg: Config, results: Path, work: Path, call: str) -> list[str]:
+def _command(suite: Suite, cfg: Config, results: Path, work: Path, call: str, series: int) -> list[str]:
     worker = ["-m", "bench.worker", "--suite", str(suite.path), "--config", cfg.name]
-    worker += ["--results", str(results), "--work", str(work), "--call", call]
+    worker += ["--results", str(results), "--work", str(work), "--call", call, "--series", str(series)]
     if cfg["gpus"] == 1:
         return [sys.executable, *worker]
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(cfg["gpus"])]
@@ -91,6 +91,7 @@ def run_suite(
     *,
     budget_s: float = float("inf"),
     only: str | None = None,
+    series: int = 1,
     log: Callable[[str], None] = print,
 ) -> list[Outcome]:
     """Measure every configuration of ``suite`` (or those matching the glob ``only``) not yet measured here."""
@@ -102,7 +103,7 @@ def run_suite(
         raise BenchError(f"no configuration of {suite.name} matches {only!r}")
     outcomes: list[Outcome] = []
     for cfg in picked:
-        path = record_path(results, suite.name, dev["key"], cfg.name)
+        path = record_path(results, suite.name, dev["key"], cfg.name, series)
         before = _previous(path, cfg)
         if before is not None and before["status"] == "ok":
             outcomes.append(Outcome(cfg.name, "done"))
@@ -117,7 +118,7 @@ def run_suite(
             continue
         shapes.prepare(cfg["shape"], work, log=log)
         left = budget_s - (time.monotonic() - t_start)
-        cmd = _command(suite, cfg, results, work, call)
+        cmd = _command(suite, cfg, results, work, call, series)
         logfile = Path(work) / "logs" / suite.name / f"{cfg.name}.log"
         log(f"{suite.name}/{cfg.name}: running ({logfile})")
         rc, wall = _run(cmd, logfile, min(cfg["timeout_s"], left))
@@ -139,6 +140,7 @@ def run_suite(
                 commit=commit(),
                 wall_s=wall,
                 error=f"exit code {rc}\n{_tail(logfile)}" if rc is not None else _tail(logfile),
+                series=series,
             ).write(results)
             outcomes.append(Outcome(cfg.name, status, wall))
         log(f"{suite.name}/{cfg.name}: {outcomes[-1].status} in {wall:.0f} s")

@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--results", required=True, type=Path, help="results root")
     ap.add_argument("--work", required=True, type=Path, help="where the shape's checkpoint and store are")
     ap.add_argument("--call", required=True, help="the runner call's id")
+    ap.add_argument("--series", type=int, default=1, help="which measurement series of the suite this call makes")
     args = ap.parse_args()
     t0 = time.perf_counter()
     suite = load_suite(args.suite)
@@ -42,6 +43,7 @@ def main() -> None:
             commit=commit(),
             wall_s=time.perf_counter() - t0,
             metrics=metrics,
+            series=args.series,
         ).write(args.results)
     dist.destroy()
 

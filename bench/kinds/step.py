@@ -4,7 +4,9 @@ Both methods adapt the library's default targets and get the same treatment: bf1
 random token ids per GPU, gradient clipping at 1.0, torch AdamW (fused on CUDA), LoRA dropout 0, the trainer's
 gradient checkpointing when ``gc``. Engines: ``plain`` (one GPU, no wrapper; bf16 parameters and AdamW states),
 ``ddp`` (torch DistributedDataParallel, 25 MB buckets, static graph), and DeepSpeed through a shipped JSON
-(``zero0`` is ``zero2.json`` at stage 0, DeepSpeed's data parallel; the JSONs keep fp32 master weights). LoRA under
+(``zero0`` is ``zero2.json`` at stage 0, DeepSpeed's data parallel; the JSONs keep fp32 master weights), and
+``fshard``: ``zero2.json`` with the frozen weights partitioned by ``frod_ds.model.frozen_shards``; ``fsdp2``: torch
+``fully_shard`` per decoder layer (a Parameter shared by layers, FRoD's V, replicated). LoRA under
 ZeRO-3 is loaded the way HF users do (``from_pretrained`` under ``HfDeepSpeedConfig``), FRoD by
 ``build_frod_model``. A step is forward + backward + optimizer step, timed between device synchronisations over
 ``repeats`` windows of ``steps`` steps after ``warmup`` untimed ones; memory is each rank's peak over the timed
@@ -43,6 +45,10 @@ ENGINES: dict[str, tuple[str, dict[str, Any]] | None] = {
     "zero0": ("ds_configs/zero2.json", {"zero_optimization.stage": 0}),
     "zero2": ("ds_configs/zero2.json", {}),
     "zero3": ("ds_configs/zero3.json", {}),
+    # zero2.json for the trainables, the frozen weights partitioned by frod_ds.model.frozen_shards
+    "fshard": ("ds_configs/zero2.json", {}),
+    # torch FSDP2: fully_shard per decoder layer, then the whole model (torchtune's recipes)
+    "fsdp2": None,
 }
 DDP_DEFAULTS = {"bucket_cap_mb": 25, "static_graph": True, "gradient_as_bucket_view": True}
 
@@ -146,6 +152,7 @@ def build_lora(s: dict, model_dir: Path, ds_cfg: dict | None, device: torch.devi
     if s["gc"]:
         enable_gradient_checkpointing(model)
     cfg = LoraConfig(r=s["lora_r"], lora_alpha=2 * s["lora_r"], target_modules=TARGETS, lora_dropout=0.0)
+    torch.manual_seed(0)  # LoRA's A is drawn at random: the same on every rank and in every run
     model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
     return model, [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
@@ -167,6 +174,9 @@ class Stepper:
         if getattr(model, "hf_device_map", None) is None:  # a quantized base is on its device already
             model = model.to(device)
         model = model.train()
+        if s["engine"] == "fsdp2":
+            opt = _fully_shard(model, groups, device)
+            self.params = [p for g in opt.param_groups for p in g["params"]]
         self.model, self.opt, self.wrapped = model, opt, model
         if s["engine"] == "ddp":
             from torch.nn.parallel import DistributedDataParallel
@@ -186,6 +196,33 @@ class Stepper:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+
+def _fully_shard(model, groups: list[dict], device: torch.device):
+    """FSDP2 over ``model`` (each decoder layer one unit, then the rest) and a fused AdamW over its sharded
+    parameters, in the same groups: ``fully_shard`` replaces each Parameter by a sharded one. A Parameter shared by
+    several layers (FRoD's V of a category) stays replicated (``ignored_params``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_of = {names[id(p)]: i for i, g in enumerate(groups) for p in g["params"]}
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    count: dict[int, int] = {}
+    for m in layers:
+        for p in m.parameters():
+            count[id(p)] = count.get(id(p), 0) + 1
+    shared = {p for m in layers for p in m.parameters() if count[id(p)] > 1}
+    for m in layers:
+        fully_shard(m, mesh=mesh, ignored_params=shared)
+    fully_shard(model, mesh=mesh, ignored_params=shared)
+    sharded: list[list] = [[] for _ in groups]
+    for n, p in model.named_parameters():
+        if n in group_of:
+            sharded[group_of[n]].append(p)
+    new = [{**g, "params": ps} for g, ps in zip(groups, sharded)]
+    return torch.optim.AdamW(new, lr=1e-4, fused=(device.type == "cuda") or None)
 
 
 def _sync(device: torch.device) -> None:
@@ -258,6 +295,11 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
     else:
         model, groups = build_lora(s, model_dir, ds_cfg, device)
     model.config.use_cache = False
+    shards = None
+    if s["engine"] == "fshard":
+        from frod_ds.model.frozen_shards import shard_frozen
+
+        shards = shard_frozen(model, device)
     step = Stepper(model, groups, s, ds_cfg, device)
     build_s = time.perf_counter() - t0
     cfg = step.model.config.to_dict()
@@ -308,4 +350,12 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
         "build_s": build_s,
         "losses": losses,
         "layer_passes_per_step": passes,
+        "frozen_shards": None
+        if shards is None
+        else {
+            "units": len(shards.units),
+            "shard_gib": shards.shard_bytes() / GIB,
+            "full_gib": shards.full_bytes() / GIB,
+            "peak_units_gathered": shards.peak_installed,
+        },
     }

@@ -28,7 +28,7 @@ from frod_ds.train.engine_state import Layout, write_checkpoint
 from frod_ds.train.identity import identity_records
 from frod_ds.train.metrics import MetricsLog, peak_mem_gb, plot_loss, reset_peak_mem
 from frod_ds.train.preflight import Inputs
-from frod_ds.train.run_dir import recipe_yaml
+from frod_ds.train.run_dir import recipe_yaml, record_adapter
 from frod_ds.train.schedule import group_lrs
 
 __all__ = [
@@ -100,6 +100,7 @@ def save_adapter(run: Run, step: int, name: str) -> None:
     """The adapter of ``step`` as ``output_dir/name`` (collective under ZeRO-3; rank 0 writes)."""
     tensors, categories = adapter_state(run.engine.module, run.zero3, run.inputs.store_identity)
     if dist.is_main():
+        record_adapter(run.out, name)  # in the run's record before it is made
         write_adapter(
             run.out / name,
             tensors,
