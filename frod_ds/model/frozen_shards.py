@@ -1,14 +1,10 @@
 """Frozen weights partitioned across ranks, gathered one unit (a decoder layer) at a time around its use.
 
-FRoD trains only σ and S, so the frozen weights need no gradient reduce-scatter and no optimizer state: each rank
-keeps 1/N of a unit's frozen tensors as one flat shard; a unit is all-gathered before its forward (the next one's
-gather issued then, on a side stream) and released after; its output's gradient hook gathers it again for the
-backward, frees the unit after it and prefetches the one before. Each unit owns one gathered buffer whose storage is
-resized to nothing on release and back on gather (as FSDP2 does): views autograd saved of a weight (an untargeted
-``nn.Linear`` keeps its weight's transpose) share that storage, so a release frees them too and a gather refills
-them. A gather also points each Parameter's ``.data`` at its view and a release at an empty tensor, so code outside
-the hooks never reads a freed storage. Tensors shared by several units (FRoD's V), trainable ones and those outside
-every unit stay replicated.
+Each rank keeps 1/N of a unit's frozen tensors as one flat shard; a unit is all-gathered before its forward (the
+next one's gather issued on a side stream) and released after; its output's gradient hook gathers it again for the
+backward. A release frees the unit's one gathered storage (as FSDP2 does) and points each Parameter's ``.data`` at
+an empty tensor. Tensors shared by several units (FRoD's V), trainable ones and those outside every unit stay
+replicated. Why this is enough for FRoD and how the storage is freed: docs/training.md.
 """
 
 from __future__ import annotations
