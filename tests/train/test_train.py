@@ -219,6 +219,19 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.05)
 
 
+def _wait_until_reaped(group: int, timeout: float = 30) -> None:
+    """Until no process of process group ``group`` is left, zombies included: the orphaned ranks of a killed
+    launcher are reaped by init, not by this process."""
+    t0 = time.time()
+    while True:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        assert time.time() - t0 < timeout, f"process group {group} still has processes {timeout} s after kill -9"
+        time.sleep(0.05)
+
+
 def test_resume_after_kill9_equals_uninterrupted(env, tmp_path):
     """kill -9 of the launcher and both ranks after a checkpoint; the same command resumes from it (warm-up and
     cosine schedule, optimizer and data order restored) and ends with the uninterrupted run's adapter, bitwise."""
@@ -234,6 +247,7 @@ def test_resume_after_kill9_equals_uninterrupted(env, tmp_path):
     _wait_for(out / "checkpoints" / "latest_complete", proc)
     os.killpg(proc.pid, signal.SIGKILL)  # kill -9 the launcher and both ranks
     proc.wait()
+    _wait_until_reaped(proc.pid)  # until then rank 0 still holds the output's lease (the resume would be refused)
     assert not (out / "adapter-final").exists()
     killed_at = (out / "checkpoints" / "latest_complete").read_text()
     res = run_train(CPU_ZERO3, env.overrides(out, **common))  # the same command line, its ranks forked from here
