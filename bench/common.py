@@ -86,11 +86,3 @@ def deepspeed_nvtx(result: dict) -> bool:
     """Whether a step-matrix run had DeepSpeed's NVTX ranges on: its recorded ``--nvtx``; results from
     before frod-ds turned them off record nothing, and ran with DeepSpeed's default, on."""
     return result.get("levers", {}).get("nvtx", True)
-
-
-def read_results(directory: Path, pattern: str, hint: str = "") -> list[dict]:
-    """Every JSON in ``directory`` matching ``pattern``, in name order; exits with an error naming what is missing."""
-    docs = [json.loads(p.read_text()) for p in sorted(directory.glob(pattern))]
-    if not docs:
-        raise SystemExit(f"error: no {pattern} in {directory}{hint}")
-    return docs
