@@ -201,7 +201,7 @@ def pytest_report_header(config):
     limit = f"{TEST_LIMIT_S:g} s" if TEST_LIMIT_S else "none"
     return [
         f"test order: FROD_TEST_ORDER={config._frod_order} (re-run the same order with FROD_TEST_ORDER=<this value>)",
-        f"time limit per test, shared fixtures' set-up included: {limit} (FROD_TEST_LIMIT_S)",
+        f"time limit per test and per shared fixture's set-up: {limit} (FROD_TEST_LIMIT_S)",
     ]
 
 
@@ -210,63 +210,59 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"test order: FROD_TEST_ORDER={config._frod_order}")
 
 
-# No test takes longer than this, its fixtures' set-up included: on a 2-core machine with nothing else running
-# `make test` stays within minutes only so. FROD_TEST_LIMIT_S changes it (0: no limit) on a machine shared with
-# other work, where wall times say little; the report's header says which limit a run has.
+# No test takes longer than this: its own set-up and call, and no shared fixture's set-up either. On a 2-core machine
+# with nothing else running `make test` stays within minutes only so. FROD_TEST_LIMIT_S changes it (0: no limit) on
+# a machine shared with other work, where wall times say little; the report's header says which limit a run has.
 TEST_LIMIT_S = float(os.environ.get("FROD_TEST_LIMIT_S", "120"))
 _SETUP_S = pytest.StashKey[float]()
-# per fixture definition, the set-up time of its latest instance (its own, less fixtures it requested inside it)
-# and the test during which it was built
-_FIXTURE_S: dict[pytest.FixtureDef, tuple[float, str]] = {}
-_BUILDING: list[float] = []  # the set-up times of the fixtures being built inside the one being built
-_RUNNING: list[str] = [""]  # the test being run
+_BUILDING: list[float] = []  # per fixture being set up, the set-up time of the fixtures it requested inside it
+_SHARED: list[tuple[str, str, float]] = []  # the module/class/session fixtures built in this test: name, scope, s
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef, request):
+    """Time each fixture's own set-up (less the fixtures it requested inside it) and note the shared ones."""
     _BUILDING.append(0.0)
     t0 = time.perf_counter()
     try:
         yield
     finally:
         total = time.perf_counter() - t0
-        inner = _BUILDING.pop()
+        own = total - _BUILDING.pop()
         if _BUILDING:
             _BUILDING[-1] += total
-        _FIXTURE_S[fixturedef] = (total - inner, _RUNNING[0])
-
-
-def _shared_set_up_before(item) -> float:
-    """The set-up time of the module, class and session fixtures ``item`` uses that an earlier test built: charged
-    to every test that uses them, so that what a test costs does not depend on the order the tests run in (the same
-    as running it alone)."""
-    spent = 0.0
-    for name in item.fixturenames:
-        for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
-            built = _FIXTURE_S.get(fixturedef)
-            if built and fixturedef.scope != "function" and fixturedef.cached_result is not None:
-                spent += built[0] if built[1] != item.nodeid else 0.0
-    return spent
+        if fixturedef.scope != "function":
+            _SHARED.append((fixturedef.argname, fixturedef.scope, own))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A test whose set-up and call together take longer than ``TEST_LIMIT_S`` fails, the set-up of every shared
-    fixture it uses included, whichever test built it: a test that grows past the limit is a bug (make it smaller,
-    or make what several tests share cheaper), never silent, and never passing only in some orders."""
+    """A test whose own set-up and call together take longer than ``TEST_LIMIT_S`` fails, and so does one during
+    whose set-up a shared (module, class or session) fixture took longer than that to build. A shared fixture's
+    set-up is the fixture's, not the test's that happened to build it: charged to that test, whether a test passes
+    would depend on the order the tests run in (CI shuffles it). A test that grows past the limit is a bug: make it
+    smaller, or make what several tests share cheaper."""
     outcome = yield
     report = outcome.get_result()
-    if report.when == "setup":
-        item.stash[_SETUP_S] = report.duration
     if not TEST_LIMIT_S or report.when == "teardown" or not report.passed:
         return
-    setup = item.stash.get(_SETUP_S, 0.0) + _shared_set_up_before(item)
+    if report.when == "setup":
+        over = [f"fixture '{n}' ({scope}) took {s:.1f} s to set up" for n, scope, s in _SHARED if s > TEST_LIMIT_S]
+        item.stash[_SETUP_S] = report.duration - sum(s for _, _, s in _SHARED)
+        if over:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.nodeid}: {'; '.join(over)}, over the {TEST_LIMIT_S:g} s a test may take "
+                "(FROD_TEST_LIMIT_S): make it smaller"
+            )
+            return
+    setup = item.stash.get(_SETUP_S, 0.0)
     spent = setup + (report.duration if report.when == "call" else 0.0)
     if spent > TEST_LIMIT_S:
         report.outcome = "failed"
         report.longrepr = (
-            f"{item.nodeid} took {spent:.1f} s (set-up {setup:.1f} s), over the {TEST_LIMIT_S:g} s a test may take "
-            "(FROD_TEST_LIMIT_S): make it smaller"
+            f"{item.nodeid} took {spent:.1f} s (its own set-up {setup:.1f} s), over the {TEST_LIMIT_S:g} s a test "
+            "may take (FROD_TEST_LIMIT_S): make it smaller"
         )
 
 
@@ -275,7 +271,7 @@ def pytest_runtest_protocol(item, nextitem):
     """``FROD_TEST_CPU=FILE``: append one JSON line per test with its wall time and the CPU seconds it used, its own
     and its finished subprocesses' (setup, call and teardown together): on 2 cores the suite is CPU-bound, so this,
     not the wall time under load, says which tests cost the suite its minutes."""
-    _RUNNING[0] = item.nodeid
+    _SHARED.clear()  # the shared fixtures this test builds (pytest_runtest_makereport)
     path = os.environ.get("FROD_TEST_CPU")
     if not path:
         yield
