@@ -3,6 +3,7 @@ periodic and SIGTERM checkpoints, and the final adapter. ``Run`` is what setup d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -22,6 +23,7 @@ from frod_ds.formats.factor_store import category_of
 from frod_ds.model.adapter import adapter_state, write_adapter
 from frod_ds.model.apply import frod_groups
 from frod_ds.model.build import gathered
+from frod_ds.model.frozen_shards import shards_of
 from frod_ds.runtime import distributed as dist
 from frod_ds.train.data import BatchPlan, collate
 from frod_ds.train.engine_state import Layout, write_checkpoint
@@ -113,9 +115,11 @@ def save_adapter(run: Run, step: int, name: str) -> None:
 def rotation_angles(run: Run) -> dict[str, float]:
     """``tan α`` per category (spec §2): ``sqrt(Σ‖ΔW_off‖² / Σ‖ΔW_on‖²)`` over the category's members."""
     sums: dict[str, list[float]] = {}
+    shards = shards_of(run.engine.module)
     for held, members in frod_groups(run.engine.module):  # one gather per decoder layer under ZeRO-3
         params = {id(p): p for p in [*held, *(p for _, m in members for p in (m.u_parameter(), m.V))]}
-        with gathered(list(params.values()), run.zero3):
+        layer = contextlib.nullcontext() if shards is None else shards.gathered([m for _, m in members])
+        with gathered(list(params.values()), run.zero3), layer:
             if dist.is_main():
                 for name, m in members:
                     on, off = m.update_norms_sq(run.sigma0[name])
