@@ -9,10 +9,9 @@ parameters.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-from frod_ds.config.ds_config import DSConfigError, zero_stage
+from frod_ds.config.ds_config import DSConfigError, as_stage2, offload_device, zero_stage
 
 __all__ = ["CHOICES", "zero3_layout", "layers_engine_config"]
 
@@ -23,7 +22,7 @@ def zero3_layout(cfg: dict[str, Any], choice: str) -> str | None:
     """``"layers"`` or ``"deepspeed"`` for a ZeRO-3 ``cfg``, None for any other stage."""
     if zero_stage(cfg) != 3:
         return None
-    offload = "offload_param" in (cfg.get("zero_optimization") or {})
+    offload = offload_device(cfg, "offload_param") is not None
     if choice == "layers" and offload:
         raise DSConfigError(
             "DeepSpeed config: train.zero3_partition=layers keeps the frozen weights' shards on the GPU, but the "
@@ -34,9 +33,4 @@ def zero3_layout(cfg: dict[str, Any], choice: str) -> str | None:
 
 def layers_engine_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The engine's JSON of a ``layers`` run: ``cfg`` at ZeRO stage 2, without the settings only stage 3 reads."""
-    out = copy.deepcopy(cfg)
-    zo = out["zero_optimization"]
-    for key in [k for k in zo if k.startswith("stage3_") or k == "offload_param"]:
-        del zo[key]
-    zo["stage"] = 2
-    return out
+    return as_stage2(cfg)

@@ -210,8 +210,13 @@ def shared_params(units: list[tuple[str, nn.Module]]) -> set[int]:
 @torch.no_grad()
 def shard_unit(name: str, module: nn.Module, shared: set[int], device: torch.device) -> list[Unit]:
     """This rank's 1/N of ``module``'s frozen tensors, one flat shard per dtype on ``device``; the Parameters are
-    left empty (their values live in the shards until a gather). Reads the values from wherever they are now."""
+    left empty (their values live in the shards until a gather). Reads the values from wherever they are now. On
+    one rank the tensors move to ``device`` whole and no unit is made."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:  # nothing to partition: the unit stays whole on the device, never gathered
+        for p in _frozen_params(module, shared):
+            p.data = p.data.to(device)
+        return []
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in _frozen_params(module, shared):
         by_dtype.setdefault(p.dtype, []).append(p)
