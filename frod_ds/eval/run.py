@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from frod_ds.eval.predict import (
 )
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text, building_dir, check_replaceable
+from frod_ds.runtime.paths import dir_problem, file_problem, wrong_folder
 
 __all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "run"]
 
@@ -122,7 +124,13 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
     from frod_ds.prep.tasks import parse_tasks
 
     tasks = parse_tasks(tasks_spec)
+    problem = dir_problem(data) or wrong_folder(data, "--data", ("data-build",), "a data build")
+    if problem:
+        raise EvalError(problem if problem.startswith("--data") else f"--data {problem}")
     paths = {task: Path(data) / "eval" / f"{task}.jsonl" for task in tasks}
+    odd = [file_problem(p) for p in paths.values() if os.path.lexists(p) and file_problem(p)]
+    if odd:  # a named pipe, a link loop, a directory: not "missing"
+        raise EvalError(f"eval file {odd[0]}")
     missing = [str(path) for path in paths.values() if not path.is_file()]
     if missing:
         raise EvalError(
@@ -174,10 +182,7 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
 
     if config.checkpoint:
         if not adapter.is_adapter_checkpoint(config.checkpoint):
-            raise EvalError(
-                f"--checkpoint {config.checkpoint} is not a FRoD adapter checkpoint (no adapter_config.json); "
-                "pass a plain HF model with --model"
-            )
+            raise EvalError(adapter.not_an_adapter(config.checkpoint, "--checkpoint"))
         model, tokenizer = adapter.load_frod_model(
             config.checkpoint,
             base_model=config.base_model,
@@ -189,6 +194,9 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
         assert config.model is not None
         if adapter.is_adapter_checkpoint(config.model):
             raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
+        from frod_ds.io.hf_checkpoint import check_model_folder
+
+        check_model_folder(Path(config.model))  # a store, a PEFT adapter, a data build: say so, not a traceback
         from transformers import AutoModelForCausalLM
 
         from frod_ds.prep.tokens import load_tokenizer

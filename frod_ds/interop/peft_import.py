@@ -29,6 +29,7 @@ from frod_ds.interop.peft_common import (
     rel_error,
 )
 from frod_ds.runtime.atomic import building_dir, check_replaceable, mark_dir
+from frod_ds.runtime.paths import dir_problem, wrong_folder
 
 __all__ = ["import_peft"]
 
@@ -41,7 +42,12 @@ BASIS_MISMATCH = 1e-2  # relative ‖V_saved − V_recomputed‖ above which the
 
 def _read_peft_config(peft_dir: Path) -> dict[str, Any]:
     cfg_path = peft_dir / "adapter_config.json"
-    if not peft_dir.is_dir() or not cfg_path.is_file():
+    if not peft_dir.is_dir():
+        raise PeftInteropError(f"--from-peft {dir_problem(peft_dir)}; pass the directory save_pretrained wrote")
+    wrong = wrong_folder(peft_dir, "--from-peft", ("peft-adapter", "peft-export"), "a PEFT adapter")
+    if wrong:
+        raise PeftInteropError(wrong)
+    if not cfg_path.is_file():
         raise PeftInteropError(f"--from-peft {peft_dir} is not a PEFT adapter directory (no adapter_config.json)")
     try:
         cfg = json.loads(cfg_path.read_text())

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from frod_ds.runtime.errors import CheckpointError
+from frod_ds.runtime.paths import dir_problem, wrong_folder
 
 if TYPE_CHECKING:
     import torch
@@ -75,15 +76,28 @@ def safetensors_dtype(code: str) -> torch.dtype:
     }[code]
 
 
-def resolve_model_dir(model: str) -> Path:
+MODEL_KINDS = ("hf-checkpoint", "hf-export")  # runtime.paths.folder_kind of a directory a model loads from
+
+
+def check_model_folder(path: Path, flag: str = "--model") -> None:
+    """``CheckpointError`` (one line) when ``path`` is a directory of another kind (a factor store, an adapter,
+    a data build, ...): what it is and where it goes, before a reader fails on a file it lacks."""
+    problem = wrong_folder(path, flag, MODEL_KINDS, "a model checkpoint (config.json + *.safetensors)")
+    if problem:
+        raise CheckpointError(problem)
+
+
+def resolve_model_dir(model: str, flag: str = "--model") -> Path:
     """A local checkpoint directory as is; otherwise a Hugging Face Hub id, downloaded (or found in the
-    local HF cache) with ``snapshot_download`` — only configs, safetensors and tokenizer files."""
+    local HF cache) with ``snapshot_download`` — only configs, safetensors and tokenizer files. ``flag``: how
+    messages name the argument."""
     path = Path(model).expanduser()
     if path.is_dir():
+        check_model_folder(path, flag)
         return path
-    if path.exists():
+    if os.path.lexists(path):  # a file, a named pipe, a broken link or a link loop: say which
         raise CheckpointError(
-            f"--model {model!r} is a file; pass the checkpoint directory (config.json + *.safetensors)"
+            f"{flag} {dir_problem(path)}; pass the checkpoint directory (config.json + *.safetensors)"
         )
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise CheckpointError(
@@ -107,16 +121,17 @@ def resolve_config_file(model: str) -> Path:
     downloaded: the memory planner reads no weights). ``CheckpointError`` (one line) when there is none."""
     path = Path(model).expanduser()
     if path.is_dir():
+        check_model_folder(path)
         if not (path / "config.json").is_file():
             raise CheckpointError(
                 f"model directory {path} has no config.json; pass the checkpoint directory (config.json + "
                 "*.safetensors)"
             )
         return path / "config.json"
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+    if os.path.lexists(path) or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise CheckpointError(
-            f"--model {model!r} is not a checkpoint directory; pass a directory holding config.json or a "
-            "Hub id in the local cache"
+            f"--model {dir_problem(path) or model}: not a checkpoint directory; pass a directory holding config.json "
+            "or a Hub id in the local cache"
         )
     try:
         from huggingface_hub import hf_hub_download
@@ -223,8 +238,10 @@ class HFCheckpoint:
 
     def __init__(self, model_dir: str | os.PathLike):
         self.dir = Path(model_dir)
-        if not self.dir.is_dir():
-            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        problem = dir_problem(self.dir)
+        if problem:
+            raise CheckpointError(f"checkpoint directory {problem}")
+        check_model_folder(self.dir, "model directory")
         index = self.dir / INDEX_NAME
         single = self.dir / SINGLE_NAME
         if index.is_file():

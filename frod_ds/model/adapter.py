@@ -35,6 +35,7 @@ from frod_ds.model.build import build_frod_model, gathered
 from frod_ds.model.store_reader import FactorStore
 from frod_ds.runtime.atomic import building_dir
 from frod_ds.runtime.errors import AdapterError, FrodError, note
+from frod_ds.runtime.paths import describe_folder, dir_problem, wrong_folder
 
 __all__ = [
     "adapter_state",
@@ -43,6 +44,7 @@ __all__ = [
     "read_adapter",
     "load_adapter_into",
     "is_adapter_checkpoint",
+    "not_an_adapter",
     "load_frod_model",
     "supports_from_adapter",
     "check_adapter_store",
@@ -132,6 +134,18 @@ def is_adapter_checkpoint(path: str | Path) -> bool:
     return True
 
 
+def not_an_adapter(path: str | Path, flag: str = "") -> str:
+    """The one line for ``path`` given where an adapter belongs: what it is (a factor store, a model, a training
+    run, ...) and where that goes, or why it is no adapter."""
+    p = Path(path)
+    if not p.is_dir():
+        return f"{f'{flag} ' if flag else ''}{dir_problem(p)}; pass an adapter directory (adapter-final/ of a run)"
+    return wrong_folder(p, flag, ("adapter",), "a FRoD adapter checkpoint") or (
+        f"{f'{flag} ' if flag else ''}{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS}); "
+        f"it is {describe_folder(p)}"
+    )
+
+
 def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
     """A one-line description of the first tensor holding NaN or inf, or None when all are finite."""
     for name, x in tensors.items():
@@ -145,7 +159,7 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
     """``(tensors, config)``; ``AdapterError`` naming the file when something is missing or malformed."""
     p = Path(path)
     if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
-        raise AdapterError(f"{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS})")
+        raise AdapterError(not_an_adapter(p))
     config = AdapterConfig.read(p / CONFIG)
     if config.weights_crc32 is not None and parse_crc32(config.weights_crc32) != file_crc32(p / WEIGHTS):
         raise AdapterError(
@@ -241,7 +255,7 @@ def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, f
             "(the directory written by frod hjd for this base model)"
         )
     store = FactorStore.open(store_path)
-    model_dir = resolve_model_dir(base)
+    model_dir = resolve_model_dir(base, "--base-model" if base_model else f"base model of {checkpoint_dir}")
     check_store_matches(store, HFCheckpoint(model_dir))
     check_adapter_store(config, store, checkpoint_dir)
     return tensors, config, model_dir, store

@@ -15,7 +15,7 @@ from typing import Any
 
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
-from frod_ds.prep.dataset import DEFAULT_CUTOFF, BuildOptions, build, resolved_template, template_problems
+from frod_ds.prep.dataset import DEFAULT_CUTOFF, KIND, BuildOptions, build, resolved_template, template_problems
 from frod_ds.prep.tasks import (
     DEFAULT_WINOGRANDE_SIZE,
     LLM_ADAPTERS_ROWS,
@@ -25,6 +25,7 @@ from frod_ds.prep.tasks import (
     parse_tasks,
 )
 from frod_ds.prep.templates import RowError, render, row_id
+from frod_ds.runtime.paths import dir_problem, wrong_folder
 
 EXAMPLES = """examples:
   frod data build --source hub --out data/cs170k
@@ -191,6 +192,9 @@ def cmd_build(args: argparse.Namespace) -> None:
 def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """The manifest and rows of each file of a built OUT, after checking every sha256."""
     path = out / "manifest.json"
+    problem = dir_problem(out) or wrong_folder(out, "--out", (KIND,), "a frod data build")
+    if problem:
+        raise DataPrepError(problem)
     if not path.is_file():
         raise DataPrepError(f"{out} is not a frod data build (no manifest.json)")
     try:

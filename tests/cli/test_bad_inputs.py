@@ -565,6 +565,32 @@ def test_eval_of_a_missing_checkpoint(env, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "flag, folder, kind",
+    [
+        ("--model", "store", "a factor store"),
+        ("--model", "data", "a frod data build"),
+        ("--model", "peft", "a PEFT adapter"),
+        ("--checkpoint", "store", "a factor store"),
+        ("--checkpoint", "model", "a Hugging Face model checkpoint"),
+        ("--checkpoint", "peft", "a PEFT adapter"),
+    ],
+)
+def test_eval_names_a_folder_of_the_wrong_kind(env, tmp_path, capsys, flag, folder, kind):
+    """A factor store, a data build or a PEFT adapter given as --model or --checkpoint: one line saying what the
+    folder is (transformers and peft used to stop with a traceback), nothing written."""
+    peft = tmp_path / "peft"  # the layout PEFT's save_pretrained writes
+    peft.mkdir()
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "FROD", "base_model_name_or_path": "m"}))
+    save_file({"x": torch.zeros(1)}, str(peft / "adapter_model.safetensors"))
+    where = peft if folder == "peft" else getattr(env, folder)
+    out = tmp_path / "eval"
+    argv = [flag, str(where), "--data", str(env.data), "--tasks", "boolq", "--output", str(out)]
+    line = one_error(capsys, eval_cli.main(argv))
+    assert line.startswith(f"error: {flag} {where} is {kind}"), line
+    assert not out.exists()
+
+
 # -- never replace what frod-ds did not write ------------------------------------------------------------
 
 
