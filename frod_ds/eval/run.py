@@ -194,9 +194,21 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
         assert config.model is not None
         if adapter.is_adapter_checkpoint(config.model):
             raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
-        from frod_ds.io.hf_checkpoint import check_model_folder
+        from frod_ds.io.hf_checkpoint import (
+            INDEX_NAME,
+            SINGLE_NAME,
+            HFCheckpoint,
+            check_config_file,
+            check_model_folder,
+        )
 
-        check_model_folder(Path(config.model))  # a store, a PEFT adapter, a data build: say so, not a traceback
+        if Path(config.model).is_dir():  # a store, a PEFT adapter, a data build; a config of no or another model
+            check_model_folder(Path(config.model))
+            has_safetensors = any((Path(config.model) / n).is_file() for n in (INDEX_NAME, SINGLE_NAME))
+            if has_safetensors:
+                HFCheckpoint(config.model).config()
+            else:
+                check_config_file(config.model)
         from transformers import AutoModelForCausalLM
 
         from frod_ds.prep.tokens import load_tokenizer

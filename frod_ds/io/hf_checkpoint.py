@@ -19,7 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from frod_ds.runtime.errors import CheckpointError
+from frod_ds.io.model_config import config_problems, weights_problems
+from frod_ds.runtime.errors import CheckpointError, note
 from frod_ds.runtime.paths import dir_problem, wrong_folder
 
 if TYPE_CHECKING:
@@ -161,6 +162,11 @@ def check_config_file(model_dir: str | os.PathLike) -> dict:
             f"{path} holds a JSON {type(data).__name__}, not a model config; copy config.json from "
             "the original checkpoint"
         )
+    problems = config_problems(data)
+    if problems:
+        raise CheckpointError(
+            f"{path}: {'; '.join(problems)}; no model has these sizes: copy config.json from the original checkpoint"
+        )
     return data
 
 
@@ -268,10 +274,31 @@ class HFCheckpoint:
         self.bytes_read = 0
         self._lock = threading.Lock()  # reader threads count what they read
 
-    def config(self) -> dict:
-        """The checkpoint's ``config.json``, read and checked (``check_config_file``) on first use only."""
+    def config(self, required: bool = True) -> dict | None:
+        """The checkpoint's ``config.json``, read and checked on first use only: its values (``check_config_file``)
+        and the weights' shapes and layer count against it (``model_config.weights_problems``). ``required=False``
+        (HJD, which needs only the weights): None, with a note, when there is none or it is not JSON; a config that
+        contradicts the weights is refused either way."""
         if self._config is None:
-            self._config = check_config_file(self.dir)
+            path = self.dir / "config.json"
+            if not required and not path.is_file():
+                note(f"{self.dir} has no config.json: the factor store records no model config")
+                return None
+            if not required:
+                try:
+                    json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    note(f"{path} is not valid JSON: the factor store records no model config")
+                    return None
+            config = check_config_file(self.dir)
+            shapes = {name: self.shape(name) for name in self.keys() if name.endswith(".weight")}
+            problems = weights_problems(config, shapes)
+            if problems:
+                raise CheckpointError(
+                    f"{path} does not describe the weights in {self.dir} ({'; '.join(problems)}); the config is of "
+                    "another model: copy the config.json that came with these weights"
+                )
+            self._config = config
         return self._config
 
     def keys(self) -> list[str]:

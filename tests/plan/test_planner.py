@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -445,6 +446,44 @@ def test_cli_bad_model_is_one_line(tmp_path, config, needle):
     assert res.returncode == 2, res.stdout + res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
+
+
+LLAMA_SIZES = {**LLAMA2_7B, "num_key_value_heads": 32}
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+        ({"num_hidden_layers": -2}, "num_hidden_layers must be a positive integer, got -2"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),  # divided by it
+        ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+        ({"num_key_value_heads": 5}, "num_key_value_heads 5 does not divide num_attention_heads 32"),
+        ({"num_attention_heads": 7}, "num_attention_heads 7 does not divide hidden_size 4096"),
+        ({"intermediate_size": 11008.0}, "intermediate_size must be a positive integer, got 11008.0"),
+        ({"num_attention_heads": True}, "num_attention_heads must be a positive integer, got True"),
+    ],
+)
+def test_config_sizes_no_model_has_are_refused(tmp_path, change, needle):
+    """Each size is checked by the one reader of config.json (frod_ds.io.model_config) before any arithmetic: the
+    planner's own reading and the file's (``load_model_shape``) give the same line; a sound config plans."""
+    from frod_ds.plan.shapes import PlanError, load_model_shape
+    from frod_ds.runtime.errors import FrodError
+
+    assert model_shape_from_config(LLAMA_SIZES).parameters > 6e9
+    with pytest.raises(PlanError, match=re.escape(needle)):
+        model_shape_from_config({**LLAMA_SIZES, **change})
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_SIZES, **change}))
+    with pytest.raises(FrodError, match=re.escape(needle)):
+        load_model_shape(str(tmp_path))
+
+
+def test_cli_plan_of_a_zero_layer_config_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA2_7B, "num_hidden_layers": 0}))
+    res = _plan("--model", str(tmp_path), "--gpus", "1")
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "num_hidden_layers must be a positive integer, got 0" in lines[0] and "Traceback" not in res.stderr
 
 
 def test_planner_errors_are_user_errors(tmp_path):
