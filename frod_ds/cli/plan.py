@@ -91,7 +91,7 @@ def print_plan(plan, title: str, model=None) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from frod_ds.config.ds_config import check_ds_keys, load_ds_config
+    from frod_ds.config.ds_config import check_ds_config, load_ds_config
     from frod_ds.config.recipe import load_recipe
     from frod_ds.core.names import LLAMA_LINEARS
     from frod_ds.plan.memory import plan_memory, trainable_numel
@@ -125,7 +125,7 @@ def plan_command(args: argparse.Namespace) -> int:
     code = 0
     if args.config:
         cfg = load_ds_config(args.config)
-        check_ds_keys(cfg, args.config)
+        check_ds_config(cfg, args.config)
         engine = engine_from_ds_config(cfg, args.config)
         plan = plan_memory(model, train, engine, args.gpus, gpu)
         q = (

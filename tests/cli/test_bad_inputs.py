@@ -132,6 +132,16 @@ def test_recipe_yaml_whose_top_level_is_not_a_mapping(env, tmp_path, capsys):
         ("[1, 2]", "object"),
         ('{"zero_optimization": {"stage": "three"}}', "got 'three'"),
         ("{not json", "JSON"),
+        (
+            '{"zero_optimization": {"stage": 2}, "zero_optimization": {"stage": 3}}',
+            'key "zero_optimization" is given twice',
+        ),
+        ('{"bf16": {"enabled": "false"}}', 'bf16.enabled is the string "false"; write false without quotes'),
+        (
+            '{"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}}',
+            "zero_optimization.reduce_bucket_size: Input",
+        ),
+        ('{"steps_per_print": "often"}', "steps_per_print must be a positive integer, got 'often'"),
     ],
 )
 def test_bad_deepspeed_config_is_one_line(env, tmp_path, capsys, text, needle):
