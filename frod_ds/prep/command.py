@@ -103,6 +103,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing non-empty OUT (only once the new build succeeded)"
     )
+    p.add_argument(
+        "--keep-duplicates",
+        action="store_true",
+        help="keep training rows that repeat an earlier row of their split verbatim (default: drop and count them; "
+        "test rows are always kept as published and counted; --strict refuses both)",
+    )
     _add_tokenizer_flags(p)
 
     p = sub.add_parser(
@@ -143,6 +149,15 @@ def print_build_report(manifest: dict[str, Any], files: dict[str, str]) -> None:
         for role, reasons in roles.items():
             for reason, count in reasons.items():
                 print(f"dropped: {task} {role}: {reason}: {count}")
+    repeated = manifest.get("repeated", {})
+    for task, roles in repeated.get("rows", {}).items():
+        for role, n in roles.items():
+            done = (
+                repeated[role]
+                if role == "eval" or repeated[role] == "kept"
+                else "dropped (--keep-duplicates keeps them)"
+            )
+            print(f"repeated: {task} {role}: {n} row(s) repeat an earlier row verbatim: {done}")
     for task, roles in manifest["counts"].items():
         for role, c in roles.items():
             if c.get("not_selected"):
@@ -180,6 +195,7 @@ def cmd_build(args: argparse.Namespace) -> None:
         cutoff=args.cutoff,
         overwrite=args.overwrite,
         template=args.template,
+        keep_duplicates=args.keep_duplicates,
     )
     manifest, files = build(options)
     print_build_report(manifest, files)

@@ -17,7 +17,7 @@ import torch
 
 from frod_ds.config.ds_config import BatchSizes
 from frod_ds.eval.predict import encode_rows
-from frod_ds.prep.rows import MAX_ROW_CHARS, read_rows, row_separator
+from frod_ds.prep.rows import MAX_ROW_CHARS, read_rows, row_separator, text_problem
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.paths import file_problem, wrong_folder
@@ -68,7 +68,7 @@ def _check_training_row(row) -> str | None:
             )
     if "separator" in row and not isinstance(row["separator"], str):
         return "field 'separator' must be a string when present"
-    return None
+    return text_problem({k: row[k] for k in ("prompt", "separator", "answer") if k in row})
 
 
 def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:

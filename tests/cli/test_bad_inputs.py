@@ -179,6 +179,7 @@ def _rows(env) -> list[dict]:
         ("few", "fewer than one global batch"),
         ("duplicate_id", "have the same id"),
         ("huge_row", "more than any sensible prompt"),
+        ("lone_surrogate", "line 3: field 'answer' holds a lone surrogate '\\udc80'"),
     ],
 )
 def test_bad_training_data_is_one_line_naming_the_file(env, tmp_path, capsys, case, needle):
@@ -193,6 +194,7 @@ def test_bad_training_data_is_one_line_naming_the_file(env, tmp_path, capsys, ca
         "few": lambda: _data(env, tmp_path, rows[:3]),
         "duplicate_id": lambda: _data(env, tmp_path, rows[:10] + [rows[4]]),
         "huge_row": lambda: _data(env, tmp_path, rows[:10] + [{**rows[0], "id": "x", "prompt": "a" * 200_000}]),
+        "lone_surrogate": lambda: _data(env, tmp_path, rows[:2] + [{**rows[2], "answer": "true\udc80"}] + rows[3:]),
     }[case]()
     out = tmp_path / "out"
     line = one_error(capsys, train(env, out, f"data.train={data}"))
