@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 from frod_ds.config.ds_config import load_ds_config
 from frod_ds.plan.memory import plan_memory
 from frod_ds.plan.recommend import hint, recommend
-from frod_ds.plan.shapes import Engine, TrainShape, model_shape_from_config, shipped_engines
+from frod_ds.plan.shapes import Engine, GiB, TrainShape, model_shape_from_config, shipped_engines
 from tests.support.train_env import REPO, env_vars
 
 TINY = dict(
@@ -496,3 +497,37 @@ def test_planner_errors_are_user_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(PlanError, match="model_type 'gpt2'"):
         load_model_shape(str(tmp_path))
+
+
+def _fits_anywhere(model, train, gpus, gpu, engines):
+    from frod_ds.plan.memory import plan_memory
+    from frod_ds.plan.recommend import candidates
+
+    return any(
+        plan_memory(model, dataclasses.replace(train, quant=q, quantize_base=qb, checkpointing=gc), e, gpus, gpu).fits
+        for e, q, qb, gc in candidates(engines, train)
+    )
+
+
+def test_more_gpus_are_advised_only_where_they_help():
+    """70B on 40 GiB GPUs with ZeRO-3 (no offload) alone: the advice names the fewest GPU count that fits, checked
+    by trying every count below it; 7B with 64 x 256 tokens per 8 GiB GPU: activations and logits alone exceed the
+    GPU on 1, 64 or 4096 GPUs, and the advice says more GPUs do not help and what does."""
+    from frod_ds.plan.recommend import fewest_gpus, no_fit_advice
+
+    big, gpu = model_shape_from_config(LLAMA2_70B), 40 * GiB
+    zero3 = [e for e in shipped_engines() if e.name == "ds_configs/zero3.json"]
+    train = TrainShape(micro_batch=1, seq_len=256)
+    need = fewest_gpus(big, train, 1, gpu, zero3)
+    assert need is not None and need > 1
+    assert [n for n in range(1, need + 1) if _fits_anywhere(big, train, n, gpu, zero3)] == [need]
+    assert f"from {need} GPUs one does" in no_fit_advice(big, train, 1, gpu, zero3)
+
+    small, gpu = model_shape_from_config(LLAMA2_7B), 8 * GiB
+    train = TrainShape(micro_batch=64, seq_len=256)
+    engines = shipped_engines()
+    assert not any(_fits_anywhere(small, train, n, gpu, engines) for n in (1, 64, 4096))
+    assert fewest_gpus(small, train, 1, gpu, engines) is None
+    advice = no_fit_advice(small, train, 1, gpu, engines)
+    assert "on any number of GPUs" in advice and "more GPUs do not shrink" in advice and "micro_batch_size" in advice
+    assert "use more GPUs" not in advice
