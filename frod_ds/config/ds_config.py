@@ -129,6 +129,9 @@ def check_ds_config(cfg: dict, where: str | Path) -> None:
     note_ignored(cfg, where)
 
 
+check_ds_keys = check_ds_config  # its 0.1 name (it checked the keys only then)
+
+
 def _autos(node: Any, prefix: str = "") -> list[str]:
     if isinstance(node, dict):
         return [k for key, v in node.items() for k in _autos(v, f"{prefix}{key}.")]

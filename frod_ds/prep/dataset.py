@@ -18,7 +18,7 @@ from typing import Any
 
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
-from frod_ds.prep.row_checks import count_repeats, drop_refused_rows
+from frod_ds.prep.row_checks import count_repeats, drop_rows_training_refuses
 from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from frod_ds.prep.templates import RowError, render, row_id
 from frod_ds.runtime.atomic import building_dir, check_out
@@ -433,7 +433,7 @@ def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
     tokenizer = tokens.load_tokenizer(options.tokenizer) if options.tokenizer else None
     results = load_splits(options)
     for result in results:
-        drop_refused_rows(result, options.strict)
+        drop_rows_training_refuses(result, options.strict)
         count_repeats(result, options.strict, options.keep_duplicates)
     check_no_empty_split(results, options.tasks)
     train = mixture(results, options.seed)

@@ -1,6 +1,6 @@
 """The build's checks of rendered rows, after the templates: what training or scoring would refuse or count wrong.
 
-``drop_refused_rows`` drops (and counts per reason) a repeated ``id``, a row over ``MAX_ROW_CHARS``, a lone
+``drop_rows_training_refuses`` drops (and counts per reason) a repeated ``id``, a row over ``MAX_ROW_CHARS``, a lone
 surrogate (text no tokenizer encodes) and a multiple-choice row with fewer than two or repeated choices (a free
 point when scored); ``count_repeats`` finds rows that repeat an earlier row of their split verbatim: training rows
 are dropped unless kept on purpose, test rows kept as published, both counted. ``--strict`` makes each an error
@@ -23,7 +23,7 @@ __all__ = [
     "FEW_CHOICES",
     "SAME_CHOICES",
     "REPEATED",
-    "drop_refused_rows",
+    "drop_rows_training_refuses",
     "count_repeats",
 ]
 
@@ -51,7 +51,7 @@ def _problem(row: dict[str, Any], seen: set[str]) -> tuple[str, str] | None:
     return None
 
 
-def drop_refused_rows(result: Any, strict: bool) -> None:
+def drop_rows_training_refuses(result: Any, strict: bool) -> None:
     """Drop (and count) the rows of one split that training or scoring would refuse or score wrong (the first of a
     repeated id is kept); with ``strict`` the first is an error naming the task, file and row. A lone surrogate is
     named in a note even when dropped: it means the source file is damaged."""
