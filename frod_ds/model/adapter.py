@@ -139,7 +139,10 @@ def not_an_adapter(path: str | Path, flag: str = "") -> str:
     run, ...) and where that goes, or why it is no adapter."""
     p = Path(path)
     if not p.is_dir():
-        return f"{f'{flag} ' if flag else ''}{dir_problem(p)}; pass an adapter directory (adapter-final/ of a run)"
+        return (
+            f"{f'{flag} ' if flag else ''}{dir_problem(p)}: not a frod-ds adapter checkpoint; pass an adapter "
+            "directory (adapter-final/ of a run)"
+        )
     return wrong_folder(p, flag, ("adapter",), "a FRoD adapter checkpoint") or (
         f"{f'{flag} ' if flag else ''}{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS}); "
         f"it is {describe_folder(p)}"
