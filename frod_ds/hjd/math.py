@@ -232,7 +232,7 @@ def probe_vectors(n: int, seed: int, k: int = PROBES) -> Tensor:
     return torch.randn(n, k, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-def probe_error(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor, X: Tensor, block: int = 2**25) -> Tensor:
+def probe_error(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor, X: Tensor, block: int = 2**24) -> Tensor:
     """``‖W_i X − U_i (σ_i ⊙ Vᵀ X)‖_F / ‖W_i X‖_F`` (absolute when ``W_i X = 0``) for probe vectors ``X`` (n, k), as a
     0-dim fp64 tensor: the layer's own product on random inputs, in fp64 row blocks of ``block`` elements (no square
     of an extreme weight overflows, no fp64 copy of a whole ``W_i``). NaN or inf factors give NaN or inf."""
