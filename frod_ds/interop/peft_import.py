@@ -43,7 +43,9 @@ BASIS_MISMATCH = 1e-2  # relative ‖V_saved − V_recomputed‖ above which the
 def _read_peft_config(peft_dir: Path) -> dict[str, Any]:
     cfg_path = peft_dir / "adapter_config.json"
     if not peft_dir.is_dir():
-        raise PeftInteropError(f"--from-peft {dir_problem(peft_dir)}; pass the directory save_pretrained wrote")
+        raise PeftInteropError(
+            f"--from-peft {dir_problem(peft_dir)}: not a PEFT adapter directory; pass the one save_pretrained wrote"
+        )
     wrong = wrong_folder(peft_dir, "--from-peft", ("peft-adapter", "peft-export"), "a PEFT adapter")
     if wrong:
         raise PeftInteropError(wrong)
