@@ -53,45 +53,17 @@ def _pct(x: float, digits: int = 1) -> str:
     return f"{100 * x:.{digits}f}%"
 
 
-# -- the 7B training-step matrix (bench/train_matrix.py's per-configuration JSONs) --------------------------------
-
-
-def _engine_name(d: dict) -> str:
-    stem = Path(d.get("config") or "").stem
-    if d["engine"] == "plain":
-        return "plain PyTorch"
-    return "ZeRO-3 keeping gathered weights" if stem == "zero3-keep" else f"`{d['engine']}.json`"
-
-
-def _step_cell(d: dict) -> str:
-    return f"{d['step_s_median'] * 1e3:.0f} ms / {d['tokens_per_s_per_gpu']:,.0f} / {d['peak_allocated_gib']:.1f} GiB"
+# -- the 7B training-step headline (the step-7b suite) -----------------------------------------------------------
 
 
 def headline(results: Path) -> str:
-    """FRoD's fastest configuration against LoRA's fastest, per GPU count (bf16, no checkpointing)."""
-    folder = results / "train_matrix_4xh200" / "configs"
-    runs = [_load(p) for p in sorted(folder.glob("train_step_*.json"))]
-    runs = [d for d in runs if not d["gradient_checkpointing"] and d.get("frozen_quant", "none") == "none"]
-    lines = [
-        _source(folder, results=results).rstrip("\n"),
-        "",
-        f"Device: {runs[0]['device']}; LLaMA-2-7B shape (random bf16 weights), "
-        f"{runs[0]['micro_batch']}×{runs[0]['seq_len']} tokens per GPU; FRoD s=0.02 vs PEFT LoRA r=16.",
-        "",
-        "| GPUs | LoRA's best config | LoRA step / tok/s per GPU / peak | FRoD's best config "
-        "| FRoD step / tok/s per GPU / peak | FRoD step ÷ LoRA best | FRoD peak ÷ LoRA best |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for gpus in sorted({d["world_size"] for d in runs}):
-        group = [d for d in runs if d["world_size"] == gpus]
-        lora = min((d for d in group if d["method"] == "lora"), key=lambda d: d["step_s_median"])
-        frod = min((d for d in group if d["method"] == "frod"), key=lambda d: d["step_s_median"])
-        lines.append(
-            f"| {gpus} | {_engine_name(lora)} | {_step_cell(lora)} | {_engine_name(frod)} | {_step_cell(frod)} "
-            f"| **{frod['step_s_median'] / lora['step_s_median']:.2f}×** "
-            f"| **{frod['peak_allocated_gib'] / lora['peak_allocated_gib']:.2f}×** |"
-        )
-    return "\n".join(lines) + "\n"
+    """FRoD's fastest ``frod train`` configuration against LoRA's fastest, per GPU count (``python -m bench run
+    step-7b``; ``bench/report.py``)."""
+    from bench.report import headline as step_headline
+    from bench.suite import load_suite
+
+    folder = results / "step-7b" / "h200x2"
+    return _source(folder, results=results) + step_headline(results, load_suite("step-7b"), "h200x2")
 
 
 # -- exactness at initialisation (bench/exact_init.py) -------------------------------------------------------------

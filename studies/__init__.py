@@ -11,9 +11,12 @@ records.py   the output directory as typed records (identity, base, runs, invoca
 schedule.py  which job comes next (runs centre out, extensions, test evals of each best run), from the records
 report.py    smoothing, steps-to-loss, the paper's claim, plots and tables
 rotation.py  tan α = ‖ΔW_off‖/‖ΔW_on‖ per category of a frod-ds or stock PEFT FRoD model (checkpoints)
-tasks.py     generated tasks (arithmetic, a fact base) from a seed, with held-out and test splits
-learn.py     the learnability study (studies/learn_study.py): per task, sweeps, S-rate ratios, seeds
+tasks.py     generated tasks (arithmetic, a fact base) from a seed, with train, validation and test splits
+learn.py     the learnability study (studies/learn_study.py): per task, sweeps, S-rate ratios, seeds, timing
+timing.py    each method alone on the device: step time, tokens/s, peak memory, build time
 learn_report.py  learn_study.json from the study directories, then report.md and plots from it
+learn_plan.py    the study's units, their estimated GPU seconds, the calls they make
+device_call.sh   one GPU call: stage the model, generate the tasks, run each GPU's share, pack the results
 runner.py    the study under one command's time budget: setup and identity, base evals, the jobs, the
              combined report of every command's records
 """

@@ -1,11 +1,11 @@
 """The study's configuration: methods, their LR sweeps and every shared training/eval setting, validated.
 
-A method is ``frod``, ``full``, ``lora<r>`` (PEFT LoRA of rank r on the same targets as FRoD), ``peftfrod``
-(stock PEFT's ``FrodConfig`` given frod-ds' factors and support, as ``bench/frod_vs_peft.py`` builds it) or
-``frod_ratio<k>`` (frod-ds' FRoD with S LR = σ LR / k). Each method's sweep is a tuple of learning rates (FRoD:
-the σ LR; the S LR is ``frod_s_ratio`` times it, the paper's 10:1, for ``frod`` and ``peftfrod``). All sweeps must have
-the same size (≥ 3 for a study whose selection can be trusted); a method
-whose choice sits at an end of its sweep may add up to ``extend`` LRs past that end (``runner``).
+Methods: ``frod`` (frod-ds' FRoD; its LR is σ's, S's is ``frod_s_ratio`` times it), ``frod_ratio<k>`` (S LR = σ LR
+/ k), ``full``, ``lora<r>`` (PEFT LoRA of rank r on FRoD's targets), ``peftfrod`` (stock PEFT ``FrodConfig`` as a
+PEFT user gets it: its own basis, support and λ⁰, its default ``sparse_rate``, one LR for every trainable tensor),
+``peftfrod_sr<dd>`` (the same at ``sparse_rate`` 0.dd) and ``peftfrod_inj`` (stock PEFT FRoD holding frod-ds'
+factors, support and σ⁰, trained as ``frod``: the cross-check). All sweeps have the same size; a method whose
+choice sits at an end of its sweep may add up to ``extend`` LRs past that end (``schedule``).
 """
 
 from __future__ import annotations
@@ -17,21 +17,36 @@ from pathlib import Path
 
 from frod_ds.core.names import DEFAULT_TARGETS
 
-__all__ = ["StudyError", "MethodSpec", "method_spec", "DEFAULT_LRS", "PROTOCOLS", "StudyConfig", "parse_lrs", "TARGETS"]
+__all__ = [
+    "StudyError",
+    "MethodSpec",
+    "method_spec",
+    "DEFAULT_LRS",
+    "PROTOCOLS",
+    "MAIN_METHODS",
+    "RATIO_METHODS",
+    "StudyConfig",
+    "parse_lrs",
+    "TARGETS",
+]
 
 # FRoD's targets and LoRA's (the same modules for both): the library's default FRoD targets
 TARGETS = DEFAULT_TARGETS
 
-# Half-decade grids centred on the best held-out accuracy of the two one-H200 runs so far
-# (bench/results/real_study_1xh200{,_sweep}: FRoD σ 3e-3 over 1e-3, LoRA r16 and r32 3e-4 over 1e-3, full 1e-4
-# over 3e-5; the ends were not reached).
+# Half-decade grids. studies/results/real_study_1xh100 (SmolLM2-135M, LLM-Adapters rows, chosen by held-out
+# answer-word loss) chose FRoD σ 1e-3, LoRA r16 1e-3, r32 3e-3, full 3e-4, each inside its swept range.
+# Stock PEFT FRoD trains λ and S at one LR: S moves 10x faster than frod's, so its grid sits half a decade lower.
 DEFAULT_LRS: dict[str, tuple[float, ...]] = {
     "frod": (1e-3, 3e-3, 1e-2),
-    "lora": (1e-4, 3e-4, 1e-3),
+    "lora": (3e-4, 1e-3, 3e-3),
     "full": (3e-5, 1e-4, 3e-4),
-    "peftfrod": (1e-3, 3e-3, 1e-2),
+    "peftfrod": (3e-4, 1e-3, 3e-3),
+    "peftfrod_inj": (1e-3, 3e-3, 1e-2),
 }
 PROTOCOLS = ("loglik", "llm-adapters", "exact")
+# the learnability study's (``learn``): methods with LR sweeps, and FRoD's S rate at σ/3 and σ/30 beside σ/10
+MAIN_METHODS = ("frod", "peftfrod", "peftfrod_sr02", "lora16", "lora64", "full")
+RATIO_METHODS = ("frod_ratio3", "frod_ratio30")
 
 
 class StudyError(ValueError):
@@ -44,18 +59,25 @@ class StudyError(ValueError):
 @dataclass(frozen=True)
 class MethodSpec:
     name: str  # "frod", "full", "lora16", ...
-    kind: str  # "frod" | "lora" | "full" | "peftfrod"
+    kind: str  # "frod" | "lora" | "full" | "peftfrod" (stock PEFT) | "peftfrod_inj" (PEFT on frod-ds' factors)
     rank: int | None = None  # LoRA rank
     s_per_sigma: float | None = None  # frod_ratio<k>: S LR / σ LR = 1/k (None: the study's frod_s_ratio)
+    sparse_rate: float | None = None  # peftfrod_sr<dd>: PEFT's sparse_rate (None: PEFT's default)
 
     def s_ratio(self, default: float) -> float:
         """S LR / σ LR of a FRoD method."""
         return default if self.s_per_sigma is None else self.s_per_sigma
 
+    @property
+    def two_rates(self) -> bool:
+        """σ and S at two LRs (frod-ds' FRoD and the injected cross-check); stock PEFT FRoD has one."""
+        return self.kind in ("frod", "peftfrod_inj")
+
 
 def method_spec(name: str) -> MethodSpec:
-    """``frod`` | ``full`` | ``peftfrod`` | ``lora<r>`` | ``frod_ratio<k>`` → its spec; StudyError otherwise."""
-    if name in ("frod", "full", "peftfrod"):
+    """``frod`` | ``full`` | ``peftfrod`` | ``peftfrod_sr<dd>`` | ``peftfrod_inj`` | ``lora<r>`` | ``frod_ratio<k>``
+    → its spec; StudyError otherwise."""
+    if name in ("frod", "full", "peftfrod", "peftfrod_inj"):
         return MethodSpec(name, name)
     m = re.fullmatch(r"lora(\d+)", name)
     if m and int(m.group(1)) > 0:
@@ -63,9 +85,13 @@ def method_spec(name: str) -> MethodSpec:
     m = re.fullmatch(r"frod_ratio(\d+)", name)
     if m and int(m.group(1)) > 0:
         return MethodSpec(name, "frod", s_per_sigma=1 / int(m.group(1)))
+    m = re.fullmatch(r"peftfrod_sr(\d+)", name)
+    if m and int(m.group(1)) > 0:
+        return MethodSpec(name, "peftfrod", sparse_rate=float(f"0.{m.group(1)}"))
     raise StudyError(
-        f"unknown method {name!r}; use frod, full, peftfrod, lora<r> (e.g. lora16) or frod_ratio<k> "
-        "(e.g. frod_ratio30: S LR = σ LR / 30)"
+        f"unknown method {name!r}; use frod, full, lora<r> (e.g. lora16), frod_ratio<k> (e.g. frod_ratio30: "
+        "S LR = σ LR / 30), peftfrod (stock PEFT FRoD), peftfrod_sr<dd> (its sparse_rate 0.dd, e.g. peftfrod_sr02) "
+        "or peftfrod_inj (stock PEFT FRoD on frod-ds' factors)"
     )
 
 
@@ -111,6 +137,7 @@ class StudyConfig:
     eval_limit: int | None = None  # per task, final evals (None: whole test sets)
     curve_limit: int = 128  # per task, the test slice of the accuracy-vs-step curve
     checkpoints: int = 4  # evaluations per run (evenly spaced, the last at the final step)
+    val_every: int = 0  # validation losses every this many steps too (0: at the checkpoints only)
     eval_batch: int = 64
     gen_batch: int = 128
     protocols: tuple[str, ...] = ("loglik", "llm-adapters")
@@ -121,6 +148,7 @@ class StudyConfig:
     select_by: str = "accuracy"
     smooth_frac: float = 0.05
     base_eval: bool = True
+    plots: bool = True  # the study's own plots beside its records (``learn`` draws its own from every seed)
     max_minutes: float = 8.5
     workers: int = 0  # runs at a time sharing the device; 0: 3 on CUDA, 1 on CPU
     eval_reserve_minutes: float = 2.0  # kept free for the final evaluations when deciding to start a round
@@ -128,6 +156,7 @@ class StudyConfig:
     frod_sparsity: float = 0.02
     frod_s_ratio: float = 0.1
     frod_pi: float = 1e-3
+    peft_frod_fp32: bool = False  # stock PEFT FRoD kinds without autocast (its sparse matmul fails under bf16)
     lora_alpha_ratio: float = 2.0
     lora_dropout: float = 0.0
     resume_from: str | None = None  # a study directory whose records are copied into ``out`` first
@@ -162,7 +191,8 @@ class StudyConfig:
                 f"--resume-from {self.resume_from} is not a study directory (no study.json); give the "
                 "--out of an earlier run (unpacked)"
             )
-        sizes = {m: len(v) for m, v in self.lrs.items()}
+        # the methods trained now; ``lrs`` may also name methods recorded earlier (their grids, for the report)
+        sizes = {m: len(v) for m, v in self.lrs.items() if m in self.methods}
         if len(set(sizes.values())) > 1:
             problems.append(f"LR sweeps must have equal sizes, got {sizes}; adjust --lrs")
         for name, value, ok in (
@@ -172,6 +202,7 @@ class StudyConfig:
             ("--warmup-ratio", self.warmup_ratio, 0 <= self.warmup_ratio < 1),
             ("--heldout", self.heldout, self.heldout >= 1),
             ("--checkpoints", self.checkpoints, self.checkpoints >= 1),
+            ("--val-every", self.val_every, self.val_every >= 0),
             ("--curve-limit", self.curve_limit, self.curve_limit >= 1),
             ("--workers", self.workers, self.workers >= 0),
             ("--extend", self.extend, self.extend >= 0),

@@ -8,6 +8,7 @@ tensors), so worker processes train on exactly the batches the main process buil
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ import torch
 from studies.config import StudyConfig, method_spec
 from studies.data import Batch
 from studies.evaluate import GENERATION_SCORER, exact_eval, heldout_losses, llm_adapters_eval, loglik_eval
-from studies.loop import train_run
+from studies.loop import fp32_only, train_run
 from studies.models import (
     ModelFactory,
     load_base,
@@ -33,6 +34,13 @@ from studies.report import correct_bits
 from studies.rotation import initial_sigmas, rotation_by_category
 
 __all__ = ["RunContext"]
+
+
+def _validation_curve(light: list[dict], checkpoints: list[dict]) -> list[dict]:
+    """``[{"step", "loss", "response_loss", "answer_loss"}]`` of every validation evaluation, by step."""
+    keys = ("loss", "response_loss", "answer_loss")
+    points = [{"step": c["step"], **{k: c[f"heldout_{k}"] for k in keys}} for c in light + checkpoints]
+    return sorted(points, key=lambda p: p["step"])
 
 
 def _micro(summary: dict) -> float:
@@ -54,12 +62,13 @@ class RunContext:
     steps: int
     checkpoint_steps: list[int]
     log: Callable[[str], None] = print
+    templates: dict | None = None  # a worker's factored models, kept across its studies (``ModelFactory``)
     factory: ModelFactory = field(init=False)
 
     def __post_init__(self) -> None:
         self.pad_id = self.tok.pad_token_id
         self.gen_name = GENERATION_SCORER
-        self.factory = ModelFactory(self.base, self.cfg)
+        self.factory = ModelFactory(self.base, self.cfg, self.templates)
 
     # -- transport to worker processes -------------------------------------------------------------------
 
@@ -80,9 +89,16 @@ class RunContext:
         )
 
     @classmethod
-    def load(cls, path: Path, device: torch.device, log: Callable[[str], None] = print) -> RunContext:
+    def load(cls, path: Path, device: torch.device, log: Callable[[str], None] = print, cache=None) -> RunContext:
+        """The context saved at ``path`` on ``device``; ``cache``: a worker's dict kept across studies, holding
+        the base model and the factored templates while the model path stays the same (the base is never
+        trained: every method builds on a copy)."""
         d = torch.load(path, weights_only=False)
-        base, tok = load_base(d["cfg"].model, device)
+        cache = {} if cache is None else cache
+        if cache.get("model") != d["cfg"].model:
+            cache.clear()
+            cache.update(model=d["cfg"].model, base=load_base(d["cfg"].model, device), templates={})
+        base, tok = cache["base"]
         return cls(
             cfg=d["cfg"],
             device=device,
@@ -96,6 +112,7 @@ class RunContext:
             steps=d["steps"],
             checkpoint_steps=d["checkpoint_steps"],
             log=log,
+            templates=cache["templates"],
         )
 
     # -- evaluations -------------------------------------------------------------------------------------
@@ -162,7 +179,7 @@ class RunContext:
         model = self.factory.build(spec)
         optimizer = make_optimizer(spec, model, lr, cfg)
         # FRoD kinds: how far the update rotates each category's weights, at every checkpoint (paper §3)
-        sigma0 = initial_sigmas(self.factory.frod_template()) if spec.kind in ("frod", "peftfrod") else None
+        sigma0 = initial_sigmas(model) if spec.kind in ("frod", "peftfrod", "peftfrod_inj") else None
 
         def on_checkpoint(step: int, model: torch.nn.Module = model) -> dict[str, Any]:
             out = self.checkpoint_eval(model)
@@ -170,14 +187,18 @@ class RunContext:
                 out["tan_alpha"] = rotation_by_category(model, sigma0)
             return out
 
-        log = train_run(
-            model, optimizer, self.batches, cfg, self.device, set(self.checkpoint_steps), on_checkpoint, deadline
-        )
+        def on_validation(step: int, model: torch.nn.Module = model) -> dict[str, Any]:
+            return {f"heldout_{k}": v for k, v in heldout_losses(model, self.held_batches, self.device).items()}
+
+        every = cfg.val_every
+        fp32 = cfg.peft_frod_fp32 and spec.kind in ("peftfrod", "peftfrod_inj")
+        with fp32_only() if fp32 else contextlib.nullcontext():
+            log = self._train(model, optimizer, deadline, on_checkpoint, on_validation)
         last = log.checkpoints[-1] if log.checkpoints and log.checkpoints[-1]["step"] == self.steps else None
         d = log.to_dict()
         entry: dict[str, Any] = dict(
             lr=lr,
-            lr_s=spec.s_ratio(cfg.frod_s_ratio) * lr if spec.kind in ("frod", "peftfrod") else None,
+            lr_s=spec.s_ratio(cfg.frod_s_ratio) * lr if spec.two_rates else None,
             trainable_params=trainable_numel(model),
             completed=log.completed,
             steps=log.steps,
@@ -198,6 +219,7 @@ class RunContext:
                 "answer_loss": last["heldout_answer_loss"],
             },
             log={k: d[k] for k in ("loss", "response_loss", "answer_loss", "grad_norm", "lr")},
+            validation=_validation_curve(log.validation, log.checkpoints) if every else None,
         )
         state = trainable_state(model) if log.completed else None
         del model, optimizer, on_checkpoint
@@ -205,6 +227,21 @@ class RunContext:
             torch.cuda.empty_cache()
         entry["wall_seconds"] = time.perf_counter() - w0
         return entry, state
+
+    def _train(self, model, optimizer, deadline, on_checkpoint, on_validation):
+        every = self.cfg.val_every
+        return train_run(
+            model,
+            optimizer,
+            self.batches,
+            self.cfg,
+            self.device,
+            set(self.checkpoint_steps),
+            on_checkpoint,
+            deadline,
+            validation_steps=set(range(every, self.steps + 1, every)) if every else set(),
+            on_validation=on_validation,
+        )
 
     def final_test(self, name: str, state: dict) -> dict[str, Any]:
         """A trained run (its trainable ``state``), merged into a plain model, on the test sets."""

@@ -1,10 +1,12 @@
 """The learnability study's report: one JSON from every study directory, then Markdown and plots from that JSON.
 
-``collect(OUT)`` reads ``OUT/<task>/seed<k>/real_study.json`` (the study's own documents) into
-``learn_study.json``: per task and method, the chosen run of every seed (answer-word loss per step, held-out
-loss, exact-match accuracy per test split, tan α per category at each checkpoint, speed), the LR sweeps, and
-the derived numbers: steps to the better LoRA's final loss, accuracy means with 95% t-intervals over seeds.
-``render(doc)`` writes ``report.md`` and ``loss_<task>.png`` from that JSON alone.
+``collect(OUT)`` reads ``OUT/<task>/seed<k>/real_study.json`` (the study's own documents; their ``heldout`` is the
+task's validation split) and ``OUT/<task>/timing.json`` into ``learn_study.json``: per task and method, the chosen
+run of every seed (answer-token loss per step, validation answer loss per evaluation, exact match per test split,
+tan α per category at each checkpoint), the LR sweeps, the S-rate ratios, the cross-check, each method's speed
+alone, and the derived numbers: steps to the better LoRA's final validation loss, the time that takes alone on
+the device, accuracy means with 95% t-intervals over seeds. ``render(doc)`` writes ``report.md`` and the plots
+from that JSON alone.
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from studies.report import smooth, smooth_window, steps_to_reach
+from studies.report import smooth, smooth_window
 
 __all__ = ["t_quantile", "mean_interval", "collect", "render", "SCALE_NOTE"]
 
 SCALE_NOTE = (
     "SmolLM2-135M is not LLaMA-2-7B: these runs test whether each method learns tasks a 135M model can "
-    "learn, on a budget of minutes; they say nothing about the paper's 7B numbers, and the rankings may "
-    "differ at 7B."
+    "learn, on a budget of minutes; nothing here is a projection to 7B (the paper's scale), and the "
+    "rankings may differ there."
 )
+NOT_REACHED = "not reached"
 
 
 def _t_pdf(x: float, df: int) -> float:
@@ -65,21 +68,88 @@ def _chosen_run(method: dict) -> dict | None:
     return method["sweep"][c["index"]] if c else None
 
 
+def _validation_curve(run: dict) -> list[list[float]]:
+    """``[[step, validation answer loss], ...]``: every validation evaluation (``--val-every``), else the
+    checkpoints'."""
+    if run.get("validation"):
+        return [[p["step"], p["answer_loss"]] for p in run["validation"]]
+    return [[c["step"], c["heldout_answer_loss"]] for c in run["checkpoints"]]
+
+
 def _seed_entry(run: dict, method: dict) -> dict[str, Any]:
     tests = method.get("test", {}).get("exact", {}).get("tasks", {})
     return {
         "lr": run["lr"],
         "lr_s": run.get("lr_s"),
         "answer_loss": run["log"]["answer_loss"],
-        "heldout_answer_loss": run["heldout"]["answer_loss"],
+        "validation": _validation_curve(run),
+        "validation_answer_loss": run["heldout"]["answer_loss"],
         "exact": {t: e["accuracy"] for t, e in tests.items()},
         "tan_alpha": [{"step": c["step"], **c["tan_alpha"]} for c in run["checkpoints"] if c.get("tan_alpha")],
-        "step_ms": run["step_ms"],
-        "tokens_per_s": run["tokens"] / run["train_seconds"] if run["train_seconds"] else None,
-        "peak_mem_gb": run["peak_mem_gb"],
-        "trainable_params": run["trainable_params"],
+        "shared_step_ms": run["step_ms"],
         "workers": run["workers"],
+        "trainable_params": run["trainable_params"],
         "tokens": run["tokens"],
+    }
+
+
+def _order(name: str) -> tuple[int, str]:
+    """Report order: the main methods as listed, then FRoD's ratio variants, then the cross-check."""
+    from studies.config import MAIN_METHODS
+
+    if name in MAIN_METHODS:
+        return (MAIN_METHODS.index(name), name)
+    return (len(MAIN_METHODS) + (0 if name.startswith("frod_ratio") else 1), name)
+
+
+def _reach(curve: list[list[float]], target: float) -> int | None:
+    """First step of a validation curve at or below ``target``."""
+    return next((int(s) for s, v in curve if v <= target), None)
+
+
+def _cross_check(seed0: dict, steps: int) -> dict[str, Any] | None:
+    """frod vs peftfrod_inj (same factors, support, σ⁰, LRs and batches): how far their runs differ."""
+    m = seed0["methods"]
+    if "peftfrod_inj" not in m or "frod" not in m or "chosen" not in m["peftfrod_inj"]:
+        return None
+    inj = _chosen_run(m["peftfrod_inj"])
+    frod = next((r for r in m["frod"]["sweep"] if r["lr"] == inj["lr"]), None)
+    if frod is None:
+        return None
+    a, b = frod["log"]["loss"], inj["log"]["loss"]
+    rel = [abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b)]
+    ex = lambda meth: meth.get("test", {}).get("exact", {}).get("tasks", {})  # noqa: E731
+    return {
+        "lr": inj["lr"],
+        "max_rel_loss_difference": max(rel),
+        "final_rel_loss_difference": rel[-1],
+        "validation_answer_loss": {
+            "frod": frod["heldout"]["answer_loss"],
+            "peftfrod_inj": inj["heldout"]["answer_loss"],
+        },
+        "exact_peftfrod_inj": {t: e["accuracy"] for t, e in ex(m["peftfrod_inj"]).items()},
+        "steps": steps,
+    }
+
+
+def _ratios(seed0: dict) -> dict[str, Any] | None:
+    """The σ:S LR ratios tried at frod's σ LR: validation answer loss of each, and the winner."""
+    out = {}
+    for name, m in seed0["methods"].items():
+        k = 10 if name == "frod" else int(name.removeprefix("frod_ratio")) if name.startswith("frod_ratio") else None
+        if k is None or "chosen" not in m:
+            continue
+        run = next((r for r in m["sweep"] if r["lr"] == seed0["methods"]["frod"]["chosen"]["lr"]), None)
+        if run is not None:
+            out[k] = run["heldout"]["answer_loss"]
+    if len(out) < 2:
+        return None
+    best = min(out, key=out.get)
+    ends = (min(out), max(out))
+    return {
+        "validation_answer_loss": {str(k): v for k, v in sorted(out.items())},
+        "chosen": best,
+        "at_end": best in ends and best != 10,
     }
 
 
@@ -102,54 +172,119 @@ def collect(out: Path) -> dict[str, Any]:
         window = smooth_window(steps, first["config"]["smooth_frac"])
         methods: dict[str, Any] = {}
         for k, d in sorted(docs.items()):
-            for name, m in d["methods"].items():
+            for name, m in sorted(d["methods"].items(), key=lambda kv: _order(kv[0])):
                 run = _chosen_run(m)
                 if run is not None and "test" in m:
                     methods.setdefault(name, {"seeds": {}})["seeds"][str(k)] = _seed_entry(run, m)
+        methods = dict(sorted(methods.items(), key=lambda kv: _order(kv[0])))
         sweeps = {
             name: [
                 {
                     "lr": r["lr"],
-                    "heldout_answer_loss": r["heldout"]["answer_loss"],
+                    "validation_answer_loss": r["heldout"]["answer_loss"],
                     "chosen": i == m.get("chosen", {}).get("index"),
+                    "at_end": i == m.get("chosen", {}).get("index") and m["chosen"]["at_sweep_end"],
                     "extension": r["lr"] in m.get("extended", []),
                 }
                 for i, r in enumerate(m["sweep"])
             ]
-            for name, m in first["methods"].items()
+            for name, m in sorted(first["methods"].items(), key=lambda kv: _order(kv[0]))
+            if not (name.startswith("frod_ratio") or name == "peftfrod_inj")  # in "ratios" and "cross_check"
         }
-        finals = {
-            name: smooth(e["seeds"]["0"]["answer_loss"], window)[-1] for name, e in methods.items() if "0" in e["seeds"]
+        timing_path = task_dir / "timing.json"
+        timing = json.loads(timing_path.read_text()) if timing_path.is_file() else None
+        loras = {
+            n: sum(s["validation_answer_loss"] for s in e["seeds"].values()) / len(e["seeds"])
+            for n, e in methods.items()
+            if n.startswith("lora")
         }
-        loras = {n: v for n, v in finals.items() if n.startswith("lora")}
         better = min(loras, key=loras.get) if loras else None
         for name, e in methods.items():
+            alone = (timing or {}).get("methods", {}).get(name)
             if better is not None:
-                e["steps_to_better_lora_final"] = {
-                    s: steps_to_reach(smooth(r["answer_loss"], window), loras[better]) for s, r in e["seeds"].items()
-                }
+                reach = {s: _reach(r["validation"], loras[better]) for s, r in e["seeds"].items()}
+                e["steps_to_better_lora_final"] = reach
+                if alone:
+                    e["seconds_to_better_lora_final"] = {
+                        s: None if v is None else alone["build_seconds"] + v * alone["step_ms"] / 1e3
+                        for s, v in reach.items()
+                    }
             splits = sorted({t for r in e["seeds"].values() for t in r["exact"]})
             e["exact"] = {
                 t: mean_interval([r["exact"][t] for r in e["seeds"].values() if t in r["exact"]]) for t in splits
             }
+            if alone:
+                e["alone"] = alone
         base = first.get("base", {}).get("test", {}).get("exact", {}).get("tasks", {})
         tasks[task_dir.name] = {
+            "peft_frod_fp32": bool(first["config"].get("peft_frod_fp32")),
             "steps": steps,
             "batch_size": first["config"]["batch_size"],
             "smoothing_window": window,
             "train_rows": first["data"]["train_rows"],
+            "validation_rows": first["data"]["heldout_rows"],
             "train_tokens": first["data"]["train_tokens"],
             "answer_tokens": first["data"]["answer_word_tokens"],
             "test_rows": first["data"]["test_rows_per_task"],
             "seeds": sorted(docs),
             "better_lora": better,
-            "better_lora_final_answer_loss": loras.get(better),
+            "better_lora_final_validation_loss": loras.get(better),
             "base_exact": {t: e["accuracy"] for t, e in base.items()},
+            "base_validation_answer_loss": first.get("step0", {}).get("heldout_answer_loss"),
             "methods": methods,
             "sweeps": sweeps,
-            "complete": all(d.get("complete") for d in docs.values()),
+            "ratios": _ratios(first),
+            "cross_check": _cross_check(first, steps),
+            "timing": None if timing is None else {k: v for k, v in timing.items() if k != "methods"},
+            "complete": all(d.get("complete") for d in docs.values()) and timing is not None,
         }
-    return {"benchmark": "learn_study", "devices": sorted(devices), "scale_note": SCALE_NOTE, "tasks": tasks}
+    return {
+        "benchmark": "learn_study",
+        "devices": sorted(devices),
+        "scale_note": SCALE_NOTE,
+        "tasks": tasks,
+        "convergence": convergence(tasks),
+    }
+
+
+def convergence(tasks: dict[str, Any]) -> dict[str, Any]:
+    """Per task: frod's steps and seconds (alone) to the better LoRA's final validation loss, over its seeds,
+    against that LoRA's own steps (its run length) and seconds; the sentence the README quotes."""
+    rows = {}
+    for name, t in tasks.items():
+        e = t["methods"].get("frod")
+        lora = t["methods"].get(t["better_lora"] or "")
+        if not e or not lora or "steps_to_better_lora_final" not in e:
+            continue
+        reach = list(e["steps_to_better_lora_final"].values())
+        secs = [v for v in e.get("seconds_to_better_lora_final", {}).values() if v is not None]
+        lora_alone = lora.get("alone")
+        rows[name] = {
+            "better_lora": t["better_lora"],
+            "frod_steps": reach,
+            "steps": t["steps"],
+            "reached": sum(v is not None for v in reach),
+            "seeds": len(reach),
+            "frod_seconds_mean": sum(secs) / len(secs) if secs else None,
+            "lora_seconds": None
+            if not lora_alone
+            else lora_alone["build_seconds"] + t["steps"] * lora_alone["step_ms"] / 1e3,
+        }
+    parts = []
+    for name, r in rows.items():
+        got = [v for v in r["frod_steps"] if v is not None]
+        steps = f"step {sorted(got)[len(got) // 2]} of {r['steps']} (median)" if got else NOT_REACHED
+        parts.append(f"{name}: {r['reached']}/{r['seeds']} seeds, {steps}")
+    sentence = (
+        "frod-ds FRoD reached the better LoRA's final validation loss on SmolLM2-135M — " + "; ".join(parts)
+        if parts
+        else None
+    )
+    return {"tasks": rows, "sentence": sentence}
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.1f}"
 
 
 def _fmt_interval(e: dict) -> str:
@@ -158,40 +293,88 @@ def _fmt_interval(e: dict) -> str:
     return f"{100 * e['mean']:.1f} [{100 * e['lo']:.1f}, {100 * e['hi']:.1f}]"
 
 
+def _fmt_reach(values: dict[str, Any], unit: str = "") -> str:
+    if not values:
+        return "—"
+    return ", ".join(
+        NOT_REACHED if v is None else (f"{v:.1f}{unit}" if isinstance(v, float) else f"{v}{unit}")
+        for v in values.values()
+    )
+
+
 def _task_md(name: str, t: dict) -> str:
     out = [
         f"## {name}\n",
-        f"{t['train_rows']} training rows; every method {t['steps']} steps of {t['batch_size']} "
-        f"({t['train_tokens']:,} training tokens, {t['answer_tokens']:,} answer tokens); seeds {t['seeds']}; "
-        f"test rows {t['test_rows']}. Losses are trailing means over {t['smoothing_window']} steps.\n",
+        f"{t['train_rows']} training rows, {t['validation_rows']} validation rows (LR selection), test rows "
+        f"{t['test_rows']}. Budget, the same for every method: {t['steps']} steps of {t['batch_size']} rows "
+        f"({t['train_tokens']:,} training tokens, {t['answer_tokens']:,} answer tokens), the same batches in the same "
+        f"order; seeds {t['seeds']}. Training losses are trailing means over {t['smoothing_window']} steps.\n",
     ]
+    if t.get("peft_frod_fp32"):
+        out.append(
+            "Stock PEFT FRoD (`peftfrod*`) trained in fp32, the others under bf16 autocast: its sparse matmul fails "
+            "under bf16 autocast on this GPU.\n"
+        )
     splits = sorted({s for e in t["methods"].values() for s in e["exact"]})
+    target = t["better_lora_final_validation_loss"]
     head = [
         "method",
         "LR (S LR)",
         "seeds",
-        "final answer loss (seed 0)",
-        f"steps to {t['better_lora']}'s final loss (per seed)",
-    ] + [f"exact match % {s}" for s in splits]
+        "validation answer loss (mean)",
+        (
+            f"steps to {t['better_lora']}'s final validation loss ({target:.4f}) per seed"
+            if target is not None
+            else "steps to the better LoRA's final validation loss (no LoRA run)"
+        ),
+        "seconds alone to it (per seed)",
+    ] + [f"exact match % {s} (95% CI)" for s in splits]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if t["base_exact"]:
+        base_loss = t.get("base_validation_answer_loss")
         out.append(
-            "| base | | | | | " + " | ".join(f"{100 * t['base_exact'].get(s, float('nan')):.1f}" for s in splits) + " |"
+            f"| base | | | {'' if base_loss is None else f'{base_loss:.4f}'} | | | "
+            + " | ".join(_pct(t["base_exact"].get(s)) for s in splits)
+            + " |"
         )
     for m, e in t["methods"].items():
         s0 = e["seeds"].get("0") or next(iter(e["seeds"].values()))
-        lr = f"{s0['lr']:g}" + (f" ({s0['lr_s']:g})" if s0.get("lr_s") else "")
-        final = smooth(s0["answer_loss"], t["smoothing_window"])[-1]
-        reach = ", ".join("never" if v is None else str(v) for v in e.get("steps_to_better_lora_final", {}).values())
-        cells = [m, lr, str(len(e["seeds"])), f"{final:.4f}", reach or "—"]
+        lr = f"{s0['lr']:.3g}" + (f" ({s0['lr_s']:.3g})" if s0.get("lr_s") else "")
+        val = sum(s["validation_answer_loss"] for s in e["seeds"].values()) / len(e["seeds"])
+        cells = [
+            m,
+            lr,
+            str(len(e["seeds"])),
+            f"{val:.4f}",
+            _fmt_reach(e.get("steps_to_better_lora_final", {})),
+            _fmt_reach(e.get("seconds_to_better_lora_final", {}), " s"),
+        ]
         cells += [_fmt_interval(e["exact"][s]) if s in e["exact"] else "—" for s in splits]
         out.append("| " + " | ".join(cells) + " |")
-    out.append("\nLR sweeps (seed 0; selection by held-out answer loss):\n")
-    out += ["| method | LR | held-out answer loss |", "|---|---|---|"]
+    out.append("\nLR sweeps (seed 0; chosen by the lowest validation answer loss):\n")
+    out += ["| method | LR | validation answer loss |", "|---|---|---|"]
     for m, rows in t["sweeps"].items():
         for r in rows:
             mark = (" (past the grid)" if r["extension"] else "") + (" (chosen)" if r["chosen"] else "")
-            out.append(f"| {m} | {r['lr']:g}{mark} | {r['heldout_answer_loss']:.4f} |")
+            mark += " ⚠ still at an end of the sweep" if r.get("at_end") else ""
+            out.append(f"| {m} | {r['lr']:g}{mark} | {r['validation_answer_loss']:.4f} |")
+    if t["ratios"]:
+        r = t["ratios"]
+        cells = " · ".join(
+            f"σ:S {k}:1 → {v:.4f}" + (" (chosen)" if int(k) == r["chosen"] else "")
+            for k, v in r["validation_answer_loss"].items()
+        )
+        end = " ⚠ the choice is still at an end of the ratios tried" if r.get("at_end") else ""
+        out.append(f"\nFRoD's σ:S LR ratio at its chosen σ LR (validation answer loss): {cells}{end}\n")
+    if t["cross_check"]:
+        c = t["cross_check"]
+        out.append(
+            f"\nCross-check, stock PEFT FRoD on frod-ds' factors, support and σ⁰ (`peftfrod_inj`) against `frod`, "
+            f"same LRs ({c['lr']:g}) and batches: largest relative difference of the per-step training loss "
+            f"{c['max_rel_loss_difference']:.2e} (last step {c['final_rel_loss_difference']:.2e}); validation "
+            f"answer loss {c['validation_answer_loss']['frod']:.4f} vs "
+            f"{c['validation_answer_loss']['peftfrod_inj']:.4f}.\n"
+        )
     rot = {
         m: e["seeds"]["0"]["tan_alpha"]
         for m, e in t["methods"].items()
@@ -206,26 +389,54 @@ def _task_md(name: str, t: dict) -> str:
         ]
         for m, rows in rot.items():
             out += [f"| {m} | {r['step']} | " + " | ".join(f"{r[c]:.3g}" for c in cats) + " |" for r in rows]
-    out += [
-        "\nSpeed (seed 0's chosen run; runs shared the device with `workers` others, so these compare methods "
-        "only at equal workers):\n",
-        "| method | trainable | workers | ms/step | tokens/s | peak GiB |",
-        "|---|---|---|---|---|---|",
-    ]
-    for m, e in t["methods"].items():
-        s0 = e["seeds"].get("0") or next(iter(e["seeds"].values()))
-        peak = "—" if s0["peak_mem_gb"] is None else f"{s0['peak_mem_gb']:.2f}"
-        tps = "—" if s0["tokens_per_s"] is None else f"{s0['tokens_per_s']:,.0f}"
-        out.append(f"| {m} | {s0['trainable_params']:,} | {s0['workers']} | {s0['step_ms']:.1f} | {tps} | {peak} |")
+    timed = {m: e["alone"] for m, e in t["methods"].items() if e.get("alone")}
+    if timed:
+        tm = t["timing"]
+        out += [
+            f"\nSpeed, each method alone on the device ({tm['device']}; {tm['steps']} timed steps after "
+            f"{tm['warmup']}, this task's batches; build: the model from the base, FRoD's HJD or PEFT's own "
+            "initialisation included):\n",
+            "| method | trainable | ms/step | tokens/s | peak GiB | build s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for m, a in timed.items():
+            peak = "—" if a["peak_mem_gb"] is None else f"{a['peak_mem_gb']:.2f}"
+            out.append(
+                f"| {m} | {a['trainable_params']:,} | {a['step_ms']:.1f} | {a['tokens_per_s']:,.0f} | {peak} | "
+                f"{a['build_seconds']:.1f} |"
+            )
+    else:
+        out.append("\nSpeed alone: not measured yet (the task's timing unit).\n")
     return "\n".join(out) + "\n"
 
 
+def _facts_md(tasks: dict[str, Any]) -> str:
+    """Exact match by fact-base size (the saturation sweep), per method and test split."""
+    sizes = sorted((int(n[5:]), n) for n in tasks if re.fullmatch(r"facts\d+", n))
+    if len(sizes) < 2:
+        return ""
+    methods = list(dict.fromkeys(m for _, n in sizes for m in tasks[n]["methods"]))
+    out = ["## Fact base by size\n", "Exact match % (mean over seeds) per size; recall / qa.\n"]
+    out += ["| method | " + " | ".join(f"{n}" for _, n in sizes) + " |", "|" + "---|" * (len(sizes) + 1)]
+    for m in methods:
+        cells = []
+        for _, n in sizes:
+            e = tasks[n]["methods"].get(m, {}).get("exact", {})
+            pick = [_pct(e[k]["mean"]) if k in e else "—" for k in (f"{n}_recall", f"{n}_qa")]
+            cells.append(" / ".join(pick))
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n\nPlot: `facts_by_size.png`.\n\n"
+
+
 def render(doc: dict[str, Any], out: Path) -> list[Path]:
-    """``report.md`` and one loss plot per task, from ``learn_study.json``'s content alone."""
+    """``report.md`` and per task one plot (training and validation loss), from ``learn_study.json`` alone."""
+    conv = doc["convergence"]["sentence"]
     text = (
         "# Does frod-ds' FRoD learn like FRoD? Generated tasks on a real model\n\n"
         f"_Generated by `python -m studies.learn_study report` from `learn_study.json`; devices: "
         f"{', '.join(doc['devices']) or '—'}._\n\n**Scale.** {doc['scale_note']}\n\n"
+        + (f"**Convergence.** {conv}.\n\n" if conv else "")
+        + _facts_md(doc["tasks"])
         + "\n".join(_task_md(n, t) for n, t in doc["tasks"].items())
     )
     paths = [out / "report.md"]
@@ -236,28 +447,52 @@ def render(doc: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     for name, t in doc["tasks"].items():
-        fig, ax = plt.subplots(figsize=(7.5, 4.5))
+        base = t.get("base_validation_answer_loss")
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
         for m, e in t["methods"].items():
+            color = f"C{list(t['methods']).index(m) % 10}"
             for s, r in sorted(e["seeds"].items()):
+                main = dict(lw=1.6 if s == "0" else 0.6, alpha=1 if s == "0" else 0.5, color=color)
                 ys = smooth(r["answer_loss"], t["smoothing_window"])
-                ax.plot(
-                    range(1, len(ys) + 1),
-                    ys,
-                    lw=1.6 if s == "0" else 0.6,
-                    alpha=1 if s == "0" else 0.5,
-                    color=f"C{list(t['methods']).index(m)}",
-                    label=m if s == "0" else None,
-                )
-        if t["better_lora_final_answer_loss"] is not None:
-            ax.axhline(t["better_lora_final_answer_loss"], color="k", ls=":", lw=1)
-        ax.set_yscale("log")
-        ax.set_xlabel(f"step (dotted: {t['better_lora']}'s final loss; thin: other seeds)")
-        ax.set_ylabel("answer-token loss")
-        ax.set_title(f"{name}: answer-token loss, trailing mean of {t['smoothing_window']} steps")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+                axes[0].plot(range(1, len(ys) + 1), ys, label=m if s == "0" else None, **main)
+                v = [[0, base]] + r["validation"] if base else r["validation"]
+                axes[1].plot([p[0] for p in v], [p[1] for p in v], **main)
+        if t["better_lora_final_validation_loss"] is not None:
+            axes[1].axhline(t["better_lora_final_validation_loss"], color="k", ls=":", lw=1)
+        axes[0].set_title(f"{name}: training answer-token loss (trailing mean of {t['smoothing_window']})")
+        axes[1].set_title(f"validation answer-token loss from the base (dotted: {t['better_lora']}'s final)")
+        for ax in axes:
+            ax.set_yscale("log")
+            ax.set_xlabel("step (thin: other seeds)")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
         fig.tight_layout()
         paths.append(out / f"loss_{name}.png")
-        fig.savefig(paths[-1], dpi=100)
+        fig.savefig(paths[-1], dpi=90)
+        plt.close(fig)
+    sizes = sorted((int(n[5:]), n) for n in doc["tasks"] if re.fullmatch(r"facts\d+", n))
+    if len(sizes) >= 2:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+        for ax, split in zip(axes, ("recall", "qa")):
+            methods = list(dict.fromkeys(m for _, n in sizes for m in doc["tasks"][n]["methods"]))
+            for i, m in enumerate(methods):
+                pts = [
+                    (size, e["mean"], e["lo"], e["hi"])
+                    for size, n in sizes
+                    if (e := doc["tasks"][n]["methods"].get(m, {}).get("exact", {}).get(f"{n}_{split}"))
+                ]
+                if pts:
+                    err = [[p[1] - (p[2] if p[2] is not None else p[1]) for p in pts]]
+                    err.append([(p[3] if p[3] is not None else p[1]) - p[1] for p in pts])
+                    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                    ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("people in the fact base (3 facts each)")
+            ax.set_ylabel(f"exact match, {split} (95% CI over seeds)")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out / "facts_by_size.png")
+        fig.savefig(paths[-1], dpi=90)
         plt.close(fig)
     return paths

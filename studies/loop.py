@@ -24,14 +24,44 @@ from frod_ds.train.schedule import lr_lambda
 from studies.data import Batch
 from studies.models import decoder_and_head
 
-__all__ = ["autocast", "token_nll", "batch_losses", "RunLog", "train_run"]
+__all__ = ["autocast", "fp32_only", "sparse_mm_autocast_ok", "token_nll", "batch_losses", "RunLog", "train_run"]
+
+_FP32 = False  # set by fp32_only(): every autocast() of this process is fp32 inside it
 
 
 def autocast(device: torch.device):
-    """bf16 autocast on CUDA; fp32 on CPU."""
-    if device.type == "cuda":
+    """bf16 autocast on CUDA; fp32 on CPU and inside ``fp32_only()``."""
+    if device.type == "cuda" and not _FP32:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def fp32_only():
+    """Training and evaluation in fp32 inside (a method whose kernels fail under bf16 autocast)."""
+    global _FP32
+    before, _FP32 = _FP32, True
+    try:
+        yield
+    finally:
+        _FP32 = before
+
+
+def sparse_mm_autocast_ok(device: torch.device) -> bool:
+    """Whether ``torch.sparse.mm`` of a COO matrix (stock PEFT FRoD's S) runs forward and backward under this
+    device's bf16 autocast: autocast casts it to bf16, which some CUDA builds do not implement."""
+    if device.type != "cuda":
+        return True
+    try:
+        values = torch.ones(2, device=device, requires_grad=True)
+        S = torch.sparse_coo_tensor(torch.tensor([[0, 1], [1, 0]], device=device), values, (2, 2)).coalesce()
+        with autocast(device):
+            out = torch.sparse.mm(S, torch.randn(2, 3, device=device)).t()  # as PEFT's _sparse_activation_mm
+        out.float().sum().backward()
+        torch.cuda.synchronize(device)
+        return True
+    except RuntimeError:
+        return False
 
 
 def token_nll(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -63,6 +93,7 @@ class RunLog:
     grad_norm: list[float] = field(default_factory=list)
     lr: list[float] = field(default_factory=list)
     checkpoints: list[dict] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)  # {"step", ...} of the light validation evaluations
     train_seconds: float = 0.0
     tokens: int = 0  # padded-away tokens excluded
     scored_tokens: int = 0
@@ -89,8 +120,11 @@ def train_run(
     checkpoint_steps: set[int],
     on_checkpoint: Callable[[int], dict],
     deadline: float,
+    validation_steps: set[int] = frozenset(),
+    on_validation: Callable[[int], dict] | None = None,
 ) -> RunLog:
-    """Train ``model`` on ``batches`` (one per step); ``on_checkpoint(step)`` after the listed steps.
+    """Train ``model`` on ``batches`` (one per step); ``on_checkpoint(step)`` after the listed steps, and the lighter
+    ``on_validation(step)`` after ``validation_steps`` that are no checkpoint. Evaluation time is not training time.
 
     Stops early (``completed`` False) once ``time.time()`` passes ``deadline``.
     """
@@ -121,10 +155,13 @@ def train_run(
         log.answer_tokens += batch.n_answer
         order.update(batch.digest.encode())
         done = step + 1
-        if done in checkpoint_steps:
+        if done in checkpoint_steps or (on_validation is not None and done in validation_steps):
             _sync(device)
             e0 = time.perf_counter()
-            log.checkpoints.append({"step": done, **on_checkpoint(done)})
+            if done in checkpoint_steps:
+                log.checkpoints.append({"step": done, **on_checkpoint(done)})
+            else:
+                log.validation.append({"step": done, **on_validation(done)})
             model.train()
             eval_seconds += time.perf_counter() - e0
         if time.time() > deadline:

@@ -1,6 +1,6 @@
-"""One model per method from one base model in memory: FRoD (``apply_frod``), PEFT LoRA, full fine-tuning, and
-stock PEFT's FRoD (``peftfrod``) holding frod-ds' factors, support and σ⁰ (``bench.frod_vs_peft.inject``), so
-the two FRoD implementations start from the same model and differ only in their code.
+"""One model per method from one base model in memory: FRoD (``apply_frod``), PEFT LoRA, full fine-tuning, stock
+PEFT's FRoD as a PEFT user gets it (``peftfrod``: its own HJD, support and λ⁰), and stock PEFT's FRoD holding
+frod-ds' factors, support and σ⁰ (``peftfrod_inj``, ``bench.frod_vs_peft.inject``): the same start as ``frod``.
 
 All start from a deep copy of the same fp32 base on the same device. FRoD's HJD runs once per study (the
 factored model is kept as a template and copied per run). LoRA: PEFT ``LoraConfig`` on the FRoD targets,
@@ -46,45 +46,78 @@ def load_base(model_dir: str, device: torch.device):
 
 
 class ModelFactory:
-    """Fresh trainable models of each method from ``base`` (left untouched)."""
+    """Fresh trainable models of each method from ``base`` (left untouched). ``templates``: the factored models
+    (FRoD's HJD, PEFT's own initialisation) by what determines them, shared across the studies of one worker."""
 
-    def __init__(self, base: nn.Module, cfg: StudyConfig):
+    def __init__(self, base: nn.Module, cfg: StudyConfig, templates: dict | None = None):
         self.base, self.cfg = base, cfg
-        self._frod: nn.Module | None = None
-        self._peft_frod: nn.Module | None = None
+        self.templates: dict[tuple, tuple[nn.Module, float]] = {} if templates is None else templates
         self.hjd_seconds: float | None = None
 
-    def frod_template(self) -> nn.Module:
-        if self._frod is None:
+    def _template(self, key: tuple, build) -> nn.Module:
+        key = (*key, self.cfg.seed, self.cfg.frod_sparsity, self.cfg.frod_pi)
+        if key not in self.templates:
             t0 = time.perf_counter()
-            self._frod = apply_frod(
+            model = build()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.templates[key] = (model, time.perf_counter() - t0)
+        return self.templates[key][0]
+
+    def frod_template(self) -> nn.Module:
+        model = self._template(
+            ("frod",),
+            lambda: apply_frod(
                 copy.deepcopy(self.base),
                 TARGETS,
                 sparsity=self.cfg.frod_sparsity,
                 seed=self.cfg.seed,
                 pi=self.cfg.frod_pi,
                 hjd_dtype=torch.float64,
-            )
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.hjd_seconds = time.perf_counter() - t0
-        return self._frod
+            ),
+        )
+        key = ("frod", self.cfg.seed, self.cfg.frod_sparsity, self.cfg.frod_pi)
+        self.hjd_seconds = self.templates[key][1]
+        return model
 
     def peft_frod_template(self) -> nn.Module:
         """Stock PEFT's FRoD on the base, its frozen factors, support, σ and S replaced by frod-ds' template's."""
-        if self._peft_frod is None:
+
+        def build() -> nn.Module:
             from bench.frod_vs_peft import inject, peft_frod_model
 
             model = peft_frod_model(copy.deepcopy(self.base), list(TARGETS), self.cfg.frod_sparsity, self.cfg.frod_pi)
             inject(model, self.frod_template())
-            self._peft_frod = model
-        return self._peft_frod
+            return model
+
+        return self._template(("peftfrod_inj",), build)
+
+    def peft_stock_template(self, sparse_rate: float | None) -> nn.Module:
+        """Stock PEFT's FRoD as ``get_peft_model(base, FrodConfig(...))`` gives it: its own HJD, support and λ⁰;
+        ``sparse_rate`` None: PEFT's default. The study's seed is PEFT's ``projection_prng_key`` (seed 0: its
+        default), as frod-ds' support follows the seed."""
+
+        def build() -> nn.Module:
+            from peft import FrodConfig, get_peft_model
+
+            config = FrodConfig(
+                target_modules=list(TARGETS),
+                projection_prng_key=self.cfg.seed,
+                progressbar=False,
+                task_type="CAUSAL_LM",
+                **({} if sparse_rate is None else {"sparse_rate": sparse_rate}),
+            )
+            return get_peft_model(copy.deepcopy(self.base), config)
+
+        return self._template(("peftfrod", sparse_rate), build)
 
     def build(self, spec: MethodSpec) -> nn.Module:
         if spec.kind == "frod":
             model = copy.deepcopy(self.frod_template())
-        elif spec.kind == "peftfrod":
+        elif spec.kind == "peftfrod_inj":
             model = copy.deepcopy(self.peft_frod_template())
+        elif spec.kind == "peftfrod":
+            model = copy.deepcopy(self.peft_stock_template(spec.sparse_rate))
         elif spec.kind == "full":
             model = copy.deepcopy(self.base).requires_grad_(True)
         else:
@@ -104,10 +137,11 @@ class ModelFactory:
 
 
 def param_groups(spec: MethodSpec, model: nn.Module, lr: float, cfg: StudyConfig) -> list[dict]:
-    """FRoD: σ at ``lr``, S at ``s_ratio · lr``; others: every trainable tensor at ``lr``."""
+    """frod-ds' FRoD and the injected cross-check: σ at ``lr``, S at ``s_ratio · lr``; others (stock PEFT FRoD
+    too, as a PEFT user trains it): every trainable tensor at ``lr``."""
     if spec.kind == "frod":
         return frod_param_groups(model, lr, spec.s_ratio(cfg.frod_s_ratio) * lr, cfg.weight_decay)
-    if spec.kind == "peftfrod":
+    if spec.kind == "peftfrod_inj":
         from bench.frod_vs_peft import param_groups as peft_groups
 
         return peft_groups(model, "peft", lr, spec.s_ratio(cfg.frod_s_ratio) * lr, cfg.weight_decay)
@@ -142,7 +176,7 @@ def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 @torch.no_grad()
 def merged_for_eval(spec: MethodSpec, model: nn.Module) -> nn.Module:
     """A plain ``LlamaForCausalLM`` computing what ``model`` computes (consumes ``model``), in eval mode."""
-    if spec.kind in ("lora", "peftfrod"):
+    if spec.kind in ("lora", "peftfrod", "peftfrod_inj"):
         model = model.merge_and_unload()
     elif spec.kind == "frod":
         for name, layer in list(frod_modules(model)):

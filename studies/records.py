@@ -84,7 +84,11 @@ IDENTITY_SETTINGS = (
     "lora_dropout",
 )
 
-OPTIONAL_SETTINGS = {"exact_max_new_tokens": lambda cfg: "exact" in cfg.protocols}
+OPTIONAL_SETTINGS = {
+    "exact_max_new_tokens": lambda cfg: "exact" in cfg.protocols,
+    "val_every": lambda cfg: cfg.val_every > 0,
+    "peft_frod_fp32": lambda cfg: cfg.peft_frod_fp32,
+}
 
 
 @dataclass
@@ -133,6 +137,7 @@ class RunRecord:
     log: dict[str, list[float]]  # per step: loss, response_loss, answer_loss, grad_norm, lr
     invocation: int  # index into invocations.json of the command that trained it
     test: dict[str, Any] | None = None  # protocol → summary (average, tasks, correct_bits, seconds, ...)
+    validation: list[dict[str, Any]] | None = None  # --val-every: {step, loss, response_loss, answer_loss}
 
 
 @dataclass

@@ -82,7 +82,7 @@ def _git_commit() -> str | None:
 
 
 class Study:
-    def __init__(self, cfg: StudyConfig, argv: list[str], started: float):
+    def __init__(self, cfg: StudyConfig, argv: list[str], started: float, pool: WorkerPool | None = None):
         self.cfg, self.t0 = cfg, time.perf_counter()
         self.deadline = started + 60 * cfg.max_minutes  # wall clock: worker processes share it
         self.train_deadline = self.deadline - 60 * cfg.eval_reserve_minutes
@@ -92,7 +92,7 @@ class Study:
         if want == "cuda" and not torch.cuda.is_available():
             raise StudyError("--device cuda but no CUDA device is visible")
         self.device = torch.device(want)
-        self.workers = cfg.workers or (3 if self.device.type == "cuda" else 1)
+        self.workers = pool.capacity if pool is not None else cfg.workers or (3 if self.device.type == "cuda" else 1)
         self.invocation = Invocation(
             command=" ".join([Path(sys.executable).name, *argv]),
             device=device_name(),
@@ -103,6 +103,7 @@ class Study:
         )
         self.warned: set[str] = set()
         self.executor: LocalExecutor | WorkerPool | None = None
+        self.pool = pool  # workers that outlive this study (``learn``), or None: this study starts its own
         self.busy = 0  # jobs handed out and not yet reported
         self.tmp: Path | None = None
 
@@ -246,9 +247,14 @@ class Study:
         self.tmp = self.plan.tmp = Path(tempfile.mkdtemp(prefix="real_study_"))
         if not self.has_work():
             return
-        if self.workers > 1:
-            self.ctx.save(self.tmp / "context.pt")
-            self.executor = WorkerPool(self.tmp / "context.pt", self.workers, self.device, self.log)
+        if self.pool is not None:
+            self.executor = self.pool
+            self.pool.log = self.log
+            self.executor.load(self.ctx)
+            self.fill()
+        elif self.workers > 1:
+            self.executor = WorkerPool(self.workers, self.device, self.log)
+            self.executor.load(self.ctx)
             self.fill()
         else:
             self.executor = LocalExecutor(self.ctx)
@@ -260,7 +266,8 @@ class Study:
             self.base.step0 = self.ctx.checkpoint_eval(self.ctx.base)
             self.dir.write_base(self.base)
         if self.cfg.base_eval and self.base.test is None:
-            self.log("base model: test evaluation (llm-adapters on the curve slice)")
+            gen = " (llm-adapters on the curve slice)" if "llm-adapters" in self.cfg.protocols else ""
+            self.log(f"base model: test evaluation{gen}")
             self.base.test = self.ctx.test_eval(self.ctx.base, gen_rows=self.ctx.curve, label="base")
             self.dir.write_base(self.base)
         else:
@@ -305,7 +312,8 @@ class Study:
             return
         if isinstance(self.executor, WorkerPool):
             # The main process's copy of the data and models is no longer needed on the device.
-            self.ctx.batches, self.ctx.factory._frod = [], None
+            self.ctx.batches = []
+            self.ctx.factory.templates.clear()
             self.ctx.base.to("cpu")
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -490,7 +498,7 @@ class Study:
         try:
             doc["table_md"] = markdown_tables(doc)
             self.log("results:\n" + doc["table_md"])
-            doc["plots"] = [p.name for p in write_plots(doc, self.out)]
+            doc["plots"] = [p.name for p in write_plots(doc, self.out)] if cfg.plots else []
         except Exception as e:  # noqa: BLE001 - the numbers are saved; tables and plots can be redone (--replot)
             doc["warnings"].append(f"table/plots failed: {type(e).__name__}: {e}; rerun with --replot")
             self.log(f"WARNING: {doc['warnings'][-1]}")
@@ -500,15 +508,16 @@ class Study:
         )
 
     def close(self) -> None:
-        if self.executor is not None:
+        if self.executor is not None and self.executor is not self.pool:
             self.executor.close()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)  # made by mkdtemp above
 
 
-def run_study(cfg: StudyConfig, argv: list[str], started: float | None = None) -> Path:
-    """Run (or go on with) the study ``cfg``; ``started``: the ``time.time()`` the budget counts from."""
-    study = Study(cfg, argv, time.time() if started is None else started)
+def run_study(cfg: StudyConfig, argv: list[str], started: float | None = None, pool: WorkerPool | None = None) -> Path:
+    """Run (or go on with) the study ``cfg``; ``started``: the ``time.time()`` the budget counts from; ``pool``:
+    workers kept across studies by the caller (closed by it)."""
+    study = Study(cfg, argv, time.time() if started is None else started, pool)
     study.log(f"device {study.invocation.device}; methods {cfg.methods}; budget {cfg.max_minutes} min")
     study.setup()
     try:

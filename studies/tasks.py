@@ -1,19 +1,19 @@
 """Tasks a small model can learn, generated in code from a seed, as rows the study reads (``studies/learn_study.py``).
 
-A task directory holds ``train.jsonl`` (trained on), ``heldout.jsonl`` (the study's LR selection, never trained on,
+A task directory holds ``train.jsonl`` (trained on), ``validation.jsonl`` (the study's LR selection, never trained on,
 disjoint from the test splits) and ``eval/<split>.jsonl`` (the test splits), each row in data_prep's format
 ``{task, id, prompt, separator, answer, choices, label}`` (``frod_ds.prep.rows.check_row``). Choices are the answer
 and three near misses, so the study's log-likelihood accuracy works unchanged; the accuracy the report quotes is
 exact match of a greedy answer (``studies.evaluate.exact_eval``).
 
-- ``arith``: ``a + b`` and ``a * b`` with operands of ``digits`` digits. Splits: ``arith_unseen`` (operand pairs of
-  the trained lengths that no training or held-out row has, in either order) and ``arith_longer`` (operands of
-  ``long_digits`` digits, never trained).
+- ``arith``: ``a + b`` and ``a - b`` (a ≥ b; ``ops`` may add ``*``) with operands of ``digits`` digits. Test
+  splits: ``arith_unseen`` (operand pairs of the trained lengths that no training or validation row has, in either
+  order) and ``arith_longer`` (operands of ``long_digits`` digits, never trained).
 - ``facts<N>``: N synthetic entities, each with one attribute per relation (colour, city, instrument), a value drawn
   at random. Trained: every fact as a sentence ("The colour of Varen Tolis is teal.") and the questions about
-  half of the entities. Splits: ``recall`` (the trained sentences' prompts: what was stored) and ``qa`` (questions
-  about the other half, whose facts were trained only as sentences: stored and retrieved in another form). The
-  held-out rows are questions of that half too, about other entities than ``qa``'s.
+  half of the entities. Test splits: ``recall`` (the trained sentences' prompts: what was stored) and ``qa``
+  (questions about the other half, whose facts were trained only as sentences: stored and retrieved in another
+  form). The validation rows are questions of that half too, about other facts than ``qa``'s.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,8 @@ __all__ = [
     "RELATIONS",
 ]
 
-ARITH_OPS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}  # both commute: a pair is the same in either order
+# a pair is one problem in either order: + and * commute, and - is asked as larger - smaller (no negative answers)
+ARITH_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 SYLLABLES = (
     "ka",
@@ -90,21 +92,23 @@ RELATIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 class ArithSpec:
     seed: int = 0
     train: int = 8192  # training rows
-    heldout: int = 256  # LR-selection rows (unseen pairs, trained lengths)
+    validation: int = 256  # LR-selection rows (unseen pairs, trained lengths)
     test: int = 256  # rows per test split
     digits: tuple[int, int] = (1, 3)  # operand lengths trained (inclusive)
     long_digits: tuple[int, int] = (4, 4)  # operand lengths of the longer split
+    ops: tuple[str, ...] = ("+", "-")
+    name_: str = "arith"
 
     @property
     def name(self) -> str:
-        return "arith"
+        return self.name_
 
 
 @dataclass(frozen=True)
 class FactsSpec:
     size: int  # entities (facts = size × relations)
     seed: int = 0
-    heldout: int = 64  # LR-selection questions (entities not asked in training, not in ``qa``)
+    validation: int = 256  # LR-selection questions (at most half the unasked facts; never in ``qa``)
     test: int = 256  # rows per test split (at most)
 
     @property
@@ -120,12 +124,17 @@ class TaskError(ValueError):
 
 
 def parse_task(name: str, seed: int = 0) -> TaskSpec:
-    """``arith`` or ``facts<N>`` (N ≥ 8) → its spec."""
+    """``arith``, ``arith_d<lo><hi>`` (operands of lo..hi digits, the longer split hi+1; 4096 training rows) or
+    ``facts<N>`` (N ≥ 8) → its spec."""
     if name == "arith":
         return ArithSpec(seed=seed)
+    m = re.fullmatch(r"arith_d([1-9])([1-9])", name)
+    if m and int(m.group(1)) <= int(m.group(2)):
+        lo, hi = int(m.group(1)), int(m.group(2))
+        return ArithSpec(seed=seed, train=4096, digits=(lo, hi), long_digits=(hi + 1, hi + 1), name_=name)
     if name.startswith("facts") and name[5:].isdigit() and int(name[5:]) >= 8:
         return FactsSpec(size=int(name[5:]), seed=seed)
-    raise TaskError(f"unknown task {name!r}; use arith or facts<N> with N >= 8 (e.g. facts512)")
+    raise TaskError(f"unknown task {name!r}; use arith, arith_d<lo><hi> (e.g. arith_d12) or facts<N> with N >= 8")
 
 
 def _row(task: str, idx: int, prompt: str, sep: str, answer: str, wrong: list[str], rng: random.Random) -> dict:
@@ -161,40 +170,45 @@ def _operand(rng: random.Random, lengths: tuple[int, int]) -> int:
     return rng.randint(0 if n == 1 else 10 ** (n - 1), 10**n - 1)
 
 
-def _arith_pairs(rng: random.Random, n: int, lengths: tuple[int, int], taken: set) -> list[tuple[str, int, int]]:
-    """``n`` new (op, a, b) whose unordered pair is not in ``taken`` (which gains them)."""
+def _arith_pairs(
+    rng: random.Random, n: int, lengths: tuple[int, int], taken: set, ops: tuple[str, ...]
+) -> list[tuple[str, int, int]]:
+    """``n`` new (op, a, b) whose unordered pair is not in ``taken`` (which gains them); ``-``: a ≥ b."""
     out = []
-    space = sum(10**d for d in range(lengths[0], lengths[1] + 1)) ** 2 * len(ARITH_OPS) // 2
+    space = sum(10**d for d in range(lengths[0], lengths[1] + 1)) ** 2 * len(ops) // 2
     if n + len(taken) > space // 2:  # keep rejection sampling quick and the sets far from exhausting the space
         raise TaskError(
             f"{n} arithmetic rows with {lengths[0]}-{lengths[1]}-digit operands is too many for their "
             f"{space} distinct problems; lower the row counts or widen the digits"
         )
     while len(out) < n:
-        op, a, b = rng.choice(sorted(ARITH_OPS)), _operand(rng, lengths), _operand(rng, lengths)
+        op, a, b = rng.choice(sorted(ops)), _operand(rng, lengths), _operand(rng, lengths)
         key = (op, min(a, b), max(a, b))
         if key not in taken:
             taken.add(key)
-            out.append((op, a, b))
+            out.append((op, max(a, b), min(a, b)) if op == "-" else (op, a, b))
     return out
 
 
 def arith_rows(spec: ArithSpec) -> dict[str, list[dict]]:
-    """``{"train", "heldout", "arith_unseen", "arith_longer"}`` → rows; answers by Python's integers."""
+    """``{"train", "validation", "arith_unseen", "arith_longer"}`` → rows; answers by Python's integers."""
+    bad = sorted(set(spec.ops) - set(ARITH_OPS))
+    if bad or not spec.ops:
+        raise TaskError(f"arithmetic operators {bad or '(none)'}: use some of {' '.join(ARITH_OPS)}")
     rng, taken = random.Random(f"arith:{spec.seed}"), set()
     parts = {
-        "train": _arith_pairs(rng, spec.train, spec.digits, taken),
-        "heldout": _arith_pairs(rng, spec.heldout, spec.digits, taken),
-        "arith_unseen": _arith_pairs(rng, spec.test, spec.digits, taken),
-        "arith_longer": _arith_pairs(rng, spec.test, spec.long_digits, taken),
+        "train": _arith_pairs(rng, spec.train, spec.digits, taken, spec.ops),
+        "validation": _arith_pairs(rng, spec.validation, spec.digits, taken, spec.ops),
+        "arith_unseen": _arith_pairs(rng, spec.test, spec.digits, taken, spec.ops),
+        "arith_longer": _arith_pairs(rng, spec.test, spec.long_digits, taken, spec.ops),
     }
     out = {}
     for part, problems in parts.items():
-        task = "arith" if part in ("train", "heldout") else part
+        task = spec.name if part in ("train", "validation") else part
         out[part] = [
             _row(
                 task,
-                i if part != "heldout" else spec.train + i,
+                i if part != "validation" else spec.train + i,
                 f"{a} {op} {b}",
                 " = ",
                 str(ARITH_OPS[op](a, b)),
@@ -220,7 +234,7 @@ def _entities(rng: random.Random, n: int) -> list[str]:
 
 
 def facts_rows(spec: FactsSpec) -> dict[str, list[dict]]:
-    """``{"train", "heldout", "recall", "qa"}`` → rows of the fact base of ``spec.size`` entities."""
+    """``{"train", "validation", "recall", "qa"}`` → rows of the fact base of ``spec.size`` entities."""
     rng = random.Random(f"facts:{spec.size}:{spec.seed}")
     entities = _entities(rng, spec.size)
     facts = {(e, r): rng.choice(RELATIONS[r][2]) for e in entities for r in sorted(RELATIONS)}
@@ -242,12 +256,12 @@ def facts_rows(spec: FactsSpec) -> dict[str, list[dict]]:
     rng.shuffle(train)
     unasked = [k for k in keys if k[0] not in asked]
     rng.shuffle(unasked)
-    n_held = min(spec.heldout, len(unasked) // 2)
+    n_held = min(spec.validation, len(unasked) // 2)
     held = [question(10**7 + i, e, r, task) for i, (e, r) in enumerate(unasked[:n_held])]
     qa = [question(i, e, r, f"{task}_qa") for i, (e, r) in enumerate(unasked[n_held : n_held + spec.test])]
     stored = rng.sample(keys, min(spec.test, len(keys)))
     recall = [sentence(i, e, r, f"{task}_recall") for i, (e, r) in enumerate(stored)]
-    return {"train": train, "heldout": held, "recall": recall, "qa": qa}
+    return {"train": train, "validation": held, "recall": recall, "qa": qa}
 
 
 def task_rows(spec: TaskSpec) -> dict[str, list[dict]]:
@@ -259,15 +273,15 @@ def _jsonl(rows: list[dict]) -> str:
 
 
 def write_task(spec: TaskSpec, root: Path) -> dict[str, Any]:
-    """Write ``root/<task>/{train,heldout}.jsonl``, ``eval/<split>.jsonl`` and ``task.json`` (the spec and every
-    file's sha256). Rewriting an existing task yields the same bytes (deterministic from the seed)."""
+    """Write ``root/<task>/{train,validation}.jsonl``, ``eval/<split>.jsonl`` and ``task.json`` (the spec and
+    every file's sha256). Rewriting an existing task yields the same bytes (deterministic from the seed)."""
     from frod_ds.runtime.atomic import atomic_write_text
 
     out = root / spec.name
     (out / "eval").mkdir(parents=True, exist_ok=True)
     files = {}
     for part, rows in task_rows(spec).items():
-        rel = f"{part}.jsonl" if part in ("train", "heldout") else f"eval/{rows[0]['task']}.jsonl"
+        rel = f"{part}.jsonl" if part in ("train", "validation") else f"eval/{rows[0]['task']}.jsonl"
         text = _jsonl(rows)
         atomic_write_text(out / rel, text)
         files[rel] = {"rows": len(rows), "sha256": hashlib.sha256(text.encode()).hexdigest()}

@@ -23,6 +23,7 @@ EXAMPLES = """examples:
 # The stages import this very frod_ds (a checkout or site-packages) whether or not another one is installed.
 SRC = Path(__file__).resolve().parents[2]
 TASKS = "boolq,piqa"
+DEMO_FILES = ("demo.log", "raw/", "tokenizer/", "model/", "data/", "factors/", "eval_base/", "eval/")  # its own
 
 
 def _frod(launcher: str = "") -> list[str]:
@@ -34,10 +35,12 @@ def _frod(launcher: str = "") -> list[str]:
     return {"torchrun": ["-m"], "deepspeed": ["--module"]}.get(launcher, [sys.executable, "-m"]) + ["frod_ds"]
 
 
-def _run(cmd: list[str], what: str, log: Path) -> None:
+def _run(cmd: list[str], what: str, log: Path, env: dict[str, str] | None = None) -> None:
+    """Run a stage; ``env``: the environment to start it in (default: this process's)."""
     print(f"\n== {what}\n$ {' '.join(cmd)}", flush=True)
     t0 = time.time()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
     with open(log, "a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
@@ -124,16 +127,25 @@ def _check_args(args: argparse.Namespace) -> Path:
 def demo(args: argparse.Namespace) -> int:
     import torch
 
-    from frod_ds.runtime.atomic import mark_dir, remove_marked
-    from frod_ds.runtime.shipped import shipped_file
+    from frod_ds.formats.lease import holding
 
     recipe = _check_args(args)
     out = Path(args.out).resolve()
-    remove_marked(out, "demo")  # only a directory an earlier demo wrote (marker kind), never the repo or cwd
-    out.mkdir(parents=True)
-    mark_dir(out, "demo")
+    with holding(out, "demo", "--out") as lease:  # the training stage writes into out under this lease
+        return _demo(out, args, recipe, lease.child_env(), gpu=torch.cuda.is_available())
+
+
+def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str], gpu: bool) -> int:
+    """The stages, into ``out`` (its lease held): an earlier demo's files removed, the demo's own recorded."""
+    import torch
+
+    from frod_ds.formats.ownership import mark_dir, remove_owned
+    from frod_ds.runtime.shipped import shipped_file
+
+    remove_owned(out, "demo")  # only what an earlier demo wrote, never the repo or cwd, nothing put there since
+    out.mkdir(parents=True, exist_ok=True)
+    mark_dir(out, "demo", DEMO_FILES)
     log = out / "demo.log"
-    gpu = torch.cuda.is_available()
     ranks = min(args.ranks, torch.cuda.device_count()) if gpu else args.ranks
     env_note = f"{ranks} GPU rank(s), NCCL, bf16" if gpu else f"{ranks} CPU ranks, gloo, fp32"
     print(f"frod-ds demo: {env_note}; output in {out}")
@@ -156,6 +168,7 @@ def demo(args: argparse.Namespace) -> int:
         ],
         "HJD (tall-skinny QR across ranks) → factor store",
         log,
+        env,
     )
     ds_config = str(shipped_file("ds_configs", "zero3.json" if gpu else "zero3_cpu_fp32.json"))
     dtype = "bfloat16" if gpu else "float32"
@@ -183,6 +196,7 @@ def demo(args: argparse.Namespace) -> int:
         ],
         "ZeRO-3 training of the FRoD adapters (deepspeed launcher)",
         log,
+        env,
     )
     evals = {}
     for name, model_args in (
@@ -208,6 +222,7 @@ def demo(args: argparse.Namespace) -> int:
             ],
             f"eval ({'untrained base' if name == 'eval_base' else 'FRoD adapter'})",
             log,
+            env,
         )
         evals[name] = json.loads((out / name / "results.json").read_text())
 

@@ -59,7 +59,7 @@ def train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)  # cheap checks first, before any process group
     dist.init_deepspeed()
     from frod_ds.plan.recommend import train_hint
-    from frod_ds.train.run_dir import removed_if_failed
+    from frod_ds.train.run_dir import writing_run
     from frod_ds.train.trainer import fit, setup
 
     gpu_bytes = gpu_memory()
@@ -72,7 +72,8 @@ def train(args: argparse.Namespace) -> int:
         if hint:
             dist.print0(hint)
 
-    with removed_if_failed(Path(recipe.output_dir)):  # a failed fresh run leaves no output_dir behind
+    # rank 0 holds output_dir's lease until the run ends; a failed fresh run leaves no output_dir behind
+    with writing_run(Path(recipe.output_dir)):
         return fit(setup(recipe, args.config, args.nvme_path, on_inputs=print_hint))
 
 

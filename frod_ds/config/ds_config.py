@@ -178,6 +178,16 @@ def zero_stage(cfg: dict) -> int:
     return stage
 
 
+def as_stage2(cfg: dict) -> dict:
+    """A copy of ZeRO-3 ``cfg`` at stage 2, without the settings only stage 3 reads (``stage3_*``, offload_param)."""
+    out = copy.deepcopy(cfg)
+    zo = out["zero_optimization"]
+    for key in [k for k in zo if k.startswith("stage3_") or k == "offload_param"]:
+        del zo[key]
+    zo["stage"] = 2
+    return out
+
+
 def bf16_overflow_check(cfg: dict) -> bool:
     """Whether DeepSpeed tests every bf16 gradient for inf/NaN before a ZeRO-1/2 step (``bf16.check_grad_overflow``,
     DeepSpeed's default when absent; ZeRO-3 checks only fp16 steps)."""

@@ -30,8 +30,10 @@ from frod_ds.eval.predict import (
     score_llm_adapters_rows,
     score_loglik_rows,
 )
+from frod_ds.formats.lease import holding
+from frod_ds.formats.ownership import building_dir, check_replaceable, record_files
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.atomic import atomic_write_text, building_dir, check_replaceable
+from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.runtime.paths import dir_problem, file_problem, wrong_folder
 
 __all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "run"]
@@ -104,7 +106,7 @@ class EvalConfig:
             problems.append(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if Path(self.output).exists() and not Path(self.output).is_dir():
             problems.append(f"--output {self.output} exists and is not a directory")
-        elif Path(self.output).is_dir():  # results are written into it: only an earlier eval's, or an empty one
+        elif Path(self.output).is_dir():  # results replace an earlier eval's (nothing else in it), or fill an empty one
             try:
                 check_replaceable(
                     Path(self.output), RESULTS_KIND, what="--output", error=EvalError, legacy=_is_legacy_results
@@ -264,15 +266,17 @@ RESULTS_KIND = "eval-results"
 
 
 def _is_legacy_results(path: Path) -> bool:
-    """Results of an eval run before markers recorded kinds: an unmarked directory holding ``results.json``."""
+    """Results of an eval run before outputs held records: an unmarked directory holding ``results.json`` (and,
+    ``check_replaceable`` makes sure, nothing but what eval writes)."""
     return (path / "results.json").is_file()
 
 
 def write_outputs(output: Path, files: dict[str, str]) -> None:
     """A new (or empty) `output` is built under a temporary name and renamed into place; into an earlier eval's
-    results (checked by ``EvalConfig.validate``) each file is written under a temporary name and renamed over the
-    old one."""
+    results (checked by ``EvalConfig.validate``: they hold nothing else) each file is entered in the record, then
+    written under a temporary name and renamed over the old one."""
     if output.is_dir() and any(output.iterdir()):
+        record_files(output, list(files), RESULTS_KIND)
         for name, text in files.items():
             atomic_write_text(output / name, text)
         return
@@ -334,19 +338,21 @@ def _inputs(config: EvalConfig) -> tuple[dict[str, list[dict[str, Any]]], torch.
 
 
 def run(config: EvalConfig) -> None:
-    """The whole run on every rank (the process group already joined); rank 0 writes the outputs.
+    """The whole run on every rank (the process group already joined); rank 0 holds the lease on ``--output``
+    from the first check to the last write (a second eval there is refused at once) and writes the outputs.
 
     User mistakes are ``FrodError``s (``frod_ds.runtime.entry`` prints them): those up to the model load and in
     writing the outputs are agreed by every rank (one line, from rank 0); one in a row that only one rank
     scores is raised on that rank.
     """
-    rows, model, tokenizer = dist.on_all(lambda: _inputs(config))
-    records = evaluate_shard(model, tokenizer, rows, config)
-    shards = dist.all_gather_object(records)
-    error = None
-    if dist.is_main():
-        try:
-            report(config, list(rows), [r for shard in shards for r in shard])
-        except OSError as exc:
-            error = f"cannot write results to {config.output}: {exc}"
-    dist.agree_on_error(error, src=0)
+    with dist.held_on_main(lambda: holding(config.output, RESULTS_KIND, "--output", EvalError)):
+        rows, model, tokenizer = dist.on_all(lambda: _inputs(config))
+        records = evaluate_shard(model, tokenizer, rows, config)
+        shards = dist.all_gather_object(records)
+        error = None
+        if dist.is_main():
+            try:
+                report(config, list(rows), [r for shard in shards for r in shard])
+            except OSError as exc:
+                error = f"cannot write results to {config.output}: {exc}"
+        dist.agree_on_error(error, src=0)

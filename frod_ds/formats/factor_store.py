@@ -26,6 +26,7 @@ __all__ = [
     "v_file",
     "part_file",
     "is_store_file",
+    "file_globs",
     "category_of",
     "member_of_key",
     "QuantRecord",
@@ -79,6 +80,12 @@ _STORE_FILE = re.compile(r"^[^.]+\.(V|rank\d{5}\.part\d{4})\.safetensors(\.tmp)?
 def is_store_file(name: str, category: str | None = None) -> bool:
     """Whether ``name`` is a factor file (or its temporary) of this format, optionally of ``category``."""
     return bool(_STORE_FILE.match(name)) and (category is None or name.startswith(category + "."))
+
+
+def file_globs(category: str) -> tuple[str, str]:
+    """The names of ``category``'s factor files as globs, for the store's ownership record: written before the
+    files are, when a rank's number of parts is not known yet."""
+    return v_file(category), f"{category}.rank[0-9]*.part[0-9]*.safetensors"
 
 
 @dataclass(frozen=True)

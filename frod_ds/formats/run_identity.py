@@ -31,6 +31,7 @@ _NOT_IDENTITY = {
     "data.eval",
     "train.micro_batch_size",
     "train.grad_accum",
+    "train.zero3_partition",
     "train.log_every",
     "train.save_every",
     "train.eval_every",

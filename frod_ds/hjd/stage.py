@@ -17,6 +17,7 @@ import torch
 
 from frod_ds.core.quant import QUANT_KINDS
 from frod_ds.formats.factor_store import MANIFEST, Manifest, RunRecord
+from frod_ds.formats.lease import holding
 from frod_ds.hjd import store_writer
 from frod_ds.hjd.category import CategoryResult, Phases, open_category
 from frod_ds.hjd.math import no_tf32
@@ -227,7 +228,13 @@ def _factor_all(
 def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest | None:
     """Build (or finish) the factor store ``cfg.out``; every rank calls it. Returns rank 0's manifest
     (``None`` on other ranks). User errors: ``CollectiveError`` on every rank. ``process_start``: the
-    process's ``time.time()`` at launch, to report start-up time."""
+    process's ``time.time()`` at launch, to report start-up time. Rank 0 holds the lease on ``--out`` throughout:
+    a second HJD run into the same store is refused at once."""
+    with D.held_on_main(lambda: holding(cfg.out, store_writer.KIND, "--out", HJDError)):
+        return _build(cfg, process_start)
+
+
+def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:
     t_start = time.perf_counter()
     startup = round(time.time() - process_start, 3) if process_start is not None else None
     existed = cfg.out.exists() if D.is_main() else True  # a store this run creates is removed if it is refused

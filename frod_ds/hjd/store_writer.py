@@ -19,22 +19,23 @@ from typing import Any
 import torch
 
 from frod_ds.core.quant import NF4_BLOCKSIZE
-from frod_ds.formats.factor_store import MANIFEST, CategoryRecord, Manifest, QuantRecord, RankRecord, is_store_file
+from frod_ds.formats.factor_store import (
+    MANIFEST,
+    CategoryRecord,
+    Manifest,
+    QuantRecord,
+    RankRecord,
+    file_globs,
+    is_store_file,
+)
+from frod_ds.formats.output_dir import MARKER, entries_of, match, read_record
+from frod_ds.formats.ownership import check_replaceable, is_marked, marker_kind, record_files
 from frod_ds.hjd.category import CategoryResult
 from frod_ds.io.dtypes import dtype_name
 from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.runtime import distributed as D
-from frod_ds.runtime.atomic import (
-    MARKER,
-    TMP,
-    atomic_write_text,
-    check_replaceable,
-    fsync_dir,
-    is_marked,
-    mark_dir,
-    marker_kind,
-)
+from frod_ds.runtime.atomic import TMP, atomic_write_text, fsync_dir
 from frod_ds.runtime.errors import HJDError, StoreError, note
 
 __all__ = [
@@ -49,7 +50,7 @@ __all__ = [
 ]
 
 GiB = 2**30
-KIND = "factor-store"  # the marker's kind (frod_ds.runtime.atomic)
+KIND = "factor-store"  # the ownership record's kind (frod_ds.formats.output_dir)
 # a store to resume or add categories to must match on these (the targeted weights: per category, weight_sha256)
 CONFIG_FIELDS = (
     "format_version",
@@ -146,10 +147,13 @@ def _fingerprint(records: dict[str, CategoryRecord]) -> str:
 
 
 def remove_store_files(out: Path, category: str | None = None) -> None:
-    """Delete the factor files (and temporaries) of ``category``, or of every category and the manifest."""
+    """Delete the factor files (and temporaries) of ``category``, or of every category and the manifest: those
+    the store's ownership record lists, never a file of that name it did not write."""
+    entries = entries_of(read_record(out), KIND) or ()
     for p in out.iterdir():
         if is_store_file(p.name, category) or (category is None and p.name in (MANIFEST, MANIFEST + TMP)):
-            p.unlink()
+            if match(entries, p.name, p.is_dir()) == "own":
+                p.unlink()
 
 
 def discard_unfinished(out: Path, manifest: Manifest, existed: bool) -> None:
@@ -250,29 +254,30 @@ def prepare_store(
 ) -> Manifest:
     """Rank 0: create the store directory, or resume / extend the one there; returns the manifest to continue.
     Store files are replaced (``overwrite``, or a corrupt manifest) only where
-    ``frod_ds.runtime.atomic.check_replaceable``
-    allows it: a factor store, none of this run's ``inputs`` (the model)."""
+    ``frod_ds.formats.ownership.check_replaceable`` allows it (a factor store holding nothing else, none of this
+    run's ``inputs``), and only those its record lists; each category's files are recorded before they are made."""
     if out.exists() and not out.is_dir():
         raise HJDError(f"--out {out} is a file; pass a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite and not _is_store(out):
         raise HJDError(f"--out {out} exists, is not empty and holds no factor store; choose a new or empty directory")
-    check_replaceable(out, KIND, inputs, error=HJDError, legacy=_is_legacy_store)  # before anything is written
+    # before anything is written; what --overwrite deletes is only what the store's record lists
+    check_replaceable(out, KIND, inputs, error=HJDError, legacy=_is_legacy_store, foreign=overwrite)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = None
-    if (out / MANIFEST).is_file():
-        manifest = _existing_manifest(out, fresh, overwrite, ckpt)
-        if manifest is None:
-            remove_store_files(out)
-    elif any(p.name != MARKER for p in out.iterdir()):  # a store's leftovers without its manifest
-        # Without the manifest no factor file can be trusted (which weights, which configuration): a store the
-        # marker says HJD wrote is started anew (its files only); an unmarked one is left to the user
+    damaged = not (out / MANIFEST).is_file() and any(p.name != MARKER for p in out.iterdir())
+    if damaged and not overwrite and not is_marked(out):
+        raise HJDError(f"--out {out} holds factor files but no {MANIFEST}; pass --overwrite to start it anew")
+    resumable = (out / MANIFEST).is_file()
+    manifest = _existing_manifest(out, fresh, overwrite, ckpt) if resumable else None  # reads only
+    planned = [c for c in fresh.targets if c in fresh.categories]
+    record_files(out, [MANIFEST, *(g for c in planned for g in file_globs(c))], KIND)  # before any is written
+    if resumable and manifest is None:
+        remove_store_files(out)
+    elif damaged:  # a store's leftovers without its manifest
+        # Without the manifest no factor file can be trusted (which weights, which configuration): a store HJD
+        # wrote is started anew (its files only); an unmarked one needs --overwrite (checked above)
         if not overwrite:
-            if not is_marked(out):
-                raise HJDError(f"--out {out} holds factor files but no {MANIFEST}; pass --overwrite to start it anew")
             note(f"--out {out} holds factor files but no {MANIFEST} (a damaged store): building it anew")
         remove_store_files(out)
-    if not is_marked(out):
-        mark_dir(out, KIND)
     if manifest is None:
         manifest = fresh
     # A completed category whose files went missing is redone (by a run that has its weights).

@@ -4,7 +4,9 @@
 ``generation_config.json`` and the tokenizer files, after loading the written checkpoint back with plain
 ``from_pretrained`` and comparing logits on fixed prompts, token ids, decoding and the chat template. The directory
 appears only when complete and checked; ``frod_convert.json`` in it records the source, its md5, the dtype and the
-checks, and only a directory holding it is ever replaced. Nothing here downloads.
+checks; the directory's ownership record (kind ``gguf-conversion``) lists what it wrote, and only an earlier
+conversion holding nothing else is ever replaced (one from before records: recognised by ``frod_convert.json``).
+The converter holds the lease on ``--out`` throughout. Nothing here downloads.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import struct
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.lease import holding
+from frod_ds.formats.ownership import building_dir, check_out
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
@@ -68,18 +70,18 @@ class ConvertResult:
     checks: dict[str, Any]
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    if not out.exists():
-        return
-    if not out.is_dir():
+KIND = "gguf-conversion"  # the ownership record's kind (frod_ds.formats.output_dir)
+
+
+def _is_legacy_conversion(out: Path) -> bool:
+    """A conversion written before outputs held records: ``frod_convert.json`` (this module's provenance file)."""
+    return (out / MARKER).is_file()
+
+
+def _check_out(out: Path, overwrite: bool, inputs: dict[str, Any]) -> None:
+    if out.exists() and not out.is_dir():
         raise ConvertError(f"--out {out} is a file; pass a directory path that does not exist")
-    if not (out / MARKER).is_file():  # before the --overwrite hint: --overwrite would not replace this one
-        raise ConvertError(
-            f"--out {out} exists and was not written by this converter (no {MARKER}); refusing to "
-            "replace it, choose another directory"
-        )
-    if not overwrite:
-        raise ConvertError(f"--out {out} exists; pass --overwrite to replace it or choose another directory")
+    check_out(out, KIND, inputs, overwrite, error=ConvertError, legacy=_is_legacy_conversion)
 
 
 def _load_gguf(gguf: Path):
@@ -199,51 +201,56 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
         raise ConvertError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
     if not gguf.is_file():
         raise ConvertError(f"--gguf {gguf} is not a file; pass the path of a .gguf model file")
-    _check_out(out, overwrite)
-    t0 = time.perf_counter()
-    tdtype = getattr(torch, dtype)
-    gguf_model, ref_tok = _load_gguf(gguf)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        _plain_model(gguf_model, tdtype).save_pretrained(str(tmp))
-        ref_tok.save_pretrained(str(tmp))
-        _tidy_tokenizer_config(tmp / "tokenizer_config.json", gguf_model.config)
-        tok = transformers.AutoTokenizer.from_pretrained(str(tmp))
-        checks = {"tokenizer": _check_tokenizer(ref_tok, tok), "logits": _check_model(gguf_model, tmp, tdtype, tok)}
-        problems = list(checks["tokenizer"]["problems"])
-        if not checks["logits"]["max_abs_logit_diff"] <= LOGIT_TOL:
-            problems.append(f"logits differ from the GGUF model's by {checks['logits']['max_abs_logit_diff']:.3g}")
-        if problems:
-            raise ConversionMismatch(f"the converted checkpoint does not match {gguf.name}: {'; '.join(problems)}")
-        try:
-            import gguf as gguf_pkg
-
-            gguf_version = getattr(gguf_pkg, "__version__", None) or _dist_version("gguf")
-        except ImportError:
-            gguf_version = None
-        record = {
-            "format": "frod-ds-gguf-conversion",
-            "source": str(gguf),
-            "source_name": gguf.name,
-            "source_bytes": gguf.stat().st_size,
-            "source_md5": md5_file(gguf),
-            "dtype": dtype,
-            "files": sorted(p.name for p in tmp.iterdir()) + [MARKER],
-            "checks": checks,
-            "seconds": round(time.perf_counter() - t0, 2),
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "gguf": gguf_version},
-        }
-        (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
-        if out.exists():
-            _check_out(out, overwrite)  # still ours
-            shutil.rmtree(out)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    inputs = {"--gguf": gguf}
+    with holding(out, KIND, "--out", ConvertError):  # a second writer of out is refused at once
+        _check_out(out, overwrite, inputs)
+        t0 = time.perf_counter()
+        tdtype = getattr(torch, dtype)
+        gguf_model, ref_tok = _load_gguf(gguf)
+        with building_dir(out, KIND, inputs, ConvertError) as tmp:
+            _plain_model(gguf_model, tdtype).save_pretrained(str(tmp))
+            ref_tok.save_pretrained(str(tmp))
+            _tidy_tokenizer_config(tmp / "tokenizer_config.json", gguf_model.config)
+            tok = transformers.AutoTokenizer.from_pretrained(str(tmp))
+            checks = {
+                "tokenizer": _check_tokenizer(ref_tok, tok),
+                "logits": _check_model(gguf_model, tmp, tdtype, tok),
+            }
+            problems = list(checks["tokenizer"]["problems"])
+            if not checks["logits"]["max_abs_logit_diff"] <= LOGIT_TOL:
+                diff = checks["logits"]["max_abs_logit_diff"]
+                problems.append(f"logits differ from the GGUF model's by {diff:.3g}")
+            if problems:
+                raise ConversionMismatch(f"the converted checkpoint does not match {gguf.name}: {'; '.join(problems)}")
+            record = _provenance(gguf, dtype, tmp, checks, time.perf_counter() - t0)
+            (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private
     return ConvertResult(out, record["seconds"], checks)
+
+
+def _provenance(gguf: Path, dtype: str, tmp: Path, checks: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """``frod_convert.json``: the source, its md5, the dtype, the files written and what the checks measured."""
+    import torch
+    import transformers
+
+    try:
+        import gguf as gguf_pkg
+
+        gguf_version = getattr(gguf_pkg, "__version__", None) or _dist_version("gguf")
+    except ImportError:
+        gguf_version = None
+    return {
+        "format": "frod-ds-gguf-conversion",
+        "source": str(gguf),
+        "source_name": gguf.name,
+        "source_bytes": gguf.stat().st_size,
+        "source_md5": md5_file(gguf),
+        "dtype": dtype,
+        "files": sorted(p.name for p in tmp.iterdir()) + [MARKER],
+        "checks": checks,
+        "seconds": round(seconds, 2),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "gguf": gguf_version},
+    }
 
 
 def _tidy_tokenizer_config(path: Path, config) -> None:

@@ -19,16 +19,17 @@ import torch
 from frod_ds.core.layer import core_matrix
 from frod_ds.core.quant import is_base_linear_weight, roundtrip
 from frod_ds.formats.adapter_dir import s_name, sigma_name
+from frod_ds.formats.lease import holding
+from frod_ds.formats.ownership import building_dir, check_out
 from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from frod_ds.io.hf_checkpoint import INDEX_NAME, HFCheckpoint
 from frod_ds.io.safetensors_io import save_tensors_atomic
 from frod_ds.model.adapter import adapter_sources, supports_from_adapter
-from frod_ds.runtime.atomic import building_dir, check_out
 from frod_ds.runtime.errors import ExportError
 
 __all__ = ["export_transformers", "side_files"]
 
-KIND = "hf-export"  # the marker's kind (frod_ds.runtime.atomic): --overwrite replaces only an earlier merged export
+KIND = "hf-export"  # the ownership record's kind: --overwrite replaces only an earlier merged export
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz", ".onnx")
 WRITTEN_HERE = ("frod_export.json", "frod_convert.json")  # provenance of this export / of another artefact
@@ -109,94 +110,95 @@ def export_transformers(
     ``dtype``: ``auto`` keeps each tensor's dtype (a merged weight gets its base weight's), or one of
     ``bfloat16``/``float16``/``float32`` for every floating tensor. ``FrodError`` on bad input.
     """
-    out = Path(out)
-    out_dtype = None if dtype == "auto" else dtype_from_name(dtype, OUT_DTYPES, "--dtype (or auto)")
-    if not shard_gb > 0:
-        raise ExportError(f"--shard-gb must be > 0, got {shard_gb}")
-    check_out(out, KIND, {"--checkpoint": checkpoint_dir}, overwrite, error=ExportError)  # before reading anything
-    tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
-    inputs = {
-        "--checkpoint": checkpoint_dir,
-        "the base model": model_dir,
-        "the factor store": store.path,
-        "the tokenizer": config.tokenizer,
-    }
-    ckpt = HFCheckpoint(model_dir)
-    ckpt.config()  # an export whose config.json is unusable or of other sizes would be no transformers checkpoint
-    device = torch.device(device)
-    supports = {c: sup.flat for c, sup in supports_from_adapter(tensors, config).items()}
-    quant, quantize_base = config.frozen_quant, config.quantize_base
-    member_of = {m + ".weight": (c, m) for c, members in store.categories.items() for m in members}
-    missing = [m for c, m in member_of.values() if sigma_name(m) not in tensors]
-    if missing:
-        raise ExportError(
-            f"adapter {checkpoint_dir} has no σ for {missing[0]} (of {len(missing)}); it was trained "
-            "with other targets than the factor store's"
-        )
-    weight_dtype = _merged_dtypes(ckpt, store, member_of, out_dtype)
-
-    t0 = time.perf_counter()
-    with building_dir(out, KIND, inputs, ExportError) as tmp:
-        shards: list[dict[str, torch.Tensor | None]] = [{}]
-        size, total_size, limit = 0, 0, shard_gb * 2**30
-        V_of: dict[str, torch.Tensor] = {}  # fp32 as stored; layers interleave the categories
-        with torch.no_grad():
-            for name in ckpt.keys() + [n for n in member_of if n not in ckpt]:  # targeted weights may be deleted
-                if name in member_of:
-                    category, member = member_of[name]
-                    if category not in V_of:
-                        V_of[category] = store.load_V(category, torch.float32, device)
-                    W = _merged(
-                        store,
-                        member,
-                        tensors[sigma_name(member)],
-                        tensors[s_name(member)],
-                        supports[category],
-                        V_of[category],
-                        device,
-                        quant,
-                    ).to(weight_dtype[name])
-                elif quantize_base and is_base_linear_weight(name, ckpt.shape(name)):
-                    W = ckpt.get(name, device)
-                    W = roundtrip(W, quant, torch.float32).to(out_dtype or W.dtype)  # as training saw it
-                else:
-                    W = ckpt.get(name)
-                    if out_dtype is not None and W.is_floating_point():
-                        W = W.to(out_dtype)
-                W = W.cpu().contiguous()
-                nbytes = W.numel() * W.element_size()
-                if shards[-1] and size + nbytes > limit:
-                    _write_shard(tmp, len(shards), shards[-1])
-                    shards[-1] = dict.fromkeys(shards[-1])  # names only from here on
-                    shards.append({})
-                    size = 0
-                shards[-1][name] = W
-                size += nbytes
-                total_size += nbytes
-            _write_shard(tmp, len(shards), shards[-1])
-        weight_map: dict[str, str] = {}
-        for i, shard in enumerate(shards, start=1):
-            final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            (tmp / f"shard-{i:05d}.safetensors").rename(tmp / final)
-            weight_map.update(dict.fromkeys(shard, final))
-        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
-        _copy_side_files(model_dir, Path(config.tokenizer) if config.tokenizer else None, tmp, out_dtype)
-        provenance: dict[str, Any] = {
-            "format": "frod-ds-export",
-            "adapter": str(checkpoint_dir),
-            "base_model": config.base_model,
-            "factor_store": str(store.path),
-            "factor_store_fingerprint": store.fingerprint,
-            "step": config.step,
-            "merged": sorted(m for _, m in member_of.values()),
-            "dtype": dtype,
-            "frozen_quant": quant,
-            "quantize_base": quantize_base,
-            "seconds": round(time.perf_counter() - t0, 2),
+    with holding(out, KIND, "--out", ExportError):  # a second writer of out is refused at once
+        out = Path(out)
+        out_dtype = None if dtype == "auto" else dtype_from_name(dtype, OUT_DTYPES, "--dtype (or auto)")
+        if not shard_gb > 0:
+            raise ExportError(f"--shard-gb must be > 0, got {shard_gb}")
+        check_out(out, KIND, {"--checkpoint": checkpoint_dir}, overwrite, error=ExportError)  # before reading anything
+        tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
+        inputs = {
+            "--checkpoint": checkpoint_dir,
+            "the base model": model_dir,
+            "the factor store": store.path,
+            "the tokenizer": config.tokenizer,
         }
-        (tmp / "frod_export.json").write_text(json.dumps(provenance, indent=1) + "\n")
-    return out
+        ckpt = HFCheckpoint(model_dir)
+        ckpt.config()  # an export whose config.json is unusable or of other sizes would be no transformers checkpoint
+        device = torch.device(device)
+        supports = {c: sup.flat for c, sup in supports_from_adapter(tensors, config).items()}
+        quant, quantize_base = config.frozen_quant, config.quantize_base
+        member_of = {m + ".weight": (c, m) for c, members in store.categories.items() for m in members}
+        missing = [m for c, m in member_of.values() if sigma_name(m) not in tensors]
+        if missing:
+            raise ExportError(
+                f"adapter {checkpoint_dir} has no σ for {missing[0]} (of {len(missing)}); it was trained "
+                "with other targets than the factor store's"
+            )
+        weight_dtype = _merged_dtypes(ckpt, store, member_of, out_dtype)
+
+        t0 = time.perf_counter()
+        with building_dir(out, KIND, inputs, ExportError) as tmp:
+            shards: list[dict[str, torch.Tensor | None]] = [{}]
+            size, total_size, limit = 0, 0, shard_gb * 2**30
+            V_of: dict[str, torch.Tensor] = {}  # fp32 as stored; layers interleave the categories
+            with torch.no_grad():
+                for name in ckpt.keys() + [n for n in member_of if n not in ckpt]:  # targeted weights may be deleted
+                    if name in member_of:
+                        category, member = member_of[name]
+                        if category not in V_of:
+                            V_of[category] = store.load_V(category, torch.float32, device)
+                        W = _merged(
+                            store,
+                            member,
+                            tensors[sigma_name(member)],
+                            tensors[s_name(member)],
+                            supports[category],
+                            V_of[category],
+                            device,
+                            quant,
+                        ).to(weight_dtype[name])
+                    elif quantize_base and is_base_linear_weight(name, ckpt.shape(name)):
+                        W = ckpt.get(name, device)
+                        W = roundtrip(W, quant, torch.float32).to(out_dtype or W.dtype)  # as training saw it
+                    else:
+                        W = ckpt.get(name)
+                        if out_dtype is not None and W.is_floating_point():
+                            W = W.to(out_dtype)
+                    W = W.cpu().contiguous()
+                    nbytes = W.numel() * W.element_size()
+                    if shards[-1] and size + nbytes > limit:
+                        _write_shard(tmp, len(shards), shards[-1])
+                        shards[-1] = dict.fromkeys(shards[-1])  # names only from here on
+                        shards.append({})
+                        size = 0
+                    shards[-1][name] = W
+                    size += nbytes
+                    total_size += nbytes
+                _write_shard(tmp, len(shards), shards[-1])
+            weight_map: dict[str, str] = {}
+            for i, shard in enumerate(shards, start=1):
+                final = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                (tmp / f"shard-{i:05d}.safetensors").rename(tmp / final)
+                weight_map.update(dict.fromkeys(shard, final))
+            index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
+            _copy_side_files(model_dir, Path(config.tokenizer) if config.tokenizer else None, tmp, out_dtype)
+            provenance: dict[str, Any] = {
+                "format": "frod-ds-export",
+                "adapter": str(checkpoint_dir),
+                "base_model": config.base_model,
+                "factor_store": str(store.path),
+                "factor_store_fingerprint": store.fingerprint,
+                "step": config.step,
+                "merged": sorted(m for _, m in member_of.values()),
+                "dtype": dtype,
+                "frozen_quant": quant,
+                "quantize_base": quantize_base,
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
+            (tmp / "frod_export.json").write_text(json.dumps(provenance, indent=1) + "\n")
+        return out
 
 
 def _write_shard(tmp: Path, index: int, tensors: dict[str, torch.Tensor | None]) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from frod_ds.runtime.atomic import check_out
+from frod_ds.formats.ownership import check_out
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
@@ -42,7 +42,7 @@ def rel_error(num: Tensor, den: Tensor) -> float:
 
 
 def check_out_dir(out: Path, overwrite: bool, kind: str, inputs: dict[str, Any]) -> None:
-    """Refuse an existing ``--out`` unless ``overwrite`` and the marker rule (``frod_ds.runtime.atomic``) allow a
+    """Refuse an existing ``--out`` unless ``overwrite`` and the ownership rule (``frod_ds.formats.ownership``) allow a
     command writing ``kind`` from ``inputs`` to replace it."""
     check_out(out, kind, inputs, overwrite, error=PeftInteropError)
 

@@ -19,6 +19,8 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import s_name, sigma_name, support_name
+from frod_ds.formats.lease import holding
+from frod_ds.formats.ownership import building_dir, check_replaceable
 from frod_ds.interop.peft_common import (
     ADAPTER,
     PeftInteropError,
@@ -29,7 +31,6 @@ from frod_ds.interop.peft_common import (
     peft_version,
     rel_error,
 )
-from frod_ds.runtime.atomic import building_dir, check_replaceable
 
 __all__ = [
     "TAUS",
@@ -41,7 +42,7 @@ __all__ = [
     "shared_sparse_rate",
 ]
 
-EXPORT_KIND = "peft-export"  # the marker's kind (frod_ds.runtime.atomic)
+EXPORT_KIND = "peft-export"  # the ownership record's kind (frod_ds.formats.output_dir)
 EXPORT_FORMAT = "frod-ds-peft-export"
 EXPORT_REPORT = "frod_export.json"
 TAUS = (0.5, 1e-2, 1e-3, 1e-4, 1e-5, 0.0)
@@ -198,84 +199,87 @@ def export_peft(
 ) -> dict[str, Any]:
     """Write adapter ``checkpoint_dir`` as a stock PEFT FRoD adapter in ``out``; returns the report (also written to
     ``out/frod_export.json``). ``tol``: the largest update error a category's mapping may have (module docstring)."""
-    from peft import FrodConfig, get_peft_model
+    with holding(out, EXPORT_KIND, "--out", PeftInteropError):  # a second writer of out is refused at once
+        from peft import FrodConfig, get_peft_model
 
-    from frod_ds.model.adapter import adapter_sources
+        from frod_ds.model.adapter import adapter_sources
 
-    out = Path(out)
-    if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
-        raise PeftInteropError(f"--peft-tol must be a number > 0, got {tol!r}")
-    check_out_dir(out, overwrite, EXPORT_KIND, {"--checkpoint": checkpoint_dir})
-    tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
-    inputs = {"--checkpoint": checkpoint_dir, "the base model": model_dir, "the factor store": store.path}
-    check_replaceable(out, EXPORT_KIND, inputs, error=PeftInteropError)  # before building and checking the PEFT model
-    bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    if bad:
-        raise PeftInteropError(f"adapter {checkpoint_dir} has non-finite values in {bad[0]}; it cannot be exported")
-    if config.quantize_base:
-        raise PeftInteropError(
-            f"adapter {checkpoint_dir} was trained with model.quantize_base (the untargeted linears "
-            f"{config.frozen_quant}-quantized), which a PEFT adapter cannot express: PEFT loads them "
-            "from the dense base model; export with --format hf instead"
-        )
-    categories = config.categories
-    t0 = time.perf_counter()
-    peft_cfg = FrodConfig(
-        target_modules=sorted(categories),
-        sparse_rate=float(config.sparsity or 0.02),
-        regularization_alpha=store.pi,
-        progressbar=False,
-        task_type="CAUSAL_LM",
-    )
-    with torch.no_grad():
-        try:
-            model = get_peft_model(load_base(model_dir), peft_cfg)
-        except ValueError as e:  # e.g. a target that matches no linear layer of this model
-            raise PeftInteropError(f"stock PEFT cannot apply FRoD to {model_dir}: {first_line(e)}") from None
-        layers = frod_layers(model)
-        members = {m for info in categories.values() for m in info.members}
-        if set(layers) != members:
-            extra = sorted(set(layers) ^ members)
+        out = Path(out)
+        if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
+            raise PeftInteropError(f"--peft-tol must be a number > 0, got {tol!r}")
+        check_out_dir(out, overwrite, EXPORT_KIND, {"--checkpoint": checkpoint_dir})
+        tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
+        inputs = {"--checkpoint": checkpoint_dir, "the base model": model_dir, "the factor store": store.path}
+        check_replaceable(
+            out, EXPORT_KIND, inputs, error=PeftInteropError
+        )  # before building and checking the PEFT model
+        bad = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            raise PeftInteropError(f"adapter {checkpoint_dir} has non-finite values in {bad[0]}; it cannot be exported")
+        if config.quantize_base:
             raise PeftInteropError(
-                f"PEFT targets {len(layers)} modules, the adapter {len(members)} (first difference "
-                f"{extra[0]!r}); the base model does not match the adapter's"
+                f"adapter {checkpoint_dir} was trained with model.quantize_base (the untargeted linears "
+                f"{config.frozen_quant}-quantized), which a PEFT adapter cannot express: PEFT loads them "
+                "from the dense base model; export with --format hf instead"
             )
-        device = torch.device(device)
-        reports, mapped = {}, {}
-        for cat, info in categories.items():
-            n = info.n
-            rows, cols = tensors[support_name(cat)].long()
-            reports[cat], mapped[cat] = _map_category(
-                info.members, tensors, rows * n + cols, n, store, layers, tol, device, config.frozen_quant
-            )
-        _check_tol(reports, tol, config.frozen_quant)
-        rate = shared_sparse_rate({c: (i.n, reports[c].nnz_mapped) for c, i in categories.items()})
-        for cat, info in categories.items():
-            n = info.n
-            union = torch.unique(torch.cat([flat for _, flat, _ in mapped[cat].values()]))  # sorted
-            flat = _pad(union, n, peft_nnz(n, rate))
-            reports[cat].nnz_peft = int(flat.numel())
-            layers[info.members[0]].frod_s_indices[ADAPTER] = torch.stack([flat // n, flat % n])  # the category's
-            for m, (lam, nz, vals) in mapped[cat].items():
-                values = torch.zeros(n * n).index_copy_(0, nz, vals)[flat]  # (nnz_peft,)
-                layers[m].frod_lambda_l[ADAPTER].data = lam
-                layers[m].frod_lambda_s_values[ADAPTER] = torch.nn.Parameter(values)
-    saved_cfg = model.peft_config[ADAPTER]
-    saved_cfg.sparse_rate, saved_cfg.base_model_name_or_path = rate, config.base_model
-    report = {
-        "format": EXPORT_FORMAT,
-        "adapter": str(checkpoint_dir),
-        "base_model": config.base_model,
-        "factor_store": str(store.path),
-        "factor_store_fingerprint": store.fingerprint,
-        "step": config.step,
-        "peft_version": peft_version(),
-        "tol": tol,
-        "sparse_rate": rate,
-        "categories": {c: asdict(r) for c, r in reports.items()},
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
-    with building_dir(out, EXPORT_KIND, inputs, PeftInteropError) as tmp:
-        model.save_pretrained(str(tmp))
-        (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=1) + "\n")
-    return report
+        categories = config.categories
+        t0 = time.perf_counter()
+        peft_cfg = FrodConfig(
+            target_modules=sorted(categories),
+            sparse_rate=float(config.sparsity or 0.02),
+            regularization_alpha=store.pi,
+            progressbar=False,
+            task_type="CAUSAL_LM",
+        )
+        with torch.no_grad():
+            try:
+                model = get_peft_model(load_base(model_dir), peft_cfg)
+            except ValueError as e:  # e.g. a target that matches no linear layer of this model
+                raise PeftInteropError(f"stock PEFT cannot apply FRoD to {model_dir}: {first_line(e)}") from None
+            layers = frod_layers(model)
+            members = {m for info in categories.values() for m in info.members}
+            if set(layers) != members:
+                extra = sorted(set(layers) ^ members)
+                raise PeftInteropError(
+                    f"PEFT targets {len(layers)} modules, the adapter {len(members)} (first difference "
+                    f"{extra[0]!r}); the base model does not match the adapter's"
+                )
+            device = torch.device(device)
+            reports, mapped = {}, {}
+            for cat, info in categories.items():
+                n = info.n
+                rows, cols = tensors[support_name(cat)].long()
+                reports[cat], mapped[cat] = _map_category(
+                    info.members, tensors, rows * n + cols, n, store, layers, tol, device, config.frozen_quant
+                )
+            _check_tol(reports, tol, config.frozen_quant)
+            rate = shared_sparse_rate({c: (i.n, reports[c].nnz_mapped) for c, i in categories.items()})
+            for cat, info in categories.items():
+                n = info.n
+                union = torch.unique(torch.cat([flat for _, flat, _ in mapped[cat].values()]))  # sorted
+                flat = _pad(union, n, peft_nnz(n, rate))
+                reports[cat].nnz_peft = int(flat.numel())
+                layers[info.members[0]].frod_s_indices[ADAPTER] = torch.stack([flat // n, flat % n])  # the category's
+                for m, (lam, nz, vals) in mapped[cat].items():
+                    values = torch.zeros(n * n).index_copy_(0, nz, vals)[flat]  # (nnz_peft,)
+                    layers[m].frod_lambda_l[ADAPTER].data = lam
+                    layers[m].frod_lambda_s_values[ADAPTER] = torch.nn.Parameter(values)
+        saved_cfg = model.peft_config[ADAPTER]
+        saved_cfg.sparse_rate, saved_cfg.base_model_name_or_path = rate, config.base_model
+        report = {
+            "format": EXPORT_FORMAT,
+            "adapter": str(checkpoint_dir),
+            "base_model": config.base_model,
+            "factor_store": str(store.path),
+            "factor_store_fingerprint": store.fingerprint,
+            "step": config.step,
+            "peft_version": peft_version(),
+            "tol": tol,
+            "sparse_rate": rate,
+            "categories": {c: asdict(r) for c, r in reports.items()},
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        with building_dir(out, EXPORT_KIND, inputs, PeftInteropError) as tmp:
+            model.save_pretrained(str(tmp))
+            (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=1) + "\n")
+        return report

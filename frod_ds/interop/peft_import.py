@@ -17,6 +17,8 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import AdapterCategory, AdapterConfig, support_name
+from frod_ds.formats.lease import holding
+from frod_ds.formats.ownership import building_dir, check_replaceable, inventory, mark_dir
 from frod_ds.interop.peft_common import (
     ADAPTER,
     PeftInteropError,
@@ -28,12 +30,11 @@ from frod_ds.interop.peft_common import (
     peft_version,
     rel_error,
 )
-from frod_ds.runtime.atomic import building_dir, check_replaceable, mark_dir
 from frod_ds.runtime.paths import dir_problem, wrong_folder
 
 __all__ = ["import_peft"]
 
-IMPORT_KIND = "peft-import"  # the marker's kind (frod_ds.runtime.atomic)
+IMPORT_KIND = "peft-import"  # the ownership record's kind (frod_ds.formats.output_dir)
 IMPORT_FORMAT = "frod-ds-peft-import"
 IMPORT_REPORT = "frod_import.json"
 STORE_DIR, ADAPTER_DIR = "factor-store", "adapter"
@@ -92,130 +93,133 @@ def import_peft(
     """Write ``out/factor-store`` and ``out/adapter`` from a stock PEFT FRoD adapter; returns the report (also
     ``out/frod_import.json``). The adapter loads with ``frod_ds.model.adapter.load_frod_model`` and trains further
     with ``model.init_adapter``."""
-    from peft import PeftConfig, get_peft_model
+    with holding(out, IMPORT_KIND, "--out", PeftInteropError):  # a second writer of out is refused at once
+        from peft import PeftConfig, get_peft_model
 
-    from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+        from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
 
-    peft_dir, out = Path(peft_dir), Path(out)
-    cfg = _read_peft_config(peft_dir)
-    base = base_model or cfg.get("base_model_name_or_path")
-    if not base:
-        raise PeftInteropError(f"{peft_dir}/adapter_config.json names no base model; pass --base-model")
-    check_out_dir(out, overwrite, IMPORT_KIND, {"--from-peft": peft_dir})
-    model_dir = resolve_model_dir(base)
-    inputs = {"--from-peft": peft_dir, "the base model": model_dir}
-    check_replaceable(out, IMPORT_KIND, inputs, error=PeftInteropError)
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        try:
-            model = get_peft_model(load_base(model_dir), PeftConfig.from_pretrained(str(peft_dir)))
-        except ValueError as e:  # e.g. target_modules that match nothing in this model
-            raise PeftInteropError(f"stock PEFT cannot apply {peft_dir} to {base}: {first_line(e)}") from None
-        layers = frod_layers(model)
-        if not layers:
-            raise PeftInteropError(f"the adapter's target_modules match no linear layer of {base}")
-        cats = group_by_leaf(layers)
-        lam0 = {m: layer.frod_lambda_l[ADAPTER].detach().clone() for m, layer in layers.items()}
-        v_rec = {c: layers[ms[0]].frod_V[ADAPTER].clone() for c, ms in cats.items()}
-        try:
-            result = model.load_adapter(str(peft_dir), ADAPTER)
-        except Exception as e:  # noqa: BLE001 - size mismatch (another architecture), damaged file: both end here
-            raise PeftInteropError(
-                f"stock PEFT cannot load {peft_dir} onto {base} ({type(e).__name__}: "
-                f"{first_line(e)}); pass the base model it was trained on"
-            ) from None
-        missing = [k for k in result.missing_keys if ".frod_" in k]
-        if missing:
-            raise PeftInteropError(f"{peft_dir}/adapter_model.safetensors lacks {missing[0]} ({len(missing)} tensors)")
-        ckpt = HFCheckpoint(model_dir)
-        report_cats: dict[str, Any] = {}
-        store_cats: dict[str, dict[str, Tensor]] = {}
-        adapter: dict[str, Tensor] = {}
-        adapter_cats: dict[str, AdapterCategory] = {}
-        weight_err = 0.0
-        for cat, members in cats.items():
-            V = layers[members[0]].frod_V[ADAPTER].float()
-            drift = rel_error(V - v_rec[cat].float(), v_rec[cat].float())
-            if drift > BASIS_MISMATCH:
+        peft_dir, out = Path(peft_dir), Path(out)
+        cfg = _read_peft_config(peft_dir)
+        base = base_model or cfg.get("base_model_name_or_path")
+        if not base:
+            raise PeftInteropError(f"{peft_dir}/adapter_config.json names no base model; pass --base-model")
+        check_out_dir(out, overwrite, IMPORT_KIND, {"--from-peft": peft_dir})
+        model_dir = resolve_model_dir(base)
+        inputs = {"--from-peft": peft_dir, "the base model": model_dir}
+        check_replaceable(out, IMPORT_KIND, inputs, error=PeftInteropError)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            try:
+                model = get_peft_model(load_base(model_dir), PeftConfig.from_pretrained(str(peft_dir)))
+            except ValueError as e:  # e.g. target_modules that match nothing in this model
+                raise PeftInteropError(f"stock PEFT cannot apply {peft_dir} to {base}: {first_line(e)}") from None
+            layers = frod_layers(model)
+            if not layers:
+                raise PeftInteropError(f"the adapter's target_modules match no linear layer of {base}")
+            cats = group_by_leaf(layers)
+            lam0 = {m: layer.frod_lambda_l[ADAPTER].detach().clone() for m, layer in layers.items()}
+            v_rec = {c: layers[ms[0]].frod_V[ADAPTER].clone() for c, ms in cats.items()}
+            try:
+                result = model.load_adapter(str(peft_dir), ADAPTER)
+            except Exception as e:  # noqa: BLE001 - size mismatch (another architecture), damaged file: both end here
                 raise PeftInteropError(
-                    f"{peft_dir}: the saved {cat} basis differs from the one stock PEFT computes from {base} (relative "
-                    f"difference {drift:.2g}); the adapter was made for another base model"
+                    f"stock PEFT cannot load {peft_dir} onto {base} ({type(e).__name__}: "
+                    f"{first_line(e)}); pass the base model it was trained on"
+                ) from None
+            missing = [k for k in result.missing_keys if ".frod_" in k]
+            if missing:
+                raise PeftInteropError(
+                    f"{peft_dir}/adapter_model.safetensors lacks {missing[0]} ({len(missing)} tensors)"
                 )
-            n = V.shape[0]
-            u_dtype = ckpt.dtype(members[0] + ".weight")
-            idx = layers[members[0]].frod_s_indices[ADAPTER]
-            factors = {"V": V}
-            for m in members:
-                layer = layers[m]
-                flat, vals, lam = _fold_support(
-                    n, idx, layer.frod_lambda_s_values[ADAPTER].detach(), layer.frod_lambda_l[ADAPTER].detach()
-                )
-                if not (torch.isfinite(vals).all() and torch.isfinite(lam).all()):
-                    raise PeftInteropError(f"{peft_dir}: {m} has non-finite σ or S values; it cannot be imported")
-                U = layer.frod_U[ADAPTER].float()
-                factors[f"{m}.U"], factors[f"{m}.sigma"] = U, lam0[m].float()
-                adapter[f"{m}.frod_sigma"], adapter[f"{m}.frod_s"] = lam, vals
-                # PEFT's own forward on the identity gives its W'ᵀ; frod-ds' W' from what is written
-                # (U rounded as stored)
-                bias = layer.get_base_layer().bias
-                W_peft = (layer(torch.eye(n)) - (0 if bias is None else bias)).T.float()  # (m, n)
-                W_ours = (U.to(u_dtype).float() @ core_matrix(lam, vals, flat, torch.float32, "cpu")) @ V.T
-                weight_err = max(weight_err, rel_error(W_ours - W_peft, W_peft))
-            adapter[support_name(cat)] = torch.stack([flat // n, flat % n])
-            adapter_cats[cat] = AdapterCategory(members, n, int(flat.numel()))
-            store_cats[cat] = factors
-            peft_cat = next(k for k, v in model.base_model.frod_V.items() if v is layers[members[0]].frod_V)
-            report_cats[cat] = {
-                "peft_category": peft_cat,
-                "members": len(members),
-                "n": n,
-                "nnz": int(flat.numel()),
-                "basis_drift": drift,
+            ckpt = HFCheckpoint(model_dir)
+            report_cats: dict[str, Any] = {}
+            store_cats: dict[str, dict[str, Tensor]] = {}
+            adapter: dict[str, Tensor] = {}
+            adapter_cats: dict[str, AdapterCategory] = {}
+            weight_err = 0.0
+            for cat, members in cats.items():
+                V = layers[members[0]].frod_V[ADAPTER].float()
+                drift = rel_error(V - v_rec[cat].float(), v_rec[cat].float())
+                if drift > BASIS_MISMATCH:
+                    raise PeftInteropError(
+                        f"{peft_dir}: the saved {cat} basis differs from the one stock PEFT computes from {base} "
+                        f"(relative difference {drift:.2g}); the adapter was made for another base model"
+                    )
+                n = V.shape[0]
+                u_dtype = ckpt.dtype(members[0] + ".weight")
+                idx = layers[members[0]].frod_s_indices[ADAPTER]
+                factors = {"V": V}
+                for m in members:
+                    layer = layers[m]
+                    flat, vals, lam = _fold_support(
+                        n, idx, layer.frod_lambda_s_values[ADAPTER].detach(), layer.frod_lambda_l[ADAPTER].detach()
+                    )
+                    if not (torch.isfinite(vals).all() and torch.isfinite(lam).all()):
+                        raise PeftInteropError(f"{peft_dir}: {m} has non-finite σ or S values; it cannot be imported")
+                    U = layer.frod_U[ADAPTER].float()
+                    factors[f"{m}.U"], factors[f"{m}.sigma"] = U, lam0[m].float()
+                    adapter[f"{m}.frod_sigma"], adapter[f"{m}.frod_s"] = lam, vals
+                    # PEFT's own forward on the identity gives its W'ᵀ; frod-ds' W' from what is written
+                    # (U rounded as stored)
+                    bias = layer.get_base_layer().bias
+                    W_peft = (layer(torch.eye(n)) - (0 if bias is None else bias)).T.float()  # (m, n)
+                    W_ours = (U.to(u_dtype).float() @ core_matrix(lam, vals, flat, torch.float32, "cpu")) @ V.T
+                    weight_err = max(weight_err, rel_error(W_ours - W_peft, W_peft))
+                adapter[support_name(cat)] = torch.stack([flat // n, flat % n])
+                adapter_cats[cat] = AdapterCategory(members, n, int(flat.numel()))
+                store_cats[cat] = factors
+                peft_cat = next(k for k, v in model.base_model.frod_V.items() if v is layers[members[0]].frod_V)
+                report_cats[cat] = {
+                    "peft_category": peft_cat,
+                    "members": len(members),
+                    "n": n,
+                    "nnz": int(flat.numel()),
+                    "basis_drift": drift,
+                }
+        with building_dir(out, IMPORT_KIND, inputs, PeftInteropError) as tmp:
+            errors = _write_store(tmp / STORE_DIR, store_cats, ckpt, base, float(cfg.get("regularization_alpha", 1e-3)))
+            store = _open_store(tmp / STORE_DIR)
+            report = {
+                "format": IMPORT_FORMAT,
+                "peft_adapter": str(peft_dir),
+                "base_model": base,
+                "peft_version": peft_version(),
+                "peft_config": {
+                    k: cfg.get(k)
+                    for k in (
+                        "target_modules",
+                        "sparse_rate",
+                        "projection_prng_key",
+                        "regularization_alpha",
+                        "save_projection",
+                        "frod_dropout",
+                        "layers_to_transform",
+                    )
+                },
+                "categories": report_cats,
+                "max_reconstruction_error": max(errors.values()),
+                "max_weight_error": weight_err,
+                "seconds": round(time.perf_counter() - t0, 2),
             }
-    with building_dir(out, IMPORT_KIND, inputs, PeftInteropError) as tmp:
-        errors = _write_store(tmp / STORE_DIR, store_cats, ckpt, base, float(cfg.get("regularization_alpha", 1e-3)))
-        store = _open_store(tmp / STORE_DIR)
-        report = {
-            "format": IMPORT_FORMAT,
-            "peft_adapter": str(peft_dir),
-            "base_model": base,
-            "peft_version": peft_version(),
-            "peft_config": {
-                k: cfg.get(k)
-                for k in (
-                    "target_modules",
-                    "sparse_rate",
-                    "projection_prng_key",
-                    "regularization_alpha",
-                    "save_projection",
-                    "frod_dropout",
-                    "layers_to_transform",
-                )
-            },
-            "categories": report_cats,
-            "max_reconstruction_error": max(errors.values()),
-            "max_weight_error": weight_err,
-            "seconds": round(time.perf_counter() - t0, 2),
-        }
-        identity = store.identity(sorted(cats))
-        for cat, info in adapter_cats.items():  # the store's identity, as training records it
-            info.v_sha256, info.method = identity.categories[cat].v_sha256, identity.categories[cat].method
-        adapter_config = AdapterConfig(
-            base_model=str(Path(base).resolve()) if Path(base).exists() else base,
-            factor_store=str((out / STORE_DIR).resolve()),
-            factor_store_fingerprint=identity.fingerprint,
-            tokenizer=None,
-            targets=sorted(cats),
-            sparsity=float(cfg.get("sparse_rate") or 0.0),
-            seed=int(cfg.get("projection_prng_key") or 0),
-            pi=identity.pi,
-            dtype="float32",
-            step=None,
-            categories=adapter_cats,
-        )
-        _write_adapter(tmp / ADAPTER_DIR, adapter, adapter_config)
-        (tmp / IMPORT_REPORT).write_text(json.dumps(report, indent=1) + "\n")
-    return report
+            identity = store.identity(sorted(cats))
+            for cat, info in adapter_cats.items():  # the store's identity, as training records it
+                info.v_sha256, info.method = identity.categories[cat].v_sha256, identity.categories[cat].method
+            adapter_config = AdapterConfig(
+                base_model=str(Path(base).resolve()) if Path(base).exists() else base,
+                factor_store=str((out / STORE_DIR).resolve()),
+                factor_store_fingerprint=identity.fingerprint,
+                tokenizer=None,
+                targets=sorted(cats),
+                sparsity=float(cfg.get("sparse_rate") or 0.0),
+                seed=int(cfg.get("projection_prng_key") or 0),
+                pi=identity.pi,
+                dtype="float32",
+                step=None,
+                categories=adapter_cats,
+            )
+            _write_adapter(tmp / ADAPTER_DIR, adapter, adapter_config)
+            (tmp / IMPORT_REPORT).write_text(json.dumps(report, indent=1) + "\n")
+        return report
 
 
 def _open_store(path: Path):
@@ -315,5 +319,5 @@ def _write_store(path: Path, categories: dict[str, dict[str, Tensor]], ckpt, bas
         },
     )
     atomic_write_text(path / MANIFEST, manifest.to_json())
-    mark_dir(path, "factor-store")
+    mark_dir(path, "factor-store", inventory(path))
     return errors

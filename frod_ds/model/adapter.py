@@ -29,11 +29,12 @@ from frod_ds.formats.adapter_dir import (
 )
 from frod_ds.formats.checksum import file_crc32, format_crc32, parse_crc32
 from frod_ds.formats.factor_store import StoreIdentity, category_of
+from frod_ds.formats.lease import holding
+from frod_ds.formats.ownership import building_dir
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.model.apply import frod_groups, frod_modules
 from frod_ds.model.build import build_frod_model, gathered
 from frod_ds.model.store_reader import FactorStore
-from frod_ds.runtime.atomic import building_dir
 from frod_ds.runtime.errors import AdapterError, FrodError, note
 from frod_ds.runtime.paths import describe_folder, dir_problem, wrong_folder
 
@@ -92,7 +93,8 @@ def write_adapter(
     config: AdapterConfig,
     extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write an adapter dir atomically (built under a temporary name, then renamed)."""
+    """Write an adapter dir atomically (built under a temporary name, then renamed); the caller holds the lease
+    of the folder it writes in (a training run's output_dir)."""
     out_dir = Path(out_dir)
     bad = nonfinite_tensor(tensors)
     if bad:
@@ -111,14 +113,16 @@ def write_adapter(
 def save_adapter_from_model(
     model: nn.Module, out_dir: str | Path, config: AdapterConfig, store: FactorStore | None = None
 ) -> Path:
-    """Single-process convenience: write ``model``'s adapter with ``config``; with ``store`` (the one the
-    model was built from) its identity is recorded."""
+    """Single-process convenience: write ``model``'s adapter with ``config``, holding the lease on ``out_dir``
+    (``write_adapter`` alone is for writers holding their output's lease); with ``store`` (the one the model was
+    built from) its identity is recorded."""
     categories = sorted({category_of(name) for name, _ in frod_modules(model)})
     identity = store.identity(categories) if store is not None else None
     tensors, cats = adapter_state(model, store=identity)
     if identity is not None:
         config = dataclasses.replace(config, factor_store_fingerprint=identity.fingerprint, pi=identity.pi)
-    return write_adapter(out_dir, tensors, dataclasses.replace(config, categories=cats))
+    with holding(out_dir, "adapter", "adapter directory", AdapterError):
+        return write_adapter(out_dir, tensors, dataclasses.replace(config, categories=cats))
 
 
 def is_adapter_checkpoint(path: str | Path) -> bool:

@@ -179,15 +179,21 @@ class Engine:
     max_reuse: float = float(_ZERO_DEFAULTS["stage3_max_reuse_distance"])
     memory_efficient_linear: bool = LINEAR_KEEPS_INPUT_ZERO3
     bf16_overflow_check: bool = True  # ZeRO-2 tests every bf16 gradient before a step (time only, not memory)
+    # a ZeRO-3 JSON run with its frozen weights partitioned by decoder layer by frod-ds, σ and S under ZeRO-2
+    # (frod_ds.config.zero3_layout); False: DeepSpeed's own stage 3
+    layers: bool = False
 
     @property
     def linear_keeps_input(self) -> bool:
-        return self.stage == 3 and self.memory_efficient_linear
+        return self.stage == 3 and not self.layers and self.memory_efficient_linear
 
 
-def engine_from_ds_config(cfg: dict[str, Any], name: str = "config") -> Engine:
+def engine_from_ds_config(cfg: dict[str, Any], name: str = "config", partition: str = "auto") -> Engine:
     """The ``Engine`` of a DeepSpeed JSON as the one reader of it (``ds_config.zero_settings``) sees it. ZeRO-0/1
-    are planned like ZeRO-2: each replicates the frozen model on every GPU."""
+    are planned like ZeRO-2: each replicates the frozen model on every GPU. ``partition``: the recipe's
+    ``train.zero3_partition`` (a ZeRO-3 JSON's layout)."""
+    from frod_ds.config.zero3_layout import zero3_layout
+
     z = zero_settings(cfg)
     return Engine(
         name,
@@ -202,6 +208,7 @@ def engine_from_ds_config(cfg: dict[str, Any], name: str = "config") -> Engine:
         float(z.max_reuse_distance),
         z.memory_efficient_linear,
         bf16_overflow_check(cfg),
+        zero3_layout(cfg, partition) == "layers",
     )
 
 

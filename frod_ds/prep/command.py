@@ -379,6 +379,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> None:
         COMMANDS[args.command](args)
 
-    # every FrodError (DataPrepError and those of the shared writers in frod_ds.runtime.atomic) and a full disk:
+    # every FrodError (DataPrepError and those of the shared writers in frod_ds.formats.ownership) and a full disk:
     # one `error:` line and exit 2, as for every other command
     return entry.run(body, init_group=False)

@@ -16,15 +16,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.lease import holding
+from frod_ds.formats.ownership import building_dir, check_out
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
 from frod_ds.prep.row_checks import count_repeats, drop_rows_training_refuses
 from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from frod_ds.prep.templates import RowError, render, row_id
-from frod_ds.runtime.atomic import building_dir, check_out
 
 FORMAT = "frod-ds/commonsense170k/v1"
-KIND = "data-build"  # the marker's kind (frod_ds.runtime.atomic): --overwrite replaces only an earlier build
+KIND = "data-build"  # the ownership record's kind (frod_ds.formats.output_dir): --overwrite replaces only a build
 DEFAULT_CUTOFF = 256  # tokens; LLM-Adapters' cutoff_len for Commonsense170K
 
 
@@ -427,20 +428,22 @@ def write_outputs(
 
 
 def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
-    """Build OUT from the options; returns the manifest and the sha256 of every written file."""
-    validate_options(options)
-    options = replace(options, tasks=tuple(task for task in TASKS if task in options.tasks))  # canonical order
-    tokenizer = tokens.load_tokenizer(options.tokenizer) if options.tokenizer else None
-    results = load_splits(options)
-    for result in results:
-        drop_rows_training_refuses(result, options.strict)
-        count_repeats(result, options.strict, options.keep_duplicates)
-    check_no_empty_split(results, options.tasks)
-    train = mixture(results, options.seed)
-    manifest = make_manifest(options, results, len(train))
-    if tokenizer is not None:
-        manifest["token_lengths"] = token_report(
-            results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF, resolved_template(options)
-        )
-    files = write_outputs(options.out, train, results, manifest)
-    return manifest, files
+    """Build OUT from the options, holding its lease throughout (a second build of OUT is refused at once);
+    returns the manifest and the sha256 of every written file."""
+    with holding(options.out, KIND, "--out", DataPrepError):
+        validate_options(options)
+        options = replace(options, tasks=tuple(task for task in TASKS if task in options.tasks))  # canonical order
+        tokenizer = tokens.load_tokenizer(options.tokenizer) if options.tokenizer else None
+        results = load_splits(options)
+        for result in results:
+            drop_rows_training_refuses(result, options.strict)
+            count_repeats(result, options.strict, options.keep_duplicates)
+        check_no_empty_split(results, options.tasks)
+        train = mixture(results, options.seed)
+        manifest = make_manifest(options, results, len(train))
+        if tokenizer is not None:
+            manifest["token_lengths"] = token_report(
+                results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF, resolved_template(options)
+            )
+        files = write_outputs(options.out, train, results, manifest)
+        return manifest, files

@@ -9,11 +9,12 @@ CUDA is available, gloo otherwise; collective tensors live on ``local_device()``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +49,7 @@ __all__ = [
     "agree_on_error",
     "on_all",
     "on_main",
+    "held_on_main",
     "check_shared_dir",
     "print0",
 ]
@@ -365,6 +367,21 @@ def on_main(fn: Callable[[], T]) -> T:
     if error:
         raise CollectiveError(error)
     return result  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def held_on_main(enter: Callable[[], contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    """Collective: hold ``enter()`` on rank 0 only for the block (the writer's lease on its output: one process
+    writes for all ranks); a ``FrodError`` entering it is a ``CollectiveError`` on every rank before any goes on."""
+    with contextlib.ExitStack() as stack:
+        error = None
+        if is_main():
+            try:
+                stack.enter_context(enter())
+            except FrodError as e:
+                error = str(e)
+        agree_on_error(error, src=0)
+        yield
 
 
 def check_shared_dir(path: Path, what: str) -> None:

@@ -3,6 +3,7 @@ periodic and SIGTERM checkpoints, and the final adapter. ``Run`` is what setup d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -22,13 +23,14 @@ from frod_ds.formats.factor_store import category_of
 from frod_ds.model.adapter import adapter_state, write_adapter
 from frod_ds.model.apply import frod_groups
 from frod_ds.model.build import gathered
+from frod_ds.model.frozen_shards import shards_of
 from frod_ds.runtime import distributed as dist
 from frod_ds.train.data import BatchPlan, collate
 from frod_ds.train.engine_state import Layout, write_checkpoint
 from frod_ds.train.identity import identity_records
 from frod_ds.train.metrics import MetricsLog, peak_mem_gb, plot_loss, reset_peak_mem
 from frod_ds.train.preflight import Inputs
-from frod_ds.train.run_dir import recipe_yaml
+from frod_ds.train.run_dir import recipe_yaml, record_adapter
 from frod_ds.train.schedule import group_lrs
 
 __all__ = [
@@ -100,6 +102,7 @@ def save_adapter(run: Run, step: int, name: str) -> None:
     """The adapter of ``step`` as ``output_dir/name`` (collective under ZeRO-3; rank 0 writes)."""
     tensors, categories = adapter_state(run.engine.module, run.zero3, run.inputs.store_identity)
     if dist.is_main():
+        record_adapter(run.out, name)  # in the run's record before it is made
         write_adapter(
             run.out / name,
             tensors,
@@ -112,9 +115,11 @@ def save_adapter(run: Run, step: int, name: str) -> None:
 def rotation_angles(run: Run) -> dict[str, float]:
     """``tan α`` per category (spec §2): ``sqrt(Σ‖ΔW_off‖² / Σ‖ΔW_on‖²)`` over the category's members."""
     sums: dict[str, list[float]] = {}
+    shards = shards_of(run.engine.module)
     for held, members in frod_groups(run.engine.module):  # one gather per decoder layer under ZeRO-3
         params = {id(p): p for p in [*held, *(p for _, m in members for p in (m.u_parameter(), m.V))]}
-        with gathered(list(params.values()), run.zero3):
+        layer = contextlib.nullcontext() if shards is None else shards.gathered([m for _, m in members])
+        with gathered(list(params.values()), run.zero3), layer:
             if dist.is_main():
                 for name, m in members:
                     on, off = m.update_norms_sq(run.sigma0[name])

@@ -27,6 +27,7 @@ from frod_ds.config.ds_config import (
     resolve_ds_config,
 )
 from frod_ds.config.recipe import Recipe
+from frod_ds.config.zero3_layout import layers_engine_config, zero3_layout
 from frod_ds.core.layer import support_nnz
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.formats.factor_store import StoreIdentity
@@ -66,6 +67,8 @@ class Inputs:
     examples: list[Example]
     eval_examples: list[Example]
     init_adapter: InitAdapter | None  # model.init_adapter, checked against the store and targets
+    partition: str | None = None  # a ZeRO-3 JSON's layout (frod_ds.config.zero3_layout); ds_config is then
+    # the engine's: stage 2 for "layers"
 
 
 def preflight(
@@ -103,7 +106,10 @@ def preflight(
     _check_sparsity(recipe, store)
     check_writable(Path(recipe.output_dir))
     init = init_adapter(recipe, store, store_identity)
-    return Inputs(recipe, ds_cfg, base, store, store_identity, identity, tok, examples, eval_examples, init)
+    layout = zero3_layout(ds_cfg, recipe.train.zero3_partition)
+    if layout == "layers":
+        ds_cfg = layers_engine_config(ds_cfg)
+    return Inputs(recipe, ds_cfg, base, store, store_identity, identity, tok, examples, eval_examples, init, layout)
 
 
 def _open_base_and_store(recipe: Recipe) -> tuple[HFCheckpoint, FactorStore]:

@@ -1,14 +1,15 @@
-"""A run's ``output_dir``: who may write there, a new run moving an old one aside, its marker, cleanup on failure.
+"""A run's ``output_dir``: who may write there, a new run moving an old one aside, its record, cleanup on failure.
 
 Training writes only into a directory that is absent, empty, or a run frod-ds training wrote (``check_run_dir``);
-the same command on its own run resumes. A failed fresh run leaves nothing it created (``removed_if_failed``).
+the same command on its own run resumes. Rank 0 holds the lease on ``output_dir`` for the run's whole life, so a
+second run (``train.new_run=true`` included) is refused while one is alive, and records each file and folder
+before it is made. A failed fresh run leaves nothing it created (``writing_run``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,8 +18,10 @@ from pathlib import Path
 import yaml
 
 from frod_ds.config.recipe import Recipe, recipe_to_dict
+from frod_ds.formats.lease import holding
+from frod_ds.formats.output_dir import entries_of, match, read_record
+from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_kind, record_files
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.atomic import check_replaceable, is_marked, mark_dir, marker_kind
 from frod_ds.runtime.errors import FrodError
 from frod_ds.train.checkpoints import sealed_checkpoints
 
@@ -30,12 +33,15 @@ __all__ = [
     "check_writable",
     "recipe_yaml",
     "open_run_dir",
+    "record_adapter",
     "removed_if_failed",
+    "writing_run",
 ]
 
 RUN_KIND = "training-run"  # the marker's kind (frod_ds.runtime.atomic) of an output_dir training wrote
 RUN_HOSTS = (RUN_KIND, "demo")  # what training writes into: its own runs, and the directory of `frod demo`
 PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard")  # and adapter-*/
+RUN_FILES = ("recipe.yaml", "metrics.jsonl", "loss.png", "tensorboard/", "checkpoints/")  # recorded as a run opens
 
 
 def _is_legacy_run(out: Path) -> bool:
@@ -49,7 +55,7 @@ def check_run_dir(out: Path) -> None:
     """``FrodError`` unless training may write into ``output_dir`` ``out``: absent, empty, or a run frod-ds
     training wrote (its marker, or an older run's checkpoints/adapters). Other commands' outputs beside the
     adapters (evals, exports) are not this check's business: training deletes nothing."""
-    check_replaceable(out, RUN_HOSTS, what="output_dir", legacy=_is_legacy_run, nested=False)
+    check_replaceable(out, RUN_HOSTS, what="output_dir", legacy=_is_legacy_run, foreign=False)
 
 
 def check_writable(out: Path) -> None:
@@ -75,16 +81,21 @@ def recipe_yaml(recipe: Recipe) -> str:
 
 
 def _supersede_previous_run(out: Path) -> None:
-    """``train.new_run``: move a previous run's files in ``out`` into ``out/superseded-<time>/`` (nothing is
-    deleted; adapters included)."""
-    old = (
-        [p for p in out.iterdir() if p.name in PREVIOUS_RUN or (p.name.startswith("adapter-") and p.is_dir())]
-        if out.is_dir()
-        else []
-    )
+    """``train.new_run``: move a previous run's files in ``out`` (those its record lists) into
+    ``out/superseded-<time>/``; nothing is deleted, adapters included."""
+    if not out.is_dir():
+        return
+    entries = entries_of(read_record(out), RUN_KIND) or ()
+    old = [
+        p
+        for p in out.iterdir()
+        if (p.name in PREVIOUS_RUN or (p.name.startswith("adapter-") and p.is_dir()))
+        and match(entries, p.name, p.is_dir() and not p.is_symlink()) == "own"
+    ]
     if not old:
         return
     dest = out / time.strftime("superseded-%Y%m%d-%H%M%S")
+    record_files(out, [dest.name + "/"], RUN_KIND)
     dest.mkdir()
     for p in old:
         os.rename(p, dest / p.name)
@@ -93,21 +104,25 @@ def _supersede_previous_run(out: Path) -> None:
 
 def open_run_dir(recipe: Recipe) -> None:
     """Rank 0, once every input is checked: a previous run moved aside (``train.new_run``), ``output_dir`` made
-    and marked as a training run, ``recipe.yaml`` written."""
+    and its record listing what a run writes there, ``recipe.yaml`` written."""
     out = Path(recipe.output_dir)
     if recipe.train.new_run:
         _supersede_previous_run(out)
     out.mkdir(parents=True, exist_ok=True)
-    if not is_marked(out):
-        mark_dir(out, RUN_KIND)
+    record_files(out, RUN_FILES, RUN_KIND)
     (out / "recipe.yaml").write_text(recipe_yaml(recipe))
+
+
+def record_adapter(out: Path, name: str) -> None:
+    """Rank 0: the adapter ``out/name`` is entered in the run's record before it is written."""
+    record_files(out, [name + "/"], RUN_KIND)
 
 
 @contextlib.contextmanager
 def removed_if_failed(out: Path) -> Iterator[None]:
     """Run the block; if it raises and ``out`` did not exist before it and holds no sealed checkpoint or adapter
-    (what a rerun would resume or keep), rank 0 deletes ``out``: a failed run leaves nothing it created behind, and
-    never touches a directory it did not create."""
+    (what a rerun would resume or keep), rank 0 deletes what the run's record lists (and ``out`` once empty): a
+    failed run leaves nothing it created behind, and never deletes what it did not write."""
     created = not os.path.lexists(out)
     try:
         yield
@@ -120,5 +135,13 @@ def removed_if_failed(out: Path) -> Iterator[None]:
             and not sealed_checkpoints(out / "checkpoints")
             and not any(out.glob("adapter-*"))
         ):
-            shutil.rmtree(out, ignore_errors=True)  # an unsealed checkpoint is nothing a rerun would resume
+            delete_owned(out)  # an unsealed checkpoint is nothing a rerun would resume
         raise
+
+
+@contextlib.contextmanager
+def writing_run(out: Path) -> Iterator[None]:
+    """Collective: the life of a run's writer. Rank 0 holds the lease on ``output_dir`` (another live run there is
+    refused at once, naming it); a failed fresh run leaves nothing it created (``removed_if_failed``)."""
+    with dist.held_on_main(lambda: holding(out, RUN_KIND, "output_dir")), removed_if_failed(out):
+        yield

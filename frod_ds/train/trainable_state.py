@@ -62,6 +62,9 @@ class TrainableState:
     # layer: ``frod_ds.core.layer.FRoDTrainables``); left out otherwise, so an unchanged layout's record reads as
     # before. DeepSpeed's files load only into the same Parameters
     engine_params: list[str] | None = None
+    # "layers": a ZeRO-3 JSON's frozen weights partitioned by decoder layer (frod_ds.config.zero3_layout), the
+    # engine at ``zero_stage`` 2; None otherwise
+    frozen_partition: str | None = None
 
 
 Spans = list[tuple[str, int, int]]  # (tensor name in the record, start, end) within a Parameter, flattened
@@ -151,7 +154,7 @@ def _adam_step(base) -> int:
 
 
 def gather_state(
-    engine, step: int, layout: tuple[int, int, int], zero_stage: int
+    engine, step: int, layout: tuple[int, int, int], zero_stage: int, frozen_partition: str | None = None
 ) -> tuple[dict[str, torch.Tensor], TrainableState] | None:
     """Collective. Full fp32 values and AdamW moments of every trainable parameter, on rank 0 (None elsewhere).
     ``layout``: (world size, micro-batch size, grad accumulation) of the run writing it."""
@@ -189,6 +192,7 @@ def gather_state(
         skipped_steps=int(engine.skipped_steps),
         params=_record_names(trainable),
         engine_params=_layout(trainable),
+        frozen_partition=frozen_partition,
     )
     return tensors, meta
 

@@ -26,6 +26,7 @@ from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.model.adapter import load_adapter_into, supports_from_adapter
 from frod_ds.model.apply import frod_groups, frod_param_groups
 from frod_ds.model.build import build_frod_model, fetch_per_layer, gathered, make_supports
+from frod_ds.model.build_layers import build_layer_partitioned
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.errors import note
 from frod_ds.train.checkpoints import choose_checkpoint, step_of, unsealed_checkpoints
@@ -99,16 +100,21 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
         make_supports(store, list(m.targets), m.sparsity, m.seed) if init is None else supports_from_adapter(*init)
     )
     t_build = time.perf_counter()
-    model = build_frod_model(
-        inputs.base,
-        store,
-        supports,
-        FLOAT_DTYPES[m.dtype],
-        ds_cfg,
-        rank=rank,
-        quant=m.frozen_quant,
-        quantize_base=m.quantize_base,
-    )
+    if inputs.partition == "layers":  # ZeRO-3's frozen weights partitioned by decoder layer; σ, S under ZeRO-2
+        model, _ = build_layer_partitioned(
+            inputs.base, store, supports, FLOAT_DTYPES[m.dtype], dist.local_device(), m.frozen_quant, m.quantize_base
+        )
+    else:
+        model = build_frod_model(
+            inputs.base,
+            store,
+            supports,
+            FLOAT_DTYPES[m.dtype],
+            ds_cfg,
+            rank=rank,
+            quant=m.frozen_quant,
+            quantize_base=m.quantize_base,
+        )
     dist.print0(f"model built in {time.perf_counter() - t_build:.1f} s (skeleton, factor store and checkpoint reads)")
     zero3 = zero_stage(ds_cfg) == 3
     sigma0 = _initial_sigma(model, zero3)  # the factor store's σ, before an init adapter replaces it

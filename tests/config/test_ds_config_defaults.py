@@ -123,7 +123,9 @@ def test_planner_engine_is_the_ds_config_reading(path):
 
 def test_engine_without_a_json_is_an_empty_jsons_engine():
     """An ``Engine`` built in code and one read from a JSON that leaves every key out take the same defaults."""
-    assert engine_from_ds_config({"zero_optimization": {"stage": 3}}, "z3") == Engine("z3", 3, overlap_comm=True)
+    z3 = {"zero_optimization": {"stage": 3}}
+    assert engine_from_ds_config(z3, "z3", "deepspeed") == Engine("z3", 3, overlap_comm=True)
+    assert engine_from_ds_config(z3, "z3") == Engine("z3", 3, overlap_comm=True, layers=True)  # the default
 
 
 @pytest.mark.parametrize(

@@ -958,6 +958,70 @@ def ro_store(world, case, spec):
     _read_only_copy(world, case, "store")
 
 
+# -- who owns a folder: files frod-ds did not write, and the lease of a writer alive, dead or silent
+
+
+def _with_foreign_file(folder: Path) -> None:
+    (folder / "my_notes.md").write_text("the user's own notes, put there after the command wrote it\n")
+
+
+def export_copy_foreign(world, case, spec):
+    _with_foreign_file(_copy(world, "export", case / "export"))
+
+
+def data_build_copy_foreign(world, case, spec):
+    _with_foreign_file(_copy(world, "data", case / "data"))
+
+
+def store_copy_foreign(world, case, spec):
+    _with_foreign_file(_copy(world, "store", case / "store"))
+
+
+def results_json_foreign(world, case, spec):
+    """A folder that is no eval's output, though it holds a ``results.json`` (the user's own)."""
+    (case / "ev").mkdir()
+    (case / "ev" / "results.json").write_text('{"my": "own results"}\n')
+    _with_foreign_file(case / "ev")
+
+
+def _lease(case: Path, name: str, pid: int, host: str | None = None, age: float = 0.0) -> None:
+    """The lease file a writer of ``case/name`` holds (as frod_ds.formats.lease writes it), ``age`` seconds old."""
+    path = case / f".{name}.frod-ds-lease"
+    record = {
+        "format": "frod-ds-lease",
+        "kind": "training-run",
+        "host": host or platform.node(),
+        "pid": pid,
+        "started": time.time() - age,
+        "token": os.urandom(8).hex(),
+        "command": "frod train",
+    }
+    path.write_text(json.dumps(record) + "\n")
+    os.utime(path, (time.time() - age, time.time() - age))
+
+
+def live_lease_new(world, case, spec):
+    """A live writer of ``{new}`` on this host: this runner's own process, alive while the case runs."""
+    _lease(case, "new", os.getpid())
+
+
+def live_lease_run(world, case, spec):
+    """The world's run, its writer still training (a live process holds its lease)."""
+    _copy(world, "run", case / "run")
+    _lease(case, "run", os.getpid())
+
+
+def dead_lease_new(world, case, spec):
+    """The lease a writer of ``{new}`` killed with SIGKILL left: its pid is gone."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _lease(case, "new", int(proc.stdout))
+
+
+def stale_lease_new(world, case, spec):
+    """The lease of a writer on another host whose heartbeat stopped ten minutes ago (its node was lost)."""
+    _lease(case, "new", 1, host="another-node-of-the-cluster", age=600)
+
+
 def remove_checkpoints(world, case, spec):
     """What the error says to do when no checkpoint of a run can be resumed."""
     shutil.rmtree(case / "run" / "checkpoints")
@@ -1147,6 +1211,14 @@ STEPS: dict[str, Callable] = {
         ro_export,
         ro_data,
         ro_store,
+        export_copy_foreign,
+        data_build_copy_foreign,
+        store_copy_foreign,
+        results_json_foreign,
+        live_lease_new,
+        live_lease_run,
+        dead_lease_new,
+        stale_lease_new,
         remove_checkpoints,
         noop,
     )

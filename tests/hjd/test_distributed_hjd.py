@@ -11,11 +11,11 @@ import textwrap
 import pytest
 import torch
 
+from frod_ds.formats.ownership import MARKER
 from frod_ds.hjd.math import decompose
 from frod_ds.hjd.routes import make_blocks
 from frod_ds.hjd.sharding import split_counts
 from frod_ds.model.store_reader import FactorStore
-from frod_ds.runtime.atomic import MARKER
 from tests.support.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
 pytestmark = pytest.mark.slow

@@ -59,7 +59,7 @@ def test_convert_refuses_a_missing_file_and_a_foreign_out_directory(tmp_path, ca
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert main(["convert-gguf", "convert", "--gguf", str(gguf), "--out", str(theirs), "--overwrite"]) == 2
-    assert "was not written by this converter" in capsys.readouterr().err
+    assert "was not written by frod-ds" in capsys.readouterr().err
     assert main(["convert-gguf", "convert", "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "x")]) == 2
     assert "is not a file" in capsys.readouterr().err
     assert (

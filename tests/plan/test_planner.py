@@ -198,8 +198,11 @@ def test_hint_names_the_faster_or_the_fitting_set_up():
     engines = {e.name: e for e in shipped_engines()}
     small = model_shape_from_config(LLAMA2_7B)
     train = TrainShape(micro_batch=4, seq_len=256, checkpointing=True)
-    line = hint(small, train, engines["ds_configs/zero3.json"], 1, 79.1 * 2**30)
+    deepspeed_z3 = dataclasses.replace(engines["ds_configs/zero3.json"], layers=False)  # zero3_partition=deepspeed
+    line = hint(small, train, deepspeed_z3, 1, 79.1 * 2**30)
     assert line.startswith("hint:") and "ds_configs/zero2.json fits" in line and "\n" not in line
+    # zero3.json's layer partition on one GPU holds the model whole, as zero2.json does: nothing to gain
+    assert hint(small, train, engines["ds_configs/zero3.json"], 1, 79.1 * 2**30) is None
     assert hint(small, train, engines["ds_configs/zero2.json"], 1, 79.1 * 2**30) is None
     big = model_shape_from_config(LLAMA2_70B)
     line = hint(big, train, engines["ds_configs/zero2.json"], 2, 79.1 * 2**30)
@@ -214,11 +217,14 @@ def test_train_hint_reads_the_recipe_and_the_loaded_json(tmp_path):
     from frod_ds.plan.recommend import train_hint
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
-    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
+    deepspeed = ["train.zero3_partition=deepspeed"]  # DeepSpeed's stage 3: zero2.json predicted faster on 2 GPUs
+    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}", *deepspeed])
     zero3 = load_ds_config(REPO / "ds_configs" / "zero3.json")
     line = train_hint(recipe, zero3, 2, 79.1 * 2**30, name="my/zero3.json")
     assert line is not None and "zero2.json fits" in line and "faster than my/zero3.json" in line
     assert line.endswith("(frod plan)"), "the hint names the command in the one vocabulary"
+    layers = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
+    assert train_hint(layers, zero3, 2, 79.1 * 2**30) is None, "the layer partition: within the hint's margin"
     assert train_hint(recipe, zero3, 2, None) is None  # no GPU: no line
     recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path / 'nothing'}"])
     assert train_hint(recipe, zero3, 2, 79.1 * 2**30) is None
@@ -294,7 +300,8 @@ def test_shipped_configs_map_to_their_engine():
 def test_train_hint_boundaries_follow_the_plan(tmp_path):
     """``frod train``'s hint (``train_hint``) at the planner's own boundaries: silent where the chosen config is
     the fastest that fits; names ZeRO-2 when ZeRO-3 was chosen and ZeRO-2 fits; says out of memory (one line) when
-    ZeRO-2 was chosen and does not fit; silent again when the partitioned model fits more GPUs."""
+    ZeRO-2 was chosen and does not fit; silent again when the partitioned model fits more GPUs. "ZeRO-3" here is
+    DeepSpeed's own (``train.zero3_partition=deepspeed``); the layer partition's hint: the test above."""
     from frod_ds.config.recipe import load_recipe
     from frod_ds.plan.recommend import train_hint
     from frod_ds.plan.shapes import train_shape_from_recipe
@@ -307,7 +314,10 @@ def test_train_hint_boundaries_follow_the_plan(tmp_path):
     assert train_hint(recipe, z3_json, 1, None) is None, "no GPU: no hint"
     assert train_hint(recipe, z2_json, 1, z2) is None, "ZeRO-2 fits exactly: nothing to say"
     both = max(z2, _needed(model, train, "ds_configs/zero3.json", 1))  # ZeRO-3's buckets may need a little more
-    slow = train_hint(recipe, z3_json, 1, both)
+    deepspeed = load_recipe(
+        REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}", "train.zero3_partition=deepspeed"]
+    )
+    slow = train_hint(deepspeed, z3_json, 1, both)
     assert slow.startswith("hint: ds_configs/zero2.json fits") and "\n" not in slow
     oom = train_hint(recipe, z2_json, 1, z2 - 1)
     assert oom.startswith("hint: predicted") and "likely out of memory" in oom and "\n" not in oom

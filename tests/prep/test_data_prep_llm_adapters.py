@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from frod_ds.formats.ownership import MARKER
 from frod_ds.prep.dataset import BuildOptions, build
 from frod_ds.prep.rows import ANSWER_SEPARATOR, check_row, dumps_row, read_rows, row_separator, training_text
 from frod_ds.prep.tasks import TASKS, DataPrepError
-from frod_ds.runtime.atomic import MARKER
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "data_prep" / "llm_adapters"

@@ -18,6 +18,9 @@ FAST = [
     "data build from a mirror with --tasks misspelled",
     "data build --out a foreign directory with --overwrite",
     "python -m data_prep build --tasks misspelled",
+    "data build while a live process writes its output",
+    "data build after its writer is gone (a dead pid on this host)",
+    "data build after its writer is gone (a heartbeat stale on another host)",
 ]
 
 

@@ -666,7 +666,7 @@ def test_a_writer_that_reports_a_full_disk_as_something_else_is_a_full_disk(smal
     """building_dir (every published output) asks the disk, before deleting the partial output, when its writer
     fails with something other than ENOSPC: safetensors' Rust writer raises SafetensorError("... No space left on
     device (os error 28)"), which reached the user of `export --format peft` as a traceback (failure corpus)."""
-    from frod_ds.runtime.atomic import building_dir
+    from frod_ds.formats.ownership import building_dir
     from frod_ds.runtime.errors import FrodError
 
     disk, _ = small_disk
@@ -692,7 +692,7 @@ def test_hjd_over_its_own_store_without_a_manifest_builds_it_anew(hjd_model, tmp
     """Factor files without their manifest cannot be trusted (which weights, which configuration): a store the
     marker says HJD wrote is rebuilt by the same command (it asked for --overwrite); an unmarked one is not touched."""
     from frod_ds.formats.factor_store import MANIFEST
-    from frod_ds.runtime.atomic import MARKER
+    from frod_ds.formats.ownership import MARKER
 
     store = tmp_path / "store"
     argv = ("--model", str(hjd_model), "--out", str(store), "--categories", "v_proj")

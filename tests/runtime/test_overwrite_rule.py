@@ -1,4 +1,4 @@
-"""The overwrite rule (``frod_ds.runtime.atomic.check_replaceable``): ``--overwrite`` replaces only a directory an
+"""The overwrite rule (``frod_ds.formats.ownership.check_replaceable``): ``--overwrite`` replaces only a directory an
 earlier run of the same command wrote (the marker's kind), never one holding another command's output, never one of the
 command's own inputs (or a directory containing or inside one), and training never writes into a directory that
 frod-ds training did not write. Each refusal is exit 2 with one ``error:`` line, and the refused directory is
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from frod_ds.formats.ownership import MARKER
 from frod_ds.prep.command import main as data_prep_main
-from frod_ds.runtime.atomic import MARKER
 from launch import export as export_cli
 from launch import hjd as hjd_cli
 from tests.support.train_env import CPU_ZERO2, build_env, run_train, train_in_process
@@ -239,7 +239,7 @@ def test_a_build_killed_with_sigkill_is_swept_by_the_next_build_of_that_output(t
     import subprocess
     import sys
 
-    from frod_ds.runtime.atomic import building_dir
+    from frod_ds.formats.ownership import building_dir
 
     out = tmp_path / "export"
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -1,5 +1,6 @@
-"""studies/learn_study.py end to end on CPU with a tiny Llama (frod_ds.testing.toy): generate a task, sweep two
-methods and an S-rate variant, a second seed, resume (the same command again trains nothing), report.
+"""studies/learn_study.py end to end on CPU with a tiny Llama (frod_ds.testing.toy): generate a task, sweep frod and
+stock PEFT FRoD, the S-rate variants and the cross-check, a second seed, timing alone, resume (the same command
+again trains nothing), a command cut by its time budget and the next one going on, report.
 
 Checked against independent computations: every run of the task saw the training tokens counted here from the
 rows; tan α of frod-ds' and of stock PEFT's FRoD is the ratio of the norms of the merged weight's change with
@@ -36,7 +37,7 @@ def rehearsal(tmp_path_factory):
                 "48",
                 "--digits",
                 "1-2",
-                "--heldout-rows",
+                "--validation-rows",
                 "8",
                 "--test-rows",
                 "6",
@@ -68,6 +69,12 @@ def rehearsal(tmp_path_factory):
         "frod=1e-2",
         "--lrs",
         "peftfrod=1e-2",
+        "--timing-steps",
+        "2",
+        "--timing-warmup",
+        "1",
+        "--val-points",
+        "2",
         "--steps",
         "2",
         "--batch-size",
@@ -84,7 +91,14 @@ def rehearsal(tmp_path_factory):
         "1",
         "--min-study-minutes",
         "0",
+        "--eval-reserve-minutes",
+        "0.01",
+        "--pack",
+        str(root / "pack.tgz"),
     ]
+    # a command whose budget ends early leaves the rest to the next one, which goes on from its records
+    assert learn_study.main([*argv, "--max-minutes", "0.04"]) == 0
+    assert not (out / "arith" / "timing.json").exists()
     assert learn_study.main(argv) == 0
     return root, work, out, argv, rows, tok
 
@@ -93,29 +107,61 @@ def _records(out: Path) -> dict[str, int]:
     return {str(p.relative_to(out)): p.stat().st_mtime_ns for p in out.rglob("records/*.json")}
 
 
+def _winning_ratio(out: Path) -> str | None:
+    """The ratio variant the seeds repeat: the best σ:S ratio at frod's σ LR, unless it is 10:1."""
+    doc = json.loads((out / "arith" / "seed0" / "real_study.json").read_text())
+    losses = {m: d["sweep"][0]["heldout"]["answer_loss"] for m, d in doc["methods"].items() if m.startswith("frod")}
+    best = min(losses, key=losses.get)
+    return None if best == "frod" else best
+
+
 def test_every_method_and_seed_is_recorded_on_the_same_tokens(rehearsal):
     _, _, out, _, rows, tok = rehearsal
-    assert sorted(_records(out)) == [
-        "arith/seed0/records/frod_lr0.01.json",
-        "arith/seed0/records/frod_ratio3_lr0.01.json",
-        "arith/seed0/records/peftfrod_lr0.01.json",
-        "arith/seed1/records/frod_lr0.01.json",
-        "arith/seed1/records/frod_ratio3_lr0.01.json",
-        "arith/seed1/records/peftfrod_lr0.01.json",
-    ]
+    seed0 = {p.split("/")[-1].split("_lr")[0] for p in _records(out) if p.startswith("arith/seed0/")}
+    seed1 = {p.split("/")[-1].split("_lr")[0] for p in _records(out) if p.startswith("arith/seed1/")}
+    assert {"frod", "frod_ratio3", "peftfrod", "peftfrod_inj"} <= seed0 <= {*seed0, "frod_ratio1"}
+    # ratio 1 is tried only when ratio 3 beats 10:1 (the low end of the ratios tried)
+    assert ("frod_ratio1" in seed0) == (_winning_ratio(out) in ("frod_ratio3", "frod_ratio1"))
+    assert seed1 == {"frod", "peftfrod"} | ({_winning_ratio(out)} - {None})
     for seed in (0, 1):
         doc = json.loads((out / "arith" / f"seed{seed}" / "real_study.json").read_text())
         runs = {m: d["sweep"][0] for m, d in doc["methods"].items()}
         assert doc["data"]["steps"] == 2 and len({r["data_order_sha256"] for r in runs.values()}) == 1
         # the tokens of the rows the 2 steps used, counted here: BOS + prompt + separator + answer, then EOS
         by_id = {r["id"]: r for r in rows}
-        assert runs["frod_ratio3"]["lr_s"] == pytest.approx(1e-2 / 3) and runs["frod"]["lr_s"] == pytest.approx(1e-3)
-        for r in runs.values():
+        assert runs["frod"]["lr_s"] == pytest.approx(1e-3) and runs["peftfrod"].get("lr_s") is None  # one LR
+        for name, r in runs.items():
             assert r["steps"] == 2 and r["checkpoints"][-1]["tan_alpha"].keys() >= {"q_proj", "up_proj"}
+            assert [p["step"] for p in r["validation"]] == [1, 2], name  # --val-points 2: every step here
         assert all("exact" in d["test"] and "loglik" in d["test"] for d in doc["methods"].values())
         first = [by_id[i] for i in doc["data"]["first_batch_ids"]]
         n_first = sum(len(tok(r["prompt"] + r["separator"] + r["answer"])["input_ids"]) + 1 for r in first)
         assert n_first <= runs["frod"]["tokens"] and all(r["tokens"] == runs["frod"]["tokens"] for r in runs.values())
+    ratio3 = json.loads((out / "arith" / "seed0" / "records" / "frod_ratio3_lr0.01.json").read_text())
+    assert ratio3["lr_s"] == pytest.approx(1e-2 / 3)
+
+
+def test_timing_times_the_main_methods_and_the_cross_check_alone(rehearsal):
+    _, _, out, _, _, _ = rehearsal
+    timing = json.loads((out / "arith" / "timing.json").read_text())
+    assert timing["alone"] and timing["steps"] == 2 and set(timing["methods"]) == {"frod", "peftfrod", "peftfrod_inj"}
+    for e in timing["methods"].values():
+        assert e["step_ms"] > 0 and e["tokens_per_s"] > 0 and e["build_seconds"] > 0 and e["trainable_params"] > 0
+
+
+def test_a_merged_pack_holds_every_record_and_reports(rehearsal, tmp_path):
+    import tarfile
+
+    root, _, out, _, _, _ = rehearsal
+    res = tmp_path / "res"
+    assert learn_study.main(["merge", "--into", str(res), str(root / "pack.tgz")]) == 0
+    assert learn_study.main(["merge", "--into", str(res), str(root / "pack.tgz")]) == 0  # again: the same records
+    with tarfile.open(res / "records.tgz") as tar:
+        tar.extractall(tmp_path / "records", filter="data")
+    assert sorted(_records(tmp_path / "records")) == sorted(_records(out))
+    assert (tmp_path / "records" / "arith" / "timing.json").is_file()
+    assert (res / "report.md").is_file() and (res / "learn_study.json").is_file() and not (res / "arith").exists()
+    assert learn_study.main(["report", "--out", str(res)]) == 0  # from records.tgz
 
 
 def test_the_same_command_again_trains_nothing(rehearsal, capsys):
@@ -123,7 +169,9 @@ def test_the_same_command_again_trains_nothing(rehearsal, capsys):
     before = _records(out)
     assert learn_study.main(argv) == 0
     assert _records(out) == before
-    assert capsys.readouterr().out.count("finished: ") == 3  # sweep, ratio variant, seed 1: none loaded again
+    # sweep, variants, (the ratio past the end,) seed 1: none loaded again; timing recorded
+    extended = (out / "arith" / "seed0" / "records" / "frod_ratio1_lr0.01.json").is_file()
+    assert capsys.readouterr().out.count("finished: ") == 3 + extended
 
 
 def test_a_copy_resumes_into_a_new_output_without_training(rehearsal, tmp_path):
@@ -139,15 +187,40 @@ def test_report_comes_from_the_json(rehearsal):
     assert learn_study.main(["report", "--out", str(out)]) == 0
     doc = json.loads((out / "learn_study.json").read_text())
     t = doc["tasks"]["arith"]
-    assert t["seeds"] == [0, 1] and set(t["methods"]) == {"frod", "peftfrod", "frod_ratio3"}
-    for e in t["methods"].values():
-        assert set(e["seeds"]) == {"0", "1"}
+    assert t["seeds"] == [0, 1] and {"frod", "peftfrod", "frod_ratio3", "peftfrod_inj"} <= set(t["methods"])
+    for name in ("frod", "peftfrod"):
+        e = t["methods"][name]
+        assert set(e["seeds"]) == {"0", "1"} and e["alone"]["step_ms"] > 0
         for split, acc in e["exact"].items():
             values = [s["exact"][split] for s in e["seeds"].values()]
             assert acc["mean"] == pytest.approx(sum(values) / 2) and acc["lo"] <= acc["mean"] <= acc["hi"]
+    assert t["ratios"]["chosen"] in (1, 3, 10) and {"3", "10"} <= set(t["ratios"]["validation_answer_loss"])
+    # the cross-check: stock PEFT on frod-ds' factors trains as frod-ds does (fp32 on CPU)
+    assert t["cross_check"]["max_rel_loss_difference"] < 1e-4
     text = (out / "report.md").read_text()
-    assert "is not LLaMA-2-7B" in text and "tan α" in text and "exact match % arith_longer" in text
+    assert "is not LLaMA-2-7B" in text and "projection to 7B" in text and "tan α" in text
+    assert "exact match % arith_longer" in text and "alone on the device" in text
     assert (out / "loss_arith.png").is_file()
+
+
+def test_steps_and_seconds_to_the_better_lora_read_the_validation_curve():
+    from studies.learn_report import _reach, convergence
+
+    curve = [[2, 1.0], [4, 0.6], [6, 0.5]]
+    assert _reach(curve, 0.6) == 4 and _reach(curve, 0.4) is None
+    tasks = {
+        "t": {
+            "steps": 6,
+            "better_lora": "lora16",
+            "methods": {
+                "frod": {"steps_to_better_lora_final": {"0": 4, "1": None}, "seconds_to_better_lora_final": {}},
+                "lora16": {"alone": {"build_seconds": 1.0, "step_ms": 500.0}},
+            },
+        }
+    }
+    got = convergence(tasks)
+    assert got["tasks"]["t"]["reached"] == 1 and got["tasks"]["t"]["lora_seconds"] == pytest.approx(4.0)
+    assert "t: 1/2 seeds, step 4 of 6" in got["sentence"]
 
 
 def test_t_quantile_matches_the_normal_limit_and_a_known_small_sample_property():
@@ -204,3 +277,24 @@ def test_tan_alpha_of_both_implementations_is_the_split_of_the_merged_weight_cha
     peft = factory.peft_frod_template()  # injected from the template as it is now: the same σ and S
     got_peft = rotation_by_category(peft, sigma0)
     assert all(got_peft[c] == pytest.approx(want[c], rel=1e-3) for c in want)
+    # stock PEFT FRoD from its own initialisation: its own λ⁰ is σ⁰, so an untrained model does not rotate
+    stock = factory.peft_stock_template(0.02)
+    assert set(rotation_by_category(stock, initial_sigmas(stock)).values()) == {0.0}
+
+
+def test_check_takes_every_method_through_a_short_run(rehearsal, tmp_path, capsys):
+    root, work, _, _, _, _ = rehearsal
+    args = ["check", "--model", str(root / "model"), "--work", str(work), "--out", str(tmp_path / "c")]
+    assert learn_study.main([*args, "--task", "arith", "--batch-size", "8", "--device", "cpu"]) == 0
+    assert "check: 9 of 9 methods ok" in capsys.readouterr().out
+    assert not (tmp_path / "c").exists()  # nothing recorded
+
+
+def test_fp32_only_turns_the_study_autocast_off():
+    from studies.loop import autocast, fp32_only, sparse_mm_autocast_ok
+
+    cuda = torch.device("cuda")
+    assert isinstance(autocast(cuda), torch.autocast)
+    with fp32_only():
+        assert not isinstance(autocast(cuda), torch.autocast)
+    assert isinstance(autocast(cuda), torch.autocast) and sparse_mm_autocast_ok(torch.device("cpu"))

@@ -11,7 +11,9 @@ import pytest
 from frod_ds.prep.rows import check_row
 from studies.tasks import RELATIONS, ArithSpec, FactsSpec, TaskError, parse_task, task_rows, write_task
 
-SMALL_ARITH = ArithSpec(seed=3, train=300, heldout=40, test=40, digits=(1, 2), long_digits=(3, 3))
+SMALL_ARITH = ArithSpec(
+    seed=3, train=300, validation=40, test=40, digits=(1, 2), long_digits=(3, 3), ops=("+", "-", "*")
+)
 
 
 def _problem(row: dict) -> tuple[str, int, int]:
@@ -20,18 +22,21 @@ def _problem(row: dict) -> tuple[str, int, int]:
 
 
 def test_arith_rows_are_valid_and_answers_are_the_arithmetic_of_their_prompt():
-    ops = {"+": operator.add, "*": operator.mul}
+    ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+    seen = set()
     for part, rows in task_rows(SMALL_ARITH).items():
         for row in rows:
             assert check_row(row) is None, row
             op, a, b = _problem(row)
-            assert row["separator"] == " = " and row["answer"] == str(ops[op](a, b))
+            seen.add(op)
+            assert row["separator"] == " = " and row["answer"] == str(ops[op](a, b)) and int(row["answer"]) >= 0
             assert len(set(row["choices"])) == 4 and row["choices"][row["label"]] == row["answer"]
             lengths = {len(str(a)), len(str(b))}
             assert lengths <= ({3} if part == "arith_longer" else {1, 2}), (part, row["prompt"])
+    assert seen == {"+", "-", "*"}
 
 
-def test_no_held_out_or_test_pair_is_trained_in_either_order():
+def test_no_validation_or_test_pair_is_trained_in_either_order():
     parts = task_rows(SMALL_ARITH)
     keys = {p: {(op, min(a, b), max(a, b)) for op, a, b in map(_problem, rows)} for p, rows in parts.items()}
     assert {p: len(k) for p, k in keys.items()} == {p: len(r) for p, r in parts.items()}  # no repeats inside
@@ -44,7 +49,7 @@ def test_no_held_out_or_test_pair_is_trained_in_either_order():
 def test_tasks_are_deterministic_from_their_seed(tmp_path):
     assert task_rows(SMALL_ARITH) == task_rows(SMALL_ARITH)
     assert task_rows(ArithSpec(**{**SMALL_ARITH.__dict__, "seed": 4}))["train"] != task_rows(SMALL_ARITH)["train"]
-    spec = FactsSpec(size=20, seed=1, heldout=5, test=10)
+    spec = FactsSpec(size=20, seed=1, validation=5, test=10)
     a, b = write_task(spec, tmp_path / "a"), write_task(spec, tmp_path / "b")
     assert a == b
     for rel in a["files"]:
@@ -53,7 +58,7 @@ def test_tasks_are_deterministic_from_their_seed(tmp_path):
 
 
 def test_fact_answers_follow_from_the_trained_sentences_and_questions_of_tested_people_are_never_trained():
-    spec = FactsSpec(size=40, seed=0, heldout=10, test=30)
+    spec = FactsSpec(size=40, seed=0, validation=10, test=30)
     parts = task_rows(spec)
     sentence = {r: re.compile("^" + re.escape(t[0]).replace(r"\{e\}", "(.+)") + "$") for r, t in RELATIONS.items()}
     question = {r: re.compile("^" + re.escape(t[1]).replace(r"\{e\}", "(.+)") + "$") for r, t in RELATIONS.items()}
@@ -73,9 +78,9 @@ def test_fact_answers_follow_from_the_trained_sentences_and_questions_of_tested_
     assert len(stated) == 3 * spec.size and len(asked) == spec.size // 2
     for row in parts["recall"]:
         assert stated[parse(row, sentence)] == row["answer"]
-    held = {parse(r, question) for r in parts["heldout"]}
+    held = {parse(r, question) for r in parts["validation"]}
     qa = {parse(r, question) for r in parts["qa"]}
-    for rows in (parts["heldout"], parts["qa"]):
+    for rows in (parts["validation"], parts["qa"]):
         for row in rows:
             rel, person = parse(row, question)
             assert stated[(rel, person)] == row["answer"] and person not in asked
@@ -84,8 +89,13 @@ def test_fact_answers_follow_from_the_trained_sentences_and_questions_of_tested_
 
 def test_unknown_task_names_are_refused():
     assert parse_task("facts64").size == 64 and parse_task("arith").digits == (1, 3)
-    for bad in ("facts", "facts4", "algebra"):
+    d12 = parse_task("arith_d12")
+    assert (d12.name, d12.digits, d12.long_digits) == ("arith_d12", (1, 2), (3, 3))
+    assert {r["task"] for r in task_rows(d12)["train"]} == {"arith_d12"}
+    for bad in ("facts", "facts4", "algebra", "arith_d21"):
         with pytest.raises(TaskError, match="unknown task"):
             parse_task(bad)
     with pytest.raises(TaskError, match="too many"):
         task_rows(ArithSpec(train=500, digits=(1, 1), long_digits=(2, 2)))
+    with pytest.raises(TaskError, match="operators"):
+        task_rows(ArithSpec(train=50, ops=("/",)))

@@ -136,7 +136,7 @@ def test_convert_refuses_to_replace_a_directory_it_did_not_write(real_gguf, tmp_
     theirs.mkdir()
     (theirs / "keep.txt").write_text("x")
     assert main(["convert", "--gguf", str(real_gguf), "--out", str(theirs), "--overwrite"]) == 2
-    assert "was not written by this converter" in capsys.readouterr().err
+    assert "was not written by frod-ds" in capsys.readouterr().err
     assert main(["convert", "--gguf", str(real_gguf), "--out", str(theirs)]) == 2
     err = capsys.readouterr().err  # not "pass --overwrite": --overwrite would be refused too
     assert "not written by" in err and "pass --overwrite" not in err

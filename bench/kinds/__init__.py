@@ -1,0 +1,1 @@
+"""The measurements a suite's configurations run (a suite's ``kind``)."""

@@ -1,0 +1,322 @@
+"""The ``step`` kind: time training steps of FRoD or PEFT LoRA under one engine, in one process per rank.
+
+Both methods adapt the library's default targets and get the same treatment: bf16 weights, ``batch`` × ``seq``
+random token ids per GPU, gradient clipping at 1.0, torch AdamW (fused on CUDA), LoRA dropout 0, the trainer's
+gradient checkpointing when ``gc``. Engines: ``plain`` (one GPU, no wrapper; bf16 parameters and AdamW states),
+``ddp`` (torch DistributedDataParallel, 25 MB buckets, static graph), and DeepSpeed through a shipped JSON
+(``zero0`` is ``zero2.json`` at stage 0, DeepSpeed's data parallel; the JSONs keep fp32 master weights), and
+``fshard``: ``zero2.json`` with the frozen weights partitioned by ``frod_ds.model.frozen_shards``; ``z3layers``:
+``zero3.json`` as ``frod train`` runs it (the same partition, built a unit at a time; σ and S under the JSON's
+ZeRO-2 form; ``zero3`` is DeepSpeed's own stage 3 of that JSON); ``fsdp2``: torch
+``fully_shard`` per decoder layer (a Parameter shared by layers, FRoD's V, replicated). LoRA under
+ZeRO-3 is loaded the way HF users do (``from_pretrained`` under ``HfDeepSpeedConfig``), FRoD by
+``build_frod_model``. A step is forward + backward + optimizer step, timed between device synchronisations over
+``repeats`` windows of ``steps`` steps after ``warmup`` untimed ones; memory is each rank's peak over the timed
+windows (``torch.cuda`` on a GPU: what the process allocated, whatever wrote it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from frod_ds.config.ds_config import BatchSizes, load_ds_config, zero_stage
+from frod_ds.core.names import DEFAULT_TARGETS
+from frod_ds.runtime import distributed as dist
+
+__all__ = ["ENGINES", "measure", "ds_config", "summarize"]
+
+REPO = Path(__file__).resolve().parents[2]
+TARGETS = list(DEFAULT_TARGETS)
+GIB = 2**30
+# engine -> (DeepSpeed JSON, overrides), or None for the torch-only engines
+ENGINES: dict[str, tuple[str, dict[str, Any]] | None] = {
+    "plain": None,
+    "ddp": None,
+    "zero0": ("ds_configs/zero2.json", {"zero_optimization.stage": 0}),
+    "zero2": ("ds_configs/zero2.json", {}),
+    "zero3": ("ds_configs/zero3.json", {}),  # DeepSpeed's stage 3 (train.zero3_partition=deepspeed)
+    # zero3.json as frod train runs it by default: frozen weights by decoder layer, σ and S under its ZeRO-2 form
+    "z3layers": ("ds_configs/zero3.json", {}),
+    # zero2.json for the trainables, the frozen weights partitioned by frod_ds.model.frozen_shards
+    "fshard": ("ds_configs/zero2.json", {}),
+    # torch FSDP2: fully_shard per decoder layer, then the whole model (torchtune's recipes)
+    "fsdp2": None,
+}
+DDP_DEFAULTS = {"bucket_cap_mb": 25, "static_graph": True, "gradient_as_bucket_view": True}
+
+
+def ds_config(s: dict[str, Any], world: int) -> dict | None:
+    """The DeepSpeed JSON of configuration ``s`` with the batch keys filled in and its ``ds_set`` applied."""
+    spec = ENGINES[s["engine"]]
+    if spec is None:
+        return None
+    path, overrides = spec
+    cfg = load_ds_config(REPO / path)
+    b = s["batch"]
+    cfg.update(
+        train_micro_batch_size_per_gpu=b,
+        gradient_accumulation_steps=1,
+        train_batch_size=BatchSizes(b, 1, world).total,
+        gradient_clipping=1.0,
+    )
+    for key, value in {**overrides, **s["ds_set"]}.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return cfg
+
+
+def _build_frod(s: dict, model_dir: Path, factors: Path, ds_cfg: dict | None):
+    from frod_ds.model.apply import frod_param_groups
+    from frod_ds.model.build import build_frod_model, fetch_per_layer, make_supports
+    from frod_ds.model.store_reader import FactorStore
+    from frod_ds.train.trainer import enable_gradient_checkpointing
+
+    store = FactorStore.open(factors)
+    supports = make_supports(store, TARGETS, s["sparsity"], 0)
+    if s["engine"] == "z3layers":
+        from frod_ds.model.build_layers import build_layer_partitioned
+
+        model, _ = build_layer_partitioned(model_dir, store, supports, torch.bfloat16, dist.local_device())
+    else:
+        model = build_frod_model(model_dir, store, supports, torch.bfloat16, ds_cfg, rank=dist.get_rank())
+    if s["engine"] == "zero3":
+        fetch_per_layer(model)  # what the trainer does under ZeRO-3
+    if s["gc"]:
+        enable_gradient_checkpointing(model)
+    return model, frod_param_groups(model, 1e-4, 1e-5)
+
+
+def _build_lora(s: dict, model_dir: Path, ds_cfg: dict | None):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from frod_ds.train.trainer import enable_gradient_checkpointing
+
+    z3 = ds_cfg is not None and zero_stage(ds_cfg) == 3
+    keep = HfDeepSpeedConfig(ds_cfg) if z3 else None  # noqa: F841 - alive while from_pretrained runs
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    if z3 and s["leaf_modules"]:
+        from frod_ds.model.build import fetch_per_layer
+
+        fetch_per_layer(model)
+    if s["gc"]:
+        enable_gradient_checkpointing(model)
+    cfg = LoraConfig(r=s["lora_r"], lora_alpha=2 * s["lora_r"], target_modules=TARGETS, lora_dropout=0.0)
+    torch.manual_seed(0)  # LoRA's A is drawn at random: the same on every rank and in every run
+    model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
+    return model, [{"params": [p for p in model.parameters() if p.requires_grad]}]
+
+
+class Stepper:
+    """forward + backward + optimizer step under the configuration's engine."""
+
+    def __init__(self, model, groups, s: dict, ds_cfg: dict | None, device: torch.device):
+        opt = torch.optim.AdamW(groups, lr=1e-4, fused=(device.type == "cuda") or None)
+        self.params = [p for g in groups for p in g["params"]]
+        self.engine = None
+        if ds_cfg is not None:
+            import deepspeed
+
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
+            self.engine.train()  # from_pretrained leaves the base in eval mode, where no layer checkpoints
+            self.model = self.wrapped = self.engine.module
+            return
+        model = model.to(device).train()
+        if s["engine"] == "fsdp2":
+            opt = _fully_shard(model, groups, device)
+            self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.model, self.opt, self.wrapped = model, opt, model
+        if s["engine"] == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [device.index] if device.type == "cuda" else None
+            self.wrapped = DistributedDataParallel(model, device_ids=ids, **{**DDP_DEFAULTS, **s["ddp"]})
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.engine is not None:
+            loss = self.engine(input_ids=ids, labels=ids).loss
+            self.engine.backward(loss)
+            self.engine.step()
+            return loss.detach()
+        loss = self.wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def _fully_shard(model, groups: list[dict], device: torch.device):
+    """FSDP2 over ``model`` (each decoder layer one unit, then the rest) and a fused AdamW over its sharded
+    parameters, in the same groups: ``fully_shard`` replaces each Parameter by a sharded one. A Parameter shared by
+    several layers (FRoD's V of a category) stays replicated (``ignored_params``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_of = {names[id(p)]: i for i, g in enumerate(groups) for p in g["params"]}
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    count: dict[int, int] = {}
+    for m in layers:
+        for p in m.parameters():
+            count[id(p)] = count.get(id(p), 0) + 1
+    shared = {p for m in layers for p in m.parameters() if count[id(p)] > 1}
+    for m in layers:
+        fully_shard(m, mesh=mesh, ignored_params=shared)
+    fully_shard(model, mesh=mesh, ignored_params=shared)
+    sharded: list[list] = [[] for _ in groups]
+    for n, p in model.named_parameters():
+        if n in group_of:
+            sharded[group_of[n]].append(p)
+    new = [{**g, "params": ps} for g, ps in zip(groups, sharded)]
+    return torch.optim.AdamW(new, lr=1e-4, fused=(device.type == "cuda") or None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batches(s: dict, vocab: int, device: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(1234 + dist.get_rank())
+    while True:
+        yield torch.randint(0, vocab, (s["batch"], s["seq"]), generator=g).to(device)
+
+
+def _peak_memory(device: torch.device) -> dict[str, float]:
+    if device.type != "cuda":
+        import resource
+
+        return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+    }
+
+
+def summarize(windows: list[list[float]], tokens_per_step: int) -> dict[str, Any]:
+    """Median, p10 and p90 of the step times (seconds), each window's median, and tokens/s per GPU at the median."""
+    flat = sorted(t for w in windows for t in w)
+    med = statistics.median(flat)
+
+    def pct(q: float) -> float:
+        return flat[min(len(flat) - 1, int(q * (len(flat) - 1) + 0.5))]
+
+    per_window = [statistics.median(w) for w in windows]
+    return {
+        "step_s_median": med,
+        "step_s_p10": pct(0.1),
+        "step_s_p90": pct(0.9),
+        "window_medians_s": per_window,
+        "window_spread": (max(per_window) - min(per_window)) / med,
+        "tokens_per_s_per_gpu": tokens_per_step / med,
+        "step_s_all": windows,
+    }
+
+
+def _layer_passes(model) -> tuple[list, list[int]]:
+    """Count MLP forward passes (2 per step with checkpointing, 1 without): what ``gc`` did, counted."""
+    mlps = [m.mlp for m in model.modules() if type(m).__name__.endswith("DecoderLayer") and hasattr(m, "mlp")]
+    calls = [0]
+    handles = [m.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in mlps]
+    return handles, calls
+
+
+def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any] | None:
+    """Run configuration ``s`` on this rank; rank 0 returns the metrics, the others None."""
+    from frod_ds.plan.flops import flops_per_token, peak_bf16_flops
+
+    ds_cfg = None
+    if ENGINES[s["engine"]] is None:
+        dist.init_distributed()
+    else:
+        dist.init_deepspeed()
+    world = dist.get_world_size()
+    if world != s["gpus"]:
+        raise SystemExit(f"error: configuration wants {s['gpus']} ranks, the launcher gave {world}")
+    device = dist.local_device()
+    ds_cfg = ds_config(s, world)
+    t0 = time.perf_counter()
+    if s["method"] == "frod":
+        model, groups = _build_frod(s, model_dir, factors, ds_cfg)
+    else:
+        model, groups = _build_lora(s, model_dir, ds_cfg)
+    model.config.use_cache = False
+    from frod_ds.model.frozen_shards import shard_frozen, shards_of
+
+    shards = shards_of(model)
+    if s["engine"] == "fshard":
+        shards = shard_frozen(model, device)
+    if s["engine"] == "z3layers":
+        from frod_ds.config.zero3_layout import layers_engine_config
+
+        ds_cfg = layers_engine_config(ds_cfg)
+    step = Stepper(model, groups, s, ds_cfg, device)
+    build_s = time.perf_counter() - t0
+    cfg = step.model.config.to_dict()
+    batches = _batches(s, cfg["vocab_size"], device)
+    handles, calls = _layer_passes(step.model)
+    losses = [float(step(next(batches))) for _ in range(s["warmup"])]
+    for h in handles:
+        h.remove()
+    passes = calls[0] / (s["warmup"] * cfg["num_hidden_layers"])
+    if passes != (2.0 if s["gc"] else 1.0):
+        raise SystemExit(f"error: each decoder layer ran {passes:g} times per step with gc={s['gc']}")
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    windows = []
+    for _ in range(s["repeats"]):
+        times = []
+        for _ in range(s["steps"]):
+            ids = next(batches)
+            _sync(device)
+            t = time.perf_counter()
+            loss = step(ids)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        windows.append(times)
+        losses.append(float(loss))
+    memory = dist.all_gather_object(_peak_memory(device))
+    if not dist.is_main():
+        return None
+    tokens = s["batch"] * s["seq"]
+    stats = summarize(windows, tokens)
+    fl = flops_per_token(
+        cfg, s["seq"], s["method"], tokens, targets=TARGETS, lora_r=s["lora_r"], sparsity=s["sparsity"]
+    )
+    peak = peak_bf16_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    trainable = [p for p in step.model.parameters() if p.requires_grad]
+    return {
+        **stats,
+        "world_size": world,
+        "tokens_per_step_per_gpu": tokens,
+        "flops_per_token": fl["total"],
+        "mfu": fl["total"] * stats["tokens_per_s_per_gpu"] / peak if peak else None,
+        "memory_per_rank": memory,
+        "peak_allocated_gib": max(m.get("peak_allocated_gib", 0.0) for m in memory) or None,
+        "trainable_params": sum(int(getattr(p, "ds_numel", p.numel())) for p in trainable),
+        "trainable_tensors": len(trainable),
+        "ds_config": ds_cfg,
+        "build_s": build_s,
+        "losses": losses,
+        "layer_passes_per_step": passes,
+        "frozen_shards": None
+        if shards is None
+        else {
+            "units": len(shards.units),
+            "shard_gib": shards.shard_bytes() / GIB,
+            "full_gib": shards.full_bytes() / GIB,
+            "peak_units_gathered": shards.peak_installed,
+        },
+    }

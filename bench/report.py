@@ -1,0 +1,197 @@
+"""A suite's report, generated from its records: ``<results>/<suite>/<device>/report.md``.
+
+One section per runner call (ratios are taken only between results of one call): every configuration's step
+time (median, p10–p90), tokens/s per GPU, MFU and peak memory; then per GPU count FRoD's fastest against LoRA's
+fastest, both named, and FRoD's N-GPU throughput against N × LoRA's fastest one-GPU throughput of that call.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from bench.predict import read_predictions
+from bench.record import Record, read_records
+from bench.suite import Suite
+
+__all__ = ["headline", "render", "write_reports"]
+
+
+def _ms(r: Record) -> str:
+    m = r.metrics
+    return f"{m['step_s_median'] * 1e3:.1f} ({m['step_s_p10'] * 1e3:.1f}–{m['step_s_p90'] * 1e3:.1f})"
+
+
+def _vs_zero2(r: Record, rows: list[Record]) -> str:
+    """``r``'s step over the ``zero2`` step of the same method, GPUs and other settings in the same call."""
+    same = {k: v for k, v in r.settings.items() if k not in ("engine", "ds_set", "tag")}
+    for b in rows:
+        if b.status == "ok" and b.settings["engine"] == "zero2" and not b.settings.get("ds_set"):
+            if {k: v for k, v in b.settings.items() if k not in ("engine", "ds_set", "tag")} == same:
+                return f"{r.metrics['step_s_median'] / b.metrics['step_s_median']:.3f}×"
+    return "–"
+
+
+def _row(r: Record, rows: list[Record]) -> str:
+    s = r.settings
+    if r.status != "ok":
+        why = (r.error.strip().splitlines() or [""])[-1][:100].replace("|", "/")
+        return f"| `{r.config}` | {s['method']} | {s['engine']} | {s['gpus']} | {r.status}: {why} | | | | |"
+    m = r.metrics
+    mfu = f"{m['mfu'] * 100:.1f}%" if m.get("mfu") else "–"
+    peak = f"{m['peak_allocated_gib']:.1f}" if m.get("peak_allocated_gib") else "–"
+    tok = f"{m['tokens_per_s_per_gpu']:,.0f}"
+    vs = _vs_zero2(r, rows)
+    return f"| `{r.config}` | {s['method']} | {s['engine']} | {s['gpus']} | {_ms(r)} | {vs} | {tok} | {mfu} | {peak} |"
+
+
+def _fastest(rows: list[Record], method: str, gpus: int) -> Record | None:
+    ok = [r for r in rows if r.status == "ok" and r.settings["method"] == method and r.settings["gpus"] == gpus]
+    return min(ok, key=lambda r: r.metrics["step_s_median"], default=None)
+
+
+def _comparison(rows: list[Record]) -> list[str]:
+    out = [
+        "| GPUs | FRoD's fastest | step ms | LoRA's fastest | step ms | FRoD ÷ LoRA (step) | "
+        "FRoD tokens/s ÷ (N × LoRA's fastest on 1 GPU) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lora1 = _fastest(rows, "lora", 1)
+    for n in sorted({r.settings["gpus"] for r in rows}):
+        f, lo = _fastest(rows, "frod", n), _fastest(rows, "lora", n)
+        if f is None or lo is None:
+            continue
+        ratio = f.metrics["step_s_median"] / lo.metrics["step_s_median"]
+        vs_n = "–"
+        if lora1 is not None:
+            vs_n = f"{f.metrics['tokens_per_s_per_gpu'] / lora1.metrics['tokens_per_s_per_gpu']:.2f}× "
+            vs_n += f"(LoRA `{lora1.settings['engine']}`)"
+        out.append(
+            f"| {n} | `{f.settings['engine']}` | {f.metrics['step_s_median'] * 1e3:.1f} | `{lo.settings['engine']}` | "
+            f"{lo.metrics['step_s_median'] * 1e3:.1f} | {ratio:.2f}× | {vs_n} |"
+        )
+    return out if len(out) > 2 else []
+
+
+def _predicted(rows: list[Record], predictions: dict[str, dict]) -> list[str]:
+    """Each measured configuration the planner predicted, beside its prediction (written before the call?)."""
+    out = []
+    for r in rows:
+        p = predictions.get(r.config)
+        if r.status != "ok" or p is None or p.get("settings") != r.settings:
+            continue
+        m = r.metrics
+        ms, pms = m["step_s_median"] * 1e3, p["step_s"] * 1e3
+        gib, pgib = m.get("peak_allocated_gib"), p["peak_allocated_gib"]
+        mem = f"{gib:.1f} | {pgib:.1f} | {(pgib - gib) / gib:+.1%}" if gib else f"– | {pgib:.1f} | –"
+        before = "yes" if p["date"] < r.date else "no"
+        out.append(f"| `{r.config}` | {ms:.1f} | {pms:.1f} | {(pms - ms) / ms:+.1%} | {mem} | {before} |")
+    if not out:
+        return []
+    return [
+        "The planner's predictions (`python -m bench predict`, `predictions.json`) beside the measurements:",
+        "",
+        "| configuration | step ms | predicted | error | peak GiB | predicted | error | predicted before |",
+        "|---|---|---|---|---|---|---|---|",
+        *out,
+    ]
+
+
+def _machine(device: dict) -> str:
+    return f"{device['count']} × {device['name']}" if device["count"] else device["name"]
+
+
+def render(suite: Suite, device: str, records: list[Record], predictions: dict[str, dict] | None = None) -> str:
+    order = {c.name: i for i, c in enumerate(suite.configs)}
+    first = records[0]
+    lines = [
+        f"# `{suite.name}` on {_machine(first.device)} (`{device}`)",
+        "",
+        f"{suite.description}",
+        "",
+        f"Generated by `python -m bench report {suite.name}` from the JSON records beside this file; "
+        "ratios only between results of one call.",
+    ]
+    calls: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        calls[r.call].append(r)
+    for call in sorted(calls):
+        rows = sorted(calls[call], key=lambda r: order.get(r.config, len(order)))
+        v = rows[0].versions
+        lines += [
+            "",
+            f"## Call {call}",
+            "",
+            f"Commit `{rows[0].commit[:12]}`; torch {v.get('torch')}, DeepSpeed {v.get('deepspeed')}, "
+            f"transformers {v.get('transformers')}, PEFT {v.get('peft')}.",
+            "",
+            "| configuration | method | engine | GPUs | step ms, median (p10–p90) | ÷ `zero2` | tokens/s per GPU | "
+            "MFU | peak allocated GiB (max rank) |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *(_row(r, rows) for r in rows),
+        ]
+        comparison = _comparison(rows)
+        if comparison:
+            lines += ["", *comparison]
+        planner = _predicted(rows, predictions or {})
+        if planner:
+            lines += ["", *planner]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(results: Path, suite: Suite) -> list[Path]:
+    """Regenerate ``report.md`` in every device folder of ``suite`` that holds records."""
+    written = []
+    for folder in sorted(p for p in (Path(results) / suite.name).glob("*") if p.is_dir()):
+        records = read_records(results, suite.name, folder.name)
+        if records:
+            path = folder / "report.md"
+            path.write_text(render(suite, folder.name, records, read_predictions(results, suite.name)))
+            written.append(path)
+    return written
+
+
+def headline(results: Path, suite: Suite, device: str) -> str:
+    """Per GPU count, FRoD's fastest configuration that ``frod train`` runs (a DeepSpeed JSON) against LoRA's
+    fastest of any engine, from the call of ``suite`` on ``device`` that measured the most configurations."""
+    calls: dict[str, list[Record]] = defaultdict(list)
+    for r in read_records(results, suite.name, device):
+        if r.status == "ok":
+            calls[r.call].append(r)
+    rows = max(calls.values(), key=len)
+    trainer = [r for r in rows if r.settings["method"] == "lora" or r.settings["engine"].startswith("zero")]
+    lora1 = _fastest(rows, "lora", 1)
+    lines = [
+        f"Call {rows[0].call} on {_machine(rows[0].device)}; LLaMA-2-7B shape (random bf16 weights), "
+        f"{rows[0].settings['batch']}×{rows[0].settings['seq']} tokens per GPU; FRoD s=0.02 vs PEFT LoRA r=16.",
+        "",
+        "| GPUs | LoRA's fastest | LoRA step / tok/s per GPU / peak | FRoD's fastest in `frod train` | "
+        "FRoD step / tok/s per GPU / peak | FRoD step ÷ LoRA's | FRoD peak ÷ LoRA's | "
+        "FRoD tok/s ÷ N × LoRA's 1-GPU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(r: Record) -> str:
+        m = r.metrics
+        return (
+            f"{m['step_s_median'] * 1e3:.0f} ms / {m['tokens_per_s_per_gpu']:,.0f} / {m['peak_allocated_gib']:.1f} GiB"
+        )
+
+    for n in sorted({r.settings["gpus"] for r in rows}):
+        f, lo = _fastest(trainer, "frod", n), _fastest(rows, "lora", n)
+        if f is None or lo is None or lora1 is None:
+            continue
+        fm, lm = f.metrics, lo.metrics
+        lines.append(
+            f"| {n} | {_engine(lo)} | {cell(lo)} | {_engine(f)} | {cell(f)} "
+            f"| **{fm['step_s_median'] / lm['step_s_median']:.2f}×** "
+            f"| {fm['peak_allocated_gib'] / lm['peak_allocated_gib']:.2f}× "
+            f"| {fm['tokens_per_s_per_gpu'] / lora1.metrics['tokens_per_s_per_gpu']:.2f}× |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _engine(r: Record) -> str:
+    e = r.settings["engine"]
+    name = {"plain": "plain PyTorch", "ddp": "torch DDP"}.get(e, f"`{e}.json`")
+    return name + (f" ({r.settings['tag']})" if r.settings["tag"] else "")

@@ -1,0 +1,325 @@
+"""The writer's lease on its output folder: one writer at a time, for the writer's whole life (docs/formats.md).
+
+A writer takes ``.<name>.frod-ds-lease`` beside folder ``<name>`` before it touches it (made complete, then hard-linked
+into place: one of two writers gets it), refreshes its mtime every ``HEARTBEAT_S`` and removes it at the end. A second
+writer is refused at once, naming the holder; a lease whose holder is gone (a dead or reused pid on this host, a
+heartbeat older than ``STALE_S`` from another host, the same Slurm job requeued) is taken over with a ``note:``. Under
+several ranks the writing rank holds it (``distributed.held_on_main``); a child writes under its parent's lease when
+handed its token (``Lease.child_env``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from frod_ds.formats.output_dir import LEASE, LEASE_FORMAT, WRITERS, LeaseRecord
+from frod_ds.formats.records import record_from_dict, record_to_json
+from frod_ds.runtime.atomic import file_in_the_way
+from frod_ds.runtime.errors import FrodError, note
+
+__all__ = ["HEARTBEAT_S", "STALE_S", "ENV", "Lease", "lease_path", "acquire", "holding", "read_lease", "live_holder"]
+
+HEARTBEAT_S = 30.0  # seconds between heartbeats
+STALE_S = 300.0  # a heartbeat this old from another host: its writer is gone (10 missed beats)
+TAKEOVER_S = 30.0  # a takeover mutex this old: its taker died mid-way (a takeover takes milliseconds)
+ENV = "FROD_DS_LEASES"  # JSON {lease path: token}: leases a parent hands its children (frod demo's stages)
+
+
+def lease_path(out: Path | str) -> Path:
+    """Where the lease of folder ``out`` is: ``.<name>.frod-ds-lease`` beside it (its real path, so that two
+    spellings of one folder share one lease)."""
+    real = Path(os.path.realpath(out))
+    return real.parent / f".{real.name}{LEASE}"
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _pid_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot; Linux), so that a reused pid is not its holder."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _slurm_restart(env: os._Environ[str] | dict[str, str]) -> int | None:
+    return int(env.get("SLURM_RESTART_COUNT") or 0) if env.get("SLURM_JOB_ID") else None
+
+
+def _me(kind: str) -> LeaseRecord:
+    env = os.environ
+    return LeaseRecord(
+        format=LEASE_FORMAT,
+        kind=kind,
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        started=round(time.time(), 3),
+        token=secrets.token_hex(8),
+        command=WRITERS.get(kind),
+        boot_id=_boot_id(),
+        pid_start=_pid_start(os.getpid()),
+        slurm_job=env.get("SLURM_JOB_ID") or None,
+        slurm_restart=_slurm_restart(env),
+        slurm_step=env.get("SLURM_STEP_ID") or None,
+    )
+
+
+def read_lease(path: Path) -> tuple[LeaseRecord | None, os.stat_result] | None:
+    """The lease at ``path`` and its stat (mtime: the heartbeat); None when there is none; the record is None when
+    the file cannot be read as one."""
+    try:
+        st = os.stat(path)
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return None, os.stat(path)
+    try:
+        return record_from_dict(LeaseRecord, json.loads(text), str(path), FrodError), st
+    except ValueError:
+        return None, st
+
+
+def describe(held: LeaseRecord, st: os.stat_result, now: float | None = None) -> str:
+    """The holder in a few words: what, which process where, since when, its last heartbeat."""
+    now = time.time() if now is None else now
+    job = f", Slurm job {held.slurm_job}" if held.slurm_job else ""
+    if held.slurm_job and held.slurm_restart:
+        job += f" (restart {held.slurm_restart})"
+    what = f"{held.command} " if held.command else ""
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.started))
+    beat = max(0.0, now - st.st_mtime)
+    return f"{what}(pid {held.pid} on host {held.host}{job}, since {since}, heartbeat {beat:.0f} s ago)"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def gone(held: LeaseRecord, st: os.stat_result, me: LeaseRecord, now: float | None = None) -> str | None:
+    """Why the holder of ``held`` is gone, or None while it may still be writing."""
+    now = time.time() if now is None else now
+    if held.slurm_job and held.slurm_job == me.slurm_job and held.slurm_restart != me.slurm_restart:
+        return f"Slurm job {held.slurm_job} was requeued (restart {held.slurm_restart or 0} → {me.slurm_restart or 0})"
+    if held.host == me.host:
+        if held.boot_id and me.boot_id and held.boot_id != me.boot_id:
+            return "its host has rebooted since"
+        if held.pid == me.pid and held.pid_start == me.pid_start:
+            return None  # this very process (a second lease of the same folder): never taken from itself
+        if not _pid_alive(held.pid):
+            return f"pid {held.pid} is gone"
+        start = _pid_start(held.pid)
+        if held.pid_start is not None and start is not None and start != held.pid_start:
+            return f"pid {held.pid} is now another process"
+        return None
+    if now - st.st_mtime > STALE_S:
+        return f"its heartbeat stopped {now - st.st_mtime:.0f} s ago, on another host"
+    return None
+
+
+def live_holder(path: Path) -> str | None:
+    """The holder of the lease at ``path`` while it may still be writing (described), else None."""
+    found = read_lease(path)
+    if found is None:
+        return None
+    held, st = found
+    if held is None:
+        return None if time.time() - st.st_mtime > STALE_S else f"a process (unreadable lease {path})"
+    return None if gone(held, st, _me(held.kind)) else describe(held, st)
+
+
+class Lease:
+    """A lease this process holds (or, ``delegated``, writes under for its parent): ``release`` ends it."""
+
+    def __init__(self, path: Path, record: LeaseRecord, fd: int | None, created: list[Path], heartbeat_s: float):
+        self.path, self.record, self._fd, self._created = path, record, fd, created
+        self.delegated = fd is None
+        self._stop = threading.Event()
+        self._thread = None
+        if not self.delegated:
+            self._ino = os.fstat(fd).st_ino
+            self._thread = threading.Thread(
+                target=self._beat, args=(heartbeat_s,), name="frod-ds-lease-heartbeat", daemon=True
+            )
+            self._thread.start()
+
+    def _beat(self, every: float) -> None:
+        while not self._stop.wait(every):
+            with contextlib.suppress(OSError):
+                os.utime(self._fd)  # the inode: a lease taken over (renamed away) is not refreshed for its taker
+
+    def child_env(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """``env`` (default: this process's) with this lease handed on: a child started with it writes here."""
+        env = dict(os.environ if env is None else env)
+        leases = json.loads(env.get(ENV) or "{}")
+        leases[str(self.path)] = self.record.token
+        env[ENV] = json.dumps(leases)
+        return env
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lease if it is still this one; directories made for it go if empty."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if self._fd is not None:
+            try:
+                if os.stat(self.path).st_ino == self._ino:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+            os.close(self._fd)
+            self._fd = None
+        for d in reversed(self._created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        self._created = []
+
+
+def _make_parents(folder: Path, created: list[Path]) -> None:
+    """Create ``folder`` and its missing parents, appending each one made to ``created`` (outermost first)."""
+    missing = []
+    for p in (folder, *folder.parents):
+        if os.path.isdir(p):
+            break
+        missing.append(p)
+    for p in reversed(missing):
+        p.mkdir()
+        created.append(p)
+
+
+def _place(path: Path, record: LeaseRecord) -> int:
+    """Create the lease file at ``path`` complete (write a temporary, hard-link it): its fd, or FileExistsError."""
+    tmp = path.with_name(f"{path.name}.{record.host}.{record.pid}.{record.token}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, record_to_json(record).encode())
+        os.fsync(fd)
+        try:
+            os.link(tmp, path)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            # a filesystem without hard links: O_EXCL on the lease itself (a reader may see it empty a moment)
+            os.close(fd)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            os.write(fd, record_to_json(record).encode())
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return fd
+
+
+def _take_from(path: Path, stale: LeaseRecord | None, st: os.stat_result) -> None:
+    """Remove the stale lease at ``path`` (``stale``, ``st``: as it was read) under the takeover mutex
+    ``path.takeover``, only if it is still that one: of two takers, the second finds the first's new lease."""
+    mutex = path.with_name(path.name + ".takeover")
+    try:
+        os.close(os.open(mutex, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        with contextlib.suppress(OSError):
+            if time.time() - os.stat(mutex).st_mtime > TAKEOVER_S:
+                os.unlink(mutex)  # its taker died mid-way
+        time.sleep(0.05)
+        return
+    try:
+        found = read_lease(path)
+        if found is None:
+            return
+        now, now_st = found
+        same = now.token == stale.token if now is not None and stale is not None else now_st.st_ino == st.st_ino
+        if same:
+            os.unlink(path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(mutex)
+
+
+def acquire(
+    out: Path | str,
+    kind: str,
+    what: str = "--out",
+    error: type[FrodError] = FrodError,
+    heartbeat_s: float = HEARTBEAT_S,
+) -> Lease:
+    """Take the lease on folder ``out`` for a writer of ``kind``; ``error`` (one line naming the holder) while
+    another writer holds it. The caller releases it (``holding`` does)."""
+    out = Path(out)
+    path = lease_path(out)
+    me = _me(kind)
+    inherited = json.loads(os.environ.get(ENV) or "{}").get(str(path))
+    created: list[Path] = []
+    try:
+        _make_parents(path.parent, created)
+        for _ in range(100):
+            try:
+                return Lease(path, me, _place(path, me), created, heartbeat_s)
+            except FileExistsError:
+                pass
+            found = read_lease(path)
+            if found is None:
+                continue  # released meanwhile
+            held, st = found
+            if held is not None and inherited and held.token == inherited:
+                return Lease(path, held, None, created, heartbeat_s)
+            if held is None:
+                if time.time() - st.st_mtime <= STALE_S:
+                    raise error(
+                        f"{what} {out} is locked by {path}, which is not a frod-ds lease; remove it if no frod-ds "
+                        f"command writes {out}, or choose another {what}"
+                    )
+                why, who = "an unreadable lease, untouched for a while", str(path)
+            else:
+                why, who = gone(held, st, me), describe(held, st)
+                if why is None:
+                    raise error(
+                        f"{what} {out} is being written by {who}; two writers never share an output: wait for it to "
+                        f"end or choose another {what} (a holder whose host is down loses the lease once its "
+                        f"heartbeat is {STALE_S:.0f} s old)"
+                    )
+            _take_from(path, held, st)
+            note(f"{what} {out}: taking over the lease of {who}: {why}")
+        raise error(f"{what} {out}: other writers keep taking its lease ({path}); try again")
+    except BaseException as e:
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        if isinstance(e, OSError):  # a read-only or full disk: the lease is the first thing a writer writes
+            blocker = file_in_the_way(path.parent)
+            why = f"{blocker} is a file, not a directory" if blocker else f"{e.filename or path}: {e.strerror or e}"
+            raise error(f"{what} {out} is not writable ({why}); choose another {what}") from None
+        raise
+
+
+@contextlib.contextmanager
+def holding(out: Path | str, kind: str, what: str = "--out", error: type[FrodError] = FrodError) -> Iterator[Lease]:
+    """Hold the lease on ``out`` for the block (:func:`acquire`, released however the block ends)."""
+    lease = acquire(out, kind, what, error)
+    try:
+        yield lease
+    finally:
+        lease.release()

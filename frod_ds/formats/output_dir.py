@@ -1,0 +1,195 @@
+"""Who owns an output folder, on disk: the ownership record every folder frod-ds writes keeps, and the writer's lease.
+
+``.frod-ds-output`` (``OutputRecord``) names the folder's kind (``KINDS``: which command wrote it) and lists what its
+writer wrote there, each entry added before the file is made: a relative path, a directory with all in it
+(``checkpoints/``), or a glob of names not known ahead (``q_proj.rank*.part*.safetensors``); a record from before
+lists (version 1) stands for what its kind writes (``KIND_FILES``). ``.<name>.frod-ds-lease`` (``LeaseRecord``) beside
+the folder names the process writing it now; its mtime is the heartbeat. docs/formats.md#output-folders. Torch-free.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from frod_ds.formats.records import record_from_dict, record_to_json
+from frod_ds.runtime.errors import FrodError
+
+__all__ = [
+    "MARKER",
+    "FORMAT",
+    "VERSION",
+    "LEASE",
+    "LEASE_FORMAT",
+    "KINDS",
+    "KIND_FILES",
+    "WRITERS",
+    "OutputRecord",
+    "LeaseRecord",
+    "read_record",
+    "record_text",
+    "entries_of",
+    "match",
+    "is_lease_file",
+]
+
+MARKER = ".frod-ds-output"
+FORMAT = "frod-ds-output"
+VERSION = 2  # 1: the kind only (no file list)
+LEASE = ".frod-ds-lease"  # the lease of folder NAME is .NAME.frod-ds-lease beside it
+LEASE_FORMAT = "frod-ds-lease"
+
+KINDS = {  # the kind each writer records → how messages name it
+    "adapter": "a trained adapter",
+    "training-run": "a training run",
+    "factor-store": "a factor store",
+    "hf-export": "a merged Hugging Face export",
+    "peft-export": "a PEFT adapter export",
+    "peft-import": "an imported PEFT adapter",
+    "data-build": "a frod data build",
+    "eval-results": "evaluation results",
+    "demo": "a demo directory",
+    "gguf-conversion": "a GGUF model converted to a Hugging Face checkpoint",
+}
+WRITERS = {  # the command that writes each kind, as a lease names its holder
+    "adapter": "an adapter writer",
+    "training-run": "frod train",
+    "factor-store": "frod hjd",
+    "hf-export": "frod export",
+    "peft-export": "frod export",
+    "peft-import": "frod export --from-peft",
+    "data-build": "frod data build",
+    "eval-results": "frod eval",
+    "demo": "frod demo",
+    "gguf-conversion": "frod convert-gguf",
+}
+_RUN = ("recipe.yaml", "metrics.jsonl", "loss.png", "tensorboard/", "checkpoints/", "adapter-*/", "superseded-*/")
+_HF = ("*.safetensors", "*.json", "*.model", "*.txt", "*.jinja")  # weights, index, config, tokenizer files
+KIND_FILES: dict[str, tuple[str, ...]] = {  # what each kind writes: the file list of a record from before lists
+    "adapter": ("adapter.safetensors", "adapter_config.json", "recipe.yaml"),
+    "training-run": _RUN,
+    "factor-store": (
+        "manifest.json",
+        "*.V.safetensors",
+        "*.rank[0-9][0-9][0-9][0-9][0-9].part[0-9][0-9][0-9][0-9].safetensors",
+    ),
+    "hf-export": _HF,
+    "peft-export": ("adapter_model.safetensors", "adapter_config.json", "README.md", "frod_export.json"),
+    "peft-import": ("store/", "adapter/", "frod_import.json"),
+    "data-build": ("train.jsonl", "manifest.json", "eval/*.jsonl"),
+    "eval-results": ("results.json", "results.md", "predictions.jsonl"),
+    "demo": ("demo.log", "raw/", "tokenizer/", "model/", "data/", "factors/", "eval_base/", "eval/", *_RUN),
+    "gguf-conversion": _HF,
+}
+
+
+@dataclass
+class OutputRecord:
+    """``.frod-ds-output``: the kind of output and what its writer wrote (``files``; None before version 2)."""
+
+    format: str
+    kind: str | None = None
+    version: int = 1
+    files: list[str] | None = None
+
+
+@dataclass
+class LeaseRecord:
+    """The lease file: which process writes a folder now. ``pid_start`` (clock ticks after boot) and ``boot_id``
+    tell a live holder from a reused pid or a rebooted host; ``slurm_*`` tell a requeued job from another job."""
+
+    format: str
+    kind: str
+    host: str
+    pid: int
+    started: float  # time.time() when the lease was taken
+    token: str  # random: identifies this lease (and the children allowed to write under it)
+    command: str | None = None
+    boot_id: str | None = None
+    pid_start: int | None = None
+    slurm_job: str | None = None
+    slurm_restart: int | None = None
+    slurm_step: str | None = None
+
+
+class OutputRecordError(FrodError):
+    """An ownership record that cannot be read."""
+
+
+def read_record(folder: Path) -> OutputRecord | None:
+    """The record of ``folder``; None without one; a record of no kind when it is unreadable (never trusted)."""
+    import json
+
+    path = Path(folder) / MARKER
+    try:
+        data = json.loads(path.read_text())
+        return record_from_dict(OutputRecord, data, str(path), OutputRecordError)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return OutputRecord(format=FORMAT) if path.exists() else None
+
+
+def record_text(record: OutputRecord) -> str:
+    return record_to_json(record)
+
+
+def entries_of(record: OutputRecord | None, legacy_kind: str | None = None) -> tuple[str, ...] | None:
+    """What ``record`` says its writer wrote: its list, or for a record from before lists (or a folder recognised
+    without one, ``legacy_kind``) what that kind writes; None when nothing is known to be ours."""
+    if record is not None and record.files is not None:
+        return tuple(record.files)
+    kind = record.kind if record is not None else legacy_kind
+    return KIND_FILES.get(kind) if kind else None
+
+
+def _parts(entry: str) -> tuple[list[str], bool]:
+    whole = entry.endswith("/")
+    return [p for p in entry.rstrip("/").split("/") if p], whole
+
+
+def _temporaries(name: str) -> tuple[str, ...]:
+    """The names a writer gives a file or folder ``name`` while it writes it (all beside it): ``name.tmp`` (atomic
+    file writes), ``.name.tmp-HOST-PID-*`` (a folder being built), ``.name.old-*`` (one being replaced), the lease."""
+    return (name + ".tmp", f".{name}.tmp-*", f".{name}.old-*", f".{name}{LEASE}*")
+
+
+def match(entries: tuple[str, ...], rel: str, is_dir: bool) -> str | None:
+    """How ``entries`` cover path ``rel`` (relative, ``/``-separated): ``"own"`` (written by the writer: listed,
+    inside a listed directory, or a temporary of a listed name), ``"parent"`` (a directory holding listed paths,
+    ours only while it holds nothing else) or None (not the writer's)."""
+    parts = rel.split("/")
+    verdict = None
+    for entry in (*entries, MARKER):
+        want, whole = _parts(entry)
+        n = min(len(parts), len(want))
+        if not all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts[: n - 1], want[: n - 1])):
+            continue
+        last, wanted = parts[n - 1], want[n - 1]
+        if len(parts) > len(want):  # inside a listed directory
+            if whole and fnmatch.fnmatchcase(last, wanted):
+                return "own"
+        elif len(parts) == len(want):
+            if (fnmatch.fnmatchcase(last, wanted) and whole == is_dir) or any(
+                fnmatch.fnmatchcase(last, t) for t in _temporaries(wanted)
+            ):
+                return "own"
+        elif is_dir and fnmatch.fnmatchcase(last, wanted):
+            verdict = "parent"
+    return verdict
+
+
+def is_lease_file(name: str) -> bool:
+    """Whether ``name`` is a lease (``.NAME.frod-ds-lease``), not one of its temporaries."""
+    return name.startswith(".") and name.endswith(LEASE) and len(name) > len(LEASE) + 1
+
+
+def is_marked(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and (path / MARKER).is_file()
+
+
+def listed_dir(path: Path) -> bool:
+    """``path`` is a folder with a record of its own (a nested output: its record says what in it is ours)."""
+    return os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, MARKER))

@@ -1,0 +1,280 @@
+"""Frozen weights partitioned across ranks, gathered one unit (a decoder layer) at a time around its use.
+
+FRoD trains only σ and S, so the frozen weights need no gradient reduce-scatter and no optimizer state: each rank
+keeps 1/N of a unit's frozen tensors as one flat shard; a unit is all-gathered before its forward (the next one's
+gather issued then, on a side stream) and released after; its output's gradient hook gathers it again for the
+backward, frees the unit after it and prefetches the one before. Each unit owns one gathered buffer whose storage is
+resized to nothing on release and back on gather (as FSDP2 does): views autograd saved of a weight (an untargeted
+``nn.Linear`` keeps its weight's transpose) share that storage, so a release frees them too and a gather refills
+them. A gather also points each Parameter's ``.data`` at its view and a release at an empty tensor, so code outside
+the hooks never reads a freed storage. Tensors shared by several units (FRoD's V), trainable ones and those outside
+every unit stay replicated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from frod_ds.runtime import distributed as dist
+
+__all__ = [
+    "FrozenShards",
+    "Unit",
+    "attach",
+    "frozen_units",
+    "install",
+    "shard_frozen",
+    "shard_unit",
+    "shards_of",
+    "shared_params",
+]
+
+
+@dataclass
+class Unit:
+    """One module's frozen tensors of one dtype: their Parameters, spans in the flat buffer, this rank's shard."""
+
+    name: str
+    module: nn.Module
+    params: list[nn.Parameter]
+    spans: list[tuple[int, int]]
+    shard: Tensor  # (numel_padded / world,)
+    full: Tensor  # (numel_padded,), its storage allocated only while gathered or in flight
+    live: bool = False
+    ready: object = None  # the side stream's event after the gather (CUDA)
+    index: int = 0
+    backward: bool = False  # its output took part in this step's autograd graph
+
+    @property
+    def numel(self) -> int:
+        return self.spans[-1][1]
+
+
+@dataclass
+class FrozenShards:
+    """The units of a model, in forward order, and the hooks that gather and release them."""
+
+    units: list[Unit]
+    handles: list = field(default_factory=list)
+    stream: object = None  # the side stream gathers run on (CUDA), None on CPU
+    peak_installed: int = 0  # most units gathered or in flight at once (a test's and a bench's figure)
+    _in_backward: bool = False
+
+    def shard_bytes(self) -> int:
+        return sum(u.shard.numel() * u.shard.element_size() for u in self.units)
+
+    def full_bytes(self) -> int:
+        return sum(u.numel * u.shard.element_size() for u in self.units)
+
+    def gathered_bytes(self) -> int:
+        """Bytes the units' gathered buffers hold now (their storages, whoever references them)."""
+        return sum(u.full.untyped_storage().nbytes() for u in self.units)
+
+    # -- gather and release ---------------------------------------------------------------------------
+
+    def _launch(self, u: Unit) -> None:
+        """Start gathering ``u`` (no-op when gathered or in flight); on CUDA on the side stream."""
+        if u.live:
+            return
+        full = u.full
+        full.untyped_storage().resize_(full.numel() * full.element_size())  # allocated on the compute stream
+        if self.stream is None:
+            dist.all_gather_into(full, u.shard)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(u.shard.device))  # the buffer is free to write
+            with torch.cuda.stream(self.stream):
+                dist.all_gather_into(full, u.shard)
+                u.ready = torch.cuda.Event()
+                u.ready.record(self.stream)
+        u.live = True
+        self.peak_installed = max(self.peak_installed, sum(x.live for x in self.units))
+
+    def _install(self, u: Unit) -> None:
+        self._launch(u)
+        if u.ready is not None:
+            torch.cuda.current_stream(u.shard.device).wait_event(u.ready)
+            u.ready = None
+        for p, (a, b) in zip(u.params, u.spans):
+            p.data = u.full[a:b].view(p._frozen_shape)
+
+    def _release(self, u: Unit) -> None:
+        if not u.live:
+            return
+        empty = u.shard.new_empty(0)
+        for p in u.params:
+            p.data = empty
+        u.full.untyped_storage().resize_(0)
+        u.live, u.ready = False, None
+
+    def release_all(self) -> None:
+        for u in self.units:
+            self._release(u)
+            u.backward = False
+        self._in_backward = False
+
+    # -- hooks ---------------------------------------------------------------------------------------
+
+    def _pre_forward(self, u: Unit) -> None:
+        self._install(u)
+        if not self._in_backward and u.index + 1 < len(self.units):
+            self._launch(self.units[u.index + 1])
+
+    def _post_forward(self, u: Unit, output) -> None:
+        out = output[0] if isinstance(output, tuple | list) else output
+        if self._in_backward:
+            return  # a checkpoint's recompute inside the backward: the unit stays for its backward
+        self._release(u)
+        if isinstance(out, Tensor) and out.requires_grad:
+            u.backward = True
+            out.register_hook(lambda grad, u=u: self._pre_backward(u))
+
+    def _pre_backward(self, u: Unit) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.release_all)
+        if u.index + 1 < len(self.units):
+            self._release(self.units[u.index + 1])
+        self._install(u)
+        before = [x for x in self.units[: u.index] if x.backward]
+        if before:
+            self._launch(before[-1])
+
+    @contextlib.contextmanager
+    def gathered(self, modules: Iterable[nn.Module]) -> Iterator[None]:
+        """Collective: the units holding any of ``modules`` gathered for reading outside a forward, released after."""
+        ids = {id(m) for m in modules}
+        mine = [u for u in self.units if any(id(m) in ids for m in u.module.modules())]
+        for u in mine:
+            self._install(u)
+        try:
+            yield
+        finally:
+            for u in mine:
+                self._release(u)
+
+    def remove(self) -> None:
+        """Gather every unit for good and drop the hooks (an export or a test reads whole weights)."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for u in self.units:
+            self._install(u)  # the Parameters keep their views of the buffer, which stays allocated
+
+
+def attach(model: nn.Module, shards: FrozenShards) -> None:
+    """Record ``shards`` on ``model`` (a plain attribute: it goes with the model into the engine)."""
+    object.__setattr__(model, "frod_frozen_shards", shards)
+
+
+def shards_of(model: nn.Module) -> FrozenShards | None:
+    """The ``FrozenShards`` partitioning ``model``'s frozen weights, None when they are whole."""
+    return getattr(model, "frod_frozen_shards", None)
+
+
+def frozen_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The units a causal LM is partitioned by: its input embedding, each decoder layer, its output head."""
+    layers = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
+    assert layers, f"no decoder layers in {type(model).__name__}"
+    units = []
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    if emb is not None:
+        units.append((names[id(emb)], emb))
+    units += layers
+    if head is not None and head is not emb:
+        units.append((names[id(head)], head))
+    return units
+
+
+def _frozen_params(module: nn.Module, shared: set[int]) -> Iterable[nn.Parameter]:
+    for p in module.parameters():
+        if not p.requires_grad and id(p) not in shared and p.numel() > 0:
+            yield p
+
+
+def shared_params(units: list[tuple[str, nn.Module]]) -> set[int]:
+    """Ids of the Parameters more than one unit holds (FRoD's V): those stay replicated."""
+    seen: dict[int, int] = {}
+    for _, m in units:
+        for p in m.parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, v in seen.items() if v > 1}
+
+
+@torch.no_grad()
+def shard_unit(name: str, module: nn.Module, shared: set[int], device: torch.device) -> list[Unit]:
+    """This rank's 1/N of ``module``'s frozen tensors, one flat shard per dtype on ``device``; the Parameters are
+    left empty (their values live in the shards until a gather). Reads the values from wherever they are now. On
+    one rank the tensors move to ``device`` whole and no unit is made."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:  # nothing to partition: the unit stays whole on the device, never gathered
+        for p in _frozen_params(module, shared):
+            p.data = p.data.to(device)
+        return []
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in _frozen_params(module, shared):
+        by_dtype.setdefault(p.dtype, []).append(p)
+    made = []
+    for dtype, params in by_dtype.items():
+        spans, a = [], 0
+        for p in params:
+            spans.append((a, a + p.numel()))
+            a += p.numel()
+        per_rank = -(-a // world)
+        lo, hi = rank * per_rank, (rank + 1) * per_rank
+        shard = torch.zeros(per_rank, dtype=dtype, device=device)
+        for p, (s, e) in zip(params, spans):  # the part of each tensor inside this rank's span
+            if s < hi and e > lo:
+                flat = p.detach().reshape(-1)
+                shard[max(s, lo) - lo : min(e, hi) - lo] = flat[max(s, lo) - s : min(e, hi) - s].to(device)
+            p._frozen_shape = tuple(p.shape)
+        full = torch.empty(per_rank * world, dtype=dtype, device=device)
+        full.untyped_storage().resize_(0)
+        for p in params:
+            p.data = shard.new_empty(0)
+        made.append(Unit(f"{name}:{dtype}".removesuffix(":torch.bfloat16"), module, params, spans, shard, full))
+    return made
+
+
+def install(units: list[Unit], device: torch.device) -> FrozenShards:
+    """The hooks that gather each of ``units`` (in forward order) around its module's forward and backward."""
+    for i, u in enumerate(units):
+        u.index = i
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    fs = FrozenShards(units, stream=stream)
+    by_module: dict[int, list[Unit]] = {}
+    for u in units:
+        by_module.setdefault(id(u.module), []).append(u)
+    for group in by_module.values():
+        module = group[0].module
+        fs.handles.append(module.register_forward_pre_hook(_each(group, fs._pre_forward)))
+        fs.handles.append(module.register_forward_hook(_each(group, fs._post_forward, with_output=True)))
+    return fs
+
+
+def shard_frozen(
+    model: nn.Module, device: torch.device, units: list[tuple[str, nn.Module]] | None = None
+) -> FrozenShards:
+    """Partition ``model``'s frozen weights by unit across the ranks (each keeps 1/N on ``device``) and install the
+    hooks that gather each unit around its forward and its backward. The model's other tensors are left as they
+    are (move them to ``device`` as usual). Units run in the order given (forward order)."""
+    units = frozen_units(model) if units is None else units
+    shared = shared_params(units)
+    return install([u for name, module in units for u in shard_unit(name, module, shared, device)], device)
+
+
+def _each(group: list[Unit], fn, with_output: bool = False):
+    """A module hook calling ``fn`` per unit of ``group``; it returns None (a hook's value would replace the
+    module's inputs or output)."""
+
+    def hook(module, args, output=None) -> None:
+        for u in group:
+            fn(u, output) if with_output else fn(u)
+
+    return hook

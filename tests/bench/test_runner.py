@@ -1,0 +1,159 @@
+"""The benchmark runner: suites expand and are validated; a run measures, records failures and time-outs, resumes,
+and its report regenerates; what a step record measured is the requested model (its first loss is the base
+model's loss on the same tokens, computed here with plain transformers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.predict import read_predictions
+from bench.record import RESULTS, read_records
+from bench.report import render
+from bench.suite import BenchError, load_suite
+from tests.support.helpers_ckpt import REPO
+from tests.support.leftovers import clean_env
+
+
+def _suite(tmp_path: Path, body: str, name: str = "t") -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text('description = "test"\nkind = "step"\n' + body)
+    return path
+
+
+def test_list_values_expand_to_one_configuration_each(tmp_path):
+    body = '[[configs]]\nmethod = ["frod", "lora"]\nengine = ["zero2", "zero3"]\ngpus = [1, 2]\n'
+    body += '[[configs]]\nmethod = "lora"\nengine = "zero2"\ngpus = 2\nlora_r = 64\ngc = true\ntag = "own"\n'
+    suite = load_suite(_suite(tmp_path, body))
+    names = [c.name for c in suite.configs]
+    assert len(names) == 9 and len(set(names)) == 9
+    assert "frod-zero3-2g" in names and "lora-zero2-2g-gc-r64-own" in names
+    assert suite.config("lora-zero2-1g")["batch"] == 4  # defaults filled in
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ('[[configs]]\nmethod = "frod"\nengine = "plain"\ngpus = 2\n', "plain runs on one GPU"),
+        ('[[configs]]\nmethod = "frod"\nengine = "zero9"\n', "engine 'zero9'"),
+        ('[[configs]]\nmethod = "frod"\nengine = "zero2"\nbatchsize = 8\n', "unknown keys ['batchsize']"),
+        ('[[configs]]\nmethod = "frod"\nengine = ["zero2", "zero2"]\n', "declared twice"),
+        ('[[configs]]\nmethod = "frod"\nengine = "zero2"\nshape = "13b"\n', "shape '13b'"),
+        ("", "declares no configurations"),
+    ],
+)
+def test_a_bad_suite_is_refused_with_what_to_change(tmp_path, body, says):
+    with pytest.raises(BenchError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        load_suite(_suite(tmp_path, body))
+
+
+def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _base_loss(model_dir: Path, batch: int, seq: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(1234)  # rank 0's batches (bench/kinds/step.py)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.slow
+def test_a_run_measures_records_failures_resumes_and_reports(tmp_path):
+    body = """
+[defaults]
+shape = "tiny"
+batch = 2
+seq = 16
+warmup = 1
+steps = 2
+repeats = 2
+timeout_s = 90
+[[configs]]
+method = "frod"
+engine = "plain"
+[[configs]]
+method = "lora"
+engine = "ddp"
+gpus = 2
+[[configs]]
+method = "frod"
+engine = "zero2"
+tag = "bad"
+ds_set = { "zero_optimization.stage" = 9 }
+[[configs]]
+method = "lora"
+engine = "plain"
+tag = "slow"
+timeout_s = 1
+"""
+    path = _suite(tmp_path, body, "rehearsal")
+    results, work = tmp_path / "results", tmp_path / "work"
+    args = ("run", str(path), "--results", str(results), "--work", str(work))
+    run = _bench(*args)
+    assert run.returncode == 1, run.stdout + run.stderr  # a failure and a time-out: not a success
+    records = {r.config: r for r in read_records(results, "rehearsal")}
+    status = {name: r.status for name, r in records.items()}
+    assert status == {
+        "tiny-frod-plain-1g": "ok",
+        "tiny-lora-ddp-2g": "ok",
+        "tiny-frod-zero2-1g-bad": "failed",
+        "tiny-lora-plain-1g-slow": "timeout",
+    }
+    assert (
+        "exit code" in records["tiny-frod-zero2-1g-bad"].error
+        and records["tiny-frod-zero2-1g-bad"].error.count("\n") > 2
+    )
+    base = _base_loss(work / "tiny" / "model", 2, 16)
+    for name in ("tiny-frod-plain-1g", "tiny-lora-ddp-2g"):
+        m = records[name].metrics
+        assert m["losses"][0] == pytest.approx(base, abs=2e-2), name  # both methods start exactly at the base
+        assert len(m["step_s_all"]) == 2 and all(len(w) == 2 for w in m["step_s_all"])
+        assert m["step_s_p10"] <= m["step_s_median"] <= m["step_s_p90"]
+    assert records["tiny-lora-ddp-2g"].metrics["world_size"] == 2
+
+    again = _bench(*args, "--only", "tiny-*-plain-1g*", "--budget-s", "0")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "tiny-frod-plain-1g               done" in again.stdout
+    assert "skipped: 0 s of the budget left" in again.stdout  # the time-out is retried only with budget
+    assert read_records(results, "rehearsal", "cpu")[0].call == records[sorted(records)[0]].call
+
+    report = results / "rehearsal" / "cpu" / "report.md"
+    assert "| `tiny-frod-plain-1g` | frod | plain | 1 |" in report.read_text()
+    assert report.read_text() == render(load_suite(path), "cpu", read_records(results, "rehearsal", "cpu"))
+
+
+def test_committed_reports_regenerate_from_their_records():
+    checked = 0
+    for report in sorted(RESULTS.glob("*/*/report.md")):
+        suite, device = report.parts[-3], report.parts[-2]
+        if not (REPO / "bench" / "suites" / f"{suite}.toml").exists():
+            continue
+        records, predictions = read_records(RESULTS, suite, device), read_predictions(RESULTS, suite)
+        assert report.read_text() == render(load_suite(suite), device, records, predictions), report
+        checked += 1
+    assert checked >= 1
+
+
+def test_every_committed_record_is_of_a_declared_configuration():
+    for path in sorted(RESULTS.glob("*/*/*.json")):
+        doc = json.loads(path.read_text())
+        if doc.get("schema") is None:
+            continue  # results of the scripts before the runner
+        suite = load_suite(doc["suite"])
+        assert suite.config(doc["config"]).settings == doc["settings"], path

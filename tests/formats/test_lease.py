@@ -1,0 +1,218 @@
+"""The writer's lease (``frod_ds.formats.lease``): while a live process holds an output's lease, a second writer is
+refused at once with one line naming the holder (host, pid, Slurm job); a lease whose holder is gone — a dead pid or
+a pid now another process's on this host, a heartbeat gone stale on another host, the same Slurm job requeued — is
+taken over with a ``note:``; of several takers exactly one wins. Holders are real second processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from frod_ds.formats.lease import STALE_S, acquire, holding, lease_path, read_lease
+from frod_ds.formats.output_dir import LEASE_FORMAT, LeaseRecord
+from frod_ds.formats.records import record_to_json
+from frod_ds.runtime.errors import FrodError
+from tests.support.leftovers import REPO, clean_env
+
+HOLD = """
+import sys, time
+from frod_ds.formats.lease import acquire
+lease = acquire(sys.argv[1], "training-run", "output_dir")
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def holder(out: Path, seconds: float = 60, **env: str) -> subprocess.Popen:
+    """A second process holding ``out``'s lease (its line ``held`` read: it holds it now)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out), str(seconds)],
+        cwd=REPO,
+        env={**clean_env(), "PYTHONPATH": str(REPO), **env},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def planted(out: Path, age: float = 0.0, **fields) -> Path:
+    """A lease file as another process would have left it, its heartbeat ``age`` seconds old."""
+    record = {
+        "format": LEASE_FORMAT,
+        "kind": "training-run",
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time() - age,
+        "token": "0123456789abcdef",
+        "command": "frod train",
+    } | fields
+    path = lease_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(record_to_json(LeaseRecord(**record)))
+    os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def no_slurm(monkeypatch):
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path, no_slurm):
+    out = tmp_path / "run"
+    proc = holder(out, SLURM_JOB_ID="4711")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(FrodError) as e:
+            acquire(out, "training-run", "output_dir")
+        line = str(e.value)
+        assert time.monotonic() - t0 < 5 and "\n" not in line
+        assert f"output_dir {out} is being written by frod train" in line
+        assert f"pid {proc.pid} on host {socket.gethostname()}" in line and "Slurm job 4711" in line
+        assert json.loads(lease_path(out).read_text())["pid"] == proc.pid  # its lease untouched
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_lease_is_gone_when_its_writer_ends_and_so_are_folders_made_for_it(tmp_path, no_slurm):
+    out = tmp_path / "a" / "b" / "run"
+    with holding(out, "training-run", "output_dir"):
+        assert lease_path(out).is_file() and not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dead_writers_lease_is_taken_over_with_a_note(tmp_path, capsys, no_slurm):
+    out = tmp_path / "run"
+    proc = holder(out)
+    proc.send_signal(signal.SIGKILL)  # no chance to remove its lease
+    proc.wait()
+    assert json.loads(lease_path(out).read_text())["pid"] == proc.pid
+    with holding(out, "training-run", "output_dir"):
+        assert json.loads(lease_path(out).read_text())["pid"] == os.getpid()
+    err = capsys.readouterr().err
+    assert f"note: output_dir {out}: taking over the lease of frod train (pid {proc.pid}" in err
+    assert f"pid {proc.pid} is gone" in err
+
+
+def test_a_reused_pid_is_not_taken_for_the_holder(tmp_path, capsys, no_slurm):
+    """The recorded pid runs again, but another process (it started at another time): taken over."""
+    out = tmp_path / "run"
+    planted(out, pid=os.getpid(), pid_start=1)
+    with holding(out, "training-run", "output_dir"):
+        pass
+    assert f"pid {os.getpid()} is now another process" in capsys.readouterr().err
+
+
+def test_a_stale_heartbeat_from_another_host_is_taken_over_and_a_fresh_one_is_not(tmp_path, capsys, no_slurm):
+    out = tmp_path / "run"
+    planted(out, age=STALE_S - 60, host="gpu-elsewhere", pid=dead_pid())  # a dead pid here says nothing there
+    with pytest.raises(FrodError, match="pid .* on host gpu-elsewhere"):
+        acquire(out, "training-run", "output_dir")
+    planted(out, age=STALE_S + 60, host="gpu-elsewhere")
+    with holding(out, "training-run", "output_dir"):
+        pass
+    assert "its heartbeat stopped" in capsys.readouterr().err
+
+
+def test_the_heartbeat_refreshes_the_leases_mtime(tmp_path, no_slurm):
+    out = tmp_path / "run"
+    lease = acquire(out, "training-run", "output_dir", heartbeat_s=0.05)
+    try:
+        old = time.time() - 1000
+        os.utime(lease_path(out), (old, old))
+        deadline = time.time() + 10
+        while os.stat(lease_path(out)).st_mtime < old + 500:
+            assert time.time() < deadline, "no heartbeat in 10 s"
+            time.sleep(0.05)
+    finally:
+        lease.release()
+    assert not lease_path(out).exists()
+
+
+def test_the_same_slurm_job_requeued_takes_over_its_own_lease(tmp_path, capsys, monkeypatch):
+    """A node lost: the job's rank 0 on it never ended, its heartbeat is fresh; the requeued job (same id, next
+    restart count) takes over. Another job's fresh lease, or the same job's same start, is refused."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("SLURM_JOB_ID", "812")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    planted(out, host="n1", slurm_job="813", slurm_restart=0)
+    with pytest.raises(FrodError, match="Slurm job 813"):
+        acquire(out, "training-run", "output_dir")
+    planted(out, host="n1", slurm_job="812", slurm_restart=1)
+    with pytest.raises(FrodError, match="Slurm job 812"):
+        acquire(out, "training-run", "output_dir")
+    planted(out, host="n1", slurm_job="812", slurm_restart=0)
+    with holding(out, "training-run", "output_dir"):
+        held = json.loads(lease_path(out).read_text())
+        assert (held["slurm_job"], held["slurm_restart"]) == ("812", 1)
+    assert "Slurm job 812 was requeued (restart 0 → 1)" in capsys.readouterr().err
+
+
+def test_of_several_takers_of_a_stale_lease_exactly_one_wins(tmp_path, no_slurm):
+    out = tmp_path / "run"
+    planted(out, pid=dead_pid())
+    go = tmp_path / "go"
+    code = (
+        "import sys, time, pathlib\n"
+        "from frod_ds.formats.lease import acquire\n"
+        "from frod_ds.runtime.errors import FrodError\n"
+        "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.001)\n"
+        "try:\n"
+        "    acquire(sys.argv[1], 'training-run', 'output_dir'); print('won', flush=True); time.sleep(5)\n"
+        "except FrodError as e:\n"
+        "    print('refused', e, flush=True)\n"
+    )
+    env = {**clean_env(), "PYTHONPATH": str(REPO)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(out), str(go)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    time.sleep(1.0)  # all four started and waiting
+    go.touch()
+    lines = [p.stdout.readline().strip() for p in procs]
+    for p in procs:
+        p.kill()
+        p.wait()
+    assert sum(line == "won" for line in lines) == 1, lines
+    assert all(line == "won" or "is being written by frod train" in line for line in lines), lines
+
+
+def test_a_child_handed_the_lease_writes_under_it(tmp_path, no_slurm):
+    """``frod demo`` holds its folder's lease and runs training into it: the child is let in, a stranger is not."""
+    out = tmp_path / "demo"
+    code = (
+        "import sys\nfrom frod_ds.formats.lease import holding\n"
+        "with holding(sys.argv[1], 'training-run'):\n    print(1)"
+    )
+    with holding(out, "demo") as lease:
+        env = {**clean_env(), "PYTHONPATH": str(REPO)}
+        child = subprocess.run([sys.executable, "-c", code, str(out)], env=lease.child_env(env), capture_output=True)
+        stranger = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True)
+        assert child.stdout.decode().strip() == "1", child.stderr
+        assert stranger.returncode != 0 and "is being written by frod demo" in stranger.stderr
+        assert read_lease(lease_path(out))[0].token == lease.record.token  # the child left it in place
+
+
+def test_a_lease_that_is_not_ours_is_named_and_left_alone(tmp_path, no_slurm):
+    out = tmp_path / "run"
+    lease_path(out).write_text("locked by hand\n")
+    with pytest.raises(FrodError, match="not a frod-ds lease"):
+        acquire(out, "training-run", "output_dir")
+    assert lease_path(out).read_text() == "locked by hand\n"

@@ -1,0 +1,235 @@
+"""Who owns a folder (``frod_ds.formats.ownership``): every folder frod-ds writes records its kind and what it wrote;
+``--overwrite`` (``remove_owned``, ``building_dir`` over an earlier output) removes exactly what the record lists and
+refuses, listing them, when anything else is there, deleting nothing; a folder from before file lists is judged by
+what its kind writes. The expected sets are written out here by hand, not read back from the module."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from frod_ds.formats.output_dir import MARKER, match, read_record
+from frod_ds.formats.ownership import (
+    building_dir,
+    check_replaceable,
+    delete_owned,
+    foreign_files,
+    inventory,
+    mark_dir,
+    record_files,
+    remove_owned,
+)
+from frod_ds.runtime.errors import FrodError
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file and directory under ``root`` (directories as ``dir/``), files with the sha256 of their bytes."""
+    return {
+        p.relative_to(root).as_posix() + ("/" if p.is_dir() else ""): (
+            "" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        )
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+BUILD = {"train.jsonl": "t\n", "manifest.json": "{}\n", "eval/boolq.jsonl": "b\n", "eval/piqa.jsonl": "p\n"}
+
+
+def data_build(out: Path) -> Path:
+    with building_dir(out, "data-build") as tmp:
+        write(tmp, BUILD)
+    return out
+
+
+def old_marker(path: Path, kind: str | None) -> None:
+    """The record an older frod-ds wrote: the kind only (or not even that), no file list."""
+    path.mkdir(parents=True, exist_ok=True)
+    record = {"format": "frod-ds-output"} | ({"kind": kind} if kind else {})
+    (path / MARKER).write_text(json.dumps(record) + "\n")
+
+
+# -- the record -----------------------------------------------------------------------------------------------
+
+
+def test_a_built_folder_records_its_kind_and_every_file_it_wrote(tmp_path):
+    out = data_build(tmp_path / "data")
+    record = read_record(out)
+    assert (record.kind, record.version) == ("data-build", 2)
+    assert sorted(record.files) == sorted(BUILD)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no temporary or lease left beside it
+
+
+def test_inventory_lists_a_nested_output_as_one_folder_and_keeps_empty_folders(tmp_path):
+    write(tmp_path, {"frod_import.json": "{}", "store/manifest.json": "{}", "store/q.V.safetensors": "v"})
+    mark_dir(tmp_path / "store", "factor-store", ["manifest.json", "q.V.safetensors"])
+    (tmp_path / "empty").mkdir()
+    write(tmp_path, {"runs/a/adapter.safetensors": "a"})  # runs/ holds only a nested output: not an empty folder
+    mark_dir(tmp_path / "runs" / "a", "adapter", ["adapter.safetensors"])
+    assert inventory(tmp_path) == ["empty/", "frod_import.json", "runs/a/", "store/"]
+
+
+@pytest.mark.parametrize(
+    "entries,rel,is_dir,want",
+    [
+        (("train.jsonl",), "train.jsonl", False, "own"),
+        (("train.jsonl",), "train.jsonl.tmp", False, "own"),  # an atomic write in flight
+        (("train.jsonl",), "train.json", False, None),
+        (("eval/*.jsonl",), "eval", True, "parent"),
+        (("eval/*.jsonl",), "eval/boolq.jsonl", False, "own"),
+        (("eval/*.jsonl",), "eval/notes.txt", False, None),
+        (("checkpoints/",), "checkpoints/step00000002/model.pt", False, "own"),
+        (("checkpoints/",), "checkpoints", False, None),  # a file where the listed folder belongs
+        (("adapter-final/",), ".adapter-final.tmp-host-12-abcd_123", True, "own"),  # built under a temporary name
+        (("adapter-final/",), ".adapter-final.frod-ds-lease", False, "own"),
+        (("q_proj.rank[0-9]*.part[0-9]*.safetensors",), "q_proj.rank00001.part0003.safetensors", False, "own"),
+        (("q_proj.rank[0-9]*.part[0-9]*.safetensors",), "k_proj.rank00001.part0003.safetensors", False, None),
+        ((), MARKER, False, "own"),
+        ((), "notes.txt", False, None),
+    ],
+)
+def test_what_a_record_covers(entries, rel, is_dir, want):
+    assert match(entries, rel, is_dir) == want
+
+
+def test_record_files_of_a_folder_from_before_lists_keeps_its_kinds_files(tmp_path):
+    """A run from before file lists (no record at all): the first entry added keeps what a run writes there."""
+    write(tmp_path, {"metrics.jsonl": "{}\n", "adapter-step1/adapter.safetensors": "a"})
+    record_files(tmp_path, ["recipe.yaml"], "training-run")
+    files = read_record(tmp_path).files
+    assert "recipe.yaml" in files and "adapter-*/" in files and "metrics.jsonl" in files
+    assert foreign_files(tmp_path) == []
+
+
+# -- --overwrite ----------------------------------------------------------------------------------------------
+
+
+def test_overwrite_with_foreign_files_refuses_listing_them_and_deletes_nothing(tmp_path):
+    out = data_build(tmp_path / "data")
+    write(out, {"notes.txt": "mine", "eval/my_task.jsonl": "mine", "scratch/a.txt": "mine"})
+    before = tree(tmp_path)
+    with pytest.raises(FrodError) as e:
+        remove_owned(out, "data-build")
+    line = str(e.value)
+    assert "\n" not in line
+    for shown in ("notes.txt", "eval/my_task.jsonl", "scratch/"):
+        assert shown in line, line
+    for listed in ("train.jsonl", "eval/boolq.jsonl"):
+        assert listed not in line
+    assert tree(tmp_path) == before
+
+
+def test_a_rebuild_over_foreign_files_is_refused_before_anything_is_built(tmp_path):
+    out = data_build(tmp_path / "data")
+    write(out, {"notes.txt": "mine"})
+    before = tree(tmp_path)
+    with pytest.raises(FrodError, match="notes.txt"):
+        with building_dir(out, "data-build") as tmp:
+            write(tmp, BUILD)
+    assert tree(tmp_path) == before
+
+
+def test_overwrite_removes_exactly_the_listed_files(tmp_path):
+    """A folder whose record lists some files, a glob and a whole folder: exactly those go, then the folder."""
+    out = tmp_path / "store"
+    write(
+        out,
+        {
+            "manifest.json": "{}",
+            "q_proj.V.safetensors": "v",
+            "q_proj.rank00000.part0000.safetensors": "u0",
+            "q_proj.rank00001.part0000.safetensors": "u1",
+            "logs/a.txt": "log",
+            "logs/deep/b.txt": "log",
+        },
+    )
+    mark_dir(out, "factor-store", ["manifest.json", "q_proj.V.safetensors", "q_proj.rank*.part*.safetensors", "logs/"])
+    write(tmp_path, {"beside.txt": "not in the folder"})
+    remove_owned(out, "factor-store")
+    assert tree(tmp_path) == {"beside.txt": hashlib.sha256(b"not in the folder").hexdigest()}
+
+
+def test_overwrite_of_an_earlier_build_replaces_it_with_the_new_one(tmp_path):
+    out = data_build(tmp_path / "data")
+    with building_dir(out, "data-build") as tmp:
+        write(tmp, {"train.jsonl": "new\n", "manifest.json": "{}\n"})
+    assert tree(out).keys() == {MARKER, "train.jsonl", "manifest.json"}
+    assert (out / "train.jsonl").read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_a_listed_nested_output_is_judged_by_its_own_record(tmp_path):
+    """A demo folder lists its data build; a file put into the data build since is foreign to the demo too."""
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    mark_dir(demo, "demo", ["demo.log", "data/"])
+    write(demo, {"demo.log": "log"})
+    data_build(demo / "data")
+    assert foreign_files(demo) == []
+    write(demo, {"data/eval/extra.jsonl": "mine"})
+    assert foreign_files(demo) == ["data/eval/extra.jsonl"]
+    (demo / "data/eval/extra.jsonl").unlink()
+    remove_owned(demo, "demo")
+    assert not demo.exists()
+
+
+def test_another_commands_output_inside_is_named_by_its_kind(tmp_path):
+    out = data_build(tmp_path / "data")
+    with building_dir(out / "kept" / "adapter-final", "adapter") as tmp:
+        write(tmp, {"adapter.safetensors": "a"})
+    with pytest.raises(FrodError, match=r"kept/adapter-final/ \(a trained adapter\)"):
+        check_replaceable(out, "data-build")
+
+
+def test_delete_owned_keeps_what_appeared_since_the_check(tmp_path):
+    """What a replace does with the old folder once the new one is in place: its listed files go, a file written
+    into it meanwhile stays (returned), and so does the folder holding it."""
+    out = data_build(tmp_path / "data")
+    write(out, {"eval/late.jsonl": "mine"})
+    assert delete_owned(out) == ["eval/late.jsonl"]
+    assert tree(out) == {"eval/": "", "eval/late.jsonl": hashlib.sha256(b"mine").hexdigest()}  # no record left
+
+
+# -- outputs from before file lists --------------------------------------------------------------------------
+
+
+def test_an_old_record_stands_for_the_files_its_kind_writes(tmp_path):
+    out = tmp_path / "ev"
+    old_marker(out, "eval-results")
+    write(out, {"results.json": "{}", "results.md": "|", "predictions.jsonl": "{}"})
+    check_replaceable(out, "eval-results")
+    write(out, {"my_analysis.ipynb": "{}"})
+    with pytest.raises(FrodError, match="my_analysis.ipynb"):
+        check_replaceable(out, "eval-results")
+    (out / "my_analysis.ipynb").unlink()
+    remove_owned(out, "eval-results")
+    assert not out.exists()
+
+
+def test_an_unmarked_folder_recognised_by_a_file_name_holds_only_that_kinds_files(tmp_path):
+    """``results.json`` alone no longer makes a folder an earlier eval's: anything eval does not write is refused."""
+    out = tmp_path / "mine"
+    write(out, {"results.json": "{}", "thesis.tex": "mine"})
+    legacy = lambda p: (p / "results.json").is_file()  # noqa: E731 - eval's own recogniser, in short
+    with pytest.raises(FrodError, match="thesis.tex"):
+        check_replaceable(out, "eval-results", legacy=legacy)
+    (out / "thesis.tex").unlink()
+    check_replaceable(out, "eval-results", legacy=legacy)
+
+
+def test_a_marker_of_no_kind_is_never_replaced(tmp_path):
+    out = tmp_path / "old"
+    old_marker(out, None)
+    write(out, {"a.txt": "x"})
+    before = tree(tmp_path)
+    with pytest.raises(FrodError, match="no kind"):
+        remove_owned(out, "data-build")
+    assert tree(tmp_path) == before
