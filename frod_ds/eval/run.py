@@ -30,11 +30,12 @@ from frod_ds.eval.predict import (
     score_llm_adapters_rows,
     score_loglik_rows,
 )
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_replaceable, record_files
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text
-from frod_ds.runtime.paths import dir_problem, file_problem, wrong_folder
+from frod_ds.runtime.paths import dir_problem, file_problem
 
 __all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "run"]
 

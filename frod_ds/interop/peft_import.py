@@ -17,6 +17,7 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import AdapterCategory, AdapterConfig, support_name
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_replaceable, inventory, mark_dir
 from frod_ds.interop.peft_common import (
@@ -30,7 +31,7 @@ from frod_ds.interop.peft_common import (
     peft_version,
     rel_error,
 )
-from frod_ds.runtime.paths import dir_problem, wrong_folder
+from frod_ds.runtime.paths import dir_problem
 
 __all__ = ["import_peft"]
 

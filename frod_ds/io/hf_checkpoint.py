@@ -19,9 +19,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.io.model_config import config_problems, weights_problems
 from frod_ds.runtime.errors import CheckpointError, note
-from frod_ds.runtime.paths import dir_problem, wrong_folder
+from frod_ds.runtime.paths import dir_problem
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +78,7 @@ def safetensors_dtype(code: str) -> torch.dtype:
     }[code]
 
 
-MODEL_KINDS = ("hf-checkpoint", "hf-export")  # runtime.paths.folder_kind of a directory a model loads from
+MODEL_KINDS = ("hf-checkpoint", "hf-export", "gguf-conversion")  # folders.folder_kind of a folder a model loads from
 
 
 def check_model_folder(path: Path, flag: str = "--model") -> None:

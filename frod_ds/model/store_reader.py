@@ -29,12 +29,13 @@ from frod_ds.formats.factor_store import (
     u_key,
     v_key,
 )
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.io.fingerprint import base_fingerprint, tensor_digests, weights_fingerprint
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.io.safetensors_io import tensor_bytes
 from frod_ds.runtime.errors import StoreError, note
-from frod_ds.runtime.paths import dir_problem, wrong_folder
+from frod_ds.runtime.paths import dir_problem
 
 __all__ = ["FactorStore", "check_store_matches", "category_of"]
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
 from frod_ds.prep.dataset import DEFAULT_CUTOFF, KIND, BuildOptions, build, resolved_template, template_problems
@@ -25,7 +26,7 @@ from frod_ds.prep.tasks import (
     parse_tasks,
 )
 from frod_ds.prep.templates import RowError, render, row_id
-from frod_ds.runtime.paths import dir_problem, wrong_folder
+from frod_ds.runtime.paths import dir_problem
 
 EXAMPLES = """examples:
   frod data build --source hub --out data/cs170k

@@ -17,10 +17,11 @@ import torch
 
 from frod_ds.config.ds_config import BatchSizes
 from frod_ds.eval.predict import encode_rows
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.prep.rows import MAX_ROW_CHARS, read_rows, row_separator, text_problem
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError
-from frod_ds.runtime.paths import file_problem, wrong_folder
+from frod_ds.runtime.paths import file_problem
 
 __all__ = [
     "DataError",

@@ -1,22 +1,15 @@
 """A path given on the command line is named for what it is (``frod_ds.runtime.paths``): a symbolic-link loop, a
-broken link or a named pipe is not "not found", and a directory of the wrong kind (a factor store, an adapter, a data
-build, a PEFT adapter, a model) is named by its kind. The kinds are read off real outputs: the committed fixtures
-(marked and unmarked) and directories made here the way each writer lays them out."""
+broken link or a named pipe is not "not found", by every reader of data, models and stores. Which kind of folder a
+directory is: tests/formats/test_folders.py."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-from frod_ds.runtime.atomic import MARKER
-from frod_ds.runtime.paths import describe_folder, dir_problem, file_problem, folder_kind, wrong_folder
-from tests.support.leftovers import REPO
-
-FIX = REPO / "tests" / "fixtures"
+from frod_ds.runtime.paths import dir_problem, file_problem
 
 
 @pytest.fixture
@@ -46,57 +39,6 @@ def test_dir_problem_names_what_the_path_is(odd: Path) -> None:
     assert "symbolic-link loop" in dir_problem(odd / "loop_a")
     assert "named pipe (FIFO), not a directory" in dir_problem(odd / "pipe")
     assert "is a file, not a directory" in dir_problem(odd / "file.jsonl")
-
-
-@pytest.mark.parametrize(
-    "where, kind",
-    [
-        ("format_v1/store", "factor-store"),  # unmarked (written before markers): by its manifest
-        ("format_v1/adapter", "adapter"),
-        ("format_v1/model", "hf-checkpoint"),
-        ("run_zero3_v2/factors", "factor-store"),  # marked
-        ("run_zero3_v2/data", "data-build"),
-        ("run_zero3_v2/run", "training-run"),
-        ("run_zero3_v2/model", "hf-checkpoint"),
-    ],
-)
-def test_folder_kind_of_the_committed_outputs(where: str, kind: str) -> None:
-    assert folder_kind(FIX / where) == kind
-
-
-def test_folder_kind_without_markers_reads_the_files(tmp_path: Path) -> None:
-    data = shutil.copytree(FIX / "run_zero3_v2" / "data", tmp_path / "data")
-    (data / MARKER).unlink()
-    assert folder_kind(data) == "data-build"
-    run = shutil.copytree(FIX / "run_zero3_v2" / "run", tmp_path / "run")
-    (run / MARKER).unlink()
-    assert folder_kind(run) == "training-run"
-    peft = tmp_path / "peft"
-    peft.mkdir()
-    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "FROD", "r": 8}))
-    (peft / "adapter_model.safetensors").write_bytes(b"")
-    assert folder_kind(peft) == "peft-adapter"
-    (tmp_path / "empty").mkdir()
-    assert folder_kind(tmp_path / "empty") is None and describe_folder(tmp_path / "empty") == "an empty directory"
-    (tmp_path / "notes").mkdir()
-    (tmp_path / "notes" / "x.txt").write_text("x")
-    assert describe_folder(tmp_path / "notes") == "a directory holding no model or frod-ds output"
-
-
-def test_wrong_folder_says_what_it_is_and_where_it_goes() -> None:
-    store = FIX / "run_zero3_v2" / "factors"
-    line = wrong_folder(store, "--model", ("hf-checkpoint",), "a model checkpoint")
-    assert line == (
-        f"--model {store} is a factor store, not a model checkpoint; a factor store goes to --factor-store or "
-        "model.factor_store"
-    )
-    assert wrong_folder(store, "--factor-store", ("factor-store",), "a factor store") is None
-    assert "its adapter-final/ goes to --checkpoint" in wrong_folder(
-        FIX / "run_zero3_v2" / "run", "--checkpoint", ("adapter",), "an adapter"
-    )
-    assert wrong_folder(FIX / "run_zero3_v2" / "model", "--data", ("data-build",), "a data build").startswith(
-        f"--data {FIX / 'run_zero3_v2' / 'model'} is a Hugging Face model checkpoint, not a data build"
-    )
 
 
 @pytest.mark.parametrize("name, says", [("pipe", "named pipe"), ("loop_a", "symbolic-link loop")])
