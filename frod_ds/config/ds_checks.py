@@ -183,10 +183,12 @@ def _flag_or_auto(v: Any) -> bool:
     return isinstance(v, bool) or (isinstance(v, str) and v.lower() in ("auto", "true", "false"))
 
 
-def ignored_settings(cfg: dict, stage: int, nvme: bool) -> list[str]:
+def ignored_settings(cfg: dict, stage: int, nvme: bool, layers: bool = False) -> list[str]:
     """The settings of ``cfg`` DeepSpeed ignores under ZeRO ``stage`` (``nvme``: something is offloaded to NVMe):
     ``zero_optimization`` keys beyond ``stage`` without ZeRO, ZeRO-3's keys under ZeRO-1/2, ``bf16.check_grad_overflow``
-    under ZeRO-3 (it checks fp16 steps only), a disabled precision's other keys, ``aio`` without NVMe."""
+    under DeepSpeed's ZeRO-3 (it checks fp16 steps only; ``layers``: frod-ds partitions a ZeRO-3 JSON's frozen weights
+    by decoder layer and σ, S run under ZeRO-2, which reads it), a disabled precision's other keys, ``aio`` without
+    NVMe."""
     zo = cfg.get("zero_optimization")
     zo = zo if isinstance(zo, dict) else {}
     out = []
@@ -194,8 +196,8 @@ def ignored_settings(cfg: dict, stage: int, nvme: bool) -> list[str]:
         out += [f"zero_optimization.{k}" for k in zo if k != "stage"]
     elif stage < 3:
         out += [f"zero_optimization.{k}" for k in zo if k in _STAGE3_ONLY]
-    bf16 = cfg.get("bf16")
-    if isinstance(bf16, dict) and stage == 3 and bf16.get("enabled") is True and "check_grad_overflow" in bf16:
+    bf16, deepspeed_zero3 = cfg.get("bf16"), stage == 3 and not layers
+    if isinstance(bf16, dict) and deepspeed_zero3 and bf16.get("enabled") is True and "check_grad_overflow" in bf16:
         out.append("bf16.check_grad_overflow")
     for block in ("bf16", "fp16"):
         b = cfg.get(block)

@@ -107,10 +107,12 @@ def ds_config_problems(cfg: dict) -> list[str]:
     return problems or deepspeed_problems(cfg)
 
 
-def note_ignored(cfg: dict, where: str | Path = "") -> None:
-    """A ``note:`` naming the settings of ``cfg`` that have no effect under its ZeRO stage and precision."""
+def note_ignored(cfg: dict, where: str | Path = "", partition: str = "auto") -> None:
+    """A ``note:`` naming the settings of ``cfg`` that have no effect under its ZeRO stage and precision (``partition``:
+    ``train.zero3_partition``; the layer partition, ``frod_ds.config.zero3_layout``, runs σ and S under ZeRO-2)."""
     stage = zero_stage(cfg)
-    ignored = ignored_settings(cfg, stage, bool(nvme_offloads(cfg)))
+    layers = stage == 3 and partition != "deepspeed" and offload_device(cfg, "offload_param") is None
+    ignored = ignored_settings(cfg, stage, bool(nvme_offloads(cfg)), layers)
     if ignored:
         verb = "has" if len(ignored) == 1 else "have"
         note(
@@ -344,7 +346,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
         problems += [] if problems else deepspeed_problems(cfg)
     if problems:
         raise DSConfigError("DeepSpeed config: " + "; ".join(problems))
-    note_ignored(cfg)
+    note_ignored(cfg, partition=recipe.train.zero3_partition)
     return cfg
 
 

@@ -131,3 +131,18 @@ def test_settings_the_stage_ignores_are_named_in_a_note(capsys):
     check_ds_config(cfg, "ds.json")
     err = capsys.readouterr().err
     assert err.count("note:") == 1 and "zero_optimization.offload_param" in err and "DeepSpeed ignores them" in err
+
+
+def test_the_overflow_check_is_noted_only_where_deepspeeds_stage_3_runs(capsys):
+    """``bf16.check_grad_overflow`` in a ZeRO-3 JSON: read under the layer partition (σ and S run under ZeRO-2),
+    ignored by DeepSpeed's own stage 3 (``train.zero3_partition=deepspeed``, or a JSON that offloads parameters)."""
+    cfg = _shipped("zero3.json")
+    assert cfg["bf16"]["check_grad_overflow"] is False
+    keys = ["model.base=m", "model.factor_store=f", "data.train=t.jsonl"]
+    resolve_ds_config(cfg, load_recipe(None, keys), world_size=1)
+    assert "note:" not in capsys.readouterr().err
+    resolve_ds_config(cfg, load_recipe(None, [*keys, "train.zero3_partition=deepspeed"]), world_size=1)
+    assert "bf16.check_grad_overflow has no effect" in capsys.readouterr().err
+    offloaded = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "offload_param": {"device": "cpu"}}}
+    check_ds_config(offloaded, "ds.json")
+    assert "bf16.check_grad_overflow" in capsys.readouterr().err
