@@ -3,12 +3,9 @@
 FRoD trains only σ and S, so the frozen weights need no gradient reduce-scatter and no optimizer state: each rank
 keeps 1/N of a unit's frozen tensors as one flat shard; a unit is all-gathered before its forward (the next one's
 gather issued then, on a side stream) and released after; its output's gradient hook gathers it again for the
-backward, frees the unit after it and prefetches the one before. Each unit owns one gathered buffer whose storage is
-resized to nothing on release and back on gather (as FSDP2 does): views autograd saved of a weight (an untargeted
-``nn.Linear`` keeps its weight's transpose) share that storage, so a release frees them too and a gather refills
-them. A gather also points each Parameter's ``.data`` at its view and a release at an empty tensor, so code outside
-the hooks never reads a freed storage. Tensors shared by several units (FRoD's V), trainable ones and those outside
-every unit stay replicated.
+backward, frees the unit after it and prefetches the one before. A release frees the unit's buffer, views autograd
+saved of it included, and a gather refills it (docs/training.md#zero-3s-layer-partition). Tensors shared by several
+units (FRoD's V), trainable ones and those outside every unit stay replicated.
 """
 
 from __future__ import annotations
