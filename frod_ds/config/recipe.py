@@ -20,6 +20,7 @@ import yaml
 
 from frod_ds.core.names import DEFAULT_TARGETS, QUANT_KINDS
 from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.paths import file_problem
 from frod_ds.runtime.shipped import user_file
 from frod_ds.runtime.validate import sparsity_problem, targets_problem
 
@@ -232,8 +233,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
     tree: dict = {}
     if path is not None:
         p = user_file(path, "recipes")  # a shipped recipe by name also outside a checkout
-        if not p.is_file():
-            raise RecipeError(f"recipe file {p} not found")
+        if not p.is_file():  # a named pipe or a link loop is said as such, not "not found"
+            raise RecipeError(f"recipe file {file_problem(p) if p.is_symlink() or p.exists() else f'{p} not found'}")
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:  # the parser's own position (line, column) says where to look

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,12 @@ from frod_ds.eval.predict import (
     score_llm_adapters_rows,
     score_loglik_rows,
 )
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_replaceable, record_files
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.paths import dir_problem, file_problem
 
 __all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "run"]
 
@@ -124,7 +127,13 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
     from frod_ds.prep.tasks import parse_tasks
 
     tasks = parse_tasks(tasks_spec)
+    problem = dir_problem(data) or wrong_folder(data, "--data", ("data-build",), "a data build")
+    if problem:
+        raise EvalError(problem if problem.startswith("--data") else f"--data {problem}")
     paths = {task: Path(data) / "eval" / f"{task}.jsonl" for task in tasks}
+    odd = [file_problem(p) for p in paths.values() if os.path.lexists(p) and file_problem(p)]
+    if odd:  # a named pipe, a link loop, a directory: not "missing"
+        raise EvalError(f"eval file {odd[0]}")
     missing = [str(path) for path in paths.values() if not path.is_file()]
     if missing:
         raise EvalError(
@@ -176,10 +185,7 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
 
     if config.checkpoint:
         if not adapter.is_adapter_checkpoint(config.checkpoint):
-            raise EvalError(
-                f"--checkpoint {config.checkpoint} is not a FRoD adapter checkpoint (no adapter_config.json); "
-                "pass a plain HF model with --model"
-            )
+            raise EvalError(adapter.not_an_adapter(config.checkpoint, "--checkpoint"))
         model, tokenizer = adapter.load_frod_model(
             config.checkpoint,
             base_model=config.base_model,
@@ -191,6 +197,21 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
         assert config.model is not None
         if adapter.is_adapter_checkpoint(config.model):
             raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
+        from frod_ds.io.hf_checkpoint import (
+            INDEX_NAME,
+            SINGLE_NAME,
+            HFCheckpoint,
+            check_config_file,
+            check_model_folder,
+        )
+
+        if Path(config.model).is_dir():  # a store, a PEFT adapter, a data build; a config of no or another model
+            check_model_folder(Path(config.model))
+            has_safetensors = any((Path(config.model) / n).is_file() for n in (INDEX_NAME, SINGLE_NAME))
+            if has_safetensors:
+                HFCheckpoint(config.model).config()
+            else:
+                check_config_file(config.model)
         from transformers import AutoModelForCausalLM
 
         from frod_ds.prep.tokens import load_tokenizer

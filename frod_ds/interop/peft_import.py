@@ -17,6 +17,7 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import AdapterCategory, AdapterConfig, support_name
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_replaceable, inventory, mark_dir
 from frod_ds.interop.peft_common import (
@@ -30,6 +31,7 @@ from frod_ds.interop.peft_common import (
     peft_version,
     rel_error,
 )
+from frod_ds.runtime.paths import dir_problem
 
 __all__ = ["import_peft"]
 
@@ -42,7 +44,14 @@ BASIS_MISMATCH = 1e-2  # relative ‖V_saved − V_recomputed‖ above which the
 
 def _read_peft_config(peft_dir: Path) -> dict[str, Any]:
     cfg_path = peft_dir / "adapter_config.json"
-    if not peft_dir.is_dir() or not cfg_path.is_file():
+    if not peft_dir.is_dir():
+        raise PeftInteropError(
+            f"--from-peft {dir_problem(peft_dir)}: not a PEFT adapter directory; pass the one save_pretrained wrote"
+        )
+    wrong = wrong_folder(peft_dir, "--from-peft", ("peft-adapter", "peft-export"), "a PEFT adapter")
+    if wrong:
+        raise PeftInteropError(wrong)
+    if not cfg_path.is_file():
         raise PeftInteropError(f"--from-peft {peft_dir} is not a PEFT adapter directory (no adapter_config.json)")
     try:
         cfg = json.loads(cfg_path.read_text())

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from frod_ds.config.ds_config import DS_DEFAULTS, bf16_overflow_check, load_ds_config, zero_settings
 from frod_ds.core.names import DEFAULT_TARGETS, LLAMA_LINEARS
+from frod_ds.io.model_config import config_problems
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
@@ -88,9 +88,12 @@ def model_shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> 
             f"{', '.join(LLAMA_FAMILY)})"
         )
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in need if not isinstance(cfg.get(k), int)]
+    missing = [k for k in need if cfg.get(k) is None]
     if missing:
         raise PlanError(f"{where}: missing or non-integer {', '.join(missing)}; not a complete {mtype} config")
+    problems = config_problems(cfg)  # the one check of config.json's values (frod_ds.io.model_config)
+    if problems:
+        raise PlanError(f"{where}: {'; '.join(problems)}; no model has these sizes: fix config.json")
     heads = cfg["num_attention_heads"]
     return ModelShape(
         mtype,
@@ -106,17 +109,11 @@ def model_shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> 
 
 
 def load_model_shape(model: str) -> ModelShape:
-    """From a checkpoint directory or a Hub id in the local cache; reads config.json only."""
-    from frod_ds.io.hf_checkpoint import resolve_config_file
+    """From a checkpoint directory or a Hub id in the local cache; reads config.json only (checked by
+    ``frod_ds.io.hf_checkpoint.check_config_file``, the one reader of it)."""
+    from frod_ds.io.hf_checkpoint import check_config_file, resolve_config_file
 
-    path = resolve_config_file(model)
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError) as e:
-        raise PlanError(f"{path} is not readable JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise PlanError(f"{path} is not a JSON object")
-    return model_shape_from_config(cfg, str(path))
+    return model_shape_from_config(check_config_file(model), str(resolve_config_file(model)))
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def preflight(
 def _open_base_and_store(recipe: Recipe) -> tuple[HFCheckpoint, FactorStore]:
     """The base checkpoint (opened here, once) and the factor store, refused when the store was built from another
     model, lacks a target or holds another quantization."""
-    model_dir = resolve_model_dir(recipe.model.base)
+    model_dir = resolve_model_dir(recipe.model.base, "model.base")
     store = FactorStore.open(recipe.model.factor_store)
     base = HFCheckpoint(model_dir)
     check_store_matches(store, base)

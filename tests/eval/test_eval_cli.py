@@ -320,6 +320,30 @@ def test_rows_without_choices_are_a_clear_error(assets, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda r: r.update(choices=[r["answer"]], label=0), "line 2: fewer than two choices"),
+        (lambda r: r.update(choices=[r["answer"], r["answer"]], label=0), "line 2: duplicate choices"),
+        (lambda r: r.update(prompt=r["prompt"] + "\ud800"), "line 2: field 'prompt' holds a lone surrogate"),
+    ],
+)
+def test_rows_that_score_a_free_point_or_cannot_be_tokenized_are_refused(assets, tmp_path, capsys, edit, needle):
+    """One choice, or two the same: the arg-max over the choices is the label whatever the model says (a free point);
+    a lone surrogate stops the tokenizer. The loader names the file and line, before the model is loaded."""
+    rows = make_rows("piqa", 3)
+    edit(rows[1])
+    (tmp_path / "data" / "eval").mkdir(parents=True)
+    write_jsonl(tmp_path / "data" / "eval" / "piqa.jsonl", rows)
+    out = tmp_path / "out"
+    _fails(
+        ["--model", str(assets["known"]), "--data", str(tmp_path / "data"), "--tasks", "piqa", "--output", str(out)],
+        capsys,
+        f"piqa.jsonl {needle}",
+    )
+    assert not out.exists()
+
+
 def test_unknown_task_and_conflicting_model_flags_are_clear_errors(assets, tmp_path, capsys):
     base = ["--data", str(assets["data"]), "--output", str(tmp_path / "out")]
     _fails(["--model", str(assets["known"]), "--tasks", "piqa,mmlu", *base], capsys, "unknown task 'mmlu'")

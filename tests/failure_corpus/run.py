@@ -332,6 +332,37 @@ def ds_lr_sched(world, case, spec):
     _ds(world, case, optimizer={"type": "Adam", "params": {"lr": 1e-3}})
 
 
+def ds_duplicate(world, case, spec):
+    text = Path(world.paths["ds"]).read_text().rstrip().rstrip("}")
+    (case / "ds.json").write_text(text + ', "steps_per_print": 10, "steps_per_print": 20}\n')  # a key given twice
+
+
+def ds_string_bool(world, case, spec):
+    _ds(world, case, bf16={"enabled": "false"})
+
+
+def ds_negative_bucket(world, case, spec):
+    cfg = json.loads(Path(world.paths["ds"]).read_text())
+    cfg["zero_optimization"]["reduce_bucket_size"] = -1
+    (case / "ds.json").write_text(json.dumps(cfg))
+
+
+def ds_offload_gpu(world, case, spec):
+    cfg = json.loads(Path(world.paths["ds3"]).read_text())
+    cfg["zero_optimization"]["offload_param"] = {"device": "gpu"}
+    (case / "ds.json").write_text(json.dumps(cfg))
+
+
+def ds_steps_word(world, case, spec):
+    _ds(world, case, steps_per_print="often")
+
+
+def ds_stage3_keys(world, case, spec):
+    cfg = json.loads(Path(world.paths["ds"]).read_text())
+    cfg["zero_optimization"].update(stage3_prefetch_bucket_size=0, stage3_max_live_parameters=1000)
+    (case / "ds.json").write_text(json.dumps(cfg))
+
+
 # -- training data
 
 
@@ -413,6 +444,23 @@ def data_huge_row(world, case, spec):
     row["prompt"] = "a " * 60_000
     rows[0] = json.dumps(row)
     _jsonl(case, rows)
+
+
+def data_surrogate(world, case, spec):
+    rows = _rows(world)
+    row = json.loads(rows[6])
+    row["answer"] += "\udc80"  # json.dumps writes the lone surrogate as its \\udc80 escape
+    rows[6] = json.dumps(row)
+    _jsonl(case, rows)
+
+
+def data_fifo(world, case, spec):
+    os.mkfifo(case / "train.jsonl")
+
+
+def data_loop(world, case, spec):
+    os.symlink(case / "loop_b", case / "train.jsonl")
+    os.symlink(case / "train.jsonl", case / "loop_b")
 
 
 def data_dir_no_train(world, case, spec):
@@ -506,6 +554,70 @@ def model_no_weights(world, case, spec):
 def model_empty_shard(world, case, spec):
     _copy(world, "model", case / "model")
     _first(case / "model", "*.safetensors").write_bytes(b"")
+
+
+def _config_edit(world: World, case: Path, **edit) -> None:
+    _copy(world, "model", case / "model")
+    cfg = json.loads((case / "model" / "config.json").read_text())
+    (case / "model" / "config.json").write_text(json.dumps({**cfg, **edit}))
+
+
+def model_config_layers(world, case, spec):
+    cfg = json.loads((Path(world.paths["model"]) / "config.json").read_text())
+    _config_edit(world, case, num_hidden_layers=cfg["num_hidden_layers"] + 1)
+
+
+def model_config_zero_hidden(world, case, spec):
+    _config_edit(world, case, hidden_size=0)
+
+
+def model_config_kv(world, case, spec):
+    cfg = json.loads((Path(world.paths["model"]) / "config.json").read_text())
+    _config_edit(world, case, num_key_value_heads=cfg["num_attention_heads"] - 1)
+
+
+def _scale(world: World, case: Path, name: str, factor: float) -> None:
+    def edit(tensors: dict) -> None:
+        if name in tensors:
+            tensors[name] = tensors[name] * factor
+
+    _copy_model(world, case / "model", edit)
+
+
+def model_huge_k(world, case, spec):
+    """One layer's k_proj ×1e20: finite, but the stack's QR loses the other layers (reconstruction off by ~1e13)."""
+    _scale(world, case, "model.layers.1.self_attn.k_proj.weight", 1e20)
+
+
+def model_tiny_q(world, case, spec):
+    """One layer's q_proj ×1e-30: its column norms underflow in fp32 and its factors come out all zero."""
+    _scale(world, case, "model.layers.1.self_attn.q_proj.weight", 1e-30)
+
+
+def model_huge_q(world, case, spec):
+    """One layer's q_proj ×1e20 (square members, a stack the Gram route holds): reconstructs, the probe passes."""
+    _scale(world, case, "model.layers.1.self_attn.q_proj.weight", 1e20)
+
+
+def peft_dir(world, case, spec):
+    """The files stock PEFT's save_pretrained writes for an adapter (the tensors do not matter here)."""
+    import torch
+    from safetensors.torch import save_file
+
+    (case / "peft").mkdir()
+    (case / "peft" / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "FROD", "base_model_name_or_path": world.paths["model"]})
+    )
+    save_file({"x": torch.zeros(1)}, str(case / "peft" / "adapter_model.safetensors"))
+
+
+def a_fifo(world, case, spec):
+    os.mkfifo(case / "fifo")
+
+
+def a_link_loop(world, case, spec):
+    os.symlink(case / "loop_b", case / "loop")
+    os.symlink(case / "loop", case / "loop_b")
 
 
 def store_copy(world, case, spec):
@@ -694,11 +806,54 @@ def eval_bad_label(world, case, spec):
     f.write_text("\n".join(rows) + "\n")
 
 
+def _eval_edit(world: World, case: Path, edit: Callable[[dict], None]) -> None:
+    f = _first_task(_eval_dir(world, case))
+    rows = f.read_text().splitlines()
+    row = json.loads(rows[1])
+    edit(row)
+    rows[1] = json.dumps(row)
+    f.write_text("\n".join(rows) + "\n")
+
+
+def eval_one_choice(world, case, spec):
+    _eval_edit(world, case, lambda row: row.update(choices=[row["answer"]], label=0))
+
+
+def eval_same_choices(world, case, spec):
+    _eval_edit(world, case, lambda row: row.update(choices=[row["answer"], row["answer"]], label=0))
+
+
 # -- data build sources
 
 
 def mirror_copy(world, case, spec):
     shutil.copytree(Path(world.paths["fixtures"]) / "mirror", case / "mirror")
+
+
+def _boolq_append(world: World, case: Path, *lines: str) -> None:
+    mirror_copy(world, case, spec=None)
+    f = case / "mirror" / "boolq" / "train.jsonl"
+    f.write_text(f.read_text().rstrip("\n") + "\n" + "".join(line + "\n" for line in lines))
+
+
+SURROGATE_ROW = '{"question": "q", "answer": true, "passage": "torn \\ud800 text"}'  # a lone surrogate's escape
+
+
+def mirror_repeat(world, case, spec):
+    """BoolQ's first training row again (BoolQ rows have no id: the repeat gets its own row index)."""
+    _boolq_append(world, case, _mirror_line(world, "boolq/train.jsonl", 0))
+
+
+def mirror_surrogate(world, case, spec):
+    _boolq_append(world, case, SURROGATE_ROW)
+
+
+def mirror_repeat_and_surrogate(world, case, spec):
+    _boolq_append(world, case, _mirror_line(world, "boolq/train.jsonl", 0), SURROGATE_ROW)
+
+
+def _mirror_line(world: World, rel: str, i: int) -> str:
+    return (Path(world.paths["fixtures"]) / "mirror" / rel).read_text().splitlines()[i]
 
 
 def mirror_torn(world, case, spec):
@@ -896,6 +1051,20 @@ def verify_new_store(world, case, spec) -> bool:
     return res.returncode == 0
 
 
+def counts_repeat_and_surrogate(world, case, spec) -> bool:
+    """The build dropped the repeated training row and the lone surrogate and counted both."""
+    manifest = json.loads((case / "new" / "manifest.json").read_text())
+    dropped = manifest.get("dropped", {}).get("boolq", {}).get("train", {})
+    return manifest.get("repeated", {}).get("rows", {}).get("boolq", {}).get("train") == 1 and all(
+        dropped.get(k) == 1 for k in ("repeated row", "lone surrogate (not Unicode text)")
+    )
+
+
+def verify_new_store_of_case_model(world, case, spec) -> bool:
+    res = world.run(["hjd", "--device", "cpu", "--verify", str(case / "new"), "--model", str(case / "model")])
+    return res.returncode == 0
+
+
 def has_new(world, case, spec) -> bool:
     return (case / "new").is_dir() and any((case / "new").iterdir())
 
@@ -947,6 +1116,29 @@ STEPS: dict[str, Callable] = {
         ds_micro,
         ds_fp16,
         ds_lr_sched,
+        ds_duplicate,
+        ds_string_bool,
+        ds_negative_bucket,
+        ds_offload_gpu,
+        ds_steps_word,
+        ds_stage3_keys,
+        data_surrogate,
+        data_fifo,
+        data_loop,
+        model_config_layers,
+        model_config_zero_hidden,
+        model_config_kv,
+        model_huge_k,
+        model_tiny_q,
+        model_huge_q,
+        peft_dir,
+        a_fifo,
+        a_link_loop,
+        eval_one_choice,
+        eval_same_choices,
+        mirror_repeat,
+        mirror_surrogate,
+        mirror_repeat_and_surrogate,
         data_empty,
         data_not_json,
         data_missing_answer,
@@ -1032,7 +1224,16 @@ STEPS: dict[str, Callable] = {
     )
 }
 CHECKS: dict[str, Callable] = {
-    f.__name__: f for f in (verify_store, verify_store_in_case, verify_new_store, has_new, same_output)
+    f.__name__: f
+    for f in (
+        verify_store,
+        verify_store_in_case,
+        verify_new_store,
+        verify_new_store_of_case_model,
+        has_new,
+        same_output,
+        counts_repeat_and_surrogate,
+    )
 }
 PLACEHOLDERS = (
     "model",
