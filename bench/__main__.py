@@ -11,6 +11,7 @@ python -m bench report step-7b                # regenerate the suite's reports f
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -94,4 +95,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: unwind, so the running configuration is killed
     sys.exit(main())

@@ -75,7 +75,7 @@ def write_result(name: str, payload: dict, out_dir: str | None = None) -> Path:
 
 
 def trainables_per_decoder_layer(result: dict) -> bool | None:
-    """Whether a ``bench/train_step.py`` result held σ and S per decoder layer (``FRoDTrainables``: two trainable
+    """Whether a step-matrix result held σ and S per decoder layer (``FRoDTrainables``: two trainable
     tensors per layer), from its recorded tensor count; None for results from before that field."""
     if "trainable_tensors" not in result:
         return None
@@ -83,14 +83,6 @@ def trainables_per_decoder_layer(result: dict) -> bool | None:
 
 
 def deepspeed_nvtx(result: dict) -> bool:
-    """Whether a ``bench/train_step.py`` run had DeepSpeed's NVTX ranges on: its recorded ``--nvtx``; results from
+    """Whether a step-matrix run had DeepSpeed's NVTX ranges on: its recorded ``--nvtx``; results from
     before frod-ds turned them off record nothing, and ran with DeepSpeed's default, on."""
     return result.get("levers", {}).get("nvtx", True)
-
-
-def read_results(directory: Path, pattern: str, hint: str = "") -> list[dict]:
-    """Every JSON in ``directory`` matching ``pattern``, in name order; exits with an error naming what is missing."""
-    docs = [json.loads(p.read_text()) for p in sorted(directory.glob(pattern))]
-    if not docs:
-        raise SystemExit(f"error: no {pattern} in {directory}{hint}")
-    return docs

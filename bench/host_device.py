@@ -1,8 +1,8 @@
 """How much of a FRoD step is the host's work and how much the GPU's: the measurement behind the step-time model's
 ``max(host, device)`` form (``frod_ds/plan/step_time.py``).
 
-    python bench/host_device.py --out $OUT                       # 7B widths × 8 layers and 70B widths × 4, one GPU
-    python bench/host_device.py --tiny --out /tmp/hd             # CPU rehearsal (host and device are one there)
+    python -m bench.host_device --out $OUT                       # 7B widths × 8 layers and 70B widths × 4, one GPU
+    python -m bench.host_device --tiny --out /tmp/hd             # CPU rehearsal (host and device are one there)
 
 A stack of LLaMA decoder layers (transformers' own, FRoD on q/k/v/o/gate/up as ``frod_ds.model`` applies it, random
 factors: timing does not depend on values) trains one step under plain PyTorch: forward, loss, backward, AdamW. Per
@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import write_result  # noqa: E402
-from frod_ds.core.layer import FRoDLinear, SparseSupport  # noqa: E402
-from frod_ds.core.names import DEFAULT_TARGETS  # noqa: E402
-from frod_ds.core.quant import QuantSpec, quantize_untargeted, quantized_parameter, spec_of  # noqa: E402
+from bench.common import write_result
+from frod_ds.core.layer import FRoDLinear, SparseSupport
+from frod_ds.core.names import DEFAULT_TARGETS
+from frod_ds.core.quant import QuantSpec, quantize_untargeted, quantized_parameter, spec_of
 
 SHAPES = {  # name: (hidden, intermediate, heads, kv_heads, layers, micro-batch, seq, checkpointing)
     "7b": (4096, 11008, 32, 32, 8, 4, 512, False),

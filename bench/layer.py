@@ -1,7 +1,7 @@
 """FRoDLinear fwd+bwd vs a frozen nn.Linear vs a LoRA r=16 layer (bf16, one GPU).
 
-    python bench/layer.py                       # 4096x4096, 8192 tokens (the issue's shape)
-    python bench/layer.py --tokens 2048 4096 8192 --out bench/results
+    python -m bench.layer                       # 4096x4096, 8192 tokens (the issue's shape)
+    python -m bench.layer --tokens 2048 4096 8192 --out bench/results
 
 Every variant computes dx (the input requires grad, as inside a network) and the gradients of its own
 trainable tensors. Ratios are against the frozen layer measured in the same process.
@@ -10,16 +10,13 @@ trainable tensors. Ratios are against the frozen layer measured in the same proc
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import time_fn, write_result  # noqa: E402
-from frod_ds import FRoDLinear, SparseSupport, decompose  # noqa: E402
+from bench.common import time_fn, write_result
+from frod_ds import FRoDLinear, SparseSupport, decompose
 
 
 class LoRALinear(nn.Module):

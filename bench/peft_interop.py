@@ -3,7 +3,7 @@ FRoD adapter imported into frod-ds, each compared by logits with the model it ca
 
     python launch/convert_gguf.py convert --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out models/smollm2-135m
     python launch/hjd.py --model models/smollm2-135m --out factors/smollm2-135m
-    python bench/peft_interop.py --model models/smollm2-135m --factor-store factors/smollm2-135m \\
+    python -m bench.peft_interop --model models/smollm2-135m --factor-store factors/smollm2-135m \\
         --data /data/llm_adapters/ARC-Easy/train.json --steps 20 --work /tmp/peft-bench
 
 Each side trains ``--steps`` AdamW steps (σ at ``--lr-sigma``, S at ``--lr-s``) on LLM-Adapters rows
@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import write_result  # noqa: E402
+from bench.common import write_result
 
 
 def batches(tokenizer, rows: list[dict], batch: int, cutoff: int) -> list[torch.Tensor]:

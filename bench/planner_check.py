@@ -1,9 +1,9 @@
 """The memory planner against measured GPU peaks: every FRoD DeepSpeed configuration in step-matrix results.
 
-    python bench/planner_check.py bench/results/train_matrix_4xh200/configs \\
+    python -m bench.planner_check bench/results/train_matrix_4xh200/configs \\
         bench/results/train_step_matrix_1xh200.json --out bench/results/planner_check.json
 
-Inputs are ``bench/train_step.py`` result JSONs (one per file, or a matrix JSON's ``configs`` list). For each FRoD
+Inputs are the earlier step matrix's result JSONs (one per file, or a matrix JSON's ``configs`` list). For each FRoD
 run under ZeRO-2/3 the planner (``frod_ds.plan.memory.plan_memory``, which reads the model's config fields only) is
 given the run's shape, micro-batch × sequence, checkpointing, layer variant and DeepSpeed JSON (as recorded in the
 result), and its ``allocated`` prediction is set against the measured ``torch.cuda.max_memory_allocated`` over the
@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from frod_ds.plan.memory import plan_memory  # noqa: E402
-from frod_ds.plan.shapes import GiB, TrainShape, engine_from_ds_config, model_shape_from_config  # noqa: E402
+from frod_ds.plan.memory import plan_memory
+from frod_ds.plan.shapes import GiB, TrainShape, engine_from_ds_config, model_shape_from_config
 
 GOAL = 0.15
 

@@ -1,7 +1,7 @@
 """Init drift of quantized frozen weights: FRoD with NF4/int8 U_i next to QLoRA-style NF4/int8 of W, against the base.
 
-    python bench/quant_drift.py --model /ckpt/smollm2-135m --factor-store factors/smollm2 --out bench/results
-    python bench/quant_drift.py --model /ckpt/llama-2-7b --factor-store factors/llama2-7b \\
+    python -m bench.quant_drift --model /ckpt/smollm2-135m --factor-store factors/smollm2 --out bench/results
+    python -m bench.quant_drift --model /ckpt/llama-2-7b --factor-store factors/llama2-7b \\
         --device cuda --batch 8 --seq-len 256
 
 Every setting is the model at initialisation (S = 0, σ from HJD), compared on one fixed batch with the base model in
@@ -30,12 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from bench.common import write_result  # noqa: E402
-from frod_ds.io.dtypes import FLOAT_DTYPES  # noqa: E402
+from bench.common import write_result
+from frod_ds.io.dtypes import FLOAT_DTYPES
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "data_prep" / "llm_adapters"

@@ -3,7 +3,7 @@ from its ``metrics.jsonl``, the build time from its log, and the host memory pea
 
     ( while :; do free -m | awk '/Mem/{print $3}' >> host.txt; sleep 1; done ) &   # host "used" MiB, 1 Hz
     deepspeed launch/train.py --config ds_configs/zero3_offload.json --recipe R train.max_steps=8 > run.log 2>&1
-    python bench/run_summary.py --metrics OUT/metrics.jsonl --log run.log --host-mem host.txt \
+    python -m bench.run_summary --metrics OUT/metrics.jsonl --log run.log --host-mem host.txt \
         --device "1x NVIDIA H100 80GB HBM3" --versions-from other_result.json --command "..." --out DIR --name N
 
 The host peak is the machine's used memory (``free``: without page cache) at its highest minus at the first sample
@@ -20,10 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import write_result  # noqa: E402
-from frod_ds.config.ds_config import load_ds_config  # noqa: E402
+from bench.common import write_result
+from frod_ds.config.ds_config import load_ds_config
 
 
 def summarise(metrics: list[dict], log: str, host_mib: list[float], skip: int = 2) -> dict:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from bench.kinds import shapes
 from bench.record import Record, commit, device_facts, now, record_path, versions
-from bench.suite import BenchError, Config, Suite
+from bench.suite import BenchError, Config, Suite, with_defaults
 
 __all__ = ["Outcome", "run_suite"]
 
@@ -43,7 +43,7 @@ def _previous(path: Path, cfg: Config) -> dict | None:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return doc if doc.get("settings") == cfg.settings else None
+    return doc if with_defaults(doc.get("settings", {})) == cfg.settings else None
 
 
 def _command(suite: Suite, cfg: Config, results: Path, work: Path, call: str, series: int) -> list[str]:
@@ -57,7 +57,7 @@ def _command(suite: Suite, cfg: Config, results: Path, work: Path, call: str, se
 
 def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, float]:
     """``cmd`` in its own session from the repository root, output into ``log``; (exit code or None on timeout,
-    seconds). On timeout the whole session is killed (every rank)."""
+    seconds). On timeout, or when the runner is stopped, the whole session is killed (every rank)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -65,12 +65,15 @@ def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, float]:
         f.write(" ".join(cmd) + "\n")
         f.flush()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        rc: int | None = None
         try:
-            rc: int | None = proc.wait(timeout=max(timeout, 1.0))
+            rc = proc.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = None
+            pass
+        finally:  # timed out, or the runner itself is stopped (SIGTERM, Ctrl-C): no rank outlives it
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     return rc, time.perf_counter() - t0
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUITES", "BenchError", "Config", "Suite", "load_suite", "suite_names"]
+__all__ = ["SUITES", "BenchError", "Config", "Suite", "load_suite", "suite_names", "with_defaults"]
 
 SUITES = Path(__file__).resolve().parent / "suites"
 KINDS = ("step",)
@@ -34,6 +34,8 @@ STEP_KEYS: dict[str, Any] = {
     "gc": False,  # gradient checkpointing (the trainer's, non-reentrant), both methods
     "sparsity": 0.02,  # FRoD density of S
     "lora_r": 16,
+    "quant": "none",  # frozen weights: none | nf4 | int8 (FRoD's U_i, LoRA's targeted base linears)
+    "quantize_base": False,  # with quant: the untargeted decoder linears too (for LoRA: QLoRA)
     "ds_set": {},  # DeepSpeed JSON overrides: dotted key from the top -> value
     "ddp": {},  # DistributedDataParallel keyword overrides (bucket_cap_mb, static_graph, ...)
     "leaf_modules": False,  # LoRA under ZeRO-3: each decoder layer one fetch unit
@@ -72,6 +74,12 @@ class Suite:
         raise BenchError(f"suite {self.name!r} has no configuration {name!r} (python -m bench list {self.name})")
 
 
+def with_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """A record's settings as today's runner reads them: a key added since the record was written takes its default
+    (every key is added with the default that is what ran before it existed)."""
+    return {**STEP_KEYS, **settings}
+
+
 def suite_names() -> list[str]:
     return sorted(p.stem for p in SUITES.glob("*.toml"))
 
@@ -83,7 +91,7 @@ def _expand(table: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def config_name(s: dict[str, Any]) -> str:
-    """``frod-zero3-2g`` and, past the defaults, the settings that differ: ``-gc``, ``-r64``, ``-<tag>``."""
+    """``frod-zero3-2g`` and, past the defaults, what differs: ``-gc``, ``-r64``, ``-nf4base``, ``-<tag>``."""
     parts = [s["method"], s["engine"], f"{s['gpus']}g"]
     if s["shape"] != STEP_KEYS["shape"]:
         parts.insert(0, s["shape"])
@@ -91,6 +99,8 @@ def config_name(s: dict[str, Any]) -> str:
         parts.append("gc")
     if s["method"] == "lora" and s["lora_r"] != STEP_KEYS["lora_r"]:
         parts.append(f"r{s['lora_r']}")
+    if s["quant"] != "none":
+        parts.append(s["quant"] + ("base" if s["quantize_base"] else ""))
     if s["tag"]:
         parts.append(s["tag"])
     return "-".join(str(p) for p in parts)
@@ -112,6 +122,10 @@ def _check(s: dict[str, Any], where: str) -> None:
         raise BenchError(f"{where}: engine z3layers is FRoD's (LoRA's frozen weights partitioned so: fshard)")
     if s["engine"] == "plain" and s["gpus"] != 1:
         raise BenchError(f"{where}: engine plain runs on one GPU (use ddp or a ZeRO engine for {s['gpus']})")
+    if s["quant"] not in ("none", "nf4", "int8"):
+        raise BenchError(f"{where}: quant {s['quant']!r} is not none, nf4 or int8")
+    if s["quantize_base"] and s["quant"] == "none":
+        raise BenchError(f"{where}: quantize_base needs quant nf4 or int8")
     if s["warmup"] < 1 or s["steps"] < 1 or s["repeats"] < 1:
         raise BenchError(f"{where}: warmup, steps and repeats must each be at least 1")
     if s["tag"] and not re.fullmatch(r"[a-z0-9][a-z0-9_.]*", s["tag"]):

@@ -7,6 +7,7 @@ import gc
 import os
 import random
 import sys
+import time
 
 import pytest
 import torch
@@ -116,9 +117,7 @@ XDIST_UNITS = {"tests/slurm/test_slurm_multinode.py": "slurm"}
 # quick ones.
 XDIST_FIRST = (
     "slurm",
-    "tests/bench/test_seventy_b.py",
     "tests/train/test_train.py",
-    "tests/bench/test_bench.py",
     "tests/train/test_elastic_resume.py",
     "tests/hjd/test_store_by_category.py",
 )
@@ -199,7 +198,11 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_report_header(config):
-    return f"test order: FROD_TEST_ORDER={config._frod_order} (re-run the same order with FROD_TEST_ORDER=<this value>)"
+    limit = f"{TEST_LIMIT_S:g} s" if TEST_LIMIT_S else "none"
+    return [
+        f"test order: FROD_TEST_ORDER={config._frod_order} (re-run the same order with FROD_TEST_ORDER=<this value>)",
+        f"time limit per test, shared fixtures' set-up included: {limit} (FROD_TEST_LIMIT_S)",
+    ]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -207,18 +210,78 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"test order: FROD_TEST_ORDER={config._frod_order}")
 
 
+# No test takes longer than this, its fixtures' set-up included: on a 2-core machine with nothing else running
+# `make test` stays within minutes only so. FROD_TEST_LIMIT_S changes it (0: no limit) on a machine shared with
+# other work, where wall times say little; the report's header says which limit a run has.
+TEST_LIMIT_S = float(os.environ.get("FROD_TEST_LIMIT_S", "120"))
+_SETUP_S = pytest.StashKey[float]()
+# per fixture definition, the set-up time of its latest instance (its own, less fixtures it requested inside it)
+# and the test during which it was built
+_FIXTURE_S: dict[pytest.FixtureDef, tuple[float, str]] = {}
+_BUILDING: list[float] = []  # the set-up times of the fixtures being built inside the one being built
+_RUNNING: list[str] = [""]  # the test being run
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    _BUILDING.append(0.0)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        total = time.perf_counter() - t0
+        inner = _BUILDING.pop()
+        if _BUILDING:
+            _BUILDING[-1] += total
+        _FIXTURE_S[fixturedef] = (total - inner, _RUNNING[0])
+
+
+def _shared_set_up_before(item) -> float:
+    """The set-up time of the module, class and session fixtures ``item`` uses that an earlier test built: charged
+    to every test that uses them, so that what a test costs does not depend on the order the tests run in (the same
+    as running it alone)."""
+    spent = 0.0
+    for name in item.fixturenames:
+        for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            built = _FIXTURE_S.get(fixturedef)
+            if built and fixturedef.scope != "function" and fixturedef.cached_result is not None:
+                spent += built[0] if built[1] != item.nodeid else 0.0
+    return spent
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test whose set-up and call together take longer than ``TEST_LIMIT_S`` fails, the set-up of every shared
+    fixture it uses included, whichever test built it: a test that grows past the limit is a bug (make it smaller,
+    or make what several tests share cheaper), never silent, and never passing only in some orders."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup":
+        item.stash[_SETUP_S] = report.duration
+    if not TEST_LIMIT_S or report.when == "teardown" or not report.passed:
+        return
+    setup = item.stash.get(_SETUP_S, 0.0) + _shared_set_up_before(item)
+    spent = setup + (report.duration if report.when == "call" else 0.0)
+    if spent > TEST_LIMIT_S:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {spent:.1f} s (set-up {setup:.1f} s), over the {TEST_LIMIT_S:g} s a test may take "
+            "(FROD_TEST_LIMIT_S): make it smaller"
+        )
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """``FROD_TEST_CPU=FILE``: append one JSON line per test with its wall time and the CPU seconds it used, its own
     and its finished subprocesses' (setup, call and teardown together): on 2 cores the suite is CPU-bound, so this,
     not the wall time under load, says which tests cost the suite its minutes."""
+    _RUNNING[0] = item.nodeid
     path = os.environ.get("FROD_TEST_CPU")
     if not path:
         yield
         return
     import json
     import resource
-    import time
 
     def cpu() -> tuple[float, float]:
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SHAPES", "Shape", "prepare", "prepared"]
+__all__ = ["SHAPES", "Shape", "make_model", "prepare", "prepared"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ SHAPES = {
 }
 
 
-def _make_model(shape: Shape, out: Path) -> None:
+def make_model(shape: Shape, out: Path) -> None:
+    """A random bf16 LLaMA checkpoint of ``shape`` in ``out`` (seed 0; on the GPU when there is one)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -69,7 +70,7 @@ def prepare(name: str, work: Path, log=print) -> tuple[Path, Path]:
         base.mkdir(parents=True, exist_ok=True)
         if not (model / "config.json").exists():
             log(f"making a random {name} checkpoint in {model}")
-            _make_model(SHAPES[name], model)
+            make_model(SHAPES[name], model)
         log(f"frod hjd --model {model} --out {factors}")
         subprocess.run(
             [sys.executable, "-m", "frod_ds", "hjd", "--model", str(model), "--out", str(factors)], check=True

@@ -13,6 +13,13 @@ ZeRO-3 is loaded the way HF users do (``from_pretrained`` under ``HfDeepSpeedCon
 ``build_frod_model``. A step is forward + backward + optimizer step, timed between device synchronisations over
 ``repeats`` windows of ``steps`` steps after ``warmup`` untimed ones; memory is each rank's peak over the timed
 windows (``torch.cuda`` on a GPU: what the process allocated, whatever wrote it).
+
+Quantized frozen weights (``quant`` nf4 or int8): FRoD holds every ``U_i`` quantized (``model.frozen_quant``, with
+``quantize_base`` the untargeted linears too); LoRA loads the targeted linears through bitsandbytes (NF4 in blocks
+of 64 without double quantization, ``bnb_4bit_quant_storage`` bf16 so ZeRO-3 partitions it; or LLM.int8()), with
+``quantize_base`` every decoder linear: QLoRA. ``lm_head`` and the embeddings stay bf16. Under ZeRO-3 the NF4
+linears run through ``bench/kinds/bnb_zero3.py`` (bitsandbytes' own forward keeps every gathered weight alive
+until the backward).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from frod_ds.config.ds_config import BatchSizes, load_ds_config, zero_stage
 from frod_ds.core.names import DEFAULT_TARGETS
 from frod_ds.runtime import distributed as dist
 
-__all__ = ["ENGINES", "measure", "ds_config", "summarize"]
+__all__ = ["ENGINES", "Stepper", "build_frod", "build_lora", "count_layer_passes", "ds_config", "measure", "summarize"]
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = list(DEFAULT_TARGETS)
@@ -73,7 +80,12 @@ def ds_config(s: dict[str, Any], world: int) -> dict | None:
     return cfg
 
 
-def _build_frod(s: dict, model_dir: Path, factors: Path, ds_cfg: dict | None):
+def _zero3(ds_cfg: dict | None) -> bool:
+    return ds_cfg is not None and zero_stage(ds_cfg) == 3
+
+
+def build_frod(s: dict, model_dir: Path, factors: Path, ds_cfg: dict | None):
+    """FRoD from checkpoint + factor store as the trainer builds it, and its two AdamW groups (σ, S)."""
     from frod_ds.model.apply import frod_param_groups
     from frod_ds.model.build import build_frod_model, fetch_per_layer, make_supports
     from frod_ds.model.store_reader import FactorStore
@@ -84,26 +96,66 @@ def _build_frod(s: dict, model_dir: Path, factors: Path, ds_cfg: dict | None):
     if s["engine"] == "z3layers":
         from frod_ds.model.build_layers import build_layer_partitioned
 
-        model, _ = build_layer_partitioned(model_dir, store, supports, torch.bfloat16, dist.local_device())
+        model, _ = build_layer_partitioned(
+            model_dir, store, supports, torch.bfloat16, dist.local_device(), s["quant"], s["quantize_base"]
+        )
     else:
-        model = build_frod_model(model_dir, store, supports, torch.bfloat16, ds_cfg, rank=dist.get_rank())
-    if s["engine"] == "zero3":
+        model = build_frod_model(
+            model_dir,
+            store,
+            supports,
+            torch.bfloat16,
+            ds_cfg,
+            rank=dist.get_rank(),
+            quant=s["quant"],
+            quantize_base=s["quantize_base"],
+        )
+    if _zero3(ds_cfg) and s["engine"] != "z3layers":
         fetch_per_layer(model)  # what the trainer does under ZeRO-3
     if s["gc"]:
         enable_gradient_checkpointing(model)
     return model, frod_param_groups(model, 1e-4, 1e-5)
 
 
-def _build_lora(s: dict, model_dir: Path, ds_cfg: dict | None):
+def _bnb_config(s: dict):
+    """bitsandbytes settings of LoRA's frozen base (None: bf16): the targeted linears, with ``quantize_base`` all."""
+    if s["quant"] == "none":
+        return None
+    from transformers import BitsAndBytesConfig
+
+    skip = ["lm_head"] + ([] if s["quantize_base"] else ["down_proj"])
+    if s["quant"] == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=False,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_quant_storage=torch.bfloat16,
+        llm_int8_skip_modules=skip,
+    )
+
+
+def build_lora(s: dict, model_dir: Path, ds_cfg: dict | None, device: torch.device, zero3_bnb_fix: bool = True):
+    """PEFT LoRA on the same targets, adapters in bf16 like the base; ``zero3_bnb_fix=False`` keeps bitsandbytes'
+    own NF4 forward under ZeRO-3 (what the fix is measured against)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     from frod_ds.train.trainer import enable_gradient_checkpointing
 
-    z3 = ds_cfg is not None and zero_stage(ds_cfg) == 3
+    z3 = _zero3(ds_cfg)
     keep = HfDeepSpeedConfig(ds_cfg) if z3 else None  # noqa: F841 - alive while from_pretrained runs
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    quant = _bnb_config(s)
+    kw = {} if quant is None else {"quantization_config": quant}
+    if quant is not None and not z3:
+        kw["device_map"] = {"": device}  # bitsandbytes quantizes as the weights reach the device
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **kw)
+    if s["quant"] == "nf4" and z3 and zero3_bnb_fix:
+        from bench.kinds.bnb_zero3 import keep_linear4bit_weights_partitioned
+
+        keep_linear4bit_weights_partitioned(model)  # else each rank keeps the whole gathered NF4 model per step
     if z3 and s["leaf_modules"]:
         from frod_ds.model.build import fetch_per_layer
 
@@ -130,7 +182,9 @@ class Stepper:
             self.engine.train()  # from_pretrained leaves the base in eval mode, where no layer checkpoints
             self.model = self.wrapped = self.engine.module
             return
-        model = model.to(device).train()
+        if getattr(model, "hf_device_map", None) is None:  # a quantized base is on its device already
+            model = model.to(device)
+        model = model.train()
         if s["engine"] == "fsdp2":
             opt = _fully_shard(model, groups, device)
             self.params = [p for g in opt.param_groups for p in g["params"]]
@@ -224,7 +278,7 @@ def summarize(windows: list[list[float]], tokens_per_step: int) -> dict[str, Any
     }
 
 
-def _layer_passes(model) -> tuple[list, list[int]]:
+def count_layer_passes(model) -> tuple[list, list[int]]:
     """Count MLP forward passes (2 per step with checkpointing, 1 without): what ``gc`` did, counted."""
     mlps = [m.mlp for m in model.modules() if type(m).__name__.endswith("DecoderLayer") and hasattr(m, "mlp")]
     calls = [0]
@@ -248,9 +302,9 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
     ds_cfg = ds_config(s, world)
     t0 = time.perf_counter()
     if s["method"] == "frod":
-        model, groups = _build_frod(s, model_dir, factors, ds_cfg)
+        model, groups = build_frod(s, model_dir, factors, ds_cfg)
     else:
-        model, groups = _build_lora(s, model_dir, ds_cfg)
+        model, groups = build_lora(s, model_dir, ds_cfg, device)
     model.config.use_cache = False
     from frod_ds.model.frozen_shards import shard_frozen, shards_of
 
@@ -265,7 +319,7 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
     build_s = time.perf_counter() - t0
     cfg = step.model.config.to_dict()
     batches = _batches(s, cfg["vocab_size"], device)
-    handles, calls = _layer_passes(step.model)
+    handles, calls = count_layer_passes(step.model)
     losses = [float(step(next(batches))) for _ in range(s["warmup"])]
     for h in handles:
         h.remove()

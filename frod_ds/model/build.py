@@ -263,7 +263,7 @@ class FixedParameters:
     """``named_parameters`` of a module whose Parameters no longer change: each call's list is walked once, then
     replayed. DeepSpeed's ZeRO-3 walks a fetch unit's submodules for its parameters each time it fetches or releases
     it (four walks per decoder layer and step) and the whole model twice in each optimizer step; at 7B depth those
-    walks were about a fifth of ZeRO-3's host-side Python calls per step (``bench/host_calls.py``).
+    walks were about a fifth of ZeRO-3's host-side Python calls per step (``bench/results/host_calls``).
     ``fetch_per_layer`` installs one on the model and on each decoder layer, as an instance attribute: it goes with
     the model (and with a copy of it), nothing else sees it. Its contract is that no Parameter is added to or removed
     from those modules afterwards (ZeRO-3 keeps the Parameter objects and swaps their data); ``forget()`` drops the

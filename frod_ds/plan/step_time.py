@@ -36,7 +36,7 @@ LINK_EXPOSED = 1.2
 # The same for the layer partition (one coalesced gather per unit on a side stream, the next one prefetched; a
 # checkpointed layer's recompute reuses its backward's gather): read off the 7B shape on 2 H200s.
 LAYERS_LINK_EXPOSED = 0.7
-# All-gather bus bandwidth of 2 H200s over NVLink (bench/link.py).
+# All-gather bus bandwidth of 2 H200s over NVLink (bench/results/two_gpu_2xh200/matrix/link_2gpu.json).
 NVLINK_BUSBW = 268e9
 # Host-to-GPU copies of offloaded frozen weights (fitted on the one measured offload step).
 OFFLOAD_BYTES_PER_S = 47e9

@@ -3,13 +3,9 @@ asked for, and its JSON has what bench/time_model_check.py reads."""
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 
 def test_models_carry_the_quantization_asked_for():

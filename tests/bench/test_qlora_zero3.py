@@ -1,8 +1,8 @@
-"""QLoRA under ZeRO-3 (CPU, gloo, 2 ranks, a 2-layer LLaMA of hidden 512): ``bench/train_step.py build_lora`` holds
+"""QLoRA under ZeRO-3 (CPU, gloo, 2 ranks, a 2-layer LLaMA of hidden 512): the step kind's ``build_lora`` holds
 its partition plus about one decoder layer of NF4 weights gathered, not the whole quantized model, and computes
 what bitsandbytes' own ``Linear4bit`` computes.
 
-tests/support/qlora_residency_probe.py runs both modes in one launch (``--frozen-quant nf4 --quantize-base --gc``, one
+tests/support/qlora_residency_probe.py runs both modes in one launch (NF4 base, checkpointing, one
 optimizer step each) and samples, after each of DeepSpeed's fetches of a 4-bit linear, the NF4 bytes DeepSpeed
 counts as gathered and the bytes of released gathers that are still alive. The expected sizes come from the model's
 widths alone: an NF4 weight of m × n takes m·n/2 bytes. The DeepSpeed JSON is ``zero3.json`` without prefetching,
@@ -32,62 +32,12 @@ LAYER_BYTES = 4 * _nf4_bytes(HIDDEN, HIDDEN) + 3 * _nf4_bytes(INTER, HIDDEN)  # 
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
+    from bench.kinds.shapes import Shape, make_model
+
     root = tmp_path_factory.mktemp("qlora_zero3")
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "train_step.py"),
-            "make-model",
-            "--out",
-            str(root / "m"),
-            "--layers",
-            str(LAYERS),
-            "--hidden",
-            str(HIDDEN),
-            "--inter",
-            str(INTER),
-            "--heads",
-            "8",
-            "--vocab",
-            "1000",
-        ],
-        check=True,
-        env=env_vars(),
-        cwd=REPO,
-        capture_output=True,
-    )
-    cfg = json.loads((REPO / "ds_configs" / "zero3.json").read_text())
-    cfg["zero_optimization"].update(
-        stage3_param_persistence_threshold=0,
-        stage3_prefetch_bucket_size=0,
-        stage3_max_reuse_distance=0,
-        reduce_bucket_size=500000,
-    )
-    (root / "z3.json").write_text(json.dumps(cfg))
-    cmd = [
-        sys.executable,
-        str(RANKS),
-        "2",
-        str(REPO / "tests" / "support" / "qlora_residency_probe.py"),
-        "--method",
-        "lora",
-        "--config",
-        str(root / "z3.json"),
-        "--model",
-        str(root / "m"),
-        "--frozen-quant",
-        "nf4",
-        "--quantize-base",
-        "--gc",
-        "--batch",
-        "2",
-        "--seq",
-        "32",
-        "--out",
-        str(root / "out"),
-        "--probe-steps",
-        "1",
-    ]
+    make_model(Shape(LAYERS, HIDDEN, INTER, heads=8, kv_heads=8, vocab=1000), root / "m")
+    probe = REPO / "tests" / "support" / "qlora_residency_probe.py"
+    cmd = [sys.executable, str(RANKS), "2", str(probe), "--model", str(root / "m"), "--out", str(root / "out")]
     res = subprocess.run(cmd, env=env_vars(), cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [json.loads((root / "out" / f"qlora_rank{r}.json").read_text()) for r in (0, 1)]
@@ -99,6 +49,13 @@ def test_qlora_zero3_holds_one_layer_of_nf4_weights_gathered(reports):
         assert fixed["nf4_layer_bytes"] == [LAYER_BYTES] * LAYERS
         assert fixed["retained"] == 0, fixed
         assert fixed["both"] <= LAYER_BYTES, (fixed["both"], LAYER_BYTES)  # the layer recomputed in its backward
+
+
+def test_qlora_under_zero3_recomputes_every_layer(reports):
+    """``from_pretrained`` leaves the base in eval mode, where transformers' layers skip checkpointing: the step
+    kind trains the engine, so each layer runs twice per step (forward, recompute in the backward)."""
+    for rep in reports:
+        assert rep["fixed"]["layer_passes_per_step"] == rep["stock"]["layer_passes_per_step"] == 2.0
 
 
 def test_stock_bitsandbytes_keeps_every_gathered_weight_until_the_backward(reports):

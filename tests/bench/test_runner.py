@@ -15,7 +15,7 @@ import torch
 from bench.predict import read_predictions
 from bench.record import RESULTS, read_records
 from bench.report import render
-from bench.suite import BenchError, load_suite
+from bench.suite import BenchError, load_suite, with_defaults
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 
@@ -44,6 +44,8 @@ def test_list_values_expand_to_one_configuration_each(tmp_path):
         ('[[configs]]\nmethod = "frod"\nengine = "zero2"\nbatchsize = 8\n', "unknown keys ['batchsize']"),
         ('[[configs]]\nmethod = "frod"\nengine = ["zero2", "zero2"]\n', "declared twice"),
         ('[[configs]]\nmethod = "frod"\nengine = "zero2"\nshape = "13b"\n', "shape '13b'"),
+        ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nquant = "fp8"\n', "quant 'fp8'"),
+        ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nquantize_base = true\n', "quantize_base needs quant"),
         ("", "declares no configurations"),
     ],
 )
@@ -53,14 +55,22 @@ def test_a_bad_suite_is_refused_with_what_to_change(tmp_path, body, says):
 
 
 def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    """``python -m bench ARGS``; past ``timeout`` it is stopped with SIGTERM, which ends its running configuration."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "bench", *args],
         cwd=REPO,
         env=clean_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate()
+        pytest.fail(f"python -m bench {' '.join(args)} ran past {timeout} s\n{out[-2000:]}{err[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _base_loss(model_dir: Path, batch: int, seq: int) -> float:
@@ -73,9 +83,7 @@ def _base_loss(model_dir: Path, batch: int, seq: int) -> float:
         return float(model(input_ids=ids, labels=ids).loss)
 
 
-@pytest.mark.slow
-def test_a_run_measures_records_failures_resumes_and_reports(tmp_path):
-    body = """
+DEFAULTS = """
 [defaults]
 shape = "tiny"
 batch = 2
@@ -84,13 +92,31 @@ warmup = 1
 steps = 2
 repeats = 2
 timeout_s = 90
+"""
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """The tiny shape's checkpoint and factor store, prepared once for this file's runs (the runner's own step)."""
+    from bench.kinds.shapes import prepare
+
+    root = tmp_path_factory.mktemp("bench_work")
+    prepare("tiny", root, log=lambda line: None)
+    return root
+
+
+def _check_step_record(m: dict, base: float) -> None:
+    assert m["losses"][0] == pytest.approx(base, abs=2e-2)  # the method starts exactly at the base model
+    assert len(m["step_s_all"]) == 2 and all(len(w) == 2 for w in m["step_s_all"])
+    assert m["step_s_p10"] <= m["step_s_median"] <= m["step_s_p90"]
+
+
+@pytest.mark.slow
+def test_a_run_records_a_measurement_a_failure_and_a_time_out_then_resumes(tmp_path, work):
+    body = """
 [[configs]]
 method = "frod"
 engine = "plain"
-[[configs]]
-method = "lora"
-engine = "ddp"
-gpus = 2
 [[configs]]
 method = "frod"
 engine = "zero2"
@@ -102,8 +128,8 @@ engine = "plain"
 tag = "slow"
 timeout_s = 1
 """
-    path = _suite(tmp_path, body, "rehearsal")
-    results, work = tmp_path / "results", tmp_path / "work"
+    path = _suite(tmp_path, DEFAULTS + body, "rehearsal")
+    results = tmp_path / "results"
     args = ("run", str(path), "--results", str(results), "--work", str(work))
     run = _bench(*args)
     assert run.returncode == 1, run.stdout + run.stderr  # a failure and a time-out: not a success
@@ -111,7 +137,6 @@ timeout_s = 1
     status = {name: r.status for name, r in records.items()}
     assert status == {
         "tiny-frod-plain-1g": "ok",
-        "tiny-lora-ddp-2g": "ok",
         "tiny-frod-zero2-1g-bad": "failed",
         "tiny-lora-plain-1g-slow": "timeout",
     }
@@ -119,13 +144,7 @@ timeout_s = 1
         "exit code" in records["tiny-frod-zero2-1g-bad"].error
         and records["tiny-frod-zero2-1g-bad"].error.count("\n") > 2
     )
-    base = _base_loss(work / "tiny" / "model", 2, 16)
-    for name in ("tiny-frod-plain-1g", "tiny-lora-ddp-2g"):
-        m = records[name].metrics
-        assert m["losses"][0] == pytest.approx(base, abs=2e-2), name  # both methods start exactly at the base
-        assert len(m["step_s_all"]) == 2 and all(len(w) == 2 for w in m["step_s_all"])
-        assert m["step_s_p10"] <= m["step_s_median"] <= m["step_s_p90"]
-    assert records["tiny-lora-ddp-2g"].metrics["world_size"] == 2
+    _check_step_record(records["tiny-frod-plain-1g"].metrics, _base_loss(work / "tiny" / "model", 2, 16))
 
     again = _bench(*args, "--only", "tiny-*-plain-1g*", "--budget-s", "0")
     assert again.returncode == 0, again.stdout + again.stderr
@@ -136,6 +155,28 @@ timeout_s = 1
     report = results / "rehearsal" / "cpu" / "report.md"
     assert "| `tiny-frod-plain-1g` | frod | plain | 1 |" in report.read_text()
     assert report.read_text() == render(load_suite(path), "cpu", read_records(results, "rehearsal", "cpu"))
+
+
+@pytest.mark.slow
+def test_a_configuration_on_two_ranks_is_recorded_once_with_every_ranks_memory(tmp_path, work):
+    body = """
+[[configs]]
+method = "lora"
+engine = "ddp"
+gpus = 2
+"""
+    path = _suite(tmp_path, DEFAULTS + body, "ranks")
+    results = tmp_path / "results"
+    args = ("run", str(path), "--results", str(results), "--work", str(work))
+    run = _bench(*args)
+    assert run.returncode == 0, run.stdout + run.stderr
+    (record,) = read_records(results, "ranks")
+    assert record.status == "ok" and record.config == "tiny-lora-ddp-2g"
+    m = record.metrics
+    _check_step_record(m, _base_loss(work / "tiny" / "model", 2, 16))
+    assert m["world_size"] == 2 and len(m["memory_per_rank"]) == 2
+    again = _bench(*args)
+    assert again.returncode == 0 and "tiny-lora-ddp-2g                 done" in again.stdout, again.stdout
 
 
 def test_committed_reports_regenerate_from_their_records():
@@ -156,4 +197,4 @@ def test_every_committed_record_is_of_a_declared_configuration():
         if doc.get("schema") is None:
             continue  # results of the scripts before the runner
         suite = load_suite(doc["suite"])
-        assert suite.config(doc["config"]).settings == doc["settings"], path
+        assert suite.config(doc["config"]).settings == with_defaults(doc["settings"]), path

@@ -172,7 +172,7 @@ def test_deepspeed_launcher_puts_local_rank_before_the_command():
 @pytest.mark.slow
 def test_the_launcher_lines_run_hjd_on_two_ranks_like_one_process(tmp_path):
     """``torchrun --no-python frod hjd`` and ``deepspeed --no_python frod hjd`` (2 CPU ranks each, the launcher
-    lines of docs/commands.md) write the factors ``frod hjd`` writes in one process."""
+    lines of docs/commands.md) write the factors ``frod hjd`` writes in one process (run here, in this one)."""
     import torch
 
     from frod_ds.testing.toy import write_tiny_llama
@@ -191,10 +191,14 @@ def test_the_launcher_lines_run_hjd_on_two_ranks_like_one_process(tmp_path):
     args = ["hjd", "--model", str(tmp_path / "model"), "--device", "cpu", "--out"]
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python", "frod"]
     deepspeed = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--no_python", "frod"]
-    for name, launcher in (("one", ["frod"]), ("torchrun", torchrun), ("deepspeed", deepspeed)):
+    for name, launcher in (("torchrun", torchrun), ("deepspeed", deepspeed)):
         res = run([*launcher, *args, str(tmp_path / name)], env=env, timeout=240)
         assert res.returncode == 0, (name, res.stderr[-3000:])
     from frod_ds.model.store_reader import FactorStore
+    from tests.support.helpers_ckpt import hjd_in_process
+
+    res = hjd_in_process([*args[1:], str(tmp_path / "one")])  # frod hjd in one process, in this one
+    assert res.returncode == 0, res.stderr[-3000:]
 
     one = FactorStore.open(tmp_path / "one")
     assert one.categories and one.manifest.world_size == 1

@@ -129,41 +129,51 @@ def test_readahead_budget_is_shared_by_the_ranks_of_a_node(monkeypatch):
     assert ranks_on_this_node() == 4 and plan.readahead_budget() == 2**28
 
 
-def test_cpu_threading_of_launch_hjd_respects_the_user_and_shares_the_cores():
+def test_cpu_threading_of_launch_hjd_respects_the_user_and_shares_the_cores(monkeypatch):
     """CPU runs without OMP_NUM_THREADS: OpenMP threads wait passively and a rank takes torch's default
-    thread count divided by the ranks on the node; an explicit OMP_NUM_THREADS / OMP_WAIT_POLICY is kept."""
+    thread count divided by the ranks on the node; an explicit OMP_NUM_THREADS / OMP_WAIT_POLICY is kept.
+    Once in a fresh interpreter (the policy set before torch loads, torch's own default divided), then each rule
+    in this process, on an environment of its own, with torch's thread count calls recorded."""
+    import argparse
+    import os
+
+    import frod_ds.cli.hjd as h
+
     code = (
-        "import argparse, os, sys; import launch.hjd as h; ns = argparse.Namespace(device=sys.argv[1]); "
-        "h._cpu_threading_env(ns); import torch; h._set_cpu_threads(ns); "
-        "print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())"
+        "import argparse, os; import launch.hjd as h; ns = argparse.Namespace(device='cpu'); "
+        "h._cpu_threading_env(ns); import torch; default = torch.get_num_threads(); h._set_cpu_threads(ns); "
+        "print(os.environ.get('OMP_WAIT_POLICY'), default, torch.get_num_threads())"
     )
     clean = {k: v for k, v in clean_env().items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**clean, "LOCAL_WORLD_SIZE": "2"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    policy, default, threads = proc.stdout.split()
+    assert policy == "PASSIVE" and int(threads) == max(1, int(default) // 2), proc.stdout
+
+    set_to: list[int] = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
     def run(device: str = "cpu", **env: str) -> tuple[str, int]:
-        proc = subprocess.run(
-            [sys.executable, "-c", code, device],
-            cwd=REPO,
-            env={**clean, **env},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        policy, threads = proc.stdout.split()
-        return policy, int(threads)
+        monkeypatch.setattr(os, "environ", dict(env))
+        set_to[:] = [8]
+        ns = argparse.Namespace(device=device)
+        h._cpu_threading_env(ns)
+        h._set_cpu_threads(ns)
+        return str(os.environ.get("OMP_WAIT_POLICY")), set_to[-1]
 
-    default = int(
-        subprocess.run(
-            [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
-            env=clean,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        ).stdout
-    )
-    assert run() == ("PASSIVE", default)
-    assert run(LOCAL_WORLD_SIZE="2") == ("PASSIVE", max(1, default // 2))
-    assert run(SLURM_STEP_TASKS_PER_NODE=str(2 * default)) == ("PASSIVE", 1)
-    assert run(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="2") == ("None", 1)
-    assert run(OMP_WAIT_POLICY="ACTIVE") == ("ACTIVE", default)
-    assert run("cuda") == ("None", default)
+    assert run() == ("PASSIVE", 8)
+    assert run(LOCAL_WORLD_SIZE="2") == ("PASSIVE", 4)
+    assert run(SLURM_STEP_TASKS_PER_NODE="16") == ("PASSIVE", 1)
+    assert run(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="2") == ("None", 8)
+    assert run(OMP_WAIT_POLICY="ACTIVE") == ("ACTIVE", 8)
+    assert run("cuda") == ("None", 8)
+    assert run("auto", LOCAL_WORLD_SIZE="4") == ("PASSIVE", 2)  # no GPU here: a CPU run

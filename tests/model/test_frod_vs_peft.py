@@ -88,7 +88,7 @@ def test_committed_report_is_generated_from_its_results():
 
     results = json.loads((DEFAULT_OUT / "results.json").read_text())
     assert (DEFAULT_OUT / "report.md").read_text() == render_report(results), (
-        "run python bench/frod_vs_peft.py --report-only (do not edit the report by hand)"
+        "run python -m bench.frod_vs_peft --report-only (do not edit the report by hand)"
     )
     steps = results["run"]["steps"]
     assert results["complete"] and len(steps) == results["setup"]["steps"] >= 50

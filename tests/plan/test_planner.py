@@ -388,6 +388,20 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _plan_here(*args: str) -> subprocess.CompletedProcess:
+    """``frod plan ARGS`` by its ``main`` in this process (what it printed, its exit code), without a subprocess's
+    imports: for checks of what the command decides, once the command line itself is checked (``_plan``)."""
+    import contextlib
+    import io
+
+    from frod_ds.cli.plan import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["frod", "plan", *args], code, out.getvalue(), err.getvalue())
+
+
 def test_cli_prints_every_part_and_the_verdict(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     res = _plan(
@@ -417,7 +431,7 @@ def test_cli_prints_every_part_and_the_verdict(tmp_path):
         assert part in res.stdout, part
     assert "fits" in res.stdout and "fastest set-up that fits: ds_configs/zero2.json" in res.stdout
     assert "activations with gradient checkpointing" in res.stdout
-    res = _plan("--model", str(tmp_path), "--gpus", "1", "--gpu-mem", "4", "--config", "ds_configs/zero2.json")
+    res = _plan_here("--model", str(tmp_path), "--gpus", "1", "--gpu-mem", "4", "--config", "ds_configs/zero2.json")
     assert res.returncode == 1 and "does NOT fit" in res.stdout
 
 
@@ -437,7 +451,7 @@ def test_cli_plan_refuses_a_deepspeed_json_training_would_refuse(tmp_path, chang
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
     cfg = {**json.loads((REPO / "ds_configs" / "zero2.json").read_text()), **change}
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
-    res = _plan("--model", str(tmp_path), "--gpus", "1", "--config", str(tmp_path / "ds.json"))
+    res = _plan_here("--model", str(tmp_path), "--gpus", "1", "--config", str(tmp_path / "ds.json"))
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
 

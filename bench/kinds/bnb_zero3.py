@@ -1,4 +1,4 @@
-"""bitsandbytes ``Linear4bit`` under ZeRO-3 without a second copy of the quantized model (QLoRA in bench/train_step.py).
+"""bitsandbytes ``Linear4bit`` under ZeRO-3 without a second copy of the quantized model (QLoRA in the step kind).
 
 Why: bitsandbytes 0.50's ``MatMul4Bit.forward`` (``bitsandbytes/autograd/_functions.py``, ``B = B.view(-1, 1)`` then
 ``ctx.tensors = (None, B)``) keeps a *view* of the weight for the backward. Under ZeRO-3 the weight's data is the
