@@ -198,7 +198,15 @@ def test_a_misspelled_deepspeed_key_is_named_with_the_closest_valid_one(where, t
 
 @pytest.mark.parametrize(
     "name",
-    ["zero3.json", "zero3_offload.json", "zero3_nvme.json", "zero2.json", "zero3_cpu_fp32.json", "zero2_cpu_fp32.json"],
+    [
+        "zero3.json",
+        "zero3_offload.json",
+        "zero3_nvme.json",
+        "zero2.json",
+        "zero0.json",
+        "zero3_cpu_fp32.json",
+        "zero2_cpu_fp32.json",
+    ],
 )
 def test_every_shipped_deepspeed_key_is_known(name):
     from frod_ds.config.ds_config import _unknown_keys
