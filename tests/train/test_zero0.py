@@ -65,13 +65,17 @@ def test_zero0_trains_like_zero2_step_by_step(env, ref, tmp_path):
         assert torch.allclose(got[k], v, rtol=1e-5, atol=1e-6), k
 
 
-@pytest.mark.parametrize("nproc, accum", [(2, 2), (1, 4)], ids=["same-2-ranks", "on-1-rank"])
-def test_zero0_resumes_its_checkpoint(env, ref, cpu_zero0, tmp_path, nproc, accum):
-    out = tmp_path / "run"
+def _stopped_at_step2(ref: Path, out: Path) -> Path:
     shutil.copytree(ref, out)
     shutil.rmtree(out / "checkpoints" / f"step{STEPS:08d}")
     shutil.rmtree(out / "adapter-final")
     (out / "checkpoints" / "latest_complete").write_text(f"step{SAVED:08d}")
+    return out
+
+
+@pytest.mark.parametrize("nproc, accum", [(2, 2), (1, 4)], ids=["same-2-ranks", "on-1-rank"])
+def test_zero0_resumes_its_checkpoint(env, ref, cpu_zero0, tmp_path, nproc, accum):
+    out = _stopped_at_step2(ref, tmp_path / "run")
     res = run_train(cpu_zero0, env.overrides(out, **COMMON, **{"train.grad_accum": accum}), nproc=nproc)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed from step{SAVED:08d}: step {SAVED}/{STEPS}" in res.stdout + res.stderr
@@ -88,3 +92,14 @@ def test_zero0_resumes_its_checkpoint(env, ref, cpu_zero0, tmp_path, nproc, accu
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (a, b)
         for k, v in want_adapter.items():
             assert (adapter[k] - v).abs().max() <= 1e-5 * v.abs().max(), k
+
+
+def test_a_zero0_run_continues_under_zero2(env, ref, tmp_path):
+    """The ZeRO layout is not the run: stage 0's checkpoint (σ and S per FRoD layer) continues under ZeRO-2 (per
+    decoder layer) through the trainable-state record, with the uninterrupted stage-0 run's losses."""
+    out = _stopped_at_step2(ref, tmp_path / "run")
+    res = run_train(CPU_ZERO2, env.overrides(out, **COMMON, **{"train.grad_accum": 2}), nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "from ZeRO-0 on ZeRO-2" in res.stderr, res.stderr[-3000:]
+    for a, b in zip(metrics(out), metrics(ref)):
+        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-6), (a, b)
