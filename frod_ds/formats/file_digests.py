@@ -14,12 +14,13 @@ from pathlib import Path
 from frod_ds.formats.records import parse_json, record_from_dict
 from frod_ds.runtime.errors import FrodError
 
-__all__ = ["DATA_MANIFEST", "FileDigests", "sha256_of"]
+__all__ = ["DATA_MANIFEST", "FileDigests", "file_sha256"]
 
 DATA_MANIFEST = "manifest.json"  # a data build's record (frod_ds.prep.dataset writes the rest of it)
 
 
-def sha256_of(path: Path) -> str:
+def file_sha256(path: str | Path) -> str:
+    """sha256 hex digest of a file's bytes."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -32,7 +33,7 @@ class FileDigests:
 
     @classmethod
     def of(cls, folder: Path, names: list[str]) -> FileDigests:
-        return cls({name: sha256_of(Path(folder) / name) for name in sorted(names)})
+        return cls({name: file_sha256(Path(folder) / name) for name in sorted(names)})
 
     @classmethod
     def read(cls, record: Path, error: type[FrodError], hint: str, required: bool = True) -> FileDigests | None:
@@ -53,4 +54,4 @@ class FileDigests:
     def changed(self, folder: Path, name: str) -> bool:
         """Whether ``folder/name`` is not the file recorded under ``name`` (missing, or other bytes)."""
         want = self.files.get(name)
-        return want is None or not (Path(folder) / name).is_file() or sha256_of(Path(folder) / name) != want
+        return want is None or not (Path(folder) / name).is_file() or file_sha256(Path(folder) / name) != want

@@ -10,11 +10,11 @@ Torch-free.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.file_digests import file_sha256
 from frod_ds.formats.records import changed_keys, parse_json, record_from_dict, record_to_json
 from frod_ds.runtime.errors import FrodError
 
@@ -55,11 +55,6 @@ _NOT_IDENTITY = {
 
 class RunIdentityError(FrodError):
     """``output_dir`` holds another run, or its identity record is unreadable."""
-
-
-def file_sha256(path: str | Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def training_hyperparameters(recipe_dict: dict[str, Any], global_batch: int) -> dict[str, Any]:
