@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from frod_ds.config.ds_config import BatchSizes
+from frod_ds.io.torch_pickle import safe_load, use_safe_loads
 from frod_ds.model.frozen_shards import shards_of
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text, disk_full_error
@@ -141,13 +142,15 @@ def restore_checkpoint(
 
 
 def _load_engine_files(engine, root: Path, tag: str) -> int:
-    """Same world size and ZeRO stage: DeepSpeed's own files, and each rank's RNG state."""
+    """Same world size and ZeRO stage: DeepSpeed's own files, and each rank's RNG state (every file loaded with
+    ``weights_only``, DeepSpeed's few classes allowed: ``frod_ds.io.torch_pickle``)."""
+    use_safe_loads(engine)
     path, client = engine.load_checkpoint(
         str(root), tag=tag, load_module_strict=False, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
         raise RuntimeError(f"could not load engine checkpoint {tag} from {root}")
-    rng = torch.load(root / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    rng = safe_load(root / tag / f"rng_rank{dist.get_rank()}.pt")
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available() and rng.get("cuda") is not None:

@@ -150,17 +150,29 @@ def eval_loss(run: Run) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
+def _grad_norm(engine) -> float:
+    """``‖g‖₂`` of the trainable gradients the coming ``engine.step()`` applies (after the last backward of the
+    step: accumulated and averaged over ranks), as DeepSpeed computes it to clip them."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+
 def train_step(run: Run, step: int) -> dict[str, float]:
     """Optimizer step ``step`` (0-based) over this rank's micro-batches; the metrics row's values, all-reduced."""
     engine, dev = run.engine, dist.local_device()
     reset_peak_mem()
     t0 = time.perf_counter()
     lr_sigma, lr_s = group_lrs(engine.optimizer)  # the rates this step applies (the scheduler steps in engine.step)
-    losses, tokens = [], 0
-    for idx in run.plan.micro_batches(step):
+    losses, tokens, own_norm = [], 0, None
+    micro = run.plan.micro_batches(step)
+    for i, idx in enumerate(micro):
         batch = {k: v.to(dev) for k, v in collate([run.inputs.examples[i] for i in idx], run.pad_id).items()}
         loss = engine(**batch).loss
         engine.backward(loss)
+        if i == len(micro) - 1 and not hasattr(engine.optimizer, "_global_grad_norm"):
+            own_norm = _grad_norm(engine)  # fp32 stage 0 clips with a norm DeepSpeed does not keep
         engine.step()
         losses.append(loss.detach().float())
         tokens += int(batch["attention_mask"].sum())
@@ -169,6 +181,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     )
     dt = time.perf_counter() - t0
     grad_norm = engine.get_global_grad_norm()
+    grad_norm = own_norm if grad_norm is None else grad_norm
     return {
         "loss": float(stats[0]) / dist.get_world_size(),
         "lr_sigma": lr_sigma,

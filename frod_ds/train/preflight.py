@@ -76,7 +76,8 @@ def preflight(
 ) -> Inputs:
     """Check every input of a run (``FrodError`` on the first problem) and read what training needs of them:
     the DeepSpeed config, the data rows, the factor store against the base model (and against the checkpoint
-    ``resume_tag`` of ``output_dir``), the tokenizer, batch and sparsity, ``output_dir``, ``model.init_adapter``."""
+    ``resume_tag`` of ``output_dir``), the tokenizer, batch and sparsity, ``output_dir``, ``model.init_adapter``,
+    and last the run's identity against that checkpoint's (everything it digests has been checked by then)."""
     world = dist.get_world_size()
     ds_cfg = resolve_ds_config(dict(ds_config), recipe, world, nvme_path)
     if recipe.train.tensorboard:
@@ -88,9 +89,6 @@ def preflight(
     eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
     base, store = _open_base_and_store(recipe)
     store_identity = store.identity(list(recipe.model.targets))
-    identity = run_identity(recipe, base, world)
-    if resume_tag is not None:
-        check_resume_identity(Path(recipe.output_dir), resume_tag, store_identity, identity)
     if "offload_param" in nvme_offloads(ds_cfg):  # the model's parameter sizes are read only when they matter
         params = nvme_params(base, store, list(recipe.model.targets), recipe.model.sparsity)
         check_nvme_buffer(ds_cfg, params.largest_frozen, world)
@@ -106,6 +104,9 @@ def preflight(
     _check_sparsity(recipe, store)
     check_writable(Path(recipe.output_dir))
     init = init_adapter(recipe, store, store_identity)
+    identity = run_identity(recipe, base, world, examples, eval_examples)
+    if resume_tag is not None:
+        check_resume_identity(Path(recipe.output_dir), resume_tag, store_identity, identity)
     layout = zero3_layout(ds_cfg, recipe.train.zero3_partition)
     if layout == "layers":
         ds_cfg = layers_engine_config(ds_cfg)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from frod_ds._moved import forward_names
-from frod_ds.config.ds_config import as_ds_config, offload_device, zero_stage
+from frod_ds.config.ds_config import as_ds_config, nvme_offloads, offload_device, zero_stage
 from frod_ds.config.recipe import Recipe
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.io.dtypes import FLOAT_DTYPES
@@ -96,6 +96,7 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
 
     recipe, store, init, ds_cfg = inputs.recipe, inputs.store, inputs.init_adapter, inputs.ds_config
     m = recipe.model
+    build_nvme_op(ds_cfg)
     supports = (
         make_supports(store, list(m.targets), m.sparsity, m.seed) if init is None else supports_from_adapter(*init)
     )
@@ -131,6 +132,18 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
         config=ds_cfg,
     )
     return engine, sigma0
+
+
+def build_nvme_op(ds_cfg: Mapping[str, Any]) -> None:
+    """NVMe offload: DeepSpeed's ``async_io`` op, JIT-built through ``op_build.load_op`` (a lock that dies with its
+    holder, ninja in a session that dies with the launch) before the model build, where DeepSpeed would build it
+    bare; DeepSpeed then reuses the loaded op."""
+    if nvme_offloads(dict(ds_cfg)):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        from frod_ds.runtime import op_build
+
+        op_build.load_op(AsyncIOBuilder())
 
 
 def _optimizer(model: torch.nn.Module, recipe: Recipe, ds_cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
@@ -203,8 +216,8 @@ def _resume(run: Run, tag: str | None, skipped: list[tuple[str, str]]) -> int:
     step = 0
     if tag is not None:
         step = restore_checkpoint(run.engine, root, tag, skipped, run.layout, run.zero3)
-    if dist.is_main():  # rows of the steps after the one continued from are replayed: dropped
-        drop_rows_after(run.out / METRICS, step)
+    # rows of the steps after the one continued from are replayed: dropped (a line torn by a kill too)
+    dist.on_main(lambda: drop_rows_after(run.out / METRICS, step))
     if tag is not None:
         dist.print0(f"resumed from {tag}: step {step}/{run.total_steps}")
     return step

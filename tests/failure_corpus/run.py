@@ -162,6 +162,15 @@ def command(world: World, argv: list[str]) -> list[str]:
     raise ValueError(f"unknown tool {tool!r} in the corpus")
 
 
+def _stage0_json(repo: Path, root: Path) -> Path:
+    """The CPU ZeRO-2 JSON at ZeRO stage 0 (DeepSpeed's plain data parallel), beside the worlds."""
+    cfg = json.loads((repo / "ds_configs" / "zero2_cpu_fp32.json").read_text())
+    cfg["zero_optimization"] = {"stage": 0}
+    path = root / "zero0_cpu_fp32.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
+
+
 def build_world(repo: Path, root: Path) -> World:
     """Model, tokenizer, data and store as the training tests make them (``tests.train_env.build_env`` of
     ``repo``), an adapter from two training steps, its merged export, and a second model (another seed and depth)
@@ -186,6 +195,7 @@ def build_world(repo: Path, root: Path) -> World:
         "data2": str(w2 / "data"),
         "ds": str(repo / "ds_configs" / "zero2_cpu_fp32.json"),
         "ds3": str(repo / "ds_configs" / "zero3_cpu_fp32.json"),
+        "ds0": str(_stage0_json(repo, root)),
         "repo": str(repo),
         "fixtures": str(repo / "tests" / "fixtures" / "data_prep"),
         "run": str(w / "run"),
@@ -691,6 +701,23 @@ def adapter_flip(world, case, spec):
     _flip_byte(case / "adapter" / "adapter.safetensors", 0.95)
 
 
+def adapter_no_crc(world, case, spec):
+    """A byte of the weights changed and the checksum that would catch it deleted from adapter_config.json."""
+    adapter_flip(world, case, spec)
+    config = json.loads((case / "adapter" / "adapter_config.json").read_text())
+    if config.pop("weights_crc32", None) is None:
+        raise Skip("this checkout's adapters record no weights checksum")
+    (case / "adapter" / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def peft_export_changed(world, case, spec):
+    """The world's adapter exported as a PEFT adapter, then a byte of its weights changed (still loadable)."""
+    res = world.run(["export", "--checkpoint", world.paths["adapter"], "--format", "peft", "--out", str(case / "peft")])
+    if res.returncode:
+        raise RuntimeError(f"the PEFT export for the case failed: {res.stderr[-2000:]}")
+    _flip_byte(case / "peft" / "adapter_model.safetensors", 0.999)
+
+
 def adapter_empty_weights(world, case, spec):
     _copy(world, "adapter", case / "adapter")
     (case / "adapter" / "adapter.safetensors").write_bytes(b"")
@@ -741,6 +768,74 @@ def ckpt_missing_file(world, case, spec):
 def ckpt_torn_file(world, case, spec):
     ck = _unfinished_run(world, case)
     _truncate(_first(ck, "*model_states.pt"), 0.5)
+
+
+class _RunsWhenUnpickled:
+    """Unpickled in full (``torch.load(..., weights_only=False)``), it creates ``path``: a foreign pickle."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.path}'",)
+
+
+def _reseal(ck: Path, changed: Path) -> None:
+    """Record ``changed``'s new size and sha256 in the checkpoint's COMPLETE seal, as its maker would."""
+    seal = ck / "COMPLETE"
+    if seal.is_file() and seal.read_text().strip():
+        record = json.loads(seal.read_text())
+        digest = hashlib.sha256(changed.read_bytes()).hexdigest()
+        record["files"][str(changed.relative_to(ck))] = {"bytes": changed.stat().st_size, "sha256": digest}
+        seal.write_text(json.dumps(record, indent=1))
+
+
+def ckpt_foreign_pickle(world, case, spec):
+    """The checkpoint's rng file replaced by a pickle that runs a command (``{case}/ran``), sealed to match."""
+    import torch
+
+    ck = _unfinished_run(world, case)
+    rng = _first(ck, "rng_rank0.pt")
+    torch.save({"python": _RunsWhenUnpickled(case / "ran")}, rng)
+    _reseal(ck, rng)
+
+
+def metrics_torn_row(world, case, spec):
+    """The run as a kill mid-row leaves it: a row past its checkpoint half written, no newline."""
+    _unfinished_run(world, case)
+    with open(case / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 6.91')
+
+
+def run_copy_other_tokenizer(world, case, spec):
+    """The world's run, and at ``{case}/tok`` its tokenizer with the ids of the two tokens its data uses most swapped
+    (same files, same size, other ids)."""
+    from transformers import AutoTokenizer
+
+    _copy(world, "run", case / "run")
+    (case / "tok").mkdir()
+    for f in Path(world.paths["model"]).glob("tokenizer*"):
+        shutil.copy(f, case / "tok")
+    tok = AutoTokenizer.from_pretrained(world.paths["model"])
+    text = [json.loads(x)["prompt"] for x in _rows(world)]
+    counts = Counter(i for ids in tok(text)["input_ids"] for i in ids if i not in tok.all_special_ids)
+    (a, _), (b, _) = counts.most_common(2)
+    spec_json = json.loads((case / "tok" / "tokenizer.json").read_text())
+    vocab = spec_json["model"]["vocab"]
+    if not isinstance(vocab, dict):
+        raise Skip("the world's tokenizer is not a BPE vocabulary")
+    ta, tb = tok.convert_ids_to_tokens([a, b])
+    vocab[ta], vocab[tb] = b, a
+    (case / "tok" / "tokenizer.json").write_text(json.dumps(spec_json))
+
+
+def run_copy_other_config(world, case, spec):
+    """The world's run, and at ``{case}/model`` its base model with another ``rope_theta`` (same weights)."""
+    _copy(world, "run", case / "run")
+    _copy(world, "model", case / "model")
+    config = json.loads((case / "model" / "config.json").read_text())
+    config["rope_theta"] = 2 * config.get("rope_theta", 10000.0)
+    (case / "model" / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def export_copy(world, case, spec):
@@ -821,6 +916,17 @@ def eval_one_choice(world, case, spec):
 
 def eval_same_choices(world, case, spec):
     _eval_edit(world, case, lambda row: row.update(choices=[row["answer"], row["answer"]], label=0))
+
+
+def eval_flipped_label(world, case, spec):
+    """Row 1's label moved to another choice: a valid row, so only the build's sha256 tells the file changed."""
+    f = _first_task(_eval_dir(world, case))
+    rows = f.read_text().splitlines()
+    row = json.loads(rows[0])
+    row["label"] = (row["label"] + 1) % len(row["choices"])
+    row["answer"] = row["choices"][row["label"]]
+    rows[0] = json.dumps(row)
+    f.write_text("\n".join(rows) + "\n")
 
 
 # -- data build sources
@@ -1179,10 +1285,16 @@ STEPS: dict[str, Callable] = {
         adapter_flip,
         adapter_empty_weights,
         adapter_nan,
+        adapter_no_crc,
+        peft_export_changed,
         run_copy,
         ckpt_no_seal,
         ckpt_missing_file,
         ckpt_torn_file,
+        ckpt_foreign_pickle,
+        metrics_torn_row,
+        run_copy_other_tokenizer,
+        run_copy_other_config,
         export_copy,
         export_torn,
         export_no_tokenizer,
@@ -1191,6 +1303,7 @@ STEPS: dict[str, Callable] = {
         eval_empty,
         eval_no_dir,
         eval_bad_label,
+        eval_flipped_label,
         mirror_copy,
         mirror_torn,
         mirror_empty_task,
@@ -1245,6 +1358,7 @@ PLACEHOLDERS = (
     "data2",
     "ds",
     "ds3",
+    "ds0",
     "repo",
     "fixtures",
     "run",

@@ -284,6 +284,7 @@ def test_shipped_configs_map_to_their_engine():
     cfgs = {p.stem: json.loads(p.read_text()) for p in (REPO / "ds_configs").glob("*.json")}
     got = {k: (engine_from_ds_config(c).stage, engine_from_ds_config(c).offload_param) for k, c in cfgs.items()}
     assert got == {
+        "zero0": (2, False),
         "zero2": (2, False),
         "zero2_cpu_fp32": (2, False),
         "zero3": (3, False),
