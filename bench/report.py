@@ -53,10 +53,10 @@ def _fastest(rows: list[Record], method: str, gpus: int) -> Record | None:
 def _comparison(rows: list[Record]) -> list[str]:
     out = [
         "| GPUs | FRoD's fastest | step ms | LoRA's fastest | step ms | FRoD ÷ LoRA (step) | "
-        "FRoD tokens/s ÷ (N × LoRA's fastest on 1 GPU) |",
-        "|---|---|---|---|---|---|---|",
+        "FRoD tokens/s ÷ (N × LoRA's fastest on 1 GPU) | FRoD's N-GPU tokens/s ÷ its fastest on 1 GPU |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    lora1 = _fastest(rows, "lora", 1)
+    lora1, frod1 = _fastest(rows, "lora", 1), _fastest(rows, "frod", 1)
     for n in sorted({r.settings["gpus"] for r in rows}):
         f, lo = _fastest(rows, "frod", n), _fastest(rows, "lora", n)
         if f is None or lo is None:
@@ -66,9 +66,13 @@ def _comparison(rows: list[Record]) -> list[str]:
         if lora1 is not None:
             vs_n = f"{f.metrics['tokens_per_s_per_gpu'] / lora1.metrics['tokens_per_s_per_gpu']:.2f}× "
             vs_n += f"(LoRA `{lora1.settings['engine']}`)"
+        scale = "–"
+        if frod1 is not None:
+            scale = f"{n * f.metrics['tokens_per_s_per_gpu'] / frod1.metrics['tokens_per_s_per_gpu']:.2f}× "
+            scale += f"(`{frod1.settings['engine']}`)"
         out.append(
             f"| {n} | `{f.settings['engine']}` | {f.metrics['step_s_median'] * 1e3:.1f} | `{lo.settings['engine']}` | "
-            f"{lo.metrics['step_s_median'] * 1e3:.1f} | {ratio:.2f}× | {vs_n} |"
+            f"{lo.metrics['step_s_median'] * 1e3:.1f} | {ratio:.2f}× | {vs_n} | {scale} |"
         )
     return out if len(out) > 2 else []
 
