@@ -4,6 +4,7 @@ python -m bench list                          # the suites and what each measure
 python -m bench list step-7b                  # a suite's configurations
 python -m bench run step-7b                   # measure what is not measured yet on this machine, then report
 python -m bench run step-7b --budget-s 480 --results "$OUT/results"   # within one bounded device call
+python -m bench predict zero3-2gpu            # the planner's predictions, committed before the suite runs
 python -m bench report step-7b                # regenerate the suite's reports from its records
 """
 
@@ -53,6 +54,13 @@ def _report(args) -> int:
     return 0
 
 
+def _predict(args) -> int:
+    from bench.predict import write_predictions
+
+    print(f"wrote {write_predictions(args.results, load_suite(args.suite))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -69,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--series", type=int, default=1, help="measure the suite again in a later call: series 2, 3, ... (own records)"
     )
+    p = sub.add_parser("predict", help="write the planner's predictions for a suite, before it is measured")
+    p.add_argument("suite", help="a suite name")
+    p.add_argument("--results", type=Path, default=RESULTS, help="results root (default bench/results)")
     p = sub.add_parser("report", help="regenerate a suite's reports from its records")
     p.add_argument("suite", help="a suite name")
     p.add_argument("--results", type=Path, default=RESULTS, help="results root (default bench/results)")
@@ -77,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "list":
             _list(args)
             return 0
-        return _run(args) if args.cmd == "run" else _report(args)
+        return {"run": _run, "predict": _predict}.get(args.cmd, _report)(args)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from bench.predict import read_predictions
 from bench.record import Record, read_records
 from bench.suite import Suite
 
@@ -52,10 +53,10 @@ def _fastest(rows: list[Record], method: str, gpus: int) -> Record | None:
 def _comparison(rows: list[Record]) -> list[str]:
     out = [
         "| GPUs | FRoD's fastest | step ms | LoRA's fastest | step ms | FRoD ÷ LoRA (step) | "
-        "FRoD tokens/s ÷ (N × LoRA's fastest on 1 GPU) |",
-        "|---|---|---|---|---|---|---|",
+        "FRoD tokens/s ÷ (N × LoRA's fastest on 1 GPU) | FRoD's N-GPU tokens/s ÷ its fastest on 1 GPU |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    lora1 = _fastest(rows, "lora", 1)
+    lora1, frod1 = _fastest(rows, "lora", 1), _fastest(rows, "frod", 1)
     for n in sorted({r.settings["gpus"] for r in rows}):
         f, lo = _fastest(rows, "frod", n), _fastest(rows, "lora", n)
         if f is None or lo is None:
@@ -65,18 +66,46 @@ def _comparison(rows: list[Record]) -> list[str]:
         if lora1 is not None:
             vs_n = f"{f.metrics['tokens_per_s_per_gpu'] / lora1.metrics['tokens_per_s_per_gpu']:.2f}× "
             vs_n += f"(LoRA `{lora1.settings['engine']}`)"
+        scale = "–"
+        if frod1 is not None:
+            scale = f"{n * f.metrics['tokens_per_s_per_gpu'] / frod1.metrics['tokens_per_s_per_gpu']:.2f}× "
+            scale += f"(`{frod1.settings['engine']}`)"
         out.append(
             f"| {n} | `{f.settings['engine']}` | {f.metrics['step_s_median'] * 1e3:.1f} | `{lo.settings['engine']}` | "
-            f"{lo.metrics['step_s_median'] * 1e3:.1f} | {ratio:.2f}× | {vs_n} |"
+            f"{lo.metrics['step_s_median'] * 1e3:.1f} | {ratio:.2f}× | {vs_n} | {scale} |"
         )
     return out if len(out) > 2 else []
+
+
+def _predicted(rows: list[Record], predictions: dict[str, dict]) -> list[str]:
+    """Each measured configuration the planner predicted, beside its prediction (written before the call?)."""
+    out = []
+    for r in rows:
+        p = predictions.get(r.config)
+        if r.status != "ok" or p is None or p.get("settings") != r.settings:
+            continue
+        m = r.metrics
+        ms, pms = m["step_s_median"] * 1e3, p["step_s"] * 1e3
+        gib, pgib = m.get("peak_allocated_gib"), p["peak_allocated_gib"]
+        mem = f"{gib:.1f} | {pgib:.1f} | {(pgib - gib) / gib:+.1%}" if gib else f"– | {pgib:.1f} | –"
+        before = "yes" if p["date"] < r.date else "no"
+        out.append(f"| `{r.config}` | {ms:.1f} | {pms:.1f} | {(pms - ms) / ms:+.1%} | {mem} | {before} |")
+    if not out:
+        return []
+    return [
+        "The planner's predictions (`python -m bench predict`, `predictions.json`) beside the measurements:",
+        "",
+        "| configuration | step ms | predicted | error | peak GiB | predicted | error | predicted before |",
+        "|---|---|---|---|---|---|---|---|",
+        *out,
+    ]
 
 
 def _machine(device: dict) -> str:
     return f"{device['count']} × {device['name']}" if device["count"] else device["name"]
 
 
-def render(suite: Suite, device: str, records: list[Record]) -> str:
+def render(suite: Suite, device: str, records: list[Record], predictions: dict[str, dict] | None = None) -> str:
     order = {c.name: i for i, c in enumerate(suite.configs)}
     first = records[0]
     lines = [
@@ -108,6 +137,9 @@ def render(suite: Suite, device: str, records: list[Record]) -> str:
         comparison = _comparison(rows)
         if comparison:
             lines += ["", *comparison]
+        planner = _predicted(rows, predictions or {})
+        if planner:
+            lines += ["", *planner]
     return "\n".join(lines) + "\n"
 
 
@@ -118,7 +150,7 @@ def write_reports(results: Path, suite: Suite) -> list[Path]:
         records = read_records(results, suite.name, folder.name)
         if records:
             path = folder / "report.md"
-            path.write_text(render(suite, folder.name, records))
+            path.write_text(render(suite, folder.name, records, read_predictions(results, suite.name)))
             written.append(path)
     return written
 

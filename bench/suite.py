@@ -23,7 +23,7 @@ KINDS = ("step",)
 # what each key of a step configuration means, with its default (a key not here is a mistake)
 STEP_KEYS: dict[str, Any] = {
     "method": None,  # frod | lora
-    "engine": None,  # plain | ddp | zero0 | zero2 | zero3 (bench/kinds/step.py: ENGINES)
+    "engine": None,  # plain | ddp | zero0 | zero2 | zero3 | z3layers | fshard | fsdp2 (bench/kinds/step.py)
     "gpus": 1,
     "shape": "7b",  # bench/kinds/shapes.py
     "batch": 4,  # micro-batch per GPU
@@ -118,6 +118,8 @@ def _check(s: dict[str, Any], where: str) -> None:
         raise BenchError(f"{where}: shape {s['shape']!r} is not one of {', '.join(SHAPES)}")
     if not isinstance(s["gpus"], int) or s["gpus"] < 1:
         raise BenchError(f"{where}: gpus must be a positive integer, got {s['gpus']!r}")
+    if s["engine"] == "z3layers" and s["method"] != "frod":
+        raise BenchError(f"{where}: engine z3layers is FRoD's (LoRA's frozen weights partitioned so: fshard)")
     if s["engine"] == "plain" and s["gpus"] != 1:
         raise BenchError(f"{where}: engine plain runs on one GPU (use ddp or a ZeRO engine for {s['gpus']})")
     if s["quant"] not in ("none", "nf4", "int8"):

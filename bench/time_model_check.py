@@ -161,7 +161,7 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
             zero3_flat_frozen=False,
             deepspeed_nvtx=True,
         )  # before them
-        engine, plain = engine_from_ds_config(config, "zero3_offload.json"), False
+        engine, plain = engine_from_ds_config(config, "zero3_offload.json", "deepspeed"), False
     else:
         m = d["model"]
         model = {
@@ -187,7 +187,8 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
             deepspeed_nvtx=deepspeed_nvtx(d),
         )
         gpus, plain = d["world_size"], d["engine"] == "plain"
-        engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"])
+        # these steps were measured under DeepSpeed's own stage 3 (before zero3.json's layer partition)
+        engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"], "deepspeed")
     pred = step_time(
         model_shape_from_config(model), train, engine, gpus, Link(host=hosts[_kind(d["device"])]), plain=plain
     )

@@ -5,7 +5,9 @@ random token ids per GPU, gradient clipping at 1.0, torch AdamW (fused on CUDA),
 gradient checkpointing when ``gc``. Engines: ``plain`` (one GPU, no wrapper; bf16 parameters and AdamW states),
 ``ddp`` (torch DistributedDataParallel, 25 MB buckets, static graph), and DeepSpeed through a shipped JSON
 (``zero0`` is ``zero2.json`` at stage 0, DeepSpeed's data parallel; the JSONs keep fp32 master weights), and
-``fshard``: ``zero2.json`` with the frozen weights partitioned by ``frod_ds.model.frozen_shards``; ``fsdp2``: torch
+``fshard``: ``zero2.json`` with the frozen weights partitioned by ``frod_ds.model.frozen_shards``; ``z3layers``:
+``zero3.json`` as ``frod train`` runs it (the same partition, built a unit at a time; σ and S under the JSON's
+ZeRO-2 form; ``zero3`` is DeepSpeed's own stage 3 of that JSON); ``fsdp2``: torch
 ``fully_shard`` per decoder layer (a Parameter shared by layers, FRoD's V, replicated). LoRA under
 ZeRO-3 is loaded the way HF users do (``from_pretrained`` under ``HfDeepSpeedConfig``), FRoD by
 ``build_frod_model``. A step is forward + backward + optimizer step, timed between device synchronisations over
@@ -44,7 +46,9 @@ ENGINES: dict[str, tuple[str, dict[str, Any]] | None] = {
     "ddp": None,
     "zero0": ("ds_configs/zero2.json", {"zero_optimization.stage": 0}),
     "zero2": ("ds_configs/zero2.json", {}),
-    "zero3": ("ds_configs/zero3.json", {}),
+    "zero3": ("ds_configs/zero3.json", {}),  # DeepSpeed's stage 3 (train.zero3_partition=deepspeed)
+    # zero3.json as frod train runs it by default: frozen weights by decoder layer, σ and S under its ZeRO-2 form
+    "z3layers": ("ds_configs/zero3.json", {}),
     # zero2.json for the trainables, the frozen weights partitioned by frod_ds.model.frozen_shards
     "fshard": ("ds_configs/zero2.json", {}),
     # torch FSDP2: fully_shard per decoder layer, then the whole model (torchtune's recipes)
@@ -89,17 +93,24 @@ def build_frod(s: dict, model_dir: Path, factors: Path, ds_cfg: dict | None):
 
     store = FactorStore.open(factors)
     supports = make_supports(store, TARGETS, s["sparsity"], 0)
-    model = build_frod_model(
-        model_dir,
-        store,
-        supports,
-        torch.bfloat16,
-        ds_cfg,
-        rank=dist.get_rank(),
-        quant=s["quant"],
-        quantize_base=s["quantize_base"],
-    )
-    if _zero3(ds_cfg):
+    if s["engine"] == "z3layers":
+        from frod_ds.model.build_layers import build_layer_partitioned
+
+        model, _ = build_layer_partitioned(
+            model_dir, store, supports, torch.bfloat16, dist.local_device(), s["quant"], s["quantize_base"]
+        )
+    else:
+        model = build_frod_model(
+            model_dir,
+            store,
+            supports,
+            torch.bfloat16,
+            ds_cfg,
+            rank=dist.get_rank(),
+            quant=s["quant"],
+            quantize_base=s["quantize_base"],
+        )
+    if _zero3(ds_cfg) and s["engine"] != "z3layers":
         fetch_per_layer(model)  # what the trainer does under ZeRO-3
     if s["gc"]:
         enable_gradient_checkpointing(model)
@@ -295,11 +306,15 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
     else:
         model, groups = build_lora(s, model_dir, ds_cfg, device)
     model.config.use_cache = False
-    shards = None
-    if s["engine"] == "fshard":
-        from frod_ds.model.frozen_shards import shard_frozen
+    from frod_ds.model.frozen_shards import shard_frozen, shards_of
 
+    shards = shards_of(model)
+    if s["engine"] == "fshard":
         shards = shard_frozen(model, device)
+    if s["engine"] == "z3layers":
+        from frod_ds.config.zero3_layout import layers_engine_config
+
+        ds_cfg = layers_engine_config(ds_cfg)
     step = Stepper(model, groups, s, ds_cfg, device)
     build_s = time.perf_counter() - t0
     cfg = step.model.config.to_dict()

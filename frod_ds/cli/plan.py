@@ -91,11 +91,11 @@ def print_plan(plan, title: str, model=None) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from frod_ds.config.ds_config import check_ds_keys, load_ds_config
+    from frod_ds.config.ds_config import check_ds_config, load_ds_config
     from frod_ds.config.recipe import load_recipe
     from frod_ds.core.names import LLAMA_LINEARS
     from frod_ds.plan.memory import plan_memory, trainable_numel
-    from frod_ds.plan.recommend import recommend
+    from frod_ds.plan.recommend import no_fit_advice, recommend
     from frod_ds.plan.shapes import (
         ELEMENT_BYTES,
         PlanError,
@@ -125,7 +125,7 @@ def plan_command(args: argparse.Namespace) -> int:
     code = 0
     if args.config:
         cfg = load_ds_config(args.config)
-        check_ds_keys(cfg, args.config)
+        check_ds_config(cfg, args.config)
         engine = engine_from_ds_config(cfg, args.config)
         plan = plan_memory(model, train, engine, args.gpus, gpu)
         q = (
@@ -143,9 +143,7 @@ def plan_command(args: argparse.Namespace) -> int:
     elif rec is not None:
         print_plan(rec.plan, f"\n{rec.describe()} on {args.gpus} GPU(s):", model)
     if rec is None:
-        print(
-            f"\nnothing fits {args.gpus} GPU(s) of {args.gpu_mem:.1f} GiB, not even with offload and NF4: use more GPUs"
-        )
+        print(f"\nnothing fits, not even with offload and NF4: {no_fit_advice(model, train, args.gpus, gpu)}")
         return 1
     print(f"\nfastest set-up that fits: {rec.describe()} — {rec.reason}")
     return code

@@ -8,16 +8,24 @@ concrete values disagree, refuses every other ``"auto"`` (plain ``deepspeed.init
 from __future__ import annotations
 
 import copy
-import difflib
-import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frod_ds.config.ds_checks import (
+    DuplicateKeyError,
+    deepspeed_problems,
+    ignored_settings,
+    parse_json,
+    scalar_problems,
+    string_flags,
+    unknown_keys,
+)
 from frod_ds.config.recipe import Recipe
-from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.errors import FrodError, note
+from frod_ds.runtime.paths import file_problem
 from frod_ds.runtime.shipped import user_file
 
 __all__ = [
@@ -29,7 +37,9 @@ __all__ = [
     "batch_sizes",
     "as_ds_config",
     "bf16_overflow_check",
-    "check_ds_keys",
+    "check_ds_config",
+    "ds_config_problems",
+    "note_ignored",
     "check_nvme_buffer",
     "load_ds_config",
     "nvme_buffers_needed",
@@ -66,9 +76,13 @@ def load_ds_config(path: str | Path) -> dict:
     """The DeepSpeed JSON at ``path`` (or the shipped one it names, outside a checkout: ``runtime.shipped``)."""
     p = user_file(path, "ds_configs")
     if not p.is_file():
+        if p.is_symlink() or p.exists():  # a named pipe, a link loop, a directory: say which
+            raise DSConfigError(f"DeepSpeed config {file_problem(p)}")
         raise DSConfigError(f"DeepSpeed config {p} not found (see ds_configs/)")
     try:
-        cfg = json.loads(p.read_text())
+        cfg = parse_json(p.read_text())
+    except DuplicateKeyError as e:
+        raise DSConfigError(f"DeepSpeed config {p}: {e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DSConfigError(f"DeepSpeed config {p} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
@@ -81,61 +95,43 @@ def as_ds_config(config: Mapping[str, Any] | str | Path) -> dict:
     return dict(config) if isinstance(config, Mapping) else load_ds_config(config)
 
 
-# DeepSpeed's documented top-level keys (deepspeed.ai/docs/config-json). DeepSpeed itself ignores a top-level key it
-# does not know, so a misspelled "gradient_cliping" silently trained without clipping.
-_DS_TOP_LEVEL = frozenset(
-    """
-train_batch_size train_micro_batch_size_per_gpu gradient_accumulation_steps optimizer scheduler
-communication_data_type seq_parallel_communication_data_type prescale_gradients gradient_predivide_factor
-sparse_gradients fp16 bf16 amp torch_autocast gradient_clipping zero_optimization zero_allow_untested_optimizer
-zero_force_ds_cpu_optimizer aio activation_checkpointing steps_per_print wall_clock_breakdown dump_state
-memory_breakdown flops_profiler tensorboard wandb csv_monitor comet comms_logger autotuning elasticity
-data_efficiency curriculum_learning data_types compression_training sparse_attention pipeline checkpoint nebula
-eigenvalue progressive_layer_drop quantize_training hybrid_engine compile weight_quantization timers
-disable_allgather dataloader_drop_last graph_harvesting use_data_before_expert_parallelism tensor_parallel
-expert_parallel gradient_allreduce_op disable_python_gc log_level zenflow
-""".split()
-)
-
-
-@functools.lru_cache(maxsize=1)
-def _known_keys() -> tuple[frozenset[str], frozenset[str]]:
-    """(top-level keys, ``zero_optimization`` keys) this DeepSpeed accepts: the documented list above plus every
-    key name DeepSpeed's runtime defines as a constant (so a newer DeepSpeed's keys are not refused), and the
-    fields and aliases of its ZeRO config model."""
-    top = set(_DS_TOP_LEVEL)
+def ds_config_problems(cfg: dict) -> list[str]:
+    """Everything in ``cfg`` DeepSpeed would ignore silently or fail on (``frod_ds.config.ds_checks``): unknown keys,
+    booleans written as strings, mistyped settings DeepSpeed reads unchecked, then what its own config classes
+    refuse (only once the rest is clean: their message would repeat it)."""
+    problems = unknown_keys(cfg) + string_flags(cfg) + scalar_problems(cfg)
     try:
-        from deepspeed.runtime import constants as C
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    except ImportError:  # no DeepSpeed: nothing more to compare against
-        return frozenset(top), frozenset()
-    top.update(v for k, v in vars(C).items() if k.isupper() and isinstance(v, str) and v.isidentifier())
-    zero = {name for name, f in DeepSpeedZeroConfig.model_fields.items() for name in (name, f.alias) if name}
-    return frozenset(top), frozenset(zero)
+        zero_stage(cfg)
+    except DSConfigError as e:
+        problems.append(str(e).removeprefix("DeepSpeed config: "))
+    return problems or deepspeed_problems(cfg)
 
 
-def _unknown_keys(cfg: dict) -> list[str]:
-    """One problem per key DeepSpeed does not know, with the closest key it does."""
-    top, zero = _known_keys()
-    problems = []
-    zo = cfg.get("zero_optimization")
-    for where, keys, known in (("", cfg, top), ("zero_optimization.", zo if isinstance(zo, dict) else {}, zero)):
-        if not known:
-            continue
-        for key in keys:
-            if key not in known:
-                close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-                hint = f'; did you mean "{where}{close[0]}"?' if close else "; remove it"
-                problems.append(f'unknown key "{where}{key}"{hint}')
-    return problems
+def note_ignored(cfg: dict, where: str | Path = "", partition: str = "auto") -> None:
+    """A ``note:`` naming the settings of ``cfg`` that have no effect under its ZeRO stage and precision (``partition``:
+    ``train.zero3_partition``; the layer partition, ``frod_ds.config.zero3_layout``, runs σ and S under ZeRO-2)."""
+    stage = zero_stage(cfg)
+    layers = stage == 3 and partition != "deepspeed" and offload_device(cfg, "offload_param") is None
+    ignored = ignored_settings(cfg, stage, bool(nvme_offloads(cfg)), layers)
+    if ignored:
+        verb = "has" if len(ignored) == 1 else "have"
+        note(
+            f"DeepSpeed config{f' {where}' if where else ''}: {', '.join(ignored)} {verb} no effect with its ZeRO "
+            f"stage ({stage}), precision and offload: DeepSpeed ignores {'it' if len(ignored) == 1 else 'them'}"
+        )
 
 
-def check_ds_keys(cfg: dict, where: str | Path) -> None:
-    """``DSConfigError`` naming every key of ``cfg`` DeepSpeed does not know (the check training makes too), for
-    the commands that read a DeepSpeed JSON without training on it (``frod plan --config``)."""
-    problems = _unknown_keys(cfg)
+def check_ds_config(cfg: dict, where: str | Path) -> None:
+    """``DSConfigError`` naming every problem of ``cfg`` (``ds_config_problems``, the checks training makes too), and
+    a note of what it ignores, for the commands that read a DeepSpeed JSON without training on it (``frod plan
+    --config``)."""
+    problems = ds_config_problems(cfg)
     if problems:
         raise DSConfigError(f"DeepSpeed config {where}: " + "; ".join(problems))
+    note_ignored(cfg, where)
+
+
+check_ds_keys = check_ds_config  # its 0.1 name (it checked the keys only then)
 
 
 def _autos(node: Any, prefix: str = "") -> list[str]:
@@ -182,6 +178,16 @@ def zero_stage(cfg: dict) -> int:
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise DSConfigError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     return stage
+
+
+def as_stage2(cfg: dict) -> dict:
+    """A copy of ZeRO-3 ``cfg`` at stage 2, without the settings only stage 3 reads (``stage3_*``, offload_param)."""
+    out = copy.deepcopy(cfg)
+    zo = out["zero_optimization"]
+    for key in [k for k in zo if k.startswith("stage3_") or k == "offload_param"]:
+        del zo[key]
+    zo["stage"] = 2
+    return out
 
 
 def bf16_overflow_check(cfg: dict) -> bool:
@@ -280,7 +286,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
     cfg = copy.deepcopy(cfg)
     zero_stage(cfg)
     bs = batch_sizes(recipe, world_size)
-    problems = _unknown_keys(cfg)
+    problems = unknown_keys(cfg) + string_flags(cfg) + scalar_problems(cfg)
     for key, want in (
         ("train_micro_batch_size_per_gpu", bs.micro),
         ("gradient_accumulation_steps", bs.accum),
@@ -309,14 +315,16 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
         )
     want_bf16 = recipe.model.dtype == "bfloat16"
     bf16 = cfg.setdefault("bf16", {})
-    if bf16.get("enabled", "auto") == "auto":
+    if not isinstance(bf16, dict):
+        pass  # scalar_problems named it
+    elif bf16.get("enabled", "auto") == "auto":
         bf16["enabled"] = want_bf16
-    elif bool(bf16["enabled"]) != want_bf16:
+    elif isinstance(bf16["enabled"], bool) and bf16["enabled"] != want_bf16:
         problems.append(
             f"bf16.enabled={bf16['enabled']} in the DeepSpeed config but model.dtype={recipe.model.dtype}; "
             "make them agree"
         )
-    if cfg.get("fp16", {}).get("enabled") is True:
+    if isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") is True:
         problems.append("fp16 is not supported (FRoD's sigma/S need bf16 or fp32); use bf16")
     for block in ("optimizer", "scheduler"):
         if block in cfg:
@@ -330,13 +338,15 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
     autos = _autos(cfg)
     if autos:
         problems.append(f'unresolved "auto" for {", ".join(autos)}: give concrete values')
-    else:
+    elif not problems:
         try:  # a ZeRO size DeepSpeed would refuse only in the middle of deepspeed.initialize
             zero_settings(cfg)
         except DSConfigError as e:
             problems.append(str(e).removeprefix("DeepSpeed config: "))
+        problems += [] if problems else deepspeed_problems(cfg)
     if problems:
         raise DSConfigError("DeepSpeed config: " + "; ".join(problems))
+    note_ignored(cfg, partition=recipe.train.zero3_partition)
     return cfg
 
 

@@ -20,6 +20,7 @@ import yaml
 
 from frod_ds.core.names import DEFAULT_TARGETS, QUANT_KINDS
 from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.paths import file_problem
 from frod_ds.runtime.shipped import user_file
 from frod_ds.runtime.validate import sparsity_problem, targets_problem
 
@@ -76,6 +77,7 @@ class TrainCfg:
     tensorboard: bool = False
     max_nonfinite_steps: int = 3  # this many consecutive steps with a non-finite loss or gradient stop the run
     new_run: bool = False  # output_dir holds another run: move it aside (output_dir/superseded-*) and start anew
+    zero3_partition: str = "auto"  # under a ZeRO-3 JSON: layers | deepspeed | auto (frod_ds.config.zero3_layout)
 
 
 @dataclass
@@ -134,6 +136,8 @@ class Recipe:
             p.append("train.log_every must be >= 1")
         if t.keep_checkpoints < 1:
             p.append("train.keep_checkpoints must be >= 1")
+        if t.zero3_partition not in ("auto", "layers", "deepspeed"):
+            p.append(f"train.zero3_partition must be auto, layers or deepspeed, got {t.zero3_partition!r}")
         if t.max_nonfinite_steps < 1:
             p.append(f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
         for section in ("model", "data", "train"):
@@ -229,8 +233,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
     tree: dict = {}
     if path is not None:
         p = user_file(path, "recipes")  # a shipped recipe by name also outside a checkout
-        if not p.is_file():
-            raise RecipeError(f"recipe file {p} not found")
+        if not p.is_file():  # a named pipe or a link loop is said as such, not "not found"
+            raise RecipeError(f"recipe file {file_problem(p) if p.is_symlink() or p.exists() else f'{p} not found'}")
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:  # the parser's own position (line, column) says where to look

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,16 @@ from frod_ds.eval.predict import (
     score_llm_adapters_rows,
     score_loglik_rows,
 )
+from frod_ds.formats.file_digests import DATA_MANIFEST, FileDigests
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_replaceable, record_files
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.errors import note
+from frod_ds.runtime.paths import dir_problem, file_problem
 
-__all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "run"]
+__all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "check_built", "run"]
 
 # loglik: argmax of summed log-probs; generate: greedy, earliest answer string; llm-adapters: LLM-Adapters' protocol.
 MODES = ("loglik", "generate", "llm-adapters")
@@ -116,7 +121,8 @@ class EvalConfig:
 
 
 def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[str, ...] = ("loglik",)) -> Rows:
-    """``{task: rows}`` from ``<data>/eval/<task>.jsonl``, validated by ``frod data``'s reader and for `modes`.
+    """``{task: rows}`` from ``<data>/eval/<task>.jsonl``, checked against the data build's sha256s
+    (`check_built`) and validated by ``frod data``'s reader and for `modes`.
 
     Every missing file is reported in one EvalError; a bad row raises DataPrepError naming file and line.
     """
@@ -124,12 +130,19 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
     from frod_ds.prep.tasks import parse_tasks
 
     tasks = parse_tasks(tasks_spec)
+    problem = dir_problem(data) or wrong_folder(data, "--data", ("data-build",), "a data build")
+    if problem:
+        raise EvalError(problem if problem.startswith("--data") else f"--data {problem}")
     paths = {task: Path(data) / "eval" / f"{task}.jsonl" for task in tasks}
+    odd = [file_problem(p) for p in paths.values() if os.path.lexists(p) and file_problem(p)]
+    if odd:  # a named pipe, a link loop, a directory: not "missing"
+        raise EvalError(f"eval file {odd[0]}")
     missing = [str(path) for path in paths.values() if not path.is_file()]
     if missing:
         raise EvalError(
             f"no eval file {', '.join(missing)}; build it with frod data build or drop the task from --tasks"
         )
+    check_built(Path(data), paths)
     rows = {}
     for task, path in paths.items():
         task_rows = read_rows(path)[:limit]
@@ -147,6 +160,27 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
                 raise EvalError(f"{path}: {problem}; --mode llm-adapters cannot score it")
         rows[task] = task_rows
     return rows
+
+
+def check_built(data: Path, paths: dict[str, Path]) -> None:
+    """``EvalError`` unless each task file in ``paths`` is the one the data build wrote (its sha256 in
+    ``data/manifest.json``); a ``note:`` when ``data`` is no data build (no manifest: nothing to check against)."""
+    built = FileDigests.read(data / DATA_MANIFEST, EvalError, "build the data again with frod data build")
+    if built is None:
+        note(f"{data} has no {DATA_MANIFEST} (not a frod data build): its eval files are scored unchecked")
+        return
+    for task, path in paths.items():
+        name = f"eval/{task}.jsonl"
+        if name not in built.files:
+            raise EvalError(
+                f"{path} is not a file of the data build in {data} (its {DATA_MANIFEST} lists no {name}); "
+                f"build {task} with frod data build, or leave it out of --tasks"
+            )
+        if built.changed(data, name):
+            raise EvalError(
+                f"{path} was changed after frod data build wrote it (its sha256 is not the one {data}/"
+                f"{DATA_MANIFEST} records): scores of edited test rows are not the task's; build the data again"
+            )
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -176,10 +210,7 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
 
     if config.checkpoint:
         if not adapter.is_adapter_checkpoint(config.checkpoint):
-            raise EvalError(
-                f"--checkpoint {config.checkpoint} is not a FRoD adapter checkpoint (no adapter_config.json); "
-                "pass a plain HF model with --model"
-            )
+            raise EvalError(adapter.not_an_adapter(config.checkpoint, "--checkpoint"))
         model, tokenizer = adapter.load_frod_model(
             config.checkpoint,
             base_model=config.base_model,
@@ -191,6 +222,21 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
         assert config.model is not None
         if adapter.is_adapter_checkpoint(config.model):
             raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
+        from frod_ds.io.hf_checkpoint import (
+            INDEX_NAME,
+            SINGLE_NAME,
+            HFCheckpoint,
+            check_config_file,
+            check_model_folder,
+        )
+
+        if Path(config.model).is_dir():  # a store, a PEFT adapter, a data build; a config of no or another model
+            check_model_folder(Path(config.model))
+            has_safetensors = any((Path(config.model) / n).is_file() for n in (INDEX_NAME, SINGLE_NAME))
+            if has_safetensors:
+                HFCheckpoint(config.model).config()
+            else:
+                check_config_file(config.model)
         from transformers import AutoModelForCausalLM
 
         from frod_ds.prep.tokens import load_tokenizer

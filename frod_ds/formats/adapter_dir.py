@@ -94,7 +94,14 @@ class AdapterConfig:
         version = data.get("version", 0)
         if isinstance(version, int) and version > ADAPTER_VERSION:
             raise AdapterError(f"{where}: adapter version {version} is newer than this frod-ds; upgrade frod-ds")
-        return record_from_dict(cls, data, str(where), AdapterError)
+        config = record_from_dict(cls, data, str(where), AdapterError)
+        if config.version >= 3 and config.weights_crc32 is None:  # every writer of version 3 records it
+            raise AdapterError(
+                f"{where}: an adapter of version {config.version} records the checksum of {WEIGHTS} "
+                "(weights_crc32), this one has none: it was edited after it was written, so its weights cannot be "
+                "checked; use the adapter as frod-ds wrote it (e.g. an earlier adapter-<step>) or retrain"
+            )
+        return config
 
     @classmethod
     def read(cls, path: Path) -> AdapterConfig:

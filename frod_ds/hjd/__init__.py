@@ -32,6 +32,10 @@ _MATH = (
     "weight_factors",
     "reconstruction_error",
     "reconstruction_error_t",
+    "RECONSTRUCTION_TOL",
+    "reconstruction_tol",
+    "probe_vectors",
+    "probe_error",
     "no_tf32",
 )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -26,9 +27,10 @@ from tqdm import tqdm
 from frod_ds.core.quant import QuantSpec
 from frod_ds.formats.checksum import format_crc32
 from frod_ds.formats.factor_store import sigma_key, u_key, v_file, v_key
-from frod_ds.hjd.math import reconstruction_error_t
+from frod_ds.hjd.math import probe_error, probe_vectors, reconstruction_error_t, reconstruction_tol
 from frod_ds.hjd.sharding import my_members
 from frod_ds.hjd.streaming import FactorWriter, MemberReader
+from frod_ds.io.dtypes import dtype_name
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.runtime import distributed as D
 
@@ -67,6 +69,24 @@ class CategoryResult:
     cond_estimate: float | None = None
     writes: list[Future] = field(default_factory=list, repr=False)
     checksums: dict[str, str] = field(default_factory=dict)
+    # per member: the probe errors (``hjd.math.probe_error``) of the factors as computed and as stored
+    probe: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def probe_problem(self, spec: CategorySpec, dtype: torch.dtype) -> str | None:
+        """The line for this rank's first member whose factors, as computed (tolerance of the compute ``dtype``) or
+        as stored (of U's dtype or quantization), miss the probe tolerance; None when every member holds."""
+        limits = (reconstruction_tol(dtype), reconstruction_tol(spec.u_dtype, spec.quant))
+        held = (dtype_name(dtype), spec.quant if spec.quant != "none" else dtype_name(spec.u_dtype))
+        for member, errors in self.probe.items():
+            for what, e, limit, kind in zip(("computed", "stored"), errors, limits, held):
+                if not e <= limit:  # NaN too
+                    return (
+                        f"HJD of {spec.name} does not reconstruct {member}.weight: its {what} factors are off by "
+                        f"{e:.1e} (relative, on random probe vectors), more than the {limit:.0e} {kind} factors may "
+                        "be; the weights hold values the decomposition cannot represent (extreme or mismatched "
+                        "scales): check the checkpoint"
+                    )
+        return None
 
     def wait(self) -> CategoryResult:
         """Wait for this rank's files of the category to be on disk; returns itself without the futures."""
@@ -200,6 +220,8 @@ class FactorSink:
         exact_store = dtype == torch.float32 and spec.u_dtype == torch.float32 and spec.quant == "none"
         err: dict[str, Tensor] = {}
         stored: dict[str, Tensor] = {}
+        probe: dict[str, Tensor] = {}
+        X = probe_vectors(n, zlib.crc32(spec.name.encode())).to(source.device)  # (n, PROBES), same on every rank
         qspecs = (
             {m: QuantSpec(spec.quant, (h, n)) for m, h in zip(spec.mine, spec.heights)} if spec.quant != "none" else {}
         )
@@ -228,6 +250,7 @@ class FactorSink:
             stored[member] = (
                 err[member] if exact_store else reconstruction_error_t(W, U_s.to(dtype), sigma_s.to(dtype), V_stored)
             )
+            probe[member] = torch.stack([probe_error(W, U_i, sigma_i, V_c, X), probe_error(W, U_s, sigma_s, V32, X)])
             self.writer.add(u_key(member), blob if qspecs else U_s)
             self.writer.add(sigma_key(member), sigma_s)
             del W, U_i, U_s
@@ -237,8 +260,9 @@ class FactorSink:
         files, writes = self.writer.finish()
         e = {m: float(x) for m, x in zip(err, torch.stack(list(err.values())).tolist())} if err else {}
         s = {m: float(x) for m, x in zip(stored, torch.stack(list(stored.values())).tolist())} if stored else {}
+        p = {m: tuple(x) for m, x in zip(probe, torch.stack(list(probe.values())).tolist())} if probe else {}
         self.bar.set_postfix_str(f"{method}, max err {max(e.values()) if e else 0:.1e}")
-        return CategoryResult(files, e, s, phase_seconds, method, cond, writes)
+        return CategoryResult(files, e, s, phase_seconds, method, cond, writes, probe=p)
 
     def close(self) -> None:
         self.bar.close()

@@ -36,8 +36,25 @@ __all__ = [
     "weight_factors",
     "reconstruction_error",
     "reconstruction_error_t",
+    "RECONSTRUCTION_TOL",
+    "reconstruction_tol",
+    "probe_vectors",
+    "probe_error",
     "no_tf32",
 ]
+
+# The largest relative reconstruction error a member may have, by the dtype its factors are held in (U rounded to
+# bf16 gives ~2e-3, fp32 HJD ~1e-6) or the quantization of U (NF4 ~0.09, int8 ~0.01 on Gaussian-like weights): HJD
+# refuses a store beyond it, and ``frod hjd --verify`` checks against the same numbers.
+RECONSTRUCTION_TOL = {
+    torch.bfloat16: 2e-2,
+    torch.float16: 5e-3,
+    torch.float32: 1e-4,
+    torch.float64: 1e-8,
+    "nf4": 0.2,
+    "int8": 3e-2,
+}
+PROBES = 4  # random probe vectors per category
 
 
 @dataclass
@@ -203,6 +220,32 @@ def reconstruction_error_t(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor)
 def reconstruction_error(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor) -> float:
     """``‖W_i − U_i diag(σ_i) Vᵀ‖_F / ‖W_i‖_F`` (absolute error when ``W_i = 0``), in U's dtype."""
     return float(reconstruction_error_t(W_i, U_i, sigma_i, V))
+
+
+def reconstruction_tol(dtype: torch.dtype, quant: str = "none") -> float:
+    """``RECONSTRUCTION_TOL`` of factors held in ``dtype`` (quantized: of the quantization kind)."""
+    return RECONSTRUCTION_TOL[quant] if quant != "none" else RECONSTRUCTION_TOL.get(dtype, 1e-8)
+
+
+def probe_vectors(n: int, seed: int, k: int = PROBES) -> Tensor:
+    """``X`` (n, k) fp64 standard normal from its own generator (the global RNG is left alone)."""
+    return torch.randn(n, k, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def probe_error(W_i: Tensor, U_i: Tensor, sigma_i: Tensor, V: Tensor, X: Tensor, block: int = 2**24) -> Tensor:
+    """``‖W_i X − U_i (σ_i ⊙ Vᵀ X)‖_F / ‖W_i X‖_F`` (absolute when ``W_i X = 0``) for probe vectors ``X`` (n, k), as a
+    0-dim fp64 tensor: the layer's own product on random inputs, in fp64 row blocks of ``block`` elements (no square
+    of an extreme weight overflows, no fp64 copy of a whole ``W_i``). NaN or inf factors give NaN or inf."""
+    X = X.to(device=U_i.device, dtype=torch.float64)  # (n, k)
+    Z = sigma_i.to(torch.float64)[:, None] * (V.to(torch.float64).T @ X)  # (n, k)
+    rows = max(1, block // max(1, W_i.shape[1]))
+    num = torch.zeros((), dtype=torch.float64, device=U_i.device)
+    den = torch.zeros((), dtype=torch.float64, device=U_i.device)
+    for r in range(0, W_i.shape[0], rows):
+        Y = W_i[r : r + rows].to(torch.float64) @ X  # (rows, k)
+        num += (Y - U_i[r : r + rows].to(torch.float64) @ Z).square().sum()
+        den += Y.square().sum()
+    return torch.where(den > 0, (num / torch.where(den > 0, den, torch.ones_like(den))).sqrt(), num.sqrt())
 
 
 def decompose(

@@ -290,7 +290,8 @@ def factor_category(
     source: MemberSource, sink: FactorSink, G: Tensor, phases: Phases, opts: RouteOptions
 ) -> CategoryResult:
     """Everything after ``read_pass``: the Gram route where ``G`` says it holds (checked again on the
-    errors), the Householder route otherwise. Returns with this rank's writes still in flight."""
+    errors), the Householder route otherwise; ``CollectiveError`` on every rank when a member's factors miss the
+    probe tolerance (``CategoryResult.probe_problem``). Returns with this rank's writes still in flight."""
     D.all_reduce_sum(G)
     decision, R_box = None, []
     if D.is_main():
@@ -304,9 +305,11 @@ def factor_category(
     if ok:
         result = gram_route(source, sink, G, R_box, cond, opts, phases)
         worst = max(D.all_gather_object(max(result.error.values(), default=0.0)))
-        if worst > GRAM_MAX_ERROR[opts.dtype]:  # rounding got the better of it: redo the careful way
+        if not worst <= GRAM_MAX_ERROR[opts.dtype]:  # rounding (or an overflow: NaN) got the better of it: redo
             result.wait()
             result = None
     if result is None:
         result = householder_route(source, sink, cond, opts, Phases(source.device))
+    # every member's factors reproduce its weight on random inputs, or no rank records the category
+    D.agree_on_error(result.probe_problem(source.spec, opts.dtype))
     return result

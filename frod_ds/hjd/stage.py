@@ -29,7 +29,7 @@ from frod_ds.io.fingerprint import base_fingerprint, tensor_digests
 from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
 from frod_ds.runtime import distributed as D
 from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, atomic_write_text, disk_full_line
-from frod_ds.runtime.errors import HJDError
+from frod_ds.runtime.errors import FrodError, HJDError
 from frod_ds.runtime.validate import pi_problem, targets_problem
 
 __all__ = ["StageConfig", "run_stage"]
@@ -134,6 +134,7 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
             base_fingerprint(ckpt, cfg.targets),
         )
 
+    D.on_all(lambda: ckpt.config(required=False))  # a config.json of other sizes than the weights: refused here
     manifest = D.on_main(
         lambda: store_writer.prepare_store(cfg.out, fresh(), cfg.overwrite, {"--model": model_dir}, ckpt)
     )
@@ -236,6 +237,7 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest 
 def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:
     t_start = time.perf_counter()
     startup = round(time.time() - process_start, 3) if process_start is not None else None
+    existed = cfg.out.exists() if D.is_main() else True  # a store this run creates is removed if it is refused
     device, ckpt, categories, manifest = _open(cfg)
     todo = [c for c in categories if c not in manifest.completed_categories]
     skipped = [c for c in categories if c not in todo]
@@ -253,13 +255,19 @@ def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:
     )
     recorder = _Recorder(cfg, manifest)
     prologue = round(time.perf_counter() - t_start, 3)
+    refused = False
     try:
         with no_tf32(), torch.no_grad():
             _factor_all(cfg, ckpt, categories, todo, device, reader, writer, recorder)
+    except FrodError:  # bad weights (NaN, a failed probe): nothing unfinished is left; a killed run stays resumable
+        refused = True
+        raise
     finally:
         reader.close()
         writer.close()
         recorder.close()
+        if refused and D.is_main():
+            store_writer.discard_unfinished(cfg.out, manifest, existed)
     ranks = D.all_gather_object(store_writer.rank_summary(time.perf_counter() - t_start, device, ckpt))
 
     def finish() -> Manifest:

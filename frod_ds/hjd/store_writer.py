@@ -9,8 +9,8 @@ complete whose weights this run sees has the same weight digests; else ``--overw
 
 from __future__ import annotations
 
-import json
 import resource
+import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -43,6 +43,7 @@ __all__ = [
     "new_manifest",
     "prepare_store",
     "remove_store_files",
+    "discard_unfinished",
     "ManifestWriter",
     "record_category",
     "rank_summary",
@@ -76,13 +77,11 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _model_config(model_dir: Path) -> dict[str, Any] | None:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError:
+def _model_config(ckpt: HFCheckpoint) -> dict[str, Any] | None:
+    """The config.json fields the store records (and a resumed run must match); None without a readable config.
+    A config that contradicts the weights is refused here, before anything is written (``HFCheckpoint.config``)."""
+    cfg = ckpt.config(required=False)
+    if cfg is None:
         return None
     keys = (
         "model_type",
@@ -129,7 +128,7 @@ def new_manifest(
         base_model=model,
         fingerprint=_fingerprint(records),
         fingerprint_method=FINGERPRINT_METHOD,
-        model_config=_model_config(ckpt.dir),
+        model_config=_model_config(ckpt),
         targets=list(targets),
         pi=pi,
         hjd_dtype=dtype_name(dtype),
@@ -155,6 +154,23 @@ def remove_store_files(out: Path, category: str | None = None) -> None:
         if is_store_file(p.name, category) or (category is None and p.name in (MANIFEST, MANIFEST + TMP)):
             if match(entries, p.name, p.is_dir()) == "own":
                 p.unlink()
+
+
+def discard_unfinished(out: Path, manifest: Manifest, existed: bool) -> None:
+    """Rank 0, after the run refused its input (NaN weights, a failed probe): a store this run created is removed
+    whole (nothing partial is left); of one that was there before, the files of every category not complete (its
+    complete ones stay, to resume once the checkpoint is fixed). A killed run is not refused: it stays resumable."""
+    if not out.is_dir():
+        return
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for c in manifest.categories:
+        if c not in manifest.completed_categories:
+            remove_store_files(out, c)
+    if not manifest.completed_categories:
+        remove_store_files(out)
+        (out / MARKER).unlink(missing_ok=True)
 
 
 def _config_diffs(manifest: Manifest, fresh: Manifest, ckpt: HFCheckpoint | None = None) -> list[str]:

@@ -22,7 +22,7 @@ from frod_ds.formats.adapter_dir import s_name, sigma_name
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_out
 from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
-from frod_ds.io.hf_checkpoint import INDEX_NAME, HFCheckpoint, check_config_file
+from frod_ds.io.hf_checkpoint import INDEX_NAME, HFCheckpoint
 from frod_ds.io.safetensors_io import save_tensors_atomic
 from frod_ds.model.adapter import adapter_sources, supports_from_adapter
 from frod_ds.runtime.errors import ExportError
@@ -124,7 +124,7 @@ def export_transformers(
             "the tokenizer": config.tokenizer,
         }
         ckpt = HFCheckpoint(model_dir)
-        check_config_file(model_dir)  # an export without a usable config.json would be no transformers checkpoint
+        ckpt.config()  # an export whose config.json is unusable or of other sizes would be no transformers checkpoint
         device = torch.device(device)
         supports = {c: sup.flat for c, sup in supports_from_adapter(tensors, config).items()}
         quant, quantize_base = config.frozen_quant, config.quantize_base

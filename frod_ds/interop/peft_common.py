@@ -17,6 +17,8 @@ from frod_ds.runtime.errors import FrodError
 
 __all__ = [
     "ADAPTER",
+    "EXPORT_REPORT",
+    "PEFT_FILES",
     "PeftInteropError",
     "rel_error",
     "check_out_dir",
@@ -28,6 +30,8 @@ __all__ = [
 ]
 
 ADAPTER = "default"  # PEFT's adapter name
+EXPORT_REPORT = "frod_export.json"  # what frod export --format peft writes beside PEFT's files (their sha256 in it)
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # the files of a PEFT adapter frod-ds reads
 
 
 class PeftInteropError(FrodError):

@@ -19,10 +19,13 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import s_name, sigma_name, support_name
+from frod_ds.formats.file_digests import FileDigests
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_replaceable
 from frod_ds.interop.peft_common import (
     ADAPTER,
+    EXPORT_REPORT,
+    PEFT_FILES,
     PeftInteropError,
     check_out_dir,
     first_line,
@@ -44,7 +47,6 @@ __all__ = [
 
 EXPORT_KIND = "peft-export"  # the ownership record's kind (frod_ds.formats.output_dir)
 EXPORT_FORMAT = "frod-ds-peft-export"
-EXPORT_REPORT = "frod_export.json"
 TAUS = (0.5, 1e-2, 1e-3, 1e-4, 1e-5, 0.0)
 
 
@@ -198,7 +200,8 @@ def export_peft(
     overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write adapter ``checkpoint_dir`` as a stock PEFT FRoD adapter in ``out``; returns the report (also written to
-    ``out/frod_export.json``). ``tol``: the largest update error a category's mapping may have (module docstring)."""
+    ``out/frod_export.json``, with the sha256 of PEFT's files). ``tol``: the largest update error a category's
+    mapping may have (module docstring)."""
     with holding(out, EXPORT_KIND, "--out", PeftInteropError):  # a second writer of out is refused at once
         from peft import FrodConfig, get_peft_model
 
@@ -281,5 +284,6 @@ def export_peft(
         }
         with building_dir(out, EXPORT_KIND, inputs, PeftInteropError) as tmp:
             model.save_pretrained(str(tmp))
+            report["files"] = FileDigests.of(tmp, list(PEFT_FILES)).files  # checked by --from-peft
             (tmp / EXPORT_REPORT).write_text(json.dumps(report, indent=1) + "\n")
         return report

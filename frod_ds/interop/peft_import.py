@@ -17,10 +17,14 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import AdapterCategory, AdapterConfig, support_name
+from frod_ds.formats.file_digests import FileDigests
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_replaceable, inventory, mark_dir
 from frod_ds.interop.peft_common import (
     ADAPTER,
+    EXPORT_REPORT,
+    PEFT_FILES,
     PeftInteropError,
     check_out_dir,
     first_line,
@@ -30,6 +34,8 @@ from frod_ds.interop.peft_common import (
     peft_version,
     rel_error,
 )
+from frod_ds.runtime.errors import note
+from frod_ds.runtime.paths import dir_problem
 
 __all__ = ["import_peft"]
 
@@ -42,7 +48,14 @@ BASIS_MISMATCH = 1e-2  # relative ‖V_saved − V_recomputed‖ above which the
 
 def _read_peft_config(peft_dir: Path) -> dict[str, Any]:
     cfg_path = peft_dir / "adapter_config.json"
-    if not peft_dir.is_dir() or not cfg_path.is_file():
+    if not peft_dir.is_dir():
+        raise PeftInteropError(
+            f"--from-peft {dir_problem(peft_dir)}: not a PEFT adapter directory; pass the one save_pretrained wrote"
+        )
+    wrong = wrong_folder(peft_dir, "--from-peft", ("peft-adapter", "peft-export"), "a PEFT adapter")
+    if wrong:
+        raise PeftInteropError(wrong)
+    if not cfg_path.is_file():
         raise PeftInteropError(f"--from-peft {peft_dir} is not a PEFT adapter directory (no adapter_config.json)")
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -69,6 +82,22 @@ def _read_peft_config(peft_dir: Path) -> dict[str, Any]:
     return cfg
 
 
+def _check_files(peft_dir: Path) -> dict[str, str]:
+    """The sha256 of the PEFT files to import; ``PeftInteropError`` when a frod-ds export recorded others (they
+    were changed since). A stock PEFT adapter records none; an export of an older frod-ds gets a ``note:``."""
+    report = peft_dir / EXPORT_REPORT
+    recorded = FileDigests.read(report, PeftInteropError, "export the adapter again", required=False)
+    if recorded is None and report.is_file():
+        note(f"{report} records no checksum of the adapter's files (an older frod-ds): imported unchecked")
+    for name in recorded.files if recorded is not None else ():
+        if recorded.changed(peft_dir, name):
+            raise PeftInteropError(
+                f"{peft_dir / name} was changed after frod export --format peft wrote it (its sha256 is not the one "
+                f"{EXPORT_REPORT} records); export the adapter again"
+            )
+    return FileDigests.of(peft_dir, list(PEFT_FILES)).files
+
+
 def _fold_support(n: int, idx: Tensor, values: Tensor, lam: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """PEFT's COO (coalesced: duplicates summed) as frod-ds' sorted strictly off-diagonal support; diagonal entries
     are added to λ. Returns ``(flat, values, lam)``."""
@@ -92,6 +121,7 @@ def import_peft(
 
         peft_dir, out = Path(peft_dir), Path(out)
         cfg = _read_peft_config(peft_dir)
+        peft_files = _check_files(peft_dir)
         base = base_model or cfg.get("base_model_name_or_path")
         if not base:
             raise PeftInteropError(f"{peft_dir}/adapter_config.json names no base model; pass --base-model")
@@ -176,6 +206,7 @@ def import_peft(
                 "peft_adapter": str(peft_dir),
                 "base_model": base,
                 "peft_version": peft_version(),
+                "peft_files": peft_files,  # the sha256 of what was imported
                 "peft_config": {
                     k: cfg.get(k)
                     for k in (

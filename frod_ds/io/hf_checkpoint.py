@@ -19,7 +19,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from frod_ds.runtime.errors import CheckpointError
+from frod_ds.formats.folders import wrong_folder
+from frod_ds.io.model_config import config_problems, weights_problems
+from frod_ds.runtime.errors import CheckpointError, note
+from frod_ds.runtime.paths import dir_problem
 
 if TYPE_CHECKING:
     import torch
@@ -75,15 +78,28 @@ def safetensors_dtype(code: str) -> torch.dtype:
     }[code]
 
 
-def resolve_model_dir(model: str) -> Path:
+MODEL_KINDS = ("hf-checkpoint", "hf-export", "gguf-conversion")  # folders.folder_kind of a folder a model loads from
+
+
+def check_model_folder(path: Path, flag: str = "--model") -> None:
+    """``CheckpointError`` (one line) when ``path`` is a directory of another kind (a factor store, an adapter,
+    a data build, ...): what it is and where it goes, before a reader fails on a file it lacks."""
+    problem = wrong_folder(path, flag, MODEL_KINDS, "a model checkpoint (config.json + *.safetensors)")
+    if problem:
+        raise CheckpointError(problem)
+
+
+def resolve_model_dir(model: str, flag: str = "--model") -> Path:
     """A local checkpoint directory as is; otherwise a Hugging Face Hub id, downloaded (or found in the
-    local HF cache) with ``snapshot_download`` — only configs, safetensors and tokenizer files."""
+    local HF cache) with ``snapshot_download`` — only configs, safetensors and tokenizer files. ``flag``: how
+    messages name the argument."""
     path = Path(model).expanduser()
     if path.is_dir():
+        check_model_folder(path, flag)
         return path
-    if path.exists():
+    if os.path.lexists(path):  # a file, a named pipe, a broken link or a link loop: say which
         raise CheckpointError(
-            f"--model {model!r} is a file; pass the checkpoint directory (config.json + *.safetensors)"
+            f"{flag} {dir_problem(path)}; pass the checkpoint directory (config.json + *.safetensors)"
         )
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise CheckpointError(
@@ -107,16 +123,17 @@ def resolve_config_file(model: str) -> Path:
     downloaded: the memory planner reads no weights). ``CheckpointError`` (one line) when there is none."""
     path = Path(model).expanduser()
     if path.is_dir():
+        check_model_folder(path)
         if not (path / "config.json").is_file():
             raise CheckpointError(
                 f"model directory {path} has no config.json; pass the checkpoint directory (config.json + "
                 "*.safetensors)"
             )
         return path / "config.json"
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+    if os.path.lexists(path) or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise CheckpointError(
-            f"--model {model!r} is not a checkpoint directory; pass a directory holding config.json or a "
-            "Hub id in the local cache"
+            f"--model {dir_problem(path) or model}: not a checkpoint directory; pass a directory holding config.json "
+            "or a Hub id in the local cache"
         )
     try:
         from huggingface_hub import hf_hub_download
@@ -145,6 +162,11 @@ def check_config_file(model_dir: str | os.PathLike) -> dict:
         raise CheckpointError(
             f"{path} holds a JSON {type(data).__name__}, not a model config; copy config.json from "
             "the original checkpoint"
+        )
+    problems = config_problems(data)
+    if problems:
+        raise CheckpointError(
+            f"{path}: {'; '.join(problems)}; no model has these sizes: copy config.json from the original checkpoint"
         )
     return data
 
@@ -223,8 +245,10 @@ class HFCheckpoint:
 
     def __init__(self, model_dir: str | os.PathLike):
         self.dir = Path(model_dir)
-        if not self.dir.is_dir():
-            raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
+        problem = dir_problem(self.dir)
+        if problem:
+            raise CheckpointError(f"checkpoint directory {problem}")
+        check_model_folder(self.dir, "model directory")
         index = self.dir / INDEX_NAME
         single = self.dir / SINGLE_NAME
         if index.is_file():
@@ -251,10 +275,31 @@ class HFCheckpoint:
         self.bytes_read = 0
         self._lock = threading.Lock()  # reader threads count what they read
 
-    def config(self) -> dict:
-        """The checkpoint's ``config.json``, read and checked (``check_config_file``) on first use only."""
+    def config(self, required: bool = True) -> dict | None:
+        """The checkpoint's ``config.json``, read and checked on first use only: its values (``check_config_file``)
+        and the weights' shapes and layer count against it (``model_config.weights_problems``). ``required=False``
+        (HJD, which needs only the weights): None, with a note, when there is none or it is not JSON; a config that
+        contradicts the weights is refused either way."""
         if self._config is None:
-            self._config = check_config_file(self.dir)
+            path = self.dir / "config.json"
+            if not required and not path.is_file():
+                note(f"{self.dir} has no config.json: the factor store records no model config")
+                return None
+            if not required:
+                try:
+                    json.loads(path.read_text())
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    note(f"{path} is not valid JSON: the factor store records no model config")
+                    return None
+            config = check_config_file(self.dir)
+            shapes = {name: self.shape(name) for name in self.keys() if name.endswith(".weight")}
+            problems = weights_problems(config, shapes)
+            if problems:
+                raise CheckpointError(
+                    f"{path} does not describe the weights in {self.dir} ({'; '.join(problems)}); the config is of "
+                    "another model: copy the config.json that came with these weights"
+                )
+            self._config = config
         return self._config
 
     def keys(self) -> list[str]:

@@ -29,6 +29,7 @@ from frod_ds.formats.adapter_dir import (
 )
 from frod_ds.formats.checksum import file_crc32, format_crc32, parse_crc32
 from frod_ds.formats.factor_store import StoreIdentity, category_of
+from frod_ds.formats.folders import describe_folder, wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir
 from frod_ds.io.dtypes import FLOAT_DTYPES
@@ -36,6 +37,7 @@ from frod_ds.model.apply import frod_groups, frod_modules
 from frod_ds.model.build import build_frod_model, gathered
 from frod_ds.model.store_reader import FactorStore
 from frod_ds.runtime.errors import AdapterError, FrodError, note
+from frod_ds.runtime.paths import dir_problem
 
 __all__ = [
     "adapter_state",
@@ -44,6 +46,7 @@ __all__ = [
     "read_adapter",
     "load_adapter_into",
     "is_adapter_checkpoint",
+    "not_an_adapter",
     "load_frod_model",
     "supports_from_adapter",
     "check_adapter_store",
@@ -136,6 +139,21 @@ def is_adapter_checkpoint(path: str | Path) -> bool:
     return True
 
 
+def not_an_adapter(path: str | Path, flag: str = "") -> str:
+    """The one line for ``path`` given where an adapter belongs: what it is (a factor store, a model, a training
+    run, ...) and where that goes, or why it is no adapter."""
+    p = Path(path)
+    if not p.is_dir():
+        return (
+            f"{f'{flag} ' if flag else ''}{dir_problem(p)}: not a frod-ds adapter checkpoint; pass an adapter "
+            "directory (adapter-final/ of a run)"
+        )
+    return wrong_folder(p, flag, ("adapter",), "a FRoD adapter checkpoint") or (
+        f"{f'{flag} ' if flag else ''}{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS}); "
+        f"it is {describe_folder(p)}"
+    )
+
+
 def nonfinite_tensor(tensors: dict[str, torch.Tensor]) -> str | None:
     """A one-line description of the first tensor holding NaN or inf, or None when all are finite."""
     for name, x in tensors.items():
@@ -149,7 +167,7 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
     """``(tensors, config)``; ``AdapterError`` naming the file when something is missing or malformed."""
     p = Path(path)
     if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
-        raise AdapterError(f"{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS})")
+        raise AdapterError(not_an_adapter(p))
     config = AdapterConfig.read(p / CONFIG)
     if config.weights_crc32 is not None and parse_crc32(config.weights_crc32) != file_crc32(p / WEIGHTS):
         raise AdapterError(
@@ -245,7 +263,7 @@ def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, f
             "(the directory written by frod hjd for this base model)"
         )
     store = FactorStore.open(store_path)
-    model_dir = resolve_model_dir(base)
+    model_dir = resolve_model_dir(base, "--base-model" if base_model else f"base model of {checkpoint_dir}")
     check_store_matches(store, HFCheckpoint(model_dir))
     check_adapter_store(config, store, checkpoint_dir)
     return tensors, config, model_dir, store

@@ -1,15 +1,17 @@
 """Frozen weights partitioned across ranks, gathered one unit (a decoder layer) at a time around its use.
 
-Each rank keeps 1/N of a unit's frozen tensors as one flat shard; a unit is all-gathered before its forward (the
-next one's gather issued on a side stream) and released after; its output's gradient hook gathers it again for the
-backward. A release frees the unit's one gathered storage (as FSDP2 does) and points each Parameter's ``.data`` at
-an empty tensor. Tensors shared by several units (FRoD's V), trainable ones and those outside every unit stay
-replicated. Why this is enough for FRoD and how the storage is freed: docs/training.md.
+FRoD trains only σ and S, so the frozen weights need no gradient reduce-scatter and no optimizer state: each rank
+keeps 1/N of a unit's frozen tensors as one flat shard; a unit is all-gathered before its forward (the next one's
+gather issued then, on a side stream) and released after; its output's gradient hook gathers it again for the
+backward, frees the unit after it and prefetches the one before. A release frees the unit's buffer, views autograd
+saved of it included, and a gather refills it (docs/training.md#zero-3s-layer-partition). Tensors shared by several
+units (FRoD's V), trainable ones and those outside every unit stay replicated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +19,17 @@ from torch import Tensor, nn
 
 from frod_ds.runtime import distributed as dist
 
-__all__ = ["FrozenShards", "Unit", "shard_frozen", "frozen_units"]
+__all__ = [
+    "FrozenShards",
+    "Unit",
+    "attach",
+    "frozen_units",
+    "install",
+    "shard_frozen",
+    "shard_unit",
+    "shards_of",
+    "shared_params",
+]
 
 
 @dataclass
@@ -129,6 +141,19 @@ class FrozenShards:
         if before:
             self._launch(before[-1])
 
+    @contextlib.contextmanager
+    def gathered(self, modules: Iterable[nn.Module]) -> Iterator[None]:
+        """Collective: the units holding any of ``modules`` gathered for reading outside a forward, released after."""
+        ids = {id(m) for m in modules}
+        mine = [u for u in self.units if any(id(m) in ids for m in u.module.modules())]
+        for u in mine:
+            self._install(u)
+        try:
+            yield
+        finally:
+            for u in mine:
+                self._release(u)
+
     def remove(self) -> None:
         """Gather every unit for good and drop the hooks (an export or a test reads whole weights)."""
         for h in self.handles:
@@ -136,6 +161,16 @@ class FrozenShards:
         self.handles.clear()
         for u in self.units:
             self._install(u)  # the Parameters keep their views of the buffer, which stays allocated
+
+
+def attach(model: nn.Module, shards: FrozenShards) -> None:
+    """Record ``shards`` on ``model`` (a plain attribute: it goes with the model into the engine)."""
+    object.__setattr__(model, "frod_frozen_shards", shards)
+
+
+def shards_of(model: nn.Module) -> FrozenShards | None:
+    """The ``FrozenShards`` partitioning ``model``'s frozen weights, None when they are whole."""
+    return getattr(model, "frod_frozen_shards", None)
 
 
 def frozen_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -160,7 +195,66 @@ def _frozen_params(module: nn.Module, shared: set[int]) -> Iterable[nn.Parameter
             yield p
 
 
+def shared_params(units: list[tuple[str, nn.Module]]) -> set[int]:
+    """Ids of the Parameters more than one unit holds (FRoD's V): those stay replicated."""
+    seen: dict[int, int] = {}
+    for _, m in units:
+        for p in m.parameters():
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    return {k for k, v in seen.items() if v > 1}
+
+
 @torch.no_grad()
+def shard_unit(name: str, module: nn.Module, shared: set[int], device: torch.device) -> list[Unit]:
+    """This rank's 1/N of ``module``'s frozen tensors, one flat shard per dtype on ``device``; the Parameters are
+    left empty (their values live in the shards until a gather). Reads the values from wherever they are now. On
+    one rank the tensors move to ``device`` whole and no unit is made."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:  # nothing to partition: the unit stays whole on the device, never gathered
+        for p in _frozen_params(module, shared):
+            p.data = p.data.to(device)
+        return []
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in _frozen_params(module, shared):
+        by_dtype.setdefault(p.dtype, []).append(p)
+    made = []
+    for dtype, params in by_dtype.items():
+        spans, a = [], 0
+        for p in params:
+            spans.append((a, a + p.numel()))
+            a += p.numel()
+        per_rank = -(-a // world)
+        lo, hi = rank * per_rank, (rank + 1) * per_rank
+        shard = torch.zeros(per_rank, dtype=dtype, device=device)
+        for p, (s, e) in zip(params, spans):  # the part of each tensor inside this rank's span
+            if s < hi and e > lo:
+                flat = p.detach().reshape(-1)
+                shard[max(s, lo) - lo : min(e, hi) - lo] = flat[max(s, lo) - s : min(e, hi) - s].to(device)
+            p._frozen_shape = tuple(p.shape)
+        full = torch.empty(per_rank * world, dtype=dtype, device=device)
+        full.untyped_storage().resize_(0)
+        for p in params:
+            p.data = shard.new_empty(0)
+        made.append(Unit(f"{name}:{dtype}".removesuffix(":torch.bfloat16"), module, params, spans, shard, full))
+    return made
+
+
+def install(units: list[Unit], device: torch.device) -> FrozenShards:
+    """The hooks that gather each of ``units`` (in forward order) around its module's forward and backward."""
+    for i, u in enumerate(units):
+        u.index = i
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    fs = FrozenShards(units, stream=stream)
+    by_module: dict[int, list[Unit]] = {}
+    for u in units:
+        by_module.setdefault(id(u.module), []).append(u)
+    for group in by_module.values():
+        module = group[0].module
+        fs.handles.append(module.register_forward_pre_hook(_each(group, fs._pre_forward)))
+        fs.handles.append(module.register_forward_hook(_each(group, fs._post_forward, with_output=True)))
+    return fs
+
+
 def shard_frozen(
     model: nn.Module, device: torch.device, units: list[tuple[str, nn.Module]] | None = None
 ) -> FrozenShards:
@@ -168,45 +262,8 @@ def shard_frozen(
     hooks that gather each unit around its forward and its backward. The model's other tensors are left as they
     are (move them to ``device`` as usual). Units run in the order given (forward order)."""
     units = frozen_units(model) if units is None else units
-    seen: dict[int, int] = {}
-    for _, m in units:
-        for p in m.parameters():
-            seen[id(p)] = seen.get(id(p), 0) + 1
-    shared = {k for k, v in seen.items() if v > 1}
-    world, rank = dist.get_world_size(), dist.get_rank()
-    made: list[Unit] = []
-    for name, module in units:
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in _frozen_params(module, shared):
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for dtype, params in by_dtype.items():
-            spans, a = [], 0
-            for p in params:
-                spans.append((a, a + p.numel()))
-                a += p.numel()
-            per_rank = -(-a // world)
-            flat = torch.zeros(per_rank * world, dtype=dtype)
-            for p, (s, e) in zip(params, spans):
-                flat[s:e] = p.detach().reshape(-1).to("cpu")
-                p._frozen_shape = tuple(p.shape)
-            shard = flat[rank * per_rank : (rank + 1) * per_rank].to(device).clone()
-            full = torch.empty(per_rank * world, dtype=dtype, device=device)
-            full.untyped_storage().resize_(0)
-            for p in params:
-                p.data = shard.new_empty(0)
-            made.append(Unit(f"{name}:{dtype}".removesuffix(":torch.bfloat16"), module, params, spans, shard, full))
-    for i, u in enumerate(made):
-        u.index = i
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    fs = FrozenShards(made, stream=stream)
-    by_module: dict[int, list[Unit]] = {}
-    for u in made:
-        by_module.setdefault(id(u.module), []).append(u)
-    for group in by_module.values():
-        module = group[0].module
-        fs.handles.append(module.register_forward_pre_hook(_each(group, fs._pre_forward)))
-        fs.handles.append(module.register_forward_hook(_each(group, fs._post_forward, with_output=True)))
-    return fs
+    shared = shared_params(units)
+    return install([u for name, module in units for u in shard_unit(name, module, shared, device)], device)
 
 
 def _each(group: list[Unit], fn, with_output: bool = False):

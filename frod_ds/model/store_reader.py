@@ -29,11 +29,13 @@ from frod_ds.formats.factor_store import (
     u_key,
     v_key,
 )
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.io.fingerprint import base_fingerprint, tensor_digests, weights_fingerprint
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.io.safetensors_io import tensor_bytes
 from frod_ds.runtime.errors import StoreError, note
+from frod_ds.runtime.paths import dir_problem
 
 __all__ = ["FactorStore", "check_store_matches", "category_of"]
 
@@ -54,7 +56,12 @@ class FactorStore:
         path = Path(path)
         mpath = path / MANIFEST
         if not path.is_dir():
+            if os.path.lexists(path):  # a file, a named pipe, a broken link or a link loop: say which
+                raise StoreError(f"factor store {dir_problem(path)}; pass the directory frod hjd wrote")
             raise StoreError(f"factor store {path} does not exist; build it with frod hjd --model M --out {path}")
+        wrong = wrong_folder(path, "factor store", ("factor-store",), "a factor store")
+        if wrong:
+            raise StoreError(wrong)
         if not mpath.is_file():
             raise StoreError(f"{path} is not a factor store (no {MANIFEST}); build it with frod hjd")
         store = cls(path, Manifest.read(mpath))

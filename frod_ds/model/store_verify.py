@@ -8,16 +8,12 @@ from pathlib import Path
 import torch
 
 from frod_ds.formats.factor_store import member_of_key, sigma_key, u_key, v_key
-from frod_ds.hjd.math import reconstruction_error
+from frod_ds.hjd.math import reconstruction_error, reconstruction_tol
 from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
 from frod_ds.model.store_reader import FactorStore, check_store_matches
 from frod_ds.runtime.errors import StoreError
 
 __all__ = ["verify_store"]
-
-_VERIFY_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4, torch.float64: 1e-8}
-# Quantized U: NF4's relative error on a Gaussian-like matrix is about 0.09, int8's (row absmax) about 0.01.
-_VERIFY_TOL_QUANT = {"nf4": 0.2, "int8": 3e-2}
 
 
 def _check_files(store: FactorStore, category: str) -> tuple[list[str], bool]:
@@ -76,8 +72,8 @@ def verify_store(
 
     The store is complete and of these weights (``check_store_matches``), every file has its recorded CRC-32 and
     the manifest's keys and shapes, and for ``samples`` members per category (seeded) ``‖W_i − U_i diag(σ_i) Vᵀ‖_F /
-    ‖W_i‖_F`` is within ``tol`` (default by U's dtype: bf16 2e-2, fp16 5e-3, fp32 1e-4, fp64 1e-8; nf4 0.2, int8
-    3e-2). ``FrodError`` when the store or the model cannot be opened at all.
+    ‖W_i‖_F`` is within ``tol`` (default: ``frod_ds.hjd.math.RECONSTRUCTION_TOL`` of U's dtype or quantization,
+    the tolerance HJD itself refuses a store beyond). ``FrodError`` when the store or the model cannot be opened at all.
     """
     store = FactorStore.open(store_dir, allow_incomplete=True)
     ckpt = HFCheckpoint(resolve_model_dir(model))
@@ -102,13 +98,7 @@ def verify_store(
             spec = store.u_spec(member)
             if spec is not None:
                 U = spec.unpack(U, torch.float32)  # (m, n) dequantized
-            limit = (
-                tol
-                if tol is not None
-                else _VERIFY_TOL_QUANT[spec.kind]
-                if spec is not None
-                else _VERIFY_TOL.get(U.dtype, 1e-8)
-            )
+            limit = tol if tol is not None else reconstruction_tol(U.dtype, spec.kind if spec is not None else "none")
             W = ckpt.get(member + ".weight", device).double()
             e = reconstruction_error(W, U.double(), _read(store, sigma_key(member), torch.float64, device), V)
             if not e <= limit:

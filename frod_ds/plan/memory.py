@@ -159,10 +159,10 @@ def trainable_numel(model: ModelShape, train: TrainShape) -> int:
 
 
 def _resident(numel: float, engine: Engine, gpus: int) -> float:
-    """The fraction of a parameter of ``numel`` elements that one GPU holds: all of it under ZeRO-2 and for
-    ZeRO-3's persistent parameters (below stage3_param_persistence_threshold), 1/N under ZeRO-3, none with
-    parameter offload."""
-    if engine.stage != 3 or numel < engine.persistence:
+    """The fraction of a parameter of ``numel`` elements that one GPU holds: all of it under ZeRO-2 (σ and S of the
+    layer partition too) and for ZeRO-3's persistent parameters (below stage3_param_persistence_threshold), 1/N
+    under ZeRO-3, none with parameter offload."""
+    if engine.stage != 3 or engine.layers or numel < engine.persistence:
         return 1.0
     return 0.0 if engine.offload_param else 1.0 / gpus
 
@@ -181,7 +181,11 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
     parts: dict[str, float] = {}
     frozen = frozen_tensors(model, train)
     for part, items in frozen.items():
-        parts[part] = sum(b * c * _resident(b / e, engine, N) for b, c, _ in items)
+        if engine.layers:  # 1/N of every unit's tensors (embedding, layers, head); V and the final norm whole
+            whole = [part == "frozen V" or (not in_layer and b == model.hidden * e) for b, _, in_layer in items]
+            parts[part] = sum(b * c * (1.0 if w else 1 / N) for (b, c, _), w in zip(items, whole))
+        else:
+            parts[part] = sum(b * c * _resident(b / e, engine, N) for b, c, _ in items)
     P = trainable_numel(model, train)
     on_gpu = 0 if engine.offload_optimizer else e + ADAM_STATE_BYTES  # gradient partition + fp32 master and moments
     parts["trainable + optimizer"] = sum(
@@ -204,7 +208,11 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
     # partitions live on the CPU and every gathered parameter is a full copy on the GPU, on any N (DeepSpeed's
     # NoGatherHandle copies ds_tensor to the device). Checkpointing is non-reentrant (trainer.USE_REENTRANT): a
     # recompute's gathers are released with its layer, so the window is the same as without checkpointing.
-    if engine.stage == 3 and (N > 1 or engine.offload_param):
+    if engine.layers and N > 1:  # at the backward's start: the head gathered again and the last layer prefetched
+        layer = sum(b * c / L for items in frozen.values() for b, c, in_layer in items if in_layer)
+        head = model.vocab * model.hidden * e
+        gathered = layer + max(layer, head)
+    elif engine.stage == 3 and (N > 1 or engine.offload_param):
         P_layer = _layer_gathered_numel(model, train, engine)
         P_head = model.vocab * model.hidden
         kept = sum(1 for k in range(L) if 2 * k * P_layer + P_head < engine.max_reuse)
@@ -212,7 +220,8 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
         gathered = (min(engine.max_live, kept * P_layer + P_head) + engine.prefetch_bucket) * e + V_full
     parts["ZeRO-3 gathered"] = gathered
     # ZeRO-1/2 allocate two reduce buckets with overlap_comm (stage_1_and_2.py ipg_buffer), ZeRO-3 one flat one.
-    parts["DeepSpeed buffers"] = engine.reduce_bucket * e * (2 if engine.stage == 2 and engine.overlap_comm else 1)
+    zero2 = engine.stage == 2 or engine.layers
+    parts["DeepSpeed buffers"] = engine.reduce_bucket * e * (2 if zero2 and engine.overlap_comm else 1)
     host = 0.0
     if engine.offload_param:  # every rank's partition of the frozen and trainable parameters, in pinned memory
         host += sum(b * c for items in frozen.values() for b, c, _ in items if b / e >= engine.persistence)

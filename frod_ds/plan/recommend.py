@@ -31,6 +31,8 @@ __all__ = [
     "candidates",
     "predicted_seconds",
     "recommend",
+    "fewest_gpus",
+    "no_fit_advice",
     "hint",
     "train_hint",
 ]
@@ -163,6 +165,55 @@ def _reason(plan: Plan, secs: float, tier: list[tuple[tuple, Plan, float]], trie
     )
 
 
+MAX_GPUS = 2**16  # where the search for a GPU count that fits gives up: beyond it only the per-GPU floor is left
+
+
+def fewest_gpus(
+    model: ModelShape, train: TrainShape, gpus: int, gpu_bytes: float, engines: list[Engine] | None = None
+) -> int | None:
+    """The fewest GPUs (more than ``gpus``) on which some shipped set-up fits, or None when none does on any count:
+    the per-GPU need only falls with more GPUs (ZeRO-3 partitions), so a doubling then a bisection find it."""
+    engines = engines or shipped_engines()
+    fits = lambda n: any(  # noqa: E731
+        plan_memory(model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), e, n, gpu_bytes).fits
+        for e, q, qb, gc in candidates(engines, train)
+    )
+    hi = max(1, gpus) * 2
+    while not fits(hi):
+        if hi >= MAX_GPUS:
+            return None
+        hi *= 2
+    lo = max(1, gpus)  # does not fit (the caller's finding); hi fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def no_fit_advice(
+    model: ModelShape, train: TrainShape, gpus: int, gpu_bytes: float, engines: list[Engine] | None = None
+) -> str:
+    """What to do when no shipped set-up fits ``gpus`` GPUs: the fewest GPUs that would do, or, when more GPUs cannot
+    help (activations, logits and what each GPU keeps whole do not shrink with their number), what would."""
+    need = fewest_gpus(model, train, gpus, gpu_bytes, engines)
+    if need is not None:
+        return f"no shipped set-up fits {gpus} GPU(s) of {gpu_bytes / GiB:.1f} GiB; from {need} GPUs one does"
+    floor = min(
+        (
+            plan_memory(model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), e, MAX_GPUS, gpu_bytes)
+            for e, q, qb, gc in candidates(engines or shipped_engines(), train)
+        ),
+        key=lambda p: p.needed,
+    )
+    top = sorted(floor.parts.items(), key=lambda kv: -kv[1])[:2]
+    return (
+        f"no shipped set-up fits a GPU of {gpu_bytes / GiB:.1f} GiB on any number of GPUs: each needs at least "
+        f"{floor.needed / GiB:.1f} GiB ({', '.join(f'{k} {v / GiB:.1f}' for k, v in top)} GiB), which more GPUs do "
+        f"not shrink; lower train.micro_batch_size or data.cutoff_len ({train.micro_batch} x {train.seq_len} tokens "
+        "per GPU now), or use GPUs with more memory"
+    )
+
+
 def hint(model: ModelShape, train: TrainShape, chosen: Engine, gpus: int, gpu_bytes: float) -> str | None:
     """One line for ``frod train`` when ``chosen`` (with the recipe's quantization and checkpointing) is likely
     out of memory, or another shipped engine fits the same recipe and the step-time model predicts it at least
@@ -171,7 +222,7 @@ def hint(model: ModelShape, train: TrainShape, chosen: Engine, gpus: int, gpu_by
     plan = plan_memory(model, train, chosen, gpus, gpu_bytes)
     if not plan.fits:
         rec = recommend(model, train, gpus, gpu_bytes, engines)
-        fix = f"use {rec.describe()}{rec.alternative}" if rec else "no shipped set-up fits: use more GPUs"
+        fix = f"use {rec.describe()}{rec.alternative}" if rec else no_fit_advice(model, train, gpus, gpu_bytes, engines)
         return (
             f"hint: predicted {plan.needed / GiB:.1f} GiB per GPU under {chosen.name} ({gpus} GPU(s) of "
             f"{gpu_bytes / GiB:.1f} GiB): likely out of memory; {fix} (frod plan)"
@@ -216,7 +267,7 @@ def train_hint(
             if model_config is not None
             else load_model_shape(recipe.model.base)
         )
-        engine = engine_from_ds_config(as_ds_config(ds_config), name)
+        engine = engine_from_ds_config(as_ds_config(ds_config), name, recipe.train.zero3_partition)
         return hint(model, train_shape_from_recipe(recipe, layer_saves), engine, world_size, gpu_bytes)
     except (FrodError, OSError, KeyError):
         return None

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from frod_ds.config.ds_config import DS_DEFAULTS, bf16_overflow_check, load_ds_config, zero_settings
 from frod_ds.core.names import DEFAULT_TARGETS, LLAMA_LINEARS
+from frod_ds.io.model_config import config_problems
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
@@ -88,9 +88,12 @@ def model_shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> 
             f"{', '.join(LLAMA_FAMILY)})"
         )
     need = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    missing = [k for k in need if not isinstance(cfg.get(k), int)]
+    missing = [k for k in need if cfg.get(k) is None]
     if missing:
         raise PlanError(f"{where}: missing or non-integer {', '.join(missing)}; not a complete {mtype} config")
+    problems = config_problems(cfg)  # the one check of config.json's values (frod_ds.io.model_config)
+    if problems:
+        raise PlanError(f"{where}: {'; '.join(problems)}; no model has these sizes: fix config.json")
     heads = cfg["num_attention_heads"]
     return ModelShape(
         mtype,
@@ -106,17 +109,11 @@ def model_shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> 
 
 
 def load_model_shape(model: str) -> ModelShape:
-    """From a checkpoint directory or a Hub id in the local cache; reads config.json only."""
-    from frod_ds.io.hf_checkpoint import resolve_config_file
+    """From a checkpoint directory or a Hub id in the local cache; reads config.json only (checked by
+    ``frod_ds.io.hf_checkpoint.check_config_file``, the one reader of it)."""
+    from frod_ds.io.hf_checkpoint import check_config_file, resolve_config_file
 
-    path = resolve_config_file(model)
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, OSError) as e:
-        raise PlanError(f"{path} is not readable JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise PlanError(f"{path} is not a JSON object")
-    return model_shape_from_config(cfg, str(path))
+    return model_shape_from_config(check_config_file(model), str(resolve_config_file(model)))
 
 
 @dataclass(frozen=True)
@@ -182,15 +179,21 @@ class Engine:
     max_reuse: float = float(_ZERO_DEFAULTS["stage3_max_reuse_distance"])
     memory_efficient_linear: bool = LINEAR_KEEPS_INPUT_ZERO3
     bf16_overflow_check: bool = True  # ZeRO-2 tests every bf16 gradient before a step (time only, not memory)
+    # a ZeRO-3 JSON run with its frozen weights partitioned by decoder layer by frod-ds, σ and S under ZeRO-2
+    # (frod_ds.config.zero3_layout); False: DeepSpeed's own stage 3
+    layers: bool = False
 
     @property
     def linear_keeps_input(self) -> bool:
-        return self.stage == 3 and self.memory_efficient_linear
+        return self.stage == 3 and not self.layers and self.memory_efficient_linear
 
 
-def engine_from_ds_config(cfg: dict[str, Any], name: str = "config") -> Engine:
+def engine_from_ds_config(cfg: dict[str, Any], name: str = "config", partition: str = "auto") -> Engine:
     """The ``Engine`` of a DeepSpeed JSON as the one reader of it (``ds_config.zero_settings``) sees it. ZeRO-0/1
-    are planned like ZeRO-2: each replicates the frozen model on every GPU."""
+    are planned like ZeRO-2: each replicates the frozen model on every GPU. ``partition``: the recipe's
+    ``train.zero3_partition`` (a ZeRO-3 JSON's layout)."""
+    from frod_ds.config.zero3_layout import zero3_layout
+
     z = zero_settings(cfg)
     return Engine(
         name,
@@ -205,6 +208,7 @@ def engine_from_ds_config(cfg: dict[str, Any], name: str = "config") -> Engine:
         float(z.max_reuse_distance),
         z.memory_efficient_linear,
         bf16_overflow_check(cfg),
+        zero3_layout(cfg, partition) == "layers",
     )
 
 

@@ -33,6 +33,9 @@ ZERO3_NVTX_LAYER_PASS_S = 1.6e-4
 ZERO_CHECK_TENSOR_S = 1.0e-4
 # Exposed ZeRO-3 gather time over the link floor (DeepSpeed's prefetch hides little of it).
 LINK_EXPOSED = 1.2
+# The same for the layer partition (one coalesced gather per unit on a side stream, the next one prefetched; a
+# checkpointed layer's recompute reuses its backward's gather): read off the 7B shape on 2 H200s.
+LAYERS_LINK_EXPOSED = 0.7
 # All-gather bus bandwidth of 2 H200s over NVLink (bench/results/two_gpu_2xh200/matrix/link_2gpu.json).
 NVLINK_BUSBW = 268e9
 # Host-to-GPU copies of offloaded frozen weights (fitted on the one measured offload step).
@@ -111,7 +114,7 @@ def step_time(
     if not plain:
         host["DeepSpeed step"] = ZERO_STEP_HOST_S
         host["DeepSpeed tensors"] = ZERO_TENSOR_HOST_S * n_trainable
-        if engine.stage == 3:
+        if engine.stage == 3 and not engine.layers:
             per_pass = ZERO3_LAYER_PASS_S
             if train.zero3_flat_frozen and train.quant == "none":
                 per_pass -= ZERO3_FROZEN_TENSOR_PASS_S * (len(train.targets) - 1)
@@ -122,10 +125,14 @@ def step_time(
     parts["host beyond device"] = max(0.0, sum(host.values()) - device)
     if plain:
         return StepTime(parts, host)
-    if engine.bf16_overflow_check and train.dtype == "bfloat16" and engine.stage < 3:
+    if engine.bf16_overflow_check and train.dtype == "bfloat16" and (engine.stage < 3 or engine.layers):
         parts["overflow check"] = link.host * ZERO_CHECK_TENSOR_S * n_trainable
     n = gpus
-    if engine.stage == 3:
+    if engine.layers:  # every frozen tensor but V and the final norm, gathered for the forward and the backward
+        if n > 1:
+            shared = sum(b * c for b, c, _ in frozen_tensors(model, train)["frozen V"]) + model.hidden * train.e
+            parts["link"] = LAYERS_LINK_EXPOSED * 2 * (frozen_bytes - shared) * (n - 1) / n / link.busbw
+    elif engine.stage == 3:
         if engine.offload_param:
             parts["offload"] = passes * frozen_bytes / OFFLOAD_BYTES_PER_S
         elif n > 1:

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.folders import wrong_folder
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
-from frod_ds.prep.dataset import DEFAULT_CUTOFF, BuildOptions, build, resolved_template, template_problems
+from frod_ds.prep.dataset import DEFAULT_CUTOFF, KIND, BuildOptions, build, resolved_template, template_problems
 from frod_ds.prep.tasks import (
     DEFAULT_WINOGRANDE_SIZE,
     LLM_ADAPTERS_ROWS,
@@ -25,6 +26,7 @@ from frod_ds.prep.tasks import (
     parse_tasks,
 )
 from frod_ds.prep.templates import RowError, render, row_id
+from frod_ds.runtime.paths import dir_problem
 
 EXAMPLES = """examples:
   frod data build --source hub --out data/cs170k
@@ -102,6 +104,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite", action="store_true", help="replace an existing non-empty OUT (only once the new build succeeded)"
     )
+    p.add_argument(
+        "--keep-duplicates",
+        action="store_true",
+        help="keep training rows that repeat an earlier row of their split verbatim (default: drop and count them; "
+        "test rows are always kept as published and counted; --strict refuses both)",
+    )
     _add_tokenizer_flags(p)
 
     p = sub.add_parser(
@@ -142,6 +150,15 @@ def print_build_report(manifest: dict[str, Any], files: dict[str, str]) -> None:
         for role, reasons in roles.items():
             for reason, count in reasons.items():
                 print(f"dropped: {task} {role}: {reason}: {count}")
+    repeated = manifest.get("repeated", {})
+    for task, roles in repeated.get("rows", {}).items():
+        for role, n in roles.items():
+            done = (
+                repeated[role]
+                if role == "eval" or repeated[role] == "kept"
+                else "dropped (--keep-duplicates keeps them)"
+            )
+            print(f"repeated: {task} {role}: {n} row(s) repeat an earlier row verbatim: {done}")
     for task, roles in manifest["counts"].items():
         for role, c in roles.items():
             if c.get("not_selected"):
@@ -179,6 +196,7 @@ def cmd_build(args: argparse.Namespace) -> None:
         cutoff=args.cutoff,
         overwrite=args.overwrite,
         template=args.template,
+        keep_duplicates=args.keep_duplicates,
     )
     manifest, files = build(options)
     print_build_report(manifest, files)
@@ -191,6 +209,9 @@ def cmd_build(args: argparse.Namespace) -> None:
 def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """The manifest and rows of each file of a built OUT, after checking every sha256."""
     path = out / "manifest.json"
+    problem = dir_problem(out) or wrong_folder(out, "--out", (KIND,), "a frod data build")
+    if problem:
+        raise DataPrepError(problem)
     if not path.is_file():
         raise DataPrepError(f"{out} is not a frod data build (no manifest.json)")
     try:

@@ -20,6 +20,7 @@ from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import building_dir, check_out
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
+from frod_ds.prep.row_checks import count_repeats, drop_rows_training_refuses
 from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from frod_ds.prep.templates import RowError, render, row_id
 
@@ -42,6 +43,7 @@ class BuildOptions:
     cutoff: int | None = None
     overwrite: bool = False
     template: str | None = None  # "paper" | "llm-adapters"; None: llm-adapters for an llm-adapters source, else paper
+    keep_duplicates: bool = False  # keep training rows that repeat an earlier row verbatim (default: drop them)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class SplitResult:
     families: dict[str, Any] | None = None  # LLM-Adapters files: family -> {"tasks", "read", "kept"}
     not_selected: int = 0  # combined LLM-Adapters file: rows of families not selected by --tasks
     origin: str = ""  # the file (or Hub id and split) the rows were read from, for error messages
+    repeated: int = 0  # rows repeating an earlier row of the split verbatim (training: dropped unless kept)
 
 
 def log(message: str) -> None:
@@ -79,6 +82,8 @@ def validate_options(options: BuildOptions) -> None:
         problems.append("--cutoff needs --tokenizer")
     if options.cutoff is not None and options.cutoff <= 0:
         problems.append(f"--cutoff must be positive, got {options.cutoff}")
+    if options.keep_duplicates and options.strict:
+        problems.append("--keep-duplicates keeps repeated training rows, --strict refuses them: pass one of them")
     problems += template_problems(options)
     out = options.out
     if out.exists() and not out.is_dir():
@@ -264,34 +269,6 @@ def load_splits(options: BuildOptions) -> list[SplitResult]:
     return results
 
 
-DUPLICATE_ID = "duplicate id"
-OVERLONG = f"prompt + answer over {prep_rows.MAX_ROW_CHARS} characters"
-
-
-def drop_rows_training_refuses(result: SplitResult, strict: bool) -> None:
-    """Drop (and count) rows that training would refuse: a repeat of an earlier row's ``id`` in the split (the
-    first is kept), and a row whose prompt + answer exceeds `prep_rows.MAX_ROW_CHARS`; with `strict`, the first is an
-    error naming the task and file."""
-    seen: set[str] = set()
-    kept = []
-    for row in result.rows:
-        reason = (
-            DUPLICATE_ID
-            if row["id"] in seen
-            else OVERLONG
-            if len(row["prompt"]) + len(row["answer"]) > prep_rows.MAX_ROW_CHARS
-            else None
-        )
-        if reason is None:
-            seen.add(row["id"])
-            kept.append(row)
-        elif strict:
-            raise DataPrepError(f"{result.task}: {result.origin} row id {row['id']!r}: {reason} (--strict)")
-        else:
-            result.dropped[reason] += 1
-    result.rows = kept
-
-
 def check_no_empty_split(results: list[SplitResult], tasks: tuple[str, ...]) -> None:
     """A split the build asked for must keep at least one row: an empty source file, or one whose rows were all
     dropped, would otherwise leave a task out of the training mixture or the evaluation without a word. For a
@@ -370,6 +347,12 @@ def make_manifest(options: BuildOptions, results: list[SplitResult], n_train: in
         "sources": {},
         "counts": {},
         "dropped": {},
+        # rows repeating an earlier row of their split verbatim, and what the build did with them
+        "repeated": {
+            "train": "kept" if options.keep_duplicates else "dropped",
+            "eval": "kept as published",
+            "rows": {},
+        },
         "train_rows": n_train,
         "reference": {
             "name": "LLM-Adapters commonsense_170k",
@@ -390,6 +373,8 @@ def make_manifest(options: BuildOptions, results: list[SplitResult], n_train: in
         manifest["counts"].setdefault(r.task, {})[r.role] = counts
         if r.dropped:
             manifest["dropped"].setdefault(r.task, {})[r.role] = dict(sorted(r.dropped.items()))
+        if r.repeated:
+            manifest["repeated"]["rows"].setdefault(r.task, {})[r.role] = r.repeated
     if sources.llm_adapters_path(options.source) is not None:
         manifest.update(llm_adapters_manifest(options, results))
     return manifest
@@ -452,6 +437,7 @@ def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
         results = load_splits(options)
         for result in results:
             drop_rows_training_refuses(result, options.strict)
+            count_repeats(result, options.strict, options.keep_duplicates)
         check_no_empty_split(results, options.tasks)
         train = mixture(results, options.seed)
         manifest = make_manifest(options, results, len(train))

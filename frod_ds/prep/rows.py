@@ -60,6 +60,34 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def text_problem(row: dict[str, Any]) -> str | None:
+    """The first string of ``row`` (a field, or an entry of ``choices``) holding a lone surrogate: JSON's ``\\ud800``
+    escapes decode to one, which no tokenizer can encode (training would stop mid-run)."""
+    for key, value in row.items():
+        for i, text in enumerate(value if isinstance(value, list) else [value]):
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = f"'{key}'" + (f"[{i}]" if isinstance(value, list) else "")
+                return (
+                    f"field {where} holds a lone surrogate {text[exc.start]!r} at character {exc.start} "
+                    "(not Unicode text)"
+                )
+    return None
+
+
+def choices_problem(choices: list[str]) -> str | None:
+    """A multiple-choice row needs two distinct answers: with one, or two the same, scoring gives a free point."""
+    if len(choices) < 2:
+        return f"fewer than two choices ({choices!r}): nothing to choose between"
+    repeated = sorted({c for c in choices if choices.count(c) > 1})
+    if repeated:
+        return f"duplicate choices ({repeated[0]!r} is given {choices.count(repeated[0])} times)"
+    return None
+
+
 def check_row(row: Any) -> str | None:
     """Why `row` is not a valid output row, or None if it is."""
     if not isinstance(row, dict):
@@ -79,7 +107,7 @@ def check_row(row: Any) -> str | None:
         return f"label {label} out of range for {len(choices)} choices"
     if choices[label] != row["answer"]:
         return f"answer {row['answer']!r} is not choices[{label}] ({choices[label]!r})"
-    return None
+    return choices_problem(choices) or text_problem(row)
 
 
 def read_rows(

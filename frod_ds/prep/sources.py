@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from frod_ds.prep.tasks import TASKS, DataPrepError, hub_config
+from frod_ds.runtime.paths import dir_problem, file_problem
 
 HUB = "hub"
 SPLIT_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -90,7 +91,8 @@ def task_dir(root: Path, task: str, winogrande_size: str) -> Path:
 def check_local_tasks(root: Path, tasks: list[str]) -> None:
     """Raise one error naming every requested task whose subdirectory is missing."""
     if not root.is_dir():
-        raise DataPrepError(f"--source {root}: no such directory (pass 'hub' or a local mirror directory)")
+        why = dir_problem(root) if root.exists() or root.is_symlink() else f"{root}: no such directory"
+        raise DataPrepError(f"--source {why} (pass 'hub' or a local mirror directory)")
     missing = [task for task in tasks if not (root / task).is_dir()]
     if missing:
         present = [task for task in tasks if task not in missing] or [k for k in TASKS if (root / k).is_dir()]
@@ -103,6 +105,9 @@ def check_local_tasks(root: Path, tasks: list[str]) -> None:
 
 def find_split(directory: Path, split: str) -> Path:
     """The one file or folder holding `split` in a task directory."""
+    odd = [file_problem(p) for p in (directory / f"{split}{x}" for x in SPLIT_SUFFIXES) if p.is_symlink() or p.exists()]
+    if any(odd):  # a named pipe or a link loop where the split file belongs: say so, not "no split"
+        raise DataPrepError(f"{split} split: {next(filter(None, odd))}")
     found = [directory / f"{split}{suffix}" for suffix in SPLIT_SUFFIXES if (directory / f"{split}{suffix}").is_file()]
     if (directory / split).is_dir():
         found.append(directory / split)
@@ -229,9 +234,9 @@ def check_llm_adapters_source(path: Path, tasks: list[str]) -> None:
     if path.is_file():
         return
     if not path.is_dir():
+        why = file_problem(path) if path.exists() or path.is_symlink() else f"{path}: no such file or directory"
         raise DataPrepError(
-            f"--source llm-adapters:{path}: no such file or directory "
-            "(pass commonsense_170k.json or a folder of <task>/{train,test}.json)"
+            f"--source llm-adapters:{why} (pass commonsense_170k.json or a folder of <task>/{{train,test}}.json)"
         )
 
     def absent(task: str) -> list[str]:  # test.json is required; train.json is optional (evaluation folders)

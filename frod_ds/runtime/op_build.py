@@ -1,10 +1,11 @@
 """DeepSpeed's JIT-built ops, built once and never left locked: the ops a training launch builds (``cpu_adam``
 under optimizer offload) go through :func:`load_op`.
 
-A build killed mid-way leaves torch's lock file behind (every later launch waits forever), and a different
-``ninja`` on ``PATH`` recompiles the op. :func:`load_op` builds under an ``fcntl`` lock (the kernel drops it with
-its holder), deletes a baton left by a dead builder, and always runs the ninja beside this Python if there is
-one (``PATH`` changed only during the build). Details: docs/failure-policy.md#deepspeeds-jit-built-ops.
+A build killed mid-way leaves torch's lock file behind (every later launch waits forever) and its compilers
+running, and a different ``ninja`` on ``PATH`` recompiles the op. :func:`load_op` builds under an ``fcntl`` lock
+(the kernel drops it with its holder), deletes a baton left by a dead builder, and always runs the ninja beside
+this Python if there is one, in a session that dies with this process (``PATH`` changed only during the build).
+Details: docs/failure-policy.md#deepspeeds-jit-built-ops.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from frod_ds.runtime.errors import note
+from frod_ds.runtime import tied_session
+from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.errors import FrodError, note
 
 __all__ = [
     "BATON",
@@ -29,11 +32,13 @@ __all__ = [
     "clear_stale_baton",
     "wait_for_baton",
     "build_lock",
+    "tied_ninja",
     "load_op",
 ]
 
 BATON = "lock"  # torch.utils.file_baton.FileBaton's file in each extension's build directory
 _GUARD = ".frod-ds-build.lock"  # our fcntl lock beside it
+_BIN = ".frod-ds-bin"  # beside it: the ninja wrapper of tied_ninja
 
 
 def extensions_dir() -> Path:
@@ -121,14 +126,13 @@ def build_lock(build_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _ninja_first() -> Iterator[None]:
-    """``PATH`` with :func:`ninja_dir` first, for the block only (put back exactly as it was)."""
-    first = ninja_dir()
+def _path_first(directory: str | None) -> Iterator[None]:
+    """``PATH`` with ``directory`` first, for the block only (put back exactly as it was)."""
     old = os.environ.get("PATH")
-    if first is None or (old or "").split(os.pathsep)[0] == first:
+    if directory is None or (old or "").split(os.pathsep)[0] == directory:
         yield
         return
-    os.environ["PATH"] = os.pathsep.join([first, old]) if old else first
+    os.environ["PATH"] = os.pathsep.join([directory, old]) if old else directory
     try:
         yield
     finally:
@@ -138,8 +142,36 @@ def _ninja_first() -> Iterator[None]:
             os.environ["PATH"] = old
 
 
+def tied_ninja(build_dir: Path) -> str | None:
+    """A directory (in ``build_dir``, written under its lock) holding a ``ninja`` that runs :func:`ninja_dir`'s in a
+    session tied to its caller (``frod_ds.runtime.tied_session``): when the launch dies mid-build, ninja and its
+    compilers die with it. None where that cannot be done (no ninja, not Linux): then the plain ninja."""
+    real = ninja_dir()
+    if real is None or not tied_session.supported():
+        return real
+    bin_dir = build_dir / _BIN
+    bin_dir.mkdir(exist_ok=True)
+    script = tied_session.wrapper_script(str(Path(real) / "ninja"))
+    wrapper = bin_dir / "ninja"
+    if not wrapper.is_file() or wrapper.read_text() != script:
+        atomic_write_text(wrapper, script)
+        wrapper.chmod(0o755)
+    return str(bin_dir)
+
+
 def load_op(builder: Any) -> Any:
-    """``builder.load()`` (a DeepSpeed ``OpBuilder``) under :func:`build_lock`, with the pinned ninja. DeepSpeed
-    keeps the loaded module, so its own later ``load()`` of the same op builds nothing."""
-    with build_lock(extensions_dir() / builder.name), _ninja_first():
-        return builder.load(verbose=False)
+    """``builder.load()`` (a DeepSpeed ``OpBuilder``) under :func:`build_lock`, its ninja the pinned one run in a
+    session tied to this process (:func:`tied_ninja`). DeepSpeed keeps the loaded module, so its own later
+    ``load()`` of the same op builds nothing. A failed compile is a ``FrodError`` (its output printed first)."""
+    build_dir = extensions_dir() / builder.name
+    with build_lock(build_dir), _path_first(tied_ninja(build_dir)):
+        try:
+            return builder.load(verbose=False)
+        except RuntimeError as e:  # torch's "Error building extension '<name>': <the compiler's output>"
+            if not str(e).startswith("Error building extension"):
+                raise
+            print(str(e), file=sys.stderr, flush=True)
+            raise FrodError(
+                f"building DeepSpeed's {builder.name} op in {build_dir} failed (the compiler's output is above); fix "
+                f"the build environment (a C++ compiler, ninja), or use a DeepSpeed config that needs no {builder.name}"
+            ) from None

@@ -3,8 +3,9 @@
 A checkpoint is sealed by its ``COMPLETE`` file (``Seal``: size and sha256 of every other file, written last).
 A run resumes from the newest sealed checkpoint whose files still match their seal (``choose_checkpoint``); one
 that does not is skipped with one ``note:`` and set aside as ``skipped-<tag>/``. Layout and older versions:
-docs/formats.md (Engine checkpoints); what a damaged one does: docs/failure-policy.md. Torch-free but for the
-check of an older version's empty ``COMPLETE``.
+docs/formats.md (Engine checkpoints); what a damaged one does: docs/failure-policy.md. Every ``.pt`` file is also
+loaded (tensors memory-mapped) the way the resume loads it, ``weights_only`` with DeepSpeed's few classes allowed
+(``frod_ds.io.torch_pickle``): a file naming anything else is never unpickled.
 """
 
 from __future__ import annotations
@@ -94,19 +95,18 @@ def write_seal(ckpt: Path, files: dict[str, FileSeal]) -> None:
     atomic_write_text(ckpt / COMPLETE, record_to_json(Seal(SEAL_FORMAT, dict(sorted(files.items())))))
 
 
+def _unloadable(ckpt: Path) -> str | None:
+    """Why a ``.pt`` file of ``ckpt`` cannot be loaded safely (the first one), or None."""
+    from frod_ds.io.torch_pickle import unloadable
+
+    return next(filter(None, map(unloadable, sorted(ckpt.rglob("*.pt")))), None)
+
+
 def _legacy_check(ckpt: Path) -> str | None:
     """An empty ``COMPLETE`` (older frod-ds): every ``.pt`` file must load."""
-    import torch
-
-    pts = sorted(ckpt.rglob("*.pt"))
-    if not pts:
+    if not any(ckpt.rglob("*.pt")):
         return "it holds no engine files"
-    for p in pts:
-        try:
-            torch.load(p, map_location="cpu", weights_only=False, mmap=True)
-        except Exception as e:  # noqa: BLE001 - any failure to read means the file cannot be resumed from
-            return f"{p.relative_to(ckpt)} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    return None
+    return _unloadable(ckpt)
 
 
 def check_sealed(ckpt: Path) -> str | None:
@@ -131,7 +131,7 @@ def check_sealed(ckpt: Path) -> str | None:
             )
         if file_seal(p, fsync=False).sha256 != want.sha256:
             return f"{name} is corrupt (its sha256 differs from the one recorded when it was written)"
-    return None
+    return _unloadable(ckpt)
 
 
 def _checkpoint_dirs(root: Path) -> list[Path]:
@@ -166,7 +166,7 @@ def choose_checkpoint(root: Path) -> tuple[str | None, list[tuple[str, str]]]:
     if skipped:
         out = root.parent
         raise ResumeError(
-            f"no checkpoint in {root} can be resumed, each is corrupt ({'; '.join(f'{t}: {w}' for t, w in skipped)}); "
+            f"no checkpoint in {root} can be resumed ({'; '.join(f'{t}: {w}' for t, w in skipped)}); "
             "to start this "
             f"run over, remove {root}, or pass train.new_run=true to move the run in {out} aside and start anew"
         )

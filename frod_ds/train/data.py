@@ -9,6 +9,7 @@ step)`` and resuming replays no data (docs/training.md, Outputs and resume).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +17,11 @@ import torch
 
 from frod_ds.config.ds_config import BatchSizes
 from frod_ds.eval.predict import encode_rows
-from frod_ds.prep.rows import MAX_ROW_CHARS, read_rows, row_separator
+from frod_ds.formats.folders import wrong_folder
+from frod_ds.prep.rows import MAX_ROW_CHARS, read_rows, row_separator, text_problem
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.paths import file_problem
 
 __all__ = [
     "DataError",
@@ -44,7 +47,12 @@ def training_file(path: str | Path) -> Path:
     output directory (the recipe allows both; everything that reads or records the data goes through here)."""
     p = Path(path)
     if p.is_dir():
+        wrong = wrong_folder(p, "training data", ("data-build",), "a data build or a JSONL file")
+        if wrong:
+            raise DataError(wrong)
         p = p / "train.jsonl"
+    if os.path.lexists(p) and file_problem(p):  # a named pipe, a link loop, unreadable: not "not found"
+        raise DataError(f"training data {file_problem(p)}")
     if not p.is_file():
         raise DataError(f"training data {p} not found; build it with `frod data build --out DIR`")
     return p
@@ -61,7 +69,7 @@ def _check_training_row(row) -> str | None:
             )
     if "separator" in row and not isinstance(row["separator"], str):
         return "field 'separator' must be a string when present"
-    return None
+    return text_problem({k: row[k] for k in ("prompt", "separator", "answer") if k in row})
 
 
 def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:

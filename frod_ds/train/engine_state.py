@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from frod_ds.config.ds_config import BatchSizes
+from frod_ds.io.torch_pickle import safe_load, use_safe_loads
+from frod_ds.model.frozen_shards import shards_of
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text, disk_full_error
 from frod_ds.runtime.errors import FrodError, note
@@ -47,6 +49,15 @@ def zero_stage_of(engine) -> int:
     return int(engine.zero_optimization_stage())
 
 
+def _partition(engine) -> str | None:
+    """ "layers" when the engine's frozen weights are partitioned by decoder layer (``frozen_shards``)."""
+    return "layers" if shards_of(engine.module) is not None else None
+
+
+def _layout_name(stage: int, partition: str | None) -> str:
+    return "ZeRO-3 by decoder layer" if partition == "layers" else f"ZeRO-{stage}"
+
+
 def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, records: dict[str, str]) -> None:
     """Collective. ``root/step<NNNNNNNN>/``: engine files, ``rng_rank<r>.pt``, the trainable-state record,
     ``records`` (file name → text, written by rank 0), the seal; then ``latest_complete`` and the clean-up."""
@@ -54,7 +65,9 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
     if dist.is_main() and ckpt.exists():  # a save killed here before, or an abandoned later timeline: not resumable
         shutil.rmtree(ckpt)
     dist.barrier()
-    state = gather_state(engine, step, (layout.world, layout.micro, layout.accum), zero_stage_of(engine))
+    state = gather_state(
+        engine, step, (layout.world, layout.micro, layout.accum), zero_stage_of(engine), _partition(engine)
+    )
     try:
         engine.save_checkpoint(str(root), tag=ckpt.name, client_state={"step": step}, exclude_frozen_parameters=True)
         rng = {
@@ -129,13 +142,15 @@ def restore_checkpoint(
 
 
 def _load_engine_files(engine, root: Path, tag: str) -> int:
-    """Same world size and ZeRO stage: DeepSpeed's own files, and each rank's RNG state."""
+    """Same world size and ZeRO stage: DeepSpeed's own files, and each rank's RNG state (every file loaded with
+    ``weights_only``, DeepSpeed's few classes allowed: ``frod_ds.io.torch_pickle``)."""
+    use_safe_loads(engine)
     path, client = engine.load_checkpoint(
         str(root), tag=tag, load_module_strict=False, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
         raise RuntimeError(f"could not load engine checkpoint {tag} from {root}")
-    rng = torch.load(root / tag / f"rng_rank{dist.get_rank()}.pt", weights_only=False)
+    rng = safe_load(root / tag / f"rng_rank{dist.get_rank()}.pt")
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available() and rng.get("cuda") is not None:
@@ -159,9 +174,10 @@ def _load_trainable_state(
     del tensors
     held = "per decoder layer" if meta.engine_params else "per FRoD layer"
     now = "per FRoD layer" if engine_layout(engine) is None else "per decoder layer"
+    was, is_ = _layout_name(stage, meta.frozen_partition), _layout_name(here, _partition(engine))
     change = ", ".join(
         [f"from {world} rank{'s' * (world != 1)} on {layout.world}"] * (world != layout.world)
-        + [f"from ZeRO-{stage} on ZeRO-{here}"] * (stage != here)
+        + [f"from {was} on {is_}"] * (was != is_)
         + [f"from σ and S held {held} to {now}"] * (held != now)
     )
     split = (

@@ -4,10 +4,15 @@ to resume belongs to this run. The records' formats: ``frod_ds.formats.factor_st
 
 from __future__ import annotations
 
+import hashlib
+import json
+from array import array
 from pathlib import Path
+from typing import Any
 
 from frod_ds.config.ds_config import batch_sizes
 from frod_ds.config.recipe import Recipe, recipe_to_dict
+from frod_ds.formats.adapter_dir import WEIGHTS
 from frod_ds.formats.factor_store import StoreIdentity
 from frod_ds.formats.run_identity import (
     BASE_SCOPE,
@@ -20,24 +25,58 @@ from frod_ds.formats.run_identity import (
 from frod_ds.io.fingerprint import base_names, weights_fingerprint
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.runtime.errors import StoreError, note
-from frod_ds.train.data import training_file
+from frod_ds.train.data import Example, training_file
 
-__all__ = ["STORE_IDENTITY", "run_identity", "identity_records", "check_resume_identity"]
+__all__ = [
+    "STORE_IDENTITY",
+    "run_identity",
+    "examples_sha256",
+    "config_sha256",
+    "identity_records",
+    "check_resume_identity",
+]
 
 STORE_IDENTITY = "factor_store.json"  # beside each engine checkpoint: the store it was trained on
+# config.json keys that do not change what the model computes in training (the parameter dtype is the recipe's)
+_CONFIG_BOOKKEEPING = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache"}
 
 
-def run_identity(recipe: Recipe, base: HFCheckpoint, world_size: int) -> RunIdentity:
-    """This run's identity: the fingerprint of the base tensors training reads, the data files' sha256, and the
+def examples_sha256(examples: list[Example]) -> str:
+    """sha256 of the token ids and labels the run trains on, in order: what the tokenizer (and its settings), the
+    template and ``data.cutoff_len`` make of the rows."""
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(array("q", [len(e.input_ids)]).tobytes())
+        h.update(array("q", e.input_ids).tobytes())
+        h.update(array("q", e.labels).tobytes())
+    return h.hexdigest()
+
+
+def config_sha256(config: dict[str, Any]) -> str:
+    """sha256 of a base model's ``config.json`` values that shape its computation (not its bookkeeping keys)."""
+    kept = {k: v for k, v in config.items() if k not in _CONFIG_BOOKKEEPING}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
+def run_identity(
+    recipe: Recipe, base: HFCheckpoint, world_size: int, examples: list[Example], eval_examples: list[Example]
+) -> RunIdentity:
+    """This run's identity: the fingerprint of the base tensors training reads, the data files' sha256, the
+    digests of the token ids (train and eval), of the base config and of ``model.init_adapter``, and the
     hyperparameters that determine the result (the global batch, not its split over ranks)."""
     data = {"train": file_sha256(training_file(recipe.data.train))}
+    inputs = {"tokens.train": examples_sha256(examples), "base_config": config_sha256(base.config())}
     if recipe.data.eval:
         data["eval"] = file_sha256(training_file(recipe.data.eval))
+        inputs["tokens.eval"] = examples_sha256(eval_examples)
+    if recipe.model.init_adapter:
+        inputs["init_adapter"] = file_sha256(Path(recipe.model.init_adapter) / WEIGHTS)
     return RunIdentity(
         base_fingerprint=weights_fingerprint(base, base_names(base.keys(), recipe.model.targets)),
         data_sha256=data,
         hyperparameters=training_hyperparameters(recipe_to_dict(recipe), batch_sizes(recipe, world_size).total),
         base_scope=BASE_SCOPE,
+        inputs_sha256=inputs,
     )
 
 
@@ -91,6 +130,11 @@ def _check_resume_run(out: Path, tag: str, identity: RunIdentity) -> None:
     if recorded is None:
         return
     recorded_identity = RunIdentity.from_json(recorded.read_text(), recorded)
+    if recorded_identity.inputs_sha256 is None:
+        note(
+            f"checkpoint {recorded.parent} records no digest of its token ids, base config or init adapter (written "
+            "by an older frod-ds): resuming without checking the tokenizer, config.json and model.init_adapter"
+        )
     if not recorded_identity.comparable_base(identity):
         note(
             f"checkpoint {recorded.parent} records the fingerprint of all base tensors (written by an older frod-ds): "

@@ -3,6 +3,7 @@ periodic and SIGTERM checkpoints, and the final adapter. ``Run`` is what setup d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -22,6 +23,7 @@ from frod_ds.formats.factor_store import category_of
 from frod_ds.model.adapter import adapter_state, write_adapter
 from frod_ds.model.apply import frod_groups
 from frod_ds.model.build import gathered
+from frod_ds.model.frozen_shards import shards_of
 from frod_ds.runtime import distributed as dist
 from frod_ds.train.data import BatchPlan, collate
 from frod_ds.train.engine_state import Layout, write_checkpoint
@@ -113,9 +115,11 @@ def save_adapter(run: Run, step: int, name: str) -> None:
 def rotation_angles(run: Run) -> dict[str, float]:
     """``tan α`` per category (spec §2): ``sqrt(Σ‖ΔW_off‖² / Σ‖ΔW_on‖²)`` over the category's members."""
     sums: dict[str, list[float]] = {}
+    shards = shards_of(run.engine.module)
     for held, members in frod_groups(run.engine.module):  # one gather per decoder layer under ZeRO-3
         params = {id(p): p for p in [*held, *(p for _, m in members for p in (m.u_parameter(), m.V))]}
-        with gathered(list(params.values()), run.zero3):
+        layer = contextlib.nullcontext() if shards is None else shards.gathered([m for _, m in members])
+        with gathered(list(params.values()), run.zero3), layer:
             if dist.is_main():
                 for name, m in members:
                     on, off = m.update_norms_sq(run.sigma0[name])
@@ -146,17 +150,29 @@ def eval_loss(run: Run) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
+def _grad_norm(engine) -> float:
+    """``‖g‖₂`` of the trainable gradients the coming ``engine.step()`` applies (after the last backward of the
+    step: accumulated and averaged over ranks), as DeepSpeed computes it to clip them."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+
 def train_step(run: Run, step: int) -> dict[str, float]:
     """Optimizer step ``step`` (0-based) over this rank's micro-batches; the metrics row's values, all-reduced."""
     engine, dev = run.engine, dist.local_device()
     reset_peak_mem()
     t0 = time.perf_counter()
     lr_sigma, lr_s = group_lrs(engine.optimizer)  # the rates this step applies (the scheduler steps in engine.step)
-    losses, tokens = [], 0
-    for idx in run.plan.micro_batches(step):
+    losses, tokens, own_norm = [], 0, None
+    micro = run.plan.micro_batches(step)
+    for i, idx in enumerate(micro):
         batch = {k: v.to(dev) for k, v in collate([run.inputs.examples[i] for i in idx], run.pad_id).items()}
         loss = engine(**batch).loss
         engine.backward(loss)
+        if i == len(micro) - 1 and not hasattr(engine.optimizer, "_global_grad_norm"):
+            own_norm = _grad_norm(engine)  # fp32 stage 0 clips with a norm DeepSpeed does not keep
         engine.step()
         losses.append(loss.detach().float())
         tokens += int(batch["attention_mask"].sum())
@@ -165,6 +181,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     )
     dt = time.perf_counter() - t0
     grad_norm = engine.get_global_grad_norm()
+    grad_norm = own_norm if grad_norm is None else grad_norm
     return {
         "loss": float(stats[0]) / dist.get_world_size(),
         "lr_sigma": lr_sigma,

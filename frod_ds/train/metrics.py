@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.errors import FrodError, note
 
 __all__ = ["METRICS", "MetricsLog", "drop_rows_after", "plot_loss", "peak_mem_gb", "reset_peak_mem"]
 
@@ -44,12 +45,38 @@ class MetricsLog:
             self.writer.close()
 
 
+def _row_step(line: str) -> int | None:
+    """The ``step`` of a metrics row, None when ``line`` is not one."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def drop_rows_after(path: Path, step: int) -> None:
     """Keep only the rows of ``path`` up to ``step``, the step a run continues from: the steps after it are
-    replayed (all of them when a run killed before its first sealed checkpoint starts over), none logged twice."""
+    replayed (all of them when a run killed before its first sealed checkpoint starts over), none logged twice.
+    A last line cut short by a kill is dropped with a ``note:``; any other line that is not a row is a
+    ``FrodError`` naming it (the file is left as it is)."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    if lines and _row_step(lines[-1]) is None:  # a row's every prefix is invalid JSON: a torn row never parses
+        note(f"{path}: its last line was cut short (a killed run); dropped, the {len(lines) - 1} complete rows kept")
+        lines = lines[:-1]
+    kept = []
+    for n, line in enumerate(lines, start=1):
+        at = _row_step(line)
+        if at is None and line.strip():
+            raise FrodError(
+                f"{path} line {n} is not a metrics row ({line[:60]!r}); it was edited after the run wrote it: "
+                "restore or delete that line, or pass train.new_run=true"
+            )
+        if at is not None and at <= step:
+            kept.append(line)
     atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 

@@ -27,6 +27,7 @@ from frod_ds.config.ds_config import (
     resolve_ds_config,
 )
 from frod_ds.config.recipe import Recipe
+from frod_ds.config.zero3_layout import layers_engine_config, zero3_layout
 from frod_ds.core.layer import support_nnz
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.formats.factor_store import StoreIdentity
@@ -66,6 +67,8 @@ class Inputs:
     examples: list[Example]
     eval_examples: list[Example]
     init_adapter: InitAdapter | None  # model.init_adapter, checked against the store and targets
+    partition: str | None = None  # a ZeRO-3 JSON's layout (frod_ds.config.zero3_layout); ds_config is then
+    # the engine's: stage 2 for "layers"
 
 
 def preflight(
@@ -73,7 +76,8 @@ def preflight(
 ) -> Inputs:
     """Check every input of a run (``FrodError`` on the first problem) and read what training needs of them:
     the DeepSpeed config, the data rows, the factor store against the base model (and against the checkpoint
-    ``resume_tag`` of ``output_dir``), the tokenizer, batch and sparsity, ``output_dir``, ``model.init_adapter``."""
+    ``resume_tag`` of ``output_dir``), the tokenizer, batch and sparsity, ``output_dir``, ``model.init_adapter``,
+    and last the run's identity against that checkpoint's (everything it digests has been checked by then)."""
     world = dist.get_world_size()
     ds_cfg = resolve_ds_config(dict(ds_config), recipe, world, nvme_path)
     if recipe.train.tensorboard:
@@ -85,9 +89,6 @@ def preflight(
     eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
     base, store = _open_base_and_store(recipe)
     store_identity = store.identity(list(recipe.model.targets))
-    identity = run_identity(recipe, base, world)
-    if resume_tag is not None:
-        check_resume_identity(Path(recipe.output_dir), resume_tag, store_identity, identity)
     if "offload_param" in nvme_offloads(ds_cfg):  # the model's parameter sizes are read only when they matter
         params = nvme_params(base, store, list(recipe.model.targets), recipe.model.sparsity)
         check_nvme_buffer(ds_cfg, params.largest_frozen, world)
@@ -103,13 +104,19 @@ def preflight(
     _check_sparsity(recipe, store)
     check_writable(Path(recipe.output_dir))
     init = init_adapter(recipe, store, store_identity)
-    return Inputs(recipe, ds_cfg, base, store, store_identity, identity, tok, examples, eval_examples, init)
+    identity = run_identity(recipe, base, world, examples, eval_examples)
+    if resume_tag is not None:
+        check_resume_identity(Path(recipe.output_dir), resume_tag, store_identity, identity)
+    layout = zero3_layout(ds_cfg, recipe.train.zero3_partition)
+    if layout == "layers":
+        ds_cfg = layers_engine_config(ds_cfg)
+    return Inputs(recipe, ds_cfg, base, store, store_identity, identity, tok, examples, eval_examples, init, layout)
 
 
 def _open_base_and_store(recipe: Recipe) -> tuple[HFCheckpoint, FactorStore]:
     """The base checkpoint (opened here, once) and the factor store, refused when the store was built from another
     model, lacks a target or holds another quantization."""
-    model_dir = resolve_model_dir(recipe.model.base)
+    model_dir = resolve_model_dir(recipe.model.base, "model.base")
     store = FactorStore.open(recipe.model.factor_store)
     base = HFCheckpoint(model_dir)
     check_store_matches(store, base)

@@ -62,6 +62,9 @@ class TrainableState:
     # layer: ``frod_ds.core.layer.FRoDTrainables``); left out otherwise, so an unchanged layout's record reads as
     # before. DeepSpeed's files load only into the same Parameters
     engine_params: list[str] | None = None
+    # "layers": a ZeRO-3 JSON's frozen weights partitioned by decoder layer (frod_ds.config.zero3_layout), the
+    # engine at ``zero_stage`` 2; None otherwise
+    frozen_partition: str | None = None
 
 
 Spans = list[tuple[str, int, int]]  # (tensor name in the record, start, end) within a Parameter, flattened
@@ -123,14 +126,54 @@ def _join(tensors: dict[str, torch.Tensor], n: str, spans: Spans, suffix: str = 
 
 
 def _base_optimizer(engine):
+    """The AdamW DeepSpeed steps: wrapped by ZeRO and by stage 0's bf16 optimizer, the engine's own at fp32 stage 0."""
     opt = engine.optimizer
-    base = getattr(opt, "optimizer", None)
-    if base is None:
-        raise FrodError(
-            "resuming on another world size needs a ZeRO stage 1-3 DeepSpeed config "
-            "(zero_optimization.stage); resume on the world size that wrote the checkpoint"
-        )
-    return base
+    return getattr(opt, "optimizer", opt)
+
+
+def _mapped(p) -> bool:
+    """DeepSpeed maps ``p`` to its fp32 master (ZeRO-1/2/3, the bf16 optimizer): its ``safe_*`` helpers apply."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+
+
+def _stage0_slot(engine, p) -> tuple[torch.Tensor, int, int]:
+    """ZeRO stage 0 (plain data parallel, every rank holds everything): ``(the fp32 tensor AdamW steps, start, end)``
+    of ``p``'s master in it, flattened. Under bf16 DeepSpeed's FP16 optimizers hold the masters: one per parameter
+    (``FP16_UnfusedOptimizer``, beside torch's AdamW) or one flat per group (``FP16_Optimizer``); under fp32 the
+    master is ``p`` itself."""
+    opt = engine.optimizer
+    for i, group in enumerate(getattr(opt, "fp16_groups", ())):
+        start = 0
+        for j, q in enumerate(group):
+            if q is p:
+                if hasattr(opt, "fp32_groups_flat"):
+                    return opt.fp32_groups_flat[i], start, start + q.numel()
+                return opt.fp32_groups[i][j], 0, q.numel()
+            start += q.numel()
+    assert not hasattr(opt, "fp16_groups"), "a trainable parameter outside the bf16 optimizer's groups"
+    return p, 0, p.numel()
+
+
+def _full_master(engine, p) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Collective under ZeRO-3. ``p``'s full fp32 master and AdamW moments (``MOMENTS``)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if _mapped(p):
+        return safe_get_full_fp32_param(p), [safe_get_full_optimizer_state(p, k) for k in MOMENTS]
+    flat, a, b = _stage0_slot(engine, p)
+    state = _base_optimizer(engine).state[flat]
+    return flat.reshape(-1)[a:b].view(p.shape), [state[k].reshape(-1)[a:b].view(p.shape) for k in MOMENTS]
+
+
+def _set_stage0_master(engine, p, value: torch.Tensor, moments: dict[str, torch.Tensor], adam_step: int) -> None:
+    """Stage 0: put ``p``'s fp32 master, moments and AdamW step count in place (every rank holds them whole)."""
+    flat, a, b = _stage0_slot(engine, p)
+    state = _base_optimizer(engine).state[flat]
+    flat.data.reshape(-1)[a:b].copy_(value.reshape(-1))
+    for k in MOMENTS:
+        state[k].reshape(-1)[a:b].copy_(moments[k].reshape(-1))
+    step = state["step"]  # bf16: DeepSpeed stepped once at start-up to create the state
+    state["step"] = step.new_full((), float(adam_step)) if isinstance(step, torch.Tensor) else adam_step
 
 
 def _link_optimizer_state(engine) -> None:
@@ -151,12 +194,10 @@ def _adam_step(base) -> int:
 
 
 def gather_state(
-    engine, step: int, layout: tuple[int, int, int], zero_stage: int
+    engine, step: int, layout: tuple[int, int, int], zero_stage: int, frozen_partition: str | None = None
 ) -> tuple[dict[str, torch.Tensor], TrainableState] | None:
     """Collective. Full fp32 values and AdamW moments of every trainable parameter, on rank 0 (None elsewhere).
     ``layout``: (world size, micro-batch size, grad accumulation) of the run writing it."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
     from frod_ds.runtime import distributed as dist
 
     base = _base_optimizer(engine)
@@ -164,9 +205,8 @@ def gather_state(
     tensors: dict[str, torch.Tensor] = {}
     trainable = _trainable(engine)
     for name, p, spans in trainable:
-        value = safe_get_full_fp32_param(p)
+        value, moments = _full_master(engine, p)
         assert value is not None, f"{name}: DeepSpeed holds no fp32 master for it"
-        moments = [safe_get_full_optimizer_state(p, k) for k in MOMENTS]
         if dist.is_main():
             tensors.update(_split(value.detach().float().cpu().contiguous(), name, spans))
             for k, m in zip(MOMENTS, moments):
@@ -189,6 +229,7 @@ def gather_state(
         skipped_steps=int(engine.skipped_steps),
         params=_record_names(trainable),
         engine_params=_layout(trainable),
+        frozen_partition=frozen_partition,
     )
     return tensors, meta
 
@@ -309,6 +350,8 @@ def restore_state(engine, tensors: dict[str, torch.Tensor], meta: TrainableState
                 safe_set_local_fp32_param(p, _local_slice(value, p, rank).to(p.ds_tensor.device))
                 for k in MOMENTS:
                     safe_set_local_optimizer_state(p, _local_slice(moments[k], p, rank).to(p.ds_tensor.device), k)
+            elif not _mapped(p):
+                _set_stage0_master(engine, p, value, moments, meta.adam_step)
             else:
                 safe_set_full_fp32_param(p, value.to(p.device))
                 for k in MOMENTS:

@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 from frod_ds._moved import forward_names
-from frod_ds.config.ds_config import as_ds_config, offload_device, zero_stage
+from frod_ds.config.ds_config import as_ds_config, nvme_offloads, offload_device, zero_stage
 from frod_ds.config.recipe import Recipe
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.model.adapter import load_adapter_into, supports_from_adapter
 from frod_ds.model.apply import frod_groups, frod_param_groups
 from frod_ds.model.build import build_frod_model, fetch_per_layer, gathered, make_supports
+from frod_ds.model.build_layers import build_layer_partitioned
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.errors import note
 from frod_ds.train.checkpoints import choose_checkpoint, step_of, unsealed_checkpoints
@@ -95,20 +96,26 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
 
     recipe, store, init, ds_cfg = inputs.recipe, inputs.store, inputs.init_adapter, inputs.ds_config
     m = recipe.model
+    build_nvme_op(ds_cfg)
     supports = (
         make_supports(store, list(m.targets), m.sparsity, m.seed) if init is None else supports_from_adapter(*init)
     )
     t_build = time.perf_counter()
-    model = build_frod_model(
-        inputs.base,
-        store,
-        supports,
-        FLOAT_DTYPES[m.dtype],
-        ds_cfg,
-        rank=rank,
-        quant=m.frozen_quant,
-        quantize_base=m.quantize_base,
-    )
+    if inputs.partition == "layers":  # ZeRO-3's frozen weights partitioned by decoder layer; σ, S under ZeRO-2
+        model, _ = build_layer_partitioned(
+            inputs.base, store, supports, FLOAT_DTYPES[m.dtype], dist.local_device(), m.frozen_quant, m.quantize_base
+        )
+    else:
+        model = build_frod_model(
+            inputs.base,
+            store,
+            supports,
+            FLOAT_DTYPES[m.dtype],
+            ds_cfg,
+            rank=rank,
+            quant=m.frozen_quant,
+            quantize_base=m.quantize_base,
+        )
     dist.print0(f"model built in {time.perf_counter() - t_build:.1f} s (skeleton, factor store and checkpoint reads)")
     zero3 = zero_stage(ds_cfg) == 3
     sigma0 = _initial_sigma(model, zero3)  # the factor store's σ, before an init adapter replaces it
@@ -125,6 +132,18 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
         config=ds_cfg,
     )
     return engine, sigma0
+
+
+def build_nvme_op(ds_cfg: Mapping[str, Any]) -> None:
+    """NVMe offload: DeepSpeed's ``async_io`` op, JIT-built through ``op_build.load_op`` (a lock that dies with its
+    holder, ninja in a session that dies with the launch) before the model build, where DeepSpeed would build it
+    bare; DeepSpeed then reuses the loaded op."""
+    if nvme_offloads(dict(ds_cfg)):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        from frod_ds.runtime import op_build
+
+        op_build.load_op(AsyncIOBuilder())
 
 
 def _optimizer(model: torch.nn.Module, recipe: Recipe, ds_cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
@@ -197,8 +216,8 @@ def _resume(run: Run, tag: str | None, skipped: list[tuple[str, str]]) -> int:
     step = 0
     if tag is not None:
         step = restore_checkpoint(run.engine, root, tag, skipped, run.layout, run.zero3)
-    if dist.is_main():  # rows of the steps after the one continued from are replayed: dropped
-        drop_rows_after(run.out / METRICS, step)
+    # rows of the steps after the one continued from are replayed: dropped (a line torn by a kill too)
+    dist.on_main(lambda: drop_rows_after(run.out / METRICS, step))
     if tag is not None:
         dist.print0(f"resumed from {tag}: step {step}/{run.total_steps}")
     return step

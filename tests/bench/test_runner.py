@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.predict import read_predictions
 from bench.record import RESULTS, read_records
 from bench.report import render
 from bench.suite import BenchError, load_suite, with_defaults
@@ -184,7 +185,8 @@ def test_committed_reports_regenerate_from_their_records():
         suite, device = report.parts[-3], report.parts[-2]
         if not (REPO / "bench" / "suites" / f"{suite}.toml").exists():
             continue
-        assert report.read_text() == render(load_suite(suite), device, read_records(RESULTS, suite, device)), report
+        records, predictions = read_records(RESULTS, suite, device), read_predictions(RESULTS, suite)
+        assert report.read_text() == render(load_suite(suite), device, records, predictions), report
         checked += 1
     assert checked >= 1
 

@@ -132,6 +132,16 @@ def test_recipe_yaml_whose_top_level_is_not_a_mapping(env, tmp_path, capsys):
         ("[1, 2]", "object"),
         ('{"zero_optimization": {"stage": "three"}}', "got 'three'"),
         ("{not json", "JSON"),
+        (
+            '{"zero_optimization": {"stage": 2}, "zero_optimization": {"stage": 3}}',
+            'key "zero_optimization" is given twice',
+        ),
+        ('{"bf16": {"enabled": "false"}}', 'bf16.enabled is the string "false"; write false without quotes'),
+        (
+            '{"zero_optimization": {"stage": 2, "reduce_bucket_size": -1}}',
+            "zero_optimization.reduce_bucket_size: Input",
+        ),
+        ('{"steps_per_print": "often"}', "steps_per_print must be a positive integer, got 'often'"),
     ],
 )
 def test_bad_deepspeed_config_is_one_line(env, tmp_path, capsys, text, needle):
@@ -169,6 +179,7 @@ def _rows(env) -> list[dict]:
         ("few", "fewer than one global batch"),
         ("duplicate_id", "have the same id"),
         ("huge_row", "more than any sensible prompt"),
+        ("lone_surrogate", "line 3: field 'answer' holds a lone surrogate '\\udc80'"),
     ],
 )
 def test_bad_training_data_is_one_line_naming_the_file(env, tmp_path, capsys, case, needle):
@@ -183,6 +194,7 @@ def test_bad_training_data_is_one_line_naming_the_file(env, tmp_path, capsys, ca
         "few": lambda: _data(env, tmp_path, rows[:3]),
         "duplicate_id": lambda: _data(env, tmp_path, rows[:10] + [rows[4]]),
         "huge_row": lambda: _data(env, tmp_path, rows[:10] + [{**rows[0], "id": "x", "prompt": "a" * 200_000}]),
+        "lone_surrogate": lambda: _data(env, tmp_path, rows[:2] + [{**rows[2], "answer": "true\udc80"}] + rows[3:]),
     }[case]()
     out = tmp_path / "out"
     line = one_error(capsys, train(env, out, f"data.train={data}"))
@@ -563,6 +575,32 @@ def test_eval_of_a_missing_checkpoint(env, tmp_path, capsys):
     )
     assert "nope" in line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "flag, folder, kind",
+    [
+        ("--model", "store", "a factor store"),
+        ("--model", "data", "a frod data build"),
+        ("--model", "peft", "a PEFT adapter"),
+        ("--checkpoint", "store", "a factor store"),
+        ("--checkpoint", "model", "a Hugging Face model checkpoint"),
+        ("--checkpoint", "peft", "a PEFT adapter"),
+    ],
+)
+def test_eval_names_a_folder_of_the_wrong_kind(env, tmp_path, capsys, flag, folder, kind):
+    """A factor store, a data build or a PEFT adapter given as --model or --checkpoint: one line saying what the
+    folder is (transformers and peft used to stop with a traceback), nothing written."""
+    peft = tmp_path / "peft"  # the layout PEFT's save_pretrained writes
+    peft.mkdir()
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "FROD", "base_model_name_or_path": "m"}))
+    save_file({"x": torch.zeros(1)}, str(peft / "adapter_model.safetensors"))
+    where = peft if folder == "peft" else getattr(env, folder)
+    out = tmp_path / "eval"
+    argv = [flag, str(where), "--data", str(env.data), "--tasks", "boolq", "--output", str(out)]
+    line = one_error(capsys, eval_cli.main(argv))
+    assert line.startswith(f"error: {flag} {where} is {kind}"), line
+    assert not out.exists()
 
 
 # -- never replace what frod-ds did not write ------------------------------------------------------------

@@ -123,7 +123,9 @@ def test_planner_engine_is_the_ds_config_reading(path):
 
 def test_engine_without_a_json_is_an_empty_jsons_engine():
     """An ``Engine`` built in code and one read from a JSON that leaves every key out take the same defaults."""
-    assert engine_from_ds_config({"zero_optimization": {"stage": 3}}, "z3") == Engine("z3", 3, overlap_comm=True)
+    z3 = {"zero_optimization": {"stage": 3}}
+    assert engine_from_ds_config(z3, "z3", "deepspeed") == Engine("z3", 3, overlap_comm=True)
+    assert engine_from_ds_config(z3, "z3") == Engine("z3", 3, overlap_comm=True, layers=True)  # the default
 
 
 @pytest.mark.parametrize(
@@ -170,7 +172,8 @@ def test_training_refuses_a_non_number_size_before_deepspeed_starts():
 
 
 def test_no_module_reads_zero_optimization_itself():
-    """The DeepSpeed JSON's ZeRO block is read in frod_ds/config/ds_config.py only (one home)."""
+    """The DeepSpeed JSON's ZeRO block is read in frod_ds/config/ds_config.py and its checks, ds_checks.py, only (one
+    home)."""
     reads = re.compile(
         r"""(\.get\(\s*|(?<!DS_DEFAULTS)\[\s*)["'](zero_optimization|offload_optimizer|offload_param)["']"""
     )
@@ -178,7 +181,7 @@ def test_no_module_reads_zero_optimization_itself():
         f"{p.relative_to(REPO)}:{i}"
         for base in ("frod_ds", "launch")
         for p in sorted((REPO / base).rglob("*.py"))
-        if p.name != "ds_config.py"
+        if p.name not in ("ds_config.py", "ds_checks.py")
         for i, line in enumerate(p.read_text().splitlines(), 1)
         if reads.search(line)
     ]

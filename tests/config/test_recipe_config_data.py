@@ -102,7 +102,15 @@ def test_ds_config_autos_resolved_from_recipe():
 
 @pytest.mark.parametrize(
     "name",
-    ["zero3.json", "zero3_offload.json", "zero3_nvme.json", "zero2.json", "zero3_cpu_fp32.json", "zero2_cpu_fp32.json"],
+    [
+        "zero3.json",
+        "zero3_offload.json",
+        "zero3_nvme.json",
+        "zero2.json",
+        "zero0.json",
+        "zero3_cpu_fp32.json",
+        "zero2_cpu_fp32.json",
+    ],
 )
 def test_every_shipped_ds_config_resolves(name):
     cfg = json.loads((REPO / "ds_configs" / name).read_text())

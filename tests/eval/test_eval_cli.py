@@ -320,6 +320,30 @@ def test_rows_without_choices_are_a_clear_error(assets, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda r: r.update(choices=[r["answer"]], label=0), "line 2: fewer than two choices"),
+        (lambda r: r.update(choices=[r["answer"], r["answer"]], label=0), "line 2: duplicate choices"),
+        (lambda r: r.update(prompt=r["prompt"] + "\ud800"), "line 2: field 'prompt' holds a lone surrogate"),
+    ],
+)
+def test_rows_that_score_a_free_point_or_cannot_be_tokenized_are_refused(assets, tmp_path, capsys, edit, needle):
+    """One choice, or two the same: the arg-max over the choices is the label whatever the model says (a free point);
+    a lone surrogate stops the tokenizer. The loader names the file and line, before the model is loaded."""
+    rows = make_rows("piqa", 3)
+    edit(rows[1])
+    (tmp_path / "data" / "eval").mkdir(parents=True)
+    write_jsonl(tmp_path / "data" / "eval" / "piqa.jsonl", rows)
+    out = tmp_path / "out"
+    _fails(
+        ["--model", str(assets["known"]), "--data", str(tmp_path / "data"), "--tasks", "piqa", "--output", str(out)],
+        capsys,
+        f"piqa.jsonl {needle}",
+    )
+    assert not out.exists()
+
+
 def test_unknown_task_and_conflicting_model_flags_are_clear_errors(assets, tmp_path, capsys):
     base = ["--data", str(assets["data"]), "--output", str(tmp_path / "out")]
     _fails(["--model", str(assets["known"]), "--tasks", "piqa,mmlu", *base], capsys, "unknown task 'mmlu'")
@@ -427,3 +451,70 @@ def test_output_into_a_directory_eval_did_not_write_is_refused(assets, adapter, 
     assert main(["--model", str(assets["known"]), *common, "--output", str(empty)]) == 0
     assert (empty / "results.json").is_file()
     assert main(["--model", str(assets["known"]), *common, "--output", str(empty)]) == 0  # its own: again
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A ``frod data build`` of BoolQ and PIQA from the committed mirror (its manifest records every file's sha256)."""
+    from frod_ds.prep.command import main as data_main
+
+    out = tmp_path_factory.mktemp("built") / "data"
+    mirror = REPO / "tests" / "fixtures" / "data_prep" / "mirror"
+    assert data_main(["build", "--source", str(mirror), "--tasks", "boolq,piqa", "--out", str(out)]) == 0
+    return out
+
+
+def _flip_first_label(path: Path) -> None:
+    """Row 1's label moved to the other choice: still a valid row, another test set."""
+    lines = path.read_text().splitlines()
+    row = json.loads(lines[0])
+    row["label"] = 1 - row["label"]
+    row["answer"] = row["choices"][row["label"]]
+    path.write_text("\n".join([json.dumps(row), *lines[1:]]) + "\n")
+
+
+def test_a_task_file_edited_after_the_build_is_refused(assets, built, tmp_path, capsys):
+    """eval checks each task file against the sha256 the build recorded: a flipped label (a valid row, so no row
+    check catches it) is one error line and nothing written; the same edit in a folder with no manifest is scored,
+    and scores differently (what the check keeps from being reported as the task's accuracy)."""
+    import hashlib
+
+    data = tmp_path / "data"
+    shutil.copytree(built, data)
+    recorded = json.loads((data / "manifest.json").read_text())["files"]["eval/boolq.jsonl"]
+    assert hashlib.sha256((data / "eval" / "boolq.jsonl").read_bytes()).hexdigest() == recorded
+    argv = ["--model", str(assets["known"]), "--tasks", "boolq", "--limit", "4"]
+    assert main([*argv, "--data", str(data), "--output", str(tmp_path / "ok")]) == 0
+    _flip_first_label(data / "eval" / "boolq.jsonl")
+    capsys.readouterr()
+    assert main([*argv, "--data", str(data), "--output", str(tmp_path / "edited")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "boolq.jsonl was changed after frod data build wrote it" in err[0], err
+    assert not (tmp_path / "edited").exists()
+    hand = tmp_path / "hand"
+    shutil.copytree(data, hand, ignore=shutil.ignore_patterns("manifest.json", ".frod-ds-output"))
+    assert main([*argv, "--data", str(hand), "--output", str(tmp_path / "hand-out")]) == 0
+    assert "has no manifest.json (not a frod data build)" in capsys.readouterr().err
+    ok, hand_out = (_read(tmp_path / d)[1][0] for d in ("ok", "hand-out"))  # row 1's record
+    assert ok["pred"] == hand_out["pred"] and ok["correct"] != hand_out["correct"]
+
+
+def test_a_task_file_the_build_did_not_write_is_refused(assets, built, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(built, data)
+    write_eval_dir(data, {"obqa": make_rows("obqa", 4)})  # added by hand beside the build's files
+    _fails(
+        [
+            "--model",
+            str(assets["known"]),
+            "--data",
+            str(data),
+            "--tasks",
+            "boolq,obqa",
+            "--output",
+            str(tmp_path / "o"),
+        ],
+        capsys,
+        "lists no eval/obqa.jsonl",
+    )
+    assert not (tmp_path / "o").exists()

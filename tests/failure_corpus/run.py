@@ -162,6 +162,15 @@ def command(world: World, argv: list[str]) -> list[str]:
     raise ValueError(f"unknown tool {tool!r} in the corpus")
 
 
+def _stage0_json(repo: Path, root: Path) -> Path:
+    """The CPU ZeRO-2 JSON at ZeRO stage 0 (DeepSpeed's plain data parallel), beside the worlds."""
+    cfg = json.loads((repo / "ds_configs" / "zero2_cpu_fp32.json").read_text())
+    cfg["zero_optimization"] = {"stage": 0}
+    path = root / "zero0_cpu_fp32.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    return path
+
+
 def build_world(repo: Path, root: Path) -> World:
     """Model, tokenizer, data and store as the training tests make them (``tests.train_env.build_env`` of
     ``repo``), an adapter from two training steps, its merged export, and a second model (another seed and depth)
@@ -186,6 +195,7 @@ def build_world(repo: Path, root: Path) -> World:
         "data2": str(w2 / "data"),
         "ds": str(repo / "ds_configs" / "zero2_cpu_fp32.json"),
         "ds3": str(repo / "ds_configs" / "zero3_cpu_fp32.json"),
+        "ds0": str(_stage0_json(repo, root)),
         "repo": str(repo),
         "fixtures": str(repo / "tests" / "fixtures" / "data_prep"),
         "run": str(w / "run"),
@@ -332,6 +342,37 @@ def ds_lr_sched(world, case, spec):
     _ds(world, case, optimizer={"type": "Adam", "params": {"lr": 1e-3}})
 
 
+def ds_duplicate(world, case, spec):
+    text = Path(world.paths["ds"]).read_text().rstrip().rstrip("}")
+    (case / "ds.json").write_text(text + ', "steps_per_print": 10, "steps_per_print": 20}\n')  # a key given twice
+
+
+def ds_string_bool(world, case, spec):
+    _ds(world, case, bf16={"enabled": "false"})
+
+
+def ds_negative_bucket(world, case, spec):
+    cfg = json.loads(Path(world.paths["ds"]).read_text())
+    cfg["zero_optimization"]["reduce_bucket_size"] = -1
+    (case / "ds.json").write_text(json.dumps(cfg))
+
+
+def ds_offload_gpu(world, case, spec):
+    cfg = json.loads(Path(world.paths["ds3"]).read_text())
+    cfg["zero_optimization"]["offload_param"] = {"device": "gpu"}
+    (case / "ds.json").write_text(json.dumps(cfg))
+
+
+def ds_steps_word(world, case, spec):
+    _ds(world, case, steps_per_print="often")
+
+
+def ds_stage3_keys(world, case, spec):
+    cfg = json.loads(Path(world.paths["ds"]).read_text())
+    cfg["zero_optimization"].update(stage3_prefetch_bucket_size=0, stage3_max_live_parameters=1000)
+    (case / "ds.json").write_text(json.dumps(cfg))
+
+
 # -- training data
 
 
@@ -413,6 +454,23 @@ def data_huge_row(world, case, spec):
     row["prompt"] = "a " * 60_000
     rows[0] = json.dumps(row)
     _jsonl(case, rows)
+
+
+def data_surrogate(world, case, spec):
+    rows = _rows(world)
+    row = json.loads(rows[6])
+    row["answer"] += "\udc80"  # json.dumps writes the lone surrogate as its \\udc80 escape
+    rows[6] = json.dumps(row)
+    _jsonl(case, rows)
+
+
+def data_fifo(world, case, spec):
+    os.mkfifo(case / "train.jsonl")
+
+
+def data_loop(world, case, spec):
+    os.symlink(case / "loop_b", case / "train.jsonl")
+    os.symlink(case / "train.jsonl", case / "loop_b")
 
 
 def data_dir_no_train(world, case, spec):
@@ -508,6 +566,70 @@ def model_empty_shard(world, case, spec):
     _first(case / "model", "*.safetensors").write_bytes(b"")
 
 
+def _config_edit(world: World, case: Path, **edit) -> None:
+    _copy(world, "model", case / "model")
+    cfg = json.loads((case / "model" / "config.json").read_text())
+    (case / "model" / "config.json").write_text(json.dumps({**cfg, **edit}))
+
+
+def model_config_layers(world, case, spec):
+    cfg = json.loads((Path(world.paths["model"]) / "config.json").read_text())
+    _config_edit(world, case, num_hidden_layers=cfg["num_hidden_layers"] + 1)
+
+
+def model_config_zero_hidden(world, case, spec):
+    _config_edit(world, case, hidden_size=0)
+
+
+def model_config_kv(world, case, spec):
+    cfg = json.loads((Path(world.paths["model"]) / "config.json").read_text())
+    _config_edit(world, case, num_key_value_heads=cfg["num_attention_heads"] - 1)
+
+
+def _scale(world: World, case: Path, name: str, factor: float) -> None:
+    def edit(tensors: dict) -> None:
+        if name in tensors:
+            tensors[name] = tensors[name] * factor
+
+    _copy_model(world, case / "model", edit)
+
+
+def model_huge_k(world, case, spec):
+    """One layer's k_proj ×1e20: finite, but the stack's QR loses the other layers (reconstruction off by ~1e13)."""
+    _scale(world, case, "model.layers.1.self_attn.k_proj.weight", 1e20)
+
+
+def model_tiny_q(world, case, spec):
+    """One layer's q_proj ×1e-30: its column norms underflow in fp32 and its factors come out all zero."""
+    _scale(world, case, "model.layers.1.self_attn.q_proj.weight", 1e-30)
+
+
+def model_huge_q(world, case, spec):
+    """One layer's q_proj ×1e20 (square members, a stack the Gram route holds): reconstructs, the probe passes."""
+    _scale(world, case, "model.layers.1.self_attn.q_proj.weight", 1e20)
+
+
+def peft_dir(world, case, spec):
+    """The files stock PEFT's save_pretrained writes for an adapter (the tensors do not matter here)."""
+    import torch
+    from safetensors.torch import save_file
+
+    (case / "peft").mkdir()
+    (case / "peft" / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "FROD", "base_model_name_or_path": world.paths["model"]})
+    )
+    save_file({"x": torch.zeros(1)}, str(case / "peft" / "adapter_model.safetensors"))
+
+
+def a_fifo(world, case, spec):
+    os.mkfifo(case / "fifo")
+
+
+def a_link_loop(world, case, spec):
+    os.symlink(case / "loop_b", case / "loop")
+    os.symlink(case / "loop", case / "loop_b")
+
+
 def store_copy(world, case, spec):
     _copy(world, "store", case / "store")
 
@@ -579,6 +701,23 @@ def adapter_flip(world, case, spec):
     _flip_byte(case / "adapter" / "adapter.safetensors", 0.95)
 
 
+def adapter_no_crc(world, case, spec):
+    """A byte of the weights changed and the checksum that would catch it deleted from adapter_config.json."""
+    adapter_flip(world, case, spec)
+    config = json.loads((case / "adapter" / "adapter_config.json").read_text())
+    if config.pop("weights_crc32", None) is None:
+        raise Skip("this checkout's adapters record no weights checksum")
+    (case / "adapter" / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def peft_export_changed(world, case, spec):
+    """The world's adapter exported as a PEFT adapter, then a byte of its weights changed (still loadable)."""
+    res = world.run(["export", "--checkpoint", world.paths["adapter"], "--format", "peft", "--out", str(case / "peft")])
+    if res.returncode:
+        raise RuntimeError(f"the PEFT export for the case failed: {res.stderr[-2000:]}")
+    _flip_byte(case / "peft" / "adapter_model.safetensors", 0.999)
+
+
 def adapter_empty_weights(world, case, spec):
     _copy(world, "adapter", case / "adapter")
     (case / "adapter" / "adapter.safetensors").write_bytes(b"")
@@ -629,6 +768,74 @@ def ckpt_missing_file(world, case, spec):
 def ckpt_torn_file(world, case, spec):
     ck = _unfinished_run(world, case)
     _truncate(_first(ck, "*model_states.pt"), 0.5)
+
+
+class _RunsWhenUnpickled:
+    """Unpickled in full (``torch.load(..., weights_only=False)``), it creates ``path``: a foreign pickle."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.path}'",)
+
+
+def _reseal(ck: Path, changed: Path) -> None:
+    """Record ``changed``'s new size and sha256 in the checkpoint's COMPLETE seal, as its maker would."""
+    seal = ck / "COMPLETE"
+    if seal.is_file() and seal.read_text().strip():
+        record = json.loads(seal.read_text())
+        digest = hashlib.sha256(changed.read_bytes()).hexdigest()
+        record["files"][str(changed.relative_to(ck))] = {"bytes": changed.stat().st_size, "sha256": digest}
+        seal.write_text(json.dumps(record, indent=1))
+
+
+def ckpt_foreign_pickle(world, case, spec):
+    """The checkpoint's rng file replaced by a pickle that runs a command (``{case}/ran``), sealed to match."""
+    import torch
+
+    ck = _unfinished_run(world, case)
+    rng = _first(ck, "rng_rank0.pt")
+    torch.save({"python": _RunsWhenUnpickled(case / "ran")}, rng)
+    _reseal(ck, rng)
+
+
+def metrics_torn_row(world, case, spec):
+    """The run as a kill mid-row leaves it: a row past its checkpoint half written, no newline."""
+    _unfinished_run(world, case)
+    with open(case / "run" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 6.91')
+
+
+def run_copy_other_tokenizer(world, case, spec):
+    """The world's run, and at ``{case}/tok`` its tokenizer with the ids of the two tokens its data uses most swapped
+    (same files, same size, other ids)."""
+    from transformers import AutoTokenizer
+
+    _copy(world, "run", case / "run")
+    (case / "tok").mkdir()
+    for f in Path(world.paths["model"]).glob("tokenizer*"):
+        shutil.copy(f, case / "tok")
+    tok = AutoTokenizer.from_pretrained(world.paths["model"])
+    text = [json.loads(x)["prompt"] for x in _rows(world)]
+    counts = Counter(i for ids in tok(text)["input_ids"] for i in ids if i not in tok.all_special_ids)
+    (a, _), (b, _) = counts.most_common(2)
+    spec_json = json.loads((case / "tok" / "tokenizer.json").read_text())
+    vocab = spec_json["model"]["vocab"]
+    if not isinstance(vocab, dict):
+        raise Skip("the world's tokenizer is not a BPE vocabulary")
+    ta, tb = tok.convert_ids_to_tokens([a, b])
+    vocab[ta], vocab[tb] = b, a
+    (case / "tok" / "tokenizer.json").write_text(json.dumps(spec_json))
+
+
+def run_copy_other_config(world, case, spec):
+    """The world's run, and at ``{case}/model`` its base model with another ``rope_theta`` (same weights)."""
+    _copy(world, "run", case / "run")
+    _copy(world, "model", case / "model")
+    config = json.loads((case / "model" / "config.json").read_text())
+    config["rope_theta"] = 2 * config.get("rope_theta", 10000.0)
+    (case / "model" / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def export_copy(world, case, spec):
@@ -694,11 +901,65 @@ def eval_bad_label(world, case, spec):
     f.write_text("\n".join(rows) + "\n")
 
 
+def _eval_edit(world: World, case: Path, edit: Callable[[dict], None]) -> None:
+    f = _first_task(_eval_dir(world, case))
+    rows = f.read_text().splitlines()
+    row = json.loads(rows[1])
+    edit(row)
+    rows[1] = json.dumps(row)
+    f.write_text("\n".join(rows) + "\n")
+
+
+def eval_one_choice(world, case, spec):
+    _eval_edit(world, case, lambda row: row.update(choices=[row["answer"]], label=0))
+
+
+def eval_same_choices(world, case, spec):
+    _eval_edit(world, case, lambda row: row.update(choices=[row["answer"], row["answer"]], label=0))
+
+
+def eval_flipped_label(world, case, spec):
+    """Row 1's label moved to another choice: a valid row, so only the build's sha256 tells the file changed."""
+    f = _first_task(_eval_dir(world, case))
+    rows = f.read_text().splitlines()
+    row = json.loads(rows[0])
+    row["label"] = (row["label"] + 1) % len(row["choices"])
+    row["answer"] = row["choices"][row["label"]]
+    rows[0] = json.dumps(row)
+    f.write_text("\n".join(rows) + "\n")
+
+
 # -- data build sources
 
 
 def mirror_copy(world, case, spec):
     shutil.copytree(Path(world.paths["fixtures"]) / "mirror", case / "mirror")
+
+
+def _boolq_append(world: World, case: Path, *lines: str) -> None:
+    mirror_copy(world, case, spec=None)
+    f = case / "mirror" / "boolq" / "train.jsonl"
+    f.write_text(f.read_text().rstrip("\n") + "\n" + "".join(line + "\n" for line in lines))
+
+
+SURROGATE_ROW = '{"question": "q", "answer": true, "passage": "torn \\ud800 text"}'  # a lone surrogate's escape
+
+
+def mirror_repeat(world, case, spec):
+    """BoolQ's first training row again (BoolQ rows have no id: the repeat gets its own row index)."""
+    _boolq_append(world, case, _mirror_line(world, "boolq/train.jsonl", 0))
+
+
+def mirror_surrogate(world, case, spec):
+    _boolq_append(world, case, SURROGATE_ROW)
+
+
+def mirror_repeat_and_surrogate(world, case, spec):
+    _boolq_append(world, case, _mirror_line(world, "boolq/train.jsonl", 0), SURROGATE_ROW)
+
+
+def _mirror_line(world: World, rel: str, i: int) -> str:
+    return (Path(world.paths["fixtures"]) / "mirror" / rel).read_text().splitlines()[i]
 
 
 def mirror_torn(world, case, spec):
@@ -896,6 +1157,20 @@ def verify_new_store(world, case, spec) -> bool:
     return res.returncode == 0
 
 
+def counts_repeat_and_surrogate(world, case, spec) -> bool:
+    """The build dropped the repeated training row and the lone surrogate and counted both."""
+    manifest = json.loads((case / "new" / "manifest.json").read_text())
+    dropped = manifest.get("dropped", {}).get("boolq", {}).get("train", {})
+    return manifest.get("repeated", {}).get("rows", {}).get("boolq", {}).get("train") == 1 and all(
+        dropped.get(k) == 1 for k in ("repeated row", "lone surrogate (not Unicode text)")
+    )
+
+
+def verify_new_store_of_case_model(world, case, spec) -> bool:
+    res = world.run(["hjd", "--device", "cpu", "--verify", str(case / "new"), "--model", str(case / "model")])
+    return res.returncode == 0
+
+
 def has_new(world, case, spec) -> bool:
     return (case / "new").is_dir() and any((case / "new").iterdir())
 
@@ -947,6 +1222,29 @@ STEPS: dict[str, Callable] = {
         ds_micro,
         ds_fp16,
         ds_lr_sched,
+        ds_duplicate,
+        ds_string_bool,
+        ds_negative_bucket,
+        ds_offload_gpu,
+        ds_steps_word,
+        ds_stage3_keys,
+        data_surrogate,
+        data_fifo,
+        data_loop,
+        model_config_layers,
+        model_config_zero_hidden,
+        model_config_kv,
+        model_huge_k,
+        model_tiny_q,
+        model_huge_q,
+        peft_dir,
+        a_fifo,
+        a_link_loop,
+        eval_one_choice,
+        eval_same_choices,
+        mirror_repeat,
+        mirror_surrogate,
+        mirror_repeat_and_surrogate,
         data_empty,
         data_not_json,
         data_missing_answer,
@@ -987,10 +1285,16 @@ STEPS: dict[str, Callable] = {
         adapter_flip,
         adapter_empty_weights,
         adapter_nan,
+        adapter_no_crc,
+        peft_export_changed,
         run_copy,
         ckpt_no_seal,
         ckpt_missing_file,
         ckpt_torn_file,
+        ckpt_foreign_pickle,
+        metrics_torn_row,
+        run_copy_other_tokenizer,
+        run_copy_other_config,
         export_copy,
         export_torn,
         export_no_tokenizer,
@@ -999,6 +1303,7 @@ STEPS: dict[str, Callable] = {
         eval_empty,
         eval_no_dir,
         eval_bad_label,
+        eval_flipped_label,
         mirror_copy,
         mirror_torn,
         mirror_empty_task,
@@ -1032,7 +1337,16 @@ STEPS: dict[str, Callable] = {
     )
 }
 CHECKS: dict[str, Callable] = {
-    f.__name__: f for f in (verify_store, verify_store_in_case, verify_new_store, has_new, same_output)
+    f.__name__: f
+    for f in (
+        verify_store,
+        verify_store_in_case,
+        verify_new_store,
+        verify_new_store_of_case_model,
+        has_new,
+        same_output,
+        counts_repeat_and_surrogate,
+    )
 }
 PLACEHOLDERS = (
     "model",
@@ -1044,6 +1358,7 @@ PLACEHOLDERS = (
     "data2",
     "ds",
     "ds3",
+    "ds0",
     "repo",
     "fixtures",
     "run",

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.model.store_reader import FactorStore
 from launch.hjd import main
 from tests.support.helpers_ckpt import run_hjd, shard_of, write_tiny_llama
@@ -111,7 +112,7 @@ def test_hjd_verify_passes_then_catches_another_model_and_corruption(model, tmp_
     assert main(["--verify", str(tmp_path / "nowhere"), "--model", str(model)]) == 2
 
 
-def test_hjd_nan_on_one_rank_stops_every_rank_and_leaves_store_incomplete(tmp_path):
+def test_hjd_nan_on_one_rank_stops_every_rank_and_leaves_no_store(tmp_path):
     model = write_tiny_llama(tmp_path / "model")
     bad = "model.layers.2.self_attn.k_proj.weight"  # layer 2 belongs to rank 1 of 2
     shard = shard_of(model, bad)
@@ -123,10 +124,7 @@ def test_hjd_nan_on_one_rank_stops_every_rank_and_leaves_store_incomplete(tmp_pa
     assert proc.returncode != 0
     (line,) = _error_lines(proc.stderr)  # from rank 0 only, although rank 1 found it
     assert bad in line and "NaN" in line
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["complete"] is False and manifest["completed_categories"] == ["q_proj"]
-    with pytest.raises(ValueError, match="incomplete"):
-        FactorStore.open(out)
+    assert not out.exists(), "a store this run created and refused is not left behind"
 
 
 def test_hjd_verify_reports_a_changed_byte_in_any_member_file(model, tmp_path, capsys):
@@ -171,3 +169,93 @@ def test_a_factor_write_on_a_full_disk_is_the_full_disk_line(tmp_path):
         f"cannot write {target}: No space left on device; free space on that disk (or "
         "choose another location) and re-run the same command"
     )
+
+
+def _scaled(model, name: str, factor: float):
+    """Multiply one weight of ``model`` by ``factor`` in its shard (finite: no NaN check catches it)."""
+    shard = shard_of(model, name)
+    tensors = load_file(shard)
+    tensors[name] = tensors[name] * factor
+    save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def _true_error(model, category: str, method: str = "householder") -> list[float]:
+    """Independent of the stage's probe: the fp32 HJD (``method``'s route) of the category's weights, rebuilt densely
+    in fp64, relative to each weight (what a store of these weights would hold)."""
+    from frod_ds.hjd.math import decompose
+
+    ckpt = HFCheckpoint(model)
+    names = sorted(k for k in ckpt.keys() if k.endswith(f"{category}.weight"))
+    Ws = [ckpt.get(n) for n in names]
+    res = decompose(Ws, dtype=torch.float32, method=method)
+    return [
+        float((U.double() * s.double() @ res.V.double().T - W.double()).norm() / W.double().norm())
+        for W, U, s in zip(Ws, res.U, res.sigma)
+    ]
+
+
+@pytest.mark.parametrize(
+    "category, factor, route, off",
+    [("k_proj", 1e20, "householder", 0), ("q_proj", 1e-30, "gram", 1)],
+)
+def test_hjd_refuses_factors_the_probe_finds_off_and_keeps_none_of_them(
+    model, tmp_path, capsys, category, factor, route, off
+):
+    """One layer of a category scaled by a finite factor. k_proj (16×32 per layer) ×1e20: the stack's QR cannot hold
+    the small layers, whose reconstruction is off by orders of magnitude; q_proj ×1e-30: the column norms of the tiny
+    layer's factors underflow in fp32, its factors are all zero (both checked independently). The stage refuses
+    before the store is recorded complete, names the member, and leaves no store; a store that existed keeps its
+    complete categories and loses the refused one's files."""
+    _scaled(model, f"model.layers.1.self_attn.{category}.weight", factor)
+    truth = _true_error(model, category, route)
+    assert truth[off] > 0.5 and truth[1 - off] < 1e-4, truth
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"HJD of {category} does not reconstruct model.layers.{off}.self_attn.{category}.weight" in line, line
+    assert "random probe vectors" in line and "float32" in line
+    assert not out.exists()
+    other = "v_proj"
+    base = ["--model", str(model), "--out", str(out), "--device", "cpu", "--targets", other, category]
+    assert main([*base, "--categories", other]) == 0
+    assert main([*base, "--categories", category]) == 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["completed_categories"] == [other] and manifest["complete"] is False
+    assert not any(p.name.startswith(category) for p in out.iterdir()), "the refused category's files are gone"
+
+
+def test_hjd_of_a_well_posed_category_at_a_huge_scale_passes_the_probe(tmp_path, capsys):
+    """q_proj (32×32 per layer: each member full rank, a well-conditioned stack) with one layer ×1e20 reconstructs
+    at fp32 level on the Gram route the stage takes there (independently checked), so the same probe that refuses
+    the case above lets it through; --verify agrees."""
+    model = write_tiny_llama(tmp_path / "model", num_hidden_layers=2)
+    _scaled(model, "model.layers.1.self_attn.q_proj.weight", 1e20)
+    assert max(_true_error(model, "q_proj", "gram")) < 1e-5
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu", "--targets", "q_proj"]) == 0
+    store = FactorStore.open(out)
+    assert store.complete and store.record("q_proj").method == "gram"
+    assert main(["--verify", str(out), "--model", str(model), "--samples", "2"]) == 0
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"num_hidden_layers": 4}, "the weights hold decoder layers 0-2, the config gives num_hidden_layers 4"),
+        ({"hidden_size": 64}, "layers.0.mlp.down_proj.weight has shape [32, 48], the config gives [64, 48]"),
+        ({"num_key_value_heads": 4}, "k_proj.weight has shape [16, 32], the config gives [32, 32]"),
+        ({"vocab_size": 65}, "lm_head.weight has shape [64, 32], the config gives [vocab_size, hidden_size] [65, 32]"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ],
+)
+def test_hjd_refuses_a_config_that_does_not_describe_the_weights(model, tmp_path, capsys, change, needle):
+    """HJD reads only the weights, but the store records the config and training builds the model from it: a
+    config.json of other sizes is refused before anything is written (a missing or torn one is noted, see the
+    failure corpus)."""
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, **change}))
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert needle in line, line
+    assert not out.exists()

@@ -171,3 +171,30 @@ def test_gram_route_refuses_a_wide_stack():
         decompose(_members(CASES["wide"]), method="gram")
     with pytest.raises(ValueError, match="method"):
         decompose(_members(CASES["tall"]), method="qr")
+
+
+def test_probe_error_is_the_layers_relative_error_on_the_probes():
+    """``probe_error`` against a dense fp64 computation of ‖W X − U diag σ Vᵀ X‖ / ‖W X‖, for factors that are right
+    (tiny), off by a known perturbation, zero, and non-finite; row blocks do not change the value."""
+    from frod_ds.hjd.math import probe_error, probe_vectors
+
+    Ws = _members([(24, 16), (8, 16)], seed=3, dtype=torch.float32)
+    res = decompose(Ws, dtype=torch.float32, method="householder")
+    X = probe_vectors(16, seed=7)
+    assert X.shape == (16, 4) and torch.equal(X, probe_vectors(16, seed=7))  # its own generator: reproducible
+    W, U, s = Ws[0].double(), res.U[0], res.sigma[0]
+
+    def dense(U_):
+        return float(
+            torch.linalg.norm(W @ X - U_.double() @ torch.diag(s.double()) @ res.V.double().T @ X) / (W @ X).norm()
+        )
+
+    assert float(probe_error(Ws[0], U, s, res.V, X)) == pytest.approx(dense(U), rel=1e-6) and dense(U) < 1e-5
+    off = U + 1e-2 * torch.randn(U.shape, generator=torch.Generator().manual_seed(1))
+    got = float(probe_error(Ws[0], off, s, res.V, X, block=16 * 5))  # 5 rows a block
+    assert got == pytest.approx(dense(off), rel=1e-9) and got > 1e-3
+    assert float(probe_error(Ws[0], torch.zeros_like(U), s, res.V, X)) == pytest.approx(1.0)
+    assert float(probe_error(torch.zeros_like(Ws[0]), torch.zeros_like(U), s, res.V, X)) == 0.0  # a zero member
+    nan = U.clone()
+    nan[0, 0] = float("nan")
+    assert torch.isnan(probe_error(Ws[0], nan, s, res.V, X))

@@ -189,6 +189,26 @@ def test_an_adapter_with_one_changed_byte_is_refused_not_used(trained, tmp_path,
     assert cfg.version == 2 and cfg.weights_crc32 is None and tensors
 
 
+def test_an_adapter_config_with_its_checksum_removed_is_refused(trained, tmp_path, capsys):
+    """Every writer of adapter format 3 records ``weights_crc32``: a version-3 config without it was edited, and its
+    weights (here also changed, as an edit that hides one would) are refused, not used unchecked."""
+    import shutil
+
+    bad = tmp_path / "adapter-final"
+    shutil.copytree(trained["checkpoint"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    assert config["version"] == 3
+    del config["weights_crc32"]
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    data = bytearray((bad / "adapter.safetensors").read_bytes())
+    data[-5] ^= 0x01
+    (bad / "adapter.safetensors").write_bytes(bytes(data))
+    assert main(["--checkpoint", str(bad), "--out", str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "weights_crc32" in err[0] and "adapter_config.json" in err[0], err
+    assert not (tmp_path / "merged").exists()
+
+
 @pytest.mark.parametrize("damage", ["missing", "torn"])
 def test_export_of_a_base_without_a_usable_config_is_refused(trained, tmp_path, capsys, damage):
     """The export copies the base's config.json into a transformers checkpoint: without a usable one it would

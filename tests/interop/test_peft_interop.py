@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from frod_ds.interop.peft_common import PEFT_FILES
 from frod_ds.runtime.errors import FrodError
 from launch.export import main
 from tests.support.train_env import CPU_ZERO3, build_env, run_train
@@ -256,6 +257,28 @@ def test_imported_adapter_continues_training(env, imported, tmp_path):
     assert (start[f"{q0}.frod_sigma"] - store_sigma[f"{q0}.sigma"]).abs().max() > 1e-2, "PEFT training moved σ"
     config = json.loads((out / "adapter-final" / "adapter_config.json").read_text())
     assert config["init_adapter"] == str(adapter.resolve()) and config["sparsity"] == pytest.approx(0.05)
+
+
+def test_peft_files_carry_their_sha256_from_export_to_import(env, exported, tmp_path, capsys):
+    """The PEFT export records the sha256 of PEFT's files; ``--from-peft`` checks them: a byte changed since (a
+    still loadable file) is one error line and nothing written, the untouched export imports and its report
+    records what it imported."""
+    import hashlib
+
+    digests = {n: hashlib.sha256((exported / n).read_bytes()).hexdigest() for n in PEFT_FILES}
+    assert json.loads((exported / "frod_export.json").read_text())["files"] == digests
+    changed = tmp_path / "changed"
+    shutil.copytree(exported, changed)
+    data = bytearray((changed / "adapter_model.safetensors").read_bytes())
+    data[-3] ^= 0x01  # the last tensor's values: safetensors still reads it
+    (changed / "adapter_model.safetensors").write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["--from-peft", str(changed), "--base-model", str(env.model), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "adapter_model.safetensors was changed after frod export" in err[0], err
+    assert not (tmp_path / "x").exists()
+    assert main(["--from-peft", str(exported), "--base-model", str(env.model), "--out", str(tmp_path / "y")]) == 0
+    assert json.loads((tmp_path / "y" / "frod_import.json").read_text())["peft_files"] == digests
 
 
 def test_init_adapter_of_another_factor_store_is_refused(env, imported):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -81,3 +82,29 @@ def test_resolve_model_dir_local_and_offline_hub_id(tmp_path, monkeypatch):
         resolve_model_dir("someone/not-a-cached-model")
     with pytest.raises(ValueError, match="does not exist"):
         resolve_model_dir(str(tmp_path / "no" / "such" / "dir"))
+
+
+def test_config_is_checked_against_the_weights(tmp_path, capsys):
+    """``HFCheckpoint.config``: the written model's own config passes; one naming another layer count or KV heads
+    is refused naming the tensor; HJD's ``required=False`` reads a missing or torn config as none (noted)."""
+    from frod_ds.runtime.errors import CheckpointError
+
+    path = write_tiny_llama(tmp_path / "m")
+    good = json.loads((path / "config.json").read_text())
+    assert HFCheckpoint(path).config()["num_hidden_layers"] == 3
+    for change, needle in (
+        ({"num_hidden_layers": 2}, "the weights hold decoder layers 0-2, the config gives num_hidden_layers 2"),
+        ({"num_key_value_heads": 1}, "k_proj.weight has shape [16, 32], the config gives [8, 32]"),
+        ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+    ):
+        (path / "config.json").write_text(json.dumps({**good, **change}))
+        for required in (True, False):
+            with pytest.raises(CheckpointError, match=re.escape(needle)):
+                HFCheckpoint(path).config(required=required)
+    (path / "config.json").write_text("{torn")
+    assert HFCheckpoint(path).config(required=False) is None
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        HFCheckpoint(path).config()
+    (path / "config.json").unlink()
+    assert HFCheckpoint(path).config(required=False) is None
+    assert "records no model config" in capsys.readouterr().err

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import pytest
 from frod_ds.config.ds_config import load_ds_config
 from frod_ds.plan.memory import plan_memory
 from frod_ds.plan.recommend import hint, recommend
-from frod_ds.plan.shapes import Engine, TrainShape, model_shape_from_config, shipped_engines
+from frod_ds.plan.shapes import Engine, GiB, TrainShape, model_shape_from_config, shipped_engines
 from tests.support.train_env import REPO, env_vars
 
 TINY = dict(
@@ -196,8 +198,11 @@ def test_hint_names_the_faster_or_the_fitting_set_up():
     engines = {e.name: e for e in shipped_engines()}
     small = model_shape_from_config(LLAMA2_7B)
     train = TrainShape(micro_batch=4, seq_len=256, checkpointing=True)
-    line = hint(small, train, engines["ds_configs/zero3.json"], 1, 79.1 * 2**30)
+    deepspeed_z3 = dataclasses.replace(engines["ds_configs/zero3.json"], layers=False)  # zero3_partition=deepspeed
+    line = hint(small, train, deepspeed_z3, 1, 79.1 * 2**30)
     assert line.startswith("hint:") and "ds_configs/zero2.json fits" in line and "\n" not in line
+    # zero3.json's layer partition on one GPU holds the model whole, as zero2.json does: nothing to gain
+    assert hint(small, train, engines["ds_configs/zero3.json"], 1, 79.1 * 2**30) is None
     assert hint(small, train, engines["ds_configs/zero2.json"], 1, 79.1 * 2**30) is None
     big = model_shape_from_config(LLAMA2_70B)
     line = hint(big, train, engines["ds_configs/zero2.json"], 2, 79.1 * 2**30)
@@ -212,11 +217,14 @@ def test_train_hint_reads_the_recipe_and_the_loaded_json(tmp_path):
     from frod_ds.plan.recommend import train_hint
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
-    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
+    deepspeed = ["train.zero3_partition=deepspeed"]  # DeepSpeed's stage 3: zero2.json predicted faster on 2 GPUs
+    recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}", *deepspeed])
     zero3 = load_ds_config(REPO / "ds_configs" / "zero3.json")
     line = train_hint(recipe, zero3, 2, 79.1 * 2**30, name="my/zero3.json")
     assert line is not None and "zero2.json fits" in line and "faster than my/zero3.json" in line
     assert line.endswith("(frod plan)"), "the hint names the command in the one vocabulary"
+    layers = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}"])
+    assert train_hint(layers, zero3, 2, 79.1 * 2**30) is None, "the layer partition: within the hint's margin"
     assert train_hint(recipe, zero3, 2, None) is None  # no GPU: no line
     recipe = load_recipe(REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path / 'nothing'}"])
     assert train_hint(recipe, zero3, 2, 79.1 * 2**30) is None
@@ -276,6 +284,7 @@ def test_shipped_configs_map_to_their_engine():
     cfgs = {p.stem: json.loads(p.read_text()) for p in (REPO / "ds_configs").glob("*.json")}
     got = {k: (engine_from_ds_config(c).stage, engine_from_ds_config(c).offload_param) for k, c in cfgs.items()}
     assert got == {
+        "zero0": (2, False),
         "zero2": (2, False),
         "zero2_cpu_fp32": (2, False),
         "zero3": (3, False),
@@ -292,7 +301,8 @@ def test_shipped_configs_map_to_their_engine():
 def test_train_hint_boundaries_follow_the_plan(tmp_path):
     """``frod train``'s hint (``train_hint``) at the planner's own boundaries: silent where the chosen config is
     the fastest that fits; names ZeRO-2 when ZeRO-3 was chosen and ZeRO-2 fits; says out of memory (one line) when
-    ZeRO-2 was chosen and does not fit; silent again when the partitioned model fits more GPUs."""
+    ZeRO-2 was chosen and does not fit; silent again when the partitioned model fits more GPUs. "ZeRO-3" here is
+    DeepSpeed's own (``train.zero3_partition=deepspeed``); the layer partition's hint: the test above."""
     from frod_ds.config.recipe import load_recipe
     from frod_ds.plan.recommend import train_hint
     from frod_ds.plan.shapes import train_shape_from_recipe
@@ -305,7 +315,10 @@ def test_train_hint_boundaries_follow_the_plan(tmp_path):
     assert train_hint(recipe, z3_json, 1, None) is None, "no GPU: no hint"
     assert train_hint(recipe, z2_json, 1, z2) is None, "ZeRO-2 fits exactly: nothing to say"
     both = max(z2, _needed(model, train, "ds_configs/zero3.json", 1))  # ZeRO-3's buckets may need a little more
-    slow = train_hint(recipe, z3_json, 1, both)
+    deepspeed = load_recipe(
+        REPO / "recipes" / "llama2_7b_cs170k.yaml", [f"model.base={tmp_path}", "train.zero3_partition=deepspeed"]
+    )
+    slow = train_hint(deepspeed, z3_json, 1, both)
     assert slow.startswith("hint: ds_configs/zero2.json fits") and "\n" not in slow
     oom = train_hint(recipe, z2_json, 1, z2 - 1)
     assert oom.startswith("hint: predicted") and "likely out of memory" in oom and "\n" not in oom
@@ -461,6 +474,44 @@ def test_cli_bad_model_is_one_line(tmp_path, config, needle):
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
 
 
+LLAMA_SIZES = {**LLAMA2_7B, "num_key_value_heads": 32}
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+        ({"num_hidden_layers": -2}, "num_hidden_layers must be a positive integer, got -2"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),  # divided by it
+        ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+        ({"num_key_value_heads": 5}, "num_key_value_heads 5 does not divide num_attention_heads 32"),
+        ({"num_attention_heads": 7}, "num_attention_heads 7 does not divide hidden_size 4096"),
+        ({"intermediate_size": 11008.0}, "intermediate_size must be a positive integer, got 11008.0"),
+        ({"num_attention_heads": True}, "num_attention_heads must be a positive integer, got True"),
+    ],
+)
+def test_config_sizes_no_model_has_are_refused(tmp_path, change, needle):
+    """Each size is checked by the one reader of config.json (frod_ds.io.model_config) before any arithmetic: the
+    planner's own reading and the file's (``load_model_shape``) give the same line; a sound config plans."""
+    from frod_ds.plan.shapes import PlanError, load_model_shape
+    from frod_ds.runtime.errors import FrodError
+
+    assert model_shape_from_config(LLAMA_SIZES).parameters > 6e9
+    with pytest.raises(PlanError, match=re.escape(needle)):
+        model_shape_from_config({**LLAMA_SIZES, **change})
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_SIZES, **change}))
+    with pytest.raises(FrodError, match=re.escape(needle)):
+        load_model_shape(str(tmp_path))
+
+
+def test_cli_plan_of_a_zero_layer_config_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA2_7B, "num_hidden_layers": 0}))
+    res = _plan("--model", str(tmp_path), "--gpus", "1")
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert "num_hidden_layers must be a positive integer, got 0" in lines[0] and "Traceback" not in res.stderr
+
+
 def test_planner_errors_are_user_errors(tmp_path):
     """In-process: the planner's and the config lookup's errors are ``FrodError``s (the entry prints them)."""
     from frod_ds.plan.shapes import PlanError, load_model_shape
@@ -471,3 +522,37 @@ def test_planner_errors_are_user_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(PlanError, match="model_type 'gpt2'"):
         load_model_shape(str(tmp_path))
+
+
+def _fits_anywhere(model, train, gpus, gpu, engines):
+    from frod_ds.plan.memory import plan_memory
+    from frod_ds.plan.recommend import candidates
+
+    return any(
+        plan_memory(model, dataclasses.replace(train, quant=q, quantize_base=qb, checkpointing=gc), e, gpus, gpu).fits
+        for e, q, qb, gc in candidates(engines, train)
+    )
+
+
+def test_more_gpus_are_advised_only_where_they_help():
+    """70B on 40 GiB GPUs with ZeRO-3 (no offload) alone: the advice names the fewest GPU count that fits, checked
+    by trying every count below it; 7B with 64 x 256 tokens per 8 GiB GPU: activations and logits alone exceed the
+    GPU on 1, 64 or 4096 GPUs, and the advice says more GPUs do not help and what does."""
+    from frod_ds.plan.recommend import fewest_gpus, no_fit_advice
+
+    big, gpu = model_shape_from_config(LLAMA2_70B), 40 * GiB
+    zero3 = [e for e in shipped_engines() if e.name == "ds_configs/zero3.json"]
+    train = TrainShape(micro_batch=1, seq_len=256)
+    need = fewest_gpus(big, train, 1, gpu, zero3)
+    assert need is not None and need > 1
+    assert [n for n in range(1, need + 1) if _fits_anywhere(big, train, n, gpu, zero3)] == [need]
+    assert f"from {need} GPUs one does" in no_fit_advice(big, train, 1, gpu, zero3)
+
+    small, gpu = model_shape_from_config(LLAMA2_7B), 8 * GiB
+    train = TrainShape(micro_batch=64, seq_len=256)
+    engines = shipped_engines()
+    assert not any(_fits_anywhere(small, train, n, gpu, engines) for n in (1, 64, 4096))
+    assert fewest_gpus(small, train, 1, gpu, engines) is None
+    advice = no_fit_advice(small, train, 1, gpu, engines)
+    assert "on any number of GPUs" in advice and "more GPUs do not shrink" in advice and "micro_batch_size" in advice
+    assert "use more GPUs" not in advice

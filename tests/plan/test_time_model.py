@@ -46,7 +46,10 @@ LLAMA2_70B = {
 
 
 def _engines():
-    return {e.name.removeprefix("ds_configs/").removesuffix(".json"): e for e in shipped_engines()}
+    """The shipped engines by short name; ``zero3ds``: ``zero3.json`` under DeepSpeed's own stage 3
+    (``train.zero3_partition=deepspeed``), ``zero3``: its layer partition (the default)."""
+    e = {e.name.removeprefix("ds_configs/").removesuffix(".json"): e for e in shipped_engines()}
+    return {**e, "zero3ds": dataclasses.replace(e["zero3"], layers=False)}
 
 
 def test_step_parts_add_up_from_flops_host_work_and_the_link():
@@ -76,16 +79,16 @@ def test_step_parts_add_up_from_flops_host_work_and_the_link():
     assert z2c.seconds == pytest.approx(z2.seconds + ZERO_CHECK_TENSOR_S * 64), "it syncs: added, not overlapped"
     fp32 = TrainShape(micro_batch=4, seq_len=512, dtype="float32")  # DeepSpeed checks no fp32 gradient
     assert "overflow check" not in step_time(model, fp32, checked, 1, link).parts
-    z3 = step_time(model, train, e["zero3"], 2, link)
+    z3 = step_time(model, train, e["zero3ds"], 2, link)
     # a decoder layer's six U_i are one frozen Parameter (FRoDFrozen): five tensors fewer per layer and pass; and
     # DeepSpeed's NVTX ranges are off (frod_ds.runtime.distributed)
     fetch = ZERO3_LAYER_PASS_S - ZERO3_NVTX_LAYER_PASS_S
     assert z3.host["ZeRO-3 layer fetch"] == pytest.approx((fetch - 5 * ZERO3_FROZEN_TENSOR_PASS_S) * 64)
-    u_per_member = step_time(model, dataclasses.replace(train, zero3_flat_frozen=False), e["zero3"], 2, link)
+    u_per_member = step_time(model, dataclasses.replace(train, zero3_flat_frozen=False), e["zero3ds"], 2, link)
     assert u_per_member.host["ZeRO-3 layer fetch"] == pytest.approx(fetch * 32 * 2)
-    nf4 = step_time(model, dataclasses.replace(train, quant="nf4"), e["zero3"], 2, link)  # a quantized U: one each
+    nf4 = step_time(model, dataclasses.replace(train, quant="nf4"), e["zero3ds"], 2, link)  # a quantized U: one each
     assert nf4.host["ZeRO-3 layer fetch"] == pytest.approx(fetch * 32 * 2)
-    nvtx = step_time(model, dataclasses.replace(train, deepspeed_nvtx=True), e["zero3"], 2, link)
+    nvtx = step_time(model, dataclasses.replace(train, deepspeed_nvtx=True), e["zero3ds"], 2, link)
     assert nvtx.host["ZeRO-3 layer fetch"] == pytest.approx(
         z3.host["ZeRO-3 layer fetch"] + ZERO3_NVTX_LAYER_PASS_S * 64
     )
@@ -97,9 +100,9 @@ def test_step_parts_add_up_from_flops_host_work_and_the_link():
     assert z3.seconds == pytest.approx(
         max(compute, sum(z3.host.values())) + z3.parts["link"] + z3.parts["gradient reduce"]
     )
-    slow = step_time(model, train, e["zero3"], 2, dataclasses.replace(link, host=2.0))
+    slow = step_time(model, train, e["zero3ds"], 2, dataclasses.replace(link, host=2.0))
     assert slow.host == {k: pytest.approx(2 * v) for k, v in z3.host.items()}, "host work scales with the host"
-    gc = step_time(model, TrainShape(micro_batch=4, seq_len=512, checkpointing=True), e["zero3"], 2, link)
+    gc = step_time(model, TrainShape(micro_batch=4, seq_len=512, checkpointing=True), e["zero3ds"], 2, link)
     assert gc.parts["recompute"] == pytest.approx(gc.parts["compute"] / 3) and gc.parts["link"] > z3.parts["link"]
     assert gc.host["ZeRO-3 layer fetch"] == pytest.approx(1.5 * z3.host["ZeRO-3 layer fetch"]), "three passes"
 
@@ -186,13 +189,40 @@ def test_hint_names_a_faster_engine_with_both_predictions():
 
     small, e = model_shape_from_config(LLAMA2_7B), _engines()
     train = TrainShape(micro_batch=4, seq_len=512)
-    line = hint(small, train, e["zero3"], 2, 79.1 * GiB)
+    line = hint(small, train, e["zero3ds"], 2, 79.1 * GiB)
     z2 = predicted_seconds(small, plan_memory(small, train, e["zero2"], 2, 79.1 * GiB))
-    z3 = predicted_seconds(small, plan_memory(small, train, e["zero3"], 2, 79.1 * GiB))
+    z3 = predicted_seconds(small, plan_memory(small, train, e["zero3ds"], 2, 79.1 * GiB))
     assert (
         line.startswith("hint: ds_configs/zero2.json fits") and f"predicted {z2 * 1e3:.0f} vs {z3 * 1e3:.0f} ms" in line
     )
     assert hint(small, train, e["zero2"], 2, 79.1 * GiB) is None, "nothing predicted faster"
-    one = [predicted_seconds(small, plan_memory(small, train, e[k], 1, 79.1 * GiB)) for k in ("zero2", "zero3")]
+    one = [predicted_seconds(small, plan_memory(small, train, e[k], 1, 79.1 * GiB)) for k in ("zero2", "zero3ds")]
     assert one[1] > one[0] / (1 - 0.15), "one GPU, 7B in bf16: ZeRO-3's layer fetches make it the slower by more"
-    assert hint(small, train, e["zero3"], 1, 79.1 * GiB).startswith("hint: ds_configs/zero2.json fits")
+    assert hint(small, train, e["zero3ds"], 1, 79.1 * GiB).startswith("hint: ds_configs/zero2.json fits")
+
+
+def test_the_layer_partition_costs_its_exposed_gathers_and_no_deepspeed_fetches():
+    """zero3.json's layer partition: ZeRO-2's terms for σ and S (its overflow check where the JSON keeps it on), no
+    per-layer fetch host work, and on N GPUs the frozen bytes but V and the final norm gathered twice per step
+    (forward, backward; a checkpointed layer's recompute reuses the backward's), LAYERS_LINK_EXPOSED of the floor."""
+    from frod_ds.plan.step_time import LAYERS_LINK_EXPOSED
+
+    model, e, link = model_shape_from_config(LLAMA2_7B), _engines(), Link(busbw=100e9)
+    assert e["zero3"].layers and not e["zero3ds"].layers and not e["zero2"].layers
+    train = TrainShape(micro_batch=4, seq_len=512)
+    frozen = frozen_tensors(model, train)
+    gathered = sum(b * c for g in frozen.values() for b, c, _ in g) - sum(b * c for b, c, _ in frozen["frozen V"])
+    gathered -= model.hidden * train.e  # the final norm
+    for checkpointing in (False, True):
+        t = dataclasses.replace(train, checkpointing=checkpointing)
+        two = step_time(model, t, e["zero3"], 2, link)
+        assert "ZeRO-3 layer fetch" not in two.host
+        assert two.parts["link"] == pytest.approx(LAYERS_LINK_EXPOSED * 2 * gathered * 0.5 / 100e9)
+        assert step_time(model, t, e["zero3"], 4, link).parts["link"] == pytest.approx(two.parts["link"] * 1.5)
+    one = step_time(model, train, e["zero3"], 1, link)
+    assert "link" not in one.parts and one.seconds < step_time(model, train, e["zero3ds"], 1, link).seconds
+    # one GPU and two at 7B: zero2.json is not predicted faster by the hint's margin
+    from frod_ds.plan.recommend import hint
+
+    for gpus in (1, 2):
+        assert hint(model, train, e["zero3"], gpus, 139 * GiB) is None

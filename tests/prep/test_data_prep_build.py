@@ -277,7 +277,7 @@ def test_strict_passes_on_clean_tasks(tmp_path):
 def test_rows_training_would_refuse_are_dropped_and_counted(tmp_path):
     """A repeated id (the first row kept) and a row over MAX_ROW_CHARS: dropped and counted like invalid rows,
     so the build never hands training a file it refuses; --strict makes the first one an error."""
-    from frod_ds.prep.dataset import DUPLICATE_ID, OVERLONG
+    from frod_ds.prep.row_checks import DUPLICATE_ID, OVERLONG
     from frod_ds.prep.rows import MAX_ROW_CHARS
 
     mirror = tmp_path / "mirror"
@@ -438,3 +438,89 @@ def test_cutoff_counts_rows_over_it_per_task(tmp_path, monkeypatch):
         "over_cutoff": 0,
     }
     assert report["per_task"]["winogrande"]["train"]["rows"] == 2
+
+
+# --- rows repeated verbatim, lone surrogates, rows with nothing to choose between -------------------------------
+
+
+def _boolq_mirror(tmp_path: Path, train: list[str], eval_: list[str]) -> Path:
+    mirror = tmp_path / "mirror"
+    (mirror / "boolq").mkdir(parents=True)
+    (mirror / "boolq" / "train.jsonl").write_text("".join(x + "\n" for x in train))
+    (mirror / "boolq" / "validation.jsonl").write_text("".join(x + "\n" for x in eval_))
+    return mirror
+
+
+def _boolq_row(i: int, answer: bool = True) -> str:
+    return json.dumps({"question": f"question {i}", "answer": answer, "passage": f"passage {i}"})
+
+
+def test_rows_repeated_verbatim_are_counted_dropped_from_training_and_kept_in_test(tmp_path, capsys):
+    """BoolQ rows carry no id (ids are row indices), so a verbatim repeat used to reach train.jsonl and the test file
+    unnoticed. The counts equal those of the source lines (collections.Counter over them); training rows are dropped
+    unless --keep-duplicates, test rows are kept as published; both are in the manifest and the report."""
+    from frod_ds.prep.command import main
+
+    train = [_boolq_row(i) for i in range(6)] + [_boolq_row(1), _boolq_row(4), _boolq_row(1)]
+    eval_ = [_boolq_row(10 + i, i % 2 == 0) for i in range(4)] + [_boolq_row(11, False)]
+    repeats = {role: sum(n - 1 for n in Counter(lines).values()) for role, lines in (("train", train), ("eval", eval_))}
+    assert repeats == {"train": 3, "eval": 1}
+    mirror = _boolq_mirror(tmp_path, train, eval_)
+    out = tmp_path / "out"
+    assert main(["build", "--source", str(mirror), "--tasks", "boolq", "--out", str(out)]) == 0
+    report = capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["repeated"] == {"train": "dropped", "eval": "kept as published", "rows": {"boolq": repeats}}
+    assert manifest["dropped"] == {"boolq": {"train": {"repeated row": 3}}}
+    assert manifest["counts"]["boolq"]["train"]["kept"] == len(set(train)) == len(read_rows(out / "train.jsonl"))
+    assert len(read_rows(out / "eval" / "boolq.jsonl")) == len(eval_)
+    assert "repeated: boolq train: 3 row(s) repeat an earlier row verbatim: dropped" in report
+    assert "repeated: boolq eval: 1 row(s) repeat an earlier row verbatim: kept as published" in report
+    kept = tmp_path / "kept"
+    assert main(["build", "--source", str(mirror), "--tasks", "boolq", "--out", str(kept), "--keep-duplicates"]) == 0
+    assert len(read_rows(kept / "train.jsonl")) == len(train)
+    assert json.loads((kept / "manifest.json").read_text())["repeated"]["train"] == "kept"
+
+
+@pytest.mark.parametrize("role", ["train", "eval"])
+def test_strict_refuses_a_repeated_row_naming_both(tmp_path, role):
+    rows = [_boolq_row(0), _boolq_row(1), _boolq_row(0)]
+    mirror = _boolq_mirror(tmp_path, rows if role == "train" else rows[:2], rows if role == "eval" else rows[:2])
+    split = "train" if role == "train" else "validation"
+    with pytest.raises(DataPrepError) as err:
+        run_build(tmp_path / "out", source=mirror, tasks=("boolq",), strict=True)
+    assert f"row id 'boolq-{split}-2' repeats row id 'boolq-{split}-0' verbatim (--strict" in str(err.value)
+    assert_nothing_written(tmp_path / "out")
+    with pytest.raises(DataPrepError, match="--keep-duplicates keeps repeated training rows, --strict refuses"):
+        run_build(tmp_path / "out", source=mirror, tasks=("boolq",), strict=True, keep_duplicates=True)
+
+
+def test_a_lone_surrogate_is_dropped_and_named_or_refused_under_strict(tmp_path, capsys):
+    """``\\ud800`` in a source row decodes to a lone surrogate, which no tokenizer can encode (checked here with
+    str.encode, what tokenizers do first): the build drops and names it; --strict refuses it."""
+    bad = '{"question": "q", "answer": true, "passage": "broken \\ud800 text"}'
+    with pytest.raises(UnicodeEncodeError):
+        json.loads(bad)["passage"].encode("utf-8")
+    mirror = _boolq_mirror(tmp_path, [_boolq_row(0), bad, _boolq_row(1)], [_boolq_row(5), _boolq_row(6)])
+    manifest, _ = run_build(tmp_path / "out", source=mirror, tasks=("boolq",))
+    assert manifest["dropped"] == {"boolq": {"train": {"lone surrogate (not Unicode text)": 1}}}
+    assert "row id 'boolq-train-1': field 'prompt' holds a lone surrogate '\\ud800'" in capsys.readouterr().err
+    for row in read_rows(tmp_path / "out" / "train.jsonl"):
+        (row["prompt"] + row["answer"]).encode("utf-8")
+    with pytest.raises(DataPrepError, match="row id 'boolq-train-1': field 'prompt' holds a lone surrogate"):
+        run_build(tmp_path / "strict", source=mirror, tasks=("boolq",), strict=True)
+
+
+def test_a_row_with_one_choice_is_dropped_from_the_build(tmp_path):
+    """An ARC row with a single option renders to one choice: scoring it is a free point."""
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / "arc_easy", mirror / "arc_easy")
+    test = (mirror / "arc_easy" / "test.jsonl").read_text().splitlines()
+    one = json.loads(test[0])
+    one.update(id="one", choices={"text": ["only"], "label": ["A"]}, answerKey="A")
+    (mirror / "arc_easy" / "test.jsonl").write_text("\n".join([*test, json.dumps(one)]) + "\n")
+    manifest, _ = run_build(tmp_path / "out", source=mirror, tasks=("arc_easy",))
+    assert manifest["dropped"] == {"arc_easy": {"eval": {"fewer than two choices": 1}}}
+    assert [r["id"] for r in read_rows(tmp_path / "out" / "eval" / "arc_easy.jsonl")] == [
+        json.loads(x)["id"] for x in test if x.strip()
+    ]

@@ -118,6 +118,21 @@ def test_an_offload_run_builds_cpu_adam_under_the_build_lock(monkeypatch):
     assert loaded == ["cpu_adam"], "no op is built without offload"
 
 
+def test_an_nvme_run_builds_async_io_under_the_build_lock_first(monkeypatch):
+    """NVMe offload makes DeepSpeed JIT-build async_io while it builds the model: the trainer builds it first
+    through op_build.load_op (whose module DeepSpeed then reuses), and only under NVMe offload."""
+    from frod_ds.runtime import op_build
+    from frod_ds.train import trainer
+
+    loaded = []
+    monkeypatch.setattr(op_build, "load_op", lambda builder: loaded.append(builder.name))
+    trainer.build_nvme_op({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    assert loaded == []
+    trainer.build_nvme_op({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
+    trainer.build_nvme_op({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})
+    assert loaded == ["async_io", "async_io"]
+
+
 def _venv_ninja() -> Path | None:
     here = Path(sys.executable).parent / "ninja"
     other = shutil.which("ninja", path=os.environ.get("PATH", "").replace(str(here.parent), ""))
@@ -198,12 +213,20 @@ def test_a_misspelled_deepspeed_key_is_named_with_the_closest_valid_one(where, t
 
 @pytest.mark.parametrize(
     "name",
-    ["zero3.json", "zero3_offload.json", "zero3_nvme.json", "zero2.json", "zero3_cpu_fp32.json", "zero2_cpu_fp32.json"],
+    [
+        "zero3.json",
+        "zero3_offload.json",
+        "zero3_nvme.json",
+        "zero2.json",
+        "zero0.json",
+        "zero3_cpu_fp32.json",
+        "zero2_cpu_fp32.json",
+    ],
 )
 def test_every_shipped_deepspeed_key_is_known(name):
-    from frod_ds.config.ds_config import _unknown_keys
+    from frod_ds.config.ds_checks import unknown_keys
 
-    assert _unknown_keys(_shipped(name)) == []
+    assert unknown_keys(_shipped(name)) == []
 
 
 def _train_main(argv: list[str], capsys) -> tuple[int, str]:

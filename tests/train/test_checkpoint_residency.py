@@ -35,7 +35,8 @@ def residency(tmp_path_factory):
     config = root / "zero3_no_prefetch.json"
     config.write_text(json.dumps(cfg))
     out = root / "out"
-    overrides = env.overrides(out, **{"train.schedule": "constant", "train.warmup_ratio": 0.0, "train.max_steps": 2})
+    steps = {"train.schedule": "constant", "train.warmup_ratio": 0.0, "train.max_steps": 2}
+    overrides = env.overrides(out, **steps, **{"train.zero3_partition": "deepspeed"})  # DeepSpeed's gathers
     res = run_train(config, overrides + ["--modes", ",".join(MODES), "--steps", "2"], script=PROBE)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     reports = [json.loads((out / f"residency_rank{r}.json").read_text()) for r in (0, 1)]

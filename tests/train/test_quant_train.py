@@ -31,11 +31,10 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero3(env, tmp_path_factory):
-    """Two optimizer steps under ZeRO-3 on 2 ranks, NF4 everywhere, inspected by train_probe.py."""
+    """Two optimizer steps under DeepSpeed's ZeRO-3 on 2 ranks, NF4 everywhere, inspected by train_probe.py."""
     out = tmp_path_factory.mktemp("z3nf4")
-    res = run_train(
-        CPU_ZERO3, env.overrides(out, **QUANT, **{"train.save_every": 1, "train.rotation_every": 2}), script=PROBE
-    )
+    extra = {"train.save_every": 1, "train.rotation_every": 2, "train.zero3_partition": "deepspeed"}
+    res = run_train(CPU_ZERO3, env.overrides(out, **QUANT, **extra), script=PROBE)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out, [json.loads((out / f"probe_rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -62,19 +61,39 @@ def test_quantized_factors_are_partitioned_under_zero3(zero3):
             assert 0 < p["U_local"] < p["U_full"], (name, p)
 
 
-def test_zero2_with_checkpointing_takes_the_same_quantized_steps(zero3, env, tmp_path):
-    out3, _ = zero3
-    res = run_train(CPU_ZERO2, env.overrides(tmp_path / "z2", **QUANT, **{"model.gradient_checkpointing": "true"}))
+@pytest.fixture(scope="module")
+def zero2_gc(env, tmp_path_factory):
+    """The same two steps under ZeRO-2 with gradient checkpointing."""
+    out = tmp_path_factory.mktemp("z2nf4")
+    res = run_train(CPU_ZERO2, env.overrides(out, **QUANT, **{"model.gradient_checkpointing": "true"}))
     assert res.returncode == 0, res.stderr[-3000:]
-    z2, z3 = metrics(tmp_path / "z2")[-1], metrics(out3)[-1]
+    return out
+
+
+def test_zero2_with_checkpointing_takes_the_same_quantized_steps(zero3, zero2_gc):
+    out3, _ = zero3
+    z2, z3 = metrics(zero2_gc)[-1], metrics(out3)[-1]
     assert z2["step"] == z3["step"] == 2
     assert z2["loss"] == pytest.approx(z3["loss"], rel=1e-5)
     assert z2["grad_norm"] == pytest.approx(z3["grad_norm"], rel=1e-4)
-    a = load_file(str(tmp_path / "z2" / "adapter-final" / "adapter.safetensors"))
+    a = load_file(str(zero2_gc / "adapter-final" / "adapter.safetensors"))
     b = load_file(str(out3 / "adapter-final" / "adapter.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_layer_partition_takes_zero2s_quantized_steps_exactly(env, zero2_gc, tmp_path):
+    """zero3.json's layer partition with NF4 U_i and an NF4 base (uint8 blobs gathered by decoder layer beside the
+    fp32 tensors) and checkpointing: ZeRO-2's losses, gradient norms and adapter, bitwise."""
+    out = tmp_path / "layers"
+    res = run_train(CPU_ZERO3, env.overrides(out, **QUANT, **{"model.gradient_checkpointing": "true"}))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got, want = metrics(out), metrics(zero2_gc)
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]
+    a = load_file(str(zero2_gc / "adapter-final" / "adapter.safetensors"))
+    b = load_file(str(out / "adapter-final" / "adapter.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_adapter_records_quantization_and_eval_rebuilds_the_trained_model(zero3, tmp_path):

@@ -1,0 +1,36 @@
+"""How a ZeRO-3 run partitions its frozen weights (``train.zero3_partition``).
+
+``layers``: frod-ds keeps 1/N of each unit's frozen weights (embedding, decoder layer, head) per rank and gathers a
+unit around its use, the next one prefetched (``frod_ds.model.frozen_shards``); σ and S, a few MB, run under ZeRO-2,
+so DeepSpeed's engine gets the JSON with stage 2. ``deepspeed``: DeepSpeed's stage-3 coordinator partitions every
+parameter; parameter offload (CPU or NVMe) needs it. ``auto`` (the default): ``layers`` unless the JSON offloads
+parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from frod_ds.config.ds_config import DSConfigError, as_stage2, offload_device, zero_stage
+
+__all__ = ["CHOICES", "zero3_layout", "layers_engine_config"]
+
+CHOICES = ("auto", "layers", "deepspeed")
+
+
+def zero3_layout(cfg: dict[str, Any], choice: str) -> str | None:
+    """``"layers"`` or ``"deepspeed"`` for a ZeRO-3 ``cfg``, None for any other stage."""
+    if zero_stage(cfg) != 3:
+        return None
+    offload = offload_device(cfg, "offload_param") is not None
+    if choice == "layers" and offload:
+        raise DSConfigError(
+            "DeepSpeed config: train.zero3_partition=layers keeps the frozen weights' shards on the GPU, but the "
+            'JSON offloads parameters ("offload_param"); drop offload_param or use train.zero3_partition=auto'
+        )
+    return "deepspeed" if choice == "deepspeed" or offload else "layers"
+
+
+def layers_engine_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The engine's JSON of a ``layers`` run: ``cfg`` at ZeRO stage 2, without the settings only stage 3 reads."""
+    return as_stage2(cfg)

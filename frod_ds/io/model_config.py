@@ -1,0 +1,110 @@
+"""A base checkpoint's ``config.json`` checked in one place: its sizes are positive integers, the key/value heads
+divide the heads, and the weights have the shapes and layer count it names.
+
+``config_problems`` checks the values (the planner, training, eval and export read them); ``weights_problems``
+compares them with the checkpoint's tensor shapes (read from the safetensors headers), so that a config of another
+model is refused before HJD writes a store or transformers fills missing layers with random weights. Only the keys
+a config has are checked: a model family without LLaMA's names is compared on nothing it lacks. Torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["SIZE_KEYS", "config_problems", "expected_shapes", "weights_problems"]
+
+# the sizes a LLaMA-family config.json gives, each a positive integer when present
+SIZE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+_LAYER = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+def _positive_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def config_problems(cfg: Mapping[str, Any]) -> list[str]:
+    """Every value of ``cfg`` no model can have: a size that is not a positive integer, key/value heads that do not
+    divide the heads, a hidden size the heads do not divide (without ``head_dim``). Empty when fine."""
+    problems = [
+        f"{k} must be a positive integer, got {cfg[k]!r}"
+        for k in SIZE_KEYS
+        if k in cfg and cfg[k] is not None and not _positive_int(cfg[k])
+    ]
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if _positive_int(heads) and _positive_int(kv) and heads % kv:
+        problems.append(
+            f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (each key/value head serves a "
+            "whole group of query heads)"
+        )
+    hidden = cfg.get("hidden_size")
+    if cfg.get("head_dim") is None and _positive_int(hidden) and _positive_int(heads) and hidden % heads:
+        problems.append(f"num_attention_heads {heads} does not divide hidden_size {hidden} and there is no head_dim")
+    return problems
+
+
+def expected_shapes(cfg: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    """``{linear: (out, in)}`` of one decoder layer's LLaMA linears as ``cfg`` sizes them (those it can size)."""
+    h, f = cfg.get("hidden_size"), cfg.get("intermediate_size")
+    heads = cfg.get("num_attention_heads")
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or (h // heads if _positive_int(h) and _positive_int(heads) else None)
+    out: dict[str, tuple[int, int]] = {}
+    if _positive_int(h) and _positive_int(heads) and _positive_int(hd):
+        out.update(q_proj=(heads * hd, h), o_proj=(h, heads * hd))
+        if _positive_int(kv):
+            out.update(k_proj=(kv * hd, h), v_proj=(kv * hd, h))
+    if _positive_int(h) and _positive_int(f):
+        out.update(gate_proj=(f, h), up_proj=(f, h), down_proj=(h, f))
+    return out
+
+
+def weights_problems(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Where the tensors (``{name: shape}``) contradict ``cfg``: a decoder linear of another shape, another number of
+    decoder layers, an embedding of another vocabulary or width. Empty when they agree (or share nothing to compare)."""
+    want = expected_shapes(cfg)
+    problems: list[str] = []
+    layers: set[int] = set()
+    for name, shape in sorted(shapes.items()):
+        hit = _LAYER.search(name)
+        if hit is None:
+            continue
+        layers.add(int(hit.group(1)))
+        expected = want.get(hit.group(2))
+        if expected is not None and tuple(shape) != expected and not problems:
+            problems.append(f"{name} has shape {list(shape)}, the config gives {list(expected)}")
+    n = cfg.get("num_hidden_layers")
+    if layers and _positive_int(n) and layers != set(range(n)):
+        problems.append(f"the weights hold decoder layers {_ranges(layers)}, the config gives num_hidden_layers {n}")
+    vocab, hidden = cfg.get("vocab_size"), cfg.get("hidden_size")
+    for name, shape in sorted(shapes.items()):
+        if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+            expected = (vocab, hidden)
+            if _positive_int(vocab) and _positive_int(hidden) and tuple(shape) != expected:
+                problems.append(
+                    f"{name} has shape {list(shape)}, the config gives [vocab_size, hidden_size] {list(expected)}"
+                )
+                break
+    return problems
+
+
+def _ranges(indices: set[int]) -> str:
+    """``0-1`` for {0, 1}; ``0-3, 5`` for a gap."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)

@@ -1,0 +1,71 @@
+"""What a path given on the command line is, in words, so that a wrong one gets one line naming what it is.
+
+``file_problem`` / ``dir_problem`` say why a path is not the readable file or directory asked for (missing, a
+symbolic-link loop, a broken link, a named pipe, a directory, unreadable) instead of "not found". Which kind of
+folder a directory is (a factor store given as a model, ...) is ``frod_ds.formats.folders``. Torch-free.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+__all__ = ["file_problem", "dir_problem"]
+
+
+def _stat_problem(path: Path) -> tuple[os.stat_result | None, str | None]:
+    """``(stat, None)`` for a path that resolves, else ``(None, why not)``."""
+    try:
+        return path.stat(), None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None, f"{path} is a symbolic-link loop (it points, through links, back to itself)"
+        if os.path.islink(path):
+            return None, f"{path} is a broken symbolic link (to {os.readlink(path)}, which does not exist)"
+        if e.errno == errno.EACCES:
+            return None, f"{path} cannot be reached (permission denied)"
+        if e.errno == errno.ENOTDIR:
+            return None, f"{path} does not exist (a part of the path is a file, not a directory)"
+        return None, f"{path} does not exist"
+
+
+def _special(mode: int) -> str | None:
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO), not a file; write the data to a regular file"
+    if stat.S_ISSOCK(mode):
+        return "a socket, not a file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device, not a file"
+    return None
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a regular file this process can read (one line starting with the path), or None."""
+    p = Path(path)
+    st, problem = _stat_problem(p)
+    if st is None:
+        return problem
+    if stat.S_ISDIR(st.st_mode):
+        return f"{p} is a directory, not a file"
+    special = _special(st.st_mode)
+    if special:
+        return f"{p} is {special}"
+    if not os.access(p, os.R_OK):
+        return f"{p} cannot be read (permission denied)"
+    return None
+
+
+def dir_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a directory this process can list (one line starting with the path), or None."""
+    p = Path(path)
+    st, problem = _stat_problem(p)
+    if st is None:
+        return problem
+    if not stat.S_ISDIR(st.st_mode):
+        special = _special(st.st_mode)
+        return f"{p} is {special.split(',')[0] if special else 'a file'}, not a directory"
+    if not os.access(p, os.R_OK | os.X_OK):
+        return f"{p} cannot be read (permission denied)"
+    return None

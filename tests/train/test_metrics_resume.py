@@ -1,0 +1,95 @@
+"""``metrics.jsonl`` after a kill: a last line cut short (the rank was killed mid-write) is dropped with one note
+and the run resumes, logging each step once with the uninterrupted run's losses; a line edited into something
+else is one error line naming it, and the file is left as it is."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support.train_env import CPU_ZERO2, build_env, metrics, run_train
+
+STEPS = 4
+
+
+def _rows(n: int) -> list[str]:
+    return [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("newline", [False, True], ids=["no-newline", "newline"])
+def test_a_torn_last_line_is_dropped_with_a_note(tmp_path, capsys, newline):
+    from frod_ds.train.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    rows = _rows(3)
+    path.write_text("".join(r + "\n" for r in rows) + rows[2][:11] + ("\n" if newline else ""))
+    drop_rows_after(path, step=2)
+    assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
+    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
+    assert len(notes) == 1 and "last line was cut short" in notes[0] and str(path) in notes[0], notes
+
+
+def test_a_last_row_that_lost_only_its_newline_is_kept(tmp_path, capsys):
+    """Every prefix of a JSON row but the whole row is invalid JSON: a last line that parses is complete."""
+    from frod_ds.train.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    rows = _rows(3)
+    path.write_text("\n".join(rows))  # torn exactly before the newline
+    drop_rows_after(path, step=3)
+    assert path.read_text() == "".join(r + "\n" for r in rows)
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_an_edited_line_in_the_middle_is_refused_and_the_file_kept(tmp_path):
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    rows = _rows(4)
+    rows[1] = "my notes about step 2"
+    text = "".join(r + "\n" for r in rows)
+    path.write_text(text)
+    with pytest.raises(FrodError, match=r"metrics.jsonl line 2 is not a metrics row"):
+        drop_rows_after(path, step=3)
+    assert path.read_text() == text
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_row_resumes_with_each_step_logged_once(tmp_path):
+    """The run left as a kill during step 4's row leaves it (its step-2 checkpoint sealed, step 3 logged, step 4's
+    row half written) resumes; steps 3-4 run again and give the uninterrupted run's losses, each logged once."""
+    env = build_env(tmp_path / "env")
+    common = {"train.max_steps": STEPS, "train.save_every": 2, "train.keep_checkpoints": 3}
+    ref = tmp_path / "ref"
+    res = run_train(CPU_ZERO2, env.overrides(ref, **common), nproc=0)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = tmp_path / "killed"
+    shutil.copytree(ref, out)
+    shutil.rmtree(out / "checkpoints" / "step00000004")
+    shutil.rmtree(out / "adapter-final")
+    (out / "checkpoints" / "latest_complete").write_text("step00000002")
+    lines = (ref / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("".join(x + "\n" for x in lines[:3]) + lines[3][: len(lines[3]) // 2])
+    res = run_train(CPU_ZERO2, env.overrides(out, **common), nproc=0)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    assert sum("last line was cut short" in x for x in res.stderr.splitlines() if x.startswith("note:")) == 1
+    want, got = metrics(ref), metrics(out)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+
+
+def test_metrics_rows_are_what_the_loop_writes(tmp_path):
+    """The reader's idea of a row is the writer's: ``MetricsLog`` rows survive ``drop_rows_after`` whole."""
+    from frod_ds.train.metrics import MetricsLog, drop_rows_after
+
+    log = MetricsLog(Path(tmp_path), tensorboard=False)
+    for s in range(1, 4):
+        log.write({"step": s, "loss": float("nan") if s == 2 else 0.5})
+    before = (tmp_path / "metrics.jsonl").read_text()
+    drop_rows_after(tmp_path / "metrics.jsonl", step=3)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
