@@ -96,7 +96,7 @@ def build_frod(s: dict, model_dir: Path, factors: Path, ds_cfg: dict | None):
     if s["engine"] == "z3layers":
         from frod_ds.model.build_layers import build_layer_partitioned
 
-        model, _ = build_layer_partitioned(
+        model = build_layer_partitioned(
             model_dir, store, supports, torch.bfloat16, dist.local_device(), s["quant"], s["quantize_base"]
         )
     else:
@@ -312,9 +312,9 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
     if s["engine"] == "fshard":
         shards = shard_frozen(model, device)
     if s["engine"] == "z3layers":
-        from frod_ds.config.zero3_layout import layers_engine_config
+        from frod_ds.config.ds_config import as_stage2
 
-        ds_cfg = layers_engine_config(ds_cfg)
+        ds_cfg = as_stage2(ds_cfg)
     step = Stepper(model, groups, s, ds_cfg, device)
     build_s = time.perf_counter() - t0
     cfg = step.model.config.to_dict()

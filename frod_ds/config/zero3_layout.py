@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from frod_ds.config.ds_config import DSConfigError, as_stage2, offload_device, zero_stage
+from frod_ds.config.ds_config import DSConfigError, offload_device, zero_stage
 
-__all__ = ["CHOICES", "zero3_layout", "layers_engine_config"]
-
-CHOICES = ("auto", "layers", "deepspeed")
+__all__ = ["zero3_layout"]
 
 
 def zero3_layout(cfg: dict[str, Any], choice: str) -> str | None:
@@ -29,8 +27,3 @@ def zero3_layout(cfg: dict[str, Any], choice: str) -> str | None:
             'JSON offloads parameters ("offload_param"); drop offload_param or use train.zero3_partition=auto'
         )
     return "deepspeed" if choice == "deepspeed" or offload else "layers"
-
-
-def layers_engine_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The engine's JSON of a ``layers`` run: ``cfg`` at ZeRO stage 2, without the settings only stage 3 reads."""
-    return as_stage2(cfg)

@@ -18,7 +18,7 @@ from frod_ds.core.layer import FRoDLinear, SparseSupport
 from frod_ds.core.quant import QuantError, quantize_untargeted
 from frod_ds.model.apply import mark_only_frod_trainable
 from frod_ds.model.build import _load_module, _swap_targets, check_store_quant
-from frod_ds.model.frozen_shards import FrozenShards, attach, frozen_units, install, shard_unit, shared_params
+from frod_ds.model.frozen_shards import attach, frozen_units, install, shard_unit, shared_params
 from frod_ds.model.skeleton import recompute_rope, skeleton
 from frod_ds.runtime.distributed import agree_on_error
 
@@ -45,11 +45,11 @@ def build_layer_partitioned(
     device: torch.device,
     quant: str = "none",
     quantize_base: bool = False,
-) -> tuple[nn.Module, FrozenShards]:
+) -> nn.Module:
     """The base architecture with FRoD layers, loaded, its frozen weights partitioned across the ranks by unit
     (collective: every rank calls it). Arguments as ``build_frod_model``'s; ``device``: where the shards live.
-    Returns the model (σ, S, V and the modules outside every unit on the host, for the engine to move) and the
-    ``FrozenShards`` whose hooks are installed on it."""
+    Returns the model (σ, S, V and the modules outside every unit on the host, for the engine to move), its
+    ``FrozenShards`` installed and recorded on it (``shards_of``)."""
     from transformers import AutoConfig
 
     from frod_ds.io.hf_checkpoint import HFCheckpoint
@@ -100,6 +100,5 @@ def build_layer_partitioned(
     recompute_rope(model)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not left, f"tensors the layer-partitioned build did not read: {left[:5]}"
-    shards = install(made, device)
-    attach(model, shards)
-    return model, shards
+    attach(model, install(made, device))
+    return model

@@ -19,6 +19,7 @@ import torch
 
 from frod_ds.config.ds_config import (
     NvmeParams,
+    as_stage2,
     batch_sizes,
     check_aio_build_env,
     check_nvme_buffer,
@@ -27,7 +28,7 @@ from frod_ds.config.ds_config import (
     resolve_ds_config,
 )
 from frod_ds.config.recipe import Recipe
-from frod_ds.config.zero3_layout import layers_engine_config, zero3_layout
+from frod_ds.config.zero3_layout import zero3_layout
 from frod_ds.core.layer import support_nnz
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.formats.factor_store import StoreIdentity
@@ -109,7 +110,7 @@ def preflight(
         check_resume_identity(Path(recipe.output_dir), resume_tag, store_identity, identity)
     layout = zero3_layout(ds_cfg, recipe.train.zero3_partition)
     if layout == "layers":
-        ds_cfg = layers_engine_config(ds_cfg)
+        ds_cfg = as_stage2(ds_cfg)  # σ and S under ZeRO-2; the frozen weights partitioned by frod-ds
     return Inputs(recipe, ds_cfg, base, store, store_identity, identity, tok, examples, eval_examples, init, layout)
 
 

@@ -76,22 +76,19 @@ def test_resume_on_one_and_four_ranks_continues_the_two_rank_run(env, tmp_path, 
             assert (adapter[k] - v).abs().max() <= 1e-5 * v.abs().max(), (nproc, k)
 
 
-def test_zero2_run_continues_under_zero3(env, tmp_path):
-    """A ZeRO-2 run continues from its step-3 checkpoint under DeepSpeed's ZeRO-3 (both hold σ and S per decoder layer,
-    ``FRoDTrainables``, but in DeepSpeed files of another stage): through the trainable-state record, with the
-    uninterrupted run's losses (1e-6 relative) and adapter. A checkpoint with σ and S per FRoD layer coming back
-    per decoder layer: ``tests/train/test_resume_fixture.py``."""
+def _continues_under(env, tmp_path, first: tuple, then: tuple, change: str) -> None:
+    """A run of ``first`` (DeepSpeed JSON, overrides) continues from its step-3 checkpoint under ``then`` on the
+    same 2 ranks, naming ``change`` in its note, with the uninterrupted run's losses (1e-6) and adapter."""
     ref = tmp_path / "ref"
-    res = run_train(CPU_ZERO2, env.overrides(ref, **COMMON, **{"train.grad_accum": 2}), nproc=2)
+    res = run_train(first[0], env.overrides(ref, **COMMON, **first[1]), nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     want = {r["step"]: r["loss"] for r in metrics(ref)}
-    out = _stopped_at_step3(ref, tmp_path / "zero3")
-    deepspeed = {"train.grad_accum": 2, "train.zero3_partition": "deepspeed"}
-    res = run_train(CPU_ZERO3, env.overrides(out, **COMMON, **deepspeed), nproc=2)
+    out = _stopped_at_step3(ref, tmp_path / "continued")
+    res = run_train(then[0], env.overrides(out, **COMMON, **then[1]), nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     notes = [x for x in res.stderr.splitlines() if x.startswith("note: resumed from")]
     assert notes == [
-        f"note: resumed from ZeRO-2 on ZeRO-3 (same global batch 8) from step{SAVED:08d}/trainable_state.safetensors"
+        f"note: resumed from {change} (same global batch 8) from step{SAVED:08d}/trainable_state.safetensors"
     ], res.stderr[-3000:]
     got = {r["step"]: r["loss"] for r in metrics(out)}
     for step in range(SAVED + 1, STEPS + 1):
@@ -100,29 +97,23 @@ def test_zero2_run_continues_under_zero3(env, tmp_path):
     assert adapter.keys() == want_adapter.keys()
     for k, v in want_adapter.items():
         assert (adapter[k] - v).abs().max() <= 1e-5 * v.abs().max(), k
+
+
+ACCUM = {"train.grad_accum": 2}
+DEEPSPEED = {**ACCUM, "train.zero3_partition": "deepspeed"}
+
+
+def test_zero2_run_continues_under_zero3(env, tmp_path):
+    """A ZeRO-2 run continues from its step-3 checkpoint under DeepSpeed's ZeRO-3 (both hold σ and S per decoder layer,
+    ``FRoDTrainables``, but in DeepSpeed files of another stage): through the trainable-state record, with the
+    uninterrupted run's losses (1e-6 relative) and adapter. A checkpoint with σ and S per FRoD layer coming back
+    per decoder layer: ``tests/train/test_resume_fixture.py``."""
+    _continues_under(env, tmp_path, (CPU_ZERO2, ACCUM), (CPU_ZERO3, DEEPSPEED), "ZeRO-2 on ZeRO-3")
 
 
 def test_deepspeed_zero3_run_continues_under_the_layer_partition(env, tmp_path):
     """A checkpoint of a ``zero3.json`` run under DeepSpeed's own stage 3 (``train.zero3_partition=deepspeed``, what
     ``zero3.json`` ran before the layer partition) continues under the layer partition ``zero3.json`` now gets:
     through the trainable-state record, with the uninterrupted run's losses (1e-6 relative) and adapter."""
-    ref = tmp_path / "ref"
-    deepspeed = {"train.grad_accum": 2, "train.zero3_partition": "deepspeed"}
-    res = run_train(CPU_ZERO3, env.overrides(ref, **COMMON, **deepspeed), nproc=2)
-    assert res.returncode == 0, res.stderr[-3000:]
-    want = {r["step"]: r["loss"] for r in metrics(ref)}
-    out = _stopped_at_step3(ref, tmp_path / "layers")
-    res = run_train(CPU_ZERO3, env.overrides(out, **COMMON, **{"train.grad_accum": 2}), nproc=2)
-    assert res.returncode == 0, res.stderr[-3000:]
-    notes = [x for x in res.stderr.splitlines() if x.startswith("note: resumed from")]
-    assert notes == [
-        "note: resumed from ZeRO-3 on ZeRO-3 by decoder layer (same global batch 8) from "
-        f"step{SAVED:08d}/trainable_state.safetensors"
-    ], res.stderr[-3000:]
-    got = {r["step"]: r["loss"] for r in metrics(out)}
-    for step in range(SAVED + 1, STEPS + 1):
-        assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got[step], want[step])
-    want_adapter, adapter = _adapter(ref), _adapter(out)
-    assert adapter.keys() == want_adapter.keys()
-    for k, v in want_adapter.items():
-        assert (adapter[k] - v).abs().max() <= 1e-5 * v.abs().max(), k
+    change = "ZeRO-3 on ZeRO-3 by decoder layer"
+    _continues_under(env, tmp_path, (CPU_ZERO3, DEEPSPEED), (CPU_ZERO3, ACCUM), change)
