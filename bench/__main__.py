@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=RESULTS, help="results root (default bench/results)")
     p.add_argument("--work", type=Path, default=Path("/tmp/frod-bench"), help="scratch: checkpoints, stores, logs")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start nothing after this many seconds")
-    p.add_argument("--only", default=None, help="a glob over configuration names")
+    p.add_argument("--only", default=None, help="globs over configuration names, comma-separated")
     p.add_argument(
         "--series", type=int, default=1, help="measure the suite again in a later call: series 2, 3, ... (own records)"
     )

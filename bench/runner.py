@@ -94,11 +94,13 @@ def run_suite(
     series: int = 1,
     log: Callable[[str], None] = print,
 ) -> list[Outcome]:
-    """Measure every configuration of ``suite`` (or those matching the glob ``only``) not yet measured here."""
+    """Measure every configuration of ``suite`` (or those matching one of the comma-separated globs ``only``) not
+    yet measured here."""
     t_start = time.monotonic()
     dev = device_facts()
     call = f"{now()}@{os.uname().nodename}"
-    picked = [c for c in suite.configs if only is None or fnmatch.fnmatch(c.name, only)]
+    globs = None if only is None else [g.strip() for g in only.split(",") if g.strip()]
+    picked = [c for c in suite.configs if globs is None or any(fnmatch.fnmatch(c.name, g) for g in globs)]
     if not picked:
         raise BenchError(f"no configuration of {suite.name} matches {only!r}")
     outcomes: list[Outcome] = []

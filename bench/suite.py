@@ -38,6 +38,9 @@ STEP_KEYS: dict[str, Any] = {
     "quantize_base": False,  # with quant: the untargeted decoder linears too (for LoRA: QLoRA)
     "ds_set": {},  # DeepSpeed JSON overrides: dotted key from the top -> value
     "ddp": {},  # DistributedDataParallel keyword overrides (bucket_cap_mb, static_graph, ...)
+    # fshard / z3layers: how a unit's frozen shards are gathered (frozen_shards.GATHERS); frod train's auto is peer
+    # on one machine's GPUs
+    "gather": "collective",
     "leaf_modules": False,  # LoRA under ZeRO-3: each decoder layer one fetch unit
     "tag": "",  # a name suffix for a variant the other keys do not name
     "timeout_s": 240,  # a configuration still running after this is killed and recorded as timed out
@@ -101,6 +104,8 @@ def config_name(s: dict[str, Any]) -> str:
         parts.append(f"r{s['lora_r']}")
     if s["quant"] != "none":
         parts.append(s["quant"] + ("base" if s["quantize_base"] else ""))
+    if s["gather"] != STEP_KEYS["gather"]:
+        parts.append(s["gather"])
     if s["tag"]:
         parts.append(s["tag"])
     return "-".join(str(p) for p in parts)
@@ -120,6 +125,10 @@ def _check(s: dict[str, Any], where: str) -> None:
         raise BenchError(f"{where}: gpus must be a positive integer, got {s['gpus']!r}")
     if s["engine"] == "z3layers" and s["method"] != "frod":
         raise BenchError(f"{where}: engine z3layers is FRoD's (LoRA's frozen weights partitioned so: fshard)")
+    if s["gather"] not in ("auto", "peer", "collective"):
+        raise BenchError(f"{where}: gather {s['gather']!r} is not auto, peer or collective")
+    if s["gather"] != "collective" and s["engine"] not in ("fshard", "z3layers"):
+        raise BenchError(f"{where}: gather is a setting of the fshard and z3layers engines, not {s['engine']}")
     if s["engine"] == "plain" and s["gpus"] != 1:
         raise BenchError(f"{where}: engine plain runs on one GPU (use ddp or a ZeRO engine for {s['gpus']})")
     if s["quant"] not in ("none", "nf4", "int8"):

@@ -97,7 +97,14 @@ def build_frod(s: dict, model_dir: Path, factors: Path, ds_cfg: dict | None):
         from frod_ds.model.build_layers import build_layer_partitioned
 
         model = build_layer_partitioned(
-            model_dir, store, supports, torch.bfloat16, dist.local_device(), s["quant"], s["quantize_base"]
+            model_dir,
+            store,
+            supports,
+            torch.bfloat16,
+            dist.local_device(),
+            s["quant"],
+            s["quantize_base"],
+            gather=s["gather"],
         )
     else:
         model = build_frod_model(
@@ -310,7 +317,7 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
 
     shards = shards_of(model)
     if s["engine"] == "fshard":
-        shards = shard_frozen(model, device)
+        shards = shard_frozen(model, device, gather=s["gather"])
     if s["engine"] == "z3layers":
         from frod_ds.config.ds_config import as_stage2
 

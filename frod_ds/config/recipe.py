@@ -78,6 +78,7 @@ class TrainCfg:
     max_nonfinite_steps: int = 3  # this many consecutive steps with a non-finite loss or gradient stop the run
     new_run: bool = False  # output_dir holds another run: move it aside (output_dir/superseded-*) and start anew
     zero3_partition: str = "auto"  # under a ZeRO-3 JSON: layers | deepspeed | auto (frod_ds.config.zero3_layout)
+    zero3_gather: str = "auto"  # the layer partition's gathers: peer | collective | auto (frozen_shards.open_bank)
 
 
 @dataclass
@@ -138,6 +139,8 @@ class Recipe:
             p.append("train.keep_checkpoints must be >= 1")
         if t.zero3_partition not in ("auto", "layers", "deepspeed"):
             p.append(f"train.zero3_partition must be auto, layers or deepspeed, got {t.zero3_partition!r}")
+        if t.zero3_gather not in ("auto", "peer", "collective"):
+            p.append(f"train.zero3_gather must be auto, peer or collective, got {t.zero3_gather!r}")
         if t.max_nonfinite_steps < 1:
             p.append(f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
         for section in ("model", "data", "train"):

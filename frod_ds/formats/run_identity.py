@@ -43,6 +43,7 @@ _NOT_IDENTITY = {
     "train.micro_batch_size",
     "train.grad_accum",
     "train.zero3_partition",
+    "train.zero3_gather",
     "train.log_every",
     "train.save_every",
     "train.eval_every",

@@ -6,6 +6,11 @@ gather issued then, on a side stream) and released after; its output's gradient 
 backward, frees the unit after it and prefetches the one before. A release frees the unit's buffer, views autograd
 saved of it included, and a gather refills it (docs/training.md#zero-3s-layer-partition). Tensors shared by several
 units (FRoD's V), trainable ones and those outside every unit stay replicated.
+
+The frozen weights never change, so on GPUs of one machine a gather need not be a collective: each rank's shards
+sit in one buffer every rank maps (a ``Bank``), and a gather copies the unit's slice out of each rank's on the
+copy engines, with no SMs taken from the compute beside it and no rank waiting for another (``gather``: auto,
+peer, collective).
 """
 
 from __future__ import annotations
@@ -18,18 +23,25 @@ import torch
 from torch import Tensor, nn
 
 from frod_ds.runtime import distributed as dist
+from frod_ds.runtime.errors import FrodError
 
 __all__ = [
+    "GATHERS",
+    "Bank",
     "FrozenShards",
     "Unit",
     "attach",
     "frozen_units",
     "install",
+    "open_bank",
     "shard_frozen",
     "shard_unit",
     "shards_of",
     "shared_params",
 ]
+
+GATHERS = ("auto", "peer", "collective")  # how a unit is gathered: peer copies where the machine allows, or NCCL
+ALIGN = 256  # bytes: each shard's offset in a bank
 
 
 @dataclass
@@ -46,6 +58,8 @@ class Unit:
     ready: object = None  # the side stream's event after the gather (CUDA)
     index: int = 0
     backward: bool = False  # its output took part in this step's autograd graph
+    offset: int = -1  # the shard's byte offset in the bank, -1 when it has none
+    peers: list[Tensor] | None = None  # every rank's shard of this unit as mapped here (a bank), rank order
 
     @property
     def numel(self) -> int:
@@ -81,15 +95,25 @@ class FrozenShards:
         full = u.full
         full.untyped_storage().resize_(full.numel() * full.element_size())  # allocated on the compute stream
         if self.stream is None:
-            dist.all_gather_into(full, u.shard)
+            self._fill(u)
         else:
             self.stream.wait_stream(torch.cuda.current_stream(u.shard.device))  # the buffer is free to write
             with torch.cuda.stream(self.stream):
-                dist.all_gather_into(full, u.shard)
+                self._fill(u)
                 u.ready = torch.cuda.Event()
                 u.ready.record(self.stream)
         u.live = True
         self.peak_installed = max(self.peak_installed, sum(x.live for x in self.units))
+
+    @staticmethod
+    def _fill(u: Unit) -> None:
+        if u.peers is None:
+            dist.all_gather_into(u.full, u.shard)
+            return
+        per, world, me = u.shard.numel(), len(u.peers), dist.get_rank()
+        for step in range(world):  # each rank starts at its own shard, then the next ranks': links spread the load
+            r = (me + step) % world
+            u.full[r * per : (r + 1) * per].copy_(u.peers[r])
 
     def _install(self, u: Unit) -> None:
         self._launch(u)
@@ -204,28 +228,79 @@ def shared_params(units: list[tuple[str, nn.Module]]) -> set[int]:
     return {k for k, v in seen.items() if v > 1}
 
 
-@torch.no_grad()
-def shard_unit(name: str, module: nn.Module, shared: set[int], device: torch.device) -> list[Unit]:
-    """This rank's 1/N of ``module``'s frozen tensors, one flat shard per dtype on ``device``; the Parameters are
-    left empty (their values live in the shards until a gather). Reads the values from wherever they are now. On
-    one rank the tensors move to ``device`` whole and no unit is made."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world == 1:  # nothing to partition: the unit stays whole on the device, never gathered
-        for p in _frozen_params(module, shared):
-            p.data = p.data.to(device)
-        return []
+def _layout(module: nn.Module, shared: set[int], world: int) -> list[tuple[torch.dtype, list, list, int]]:
+    """``module``'s frozen tensors by dtype: (dtype, Parameters, their spans in the flat unit, numel per rank)."""
     by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
     for p in _frozen_params(module, shared):
         by_dtype.setdefault(p.dtype, []).append(p)
-    made = []
+    out = []
     for dtype, params in by_dtype.items():
         spans, a = [], 0
         for p in params:
             spans.append((a, a + p.numel()))
             a += p.numel()
-        per_rank = -(-a // world)
+        out.append((dtype, params, spans, -(-a // world)))
+    return out
+
+
+@dataclass
+class Bank:
+    """This rank's shards of every unit in one byte buffer, laid out before any is read, and every rank's buffer as
+    mapped here (``views``, rank order): a unit's gather copies its slice out of each."""
+
+    views: list[Tensor]
+    used: int = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, int]:
+        """The next ``numel`` elements of this rank's buffer as a ``dtype`` tensor, and their byte offset."""
+        a, nbytes = self.used, numel * dtype.itemsize
+        assert a + nbytes <= self.views[0].numel(), "bank laid out smaller than its shards"
+        self.used = -(-(a + nbytes) // ALIGN) * ALIGN
+        return self.views[dist.get_rank()][a : a + nbytes].view(dtype), a
+
+
+def open_bank(
+    units: list[tuple[str, nn.Module]], shared: set[int], device: torch.device, gather: str = "auto"
+) -> Bank | None:
+    """Collective: the bank ``units``' shards go in when ``gather`` is peer (an error where the machine cannot map
+    peers' memory) or auto (where it can: CUDA GPUs of one machine), None for the collective gather or one rank.
+    Reads only shapes and dtypes: ``units`` may still be on the meta device."""
+    if gather not in GATHERS:
+        raise FrodError(f"the frozen weights' gather must be one of {', '.join(GATHERS)}, got {gather!r}")
+    world = dist.get_world_size()
+    if world == 1 or gather == "collective" or (gather == "auto" and device.type != "cuda"):
+        return None
+    per_unit = [n * dt.itemsize for _, m in units for dt, _, _, n in _layout(m, shared, world)]
+    nbytes = sum(-(-b // ALIGN) * ALIGN for b in per_unit)
+    try:
+        return Bank(dist.peer_buffers(max(nbytes, ALIGN), device))
+    except FrodError as e:
+        if gather == "peer":
+            raise FrodError(f"{e}; use the collective gather (train.zero3_gather=collective)") from e
+        dist.print0(f"frozen weights: gathered by NCCL ({e})")
+        return None
+
+
+@torch.no_grad()
+def shard_unit(
+    name: str, module: nn.Module, shared: set[int], device: torch.device, bank: Bank | None = None
+) -> list[Unit]:
+    """This rank's 1/N of ``module``'s frozen tensors, one flat shard per dtype on ``device`` (in ``bank`` when
+    given); the Parameters are left empty (their values live in the shards until a gather). Reads the values from
+    wherever they are now. On one rank the tensors move to ``device`` whole and no unit is made."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 1:  # nothing to partition: the unit stays whole on the device, never gathered
+        for p in _frozen_params(module, shared):
+            p.data = p.data.to(device)
+        return []
+    made = []
+    for dtype, params, spans, per_rank in _layout(module, shared, world):
         lo, hi = rank * per_rank, (rank + 1) * per_rank
-        shard = torch.zeros(per_rank, dtype=dtype, device=device)
+        if bank is None:
+            shard, offset = torch.zeros(per_rank, dtype=dtype, device=device), -1
+        else:
+            shard, offset = bank.take(per_rank, dtype)
+            shard.zero_()
         for p, (s, e) in zip(params, spans):  # the part of each tensor inside this rank's span
             if s < hi and e > lo:
                 flat = p.detach().reshape(-1)
@@ -235,14 +310,23 @@ def shard_unit(name: str, module: nn.Module, shared: set[int], device: torch.dev
         full.untyped_storage().resize_(0)
         for p in params:
             p.data = shard.new_empty(0)
-        made.append(Unit(f"{name}:{dtype}".removesuffix(":torch.bfloat16"), module, params, spans, shard, full))
+        name_ = f"{name}:{dtype}".removesuffix(":torch.bfloat16")
+        made.append(Unit(name_, module, params, spans, shard, full, offset=offset))
     return made
 
 
-def install(units: list[Unit], device: torch.device) -> FrozenShards:
-    """The hooks that gather each of ``units`` (in forward order) around its module's forward and backward."""
+def install(units: list[Unit], device: torch.device, bank: Bank | None = None) -> FrozenShards:
+    """Collective: the hooks that gather each of ``units`` (in forward order) around its module's forward and
+    backward; with ``bank`` (the one their shards were cut into), gathers copy out of every rank's bank."""
     for i, u in enumerate(units):
         u.index = i
+        if bank is not None:
+            nbytes = u.shard.numel() * u.shard.element_size()
+            u.peers = [v[u.offset : u.offset + nbytes].view(u.shard.dtype) for v in bank.views]
+    if bank is not None:  # every rank's shards written before any rank reads them
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     fs = FrozenShards(units, stream=stream)
     by_module: dict[int, list[Unit]] = {}
@@ -256,14 +340,19 @@ def install(units: list[Unit], device: torch.device) -> FrozenShards:
 
 
 def shard_frozen(
-    model: nn.Module, device: torch.device, units: list[tuple[str, nn.Module]] | None = None
+    model: nn.Module,
+    device: torch.device,
+    units: list[tuple[str, nn.Module]] | None = None,
+    gather: str = "auto",
 ) -> FrozenShards:
     """Partition ``model``'s frozen weights by unit across the ranks (each keeps 1/N on ``device``) and install the
-    hooks that gather each unit around its forward and its backward. The model's other tensors are left as they
-    are (move them to ``device`` as usual). Units run in the order given (forward order)."""
+    hooks that gather each unit around its forward and its backward (``gather``: ``open_bank``). The model's other
+    tensors are left as they are (move them to ``device`` as usual). Units run in the order given (forward order)."""
     units = frozen_units(model) if units is None else units
     shared = shared_params(units)
-    return install([u for name, module in units for u in shard_unit(name, module, shared, device)], device)
+    bank = open_bank(units, shared, device, gather)
+    made = [u for name, module in units for u in shard_unit(name, module, shared, device, bank)]
+    return install(made, device, bank)
 
 
 def _each(group: list[Unit], fn, with_output: bool = False):

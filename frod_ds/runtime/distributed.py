@@ -42,6 +42,7 @@ __all__ = [
     "all_reduce_sum",
     "all_gather_object",
     "all_gather_into",
+    "peer_buffers",
     "broadcast",
     "broadcast_object",
     "gather_rows",
@@ -256,6 +257,33 @@ def all_gather_into(out: Tensor, t: Tensor) -> Tensor:
         return out.copy_(t)
     dist.all_gather_into_tensor(out, t)
     return out
+
+
+def peer_buffers(nbytes: int, device: torch.device) -> list[Tensor]:
+    """Collective: a byte buffer on ``device`` each rank allocates (symmetric memory) and every rank's, this
+    one's included, mapped here in rank order. A copy out of a peer's runs on the copy engines over NVLink: no
+    SMs, no kernel on the peer, no meeting point. Needs CUDA GPUs of one machine; raises ``FrodError`` naming
+    what is missing otherwise, on every rank."""
+    from torch.distributed import _symmetric_memory as symm
+
+    hosts = all_gather_object(socket.gethostname())
+    error = None
+    if device.type != "cuda" or not is_initialized():
+        error = "peer memory needs CUDA GPUs under torch.distributed"
+    elif len(set(hosts)) > 1:
+        error = f"peer memory needs every rank on one machine; the ranks run on {len(set(hosts))}"
+    agree_on_error(error)
+    group = dist.group.WORLD.group_name
+    try:
+        symm.enable_symm_mem_for_group(group)  # a no-op where torch already knows the group
+        buf = symm.empty(nbytes, dtype=torch.uint8, device=device)
+        handle = symm.rendezvous(buf, group)
+        views = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(get_world_size())]
+        views[get_rank()] = buf
+    except (RuntimeError, AttributeError) as e:
+        error = f"peer memory could not be mapped on this machine ({type(e).__name__}: {str(e).splitlines()[0]})"
+    agree_on_error(error)
+    return views
 
 
 def broadcast(t: Tensor, src: int = 0) -> Tensor:

@@ -103,7 +103,14 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
     t_build = time.perf_counter()
     if inputs.partition == "layers":  # ZeRO-3's frozen weights partitioned by decoder layer; σ, S under ZeRO-2
         model = build_layer_partitioned(
-            inputs.base, store, supports, FLOAT_DTYPES[m.dtype], dist.local_device(), m.frozen_quant, m.quantize_base
+            inputs.base,
+            store,
+            supports,
+            FLOAT_DTYPES[m.dtype],
+            dist.local_device(),
+            m.frozen_quant,
+            m.quantize_base,
+            gather=recipe.train.zero3_gather,
         )
     else:
         model = build_frod_model(

@@ -17,12 +17,17 @@ PROBE = REPO / "tests" / "support" / "frozen_shards_probe.py"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("gc", [False, True], ids=["no-gc", "gc"])
-def test_partitioned_frozen_weights_train_what_the_whole_model_trains(tmp_path, gc):
-    run = ranks.run(2, [str(PROBE), str(tmp_path), *(["--gc"] if gc else [])], clean_env(), REPO, 110)
+@pytest.mark.parametrize("gc,peer", [(False, False), (True, False), (False, True)], ids=["no-gc", "gc", "peer-copies"])
+def test_partitioned_frozen_weights_train_what_the_whole_model_trains(tmp_path, gc, peer):
+    flags = [*(["--gc"] if gc else []), *(["--peer"] if peer else [])]
+    run = ranks.run(2, [str(PROBE), str(tmp_path), *flags], clean_env(), REPO, 110)
     assert run.returncode == 0, run.stdout + run.stderr
     docs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for d in docs:
+        assert all(d["peers"]) if peer else not any(d["peers"])
+        if peer:  # without peer memory (CPU ranks): auto gathers by the collective, peer says what to use
+            assert not d["auto_bank"]
+            assert "needs CUDA GPUs" in d["peer_error"] and "zero3_gather=collective" in d["peer_error"]
         assert d["losses"] == d["ref_losses"]
         assert d["max_grad_diff"] == 0.0 and d["grad_norm"] > 0
         assert d["released_after_step"] and d["whole_again"]

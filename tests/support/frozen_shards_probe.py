@@ -1,6 +1,8 @@
 """One rank of ``tests/model/test_frozen_shards.py``: a tiny FRoD model with its frozen weights partitioned across the
 ranks (``frod_ds.model.frozen_shards``) against the same model whole, two training steps' losses and σ/S gradients;
-writes ``<out>/rank<r>.json``. Usage: ``python tests/support/frozen_shards_probe.py OUT [--gc]``."""
+writes ``<out>/rank<r>.json``. With ``--peer`` the units are gathered by copies out of every rank's bank, mapped
+here from a shared file per rank (the CPU stand-in for GPU peer memory, ``distributed.peer_buffers``).
+Usage: ``python tests/support/frozen_shards_probe.py OUT [--gc] [--peer]``."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from pathlib import Path
 import torch
 
 from frod_ds.model.apply import apply_frod
-from frod_ds.model.frozen_shards import shard_frozen
+from frod_ds.model.frozen_shards import frozen_units, open_bank, shard_frozen, shared_params
 from frod_ds.runtime import distributed as dist
+from frod_ds.runtime.errors import FrodError
 from frod_ds.train.trainer import enable_gradient_checkpointing
 
 
@@ -72,14 +75,43 @@ def _steps(model, rank: int, steps: int = 2, shards=None) -> tuple[list[float], 
     return losses, grads, live
 
 
+def _file_banks(root: Path):
+    """``peer_buffers`` over one shared file per rank under ``root``: every rank maps every rank's."""
+
+    def peer_buffers(nbytes: int, device: torch.device) -> list[torch.Tensor]:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = torch.from_file(str(root / f"bank{rank}"), shared=True, size=nbytes, dtype=torch.uint8)
+        dist.barrier()
+        views = [torch.from_file(str(root / f"bank{r}"), True, nbytes, dtype=torch.uint8) for r in range(world)]
+        views[rank] = mine
+        return views
+
+    return peer_buffers
+
+
+def _refusals(model) -> dict:
+    """What open_bank does on CPU ranks with the real peer_buffers: auto falls back, peer refuses in one line."""
+    units = frozen_units(model)
+    auto = open_bank(units, shared_params(units), torch.device("cpu"), "auto")
+    try:
+        open_bank(units, shared_params(units), torch.device("cpu"), "peer")
+        peer = None
+    except FrodError as e:
+        peer = str(e)
+    return {"auto_bank": auto is not None, "peer_error": peer}
+
+
 def main() -> None:
-    out, gc = Path(sys.argv[1]), "--gc" in sys.argv
+    out, gc, peer = Path(sys.argv[1]), "--gc" in sys.argv, "--peer" in sys.argv
     dist.init_distributed()
     rank = dist.get_rank()
     whole = _model(gc)
     parted = copy.deepcopy(whole)
     frozen_numel = sum(p.numel() for p in parted.parameters() if not p.requires_grad)
-    shards = shard_frozen(parted, torch.device("cpu"))
+    refusals = _refusals(parted) if peer else {}
+    if peer:
+        dist.peer_buffers = _file_banks(out)  # this process's module: the probe exits after
+    shards = shard_frozen(parted, torch.device("cpu"), gather="peer" if peer else "collective")
     ref_losses, ref_grads, ref_live = _steps(whole, rank)
     losses, grads, live = _steps(parted, rank, shards=shards)
     released = all(p.numel() == 0 for u in shards.units for p in u.params)
@@ -98,12 +130,13 @@ def main() -> None:
         "full_bytes": shards.full_bytes(),
         "frozen_numel": frozen_numel,
         "sharded_numel": sum(u.numel for u in shards.units),
+        "peers": [u.peers is not None for u in shards.units],
+        **refusals,
     }
     shards.remove()
     doc["whole_again"] = all(
         torch.equal(a, b) for a, b in zip(whole.state_dict().values(), parted.state_dict().values())
     )
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(doc))
     dist.destroy()
 
