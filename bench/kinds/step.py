@@ -254,14 +254,26 @@ def _batches(s: dict, vocab: int, device: torch.device):
         yield torch.randint(0, vocab, (s["batch"], s["seq"]), generator=g).to(device)
 
 
-def _peak_memory(device: torch.device) -> dict[str, float]:
+def _outside_allocator(device: torch.device) -> float:
+    """Bytes the device holds that torch's caching allocator did not reserve (GiB): the CUDA context, NCCL's
+    buffers, symmetric memory (the layer partition's peer banks), read off the driver."""
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free - torch.cuda.memory_reserved(device)) / GIB
+
+
+def _peak_memory(device: torch.device, outside0: float) -> dict[str, float]:
+    """Peak allocated (torch.cuda) and what the run added outside the allocator since ``outside0`` (its figure
+    before the model was built): their sum is the peak the report shows."""
     if device.type != "cuda":
         import resource
 
         return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    outside = max(0.0, _outside_allocator(device) - outside0)
     return {
         "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+        "outside_allocator_gib": outside,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB + outside,
     }
 
 
@@ -306,6 +318,7 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
     if world != s["gpus"]:
         raise SystemExit(f"error: configuration wants {s['gpus']} ranks, the launcher gave {world}")
     device = dist.local_device()
+    outside0 = _outside_allocator(device) if device.type == "cuda" else 0.0
     ds_cfg = ds_config(s, world)
     t0 = time.perf_counter()
     if s["method"] == "frod":
@@ -348,7 +361,7 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
             times.append(time.perf_counter() - t)
         windows.append(times)
         losses.append(float(loss))
-    memory = dist.all_gather_object(_peak_memory(device))
+    memory = dist.all_gather_object(_peak_memory(device, outside0))
     if not dist.is_main():
         return None
     tokens = s["batch"] * s["seq"]
@@ -366,6 +379,7 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
         "mfu": fl["total"] * stats["tokens_per_s_per_gpu"] / peak if peak else None,
         "memory_per_rank": memory,
         "peak_allocated_gib": max(m.get("peak_allocated_gib", 0.0) for m in memory) or None,
+        "peak_gib": max(m.get("peak_gib", 0.0) for m in memory) or None,
         "trainable_params": sum(int(getattr(p, "ds_numel", p.numel())) for p in trainable),
         "trainable_tensors": len(trainable),
         "ds_config": ds_cfg,
@@ -379,5 +393,6 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
             "shard_gib": shards.shard_bytes() / GIB,
             "full_gib": shards.full_bytes() / GIB,
             "peak_units_gathered": shards.peak_installed,
+            "peer_bank_gib": None if shards.bank is None else shards.bank.views[0].numel() / GIB,
         },
     }

@@ -74,6 +74,7 @@ class FrozenShards:
     handles: list = field(default_factory=list)
     stream: object = None  # the side stream gathers run on (CUDA), None on CPU
     peak_installed: int = 0  # most units gathered or in flight at once (a test's and a bench's figure)
+    bank: Bank | None = None  # the mapped buffers the shards live in (peer gathers), None for the collective
     _in_backward: bool = False
 
     def shard_bytes(self) -> int:
@@ -328,7 +329,7 @@ def install(units: list[Unit], device: torch.device, bank: Bank | None = None) -
             torch.cuda.synchronize(device)
         dist.barrier()
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    fs = FrozenShards(units, stream=stream)
+    fs = FrozenShards(units, stream=stream, bank=bank)
     by_module: dict[int, list[Unit]] = {}
     for u in units:
         by_module.setdefault(id(u.module), []).append(u)
