@@ -28,9 +28,10 @@ def _engine(s: dict[str, Any]):
 
     cfg = step.ds_config({**s, "engine": "zero2" if s["engine"] == "plain" else s["engine"]}, s["gpus"])
     if s["engine"] == "fshard":  # zero2.json's ZeRO-2 for σ and S, the frozen weights partitioned by unit
-        return dataclasses.replace(engine_from_ds_config(cfg, "fshard"), stage=3, layers=True)
+        engine = engine_from_ds_config(cfg, "fshard")
+        return dataclasses.replace(engine, stage=3, layers=True, peer=s["gather"] != "collective")
     partition = "deepspeed" if s["engine"] == "zero3" else "auto"
-    return engine_from_ds_config(cfg, s["engine"], partition)
+    return engine_from_ds_config(cfg, s["engine"], partition, s["gather"])
 
 
 def predict(s: dict[str, Any]) -> dict[str, float] | None:

@@ -267,7 +267,8 @@ def train_hint(
             if model_config is not None
             else load_model_shape(recipe.model.base)
         )
-        engine = engine_from_ds_config(as_ds_config(ds_config), name, recipe.train.zero3_partition)
+        t = recipe.train
+        engine = engine_from_ds_config(as_ds_config(ds_config), name, t.zero3_partition, t.zero3_gather)
         return hint(model, train_shape_from_recipe(recipe, layer_saves), engine, world_size, gpu_bytes)
     except (FrodError, OSError, KeyError):
         return None

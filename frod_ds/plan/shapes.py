@@ -182,19 +182,24 @@ class Engine:
     # a ZeRO-3 JSON run with its frozen weights partitioned by decoder layer by frod-ds, σ and S under ZeRO-2
     # (frod_ds.config.zero3_layout); False: DeepSpeed's own stage 3
     layers: bool = False
+    # the layer partition's gathers copied out of every GPU's mapped shards (one machine; frozen_shards.open_bank)
+    peer: bool = False
 
     @property
     def linear_keeps_input(self) -> bool:
         return self.stage == 3 and not self.layers and self.memory_efficient_linear
 
 
-def engine_from_ds_config(cfg: dict[str, Any], name: str = "config", partition: str = "auto") -> Engine:
+def engine_from_ds_config(
+    cfg: dict[str, Any], name: str = "config", partition: str = "auto", gather: str = "auto"
+) -> Engine:
     """The ``Engine`` of a DeepSpeed JSON as the one reader of it (``ds_config.zero_settings``) sees it. ZeRO-0/1
-    are planned like ZeRO-2: each replicates the frozen model on every GPU. ``partition``: the recipe's
-    ``train.zero3_partition`` (a ZeRO-3 JSON's layout)."""
+    are planned like ZeRO-2: each replicates the frozen model on every GPU. ``partition``, ``gather``: the recipe's
+    ``train.zero3_partition`` and ``train.zero3_gather`` (auto is planned as peer copies: GPUs of one machine)."""
     from frod_ds.config.zero3_layout import zero3_layout
 
     z = zero_settings(cfg)
+    layers = zero3_layout(cfg, partition) == "layers"
     return Engine(
         name,
         3 if z.stage == 3 else 2,
@@ -208,7 +213,8 @@ def engine_from_ds_config(cfg: dict[str, Any], name: str = "config", partition: 
         float(z.max_reuse_distance),
         z.memory_efficient_linear,
         bf16_overflow_check(cfg),
-        zero3_layout(cfg, partition) == "layers",
+        layers,
+        layers and gather != "collective",
     )
 
 

@@ -36,6 +36,9 @@ LINK_EXPOSED = 1.2
 # The same for the layer partition (one coalesced gather per unit on a side stream, the next one prefetched; a
 # checkpointed layer's recompute reuses its backward's gather): read off the 7B shape on 2 H200s.
 LAYERS_LINK_EXPOSED = 0.7
+# The same with the gathers copied out of every GPU's mapped shards (copy engines, no NCCL kernel beside the GEMMs):
+# read off the 7B shape on 2 H200s (zero3-2gpu, series 4-5).
+PEER_LINK_EXPOSED = 0.27
 # All-gather bus bandwidth of 2 H200s over NVLink (bench/results/two_gpu_2xh200/matrix/link_2gpu.json).
 NVLINK_BUSBW = 268e9
 # Host-to-GPU copies of offloaded frozen weights (fitted on the one measured offload step).
@@ -131,7 +134,8 @@ def step_time(
     if engine.layers:  # every frozen tensor but V and the final norm, gathered for the forward and the backward
         if n > 1:
             shared = sum(b * c for b, c, _ in frozen_tensors(model, train)["frozen V"]) + model.hidden * train.e
-            parts["link"] = LAYERS_LINK_EXPOSED * 2 * (frozen_bytes - shared) * (n - 1) / n / link.busbw
+            exposed = PEER_LINK_EXPOSED if engine.peer else LAYERS_LINK_EXPOSED
+            parts["link"] = exposed * 2 * (frozen_bytes - shared) * (n - 1) / n / link.busbw
     elif engine.stage == 3:
         if engine.offload_param:
             parts["offload"] = passes * frozen_bytes / OFFLOAD_BYTES_PER_S

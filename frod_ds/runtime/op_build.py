@@ -159,6 +159,28 @@ def tied_ninja(build_dir: Path) -> str | None:
     return str(bin_dir)
 
 
+# what a DeepSpeed op builder's compatibility check looks for, and what a run can use instead
+NEEDS = {
+    "async_io": (
+        "libaio's library and headers (Debian/Ubuntu: apt install libaio-dev; or CFLAGS/LDFLAGS pointing at them)",
+        "or offload to CPU memory with ds_configs/zero3_offload.json",
+    ),
+}
+
+
+def check_buildable(builder: Any) -> None:
+    """``FrodError`` (one line) when ``builder``'s op cannot be built on this machine (DeepSpeed's own
+    ``is_compatible``), naming what is missing, before anything starts rather than mid-build."""
+    if builder.is_compatible(verbose=False):
+        return
+    what, instead = NEEDS.get(builder.name, ("what its builder checks for", ""))
+    raise FrodError(
+        f"DeepSpeed's {builder.name} op cannot be built on this machine: it needs {what}; install it, {instead}".rstrip(
+            ", "
+        )
+    )
+
+
 def load_op(builder: Any) -> Any:
     """``builder.load()`` (a DeepSpeed ``OpBuilder``) under :func:`build_lock`, its ninja the pinned one run in a
     session tied to this process (:func:`tied_ninja`). DeepSpeed keeps the loaded module, so its own later

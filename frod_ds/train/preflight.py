@@ -95,6 +95,12 @@ def preflight(
         check_nvme_buffer(ds_cfg, params.largest_frozen, world)
         check_nvme_buffer_count(ds_cfg, params, world, FLOAT_DTYPES[recipe.model.dtype].itemsize)
     check_aio_build_env(ds_cfg, dict(os.environ))
+    if nvme_offloads(ds_cfg):
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        from frod_ds.runtime.op_build import check_buildable
+
+        check_buildable(AsyncIOBuilder())
     tok = _load_tokenizer(recipe, base.dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
     eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)

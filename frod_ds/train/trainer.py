@@ -27,6 +27,7 @@ from frod_ds.model.adapter import load_adapter_into, supports_from_adapter
 from frod_ds.model.apply import frod_groups, frod_param_groups
 from frod_ds.model.build import build_frod_model, fetch_per_layer, gathered, make_supports
 from frod_ds.model.build_layers import build_layer_partitioned
+from frod_ds.model.frozen_shards import shards_of
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.errors import note
 from frod_ds.train.checkpoints import choose_checkpoint, step_of, unsealed_checkpoints
@@ -124,6 +125,10 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
             quantize_base=m.quantize_base,
         )
     dist.print0(f"model built in {time.perf_counter() - t_build:.1f} s (skeleton, factor store and checkpoint reads)")
+    shards = shards_of(model)
+    if shards is not None and shards.units:
+        how = "copies out of every GPU's mapped shards" if shards.bank is not None else "NCCL all-gathers"
+        dist.print0(f"frozen weights: 1/{dist.get_world_size()} per rank by decoder layer, gathered by {how}")
     zero3 = zero_stage(ds_cfg) == 3
     sigma0 = _initial_sigma(model, zero3)  # the factor store's σ, before an init adapter replaces it
     if init is not None:  # before deepspeed.initialize: the optimizer's master copies are made from these values

@@ -125,7 +125,8 @@ def test_engine_without_a_json_is_an_empty_jsons_engine():
     """An ``Engine`` built in code and one read from a JSON that leaves every key out take the same defaults."""
     z3 = {"zero_optimization": {"stage": 3}}
     assert engine_from_ds_config(z3, "z3", "deepspeed") == Engine("z3", 3, overlap_comm=True)
-    assert engine_from_ds_config(z3, "z3") == Engine("z3", 3, overlap_comm=True, layers=True)  # the default
+    assert engine_from_ds_config(z3, "z3") == Engine("z3", 3, overlap_comm=True, layers=True, peer=True)  # default
+    assert not engine_from_ds_config(z3, "z3", gather="collective").peer
 
 
 @pytest.mark.parametrize(

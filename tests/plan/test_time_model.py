@@ -204,8 +204,9 @@ def test_hint_names_a_faster_engine_with_both_predictions():
 def test_the_layer_partition_costs_its_exposed_gathers_and_no_deepspeed_fetches():
     """zero3.json's layer partition: ZeRO-2's terms for σ and S (its overflow check where the JSON keeps it on), no
     per-layer fetch host work, and on N GPUs the frozen bytes but V and the final norm gathered twice per step
-    (forward, backward; a checkpointed layer's recompute reuses the backward's), LAYERS_LINK_EXPOSED of the floor."""
-    from frod_ds.plan.step_time import LAYERS_LINK_EXPOSED
+    (forward, backward; a checkpointed layer's recompute reuses the backward's), LAYERS_LINK_EXPOSED of the floor,
+    PEER_LINK_EXPOSED with the gathers copied out of peers' shards (the default, one machine)."""
+    from frod_ds.plan.step_time import LAYERS_LINK_EXPOSED, PEER_LINK_EXPOSED
 
     model, e, link = model_shape_from_config(LLAMA2_7B), _engines(), Link(busbw=100e9)
     assert e["zero3"].layers and not e["zero3ds"].layers and not e["zero2"].layers
@@ -217,7 +218,9 @@ def test_the_layer_partition_costs_its_exposed_gathers_and_no_deepspeed_fetches(
         t = dataclasses.replace(train, checkpointing=checkpointing)
         two = step_time(model, t, e["zero3"], 2, link)
         assert "ZeRO-3 layer fetch" not in two.host
-        assert two.parts["link"] == pytest.approx(LAYERS_LINK_EXPOSED * 2 * gathered * 0.5 / 100e9)
+        assert two.parts["link"] == pytest.approx(PEER_LINK_EXPOSED * 2 * gathered * 0.5 / 100e9)
+        nccl = step_time(model, t, dataclasses.replace(e["zero3"], peer=False), 2, link)
+        assert nccl.parts["link"] == pytest.approx(LAYERS_LINK_EXPOSED * 2 * gathered * 0.5 / 100e9)
         assert step_time(model, t, e["zero3"], 4, link).parts["link"] == pytest.approx(two.parts["link"] * 1.5)
     one = step_time(model, train, e["zero3"], 1, link)
     assert "link" not in one.parts and one.seconds < step_time(model, train, e["zero3ds"], 1, link).seconds

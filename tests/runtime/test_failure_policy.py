@@ -133,6 +133,23 @@ def test_an_nvme_run_builds_async_io_under_the_build_lock_first(monkeypatch):
     assert loaded == ["async_io", "async_io"]
 
 
+def test_an_nvme_run_on_a_machine_without_libaio_is_one_line_before_anything_starts(monkeypatch):
+    """DeepSpeed's async_io builder refuses a machine without libaio only when the trainer loads it, mid-setup,
+    with a traceback: the check runs first and names what is missing and what to use instead."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.runtime.op_build import check_buildable
+
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    with pytest.raises(FrodError) as e:
+        check_buildable(AsyncIOBuilder())
+    msg = str(e.value)
+    assert "\n" not in msg and "async_io" in msg and "libaio-dev" in msg and "zero3_offload.json" in msg
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
+    check_buildable(AsyncIOBuilder())
+
+
 def _venv_ninja() -> Path | None:
     here = Path(sys.executable).parent / "ninja"
     other = shutil.which("ninja", path=os.environ.get("PATH", "").replace(str(here.parent), ""))
