@@ -28,22 +28,53 @@ def _ms(r: Record) -> str:
     return f"{m['step_s_median'] * 1e3:.1f} ({m['step_s_p10'] * 1e3:.1f}–{m['step_s_p90'] * 1e3:.1f})"
 
 
-def _vs_zero2(r: Record, rows: list[Record]) -> str:
-    """``r``'s step over the ``zero2`` step of the same method, GPUs and other settings in the same call."""
+def _zero2(r: Record, rows: list[Record]) -> Record | None:
+    """The ``zero2`` record of ``r``'s method, GPUs and other settings in the same call."""
     skip = ("engine", "ds_set", "tag", "gather")
     same = {k: v for k, v in r.settings.items() if k not in skip}
     for b in rows:
         if b.status == "ok" and b.settings["engine"] == "zero2" and not b.settings.get("ds_set"):
             if {k: v for k, v in b.settings.items() if k not in skip} == same:
-                return f"{r.metrics['step_s_median'] / b.metrics['step_s_median']:.3f}×"
-    return "–"
+                return b
+    return None
+
+
+def _loss_gap(a: Record, b: Record) -> float | None:
+    """The largest relative difference between two runs' losses (the same seeds and batches, step by step)."""
+    la, lb = a.metrics.get("losses") or [], b.metrics.get("losses") or []
+    if not la or len(la) != len(lb):
+        return None
+    return max(abs(x - y) / abs(y) for x, y in zip(la, lb))
+
+
+def _vs_zero2(r: Record, rows: list[Record]) -> str:
+    """``r``'s step over its ``zero2`` step, and the largest relative difference of their losses."""
+    b = _zero2(r, rows)
+    if b is None:
+        return "– | –"
+    gap = _loss_gap(r, b)
+    return f"{r.metrics['step_s_median'] / b.metrics['step_s_median']:.3f}× | {'–' if gap is None else f'{gap:.1e}'}"
+
+
+def _zero2_spread(records: list[Record]) -> list[str]:
+    """Per ``zero2`` configuration measured in several calls: the largest relative difference of its losses
+    between calls, the spread a partitioned run's losses are held to."""
+    out = []
+    for name in sorted({r.config for r in records if r.settings["engine"] == "zero2" and r.status == "ok"}):
+        runs = [r for r in records if r.config == name and r.status == "ok"]
+        gaps = [g for i, a in enumerate(runs) for b in runs[i + 1 :] if (g := _loss_gap(a, b)) is not None]
+        if gaps:
+            out.append(f"- `{name}`: {max(gaps):.1e} over {len(runs)} calls")
+    if not out:
+        return []
+    return ["", "`zero2`'s own run-to-run spread of the losses (largest relative difference between calls):", *out]
 
 
 def _row(r: Record, rows: list[Record]) -> str:
     s = r.settings
     if r.status != "ok":
         why = (r.error.strip().splitlines() or [""])[-1][:100].replace("|", "/")
-        return f"| `{r.config}` | {s['method']} | {s['engine']} | {s['gpus']} | {r.status}: {why} | | | | |"
+        return f"| `{r.config}` | {s['method']} | {s['engine']} | {s['gpus']} | {r.status}: {why} | | | | | |"
     m = r.metrics
     mfu = f"{m['mfu'] * 100:.1f}%" if m.get("mfu") else "–"
     peak = f"{_peak(m):.1f}" if _peak(m) else "–"
@@ -141,9 +172,9 @@ def render(suite: Suite, device: str, records: list[Record], predictions: dict[s
             f"Commit `{rows[0].commit[:12]}`; torch {v.get('torch')}, DeepSpeed {v.get('deepspeed')}, "
             f"transformers {v.get('transformers')}, PEFT {v.get('peft')}.",
             "",
-            "| configuration | method | engine | GPUs | step ms, median (p10–p90) | ÷ `zero2` | tokens/s per GPU | "
-            "MFU | peak GiB (max rank) |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| configuration | method | engine | GPUs | step ms, median (p10–p90) | ÷ `zero2` | losses vs `zero2` "
+            "(max rel.) | tokens/s per GPU | MFU | peak GiB (max rank) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
             *(_row(r, rows) for r in rows),
         ]
         comparison = _comparison(rows)
@@ -152,6 +183,7 @@ def render(suite: Suite, device: str, records: list[Record], predictions: dict[s
         planner = _predicted(rows, predictions or {})
         if planner:
             lines += ["", *planner]
+    lines += _zero2_spread(records)
     return "\n".join(lines) + "\n"
 
 
