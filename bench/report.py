@@ -142,6 +142,28 @@ def _predicted(rows: list[Record], predictions: dict[str, dict]) -> list[str]:
     ]
 
 
+def _profiles(rows: list[Record]) -> list[str]:
+    """Per rank of each profiled configuration: host CPU per timed step and where its GPU time went."""
+    out = []
+    for r in rows:
+        for rank, m in enumerate(r.metrics.get("memory_per_rank") or [] if r.status == "ok" else []):
+            p = m.get("profile")
+            if p:
+                keys = ("gpu_busy_ms", "compute_ms", "nccl_ms", "compute_beside_nccl_ms", "copy_ms")
+                cells = " | ".join(f"{p[k]:.0f}" for k in keys)
+                out.append(f"| `{r.config}` | {rank} | {m['host_cpu_ms_per_step']:.0f} | {cells} |")
+    if not out:
+        return []
+    return [
+        "Profiled steps (CUDA activity only; ms per step; host CPU from the unprofiled timed steps, all threads):",
+        "",
+        "| configuration | rank | host CPU | GPU busy | compute kernels | NCCL kernels | compute beside NCCL | "
+        "copies |",
+        "|---|---|---|---|---|---|---|---|",
+        *out,
+    ]
+
+
 def _machine(device: dict) -> str:
     return f"{device['count']} × {device['name']}" if device["count"] else device["name"]
 
@@ -180,6 +202,9 @@ def render(suite: Suite, device: str, records: list[Record], predictions: dict[s
         comparison = _comparison(rows)
         if comparison:
             lines += ["", *comparison]
+        profiles = _profiles(rows)
+        if profiles:
+            lines += ["", *profiles]
         planner = _predicted(rows, predictions or {})
         if planner:
             lines += ["", *planner]

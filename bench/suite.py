@@ -41,6 +41,7 @@ STEP_KEYS: dict[str, Any] = {
     # fshard / z3layers: how a unit's frozen shards are gathered (frozen_shards.GATHERS); frod train's auto is peer
     # on one machine's GPUs
     "gather": "collective",
+    "profile": 0,  # steps profiled after the timed ones (bench/kinds/profile.py), per rank; 0: none
     "leaf_modules": False,  # LoRA under ZeRO-3: each decoder layer one fetch unit
     "tag": "",  # a name suffix for a variant the other keys do not name
     "timeout_s": 240,  # a configuration still running after this is killed and recorded as timed out
@@ -106,6 +107,8 @@ def config_name(s: dict[str, Any]) -> str:
         parts.append(s["quant"] + ("base" if s["quantize_base"] else ""))
     if s["gather"] != STEP_KEYS["gather"]:
         parts.append(s["gather"])
+    if s["profile"]:
+        parts.append("prof")
     if s["tag"]:
         parts.append(s["tag"])
     return "-".join(str(p) for p in parts)

@@ -12,7 +12,9 @@ ZeRO-2 form; ``zero3`` is DeepSpeed's own stage 3 of that JSON); ``fsdp2``: torc
 ZeRO-3 is loaded the way HF users do (``from_pretrained`` under ``HfDeepSpeedConfig``), FRoD by
 ``build_frod_model``. A step is forward + backward + optimizer step, timed between device synchronisations over
 ``repeats`` windows of ``steps`` steps after ``warmup`` untimed ones; memory is each rank's peak over the timed
-windows (``torch.cuda`` on a GPU: what the process allocated, whatever wrote it).
+windows (``torch.cuda`` on a GPU: what the process allocated, whatever wrote it, plus what the run added outside
+torch's allocator, read off the driver). Each rank's host CPU time per timed step is recorded, and with
+``profile`` that many more steps run under the profiler (``bench/kinds/profile.py``).
 
 Quantized frozen weights (``quant`` nf4 or int8): FRoD holds every ``U_i`` quantized (``model.frozen_quant``, with
 ``quantize_base`` the untargeted linears too); LoRA loads the targeted linears through bitsandbytes (NF4 in blocks
@@ -349,7 +351,7 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    windows = []
+    windows, cpu0 = [], time.process_time()
     for _ in range(s["repeats"]):
         times = []
         for _ in range(s["steps"]):
@@ -361,7 +363,14 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
             times.append(time.perf_counter() - t)
         windows.append(times)
         losses.append(float(loss))
-    memory = dist.all_gather_object(_peak_memory(device, outside0))
+    host_ms = (time.process_time() - cpu0) * 1e3 / (s["repeats"] * s["steps"])  # every thread of this rank
+    profiled = None
+    if s["profile"] and device.type == "cuda":
+        from bench.kinds.profile import collect
+
+        profiled = collect(lambda: step(next(batches)), s["profile"], device)
+    per_rank = {**_peak_memory(device, outside0), "host_cpu_ms_per_step": host_ms, "profile": profiled}
+    memory = dist.all_gather_object(per_rank)
     if not dist.is_main():
         return None
     tokens = s["batch"] * s["seq"]
