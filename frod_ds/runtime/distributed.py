@@ -275,7 +275,8 @@ def peer_buffers(nbytes: int, device: torch.device) -> list[Tensor]:
     agree_on_error(error)
     group = dist.group.WORLD.group_name
     try:
-        symm.enable_symm_mem_for_group(group)  # a no-op where torch already knows the group
+        if not hasattr(symm.enable_symm_mem_for_group, "__deprecated__"):  # torch versions that still need it
+            symm.enable_symm_mem_for_group(group)
         buf = symm.empty(nbytes, dtype=torch.uint8, device=device)
         handle = symm.rendezvous(buf, group)
         views = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(get_world_size())]
