@@ -403,5 +403,9 @@ def measure(s: dict[str, Any], model_dir: Path, factors: Path) -> dict[str, Any]
             "full_gib": shards.full_bytes() / GIB,
             "peak_units_gathered": shards.peak_installed,
             "peer_bank_gib": None if shards.bank is None else shards.bank.views[0].numel() / GIB,
+            "largest_unit_gib": max((u.numel * u.shard.element_size() for u in shards.units), default=0) / GIB,
+            # frozen tensors every rank keeps whole (V, the final norm): the units' Parameters are empty here
+            "replicated_gib": sum(p.numel() * p.element_size() for p in step.model.parameters() if not p.requires_grad)
+            / GIB,
         },
     }

@@ -30,3 +30,26 @@ def test_a_timeline_without_nccl_has_nothing_beside_it():
     got = summarize([("compute", 0, 10), ("copy", 5, 20)], steps=1)
     assert got["nccl_ms"] == 0 and got["compute_beside_nccl_ms"] == 0
     assert got["gpu_busy_ms"] == pytest.approx(20e-6)
+
+
+def _record(engine: str, peak: float, fs: dict | None = None, losses=(2.0, 1.0)):
+    from bench.record import Record
+    from bench.suite import with_defaults
+
+    settings = with_defaults({"method": "frod", "engine": engine, "gpus": 4})
+    metrics = {"step_s_median": 0.25, "peak_gib": peak, "losses": list(losses), "frozen_shards": fs}
+    return Record("s", f"frod-{engine}-4g", settings, "ok", "c", {"key": "k"}, [], "d", {}, "x", 1.0, metrics)
+
+
+def test_a_partitioned_peak_is_held_to_zero2s_less_the_partitioned_share():
+    """(1 − 1/4) of a 12 GiB frozen model (V's 0.5 included) off zero2's 26 GiB, plus two 0.4 GiB units and 1 GiB:
+    18.8 GiB due; 18 passes, 23 does not. Losses are compared step by step with zero2's."""
+    from bench.report import _memory_bound, _vs_zero2
+
+    fs = {"full_gib": 11.5, "replicated_gib": 0.5, "largest_unit_gib": 0.4}
+    zero2 = _record("zero2", 26.0)
+    ok, over = _record("z3layers", 18.0, fs, (2.0, 1.001)), _record("z3layers", 23.0, fs)
+    assert _memory_bound(ok, [zero2, ok]) == " (≤ 18.8 due)"
+    assert _memory_bound(over, [zero2, over]).startswith(" (>")
+    assert _memory_bound(ok, [ok]) == ""  # no zero2 row in the call: nothing to hold it to
+    assert _vs_zero2(ok, [zero2, ok]) == "1.000× | 1.0e-03"
