@@ -1,16 +1,12 @@
 """Frozen weights partitioned across ranks, gathered one unit (a decoder layer) at a time around its use.
 
 FRoD trains only σ and S, so the frozen weights need no gradient reduce-scatter and no optimizer state: each rank
-keeps 1/N of a unit's frozen tensors as one flat shard; a unit is all-gathered before its forward (the next one's
+keeps 1/N of a unit's frozen tensors as one flat shard; a unit is gathered before its forward (the next one's
 gather issued then, on a side stream) and released after; its output's gradient hook gathers it again for the
-backward, frees the unit after it and prefetches the one before. A release frees the unit's buffer, views autograd
-saved of it included, and a gather refills it (docs/training.md#zero-3s-layer-partition). Tensors shared by several
-units (FRoD's V), trainable ones and those outside every unit stay replicated.
-
-The frozen weights never change, so on GPUs of one machine a gather need not be a collective: each rank's shards
-sit in one buffer every rank maps (a ``Bank``), and a gather copies the unit's slice out of each rank's on the
-copy engines, with no SMs taken from the compute beside it and no rank waiting for another (``gather``: auto,
-peer, collective).
+backward and prefetches the unit before. A release frees the unit's buffer, views autograd saved of it included.
+On one machine's GPUs a gather copies out of every rank's mapped shards (a ``Bank``) instead of a collective:
+the weights never change, so no rank waits for another. Shared tensors (V) stay replicated
+(docs/training.md#zero-3s-layer-partition).
 """
 
 from __future__ import annotations
