@@ -96,6 +96,10 @@ def run_suite(
 ) -> list[Outcome]:
     """Measure every configuration of ``suite`` (or those matching one of the comma-separated globs ``only``) not
     yet measured here."""
+    if suite.kind == "chain":
+        from bench.kinds.chain import run_chain
+
+        return run_chain(suite, results, work, budget_s=budget_s, only=only, series=series, log=log)
     t_start = time.monotonic()
     dev = device_facts()
     call = f"{now()}@{os.uname().nodename}"
