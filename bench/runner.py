@@ -24,7 +24,7 @@ from bench.kinds import shapes
 from bench.record import Record, commit, device_facts, now, record_path, versions
 from bench.suite import BenchError, Config, Suite, with_defaults
 
-__all__ = ["Outcome", "run_suite"]
+__all__ = ["Outcome", "kill_tree", "run_suite"]
 
 REPO = Path(__file__).resolve().parents[1]
 EST_S = 60.0  # a first run's guess of one configuration's wall time, start-up included
@@ -72,9 +72,37 @@ def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, float]:
             pass
         finally:  # timed out, or the runner itself is stopped (SIGTERM, Ctrl-C): no rank outlives it
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 proc.wait()
     return rc, time.perf_counter() - t0
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process group of ``pid`` and of every descendant: torchrun starts each rank in a session of its
+    own, which a signal to the launcher's group does not reach (the ranks would run on, orphaned)."""
+    children: dict[int, list[int]] = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            children.setdefault(int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(
+                int(d)
+            )
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    groups = set()
+    for p in tree:
+        try:
+            groups.add(os.getpgid(p))
+        except ProcessLookupError:
+            continue
+    for g in groups - {os.getpgid(0)}:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
 
 
 def _tail(log: Path) -> str:

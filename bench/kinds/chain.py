@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 from bench.kinds import synthetic
 from bench.kinds.shapes import SHAPES, Shape
 from bench.record import Record, commit, device_facts, now, read_records, record_path, versions
+from bench.runner import Outcome, kill_tree
 from bench.suite import BenchError, Config, Suite, with_defaults
 
 __all__ = ["CHAIN_KEYS", "STAGES", "Chain", "check", "config_name", "render", "run_chain", "write_reports"]
@@ -217,7 +217,7 @@ def watch(cmd: list[str], log: Path, timeout: float, stop=None, gpus: bool = Fal
                 rc = proc.poll()
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)  # every rank, as a lost node would
                 proc.wait()
     return {"rc": rc, "wall_s": time.perf_counter() - t0, "rss_gib": dict(sorted(rss.items())), "gpu_gib": used}
 
@@ -247,13 +247,15 @@ def _run(ch: Chain, stage: str, out: Path, extra: list[str], stop_at: int, left:
     def stop() -> bool:
         return max((r["step"] for r in _rows(out)), default=0) >= stop_at and (stage != "train" or sealed.is_file())
 
-    w = watch(cmd, ch.runs / f"{stage}.log", min(s["timeout_s"], left), stop, gpus=ch.device["count"] > 0)
-    rows = _rows(out)
+    log = ch.runs / f"{stage}.log"
+    start = log.stat().st_size if log.is_file() else 0
+    w = watch(cmd, log, min(s["timeout_s"], left), stop, gpus=ch.device["count"] > 0)
+    rows, said = _rows(out), re.findall(r"resumed from step(\d+)", log.read_bytes()[start:].decode(errors="replace"))
     if w["rc"] not in {"train": (-9,), "resume": (0,)}.get(stage, (-9, 0)):
         return "timeout" if w["rc"] is None else f"exit code {w['rc']}"
     if stage == "train" and max(r["step"] for r in rows) >= s["steps"]:
         return f"the run logged its last step before it was killed: make kill_at earlier than {s['kill_at']}"
-    doc = {"settings": s, "rows": rows, "command": cmd, **w}
+    doc = {"settings": s, "rows": rows, "command": cmd, "resumed_from": int(said[-1]) if said else None, **w}
     kept.write_text(json.dumps(doc) + "\n")
     return doc
 
@@ -311,8 +313,10 @@ def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
         overlap = [k for k in sorted(before) if k > s["save_at"] and k in after]
         differ = [k for k in overlap if (after[k], m["grad_norms"][k]) != (before[k]["loss"], before[k]["grad_norm"])]
         m.update(compared_steps=overlap, differing_steps=differ, bitwise_equal=bool(overlap) and not differ)
-        if not m["bitwise_equal"]:
-            status, error = "failed", f"the resumed run differs from the killed one at steps {differ or 'none'}"
+        m["resumed_from"] = run["resumed_from"]  # frod train's own line: not a later checkpoint an orphan wrote
+        if not m["bitwise_equal"] or m["resumed_from"] != s["save_at"]:
+            status = "failed"
+            error = f"resumed from step {m['resumed_from']}; losses differ from the killed run's at {differ or 'none'}"
     ch.write(stage, status, m, run["wall_s"], run["command"], error)
     return status, run["wall_s"]
 
@@ -339,8 +343,6 @@ def _prepare_stage(ch: Chain, left: float) -> tuple[str, float]:
 def run_chain(suite: Suite, results: Path, work: Path, *, budget_s: float, only: str | None, series: int, log=print):
     """Every stage not yet ``ok`` of each configuration (or of those matching the globs ``only``), in order; a stage
     that fails, or would not fit the budget left, ends its configuration's call. A new killed run is resumed again."""
-    from bench.runner import Outcome
-
     t_start, dev, call = time.monotonic(), device_facts(), f"{now()}@{os.uname().nodename}"
     globs = None if only is None else [g.strip() for g in only.split(",") if g.strip()]
     picked = [c for c in suite.configs if globs is None or any(fnmatch.fnmatch(c.name, g) for g in globs)]
@@ -386,7 +388,7 @@ SUMMARY = {  # what a stage's row of the report shows: metric, format
     "generate": (("untargeted_gib", ".2f"), ("written_gib", ".2f")),
     "hjd": (("hjd_s", ".0f"), ("freed_gib", ".2f"), ("category_tensors_in_checkpoint", ""), ("store_gib", ".1f")),
     "train": (("killed_after_step", ""),),
-    "resume": (("compared_steps", ""), ("bitwise_equal", "")),
+    "resume": (("resumed_from", ""), ("compared_steps", ""), ("bitwise_equal", "")),
     "mfu": (),
 }
 

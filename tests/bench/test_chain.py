@@ -79,6 +79,11 @@ def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwis
     killed = json.loads((root / "runs" / "train.json").read_text())["rows"]
     resumed = [json.loads(x) for x in (root / "runs" / "train" / "metrics.jsonl").read_text().splitlines()]
     assert s["kill_at"] <= max(r["step"] for r in killed) < s["steps"]  # killed mid-run, after its checkpoint
+    # no rank of the killed run lived on to write a later checkpoint: the resume started from save_at's
+    assert (
+        f"resumed from step{s['save_at']:08d}: step {s['save_at']}/{s['steps']}"
+        in (root / "runs" / "resume.log").read_text()
+    )
     assert [r["step"] for r in resumed] == list(range(1, s["steps"] + 1))
     overlap = [r for r in killed if r["step"] > s["save_at"]]
     assert overlap and all(
