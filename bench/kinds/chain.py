@@ -81,6 +81,12 @@ def config_name(s: dict[str, Any]) -> str:
     return "-".join([s["shape"], f"l{s['layers']}", f"{s['gpus']}g", s["tag"]]).replace("-l0-", "-").rstrip("-")
 
 
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether settings ``a`` and ``b`` make the same chain: the limits of a call (``timeout_s``, ``est_s``) may
+    change between calls without redoing what is done."""
+    return {**a, "timeout_s": 0, "est_s": 0} == {**b, "timeout_s": 0, "est_s": 0}
+
+
 def shape_of(s: dict[str, Any]) -> Shape:
     return replace(SHAPES[s["shape"]], layers=s["layers"] or SHAPES[s["shape"]].layers)
 
@@ -115,7 +121,7 @@ class Chain:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        return doc if with_defaults(doc.get("settings", {}), "chain") == self.cfg.settings else None
+        return doc if same(with_defaults(doc.get("settings", {}), "chain"), self.cfg.settings) else None
 
     def ok(self, stage: str) -> bool:
         return (self.record(stage) or {}).get("status") == "ok"
@@ -234,7 +240,7 @@ def _run(ch: Chain, stage: str, out: Path, extra: list[str], stop_at: int, left:
     from frod_ds.train.checkpoints import COMPLETE, tag_of
 
     s, kept = ch.cfg.settings, ch.runs / f"{stage}.json"
-    if kept.is_file() and json.loads(kept.read_text())["settings"] == s:
+    if kept.is_file() and same(json.loads(kept.read_text())["settings"], s):
         return json.loads(kept.read_text())
     if stage != "resume":  # from the start: an earlier attempt was cut short, or had other settings
         shutil.rmtree(out, ignore_errors=True)

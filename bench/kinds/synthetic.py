@@ -30,7 +30,7 @@ __all__ = ["FILE_BYTES", "TARGETS", "config_json", "part_tensors", "files_of", "
 TARGETS = DEFAULT_TARGETS
 STD = 0.02
 DTYPE = torch.bfloat16
-FILE_BYTES = 4 * 2**30
+FILE_BYTES = 2**30  # 1 GiB files: a category spreads over the ranks that write it
 Tensors = list[tuple[str, tuple[int, ...]]]
 
 

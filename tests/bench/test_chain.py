@@ -44,6 +44,28 @@ def test_a_chain_suite_refuses_a_kill_that_would_not_follow_its_checkpoint(tmp_p
     assert [c.name for c in load_suite(path).configs] == ["70b-l20-4g"]
 
 
+def test_a_part_is_the_same_files_whoever_writes_it_and_leaves_the_index_when_deleted(tmp_path, monkeypatch):
+    monkeypatch.setattr(synthetic, "FILE_BYTES", 20_000)  # several files per part
+    shape, cpu = load_suite(SUITE).configs[0].settings, torch.device("cpu")
+    shape = shape_of(shape)
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        d.mkdir()
+    synthetic.write_part(one, shape, "base", 0, cpu, 0, 1)
+    assert synthetic.write_part(two, shape, "base", 0, cpu, 1, 2) > 0  # rank 1 of 2, then rank 0
+    synthetic.write_part(two, shape, "base", 0, cpu, 0, 2)
+    assert synthetic.write_part(two, shape, "base", 0, cpu, 0, 2) == 0  # present: not written again
+    files = sorted(p.name for p in one.iterdir())
+    assert len(files) > 2 and files == sorted(p.name for p in two.iterdir())
+    assert all((one / f).read_bytes() == (two / f).read_bytes() for f in files)
+    synthetic.write_part(two, shape, "q_proj", 0, cpu, 0, 1)
+    synthetic.write_index(two)
+    assert len(HFCheckpoint(two).keys()) == 3 + 4 * shape.layers
+    synthetic.delete(two, "q_proj")
+    assert sorted(HFCheckpoint(two).keys()) == sorted(n for n, _ in synthetic.part_tensors(shape, "base"))
+    assert not list(two.glob("model-q_proj-*"))
+
+
 @pytest.mark.slow
 def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwise(tmp_path):
     results, work = tmp_path / "results", tmp_path / "work"
@@ -60,6 +82,7 @@ def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwis
     assert keys and not [k for k in keys if any(f".{c}." in k for c in synthetic.TARGETS)]
     assert sorted(p.name for p in model.glob("*.safetensors")) == ["model-base-0000.safetensors"]
     assert Manifest.read(store / MANIFEST).complete
+    check_store_matches(FactorStore.open(store), HFCheckpoint(model))  # what training checked: the other tensors
     # the weights HJD decomposed are the ones the generator regenerates from their names: with q_proj written back
     # (every targeted weight present) the store's fingerprint of all of them must match
     full = tmp_path / "full"
