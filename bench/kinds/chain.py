@@ -25,7 +25,7 @@ from typing import Any
 from bench.kinds import synthetic
 from bench.kinds.shapes import SHAPES, Shape
 from bench.record import Record, commit, device_facts, now, read_records, record_path, versions
-from bench.runner import Outcome, kill_tree
+from bench.runner import Outcome, kill_tree, proc_stat
 from bench.suite import BenchError, Config, Suite, with_defaults
 
 __all__ = ["CHAIN_KEYS", "STAGES", "Chain", "check", "config_name", "render", "run_chain", "write_reports"]
@@ -185,16 +185,16 @@ def _rank_rss(launched: int) -> dict[str, float]:
     """Peak RSS in GiB of each child of process ``launched`` that is a rank (``RANK`` in its environment)."""
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) != launched:
-                continue
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = next((kv[5:].decode() for kv in env if kv.startswith(b"RANK=")), None)
-            hwm = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
-            if rank is not None and hwm:
-                out[rank] = int(hwm.group(1)) / 2**20
-        except (OSError, ValueError, IndexError):
+        if proc_stat(pid)[1:2] != [str(launched)]:
             continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            hwm = re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+        except OSError:
+            continue
+        rank = next((kv[5:].decode() for kv in env if kv.startswith(b"RANK=")), None)
+        if rank is not None and hwm:
+            out[rank] = int(hwm.group(1)) / 2**20
     return out
 
 
