@@ -36,6 +36,7 @@ H200_GIB = 139.8  # torch's figure for an H200: what the planner plans for on a 
 TARGETS = synthetic.TARGETS
 PREPARE = ("generate", *(f"hjd-{c}" for c in TARGETS))
 STAGES = ("predict", *PREPARE, "train", "resume", "mfu")
+PER_RANK = ("gpu_in_use_gib_per_rank", "host_peak_rss_gib_per_rank")
 CHAIN_KEYS: dict[str, Any] = {
     "shape": "70b",  # bench/kinds/shapes.py
     "layers": 0,  # decoder layers instead of the shape's (0: the shape's)
@@ -427,24 +428,13 @@ def render(suite: Suite, device: str, records: list[Record]) -> str:
             lines.append("|---" * 8 + "|")
         for x, m in runs:
             f, p = m["figures"], m["planner"]
-            gpu, rss = (
-                ", ".join(map(g, f[k].values())) or "–"
-                for k in ("gpu_in_use_gib_per_rank", "host_peak_rss_gib_per_rank")
-            )
+            gpu, rss = (", ".join(map(g, f[k].values())) or "–" for k in PER_RANK)
             mfu = "–" if f["mfu"] is None else f"{100 * f['mfu']:.1f}%"
-            step = f"{f['step_s_median']:.3f} ({p['step_s']:.3f})"
+            tok, step = f"{f['micro_batch']} x {s['seq']}", f"{f['step_s_median']:.3f} ({p['step_s']:.3f})"
             peak = f"{f['rank0_peak_mem_gib']:.1f} ({p['allocated_gib']:.1f})"
-            row = [
-                x,
-                f"{f['micro_batch']} x {s['seq']}",
-                step,
-                f"{f['tokens_per_s_per_gpu']:,.0f}",
-                mfu,
-                peak,
-                gpu,
-                rss,
-            ]
-            lines.append("| " + " | ".join(row) + " |")
+            lines.append(
+                f"| {x} | {tok} | {step} | {f['tokens_per_s_per_gpu']:,.0f} | {mfu} | {peak} | {gpu} | {rss} |"
+            )
         if runs:
             lines += ["", f"Rank 0's peak: {runs[0][1]['figures']['rank0_peak_mem_is']}."]
     return "\n".join(lines) + "\n"
