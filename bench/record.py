@@ -1,4 +1,5 @@
-"""The one result format: a JSON per configuration at ``<results>/<suite>/<device>/<config>.json``.
+"""The one result format: a JSON per configuration at ``<results>/<suite>/<device>/<config>.json`` (a chain's: one
+per stage, ``<config>.<stage>.json``).
 
 Every record carries what is needed to trust and reproduce it: the configuration's settings, the command, the
 device, the date, the package versions, the commit, and the runner call it came from (``call``: ratios between
@@ -43,9 +44,10 @@ class Record:
     error: str = ""
     series: int = 1  # the same configurations measured again in a later call: its own record beside the first
     schema: int = SCHEMA
+    stage: str = ""  # a chain configuration's stage (bench/kinds/chain.py), "" for the other kinds
 
     def write(self, results: Path) -> Path:
-        path = record_path(results, self.suite, self.device["key"], self.config, self.series)
+        path = record_path(results, self.suite, self.device["key"], self.config, self.series, self.stage)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(asdict(self), indent=1, sort_keys=True) + "\n")
         return path
@@ -57,8 +59,8 @@ class Record:
         return cls(**doc)
 
 
-def record_path(results: Path, suite: str, device: str, config: str, series: int = 1) -> Path:
-    name = config if series == 1 else f"{config}.s{series}"
+def record_path(results: Path, suite: str, device: str, config: str, series: int = 1, stage: str = "") -> Path:
+    name = config + (f".{stage}" if stage else "") + ("" if series == 1 else f".s{series}")
     return Path(results) / suite / device / f"{name}.json"
 
 

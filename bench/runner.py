@@ -24,7 +24,7 @@ from bench.kinds import shapes
 from bench.record import Record, commit, device_facts, now, record_path, versions
 from bench.suite import BenchError, Config, Suite, with_defaults
 
-__all__ = ["Outcome", "run_suite"]
+__all__ = ["Outcome", "kill_tree", "proc_stat", "run_suite"]
 
 REPO = Path(__file__).resolve().parents[1]
 EST_S = 60.0  # a first run's guess of one configuration's wall time, start-up included
@@ -72,9 +72,38 @@ def _run(cmd: list[str], log: Path, timeout: float) -> tuple[int | None, float]:
             pass
         finally:  # timed out, or the runner itself is stopped (SIGTERM, Ctrl-C): no rank outlives it
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 proc.wait()
     return rc, time.perf_counter() - t0
+
+
+def proc_stat(pid: int | str) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the command name (state, ppid, pgrp, ...); [] once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the process group of ``pid`` and of every descendant, and wait until they are gone: torchrun starts
+    each rank in a session of its own, which a signal to the launcher's group does not reach."""
+    children: dict[int, list[int]] = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        if st := proc_stat(d):
+            children.setdefault(int(st[1]), []).append(int(d))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for g in {int(st[2]) for st in map(proc_stat, tree) if st} - {os.getpgid(0)}:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    deadline = time.monotonic() + 30  # what the ranks held (GPU memory) is free for the next launch
+    while time.monotonic() < deadline and any(proc_stat(p)[:1] not in ([], ["Z"], ["X"]) for p in tree[1:]):
+        time.sleep(0.1)
 
 
 def _tail(log: Path) -> str:
@@ -96,6 +125,10 @@ def run_suite(
 ) -> list[Outcome]:
     """Measure every configuration of ``suite`` (or those matching one of the comma-separated globs ``only``) not
     yet measured here."""
+    if suite.kind == "chain":
+        from bench.kinds.chain import run_chain
+
+        return run_chain(suite, results, work, budget_s=budget_s, only=only, series=series, log=log)
     t_start = time.monotonic()
     dev = device_facts()
     call = f"{now()}@{os.uname().nodename}"

@@ -1,6 +1,7 @@
 """A benchmark suite: a TOML file in ``bench/suites/`` declaring configurations, expanded and validated here.
 
-A suite names its ``kind`` (the measurement every configuration runs, ``bench/kinds/``), ``defaults`` shared by
+A suite names its ``kind`` (the measurement every configuration runs, ``bench/kinds/``: ``step`` times training
+steps, ``chain`` runs FRoD on a synthetic model from generation to a resumed run), ``defaults`` shared by
 its configurations, and ``[[configs]]`` tables; a list value in a table expands to one configuration per item
 (the product over every listed key), so ``method = ["frod", "lora"]`` with ``gpus = [1, 2]`` declares four.
 Each configuration gets a stable name from its settings, and its result lives at
@@ -16,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SUITES", "BenchError", "Config", "Suite", "load_suite", "suite_names", "with_defaults"]
+__all__ = ["SUITES", "BenchError", "Config", "Suite", "kind_keys", "load_suite", "suite_names", "with_defaults"]
 
 SUITES = Path(__file__).resolve().parent / "suites"
-KINDS = ("step",)
+KINDS = ("step", "chain")
 # what each key of a step configuration means, with its default (a key not here is a mistake)
 STEP_KEYS: dict[str, Any] = {
     "method": None,  # frod | lora
@@ -78,10 +79,19 @@ class Suite:
         raise BenchError(f"suite {self.name!r} has no configuration {name!r} (python -m bench list {self.name})")
 
 
-def with_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+def kind_keys(kind: str) -> dict[str, Any]:
+    """The keys of a ``kind``'s configurations, with their defaults."""
+    if kind == "chain":
+        from bench.kinds.chain import CHAIN_KEYS
+
+        return CHAIN_KEYS
+    return STEP_KEYS
+
+
+def with_defaults(settings: dict[str, Any], kind: str = "step") -> dict[str, Any]:
     """A record's settings as today's runner reads them: a key added since the record was written takes its default
     (every key is added with the default that is what ran before it existed)."""
-    return {**STEP_KEYS, **settings}
+    return {**kind_keys(kind), **settings}
 
 
 def suite_names() -> list[str]:
@@ -161,17 +171,23 @@ def load_suite(name_or_path: str | Path) -> Suite:
     kind = doc.get("kind", "")
     if kind not in KINDS:
         raise BenchError(f"{path.name}: kind {kind!r} is not one of {', '.join(KINDS)}")
-    defaults = {**STEP_KEYS, **doc.get("defaults", {})}
+    keys = kind_keys(kind)
+    check, name_of = _check, config_name
+    if kind == "chain":
+        from bench.kinds import chain
+
+        check, name_of = chain.check, chain.config_name
+    defaults = {**keys, **doc.get("defaults", {})}
     configs: dict[str, Config] = {}
     for i, table in enumerate(doc.get("configs", [])):
         where = f"{path.name} configs[{i}]"
-        unknown = set(table) - set(STEP_KEYS)
-        if unknown or set(doc.get("defaults", {})) - set(STEP_KEYS):
-            bad = sorted(unknown | (set(doc.get("defaults", {})) - set(STEP_KEYS)))
-            raise BenchError(f"{where}: unknown keys {bad}; a step configuration takes {', '.join(STEP_KEYS)}")
+        unknown = set(table) - set(keys)
+        if unknown or set(doc.get("defaults", {})) - set(keys):
+            bad = sorted(unknown | (set(doc.get("defaults", {})) - set(keys)))
+            raise BenchError(f"{where}: unknown keys {bad}; a {kind} configuration takes {', '.join(keys)}")
         for settings in _expand({**defaults, **table}):
-            _check(settings, where)
-            name = config_name(settings)
+            check(settings, where)
+            name = name_of(settings)
             if name in configs:
                 raise BenchError(f"{where}: configuration {name!r} is declared twice (give one a tag)")
             configs[name] = Config(name, settings)

@@ -26,6 +26,7 @@ class Shape:
 
 SHAPES = {
     "7b": Shape(32, 4096, 11008, 32, 32),  # LLaMA-2-7B
+    "70b": Shape(80, 8192, 28672, 64, 8),  # LLaMA-2-70B (the chain kind generates it a part at a time)
     "70bw40": Shape(40, 8192, 28672, 64, 8),  # LLaMA-2-70B's widths, 40 of its 80 layers
     "tiny": Shape(2, 64, 128, 4, 4),  # CPU rehearsals
 }

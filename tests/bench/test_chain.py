@@ -1,0 +1,143 @@
+"""The chain kind end to end on 2 CPU gloo ranks (``bench/suites/chain-tiny.toml``): each category is decomposed and
+deleted, training reads the stripped checkpoint, the killed run's losses are the resumed run's bit for bit, every
+stage leaves a valid record, and a second run redoes nothing. The numbers are checked against the files the runs
+wrote and against weights generated here independently of the generator."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from bench.kinds import synthetic
+from bench.kinds.chain import STAGES, render, shape_of
+from bench.record import Record, read_records
+from bench.suite import BenchError, load_suite
+from frod_ds.formats.factor_store import MANIFEST, Manifest
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.model.store_reader import FactorStore, check_store_matches
+from tests.support.helpers_ckpt import REPO
+from tests.support.leftovers import clean_env
+
+SUITE = REPO / "bench" / "suites" / "chain-tiny.toml"
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=200
+    )
+
+
+def test_a_chain_suite_refuses_a_kill_that_would_not_follow_its_checkpoint(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('kind = "chain"\n[[configs]]\nsteps = 20\nsave_at = 10\nkill_at = 21\n')
+    with pytest.raises(BenchError, match="need save_at < kill_at < min"):
+        load_suite(path)
+    path.write_text('kind = "chain"\n[[configs]]\nlayers = 20\n')
+    assert [c.name for c in load_suite(path).configs] == ["70b-l20-4g"]
+
+
+def test_a_part_is_the_same_files_whoever_writes_it_and_leaves_the_index_when_deleted(tmp_path, monkeypatch):
+    monkeypatch.setattr(synthetic, "FILE_BYTES", 20_000)  # several files per part
+    shape, cpu = load_suite(SUITE).configs[0].settings, torch.device("cpu")
+    shape = shape_of(shape)
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        d.mkdir()
+    synthetic.write_part(one, shape, "base", 0, cpu, 0, 1)
+    assert synthetic.write_part(two, shape, "base", 0, cpu, 1, 2) > 0  # rank 1 of 2, then rank 0
+    synthetic.write_part(two, shape, "base", 0, cpu, 0, 2)
+    assert synthetic.write_part(two, shape, "base", 0, cpu, 0, 2) == 0  # present: not written again
+    files = sorted(p.name for p in one.iterdir())
+    assert len(files) > 2 and files == sorted(p.name for p in two.iterdir())
+    assert all((one / f).read_bytes() == (two / f).read_bytes() for f in files)
+    synthetic.write_part(two, shape, "q_proj", 0, cpu, 0, 1)
+    synthetic.write_index(two)
+    assert len(HFCheckpoint(two).keys()) == 3 + 4 * shape.layers
+    synthetic.delete(two, "q_proj")
+    assert sorted(HFCheckpoint(two).keys()) == sorted(n for n, _ in synthetic.part_tensors(shape, "base"))
+    assert not list(two.glob("model-q_proj-*"))
+
+
+@pytest.mark.slow
+def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwise(tmp_path):
+    results, work = tmp_path / "results", tmp_path / "work"
+    args = ("run", str(SUITE), "--results", str(results), "--work", str(work))
+    run = _bench(*args)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    suite = load_suite(SUITE)
+    (cfg,) = suite.configs
+    s, root = cfg.settings, work / "chain" / cfg.name
+    model, store = root / "model", root / "store"
+
+    # every category decomposed, then deleted: the checkpoint holds the untargeted tensors only, the store is complete
+    keys = HFCheckpoint(model).keys()
+    assert keys and not [k for k in keys if any(f".{c}." in k for c in synthetic.TARGETS)]
+    assert sorted(p.name for p in model.glob("*.safetensors")) == ["model-base-0000.safetensors"]
+    assert Manifest.read(store / MANIFEST).complete
+    check_store_matches(FactorStore.open(store), HFCheckpoint(model))  # what training checked: the other tensors
+    # the weights HJD decomposed are the ones the generator regenerates from their names: with q_proj written back
+    # (every targeted weight present) the store's fingerprint of all of them must match
+    full = tmp_path / "full"
+    shutil.copytree(model, full)
+    for c in synthetic.TARGETS:
+        synthetic.write_part(full, shape_of(s), c, s["seed"], torch.device("cpu"), 0, 1)
+    synthetic.write_index(full)
+    check_store_matches(FactorStore.open(store), HFCheckpoint(full))
+    # ... and each is N(0, 0.02²) drawn from sha256("<seed>:<name>"), computed here without the generator
+    name = "model.layers.1.self_attn.q_proj.weight"
+    seed = int.from_bytes(hashlib.sha256(f"{s['seed']}:{name}".encode()).digest()[:8], "little") >> 1
+    want = torch.randn((64, 64), generator=torch.Generator().manual_seed(seed)).mul_(0.02).to(torch.bfloat16)
+    with safe_open(str(full / "model-q_proj-0000.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor(name), want)
+
+    # the killed run and the resumed one, read from the files the runs left
+    killed = json.loads((root / "runs" / "train.json").read_text())["rows"]
+    resumed = [json.loads(x) for x in (root / "runs" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert s["kill_at"] <= max(r["step"] for r in killed) < s["steps"]  # killed mid-run, after its checkpoint
+    # no rank of the killed run lived on to write a later checkpoint: the resume started from save_at's
+    assert (
+        f"resumed from step{s['save_at']:08d}: step {s['save_at']}/{s['steps']}"
+        in (root / "runs" / "resume.log").read_text()
+    )
+    assert [r["step"] for r in resumed] == list(range(1, s["steps"] + 1))
+    overlap = [r for r in killed if r["step"] > s["save_at"]]
+    assert overlap and all(
+        (r["loss"], r["grad_norm"]) == (resumed[r["step"] - 1]["loss"], resumed[r["step"] - 1]["grad_norm"])
+        for r in overlap
+    )
+    assert [r["loss"] for r in killed[: s["save_at"]]] == [r["loss"] for r in resumed[: s["save_at"]]]
+
+    # one valid record per stage, the prediction written before the training ran
+    records = {r.stage: r for r in read_records(results, suite.name, "cpu")}
+    assert sorted(records) == sorted(STAGES) and all(r.status == "ok" for r in records.values())
+    for r in records.values():
+        assert Record.from_json(json.loads(json.dumps(r.__dict__))) == r and r.settings == s
+    assert records["predict"].date <= records["train"].date
+    assert records["resume"].metrics["compared_steps"] == [r["step"] for r in overlap]
+    mfu = records["mfu"].metrics
+    pick = records["predict"].metrics["mfu_batch"]
+    assert mfu["figures"]["micro_batch"] == pick != s["batch"]
+    for r in (records["resume"], records["mfu"]):  # every example is exactly seq tokens: no padding
+        f = r.metrics["figures"]
+        assert f["tokens_per_step_per_gpu"] == pytest.approx(f["micro_batch"] * s["seq"], rel=1e-6)
+        assert len(f["host_peak_rss_gib_per_rank"]) == s["gpus"]
+    report = results / suite.name / "cpu" / "report.md"
+    assert report.read_text() == render(suite, "cpu", read_records(results, suite.name, "cpu"))
+
+    # a second run finds every stage done and starts nothing
+    t0 = time.monotonic()
+    again = _bench(*args)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert all(line.split()[-1] == "done" for line in again.stdout.splitlines() if line.startswith(cfg.name))
+    assert {r.stage: r.call for r in read_records(results, suite.name, "cpu")} == {
+        k: r.call for k, r in records.items()
+    }
+    assert time.monotonic() - t0 < 30
