@@ -489,9 +489,10 @@ def _kill_after_checkpoint(cluster: SlurmCluster, tiny: Tiny, job_id: str, out: 
         ), _all_logs(tiny)
         assert time.time() - t0 < 600, f"no checkpoint after step {after}\n{_all_logs(tiny)}"
         time.sleep(0.1)
-    tag, restarts = _latest_tag(out), cluster.job(job_id).restarts
+    restarts = cluster.job(job_id).restarts
     cluster.kill_node(node)
     t_fail = time.time()
+    tag = _latest_tag(out)  # read once the node's processes are gone: a loaded host may seal one more meanwhile
     while cluster.job(job_id).restarts <= restarts:
         assert time.time() - t_fail < 120, f"job {job_id} not requeued 120 s after {node} failed\n{cluster.logs()}"
         time.sleep(0.3)
