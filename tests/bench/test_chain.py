@@ -1,7 +1,7 @@
 """The chain kind end to end on a CPU rank under torchrun (``bench/suites/chain-tiny.toml``): each category is
-decomposed and deleted, training reads the stripped checkpoint, the killed run's losses are the resumed run's bit for bit, every
-stage leaves a valid record, and a second run redoes nothing. The numbers are checked against the files the runs
-wrote and against weights generated here independently of the generator."""
+decomposed and deleted, training reads the stripped checkpoint, the killed run's losses are the resumed run's bit
+for bit, every stage leaves a valid record, and a second run redoes nothing. The numbers are checked against the
+files the runs wrote and against weights generated here independently of the generator."""
 
 from __future__ import annotations
 
