@@ -30,6 +30,7 @@ from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
 from frod_ds.runtime import distributed as D
 from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, atomic_write_text, disk_full_line
 from frod_ds.runtime.errors import FrodError, HJDError
+from frod_ds.runtime.shared_dir import check_shared_dir
 from frod_ds.runtime.validate import pi_problem, targets_problem
 
 __all__ = ["StageConfig", "run_stage"]
@@ -138,7 +139,7 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
     manifest = D.on_main(
         lambda: store_writer.prepare_store(cfg.out, fresh(), cfg.overwrite, {"--model": model_dir}, ckpt)
     )
-    D.check_shared_dir(cfg.out, "--out")  # every rank writes its members' factors there
+    check_shared_dir(cfg.out, "--out")  # every rank writes its members' factors there
     return device, ckpt, categories, manifest
 
 

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import socket
 import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from frod_ds._moved import forward_names
 from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.launch_env import ProcessGroupSpec, process_group_spec
 
@@ -51,7 +50,6 @@ __all__ = [
     "on_all",
     "on_main",
     "held_on_main",
-    "check_shared_dir",
     "print0",
 ]
 
@@ -274,15 +272,24 @@ def peer_buffers(nbytes: int, device: torch.device) -> list[Tensor]:
         error = f"peer memory needs every rank on one machine; the ranks run on {len(set(hosts))}"
     agree_on_error(error)
     group = dist.group.WORLD.group_name
-    try:
+    views: list[Tensor] = []
+
+    def failed(e: Exception) -> str:
+        return f"peer memory could not be mapped on this machine ({type(e).__name__}: {str(e).splitlines()[0]})"
+
+    try:  # each rank allocates, and all agree, before the collective rendezvous a failed rank would never join
         if not hasattr(symm.enable_symm_mem_for_group, "__deprecated__"):  # torch versions that still need it
             symm.enable_symm_mem_for_group(group)
         buf = symm.empty(nbytes, dtype=torch.uint8, device=device)
+    except (RuntimeError, AttributeError) as e:
+        error = failed(e)
+    agree_on_error(error)
+    try:
         handle = symm.rendezvous(buf, group)
         views = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(get_world_size())]
         views[get_rank()] = buf
     except (RuntimeError, AttributeError) as e:
-        error = f"peer memory could not be mapped on this machine ({type(e).__name__}: {str(e).splitlines()[0]})"
+        error = failed(e)
     agree_on_error(error)
     return views
 
@@ -413,44 +420,11 @@ def held_on_main(enter: Callable[[], contextlib.AbstractContextManager[Any]]) ->
         yield
 
 
-def check_shared_dir(path: Path, what: str) -> None:
-    """Collective: ``CollectiveError`` on every rank unless all ranks see the same directory ``path`` (or, while it
-    does not exist yet, its nearest existing parent on rank 0): a file rank 0 writes there must be visible to each. A
-    node-local path (``/dev/shm``,
-    ``/tmp`` on most clusters) is a different directory on each node; without this check each node would write
-    its own part of a store or checkpoint there and rank 0 would seal an incomplete one. One process: no-op."""
-    if get_world_size() == 1:
-        return
-    probe, error = None, None
-    if is_main():
-        where = path  # not created yet (nothing is created before the run starts): its nearest existing parent,
-        while not where.is_dir() and where != where.parent:  # where it will be created
-            where = where.parent
-        probe = where / f".frod-shared-{secrets.token_hex(8)}"
-        try:
-            probe.write_text(probe.name)
-        except OSError as e:
-            error = f"{what} {path} is not writable on rank 0 ({e.strerror or e})"
-    probe, error = broadcast_object((probe, error))
-    if error:
-        raise CollectiveError(error)
-    try:
-        seen = probe.read_text() == probe.name
-    except OSError:
-        seen = False
-    views = all_gather_object((seen, socket.gethostname()))
-    if is_main():
-        probe.unlink(missing_ok=True)
-    blind = sorted({host for ok, host in views if not ok})
-    if blind:
-        raise CollectiveError(
-            f"{what} {path} is not shared between the job's nodes: {', '.join(blind)} cannot see "
-            "what rank 0 writes there (a node-local path such as /dev/shm?); put it on a "
-            "filesystem every node mounts"
-        )
-
-
 def print0(*args: Any, **kwargs: Any) -> None:
     """``print`` on rank 0 only, flushed."""
     if is_main():
         print(*args, flush=True, **kwargs)
+
+
+# check_shared_dir moved to frod_ds.runtime.shared_dir in 0.2.0: importing it from here warns (frod_ds._moved).
+__getattr__ = forward_names(__name__, {"check_shared_dir": "frod_ds.runtime.shared_dir"})

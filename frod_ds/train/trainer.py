@@ -30,6 +30,7 @@ from frod_ds.model.build_layers import build_layer_partitioned
 from frod_ds.model.frozen_shards import shards_of
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.errors import note
+from frod_ds.runtime.shared_dir import check_shared_dir
 from frod_ds.train.checkpoints import choose_checkpoint, step_of, unsealed_checkpoints
 from frod_ds.train.data import BatchPlan
 from frod_ds.train.engine_state import restore_checkpoint
@@ -65,7 +66,7 @@ def setup(
     if on_inputs is not None:
         on_inputs(inputs)
     # every rank writes its checkpoint shards there and rank 0 seals them: one directory for all nodes
-    dist.check_shared_dir(out, "output_dir")
+    check_shared_dir(out, "output_dir")
     t = recipe.train
     plan = BatchPlan(len(inputs.examples), t.micro_batch_size, t.grad_accum, world, rank, t.seed)
     total = plan.total_steps(t.epochs, t.max_steps)
