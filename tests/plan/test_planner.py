@@ -556,3 +556,20 @@ def test_more_gpus_are_advised_only_where_they_help():
     advice = no_fit_advice(small, train, 1, gpu, engines)
     assert "on any number of GPUs" in advice and "more GPUs do not shrink" in advice and "micro_batch_size" in advice
     assert "use more GPUs" not in advice
+
+
+def test_cli_plan_says_how_the_layer_partition_gathers_and_times_it_so(tmp_path):
+    """Under zero3.json on 2 GPUs ``frod plan`` names the gather the recipe's ``train.zero3_gather`` makes and its
+    step carries that gather's exposed link time: the peer copies' less than NCCL's (step_time's two constants)."""
+    import re
+
+    from frod_ds.plan.step_time import LAYERS_LINK_EXPOSED, PEER_LINK_EXPOSED
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    base = ("--model", str(tmp_path), "--gpus", "2", "--config", "ds_configs/zero3.json")
+    links = {}
+    for gather, words in (("auto", "copies out of the other GPUs' memory"), ("collective", "NCCL all-gathers")):
+        res = _plan_here(*base, f"train.zero3_gather={gather}")
+        assert res.returncode == 0 and f"gathered by {words}" in res.stdout, res.stdout
+        links[gather] = float(re.search(r"link (\d+)", res.stdout).group(1))
+    assert links["auto"] == pytest.approx(links["collective"] * PEER_LINK_EXPOSED / LAYERS_LINK_EXPOSED, abs=1)
