@@ -29,16 +29,8 @@ def _list(args) -> None:
         print(c.name)
 
 
-def write_reports(results: Path, suite) -> list[Path]:
-    """The suite's reports from its records (``bench/report.py``; a chain's: ``bench/kinds/chain.py``)."""
-    if suite.kind == "chain":
-        from bench.kinds.chain import write_reports as write
-    else:
-        from bench.report import write_reports as write
-    return write(results, suite)
-
-
 def _run(args) -> int:
+    from bench.report import write_reports
     from bench.runner import run_suite
 
     suite = load_suite(args.suite)
@@ -52,6 +44,8 @@ def _run(args) -> int:
 
 
 def _report(args) -> int:
+    from bench.report import write_reports
+
     paths = write_reports(args.results, load_suite(args.suite))
     if not paths:
         raise BenchError(f"no records of {args.suite} under {args.results}")

@@ -226,13 +226,25 @@ def render(suite: Suite, device: str, records: list[Record], predictions: dict[s
 
 
 def write_reports(results: Path, suite: Suite) -> list[Path]:
-    """Regenerate ``report.md`` in every device folder of ``suite`` that holds records."""
+    """Regenerate ``report.md`` in every device folder of ``suite`` that holds records (a chain suite's by
+    ``bench/kinds/chain.py``'s ``render``)."""
+    if suite.kind == "chain":
+        from bench.kinds.chain import render as render_chain
+
+        def text(device: str, records: list[Record]) -> str:
+            return render_chain(suite, device, records)
+    else:
+        predictions = read_predictions(results, suite.name)
+
+        def text(device: str, records: list[Record]) -> str:
+            return render(suite, device, records, predictions)
+
     written = []
     for folder in sorted(p for p in (Path(results) / suite.name).glob("*") if p.is_dir()):
         records = read_records(results, suite.name, folder.name)
         if records:
             path = folder / "report.md"
-            path.write_text(render(suite, folder.name, records, read_predictions(results, suite.name)))
+            path.write_text(text(folder.name, records))
             written.append(path)
     return written
 

@@ -24,11 +24,11 @@ from typing import Any
 
 from bench.kinds import synthetic
 from bench.kinds.shapes import SHAPES, Shape
-from bench.record import Record, commit, device_facts, now, read_records, record_path, versions
+from bench.record import Record, commit, device_facts, now, record_path, versions
 from bench.runner import Outcome, kill_tree, proc_stat
 from bench.suite import BenchError, Config, Suite, with_defaults
 
-__all__ = ["CHAIN_KEYS", "STAGES", "Chain", "check", "config_name", "render", "run_chain", "write_reports"]
+__all__ = ["CHAIN_KEYS", "STAGES", "Chain", "check", "config_name", "render", "run_chain"]
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -438,14 +438,3 @@ def render(suite: Suite, device: str, records: list[Record]) -> str:
         if runs:
             lines += ["", f"Rank 0's peak: {runs[0][1]['figures']['rank0_peak_mem_is']}."]
     return "\n".join(lines) + "\n"
-
-
-def write_reports(results: Path, suite: Suite) -> list[Path]:
-    """``report.md`` in every device folder of ``suite`` that holds records."""
-    written = []
-    for folder in sorted(p for p in (Path(results) / suite.name).glob("*") if p.is_dir()):
-        records = read_records(results, suite.name, folder.name)
-        if records:
-            (folder / "report.md").write_text(render(suite, folder.name, records))
-            written.append(folder / "report.md")
-    return written

@@ -270,12 +270,12 @@ def _peak_memory(device: torch.device, outside0: float) -> dict[str, float]:
         import resource
 
         return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    outside = max(0.0, _outside_allocator(device) - outside0)
+    allocated, outside = torch.cuda.max_memory_allocated(device) / GIB, max(0.0, _outside_allocator(device) - outside0)
     return {
-        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+        "peak_allocated_gib": allocated,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
         "outside_allocator_gib": outside,
-        "peak_gib": torch.cuda.max_memory_allocated(device) / GIB + outside,
+        "peak_gib": allocated + outside,
     }
 
 
