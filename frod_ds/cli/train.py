@@ -66,9 +66,8 @@ def train(args: argparse.Namespace) -> int:
 
     def print_hint(inputs) -> None:  # from what setup read once: the parsed JSON and the base's config.json
         world = dist.get_world_size()
-        hint = train_hint(
-            recipe, inputs.ds_config, world, gpu_bytes, name=args.config, model_config=inputs.base.config()
-        )
+        cfg = inputs.user_ds_config  # the JSON as given: under the layer partition the engine's is stage 2
+        hint = train_hint(recipe, cfg, world, gpu_bytes, name=args.config, model_config=inputs.base.config())
         if hint:
             dist.print0(hint)
 

@@ -70,6 +70,7 @@ class Inputs:
     init_adapter: InitAdapter | None  # model.init_adapter, checked against the store and targets
     partition: str | None = None  # a ZeRO-3 JSON's layout (frod_ds.config.zero3_layout); ds_config is then
     # the engine's: stage 2 for "layers"
+    user_ds_config: dict[str, Any] | None = None  # the JSON as given, resolved: what the planner's hint reads
 
 
 def preflight(
@@ -115,9 +116,9 @@ def preflight(
     if resume_tag is not None:
         check_resume_identity(Path(recipe.output_dir), resume_tag, store_identity, identity)
     layout = zero3_layout(ds_cfg, recipe.train.zero3_partition)
-    if layout == "layers":
-        ds_cfg = as_stage2(ds_cfg)  # σ and S under ZeRO-2; the frozen weights partitioned by frod-ds
-    return Inputs(recipe, ds_cfg, base, store, store_identity, identity, tok, examples, eval_examples, init, layout)
+    engine_cfg = as_stage2(ds_cfg) if layout == "layers" else ds_cfg  # σ, S under ZeRO-2; frozen ones by frod-ds
+    got = (tok, examples, eval_examples, init, layout, ds_cfg)
+    return Inputs(recipe, engine_cfg, base, store, store_identity, identity, *got)
 
 
 def _open_base_and_store(recipe: Recipe) -> tuple[HFCheckpoint, FactorStore]:

@@ -160,10 +160,35 @@ ONE_STEP = {"train.max_steps": 1, "train.schedule": "constant", "train.warmup_ra
 
 @pytest.fixture(scope="module")
 def one_step_zero3(env, tmp_path_factory):
-    out = tmp_path_factory.mktemp("z3")
-    res = run_train(CPU_ZERO3, env.overrides(out, **ONE_STEP))
+    """One step under zero3.json's layer partition on 2 ranks, told they have a GPU (no hint is printed without
+    one), the DeepSpeed config the planner's hint was given kept as ``hint_config`` (rank 0's)."""
+    from frod_ds.cli import train
+    from frod_ds.plan import recommend
+
+    out, seen = tmp_path_factory.mktemp("z3"), tmp_path_factory.mktemp("hint") / "config.json"
+    real = recommend.train_hint
+
+    def spy(recipe, ds_config, *args, **kwargs):
+        if os.environ.get("RANK") == "0":
+            seen.write_text(json.dumps(ds_config))
+        return real(recipe, ds_config, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:  # the ranks are forked from this process (tests/support/ranks.py)
+        mp.setattr(train, "gpu_memory", lambda: 80 * 2**30)
+        mp.setattr(recommend, "train_hint", spy)
+        res = run_train(CPU_ZERO3, env.overrides(out, **ONE_STEP))
     assert res.returncode == 0, res.stderr[-3000:]
-    return metrics(out)[0]
+    return {**metrics(out)[0], "hint_config": json.loads(seen.read_text())}
+
+
+def test_zero3_hint_plans_the_layer_partition(one_step_zero3):
+    """The trainer runs σ and S under a stage-2 engine, but its hint plans what the user's zero3.json does, as
+    ``frod plan`` does: frozen weights partitioned by decoder layer (it planned them replicated, and at 70B on 4
+    GPUs said "likely out of memory")."""
+    from frod_ds.plan.shapes import engine_from_ds_config
+
+    engine = engine_from_ds_config(one_step_zero3["hint_config"])
+    assert (engine.stage, engine.layers) == (3, True)
 
 
 FOUR_STEPS = {**ONE_STEP, "train.max_steps": 4}
