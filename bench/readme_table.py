@@ -284,6 +284,41 @@ def seventy_b_7b(results: Path) -> str:
     return _seventy_b(results / "seventy_b_rehearsal_7b_1xh100", results)
 
 
+def seventy_b_bf16(results: Path) -> str:
+    """The 80-layer LLaMA-2-70B shape in bf16 through ``frod train`` on 4 GPUs (the chain kind's records)."""
+    folder = results / "seventy-b-4gpu" / "h200x4"
+    rec = {p.name.split(".")[1]: _load(p) for p in sorted(folder.glob("70b-4g.*.json"))}
+    dev, r = rec["train"]["device"], rec["resume"]["metrics"]
+    lines = [
+        _source(folder, results=results).rstrip("\n"),
+        "",
+        f"{dev['count']} × {dev['name']}, commit `{rec['train']['commit'][:12]}`; 80 layers, bf16, `zero3.json`'s "
+        "layer partition, gradient checkpointing, FRoD s=0.02 on the six targets.",
+        "",
+        "| run | tokens per GPU | step (planner) | tokens/s per GPU | MFU | GPU in use, max rank (planner) "
+        "| host peak RSS, max rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for stage in ("train", "resume", "mfu"):
+        m = rec[stage]["metrics"]
+        f, p = m["figures"], m["planner"]
+        used = max(f["gpu_in_use_gib_per_rank"].values(), default=0.0)
+        mem = f"{used:.1f} GiB ({p['needed_gib']:.1f})" if used else f"not read ({p['needed_gib']:.1f})"
+        lines.append(
+            f"| {stage} | {f['micro_batch']} × {rec[stage]['settings']['seq']} | {f['step_s_median']:.2f} s "
+            f"({p['step_s']:.2f}) | {f['tokens_per_s_per_gpu']:,.0f} | {_pct(f['mfu'])} | {mem} "
+            f"| {max(f['host_peak_rss_gib_per_rank'].values()):.1f} GiB |"
+        )
+    lines += [
+        "",
+        f"Killed after step {rec['train']['metrics']['killed_after_step']}, resumed from step {r['resumed_from']}: "
+        f"steps {', '.join(map(str, r['compared_steps']))} "
+        f"{'bit for bit equal to' if r['bitwise_equal'] else 'differ from'} the killed run's (losses, gradient "
+        f"norms). The planner's micro-batch: {rec['predict']['metrics']['mfu_batch']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 # -- offload runs (bench/run_summary.py) ---------------------------------------------------------------------------
 
 
@@ -356,6 +391,7 @@ GENERATORS: dict[str, Callable[[Path], str]] = {
     "peft-interop": peft_interop,
     "seventy-b-70b": seventy_b_70b,
     "seventy-b-7b": seventy_b_7b,
+    "seventy-b-bf16": seventy_b_bf16,
     "offload": offload,
     "layer": layer,
     "real-study": real_study,

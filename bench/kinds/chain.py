@@ -182,6 +182,19 @@ def _gpu_used() -> dict[str, float]:
         return {}
 
 
+def _settled_gpu_used(wait_s: float = 60.0) -> dict[str, float]:
+    """GPU memory in use once it stops falling (two samples a second apart agree, at most ``wait_s``): a killed
+    run's memory is freed by the driver a while after its processes are gone, and the next run's base is read here."""
+    before, deadline = _gpu_used(), time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now_used = _gpu_used()
+        if now_used == before:
+            break
+        before = now_used
+    return before
+
+
 def _rank_rss(launched: int) -> dict[str, float]:
     """Peak RSS in GiB of each child of process ``launched`` that is a rank (``RANK`` in its environment)."""
     out = {}
@@ -203,7 +216,7 @@ def watch(cmd: list[str], log: Path, timeout: float, stop=None, gpus: bool = Fal
     """Run ``cmd`` in its own session (output to ``log``), sampling memory twice a second; SIGKILL the session when
     ``stop()`` turns true, at ``timeout``, or when the runner is stopped. ``rc``: None on time-out, -9 if stopped."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    base, rss, used = _gpu_used() if gpus else {}, {}, {}
+    base, rss, used = _settled_gpu_used() if gpus else {}, {}, {}
     rc, t0, sampled = None, time.perf_counter(), 0.0
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("a") as f:
@@ -290,6 +303,13 @@ def _figures(ch: Chain, run: dict, rows: list[dict], batch: int) -> dict[str, An
     }
 
 
+def _in_use_over_planner(fig: dict[str, Any], plan: dict[str, Any]) -> float | None:
+    """The most GPU memory a rank's run had in use, read off the driver, over the planner's figure for everything on
+    the GPU (``needed``: allocated, fragmentation, CUDA context): torch's own peak misses the peer banks."""
+    used = max(fig["gpu_in_use_gib_per_rank"].values(), default=0.0)
+    return used / plan["needed_gib"] if used > 0 else None  # 0: not read (the records before the base settled)
+
+
 def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
     """``train``, ``resume`` or ``mfu``: run it (or read its kept run) and write its record."""
     s, pred = ch.cfg.settings, ch.record("predict")["metrics"]
@@ -310,7 +330,7 @@ def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
     rows, own = run["rows"], [r for r in run["rows"] if stage != "resume" or r["step"] > s["save_at"]]
     plan = pred["candidates"][str(batch)] if stage == "mfu" else pred["train"]
     fig = _figures(ch, run, own, batch)
-    m = {"figures": fig, "planner": plan, "rank0_peak_over_planner": fig["rank0_peak_mem_gib"] / plan["allocated_gib"]}
+    m = {"figures": fig, "planner": plan, "gpu_in_use_over_planner": _in_use_over_planner(fig, plan)}
     m.update(losses={r["step"]: r["loss"] for r in rows}, grad_norms={r["step"]: r["grad_norm"] for r in rows})
     status, error = "ok", ""
     if stage == "train":
@@ -423,18 +443,27 @@ def render(suite: Suite, device: str, records: list[Record]) -> str:
             lines.append(f"| {x} | {r.status} | {r.wall_s:.0f} | `{r.commit[:12]}` | {r.date} | {_summary(x, r)} |")
         runs = [(x, st[x].metrics) for x in ("train", "resume", "mfu") if x in st and "figures" in st[x].metrics]
         if runs:
-            lines += ["", "| run | tokens per GPU | step s (planner) | tokens/s per GPU | MFU | rank 0 peak GiB "]
-            lines[-1] += "(planner) | GPU in use GiB, per rank | peak RSS GiB, per rank |"
-            lines.append("|---" * 8 + "|")
+            head = "run | tokens per GPU | step s (planner) | tokens/s per GPU | MFU | GPU in use GiB, per rank"
+            head += " | planner GiB | in use ÷ planner | rank 0 peak GiB, torch | peak RSS GiB, per rank"
+            lines += ["", f"| {head} |", "|---" * 10 + "|"]
         for x, m in runs:
             f, p = m["figures"], m["planner"]
             gpu, rss = (", ".join(map(g, f[k].values())) or "–" for k in PER_RANK)
+            if f[PER_RANK[0]] and not any(f[PER_RANK[0]].values()):
+                gpu = "– (not read)"
             mfu = "–" if f["mfu"] is None else f"{100 * f['mfu']:.1f}%"
             tok, step = f"{f['micro_batch']} x {s['seq']}", f"{f['step_s_median']:.3f} ({p['step_s']:.3f})"
-            peak = f"{f['rank0_peak_mem_gib']:.1f} ({p['allocated_gib']:.1f})"
-            lines.append(
-                f"| {x} | {tok} | {step} | {f['tokens_per_s_per_gpu']:,.0f} | {mfu} | {peak} | {gpu} | {rss} |"
-            )
+            ratio = _in_use_over_planner(f, p)
+            over = "–" if ratio is None else f"{ratio:.2f}"
+            cells = [x, tok, step, f"{f['tokens_per_s_per_gpu']:,.0f}", mfu, gpu, f"{p['needed_gib']:.1f}", over]
+            lines.append("| " + " | ".join([*cells, g(f["rank0_peak_mem_gib"]), rss]) + " |")
         if runs:
-            lines += ["", f"Rank 0's peak: {runs[0][1]['figures']['rank0_peak_mem_is']}."]
+            disk = st["predict"].metrics["disk_gib"] if "predict" in st else {}
+            whole = sum(v for k, v in disk.items() if k != "peak")
+            lines += ["", "Planner GiB: the planner's figure for everything on a GPU (allocated, fragmentation, CUDA "]
+            lines[-1] += "context), written before the runs; GPU in use: read off the driver while the run ran, less "
+            lines[-1] += f"what was in use before it. Rank 0 peak, torch: {runs[0][1]['figures']['rank0_peak_mem_is']}"
+            lines[-1] += " (memory outside torch's allocator, such as the layer partition's peer banks, not in it)."
+            if whole:
+                lines[-1] += f" The checkpoint the ranks read is {whole:.1f} GiB."
     return "\n".join(lines) + "\n"
