@@ -333,7 +333,7 @@ def test_train_hint_boundaries_follow_the_plan(tmp_path):
 def test_frod_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypatch, capsys, rank):
     """``frod train`` on a (pretended) GPU whose ZeRO-2 fits, asked for ZeRO-3: rank 0 prints the planner's line,
     exactly once and as one line; another rank prints nothing. Process group, setup and fit are stand-ins (setup
-    hands the hint what it read: the parsed JSON and config.json)."""
+    hands the hint what it read: the parsed JSON, the stage-2 JSON the layer partition's engine runs, config.json)."""
     import types
 
     import torch
@@ -341,6 +341,7 @@ def test_frod_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypatc
     import frod_ds.runtime.distributed as dist
     import frod_ds.train.trainer as trainer
     from frod_ds.cli.train import parse_args, train
+    from frod_ds.config.ds_config import as_stage2
     from frod_ds.config.recipe import load_recipe
     from frod_ds.plan.recommend import train_hint
     from frod_ds.plan.shapes import train_shape_from_recipe
@@ -356,7 +357,8 @@ def test_frod_train_prints_the_planners_hint_once_on_rank_0(tmp_path, monkeypatc
 
     def setup(recipe, ds_config, nvme_path=None, *, on_inputs=None):
         base = types.SimpleNamespace(config=lambda: LLAMA2_7B)
-        on_inputs(types.SimpleNamespace(ds_config=load_ds_config(ds_config), base=base))
+        given = load_ds_config(ds_config)
+        on_inputs(types.SimpleNamespace(ds_config=as_stage2(given), user_ds_config=given, base=base))
         return "run"
 
     monkeypatch.setattr(trainer, "setup", setup)
