@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -239,6 +240,38 @@ def test_read_training_rows_errors_name_file_and_line(tmp_path):
         read_training_rows(p)
     with pytest.raises(DataError, match="not found"):
         read_training_rows(tmp_path / "missing.jsonl")
+
+
+GOOD_MC = {"prompt": "p", "answer": "yes", "choices": ["yes", "no"], "label": 0}
+
+
+@pytest.mark.parametrize(
+    "row, says",
+    [
+        ({**GOOD_MC, "choices": ["yes"]}, "fewer than two choices"),
+        ({**GOOD_MC, "choices": ["yes", "yes"]}, "duplicate choices"),
+        ({**GOOD_MC, "label": 5}, "label 5 out of range for 2 choices"),
+        ({**GOOD_MC, "label": True}, "field 'label' must be an integer"),
+        ({**GOOD_MC, "answer": "maybe"}, "answer 'maybe' is not choices"),
+        ({**GOOD_MC, "choices": "yes"}, "field 'choices' must be a list of strings"),
+        ({"prompt": "p", "answer": "yes", "label": 0}, "field 'choices' must be a list of strings"),
+        ({"prompt": "p", "answer": " "}, "field 'answer' is empty"),
+    ],
+)
+def test_training_refuses_a_row_the_data_build_would_drop(tmp_path, row, says):
+    """Training reads any JSONL with the build's row rules: a multiple-choice row whose choices or label contradict
+    its answer, or an empty answer, is refused naming the file and line (it was trained on without a word)."""
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(GOOD_MC) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=f"t.jsonl line 2: {re.escape(says)}"):
+        read_training_rows(p)
+
+
+def test_training_reads_rows_with_or_without_choices(tmp_path):
+    p = tmp_path / "t.jsonl"
+    rows = [GOOD_MC, {"prompt": "p", "answer": "free text"}, {**GOOD_MC, "label": 1, "answer": "no"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_training_rows(p) == rows
 
 
 def test_lr_schedule_warmup_then_cosine_to_zero():
