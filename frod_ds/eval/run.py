@@ -291,10 +291,20 @@ def evaluate_shard(model: torch.nn.Module, tokenizer: Any, rows: Rows, config: E
 RESULTS_KIND = "eval-results"
 
 
+LEGACY_FILES = ("results.json", "results.md", "predictions.jsonl")  # what every eval has written
+
+
 def _is_legacy_results(path: Path) -> bool:
-    """Results of an eval run before outputs held records: an unmarked directory holding ``results.json`` (and,
-    ``check_replaceable`` makes sure, nothing but what eval writes)."""
-    return (path / "results.json").is_file()
+    """Results of an eval run before outputs held records: an unmarked directory holding all three files eval
+    writes, its ``results.json`` eval's (a ``mode`` and a ``config``), and (``check_replaceable`` makes sure)
+    nothing else. A folder merely holding some ``results.json`` is the user's."""
+    if not all((path / name).is_file() for name in LEGACY_FILES):
+        return False
+    try:
+        doc = json.loads((path / "results.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("mode"), str) and isinstance(doc.get("config"), dict)
 
 
 def write_outputs(output: Path, files: dict[str, str]) -> None:

@@ -193,16 +193,18 @@ def test_hjd_overwrite_over_a_foreign_file_is_refused_and_deletes_nothing(env, t
     assert hjd_cli.main(["--model", str(env.model), "--out", str(out), "--overwrite"]) == 0
 
 
-@pytest.mark.parametrize("marked", [True, False], ids=["earlier eval", "unmarked folder with results.json"])
+@pytest.mark.parametrize("marked", [True, False], ids=["earlier eval", "unmarked eval output from before records"])
 def test_eval_into_earlier_results_holding_other_files_is_refused(env, adapter, tmp_path, capsys, marked):
     out = tmp_path / "ev"
     argv = ["--checkpoint", str(adapter), "--data", str(env.data), "--tasks", "boolq", "--limit", "2"]
     if marked:
         assert eval_cli.main([*argv, "--output", str(out)]) == 0
         capsys.readouterr()
-    else:
+    else:  # what every eval wrote before outputs held records
         out.mkdir()
-        (out / "results.json").write_text("{}")
+        (out / "results.json").write_text(json.dumps({"mode": "loglik", "config": {}, "tasks": {}}))
+        (out / "results.md").write_text("| task |\n")
+        (out / "predictions.jsonl").write_text("")
     (out / "plot.png").write_bytes(b"mine")
     before = tree(tmp_path)
     line = one_error(capsys, eval_cli.main([*argv, "--output", str(out)]))

@@ -441,6 +441,15 @@ def test_output_into_a_directory_eval_did_not_write_is_refused(assets, adapter, 
         f"--output {foreign} exists and was not written by frod-ds",
     )
     assert [p.name for p in foreign.iterdir()] == ["predictions.jsonl"]
+    for mine in ('{"tasks": {}}', '{"my_experiment": 1}'):  # a user's results.json is no earlier eval's
+        (foreign / "predictions.jsonl").unlink(missing_ok=True)
+        (foreign / "results.json").write_text(mine)
+        _fails(
+            ["--model", str(assets["known"]), *common, "--output", str(foreign)],
+            capsys,
+            f"--output {foreign} exists and was not written by frod-ds",
+        )
+        assert (foreign / "results.json").read_text() == mine and len(list(foreign.iterdir())) == 1
     scored = tmp_path / "adapter"
     shutil.copytree(adapter["checkpoint"], scored)
     before = sorted(p.name for p in scored.iterdir())
