@@ -1,21 +1,27 @@
 """The benchmark runner: suites expand and are validated; a run measures, records failures and time-outs, resumes,
 and its report regenerates; what a step record measured is the requested model (its first loss is the base
-model's loss on the same tokens, computed here with plain transformers)."""
+model's loss on the same tokens, computed here with plain transformers); a generated shape is prepared once over
+its ranks, checkpoint and store complete."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.kinds import shapes
 from bench.predict import read_predictions
 from bench.record import RESULTS, read_records
 from bench.report import render
 from bench.suite import BenchError, load_suite, with_defaults
+from frod_ds.formats.factor_store import MANIFEST, Manifest
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.model.store_reader import FactorStore, check_store_matches
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 
@@ -203,3 +209,17 @@ def test_every_committed_record_is_of_a_declared_configuration():
             continue  # results of the scripts before the runner
         suite = load_suite(doc["suite"])
         assert suite.config(doc["config"]).settings == with_defaults(doc["settings"], suite.kind), path
+
+
+@pytest.mark.slow
+def test_a_generated_shape_is_prepared_once_over_its_ranks(tmp_path, monkeypatch):
+    model, store = shapes.prepare("tiny-gqa", tmp_path, log=lambda line: None, ranks=2)
+    shape = shapes.SHAPES["tiny-gqa"]
+    assert len(HFCheckpoint(model).keys()) == 3 + 9 * shape.layers  # embeddings, norm, head; 7 linears, 2 norms a layer
+    assert Manifest.read(store / MANIFEST).complete
+    check_store_matches(FactorStore.open(store), HFCheckpoint(model))
+    monkeypatch.setattr(shapes.subprocess, "run", lambda *a, **k: pytest.fail("prepared again"))
+    t0 = time.monotonic()
+    assert shapes.prepare("tiny-gqa", tmp_path, log=lambda line: None, ranks=2) == (model, store)
+    assert time.monotonic() - t0 < 1
+
