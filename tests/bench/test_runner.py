@@ -52,6 +52,8 @@ def test_list_values_expand_to_one_configuration_each(tmp_path):
         ('[[configs]]\nmethod = "frod"\nengine = "zero2"\nshape = "13b"\n', "shape '13b'"),
         ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nquant = "fp8"\n', "quant 'fp8'"),
         ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nquantize_base = true\n', "quantize_base needs quant"),
+        ('[[configs]]\nmethod = "frod"\nengine = "fsdp2"\nload = "direct"\n', "load direct is LoRA's"),
+        ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nload = "direct"\n', "load direct is LoRA's"),
         ("", "declares no configurations"),
     ],
 )
