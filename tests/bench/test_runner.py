@@ -1,7 +1,7 @@
 """The benchmark runner: suites expand and are validated; a run measures, records failures and time-outs, resumes,
-and its report regenerates; what a step record measured is the requested model (its first loss is the base
-model's loss on the same tokens, computed here with plain transformers); a generated shape is prepared once over
-its ranks, checkpoint and store complete."""
+and its report regenerates (FRoD against LoRA per micro-batch where a call measured several); what a step record
+measured is the requested model (its first loss is the base model's loss on the same tokens, computed here with
+plain transformers); a generated shape is prepared once over its ranks, checkpoint and store complete."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch
 
 from bench.kinds import shapes
 from bench.predict import read_predictions
-from bench.record import RESULTS, read_records
+from bench.record import RESULTS, Record, read_records
 from bench.report import render
-from bench.suite import BenchError, load_suite, with_defaults
+from bench.suite import STEP_KEYS, BenchError, load_suite, with_defaults
 from frod_ds.formats.factor_store import MANIFEST, Manifest
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.model.store_reader import FactorStore, check_store_matches
@@ -225,3 +225,19 @@ def test_a_generated_shape_is_prepared_once_over_its_ranks(tmp_path, monkeypatch
     assert shapes.prepare("tiny-gqa", tmp_path, log=lambda line: None, ranks=2) == (model, store)
     assert time.monotonic() - t0 < 1
 
+
+def _record(method: str, engine: str, batch: int, step_s: float) -> Record:
+    s = {**STEP_KEYS, "method": method, "engine": engine, "gpus": 4, "batch": batch, "seq": 256}
+    m = {f"step_s_{k}": step_s for k in ("median", "p10", "p90")} | {"tokens_per_s_per_gpu": batch * 256 / step_s}
+    dev = {"count": 4, "name": "GPU", "key": "gpu"}
+    return Record("t", f"{method}-{engine}-b{batch}", s, "ok", "c", dev, [], "d", {}, "x", 1.0, m)
+
+
+def test_a_call_of_several_micro_batches_sets_frod_against_lora_at_each():
+    """LoRA's step at 4 x 256 is the fastest overall; at 32 x 256 FRoD is held against LoRA's 32 x 256 row."""
+    rows = [_record("frod", "z3layers", 4, 2.0), _record("lora", "fsdp2", 4, 1.0), _record("lora", "zero3", 4, 1.5)]
+    rows += [_record("frod", "z3layers", 32, 12.0), _record("lora", "fsdp2", 32, 6.0)]
+    suite = load_suite(REPO / "bench" / "suites" / "step-tiny.toml")
+    text = render(suite, "gpu", rows)
+    assert "| 4 (4×256) | `z3layers` | 2000.0 | `fsdp2` | 1000.0 | 2.00× |" in text
+    assert "| 4 (32×256) | `z3layers` | 12000.0 | `fsdp2` | 6000.0 | 2.00× |" in text
