@@ -98,20 +98,23 @@ def _row(r: Record, rows: list[Record]) -> str:
     return f"| `{r.config}` | {s['method']} | {engine} | {s['gpus']} | {_ms(r)} | {vs} | {tok} | {mfu} | {peak} |"
 
 
-def _fastest(rows: list[Record], method: str, gpus: int) -> Record | None:
+def _fastest(rows: list[Record], method: str, gpus: int, batch: int | None = None) -> Record | None:
     ok = [r for r in rows if r.status == "ok" and r.settings["method"] == method and r.settings["gpus"] == gpus]
+    ok = [r for r in ok if batch is None or r.settings["batch"] == batch]
     return min(ok, key=lambda r: r.metrics["step_s_median"], default=None)
 
 
 def _comparison(rows: list[Record]) -> list[str]:
+    """Per GPU count (and micro-batch, where the call measured several) FRoD's fastest against LoRA's."""
     out = [
         "| GPUs | FRoD's fastest | step ms | LoRA's fastest | step ms | FRoD ÷ LoRA (step) | "
         "FRoD tokens/s ÷ (N × LoRA's fastest on 1 GPU) | FRoD's N-GPU tokens/s ÷ its fastest on 1 GPU |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    lora1, frod1 = _fastest(rows, "lora", 1), _fastest(rows, "frod", 1)
-    for n in sorted({r.settings["gpus"] for r in rows}):
-        f, lo = _fastest(rows, "frod", n), _fastest(rows, "lora", n)
+    batches = sorted({r.settings["batch"] for r in rows})
+    for n, b in sorted({(r.settings["gpus"], r.settings["batch"]) for r in rows}):
+        f, lo = _fastest(rows, "frod", n, b), _fastest(rows, "lora", n, b)
+        lora1, frod1 = _fastest(rows, "lora", 1, b), _fastest(rows, "frod", 1, b)
         if f is None or lo is None:
             continue
         ratio = f.metrics["step_s_median"] / lo.metrics["step_s_median"]
@@ -123,8 +126,9 @@ def _comparison(rows: list[Record]) -> list[str]:
         if frod1 is not None:
             scale = f"{n * f.metrics['tokens_per_s_per_gpu'] / frod1.metrics['tokens_per_s_per_gpu']:.2f}× "
             scale += f"(`{frod1.settings['engine']}`)"
+        at = f"{n} ({b}×{f.settings['seq']})" if len(batches) > 1 else str(n)
         out.append(
-            f"| {n} | `{f.settings['engine']}` | {f.metrics['step_s_median'] * 1e3:.1f} | `{lo.settings['engine']}` | "
+            f"| {at} | `{f.settings['engine']}` | {f.metrics['step_s_median'] * 1e3:.1f} | `{lo.settings['engine']}` | "
             f"{lo.metrics['step_s_median'] * 1e3:.1f} | {ratio:.2f}× | {vs_n} | {scale} |"
         )
     return out if len(out) > 2 else []

@@ -151,7 +151,7 @@ def run_suite(
         if left < min(need, cfg["timeout_s"]):
             outcomes.append(Outcome(cfg.name, f"skipped: {max(left, 0.0):.0f} s of the budget left"))
             continue
-        shapes.prepare(cfg["shape"], work, log=log)
+        shapes.prepare(cfg["shape"], work, log=log, ranks=cfg["gpus"])
         left = budget_s - (time.monotonic() - t_start)
         cmd = _command(suite, cfg, results, work, call, series)
         logfile = Path(work) / "logs" / suite.name / f"{cfg.name}.log"

@@ -44,6 +44,9 @@ STEP_KEYS: dict[str, Any] = {
     "gather": "collective",
     "profile": 0,  # steps profiled after the timed ones (bench/kinds/profile.py), per rank; 0: none
     "leaf_modules": False,  # LoRA under ZeRO-3: each decoder layer one fetch unit
+    # LoRA's base: from_pretrained on every rank, or direct: built without weights, each rank reading its share
+    # straight from the files (bench/kinds/direct_load.py)
+    "load": "from_pretrained",
     "tag": "",  # a name suffix for a variant the other keys do not name
     "timeout_s": 240,  # a configuration still running after this is killed and recorded as timed out
 }
@@ -105,7 +108,8 @@ def _expand(table: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def config_name(s: dict[str, Any]) -> str:
-    """``frod-zero3-2g`` and, past the defaults, what differs: ``-gc``, ``-r64``, ``-nf4base``, ``-<tag>``."""
+    """``frod-zero3-2g`` and, past the defaults, what differs: ``-gc``, ``-r64``, ``-nf4base``, ``-direct``,
+    ``-<tag>``."""
     parts = [s["method"], s["engine"], f"{s['gpus']}g"]
     if s["shape"] != STEP_KEYS["shape"]:
         parts.insert(0, s["shape"])
@@ -117,6 +121,8 @@ def config_name(s: dict[str, Any]) -> str:
         parts.append(s["quant"] + ("base" if s["quantize_base"] else ""))
     if s["gather"] != STEP_KEYS["gather"]:
         parts.append(s["gather"])
+    if s["load"] != STEP_KEYS["load"]:
+        parts.append(s["load"])
     if s["profile"]:
         parts.append("prof")
     if s["tag"]:
@@ -148,6 +154,11 @@ def _check(s: dict[str, Any], where: str) -> None:
         raise BenchError(f"{where}: quant {s['quant']!r} is not none, nf4 or int8")
     if s["quantize_base"] and s["quant"] == "none":
         raise BenchError(f"{where}: quantize_base needs quant nf4 or int8")
+    if s["load"] not in ("from_pretrained", "direct"):
+        raise BenchError(f"{where}: load {s['load']!r} is not from_pretrained or direct")
+    direct_engines = ("plain", "ddp", "fsdp2", "zero3")
+    if s["load"] == "direct" and (s["method"] != "lora" or s["quant"] != "none" or s["engine"] not in direct_engines):
+        raise BenchError(f"{where}: load direct is LoRA's on a bf16 base under {', '.join(direct_engines)}")
     if s["warmup"] < 1 or s["steps"] < 1 or s["repeats"] < 1:
         raise BenchError(f"{where}: warmup, steps and repeats must each be at least 1")
     if s["tag"] and not re.fullmatch(r"[a-z0-9][a-z0-9_.]*", s["tag"]):

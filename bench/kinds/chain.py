@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.kinds import synthetic
-from bench.kinds.shapes import SHAPES, Shape
+from bench.kinds.shapes import SHAPES, Shape, launcher
 from bench.record import Record, commit, device_facts, now, record_path, versions
 from bench.runner import Outcome, kill_tree, proc_stat
 from bench.suite import BenchError, Config, Suite, with_defaults
@@ -90,10 +90,6 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def shape_of(s: dict[str, Any]) -> Shape:
     return replace(SHAPES[s["shape"]], layers=s["layers"] or SHAPES[s["shape"]].layers)
-
-
-def launcher(n: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
 
 
 @dataclass

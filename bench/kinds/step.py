@@ -8,9 +8,10 @@ gradient checkpointing when ``gc``. Engines: ``plain`` (one GPU, no wrapper; bf1
 ``fshard``: ``zero2.json`` with the frozen weights partitioned by ``frod_ds.model.frozen_shards``; ``z3layers``:
 ``zero3.json`` as ``frod train`` runs it (the same partition, built a unit at a time; σ and S under the JSON's
 ZeRO-2 form; ``zero3`` is DeepSpeed's own stage 3 of that JSON); ``fsdp2``: torch
-``fully_shard`` per decoder layer (a Parameter shared by layers, FRoD's V, replicated). LoRA under
-ZeRO-3 is loaded the way HF users do (``from_pretrained`` under ``HfDeepSpeedConfig``), FRoD by
-``build_frod_model``. A step is forward + backward + optimizer step, timed between device synchronisations over
+``fully_shard`` per decoder layer (a Parameter shared by layers, FRoD's V, replicated). LoRA's base is loaded
+the way HF users do (``from_pretrained``, under ZeRO-3 with ``HfDeepSpeedConfig``), or with ``load = "direct"``
+built without weights and each rank's share read straight from the files (``bench/kinds/direct_load.py``); FRoD
+by ``build_frod_model``. A step is forward + backward + optimizer step, timed between device synchronisations over
 ``repeats`` windows of ``steps`` steps after ``warmup`` untimed ones; memory is each rank's peak over the timed
 windows (``torch.cuda`` on a GPU: what the process allocated, whatever wrote it, plus what the run added outside
 torch's allocator, read off the driver). Each rank's host CPU time per timed step is recorded, and with
@@ -26,6 +27,7 @@ until the backward).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -147,20 +149,25 @@ def _bnb_config(s: dict):
 
 def build_lora(s: dict, model_dir: Path, ds_cfg: dict | None, device: torch.device, zero3_bnb_fix: bool = True):
     """PEFT LoRA on the same targets, adapters in bf16 like the base; ``zero3_bnb_fix=False`` keeps bitsandbytes'
-    own NF4 forward under ZeRO-3 (what the fix is measured against)."""
+    own NF4 forward under ZeRO-3 (what the fix is measured against). With ``load = "direct"`` the base is built
+    without weights and filled from the files; under FSDP2 the model comes back sharded (its shards loaded)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    from bench.kinds import direct_load
     from frod_ds.train.trainer import enable_gradient_checkpointing
 
-    z3 = _zero3(ds_cfg)
-    keep = HfDeepSpeedConfig(ds_cfg) if z3 else None  # noqa: F841 - alive while from_pretrained runs
-    quant = _bnb_config(s)
-    kw = {} if quant is None else {"quantization_config": quant}
-    if quant is not None and not z3:
-        kw["device_map"] = {"": device}  # bitsandbytes quantizes as the weights reach the device
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **kw)
+    z3, direct = _zero3(ds_cfg), s["load"] == "direct"
+    if direct:  # ZeRO-3: each rank's partitions read in (zero.Init by hand: HfDeepSpeedConfig would add its own)
+        model = direct_load.base_model(model_dir, ds_cfg)
+    keep = HfDeepSpeedConfig(ds_cfg) if z3 else None  # noqa: F841 - alive while the base is loaded and wrapped
+    if not direct:
+        quant = _bnb_config(s)
+        kw = {} if quant is None else {"quantization_config": quant}
+        if quant is not None and not z3:
+            kw["device_map"] = {"": device}  # bitsandbytes quantizes as the weights reach the device
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, **kw)
     if s["quant"] == "nf4" and z3 and zero3_bnb_fix:
         from bench.kinds.bnb_zero3 import keep_linear4bit_weights_partitioned
 
@@ -173,7 +180,12 @@ def build_lora(s: dict, model_dir: Path, ds_cfg: dict | None, device: torch.devi
         enable_gradient_checkpointing(model)
     cfg = LoraConfig(r=s["lora_r"], lora_alpha=2 * s["lora_r"], target_modules=TARGETS, lora_dropout=0.0)
     torch.manual_seed(0)  # LoRA's A is drawn at random: the same on every rank and in every run
-    model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
+    with direct_load.adapters_off_meta(model) if direct else contextlib.nullcontext():
+        model = get_peft_model(model, cfg, autocast_adapter_dtype=False)
+    if direct and not z3:
+        if s["engine"] == "fsdp2":
+            _shard_layers(model, device)
+        direct_load.load_weights(model, model_dir, device)  # each rank its rows (FSDP2), else every tensor whole
     return model, [{"params": [p for p in model.parameters() if p.requires_grad]}]
 
 
@@ -191,7 +203,8 @@ class Stepper:
             self.engine.train()  # from_pretrained leaves the base in eval mode, where no layer checkpoints
             self.model = self.wrapped = self.engine.module
             return
-        if getattr(model, "hf_device_map", None) is None:  # a quantized base is on its device already
+        # a quantized base, or the FSDP2 shards of a direct load, are on their device already
+        if getattr(model, "hf_device_map", None) is None and not _fsdp2_sharded(model):
             model = model.to(device)
         model = model.train()
         if s["engine"] == "fsdp2":
@@ -218,15 +231,33 @@ class Stepper:
         return loss.detach()
 
 
+def _fsdp2_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def _fully_shard(model, groups: list[dict], device: torch.device):
-    """FSDP2 over ``model`` (each decoder layer one unit, then the rest) and a fused AdamW over its sharded
-    parameters, in the same groups: ``fully_shard`` replaces each Parameter by a sharded one. A Parameter shared by
-    several layers (FRoD's V of a category) stays replicated (``ignored_params``)."""
+    """FSDP2 over ``model`` (``_shard_layers``, unless the direct load sharded it) and a fused AdamW over its sharded
+    parameters, in the same groups: ``fully_shard`` replaces each Parameter by a sharded one."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_of = {names[id(p)]: i for i, g in enumerate(groups) for p in g["params"]}
+    if not _fsdp2_sharded(model):
+        _shard_layers(model, device)
+    sharded: list[list] = [[] for _ in groups]
+    for n, p in model.named_parameters():
+        if n in group_of:
+            sharded[group_of[n]].append(p)
+    new = [{**g, "params": ps} for g, ps in zip(groups, sharded)]
+    return torch.optim.AdamW(new, lr=1e-4, fused=(device.type == "cuda") or None)
+
+
+def _shard_layers(model, device: torch.device) -> None:
+    """FSDP2: each decoder layer one ``fully_shard`` unit, then the whole model (torchtune's recipes). A Parameter
+    shared by several layers (FRoD's V of a category) stays replicated (``ignored_params``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    names = {id(p): n for n, p in model.named_parameters()}
-    group_of = {names[id(p)]: i for i, g in enumerate(groups) for p in g["params"]}
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     count: dict[int, int] = {}
@@ -237,12 +268,6 @@ def _fully_shard(model, groups: list[dict], device: torch.device):
     for m in layers:
         fully_shard(m, mesh=mesh, ignored_params=shared)
     fully_shard(model, mesh=mesh, ignored_params=shared)
-    sharded: list[list] = [[] for _ in groups]
-    for n, p in model.named_parameters():
-        if n in group_of:
-            sharded[group_of[n]].append(p)
-    new = [{**g, "params": ps} for g, ps in zip(groups, sharded)]
-    return torch.optim.AdamW(new, lr=1e-4, fused=(device.type == "cuda") or None)
 
 
 def _sync(device: torch.device) -> None:

@@ -1,21 +1,27 @@
 """The benchmark runner: suites expand and are validated; a run measures, records failures and time-outs, resumes,
-and its report regenerates; what a step record measured is the requested model (its first loss is the base
-model's loss on the same tokens, computed here with plain transformers)."""
+and its report regenerates (FRoD against LoRA per micro-batch where a call measured several); what a step record
+measured is the requested model (its first loss is the base model's loss on the same tokens, computed here with
+plain transformers); a generated shape is prepared once over its ranks, checkpoint and store complete."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench.kinds import shapes
 from bench.predict import read_predictions
-from bench.record import RESULTS, read_records
+from bench.record import RESULTS, Record, read_records
 from bench.report import render
-from bench.suite import BenchError, load_suite, with_defaults
+from bench.suite import STEP_KEYS, BenchError, load_suite, with_defaults
+from frod_ds.formats.factor_store import MANIFEST, Manifest
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.model.store_reader import FactorStore, check_store_matches
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 
@@ -46,6 +52,8 @@ def test_list_values_expand_to_one_configuration_each(tmp_path):
         ('[[configs]]\nmethod = "frod"\nengine = "zero2"\nshape = "13b"\n', "shape '13b'"),
         ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nquant = "fp8"\n', "quant 'fp8'"),
         ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nquantize_base = true\n', "quantize_base needs quant"),
+        ('[[configs]]\nmethod = "frod"\nengine = "fsdp2"\nload = "direct"\n', "load direct is LoRA's"),
+        ('[[configs]]\nmethod = "lora"\nengine = "zero2"\nload = "direct"\n', "load direct is LoRA's"),
         ("", "declares no configurations"),
     ],
 )
@@ -203,3 +211,33 @@ def test_every_committed_record_is_of_a_declared_configuration():
             continue  # results of the scripts before the runner
         suite = load_suite(doc["suite"])
         assert suite.config(doc["config"]).settings == with_defaults(doc["settings"], suite.kind), path
+
+
+@pytest.mark.slow
+def test_a_generated_shape_is_prepared_once_over_its_ranks(tmp_path, monkeypatch):
+    model, store = shapes.prepare("tiny-gqa", tmp_path, log=lambda line: None, ranks=2)
+    shape = shapes.SHAPES["tiny-gqa"]
+    assert len(HFCheckpoint(model).keys()) == 3 + 9 * shape.layers  # embeddings, norm, head; 7 linears, 2 norms a layer
+    assert Manifest.read(store / MANIFEST).complete
+    check_store_matches(FactorStore.open(store), HFCheckpoint(model))
+    monkeypatch.setattr(shapes.subprocess, "run", lambda *a, **k: pytest.fail("prepared again"))
+    t0 = time.monotonic()
+    assert shapes.prepare("tiny-gqa", tmp_path, log=lambda line: None, ranks=2) == (model, store)
+    assert time.monotonic() - t0 < 1
+
+
+def _record(method: str, engine: str, batch: int, step_s: float) -> Record:
+    s = {**STEP_KEYS, "method": method, "engine": engine, "gpus": 4, "batch": batch, "seq": 256}
+    m = {f"step_s_{k}": step_s for k in ("median", "p10", "p90")} | {"tokens_per_s_per_gpu": batch * 256 / step_s}
+    dev = {"count": 4, "name": "GPU", "key": "gpu"}
+    return Record("t", f"{method}-{engine}-b{batch}", s, "ok", "c", dev, [], "d", {}, "x", 1.0, m)
+
+
+def test_a_call_of_several_micro_batches_sets_frod_against_lora_at_each():
+    """LoRA's step at 4 x 256 is the fastest overall; at 32 x 256 FRoD is held against LoRA's 32 x 256 row."""
+    rows = [_record("frod", "z3layers", 4, 2.0), _record("lora", "fsdp2", 4, 1.0), _record("lora", "zero3", 4, 1.5)]
+    rows += [_record("frod", "z3layers", 32, 12.0), _record("lora", "fsdp2", 32, 6.0)]
+    suite = load_suite(REPO / "bench" / "suites" / "step-tiny.toml")
+    text = render(suite, "gpu", rows)
+    assert "| 4 (4×256) | `z3layers` | 2000.0 | `fsdp2` | 1000.0 | 2.00× |" in text
+    assert "| 4 (32×256) | `z3layers` | 12000.0 | `fsdp2` | 6000.0 | 2.00× |" in text
