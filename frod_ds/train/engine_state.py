@@ -137,8 +137,20 @@ def restore_checkpoint(
             "frod-ds that wrote it"
         )
     if world == layout.world and stage in (None, here) and params in (None, engine_params(engine)):
+        if dist.is_main() and (root / tag / TRAINABLE_STATE).is_file():
+            was = read_meta(root / tag / TRAINABLE_STATE)
+            if was.micro_batch_size != layout.micro:
+                note(f"resumed from {tag}{_split_note(was.micro_batch_size, layout.micro)}")
         return _load_engine_files(engine, root, tag)
     return _load_trainable_state(engine, root / tag, world, stage, here, layout, zero3)
+
+
+def _split_note(was: int, now: int) -> str:
+    """The loss is a mean per micro-batch: another micro_batch_size (same global batch) weighs the tokens otherwise."""
+    return (
+        f"; micro_batch_size {was} -> {now} weights each micro-batch's tokens differently, so losses are close to, "
+        f"not equal to, the original layout's (train.micro_batch_size={was} continues it exactly)"
+    )
 
 
 def _load_engine_files(engine, root: Path, tag: str) -> int:
@@ -180,14 +192,7 @@ def _load_trainable_state(
         + [f"from {was} on {is_}"] * (was != is_)
         + [f"from σ and S held {held} to {now}"] * (held != now)
     )
-    split = (
-        ""
-        if meta.micro_batch_size == layout.micro
-        else (
-            f"; micro_batch_size {meta.micro_batch_size} -> {layout.micro} weights each micro-batch's tokens "
-            "differently, so losses are close to, not equal to, the original layout's"
-        )
-    )
+    split = "" if meta.micro_batch_size == layout.micro else _split_note(meta.micro_batch_size, layout.micro)
     note(
         f"resumed {change} "
         f"(same global batch {BatchSizes(meta.micro_batch_size, meta.grad_accum, meta.world_size).total}) "

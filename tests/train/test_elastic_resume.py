@@ -74,6 +74,18 @@ def test_resume_on_one_and_four_ranks_continues_the_two_rank_run(env, tmp_path, 
         assert adapter.keys() == want_adapter.keys()
         for k, v in want_adapter.items():
             assert (adapter[k] - v).abs().max() <= 1e-5 * v.abs().max(), (nproc, k)
+    if config == CPU_ZERO2:  # the same ranks, another split of the global batch: DeepSpeed's own files, and a note
+        out = _stopped_at_step3(ref, tmp_path / "micro1")
+        split = {**COMMON, "train.micro_batch_size": 1, "train.grad_accum": 4}
+        res = run_train(config, env.overrides(out, **split), nproc=2)
+        assert res.returncode == 0, res.stderr[-3000:]
+        notes = [x for x in res.stderr.splitlines() if x.startswith("note: resumed from")]
+        assert notes == [
+            f"note: resumed from step{SAVED:08d}; micro_batch_size 2 -> 1 weights each micro-batch's tokens "
+            "differently, so losses are close to, not equal to, the original layout's (train.micro_batch_size=2 "
+            "continues it exactly)"
+        ], res.stderr[-3000:]
+        assert sorted(r["step"] for r in metrics(out)) == list(range(1, STEPS + 1))
 
 
 def _continues_under(env, tmp_path, first: tuple, then: tuple, change: str) -> None:
