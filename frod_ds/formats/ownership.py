@@ -11,6 +11,7 @@ written. A folder published as a whole is built in a temporary sibling and renam
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -252,6 +253,8 @@ def check_replaceable(
         return
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
         return  # an empty directory holds nothing to lose
+    if out.is_symlink():
+        raise error(f"{what} {out} is {_link_state(out)}")
     wanted = " or ".join(KINDS[k] for k in kinds)
     legacy_kind = None
     if not is_marked(out):
@@ -281,6 +284,16 @@ def check_replaceable(
         )
     if foreign:
         _refuse_foreign(out, _scan(out, legacy_kind), what, error)
+
+
+def _link_state(link: Path) -> str:
+    """What symbolic link ``link`` is, and what to pass instead: frod-ds writes only into real directories."""
+    target, why = os.readlink(link), "frod-ds writes only into a real directory, not through a link"
+    try:
+        return f"a symbolic link to {target}: {why}; pass {os.path.realpath(link, strict=True)} itself, or a new one"
+    except OSError as exc:
+        state = "a symbolic link loop" if exc.errno == errno.ELOOP else f"a symbolic link to {target}, not there"
+        return f"{state}: {why}; choose a new directory"
 
 
 def check_out(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -233,3 +235,29 @@ def test_a_marker_of_no_kind_is_never_replaced(tmp_path):
     with pytest.raises(FrodError, match="no kind"):
         remove_owned(out, "data-build")
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["to a marked folder", "loop", "dangling"])
+def test_an_output_that_is_a_symbolic_link_is_refused_naming_the_link(tmp_path, kind):
+    """An output path that is a link (to an earlier output of the same kind, to itself, to nothing) is refused in
+    one line saying it is a link and what to pass instead, never written through; the link and its target stay."""
+    real = tmp_path / "store"
+    real.mkdir()
+    mark_dir(real, "factor-store", ["manifest.json"])
+    (real / "manifest.json").write_text("{}")
+    link = tmp_path / "out"
+    if kind == "to a marked folder":
+        link.symlink_to(real)
+        says = f"is a symbolic link to {real}: frod-ds writes only into a real directory, not through a link; pass"
+    elif kind == "loop":
+        link.symlink_to(tmp_path / "other")
+        (tmp_path / "other").symlink_to(link)
+        says = "is a symbolic link loop: frod-ds writes only into a real directory"
+    else:
+        link.symlink_to(tmp_path / "gone")
+        says = f"is a symbolic link to {tmp_path / 'gone'}, not there"
+    links = {p.name: os.readlink(p) for p in tmp_path.iterdir() if p.is_symlink()}
+    before = tree(real)
+    with pytest.raises(FrodError, match=f"^--out {link} {re.escape(says)}"):
+        check_replaceable(link, "factor-store")
+    assert tree(real) == before and links == {p.name: os.readlink(p) for p in tmp_path.iterdir() if p.is_symlink()}
