@@ -117,6 +117,7 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
         torch.cuda.reset_peak_memory_stats(device)
     model_dir = D.on_main(lambda: str(resolve_model_dir(cfg.model)))  # rank 0 downloads first, then the others
     ckpt = D.on_all(lambda: HFCheckpoint(model_dir if D.is_main() else resolve_model_dir(cfg.model)))
+    D.on_all(lambda: ckpt.config(required=False))  # a config.json of other sizes than the weights: refused first
     categories = D.on_all(lambda: plan_categories(ckpt, cfg.categories))  # reads shard headers only
 
     def fresh() -> Manifest:
@@ -135,7 +136,6 @@ def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[
             base_fingerprint(ckpt, cfg.targets),
         )
 
-    D.on_all(lambda: ckpt.config(required=False))  # a config.json of other sizes than the weights: refused here
     manifest = D.on_main(
         lambda: store_writer.prepare_store(cfg.out, fresh(), cfg.overwrite, {"--model": model_dir}, ckpt)
     )

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SIZE_KEYS", "config_problems", "expected_shapes", "weights_problems"]
+__all__ = ["REQUIRED_KEYS", "SIZE_KEYS", "config_problems", "expected_shapes", "weights_problems"]
 
 # the sizes a LLaMA-family config.json gives, each a positive integer when present
 SIZE_KEYS = (
@@ -25,6 +25,8 @@ SIZE_KEYS = (
     "head_dim",
     "vocab_size",
 )
+# the sizes a LLaMA-family config.json must give when its weights hold LLaMA-named decoder layers
+REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _LAYER = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$"
 )
@@ -84,6 +86,10 @@ def weights_problems(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
         expected = want.get(hit.group(2))
         if expected is not None and tuple(shape) != expected and not problems:
             problems.append(f"{name} has shape {list(shape)}, the config gives {list(expected)}")
+    absent = [k for k in REQUIRED_KEYS if cfg.get(k) is None]
+    if layers and absent and "text_config" not in cfg:  # transformers would build its own defaults' sizes
+        names = ", ".join(absent)
+        problems.append(f"it names no {names}, which transformers would fill with its defaults, not these weights'")
     n = cfg.get("num_hidden_layers")
     if layers and _positive_int(n) and layers != set(range(n)):
         problems.append(f"the weights hold decoder layers {_ranges(layers)}, the config gives num_hidden_layers {n}")

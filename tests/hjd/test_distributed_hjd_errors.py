@@ -246,16 +246,34 @@ def test_hjd_of_a_well_posed_category_at_a_huge_scale_passes_the_probe(tmp_path,
         ({"num_key_value_heads": 4}, "k_proj.weight has shape [16, 32], the config gives [32, 32]"),
         ({"vocab_size": 65}, "lm_head.weight has shape [64, 32], the config gives [vocab_size, hidden_size] [65, 32]"),
         ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"num_hidden_layers": None}, "it names no num_hidden_layers, which transformers would fill with its defaults"),
+        ({"vocab_size": None, "intermediate_size": None}, "it names no intermediate_size, vocab_size, which"),
     ],
 )
 def test_hjd_refuses_a_config_that_does_not_describe_the_weights(model, tmp_path, capsys, change, needle):
     """HJD reads only the weights, but the store records the config and training builds the model from it: a
-    config.json of other sizes is refused before anything is written (a missing or torn one is noted, see the
-    failure corpus)."""
+    config.json of other sizes, or silent on one (None: the key removed), is refused before anything is written (a
+    missing or torn one is noted, see the failure corpus)."""
     cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, **change}))
+    cfg = {k: v for k, v in {**cfg, **change}.items() if v is not None}
+    (model / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "store"
     assert main(["--model", str(model), "--out", str(out), "--device", "cpu"]) == 2
     (line,) = _error_lines(capsys.readouterr().err)
     assert needle in line, line
+    assert not out.exists()
+
+
+def test_hjd_names_a_damaged_tensor_against_the_config_before_its_category(model, tmp_path, capsys):
+    """One v_proj of another width (a damaged checkpoint) is named with the config's shape, not answered with
+    "split the category" (the category check ran first)."""
+    name = "model.layers.1.self_attn.v_proj.weight"
+    shard = shard_of(model, name)
+    tensors = load_file(shard)
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"{name} has shape [16, 31], the config gives [16, 32]" in line and "split" not in line, line
     assert not out.exists()
