@@ -169,7 +169,12 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
     if not (p / CONFIG).is_file() or not (p / WEIGHTS).is_file():
         raise AdapterError(not_an_adapter(p))
     config = AdapterConfig.read(p / CONFIG)
-    if config.weights_crc32 is not None and parse_crc32(config.weights_crc32) != file_crc32(p / WEIGHTS):
+    if config.weights_crc32 is None:  # versions 1-2 (a version 3 without one is refused by the reader)
+        note(
+            f"{p / CONFIG} is of adapter version {config.version}, which records no checksum of {WEIGHTS}: its "
+            "weights are read unchecked (an adapter trained by today's frod-ds records one)"
+        )
+    elif parse_crc32(config.weights_crc32) != file_crc32(p / WEIGHTS):
         raise AdapterError(
             f"{p / WEIGHTS} does not match the checksum its {CONFIG} records; the adapter file was "
             "changed or damaged after it was written: use another adapter (e.g. an earlier "
