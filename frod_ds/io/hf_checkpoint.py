@@ -164,6 +164,15 @@ def check_config_file(model_dir: str | os.PathLike) -> dict:
             "the original checkpoint"
         )
     problems = config_problems(data)
+    kind = data.get("model_type")
+    if isinstance(kind, str) and not problems:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        if kind not in CONFIG_MAPPING_NAMES:
+            raise CheckpointError(
+                f"{path}: model_type {kind!r} is no architecture transformers knows; copy config.json from the "
+                "original checkpoint (a model newer than this transformers needs a newer one)"
+            )
     if problems:
         raise CheckpointError(
             f"{path}: {'; '.join(problems)}; no model has these sizes: copy config.json from the original checkpoint"
@@ -299,8 +308,23 @@ class HFCheckpoint:
                     f"{path} does not describe the weights in {self.dir} ({'; '.join(problems)}); the config is of "
                     "another model: copy the config.json that came with these weights"
                 )
+            if self._untied_head(config):
+                raise CheckpointError(
+                    f"{path} ties lm_head to the embedding (tie_word_embeddings: true), but {self.dir} holds an "
+                    "lm_head.weight of other values, which the tied model would drop: set tie_word_embeddings to "
+                    "false to keep the checkpoint's own head, as transformers does"
+                )
             self._config = config
         return self._config
+
+    def _untied_head(self, config: dict) -> bool:
+        """The config ties ``lm_head`` to ``embed_tokens`` while the checkpoint holds an ``lm_head.weight`` of
+        other values (a copy of the embedding is fine)."""
+        embed = next((k for k in self.keys() if k.endswith("embed_tokens.weight")), None)
+        if config.get("tie_word_embeddings") is not True or "lm_head.weight" not in self or embed is None:
+            return False
+        same = self.shape("lm_head.weight") == self.shape(embed)
+        return not (same and self.get("lm_head.weight").equal(self.get(embed)))
 
     def keys(self) -> list[str]:
         """All tensor names of the checkpoint (from the index; no shard is opened)."""

@@ -96,6 +96,7 @@ def test_config_is_checked_against_the_weights(tmp_path, capsys):
         ({"num_hidden_layers": 2}, "the weights hold decoder layers 0-2, the config gives num_hidden_layers 2"),
         ({"num_key_value_heads": 1}, "k_proj.weight has shape [16, 32], the config gives [8, 32]"),
         ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
+        ({"model_type": "foo"}, "model_type 'foo' is no architecture transformers knows"),
     ):
         (path / "config.json").write_text(json.dumps({**good, **change}))
         for required in (True, False):
@@ -108,3 +109,25 @@ def test_config_is_checked_against_the_weights(tmp_path, capsys):
     (path / "config.json").unlink()
     assert HFCheckpoint(path).config(required=False) is None
     assert "records no model config" in capsys.readouterr().err
+
+
+def test_a_tied_config_over_a_checkpoint_with_its_own_head_is_refused(tmp_path):
+    """``tie_word_embeddings: true`` where the checkpoint holds an ``lm_head.weight`` of other values: the tied
+    model would drop the checkpoint's head, so the config is refused naming the key; a head equal to the
+    embedding (a tied model saved with both) is fine, and so is the untied config."""
+    from safetensors.torch import load_file, save_file
+
+    from frod_ds.runtime.errors import CheckpointError
+
+    path = write_tiny_llama(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False and "lm_head.weight" in HFCheckpoint(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    for required in (True, False):
+        with pytest.raises(CheckpointError, match="holds an lm_head.weight of other values.*tie_word_embeddings to"):
+            HFCheckpoint(path).config(required=required)
+    embed, head = shard_of(path, "model.embed_tokens.weight"), shard_of(path, "lm_head.weight")
+    tensors = load_file(head)
+    tensors["lm_head.weight"] = load_file(embed)["model.embed_tokens.weight"].clone()
+    save_file(tensors, head, metadata={"format": "pt"})
+    assert HFCheckpoint(path).config()["tie_word_embeddings"] is True
