@@ -198,6 +198,12 @@ def _load_module(
                         t = _packed(t, spec_of(p), p, key)
                     if tuple(t.shape) != tuple(p.shape):
                         raise StoreError(f"{key}: shape {tuple(t.shape)} in the files, {tuple(p.shape)} in the model")
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # where it enters, not later
+                        where = "factor store" if isinstance(module, FRoDLinear) else f"checkpoint {ckpt.dir}"
+                        raise StoreError(
+                            f"{key} holds {int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN/inf) in the "
+                            f"{where}: the file is damaged; use an intact copy of it"
+                        )
                     p.copy_(t.to(p.dtype))
                     if pn == "V":
                         state["v_done"].add(id(p))
