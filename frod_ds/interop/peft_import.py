@@ -88,7 +88,10 @@ def _check_files(peft_dir: Path) -> dict[str, str]:
     report = peft_dir / EXPORT_REPORT
     recorded = FileDigests.read(report, PeftInteropError, "export the adapter again", required=False)
     if recorded is None and report.is_file():
-        note(f"{report} records no checksum of the adapter's files (an older frod-ds): imported unchecked")
+        note(
+            f"{report} records no checksum of the adapter's files (written by an older frod-ds, or edited "
+            "since): imported unchecked"
+        )
     for name in recorded.files if recorded is not None else ():
         if recorded.changed(peft_dir, name):
             raise PeftInteropError(
