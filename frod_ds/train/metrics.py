@@ -55,12 +55,16 @@ def _row_step(line: str) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def drop_rows_after(path: Path, step: int) -> None:
+def drop_rows_after(path: Path, step: int, log_every: int = 1) -> None:
     """Keep only the rows of ``path`` up to ``step``, the step a run continues from: the steps after it are
     replayed (all of them when a run killed before its first sealed checkpoint starts over), none logged twice.
+    A log that lost the rows up to ``step`` (one was written every ``log_every`` steps) gets a ``note:``.
     A last line cut short by a kill is dropped with a ``note:``; any other line that is not a row is a
     ``FrodError`` naming it (the file is left as it is)."""
+    gone = f"the rows of steps 1-{step} are gone (deleted since?): the log and loss.png start after step {step}"
     if not path.is_file():
+        if step >= log_every:
+            note(f"{path} is missing; {gone}")
         return
     text = path.read_text(errors="replace")
     lines = text.splitlines()
@@ -77,6 +81,8 @@ def drop_rows_after(path: Path, step: int) -> None:
             )
         if at is not None and at <= step:
             kept.append(line)
+    if step >= log_every and not kept:
+        note(f"{path} holds no row up to step {step}; {gone}")
     atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 

@@ -44,6 +44,25 @@ def test_a_last_row_that_lost_only_its_newline_is_kept(tmp_path, capsys):
     assert "note:" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("state", ["deleted", "emptied"])
+def test_a_log_that_lost_the_rows_before_the_checkpoint_says_so(tmp_path, capsys, state):
+    """A resume from step 3 whose metrics.jsonl was deleted (or emptied) since: the rows of steps 1-3 cannot come
+    back, and a note says the log starts after step 3 (it did silently); from step 0 there is nothing to miss."""
+    from frod_ds.train.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    if state == "emptied":
+        path.write_text("")
+    drop_rows_after(path, step=0)
+    assert "note:" not in capsys.readouterr().err
+    drop_rows_after(path, step=3, log_every=5)  # no row was due yet
+    assert "note:" not in capsys.readouterr().err
+    drop_rows_after(path, step=3, log_every=2)
+    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
+    assert len(notes) == 1 and str(path) in notes[0], notes
+    assert "the rows of steps 1-3 are gone" in notes[0] and "start after step 3" in notes[0]
+
+
 def test_an_edited_line_in_the_middle_is_refused_and_the_file_kept(tmp_path):
     from frod_ds.runtime.errors import FrodError
     from frod_ds.train.metrics import drop_rows_after
