@@ -464,6 +464,38 @@ def data_surrogate(world, case, spec):
     _jsonl(case, rows)
 
 
+def _data_row_edit(world: World, case: Path, edit: Callable[[dict], None]) -> None:
+    rows = _rows(world)
+    row = json.loads(rows[5])
+    edit(row)
+    rows[5] = json.dumps(row)
+    _jsonl(case, rows)
+
+
+def data_one_choice(world, case, spec):
+    _data_row_edit(world, case, lambda r: r.update(choices=[r["answer"]], label=0))
+
+
+def data_same_choices(world, case, spec):
+    _data_row_edit(world, case, lambda r: r.update(choices=[r["answer"], r["answer"]], label=0))
+
+
+def data_label_range(world, case, spec):
+    _data_row_edit(world, case, lambda r: r.update(label=len(r["choices"]) + 3))
+
+
+def data_label_bool(world, case, spec):
+    _data_row_edit(world, case, lambda r: r.update(label=True))
+
+
+def data_answer_elsewhere(world, case, spec):
+    _data_row_edit(world, case, lambda r: r.update(answer=r["answer"] + " not a choice"))
+
+
+def data_empty_answer(world, case, spec):
+    _data_row_edit(world, case, lambda r: r.update(answer="", choices=["", "x"], label=0))
+
+
 def data_fifo(world, case, spec):
     os.mkfifo(case / "train.jsonl")
 
@@ -575,6 +607,31 @@ def _config_edit(world: World, case: Path, **edit) -> None:
 def model_config_layers(world, case, spec):
     cfg = json.loads((Path(world.paths["model"]) / "config.json").read_text())
     _config_edit(world, case, num_hidden_layers=cfg["num_hidden_layers"] + 1)
+
+
+def model_config_no_layers(world, case, spec):
+    _copy(world, "model", case / "model")
+    cfg = json.loads((case / "model" / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (case / "model" / "config.json").write_text(json.dumps(cfg))
+
+
+def model_config_unknown_type(world, case, spec):
+    _config_edit(world, case, model_type="foo")
+
+
+def model_config_tied_own_head(world, case, spec):
+    _config_edit(world, case, tie_word_embeddings=True)  # the tiny model's lm_head.weight is its own
+
+
+def out_link(world, case, spec):
+    (case / "target").mkdir()
+    os.symlink(case / "target", case / "out")
+
+
+def out_link_loop(world, case, spec):
+    os.symlink(case / "loop_b", case / "out")
+    os.symlink(case / "out", case / "loop_b")
 
 
 def model_config_zero_hidden(world, case, spec):
@@ -1229,6 +1286,17 @@ STEPS: dict[str, Callable] = {
         ds_steps_word,
         ds_stage3_keys,
         data_surrogate,
+        data_one_choice,
+        data_same_choices,
+        data_label_range,
+        data_label_bool,
+        data_answer_elsewhere,
+        data_empty_answer,
+        model_config_no_layers,
+        model_config_unknown_type,
+        model_config_tied_own_head,
+        out_link,
+        out_link_loop,
         data_fifo,
         data_loop,
         model_config_layers,
@@ -1786,7 +1854,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repo", type=Path, default=HERE, help="frod-ds checkout whose commands run (default: this one)")
     ap.add_argument("--corpus", type=Path, default=CORPUS, help="the case list (YAML)")
-    ap.add_argument("--only", default=None, help="run only the cases whose name contains this")
+    ap.add_argument("--only", default=None, help="run only the cases whose name holds this (several: a|b)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1)")
     ap.add_argument("--validate", action="store_true", help="check the corpus file and exit (no command runs)")
@@ -1831,7 +1899,7 @@ def main(argv: list[str] | None = None) -> int:
     if problems or args.validate:
         print("\n".join(problems) or f"{len(cases)} cases, all valid")
         return 1 if problems else 0
-    cases = [c for c in cases if not args.only or args.only in c["name"]]
+    cases = [c for c in cases if not args.only or any(o in c["name"] for o in args.only.split("|"))]
     repo = args.repo.resolve()
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="frod-failure-corpus-") as tmp:
