@@ -168,9 +168,18 @@ def _read_param(name: str, pn: str, module: nn.Module, ckpt, keys: set[str], sto
 
 
 def _load_module(
-    name: str, module: nn.Module, ckpt, keys: set[str], store, rank0: bool, zero3: bool, state: dict
+    name: str,
+    module: nn.Module,
+    ckpt,
+    keys: set[str],
+    store,
+    rank0: bool,
+    zero3: bool,
+    state: dict,
+    skip: set[int] | frozenset = frozenset(),
 ) -> None:
-    """Fill the direct parameters of ``module`` (rank 0 reads, ZeRO-3 re-partitions).
+    """Fill the direct parameters of ``module`` (rank 0 reads, ZeRO-3 re-partitions) but those in ``skip`` (ids:
+    another rank's share of a partitioned unit).
 
     Problems are recorded in ``state`` (``missing`` keys, the first ``error``) instead of raised, so every
     rank keeps making the same collective gathers; the caller raises once all ranks know.
@@ -183,6 +192,8 @@ def _load_module(
             return
         for pn, p in params:
             key = f"{name}.{pn}" if name else pn
+            if id(p) in skip:
+                continue
             if isinstance(module, FRoDLinear) and pn == "V" and id(p) in state["v_done"]:
                 continue  # one V per category, shared by its members
             try:

@@ -18,7 +18,7 @@ from frod_ds.core.layer import FRoDLinear, SparseSupport
 from frod_ds.core.quant import QuantError, quantize_untargeted
 from frod_ds.model.apply import mark_only_frod_trainable
 from frod_ds.model.build import _load_module, _swap_targets, check_store_quant
-from frod_ds.model.frozen_shards import attach, frozen_units, install, open_bank, shard_unit, shared_params
+from frod_ds.model.frozen_shards import attach, frozen_units, install, not_mine, open_bank, shard_unit, shared_params
 from frod_ds.model.skeleton import recompute_rope, skeleton
 from frod_ds.runtime.distributed import agree_on_error
 
@@ -76,21 +76,22 @@ def build_layer_partitioned(
     state: dict = {"missing": [], "error": None, "v_done": set()}
     seen: set[int] = set()
 
-    def load(name: str, module: nn.Module) -> None:
+    def load(name: str, module: nn.Module, skip: set[int] | frozenset = frozenset()) -> None:
         _materialize(module)
         fresh = [p for p in module.parameters(recurse=False) if id(p) not in seen or isinstance(module, FRoDLinear)]
         if not fresh:
             return  # tied weights already loaded through their first module
         seen.update(id(p) for p in module.parameters(recurse=False))
-        _load_module(name, module, ckpt, keys, store, True, False, state)
+        _load_module(name, module, ckpt, keys, store, True, False, state, skip)
 
     for name, module in model.named_modules():  # outside the units: the final norm, the rotary embedding
         if id(module) not in inside:
             load(name, module)
     made = []
     for name, unit in units:
+        others = not_mine(unit, shared)  # the other ranks' shares: not read here
         for sub, module in unit.named_modules(prefix=name):
-            load(sub, module)
+            load(sub, module, others)
         if state["error"] is None:
             made += shard_unit(name, unit, shared, device, bank)
     missing, error = state["missing"], state["error"]

@@ -29,6 +29,7 @@ __all__ = [
     "attach",
     "frozen_units",
     "install",
+    "not_mine",
     "open_bank",
     "shard_frozen",
     "shard_unit",
@@ -279,6 +280,17 @@ def open_bank(
 
 
 @torch.no_grad()
+def not_mine(module: nn.Module, shared: set[int]) -> set[int]:
+    """Ids of ``module``'s frozen Parameters that lie wholly outside this rank's span of the flat unit (its shapes
+    suffice: call it on the skeleton): a build need not read them, the ranks whose spans hold them do."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: set[int] = set()
+    for _, params, spans, per_rank in _layout(module, shared, world) if world > 1 else ():
+        lo, hi = rank * per_rank, (rank + 1) * per_rank
+        out |= {id(p) for p, (s, e) in zip(params, spans) if not (s < hi and e > lo)}
+    return out
+
+
 def shard_unit(
     name: str, module: nn.Module, shared: set[int], device: torch.device, bank: Bank | None = None
 ) -> list[Unit]:

@@ -161,24 +161,51 @@ ONE_STEP = {"train.max_steps": 1, "train.schedule": "constant", "train.warmup_ra
 @pytest.fixture(scope="module")
 def one_step_zero3(env, tmp_path_factory):
     """One step under zero3.json's layer partition on 2 ranks, told they have a GPU (no hint is printed without
-    one), the DeepSpeed config the planner's hint was given kept as ``hint_config`` (rank 0's)."""
+    one), the DeepSpeed config the planner's hint was given kept as ``hint_config`` (rank 0's), and the base
+    factor store's U_i each rank's build read as ``u_read``."""
     from frod_ds.cli import train
     from frod_ds.plan import recommend
+    from frod_ds.train import trainer
 
-    out, seen = tmp_path_factory.mktemp("z3"), tmp_path_factory.mktemp("hint") / "config.json"
-    real = recommend.train_hint
+    out, seen = tmp_path_factory.mktemp("z3"), tmp_path_factory.mktemp("spies")
+    hint, build = recommend.train_hint, trainer.build_layer_partitioned
 
-    def spy(recipe, ds_config, *args, **kwargs):
+    def spy_hint(recipe, ds_config, *args, **kwargs):
         if os.environ.get("RANK") == "0":
-            seen.write_text(json.dumps(ds_config))
-        return real(recipe, ds_config, *args, **kwargs)
+            (seen / "config.json").write_text(json.dumps(ds_config))
+        return hint(recipe, ds_config, *args, **kwargs)
+
+    def spy_build(ckpt, store, *args, **kwargs):
+        names: list[str] = []
+        load_u = store.load_U
+        store.load_U = lambda name: names.append(name) or load_u(name)  # this store object only
+        model = build(ckpt, store, *args, **kwargs)
+        (seen / f"read{os.environ['RANK']}").write_text(json.dumps(names))
+        return model
 
     with pytest.MonkeyPatch.context() as mp:  # the ranks are forked from this process (tests/support/ranks.py)
         mp.setattr(train, "gpu_memory", lambda: 80 * 2**30)
-        mp.setattr(recommend, "train_hint", spy)
+        mp.setattr(recommend, "train_hint", spy_hint)
+        mp.setattr(trainer, "build_layer_partitioned", spy_build)
         res = run_train(CPU_ZERO3, env.overrides(out, **ONE_STEP))
     assert res.returncode == 0, res.stderr[-3000:]
-    return {**metrics(out)[0], "hint_config": json.loads(seen.read_text())}
+    read = [json.loads((seen / f"read{r}").read_text()) for r in (0, 1)]
+    return {**metrics(out)[0], "hint_config": json.loads((seen / "config.json").read_text()), "u_read": read}
+
+
+def test_each_rank_reads_about_its_share_of_the_frozen_factors(one_step_zero3, env):
+    """Under the layer partition a rank keeps 1/N of each decoder layer's frozen tensors and reads only those its
+    span touches (it read them all, then kept its share): on 2 ranks each U_i is read by one rank, but for one
+    per layer that straddles their spans; together they read every one."""
+    from frod_ds.model.store_reader import FactorStore
+
+    store = FactorStore.open(env.store)
+    every = {f"{m}" for c in store.categories for m in store.categories[c]}
+    read = one_step_zero3["u_read"]
+    assert all(len(r) == len(set(r)) for r in read), read
+    assert set(read[0]) | set(read[1]) == every, (read, every)
+    layers = 2  # the env's; a U_i straddling the two ranks' spans of a layer is read by both
+    assert len(read[0]) + len(read[1]) <= len(every) + layers, (read, len(every))
 
 
 def test_zero3_hint_plans_the_layer_partition(one_step_zero3):
