@@ -269,6 +269,7 @@ def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:
         recorder.close()
         if refused and D.is_main():
             store_writer.discard_unfinished(cfg.out, manifest, existed)
+            store_writer.restore_aside(cfg.out)  # a store --overwrite was replacing
     ranks = D.all_gather_object(store_writer.rank_summary(time.perf_counter() - t_start, device, ckpt))
 
     def finish() -> Manifest:
@@ -283,6 +284,7 @@ def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:
         )
         manifest.complete = not manifest.missing_categories
         atomic_write_text(cfg.out / MANIFEST, manifest.to_json())
+        store_writer.drop_aside(cfg.out)  # the store --overwrite replaced
         return manifest
 
     manifest = D.on_main(finish)

@@ -29,7 +29,7 @@ from frod_ds.formats.factor_store import (
     is_store_file,
 )
 from frod_ds.formats.output_dir import MARKER, entries_of, match, read_record
-from frod_ds.formats.ownership import check_replaceable, is_marked, marker_kind, record_files
+from frod_ds.formats.ownership import check_replaceable, delete_owned, is_marked, marker_kind, record_files
 from frod_ds.hjd.category import CategoryResult
 from frod_ds.io.dtypes import dtype_name
 from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
@@ -156,6 +156,45 @@ def remove_store_files(out: Path, category: str | None = None) -> None:
                 p.unlink()
 
 
+def _aside(out: Path) -> Path:
+    return out.parent / f".{out.name}.replaced"
+
+
+def set_aside(out: Path) -> None:
+    """``--overwrite`` of a store: its files move into a hidden sibling (``.NAME.replaced``) until the new store is
+    complete, so a build that fails gives the old one back (``restore_aside``); one that succeeds drops it
+    (``drop_aside``). If the sibling is there already (a replacement killed earlier), ``out`` holds that build's
+    partial files, which go, and the sibling keeps the store being replaced. Rank 0, before any factor is written."""
+    aside = _aside(out)
+    if aside.is_dir():
+        remove_store_files(out)
+        return
+    entries = entries_of(read_record(out), KIND) or ()
+    aside.mkdir()
+    for f in list(out.iterdir()):
+        if f.name != MARKER and match(entries, f.name, f.is_dir()) == "own":
+            f.rename(aside / f.name)
+    shutil.copy2(out / MARKER, aside / MARKER)
+
+
+def restore_aside(out: Path) -> None:
+    """Rank 0, after a replacement build refused its input: its files go, the store it replaced comes back."""
+    aside = _aside(out)
+    if not aside.is_dir():
+        return
+    remove_store_files(out)
+    for f in list(aside.iterdir()):
+        f.replace(out / f.name)
+    aside.rmdir()
+    note(f"--out {out}: the new store was not built; the store it was to replace is back")
+
+
+def drop_aside(out: Path) -> None:
+    """Rank 0, once the new store is built: the replaced one goes (what its record lists)."""
+    if _aside(out).is_dir():
+        delete_owned(_aside(out), KIND)
+
+
 def discard_unfinished(out: Path, manifest: Manifest, existed: bool) -> None:
     """Rank 0, after the run refused its input (NaN weights, a failed probe): a store this run created is removed
     whole (nothing partial is left); of one that was there before, the files of every category not complete (its
@@ -271,7 +310,7 @@ def prepare_store(
     planned = [c for c in fresh.targets if c in fresh.categories]
     record_files(out, [MANIFEST, *(g for c in planned for g in file_globs(c))], KIND)  # before any is written
     if resumable and manifest is None:
-        remove_store_files(out)
+        set_aside(out)  # until the new store is complete
     elif damaged:  # a store's leftovers without its manifest
         # Without the manifest no factor file can be trusted (which weights, which configuration): a store HJD
         # wrote is started anew (its files only); an unmarked one needs --overwrite (checked above)

@@ -277,3 +277,32 @@ def test_hjd_names_a_damaged_tensor_against_the_config_before_its_category(model
     (line,) = _error_lines(capsys.readouterr().err)
     assert f"{name} has shape [16, 31], the config gives [16, 32]" in line and "split" not in line, line
     assert not out.exists()
+
+
+def _files(root):
+    import hashlib
+
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in root.rglob("*")}
+
+
+def test_overwrite_keeps_the_old_store_until_the_new_one_is_built(model, tmp_path, capsys):
+    """``--overwrite`` with weights the build refuses (one q_proj scaled so far that its probe fails) leaves the
+    store it was to replace byte for byte (it was deleted before the build began); one that succeeds replaces it
+    and leaves no copy beside it."""
+    import shutil
+
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu"]) == 0
+    before = _files(out)
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    _scaled(broken, "model.layers.1.self_attn.q_proj.weight", 1e30)
+    capsys.readouterr()
+    assert main(["--model", str(broken), "--out", str(out), "--device", "cpu", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert len(_error_lines(err)) == 1 and "the store it was to replace is back" in err, err
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "model", "store"]
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu", "--pi", "0.01", "--overwrite"]) == 0
+    assert FactorStore.open(out).complete and _files(out) != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "model", "store"]
