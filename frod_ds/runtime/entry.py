@@ -88,7 +88,11 @@ def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
     record as a failed job."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # this process is the command: no library caller
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C: the user's own stop, not a bug; what is half-written is never published
+        print("error: interrupted (Ctrl-C); the same command again continues from what was finished", file=sys.stderr)
+        code = 130
     if not fast_exit:
         sys.exit(code)
     sys.stdout.flush()

@@ -71,6 +71,28 @@ def test_a_bug_in_a_launch_script_shows_its_traceback_and_exits_1(tmp_path):
     assert not [line for line in proc.stderr.splitlines() if line.startswith("error:")]
 
 
+@pytest.mark.parametrize("fast_exit", [False, True])
+def test_ctrl_c_is_one_line_and_exit_130_not_a_traceback(capsys, fast_exit, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt, here raised while a command is still importing) is the user's stop: one line
+    saying the same command continues, exit code 130, no traceback."""
+    exits = []
+    monkeypatch.setattr(entry.os, "_exit", lambda code: exits.append(code))
+
+    def main():
+        raise KeyboardInterrupt
+
+    if fast_exit:
+        entry.run_script(main, fast_exit=True)
+    else:
+        with pytest.raises(SystemExit) as ex:
+            entry.run_script(main)
+        exits.append(ex.value.code)
+    err = capsys.readouterr().err
+    assert exits == [130] and err.splitlines() == [
+        "error: interrupted (Ctrl-C); the same command again continues from what was finished"
+    ]
+
+
 def _group_body(fail: BaseException | None):
     import torch.distributed as tdist
 
