@@ -205,11 +205,11 @@ def _load_module(
                     if t is None:
                         state["missing"].append(key)
                         continue
-                    if spec_of(p) is not None:
+                    if spec_of(p) is not None:  # a quantized blob (its bytes held in a float dtype): no values
                         t = _packed(t, spec_of(p), p, key)
                     if tuple(t.shape) != tuple(p.shape):
                         raise StoreError(f"{key}: shape {tuple(t.shape)} in the files, {tuple(p.shape)} in the model")
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # where it enters, not later
+                    if spec_of(p) is None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
                         where = "factor store" if isinstance(module, FRoDLinear) else f"checkpoint {ckpt.dir}"
                         raise StoreError(
                             f"{key} holds {int((~torch.isfinite(t)).sum())} non-finite value(s) (NaN/inf) in the "

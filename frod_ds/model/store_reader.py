@@ -226,7 +226,8 @@ class FactorStore:
 def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
     """``StoreError`` (one line) unless ``ckpt`` is the base model the store was built from.
 
-    With every targeted weight, they must have the store's ``fingerprint`` (other tensors may differ). Lacking some
+    With every targeted weight, they must have the store's ``fingerprint`` and the other tensors its
+    ``base_fingerprint`` (format 3: a base with other norms or embeddings is another model). Lacking some
     (deleted once decomposed: training never reads them), the ones it holds must have their recorded digests and its
     other tensors the store's ``base_fingerprint`` (format 3; an older store needs the full checkpoint): such a
     checkpoint is never taken on trust, and the weights it lacks are the store's own (their digests, V and every
@@ -250,15 +251,19 @@ def check_store_matches(store: FactorStore, ckpt: HFCheckpoint) -> None:
                 f"factor store {store.path} was built from {store.base_model} (fingerprint {store.fingerprint[:16]}…) "
                 f"but {ckpt.dir} has fingerprint {fingerprint[:16]}…; rebuild it with frod hjd"
             )
-        return
+        if recorded_base is None:  # a store of format 1-2: its targeted weights are all it identifies
+            return
     found = base_fingerprint(ckpt, store.targets)
     if found != recorded_base:
         raise StoreError(
-            f"factor store {store.path} was built from {store.base_model} but {ckpt.dir}, which lacks the targeted "
-            f"weights, has other untargeted tensors (embeddings, norms, untargeted linears: fingerprint "
+            f"factor store {store.path} was built from {store.base_model} but {ckpt.dir}"
+            f"{', which lacks the targeted weights,' if absent else ''} has other untargeted tensors (embeddings, "
+            f"norms, untargeted linears: fingerprint "
             f"{recorded_base[:16]}… there, {(found or 'none')[:16]}… here); use that model's checkpoint or rebuild "
             "the store with frod hjd"
         )
+    if not absent:
+        return
     digests = tensor_digests(ckpt, present)
     for name in present:
         want = (store.record(store.category_of(names[name])).weight_sha256 or {}).get(names[name])

@@ -20,6 +20,7 @@ from launch import demo as demo_cli
 from launch import eval as eval_cli
 from launch import export as export_cli
 from launch import train as train_cli
+from tests.support.helpers_ckpt import hjd_in_process
 from tests.support.train_env import CPU_ZERO2, REPO, build_env, run_train
 
 MAX_STEPS = 2
@@ -498,11 +499,13 @@ def test_a_weight_that_overflows_stops_training_without_an_adapter(env, tmp_path
     shutil.copytree(env.model, model)
     for shard in model.glob("*.safetensors"):
         tensors = load_file(str(shard))
-        if "model.norm.weight" in tensors:  # not a targeted weight: the factor store still matches
+        if "model.norm.weight" in tensors:  # not a targeted weight, but the store records the others' fingerprint
             tensors["model.norm.weight"][:] = 3e38
             save_file(tensors, str(shard), metadata={"format": "pt"})
+    store = tmp_path / "store"
+    assert hjd_in_process(["--model", str(model), "--out", str(store), "--device", "cpu"]).returncode == 0
     out = tmp_path / "out"
-    line = proc_error(train_proc(env, out, f"model.base={model}", "train.max_steps=6"))
+    line = proc_error(train_proc(env, out, f"model.base={model}", f"model.factor_store={store}", "train.max_steps=6"))
     assert "consecutive steps with a non-finite loss" in line and "train.max_nonfinite_steps" in line
     assert not (out / "adapter-final").exists()
 

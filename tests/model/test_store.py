@@ -106,6 +106,26 @@ def test_check_store_matches_refuses_another_model(tmp_path, bf16_store):
         check_store_matches(store, HFCheckpoint(other))
 
 
+@pytest.mark.parametrize("name", ["model.layers.1.post_attention_layernorm.weight", "model.embed_tokens.weight"])
+def test_check_store_matches_refuses_a_base_with_other_untargeted_weights(tmp_path, bf16_store, name):
+    """The full checkpoint with the store's targeted weights but another norm or embedding is another model: the
+    store's base_fingerprint refuses it (eval and export scored and merged onto it without a word)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.support.helpers_ckpt import shard_of
+
+    model, path = bf16_store
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    tensors = load_file(shard_of(other, name))
+    tensors[name] = tensors[name] * 0
+    save_file(tensors, shard_of(other, name), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"but .*other has other untargeted tensors \(embeddings, norms"):
+        check_store_matches(FactorStore.open(path), HFCheckpoint(other))
+
+
 def test_factor_store_open_errors(tmp_path, bf16_store):
     with pytest.raises(ValueError, match="does not exist"):
         FactorStore.open(tmp_path / "nowhere")
