@@ -59,6 +59,9 @@ def parse_modes(spec: str) -> tuple[str, ...]:
     return modes
 
 
+INPUT_FLAGS = ("data", "checkpoint", "base_model", "factor_store", "model", "tokenizer")  # folders eval reads
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """Everything a run needs; the fields are ``frod eval``'s flags (``mode`` the comma list as given)."""
@@ -109,10 +112,11 @@ class EvalConfig:
             problems.append(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if Path(self.output).exists() and not Path(self.output).is_dir():
             problems.append(f"--output {self.output} exists and is not a directory")
-        elif Path(self.output).is_dir():  # results replace an earlier eval's (nothing else in it), or fill an empty one
+        else:  # results replace an earlier eval's (nothing else in it), or fill a new or empty one, never an input
+            inputs = {f"--{k.replace('_', '-')}": getattr(self, k) for k in INPUT_FLAGS}
             try:
                 check_replaceable(
-                    Path(self.output), RESULTS_KIND, what="--output", error=EvalError, legacy=_is_legacy_results
+                    Path(self.output), RESULTS_KIND, inputs, what="--output", error=EvalError, legacy=_is_legacy_results
                 )
             except EvalError as exc:
                 problems.append(str(exc))

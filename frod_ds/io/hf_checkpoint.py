@@ -164,15 +164,6 @@ def check_config_file(model_dir: str | os.PathLike) -> dict:
             "the original checkpoint"
         )
     problems = config_problems(data)
-    kind = data.get("model_type")
-    if isinstance(kind, str) and not problems:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-        if kind not in CONFIG_MAPPING_NAMES:
-            raise CheckpointError(
-                f"{path}: model_type {kind!r} is no architecture transformers knows; copy config.json from the "
-                "original checkpoint (a model newer than this transformers needs a newer one)"
-            )
     if problems:
         raise CheckpointError(
             f"{path}: {'; '.join(problems)}; no model has these sizes: copy config.json from the original checkpoint"
@@ -301,6 +292,15 @@ class HFCheckpoint:
                     note(f"{path} is not valid JSON: the factor store records no model config")
                     return None
             config = check_config_file(self.dir)
+            kind = config.get("model_type")
+            if isinstance(kind, str):  # the planner reads config.json without transformers (and torch): not there
+                from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+                if kind not in CONFIG_MAPPING_NAMES:
+                    raise CheckpointError(
+                        f"{path}: model_type {kind!r} is no architecture transformers knows; copy config.json from "
+                        "the original checkpoint (a model newer than this transformers needs a newer one)"
+                    )
             shapes = {name: self.shape(name) for name in self.keys() if name.endswith(".weight")}
             problems = weights_problems(config, shapes)
             if problems:

@@ -20,7 +20,7 @@ import yaml
 from frod_ds.config.recipe import Recipe, recipe_to_dict
 from frod_ds.formats.lease import holding
 from frod_ds.formats.output_dir import entries_of, match, read_record
-from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_kind, record_files
+from frod_ds.formats.ownership import check_replaceable, delete_owned, input_clash, marker_kind, record_files
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.errors import FrodError
 from frod_ds.train.checkpoints import sealed_checkpoints
@@ -58,9 +58,17 @@ def check_run_dir(out: Path) -> None:
     check_replaceable(out, RUN_HOSTS, what="output_dir", legacy=_is_legacy_run, foreign=False)
 
 
-def check_writable(out: Path) -> None:
+def check_writable(out: Path, inputs: dict[str, Path | str | None] | None = None) -> None:
     """``output_dir`` must be a directory this process can write to, or creatable: checked on it or its nearest
-    existing parent, without creating anything (a run that fails later leaves no empty ``output_dir``)."""
+    existing parent, without creating anything (a run that fails later leaves no empty ``output_dir``); and apart
+    from every folder of ``inputs`` (name → path: the run would write into what it reads)."""
+    clash = input_clash(Path(os.path.realpath(out)), inputs or {})
+    if clash:
+        relation, name = clash
+        raise FrodError(
+            f"output_dir {out} {relation} {name} {(inputs or {})[name]}, an input of this run; refusing to write "
+            "there, choose another output_dir"
+        )
     where = out
     while not where.exists() and where != where.parent:
         where = where.parent

@@ -529,6 +529,33 @@ def test_eval_refuses_a_non_finite_adapter(env, nan_adapter, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("inside", ["store", "model", "data"])
+def test_training_into_an_input_is_refused(env, tmp_path, capsys, inside):
+    """output_dir inside the factor store, the base model or the data build the run reads: refused before anything
+    is written there (the run wrote its files into the store, the model folder)."""
+    src = {"store": env.store, "model": env.model, "data": env.data}[inside]
+    copy = tmp_path / inside
+    shutil.copytree(src, copy)
+    before = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*"))
+    key = {"store": "model.factor_store", "model": "model.base", "data": "data.train"}[inside]
+    line = one_error(capsys, train(env, copy / "run", f"{key}={copy}"))
+    assert f"output_dir {copy / 'run'} is inside {key} {copy}, an input of this run" in line, line
+    assert sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*")) == before
+
+
+@pytest.mark.parametrize("flag", ["--data", "--checkpoint"])
+def test_eval_into_an_input_is_refused(env, trained, tmp_path, capsys, flag):
+    """--output inside the data build or the adapter it scores: refused before anything is written there."""
+    data, adapter = tmp_path / "data", tmp_path / "adapter"
+    shutil.copytree(env.data, data)
+    shutil.copytree(trained / "adapter-final", adapter)
+    out = (data if flag == "--data" else adapter) / "results"
+    argv = ["--checkpoint", str(adapter), "--data", str(data), "--tasks", "boolq", "--limit", "2", "--output", str(out)]
+    line = one_error(capsys, eval_cli.main(argv))
+    assert f"--output {out} (not there yet) is inside {flag}" in line and "an input of this command" in line, line
+    assert not out.exists()
+
+
 # -- damaged inputs of eval and export --------------------------------------------------------------------
 
 

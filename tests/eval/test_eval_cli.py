@@ -382,6 +382,7 @@ def test_bad_modes_and_rows_the_mode_cannot_score_are_one_line_errors(assets, tm
 
 def test_script_exits_2_with_one_error_line(assets, tmp_path):
     env = clean_env()
+    (tmp_path / "not-a-build").mkdir()
     run = subprocess.run(
         [
             sys.executable,
@@ -389,7 +390,7 @@ def test_script_exits_2_with_one_error_line(assets, tmp_path):
             "--model",
             str(assets["known"]),
             "--data",
-            str(tmp_path),
+            str(tmp_path / "not-a-build"),
             "--output",
             str(tmp_path / "out"),
         ],
@@ -453,7 +454,8 @@ def test_output_into_a_directory_eval_did_not_write_is_refused(assets, adapter, 
     scored = tmp_path / "adapter"
     shutil.copytree(adapter["checkpoint"], scored)
     before = sorted(p.name for p in scored.iterdir())
-    _fails(["--checkpoint", str(scored), *common, "--output", str(scored)], capsys, "holds a trained adapter")
+    said = "(a trained adapter) is --checkpoint"
+    _fails(["--checkpoint", str(scored), *common, "--output", str(scored)], capsys, said)
     assert sorted(p.name for p in scored.iterdir()) == before
     empty = tmp_path / "empty"
     empty.mkdir()
