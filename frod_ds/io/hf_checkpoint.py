@@ -259,6 +259,12 @@ class HFCheckpoint:
                     f"{index} is not a valid safetensors index (no weight_map); download it again"
                 ) from None
             self._file_of = {name: self.dir / fname for name, fname in weight_map.items()}
+            if single.is_file() and single not in set(self._file_of.values()):
+                raise CheckpointError(
+                    f"{self.dir} holds both the sharded {INDEX_NAME} and a {SINGLE_NAME} it does not list: "
+                    f"transformers would read {SINGLE_NAME}, frod-ds the shards; move the one that is not this "
+                    "model's out of the folder"
+                )
         elif single.is_file():
             self._file_of = {name: single for name in _read_header(single)}
         else:

@@ -131,3 +131,22 @@ def test_a_tied_config_over_a_checkpoint_with_its_own_head_is_refused(tmp_path):
     tensors["lm_head.weight"] = load_file(embed)["model.embed_tokens.weight"].clone()
     save_file(tensors, head, metadata={"format": "pt"})
     assert HFCheckpoint(path).config()["tie_word_embeddings"] is True
+
+
+def test_a_stray_single_file_beside_a_sharded_index_is_refused(tmp_path):
+    """A folder holding a sharded checkpoint and a model.safetensors its index does not list (another model's):
+    transformers would read the single file, frod-ds the shards, so the folder is refused, naming both; a single
+    file the index itself lists is a shard like any other."""
+    import shutil
+
+    from frod_ds.runtime.errors import CheckpointError
+
+    sharded = write_tiny_llama(tmp_path / "m")
+    assert len(shard_files(sharded)) > 1
+    one = write_tiny_llama(tmp_path / "one", max_shard_size="100MB", seed=3)
+    shutil.copy(one / "model.safetensors", sharded / "model.safetensors")
+    with pytest.raises(CheckpointError, match="holds both the sharded model.safetensors.index.json and a model"):
+        HFCheckpoint(sharded)
+    index = {"weight_map": {name: "model.safetensors" for name in HFCheckpoint(one).keys()}}
+    (one / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert set(HFCheckpoint(one).keys()) == set(index["weight_map"])
