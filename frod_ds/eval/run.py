@@ -155,6 +155,13 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
         other = [r["task"] for r in task_rows if r["task"] != task]
         if other:
             raise EvalError(f"{path} holds rows of task {other[0]!r}; expected only {task!r}")
+        first: dict[str, int] = {}
+        for line, r in enumerate(task_rows, start=1):
+            if first.setdefault(r["id"], line) != line:
+                raise EvalError(
+                    f"{path} rows {first[r['id']]} and {line} have the same id {r['id']!r}: it would be scored twice; "
+                    "deduplicate the file or build the data again with frod data build"
+                )
         empty = [r["id"] for r in task_rows if not all(r["choices"])]
         if empty:
             raise EvalError(f"{path}: row {empty[0]!r} has an empty answer string in 'choices'")

@@ -326,11 +326,13 @@ def test_rows_without_choices_are_a_clear_error(assets, tmp_path, capsys):
         (lambda r: r.update(choices=[r["answer"]], label=0), "line 2: fewer than two choices"),
         (lambda r: r.update(choices=[r["answer"], r["answer"]], label=0), "line 2: duplicate choices"),
         (lambda r: r.update(prompt=r["prompt"] + "\ud800"), "line 2: field 'prompt' holds a lone surrogate"),
+        (lambda r: r.update(id="piqa-0"), "rows 1 and 2 have the same id 'piqa-0': it would be scored twice"),
     ],
 )
 def test_rows_that_score_a_free_point_or_cannot_be_tokenized_are_refused(assets, tmp_path, capsys, edit, needle):
     """One choice, or two the same: the arg-max over the choices is the label whatever the model says (a free point);
-    a lone surrogate stops the tokenizer. The loader names the file and line, before the model is loaded."""
+    a lone surrogate stops the tokenizer; a repeated id is scored twice. The loader names the file and line, before
+    the model is loaded."""
     rows = make_rows("piqa", 3)
     edit(rows[1])
     (tmp_path / "data" / "eval").mkdir(parents=True)
