@@ -45,7 +45,8 @@ __all__ = [
     "save_adapter",
 ]
 
-STOP_EXIT_CODE = 143  # 128 + SIGTERM: stopped on request, checkpoint written
+STOP_EXIT_CODE = 143  # 128 + SIGTERM: stopped on request, checkpoint written (130 for Ctrl-C)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a checkpoint, then exit 128 + the signal
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,13 @@ class Run:
 
 @dataclass
 class LoopState:
-    """What the loop changes: the step reached, consecutive non-finite losses, and a SIGTERM's request to stop."""
+    """What the loop changes: the step reached, consecutive non-finite losses, and a SIGTERM's or Ctrl-C's request
+    to stop (``stop_signal``: which)."""
 
     step: int
     nonfinite: int = 0
     stop_requested: bool = False
+    stop_signal: int = signal.SIGTERM
 
 
 def save_checkpoint(run: Run, step: int) -> None:
@@ -198,21 +201,28 @@ def fit(run: Run) -> int:
     bar = tqdm(
         total=run.total_steps, initial=run.start_step, disable=not dist.is_main(), desc="train", dynamic_ncols=True
     )
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     try:
         return _fit(run, bar)
     except BaseException:
         bar.close()  # so that the one error line starts a line of its own, not after the progress bar
         raise
+    finally:
+        for sig, handler in handlers.items():  # the process's own again
+            signal.signal(sig, handler)
 
 
 def _fit(run: Run, bar: tqdm) -> int:
     t = run.recipe.train
     state = LoopState(run.start_step)
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        state.stop_requested = True
+    def on_stop(signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and state.stop_requested:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, the last sealed checkpoint stays
+        state.stop_requested, state.stop_signal = True, signum
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_stop)
     log = MetricsLog(run.out, t.tensorboard) if dist.is_main() else None  # importable: checked in preflight
     run.engine.train()
     if state.step >= run.total_steps and (run.out / "adapter-final").is_dir():
@@ -230,8 +240,9 @@ def _fit(run: Run, bar: tqdm) -> int:
         stop = _step(run, state, log, bar)
         if stop:
             bar.close()
-            dist.print0(f"SIGTERM: checkpoint saved at step {state.step}; re-run the same command to resume")
-            return STOP_EXIT_CODE
+            name = signal.Signals(state.stop_signal).name
+            dist.print0(f"{name}: checkpoint saved at step {state.step}; re-run the same command to resume")
+            return 128 + state.stop_signal  # 143 for SIGTERM, 130 for Ctrl-C
     bar.close()
     if state.step > run.start_step:  # resumed at the last step: the checkpoint resumed from is that step's
         save_checkpoint(run, state.step)

@@ -177,7 +177,8 @@ def main(argv: list[str]) -> int:
     if os.environ.get("FROD_RANKS_EXEC") != "1":
         _preimport(cmd)
     procs = [_start(cmd, _rank_env(dict(os.environ), rank, n, port)) for rank in range(n)]
-    signal.signal(signal.SIGTERM, lambda *_: None)  # the ranks got it too (process group): wait for them
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the ranks got it too (process group): wait for them
+        signal.signal(sig, lambda *_: None)
     return _supervise(procs)
 
 
