@@ -111,6 +111,8 @@ class Recipe:
             p.append("data.train is required (train.jsonl from `frod data build`)")
         if d.cutoff_len < 8:
             p.append(f"data.cutoff_len must be >= 8, got {d.cutoff_len}")
+        if d.limit is not None and d.limit < 1:
+            p.append(f"data.limit must be >= 1 (rows to use), or null for every row; got {d.limit}")
         if t.lr_sigma <= 0 or t.lr_s < 0:
             p.append(f"train.lr_sigma must be > 0 and train.lr_s >= 0, got {t.lr_sigma}, {t.lr_s}")
         if t.schedule not in ("cosine", "linear", "constant"):

@@ -107,6 +107,7 @@ def nan_adapter(env, trained):
         ("train.lr_s=.inf", "train.lr_s must be a finite number"),
         ("train.warmup_ratio=.nan", "train.warmup_ratio must be a finite number"),
         ("train.max_nonfinite_steps=0", "train.max_nonfinite_steps must be >= 1"),
+        ("data.limit=0", "data.limit must be >= 1 (rows to use), or null for every row; got 0"),
         ("train.bogus=1", "unknown key 'train.bogus'"),
         ("model.sparsity=2", "model.sparsity"),
     ],
