@@ -187,7 +187,8 @@ def export_transformers(
             provenance: dict[str, Any] = {
                 "format": "frod-ds-export",
                 "adapter": str(checkpoint_dir),
-                "base_model": config.base_model,
+                "base_model": str(Path(model_dir).resolve()),  # the base merged into (--base-model when given)
+                "trained_on": config.base_model,  # the base the adapter records
                 "factor_store": str(store.path),
                 "factor_store_fingerprint": store.fingerprint,
                 "step": config.step,
