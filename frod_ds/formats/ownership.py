@@ -51,7 +51,6 @@ __all__ = [
     "inventory",
     "foreign_files",
     "check_replaceable",
-    "input_clash",
     "check_out",
     "remove_owned",
     "delete_owned",
@@ -197,7 +196,7 @@ def _refuse_foreign(out: Path, scan: _Scan, what: str, error: type[Exception]) -
             raise error(f"{what} {out}: {lease.parent} is being written by {holder}; wait for it to end")
 
 
-def input_clash(real: Path, inputs: dict[str, Path | str | None]) -> tuple[str, str] | None:
+def _input_clash(real: Path, inputs: dict[str, Path | str | None]) -> tuple[str, str] | None:
     """``(relation, input name)`` when ``real`` is, contains or is inside one of ``inputs``."""
     for name, path in inputs.items():
         if path is None or not os.path.lexists(path):
@@ -242,7 +241,7 @@ def check_replaceable(
     for inside in (Path.cwd().resolve(), _REPO):
         if os.path.lexists(out) and (inside == real or real in inside.parents):
             raise error(f"{what} {out} contains {inside}; refusing to replace it, choose a new directory")
-    clash = input_clash(real, inputs or {})
+    clash = _input_clash(real, inputs or {})
     if clash:
         relation, name = clash
         holds = _what_it_holds(out) if out.is_dir() else "a file" if os.path.lexists(out) else "not there yet"

@@ -110,11 +110,7 @@ def preflight(
         check_vocab(examples + eval_examples, vocab, str(recipe.model.tokenizer or base.dir), base.dir)
     _check_batch(recipe, len(examples), len(rows), world)
     _check_sparsity(recipe, store)
-    m = recipe.model
-    data = Path(recipe.data.train)
-    reads = {"model.base": base.dir, "model.factor_store": store.path, "model.tokenizer": m.tokenizer}
-    reads |= {"model.init_adapter": m.init_adapter, "data.train": data if data.is_dir() else None}
-    check_writable(Path(recipe.output_dir), reads)
+    check_writable(Path(recipe.output_dir))
     init = init_adapter(recipe, store, store_identity)
     identity = run_identity(recipe, base, world, examples, eval_examples)
     if resume_tag is not None:

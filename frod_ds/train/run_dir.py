@@ -20,7 +20,7 @@ import yaml
 from frod_ds.config.recipe import Recipe, recipe_to_dict
 from frod_ds.formats.lease import holding
 from frod_ds.formats.output_dir import entries_of, match, read_record
-from frod_ds.formats.ownership import check_replaceable, delete_owned, input_clash, marker_kind, record_files
+from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_kind, record_files
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.errors import FrodError
 from frod_ds.train.checkpoints import sealed_checkpoints
@@ -31,6 +31,7 @@ __all__ = [
     "PREVIOUS_RUN",
     "check_run_dir",
     "check_writable",
+    "run_inputs",
     "recipe_yaml",
     "open_run_dir",
     "record_adapter",
@@ -51,24 +52,24 @@ def _is_legacy_run(out: Path) -> bool:
     return any(p.name.startswith("adapter-") and marker_kind(p) == "adapter" for p in out.iterdir() if p.is_dir())
 
 
-def check_run_dir(out: Path) -> None:
+def run_inputs(recipe: Recipe) -> dict[str, str | None]:
+    """The folders a run reads (recipe key → path): its ``output_dir`` must be none of them, nor inside one."""
+    m, data = recipe.model, recipe.data.train
+    reads = {"model.base": m.base, "model.factor_store": m.factor_store, "model.tokenizer": m.tokenizer}
+    return reads | {"model.init_adapter": m.init_adapter, "data.train": data if data and Path(data).is_dir() else None}
+
+
+def check_run_dir(out: Path, inputs: dict[str, Path | str | None] | None = None) -> None:
     """``FrodError`` unless training may write into ``output_dir`` ``out``: absent, empty, or a run frod-ds
-    training wrote (its marker, or an older run's checkpoints/adapters). Other commands' outputs beside the
-    adapters (evals, exports) are not this check's business: training deletes nothing."""
-    check_replaceable(out, RUN_HOSTS, what="output_dir", legacy=_is_legacy_run, foreign=False)
+    training wrote (its marker, or an older run's checkpoints/adapters), and apart from ``inputs`` (``run_inputs``).
+    Other commands' outputs beside the adapters (evals, exports) are not this check's business: training deletes
+    nothing."""
+    check_replaceable(out, RUN_HOSTS, inputs, what="output_dir", legacy=_is_legacy_run, foreign=False)
 
 
-def check_writable(out: Path, inputs: dict[str, Path | str | None] | None = None) -> None:
+def check_writable(out: Path) -> None:
     """``output_dir`` must be a directory this process can write to, or creatable: checked on it or its nearest
-    existing parent, without creating anything (a run that fails later leaves no empty ``output_dir``); and apart
-    from every folder of ``inputs`` (name → path: the run would write into what it reads)."""
-    clash = input_clash(Path(os.path.realpath(out)), inputs or {})
-    if clash:
-        relation, name = clash
-        raise FrodError(
-            f"output_dir {out} {relation} {name} {(inputs or {})[name]}, an input of this run; refusing to write "
-            "there, choose another output_dir"
-        )
+    existing parent, without creating anything (a run that fails later leaves no empty ``output_dir``)."""
     where = out
     while not where.exists() and where != where.parent:
         where = where.parent

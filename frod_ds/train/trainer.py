@@ -37,7 +37,7 @@ from frod_ds.train.engine_state import restore_checkpoint
 from frod_ds.train.loop import Run, fit
 from frod_ds.train.metrics import METRICS, drop_rows_after
 from frod_ds.train.preflight import Inputs, preflight
-from frod_ds.train.run_dir import check_run_dir, open_run_dir
+from frod_ds.train.run_dir import check_run_dir, open_run_dir, run_inputs
 from frod_ds.train.schedule import lr_scheduler
 
 __all__ = ["Run", "setup", "fit", "enable_gradient_checkpointing"]
@@ -58,7 +58,7 @@ def setup(
     the model is built (``frod train`` prints the planner's hint from them, so nothing is read twice)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     out = Path(recipe.output_dir)
-    dist.on_all(lambda: check_run_dir(out))  # before anything reads or writes there
+    dist.on_all(lambda: check_run_dir(out, run_inputs(recipe)))  # before anything reads or writes there
     # The checkpoint to resume: rank 0 checks the files against their seals (newest first) once for all.
     resume = (None, []) if recipe.train.new_run else dist.on_main(lambda: choose_checkpoint(out / "checkpoints"))
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.

@@ -540,7 +540,7 @@ def test_training_into_an_input_is_refused(env, tmp_path, capsys, inside):
     before = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*"))
     key = {"store": "model.factor_store", "model": "model.base", "data": "data.train"}[inside]
     line = one_error(capsys, train(env, copy / "run", f"{key}={copy}"))
-    assert f"output_dir {copy / 'run'} is inside {key} {copy}, an input of this run" in line, line
+    assert f"output_dir {copy / 'run'} (not there yet) is inside {key} {copy}, an input of this command" in line, line
     assert sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*")) == before
 
 
