@@ -130,7 +130,7 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
 
     Every missing file is reported in one EvalError; a bad row raises DataPrepError naming file and line.
     """
-    from frod_ds.prep.rows import read_rows
+    from frod_ds.prep.rows import read_rows, repeated_id
     from frod_ds.prep.tasks import parse_tasks
 
     tasks = parse_tasks(tasks_spec)
@@ -155,13 +155,12 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
         other = [r["task"] for r in task_rows if r["task"] != task]
         if other:
             raise EvalError(f"{path} holds rows of task {other[0]!r}; expected only {task!r}")
-        first: dict[str, int] = {}
-        for line, r in enumerate(task_rows, start=1):
-            if first.setdefault(r["id"], line) != line:
-                raise EvalError(
-                    f"{path} rows {first[r['id']]} and {line} have the same id {r['id']!r}: it would be scored twice; "
-                    "deduplicate the file or build the data again with frod data build"
-                )
+        twice = repeated_id(task_rows)
+        if twice:
+            raise EvalError(
+                f"{path} rows {twice[0]} and {twice[1]} have the same id {twice[2]!r}: it would be scored twice; "
+                "deduplicate the file or build the data again with frod data build"
+            )
         empty = [r["id"] for r in task_rows if not all(r["choices"])]
         if empty:
             raise EvalError(f"{path}: row {empty[0]!r} has an empty answer string in 'choices'")

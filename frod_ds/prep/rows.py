@@ -100,14 +100,32 @@ def check_row(row: Any) -> str | None:
     for key, kind in OPTIONAL_FIELDS.items():
         if key in row and type(row[key]) is not kind:
             return f"field '{key}' must be {kind.__name__} when present, got {type(row[key]).__name__}"
-    choices, label = row["choices"], row["label"]
-    if not choices or not all(type(c) is str for c in choices):
+    return label_problem(row) or text_problem(row)
+
+
+def label_problem(row: dict[str, Any]) -> str | None:
+    """A multiple-choice row's ``choices``, ``label`` and ``answer`` agree: two distinct string choices and an
+    integer label pointing at the answer (training applies it to any row that has either field)."""
+    choices, label = row.get("choices"), row.get("label")
+    if not isinstance(choices, list) or not choices or not all(type(c) is str for c in choices):
         return "field 'choices' must be a non-empty list of strings"
+    if type(label) is not int:
+        return f"field 'label' must be int, got {type(label).__name__}"
     if not 0 <= label < len(choices):
         return f"label {label} out of range for {len(choices)} choices"
     if choices[label] != row["answer"]:
         return f"answer {row['answer']!r} is not choices[{label}] ({choices[label]!r})"
-    return choices_problem(choices) or text_problem(row)
+    return choices_problem(choices)
+
+
+def repeated_id(rows: list[dict[str, Any]]) -> tuple[int, int, str] | None:
+    """``(first row, repeat, id)`` (1-based) of the first string ``id`` two rows share: scored or trained twice."""
+    first: dict[str, int] = {}
+    for i, row in enumerate(rows, start=1):
+        rid = row.get("id")
+        if isinstance(rid, str) and first.setdefault(rid, i) != i:
+            return first[rid], i, rid
+    return None
 
 
 def read_rows(

@@ -18,7 +18,7 @@ import torch
 from frod_ds.config.ds_config import BatchSizes
 from frod_ds.eval.predict import encode_rows
 from frod_ds.formats.folders import wrong_folder
-from frod_ds.prep.rows import MAX_ROW_CHARS, choices_problem, read_rows, row_separator, text_problem
+from frod_ds.prep.rows import MAX_ROW_CHARS, label_problem, read_rows, repeated_id, row_separator, text_problem
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.paths import file_problem
@@ -72,23 +72,8 @@ def _check_training_row(row) -> str | None:
     if not row["answer"].strip():
         return "field 'answer' is empty: there is nothing to train on; fix or drop the row"
     if "choices" in row or "label" in row:  # a multiple-choice row: the build's rules, whoever wrote the file
-        return text_problem(row) or _choices_problem(row)
+        return text_problem(row) or label_problem(row)
     return text_problem({k: row[k] for k in ("prompt", "separator", "answer") if k in row})
-
-
-def _choices_problem(row: dict) -> str | None:
-    """A row with ``choices`` or ``label`` holds both, two distinct string choices and an integer label pointing at
-    ``answer`` (what ``frod data build`` keeps): otherwise it trains on an answer its own row contradicts."""
-    choices, label = row.get("choices"), row.get("label")
-    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-        return "field 'choices' must be a list of strings when 'label' is given"
-    if type(label) is not int:
-        return f"field 'label' must be an integer index into 'choices', got {type(label).__name__}"
-    if not 0 <= label < len(choices):
-        return f"label {label} out of range for {len(choices)} choices"
-    if choices[label] != row["answer"]:
-        return f"answer {row['answer']!r} is not choices[{label}] ({choices[label]!r})"
-    return choices_problem(choices)
 
 
 def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:
@@ -101,7 +86,6 @@ def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]
         raise DataError(str(e)) from None
     if not rows:
         raise DataError(f"{p} has no rows")
-    seen: dict[str, int] = {}
     for i, row in enumerate(rows, start=1):
         length = len(row["prompt"]) + len(row["answer"])
         if length > MAX_ROW_CHARS:
@@ -109,14 +93,12 @@ def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]
                 f"{p} row {i}: {length} characters, more than any sensible prompt ({MAX_ROW_CHARS}); "
                 "remove it or fix the data build"
             )
-        rid = row.get("id")
-        if isinstance(rid, str):
-            if rid in seen:
-                raise DataError(
-                    f"{p} rows {seen[rid]} and {i} have the same id {rid!r}; duplicated rows would be "
-                    "trained on twice, deduplicate the data"
-                )
-            seen[rid] = i
+    twice = repeated_id(rows)
+    if twice:
+        raise DataError(
+            f"{p} rows {twice[0]} and {twice[1]} have the same id {twice[2]!r}; duplicated rows would be "
+            "trained on twice, deduplicate the data"
+        )
     return rows
 
 

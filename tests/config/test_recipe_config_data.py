@@ -251,10 +251,10 @@ GOOD_MC = {"prompt": "p", "answer": "yes", "choices": ["yes", "no"], "label": 0}
         ({**GOOD_MC, "choices": ["yes"]}, "fewer than two choices"),
         ({**GOOD_MC, "choices": ["yes", "yes"]}, "duplicate choices"),
         ({**GOOD_MC, "label": 5}, "label 5 out of range for 2 choices"),
-        ({**GOOD_MC, "label": True}, "field 'label' must be an integer"),
+        ({**GOOD_MC, "label": True}, "field 'label' must be int, got bool"),
         ({**GOOD_MC, "answer": "maybe"}, "answer 'maybe' is not choices"),
-        ({**GOOD_MC, "choices": "yes"}, "field 'choices' must be a list of strings"),
-        ({"prompt": "p", "answer": "yes", "label": 0}, "field 'choices' must be a list of strings"),
+        ({**GOOD_MC, "choices": "yes"}, "field 'choices' must be a non-empty list of strings"),
+        ({"prompt": "p", "answer": "yes", "label": 0}, "field 'choices' must be a non-empty list of strings"),
         ({"prompt": "p", "answer": " "}, "field 'answer' is empty"),
     ],
 )
