@@ -233,7 +233,7 @@ def write_reports(results: Path, suite: Suite) -> list[Path]:
     """Regenerate ``report.md`` in every device folder of ``suite`` that holds records (a chain suite's by
     ``bench/kinds/chain.py``'s ``render``)."""
     if suite.kind == "chain":
-        from bench.kinds.chain import render as render_chain
+        from bench.kinds.chain_report import render as render_chain
 
         def text(device: str, records: list[Record]) -> str:
             return render_chain(suite, device, records)

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from bench.kinds import synthetic
+from bench.kinds.chain_report import in_use_over_planner
 from bench.kinds.shapes import SHAPES, Shape, launcher
 from bench.record import Record, commit, device_facts, now, record_path, versions
 from bench.runner import Outcome, kill_tree, proc_stat
 from bench.suite import BenchError, Config, Suite, with_defaults
 
-__all__ = ["CHAIN_KEYS", "STAGES", "Chain", "check", "config_name", "render", "run_chain"]
+__all__ = ["CHAIN_KEYS", "STAGES", "Chain", "check", "config_name", "run_chain"]
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 2**30
@@ -37,6 +38,7 @@ TARGETS = synthetic.TARGETS
 PREPARE = ("generate", *(f"hjd-{c}" for c in TARGETS))
 STAGES = ("predict", *PREPARE, "train", "resume", "mfu")
 PER_RANK = ("gpu_in_use_gib_per_rank", "host_peak_rss_gib_per_rank")
+BUILT = r"model built in ([\d.]+) s"  # frod train's line (frod_ds/train/trainer.py)
 CHAIN_KEYS: dict[str, Any] = {
     "shape": "70b",  # bench/kinds/shapes.py
     "layers": 0,  # decoder layers instead of the shape's (0: the shape's)
@@ -266,12 +268,14 @@ def _run(ch: Chain, stage: str, out: Path, extra: list[str], stop_at: int, left:
     log = ch.runs / f"{stage}.log"
     start = log.stat().st_size if log.is_file() else 0
     w = watch(cmd, log, min(s["timeout_s"], left), stop, gpus=ch.device["count"] > 0)
-    rows, said = _rows(out), re.findall(r"resumed from step(\d+)", log.read_bytes()[start:].decode(errors="replace"))
+    text = log.read_bytes()[start:].decode(errors="replace")
+    rows, said, built = _rows(out), re.findall(r"resumed from step(\d+)", text), re.findall(BUILT, text)
     if w["rc"] not in {"train": (-9,), "resume": (0,)}.get(stage, (-9, 0)):
         return "timeout" if w["rc"] is None else f"exit code {w['rc']}"
     if stage == "train" and max(r["step"] for r in rows) >= s["steps"]:
         return f"the run logged its last step before it was killed: make kill_at earlier than {s['kill_at']}"
     doc = {"settings": s, "rows": rows, "command": cmd, "resumed_from": int(said[-1]) if said else None, **w}
+    doc["build_s"] = float(built[-1]) if built else None
     kept.write_text(json.dumps(doc) + "\n")
     return doc
 
@@ -296,14 +300,8 @@ def _figures(ch: Chain, run: dict, rows: list[dict], batch: int) -> dict[str, An
         "rank0_peak_mem_is": "torch.cuda.max_memory_allocated" if ch.device["count"] else "host max RSS",
         "host_peak_rss_gib_per_rank": run["rss_gib"],
         "gpu_in_use_gib_per_rank": run["gpu_gib"],
+        "build_s": run.get("build_s"),  # frod train's own "model built in" line (runs kept before it: None)
     }
-
-
-def _in_use_over_planner(fig: dict[str, Any], plan: dict[str, Any]) -> float | None:
-    """The most GPU memory a rank's run had in use, read off the driver, over the planner's figure for everything on
-    the GPU (``needed``: allocated, fragmentation, CUDA context): torch's own peak misses the peer banks."""
-    used = max(fig["gpu_in_use_gib_per_rank"].values(), default=0.0)
-    return used / plan["needed_gib"] if used > 0 else None  # 0: not read (the records before the base settled)
 
 
 def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
@@ -326,7 +324,7 @@ def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
     rows, own = run["rows"], [r for r in run["rows"] if stage != "resume" or r["step"] > s["save_at"]]
     plan = pred["candidates"][str(batch)] if stage == "mfu" else pred["train"]
     fig = _figures(ch, run, own, batch)
-    m = {"figures": fig, "planner": plan, "gpu_in_use_over_planner": _in_use_over_planner(fig, plan)}
+    m = {"figures": fig, "planner": plan, "gpu_in_use_over_planner": in_use_over_planner(fig, plan)}
     m.update(losses={r["step"]: r["loss"] for r in rows}, grad_norms={r["step"]: r["grad_norm"] for r in rows})
     status, error = "ok", ""
     if stage == "train":
@@ -385,7 +383,9 @@ def run_chain(suite: Suite, results: Path, work: Path, *, budget_s: float, only:
                 continue
             left = budget_s - (time.monotonic() - t_start)
             need = max([r["wall_s"] for r in map(ch.record, stages) if r] + [cfg["est_s"]])
-            if group != "predict" and left < min(60.0 if group == "prepare" else need, cfg["timeout_s"]):
+            same_run = group == "mfu" and ch.record("predict")["metrics"]["mfu_batch"] == cfg["batch"]
+            free = group == "predict" or same_run  # the mfu stage then copies the resume run's figures
+            if not free and left < min(60.0 if group == "prepare" else need, cfg["timeout_s"]):
                 outcomes.append(Outcome(f"{cfg.name}.{group}", f"skipped: {max(left, 0.0):.0f} s of the budget left"))
                 break
             log(f"{suite.name}/{cfg.name}: {group}")
@@ -402,64 +402,3 @@ def run_chain(suite: Suite, results: Path, work: Path, *, budget_s: float, only:
             if status != "ok":
                 break
     return outcomes
-
-
-# ---- the report ---------------------------------------------------------------------------------------------------
-
-SUMMARY = {  # what a stage's row of the report shows: metric, format
-    "predict": (("mfu_batch", ""), ("gpu_gib", ".1f")),
-    "generate": (("untargeted_gib", ".2f"), ("written_gib", ".2f")),
-    "hjd": (("hjd_s", ".0f"), ("freed_gib", ".2f"), ("category_tensors_in_checkpoint", ""), ("store_gib", ".1f")),
-    "train": (("killed_after_step", ""),),
-    "resume": (("resumed_from", ""), ("compared_steps", ""), ("bitwise_equal", "")),
-    "mfu": (),
-}
-
-
-def _summary(stage: str, r: Record) -> str:
-    if r.status != "ok":
-        return (r.error.strip().splitlines() or [""])[0][:120]
-    pairs = SUMMARY[stage.split("-")[0]]
-    return ", ".join(f"{k} {format(r.metrics[k], f)}" for k, f in pairs if r.metrics.get(k) is not None)
-
-
-def render(suite: Suite, device: str, records: list[Record]) -> str:
-    """Per configuration and series: each stage's outcome, then step, MFU and memory of the training runs."""
-    g = lambda x: "–" if x is None else f"{x:.1f}"  # noqa: E731
-    lines = [f"# `{suite.name}` on `{device}`", "", suite.description, "", f"`python -m bench report {suite.name}`."]
-    by: dict[tuple[str, int], dict[str, Record]] = {}
-    for r in records:
-        by.setdefault((r.config, r.series), {})[r.stage] = r
-    for (name, series), st in sorted(by.items()):
-        s = next(iter(st.values())).settings
-        head = f"{shape_of(s).layers} layers of `{s['shape']}`, {s['dtype']}, {s['gpus']} ranks, `{s['config']}`"
-        lines += ["", f"## `{name}`" + f", series {series}" * (series > 1), "", head + ".", ""]
-        lines += ["| stage | status | wall s | commit | date | figures |", "|---|---|---|---|---|---|"]
-        for x, r in ((x, st[x]) for x in STAGES if x in st):
-            lines.append(f"| {x} | {r.status} | {r.wall_s:.0f} | `{r.commit[:12]}` | {r.date} | {_summary(x, r)} |")
-        runs = [(x, st[x].metrics) for x in ("train", "resume", "mfu") if x in st and "figures" in st[x].metrics]
-        if runs:
-            head = "run | tokens per GPU | step s (planner) | tokens/s per GPU | MFU | GPU in use GiB, per rank"
-            head += " | planner GiB | in use ÷ planner | rank 0 peak GiB, torch | peak RSS GiB, per rank"
-            lines += ["", f"| {head} |", "|---" * 10 + "|"]
-        for x, m in runs:
-            f, p = m["figures"], m["planner"]
-            gpu, rss = (", ".join(map(g, f[k].values())) or "–" for k in PER_RANK)
-            if f[PER_RANK[0]] and not any(f[PER_RANK[0]].values()):
-                gpu = "– (not read)"
-            mfu = "–" if f["mfu"] is None else f"{100 * f['mfu']:.1f}%"
-            tok, step = f"{f['micro_batch']} x {s['seq']}", f"{f['step_s_median']:.3f} ({p['step_s']:.3f})"
-            ratio = _in_use_over_planner(f, p)
-            over = "–" if ratio is None else f"{ratio:.2f}"
-            cells = [x, tok, step, f"{f['tokens_per_s_per_gpu']:,.0f}", mfu, gpu, f"{p['needed_gib']:.1f}", over]
-            lines.append("| " + " | ".join([*cells, g(f["rank0_peak_mem_gib"]), rss]) + " |")
-        if runs:
-            disk = st["predict"].metrics["disk_gib"] if "predict" in st else {}
-            whole = sum(v for k, v in disk.items() if k != "peak")
-            lines += ["", "Planner GiB: the planner's figure for everything on a GPU (allocated, fragmentation, CUDA "]
-            lines[-1] += "context), written before the runs; GPU in use: read off the driver while the run ran, less "
-            lines[-1] += f"what was in use before it. Rank 0 peak, torch: {runs[0][1]['figures']['rank0_peak_mem_is']}"
-            lines[-1] += " (memory outside torch's allocator, such as the layer partition's peer banks, not in it)."
-            if whole:
-                lines[-1] += f" The checkpoint the ranks read is {whole:.1f} GiB."
-    return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import torch
 from safetensors import safe_open
 
 from bench.kinds import synthetic
-from bench.kinds.chain import STAGES, render, shape_of
-from bench.record import Record, read_records
+from bench.kinds.chain import STAGES, shape_of
+from bench.kinds.chain_report import render
+from bench.record import Record, read_records, record_path
 from bench.suite import BenchError, load_suite
 from frod_ds.formats.factor_store import MANIFEST, Manifest
 from frod_ds.io.hf_checkpoint import HFCheckpoint
@@ -129,6 +131,9 @@ def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwis
         f = r.metrics["figures"]
         assert f["tokens_per_step_per_gpu"] == pytest.approx(f["micro_batch"] * s["seq"], rel=1e-6)
         assert len(f["host_peak_rss_gib_per_rank"]) == s["gpus"]
+    for stage in ("train", "resume"):  # the build time is frod train's own line in that run's log
+        said = re.findall(r"model built in ([0-9.]+) s", (root / "runs" / f"{stage}.log").read_text())
+        assert said and records[stage].metrics["figures"]["build_s"] == float(said[-1]) > 0
     report = results / suite.name / "cpu" / "report.md"
     assert report.read_text() == render(suite, "cpu", read_records(results, suite.name, "cpu"))
 
@@ -141,3 +146,10 @@ def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwis
         k: r.call for k, r in records.items()
     }
     assert time.monotonic() - t0 < 30
+
+    # the mfu stage that copies the resume run's figures needs no budget: a call with none left still writes it
+    record_path(results, suite.name, "cpu", cfg.name, 1, "mfu").unlink()
+    third = _bench(*args, "--budget-s", "0")
+    assert third.returncode == 0, third.stdout[-2000:] + third.stderr[-2000:]
+    again_mfu = {r.stage: r for r in read_records(results, suite.name, "cpu")}["mfu"]
+    assert again_mfu.status == "ok" and again_mfu.metrics["same_run_as"] == "resume"

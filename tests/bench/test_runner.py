@@ -195,7 +195,7 @@ def test_committed_reports_regenerate_from_their_records():
             continue
         records, predictions = read_records(RESULTS, suite, device), read_predictions(RESULTS, suite)
         if load_suite(suite).kind == "chain":
-            from bench.kinds.chain import render as render_chain
+            from bench.kinds.chain_report import render as render_chain
 
             assert report.read_text() == render_chain(load_suite(suite), device, records), report
         else:

@@ -1,0 +1,82 @@
+"""The chain kind's report: per configuration and series, each stage's outcome, then step, MFU, memory per rank
+and build time of the training runs, from the stage records alone (``bench/kinds/chain.py`` writes them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.record import Record
+from bench.suite import Suite
+
+__all__ = ["in_use_over_planner", "render"]
+
+
+def in_use_over_planner(fig: dict[str, Any], plan: dict[str, Any]) -> float | None:
+    """The most GPU memory a rank's run had in use, read off the driver, over the planner's figure for everything on
+    the GPU (``needed``: allocated, fragmentation, CUDA context): torch's own peak misses the peer banks."""
+    used = max(fig["gpu_in_use_gib_per_rank"].values(), default=0.0)
+    return used / plan["needed_gib"] if used > 0 else None  # 0: not read (the records before the base settled)
+
+
+SUMMARY = {  # what a stage's row of the report shows: metric, format
+    "predict": (("mfu_batch", ""), ("gpu_gib", ".1f")),
+    "generate": (("untargeted_gib", ".2f"), ("written_gib", ".2f")),
+    "hjd": (("hjd_s", ".0f"), ("freed_gib", ".2f"), ("category_tensors_in_checkpoint", ""), ("store_gib", ".1f")),
+    "train": (("killed_after_step", ""),),
+    "resume": (("resumed_from", ""), ("compared_steps", ""), ("bitwise_equal", "")),
+    "mfu": (),
+}
+
+
+def _summary(stage: str, r: Record) -> str:
+    if r.status != "ok":
+        return (r.error.strip().splitlines() or [""])[0][:120]
+    pairs = SUMMARY[stage.split("-")[0]]
+    return ", ".join(f"{k} {format(r.metrics[k], f)}" for k, f in pairs if r.metrics.get(k) is not None)
+
+
+def render(suite: Suite, device: str, records: list[Record]) -> str:
+    """Per configuration and series: each stage's outcome, then step, MFU and memory of the training runs."""
+    from bench.kinds.chain import PER_RANK, STAGES, shape_of  # the stages' module imports this one
+
+    g = lambda x: "–" if x is None else f"{x:.1f}"  # noqa: E731
+    lines = [f"# `{suite.name}` on `{device}`", "", suite.description, "", f"`python -m bench report {suite.name}`."]
+    by: dict[tuple[str, int], dict[str, Record]] = {}
+    for r in records:
+        by.setdefault((r.config, r.series), {})[r.stage] = r
+    for (name, series), st in sorted(by.items()):
+        s = next(iter(st.values())).settings
+        head = f"{shape_of(s).layers} layers of `{s['shape']}`, {s['dtype']}, {s['gpus']} ranks, `{s['config']}`"
+        lines += ["", f"## `{name}`" + f", series {series}" * (series > 1), "", head + ".", ""]
+        lines += ["| stage | status | wall s | commit | date | figures |", "|---|---|---|---|---|---|"]
+        for x, r in ((x, st[x]) for x in STAGES if x in st):
+            lines.append(f"| {x} | {r.status} | {r.wall_s:.0f} | `{r.commit[:12]}` | {r.date} | {_summary(x, r)} |")
+        runs = [(x, st[x].metrics) for x in ("train", "resume", "mfu") if x in st and "figures" in st[x].metrics]
+        if runs:
+            head = "run | tokens per GPU | step s (planner) | tokens/s per GPU | MFU | GPU in use GiB, per rank"
+            head += " | planner GiB | in use ÷ planner | rank 0 peak GiB, torch | peak RSS GiB, per rank | build s"
+            lines += ["", f"| {head} |", "|---" * 11 + "|"]
+        for x, m in runs:
+            f, p = m["figures"], m["planner"]
+            gpu, rss = (", ".join(map(g, f[k].values())) or "–" for k in PER_RANK)
+            if f[PER_RANK[0]] and not any(f[PER_RANK[0]].values()):
+                gpu = "– (not read)"
+            mfu = "–" if f["mfu"] is None else f"{100 * f['mfu']:.1f}%"
+            tok, step = f"{f['micro_batch']} x {s['seq']}", f"{f['step_s_median']:.3f} ({p['step_s']:.3f})"
+            ratio = in_use_over_planner(f, p)
+            over = "–" if ratio is None else f"{ratio:.2f}"
+            cells = [x, tok, step, f"{f['tokens_per_s_per_gpu']:,.0f}", mfu, gpu, f"{p['needed_gib']:.1f}", over]
+            build = "–" if f.get("build_s") is None else f"{f['build_s']:.0f}"
+            lines.append("| " + " | ".join([*cells, g(f["rank0_peak_mem_gib"]), rss, build]) + " |")
+        if runs:
+            disk = st["predict"].metrics["disk_gib"] if "predict" in st else {}
+            whole = sum(v for k, v in disk.items() if k != "peak")
+            lines += ["", "Planner GiB: the planner's figure for everything on a GPU (allocated, fragmentation, CUDA "]
+            lines[-1] += "context), written before the runs; GPU in use: read off the driver while the run ran, less "
+            lines[-1] += f"what was in use before it. Rank 0 peak, torch: {runs[0][1]['figures']['rank0_peak_mem_is']}"
+            lines[-1] += " (memory outside torch's allocator, such as the layer partition's peer banks, not in it)."
+            if whole:
+                lines[-1] += f" The checkpoint the ranks read is {whole:.1f} GiB."
+            lines[-1] += " Build s: `frod train`'s own figure for building the model (skeleton, factor store and"
+            lines[-1] += " checkpoint reads) before its first step; – where the run predates it."
+    return "\n".join(lines) + "\n"
