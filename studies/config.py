@@ -25,6 +25,7 @@ __all__ = [
     "PROTOCOLS",
     "MAIN_METHODS",
     "RATIO_METHODS",
+    "ARITH_GATE",
     "StudyConfig",
     "parse_lrs",
     "TARGETS",
@@ -47,6 +48,9 @@ PROTOCOLS = ("loglik", "llm-adapters", "exact")
 # the learnability study's (``learn``): methods with LR sweeps, and FRoD's S rate at σ/3 and σ/30 beside σ/10
 MAIN_METHODS = ("frod", "peftfrod", "peftfrod_sr02", "lora16", "lora64", "full")
 RATIO_METHODS = ("frod_ratio3", "frod_ratio30")
+# an arithmetic task counts only where full fine-tuning's chosen run reaches this exact match on its unseen pairs
+# (docs/learn-study.md, pilot gate); one that does not is kept as the pilot's record, out of the convergence line
+ARITH_GATE = {"method": "full", "split": "arith_unseen", "min_exact": 0.90}
 
 
 class StudyError(ValueError):

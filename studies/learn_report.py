@@ -12,12 +12,13 @@ from that JSON alone.
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
 
-from studies.report import smooth, smooth_window
+from studies.config import ARITH_GATE
+from studies.intervals import mean_interval, t_quantile
+from studies.report import smooth_window
 
 __all__ = ["t_quantile", "mean_interval", "collect", "render", "SCALE_NOTE"]
 
@@ -27,40 +28,6 @@ SCALE_NOTE = (
     "rankings may differ there."
 )
 NOT_REACHED = "not reached"
-
-
-def _t_pdf(x: float, df: int) -> float:
-    c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    return math.exp(c - (df + 1) / 2 * math.log1p(x * x / df))
-
-
-def _t_cdf_above_zero(x: float, df: int, n: int = 2000) -> float:
-    """P(0 < T < x) by Simpson's rule (n even)."""
-    h = x / n
-    s = _t_pdf(0, df) + _t_pdf(x, df) + sum((4 if i % 2 else 2) * _t_pdf(i * h, df) for i in range(1, n))
-    return s * h / 3
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The ``p`` quantile (p > 0.5) of Student's t with ``df`` degrees of freedom, by bisection on its CDF."""
-    lo, hi = 0.0, 1.0
-    while 0.5 + _t_cdf_above_zero(hi, df) < p:
-        hi *= 2
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if 0.5 + _t_cdf_above_zero(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def mean_interval(values: list[float]) -> dict[str, Any]:
-    """Mean and its 95% t-interval over seeds (no interval from one seed)."""
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return {"mean": mean, "lo": None, "hi": None, "n": n, "values": values}
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n, "values": values}
 
 
 def _chosen_run(method: dict) -> dict | None:
@@ -191,6 +158,11 @@ def collect(out: Path) -> dict[str, Any]:
             for name, m in sorted(first["methods"].items(), key=lambda kv: _order(kv[0]))
             if not (name.startswith("frod_ratio") or name == "peftfrod_inj")  # in "ratios" and "cross_check"
         }
+        open_sweeps = [
+            name
+            for name, m in first["methods"].items()
+            if name in sweeps and not (m.get("chosen") or {}).get("final", False)
+        ]
         timing_path = task_dir / "timing.json"
         timing = json.loads(timing_path.read_text()) if timing_path.is_file() else None
         loras = {
@@ -237,6 +209,8 @@ def collect(out: Path) -> dict[str, Any]:
             "cross_check": _cross_check(first, steps),
             "timing": None if timing is None else {k: v for k, v in timing.items() if k != "methods"},
             "complete": all(d.get("complete") for d in docs.values()) and timing is not None,
+            "open_sweeps": open_sweeps,
+            "gate": _arith_gate(task_dir.name, methods),
         }
     return {
         "benchmark": "learn_study",
@@ -247,6 +221,15 @@ def collect(out: Path) -> dict[str, Any]:
     }
 
 
+def _arith_gate(task: str, methods: dict[str, Any]) -> dict[str, Any] | None:
+    """An arithmetic task's pilot gate (``ARITH_GATE``): full fine-tuning's exact match on the unseen pairs."""
+    if not task.startswith("arith"):
+        return None
+    got = methods.get(ARITH_GATE["method"], {}).get("exact", {}).get(ARITH_GATE["split"])
+    mean = None if got is None else got["mean"]
+    return {**ARITH_GATE, "exact": mean, "passed": None if mean is None else mean >= ARITH_GATE["min_exact"]}
+
+
 def convergence(tasks: dict[str, Any]) -> dict[str, Any]:
     """Per task: frod's steps and seconds (alone) to the better LoRA's final validation loss, over its seeds,
     against that LoRA's own steps (its run length) and seconds; the sentence the README quotes."""
@@ -254,7 +237,7 @@ def convergence(tasks: dict[str, Any]) -> dict[str, Any]:
     for name, t in tasks.items():
         e = t["methods"].get("frod")
         lora = t["methods"].get(t["better_lora"] or "")
-        if not e or not lora or "steps_to_better_lora_final" not in e:
+        if not e or not lora or "steps_to_better_lora_final" not in e or (t.get("gate") or {}).get("passed") is False:
             continue
         reach = list(e["steps_to_better_lora_final"].values())
         secs = [v for v in e.get("seconds_to_better_lora_final", {}).values() if v is not None]
@@ -265,22 +248,29 @@ def convergence(tasks: dict[str, Any]) -> dict[str, Any]:
             "steps": t["steps"],
             "reached": sum(v is not None for v in reach),
             "seeds": len(reach),
+            "provisional": bool(t.get("open_sweeps")),
             "frod_seconds_mean": sum(secs) / len(secs) if secs else None,
             "lora_seconds": None
             if not lora_alone
             else lora_alone["build_seconds"] + t["steps"] * lora_alone["step_ms"] / 1e3,
         }
-    parts = []
+    parts: dict[bool, list[str]] = {False: [], True: []}
     for name, r in rows.items():
         got = [v for v in r["frod_steps"] if v is not None]
         steps = f"step {sorted(got)[len(got) // 2]} of {r['steps']} (median)" if got else NOT_REACHED
-        parts.append(f"{name}: {r['reached']}/{r['seeds']} seeds, {steps}")
-    sentence = (
-        "frod-ds FRoD reached the better LoRA's final validation loss on SmolLM2-135M — " + "; ".join(parts)
-        if parts
-        else None
-    )
-    return {"tasks": rows, "sentence": sentence}
+        parts[r["provisional"]].append(f"{name}: {r['reached']}/{r['seeds']} seeds, {steps}")
+    said = []
+    if parts[False]:
+        lead = "frod-ds FRoD reached the better LoRA's final validation loss on SmolLM2-135M — "
+        said.append(lead + "; ".join(parts[False]))
+    if parts[True]:
+        said.append(
+            "provisional, LR sweeps still open (the choices may change): " + "; ".join(parts[True])
+            if parts[False]
+            else "No task's LR sweeps are complete yet; provisionally (the choices may change), frod-ds FRoD reached "
+            "the better LoRA's final validation loss on SmolLM2-135M — " + "; ".join(parts[True])
+        )
+    return {"tasks": rows, "sentence": ". ".join(said) or None}
 
 
 def _pct(v: float | None) -> str:
@@ -310,6 +300,18 @@ def _task_md(name: str, t: dict) -> str:
         f"({t['train_tokens']:,} training tokens, {t['answer_tokens']:,} answer tokens), the same batches in the same "
         f"order; seeds {t['seeds']}. Training losses are trailing means over {t['smoothing_window']} steps.\n",
     ]
+    gate = t.get("gate")
+    if gate and gate["passed"] is False:
+        out.append(
+            f"**Pilot gate not passed**: {gate['method']}'s exact match on `{gate['split']}` is "
+            f"{_pct(gate['exact'])}% (the plan asks ≥ {_pct(gate['min_exact'])}%), so this task is kept as the "
+            "pilot's record only and is out of the convergence line (docs/learn-study.md, Decisions).\n"
+        )
+    if t.get("open_sweeps"):
+        out.append(
+            f"**Provisional**: the LR sweeps of {', '.join(t['open_sweeps'])} are not complete; the choices, and the "
+            "figures that follow from them, may change when a later call finishes them.\n"
+        )
     if t.get("peft_frod_fp32"):
         out.append(
             "Stock PEFT FRoD (`peftfrod*`) trained in fp32, the others under bf16 autocast: its sparse matmul fails "
@@ -441,58 +443,7 @@ def render(doc: dict[str, Any], out: Path) -> list[Path]:
     )
     paths = [out / "report.md"]
     paths[0].write_text(text)
-    import matplotlib
+    from studies.learn_plots import plot_tasks
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for name, t in doc["tasks"].items():
-        base = t.get("base_validation_answer_loss")
-        fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
-        for m, e in t["methods"].items():
-            color = f"C{list(t['methods']).index(m) % 10}"
-            for s, r in sorted(e["seeds"].items()):
-                main = dict(lw=1.6 if s == "0" else 0.6, alpha=1 if s == "0" else 0.5, color=color)
-                ys = smooth(r["answer_loss"], t["smoothing_window"])
-                axes[0].plot(range(1, len(ys) + 1), ys, label=m if s == "0" else None, **main)
-                v = [[0, base]] + r["validation"] if base else r["validation"]
-                axes[1].plot([p[0] for p in v], [p[1] for p in v], **main)
-        if t["better_lora_final_validation_loss"] is not None:
-            axes[1].axhline(t["better_lora_final_validation_loss"], color="k", ls=":", lw=1)
-        axes[0].set_title(f"{name}: training answer-token loss (trailing mean of {t['smoothing_window']})")
-        axes[1].set_title(f"validation answer-token loss from the base (dotted: {t['better_lora']}'s final)")
-        for ax in axes:
-            ax.set_yscale("log")
-            ax.set_xlabel("step (thin: other seeds)")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(out / f"loss_{name}.png")
-        fig.savefig(paths[-1], dpi=90)
-        plt.close(fig)
-    sizes = sorted((int(n[5:]), n) for n in doc["tasks"] if re.fullmatch(r"facts\d+", n))
-    if len(sizes) >= 2:
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-        for ax, split in zip(axes, ("recall", "qa")):
-            methods = list(dict.fromkeys(m for _, n in sizes for m in doc["tasks"][n]["methods"]))
-            for i, m in enumerate(methods):
-                pts = [
-                    (size, e["mean"], e["lo"], e["hi"])
-                    for size, n in sizes
-                    if (e := doc["tasks"][n]["methods"].get(m, {}).get("exact", {}).get(f"{n}_{split}"))
-                ]
-                if pts:
-                    err = [[p[1] - (p[2] if p[2] is not None else p[1]) for p in pts]]
-                    err.append([(p[3] if p[3] is not None else p[1]) - p[1] for p in pts])
-                    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-                    ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=m)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("people in the fact base (3 facts each)")
-            ax.set_ylabel(f"exact match, {split} (95% CI over seeds)")
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(out / "facts_by_size.png")
-        fig.savefig(paths[-1], dpi=90)
-        plt.close(fig)
+    paths += plot_tasks(doc, out)
     return paths

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError, parse_lrs
 
-DEFAULT_TASKS = "arith,facts64,facts256,facts1024"
+DEFAULT_TASKS = "arith_d12,facts64,facts256,facts1024"  # arith failed the pilot gate (docs/learn-study.md)
 ALL_TASKS = "arith,arith_d12,facts64,facts256,facts1024,facts4096"  # gen: the plan's tasks and its fallbacks
 RECORDS = "records.tgz"  # a results folder's study directories, packed (the folder travels to every GPU call)
 
