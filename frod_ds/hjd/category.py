@@ -12,6 +12,7 @@ writes finish in the background.
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import time
 import zlib
@@ -71,10 +72,15 @@ class CategoryResult:
     checksums: dict[str, str] = field(default_factory=dict)
     # per member: the probe errors (``hjd.math.probe_error``) of the factors as computed and as stored
     probe: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # per member: its largest |entry| (a weight far out of scale breaks the shared V of every member)
+    peak: dict[str, float] = field(default_factory=dict)
 
-    def probe_problem(self, spec: CategorySpec, dtype: torch.dtype) -> str | None:
+    def probe_problem(
+        self, spec: CategorySpec, dtype: torch.dtype, peaks: dict[str, float] | None = None
+    ) -> str | None:
         """The line for this rank's first member whose factors, as computed (tolerance of the compute ``dtype``) or
-        as stored (of U's dtype or quantization), miss the probe tolerance; None when every member holds."""
+        as stored (of U's dtype or quantization), miss the probe tolerance; None when every member holds. With the
+        whole category's ``peaks`` (largest |entry| per member), a member far out of scale is named as the cause."""
         limits = (reconstruction_tol(dtype), reconstruction_tol(spec.u_dtype, spec.quant))
         held = (dtype_name(dtype), spec.quant if spec.quant != "none" else dtype_name(spec.u_dtype))
         for member, errors in self.probe.items():
@@ -83,8 +89,7 @@ class CategoryResult:
                     return (
                         f"HJD of {spec.name} does not reconstruct {member}.weight: its {what} factors are off by "
                         f"{e:.1e} (relative, on random probe vectors), more than the {limit:.0e} {kind} factors may "
-                        "be; the weights hold values the decomposition cannot represent (extreme or mismatched "
-                        "scales): check the checkpoint"
+                        f"be; {_out_of_scale(peaks or self.peak)}"
                     )
         return None
 
@@ -95,6 +100,23 @@ class CategoryResult:
             self.checksums[fname] = format_crc32(crc)
         self.writes = []
         return self
+
+
+def _out_of_scale(peaks: dict[str, float], factor: float = 100.0) -> str:
+    """What to check: the member whose largest |entry| exceeds ``factor`` × the members' median, if one does."""
+    if len(peaks) > 1:
+        worst = max(peaks, key=lambda m: (not math.isfinite(peaks[m]), peaks[m]))
+        others = sorted(v for m, v in peaks.items() if m != worst)
+        median = others[len(others) // 2]
+        if not peaks[worst] <= factor * median:
+            return (
+                f"{worst}.weight is out of scale (entries up to {peaks[worst]:.1e}, the category's other members "
+                f"{median:.1e} in median): check that tensor in the checkpoint"
+            )
+    return (
+        "the weights hold values the decomposition cannot represent (extreme or mismatched scales): check the "
+        "checkpoint"
+    )
 
 
 class Phases:
@@ -221,6 +243,7 @@ class FactorSink:
         err: dict[str, Tensor] = {}
         stored: dict[str, Tensor] = {}
         probe: dict[str, Tensor] = {}
+        peak: dict[str, Tensor] = {}
         X = probe_vectors(n, zlib.crc32(spec.name.encode())).to(source.device)  # (n, PROBES), same on every rank
         qspecs = (
             {m: QuantSpec(spec.quant, (h, n)) for m, h in zip(spec.mine, spec.heights)} if spec.quant != "none" else {}
@@ -241,6 +264,8 @@ class FactorSink:
         )
         for i, member in enumerate(spec.mine):
             W = source.weight(i)
+            lo, hi = torch.aminmax(W)
+            peak[member] = torch.maximum(-lo, hi).float()
             U_i, sigma_i = factors(i, W)  # (m_i, n), (n,) in the compute dtype
             err[member] = reconstruction_error_t(W, U_i, sigma_i, V_c)
             U_s, sigma_s = U_i.to(spec.u_dtype), sigma_i.float()
@@ -261,8 +286,9 @@ class FactorSink:
         e = {m: float(x) for m, x in zip(err, torch.stack(list(err.values())).tolist())} if err else {}
         s = {m: float(x) for m, x in zip(stored, torch.stack(list(stored.values())).tolist())} if stored else {}
         p = {m: tuple(x) for m, x in zip(probe, torch.stack(list(probe.values())).tolist())} if probe else {}
+        top = dict(zip(peak, torch.stack(list(peak.values())).tolist())) if peak else {}
         self.bar.set_postfix_str(f"{method}, max err {max(e.values()) if e else 0:.1e}")
-        return CategoryResult(files, e, s, phase_seconds, method, cond, writes, probe=p)
+        return CategoryResult(files, e, s, phase_seconds, method, cond, writes, probe=p, peak=top)
 
     def close(self) -> None:
         self.bar.close()

@@ -311,5 +311,6 @@ def factor_category(
     if result is None:
         result = householder_route(source, sink, cond, opts, Phases(source.device))
     # every member's factors reproduce its weight on random inputs, or no rank records the category
-    D.agree_on_error(result.probe_problem(source.spec, opts.dtype))
+    peaks = {m: v for part in D.all_gather_object(result.peak) for m, v in part.items()}  # a float per member
+    D.agree_on_error(result.probe_problem(source.spec, opts.dtype, peaks))
     return result

@@ -301,6 +301,10 @@ def test_overwrite_keeps_the_old_store_until_the_new_one_is_built(model, tmp_pat
     assert main(["--model", str(broken), "--out", str(out), "--device", "cpu", "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert len(_error_lines(err)) == 1 and "the store it was to replace is back" in err, err
+    # the line names the tensor out of scale, whichever member's probe failed first, with its largest |entry|
+    name = "model.layers.1.self_attn.q_proj.weight"
+    peak = load_file(shard_of(broken, name))[name].abs().max().item()
+    assert f"{name} is out of scale (entries up to {peak:.1e}, the category's other members" in err, err
     assert _files(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "model", "store"]
     assert main(["--model", str(model), "--out", str(out), "--device", "cpu", "--pi", "0.01", "--overwrite"]) == 0
