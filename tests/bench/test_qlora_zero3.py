@@ -1,4 +1,4 @@
-"""QLoRA under ZeRO-3 (CPU, gloo, 2 ranks, a 2-layer LLaMA of hidden 512): the step kind's ``build_lora`` holds
+"""QLoRA under ZeRO-3 (CPU, gloo, 2 ranks, a 2-layer LLaMA of hidden 256): the step kind's ``build_lora`` holds
 its partition plus about one decoder layer of NF4 weights gathered, not the whole quantized model, and computes
 what bitsandbytes' own ``Linear4bit`` computes.
 
@@ -20,7 +20,7 @@ import pytest
 from tests.support.train_env import RANKS, REPO, env_vars
 
 pytestmark = pytest.mark.slow
-LAYERS, HIDDEN, INTER = 2, 512, 1376
+LAYERS, HIDDEN, INTER = 2, 256, 688
 
 
 def _nf4_bytes(m: int, n: int) -> int:
