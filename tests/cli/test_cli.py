@@ -172,7 +172,8 @@ def test_deepspeed_launcher_puts_local_rank_before_the_command():
 @pytest.mark.slow
 def test_the_launcher_lines_run_hjd_on_two_ranks_like_one_process(tmp_path):
     """``torchrun --no-python frod hjd`` and ``deepspeed --no_python frod hjd`` (2 CPU ranks each, the launcher
-    lines of docs/commands.md) write the factors ``frod hjd`` writes in one process (run here, in this one)."""
+    lines of docs/commands.md) write the factors ``frod hjd`` writes in one process (run here, in this one); the
+    DeepSpeed launcher's ``--local_rank`` argument is accepted."""
     import torch
 
     from frod_ds.testing.toy import write_tiny_llama

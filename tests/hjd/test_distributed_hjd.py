@@ -324,32 +324,6 @@ def test_device_cache_keeps_weights_before_gram_matrices(tmp_path):
     _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)
 
 
-def test_deepspeed_launcher_runs_the_stage(tmp_path):
-    """``deepspeed --num_gpus 2 launch/hjd.py`` (CPU accelerator): the launcher's ``--local_rank`` argument is
-    accepted and the two ranks build the same store as one process would."""
-    model = write_tiny_llama(tmp_path / "model")
-    proc = run_hjd(
-        [
-            "--model",
-            str(model),
-            "--out",
-            str(tmp_path / "store"),
-            "--dtype",
-            "float64",
-            "--targets",
-            "q_proj,k_proj",
-            "--device",
-            "cpu",
-        ],
-        nproc=2,
-        launcher="deepspeed",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    store = FactorStore.open(tmp_path / "store")
-    assert store.manifest.world_size == 2
-    _assert_store_equals_decompose(store, model)
-
-
 def test_srun_style_environment_runs_the_stage(tmp_path):
     """Two plain ``python launch/hjd.py`` processes with the SLURM variables srun sets (no torchrun, no
     RANK/WORLD_SIZE/MASTER_ADDR): they find each other and build the single-process store."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.support.leftovers import REPO, clean_env, free_port
+from tests.support.leftovers import REPO, clean_env
 
 LAUNCH = REPO / "launch" / "hjd.py"
 
@@ -88,17 +88,15 @@ def run_hjd(
     args: list[str], nproc: int = 0, script: Path = LAUNCH, timeout: float = 180, launcher: str = "ranks"
 ) -> subprocess.CompletedProcess:
     """``launch/hjd.py ARGS`` as a subprocess: one plain process when ``nproc == 0``, else NPROC CPU ranks (gloo)
-    started by ``tests/support/ranks.py`` (torchrun's environment, the imports paid once), ``launcher="torchrun"``
-    (``torchrun --standalone``) or ``launcher="deepspeed"`` (the DeepSpeed launcher)."""
+    started by ``tests/support/ranks.py`` (torchrun's environment, the imports paid once) or ``launcher="torchrun"``
+    (``torchrun --standalone``). The DeepSpeed launcher's line is tests/cli/test_cli.py's."""
     env = clean_env()
     if launcher == "ranks":  # forked from this test process (tests.support.ranks.run): the imports paid already
         from tests.support import ranks
 
         return ranks.run(nproc, [str(script), *args], env, REPO, timeout)
     cmd = [sys.executable]
-    if nproc and launcher == "deepspeed":
-        cmd += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(free_port())]
-    elif nproc and launcher == "torchrun":
+    if nproc and launcher == "torchrun":
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += [str(script), *args]
     return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
