@@ -13,10 +13,11 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from frod_ds.io.strict_json import DuplicateKeyError, parse_json
 
 __all__ = [
     "known_keys",
@@ -92,51 +93,6 @@ def unknown_keys(cfg: dict) -> list[str]:
                 hint = f'; did you mean "{where}{close[0]}"?' if close else "; remove it"
                 problems.append(f'unknown key "{where}{key}"{hint}')
     return problems
-
-
-class DuplicateKeyError(ValueError):
-    """A key given twice in one JSON object; ``path`` is where (dotted, "" at the top level)."""
-
-    def __init__(self, key: str, path: str) -> None:
-        self.key, self.path = key, path
-        where = f'"{path}"' if path else "the top level"
-        super().__init__(f'key "{key}" is given twice in {where} (JSON keeps only the last value); remove one')
-
-
-def parse_json(text: str) -> Any:
-    """``json.loads`` that refuses a key given twice in one object (``DuplicateKeyError`` naming where)."""
-    seen: list[tuple[str, list[str]]] = []
-
-    def pairs(items: list[tuple[str, Any]]) -> dict:
-        keys = [k for k, _ in items]
-        for k in keys:
-            if keys.count(k) > 1:
-                seen.append((k, keys))
-                break
-        return dict(items)
-
-    data = json.loads(text, object_pairs_hook=pairs)
-    if seen:
-        key, keys = seen[0]
-        raise DuplicateKeyError(key, _path_of(data, set(keys)) or "")
-    return data
-
-
-def _path_of(node: Any, keys: set[str], prefix: str = "") -> str | None:
-    """The dotted path of the object in ``node`` whose keys are ``keys``."""
-    if isinstance(node, dict):
-        if set(node) == keys:
-            return prefix.rstrip(".")
-        children: Any = node.items()
-    elif isinstance(node, list):
-        children = enumerate(node)
-    else:
-        return None
-    for k, v in children:
-        found = _path_of(v, keys, f"{prefix}{k}.")
-        if found is not None:
-            return found
-    return None
 
 
 def _walk(node: Any, prefix: str = "") -> list[tuple[str, Any]]:

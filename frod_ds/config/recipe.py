@@ -232,6 +232,27 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *anchor``: its keys may be overridden here
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} is given twice in one mapping (YAML keeps only the last value); remove one",
+                    key_node.start_mark,
+                )
+            if isinstance(key, typing.Hashable):
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool = True) -> Recipe:
     """defaults ← YAML file ← ``key.sub=value`` overrides (values parsed as YAML scalars). ``paths=False``: the
     model, factor store and data paths may be missing (``frod plan``)."""
@@ -241,7 +262,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         if not p.is_file():  # a named pipe or a link loop is said as such, not "not found"
             raise RecipeError(f"recipe file {file_problem(p) if p.is_symlink() or p.exists() else f'{p} not found'}")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as e:  # the parser's own position (line, column) says where to look
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""

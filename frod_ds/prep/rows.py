@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from frod_ds.io.strict_json import DuplicateKeyError, parse_json
 from frod_ds.prep.tasks import DataPrepError
 
 FIELDS: dict[str, type] = {"task": str, "id": str, "prompt": str, "answer": str, "choices": list, "label": int}
@@ -145,9 +146,11 @@ def read_rows(
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = parse_json(line)
                 except json.JSONDecodeError as exc:
                     raise DataPrepError(f"{path} line {line_no}: not valid JSON ({exc.msg})") from None
+                except DuplicateKeyError as exc:  # JSON keeps the last value: which one the author meant is unknown
+                    raise DataPrepError(f"{path} line {line_no}: {exc}") from None
                 problem = check(row)
                 if problem:
                     raise DataPrepError(f"{path} line {line_no}: {problem}")

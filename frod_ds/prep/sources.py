@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frod_ds.io.strict_json import DuplicateKeyError, parse_json
 from frod_ds.prep.tasks import TASKS, DataPrepError, hub_config
 from frod_ds.runtime.paths import dir_problem, file_problem
 
@@ -126,9 +127,11 @@ def _read_json_lines(path: Path, text: str) -> list[Any]:
     for line_no, line in enumerate(text.split("\n"), start=1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                rows.append(parse_json(line))
             except json.JSONDecodeError as exc:
                 raise DataPrepError(f"cannot read {path}: line {line_no} is not valid JSON ({exc.msg})") from None
+            except DuplicateKeyError as exc:  # JSON would keep the last value: which one the author meant is unknown
+                raise DataPrepError(f"cannot read {path}: line {line_no}: {exc}") from None
     return rows
 
 
@@ -139,9 +142,14 @@ def _read_json(path: Path) -> list[Any]:
         raise DataPrepError(f"cannot read {path}: not UTF-8 text (byte {exc.start})") from None
     if path.suffix == ".json":  # a JSON array, a single row, or JSON lines as Dataset.to_json writes them
         try:
-            value = json.loads(text)
+            value = parse_json(text)
         except json.JSONDecodeError:
             pass
+        except DuplicateKeyError as exc:  # JSON keeps the last value: which one the author meant is unknown
+            raise DataPrepError(
+                f'cannot read {path}: an object gives key "{exc.key}" twice (JSON keeps only the last value); '
+                "remove one"
+            ) from None
         else:
             if isinstance(value, (list, dict)):
                 return value if isinstance(value, list) else [value]

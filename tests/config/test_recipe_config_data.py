@@ -292,3 +292,19 @@ def test_zero_stage_must_be_0_to_3(stage):
     with pytest.raises(DSConfigError, match="zero_optimization.stage"):
         resolve_ds_config(cfg, load_recipe(None, ["model.base=m", "model.factor_store=f", "data.train=t"]), 1)
     assert zero_stage({}) == 0 and zero_stage({"zero_optimization": {"stage": 3}}) == 3
+
+
+def test_a_recipe_key_given_twice_is_refused_naming_its_line(tmp_path):
+    """YAML keeps the last of a key given twice; the recipe names it instead (a merge key's overrides still work)."""
+    from frod_ds.config.recipe import RecipeError, load_recipe
+
+    bad = tmp_path / "r.yaml"
+    bad.write_text("model:\n  sparsity: 0.1\n  sparsity: 0.5\n")
+    with pytest.raises(RecipeError, match=r"at line 3, column 3: key 'sparsity' is given twice in one mapping"):
+        load_recipe(bad, paths=False)
+    import yaml
+
+    from frod_ds.config.recipe import _UniqueKeyLoader
+
+    merged = "base: &b {lr_sigma: 0.001, lr_s: 0.0001}\ntrain:\n  <<: *b\n  lr_sigma: 0.002\n"
+    assert yaml.load(merged, Loader=_UniqueKeyLoader)["train"] == {"lr_sigma": 0.002, "lr_s": 0.0001}

@@ -339,6 +339,13 @@ def test_ambiguous_split_files_are_an_error(tmp_path):
         ("test.parquet", "not parquet", r"cannot read .*test\.parquet: not a readable parquet file"),
         ("test.jsonl", b"\xff\xfe{}", r"cannot read .*test\.jsonl: not UTF-8"),
         ("test.json", "42", r"cannot read .*test\.json: expected a JSON array of rows or JSON lines, got int"),
+        # JSON keeps the last of a key given twice: which label the row's author meant is unknown
+        (
+            "test.jsonl",
+            '{"id": "1"}\n{"id": "2", "label": 0, "label": 1}\n',
+            r"test\.jsonl: line 2: key \"label\" is given twice",
+        ),
+        ("test.json", '[{"id": "1"}, {"id": "2", "id": "3"}]', r"test\.json: an object gives key \"id\" twice"),
     ],
 )
 def test_unreadable_file_is_an_error_and_writes_nothing(tmp_path, name, content, pattern):

@@ -54,6 +54,14 @@ def test_invalid_json_names_file_and_line(tmp_path):
         read_rows(path)
 
 
+def test_a_key_given_twice_in_a_row_names_file_and_line(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD)[:-1] + ', "answer": "other"}\n')
+    with pytest.raises(ValueError) as info:
+        read_rows(path)
+    assert str(info.value).startswith(f'{path} line 2: key "answer" is given twice in the top level')
+
+
 def test_data_prep_error_is_a_one_line_value_error():
     err = DataPrepError("first\nsecond")
     assert isinstance(err, ValueError) and str(err) == "first second"
