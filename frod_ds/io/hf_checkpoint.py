@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from frod_ds.formats.folders import wrong_folder
-from frod_ds.io.model_config import config_problems, weights_problems
+from frod_ds.io.model_config import config_problems, missing_linear, weights_problems
 from frod_ds.runtime.errors import CheckpointError, note
 from frod_ds.runtime.paths import dir_problem
 
@@ -148,8 +148,8 @@ def resolve_config_file(model: str) -> Path:
 
 def check_config_file(model_dir: str | os.PathLike) -> dict:
     """A local checkpoint directory's ``config.json``, checked to be a JSON object; ``CheckpointError`` (one line)
-    otherwise. HJD reads only the weights, so a checkpoint without a usable config decomposes; the commands that
-    build the model (train, eval, export) check it first instead of failing inside transformers."""
+    otherwise. HJD reads only the weights, so a checkpoint without a config decomposes; the commands that build the
+    model (train, eval, export) check it first instead of failing inside transformers."""
     path = resolve_config_file(str(model_dir))
     try:
         data = json.loads(path.read_text())
@@ -284,19 +284,18 @@ class HFCheckpoint:
     def config(self, required: bool = True) -> dict | None:
         """The checkpoint's ``config.json``, read and checked on first use only: its values (``check_config_file``)
         and the weights' shapes and layer count against it (``model_config.weights_problems``). ``required=False``
-        (HJD, which needs only the weights): None, with a note, when there is none or it is not JSON; a config that
-        contradicts the weights is refused either way."""
+        (HJD, which needs only the weights): None, with a note, when there is none; a damaged config (not JSON) or
+        one that contradicts the weights is refused either way: training would refuse it after the HJD."""
         if self._config is None:
             path = self.dir / "config.json"
+            gap = missing_linear(self.keys())
+            if gap is not None:  # HJD would decompose the category without that member, training fail to build
+                raise CheckpointError(
+                    f"{self.dir} lacks {gap}: the checkpoint is incomplete; copy it again from its source"
+                )
             if not required and not path.is_file():
                 note(f"{self.dir} has no config.json: the factor store records no model config")
                 return None
-            if not required:
-                try:
-                    json.loads(path.read_text())
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    note(f"{path} is not valid JSON: the factor store records no model config")
-                    return None
             config = check_config_file(self.dir)
             kind = config.get("model_type")
             if isinstance(kind, str):  # the planner reads config.json without transformers (and torch): not there

@@ -10,10 +10,10 @@ a config has are checked: a model family without LLaMA's names is compared on no
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["REQUIRED_KEYS", "SIZE_KEYS", "config_problems", "expected_shapes", "weights_problems"]
+__all__ = ["REQUIRED_KEYS", "SIZE_KEYS", "config_problems", "expected_shapes", "missing_linear", "weights_problems"]
 
 # the sizes a LLaMA-family config.json gives, each a positive integer when present
 SIZE_KEYS = (
@@ -103,6 +103,25 @@ def weights_problems(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
                 )
                 break
     return problems
+
+
+def missing_linear(names: Iterable[str]) -> str | None:
+    """A decoder linear some layers hold and others do not, as ``"<name> (layers … hold it, layer … not)"``; None
+    when each linear is held by every layer or by none (a checkpoint without a targeted category is whole)."""
+    layers: set[int] = set()
+    held: dict[str, set[int]] = {}  # per decoder linear, the layers holding it
+    for name in names:
+        hit = _LAYER.search(name)
+        if hit is not None:
+            layers.add(int(hit.group(1)))
+            held.setdefault(name[: hit.start(1)] + "{}" + name[hit.end(1) :], set()).add(int(hit.group(1)))
+    for pattern, where in sorted(held.items()):
+        if where != layers:
+            missing = sorted(layers - where)
+            holding = f"layers {_ranges(where)} hold it" if len(where) > 1 else f"layer {_ranges(where)} holds it"
+            lacking = f"layer{'s' * (len(missing) > 1)} {_ranges(set(missing))}"
+            return f"{pattern.format(missing[0])} ({holding}, {lacking} not)"
+    return None
 
 
 def _ranges(indices: set[int]) -> str:

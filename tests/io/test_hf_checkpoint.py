@@ -102,10 +102,10 @@ def test_config_is_checked_against_the_weights(tmp_path, capsys):
         for required in (True, False):
             with pytest.raises(CheckpointError, match=re.escape(needle)):
                 HFCheckpoint(path).config(required=required)
-    (path / "config.json").write_text("{torn")
-    assert HFCheckpoint(path).config(required=False) is None
-    with pytest.raises(CheckpointError, match="not valid JSON"):
-        HFCheckpoint(path).config()
+    (path / "config.json").write_text("{torn")  # damaged: refused by HJD too (training would refuse it later)
+    for required in (True, False):
+        with pytest.raises(CheckpointError, match="not valid JSON"):
+            HFCheckpoint(path).config(required=required)
     (path / "config.json").unlink()
     assert HFCheckpoint(path).config(required=False) is None
     assert "records no model config" in capsys.readouterr().err
@@ -150,3 +150,30 @@ def test_a_stray_single_file_beside_a_sharded_index_is_refused(tmp_path):
     index = {"weight_map": {name: "model.safetensors" for name in HFCheckpoint(one).keys()}}
     (one / "model.safetensors.index.json").write_text(json.dumps(index))
     assert set(HFCheckpoint(one).keys()) == set(index["weight_map"])
+
+
+def test_a_layer_without_a_linear_the_others_hold_is_refused(tmp_path):
+    """One layer's q_proj missing from a checkpoint whose other layers hold it: HJD would decompose the category
+    without it, so the checkpoint is refused as incomplete, with or without a config.json; a category absent from
+    every layer (a checkpoint written without targeted weights) is whole."""
+    from safetensors.torch import load_file, save_file
+
+    from frod_ds.runtime.errors import CheckpointError
+
+    path = write_tiny_llama(tmp_path / "m", max_shard_size="100MB")
+    tensors = load_file(path / "model.safetensors")
+    layers = sorted({int(k.split(".")[2]) for k in tensors if k.startswith("model.layers.")})
+    assert len(layers) >= 2
+    gone = f"model.layers.{layers[-1]}.self_attn.q_proj.weight"
+    save_file({k: v for k, v in tensors.items() if k != gone}, path / "model.safetensors", metadata={"format": "pt"})
+    holding = f"layers {layers[0]}-{layers[-2]} hold it" if len(layers) > 2 else f"layer {layers[0]} holds it"
+    want = f"lacks {gone} ({holding}, layer {layers[-1]} not)"
+    for required in (True, False):
+        with pytest.raises(CheckpointError, match=re.escape(want)):
+            HFCheckpoint(path).config(required=required)
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="the checkpoint is incomplete"):
+        HFCheckpoint(path).config(required=False)
+    kept = {k: v for k, v in tensors.items() if ".q_proj." not in k}
+    save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
+    assert HFCheckpoint(path).config(required=False) is None  # no config.json: a note, no refusal
