@@ -93,6 +93,17 @@ def test_hjd_verify_passes_then_catches_another_model_and_corruption(model, tmp_
     out = tmp_path / "store"
     assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj", "v_proj"]) == 0
     assert main(["--verify", str(out), "--model", str(model), "--samples", "3"]) == 0
+    # a check that could not fail (no member) or would fail a good store (no tolerance) is refused as a usage error
+    for bad, said in (
+        ("--samples=0", "--samples must be an integer >= 1"),
+        ("--samples=-1", "--samples must be"),
+        ("--tol=-1", "--tol must be a finite number > 0"),
+        ("--tol=nan", "--tol must be"),
+    ):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            main(["--verify", str(out), "--model", str(model), bad])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err, bad
     other = write_tiny_llama(tmp_path / "other", seed=3)
     capsys.readouterr()
     assert main(["--verify", str(out), "--model", str(other)]) == 1
