@@ -380,7 +380,26 @@ def _inputs(config: EvalConfig) -> tuple[dict[str, list[dict[str, Any]]], torch.
     rows = load_task_rows(config.data, config.tasks, config.limit, config.modes)
     device = dist.local_device()
     model, tokenizer = load_model(config, device, resolve_dtype(config.dtype, device))
+    _check_token_ids(rows, tokenizer, model, config)
     return rows, model, tokenizer
+
+
+def _check_token_ids(
+    rows: dict[str, list[dict[str, Any]]], tokenizer: Any, model: torch.nn.Module, config: EvalConfig
+) -> None:
+    """``EvalError`` when the tokenizer turns the rows (prompts, choices, answers) or its special tokens into an id
+    the model's embedding has no row for (a tokenizer of a larger vocabulary): the forward would fail mid-run."""
+    embedding = model.get_input_embeddings().num_embeddings
+    texts = [t for task_rows in rows.values() for r in task_rows for t in (r.get("prompt"), r.get("answer"))]
+    texts += [c for task_rows in rows.values() for r in task_rows for c in r.get("choices") or ()]
+    ids = tokenizer([t for t in texts if isinstance(t, str) and t], add_special_tokens=False)["input_ids"]
+    top = max([max(x, default=-1) for x in ids] + list(tokenizer.all_special_ids) + [-1])
+    if top >= embedding:
+        which = config.tokenizer or "the model's own tokenizer"
+        raise EvalError(
+            f"the tokenizer ({which}) produces token id {top}, but the model's embedding has {embedding} rows; use "
+            "the tokenizer the model was trained with"
+        )
 
 
 def run(config: EvalConfig) -> None:

@@ -306,6 +306,20 @@ def test_missing_task_file_is_a_clear_error(assets, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_a_tokenizer_with_ids_past_the_models_embedding_is_refused(assets, tmp_path, capsys):
+    """A model whose embedding is smaller than the tokenizer's vocabulary (its own, or one given by --tokenizer):
+    the ids the rows tokenize to are checked before scoring, one line instead of an IndexError mid-run."""
+    tok = word_tokenizer()
+    small = save_model(tmp_path / "small", random_llama(8, seed=1), tok)
+    top = max(max(ids, default=-1) for ids in tok([r["prompt"] for r in assets["rows"]["piqa"]])["input_ids"])
+    assert top >= 8
+    for extra in ([], ["--tokenizer", str(assets["known"])]):
+        out = tmp_path / f"out{len(extra)}"
+        argv = ["--model", str(small), "--data", str(assets["data"]), "--tasks", "piqa", "--output", str(out), *extra]
+        _fails(argv, capsys, "but the model's embedding has 8 rows; use the tokenizer the model was trained with")
+        assert not out.exists()
+
+
 def test_rows_without_choices_are_a_clear_error(assets, tmp_path, capsys):
     rows = make_rows("piqa", 3)
     del rows[1]["choices"]
