@@ -28,6 +28,12 @@ def load_tokenizer(name: str) -> Any:
             f"tokenizer {name}: {what}; pass the directory holding the tokenizer files (by default "
             "the model's) or a Hugging Face Hub id"
         )
+    files = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
+    if path.is_dir() and not any((path / f).is_file() for f in files):  # transformers says only what it could not build
+        raise FrodError(
+            f"tokenizer {name}: the directory holds no tokenizer files ({', '.join(files[:3])}); pass the directory "
+            "that does (model.tokenizer in a recipe, --tokenizer for eval)"
+        )
     try:
         from transformers import AutoTokenizer
 

@@ -279,6 +279,23 @@ def test_a_tokenizer_that_cannot_be_loaded_is_one_line_naming_it(tmp_path, name)
     assert "\n" not in msg and path in msg and "no such directory" in msg
 
 
+def test_a_model_directory_without_tokenizer_files_says_so(tmp_path):
+    """A model folder copied without its tokenizer: the line says the directory holds no tokenizer files and where
+    to pass one, not transformers' "Couldn't instantiate the backend tokenizer"."""
+    from frod_ds.prep.tokens import load_tokenizer
+    from frod_ds.runtime.errors import FrodError
+    from tests.support.eval_fixtures import random_llama, save_model, word_tokenizer
+
+    tok = word_tokenizer()
+    model = save_model(tmp_path / "m", random_llama(len(tok)), tok)
+    assert len(load_tokenizer(str(model))) == len(tok)
+    for f in model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "spm")) or f.suffix == ".model":
+            f.unlink()
+    with pytest.raises(FrodError, match="the directory holds no tokenizer files .*; pass the directory that does"):
+        load_tokenizer(str(model))
+
+
 # --- export --format peft: --peft-tol is a promise --------------------------------------------------------------
 
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
