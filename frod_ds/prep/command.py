@@ -343,6 +343,9 @@ def examples_from_build(out: Path, task: str, role: str, n: int) -> list[dict[st
     if not path.is_file():
         raise DataPrepError(f"{path} not found; is {out} a frod data build that includes {task}?")
     rows = prep_rows.read_rows(path)
+    held = sorted({row["task"] for row in rows})
+    if task not in held:  # a task left out of the build: say what the build holds
+        raise DataPrepError(f"{out} holds no {task} rows (its training mixture: {', '.join(held) or 'empty'})")
     return [row for row in rows if row["task"] == task][:n]
 
 
@@ -360,12 +363,12 @@ def cmd_show(args: argparse.Namespace) -> None:
         rows = examples_from_source(args.source, args.task, args.split, args.winogrande_size, args.n)
     else:
         rows = examples_from_build(args.out, args.task, args.split, args.n)
+    if not rows:  # nothing to show is not a success
+        raise DataPrepError(f"no valid {args.task} {args.split} rows in {args.source or args.out}")
     for row in rows:
         print(f"=== {row['task']} {row['id']}  label {row['label']}  choices {row['choices']}")
         text = prep_rows.training_text(row)
         print(repr(text) if args.repr else text)
-    if not rows:
-        print(f"no valid {args.task} {args.split} rows found", file=sys.stderr)
 
 
 COMMANDS = {"build": cmd_build, "stats": cmd_stats, "show": cmd_show}

@@ -144,6 +144,10 @@ def test_show_from_build_with_repr(capsys, tmp_path):
     )
     code, _, err = run_cli(capsys, "show", "--out", out, "--source", MIRROR, "--task", "piqa")
     assert code == 2 and error_line(err) == "error: show needs exactly one of --source or --out"
+    # a task the build left out is named with what the build holds, not "no rows found" and exit 0
+    code, stdout, err = run_cli(capsys, "show", "--out", out, "--task", "piqa")
+    assert code == 2 and not stdout
+    assert error_line(err) == f"error: {out} holds no piqa rows (its training mixture: arc_challenge)"
 
 
 def test_module_entry_point_runs(tmp_path):
