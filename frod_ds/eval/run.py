@@ -245,6 +245,12 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
             has_safetensors = any((Path(config.model) / n).is_file() for n in (INDEX_NAME, SINGLE_NAME))
             if has_safetensors:
                 HFCheckpoint(config.model).config()
+            elif any(Path(config.model).glob("*.bin")):  # torch.load of a foreign pickle: never, and no traceback
+                raise EvalError(
+                    f"--model {config.model} holds PyTorch .bin weights only; frod-ds reads safetensors checkpoints "
+                    "(they cannot run code when read): convert them first, e.g. save_pretrained(safe_serialization="
+                    "True) in a trusted environment"
+                )
             else:
                 check_config_file(config.model)
         from transformers import AutoModelForCausalLM
@@ -263,6 +269,9 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
                 "checkpoint is damaged (truncated or overwritten), copy it again"
             ) from None
         tokenizer = load_tokenizer(config.tokenizer or config.model)
+        bad = adapter.nonfinite_tensor(dict(model.named_parameters()))
+        if bad is not None:  # its logits would be NaN and every score a tie
+            raise EvalError(f"--model {config.model}: {bad}; the checkpoint is damaged, copy it again")
     return model.eval(), tokenizer
 
 

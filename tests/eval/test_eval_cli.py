@@ -320,6 +320,31 @@ def test_a_tokenizer_with_ids_past_the_models_embedding_is_refused(assets, tmp_p
         assert not out.exists()
 
 
+def test_a_model_with_nan_weights_or_only_pickled_weights_is_refused(assets, tmp_path, capsys):
+    """--model with NaN in lm_head (every score a tie of NaN logits) or with PyTorch .bin weights only (torch.load of
+    a foreign pickle): one line each, nothing written, the pickle never loaded."""
+    from safetensors.torch import load_file, save_file
+
+    nan = tmp_path / "nan"
+    shutil.copytree(assets["known"], nan)
+    for shard in nan.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if "lm_head.weight" in tensors:
+            tensors["lm_head.weight"][0, 0] = float("nan")
+            save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    argv = ["--model", str(nan), "--data", str(assets["data"]), "--tasks", "piqa", "--output", str(out)]
+    _fails(argv, capsys, "lm_head.weight holds 1 non-finite value(s) (NaN/inf)")
+    pickled = tmp_path / "pickled"
+    shutil.copytree(assets["known"], pickled)
+    for shard in pickled.glob("*.safetensors"):
+        shard.unlink()
+    (pickled / "pytorch_model.bin").write_bytes(b"not to be unpickled")
+    argv[1] = str(pickled)
+    _fails(argv, capsys, "holds PyTorch .bin weights only; frod-ds reads safetensors checkpoints")
+    assert not out.exists()
+
+
 def test_rows_without_choices_are_a_clear_error(assets, tmp_path, capsys):
     rows = make_rows("piqa", 3)
     del rows[1]["choices"]
