@@ -20,11 +20,12 @@ from frod_ds.config.recipe import Recipe
 from frod_ds.core.layer import tan_alpha
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.formats.factor_store import category_of
-from frod_ds.model.adapter import adapter_state, write_adapter
+from frod_ds.model.adapter import adapter_state, read_adapter, write_adapter
 from frod_ds.model.apply import frod_groups
 from frod_ds.model.build import gathered
 from frod_ds.model.frozen_shards import shards_of
 from frod_ds.runtime import distributed as dist
+from frod_ds.runtime.errors import FrodError, note
 from frod_ds.train.data import BatchPlan, collate
 from frod_ds.train.engine_state import Layout, write_checkpoint
 from frod_ds.train.identity import identity_records
@@ -225,12 +226,16 @@ def _fit(run: Run, bar: tqdm) -> int:
         signal.signal(sig, on_stop)
     log = MetricsLog(run.out, t.tensorboard) if dist.is_main() else None  # importable: checked in preflight
     run.engine.train()
-    if state.step >= run.total_steps and (run.out / "adapter-final").is_dir():
+    final = run.out / "adapter-final"
+    damage = dist.on_main(lambda: _adapter_damage(final)) if state.step >= run.total_steps else None
+    if state.step >= run.total_steps and final.is_dir() and damage is None:
         bar.close()
         dist.print0(
             f"{run.out} holds a finished run (step {state.step}/{run.total_steps}); adapter-final left as it is"
         )
         return 0
+    if state.step >= run.total_steps and final.is_dir():  # rebuilt bit for bit from the final step's state
+        note(f"{damage}; writing adapter-final again from the checkpoint of step {state.step}")
     if torch.cuda.is_available():
         dist.print0(
             f"memory: {peak_mem_gb():.2f} GiB allocated at most while building and restoring the model "
@@ -251,6 +256,18 @@ def _fit(run: Run, bar: tqdm) -> int:
         plot_loss(log.path, run.out / "loss.png")
         log.close()
     return 0
+
+
+def _adapter_damage(final: Path) -> str | None:
+    """Why a finished run's ``adapter-final`` cannot be read back (a file deleted, a checksum that no longer holds),
+    or None when it can (or is absent)."""
+    if not final.is_dir():
+        return None
+    try:
+        read_adapter(final)
+    except FrodError as e:
+        return str(e)
+    return None
 
 
 def _step(run: Run, state: LoopState, log: MetricsLog | None, bar: tqdm) -> bool:

@@ -300,6 +300,21 @@ def test_resubmitting_a_finished_run_changes_nothing(env, trained, capsys):
     assert tree(run) == before
 
 
+def test_a_finished_runs_damaged_adapter_is_written_again_bit_for_bit(env, trained, tmp_path):
+    """A finished run whose adapter-final lost its weights file: the same command writes it again from the final
+    checkpoint with a note, equal bit for bit to the one it lost (it had said "left as it is" and exited 0)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    shutil.rmtree(run / "adapter-final" / "eval", ignore_errors=True)  # another test's user files, if it ran first
+    weights = run / "adapter-final" / "adapter.safetensors"
+    before = weights.read_bytes()
+    weights.unlink()
+    proc = train_proc(env, run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "writing adapter-final again from the checkpoint of step" in proc.stderr, proc.stderr[-3000:]
+    assert weights.read_bytes() == before
+
+
 def test_resubmitting_with_another_micro_batch_split_is_the_same_run(env, trained, tmp_path, capsys):
     run = tmp_path / "run"  # a copy: resubmitting rewrites recipe.yaml, which later tests compare
     shutil.copytree(trained, run)
