@@ -39,7 +39,7 @@ from frod_ds.model.adapter import check_adapter_store, read_adapter
 from frod_ds.model.build import check_store_quant
 from frod_ds.model.store_reader import FactorStore, check_store_matches
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.errors import FrodError, StoreError
+from frod_ds.runtime.errors import FrodError, StoreError, note
 from frod_ds.train.data import Example, check_vocab, encode_examples, read_training_rows, training_file
 from frod_ds.train.identity import check_resume_identity, run_identity
 from frod_ds.train.run_dir import check_writable
@@ -236,4 +236,10 @@ def init_adapter(recipe: Recipe, store: FactorStore, identity: StoreIdentity | N
             f"are {sorted(recipe.model.targets)}; set model.targets to the adapter's"
         )
     check_adapter_store(config, store, path)  # V and HJD route per category, where the adapter records them
+    m = recipe.model
+    if (config.sparsity, config.seed) != (m.sparsity, m.seed):  # its supports are trained on, not new ones
+        note(
+            f"model.init_adapter {path} holds S supports of density {config.sparsity:g} (seed {config.seed}): the run "
+            f"trains on them, so model.sparsity {m.sparsity:g} and model.seed {m.seed} do not apply"
+        )
     return InitAdapter(tensors, config)

@@ -257,6 +257,8 @@ def test_imported_adapter_continues_training(env, imported, tmp_path):
     assert (start[f"{q0}.frod_sigma"] - store_sigma[f"{q0}.sigma"]).abs().max() > 1e-2, "PEFT training moved σ"
     config = json.loads((out / "adapter-final" / "adapter_config.json").read_text())
     assert config["init_adapter"] == str(adapter.resolve()) and config["sparsity"] == pytest.approx(0.05)
+    # the recipe's own sparsity (not the adapter's) is said not to apply
+    assert "holds S supports of density 0.05" in res.stderr and "do not apply" in res.stderr, res.stderr[-2000:]
 
 
 def test_peft_files_carry_their_sha256_from_export_to_import(env, exported, tmp_path, capsys):
