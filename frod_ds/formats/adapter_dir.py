@@ -69,6 +69,7 @@ class AdapterConfig:
     factor_store: str  # directory of the factor store
     factor_store_fingerprint: str | None = None  # the store's base weights fingerprint
     tokenizer: str | None = None  # default: the base model's
+    tokenizer_sha256: str | None = None  # prep.tokens.tokenizer_sha256 of the training tokenizer (absent before)
     targets: list[str] = field(default_factory=list)
     sparsity: float  # density of S
     seed: int  # seed of the S supports

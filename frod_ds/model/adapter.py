@@ -286,7 +286,7 @@ def load_frod_model(
     The base model and factor store come from the adapter's config unless given. Raises ``FrodError``
     with a clear message if either is missing or the store belongs to another model or adapter.
     """
-    from frod_ds.prep.tokens import load_tokenizer
+    from frod_ds.prep.tokens import load_tokenizer, tokenizer_sha256
 
     tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
     if isinstance(dtype, str):
@@ -301,7 +301,15 @@ def load_frod_model(
         quantize_base=config.quantize_base,
     )
     load_adapter_into(model, tensors)
-    tokenizer = load_tokenizer(str(config.tokenizer or model_dir))
+    source = str(config.tokenizer or model_dir)
+    tokenizer = load_tokenizer(source)
+    if config.tokenizer_sha256 is None:
+        note(f"adapter {checkpoint_dir} records no digest of its tokenizer (older frod-ds): {source}'s is not checked")
+    elif tokenizer_sha256(tokenizer) != config.tokenizer_sha256:  # same size, other ids: every score would shift
+        raise AdapterError(
+            f"the tokenizer in {source} is not the one adapter {checkpoint_dir} was trained with (its vocabulary or "
+            "special tokens differ); pass the base model whose tokenizer it was trained with"
+        )
     return model.to(device).eval(), tokenizer
 
 

@@ -43,6 +43,19 @@ def load_tokenizer(name: str) -> Any:
         raise FrodError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}") from None
 
 
+def tokenizer_sha256(tokenizer: Any) -> str:
+    """sha256 of what decides the ids a tokenizer gives: its vocabulary (added tokens included) and its special
+    tokens. Another tokenizer of the same size gives another digest; the same files loaded anywhere, the same."""
+    import hashlib
+    import json
+
+    doc = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items()),
+    }
+    return hashlib.sha256(json.dumps(doc, ensure_ascii=False).encode()).hexdigest()
+
+
 def token_lengths(tokenizer: Any, texts: Sequence[str], desc: str = "tokenizing", batch_size: int = 1024) -> list[int]:
     """Length in tokens of each text, special tokens and the appended EOS included."""
     eos = getattr(tokenizer, "eos_token_id", None)

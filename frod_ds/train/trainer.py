@@ -28,6 +28,7 @@ from frod_ds.model.apply import frod_groups, frod_param_groups
 from frod_ds.model.build import build_frod_model, fetch_per_layer, gathered, make_supports
 from frod_ds.model.build_layers import build_layer_partitioned
 from frod_ds.model.frozen_shards import shards_of
+from frod_ds.prep.tokens import tokenizer_sha256
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.errors import note
 from frod_ds.runtime.shared_dir import check_shared_dir
@@ -185,6 +186,7 @@ def _adapter_config(inputs: Inputs) -> AdapterConfig:
         factor_store=_absolute_if_local(m.factor_store),
         factor_store_fingerprint=identity.fingerprint,
         tokenizer=_absolute_if_local(m.tokenizer) if m.tokenizer else None,
+        tokenizer_sha256=tokenizer_sha256(inputs.tokenizer),
         targets=list(m.targets),
         sparsity=m.sparsity if init is None else init.config.sparsity,
         seed=m.seed if init is None else init.config.seed,

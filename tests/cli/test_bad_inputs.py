@@ -545,6 +545,28 @@ def test_eval_refuses_a_non_finite_adapter(env, nan_adapter, tmp_path, capsys):
     assert not out.exists()
 
 
+def test_eval_refuses_a_base_whose_tokenizer_is_not_the_adapters(env, trained, tmp_path, capsys):
+    """--base-model a copy of the base whose tokenizer files were replaced by another tokenizer (trained on other
+    text, no larger): the adapter records its tokenizer's digest, so the scores of other ids are refused."""
+    import json
+
+    from frod_ds.testing.toy import train_sentencepiece_tokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(env.model, base)
+    texts = [
+        " ".join(json.loads(x)["prompt"].split()[::-1]) for x in (env.data / "train.jsonl").read_text().splitlines()
+    ]
+    other = train_sentencepiece_tokenizer(tmp_path / "other", texts, vocab_size=300)
+    for f in other.iterdir():
+        shutil.copy(f, base / f.name)
+    out = tmp_path / "eval"
+    argv = ["--checkpoint", str(trained / "adapter-final"), "--base-model", str(base), "--data", str(env.data)]
+    line = one_error(capsys, eval_cli.main([*argv, "--tasks", "boolq", "--output", str(out)]))
+    assert f"the tokenizer in {base} is not the one adapter" in line and "trained with" in line, line
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("inside", ["store", "model", "data"])
 def test_training_into_an_input_is_refused(env, tmp_path, capsys, inside):
     """output_dir inside the factor store, the base model or the data build the run reads: refused before anything
