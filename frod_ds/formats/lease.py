@@ -271,7 +271,9 @@ def acquire(
     out = Path(out)
     path = lease_path(out)
     me = _me(kind)
-    inherited = json.loads(os.environ.get(ENV) or "{}").get(str(path))
+    handed = json.loads(os.environ.get(ENV) or "{}")  # leases this process's launcher holds: {path: token}
+    inherited = handed.get(str(path))
+    _check_no_writer_above(out, what, error, handed)
     created: list[Path] = []
     try:
         _make_parents(path.parent, created)
@@ -313,6 +315,24 @@ def acquire(
             why = f"{blocker} is a file, not a directory" if blocker else f"{e.filename or path}: {e.strerror or e}"
             raise error(f"{what} {out} is not writable ({why}); choose another {what}") from None
         raise
+
+
+def _check_no_writer_above(out: Path, what: str, error: type[FrodError], handed: dict[str, str]) -> None:
+    """``error`` when a folder above ``out`` is being written by another command (its lease live): the two would
+    share that folder. A finished output may hold another (``runs/x/eval`` beside ``runs/x/adapter-final``)."""
+    for above in Path(os.path.realpath(out)).parents:
+        path = lease_path(above)
+        if not path.is_file() and not path.is_symlink():
+            continue
+        found = read_lease(path)
+        if found is not None and found[0] is not None and handed.get(str(path)) == found[0].token:
+            continue  # this command's own launcher holds it
+        who = live_holder(path)
+        if who is not None:
+            raise error(
+                f"{what} {out} is inside {above}, which {who} is writing now; two writers never share an output: "
+                f"choose a {what} outside it, or wait for that command to end"
+            )
 
 
 @contextlib.contextmanager

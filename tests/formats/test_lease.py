@@ -216,3 +216,32 @@ def test_a_lease_that_is_not_ours_is_named_and_left_alone(tmp_path, no_slurm):
     with pytest.raises(FrodError, match="not a frod-ds lease"):
         acquire(out, "training-run", "output_dir")
     assert lease_path(out).read_text() == "locked by hand\n"
+
+
+def test_an_output_inside_a_folder_another_writer_holds_is_refused(tmp_path, no_slurm):
+    """A second run into ``run/sub`` while ``run`` is being written: refused naming the holder (the two would share
+    ``run``); once that writer is gone a folder inside a finished output is fine (``runs/x/eval``), and a child the
+    holder handed its lease may write inside it."""
+    out = tmp_path / "run"
+    proc = holder(out)
+    try:
+        with pytest.raises(FrodError) as e:
+            acquire(out / "sub", "eval-results", "--output")
+        line = str(e.value)
+        assert f"--output {out / 'sub'} is inside {out}, which frod train" in line and f"pid {proc.pid}" in line
+        assert not (out / "sub").exists() and not lease_path(out / "sub").exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    with holding(out / "sub", "eval-results", "--output"):
+        pass
+    code = (
+        "import sys\nfrom frod_ds.formats.lease import holding\n"
+        "with holding(sys.argv[1], 'eval-results'):\n    print(1)"
+    )
+    with holding(out, "demo") as lease:
+        env = {**clean_env(), "PYTHONPATH": str(REPO)}
+        child = subprocess.run(
+            [sys.executable, "-c", code, str(out / "sub")], env=lease.child_env(env), capture_output=True
+        )
+        assert child.stdout.decode().strip() == "1", child.stderr
