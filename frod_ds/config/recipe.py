@@ -137,6 +137,8 @@ class Recipe:
                 p.append(f"train.{name} must be >= 0")
         if t.log_every == 0:
             p.append("train.log_every must be >= 1")
+        if t.eval_every > 0 and not self.data.eval:  # it would score nothing, without a word
+            p.append(f"train.eval_every {t.eval_every} needs data.eval (held-out rows); set it, or train.eval_every=0")
         if t.keep_checkpoints < 1:
             p.append("train.keep_checkpoints must be >= 1")
         if t.zero3_partition not in ("auto", "layers", "deepspeed"):

@@ -67,6 +67,7 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
         (["train.betas=[-0.1,0.9]"], "train.betas must be two numbers in [0, 1)"),
         (["train.max_grad_norm=-1"], "train.max_grad_norm must be >= 0"),
         (["train.weight_decay=-0.1"], "train.weight_decay must be >= 0"),
+        (["train.eval_every=2"], "train.eval_every 2 needs data.eval (held-out rows)"),  # it scored nothing silently
     ],
 )
 def test_bad_recipes_raise_one_error_naming_the_problem(bad, needle):
