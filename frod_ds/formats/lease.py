@@ -331,7 +331,7 @@ def _check_no_writer_above(out: Path, what: str, error: type[FrodError], handed:
         if who is not None:
             raise error(
                 f"{what} {out} is inside {above}, which {who} is writing now; two writers never share an output: "
-                f"choose a {what} outside it, or wait for that command to end"
+                f"give {what} a path outside it, or wait for that command to end"
             )
 
 
