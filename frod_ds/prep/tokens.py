@@ -44,14 +44,15 @@ def load_tokenizer(name: str) -> Any:
 
 
 def tokenizer_sha256(tokenizer: Any) -> str:
-    """sha256 of what decides the ids a tokenizer gives: its vocabulary (added tokens included) and its special
-    tokens. Another tokenizer of the same size gives another digest; the same files loaded anywhere, the same."""
+    """sha256 of what decides the ids a tokenizer gives: its vocabulary (added tokens included) and its BOS, EOS and
+    unknown tokens (not the pad token, which training sets where none is). Another tokenizer of the same size gives
+    another digest; the same files loaded anywhere, the same."""
     import hashlib
     import json
 
     doc = {
         "vocab": sorted(tokenizer.get_vocab().items()),
-        "special": sorted((str(k), str(v)) for k, v in tokenizer.special_tokens_map.items()),
+        "special": [getattr(tokenizer, f"{k}_token_id", None) for k in ("bos", "eos", "unk")],
     }
     return hashlib.sha256(json.dumps(doc, ensure_ascii=False).encode()).hexdigest()
 
