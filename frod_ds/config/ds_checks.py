@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from frod_ds.io.strict_json import DuplicateKeyError, parse_json
+from frod_ds.runtime.strict_json import DuplicateKeyError, parse_json
 
 __all__ = [
     "known_keys",

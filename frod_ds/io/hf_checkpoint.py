@@ -290,8 +290,9 @@ class HFCheckpoint:
             path = self.dir / "config.json"
             gap = missing_linear(self.keys())
             if gap is not None:  # HJD would decompose the category without that member, training fail to build
+                where = self.dir / INDEX_NAME if self._indexed else self.dir
                 raise CheckpointError(
-                    f"{self.dir} lacks {gap}: the checkpoint is incomplete; copy it again from its source"
+                    f"{where} lacks {gap}: the checkpoint is incomplete; copy it again from its source"
                 )
             if not required and not path.is_file():
                 note(f"{self.dir} has no config.json: the factor store records no model config")

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from frod_ds.io.strict_json import DuplicateKeyError, parse_json
 from frod_ds.prep.tasks import DataPrepError
+from frod_ds.runtime.strict_json import DuplicateKeyError, parse_json
 
 FIELDS: dict[str, type] = {"task": str, "id": str, "prompt": str, "answer": str, "choices": list, "label": int}
 OPTIONAL_FIELDS: dict[str, type] = {"separator": str}

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from frod_ds.io.strict_json import DuplicateKeyError, parse_json
 from frod_ds.prep.tasks import TASKS, DataPrepError, hub_config
 from frod_ds.runtime.paths import dir_problem, file_problem
+from frod_ds.runtime.strict_json import DuplicateKeyError, parse_json
 
 HUB = "hub"
 SPLIT_SUFFIXES = (".jsonl", ".json", ".parquet")
