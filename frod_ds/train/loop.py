@@ -227,15 +227,15 @@ def _fit(run: Run, bar: tqdm) -> int:
     log = MetricsLog(run.out, t.tensorboard) if dist.is_main() else None  # importable: checked in preflight
     run.engine.train()
     final = run.out / "adapter-final"
-    damage = dist.on_main(lambda: _adapter_damage(final)) if state.step >= run.total_steps else None
-    if state.step >= run.total_steps and final.is_dir() and damage is None:
-        bar.close()
-        dist.print0(
-            f"{run.out} holds a finished run (step {state.step}/{run.total_steps}); adapter-final left as it is"
-        )
-        return 0
-    if state.step >= run.total_steps and final.is_dir():  # rebuilt bit for bit from the final step's state
-        note(f"{damage}; writing adapter-final again from the checkpoint of step {state.step}")
+    if state.step >= run.total_steps and final.is_dir():
+        damage = dist.on_main(lambda: _adapter_damage(final))
+        if damage is None:
+            bar.close()
+            dist.print0(
+                f"{run.out} holds a finished run (step {state.step}/{run.total_steps}); adapter-final left as it is"
+            )
+            return 0
+        note(f"{damage}; writing adapter-final again from the checkpoint of step {state.step}")  # bit for bit
     if torch.cuda.is_available():
         dist.print0(
             f"memory: {peak_mem_gb():.2f} GiB allocated at most while building and restoring the model "
@@ -260,9 +260,7 @@ def _fit(run: Run, bar: tqdm) -> int:
 
 def _adapter_damage(final: Path) -> str | None:
     """Why a finished run's ``adapter-final`` cannot be read back (a file deleted, a checksum that no longer holds),
-    or None when it can (or is absent)."""
-    if not final.is_dir():
-        return None
+    or None when it can."""
     try:
         read_adapter(final)
     except FrodError as e:
