@@ -15,6 +15,12 @@
 #    the other (with one GPU, all in the given order). Each GPU's results are rewritten into $OUT/gpuN.tgz after
 #    every unit and when it ends. Then, in the checkout (while the next call already runs, if the machine is
 #    warm): python -m studies.learn_study merge --into studies/results/learn_study FILES_AT/gpu*.tgz; commit.
+#
+# Longer than one call (a 160-step run of stock PEFT FRoD takes most of one): BG_S=SECONDS starts the same items
+# in a detached process for up to SECONDS, on a copy of the checkout ($ROOT/src), its results in $ROOT/bg. This
+# call, and each `POLL=1 bash studies/device_call.sh` after it, waits up to POLL_S (560) seconds, then copies
+# what the background has so far (gpuN.tgz, call.log) into $OUT. Each poll must start within the machine's
+# warm window, or the machine goes back and the background with it (its last copied results stay good).
 set -u
 T0=$(date +%s)
 LIMIT=${LIMIT_S:-570}  # seconds for this script; the call's own limit is 600
@@ -24,6 +30,30 @@ ROOT=${ROOT:-/tmp/ls}
 MD5=a1231443440b107ff29f02bdb38c9d0a  # SmolLM2-135M-Instruct.Q4_1.gguf (tests/support/realmodel.py)
 OUT=${OUT:-$ROOT/out_local}
 mkdir -p "$OUT" $ROOT
+
+bg_running() { [ -f $ROOT/bg.pid ] && kill -0 "$(cat $ROOT/bg.pid)" 2>/dev/null; }
+poll() {  # wait for the background (or this call's POLL_S), then hand its results to $OUT
+  local until=$((T0 + ${POLL_S:-560}))
+  while bg_running && [ "$(date +%s)" -lt $until ]; do sleep 5; done
+  cp -a $ROOT/bg/. "$OUT"/ 2>/dev/null
+  tail -n 25 $ROOT/bg/call.log 2>/dev/null
+  if bg_running; then echo "BACKGROUND RUNNING: poll again now (POLL=1)"; else echo "BACKGROUND DONE"; fi
+}
+if [ "${POLL:-0}" = 1 ]; then
+  [ -f $ROOT/bg.pid ] || { echo "no background study on this machine (it went back, or none was started)"; exit 1; }
+  poll
+  exit 0
+fi
+if [ -n "${BG_S:-}" ]; then
+  bg_running && { echo "a background study is already running here: poll it (POLL=1)"; exit 1; }
+  rm -rf $ROOT/src $ROOT/bg && mkdir -p $ROOT/bg && cp -a . $ROOT/src || exit 1
+  (cd $ROOT/src && OUT=$ROOT/bg LIMIT_S=$BG_S BG_S='' setsid nohup bash studies/device_call.sh "$@" \
+    >/dev/null 2>&1 </dev/null & echo $! >$ROOT/bg.pid)
+  echo "background study started (pid $(cat $ROOT/bg.pid), up to $BG_S s)"
+  sleep 20
+  poll
+  exit 0
+fi
 exec > >(tee -a "$OUT/call.log") 2>&1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 left() { echo $((LIMIT - ($(date +%s) - T0))); }
