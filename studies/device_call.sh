@@ -33,8 +33,11 @@ mkdir -p "$OUT" $ROOT
 
 bg_running() { [ -f $ROOT/bg.pid ] && kill -0 "$(cat $ROOT/bg.pid)" 2>/dev/null; }
 poll() {  # wait for the background (or this call's POLL_S), then hand its results to $OUT
-  local until=$((T0 + ${POLL_S:-560}))
-  while bg_running && [ "$(date +%s)" -lt $until ]; do sleep 5; done
+  local until=$((T0 + ${POLL_S:-560})) n=0
+  while bg_running && [ "$(date +%s)" -lt $until ]; do  # a copy every 30 s: a call cut short still returns them
+    [ $((n++ % 6)) = 0 ] && cp -a $ROOT/bg/. "$OUT"/ 2>/dev/null
+    sleep 5
+  done
   cp -a $ROOT/bg/. "$OUT"/ 2>/dev/null
   tail -n 25 $ROOT/bg/call.log 2>/dev/null
   if bg_running; then echo "BACKGROUND RUNNING: poll again now (POLL=1)"; else echo "BACKGROUND DONE"; fi
