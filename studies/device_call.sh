@@ -50,8 +50,10 @@ fi
 if [ -n "${BG_S:-}" ]; then
   bg_running && { echo "a background study is already running here: poll it (POLL=1)"; exit 1; }
   rm -rf $ROOT/src $ROOT/bg && mkdir -p $ROOT/bg && cp -a . $ROOT/src || exit 1
-  (cd $ROOT/src && OUT=$ROOT/bg LIMIT_S=$BG_S BG_S='' setsid nohup bash studies/device_call.sh "$@" \
-    >/dev/null 2>&1 </dev/null & echo $! >$ROOT/bg.pid)
+  cd $ROOT/src || exit 1
+  OUT=$ROOT/bg LIMIT_S=$BG_S BG_S='' setsid nohup bash studies/device_call.sh "$@" >/dev/null 2>&1 </dev/null &
+  echo $! >$ROOT/bg.pid
+  cd - >/dev/null || exit 1
   echo "background study started (pid $(cat $ROOT/bg.pid), up to $BG_S s)"
   sleep 20
   poll
