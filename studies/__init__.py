@@ -15,6 +15,7 @@ tasks.py     generated tasks (arithmetic, a fact base) from a seed, with train, 
 learn.py     the learnability study (studies/learn_study.py): per task, sweeps, S-rate ratios, seeds, timing
 timing.py    each method alone on the device: step time, tokens/s, peak memory, build time
 learn_report.py  learn_study.json from the study directories, then report.md and plots from it
+learn_convergence.py  which tasks count (the arithmetic gate) and the convergence line the README quotes
 learn_plan.py    the study's units, their estimated GPU seconds, the calls they make
 device_call.sh   one GPU call: stage the model, generate the tasks, run each GPU's share, pack the results
 runner.py    the study under one command's time budget: setup and identity, base evals, the jobs, the

@@ -48,9 +48,10 @@ PROTOCOLS = ("loglik", "llm-adapters", "exact")
 # the learnability study's (``learn``): methods with LR sweeps, and FRoD's S rate at σ/3 and σ/30 beside σ/10
 MAIN_METHODS = ("frod", "peftfrod", "peftfrod_sr02", "lora16", "lora64", "full")
 RATIO_METHODS = ("frod_ratio3", "frod_ratio30")
-# an arithmetic task counts only where full fine-tuning's chosen run reaches this exact match on its unseen pairs
-# (docs/learn-study.md, pilot gate); one that does not is kept as the pilot's record, out of the convergence line
-ARITH_GATE = {"method": "full", "split": "arith_unseen", "min_exact": 0.90}
+# the pilot gate (docs/learn-study.md): full fine-tuning's chosen run must reach this exact match on the unseen
+# pairs. `arith` failing it is kept as the pilot's record, out of the convergence line; `arith_d12`, the last
+# arithmetic variant tried, is reported either way, with its shortfall stated where it has one
+ARITH_GATE = {"method": "full", "split": "arith_unseen", "min_exact": 0.90, "pilot_only": ("arith",)}
 
 
 class StudyError(ValueError):

@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from studies.config import ARITH_GATE
 from studies.intervals import mean_interval, t_quantile
+from studies.learn_convergence import NOT_REACHED, arith_gate, convergence
 from studies.report import smooth_window
 
 __all__ = ["t_quantile", "mean_interval", "collect", "render", "SCALE_NOTE"]
@@ -27,7 +27,6 @@ SCALE_NOTE = (
     "learn, on a budget of minutes; nothing here is a projection to 7B (the paper's scale), and the "
     "rankings may differ there."
 )
-NOT_REACHED = "not reached"
 
 
 def _chosen_run(method: dict) -> dict | None:
@@ -210,7 +209,7 @@ def collect(out: Path) -> dict[str, Any]:
             "timing": None if timing is None else {k: v for k, v in timing.items() if k != "methods"},
             "complete": all(d.get("complete") for d in docs.values()) and timing is not None,
             "open_sweeps": open_sweeps,
-            "gate": _arith_gate(task_dir.name, methods),
+            "gate": arith_gate(task_dir.name, methods),
         }
     return {
         "benchmark": "learn_study",
@@ -219,58 +218,6 @@ def collect(out: Path) -> dict[str, Any]:
         "tasks": tasks,
         "convergence": convergence(tasks),
     }
-
-
-def _arith_gate(task: str, methods: dict[str, Any]) -> dict[str, Any] | None:
-    """An arithmetic task's pilot gate (``ARITH_GATE``): full fine-tuning's exact match on the unseen pairs."""
-    if not task.startswith("arith"):
-        return None
-    got = methods.get(ARITH_GATE["method"], {}).get("exact", {}).get(ARITH_GATE["split"])
-    mean = None if got is None else got["mean"]
-    return {**ARITH_GATE, "exact": mean, "passed": None if mean is None else mean >= ARITH_GATE["min_exact"]}
-
-
-def convergence(tasks: dict[str, Any]) -> dict[str, Any]:
-    """Per task: frod's steps and seconds (alone) to the better LoRA's final validation loss, over its seeds,
-    against that LoRA's own steps (its run length) and seconds; the sentence the README quotes."""
-    rows = {}
-    for name, t in tasks.items():
-        e = t["methods"].get("frod")
-        lora = t["methods"].get(t["better_lora"] or "")
-        if not e or not lora or "steps_to_better_lora_final" not in e or (t.get("gate") or {}).get("passed") is False:
-            continue
-        reach = list(e["steps_to_better_lora_final"].values())
-        secs = [v for v in e.get("seconds_to_better_lora_final", {}).values() if v is not None]
-        lora_alone = lora.get("alone")
-        rows[name] = {
-            "better_lora": t["better_lora"],
-            "frod_steps": reach,
-            "steps": t["steps"],
-            "reached": sum(v is not None for v in reach),
-            "seeds": len(reach),
-            "provisional": bool(t.get("open_sweeps")),
-            "frod_seconds_mean": sum(secs) / len(secs) if secs else None,
-            "lora_seconds": None
-            if not lora_alone
-            else lora_alone["build_seconds"] + t["steps"] * lora_alone["step_ms"] / 1e3,
-        }
-    parts: dict[bool, list[str]] = {False: [], True: []}
-    for name, r in rows.items():
-        got = [v for v in r["frod_steps"] if v is not None]
-        steps = f"step {sorted(got)[len(got) // 2]} of {r['steps']} (median)" if got else NOT_REACHED
-        parts[r["provisional"]].append(f"{name}: {r['reached']}/{r['seeds']} seeds, {steps}")
-    said = []
-    if parts[False]:
-        lead = "frod-ds FRoD reached the better LoRA's final validation loss on SmolLM2-135M — "
-        said.append(lead + "; ".join(parts[False]))
-    if parts[True]:
-        said.append(
-            "provisional, LR sweeps still open (the choices may change): " + "; ".join(parts[True])
-            if parts[False]
-            else "No task's LR sweeps are complete yet; provisionally (the choices may change), frod-ds FRoD reached "
-            "the better LoRA's final validation loss on SmolLM2-135M — " + "; ".join(parts[True])
-        )
-    return {"tasks": rows, "sentence": ". ".join(said) or None}
 
 
 def _pct(v: float | None) -> str:
@@ -302,10 +249,16 @@ def _task_md(name: str, t: dict) -> str:
     ]
     gate = t.get("gate")
     if gate and gate["passed"] is False:
+        said = (
+            "so this task is kept as the pilot's record only and is out of the convergence line"
+            if gate.get("excluded")
+            else "short of the gate; no further arithmetic variant is tried, so this task is reported with that "
+            "shortfall"
+        )
         out.append(
             f"**Pilot gate not passed**: {gate['method']}'s exact match on `{gate['split']}` is "
-            f"{_pct(gate['exact'])}% (the plan asks ≥ {_pct(gate['min_exact'])}%), so this task is kept as the "
-            "pilot's record only and is out of the convergence line (docs/learn-study.md, Decisions).\n"
+            f"{_pct(gate['exact'])}% (the plan asks ≥ {_pct(gate['min_exact'])}%), {said} (docs/learn-study.md, "
+            "Decisions).\n"
         )
     if t.get("open_sweeps"):
         out.append(

@@ -204,7 +204,8 @@ def test_report_comes_from_the_json(rehearsal):
 
 
 def test_steps_and_seconds_to_the_better_lora_read_the_validation_curve():
-    from studies.learn_report import _reach, convergence
+    from studies.learn_convergence import convergence
+    from studies.learn_report import _reach
 
     curve = [[2, 1.0], [4, 0.6], [6, 0.5]]
     assert _reach(curve, 0.6) == 4 and _reach(curve, 0.4) is None
@@ -223,25 +224,29 @@ def test_steps_and_seconds_to_the_better_lora_read_the_validation_curve():
     assert "t: 1/2 seeds, step 4 of 6" in got["sentence"] and "provisional" not in got["sentence"]
     # a task with open LR sweeps is said as provisional; an arithmetic task that failed its pilot gate is left out
     open_task = {**tasks["t"], "open_sweeps": ["lora16"]}
-    failed = {**tasks["t"], "gate": {"passed": False}}
-    got = convergence({"t": tasks["t"], "u": open_task, "arith": failed})
-    assert set(got["tasks"]) == {"t", "u"} and got["tasks"]["u"]["provisional"]
-    lead, rest = got["sentence"].split("provisional", 1)
+    failed = {**tasks["t"], "gate": {"passed": False, "excluded": True}}
+    short = {**tasks["t"], "gate": {"passed": False, "excluded": False}}  # reported with its shortfall
+    got = convergence({"t": tasks["t"], "u": open_task, "arith": failed, "arith_d12": short})
+    assert set(got["tasks"]) == {"t", "u", "arith_d12"} and got["tasks"]["u"]["provisional"]
+    lead, rest = got["sentence"].split("Provisionally", 1)
     assert "t: 1/2 seeds" in lead and "u: 1/2 seeds" not in lead and "u: 1/2 seeds" in rest
     assert convergence({"u": open_task})["sentence"].startswith("No task's LR sweeps are complete yet")
 
 
 def test_the_arith_pilot_gate_reads_full_fine_tunings_exact_match_on_unseen_pairs():
     from studies.config import ARITH_GATE
-    from studies.learn_report import _arith_gate
+    from studies.learn_convergence import arith_gate
 
     def methods(v):
         return {"full": {"exact": {"arith_unseen": {"mean": v}}}}
 
-    assert _arith_gate("facts64", methods(0.1)) is None
-    assert _arith_gate("arith", methods(ARITH_GATE["min_exact"] - 0.01))["passed"] is False
-    assert _arith_gate("arith_d12", methods(ARITH_GATE["min_exact"]))["passed"] is True
-    assert _arith_gate("arith", {})["passed"] is None  # not measured yet: neither passed nor failed
+    assert arith_gate("facts64", methods(0.1)) is None
+    failed = arith_gate("arith", methods(ARITH_GATE["min_exact"] - 0.01))
+    assert failed["passed"] is False and failed["excluded"]  # the pilot's record only
+    short = arith_gate("arith_d12", methods(ARITH_GATE["min_exact"] - 0.01))
+    assert short["passed"] is False and not short["excluded"]  # the last variant: reported with its shortfall
+    assert arith_gate("arith_d12", methods(ARITH_GATE["min_exact"]))["passed"] is True
+    assert arith_gate("arith", {})["passed"] is None  # not measured yet: neither passed nor failed
 
 
 def test_t_quantile_matches_the_normal_limit_and_a_known_small_sample_property():
