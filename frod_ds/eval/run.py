@@ -108,6 +108,12 @@ class EvalConfig:
             self.modes
         except EvalError as exc:
             problems.append(str(exc))
+        if self.checkpoint and Path(self.checkpoint).is_file():  # named before the data is read
+            from frod_ds.model.adapter import not_an_adapter
+
+            problems.append(not_an_adapter(self.checkpoint, "--checkpoint"))
+        if self.model and Path(self.model).is_file():
+            problems.append(f"--model {self.model} is a file, not a directory; pass the checkpoint directory")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             problems.append(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if Path(self.output).exists() and not Path(self.output).is_dir():

@@ -273,6 +273,9 @@ def acquire(
     me = _me(kind)
     handed = json.loads(os.environ.get(ENV) or "{}")  # leases this process's launcher holds: {path: token}
     inherited = handed.get(str(path))
+    if (out.exists() or out.is_symlink()) and not out.is_dir():  # no lease is ever placed beside a user's file
+        it = "a link to nothing" if not out.exists() else "a file" if out.is_file() else "not a regular file"
+        raise error(f"{what} {out} is {it}, not a folder; give {what} a directory path")
     _check_no_writer_above(out, what, error, handed)
     created: list[Path] = []
     try:

@@ -390,6 +390,11 @@ def test_unknown_task_and_conflicting_model_flags_are_clear_errors(assets, tmp_p
     _fails(["--model", str(assets["known"]), "--tasks", "piqa,mmlu", *base], capsys, "unknown task 'mmlu'")
     _fails(["--model", str(assets["known"]), "--checkpoint", str(assets["known"]), *base], capsys, "exactly one of")
     _fails(["--checkpoint", str(assets["known"]), "--tasks", "piqa", *base], capsys, "not a FRoD adapter checkpoint")
+    # a file given as the model is named as such, before the data (which lacks every default task) is read
+    weights = str(assets["known"] / "model.safetensors")
+    missing = ["--data", str(tmp_path), "--output", str(tmp_path / "out")]
+    _fails(["--checkpoint", weights, *missing], capsys, f"--checkpoint {weights} is a file, not a directory")
+    _fails(["--model", weights, *missing], capsys, f"--model {weights} is a file, not a directory")
     assert not (tmp_path / "out").exists()
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import frod_ds.formats.lease as lease_module
 from frod_ds.formats.lease import STALE_S, acquire, holding, lease_path, read_lease
 from frod_ds.formats.output_dir import LEASE_FORMAT, LeaseRecord
 from frod_ds.formats.records import record_to_json
@@ -245,3 +246,29 @@ def test_an_output_inside_a_folder_another_writer_holds_is_refused(tmp_path, no_
             [sys.executable, "-c", code, str(out / "sub")], env=lease.child_env(env), capture_output=True
         )
         assert child.stdout.decode().strip() == "1", child.stderr
+
+
+@pytest.mark.parametrize("kind", ["file", "link to a file", "fifo", "broken link"])
+def test_an_output_that_is_not_a_folder_is_refused_with_no_lease_beside_it(tmp_path, no_slurm, kind, monkeypatch):
+    """A user's file given as the output is refused before anything is placed beside it: the folder holding it
+    must look the same during and after the refusal (no transient lease file among the user's own)."""
+    target = tmp_path / "data" / "train.jsonl"
+    target.parent.mkdir()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "broken link":
+        target.symlink_to(tmp_path / "data" / "gone")
+    else:
+        (tmp_path / "data" / "real.jsonl").write_text("{}\n")
+        if kind == "file":
+            target.write_text("{}\n")
+        else:
+            target.symlink_to(tmp_path / "data" / "real.jsonl")
+    before = sorted(p.name for p in target.parent.iterdir())
+    placed = []
+    real_place = lease_module._place
+    monkeypatch.setattr(lease_module, "_place", lambda path, record: placed.append(path) or real_place(path, record))
+    it = {"fifo": "not a regular file", "broken link": "a link to nothing"}.get(kind, "a file")
+    with pytest.raises(FrodError, match=f"train.jsonl is {it}, not a folder; give --out a directory path"):
+        acquire(target, "data-build", "--out")
+    assert placed == [] and sorted(p.name for p in target.parent.iterdir()) == before
