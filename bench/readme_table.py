@@ -383,6 +383,13 @@ def real_study(results: Path) -> str:
     return _source(path, results=results) + markdown_tables(_load(path))
 
 
+def learn_convergence(results: Path) -> str:
+    """The learnability study's convergence line (``studies/learn_convergence.py``) from its committed results."""
+    path = results.parent.parent / "studies" / "results" / "learn_study" / "learn_study.json"
+    sentence = _load(path)["convergence"]["sentence"] or "No task measured yet"
+    return _source(path, results=results) + sentence.rstrip(".") + ".\n"
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {
     "headline": headline,
     "exact-init": exact_init,
@@ -395,6 +402,7 @@ GENERATORS: dict[str, Callable[[Path], str]] = {
     "offload": offload,
     "layer": layer,
     "real-study": real_study,
+    "learn-convergence": learn_convergence,
 }
 
 
