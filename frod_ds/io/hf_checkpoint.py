@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.io.model_config import config_problems, missing_linear, weights_problems
 from frod_ds.runtime.errors import CheckpointError, note
-from frod_ds.runtime.paths import dir_problem
+from frod_ds.runtime.paths import dir_problem, file_problem
 
 if TYPE_CHECKING:
     import torch
@@ -124,7 +124,11 @@ def resolve_config_file(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         check_model_folder(path)
-        if not (path / "config.json").is_file():
+        config = path / "config.json"
+        problem = file_problem(config) if os.path.lexists(config) else None  # a folder, pipe or broken link
+        if problem:
+            raise CheckpointError(f"{problem}; copy config.json from the original checkpoint")
+        if not config.is_file():
             raise CheckpointError(
                 f"model directory {path} has no config.json; pass the checkpoint directory (config.json + "
                 "*.safetensors)"
@@ -294,7 +298,7 @@ class HFCheckpoint:
                 raise CheckpointError(
                     f"{where} lacks {gap}: the checkpoint is incomplete; copy it again from its source"
                 )
-            if not required and not path.is_file():
+            if not required and not os.path.lexists(path):
                 note(f"{self.dir} has no config.json: the factor store records no model config")
                 return None
             config = check_config_file(self.dir)

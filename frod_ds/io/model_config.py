@@ -13,7 +13,16 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["REQUIRED_KEYS", "SIZE_KEYS", "config_problems", "expected_shapes", "missing_linear", "weights_problems"]
+__all__ = [
+    "DTYPES",
+    "LLAMA_FAMILY",
+    "REQUIRED_KEYS",
+    "SIZE_KEYS",
+    "config_problems",
+    "expected_shapes",
+    "missing_linear",
+    "weights_problems",
+]
 
 # the sizes a LLaMA-family config.json gives, each a positive integer when present
 SIZE_KEYS = (
@@ -25,6 +34,9 @@ SIZE_KEYS = (
     "head_dim",
     "vocab_size",
 )
+# the decoders frod-ds builds, plans and decomposes (model_type), and the dtypes a config.json may name
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+DTYPES = ("float32", "float16", "bfloat16", "float64", "float", "half", "double", "auto", "float8_e4m3fn")
 # the sizes a LLaMA-family config.json must give when its weights hold LLaMA-named decoder layers
 REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 _LAYER = re.compile(
@@ -50,6 +62,9 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
             f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (each key/value head serves a "
             "whole group of query heads)"
         )
+    for key in ("torch_dtype", "dtype"):
+        if cfg.get(key) is not None and cfg[key] not in DTYPES:
+            problems.append(f"{key} {cfg[key]!r} is no dtype (one of {', '.join(DTYPES)})")
     hidden = cfg.get("hidden_size")
     if cfg.get("head_dim") is None and _positive_int(hidden) and _positive_int(heads) and hidden % heads:
         problems.append(f"num_attention_heads {heads} does not divide hidden_size {hidden} and there is no head_dim")
@@ -86,6 +101,11 @@ def weights_problems(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
         expected = want.get(hit.group(2))
         if expected is not None and tuple(shape) != expected and not problems:
             problems.append(f"{name} has shape {list(shape)}, the config gives {list(expected)}")
+    kind, arch = cfg.get("model_type"), cfg.get("architectures")
+    if layers and kind not in LLAMA_FAMILY and "text_config" not in cfg:
+        problems.append(f"model_type {kind!r} builds no LLaMA-family decoder ({', '.join(LLAMA_FAMILY)}) for them")
+    if layers and isinstance(arch, list) and arch and not any(str(a).endswith("ForCausalLM") for a in arch):
+        problems.append(f"architectures {arch} names no causal LM (e.g. LlamaForCausalLM) for them")
     absent = [k for k in REQUIRED_KEYS if cfg.get(k) is None]
     if layers and absent and "text_config" not in cfg:  # transformers would build its own defaults' sizes
         names = ", ".join(absent)

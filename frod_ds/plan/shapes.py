@@ -9,7 +9,7 @@ from typing import Any
 
 from frod_ds.config.ds_config import DS_DEFAULTS, bf16_overflow_check, load_ds_config, zero_settings
 from frod_ds.core.names import DEFAULT_TARGETS, LLAMA_LINEARS
-from frod_ds.io.model_config import config_problems
+from frod_ds.io.model_config import LLAMA_FAMILY, config_problems
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
@@ -40,7 +40,6 @@ _ZERO_DEFAULTS = DS_DEFAULTS["zero_optimization"]
 # (zero_optimization.memory_efficient_linear, default true; deepspeed/runtime/zero/linear.py), which saves its
 # input for the backward even when the weight is frozen: every F.linear then keeps its input.
 LINEAR_KEEPS_INPUT_ZERO3 = bool(_ZERO_DEFAULTS["memory_efficient_linear"])
-LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 LINEARS = LLAMA_LINEARS
 # The shipped configs, in the order ties are broken (the step-time model, frod_ds.plan.step_time, ranks them).
 ENGINE_FILES = ("zero2.json", "zero3.json", "zero3_offload.json", "zero3_nvme.json")

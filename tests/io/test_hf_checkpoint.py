@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -97,6 +98,9 @@ def test_config_is_checked_against_the_weights(tmp_path, capsys):
         ({"num_key_value_heads": 1}, "k_proj.weight has shape [16, 32], the config gives [8, 32]"),
         ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
         ({"model_type": "foo"}, "model_type 'foo' is no architecture transformers knows"),
+        ({"model_type": "gpt2"}, "model_type 'gpt2' builds no LLaMA-family decoder"),  # a known model, not these
+        ({"architectures": ["BertModel"]}, "architectures ['BertModel'] names no causal LM"),
+        ({"torch_dtype": "float99"}, "torch_dtype 'float99' is no dtype"),
     ):
         (path / "config.json").write_text(json.dumps({**good, **change}))
         for required in (True, False):
@@ -109,6 +113,19 @@ def test_config_is_checked_against_the_weights(tmp_path, capsys):
     (path / "config.json").unlink()
     assert HFCheckpoint(path).config(required=False) is None
     assert "records no model config" in capsys.readouterr().err
+    # a config.json that is there but no readable file is refused by HJD too, naming what it is
+    config = path / "config.json"
+    for make, needle in (
+        (config.mkdir, "config.json is a directory, not a file"),
+        (lambda: os.mkfifo(config), "config.json is a named pipe (FIFO)"),
+        (lambda: config.symlink_to(path / "gone.json"), "config.json is a broken symbolic link"),
+        (lambda: config.symlink_to(config), "config.json is a symbolic-link loop"),
+    ):
+        make()
+        for required in (True, False):
+            with pytest.raises(CheckpointError, match=re.escape(needle)):
+                HFCheckpoint(path).config(required=required)
+        config.rmdir() if config.is_dir() and not config.is_symlink() else config.unlink()
 
 
 def test_a_tied_config_over_a_checkpoint_with_its_own_head_is_refused(tmp_path):
