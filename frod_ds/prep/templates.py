@@ -105,6 +105,14 @@ def _choices(row: dict[str, Any]) -> tuple[list[str], list[str]]:
     return labels, texts
 
 
+def _distinct_options(texts: list[str]) -> None:
+    """``RowError`` for a multiple-choice row whose options cannot all be told apart: one given twice (a training
+    row teaching either is noise, a test row a coin flip). An empty option is an option like any other."""
+    if len(set(texts)) != len(texts):
+        same = next(t for t in texts if texts.count(t) > 1)
+        raise RowError("unanswerable options", f"option {same[:40]!r} is given {texts.count(same)} times")
+
+
 def render_boolq(row: dict[str, Any]) -> Example:
     """BoolQ: `answer` (bool) → ``true``/``false``."""
     prompt = BOOLQ.format(passage=row_field(row, "passage", str), question=row_field(row, "question", str))
@@ -120,6 +128,7 @@ def render_boolq_no_passage(row: dict[str, Any]) -> Example:
 def render_piqa(row: dict[str, Any]) -> Example:
     """PIQA: `label` 0/1 (int) → ``Choice A``/``Choice B``."""
     fields = {name: row_field(row, name, str) for name in ("goal", "sol1", "sol2")}
+    _distinct_options([fields["sol1"], fields["sol2"]])
     label = _label(row_field(row, "label", int), (0, 1), "label")
     return Example(PIQA.format(**fields), ("Choice A", "Choice B"), label)
 
@@ -127,6 +136,7 @@ def render_piqa(row: dict[str, Any]) -> Example:
 def render_siqa(row: dict[str, Any]) -> Example:
     """SIQA: `label` "1"/"2"/"3" (1-based string) → ``Choice A``..``Choice C``."""
     fields = {name: row_field(row, name, str) for name in ("context", "question", "answerA", "answerB", "answerC")}
+    _distinct_options([fields["answerA"], fields["answerB"], fields["answerC"]])
     label = _label(row_field(row, "label", str), ("1", "2", "3"), "label")
     return Example(SIQA.format(**fields), ("Choice A", "Choice B", "Choice C"), label)
 
@@ -139,6 +149,7 @@ def render_hellaswag(row: dict[str, Any]) -> Example:
         raise RowError("wrong type for 'endings'", "expected a list of strings")
     if len(endings) != 4:
         raise RowError("malformed 'endings'", f"expected 4 endings, got {len(endings)}")
+    _distinct_options(endings)
     label = _label(row_field(row, "label", str), ("0", "1", "2", "3"), "label")
     text = "".join(HELLASWAG_ENDING.format(k=k, text=e) for k, e in zip("ABCD", endings))
     return Example(HELLASWAG.format(ctx=ctx, endings=text), tuple(f"Ending {k}" for k in "ABCD"), label)
@@ -147,6 +158,7 @@ def render_hellaswag(row: dict[str, Any]) -> Example:
 def render_winogrande(row: dict[str, Any]) -> Example:
     """WinoGrande: `answer` "1"/"2" (string) → ``Option1``/``Option2``."""
     fields = {name: row_field(row, name, str) for name in ("sentence", "option1", "option2")}
+    _distinct_options([fields["option1"], fields["option2"]])
     label = _label(row_field(row, "answer", str), ("1", "2"), "answer")
     return Example(WINOGRANDE.format(**fields), ("Option1", "Option2"), label)
 
@@ -155,6 +167,7 @@ def _render_options(row: dict[str, Any], template: str, question_field: str) -> 
     """OBQA/ARC: options listed in source order, `answerKey` one of the row's choice labels."""
     question = row_field(row, question_field, str)
     labels, texts = _choices(row)
+    _distinct_options(texts)
     label = _label(row_field(row, "answerKey", str), labels, "answerKey")
     opts = "".join(OPTION.format(label=lab, text=text) for lab, text in zip(labels, texts))
     prompt = template.format(**{question_field: question, "opts": opts})

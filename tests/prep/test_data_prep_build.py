@@ -531,3 +531,35 @@ def test_a_row_with_one_choice_is_dropped_from_the_build(tmp_path):
     assert [r["id"] for r in read_rows(tmp_path / "out" / "eval" / "arc_easy.jsonl")] == [
         json.loads(x)["id"] for x in test if x.strip()
     ]
+
+
+@pytest.mark.parametrize(
+    ("task", "change", "detail"),
+    [
+        ("piqa", {"sol2": "@same"}, "is given 2 times"),
+        ("winogrande", {"option2": "@same"}, "is given 2 times"),
+        ("arc_easy", {"choices": {"text": ["a", "b", "a"], "label": ["A", "B", "C"]}, "answerKey": "B"}, "given 2"),
+    ],
+)
+def test_a_row_whose_options_cannot_be_told_apart_is_dropped_or_refused(tmp_path, task, change, detail):
+    """Two options with the same text: a training row teaching either is noise, a test row is a coin flip.
+    The row (beside a good one in the mirror's training and test files) is dropped and counted in both splits;
+    --strict refuses it naming the file and row."""
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / task, mirror / task)
+    for path in sorted((mirror / task).glob("*.json*")):  # a JSON array or JSON lines
+        rows = json.loads(path.read_text()) if path.suffix == ".json" else path.read_text().splitlines()
+        good = rows[0] if path.suffix == ".json" else json.loads(rows[0])
+        first = {"piqa": "sol1", "winogrande": "option1"}.get(task)
+        bad = {**good, **{k: good[first] if v == "@same" else v for k, v in change.items()}}
+        bad.pop("id", None)
+        both = [good, bad]
+        path.write_text(json.dumps(both) if path.suffix == ".json" else "".join(json.dumps(r) + "\n" for r in both))
+    manifest, _ = run_build(tmp_path / "out", source=mirror, tasks=(task,))
+    assert {role: got.get("unanswerable options") for role, got in manifest["dropped"][task].items()} == {
+        "train": 1,
+        "eval": 1,
+    }
+    with pytest.raises(DataPrepError, match=f"{task}: .* row index \\d+: .*{detail}.*\\(--strict\\)"):
+        run_build(tmp_path / "strict", source=mirror, tasks=(task,), strict=True)
+    assert_nothing_written(tmp_path / "strict")
