@@ -142,6 +142,13 @@ def _check_resume_run(out: Path, tag: str, identity: RunIdentity) -> None:
         )
     diffs = recorded_identity.differences(identity)
     if diffs:
+        batch = recorded_identity.hyperparameters.get("global_batch")
+        if all(d.startswith("global_batch:") for d in diffs):  # an elastic resume on another number of ranks
+            raise RunIdentityError(
+                f"output_dir {out} holds a run of global batch {batch} ({diffs[0]}); to resume it on this number of "
+                f"ranks keep train.micro_batch_size × train.grad_accum × ranks = {batch}, or start a new run in "
+                "another output_dir (or with train.new_run=true)"
+            )
         raise RunIdentityError(
             f"output_dir {out} holds another run ({'; '.join(diffs[:4])}{'; …' if len(diffs) > 4 else ''}); "
             "use another output_dir, or pass train.new_run=true to move that run aside and start anew"
