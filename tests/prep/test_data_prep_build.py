@@ -396,6 +396,23 @@ def test_existing_output_needs_overwrite_and_survives_a_failed_build(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
+def test_overwrite_keeps_a_built_file_the_user_edited_since(tmp_path):
+    """A file of an earlier build whose bytes are no longer the ones its manifest records was edited by someone
+    else: --overwrite refuses, naming it, and leaves every file; with the edit undone it replaces the build."""
+    out = tmp_path / "out"
+    run_build(out, tasks=("obqa", "piqa"))
+    built = file_bytes(out)
+    edited = out / "eval" / "piqa.jsonl"
+    edited.write_text('{"mine": 1}\n')
+    before = file_bytes(out)
+    with pytest.raises(DataPrepError, match=r"eval/piqa.jsonl changed since frod-ds built it; --overwrite would"):
+        run_build(out, tasks=("piqa",), overwrite=True)
+    assert file_bytes(out) == before
+    edited.write_bytes(built["eval/piqa.jsonl"])
+    run_build(out, tasks=("piqa",), overwrite=True)
+    assert set(file_bytes(out)) == {"train.jsonl", "eval/piqa.jsonl", "manifest.json"}
+
+
 def test_overwrite_refuses_a_directory_that_is_not_a_build(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
