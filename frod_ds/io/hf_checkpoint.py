@@ -170,7 +170,7 @@ def check_config_file(model_dir: str | os.PathLike) -> dict:
     problems = config_problems(data)
     if problems:
         raise CheckpointError(
-            f"{path}: {'; '.join(problems)}; no model has these sizes: copy config.json from the original checkpoint"
+            f"{path}: {'; '.join(problems)}; no model has these values: copy config.json from the original checkpoint"
         )
     return data
 

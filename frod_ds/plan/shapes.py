@@ -92,7 +92,7 @@ def model_shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> 
         raise PlanError(f"{where}: missing or non-integer {', '.join(missing)}; not a complete {mtype} config")
     problems = config_problems(cfg)  # the one check of config.json's values (frod_ds.io.model_config)
     if problems:
-        raise PlanError(f"{where}: {'; '.join(problems)}; no model has these sizes: fix config.json")
+        raise PlanError(f"{where}: {'; '.join(problems)}; no model has these values: fix config.json")
     heads = cfg["num_attention_heads"]
     return ModelShape(
         mtype,

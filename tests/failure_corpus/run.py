@@ -620,6 +620,52 @@ def model_config_unknown_type(world, case, spec):
     _config_edit(world, case, model_type="foo")
 
 
+def model_config_gpt2(world, case, spec):
+    _config_edit(world, case, model_type="gpt2")  # an architecture transformers knows, not of these weights
+
+
+def model_config_bert_arch(world, case, spec):
+    _config_edit(world, case, architectures=["BertModel"])
+
+
+def model_config_bad_dtype(world, case, spec):
+    _config_edit(world, case, torch_dtype="float99")
+
+
+def model_config_dir(world, case, spec):
+    _copy(world, "model", case / "model")
+    (case / "model" / "config.json").unlink()
+    (case / "model" / "config.json").mkdir()
+
+
+def model_config_fifo(world, case, spec):
+    _copy(world, "model", case / "model")
+    (case / "model" / "config.json").unlink()
+    os.mkfifo(case / "model" / "config.json")  # nobody writes it: reading it would wait forever
+
+
+def model_config_dangling(world, case, spec):
+    _copy(world, "model", case / "model")
+    (case / "model" / "config.json").unlink()
+    os.symlink(case / "gone.json", case / "model" / "config.json")
+
+
+def mirror_same_options(world, case, spec):
+    """A PIQA source whose second training row has the same text for both solutions."""
+    (case / "mirror" / "piqa").mkdir(parents=True)
+    good = {"goal": "Dry a phone", "sol1": "Put it in rice.", "sol2": "Put it in water.", "label": 0}
+    same = {"goal": "Open a door", "sol1": "Push it.", "sol2": "Push it.", "label": 0}
+    (case / "mirror" / "piqa" / "train.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(same) + "\n")
+    (case / "mirror" / "piqa" / "validation.jsonl").write_text(json.dumps(good) + "\n")
+
+
+def data_build_edited(world, case, spec):
+    """An earlier build whose eval file the user edited since (its sha256 no longer the manifest's)."""
+    shutil.copytree(world.paths["data"], case / "data")
+    eval_file = sorted((case / "data" / "eval").glob("*.jsonl"))[0]
+    eval_file.write_text(eval_file.read_text() + "\n")
+
+
 def model_config_tied_own_head(world, case, spec):
     _config_edit(world, case, tie_word_embeddings=True)  # the tiny model's lm_head.weight is its own
 
@@ -1295,6 +1341,14 @@ STEPS: dict[str, Callable] = {
         model_config_no_layers,
         model_config_unknown_type,
         model_config_tied_own_head,
+        model_config_gpt2,
+        model_config_bert_arch,
+        model_config_bad_dtype,
+        model_config_dir,
+        model_config_fifo,
+        model_config_dangling,
+        mirror_same_options,
+        data_build_edited,
         out_link,
         out_link_loop,
         data_fifo,
