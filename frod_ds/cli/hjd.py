@@ -197,10 +197,14 @@ def verify(args: argparse.Namespace) -> int:
         for line in problems:
             print(f"verify: {line}", file=sys.stderr)
         if problems:  # the details above, then the one line a failed check ends with
+            from frod_ds.model.store_reader import FactorStore
+
+            what = problems[0] if len(problems) == 1 else f"{len(problems)} problems above"
+            build = f"frod hjd --model {args.model} --out {args.verify}"
+            unfinished = len(problems) == 1 and not FactorStore.open(args.verify, allow_incomplete=True).complete
+            todo = f"finish it: {build} resumes" if unfinished else f"build it again: {build} --overwrite"
             print(
-                f"error: factor store {args.verify} failed verification against --model {args.model} "
-                f"({len(problems)} problem(s) above); build it again: frod hjd --model {args.model} --out "
-                f"{args.verify} --overwrite",
+                f"error: factor store {args.verify} failed verification against --model {args.model} ({what}); {todo}",
                 file=sys.stderr,
                 flush=True,
             )

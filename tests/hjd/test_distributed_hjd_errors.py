@@ -321,3 +321,18 @@ def test_overwrite_keeps_the_old_store_until_the_new_one_is_built(model, tmp_pat
     assert main(["--model", str(model), "--out", str(out), "--device", "cpu", "--pi", "0.01", "--overwrite"]) == 0
     assert FactorStore.open(out).complete and _files(out) != before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "model", "store"]
+
+
+def test_hjd_verify_of_an_unfinished_store_names_it_and_says_to_resume(model, tmp_path, capsys):
+    """A store whose HJD was cut short (its manifest not complete): the error line names that and points to the
+    same command, which resumes; --overwrite would throw the finished categories away."""
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj", "v_proj"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.update(complete=False, completed_categories=["q_proj"])
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["--verify", str(out), "--model", str(model)]) == 1
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"factor store {out} is incomplete (done: ['q_proj'])" in line, line
+    assert line.endswith(f"finish it: frod hjd --model {model} --out {out} resumes") and "--overwrite" not in line
