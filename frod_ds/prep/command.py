@@ -209,11 +209,14 @@ def cmd_build(args: argparse.Namespace) -> None:
 def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     """The manifest and rows of each file of a built OUT, after checking every sha256."""
     path = out / "manifest.json"
-    problem = dir_problem(out) or wrong_folder(out, "--out", (KIND,), "a frod data build")
+    missing = dir_problem(out)
+    if missing:  # a build writes aside and publishes whole: a killed one leaves no --out
+        raise DataPrepError(f"{missing}; pass the --out of a finished frod data build")
+    problem = wrong_folder(out, "--out", (KIND,), "a frod data build")
     if problem:
         raise DataPrepError(problem)
     if not path.is_file():
-        raise DataPrepError(f"{out} is not a frod data build (no manifest.json)")
+        raise DataPrepError(f"{out} is not a frod data build (no manifest.json); build it with frod data build")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         recorded = manifest["files"]
