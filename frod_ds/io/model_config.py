@@ -9,6 +9,7 @@ a config has are checked: a model family without LLaMA's names is compared on no
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -62,6 +63,10 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
             f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (each key/value head serves a "
             "whole group of query heads)"
         )
+    for key in ("rms_norm_eps", "rope_theta"):  # the forward divides by or raises to them
+        v = cfg.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf):
+            problems.append(f"{key} must be a finite number > 0, got {v!r}")
     for key in ("torch_dtype", "dtype"):
         if cfg.get(key) is not None and cfg[key] not in DTYPES:
             problems.append(f"{key} {cfg[key]!r} is no dtype (one of {', '.join(DTYPES)})")

@@ -101,6 +101,8 @@ def test_config_is_checked_against_the_weights(tmp_path, capsys):
         ({"model_type": "gpt2"}, "model_type 'gpt2' builds no LLaMA-family decoder"),  # a known model, not these
         ({"architectures": ["BertModel"]}, "architectures ['BertModel'] names no causal LM"),
         ({"torch_dtype": "float99"}, "torch_dtype 'float99' is no dtype"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number > 0, got nan"),
+        ({"rope_theta": -1}, "rope_theta must be a finite number > 0, got -1"),
     ):
         (path / "config.json").write_text(json.dumps({**good, **change}))
         for required in (True, False):
