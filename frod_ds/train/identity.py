@@ -112,7 +112,14 @@ def _check_resume_store(out: Path, tag: str, identity: StoreIdentity) -> None:
     )
     if recorded is None:
         return
-    diffs = StoreIdentity.from_json(recorded.read_text(), recorded).differences(identity)
+    stored = StoreIdentity.from_json(recorded.read_text(), recorded)
+    if stored.categories and set(stored.categories) != set(identity.categories):  # model.targets changed
+        raise StoreError(
+            f"output_dir {out} holds a run that trains {sorted(stored.categories)}, and model.targets now gives "
+            f"{sorted(identity.categories)}; resume it with its targets, or start a new run in another output_dir "
+            "(or with train.new_run=true)"
+        )
+    diffs = stored.differences(identity)
     if diffs:
         raise StoreError(
             f"output_dir {out} holds a run trained on another factor store ({'; '.join(diffs)}); use the factor "

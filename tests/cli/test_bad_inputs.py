@@ -333,6 +333,7 @@ def test_resubmitting_with_another_micro_batch_split_is_the_same_run(env, traine
         ("train.seed=7", "train.seed"),
         ("train.micro_batch_size=8", "global_batch: 8 there, 16 now"),
         ("model.sparsity=0.2", "model.sparsity"),
+        ("model.targets=[q_proj]", "model.targets now gives ['q_proj']"),
     ],
 )
 def test_rerunning_into_another_runs_output_dir_is_refused(env, trained, capsys, override, needle):
@@ -341,6 +342,8 @@ def test_rerunning_into_another_runs_output_dir_is_refused(env, trained, capsys,
     assert needle in line and "train.new_run=true" in line
     if needle.startswith("global_batch"):  # only the global batch differs: the advice is how to keep it
         assert "holds a run of global batch 8" in line and "micro_batch_size × train.grad_accum × ranks = 8" in line
+    elif needle.startswith("model.targets"):  # the targets changed, not the factor store
+        assert "holds a run that trains [" in line and "resume it with its targets" in line
     else:
         assert "holds another run" in line
     assert tree(trained) == before
