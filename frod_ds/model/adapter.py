@@ -184,6 +184,12 @@ def read_adapter(path: str | Path) -> tuple[dict[str, torch.Tensor], AdapterConf
         tensors = load_file(str(p / WEIGHTS))
     except (SafetensorError, OSError) as e:
         raise AdapterError(f"{p / WEIGHTS} cannot be read ({e}); the adapter file is damaged") from None
+    held = sorted(k.removesuffix(".support") for k in tensors if k == support_name(k.removesuffix(".support")))
+    if held != sorted(config.categories):  # the config was edited (its targets are no part of the checksum)
+        raise AdapterError(
+            f"{p / CONFIG} names the categories {sorted(config.categories)}, but {WEIGHTS} holds supports of "
+            f"{held}; the config was changed after the adapter was written: use the adapter as written, or retrain"
+        )
     missing = [
         k
         for c, info in config.categories.items()

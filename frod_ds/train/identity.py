@@ -156,7 +156,14 @@ def _check_resume_run(out: Path, tag: str, identity: RunIdentity) -> None:
                 f"ranks keep train.micro_batch_size × train.grad_accum × ranks = {batch}, or start a new run in "
                 "another output_dir (or with train.new_run=true)"
             )
+        longer = any(d.startswith("train.max_steps:") for d in diffs)  # the LR schedule is the run's length
         raise RunIdentityError(
             f"output_dir {out} holds another run ({'; '.join(diffs[:4])}{'; …' if len(diffs) > 4 else ''}); "
             "use another output_dir, or pass train.new_run=true to move that run aside and start anew"
+            + (
+                f" (a run's length sets its LR schedule: to train on, start from model.init_adapter="
+                f"{out}/adapter-final)"
+                if longer
+                else ""
+            )
         )

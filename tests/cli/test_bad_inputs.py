@@ -334,6 +334,7 @@ def test_resubmitting_with_another_micro_batch_split_is_the_same_run(env, traine
         ("train.micro_batch_size=8", "global_batch: 8 there, 16 now"),
         ("model.sparsity=0.2", "model.sparsity"),
         ("model.targets=[q_proj]", "model.targets now gives ['q_proj']"),
+        ("train.max_steps=9", "its LR schedule: to train on, start from model.init_adapter="),
     ],
 )
 def test_rerunning_into_another_runs_output_dir_is_refused(env, trained, capsys, override, needle):

@@ -209,6 +209,24 @@ def test_an_adapter_config_with_its_checksum_removed_is_refused(trained, tmp_pat
     assert not (tmp_path / "merged").exists()
 
 
+def test_an_adapter_config_whose_targets_were_edited_is_refused(trained, tmp_path, capsys):
+    """The targets an adapter config names are no part of its weights' checksum: a category removed from the config
+    (a hand edit of its targets) disagrees with the supports the weights hold, and is one line naming both."""
+    import shutil
+
+    bad = tmp_path / "adapter-final"
+    shutil.copytree(trained["checkpoint"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    held = sorted(config["categories"])
+    dropped = held[-1]
+    config["categories"].pop(dropped)
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    assert main(["--checkpoint", str(bad), "--out", str(tmp_path / "merged")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"names the categories {held[:-1]}, but adapter.safetensors holds supports of {held}" in line, line
+    assert not (tmp_path / "merged").exists()
+
+
 @pytest.mark.parametrize("damage", ["missing", "torn"])
 def test_export_of_a_base_without_a_usable_config_is_refused(trained, tmp_path, capsys, damage):
     """The export copies the base's config.json into a transformers checkpoint: without a usable one it would
