@@ -30,10 +30,11 @@ from frod_ds.eval.predict import (
     score_llm_adapters_rows,
     score_loglik_rows,
 )
+from frod_ds.formats.building import building_dir
 from frod_ds.formats.file_digests import DATA_MANIFEST, FileDigests
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
-from frod_ds.formats.ownership import building_dir, check_replaceable, record_files
+from frod_ds.formats.ownership import check_replaceable, record_files
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.runtime.errors import note

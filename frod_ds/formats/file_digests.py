@@ -55,8 +55,3 @@ class FileDigests:
         """Whether ``folder/name`` is not the file recorded under ``name`` (missing, or other bytes)."""
         want = self.files.get(name)
         return want is None or not (Path(folder) / name).is_file() or file_sha256(Path(folder) / name) != want
-
-    def edited(self, folder: Path) -> list[str]:
-        """The recorded files still in ``folder`` with other bytes: changed since written (by a user, not the writer,
-        which rewrites its record with them), so no ``--overwrite`` may delete them."""
-        return [n for n in self.files if (Path(folder) / n).is_file() and self.changed(folder, n)]

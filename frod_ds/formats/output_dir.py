@@ -33,6 +33,8 @@ __all__ = [
     "entries_of",
     "match",
     "is_lease_file",
+    "stamps_of",
+    "edited_since_written",
 ]
 
 MARKER = ".frod-ds-output"
@@ -93,6 +95,8 @@ class OutputRecord:
     kind: str | None = None
     version: int = 1
     files: list[str] | None = None
+    # a write-once output's files as published: {path: [size, mtime_ns, sha256]} (None: a folder written in place)
+    written: dict[str, list] | None = None
 
 
 @dataclass
@@ -193,3 +197,35 @@ def is_marked(path: Path) -> bool:
 def listed_dir(path: Path) -> bool:
     """``path`` is a folder with a record of its own (a nested output: its record says what in it is ours)."""
     return os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, MARKER))
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def stamps_of(folder: Path, entries: list[str]) -> dict[str, list]:
+    """``OutputRecord.written`` of a finished write-once output: each listed file's size, mtime and sha256."""
+    out = {}
+    for rel in entries:
+        path = Path(folder) / rel
+        if not rel.endswith("/") and path.is_file() and not path.is_symlink():
+            st = path.stat()
+            out[rel] = [st.st_size, st.st_mtime_ns, _sha256(path)]
+    return out
+
+
+def edited_since_written(folder: Path, record: OutputRecord | None) -> list[str]:
+    """The files of ``record.written`` still in ``folder`` with other bytes than published (a user's edit: the
+    writer replaces its folder whole). Size and mtime unchanged mean untouched; a copy's new mtime is hashed."""
+    out = []
+    for rel, (size, mtime_ns, sha) in sorted(((record.written if record else None) or {}).items()):
+        path = Path(folder) / rel
+        if not path.is_file() or path.is_symlink():
+            continue
+        st = path.stat()
+        if st.st_size != size or (st.st_mtime_ns != mtime_ns and _sha256(path) != sha):
+            out.append(rel)
+    return out

@@ -13,12 +13,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import shutil
-import socket
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from frod_ds.formats.output_dir import (
     MARKER,
     VERSION,
     OutputRecord,
+    edited_since_written,
     entries_of,
     is_lease_file,
     is_marked,
@@ -37,8 +36,9 @@ from frod_ds.formats.output_dir import (
     match,
     read_record,
     record_text,
+    stamps_of,
 )
-from frod_ds.runtime.atomic import DISK_ERRNOS, atomic_write_text, disk_full_error, path_error
+from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.runtime.errors import FrodError, note
 
 __all__ = [
@@ -55,7 +55,6 @@ __all__ = [
     "remove_owned",
     "delete_owned",
     "publish_dir",
-    "building_dir",
 ]
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -68,10 +67,13 @@ def marker_kind(path: Path) -> str | None:
     return record.kind if record is not None else None
 
 
-def mark_dir(path: Path, kind: str, files: Iterable[str] = ()) -> None:
-    """Write a new ownership record into folder ``path``: written by frod-ds as ``kind``, holding ``files``."""
+def mark_dir(path: Path, kind: str, files: Iterable[str] = (), stamp: bool = False) -> None:
+    """Write a new ownership record into folder ``path``: written by frod-ds as ``kind``, holding ``files``;
+    ``stamp``: a finished write-once output, whose files' sizes, mtimes and digests are recorded too."""
     assert kind in KINDS, f"unknown output kind {kind!r}; add it to frod_ds.formats.output_dir.KINDS"
-    record = OutputRecord(format=FORMAT, kind=kind, version=VERSION, files=sorted(set(files)))
+    files = sorted(set(files))
+    written = stamps_of(Path(path), files) if stamp else None
+    record = OutputRecord(format=FORMAT, kind=kind, version=VERSION, files=files, written=written)
     atomic_write_text(Path(path) / MARKER, record_text(record))
 
 
@@ -284,6 +286,12 @@ def check_replaceable(
         )
     if foreign:
         _refuse_foreign(out, _scan(out, legacy_kind), what, error)
+        edited = edited_since_written(out, read_record(out))
+        if edited:
+            raise error(
+                f"{what} {out} holds files changed since frod-ds wrote them: {_listing(edited)}; refusing to "
+                f"replace them, move them out or choose another {what}"
+            )
 
 
 def _link_state(link: Path) -> str:
@@ -398,67 +406,3 @@ def publish_dir(
     _discard(aside / out.name, kind)
     with contextlib.suppress(OSError):
         aside.rmdir()
-
-
-def _build_prefix(out: Path) -> str:
-    """Where the name of a temporary sibling that a process of this host builds ``out`` in starts; the builder's
-    pid and mkdtemp's random part follow (``<prefix><pid>-<random>``), so a later run can tell its builder is gone."""
-    return f".{out.name}.tmp-{socket.gethostname()}-"
-
-
-_BUILD_REST = re.compile(r"(\d+)-[a-z0-9_]{8}")  # after the prefix: the pid, then mkdtemp's 8 random characters
-
-
-def _sweep_dead_builds(out: Path) -> None:
-    """Delete the temporary siblings of ``out`` whose builder, a process of this host, is gone (killed with
-    SIGKILL, or its machine lost power): a merged 70B export left that way is 140 GB nobody would find. Builds
-    of other hosts (a shared filesystem; also a host whose name extends this one's, ``gpu`` and ``gpu-12``) and
-    of live processes are left alone."""
-    prefix = _build_prefix(out)
-    for p in out.parent.iterdir() if out.parent.is_dir() else ():
-        rest = _BUILD_REST.fullmatch(p.name[len(prefix) :]) if p.name.startswith(prefix) else None
-        if rest is None or p.is_symlink() or not p.is_dir():
-            continue
-        try:
-            os.kill(int(rest.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
-
-
-@contextlib.contextmanager
-def building_dir(
-    out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None, error: type[Exception] | None = None
-) -> Iterator[Path]:
-    """A fresh temporary sibling of ``out`` to fill; given a record of ``kind`` listing everything in it
-    (:func:`inventory`) and published as ``out`` (:func:`publish_dir`) when the block ends normally, deleted when
-    it raises. So ``out`` is either the old directory or the complete new one. An existing ``out`` is checked
-    (:func:`check_replaceable` with ``kind`` and the command's ``inputs``) before anything is built."""
-    check_replaceable(out, kind, inputs, error=error)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _sweep_dead_builds(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(out)}{os.getpid()}-", dir=out.parent))
-    except OSError as e:
-        raise FrodError(
-            path_error(out, e)
-            or f"cannot create a directory beside {out}: {e.strerror or e}; choose a writable location"
-        ) from None
-    try:
-        yield tmp
-        mark_dir(tmp, kind, inventory(tmp))
-        publish_dir(tmp, out, kind, inputs, error)
-    except BaseException as e:
-        # asked before the partial output is deleted (which frees the space): writers that report a full disk as
-        # something else (safetensors' SafetensorError "No space left on device") reach the user as a full disk
-        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
-            disk = e
-        else:
-            disk = disk_full_error(tmp, e) if isinstance(e, Exception) else None
-        shutil.rmtree(tmp, ignore_errors=True)
-        if disk is not None:
-            raise FrodError(
-                f"cannot write {out}: {disk.strerror}; free space or choose another location (nothing was left behind)"
-            ) from None
-        raise

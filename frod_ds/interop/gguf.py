@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.building import building_dir
 from frod_ds.formats.lease import holding
-from frod_ds.formats.ownership import building_dir, check_out
+from frod_ds.formats.ownership import check_out
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [

@@ -19,8 +19,9 @@ import torch
 from frod_ds.core.layer import core_matrix
 from frod_ds.core.quant import is_base_linear_weight, roundtrip
 from frod_ds.formats.adapter_dir import s_name, sigma_name
+from frod_ds.formats.building import building_dir
 from frod_ds.formats.lease import holding
-from frod_ds.formats.ownership import building_dir, check_out
+from frod_ds.formats.ownership import check_out
 from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_from_name, dtype_name
 from frod_ds.io.hf_checkpoint import INDEX_NAME, HFCheckpoint
 from frod_ds.io.safetensors_io import save_tensors_atomic

@@ -19,9 +19,10 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import s_name, sigma_name, support_name
+from frod_ds.formats.building import building_dir
 from frod_ds.formats.file_digests import FileDigests
 from frod_ds.formats.lease import holding
-from frod_ds.formats.ownership import building_dir, check_replaceable
+from frod_ds.formats.ownership import check_replaceable
 from frod_ds.interop.peft_common import (
     ADAPTER,
     EXPORT_REPORT,

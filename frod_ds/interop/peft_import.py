@@ -17,10 +17,11 @@ from torch import Tensor
 
 from frod_ds.core.layer import core_matrix
 from frod_ds.formats.adapter_dir import AdapterCategory, AdapterConfig, support_name
+from frod_ds.formats.building import building_dir
 from frod_ds.formats.file_digests import FileDigests
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
-from frod_ds.formats.ownership import building_dir, check_replaceable, inventory, mark_dir
+from frod_ds.formats.ownership import check_replaceable, inventory, mark_dir
 from frod_ds.interop.peft_common import (
     ADAPTER,
     EXPORT_REPORT,

@@ -27,11 +27,11 @@ from frod_ds.formats.adapter_dir import (
     sigma_name,
     support_name,
 )
+from frod_ds.formats.building import building_dir
 from frod_ds.formats.checksum import file_crc32, format_crc32, parse_crc32
 from frod_ds.formats.factor_store import StoreIdentity, category_of
 from frod_ds.formats.folders import describe_folder, wrong_folder
 from frod_ds.formats.lease import holding
-from frod_ds.formats.ownership import building_dir
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.model.apply import frod_groups, frod_modules
 from frod_ds.model.build import build_frod_model, gathered

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from frod_ds.formats.file_digests import DATA_MANIFEST, FileDigests
+from frod_ds.formats.building import building_dir
 from frod_ds.formats.lease import holding
-from frod_ds.formats.ownership import building_dir, check_out
+from frod_ds.formats.ownership import check_out
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
 from frod_ds.prep.row_checks import count_repeats, drop_rows_training_refuses
@@ -92,12 +92,6 @@ def validate_options(options: BuildOptions) -> None:
     else:
         try:  # --overwrite deletes OUT: only ever an earlier build, never a mistyped directory or the source
             check_out(out, KIND, {"--source": options.source}, options.overwrite, error=DataPrepError, empty_ok=True)
-            digests = FileDigests.read(out / DATA_MANIFEST, DataPrepError, "build into another --out", False)
-            if digests is not None and digests.edited(out):
-                problems.append(
-                    f"--out {out}: {', '.join(digests.edited(out))} changed since frod-ds built it; --overwrite "
-                    f"would delete those edits: move them out of {out} or choose another --out"
-                )
         except DataPrepError as exc:
             problems.append(str(exc))
     if problems:

@@ -275,7 +275,7 @@ def test_output_dir_that_cannot_be_written(env, tmp_path, capsys):
 def test_full_disk_while_publishing_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     import errno
 
-    from frod_ds.formats.ownership import building_dir
+    from frod_ds.formats.building import building_dir
     from frod_ds.runtime.errors import FrodError
 
     out = tmp_path / "pub"

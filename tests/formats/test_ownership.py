@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from frod_ds.formats.building import building_dir
 from frod_ds.formats.output_dir import MARKER, match, read_record
 from frod_ds.formats.ownership import (
-    building_dir,
     check_replaceable,
     delete_owned,
     foreign_files,
@@ -261,3 +261,37 @@ def test_an_output_that_is_a_symbolic_link_is_refused_naming_the_link(tmp_path, 
     with pytest.raises(FrodError, match=f"^--out {link} {re.escape(says)}"):
         check_replaceable(link, "factor-store")
     assert tree(real) == before and links == {p.name: os.readlink(p) for p in tmp_path.iterdir() if p.is_symlink()}
+
+
+def test_a_write_once_output_refuses_replacement_of_a_file_edited_since(tmp_path):
+    """``building_dir`` stamps each published file's size, mtime and sha256 (checked here with hashlib); a later
+    replacement refuses a folder whose file was edited (other bytes, or another size), naming it and leaving
+    everything; a copy of the folder (new mtimes, same bytes) and the edit undone both pass."""
+    import shutil
+
+    out = tmp_path / "export"
+    with building_dir(out, "hf-export") as tmp:
+        write(tmp, {"config.json": '{"a": 1}\n', "sub/model.safetensors": "weights"})
+    written = read_record(out).written
+    for rel, (size, mtime_ns, sha) in written.items():
+        st = (out / rel).stat()
+        assert (size, mtime_ns) == (st.st_size, st.st_mtime_ns)
+        assert sha == hashlib.sha256((out / rel).read_bytes()).hexdigest()
+    assert sorted(written) == ["config.json", "sub/model.safetensors"]
+    check_replaceable(out, "hf-export")
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, copy_function=shutil.copy)  # bytes kept, mtimes new
+    check_replaceable(copy, "hf-export")
+    for edit in ('{"a": 2}\n', '{"a": 10}\n'):  # the same size, then another
+        (out / "config.json").write_text(edit)
+        before = tree(out)
+        with pytest.raises(FrodError, match=r"holds files changed since frod-ds wrote them: config.json; refusing"):
+            check_replaceable(out, "hf-export")
+        with pytest.raises(FrodError, match="changed since frod-ds wrote them"):
+            with building_dir(out, "hf-export") as tmp:
+                write(tmp, {"config.json": "new\n"})
+        assert tree(out) == before
+    (out / "config.json").write_text('{"a": 1}\n')
+    with building_dir(out, "hf-export") as tmp:
+        write(tmp, {"config.json": "new\n"})
+    assert (out / "config.json").read_text() == "new\n" and not (out / "sub").exists()

@@ -397,15 +397,16 @@ def test_existing_output_needs_overwrite_and_survives_a_failed_build(tmp_path):
 
 
 def test_overwrite_keeps_a_built_file_the_user_edited_since(tmp_path):
-    """A file of an earlier build whose bytes are no longer the ones its manifest records was edited by someone
-    else: --overwrite refuses, naming it, and leaves every file; with the edit undone it replaces the build."""
+    """A file of an earlier build whose bytes are no longer the ones its ownership record stamped was edited by
+    someone else: --overwrite refuses, naming it, and leaves every file; with the edit undone (the same bytes, a new
+    mtime: hashed, found unchanged) it replaces the build."""
     out = tmp_path / "out"
     run_build(out, tasks=("obqa", "piqa"))
     built = file_bytes(out)
     edited = out / "eval" / "piqa.jsonl"
     edited.write_text('{"mine": 1}\n')
     before = file_bytes(out)
-    with pytest.raises(DataPrepError, match=r"eval/piqa.jsonl changed since frod-ds built it; --overwrite would"):
+    with pytest.raises(DataPrepError, match=r"holds files changed since frod-ds wrote them: eval/piqa.jsonl; refus"):
         run_build(out, tasks=("piqa",), overwrite=True)
     assert file_bytes(out) == before
     edited.write_bytes(built["eval/piqa.jsonl"])

@@ -725,7 +725,7 @@ def test_a_writer_that_reports_a_full_disk_as_something_else_is_a_full_disk(smal
     """building_dir (every published output) asks the disk, before deleting the partial output, when its writer
     fails with something other than ENOSPC: safetensors' Rust writer raises SafetensorError("... No space left on
     device (os error 28)"), which reached the user of `export --format peft` as a traceback (failure corpus)."""
-    from frod_ds.formats.ownership import building_dir
+    from frod_ds.formats.building import building_dir
     from frod_ds.runtime.errors import FrodError
 
     disk, _ = small_disk

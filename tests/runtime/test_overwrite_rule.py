@@ -239,7 +239,7 @@ def test_a_build_killed_with_sigkill_is_swept_by_the_next_build_of_that_output(t
     import subprocess
     import sys
 
-    from frod_ds.formats.ownership import building_dir
+    from frod_ds.formats.building import building_dir
 
     out = tmp_path / "export"
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

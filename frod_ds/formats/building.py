@@ -1,0 +1,85 @@
+"""A write-once output built whole beside its final path and published by one rename (``building_dir``): readers
+never see half of it, a killed writer leaves only a temporary sibling (swept by the next build on its host), and
+the published folder's record stamps every file it holds (``OutputRecord.written``), so a later ``--overwrite``
+can tell a file edited since."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from frod_ds.formats.ownership import check_replaceable, inventory, mark_dir, publish_dir
+from frod_ds.runtime.atomic import DISK_ERRNOS, disk_full_error, path_error
+from frod_ds.runtime.errors import FrodError
+
+__all__ = ["building_dir"]
+
+
+def _build_prefix(out: Path) -> str:
+    """Where the name of a temporary sibling that a process of this host builds ``out`` in starts; the builder's
+    pid and mkdtemp's random part follow (``<prefix><pid>-<random>``), so a later run can tell its builder is gone."""
+    return f".{out.name}.tmp-{socket.gethostname()}-"
+
+
+_BUILD_REST = re.compile(r"(\d+)-[a-z0-9_]{8}")  # after the prefix: the pid, then mkdtemp's 8 random characters
+
+
+def _sweep_dead_builds(out: Path) -> None:
+    """Delete the temporary siblings of ``out`` whose builder, a process of this host, is gone (killed with
+    SIGKILL, or its machine lost power): a merged 70B export left that way is 140 GB nobody would find. Builds
+    of other hosts (a shared filesystem; also a host whose name extends this one's, ``gpu`` and ``gpu-12``) and
+    of live processes are left alone."""
+    prefix = _build_prefix(out)
+    for p in out.parent.iterdir() if out.parent.is_dir() else ():
+        rest = _BUILD_REST.fullmatch(p.name[len(prefix) :]) if p.name.startswith(prefix) else None
+        if rest is None or p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            os.kill(int(rest.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+@contextlib.contextmanager
+def building_dir(
+    out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None, error: type[Exception] | None = None
+) -> Iterator[Path]:
+    """A fresh temporary sibling of ``out`` to fill; given a record of ``kind`` listing everything in it
+    (:func:`inventory`) and published as ``out`` (:func:`publish_dir`) when the block ends normally, deleted when
+    it raises. So ``out`` is either the old directory or the complete new one. An existing ``out`` is checked
+    (:func:`check_replaceable` with ``kind`` and the command's ``inputs``) before anything is built."""
+    check_replaceable(out, kind, inputs, error=error)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_dead_builds(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(out)}{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise FrodError(
+            path_error(out, e)
+            or f"cannot create a directory beside {out}: {e.strerror or e}; choose a writable location"
+        ) from None
+    try:
+        yield tmp
+        mark_dir(tmp, kind, inventory(tmp), stamp=True)
+        publish_dir(tmp, out, kind, inputs, error)
+    except BaseException as e:
+        # asked before the partial output is deleted (which frees the space): writers that report a full disk as
+        # something else (safetensors' SafetensorError "No space left on device") reach the user as a full disk
+        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
+            disk = e
+        else:
+            disk = disk_full_error(tmp, e) if isinstance(e, Exception) else None
+        shutil.rmtree(tmp, ignore_errors=True)
+        if disk is not None:
+            raise FrodError(
+                f"cannot write {out}: {disk.strerror}; free space or choose another location (nothing was left behind)"
+            ) from None
+        raise
