@@ -333,6 +333,11 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
                 "(lr_sigma, lr_s) and schedule from the recipe, and a DeepSpeed block would override them"
             )
     if nvme_path is not None:
+        if not nvme_offloads(cfg):  # the flag would change nothing: the run the user meant would not happen
+            problems.append(
+                "--nvme-path is given, but this DeepSpeed config offloads nothing to NVMe; use "
+                "ds_configs/zero3_nvme.json (or drop --nvme-path)"
+            )
         for key in nvme_offloads(cfg):
             cfg["zero_optimization"][key]["nvme_path"] = nvme_path
     autos = _autos(cfg)

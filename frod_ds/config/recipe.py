@@ -264,7 +264,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         if not p.is_file():  # a named pipe or a link loop is said as such, not "not found"
             raise RecipeError(f"recipe file {file_problem(p) if p.is_symlink() or p.exists() else f'{p} not found'}")
         try:
-            loaded = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
+            loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+        except UnicodeDecodeError as e:
+            raise RecipeError(f"recipe {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
         except yaml.YAMLError as e:  # the parser's own position (line, column) says where to look
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""

@@ -9,6 +9,7 @@ trained on; ``adapter_sources`` refuses another store.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from frod_ds.model.apply import frod_groups, frod_modules
 from frod_ds.model.build import build_frod_model, gathered
 from frod_ds.model.store_reader import FactorStore
 from frod_ds.runtime.errors import AdapterError, FrodError, note
-from frod_ds.runtime.paths import dir_problem
+from frod_ds.runtime.paths import dir_problem, file_problem
 
 __all__ = [
     "adapter_state",
@@ -148,6 +149,9 @@ def not_an_adapter(path: str | Path, flag: str = "") -> str:
             f"{f'{flag} ' if flag else ''}{dir_problem(p)}: not a frod-ds adapter checkpoint; pass an adapter "
             "directory (adapter-final/ of a run)"
         )
+    for name in (CONFIG, WEIGHTS):  # there, but no file it can read: say what it is
+        if os.path.lexists(p / name) and file_problem(p / name):
+            return f"{f'{flag} ' if flag else ''}{file_problem(p / name)}; the adapter {p} is damaged: copy it again"
     return wrong_folder(p, flag, ("adapter",), "a FRoD adapter checkpoint") or (
         f"{f'{flag} ' if flag else ''}{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS}); "
         f"it is {describe_folder(p)}"

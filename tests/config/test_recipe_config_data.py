@@ -118,10 +118,20 @@ def test_every_shipped_ds_config_resolves(name):
     cfg = json.loads((REPO / "ds_configs" / name).read_text())
     r = _recipe()
     r.model.dtype = "float32" if "fp32" in name else "bfloat16"
-    out = resolve_ds_config(cfg, r, world_size=8, nvme_path="/scratch/nvme")
+    out = resolve_ds_config(cfg, r, world_size=8, nvme_path="/scratch/nvme" if "nvme" in name else None)
     assert "auto" not in json.dumps(out)
     if "nvme" in name:
         assert out["zero_optimization"]["offload_param"]["nvme_path"] == "/scratch/nvme"
+    else:  # --nvme-path with a config that offloads nothing to NVMe would change nothing: refused, not ignored
+        with pytest.raises(DSConfigError, match="--nvme-path is given, but this DeepSpeed config offloads nothing"):
+            resolve_ds_config(cfg, r, world_size=8, nvme_path="/scratch/nvme")
+
+
+def test_a_recipe_that_is_not_utf8_is_one_error_naming_the_byte(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_bytes(b"train:\n  max_steps: 3\n# caf\xe9 (Latin-1)\n")
+    with pytest.raises(RecipeError, match=r"r.yaml is not UTF-8 text \(byte 27\); save it as UTF-8"):
+        load_recipe(path, paths=False)
 
 
 def test_nvme_buffers_must_hold_the_largest_partition():

@@ -227,6 +227,21 @@ def test_an_adapter_config_whose_targets_were_edited_is_refused(trained, tmp_pat
     assert not (tmp_path / "merged").exists()
 
 
+def test_an_adapter_whose_weights_file_is_a_pipe_is_named_as_such(trained, tmp_path, capsys):
+    """adapter.safetensors replaced by a named pipe: one line saying so (not "not an adapter; it is a trained
+    adapter"), without waiting on the pipe."""
+    import os
+    import shutil
+
+    bad = tmp_path / "adapter-final"
+    shutil.copytree(trained["checkpoint"], bad)
+    (bad / "adapter.safetensors").unlink()
+    os.mkfifo(bad / "adapter.safetensors")
+    assert main(["--checkpoint", str(bad), "--out", str(tmp_path / "merged")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{bad / 'adapter.safetensors'} is a named pipe (FIFO)" in line and "copy it again" in line, line
+
+
 @pytest.mark.parametrize("damage", ["missing", "torn"])
 def test_export_of_a_base_without_a_usable_config_is_refused(trained, tmp_path, capsys, damage):
     """The export copies the base's config.json into a transformers checkpoint: without a usable one it would
