@@ -113,6 +113,8 @@ def note_ignored(cfg: dict, where: str | Path = "", partition: str = "auto") -> 
     stage = zero_stage(cfg)
     layers = stage == 3 and partition != "deepspeed" and offload_device(cfg, "offload_param") is None
     ignored = ignored_settings(cfg, stage, bool(nvme_offloads(cfg)), layers)
+    if "activation_checkpointing" in cfg:  # frod-ds never hands DeepSpeed its checkpointing
+        note("DeepSpeed config: activation_checkpointing has no effect; set the recipe's model.gradient_checkpointing")
     if ignored:
         verb = "has" if len(ignored) == 1 else "have"
         note(

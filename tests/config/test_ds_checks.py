@@ -146,3 +146,14 @@ def test_the_overflow_check_is_noted_only_where_deepspeeds_stage_3_runs(capsys):
     offloaded = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "offload_param": {"device": "cpu"}}}
     check_ds_config(offloaded, "ds.json")
     assert "bf16.check_grad_overflow" in capsys.readouterr().err
+
+
+def test_deepspeeds_activation_checkpointing_block_is_noted_as_without_effect(capsys):
+    """frod-ds never configures ``deepspeed.checkpointing``: its ``activation_checkpointing`` block changes nothing,
+    so a user who meant to checkpoint is pointed at the recipe's switch; the shipped JSONs have no such block."""
+    cfg = _shipped("zero2_cpu_fp32.json")
+    check_ds_config(cfg, "ds.json")
+    assert "note:" not in capsys.readouterr().err
+    check_ds_config({**cfg, "activation_checkpointing": {"partition_activations": True}}, "ds.json")
+    err = capsys.readouterr().err
+    assert "activation_checkpointing has no effect; set the recipe's model.gradient_checkpointing" in err
