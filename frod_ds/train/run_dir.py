@@ -67,6 +67,18 @@ def check_run_dir(out: Path, inputs: dict[str, Path | str | None] | None = None)
     check_replaceable(out, RUN_HOSTS, inputs, what="output_dir", legacy=_is_legacy_run, foreign=False)
 
 
+def check_no_unresumable_run(out: Path) -> None:
+    """``FrodError`` when ``out`` holds a run's adapters but no checkpoint to resume it from or check it against
+    (``checkpoints/`` deleted to save space): a new run there would replace them without a word."""
+    adapters = sorted(p.name for p in out.glob("adapter-*") if p.is_dir()) if out.is_dir() else []
+    if adapters:
+        raise FrodError(
+            f"output_dir {out} holds a run's {', '.join(adapters[:3])}{' …' if len(adapters) > 3 else ''} but no "
+            "checkpoint to resume it from (checkpoints/ is gone), and a new run there would replace them: choose "
+            "another output_dir, or pass train.new_run=true to move that run aside"
+        )
+
+
 def check_writable(out: Path) -> None:
     """``output_dir`` must be a directory this process can write to, or creatable: checked on it or its nearest
     existing parent, without creating anything (a run that fails later leaves no empty ``output_dir``)."""

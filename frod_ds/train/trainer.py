@@ -38,7 +38,7 @@ from frod_ds.train.engine_state import restore_checkpoint
 from frod_ds.train.loop import Run, fit
 from frod_ds.train.metrics import METRICS, drop_rows_after
 from frod_ds.train.preflight import Inputs, preflight
-from frod_ds.train.run_dir import check_run_dir, open_run_dir, run_inputs
+from frod_ds.train.run_dir import check_no_unresumable_run, check_run_dir, open_run_dir, run_inputs
 from frod_ds.train.schedule import lr_scheduler
 
 __all__ = ["Run", "setup", "fit", "enable_gradient_checkpointing"]
@@ -62,6 +62,8 @@ def setup(
     dist.on_all(lambda: check_run_dir(out, run_inputs(recipe)))  # before anything reads or writes there
     # The checkpoint to resume: rank 0 checks the files against their seals (newest first) once for all.
     resume = (None, []) if recipe.train.new_run else dist.on_main(lambda: choose_checkpoint(out / "checkpoints"))
+    if resume[0] is None and not recipe.train.new_run:
+        dist.on_all(lambda: check_no_unresumable_run(out))
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
     inputs = dist.on_all(lambda: preflight(recipe, as_ds_config(ds_config), nvme_path, resume[0]))
     if on_inputs is not None:

@@ -315,6 +315,18 @@ def test_a_finished_runs_damaged_adapter_is_written_again_bit_for_bit(env, train
     assert weights.read_bytes() == before
 
 
+def test_a_run_without_its_checkpoints_is_not_replaced_by_a_new_one(env, trained, tmp_path, capsys):
+    """checkpoints/ deleted (to save space), adapter-final kept: nothing to resume or check the run against, so a
+    rerun (here with another max_steps) is refused instead of training anew over its adapters."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    shutil.rmtree(run / "checkpoints")
+    before = tree(run)
+    line = one_error(capsys, train(env, run, "train.max_steps=9"))
+    assert f"output_dir {run} holds a run's adapter-final" in line and "checkpoints/ is gone" in line, line
+    assert "train.new_run=true" in line and tree(run) == before
+
+
 def test_resubmitting_with_another_micro_batch_split_is_the_same_run(env, trained, tmp_path, capsys):
     run = tmp_path / "run"  # a copy: resubmitting rewrites recipe.yaml, which later tests compare
     shutil.copytree(trained, run)
