@@ -176,7 +176,9 @@ def _zero_block(cfg: dict) -> Any:
 def zero_stage(cfg: dict) -> int:
     """The ZeRO stage of a DeepSpeed config (0 when absent); ``DSConfigError`` unless it is 0, 1, 2 or 3."""
     zo = _zero_block(cfg)
-    stage = zo.get("stage", DS_DEFAULTS["zero_optimization"]["stage"]) if isinstance(zo, dict) else None
+    if not isinstance(zo, dict):
+        raise DSConfigError(f'DeepSpeed config: zero_optimization must be an object ({{"stage": 2, ...}}), got {zo!r}')
+    stage = zo.get("stage", DS_DEFAULTS["zero_optimization"]["stage"])
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise DSConfigError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
     return stage

@@ -311,6 +311,12 @@ class HFCheckpoint:
                         f"{path}: model_type {kind!r} is no architecture transformers knows; copy config.json from "
                         "the original checkpoint (a model newer than this transformers needs a newer one)"
                     )
+            act = config.get("hidden_act")
+            if act is not None:  # transformers looks it up only when it builds the MLPs, with a KeyError
+                from transformers.activations import ACT2FN
+
+                if not isinstance(act, str) or act not in ACT2FN:
+                    raise CheckpointError(f"{path}: hidden_act {act!r} is no activation transformers knows (e.g. silu)")
             shapes = {name: self.shape(name) for name in self.keys() if name.endswith(".weight")}
             problems = weights_problems(config, shapes)
             if problems:

@@ -63,10 +63,13 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
             f"num_key_value_heads {kv} does not divide num_attention_heads {heads} (each key/value head serves a "
             "whole group of query heads)"
         )
-    for key in ("rms_norm_eps", "rope_theta"):  # the forward divides by or raises to them
-        v = cfg.get(key)
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    for key, v in (
+        ("rms_norm_eps", cfg.get("rms_norm_eps")),
+        ("rope_theta", cfg.get("rope_theta", rope.get("rope_theta"))),
+    ):
         if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf):
-            problems.append(f"{key} must be a finite number > 0, got {v!r}")
+            problems.append(f"{key} must be a finite number > 0, got {v!r}")  # the forward divides by, powers of it
     for key in ("torch_dtype", "dtype"):
         if cfg.get(key) is not None and cfg[key] not in DTYPES:
             problems.append(f"{key} {cfg[key]!r} is no dtype (one of {', '.join(DTYPES)})")

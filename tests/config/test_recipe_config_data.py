@@ -303,6 +303,8 @@ def test_zero_stage_must_be_0_to_3(stage):
     with pytest.raises(DSConfigError, match="zero_optimization.stage"):
         resolve_ds_config(cfg, load_recipe(None, ["model.base=m", "model.factor_store=f", "data.train=t"]), 1)
     assert zero_stage({}) == 0 and zero_stage({"zero_optimization": {"stage": 3}}) == 3
+    with pytest.raises(DSConfigError, match=r"zero_optimization must be an object \(\{\"stage\": 2, ...\}\), got '2'"):
+        zero_stage({"zero_optimization": "2"})
 
 
 def test_a_recipe_key_given_twice_is_refused_naming_its_line(tmp_path):

@@ -103,6 +103,8 @@ def test_config_is_checked_against_the_weights(tmp_path, capsys):
         ({"torch_dtype": "float99"}, "torch_dtype 'float99' is no dtype"),
         ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number > 0, got nan"),
         ({"rope_theta": -1}, "rope_theta must be a finite number > 0, got -1"),
+        ({"rope_parameters": {"rope_theta": -5, "rope_type": "default"}}, "rope_theta must be a finite number > 0"),
+        ({"hidden_act": "bogus"}, "hidden_act 'bogus' is no activation transformers knows"),
     ):
         (path / "config.json").write_text(json.dumps({**good, **change}))
         for required in (True, False):
