@@ -28,11 +28,16 @@ def load_tokenizer(name: str) -> Any:
             f"tokenizer {name}: {what}; pass the directory holding the tokenizer files (by default "
             "the model's) or a Hugging Face Hub id"
         )
-    files = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
-    if path.is_dir() and not any((path / f).is_file() for f in files):  # transformers says only what it could not build
+    vocab = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+    if path.is_dir() and not any((path / f).is_file() for f in vocab):  # transformers says only what it could not build
+        if (path / "tokenizer_config.json").is_file():  # transformers would build some tokenizer without a vocabulary
+            raise FrodError(
+                f"tokenizer {name}: the directory holds tokenizer_config.json but no vocabulary ({', '.join(vocab[:3])}"
+                "); copy the tokenizer files again from where the model came from"
+            )
         raise FrodError(
-            f"tokenizer {name}: the directory holds no tokenizer files ({', '.join(files[:3])}); pass the directory "
-            "that does (model.tokenizer in a recipe, --tokenizer for eval)"
+            f"tokenizer {name}: the directory holds no tokenizer files (tokenizer.json, tokenizer.model, "
+            "tokenizer_config.json); pass the directory that does (model.tokenizer in a recipe, --tokenizer for eval)"
         )
     try:
         from transformers import AutoTokenizer

@@ -289,6 +289,10 @@ def test_a_model_directory_without_tokenizer_files_says_so(tmp_path):
     tok = word_tokenizer()
     model = save_model(tmp_path / "m", random_llama(len(tok)), tok)
     assert len(load_tokenizer(str(model))) == len(tok)
+    assert (model / "tokenizer_config.json").is_file() and (model / "tokenizer.json").is_file()
+    (model / "tokenizer.json").rename(tmp_path / "tokenizer.json")  # the vocabulary lost, its config kept
+    with pytest.raises(FrodError, match="holds tokenizer_config.json but no vocabulary .*copy the tokenizer files"):
+        load_tokenizer(str(model))
     for f in model.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "spm")) or f.suffix == ".model":
             f.unlink()
