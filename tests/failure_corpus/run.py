@@ -945,6 +945,22 @@ def export_copy(world, case, spec):
     _copy(world, "export", case / "export")
 
 
+def export_edited(world, case, spec):
+    """An earlier export whose config.json the user edited since (another size: no hash needed to see it)."""
+    _copy(world, "export", case / "export")
+    cfg = json.loads((case / "export" / "config.json").read_text())
+    (case / "export" / "config.json").write_text(json.dumps({**cfg, "my_note": "keep"}))
+
+
+def run_without_checkpoints(world, case, spec):
+    _copy(world, "run", case / "run")
+    shutil.rmtree(case / "run" / "checkpoints")
+
+
+def model_config_bad_act(world, case, spec):
+    _config_edit(world, case, hidden_act="bogus")
+
+
 def export_torn(world, case, spec):
     _copy(world, "export", case / "export")
     _truncate(_first(case / "export", "*.safetensors"), 0.4)
@@ -1349,6 +1365,9 @@ STEPS: dict[str, Callable] = {
         model_config_dangling,
         mirror_same_options,
         data_build_edited,
+        export_edited,
+        run_without_checkpoints,
+        model_config_bad_act,
         out_link,
         out_link_loop,
         data_fifo,

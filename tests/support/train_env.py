@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from frod_ds.formats.output_dir import MARKER, read_record, record_text, stamps_of
 from tests.support.leftovers import REPO, clean_env
 
 RANKS = REPO / "tests" / "support" / "ranks.py"  # N ranks with torchrun's environment (the module's docstring)
@@ -76,6 +77,10 @@ def build_env(root: Path, seed: int = 0, layers: int = 2) -> TrainEnv:
     shutil.copytree(src, root, dirs_exist_ok=True)
     for manifest in (root / "data" / "manifest.json", root / "factors" / "manifest.json"):
         manifest.write_text(manifest.read_text().replace(str(src), str(root)))
+        record = read_record(manifest.parent)  # the data build stamped its manifest as written: stamp the rewrite
+        if record is not None and record.written and manifest.name in record.written:
+            record.written.update(stamps_of(manifest.parent, [manifest.name]))
+            (manifest.parent / MARKER).write_text(record_text(record))
     return TrainEnv(root, root / "model", root / "data", root / "factors")
 
 
