@@ -140,8 +140,8 @@ _MOVED_NAMES = dict.fromkeys(
         "check_out",
         "remove_marked",
         "publish_dir",
-        "building_dir",
     ),
     "frod_ds.formats.ownership",
 )
+_MOVED_NAMES["building_dir"] = "frod_ds.formats.building"
 __getattr__ = forward_names(__name__, _MOVED_NAMES)

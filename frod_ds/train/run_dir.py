@@ -70,7 +70,8 @@ def check_run_dir(out: Path, inputs: dict[str, Path | str | None] | None = None)
 def check_no_unresumable_run(out: Path) -> None:
     """``FrodError`` when ``out`` holds a run's adapters but no checkpoint to resume it from or check it against
     (``checkpoints/`` deleted to save space): a new run there would replace them without a word."""
-    adapters = sorted(p.name for p in out.glob("adapter-*") if p.is_dir()) if out.is_dir() else []
+    gone = out.is_dir() and not (out / "checkpoints").exists()  # unsealed checkpoints restart the run at step 0
+    adapters = sorted(p.name for p in out.glob("adapter-*") if p.is_dir()) if gone else []
     if adapters:
         raise FrodError(
             f"output_dir {out} holds a run's {', '.join(adapters[:3])}{' …' if len(adapters) > 3 else ''} but no "
