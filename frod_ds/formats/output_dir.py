@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from frod_ds.formats.file_digests import file_sha256
 from frod_ds.formats.records import record_from_dict, record_to_json
 from frod_ds.runtime.errors import FrodError
 
@@ -199,13 +200,6 @@ def listed_dir(path: Path) -> bool:
     return os.path.isdir(path) and not os.path.islink(path) and os.path.isfile(os.path.join(path, MARKER))
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def stamps_of(folder: Path, entries: list[str]) -> dict[str, list]:
     """``OutputRecord.written`` of a finished write-once output: each listed file's size, mtime and sha256."""
     out = {}
@@ -213,7 +207,7 @@ def stamps_of(folder: Path, entries: list[str]) -> dict[str, list]:
         path = Path(folder) / rel
         if not rel.endswith("/") and path.is_file() and not path.is_symlink():
             st = path.stat()
-            out[rel] = [st.st_size, st.st_mtime_ns, _sha256(path)]
+            out[rel] = [st.st_size, st.st_mtime_ns, file_sha256(path)]
     return out
 
 
@@ -226,6 +220,6 @@ def edited_since_written(folder: Path, record: OutputRecord | None) -> list[str]
         if not path.is_file() or path.is_symlink():
             continue
         st = path.stat()
-        if st.st_size != size or (st.st_mtime_ns != mtime_ns and _sha256(path) != sha):
+        if st.st_size != size or (st.st_mtime_ns != mtime_ns and file_sha256(path) != sha):
             out.append(rel)
     return out
