@@ -3,8 +3,9 @@
 Methods: ``frod`` (frod-ds' FRoD; its LR is σ's, S's is ``frod_s_ratio`` times it), ``frod_ratio<k>`` (S LR = σ LR
 / k), ``full``, ``lora<r>`` (PEFT LoRA of rank r on FRoD's targets), ``peftfrod`` (stock PEFT ``FrodConfig`` as a
 PEFT user gets it: its own basis, support and λ⁰, its default ``sparse_rate``, one LR for every trainable tensor),
-``peftfrod_sr<dd>`` (the same at ``sparse_rate`` 0.dd) and ``peftfrod_inj`` (stock PEFT FRoD holding frod-ds'
-factors, support and σ⁰, trained as ``frod``: the cross-check). All sweeps have the same size; a method whose
+``peftfrod_sr<dd>`` (the same at ``sparse_rate`` 0.dd), ``peftfrod_inj`` (stock PEFT FRoD holding frod-ds'
+factors, support and σ⁰, trained as ``frod``: the cross-check) and ``frod_fp32`` (``frod`` without autocast: the
+cross-check's twin where stock PEFT FRoD has to train in fp32). All sweeps have the same size; a method whose
 choice sits at an end of its sweep may add up to ``extend`` LRs past that end (``schedule``).
 """
 
@@ -68,6 +69,7 @@ class MethodSpec:
     rank: int | None = None  # LoRA rank
     s_per_sigma: float | None = None  # frod_ratio<k>: S LR / σ LR = 1/k (None: the study's frod_s_ratio)
     sparse_rate: float | None = None  # peftfrod_sr<dd>: PEFT's sparse_rate (None: PEFT's default)
+    fp32: bool = False  # frod_fp32: trained without autocast (the cross-check's twin where PEFT FRoD needs fp32)
 
     def s_ratio(self, default: float) -> float:
         """S LR / σ LR of a FRoD method."""
@@ -84,6 +86,8 @@ def method_spec(name: str) -> MethodSpec:
     → its spec; StudyError otherwise."""
     if name in ("frod", "full", "peftfrod", "peftfrod_inj"):
         return MethodSpec(name, name)
+    if name == "frod_fp32":
+        return MethodSpec(name, "frod", fp32=True)
     m = re.fullmatch(r"lora(\d+)", name)
     if m and int(m.group(1)) > 0:
         return MethodSpec(name, "lora", int(m.group(1)))
@@ -96,7 +100,7 @@ def method_spec(name: str) -> MethodSpec:
     raise StudyError(
         f"unknown method {name!r}; use frod, full, lora<r> (e.g. lora16), frod_ratio<k> (e.g. frod_ratio30: "
         "S LR = σ LR / 30), peftfrod (stock PEFT FRoD), peftfrod_sr<dd> (its sparse_rate 0.dd, e.g. peftfrod_sr02) "
-        "or peftfrod_inj (stock PEFT FRoD on frod-ds' factors)"
+        "peftfrod_inj (stock PEFT FRoD on frod-ds' factors) or frod_fp32 (frod without autocast)"
     )
 
 

@@ -191,7 +191,7 @@ class RunContext:
             return {f"heldout_{k}": v for k, v in heldout_losses(model, self.held_batches, self.device).items()}
 
         every = cfg.val_every
-        fp32 = cfg.peft_frod_fp32 and spec.kind in ("peftfrod", "peftfrod_inj")
+        fp32 = spec.fp32 or (cfg.peft_frod_fp32 and spec.kind in ("peftfrod", "peftfrod_inj"))
         with fp32_only() if fp32 else contextlib.nullcontext():
             log = self._train(model, optimizer, deadline, on_checkpoint, on_validation)
         last = log.checkpoints[-1] if log.checkpoints and log.checkpoints[-1]["step"] == self.steps else None

@@ -32,12 +32,16 @@ def t_quantile(p: float, df: int) -> float:
     return (lo + hi) / 2
 
 
-def mean_interval(values: list[float]) -> dict[str, Any]:
-    """Mean and its 95% t-interval over seeds (no interval from one seed)."""
+def mean_interval(values: list[float], bounds: tuple[float, float] | None = None) -> dict[str, Any]:
+    """Mean and its 95% t-interval over seeds (no interval from one seed), cut to ``bounds`` when given: an
+    accuracy's interval over three seeds can reach past 0 or 1, which no accuracy can."""
     n = len(values)
     mean = sum(values) / n
     if n < 2:
         return {"mean": mean, "lo": None, "hi": None, "n": n, "values": values}
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = t_quantile(0.975, n - 1) * sd / math.sqrt(n)
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": n, "values": values}
+    lo, hi = mean - half, mean + half
+    if bounds is not None:
+        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+    return {"mean": mean, "lo": lo, "hi": hi, "n": n, "values": values}

@@ -37,6 +37,7 @@ __all__ = ["MAIN_METHODS", "RATIO_METHODS", "RATIO_STEPS", "LearnConfig", "epoch
 
 RATIO_STEPS = (1, 3, 10, 30, 100)  # σ LR / S LR tried: 10 is frod; one step past a winning end
 CROSS_CHECK = "peftfrod_inj"
+FP32_TWIN = "frod_fp32"
 TIMING_NAME = "timing.json"
 
 
@@ -231,7 +232,9 @@ class Learn:
         """The S-rate ratios at frod's σ LR (and one past a winning end) and the cross-check; (doc, the methods
         the seeds repeat besides the main ones: the winning ratio unless it is 10:1)."""
         cfg = self.cfg
-        first = list(cfg.ratio_methods) + ([CROSS_CHECK] if cfg.cross_check else [])
+        # where stock PEFT FRoD trains in fp32, frod trains once in fp32 beside it: the cross-check compares like
+        twins = [CROSS_CHECK] + ([FP32_TWIN] if self.peft_fp32 else [])
+        first = list(cfg.ratio_methods) + (twins if cfg.cross_check else [])
         if not first:
             return _doc(Path(sweep.out)), []
         fixed = dict(extend=0, resume_from=None)

@@ -74,12 +74,14 @@ def _reach(curve: list[list[float]], target: float) -> int | None:
 
 
 def _cross_check(seed0: dict, steps: int) -> dict[str, Any] | None:
-    """frod vs peftfrod_inj (same factors, support, σ⁰, LRs and batches): how far their runs differ."""
+    """frod vs peftfrod_inj (same factors, support, σ⁰, LRs and batches): how far their runs differ. Where stock
+    PEFT FRoD trained in fp32, its twin is ``frod_fp32`` (frod without autocast), not the bf16 ``frod``."""
     m = seed0["methods"]
     if "peftfrod_inj" not in m or "frod" not in m or "chosen" not in m["peftfrod_inj"]:
         return None
     inj = _chosen_run(m["peftfrod_inj"])
-    frod = next((r for r in m["frod"]["sweep"] if r["lr"] == inj["lr"]), None)
+    twin = "frod_fp32" if "chosen" in m.get("frod_fp32", {}) else "frod"
+    frod = next((r for r in m[twin]["sweep"] if r["lr"] == inj["lr"]), None)
     if frod is None:
         return None
     a, b = frod["log"]["loss"], inj["log"]["loss"]
@@ -87,6 +89,8 @@ def _cross_check(seed0: dict, steps: int) -> dict[str, Any] | None:
     ex = lambda meth: meth.get("test", {}).get("exact", {}).get("tasks", {})  # noqa: E731
     return {
         "lr": inj["lr"],
+        "twin": twin,
+        "same_precision": twin == "frod_fp32" or not seed0["config"].get("peft_frod_fp32"),
         "max_rel_loss_difference": max(rel),
         "final_rel_loss_difference": rel[-1],
         "validation_answer_loss": {
@@ -155,7 +159,7 @@ def collect(out: Path) -> dict[str, Any]:
                 for i, r in enumerate(m["sweep"])
             ]
             for name, m in sorted(first["methods"].items(), key=lambda kv: _order(kv[0]))
-            if not (name.startswith("frod_ratio") or name == "peftfrod_inj")  # in "ratios" and "cross_check"
+            if not (name.startswith("frod_ratio") or name in ("peftfrod_inj", "frod_fp32"))  # "ratios", "cross_check"
         }
         open_sweeps = [
             name
@@ -182,7 +186,8 @@ def collect(out: Path) -> dict[str, Any]:
                     }
             splits = sorted({t for r in e["seeds"].values() for t in r["exact"]})
             e["exact"] = {
-                t: mean_interval([r["exact"][t] for r in e["seeds"].values() if t in r["exact"]]) for t in splits
+                t: mean_interval([r["exact"][t] for r in e["seeds"].values() if t in r["exact"]], (0.0, 1.0))
+                for t in splits
             }
             if alone:
                 e["alone"] = alone
@@ -227,7 +232,8 @@ def _pct(v: float | None) -> str:
 def _fmt_interval(e: dict) -> str:
     if e["lo"] is None:
         return f"{100 * e['mean']:.1f} (1 seed)"
-    return f"{100 * e['mean']:.1f} [{100 * e['lo']:.1f}, {100 * e['hi']:.1f}]"
+    seeds = " / ".join(f"{100 * v:.1f}" for v in e["values"])
+    return f"{100 * e['mean']:.1f} [{100 * e['lo']:.1f}, {100 * e['hi']:.1f}] ({seeds})"
 
 
 def _fmt_reach(values: dict[str, Any], unit: str = "") -> str:
@@ -283,7 +289,11 @@ def _task_md(name: str, t: dict) -> str:
             else "steps to the better LoRA's final validation loss (no LoRA run)"
         ),
         "seconds alone to it (per seed)",
-    ] + [f"exact match % {s} (95% CI)" for s in splits]
+    ] + [f"exact match % {s} (95% CI, per seed)" for s in splits]
+    out.append(
+        "Exact match: the mean over seeds, its 95% t-interval (cut to 0–100: with three seeds the interval can reach "
+        "past either end) and each seed's value.\n"
+    )
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if t["base_exact"]:
         base_loss = t.get("base_validation_answer_loss")
@@ -323,12 +333,19 @@ def _task_md(name: str, t: dict) -> str:
         out.append(f"\nFRoD's σ:S LR ratio at its chosen σ LR (validation answer loss): {cells}{end}\n")
     if t["cross_check"]:
         c = t["cross_check"]
+        twin = c.get("twin", "frod")
+        caveat = (
+            ""
+            if c.get("same_precision", True)
+            else " ⚠ not like for like: `frod` trained under bf16 autocast, `peftfrod_inj` in fp32 (a `frod_fp32` twin "
+            "is still to run), rounding alone can part the runs, so this does not check the implementation"
+        )
         out.append(
-            f"\nCross-check, stock PEFT FRoD on frod-ds' factors, support and σ⁰ (`peftfrod_inj`) against `frod`, "
+            f"\nCross-check, stock PEFT FRoD on frod-ds' factors, support and σ⁰ (`peftfrod_inj`) against `{twin}`, "
             f"same LRs ({c['lr']:g}) and batches: largest relative difference of the per-step training loss "
             f"{c['max_rel_loss_difference']:.2e} (last step {c['final_rel_loss_difference']:.2e}); validation "
             f"answer loss {c['validation_answer_loss']['frod']:.4f} vs "
-            f"{c['validation_answer_loss']['peftfrod_inj']:.4f}.\n"
+            f"{c['validation_answer_loss']['peftfrod_inj']:.4f}.{caveat}\n"
         )
     rot = {
         m: e["seeds"]["0"]["tan_alpha"]

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from studies.config import StudyConfig
+from studies.config import MethodSpec, StudyConfig, method_spec
 from studies.records import RunRecord
 
 __all__ = ["Key", "Schedule", "next_lr", "sweep_order"]
@@ -41,6 +41,11 @@ def next_lr(end: float, inner: float) -> float:
     nice = min(grid, key=lambda c: abs(math.log(c / raw)))
     beyond = nice > end if raw > end else nice < end
     return float(f"{(nice if beyond else raw):.3g}")
+
+
+def _alike(a: MethodSpec, b: MethodSpec) -> bool:
+    """Two methods that train at about one speed: one kind, one precision."""
+    return a.kind == b.kind and a.fp32 == b.fp32
 
 
 class Schedule:
@@ -123,9 +128,13 @@ class Schedule:
         return [k for k in out if k not in self.in_flight]
 
     def predicted_wall(self, m: str) -> float:
+        """1.1 × the longest run of ``m`` so far, else of its kind (a FRoD ratio runs at FRoD's speed, not at
+        stock PEFT FRoD's), else of any method."""
+        kind = method_spec(m)
         mine = [r.wall_seconds for (name, _), r in self.runs.items() if name == m]
+        alike = [r.wall_seconds for (name, _), r in self.runs.items() if _alike(method_spec(name), kind)]
         every = [r.wall_seconds for r in self.runs.values()]
-        return 1.1 * max(mine or every or [0.0])
+        return 1.1 * max(mine or alike or every or [0.0])
 
     def predicted_eval(self) -> float:
         """The longest test evaluation so far; before any, half the eval reserve (which holds two rounds)."""

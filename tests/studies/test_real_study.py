@@ -558,3 +558,59 @@ def test_worker_processes_train_exactly_what_one_process_trains(setup, tmp_path)
             got["methods"][name]["test"]["loglik"]["correct_bits"]
             == doc["methods"][name]["test"]["loglik"]["correct_bits"]
         )
+
+
+def test_a_method_not_yet_run_is_predicted_from_its_kind_before_any_other_method(tmp_path):
+    """A FRoD ratio run is as fast as FRoD: a slow stock PEFT FRoD run in the directory must not keep it from
+    starting (it once left every variant for a later command)."""
+    from studies.config import StudyConfig, parse_lrs
+    from studies.schedule import Schedule
+
+    methods = ["frod", "peftfrod", "frod_ratio3", "frod_fp32"]
+    cfg = StudyConfig(model=".", data=".", out=".", methods=methods, lrs=parse_lrs([], methods))
+    plan = Schedule(cfg, {}, deadline=1000.0, train_deadline=940.0, tmp=tmp_path, log=print, warn=print)
+    plan.runs[("frod", 3e-3)] = _record("frod", 3e-3, 0.5, wall=50.0)
+    plan.runs[("peftfrod", 1e-3)] = _record("peftfrod", 1e-3, 0.5, wall=600.0)
+    assert plan.predicted_wall("frod_ratio3") == pytest.approx(55.0)  # FRoD's kind and precision
+    assert plan.predicted_wall("frod_fp32") == pytest.approx(660.0)  # another precision: the slowest of all
+    assert plan.predicted_wall("peftfrod") == pytest.approx(660.0)  # its own runs first
+    assert plan.startable(("frod_ratio3", 3e-3), 800.0) and not plan.startable(("frod_fp32", 3e-3), 800.0)
+
+
+def test_accuracy_intervals_over_seeds_are_cut_to_what_an_accuracy_can_be():
+    from studies.intervals import mean_interval, t_quantile
+
+    values = [0.865, 0.859, 0.615]
+    wide = mean_interval(values, (0.0, 1.0))
+    mean = sum(values) / 3
+    sd = (sum((v - mean) ** 2 for v in values) / 2) ** 0.5
+    assert wide["mean"] == pytest.approx(mean) and wide["hi"] == 1.0  # mean + t·sd/√3 is past 1
+    assert wide["lo"] == pytest.approx(mean - t_quantile(0.975, 2) * sd / 3**0.5)
+    assert mean_interval([0.865, 0.859, 0.615])["hi"] > 1.0  # uncut without bounds
+    assert t_quantile(0.975, 2) == pytest.approx(4.302653, rel=1e-5)  # the tabulated value
+
+
+def test_the_cross_check_pairs_stock_peft_frod_with_frod_of_its_own_precision():
+    from studies.learn_report import _cross_check
+
+    def run(lr, losses, val):
+        return {"lr": lr, "log": {"loss": losses}, "heldout": {"answer_loss": val}}
+
+    def method(*runs):
+        return {"sweep": list(runs), "chosen": {"index": 0, "lr": runs[0]["lr"]}}
+
+    seed0 = {
+        "config": {"peft_frod_fp32": True},
+        "methods": {
+            "frod": method(run(3e-3, [2.0, 1.0], 0.5)),
+            "peftfrod_inj": method(run(3e-3, [2.0, 1.5], 0.7)),
+        },
+    }
+    bf16 = _cross_check(seed0, 2)
+    assert bf16["twin"] == "frod" and not bf16["same_precision"]
+    assert bf16["max_rel_loss_difference"] == pytest.approx(0.5)
+    seed0["methods"]["frod_fp32"] = method(run(3e-3, [2.0, 1.2], 0.6))
+    fp32 = _cross_check(seed0, 2)
+    assert fp32["twin"] == "frod_fp32" and fp32["same_precision"]
+    assert fp32["max_rel_loss_difference"] == pytest.approx(0.25)
+    assert fp32["validation_answer_loss"] == {"frod": 0.6, "peftfrod_inj": 0.7}
