@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.checksum import file_crc32, format_crc32
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 from frod_ds.runtime.errors import StoreError
 
@@ -208,6 +209,19 @@ class Manifest:
     @property
     def has_checksums(self) -> bool:
         return self.format_version >= 2
+
+    def edited_files(self, folder: Path) -> list[str]:
+        """The files this manifest records a checksum for that are in ``folder`` with other bytes (a user's edit or
+        a foreign file under a store's name): each is read whole for its CRC-32."""
+        out = []
+        for record in self.categories.values():
+            for name, want in sorted((record.checksums or {}).items()):
+                path = Path(folder) / name
+                if path.is_symlink() or (path.exists() and not path.is_file()):
+                    out.append(name)
+                elif path.is_file() and format_crc32(file_crc32(path)) != want:
+                    out.append(name)
+        return out
 
     @property
     def missing_categories(self) -> list[str]:

@@ -275,6 +275,22 @@ def _existing_manifest(
     return manifest
 
 
+def _refuse_edited(out: Path) -> None:
+    """Before a store is replaced: ``HJDError`` naming its files whose bytes are not those its manifest records
+    (the user's, not frod-ds'). A store is written in place, so its manifest's checksums stand in for the
+    stamps other outputs carry."""
+    try:
+        edited = Manifest.read(out / MANIFEST).edited_files(out)
+    except StoreError:
+        return  # an unreadable manifest records nothing to compare; the store's record decides what goes
+    if edited:
+        shown = ", ".join(edited[:5]) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
+        raise HJDError(
+            f"--out {out} holds factor files changed since frod hjd wrote them (their checksums are not the "
+            f"manifest's): {shown}; refusing to replace them, move them out or choose another --out"
+        )
+
+
 def _is_legacy_store(out: Path) -> bool:
     """A factor store written before markers recorded kinds: unmarked, with a manifest that reads as a store's."""
     try:
@@ -307,6 +323,8 @@ def prepare_store(
         raise HJDError(f"--out {out} holds factor files but no {MANIFEST}; pass --overwrite to start it anew")
     resumable = (out / MANIFEST).is_file()
     manifest = _existing_manifest(out, fresh, overwrite, ckpt) if resumable else None  # reads only
+    if resumable and manifest is None:
+        _refuse_edited(out)
     planned = [c for c in fresh.targets if c in fresh.categories]
     record_files(out, [MANIFEST, *(g for c in planned for g in file_globs(c))], KIND)  # before any is written
     if resumable and manifest is None:

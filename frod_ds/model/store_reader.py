@@ -157,7 +157,7 @@ class FactorStore:
             if got != want:
                 return (
                     f"factor store file {file} is corrupt (its checksum is {got}, the manifest records {want}); "
-                    "rebuild the store with frod hjd --overwrite"
+                    "delete it and run frod hjd on the store again: it rebuilds that category"
                 )
         self._checked.add(name)
         return None

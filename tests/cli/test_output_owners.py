@@ -193,6 +193,24 @@ def test_hjd_overwrite_over_a_foreign_file_is_refused_and_deletes_nothing(env, t
     assert hjd_cli.main(["--model", str(env.model), "--out", str(out), "--overwrite"]) == 0
 
 
+def test_hjd_overwrite_of_a_store_file_the_user_replaced_is_refused_and_the_store_kept(env, tmp_path, capsys):
+    """A store is written in place (no stamps): its manifest's checksums tell the user's bytes from frod-ds'."""
+    out = tmp_path / "store"
+    assert hjd_cli.main(["--model", str(env.model), "--out", str(out)]) == 0
+    reference = (out / "k_proj.V.safetensors").read_bytes()
+    (out / "q_proj.V.safetensors").write_text("mine")
+    before = tree(tmp_path)
+    line = one_error(capsys, hjd_cli.main(["--model", str(env.model), "--out", str(out), "--overwrite"]))
+    assert "q_proj.V.safetensors" in line and "k_proj" not in line and "changed since" in line
+    assert tree(tmp_path) == before
+    # a damaged file, as the store's reader says: deleted, the same command rebuilds its category
+    (out / "q_proj.V.safetensors").unlink()
+    assert hjd_cli.main(["--model", str(env.model), "--out", str(out)]) == 0
+    assert (out / "k_proj.V.safetensors").read_bytes() == reference
+    assert hjd_cli.main(["--model", str(env.model), "--verify", str(out)]) == 0
+    assert hjd_cli.main(["--model", str(env.model), "--out", str(out), "--overwrite"]) == 0
+
+
 @pytest.mark.parametrize("marked", [True, False], ids=["earlier eval", "unmarked eval output from before records"])
 def test_eval_into_earlier_results_holding_other_files_is_refused(env, adapter, tmp_path, capsys, marked):
     out = tmp_path / "ev"

@@ -952,6 +952,13 @@ def export_edited(world, case, spec):
     (case / "export" / "config.json").write_text(json.dumps({**cfg, "my_note": "keep"}))
 
 
+def store_edited(world, case, spec):
+    """An earlier factor store one of whose V files the user replaced with their own bytes (a store has no stamps:
+    its manifest's checksums tell)."""
+    _copy(world, "store", case / "store")
+    (case / "store" / "q_proj.V.safetensors").write_text("the user's own file under a store's name\n")
+
+
 def run_without_checkpoints(world, case, spec):
     _copy(world, "run", case / "run")
     shutil.rmtree(case / "run" / "checkpoints")
@@ -1366,6 +1373,7 @@ STEPS: dict[str, Callable] = {
         mirror_same_options,
         data_build_edited,
         export_edited,
+        store_edited,
         run_without_checkpoints,
         model_config_bad_act,
         out_link,

@@ -179,7 +179,7 @@ def test_a_changed_byte_in_any_factor_file_is_refused_at_load(tmp_path, bf16_sto
         with pytest.raises(
             StoreError,
             match=rf"{fname} is corrupt \(its checksum is crc32:[0-9a-f]{{8}}, the manifest "
-            r"records crc32:[0-9a-f]{8}\); rebuild the store",
+            r"records crc32:[0-9a-f]{8}\); delete it and run frod hjd on the store again",
         ):
             for category, members in store.categories.items():
                 store.load_V(category)
