@@ -210,7 +210,7 @@ def _unreadable_shard(model: str) -> str:
     """The first safetensors shard of ``model`` that safetensors cannot open (safetensors' errors name no file)."""
     from safetensors import safe_open
 
-    from frod_ds.io.hf_checkpoint import resolve_model_dir
+    from frod_ds.io.model_dir import resolve_model_dir
 
     for shard in sorted(Path(resolve_model_dir(model)).glob("*.safetensors")):
         try:
@@ -239,13 +239,8 @@ def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> 
         assert config.model is not None
         if adapter.is_adapter_checkpoint(config.model):
             raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
-        from frod_ds.io.hf_checkpoint import (
-            INDEX_NAME,
-            SINGLE_NAME,
-            HFCheckpoint,
-            check_config_file,
-            check_model_folder,
-        )
+        from frod_ds.io.hf_checkpoint import INDEX_NAME, SINGLE_NAME, HFCheckpoint
+        from frod_ds.io.model_dir import check_config_file, check_model_folder
 
         if Path(config.model).is_dir():  # a store, a PEFT adapter, a data build; a config of no or another model
             check_model_folder(Path(config.model))

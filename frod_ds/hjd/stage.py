@@ -26,7 +26,8 @@ from frod_ds.hjd.sharding import DEFAULT_TARGETS, my_members, plan_categories
 from frod_ds.hjd.streaming import FactorWriter, MemberReader
 from frod_ds.io.dtypes import FLOAT_DTYPES, dtype_name
 from frod_ds.io.fingerprint import base_fingerprint, tensor_digests
-from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.io.model_dir import resolve_model_dir
 from frod_ds.runtime import distributed as D
 from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, atomic_write_text, disk_full_line
 from frod_ds.runtime.errors import FrodError, HJDError

@@ -121,7 +121,8 @@ def import_peft(
     with holding(out, IMPORT_KIND, "--out", PeftInteropError):  # a second writer of out is refused at once
         from peft import PeftConfig, get_peft_model
 
-        from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+        from frod_ds.io.hf_checkpoint import HFCheckpoint
+        from frod_ds.io.model_dir import resolve_model_dir
 
         peft_dir, out = Path(peft_dir), Path(out)
         cfg = _read_peft_config(peft_dir)

@@ -19,10 +19,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from frod_ds.formats.folders import wrong_folder
-from frod_ds.io.model_config import config_problems, missing_linear, weights_problems
+from frod_ds._moved import forward_names
+from frod_ds.io.model_config import missing_linear, weights_problems
+from frod_ds.io.model_dir import check_config_file, check_model_folder
 from frod_ds.runtime.errors import CheckpointError, note
-from frod_ds.runtime.paths import dir_problem, file_problem
+from frod_ds.runtime.paths import dir_problem
 
 if TYPE_CHECKING:
     import torch
@@ -32,15 +33,12 @@ __all__ = [
     "INDEX_NAME",
     "SINGLE_NAME",
     "safetensors_dtype",
-    "resolve_model_dir",
-    "resolve_config_file",
     "HFCheckpoint",
     "TensorInfo",
 ]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
 
 _ITEMSIZE = {
     "F64": 8,
@@ -76,103 +74,6 @@ def safetensors_dtype(code: str) -> torch.dtype:
         "F8_E4M3": torch.float8_e4m3fn,
         "F8_E5M2": torch.float8_e5m2,
     }[code]
-
-
-MODEL_KINDS = ("hf-checkpoint", "hf-export", "gguf-conversion")  # folders.folder_kind of a folder a model loads from
-
-
-def check_model_folder(path: Path, flag: str = "--model") -> None:
-    """``CheckpointError`` (one line) when ``path`` is a directory of another kind (a factor store, an adapter,
-    a data build, ...): what it is and where it goes, before a reader fails on a file it lacks."""
-    problem = wrong_folder(path, flag, MODEL_KINDS, "a model checkpoint (config.json + *.safetensors)")
-    if problem:
-        raise CheckpointError(problem)
-
-
-def resolve_model_dir(model: str, flag: str = "--model") -> Path:
-    """A local checkpoint directory as is; otherwise a Hugging Face Hub id, downloaded (or found in the
-    local HF cache) with ``snapshot_download`` — only configs, safetensors and tokenizer files. ``flag``: how
-    messages name the argument."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        check_model_folder(path, flag)
-        return path
-    if os.path.lexists(path):  # a file, a named pipe, a broken link or a link loop: say which
-        raise CheckpointError(
-            f"{flag} {dir_problem(path)}; pass the checkpoint directory (config.json + *.safetensors)"
-        )
-    if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise CheckpointError(
-            f"model directory {model!r} does not exist; pass a local checkpoint directory or a Hub id"
-        )
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, allow_patterns=HUB_PATTERNS))
-    except (OSError, ValueError) as e:  # offline, no network, unknown or gated repo (HTTP errors are OSErrors)
-        raise CheckpointError(
-            f"could not resolve {model!r}: it is not a local directory and the Hugging Face Hub id could not be "
-            f"resolved (offline, or not in the local cache; "
-            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-            "pass a local directory holding the checkpoint (config.json + *.safetensors)"
-        ) from None
-
-
-def resolve_config_file(model: str) -> Path:
-    """``config.json`` of a local checkpoint directory, or of a Hub id from the local HF cache only (nothing is
-    downloaded: the memory planner reads no weights). ``CheckpointError`` (one line) when there is none."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        check_model_folder(path)
-        config = path / "config.json"
-        problem = file_problem(config) if os.path.lexists(config) else None  # a folder, pipe or broken link
-        if problem:
-            raise CheckpointError(f"{problem}; copy config.json from the original checkpoint")
-        if not config.is_file():
-            raise CheckpointError(
-                f"model directory {path} has no config.json; pass the checkpoint directory (config.json + "
-                "*.safetensors)"
-            )
-        return path / "config.json"
-    if os.path.lexists(path) or model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise CheckpointError(
-            f"--model {dir_problem(path) or model}: not a checkpoint directory; pass a directory holding config.json "
-            "or a Hub id in the local cache"
-        )
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(model, "config.json", local_files_only=True))
-    except Exception as e:  # not cached, malformed id: the same advice
-        raise CheckpointError(
-            f"{model!r} is not a local directory and its config.json is not in the local Hugging Face "
-            f"cache ({type(e).__name__}); pass a local checkpoint directory"
-        ) from None
-
-
-def check_config_file(model_dir: str | os.PathLike) -> dict:
-    """A local checkpoint directory's ``config.json``, checked to be a JSON object; ``CheckpointError`` (one line)
-    otherwise. HJD reads only the weights, so a checkpoint without a config decomposes; the commands that build the
-    model (train, eval, export) check it first instead of failing inside transformers."""
-    path = resolve_config_file(str(model_dir))
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(
-            f"{path} is not valid JSON ({e}); the checkpoint's config is damaged: copy config.json "
-            "from the original checkpoint"
-        ) from None
-    if not isinstance(data, dict):
-        raise CheckpointError(
-            f"{path} holds a JSON {type(data).__name__}, not a model config; copy config.json from "
-            "the original checkpoint"
-        )
-    problems = config_problems(data)
-    if problems:
-        raise CheckpointError(
-            f"{path}: {'; '.join(problems)}; no model has these values: copy config.json from the original checkpoint"
-        )
-    return data
 
 
 class TensorInfo:
@@ -464,3 +365,18 @@ class HFCheckpoint:
         with open(info.file, "rb") as f:
             f.seek(info.start + offset)
             return f.read(length)
+
+
+# where a model's folder and config.json are found moved to frod_ds.io.model_dir; the old names forward to it
+_MOVED_NAMES = dict.fromkeys(
+    (
+        "HUB_PATTERNS",
+        "MODEL_KINDS",
+        "check_config_file",
+        "check_model_folder",
+        "resolve_config_file",
+        "resolve_model_dir",
+    ),
+    "frod_ds.io.model_dir",
+)
+__getattr__ = forward_names(__name__, _MOVED_NAMES)

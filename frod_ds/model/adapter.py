@@ -264,7 +264,8 @@ def check_adapter_store(config: AdapterConfig, store: FactorStore, where: str | 
 def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, factor_store: str | None = None):
     """``(tensors, config, model_dir, store)`` of an adapter: its σ/S tensors and config, the base checkpoint
     directory and the factor store (from the adapter's config unless given), checked to belong together."""
-    from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+    from frod_ds.io.hf_checkpoint import HFCheckpoint
+    from frod_ds.io.model_dir import resolve_model_dir
     from frod_ds.model.store_reader import check_store_matches
 
     tensors, config = read_adapter(checkpoint_dir)

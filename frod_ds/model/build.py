@@ -343,7 +343,7 @@ def build_frod_model(
         # so grouping leaves training as it was (tests/train/test_zero2_trainables_layout.py). Without DeepSpeed and
         # under stage 0 the norms are fp32: grouping would change their rounding.
         flat = stage > 0 if flat_trainables is None else flat_trainables
-        # NVMe parameter offload sizes its swap buffers by the largest parameter (ds_config.check_nvme_buffer)
+        # NVMe parameter offload sizes its swap buffers by the largest parameter (frod_ds.config.nvme.check_nvme_buffer)
         flat_u = (
             (zero3 and "offload_param" not in nvme_offloads(dict(ds_config))) if flat_frozen is None else flat_frozen
         )

@@ -9,7 +9,8 @@ import torch
 
 from frod_ds.formats.factor_store import member_of_key, sigma_key, u_key, v_key
 from frod_ds.hjd.math import reconstruction_error, reconstruction_tol
-from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.io.model_dir import resolve_model_dir
 from frod_ds.model.store_reader import FactorStore, check_store_matches
 from frod_ds.runtime.errors import StoreError
 

@@ -109,8 +109,8 @@ def model_shape_from_config(cfg: dict[str, Any], where: str = "config.json") -> 
 
 def load_model_shape(model: str) -> ModelShape:
     """From a checkpoint directory or a Hub id in the local cache; reads config.json only (checked by
-    ``frod_ds.io.hf_checkpoint.check_config_file``, the one reader of it)."""
-    from frod_ds.io.hf_checkpoint import check_config_file, resolve_config_file
+    ``frod_ds.io.model_dir.check_config_file``, the one reader of it)."""
+    from frod_ds.io.model_dir import check_config_file, resolve_config_file
 
     return model_shape_from_config(check_config_file(model), str(resolve_config_file(model)))
 

@@ -17,16 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from frod_ds.config.ds_config import (
-    NvmeParams,
-    as_stage2,
-    batch_sizes,
-    check_aio_build_env,
-    check_nvme_buffer,
-    check_nvme_buffer_count,
-    nvme_offloads,
-    resolve_ds_config,
-)
+from frod_ds.config.ds_config import as_stage2, batch_sizes, nvme_offloads, resolve_ds_config
+from frod_ds.config.nvme import NvmeParams, check_aio_build_env, check_nvme_buffer, check_nvme_buffer_count
 from frod_ds.config.recipe import Recipe
 from frod_ds.config.zero3_layout import zero3_layout
 from frod_ds.core.layer import support_nnz
@@ -34,7 +26,8 @@ from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.formats.factor_store import StoreIdentity
 from frod_ds.formats.run_identity import RunIdentity
 from frod_ds.io.dtypes import FLOAT_DTYPES
-from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.io.model_dir import resolve_model_dir
 from frod_ds.model.adapter import check_adapter_store, read_adapter
 from frod_ds.model.build import check_store_quant
 from frod_ds.model.store_reader import FactorStore, check_store_matches

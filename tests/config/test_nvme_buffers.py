@@ -1,4 +1,4 @@
-"""The NVMe swap-buffer preflight (``frod_ds.config.ds_config.check_nvme_buffer_count``) against counts worked out
+"""The NVMe swap-buffer preflight (``frod_ds.config.nvme.check_nvme_buffer_count``) against counts worked out
 by hand for LLaMA-2-7B and 70B with FRoD on q/k/v/o/gate/up, one rank, bf16: a decoder layer swaps 7 parameters (six U
 and down_proj; the norms are under 1 MiB), the six shared V are 6 more, the embeddings/head 1 more: 14."""
 
@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from frod_ds.config.ds_config import DSConfigError, NvmeParams, check_nvme_buffer_count, nvme_buffers_needed
+from frod_ds.config.ds_config import DSConfigError
+from frod_ds.config.nvme import NvmeParams, check_nvme_buffer_count, nvme_buffers_needed
 from tests.support.train_env import REPO
 
 

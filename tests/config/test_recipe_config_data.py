@@ -137,7 +137,8 @@ def test_a_recipe_that_is_not_utf8_is_one_error_naming_the_byte(tmp_path):
 def test_nvme_buffers_must_hold_the_largest_partition():
     """DeepSpeed asserts mid-build when a parameter partition exceeds offload_param.buffer_size; the shipped
     NVMe config holds LLaMA-2-70B's embeddings (32000 x 8192) on one GPU, and a smaller buffer is one line."""
-    from frod_ds.config.ds_config import DSConfigError, check_nvme_buffer
+    from frod_ds.config.ds_config import DSConfigError
+    from frod_ds.config.nvme import check_nvme_buffer
 
     cfg = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
     check_nvme_buffer(cfg, 32000 * 8192, world_size=1)
@@ -155,7 +156,8 @@ def test_nvme_buffers_must_hold_the_largest_partition():
 def test_nvme_offload_refuses_an_arch_list_deepspeed_cannot_parse():
     """DeepSpeed 0.19's op builder reads TORCH_CUDA_ARCH_LIST entries as int.int[+PTX]; Hopper images set 9.0a,
     which stops the async_io build that NVMe offload needs (seen on an H100): one line before the run instead."""
-    from frod_ds.config.ds_config import DSConfigError, check_aio_build_env
+    from frod_ds.config.ds_config import DSConfigError
+    from frod_ds.config.nvme import check_aio_build_env
 
     nvme = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
     offload = json.loads((REPO / "ds_configs" / "zero3_offload.json").read_text())

@@ -74,7 +74,7 @@ def test_every_kind_of_folder_says_where_it_goes() -> None:
 
 
 def test_a_converted_gguf_model_is_a_model(tmp_path: Path) -> None:
-    from frod_ds.io.hf_checkpoint import check_model_folder
+    from frod_ds.io.model_dir import check_model_folder
 
     model = shutil.copytree(FIX / "run_zero3_v2" / "model", tmp_path / "converted")
     mark_dir(model, "gguf-conversion", [p.name for p in model.iterdir() if p.name != MARKER])

@@ -9,7 +9,8 @@ import re
 import pytest
 import torch
 
-from frod_ds.io.hf_checkpoint import HFCheckpoint, resolve_model_dir
+from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.io.model_dir import resolve_model_dir
 from tests.support.helpers_ckpt import shard_files, shard_of, write_tiny_llama
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"

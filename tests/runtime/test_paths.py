@@ -45,7 +45,7 @@ def test_dir_problem_names_what_the_path_is(odd: Path) -> None:
 def test_readers_of_data_models_and_stores_name_a_pipe_or_a_link_loop(odd: Path, name: str, says: str) -> None:
     """Each reader that used to answer "not found" (or try the Hub) for a named pipe or a link loop names it."""
     from frod_ds.eval.run import load_task_rows
-    from frod_ds.io.hf_checkpoint import resolve_model_dir
+    from frod_ds.io.model_dir import resolve_model_dir
     from frod_ds.model.store_reader import FactorStore
     from frod_ds.prep.sources import check_local_tasks
     from frod_ds.runtime.errors import FrodError
