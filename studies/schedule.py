@@ -128,13 +128,14 @@ class Schedule:
         return [k for k in out if k not in self.in_flight]
 
     def predicted_wall(self, m: str) -> float:
-        """1.1 × the longest run of ``m`` so far, else of its kind (a FRoD ratio runs at FRoD's speed, not at
-        stock PEFT FRoD's), else of any method."""
-        kind = method_spec(m)
+        """1.1 × the longest run of ``m`` so far, else of its kind and precision (a FRoD ratio runs at FRoD's
+        speed, not at stock PEFT FRoD's), else 2 × of its kind (fp32 against bf16), else of any method."""
+        spec = method_spec(m)
         mine = [r.wall_seconds for (name, _), r in self.runs.items() if name == m]
-        alike = [r.wall_seconds for (name, _), r in self.runs.items() if _alike(method_spec(name), kind)]
+        alike = [r.wall_seconds for (name, _), r in self.runs.items() if _alike(method_spec(name), spec)]
+        kin = [2 * r.wall_seconds for (name, _), r in self.runs.items() if method_spec(name).kind == spec.kind]
         every = [r.wall_seconds for r in self.runs.values()]
-        return 1.1 * max(mine or alike or every or [0.0])
+        return 1.1 * max(mine or alike or kin or every or [0.0])
 
     def predicted_eval(self) -> float:
         """The longest test evaluation so far; before any, half the eval reserve (which holds two rounds)."""

@@ -572,9 +572,10 @@ def test_a_method_not_yet_run_is_predicted_from_its_kind_before_any_other_method
     plan.runs[("frod", 3e-3)] = _record("frod", 3e-3, 0.5, wall=50.0)
     plan.runs[("peftfrod", 1e-3)] = _record("peftfrod", 1e-3, 0.5, wall=600.0)
     assert plan.predicted_wall("frod_ratio3") == pytest.approx(55.0)  # FRoD's kind and precision
-    assert plan.predicted_wall("frod_fp32") == pytest.approx(660.0)  # another precision: the slowest of all
+    assert plan.predicted_wall("frod_fp32") == pytest.approx(110.0)  # another precision: twice its kind's
     assert plan.predicted_wall("peftfrod") == pytest.approx(660.0)  # its own runs first
-    assert plan.startable(("frod_ratio3", 3e-3), 800.0) and not plan.startable(("frod_fp32", 3e-3), 800.0)
+    assert plan.predicted_wall("lora16") == pytest.approx(660.0)  # nothing of its kind: the slowest of all
+    assert plan.startable(("frod_ratio3", 3e-3), 860.0) and not plan.startable(("frod_fp32", 3e-3), 860.0)
 
 
 def test_accuracy_intervals_over_seeds_are_cut_to_what_an_accuracy_can_be():
