@@ -197,14 +197,21 @@ class MemberSource:
     def spare_cache_bytes(self) -> float:
         return max(0.0, self.cache_bytes - self.cache.used)
 
-    def nonfinite(self, flags: list[Tensor]) -> str | None:
-        """The message for the first member whose flag (``isfinite(W_i).all()``) is false, or ``None``."""
+    def member_problem(self, flags: list[Tensor]) -> str | None:
+        """The message for the first member whose flags (``isfinite(W_i).all()``, ``W_i.ne(0).any()``) are not
+        both true, or ``None``. A weight of zeros decomposes exactly, but into a zero ``U_i``: FRoD could never
+        move that layer, and no trained checkpoint holds one."""
         if not flags:
             return None
-        for j, good in enumerate(torch.stack(flags).cpu().tolist()):
-            if not good:
-                name = self.spec.mine[j] + ".weight"
+        for j, (finite, nonzero) in enumerate(torch.stack(flags).cpu().tolist()):
+            name = self.spec.mine[j] + ".weight"
+            if not finite:
                 return f"{name} in {self.ckpt.info(name).file} contains NaN or Inf; check the checkpoint"
+            if not nonzero:
+                return (
+                    f"{name} in {self.ckpt.info(name).file} is all zeros: its factor U_i would be zero and FRoD "
+                    "could never train that layer; check the checkpoint (no trained model holds such a weight)"
+                )
         return None
 
     def close(self) -> None:

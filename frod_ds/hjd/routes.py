@@ -61,7 +61,7 @@ class RouteOptions:
 
 def read_pass(source: MemberSource, sink: FactorSink, phases: Phases) -> Tensor:
     """Pass A: every member read once (kept when the cache has room), ``G⁽ᵖ⁾ = Σ G_i`` (n, n) fp64. NaN or
-    Inf in any rank's weights stops every rank with the same message."""
+    Inf in any rank's weights, or a weight of zeros only, stops every rank with the same message."""
     n = source.spec.n
     with phases("read_gram"):
         G = torch.zeros(n, n, dtype=torch.float64, device=source.device)
@@ -72,7 +72,7 @@ def read_pass(source: MemberSource, sink: FactorSink, phases: Phases) -> Tensor:
             for i in range(len(source)):
                 W = source.weight(i)
                 w_left -= W.numel() * W.element_size()
-                flags.append(torch.isfinite(W).all())
+                flags.append(torch.stack([torch.isfinite(W).all(), W.ne(0).any()]))
                 source.keep(("W", i), W)
                 G_i = gram(W)
                 G += G_i
@@ -80,7 +80,7 @@ def read_pass(source: MemberSource, sink: FactorSink, phases: Phases) -> Tensor:
                 source.keep(("G", i), G_i, headroom=w_left)
                 del W, G_i
                 sink.bar.update(1)
-            error = source.nonfinite(flags)
+            error = source.member_problem(flags)
         except FrodError as e:  # a bad shard on this rank: every rank stops with the same message
             error = str(e)
         D.agree_on_error(error)

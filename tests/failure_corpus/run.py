@@ -707,6 +707,11 @@ def model_tiny_q(world, case, spec):
     _scale(world, case, "model.layers.1.self_attn.q_proj.weight", 1e-30)
 
 
+def model_zero_q(world, case, spec):
+    """One layer's q_proj all zeros: exact to decompose, but into a zero U_i no training can move."""
+    _scale(world, case, "model.layers.1.self_attn.q_proj.weight", 0.0)
+
+
 def model_huge_q(world, case, spec):
     """One layer's q_proj ×1e20 (square members, a stack the Gram route holds): reconstructs, the probe passes."""
     _scale(world, case, "model.layers.1.self_attn.q_proj.weight", 1e20)
@@ -1385,6 +1390,7 @@ STEPS: dict[str, Callable] = {
         model_config_kv,
         model_huge_k,
         model_tiny_q,
+        model_zero_q,
         model_huge_q,
         peft_dir,
         a_fifo,

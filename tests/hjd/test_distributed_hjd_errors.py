@@ -138,6 +138,27 @@ def test_hjd_nan_on_one_rank_stops_every_rank_and_leaves_no_store(tmp_path):
     assert not out.exists(), "a store this run created and refused is not left behind"
 
 
+def test_hjd_refuses_a_weight_of_zeros_naming_it_and_leaves_no_store(tmp_path, capsys):
+    """A zero weight decomposes "exactly" into a zero U_i, which FRoD can never move: refused, not stored."""
+    model = write_tiny_llama(tmp_path / "model")
+    bad = "model.layers.1.self_attn.q_proj.weight"
+    shard = shard_of(model, bad)
+    tensors = load_file(shard)
+    tensors[bad] = torch.zeros_like(tensors[bad])
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "store"
+    capsys.readouterr()
+    assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj", "k_proj"]) != 0
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert bad in line and "all zeros" in line
+    assert not out.exists()
+    tensors[bad][3, 5] = 1e-3  # one entry is enough: a rank-1 member with a non-zero U_i column
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj", "k_proj"]) == 0
+    U = FactorStore.open(out).load_U(bad.removesuffix(".weight"))
+    assert U.abs().sum() > 0
+
+
 def test_hjd_verify_reports_a_changed_byte_in_any_member_file(model, tmp_path, capsys):
     """``--verify`` checks the checksum of every file (every member), not only the sampled reconstructions."""
     out = tmp_path / "store"
