@@ -146,6 +146,18 @@ def check_vocab(examples: list[Example], vocab_size: int, tokenizer_name: str, m
         )
 
 
+def check_context(examples: list[Example], max_positions: int, cutoff_len: int, model_dir: str | Path) -> None:
+    """``DataError`` when an example is longer than the model's ``max_position_embeddings``: it would train and
+    score positions the model never saw, with nothing said (the rotary embedding computes them all the same)."""
+    longest = max((len(e.input_ids) for e in examples), default=0)
+    if longest > max_positions:
+        raise DataError(
+            f"training examples reach {longest} tokens (data.cutoff_len {cutoff_len}), but the model {model_dir} "
+            f"has max_position_embeddings {max_positions} (config.json): positions past it were never trained; "
+            f"set data.cutoff_len to at most {max_positions}"
+        )
+
+
 def encode_examples(tokenizer, rows: list[dict], cutoff_len: int, train_on_inputs: bool) -> list[Example]:
     """Tokenize ``prompt + separator + answer + EOS``; labels are -100 outside the answer unless ``train_on_inputs``.
 

@@ -33,7 +33,7 @@ from frod_ds.model.build import check_store_quant
 from frod_ds.model.store_reader import FactorStore, check_store_matches
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.errors import FrodError, StoreError, note
-from frod_ds.train.data import Example, check_vocab, encode_examples, read_training_rows, training_file
+from frod_ds.train.data import Example, check_context, check_vocab, encode_examples, read_training_rows, training_file
 from frod_ds.train.identity import check_resume_identity, run_identity
 from frod_ds.train.run_dir import check_writable
 
@@ -101,6 +101,9 @@ def preflight(
     vocab = _vocab_size(base.config())
     if vocab is not None:
         check_vocab(examples + eval_examples, vocab, str(recipe.model.tokenizer or base.dir), base.dir)
+    positions = base.config().get("max_position_embeddings")
+    if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
+        check_context(examples + eval_examples, positions, recipe.data.cutoff_len, base.dir)
     _check_batch(recipe, len(examples), len(rows), world)
     _check_sparsity(recipe, store)
     check_writable(Path(recipe.output_dir))

@@ -653,6 +653,31 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_line(train_env, tmp_path)
     assert not out.exists()
 
 
+def test_examples_past_the_models_positions_are_one_line(train_env, tmp_path):
+    """config.json's max_position_embeddings below the examples' length: training would run on positions the
+    model never saw (the rotary embedding computes them all the same), so it is refused before any step. The
+    weights are the same, so the store of the unchanged model is the one used."""
+    import json
+
+    model = tmp_path / "short"
+    shutil.copytree(train_env.model, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 16}))
+    out = tmp_path / "run"
+    line = _one_error_line(_train(train_env, out, **{"model.base": model, "model.tokenizer": train_env.model}))
+    assert "max_position_embeddings 16" in line and "data.cutoff_len" in line and "at most 16" in line, line
+    assert not out.exists()
+
+
+def test_check_context_measures_the_longest_example():
+    from frod_ds.train.data import DataError, Example, check_context
+
+    ex = [Example(input_ids=[1] * n, labels=[1] * n) for n in (5, 12, 9)]
+    check_context(ex, 12, 64, "m")  # the longest fits exactly
+    with pytest.raises(DataError, match="reach 12 tokens .*max_position_embeddings 11"):
+        check_context(ex, 11, 64, "m")
+
+
 def test_nan_in_a_base_norm_is_named_where_it_enters(train_env, tmp_path):
     """A NaN in an untargeted base weight (which HJD does not read) stops training as the model is built, naming
     the tensor, before any step: not a non-finite loss three steps later with advice about learning rates."""
