@@ -23,7 +23,7 @@ from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
 from frod_ds.prep.row_checks import count_repeats, drop_rows_training_refuses
 from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
-from frod_ds.prep.templates import RowError, render, row_id
+from frod_ds.prep.templates import RowError, blank_field, render, row_id
 
 FORMAT = "frod-ds/commonsense170k/v1"
 KIND = "data-build"  # the ownership record's kind (frod_ds.formats.output_dir): --overwrite replaces only a build
@@ -150,6 +150,9 @@ def convert_split(
         try:
             example = render(task, raw)
             rid = row_id(task, split, index, raw)
+            blank = blank_field(task, raw) if strict else None
+            if blank is not None:
+                raise RowError(f"blank field '{blank}'", f"{raw[blank]!r}: the prompt asks nothing")
         except RowError as err:
             if strict:
                 raise DataPrepError(f"{task}: {data.origin} row index {index}: {err} (--strict)") from None

@@ -342,6 +342,8 @@ def convert(
             parsed = parse(raw)
             if task is not None and parsed.family is not FAMILY_OF_TASK[task]:
                 raise RowError("instruction of another task's format", f"family {parsed.family.key}")
+            if strict and not parsed.body.strip():  # kept as published without --strict, as the paper path does
+                raise RowError("blank question", "the instruction asks nothing before its options")
             example, separator = render_row(parsed, task, role, template)
             rid = row_id(task, split, index, raw) if task is not None else f"{id_prefix}-{index}"
         except RowError as err:

@@ -1,15 +1,16 @@
 """The build's checks of rendered rows, after the templates: what training or scoring would refuse or count wrong.
 
 ``drop_rows_training_refuses`` drops (and counts per reason) a repeated ``id``, a row over ``MAX_ROW_CHARS``, a lone
-surrogate (text no tokenizer encodes) and a multiple-choice row with fewer than two or repeated choices (a free
-point when scored); ``count_repeats`` finds rows that repeat an earlier row of their split verbatim: training rows
-are dropped unless kept on purpose, test rows kept as published, both counted. ``--strict`` makes each an error
-naming the row. A split is a ``frod_ds.prep.dataset.SplitResult`` (``task``, ``role``, ``origin``, ``rows``,
-``dropped``, ``repeated``).
+surrogate (text no tokenizer encodes), a control character (a damaged file) and a multiple-choice row with fewer
+than two or repeated choices (a free point when scored); ``count_repeats`` finds rows that repeat an earlier row of
+their split verbatim: training rows are dropped unless kept on purpose, test rows kept as published, both counted.
+``--strict`` makes each an error naming the row. A split is a ``frod_ds.prep.dataset.SplitResult`` (``task``,
+``role``, ``origin``, ``rows``, ``dropped``, ``repeated``).
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -20,6 +21,7 @@ __all__ = [
     "DUPLICATE_ID",
     "OVERLONG",
     "LONE_SURROGATE",
+    "CONTROL_CHAR",
     "FEW_CHOICES",
     "SAME_CHOICES",
     "REPEATED",
@@ -31,6 +33,21 @@ __all__ = [
 DUPLICATE_ID = "duplicate id"
 OVERLONG = f"prompt + answer over {MAX_ROW_CHARS} characters"
 LONE_SURROGATE = "lone surrogate (not Unicode text)"
+CONTROL_CHAR = "control character (a damaged file)"
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DEL, not tab or line breaks
+
+
+def control_problem(row: dict[str, Any]) -> str | None:
+    """The first string of ``row`` holding a control character (a NUL, an escape, ...): no dataset's text holds
+    one, a file cut or mis-decoded does; tab and line breaks are text."""
+    for key, value in row.items():
+        for i, text in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(text, str) and (m := _CONTROL.search(text)):
+                where = f"'{key}'" + (f"[{i}]" if isinstance(value, list) else "")
+                return f"field {where} holds control character U+{ord(m.group()):04X} at character {m.start()}"
+    return None
+
+
 FEW_CHOICES = "fewer than two choices"
 SAME_CHOICES = "duplicate choices"
 REPEATED = "repeated row"
@@ -45,6 +62,9 @@ def _problem(row: dict[str, Any], seen: set[str]) -> tuple[str, str] | None:
     text = text_problem(row)
     if text:
         return LONE_SURROGATE, text
+    control = control_problem(row)
+    if control:
+        return CONTROL_CHAR, control
     choices = choices_problem(row["choices"])
     if choices:
         return (FEW_CHOICES if len(row["choices"]) < 2 else SAME_CHOICES), choices
@@ -53,8 +73,8 @@ def _problem(row: dict[str, Any], seen: set[str]) -> tuple[str, str] | None:
 
 def drop_rows_training_refuses(result: Any, strict: bool) -> None:
     """Drop (and count) the rows of one split that training or scoring would refuse or score wrong (the first of a
-    repeated id is kept); with ``strict`` the first is an error naming the task, file and row. A lone surrogate is
-    named in a note even when dropped: it means the source file is damaged."""
+    repeated id is kept); with ``strict`` the first is an error naming the task, file and row. A lone surrogate or a
+    control character is named in a note even when dropped: it means the source file is damaged."""
     seen: set[str] = set()
     kept = []
     for row in result.rows:
@@ -66,7 +86,7 @@ def drop_rows_training_refuses(result: Any, strict: bool) -> None:
         reason, detail = problem
         if strict:
             raise DataPrepError(f"{result.task}: {result.origin} row id {row['id']!r}: {detail} (--strict)")
-        if reason == LONE_SURROGATE and not result.dropped[reason]:
+        if reason in (LONE_SURROGATE, CONTROL_CHAR) and not result.dropped[reason]:
             print(f"note: {result.task}: {result.origin} row id {row['id']!r}: {detail}; dropped", file=sys.stderr)
         result.dropped[reason] += 1
     result.rows = kept

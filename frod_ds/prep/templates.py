@@ -196,6 +196,25 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], Example]] = {
 }
 
 
+# the fields each task's prompt asks its question with (options and answers may be empty: an option like any other)
+PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
+    "boolq": ("passage", "question"),
+    "piqa": ("goal",),
+    "siqa": ("context", "question"),
+    "hellaswag": ("ctx",),
+    "winogrande": ("sentence",),
+    "obqa": ("question_stem",),
+    "arc_easy": ("question",),
+    "arc_challenge": ("question",),
+}
+
+
+def blank_field(task: str, row: dict[str, Any]) -> str | None:
+    """The first prompt field of a rendered source ``row`` holding only whitespace, or ``None``. Such a row is kept
+    as published (rendered verbatim); ``--strict`` refuses it: its prompt asks nothing."""
+    return next((f for f in PROMPT_FIELDS.get(task, ()) if isinstance(row.get(f), str) and not row[f].strip()), None)
+
+
 def render(task: str, row: Any) -> Example:
     """Render one source row of `task`; raises RowError if it does not fit the task's schema."""
     if not isinstance(row, dict):

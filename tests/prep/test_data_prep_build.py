@@ -259,7 +259,8 @@ def test_strict_names_task_file_and_row(tmp_path):
     with pytest.raises(DataPrepError) as info:
         run_build(out, strict=True)
     message = str(info.value)
-    assert message.startswith(f"boolq: {MIRROR / 'boolq' / 'train.jsonl'} row index 2: missing field 'passage'")
+    # row 1's question is '' (kept as published without --strict), the first row --strict refuses
+    assert message.startswith(f"boolq: {MIRROR / 'boolq' / 'train.jsonl'} row index 1: blank field 'question'")
     assert "\n" not in message
     assert_nothing_written(out)
 
@@ -534,6 +535,33 @@ def test_a_lone_surrogate_is_dropped_and_named_or_refused_under_strict(tmp_path,
         (row["prompt"] + row["answer"]).encode("utf-8")
     with pytest.raises(DataPrepError, match="row id 'boolq-train-1': field 'prompt' holds a lone surrogate"):
         run_build(tmp_path / "strict", source=mirror, tasks=("boolq",), strict=True)
+
+
+def test_a_control_character_is_dropped_and_named_or_refused_under_strict(tmp_path, capsys):
+    """A NUL (or any C0 control but tab and line breaks) is no dataset's text: a cut or mis-decoded file."""
+    bad = json.dumps({"question": "q", "answer": True, "passage": "cut\x00 here"})
+    tab = json.dumps({"question": "q2", "answer": False, "passage": "a\ttab\nand a line"})  # text, kept
+    mirror = _boolq_mirror(tmp_path, [_boolq_row(0), bad, tab], [_boolq_row(5), _boolq_row(6)])
+    manifest, _ = run_build(tmp_path / "out", source=mirror, tasks=("boolq",))
+    assert manifest["dropped"] == {"boolq": {"train": {"control character (a damaged file)": 1}}}
+    assert "row id 'boolq-train-1': field 'prompt' holds control character U+0000" in capsys.readouterr().err
+    assert sorted(r["id"] for r in read_rows(tmp_path / "out" / "train.jsonl")) == ["boolq-train-0", "boolq-train-2"]
+    with pytest.raises(DataPrepError, match="row id 'boolq-train-1': field 'prompt' holds control character U"):
+        run_build(tmp_path / "strict", source=mirror, tasks=("boolq",), strict=True)
+    assert_nothing_written(tmp_path / "strict")
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\n\t "])
+def test_a_question_of_whitespace_only_is_kept_as_published_and_refused_under_strict(tmp_path, blank):
+    """The prompt of such a row is the template alone: it asks nothing. Rendered verbatim like every published row,
+    it is refused under --strict, naming the field."""
+    bad = json.dumps({"question": blank, "answer": True, "passage": "p"})
+    mirror = _boolq_mirror(tmp_path, [_boolq_row(0), bad, _boolq_row(1)], [_boolq_row(5), _boolq_row(6)])
+    run_build(tmp_path / "out", source=mirror, tasks=("boolq",))
+    assert len(read_rows(tmp_path / "out" / "train.jsonl")) == 3
+    with pytest.raises(DataPrepError, match="row index 1: blank field 'question'"):
+        run_build(tmp_path / "strict", source=mirror, tasks=("boolq",), strict=True)
+    assert_nothing_written(tmp_path / "strict")
 
 
 def test_a_row_with_one_choice_is_dropped_from_the_build(tmp_path):

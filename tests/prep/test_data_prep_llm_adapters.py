@@ -690,3 +690,19 @@ def test_loglik_scores_condition_on_each_rows_separator(built):
         assert record["scores"] == pytest.approx(expected, abs=1e-4)
     other = [reference(la["prompt"], ANSWER_SEPARATOR, c) for c in la["choices"]]
     assert records[0]["scores"] != pytest.approx(other, abs=1e-3)
+
+
+def test_a_blank_question_is_kept_as_published_and_refused_under_strict(tmp_path):
+    """An instruction whose question is whitespace only: rendered verbatim (as the paper path keeps a blank question),
+    refused under --strict."""
+    root = tmp_path / "blank"
+    shutil.copytree(FIXTURE / "boolq", root / "boolq")
+    path = root / "boolq" / "train.json"
+    rows = json.loads(path.read_text())
+    blank = _bad(BOOLQ_Q.replace("question: is it?", "question:   "))
+    path.write_text(json.dumps([*rows, blank]))
+    manifest, _ = run_build(tmp_path / "kept", f"llm-adapters:{root}", tasks=("boolq",))
+    assert manifest["counts"]["boolq"]["train"]["kept"] == len(rows) + 1
+    with pytest.raises(DataPrepError, match=rf"row index {len(rows)}: blank question"):
+        run_build(tmp_path / "strict", f"llm-adapters:{root}", tasks=("boolq",), strict=True)
+    assert not (tmp_path / "strict").exists()
