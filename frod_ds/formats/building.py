@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from frod_ds.formats.ownership import check_replaceable, inventory, mark_dir, publish_dir
-from frod_ds.runtime.atomic import DISK_ERRNOS, disk_full_error, path_error
+from frod_ds.runtime.atomic import DISK_ERRNOS, disk_advice, disk_full_error, path_error
 from frod_ds.runtime.errors import FrodError
 
 __all__ = ["building_dir"]
@@ -80,6 +80,6 @@ def building_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         if disk is not None:
             raise FrodError(
-                f"cannot write {out}: {disk.strerror}; free space or choose another location (nothing was left behind)"
+                f"cannot write {out}: {disk.strerror}; {disk_advice(disk)} (nothing was left behind)"
             ) from None
         raise

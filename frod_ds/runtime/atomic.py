@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import resource
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "DISK_ERRNOS",
     "DISK_FULL_ERRNOS",
     "LOW_SPACE",
+    "disk_advice",
     "disk_full_error",
     "disk_full_line",
     "file_in_the_way",
@@ -33,8 +35,9 @@ __all__ = [
 ]
 
 TMP = ".tmp"
-DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM)  # a write the disk refused
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a write the user fixes by freeing space or moving
+# a write the disk refused; EFBIG: past the process's file-size limit (``ulimit -f``), which Python makes an error
+DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM, errno.EFBIG)
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # the user fixes: space, place or limit
 
 
 def file_in_the_way(path: Path | str) -> Path | None:
@@ -98,20 +101,28 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 LOW_SPACE = 16 * 2**20  # bytes: below this a failed write is taken for a full disk
 
 
+def disk_advice(e: OSError) -> str:
+    """What the user does about a write ``e`` refused: raise the file-size limit, or free space (or move)."""
+    if e.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        shown = "" if limit == resource.RLIM_INFINITY else f" of {limit:,} bytes"
+        return f"this process's file-size limit{shown} (ulimit -f) is too small for it; raise the limit"
+    return "free space on that disk (or choose another location)"
+
+
 def disk_full_line(e: OSError) -> str:
-    """The one line for a write that failed on a full (or read-only) disk: every writer replaces its files
-    atomically, so what is on disk is the state before that write and the same command resumes."""
+    """The one line for a write that failed on a full (or read-only) disk, or past the file-size limit: every writer
+    replaces its files atomically, so what is on disk is the state before that write and the same command resumes."""
     target = e.filename2 or e.filename or "the output"  # a failed copy names its source first
-    return (
-        f"cannot write {target}: {e.strerror}; free space on that disk (or choose another location) and "
-        "re-run the same command"
-    )
+    return f"cannot write {target}: {e.strerror}; {disk_advice(e)} and re-run the same command"
 
 
 def disk_full_error(path: Path, error: BaseException) -> OSError | None:
     """An ``ENOSPC`` ``OSError`` naming ``path`` when a write to it failed (``error``) and its disk has under
-    ``LOW_SPACE`` bytes left; None otherwise. For writers that report a full disk as something else (torch.save:
-    ``RuntimeError: ... iostream error``), so that it reaches the user as a full disk, not as a traceback."""
+    ``LOW_SPACE`` bytes left, an ``EFBIG`` one when this process has a file-size limit (``ulimit -f``); None
+    otherwise. For writers that report either as something else (torch.save: ``RuntimeError: ... iostream error``
+    or ``unexpected pos``; safetensors: ``SafetensorError``), so that it reaches the user as what it is, not as a
+    traceback."""
     if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
         return error
     where = Path(path)
@@ -121,9 +132,11 @@ def disk_full_error(path: Path, error: BaseException) -> OSError | None:
         st = os.statvfs(where)
     except OSError:
         return None
-    if st.f_bavail * st.f_frsize >= LOW_SPACE:
-        return None
-    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    if st.f_bavail * st.f_frsize < LOW_SPACE:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG), str(path))
+    return None
 
 
 # The marker rule's names moved to frod_ds.formats.ownership in 0.2.0 (the ownership record holds a file list and

@@ -76,16 +76,16 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         }
         torch.save(rng, ckpt / f"rng_rank{dist.get_rank()}.pt")
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        if dist.is_main():
+            write_state(ckpt / TRAINABLE_STATE, *state)
+            for name, text in records.items():
+                (ckpt / name).write_text(text)
+    except Exception as e:  # torch.save says RuntimeError, safetensors SafetensorError: a full disk is named so
         full = disk_full_error(ckpt, e)
         if full is None:
             raise
         shutil.rmtree(ckpt, ignore_errors=True)  # unsealed: never resumed from, only in the way
         raise full from None
-    if dist.is_main():
-        write_state(ckpt / TRAINABLE_STATE, *state)
-        for name, text in records.items():
-            (ckpt / name).write_text(text)
     del state
     dist.barrier()
     names = files_to_seal(ckpt)  # every rank hashes (and fsyncs) its share of the files

@@ -7,6 +7,7 @@ against an independent computation or the state on disk, not against a stored me
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -822,6 +823,69 @@ def test_training_on_a_full_disk_is_one_line_and_leaves_no_output_dir(train_env,
     assert line.startswith("error: cannot write ") and "No space left" in line, line
     assert not out.exists(), "the failed fresh run removed the output_dir it created"
     grow()
+    res = _train(train_env, out, **extra)
+    assert res.returncode == 0 and (out / "adapter-final").is_dir(), res.stderr[-3000:]
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int):
+    """This process's (and its forks') soft ``RLIMIT_FSIZE`` (``ulimit -f``) for the block, restored after. Python
+    ignores SIGXFSZ, so a write past it fails with EFBIG instead of killing the process."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_write_past_the_file_size_limit_is_named_as_such(tmp_path):
+    """torch.save reports EFBIG as a RuntimeError ("unexpected pos"): with a file-size limit set, it is that limit,
+    with the advice to raise it (not to free space on a disk that has plenty)."""
+    import errno
+
+    import torch
+
+    from frod_ds.runtime.atomic import disk_full_error, disk_full_line
+
+    path = tmp_path / "big.pt"
+    with _file_size_limit(64 * 1024):
+        with pytest.raises(RuntimeError) as info:
+            torch.save(torch.zeros(100_000), path)
+        err = disk_full_error(path, info.value)
+        line = disk_full_line(err)
+    assert err is not None and err.errno == errno.EFBIG
+    assert "File too large" in line and "file-size limit of 65,536 bytes (ulimit -f)" in line
+    assert "free space" not in line
+    assert disk_full_error(path, RuntimeError("unrelated")) is None  # no limit, space left: not a disk problem
+
+
+def test_a_data_build_past_the_file_size_limit_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    from frod_ds.prep.command import main
+    from frod_ds.testing.toy import write_synthetic_tasks
+
+    write_synthetic_tasks(tmp_path / "raw", n_train=80, n_eval=20)
+    out = tmp_path / "data"
+    with _file_size_limit(20 * 1024):
+        code = main(["build", "--source", str(tmp_path / "raw"), "--tasks", "boolq,piqa", "--out", str(out)])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "File too large" in lines[0] and "ulimit -f" in lines[0], err
+    assert "Traceback" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["raw"]
+    assert main(["build", "--source", str(tmp_path / "raw"), "--tasks", "boolq,piqa", "--out", str(out)]) == 0
+
+
+def test_a_checkpoint_past_the_file_size_limit_is_one_line_and_the_run_goes_on_after(train_env, tmp_path):
+    """The checkpoint's files are torch.save's (RuntimeError), DeepSpeed's and safetensors' (SafetensorError):
+    whichever fails first, one line naming the limit; raised, the same command trains the run to the end."""
+    out = tmp_path / "run"
+    extra = {"train.save_every": 2, "train.max_steps": 4}
+    with _file_size_limit(24 * 1024):
+        res = _train(train_env, out, **extra)
+    line = _one_error_line(res)
+    assert "File too large" in line and "ulimit -f" in line, line
     res = _train(train_env, out, **extra)
     assert res.returncode == 0 and (out / "adapter-final").is_dir(), res.stderr[-3000:]
 
