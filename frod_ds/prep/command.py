@@ -159,6 +159,8 @@ def print_build_report(manifest: dict[str, Any], files: dict[str, str]) -> None:
                 else "dropped (--keep-duplicates keeps them)"
             )
             print(f"repeated: {task} {role}: {n} row(s) repeat an earlier row verbatim: {done}")
+    for task, n in manifest.get("test_rows_in_training", {}).get("rows", {}).items():
+        print(f"test rows in training: {task}: {n} test row(s) appear verbatim in its training rows: kept as published")
     for task, roles in manifest["counts"].items():
         for role, c in roles.items():
             if c.get("not_selected"):

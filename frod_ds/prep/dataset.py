@@ -21,7 +21,7 @@ from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import check_out
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
-from frod_ds.prep.row_checks import count_repeats, drop_rows_training_refuses
+from frod_ds.prep.row_checks import count_repeats, count_test_in_training, drop_rows_training_refuses
 from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
 from frod_ds.prep.templates import RowError, blank_field, render, row_id
 
@@ -443,8 +443,10 @@ def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
             drop_rows_training_refuses(result, options.strict)
             count_repeats(result, options.strict, options.keep_duplicates)
         check_no_empty_split(results, options.tasks)
+        in_training = count_test_in_training(results, options.strict)
         train = mixture(results, options.seed)
         manifest = make_manifest(options, results, len(train))
+        manifest["test_rows_in_training"] = {"rows": in_training, "action": "kept as published"}
         if tokenizer is not None:
             manifest["token_lengths"] = token_report(
                 results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF, resolved_template(options)

@@ -27,6 +27,7 @@ __all__ = [
     "REPEATED",
     "drop_rows_training_refuses",
     "count_repeats",
+    "count_test_in_training",
 ]
 
 # drop reasons as counted in the manifest (value-free keys)
@@ -121,3 +122,31 @@ def count_repeats(result: Any, strict: bool, keep: bool) -> None:
             continue
         kept.append(row)
     result.rows = kept
+
+
+def _wording(row: dict[str, Any]) -> tuple:
+    """A row's content with its prompt's whitespace collapsed: LLM-Adapters' training and test templates lay out one
+    instruction with different indentation, which must not hide a test row trained on."""
+    return " ".join(row["prompt"].split()), row["answer"], tuple(row["choices"]), row["label"]
+
+
+def count_test_in_training(results: list[Any], strict: bool) -> dict[str, int]:
+    """Per task, the test rows that appear verbatim in that task's training rows (the published LLM-Adapters
+    ARC-Easy holds two): both are kept as published and counted, since training on a test row inflates its score;
+    ``strict``: the first is an error naming both rows."""
+    trained = {(r.task, _wording(row)): row["id"] for r in results if r.role == "train" for row in r.rows}
+    out: dict[str, int] = {}
+    for r in results:
+        if r.role != "eval":
+            continue
+        for row in r.rows:
+            hit = trained.get((r.task, _wording(row)))
+            if hit is None:
+                continue
+            if strict:
+                raise DataPrepError(
+                    f"{r.task}: {r.origin} test row id {row['id']!r} appears verbatim in training as row id {hit!r} "
+                    "(--strict; without it both are kept as published and counted)"
+                )
+            out[r.task] = out.get(r.task, 0) + 1
+    return out

@@ -22,6 +22,7 @@ from frod_ds.formats.lease import holding
 from frod_ds.formats.output_dir import entries_of, match, read_record
 from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_kind, record_files
 from frod_ds.runtime import distributed as dist
+from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.runtime.errors import FrodError
 from frod_ds.train.checkpoints import sealed_checkpoints
 
@@ -132,7 +133,9 @@ def open_run_dir(recipe: Recipe) -> None:
         _supersede_previous_run(out)
     out.mkdir(parents=True, exist_ok=True)
     record_files(out, RUN_FILES, RUN_KIND)
-    (out / "recipe.yaml").write_text(recipe_yaml(recipe))
+    text, path = recipe_yaml(recipe), out / "recipe.yaml"
+    if not (path.is_file() and path.read_text(errors="replace") == text):  # a rerun with nothing new leaves it be
+        atomic_write_text(path, text)
 
 
 def record_adapter(out: Path, name: str) -> None:

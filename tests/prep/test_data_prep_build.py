@@ -609,3 +609,24 @@ def test_a_row_whose_options_cannot_be_told_apart_is_dropped_or_refused(tmp_path
     with pytest.raises(DataPrepError, match=f"{task}: .* row index \\d+: .*{detail}.*\\(--strict\\)"):
         run_build(tmp_path / "strict", source=mirror, tasks=(task,), strict=True)
     assert_nothing_written(tmp_path / "strict")
+
+
+def test_a_test_row_in_training_is_counted_kept_and_refused_under_strict(tmp_path, capsys):
+    """A test row copied into training inflates its score: counted per task (equal to the lines the two source files
+    share, computed here), both kept as published, --strict names both rows."""
+    from frod_ds.prep.command import main
+
+    train = [_boolq_row(i) for i in range(5)] + [_boolq_row(11, False), _boolq_row(12)]
+    eval_ = [_boolq_row(10 + i, i % 2 == 0) for i in range(4)]
+    shared = len(set(train) & set(eval_))
+    assert shared == 2
+    mirror = _boolq_mirror(tmp_path, train, eval_)
+    out = tmp_path / "out"
+    assert main(["build", "--source", str(mirror), "--tasks", "boolq", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["test_rows_in_training"] == {"rows": {"boolq": shared}, "action": "kept as published"}
+    assert len(read_rows(out / "train.jsonl")) == len(train) and len(read_rows(out / "eval" / "boolq.jsonl")) == 4
+    assert f"test rows in training: boolq: {shared} test row(s)" in capsys.readouterr().out
+    with pytest.raises(DataPrepError, match="test row id 'boolq-validation-1' appears verbatim in training as row id"):
+        run_build(tmp_path / "strict", source=mirror, tasks=("boolq",), strict=True)
+    assert_nothing_written(tmp_path / "strict")

@@ -706,3 +706,17 @@ def test_a_blank_question_is_kept_as_published_and_refused_under_strict(tmp_path
     with pytest.raises(DataPrepError, match=rf"row index {len(rows)}: blank question"):
         run_build(tmp_path / "strict", f"llm-adapters:{root}", tasks=("boolq",), strict=True)
     assert not (tmp_path / "strict").exists()
+
+
+def test_a_test_row_in_training_is_found_through_the_two_templates_layouts(tmp_path):
+    """LLM-Adapters renders one instruction with other indentation for training and for test: a test row copied into
+    training is still counted."""
+    root = tmp_path / "leak"
+    shutil.copytree(FIXTURE / "boolq", root / "boolq")
+    test = json.loads((root / "boolq" / "test.json").read_text())
+    train_path = root / "boolq" / "train.json"
+    train_path.write_text(json.dumps([*json.loads(train_path.read_text()), test[0]]))
+    manifest, _ = run_build(tmp_path / "out", f"llm-adapters:{root}", tasks=("boolq",))
+    assert manifest["test_rows_in_training"]["rows"] == {"boolq": 1}
+    clean, _ = run_build(tmp_path / "clean", f"llm-adapters:{FIXTURE}", tasks=("boolq",))
+    assert clean["test_rows_in_training"]["rows"] == {}
