@@ -173,6 +173,13 @@ class HFCheckpoint:
         elif single.is_file():
             self._file_of = {name: single for name in _read_header(single)}
         else:
+            shards = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if shards:  # the shards without the index that says which tensor each holds
+                shown = ", ".join(shards[:3]) + (f" and {len(shards) - 3} more" if len(shards) > 3 else "")
+                raise CheckpointError(
+                    f"{self.dir} holds safetensors shards ({shown}) but no {INDEX_NAME}, which maps each tensor to "
+                    "its shard; copy it from the original checkpoint"
+                )
             hint = (
                 " (found PyTorch .bin files: convert them to safetensors first)" if any(self.dir.glob("*.bin")) else ""
             )

@@ -72,7 +72,7 @@ def test_checkpoint_missing_tensor_and_missing_index(tmp_path):
     with pytest.raises(ValueError, match="model-00001-of-00099.safetensors is missing"):
         HFCheckpoint(path).get(Q0)
     index.unlink()
-    with pytest.raises(ValueError, match="no model.safetensors.index.json or model.safetensors"):
+    with pytest.raises(ValueError, match="holds safetensors shards .* but no model.safetensors.index.json"):
         HFCheckpoint(path)
 
 
@@ -199,3 +199,19 @@ def test_a_layer_without_a_linear_the_others_hold_is_refused(tmp_path):
     kept = {k: v for k, v in tensors.items() if ".q_proj." not in k}
     save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
     assert HFCheckpoint(path).config(required=False) is None  # no config.json: a note, no refusal
+
+
+def test_shards_without_their_index_are_named_with_what_is_missing(tmp_path):
+    from frod_ds.runtime.errors import CheckpointError
+    from frod_ds.testing.toy import write_tiny_llama as write_toy
+
+    model = write_toy(tmp_path / "model", vocab_size=64, max_shard_size="60KB")
+    (model / "model.safetensors.index.json").unlink()
+    shards = sorted(p.name for p in model.glob("*.safetensors"))
+    assert len(shards) > 1
+    with pytest.raises(CheckpointError, match=rf"holds safetensors shards \({re.escape(shards[0])}, .*but no "):
+        HFCheckpoint(model)
+    for p in model.glob("*.safetensors"):
+        p.unlink()
+    with pytest.raises(CheckpointError, match="no model.safetensors.index.json or model.safetensors in"):
+        HFCheckpoint(model)
