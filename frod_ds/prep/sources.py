@@ -136,10 +136,15 @@ def _read_json_lines(path: Path, text: str) -> list[Any]:
 
 
 def _read_json(path: Path) -> list[Any]:
+    data = path.read_bytes()
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8-sig")  # a leading byte-order mark (editors on Windows write one) is not a row
     except UnicodeDecodeError as exc:
-        raise DataPrepError(f"cannot read {path}: not UTF-8 text (byte {exc.start})") from None
+        line = data[: exc.start].count(b"\n") + 1
+        raise DataPrepError(
+            f"cannot read {path}: not UTF-8 text (line {line}, byte {exc.start}: 0x{data[exc.start]:02x}); "
+            "save it as UTF-8"
+        ) from None
     if path.suffix == ".json":  # a JSON array, a single row, or JSON lines as Dataset.to_json writes them
         try:
             value = parse_json(text)

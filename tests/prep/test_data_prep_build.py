@@ -332,13 +332,28 @@ def test_ambiguous_split_files_are_an_error(tmp_path):
         run_build(tmp_path / "out", source=mirror, tasks=("obqa",))
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
+    """Editors on Windows start UTF-8 files with a BOM: the rows read are those of the same file without it."""
+    mirror = tmp_path / "mirror"
+    shutil.copytree(MIRROR / "obqa", mirror / "obqa")
+    plain, _ = run_build(tmp_path / "plain", source=mirror, tasks=("obqa",))
+    for name in ("train.jsonl", "test.jsonl"):
+        path = mirror / "obqa" / name
+        path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    bom, _ = run_build(tmp_path / "bom", source=mirror, tasks=("obqa",))
+    assert bom["counts"] == plain["counts"] and bom["dropped"] == plain["dropped"]
+    for name in ("train.jsonl", "eval/obqa.jsonl"):
+        assert (tmp_path / "bom" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
+
+
 @pytest.mark.parametrize(
     "name,content,pattern",
     [
         ("test.jsonl", '{"id": "1"}\n{"id": \n', r"cannot read .*test\.jsonl: line 2 is not valid JSON"),
         ("test.json", '[{"id": "1"},', r"cannot read .*test\.json: line 1 is not valid JSON"),
         ("test.parquet", "not parquet", r"cannot read .*test\.parquet: not a readable parquet file"),
-        ("test.jsonl", b"\xff\xfe{}", r"cannot read .*test\.jsonl: not UTF-8"),
+        ("test.jsonl", b"\xff\xfe{}", r"cannot read .*test\.jsonl: not UTF-8 text \(line 1, byte 0: 0xff\)"),
+        ("test.jsonl", b'{"id": "1"}\n{"id": "\xe9"}\n', r"test\.jsonl: not UTF-8 text \(line 2, byte 20: 0xe9\)"),
         ("test.json", "42", r"cannot read .*test\.json: expected a JSON array of rows or JSON lines, got int"),
         # JSON keeps the last of a key given twice: which label the row's author meant is unknown
         (
