@@ -142,7 +142,7 @@ def read_rows(
     try:
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a leading byte-order mark is no row
                 if not line.strip():
                     continue
                 try:

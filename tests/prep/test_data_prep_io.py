@@ -26,6 +26,16 @@ def test_write_then_read_round_trips(tmp_path):
     assert path.read_bytes().count(b"\n") == 2
 
 
+def test_a_byte_order_mark_before_the_first_row_is_read_past(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    write_rows(path, [GOOD, {**GOOD, "id": "piqa-train-1"}])
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert read_rows(path) == [GOOD, {**GOOD, "id": "piqa-train-1"}]
+    path.write_bytes(path.read_bytes().replace(b"}\n{", b"}\n\xef\xbb\xbf{"))  # not at the start: not text
+    with pytest.raises(DataPrepError, match="line 2: not valid JSON"):
+        read_rows(path)
+
+
 @pytest.mark.parametrize(
     "row,message",
     [
