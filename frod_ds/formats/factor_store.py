@@ -127,6 +127,11 @@ class CategoryRecord:
         (category,) = {category_of(m) for m in self.members}
         return {v_key(category)} | {u_key(m) for m in self.members} | {sigma_key(m) for m in self.members}
 
+    @property
+    def u_storage(self) -> str:
+        """How ``U_i`` is stored: its dtype, and the quantization over it."""
+        return self.u_dtype + (f"+{self.u_quant.kind}" if self.u_quant is not None else "")
+
 
 @dataclass(kw_only=True)
 class RankRecord:
@@ -235,6 +240,7 @@ class CategoryIdentity:
 
     v_sha256: str | None  # None: not recorded (adapter format 1)
     method: str | None
+    u_storage: str | None = None  # how U_i is stored ("bfloat16", "float32+nf4"); None: not recorded
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,7 @@ class StoreIdentity:
     fingerprint: str | None
     pi: float | None
     categories: dict[str, CategoryIdentity]
+    hjd_dtype: str | None = None  # the precision HJD computed in: U_i and σ_i differ with it, V need not
 
     def differences(self, other: StoreIdentity) -> list[str]:
         """What differs between ``self`` (recorded) and ``other`` (found), comparing only recorded fields."""
@@ -253,6 +260,8 @@ class StoreIdentity:
             out.append(f"base weights fingerprint {self.fingerprint[:16]}… there, {other.fingerprint[:16]}… here")
         if self.pi is not None and other.pi is not None and self.pi != other.pi:
             out.append(f"pi {self.pi:g} there, {other.pi:g} here")
+        if self.hjd_dtype is not None and other.hjd_dtype is not None and self.hjd_dtype != other.hjd_dtype:
+            out.append(f"HJD in {self.hjd_dtype} there, {other.hjd_dtype} here")
         for c, mine in self.categories.items():
             if mine.v_sha256 is None and mine.method is None:
                 continue  # nothing recorded for it
@@ -264,6 +273,8 @@ class StoreIdentity:
                 out.append(f"V of {c} differs")
             if mine.method is not None and theirs.method is not None and mine.method != theirs.method:
                 out.append(f"{c} by the {mine.method} route there, {theirs.method} here")
+            if mine.u_storage is not None and theirs.u_storage is not None and mine.u_storage != theirs.u_storage:
+                out.append(f"U of {c} stored as {mine.u_storage} there, {theirs.u_storage} here")
         return out
 
     def to_json(self) -> str:

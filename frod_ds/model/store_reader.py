@@ -203,12 +203,13 @@ class FactorStore:
 
     def identity(self, categories: list[str]) -> StoreIdentity:
         """What an adapter trained on ``categories`` of this store depends on: the base weights' fingerprint,
-        π, and per category a sha256 of ``V`` (as stored) and the HJD route."""
+        π, HJD's precision, and per category a sha256 of ``V`` (as stored), the HJD route and how ``U`` is stored."""
         cats = {}
         for c in categories:
             V = self._load(v_key(c), None, "cpu")
-            cats[c] = CategoryIdentity(hashlib.sha256(tensor_bytes(V).numpy()).hexdigest(), self.record(c).method)
-        return StoreIdentity(self.fingerprint, self.pi, cats)
+            rec = self.record(c)
+            cats[c] = CategoryIdentity(hashlib.sha256(tensor_bytes(V).numpy()).hexdigest(), rec.method, rec.u_storage)
+        return StoreIdentity(self.fingerprint, self.pi, cats, self.manifest.hjd_dtype)
 
     def _load(self, key: str, dtype: torch.dtype | None, device: str | torch.device) -> Tensor:
         from safetensors import SafetensorError, safe_open

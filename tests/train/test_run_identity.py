@@ -146,3 +146,26 @@ def test_a_record_of_an_older_frod_ds_compares_without_the_new_digests(env, trai
     del old["inputs_sha256"]
     old["hyperparameters"]["model.init_adapter"] = None
     assert RunIdentity.from_json(json.dumps(old), "old.json").differences(now) == []
+
+
+def test_resume_on_a_store_rebuilt_in_another_precision_is_refused(env, trained, tmp_path):
+    """The same model decomposed in float64: the same V (HJD forms it in float64 either way), other U_i and σ_i
+    (checked here), so the resumed steps would be other numbers; the store's identity names the precision."""
+    import torch
+
+    from frod_ds.model.store_reader import FactorStore
+    from tests.support.helpers_ckpt import hjd_in_process
+
+    f64 = tmp_path / "f64"
+    res = hjd_in_process(["--model", str(env.model), "--out", str(f64), "--dtype", "float64", "--device", "cpu"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    a, b = FactorStore.open(env.store), FactorStore.open(f64)
+    member = a.categories["q_proj"][0]
+    assert torch.equal(a.load_V("q_proj"), b.load_V("q_proj").to(a.load_V("q_proj").dtype))
+    assert not torch.equal(a.load_U(member), b.load_U(member).to(a.load_U(member).dtype))
+    before = _tree(trained)
+    res = train_in_process(CPU_ZERO2, env.overrides(trained, **COMMON, **{"model.factor_store": f64}))
+    errors = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1, res.stderr[-3000:]
+    assert "another factor store (HJD in float32 there, float64 here)" in errors[0], errors[0]
+    assert _tree(trained) == before
