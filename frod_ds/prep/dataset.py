@@ -152,7 +152,7 @@ def convert_split(
             rid = row_id(task, split, index, raw)
             blank = blank_field(task, raw) if strict else None
             if blank is not None:
-                raise RowError(f"blank field '{blank}'", f"{raw[blank]!r}: the prompt asks nothing")
+                raise RowError(f"blank field '{blank}'", "only whitespace: the prompt asks nothing")
         except RowError as err:
             if strict:
                 raise DataPrepError(f"{task}: {data.origin} row index {index}: {err} (--strict)") from None

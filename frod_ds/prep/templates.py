@@ -211,7 +211,8 @@ PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
 
 def blank_field(task: str, row: dict[str, Any]) -> str | None:
     """The first prompt field of a rendered source ``row`` holding only whitespace, or ``None``. Such a row is kept
-    as published (rendered verbatim); ``--strict`` refuses it: its prompt asks nothing."""
+    as published (rendered verbatim); ``--strict`` refuses it: its prompt asks nothing. An empty option is not
+    blank here: an option like any other, under ``--strict`` too."""
     return next((f for f in PROMPT_FIELDS.get(task, ()) if isinstance(row.get(f), str) and not row[f].strip()), None)
 
 

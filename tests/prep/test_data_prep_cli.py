@@ -59,7 +59,7 @@ def test_strict_error_is_one_line_status_2_and_out_untouched(capsys, tmp_path):
     assert code == 2
     assert error_line(err) == (
         f"error: siqa: {MIRROR / 'siqa' / 'train.jsonl'} row index 1: blank field 'question' "
-        "('': the prompt asks nothing) (--strict)"
+        "(only whitespace: the prompt asks nothing) (--strict)"
     )
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
