@@ -973,6 +973,51 @@ def model_config_bad_act(world, case, spec):
     _config_edit(world, case, hidden_act="bogus")
 
 
+def model_config_short_context(world, case, spec):
+    """config.json's max_position_embeddings below the training examples' length (the weights unchanged)."""
+    _config_edit(world, case, max_position_embeddings=8)
+
+
+def model_index_gone(world, case, spec):
+    """A sharded checkpoint whose model.safetensors.index.json is gone (the shards are all there)."""
+    _copy(world, "model", case / "model")
+    (case / "model" / "model.safetensors.index.json").unlink()
+
+
+def mirror_control_char(world, case, spec):
+    """A BoolQ source whose second training row's passage holds a NUL (a cut or mis-decoded file)."""
+    (case / "mirror" / "boolq").mkdir(parents=True)
+    good = {"question": "is it dry", "answer": True, "passage": "It is dry."}
+    nul = {"question": "is it wet", "answer": False, "passage": "It is\u0000 dry."}
+    (case / "mirror" / "boolq" / "train.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(nul) + "\n")
+    (case / "mirror" / "boolq" / "validation.jsonl").write_text(json.dumps({**good, "question": "is it"}) + "\n")
+
+
+def mirror_blank_question(world, case, spec):
+    """A BoolQ source whose second training row's question is whitespace only."""
+    (case / "mirror" / "boolq").mkdir(parents=True)
+    good = {"question": "is it dry", "answer": True, "passage": "It is dry."}
+    (case / "mirror" / "boolq" / "train.jsonl").write_text(
+        json.dumps(good) + "\n" + json.dumps({**good, "question": "   "}) + "\n"
+    )
+    (case / "mirror" / "boolq" / "validation.jsonl").write_text(json.dumps({**good, "question": "is it"}) + "\n")
+
+
+def mirror_test_in_train(world, case, spec):
+    """A BoolQ source one of whose test rows is also a training row."""
+    (case / "mirror" / "boolq").mkdir(parents=True)
+    rows = [{"question": f"is it {w}", "answer": i % 2 == 0, "passage": f"It is {w}."} for i, w in enumerate("abc")]
+    (case / "mirror" / "boolq" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (case / "mirror" / "boolq" / "validation.jsonl").write_text(json.dumps(rows[1]) + "\n")
+
+
+def mirror_bom(world, case, spec):
+    """A BoolQ source saved with a UTF-8 byte-order mark (as editors on Windows write)."""
+    mirror_test_in_train(world, case, spec)
+    for f in (case / "mirror" / "boolq").iterdir():
+        f.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
+
+
 def export_torn(world, case, spec):
     _copy(world, "export", case / "export")
     _truncate(_first(case / "export", "*.safetensors"), 0.4)
@@ -1381,6 +1426,12 @@ STEPS: dict[str, Callable] = {
         store_edited,
         run_without_checkpoints,
         model_config_bad_act,
+        model_config_short_context,
+        model_index_gone,
+        mirror_control_char,
+        mirror_blank_question,
+        mirror_test_in_train,
+        mirror_bom,
         out_link,
         out_link_loop,
         data_fifo,
