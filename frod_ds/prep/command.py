@@ -16,7 +16,8 @@ from typing import Any
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
-from frod_ds.prep.dataset import DEFAULT_CUTOFF, KIND, BuildOptions, build, resolved_template, template_problems
+from frod_ds.prep.build_records import BuildOptions
+from frod_ds.prep.dataset import DEFAULT_CUTOFF, KIND, build, resolved_template, template_problems
 from frod_ds.prep.tasks import (
     DEFAULT_WINOGRANDE_SIZE,
     LLM_ADAPTERS_ROWS,

@@ -12,7 +12,7 @@ import json
 import random
 import sys
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,47 +21,13 @@ from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import check_out
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
+from frod_ds.prep.build_records import BuildOptions, SplitResult, make_manifest
 from frod_ds.prep.row_checks import count_repeats, count_test_in_training, drop_rows_training_refuses
-from frod_ds.prep.tasks import DEFAULT_WINOGRANDE_SIZE, LLM_ADAPTERS_ROWS, TASKS, DataPrepError, check_winogrande_size
+from frod_ds.prep.tasks import TASKS, DataPrepError, check_winogrande_size
 from frod_ds.prep.templates import RowError, blank_field, render, row_id
 
-FORMAT = "frod-ds/commonsense170k/v1"
 KIND = "data-build"  # the ownership record's kind (frod_ds.formats.output_dir): --overwrite replaces only a build
 DEFAULT_CUTOFF = 256  # tokens; LLM-Adapters' cutoff_len for Commonsense170K
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """Everything a build depends on; equal options over equal sources give identical outputs."""
-
-    source: str
-    out: Path
-    tasks: tuple[str, ...]
-    winogrande_size: str = DEFAULT_WINOGRANDE_SIZE
-    seed: int = 42
-    strict: bool = False
-    tokenizer: str | None = None
-    cutoff: int | None = None
-    overwrite: bool = False
-    template: str | None = None  # "paper" | "llm-adapters"; None: llm-adapters for an llm-adapters source, else paper
-    keep_duplicates: bool = False  # keep training rows that repeat an earlier row verbatim (default: drop them)
-
-
-@dataclass
-class SplitResult:
-    """One task split after rendering: kept output rows and dropped-row counts per reason."""
-
-    task: str
-    role: str  # "train" or "eval"
-    split: str  # the source split name
-    rows: list[dict[str, Any]]
-    read: int
-    dropped: Counter[str]
-    provenance: dict[str, Any] = field(default_factory=dict)
-    families: dict[str, Any] | None = None  # LLM-Adapters files: family -> {"tasks", "read", "kept"}
-    not_selected: int = 0  # combined LLM-Adapters file: rows of families not selected by --tasks
-    origin: str = ""  # the file (or Hub id and split) the rows were read from, for error messages
-    repeated: int = 0  # rows repeating an earlier row of the split verbatim (training: dropped unless kept)
 
 
 def log(message: str) -> None:
@@ -330,88 +296,6 @@ def token_report(results: list[SplitResult], tokenizer: Any, name: str, cutoff: 
     }
 
 
-def winogrande_size_used(options: BuildOptions) -> str | None:
-    """The WinoGrande size actually read: the requested one, or None for a flat local folder."""
-    if "winogrande" not in options.tasks or sources.llm_adapters_path(options.source) is not None:
-        return None
-    if options.source == sources.HUB:
-        return options.winogrande_size
-    folder = sources.task_dir(Path(options.source), "winogrande", options.winogrande_size)
-    return options.winogrande_size if folder.name.startswith("winogrande_") else None
-
-
-def make_manifest(options: BuildOptions, results: list[SplitResult], n_train: int) -> dict[str, Any]:
-    """Everything about the build except the output files' sha256s (added when written)."""
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "seed": options.seed,
-        "tasks": list(options.tasks),
-        "winogrande_size": winogrande_size_used(options),
-        "source": sources.describe_source(options.source),
-        "sources": {},
-        "counts": {},
-        "dropped": {},
-        # rows repeating an earlier row of their split verbatim, and what the build did with them
-        "repeated": {
-            "train": "kept" if options.keep_duplicates else "dropped",
-            "eval": "kept as published",
-            "rows": {},
-        },
-        "train_rows": n_train,
-        "reference": {
-            "name": "LLM-Adapters commonsense_170k",
-            "rows": LLM_ADAPTERS_ROWS,
-            "train_rows_minus_reference": n_train - LLM_ADAPTERS_ROWS,
-        },
-    }
-    for r in results:
-        manifest["sources"].setdefault(r.task, {})[r.role] = r.provenance
-        counts = {
-            "split": r.split,
-            "read": r.read,
-            "kept": len(r.rows),
-            "dropped": r.read - len(r.rows) - r.not_selected,
-        }
-        if r.not_selected:
-            counts["not_selected"] = r.not_selected
-        manifest["counts"].setdefault(r.task, {})[r.role] = counts
-        if r.dropped:
-            manifest["dropped"].setdefault(r.task, {})[r.role] = dict(sorted(r.dropped.items()))
-        if r.repeated:
-            manifest["repeated"]["rows"].setdefault(r.task, {})[r.role] = r.repeated
-    if sources.llm_adapters_path(options.source) is not None:
-        manifest.update(llm_adapters_manifest(options, results))
-    return manifest
-
-
-def llm_adapters_manifest(options: BuildOptions, results: list[SplitResult]) -> dict[str, Any]:
-    """Manifest fields of an LLM-Adapters build: template, separator, families per file, notes."""
-    template = resolved_template(options)
-    families = {r.provenance["path"]: r.families for r in results}
-    tasks = set(options.tasks)
-    if template == "paper":
-        notes = {task: note for task, note in llm_adapters.PAPER_NOTES.items() if task in tasks}
-        prompts = {
-            "train": "the paper's templates (frod_ds.prep.templates)",
-            "eval": "the paper's templates (frod_ds.prep.templates)",
-        }
-    else:
-        notes = {"boolq": llm_adapters.BOOLQ_NOTE_LLM_ADAPTERS} if "boolq" in tasks else {}
-        prompts = {
-            "train": "LLM-Adapters finetune.py generate_prompt (empty input), up to where output starts",
-            "eval": "LLM-Adapters commonsense_evaluate.py generate_prompt (empty input)",
-        }
-    return {
-        "template": template,
-        "training_text": "prompt + separator + answer + EOS; "
-        "separator: the row's 'separator' field, else '\\nAnswer: '",
-        "separator": llm_adapters.SEPARATOR if template == "llm-adapters" else prep_rows.ANSWER_SEPARATOR,
-        "prompts": prompts,
-        "families": families,
-        "notes": notes,
-    }
-
-
 def write_outputs(
     out: Path, train: list[dict[str, Any]], results: list[SplitResult], manifest: dict[str, Any]
 ) -> dict[str, str]:
@@ -445,8 +329,7 @@ def build(options: BuildOptions) -> tuple[dict[str, Any], dict[str, str]]:
         check_no_empty_split(results, options.tasks)
         in_training = count_test_in_training(results, options.strict)
         train = mixture(results, options.seed)
-        manifest = make_manifest(options, results, len(train))
-        manifest["test_rows_in_training"] = {"rows": in_training, "action": "kept as published"}
+        manifest = make_manifest(options, results, len(train), resolved_template(options), in_training)
         if tokenizer is not None:
             manifest["token_lengths"] = token_report(
                 results, tokenizer, options.tokenizer, options.cutoff or DEFAULT_CUTOFF, resolved_template(options)
