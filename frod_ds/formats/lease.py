@@ -107,13 +107,19 @@ def describe(held: LeaseRecord, st: os.stat_result, now: float | None = None) ->
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: a zombie (killed, not yet reaped by its parent) answers ``kill(pid, 0)``
+    but can write nothing more."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, another user's
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc to ask (not Linux): kill's answer stands
+    return state not in ("Z", "X")
 
 
 def gone(held: LeaseRecord, st: os.stat_result, me: LeaseRecord, now: float | None = None) -> str | None:

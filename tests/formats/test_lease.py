@@ -112,6 +112,23 @@ def test_a_dead_writers_lease_is_taken_over_with_a_note(tmp_path, capsys, no_slu
     assert f"pid {proc.pid} is gone" in err
 
 
+def test_a_killed_writer_not_yet_reaped_is_gone(tmp_path, capsys, no_slurm):
+    """SIGKILLed, its parent (here, this test) not yet waiting for it: a zombie answers kill(pid, 0) but writes
+    nothing more, so its lease is taken over; it blocked every rerun while a supervising script had not reaped it."""
+    out = tmp_path / "run"
+    proc = holder(out)
+    proc.send_signal(signal.SIGKILL)
+    deadline = time.time() + 30
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.time() < deadline, "the holder did not die"
+        time.sleep(0.05)
+    os.kill(proc.pid, 0)  # the zombie is still "there" to a plain pid check
+    with holding(out, "training-run", "output_dir"):
+        assert json.loads(lease_path(out).read_text())["pid"] == os.getpid()
+    assert f"pid {proc.pid} is gone" in capsys.readouterr().err
+    proc.wait()
+
+
 def test_a_reused_pid_is_not_taken_for_the_holder(tmp_path, capsys, no_slurm):
     """The recorded pid runs again, but another process (it started at another time): taken over."""
     out = tmp_path / "run"
