@@ -2,11 +2,13 @@
 
 ``adapter-<step>/`` and ``adapter-final/`` hold ``adapter.safetensors`` (σ, S values and supports per module, the
 same module paths the factor store uses), ``adapter_config.json`` (``AdapterConfig``) and ``recipe.yaml``.
-Layout and versions (1 and 2 still read, 3 written): docs/formats.md#the-adapter-checkpoint. Torch-free.
+Layout and versions (1 to 3 still read, 4 written): docs/formats.md#the-adapter-checkpoint. Torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +29,7 @@ __all__ = [
 ]
 
 ADAPTER_FORMAT = "frod-ds-adapter"
-ADAPTER_VERSION = 3
+ADAPTER_VERSION = 4
 WEIGHTS = "adapter.safetensors"
 CONFIG = "adapter_config.json"
 
@@ -57,6 +59,7 @@ class AdapterCategory:
     nnz: int
     v_sha256: str | None = None  # sha256 of the store's V (fp32 bytes, as stored)
     method: str | None = None  # the store's HJD route for the category
+    u_storage: str | None = None  # how the store holds U_i ("bfloat16", "float32+nf4"; version 4)
 
 
 @dataclass(kw_only=True)
@@ -81,9 +84,19 @@ class AdapterConfig:
     step: int | None = None
     categories: dict[str, AdapterCategory] = field(default_factory=dict)
     weights_crc32: str | None = None  # "crc32:…" of adapter.safetensors (version 3; absent before: not checked)
+    hjd_dtype: str | None = None  # the precision the store's HJD computed in (version 4)
+    config_sha256: str | None = None  # sha256 of the fields besides paths (version 4): an edit of them is seen
+
+    def _digest(self) -> str:
+        """sha256 of every field that changes what the adapter rebuilds; the paths (where the base, store and
+        tokenizer are found: moved, they may be edited) and this digest itself left out."""
+        paths = dict.fromkeys(("base_model", "factor_store", "tokenizer", "init_adapter"), "")
+        body = record_to_json(dataclasses.replace(self, config_sha256=None, **paths), indent=None, sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()
 
     def to_json(self) -> str:
-        return record_to_json(self, indent=2, sort_keys=True)
+        """The record with its own digest (``config_sha256``) as it is written."""
+        return record_to_json(dataclasses.replace(self, config_sha256=self._digest()), indent=2, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str | Path) -> AdapterConfig:
@@ -96,6 +109,12 @@ class AdapterConfig:
         if isinstance(version, int) and version > ADAPTER_VERSION:
             raise AdapterError(f"{where}: adapter version {version} is newer than this frod-ds; upgrade frod-ds")
         config = record_from_dict(cls, data, str(where), AdapterError)
+        if config.version >= 4 and config.config_sha256 != config._digest():  # every writer of version 4 records it
+            raise AdapterError(
+                f"{where} was edited after frod-ds wrote it (its fields are not what config_sha256 records): they say "
+                "how the adapter is rebuilt (sparsity, quantization, store), so an edit changes results (only its "
+                "paths may be edited); use the adapter as frod-ds wrote it (e.g. an earlier adapter-<step>) or retrain"
+            )
         if config.version >= 3 and config.weights_crc32 is None:  # every writer of version 3 records it
             raise AdapterError(
                 f"{where}: an adapter of version {config.version} records the checksum of {WEIGHTS} "
@@ -113,7 +132,8 @@ class AdapterConfig:
         return StoreIdentity(
             self.factor_store_fingerprint,
             self.pi,
-            {c: CategoryIdentity(info.v_sha256, info.method) for c, info in self.categories.items()},
+            {c: CategoryIdentity(info.v_sha256, info.method, info.u_storage) for c, info in self.categories.items()},
+            self.hjd_dtype,
         )
 
     @property

@@ -231,7 +231,8 @@ def import_peft(
             }
             identity = store.identity(sorted(cats))
             for cat, info in adapter_cats.items():  # the store's identity, as training records it
-                info.v_sha256, info.method = identity.categories[cat].v_sha256, identity.categories[cat].method
+                ident = identity.categories[cat]
+                info.v_sha256, info.method, info.u_storage = ident.v_sha256, ident.method, ident.u_storage
             adapter_config = AdapterConfig(
                 base_model=str(Path(base).resolve()) if Path(base).exists() else base,
                 factor_store=str((out / STORE_DIR).resolve()),
@@ -241,6 +242,7 @@ def import_peft(
                 sparsity=float(cfg.get("sparse_rate") or 0.0),
                 seed=int(cfg.get("projection_prng_key") or 0),
                 pi=identity.pi,
+                hjd_dtype=identity.hjd_dtype,
                 dtype="float32",
                 step=None,
                 categories=adapter_cats,

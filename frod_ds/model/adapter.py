@@ -83,6 +83,7 @@ def adapter_state(
                 m.support.nnz,
                 v_sha256=ident.v_sha256 if ident else None,
                 method=ident.method if ident else None,
+                u_storage=ident.u_storage if ident else None,
             )
             tensors[support_name(cat)] = m.support.rows_cols().contiguous()
         categories[cat].members.append(name)
@@ -122,7 +123,9 @@ def save_adapter_from_model(
     identity = store.identity(categories) if store is not None else None
     tensors, cats = adapter_state(model, store=identity)
     if identity is not None:
-        config = dataclasses.replace(config, factor_store_fingerprint=identity.fingerprint, pi=identity.pi)
+        config = dataclasses.replace(
+            config, factor_store_fingerprint=identity.fingerprint, pi=identity.pi, hjd_dtype=identity.hjd_dtype
+        )
     with holding(out_dir, "adapter", "adapter directory", AdapterError):
         return write_adapter(out_dir, tensors, dataclasses.replace(config, categories=cats))
 

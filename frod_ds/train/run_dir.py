@@ -103,6 +103,16 @@ def recipe_yaml(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False)
 
 
+def _same_recipe(path: Path, recipe: Recipe) -> bool:
+    """Whether ``path`` records ``recipe`` already, ``output_dir`` aside (a run copied or moved elsewhere)."""
+    try:
+        recorded = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    now = recipe_to_dict(recipe)
+    return isinstance(recorded, dict) and {**recorded, "output_dir": None} == {**now, "output_dir": None}
+
+
 def _supersede_previous_run(out: Path) -> None:
     """``train.new_run``: move a previous run's files in ``out`` (those its record lists) into
     ``out/superseded-<time>/``; nothing is deleted, adapters included."""
@@ -133,9 +143,9 @@ def open_run_dir(recipe: Recipe) -> None:
         _supersede_previous_run(out)
     out.mkdir(parents=True, exist_ok=True)
     record_files(out, RUN_FILES, RUN_KIND)
-    text, path = recipe_yaml(recipe), out / "recipe.yaml"
-    if not (path.is_file() and path.read_text(errors="replace") == text):  # a rerun with nothing new leaves it be
-        atomic_write_text(path, text)
+    path = out / "recipe.yaml"
+    if not _same_recipe(path, recipe):  # a rerun with nothing new (the run moved, at most) leaves it be
+        atomic_write_text(path, recipe_yaml(recipe))
 
 
 def record_adapter(out: Path, name: str) -> None:

@@ -194,6 +194,7 @@ def _adapter_config(inputs: Inputs) -> AdapterConfig:
         seed=m.seed if init is None else init.config.seed,
         init_adapter=_absolute_if_local(m.init_adapter) if init is not None else None,
         pi=identity.pi,
+        hjd_dtype=identity.hjd_dtype,
         dtype=m.dtype,
         frozen_quant=m.frozen_quant,  # eval and export rebuild the same quantized model
         quantize_base=m.quantize_base,

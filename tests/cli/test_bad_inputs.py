@@ -300,6 +300,19 @@ def test_resubmitting_a_finished_run_changes_nothing(env, trained, capsys):
     assert tree(run) == before
 
 
+def test_resubmitting_a_finished_run_copied_elsewhere_changes_nothing(env, trained, tmp_path):
+    """A run copied to another path (its recipe.yaml names the old output_dir): the same command there has nothing
+    to do and rewrites nothing, its recipe.yaml included."""
+    run = tmp_path / "copied"
+    shutil.copytree(trained, run)
+    shutil.rmtree(run / "adapter-final" / "eval", ignore_errors=True)  # another test's user files, if it ran first
+    assert f"output_dir: {trained}" in (run / "recipe.yaml").read_text()
+    before = tree(run)
+    proc = train_proc(env, run)
+    assert proc.returncode == 0 and "finished run" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert tree(run) == before
+
+
 def test_a_finished_runs_damaged_adapter_is_written_again_bit_for_bit(env, trained, tmp_path):
     """A finished run whose adapter-final lost its weights file: the same command writes it again from the final
     checkpoint with a note, equal bit for bit to the one it lost (it had said "left as it is" and exited 0)."""

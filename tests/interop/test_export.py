@@ -108,7 +108,7 @@ def test_adapter_records_the_identity_of_its_factor_store(trained):
 
     config = json.loads((trained["checkpoint"] / "adapter_config.json").read_text())
     manifest = json.loads((trained["store"] / "manifest.json").read_text())
-    assert config["version"] == 3 and config["pi"] == manifest["pi"]
+    assert config["version"] == 4 and config["pi"] == manifest["pi"]
     for category, info in config["categories"].items():
         spec = manifest["categories"][category]
         V = load_file(str(trained["store"] / spec["files"][f"{category}.V"]))[f"{category}.V"]
@@ -170,7 +170,7 @@ def test_an_adapter_with_one_changed_byte_is_refused_not_used(trained, tmp_path,
     from frod_ds.model.adapter import read_adapter
 
     config = AdapterConfig.read(trained["checkpoint"] / "adapter_config.json")
-    assert config.version == 3 and config.weights_crc32 and config.weights_crc32.startswith("crc32:")
+    assert config.version == 4 and config.weights_crc32 and config.weights_crc32.startswith("crc32:")
     bad = tmp_path / "adapter-final"
     shutil.copytree(trained["checkpoint"], bad)
     weights_file = bad / "adapter.safetensors"
@@ -197,8 +197,9 @@ def test_an_adapter_config_with_its_checksum_removed_is_refused(trained, tmp_pat
     bad = tmp_path / "adapter-final"
     shutil.copytree(trained["checkpoint"], bad)
     config = json.loads((bad / "adapter_config.json").read_text())
-    assert config["version"] == 3
-    del config["weights_crc32"]
+    assert config["version"] == 4
+    del config["weights_crc32"], config["config_sha256"], config["hjd_dtype"]  # as a version-3 writer left it
+    config["version"] = 3
     (bad / "adapter_config.json").write_text(json.dumps(config))
     data = bytearray((bad / "adapter.safetensors").read_bytes())
     data[-5] ^= 0x01
@@ -223,8 +224,41 @@ def test_an_adapter_config_whose_targets_were_edited_is_refused(trained, tmp_pat
     (bad / "adapter_config.json").write_text(json.dumps(config))
     assert main(["--checkpoint", str(bad), "--out", str(tmp_path / "merged")]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "adapter_config.json was edited after frod-ds wrote it" in line, line  # version 4: its own digest
+    for key in ("config_sha256", "hjd_dtype"):  # as a version-3 writer left it: the weights tell
+        del config[key]
+    for info in config["categories"].values():
+        del info["u_storage"]
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "version": 3}))
+    assert main(["--checkpoint", str(bad), "--out", str(tmp_path / "merged")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
     assert f"names the categories {held[:-1]}, but adapter.safetensors holds supports of {held}" in line, line
     assert not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("sparsity", 0.5), ("frozen_quant", "nf4"), ("dtype", "bfloat16"), ("seed", 7)]
+)
+def test_an_adapter_config_whose_settings_were_edited_is_refused_and_its_paths_may_move(
+    trained, tmp_path, capsys, key, value
+):
+    """Version 4 records a digest of every field but the paths: an edited sparsity or quantization would rebuild
+    another model from the same weights. A factor store moved, with the path edited to match, still exports."""
+    import shutil
+
+    bad = tmp_path / "adapter-final"
+    shutil.copytree(trained["checkpoint"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    assert config[key] != value
+    (bad / "adapter_config.json").write_text(json.dumps({**config, key: value}))
+    assert main(["--checkpoint", str(bad), "--out", str(tmp_path / "merged")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "was edited after frod-ds wrote it" in line and "only its paths may be edited" in line, line
+    assert not (tmp_path / "merged").exists()
+    moved = tmp_path / "moved-store"
+    shutil.copytree(config["factor_store"], moved)
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "factor_store": str(moved)}))
+    assert main(["--checkpoint", str(bad), "--out", str(tmp_path / "merged")]) == 0
 
 
 def test_an_adapter_whose_weights_file_is_a_pipe_is_named_as_such(trained, tmp_path, capsys):
@@ -259,3 +293,23 @@ def test_export_of_a_base_without_a_usable_config_is_refused(trained, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and str(base) in err[0], err
     assert not (tmp_path / "m").exists()
+
+
+def test_an_adapter_on_the_store_rebuilt_in_another_precision_is_refused(trained, tmp_path, capsys):
+    """The store rebuilt from the same model in float64 (same V, other U_i and σ_i: checked here) would merge other
+    weights: the adapter records HJD's precision, so export (and eval, by the same check) refuse it."""
+    from frod_ds.model.store_reader import FactorStore
+    from tests.support.helpers_ckpt import hjd_in_process
+
+    f64 = tmp_path / "f64"
+    res = hjd_in_process(["--model", str(trained["model_dir"]), "--out", str(f64), "--dtype", "float64"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    a, b = FactorStore.open(trained["store"]), FactorStore.open(f64)
+    member = a.categories["q_proj"][0]
+    assert not torch.equal(a.load_U(member), b.load_U(member).to(a.load_U(member).dtype))
+    capsys.readouterr()
+    argv = ["--checkpoint", str(trained["checkpoint"]), "--out", str(tmp_path / "merged")]
+    assert main([*argv, "--factor-store", str(f64)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "trained on another factor store" in line and "HJD in float32 there, float64 here" in line, line
+    assert not (tmp_path / "merged").exists()
