@@ -70,7 +70,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "frod_ds.planner": ("frod_ds.plan.shapes", "frod_ds.plan.memory", "frod_ds.plan.recommend"),
     "frod_ds.toy": ("frod_ds.testing.toy",),
     "frod_ds.realmodel": ("frod_ds.interop.gguf",),
-    "data_prep.build": ("frod_ds.prep.dataset", "frod_ds.prep.row_checks"),
+    "data_prep.build": ("frod_ds.prep.dataset", "frod_ds.prep.row_checks", "frod_ds.prep.build_records"),
     "data_prep.cli": ("frod_ds.prep.command",),
     "data_prep.io": ("frod_ds.prep.rows",),
     "data_prep.llm_adapters": ("frod_ds.prep.llm_adapters",),
@@ -100,7 +100,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "frod_ds.train.engine_checkpoint": ("frod_ds.train.engine_state",),
     "frod_ds.prep.io": ("frod_ds.prep.rows",),
     "frod_ds.prep.cli": ("frod_ds.prep.command",),
-    "frod_ds.prep.build": ("frod_ds.prep.dataset", "frod_ds.prep.row_checks"),
+    "frod_ds.prep.build": ("frod_ds.prep.dataset", "frod_ds.prep.row_checks", "frod_ds.prep.build_records"),
 }
 
 # Names that left the package in 0.2.0 instead of moving: the GGUF downloader (nothing that downloads ships in the

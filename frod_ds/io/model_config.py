@@ -119,7 +119,8 @@ def weights_problems(cfg: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...
         names = ", ".join(absent)
         problems.append(f"it names no {names}, which transformers would fill with its defaults, not these weights'")
     n = cfg.get("num_hidden_layers")
-    if layers and _positive_int(n) and layers != set(range(n)):
+    # layers == {0, …, n-1}, without building that set (a config may say a billion)
+    if layers and _positive_int(n) and (len(layers) != n or min(layers) != 0 or max(layers) != n - 1):
         problems.append(f"the weights hold decoder layers {_ranges(layers)}, the config gives num_hidden_layers {n}")
     vocab, hidden = cfg.get("vocab_size"), cfg.get("hidden_size")
     for name, shape in sorted(shapes.items()):

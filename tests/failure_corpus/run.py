@@ -818,6 +818,20 @@ def adapter_no_crc(world, case, spec):
     (case / "adapter" / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
+def adapter_sparsity_edited(world, case, spec):
+    """The adapter's recorded sparsity edited by hand (its weights untouched)."""
+    _copy(world, "adapter", case / "adapter")
+    config = json.loads((case / "adapter" / "adapter_config.json").read_text())
+    (case / "adapter" / "adapter_config.json").write_text(json.dumps({**config, "sparsity": 0.5}, indent=2))
+
+
+def store_float64(world, case, spec):
+    """The world's model decomposed again in float64: the same V, other U_i and σ_i."""
+    res = world.run(["hjd", "--model", world.paths["model"], "--out", str(case / "f64"), "--dtype", "float64"])
+    if res.returncode:
+        raise RuntimeError(f"the float64 store for the case failed: {res.stderr[-2000:]}")
+
+
 def peft_export_changed(world, case, spec):
     """The world's adapter exported as a PEFT adapter, then a byte of its weights changed (still loadable)."""
     res = world.run(["export", "--checkpoint", world.paths["adapter"], "--format", "peft", "--out", str(case / "peft")])
@@ -1492,6 +1506,8 @@ STEPS: dict[str, Callable] = {
         adapter_empty_weights,
         adapter_nan,
         adapter_no_crc,
+        adapter_sparsity_edited,
+        store_float64,
         peft_export_changed,
         run_copy,
         ckpt_no_seal,

@@ -96,6 +96,9 @@ def test_config_is_checked_against_the_weights(tmp_path, capsys):
     assert HFCheckpoint(path).config()["num_hidden_layers"] == 3
     for change, needle in (
         ({"num_hidden_layers": 2}, "the weights hold decoder layers 0-2, the config gives num_hidden_layers 2"),
+        ({"num_hidden_layers": 4}, "the weights hold decoder layers 0-2, the config gives num_hidden_layers 4"),
+        # answered at once, not by building a billion-entry set (it ran out of memory)
+        ({"num_hidden_layers": 10**9}, "the config gives num_hidden_layers 1000000000"),
         ({"num_key_value_heads": 1}, "k_proj.weight has shape [16, 32], the config gives [8, 32]"),
         ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
         ({"model_type": "foo"}, "model_type 'foo' is no architecture transformers knows"),
