@@ -233,7 +233,12 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest 
     process's ``time.time()`` at launch, to report start-up time. Rank 0 holds the lease on ``--out`` throughout:
     a second HJD run into the same store is refused at once."""
     with D.held_on_main(lambda: holding(cfg.out, store_writer.KIND, "--out", HJDError)):
-        return _build(cfg, process_start)
+        try:
+            return _build(cfg, process_start)
+        except OSError:  # a full disk mid-replacement: the store --overwrite was replacing comes back whole
+            if D.is_main():
+                store_writer.restore_aside(cfg.out)
+            raise
 
 
 def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:

@@ -815,6 +815,35 @@ def test_hjd_on_a_full_disk_is_one_line_and_the_same_command_resumes(hjd_model, 
     assert not [p.name for p in store.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_hjd_overwrite_that_fills_the_disk_gives_the_old_store_back(hjd_model, tmp_path):
+    """A disk with room for one store: --overwrite with another model's weights runs out of space part-way, and
+    the store it was replacing is back whole (it was left half new, half gone), checked by --verify."""
+    other = tmp_path / "other"
+    _other_targeted_weights(hjd_model, other, "q_proj")
+    built = tmp_path / "built"
+    assert _hjd("--model", str(other), "--out", str(built)).returncode == 0
+    size = sum(-(-p.stat().st_size // 4096) * 4096 for p in built.rglob("*") if p.is_file())  # tmpfs pages
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    opts = f"size={size + size // 2 + 64 * 1024}"  # the store, and half of another
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        store = disk / "store"
+        shutil.copytree(built, store)
+        before = {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*") if p.is_file()}
+        res = _hjd("--model", str(hjd_model), "--out", str(store), "--overwrite")
+        lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+        assert res.returncode == 2 and len(lines) == 1 and "No space left" in lines[0], res.stderr[-3000:]
+        assert "the store it was to replace is back" in res.stderr
+        assert {str(p.relative_to(store)): p.read_bytes() for p in store.rglob("*") if p.is_file()} == before
+        assert sorted(p.name for p in disk.iterdir()) == ["store"], "no aside folder or lease left"
+        verify = _hjd("--verify", str(store), "--model", str(other))
+        assert verify.returncode == 0 and "OK" in verify.stdout, verify.stderr[-2000:]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_training_on_a_full_disk_is_one_line_and_leaves_no_output_dir(train_env, small_disk):
     disk, grow = small_disk
     out = disk / "run"
