@@ -202,7 +202,12 @@ def verify(args: argparse.Namespace) -> int:
             what = problems[0] if len(problems) == 1 else f"{len(problems)} problems above"
             build = f"frod hjd --model {args.model} --out {args.verify}"
             unfinished = len(problems) == 1 and not FactorStore.open(args.verify, allow_incomplete=True).complete
-            todo = f"finish it: {build} resumes" if unfinished else f"build it again: {build} --overwrite"
+            if unfinished:
+                todo = f"finish it: {build} resumes"
+            elif len(problems) == 1 and "was built from" in what:  # a good store of another model
+                todo = "check --model: the store is of the model it was built from (build this one's in another --out)"
+            else:
+                todo = f"build it again: {build} --overwrite"
             print(
                 f"error: factor store {args.verify} failed verification against --model {args.model} ({what}); {todo}",
                 file=sys.stderr,

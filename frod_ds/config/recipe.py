@@ -96,6 +96,8 @@ class Recipe:
             p.append("model.base is required (HF id or local checkpoint dir)")
         if paths and not m.factor_store:
             p.append("model.factor_store is required (the directory written by `frod hjd`)")
+        if paths and not str(self.output_dir).strip():  # "output_dir=" (an unset shell variable) reads as "."
+            p.append("output_dir is empty; set it to the directory the run writes (e.g. output_dir=runs/frod)")
         p += [
             x
             for x in (targets_problem(m.targets, "model.targets"), sparsity_problem(m.sparsity, "model.sparsity"))

@@ -323,3 +323,10 @@ def test_a_recipe_key_given_twice_is_refused_naming_its_line(tmp_path):
 
     merged = "base: &b {lr_sigma: 0.001, lr_s: 0.0001}\ntrain:\n  <<: *b\n  lr_sigma: 0.002\n"
     assert yaml.load(merged, Loader=_UniqueKeyLoader)["train"] == {"lr_sigma": 0.002, "lr_s": 0.0001}
+
+
+@pytest.mark.parametrize("value", [""])
+def test_an_empty_output_dir_is_named_as_empty(value):
+    """``output_dir=$UNSET`` gives an empty value, which paths read as "." (the repository): say it is empty."""
+    with pytest.raises(RecipeError, match="output_dir is empty"):
+        load_recipe(REPO / "recipes" / "demo_tiny.yaml", [f"output_dir={value}"])

@@ -110,7 +110,8 @@ def test_hjd_verify_passes_then_catches_another_model_and_corruption(model, tmp_
     err = capsys.readouterr().err
     assert "fingerprint" in err
     (line,) = _error_lines(err)  # the details, then one error line naming the store and what to do
-    assert f"factor store {out} failed verification" in line and "--overwrite" in line
+    assert f"factor store {out} failed verification" in line and "check --model" in line
+    assert "--overwrite" not in line, "a good store of another model is not to be replaced"
     # A U tensor overwritten in place: the fingerprint still matches, the reconstruction does not.
     store = FactorStore.open(out)
     member = store.categories["v_proj"][1]
