@@ -282,6 +282,11 @@ def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, f
             "(the directory written by frod hjd for this base model)"
         )
     store = FactorStore.open(store_path)
+    if not base_model and base.startswith(("/", ".", "~")) and not os.path.lexists(Path(base).expanduser()):
+        raise AdapterError(
+            f"the base model {base} that {Path(checkpoint_dir) / CONFIG} names does not exist (moved?); pass "
+            "--base-model DIR, or re-point base_model in that file (its paths may be edited)"
+        )
     model_dir = resolve_model_dir(base, "--base-model" if base_model else f"base model of {checkpoint_dir}")
     check_store_matches(store, HFCheckpoint(model_dir))
     check_adapter_store(config, store, checkpoint_dir)

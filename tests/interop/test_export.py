@@ -313,3 +313,17 @@ def test_an_adapter_on_the_store_rebuilt_in_another_precision_is_refused(trained
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "trained on another factor store" in line and "HJD in float32 there, float64 here" in line, line
     assert not (tmp_path / "merged").exists()
+
+
+def test_an_adapter_whose_base_model_moved_names_the_file_and_the_flag(trained, tmp_path, capsys):
+    import shutil
+
+    moved = tmp_path / "adapter-final"
+    shutil.copytree(trained["checkpoint"], moved)
+    config = json.loads((moved / "adapter_config.json").read_text())
+    (moved / "adapter_config.json").write_text(json.dumps({**config, "base_model": str(tmp_path / "gone")}))
+    assert main(["--checkpoint", str(moved), "--out", str(tmp_path / "merged")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{moved / 'adapter_config.json'} names does not exist" in line and "--base-model" in line, line
+    argv = ["--checkpoint", str(moved), "--out", str(tmp_path / "merged"), "--base-model", str(trained["model_dir"])]
+    assert main(argv) == 0
