@@ -48,11 +48,20 @@ def _boot_id() -> str | None:
         return None
 
 
+def _proc_stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the command name (state, ppid, …); [] where there is none (not Linux,
+    or the process is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def _pid_start(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks after boot; Linux), so that a reused pid is not its holder."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(_proc_stat(pid)[19])
+    except (IndexError, ValueError):
         return None
 
 
@@ -115,11 +124,7 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, another user's
         return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc to ask (not Linux): kill's answer stands
-    return state not in ("Z", "X")
+    return _proc_stat(pid)[:1] not in (["Z"], ["X"])  # no /proc to ask (not Linux): kill's answer stands
 
 
 def gone(held: LeaseRecord, st: os.stat_result, me: LeaseRecord, now: float | None = None) -> str | None:

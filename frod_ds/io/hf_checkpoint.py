@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from frod_ds._moved import forward_names
+from frod_ds.io import model_dir as _model_dir
 from frod_ds.io.model_config import missing_linear, weights_problems
 from frod_ds.io.model_dir import check_config_file, check_model_folder
 from frod_ds.runtime.errors import CheckpointError, note
@@ -374,16 +375,6 @@ class HFCheckpoint:
             return f.read(length)
 
 
-# where a model's folder and config.json are found moved to frod_ds.io.model_dir; the old names forward to it
-_MOVED_NAMES = dict.fromkeys(
-    (
-        "HUB_PATTERNS",
-        "MODEL_KINDS",
-        "check_config_file",
-        "check_model_folder",
-        "resolve_config_file",
-        "resolve_model_dir",
-    ),
-    "frod_ds.io.model_dir",
-)
+# where a model's folder and config.json are found moved to frod_ds.io.model_dir; its names forward there from here
+_MOVED_NAMES = dict.fromkeys(_model_dir.__all__, _model_dir.__name__)
 __getattr__ = forward_names(__name__, _MOVED_NAMES)

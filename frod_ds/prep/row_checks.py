@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Any
 
-from frod_ds.prep.rows import MAX_ROW_CHARS, choices_problem, text_problem
+from frod_ds.prep.rows import MAX_ROW_CHARS, choices_problem, row_strings, text_problem
 from frod_ds.prep.tasks import DataPrepError
 
 __all__ = [
@@ -41,11 +41,9 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DE
 def control_problem(row: dict[str, Any]) -> str | None:
     """The first string of ``row`` holding a control character (a NUL, an escape, ...): no dataset's text holds
     one, a file cut or mis-decoded does; tab and line breaks are text."""
-    for key, value in row.items():
-        for i, text in enumerate(value if isinstance(value, list) else [value]):
-            if isinstance(text, str) and (m := _CONTROL.search(text)):
-                where = f"'{key}'" + (f"[{i}]" if isinstance(value, list) else "")
-                return f"field {where} holds control character U+{ord(m.group()):04X} at character {m.start()}"
+    for where, text in row_strings(row):
+        if m := _CONTROL.search(text):
+            return f"field {where} holds control character U+{ord(m.group()):04X} at character {m.start()}"
     return None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,21 +61,24 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def row_strings(row: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """``(where, text)`` for every string of ``row``: a field (``'prompt'``) or a list's entry (``'choices'[1]``)."""
+    for key, value in row.items():
+        for i, text in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(text, str):
+                yield f"'{key}'" + (f"[{i}]" if isinstance(value, list) else ""), text
+
+
 def text_problem(row: dict[str, Any]) -> str | None:
     """The first string of ``row`` (a field, or an entry of ``choices``) holding a lone surrogate: JSON's ``\\ud800``
     escapes decode to one, which no tokenizer can encode (training would stop mid-run)."""
-    for key, value in row.items():
-        for i, text in enumerate(value if isinstance(value, list) else [value]):
-            if not isinstance(text, str):
-                continue
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                where = f"'{key}'" + (f"[{i}]" if isinstance(value, list) else "")
-                return (
-                    f"field {where} holds a lone surrogate {text[exc.start]!r} at character {exc.start} "
-                    "(not Unicode text)"
-                )
+    for where, text in row_strings(row):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (
+                f"field {where} holds a lone surrogate {text[exc.start]!r} at character {exc.start} (not Unicode text)"
+            )
     return None
 
 
