@@ -5,9 +5,10 @@
 #   e.g. bash studies/device_call.sh '0:--tasks facts64,arith' '1:--tasks facts256,facts1024'
 #
 # 1. wheels: .gpu/whl/*.whl (peft with FrodConfig, gguf) into /tmp/site, once per machine;
-# 2. model: SmolLM2-135M-Instruct's GGUF travels in two halves (a call carries at most 64 MiB), .gpu/m1/part_aa and
-#    .gpu/m2/part_ab, one per call; /tmp keeps them while the machine stays warm. With both, it is joined, checked
-#    (md5) and converted to /tmp/ls/smol; with one, the call stops and says which half the next call must carry;
+# 2. model: SmolLM2-135M-Instruct's GGUF travels in three parts (a call carries at most 64 MiB with the checkout),
+#    .gpu/m1/part_aa, .gpu/m2/part_ab, .gpu/m3/part_ac, one per call; /tmp keeps them while the machine stays warm.
+#    With all, it is joined, checked (md5) and converted to /tmp/ls/smol; else the call stops and names the part
+#    the next call must carry;
 # 3. tasks: generated into /tmp/ls/work (deterministic from their seed); with CHECK=1, every method briefly
 #    on GPU 0 (`learn_study check`), the call stopping if one fails;
 # 4. each item runs `python -m studies.learn_study run ARGS` on its GPU, resuming from the committed results
@@ -73,14 +74,16 @@ python3 -c 'import peft, torch, transformers; from peft import FrodConfig; print
   torch.__version__, "transformers", transformers.__version__, "GPUs", torch.cuda.device_count())' || exit 1
 
 if [ ! -f $ROOT/smol/config.json ]; then
-  for p in .gpu/m1/part_aa .gpu/m2/part_ab; do [ -f $p ] && cp $p $ROOT/; done
-  if [ ! -f $ROOT/part_aa ] || [ ! -f $ROOT/part_ab ]; then
-    need=$([ -f $ROOT/part_aa ] && echo .gpu/m2 || echo .gpu/m1)
-    echo "STAGED: $(cd $ROOT && ls part_* 2>/dev/null | tr '\n' ' '); NEXT CALL: carry $need (and .gpu/whl)" \
-      "while this machine is warm"
-    exit 0
-  fi
-  cat $ROOT/part_aa $ROOT/part_ab >$ROOT/smol.gguf
+  parts="m1/part_aa m2/part_ab m3/part_ac"
+  for p in $parts; do [ -f .gpu/$p ] && cp .gpu/$p $ROOT/; done
+  for p in $parts; do
+    if [ ! -f $ROOT/${p#*/} ]; then
+      echo "STAGED: $(cd $ROOT && ls part_* 2>/dev/null | tr '\n' ' '); NEXT CALL: carry .gpu/${p%/*} (and" \
+        ".gpu/whl) while this machine is warm"
+      exit 0
+    fi
+  done
+  cat $ROOT/part_aa $ROOT/part_ab $ROOT/part_ac >$ROOT/smol.gguf
   [ "$(md5sum $ROOT/smol.gguf | cut -d' ' -f1)" = $MD5 ] || { echo "GGUF md5 mismatch"; rm -f $ROOT/part_*; exit 1; }
   python3 -m frod_ds.cli.convert_gguf convert --gguf $ROOT/smol.gguf --out $ROOT/smol --dtype float32 || exit 1
 fi

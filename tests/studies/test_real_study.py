@@ -615,3 +615,37 @@ def test_the_cross_check_pairs_stock_peft_frod_with_frod_of_its_own_precision():
     assert fp32["twin"] == "frod_fp32" and fp32["same_precision"]
     assert fp32["max_rel_loss_difference"] == pytest.approx(0.25)
     assert fp32["validation_answer_loss"] == {"frod": 0.6, "peftfrod_inj": 0.7}
+    assert fp32["steps_within_tolerance"] == 1  # step 0 agrees, step 1 parts
+
+
+def test_the_cross_check_says_how_long_the_runs_agree_before_rounding_parts_them():
+    from studies.learn_report import _agreement, _cross_check
+
+    a = [2.0 * 0.97**i for i in range(30)]
+    b = [x * (1 + 1e-7 * 3**i) for i, x in enumerate(a)]  # rounding that training amplifies step by step
+    seed0 = {
+        "config": {"peft_frod_fp32": False},
+        "methods": {
+            "frod": {"sweep": [{"lr": 1e-3, "log": {"loss": a}, "heldout": {"answer_loss": 0.4}}]},
+            "peftfrod_inj": {
+                "sweep": [{"lr": 1e-3, "log": {"loss": b}, "heldout": {"answer_loss": 0.5}}],
+                "chosen": {"index": 0, "lr": 1e-3},
+            },
+        },
+    }
+    c = _cross_check(seed0, 30)
+    first = next(i for i in range(30) if abs(b[i] - a[i]) / a[i] > 1e-4)  # 3**i > 1000: step 7
+    assert c["steps_within_tolerance"] == first == 7
+    assert c["max_rel_loss_difference_first_10"] == pytest.approx(1e-7 * 3**9, rel=1e-6)
+    assert "within 0.0001 for the first 7 steps, then part" in _agreement(c)
+    c = _cross_check(
+        {
+            **seed0,
+            "methods": {
+                **seed0["methods"],
+                "frod": {"sweep": [{**seed0["methods"]["frod"]["sweep"][0], "log": {"loss": b}}]},
+            },
+        },
+        30,
+    )
+    assert c["steps_within_tolerance"] == 30 and "over all 30" in _agreement(c)
