@@ -36,6 +36,7 @@ __all__ = [
     "is_lease_file",
     "stamps_of",
     "edited_since_written",
+    "listed_since_written",
 ]
 
 MARKER = ".frod-ds-output"
@@ -223,3 +224,17 @@ def edited_since_written(folder: Path, record: OutputRecord | None) -> list[str]
         if st.st_size != size or (st.st_mtime_ns != mtime_ns and file_sha256(path) != sha):
             out.append(rel)
     return out
+
+
+def listed_since_written(folder: Path, record: OutputRecord | None) -> list[str]:
+    """Files in ``folder`` that the list of a write-once output names but that were not there when it was
+    published (every file of a published output is stamped): the list was edited since, and they are not ours."""
+    written = (record.written if record else None) or {}
+    if not written:
+        return []
+    out = []
+    for rel in record.files or []:
+        path = Path(folder) / rel
+        if rel not in written and not rel.endswith("/") and path.is_file() and not path.is_symlink():
+            out.append(rel)
+    return sorted(out)

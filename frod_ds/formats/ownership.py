@@ -33,6 +33,7 @@ from frod_ds.formats.output_dir import (
     is_lease_file,
     is_marked,
     listed_dir,
+    listed_since_written,
     match,
     read_record,
     record_text,
@@ -286,7 +287,14 @@ def check_replaceable(
         )
     if foreign:
         _refuse_foreign(out, _scan(out, legacy_kind), what, error)
-        edited = edited_since_written(out, read_record(out))
+        record = read_record(out)
+        added = listed_since_written(out, record)
+        if added:
+            raise error(
+                f"{what} {out} holds files frod-ds did not write there, though its {MARKER} record lists them: "
+                f"{_listing(added)}; refusing to replace them, move them out or choose another {what}"
+            )
+        edited = edited_since_written(out, record)
         if edited:
             raise error(
                 f"{what} {out} holds files changed since frod-ds wrote them: {_listing(edited)}; refusing to "

@@ -263,6 +263,30 @@ def test_an_output_that_is_a_symbolic_link_is_refused_naming_the_link(tmp_path, 
     assert tree(real) == before and links == {p.name: os.readlink(p) for p in tmp_path.iterdir() if p.is_symlink()}
 
 
+def test_a_write_once_output_refuses_a_user_file_its_edited_record_lists(tmp_path):
+    """A user's file added to a published output and then written into its record's list (by hand or by a tool) is
+    still the user's: the output's stamps, taken when it was published, do not name it. The replacement refuses,
+    naming it, and leaves everything; the same folder without the forged entry is replaced."""
+    out = tmp_path / "build"
+    with building_dir(out, "data-build") as tmp:
+        write(tmp, {"train.jsonl": "{}\n", "manifest.json": "{}\n"})
+    (out / "notes.txt").write_text("mine\n")
+    record = json.loads((out / MARKER).read_text())
+    record["files"] = sorted([*record["files"], "notes.txt"])
+    (out / MARKER).write_text(json.dumps(record))
+    before = tree(out)
+    with pytest.raises(FrodError, match=r"holds files frod-ds did not write there, though its .* lists them: notes"):
+        check_replaceable(out, "data-build")
+    with pytest.raises(FrodError, match="did not write there"):
+        with building_dir(out, "data-build") as tmp:
+            write(tmp, {"train.jsonl": "new\n"})
+    assert tree(out) == before
+    (out / "notes.txt").unlink()  # the entry alone names nothing there: replaced as before
+    with building_dir(out, "data-build") as tmp:
+        write(tmp, {"train.jsonl": "new\n"})
+    assert (out / "train.jsonl").read_text() == "new\n"
+
+
 def test_a_write_once_output_refuses_replacement_of_a_file_edited_since(tmp_path):
     """``building_dir`` stamps each published file's size, mtime and sha256 (checked here with hashlib); a later
     replacement refuses a folder whose file was edited (other bytes, or another size), naming it and leaving
