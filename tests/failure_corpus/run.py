@@ -666,6 +666,16 @@ def data_build_edited(world, case, spec):
     eval_file.write_text(eval_file.read_text() + "\n")
 
 
+def data_build_forged_list(world, case, spec):
+    """An earlier build holding the user's notes file, which the user also wrote into its ownership record's list."""
+    shutil.copytree(world.paths["data"], case / "data")
+    (case / "data" / "notes.txt").write_text("mine\n")
+    marker = case / "data" / ".frod-ds-output"
+    record = json.loads(marker.read_text())
+    record["files"] = sorted([*record["files"], "notes.txt"])
+    marker.write_text(json.dumps(record))
+
+
 def model_config_tied_own_head(world, case, spec):
     _config_edit(world, case, tie_word_embeddings=True)  # the tiny model's lm_head.weight is its own
 
@@ -1436,6 +1446,7 @@ STEPS: dict[str, Callable] = {
         model_config_dangling,
         mirror_same_options,
         data_build_edited,
+        data_build_forged_list,
         export_edited,
         store_edited,
         run_without_checkpoints,
