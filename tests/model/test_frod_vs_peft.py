@@ -83,8 +83,9 @@ def test_committed_report_is_generated_from_its_results():
     the committed run met the tolerance over all its steps."""
     import json
 
-    from bench.frod_vs_peft import DEFAULT_OUT, render_report
+    from bench.frod_vs_peft import DEFAULT_OUT
     from bench.frod_vs_peft import TOL as BENCH_TOL
+    from bench.frod_vs_peft_report import render_report
 
     results = json.loads((DEFAULT_OUT / "results.json").read_text())
     assert (DEFAULT_OUT / "report.md").read_text() == render_report(results), (
