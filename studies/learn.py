@@ -11,9 +11,10 @@ Per task, the units in order, each resumable (``studies`` study directories unde
     timing    timing.json: each method alone on the device (``studies.timing``)
 
 Every method of a task trains on the same batches for the same ``--steps`` (the same training tokens, recorded
-as ``data.train_tokens``). A command works through its tasks in order until its time is spent; the next
-command skips what is recorded (``--resume-from`` copies a carried-back directory in first). One pool of worker
-processes serves every study of the command; ``--pack`` rewrites a tarball of ``OUT`` after every unit.
+as ``data.train_tokens``). A command works through its tasks in order until its time is spent (a task left
+unfinished passes the time left to the next); the next command skips what is recorded (``--resume-from``
+copies a carried-back directory in first). One pool of worker processes serves every study of the command;
+``--pack`` rewrites a tarball of ``OUT`` after every unit.
 """
 
 from __future__ import annotations
@@ -312,11 +313,12 @@ class Learn:
 
 
 def run_learn(cfg: LearnConfig, argv: list[str], started: float, log=print) -> None:
-    """Every task in order, as far as this command's time goes (a task's units in order: see the module doc)."""
+    """Every task in order, as far as this command's time goes (a task's units in order: see the module doc). A task
+    left unfinished (time, or a run that did not fit what is left) does not hold up the next: each unit checks the
+    time left itself, so what remains of the budget goes to whatever still fits."""
     learn = Learn(cfg, argv, started, log)
     try:
         for task in cfg.tasks:
-            if not learn.task(task):
-                break
+            learn.task(task)
     finally:
         learn.close()

@@ -324,3 +324,27 @@ def test_fp32_only_turns_the_study_autocast_off():
     with fp32_only():
         assert not isinstance(autocast(cuda), torch.autocast)
     assert isinstance(autocast(cuda), torch.autocast) and sparse_mm_autocast_ok(torch.device("cpu"))
+
+
+def test_a_task_left_unfinished_does_not_hold_up_the_next(monkeypatch):
+    """``run_learn`` gives every task its turn: one whose sweep a run did not fit (``task`` returns False) is
+    followed by the next, which may still fit the time left."""
+    from studies import learn
+
+    calls = []
+
+    class Fake:
+        def __init__(self, *a):
+            pass
+
+        def task(self, name):
+            calls.append(name)
+            return name != "facts256"
+
+        def close(self):
+            calls.append("closed")
+
+    monkeypatch.setattr(learn, "Learn", Fake)
+    cfg = type("Cfg", (), {"tasks": ["facts256", "facts1024", "arith_d12"]})()
+    learn.run_learn(cfg, [], 0.0)
+    assert calls == ["facts256", "facts1024", "arith_d12", "closed"]
