@@ -104,7 +104,8 @@ run_items() {  # GPU, then that GPU's items in order
   shift
   for item in "$@"; do
     minutes=$(python3 -c "print(round(($(left) - 25) / 60, 2))")
-    python3 -c "import sys; sys.exit(float('$minutes') < 1.5)" || { echo "GPU $gpu: no time left for: $item"; break; }
+    # a unit starts only with learn_study's --min-study-minutes (2) left after the command's own start
+    python3 -c "import sys; sys.exit(float('$minutes') < 2.5)" || { echo "GPU $gpu: no time left for: $item"; break; }
     echo "GPU $gpu: learn_study run ${item#*:} (--max-minutes $minutes)"
     # shellcheck disable=SC2086  # the item's arguments are words
     CUDA_VISIBLE_DEVICES=$gpu python3 -m studies.learn_study run --model $ROOT/smol --work $ROOT/work \
