@@ -20,7 +20,7 @@ from frod_ds.eval.predict import encode_rows
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.prep.rows import MAX_ROW_CHARS, label_problem, read_rows, repeated_id, row_separator, text_problem
 from frod_ds.prep.tasks import DataPrepError
-from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.errors import FrodError, note
 from frod_ds.runtime.paths import file_problem
 
 __all__ = [
@@ -148,13 +148,20 @@ def check_vocab(examples: list[Example], vocab_size: int, tokenizer_name: str, m
 
 def check_context(examples: list[Example], max_positions: int, cutoff_len: int, model_dir: str | Path) -> None:
     """``DataError`` when an example is longer than the model's ``max_position_embeddings``: it would train and
-    score positions the model never saw, with nothing said (the rotary embedding computes them all the same)."""
+    score positions the model never saw, with nothing said (the rotary embedding computes them all the same). A
+    cutoff past the positions that cuts nothing is said in a note."""
     longest = max((len(e.input_ids) for e in examples), default=0)
     if longest > max_positions:
         raise DataError(
             f"training examples reach {longest} tokens (data.cutoff_len {cutoff_len}), but the model {model_dir} "
             f"has max_position_embeddings {max_positions} (config.json): positions past it were never trained; "
             f"set data.cutoff_len to at most {max_positions}"
+        )
+    if cutoff_len > max_positions:
+        note(
+            f"data.cutoff_len {cutoff_len} is past the model's max_position_embeddings {max_positions} (config.json); "
+            f"the longest example is {longest} tokens, so none is cut, but an example longer than {max_positions} "
+            f"would be refused: set data.cutoff_len to at most {max_positions} to cut it instead"
         )
 
 
