@@ -54,7 +54,8 @@ def convergence(tasks: dict[str, Any]) -> dict[str, Any]:
     parts: dict[bool, list[str]] = {False: [], True: []}
     for name, r in rows.items():
         got = [v for v in r["frod_steps"] if v is not None]
-        steps = f"step {sorted(got)[len(got) // 2]} of {r['steps']} (median)" if got else NOT_REACHED
+        median = " (median)" if len(got) > 1 else ""
+        steps = f"step {sorted(got)[len(got) // 2]} of {r['steps']}{median}" if got else NOT_REACHED
         parts[r["provisional"]].append(f"{name}: {r['reached']}/{r['seeds']} seeds, {steps}")
     said = []
     if parts[False]:
