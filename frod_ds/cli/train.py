@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from frod_ds.runtime.cli_parser import Parser
+
 EXAMPLES = """examples:
   frod train --config ds_configs/zero2.json --recipe recipes/llama2_7b_cs170k.yaml train.lr_sigma=2e-4 \\
       output_dir=runs/llama2-7b
@@ -22,7 +24,7 @@ EXAMPLES = """examples:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         allow_abbrev=False,
         prog="frod train",
         description=__doc__,

@@ -27,6 +27,7 @@ from frod_ds.prep.tasks import (
     parse_tasks,
 )
 from frod_ds.prep.templates import RowError, render, row_id
+from frod_ds.runtime.cli_parser import Parser
 from frod_ds.runtime.paths import dir_problem
 
 EXAMPLES = """examples:
@@ -83,7 +84,7 @@ def _add_tokenizer_flags(parser: argparse.ArgumentParser) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     """The argparse tree: build, stats, show."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         allow_abbrev=False,
         prog="frod data",
         description="Commonsense170K in the paper's or LLM-Adapters' prompt templates.",

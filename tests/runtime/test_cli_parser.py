@@ -1,0 +1,53 @@
+"""Usage errors of every ``frod`` command are one line naming what is wrong and where the arguments are listed,
+exit 2 (``frod_ds.runtime.cli_parser.Parser``), checked against argparse's own message for the same mistake."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+from frod_ds.runtime.cli_parser import Parser
+
+
+def test_a_usage_error_is_argparses_message_in_one_line(capsys):
+    def build(cls):
+        p = cls(prog="t")
+        p.add_argument("--seed", type=int)
+        sub = p.add_subparsers(dest="cmd")
+        sub.add_parser("go").add_argument("--n", type=int, required=True)
+        return p
+
+    for argv in (["--seed", "abc"], ["go"], ["go", "--n", "x"]):
+        with pytest.raises(SystemExit) as stock:
+            build(argparse.ArgumentParser).parse_args(argv)
+        expected = capsys.readouterr().err.strip().splitlines()[-1]  # "t: error: ..." after the usage block
+        with pytest.raises(SystemExit) as ours:
+            build(Parser).parse_args(argv)
+        err = capsys.readouterr().err
+        assert ours.value.code == stock.value.code == 2
+        prog = expected.split(": error: ")[0]
+        assert err.splitlines() == [f"{expected}; see {prog} --help"], err
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("frod_ds.cli.main", ["tarin"]),
+        ("frod_ds.cli.train", ["--no-such-flag"]),
+        ("frod_ds.cli.eval", ["--no-such-flag"]),
+        ("frod_ds.cli.hjd", ["--no-such-flag"]),
+        ("frod_ds.cli.export", ["--format", "onnx"]),
+        ("frod_ds.cli.plan", ["--no-such-flag"]),
+        ("frod_ds.cli.demo", ["--no-such-flag"]),
+        ("frod_ds.cli.convert_gguf", ["convert", "--no-such-flag"]),
+        ("frod_ds.prep.command", ["build", "--seed", "abc"]),
+    ],
+)
+def test_every_frod_command_says_a_usage_error_in_one_line(module, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(module).main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert ": error: " in err and err.rstrip().endswith(" --help"), err
