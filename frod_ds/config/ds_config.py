@@ -93,11 +93,21 @@ def as_ds_config(config: Mapping[str, Any] | str | Path) -> dict:
     return dict(config) if isinstance(config, Mapping) else load_ds_config(config)
 
 
+def own_blocks(cfg: dict) -> list[str]:
+    """The DeepSpeed blocks frod-ds sets itself, present in ``cfg``: each would override the recipe's."""
+    return [
+        f'remove the "{block}" block: frod-ds passes its own AdamW with per-group learning rates '
+        "(lr_sigma, lr_s) and schedule from the recipe, and a DeepSpeed block would override them"
+        for block in ("optimizer", "scheduler")
+        if block in cfg
+    ]
+
+
 def ds_config_problems(cfg: dict) -> list[str]:
     """Everything in ``cfg`` DeepSpeed would ignore silently or fail on (``frod_ds.config.ds_checks``): unknown keys,
     booleans written as strings, mistyped settings DeepSpeed reads unchecked, then what its own config classes
     refuse (only once the rest is clean: their message would repeat it)."""
-    problems = unknown_keys(cfg) + string_flags(cfg) + scalar_problems(cfg)
+    problems = unknown_keys(cfg) + string_flags(cfg) + scalar_problems(cfg) + own_blocks(cfg)
     try:
         zero_stage(cfg)
     except DSConfigError as e:
@@ -328,12 +338,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
         )
     if isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") is True:
         problems.append("fp16 is not supported (FRoD's sigma/S need bf16 or fp32); use bf16")
-    for block in ("optimizer", "scheduler"):
-        if block in cfg:
-            problems.append(
-                f'remove the "{block}" block: frod-ds passes its own AdamW with per-group learning rates '
-                "(lr_sigma, lr_s) and schedule from the recipe, and a DeepSpeed block would override them"
-            )
+    problems += own_blocks(cfg)
     if nvme_path is not None:
         if not nvme_offloads(cfg):  # the flag would change nothing: the run the user meant would not happen
             problems.append(

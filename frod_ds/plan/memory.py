@@ -175,6 +175,16 @@ def _layer_gathered_numel(model: ModelShape, train: TrainShape, engine: Engine) 
     return sum(n * c / model.layers for n, c in per_layer if n >= engine.persistence)
 
 
+def _layers_kept(layers: int, p_layer: float, p_head: float, max_reuse: float) -> int:
+    """How many layers k = 0, 1, … (of ``layers``) satisfy ``2·k·p_layer + p_head < max_reuse``: the gathered layers
+    ZeRO-3 keeps for reuse (closed form: a config may claim any number of layers)."""
+    if p_head >= max_reuse:
+        return 0
+    if p_layer <= 0:
+        return layers
+    return min(layers, math.ceil((max_reuse - p_head) / (2 * p_layer)))
+
+
 def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int, gpu_bytes: float) -> Plan:
     """Peak bytes per GPU by part for one set-up (the parts: docs/memory.md)."""
     e, T, L, N = train.e, train.tokens, model.layers, max(1, gpus)
@@ -215,7 +225,7 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
     elif engine.stage == 3 and (N > 1 or engine.offload_param):
         P_layer = _layer_gathered_numel(model, train, engine)
         P_head = model.vocab * model.hidden
-        kept = sum(1 for k in range(L) if 2 * k * P_layer + P_head < engine.max_reuse)
+        kept = _layers_kept(L, P_layer, P_head, engine.max_reuse)
         V_full = sum(b * c for b, c, _ in frozen["frozen V"] if b / e >= engine.persistence)
         gathered = (min(engine.max_live, kept * P_layer + P_head) + engine.prefetch_bucket) * e + V_full
     parts["ZeRO-3 gathered"] = gathered

@@ -514,6 +514,53 @@ def test_cli_plan_of_a_zero_layer_config_is_one_line(tmp_path):
     assert "num_hidden_layers must be a positive integer, got 0" in lines[0] and "Traceback" not in res.stderr
 
 
+def test_a_billion_layer_config_is_planned_at_once(tmp_path):
+    """Nothing in the plan walks the layers one by one: a config claiming 10⁹ of them (a typo) gets its verdict in
+    well under a second of work, the same one the plan of 10⁶ and 10⁷ layers reaches (nothing fits)."""
+    import time
+
+    verdicts = []
+    for layers in (10**6, 10**7, 10**9):
+        (tmp_path / "config.json").write_text(json.dumps({**LLAMA2_7B, "num_hidden_layers": layers}))
+        t0 = time.process_time()
+        res = _plan_here("--model", str(tmp_path), "--gpus", "2", "--config", "ds_configs/zero3.json")
+        assert time.process_time() - t0 < 5, layers
+        verdicts.append((res.returncode, "nothing fits" in res.stdout + res.stderr))
+    assert verdicts == [verdicts[0]] * 3 and verdicts[0][1], verdicts
+
+
+def test_ds_layers_kept_for_reuse_count_as_the_layer_walk_did():
+    """The closed form of the layers ZeRO-3 keeps gathered against the walk it replaced, over random sizes."""
+    import random
+
+    from frod_ds.plan.memory import _layers_kept
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        layers, p_head = rng.randint(0, 60), rng.uniform(0, 50)
+        p_layer = rng.choice([0, rng.uniform(0, 10), rng.randint(1, 10)])
+        reuse = rng.choice([rng.uniform(0, 200), float(rng.randint(0, 200))])
+        walk = sum(1 for k in range(layers) if 2 * k * p_layer + p_head < reuse)
+        assert _layers_kept(layers, p_layer, p_head, reuse) == walk
+
+
+def test_plan_refuses_a_ds_config_with_its_own_optimizer_as_training_does(tmp_path):
+    """An ``optimizer`` or ``scheduler`` block, which training refuses, is refused by ``frod plan --config`` too,
+    with the same words (one check for both)."""
+    from frod_ds.config.ds_config import DSConfigError, check_ds_config, own_blocks
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    for block in ("optimizer", "scheduler"):
+        cfg = {**load_ds_config(REPO / "ds_configs" / "zero2.json"), block: {"type": "Adam"}}
+        path = tmp_path / f"{block}.json"
+        path.write_text(json.dumps(cfg))
+        res = _plan_here("--model", str(tmp_path), "--gpus", "1", "--config", str(path))
+        assert res.returncode == 2 and f'remove the "{block}" block' in res.stderr, res.stderr
+        with pytest.raises(DSConfigError, match=f'remove the "{block}" block'):
+            check_ds_config(cfg, path)
+        assert own_blocks(cfg) and not own_blocks(load_ds_config(REPO / "ds_configs" / "zero2.json"))
+
+
 def test_planner_errors_are_user_errors(tmp_path):
     """In-process: the planner's and the config lookup's errors are ``FrodError``s (the entry prints them)."""
     from frod_ds.plan.shapes import PlanError, load_model_shape
