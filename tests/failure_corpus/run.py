@@ -609,6 +609,10 @@ def model_config_layers(world, case, spec):
     _config_edit(world, case, num_hidden_layers=cfg["num_hidden_layers"] + 1)
 
 
+def model_config_billion_layers(world, case, spec):
+    _config_edit(world, case, num_hidden_layers=10**9)  # a typo no step may walk or allocate
+
+
 def model_config_no_layers(world, case, spec):
     _copy(world, "model", case / "model")
     cfg = json.loads((case / "model" / "config.json").read_text())
@@ -1462,6 +1466,7 @@ STEPS: dict[str, Callable] = {
         data_fifo,
         data_loop,
         model_config_layers,
+        model_config_billion_layers,
         model_config_zero_hidden,
         model_config_kv,
         model_huge_k,
