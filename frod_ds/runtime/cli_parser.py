@@ -1,16 +1,24 @@
-"""The argument parser of every ``frod`` command: argparse's, with a usage error said in one line (what is wrong,
-and where the arguments are listed) instead of the usage block followed by the error."""
+"""The argument parser of every ``frod`` command: argparse's, with a usage error said in one line (what is wrong, the
+choice probably meant, and where the arguments are listed) instead of the usage block followed by the error."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 from typing import NoReturn
 
 __all__ = ["Parser"]
+
+_CHOICE = re.compile(r"invalid choice: '(?P<got>[^']*)' \(choose from (?P<choices>.*)\)$")
 
 
 class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one line and exit 2; its sub-parsers are of this class."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+        m, close = _CHOICE.search(message), []
+        if m:
+            close = difflib.get_close_matches(m["got"], re.findall(r"'([^']*)'", m["choices"]), n=1, cutoff=0.6)
+        tail = f"did you mean '{close[0]}'? (see {self.prog} --help)" if close else f"see {self.prog} --help"
+        self.exit(2, f"{self.prog}: error: {message}; {tail}\n")

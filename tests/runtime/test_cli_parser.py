@@ -50,4 +50,15 @@ def test_every_frod_command_says_a_usage_error_in_one_line(module, argv, capsys)
         importlib.import_module(module).main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and len(err.splitlines()) == 1, err
-    assert ": error: " in err and err.rstrip().endswith(" --help"), err
+    assert ": error: " in err and err.rstrip().endswith((" --help", " --help)")), err
+
+
+def test_a_mistyped_choice_names_the_one_probably_meant(capsys):
+    from frod_ds.cli.main import main
+
+    for argv, meant in ((["trian"], "train"), (["expotr"], "export"), (["zzz"], None)):
+        with pytest.raises(SystemExit):
+            main(argv)
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and f"invalid choice: '{argv[0]}'" in err, err
+        assert (f"did you mean '{meant}'?" in err) if meant else ("did you mean" not in err), err
