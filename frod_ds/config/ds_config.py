@@ -309,7 +309,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
             cfg[key] = want
         elif have != want:
             problems.append(
-                f"{key}={have} in the DeepSpeed config but the recipe gives {want} "
+                f"{key}={json.dumps(have)} in the DeepSpeed config but the recipe gives {want} "
                 f"(micro_batch_size={bs.micro} x grad_accum={bs.accum} x world_size={bs.world}); "
                 f'set it to "auto" or change the recipe'
             )

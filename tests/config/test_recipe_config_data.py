@@ -173,6 +173,7 @@ def test_nvme_offload_refuses_an_arch_list_deepspeed_cannot_parse():
     [
         ({"train_batch_size": 64}, "train_batch_size=64"),
         ({"gradient_accumulation_steps": 3}, "gradient_accumulation_steps=3"),
+        ({"gradient_accumulation_steps": "auto "}, 'gradient_accumulation_steps="auto " in'),  # the space shows
         ({"optimizer": {"type": "AdamW"}}, 'remove the "optimizer" block'),
         ({"scheduler": {"type": "WarmupLR"}}, 'remove the "scheduler" block'),
         ({"zero_optimization": {"stage": 3, "sub_group_size": "auto"}}, "zero_optimization.sub_group_size"),
