@@ -17,7 +17,9 @@ import torch
 
 from frod_ds.config.ds_config import BatchSizes
 from frod_ds.eval.predict import encode_rows
+from frod_ds.formats.file_digests import DATA_MANIFEST, FileDigests
 from frod_ds.formats.folders import wrong_folder
+from frod_ds.formats.ownership import marker_kind
 from frod_ds.prep.rows import MAX_ROW_CHARS, label_problem, read_rows, repeated_id, row_separator, text_problem
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError, note
@@ -50,12 +52,28 @@ def training_file(path: str | Path) -> Path:
         wrong = wrong_folder(p, "training data", ("data-build",), "a data build or a JSONL file")
         if wrong:
             raise DataError(wrong)
-        p = p / "train.jsonl"
+        build, p = p, p / "train.jsonl"
+    else:
+        build = p.parent if marker_kind(p.parent) == "data-build" else None
     if os.path.lexists(p) and file_problem(p):  # a named pipe, a link loop, unreadable: not "not found"
         raise DataError(f"training data {file_problem(p)}")
     if not p.is_file():
         raise DataError(f"training data {p} not found; build it with `frod data build --out DIR`")
+    if build is not None:
+        _check_built(build, p.name)
     return p
+
+
+def _check_built(build: Path, name: str) -> None:
+    """``DataError`` when file ``name`` of data build ``build`` is not what the build wrote (its manifest's sha256):
+    the run would train on rows the build's manifest, and so the run's record of its data, do not describe."""
+    built = FileDigests.read(build / DATA_MANIFEST, DataError, "build the data again with frod data build", False)
+    if built is not None and name in built.files and built.changed(build, name):
+        raise DataError(
+            f"training data {build / name} was changed after frod data build wrote it (its sha256 is not the one "
+            f"{build / DATA_MANIFEST} records); build the data again, or copy the file out of the build to train on "
+            "it as it is"
+        )
 
 
 def _check_training_row(row) -> str | None:

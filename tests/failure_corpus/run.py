@@ -670,6 +670,14 @@ def data_build_edited(world, case, spec):
     eval_file.write_text(eval_file.read_text() + "\n")
 
 
+def data_build_train_edited(world, case, spec):
+    """A data build whose train.jsonl lost a row after the build (its sha256 no longer the manifest's)."""
+    shutil.copytree(world.paths["data"], case / "data")
+    train = case / "data" / "train.jsonl"
+    lines = train.read_text().splitlines(True)
+    train.write_text("".join(lines[:1] + lines[2:]))
+
+
 def data_build_forged_list(world, case, spec):
     """An earlier build holding the user's notes file, which the user also wrote into its ownership record's list."""
     shutil.copytree(world.paths["data"], case / "data")
@@ -1451,6 +1459,7 @@ STEPS: dict[str, Callable] = {
         mirror_same_options,
         data_build_edited,
         data_build_forged_list,
+        data_build_train_edited,
         export_edited,
         store_edited,
         run_without_checkpoints,

@@ -645,3 +645,30 @@ def test_a_test_row_in_training_is_counted_kept_and_refused_under_strict(tmp_pat
     with pytest.raises(DataPrepError, match="test row id 'boolq-validation-1' appears verbatim in training as row id"):
         run_build(tmp_path / "strict", source=mirror, tasks=("boolq",), strict=True)
     assert_nothing_written(tmp_path / "strict")
+
+
+def test_training_refuses_a_build_whose_train_file_was_edited_since(tmp_path):
+    """``data.train`` naming a data build (or its train.jsonl) is checked against the build's manifest, as eval and
+    ``frod data stats`` check theirs: a row deleted since the build is refused, naming the file; the same edited
+    file copied out of the build trains as the user's own; the unedited build passes."""
+    import hashlib
+    import json
+    import shutil
+
+    from frod_ds.train.data import DataError, training_file
+
+    out = tmp_path / "d"
+    run_build(out)
+    train = out / "train.jsonl"
+    assert training_file(out) == training_file(train) == train
+    recorded = json.loads((out / "manifest.json").read_text())["files"]["train.jsonl"]
+    assert recorded == hashlib.sha256(train.read_bytes()).hexdigest()
+    lines = train.read_text().splitlines(True)
+    train.write_text("".join(lines[:2] + lines[3:]))
+    for given in (out, train):
+        with pytest.raises(DataError, match=r"was changed after frod data build wrote it .*copy the file out"):
+            training_file(given)
+    mine = shutil.copy(train, tmp_path / "mine.jsonl")
+    assert training_file(mine) == Path(mine)
+    train.write_text("".join(lines))  # the edit undone: the build's own file again
+    assert training_file(out) == train
