@@ -83,6 +83,14 @@ class CategoryResult:
         whole category's ``peaks`` (largest |entry| per member), a member far out of scale is named as the cause."""
         limits = (reconstruction_tol(dtype), reconstruction_tol(spec.u_dtype, spec.quant))
         held = (dtype_name(dtype), spec.quant if spec.quant != "none" else dtype_name(spec.u_dtype))
+        for member, e in {**self.error, **self.stored_error}.items():
+            if not math.isfinite(e):  # the fp64 probe may hold, but the run's precision cannot carry the member
+                peak = (peaks or self.peak).get(member, float("nan"))
+                return (
+                    f"HJD of {spec.name}: the reconstruction error of {member}.weight (entries up to {peak:.1e}) "
+                    f"overflows in {held[0]} ({e}), so its factors can be neither checked nor trained in that "
+                    f"precision; {_out_of_scale(peaks or self.peak)}"
+                )
         for member, errors in self.probe.items():
             for what, e, limit, kind in zip(("computed", "stored"), errors, limits, held):
                 if not e <= limit:  # NaN too

@@ -257,6 +257,23 @@ def test_hjd_refuses_factors_the_probe_finds_off_and_keeps_none_of_them(
     assert not any(p.name.startswith(category) for p in out.iterdir()), "the refused category's files are gone"
 
 
+def test_hjd_refuses_a_category_whose_every_member_overflows_the_compute_precision(model, tmp_path, capsys):
+    """Every v_proj ×1e30: the fp64 probe reconstructs (HJD is scale-equivariant: V takes the scale), but the fp32
+    reconstruction error overflows (checked here in fp32 independently), and a run in fp32 on such weights learns
+    nothing. Refused, naming the category, a member and its largest entry; no store is left."""
+    names = [f"model.layers.{i}.self_attn.v_proj.weight" for i in (0, 1)]
+    for name in names:
+        _scaled(model, name, 1e30)
+    W = load_file(shard_of(model, names[0]))[names[0]]
+    assert torch.isfinite(W).all() and not torch.isfinite(W.float().square().sum())
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert "HJD of v_proj: the reconstruction error of model.layers." in line, line
+    assert "overflows in float32" in line and "entries up to" in line, line
+    assert not out.exists()
+
+
 def test_hjd_of_a_well_posed_category_at_a_huge_scale_passes_the_probe(tmp_path, capsys):
     """q_proj (32×32 per layer: each member full rank, a well-conditioned stack) with one layer ×1e20 reconstructs
     at fp32 level on the Gram route the stage takes there (independently checked), so the same probe that refuses
