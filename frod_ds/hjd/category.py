@@ -83,7 +83,7 @@ class CategoryResult:
         whole category's ``peaks`` (largest |entry| per member), a member far out of scale is named as the cause."""
         limits = (reconstruction_tol(dtype), reconstruction_tol(spec.u_dtype, spec.quant))
         held = (dtype_name(dtype), spec.quant if spec.quant != "none" else dtype_name(spec.u_dtype))
-        for member, e in {**self.error, **self.stored_error}.items():
+        for member, e in [*self.error.items(), *self.stored_error.items()]:  # both: a dict merge keeps one
             if not math.isfinite(e):  # the fp64 probe may hold, but the run's precision cannot carry the member
                 peak = (peaks or self.peak).get(member, float("nan"))
                 return (
