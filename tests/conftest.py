@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from tests.support.leftovers import launcher_vars, listening_sockets
+from tests.support import pace
+from tests.support.leftovers import clean_env, launcher_vars, listening_sockets
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,6 +141,16 @@ def _requested_order(config) -> str:
 
 def pytest_configure(config):
     config._frod_order = _requested_order(config)
+    config._frod_probe_s = None
+    if os.environ.get(pace.ENV):
+        try:
+            pace.parse(os.environ[pace.ENV])
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
+    elif not hasattr(config, "workerinput"):
+        # once per run, before xdist starts its workers: they (and every process a test starts) inherit it
+        config._frod_probe_s = pace.measure(clean_env())
+        os.environ[pace.ENV] = f"{pace.from_probe(config._frod_probe_s):.2f}"
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -199,9 +210,12 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_report_header(config):
     limit = f"{TEST_LIMIT_S:g} s" if TEST_LIMIT_S else "none"
+    probe = config._frod_probe_s
+    measured = f"the import probe took {probe:.1f} s against {pace.REFERENCE_S:g}" if probe else "given"
     return [
         f"test order: FROD_TEST_ORDER={config._frod_order} (re-run the same order with FROD_TEST_ORDER=<this value>)",
         f"time limit per test and per shared fixture's set-up: {limit} (FROD_TEST_LIMIT_S)",
+        f"this machine's pace: {pace.factor():g} ({measured}; FROD_TEST_PACE), the time limits are scaled by it",
     ]
 
 
@@ -246,23 +260,24 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if not TEST_LIMIT_S or report.when == "teardown" or not report.passed:
         return
+    limit = pace.scaled(TEST_LIMIT_S)
+    allowed = f"the {TEST_LIMIT_S:g} s a test may take" + (
+        f" ({limit:.0f} s at this pace)" if limit > TEST_LIMIT_S else ""
+    )
     if report.when == "setup":
-        over = [f"fixture '{n}' ({scope}) took {s:.1f} s to set up" for n, scope, s in _SHARED if s > TEST_LIMIT_S]
+        over = [f"fixture '{n}' ({scope}) took {s:.1f} s to set up" for n, scope, s in _SHARED if s > limit]
         item.stash[_SETUP_S] = report.duration - sum(s for _, _, s in _SHARED)
         if over:
             report.outcome = "failed"
-            report.longrepr = (
-                f"{item.nodeid}: {'; '.join(over)}, over the {TEST_LIMIT_S:g} s a test may take "
-                "(FROD_TEST_LIMIT_S): make it smaller"
-            )
+            report.longrepr = f"{item.nodeid}: {'; '.join(over)}, over {allowed} (FROD_TEST_LIMIT_S): make it smaller"
             return
     setup = item.stash.get(_SETUP_S, 0.0)
     spent = setup + (report.duration if report.when == "call" else 0.0)
-    if spent > TEST_LIMIT_S:
+    if spent > limit:
         report.outcome = "failed"
         report.longrepr = (
-            f"{item.nodeid} took {spent:.1f} s (its own set-up {setup:.1f} s), over the {TEST_LIMIT_S:g} s a test "
-            "may take (FROD_TEST_LIMIT_S): make it smaller"
+            f"{item.nodeid} took {spent:.1f} s (its own set-up {setup:.1f} s), over {allowed} (FROD_TEST_LIMIT_S): "
+            "make it smaller"
         )
 
 

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from tests.support import pace
 from tests.support.train_env import RANKS, REPO, env_vars
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def reports(tmp_path_factory):
     make_model(Shape(LAYERS, HIDDEN, INTER, heads=8, kv_heads=8, vocab=1000), root / "m")
     probe = REPO / "tests" / "support" / "qlora_residency_probe.py"
     cmd = [sys.executable, str(RANKS), "2", str(probe), "--model", str(root / "m"), "--out", str(root / "out")]
-    res = subprocess.run(cmd, env=env_vars(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, env=env_vars(), cwd=REPO, capture_output=True, text=True, timeout=pace.scaled(300))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [json.loads((root / "out" / f"qlora_rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -22,6 +22,7 @@ from bench.suite import STEP_KEYS, BenchError, load_suite, with_defaults
 from frod_ds.formats.factor_store import MANIFEST, Manifest
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.model.store_reader import FactorStore, check_store_matches
+from tests.support import pace
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 
@@ -73,7 +74,7 @@ def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
         text=True,
     )
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=pace.scaled(timeout))
     except subprocess.TimeoutExpired:
         proc.terminate()
         out, err = proc.communicate()
@@ -91,7 +92,7 @@ def _base_loss(model_dir: Path, batch: int, seq: int) -> float:
         return float(model(input_ids=ids, labels=ids).loss)
 
 
-DEFAULTS = """
+DEFAULTS = f"""
 [defaults]
 shape = "tiny"
 batch = 2
@@ -99,7 +100,7 @@ seq = 16
 warmup = 1
 steps = 2
 repeats = 2
-timeout_s = 90
+timeout_s = {pace.scaled(90):.0f}
 """
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from frod_ds.cli.main import COMMANDS
+from tests.support import pace
 from tests.support.leftovers import REPO, clean_env
 
 PY = sys.executable
@@ -193,7 +194,7 @@ def test_the_launcher_lines_run_hjd_on_two_ranks_like_one_process(tmp_path):
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python", "frod"]
     deepspeed = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--no_python", "frod"]
     for name, launcher in (("torchrun", torchrun), ("deepspeed", deepspeed)):
-        res = run([*launcher, *args, str(tmp_path / name)], env=env, timeout=240)
+        res = run([*launcher, *args, str(tmp_path / name)], env=env, timeout=pace.scaled(240))
         assert res.returncode == 0, (name, res.stderr[-3000:])
     from frod_ds.model.store_reader import FactorStore
     from tests.support.helpers_ckpt import hjd_in_process

@@ -24,6 +24,7 @@ from launch import eval as eval_cli
 from launch import export as export_cli
 from launch import hjd as hjd_cli
 from launch import train as train_cli
+from tests.support import pace
 from tests.support.leftovers import clean_env
 from tests.support.train_env import CPU_ZERO2, REPO, build_env, run_train, train_cmd
 
@@ -154,13 +155,13 @@ def test_new_run_while_the_run_is_still_training_is_refused_and_the_run_keeps_it
     try:
         t0 = time.time()
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
-            assert first.poll() is None and time.time() - t0 < 90, log.read_text()[-3000:]
+            assert first.poll() is None and time.time() - t0 < pace.scaled(90), log.read_text()[-3000:]
             time.sleep(0.1)
         line = one_error(capsys, train_cli.main(["--config", str(CPU_ZERO2), *overrides, "train.new_run=true"]))
         assert f"output_dir {out} is being written by frod train (pid {first.pid} on host" in line, line
         assert not [p for p in out.iterdir() if p.name.startswith("superseded-")]
         first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=90) == 143, log.read_text()[-3000:]
+        assert first.wait(timeout=pace.scaled(90)) == 143, log.read_text()[-3000:]
     finally:
         if first.poll() is None:
             first.kill()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from launch.eval import main
+from tests.support import pace
 from tests.support.eval_fixtures import (
     LLM_ADAPTERS_VOCAB,
     bigram_llama,
@@ -232,7 +233,7 @@ def _torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
         str(REPO / "launch" / "eval.py"),
         *args,
     ]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=pace.scaled(300))
 
 
 @pytest.mark.slow
@@ -444,7 +445,7 @@ def test_script_exits_2_with_one_error_line(assets, tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=pace.scaled(120),
     )
     assert run.returncode == 2
     assert run.stderr.strip().startswith("error: no eval file") and len(run.stderr.strip().splitlines()) == 1

@@ -16,6 +16,7 @@ from frod_ds.hjd.math import decompose
 from frod_ds.hjd.routes import make_blocks
 from frod_ds.hjd.sharding import split_counts
 from frod_ds.model.store_reader import FactorStore
+from tests.support import pace
 from tests.support.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -373,7 +374,7 @@ def test_srun_style_environment_runs_the_stage(tmp_path):
                 text=True,
             )
         )
-    outs = [p.communicate(timeout=180) for p in procs]
+    outs = [p.communicate(timeout=pace.scaled(180)) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     store = FactorStore.open(tmp_path / "store")
     assert store.manifest.world_size == 2

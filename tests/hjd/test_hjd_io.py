@@ -12,6 +12,7 @@ from safetensors import safe_open
 from frod_ds.hjd.sharding import my_members, targeted_members
 from frod_ds.hjd.streaming import FactorWriter, MemberReader, plan_parts
 from frod_ds.io.hf_checkpoint import HFCheckpoint
+from tests.support import pace
 from tests.support.helpers_ckpt import REPO, weights, write_tiny_llama
 from tests.support.leftovers import clean_env
 
@@ -151,7 +152,7 @@ def test_cpu_threading_of_launch_hjd_respects_the_user_and_shares_the_cores(monk
         env={**clean, "LOCAL_WORLD_SIZE": "2"},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=pace.scaled(120),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     policy, default, threads = proc.stdout.split()

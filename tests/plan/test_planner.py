@@ -14,6 +14,7 @@ from frod_ds.config.ds_config import load_ds_config
 from frod_ds.plan.memory import plan_memory
 from frod_ds.plan.recommend import hint, recommend
 from frod_ds.plan.shapes import Engine, GiB, TrainShape, model_shape_from_config, shipped_engines
+from tests.support import pace
 from tests.support.train_env import REPO, env_vars
 
 TINY = dict(
@@ -387,7 +388,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=pace.scaled(120),
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from frod_ds.prep.command import main, make_parser
+from tests.support import pace
 from tests.support.leftovers import clean_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,7 +158,7 @@ def test_module_entry_point_runs(tmp_path):
         env=clean_env(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=pace.scaled(60),
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("=== obqa 7-980  label 3  choices ['Option A', 'Option B', 'Option C', 'Option D']\n")
@@ -172,7 +173,7 @@ def test_hub_source_offline_fails_with_one_line_error(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=pace.scaled(120),
     )
     assert proc.returncode == 2
     line = error_line(proc.stderr)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support import ranks
+from tests.support import pace, ranks
 from tests.support.leftovers import REPO, clean_env
 
 # Each line one write: two ranks share the pipe, and print() writes its pieces one by one, which interleave
@@ -33,7 +33,9 @@ sys.exit(int(os.environ.get("FROD_PROBE_EXIT", "0")))
 
 
 def _fresh(cmd: list[str], env: dict[str, str], cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, *cmd], env=env, cwd=cwd, capture_output=True, text=True, timeout=pace.scaled(120)
+    )
 
 
 @pytest.mark.parametrize("code", ["0", "3"])
@@ -81,13 +83,13 @@ def test_a_failed_rank_stops_the_others_and_a_timeout_kills_them(tmp_path):
     script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(120)\n")
     t0 = time.monotonic()
     res = ranks.run(2, [str(script)], clean_env(), tmp_path, timeout=100)
-    assert res.returncode == 3 and time.monotonic() - t0 < 30  # rank 0 got SIGTERM, not its 120 s
+    assert res.returncode == 3 and time.monotonic() - t0 < pace.scaled(30)  # rank 0 got SIGTERM, not its 120 s
 
     script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n")
     t0 = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as e:
         ranks.run(0, [str(script)], clean_env(), tmp_path, timeout=2)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < pace.scaled(30)
     pid = int(e.value.output.split()[0])
     with pytest.raises(ProcessLookupError):
         import os

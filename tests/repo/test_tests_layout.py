@@ -4,6 +4,7 @@ and no test file sits flat in tests/. A new test file therefore has exactly one 
 
 from __future__ import annotations
 
+from tests.support import pace
 from tests.support.leftovers import REPO
 
 TESTS = REPO / "tests"
@@ -81,7 +82,7 @@ def test_an_unknown_test_order_is_one_usage_error_also_under_xdist():
             env=clean_env(FROD_TEST_ORDER="shuff:7"),
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=pace.scaled(120),
         )
         out = res.stdout + res.stderr
         assert res.returncode == 4 and "INTERNALERROR" not in out, (workers, res.returncode, out[-2000:])
@@ -112,10 +113,10 @@ def test_a_test_or_shared_fixture_past_the_time_limit_fails_in_every_order(tmp_p
         res = subprocess.run(
             [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-p", "tests.conftest", str(tmp_path)],
             cwd=REPO,
-            env=clean_env(FROD_TEST_LIMIT_S="1.5", FROD_TEST_ORDER=order),
+            env=clean_env(FROD_TEST_LIMIT_S="1.5", FROD_TEST_ORDER=order, FROD_TEST_PACE="1"),
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=pace.scaled(120),
         )
         out = res.stdout + res.stderr
         assert res.returncode == 1 and "1 failed, 2 passed, 1 error" in out, out[-2000:]  # set-ups' are errors
@@ -130,3 +131,30 @@ def test_a_test_or_shared_fixture_past_the_time_limit_fails_in_every_order(tmp_p
             builder: "ERROR",
             **dict.fromkeys(others, "PASSED"),
         }, outcomes
+
+
+def test_the_time_limit_scales_with_the_machines_pace(tmp_path):
+    """At pace 2 (FROD_TEST_PACE, else measured) a 1.5 s limit allows 3 s: a 2 s test passes that fails at pace 1;
+    the header says the pace, and a pace below 1 is a usage error before any test runs."""
+    import subprocess
+    import sys
+
+    from tests.support.leftovers import clean_env
+
+    (tmp_path / "test_paced.py").write_text("import time\n\n\ndef test_two_seconds():\n    time.sleep(2)\n")
+    runs = {}
+    for value in ("1", "2", "0.5"):
+        runs[value] = subprocess.run(
+            [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-p", "tests.conftest", str(tmp_path)],
+            cwd=REPO,
+            env=clean_env(FROD_TEST_LIMIT_S="1.5", FROD_TEST_PACE=value),
+            capture_output=True,
+            text=True,
+            timeout=pace.scaled(120),
+        )
+    one, two, half = (runs[v].stdout + runs[v].stderr for v in ("1", "2", "0.5"))
+    assert runs["1"].returncode == 1 and "over the 1.5 s a test may take (FROD_TEST_LIMIT_S)" in one, one[-2000:]
+    assert runs["2"].returncode == 0 and "1 passed" in two, two[-2000:]
+    assert "this machine's pace: 2 (given; FROD_TEST_PACE)" in two, two[-2000:]
+    assert runs["0.5"].returncode == 4 and "FROD_TEST_PACE='0.5': use a number of at least 1" in half, half[-2000:]
+    assert (pace.from_probe(3.5), pace.from_probe(14.0), pace.from_probe(1e3)) == (1.0, 2.0, pace.MAX_PACE)

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import pace
 from tests.support.leftovers import REPO, clean_env
 
 SOURCES = ("pyproject.toml", "setup.py", "README.md", "frod_ds", "data_prep", "ds_configs", "recipes")
 
 
 def _sh(cmd: list, cwd: Path, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    res = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    return res
+    cmd = [str(c) for c in cmd]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=pace.scaled(timeout))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support import pace
 from tests.support.leftovers import REPO, clean_env
 
 SHM_OP = "deepspeed_shm_comm"
@@ -49,7 +50,7 @@ def test_a_launch_killed_mid_build_does_not_block_the_next(tmp_path):
     ext = tmp_path / "torch_extensions"
     (ext / SHM_OP).mkdir(parents=True)
     _die_holding_baton(ext / SHM_OP / "lock")
-    proc = _start_deepspeed(ext, timeout=300)
+    proc = _start_deepspeed(ext, timeout=pace.scaled(300))
     assert proc.returncode == 0 and "started" in proc.stdout, proc.stderr[-2000:]
     assert not (ext / SHM_OP / f"{SHM_OP}.so").exists(), "nothing built at start-up"
 
@@ -83,8 +84,8 @@ def test_a_builder_that_dies_while_others_wait_does_not_block_them(tmp_path):
             time.sleep(0.05)
         start = time.monotonic()
         wait_for_baton(tmp_path, poll_s=0.1)
-        assert not baton.exists() and builder.wait(timeout=30) == -signal.SIGKILL
-        assert time.monotonic() - start < 60
+        assert not baton.exists() and builder.wait(timeout=pace.scaled(30)) == -signal.SIGKILL
+        assert time.monotonic() - start < pace.scaled(60)
     finally:
         if builder.poll() is None:
             builder.kill()
@@ -166,7 +167,7 @@ def test_no_launch_builds_an_op_whichever_ninja_is_on_path(tmp_path):
     venv_bin = str(Path(sys.executable).parent)
     plain = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
     for path in (os.pathsep.join([venv_bin, plain]), plain):
-        proc = _start_deepspeed(ext, timeout=300, PATH=path)
+        proc = _start_deepspeed(ext, timeout=pace.scaled(300), PATH=path)
         assert proc.returncode == 0 and "started" in proc.stdout, proc.stderr[-2000:]
     assert not any(ext.rglob("*.so")), "an op was built at start-up"
 
@@ -445,7 +446,7 @@ def _hjd(*argv: str) -> subprocess.CompletedProcess:
         env=clean_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=pace.scaled(300),
     )
 
 
@@ -537,7 +538,7 @@ def test_data_prep_out_onto_a_foreign_directory_does_not_suggest_overwrite(tmp_p
         env=clean_env(),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=pace.scaled(120),
     )
     assert res.returncode != 0 and "pass --overwrite" not in res.stderr, res.stderr[-1000:]
     assert (foreign / "notes.txt").read_text() == "keep"
@@ -598,7 +599,7 @@ def _variant(env, root: Path, name: str, edit) -> tuple[Path, Path]:
         env=clean_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=pace.scaled(300),
     )
     assert res.returncode == 0, res.stderr[-2000:]
     return model, store

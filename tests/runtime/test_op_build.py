@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import pace
 from tests.support.leftovers import REPO, clean_env
 
 pytestmark = pytest.mark.skipif(
@@ -62,7 +63,7 @@ def _start(code: str, tmp_path: Path, **env: str) -> tuple[subprocess.Popen, str
 def _compilers(tmp_path: Path, proc: subprocess.Popen, timeout: float = 30) -> list[int]:
     """The two stub compilers' pids, once both run."""
     pids = tmp_path / "pids"
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + pace.scaled(timeout)
     while not (pids.is_file() and len(pids.read_text().splitlines()) == 2):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the stub build never started its compilers"
@@ -110,7 +111,7 @@ def test_kill_9_of_a_launch_mid_build_kills_its_compilers(tmp_path):
 
 def test_a_guarded_build_runs_and_loads_the_op_in_the_launch(tmp_path):
     proc, mark = _start(GUARDED, tmp_path)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=pace.scaled(60))
     assert proc.returncode == 0, err
     assert out.strip() == f"stub op loaded in {proc.pid}"
     assert len((tmp_path / "pids").read_text().split()) == 2 and (tmp_path / "ext" / "stub_op" / "a.o").is_file()
@@ -124,7 +125,7 @@ def test_a_failed_build_is_one_error_line_after_the_compiler_output(tmp_path):
         "sys.exit(run(lambda: op_build.load_op(StubBuilder()), init_group=False))"
     )
     proc, _ = _start(code, tmp_path, FROD_STUB_EXIT="3")
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=pace.scaled(60))
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in err, err
     assert "stub_op" in errors[0] and "FAILED" in err, err  # ninja's own report of the failed command, above

@@ -39,6 +39,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support import pace
 from tests.support.leftovers import clean_env
 from tests.support.slurm_cluster import SlurmCluster, available
 from tests.support.slurm_local import SlurmUnavailable
@@ -189,7 +190,7 @@ def _wait_for_step(cluster: SlurmCluster, tiny: Tiny, job_id: str, out: Path, st
             and job.fields.get("Reason") != "DependencyNeverSatisfied"
         )
         assert ok, f"job {job_id} {job.state} ({job.fields.get('Reason')}) before step {step}\n{_all_logs(tiny)}"
-        assert time.time() - t0 < timeout, f"job {job_id}: no step {step} after {timeout} s\n{cluster.logs()}"
+        assert time.time() - t0 < pace.scaled(timeout), f"job {job_id}: no step {step}\n{cluster.logs()}"
         time.sleep(0.1)
 
 
@@ -463,7 +464,7 @@ def _hold_port(cluster: SlurmCluster, tiny: Tiny, node: str, port: int) -> str:
     assert res.returncode == 0, res.stderr
     t0 = time.time()
     while not ready.exists():
-        assert time.time() - t0 < 60, f"port holder on {node} did not start\n{cluster.logs()}"
+        assert time.time() - t0 < pace.scaled(60), f"port holder on {node} did not start\n{cluster.logs()}"
         time.sleep(0.1)
     return res.stdout.strip().split(";")[0]
 
@@ -487,7 +488,7 @@ def _kill_after_checkpoint(cluster: SlurmCluster, tiny: Tiny, job_id: str, out: 
             "REQUEUE_FED",
             "COMPLETING",
         ), _all_logs(tiny)
-        assert time.time() - t0 < 600, f"no checkpoint after step {after}\n{_all_logs(tiny)}"
+        assert time.time() - t0 < pace.scaled(600), f"no checkpoint after step {after}\n{_all_logs(tiny)}"
         time.sleep(0.1)
     restarts = cluster.job(job_id).restarts
     cluster.kill_node(node)
@@ -602,7 +603,7 @@ def test_a_killed_worker_ends_the_job_on_every_node_within_60s(cluster, tiny, si
     t0 = time.time()
     job = cluster.wait(job_id, timeout=60)
     while any(_task_pids(cluster, n) for n in nodes):
-        assert time.time() - t0 < 60, {n: _task_pids(cluster, n) for n in nodes}
+        assert time.time() - t0 < pace.scaled(60), {n: _task_pids(cluster, n) for n in nodes}
         time.sleep(0.2)
     print(f"\nkilled worker: job ended on every node in {time.time() - t0:.1f} s", flush=True)
     log = _log(tiny, "frod-train", job_id)
@@ -639,7 +640,7 @@ def test_a_path_on_one_node_only_fails_within_60s_naming_it(cluster, tiny, singl
         ),
     }
     for stage, (job_id, says) in jobs.items():
-        job = cluster.wait(job_id, timeout=max(1.0, 60 - (time.time() - t0)))
+        job = cluster.wait(job_id, timeout=max(1.0, 60 - (time.time() - t0) / pace.factor()))
         log = _log(tiny, f"frod-{stage}", job_id)
         assert job.state == "FAILED", (job, log)
         errors = [line for line in log.splitlines() if line.startswith("error:")]

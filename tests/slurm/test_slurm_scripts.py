@@ -14,6 +14,7 @@ import torch
 
 from frod_ds.hjd.math import decompose
 from frod_ds.model.store_reader import FactorStore
+from tests.support import pace
 from tests.support.helpers_ckpt import REPO, weights, write_tiny_llama
 from tests.support.leftovers import clean_env, free_port
 
@@ -75,7 +76,7 @@ def test_hjd_sbatch_runs_two_tasks(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=pace.scaled(300),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "rendezvous localhost:" in proc.stdout
@@ -146,7 +147,7 @@ def test_sbatch_scripts_run_the_checkouts_venv_python_not_a_bare_python(tmp_path
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=pace.scaled(120),
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"python {home}/.venv/bin/python," in proc.stdout and "usage:" in proc.stdout, proc.stdout
@@ -161,7 +162,7 @@ def test_sbatch_scripts_refuse_an_interpreter_that_cannot_run_the_project(tmp_pa
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=pace.scaled(120),
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("error: ") and python in proc.stderr and "set PYTHON" in proc.stderr, proc.stderr
@@ -210,7 +211,12 @@ def test_train_sbatch_requeues_a_sigterm_stop_but_not_a_failed_task(tmp_path, re
         TMPDIR=str(tmp_path),
     )
     proc = subprocess.run(
-        ["bash", str(SLURM / "train.sbatch")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+        ["bash", str(SLURM / "train.sbatch")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=pace.scaled(120),
     )
     assert proc.returncode == 143, proc.stdout + proc.stderr
     assert "training output" in proc.stdout and all(line in proc.stderr for line in report), proc.stdout + proc.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from tests.support import pace
 from tests.support.leftovers import REPO, clean_env
 
 LAUNCH = REPO / "launch" / "hjd.py"
@@ -99,7 +100,7 @@ def run_hjd(
     if nproc and launcher == "torchrun":
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     cmd += [str(script), *args]
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=pace.scaled(timeout))
 
 
 def hjd_in_process(args: list[str]) -> subprocess.CompletedProcess:

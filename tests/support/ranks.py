@@ -36,6 +36,7 @@ from pathlib import Path
 SCRIPT_PATH = list(sys.path)  # as python SCRIPT sees it, but for the first entry (the script's folder)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: the repo for tests.support
 
+from tests.support import pace  # noqa: E402  (torch-free)
 from tests.support.leftovers import free_port  # noqa: E402  (torch-free)
 
 
@@ -191,7 +192,9 @@ def _forkable() -> bool:
 def run(n: int, cmd: list[str], env: dict[str, str], cwd: str | Path, timeout: float) -> subprocess.CompletedProcess:
     """``python tests/support/ranks.py N CMD ...`` (``n == 0``: ``python CMD ...``) with ``env`` in ``cwd``, as
     ``subprocess.run(..., capture_output=True, text=True, timeout=timeout)`` returns it, its ranks forked from this
-    process (the module docstring). ``FROD_RANKS_EXEC=1``: that command line itself."""
+    process (the module docstring). ``FROD_RANKS_EXEC=1``: that command line itself. ``timeout`` is the
+    reference machine's (``tests.support.pace``)."""
+    timeout = pace.scaled(timeout)
     argv = [sys.executable, *([str(Path(__file__).resolve()), str(n)] if n else []), *cmd]
     if os.environ.get("FROD_RANKS_EXEC") == "1" or not _forkable():
         return subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)

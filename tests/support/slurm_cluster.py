@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support import pace
 from tests.support.leftovers import free_ports
 from tests.support.slurm_local import LocalSlurm, install
 
@@ -256,6 +257,7 @@ class SlurmCluster:
             log.close()
 
     def _wait(self, ready, what: str, timeout: float) -> None:
+        timeout = pace.scaled(timeout)
         t0 = time.time()
         while not ready():
             dead = [n for n, p in self.procs.items() if p.poll() is not None]

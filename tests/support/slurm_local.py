@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support import pace
 from tests.support.leftovers import free_ports, is_launcher_var
 
 BINARIES = ("sbatch", "scontrol", "scancel", "squeue", "srun", "slurmctld", "slurmd", "munged")
@@ -211,6 +212,7 @@ class LocalSlurm:
         self, cmd: list[str], env: dict[str, str] | None = None, timeout: float = 60, **kw
     ) -> subprocess.CompletedProcess:
         """A Slurm client command (sbatch, squeue, or a script calling them) against this cluster, in ``env``."""
+        timeout = pace.scaled(timeout)
         return subprocess.run(cmd, env=self.environ(env), capture_output=True, text=True, timeout=timeout, **kw)
 
     def job(self, job_id: str) -> Job:
@@ -226,7 +228,8 @@ class LocalSlurm:
 
     def wait(self, job_id: str, timeout: float = 300, states: set[str] = DONE_STATES) -> Job:
         """Poll until the job is in one of ``states`` (default: ended), or waits on a dependency that failed;
-        fails with the daemon logs on timeout."""
+        fails with the daemon logs on timeout (the reference machine's seconds: ``tests.support.pace``)."""
+        timeout = pace.scaled(timeout)
         t0 = time.time()
         while True:
             job = self.job(job_id)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from frod_ds.interop.gguf import MARKER, convert_gguf
+from tests.support import pace
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 from tests.support.realmodel import SMOLLM2_GGUF, RealModelUnavailable, locate_gguf
@@ -108,7 +109,7 @@ def real_store(real_fp32):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=pace.scaled(600),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support import pace
 from tests.support.helpers_ckpt import hjd_in_process
 from tests.support.train_env import (
     CPU_ZERO2,
@@ -274,7 +275,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
     t0 = time.time()
     while not path.exists():
         assert proc.poll() is None, "training ended before the checkpoint appeared"
-        assert time.time() - t0 < timeout, f"{path} did not appear"
+        assert time.time() - t0 < pace.scaled(timeout), f"{path} did not appear"
         time.sleep(0.05)
 
 
@@ -287,7 +288,7 @@ def _wait_until_reaped(group: int, timeout: float = 30) -> None:
             os.killpg(group, 0)
         except ProcessLookupError:
             return
-        assert time.time() - t0 < timeout, f"process group {group} still has processes {timeout} s after kill -9"
+        assert time.time() - t0 < pace.scaled(timeout), f"process group {group} still has processes after kill -9"
         time.sleep(0.05)
 
 
@@ -339,7 +340,7 @@ def test_sigterm_writes_checkpoint_then_exits(env, tmp_path, sig):
     )
     _wait_for(out / "metrics.jsonl", proc)
     os.killpg(proc.pid, sig)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=pace.scaled(120))
     assert proc.returncode == 128 + sig, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     tag = (out / "checkpoints" / "latest_complete").read_text()
