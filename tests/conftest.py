@@ -222,6 +222,8 @@ def pytest_report_header(config):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if config._frod_order != "normal":
         terminalreporter.write_line(f"test order: FROD_TEST_ORDER={config._frod_order}")
+    if TEST_LIMIT_S:  # the header's line, which -q leaves out
+        terminalreporter.write_line(pytest_report_header(config)[-1])
 
 
 # No test takes longer than this: its own set-up and call, and no shared fixture's set-up either. On a 2-core machine

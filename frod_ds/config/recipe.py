@@ -22,6 +22,7 @@ from frod_ds.core.names import DEFAULT_TARGETS, QUANT_KINDS
 from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.paths import file_problem
 from frod_ds.runtime.shipped import user_file
+from frod_ds.runtime.strict_json import MAX_DEPTH, nesting_depth
 from frod_ds.runtime.validate import sparsity_problem, targets_problem
 
 __all__ = ["RecipeError", "ModelCfg", "DataCfg", "TrainCfg", "Recipe", "load_recipe", "recipe_to_dict"]
@@ -269,6 +270,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
             loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
         except UnicodeDecodeError as e:
             raise RecipeError(f"recipe {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        except RecursionError:  # the YAML parser is recursive: lists or mappings nested thousands deep
+            raise RecipeError(f"recipe {p} nests lists or mappings more than {MAX_DEPTH} deep; fix the file") from None
         except yaml.YAMLError as e:  # the parser's own position (line, column) says where to look
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
@@ -277,6 +280,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
             ) from None
         if not isinstance(loaded, dict):
             raise RecipeError(f"recipe {p} must be a YAML mapping")
+        if nesting_depth(loaded) > MAX_DEPTH:
+            raise RecipeError(f"recipe {p} nests lists or mappings more than {MAX_DEPTH} deep; fix the file")
         tree = loaded
     for item in overrides:
         if "=" not in item:
@@ -284,7 +289,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         key, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError):
             raise RecipeError(f"override {item!r}: the value is not a YAML scalar; quote it") from None
         _set_dotted(tree, key.strip(), value)
     problems: list[str] = []

@@ -39,6 +39,7 @@ from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.runtime.errors import note
 from frod_ds.runtime.paths import dir_problem, file_problem
+from frod_ds.runtime.strict_json import loads
 
 __all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "check_built", "run"]
 
@@ -322,7 +323,7 @@ def _is_legacy_results(path: Path) -> bool:
     if not all((path / name).is_file() for name in LEGACY_FILES):
         return False
     try:
-        doc = json.loads((path / "results.json").read_text())
+        doc = loads((path / "results.json").read_text())
     except (OSError, ValueError):
         return False
     return isinstance(doc, dict) and isinstance(doc.get("mode"), str) and isinstance(doc.get("config"), dict)

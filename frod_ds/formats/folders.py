@@ -7,12 +7,12 @@ and ``wrong_folder`` turns a directory of the wrong kind into one line saying wh
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from frod_ds.formats.output_dir import KINDS, MARKER, read_record
+from frod_ds.runtime.strict_json import loads
 
 __all__ = ["FOLDERS", "folder_kind", "describe_folder", "wrong_folder"]
 
@@ -41,7 +41,7 @@ _GOES_TO = {
 
 def _json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

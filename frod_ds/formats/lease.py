@@ -25,6 +25,7 @@ from frod_ds.formats.output_dir import LEASE, LEASE_FORMAT, WRITERS, LeaseRecord
 from frod_ds.formats.records import record_from_dict, record_to_json
 from frod_ds.runtime.atomic import file_in_the_way
 from frod_ds.runtime.errors import FrodError, note
+from frod_ds.runtime.strict_json import loads
 
 __all__ = ["HEARTBEAT_S", "STALE_S", "ENV", "Lease", "lease_path", "acquire", "holding", "read_lease", "live_holder"]
 
@@ -98,7 +99,7 @@ def read_lease(path: Path) -> tuple[LeaseRecord | None, os.stat_result] | None:
     except OSError:
         return None, os.stat(path)
     try:
-        return record_from_dict(LeaseRecord, json.loads(text), str(path), FrodError), st
+        return record_from_dict(LeaseRecord, loads(text), str(path), FrodError), st
     except ValueError:
         return None, st
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from frod_ds.formats.file_digests import file_sha256
 from frod_ds.formats.records import record_from_dict, record_to_json
 from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.strict_json import loads
 
 __all__ = [
     "MARKER",
@@ -126,11 +127,10 @@ class OutputRecordError(FrodError):
 
 def read_record(folder: Path) -> OutputRecord | None:
     """The record of ``folder``; None without one; a record of no kind when it is unreadable (never trusted)."""
-    import json
 
     path = Path(folder) / MARKER
     try:
-        data = json.loads(path.read_text())
+        data = loads(path.read_text())
         return record_from_dict(OutputRecord, data, str(path), OutputRecordError)
     except FileNotFoundError:
         return None

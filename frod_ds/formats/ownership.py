@@ -404,13 +404,27 @@ def publish_dir(
         return
     check_replaceable(out, kind, inputs, error=error)
     aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.rename(out, aside / out.name)
+    try:
+        os.rename(out, aside / out.name)
+    except OSError as e:  # a mount point (EBUSY), a read-only parent: the previous output stays as it was
+        aside.rmdir()
+        why = "it is a mount point" if e.errno == errno.EBUSY else e.strerror
+        raise (error or FrodError)(
+            f"cannot replace {out}: it cannot be moved aside ({why}); write to another folder, or remove it yourself"
+        ) from None
     try:
         os.rename(new, out)
     except BaseException:
         os.rename(aside / out.name, out)  # put the previous one back
         aside.rmdir()
         raise
-    _discard(aside / out.name, kind)
+    try:
+        _discard(aside / out.name, kind)
+    except OSError as e:  # the new output is in place: what is left of the old one is named, not an error
+        note(
+            f"{out} is written, but the output it replaced could not be deleted entirely ({e.strerror}: "
+            f"{e.filename}); what is left of it is in {aside}: delete it yourself"
+        )
+        return
     with contextlib.suppress(OSError):
         aside.rmdir()

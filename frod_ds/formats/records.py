@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.strict_json import loads
 
 __all__ = ["record_to_dict", "record_from_dict", "record_to_json", "parse_json"]
 
@@ -109,6 +110,6 @@ def changed_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def parse_json(text: str, where: str | Path, error: type[FrodError], hint: str = "") -> Any:
     """``json.loads(text)``; ``error`` saying ``where`` is corrupt (and ``hint``: what to do) otherwise."""
     try:
-        return json.loads(text)
+        return loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{where} is corrupt: not valid JSON ({e}){hint}") from None

@@ -37,6 +37,7 @@ from frod_ds.interop.peft_common import (
 )
 from frod_ds.runtime.errors import note
 from frod_ds.runtime.paths import dir_problem
+from frod_ds.runtime.strict_json import loads
 
 __all__ = ["import_peft"]
 
@@ -59,7 +60,7 @@ def _read_peft_config(peft_dir: Path) -> dict[str, Any]:
     if not cfg_path.is_file():
         raise PeftInteropError(f"--from-peft {peft_dir} is not a PEFT adapter directory (no adapter_config.json)")
     try:
-        cfg = json.loads(cfg_path.read_text())
+        cfg = loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PeftInteropError(f"{cfg_path} is corrupt ({e}); save the adapter again") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type") != "FROD":

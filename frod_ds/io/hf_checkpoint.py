@@ -25,6 +25,7 @@ from frod_ds.io.model_config import missing_linear, weights_problems
 from frod_ds.io.model_dir import check_config_file, check_model_folder
 from frod_ds.runtime.errors import CheckpointError, note
 from frod_ds.runtime.paths import dir_problem
+from frod_ds.runtime.strict_json import loads
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +115,7 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
         if n > size - 8 or n > 100 * 2**20:
             raise CheckpointError(broken)
         try:
-            header = json.loads(f.read(n))
+            header = loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise CheckpointError(broken) from None
     base = 8 + n
@@ -159,7 +160,7 @@ class HFCheckpoint:
         single = self.dir / SINGLE_NAME
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise CheckpointError(
                     f"{index} is not a valid safetensors index (no weight_map); download it again"

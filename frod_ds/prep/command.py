@@ -6,7 +6,6 @@ Errors print ``error: <one line>`` to stderr and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from frod_ds.prep.tasks import (
 from frod_ds.prep.templates import RowError, render, row_id
 from frod_ds.runtime.cli_parser import Parser
 from frod_ds.runtime.paths import dir_problem
+from frod_ds.runtime.strict_json import loads
 
 EXAMPLES = """examples:
   frod data build --source hub --out data/cs170k
@@ -222,7 +222,7 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
     if not path.is_file():
         raise DataPrepError(f"{out} is not a frod data build (no manifest.json); build it with frod data build")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = loads(path.read_text(encoding="utf-8"))
         recorded = manifest["files"]
     except (ValueError, KeyError, TypeError) as exc:
         raise DataPrepError(f"{path} is not a valid manifest ({type(exc).__name__}: {exc})") from None

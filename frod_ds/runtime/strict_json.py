@@ -1,12 +1,82 @@
 """JSON that refuses a key given twice in one object: ``json.loads`` keeps the last value without a word, so a
-hand-edited file (a DeepSpeed JSON, a data row) could mean one thing to its author and another to the run."""
+hand-edited file (a DeepSpeed JSON, a data row) could mean one thing to its author and another to the run. And
+JSON nested deeper than any input needs: Python's parser raises ``RecursionError`` on it, which no reader's
+``JSONDecodeError`` handler names; ``loads`` refuses it as a ``JSONDecodeError`` at the depth it passes."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-__all__ = ["DuplicateKeyError", "parse_json"]
+__all__ = ["MAX_DEPTH", "DuplicateKeyError", "NestedTooDeepError", "loads", "nesting_depth", "parse_json"]
+
+
+MAX_DEPTH = 100  # levels of arrays and objects: no input the project reads needs more than a handful
+
+
+class NestedTooDeepError(json.JSONDecodeError):
+    """JSON nested deeper than ``MAX_DEPTH``; its position is where that depth is first passed."""
+
+
+def loads(text: str | bytes, **kw: Any) -> Any:
+    """``json.loads``, refusing arrays and objects nested deeper than ``MAX_DEPTH`` (``NestedTooDeepError``, a
+    ``JSONDecodeError``): ``json.loads`` itself raises ``RecursionError`` on deep enough input, and so would every
+    recursive walk over what it returns."""
+    try:
+        data = json.loads(text, **kw)
+    except RecursionError:
+        data = None
+    else:
+        if nesting_depth(data) <= MAX_DEPTH:
+            return data
+    doc = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+    depth, pos = _deepest(doc)
+    raise NestedTooDeepError(
+        f"arrays and objects nested {depth} deep, more than the {MAX_DEPTH} levels an input may have", doc, pos
+    ) from None
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply ``value``'s lists, tuples and dicts nest (0: a scalar); counted without recursion and only to
+    one past ``MAX_DEPTH``."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_DEPTH:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _deepest(doc: str) -> tuple[int, int]:
+    """The deepest nesting of ``doc``'s arrays and objects (strings skipped) and where ``MAX_DEPTH`` is first
+    passed."""
+    depth = best = 0
+    pos = None
+    in_string = escaped = False
+    for i, ch in enumerate(doc):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            best = max(best, depth)
+            if depth > MAX_DEPTH and pos is None:
+                pos = i
+        elif ch in "]}":
+            depth -= 1
+    return best, pos or 0
 
 
 class DuplicateKeyError(ValueError):
@@ -30,7 +100,7 @@ def parse_json(text: str) -> Any:
                 break
         return dict(items)
 
-    data = json.loads(text, object_pairs_hook=pairs)
+    data = loads(text, object_pairs_hook=pairs)
     if seen:
         key, keys = seen[0]
         raise DuplicateKeyError(key, _path_of(data, set(keys)) or "")

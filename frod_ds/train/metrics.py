@@ -14,6 +14,7 @@ import torch
 
 from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.runtime.errors import FrodError, note
+from frod_ds.runtime.strict_json import loads
 
 __all__ = ["METRICS", "MetricsLog", "drop_rows_after", "plot_loss", "peak_mem_gb", "reset_peak_mem"]
 
@@ -48,7 +49,7 @@ class MetricsLog:
 def _row_step(line: str) -> int | None:
     """The ``step`` of a metrics row, None when ``line`` is not one."""
     try:
-        row = json.loads(line)
+        row = loads(line)
     except json.JSONDecodeError:
         return None
     step = row.get("step") if isinstance(row, dict) else None

@@ -107,7 +107,7 @@ def _same_recipe(path: Path, recipe: Recipe) -> bool:
     """Whether ``path`` records ``recipe`` already, ``output_dir`` aside (a run copied or moved elsewhere)."""
     try:
         recorded = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
         return False
     now = recipe_to_dict(recipe)
     return isinstance(recorded, dict) and {**recorded, "output_dir": None} == {**now, "output_dir": None}

@@ -394,6 +394,46 @@ def data_not_json(world, case, spec):
     _jsonl(case, rows)
 
 
+DEEP = "[" * 20_000 + "]" * 20_000  # past Python's recursive JSON and YAML readers
+
+
+def _with_deep_value(text: str, deep: str = DEEP) -> str:
+    return text.rstrip().rstrip("}") + ', "x": ' + deep + "}"
+
+
+def data_deep(world, case, spec):
+    rows = _rows(world)
+    rows[5] = DEEP
+    _jsonl(case, rows)
+
+
+def ds_deep(world, case, spec):
+    (case / "ds.json").write_text(_with_deep_value(Path(world.paths["ds"]).read_text()))
+
+
+def ds_deep_900(world, case, spec):
+    """900 levels: within what Python's JSON reader follows, past what a recursive walk over the result can."""
+    (case / "ds.json").write_text(_with_deep_value(Path(world.paths["ds"]).read_text(), "[" * 900 + "]" * 900))
+
+
+def yaml_deep(world, case, spec):
+    (case / "r.yaml").write_text("train:\n  lr_sigma: " + "[" * 10_000 + "]" * 10_000 + "\n")
+
+
+def model_config_deep(world, case, spec):
+    _copy(world, "model", case / "model")
+    path = case / "model" / "config.json"
+    path.write_text(_with_deep_value(path.read_text()))
+
+
+def mirror_deep(world, case, spec):
+    """A BoolQ source whose second training row is arrays nested 20,000 deep."""
+    (case / "mirror" / "boolq").mkdir(parents=True)
+    good = {"question": "is it dry", "answer": True, "passage": "It is dry."}
+    (case / "mirror" / "boolq" / "train.jsonl").write_text(json.dumps(good) + "\n" + DEEP + "\n")
+    (case / "mirror" / "boolq" / "validation.jsonl").write_text(json.dumps({**good, "question": "is it"}) + "\n")
+
+
 def _edit_row(world, case, index: int, edit: Callable[[dict], None]) -> None:
     """The world's training rows with row ``index`` changed by ``edit``, as the case's train.jsonl."""
     rows = _rows(world)
@@ -1492,6 +1532,12 @@ STEPS: dict[str, Callable] = {
         mirror_repeat_and_surrogate,
         data_empty,
         data_not_json,
+        data_deep,
+        ds_deep,
+        ds_deep_900,
+        yaml_deep,
+        model_config_deep,
+        mirror_deep,
         data_missing_answer,
         data_missing_prompt,
         data_number_answer,

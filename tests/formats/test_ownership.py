@@ -319,3 +319,54 @@ def test_a_write_once_output_refuses_replacement_of_a_file_edited_since(tmp_path
     with building_dir(out, "hf-export") as tmp:
         write(tmp, {"config.json": "new\n"})
     assert (out / "config.json").read_text() == "new\n" and not (out / "sub").exists()
+
+
+def test_an_earlier_output_that_cannot_be_moved_aside_is_kept_with_one_line(tmp_path, monkeypatch):
+    """A mount point (EBUSY) cannot be renamed: --overwrite is refused naming why, the earlier build stays as it was
+    and nothing is left beside it (the new build and the empty aside folder are gone)."""
+    import errno
+
+    from frod_ds.formats import ownership
+
+    out = data_build(tmp_path / "data")
+    before = tree(out)
+    rename = os.rename
+
+    def busy(src, dst):
+        if Path(src) == out:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(src))
+        return rename(src, dst)
+
+    monkeypatch.setattr(ownership.os, "rename", busy)
+    with pytest.raises(FrodError) as e:
+        with building_dir(out, "data-build") as tmp:
+            write(tmp, {"train.jsonl": "new\n", "manifest.json": "{}\n"})
+    assert str(e.value).startswith(f"cannot replace {out}: it cannot be moved aside (it is a mount point)")
+    assert "\n" not in str(e.value) and tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_a_replaced_output_that_cannot_be_deleted_is_named_and_the_new_one_stands(tmp_path, monkeypatch, capsys):
+    """The new build is in place when the old one turns out undeletable (a file made immutable, EPERM): that is no
+    failure of the build, whose exit would say nothing was written; what is left of the old one is named."""
+    import errno
+
+    from frod_ds.formats import ownership
+
+    out = data_build(tmp_path / "data")
+    unlink = Path.unlink
+
+    def immutable(path, *a, **kw):
+        if path.name == "train.jsonl" and ".data.old-" in str(path):
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM), str(path))
+        return unlink(path, *a, **kw)
+
+    monkeypatch.setattr(ownership.Path, "unlink", immutable)
+    with building_dir(out, "data-build") as tmp:
+        write(tmp, {"train.jsonl": "new\n", "manifest.json": "{}\n"})
+    assert (out / "train.jsonl").read_text() == "new\n"
+    (aside,) = [p for p in tmp_path.iterdir() if p.name != "data"]
+    assert aside.name.startswith(".data.old-") and (aside / "data" / "train.jsonl").read_text() == "t\n"
+    err = capsys.readouterr().err
+    assert f"{out} is written, but the output it replaced could not be deleted entirely" in err
+    assert f"what is left of it is in {aside}: delete it yourself" in err
