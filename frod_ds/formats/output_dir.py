@@ -214,11 +214,15 @@ def stamps_of(folder: Path, entries: list[str]) -> dict[str, list]:
 
 def edited_since_written(folder: Path, record: OutputRecord | None) -> list[str]:
     """The files of ``record.written`` still in ``folder`` with other bytes than published (a user's edit: the
-    writer replaces its folder whole). Size and mtime unchanged mean untouched; a copy's new mtime is hashed."""
+    writer replaces its folder whole), or replaced by a link (the writer stamps no link: one is the user's, even
+    to the same bytes). Size and mtime unchanged mean untouched; a copy's new mtime is hashed."""
     out = []
     for rel, (size, mtime_ns, sha) in sorted(((record.written if record else None) or {}).items()):
         path = Path(folder) / rel
-        if not path.is_file() or path.is_symlink():
+        if path.is_symlink():
+            out.append(rel)
+            continue
+        if not path.is_file():
             continue
         st = path.stat()
         if st.st_size != size or (st.st_mtime_ns != mtime_ns and file_sha256(path) != sha):

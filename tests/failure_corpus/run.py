@@ -710,6 +710,15 @@ def data_build_edited(world, case, spec):
     eval_file.write_text(eval_file.read_text() + "\n")
 
 
+def data_build_linked(world, case, spec):
+    """An earlier build whose train.jsonl the user replaced by a link to their own copy of it."""
+    shutil.copytree(world.paths["data"], case / "data")
+    train = case / "data" / "train.jsonl"
+    shutil.copy(train, case / "mine.jsonl")
+    train.unlink()
+    train.symlink_to(case / "mine.jsonl")
+
+
 def data_build_train_edited(world, case, spec):
     """A data build whose train.jsonl lost a row after the build (its sha256 no longer the manifest's)."""
     shutil.copytree(world.paths["data"], case / "data")
@@ -1498,6 +1507,7 @@ STEPS: dict[str, Callable] = {
         model_config_dangling,
         mirror_same_options,
         data_build_edited,
+        data_build_linked,
         data_build_forged_list,
         data_build_train_edited,
         export_edited,

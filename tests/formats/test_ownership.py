@@ -370,3 +370,19 @@ def test_a_replaced_output_that_cannot_be_deleted_is_named_and_the_new_one_stand
     err = capsys.readouterr().err
     assert f"{out} is written, but the output it replaced could not be deleted entirely" in err
     assert f"what is left of it is in {aside}: delete it yourself" in err
+
+
+def test_a_write_once_output_refuses_a_stamped_file_replaced_by_a_link(tmp_path):
+    """A user who put a link where the writer's file was (to their own file, even of the same bytes) owns that
+    entry: replacing the output is refused naming it, and the link and its target are left as they were."""
+    out = data_build(tmp_path / "data")
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text((out / "train.jsonl").read_text())
+    (out / "train.jsonl").unlink()
+    (out / "train.jsonl").symlink_to(mine)
+    with pytest.raises(FrodError, match=r"holds files changed since frod-ds wrote them: train.jsonl; refusing"):
+        with building_dir(out, "data-build") as tmp:
+            write(tmp, {"train.jsonl": "new\n"})
+    assert (out / "train.jsonl").is_symlink() and (out / "train.jsonl").resolve() == mine
+    assert mine.read_text() == BUILD["train.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "mine.jsonl"]
