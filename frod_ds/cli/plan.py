@@ -93,7 +93,7 @@ def print_plan(plan, title: str, model=None) -> None:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from frod_ds.config.ds_config import check_ds_config, load_ds_config
+    from frod_ds.config.ds_config import DSConfigError, check_ds_config, load_ds_config, resolve_ds_config
     from frod_ds.config.recipe import load_recipe
     from frod_ds.core.names import LLAMA_LINEARS
     from frod_ds.plan.memory import plan_memory, trainable_numel
@@ -128,6 +128,10 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.config:
         cfg = load_ds_config(args.config)
         check_ds_config(cfg, args.config)
+        try:  # what training on --gpus would refuse besides: batch sizes, bf16, clipping against the recipe
+            resolve_ds_config(cfg, recipe, args.gpus)
+        except DSConfigError as e:
+            raise DSConfigError(str(e).replace("DeepSpeed config:", f"DeepSpeed config {args.config}:", 1)) from None
         t = recipe.train
         engine = engine_from_ds_config(cfg, args.config, t.zero3_partition, t.zero3_gather)
         plan = plan_memory(model, train, engine, args.gpus, gpu)

@@ -562,6 +562,31 @@ def test_plan_refuses_a_ds_config_with_its_own_optimizer_as_training_does(tmp_pa
         assert own_blocks(cfg) and not own_blocks(load_ds_config(REPO / "ds_configs" / "zero2.json"))
 
 
+@pytest.mark.parametrize(
+    "edit, gpus, says",
+    [
+        ({"train_batch_size": 7}, "1", "train_batch_size=7 in the DeepSpeed config but the recipe gives 4"),
+        ({"train_batch_size": 4}, "2", "train_batch_size=4 in the DeepSpeed config but the recipe gives 8"),
+        ({"bf16": {"enabled": False}}, "1", "bf16.enabled=False in the DeepSpeed config but model.dtype=bfloat16"),
+        ({"gradient_clipping": 5.0}, "1", "gradient_clipping=5.0 in the DeepSpeed config but the recipe gives"),
+    ],
+)
+def test_plan_refuses_a_ds_config_that_contradicts_the_recipe_as_training_does(tmp_path, edit, gpus, says):
+    """A batch size (for the GPUs asked: micro 4 x accum 1 x GPUs), bf16 switch or clipping that training refuses
+    against the recipe is refused by ``frod plan --config`` too, naming the file; the values the recipe gives pass."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    path = tmp_path / "ds.json"
+    base = load_ds_config(REPO / "ds_configs" / "zero2.json")
+    recipe = ["model.dtype=bfloat16", "train.micro_batch_size=4", "train.grad_accum=1", "train.max_grad_norm=1.0"]
+    path.write_text(json.dumps({**base, **edit}))
+    res = _plan_here("--model", str(tmp_path), "--gpus", gpus, "--config", str(path), *recipe)
+    assert res.returncode == 2 and f"DeepSpeed config {path}: {says}" in res.stderr, res.stderr
+    agreeing = {"train_batch_size": 4 * int(gpus), "bf16": {"enabled": True}, "gradient_clipping": 1.0}
+    path.write_text(json.dumps({**base, **{k: agreeing[k] for k in edit}}))
+    res = _plan_here("--model", str(tmp_path), "--gpus", gpus, "--config", str(path), *recipe)
+    assert res.returncode in (0, 1) and "error" not in res.stderr, res.stderr  # planned (fits or not)
+
+
 def test_planner_errors_are_user_errors(tmp_path):
     """In-process: the planner's and the config lookup's errors are ``FrodError``s (the entry prints them)."""
     from frod_ds.plan.shapes import PlanError, load_model_shape
