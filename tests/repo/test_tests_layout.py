@@ -134,8 +134,8 @@ def test_a_test_or_shared_fixture_past_the_time_limit_fails_in_every_order(tmp_p
 
 
 def test_the_time_limit_scales_with_the_machines_pace(tmp_path):
-    """At pace 2 (FROD_TEST_PACE, else measured) a 1.5 s limit allows 3 s: a 2 s test passes that fails at pace 1;
-    the header says the pace, and a pace below 1 is a usage error before any test runs."""
+    """At pace 2 (FROD_TEST_PACE, else measured) a 1.5 s limit allows 3 s: a 2 s test passes that fails at pace 1
+    (the test above); the header says the pace, and a pace below 1 is a usage error before any test runs."""
     import subprocess
     import sys
 
@@ -143,7 +143,7 @@ def test_the_time_limit_scales_with_the_machines_pace(tmp_path):
 
     (tmp_path / "test_paced.py").write_text("import time\n\n\ndef test_two_seconds():\n    time.sleep(2)\n")
     runs = {}
-    for value in ("1", "2", "0.5"):
+    for value in ("2", "0.5"):
         runs[value] = subprocess.run(
             [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "-p", "tests.conftest", str(tmp_path)],
             cwd=REPO,
@@ -152,8 +152,7 @@ def test_the_time_limit_scales_with_the_machines_pace(tmp_path):
             text=True,
             timeout=pace.scaled(120),
         )
-    one, two, half = (runs[v].stdout + runs[v].stderr for v in ("1", "2", "0.5"))
-    assert runs["1"].returncode == 1 and "over the 1.5 s a test may take (FROD_TEST_LIMIT_S)" in one, one[-2000:]
+    two, half = (runs[v].stdout + runs[v].stderr for v in ("2", "0.5"))
     assert runs["2"].returncode == 0 and "1 passed" in two, two[-2000:]
     assert "this machine's pace: 2 (given; FROD_TEST_PACE)" in two, two[-2000:]
     assert runs["0.5"].returncode == 4 and "FROD_TEST_PACE='0.5': use a number of at least 1" in half, half[-2000:]
