@@ -214,12 +214,13 @@ def stamps_of(folder: Path, entries: list[str]) -> dict[str, list]:
 
 def edited_since_written(folder: Path, record: OutputRecord | None) -> list[str]:
     """The files of ``record.written`` still in ``folder`` with other bytes than published (a user's edit: the
-    writer replaces its folder whole), or replaced by a link (the writer stamps no link: one is the user's, even
-    to the same bytes). Size and mtime unchanged mean untouched; a copy's new mtime is hashed."""
+    writer replaces its folder whole), or replaced by anything but a file (a link, even to the same bytes, a named
+    pipe, a folder: the writer stamps files only). Size and mtime unchanged mean untouched; a copy's new mtime is
+    hashed."""
     out = []
     for rel, (size, mtime_ns, sha) in sorted(((record.written if record else None) or {}).items()):
         path = Path(folder) / rel
-        if path.is_symlink():
+        if path.is_symlink() or (os.path.lexists(path) and not path.is_file()):  # a link, pipe or folder there now
             out.append(rel)
             continue
         if not path.is_file():

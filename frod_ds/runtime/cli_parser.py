@@ -14,7 +14,14 @@ _CHOICE = re.compile(r"invalid choice: '(?P<got>[^']*)' \(choose from (?P<choice
 
 
 class Parser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose usage errors are one line and exit 2; its sub-parsers are of this class."""
+    """``argparse.ArgumentParser`` whose usage errors are one line and exit 2; its sub-parsers are of this class.
+    An option given an empty value (``--out "$UNSET"``) is a usage error: argparse would take it as the path ".",
+    and the command would build from, or write into, the working directory."""
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]):
+        if action.option_strings and "" in arg_strings:
+            self.error(f"argument {'/'.join(action.option_strings)}: the value is empty (an unset variable?)")
+        return super()._get_values(action, arg_strings)
 
     def error(self, message: str) -> NoReturn:
         m, close = _CHOICE.search(message), []

@@ -69,6 +69,12 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
         if line:
             report(FrodError(line))
             return USER_ERROR
+        if e.errno in (errno.EMFILE, errno.ENFILE):  # ``ulimit -n`` too low for the command's files and libraries
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            report(FrodError(f"{e.strerror} (ulimit -n is {soft}): raise the limit and re-run the same command"))
+            return USER_ERROR
         if e.errno not in DISK_FULL_ERRNOS:
             raise
         report(FrodError(disk_full_line(e)))  # a full (or read-only) disk: the user's to fix, not a traceback

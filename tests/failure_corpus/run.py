@@ -719,6 +719,14 @@ def data_build_linked(world, case, spec):
     train.symlink_to(case / "mine.jsonl")
 
 
+def data_build_fifo(world, case, spec):
+    """An earlier build one of whose eval files the user replaced by a named pipe."""
+    shutil.copytree(world.paths["data"], case / "data")
+    eval_file = sorted((case / "data" / "eval").glob("*.jsonl"))[0]
+    eval_file.unlink()
+    os.mkfifo(eval_file)
+
+
 def data_build_train_edited(world, case, spec):
     """A data build whose train.jsonl lost a row after the build (its sha256 no longer the manifest's)."""
     shutil.copytree(world.paths["data"], case / "data")
@@ -1508,6 +1516,7 @@ STEPS: dict[str, Callable] = {
         mirror_same_options,
         data_build_edited,
         data_build_linked,
+        data_build_fifo,
         data_build_forged_list,
         data_build_train_edited,
         export_edited,

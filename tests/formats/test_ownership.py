@@ -386,3 +386,28 @@ def test_a_write_once_output_refuses_a_stamped_file_replaced_by_a_link(tmp_path)
     assert (out / "train.jsonl").is_symlink() and (out / "train.jsonl").resolve() == mine
     assert mine.read_text() == BUILD["train.jsonl"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "mine.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "what, says",
+    [
+        ("fifo", "holds files changed since frod-ds wrote them: eval/boolq.jsonl; refusing"),
+        ("folder", "holds what frod-ds did not write there: eval/boolq.jsonl/; refusing"),
+    ],
+)
+def test_a_write_once_output_refuses_a_stamped_file_replaced_by_a_pipe_or_folder(tmp_path, what, says):
+    """A named pipe or a folder where the writer's file was is the user's too: refused, naming it, left as it was."""
+    out = data_build(tmp_path / "data")
+    target = out / "eval" / "boolq.jsonl"
+    target.unlink()
+    if what == "fifo":
+        os.mkfifo(target)
+    else:
+        target.mkdir()
+        (target / "notes.md").write_text("mine")
+    with pytest.raises(FrodError, match=re.escape(says)):
+        with building_dir(out, "data-build") as tmp:
+            write(tmp, {"train.jsonl": "new\n"})
+    assert target.is_fifo() if what == "fifo" else (target / "notes.md").read_text() == "mine"
+    assert (out / "train.jsonl").read_text() == BUILD["train.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]

@@ -62,3 +62,33 @@ def test_a_mistyped_choice_names_the_one_probably_meant(capsys):
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and f"invalid choice: '{argv[0]}'" in err, err
         assert (f"did you mean '{meant}'?" in err) if meant else ("did you mean" not in err), err
+
+
+@pytest.mark.parametrize(
+    "module, argv, option",
+    [
+        ("frod_ds.prep.command", ["build", "--source", "", "--tasks", "boolq", "--out", "x"], "--source"),
+        ("frod_ds.prep.command", ["build", "--source", "s", "--tasks", "boolq", "--out", ""], "--out"),
+        ("frod_ds.cli.hjd", ["--model", "", "--out", "x"], "--model"),
+        ("frod_ds.cli.eval", ["--checkpoint", "", "--data", "d", "--output", "o"], "--checkpoint"),
+    ],
+)
+def test_an_empty_option_value_is_a_usage_error_not_the_working_directory(module, argv, option, capsys, tmp_path):
+    """``--source "$UNSET"``: argparse takes "" as a path, which is "." (a build from, or into, the working
+    directory). Every frod command refuses it in one line naming the option, before anything reads or writes."""
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            importlib.import_module(module).main(argv)
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"argument {option}: the value is empty (an unset variable?)" in err, err
+    assert list(tmp_path.iterdir()) == []
+    p = Parser(prog="t")
+    p.add_argument("--x", default="")
+    assert p.parse_args([]).x == "" and p.parse_args(["--x", " "]).x == " "  # a default, a value of spaces: kept

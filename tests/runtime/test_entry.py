@@ -3,6 +3,7 @@ keeps its traceback; the cross-rank helpers turn only user mistakes into agreed 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -259,3 +260,17 @@ def test_destroy_leaves_nvtx_ranges_off_where_they_were_off_before(monkeypatch):
     assert entry.run(body, init_group=False) == 0
     assert seen == {"during": False}
     assert ds_nvtx.enable_nvtx is False
+
+
+def test_too_many_open_files_is_one_line_naming_the_limit(capsys):
+    """``ulimit -n`` too low for what a command opens (EMFILE; ENFILE for the system's table): one line naming the
+    limit in force and what to do, exit 2, not a traceback from whichever open() hit it."""
+    import errno
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    for code in (errno.EMFILE, errno.ENFILE):
+        fail = OSError(code, os.strerror(code), "/usr/lib/python3/encodings/ascii.py")
+        assert entry.run(_raise(fail), init_group=False) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: {os.strerror(code)} (ulimit -n is {soft}): raise the limit and re-run the same command\n"
