@@ -413,11 +413,14 @@ def test_bad_modes_and_rows_the_mode_cannot_score_are_one_line_errors(assets, tm
     for mode, match in (
         ("loglik,beam", "unknown --mode 'beam'"),
         ("loglik,loglik", "names a mode twice"),
-        ("", "unknown --mode ''"),
     ):
         assert main([*base, "--mode", mode]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and match in err[0], err
+    with pytest.raises(SystemExit) as empty:  # a usage error, as every option's empty value is
+        main([*base, "--mode", ""])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert empty.value.code == 2 and len(err) == 1 and "argument --mode: the value is empty" in err[0], err
     rows = make_rows("boolq", 3)
     rows[2] = {**rows[2], "choices": ["true", "false", "maybe"]}
     (tmp_path / "data" / "eval").mkdir(parents=True)

@@ -157,3 +157,28 @@ def test_the_time_limit_scales_with_the_machines_pace(tmp_path):
     assert "this machine's pace: 2 (given; FROD_TEST_PACE)" in two, two[-2000:]
     assert runs["0.5"].returncode == 4 and "FROD_TEST_PACE='0.5': use a number of at least 1" in half, half[-2000:]
     assert (pace.from_probe(3.5), pace.from_probe(14.0), pace.from_probe(1e3)) == (1.0, 2.0, pace.MAX_PACE)
+
+
+def test_a_test_past_a_measured_pace_is_judged_at_the_pace_measured_when_it_ended(tmp_path):
+    """A measured pace (FROD_TEST_PACE_MEASURED equal to FROD_TEST_PACE) is taken again for a test past its limit:
+    the probe here says 14 s (pace 2), so a 2 s test passes a 1.5 s limit set at pace 1. A given pace is final."""
+    import subprocess
+    import sys
+
+    from tests.support.leftovers import clean_env
+
+    (tmp_path / "conftest.py").write_text("from tests.support import pace\n\npace.measure = lambda env: 14.0\n")
+    (tmp_path / "test_slowed.py").write_text("import time\n\n\ndef test_two_seconds():\n    time.sleep(2)\n")
+    codes = {}
+    for measured in ("1", ""):
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", str(tmp_path)],
+            cwd=REPO,
+            env=clean_env(FROD_TEST_LIMIT_S="1.5", FROD_TEST_PACE="1", FROD_TEST_PACE_MEASURED=measured),
+            capture_output=True,
+            text=True,
+            timeout=pace.scaled(120),
+        )
+        codes[measured] = res.returncode, res.stdout + res.stderr
+    assert codes["1"][0] == 0, codes["1"][1][-2000:]
+    assert codes[""][0] == 1 and "over the 1.5 s a test may take" in codes[""][1], codes[""][1][-2000:]
