@@ -266,12 +266,13 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         p = user_file(path, "recipes")  # a shipped recipe by name also outside a checkout
         if not p.is_file():  # a named pipe or a link loop is said as such, not "not found"
             raise RecipeError(f"recipe file {file_problem(p) if p.is_symlink() or p.exists() else f'{p} not found'}")
+        too_deep = f"recipe {p} nests lists or mappings more than {MAX_DEPTH} deep; fix the file"
         try:
             loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
         except UnicodeDecodeError as e:
             raise RecipeError(f"recipe {p} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
         except RecursionError:  # the YAML parser is recursive: lists or mappings nested thousands deep
-            raise RecipeError(f"recipe {p} nests lists or mappings more than {MAX_DEPTH} deep; fix the file") from None
+            raise RecipeError(too_deep) from None
         except yaml.YAMLError as e:  # the parser's own position (line, column) says where to look
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
@@ -281,7 +282,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         if not isinstance(loaded, dict):
             raise RecipeError(f"recipe {p} must be a YAML mapping")
         if nesting_depth(loaded) > MAX_DEPTH:
-            raise RecipeError(f"recipe {p} nests lists or mappings more than {MAX_DEPTH} deep; fix the file")
+            raise RecipeError(too_deep)
         tree = loaded
     for item in overrides:
         if "=" not in item:

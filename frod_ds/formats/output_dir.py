@@ -220,10 +220,10 @@ def edited_since_written(folder: Path, record: OutputRecord | None) -> list[str]
     out = []
     for rel, (size, mtime_ns, sha) in sorted(((record.written if record else None) or {}).items()):
         path = Path(folder) / rel
-        if path.is_symlink() or (os.path.lexists(path) and not path.is_file()):  # a link, pipe or folder there now
-            out.append(rel)
+        if not os.path.lexists(path):
             continue
-        if not path.is_file():
+        if path.is_symlink() or not path.is_file():  # a link, pipe or folder there now
+            out.append(rel)
             continue
         st = path.stat()
         if st.st_size != size or (st.st_mtime_ns != mtime_ns and file_sha256(path) != sha):
