@@ -41,7 +41,7 @@ SHAPES = {
     "tiny": Shape(2, 64, 128, 4, 4),  # CPU rehearsals
     "tiny-gqa": Shape(2, 64, 96, 4, 2, vocab=1001),  # CPU rehearsals of a generated shape (1001: an uneven split)
 }
-GENERATED = ("70b", "tiny-gqa")  # made a part at a time over the ranks (the step kind; the chain kind does its own)
+GENERATED = ("70b", "70bw40", "tiny-gqa")  # made a part at a time over the ranks (the chain kind does its own)
 
 
 def launcher(n: int) -> list[str]:
