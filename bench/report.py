@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.predict import read_predictions
 from bench.record import Record, read_records
-from bench.suite import Suite
+from bench.suite import Suite, with_defaults
 
 __all__ = ["headline", "render", "write_reports"]
 
@@ -29,14 +29,18 @@ def _ms(r: Record) -> str:
 
 
 def _zero2(r: Record, rows: list[Record]) -> Record | None:
-    """The ``zero2`` record of ``r``'s method, GPUs and other settings in the same call."""
-    skip = ("engine", "ds_set", "tag", "gather")
+    """The ``zero2`` record of ``r``'s method, GPUs and other settings in the same call: one profiled as ``r`` is
+    if the call has it, else any (profiled steps run after the timed ones, so they leave the step time alone)."""
+    skip = ("engine", "ds_set", "tag", "gather", "profile")
     same = {k: v for k, v in r.settings.items() if k not in skip}
-    for b in rows:
-        if b.status == "ok" and b.settings["engine"] == "zero2" and not b.settings.get("ds_set"):
-            if {k: v for k, v in b.settings.items() if k not in skip} == same:
-                return b
-    return None
+    found = [
+        b
+        for b in rows
+        if b.status == "ok" and b.settings["engine"] == "zero2" and not b.settings.get("ds_set")
+        if {k: v for k, v in b.settings.items() if k not in skip} == same
+    ]
+    found.sort(key=lambda b: b.settings.get("profile") != r.settings.get("profile"))
+    return found[0] if found else None
 
 
 def _loss_gap(a: Record, b: Record) -> float | None:
@@ -139,7 +143,7 @@ def _predicted(rows: list[Record], predictions: dict[str, dict]) -> list[str]:
     out = []
     for r in rows:
         p = predictions.get(r.config)
-        if r.status != "ok" or p is None or p.get("settings") != r.settings:
+        if r.status != "ok" or p is None or with_defaults(p.get("settings") or {}) != with_defaults(r.settings):
             continue
         m = r.metrics
         ms, pms = m["step_s_median"] * 1e3, p["step_s"] * 1e3

@@ -53,3 +53,33 @@ def test_a_partitioned_peak_is_held_to_zero2s_less_the_partitioned_share():
     assert _memory_bound(over, [zero2, over]).startswith(" (>")
     assert _memory_bound(ok, [ok]) == ""  # no zero2 row in the call: nothing to hold it to
     assert _vs_zero2(ok, [zero2, ok]) == "1.000× | 1.0e-03"
+
+
+def test_a_profiled_row_is_held_to_the_calls_zero2_profiled_as_it_is_where_there_is_one():
+    """Profiled steps run after the timed ones, so an unprofiled zero2 row is a fair baseline when the call has no
+    profiled one; a profiled zero2 row in the call is preferred."""
+    import dataclasses
+
+    from bench.report import _zero2
+
+    def profiled(r, n: int):
+        return dataclasses.replace(r, config=r.config + f"-p{n}", settings={**r.settings, "profile": n})
+
+    zero2, mine = _record("zero2", 26.0), profiled(_record("z3layers", 18.0), 2)
+    assert _zero2(mine, [zero2, mine]) is zero2
+    zero2_prof = profiled(zero2, 2)
+    assert _zero2(mine, [zero2, zero2_prof, mine]) is zero2_prof
+    other_gpus = dataclasses.replace(zero2, settings={**zero2.settings, "gpus": 2})
+    assert _zero2(mine, [other_gpus, mine]) is None
+
+
+def test_a_prediction_written_before_a_settings_key_existed_still_matches_its_record():
+    """A key the runner added after the prediction was written (at its default) does not orphan the prediction;
+    a setting that differs does."""
+    from bench.report import _predicted
+
+    r = _record("z3layers", 18.0)
+    old = {k: v for k, v in r.settings.items() if k != "load"}
+    pred = {"settings": old, "step_s": 0.3, "peak_allocated_gib": 20.0, "date": "c"}
+    assert len(_predicted([r], {r.config: pred})) == 5
+    assert _predicted([r], {r.config: {**pred, "settings": {**old, "batch": 8}}}) == []
