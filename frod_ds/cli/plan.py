@@ -135,9 +135,10 @@ def plan_command(args: argparse.Namespace) -> int:
         t = recipe.train
         engine = engine_from_ds_config(cfg, args.config, t.zero3_partition, t.zero3_gather)
         plan = plan_memory(model, train, engine, args.gpus, gpu)
-        if engine.layers and args.gpus > 1:  # how the step's gathers are planned (docs/training.md)
+        if engine.layers and (args.gpus > 1 or engine.offload_param):  # how the gathers are planned (training.md)
             how = "copies out of the other GPUs' memory (one machine)" if engine.peer else "NCCL all-gathers"
-            print(f"\n{args.config}: frozen weights partitioned by decoder layer, gathered by {how}")
+            where = ", shards in host memory (offload_param)" if engine.offload_param else ""
+            print(f"\n{args.config}: frozen weights partitioned by decoder layer{where}, gathered by {how}")
         q = (
             "frozen bf16"
             if train.quant == "none"

@@ -18,7 +18,7 @@ from frod_ds.core.layer import FRoDLinear, SparseSupport
 from frod_ds.core.quant import QuantError, quantize_untargeted
 from frod_ds.model.apply import mark_only_frod_trainable
 from frod_ds.model.build import _load_module, _swap_targets, check_store_quant
-from frod_ds.model.frozen_shards import attach, frozen_units, install, not_mine, open_bank, shard_unit, shared_params
+from frod_ds.model.frozen_shards import attach, frozen_units, host_bank, install, not_mine, shard_unit, shared_params
 from frod_ds.model.skeleton import recompute_rope, skeleton
 from frod_ds.runtime.distributed import agree_on_error
 
@@ -46,10 +46,12 @@ def build_layer_partitioned(
     quant: str = "none",
     quantize_base: bool = False,
     gather: str = "auto",
+    offload: bool = False,
 ) -> nn.Module:
     """The base architecture with FRoD layers, loaded, its frozen weights partitioned across the ranks by unit
     (collective: every rank calls it). Arguments as ``build_frod_model``'s; ``device``: where the shards live.
-    ``gather``: how a unit is gathered (``frozen_shards.open_bank``). Returns the model (σ, S, V and the modules
+    ``gather``: how a unit is gathered (``frozen_shards.open_bank``); ``offload``: the shards in pinned host
+    memory (parameter offload to the CPU), gathered by the collective. Returns the model (σ, S, V and the modules
     outside every unit on the host, for the engine to move), its ``FrozenShards`` installed and recorded on it
     (``shards_of``)."""
     from transformers import AutoConfig
@@ -71,7 +73,7 @@ def build_layer_partitioned(
     mark_only_frod_trainable(model)
     units = frozen_units(model)
     shared = shared_params(units)
-    bank = open_bank(units, shared, device, gather)  # laid out from the skeleton's shapes, before any is read
+    bank = host_bank(units, shared, device, gather, offload)  # laid out from the skeleton's shapes, before reads
     inside = {id(m) for _, unit in units for m in unit.modules()}
     state: dict = {"missing": [], "error": None, "v_done": set()}
     seen: set[int] = set()
@@ -93,7 +95,7 @@ def build_layer_partitioned(
         for sub, module in unit.named_modules(prefix=name):
             load(sub, module, others)
         if state["error"] is None:
-            made += shard_unit(name, unit, shared, device, bank)
+            made += shard_unit(name, unit, shared, device, bank, offload)
     missing, error = state["missing"], state["error"]
     if missing:
         error = error or (

@@ -4,8 +4,8 @@ FRoD trains only σ and S, so the frozen weights need no gradient reduce-scatter
 keeps 1/N of a unit's frozen tensors as one flat shard; a unit is gathered before its forward (the next one's
 gather issued then, on a side stream) and released after; its output's gradient hook gathers it again for the
 backward and prefetches the unit before. A release frees the unit's buffer, views autograd saved of it included.
-On one machine's GPUs a gather copies out of every rank's mapped shards (a ``Bank``) instead of a collective:
-the weights never change, so no rank waits for another. Shared tensors (V) stay replicated
+On one machine's GPUs a gather copies out of every rank's mapped shards (a ``Bank``); with parameter offload the
+shards are in host memory, copied in before the collective. Shared tensors (V) stay replicated
 (docs/training.md#zero-3s-layer-partition).
 """
 
@@ -28,6 +28,7 @@ __all__ = [
     "Unit",
     "attach",
     "frozen_units",
+    "host_bank",
     "install",
     "not_mine",
     "open_bank",
@@ -57,6 +58,7 @@ class Unit:
     backward: bool = False  # its output took part in this step's autograd graph
     offset: int = -1  # the shard's byte offset in the bank, -1 when it has none
     peers: list[Tensor] | None = None  # every rank's shard of this unit as mapped here (a bank), rank order
+    host: bool = False  # the shard lives in host memory (parameter offload), ``full`` on the device
 
     @property
     def numel(self) -> int:
@@ -95,7 +97,7 @@ class FrozenShards:
         if self.stream is None:
             self._fill(u)
         else:
-            self.stream.wait_stream(torch.cuda.current_stream(u.shard.device))  # the buffer is free to write
+            self.stream.wait_stream(torch.cuda.current_stream(u.full.device))  # the buffer is free to write
             with torch.cuda.stream(self.stream):
                 self._fill(u)
                 u.ready = torch.cuda.Event()
@@ -105,6 +107,13 @@ class FrozenShards:
 
     @staticmethod
     def _fill(u: Unit) -> None:
+        if u.host:  # this rank's shard copied into its slice of the buffer, then the others' gathered around it
+            per, rank = u.shard.numel(), dist.get_rank()
+            mine = u.full[rank * per : (rank + 1) * per]
+            mine.copy_(u.shard, non_blocking=True)
+            if dist.get_world_size() > 1:
+                dist.all_gather_into(u.full, mine)
+            return
         if u.peers is None:
             dist.all_gather_into(u.full, u.shard)
             return
@@ -116,7 +125,7 @@ class FrozenShards:
     def _install(self, u: Unit) -> None:
         self._launch(u)
         if u.ready is not None:
-            torch.cuda.current_stream(u.shard.device).wait_event(u.ready)
+            torch.cuda.current_stream(u.full.device).wait_event(u.ready)
             u.ready = None
         for p, (a, b) in zip(u.params, u.spans):
             p.data = u.full[a:b].view(p._frozen_shape)
@@ -124,7 +133,7 @@ class FrozenShards:
     def _release(self, u: Unit) -> None:
         if not u.live:
             return
-        empty = u.shard.new_empty(0)
+        empty = u.full.new_empty(0)
         for p in u.params:
             p.data = empty
         u.full.untyped_storage().resize_(0)
@@ -279,6 +288,22 @@ def open_bank(
         return None
 
 
+def host_bank(
+    units: list[tuple[str, nn.Module]], shared: set[int], device: torch.device, gather: str, host: bool
+) -> Bank | None:
+    """``open_bank``'s answer, or None for shards in host memory, which only the collective gathers (an error for
+    ``gather`` peer)."""
+    if not host:
+        return open_bank(units, shared, device, gather)
+    if gather == "peer":
+        raise FrodError(
+            "the frozen weights' shards are offloaded to host memory (offload_param), which peer copies cannot "
+            "read; use train.zero3_gather=auto or collective"
+        )
+    dist.print0("frozen weights: shards in host memory (offload_param), copied in and gathered by the collective")
+    return None
+
+
 @torch.no_grad()
 def not_mine(module: nn.Module, shared: set[int]) -> set[int]:
     """Ids of ``module``'s frozen Parameters that lie wholly outside this rank's span of the flat unit (its shapes
@@ -292,20 +317,29 @@ def not_mine(module: nn.Module, shared: set[int]) -> set[int]:
 
 
 def shard_unit(
-    name: str, module: nn.Module, shared: set[int], device: torch.device, bank: Bank | None = None
+    name: str,
+    module: nn.Module,
+    shared: set[int],
+    device: torch.device,
+    bank: Bank | None = None,
+    host: bool = False,
 ) -> list[Unit]:
     """This rank's 1/N of ``module``'s frozen tensors, one flat shard per dtype on ``device`` (in ``bank`` when
-    given); the Parameters are left empty (their values live in the shards until a gather). Reads the values from
-    wherever they are now. On one rank the tensors move to ``device`` whole and no unit is made."""
+    given; in pinned host memory with ``host``, gathered onto ``device``); the Parameters are left empty (their
+    values live in the shards until a gather). Reads the values from wherever they are now. On one rank without
+    ``host`` the tensors move to ``device`` whole and no unit is made."""
+    assert not (host and bank is not None), "host shards are gathered by the collective, not out of a bank"
     world, rank = dist.get_world_size(), dist.get_rank()
-    if world == 1:  # nothing to partition: the unit stays whole on the device, never gathered
+    if world == 1 and not host:  # nothing to partition: the unit stays whole on the device, never gathered
         for p in _frozen_params(module, shared):
             p.data = p.data.to(device)
         return []
     made = []
     for dtype, params, spans, per_rank in _layout(module, shared, world):
         lo, hi = rank * per_rank, (rank + 1) * per_rank
-        if bank is None:
+        if host:
+            shard, offset = torch.zeros(per_rank, dtype=dtype, pin_memory=device.type == "cuda"), -1
+        elif bank is None:
             shard, offset = torch.zeros(per_rank, dtype=dtype, device=device), -1
         else:
             shard, offset = bank.take(per_rank, dtype)
@@ -313,14 +347,14 @@ def shard_unit(
         for p, (s, e) in zip(params, spans):  # the part of each tensor inside this rank's span
             if s < hi and e > lo:
                 flat = p.detach().reshape(-1)
-                shard[max(s, lo) - lo : min(e, hi) - lo] = flat[max(s, lo) - s : min(e, hi) - s].to(device)
+                shard[max(s, lo) - lo : min(e, hi) - lo] = flat[max(s, lo) - s : min(e, hi) - s].to(shard.device)
             p._frozen_shape = tuple(p.shape)
         full = torch.empty(per_rank * world, dtype=dtype, device=device)
         full.untyped_storage().resize_(0)
         for p in params:
-            p.data = shard.new_empty(0)
+            p.data = full.new_empty(0)
         name_ = f"{name}:{dtype}".removesuffix(":torch.bfloat16")
-        made.append(Unit(name_, module, params, spans, shard, full, offset=offset))
+        made.append(Unit(name_, module, params, spans, shard, full, offset=offset, host=host))
     return made
 
 
@@ -353,14 +387,16 @@ def shard_frozen(
     device: torch.device,
     units: list[tuple[str, nn.Module]] | None = None,
     gather: str = "auto",
+    host: bool = False,
 ) -> FrozenShards:
-    """Partition ``model``'s frozen weights by unit across the ranks (each keeps 1/N on ``device``) and install the
-    hooks that gather each unit around its forward and its backward (``gather``: ``open_bank``). The model's other
-    tensors are left as they are (move them to ``device`` as usual). Units run in the order given (forward order)."""
+    """Partition ``model``'s frozen weights by unit across the ranks (each keeps 1/N on ``device``, or in host
+    memory with ``host``) and install the hooks that gather each unit around its forward and its backward
+    (``gather``: ``open_bank``). The model's other tensors are left as they are (move them to ``device`` as usual).
+    Units run in the order given (forward order)."""
     units = frozen_units(model) if units is None else units
     shared = shared_params(units)
-    bank = open_bank(units, shared, device, gather)
-    made = [u for name, module in units for u in shard_unit(name, module, shared, device, bank)]
+    bank = host_bank(units, shared, device, gather, host)
+    made = [u for name, module in units for u in shard_unit(name, module, shared, device, bank, host)]
     return install(made, device, bank)
 
 

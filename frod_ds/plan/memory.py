@@ -193,7 +193,8 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
     for part, items in frozen.items():
         if engine.layers:  # 1/N of every unit's tensors (embedding, layers, head); V and the final norm whole
             whole = [part == "frozen V" or (not in_layer and b == model.hidden * e) for b, _, in_layer in items]
-            parts[part] = sum(b * c * (1.0 if w else 1 / N) for (b, c, _), w in zip(items, whole))
+            share = 0.0 if engine.offload_param else 1 / N  # offloaded: the shards are in host memory
+            parts[part] = sum(b * c * (1.0 if w else share) for (b, c, _), w in zip(items, whole))
         else:
             parts[part] = sum(b * c * _resident(b / e, engine, N) for b, c, _ in items)
     P = trainable_numel(model, train)
@@ -218,7 +219,7 @@ def plan_memory(model: ModelShape, train: TrainShape, engine: Engine, gpus: int,
     # partitions live on the CPU and every gathered parameter is a full copy on the GPU, on any N (DeepSpeed's
     # NoGatherHandle copies ds_tensor to the device). Checkpointing is non-reentrant (trainer.USE_REENTRANT): a
     # recompute's gathers are released with its layer, so the window is the same as without checkpointing.
-    if engine.layers and N > 1:  # at the backward's start: the head gathered again and the last layer prefetched
+    if engine.layers and (N > 1 or engine.offload_param):  # the backward's start: head gathered, last layer fetched
         layer = sum(b * c / L for items in frozen.values() for b, c, in_layer in items if in_layer)
         head = model.vocab * model.hidden * e
         gathered = layer + max(layer, head)

@@ -181,7 +181,8 @@ class Engine:
     # a ZeRO-3 JSON run with its frozen weights partitioned by decoder layer by frod-ds, σ and S under ZeRO-2
     # (frod_ds.config.zero3_layout); False: DeepSpeed's own stage 3
     layers: bool = False
-    # the layer partition's gathers copied out of every GPU's mapped shards (one machine; frozen_shards.open_bank)
+    # the layer partition's gathers copied out of every GPU's mapped shards (one machine; frozen_shards.open_bank);
+    # with offload_param the layer partition's shards are in host memory, copied in before each gather
     peer: bool = False
 
     @property
@@ -213,7 +214,7 @@ def engine_from_ds_config(
         z.memory_efficient_linear,
         bf16_overflow_check(cfg),
         layers,
-        layers and gather != "collective",
+        layers and gather != "collective" and z.offload_param is None,  # host shards: the collective alone
     )
 
 

@@ -132,8 +132,10 @@ def step_time(
         parts["overflow check"] = link.host * ZERO_CHECK_TENSOR_S * n_trainable
     n = gpus
     if engine.layers:  # every frozen tensor but V and the final norm, gathered for the forward and the backward
+        shared = sum(b * c for b, c, _ in frozen_tensors(model, train)["frozen V"]) + model.hidden * train.e
+        if engine.offload_param:  # each rank copies its shard in from host memory, for both passes
+            parts["offload"] = 2 * (frozen_bytes - shared) / n / OFFLOAD_BYTES_PER_S
         if n > 1:
-            shared = sum(b * c for b, c, _ in frozen_tensors(model, train)["frozen V"]) + model.hidden * train.e
             exposed = PEER_LINK_EXPOSED if engine.peer else LAYERS_LINK_EXPOSED
             parts["link"] = exposed * 2 * (frozen_bytes - shared) * (n - 1) / n / link.busbw
     elif engine.stage == 3:

@@ -21,6 +21,7 @@ import torch
 from frod_ds._moved import forward_names
 from frod_ds.config.ds_config import as_ds_config, nvme_offloads, offload_device, zero_stage
 from frod_ds.config.recipe import Recipe
+from frod_ds.config.zero3_layout import host_shards
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.model.adapter import load_adapter_into, supports_from_adapter
@@ -116,6 +117,7 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
             m.frozen_quant,
             m.quantize_base,
             gather=recipe.train.zero3_gather,
+            offload=host_shards(inputs.user_ds_config or {}, inputs.partition),
         )
     else:
         model = build_frod_model(

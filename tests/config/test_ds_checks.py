@@ -157,3 +157,34 @@ def test_deepspeeds_activation_checkpointing_block_is_noted_as_without_effect(ca
     check_ds_config({**cfg, "activation_checkpointing": {"partition_activations": True}}, "ds.json")
     err = capsys.readouterr().err
     assert "activation_checkpointing has no effect; set the recipe's model.gradient_checkpointing" in err
+
+
+@pytest.mark.parametrize(
+    "offload,choice,want",
+    [
+        (None, "auto", "layers"),
+        ("cpu", "auto", "deepspeed"),
+        ("cpu", "layers", "layers"),
+        ("cpu", "deepspeed", "deepspeed"),
+        ("nvme", "auto", "deepspeed"),
+        ("nvme", "layers", "refused"),
+    ],
+)
+def test_zero3_layout_takes_cpu_parameter_offload_into_the_layer_partition_not_nvme(offload, choice, want):
+    """``train.zero3_partition``: auto keeps DeepSpeed's coordinator for a JSON that offloads parameters; layers
+    takes CPU offload (shards in host memory) and refuses NVMe in one line naming the way out."""
+    from frod_ds.config.ds_config import DSConfigError
+    from frod_ds.config.zero3_layout import host_shards, zero3_layout
+
+    zo: dict = {"stage": 3}
+    if offload:
+        zo["offload_param"] = {"device": offload}
+    cfg = {"zero_optimization": zo}
+    if want == "refused":
+        with pytest.raises(DSConfigError, match="NVMe.*train.zero3_partition=auto"):
+            zero3_layout(cfg, choice)
+        return
+    layout = zero3_layout(cfg, choice)
+    assert layout == want
+    assert host_shards(cfg, layout) == (layout == "layers" and offload == "cpu")
+    assert zero3_layout({"zero_optimization": {**zo, "stage": 2}}, choice) is None

@@ -648,3 +648,31 @@ def test_cli_plan_says_how_the_layer_partition_gathers_and_times_it_so(tmp_path)
         assert res.returncode == 0 and f"gathered by {words}" in res.stdout, res.stdout
         links[gather] = float(re.search(r"link (\d+)", res.stdout).group(1))
     assert links["auto"] == pytest.approx(links["collective"] * PEER_LINK_EXPOSED / LAYERS_LINK_EXPOSED, abs=1)
+
+
+def test_the_layer_partition_with_offload_keeps_only_gathered_units_on_the_gpu():
+    """``offload_param`` to the CPU under ``train.zero3_partition=layers``: the units' shards are in host memory,
+    so the GPU holds V and the final norm whole, a layer plus the larger of a layer and the head gathered (on one
+    GPU too), and the step adds each rank's shard copied in for both passes; gathers by NCCL, never peer copies."""
+    from frod_ds.plan.memory import frozen_tensors
+    from frod_ds.plan.shapes import engine_from_ds_config
+    from frod_ds.plan.step_time import OFFLOAD_BYTES_PER_S, step_time
+
+    model = model_shape_from_config(TINY)
+    train = TrainShape(micro_batch=2, seq_len=8, sparsity=0.25)
+    cfg = load_ds_config(REPO / "ds_configs" / "zero3_offload.json")
+    off = engine_from_ds_config(cfg, "off", "layers", "auto")
+    on = engine_from_ds_config(load_ds_config(REPO / "ds_configs" / "zero3.json"), "z3", "layers", "auto")
+    assert (off.layers, off.offload_param, off.peer) == (True, True, False) and on.peer
+    assert engine_from_ds_config(cfg, "off", "auto", "auto").layers is False  # auto: DeepSpeed's coordinator
+    for gpus in (1, 2):
+        p_off, p_on = plan_memory(model, train, off, gpus, 1e9), plan_memory(model, train, on, gpus, 1e9)
+        assert p_off.parts["frozen U_i"] == 0 and p_off.parts["frozen V"] == p_on.parts["frozen V"] > 0
+        layer = sum(b * c / model.layers for v in frozen_tensors(model, train).values() for b, c, inl in v if inl)
+        head = model.vocab * model.hidden * train.e
+        assert p_off.parts["ZeRO-3 gathered"] == pytest.approx(layer + max(layer, head))
+    frozen = sum(b * c for v in frozen_tensors(model, train).values() for b, c, _ in v)
+    shared = sum(b * c for b, c, _ in frozen_tensors(model, train)["frozen V"]) + model.hidden * train.e
+    for gpus in (1, 2):
+        t = step_time(model, train, off, gpus)
+        assert t.parts["offload"] == pytest.approx(2 * (frozen - shared) / gpus / OFFLOAD_BYTES_PER_S)

@@ -1,8 +1,9 @@
 """One rank of ``tests/model/test_frozen_shards.py``: a tiny FRoD model with its frozen weights partitioned across the
 ranks (``frod_ds.model.frozen_shards``) against the same model whole, two training steps' losses and σ/S gradients;
 writes ``<out>/rank<r>.json``. With ``--peer`` the units are gathered by copies out of every rank's bank, mapped
-here from a shared file per rank (the CPU stand-in for GPU peer memory, ``distributed.peer_buffers``).
-Usage: ``python tests/support/frozen_shards_probe.py OUT [--gc] [--peer]``."""
+here from a shared file per rank (the CPU stand-in for GPU peer memory, ``distributed.peer_buffers``); with
+``--host`` the shards are kept as parameter offload keeps them (host memory, copied in before the collective).
+Usage: ``python tests/support/frozen_shards_probe.py OUT [--gc] [--peer | --host]``."""
 
 from __future__ import annotations
 
@@ -65,7 +66,12 @@ def _steps(model, rank: int, steps: int = 2, shards=None) -> tuple[list[float], 
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             loss = model(input_ids=ids, labels=ids).loss
         if i == 0:
-            own = [] if shards is None else [b for u in shards.units for b in (u.shard, u.full) if b is not None]
+            # what the device holds: a host shard (parameter offload) is not on it
+            own = (
+                []
+                if shards is None
+                else [b for u in shards.units for b in (u.shard, u.full) if not u.host or b is u.full]
+            )
             live = _live_bytes([*model.parameters(), *model.buffers(), *saved, *own])
         saved.clear()
         loss.backward()
@@ -102,7 +108,7 @@ def _refusals(model) -> dict:
 
 
 def main() -> None:
-    out, gc, peer = Path(sys.argv[1]), "--gc" in sys.argv, "--peer" in sys.argv
+    out, gc, peer, host = Path(sys.argv[1]), "--gc" in sys.argv, "--peer" in sys.argv, "--host" in sys.argv
     dist.init_distributed()
     rank = dist.get_rank()
     whole = _model(gc)
@@ -111,7 +117,14 @@ def main() -> None:
     refusals = _refusals(parted) if peer else {}
     if peer:
         dist.peer_buffers = _file_banks(out)  # this process's module: the probe exits after
-    shards = shard_frozen(parted, torch.device("cpu"), gather="peer" if peer else "collective")
+    if host:  # only the collective reads host shards: peer copies are refused in one line
+        try:
+            shard_frozen(copy.deepcopy(whole), torch.device("cpu"), gather="peer", host=True)
+            refusals = {"peer_error": None}
+        except FrodError as e:
+            refusals = {"peer_error": str(e)}
+    gather = "peer" if peer else "auto" if host else "collective"
+    shards = shard_frozen(parted, torch.device("cpu"), gather=gather, host=host)
     ref_losses, ref_grads, ref_live = _steps(whole, rank)
     losses, grads, live = _steps(parted, rank, shards=shards)
     released = all(p.numel() == 0 for u in shards.units for p in u.params)
@@ -131,6 +144,7 @@ def main() -> None:
         "frozen_numel": frozen_numel,
         "sharded_numel": sum(u.numel for u in shards.units),
         "peers": [u.peers is not None for u in shards.units],
+        "host": [u.host for u in shards.units],
         **refusals,
     }
     shards.remove()
