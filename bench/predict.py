@@ -30,7 +30,7 @@ def _engine(s: dict[str, Any]):
     if s["engine"] == "fshard":  # zero2.json's ZeRO-2 for σ and S, the frozen weights partitioned by unit
         engine = engine_from_ds_config(cfg, "fshard")
         return dataclasses.replace(engine, stage=3, layers=True, peer=s["gather"] != "collective")
-    partition = "deepspeed" if s["engine"] == "zero3" else "auto"
+    partition = {"zero3": "deepspeed", "z3layers": "layers"}.get(s["engine"], "auto")
     return engine_from_ds_config(cfg, s["engine"], partition, s["gather"])
 
 

@@ -98,6 +98,7 @@ def build_frod(s: dict, model_dir: Path, factors: Path, ds_cfg: dict | None):
     store = FactorStore.open(factors)
     supports = make_supports(store, TARGETS, s["sparsity"], 0)
     if s["engine"] == "z3layers":
+        from frod_ds.config.zero3_layout import host_shards
         from frod_ds.model.build_layers import build_layer_partitioned
 
         model = build_layer_partitioned(
@@ -109,6 +110,7 @@ def build_frod(s: dict, model_dir: Path, factors: Path, ds_cfg: dict | None):
             s["quant"],
             s["quantize_base"],
             gather=s["gather"],
+            offload=host_shards(ds_cfg, "layers"),  # a ds_set offload_param to the CPU: shards in host memory
         )
     else:
         model = build_frod_model(

@@ -83,3 +83,17 @@ def test_a_prediction_written_before_a_settings_key_existed_still_matches_its_re
     pred = {"settings": old, "step_s": 0.3, "peak_allocated_gib": 20.0, "date": "c"}
     assert len(_predicted([r], {r.config: pred})) == 5
     assert _predicted([r], {r.config: {**pred, "settings": {**old, "batch": 8}}}) == []
+
+
+def test_predictions_plan_each_engine_as_the_run_builds_it():
+    """``bench predict``'s engine per configuration: ``z3layers`` is the layer partition even where its ds_set
+    offloads parameters (the run builds host shards, ``build_frod``), ``zero3`` DeepSpeed's coordinator."""
+    from bench.predict import _engine
+    from bench.suite import with_defaults
+
+    offload = {"zero_optimization.offload_param": {"device": "cpu", "pin_memory": True}}
+    for engine, layers in (("z3layers", True), ("zero3", False)):
+        for ds_set in ({}, offload):
+            s = with_defaults({"method": "frod", "engine": engine, "gpus": 2, "ds_set": ds_set})
+            e = _engine(s)
+            assert (e.stage, e.layers, e.offload_param) == (3, layers, bool(ds_set)), (engine, ds_set, e)
