@@ -19,7 +19,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from frod_ds.hjd.sharding import DEFAULT_TARGETS, readahead_budget, start_readahead  # noqa: E402  (no torch yet)
-from frod_ds.runtime.cli_parser import Parser  # noqa: E402
+from frod_ds.runtime.cli_parser import Parser, seed_int  # noqa: E402
 from frod_ds.runtime.launch_env import ranks_on_this_node  # noqa: E402
 
 EXAMPLES = """examples:
@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--samples", type=int, default=2, help="--verify: members per category whose reconstruction is checked"
     )
-    p.add_argument("--seed", type=int, default=0, help="--verify: seed of the member sample")
+    p.add_argument("--seed", type=seed_int, default=0, help="--verify: seed of the member sample")
     p.add_argument(
         "--tol",
         type=float,

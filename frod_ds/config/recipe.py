@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from frod_ds.core.names import DEFAULT_TARGETS, QUANT_KINDS
-from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.errors import FrodError, note
 from frod_ds.runtime.paths import file_problem
 from frod_ds.runtime.shipped import user_file
 from frod_ds.runtime.strict_json import MAX_DEPTH, nesting_depth
@@ -124,8 +124,10 @@ class Recipe:
             p.append(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
         if t.max_steps is None and t.epochs <= 0:
             p.append("set train.epochs > 0 or train.max_steps")
-        elif t.epochs < 0:  # unused beside max_steps, but a negative count is a typo either way
-            p.append(f"train.epochs must be > 0, got {t.epochs}")
+        elif t.epochs <= 0:  # unused beside max_steps, but a count of no epochs says to train nothing
+            p.append(f"train.epochs must be > 0 (train.max_steps, when set, decides the steps), got {t.epochs}")
+        if t.seed < 0 or m.seed < 0:  # random.Random(-n) is Random(n): two recorded seeds, one run
+            p.append(f"train.seed and model.seed must be >= 0, got {t.seed} and {m.seed}")
         if t.max_steps is not None and t.max_steps <= 0:
             p.append(f"train.max_steps must be > 0, got {t.max_steps}")
         if t.micro_batch_size <= 0 or t.grad_accum <= 0:
@@ -284,10 +286,14 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         if nesting_depth(loaded) > MAX_DEPTH:
             raise RecipeError(too_deep)
         tree = loaded
+    given: dict[str, str] = {}
     for item in overrides:
         if "=" not in item:
             raise RecipeError(f"override {item!r} must look like section.key=value (e.g. train.lr_sigma=2e-4)")
         key, raw = item.split("=", 1)
+        if given.get(key.strip(), raw) != raw:  # a script's defaults, then the user's: the last wins, said once
+            note(f"{key.strip()} is given twice on the command line ({given[key.strip()]}, then {raw}); using {raw}")
+        given[key.strip()] = raw
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except (yaml.YAMLError, RecursionError):

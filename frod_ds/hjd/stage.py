@@ -32,7 +32,7 @@ from frod_ds.runtime import distributed as D
 from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, atomic_write_text, disk_full_line
 from frod_ds.runtime.errors import FrodError, HJDError
 from frod_ds.runtime.shared_dir import check_shared_dir
-from frod_ds.runtime.validate import pi_problem, targets_problem
+from frod_ds.runtime.validate import device_problem, pi_problem, targets_problem
 
 __all__ = ["StageConfig", "run_stage"]
 
@@ -103,8 +103,9 @@ class StageConfig:
 def _device(cfg: StageConfig) -> torch.device:
     if cfg.device == "cpu":
         return torch.device("cpu")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise HJDError("--device cuda but no CUDA device is visible")
+    problem = device_problem(cfg.device) if cfg.device == "cuda" else None
+    if problem:
+        raise HJDError(problem)
     return D.local_device()
 
 

@@ -12,7 +12,7 @@ from frod_ds.formats.folders import wrong_folder
 from frod_ds.io.model_config import config_problems
 from frod_ds.runtime.errors import CheckpointError
 from frod_ds.runtime.paths import dir_problem, file_problem
-from frod_ds.runtime.strict_json import loads
+from frod_ds.runtime.strict_json import DuplicateKeyError, parse_json
 
 __all__ = [
     "HUB_PATTERNS",
@@ -102,7 +102,9 @@ def check_config_file(model_dir: str | os.PathLike) -> dict:
     model (train, eval, export) check it first instead of failing inside transformers."""
     path = resolve_config_file(str(model_dir))
     try:
-        data = loads(path.read_text())
+        data = parse_json(path.read_text())
+    except DuplicateKeyError as e:  # transformers would build the model from the last value, silently
+        raise CheckpointError(f"{path}: {e}; the checkpoint's config is damaged or hand-edited") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(
             f"{path} is not valid JSON ({e}); the checkpoint's config is damaged: copy config.json "

@@ -26,7 +26,7 @@ from frod_ds.prep.tasks import (
     parse_tasks,
 )
 from frod_ds.prep.templates import RowError, render, row_id
-from frod_ds.runtime.cli_parser import Parser
+from frod_ds.runtime.cli_parser import Parser, seed_int
 from frod_ds.runtime.paths import dir_problem
 from frod_ds.runtime.strict_json import loads
 
@@ -99,7 +99,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--out", type=Path, required=True, help="output directory (must be absent or empty unless --overwrite)"
     )
     p.add_argument("--tasks", default="all", help=f"comma list of tasks or 'all' (default); tasks: {', '.join(TASKS)}")
-    p.add_argument("--seed", type=int, default=42, help="seed of the training-mixture shuffle (default: 42)")
+    p.add_argument("--seed", type=seed_int, default=42, help="seed of the training-mixture shuffle (default: 42)")
     p.add_argument(
         "--strict", action="store_true", help="fail on the first invalid source row instead of dropping and counting it"
     )

@@ -66,6 +66,8 @@ def parse_tasks(spec: str) -> list[str]:
         )
     if names == ["all"]:
         return list(TASKS)
+    if "all" in names:  # "all,boolq": every task, or a list? neither guessed
+        raise DataPrepError(f"--tasks {spec!r}: 'all' stands alone; pass --tasks all, or a comma list of tasks")
     unknown = [name for name in names if name not in TASKS]
     if unknown:
         raise DataPrepError(

@@ -8,9 +8,20 @@ import difflib
 import re
 from typing import NoReturn
 
-__all__ = ["Parser"]
+__all__ = ["Parser", "seed_int"]
 
 _CHOICE = re.compile(r"invalid choice: '(?P<got>[^']*)' \(choose from (?P<choices>.*)\)$")
+
+
+def seed_int(text: str) -> int:
+    """A ``--seed`` value: an integer >= 0 (``random.Random(-n)`` is ``Random(n)``: two recorded seeds, one run)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a seed must be >= 0, got {value}")
+    return value
 
 
 class Parser(argparse.ArgumentParser):

@@ -45,6 +45,15 @@ def report(error: FrodError) -> None:
     print(f"error: {where}{error}", file=sys.stderr, flush=True)
 
 
+def long_name(path: str | os.PathLike | None) -> str:
+    """What is too long in ``path``: its longest name when that passes the usual 255-byte limit, else the whole."""
+    names = [n for n in os.fsdecode(path or "").split("/") if n]
+    longest = max(names, key=lambda n: len(os.fsencode(n)), default="")
+    if len(os.fsencode(longest)) > 255:
+        return f"a name in this path is {len(os.fsencode(longest))} bytes long, past the file system's limit (255)"
+    return "the path is longer than the file system allows"
+
+
 def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str | None = None) -> int:
     """Run a launch script's ``body`` (see the module docstring). ``init_group``: join the launcher's
     process group first (``distributed.init_distributed(backend)``); pass False when ``body`` sets up its
@@ -68,6 +77,9 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
         line = path_error(e.filename, e) if e.filename and e.errno == errno.ENOTDIR else None
         if line:
             report(FrodError(line))
+            return USER_ERROR
+        if e.errno == errno.ENAMETOOLONG:  # a name past the file system's limit (255 bytes), wherever it was used
+            report(FrodError(f"{e.filename or 'a path'}: {long_name(e.filename)}; choose a shorter path"))
             return USER_ERROR
         if e.errno in (errno.EMFILE, errno.ENFILE):  # ``ulimit -n`` too low for the command's files and libraries
             import resource

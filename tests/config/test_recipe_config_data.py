@@ -63,6 +63,9 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
         (["train.lr_sigma"], "must look like section.key=value"),
         # numbers the optimizer would take silently or fail on with a traceback (the failure corpus)
         (["train.max_steps=1", "train.epochs=-1"], "train.epochs must be > 0"),
+        (["train.max_steps=1", "train.epochs=0"], "train.epochs must be > 0"),  # no epochs: it trained max_steps
+        (["train.seed=-1"], "train.seed and model.seed must be >= 0, got -1 and 0"),  # Random(-1) is Random(1)
+        (["model.seed=-2"], "train.seed and model.seed must be >= 0, got 42 and -2"),
         (["train.betas=[0.9,1.5]"], "train.betas must be two numbers in [0, 1)"),
         (["train.betas=[-0.1,0.9]"], "train.betas must be two numbers in [0, 1)"),
         (["train.max_grad_norm=-1"], "train.max_grad_norm must be >= 0"),
@@ -74,6 +77,17 @@ def test_bad_recipes_raise_one_error_naming_the_problem(bad, needle):
     with pytest.raises(RecipeError, match=None) as e:
         load_recipe(None, REQUIRED + bad)
     assert needle in str(e.value)
+
+
+def test_an_override_given_twice_takes_the_last_with_a_note(capfd):
+    """A script's defaults then the user's (launch/slurm/train.sbatch): the last value is used and a note names
+    both; the same value twice says nothing."""
+    r = load_recipe(None, [*REQUIRED, "train.lr_sigma=1e-3", "train.lr_sigma=2e-3"])
+    assert r.train.lr_sigma == 2e-3
+    err = capfd.readouterr().err
+    assert err == "note: train.lr_sigma is given twice on the command line (1e-3, then 2e-3); using 2e-3\n", err
+    load_recipe(None, [*REQUIRED, "train.max_steps=3", "train.max_steps=3"])
+    assert capfd.readouterr().err == ""
 
 
 def test_missing_required_fields_are_all_reported():

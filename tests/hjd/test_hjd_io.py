@@ -178,3 +178,19 @@ def test_cpu_threading_of_launch_hjd_respects_the_user_and_shares_the_cores(monk
     assert run(OMP_WAIT_POLICY="ACTIVE") == ("ACTIVE", 8)
     assert run("cuda") == ("None", 8)
     assert run("auto", LOCAL_WORLD_SIZE="4") == ("PASSIVE", 2)  # no GPU here: a CPU run
+
+
+def test_hjd_on_cuda_without_a_gpu_says_to_use_the_cpu(monkeypatch):
+    """``frod hjd --device cuda`` where no GPU is visible: the same line every command's device check gives, with
+    what to do (``--device cpu``), not only what is wrong."""
+    import pytest
+    import torch
+
+    from frod_ds.hjd import stage
+    from frod_ds.runtime.errors import HJDError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = type("Cfg", (), {"device": "cuda"})()
+    with pytest.raises(HJDError) as e:
+        stage._device(cfg)
+    assert str(e.value) == "--device cuda but no CUDA device is visible to this process; use --device cpu"

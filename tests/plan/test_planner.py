@@ -466,10 +466,14 @@ def test_cli_plan_refuses_a_deepspeed_json_training_would_refuse(tmp_path, chang
         (None, "has no config.json"),
         ({"model_type": "gpt2", "n_embd": 768}, "model_type 'gpt2' is not one the planner models"),
         ({"model_type": "llama", "hidden_size": 64}, "missing or non-integer intermediate_size"),
+        # a key given twice: transformers builds from the last value, the weights may have the first
+        (json.dumps(LLAMA2_7B)[:-1] + ', "hidden_size": 8192}', 'key "hidden_size" is given twice in the top level'),
     ],
 )
 def test_cli_bad_model_is_one_line(tmp_path, config, needle):
-    if config is not None:
+    if isinstance(config, str):
+        (tmp_path / "config.json").write_text(config)
+    elif config is not None:
         (tmp_path / "config.json").write_text(json.dumps(config))
     res = _plan("--model", str(tmp_path), "--gpus", "1")
     assert res.returncode == 2, res.stdout + res.stderr

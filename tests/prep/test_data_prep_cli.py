@@ -75,6 +75,8 @@ def test_strict_error_is_one_line_status_2_and_out_untouched(capsys, tmp_path):
         ),
         (["--tasks", ","], "error: --tasks is empty"),
         (["--tasks", "boolq,,piqa"], "error: --tasks 'boolq,,piqa' has an empty name between commas"),
+        (["--tasks", "all,boolq"], "error: --tasks 'all,boolq': 'all' stands alone; pass --tasks all, or a comma"),
+        (["--tasks", "boolq,all"], "error: --tasks 'boolq,all': 'all' stands alone; pass --tasks all, or a comma"),
         (["--cutoff", "128"], "error: --cutoff needs --tokenizer"),
     ],
 )

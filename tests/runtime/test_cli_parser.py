@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 
-from frod_ds.runtime.cli_parser import Parser
+from frod_ds.runtime.cli_parser import Parser, seed_int
 
 
 def test_a_usage_error_is_argparses_message_in_one_line(capsys):
@@ -92,3 +92,29 @@ def test_an_empty_option_value_is_a_usage_error_not_the_working_directory(module
     p = Parser(prog="t")
     p.add_argument("--x", default="")
     assert p.parse_args([]).x == "" and p.parse_args(["--x", " "]).x == " "  # a default, a value of spaces: kept
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("frod_ds.prep.command", ["build", "--source", "s", "--tasks", "boolq", "--out", "x", "--seed", "-1"]),
+        ("frod_ds.cli.hjd", ["--verify", "f", "--model", "m", "--seed", "-3"]),
+    ],
+)
+def test_a_negative_seed_is_a_usage_error(module, argv, capsys, tmp_path):
+    """``random.Random(-1)`` is ``Random(1)``: a build recorded under seed -1 would be seed 1's. Refused in one
+    line before anything is read or written."""
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            importlib.import_module(module).main(argv)
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "argument --seed: a seed must be >= 0, got -" in err, err
+    assert list(tmp_path.iterdir()) == []
+    assert seed_int("0") == 0 and seed_int("42") == 42

@@ -274,3 +274,21 @@ def test_too_many_open_files_is_one_line_naming_the_limit(capsys):
         assert entry.run(_raise(fail), init_group=False) == 2
         err = capsys.readouterr().err
         assert err == f"error: {os.strerror(code)} (ulimit -n is {soft}): raise the limit and re-run the same command\n"
+
+
+def test_a_name_past_the_file_systems_limit_is_one_line(capsys, tmp_path):
+    """ENAMETOOLONG wherever a command first touches the path (``Path.exists`` raises it): one line naming the path
+    and how long its longest name is, exit 2, not a traceback. A real one from the file system, then a whole path
+    too long with short names."""
+    import errno
+
+    long = tmp_path / ("x" * 300)
+    assert entry.run(lambda: long.exists(), init_group=False) == 2
+    err = capsys.readouterr().err
+    want = f"error: {long}: a name in this path is 300 bytes long, past the file system's limit (255); "
+    assert err == want + "choose a shorter path\n", err
+    deep = "/".join(["d" * 200] * 30)
+    fail = OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), deep)
+    assert entry.run(_raise(fail), init_group=False) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {deep}: the path is longer than the file system allows; choose a shorter path\n", err
