@@ -426,6 +426,14 @@ def model_config_deep(world, case, spec):
     path.write_text(_with_deep_value(path.read_text()))
 
 
+def model_config_dup_key(world, case, spec):
+    """config.json with hidden_size given twice (the weights' value, then another): transformers keeps the last."""
+    _copy(world, "model", case / "model")
+    path = case / "model" / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps(cfg)[:-1] + f', "hidden_size": {cfg["hidden_size"] * 2}}}')
+
+
 def mirror_deep(world, case, spec):
     """A BoolQ source whose second training row is arrays nested 20,000 deep."""
     (case / "mirror" / "boolq").mkdir(parents=True)
@@ -1556,6 +1564,7 @@ STEPS: dict[str, Callable] = {
         ds_deep_900,
         yaml_deep,
         model_config_deep,
+        model_config_dup_key,
         mirror_deep,
         data_missing_answer,
         data_missing_prompt,
