@@ -124,8 +124,8 @@ class Recipe:
             p.append(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
         if t.max_steps is None and t.epochs <= 0:
             p.append("set train.epochs > 0 or train.max_steps")
-        elif t.epochs <= 0:  # unused beside max_steps, but a count of no epochs says to train nothing
-            p.append(f"train.epochs must be > 0 (train.max_steps, when set, decides the steps), got {t.epochs}")
+        elif t.epochs < 0:  # unused beside max_steps (0 there is how other trainers say so), but -1 is a typo
+            p.append(f"train.epochs must be > 0, got {t.epochs}")
         if t.seed < 0 or m.seed < 0:  # random.Random(-n) is Random(n): two recorded seeds, one run
             p.append(f"train.seed and model.seed must be >= 0, got {t.seed} and {m.seed}")
         if t.max_steps is not None and t.max_steps <= 0:

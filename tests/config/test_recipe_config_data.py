@@ -63,7 +63,6 @@ def test_overrides_take_precedence_and_are_typed(tmp_path):
         (["train.lr_sigma"], "must look like section.key=value"),
         # numbers the optimizer would take silently or fail on with a traceback (the failure corpus)
         (["train.max_steps=1", "train.epochs=-1"], "train.epochs must be > 0"),
-        (["train.max_steps=1", "train.epochs=0"], "train.epochs must be > 0"),  # no epochs: it trained max_steps
         (["train.seed=-1"], "train.seed and model.seed must be >= 0, got -1 and 0"),  # Random(-1) is Random(1)
         (["model.seed=-2"], "train.seed and model.seed must be >= 0, got 42 and -2"),
         (["train.betas=[0.9,1.5]"], "train.betas must be two numbers in [0, 1)"),
