@@ -64,6 +64,22 @@ def test_a_mistyped_choice_names_the_one_probably_meant(capsys):
         assert (f"did you mean '{meant}'?" in err) if meant else ("did you mean" not in err), err
 
 
+def _usage_error_in(folder, module: str, argv: list[str], capsys) -> str:
+    """``module``'s ``main(argv)`` run from ``folder``: it must exit 2 with one line on stderr, which is returned."""
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            importlib.import_module(module).main(argv)
+    finally:
+        os.chdir(cwd)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
 @pytest.mark.parametrize(
     "module, argv, option",
     [
@@ -76,17 +92,7 @@ def test_a_mistyped_choice_names_the_one_probably_meant(capsys):
 def test_an_empty_option_value_is_a_usage_error_not_the_working_directory(module, argv, option, capsys, tmp_path):
     """``--source "$UNSET"``: argparse takes "" as a path, which is "." (a build from, or into, the working
     directory). Every frod command refuses it in one line naming the option, before anything reads or writes."""
-    import os
-
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with pytest.raises(SystemExit) as exc:
-            importlib.import_module(module).main(argv)
-    finally:
-        os.chdir(cwd)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    err = _usage_error_in(tmp_path, module, argv, capsys)
     assert f"argument {option}: the value is empty (an unset variable?)" in err, err
     assert list(tmp_path.iterdir()) == []
     p = Parser(prog="t")
@@ -104,17 +110,7 @@ def test_an_empty_option_value_is_a_usage_error_not_the_working_directory(module
 def test_a_negative_seed_is_a_usage_error(module, argv, capsys, tmp_path):
     """``random.Random(-1)`` is ``Random(1)``: a build recorded under seed -1 would be seed 1's. Refused in one
     line before anything is read or written."""
-    import os
-
-    cwd = os.getcwd()
-    os.chdir(tmp_path)
-    try:
-        with pytest.raises(SystemExit) as exc:
-            importlib.import_module(module).main(argv)
-    finally:
-        os.chdir(cwd)
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    err = _usage_error_in(tmp_path, module, argv, capsys)
     assert "argument --seed: a seed must be >= 0, got -" in err, err
     assert list(tmp_path.iterdir()) == []
     assert seed_int("0") == 0 and seed_int("42") == 42
