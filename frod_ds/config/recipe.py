@@ -291,14 +291,15 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         if "=" not in item:
             raise RecipeError(f"override {item!r} must look like section.key=value (e.g. train.lr_sigma=2e-4)")
         key, raw = item.split("=", 1)
-        if given.get(key.strip(), raw) != raw:  # a script's defaults, then the user's: the last wins, said once
-            note(f"{key.strip()} is given twice on the command line ({given[key.strip()]}, then {raw}); using {raw}")
-        given[key.strip()] = raw
+        key = key.strip()
+        if given.get(key, raw) != raw:  # a script's defaults, then the user's: the last wins, said once
+            note(f"{key} is given twice on the command line ({given[key]}, then {raw}); using {raw}")
+        given[key] = raw
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except (yaml.YAMLError, RecursionError):
             raise RecipeError(f"override {item!r}: the value is not a YAML scalar; quote it") from None
-        _set_dotted(tree, key.strip(), value)
+        _set_dotted(tree, key, value)
     problems: list[str] = []
     recipe = _build(Recipe, tree, "", problems)
     if not problems:
