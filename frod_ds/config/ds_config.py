@@ -119,7 +119,7 @@ def note_ignored(cfg: dict, where: str | Path = "", partition: str = "auto") -> 
     """A ``note:`` naming the settings of ``cfg`` that have no effect under its ZeRO stage and precision (``partition``:
     ``train.zero3_partition``; the layer partition, ``frod_ds.config.zero3_layout``, runs σ and S under ZeRO-2)."""
     stage = zero_stage(cfg)
-    layers = stage == 3 and partition != "deepspeed" and offload_device(cfg, "offload_param") is None
+    layers = stage == 3 and partition != "deepspeed" and not nvme_offloads(cfg)  # frod_ds.config.zero3_layout
     ignored = ignored_settings(cfg, stage, bool(nvme_offloads(cfg)), layers)
     if "activation_checkpointing" in cfg:  # frod-ds never hands DeepSpeed its checkpointing
         note("DeepSpeed config: activation_checkpointing has no effect; set the recipe's model.gradient_checkpointing")

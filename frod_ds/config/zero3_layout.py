@@ -3,15 +3,16 @@
 ``layers``: frod-ds keeps 1/N of each unit's frozen weights (embedding, decoder layer, head) per rank and gathers a
 unit around its use, the next one prefetched (``frod_ds.model.frozen_shards``); σ and S, a few MB, run under ZeRO-2,
 so DeepSpeed's engine gets the JSON with stage 2; with ``offload_param`` to the CPU the shards live in pinned host
-memory. ``deepspeed``: DeepSpeed's stage-3 coordinator partitions every parameter; NVMe offload needs it. ``auto``
-(the default): ``layers`` unless the JSON offloads parameters.
+memory (faster than DeepSpeed's coordinator offloading them: ``bench/results/offload-7b``). ``deepspeed``: DeepSpeed's
+stage-3 coordinator partitions every parameter; NVMe offload needs it (DeepSpeed's ZeRO-2 would keep an NVMe
+optimizer on the GPU without a word). ``auto`` (the default): ``layers`` unless the JSON offloads anything to NVMe.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from frod_ds.config.ds_config import DSConfigError, offload_device, zero_stage
+from frod_ds.config.ds_config import DSConfigError, nvme_offloads, offload_device, zero_stage
 
 __all__ = ["host_shards", "zero3_layout"]
 
@@ -20,13 +21,14 @@ def zero3_layout(cfg: dict[str, Any], choice: str) -> str | None:
     """``"layers"`` or ``"deepspeed"`` for a ZeRO-3 ``cfg``, None for any other stage."""
     if zero_stage(cfg) != 3:
         return None
-    offload = offload_device(cfg, "offload_param")
-    if choice == "layers" and offload == "nvme":
+    nvme = nvme_offloads(cfg)
+    if choice == "layers" and nvme:
         raise DSConfigError(
             "DeepSpeed config: train.zero3_partition=layers keeps the frozen weights' shards on the GPU or in host "
-            'memory, but the JSON offloads parameters to NVMe ("offload_param"); use train.zero3_partition=auto'
+            f"memory and σ, S under ZeRO-2, but the JSON offloads to NVMe ({', '.join(sorted(nvme))}); use "
+            "train.zero3_partition=auto"
         )
-    return "deepspeed" if choice == "deepspeed" or (offload and choice == "auto") else "layers"
+    return "deepspeed" if choice == "deepspeed" or nvme else "layers"
 
 
 def host_shards(cfg: dict[str, Any], layout: str | None) -> bool:

@@ -41,8 +41,11 @@ LAYERS_LINK_EXPOSED = 0.7
 PEER_LINK_EXPOSED = 0.27
 # All-gather bus bandwidth of 2 H200s over NVLink (bench/results/two_gpu_2xh200/matrix/link_2gpu.json).
 NVLINK_BUSBW = 268e9
-# Host-to-GPU copies of offloaded frozen weights (fitted on the one measured offload step).
+# Host-to-GPU copies of offloaded frozen weights under DeepSpeed's coordinator (fitted on its one measured step).
 OFFLOAD_BYTES_PER_S = 47e9
+# Host-to-GPU copies of the layer partition's host shards, on its side stream beside the compute: read off the 7B
+# shape on one H200 (offload-7b), where the copies are the whole step.
+HOST_SHARD_BYTES_PER_S = 54e9
 # Dequantization on the GPU, seconds per quantized element and pass.
 DEQUANT_DEVICE_S = {"nf4": 1.4e-12, "int8": 7.9e-12}
 # The host's time per decoder layer and pass of a bf16 FRoD step, and per quantized linear and pass on top of it.
@@ -133,11 +136,13 @@ def step_time(
     n = gpus
     if engine.layers:  # every frozen tensor but V and the final norm, gathered for the forward and the backward
         shared = sum(b * c for b, c, _ in frozen_tensors(model, train)["frozen V"]) + model.hidden * train.e
-        if engine.offload_param:  # each rank copies its shard in from host memory, for both passes
-            parts["offload"] = 2 * (frozen_bytes - shared) / n / OFFLOAD_BYTES_PER_S
-        if n > 1:
-            exposed = PEER_LINK_EXPOSED if engine.peer else LAYERS_LINK_EXPOSED
-            parts["link"] = exposed * 2 * (frozen_bytes - shared) * (n - 1) / n / link.busbw
+        moved = 2 * (frozen_bytes - shared)
+        gather = moved * (n - 1) / n / link.busbw
+        if engine.offload_param:  # the side stream copies this rank's shard in, then gathers the rest: hidden
+            side = moved / n / HOST_SHARD_BYTES_PER_S + gather  # behind the compute up to the compute's length
+            parts["offload"] = max(0.0, side - device)
+        elif n > 1:
+            parts["link"] = (PEER_LINK_EXPOSED if engine.peer else LAYERS_LINK_EXPOSED) * gather
     elif engine.stage == 3:
         if engine.offload_param:
             parts["offload"] = passes * frozen_bytes / OFFLOAD_BYTES_PER_S

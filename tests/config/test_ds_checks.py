@@ -135,7 +135,8 @@ def test_settings_the_stage_ignores_are_named_in_a_note(capsys):
 
 def test_the_overflow_check_is_noted_only_where_deepspeeds_stage_3_runs(capsys):
     """``bf16.check_grad_overflow`` in a ZeRO-3 JSON: read under the layer partition (σ and S run under ZeRO-2),
-    ignored by DeepSpeed's own stage 3 (``train.zero3_partition=deepspeed``, or a JSON that offloads parameters)."""
+    ignored by DeepSpeed's own stage 3 (``train.zero3_partition=deepspeed``, or a JSON that offloads to NVMe); CPU
+    offload stays in the layer partition, which reads it."""
     cfg = _shipped("zero3.json")
     assert cfg["bf16"]["check_grad_overflow"] is False
     keys = ["model.base=m", "model.factor_store=f", "data.train=t.jsonl"]
@@ -143,9 +144,10 @@ def test_the_overflow_check_is_noted_only_where_deepspeeds_stage_3_runs(capsys):
     assert "note:" not in capsys.readouterr().err
     resolve_ds_config(cfg, load_recipe(None, [*keys, "train.zero3_partition=deepspeed"]), world_size=1)
     assert "bf16.check_grad_overflow has no effect" in capsys.readouterr().err
-    offloaded = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "offload_param": {"device": "cpu"}}}
-    check_ds_config(offloaded, "ds.json")
-    assert "bf16.check_grad_overflow" in capsys.readouterr().err
+    for device, noted in (("cpu", False), ("nvme", True)):
+        offloaded = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "offload_param": {"device": device}}}
+        check_ds_config(offloaded, "ds.json")
+        assert ("bf16.check_grad_overflow" in capsys.readouterr().err) == noted, device
 
 
 def test_deepspeeds_activation_checkpointing_block_is_noted_as_without_effect(capsys):
@@ -160,25 +162,32 @@ def test_deepspeeds_activation_checkpointing_block_is_noted_as_without_effect(ca
 
 
 @pytest.mark.parametrize(
-    "offload,choice,want",
+    "offload,optimizer,choice,want",
     [
-        (None, "auto", "layers"),
-        ("cpu", "auto", "deepspeed"),
-        ("cpu", "layers", "layers"),
-        ("cpu", "deepspeed", "deepspeed"),
-        ("nvme", "auto", "deepspeed"),
-        ("nvme", "layers", "refused"),
+        (None, None, "auto", "layers"),
+        ("cpu", None, "auto", "layers"),
+        ("cpu", "cpu", "auto", "layers"),
+        ("cpu", None, "layers", "layers"),
+        ("cpu", None, "deepspeed", "deepspeed"),
+        ("nvme", None, "auto", "deepspeed"),
+        ("cpu", "nvme", "auto", "deepspeed"),
+        (None, "nvme", "auto", "deepspeed"),
+        ("nvme", None, "layers", "refused"),
+        (None, "nvme", "layers", "refused"),
     ],
 )
-def test_zero3_layout_takes_cpu_parameter_offload_into_the_layer_partition_not_nvme(offload, choice, want):
-    """``train.zero3_partition``: auto keeps DeepSpeed's coordinator for a JSON that offloads parameters; layers
-    takes CPU offload (shards in host memory) and refuses NVMe in one line naming the way out."""
+def test_zero3_layout_takes_cpu_offload_into_the_layer_partition_not_nvme(offload, optimizer, choice, want):
+    """``train.zero3_partition``: auto takes CPU offload into the layer partition (shards in host memory, measured
+    faster than DeepSpeed's coordinator) and leaves anything on NVMe to DeepSpeed's stage 3; layers refuses NVMe
+    in one line naming the way out (DeepSpeed's ZeRO-2 would keep an NVMe optimizer on the GPU silently)."""
     from frod_ds.config.ds_config import DSConfigError
     from frod_ds.config.zero3_layout import host_shards, zero3_layout
 
     zo: dict = {"stage": 3}
     if offload:
         zo["offload_param"] = {"device": offload}
+    if optimizer:
+        zo["offload_optimizer"] = {"device": optimizer}
     cfg = {"zero_optimization": zo}
     if want == "refused":
         with pytest.raises(DSConfigError, match="NVMe.*train.zero3_partition=auto"):

@@ -657,10 +657,11 @@ def test_cli_plan_says_how_the_layer_partition_gathers_and_times_it_so(tmp_path)
 def test_the_layer_partition_with_offload_keeps_only_gathered_units_on_the_gpu():
     """``offload_param`` to the CPU under ``train.zero3_partition=layers``: the units' shards are in host memory,
     so the GPU holds V and the final norm whole, a layer plus the larger of a layer and the head gathered (on one
-    GPU too), and the step adds each rank's shard copied in for both passes; gathers by NCCL, never peer copies."""
+    GPU too); the step's side stream copies each rank's shard in for both passes, then gathers the rest by NCCL (never
+    peer copies), behind the compute up to the compute's length."""
     from frod_ds.plan.memory import frozen_tensors
     from frod_ds.plan.shapes import engine_from_ds_config
-    from frod_ds.plan.step_time import OFFLOAD_BYTES_PER_S, step_time
+    from frod_ds.plan.step_time import HOST_SHARD_BYTES_PER_S, NVLINK_BUSBW, step_time
 
     model = model_shape_from_config(TINY)
     train = TrainShape(micro_batch=2, seq_len=8, sparsity=0.25)
@@ -668,7 +669,8 @@ def test_the_layer_partition_with_offload_keeps_only_gathered_units_on_the_gpu()
     off = engine_from_ds_config(cfg, "off", "layers", "auto")
     on = engine_from_ds_config(load_ds_config(REPO / "ds_configs" / "zero3.json"), "z3", "layers", "auto")
     assert (off.layers, off.offload_param, off.peer) == (True, True, False) and on.peer
-    assert engine_from_ds_config(cfg, "off", "auto", "auto").layers is False  # auto: DeepSpeed's coordinator
+    assert engine_from_ds_config(cfg, "off", "auto", "auto").layers is True  # auto: the layer partition
+    assert engine_from_ds_config(cfg, "off", "deepspeed", "auto").layers is False
     for gpus in (1, 2):
         p_off, p_on = plan_memory(model, train, off, gpus, 1e9), plan_memory(model, train, on, gpus, 1e9)
         assert p_off.parts["frozen U_i"] == 0 and p_off.parts["frozen V"] == p_on.parts["frozen V"] > 0
@@ -678,5 +680,15 @@ def test_the_layer_partition_with_offload_keeps_only_gathered_units_on_the_gpu()
     frozen = sum(b * c for v in frozen_tensors(model, train).values() for b, c, _ in v)
     shared = sum(b * c for b, c, _ in frozen_tensors(model, train)["frozen V"]) + model.hidden * train.e
     for gpus in (1, 2):
-        t = step_time(model, train, off, gpus)
-        assert t.parts["offload"] == pytest.approx(2 * (frozen - shared) / gpus / OFFLOAD_BYTES_PER_S)
+        t, t_on = step_time(model, train, off, gpus), step_time(model, train, on, gpus)
+        moved = 2 * (frozen - shared)
+        side = moved / gpus / HOST_SHARD_BYTES_PER_S + moved * (gpus - 1) / gpus / NVLINK_BUSBW
+        device = t.parts["compute"] + t.parts["recompute"]
+        assert t.parts["offload"] == pytest.approx(max(0.0, side - device)) and "link" not in t.parts
+        assert t.parts["compute"] == t_on.parts["compute"]
+    # copies outlasting the compute make the step the side stream's length (not the sum); a long compute hides them
+    t = step_time(model, train, off, 1)
+    assert t.parts["offload"] > 0
+    assert t.parts["compute"] + t.parts["offload"] == pytest.approx(2 * (frozen - shared) / HOST_SHARD_BYTES_PER_S)
+    long = step_time(model, TrainShape(micro_batch=64, seq_len=4096, sparsity=0.25), off, 1)
+    assert long.parts["offload"] == 0 and long.parts["compute"] > 2 * (frozen - shared) / HOST_SHARD_BYTES_PER_S
