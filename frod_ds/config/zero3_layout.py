@@ -14,7 +14,7 @@ from typing import Any
 
 from frod_ds.config.ds_config import DSConfigError, nvme_offloads, offload_device, zero_stage
 
-__all__ = ["host_shards", "zero3_layout"]
+__all__ = ["check_gather", "host_shards", "zero3_layout"]
 
 
 def zero3_layout(cfg: dict[str, Any], choice: str) -> str | None:
@@ -34,3 +34,13 @@ def zero3_layout(cfg: dict[str, Any], choice: str) -> str | None:
 def host_shards(cfg: dict[str, Any], layout: str | None) -> bool:
     """Whether the layer partition keeps the frozen weights' shards in host memory (``offload_param`` to the CPU)."""
     return layout == "layers" and offload_device(cfg, "offload_param") == "cpu"
+
+
+def check_gather(cfg: dict[str, Any], layout: str | None, gather: str) -> None:
+    """``DSConfigError`` for ``train.zero3_gather=peer`` with host shards: peer copies read other GPUs' memory, not
+    host memory (one check for ``frod train`` before it builds anything and for ``frod plan``)."""
+    if gather == "peer" and host_shards(cfg, layout):
+        raise DSConfigError(
+            "DeepSpeed config: the frozen weights' shards are offloaded to host memory (offload_param to the CPU), "
+            "which peer copies cannot read; use train.zero3_gather=auto or collective, or a JSON without offload_param"
+        )

@@ -196,10 +196,12 @@ def engine_from_ds_config(
     """The ``Engine`` of a DeepSpeed JSON as the one reader of it (``ds_config.zero_settings``) sees it. ZeRO-0/1
     are planned like ZeRO-2: each replicates the frozen model on every GPU. ``partition``, ``gather``: the recipe's
     ``train.zero3_partition`` and ``train.zero3_gather`` (auto is planned as peer copies: GPUs of one machine)."""
-    from frod_ds.config.zero3_layout import zero3_layout
+    from frod_ds.config.zero3_layout import check_gather, zero3_layout
 
     z = zero_settings(cfg)
-    layers = zero3_layout(cfg, partition) == "layers"
+    layout = zero3_layout(cfg, partition)
+    check_gather(cfg, layout, gather)
+    layers = layout == "layers"
     return Engine(
         name,
         3 if z.stage == 3 else 2,

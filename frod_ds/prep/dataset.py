@@ -166,7 +166,7 @@ def load_llm_adapters_splits(options: BuildOptions, path: Path) -> list[SplitRes
             selected=frozenset(options.tasks),
             id_prefix=path.stem,
         )
-        log(f"{path.name}: {len(conv.rows)} rows kept of {len(data.rows)}")
+        log(f"{path.name}: {len(conv.rows)} of {len(data.rows)} rows rendered")
         results.append(
             SplitResult(
                 path.name,
@@ -201,7 +201,7 @@ def load_llm_adapters_splits(options: BuildOptions, path: Path) -> list[SplitRes
                 strict=options.strict,
                 split=split,
             )
-            log(f"{task} {split}: {len(conv.rows)} rows kept of {len(data.rows)} ({data.origin})")
+            log(f"{task} {split}: {len(conv.rows)} of {len(data.rows)} rows rendered ({data.origin})")
             results.append(
                 SplitResult(
                     task,
@@ -232,7 +232,7 @@ def load_splits(options: BuildOptions) -> list[SplitResult]:
         for role, split in (("train", "train"), ("eval", TASKS[task].eval_split)):
             data = sources.load_split(options.source, task, split, options.winogrande_size)
             rows, dropped = convert_split(task, split, data, options.strict)
-            log(f"{task} {split}: {len(rows)} rows kept of {len(data.rows)} ({data.origin})")
+            log(f"{task} {split}: {len(rows)} of {len(data.rows)} rows rendered ({data.origin})")
             results.append(
                 SplitResult(task, role, split, rows, len(data.rows), dropped, data.provenance, origin=data.origin)
             )

@@ -118,7 +118,11 @@ def build_lock(build_dir: Path) -> Iterator[None]:
     build_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(build_dir / _GUARD, os.O_CREAT | os.O_RDWR, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another launch builds here: say so, then wait for it
+            note(f"waiting for another process building in {build_dir} (a one-time build; later runs reuse it)")
+            fcntl.flock(fd, fcntl.LOCK_EX)
         wait_for_baton(build_dir)
         yield
     finally:
@@ -187,6 +191,8 @@ def load_op(builder: Any) -> Any:
     ``load()`` of the same op builds nothing. A failed compile is a ``FrodError`` (its output printed first)."""
     build_dir = extensions_dir() / builder.name
     with build_lock(build_dir), _path_first(tied_ninja(build_dir)):
+        if not (build_dir / f"{builder.name}.so").is_file():  # a compile of minutes, silent otherwise
+            note(f"building DeepSpeed's {builder.name} op in {build_dir}: a one-time C++ compile of a few minutes")
         try:
             return builder.load(verbose=False)
         except RuntimeError as e:  # torch's "Error building extension '<name>': <the compiler's output>"

@@ -44,21 +44,27 @@ class DataError(FrodError):
     """Training data that cannot be used; the message names the file, line and field."""
 
 
-def training_file(path: str | Path) -> Path:
-    """The JSONL file ``data.train`` / ``data.eval`` names: the file itself, or ``train.jsonl`` of a ``frod data build``
-    output directory (the recipe allows both; everything that reads or records the data goes through here)."""
-    p = Path(path)
+def training_file(path: str | Path, setting: str = "data.train") -> Path:
+    """The JSONL file ``data.train`` / ``data.eval`` (``setting``, named in every refusal) names: the file itself, or
+    ``train.jsonl`` of a ``frod data build`` output directory (the recipe allows both; everything that reads or
+    records the data goes through here)."""
+    p, what = Path(path), f"{'evaluation' if setting == 'data.eval' else 'training'} data ({setting})"
     if p.is_dir():
-        wrong = wrong_folder(p, "training data", ("data-build",), "a data build or a JSONL file")
+        wrong = wrong_folder(p, what, ("data-build",), "a data build or a JSONL file")
         if wrong:
             raise DataError(wrong)
+        if not (p / "train.jsonl").exists() and marker_kind(p) != "data-build":
+            raise DataError(
+                f"{what} {p} is a directory but not a frod data build (no train.jsonl in it); point {setting} at a "
+                "JSONL file or at the --out of `frod data build`"
+            )
         build, p = p, p / "train.jsonl"
     else:
         build = p.parent if marker_kind(p.parent) == "data-build" else None
     if os.path.lexists(p) and file_problem(p):  # a named pipe, a link loop, unreadable: not "not found"
-        raise DataError(f"training data {file_problem(p)}")
+        raise DataError(f"{what} {file_problem(p)}")
     if not p.is_file():
-        raise DataError(f"training data {p} not found; build it with `frod data build --out DIR`")
+        raise DataError(f"{what} {p} not found; fix {setting}, or build it with `frod data build --out DIR`")
     if build is not None:
         _check_built(build, p.name)
     return p
@@ -94,10 +100,10 @@ def _check_training_row(row) -> str | None:
     return text_problem({k: row[k] for k in ("prompt", "separator", "answer") if k in row})
 
 
-def read_training_rows(path: str | Path, limit: int | None = None) -> list[dict]:
+def read_training_rows(path: str | Path, limit: int | None = None, setting: str = "data.train") -> list[dict]:
     """Rows with string ``prompt`` and ``answer``, optional string ``separator`` (other data_prep fields are
-    kept, not required)."""
-    p = training_file(path)
+    kept, not required); ``setting``: the recipe key that names ``path``, for the refusals."""
+    p = training_file(path, setting)
     try:
         rows = read_rows(p, check=_check_training_row, limit=limit)
     except DataPrepError as e:

@@ -67,7 +67,7 @@ def run_identity(
     data = {"train": file_sha256(training_file(recipe.data.train))}
     inputs = {"tokens.train": examples_sha256(examples), "base_config": config_sha256(base.config())}
     if recipe.data.eval:
-        data["eval"] = file_sha256(training_file(recipe.data.eval))
+        data["eval"] = file_sha256(training_file(recipe.data.eval, "data.eval"))
         inputs["tokens.eval"] = examples_sha256(eval_examples)
     if recipe.model.init_adapter:
         inputs["init_adapter"] = file_sha256(Path(recipe.model.init_adapter) / WEIGHTS)

@@ -20,7 +20,7 @@ import torch
 from frod_ds.config.ds_config import as_stage2, batch_sizes, nvme_offloads, resolve_ds_config
 from frod_ds.config.nvme import NvmeParams, check_aio_build_env, check_nvme_buffer, check_nvme_buffer_count
 from frod_ds.config.recipe import Recipe
-from frod_ds.config.zero3_layout import zero3_layout
+from frod_ds.config.zero3_layout import check_gather, zero3_layout
 from frod_ds.core.layer import support_nnz
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.formats.factor_store import StoreIdentity
@@ -75,13 +75,14 @@ def preflight(
     and last the run's identity against that checkpoint's (everything it digests has been checked by then)."""
     world = dist.get_world_size()
     ds_cfg = resolve_ds_config(dict(ds_config), recipe, world, nvme_path)
+    check_gather(ds_cfg, zero3_layout(ds_cfg, recipe.train.zero3_partition), recipe.train.zero3_gather)
     if recipe.train.tensorboard:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
         except ImportError:
             raise FrodError("train.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
     rows = read_training_rows(recipe.data.train, recipe.data.limit)
-    eval_rows = read_training_rows(recipe.data.eval) if recipe.data.eval else []
+    eval_rows = read_training_rows(recipe.data.eval, setting="data.eval") if recipe.data.eval else []
     base, store = _open_base_and_store(recipe)
     store_identity = store.identity(list(recipe.model.targets))
     if "offload_param" in nvme_offloads(ds_cfg):  # the model's parameter sizes are read only when they matter

@@ -204,6 +204,25 @@ def test_bad_training_data_is_one_line_naming_the_file(env, tmp_path, capsys, ca
     assert not (out / "checkpoints").exists() and not (out / "adapter-final").exists()
 
 
+@pytest.mark.parametrize("setting", ["data.train", "data.eval"])
+@pytest.mark.parametrize("case", ["missing", "plain_dir"])
+def test_missing_data_names_the_setting_that_points_at_it(env, tmp_path, capsys, setting, case):
+    """A missing file, or a directory that is no data build, named with the recipe key at fault (``data.eval``
+    was refused as "training data" and sent the user to data.train)."""
+    target = tmp_path / ("nope.jsonl" if case == "missing" else "plain")
+    if case == "plain_dir":
+        target.mkdir()
+    out = tmp_path / "out"
+    every = ["train.eval_every=2"] if setting == "data.eval" else []
+    line = one_error(capsys, train(env, out, f"{setting}={target}", *every))
+    if case == "missing":
+        assert f"({setting}) {target} not found; fix {setting}" in line, line
+    else:
+        assert f"({setting}) {target} is a directory but not a frod data build" in line, line
+    assert ("evaluation data" in line) == (setting == "data.eval"), line
+    assert not out.exists() or not any(out.iterdir())
+
+
 # -- data builds that would quietly shrink ----------------------------------------------------------------
 
 LA_FIXTURE = REPO / "tests" / "fixtures" / "data_prep" / "llm_adapters"

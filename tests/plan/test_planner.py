@@ -460,6 +460,26 @@ def test_cli_plan_refuses_a_deepspeed_json_training_would_refuse(tmp_path, chang
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.stderr
 
 
+@pytest.mark.parametrize("gather,refused", [("peer", True), ("collective", False), ("auto", False)])
+def test_cli_plan_refuses_peer_copies_of_host_shards_as_training_does(tmp_path, gather, refused):
+    """``zero3_gather=peer`` with CPU parameter offload: training refuses it (peer copies cannot read host
+    memory), so the planner does too, in the same line, instead of planning NCCL gathers with exit 0."""
+    from frod_ds.config.ds_config import DSConfigError, load_ds_config
+    from frod_ds.config.zero3_layout import check_gather
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    args = ["--model", str(tmp_path), "--gpus", "2", "--config", "ds_configs/zero3_offload.json"]
+    res = _plan_here(*args, f"train.zero3_gather={gather}")
+    lines = [line for line in res.stderr.splitlines() if line.strip() and not line.startswith("note:")]
+    if refused:
+        assert res.returncode == 2 and len(lines) == 1 and "peer copies cannot read" in lines[0], res.stderr
+        with pytest.raises(DSConfigError, match="peer copies cannot read"):
+            check_gather(load_ds_config(REPO / "ds_configs" / "zero3_offload.json"), "layers", "peer")
+    else:
+        assert res.returncode == 0 and "shards in host memory" in res.stdout, res.stderr
+    check_gather(load_ds_config(REPO / "ds_configs" / "zero3_offload.json"), "deepspeed", "peer")  # no host shards
+
+
 @pytest.mark.parametrize(
     "config,needle",
     [

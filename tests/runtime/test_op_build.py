@@ -118,6 +118,25 @@ def test_a_guarded_build_runs_and_loads_the_op_in_the_launch(tmp_path):
     assert _processes(mark) == []
 
 
+def test_a_build_says_it_runs_and_a_launch_waiting_for_anothers_build_says_so(tmp_path):
+    """A first build (minutes of C++ for cpu_adam) is announced in one note, a launch waiting on another's build
+    lock says what it waits for, and a launch finding the op built says nothing."""
+    first, mark = _start(GUARDED, tmp_path, FROD_STUB_SECONDS="3")
+    _compilers(tmp_path, first)
+    second, _ = _start(GUARDED, tmp_path)
+    try:
+        out1, err1 = first.communicate(timeout=pace.scaled(60))
+        out2, err2 = second.communicate(timeout=pace.scaled(60))
+    finally:
+        _kill_all(mark)
+    assert first.returncode == 0 and second.returncode == 0, (err1, err2)
+    assert err1.count("note: building DeepSpeed's stub_op op in ") == 1, err1
+    assert "note: waiting for another process building in " in err2, err2
+    third, _ = _start(GUARDED, tmp_path)
+    _, err3 = third.communicate(timeout=pace.scaled(60))
+    assert third.returncode == 0 and "note:" not in err3, err3
+
+
 def test_a_failed_build_is_one_error_line_after_the_compiler_output(tmp_path):
     code = (
         "import sys; from frod_ds.runtime import op_build; from frod_ds.runtime.entry import run; "

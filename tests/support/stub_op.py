@@ -3,9 +3,10 @@ tests/runtime/test_op_build.py): no C++ is compiled.
 
 ``StubBuilder().load()`` does what torch's JIT build does: it writes ``build.ninja`` in
 ``$TORCH_EXTENSIONS_DIR/stub_op`` and runs ``ninja`` found on ``PATH``, output captured, raising torch's
-``RuntimeError("Error building extension ...")`` when it fails. ninja starts each compiler in a process group of its
-own. A compiler is a Python sleep whose command line carries ``$FROD_STUB_MARK``; it appends its pid to
-``$FROD_STUB_PIDS``, sleeps ``$FROD_STUB_SECONDS`` and exits with ``$FROD_STUB_EXIT``.
+``RuntimeError("Error building extension ...")`` when it fails and leaving ``stub_op.so`` when it succeeds. ninja
+starts each compiler in a process group of its own. A compiler is a Python sleep whose command line carries
+``$FROD_STUB_MARK``; it appends its pid to ``$FROD_STUB_PIDS``, sleeps ``$FROD_STUB_SECONDS`` and exits with
+``$FROD_STUB_EXIT``.
 """
 
 from __future__ import annotations
@@ -38,4 +39,5 @@ class StubBuilder:
         res = subprocess.run(["ninja", "-j2"], cwd=build, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if res.returncode:
             raise RuntimeError(f"Error building extension '{self.name}': {res.stdout}")
+        (build / f"{self.name}.so").touch()  # what torch leaves: a later launch loads it without a build
         return f"stub op loaded in {os.getpid()}"
