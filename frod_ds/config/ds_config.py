@@ -35,6 +35,7 @@ __all__ = [
     "ZeroSettings",
     "DS_DEFAULTS",
     "batch_sizes",
+    "layout_of",
     "as_ds_config",
     "bf16_overflow_check",
     "check_ds_config",
@@ -119,7 +120,7 @@ def note_ignored(cfg: dict, where: str | Path = "", partition: str = "auto") -> 
     """A ``note:`` naming the settings of ``cfg`` that have no effect under its ZeRO stage and precision (``partition``:
     ``train.zero3_partition``; the layer partition, ``frod_ds.config.zero3_layout``, runs σ and S under ZeRO-2)."""
     stage = zero_stage(cfg)
-    layers = stage == 3 and partition != "deepspeed" and not nvme_offloads(cfg)  # frod_ds.config.zero3_layout
+    layers = layout_of(cfg, partition) == "layers"
     ignored = ignored_settings(cfg, stage, bool(nvme_offloads(cfg)), layers)
     if "activation_checkpointing" in cfg:  # frod-ds never hands DeepSpeed its checkpointing
         note("DeepSpeed config: activation_checkpointing has no effect; set the recipe's model.gradient_checkpointing")
@@ -224,6 +225,15 @@ def offload_device(cfg: dict, which: str) -> str | None:
 def nvme_offloads(cfg: dict) -> set[str]:
     """Which of ``offload_param`` / ``offload_optimizer`` go to NVMe."""
     return {k for k in OFFLOADS if offload_device(cfg, k) == "nvme"}
+
+
+def layout_of(cfg: dict, choice: str) -> str | None:
+    """How a ZeRO-3 ``cfg`` partitions its frozen weights under ``train.zero3_partition`` ``choice``: ``"layers"``
+    unless ``choice`` is ``deepspeed`` or something goes to NVMe; None for any other stage. The rule without its
+    refusal (``frod_ds.config.zero3_layout.zero3_layout`` adds that), so that this module's notes can read it."""
+    if zero_stage(cfg) != 3:
+        return None
+    return "deepspeed" if choice == "deepspeed" or nvme_offloads(cfg) else "layers"
 
 
 def _number(cfg: dict, block: str, key: str) -> int | float:

@@ -12,23 +12,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from frod_ds.config.ds_config import DSConfigError, nvme_offloads, offload_device, zero_stage
+from frod_ds.config.ds_config import DSConfigError, layout_of, nvme_offloads, offload_device, zero_stage
 
-__all__ = ["check_gather", "host_shards", "zero3_layout"]
+__all__ = ["PEER_NO_HOST", "check_gather", "host_shards", "zero3_layout"]
+
+# peer copies read the other GPUs' memory; host shards are in host memory (check_gather, frozen_shards.host_bank)
+PEER_NO_HOST = (
+    "the frozen weights' shards are offloaded to host memory (offload_param to the CPU), which peer copies cannot "
+    "read; use train.zero3_gather=auto or collective, or a JSON without offload_param"
+)
 
 
 def zero3_layout(cfg: dict[str, Any], choice: str) -> str | None:
     """``"layers"`` or ``"deepspeed"`` for a ZeRO-3 ``cfg``, None for any other stage."""
-    if zero_stage(cfg) != 3:
-        return None
-    nvme = nvme_offloads(cfg)
-    if choice == "layers" and nvme:
+    if zero_stage(cfg) == 3 and choice == "layers" and (nvme := nvme_offloads(cfg)):
         raise DSConfigError(
             "DeepSpeed config: train.zero3_partition=layers keeps the frozen weights' shards on the GPU or in host "
             f"memory and σ, S under ZeRO-2, but the JSON offloads to NVMe ({', '.join(sorted(nvme))}); use "
             "train.zero3_partition=auto"
         )
-    return "deepspeed" if choice == "deepspeed" or nvme else "layers"
+    return layout_of(cfg, choice)
 
 
 def host_shards(cfg: dict[str, Any], layout: str | None) -> bool:
@@ -40,7 +43,4 @@ def check_gather(cfg: dict[str, Any], layout: str | None, gather: str) -> None:
     """``DSConfigError`` for ``train.zero3_gather=peer`` with host shards: peer copies read other GPUs' memory, not
     host memory (one check for ``frod train`` before it builds anything and for ``frod plan``)."""
     if gather == "peer" and host_shards(cfg, layout):
-        raise DSConfigError(
-            "DeepSpeed config: the frozen weights' shards are offloaded to host memory (offload_param to the CPU), "
-            "which peer copies cannot read; use train.zero3_gather=auto or collective, or a JSON without offload_param"
-        )
+        raise DSConfigError(f"DeepSpeed config: {PEER_NO_HOST}")

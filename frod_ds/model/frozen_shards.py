@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from frod_ds.config.zero3_layout import PEER_NO_HOST
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.errors import FrodError
 
@@ -295,11 +296,8 @@ def host_bank(
     ``gather`` peer)."""
     if not host:
         return open_bank(units, shared, device, gather)
-    if gather == "peer":
-        raise FrodError(
-            "the frozen weights' shards are offloaded to host memory (offload_param), which peer copies cannot "
-            "read; use train.zero3_gather=auto or collective"
-        )
+    if gather == "peer":  # frod train and frod plan refuse it first (zero3_layout.check_gather)
+        raise FrodError(PEER_NO_HOST)
     dist.print0("frozen weights: shards in host memory (offload_param), copied in and gathered by the collective")
     return None
 

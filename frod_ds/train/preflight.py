@@ -75,7 +75,8 @@ def preflight(
     and last the run's identity against that checkpoint's (everything it digests has been checked by then)."""
     world = dist.get_world_size()
     ds_cfg = resolve_ds_config(dict(ds_config), recipe, world, nvme_path)
-    check_gather(ds_cfg, zero3_layout(ds_cfg, recipe.train.zero3_partition), recipe.train.zero3_gather)
+    layout = zero3_layout(ds_cfg, recipe.train.zero3_partition)
+    check_gather(ds_cfg, layout, recipe.train.zero3_gather)
     if recipe.train.tensorboard:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401
@@ -112,7 +113,6 @@ def preflight(
     identity = run_identity(recipe, base, world, examples, eval_examples)
     if resume_tag is not None:
         check_resume_identity(Path(recipe.output_dir), resume_tag, store_identity, identity)
-    layout = zero3_layout(ds_cfg, recipe.train.zero3_partition)
     engine_cfg = as_stage2(ds_cfg) if layout == "layers" else ds_cfg  # σ, S under ZeRO-2; frozen ones by frod-ds
     got = (tok, examples, eval_examples, init, layout, ds_cfg)
     return Inputs(recipe, engine_cfg, base, store, store_identity, identity, *got)
