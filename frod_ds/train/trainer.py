@@ -165,10 +165,12 @@ def build_nvme_op(ds_cfg: Mapping[str, Any]) -> None:
 
 
 def _optimizer(model: torch.nn.Module, recipe: Recipe, ds_cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    """AdamW over σ and S at their own learning rates; DeepSpeedCPUAdam when the JSON offloads the optimizer."""
+    """AdamW over σ and S at their own learning rates; DeepSpeedCPUAdam when the JSON offloads the optimizer, unless
+    it sets DeepSpeed's ``zero_force_ds_cpu_optimizer`` false: then torch's AdamW steps on the CPU (no C++ build)."""
     t = recipe.train
     groups = frod_param_groups(model, t.lr_sigma, t.lr_s, t.weight_decay)
-    if offload_device(ds_cfg, "offload_optimizer") is not None:  # DeepSpeed steps an offloaded optimizer on the CPU
+    ds_cpu_adam = ds_cfg.get("zero_force_ds_cpu_optimizer", True) is not False
+    if offload_device(ds_cfg, "offload_optimizer") is not None and ds_cpu_adam:  # stepped on the CPU by DeepSpeed
         from deepspeed.accelerator import get_accelerator
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -118,6 +118,9 @@ def test_an_offload_run_builds_cpu_adam_under_the_build_lock(monkeypatch):
     assert loaded == ["cpu_adam"]
     assert isinstance(trainer._optimizer(model, recipe, {"zero_optimization": {"stage": 2}}), torch.optim.AdamW)
     assert loaded == ["cpu_adam"], "no op is built without offload"
+    torch_on_cpu = {**offload, "zero_force_ds_cpu_optimizer": False}  # DeepSpeed's key: any optimizer on the CPU
+    assert isinstance(trainer._optimizer(model, recipe, torch_on_cpu), torch.optim.AdamW)
+    assert loaded == ["cpu_adam"], "torch's AdamW needs no build"
 
 
 def test_an_nvme_run_builds_async_io_under_the_build_lock_first(monkeypatch):
