@@ -33,6 +33,7 @@ from studies.config import MAIN_METHODS, RATIO_METHODS, StudyConfig, StudyError,
 from studies.loop import sparse_mm_autocast_ok
 from studies.report import RESULTS_NAME
 from studies.runner import run_study
+from studies.tasks import task_steps
 
 __all__ = ["MAIN_METHODS", "RATIO_METHODS", "RATIO_STEPS", "LearnConfig", "epochs_for_steps", "run_learn"]
 
@@ -91,6 +92,7 @@ def _study_config(
 ) -> StudyConfig:
     tdir = Path(cfg.work) / "tasks" / task
     n_rows = sum(1 for _ in open(tdir / "train.jsonl"))
+    steps = task_steps(task, cfg.steps)
     sub = f"{task}/seed{seed}"
     resume = Path(cfg.resume_from) / sub if cfg.resume_from else None
     study = StudyConfig(
@@ -102,10 +104,10 @@ def _study_config(
         lrs=lrs,
         batch_size=cfg.batch_size,
         cutoff=cfg.cutoff,
-        epochs=epochs_for_steps(n_rows, cfg.batch_size, cfg.steps),
+        epochs=epochs_for_steps(n_rows, cfg.batch_size, steps),
         seed=seed,
         checkpoints=cfg.checkpoints,
-        val_every=max(1, cfg.steps // cfg.val_points) if cfg.val_points else 0,
+        val_every=max(1, steps // cfg.val_points) if cfg.val_points else 0,
         curve_limit=cfg.curve_limit,
         eval_batch=cfg.eval_batch,
         protocols=("loglik", "exact"),

@@ -24,7 +24,9 @@ from pathlib import Path
 from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError, parse_lrs
 
 DEFAULT_TASKS = "arith_d12,facts64,facts256,facts1024"  # arith failed the pilot gate (docs/learn-study.md)
-ALL_TASKS = "arith,arith_d12,facts64,facts256,facts1024,facts4096"  # gen: the plan's tasks and its fallbacks
+ALL_TASKS = (
+    "arith,arith_d12,arith_d12x2,facts64,facts256,facts1024,facts4096"  # gen: the plan's tasks and its fallbacks
+)
 RECORDS = "records.tgz"  # a results folder's study directories, packed (the folder travels to every GPU call)
 
 
@@ -165,6 +167,7 @@ def check(args) -> int:
 def plan(args) -> None:
     """The ordered units, their estimated seconds and the calls they make (Markdown, and JSON with --json-out)."""
     from studies.learn_plan import Costs, calls, from_results, units
+    from studies.tasks import task_steps
 
     costs = Costs(workers=args.workers)
     if args.measured and (Path(args.measured) / RECORDS).is_file():
@@ -175,7 +178,8 @@ def plan(args) -> None:
         costs = from_results(Path(args.measured), costs)
     methods = len(args.methods.split(","))
     per_gpu = [
-        [u for t in spec.split(",") if t for u in units(t, args.steps, methods, args.seeds, costs)] for spec in args.gpu
+        [u for t in spec.split(",") if t for u in units(t, task_steps(t, args.steps), methods, args.seeds, costs)]
+        for spec in args.gpu
     ]
     grouped = calls(per_gpu, args.work_seconds)
     lines = [

@@ -8,7 +8,8 @@ exact match of a greedy answer (``studies.evaluate.exact_eval``).
 
 - ``arith``: ``a + b`` and ``a - b`` (a ≥ b; ``ops`` may add ``*``) with operands of ``digits`` digits. Test
   splits: ``arith_unseen`` (operand pairs of the trained lengths that no training or validation row has, in either
-  order) and ``arith_longer`` (operands of ``long_digits`` digits, never trained).
+  order) and ``arith_longer`` (operands of ``long_digits`` digits, never trained). ``arith_d12x2``: ``arith_d12``'s
+  rows (renamed), trained for twice the study's steps (``task_steps``).
 - ``facts<N>``: N synthetic entities, each with one attribute per relation (colour, city, instrument), a value drawn
   at random. Trained: every fact as a sentence ("The colour of Varen Tolis is teal.") and the questions about
   half of the entities. Test splits: ``recall`` (the trained sentences' prompts: what was stored) and ``qa``
@@ -31,6 +32,7 @@ __all__ = [
     "FactsSpec",
     "TaskSpec",
     "parse_task",
+    "task_steps",
     "arith_rows",
     "facts_rows",
     "task_rows",
@@ -98,6 +100,7 @@ class ArithSpec:
     long_digits: tuple[int, int] = (4, 4)  # operand lengths of the longer split
     ops: tuple[str, ...] = ("+", "-")
     name_: str = "arith"
+    steps_factor: int = 1  # arith_d<lo><hi>x<k>: the same rows trained for k times the study's steps
 
     @property
     def name(self) -> str:
@@ -128,13 +131,25 @@ def parse_task(name: str, seed: int = 0) -> TaskSpec:
     ``facts<N>`` (N ≥ 8) → its spec."""
     if name == "arith":
         return ArithSpec(seed=seed)
-    m = re.fullmatch(r"arith_d([1-9])([1-9])", name)
+    m = re.fullmatch(r"arith_d([1-9])([1-9])(?:x([2-9]))?", name)
     if m and int(m.group(1)) <= int(m.group(2)):
-        lo, hi = int(m.group(1)), int(m.group(2))
-        return ArithSpec(seed=seed, train=4096, digits=(lo, hi), long_digits=(hi + 1, hi + 1), name_=name)
+        lo, hi, k = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)
+        return ArithSpec(
+            seed=seed, train=4096, digits=(lo, hi), long_digits=(hi + 1, hi + 1), name_=name, steps_factor=k
+        )
     if name.startswith("facts") and name[5:].isdigit() and int(name[5:]) >= 8:
         return FactsSpec(size=int(name[5:]), seed=seed)
-    raise TaskError(f"unknown task {name!r}; use arith, arith_d<lo><hi> (e.g. arith_d12) or facts<N> with N >= 8")
+    raise TaskError(
+        f"unknown task {name!r}; use arith, arith_d<lo><hi> (e.g. arith_d12), arith_d<lo><hi>x<k> (k = 2..9 times "
+        "the steps) or facts<N> with N >= 8"
+    )
+
+
+def task_steps(name: str, steps: int) -> int:
+    """The optimizer steps of every run of task ``name`` when the study's budget is ``steps``: an ``x<k>`` arithmetic
+    variant trains the same rows for k times as many (every method alike)."""
+    spec = parse_task(name)
+    return steps * spec.steps_factor if isinstance(spec, ArithSpec) else steps
 
 
 def _row(task: str, idx: int, prompt: str, sep: str, answer: str, wrong: list[str], rng: random.Random) -> dict:

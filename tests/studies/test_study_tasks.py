@@ -9,7 +9,7 @@ import re
 import pytest
 
 from frod_ds.prep.rows import check_row
-from studies.tasks import RELATIONS, ArithSpec, FactsSpec, TaskError, parse_task, task_rows, write_task
+from studies.tasks import RELATIONS, ArithSpec, FactsSpec, TaskError, parse_task, task_rows, task_steps, write_task
 
 SMALL_ARITH = ArithSpec(
     seed=3, train=300, validation=40, test=40, digits=(1, 2), long_digits=(3, 3), ops=("+", "-", "*")
@@ -92,10 +92,35 @@ def test_unknown_task_names_are_refused():
     d12 = parse_task("arith_d12")
     assert (d12.name, d12.digits, d12.long_digits) == ("arith_d12", (1, 2), (3, 3))
     assert {r["task"] for r in task_rows(d12)["train"]} == {"arith_d12"}
-    for bad in ("facts", "facts4", "algebra", "arith_d21"):
+    for bad in ("facts", "facts4", "algebra", "arith_d21", "arith_d12x1", "arith_d12x10", "arith_x2"):
         with pytest.raises(TaskError, match="unknown task"):
             parse_task(bad)
     with pytest.raises(TaskError, match="too many"):
         task_rows(ArithSpec(train=500, digits=(1, 1), long_digits=(2, 2)))
     with pytest.raises(TaskError, match="operators"):
         task_rows(ArithSpec(train=50, ops=("/",)))
+
+
+def test_a_longer_budget_variant_trains_the_same_rows_for_k_times_the_steps(tmp_path):
+    """``arith_d12x2``: arith_d12's problems, splits and answers (only the task name differs), and every run of it
+    takes twice the study's steps, through the study's own configuration (epochs and validation spacing)."""
+    from studies.learn import LearnConfig, _study_config
+
+    d12, x2 = task_rows(parse_task("arith_d12")), task_rows(parse_task("arith_d12x2"))
+    assert d12.keys() == x2.keys()
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k not in ("task", "id")} for r in rows]
+
+    assert all(strip(d12[k]) == strip(x2[k]) for k in d12)
+    assert {r["task"] for k in ("train", "validation") for r in x2[k]} == {"arith_d12x2"}
+    assert [task_steps(t, 160) for t in ("arith_d12", "arith_d12x2", "arith_d12x3", "facts64")] == [160, 320, 480, 160]
+    for name in ("arith_d12", "arith_d12x2"):
+        write_task(parse_task(name), tmp_path / "tasks")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")  # the study checks only that it is a checkpoint folder
+    cfg = LearnConfig(model=str(tmp_path / "m"), work=str(tmp_path), out=str(tmp_path / "out"), tasks=[], steps=160)
+    one, two = (_study_config(cfg, t, 0, ["full"], {"full": (1e-4,)}, 0) for t in ("arith_d12", "arith_d12x2"))
+    per_epoch = 4096 / cfg.batch_size
+    assert (one.epochs * per_epoch, two.epochs * per_epoch) == (pytest.approx(159.5), pytest.approx(319.5))
+    assert two.val_every == 2 * one.val_every
