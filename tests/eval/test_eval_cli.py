@@ -433,23 +433,10 @@ def test_bad_modes_and_rows_the_mode_cannot_score_are_one_line_errors(assets, tm
 def test_script_exits_2_with_one_error_line(assets, tmp_path):
     env = clean_env()
     (tmp_path / "not-a-build").mkdir()
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch" / "eval.py"),
-            "--model",
-            str(assets["known"]),
-            "--data",
-            str(tmp_path / "not-a-build"),
-            "--output",
-            str(tmp_path / "out"),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=pace.scaled(120),
-    )
+    from tests.support import ranks
+
+    args = ["--model", str(assets["known"]), "--data", str(tmp_path / "not-a-build"), "--output", str(tmp_path / "out")]
+    run = ranks.run(0, [str(REPO / "launch" / "eval.py"), *args], env, REPO, timeout=120)  # as `python launch/eval.py`
     assert run.returncode == 2
     assert run.stderr.strip().startswith("error: no eval file") and len(run.stderr.strip().splitlines()) == 1
 

@@ -443,14 +443,10 @@ def hjd_model(tmp_path_factory):
 
 
 def _hjd(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "launch" / "hjd.py"), "--device", "cpu", *argv],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=pace.scaled(300),
-    )
+    """``launch/hjd.py --device cpu ARGV`` in a process forked from this worker (its imports paid already)."""
+    from tests.support.helpers_ckpt import run_hjd
+
+    return run_hjd(["--device", "cpu", *argv], timeout=300)
 
 
 def _other_targeted_weights(src: Path, dst: Path, category: str) -> None:
@@ -524,25 +520,10 @@ def test_data_prep_out_onto_a_foreign_directory_does_not_suggest_overwrite(tmp_p
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "data_prep",
-            "build",
-            "--source",
-            str(tmp_path / "raw"),
-            "--tasks",
-            "boolq",
-            "--out",
-            str(foreign),
-        ],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=pace.scaled(120),
-    )
+    from tests.support import ranks
+
+    args = ["data", "build", "--source", str(tmp_path / "raw"), "--tasks", "boolq", "--out", str(foreign)]
+    res = ranks.run(0, [str(REPO / "tests" / "support" / "frod_main.py"), *args], clean_env(), REPO, timeout=120)
     assert res.returncode != 0 and "pass --overwrite" not in res.stderr, res.stderr[-1000:]
     assert (foreign / "notes.txt").read_text() == "keep"
 
@@ -587,23 +568,7 @@ def _variant(env, root: Path, name: str, edit) -> tuple[Path, Path]:
     shutil.copytree(env.model, model)
     edit(model)
     store = root / f"{name}-factors"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch" / "hjd.py"),
-            "--model",
-            str(model),
-            "--out",
-            str(store),
-            "--device",
-            "cpu",
-        ],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=pace.scaled(300),
-    )
+    res = _hjd("--model", str(model), "--out", str(store))
     assert res.returncode == 0, res.stderr[-2000:]
     return model, store
 

@@ -91,24 +91,8 @@ def _build(root: Path, seed: int, layers: int) -> None:
 
     root.mkdir(parents=True, exist_ok=True)
     write_synthetic_tasks(root / "raw", n_train=48, n_eval=16, seed=seed)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "data_prep",
-            "build",
-            "--source",
-            str(root / "raw"),
-            "--tasks",
-            "boolq,piqa",
-            "--out",
-            str(root / "data"),
-        ],
-        check=True,
-        env=env_vars(),
-        cwd=REPO,
-        capture_output=True,
-    )
+    args = ["data", "build", "--source", str(root / "raw"), "--tasks", "boolq,piqa", "--out", str(root / "data")]
+    _forked([str(REPO / "tests" / "support" / "frod_main.py"), *args])
     texts = [
         json.loads(line)["prompt"] + "\nAnswer: " + json.loads(line)["answer"]
         for line in (root / "data" / "train.jsonl").read_text().splitlines()
@@ -127,20 +111,16 @@ def _build(root: Path, seed: int, layers: int) -> None:
         num_hidden_layers=layers,
     )
     tok.save_pretrained(str(root / "model"))
-    subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "launch" / "hjd.py"),
-            "--model",
-            str(root / "model"),
-            "--out",
-            str(root / "factors"),
-        ],
-        check=True,
-        env=env_vars(),
-        cwd=REPO,
-        capture_output=True,
-    )
+    _forked([str(REPO / "launch" / "hjd.py"), "--model", str(root / "model"), "--out", str(root / "factors")])
+
+
+def _forked(cmd: list[str]) -> None:
+    """``python CMD`` forked from this test process (``tests.support.ranks.run``: the imports paid already)."""
+    from tests.support import ranks
+
+    res = ranks.run(0, cmd, env_vars(), REPO, timeout=300)
+    if res.returncode:
+        raise subprocess.CalledProcessError(res.returncode, cmd, res.stdout, res.stderr)
 
 
 def _train_args(config: Path, overrides: list[str], script: Path | None) -> list[str]:
