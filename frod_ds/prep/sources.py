@@ -129,7 +129,10 @@ def _read_json_lines(path: Path, text: str) -> list[Any]:
             try:
                 rows.append(parse_json(line))
             except json.JSONDecodeError as exc:
-                raise DataPrepError(f"cannot read {path}: line {line_no} is not valid JSON ({exc.msg})") from None
+                raise DataPrepError(
+                    f"cannot read {path}: line {line_no} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                    "fix or remove that line"
+                ) from None
             except DuplicateKeyError as exc:  # JSON would keep the last value: which one the author meant is unknown
                 raise DataPrepError(f"cannot read {path}: line {line_no}: {exc}") from None
     return rows

@@ -349,7 +349,11 @@ def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
 @pytest.mark.parametrize(
     "name,content,pattern",
     [
-        ("test.jsonl", '{"id": "1"}\n{"id": \n', r"cannot read .*test\.jsonl: line 2 is not valid JSON"),
+        (
+            "test.jsonl",
+            '{"id": "1"}\n{"id": \n',
+            r"cannot read .*test\.jsonl: line 2 is not valid JSON \(Expecting value at column 8\); fix or remove",
+        ),
         ("test.json", '[{"id": "1"},', r"cannot read .*test\.json: line 1 is not valid JSON"),
         ("test.parquet", "not parquet", r"cannot read .*test\.parquet: not a readable parquet file"),
         ("test.jsonl", b"\xff\xfe{}", r"cannot read .*test\.jsonl: not UTF-8 text \(line 1, byte 0: 0xff\)"),
