@@ -143,6 +143,12 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
         enable_gradient_checkpointing(model)
     if zero3:
         fetch_per_layer(model)  # after checkpointing, which turns the first layer's input gradient off
+    if cpu_optimizer(ds_cfg, dist.local_device()) == "torch" and "zero_force_ds_cpu_optimizer" not in ds_cfg:
+        dist.print0(
+            "note: the offloaded optimizer steps with torch's AdamW: on a machine without a GPU DeepSpeedCPUAdam's "
+            'C++ build (minutes) buys nothing; set "zero_force_ds_cpu_optimizer": true in the JSON to build it'
+        )
+        ds_cfg = {**ds_cfg, "zero_force_ds_cpu_optimizer": False}  # DeepSpeed accepts a client optimizer then
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=_optimizer(model, recipe, ds_cfg),
@@ -164,9 +170,21 @@ def build_nvme_op(ds_cfg: Mapping[str, Any]) -> None:
         op_build.load_op(AsyncIOBuilder())
 
 
+def cpu_optimizer(ds_cfg: Mapping[str, Any], device: torch.device) -> str | None:
+    """What steps an offloaded optimizer: None when the JSON offloads none; ``"deepspeed"`` (DeepSpeedCPUAdam, its
+    ``cpu_adam`` op JIT-built on first use) or ``"torch"`` (torch's AdamW on the CPU), which DeepSpeed's own
+    ``zero_force_ds_cpu_optimizer`` picks when given (false: torch), and the device when not (no GPU: torch)."""
+    if offload_device(ds_cfg, "offload_optimizer") is None:
+        return None
+    force = ds_cfg.get("zero_force_ds_cpu_optimizer")
+    if force is None:
+        return "torch" if device.type == "cpu" else "deepspeed"
+    return "torch" if force is False else "deepspeed"
+
+
 def _optimizer(model: torch.nn.Module, recipe: Recipe, ds_cfg: Mapping[str, Any]) -> torch.optim.Optimizer:
-    """AdamW over σ and S at their own learning rates; DeepSpeedCPUAdam when the JSON offloads the optimizer, unless
-    it sets DeepSpeed's ``zero_force_ds_cpu_optimizer`` false: then torch's AdamW steps on the CPU (no C++ build)."""
+    """AdamW over σ and S at their own learning rates; DeepSpeedCPUAdam when the JSON offloads the optimizer and
+    ``zero_force_ds_cpu_optimizer`` is not false (:func:`cpu_optimizer`; ``_engine`` sets it for a GPU-less run)."""
     t = recipe.train
     groups = frod_param_groups(model, t.lr_sigma, t.lr_s, t.weight_decay)
     ds_cpu_adam = ds_cfg.get("zero_force_ds_cpu_optimizer", True) is not False

@@ -121,6 +121,20 @@ def test_an_offload_run_builds_cpu_adam_under_the_build_lock(monkeypatch):
     torch_on_cpu = {**offload, "zero_force_ds_cpu_optimizer": False}  # DeepSpeed's key: any optimizer on the CPU
     assert isinstance(trainer._optimizer(model, recipe, torch_on_cpu), torch.optim.AdamW)
     assert loaded == ["cpu_adam"], "torch's AdamW needs no build"
+    # who steps an offloaded optimizer: DeepSpeed's key when given, else the device (no GPU: torch, no build)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    table = {
+        (None, "cpu"): "torch",
+        (None, "cuda"): "deepspeed",
+        (False, "cpu"): "torch",
+        (False, "cuda"): "torch",
+        (True, "cpu"): "deepspeed",
+        (True, "cuda"): "deepspeed",
+    }
+    for (force, dev), want in table.items():
+        cfg = offload if force is None else {**offload, "zero_force_ds_cpu_optimizer": force}
+        assert trainer.cpu_optimizer(cfg, cpu if dev == "cpu" else gpu) == want, (force, dev)
+    assert trainer.cpu_optimizer({"zero_optimization": {"stage": 3}}, cpu) is None
 
 
 def test_an_nvme_run_builds_async_io_under_the_build_lock_first(monkeypatch):
