@@ -139,12 +139,14 @@ def _flag_or_auto(v: Any) -> bool:
     return isinstance(v, bool) or (isinstance(v, str) and v.lower() in ("auto", "true", "false"))
 
 
-def ignored_settings(cfg: dict, stage: int, nvme: bool, layers: bool = False) -> list[str]:
+def ignored_settings(
+    cfg: dict, stage: int, nvme: bool, layers: bool = False, optimizer_offload: bool = False
+) -> list[str]:
     """The settings of ``cfg`` DeepSpeed ignores under ZeRO ``stage`` (``nvme``: something is offloaded to NVMe):
     ``zero_optimization`` keys beyond ``stage`` without ZeRO, ZeRO-3's keys under ZeRO-1/2, ``bf16.check_grad_overflow``
     under DeepSpeed's ZeRO-3 (it checks fp16 steps only; ``layers``: frod-ds partitions a ZeRO-3 JSON's frozen weights
     by decoder layer and σ, S run under ZeRO-2, which reads it), a disabled precision's other keys, ``aio`` without
-    NVMe."""
+    NVMe, ``zero_force_ds_cpu_optimizer`` without an offloaded optimizer (``optimizer_offload``)."""
     zo = cfg.get("zero_optimization")
     zo = zo if isinstance(zo, dict) else {}
     out = []
@@ -161,6 +163,8 @@ def ignored_settings(cfg: dict, stage: int, nvme: bool, layers: bool = False) ->
             out += [f"{block}.{k}" for k in b if k != "enabled"]
     if "aio" in cfg and not nvme:
         out.append("aio")
+    if "zero_force_ds_cpu_optimizer" in cfg and not optimizer_offload:
+        out.append("zero_force_ds_cpu_optimizer")
     return out
 
 

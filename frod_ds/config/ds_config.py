@@ -116,14 +116,21 @@ def ds_config_problems(cfg: dict) -> list[str]:
     return problems or deepspeed_problems(cfg)
 
 
-def note_ignored(cfg: dict, where: str | Path = "", partition: str = "auto") -> None:
+def note_ignored(cfg: dict, where: str | Path = "", partition: str = "auto", gather: str = "auto") -> None:
     """A ``note:`` naming the settings of ``cfg`` that have no effect under its ZeRO stage and precision (``partition``:
     ``train.zero3_partition``; the layer partition, ``frod_ds.config.zero3_layout``, runs σ and S under ZeRO-2)."""
     stage = zero_stage(cfg)
     layers = layout_of(cfg, partition) == "layers"
-    ignored = ignored_settings(cfg, stage, bool(nvme_offloads(cfg)), layers)
+    optimizer_offload = offload_device(cfg, "offload_optimizer") is not None
+    ignored = ignored_settings(cfg, stage, bool(nvme_offloads(cfg)), layers, optimizer_offload)
     if "activation_checkpointing" in cfg:  # frod-ds never hands DeepSpeed its checkpointing
         note("DeepSpeed config: activation_checkpointing has no effect; set the recipe's model.gradient_checkpointing")
+    explicit = [f"train.{k}={v}" for k, v in (("zero3_partition", partition), ("zero3_gather", gather)) if v != "auto"]
+    if stage != 3 and explicit:  # the recipe's ZeRO-3-only choices, given explicitly
+        note(
+            f"{' and '.join(explicit)} {'has' if len(explicit) == 1 else 'have'} no effect with ZeRO stage {stage}: "
+            "they choose how a ZeRO-3 JSON partitions and gathers the frozen weights"
+        )
     if ignored:
         verb = "has" if len(ignored) == 1 else "have"
         note(
@@ -368,7 +375,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
         problems += [] if problems else deepspeed_problems(cfg)
     if problems:
         raise DSConfigError("DeepSpeed config: " + "; ".join(problems))
-    note_ignored(cfg, partition=recipe.train.zero3_partition)
+    note_ignored(cfg, partition=recipe.train.zero3_partition, gather=recipe.train.zero3_gather)
     return cfg
 
 

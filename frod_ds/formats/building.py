@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from frod_ds.formats.ownership import check_replaceable, inventory, mark_dir, publish_dir
-from frod_ds.runtime.atomic import DISK_ERRNOS, disk_advice, disk_full_error, path_error
+from frod_ds.runtime.atomic import DISK_ERRNOS, disk_advice, disk_full_error, path_error, umask
 from frod_ds.runtime.errors import FrodError
 
 __all__ = ["building_dir"]
@@ -61,6 +61,7 @@ def building_dir(
         out.parent.mkdir(parents=True, exist_ok=True)
         _sweep_dead_builds(out)
         tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(out)}{os.getpid()}-", dir=out.parent))
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; published, it is the umask's like any folder
     except OSError as e:
         raise FrodError(
             path_error(out, e)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import struct
 import time
 from dataclasses import dataclass
@@ -225,7 +224,6 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
                 raise ConversionMismatch(f"the converted checkpoint does not match {gguf.name}: {'; '.join(problems)}")
             record = _provenance(gguf, dtype, tmp, checks, time.perf_counter() - t0)
             (tmp / MARKER).write_text(json.dumps(record, indent=1) + "\n")
-            os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp made it private
     return ConvertResult(out, record["seconds"], checks)
 
 
@@ -267,13 +265,6 @@ def _tidy_tokenizer_config(path: Path, config) -> None:
     if ctx and not cfg.get("model_max_length", 0) <= ctx:
         cfg["model_max_length"] = int(ctx)
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it and putting it back)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _dist_version(name: str) -> str | None:

@@ -31,7 +31,7 @@ from frod_ds.formats.adapter_dir import (
 from frod_ds.formats.building import building_dir
 from frod_ds.formats.checksum import file_crc32, format_crc32, parse_crc32
 from frod_ds.formats.factor_store import StoreIdentity, category_of
-from frod_ds.formats.folders import describe_folder, wrong_folder
+from frod_ds.formats.folders import describe_folder, folder_kind, wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.model.apply import frod_groups, frod_modules
@@ -155,6 +155,12 @@ def not_an_adapter(path: str | Path, flag: str = "") -> str:
     for name in (CONFIG, WEIGHTS):  # there, but no file it can read: say what it is
         if os.path.lexists(p / name) and file_problem(p / name):
             return f"{f'{flag} ' if flag else ''}{file_problem(p / name)}; the adapter {p} is damaged: copy it again"
+    missing = [name for name in (CONFIG, WEIGHTS) if not os.path.lexists(p / name)]
+    if folder_kind(p) == "adapter" and missing:  # written as an adapter, a file gone since
+        return (
+            f"{f'{flag} ' if flag else ''}the adapter {p} has no {' and no '.join(missing)} (removed since it was "
+            "written): copy the adapter again, or pass another adapter-<step> of its run"
+        )
     return wrong_folder(p, flag, ("adapter",), "a FRoD adapter checkpoint") or (
         f"{f'{flag} ' if flag else ''}{p} is not a frod-ds adapter checkpoint (expected {CONFIG} and {WEIGHTS}); "
         f"it is {describe_folder(p)}"

@@ -29,6 +29,7 @@ __all__ = [
     "file_in_the_way",
     "path_error",
     "fsync_dir",
+    "umask",
     "replacing",
     "atomic_write_text",
     "atomic_write_json",
@@ -64,6 +65,13 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def umask() -> int:
+    """The process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextlib.contextmanager

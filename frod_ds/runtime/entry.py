@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import NoReturn
 from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, disk_full_line, path_error
 from frod_ds.runtime.errors import FrodError
 
-__all__ = ["USER_ERROR", "run", "report", "run_script"]
+__all__ = ["USER_ERROR", "Terminated", "run", "report", "run_script"]
 
 USER_ERROR = 2  # exit status of a user mistake
 
@@ -97,6 +98,15 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
             D.destroy()
 
 
+class Terminated(BaseException):  # noqa: N818 - a stop, like KeyboardInterrupt, not an error
+    """SIGTERM (a scheduler's stop, ``kill``) raised where the command is, so that what it was writing is cleaned
+    up and its output lease given back as after Ctrl-C; training's loop stops at a checkpoint instead."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
     """The tail of every command (``frod`` in each of its forms): run ``main`` and exit
     with its code. ``fast_exit`` (training, HJD, evaluation): flush and ``os._exit``. Their files are written
@@ -106,11 +116,19 @@ def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
     record as a failed job."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # this process is the command: no library caller
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous == signal.SIG_DFL:  # not one a caller installed
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         code = main()
     except KeyboardInterrupt:  # Ctrl-C: the user's own stop, not a bug; what is half-written is never published
         print("error: interrupted (Ctrl-C); the same command again continues from what was finished", file=sys.stderr)
         code = 130
+    except Terminated:
+        print("error: stopped by SIGTERM; the same command again continues from what was finished", file=sys.stderr)
+        code = 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if not fast_exit:
         sys.exit(code)
     sys.stdout.flush()

@@ -150,6 +150,34 @@ def test_the_overflow_check_is_noted_only_where_deepspeeds_stage_3_runs(capsys):
         assert ("bf16.check_grad_overflow" in capsys.readouterr().err) == noted, device
 
 
+def test_zero3_only_recipe_choices_and_the_cpu_optimizer_switch_are_noted_where_they_do_nothing(capsys):
+    """``train.zero3_partition`` / ``train.zero3_gather`` given under a ZeRO-2 JSON, and DeepSpeed's
+    ``zero_force_ds_cpu_optimizer`` without an offloaded optimizer, change nothing: a note names each; the defaults,
+    a ZeRO-3 JSON and an offloaded optimizer say nothing."""
+    keys = ["model.base=m", "model.factor_store=f", "data.train=t.jsonl"]
+    z2, z3 = _shipped("zero2.json"), _shipped("zero3.json")
+    resolve_ds_config(z2, load_recipe(None, keys), world_size=1)
+    assert "note:" not in capsys.readouterr().err
+    for extra, said in (
+        (["train.zero3_partition=layers"], "train.zero3_partition=layers has no effect with ZeRO stage 2"),
+        (["train.zero3_gather=peer"], "train.zero3_gather=peer has no effect with ZeRO stage 2"),
+        (
+            ["train.zero3_partition=deepspeed", "train.zero3_gather=collective"],
+            "train.zero3_partition=deepspeed and train.zero3_gather=collective have no effect with ZeRO stage 2",
+        ),
+    ):
+        resolve_ds_config(z2, load_recipe(None, [*keys, *extra]), world_size=1)
+        assert said in capsys.readouterr().err, extra
+        resolve_ds_config(z3, load_recipe(None, [*keys, *extra]), world_size=1)
+        assert "has no effect" not in capsys.readouterr().err and "have no effect" not in capsys.readouterr().err
+    force = {**z2, "zero_force_ds_cpu_optimizer": False}
+    check_ds_config(force, "ds.json")
+    assert "zero_force_ds_cpu_optimizer has no effect" in capsys.readouterr().err
+    offloaded = {**force, "zero_optimization": {**z2["zero_optimization"], "offload_optimizer": {"device": "cpu"}}}
+    check_ds_config(offloaded, "ds.json")
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_deepspeeds_activation_checkpointing_block_is_noted_as_without_effect(capsys):
     """frod-ds never configures ``deepspeed.checkpointing``: its ``activation_checkpointing`` block changes nothing,
     so a user who meant to checkpoint is pointed at the recipe's switch; the shipped JSONs have no such block."""

@@ -566,3 +566,17 @@ def test_a_task_file_the_build_did_not_write_is_refused(assets, built, tmp_path,
         "lists no eval/obqa.jsonl",
     )
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("gone", ["adapter_config.json", "adapter.safetensors"])
+def test_an_adapter_with_a_file_removed_names_the_file_and_what_to_do(assets, adapter, tmp_path, capsys, gone):
+    """An adapter folder (its output record says so) missing one of its two files: the line names the missing file
+    and the fix, not "is not an adapter ... it is a trained adapter"."""
+    import shutil
+
+    ad = tmp_path / "ad"
+    shutil.copytree(adapter["checkpoint"], ad)
+    (ad / gone).unlink()
+    argv = ["--checkpoint", str(ad), "--data", str(assets["data"]), "--tasks", "boolq", "--output", str(tmp_path / "o")]
+    _fails(argv, capsys, f"the adapter {ad} has no {gone} (removed since it was written): copy the adapter again")
+    assert not (tmp_path / "o").exists()

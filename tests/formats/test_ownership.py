@@ -411,3 +411,19 @@ def test_a_write_once_output_refuses_a_stamped_file_replaced_by_a_pipe_or_folder
     assert target.is_fifo() if what == "fifo" else (target / "notes.md").read_text() == "mine"
     assert (out / "train.jsonl").read_text() == BUILD["train.jsonl"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
+def test_a_published_output_folder_has_the_umasks_mode_like_a_plain_mkdir(tmp_path, mask):
+    """A write-once output (a data build, an export, an eval, an adapter) is built in a temporary that mkdtemp makes
+    private; published, it must have the mode any folder the user creates gets, so a group sharing a project
+    directory can read it when the umask lets them."""
+    old = os.umask(mask)
+    try:
+        (tmp_path / "plain").mkdir()
+        with building_dir(tmp_path / "out", "data-build") as tmp:
+            (tmp / "train.jsonl").write_text("{}\n")
+    finally:
+        os.umask(old)
+    want = (tmp_path / "plain").stat().st_mode & 0o777
+    assert want == 0o777 & ~mask and (tmp_path / "out").stat().st_mode & 0o777 == want

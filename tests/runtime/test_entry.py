@@ -94,6 +94,79 @@ def test_ctrl_c_is_one_line_and_exit_130_not_a_traceback(capsys, fast_exit, monk
     ]
 
 
+SIGTERM_BODY = """
+import sys, time
+from pathlib import Path
+from frod_ds.formats.lease import holding
+from frod_ds.runtime import entry
+
+out = Path(sys.argv[1])
+
+def main():
+    with holding(out, "frod export"):  # what a command holds while it writes
+        tmp = out.parent / (".partial-" + out.name)
+        tmp.mkdir()
+        try:
+            (out.parent / "ready").write_text("1")
+            time.sleep(60)
+        finally:
+            tmp.rmdir()  # what a command's own cleanup does, as after Ctrl-C
+
+entry.run_script(main)
+"""
+
+
+def test_sigterm_is_one_line_and_exit_143_with_the_commands_cleanup_done(tmp_path):
+    """SIGTERM (a scheduler's stop, ``kill``) to a command that is writing: its cleanup runs and its output lease
+    is given back as after Ctrl-C, one line, exit 143; killed by the bare signal, the lease was left behind."""
+    import signal
+    import time
+
+    from frod_ds.formats.lease import lease_path
+    from tests.support.leftovers import clean_env
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_BODY, str(out)],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    t0 = time.monotonic()
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() - t0 < 60, proc.communicate()
+        time.sleep(0.05)
+    assert lease_path(out).exists()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.splitlines() == [
+        "error: stopped by SIGTERM; the same command again continues from what was finished"
+    ], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ready"], "no temporary and no lease left"
+
+
+def test_run_script_gives_back_the_sigterm_handler_it_found(monkeypatch):
+    """The handler is the command's while it runs: a caller's own handler is kept, the default restored."""
+    import signal
+
+    seen = []
+    monkeypatch.setattr(entry.os, "_exit", lambda code: None)
+    entry.run_script(lambda: seen.append(signal.getsignal(signal.SIGTERM)) or 0, fast_exit=True)
+    assert seen[0] is entry._raise_terminated and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+    def mine(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGTERM, mine)
+    try:
+        entry.run_script(lambda: seen.append(signal.getsignal(signal.SIGTERM)) or 0, fast_exit=True)
+        assert seen[1] is mine and signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _group_body(fail: BaseException | None):
     import torch.distributed as tdist
 
