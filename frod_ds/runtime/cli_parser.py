@@ -8,6 +8,8 @@ import difflib
 import re
 from typing import NoReturn
 
+from frod_ds.runtime.errors import note
+
 __all__ = ["Parser", "seed_int"]
 
 _CHOICE = re.compile(r"invalid choice: '(?P<got>[^']*)' \(choose from (?P<choices>.*)\)$")
@@ -27,11 +29,23 @@ def seed_int(text: str) -> int:
 class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one line and exit 2; its sub-parsers are of this class.
     An option given an empty value (``--out "$UNSET"``) is a usage error: argparse would take it as the path ".",
-    and the command would build from, or write into, the working directory."""
+    and the command would build from, or write into, the working directory. An option given twice with two values
+    takes the last, as argparse does, with a note naming both (as a recipe override given twice does)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's signature
+        self._given: dict[str, str] = {}
+        return super().parse_known_args(args, namespace)
 
     def _get_values(self, action: argparse.Action, arg_strings: list[str]):
         if action.option_strings and "" in arg_strings:
             self.error(f"argument {'/'.join(action.option_strings)}: the value is empty (an unset variable?)")
+        if isinstance(action, argparse._StoreAction) and action.option_strings and len(arg_strings) == 1:
+            given = self.__dict__.setdefault("_given", {})
+            before = given.get(action.dest)
+            if before is not None and before != arg_strings[0]:  # argparse keeps the last without a word
+                name = "/".join(action.option_strings)
+                note(f"{name} is given twice, {before!r} and {arg_strings[0]!r}: the last one is used")
+            given[action.dest] = arg_strings[0]
         return super()._get_values(action, arg_strings)
 
     def error(self, message: str) -> NoReturn:

@@ -114,3 +114,17 @@ def test_a_negative_seed_is_a_usage_error(module, argv, capsys, tmp_path):
     assert "argument --seed: a seed must be >= 0, got -" in err, err
     assert list(tmp_path.iterdir()) == []
     assert seed_int("0") == 0 and seed_int("42") == 42
+
+
+def test_an_option_given_twice_with_two_values_takes_the_last_with_a_note(capsys):
+    """argparse keeps an option's last value without a word: ``--source a --source b`` built from b while the user
+    may have meant a. The last still wins (as with a recipe override given twice), and a note names both."""
+    p = Parser(prog="frod x")
+    p.add_argument("--source")
+    p.add_argument("--out")
+    args = p.parse_args(["--source", "a", "--out", "o", "--source", "b"])
+    assert (args.source, args.out) == ("b", "o")
+    assert capsys.readouterr().err == "note: --source is given twice, 'a' and 'b': the last one is used\n"
+    p.parse_args(["--source", "a", "--source", "a"])  # the same value twice changes nothing: no note
+    p.parse_args(["--source", "c"])  # a later parse starts afresh
+    assert capsys.readouterr().err == ""
