@@ -367,6 +367,12 @@ def ds_steps_word(world, case, spec):
     _ds(world, case, steps_per_print="often")
 
 
+def ds_offload_optimizer(world, case, spec):
+    cfg = json.loads(Path(world.paths["ds"]).read_text())
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    (case / "ds.json").write_text(json.dumps(cfg))
+
+
 def ds_stage3_keys(world, case, spec):
     cfg = json.loads(Path(world.paths["ds"]).read_text())
     cfg["zero_optimization"].update(stage3_prefetch_bucket_size=0, stage3_max_live_parameters=1000)
@@ -1452,6 +1458,13 @@ def has_new(world, case, spec) -> bool:
     return (case / "new").is_dir() and any((case / "new").iterdir())
 
 
+def new_has_umask_mode(world, case, spec) -> bool:
+    """``new`` exists and has the mode a folder made now gets (the runner's umask), not a temporary's 700."""
+    probe = case / "probe"
+    probe.mkdir()
+    return has_new(world, case, spec) and (case / "new").stat().st_mode & 0o777 == probe.stat().st_mode & 0o777
+
+
 def same_output(world, case, spec) -> bool:
     """The files ``compare`` names under ``output`` are bitwise those of the same command run uninterrupted in a
     fresh directory (run once per distinct command and cached), and no temporary sibling of ``output`` is left."""
@@ -1505,6 +1518,7 @@ STEPS: dict[str, Callable] = {
         ds_offload_gpu,
         ds_steps_word,
         ds_stage3_keys,
+        ds_offload_optimizer,
         data_surrogate,
         data_one_choice,
         data_same_choices,
@@ -1660,6 +1674,7 @@ STEPS: dict[str, Callable] = {
 CHECKS: dict[str, Callable] = {
     f.__name__: f
     for f in (
+        new_has_umask_mode,
         verify_store,
         verify_store_in_case,
         verify_new_store,
@@ -1937,8 +1952,12 @@ def _classify(world, spec, case, argv, res, before, timeout) -> tuple[str, str |
     # exact-recovery: a killed run may die any way; an error must be clear (what it leaves, it resumes from)
     if spec.get("interrupt"):
         sig = spec["interrupt"]["signal"]
-        if sig == "TERM" and res.returncode not in (143, -signal.SIGTERM):
+        if sig == "TERM" and res.returncode != 143:  # every command stops on SIGTERM with its one line
             return "unclear-failure", f"SIGTERM gave exit {res.returncode}: {_last(res)}"
+        if sig == "TERM":  # and gives back its lease (a kill -9 leaves one for the next run to take over)
+            left = sorted(p.name for p in case.rglob("*.frod-ds-lease"))
+            if left:
+                return "unclear-failure", f"SIGTERM left the lease {left[0]} behind"
     else:
         why = _clear_error(res, 2)
         if why:
