@@ -127,9 +127,10 @@ def note_ignored(cfg: dict, where: str | Path = "", partition: str = "auto", gat
         note("DeepSpeed config: activation_checkpointing has no effect; set the recipe's model.gradient_checkpointing")
     explicit = [f"train.{k}={v}" for k, v in (("zero3_partition", partition), ("zero3_gather", gather)) if v != "auto"]
     if stage != 3 and explicit:  # the recipe's ZeRO-3-only choices, given explicitly
+        one = len(explicit) == 1
         note(
-            f"{' and '.join(explicit)} {'has' if len(explicit) == 1 else 'have'} no effect with ZeRO stage {stage}: "
-            "they choose how a ZeRO-3 JSON partitions and gathers the frozen weights"
+            f"{' and '.join(explicit)} {'has' if one else 'have'} no effect with ZeRO stage {stage}: "
+            f"{'it chooses' if one else 'they choose'} how a ZeRO-3 JSON partitions and gathers the frozen weights"
         )
     if ignored:
         verb = "has" if len(ignored) == 1 else "have"

@@ -144,8 +144,8 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
     if zero3:
         fetch_per_layer(model)  # after checkpointing, which turns the first layer's input gradient off
     if cpu_optimizer(ds_cfg, dist.local_device()) == "torch" and "zero_force_ds_cpu_optimizer" not in ds_cfg:
-        dist.print0(
-            "note: the offloaded optimizer steps with torch's AdamW: on a machine without a GPU DeepSpeedCPUAdam's "
+        note(
+            "the offloaded optimizer steps with torch's AdamW: on a machine without a GPU DeepSpeedCPUAdam's "
             'C++ build (minutes) buys nothing; set "zero_force_ds_cpu_optimizer": true in the JSON to build it'
         )
         ds_cfg = {**ds_cfg, "zero_force_ds_cpu_optimizer": False}  # DeepSpeed accepts a client optimizer then
