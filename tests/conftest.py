@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from frod_ds.runtime.errors import forget_notes
 from tests.support import pace
 from tests.support.leftovers import clean_env, launcher_vars, listening_sockets
 
@@ -64,6 +65,7 @@ def no_process_wide_leftovers():
     threads_before = torch.get_num_threads()
     linear_before = torch.nn.functional.linear
     nvtx_before = _deepspeed_nvtx()
+    forget_notes()  # a note printed once per process: each test sees its own
     yield
     problems = []
     nvtx_after, nvtx_expected = _deepspeed_nvtx(), True if nvtx_before is None else nvtx_before

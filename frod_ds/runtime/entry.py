@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, disk_full_line, path_error
-from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.errors import FrodError, forget_notes
 
 __all__ = ["USER_ERROR", "Terminated", "run", "report", "run_script"]
 
@@ -129,6 +129,7 @@ def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
         code = 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)
+        forget_notes()
     if not fast_exit:
         sys.exit(code)
     sys.stdout.flush()

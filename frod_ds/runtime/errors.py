@@ -54,3 +54,9 @@ def note(message: str) -> None:
         return
     _noted.add(message)
     print(f"note: {' '.join(message.splitlines())}", file=sys.stderr, flush=True)
+
+
+def forget_notes() -> None:
+    """Let every note print again: the end of a command (``entry.run_script``), so a caller that runs several
+    commands in one process sees each command's notes."""
+    _noted.clear()

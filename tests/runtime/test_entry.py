@@ -167,6 +167,23 @@ def test_run_script_gives_back_the_sigterm_handler_it_found(monkeypatch):
         signal.signal(signal.SIGTERM, old)
 
 
+def test_each_command_in_one_process_prints_its_own_notes(monkeypatch, capsys):
+    """A note prints once per command: a caller running two commands in one process (a notebook, a sweep
+    driver) sees the second command's notes too, not only the first's."""
+    from frod_ds.runtime.errors import note
+
+    monkeypatch.setattr(entry.os, "_exit", lambda code: None)
+
+    def command():
+        note("the same thing twice")
+        note("the same thing twice")
+        return 0
+
+    entry.run_script(command, fast_exit=True)
+    entry.run_script(command, fast_exit=True)
+    assert capsys.readouterr().err.count("note: the same thing twice") == 2
+
+
 def _group_body(fail: BaseException | None):
     import torch.distributed as tdist
 
