@@ -8,21 +8,26 @@ import os
 import random
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from frod_ds.runtime.errors import forget_notes
 from tests.support import pace
 from tests.support.leftovers import clean_env, launcher_vars, listening_sockets
 
+if TYPE_CHECKING:
+    import torch
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # One intra-op thread, as every process the tests start runs (clean_env: OMP_NUM_THREADS=1), whatever the shell
-# says: tests compare in-process results with subprocess and worker results bit for bit or to 1e-5.
+# says: tests compare in-process results with subprocess and worker results bit for bit or to 1e-5. torch reads it
+# when first imported; this file does not import torch, so a nested pytest of a torch-free test starts in a second.
 os.environ["OMP_NUM_THREADS"] = "1"
-torch.set_num_threads(1)
+if "torch" in sys.modules:
+    sys.modules["torch"].set_num_threads(1)
 
 
 def tiny_llama_config(**overrides):
@@ -42,11 +47,12 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kw)
 
 
-def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+def tiny_llama(seed: int = 0, dtype: torch.dtype | None = None, **overrides):
+    import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**overrides)).to(dtype)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides)).to(dtype or torch.float32)
     return model.eval()
 
 
@@ -62,8 +68,8 @@ def no_process_wide_leftovers():
     tests depend on the order they run in), after restoring what it can so the next test starts clean."""
     env_before = launcher_vars()
     sockets_before = listening_sockets()
-    threads_before = torch.get_num_threads()
-    linear_before = torch.nn.functional.linear
+    torch = sys.modules.get("torch")  # imported by a test module, if any: until then nothing of it can change
+    threads_before = torch.get_num_threads() if torch else int(os.environ["OMP_NUM_THREADS"])
     nvtx_before = _deepspeed_nvtx()
     forget_notes()  # a note printed once per process: each test sees its own
     yield
@@ -72,10 +78,12 @@ def no_process_wide_leftovers():
     if nvtx_after is not None and nvtx_after != nvtx_expected:
         problems.append("deepspeed.utils.nvtx.enable_nvtx was left switched (frod_ds.runtime.distributed.destroy)")
         sys.modules["deepspeed.utils.nvtx"].enable_nvtx = nvtx_expected
-    if torch.nn.functional.linear is not linear_before:  # deepspeed.zero.Init's memory_efficient_linear replacement
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.nn.functional.linear is not torch._C._nn.linear:
+        # deepspeed.zero.Init's memory_efficient_linear replacement
         problems.append("torch.nn.functional.linear was replaced (DeepSpeed's memory_efficient_linear)")
-        torch.nn.functional.linear = linear_before
-    if torch.get_num_threads() != threads_before:  # later tests' float results depend on the thread count
+        torch.nn.functional.linear = torch._C._nn.linear
+    if torch is not None and torch.get_num_threads() != threads_before:  # later tests' floats depend on it
         problems.append(f"torch's intra-op thread count changed: {threads_before} -> {torch.get_num_threads()}")
         torch.set_num_threads(threads_before)
     env_after = launcher_vars()
@@ -87,9 +95,8 @@ def no_process_wide_leftovers():
                 os.environ[k] = env_before[k]
             else:
                 os.environ.pop(k, None)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         problems.append("a torch.distributed process group is still initialized")
         dist.destroy_process_group()
     new = listening_sockets() - sockets_before
