@@ -12,13 +12,11 @@ reuse window or persistent parameters (all three would keep more of a model this
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import pace
-from tests.support.train_env import RANKS, REPO, env_vars
+from tests.support import ranks
+from tests.support.train_env import REPO, env_vars
 
 pytestmark = pytest.mark.slow
 LAYERS, HIDDEN, INTER = 2, 256, 688
@@ -38,8 +36,8 @@ def reports(tmp_path_factory):
     root = tmp_path_factory.mktemp("qlora_zero3")
     make_model(Shape(LAYERS, HIDDEN, INTER, heads=8, kv_heads=8, vocab=1000), root / "m")
     probe = REPO / "tests" / "support" / "qlora_residency_probe.py"
-    cmd = [sys.executable, str(RANKS), "2", str(probe), "--model", str(root / "m"), "--out", str(root / "out")]
-    res = subprocess.run(cmd, env=env_vars(), cwd=REPO, capture_output=True, text=True, timeout=pace.scaled(300))
+    cmd = [str(probe), "--model", str(root / "m"), "--out", str(root / "out")]
+    res = ranks.run(2, cmd, env_vars(), REPO, 300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [json.loads((root / "out" / f"qlora_rank{r}.json").read_text()) for r in (0, 1)]
 
