@@ -51,7 +51,8 @@ def _positive_int(x: Any) -> bool:
 
 def config_problems(cfg: Mapping[str, Any]) -> list[str]:
     """Every value of ``cfg`` no model can have: a size that is not a positive integer, key/value heads that do not
-    divide the heads, a hidden size the heads do not divide (without ``head_dim``). Empty when fine."""
+    divide the heads, a hidden size the heads do not divide (without ``head_dim``; a LLaMA's, with it too, as
+    transformers' ``LlamaConfig`` checks). Empty when fine."""
     problems = [
         f"{k} must be a positive integer, got {cfg[k]!r}"
         for k in SIZE_KEYS
@@ -74,8 +75,12 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
         if cfg.get(key) is not None and cfg[key] not in DTYPES:
             problems.append(f"{key} {cfg[key]!r} is no dtype (one of {', '.join(DTYPES)})")
     hidden = cfg.get("hidden_size")
-    if cfg.get("head_dim") is None and _positive_int(hidden) and _positive_int(heads) and hidden % heads:
-        problems.append(f"num_attention_heads {heads} does not divide hidden_size {hidden} and there is no head_dim")
+    if _positive_int(hidden) and _positive_int(heads) and hidden % heads:
+        split = f"num_attention_heads {heads} does not divide hidden_size {hidden}"
+        if cfg.get("head_dim") is None:
+            problems.append(f"{split} and there is no head_dim")
+        elif cfg.get("model_type") == "llama":  # transformers' LlamaConfig refuses it whatever head_dim says
+            problems.append(f"{split}, which a LLaMA needs")
     return problems
 
 

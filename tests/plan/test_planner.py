@@ -513,6 +513,7 @@ LLAMA_SIZES = {**LLAMA2_7B, "num_key_value_heads": 32}
         ({"vocab_size": 0}, "vocab_size must be a positive integer, got 0"),
         ({"num_key_value_heads": 5}, "num_key_value_heads 5 does not divide num_attention_heads 32"),
         ({"num_attention_heads": 7}, "num_attention_heads 7 does not divide hidden_size 4096"),
+        ({"num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 128}, "which a LLaMA needs"),
         ({"intermediate_size": 11008.0}, "intermediate_size must be a positive integer, got 11008.0"),
         ({"num_attention_heads": True}, "num_attention_heads must be a positive integer, got True"),
     ],
@@ -529,6 +530,12 @@ def test_config_sizes_no_model_has_are_refused(tmp_path, change, needle):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA_SIZES, **change}))
     with pytest.raises(FrodError, match=re.escape(needle)):
         load_model_shape(str(tmp_path))
+    if "head_dim" in change:  # transformers' own LlamaConfig refuses it; a Mistral with its own head_dim is sound
+        from transformers import LlamaConfig
+
+        with pytest.raises(Exception, match="not a multiple of the number of attention heads"):  # noqa: B017, PT011
+            LlamaConfig(**{**LLAMA_SIZES, **change})
+        assert model_shape_from_config({**LLAMA_SIZES, **change, "model_type": "mistral"}).heads == 5
 
 
 def test_cli_plan_of_a_zero_layer_config_is_one_line(tmp_path):
