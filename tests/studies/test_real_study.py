@@ -510,7 +510,11 @@ def test_a_choice_at_an_end_extends_the_sweep_now_and_in_a_later_command(setup, 
 
 def test_worker_processes_train_exactly_what_one_process_trains(setup, tmp_path):
     doc, _, _, model_dir, out, _ = setup
-    par = tmp_path / "par"
+    par, lrs = tmp_path / "par", {}
+    for name in ("frod", "lora16"):  # the one-process sweep's pick and one other lr: four runs over two workers
+        pick = doc["methods"][name]["chosen"]["lr"]
+        other = next(b["lr"] for b in doc["methods"][name]["sweep"] if b["lr"] != pick)
+        lrs[name] = sorted({pick, other})
     argv = [
         "--model",
         str(model_dir),
@@ -533,9 +537,9 @@ def test_worker_processes_train_exactly_what_one_process_trains(setup, tmp_path)
         "--methods",
         "frod,lora16",
         "--lrs",
-        "frod=1e-3,1e-2,1e-1",
+        "frod=" + ",".join(map(repr, lrs["frod"])),
         "--lrs",
-        "lora16=1e-3,1e-2,1e-1",
+        "lora16=" + ",".join(map(repr, lrs["lora16"])),
         "--protocols",
         "loglik",
         "--no-base-eval",
@@ -548,8 +552,11 @@ def test_worker_processes_train_exactly_what_one_process_trains(setup, tmp_path)
     got = json.loads((par / "real_study.json").read_text())
     assert got["config"]["workers_used"] == 2 and got["complete"] is True
     for name in ("frod", "lora16"):
-        for a, b in zip(got["methods"][name]["sweep"], doc["methods"][name]["sweep"], strict=True):
-            assert a["lr"] == b["lr"] and a["data_order_sha256"] == b["data_order_sha256"]
+        one = {b["lr"]: b for b in doc["methods"][name]["sweep"]}
+        assert [a["lr"] for a in got["methods"][name]["sweep"]] == lrs[name]
+        for a in got["methods"][name]["sweep"]:
+            b = one[a["lr"]]
+            assert a["data_order_sha256"] == b["data_order_sha256"]
             for key in ("loss", "answer_loss"):
                 assert a["log"][key] == pytest.approx(b["log"][key], rel=1e-5)
             assert a["heldout"]["accuracy"] == b["heldout"]["accuracy"]
