@@ -10,7 +10,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from bench.suite import BenchError, load_suite
 from frod_ds.formats.factor_store import MANIFEST, Manifest
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.model.store_reader import FactorStore, check_store_matches
-from tests.support import pace
+from tests.support import pace, ranks
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 
@@ -34,14 +33,9 @@ SUITE = REPO / "bench" / "suites" / "chain-tiny.toml"
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "bench", *args],
-        cwd=REPO,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=pace.scaled(200),
-    )
+    """``python -m bench ARGS``, forked from this worker (``tests.support.ranks.run``); the stages it launches are
+    fresh interpreters under torchrun, as on a GPU machine."""
+    return ranks.run(0, ["-m", "bench", *args], clean_env(), REPO, 200)
 
 
 def test_a_chain_suite_refuses_a_kill_that_would_not_follow_its_checkpoint(tmp_path):

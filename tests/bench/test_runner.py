@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from bench.suite import STEP_KEYS, BenchError, load_suite, with_defaults
 from frod_ds.formats.factor_store import MANIFEST, Manifest
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.model.store_reader import FactorStore, check_store_matches
-from tests.support import pace
+from tests.support import pace, ranks
 from tests.support.helpers_ckpt import REPO
 from tests.support.leftovers import clean_env
 
@@ -64,22 +63,12 @@ def test_a_bad_suite_is_refused_with_what_to_change(tmp_path, body, says):
 
 
 def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``python -m bench ARGS``; past ``timeout`` it is stopped with SIGTERM, which ends its running configuration."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench", *args],
-        cwd=REPO,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    """``python -m bench ARGS``, forked from this worker (``tests.support.ranks.run``: its imports paid already);
+    past ``timeout`` it is stopped with SIGTERM, which ends its running configuration."""
     try:
-        out, err = proc.communicate(timeout=pace.scaled(timeout))
-    except subprocess.TimeoutExpired:
-        proc.terminate()
-        out, err = proc.communicate()
-        pytest.fail(f"python -m bench {' '.join(args)} ran past {timeout} s\n{out[-2000:]}{err[-2000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return ranks.run(0, ["-m", "bench", *args], clean_env(), REPO, timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"python -m bench {' '.join(args)} ran past {timeout} s\n{e.output[-2000:]}{e.stderr[-2000:]}")
 
 
 def _base_loss(model_dir: Path, batch: int, seq: int) -> float:

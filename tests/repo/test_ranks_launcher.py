@@ -67,6 +67,17 @@ def test_a_forked_command_prints_and_exits_as_a_fresh_interpreter_does(tmp_path,
     assert not marker.exists(), "the test process's exit handler ran in the forked command"
 
 
+def test_a_forked_module_runs_as_python_dash_m_does(tmp_path):
+    """``ranks.run(0, ["-m", MODULE, ...])``: ``__main__``, ``sys.argv[0]`` the module's file, the working folder
+    first on ``sys.path``, as ``python -m MODULE`` gives them."""
+    (tmp_path / "frod_probe_mod.py").write_text(SCRIPT)
+    env = clean_env(FROD_PROBE="m")
+    got = ranks.run(0, ["-m", "frod_probe_mod", "a"], env, tmp_path, timeout=120)
+    want = _fresh(["-m", "frod_probe_mod", "a"], env, tmp_path)
+    assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
+    assert "path0 True" in got.stdout and str(tmp_path / "frod_probe_mod.py") in got.stdout
+
+
 def test_ranks_get_torchruns_environment_and_match_the_launcher_script(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(SCRIPT)
@@ -85,11 +96,16 @@ def test_a_failed_rank_stops_the_others_and_a_timeout_kills_them(tmp_path):
     res = ranks.run(2, [str(script)], clean_env(), tmp_path, timeout=100)
     assert res.returncode == 3 and time.monotonic() - t0 < pace.scaled(30)  # rank 0 got SIGTERM, not its 120 s
 
-    script.write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(120)\n")
+    # past the time-out: SIGTERM first (the command cleans up, as under torchrun), then SIGKILL
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (open('termed', 'w').close(), sys.exit(143)))\n"
+        "print(os.getpid(), flush=True)\ntime.sleep(120)\n"
+    )
     t0 = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as e:
         ranks.run(0, [str(script)], clean_env(), tmp_path, timeout=2)
-    assert time.monotonic() - t0 < pace.scaled(30)
+    assert time.monotonic() - t0 < pace.scaled(30) and (tmp_path / "termed").exists()
     pid = int(e.value.output.split()[0])
     with pytest.raises(ProcessLookupError):
         import os

@@ -41,7 +41,8 @@ from tests.support.leftovers import free_port  # noqa: E402  (torch-free)
 
 
 def _run_rank(cmd: list[str], env: dict[str, str]) -> None:
-    """In a forked child: become ``python SCRIPT ARGS`` with ``env`` and never return."""
+    """In a forked child: become ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) with ``env`` and never
+    return."""
     import atexit
     import runpy
 
@@ -49,10 +50,15 @@ def _run_rank(cmd: list[str], env: dict[str, str]) -> None:
     try:
         os.environ.clear()
         os.environ.update(env)
-        script = os.path.abspath(cmd[0])
-        sys.argv = [cmd[0], *cmd[1:]]
-        sys.path[:] = [os.path.dirname(script), *SCRIPT_PATH[1:]]
-        runpy.run_path(script, run_name="__main__")
+        if cmd[0] == "-m":  # as python -m: the working folder first on sys.path, argv[0] the module's file
+            sys.argv = [cmd[1], *cmd[2:]]
+            sys.path[:] = [os.getcwd(), *SCRIPT_PATH[1:]]
+            runpy.run_module(cmd[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.abspath(cmd[0])
+            sys.argv = [cmd[0], *cmd[1:]]
+            sys.path[:] = [os.path.dirname(script), *SCRIPT_PATH[1:]]
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int | None):
@@ -209,9 +215,12 @@ def run(n: int, cmd: list[str], env: dict[str, str], cwd: str | Path, timeout: f
 
         procs = [_start(cmd, e, functools.partial(prepare, e)) for e in envs]
         code = _supervise(procs, deadline=time.monotonic() + timeout)
-        if code is None:
+        if code is None:  # as torchrun stops its ranks: SIGTERM (a command's own clean-up), SIGKILL 30 s later
             for p in procs:
-                p.kill()
+                p.terminate()
+            if _supervise(procs, deadline=time.monotonic() + 30) is None:
+                for p in procs:
+                    p.kill()
             for p in procs:
                 while p.poll() is None:
                     time.sleep(0.01)
