@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from frod_ds._moved import forward_names
+from frod_ds.runtime import rendezvous
 from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.launch_env import ProcessGroupSpec, process_group_spec
 
@@ -98,12 +99,23 @@ def _join(spec: ProcessGroupSpec, backend: str | None, timeout_minutes: float = 
         local_rank %= max(torch.cuda.device_count(), 1)  # srun may give each task a single visible GPU
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
-    if spec.init_method is None:
-        kwargs["store"] = dist.HashStore()  # one process, no launcher: an in-process store, no port
+    if spec.init_method is None:  # one process, no launcher: an in-process store, no port
+        dist.init_process_group(backend=backend, store=dist.HashStore(), **kwargs)
     else:
-        kwargs["init_method"] = spec.init_method
-    dist.init_process_group(backend=backend, **kwargs)
+
+        def connect() -> None:  # in rendezvous.join's helper thread: the CUDA device is per thread
+            if backend == "nccl":
+                torch.cuda.set_device(local_rank)
+            dist.init_process_group(backend=backend, init_method=spec.init_method, **kwargs)
+
+        rendezvous.join(connect, spec.rank, spec.world_size, _address(spec.init_method))
     _local_rank = spec.local_rank
+
+
+def _address(init_method: str) -> str:
+    if init_method == "env://":
+        return f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    return init_method.removeprefix("tcp://")
 
 
 def init_deepspeed() -> None:

@@ -1,0 +1,55 @@
+"""Joining a process group without a silent, uninterruptible wait.
+
+torch's rendezvous blocks in C++ until every rank has joined: Python's signal handlers do not run meanwhile, so a
+process started with a stale launcher environment (``WORLD_SIZE=2`` left in a shell, no other rank ever coming)
+waited without a word and ignored Ctrl-C and SIGTERM. :func:`join` runs the blocking call in a helper thread while
+the main thread waits in short slices: Ctrl-C and SIGTERM act at once, rank 0 says what it is waiting for after
+``NOTE_S``, and after ``JOIN_S`` every rank stops with one line saying what to do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from frod_ds.runtime.errors import FrodError, note
+
+__all__ = ["JOIN_S", "NOTE_S", "join"]
+
+NOTE_S = 30.0  # ranks started together join within seconds; past this rank 0 says what it waits for
+JOIN_S = 600.0  # past this the other ranks are taken not to come (a multi-node start skews by a minute or two)
+
+
+def join(connect: Callable[[], None], rank: int, world: int, where: str, join_s: float = JOIN_S) -> None:
+    """Run ``connect`` (the blocking rendezvous of rank ``rank`` of ``world`` at ``where``) in a helper thread; its
+    exception is raised here. A ``FrodError`` once ``join_s`` has passed without it returning."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            connect()
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            outcome.append(e)
+
+    helper = threading.Thread(target=run, name="frod-rendezvous", daemon=True)
+    t0, noted = time.monotonic(), False
+    helper.start()
+    while helper.is_alive():
+        helper.join(0.2)  # returns to Python: a signal's handler (Ctrl-C, SIGTERM) runs here
+        waited = time.monotonic() - t0
+        if not noted and waited > NOTE_S and helper.is_alive():
+            noted = True
+            note(
+                f"rank {rank} of {world} has waited {waited:.0f} s for the other ranks at {where}; it stops after "
+                f"{join_s:.0f} s. Without a launcher, unset WORLD_SIZE and RANK to run one process"
+            )
+        if waited > join_s and helper.is_alive():
+            raise FrodError(
+                f"rank {rank} of {world}: the other {world - 1} rank(s) did not join at {where} within {join_s:.0f} s; "
+                "start every rank with a launcher (torchrun, deepspeed, srun), or unset WORLD_SIZE and RANK (left "
+                "from another job?) to run one process"
+            )
+    if outcome and outcome[0] is not None:
+        raise outcome[0]

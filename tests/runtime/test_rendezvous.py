@@ -1,0 +1,80 @@
+"""Joining a process group (``frod_ds.runtime.rendezvous``): a stale launcher environment (``WORLD_SIZE=2`` and no
+other rank) is said after a while, stopped by Ctrl-C and SIGTERM at once, and given up with one line; a join that
+succeeds or fails is the caller's as if called directly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from frod_ds.runtime import rendezvous
+from frod_ds.runtime.errors import FrodError
+from tests.support import pace
+from tests.support.leftovers import REPO, clean_env, free_port
+
+
+def test_a_join_that_returns_or_raises_is_the_callers():
+    seen = []
+    rendezvous.join(lambda: seen.append(threading.current_thread().name), 0, 2, "h:1")
+    assert seen == ["frod-rendezvous"]  # run in the helper thread
+    with pytest.raises(ZeroDivisionError):
+        rendezvous.join(lambda: 1 / 0, 0, 2, "h:1")
+
+
+def test_a_join_nobody_answers_is_noted_then_given_up_with_what_to_do(monkeypatch, capsys):
+    monkeypatch.setattr(rendezvous, "NOTE_S", 0.2)
+    released = threading.Event()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(FrodError, match=r"rank 0 of 2: the other 1 rank\(s\) did not join at h:7 within 1 s"):
+            rendezvous.join(lambda: released.wait(30), 0, 2, "h:7", join_s=1.0)
+    finally:
+        released.set()
+    assert time.monotonic() - t0 < pace.scaled(5)
+    err = capsys.readouterr().err
+    assert err.count("note: rank 0 of 2 has waited") == 1 and "unset WORLD_SIZE and RANK" in err
+
+
+def _listening(port: int) -> bool:
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "sig, code, said", [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted (Ctrl-C)")]
+)
+def test_a_stale_launcher_environment_stops_at_once_on_a_signal(tmp_path, sig, code, said):
+    """``frod hjd`` with ``WORLD_SIZE=2 RANK=0`` and no other rank waits in torch's rendezvous (its store listens);
+    SIGTERM or Ctrl-C then ends it within seconds, with one line and the command's exit code, nothing written."""
+    from frod_ds.testing.toy import write_tiny_llama
+
+    write_tiny_llama(tmp_path / "m", num_hidden_layers=1, hidden_size=16, intermediate_size=24, vocab_size=64)
+    port = free_port()
+    env = clean_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = [sys.executable, "-m", "frod_ds", "hjd", "--model", str(tmp_path / "m"), "--device", "cpu"]
+    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "f")], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + pace.scaled(60)
+        while not _listening(port) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None and _listening(port), "the command never reached the rendezvous"
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=pace.scaled(15))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == code and len(lines) == 1 and lines[0].startswith("error:") and said in lines[0], err
+    assert not (tmp_path / "f").exists()
