@@ -94,7 +94,7 @@ def print_plan(plan, title: str, model=None) -> None:
 
 def plan_command(args: argparse.Namespace) -> int:
     from frod_ds.config.ds_config import DSConfigError, check_ds_config, load_ds_config, resolve_ds_config
-    from frod_ds.config.recipe import load_recipe
+    from frod_ds.config.recipe import recipe_from_tree, recipe_tree, sets
     from frod_ds.core.names import LLAMA_LINEARS
     from frod_ds.plan.memory import plan_memory, trainable_numel
     from frod_ds.plan.recommend import no_fit_advice, recommend
@@ -107,7 +107,8 @@ def plan_command(args: argparse.Namespace) -> int:
     )
 
     model = load_model_shape(args.model)
-    recipe = load_recipe(args.recipe, args.overrides, paths=False)
+    tree = recipe_tree(args.recipe, args.overrides)
+    recipe = recipe_from_tree(tree, paths=False)
     train = train_shape_from_recipe(recipe, args.layer_saves, args.seq_len)
     unknown = [t for t in train.targets if t not in LLAMA_LINEARS]
     if unknown:
@@ -123,7 +124,8 @@ def plan_command(args: argparse.Namespace) -> int:
         f"trainable; {train.micro_batch} x {train.seq_len} tokens per GPU, {train.dtype} "
         f"({ELEMENT_BYTES[train.dtype]} bytes), FRoDLinear keeps {'z and M' if train.layer_saves == 'M' else 'z'}"
     )
-    rec = recommend(model, train, args.gpus, gpu)
+    chosen = train.checkpointing if sets(tree, "model.gradient_checkpointing") else None  # the user's, kept
+    rec = recommend(model, train, args.gpus, gpu, checkpointing=chosen)
     code = 0
     if args.config:
         cfg = load_ds_config(args.config)

@@ -25,7 +25,18 @@ from frod_ds.runtime.shipped import user_file
 from frod_ds.runtime.strict_json import MAX_DEPTH, nesting_depth
 from frod_ds.runtime.validate import sparsity_problem, targets_problem
 
-__all__ = ["RecipeError", "ModelCfg", "DataCfg", "TrainCfg", "Recipe", "load_recipe", "recipe_to_dict"]
+__all__ = [
+    "RecipeError",
+    "ModelCfg",
+    "DataCfg",
+    "TrainCfg",
+    "Recipe",
+    "load_recipe",
+    "recipe_from_tree",
+    "recipe_to_dict",
+    "recipe_tree",
+    "sets",
+]
 
 
 class RecipeError(FrodError):
@@ -263,6 +274,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool = True) -> Recipe:
     """defaults ← YAML file ← ``key.sub=value`` overrides (values parsed as YAML scalars). ``paths=False``: the
     model, factor store and data paths may be missing (``frod plan``)."""
+    return recipe_from_tree(recipe_tree(path, overrides), paths)
+
+
+def sets(tree: dict, dotted: str) -> bool:
+    """Whether the file or an override of ``tree`` (``recipe_tree``) gives ``dotted`` (``model.dtype``) itself."""
+    node: Any = tree
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False
+        node = node[key]
+    return True
+
+
+def recipe_tree(path: str | Path | None, overrides: list[str] = ()) -> dict:
+    """What the YAML file and the overrides give, before defaults (a mapping of sections)."""
     tree: dict = {}
     if path is not None:
         p = user_file(path, "recipes")  # a shipped recipe by name also outside a checkout
@@ -300,6 +326,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), paths: bool 
         except (yaml.YAMLError, RecursionError):
             raise RecipeError(f"override {item!r}: the value is not a YAML scalar; quote it") from None
         _set_dotted(tree, key, value)
+    return tree
+
+
+def recipe_from_tree(tree: dict, paths: bool = True) -> Recipe:
+    """The recipe ``tree`` (``recipe_tree``) gives over the defaults, checked (``load_recipe``)."""
     problems: list[str] = []
     recipe = _build(Recipe, tree, "", problems)
     if not problems:

@@ -67,13 +67,17 @@ class Recommendation:
         return f"{self.engine.name}, {q}, gradient checkpointing {'on' if self.checkpointing else 'off'}"
 
 
-def candidates(engines: list[Engine], train: TrainShape | None = None) -> list[tuple[Engine, str, bool, bool]]:
+def candidates(
+    engines: list[Engine], train: TrainShape | None = None, checkpointing: bool | None = None
+) -> list[tuple[Engine, str, bool, bool]]:
     """Every (engine, quant, quantize_base, checkpointing), grouped by precision: the recipe's own first (``train``;
     a quantized model is a different model, so precision is the recipe's choice), then ``VARIANTS`` from the most
-    exact; within a precision, engines and checkpointing in the shipped order (the time model ranks them)."""
+    exact; within a precision, engines and checkpointing in the shipped order (the time model ranks them).
+    ``checkpointing``: the user's own choice, kept (None: both are tried)."""
     own = [(train.quant, train.quantize_base)] if train is not None else []
     tiers = own + [v for v in VARIANTS if v not in own]
-    return [(eng, q, qb, gc) for q, qb in tiers for eng in engines for gc in (False, True)]
+    both = (False, True) if checkpointing is None else (checkpointing,)
+    return [(eng, q, qb, gc) for q, qb in tiers for eng in engines for gc in both]
 
 
 def predicted_seconds(model: ModelShape, plan: Plan, link: Link | None = None) -> float:
@@ -88,12 +92,14 @@ def recommend(
     gpu_bytes: float,
     engines: list[Engine] | None = None,
     link: Link | None = None,
+    checkpointing: bool | None = None,
 ) -> Recommendation | None:
     """The fastest set-up that fits (None when none does): within the first precision of ``candidates`` where
-    anything fits, the engine and checkpointing with the least predicted step time; a one-line reason."""
+    anything fits, the engine and checkpointing (unless the user chose it: ``checkpointing``) with the least
+    predicted step time; a one-line reason."""
     tried: list[Plan] = []
     tier: list[tuple[tuple, Plan, float]] = []
-    for eng, q, qb, gc in candidates(engines or shipped_engines(), train):
+    for eng, q, qb, gc in candidates(engines or shipped_engines(), train, checkpointing):
         if tier and (q, qb) != tier[-1][0][1:3]:
             if any(p.fits for _, p, _ in tier):
                 break
@@ -105,7 +111,7 @@ def recommend(
     if not fitting:
         return None
     (eng, q, qb, gc), plan, secs = min(fitting, key=lambda t: t[2])
-    alternative = _quantized_alternative(model, train, gpus, gpu_bytes, engines, link, (q, qb), secs)
+    alternative = _quantized_alternative(model, train, gpus, gpu_bytes, engines, link, (q, qb), secs, checkpointing)
     return Recommendation(
         eng, q, qb, gc, plan, _reason(plan, secs, tier, tried) + alternative, tried, secs, alternative
     )
@@ -120,6 +126,7 @@ def _quantized_alternative(
     link: Link | None,
     chosen: tuple[str, bool],
     secs: float,
+    checkpointing: bool | None = None,
 ) -> str:
     """``; with <precision>: <engine> would take N ms`` when a coarser precision (the fastest of them) fits at under
     half the chosen step time (e.g. 70B in bf16 only fits with parameter offload), else ``""``. Not chosen: it changes
@@ -128,7 +135,7 @@ def _quantized_alternative(
     best = None
     for q, qb in later:
         for eng in engines or shipped_engines():
-            for gc in (False, True):
+            for gc in (False, True) if checkpointing is None else (checkpointing,):
                 plan = plan_memory(
                     model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus, gpu_bytes
                 )

@@ -439,6 +439,34 @@ def test_cli_prints_every_part_and_the_verdict(tmp_path):
     assert res.returncode == 1 and "does NOT fit" in res.stdout
 
 
+def test_the_users_gradient_checkpointing_is_kept_by_the_recommendation(tmp_path):
+    """``model.gradient_checkpointing`` given (an override or the recipe file) is planned as given, the engine and
+    precision still recommended; unset, the recommendation picks it. The activations printed are ``plan_memory``'s
+    for that choice (computed here)."""
+    from frod_ds.cli.plan import H100_GIB, _gib
+    from frod_ds.config.recipe import load_recipe
+    from frod_ds.plan.shapes import engine_from_ds_config, train_shape_from_recipe
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    (tmp_path / "r.yaml").write_text("model:\n  gradient_checkpointing: true\n")
+    model = model_shape_from_config(LLAMA2_7B)
+    train = train_shape_from_recipe(load_recipe(None, ["model.gradient_checkpointing=true"], paths=False))
+    free = _plan_here("--model", str(tmp_path), "--gpus", "1")
+    assert free.returncode == 0 and "fastest set-up that fits: ds_configs/zero2.json" in free.stdout
+    assert "gradient checkpointing off" in free.stdout  # fits without: faster
+    for given in (["model.gradient_checkpointing=true"], ["--recipe", str(tmp_path / "r.yaml")]):
+        res = _plan_here("--model", str(tmp_path), "--gpus", "1", *given)
+        assert res.returncode == 0 and "gradient checkpointing on" in res.stdout, given
+        assert "gradient checkpointing off" not in res.stdout, given
+        name = re.search(r"fastest set-up that fits: (\S+),", res.stdout).group(1)
+        cfg = json.loads((REPO / name).read_text())
+        want = plan_memory(model, train, engine_from_ds_config(cfg, name), 1, H100_GIB * GiB)
+        for part, b in want.parts.items():  # every part of the plan printed is this one's
+            assert f"  {part:<24}{_gib(b)} GiB\n" in res.stdout, (given, part, res.stdout)
+    off = _plan_here("--model", str(tmp_path), "--gpus", "1", "--gpu-mem", "20", "model.gradient_checkpointing=false")
+    assert "gradient checkpointing on" not in off.stdout  # kept off, even where on would fit more
+
+
 @pytest.mark.parametrize(
     "change,needle",
     [
