@@ -106,9 +106,13 @@ def console(old_form: str | None = None) -> None:
 def deprecated_form(used: str, instead: str) -> None:
     """One stderr line for an entry form that 0.2.0 keeps and 0.3.0 removes (rank 0's only under a launcher)."""
     from frod_ds._moved import REMOVED_IN
+    from frod_ds.runtime.errors import FrodError
     from frod_ds.runtime.launch_env import launcher_rank_world
 
-    where = launcher_rank_world()
+    try:
+        where = launcher_rank_world()
+    except FrodError:  # the command says so itself, as its one error line
+        where = None
     if where is None or where[0] == 0:
         print(f"DeprecationWarning: `{used}` goes in {REMOVED_IN}; run `{instead}` (docs/commands.md)", file=sys.stderr)
 

@@ -14,6 +14,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from frod_ds.runtime.errors import FrodError
+
 __all__ = ["launcher_rank_world", "ranks_on_this_node", "first_slurm_host", "ProcessGroupSpec", "process_group_spec"]
 
 
@@ -25,10 +27,25 @@ def launcher_rank_world(env: Mapping[str, str] | None = None) -> tuple[int, int,
     """
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+        return _checked(env, "RANK", "WORLD_SIZE", "LOCAL_RANK")
     if "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env.get("SLURM_LOCALID", 0))
+        return _checked(env, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")
     return None
+
+
+def _checked(env: Mapping[str, str], rank: str, world: str, local: str) -> tuple[int, int, int]:
+    """The three values as integers, or a ``FrodError`` naming what no launcher sets (a stale or hand-set shell)."""
+    raw = {k: env.get(k, "0" if k == local else "").strip() for k in (rank, world, local)}
+    bad = [f"{k}={v!r}" for k, v in raw.items() if not v.isdigit()]
+    if not bad:
+        r, w, lr = (int(raw[k]) for k in (rank, world, local))
+        if w >= 1 and r < w:
+            return r, w, lr
+        bad = [f"{rank}={r} with {world}={w}"]
+    raise FrodError(
+        f"the launcher environment is not one a launcher sets ({', '.join(bad)}): start the ranks with torchrun, "
+        f"deepspeed or srun, or unset {rank} and {world} to run one process"
+    )
 
 
 def ranks_on_this_node(env: Mapping[str, str] | None = None) -> int:
@@ -76,7 +93,18 @@ def process_group_spec(env: Mapping[str, str] | None = None) -> ProcessGroupSpec
     if launch is None:
         return None
     rank, world, local = launch
+    port = env.get("MASTER_PORT", "").strip()
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise FrodError(f"MASTER_PORT={port!r} is no TCP port (1-65535): set it to a free port, or unset it")
     if "RANK" in env:  # torchrun / the deepspeed launcher
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k, "").strip()]
+        if missing and world == 1:  # nobody to meet: one process, as without a launcher
+            return ProcessGroupSpec(rank, world, local, None)
+        if missing:
+            raise FrodError(
+                f"RANK={rank} and WORLD_SIZE={world} are set but {' and '.join(missing)} not: start the ranks "
+                "with torchrun, deepspeed or srun, or unset RANK and WORLD_SIZE to run one process"
+            )
         return ProcessGroupSpec(rank, world, local, "env://")
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     addr = env.get("MASTER_ADDR") or first_slurm_host(nodes)

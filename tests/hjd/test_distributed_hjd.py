@@ -225,9 +225,8 @@ def test_launcher_env_maps_srun():
     assert first_slurm_host("node1") == "node1"
     sbatch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}
     assert process_group_spec(sbatch) is None, "plain python inside sbatch stays one process"
-    assert process_group_spec({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == ProcessGroupSpec(
-        1, 2, 1, "env://"
-    ), "torchrun / deepspeed launcher"
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    assert process_group_spec(torchrun) == ProcessGroupSpec(1, 2, 1, "env://"), "torchrun / deepspeed launcher"
 
 
 def test_small_part_files_split_a_block_and_still_equal_decompose(tmp_path):

@@ -5,6 +5,7 @@ succeeds or fails is the caller's as if called directly."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,4 +78,53 @@ def test_a_stale_launcher_environment_stops_at_once_on_a_signal(tmp_path, sig, c
             proc.wait()
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == code and len(lines) == 1 and lines[0].startswith("error:") and said in lines[0], err
+    assert not (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize(
+    "env, says",
+    [
+        ({"RANK": "abc", "WORLD_SIZE": "2"}, "RANK='abc'"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2 with WORLD_SIZE=2"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "RANK=0 with WORLD_SIZE=0"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1'"),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT not"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "but MASTER_PORT not"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "99999"}, "MASTER_PORT='99999'"),
+        ({"SLURM_PROCID": "x", "SLURM_STEP_NUM_TASKS": "2"}, "SLURM_PROCID='x'"),
+    ],
+)
+def test_a_launcher_environment_no_launcher_sets_is_one_line(env, says):
+    """Values no launcher sets (left in a shell, typed by hand) are named with what to do, not torch's ValueError;
+    ``RANK=0 WORLD_SIZE=1`` without an address is one process."""
+    from frod_ds.runtime.launch_env import ProcessGroupSpec, process_group_spec
+
+    with pytest.raises(FrodError, match=re.escape(says)) as e:
+        process_group_spec(env)
+    assert "to run one process" in str(e.value) or "free port" in str(e.value)
+    assert process_group_spec({"RANK": "0", "WORLD_SIZE": "1"}) == ProcessGroupSpec(0, 1, 0, None)
+    ok = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    assert process_group_spec(ok) == ProcessGroupSpec(1, 2, 1, "env://")
+
+
+def test_a_command_in_a_half_set_launcher_environment_says_so_in_one_line(tmp_path):
+    from tests.support import ranks
+
+    env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    res = ranks.run(
+        0,
+        [
+            str(REPO / "tests" / "support" / "frod_main.py"),
+            "hjd",
+            "--model",
+            str(tmp_path / "m"),
+            "--out",
+            str(tmp_path / "f"),
+        ],
+        env,
+        REPO,
+        60,
+    )
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "MASTER_ADDR and MASTER_PORT not" in lines[0], res.stderr
     assert not (tmp_path / "f").exists()
