@@ -19,6 +19,9 @@ classifies the outcome against the case's expected class:
   ``fix`` runs, the same command again succeeds and its ``check`` holds (``same_output``: bitwise equal to an
   uninterrupted run of the same command).
 
+A case's ``env`` (variables added to the first run's environment, e.g. a launcher's left in a shell) is not
+given to the run after the ``fix``: that run is the user's with the environment cleaned up.
+
 Anything else is ``unclear-failure`` (a traceback, another exit code, several or no ``error:`` lines, something
 left behind), ``wrong-result`` (exit 0 where an error was due, or a failed check), ``data-loss`` (a file of the
 world, i.e. another command's output, changed) or ``hang`` (no exit within the case's time limit). A case whose
@@ -75,6 +78,7 @@ CASE_KEYS = {
     "name",
     "class",
     "cmd",
+    "env",
     "prepare",
     "fix",
     "check",
@@ -97,9 +101,16 @@ class World:
     frod: bool = True  # the checkout has ``python -m frod_ds COMMAND`` (frod_ds/cli/main.py)
     _refs: dict[str, Path] = field(default_factory=dict)
 
-    def python(self, *argv: str, cwd: Path | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    def python(
+        self, *argv: str, cwd: Path | None = None, timeout: float = 900, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, *argv], cwd=cwd or self.repo, env=self.env, capture_output=True, text=True, timeout=timeout
+            [sys.executable, *argv],
+            cwd=cwd or self.repo,
+            env=env or self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
 
     def run(self, argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
@@ -688,6 +699,12 @@ def model_config_bert_arch(world, case, spec):
 
 def model_config_bad_dtype(world, case, spec):
     _config_edit(world, case, torch_dtype="float99")
+
+
+def model_config_heads_split(world, case, spec):
+    """A LLaMA whose heads do not divide its hidden size, with a head_dim (transformers' LlamaConfig refuses it)."""
+    cfg = json.loads((Path(world.paths["model"]) / "config.json").read_text())
+    _config_edit(world, case, num_attention_heads=cfg["hidden_size"] // 2 + 1, num_key_value_heads=1, head_dim=8)
 
 
 def model_config_dir(world, case, spec):
@@ -1532,6 +1549,7 @@ STEPS: dict[str, Callable] = {
         model_config_gpt2,
         model_config_bert_arch,
         model_config_bad_dtype,
+        model_config_heads_split,
         model_config_dir,
         model_config_fifo,
         model_config_dangling,
@@ -1846,14 +1864,16 @@ def _subs(world: World, case: Path) -> dict[str, str]:
     return {**world.paths, "case": str(case), "new": str(case / "new")}
 
 
-def _run_interrupted(world: World, argv: list[str], case: Path, spec: dict) -> tuple[int | None, str]:
+def _run_interrupted(
+    world: World, argv: list[str], case: Path, spec: dict, env: dict[str, str]
+) -> tuple[int | None, str]:
     """Start ``argv``, wait until the ``when`` glob exists under the case directory (or ``after_s``), send the
     signal to its process group; (exit code, stderr). None: it finished before the signal."""
     it = spec["interrupt"]
     proc = subprocess.Popen(
         [sys.executable, *argv],
         cwd=world.repo,
-        env=world.env,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -1884,6 +1904,7 @@ def run_case(world: World, spec: dict, case: Path) -> dict:
     case.mkdir(parents=True)
     subs = _subs(world, case)
     argv = command(world, _argv(world, spec["cmd"], subs))
+    env = {**world.env, **{k: str(v).format(**subs) for k, v in spec.get("env", {}).items()}}  # the first run's
     timeout = float(spec.get("timeout", DEFAULT_TIMEOUT))
     world_dirs = [world.root / "world", world.root / "world2"]
     result = {"name": spec["name"], "expected": expected, "cmd": [str(a) for a in spec["cmd"]]}
@@ -1894,12 +1915,12 @@ def run_case(world: World, spec: dict, case: Path) -> dict:
         before_world = _contents(*world_dirs)
         before = _snapshot(case)
         if spec.get("interrupt"):
-            rc, err = _run_interrupted(world, argv, case, spec)
+            rc, err = _run_interrupted(world, argv, case, spec, env)
             res = subprocess.CompletedProcess(argv, rc if rc is not None else 0, "", err)
             if rc is None:
                 raise Skip("the command finished before the interrupt fired")
         else:
-            res = world.python(*argv, timeout=timeout)
+            res = world.python(*argv, timeout=timeout, env=env)
         observed, why = _classify(world, spec, case, argv, res, before, timeout)
         # a command writes only where its arguments point: a change of the world under a path this case named is
         # this case's doing (cases run in parallel, so another change may be another case's)
