@@ -96,6 +96,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from frod_ds.config.ds_config import DSConfigError, check_ds_config, load_ds_config, resolve_ds_config
     from frod_ds.config.recipe import recipe_from_tree, recipe_tree, sets
     from frod_ds.core.names import LLAMA_LINEARS
+    from frod_ds.core.sizes import empty_support
     from frod_ds.plan.memory import plan_memory, trainable_numel
     from frod_ds.plan.recommend import no_fit_advice, recommend
     from frod_ds.plan.shapes import (
@@ -113,6 +114,10 @@ def plan_command(args: argparse.Namespace) -> int:
     unknown = [t for t in train.targets if t not in LLAMA_LINEARS]
     if unknown:
         raise PlanError(f"model.targets {unknown} are not LLaMA linears ({' '.join(LLAMA_LINEARS)})")
+    for t in train.targets:  # what frod train refuses before it starts (S with no entry to train)
+        problem = empty_support(t, model.linear(t)[1], train.sparsity)
+        if problem:
+            raise PlanError(problem)
     gpu = args.gpu_mem * GiB
     print(
         f"{args.model}: {model.model_type}, hidden {model.hidden}, intermediate {model.intermediate}, "

@@ -27,7 +27,7 @@ from frod_ds.core.frod_function import (
     spans_of,
 )
 from frod_ds.core.quant import frozen_dense, frozen_linear, logical_shape
-from frod_ds.core.sizes import ordering
+from frod_ds.core.sizes import ordering, support_nnz, trainable_numel  # noqa: F401 (trainable_numel: its 0.1 home)
 from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.validate import sparsity_problem
 
@@ -394,16 +394,6 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
-
-
-def support_nnz(n: int, sparsity: float) -> int:
-    """Entries of an n×n S at density ``sparsity``: ``round(s·n²)``."""
-    return int(round(sparsity * n * n))
-
-
-def trainable_numel(n: int, sparsity: float) -> int:
-    """Trainable parameters per member: ``n + round(s·n²)``."""
-    return n + support_nnz(n, sparsity)
 
 
 def tan_alpha(on_sq: float, off_sq: float) -> float:

@@ -4,7 +4,16 @@ build on the same definitions."""
 
 from __future__ import annotations
 
-__all__ = ["NF4_BLOCKSIZE", "BLOB_ALIGN", "blob_sections", "blob_nbytes", "ordering"]
+__all__ = [
+    "NF4_BLOCKSIZE",
+    "BLOB_ALIGN",
+    "blob_sections",
+    "blob_nbytes",
+    "ordering",
+    "support_nnz",
+    "trainable_numel",
+    "empty_support",
+]
 
 NF4_BLOCKSIZE = 64  # QLoRA's block size
 BLOB_ALIGN = 8  # byte offsets and the total of a quantized blob (frod_ds.core.quant's module docstring)
@@ -53,3 +62,23 @@ def ordering(tokens: int, m: int, n: int, grad: bool, recompute: bool = False) -
     else:
         cost_tokens, cost_weight = 2 * tokens * n * n + tokens * m * n, 2 * m * n * n + tokens * m * n
     return "weight" if cost_weight < cost_tokens else "tokens"
+
+
+def support_nnz(n: int, sparsity: float) -> int:
+    """Entries of an n×n S at density ``sparsity``: ``round(s·n²)``."""
+    return int(round(sparsity * n * n))
+
+
+def empty_support(category: str, n: int, sparsity: float) -> str | None:
+    """Why ``sparsity`` cannot train ``category`` of width ``n`` (S without a single entry), or None."""
+    if support_nnz(n, sparsity) > 0:
+        return None
+    return (
+        f"model.sparsity={sparsity:g} gives S no entries for {category} (width {n}: round(s*n^2) = 0); "
+        f"use model.sparsity >= {0.5 / (n * n):.3g}"
+    )
+
+
+def trainable_numel(n: int, sparsity: float) -> int:
+    """Trainable parameters per member: ``n + round(s·n²)``."""
+    return n + support_nnz(n, sparsity)

@@ -146,7 +146,7 @@ def frozen_tensors(model: ModelShape, train: TrainShape) -> dict[str, list[tuple
 
 
 def trainable_tensors(model: ModelShape, train: TrainShape) -> list[tuple[int, int]]:
-    """``[(numel, count), ...]`` of σ (n) and S (round(s·n²)) per member (``frod_ds.core.layer.trainable_numel``)."""
+    """``[(numel, count), ...]`` of σ (n) and S (round(s·n²)) per member (``frod_ds.core.sizes.trainable_numel``)."""
     return [
         x
         for t in train.targets

@@ -21,7 +21,7 @@ from frod_ds.config.ds_config import as_stage2, batch_sizes, nvme_offloads, reso
 from frod_ds.config.nvme import NvmeParams, check_aio_build_env, check_nvme_buffer, check_nvme_buffer_count
 from frod_ds.config.recipe import Recipe
 from frod_ds.config.zero3_layout import check_gather, zero3_layout
-from frod_ds.core.layer import support_nnz
+from frod_ds.core.sizes import empty_support, support_nnz
 from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.formats.factor_store import StoreIdentity
 from frod_ds.formats.run_identity import RunIdentity
@@ -172,12 +172,9 @@ def _check_batch(recipe: Recipe, n_examples: int, n_rows: int, world: int) -> No
 def _check_sparsity(recipe: Recipe, store: FactorStore) -> None:
     """``model.sparsity`` gives S at least one entry in every targeted category."""
     for c in recipe.model.targets:
-        n = store.width(c)
-        if support_nnz(n, recipe.model.sparsity) == 0:
-            raise FrodError(
-                f"model.sparsity={recipe.model.sparsity:g} gives S no entries for {c} (width {n}: "
-                f"round(s*n^2) = 0); use model.sparsity >= {0.5 / (n * n):.3g}"
-            )
+        problem = empty_support(c, store.width(c), recipe.model.sparsity)
+        if problem:
+            raise FrodError(problem)
 
 
 def nvme_params(

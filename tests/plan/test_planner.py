@@ -439,6 +439,20 @@ def test_cli_prints_every_part_and_the_verdict(tmp_path):
     assert res.returncode == 1 and "does NOT fit" in res.stdout
 
 
+def test_a_density_that_leaves_s_empty_is_refused_as_training_refuses_it(tmp_path):
+    """``frod plan`` refuses a ``model.sparsity`` whose S has no entry in a targeted category (round(s·n²) = 0 for
+    its width n), as ``frod train`` does before it starts, and plans one entry more."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    n = LLAMA2_7B["hidden_size"]  # q_proj's width; down_proj's is 11008
+    targets = "model.targets=[down_proj,q_proj]"
+    for s, named in ((0.4 / n**2, "q_proj (width 4096"), (0.6 / n**2, None), (1e-9, "down_proj (width 11008")):
+        res = _plan_here("--model", str(tmp_path), "--gpus", "1", targets, f"model.sparsity={s!r}")
+        if named:
+            assert res.returncode == 2 and f"gives S no entries for {named}" in res.stderr, (s, res.stderr)
+        else:
+            assert res.returncode == 0 and "fastest set-up that fits" in res.stdout, (s, res.stderr)
+
+
 def test_the_users_gradient_checkpointing_is_kept_by_the_recommendation(tmp_path):
     """``model.gradient_checkpointing`` given (an override or the recipe file) is planned as given, the engine and
     precision still recommended; unset, the recommendation picks it. The activations printed are ``plan_memory``'s
