@@ -95,6 +95,7 @@ def _load_gguf(gguf: Path):
         raise ConvertError(
             "the `gguf` package is not installed; pip install gguf==0.19.0 (frod-ds[test] has it)"
         ) from None
+    _check_whole(gguf)
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -104,6 +105,28 @@ def _load_gguf(gguf: Path):
             f"{str(e).splitlines()[0] if str(e) else ''})"
         ) from None
     return model.eval(), tok
+
+
+def _check_whole(path: Path) -> None:
+    """A file that is no GGUF, or a GGUF cut short (a torn download or copy: its header and tensor table describe
+    more bytes than it holds), is named as such; transformers' loader would fail on it with a numpy or struct
+    error about a buffer."""
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ConvertError(f"--gguf {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        end = max((t.data_offset + int(t.n_bytes) for t in GGUFReader(path).tensors), default=0)
+    except (ValueError, IndexError, OverflowError, struct.error) as e:  # what reading past the end gives
+        end, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if end is None or end > size:
+        said = f"its tensors end at byte {end}" if end is not None else f"its header and tensors do not fit ({why})"
+        raise ConvertError(
+            f"--gguf {path} is truncated or damaged: {size} bytes, and {said}; download or copy it again"
+        )
 
 
 def _plain_model(model, dtype):

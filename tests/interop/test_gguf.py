@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from frod_ds.cli.main import main
@@ -39,17 +41,50 @@ def test_convert_gguf_help_offers_no_download():
     assert (str(args.gguf), str(args.out), args.dtype, args.overwrite) == ("m.gguf", "o", "bfloat16", False)
 
 
-@pytest.mark.parametrize("content", [b"not a gguf file at all", b"GGUF\x03\x00\x00\x00\x01\x00\x00"])
-def test_convert_of_a_file_that_is_not_a_whole_gguf_is_one_line(tmp_path, content):
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (b"not a gguf file at all", "is not a GGUF file (it starts with b'not '"),
+        (b"GGUF\x03\x00\x00\x00\x01\x00\x00", "is truncated or damaged: 11 bytes"),
+    ],
+)
+def test_convert_of_a_file_that_is_not_a_whole_gguf_is_one_line(tmp_path, content, says):
     """A file that is not GGUF, and a GGUF header cut short (struct.error inside the reader), are one line."""
     pytest.importorskip("gguf", reason="the gguf package (frod-ds[test]) reads GGUF headers")
     from frod_ds.interop.gguf import ConvertError, convert_gguf
 
     bad = tmp_path / "m.gguf"
     bad.write_bytes(content)
-    with pytest.raises(ConvertError, match="cannot load .* as a GGUF model"):
+    with pytest.raises(ConvertError, match=re.escape(says)):
         convert_gguf(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_cut_short_anywhere_is_named_as_truncated(tmp_path):
+    """A GGUF written here with gguf-py's own writer, cut in its header, in a tensor and by its last bytes: each is
+    "truncated or damaged" with its size and what to do, before transformers' loader reads it; the whole file
+    passes that check (and reaches the loader)."""
+    np = pytest.importorskip("numpy")
+    gguf = pytest.importorskip("gguf", reason="the gguf package (frod-ds[test]) writes and reads GGUF files")
+    from frod_ds.interop import gguf as conv
+
+    whole = tmp_path / "whole.gguf"
+    w = gguf.GGUFWriter(str(whole), "llama")
+    w.add_block_count(1)
+    w.add_tensor("a", np.arange(64 * 32, dtype=np.float32).reshape(64, 32))
+    w.add_tensor("b", np.ones((16,), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = whole.read_bytes()
+    conv._check_whole(whole)  # nothing to say
+    for cut in (100, len(data) // 2, len(data) - 4):
+        torn = tmp_path / f"cut{cut}.gguf"
+        torn.write_bytes(data[:cut])
+        with pytest.raises(conv.ConvertError, match=rf"truncated or damaged: {cut} bytes, .*download or copy it again"):
+            conv.convert_gguf(torn, tmp_path / f"out{cut}")
+        assert not (tmp_path / f"out{cut}").exists()
 
 
 def test_convert_refuses_a_missing_file_and_a_foreign_out_directory(tmp_path, capsys):
