@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,7 +247,8 @@ def _fit(run: Run, bar: tqdm) -> int:
         if stop:
             bar.close()
             name = signal.Signals(state.stop_signal).name
-            dist.print0(f"{name}: checkpoint saved at step {state.step}; re-run the same command to resume")
+            msg = f"{name}: checkpoint saved at step {state.step}; re-run the same command to resume"
+            dist.print0(msg, file=sys.stderr)  # where every command's stop line goes
             return 128 + state.stop_signal  # 143 for SIGTERM, 130 for Ctrl-C
     bar.close()
     if state.step > run.start_step:  # resumed at the last step: the checkpoint resumed from is that step's

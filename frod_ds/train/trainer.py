@@ -133,7 +133,8 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
     dist.print0(f"model built in {time.perf_counter() - t_build:.1f} s (skeleton, factor store and checkpoint reads)")
     shards = shards_of(model)
     if shards is not None and shards.units:
-        how = "copies out of every GPU's mapped shards" if shards.bank is not None else "NCCL all-gathers"
+        collective = "NCCL" if torch.cuda.is_available() else "gloo"
+        how = "copies out of every GPU's mapped shards" if shards.bank is not None else f"{collective} all-gathers"
         dist.print0(f"frozen weights: 1/{dist.get_world_size()} per rank by decoder layer, gathered by {how}")
     zero3 = zero_stage(ds_cfg) == 3
     sigma0 = _initial_sigma(model, zero3)  # the factor store's σ, before an init adapter replaces it

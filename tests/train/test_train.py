@@ -360,6 +360,8 @@ def test_sigterm_writes_checkpoint_then_exits(env, tmp_path, sig):
     assert 0 < step < 400
     assert (out / f"adapter-{step}" / "adapter.safetensors").is_file()
     assert (out / "checkpoints" / tag / "COMPLETE").is_file()
+    # the stop line on stderr, where every command's goes, naming the step of the checkpoint written
+    assert f"{signal.Signals(sig).name}: checkpoint saved at step {step}; re-run" in err, err[-3000:]
 
 
 # ---- bad inputs: a clear one-line error and exit 2, before any training ------------------------------
