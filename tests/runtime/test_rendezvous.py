@@ -64,7 +64,15 @@ def test_a_stale_launcher_environment_stops_at_once_on_a_signal(tmp_path, sig, c
     port = free_port()
     env = clean_env(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cmd = [sys.executable, "-m", "frod_ds", "hjd", "--model", str(tmp_path / "m"), "--device", "cpu"]
-    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "f")], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(  # SIGINT as in a terminal's foreground, whatever started this test (a script's
+        # background job has it ignored, and Python then installs no Ctrl-C handler)
+        [*cmd, "--out", str(tmp_path / "f")],
+        cwd=REPO,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + pace.scaled(60)
         while not _listening(port) and proc.poll() is None and time.monotonic() < deadline:

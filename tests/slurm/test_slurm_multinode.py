@@ -676,4 +676,5 @@ def test_srun_task_takes_the_gpu_of_its_local_id(monkeypatch, visible, local_id,
     D._join(process_group_spec(env), None)
     assert joined["backend"] == "nccl" and joined["init_method"] == "tcp://gpu007:20077"
     assert (joined["rank"], joined["world_size"]) == (11, 16)
-    assert devices == [want] and joined["device_id"] == torch.device("cuda", want)
+    # set in the main thread and in the join's helper thread (the current CUDA device is per thread)
+    assert devices == [want, want] and joined["device_id"] == torch.device("cuda", want)
