@@ -1326,6 +1326,24 @@ def gguf_not(world, case, spec):
     (case / "m.gguf").write_text("this is not a gguf file\n")
 
 
+def gguf_cut(world, case, spec):
+    """A GGUF written by gguf-py's own writer (two tensors), its last 64 bytes cut off: a torn download."""
+    import gguf
+    import numpy as np
+
+    whole = case / "whole.gguf"
+    w = gguf.GGUFWriter(str(whole), "llama")
+    w.add_block_count(1)
+    w.add_tensor("a", np.arange(64 * 32, dtype=np.float32).reshape(64, 32))
+    w.add_tensor("b", np.ones((16,), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (case / "m.gguf").write_bytes(whole.read_bytes()[:-64])
+    whole.unlink()
+
+
 # -- the environment
 
 
@@ -1670,6 +1688,7 @@ STEPS: dict[str, Callable] = {
         data_build_no_manifest,
         gguf_torn,
         gguf_not,
+        gguf_cut,
         small_disk,
         page_disk,
         grow_disk,
