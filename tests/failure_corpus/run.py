@@ -1328,20 +1328,10 @@ def gguf_not(world, case, spec):
 
 def gguf_cut(world, case, spec):
     """A GGUF written by gguf-py's own writer (two tensors), its last 64 bytes cut off: a torn download."""
-    import gguf
-    import numpy as np
+    from tests.support.gguf_files import write_two_tensor_gguf
 
-    whole = case / "whole.gguf"
-    w = gguf.GGUFWriter(str(whole), "llama")
-    w.add_block_count(1)
-    w.add_tensor("a", np.arange(64 * 32, dtype=np.float32).reshape(64, 32))
-    w.add_tensor("b", np.ones((16,), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    (case / "m.gguf").write_bytes(whole.read_bytes()[:-64])
-    whole.unlink()
+    (case / "m.gguf").write_bytes(write_two_tensor_gguf(case / "whole.gguf")[:-64])
+    (case / "whole.gguf").unlink()
 
 
 # -- the environment

@@ -64,20 +64,12 @@ def test_a_gguf_cut_short_anywhere_is_named_as_truncated(tmp_path):
     """A GGUF written here with gguf-py's own writer, cut in its header, in a tensor and by its last bytes: each is
     "truncated or damaged" with its size and what to do, before transformers' loader reads it; the whole file
     passes that check (and reaches the loader)."""
-    np = pytest.importorskip("numpy")
-    gguf = pytest.importorskip("gguf", reason="the gguf package (frod-ds[test]) writes and reads GGUF files")
+    pytest.importorskip("gguf", reason="the gguf package (frod-ds[test]) writes and reads GGUF files")
     from frod_ds.interop import gguf as conv
+    from tests.support.gguf_files import write_two_tensor_gguf
 
     whole = tmp_path / "whole.gguf"
-    w = gguf.GGUFWriter(str(whole), "llama")
-    w.add_block_count(1)
-    w.add_tensor("a", np.arange(64 * 32, dtype=np.float32).reshape(64, 32))
-    w.add_tensor("b", np.ones((16,), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    data = whole.read_bytes()
+    data = write_two_tensor_gguf(whole)
     conv._check_whole(whole)  # nothing to say
     for cut in (100, len(data) // 2, len(data) - 4):
         torn = tmp_path / f"cut{cut}.gguf"
