@@ -76,8 +76,12 @@ def candidates(
     ``checkpointing``: the user's own choice, kept (None: both are tried)."""
     own = [(train.quant, train.quantize_base)] if train is not None else []
     tiers = own + [v for v in VARIANTS if v not in own]
-    both = (False, True) if checkpointing is None else (checkpointing,)
-    return [(eng, q, qb, gc) for q, qb in tiers for eng in engines for gc in both]
+    return [(eng, q, qb, gc) for q, qb in tiers for eng in engines for gc in _checkpointing(checkpointing)]
+
+
+def _checkpointing(chosen: bool | None) -> tuple[bool, ...]:
+    """The gradient-checkpointing choices to try: the user's own, else both."""
+    return (False, True) if chosen is None else (chosen,)
 
 
 def predicted_seconds(model: ModelShape, plan: Plan, link: Link | None = None) -> float:
@@ -135,7 +139,7 @@ def _quantized_alternative(
     best = None
     for q, qb in later:
         for eng in engines or shipped_engines():
-            for gc in (False, True) if checkpointing is None else (checkpointing,):
+            for gc in _checkpointing(checkpointing):
                 plan = plan_memory(
                     model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus, gpu_bytes
                 )
