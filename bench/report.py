@@ -89,7 +89,11 @@ def _zero2_spread(records: list[Record]) -> list[str]:
 def _row(r: Record, rows: list[Record]) -> str:
     s = r.settings
     if r.status != "ok":
-        why = (r.error.strip().splitlines() or [""])[-1][:100].replace("|", "/")
+        lines = r.error.strip().splitlines() or [""]
+        why = lines[-1]
+        if r.status == "timeout":  # what stopped it; records before the runner said so have the log's tail only
+            why = lines[0] if lines[0].startswith("stopped after") else f"stopped after {r.wall_s:.0f} s"
+        why = why[:100].replace("|", "/")
         return f"| `{r.config}` | {s['method']} | {s['engine']} | {s['gpus']} | {r.status}: {why} | | | | | |"
     m = r.metrics
     mfu = f"{m['mfu'] * 100:.1f}%" if m.get("mfu") else "–"

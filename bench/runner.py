@@ -113,6 +113,15 @@ def _tail(log: Path) -> str:
         return ""
 
 
+def _failure(rc: int | None, limit: float, timeout_s: float, log: Path) -> str:
+    """A failed configuration's error: its first line says what ended it (the report shows that line), then the
+    log's tail."""
+    if rc is not None:
+        return f"exit code {rc}\n{_tail(log)}"
+    why = "its timeout_s" if limit >= timeout_s else "what was left of the suite's --budget-s"
+    return f"stopped after {limit:.0f} s ({why}); the log's last lines follow\n{_tail(log)}"
+
+
 def run_suite(
     suite: Suite,
     results: Path,
@@ -156,7 +165,8 @@ def run_suite(
         cmd = _command(suite, cfg, results, work, call, series)
         logfile = Path(work) / "logs" / suite.name / f"{cfg.name}.log"
         log(f"{suite.name}/{cfg.name}: running ({logfile})")
-        rc, wall = _run(cmd, logfile, min(cfg["timeout_s"], left))
+        limit = min(cfg["timeout_s"], left)
+        rc, wall = _run(cmd, logfile, limit)
         written = _previous(path, cfg)
         if rc == 0 and written is not None and written["call"] == call:
             outcomes.append(Outcome(cfg.name, "ok", wall))
@@ -174,7 +184,7 @@ def run_suite(
                 versions=versions(),
                 commit=commit(),
                 wall_s=wall,
-                error=f"exit code {rc}\n{_tail(logfile)}" if rc is not None else _tail(logfile),
+                error=_failure(rc, limit, cfg["timeout_s"], logfile),
                 series=series,
             ).write(results)
             outcomes.append(Outcome(cfg.name, status, wall))

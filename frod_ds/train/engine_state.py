@@ -29,6 +29,7 @@ from frod_ds.train.trainable_state import (
     gather_state,
     read_meta,
     read_state,
+    replay_cpu_adam_steps,
     restore_state,
     write_state,
 )
@@ -141,8 +142,11 @@ def restore_checkpoint(
             was = read_meta(root / tag / TRAINABLE_STATE)
             if was.micro_batch_size != layout.micro:
                 note(f"resumed from {tag}{_split_note(was.micro_batch_size, layout.micro)}")
-        return _load_engine_files(engine, root, tag)
-    return _load_trainable_state(engine, root / tag, world, stage, here, layout, zero3)
+        step = _load_engine_files(engine, root, tag)
+    else:
+        step = _load_trainable_state(engine, root / tag, world, stage, here, layout, zero3)
+    replay_cpu_adam_steps(engine)
+    return step
 
 
 def _split_note(was: int, now: int) -> str:

@@ -32,6 +32,7 @@ __all__ = [
     "write_state",
     "read_meta",
     "read_state",
+    "replay_cpu_adam_steps",
     "restore_state",
 ]
 
@@ -310,6 +311,22 @@ def _create_adam_state(engine, base, adam_step: int) -> None:
         )
         for k in MOMENTS:
             state[k] = torch.zeros_like(flat, dtype=torch.float32)
+
+
+def replay_cpu_adam_steps(engine) -> None:
+    """DeepSpeedCPUAdam's C++ side keeps β₁ᵗ and β₂ᵗ as running float products, stepped once per step; a fresh
+    one meeting step t first computes them with ``pow``, which differs in the last bits, so a resumed run would
+    drift from the uninterrupted one after its first update. Replaying the restored step count on one-element
+    scratch tensors, group by group as ``step()`` does, makes the products the uninterrupted run's."""
+    base = _base_optimizer(engine)
+    if type(base).__name__ != "DeepSpeedCPUAdam":
+        return
+    adam_step = max((int(st["step"]) for st in base.state.values() if "step" in st), default=0)
+    scratch = [torch.zeros(1) for _ in range(4)]
+    for step in range(1, adam_step + 1):
+        for g in base.param_groups:
+            b1, b2 = g["betas"]
+            base.ds_opt_adam.adam_update(base.opt_id, step, 0.0, b1, b2, g["eps"], 0.0, True, *scratch)
 
 
 def restore_state(engine, tensors: dict[str, torch.Tensor], meta: TrainableState, zero3: bool) -> None:

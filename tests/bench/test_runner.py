@@ -142,6 +142,7 @@ timeout_s = 1
         "exit code" in records["tiny-frod-zero2-1g-bad"].error
         and records["tiny-frod-zero2-1g-bad"].error.count("\n") > 2
     )
+    assert records["tiny-lora-plain-1g-slow"].error.startswith("stopped after 1 s (its timeout_s)")
     _check_step_record(records["tiny-frod-plain-1g"].metrics, _base_loss(work / "tiny" / "model", 2, 16))
 
     again = _bench(*args, "--only", "tiny-*-plain-1g*", "--budget-s", "0")
