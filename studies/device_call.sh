@@ -88,6 +88,7 @@ if [ ! -f $ROOT/smol/config.json ]; then
   python3 -m frod_ds.cli.convert_gguf convert --gguf $ROOT/smol.gguf --out $ROOT/smol --dtype float32 || exit 1
 fi
 [ -f $ROOT/work/.done ] || { python3 -m studies.learn_study gen --work $ROOT/work ${GEN_ARGS:-} && touch $ROOT/work/.done; } || exit 1
+[ $# -gt 0 ] || { echo "STAGED: model, wheels and tasks ready; no items given, nothing run"; exit 0; }
 
 if [ "${CHECK:-0}" = 1 ]; then  # every method briefly on GPU 0 first; nothing else runs if one fails
   CUDA_VISIBLE_DEVICES=0 python3 -m studies.learn_study check --model $ROOT/smol --work $ROOT/work \
@@ -122,6 +123,7 @@ for g in $(seq 0 $((NGPU - 1))); do
   done
   [ ${#mine[@]} -gt 0 ] && { run_items "$g" "${mine[@]}" & pids+=($!); }
 done
-wait "${pids[@]}"
+# a bare `wait` would also wait for the tee above, which waits for this shell: a hang when no item was given
+[ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
 ls -l "$OUT"
 echo "call done in $(($(date +%s) - T0)) s"
