@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -68,6 +69,16 @@ def _pid_start(pid: int) -> int | None:
 
 def _slurm_restart(env: os._Environ[str] | dict[str, str]) -> int | None:
     return int(env.get("SLURM_RESTART_COUNT") or 0) if env.get("SLURM_JOB_ID") else None
+
+
+def _special(path: Path) -> str:
+    """What a path that is neither a file nor a folder is, in a few words."""
+    mode = path.stat().st_mode
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
 
 
 def _me(kind: str) -> LeaseRecord:
@@ -286,7 +297,7 @@ def acquire(
     handed = json.loads(os.environ.get(ENV) or "{}")  # leases this process's launcher holds: {path: token}
     inherited = handed.get(str(path))
     if (out.exists() or out.is_symlink()) and not out.is_dir():  # no lease is ever placed beside a user's file
-        it = "a link to nothing" if not out.exists() else "a file" if out.is_file() else "not a regular file"
+        it = "a link to nothing" if not out.exists() else "a file" if out.is_file() else _special(out)
         raise error(f"{what} {out} is {it}, not a folder; give {what} a directory path")
     _check_no_writer_above(out, what, error, handed)
     created: list[Path] = []

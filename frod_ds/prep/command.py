@@ -220,7 +220,8 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
     if problem:
         raise DataPrepError(problem)
     if not path.is_file():
-        raise DataPrepError(f"{out} is not a frod data build (no manifest.json); build it with frod data build")
+        what = "its manifest.json is not a file" if path.exists() else "no manifest.json"
+        raise DataPrepError(f"{out} is not a frod data build ({what}); build it with frod data build")
     try:
         manifest = loads(path.read_text(encoding="utf-8"))
         recorded = manifest["files"]

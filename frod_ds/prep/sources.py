@@ -143,6 +143,8 @@ def _read_json(path: Path) -> list[Any]:
     try:
         text = data.decode("utf-8-sig")  # a leading byte-order mark (editors on Windows write one) is not a row
     except UnicodeDecodeError as exc:
+        if data[:2] == b"\x1f\x8b":  # gzip's magic: a compressed file under a text file's name
+            raise DataPrepError(f"cannot read {path}: it is gzip-compressed; decompress it (gunzip) first") from None
         line = data[: exc.start].count(b"\n") + 1
         raise DataPrepError(
             f"cannot read {path}: not UTF-8 text (line {line}, byte {exc.start}: 0x{data[exc.start]:02x}); "

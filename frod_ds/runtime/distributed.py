@@ -30,6 +30,8 @@ __all__ = [
     "CollectiveError",
     "init_distributed",
     "init_deepspeed",
+    "backend",
+    "default_backend",
     "destroy",
     "restore_functional_linear",
     "is_initialized",
@@ -85,10 +87,20 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) 
     _join(spec, backend, timeout_minutes)
 
 
+def default_backend() -> str:
+    """The process-group backend a run gets unless told otherwise: NCCL where CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def backend() -> str:
+    """The backend of this process's group, or :func:`default_backend` before it joins one."""
+    return dist.get_backend() if dist.is_initialized() else default_backend()
+
+
 def _join(spec: ProcessGroupSpec, backend: str | None, timeout_minutes: float = 60.0) -> None:
     global _local_rank
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = default_backend()
     kwargs: dict[str, Any] = {
         "timeout": timedelta(minutes=timeout_minutes),
         "rank": spec.rank,
@@ -131,7 +143,7 @@ def init_deepspeed() -> None:
     _set_env(LOCAL_RANK=str(_local_rank))
     _skip_shm_comm_op(deepspeed)  # so no launch builds an op here (the CUDA accelerator has none to build)
     _quiet_nvtx(deepspeed)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=default_backend())
 
 
 def _skip_shm_comm_op(deepspeed) -> None:

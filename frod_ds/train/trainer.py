@@ -133,7 +133,7 @@ def _engine(inputs: Inputs, rank: int, total_steps: int) -> tuple[Any, dict[str,
     dist.print0(f"model built in {time.perf_counter() - t_build:.1f} s (skeleton, factor store and checkpoint reads)")
     shards = shards_of(model)
     if shards is not None and shards.units:
-        collective = "NCCL" if torch.cuda.is_available() else "gloo"
+        collective = "NCCL" if dist.backend() == "nccl" else "gloo"
         how = "copies out of every GPU's mapped shards" if shards.bank is not None else f"{collective} all-gathers"
         dist.print0(f"frozen weights: 1/{dist.get_world_size()} per rank by decoder layer, gathered by {how}")
     zero3 = zero_stage(ds_cfg) == 3

@@ -285,7 +285,7 @@ def test_an_output_that_is_not_a_folder_is_refused_with_no_lease_beside_it(tmp_p
     placed = []
     real_place = lease_module._place
     monkeypatch.setattr(lease_module, "_place", lambda path, record: placed.append(path) or real_place(path, record))
-    it = {"fifo": "not a regular file", "broken link": "a link to nothing"}.get(kind, "a file")
+    it = {"fifo": r"a named pipe \(FIFO\)", "broken link": "a link to nothing"}.get(kind, "a file")
     with pytest.raises(FrodError, match=f"train.jsonl is {it}, not a folder; give --out a directory path"):
         acquire(target, "data-build", "--out")
     assert placed == [] and sorted(p.name for p in target.parent.iterdir()) == before

@@ -119,6 +119,9 @@ def test_stats_verifies_sha256_and_prints_counts(capsys, tmp_path):
     assert code == 2 and "piqa.jsonl does not match its sha256 in the manifest" in error_line(err)
     code, _, err = run_cli(capsys, "stats", "--out", tmp_path)
     assert code == 2 and "is not a frod data build (no manifest.json)" in error_line(err)
+    (tmp_path / "manifest.json").mkdir()
+    code, _, err = run_cli(capsys, "stats", "--out", tmp_path)
+    assert code == 2 and "is not a frod data build (its manifest.json is not a file)" in error_line(err)
 
 
 def test_show_from_source_prints_training_text(capsys):

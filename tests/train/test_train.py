@@ -191,7 +191,8 @@ def one_step_zero3(env, tmp_path_factory):
         res = run_train(CPU_ZERO3, env.overrides(out, **ONE_STEP))
     assert res.returncode == 0, res.stderr[-3000:]
     read = [json.loads((seen / f"read{r}").read_text()) for r in (0, 1)]
-    return {**metrics(out)[0], "hint_config": json.loads((seen / "config.json").read_text()), "u_read": read}
+    hint_config = json.loads((seen / "config.json").read_text())
+    return {**metrics(out)[0], "hint_config": hint_config, "u_read": read, "stdout": res.stdout}
 
 
 def test_each_rank_reads_about_its_share_of_the_frozen_factors(one_step_zero3, env):
@@ -207,6 +208,11 @@ def test_each_rank_reads_about_its_share_of_the_frozen_factors(one_step_zero3, e
     assert set(read[0]) | set(read[1]) == every, (read, every)
     layers = 2  # the env's; a U_i straddling the two ranks' spans of a layer is read by both
     assert len(read[0]) + len(read[1]) <= len(every) + layers, (read, len(every))
+
+
+def test_the_gather_line_names_the_groups_backend(one_step_zero3):
+    """CPU ranks gather over gloo, whatever the run was told about GPUs (the line said NCCL)."""
+    assert "frozen weights: 1/2 per rank by decoder layer, gathered by gloo all-gathers" in one_step_zero3["stdout"]
 
 
 def test_zero3_hint_plans_the_layer_partition(one_step_zero3):
