@@ -56,6 +56,7 @@ CHAIN_KEYS: dict[str, Any] = {
     "seed": 0,  # of the generated weights
     "timeout_s": 600,  # a launched stage still running after this is killed
     "est_s": 180,  # a training stage's wall time before it ever ran: none starts with less budget left
+    "nvme_path": "",  # frod train's --nvme-path (an absolute folder on the machine's local disk), for NVMe JSONs
     "tag": "",
 }
 
@@ -75,6 +76,8 @@ def check(s: dict[str, Any], where: str) -> None:
         raise BenchError(f"{where}: mfu_steps must be at least 2 and dtype bfloat16 or float32")
     if not (REPO / s["config"]).is_file():
         raise BenchError(f"{where}: config {s['config']!r} is not a file of the repository")
+    if s["nvme_path"] and not Path(s["nvme_path"]).is_absolute():
+        raise BenchError(f"{where}: nvme_path {s['nvme_path']!r} must be an absolute folder")
     if s["tag"] and not re.fullmatch(r"[a-z0-9][a-z0-9_]*", s["tag"]):
         raise BenchError(f"{where}: tag {s['tag']!r} must be lower-case letters, digits or '_'")
 
@@ -259,7 +262,8 @@ def _run(ch: Chain, stage: str, out: Path, extra: list[str], stop_at: int, left:
     if stage == "train":  # a new killed run: its resume runs again
         (ch.runs / "resume.json").unlink(missing_ok=True)
     recipe = ["--recipe", str(ch.root / "recipe.yaml"), f"output_dir={out}", *extra]
-    cmd = [*launcher(s["gpus"]), "-m", "frod_ds", "train", "--config", s["config"], *recipe]
+    nvme = ["--nvme-path", s["nvme_path"]] if s["nvme_path"] else []
+    cmd = [*launcher(s["gpus"]), "-m", "frod_ds", "train", "--config", s["config"], *nvme, *recipe]
     sealed = out / "checkpoints" / tag_of(s["save_at"]) / COMPLETE
 
     def stop() -> bool:

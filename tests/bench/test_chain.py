@@ -45,6 +45,11 @@ def test_a_chain_suite_refuses_a_kill_that_would_not_follow_its_checkpoint(tmp_p
         load_suite(path)
     path.write_text('kind = "chain"\n[[configs]]\nlayers = 20\n')
     assert [c.name for c in load_suite(path).configs] == ["70b-l20-4g"]
+    path.write_text('kind = "chain"\n[[configs]]\nnvme_path = "nvme"\n')
+    with pytest.raises(BenchError, match="nvme_path 'nvme' must be an absolute folder"):
+        load_suite(path)
+    nvme = load_suite(REPO / "bench" / "suites" / "nvme-7b-train-1gpu.toml").configs[0].settings
+    assert (nvme["config"], nvme["nvme_path"]) == ("ds_configs/zero3_nvme.json", "/tmp/frod-bench-nvme")
 
 
 def test_a_part_is_the_same_files_whoever_writes_it_and_leaves_the_index_when_deleted(tmp_path, monkeypatch):
