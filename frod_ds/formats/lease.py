@@ -24,12 +24,14 @@ from pathlib import Path
 
 from frod_ds.formats.output_dir import LEASE, LEASE_FORMAT, WRITERS, LeaseRecord
 from frod_ds.formats.records import record_from_dict, record_to_json
+from frod_ds.runtime import signals
 from frod_ds.runtime.atomic import file_in_the_way
-from frod_ds.runtime.errors import FrodError, note
+from frod_ds.runtime.errors import FrodError, completed, note
 from frod_ds.runtime.strict_json import loads
 
 __all__ = ["HEARTBEAT_S", "STALE_S", "ENV", "Lease", "lease_path", "acquire", "holding", "read_lease", "live_holder"]
 
+_depth = 0  # leases this process holds through `holding`: an enclosed one is not the command's output
 HEARTBEAT_S = 30.0  # seconds between heartbeats
 STALE_S = 300.0  # a heartbeat this old from another host: its writer is gone (10 missed beats)
 TAKEOVER_S = 30.0  # a takeover mutex this old: its taker died mid-way (a takeover takes milliseconds)
@@ -363,9 +365,19 @@ def _check_no_writer_above(out: Path, what: str, error: type[FrodError], handed:
 
 @contextlib.contextmanager
 def holding(out: Path | str, kind: str, what: str = "--out", error: type[FrodError] = FrodError) -> Iterator[Lease]:
-    """Hold the lease on ``out`` for the block (:func:`acquire`, released however the block ends)."""
+    """Hold the lease on ``out`` for the block (:func:`acquire`, released however the block ends, a stop held
+    back meanwhile so that the lease is never left behind). A block that ends normally has published ``out``;
+    when no other lease of this process encloses it, it is the command's output, recorded as complete."""
+    global _depth
     lease = acquire(out, kind, what, error)
+    _depth += 1
+    done = False
     try:
         yield lease
+        done = True
     finally:
-        lease.release()
+        _depth -= 1
+        with signals.held():
+            if done and _depth == 0:
+                completed(f"{what} {out}")
+            lease.release()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, disk_full_line, path_error
-from frod_ds.runtime.errors import FrodError, forget_notes
+from frod_ds.runtime.errors import FrodError, forget_notes, last_completed
 
 __all__ = ["USER_ERROR", "Terminated", "run", "report", "run_script"]
 
@@ -107,6 +107,14 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
+def _after_stop() -> str:
+    """What a stop left: the command's output when it came after that was published, else the way on."""
+    done = last_completed()
+    if done is not None:
+        return f"it came after {done} was complete: that output is whole and kept, nothing needs to run again"
+    return "the same command again continues from what was finished"
+
+
 def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
     """The tail of every command (``frod`` in each of its forms): run ``main`` and exit
     with its code. ``fast_exit`` (training, HJD, evaluation): flush and ``os._exit``. Their files are written
@@ -122,10 +130,10 @@ def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
     try:
         code = main()
     except KeyboardInterrupt:  # Ctrl-C: the user's own stop, not a bug; what is half-written is never published
-        print("error: interrupted (Ctrl-C); the same command again continues from what was finished", file=sys.stderr)
+        print(f"error: interrupted (Ctrl-C); {_after_stop()}", file=sys.stderr)
         code = 130
     except Terminated:
-        print("error: stopped by SIGTERM; the same command again continues from what was finished", file=sys.stderr)
+        print(f"error: stopped by SIGTERM; {_after_stop()}", file=sys.stderr)
         code = 128 + signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -56,7 +56,21 @@ def note(message: str) -> None:
     print(f"note: {' '.join(message.splitlines())}", file=sys.stderr, flush=True)
 
 
+_completed: list[str] = []  # the command's outputs published whole, newest last (entry's stop line names one)
+
+
+def completed(output: str) -> None:
+    """Record that the command's own output ``output`` (its flag and path) is published whole: a stop arriving
+    after it says so instead of promising a re-run."""
+    _completed.append(output)
+
+
+def last_completed() -> str | None:
+    return _completed[-1] if _completed else None
+
+
 def forget_notes() -> None:
-    """Let every note print again: the end of a command (``entry.run_script``), so a caller that runs several
-    commands in one process sees each command's notes."""
+    """Let every note print again and forget the completed outputs: the end of a command
+    (``entry.run_script``), so a caller that runs several commands in one process sees each command's own."""
     _noted.clear()
+    _completed.clear()

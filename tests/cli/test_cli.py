@@ -171,13 +171,16 @@ def test_deepspeed_launcher_puts_local_rank_before_the_command():
 
 
 @pytest.mark.slow
-def test_the_launcher_lines_run_hjd_on_two_ranks_like_one_process(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_the_launcher_lines_run_hjd_on_two_ranks_like_one_process(tmp_path, launcher):
     """``torchrun --no-python frod hjd`` and ``deepspeed --no_python frod hjd`` (2 CPU ranks each, the launcher
     lines of docs/commands.md) write the factors ``frod hjd`` writes in one process (run here, in this one); the
     DeepSpeed launcher's ``--local_rank`` argument is accepted."""
     import torch
 
+    from frod_ds.model.store_reader import FactorStore
     from frod_ds.testing.toy import write_tiny_llama
+    from tests.support.helpers_ckpt import hjd_in_process
     from tests.support.leftovers import free_port
 
     write_tiny_llama(
@@ -191,30 +194,26 @@ def test_the_launcher_lines_run_hjd_on_two_ranks_like_one_process(tmp_path):
     )
     env = clean_env(PATH=os.pathsep.join([str(Path(PY).parent), os.environ.get("PATH", "")]))  # frod, deepspeed
     args = ["hjd", "--model", str(tmp_path / "model"), "--device", "cpu", "--out"]
-    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python", "frod"]
-    deepspeed = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--no_python", "frod"]
-    for name, launcher in (("torchrun", torchrun), ("deepspeed", deepspeed)):
-        res = run([*launcher, *args, str(tmp_path / name)], env=env, timeout=pace.scaled(240))
-        assert res.returncode == 0, (name, res.stderr[-3000:])
-    from frod_ds.model.store_reader import FactorStore
-    from tests.support.helpers_ckpt import hjd_in_process
-
+    line = {
+        "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python", "frod"],
+        "deepspeed": ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "--no_python", "frod"],
+    }[launcher]
+    res = run([*line, *args, str(tmp_path / launcher)], env=env, timeout=pace.scaled(240))
+    assert res.returncode == 0, res.stderr[-3000:]
     res = hjd_in_process([*args[1:], str(tmp_path / "one")])  # frod hjd in one process, in this one
     assert res.returncode == 0, res.stderr[-3000:]
 
-    one = FactorStore.open(tmp_path / "one")
+    one, other = FactorStore.open(tmp_path / "one"), FactorStore.open(tmp_path / launcher)
     assert one.categories and one.manifest.world_size == 1
-    for name in ("torchrun", "deepspeed"):
-        other = FactorStore.open(tmp_path / name)
-        assert other.categories == one.categories and other.manifest.world_size == 2, name
-        for category, members in one.categories.items():
-            for member in members:  # the weight each store rebuilds, U_i diag(sigma_i) V^T
-                wa, wb = (
-                    (s.load_U(member, torch.float64) * s.load_sigma(member, torch.float64))
-                    @ s.load_V(category, torch.float64).T
-                    for s in (one, other)
-                )
-                assert (torch.linalg.norm(wa - wb) / torch.linalg.norm(wa)).item() < 1e-5, (name, member)
+    assert other.categories == one.categories and other.manifest.world_size == 2
+    for category, members in one.categories.items():
+        for member in members:  # the weight each store rebuilds, U_i diag(sigma_i) V^T
+            wa, wb = (
+                (s.load_U(member, torch.float64) * s.load_sigma(member, torch.float64))
+                @ s.load_V(category, torch.float64).T
+                for s in (one, other)
+            )
+            assert (torch.linalg.norm(wa - wb) / torch.linalg.norm(wa)).item() < 1e-5, member
 
 
 def test_every_import_in_the_library_names_a_module():

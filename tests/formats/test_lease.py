@@ -99,6 +99,45 @@ def test_the_lease_is_gone_when_its_writer_ends_and_so_are_folders_made_for_it(t
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["Ctrl-C", "SIGTERM"])
+def test_a_stop_while_the_lease_is_given_back_leaves_no_lease_and_a_true_line(
+    tmp_path, no_slurm, monkeypatch, capsys, stop
+):
+    """A stop arriving as a finished command gives its lease back is delivered once the lease is gone (it was left
+    behind), and the command's line says its output is whole (it promised that a re-run continues)."""
+    from frod_ds.runtime import entry
+
+    out = tmp_path / "d"
+    release = lease_module.Lease.release
+
+    def stopped_midway(lease):
+        signal.raise_signal(stop)
+        release(lease)
+
+    def command() -> int:
+        with holding(out, "data-build", "--out"):
+            out.mkdir()  # published
+        return 0
+
+    monkeypatch.setattr(lease_module.Lease, "release", stopped_midway)
+    with pytest.raises(SystemExit) as stopped:
+        entry.run_script(command)
+    assert stopped.value.code == {signal.SIGINT: 130, signal.SIGTERM: 143}[stop]
+    assert not lease_path(out).exists() and out.is_dir()
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(f"it came after --out {out} was complete: that output is whole and kept, nothing needs to run again")
+    )
+
+    monkeypatch.setattr(lease_module.Lease, "release", release)
+    with holding(tmp_path / "run", "training-run", "output_dir"), holding(tmp_path / "ad", "adapter", "adapter dir"):
+        pass
+    from frod_ds.runtime.errors import last_completed
+
+    assert last_completed() == f"output_dir {tmp_path / 'run'}"  # an enclosed output is not the command's
+
+
 def test_a_dead_writers_lease_is_taken_over_with_a_note(tmp_path, capsys, no_slurm):
     out = tmp_path / "run"
     proc = holder(out)
