@@ -140,13 +140,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.categories = [c for item in args.categories for c in item.split(",") if c]
     if (args.out is None) == (args.verify is None):
         p.error("pass exactly one of --out (build a store) or --verify DIR (check one)")
-    given = [f"--{dest}" for dest in ("samples", "seed", "tol") if getattr(args, dest) != p.get_default(dest)]
-    if args.verify is None and given:  # a check's settings on a build: the user meant --verify
-        p.error(f"{', '.join(given)} set the checks of --verify DIR; they do nothing when building a store with --out")
     if args.samples < 1:  # 0 would check nothing and say OK
         p.error(f"--samples must be an integer >= 1 (members checked per category), got {args.samples}")
     if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):  # else every member "fails"
         p.error(f"--tol must be a finite number > 0 (a relative reconstruction error), got {args.tol}")
+    given = [f"--{dest}" for dest in ("samples", "seed", "tol") if getattr(args, dest) != p.get_default(dest)]
+    if args.verify is None and given:  # a check's settings on a build: the user meant --verify
+        p.error(f"{', '.join(given)} set the checks of --verify DIR; they do nothing when building a store with --out")
     return args
 
 

@@ -252,15 +252,20 @@ def test_demo_refuses_a_bad_recipe_or_ranks_before_writing_anything(tmp_path, ca
     assert not (tmp_path / "demo").exists()
 
 
-@pytest.mark.parametrize("argv", [["--gpu-mem", "nan"], ["--gpu-mem", "inf"], ["--seq-len", "0"], ["--seq-len", "-1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--gpu-mem", "nan"], ["--gpu-mem", "inf"], ["--seq-len", "0"], ["--seq-len", "-1"], ["--gpus", "0"]],
+)
 def test_plan_refuses_a_number_it_cannot_plan_with(argv, capsys):
-    """A memory of nan GiB (no line, exit 1) or a sequence of 0 tokens (a plan, exit 0) was taken as given."""
+    """A memory of nan GiB (no line, exit 1) or a sequence of 0 tokens (a plan, exit 0) was taken as given. The
+    line names the one bad value and its rule (it gave the rules of --gpus and --gpu-mem together)."""
     from frod_ds.cli.plan import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args(["--model", "m", "--gpus", "1", *argv])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and argv[0] in err.splitlines()[-1], err
+    line = capsys.readouterr().err.splitlines()[-1]
+    other = {"--gpus": "--gpu-mem", "--gpu-mem": "--gpus"}.get(argv[0], "--gpu-mem")
+    assert e.value.code == 2 and f"{argv[0]} must be" in line and other not in line, line
 
 
 def test_plan_and_data_never_import_torch(tmp_path):
