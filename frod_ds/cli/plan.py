@@ -100,7 +100,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from frod_ds.core.names import LLAMA_LINEARS
     from frod_ds.core.sizes import empty_support
     from frod_ds.plan.memory import plan_memory, trainable_numel
-    from frod_ds.plan.recommend import no_fit_advice, recommend
+    from frod_ds.plan.recommend import frozen_label, no_fit_advice, recommend
     from frod_ds.plan.shapes import (
         ELEMENT_BYTES,
         PlanError,
@@ -148,11 +148,7 @@ def plan_command(args: argparse.Namespace) -> int:
             how = "copies out of the other GPUs' memory (one machine)" if engine.peer else "NCCL all-gathers"
             where = ", shards in host memory (offload_param)" if engine.offload_param else ""
             print(f"\n{args.config}: frozen weights partitioned by decoder layer{where}, gathered by {how}")
-        q = (
-            "frozen bf16"
-            if train.quant == "none"
-            else f"frozen_quant={train.quant}" + (" quantize_base=true" if train.quantize_base else "")
-        )
+        q = frozen_label(train)
         print_plan(
             plan,
             f"\n{args.config} on {args.gpus} GPU(s), {q}, gradient checkpointing "

@@ -28,6 +28,8 @@ __all__ = [
     "VARIANTS",
     "HINT_MARGIN",
     "Recommendation",
+    "frozen_label",
+    "as_run",
     "candidates",
     "predicted_seconds",
     "recommend",
@@ -57,14 +59,34 @@ class Recommendation:
     tried: list[Plan] = field(default_factory=list)
     seconds: float = 0.0  # predicted seconds per step (frod_ds.plan.step_time)
     alternative: str = ""  # a much faster set-up at a coarser precision, named but not chosen
+    recipe_dtype: str = "bfloat16"  # the recipe's model.dtype: the engine's JSON may train in another
 
     def describe(self) -> str:
-        q = (
-            "frozen bf16"
-            if self.quant == "none"
-            else f"frozen_quant={self.quant}" + (" quantize_base=true" if self.quantize_base else "")
-        )
-        return f"{self.engine.name}, {q}, gradient checkpointing {'on' if self.checkpointing else 'off'}"
+        dtype = self.plan.train.dtype
+        change = f" with model.dtype={dtype}" if dtype != self.recipe_dtype else ""  # its JSON refuses the recipe's
+        q = frozen_label(self.plan.train)
+        return f"{self.engine.name}{change}, {q}, gradient checkpointing {'on' if self.checkpointing else 'off'}"
+
+
+SHORT_DTYPE = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def frozen_label(train: TrainShape) -> str:
+    """How a plan names the frozen weights' precision: their dtype, or the quantization."""
+    if train.quant == "none":
+        return f"frozen {SHORT_DTYPE.get(train.dtype, train.dtype)}"
+    return f"frozen_quant={train.quant}" + (" quantize_base=true" if train.quantize_base else "")
+
+
+def as_run(train: TrainShape, engine: Engine, quant: str, quantize_base: bool, checkpointing: bool) -> TrainShape:
+    """``train`` as ``engine`` would run it with these choices: in the dtype its JSON requires, if any."""
+    return replace(
+        train,
+        quant=quant,
+        quantize_base=quantize_base,
+        checkpointing=checkpointing,
+        dtype=engine.dtype or train.dtype,
+    )
 
 
 def candidates(
@@ -108,7 +130,7 @@ def recommend(
             if any(p.fits for _, p, _ in tier):
                 break
             tier = []
-        plan = plan_memory(model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus, gpu_bytes)
+        plan = plan_memory(model, as_run(train, eng, q, qb, gc), eng, gpus, gpu_bytes)
         tried.append(plan)
         tier.append(((eng, q, qb, gc), plan, predicted_seconds(model, plan, link)))
     fitting = [t for t in tier if t[1].fits]
@@ -116,9 +138,8 @@ def recommend(
         return None
     (eng, q, qb, gc), plan, secs = min(fitting, key=lambda t: t[2])
     alternative = _quantized_alternative(model, train, gpus, gpu_bytes, engines, link, (q, qb), secs, checkpointing)
-    return Recommendation(
-        eng, q, qb, gc, plan, _reason(plan, secs, tier, tried) + alternative, tried, secs, alternative
-    )
+    reason = _reason(plan, secs, tier, tried) + alternative
+    return Recommendation(eng, q, qb, gc, plan, reason, tried, secs, alternative, train.dtype)
 
 
 def _quantized_alternative(
@@ -140,9 +161,7 @@ def _quantized_alternative(
     for q, qb in later:
         for eng in engines or shipped_engines():
             for gc in _checkpointing(checkpointing):
-                plan = plan_memory(
-                    model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), eng, gpus, gpu_bytes
-                )
+                plan = plan_memory(model, as_run(train, eng, q, qb, gc), eng, gpus, gpu_bytes)
                 if plan.fits:
                     t = predicted_seconds(model, plan, link)
                     if best is None or t < best[0]:
@@ -186,7 +205,7 @@ def fewest_gpus(
     the per-GPU need only falls with more GPUs (ZeRO-3 partitions), so a doubling then a bisection find it."""
     engines = engines or shipped_engines()
     fits = lambda n: any(  # noqa: E731
-        plan_memory(model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), e, n, gpu_bytes).fits
+        plan_memory(model, as_run(train, e, q, qb, gc), e, n, gpu_bytes).fits
         for e, q, qb, gc in candidates(engines, train)
     )
     hi = max(1, gpus) * 2
@@ -211,7 +230,7 @@ def no_fit_advice(
         return f"no shipped set-up fits {gpus} GPU(s) of {gpu_bytes / GiB:.1f} GiB; from {need} GPUs one does"
     floor = min(
         (
-            plan_memory(model, replace(train, quant=q, quantize_base=qb, checkpointing=gc), e, MAX_GPUS, gpu_bytes)
+            plan_memory(model, as_run(train, e, q, qb, gc), e, MAX_GPUS, gpu_bytes)
             for e, q, qb, gc in candidates(engines or shipped_engines(), train)
         ),
         key=lambda p: p.needed,
@@ -239,11 +258,9 @@ def hint(model: ModelShape, train: TrainShape, chosen: Engine, gpus: int, gpu_by
             f"{gpu_bytes / GiB:.1f} GiB): likely out of memory; {fix} (frod plan)"
         )
     mine = predicted_seconds(model, plan)
-    others = [
-        (predicted_seconds(model, p), p)
-        for p in (plan_memory(model, train, e, gpus, gpu_bytes) for e in engines if e.name != chosen.name)
-        if p.fits
-    ]
+    same_recipe = [e for e in engines if e.name != chosen.name and e.dtype in (None, train.dtype)]  # no dtype change
+    fitting = [p for p in (plan_memory(model, train, e, gpus, gpu_bytes) for e in same_recipe) if p.fits]
+    others = [(predicted_seconds(model, p), p) for p in fitting]
     if others:
         secs, best = min(others, key=lambda t: t[0])
         if secs < mine * (1 - HINT_MARGIN):

@@ -184,6 +184,9 @@ class Engine:
     # the layer partition's gathers copied out of every GPU's mapped shards (one machine; frozen_shards.open_bank);
     # with offload_param the layer partition's shards are in host memory, copied in before each gather
     peer: bool = False
+    # the model.dtype the JSON trains in (bf16.enabled true: bfloat16, false: float32); None: "auto" or absent,
+    # the recipe's
+    dtype: str | None = None
 
     @property
     def linear_keeps_input(self) -> bool:
@@ -217,7 +220,15 @@ def engine_from_ds_config(
         bf16_overflow_check(cfg),
         layers,
         layers and gather != "collective" and z.offload_param is None,  # host shards: the collective alone
+        _json_dtype(cfg),
     )
+
+
+def _json_dtype(cfg: dict[str, Any]) -> str | None:
+    """The model.dtype a DeepSpeed JSON requires (``resolve_ds_config`` refuses any other), None for any."""
+    bf16 = cfg.get("bf16")
+    enabled = bf16.get("enabled") if isinstance(bf16, dict) else None
+    return {True: "bfloat16", False: "float32"}.get(enabled) if isinstance(enabled, bool) else None
 
 
 def shipped_engines() -> list[Engine]:

@@ -481,6 +481,36 @@ def test_the_users_gradient_checkpointing_is_kept_by_the_recommendation(tmp_path
     assert "gradient checkpointing on" not in off.stdout  # kept off, even where on would fit more
 
 
+def test_a_float32_recipe_is_labelled_fp32_and_advised_with_the_dtype_change_its_json_needs(tmp_path):
+    """The shipped JSONs train in bf16 (``bf16.enabled`` true: ``frod train`` refuses a float32 recipe with them).
+    A float32 recipe's own JSON is planned and labelled in fp32; the advice names the dtype change the shipped JSON
+    needs, planned in that dtype; ``frod train``'s hint does not offer a JSON the run would be refused with."""
+    from frod_ds.cli.plan import H100_GIB
+    from frod_ds.config.recipe import load_recipe
+    from frod_ds.plan.shapes import engine_from_ds_config, train_shape_from_recipe
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    res = _plan_here(
+        "--model", str(tmp_path), "--gpus", "1", "--config", "ds_configs/zero2_cpu_fp32.json", "model.dtype=float32"
+    )
+    assert res.returncode == 0, res.stderr
+    assert "ds_configs/zero2_cpu_fp32.json on 1 GPU(s), frozen fp32, gradient checkpointing off:" in res.stdout
+    advice = "fastest set-up that fits: ds_configs/zero2.json with model.dtype=bfloat16, frozen bf16,"
+    assert advice in res.stdout
+    model = model_shape_from_config(LLAMA2_7B)
+    fp32 = train_shape_from_recipe(load_recipe(None, ["model.dtype=float32"], paths=False))
+    rec = recommend(model, fp32, 1, H100_GIB * GiB)
+    zero2 = engine_from_ds_config(json.loads((REPO / "ds_configs/zero2.json").read_text()), "ds_configs/zero2.json")
+    bf16 = dataclasses.replace(fp32, dtype="bfloat16")
+    assert rec.plan.train.dtype == "bfloat16" and rec.engine.dtype == "bfloat16"
+    assert rec.plan.needed == plan_memory(model, bf16, zero2, 1, H100_GIB * GiB).needed
+    z3 = json.loads((REPO / "ds_configs/zero3_cpu_fp32.json").read_text())
+    ours = engine_from_ds_config(z3, "fp32.json", "deepspeed")  # slower than zero2.json, which is bf16 only
+    assert ours.dtype == "float32" and hint(model, fp32, ours, 1, H100_GIB * GiB) is None
+    assert "ds_configs/zero2.json fits" in hint(model, bf16, dataclasses.replace(ours, dtype=None), 1, H100_GIB * GiB)
+    assert recommend(model, bf16, 1, H100_GIB * GiB).describe().startswith("ds_configs/zero2.json, frozen bf16,")
+
+
 @pytest.mark.parametrize(
     "change,needle",
     [
