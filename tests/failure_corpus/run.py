@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fnmatch
+import gzip
 import hashlib
 import itertools
 import json
@@ -843,6 +844,18 @@ def a_fifo(world, case, spec):
     os.mkfifo(case / "fifo")
 
 
+def mirror_gzipped(world, case, spec):
+    """The fixtures' mirror with boolq's train.jsonl gzip-compressed under its own name."""
+    shutil.copytree(world.repo / "tests" / "fixtures" / "data_prep" / "mirror", case / "src")
+    train = case / "src" / "boolq" / "train.jsonl"
+    train.write_bytes(gzip.compress(train.read_bytes()))
+
+
+def data_build_manifest_folder(world, case, spec):
+    """A folder that looks like a data build but whose manifest.json is a folder."""
+    (case / "d" / "manifest.json").mkdir(parents=True)
+
+
 def a_link_loop(world, case, spec):
     os.symlink(case / "loop_b", case / "loop")
     os.symlink(case / "loop", case / "loop_b")
@@ -1591,6 +1604,8 @@ STEPS: dict[str, Callable] = {
         model_huge_q,
         peft_dir,
         a_fifo,
+        mirror_gzipped,
+        data_build_manifest_folder,
         a_link_loop,
         eval_one_choice,
         eval_same_choices,
