@@ -146,7 +146,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tol must be a finite number > 0 (a relative reconstruction error), got {args.tol}")
     given = [f"--{dest}" for dest in ("samples", "seed", "tol") if getattr(args, dest) != p.get_default(dest)]
     if args.verify is None and given:  # a check's settings on a build: the user meant --verify
-        p.error(f"{', '.join(given)} set the checks of --verify DIR; they do nothing when building a store with --out")
+        what = "is a setting" if len(given) == 1 else "are settings"
+        p.error(f"{', '.join(given)} {what} of --verify DIR's checks, which building a store with --out does not run")
     return args
 
 

@@ -166,9 +166,11 @@ class Recipe:
         for section in ("model", "data", "train"):
             for f in dataclasses.fields(getattr(self, section)):
                 v = getattr(getattr(self, section), f.name)
+                key = f"{section}.{f.name}"
                 for x in v if isinstance(v, (list, tuple)) else [v]:
                     if isinstance(x, float) and not math.isfinite(x):
-                        p.append(f"{section}.{f.name} must be a finite number, got {x}")
+                        p[:] = [q for q in p if not q.startswith(f"{key} ")]  # one rule for one value: this one
+                        p.append(f"{key} must be a finite number, got {x}")
         return p
 
 

@@ -45,7 +45,8 @@ def load_tokenizer(name: str) -> Any:
         return AutoTokenizer.from_pretrained(name)
     except Exception as exc:  # offline, missing files, unknown id: one clear line
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise FrodError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}") from None
+        fix = "; copy the tokenizer files again from where the model came from" if path.is_dir() else ""
+        raise FrodError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}{fix}") from None
 
 
 def tokenizer_sha256(tokenizer: Any) -> str:

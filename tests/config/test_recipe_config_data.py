@@ -78,6 +78,14 @@ def test_bad_recipes_raise_one_error_naming_the_problem(bad, needle):
     assert needle in str(e.value)
 
 
+def test_a_value_that_is_no_number_gets_that_rule_alone():
+    """``model.sparsity=nan`` was told two rules (the range and finiteness) for one value."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(None, [*REQUIRED, "model.sparsity=nan"])
+    assert "model.sparsity must be a finite number, got nan" in str(e.value)
+    assert "(0, 1)" not in str(e.value)
+
+
 def test_an_override_given_twice_takes_the_last_with_a_note(capfd):
     """A script's defaults then the user's (launch/slurm/train.sbatch): the last value is used and a note names
     both; the same value twice says nothing."""

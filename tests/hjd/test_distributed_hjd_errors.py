@@ -68,7 +68,7 @@ def test_hjd_bad_flags_and_not_a_model(tmp_path, capsys):
     assert "--pi" in _error_lines(capsys.readouterr().err)[0]
     with pytest.raises(SystemExit) as stop:  # a check's setting on a build: meant for --verify, refused
         main(["--model", str(tmp_path), "--out", str(tmp_path / "s"), "--tol", "1e-3"])
-    assert stop.value.code == 2 and "--tol set the checks of --verify DIR" in capsys.readouterr().err
+    assert stop.value.code == 2 and "--tol is a setting of --verify DIR's checks" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:  # a value no check takes: named as such first
         main(["--model", str(tmp_path), "--out", str(tmp_path / "s"), "--tol", "-1"])
     assert stop.value.code == 2 and "--tol must be a finite number > 0" in capsys.readouterr().err

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from frod_ds.prep.command import main
 
 MIRROR = Path(__file__).parents[1] / "fixtures" / "data_prep" / "mirror"
@@ -73,3 +75,16 @@ def test_unloadable_tokenizer_is_a_one_line_error(capsys, tmp_path):
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert str(tmp_path / "no-such-tokenizer") in err and "no such directory" in err, err
     assert not (tmp_path / "cs").exists()
+
+
+def test_a_damaged_tokenizer_file_says_to_copy_the_files_again(tmp_path):
+    """A tokenizer.json that is not JSON: transformers' error, then what to do about it."""
+    from frod_ds.prep.tokens import load_tokenizer
+    from frod_ds.runtime.errors import FrodError
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("this is not json\n")
+    with pytest.raises(FrodError) as e:
+        load_tokenizer(str(tmp_path / "tok"))
+    assert str(e.value).startswith(f"cannot load tokenizer '{tmp_path / 'tok'}'")
+    assert str(e.value).endswith("copy the tokenizer files again from where the model came from")
