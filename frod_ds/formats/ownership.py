@@ -51,6 +51,7 @@ __all__ = [
     "marker_kind",
     "inventory",
     "foreign_files",
+    "check_not_an_input",
     "check_replaceable",
     "check_out",
     "remove_owned",
@@ -221,6 +222,21 @@ def _what_it_holds(path: Path) -> str:
     return KINDS.get(kind, f"frod-ds output of unknown kind {kind!r}") if kind else "frod-ds output of no recorded kind"
 
 
+def check_not_an_input(
+    out: Path, inputs: dict[str, Path | str | None] | None, what: str = "--out", error: type[Exception] | None = None
+) -> None:
+    """Raise ``error`` when ``out`` is, contains or is inside one of the command's ``inputs`` (name → path)."""
+    error = error or FrodError
+    clash = _input_clash(Path(os.path.realpath(out)), inputs or {})
+    if clash:
+        relation, name = clash
+        holds = _what_it_holds(out) if out.is_dir() else "a file" if os.path.lexists(out) else "not there yet"
+        raise error(
+            f"{what} {out} ({holds}) {relation} {name} {(inputs or {})[name]}, an input of this command; refusing "
+            f"to write there, choose another {what}"
+        )
+
+
 def check_replaceable(
     out: Path,
     kind: str | tuple[str, ...],
@@ -244,14 +260,7 @@ def check_replaceable(
     for inside in (Path.cwd().resolve(), _REPO):
         if os.path.lexists(out) and (inside == real or real in inside.parents):
             raise error(f"{what} {out} contains {inside}; refusing to replace it, choose a new directory")
-    clash = _input_clash(real, inputs or {})
-    if clash:
-        relation, name = clash
-        holds = _what_it_holds(out) if out.is_dir() else "a file" if os.path.lexists(out) else "not there yet"
-        raise error(
-            f"{what} {out} ({holds}) {relation} {name} {(inputs or {})[name]}, an input of this command; refusing "
-            f"to write there, choose another {what}"
-        )
+    check_not_an_input(out, inputs, what, error)
     if not os.path.lexists(out):
         return
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):

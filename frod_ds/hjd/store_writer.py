@@ -29,7 +29,14 @@ from frod_ds.formats.factor_store import (
     is_store_file,
 )
 from frod_ds.formats.output_dir import MARKER, entries_of, match, read_record
-from frod_ds.formats.ownership import check_replaceable, delete_owned, is_marked, marker_kind, record_files
+from frod_ds.formats.ownership import (
+    check_not_an_input,
+    check_replaceable,
+    delete_owned,
+    is_marked,
+    marker_kind,
+    record_files,
+)
 from frod_ds.hjd.category import CategoryResult
 from frod_ds.io.dtypes import dtype_name
 from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
@@ -313,6 +320,7 @@ def prepare_store(
     run's ``inputs``), and only those its record lists; each category's files are recorded before they are made."""
     if out.exists() and not out.is_dir():
         raise HJDError(f"--out {out} is a file; pass a directory")
+    check_not_an_input(out, inputs, error=HJDError)  # --out the model's own folder: named as such
     if out.is_dir() and any(out.iterdir()) and not overwrite and not _is_store(out):
         raise HJDError(f"--out {out} exists, is not empty and holds no factor store; choose a new or empty directory")
     # before anything is written; what --overwrite deletes is only what the store's record lists

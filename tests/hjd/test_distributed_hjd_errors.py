@@ -378,3 +378,12 @@ def test_hjd_verify_of_an_unfinished_store_names_it_and_says_to_resume(model, tm
     (line,) = _error_lines(capsys.readouterr().err)
     assert f"factor store {out} is incomplete (done: ['q_proj'])" in line, line
     assert line.endswith(f"finish it: frod hjd --model {model} --out {out} resumes") and "--overwrite" not in line
+
+
+def test_hjd_into_its_own_model_folder_names_the_input(model, capsys):
+    """``--out`` the ``--model`` folder: named as the command's input (it said only "holds no factor store")."""
+    before = sorted(p.name for p in model.iterdir())
+    assert main(["--model", str(model), "--out", str(model), "--device", "cpu"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"is --model {model}, an input of this command" in line, line
+    assert sorted(p.name for p in model.iterdir()) == before
