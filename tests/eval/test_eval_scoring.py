@@ -4,6 +4,7 @@ known preferences, greedy generation with left padding, answer matching and the 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +179,18 @@ def test_table_average_matches_paper_avg_on_the_six_tasks():
     paper_row = next(line for line in table.splitlines() if line.startswith("| average (paper's tasks)"))
     assert "83.53" in paper_row and "84.58" in paper_row  # the paper's own FRoD and Full FT avg
     assert math.isclose(results["average_paper_tasks"], 0.75)
+
+
+def test_data_given_as_the_builds_eval_folder_names_the_build(tmp_path):
+    """``--data BUILD/eval`` said "no eval file BUILD/eval/eval/boolq.jsonl"; it names the build to pass instead."""
+    from frod_ds.eval.run import EvalError, load_task_rows
+    from frod_ds.prep.command import main as data_main
+
+    mirror = Path(__file__).parents[1] / "fixtures" / "data_prep" / "mirror"
+    build = tmp_path / "d"
+    assert data_main(["build", "--source", str(mirror), "--tasks", "boolq", "--out", str(build)]) == 0
+    assert set(load_task_rows(str(build), "boolq", 2)) == {"boolq"}
+    with pytest.raises(EvalError) as e:
+        load_task_rows(str(build / "eval"), "boolq", 2)
+    want = f"--data {build / 'eval'} is a data build's eval/ folder; pass the data build itself, {build}"
+    assert str(e.value) == want
