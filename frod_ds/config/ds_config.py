@@ -311,6 +311,22 @@ def zero_settings(cfg: dict) -> ZeroSettings:
     )
 
 
+def _nvme_problems(cfg: dict) -> list[str]:
+    """An NVMe offload DeepSpeed would not do as written: under ZeRO-1/2 (its optimizer stays on the GPU without a
+    word), or without a folder to swap to."""
+    out = []
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    for key in sorted(nvme_offloads(cfg)):
+        if isinstance(stage, int) and stage < 3:
+            out.append(
+                f"zero_optimization.{key} offloads to NVMe, which DeepSpeed does only under ZeRO stage 3 (stage is "
+                f'{stage}); use ds_configs/zero3_nvme.json, or "device": "cpu"'
+            )
+        elif not cfg["zero_optimization"][key].get("nvme_path"):
+            out.append(f"zero_optimization.{key} offloads to NVMe but names no nvme_path; pass --nvme-path DIR")
+    return out
+
+
 def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str | None = None) -> dict:
     """A concrete copy of ``cfg`` for ``deepspeed.initialize``; raises ``DSConfigError`` on any conflict."""
     cfg = copy.deepcopy(cfg)
@@ -365,6 +381,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
             )
         for key in nvme_offloads(cfg):
             cfg["zero_optimization"][key]["nvme_path"] = nvme_path
+    problems += _nvme_problems(cfg)
     autos = _autos(cfg)
     if autos:
         problems.append(f'unresolved "auto" for {", ".join(autos)}: give concrete values')

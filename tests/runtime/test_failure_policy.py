@@ -152,6 +152,23 @@ def test_an_nvme_run_builds_async_io_under_the_build_lock_first(monkeypatch):
     assert loaded == ["async_io", "async_io"]
 
 
+def test_an_nvme_offload_deepspeed_would_not_do_is_refused_with_the_json(tmp_path):
+    """NVMe under ZeRO-1/2 (DeepSpeed keeps that optimizer on the GPU without a word) or without an ``nvme_path``
+    was answered about libaio; the JSON's own problem is named, and --nvme-path fills a missing path."""
+    from frod_ds.config.ds_config import DSConfigError, resolve_ds_config
+
+    z2 = _shipped()
+    z2["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(DSConfigError, match=r"offload_optimizer offloads to NVMe, which DeepSpeed does only under"):
+        resolve_ds_config(z2, _recipe(), world_size=1)
+    z3 = _shipped("zero3_cpu_fp32.json")
+    z3["zero_optimization"]["offload_param"] = {"device": "nvme"}
+    with pytest.raises(DSConfigError, match=r"offload_param offloads to NVMe but names no nvme_path; pass --nvme-path"):
+        resolve_ds_config(dict(z3, zero_optimization=dict(z3["zero_optimization"])), _recipe(), world_size=1)
+    resolved = resolve_ds_config(z3, _recipe(), world_size=1, nvme_path=str(tmp_path))
+    assert resolved["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path)
+
+
 def test_an_nvme_run_on_a_machine_without_libaio_is_one_line_before_anything_starts(monkeypatch):
     """DeepSpeed's async_io builder refuses a machine without libaio only when the trainer loads it, mid-setup,
     with a traceback: the check runs first and names what is missing and what to use instead."""
