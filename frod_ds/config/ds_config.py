@@ -38,6 +38,7 @@ __all__ = [
     "layout_of",
     "as_ds_config",
     "bf16_overflow_check",
+    "required_dtype",
     "check_ds_config",
     "ds_config_problems",
     "note_ignored",
@@ -211,6 +212,14 @@ def as_stage2(cfg: dict) -> dict:
     return out
 
 
+def required_dtype(cfg: dict) -> str | None:
+    """The model.dtype a JSON trains in: ``bf16.enabled`` true, bfloat16; false, float32; None for "auto" or
+    absent (the recipe's)."""
+    bf16 = cfg.get("bf16")
+    enabled = bf16.get("enabled") if isinstance(bf16, dict) else None
+    return ("bfloat16" if enabled else "float32") if isinstance(enabled, bool) else None
+
+
 def bf16_overflow_check(cfg: dict) -> bool:
     """Whether DeepSpeed tests every bf16 gradient for inf/NaN before a ZeRO-1/2 step (``bf16.check_grad_overflow``,
     DeepSpeed's default when absent; ZeRO-3 checks only fp16 steps)."""
@@ -365,7 +374,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
         pass  # scalar_problems named it
     elif bf16.get("enabled", "auto") == "auto":
         bf16["enabled"] = want_bf16
-    elif isinstance(bf16["enabled"], bool) and bf16["enabled"] != want_bf16:
+    elif required_dtype(cfg) not in (None, recipe.model.dtype):
         problems.append(
             f"bf16.enabled={bf16['enabled']} in the DeepSpeed config but model.dtype={recipe.model.dtype}; "
             "make them agree"

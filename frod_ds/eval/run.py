@@ -150,8 +150,8 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
     if odd:  # a named pipe, a link loop, a directory: not "missing"
         raise EvalError(f"eval file {odd[0]}")
     missing = [str(path) for path in paths.values() if not path.is_file()]
-    build = Path(data).resolve().parent
-    if missing and Path(data).name == "eval" and (build / "manifest.json").is_file():  # the build's own eval/ folder
+    if missing and Path(data).name == "eval" and (Path(data).resolve().parent / "manifest.json").is_file():
+        build = Path(data).resolve().parent  # --data is the build's own eval/ folder
         raise EvalError(f"--data {data} is a data build's eval/ folder; pass the data build itself, {build}")
     if missing:
         raise EvalError(

@@ -169,10 +169,9 @@ def _quantized_alternative(
     if best is None or best[0] > 0.5 * secs:
         return ""
     t, plan = best
-    q = f"frozen_quant={plan.train.quant}" + (" quantize_base=true" if plan.train.quantize_base else "")
     return (
-        f"; with {q} (a quantized model: it moves the logits), {plan.engine.name} would take a predicted "
-        f"{t * 1e3:.0f} ms per step"
+        f"; with {frozen_label(plan.train)} (a quantized model: it moves the logits), {plan.engine.name} would take "
+        f"a predicted {t * 1e3:.0f} ms per step"
     )
 
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from frod_ds.config.ds_config import DS_DEFAULTS, bf16_overflow_check, load_ds_config, zero_settings
+from frod_ds.config.ds_config import DS_DEFAULTS, bf16_overflow_check, load_ds_config, required_dtype, zero_settings
 from frod_ds.core.names import DEFAULT_TARGETS, LLAMA_LINEARS
 from frod_ds.io.model_config import LLAMA_FAMILY, config_problems
 from frod_ds.runtime.errors import FrodError
@@ -220,15 +220,8 @@ def engine_from_ds_config(
         bf16_overflow_check(cfg),
         layers,
         layers and gather != "collective" and z.offload_param is None,  # host shards: the collective alone
-        _json_dtype(cfg),
+        required_dtype(cfg),
     )
-
-
-def _json_dtype(cfg: dict[str, Any]) -> str | None:
-    """The model.dtype a DeepSpeed JSON requires (``resolve_ds_config`` refuses any other), None for any."""
-    bf16 = cfg.get("bf16")
-    enabled = bf16.get("enabled") if isinstance(bf16, dict) else None
-    return {True: "bfloat16", False: "float32"}.get(enabled) if isinstance(enabled, bool) else None
 
 
 def shipped_engines() -> list[Engine]:
