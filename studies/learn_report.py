@@ -34,6 +34,12 @@ def _chosen_run(method: dict) -> dict | None:
     return method["sweep"][c["index"]] if c else None
 
 
+def _chosen_lr(doc: dict, method: str) -> float | None:
+    """The LR ``doc`` (a seed's real_study.json) chose for ``method``, or None."""
+    run = _chosen_run(doc["methods"].get(method, {}))
+    return None if run is None else run["lr"]
+
+
 def _validation_curve(run: dict) -> list[list[float]]:
     """``[[step, validation answer loss], ...]``: every validation evaluation (``--val-every``), else the
     checkpoints'."""
@@ -168,8 +174,9 @@ def collect(out: Path) -> dict[str, Any]:
         for k, d in sorted(docs.items()):
             for name, m in sorted(d["methods"].items(), key=lambda kv: _order(kv[0])):
                 run = _chosen_run(m)
-                if run is not None and "test" in m:
-                    methods.setdefault(name, {"seeds": {}})["seeds"][str(k)] = _seed_entry(run, m)
+                if run is None or "test" not in m or run["lr"] != _chosen_lr(first, name):
+                    continue  # a seed counts at the LR the first seed's sweep chose, never at another call's
+                methods.setdefault(name, {"seeds": {}})["seeds"][str(k)] = _seed_entry(run, m)
         methods = dict(sorted(methods.items(), key=lambda kv: _order(kv[0])))
         sweeps = {
             name: [

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError, parse_lrs
+from studies.records import RUNS_DIR
 
 DEFAULT_TASKS = "arith_d12,facts64,facts256,facts1024"  # arith failed the pilot gate (docs/learn-study.md)
 ALL_TASKS = (
@@ -118,6 +119,29 @@ def _unpack(tarball: Path, into: Path) -> None:
         tar.extractall(into, filter="data")
 
 
+def _unsummarised(records: Path) -> list[str]:
+    """A note per seed directory whose run records its ``real_study.json`` does not list: two calls worked on one
+    task, and the later one's summary is reported. Every record is kept; the next ``run`` of the task (resuming
+    from these records) summarises them all."""
+    notes = []
+    for doc_path in sorted(records.glob("*/seed*/real_study.json")):
+        doc = json.loads(doc_path.read_text())
+        listed = {(m, r["lr"]) for m, d in doc["methods"].items() for r in d["sweep"]}
+        kept = {(r["method"], r["lr"]) for r in map(_read_json, (doc_path.parent / RUNS_DIR).glob("*.json"))}
+        extra = sorted(f"{m} lr={lr:g}" for m, lr in kept - listed)
+        if extra:
+            where = doc_path.parent.relative_to(records)
+            notes.append(
+                f"note: {where} keeps {len(extra)} run(s) its summary does not list ({', '.join(extra)}): another "
+                "call's; the report leaves them out until the next `run` of that task takes them in"
+            )
+    return notes
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
 def report(args) -> None:
     """From the study directories in OUT, or (a results folder) from its records.tgz."""
     out = Path(args.out)
@@ -143,6 +167,8 @@ def merge(args) -> None:
         for name in args.tarballs:
             _unpack(Path(name), records)
             print(f"unpacked {name}")
+        for line in _unsummarised(records):
+            print(line)
         pack(records, into / RECORDS)
         print(f"wrote {into / RECORDS}")
         _write_report(records, into)

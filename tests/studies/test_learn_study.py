@@ -164,6 +164,45 @@ def test_a_merged_pack_holds_every_record_and_reports(rehearsal, tmp_path):
     assert learn_study.main(["report", "--out", str(res)]) == 0  # from records.tgz
 
 
+def test_two_calls_summaries_of_one_seed_are_never_mixed_in_one_row(rehearsal, tmp_path, capsys):
+    """Two calls that did not see each other's records: merge keeps both calls' runs and names those the reported
+    summary leaves out; a seed counts only at the LR the first seed's sweep chose."""
+    import shutil
+    import tarfile
+
+    from studies.learn_report import collect
+
+    _, _, out, _, _, _ = rehearsal
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(out / "arith", a / "arith")
+    shutil.copytree(out / "arith", b / "arith")
+    doc_path = b / "arith" / "seed0" / "real_study.json"
+    doc = json.loads(doc_path.read_text())
+    del doc["methods"]["peftfrod"]  # the later call's summary knows no peftfrod run
+    doc_path.write_text(json.dumps(doc))
+    for p in (b / "arith" / "seed0" / "records").glob("peftfrod_*.json"):
+        p.unlink()
+    for name in ("a", "b"):
+        with tarfile.open(tmp_path / f"{name}.tgz", "w:gz") as tar:
+            tar.add(tmp_path / name / "arith", "arith")
+    res = tmp_path / "res"
+    assert learn_study.main(["merge", "--into", str(res), str(tmp_path / "a.tgz"), str(tmp_path / "b.tgz")]) == 0
+    said = capsys.readouterr().out
+    assert "note: arith/seed0 keeps 1 run(s) its summary does not list (peftfrod lr=0.01)" in said
+    with tarfile.open(res / "records.tgz") as tar:
+        tar.extractall(tmp_path / "records", filter="data")
+    assert (tmp_path / "records" / "arith" / "seed0" / "records" / "peftfrod_lr0.01.json").is_file()
+    assert "peftfrod" not in collect(tmp_path / "records")["tasks"]["arith"]["methods"]
+
+    # seed 1's summary chose another LR for frod than seed 0's sweep did: that seed is left out of frod's row
+    seed1 = tmp_path / "records" / "arith" / "seed1" / "real_study.json"
+    doc = json.loads(seed1.read_text())
+    m = doc["methods"]["frod"]
+    m["sweep"][m["chosen"]["index"]]["lr"] = 0.5
+    seed1.write_text(json.dumps(doc))
+    assert set(collect(tmp_path / "records")["tasks"]["arith"]["methods"]["frod"]["seeds"]) == {"0"}
+
+
 def test_the_same_command_again_trains_nothing(rehearsal, capsys):
     _, _, out, argv, _, _ = rehearsal
     before = _records(out)
@@ -243,9 +282,11 @@ def test_the_arith_pilot_gate_reads_full_fine_tunings_exact_match_on_unseen_pair
     assert arith_gate("facts64", methods(0.1)) is None
     failed = arith_gate("arith", methods(ARITH_GATE["min_exact"] - 0.01))
     assert failed["passed"] is False and failed["excluded"]  # the pilot's record only
-    short = arith_gate("arith_d12", methods(ARITH_GATE["min_exact"] - 0.01))
+    replaced = arith_gate("arith_d12", methods(ARITH_GATE["min_exact"] - 0.01))
+    assert replaced["passed"] is False and replaced["excluded"]  # arith_d12x2 passed in its place
+    short = arith_gate("arith_d12x2", methods(ARITH_GATE["min_exact"] - 0.01))
     assert short["passed"] is False and not short["excluded"]  # the last variant: reported with its shortfall
-    assert arith_gate("arith_d12", methods(ARITH_GATE["min_exact"]))["passed"] is True
+    assert arith_gate("arith_d12x2", methods(ARITH_GATE["min_exact"]))["passed"] is True
     assert arith_gate("arith", {})["passed"] is None  # not measured yet: neither passed nor failed
 
 
