@@ -39,6 +39,7 @@ PREPARE = ("generate", *(f"hjd-{c}" for c in TARGETS))
 STAGES = ("predict", *PREPARE, "train", "resume", "mfu")
 PER_RANK = ("gpu_in_use_gib_per_rank", "host_peak_rss_gib_per_rank")
 BUILT = r"model built in ([\d.]+) s"  # frod train's line (frod_ds/train/trainer.py)
+ERROR_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?error: ")  # frod's one-line error, a rank prefix allowed
 CHAIN_KEYS: dict[str, Any] = {
     "shape": "70b",  # bench/kinds/shapes.py
     "layers": 0,  # decoder layers instead of the shape's (0: the shape's)
@@ -183,6 +184,13 @@ def _gpu_used() -> dict[str, float]:
         return {}
 
 
+def run_gpus(n: int, env: dict[str, str]) -> list[str]:
+    """The driver's indices of the GPUs ``n`` launched ranks use: the first ``n`` of ``CUDA_VISIBLE_DEVICES`` where it
+    lists indices, else 0 … n-1. The driver reads every GPU of the machine; another job's memory is not the run's."""
+    visible = [x.strip() for x in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return visible[:n] if visible and all(x.isdigit() for x in visible) else [str(i) for i in range(n)]
+
+
 def _settled_gpu_used(wait_s: float = 60.0) -> dict[str, float]:
     """GPU memory in use once it stops falling (two samples a second apart agree, at most ``wait_s``): a killed
     run's memory is freed by the driver a while after its processes are gone, and the next run's base is read here."""
@@ -213,10 +221,12 @@ def _rank_rss(launched: int) -> dict[str, float]:
     return out
 
 
-def watch(cmd: list[str], log: Path, timeout: float, stop=None, gpus: bool = False) -> dict[str, Any]:
-    """Run ``cmd`` in its own session (output to ``log``), sampling memory twice a second; SIGKILL the session when
-    ``stop()`` turns true, at ``timeout``, or when the runner is stopped. ``rc``: None on time-out, -9 if stopped."""
+def watch(cmd: list[str], log: Path, timeout: float, stop=None, gpus: int = 0) -> dict[str, Any]:
+    """Run ``cmd`` in its own session (output to ``log``), sampling memory twice a second (of its ``gpus`` GPUs,
+    ``run_gpus``); SIGKILL the session when ``stop()`` turns true, at ``timeout``, or when the runner is stopped.
+    ``rc``: None on time-out, -9 if stopped."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    mine = set(run_gpus(gpus, env))
     base, rss, used = _settled_gpu_used() if gpus else {}, {}, {}
     rc, t0, sampled = None, time.perf_counter(), 0.0
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +240,9 @@ def watch(cmd: list[str], log: Path, timeout: float, stop=None, gpus: bool = Fal
                     sampled = time.perf_counter()
                     rss.update({r: max(rss.get(r, 0.0), g) for r, g in _rank_rss(proc.pid).items()})
                     now_used = _gpu_used() if gpus else {}
-                    used.update({i: max(used.get(i, 0.0), g - base.get(i, 0.0)) for i, g in now_used.items()})
+                    used.update(
+                        {i: max(used.get(i, 0.0), g - base.get(i, 0.0)) for i, g in now_used.items() if i in mine}
+                    )
                 if stop is not None and stop():
                     rc = -9
                     break
@@ -246,6 +258,13 @@ def watch(cmd: list[str], log: Path, timeout: float, stop=None, gpus: bool = Fal
 def _rows(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")] if path.is_file() else []
+
+
+def failure(what: str, log: list[str]) -> str:
+    """A failed run's record error: ``what`` with frod's own one-line error where the log has one (the launcher's
+    banner comes after it and would hide it), then the log's last 30 lines."""
+    said = next((line for line in log if ERROR_LINE.match(line)), None)
+    return "\n".join([what + (f": {said}" if said else ""), *log[-30:]])
 
 
 def _run(ch: Chain, stage: str, out: Path, extra: list[str], stop_at: int, left: float) -> dict | str:
@@ -271,7 +290,7 @@ def _run(ch: Chain, stage: str, out: Path, extra: list[str], stop_at: int, left:
 
     log = ch.runs / f"{stage}.log"
     start = log.stat().st_size if log.is_file() else 0
-    w = watch(cmd, log, min(s["timeout_s"], left), stop, gpus=ch.device["count"] > 0)
+    w = watch(cmd, log, min(s["timeout_s"], left), stop, gpus=s["gpus"] if ch.device["count"] > 0 else 0)
     text = log.read_bytes()[start:].decode(errors="replace")
     rows, said, built = _rows(out), re.findall(r"resumed from step(\d+)", text), re.findall(BUILT, text)
     if w["rc"] not in {"train": (-9,), "resume": (0,)}.get(stage, (-9, 0)):
@@ -321,14 +340,14 @@ def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
     else:
         run = _run(ch, stage, ch.runs / "train", [], s["kill_at"] if stage == "train" else s["steps"] + 1, left)
     if isinstance(run, str):
-        log = (ch.runs / f"{stage}.log").read_text(errors="replace").splitlines()[-30:]
+        log = (ch.runs / f"{stage}.log").read_text(errors="replace").splitlines()
         status = "timeout" if run == "timeout" else "failed"
-        ch.write(stage, status, {}, 0.0, [], "\n".join([run, *log]))
+        ch.write(stage, status, {}, 0.0, [], failure(run, log))
         return status, 0.0
     rows, own = run["rows"], [r for r in run["rows"] if stage != "resume" or r["step"] > s["save_at"]]
     plan = pred["candidates"][str(batch)] if stage == "mfu" else pred["train"]
     fig = _figures(ch, run, own, batch)
-    m = {"figures": fig, "planner": plan, "gpu_in_use_over_planner": in_use_over_planner(fig, plan)}
+    m = {"figures": fig, "planner": plan, "gpu_in_use_over_planner": in_use_over_planner(fig, plan, s["gpus"])}
     m.update(losses={r["step"]: r["loss"] for r in rows}, grad_norms={r["step"]: r["grad_norm"] for r in rows})
     status, error = "ok", ""
     if stage == "train":

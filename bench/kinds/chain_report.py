@@ -8,13 +8,18 @@ from typing import Any
 from bench.record import Record
 from bench.suite import Suite
 
-__all__ = ["in_use_over_planner", "render"]
+__all__ = ["in_use_over_planner", "per_rank", "render"]
 
 
-def in_use_over_planner(fig: dict[str, Any], plan: dict[str, Any]) -> float | None:
+def per_rank(fig: dict[str, Any], key: str, ranks: int) -> dict[str, float]:
+    """``fig[key]`` for the run's ``ranks`` alone: records before ``chain.run_gpus`` hold every GPU of the machine."""
+    return dict(list(fig[key].items())[:ranks])
+
+
+def in_use_over_planner(fig: dict[str, Any], plan: dict[str, Any], ranks: int) -> float | None:
     """The most GPU memory a rank's run had in use, read off the driver, over the planner's figure for everything on
     the GPU (``needed``: allocated, fragmentation, CUDA context): torch's own peak misses the peer banks."""
-    used = max(fig["gpu_in_use_gib_per_rank"].values(), default=0.0)
+    used = max(per_rank(fig, "gpu_in_use_gib_per_rank", ranks).values(), default=0.0)
     return used / plan["needed_gib"] if used > 0 else None  # 0: not read (the records before the base settled)
 
 
@@ -58,12 +63,12 @@ def render(suite: Suite, device: str, records: list[Record]) -> str:
             lines += ["", f"| {head} |", "|---" * 11 + "|"]
         for x, m in runs:
             f, p = m["figures"], m["planner"]
-            gpu, rss = (", ".join(map(g, f[k].values())) or "–" for k in PER_RANK)
+            gpu, rss = (", ".join(map(g, per_rank(f, k, s["gpus"]).values())) or "–" for k in PER_RANK)
             if f[PER_RANK[0]] and not any(f[PER_RANK[0]].values()):
                 gpu = "– (not read)"
             mfu = "–" if f["mfu"] is None else f"{100 * f['mfu']:.1f}%"
             tok, step = f"{f['micro_batch']} x {s['seq']}", f"{f['step_s_median']:.3f} ({p['step_s']:.3f})"
-            ratio = in_use_over_planner(f, p)
+            ratio = in_use_over_planner(f, p, s["gpus"])
             over = "–" if ratio is None else f"{ratio:.2f}"
             cells = [x, tok, step, f"{f['tokens_per_s_per_gpu']:,.0f}", mfu, gpu, f"{p['needed_gib']:.1f}", over]
             build = "–" if f.get("build_s") is None else f"{f['build_s']:.0f}"

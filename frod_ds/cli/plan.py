@@ -74,7 +74,7 @@ def print_plan(plan, title: str, model=None) -> None:
         f"{plan.needed / GiB:.1f} of {plan.gpu_bytes / GiB:.1f} GiB per GPU: {verdict}"
     )
     if model is not None:
-        from frod_ds.plan.step_time import NVLINK, step_time
+        from frod_ds.plan.step_time import DISK_BYTES_PER_S, NVLINK, step_time
 
         t = step_time(model, plan.train, plan.engine, plan.gpus, NVLINK)
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t.parts.items() if v >= 5e-4)
@@ -82,10 +82,15 @@ def print_plan(plan, title: str, model=None) -> None:
             f"  predicted step on H100/H200-class GPUs with NVLink: {t.seconds * 1e3:.0f} ms ({parts}; the model: "
             "frod_ds/plan/step_time.py, checked in bench/results/time_model_check.md)"
         )
+        if plan.engine.param_on_disk:
+            print(
+                f"  its offload term reads the frozen weights from disk at {DISK_BYTES_PER_S / 1e9:.1f} GB/s each "
+                "pass (a measured local disk); a faster drive shortens it in proportion"
+            )
     if plan.host_bytes:
         print(
             f"  offloaded to host memory (all ranks of a node together): {plan.host_bytes / GiB:.1f} GiB"
-            + (" (NVMe: parameters on disk, host keeps buffers)" if "nvme" in plan.engine.name else "")
+            + (" (NVMe: parameters on disk, host keeps buffers)" if plan.engine.param_on_disk else "")
         )
     other = "with" if not plan.train.checkpointing else "without"
     print(

@@ -187,6 +187,8 @@ class Engine:
     # the model.dtype the JSON trains in (bf16.enabled true: bfloat16, false: float32); None: "auto" or absent,
     # the recipe's
     dtype: str | None = None
+    # offload_param to NVMe: DeepSpeed's coordinator swaps the frozen weights in from the local disk each pass
+    param_on_disk: bool = False
 
     @property
     def linear_keeps_input(self) -> bool:
@@ -221,6 +223,7 @@ def engine_from_ds_config(
         layers,
         layers and gather != "collective" and z.offload_param is None,  # host shards: the collective alone
         required_dtype(cfg),
+        z.offload_param == "nvme",
     )
 
 

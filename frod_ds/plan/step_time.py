@@ -46,6 +46,9 @@ OFFLOAD_BYTES_PER_S = 47e9
 # Host-to-GPU copies of the layer partition's host shards, on its side stream beside the compute: read off the 7B
 # shape on one H200 (offload-7b), where the copies are the whole step.
 HOST_SHARD_BYTES_PER_S = 54e9
+# Reads of NVMe-offloaded frozen weights under DeepSpeed's coordinator (async_io): the disk's read speed decides it.
+# Read off the GPU machine's local disk (nvme-7b-train-1gpu); a machine's own drives may be several times faster.
+DISK_BYTES_PER_S = 2.1e9
 # Dequantization on the GPU, seconds per quantized element and pass.
 DEQUANT_DEVICE_S = {"nf4": 1.4e-12, "int8": 7.9e-12}
 # The host's time per decoder layer and pass of a bf16 FRoD step, and per quantized linear and pass on top of it.
@@ -139,13 +142,14 @@ def step_time(
         moved = 2 * (frozen_bytes - shared)
         gather = moved * (n - 1) / n / link.busbw
         if engine.offload_param:  # the side stream copies this rank's shard in, then gathers the rest: hidden
-            side = moved / n / HOST_SHARD_BYTES_PER_S + gather  # behind the compute up to the compute's length
-            parts["offload"] = max(0.0, side - device)
+            side = moved / n / HOST_SHARD_BYTES_PER_S + gather  # behind the device's and the host's work, whichever
+            parts["offload"] = max(0.0, side - device - parts["host beyond device"])  # is longer
         elif n > 1:
             parts["link"] = (PEER_LINK_EXPOSED if engine.peer else LAYERS_LINK_EXPOSED) * gather
     elif engine.stage == 3:
         if engine.offload_param:
-            parts["offload"] = passes * frozen_bytes / OFFLOAD_BYTES_PER_S
+            rate = DISK_BYTES_PER_S if engine.param_on_disk else OFFLOAD_BYTES_PER_S
+            parts["offload"] = passes * frozen_bytes / rate
         elif n > 1:
             parts["link"] = LINK_EXPOSED * passes * frozen_bytes * (n - 1) / n / link.busbw
     if n > 1:

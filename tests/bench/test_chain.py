@@ -52,6 +52,27 @@ def test_a_chain_suite_refuses_a_kill_that_would_not_follow_its_checkpoint(tmp_p
     assert (nvme["config"], nvme["nvme_path"]) == ("ds_configs/zero3_nvme.json", "/tmp/frod-bench-nvme")
 
 
+def test_a_run_is_measured_on_its_own_gpus_and_a_failure_names_frods_error_line():
+    from bench.kinds.chain import failure, run_gpus
+    from bench.kinds.chain_report import in_use_over_planner, per_rank
+
+    assert run_gpus(2, {}) == ["0", "1"]
+    assert run_gpus(1, {"CUDA_VISIBLE_DEVICES": "1,0"}) == ["1"]
+    assert run_gpus(2, {"CUDA_VISIBLE_DEVICES": "GPU-3f2a,GPU-77c1"}) == ["0", "1"]  # UUIDs: the launcher's order
+    # a record from before: the driver's reading of both GPUs for a one-rank run, the second another job's
+    fig = {"gpu_in_use_gib_per_rank": {"0": 3.9, "1": 14.1}, "host_peak_rss_gib_per_rank": {"0": 11.9}}
+    assert per_rank(fig, "gpu_in_use_gib_per_rank", 1) == {"0": 3.9}
+    assert in_use_over_planner(fig, {"needed_gib": 2.5}, 1) == pytest.approx(3.9 / 2.5)
+    log = [
+        "python -m torch.distributed.run --nproc-per-node 1 -m frod_ds train",
+        "[rank0]: error: NVMe offload builds DeepSpeed's async_io op, whose builder cannot parse ...",
+        *["torch.distributed.elastic ... ChildFailedError"] * 40,
+    ]
+    text = failure("exit code 1", log)
+    assert text.splitlines()[0] == f"exit code 1: {log[1]}" and text.splitlines()[1:] == log[-30:]
+    assert failure("timeout", log[2:]).splitlines()[0] == "timeout"
+
+
 def test_a_part_is_the_same_files_whoever_writes_it_and_leaves_the_index_when_deleted(tmp_path, monkeypatch):
     monkeypatch.setattr(synthetic, "FILE_BYTES", 20_000)  # several files per part
     shape, cpu = load_suite(SUITE).configs[0].settings, torch.device("cpu")

@@ -229,3 +229,49 @@ def test_the_layer_partition_costs_its_exposed_gathers_and_no_deepspeed_fetches(
 
     for gpus in (1, 2):
         assert hint(model, train, e["zero3"], gpus, 139 * GiB) is None
+
+
+def test_host_shard_copies_hide_behind_the_longer_of_host_and_device_work():
+    """zero3_offload.json's layer partition: the side stream's copies of the host shards overlap the device's and
+    the host's work alike, so the step is the longest of the three plus the serial terms, and a larger micro-batch
+    is never predicted faster (it was, when the copies were hidden behind the device's work alone)."""
+    from frod_ds.plan.step_time import HOST_SHARD_BYTES_PER_S
+
+    model, e, link = model_shape_from_config(LLAMA2_7B), _engines(), Link(busbw=100e9)
+    off = e["zero3_offload"]
+    assert off.layers and off.offload_param and not off.param_on_disk
+    frozen = frozen_tensors(model, TrainShape())
+    moved = 2 * (sum(b * c for g in frozen.values() for b, c, _ in g) - sum(b * c for b, c, _ in frozen["frozen V"]))
+    moved -= 2 * model.hidden * 2  # the final norm, bf16
+    prev = 0.0
+    for mb in (1, 2, 4, 8, 16):
+        t = step_time(model, TrainShape(micro_batch=mb, seq_len=256, checkpointing=True), off, 2, link)
+        device = t.parts["compute"] + t.parts["recompute"]
+        side = moved / 2 / HOST_SHARD_BYTES_PER_S + moved * 0.5 / 100e9
+        serial = t.seconds - device - t.parts["host beyond device"] - t.parts.get("offload", 0.0)
+        assert t.seconds - serial == pytest.approx(max(device, sum(t.host.values()), side))
+        assert t.seconds >= prev
+        prev = t.seconds
+
+
+def test_nvme_offload_reads_every_frozen_byte_from_disk_each_pass_as_measured():
+    """zero3_nvme.json (DeepSpeed's coordinator swapping the frozen weights in from disk): the model's step for the
+    committed 1-GPU 7B chain is within the check's goal of the step its train run measured."""
+    from bench.kinds import synthetic
+    from bench.kinds.chain import shape_of
+    from frod_ds.plan.shapes import engine_from_ds_config
+    from frod_ds.plan.step_time import DISK_BYTES_PER_S
+
+    cfg = json.loads((REPO / "ds_configs" / "zero3_nvme.json").read_text())
+    engine = engine_from_ds_config(cfg, "zero3_nvme.json")
+    assert engine.param_on_disk and not engine.layers  # NVMe runs under DeepSpeed's coordinator
+    rec = json.loads((REPO / "bench/results/nvme-7b-train-1gpu/h200x2/7b-1g.train.json").read_text())
+    fig, s = rec["metrics"]["figures"], rec["settings"]
+    model = model_shape_from_config(synthetic.config_json(shape_of(s)))
+    train = TrainShape(micro_batch=fig["micro_batch"], seq_len=s["seq"], checkpointing=True)
+    t = step_time(model, train, engine, 1)
+    frozen = sum(b * c for g in frozen_tensors(model, train).values() for b, c, _ in g)
+    assert t.parts["offload"] == pytest.approx(3 * frozen / DISK_BYTES_PER_S)
+    assert abs(t.seconds / fig["step_s_median"] - 1) <= CHECK_GOAL
+    on_host = step_time(model, train, dataclasses.replace(engine, param_on_disk=False), 1)
+    assert on_host.seconds < t.seconds / 10  # the same weights from pinned host memory
