@@ -22,7 +22,7 @@ from frod_ds.core.names import DEFAULT_TARGETS, QUANT_KINDS
 from frod_ds.runtime.errors import FrodError, note
 from frod_ds.runtime.paths import file_problem
 from frod_ds.runtime.shipped import user_file
-from frod_ds.runtime.strict_json import MAX_DEPTH, nesting_depth
+from frod_ds.runtime.strict_json import MAX_DEPTH, expanded_size, nesting_depth
 from frod_ds.runtime.validate import sparsity_problem, targets_problem
 
 __all__ = [
@@ -252,6 +252,11 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+# Values a recipe file may hold, its YAML aliases expanded: the recipes have a few dozen, a billion-laughs file
+# (aliases of aliases) billions, which any walk over it would visit one by one.
+MAX_VALUES = 10_000
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.safe_load``'s loader, refusing a key given twice in one mapping (YAML keeps the last silently)."""
 
@@ -311,6 +316,11 @@ def recipe_tree(path: str | Path | None, overrides: list[str] = ()) -> dict:
             ) from None
         if not isinstance(loaded, dict):
             raise RecipeError(f"recipe {p} must be a YAML mapping")
+        if expanded_size(loaded, MAX_VALUES) > MAX_VALUES:  # before any walk over it, which would expand it
+            raise RecipeError(
+                f"recipe {p} holds more than {MAX_VALUES} values once its YAML aliases (*name) are expanded, or an "
+                "alias inside the value it names; a recipe has a few dozen: write the values out"
+            )
         if nesting_depth(loaded) > MAX_DEPTH:
             raise RecipeError(too_deep)
         tree = loaded
@@ -327,6 +337,8 @@ def recipe_tree(path: str | Path | None, overrides: list[str] = ()) -> dict:
             value = yaml.safe_load(raw) if raw != "" else ""
         except (yaml.YAMLError, RecursionError):
             raise RecipeError(f"override {item!r}: the value is not a YAML scalar; quote it") from None
+        if expanded_size(value, MAX_VALUES) > MAX_VALUES:
+            raise RecipeError(f"override {key}=...: the value holds more than {MAX_VALUES} values; give a scalar")
         _set_dotted(tree, key, value)
     return tree
 

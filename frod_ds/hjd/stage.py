@@ -230,7 +230,8 @@ def _factor_all(
 
 def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest | None:
     """Build (or finish) the factor store ``cfg.out``; every rank calls it. Returns rank 0's manifest
-    (``None`` on other ranks). User errors: ``CollectiveError`` on every rank. ``process_start``: the
+    (``None`` on other ranks, and on every rank when the store already held every category asked for: nothing is
+    run or written then). User errors: ``CollectiveError`` on every rank. ``process_start``: the
     process's ``time.time()`` at launch, to report start-up time. Rank 0 holds the lease on ``--out`` throughout:
     a second HJD run into the same store is refused at once."""
     with D.held_on_main(lambda: holding(cfg.out, store_writer.KIND, "--out", HJDError)):
@@ -249,6 +250,9 @@ def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:
     device, ckpt, categories, manifest = _open(cfg)
     todo = [c for c in categories if c not in manifest.completed_categories]
     skipped = [c for c in categories if c not in todo]
+    if not todo and manifest.complete:  # its manifest keeps the record of the run that built it
+        D.print0(f"{cfg.out} already holds every category asked for, complete: nothing to do, the store left as it was")
+        return None
     D.print0(
         f"HJD {cfg.model}: {len(categories)} categories, world size {D.get_world_size()}, {dtype_name(cfg.dtype)} on "
         f"{device.type}" + (f"; resuming, done: {', '.join(skipped)}" if skipped else "")

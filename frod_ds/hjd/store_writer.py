@@ -343,6 +343,7 @@ def prepare_store(
         if not overwrite:
             note(f"--out {out} holds factor files but no {MANIFEST} (a damaged store): building it anew")
         remove_store_files(out)
+    kept = manifest is not None
     if manifest is None:
         manifest = fresh
     # A completed category whose files went missing is redone (by a run that has its weights).
@@ -352,6 +353,8 @@ def prepare_store(
             manifest.completed_categories.remove(c)
             record.complete = False
     manifest.complete = not manifest.missing_categories
+    if kept and manifest.complete and set(fresh.categories) <= set(manifest.completed_categories):
+        return manifest  # nothing to do: the store and its record of the run that built it stay as they are
     manifest.world_size = D.get_world_size()
     manifest.versions = _versions()
     atomic_write_text(out / MANIFEST, manifest.to_json())

@@ -115,6 +115,15 @@ def _after_stop() -> str:
     return "the same command again continues from what was finished"
 
 
+def _stdout_is_a_pipe() -> bool:
+    import stat
+
+    try:
+        return stat.S_ISFIFO(os.fstat(sys.stdout.fileno()).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
     """The tail of every command (``frod`` in each of its forms): run ``main`` and exit
     with its code. ``fast_exit`` (training, HJD, evaluation): flush and ``os._exit``. Their files are written
@@ -135,6 +144,12 @@ def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
     except Terminated:
         print(f"error: stopped by SIGTERM; {_after_stop()}", file=sys.stderr)
         code = 128 + signal.SIGTERM
+    except BrokenPipeError:
+        if not _stdout_is_a_pipe():
+            raise  # another pipe of the command's: a bug
+        # stdout's reader went away (`frod plan | head -1`): stop quietly, as a command killed by SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the buffered rest goes nowhere at exit
+        code = 128 + signal.SIGPIPE
     finally:
         signal.signal(signal.SIGTERM, previous)
         forget_notes()

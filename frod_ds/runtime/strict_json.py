@@ -8,7 +8,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "DuplicateKeyError", "NestedTooDeepError", "loads", "nesting_depth", "parse_json"]
+__all__ = [
+    "MAX_DEPTH",
+    "DuplicateKeyError",
+    "NestedTooDeepError",
+    "expanded_size",
+    "loads",
+    "nesting_depth",
+    "parse_json",
+]
 
 
 MAX_DEPTH = 100  # levels of arrays and objects: no input the project reads needs more than a handful
@@ -34,6 +42,41 @@ def loads(text: str | bytes, **kw: Any) -> Any:
     raise NestedTooDeepError(
         f"arrays and objects nested {depth} deep, more than the {MAX_DEPTH} levels an input may have", doc, pos
     ) from None
+
+
+def _children(node: Any) -> Any:
+    if isinstance(node, dict):
+        return node.values()
+    return node if isinstance(node, (list, tuple)) else None
+
+
+def expanded_size(value: Any, limit: int) -> int:
+    """How many values ``value`` holds with every list or mapping it shares (a YAML alias: ``*a`` is the object
+    ``&a`` names, not a copy) counted at each place it appears, as any walk over it would visit them; counted per
+    object, never expanded, and only to ``limit`` + 1 (also for an object that contains itself)."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        node, closing = stack.pop()
+        kids = _children(node)
+        if kids is None or (id(node) in sizes and not closing):
+            continue
+        if closing:
+            open_.discard(id(node))
+            total = 1 + sum(1 if _children(k) is None else sizes[id(k)] for k in kids)
+            sizes[id(node)] = min(total, limit + 1)
+            continue
+        if id(node) in open_:
+            return limit + 1  # it contains itself
+        open_.add(id(node))
+        stack.append((node, True))
+        for k in kids:
+            if _children(k) is not None:
+                if id(k) in open_:
+                    return limit + 1
+                stack.append((k, False))
+    return sizes.get(id(value), 1)
 
 
 def nesting_depth(value: Any) -> int:

@@ -347,6 +347,33 @@ def test_a_recipe_key_given_twice_is_refused_naming_its_line(tmp_path):
     assert yaml.load(merged, Loader=_UniqueKeyLoader)["train"] == {"lr_sigma": 0.002, "lr_s": 0.0001}
 
 
+def test_a_recipe_whose_aliases_expand_past_any_recipe_is_refused_at_once(tmp_path):
+    """Billion laughs: nine levels of nine aliases in 300 bytes; refused before anything walks it (a walk took
+    minutes), as is an alias inside the value it names. A recipe's ordinary aliases still load."""
+    import time
+
+    from frod_ds.config.recipe import MAX_VALUES
+
+    text = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
+    for i in range(1, 9):
+        text += f"{chr(97 + i)}: &{chr(97 + i)} [{','.join(['*' + chr(96 + i)] * 9)}]\n"
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(text + "model: {sparsity: 0.1, bomb: *i}\n")
+    t0 = time.perf_counter()
+    with pytest.raises(RecipeError, match=f"holds more than {MAX_VALUES} values once its YAML aliases"):
+        load_recipe(bomb, paths=False)
+    assert time.perf_counter() - t0 < 5
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("model: &m {sparsity: 0.1, x: *m}\n")
+    with pytest.raises(RecipeError, match="or an alias inside the value it names"):
+        load_recipe(loop, paths=False)
+    with pytest.raises(RecipeError, match=f"override train.x=...: the value holds more than {MAX_VALUES} values"):
+        load_recipe(None, ["train.x=[&a [" + ",".join("1" * 20) + "], [" + ",".join(["*a"] * 600) + "]]"])
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("train: {lr_sigma: &lr 0.002, lr_s: *lr}\n")
+    assert load_recipe(ok, paths=False).train.lr_s == 0.002
+
+
 @pytest.mark.parametrize("value", [""])
 def test_an_empty_output_dir_is_named_as_empty(value):
     """``output_dir=$UNSET`` gives an empty value, which paths read as "." (the repository): say it is empty."""

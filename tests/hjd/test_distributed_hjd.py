@@ -5,6 +5,7 @@ Assertions read the store on disk (manifest + safetensors), never the workers' s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 
@@ -301,6 +302,23 @@ def test_gram_route_error_check_falls_back_to_householder(tmp_path, monkeypatch)
     assert manifest.categories["q_proj"].cond_estimate >= 1, "the Gram route ran first"
     assert not [p for p in (tmp_path / "store").iterdir() if p.name.endswith(".tmp")]
     _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)
+
+
+def test_a_complete_store_asked_again_is_left_as_it_was(tmp_path, capsys):
+    """HJD into a store that already holds every category asked for runs nothing and writes nothing: its manifest
+    keeps the record of the run that built it (bytes read, seconds) instead of a record of doing nothing."""
+    from frod_ds.hjd.stage import StageConfig, run_stage
+
+    model = write_tiny_llama(tmp_path / "model", **WIDE)
+    cfg = StageConfig(model=str(model), out=tmp_path / "store", targets=("q_proj", "k_proj"), device="cpu")
+    built = run_stage(cfg)
+    assert built.complete and built.run.categories_done == ["q_proj", "k_proj"]
+    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "store").iterdir()}
+    capsys.readouterr()
+    for again in (cfg, dataclasses.replace(cfg, categories=("k_proj",))):
+        assert run_stage(again) is None
+        assert "already holds every category asked for, complete: nothing to do" in capsys.readouterr().out
+        assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "store").iterdir()} == files
 
 
 def test_device_cache_keeps_weights_before_gram_matrices(tmp_path):

@@ -147,6 +147,39 @@ def test_sigterm_is_one_line_and_exit_143_with_the_commands_cleanup_done(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ready"], "no temporary and no lease left"
 
 
+PIPE_BODY = """
+import sys
+from frod_ds.runtime import entry
+def body():
+    if sys.argv[1] == "other":
+        raise BrokenPipeError(32, "Broken pipe")  # a pipe of the command's own, not its stdout
+    for i in range(100_000):
+        print(f"line {i}: a plan someone reads the first line of")
+entry.run_script(lambda: entry.run(body))
+"""
+
+
+def test_a_reader_closing_stdout_stops_the_command_quietly_as_sigpipe_would(tmp_path):
+    """``frod plan | head -1``: the reader goes away and the next print fails with EPIPE; the command stops quietly
+    with 141 (128 + SIGPIPE), no traceback. The same error from any other pipe is a bug and keeps its traceback."""
+    from tests.support.leftovers import clean_env
+
+    read, write = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PIPE_BODY, "stdout"], cwd=REPO, env=clean_env(), stdout=write, stderr=subprocess.PIPE
+    )
+    os.close(write)
+    with os.fdopen(read, "rb") as reader:
+        assert reader.readline().startswith(b"line 0:")  # head -1 reads its line and exits
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141 and err == b"", err
+    with (tmp_path / "out").open("w") as out:
+        other = subprocess.run(
+            [sys.executable, "-c", PIPE_BODY, "other"], cwd=REPO, env=clean_env(), stdout=out, stderr=subprocess.PIPE
+        )
+    assert other.returncode == 1 and b"Traceback" in other.stderr and b"BrokenPipeError" in other.stderr
+
+
 def test_run_script_gives_back_the_sigterm_handler_it_found(monkeypatch):
     """The handler is the command's while it runs: a caller's own handler is kept, the default restored."""
     import signal
