@@ -840,6 +840,14 @@ def peft_dir(world, case, spec):
     save_file({"x": torch.zeros(1)}, str(case / "peft" / "adapter_model.safetensors"))
 
 
+def yaml_alias_bomb(world, case, spec):
+    """Nine levels of nine YAML aliases (billion laughs): 300 bytes that expand to 9^9 strings."""
+    text = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n'
+    for i in range(1, 9):
+        text += f"{chr(97 + i)}: &{chr(97 + i)} [{','.join(['*' + chr(96 + i)] * 9)}]\n"
+    (case / "r.yaml").write_text(text + "model: {sparsity: 0.1, bomb: *i}\n")
+
+
 def a_fifo(world, case, spec):
     os.mkfifo(case / "fifo")
 
@@ -1522,6 +1530,12 @@ def same_output(world, case, spec) -> bool:
     return bool(theirs) and ours == theirs and not litter
 
 
+def store_left_as_it_was(world, case, spec) -> bool:
+    """``case/store`` (a copy of the world's complete store) holds the world store's files byte for byte, its
+    manifest and the record of the run that built it included."""
+    return _hashes(case / "store", ["*"]) == _hashes(Path(world.paths["store"]), ["*"])
+
+
 def _hashes(root: Path, patterns: list[str]) -> dict[str, str]:
     out = {}
     for p in sorted(root.rglob("*")):
@@ -1603,6 +1617,7 @@ STEPS: dict[str, Callable] = {
         model_zero_q,
         model_huge_q,
         peft_dir,
+        yaml_alias_bomb,
         a_fifo,
         mirror_gzipped,
         data_build_manifest_folder,
@@ -1723,6 +1738,7 @@ CHECKS: dict[str, Callable] = {
         verify_new_store_of_case_model,
         has_new,
         same_output,
+        store_left_as_it_was,
         counts_repeat_and_surrogate,
     )
 }
