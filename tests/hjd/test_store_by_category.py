@@ -126,7 +126,7 @@ def test_rerunning_a_done_category_changes_nothing(built, capsys):
     root, model, parts, _ = built
     before = {p.name: p.read_bytes() for p in parts.glob("*.safetensors")}
     assert main(["--model", str(_only(model, root, "k_proj")), "--out", str(parts), "--categories", "k_proj", *T]) == 0
-    assert "resuming, done: k_proj" in capsys.readouterr().out
+    assert "already holds every category asked for, complete: nothing to do" in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in parts.glob("*.safetensors")} == before
     assert FactorStore.open(parts).complete
 
