@@ -19,7 +19,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from frod_ds.formats.output_dir import LEASE, LEASE_FORMAT, WRITERS, LeaseRecord
@@ -196,7 +196,7 @@ class Lease:
     def child_env(self, env: dict[str, str] | None = None) -> dict[str, str]:
         """``env`` (default: this process's) with this lease handed on: a child started with it writes here."""
         env = dict(os.environ if env is None else env)
-        leases = json.loads(env.get(ENV) or "{}")
+        leases = handed_leases(env, FrodError)
         leases[str(self.path)] = self.record.token
         env[ENV] = json.dumps(leases)
         return env
@@ -284,6 +284,22 @@ def _take_from(path: Path, stale: LeaseRecord | None, st: os.stat_result) -> Non
             os.unlink(mutex)
 
 
+def handed_leases(env: Mapping[str, str], error: type[FrodError]) -> dict[str, str]:
+    """The leases ``env``'s ``FROD_DS_LEASES`` hands on (``{lease path: token}``, what ``child_env`` writes); ``error``
+    (one line) when the variable holds anything else: left from another shell, or typed."""
+    raw = env.get(ENV) or "{}"
+    try:
+        leases = json.loads(raw)
+    except ValueError:
+        leases = None
+    if not isinstance(leases, dict) or not all(isinstance(v, str) for v in leases.values()):
+        raise error(
+            f"the environment variable {ENV} is {raw[:60]!r}, not the leases frod hands its own stages (JSON "
+            f"{{path: token}}); unset it (unset {ENV}) and run the command again"
+        )
+    return leases
+
+
 def acquire(
     out: Path | str,
     kind: str,
@@ -296,7 +312,7 @@ def acquire(
     out = Path(out)
     path = lease_path(out)
     me = _me(kind)
-    handed = json.loads(os.environ.get(ENV) or "{}")  # leases this process's launcher holds: {path: token}
+    handed = handed_leases(os.environ, error)  # leases this process's launcher holds: {path: token}
     inherited = handed.get(str(path))
     if (out.exists() or out.is_symlink()) and not out.is_dir():  # no lease is ever placed beside a user's file
         it = "a link to nothing" if not out.exists() else "a file" if out.is_file() else _special(out)

@@ -328,3 +328,15 @@ def test_an_output_that_is_not_a_folder_is_refused_with_no_lease_beside_it(tmp_p
     with pytest.raises(FrodError, match=f"train.jsonl is {it}, not a folder; give --out a directory path"):
         acquire(target, "data-build", "--out")
     assert placed == [] and sorted(p.name for p in target.parent.iterdir()) == before
+
+
+@pytest.mark.parametrize("value", ["{oops", "[]", '{"/x/.frod-ds-lease": 7}', "null"])
+def test_a_leases_variable_that_is_not_frods_own_is_one_line_naming_it(tmp_path, monkeypatch, value):
+    """FROD_DS_LEASES (what frod demo hands its stages) left from another shell or typed: one line naming the
+    variable and how to clear it, nothing made; a handed lease in the right form is still honoured."""
+    monkeypatch.setenv(lease_module.ENV, value)
+    with pytest.raises(FrodError, match=r"variable FROD_DS_LEASES is .*; unset it \(unset FROD_DS_LEASES\)"):
+        acquire(tmp_path / "out", "frod data build")
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setenv(lease_module.ENV, json.dumps({str(tmp_path / "elsewhere"): "t"}))
+    acquire(tmp_path / "out", "frod data build").release()
