@@ -25,7 +25,7 @@ EXAMPLES = """examples:
 # The stages import this very frod_ds (a checkout or site-packages) whether or not another one is installed.
 SRC = Path(__file__).resolve().parents[2]
 TASKS = "boolq,piqa"
-DEMO_FILES = ("demo.log", "raw/", "tokenizer/", "model/", "data/", "factors/", "eval_base/", "eval/")  # its own
+DEMO_FILES = ("demo.log", "raw/", "tokenizer/", "model/", "data/", "factors/", "run/", "eval_base/", "eval/")  # its own
 
 
 def _frod(launcher: str = "") -> list[str]:
@@ -62,8 +62,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare(out: Path, log: Path) -> None:
-    """Synthetic rows → ``frod data build`` → tokenizer trained on the rendered text → tiny Llama."""
+def prepare(out: Path, log: Path, env: dict[str, str]) -> None:
+    """Synthetic rows → ``frod data build`` → tokenizer trained on the rendered text → tiny Llama. ``env``: the
+    demo's lease handed on, so that its stage may write inside the demo's output."""
     from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
 
     write_synthetic_tasks(out / "raw", n_train=600, n_eval=200, seed=0)
@@ -81,6 +82,7 @@ def prepare(out: Path, log: Path) -> None:
         ],
         "frod data build (paper templates)",
         log,
+        env,
     )
     texts = []
     for path in [out / "data" / "train.jsonl", *sorted((out / "data" / "eval").glob("*.jsonl"))]:
@@ -133,7 +135,7 @@ def demo(args: argparse.Namespace) -> int:
 
     recipe = _check_args(args)
     out = Path(args.out).resolve()
-    with holding(out, "demo", "--out") as lease:  # the training stage writes into out under this lease
+    with holding(out, "demo", "--out") as lease:  # every stage writes inside out under this lease
         return _demo(out, args, recipe, lease.child_env(), gpu=torch.cuda.is_available())
 
 
@@ -153,7 +155,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
     print(f"frod-ds demo: {env_note}; output in {out}")
     t0 = time.time()
 
-    prepare(out, log)
+    prepare(out, log, env)
     _run(
         [
             sys.executable,
@@ -194,7 +196,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
             f"model.factor_store={out / 'factors'}",
             f"model.dtype={dtype}",
             f"data.train={out / 'data' / 'train.jsonl'}",
-            f"output_dir={out}",
+            f"output_dir={out / 'run'}",  # beside its inputs: a run's folder never holds them
         ],
         "ZeRO-3 training of the FRoD adapters (deepspeed launcher)",
         log,
@@ -203,7 +205,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
     evals = {}
     for name, model_args in (
         ("eval_base", ["--model", str(out / "model")]),
-        ("eval", ["--checkpoint", str(out / "adapter-final")]),
+        ("eval", ["--checkpoint", str(out / "run" / "adapter-final")]),
     ):
         _run(
             [
@@ -228,7 +230,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
         )
         evals[name] = json.loads((out / name / "results.json").read_text())
 
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     first, last = rows[0]["loss"], rows[-1]["loss"]
     print(f"\n== result ({time.time() - t0:.0f} s)")
     print(f"loss: {first:.4f} → {last:.4f} over {rows[-1]['step']} steps")
@@ -237,8 +239,8 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
         tuned = evals["eval"]["tasks"][task]["accuracy"]
         print(f"{task:>8}: held-out accuracy {tuned:.3f} (base model {base:.3f}, chance 0.500)")
     print(
-        f"outputs: {out / 'metrics.jsonl'}, {out / 'adapter-final'}, {out / 'eval' / 'results.json'}, "
-        f"{out / 'loss.png'}"
+        f"outputs: {out / 'run' / 'metrics.jsonl'}, {out / 'run' / 'adapter-final'}, {out / 'eval' / 'results.json'}, "
+        f"{out / 'run' / 'loss.png'}"
     )
     return 0
 
