@@ -48,12 +48,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. model.frozen_quant=nf4")
     args = ap.parse_args(argv)
+    from frod_ds.config.recipe import MAX_INT
+
     if args.gpus < 1:
         ap.error(f"--gpus must be an integer >= 1 (GPUs per node), got {args.gpus}")
     if not args.gpu_mem > 0 or args.gpu_mem == float("inf"):  # nan compares false
         ap.error(f"--gpu-mem must be a finite number of GiB > 0 (memory per GPU), got {args.gpu_mem}")
-    if args.seq_len is not None and args.seq_len < 1:
-        ap.error(f"--seq-len must be >= 1 token, got {args.seq_len}")
+    if args.seq_len is not None and not 1 <= args.seq_len <= MAX_INT:
+        got = str(args.seq_len) if len(str(args.seq_len)) < 20 else f"a {len(str(args.seq_len))}-digit number"
+        ap.error(f"--seq-len must be between 1 and {MAX_INT} tokens, got {got}")
     return args
 
 

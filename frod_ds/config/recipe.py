@@ -200,6 +200,10 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             return value
         problems.append(f"{where}: expected true/false, got {value!r}")
         return value
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        digits = len(str(abs(value)))
+        problems.append(f"{where}: a {digits}-digit number is beyond any setting (at most {MAX_INT}); fix it")
+        return value
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -251,6 +255,10 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
             raise RecipeError(f"override {dotted!r}: {k!r} is not a section")
     node[keys[-1]] = value
 
+
+# The largest integer a recipe number may be: every integer up to it is exact as a float, which the planner and
+# the trainer compute with (a larger one is no setting, and float() of a 400-digit one overflows).
+MAX_INT = 2**53
 
 # Values a recipe file may hold, its YAML aliases expanded: the recipes have a few dozen, a billion-laughs file
 # (aliases of aliases) billions, which any walk over it would visit one by one.

@@ -372,8 +372,9 @@ def build_results(
     return results, records
 
 
-def report(config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]) -> None:
-    """Rank 0: results.json, results.md and predictions.jsonl from all ranks' records."""
+def report(config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]) -> str:
+    """Rank 0: results.json, results.md and predictions.jsonl from all ranks' records; the text to print once every
+    rank knows they are written (a closed stdout is not a write of the results)."""
     results, records = build_results(config, tasks, records)
     title = f"Commonsense accuracy, {' and '.join(config.modes)}: {config.checkpoint or config.model}"
     table = markdown_table(results["modes"], title=title)
@@ -385,8 +386,7 @@ def report(config: EvalConfig, tasks: list[str], records: list[dict[str, Any]]) 
             "predictions.jsonl": "".join(json.dumps(r) + "\n" for r in records),
         },
     )
-    dist.print0(table)
-    dist.print0(f"wrote {config.output}/results.json, results.md, predictions.jsonl")
+    return f"{table}\nwrote {config.output}/results.json, results.md, predictions.jsonl"
 
 
 def _inputs(config: EvalConfig) -> tuple[dict[str, list[dict[str, Any]]], torch.nn.Module, Any]:
@@ -429,10 +429,11 @@ def run(config: EvalConfig) -> None:
         rows, model, tokenizer = dist.on_all(lambda: _inputs(config))
         records = evaluate_shard(model, tokenizer, rows, config)
         shards = dist.all_gather_object(records)
-        error = None
+        error, said = None, ""
         if dist.is_main():
             try:
-                report(config, list(rows), [r for shard in shards for r in shard])
+                said = report(config, list(rows), [r for shard in shards for r in shard])
             except OSError as exc:
                 error = f"cannot write results to {config.output}: {exc}"
         dist.agree_on_error(error, src=0)
+        dist.print0(said)

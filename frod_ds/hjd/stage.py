@@ -109,9 +109,9 @@ def _device(cfg: StageConfig) -> torch.device:
     return D.local_device()
 
 
-def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[str]], Manifest]:
-    """Every rank: the device, the checkpoint, the plan; rank 0 creates or resumes the store. User errors
-    on any rank stop all of them here, before any work."""
+def _open(cfg: StageConfig) -> tuple[torch.device, HFCheckpoint, dict[str, list[str]], Manifest | None]:
+    """Every rank: the device, the checkpoint, the plan; rank 0 creates or resumes the store (None: it is complete
+    and holds every category asked for). User errors on any rank stop all of them here, before any work."""
     device = D.on_all(lambda: _device(cfg))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # a single process has no NCCL init that would create the context
@@ -248,11 +248,11 @@ def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:
     startup = round(time.time() - process_start, 3) if process_start is not None else None
     existed = cfg.out.exists() if D.is_main() else True  # a store this run creates is removed if it is refused
     device, ckpt, categories, manifest = _open(cfg)
-    todo = [c for c in categories if c not in manifest.completed_categories]
-    skipped = [c for c in categories if c not in todo]
-    if not todo and manifest.complete:  # its manifest keeps the record of the run that built it
+    if manifest is None:  # its manifest keeps the record of the run that built it
         D.print0(f"{cfg.out} already holds every category asked for, complete: nothing to do, the store left as it was")
         return None
+    todo = [c for c in categories if c not in manifest.completed_categories]
+    skipped = [c for c in categories if c not in todo]
     D.print0(
         f"HJD {cfg.model}: {len(categories)} categories, world size {D.get_world_size()}, {dtype_name(cfg.dtype)} on "
         f"{device.type}" + (f"; resuming, done: {', '.join(skipped)}" if skipped else "")

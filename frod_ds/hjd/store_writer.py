@@ -313,8 +313,10 @@ def _is_store(out: Path) -> bool:
 
 def prepare_store(
     out: Path, fresh: Manifest, overwrite: bool, inputs: dict[str, Any] | None = None, ckpt: HFCheckpoint | None = None
-) -> Manifest:
-    """Rank 0: create the store directory, or resume / extend the one there; returns the manifest to continue.
+) -> Manifest | None:
+    """Rank 0: create the store directory, or resume / extend the one there; returns the manifest to continue, or
+    None where the store is complete (its file says so) and holds every category asked for: nothing to do, nothing
+    written.
     Store files are replaced (``overwrite``, or a corrupt manifest) only where
     ``frod_ds.formats.ownership.check_replaceable`` allows it (a factor store holding nothing else, none of this
     run's ``inputs``), and only those its record lists; each category's files are recorded before they are made."""
@@ -343,7 +345,7 @@ def prepare_store(
         if not overwrite:
             note(f"--out {out} holds factor files but no {MANIFEST} (a damaged store): building it anew")
         remove_store_files(out)
-    kept = manifest is not None
+    kept = manifest is not None and manifest.complete  # as its file says: a run killed before the mark is not
     if manifest is None:
         manifest = fresh
     # A completed category whose files went missing is redone (by a run that has its weights).
@@ -354,7 +356,7 @@ def prepare_store(
             record.complete = False
     manifest.complete = not manifest.missing_categories
     if kept and manifest.complete and set(fresh.categories) <= set(manifest.completed_categories):
-        return manifest  # nothing to do: the store and its record of the run that built it stay as they are
+        return None  # the store and its record of the run that built it stay as they are
     manifest.world_size = D.get_world_size()
     manifest.versions = _versions()
     atomic_write_text(out / MANIFEST, manifest.to_json())

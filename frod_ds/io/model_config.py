@@ -17,6 +17,8 @@ from typing import Any
 __all__ = [
     "DTYPES",
     "LLAMA_FAMILY",
+    "MAX_LAYERS",
+    "MAX_SIZE",
     "REQUIRED_KEYS",
     "SIZE_KEYS",
     "config_problems",
@@ -35,6 +37,10 @@ SIZE_KEYS = (
     "head_dim",
     "vocab_size",
 )
+# the largest size a config.json may give (the largest models' vocabularies and widths are a few hundred thousand):
+# past it the sizes describe no checkpoint, and the planner's arithmetic on them leaves float's range
+MAX_SIZE = 2**24
+MAX_LAYERS = 2**31  # a typo of a billion layers is still planned (nothing fits), not refused
 # the decoders frod-ds builds, plans and decomposes (model_type), and the dtypes a config.json may name
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 DTYPES = ("float32", "float16", "bfloat16", "float64", "float", "half", "double", "auto", "float8_e4m3fn")
@@ -57,6 +63,11 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
         f"{k} must be a positive integer, got {cfg[k]!r}"
         for k in SIZE_KEYS
         if k in cfg and cfg[k] is not None and not _positive_int(cfg[k])
+    ]
+    problems += [
+        f"{k} {cfg[k] if cfg[k] < 10**12 else f'of {len(str(cfg[k]))} digits'} is beyond any model (at most {most})"
+        for k in SIZE_KEYS
+        if _positive_int(cfg.get(k)) and cfg[k] > (most := MAX_LAYERS if k == "num_hidden_layers" else MAX_SIZE)
     ]
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if _positive_int(heads) and _positive_int(kv) and heads % kv:

@@ -67,6 +67,12 @@ class FactorStore:
         store = cls(path, Manifest.read(mpath))
         if not allow_incomplete and not store.complete:
             done, missing = store.manifest.completed_categories, store.manifest.missing_categories
+            if not missing:  # HJD stopped between its last category and the mark
+                raise StoreError(
+                    f"factor store {path} was not finished: every category is in, but the run that built it stopped "
+                    f"before marking it complete; run that frod hjd again (frod hjd --model "
+                    f"{store.manifest.base_model} --out {path}) to finish it"
+                )
             raise StoreError(
                 f"factor store {path} is incomplete (done: {done}, missing: {missing}); finish it with frod hjd "
                 f"--out {path} --categories {','.join(missing)} (rerun with the same arguments after a killed run)"

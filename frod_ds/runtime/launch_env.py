@@ -108,5 +108,11 @@ def process_group_spec(env: Mapping[str, str] | None = None) -> ProcessGroupSpec
         return ProcessGroupSpec(rank, world, local, "env://")
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     addr = env.get("MASTER_ADDR") or first_slurm_host(nodes)
-    port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    job = env.get("SLURM_JOB_ID", "0").strip() or "0"
+    if not port and not job.isdigit():
+        raise FrodError(
+            f"SLURM_JOB_ID={job!r} is no job number (Slurm sets digits), and the rendezvous port is derived from it: "
+            "export MASTER_PORT (a free TCP port) for the ranks, or unset SLURM_JOB_ID"
+        )
+    port = port or str(20000 + int(job) % 20000)
     return ProcessGroupSpec(rank, world, local, f"tcp://{addr}:{port}")

@@ -254,7 +254,14 @@ def test_demo_refuses_a_bad_recipe_or_ranks_before_writing_anything(tmp_path, ca
 
 @pytest.mark.parametrize(
     "argv",
-    [["--gpu-mem", "nan"], ["--gpu-mem", "inf"], ["--seq-len", "0"], ["--seq-len", "-1"], ["--gpus", "0"]],
+    [
+        ["--gpu-mem", "nan"],
+        ["--gpu-mem", "inf"],
+        ["--seq-len", "0"],
+        ["--seq-len", "-1"],
+        ["--seq-len", "1" + "0" * 400],  # past float's range: the planner's arithmetic raised OverflowError
+        ["--gpus", "0"],
+    ],
 )
 def test_plan_refuses_a_number_it_cannot_plan_with(argv, capsys):
     """A memory of nan GiB (no line, exit 1) or a sequence of 0 tokens (a plan, exit 0) was taken as given. The

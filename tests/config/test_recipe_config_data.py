@@ -347,6 +347,16 @@ def test_a_recipe_key_given_twice_is_refused_naming_its_line(tmp_path):
     assert yaml.load(merged, Loader=_UniqueKeyLoader)["train"] == {"lr_sigma": 0.002, "lr_s": 0.0001}
 
 
+@pytest.mark.parametrize("key", ["data.cutoff_len", "train.micro_batch_size", "train.lr_sigma"])
+def test_a_number_past_any_setting_is_refused_before_the_arithmetic_overflows(key):
+    """A 401-digit integer (int or float field): the planner's float arithmetic raised OverflowError on it."""
+    from frod_ds.config.recipe import MAX_INT
+
+    with pytest.raises(RecipeError, match=f"{key}: a 401-digit number is beyond any setting \\(at most {MAX_INT}\\)"):
+        load_recipe(None, [f"{key}=1{'0' * 400}"], paths=False)
+    assert load_recipe(None, [f"data.cutoff_len={MAX_INT}"], paths=False).data.cutoff_len == MAX_INT
+
+
 def test_a_recipe_whose_aliases_expand_past_any_recipe_is_refused_at_once(tmp_path):
     """Billion laughs: nine levels of nine aliases in 300 bytes; refused before anything walks it (a walk took
     minutes), as is an alias inside the value it names. A recipe's ordinary aliases still load."""

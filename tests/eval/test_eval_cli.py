@@ -297,6 +297,23 @@ def _fails(argv: list[str], capsys, match: str) -> None:
     assert err and err[-1].startswith("error: ") and match in err[-1], err
 
 
+def test_a_closed_stdout_is_not_a_failed_write_of_the_results(assets, tmp_path, monkeypatch):
+    """``frod eval … | true``: the results are written before the table is printed, and the closed stdout reaches
+    the command's end as a broken pipe (stopped quietly there), not as "cannot write results" about the folder."""
+    import io
+
+    class Closed(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    out = tmp_path / "eval"
+    monkeypatch.setattr("sys.stdout", Closed())
+    with pytest.raises(BrokenPipeError):
+        main(["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", "piqa", "--output", str(out)])
+    monkeypatch.undo()
+    assert json.loads((out / "results.json").read_text())["tasks"]["piqa"]["n"] == len(assets["rows"]["piqa"])
+
+
 def test_missing_task_file_is_a_clear_error(assets, tmp_path, capsys):
     out = tmp_path / "out"
     _fails(

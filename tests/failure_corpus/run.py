@@ -881,6 +881,13 @@ def store_flip_manifest(world, case, spec):
     m.write_text(text[: i + 1] + ("x" if text[i + 1] != "x" else "y") + text[i + 2 :])
 
 
+def store_unmarked(world, case, spec):
+    """The world's store as HJD leaves it when stopped between its last category and the completion mark."""
+    _copy(world, "store", case / "store")
+    m = case / "store" / "manifest.json"
+    m.write_text(json.dumps({**json.loads(m.read_text()), "complete": False}, indent=1))
+
+
 def store_torn_manifest(world, case, spec):
     _copy(world, "store", case / "store")
     _truncate(case / "store" / "manifest.json", 0.5)
@@ -1661,6 +1668,7 @@ STEPS: dict[str, Callable] = {
         model_empty_shard,
         store_copy,
         store_flip_manifest,
+        store_unmarked,
         store_torn_manifest,
         store_no_manifest,
         store_torn_factor,

@@ -17,6 +17,7 @@ from frod_ds.hjd.math import decompose
 from frod_ds.hjd.routes import make_blocks
 from frod_ds.hjd.sharding import split_counts
 from frod_ds.model.store_reader import FactorStore
+from frod_ds.runtime.errors import FrodError
 from tests.support import pace
 from tests.support.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
 
@@ -223,6 +224,10 @@ def test_launcher_env_maps_srun():
     assert env == before, "the environment is only read"
     exported = {**env, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "29400"}  # as an sbatch script exports them
     assert process_group_spec(exported).init_method == "tcp://10.0.0.7:29400"
+    faked = {**env, "SLURM_JOB_ID": "abc"}  # Slurm sets digits: the port cannot be derived from it
+    with pytest.raises(FrodError, match="SLURM_JOB_ID='abc' is no job number .*export MASTER_PORT"):
+        process_group_spec(faked)
+    assert process_group_spec({**faked, "MASTER_PORT": "29400"}).init_method == "tcp://gpu007:29400"
     assert first_slurm_host("node1") == "node1"
     sbatch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8"}
     assert process_group_spec(sbatch) is None, "plain python inside sbatch stays one process"
@@ -319,6 +324,26 @@ def test_a_complete_store_asked_again_is_left_as_it_was(tmp_path, capsys):
         assert run_stage(again) is None
         assert "already holds every category asked for, complete: nothing to do" in capsys.readouterr().out
         assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (tmp_path / "store").iterdir()} == files
+
+
+def test_a_store_stopped_before_its_completion_mark_is_named_so_and_finished_by_the_same_command(tmp_path):
+    """HJD killed after its last category was recorded but before the store was marked complete: readers say the
+    run stopped before the mark (no "missing: []"), and the same command marks it without redoing a category."""
+    from frod_ds.hjd.stage import StageConfig, run_stage
+    from frod_ds.runtime.errors import StoreError
+
+    model = write_tiny_llama(tmp_path / "model", **WIDE)
+    store = tmp_path / "store"
+    cfg = StageConfig(model=str(model), out=store, targets=("q_proj", "k_proj"), device="cpu")
+    run_stage(cfg)
+    doc = json.loads((store / "manifest.json").read_text())
+    (store / "manifest.json").write_text(json.dumps({**doc, "complete": False}, indent=1))  # as the kill leaves it
+    factors = {p.name: p.read_bytes() for p in store.glob("*.safetensors")}
+    with pytest.raises(StoreError, match=f"was not finished: every category is in, .*--model {model} --out {store}"):
+        FactorStore.open(store)
+    finished = run_stage(cfg)
+    assert finished.complete and finished.run.categories_done == [] and FactorStore.open(store).complete
+    assert {p.name: p.read_bytes() for p in store.glob("*.safetensors")} == factors
 
 
 def test_device_cache_keeps_weights_before_gram_matrices(tmp_path):
