@@ -259,18 +259,25 @@ def _place(path: Path, record: LeaseRecord) -> int:
     return fd
 
 
-def _take_from(path: Path, stale: LeaseRecord | None, st: os.stat_result) -> None:
+def _mutex(path: Path) -> Path:
+    return path.with_name(path.name + ".takeover")
+
+
+def _take_from(path: Path, stale: LeaseRecord | None, st: os.stat_result) -> float | None:
     """Remove the stale lease at ``path`` (``stale``, ``st``: as it was read) under the takeover mutex
-    ``path.takeover``, only if it is still that one: of two takers, the second finds the first's new lease."""
-    mutex = path.with_name(path.name + ".takeover")
+    ``path.takeover``, only if it is still that one: of two takers, the second finds the first's new lease. The
+    mutex's age in seconds when another taker holds it (nothing done), else None."""
+    mutex = _mutex(path)
     try:
         os.close(os.open(mutex, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
     except FileExistsError:
+        age = 0.0
         with contextlib.suppress(OSError):
-            if time.time() - os.stat(mutex).st_mtime > TAKEOVER_S:
+            age = time.time() - os.stat(mutex).st_mtime
+            if age > TAKEOVER_S:
                 os.unlink(mutex)  # its taker died mid-way
         time.sleep(0.05)
-        return
+        return age
     try:
         found = read_lease(path)
         if found is None:
@@ -319,6 +326,7 @@ def acquire(
         raise error(f"{what} {out} is {it}, not a folder; give {what} a directory path")
     _check_no_writer_above(out, what, error, handed)
     created: list[Path] = []
+    busy: float | None = None
     try:
         _make_parents(path.parent, created)
         for _ in range(100):
@@ -347,8 +355,15 @@ def acquire(
                         f"end or choose another {what} (a holder whose host is down loses the lease once its "
                         f"heartbeat is {STALE_S:.0f} s old)"
                     )
-            _take_from(path, held, st)
-            note(f"{what} {out}: taking over the lease of {who}: {why}")
+            busy = _take_from(path, held, st)
+            if busy is None:
+                note(f"{what} {out}: taking over the lease of {who}: {why}")
+        if busy is not None:  # the stale lease stayed: another taker's mutex, fresh all along
+            raise error(
+                f"{what} {out}: its stale lease is being taken over by another command, or a takeover was cut off "
+                f"({_mutex(path)} is {busy:.0f} s old); try again in {max(1.0, TAKEOVER_S - busy):.0f} s, or remove "
+                f"that file if no frod-ds command is starting on {out}"
+            )
         raise error(f"{what} {out}: other writers keep taking its lease ({path}); try again")
     except BaseException as e:
         for d in reversed(created):

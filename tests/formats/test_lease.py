@@ -340,3 +340,20 @@ def test_a_leases_variable_that_is_not_frods_own_is_one_line_naming_it(tmp_path,
     assert not (tmp_path / "out").exists()
     monkeypatch.setenv(lease_module.ENV, json.dumps({str(tmp_path / "elsewhere"): "t"}))
     acquire(tmp_path / "out", "frod data build").release()
+
+
+def test_a_stale_lease_behind_a_fresh_takeover_mutex_names_the_mutex_and_when_to_retry(tmp_path, no_slurm, capsys):
+    """A dead writer's lease and a fresh takeover mutex (a taker mid-way, or one that died there): the refusal names
+    the mutex, its age and when a retry can pass, and no "taking over" note is printed for a takeover not done; once
+    the mutex is older than a takeover can be, the same call takes the lease over."""
+    out = tmp_path / "out"
+    path = planted(out, pid=dead_pid())
+    mutex = path.with_name(path.name + ".takeover")
+    mutex.write_text("")
+    with pytest.raises(FrodError, match=r"being taken over .*\.takeover is \d+ s old\); try again in \d+ s, or remove"):
+        acquire(out, "frod train")
+    assert "taking over" not in capsys.readouterr().err and path.is_file()
+    old = time.time() - lease_module.TAKEOVER_S - 5
+    os.utime(mutex, (old, old))
+    acquire(out, "frod train").release()
+    assert not mutex.exists() and "taking over the lease" in capsys.readouterr().err
