@@ -58,6 +58,7 @@ CHAIN_KEYS: dict[str, Any] = {
     "timeout_s": 600,  # a launched stage still running after this is killed
     "est_s": 180,  # a training stage's wall time before it ever ran: none starts with less budget left
     "nvme_path": "",  # frod train's --nvme-path (an absolute folder on the machine's local disk), for NVMe JSONs
+    "omp_threads": 0,  # OMP_NUM_THREADS of the training runs; 0: the launcher's (torchrun: 1 for several ranks)
     "tag": "",
 }
 
@@ -67,7 +68,8 @@ def check(s: dict[str, Any], where: str) -> None:
     if s["shape"] not in SHAPES:
         raise BenchError(f"{where}: shape {s['shape']!r} is not one of {', '.join(SHAPES)}")
     ints = ("layers", "gpus", "seq", "batch", "steps", "save_at", "kill_at", "mfu_batch_max", "mfu_steps")
-    bad = [k for k in ints if not isinstance(s[k], int) or s[k] < (0 if k == "layers" else 1)]
+    ints += ("omp_threads",)
+    bad = [k for k in ints if not isinstance(s[k], int) or s[k] < (0 if k in ("layers", "omp_threads") else 1)]
     if bad:
         raise BenchError(f"{where}: {', '.join(bad)} must be positive integers")
     if not s["save_at"] < s["kill_at"] < min(2 * s["save_at"], s["steps"]):
@@ -221,11 +223,14 @@ def _rank_rss(launched: int) -> dict[str, float]:
     return out
 
 
-def watch(cmd: list[str], log: Path, timeout: float, stop=None, gpus: int = 0) -> dict[str, Any]:
+def watch(
+    cmd: list[str], log: Path, timeout: float, stop=None, gpus: int = 0, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run ``cmd`` in its own session (output to ``log``), sampling memory twice a second (of its ``gpus`` GPUs,
     ``run_gpus``); SIGKILL the session when ``stop()`` turns true, at ``timeout``, or when the runner is stopped.
     ``rc``: None on time-out, -9 if stopped."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.update(extra_env or {})
     mine = set(run_gpus(gpus, env))
     base, rss, used = _settled_gpu_used() if gpus else {}, {}, {}
     rc, t0, sampled = None, time.perf_counter(), 0.0
@@ -290,7 +295,8 @@ def _run(ch: Chain, stage: str, out: Path, extra: list[str], stop_at: int, left:
 
     log = ch.runs / f"{stage}.log"
     start = log.stat().st_size if log.is_file() else 0
-    w = watch(cmd, log, min(s["timeout_s"], left), stop, gpus=s["gpus"] if ch.device["count"] > 0 else 0)
+    omp = {"OMP_NUM_THREADS": str(s["omp_threads"])} if s["omp_threads"] else {}
+    w = watch(cmd, log, min(s["timeout_s"], left), stop, s["gpus"] if ch.device["count"] > 0 else 0, omp)
     text = log.read_bytes()[start:].decode(errors="replace")
     rows, said, built = _rows(out), re.findall(r"resumed from step(\d+)", text), re.findall(BUILT, text)
     if w["rc"] not in {"train": (-9,), "resume": (0,)}.get(stage, (-9, 0)):

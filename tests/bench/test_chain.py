@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -71,6 +72,22 @@ def test_a_run_is_measured_on_its_own_gpus_and_a_failure_names_frods_error_line(
     text = failure("exit code 1", log)
     assert text.splitlines()[0] == f"exit code 1: {log[1]}" and text.splitlines()[1:] == log[-30:]
     assert failure("timeout", log[2:]).splitlines()[0] == "timeout"
+
+
+def test_a_chains_omp_threads_reach_the_run_and_are_checked(tmp_path):
+    """``omp_threads`` sets the training runs' OMP_NUM_THREADS (torchrun sets 1 for several ranks unless it is set);
+    0 leaves the launcher's; a negative count is refused with the suite."""
+    from bench.kinds.chain import watch
+
+    probe = [sys.executable, "-c", "import os; print('omp', os.environ.get('OMP_NUM_THREADS'))"]
+    watch(probe, tmp_path / "a.log", 60, extra_env={"OMP_NUM_THREADS": "16"})
+    assert "omp 16" in (tmp_path / "a.log").read_text()
+    path = tmp_path / "c.toml"
+    path.write_text('kind = "chain"\n[[configs]]\nomp_threads = -1\n')
+    with pytest.raises(BenchError, match="omp_threads must be positive integers"):
+        load_suite(path)
+    (cfg, omp) = load_suite(REPO / "bench" / "suites" / "offload-7b-train-2gpu.toml").configs
+    assert (cfg.settings["omp_threads"], omp.settings["omp_threads"], omp.name) == (0, 16, "7b-2g-omp16")
 
 
 def test_a_part_is_the_same_files_whoever_writes_it_and_leaves_the_index_when_deleted(tmp_path, monkeypatch):
