@@ -1,6 +1,7 @@
 """``frod demo`` (what ``make demo`` runs) end to end on CPU ranks: every stage writes inside the demo's output
-under its lease, training into a folder apart from its inputs, and the demo again replaces its own output. The
-recipe is the shipped one cut to a few steps; the accuracies it prints are checked against eval's own files."""
+under its lease, training into a folder apart from its inputs (a demo again over its own output:
+tests/formats/test_ownership.py). The recipe is the shipped one cut to a few steps; the accuracies it prints are
+checked against eval's own files."""
 
 from __future__ import annotations
 
@@ -18,27 +19,22 @@ from tests.support.leftovers import REPO, clean_env
 pytestmark = pytest.mark.slow
 
 
-def test_the_demo_runs_every_stage_and_again_over_its_own_output(tmp_path):
+def test_the_demo_runs_every_stage_on_two_ranks(tmp_path):
     recipe = yaml.safe_load((REPO / "recipes" / "demo_tiny.yaml").read_text())
     recipe["train"].update(max_steps=4, save_every=2, rotation_every=2)
     short = tmp_path / "short.yaml"
     short.write_text(yaml.safe_dump(recipe))
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "frod_ds", "demo", "--out", str(out), "--recipe", str(short), "--ranks"]
-    for attempt, ranks in (("first", "2"), ("again, one rank", "1")):
-        run = subprocess.run(
-            [*cmd, ranks], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=pace.scaled(100)
-        )
-        assert run.returncode == 0, (attempt, run.stdout[-2000:], run.stderr[-2000:])
-        results = {
-            name: json.loads((out / name / "results.json").read_text())["tasks"] for name in ("eval_base", "eval")
-        }
-        for task in ("boolq", "piqa"):
-            said = re.search(rf"{task}: held-out accuracy ([\d.]+) \(base model ([\d.]+)", run.stdout)
-            assert said, run.stdout[-2000:]
-            assert float(said.group(1)) == pytest.approx(results["eval"][task]["accuracy"], abs=5e-4)
-            assert float(said.group(2)) == pytest.approx(results["eval_base"][task]["accuracy"], abs=5e-4)
-        rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [1, 2, 3, 4]
-        assert (out / "run" / "adapter-final" / "adapter_config.json").is_file()
-        assert not (out / "adapter-final").exists()  # the run's folder holds no input of it
+    cmd = [sys.executable, "-m", "frod_ds", "demo", "--out", str(out), "--recipe", str(short)]
+    run = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=pace.scaled(100))
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
+    results = {name: json.loads((out / name / "results.json").read_text())["tasks"] for name in ("eval_base", "eval")}
+    for task in ("boolq", "piqa"):
+        said = re.search(rf"{task}: held-out accuracy ([\d.]+) \(base model ([\d.]+)", run.stdout)
+        assert said, run.stdout[-2000:]
+        assert float(said.group(1)) == pytest.approx(results["eval"][task]["accuracy"], abs=5e-4)
+        assert float(said.group(2)) == pytest.approx(results["eval_base"][task]["accuracy"], abs=5e-4)
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert (out / "run" / "adapter-final" / "adapter_config.json").is_file()
+    assert not (out / "adapter-final").exists()  # the run's folder holds no input of it

@@ -183,6 +183,31 @@ def test_a_listed_nested_output_is_judged_by_its_own_record(tmp_path):
     assert not demo.exists()
 
 
+def test_a_demo_again_removes_its_training_run_and_keeps_what_it_did_not_write(tmp_path):
+    """frod demo over its own output: the run/ folder its training wrote (recorded by training, listed by the demo)
+    goes with the demo's other files; a file the user put beside them stays, and so does the demo folder."""
+    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.train.run_dir import RUN_FILES, RUN_KIND, record_adapter
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    mark_dir(demo, "demo", DEMO_FILES)
+    write(demo, {"demo.log": "log"})
+    data_build(demo / "data")
+    run = demo / "run"
+    run.mkdir()
+    record_files(run, RUN_FILES, RUN_KIND)
+    record_adapter(run, "adapter-final")
+    write(run, {"metrics.jsonl": "{}\n", "adapter-final/adapter_model.safetensors": "a"})
+    assert foreign_files(demo) == []
+    write(demo, {"notes.txt": "mine"})
+    with pytest.raises(FrodError, match="notes.txt"):
+        remove_owned(demo, "demo")  # the demo refuses to replace a folder holding the user's file
+    (demo / "notes.txt").unlink()
+    remove_owned(demo, "demo")
+    assert not demo.exists()
+
+
 def test_another_commands_output_inside_is_named_by_its_kind(tmp_path):
     out = data_build(tmp_path / "data")
     with building_dir(out / "kept" / "adapter-final", "adapter") as tmp:
