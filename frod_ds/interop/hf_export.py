@@ -116,7 +116,8 @@ def export_transformers(
         out_dtype = None if dtype == "auto" else dtype_from_name(dtype, OUT_DTYPES, "--dtype (or auto)")
         if not shard_gb > 0:
             raise ExportError(f"--shard-gb must be > 0, got {shard_gb}")
-        check_out(out, KIND, {"--checkpoint": checkpoint_dir}, overwrite, error=ExportError)  # before reading anything
+        given = {"--checkpoint": checkpoint_dir, "--base-model": base_model, "--factor-store": factor_store}
+        check_out(out, KIND, given, overwrite, error=ExportError)  # before reading anything
         tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
         inputs = {
             "--checkpoint": checkpoint_dir,

@@ -211,7 +211,8 @@ def export_peft(
         out = Path(out)
         if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol > 0):
             raise PeftInteropError(f"--peft-tol must be a number > 0, got {tol!r}")
-        check_out_dir(out, overwrite, EXPORT_KIND, {"--checkpoint": checkpoint_dir})
+        given = {"--checkpoint": checkpoint_dir, "--base-model": base_model, "--factor-store": factor_store}
+        check_out_dir(out, overwrite, EXPORT_KIND, given)
         tensors, config, model_dir, store = adapter_sources(checkpoint_dir, base_model, factor_store)
         inputs = {"--checkpoint": checkpoint_dir, "the base model": model_dir, "the factor store": store.path}
         check_replaceable(

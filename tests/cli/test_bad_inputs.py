@@ -646,6 +646,19 @@ def test_eval_into_an_input_is_refused(env, trained, tmp_path, capsys, flag):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("fmt", ["hf", "peft"])
+def test_export_into_its_base_model_is_refused_as_its_input(env, trained, tmp_path, capsys, fmt):
+    """``--out`` the very folder ``--base-model`` names (with ``--overwrite``): named as the command's input, not as
+    a folder frod-ds did not write; nothing in it changes."""
+    base = tmp_path / "base"
+    shutil.copytree(env.model, base)
+    before = {p.name: p.read_bytes() for p in base.iterdir() if p.is_file()}
+    argv = ["--checkpoint", str(trained / "adapter-final"), "--base-model", str(base), "--out", str(base)]
+    line = one_error(capsys, export_cli.main([*argv, "--overwrite", "--format", fmt]))
+    assert f"--out {base} (files not written by frod-ds) is --base-model {base}, an input of this command" in line
+    assert {p.name: p.read_bytes() for p in base.iterdir() if p.is_file()} == before
+
+
 # -- damaged inputs of eval and export --------------------------------------------------------------------
 
 
