@@ -167,6 +167,16 @@ def export_transformers(
                         W = ckpt.get(name)
                         if out_dtype is not None and W.is_floating_point():
                             W = W.to(out_dtype)
+                    if W.is_floating_point() and not bool(torch.isfinite(W).all()):  # train and eval refuse it too
+                        where = (
+                            f"merged from the factor store {store.path} and the adapter"
+                            if name in member_of
+                            else f"in the base checkpoint {model_dir}"
+                        )
+                        raise ExportError(
+                            f"{name} holds {int((~torch.isfinite(W)).sum())} non-finite value(s) (NaN/inf) {where}: "
+                            "a damaged file; use an intact copy of it"
+                        )
                     W = W.cpu().contiguous()
                     nbytes = W.numel() * W.element_size()
                     if shards[-1] and size + nbytes > limit:

@@ -659,6 +659,26 @@ def test_export_into_its_base_model_is_refused_as_its_input(env, trained, tmp_pa
     assert {p.name: p.read_bytes() for p in base.iterdir() if p.is_file()} == before
 
 
+def test_export_refuses_a_base_with_a_non_finite_weight_as_train_and_eval_do(env, trained, tmp_path, capsys):
+    """A NaN in an untargeted base weight (its store built from that base): training and eval refuse the base as
+    damaged; export wrote the NaN into the merged checkpoint without a word. Now it names the tensor, and no
+    --out is left."""
+    base = tmp_path / "base"
+    shutil.copytree(env.model, base)
+    name = "model.layers.0.mlp.down_proj.weight"
+    shard = next(p for p in base.glob("*.safetensors") if name in load_file(str(p)))
+    tensors = load_file(str(shard))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    store = tmp_path / "store"
+    assert hjd_in_process(["--model", str(base), "--out", str(store), "--device", "cpu"]).returncode == 0
+    out = tmp_path / "merged"
+    argv = ["--checkpoint", str(trained / "adapter-final"), "--base-model", str(base), "--factor-store", str(store)]
+    line = one_error(capsys, export_cli.main([*argv, "--out", str(out)]))
+    assert f"{name} holds 1 non-finite value(s) (NaN/inf) in the base checkpoint {base}" in line, line
+    assert not out.exists() and not list(tmp_path.glob(".merged*"))
+
+
 # -- damaged inputs of eval and export --------------------------------------------------------------------
 
 
