@@ -18,6 +18,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from frod_ds.core.names import LLAMA_LINEARS  # noqa: E402
 from frod_ds.hjd.sharding import DEFAULT_TARGETS, readahead_budget, start_readahead  # noqa: E402  (no torch yet)
 from frod_ds.runtime.cli_parser import Parser, seed_int  # noqa: E402
 from frod_ds.runtime.launch_env import ranks_on_this_node  # noqa: E402
@@ -136,6 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = p.parse_args(argv)
     args.targets = [t for item in args.targets for t in item.split(",") if t]
+    others = [t for t in args.targets if t not in LLAMA_LINEARS]
+    if others:  # training takes only these (model.targets): a store of others could never be trained with
+        linears = " ".join(LLAMA_LINEARS)
+        p.error(f"--targets {' '.join(others)}: not LLaMA decoder linears ({linears}), which training takes")
     if args.categories is not None:
         args.categories = [c for item in args.categories for c in item.split(",") if c]
     if (args.out is None) == (args.verify is None):

@@ -53,11 +53,30 @@ def test_hjd_truncated_shard_exits_2_as_a_process(model, tmp_path):
     assert _no_complete_store(out) and not out.exists()
 
 
-def test_hjd_no_target_found(model, tmp_path, capsys):
+@pytest.mark.parametrize("targets", ["q_proj,qkv_proj", "lm_head"])
+def test_hjd_targets_training_cannot_take_are_refused(model, tmp_path, capsys, targets):
+    """A store of other linears (lm_head, a fused qkv_proj) could never be trained with: model.targets takes the
+    LLaMA decoder linears only. Refused with the arguments, naming them, before anything is read or written."""
     out = tmp_path / "store"
-    assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj,qkv_proj"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(model), "--out", str(out), "--targets", targets])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and f"--targets {targets.split(',')[-1]}: not LLaMA decoder linears (q_proj" in line
+    assert not out.exists()
+
+
+def test_hjd_no_target_found(model, tmp_path, capsys):
+    """A LLaMA linear the checkpoint lacks (every gate_proj removed, the index too) is named."""
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    for shard in {f for k, f in index["weight_map"].items() if ".gate_proj." in k}:
+        kept = {k: v for k, v in load_file(str(model / shard)).items() if ".gate_proj." not in k}
+        save_file(kept, str(model / shard), metadata={"format": "pt"})
+    index["weight_map"] = {k: f for k, f in index["weight_map"].items() if ".gate_proj." not in k}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--targets", "q_proj,gate_proj"]) == 2
     (line,) = _error_lines(capsys.readouterr().err)
-    assert "qkv_proj" in line and "q_proj" in line
+    assert "gate_proj" in line and "--targets" in line, line
     assert not out.exists()
 
 
