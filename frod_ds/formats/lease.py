@@ -33,6 +33,7 @@ __all__ = ["HEARTBEAT_S", "STALE_S", "ENV", "Lease", "lease_path", "acquire", "h
 
 _depth = 0  # leases this process holds through `holding`: an enclosed one is not the command's output
 HEARTBEAT_S = 30.0  # seconds between heartbeats
+MAX_LEASE_BYTES = 64 * 1024  # a lease record is a few hundred bytes: more is no lease, and is not read
 STALE_S = 300.0  # a heartbeat this old from another host: its writer is gone (10 missed beats)
 TAKEOVER_S = 30.0  # a takeover mutex this old: its taker died mid-way (a takeover takes milliseconds)
 ENV = "FROD_DS_LEASES"  # JSON {lease path: token}: leases a parent hands its children (frod demo's stages)
@@ -102,19 +103,45 @@ def _me(kind: str) -> LeaseRecord:
 
 
 def read_lease(path: Path) -> tuple[LeaseRecord | None, os.stat_result] | None:
-    """The lease at ``path`` and its stat (mtime: the heartbeat); None when there is none; the record is None when
-    the file cannot be read as one."""
+    """The lease at ``path`` and its stat (``lstat``; mtime: the heartbeat); None when there is none; the record is
+    None when the entry cannot be read as one. Only a regular file is read, and only its first bytes: a named pipe,
+    a device or a link there (no lease is any of them) would block the read or never end it."""
     try:
-        st = os.stat(path)
-        text = Path(path).read_text()
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None, st
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     except OSError:
-        return None, os.stat(path)
-    try:
-        return record_from_dict(LeaseRecord, loads(text), str(path), FrodError), st
-    except ValueError:
         return None, st
+    try:
+        data = os.read(fd, MAX_LEASE_BYTES + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        data = b""
+    finally:
+        os.close(fd)
+    try:
+        return record_from_dict(LeaseRecord, loads(data[:MAX_LEASE_BYTES].decode("utf-8")), str(path), FrodError), st
+    except ValueError:  # not UTF-8, not JSON, not a lease record
+        return None, st
+
+
+def _odd(st: os.stat_result) -> str | None:
+    """What an entry at a lease's name that no lease can be is (a link, a folder, a pipe…), or None for a file."""
+    mode = st.st_mode
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    return "a socket" if stat.S_ISSOCK(mode) else "a device"
 
 
 def describe(held: LeaseRecord, st: os.stat_result, now: float | None = None) -> str:
@@ -341,6 +368,11 @@ def acquire(
             if held is not None and inherited and held.token == inherited:
                 return Lease(path, held, None, created, heartbeat_s)
             if held is None:
+                if _odd(st):  # never a lease, never removed: a user's, or another program's
+                    raise error(
+                        f"{what} {out} is locked by {path}, which is {_odd(st)}, not a frod-ds lease; remove it if no "
+                        f"frod-ds command writes {out}, or choose another {what}"
+                    )
                 if time.time() - st.st_mtime <= STALE_S:
                     raise error(
                         f"{what} {out} is locked by {path}, which is not a frod-ds lease; remove it if no frod-ds "

@@ -357,3 +357,29 @@ def test_a_stale_lease_behind_a_fresh_takeover_mutex_names_the_mutex_and_when_to
     os.utime(mutex, (old, old))
     acquire(out, "frod train").release()
     assert not mutex.exists() and "taking over the lease" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry", ["dangling link", "named pipe", "link to /dev/zero", "folder", "bad bytes"])
+def test_an_entry_no_lease_can_be_is_named_and_never_read_or_removed(tmp_path, no_slurm, entry):
+    """A link, a named pipe, a device or a folder where the lease goes, or a file of bytes that are no text: named in
+    one line at once (a pipe blocked the read, /dev/zero filled the memory, bad bytes gave a traceback, a dangling
+    link was taken for a lease released meanwhile) and left where it is."""
+    out = tmp_path / "out"
+    path = lease_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if entry == "dangling link":
+        os.symlink(tmp_path / "gone", path)
+    elif entry == "named pipe":
+        os.mkfifo(path)
+    elif entry == "link to /dev/zero":
+        os.symlink("/dev/zero", path)
+    elif entry == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff" * 10)
+        old = time.time() - 10
+        os.utime(path, (old, old))
+    t0 = time.monotonic()
+    with pytest.raises(FrodError, match=f"is locked by {path}, which is .*not a frod-ds lease; remove it"):
+        acquire(out, "frod data build")
+    assert time.monotonic() - t0 < 5 and os.path.lexists(path)
