@@ -137,7 +137,26 @@ def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
     if previous == signal.SIG_DFL:  # not one a caller installed
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        os.getcwd()  # torch's MKL, Path.cwd() and relative paths all need it: one line, before any of them
+    except FileNotFoundError:
+        print(
+            "error: the working directory no longer exists (deleted or moved away); cd to an existing folder and "
+            "run the command again",
+            file=sys.stderr,
+        )
+        sys.exit(USER_ERROR)
+    try:
         code = main()
+    except ImportError as e:
+        if "shared object" not in str(e) and ".so" not in str(e):
+            raise  # a module of frod-ds's own, or a missing package: a bug or an install to fix, with its traceback
+        # a library's compiled part that would not load (a memory limit such as ulimit -v, or a broken install)
+        print(
+            f"error: a library's compiled part did not load ({' '.join(str(e).split())[:200]}); raise the process's "
+            "memory limit (ulimit -v) if one is set, else reinstall that package",
+            file=sys.stderr,
+        )
+        code = USER_ERROR
     except KeyboardInterrupt:  # Ctrl-C: the user's own stop, not a bug; what is half-written is never published
         print(f"error: interrupted (Ctrl-C); {_after_stop()}", file=sys.stderr)
         code = 130

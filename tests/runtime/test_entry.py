@@ -415,3 +415,44 @@ def test_a_name_past_the_file_systems_limit_is_one_line(capsys, tmp_path):
     assert entry.run(_raise(fail), init_group=False) == 2
     err = capsys.readouterr().err
     assert err == f"error: {deep}: the path is longer than the file system allows; choose a shorter path\n", err
+
+
+def test_a_deleted_working_directory_is_one_line_before_anything_loads(tmp_path):
+    """A command started from a folder that was deleted: torch's MKL failed to load and Path.cwd() raised; now one
+    line says so and what to do, before any import."""
+    from tests.support.leftovers import clean_env
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    body = "import os, sys; d = sys.argv.pop(1); os.chdir(d); os.rmdir(d); from frod_ds.cli.main import console; console()"
+    run = subprocess.run(
+        [sys.executable, "-c", body, str(gone), "plan", "--help"],
+        cwd=REPO,
+        env={**clean_env(), "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        "error: the working directory no longer exists (deleted or moved away); cd to an existing folder and run the "
+        "command again"
+    ], run.stderr
+
+
+def test_a_library_whose_compiled_part_does_not_load_is_one_line(capsys):
+    """ImportError of a shared object (``ulimit -v`` too low for libtorch) is the environment's, named in one line;
+    any other ImportError is a bug or a missing package and keeps its traceback."""
+
+    def fails(message: str):
+        def main() -> int:
+            raise ImportError(message)
+
+        return main
+
+    with pytest.raises(SystemExit) as e:
+        entry.run_script(fails("libtorch_cpu.so: failed to map segment from shared object"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: a library's compiled part did not load (libtorch_cpu.so")
+    assert "ulimit -v" in err and "Traceback" not in err
+    with pytest.raises(ImportError, match="No module named"):
+        entry.run_script(fails("No module named 'frod_ds.nothing'"))
