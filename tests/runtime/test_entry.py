@@ -425,8 +425,7 @@ def test_a_deleted_working_directory_is_one_line_before_anything_loads(tmp_path)
     gone = tmp_path / "gone"
     gone.mkdir()
     body = (
-        "import os, sys; d = sys.argv.pop(1); os.chdir(d); os.rmdir(d)\n"
-        "from frod_ds.cli.main import console; console()"
+        "import os, sys; d = sys.argv.pop(1); os.chdir(d); os.rmdir(d)\nfrom frod_ds.cli.main import console; console()"
     )
     run = subprocess.run(
         [sys.executable, "-c", body, str(gone), "plan", "--help"],
