@@ -46,12 +46,31 @@ def _run(cmd: list[str], what: str, log: Path, env: dict[str, str] | None = None
     with open(log, "a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
-        proc = subprocess.run(cmd, cwd=SRC, env=env, stdout=f, stderr=subprocess.STDOUT)
+        # its own process group: a stop of the demo (SIGTERM, Ctrl-C) stops the stage's ranks too, never orphans them
+        proc = subprocess.Popen(cmd, cwd=SRC, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait()
+        except BaseException:
+            _stop_group(proc)
+            raise
     if proc.returncode != 0:
         tail = log.read_text().splitlines()[-25:]
         print("\n".join(tail), file=sys.stderr)
         raise SystemExit(f"demo: {what} failed (exit {proc.returncode}); full log in {log}")
     print(f"   done in {time.time() - t0:.1f} s", flush=True)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s process group (the launcher and its ranks), SIGKILL after 20 s."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
 
 
 def _free_port() -> int:
@@ -121,11 +140,20 @@ def _check_args(args: argparse.Namespace) -> Path:
 
     if args.ranks < 1:
         raise FrodError(f"--ranks {args.ranks}: pass 1 or more processes")
+    cpus = len(os.sched_getaffinity(0))
+    if args.ranks > max(2, cpus) and not _has_gpu():  # each CPU rank is a process with its own copy of the model
+        raise FrodError(f"--ranks {args.ranks}: this machine gives the demo {cpus} CPUs; pass at most {max(2, cpus)}")
     recipe = user_file(args.recipe, "recipes").resolve()
     if not recipe.is_file():
         raise FrodError(f"--recipe {args.recipe}: no such file; pass a YAML recipe (e.g. recipes/demo_tiny.yaml)")
     load_recipe(str(recipe), ["model.base=m", "model.factor_store=f", "data.train=t"])  # what the demo sets itself
     return recipe
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def demo(args: argparse.Namespace) -> int:

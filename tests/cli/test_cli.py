@@ -238,6 +238,7 @@ def test_every_import_in_the_library_names_a_module():
     [
         (["--recipe", "missing.yaml"], "--recipe missing.yaml: no such file"),
         (["--ranks", "0"], "--ranks 0"),
+        (["--ranks", "100"], "--ranks 100: this machine gives the demo"),
         (["--recipe", "{bad}"], "train.max_step"),
     ],
 )

@@ -38,3 +38,38 @@ def test_the_demo_runs_every_stage_on_two_ranks(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert (out / "run" / "adapter-final" / "adapter_config.json").is_file()
     assert not (out / "adapter-final").exists()  # the run's folder holds no input of it
+
+
+STAGE_BODY = """
+import sys
+from pathlib import Path
+from frod_ds.cli.demo import _run
+from frod_ds.runtime.entry import run_script
+d = Path(sys.argv[1])
+run_script(lambda: _run(["sh", "-c", f"sleep 300 & echo $! > {d}/pid; wait"], "a stage", d / "log"))
+"""
+
+
+def test_a_stopped_demo_stops_its_stages_ranks_too(tmp_path):
+    """SIGTERM to the demo while a stage runs: the stage's whole process group goes with it (100 HJD ranks of a
+    demo stopped by a time limit ran on as orphans)."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", STAGE_BODY, str(tmp_path)], cwd=REPO, env=clean_env())
+    t0 = time.monotonic()
+    while not (tmp_path / "pid").is_file() or not (tmp_path / "pid").read_text().strip():
+        assert proc.poll() is None and time.monotonic() - t0 < 60
+        time.sleep(0.05)
+    grandchild = int((tmp_path / "pid").read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the stage's process {grandchild} outlived the demo")
