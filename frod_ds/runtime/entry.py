@@ -90,6 +90,10 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
             return USER_ERROR
         if e.errno not in DISK_FULL_ERRNOS:
             raise
+        done = last_completed()
+        if not e.filename and done is not None:  # no file named: the command's report to stdout (> /dev/full)
+            report(FrodError(f"cannot write the command's report ({e.strerror}); {_after_stop()}"))
+            return USER_ERROR
         report(FrodError(disk_full_line(e)))  # a full (or read-only) disk: the user's to fix, not a traceback
         return USER_ERROR
     finally:

@@ -458,3 +458,32 @@ def test_a_library_whose_compiled_part_does_not_load_is_one_line(capsys):
     assert "ulimit -v" in err and "Traceback" not in err
     with pytest.raises(ImportError, match="No module named"):
         entry.run_script(fails("No module named 'frod_ds.nothing'"))
+
+
+def test_a_report_stdout_cannot_take_after_the_output_is_published_says_the_output_is_whole(capsys):
+    """``frod convert-gguf … > /dev/full``: the checkpoint was published, then its report line failed with ENOSPC.
+    The line blamed a disk and said to run the command again (which then asks for --overwrite); it now says the
+    output is whole. Without a published output the disk-full line stands."""
+    import errno as errno_module
+
+    from frod_ds.runtime.errors import completed, forget_notes
+
+    def report_fails() -> int:
+        completed("--out /x/cv")
+        raise OSError(errno_module.ENOSPC, "No space left on device")
+
+    try:
+        assert entry.run(report_fails, init_group=False) == 2
+    finally:
+        forget_notes()
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: cannot write the command's report (No space left on device); it came after --out /x/cv was "
+        "complete: that output is whole and kept, nothing needs to run again"
+    ), err
+
+    def write_fails() -> int:
+        raise OSError(errno_module.ENOSPC, "No space left on device", "/x/cv/model.safetensors")
+
+    assert entry.run(write_fails, init_group=False) == 2
+    assert "No space left on device" in capsys.readouterr().err
