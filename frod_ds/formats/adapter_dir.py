@@ -15,6 +15,7 @@ from pathlib import Path
 from frod_ds.formats.factor_store import CategoryIdentity, StoreIdentity
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 from frod_ds.runtime.errors import AdapterError
+from frod_ds.runtime.paths import read_small_text
 
 __all__ = [
     "ADAPTER_FORMAT",
@@ -125,7 +126,8 @@ class AdapterConfig:
 
     @classmethod
     def read(cls, path: Path) -> AdapterConfig:
-        return cls.from_json(path.read_text(), path)
+        remedy = "the adapter is damaged: use an intact copy (e.g. an earlier adapter-<step>) or retrain"
+        return cls.from_json(read_small_text(path, AdapterError, "adapter config", remedy), path)
 
     def store_identity(self) -> StoreIdentity:
         """The factor store this adapter was trained on, as far as the config records it."""

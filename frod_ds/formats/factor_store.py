@@ -15,6 +15,7 @@ from typing import Any
 from frod_ds.formats.checksum import file_crc32, format_crc32
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 from frod_ds.runtime.errors import StoreError
+from frod_ds.runtime.paths import read_small_text
 
 __all__ = [
     "FORMAT",
@@ -209,7 +210,8 @@ class Manifest:
 
     @classmethod
     def read(cls, path: Path) -> Manifest:
-        return cls.from_json(path.read_text(), path)
+        remedy = "the store is damaged: build it again with frod hjd --overwrite"
+        return cls.from_json(read_small_text(path, StoreError, "factor-store manifest", remedy), path)
 
     @property
     def has_checksums(self) -> bool:

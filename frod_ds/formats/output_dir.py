@@ -17,6 +17,7 @@ from pathlib import Path
 from frod_ds.formats.file_digests import file_sha256
 from frod_ds.formats.records import record_from_dict, record_to_json
 from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.paths import read_small_text
 from frod_ds.runtime.strict_json import loads
 
 __all__ = [
@@ -130,7 +131,7 @@ def read_record(folder: Path) -> OutputRecord | None:
 
     path = Path(folder) / MARKER
     try:
-        data = loads(path.read_text())
+        data = loads(read_small_text(path, OutputRecordError, "ownership record", "not a record frod-ds wrote"))
         return record_from_dict(OutputRecord, data, str(path), OutputRecordError)
     except FileNotFoundError:
         return None

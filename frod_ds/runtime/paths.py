@@ -12,7 +12,9 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["file_problem", "dir_problem"]
+__all__ = ["file_problem", "dir_problem", "read_small_text"]
+
+SMALL_FILE_BYTES = 16 * 2**20  # a manifest, a record or a config frod-ds writes: far below this
 
 
 def _stat_problem(path: Path) -> tuple[os.stat_result | None, str | None]:
@@ -69,3 +71,21 @@ def dir_problem(path: str | os.PathLike) -> str | None:
     if not os.access(p, os.R_OK | os.X_OK):
         return f"{p} cannot be read (permission denied)"
     return None
+
+
+def read_small_text(path: str | os.PathLike, error: type[Exception], what: str, remedy: str) -> str:
+    """The UTF-8 text of a small file frod-ds reads for its own records (a store's manifest, an adapter's config).
+    ``error`` (one line: ``{path}`` ``{why}``, then ``remedy``) when it is no regular file (a named pipe would block
+    the read, a link to /dev/zero never end it), larger than any such file, or not UTF-8; FileNotFoundError as is."""
+    p = Path(path)
+    problem = file_problem(p) if os.path.lexists(p) else None
+    if problem is None and os.path.lexists(p) and os.path.getsize(p) > SMALL_FILE_BYTES:
+        problem = f"{p} is {os.path.getsize(p)} bytes, larger than any {what}"
+    if problem is not None:
+        raise error(f"{problem}; {remedy}")
+    with open(p, "rb") as f:
+        data = f.read(SMALL_FILE_BYTES + 1)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{p} is not UTF-8 text (byte {e.start}), so no {what}; {remedy}") from None
