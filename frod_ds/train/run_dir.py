@@ -66,6 +66,15 @@ def check_run_dir(out: Path, inputs: dict[str, Path | str | None] | None = None)
     Other commands' outputs beside the adapters (evals, exports) are not this check's business: training deletes
     nothing."""
     check_replaceable(out, RUN_HOSTS, inputs, what="output_dir", legacy=_is_legacy_run, foreign=False)
+    for entry in RUN_FILES:  # what the run writes there: of the kind it writes, or absent
+        path = out / entry.rstrip("/")
+        folder = entry.endswith("/")
+        if os.path.lexists(path) and (path.is_symlink() or (path.is_dir() if not folder else not path.is_dir())):
+            it = "a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else "not a folder"
+            raise FrodError(
+                f"output_dir {out}: {path} is {it}, where the run keeps its {entry.rstrip('/')}; move it away (or "
+                "choose another output_dir)"
+            )
 
 
 def check_no_unresumable_run(out: Path) -> None:

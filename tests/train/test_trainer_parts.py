@@ -30,3 +30,28 @@ def test_the_trainer_still_exports_its_entry_points_without_a_warning():
     assert callable(setup) and callable(enable_gradient_checkpointing) and callable(check_run_dir)
     with pytest.raises(AttributeError, match="no attribute"):
         trainer.no_such_name_here
+
+
+@pytest.mark.parametrize("entry", ["checkpoints", "metrics.jsonl", "loss.png"])
+def test_an_output_dir_entry_of_the_wrong_kind_is_refused_before_the_run(tmp_path, entry):
+    """Round 15: a run whose checkpoints/ was a file restarted from step 0 over the finished run's metrics and died
+    in DeepSpeed's save (FileExistsError); metrics.jsonl as a folder was an IsADirectoryError. Both are refused
+    first, named, with nothing written."""
+    from frod_ds.formats.ownership import record_files
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.run_dir import RUN_FILES, RUN_KIND, check_run_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    record_files(out, RUN_FILES, RUN_KIND)  # a run's folder, as training opens it
+    if entry == "checkpoints":
+        (out / entry).write_text("x")
+    else:
+        (out / entry).mkdir()
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(FrodError, match=f"{out / entry} is (not a folder|a folder), where the run keeps its {entry}"):
+        check_run_dir(out)
+    assert sorted(p.name for p in out.iterdir()) == before
+    (out / entry).unlink() if entry == "checkpoints" else (out / entry).rmdir()
+    (out / "checkpoints").mkdir()
+    check_run_dir(out)  # the kinds the run writes
