@@ -75,6 +75,8 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     if launcher and "=" not in launcher[0] and len(argv) > 1:
         launcher = argv[:2]
     rest = argv[len(launcher) :]
+    if rest[:1] == ["--"] and len(rest) > 1:  # `frod -- plan …`: the end of frod's options, then the command
+        rest = rest[1:]
     return rest[:1], rest[1:] + launcher
 
 

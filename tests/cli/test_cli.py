@@ -167,6 +167,7 @@ def test_deepspeed_launcher_puts_local_rank_before_the_command():
         ["--config", "c.json", "--local_rank=3"],
     )
     assert _split(["--local-rank", "3", "eval", "-h"]) == (["eval"], ["-h", "--local-rank", "3"])
+    assert _split(["--", "plan", "--gpus", "1"]) == (["plan"], ["--gpus", "1"])  # the end of frod's own options
     assert _split(["plan", "--gpus", "1"]) == (["plan"], ["--gpus", "1"])
 
 
