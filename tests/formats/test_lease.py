@@ -22,6 +22,7 @@ from frod_ds.formats.output_dir import LEASE_FORMAT, LeaseRecord
 from frod_ds.formats.records import record_to_json
 from frod_ds.runtime.errors import FrodError
 from tests.support.leftovers import REPO, clean_env
+from tests.support.odd_files import ODD_ENTRIES, plant
 
 HOLD = """
 import sys, time
@@ -359,7 +360,7 @@ def test_a_stale_lease_behind_a_fresh_takeover_mutex_names_the_mutex_and_when_to
     assert not mutex.exists() and "taking over the lease" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("entry", ["dangling link", "named pipe", "link to /dev/zero", "folder", "bad bytes"])
+@pytest.mark.parametrize("entry", ODD_ENTRIES)
 def test_an_entry_no_lease_can_be_is_named_and_never_read_or_removed(tmp_path, no_slurm, entry):
     """A link, a named pipe, a device or a folder where the lease goes, or a file of bytes that are no text: named in
     one line at once (a pipe blocked the read, /dev/zero filled the memory, bad bytes gave a traceback, a dangling
@@ -367,16 +368,8 @@ def test_an_entry_no_lease_can_be_is_named_and_never_read_or_removed(tmp_path, n
     out = tmp_path / "out"
     path = lease_path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if entry == "dangling link":
-        os.symlink(tmp_path / "gone", path)
-    elif entry == "named pipe":
-        os.mkfifo(path)
-    elif entry == "link to /dev/zero":
-        os.symlink("/dev/zero", path)
-    elif entry == "folder":
-        path.mkdir()
-    else:
-        path.write_bytes(b"\xff" * 10)
+    plant(path, entry)
+    if entry == "not UTF-8":
         old = time.time() - 10
         os.utime(path, (old, old))
     t0 = time.monotonic()

@@ -4,7 +4,6 @@ the memory, a byte that is no UTF-8 gave a traceback. Each is one error naming t
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -13,27 +12,16 @@ from frod_ds.formats.adapter_dir import AdapterConfig
 from frod_ds.formats.factor_store import Manifest
 from frod_ds.formats.output_dir import MARKER, read_record
 from frod_ds.runtime.errors import AdapterError, StoreError
+from tests.support.odd_files import ODD_ENTRIES, plant
 
-
-def _plant(path, kind: str) -> None:
-    if kind == "named pipe":
-        os.mkfifo(path)
-    elif kind == "link to /dev/zero":
-        os.symlink("/dev/zero", path)
-    elif kind == "folder":
-        path.mkdir()
-    else:
-        path.write_bytes(b'{"format": "\xff\xfe"}')
-
-
-KINDS = ["named pipe", "link to /dev/zero", "folder", "not UTF-8"]
+KINDS = [k for k in ODD_ENTRIES if k != "dangling link"]  # a link to nothing: no file, as if none were there
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_manifest_or_adapter_config_that_is_no_text_file_is_one_error_at_once(tmp_path, kind):
     for reader, error, name in ((Manifest.read, StoreError, "manifest.json"), (AdapterConfig.read, AdapterError, "c")):
         path = tmp_path / name
-        _plant(path, kind)
+        plant(path, kind)
         t0 = time.monotonic()
         with pytest.raises(error, match=str(path)) as e:
             reader(path)
@@ -42,7 +30,7 @@ def test_a_manifest_or_adapter_config_that_is_no_text_file_is_one_error_at_once(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_ownership_record_that_is_no_text_file_is_a_record_of_no_kind(tmp_path, kind):
-    _plant(tmp_path / MARKER, kind)
+    plant(tmp_path / MARKER, kind)
     t0 = time.monotonic()
     record = read_record(tmp_path)
     assert record is not None and record.kind is None and time.monotonic() - t0 < 5
