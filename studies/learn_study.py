@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError, parse_lrs
-from studies.records import RUNS_DIR
+from studies.records import StudyDir
 
 DEFAULT_TASKS = "arith_d12,facts64,facts256,facts1024"  # arith failed the pilot gate (docs/learn-study.md)
 ALL_TASKS = (
@@ -127,7 +127,7 @@ def _unsummarised(records: Path) -> list[str]:
     for doc_path in sorted(records.glob("*/seed*/real_study.json")):
         doc = json.loads(doc_path.read_text())
         listed = {(m, r["lr"]) for m, d in doc["methods"].items() for r in d["sweep"]}
-        kept = {(r["method"], r["lr"]) for r in map(_read_json, (doc_path.parent / RUNS_DIR).glob("*.json"))}
+        kept = {(r.method, r.lr) for r in StudyDir(doc_path.parent).runs()}
         extra = sorted(f"{m} lr={lr:g}" for m, lr in kept - listed)
         if extra:
             where = doc_path.parent.relative_to(records)
@@ -136,10 +136,6 @@ def _unsummarised(records: Path) -> list[str]:
                 "call's; the report leaves them out until the next `run` of that task takes them in"
             )
     return notes
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def report(args) -> None:

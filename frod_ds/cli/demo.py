@@ -131,9 +131,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _check_args(args: argparse.Namespace) -> Path:
+def _check_args(args: argparse.Namespace, gpu: bool) -> Path:
     """The recipe to train with, once ``--ranks`` and ``--recipe`` are known to be usable: checked before anything
-    is written, so that a mistake is one line, not a failed stage minutes later with the output half made."""
+    is written, so that a mistake is one line, not a failed stage minutes later with the output half made. ``gpu``:
+    the stages run on GPUs (otherwise on CPU ranks, no more than the CPUs)."""
     from frod_ds.config.recipe import load_recipe
     from frod_ds.runtime.errors import FrodError
     from frod_ds.runtime.shipped import user_file
@@ -141,7 +142,7 @@ def _check_args(args: argparse.Namespace) -> Path:
     if args.ranks < 1:
         raise FrodError(f"--ranks {args.ranks}: pass 1 or more processes")
     cpus = len(os.sched_getaffinity(0))
-    if args.ranks > max(2, cpus) and not _has_gpu():  # each CPU rank is a process with its own copy of the model
+    if args.ranks > max(2, cpus) and not gpu:  # each CPU rank is a process with its own copy of the model
         raise FrodError(f"--ranks {args.ranks}: this machine gives the demo {cpus} CPUs; pass at most {max(2, cpus)}")
     recipe = user_file(args.recipe, "recipes").resolve()
     if not recipe.is_file():
@@ -150,21 +151,16 @@ def _check_args(args: argparse.Namespace) -> Path:
     return recipe
 
 
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def demo(args: argparse.Namespace) -> int:
     import torch
 
     from frod_ds.formats.lease import holding
 
-    recipe = _check_args(args)
+    gpu = torch.cuda.is_available()
+    recipe = _check_args(args, gpu)
     out = Path(args.out).resolve()
     with holding(out, "demo", "--out") as lease:  # every stage writes inside out under this lease
-        return _demo(out, args, recipe, lease.child_env(), gpu=torch.cuda.is_available())
+        return _demo(out, args, recipe, lease.child_env(), gpu=gpu)
 
 
 def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str], gpu: bool) -> int:

@@ -74,9 +74,8 @@ def _slurm_restart(env: os._Environ[str] | dict[str, str]) -> int | None:
     return int(env.get("SLURM_RESTART_COUNT") or 0) if env.get("SLURM_JOB_ID") else None
 
 
-def _special(path: Path) -> str:
-    """What a path that is neither a file nor a folder is, in a few words."""
-    mode = path.stat().st_mode
+def _special(mode: int) -> str:
+    """What an entry of ``mode`` that is neither a file, a folder nor a link is, in a few words."""
     if stat.S_ISFIFO(mode):
         return "a named pipe (FIFO)"
     if stat.S_ISSOCK(mode):
@@ -137,11 +136,7 @@ def _odd(st: os.stat_result) -> str | None:
         return None
     if stat.S_ISLNK(mode):
         return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    return "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return "a folder" if stat.S_ISDIR(mode) else _special(mode)
 
 
 def describe(held: LeaseRecord, st: os.stat_result, now: float | None = None) -> str:
@@ -349,7 +344,7 @@ def acquire(
     handed = handed_leases(os.environ, error)  # leases this process's launcher holds: {path: token}
     inherited = handed.get(str(path))
     if (out.exists() or out.is_symlink()) and not out.is_dir():  # no lease is ever placed beside a user's file
-        it = "a link to nothing" if not out.exists() else "a file" if out.is_file() else _special(out)
+        it = "a link to nothing" if not out.exists() else "a file" if out.is_file() else _special(out.stat().st_mode)
         raise error(f"{what} {out} is {it}, not a folder; give {what} a directory path")
     _check_no_writer_above(out, what, error, handed)
     created: list[Path] = []

@@ -64,11 +64,11 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
         for k in SIZE_KEYS
         if k in cfg and cfg[k] is not None and not _positive_int(cfg[k])
     ]
-    problems += [
-        f"{k} {cfg[k] if cfg[k] < 10**12 else f'of {len(str(cfg[k]))} digits'} is beyond any model (at most {most})"
-        for k in SIZE_KEYS
-        if _positive_int(cfg.get(k)) and cfg[k] > (most := MAX_LAYERS if k == "num_hidden_layers" else MAX_SIZE)
-    ]
+    for k in SIZE_KEYS:
+        most = MAX_LAYERS if k == "num_hidden_layers" else MAX_SIZE
+        if _positive_int(cfg.get(k)) and cfg[k] > most:
+            size = cfg[k] if cfg[k] < 10**12 else f"of {len(str(cfg[k]))} digits"
+            problems.append(f"{k} {size} is beyond any model (at most {most})")
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if _positive_int(heads) and _positive_int(kv) and heads % kv:
         problems.append(

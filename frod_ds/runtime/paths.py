@@ -79,8 +79,9 @@ def read_small_text(path: str | os.PathLike, error: type[Exception], what: str, 
     the read, a link to /dev/zero never end it), larger than any such file, or not UTF-8; FileNotFoundError as is."""
     p = Path(path)
     problem = file_problem(p) if os.path.lexists(p) else None
-    if problem is None and os.path.lexists(p) and os.path.getsize(p) > SMALL_FILE_BYTES:
-        problem = f"{p} is {os.path.getsize(p)} bytes, larger than any {what}"
+    size = os.path.getsize(p) if problem is None and os.path.lexists(p) else 0
+    if size > SMALL_FILE_BYTES:
+        problem = f"{p} is {size} bytes, larger than any {what}"
     if problem is not None:
         raise error(f"{problem}; {remedy}")
     with open(p, "rb") as f:

@@ -85,11 +85,8 @@ def nesting_depth(value: Any) -> int:
     deepest, stack = 0, [(value, 1)]
     while stack and deepest <= MAX_DEPTH:
         node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Any = node.values()
-        elif isinstance(node, (list, tuple)):
-            children = node
-        else:
+        children = _children(node)
+        if children is None:
             continue
         deepest = max(deepest, depth)
         stack.extend((child, depth + 1) for child in children)
