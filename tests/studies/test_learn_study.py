@@ -96,8 +96,9 @@ def rehearsal(tmp_path_factory):
         "--pack",
         str(root / "pack.tgz"),
     ]
-    # a command whose budget ends early leaves the rest to the next one, which goes on from its records
-    assert learn_study.main([*argv, "--max-minutes", "0.04"]) == 0
+    # a command whose budget ends early leaves the rest to the next one, which goes on from its records; a unit
+    # starts only with 0.03 of the 0.04 minutes left, so on however fast a host no more than the first one fits
+    assert learn_study.main([*argv, "--max-minutes", "0.04", "--min-study-minutes", "0.03"]) == 0
     assert not (out / "arith" / "timing.json").exists()
     assert learn_study.main(argv) == 0
     return root, work, out, argv, rows, tok
