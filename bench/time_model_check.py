@@ -24,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from bench.common import deepspeed_nvtx, trainables_per_decoder_layer
-from frod_ds.config.ds_config import zero_stage
+from frod_ds.config.ds_config import load_ds_config, zero_stage
 from frod_ds.plan.shapes import TrainShape, engine_from_ds_config, model_shape_from_config
 from frod_ds.plan.step_time import CHECK_GOAL, Link, step_time
 
@@ -42,6 +42,8 @@ POINTS = [
 # the DeepCompile calls: their FRoD runs in the shipped layout without DeepCompile
 DEEPCOMPILE_CALLS = sorted((RESULTS / "zero3_levers").glob("deepcompile_*_layers/*/frod_*.json"))
 HOST_DEVICE = sorted((RESULTS / "host_device").glob("*/host_device.json"))
+# frod train's own runs of the chains whose optimizer steps on the CPU: their train and mfu stages
+CHAIN_SUITES = ("offload-7b-train-2gpu",)
 # Reported beside the goal, not held to it, with the reason (none at present)
 OUTSIDE: dict[Path, str] = {}
 # A measurement whose two windows differ by more than this cannot check a model to 15%
@@ -133,6 +135,19 @@ def _host_device_points(path: Path) -> list[tuple[str, dict]]:
     return out
 
 
+def _chain_points() -> list[tuple[str, dict]]:
+    """One step result per finished train or mfu stage of ``CHAIN_SUITES`` (``frod train``, as users run it)."""
+    out = []
+    for suite in CHAIN_SUITES:
+        for path in sorted((RESULTS / suite).glob("*/*.json")):
+            d = json.loads(path.read_text())
+            if d.get("stage") not in ("train", "mfu") or d.get("status") != "ok":
+                continue
+            s, f = d["settings"], d["metrics"]["figures"]
+            out.append((str(path.relative_to(REPO)), {"chain": s, "device": d["device"]["name"], **f}))
+    return out
+
+
 def _flat_trainables(d: dict) -> bool:
     """Whether a run held σ and S per decoder layer: its recorded trainable tensor count where it has one; before
     that field, ZeRO-3 runs did unless ``--per-member-trainables``, ZeRO-2 runs never did."""
@@ -162,6 +177,12 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
             deepspeed_nvtx=True,
         )  # before them
         engine, plain = engine_from_ds_config(config, "zero3_offload.json", "deepspeed"), False
+    elif "chain" in d:  # frod train on the shipped JSON, as the chain's own prediction reads it
+        s = d["chain"]
+        model, gpus = {**SEVEN_B, "num_hidden_layers": s["layers"] or 32}, s["gpus"]
+        assert s["shape"] == "7b", f"{label}: only the 7b shape is modelled here, got {s['shape']}"
+        train = TrainShape(micro_batch=d["micro_batch"], seq_len=s["seq"], dtype=s["dtype"], checkpointing=True)
+        engine, plain = engine_from_ds_config(load_ds_config(REPO / s["config"]), s["config"]), False
     else:
         m = d["model"]
         model = {
@@ -189,9 +210,10 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         gpus, plain = d["world_size"], d["engine"] == "plain"
         # these steps were measured under DeepSpeed's own stage 3 (before zero3.json's layer partition)
         engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"], "deepspeed")
-    pred = step_time(
-        model_shape_from_config(model), train, engine, gpus, Link(host=hosts[_kind(d["device"])]), plain=plain
-    )
+    # one rank: OpenMP's default, every core of the host (not recorded; 16, the fewest of the GPU hosts measured)
+    threads = (d.get("chain") or {}).get("omp_threads") or (1 if gpus > 1 else 16)
+    link = Link(host=hosts[_kind(d["device"])], optimizer_threads=threads)
+    pred = step_time(model_shape_from_config(model), train, engine, gpus, link, plain=plain)
     meas = d["step_s_median"]
     return {
         "file": label,
@@ -214,7 +236,7 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
 def check() -> dict:
     hosts = host_factors()
     runs = [p for p in POINTS if p not in OUTSIDE] + [r for call in LEVER_CALLS for r in _lever_runs(call)]
-    runs += [r for path in HOST_DEVICE for r in _host_device_points(path)]
+    runs += [r for path in HOST_DEVICE for r in _host_device_points(path)] + _chain_points()
     runs += [
         p
         for p in DEEPCOMPILE_CALLS

@@ -1,7 +1,7 @@
 """Step-time model: predicted seconds per optimizer step of FRoD training for one set-up, from the shapes and a
 few measured constants, so the planner can rank the set-ups that fit by speed instead of by a fixed order.
 
-    step = max(device, host) + overflow check + link + offload + gradient reduce
+    step = max(device, host) + overflow check + link + offload + gradient reduce + CPU optimizer
 
 Each term and the constants behind it: docs/memory.md; where each constant was read: docs/benchmarks.md.
 ``bench/time_model_check.py`` sets the model against every committed FRoD step measurement. It ranks set-ups; it is
@@ -49,6 +49,9 @@ HOST_SHARD_BYTES_PER_S = 54e9
 # Reads of NVMe-offloaded frozen weights under DeepSpeed's coordinator (async_io): the disk's read speed decides it.
 # Read off the GPU machine's local disk (nvme-7b-train-1gpu); a machine's own drives may be several times faster.
 DISK_BYTES_PER_S = 2.1e9
+# DeepSpeedCPUAdam's step (offload_optimizer), seconds per trainable parameter of the rank's partition and OpenMP
+# thread: read off the 7B shape on 2 H200s at one thread per rank (offload-7b-train-2gpu, series 1-2).
+CPU_ADAM_PARAM_S = 4.4e-9
 # Dequantization on the GPU, seconds per quantized element and pass.
 DEQUANT_DEVICE_S = {"nf4": 1.4e-12, "int8": 7.9e-12}
 # The host's time per decoder layer and pass of a bf16 FRoD step, and per quantized linear and pass on top of it.
@@ -66,6 +69,7 @@ class Link:
     busbw: float = NVLINK_BUSBW
     peak_flops: float = 989.4e12  # H100 / H200 SXM
     host: float = 1.0  # the host's time for the same work relative to the machine HOST_* were read on
+    optimizer_threads: int = 1  # OpenMP threads of each rank's CPU optimizer (torchrun's default for several: 1)
 
 
 NVLINK = Link()
@@ -152,7 +156,9 @@ def step_time(
             parts["offload"] = passes * frozen_bytes / rate
         elif n > 1:
             parts["link"] = LINK_EXPOSED * passes * frozen_bytes * (n - 1) / n / link.busbw
+    trainable_numel = sum(numel * count for numel, count in trainable)
     if n > 1:
-        trainable_bytes = sum(numel * count for numel, count in trainable) * train.e
-        parts["gradient reduce"] = trainable_bytes * (n - 1) / n / link.busbw
+        parts["gradient reduce"] = trainable_numel * train.e * (n - 1) / n / link.busbw
+    if engine.offload_optimizer:  # after the backward, on each rank's partition: nothing to hide behind
+        parts["CPU optimizer"] = trainable_numel / n * CPU_ADAM_PARAM_S / max(1, link.optimizer_threads)
     return StepTime(parts, host)
