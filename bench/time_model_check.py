@@ -210,9 +210,7 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         gpus, plain = d["world_size"], d["engine"] == "plain"
         # these steps were measured under DeepSpeed's own stage 3 (before zero3.json's layer partition)
         engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"], "deepspeed")
-    # one rank: OpenMP's default, every core of the host (not recorded; 16, the fewest of the GPU hosts measured)
-    threads = (d.get("chain") or {}).get("omp_threads") or (1 if gpus > 1 else 16)
-    link = Link(host=hosts[_kind(d["device"])], optimizer_threads=threads)
+    link = Link(host=hosts[_kind(d["device"])])
     pred = step_time(model_shape_from_config(model), train, engine, gpus, link, plain=plain)
     meas = d["step_s_median"]
     return {

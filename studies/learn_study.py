@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from frod_ds.runtime.atomic import atomic_write_text
 from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError, parse_lrs
 from studies.records import StudyDir
 
@@ -119,6 +120,43 @@ def _unpack(tarball: Path, into: Path) -> None:
         tar.extractall(into, filter="data")
 
 
+def _summaries(records: Path) -> dict[Path, dict]:
+    return {p.relative_to(records): json.loads(p.read_text()) for p in records.glob("*/seed*/real_study.json")}
+
+
+def _warned_method(warning: str) -> str | None:
+    """The method a runner warning is about (``SWEEP INCOMPLETE: lora16 has ...``), or None."""
+    head, _, rest = warning.partition(": ")
+    return rest.split()[0] if head.isupper() and rest else None
+
+
+def combine_summaries(old: dict, new: dict) -> dict:
+    """One seed's summary from two calls' (two GPUs on one task, each training some methods): per method, the
+    entry that lists more of its runs, else the one of the call that swept it (a call lists the other methods'
+    resumed runs without their grid), else the later; the invocations of both; complete only if both were."""
+    methods = dict(new["methods"])
+    taken = set()
+
+    def rank(entry: dict) -> tuple:  # more runs; then the call that swept the method (its grid); then tested
+        return len({r["lr"] for r in entry["sweep"]}), bool(entry.get("grid")), "test" in entry
+
+    for m, entry in old["methods"].items():
+        if m not in methods or rank(entry) > rank(methods[m]):
+            methods[m] = entry
+            taken.add(m)
+    seen = {json.dumps(i, sort_keys=True) for i in new["invocations"]}
+    extra = [i for i in old["invocations"] if json.dumps(i, sort_keys=True) not in seen]
+    warnings = [w for w in new.get("warnings", []) if _warned_method(w) not in taken]
+    warnings += [w for w in old.get("warnings", []) if _warned_method(w) in taken]
+    return {
+        **new,
+        "methods": methods,
+        "invocations": sorted(extra + new["invocations"], key=lambda i: i.get("date", "")),
+        "warnings": warnings,
+        "complete": bool(old.get("complete")) and bool(new.get("complete")),
+    }
+
+
 def _unsummarised(records: Path) -> list[str]:
     """A note per seed directory whose run records its ``real_study.json`` does not list: two calls worked on one
     task, and the later one's summary is reported. Every record is kept; the next ``run`` of the task (resuming
@@ -161,7 +199,13 @@ def merge(args) -> None:
         if (into / RECORDS).is_file():
             _unpack(into / RECORDS, records)
         for name in args.tarballs:
+            before = _summaries(records)
             _unpack(Path(name), records)
+            for rel, doc in _summaries(records).items():
+                if rel in before and doc != before[rel]:
+                    both = combine_summaries(before[rel], doc)
+                    atomic_write_text(records / rel, json.dumps(both, indent=1, allow_nan=True) + "\n")
+                    print(f"combined {rel.parent}: the summaries of two calls, per method the one with more runs")
             print(f"unpacked {name}")
         for line in _unsummarised(records):
             print(line)

@@ -144,11 +144,9 @@ def predict(ch: Chain) -> dict[str, Any]:
     from frod_ds.config.ds_config import load_ds_config
     from frod_ds.plan.memory import plan_memory
     from frod_ds.plan.shapes import TrainShape, engine_from_ds_config, model_shape_from_config
-    from frod_ds.plan.step_time import Link, step_time
+    from frod_ds.plan.step_time import step_time
 
     s, shape = ch.cfg.settings, shape_of(ch.cfg.settings)
-    # OpenMP threads of the CPU optimizer: the run's, else torchrun's (1 for several ranks, every core for one)
-    link = Link(optimizer_threads=s["omp_threads"] or (1 if s["gpus"] > 1 else os.cpu_count() or 1))
     model = model_shape_from_config(synthetic.config_json(shape))
     engine = engine_from_ds_config(load_ds_config(REPO / s["config"]), s["config"])
     gpu_gib = s["gpu_mem_gib"] or ch.device["memory_gib"] or H200_GIB
@@ -156,7 +154,7 @@ def predict(ch: Chain) -> dict[str, Any]:
     def plan(mb: int) -> dict[str, Any]:
         train = TrainShape(micro_batch=mb, seq_len=s["seq"], dtype=s["dtype"], checkpointing=True)
         p = plan_memory(model, train, engine, s["gpus"], gpu_gib * GiB)
-        t = step_time(model, train, engine, s["gpus"], link)
+        t = step_time(model, train, engine, s["gpus"])
         out = dict(allocated_gib=p.allocated / GiB, needed_gib=p.needed / GiB, fits=p.fits, step_s=t.seconds)
         return {
             **out,

@@ -10,7 +10,6 @@ Exit codes: 0 the planned set-up fits, 1 it does not (or nothing does), 2 user e
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from frod_ds.runtime.cli_parser import Parser
 
@@ -47,13 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="what FRoDLinear keeps for its backward: z (autograd Function) or z and the dense M (the "
         "plain-autograd layer)",
     )
-    p.add_argument(
-        "--optimizer-threads",
-        type=int,
-        default=None,
-        help="OpenMP threads of each rank's CPU optimizer under offload_optimizer (OMP_NUM_THREADS; default: "
-        "torchrun's, 1 for several GPUs, 16 for one)",
-    )
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. model.frozen_quant=nf4")
     args = ap.parse_args(argv)
     from frod_ds.config.recipe import MAX_INT
@@ -65,8 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.seq_len is not None and not 1 <= args.seq_len <= MAX_INT:
         got = str(args.seq_len) if len(str(args.seq_len)) < 20 else f"a {len(str(args.seq_len))}-digit number"
         ap.error(f"--seq-len must be between 1 and {MAX_INT} tokens, got {got}")
-    if args.optimizer_threads is not None and not 1 <= args.optimizer_threads <= 4096:
-        ap.error(f"--optimizer-threads must be an integer between 1 and 4096, got {args.optimizer_threads}")
     return args
 
 
@@ -74,7 +64,7 @@ def _gib(x: float) -> str:
     return f"{x / GiB:8.2f}"
 
 
-def print_plan(plan, title: str, model=None, link=None) -> None:
+def print_plan(plan, title: str, model=None) -> None:
     print(title)
     for part, b in plan.parts.items():
         print(f"  {part:<24}{_gib(b)} GiB")
@@ -89,18 +79,12 @@ def print_plan(plan, title: str, model=None, link=None) -> None:
     if model is not None:
         from frod_ds.plan.step_time import DISK_BYTES_PER_S, NVLINK, step_time
 
-        t = step_time(model, plan.train, plan.engine, plan.gpus, link or NVLINK)
+        t = step_time(model, plan.train, plan.engine, plan.gpus, NVLINK)
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t.parts.items() if v >= 5e-4)
         print(
             f"  predicted step on H100/H200-class GPUs with NVLink: {t.seconds * 1e3:.0f} ms ({parts}; the model: "
             "frod_ds/plan/step_time.py, checked in bench/results/time_model_check.md)"
         )
-        if plan.engine.offload_optimizer:
-            threads = (link or NVLINK).optimizer_threads
-            print(
-                f"  its CPU optimizer term assumes {threads} OpenMP thread(s) per rank (--optimizer-threads; "
-                "OMP_NUM_THREADS before the launcher sets them)"
-            )
         if plan.engine.param_on_disk:
             print(
                 f"  its offload term reads the frozen weights from disk at {DISK_BYTES_PER_S / 1e9:.1f} GB/s each "
@@ -132,7 +116,6 @@ def plan_command(args: argparse.Namespace) -> int:
         load_model_shape,
         train_shape_from_recipe,
     )
-    from frod_ds.plan.step_time import NVLINK
 
     model = load_model_shape(args.model)
     tree = recipe_tree(args.recipe, args.overrides)
@@ -157,9 +140,7 @@ def plan_command(args: argparse.Namespace) -> int:
         f"({ELEMENT_BYTES[train.dtype]} bytes), FRoDLinear keeps {'z and M' if train.layer_saves == 'M' else 'z'}"
     )
     chosen = train.checkpointing if sets(tree, "model.gradient_checkpointing") else None  # the user's, kept
-    threads = args.optimizer_threads or (1 if args.gpus > 1 else 16)
-    link = dataclasses.replace(NVLINK, optimizer_threads=threads)
-    rec = recommend(model, train, args.gpus, gpu, checkpointing=chosen, link=link)
+    rec = recommend(model, train, args.gpus, gpu, checkpointing=chosen)
     code = 0
     if args.config:
         cfg = load_ds_config(args.config)
@@ -181,11 +162,10 @@ def plan_command(args: argparse.Namespace) -> int:
             f"\n{args.config} on {args.gpus} GPU(s), {q}, gradient checkpointing "
             f"{'on' if train.checkpointing else 'off'}:",
             model,
-            link,
         )
         code = 0 if plan.fits else 1
     elif rec is not None:
-        print_plan(rec.plan, f"\n{rec.describe()} on {args.gpus} GPU(s):", model, link)
+        print_plan(rec.plan, f"\n{rec.describe()} on {args.gpus} GPU(s):", model)
     if rec is None:
         print(f"\nnothing fits, not even with offload and NF4: {no_fit_advice(model, train, args.gpus, gpu)}")
         return 1

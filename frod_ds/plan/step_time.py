@@ -41,17 +41,19 @@ LAYERS_LINK_EXPOSED = 0.7
 PEER_LINK_EXPOSED = 0.27
 # All-gather bus bandwidth of 2 H200s over NVLink (bench/results/two_gpu_2xh200/matrix/link_2gpu.json).
 NVLINK_BUSBW = 268e9
-# Host-to-GPU copies of offloaded frozen weights under DeepSpeed's coordinator (fitted on its one measured step).
-OFFLOAD_BYTES_PER_S = 47e9
+# Host-to-GPU copies of offloaded frozen weights under DeepSpeed's coordinator (fitted on its one measured step,
+# less the CPU optimizer's term below).
+OFFLOAD_BYTES_PER_S = 70e9
 # Host-to-GPU copies of the layer partition's host shards, on its side stream beside the compute: read off the 7B
 # shape on one H200 (offload-7b), where the copies are the whole step.
 HOST_SHARD_BYTES_PER_S = 54e9
 # Reads of NVMe-offloaded frozen weights under DeepSpeed's coordinator (async_io): the disk's read speed decides it.
 # Read off the GPU machine's local disk (nvme-7b-train-1gpu); a machine's own drives may be several times faster.
 DISK_BYTES_PER_S = 2.1e9
-# DeepSpeedCPUAdam's step (offload_optimizer), seconds per trainable parameter of the rank's partition and OpenMP
-# thread: read off the 7B shape on 2 H200s at one thread per rank (offload-7b-train-2gpu, series 1-2).
-CPU_ADAM_PARAM_S = 4.4e-9
+# The optimizer on the CPU (offload_optimizer: DeepSpeedCPUAdam's step and its copies), seconds per trainable
+# parameter of the rank's partition: read off the 7B shape on 2 H200s at one OpenMP thread per rank
+# (offload-7b-train-2gpu, series 1-2); the same at 16 threads per rank (series 3), so no thread count enters.
+CPU_OPTIMIZER_PARAM_S = 4.4e-9
 # Dequantization on the GPU, seconds per quantized element and pass.
 DEQUANT_DEVICE_S = {"nf4": 1.4e-12, "int8": 7.9e-12}
 # The host's time per decoder layer and pass of a bf16 FRoD step, and per quantized linear and pass on top of it.
@@ -69,7 +71,6 @@ class Link:
     busbw: float = NVLINK_BUSBW
     peak_flops: float = 989.4e12  # H100 / H200 SXM
     host: float = 1.0  # the host's time for the same work relative to the machine HOST_* were read on
-    optimizer_threads: int = 1  # OpenMP threads of each rank's CPU optimizer (torchrun's default for several: 1)
 
 
 NVLINK = Link()
@@ -160,5 +161,5 @@ def step_time(
     if n > 1:
         parts["gradient reduce"] = trainable_numel * train.e * (n - 1) / n / link.busbw
     if engine.offload_optimizer:  # after the backward, on each rank's partition: nothing to hide behind
-        parts["CPU optimizer"] = trainable_numel / n * CPU_ADAM_PARAM_S / max(1, link.optimizer_threads)
+        parts["CPU optimizer"] = trainable_numel / n * CPU_OPTIMIZER_PARAM_S
     return StepTime(parts, host)

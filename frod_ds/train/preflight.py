@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from frod_ds.config.ds_config import as_stage2, batch_sizes, nvme_offloads, offload_device, resolve_ds_config
+from frod_ds.config.ds_config import as_stage2, batch_sizes, nvme_offloads, resolve_ds_config
 from frod_ds.config.nvme import NvmeParams, check_aio_build_env, check_nvme_buffer, check_nvme_buffer_count
 from frod_ds.config.recipe import Recipe
 from frod_ds.config.zero3_layout import check_gather, zero3_layout
@@ -37,7 +37,7 @@ from frod_ds.train.data import Example, check_context, check_vocab, encode_examp
 from frod_ds.train.identity import check_resume_identity, run_identity
 from frod_ds.train.run_dir import check_writable
 
-__all__ = ["InitAdapter", "Inputs", "cpu_optimizer_threads", "preflight", "nvme_params", "init_adapter"]
+__all__ = ["InitAdapter", "Inputs", "preflight", "nvme_params", "init_adapter"]
 
 
 class InitAdapter(NamedTuple):
@@ -116,23 +116,6 @@ def preflight(
     engine_cfg = as_stage2(ds_cfg) if layout == "layers" else ds_cfg  # σ, S under ZeRO-2; frozen ones by frod-ds
     got = (tok, examples, eval_examples, init, layout, ds_cfg)
     return Inputs(recipe, engine_cfg, base, store, store_identity, identity, *got)
-
-
-def cpu_optimizer_threads(ds_config: Mapping[str, Any], env: Mapping[str, str], cores: int) -> str | None:
-    """A note when the optimizer steps on the CPU (``offload_optimizer``) with one OpenMP thread per rank while
-    each rank of the node could have several cores: torchrun sets ``OMP_NUM_THREADS=1`` when it starts several
-    processes per node, and DeepSpeedCPUAdam's step (an OpenMP loop) then runs on one core of each."""
-    if offload_device(dict(ds_config), "offload_optimizer") != "cpu" or env.get("OMP_NUM_THREADS") != "1":
-        return None
-    local = env.get("LOCAL_WORLD_SIZE", "1")
-    per_rank = cores // max(1, int(local) if local.isdigit() else 1)
-    if per_rank < 2:
-        return None
-    return (
-        f"the optimizer steps on the CPU (offload_optimizer) with OMP_NUM_THREADS=1, torchrun's default for several "
-        f"processes per node: DeepSpeedCPUAdam uses 1 of the {per_rank} cores each rank has; export "
-        f"OMP_NUM_THREADS={per_rank} before the launcher for a shorter step"
-    )
 
 
 def _open_base_and_store(recipe: Recipe) -> tuple[HFCheckpoint, FactorStore]:

@@ -38,7 +38,7 @@ from frod_ds.train.data import BatchPlan
 from frod_ds.train.engine_state import restore_checkpoint
 from frod_ds.train.loop import Run, fit
 from frod_ds.train.metrics import METRICS, drop_rows_after
-from frod_ds.train.preflight import Inputs, cpu_optimizer_threads, preflight
+from frod_ds.train.preflight import Inputs, preflight
 from frod_ds.train.run_dir import check_no_unresumable_run, check_run_dir, open_run_dir, run_inputs
 from frod_ds.train.schedule import lr_scheduler
 
@@ -67,9 +67,6 @@ def setup(
         dist.on_all(lambda: check_no_unresumable_run(out))
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
     inputs = dist.on_all(lambda: preflight(recipe, as_ds_config(ds_config), nvme_path, resume[0]))
-    threads = cpu_optimizer_threads(inputs.ds_config, os.environ, len(os.sched_getaffinity(0)))
-    if threads and dist.is_main():
-        note(threads)
     if on_inputs is not None:
         on_inputs(inputs)
     # every rank writes its checkpoint shards there and rank 0 seals them: one directory for all nodes

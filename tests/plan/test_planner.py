@@ -794,22 +794,3 @@ def test_the_layer_partition_with_offload_keeps_only_gathered_units_on_the_gpu()
     assert t.parts["compute"] + t.parts["offload"] == pytest.approx(2 * (frozen - shared) / HOST_SHARD_BYTES_PER_S)
     long = step_time(model, TrainShape(micro_batch=64, seq_len=4096, sparsity=0.25), off, 1)
     assert long.parts["offload"] == 0 and long.parts["compute"] > 2 * (frozen - shared) / HOST_SHARD_BYTES_PER_S
-
-
-def test_plan_states_the_cpu_optimizer_threads_it_assumed(tmp_path):
-    """Under offload_optimizer the predicted step names its OpenMP threads per rank; more threads, a shorter step;
-    a thread count outside 1..4096 is one usage error."""
-    import re
-
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
-    args = ("--model", str(tmp_path), "--gpus", "2", "--gpu-mem", "139", "--config", "ds_configs/zero3_offload.json")
-
-    def step_ms(res) -> int:
-        return int(re.search(r"predicted step on .*?: (\d+) ms", res.stdout).group(1))
-
-    one, many = _plan_here(*args), _plan_here(*args, "--optimizer-threads", "16")
-    assert "assumes 1 OpenMP thread(s) per rank" in one.stdout
-    assert "assumes 16 OpenMP thread(s) per rank" in many.stdout
-    assert step_ms(many) < step_ms(one)
-    bad = _plan(*args, "--optimizer-threads", "0")
-    assert bad.returncode == 2 and "--optimizer-threads must be an integer between 1 and 4096" in bad.stderr

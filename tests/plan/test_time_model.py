@@ -12,7 +12,7 @@ from frod_ds.plan.recommend import predicted_seconds, recommend
 from frod_ds.plan.shapes import GiB, TrainShape, model_shape_from_config, shipped_engines
 from frod_ds.plan.step_time import (
     CHECK_GOAL,
-    CPU_ADAM_PARAM_S,
+    CPU_OPTIMIZER_PARAM_S,
     EFFICIENCY,
     HOST_LAYER_PASS_S,
     ZERO3_FROZEN_TENSOR_PASS_S,
@@ -53,21 +53,18 @@ def _engines():
     return {**e, "zero3ds": dataclasses.replace(e["zero3"], layers=False)}
 
 
-def test_the_cpu_optimizer_term_is_the_rank_partition_over_its_threads():
-    """offload_optimizer: DeepSpeedCPUAdam steps each rank's 1/N of σ and S after the backward, OpenMP-parallel."""
+def test_the_cpu_optimizer_term_is_the_rank_partition_of_the_trainables():
+    """offload_optimizer: the optimizer steps each rank's 1/N of σ and S on the CPU after the backward."""
     from frod_ds.plan.memory import trainable_numel
 
     model, train = model_shape_from_config(LLAMA2_7B), TrainShape(micro_batch=4, seq_len=256, checkpointing=True)
     e = _engines()
     assert e["zero3_offload"].offload_optimizer and not e["zero3"].offload_optimizer
     n = trainable_numel(model, train)
-    for gpus, threads in ((1, 1), (2, 1), (2, 16)):
-        t = step_time(model, train, e["zero3_offload"], gpus, Link(optimizer_threads=threads))
-        assert t.parts["CPU optimizer"] == pytest.approx(n / gpus * CPU_ADAM_PARAM_S / threads)
+    for gpus in (1, 2, 4):
+        t = step_time(model, train, e["zero3_offload"], gpus)
+        assert t.parts["CPU optimizer"] == pytest.approx(n / gpus * CPU_OPTIMIZER_PARAM_S)
     assert "CPU optimizer" not in step_time(model, train, e["zero3"], 2).parts
-    # 16 threads against 1: the step shortens by exactly the term's 15/16
-    one, many = (step_time(model, train, e["zero3_offload"], 2, Link(optimizer_threads=k)).seconds for k in (1, 16))
-    assert one - many == pytest.approx(n / 2 * CPU_ADAM_PARAM_S * 15 / 16)
 
 
 def test_step_parts_add_up_from_flops_host_work_and_the_link():

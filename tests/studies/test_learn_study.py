@@ -165,9 +165,11 @@ def test_a_merged_pack_holds_every_record_and_reports(rehearsal, tmp_path):
     assert learn_study.main(["report", "--out", str(res)]) == 0  # from records.tgz
 
 
-def test_two_calls_summaries_of_one_seed_are_never_mixed_in_one_row(rehearsal, tmp_path, capsys):
-    """Two calls that did not see each other's records: merge keeps both calls' runs and names those the reported
-    summary leaves out; a seed counts only at the LR the first seed's sweep chose."""
+def test_two_calls_summaries_of_one_seed_combine_per_method_and_are_never_mixed_in_one_row(rehearsal, tmp_path, capsys):
+    """Two calls that did not see each other's records (two GPUs on one task): merge keeps both calls' runs, takes
+    each method's summary from the call that lists more of its runs, else the one that swept it (whichever
+    tarball comes last), and names runs
+    no summary lists; a seed counts only at the LR the first seed's sweep chose."""
     import shutil
     import tarfile
 
@@ -179,11 +181,35 @@ def test_two_calls_summaries_of_one_seed_are_never_mixed_in_one_row(rehearsal, t
     shutil.copytree(out / "arith", b / "arith")
     doc_path = b / "arith" / "seed0" / "real_study.json"
     doc = json.loads(doc_path.read_text())
-    del doc["methods"]["peftfrod"]  # the later call's summary knows no peftfrod run
+    del doc["methods"]["peftfrod"]  # the other call's summary knows no peftfrod run
+    frod = doc["methods"]["frod"]
+    frod["grid"] = []  # and lists frod's runs as resumed ones, not swept by it, without test results
+    frod.pop("test")
     doc_path.write_text(json.dumps(doc))
     for p in (b / "arith" / "seed0" / "records").glob("peftfrod_*.json"):
         p.unlink()
     for name in ("a", "b"):
+        with tarfile.open(tmp_path / f"{name}.tgz", "w:gz") as tar:
+            tar.add(tmp_path / name / "arith", "arith")
+    full = collect(out)["tasks"]["arith"]["methods"]
+    for order in (("a", "b"), ("b", "a")):
+        res, records = tmp_path / f"res_{order[0]}", tmp_path / f"records_{order[0]}"
+        tarballs = [str(tmp_path / f"{n}.tgz") for n in order]
+        assert learn_study.main(["merge", "--into", str(res), *tarballs]) == 0
+        said = capsys.readouterr().out
+        assert "combined arith/seed0" in said and "note:" not in said
+        with tarfile.open(res / "records.tgz") as tar:
+            tar.extractall(records, filter="data")
+        assert (records / "arith" / "seed0" / "records" / "peftfrod_lr0.01.json").is_file()
+        got = collect(records)["tasks"]["arith"]["methods"]
+        assert got["peftfrod"] == full["peftfrod"] and got["frod"] == full["frod"]
+
+    # a run that neither summary lists is named, and left out of the report
+    for name in ("a", "b"):
+        doc_path = tmp_path / name / "arith" / "seed0" / "real_study.json"
+        doc = json.loads(doc_path.read_text())
+        doc["methods"].pop("peftfrod", None)
+        doc_path.write_text(json.dumps(doc))
         with tarfile.open(tmp_path / f"{name}.tgz", "w:gz") as tar:
             tar.add(tmp_path / name / "arith", "arith")
     res = tmp_path / "res"
@@ -192,7 +218,6 @@ def test_two_calls_summaries_of_one_seed_are_never_mixed_in_one_row(rehearsal, t
     assert "note: arith/seed0 keeps 1 run(s) its summary does not list (peftfrod lr=0.01)" in said
     with tarfile.open(res / "records.tgz") as tar:
         tar.extractall(tmp_path / "records", filter="data")
-    assert (tmp_path / "records" / "arith" / "seed0" / "records" / "peftfrod_lr0.01.json").is_file()
     assert "peftfrod" not in collect(tmp_path / "records")["tasks"]["arith"]["methods"]
 
     # seed 1's summary chose another LR for frod than seed 0's sweep did: that seed is left out of frod's row

@@ -49,22 +49,6 @@ def test_the_replay_steps_each_group_once_per_restored_step_with_its_betas():
     assert fresh.ds_opt_adam.calls == []
 
 
-def test_one_openmp_thread_per_rank_for_a_cpu_optimizer_is_named_with_the_cores_it_could_use():
-    """torchrun sets OMP_NUM_THREADS=1 for several processes per node, and DeepSpeedCPUAdam's step is an OpenMP loop:
-    frod train notes it (with the cores each rank has) where the optimizer runs on the CPU, and only there."""
-    from frod_ds.train.preflight import cpu_optimizer_threads
-
-    offloaded = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    torchrun = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"}
-    line = cpu_optimizer_threads(offloaded, torchrun, 32)
-    assert line is not None and "1 of the 16 cores each rank has" in line and "OMP_NUM_THREADS=16" in line
-    assert cpu_optimizer_threads(offloaded, {**torchrun, "OMP_NUM_THREADS": "16"}, 32) is None  # the user's choice
-    assert cpu_optimizer_threads(offloaded, torchrun, 3) is None  # one core per rank: nothing better to do
-    assert cpu_optimizer_threads({"zero_optimization": {"stage": 2}}, torchrun, 32) is None  # the GPU's optimizer
-    gpu = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}}
-    assert cpu_optimizer_threads(gpu, torchrun, 32) is None
-
-
 def test_other_optimizers_are_left_alone():
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.AdamW([p])
