@@ -63,9 +63,17 @@ def _read_peft_config(peft_dir: Path) -> dict[str, Any]:
         cfg = loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PeftInteropError(f"{cfg_path} is corrupt ({e}); save the adapter again") from None
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "FROD":
-        kind = cfg.get("peft_type") if isinstance(cfg, dict) else None
-        raise PeftInteropError(f"--from-peft {peft_dir} is a PEFT {kind} adapter, not a FRoD one (peft_type FROD)")
+    if not isinstance(cfg, dict):
+        raise PeftInteropError(
+            f"{cfg_path} is not a JSON object (a {type(cfg).__name__}): not a PEFT adapter's config; save the "
+            "adapter again"
+        )
+    if "peft_type" not in cfg:
+        raise PeftInteropError(f"{cfg_path} has no peft_type: not a PEFT adapter's config; save the adapter again")
+    if cfg["peft_type"] != "FROD":
+        raise PeftInteropError(
+            f"--from-peft {peft_dir} is a PEFT {cfg['peft_type']!r} adapter, not a FRoD one (peft_type FROD)"
+        )
     if not (peft_dir / "adapter_model.safetensors").is_file():
         raise PeftInteropError(
             f"--from-peft {peft_dir} has no adapter_model.safetensors; save it with "

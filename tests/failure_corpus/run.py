@@ -978,6 +978,20 @@ def peft_export_changed(world, case, spec):
     _flip_byte(case / "peft" / "adapter_model.safetensors", 0.999)
 
 
+def peft_config_array(world, case, spec):
+    """A PEFT export whose adapter_config.json was replaced by a JSON array."""
+    peft_export_changed(world, case, spec)
+    (case / "peft" / "adapter_config.json").write_text("[]\n")
+
+
+def peft_config_no_type(world, case, spec):
+    """A PEFT export whose adapter_config.json lost its peft_type."""
+    peft_export_changed(world, case, spec)
+    cfg = json.loads((case / "peft" / "adapter_config.json").read_text())
+    del cfg["peft_type"]
+    (case / "peft" / "adapter_config.json").write_text(json.dumps(cfg))
+
+
 def adapter_empty_weights(world, case, spec):
     _copy(world, "adapter", case / "adapter")
     (case / "adapter" / "adapter.safetensors").write_bytes(b"")
@@ -1686,6 +1700,8 @@ STEPS: dict[str, Callable] = {
         adapter_sparsity_edited,
         store_float64,
         peft_export_changed,
+        peft_config_array,
+        peft_config_no_type,
         run_copy,
         ckpt_no_seal,
         ckpt_missing_file,
