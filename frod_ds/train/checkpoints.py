@@ -37,10 +37,15 @@ __all__ = [
     "unsealed_checkpoints",
     "choose_checkpoint",
     "set_aside",
+    "ROOT_FILES",
+    "check_root_files",
 ]
 
 COMPLETE = "COMPLETE"
 LATEST = "latest_complete"
+# What is written into the checkpoints folder itself at every save: frod-ds's pointer, and DeepSpeed's own
+# (``latest``, its recovery scripts), which DeepSpeed writes through whatever is at that path
+ROOT_FILES = (LATEST, "latest", "zero_to_fp32.py", "zero_to_torch.py")
 SEAL_FORMAT = "frod-ds/checkpoint-seal/v1"
 _TAG = re.compile(r"step(\d{8})")
 
@@ -182,3 +187,16 @@ def set_aside(root: Path, tag: str) -> Path:
         dest = root / f"skipped-{tag}-{n}"
     os.rename(root / tag, dest)
     return dest
+
+
+def check_root_files(root: Path) -> None:
+    """``FrodError`` when a file a save writes into checkpoints folder ``root`` is there as something else: a
+    symbolic link (a save would write through it, into a file the run never wrote), a folder, a pipe."""
+    for name in ROOT_FILES:
+        path = root / name
+        if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
+            it = f"a symbolic link to {os.readlink(path)}" if path.is_symlink() else "not a regular file"
+            raise FrodError(
+                f"{path} is {it}, where every checkpoint save writes its own {name}; remove it (the run's "
+                "checkpoints beside it are untouched) and run the same command again"
+            )

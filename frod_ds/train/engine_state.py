@@ -21,7 +21,17 @@ from frod_ds.model.frozen_shards import shards_of
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text, disk_full_error
 from frod_ds.runtime.errors import FrodError, note
-from frod_ds.train.checkpoints import COMPLETE, LATEST, file_seal, files_to_seal, set_aside, step_of, tag_of, write_seal
+from frod_ds.train.checkpoints import (
+    COMPLETE,
+    LATEST,
+    check_root_files,
+    file_seal,
+    files_to_seal,
+    set_aside,
+    step_of,
+    tag_of,
+    write_seal,
+)
 from frod_ds.train.trainable_state import (
     TRAINABLE_STATE,
     engine_layout,
@@ -63,6 +73,7 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
     """Collective. ``root/step<NNNNNNNN>/``: engine files, ``rng_rank<r>.pt``, the trainable-state record,
     ``records`` (file name → text, written by rank 0), the seal; then ``latest_complete`` and the clean-up."""
     ckpt = root / tag_of(step)
+    dist.on_main(lambda: check_root_files(root))  # a link planted there since the run's start
     if dist.is_main() and ckpt.exists():  # a save killed here before, or an abandoned later timeline: not resumable
         shutil.rmtree(ckpt)
     dist.barrier()

@@ -24,7 +24,7 @@ from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_ki
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.runtime.errors import FrodError
-from frod_ds.train.checkpoints import sealed_checkpoints
+from frod_ds.train.checkpoints import check_root_files, sealed_checkpoints
 
 __all__ = [
     "RUN_KIND",
@@ -75,6 +75,8 @@ def check_run_dir(out: Path, inputs: dict[str, Path | str | None] | None = None)
                 f"output_dir {out}: {path} is {it}, where the run keeps its {entry.rstrip('/')}; move it away (or "
                 "choose another output_dir)"
             )
+    if (out / "checkpoints").is_dir() and not (out / "checkpoints").is_symlink():
+        check_root_files(out / "checkpoints")
 
 
 def check_no_unresumable_run(out: Path) -> None:

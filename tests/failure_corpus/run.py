@@ -1012,6 +1012,27 @@ def run_copy(world, case, spec):
     _copy(world, "run", case / "run")
 
 
+def _run_ckpt_link(name: str, tag: str):
+    def prepare(world, case, spec):
+        """The world's run, unfinished (it resumes), with ``checkpoints/<name>`` (a file every save writes there)
+        replaced by a symbolic link to ``{case}/decoy.txt``, a file the run never wrote: no save writes through it."""
+        ck = _unfinished_run(world, case)
+        shutil.rmtree(ck)  # the resumed run saves again
+        (case / "decoy.txt").write_text("a user's file\n")
+        link = case / "run" / "checkpoints" / name
+        if link.exists() or link.is_symlink():
+            link.unlink()
+        link.symlink_to(case / "decoy.txt")
+
+    prepare.__name__ = f"run_ckpt_link_{tag}"  # the step's name in the corpus
+    return prepare
+
+
+run_ckpt_link_latest = _run_ckpt_link("latest", "latest")
+run_ckpt_link_script = _run_ckpt_link("zero_to_fp32.py", "script")
+run_ckpt_link_pointer = _run_ckpt_link("latest_complete", "pointer")
+
+
 def _checkpoint(case: Path) -> Path:
     ckpts = sorted(p for p in (case / "run").rglob("step*") if p.is_dir())
     if not ckpts:
@@ -1701,6 +1722,9 @@ STEPS: dict[str, Callable] = {
         store_float64,
         peft_export_changed,
         peft_config_array,
+        run_ckpt_link_latest,
+        run_ckpt_link_script,
+        run_ckpt_link_pointer,
         peft_config_no_type,
         run_copy,
         ckpt_no_seal,

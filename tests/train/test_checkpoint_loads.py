@@ -120,3 +120,32 @@ def test_a_deepspeed_engine_loads_its_files_through_the_allow_list(tmp_path):
     with pytest.raises(UnsafePickleError):
         engine.checkpoint_engine.load(str(tmp_path / "bad.pt"), map_location="cpu")
     assert not sentinel.exists()
+
+
+def test_a_save_never_writes_through_what_sits_at_its_own_file_names(tmp_path):
+    """Every save writes latest_complete, and DeepSpeed its ``latest`` and recovery scripts, into the checkpoints
+    folder, DeepSpeed through whatever is at that path: a link there (to a file the run never wrote), a folder or a
+    pipe is refused in one line naming it, before a save; regular files of those names are the run's own."""
+    import os
+
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.checkpoints import ROOT_FILES, check_root_files
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    for name in ROOT_FILES:
+        (root / name).write_text("step00000002")
+    check_root_files(root)  # the run's own
+    decoy = tmp_path / "users_file"
+    decoy.write_text("keep me")
+    plants = {"link": lambda p: p.symlink_to(decoy), "folder": lambda p: p.mkdir(), "pipe": lambda p: os.mkfifo(p)}
+    for name in ROOT_FILES:
+        for plant in plants.values():
+            path = root / name
+            path.unlink()
+            plant(path)
+            with pytest.raises(FrodError, match=f"{path} is (a symbolic link to {decoy}|not a regular file)"):
+                check_root_files(root)
+            path.rmdir() if path.is_dir() and not path.is_symlink() else path.unlink()
+            path.write_text("step00000002")
+    assert decoy.read_text() == "keep me"
