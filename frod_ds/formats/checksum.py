@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["crc32_combine", "combine_pieces", "file_crc32", "format_crc32", "parse_crc32"]
+__all__ = ["crc32_combine", "combine_pieces", "file_crc32", "format_crc32", "has_crc32", "parse_crc32"]
 
 _POLY = 0xEDB88320  # reflected CRC-32 polynomial
 
@@ -89,3 +89,15 @@ def parse_crc32(text: str) -> int | None:
         return int(value, 16)
     except ValueError:
         return None
+
+
+def has_crc32(path: Path, checksums: dict[str, str] | None) -> bool:
+    """Whether file ``path`` is readable and has the checksum ``checksums`` (file name -> ``crc32:…``, a factor
+    store category's record) holds for it; ``None`` (a store format without checksums): nothing to check."""
+    if checksums is None:
+        return True
+    want = checksums.get(path.name)
+    try:
+        return want is not None and format_crc32(file_crc32(path)) == want
+    except OSError:
+        return False

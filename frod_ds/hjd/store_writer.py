@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from frod_ds.core.quant import NF4_BLOCKSIZE
+from frod_ds.formats.checksum import has_crc32
 from frod_ds.formats.factor_store import (
     MANIFEST,
     CategoryRecord,
@@ -348,10 +349,16 @@ def prepare_store(
     kept = manifest is not None and manifest.complete  # as its file says: a run killed before the mark is not
     if manifest is None:
         manifest = fresh
-    # A completed category whose files went missing is redone (by a run that has its weights).
+    # A completed category whose files went missing, or (resuming a store not marked complete) no longer match their
+    # checksums, is redone (by a run that has its weights).
     for c in list(manifest.completed_categories):
         record = manifest.categories[c]
-        if not all((out / f).is_file() for f in set(record.files.values())):
+        files = sorted(set(record.files.values()))
+        missing = [f for f in files if not (out / f).is_file()]
+        changed = [] if missing or kept else [f for f in files if not has_crc32(out / f, record.checksums)]
+        if missing or changed:
+            if changed:
+                note(f"factor store {out}: {', '.join(changed)} no longer match its checksum; redoing {c}")
             manifest.completed_categories.remove(c)
             record.complete = False
     manifest.complete = not manifest.missing_categories

@@ -903,6 +903,16 @@ def store_torn_factor(world, case, spec):
     _truncate(_first(case / "store", "*.safetensors"), 0.5)
 
 
+def store_torn_unmarked(world, case, spec):
+    """A finished factor file torn in half, and the manifest's completion mark lost (its last write undone): a
+    resume must redo that category, not mark the store complete around it."""
+    store_torn_factor(world, case, spec)
+    m = case / "store" / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["complete"] = False
+    m.write_text(json.dumps(doc, indent=1))
+
+
 def store_flip_factor(world, case, spec):
     _copy(world, "store", case / "store")
     _flip_byte(_first(case / "store", "*.safetensors"), 0.9)
@@ -1707,6 +1717,7 @@ STEPS: dict[str, Callable] = {
         store_torn_manifest,
         store_no_manifest,
         store_torn_factor,
+        store_torn_unmarked,
         store_flip_factor,
         store_missing_factor,
         store_interrupted,
