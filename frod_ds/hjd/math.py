@@ -118,11 +118,15 @@ def tsqr_combine(R_blocks: Sequence[Tensor]) -> tuple[list[Tensor], Tensor]:
 
 
 def t_pi_term(gram: Tensor, pi: float) -> Tensor:
-    """One member's term ``(Q_iᵀ Q_i + π I)⁻¹`` from its Gram matrix ``Q_iᵀ Q_i`` (k, k)."""
+    """One member's term ``(Q_iᵀ Q_i + π I)⁻¹`` from its Gram matrix ``Q_iᵀ Q_i`` (k, k); all NaN where the Gram is
+    not finite or not positive definite in the run's precision (weights past its range), for the caller to name."""
     k = gram.shape[0]
     A = gram + pi * torch.eye(k, dtype=gram.dtype, device=gram.device)
     A = 0.5 * (A + A.T)
-    return torch.cholesky_inverse(torch.linalg.cholesky(A))  # SPD: π > 0
+    L, info = torch.linalg.cholesky_ex(A)  # SPD: π > 0, unless rounding or an overflow broke it
+    if info.item() != 0 or not torch.isfinite(L).all():
+        return torch.full_like(A, float("nan"))
+    return torch.cholesky_inverse(L)
 
 
 def _sign_columns(V: Tensor) -> Tensor:

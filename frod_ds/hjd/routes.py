@@ -230,6 +230,7 @@ def _basis(
     n: int,
     L: int,
     device: torch.device,
+    category: str,
 ) -> tuple[Tensor, Tensor]:
     """``Q_b ← Q_b M_b`` (rows of the global Q), ``T_pi`` summed over ranks, ``V, Z`` from rank 0."""
     T_pi = torch.zeros(k, k, dtype=opts.dtype, device=device)
@@ -242,6 +243,13 @@ def _basis(
         del Q_g
     del M
     D.all_reduce_sum(T_pi)
+    D.agree_on_error(
+        None
+        if torch.isfinite(T_pi).all()
+        else f"{category}: a member's weights hold values past what the decomposition can carry in "
+        f"{str(opts.dtype).removeprefix('torch.')} (entries so large that their squares overflow, or extreme scales): "
+        f"check the checkpoint's {category} weights"
+    )
     T_pi /= L
     V = torch.empty(n, n, dtype=opts.dtype, device=device)
     Z = torch.empty(k, k, dtype=opts.dtype, device=device)
@@ -266,7 +274,7 @@ def householder_route(
         M, R, k = _combine(R_blocks, spec.n, opts.dtype, source.device)
         del R_blocks
     with phases("t_pi_eigh"):
-        V, Z = _basis(blocks, qcache, M, R, k, opts, spec.n, spec.L, source.device)
+        V, Z = _basis(blocks, qcache, M, R, k, opts, spec.n, spec.L, source.device, spec.name)
         del M, R
     with phases("factors"):
         source.reread(range(len(source)))

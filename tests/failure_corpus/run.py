@@ -823,6 +823,17 @@ def model_zero_q(world, case, spec):
     _scale(world, case, "model.layers.1.self_attn.q_proj.weight", 0.0)
 
 
+def model_max_q(world, case, spec):
+    """One layer's q_proj all 3e38: finite float32 values whose squares overflow it."""
+
+    def edit(tensors: dict) -> None:
+        name = "model.layers.1.self_attn.q_proj.weight"
+        if name in tensors:
+            tensors[name] = tensors[name] * 0 + 3e38
+
+    _copy_model(world, case / "model", edit)
+
+
 def model_huge_q(world, case, spec):
     """One layer's q_proj ×1e20 (square members, a stack the Gram route holds): reconstructs, the probe passes."""
     _scale(world, case, "model.layers.1.self_attn.q_proj.weight", 1e20)
@@ -1667,6 +1678,7 @@ STEPS: dict[str, Callable] = {
         model_huge_k,
         model_tiny_q,
         model_zero_q,
+        model_max_q,
         model_huge_q,
         peft_dir,
         yaml_alias_bomb,
