@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import struct
 import time
 from dataclasses import dataclass
@@ -87,6 +88,7 @@ def _check_out(out: Path, overwrite: bool, inputs: dict[str, Any]) -> None:
 def _load_gguf(gguf: Path):
     """The GGUF model (fp32, dequantized) and tokenizer, through transformers' GGUF loader."""
     import torch
+    from huggingface_hub.errors import StrictDataclassError  # transformers' config checks
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -99,7 +101,7 @@ def _load_gguf(gguf: Path):
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    except (ValueError, OSError, KeyError, struct.error) as e:  # struct.error: a header cut short
+    except (ValueError, OSError, KeyError, struct.error, StrictDataclassError) as e:  # struct: a header cut short
         raise ConvertError(
             f"transformers cannot load {gguf} as a GGUF model ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''})"
@@ -118,8 +120,10 @@ def _check_whole(path: Path) -> None:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ConvertError(f"--gguf {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    reader = None
     try:
-        end = max((t.data_offset + int(t.n_bytes) for t in GGUFReader(path).tensors), default=0)
+        reader = GGUFReader(path)
+        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
     except (ValueError, IndexError, OverflowError, struct.error) as e:  # what reading past the end gives
         end, why = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if end is None or end > size:
@@ -127,6 +131,37 @@ def _check_whole(path: Path) -> None:
         raise ConvertError(
             f"--gguf {path} is truncated or damaged: {size} bytes, and {said}; download or copy it again"
         )
+    problem = _header_problem(reader)
+    if problem:
+        raise ConvertError(f"--gguf {path}: {problem}; the file was edited or damaged, download or copy it again")
+
+
+def _header_problem(reader) -> str | None:
+    """Where the GGUF's model header disagrees with its own tensors (a loader would build the header's model, a
+    300-layer one from a 30-layer file, or fail deep in a config check), or None."""
+
+    def meta(key: str) -> int | None:
+        field = reader.fields.get(f"{arch}.{key}")
+        return int(field.parts[field.data[0]][0]) if field is not None and field.data else None
+
+    field = reader.fields.get("general.architecture")
+    if field is None or not field.data:
+        return "its header names no general.architecture"
+    arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
+    tensors = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    blocks = sorted({int(m.group(1)) for name in tensors if (m := re.match(r"blk\.(\d+)\.", name))})
+    n, emb = meta("block_count"), meta("embedding_length")
+    heads, kv = meta("attention.head_count"), meta("attention.head_count_kv")
+    if n is not None and blocks != list(range(n)):
+        return f"its header says {arch}.block_count {n}, its tensors hold {len(blocks)} layer{'s' * (len(blocks) != 1)}"
+    embd = tensors.get("token_embd.weight")
+    if emb is not None and embd is not None and embd[0] != emb:
+        return f"its header says {arch}.embedding_length {emb}, its token_embd.weight is {embd[0]} wide"
+    if heads is not None and (heads < 1 or (emb is not None and emb % heads)):
+        return f"its header's {arch}.attention.head_count {heads} does not divide embedding_length {emb}"
+    if kv is not None and heads is not None and (kv < 1 or heads % kv):
+        return f"its header's {arch}.attention.head_count_kv {kv} does not divide head_count {heads}"
+    return None
 
 
 def _plain_model(model, dtype):

@@ -1418,6 +1418,13 @@ def gguf_cut(world, case, spec):
     (case / "whole.gguf").unlink()
 
 
+def gguf_blocks_past(world, case, spec):
+    """A whole GGUF whose header names 300 blocks for its one layer's tensors (an edited header)."""
+    from tests.support.gguf_files import write_two_tensor_gguf
+
+    write_two_tensor_gguf(case / "m.gguf", block_count=300)
+
+
 # -- the environment
 
 
@@ -1780,6 +1787,7 @@ STEPS: dict[str, Callable] = {
         gguf_torn,
         gguf_not,
         gguf_cut,
+        gguf_blocks_past,
         small_disk,
         page_disk,
         grow_disk,

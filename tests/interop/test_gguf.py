@@ -92,3 +92,43 @@ def test_convert_refuses_a_missing_file_and_a_foreign_out_directory(tmp_path, ca
     assert (
         sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "theirs"] and (theirs / "keep.txt").read_text() == "x"
     )
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("block_count", 30, "block_count 30, its tensors hold 2 layers"),
+        ("embedding_length", 7, "embedding_length 7, its token_embd.weight is 64 wide"),
+        ("attention.head_count", 5, "head_count 5 does not divide embedding_length 64"),
+        ("attention.head_count_kv", 3, "head_count_kv 3 does not divide head_count 8"),
+    ],
+)
+def test_a_gguf_header_that_disagrees_with_its_tensors_is_one_line(tmp_path, key, value, says):
+    """transformers builds the model a GGUF's header describes: a block count past the file's layers ran a 300-layer
+    build for minutes, a width its heads do not divide raised a validation traceback. The header is checked
+    against the file's own tensors first; the unedited file passes."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package (frod-ds[test]) writes and reads GGUF files")
+    import numpy as np
+
+    from frod_ds.interop import gguf as conv
+
+    def write(path, **header):
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_block_count(header.get("block_count", 2))
+        w.add_embedding_length(header.get("embedding_length", 64))
+        w.add_head_count(header.get("attention.head_count", 8))
+        w.add_head_count_kv(header.get("attention.head_count_kv", 4))
+        w.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))  # GGUF order: 64 wide
+        for i in range(2):
+            w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones((64,), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    write(tmp_path / "whole.gguf")
+    conv._check_whole(tmp_path / "whole.gguf")
+    write(tmp_path / "edited.gguf", **{key: value})
+    with pytest.raises(conv.ConvertError, match=re.escape(says) + ".*download or copy it again"):
+        conv.convert_gguf(tmp_path / "edited.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
