@@ -10,6 +10,7 @@ number of ranks gives the same numbers; the model is unpartitioned on each rank 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -36,7 +37,7 @@ from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import check_replaceable, record_files
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.atomic import atomic_write_text, disk_advice
 from frod_ds.runtime.errors import note
 from frod_ds.runtime.paths import dir_problem, file_problem
 from frod_ds.runtime.strict_json import loads
@@ -128,6 +129,14 @@ class EvalConfig:
                 )
             except EvalError as exc:
                 problems.append(str(exc))
+            out = Path(self.output)
+            mine = (out, *(out / f for f in LEGACY_FILES))
+            stuck = [p for p in mine if p.exists() and not os.access(p, os.W_OK)]
+            if stuck and not problems:  # read-only or immutable (chattr +i): found before the scoring, not after it
+                problems.append(
+                    f"--output {self.output}: {stuck[0]} cannot be written (read-only or immutable); make it writable "
+                    "or choose another --output"
+                )
         if problems:
             raise EvalError("; ".join(problems))
 
@@ -433,7 +442,13 @@ def run(config: EvalConfig) -> None:
         if dist.is_main():
             try:
                 said = report(config, list(rows), [r for shard in shards for r in shard])
-            except OSError as exc:
-                error = f"cannot write results to {config.output}: {exc}"
+            except OSError as exc:  # the scores are lost with the process: say what to change before re-running
+                where = exc.filename2 or exc.filename or config.output
+                fix = (
+                    disk_advice(exc)
+                    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+                    else "make it writable (chattr -i / chmod u+w) or choose another --output"
+                )
+                error = f"cannot write results to {config.output} ({exc.strerror or exc}: {where}): {fix}, then re-run"
         dist.agree_on_error(error, src=0)
         dist.print0(said)

@@ -518,6 +518,23 @@ def test_output_into_a_directory_eval_did_not_write_is_refused(assets, adapter, 
     assert main(["--model", str(assets["known"]), *common, "--output", str(empty)]) == 0  # its own: again
 
 
+def test_an_earlier_eval_that_cannot_be_replaced_is_refused_before_scoring(assets, tmp_path, capsys, monkeypatch):
+    """An earlier eval's folder, or a file of it, that this process cannot write (immutable, read-only: what
+    os.access says; root passes mode bits, so the refusal is simulated here) is refused before the model loads,
+    naming it and the fix, not after the scores were computed."""
+    import os
+
+    common = ["--model", str(assets["known"]), "--data", str(assets["data"]), "--tasks", "boolq", "--limit", "2"]
+    out = tmp_path / "ev"
+    assert main([*common, "--output", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = os.access
+    for stuck in (out / "results.json", out):
+        monkeypatch.setattr(os, "access", lambda p, mode, s=stuck: False if Path(p) == s else real(p, mode))
+        _fails([*common, "--output", str(out)], capsys, f"{stuck} cannot be written (read-only or immutable)")
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """A ``frod data build`` of BoolQ and PIQA from the committed mirror (its manifest records every file's sha256)."""
