@@ -147,7 +147,7 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
 
     Every missing file is reported in one EvalError; a bad row raises DataPrepError naming file and line.
     """
-    from frod_ds.prep.rows import read_rows, repeated_id
+    from frod_ds.prep.rows import MAX_ROW_CHARS, read_rows, repeated_id
     from frod_ds.prep.tasks import parse_tasks
 
     tasks = parse_tasks(tasks_spec)
@@ -180,6 +180,13 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
             raise EvalError(
                 f"{path} rows {twice[0]} and {twice[1]} have the same id {twice[2]!r}: it would be scored twice; "
                 "deduplicate the file or build the data again with frod data build"
+            )
+        size = {r["id"]: len(r["prompt"]) + max(map(len, r["choices"]), default=0) for r in task_rows}
+        long = next((r for r in task_rows if size[r["id"]] > MAX_ROW_CHARS), None)
+        if long is not None:  # as training refuses it: one row past this fills the memory scoring it
+            raise EvalError(
+                f"{path}: row {long['id']!r} is longer than any sensible prompt ({MAX_ROW_CHARS} characters with its "
+                "longest choice); remove it or build the data again with frod data build"
             )
         empty = [r["id"] for r in task_rows if not all(r["choices"])]
         if empty:

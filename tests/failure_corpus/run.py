@@ -742,6 +742,23 @@ def data_build_edited(world, case, spec):
     eval_file.write_text(eval_file.read_text() + "\n")
 
 
+def data_build_long_eval_row(world, case, spec):
+    """A build whose first boolq eval row's prompt is 200,000 characters, the manifest's sha256 updated to match (a
+    build tool's own output, not a user's edit): scoring it would fill the memory."""
+    import hashlib
+
+    shutil.copytree(world.paths["data"], case / "data")
+    eval_file = case / "data" / "eval" / "boolq.jsonl"
+    lines = eval_file.read_text().splitlines()
+    row = json.loads(lines[0])
+    row["prompt"] = "word " * 40_000
+    eval_file.write_text("\n".join([json.dumps(row), *lines[1:]]) + "\n")
+    manifest = case / "data" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["files"][f"eval/{eval_file.name}"] = hashlib.sha256(eval_file.read_bytes()).hexdigest()
+    manifest.write_text(json.dumps(doc, indent=2))
+
+
 def data_build_linked(world, case, spec):
     """An earlier build whose train.jsonl the user replaced by a link to their own copy of it."""
     shutil.copytree(world.paths["data"], case / "data")
@@ -1660,6 +1677,7 @@ STEPS: dict[str, Callable] = {
         model_config_dangling,
         mirror_same_options,
         data_build_edited,
+        data_build_long_eval_row,
         data_build_linked,
         data_build_fifo,
         data_build_forged_list,
