@@ -36,6 +36,7 @@ from frod_ds.formats.file_digests import DATA_MANIFEST, FileDigests
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import check_replaceable, record_files
+from frod_ds.prep.build_records import FORMAT as BUILD_FORMAT
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import atomic_write_text, disk_advice
 from frod_ds.runtime.errors import note
@@ -202,7 +203,9 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
 def check_built(data: Path, paths: dict[str, Path]) -> None:
     """``EvalError`` unless each task file in ``paths`` is the one the data build wrote (its sha256 in
     ``data/manifest.json``); a ``note:`` when ``data`` is no data build (no manifest: nothing to check against)."""
-    built = FileDigests.read(data / DATA_MANIFEST, EvalError, "build the data again with frod data build")
+    built = FileDigests.read(
+        data / DATA_MANIFEST, EvalError, "build the data again with frod data build", format=BUILD_FORMAT
+    )
     if built is None:
         note(f"{data} has no {DATA_MANIFEST} (not a frod data build): its eval files are scored unchecked")
         return

@@ -36,15 +36,20 @@ class FileDigests:
         return cls({name: file_sha256(Path(folder) / name) for name in sorted(names)})
 
     @classmethod
-    def read(cls, record: Path, error: type[FrodError], hint: str, required: bool = True) -> FileDigests | None:
+    def read(
+        cls, record: Path, error: type[FrodError], hint: str, required: bool = True, format: str | None = None
+    ) -> FileDigests | None:
         """``files`` of the JSON ``record``; None when there is no such file, or (``required=False``) when it holds
-        no ``files``. ``error`` naming ``record``, then ``hint`` (what to do), when it cannot be read."""
+        no ``files``. ``error`` naming ``record``, then ``hint`` (what to do), when it cannot be read or (``format``
+        given) names another format (a record without one: an older build, read as this format)."""
         if not record.is_file():
             return None
         try:
             data = parse_json(record.read_text(encoding="utf-8"), record, error, f"; {hint}")
         except (OSError, UnicodeDecodeError) as e:
             raise error(f"{record} cannot be read ({e}); {hint}") from None
+        if format is not None and isinstance(data, dict) and data.get("format", format) != format:
+            raise error(f"{record} is of format {data['format']!r}, not the {format} this frod-ds reads; {hint}")
         if not isinstance(data, dict) or "files" not in data:
             if not required:
                 return None

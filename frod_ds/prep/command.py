@@ -15,7 +15,7 @@ from typing import Any
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
-from frod_ds.prep.build_records import BuildOptions
+from frod_ds.prep.build_records import FORMAT, BuildOptions
 from frod_ds.prep.dataset import DEFAULT_CUTOFF, KIND, build, resolved_template, template_problems
 from frod_ds.prep.tasks import (
     DEFAULT_WINOGRANDE_SIZE,
@@ -227,6 +227,11 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
         recorded = manifest["files"]
     except (ValueError, KeyError, TypeError) as exc:
         raise DataPrepError(f"{path} is not a valid manifest ({type(exc).__name__}: {exc})") from None
+    if manifest.get("format", FORMAT) != FORMAT:
+        raise DataPrepError(
+            f"{path} is of format {manifest['format']!r}, not the {FORMAT} this frod-ds reads; build the data again "
+            "with frod data build"
+        )
     rows = {}
     for name, digest in recorded.items():
         file = out / name
@@ -240,6 +245,8 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
 
 def cmd_stats(args: argparse.Namespace) -> None:
     """`stats`: verify a build against its manifest; print rows and lengths per file and task."""
+    if args.cutoff is not None and args.cutoff < 1:  # as build refuses it
+        raise DataPrepError(f"--cutoff must be positive, got {args.cutoff}")
     manifest, files = load_built(args.out)
     tokenizer = tokens.load_tokenizer(args.tokenizer) if args.tokenizer else None
     if args.cutoff is not None and tokenizer is None:

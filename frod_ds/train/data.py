@@ -20,6 +20,7 @@ from frod_ds.eval.predict import encode_rows
 from frod_ds.formats.file_digests import DATA_MANIFEST, FileDigests
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.ownership import marker_kind
+from frod_ds.prep.build_records import FORMAT as BUILD_FORMAT
 from frod_ds.prep.rows import MAX_ROW_CHARS, label_problem, read_rows, repeated_id, row_separator, text_problem
 from frod_ds.prep.tasks import DataPrepError
 from frod_ds.runtime.errors import FrodError, note
@@ -73,7 +74,9 @@ def training_file(path: str | Path, setting: str = "data.train") -> Path:
 def _check_built(build: Path, name: str) -> None:
     """``DataError`` when file ``name`` of data build ``build`` is not what the build wrote (its manifest's sha256):
     the run would train on rows the build's manifest, and so the run's record of its data, do not describe."""
-    built = FileDigests.read(build / DATA_MANIFEST, DataError, "build the data again with frod data build", False)
+    built = FileDigests.read(
+        build / DATA_MANIFEST, DataError, "build the data again with frod data build", False, BUILD_FORMAT
+    )
     if built is not None and name in built.files and built.changed(build, name):
         raise DataError(
             f"training data {build / name} was changed after frod data build wrote it (its sha256 is not the one "

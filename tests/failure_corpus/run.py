@@ -759,6 +759,15 @@ def data_build_long_eval_row(world, case, spec):
     manifest.write_text(json.dumps(doc, indent=2))
 
 
+def data_build_future_format(world, case, spec):
+    """A build whose manifest names a later format than this frod-ds writes (v2)."""
+    shutil.copytree(world.paths["data"], case / "data")
+    manifest = case / "data" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["format"] = doc["format"].rsplit("/", 1)[0] + "/v2"
+    manifest.write_text(json.dumps(doc, indent=2))
+
+
 def data_build_linked(world, case, spec):
     """An earlier build whose train.jsonl the user replaced by a link to their own copy of it."""
     shutil.copytree(world.paths["data"], case / "data")
@@ -1678,6 +1687,7 @@ STEPS: dict[str, Callable] = {
         mirror_same_options,
         data_build_edited,
         data_build_long_eval_row,
+        data_build_future_format,
         data_build_linked,
         data_build_fifo,
         data_build_forged_list,
