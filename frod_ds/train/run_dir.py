@@ -69,8 +69,12 @@ def check_run_dir(out: Path, inputs: dict[str, Path | str | None] | None = None)
     for entry in RUN_FILES:  # what the run writes there: of the kind it writes, or absent
         path = out / entry.rstrip("/")
         folder = entry.endswith("/")
-        if os.path.lexists(path) and (path.is_symlink() or path.is_dir() != folder):
-            it = "a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else "not a folder"
+        right_kind = path.is_dir() if folder else path.is_file()  # a named pipe is neither: opening it blocks
+        if os.path.lexists(path) and (path.is_symlink() or not right_kind):
+            if path.is_symlink() or path.is_dir():
+                it = "a symbolic link" if path.is_symlink() else "a folder"
+            else:
+                it = "not a folder" if folder else "not a regular file"
             raise FrodError(
                 f"output_dir {out}: {path} is {it}, where the run keeps its {entry.rstrip('/')}; move it away (or "
                 "choose another output_dir)"

@@ -1075,6 +1075,20 @@ def _run_ckpt_link(name: str, tag: str):
     return prepare
 
 
+def run_fifo_metrics(world, case, spec):
+    """The world's run, unfinished, its metrics.jsonl replaced by a named pipe: opening it to append blocks."""
+    shutil.rmtree(_unfinished_run(world, case))
+    (case / "run" / "metrics.jsonl").unlink(missing_ok=True)
+    os.mkfifo(case / "run" / "metrics.jsonl")
+
+
+def run_fifo_latest(world, case, spec):
+    """The world's run, unfinished, its checkpoints/latest (DeepSpeed's pointer) replaced by a named pipe."""
+    shutil.rmtree(_unfinished_run(world, case))
+    (case / "run" / "checkpoints" / "latest").unlink(missing_ok=True)
+    os.mkfifo(case / "run" / "checkpoints" / "latest")
+
+
 run_ckpt_link_latest = _run_ckpt_link("latest", "latest")
 run_ckpt_link_script = _run_ckpt_link("zero_to_fp32.py", "script")
 run_ckpt_link_pointer = _run_ckpt_link("latest_complete", "pointer")
@@ -1783,6 +1797,8 @@ STEPS: dict[str, Callable] = {
         run_ckpt_link_latest,
         run_ckpt_link_script,
         run_ckpt_link_pointer,
+        run_fifo_metrics,
+        run_fifo_latest,
         peft_config_no_type,
         run_copy,
         ckpt_no_seal,
