@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import re
 import struct
 import time
@@ -100,12 +101,20 @@ def _load_gguf(gguf: Path):
     _check_whole(gguf)
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model, loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True
+        )
     except (ValueError, OSError, KeyError, struct.error, StrictDataclassError) as e:  # struct: a header cut short
         raise ConvertError(
             f"transformers cannot load {gguf} as a GGUF model ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''})"
         ) from None
+    missing = sorted(loaded["missing_keys"])  # left at their random initialisation: never a converted weight
+    if missing:
+        raise ConvertError(
+            f"--gguf {gguf} holds no tensor for {len(missing)} of the model's weights (first: {missing[0]}); the file "
+            "was edited or damaged, download or copy it again"
+        )
     return model.eval(), tok
 
 
@@ -140,9 +149,9 @@ def _header_problem(reader) -> str | None:
     """Where the GGUF's model header disagrees with its own tensors (a loader would build the header's model, a
     300-layer one from a 30-layer file, or fail deep in a config check), or None."""
 
-    def meta(key: str) -> int | None:
+    def meta(key: str, kind: type = int):
         field = reader.fields.get(f"{arch}.{key}")
-        return int(field.parts[field.data[0]][0]) if field is not None and field.data else None
+        return kind(field.parts[field.data[0]][0]) if field is not None and field.data else None
 
     field = reader.fields.get("general.architecture")
     if field is None or not field.data:
@@ -161,6 +170,15 @@ def _header_problem(reader) -> str | None:
         return f"its header's {arch}.attention.head_count {heads} does not divide embedding_length {emb}"
     if kv is not None and heads is not None and (kv < 1 or heads % kv):
         return f"its header's {arch}.attention.head_count_kv {kv} does not divide head_count {heads}"
+    ffn, vocab, down = meta("feed_forward_length"), meta("vocab_size"), tensors.get("blk.0.ffn_down.weight")
+    if ffn is not None and down is not None and down[0] != ffn:
+        return f"its header says {arch}.feed_forward_length {ffn}, its blk.0.ffn_down.weight takes {down[0]}"
+    if vocab is not None and embd is not None and embd[-1] != vocab:
+        return f"its header says {arch}.vocab_size {vocab}, its token_embd.weight has {embd[-1]} rows"
+    for key in ("rope.freq_base", "attention.layer_norm_rms_epsilon"):
+        value = meta(key, float)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return f"its header's {arch}.{key} is {value}, where a model needs a finite number > 0"
     return None
 
 

@@ -101,6 +101,9 @@ def test_convert_refuses_a_missing_file_and_a_foreign_out_directory(tmp_path, ca
         ("embedding_length", 7, "embedding_length 7, its token_embd.weight is 64 wide"),
         ("attention.head_count", 5, "head_count 5 does not divide embedding_length 64"),
         ("attention.head_count_kv", 3, "head_count_kv 3 does not divide head_count 8"),
+        ("vocab_size", 10, "vocab_size 10, its token_embd.weight has 100 rows"),
+        ("rope.freq_base", float("nan"), "rope.freq_base is nan, where a model needs a finite number > 0"),
+        ("attention.layer_norm_rms_epsilon", -1.0, "layer_norm_rms_epsilon is -1.0, where a model needs a finite"),
     ],
 )
 def test_a_gguf_header_that_disagrees_with_its_tensors_is_one_line(tmp_path, key, value, says):
@@ -118,6 +121,9 @@ def test_a_gguf_header_that_disagrees_with_its_tensors_is_one_line(tmp_path, key
         w.add_embedding_length(header.get("embedding_length", 64))
         w.add_head_count(header.get("attention.head_count", 8))
         w.add_head_count_kv(header.get("attention.head_count_kv", 4))
+        w.add_vocab_size(header.get("vocab_size", 100))
+        w.add_rope_freq_base(header.get("rope.freq_base", 10000.0))
+        w.add_layer_norm_rms_eps(header.get("attention.layer_norm_rms_epsilon", 1e-5))
         w.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))  # GGUF order: 64 wide
         for i in range(2):
             w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones((64,), dtype=np.float32))
