@@ -46,6 +46,17 @@ def report(error: FrodError) -> None:
     print(f"error: {where}{error}", file=sys.stderr, flush=True)
 
 
+# What torch.distributed's backends say when a peer process is gone mid-collective (gloo's TCP pairs, NCCL).
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "remote process exited or there was a network error",
+)
+FAULT = 1  # the exit code of a failure that is no user error (a lost peer)
+
+
 def long_name(path: str | os.PathLike | None) -> str:
     """What is too long in ``path``: its longest name when that passes the usual 255-byte limit, else the whole."""
     names = [n for n in os.fsdecode(path or "").split("/") if n]
@@ -96,6 +107,18 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
             return USER_ERROR
         report(FrodError(disk_full_line(e)))  # a full (or read-only) disk: the user's to fix, not a traceback
         return USER_ERROR
+    except RuntimeError as e:  # a collective whose peer went away: the peer's own failure is the news, not this
+        D = _distributed()
+        if D is None or D.get_world_size() < 2 or not any(s in str(e) for s in PEER_LOST):
+            raise
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        report(
+            FrodError(
+                f"another rank of this job stopped, and this one lost it in a collective ({first[:160]}): the "
+                f"launcher's report names that rank; {_after_stop()}"
+            )
+        )
+        return FAULT
     finally:
         D = _distributed()
         if D is not None:

@@ -487,3 +487,29 @@ def test_a_report_stdout_cannot_take_after_the_output_is_published_says_the_outp
 
     assert entry.run(write_fails, init_group=False) == 2
     assert "No space left on device" in capsys.readouterr().err
+
+
+def test_a_peer_lost_in_a_collective_is_one_line_and_exit_1(capsys, monkeypatch):
+    """Several ranks: a collective whose peer process died (gloo's "Connection reset by peer") is one line naming
+    it as another rank's stop, exit 1; the same RuntimeError on one rank, or another RuntimeError, stays a bug."""
+    monkeypatch.setattr(D, "get_world_size", lambda: 2)
+    monkeypatch.setattr(D, "get_rank", lambda: 0)
+    monkeypatch.setattr(D, "destroy", lambda: None)
+    lost = "[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:29500: Connection reset by peer"
+
+    def body():
+        raise RuntimeError(lost)
+
+    assert entry.run(body, init_group=False) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: [rank 0] another rank of this job stopped")
+    assert "Connection reset by peer" in err[0] and "Traceback" not in err[0]
+
+    def bug():
+        raise RuntimeError("shape mismatch")
+
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        entry.run(bug, init_group=False)
+    monkeypatch.setattr(D, "get_world_size", lambda: 1)
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        entry.run(body, init_group=False)
