@@ -38,7 +38,7 @@ from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import check_replaceable, record_files
 from frod_ds.prep.build_records import FORMAT as BUILD_FORMAT
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.atomic import atomic_write_text, disk_advice
+from frod_ds.runtime.atomic import TMP, atomic_write_text, disk_advice, tmp_problem
 from frod_ds.runtime.errors import note
 from frod_ds.runtime.paths import dir_problem, file_problem
 from frod_ds.runtime.strict_json import loads
@@ -138,6 +138,8 @@ class EvalConfig:
                     f"--output {self.output}: {stuck[0]} cannot be written (read-only or immutable); make it writable "
                     "or choose another --output"
                 )
+            in_the_way = [tmp_problem(out / (f + TMP), out / f) for f in LEGACY_FILES]
+            problems += [p for p in in_the_way if p][:1] if not problems else []
         if problems:
             raise EvalError("; ".join(problems))
 

@@ -25,7 +25,7 @@ from frod_ds.formats.checksum import combine_pieces
 from frod_ds.formats.factor_store import part_file
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.io.safetensors_io import safetensors_header, save_tensors_atomic, tensor_bytes
-from frod_ds.runtime.atomic import TMP
+from frod_ds.runtime.atomic import TMP, open_tmp
 
 __all__ = ["MemberReader", "FactorWriter", "plan_parts"]
 
@@ -140,7 +140,7 @@ class _Part:
     def __init__(self, path: Path, head: bytes, offsets: dict[str, int], keys: int):
         self.path, self.offsets = path, offsets
         self.tmp = path.with_name(path.name + TMP)
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = open_tmp(self.tmp, path)
         os.pwrite(self.fd, head, 0)
         self.head = (0, len(head), zlib.crc32(head))
         self.keys_left = keys

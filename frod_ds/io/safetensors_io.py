@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from frod_ds.io.dtypes import ST_CODES
-from frod_ds.runtime.atomic import replacing
+from frod_ds.runtime.atomic import open_tmp, replacing
 
 __all__ = ["safetensors_header", "save_tensors_atomic", "tensor_bytes"]
 
@@ -59,7 +59,7 @@ def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = Tr
     head, _ = safetensors_header([(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()])
     crc = zlib.crc32(head)
     with replacing(path) as tmp:
-        with open(tmp, "wb") as f:
+        with open(open_tmp(tmp, path), "wb") as f:
             f.write(head)
             for t in tensors.values():
                 if t.numel():

@@ -12,11 +12,13 @@ import errno
 import json
 import os
 import resource
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from frod_ds._moved import forward_names
+from frod_ds.runtime.errors import FrodError
 
 __all__ = [
     "TMP",
@@ -31,6 +33,9 @@ __all__ = [
     "fsync_dir",
     "umask",
     "replacing",
+    "clear_tmp",
+    "tmp_problem",
+    "open_tmp",
     "atomic_write_text",
     "atomic_write_json",
 ]
@@ -74,12 +79,52 @@ def umask() -> int:
     return mask
 
 
+def tmp_problem(tmp: Path, path: Path) -> str | None:
+    """Why what is at ``path``'s temporary ``tmp`` is no leftover of a killed write (a regular file of one name, the
+    writer's own): a link, a second name of another file, a named pipe, a folder; None when nothing or a leftover."""
+    try:
+        st = os.lstat(tmp)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        what = f"a symbolic link to {os.readlink(tmp)}"
+    elif stat.S_ISREG(st.st_mode):
+        what = f"a file with {st.st_nlink} names (a hard link)"
+    else:
+        what = "a named pipe" if stat.S_ISFIFO(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "no file"
+    return (
+        f"{tmp} is in the way of writing {path.name}: it is {what}, no leftover of frod-ds; move it away and run the "
+        "same command again"
+    )
+
+
+def clear_tmp(tmp: Path, path: Path) -> None:
+    """Make way for ``path``'s temporary ``tmp``: a leftover of a killed write is the writer's own and is removed;
+    anything else (``tmp_problem``) is ``FrodError``, never written through, emptied or removed."""
+    problem = tmp_problem(tmp, path)
+    if problem:
+        raise FrodError(problem)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+
+
+def open_tmp(tmp: Path, path: Path) -> int:
+    """A new file at ``tmp`` for writing ``path``, created here (``clear_tmp`` first; O_EXCL and O_NOFOLLOW: nothing
+    put there meanwhile is written through); its descriptor."""
+    clear_tmp(tmp, path)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+
+
 @contextlib.contextmanager
 def replacing(path: Path) -> Iterator[Path]:
-    """Yield ``path``'s temporary (``path.tmp``) for the block to write and ``os.replace`` onto ``path``; if the
-    block fails, the temporary is removed (a full disk or a kill leaves no half-written file beside ``path``) and
-    an ``OSError`` that names no file names ``path`` (a failed ``write()`` does not; the error line should)."""
+    """Yield ``path``'s temporary (``path.tmp``, made way for by ``clear_tmp``) for the block to write and
+    ``os.replace`` onto ``path``; if the block fails, the temporary is removed (a full disk or a kill leaves no
+    half-written file beside ``path``) and an ``OSError`` that names no file names ``path`` (a failed ``write()``
+    does not; the error line should)."""
     tmp = path.with_name(path.name + TMP)
+    clear_tmp(tmp, path)
     try:
         yield tmp
     except BaseException as e:
@@ -93,7 +138,7 @@ def replacing(path: Path) -> Iterator[Path]:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
     with replacing(path) as tmp:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with open(open_tmp(tmp, path), "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

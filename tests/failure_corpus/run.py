@@ -950,6 +950,37 @@ def store_torn_unmarked(world, case, spec):
     m.write_text(json.dumps(doc, indent=1))
 
 
+def _plant_tmp(case: Path, tmp: Path, kind: str) -> None:
+    """At a writer's temporary name: a link to ``{case}/decoy.txt`` (a file frod-ds never wrote), or a named pipe."""
+    if kind == "link":
+        (case / "decoy.txt").write_text("a user's file\n")
+        tmp.symlink_to(case / "decoy.txt")
+    else:
+        os.mkfifo(tmp)
+
+
+def _eval_tmp(kind: str):
+    def prepare(world, case, spec):
+        """An earlier eval of the world's adapter in ``{case}/ev``, with its results.json's temporary planted."""
+        argv = ["eval", "--checkpoint", world.paths["adapter"], "--data", world.paths["data"], "--tasks", "boolq"]
+        res = world.run([*argv, "--limit", "2", "--output", str(case / "ev")])
+        if res.returncode:
+            raise RuntimeError(f"the case's earlier eval failed: {res.stderr[-2000:]}")
+        _plant_tmp(case, case / "ev" / "results.json.tmp", kind)
+
+    prepare.__name__ = f"eval_tmp_{kind}"
+    return prepare
+
+
+eval_tmp_link, eval_tmp_fifo = _eval_tmp("link"), _eval_tmp("fifo")
+
+
+def store_tmp_link(world, case, spec):
+    """A store to resume (a torn file, its completion mark lost) whose manifest.json.tmp links to a user's file."""
+    store_torn_unmarked(world, case, spec)
+    _plant_tmp(case, case / "store" / "manifest.json.tmp", "link")
+
+
 def store_flip_factor(world, case, spec):
     _copy(world, "store", case / "store")
     _flip_byte(_first(case / "store", "*.safetensors"), 0.9)
@@ -1779,6 +1810,9 @@ STEPS: dict[str, Callable] = {
         store_no_manifest,
         store_torn_factor,
         store_torn_unmarked,
+        store_tmp_link,
+        eval_tmp_link,
+        eval_tmp_fifo,
         store_flip_factor,
         store_missing_factor,
         store_interrupted,

@@ -513,3 +513,28 @@ def test_a_peer_lost_in_a_collective_is_one_line_and_exit_1(capsys, monkeypatch)
     monkeypatch.setattr(D, "get_world_size", lambda: 1)
     with pytest.raises(RuntimeError, match="Connection reset by peer"):
         entry.run(body, init_group=False)
+
+
+def test_a_writer_never_writes_through_what_sits_at_its_temporary_name(tmp_path):
+    """``atomic_write_text`` writes ``x`` via ``x.tmp``: a killed write's leftover there (a regular file of one name)
+    is its own and replaced; a link (to a user's file), a second name of one (hard link), a named pipe or a folder
+    is refused naming it, and the user's file keeps its bytes."""
+    from frod_ds.runtime.atomic import atomic_write_text
+
+    out, tmp, decoy = tmp_path / "x", tmp_path / "x.tmp", tmp_path / "users_file"
+    tmp.write_text("half a write")
+    atomic_write_text(out, "new")
+    assert out.read_text() == "new" and not tmp.exists()
+    decoy.write_text("keep me")
+    plants = {
+        "a symbolic link to": lambda: tmp.symlink_to(decoy),
+        "a file with 2 names": lambda: os.link(decoy, tmp),
+        "a named pipe": lambda: os.mkfifo(tmp),
+        "a folder": lambda: tmp.mkdir(),
+    }
+    for said, plant in plants.items():
+        plant()
+        with pytest.raises(FrodError, match=f"{tmp} is in the way of writing x: it is {said}"):
+            atomic_write_text(out, "newer")
+        assert decoy.read_text() == "keep me" and out.read_text() == "new"
+        tmp.rmdir() if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
