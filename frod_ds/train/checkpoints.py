@@ -191,7 +191,15 @@ def set_aside(root: Path, tag: str) -> Path:
 
 def check_root_files(root: Path) -> None:
     """``FrodError`` when a file a save writes into checkpoints folder ``root`` is there as something else: a
-    symbolic link (a save would write through it, into a file the run never wrote), a folder, a pipe."""
+    symbolic link (a save would write through it, into a file the run never wrote), a folder, a pipe; or when a
+    checkpoint's name (``step<N>``) is not a folder (a link there would be taken for a save and replaced)."""
+    for path in sorted(root.iterdir()) if root.is_dir() else []:  # before the first save: nothing there yet
+        if step_of(path.name) is not None and (path.is_symlink() or not path.is_dir()):
+            it = f"a symbolic link to {os.readlink(path)}" if path.is_symlink() else "not a folder"
+            raise FrodError(
+                f"{path} is {it}, where the run keeps a checkpoint of its own; move it away (the run's checkpoints "
+                "beside it are untouched) and run the same command again"
+            )
     for name in ROOT_FILES:
         path = root / name
         if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):

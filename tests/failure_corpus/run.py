@@ -1123,6 +1123,7 @@ def run_fifo_latest(world, case, spec):
 run_ckpt_link_latest = _run_ckpt_link("latest", "latest")
 run_ckpt_link_script = _run_ckpt_link("zero_to_fp32.py", "script")
 run_ckpt_link_pointer = _run_ckpt_link("latest_complete", "pointer")
+run_ckpt_link_step = _run_ckpt_link("step00000002", "step")  # the save the resumed run makes
 
 
 def _checkpoint(case: Path) -> Path:
@@ -1831,6 +1832,7 @@ STEPS: dict[str, Callable] = {
         run_ckpt_link_latest,
         run_ckpt_link_script,
         run_ckpt_link_pointer,
+        run_ckpt_link_step,
         run_fifo_metrics,
         run_fifo_latest,
         peft_config_no_type,
