@@ -71,7 +71,16 @@ def _pid_start(pid: int) -> int | None:
 
 
 def _slurm_restart(env: os._Environ[str] | dict[str, str]) -> int | None:
-    return int(env.get("SLURM_RESTART_COUNT") or 0) if env.get("SLURM_JOB_ID") else None
+    """Slurm's restart count of this job (0 before a requeue); ``FrodError`` for a value Slurm never sets."""
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    count = (env.get("SLURM_RESTART_COUNT") or "0").strip()
+    if not count.isdigit():
+        raise FrodError(
+            f"SLURM_RESTART_COUNT={count!r} is no restart count (Slurm sets digits), and the output's lease records "
+            "it: unset it, or SLURM_JOB_ID with it outside a Slurm job"
+        )
+    return int(count)
 
 
 def _special(mode: int) -> str:
@@ -147,8 +156,11 @@ def describe(held: LeaseRecord, st: os.stat_result, now: float | None = None) ->
         job += f" (restart {held.slurm_restart})"
     what = f"{held.command} " if held.command else ""
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.started))
-    beat = max(0.0, now - st.st_mtime)
-    return f"{what}(pid {held.pid} on host {held.host}{job}, since {since}, heartbeat {beat:.0f} s ago)"
+    beat = now - st.st_mtime
+    said = f"{max(0.0, beat):.0f} s ago"
+    if beat < -60:
+        said = f"stamped {-beat:.0f} s in the future (a clock ahead of this host's)"
+    return f"{what}(pid {held.pid} on host {held.host}{job}, since {since}, heartbeat {said})"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -156,7 +168,7 @@ def _pid_alive(pid: int) -> bool:
     but can write nothing more."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: past any pid (a garbled lease)
         return False
     except PermissionError:  # alive, another user's
         return True

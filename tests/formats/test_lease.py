@@ -376,3 +376,23 @@ def test_an_entry_no_lease_can_be_is_named_and_never_read_or_removed(tmp_path, n
     with pytest.raises(FrodError, match=f"is locked by {path}, which is .*not a frod-ds lease; remove it"):
         acquire(out, "frod data build")
     assert time.monotonic() - t0 < 5 and os.path.lexists(path)
+
+
+def test_a_lease_naming_a_pid_past_any_process_is_gone(tmp_path, capsys, no_slurm):
+    """A garbled lease of this host naming pid 2**40 (past what kill() takes): its holder is gone, taken over with
+    the note, not an OverflowError."""
+    out = tmp_path / "run"
+    planted(out, pid=2**40)
+    with holding(out, "training-run", "output_dir"):
+        assert json.loads(lease_path(out).read_text())["pid"] == os.getpid()
+    assert f"pid {2**40} is gone" in capsys.readouterr().err
+
+
+def test_a_restart_count_slurm_never_sets_is_one_line(tmp_path, monkeypatch):
+    """SLURM_RESTART_COUNT that is not digits, inside a job: named in one line before any lease is placed."""
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "abc")
+    with pytest.raises(FrodError, match="SLURM_RESTART_COUNT='abc' is no restart count"):
+        with holding(tmp_path / "run", "training-run", "output_dir"):
+            pass
+    assert not lease_path(tmp_path / "run").exists()
