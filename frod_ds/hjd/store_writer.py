@@ -325,6 +325,13 @@ def prepare_store(
         raise HJDError(f"--out {out} is a file; pass a directory")
     check_not_an_input(out, inputs, error=HJDError)  # --out the model's own folder: named as such
     if out.is_dir() and any(out.iterdir()) and not overwrite and not _is_store(out):
+        record = out / MARKER
+        if record.is_symlink() or (record.exists() and not record.is_file()):  # the store may be whole: say what
+            it = "a symbolic link" if record.is_symlink() else "no file"
+            raise HJDError(
+                f"--out {out}: its ownership record {record} is {it}, not the file frod-ds writes; remove it and run "
+                "the same command again"
+            )
         raise HJDError(f"--out {out} exists, is not empty and holds no factor store; choose a new or empty directory")
     # before anything is written; what --overwrite deletes is only what the store's record lists
     check_replaceable(out, KIND, inputs, error=HJDError, legacy=_is_legacy_store, foreign=overwrite)

@@ -975,6 +975,13 @@ def _eval_tmp(kind: str):
 eval_tmp_link, eval_tmp_fifo = _eval_tmp("link"), _eval_tmp("fifo")
 
 
+def store_record_link(world, case, spec):
+    """The world's complete store whose ownership record (.frod-ds-output) is a link to a user's file."""
+    _copy(world, "store", case / "store")
+    (case / "store" / ".frod-ds-output").unlink()
+    _plant_tmp(case, case / "store" / ".frod-ds-output", "link")
+
+
 def store_tmp_link(world, case, spec):
     """A store to resume (a torn file, its completion mark lost) whose manifest.json.tmp links to a user's file."""
     store_torn_unmarked(world, case, spec)
@@ -1812,6 +1819,7 @@ STEPS: dict[str, Callable] = {
         store_torn_factor,
         store_torn_unmarked,
         store_tmp_link,
+        store_record_link,
         eval_tmp_link,
         eval_tmp_fifo,
         store_flip_factor,
