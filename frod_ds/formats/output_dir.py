@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,10 +144,25 @@ def record_text(record: OutputRecord) -> str:
     return record_to_json(record)
 
 
+# A factor store's record names its categories' part files by pattern before they are written (factor_store.file_globs)
+_STORE_PARTS = re.compile(r"[A-Za-z0-9_]+\.rank\[0-9\]\*\.part\[0-9\]\*\.safetensors")
+
+
+def _own_pattern(kind: str | None, entry: str) -> bool:
+    """Whether record entry ``entry`` names files by a pattern its kind's writer uses (or none at all): a pattern
+    no writer records (``*``, edited into the record) would claim a user's files for ``--overwrite`` to delete."""
+    if not any(c in entry for c in "*?["):
+        return True
+    return entry in KIND_FILES.get(kind or "", ()) or (kind == "factor-store" and bool(_STORE_PARTS.fullmatch(entry)))
+
+
 def entries_of(record: OutputRecord | None, legacy_kind: str | None = None) -> tuple[str, ...] | None:
     """What ``record`` says its writer wrote: its list, or for a record from before lists (or a folder recognised
-    without one, ``legacy_kind``) what that kind writes; None when nothing is known to be ours."""
+    without one, ``legacy_kind``) what that kind writes; None when nothing is known to be ours, or when the list
+    holds a pattern no frod-ds writer records (the record was edited: none of it is trusted)."""
     if record is not None and record.files is not None:
+        if not all(_own_pattern(record.kind, e) for e in record.files):
+            return None
         return tuple(record.files)
     kind = record.kind if record is not None else legacy_kind
     return KIND_FILES.get(kind) if kind else None

@@ -153,10 +153,23 @@ def test_overwrite_removes_exactly_the_listed_files(tmp_path):
             "logs/deep/b.txt": "log",
         },
     )
-    mark_dir(out, "factor-store", ["manifest.json", "q_proj.V.safetensors", "q_proj.rank*.part*.safetensors", "logs/"])
+    parts = "q_proj.rank[0-9]*.part[0-9]*.safetensors"  # factor_store.file_globs: as HJD records them
+    mark_dir(out, "factor-store", ["manifest.json", "q_proj.V.safetensors", parts, "logs/"])
     write(tmp_path, {"beside.txt": "not in the folder"})
     remove_owned(out, "factor-store")
     assert tree(tmp_path) == {"beside.txt": hashlib.sha256(b"not in the folder").hexdigest()}
+
+
+@pytest.mark.parametrize("kind", ["factor-store", "data-build", "hf-export"])
+def test_a_record_claiming_files_by_a_pattern_no_writer_records_is_not_trusted(tmp_path, kind):
+    """A record whose list gained ``*`` (edited: no frod-ds writer records that) would make --overwrite delete a
+    user's notes beside the output; such a record is trusted for nothing, and the refusal names the folder."""
+    out = tmp_path / "out"
+    write(out, {"manifest.json": "{}", "notes.txt": "mine"})
+    mark_dir(out, kind, ["manifest.json", "*"])
+    with pytest.raises(FrodError, match="holds what frod-ds did not write there"):
+        remove_owned(out, kind)
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_overwrite_of_an_earlier_build_replaces_it_with_the_new_one(tmp_path):
