@@ -35,7 +35,7 @@ from frod_ds.formats.building import building_dir
 from frod_ds.formats.file_digests import DATA_MANIFEST, FileDigests
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.formats.lease import holding
-from frod_ds.formats.ownership import check_replaceable, record_files
+from frod_ds.formats.ownership import check_replaceable, record_files, restamp
 from frod_ds.prep.build_records import FORMAT as BUILD_FORMAT
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import TMP, atomic_write_text, disk_advice, tmp_problem
@@ -361,6 +361,7 @@ def write_outputs(output: Path, files: dict[str, str]) -> None:
         record_files(output, list(files), RESULTS_KIND)
         for name, text in files.items():
             atomic_write_text(output / name, text)
+        restamp(output, list(files))  # the record's stamps are this run's files now
         return
     with building_dir(output, RESULTS_KIND) as tmp:
         for name, text in files.items():

@@ -155,7 +155,10 @@ def describe(held: LeaseRecord, st: os.stat_result, now: float | None = None) ->
     if held.slurm_job and held.slurm_restart:
         job += f" (restart {held.slurm_restart})"
     what = f"{held.command} " if held.command else ""
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.started))
+    try:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.started))
+    except (OverflowError, OSError, ValueError):  # a garbled record: no clock gives that time
+        since = f"an impossible time ({held.started!r})"
     beat = now - st.st_mtime
     said = f"{max(0.0, beat):.0f} s ago"
     if beat < -60:

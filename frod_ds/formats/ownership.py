@@ -46,6 +46,7 @@ __all__ = [
     "MARKER",
     "KINDS",
     "mark_dir",
+    "restamp",
     "record_files",
     "is_marked",
     "marker_kind",
@@ -77,6 +78,15 @@ def mark_dir(path: Path, kind: str, files: Iterable[str] = (), stamp: bool = Fal
     written = stamps_of(Path(path), files) if stamp else None
     record = OutputRecord(format=FORMAT, kind=kind, version=VERSION, files=files, written=written)
     atomic_write_text(Path(path) / MARKER, record_text(record))
+
+
+def restamp(path: Path, entries: Iterable[str]) -> None:
+    """After the writer replaced ``entries`` of a write-once output in place (an eval into its earlier results), its
+    record's stamps of them are the new files' (else the next run reads them as a user's edit). Lease holder only."""
+    record = read_record(Path(path))
+    if record is not None and record.written is not None:
+        record.written.update(stamps_of(Path(path), list(entries)))
+        atomic_write_text(Path(path) / MARKER, record_text(record))
 
 
 def record_files(path: Path, entries: Iterable[str], kind: str | None = None) -> None:

@@ -516,6 +516,11 @@ def test_output_into_a_directory_eval_did_not_write_is_refused(assets, adapter, 
     assert main(["--model", str(assets["known"]), *common, "--output", str(empty)]) == 0
     assert (empty / "results.json").is_file()
     assert main(["--model", str(assets["known"]), *common, "--output", str(empty)]) == 0  # its own: again
+    # other results each time (another --limit): every run takes the last one's files as its own
+    for limit in ("1", "2", "1"):
+        argv = ["--model", str(assets["known"]), *common[:-1], limit, "--output", str(empty)]
+        assert main(argv) == 0
+        assert len((empty / "predictions.jsonl").read_text().splitlines()) == int(limit)
 
 
 def test_an_earlier_eval_that_cannot_be_replaced_is_refused_before_scoring(assets, tmp_path, capsys, monkeypatch):

@@ -396,3 +396,12 @@ def test_a_restart_count_slurm_never_sets_is_one_line(tmp_path, monkeypatch):
         with holding(tmp_path / "run", "training-run", "output_dir"):
             pass
     assert not lease_path(tmp_path / "run").exists()
+
+
+def test_a_lease_started_at_an_impossible_time_is_described_not_raised(tmp_path, no_slurm):
+    """A live holder's lease whose ``started`` no clock gives (1e308): the refusal names it, no OverflowError."""
+    out = tmp_path / "run"
+    planted(out, started=1e308)
+    with pytest.raises(FrodError, match=r"since an impossible time \(1e\+308\)"):
+        with holding(out, "training-run", "output_dir"):
+            pass
