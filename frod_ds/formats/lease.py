@@ -62,6 +62,23 @@ def _proc_stat(pid: int) -> list[str]:
         return []
 
 
+def _descends_from(held: LeaseRecord) -> bool:
+    """Whether this process runs under the lease's holder (a child it handed the token, or one of theirs): on the
+    holder's host, its pid among this process's ancestors; elsewhere (a rank on another node) nothing to ask. A token
+    read from the lease file by an unrelated command lets no second writer in."""
+    if held.host != socket.gethostname() or not Path("/proc/self/stat").exists():
+        return True
+    pid = os.getpid()
+    for _ in range(4096):  # a parent chain is never this long: stops on a loop in a damaged /proc
+        if pid == held.pid:
+            return True
+        fields = _proc_stat(pid)
+        if len(fields) < 2 or not fields[1].isdigit() or int(fields[1]) in (0, pid):
+            return False
+        pid = int(fields[1])
+    return False
+
+
 def _pid_start(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks after boot; Linux), so that a reused pid is not its holder."""
     try:
@@ -375,7 +392,7 @@ def acquire(
             if found is None:
                 continue  # released meanwhile
             held, st = found
-            if held is not None and inherited and held.token == inherited:
+            if held is not None and inherited and held.token == inherited and _descends_from(held):
                 return Lease(path, held, None, created, heartbeat_s)
             if held is None:
                 if _odd(st):  # never a lease, never removed: a user's, or another program's
@@ -426,7 +443,12 @@ def _check_no_writer_above(out: Path, what: str, error: type[FrodError], handed:
         if not path.is_file() and not path.is_symlink():
             continue
         found = read_lease(path)
-        if found is not None and found[0] is not None and handed.get(str(path)) == found[0].token:
+        if (
+            found is not None
+            and found[0] is not None
+            and handed.get(str(path)) == found[0].token
+            and _descends_from(found[0])
+        ):
             continue  # this command's own launcher holds it
         who = live_holder(path)
         if who is not None:

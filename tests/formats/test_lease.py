@@ -405,3 +405,25 @@ def test_a_lease_started_at_an_impossible_time_is_described_not_raised(tmp_path,
     with pytest.raises(FrodError, match=r"since an impossible time \(1e\+308\)"):
         with holding(out, "training-run", "output_dir"):
             pass
+
+
+def test_a_token_read_from_the_lease_file_lets_no_unrelated_writer_in(tmp_path, no_slurm):
+    """A live holder's token copied from its lease file into FROD_DS_LEASES by a command it did not start: refused
+    as a second writer, and the holder's lease stays; its own child (``child_env``) is let in, as above."""
+    from frod_ds.formats.lease import ENV
+
+    out = tmp_path / "run"
+    proc = holder(out)
+    try:
+        token = json.loads(lease_path(out).read_text())["token"]
+        code = (
+            "import sys\nfrom frod_ds.formats.lease import holding\n"
+            "with holding(sys.argv[1], 'training-run'):\n    print(1)"
+        )
+        env = {**clean_env(), "PYTHONPATH": str(REPO), ENV: json.dumps({str(lease_path(out)): token})}
+        forged = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True)
+        assert forged.returncode != 0 and "is being written by" in forged.stderr, forged.stderr
+        assert json.loads(lease_path(out).read_text())["token"] == token
+    finally:
+        proc.terminate()
+        proc.wait()
