@@ -23,11 +23,13 @@ and .ci/run checks that these tests ran.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -549,7 +551,18 @@ def test_sigterm_without_requeue_then_the_same_submission_resumes_bitwise(cluste
     store = single["store"]
     first = _submit_train(cluster, tiny, store, out, TWO_BY_ONE, REQUEUE="0")
     _wait_for_step(cluster, tiny, first, out, 2)
-    assert cluster.run(["scancel", "--signal=TERM", first]).returncode == 0
+    # the tasks held (SIGSTOP) while scancel's SIGTERM reaches them: a tiny step outruns the signal's path through
+    # slurmctld otherwise, and the run could finish before it stops
+    tasks = [p for n in _hostnames(cluster, cluster.job(first).fields["NodeList"]) for p in _task_pids(cluster, n)]
+    for pid in tasks:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        assert cluster.run(["scancel", "--signal=TERM", first]).returncode == 0
+        time.sleep(1.0)
+    finally:
+        for pid in tasks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     job = cluster.wait(first, timeout=120)
     assert (job.state, job.exit_code, job.restarts) == ("FAILED", "143:0", 0), (job, _log(tiny, "frod-train", first))
     tag = _latest_tag(out)
