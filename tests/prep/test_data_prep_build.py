@@ -359,7 +359,7 @@ def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
         ("test.parquet", "not parquet", r"cannot read .*test\.parquet: not a readable parquet file"),
         ("test.jsonl", b"\xff\xfe{}", r"cannot read .*test\.jsonl: not UTF-8 text \(line 1, byte 0: 0xff\)"),
         ("test.jsonl", b'{"id": "1"}\n{"id": "\xe9"}\n', r"test\.jsonl: not UTF-8 text \(line 2, byte 20: 0xe9\)"),
-        ("test.jsonl", gzip.compress(b'{"id": "1"}\n'), r"test\.jsonl: it is gzip-compressed; decompress it"),
+        ("test.jsonl", gzip.compress(b'{"id": "1"}\n', mtime=0), r"test\.jsonl: it is gzip-compressed; decompress it"),
         ("test.json", "42", r"cannot read .*test\.json: expected a JSON array of rows or JSON lines, got int"),
         # JSON keeps the last of a key given twice: which label the row's author meant is unknown
         (
