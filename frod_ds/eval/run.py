@@ -92,6 +92,18 @@ class EvalConfig:
     def modes(self) -> tuple[str, ...]:
         return parse_modes(self.mode)
 
+    def _unwritable(self) -> list[str]:
+        """Why the results could not be written into ``output`` as it is: a folder or file of it read-only or
+        immutable (``chattr +i``), or something else than a killed write's leftover at a temporary name."""
+        out = Path(self.output)
+        stuck = [p for p in (out, *(out / f for f in LEGACY_FILES)) if p.exists() and not os.access(p, os.W_OK)]
+        said = [
+            f"--output {self.output}: {p} cannot be written (read-only or immutable); make it writable or choose "
+            "another --output"
+            for p in stuck
+        ]
+        return said + [p for p in (tmp_problem(out / (f + TMP), out / f) for f in LEGACY_FILES) if p]
+
     def validate(self) -> None:
         """Raise EvalError listing every problem with the flags."""
         problems = []
@@ -130,16 +142,8 @@ class EvalConfig:
                 )
             except EvalError as exc:
                 problems.append(str(exc))
-            out = Path(self.output)
-            mine = (out, *(out / f for f in LEGACY_FILES))
-            stuck = [p for p in mine if p.exists() and not os.access(p, os.W_OK)]
-            if stuck and not problems:  # read-only or immutable (chattr +i): found before the scoring, not after it
-                problems.append(
-                    f"--output {self.output}: {stuck[0]} cannot be written (read-only or immutable); make it writable "
-                    "or choose another --output"
-                )
-            in_the_way = [tmp_problem(out / (f + TMP), out / f) for f in LEGACY_FILES]
-            problems += [p for p in in_the_way if p][:1] if not problems else []
+            if not problems:  # what would stop the write, found before the scoring, not after it
+                problems += self._unwritable()[:1]
         if problems:
             raise EvalError("; ".join(problems))
 
@@ -184,8 +188,9 @@ def load_task_rows(data: str, tasks_spec: str, limit: int | None, modes: tuple[s
                 f"{path} rows {twice[0]} and {twice[1]} have the same id {twice[2]!r}: it would be scored twice; "
                 "deduplicate the file or build the data again with frod data build"
             )
-        size = {r["id"]: len(r["prompt"]) + max(map(len, r["choices"]), default=0) for r in task_rows}
-        long = next((r for r in task_rows if size[r["id"]] > MAX_ROW_CHARS), None)
+        long = next(
+            (r for r in task_rows if len(r["prompt"]) + max(map(len, r["choices"]), default=0) > MAX_ROW_CHARS), None
+        )
         if long is not None:  # as training refuses it: one row past this fills the memory scoring it
             raise EvalError(
                 f"{path}: row {long['id']!r} is longer than any sensible prompt ({MAX_ROW_CHARS} characters with its "

@@ -14,7 +14,7 @@ from pathlib import Path
 from frod_ds.formats.records import parse_json, record_from_dict
 from frod_ds.runtime.errors import FrodError
 
-__all__ = ["DATA_MANIFEST", "FileDigests", "file_sha256"]
+__all__ = ["DATA_MANIFEST", "FileDigests", "file_sha256", "format_problem"]
 
 DATA_MANIFEST = "manifest.json"  # a data build's record (frod_ds.prep.dataset writes the rest of it)
 
@@ -48,8 +48,9 @@ class FileDigests:
             data = parse_json(record.read_text(encoding="utf-8"), record, error, f"; {hint}")
         except (OSError, UnicodeDecodeError) as e:
             raise error(f"{record} cannot be read ({e}); {hint}") from None
-        if format is not None and isinstance(data, dict) and data.get("format", format) != format:
-            raise error(f"{record} is of format {data['format']!r}, not the {format} this frod-ds reads; {hint}")
+        problem = format_problem(data, record, format) if format is not None else None
+        if problem:
+            raise error(f"{problem}; {hint}")
         if not isinstance(data, dict) or "files" not in data:
             if not required:
                 return None
@@ -60,3 +61,11 @@ class FileDigests:
         """Whether ``folder/name`` is not the file recorded under ``name`` (missing, or other bytes)."""
         want = self.files.get(name)
         return want is None or not (Path(folder) / name).is_file() or file_sha256(Path(folder) / name) != want
+
+
+def format_problem(data: object, record: Path, format: str) -> str | None:
+    """Why JSON ``data`` of ``record`` is not of ``format`` (it names another), or None; a record without a format
+    is an older one, read as this format."""
+    if isinstance(data, dict) and data.get("format", format) != format:
+        return f"{record} is of format {data['format']!r}, not the {format} this frod-ds reads"
+    return None

@@ -79,6 +79,12 @@ def _descends_from(held: LeaseRecord) -> bool:
     return False
 
 
+def _handed_down(held: LeaseRecord | None, token: str | None) -> bool:
+    """Whether lease ``held`` was handed to this process: its token in ``FROD_DS_LEASES``, and this process under
+    its holder (``_descends_from``)."""
+    return held is not None and token is not None and held.token == token and _descends_from(held)
+
+
 def _pid_start(pid: int) -> int | None:
     """When process ``pid`` started (clock ticks after boot; Linux), so that a reused pid is not its holder."""
     try:
@@ -392,7 +398,7 @@ def acquire(
             if found is None:
                 continue  # released meanwhile
             held, st = found
-            if held is not None and inherited and held.token == inherited and _descends_from(held):
+            if _handed_down(held, inherited):
                 return Lease(path, held, None, created, heartbeat_s)
             if held is None:
                 if _odd(st):  # never a lease, never removed: a user's, or another program's
@@ -443,12 +449,7 @@ def _check_no_writer_above(out: Path, what: str, error: type[FrodError], handed:
         if not path.is_file() and not path.is_symlink():
             continue
         found = read_lease(path)
-        if (
-            found is not None
-            and found[0] is not None
-            and handed.get(str(path)) == found[0].token
-            and _descends_from(found[0])
-        ):
+        if found is not None and _handed_down(found[0], handed.get(str(path))):
             continue  # this command's own launcher holds it
         who = live_holder(path)
         if who is not None:

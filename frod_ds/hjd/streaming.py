@@ -25,7 +25,7 @@ from frod_ds.formats.checksum import combine_pieces
 from frod_ds.formats.factor_store import part_file
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.io.safetensors_io import safetensors_header, save_tensors_atomic, tensor_bytes
-from frod_ds.runtime.atomic import TMP, open_tmp
+from frod_ds.runtime.atomic import TMP, clear_tmp, open_tmp
 
 __all__ = ["MemberReader", "FactorWriter", "plan_parts"]
 
@@ -140,7 +140,8 @@ class _Part:
     def __init__(self, path: Path, head: bytes, offsets: dict[str, int], keys: int):
         self.path, self.offsets = path, offsets
         self.tmp = path.with_name(path.name + TMP)
-        self.fd = open_tmp(self.tmp, path)
+        clear_tmp(self.tmp, path)
+        self.fd = open_tmp(self.tmp)
         os.pwrite(self.fd, head, 0)
         self.head = (0, len(head), zlib.crc32(head))
         self.keys_left = keys

@@ -59,7 +59,7 @@ def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = Tr
     head, _ = safetensors_header([(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()])
     crc = zlib.crc32(head)
     with replacing(path) as tmp:
-        with open(open_tmp(tmp, path), "wb") as f:
+        with open(open_tmp(tmp), "wb") as f:
             f.write(head)
             for t in tensors.values():
                 if t.numel():

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from frod_ds.formats.file_digests import format_problem
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.prep import llm_adapters, sources, tokens
 from frod_ds.prep import rows as prep_rows
@@ -227,11 +228,9 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
         recorded = manifest["files"]
     except (ValueError, KeyError, TypeError) as exc:
         raise DataPrepError(f"{path} is not a valid manifest ({type(exc).__name__}: {exc})") from None
-    if manifest.get("format", FORMAT) != FORMAT:
-        raise DataPrepError(
-            f"{path} is of format {manifest['format']!r}, not the {FORMAT} this frod-ds reads; build the data again "
-            "with frod data build"
-        )
+    problem = format_problem(manifest, path, FORMAT)
+    if problem:
+        raise DataPrepError(f"{problem}; build the data again with frod data build")
     rows = {}
     for name, digest in recorded.items():
         file = out / name

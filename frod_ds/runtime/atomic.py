@@ -110,10 +110,9 @@ def clear_tmp(tmp: Path, path: Path) -> None:
         os.unlink(tmp)
 
 
-def open_tmp(tmp: Path, path: Path) -> int:
-    """A new file at ``tmp`` for writing ``path``, created here (``clear_tmp`` first; O_EXCL and O_NOFOLLOW: nothing
-    put there meanwhile is written through); its descriptor."""
-    clear_tmp(tmp, path)
+def open_tmp(tmp: Path) -> int:
+    """A new file at temporary ``tmp``, created here, after ``clear_tmp`` (``replacing`` does it): O_EXCL and
+    O_NOFOLLOW, so nothing put there meanwhile is written through; its descriptor."""
     return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
 
 
@@ -138,7 +137,7 @@ def replacing(path: Path) -> Iterator[Path]:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
     with replacing(path) as tmp:
-        with open(open_tmp(tmp, path), "w", encoding="utf-8") as f:
+        with open(open_tmp(tmp), "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

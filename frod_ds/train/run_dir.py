@@ -79,8 +79,7 @@ def check_run_dir(out: Path, inputs: dict[str, Path | str | None] | None = None)
                 f"output_dir {out}: {path} is {it}, where the run keeps its {entry.rstrip('/')}; move it away (or "
                 "choose another output_dir)"
             )
-    if (out / "checkpoints").is_dir() and not (out / "checkpoints").is_symlink():
-        check_root_files(out / "checkpoints")
+    check_root_files(out / "checkpoints")  # a link there is refused above; no folder yet: nothing to check
 
 
 def check_no_unresumable_run(out: Path) -> None:
