@@ -181,7 +181,8 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         s = d["chain"]
         model, gpus = {**SEVEN_B, "num_hidden_layers": s["layers"] or 32}, s["gpus"]
         assert s["shape"] == "7b", f"{label}: only the 7b shape is modelled here, got {s['shape']}"
-        train = TrainShape(micro_batch=d["micro_batch"], seq_len=s["seq"], dtype=s["dtype"], checkpointing=True)
+        sparsity = s.get("sparsity", 0.02)  # records before the setting ran at 0.02
+        train = TrainShape(d["micro_batch"], s["seq"], s["dtype"], sparsity=sparsity, checkpointing=True)
         engine, plain = engine_from_ds_config(load_ds_config(REPO / s["config"]), s["config"]), False
     else:
         m = d["model"]

@@ -59,6 +59,7 @@ CHAIN_KEYS: dict[str, Any] = {
     "est_s": 180,  # a training stage's wall time before it ever ran: none starts with less budget left
     "nvme_path": "",  # frod train's --nvme-path (an absolute folder on the machine's local disk), for NVMe JSONs
     "omp_threads": 0,  # OMP_NUM_THREADS of the training runs; 0: the launcher's (torchrun: 1 for several ranks)
+    "sparsity": 0.02,  # FRoD's S rate in the recipe (and the planner's prediction)
     "tag": "",
 }
 
@@ -81,6 +82,8 @@ def check(s: dict[str, Any], where: str) -> None:
         raise BenchError(f"{where}: config {s['config']!r} is not a file of the repository")
     if s["nvme_path"] and not Path(s["nvme_path"]).is_absolute():
         raise BenchError(f"{where}: nvme_path {s['nvme_path']!r} must be an absolute folder")
+    if not isinstance(s["sparsity"], float) or not 0.0 < s["sparsity"] < 1.0:
+        raise BenchError(f"{where}: sparsity must be a number between 0 and 1 (exclusive), got {s['sparsity']!r}")
     if s["tag"] and not re.fullmatch(r"[a-z0-9][a-z0-9_]*", s["tag"]):
         raise BenchError(f"{where}: tag {s['tag']!r} must be lower-case letters, digits or '_'")
 
@@ -152,7 +155,7 @@ def predict(ch: Chain) -> dict[str, Any]:
     gpu_gib = s["gpu_mem_gib"] or ch.device["memory_gib"] or H200_GIB
 
     def plan(mb: int) -> dict[str, Any]:
-        train = TrainShape(micro_batch=mb, seq_len=s["seq"], dtype=s["dtype"], checkpointing=True)
+        train = TrainShape(mb, s["seq"], s["dtype"], sparsity=s["sparsity"], checkpointing=True)
         p = plan_memory(model, train, engine, s["gpus"], gpu_gib * GiB)
         t = step_time(model, train, engine, s["gpus"])
         out = dict(allocated_gib=p.allocated / GiB, needed_gib=p.needed / GiB, fits=p.fits, step_s=t.seconds)
@@ -317,7 +320,7 @@ def _figures(ch: Chain, run: dict, rows: list[dict], batch: int) -> dict[str, An
     s, world, timed = ch.cfg.settings, ch.cfg.settings["gpus"], rows[1:]
     tok = statistics.median(r["tokens_per_s"] for r in timed) / world
     cfg = synthetic.config_json(shape_of(s))
-    fl = flops_per_token(cfg, s["seq"], "frod", batch * s["seq"], targets=TARGETS, sparsity=0.02)["total"]
+    fl = flops_per_token(cfg, s["seq"], "frod", batch * s["seq"], targets=TARGETS, sparsity=s["sparsity"])["total"]
     peak = peak_bf16_flops(ch.device["name"]) if ch.device["count"] else None
     return {
         "micro_batch": batch,

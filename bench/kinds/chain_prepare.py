@@ -73,11 +73,12 @@ def _write_data(root: Path, shape: Shape, s: dict[str, Any]) -> None:
 
 
 def _write_recipe(ch: Chain) -> None:
-    """FRoD s=0.02 on the six targets, gradient checkpointing, the loss on every token, ``steps`` at ``batch``."""
+    """FRoD at the ``sparsity`` setting on the six targets, gradient checkpointing, the loss on every token,
+    ``steps`` at ``batch``."""
     import yaml
 
     s, root = ch.cfg.settings, ch.root
-    model = {"base": str(root / "model"), "factor_store": str(root / "store"), "sparsity": 0.02}
+    model = {"base": str(root / "model"), "factor_store": str(root / "store"), "sparsity": s["sparsity"]}
     data = {"train": str(root / "data" / "train.jsonl"), "cutoff_len": s["seq"], "train_on_inputs": True}
     train = {"max_steps": s["steps"], "micro_batch_size": s["batch"], "grad_accum": 1, "log_every": 1}
     recipe = {

@@ -51,9 +51,10 @@ HOST_SHARD_BYTES_PER_S = 54e9
 # Read off the GPU machine's local disk (nvme-7b-train-1gpu); a machine's own drives may be several times faster.
 DISK_BYTES_PER_S = 2.1e9
 # The optimizer on the CPU (offload_optimizer: DeepSpeedCPUAdam's step and its copies), seconds per trainable
-# parameter of the rank's partition: read off the 7B shape on 2 H200s at one OpenMP thread per rank
-# (offload-7b-train-2gpu, series 1-2); the same at 16 threads per rank (series 3), so no thread count enters.
-CPU_OPTIMIZER_PARAM_S = 4.4e-9
+# parameter of the model on one machine, whatever its number of ranks: one rank stepping all of σ and S took as long
+# as two stepping half each (7B shape: offload-7b-train-1gpu and offload-7b-train-2gpu, series 1-3, at 1 and 16
+# OpenMP threads per rank).
+CPU_OPTIMIZER_PARAM_S = 2.2e-9
 # Dequantization on the GPU, seconds per quantized element and pass.
 DEQUANT_DEVICE_S = {"nf4": 1.4e-12, "int8": 7.9e-12}
 # The host's time per decoder layer and pass of a bf16 FRoD step, and per quantized linear and pass on top of it.
@@ -160,6 +161,6 @@ def step_time(
     trainable_numel = sum(numel * count for numel, count in trainable)
     if n > 1:
         parts["gradient reduce"] = trainable_numel * train.e * (n - 1) / n / link.busbw
-    if engine.offload_optimizer:  # after the backward, on each rank's partition: nothing to hide behind
-        parts["CPU optimizer"] = trainable_numel / n * CPU_OPTIMIZER_PARAM_S
+    if engine.offload_optimizer:  # after the backward: nothing to hide behind
+        parts["CPU optimizer"] = trainable_numel * CPU_OPTIMIZER_PARAM_S
     return StepTime(parts, host)

@@ -86,8 +86,17 @@ def test_a_chains_omp_threads_reach_the_run_and_are_checked(tmp_path):
     path.write_text('kind = "chain"\n[[configs]]\nomp_threads = -1\n')
     with pytest.raises(BenchError, match="omp_threads must be positive integers"):
         load_suite(path)
-    (cfg, omp) = load_suite(REPO / "bench" / "suites" / "offload-7b-train-2gpu.toml").configs
+    (cfg, omp, dense) = load_suite(REPO / "bench" / "suites" / "offload-7b-train-2gpu.toml").configs
     assert (cfg.settings["omp_threads"], omp.settings["omp_threads"], omp.name) == (0, 16, "7b-2g-omp16")
+    assert (cfg.settings["sparsity"], dense.settings["sparsity"], dense.name) == (0.02, 0.05, "7b-2g-s05")
+
+
+@pytest.mark.parametrize("bad", ["0.0", "1.5", '"0.05"', "1"])
+def test_a_chains_sparsity_is_refused_outside_0_to_1(tmp_path, bad):
+    path = tmp_path / "c.toml"
+    path.write_text(f'kind = "chain"\n[[configs]]\nsparsity = {bad}\n')
+    with pytest.raises(BenchError, match="sparsity must be a number between 0 and 1"):
+        load_suite(path)
 
 
 def test_a_part_is_the_same_files_whoever_writes_it_and_leaves_the_index_when_deleted(tmp_path, monkeypatch):
