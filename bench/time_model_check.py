@@ -43,7 +43,7 @@ POINTS = [
 DEEPCOMPILE_CALLS = sorted((RESULTS / "zero3_levers").glob("deepcompile_*_layers/*/frod_*.json"))
 HOST_DEVICE = sorted((RESULTS / "host_device").glob("*/host_device.json"))
 # frod train's own runs of the chains whose optimizer steps on the CPU: their train and mfu stages
-CHAIN_SUITES = ("offload-7b-train-2gpu", "offload-7b-train-1gpu")
+CHAIN_SUITES = ("offload-7b-train-2gpu", "offload-7b-train-1gpu", "offload-7b-phases")
 # Reported beside the goal, not held to it, with the reason (none at present)
 OUTSIDE: dict[Path, str] = {}
 # A measurement whose two windows differ by more than this cannot check a model to 15%

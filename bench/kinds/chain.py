@@ -60,6 +60,7 @@ CHAIN_KEYS: dict[str, Any] = {
     "nvme_path": "",  # frod train's --nvme-path (an absolute folder on the machine's local disk), for NVMe JSONs
     "omp_threads": 0,  # OMP_NUM_THREADS of the training runs; 0: the launcher's (torchrun: 1 for several ranks)
     "sparsity": 0.02,  # FRoD's S rate in the recipe (and the planner's prediction)
+    "phase_times": False,  # the runs' train.phase_times: rank 0's forward, backward and optimizer seconds per step
     "tag": "",
 }
 
@@ -84,6 +85,8 @@ def check(s: dict[str, Any], where: str) -> None:
         raise BenchError(f"{where}: nvme_path {s['nvme_path']!r} must be an absolute folder")
     if not isinstance(s["sparsity"], float) or not 0.0 < s["sparsity"] < 1.0:
         raise BenchError(f"{where}: sparsity must be a number between 0 and 1 (exclusive), got {s['sparsity']!r}")
+    if not isinstance(s["phase_times"], bool):
+        raise BenchError(f"{where}: phase_times must be true or false, got {s['phase_times']!r}")
     if s["tag"] and not re.fullmatch(r"[a-z0-9][a-z0-9_]*", s["tag"]):
         raise BenchError(f"{where}: tag {s['tag']!r} must be lower-case letters, digits or '_'")
 
@@ -313,6 +316,9 @@ def _run(ch: Chain, stage: str, out: Path, extra: list[str], stop_at: int, left:
     return doc
 
 
+PHASES = ("data_s", "forward_s", "backward_s", "optimizer_s")  # train.phase_times' keys of a metrics row
+
+
 def _figures(ch: Chain, run: dict, rows: list[dict], batch: int) -> dict[str, Any]:
     """Median step after the first of ``rows``, tokens/s and MFU per GPU at ``batch`` x ``seq``; memory per rank."""
     from frod_ds.plan.flops import flops_per_token, peak_bf16_flops
@@ -334,6 +340,7 @@ def _figures(ch: Chain, run: dict, rows: list[dict], batch: int) -> dict[str, An
         "host_peak_rss_gib_per_rank": run["rss_gib"],
         "gpu_in_use_gib_per_rank": run["gpu_gib"],
         "build_s": run.get("build_s"),  # frod train's own "model built in" line (runs kept before it: None)
+        **{f"{k}_median": statistics.median(r[k] for r in timed) for k in PHASES if all(k in r for r in timed)},
     }
 
 

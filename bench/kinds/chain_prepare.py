@@ -81,6 +81,7 @@ def _write_recipe(ch: Chain) -> None:
     model = {"base": str(root / "model"), "factor_store": str(root / "store"), "sparsity": s["sparsity"]}
     data = {"train": str(root / "data" / "train.jsonl"), "cutoff_len": s["seq"], "train_on_inputs": True}
     train = {"max_steps": s["steps"], "micro_batch_size": s["batch"], "grad_accum": 1, "log_every": 1}
+    train["phase_times"] = s["phase_times"]
     recipe = {
         "model": {**model, "dtype": s["dtype"], "gradient_checkpointing": True},
         "data": data,

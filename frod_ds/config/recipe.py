@@ -91,6 +91,9 @@ class TrainCfg:
     new_run: bool = False  # output_dir holds another run: move it aside (output_dir/superseded-*) and start anew
     zero3_partition: str = "auto"  # under a ZeRO-3 JSON: layers | deepspeed | auto (frod_ds.config.zero3_layout)
     zero3_gather: str = "auto"  # the layer partition's gathers: peer | collective | auto (frozen_shards.open_bank)
+    # each logged row also has rank 0's forward, backward and optimizer seconds (the device synchronized at each
+    # boundary, which costs a little): where a step's time goes
+    phase_times: bool = False
 
 
 @dataclass

@@ -164,21 +164,45 @@ def _grad_norm(engine) -> float:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
 
+class PhaseClock:
+    """Seconds per phase of a step, summed over its micro-batches; each mark waits for the device first, so that a
+    phase holds the work it queued (``train.phase_times``)."""
+
+    def __init__(self, device: torch.device, on: bool) -> None:
+        self.device, self.on, self.seconds = device, on, {}
+        self.last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if not self.on:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
 def train_step(run: Run, step: int) -> dict[str, float]:
-    """Optimizer step ``step`` (0-based) over this rank's micro-batches; the metrics row's values, all-reduced."""
+    """Optimizer step ``step`` (0-based) over this rank's micro-batches; the metrics row's values, all-reduced
+    (the phase times, where asked for, are rank 0's)."""
     engine, dev = run.engine, dist.local_device()
     reset_peak_mem()
     t0 = time.perf_counter()
+    clock = PhaseClock(dev, run.recipe.train.phase_times)
     lr_sigma, lr_s = group_lrs(engine.optimizer)  # the rates this step applies (the scheduler steps in engine.step)
     losses, tokens, own_norm = [], 0, None
     micro = run.plan.micro_batches(step)
     for i, idx in enumerate(micro):
         batch = {k: v.to(dev) for k, v in collate([run.inputs.examples[i] for i in idx], run.pad_id).items()}
+        clock.mark("data_s")
         loss = engine(**batch).loss
+        clock.mark("forward_s")
         engine.backward(loss)
+        clock.mark("backward_s")
         if i == len(micro) - 1 and not hasattr(engine.optimizer, "_global_grad_norm"):
             own_norm = _grad_norm(engine)  # fp32 stage 0 clips with a norm DeepSpeed does not keep
         engine.step()
+        clock.mark("optimizer_s")
         losses.append(loss.detach().float())
         tokens += int(batch["attention_mask"].sum())
     stats = dist.all_reduce_sum(
@@ -195,6 +219,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         "tokens_per_s": float(stats[1]) / dt,
         "step_time_s": dt,
         "peak_mem_gb": peak_mem_gb(),
+        **clock.seconds,
     }
 
 

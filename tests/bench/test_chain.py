@@ -91,11 +91,15 @@ def test_a_chains_omp_threads_reach_the_run_and_are_checked(tmp_path):
     assert (cfg.settings["sparsity"], dense.settings["sparsity"], dense.name) == (0.02, 0.05, "7b-2g-s05")
 
 
-@pytest.mark.parametrize("bad", ["0.0", "1.5", '"0.05"', "1"])
-def test_a_chains_sparsity_is_refused_outside_0_to_1(tmp_path, bad):
+@pytest.mark.parametrize(
+    "key, bad, said",
+    [("sparsity", v, "sparsity must be a number between 0 and 1") for v in ("0.0", "1.5", '"0.05"', "1")]
+    + [("phase_times", v, "phase_times must be true or false") for v in ('"yes"', "1")],
+)
+def test_a_chains_sparsity_and_phase_times_are_checked(tmp_path, key, bad, said):
     path = tmp_path / "c.toml"
-    path.write_text(f'kind = "chain"\n[[configs]]\nsparsity = {bad}\n')
-    with pytest.raises(BenchError, match="sparsity must be a number between 0 and 1"):
+    path.write_text(f'kind = "chain"\n[[configs]]\n{key} = {bad}\n')
+    with pytest.raises(BenchError, match=said):
         load_suite(path)
 
 
@@ -195,6 +199,8 @@ def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwis
         f = r.metrics["figures"]
         assert f["tokens_per_step_per_gpu"] == pytest.approx(f["micro_batch"] * s["seq"], rel=1e-6)
         assert len(f["host_peak_rss_gib_per_rank"]) == s["gpus"]
+        phases = [f[f"{k}_median"] for k in ("data_s", "forward_s", "backward_s", "optimizer_s")]  # phase_times
+        assert all(t > 0 for t in phases) and sum(phases) <= 1.5 * f["step_s_median"]
     for stage in ("train", "resume"):  # the build time is frod train's own line in that run's log
         said = re.findall(r"model built in ([0-9.]+) s", (root / "runs" / f"{stage}.log").read_text())
         assert said and records[stage].metrics["figures"]["build_s"] == float(said[-1]) > 0

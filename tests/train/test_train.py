@@ -280,13 +280,19 @@ def test_zero3_layout_trains_like_zero2_step_by_step(env, zero2_four_steps, tmp_
 
 
 def test_gradient_checkpointing_under_zero3_gives_the_same_step(one_step_zero3, env, tmp_path):
-    """The trainer's (non-reentrant) checkpointing with frozen U/V: same loss and gradient norm as without it."""
-    res = run_train(CPU_ZERO3, env.overrides(tmp_path / "gc", **ONE_STEP, **{"model.gradient_checkpointing": "true"}))
+    """The trainer's (non-reentrant) checkpointing with frozen U/V: same loss and gradient norm as without it. The
+    run also asks for its phase times: they account for the step's time (less the metrics' all-reduce) and change
+    no number."""
+    extra = {"model.gradient_checkpointing": "true", "train.phase_times": "true"}
+    res = run_train(CPU_ZERO3, env.overrides(tmp_path / "gc", **ONE_STEP, **extra))
     assert res.returncode == 0, res.stderr[-3000:]
     gc = metrics(tmp_path / "gc")[0]
     assert gc["loss"] == pytest.approx(one_step_zero3["loss"], rel=1e-5, abs=1e-6)
     assert gc["grad_norm"] == pytest.approx(one_step_zero3["grad_norm"], rel=1e-4)
     assert gc["grad_norm"] > 0
+    phases = ("data_s", "forward_s", "backward_s", "optimizer_s")
+    assert not any(k in one_step_zero3 for k in phases)
+    assert all(gc[k] > 0 for k in phases) and 0.5 * gc["step_time_s"] < sum(gc[k] for k in phases) <= gc["step_time_s"]
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
