@@ -1,5 +1,6 @@
 """The learnability study's headline: which tasks count (the arithmetic pilot gate) and the convergence line the
-README quotes (frod-ds FRoD's steps and seconds to the better LoRA's final validation loss)."""
+README quotes (frod-ds FRoD's steps and seconds to the better LoRA's final validation loss, and the test exact
+match of FRoD, that LoRA and full fine-tuning)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from studies.config import ARITH_GATE
 
-__all__ = ["NOT_REACHED", "arith_gate", "convergence"]
+__all__ = ["NOT_REACHED", "arith_gate", "convergence", "headline_split"]
 
 NOT_REACHED = "not reached"
 
@@ -25,6 +26,23 @@ def arith_gate(task: str, methods: dict[str, Any]) -> dict[str, Any] | None:
         "passed": passed,
         "excluded": passed is False and task in ARITH_GATE["pilot_only"],
     }
+
+
+def headline_split(name: str, methods: dict[str, Any]) -> str | None:
+    """The test split a task's line quotes: an arithmetic task's gate split (unseen operand pairs), a fact base's
+    questions (``<task>_qa``: the facts asked in another wording); None where frod has no result on it."""
+    split = ARITH_GATE["split"] if name.startswith("arith") else f"{name}_qa"
+    return split if split in methods.get("frod", {}).get("exact", {}) else None
+
+
+def _exact_said(name: str, t: dict[str, Any]) -> str:
+    """`` (exact match on SPLIT: frod A%, lora64 B%, full C%)`` over the methods that have it, or ``""``."""
+    split = headline_split(name, t["methods"])
+    if split is None:
+        return ""
+    order = ["frod", t["better_lora"], "full"]
+    got = [(m, t["methods"].get(m, {}).get("exact", {}).get(split)) for m in order]
+    return f" (exact match on {split}: " + ", ".join(f"{m} {100 * e['mean']:.1f}%" for m, e in got if e) + ")"
 
 
 def convergence(tasks: dict[str, Any]) -> dict[str, Any]:
@@ -56,7 +74,9 @@ def convergence(tasks: dict[str, Any]) -> dict[str, Any]:
         got = [v for v in r["frod_steps"] if v is not None]
         median = " (median)" if len(got) > 1 else ""
         steps = f"step {sorted(got)[len(got) // 2]} of {r['steps']}{median}" if got else NOT_REACHED
-        parts[r["provisional"]].append(f"{name}: {r['reached']}/{r['seeds']} seeds, {steps}")
+        parts[r["provisional"]].append(
+            f"{name}: {r['reached']}/{r['seeds']} seeds, {steps}{_exact_said(name, tasks[name])}"
+        )
     said = []
     if parts[False]:
         lead = "frod-ds FRoD against the better LoRA's final validation loss on SmolLM2-135M (seeds that reached it) — "

@@ -296,6 +296,15 @@ def test_steps_and_seconds_to_the_better_lora_read_the_validation_curve():
     lead, rest = got["sentence"].split("Provisionally", 1)
     assert "t: 1/2 seeds" in lead and "u: 1/2 seeds" not in lead and "u: 1/2 seeds" in rest
     assert convergence({"u": open_task})["sentence"].startswith("No task's LR sweeps are complete yet")
+    # the line quotes the test exact match of frod, the better LoRA and full on the task's headline split
+    exact = {"arith_unseen": {"mean": 0.9494}, "arith_longer": {"mean": 0.01}}
+    methods = {**tasks["t"]["methods"], "full": {"exact": {"arith_unseen": {"mean": 0.95}}}}
+    methods["frod"] = {**methods["frod"], "exact": exact}
+    methods["lora16"] = {**methods["lora16"], "exact": {"arith_unseen": {"mean": 0.9375}}}
+    said = convergence({"arith_x": {**tasks["t"], "methods": methods}})["sentence"]
+    assert "arith_x: 1/2 seeds, step 4 of 6 (exact match on arith_unseen: frod 94.9%, lora16 93.8%, full 95.0%)" in said
+    facts = {**methods, "frod": {**methods["frod"], "exact": {"f_recall": {"mean": 1.0}}}}
+    assert "exact match" not in convergence({"f": {**tasks["t"], "methods": facts}})["sentence"]  # no f_qa: unsaid
 
 
 def test_the_arith_pilot_gate_reads_full_fine_tunings_exact_match_on_unseen_pairs():
