@@ -84,4 +84,20 @@ def render(suite: Suite, device: str, records: list[Record]) -> str:
                 lines[-1] += f" The checkpoint the ranks read is {whole:.1f} GiB."
             lines[-1] += " Build s: `frod train`'s own figure for building the model (skeleton, factor store and"
             lines[-1] += " checkpoint reads) before its first step; – where the run predates it."
+        lines += _phases(runs)
     return "\n".join(lines) + "\n"
+
+
+def _phases(runs: list[tuple[str, dict]]) -> list[str]:
+    """Rank 0's median seconds per phase of a step (``train.phase_times``) for the runs that recorded them."""
+    keys = ("data_s", "forward_s", "backward_s", "optimizer_s")
+    timed = [(x, m["figures"]) for x, m in runs if all(f"{k}_median" in m["figures"] for k in keys)]
+    if not timed:
+        return []
+    out = ["", "| run | data s | forward s | backward s | optimizer s | their sum ÷ step |", "|---" * 6 + "|"]
+    for x, f in timed:
+        t = [f[f"{k}_median"] for k in keys]
+        out.append(f"| {x} | " + " | ".join(f"{v:.3f}" for v in t) + f" | {sum(t) / f['step_s_median']:.2f} |")
+    out += ["", "Phases: rank 0's seconds per step, median over the timed steps, each phase ending when the device"]
+    out[-1] += " has finished its work (the step's metrics all-reduce is in none)."
+    return out

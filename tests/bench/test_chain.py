@@ -206,6 +206,7 @@ def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwis
         assert said and records[stage].metrics["figures"]["build_s"] == float(said[-1]) > 0
     report = results / suite.name / "cpu" / "report.md"
     assert report.read_text() == render(suite, "cpu", read_records(results, suite.name, "cpu"))
+    assert "| run | data s | forward s | backward s | optimizer s |" in report.read_text()  # phase_times
 
     # a second run finds every stage done and starts nothing; the mfu stage that copies the resume run's figures
     # needs no budget, so with its record gone a call with no budget left still writes it (and nothing else)
