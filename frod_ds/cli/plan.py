@@ -90,6 +90,11 @@ def print_plan(plan, title: str, model=None) -> None:
                 f"  its offload term reads the frozen weights from disk at {DISK_BYTES_PER_S / 1e9:.1f} GB/s each "
                 "pass (a measured local disk); a faster drive shortens it in proportion"
             )
+        if plan.engine.offload_optimizer:
+            print(
+                "  its CPU optimizer term is fitted, not yet checked: measured 7B steps with the optimizer on the CPU "
+                "miss the model's 15% goal (bench/results/time_model_check.md)"
+            )
     if plan.host_bytes:
         print(
             f"  offloaded to host memory (all ranks of a node together): {plan.host_bytes / GiB:.1f} GiB"
