@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,11 +201,20 @@ def check_root_files(root: Path) -> None:
                 f"{path} is {it}, where the run keeps a checkpoint of its own; move it away (the run's checkpoints "
                 "beside it are untouched) and run the same command again"
             )
-    for name in ROOT_FILES:
+    for name in ROOT_FILES:  # DeepSpeed rewrites these in place: through a link, or into a second name's file
         path = root / name
-        if os.path.lexists(path) and (path.is_symlink() or not path.is_file()):
-            it = f"a symbolic link to {os.readlink(path)}" if path.is_symlink() else "not a regular file"
-            raise FrodError(
-                f"{path} is {it}, where every checkpoint save writes its own {name}; remove it (the run's "
-                "checkpoints beside it are untouched) and run the same command again"
-            )
+        if not os.path.lexists(path):
+            continue
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            it = f"a symbolic link to {os.readlink(path)}"
+        elif not stat.S_ISREG(st.st_mode):
+            it = "not a regular file"
+        elif st.st_nlink > 1:
+            it = f"a file with {st.st_nlink} names (a hard link)"
+        else:
+            continue
+        raise FrodError(
+            f"{path} is {it}, where every checkpoint save writes its own {name}; remove it (the run's "
+            "checkpoints beside it are untouched) and run the same command again"
+        )

@@ -329,7 +329,7 @@ def _step(run: Run, state: LoopState, log: MetricsLog | None, bar: tqdm) -> bool
         # the optimizer skipped this step: its state may not exist yet (DeepSpeed fails to save it) and a
         # non-finite state is nothing to resume from; the non-finite stop above decides what happens
         dist.print0(f"step {step}: loss not finite, checkpoint skipped")
-    elif due or stop:
-        save_checkpoint(run, step)
+    elif due or stop:  # the adapter first: a kill before the seal resumes from the last one and writes it again
         save_adapter(run, step, f"adapter-{step}")
+        save_checkpoint(run, step)
     return stop

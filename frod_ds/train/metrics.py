@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.atomic import atomic_write_text, open_tmp, replacing
 from frod_ds.runtime.errors import FrodError, note
 from frod_ds.runtime.strict_json import loads
 
@@ -120,7 +120,10 @@ def plot_loss(metrics_path: Path, png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = png.with_name(png.stem + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, png)
+    try:  # through the project's temporary (``png.tmp``): a link or pipe planted there is refused, not written through
+        with replacing(png) as tmp:
+            with open(open_tmp(tmp), "wb") as f:
+                fig.savefig(f, format="png")
+            os.replace(tmp, png)
+    finally:
+        plt.close(fig)

@@ -22,7 +22,7 @@ from frod_ds.formats.lease import holding
 from frod_ds.formats.output_dir import entries_of, match, read_record
 from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_kind, record_files
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.atomic import TMP, atomic_write_text, tmp_problem
 from frod_ds.runtime.errors import FrodError
 from frod_ds.train.checkpoints import check_root_files, sealed_checkpoints
 
@@ -79,6 +79,9 @@ def check_run_dir(out: Path, inputs: dict[str, Path | str | None] | None = None)
                 f"output_dir {out}: {path} is {it}, where the run keeps its {entry.rstrip('/')}; move it away (or "
                 "choose another output_dir)"
             )
+        problem = None if folder else tmp_problem(path.with_name(path.name + TMP), path)
+        if problem:  # the file's temporary: checked before the run rather than found after it (``replacing``)
+            raise FrodError(f"output_dir {out}: {problem}")
     check_root_files(out / "checkpoints")  # a link there is refused above; no folder yet: nothing to check
 
 

@@ -1127,6 +1127,29 @@ def run_fifo_latest(world, case, spec):
     os.mkfifo(case / "run" / "checkpoints" / "latest")
 
 
+def _run_ckpt_hardlink(name: str, tag: str):
+    def prepare(world, case, spec):
+        """The world's run, unfinished (it resumes), with ``checkpoints/<name>`` a second name (a hard link) of
+        ``{case}/decoy.txt``, a file the run never wrote: DeepSpeed's in-place save would write into it."""
+        shutil.rmtree(_unfinished_run(world, case))
+        (case / "decoy.txt").write_text("a user's file\n")
+        link = case / "run" / "checkpoints" / name
+        link.unlink(missing_ok=True)
+        os.link(case / "decoy.txt", link)
+
+    prepare.__name__ = f"run_ckpt_hardlink_{tag}"
+    return prepare
+
+
+def run_tmp_link_plot(world, case, spec):
+    """The world's run, unfinished, with ``loss.png.tmp`` (the plot's temporary) a symbolic link to a user's file."""
+    shutil.rmtree(_unfinished_run(world, case))
+    (case / "decoy.png").write_text("a user's picture\n")
+    (case / "run" / "loss.png.tmp").symlink_to(case / "decoy.png")
+
+
+run_ckpt_hardlink_latest = _run_ckpt_hardlink("latest", "latest")
+run_ckpt_hardlink_script = _run_ckpt_hardlink("zero_to_fp32.py", "script")
 run_ckpt_link_latest = _run_ckpt_link("latest", "latest")
 run_ckpt_link_script = _run_ckpt_link("zero_to_fp32.py", "script")
 run_ckpt_link_pointer = _run_ckpt_link("latest_complete", "pointer")
@@ -1838,6 +1861,9 @@ STEPS: dict[str, Callable] = {
         peft_export_changed,
         peft_config_array,
         run_ckpt_link_latest,
+        run_ckpt_hardlink_latest,
+        run_ckpt_hardlink_script,
+        run_tmp_link_plot,
         run_ckpt_link_script,
         run_ckpt_link_pointer,
         run_ckpt_link_step,

@@ -4,6 +4,8 @@ release, as the very objects of their new modules, with a ``DeprecationWarning``
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import warnings
 
 import pytest
@@ -55,3 +57,97 @@ def test_an_output_dir_entry_of_the_wrong_kind_is_refused_before_the_run(tmp_pat
     (out / entry).unlink() if entry == "checkpoints" else (out / entry).rmdir()
     (out / "checkpoints").mkdir()
     check_run_dir(out)  # the kinds the run writes
+
+
+@pytest.mark.parametrize("entry", ["loss.png", "metrics.jsonl", "recipe.yaml"])
+@pytest.mark.parametrize("planted", ["symlink", "hardlink", "fifo"])
+def test_a_run_files_temporary_that_is_no_leftover_is_refused_before_the_run(tmp_path, entry, planted):
+    """A link, a second name of another file or a pipe at a run file's temporary (``<name>.tmp``) would be written
+    through by the save that replaces the file: refused before the run, the planted thing and its target unchanged;
+    a leftover of a killed write (a plain file) is the run's own."""
+    from frod_ds.formats.ownership import record_files
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.run_dir import RUN_FILES, RUN_KIND, check_run_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    record_files(out, RUN_FILES, RUN_KIND)
+    decoy, tmp = tmp_path / "decoy", out / f"{entry}.tmp"
+    decoy.write_bytes(b"a user's file")
+    if planted == "symlink":
+        tmp.symlink_to(decoy)
+    elif planted == "hardlink":
+        os.link(decoy, tmp)
+    else:
+        os.mkfifo(tmp)
+    with pytest.raises(FrodError, match=rf"{tmp} is in the way of writing {entry}"):
+        check_run_dir(out)
+    assert decoy.read_bytes() == b"a user's file" and os.path.lexists(tmp)
+    tmp.unlink()
+    tmp.write_bytes(b"half a write")  # a killed write's leftover
+    check_run_dir(out)
+
+
+def test_the_loss_plot_is_written_through_the_projects_temporary(tmp_path):
+    """plot_loss writes loss.png via loss.png.tmp (created exclusively, never through a link); a link there is
+    refused and its target left as it was."""
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.metrics import plot_loss
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "loss": 2.0 / i}) + "\n" for i in range(1, 5)))
+    png = tmp_path / "loss.png"
+    plot_loss(metrics, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "loss.png",
+        "metrics.jsonl",
+    ]
+    decoy = tmp_path / "decoy.png"
+    decoy.write_bytes(b"a user's picture")
+    (tmp_path / "loss.png.tmp").symlink_to(decoy)
+    with pytest.raises(FrodError, match="loss.png.tmp is in the way of writing loss.png"):
+        plot_loss(metrics, png)
+    assert decoy.read_bytes() == b"a user's picture"
+
+
+@pytest.mark.parametrize("name", ["latest", "zero_to_fp32.py"])
+def test_a_checkpoint_root_file_with_a_second_name_is_refused(tmp_path, name):
+    """DeepSpeed rewrites ``latest`` and its recovery scripts in place at every save: a hard link there (a second
+    name of a user's file) would have the save write into that file, so it is refused like a symbolic link."""
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.checkpoints import check_root_files
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    decoy = tmp_path / "decoy"
+    decoy.write_text("a user's file")
+    os.link(decoy, root / name)
+    with pytest.raises(FrodError, match=rf"{root / name} is a file with 2 names \(a hard link\)"):
+        check_root_files(root)
+    assert decoy.read_text() == "a user's file"
+    (root / name).unlink()
+    (root / name).write_text("step5")  # the save's own
+    check_root_files(root)
+
+
+def test_a_due_save_publishes_the_adapter_before_it_seals_the_checkpoint(monkeypatch):
+    """A kill between the two must not leave a sealed checkpoint without its ``adapter-<step>``: the resume starts
+    after the sealed step and would never write that adapter. Published first, a kill before the seal resumes
+    from the checkpoint before and writes the adapter again."""
+    import types
+
+    import torch
+
+    from frod_ds.train import loop
+
+    calls = []
+    monkeypatch.setattr(loop, "train_step", lambda run, step: {"loss": 1.0, "grad_norm": 1.0})
+    monkeypatch.setattr(loop.dist, "all_reduce_sum", lambda t: torch.zeros_like(t))
+    monkeypatch.setattr(loop, "save_checkpoint", lambda run, step: calls.append(("checkpoint", step)))
+    monkeypatch.setattr(loop, "save_adapter", lambda run, step, name: calls.append(("adapter", name)))
+    train = types.SimpleNamespace(save_every=2, eval_every=0, rotation_every=0, log_every=1, max_nonfinite_steps=3)
+    run = types.SimpleNamespace(recipe=types.SimpleNamespace(train=train), total_steps=10, inputs=None)
+    state = loop.LoopState(step=1)
+    bar = types.SimpleNamespace(update=lambda n: None, set_postfix=lambda **k: None, close=lambda: None)
+    assert loop._step(run, state, None, bar) is False
+    assert calls == [("adapter", "adapter-2"), ("checkpoint", 2)]
