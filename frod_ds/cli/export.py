@@ -98,6 +98,9 @@ def export(args: argparse.Namespace) -> int:
     problems = check_args(args)
     if problems:
         raise ExportError("; ".join(problems))
+    from frod_ds.runtime import distributed as D
+
+    D.check_accelerator(device=False)  # transformers' save_pretrained imports DeepSpeed, which reads DS_ACCELERATOR
     if args.from_peft or args.format == "peft":
         quiet_libraries()
     if args.from_peft:

@@ -1,13 +1,15 @@
 """The DeepSpeed JSON: the only source of engine settings, resolved against the recipe in one place.
 
 ``resolve_ds_config`` fills the batch-size keys from the recipe (``"auto"`` or absent), refuses a JSON whose
-concrete values disagree, refuses every other ``"auto"`` (plain ``deepspeed.initialize`` would), and refuses
-``optimizer``/``scheduler`` blocks (they override the client optimizer's per-group learning rates).
+concrete values disagree, refuses every other ``"auto"`` (plain ``deepspeed.initialize`` would), refuses
+``optimizer``/``scheduler`` blocks (they override the client optimizer's per-group learning rates) and monitor
+blocks whose logging package is not installed.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ __all__ = [
     "ds_config_problems",
     "note_ignored",
     "load_ds_config",
+    "monitor_problems",
     "nvme_offloads",
     "offload_device",
     "resolve_ds_config",
@@ -105,11 +108,38 @@ def own_blocks(cfg: dict) -> list[str]:
     ]
 
 
+# DeepSpeed's monitor blocks and the package each imports when enabled (None: none), with its pip name
+MONITOR_PACKAGES: dict[str, tuple[str, str] | None] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "comet": ("comet_ml", '"comet_ml>=3.41.0"'),
+    "csv_monitor": None,
+}
+
+
+def monitor_problems(cfg: dict) -> list[str]:
+    """Each enabled monitor block of ``cfg`` whose package is not installed: DeepSpeed imports it in the middle of
+    ``deepspeed.initialize`` and fails there with a ``ModuleNotFoundError``."""
+    out = []
+    for block, package in MONITOR_PACKAGES.items():
+        settings = cfg.get(block)
+        if package is None or not isinstance(settings, dict) or settings.get("enabled") is not True:
+            continue
+        module, pip_name = package
+        if importlib.util.find_spec(module) is None:
+            out.append(
+                f'the "{block}" block is enabled, but DeepSpeed logs through the `{module}` package, which is not '
+                f"installed: pip install {pip_name}, or remove the block (frod-ds logs every step to "
+                "output_dir/metrics.jsonl, and to TensorBoard with the recipe's train.tensorboard=true)"
+            )
+    return out
+
+
 def ds_config_problems(cfg: dict) -> list[str]:
     """Everything in ``cfg`` DeepSpeed would ignore silently or fail on (``frod_ds.config.ds_checks``): unknown keys,
     booleans written as strings, mistyped settings DeepSpeed reads unchecked, then what its own config classes
     refuse (only once the rest is clean: their message would repeat it)."""
-    problems = unknown_keys(cfg) + string_flags(cfg) + scalar_problems(cfg) + own_blocks(cfg)
+    problems = unknown_keys(cfg) + string_flags(cfg) + scalar_problems(cfg) + own_blocks(cfg) + monitor_problems(cfg)
     try:
         zero_stage(cfg)
     except DSConfigError as e:
@@ -381,7 +411,7 @@ def resolve_ds_config(cfg: dict, recipe: Recipe, world_size: int, nvme_path: str
         )
     if isinstance(cfg.get("fp16"), dict) and cfg["fp16"].get("enabled") is True:
         problems.append("fp16 is not supported (FRoD's sigma/S need bf16 or fp32); use bf16")
-    problems += own_blocks(cfg)
+    problems += own_blocks(cfg) + monitor_problems(cfg)
     if nvme_path is not None:
         if not nvme_offloads(cfg):  # the flag would change nothing: the run the user meant would not happen
             problems.append(

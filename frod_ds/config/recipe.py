@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,8 +269,35 @@ MAX_INT = 2**53
 MAX_VALUES = 10_000
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load``'s loader, refusing a key given twice in one mapping (YAML keeps the last silently)."""
+class _HugeIntegerError(yaml.constructor.ConstructorError):
+    """A YAML integer with more digits than Python converts (``sys.get_int_max_str_digits``)."""
+
+
+class _ScalarLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing an integer too long for ``int`` as a ``YAMLError`` at its position
+    (PyYAML lets ``int``'s plain ``ValueError`` through)."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        limit = sys.get_int_max_str_digits()
+        try:
+            value = super().construct_yaml_int(node)
+        except ValueError:
+            value = None
+        if value is not None and not (limit and abs(value) >= 10**limit):  # a hex one is read, but never printed
+            return value
+        raise _HugeIntegerError(
+            None,
+            None,
+            f"an integer of more than {limit} digits; no setting needs one this long",
+            node.start_mark,
+        )
+
+
+_ScalarLoader.add_constructor("tag:yaml.org,2002:int", _ScalarLoader.construct_yaml_int)
+
+
+class _UniqueKeyLoader(_ScalarLoader):
+    """``_ScalarLoader``, refusing a key given twice in one mapping (YAML keeps the last silently)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
@@ -322,9 +350,8 @@ def recipe_tree(path: str | Path | None, overrides: list[str] = ()) -> dict:
         except yaml.YAMLError as e:  # the parser's own position (line, column) says where to look
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
-            raise RecipeError(
-                f"recipe {p} is not valid YAML{at}: {getattr(e, 'problem', None) or e}; fix the file"
-            ) from None
+            what = "" if isinstance(e, _HugeIntegerError) else " is not valid YAML"
+            raise RecipeError(f"recipe {p}{what}{at}: {getattr(e, 'problem', None) or e}; fix the file") from None
         if not isinstance(loaded, dict):
             raise RecipeError(f"recipe {p} must be a YAML mapping")
         if expanded_size(loaded, MAX_VALUES) > MAX_VALUES:  # before any walk over it, which would expand it
@@ -345,7 +372,9 @@ def recipe_tree(path: str | Path | None, overrides: list[str] = ()) -> dict:
             note(f"{key} is given twice on the command line ({given[key]}, then {raw}); using {raw}")
         given[key] = raw
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = yaml.load(raw, Loader=_ScalarLoader) if raw != "" else ""
+        except _HugeIntegerError as e:
+            raise RecipeError(f"override {key}=...: {e.problem}; give a smaller value") from None
         except (yaml.YAMLError, RecursionError):
             raise RecipeError(f"override {item!r}: the value is not a YAML scalar; quote it") from None
         if expanded_size(value, MAX_VALUES) > MAX_VALUES:

@@ -14,7 +14,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from frod_ds.formats.ownership import check_replaceable, inventory, mark_dir, publish_dir
+from frod_ds.formats.ownership import check_replaceable, inventory, mark_dir
+from frod_ds.formats.processes import pid_alive
+from frod_ds.formats.publish import PID_ROOM, aside_prefix, finish_aside, publish_dir
+from frod_ds.formats.sibling_names import fitted_name
 from frod_ds.runtime.atomic import DISK_ERRNOS, disk_advice, disk_full_error, path_error, umask
 from frod_ds.runtime.errors import FrodError
 
@@ -23,29 +26,33 @@ __all__ = ["building_dir"]
 
 def _build_prefix(out: Path) -> str:
     """Where the name of a temporary sibling that a process of this host builds ``out`` in starts; the builder's
-    pid and mkdtemp's random part follow (``<prefix><pid>-<random>``), so a later run can tell its builder is gone."""
-    return f".{out.name}.tmp-{socket.gethostname()}-"
+    pid and mkdtemp's random part follow (``<prefix><pid>-<random>``), so a later run can tell its builder is gone.
+    A name too long for that is shortened the same way by every builder (``fitted_name``)."""
+    return fitted_name(f".{out.name}", f".tmp-{socket.gethostname()}-", room=PID_ROOM)
 
 
 _BUILD_REST = re.compile(r"(\d+)-[a-z0-9_]{8}")  # after the prefix: the pid, then mkdtemp's 8 random characters
 
 
-def _sweep_dead_builds(out: Path) -> None:
-    """Delete the temporary siblings of ``out`` whose builder, a process of this host, is gone (killed with
-    SIGKILL, or its machine lost power): a merged 70B export left that way is 140 GB nobody would find. Builds
-    of other hosts (a shared filesystem; also a host whose name extends this one's, ``gpu`` and ``gpu-12``) and
-    of live processes are left alone."""
-    prefix = _build_prefix(out)
+def _dead_siblings(out: Path, prefix: str) -> Iterator[Path]:
+    """The folders beside ``out`` named ``<prefix><pid>-<random>`` (not links) whose process, one of this host's
+    (``prefix`` names the host), is gone."""
     for p in out.parent.iterdir() if out.parent.is_dir() else ():
         rest = _BUILD_REST.fullmatch(p.name[len(prefix) :]) if p.name.startswith(prefix) else None
-        if rest is None or p.is_symlink() or not p.is_dir():
-            continue
-        try:
-            os.kill(int(rest.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except PermissionError:  # alive, another user's
-            pass
+        if rest is not None and not p.is_symlink() and p.is_dir() and not pid_alive(int(rest.group(1))):
+            yield p
+
+
+def _sweep_dead_builds(out: Path, kind: str) -> None:
+    """Delete what dead writers of ``out`` on this host left beside it (killed with SIGKILL, or their machine lost
+    power): temporary siblings they built in (a merged 70B export left that way is 140 GB nobody would find), and
+    the earlier output they were deleting after publishing theirs (:func:`finish_aside`). Those of other hosts (a
+    shared filesystem; also a host whose name extends this one's, ``gpu`` and ``gpu-12``) and of live processes
+    are left alone."""
+    for p in _dead_siblings(out, _build_prefix(out)):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in _dead_siblings(out, aside_prefix(out)):
+        finish_aside(p, out, kind)
 
 
 @contextlib.contextmanager
@@ -59,7 +66,7 @@ def building_dir(
     check_replaceable(out, kind, inputs, error=error)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _sweep_dead_builds(out)
+        _sweep_dead_builds(out, kind)
         tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(out)}{os.getpid()}-", dir=out.parent))
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; published, it is the umask's like any folder
     except OSError as e:

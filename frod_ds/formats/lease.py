@@ -23,13 +23,25 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from frod_ds.formats.output_dir import LEASE, LEASE_FORMAT, WRITERS, LeaseRecord
+from frod_ds.formats.processes import boot_id, decimal, pid_alive, pid_start, proc_stat
 from frod_ds.formats.records import record_from_dict, record_to_json
+from frod_ds.formats.sibling_names import fitted_name, literal_home
 from frod_ds.runtime import signals
 from frod_ds.runtime.atomic import file_in_the_way
 from frod_ds.runtime.errors import FrodError, completed, note
 from frod_ds.runtime.strict_json import loads
 
-__all__ = ["HEARTBEAT_S", "STALE_S", "ENV", "Lease", "lease_path", "acquire", "holding", "read_lease", "live_holder"]
+__all__ = [
+    "HEARTBEAT_S",
+    "STALE_S",
+    "ENV",
+    "Lease",
+    "lease_path",
+    "acquire",
+    "holding",
+    "read_lease",
+    "live_holder",
+]
 
 _depth = 0  # leases this process holds through `holding`: an enclosed one is not the command's output
 HEARTBEAT_S = 30.0  # seconds between heartbeats
@@ -37,29 +49,14 @@ MAX_LEASE_BYTES = 64 * 1024  # a lease record is a few hundred bytes: more is no
 STALE_S = 300.0  # a heartbeat this old from another host: its writer is gone (10 missed beats)
 TAKEOVER_S = 30.0  # a takeover mutex this old: its taker died mid-way (a takeover takes milliseconds)
 ENV = "FROD_DS_LEASES"  # JSON {lease path: token}: leases a parent hands its children (frod demo's stages)
+_MUTEX = ".takeover"  # the takeover mutex of lease NAME is NAME.takeover
 
 
 def lease_path(out: Path | str) -> Path:
     """Where the lease of folder ``out`` is: ``.<name>.frod-ds-lease`` beside it (its real path, so that two
-    spellings of one folder share one lease)."""
+    spellings of one folder share one lease; a name too long for that and its mutex shortened, ``fitted_name``)."""
     real = Path(os.path.realpath(out))
-    return real.parent / f".{real.name}{LEASE}"
-
-
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def _proc_stat(pid: int) -> list[str]:
-    """``/proc/<pid>/stat``'s fields after the command name (state, ppid, …); [] where there is none (not Linux,
-    or the process is gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
+    return real.parent / fitted_name(f".{real.name}", LEASE, room=len(_MUTEX))
 
 
 def _descends_from(held: LeaseRecord) -> bool:
@@ -72,8 +69,8 @@ def _descends_from(held: LeaseRecord) -> bool:
     for _ in range(4096):  # a parent chain is never this long: stops on a loop in a damaged /proc
         if pid == held.pid:
             return True
-        fields = _proc_stat(pid)
-        if len(fields) < 2 or not fields[1].isdigit() or int(fields[1]) in (0, pid):
+        fields = proc_stat(pid)
+        if len(fields) < 2 or not decimal(fields[1]) or int(fields[1]) in (0, pid):
             return False
         pid = int(fields[1])
     return False
@@ -85,20 +82,12 @@ def _handed_down(held: LeaseRecord | None, token: str | None) -> bool:
     return held is not None and token is not None and held.token == token and _descends_from(held)
 
 
-def _pid_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot; Linux), so that a reused pid is not its holder."""
-    try:
-        return int(_proc_stat(pid)[19])
-    except (IndexError, ValueError):
-        return None
-
-
 def _slurm_restart(env: os._Environ[str] | dict[str, str]) -> int | None:
     """Slurm's restart count of this job (0 before a requeue); ``FrodError`` for a value Slurm never sets."""
     if not env.get("SLURM_JOB_ID"):
         return None
     count = (env.get("SLURM_RESTART_COUNT") or "0").strip()
-    if not count.isdigit():
+    if not decimal(count):
         raise FrodError(
             f"SLURM_RESTART_COUNT={count!r} is no restart count (Slurm sets digits), and the output's lease records "
             "it: unset it, or SLURM_JOB_ID with it outside a Slurm job"
@@ -125,8 +114,8 @@ def _me(kind: str) -> LeaseRecord:
         started=round(time.time(), 3),
         token=secrets.token_hex(8),
         command=WRITERS.get(kind),
-        boot_id=_boot_id(),
-        pid_start=_pid_start(os.getpid()),
+        boot_id=boot_id(),
+        pid_start=pid_start(os.getpid()),
         slurm_job=env.get("SLURM_JOB_ID") or None,
         slurm_restart=_slurm_restart(env),
         slurm_step=env.get("SLURM_STEP_ID") or None,
@@ -189,18 +178,6 @@ def describe(held: LeaseRecord, st: os.stat_result, now: float | None = None) ->
     return f"{what}(pid {held.pid} on host {held.host}{job}, since {since}, heartbeat {said})"
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs: a zombie (killed, not yet reaped by its parent) answers ``kill(pid, 0)``
-    but can write nothing more."""
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):  # OverflowError: past any pid (a garbled lease)
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return _proc_stat(pid)[:1] not in (["Z"], ["X"])  # no /proc to ask (not Linux): kill's answer stands
-
-
 def gone(held: LeaseRecord, st: os.stat_result, me: LeaseRecord, now: float | None = None) -> str | None:
     """Why the holder of ``held`` is gone, or None while it may still be writing."""
     now = time.time() if now is None else now
@@ -211,9 +188,9 @@ def gone(held: LeaseRecord, st: os.stat_result, me: LeaseRecord, now: float | No
             return "its host has rebooted since"
         if held.pid == me.pid and held.pid_start == me.pid_start:
             return None  # this very process (a second lease of the same folder): never taken from itself
-        if not _pid_alive(held.pid):
+        if not pid_alive(held.pid):
             return f"pid {held.pid} is gone"
-        start = _pid_start(held.pid)
+        start = pid_start(held.pid)
         if held.pid_start is not None and start is not None and start != held.pid_start:
             return f"pid {held.pid} is now another process"
         return None
@@ -295,7 +272,7 @@ def _make_parents(folder: Path, created: list[Path]) -> None:
 
 def _place(path: Path, record: LeaseRecord) -> int:
     """Create the lease file at ``path`` complete (write a temporary, hard-link it): its fd, or FileExistsError."""
-    tmp = path.with_name(f"{path.name}.{record.host}.{record.pid}.{record.token}")
+    tmp = path.with_name(fitted_name(path.name, f".{record.host}.{record.pid}.{record.token}"))
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, record_to_json(record).encode())
@@ -320,7 +297,7 @@ def _place(path: Path, record: LeaseRecord) -> int:
 
 
 def _mutex(path: Path) -> Path:
-    return path.with_name(path.name + ".takeover")
+    return path.with_name(path.name + _MUTEX)
 
 
 def _take_from(path: Path, stale: LeaseRecord | None, st: os.stat_result) -> float | None:
@@ -377,6 +354,9 @@ def acquire(
     """Take the lease on folder ``out`` for a writer of ``kind``; ``error`` (one line naming the holder) while
     another writer holds it. The caller releases it (``holding`` does)."""
     out = Path(out)
+    home = literal_home(out, what)
+    if home:  # the lease is the first thing any writer places: nothing is made yet
+        raise error(home)
     path = lease_path(out)
     me = _me(kind)
     handed = handed_leases(os.environ, error)  # leases this process's launcher holds: {path: token}

@@ -14,8 +14,6 @@ import contextlib
 import errno
 import os
 import shutil
-import tempfile
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +37,9 @@ from frod_ds.formats.output_dir import (
     record_text,
     stamps_of,
 )
+from frod_ds.formats.record_check import broken_record, record_problem
 from frod_ds.runtime.atomic import atomic_write_text
-from frod_ds.runtime.errors import FrodError, note
+from frod_ds.runtime.errors import FrodError
 
 __all__ = [
     "MARKER",
@@ -57,7 +56,6 @@ __all__ = [
     "check_out",
     "remove_owned",
     "delete_owned",
-    "publish_dir",
 ]
 
 _REPO = Path(__file__).resolve().parents[1]
@@ -278,6 +276,9 @@ def check_replaceable(
     if out.is_symlink():
         raise error(f"{what} {out} is {_link_state(out)}")
     wanted = " or ".join(KINDS[k] for k in kinds)
+    problem = record_problem(out) if out.is_dir() else None
+    if problem is not None:
+        raise error(broken_record(out, problem, what, wanted, legacy is not None and legacy(out)))
     legacy_kind = None
     if not is_marked(out):
         if legacy is not None and out.is_dir() and not out.is_symlink() and legacy(out):
@@ -397,53 +398,3 @@ def delete_owned(folder: Path, kind: str | None = None) -> list[str]:
     scan = _scan(folder, kind)
     _delete(scan, folder)
     return scan.foreign if scan.foreign != ["."] else [p.name for p in folder.iterdir()]
-
-
-def _discard(old: Path, kind: str) -> None:
-    """Delete the replaced output ``old`` (moved aside) but what appeared in it since it was checked: that is
-    kept, beside the new output, with a note."""
-    if delete_owned(old, kind) and old.exists():
-        keep = old.parent.parent / f"{old.name}.kept-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.rename(old, keep)
-        note(f"files written into {old.name} while it was replaced are kept in {keep}")
-
-
-def publish_dir(
-    new: Path,
-    out: Path,
-    kind: str,
-    inputs: dict[str, Path | str | None] | None = None,
-    error: type[Exception] | None = None,
-) -> None:
-    """Rename the finished directory ``new`` to ``out``. An existing ``out`` must pass
-    :func:`check_replaceable` for ``kind``; it is moved aside first, put back if the rename fails, and what its
-    record lists deleted after it succeeded. The caller decides whether ``out`` may be replaced at all."""
-    if not os.path.lexists(out):
-        os.rename(new, out)
-        return
-    check_replaceable(out, kind, inputs, error=error)
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    try:
-        os.rename(out, aside / out.name)
-    except OSError as e:  # a mount point (EBUSY), a read-only parent: the previous output stays as it was
-        aside.rmdir()
-        why = "it is a mount point" if e.errno == errno.EBUSY else e.strerror
-        raise (error or FrodError)(
-            f"cannot replace {out}: it cannot be moved aside ({why}); write to another folder, or remove it yourself"
-        ) from None
-    try:
-        os.rename(new, out)
-    except BaseException:
-        os.rename(aside / out.name, out)  # put the previous one back
-        aside.rmdir()
-        raise
-    try:
-        _discard(aside / out.name, kind)
-    except OSError as e:  # the new output is in place: what is left of the old one is named, not an error
-        note(
-            f"{out} is written, but the output it replaced could not be deleted entirely ({e.strerror}: "
-            f"{e.filename}); what is left of it is in {aside}: delete it yourself"
-        )
-        return
-    with contextlib.suppress(OSError):
-        aside.rmdir()

@@ -50,6 +50,7 @@ _NOT_IDENTITY = {
     "train.rotation_every",
     "train.keep_checkpoints",
     "train.tensorboard",
+    "train.phase_times",
     "train.max_nonfinite_steps",
     "train.new_run",
 }

@@ -10,6 +10,7 @@ rank-deficient stacks: docs/hjd.md#the-algebra. Nothing here knows ranks, device
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,9 @@ __all__ = [
     "gram",
     "gram_factor",
     "gram_t_pi_term",
+    "smallest_pi",
+    "small_pi_line",
+    "t_pi_terms",
     "gram_t_pi",
     "gram_basis",
     "weight_factors",
@@ -191,9 +195,43 @@ def gram_factor(G: Tensor) -> tuple[Tensor | None, float]:
 
 
 def gram_t_pi_term(G_i: Tensor, G: Tensor, pi: float) -> Tensor:
-    """``(G_i + πG)⁻¹`` (n, n): member ``i``'s term of ``T_pi`` before the congruence by ``R``."""
+    """``(G_i + πG)⁻¹`` (n, n): member ``i``'s term of ``T_pi`` before the congruence by ``R``. All NaN where
+    ``G_i + πG`` is not positive definite in fp64 (a π so small that rounding in ``G_i`` outweighs it, for a
+    member of fewer rows than columns): the caller takes the Householder route, which does not form ``G_i``."""
     A = G_i + pi * G
-    return torch.cholesky_inverse(torch.linalg.cholesky(0.5 * (A + A.T)))
+    A = 0.5 * (A + A.T)
+    L, info = torch.linalg.cholesky_ex(A)
+    if info.item() != 0 or not torch.isfinite(L).all():
+        return torch.full_like(A, float("nan"))
+    return torch.cholesky_inverse(L)
+
+
+def smallest_pi(n: int, dtype: torch.dtype) -> str:
+    """A π that the Householder route computes with in ``dtype`` for width ``n``, as ``1e-K``: ``n·eps`` rounded up
+    to a power of ten (the rounding of ``Q_iᵀQ_i`` stays below it), for the error that names a π too small."""
+    return f"1e{math.ceil(math.log10(n * torch.finfo(dtype).eps))}"
+
+
+def small_pi_line(category: str, pi: float, dtype: torch.dtype, n: int, name: str = "pi") -> str:
+    """The line for a ``π`` too small for ``dtype``: a member's ``Q_iᵀQ_i + πI`` is not positive definite there."""
+    wider = "" if dtype == torch.float64 else f", or compute in float64 (from {smallest_pi(n, torch.float64)})"
+    return (
+        f"{category}: {name} {pi:g} is too small for HJD in {str(dtype).removeprefix('torch.')}: a member's "
+        f"Q_iᵀQ_i + πI is not positive definite at that precision; use {name} {smallest_pi(n, dtype)} or more{wider}"
+    )
+
+
+def t_pi_terms(Q_blocks: Sequence[Tensor], pi: float) -> tuple[Tensor, bool]:
+    """``Σ_i (Q_iᵀQ_i + πI)⁻¹`` (k, k) over ``Q_blocks`` (NaN where a term is, see :func:`t_pi_term`), and whether
+    a term failed although its ``Q_iᵀQ_i`` is finite: then π, not the weights, is out of the precision's reach."""
+    total, small = None, False
+    for Q_i in Q_blocks:
+        G_q = Q_i.T @ Q_i
+        term = t_pi_term(G_q, pi)
+        small = small or bool(torch.isfinite(G_q).all() and not torch.isfinite(term).all())
+        total = term if total is None else total + term
+    assert total is not None, "a category has members"
+    return total, small
 
 
 def gram_t_pi(R: Tensor, S: Tensor, L: int) -> Tensor:
@@ -285,14 +323,24 @@ def decompose(
                     "the Gram route needs a stack of full column rank (sum of m_i >= n, no null "
                     "direction); use method='householder'"
                 )
-            T_pi = gram_t_pi(R, sum(gram_t_pi_term(G_i, G, pi) for G_i in Gs), len(Ws))
+            S = sum(gram_t_pi_term(G_i, G, pi) for G_i in Gs)
+            if not torch.isfinite(S).all():
+                raise HJDError(
+                    f"the Gram route cannot compute with pi {pi:g}: a member's G_i + πG is not positive definite "
+                    "in float64; use method='householder' or a larger pi"
+                )
+            T_pi = gram_t_pi(R, S, len(Ws))
             V, _, Y = gram_basis(R, T_pi)
             V, Y = V.to(dtype), Y.to(dtype)
             factors = [weight_factors(W_i, Y) for W_i in Ws]
         else:
             Q, R = thin_qr(torch.cat(Ws, dim=0))  # (M, k), (k, n)
             Q_blocks = torch.split(Q, [w.shape[0] for w in Ws], dim=0)  # Q_i: (m_i, k)
-            T_pi = sum(t_pi_term(Q_i.T @ Q_i, pi) for Q_i in Q_blocks) / len(Ws)  # (k, k)
+            S, small = t_pi_terms(Q_blocks, pi)
+            if small:
+                who = f"the members {names[0]} … {names[-1]}" if names else "the category"
+                raise HJDError(small_pi_line(who, pi, dtype, n))
+            T_pi = S / len(Ws)  # (k, k)
             V, Z = shared_basis(R, T_pi)
             factors = [member_factors(Q_i, Z, n) for Q_i in Q_blocks]
         U, sigma, error = [], [], []

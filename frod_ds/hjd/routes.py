@@ -2,9 +2,9 @@
 ``MemberSource`` (weights in) and a ``FactorSink`` (factors out). All math is ``frod_ds.hjd.math``.
 
 Gram route (full column rank, well conditioned): a Cholesky QR, members streamed one at a time, redone by the
-Householder route when a member's error exceeds ``GRAM_MAX_ERROR``. Householder route (rank-deficient, wide or
-ill-conditioned stacks): a tall-skinny QR over blocks, ranks and rank 0. The passes, collectives and memory of
-each: docs/hjd.md#the-routes-on-one-rank.
+Householder route when a member's error exceeds ``GRAM_MAX_ERROR``, left to it when ``π`` is too small for its fp64
+``G_i + πG``. Householder route (rank-deficient, wide or ill-conditioned stacks): a tall-skinny QR over blocks,
+ranks and rank 0. The passes, collectives and memory of each: docs/hjd.md#the-routes-on-one-rank.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from frod_ds.hjd.math import (
     gram_t_pi_term,
     member_factors,
     shared_basis,
-    t_pi_term,
+    small_pi_line,
+    t_pi_terms,
     thin_qr,
     tsqr_combine,
     weight_factors,
@@ -95,9 +96,10 @@ def gram_route(
     cond: float,
     opts: RouteOptions,
     phases: Phases,
-) -> CategoryResult:
+) -> CategoryResult | None:
     """Passes B and C of the Gram route from the summed ``G``; rank 0 passes ``R`` in ``R_box``, taken out
-    here so that it is freed before pass C."""
+    here so that it is freed before pass C. None, on every rank and before anything is written, when a member's
+    ``G_i + πG`` is not positive definite in fp64 (a tiny ``--pi``): the Householder route does the category."""
     n, L = source.spec.n, source.spec.L
     R = R_box.pop() if R_box else None
     with phases("t_pi_eigh"):
@@ -106,7 +108,9 @@ def gram_route(
         for i in range(len(source)):
             G_i = source.cached(("G", i))
             S += gram_t_pi_term(G_i if G_i is not None else gram(source.weight(i)), G, opts.pi)
-        D.all_reduce_sum(S)
+        D.all_reduce_sum(S)  # a failed term is NaN on its rank, so NaN in the sum on every rank
+        if not torch.isfinite(S).all():
+            return None
         V = torch.empty(n, n, dtype=torch.float64, device=source.device)
         Y = torch.empty(n, n, dtype=torch.float64, device=source.device)
         if D.is_main():
@@ -234,22 +238,19 @@ def _basis(
 ) -> tuple[Tensor, Tensor]:
     """``Q_b ← Q_b M_b`` (rows of the global Q), ``T_pi`` summed over ranks, ``V, Z`` from rank 0."""
     T_pi = torch.zeros(k, k, dtype=opts.dtype, device=device)
+    small = torch.zeros((), dtype=opts.dtype, device=device)  # members whose term failed for π alone
     for b, block in enumerate(blocks.ranges):
         Q_g = qcache.pop(b) @ M[b]  # (m_b, k)
-        for i in block:
-            Q_i = Q_g[blocks.rows(b, i)]  # (m_i, k)
-            T_pi += t_pi_term(Q_i.T @ Q_i, opts.pi)
+        if block:
+            S_b, small_b = t_pi_terms([Q_g[blocks.rows(b, i)] for i in block], opts.pi)  # Q_i: (m_i, k)
+            T_pi += S_b
+            small += float(small_b)
         qcache.put(b, Q_g)
         del Q_g
     del M
     D.all_reduce_sum(T_pi)
-    D.agree_on_error(
-        None
-        if torch.isfinite(T_pi).all()
-        else f"{category}: a member's weights hold values past what the decomposition can carry in "
-        f"{str(opts.dtype).removeprefix('torch.')} (entries so large that their squares overflow, or extreme scales): "
-        f"check the checkpoint's {category} weights"
-    )
+    D.all_reduce_sum(small)
+    D.agree_on_error(_basis_problem(T_pi, small, opts, category, n))
     T_pi /= L
     V = torch.empty(n, n, dtype=opts.dtype, device=device)
     Z = torch.empty(k, k, dtype=opts.dtype, device=device)
@@ -259,6 +260,20 @@ def _basis(
     D.broadcast(Z)
     D.broadcast(V)
     return V, Z
+
+
+def _basis_problem(T_pi: Tensor, small: Tensor, opts: RouteOptions, category: str, n: int) -> str | None:
+    """Why the summed ``T_pi`` is unusable: ``--pi`` too small for the compute dtype (``small``: members whose
+    ``Q_iᵀQ_i`` is finite but ``Q_iᵀQ_i + πI`` not positive definite), or weights past its range; None when fine."""
+    if torch.isfinite(T_pi).all():
+        return None
+    if small.item() > 0:
+        return small_pi_line(category, opts.pi, opts.dtype, n, name="--pi")
+    return (
+        f"{category}: a member's weights hold values past what the decomposition can carry in "
+        f"{str(opts.dtype).removeprefix('torch.')} (entries so large that their squares overflow, or extreme scales): "
+        f"check the checkpoint's {category} weights"
+    )
 
 
 def householder_route(
@@ -311,9 +326,9 @@ def factor_category(
     ok, cond = D.broadcast_object(decision)
     result = None
     if ok:
-        result = gram_route(source, sink, G, R_box, cond, opts, phases)
-        worst = max(D.all_gather_object(max(result.error.values(), default=0.0)))
-        if not worst <= GRAM_MAX_ERROR[opts.dtype]:  # rounding (or an overflow: NaN) got the better of it: redo
+        result = gram_route(source, sink, G, R_box, cond, opts, phases)  # None: a tiny π, nothing written
+        worst = max(D.all_gather_object(max(result.error.values(), default=0.0) if result else 0.0))
+        if result is not None and not worst <= GRAM_MAX_ERROR[opts.dtype]:  # rounding (or NaN) won: redo
             result.wait()
             result = None
     if result is None:

@@ -38,6 +38,7 @@ from frod_ds.formats.ownership import (
     marker_kind,
     record_files,
 )
+from frod_ds.formats.record_check import record_problem
 from frod_ds.hjd.category import CategoryResult
 from frod_ds.io.dtypes import dtype_name
 from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
@@ -325,12 +326,11 @@ def prepare_store(
         raise HJDError(f"--out {out} is a file; pass a directory")
     check_not_an_input(out, inputs, error=HJDError)  # --out the model's own folder: named as such
     if out.is_dir() and any(out.iterdir()) and not overwrite and not _is_store(out):
-        record = out / MARKER
-        if record.is_symlink() or (record.exists() and not record.is_file()):  # the store may be whole: say what
-            it = "a symbolic link" if record.is_symlink() else "no file"
+        problem = record_problem(out)
+        if problem is not None:  # the store may be whole: say what is wrong with its record
             raise HJDError(
-                f"--out {out}: its ownership record {record} is {it}, not the file frod-ds writes; remove it and run "
-                "the same command again"
+                f"--out {out}: its ownership record {out / MARKER} is {problem}, not the small JSON file frod-ds "
+                "writes; remove it and run the same command again"
             )
         raise HJDError(f"--out {out} exists, is not empty and holds no factor store; choose a new or empty directory")
     # before anything is written; what --overwrite deletes is only what the store's record lists

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import re
 import struct
 import time
@@ -78,6 +79,18 @@ KIND = "gguf-conversion"  # the ownership record's kind (frod_ds.formats.output_
 def _is_legacy_conversion(out: Path) -> bool:
     """A conversion written before outputs held records: ``frod_convert.json`` (this module's provenance file)."""
     return (out / MARKER).is_file()
+
+
+def _check_utf8(out: Path) -> None:
+    """``out`` must be UTF-8: a name with a byte that is not (a surrogate in ``str``) reaches the tokenizer library
+    (Rust, UTF-8 paths only) as an error only after the weights are written; refused before anything is."""
+    try:
+        os.fsdecode(out).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(out).decode("utf-8", "backslashreplace")
+        raise ConvertError(
+            f"--out {shown} is not valid UTF-8: the tokenizer library cannot write there; choose a UTF-8 name"
+        ) from None
 
 
 def _check_out(out: Path, overwrite: bool, inputs: dict[str, Any]) -> None:
@@ -275,6 +288,7 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
     gguf, out = Path(gguf).expanduser(), Path(out).expanduser()
     if dtype not in OUT_DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
+    _check_utf8(out)
     if not gguf.is_file():
         raise ConvertError(f"--gguf {gguf} is not a file; pass the path of a .gguf model file")
     inputs = {"--gguf": gguf}

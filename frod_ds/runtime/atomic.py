@@ -11,6 +11,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import resource
 import stat
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ __all__ = [
     "disk_advice",
     "disk_full_error",
     "disk_full_line",
+    "said_errno",
     "file_in_the_way",
     "path_error",
     "fsync_dir",
@@ -154,11 +156,16 @@ LOW_SPACE = 16 * 2**20  # bytes: below this a failed write is taken for a full d
 
 
 def disk_advice(e: OSError) -> str:
-    """What the user does about a write ``e`` refused: raise the file-size limit, or free space (or move)."""
+    """What the user does about a write ``e`` refused, by its cause: raise the file-size limit, remount a
+    read-only disk, make a place writable, or free space (or move)."""
     if e.errno == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         shown = "" if limit == resource.RLIM_INFINITY else f" of {limit:,} bytes"
         return f"this process's file-size limit{shown} (ulimit -f) is too small for it; raise the limit"
+    if e.errno == errno.EROFS:
+        return "the disk is read-only: remount it writable or choose another location"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "make it writable or choose another location"
     return "free space on that disk (or choose another location)"
 
 
@@ -169,14 +176,32 @@ def disk_full_line(e: OSError) -> str:
     return f"cannot write {target}: {e.strerror}; {disk_advice(e)} and re-run the same command"
 
 
+_SAID_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a full disk, a full quota: what a writer may say only in words
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error names the errno in its message
+
+
+def said_errno(error: BaseException) -> int | None:
+    """``ENOSPC`` or ``EDQUOT`` when ``error``'s message says so (``No space left on device``, ``(os error 28)``;
+    ``Disk quota exceeded``, ``(os error 122)``): writers that raise no ``OSError`` (safetensors'
+    ``SafetensorError``) pass the OS's error on as text only."""
+    text = str(error)
+    said = _OS_ERROR.search(text)
+    if said is not None and int(said.group(1)) in _SAID_ERRNOS:
+        return int(said.group(1))
+    return next((code for code in _SAID_ERRNOS if os.strerror(code) in text), None)
+
+
 def disk_full_error(path: Path, error: BaseException) -> OSError | None:
     """An ``ENOSPC`` ``OSError`` naming ``path`` when a write to it failed (``error``) and its disk has under
-    ``LOW_SPACE`` bytes left, an ``EFBIG`` one when this process has a file-size limit (``ulimit -f``); None
-    otherwise. For writers that report either as something else (torch.save: ``RuntimeError: ... iostream error``
-    or ``unexpected pos``; safetensors: ``SafetensorError``), so that it reaches the user as what it is, not as a
-    traceback."""
+    ``LOW_SPACE`` bytes left; an ``ENOSPC`` or ``EDQUOT`` one when ``error``'s message says so (:func:`said_errno`);
+    an ``EFBIG`` one when this process has a file-size limit (``ulimit -f``); None otherwise. For writers that
+    report either as something else (torch.save: ``RuntimeError: ... iostream error`` or ``unexpected pos``;
+    safetensors: ``SafetensorError``), so that it reaches the user as what it is, not as a traceback."""
     if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
         return error
+    said = said_errno(error)
+    if said is not None:
+        return OSError(said, os.strerror(said), str(path))
     where = Path(path)
     while not where.exists() and where != where.parent:
         where = where.parent
@@ -204,9 +229,9 @@ _MOVED_NAMES = dict.fromkeys(
         "check_replaceable",
         "check_out",
         "remove_marked",
-        "publish_dir",
     ),
     "frod_ds.formats.ownership",
 )
 _MOVED_NAMES["building_dir"] = "frod_ds.formats.building"
+_MOVED_NAMES["publish_dir"] = "frod_ds.formats.publish"
 __getattr__ = forward_names(__name__, _MOVED_NAMES)

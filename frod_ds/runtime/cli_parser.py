@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import re
-from typing import NoReturn
+import sys
+from typing import IO, NoReturn
 
 from frod_ds.runtime.errors import note
 
@@ -30,7 +31,8 @@ class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose usage errors are one line and exit 2; its sub-parsers are of this class.
     An option given an empty value (``--out "$UNSET"``) is a usage error: argparse would take it as the path ".",
     and the command would build from, or write into, the working directory. An option given twice with two values
-    takes the last, as argparse does, with a note naming both (as a recipe override given twice does)."""
+    takes the last, as argparse does, with a note naming both (as a recipe override given twice does). Help and
+    version text that stdout cannot take is an ``OSError`` (argparse drops it silently and exits 0)."""
 
     def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's signature
         self._given: dict[str, str] = {}
@@ -47,6 +49,15 @@ class Parser(argparse.ArgumentParser):
                 note(f"{name} is given twice, {before!r} and {arg_strings[0]!r}: the last one is used")
             given[action.dest] = arg_strings[0]
         return super()._get_values(action, arg_strings)
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        """argparse's, except that help or version text stdout refuses (``> /dev/full``) raises the write's
+        ``OSError``, which the command reports in one line, instead of being dropped with exit 0."""
+        if file is None or file is not sys.stdout:
+            super()._print_message(message, file)
+        elif message:
+            file.write(message)
+            file.flush()
 
     def error(self, message: str) -> NoReturn:
         m, close = _CHOICE.search(message), []

@@ -9,12 +9,15 @@ CUDA is available, gloo otherwise; collective tensors live on ``local_device()``
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib.util
 import os
 import socket
 import sys
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -30,6 +33,8 @@ __all__ = [
     "CollectiveError",
     "init_distributed",
     "init_deepspeed",
+    "accelerator_problem",
+    "check_accelerator",
     "backend",
     "default_backend",
     "destroy",
@@ -130,11 +135,83 @@ def _address(init_method: str) -> str:
     return init_method.removeprefix("tcp://")
 
 
+ACCELERATOR_ENV = "DS_ACCELERATOR"  # DeepSpeed's choice of device kind, read when deepspeed is first imported
+_ACCELERATOR_FIX = "unset it (DeepSpeed then finds the device itself) or set DS_ACCELERATOR=cpu"
+
+
+def _supported_accelerators() -> list[str] | None:
+    """DeepSpeed's ``SUPPORTED_ACCELERATOR_LIST``, read from its source when deepspeed is not imported yet (its
+    import resolves ``DS_ACCELERATOR`` and raises on a bad one); None when it cannot be read."""
+    loaded = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    if loaded is not None:
+        return list(loaded.SUPPORTED_ACCELERATOR_LIST)
+    spec = importlib.util.find_spec("deepspeed")  # a top-level package: found, not imported
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            tree = ast.parse((Path(root) / "accelerator" / "real_accelerator.py").read_text())
+        except (OSError, SyntaxError, ValueError):
+            return None
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                getattr(t, "id", "") == "SUPPORTED_ACCELERATOR_LIST" for t in node.targets
+            ):
+                with contextlib.suppress(ValueError):
+                    return [str(name) for name in ast.literal_eval(node.value)]
+    return None
+
+
+def accelerator_problem(device: bool = True) -> str | None:
+    """Why DeepSpeed cannot run on the ``DS_ACCELERATOR`` set (a name it does not know; with ``device``, the
+    command runs on it: ``cuda`` without a visible GPU), or None: unset or empty (taken as unset), or usable as far
+    as can be told before importing it."""
+    value = os.environ.get(ACCELERATOR_ENV)
+    if not value:
+        return None
+    supported = _supported_accelerators()
+    if supported is not None and value not in supported:
+        return (
+            f"{ACCELERATOR_ENV}={value!r} names no accelerator DeepSpeed knows ({', '.join(supported)}); "
+            f"{_ACCELERATOR_FIX}"
+        )
+    if device and value == "cuda" and not torch.cuda.is_available():
+        return (
+            f"{ACCELERATOR_ENV}=cuda but this process sees no CUDA GPU (none installed, CUDA_VISIBLE_DEVICES empty or "
+            f"the driver not loaded); {_ACCELERATOR_FIX}"
+        )
+    return None
+
+
+def check_accelerator(device: bool = True) -> None:
+    """Before DeepSpeed is first imported (it resolves ``DS_ACCELERATOR`` then, once per process): a
+    ``FrodError`` for a value it cannot use (:func:`accelerator_problem`), an empty one unset until
+    :func:`destroy` (DeepSpeed refuses ``""``), and deepspeed imported where installed, so that the ``ValueError``
+    its import raises for a kind whose support is missing (``npu`` without ``torch_npu``) is one line too. For
+    every command that imports DeepSpeed, itself or through transformers' ``save_pretrained``."""
+    problem = accelerator_problem(device)
+    if problem:
+        raise FrodError(problem)
+    if os.environ.get(ACCELERATOR_ENV) == "":
+        _saved_env.setdefault(ACCELERATOR_ENV, "")
+        del os.environ[ACCELERATOR_ENV]
+    if "deepspeed" in sys.modules or importlib.util.find_spec("deepspeed") is None:
+        return
+    try:
+        import deepspeed  # noqa: F401 - resolves the accelerator
+    except ValueError as e:
+        value = os.environ.get(ACCELERATOR_ENV)
+        if not value:
+            raise
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise FrodError(f"{ACCELERATOR_ENV}={value!r}: DeepSpeed cannot use it ({first}); {_ACCELERATOR_FIX}") from None
+
+
 def init_deepspeed() -> None:
     """:func:`init_distributed`, then DeepSpeed's communication layer on the same group. DeepSpeed needs a
     process group even for one process: without a launcher a one-rank group on an in-process store is made
     (no port, no environment). DeepSpeed reads ``LOCAL_RANK`` from the environment wherever it builds
-    parameters, so it is set for as long as the group lives; :func:`destroy` puts back what was there."""
+    parameters, so it is set for as long as the group lives; :func:`destroy` puts back what was there. A
+    ``DS_ACCELERATOR`` DeepSpeed cannot use is a ``FrodError`` before anything starts (:func:`check_accelerator`)."""
+    check_accelerator()
     import deepspeed
 
     if not dist.is_initialized():

@@ -8,7 +8,10 @@ other exception is a bug and propagates (a traceback, exit 1). The process group
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import errno
+import io
 import os
 import signal
 import sys
@@ -16,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import NoReturn
 
-from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, disk_full_line, path_error
+from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, disk_advice, disk_full_line, path_error
 from frod_ds.runtime.errors import FrodError, forget_notes, last_completed
 
 __all__ = ["USER_ERROR", "Terminated", "run", "report", "run_script"]
@@ -151,13 +154,81 @@ def _stdout_is_a_pipe() -> bool:
         return False
 
 
+def _escape_unencodable() -> Callable[[], None]:
+    """Let ``sys.stdout`` and ``sys.stderr`` write what their encoding cannot hold as escapes (``\\u03c3``)
+    instead of raising ``UnicodeEncodeError`` once the command's work is done (an ASCII locale,
+    ``PYTHONIOENCODING=ascii``, a path that is no UTF-8); returns what puts their error handlers back."""
+    changed: list[tuple[io.TextIOWrapper, str]] = []
+    for stream in (sys.stdout, sys.stderr):
+        if not isinstance(stream, io.TextIOWrapper) or stream.errors not in ("strict", "surrogateescape"):
+            continue
+        if stream.errors == "surrogateescape" and codecs.lookup(stream.encoding).name == "utf-8":
+            continue  # every character is written, and bytes no UTF-8 as they were read
+        errors = stream.errors
+        with contextlib.suppress(OSError, ValueError):  # a closed stream, or pending output a full disk refuses
+            stream.reconfigure(errors="backslashreplace")
+            changed.append((stream, errors))
+    return lambda: _set_errors(changed)
+
+
+def _set_errors(streams: list[tuple[io.TextIOWrapper, str]]) -> None:
+    """Give each stream its error handler back (kept as it is where its pending output cannot be written)."""
+    for stream, errors in streams:
+        with contextlib.suppress(OSError, ValueError):
+            stream.reconfigure(errors=errors)
+
+
 def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
     """The tail of every command (``frod`` in each of its forms): run ``main`` and exit
     with its code. ``fast_exit`` (training, HJD, evaluation): flush and ``os._exit``. Their files are written
     atomically and the process group is gone by then; the interpreter's teardown only costs time (CUDA,
     page-locked memory) and, on gloo, a native thread pool left joinable at exit occasionally aborts a rank
     ("terminate called without an active exception", exit -6) after a successful run, which a scheduler would
-    record as a failed job."""
+    record as a failed job. While it runs, output its streams cannot encode is escaped (``_escape_unencodable``)."""
+    restore = _escape_unencodable()
+    try:
+        code = _run_main(main)
+    finally:
+        restore()
+    if not fast_exit:
+        sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _flush_stdout() -> None:
+    """Write out what stdout still holds, so that a report it cannot take fails here (an ``OSError``), not in the
+    interpreter's teardown (its "Exception ignored" and exit 120)."""
+    if sys.stdout is not None and not sys.stdout.closed:
+        sys.stdout.flush()
+
+
+def _written(main: Callable[[], int]) -> int:
+    """``main()`` with its report written out, also when it ends in a ``SystemExit`` (argparse's ``--help``)."""
+    try:
+        code = main()
+    except SystemExit:
+        _flush_stdout()
+        raise
+    _flush_stdout()
+    return code
+
+
+def _unwritten_report(e: OSError) -> int:
+    """Say in one line that stdout refused the command's report (``> /dev/full``), drop what it still buffers, and
+    return the exit code."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the buffered rest goes nowhere at exit
+    if last_completed() is not None:
+        report(FrodError(f"cannot write the command's report ({e.strerror}); {_after_stop()}"))
+    else:
+        report(FrodError(f"cannot write the command's report to stdout: {e.strerror}; {disk_advice(e)} and re-run it"))
+    return USER_ERROR
+
+
+def _run_main(main: Callable[[], int]) -> int:
+    """``main``'s exit code, with the stops and failures every command reports alike as one line."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # this process is the command: no library caller
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     previous = signal.getsignal(signal.SIGTERM)
@@ -173,7 +244,7 @@ def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
         )
         sys.exit(USER_ERROR)
     try:
-        code = main()
+        code = _written(main)
     except ImportError as e:
         if "shared object" not in str(e) and ".so" not in str(e):
             raise  # a module of frod-ds's own, or a missing package: a bug or an install to fix, with its traceback
@@ -196,11 +267,11 @@ def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
         # stdout's reader went away (`frod plan | head -1`): stop quietly, as a command killed by SIGPIPE would
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the buffered rest goes nowhere at exit
         code = 128 + signal.SIGPIPE
+    except OSError as e:
+        if e.filename or e.errno not in DISK_FULL_ERRNOS:
+            raise
+        code = _unwritten_report(e)
     finally:
         signal.signal(signal.SIGTERM, previous)
         forget_notes()
-    if not fast_exit:
-        sys.exit(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    return code

@@ -16,7 +16,25 @@ from dataclasses import dataclass
 
 from frod_ds.runtime.errors import FrodError
 
-__all__ = ["launcher_rank_world", "ranks_on_this_node", "first_slurm_host", "ProcessGroupSpec", "process_group_spec"]
+__all__ = [
+    "launcher_rank_world",
+    "ranks_on_this_node",
+    "first_slurm_host",
+    "ProcessGroupSpec",
+    "process_group_spec",
+    "launcher_int",
+]
+
+
+def launcher_int(text: str) -> int | None:
+    """``text`` as a launcher writes a count, rank, port or job id (ASCII digits, at most 18), else None:
+    ``str.isdigit`` also accepts ``'²'``, which ``int`` refuses, and ``int`` refuses a value of thousands of digits."""
+    return int(text) if text.isascii() and text.isdecimal() and len(text) <= 18 else None
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for an error line, cut short when it is long (a variable may hold thousands of digits)."""
+    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
 
 
 def launcher_rank_world(env: Mapping[str, str] | None = None) -> tuple[int, int, int] | None:
@@ -36,7 +54,7 @@ def launcher_rank_world(env: Mapping[str, str] | None = None) -> tuple[int, int,
 def _checked(env: Mapping[str, str], rank: str, world: str, local: str) -> tuple[int, int, int]:
     """The three values as integers, or a ``FrodError`` naming what no launcher sets (a stale or hand-set shell)."""
     raw = {k: env.get(k, "0" if k == local else "").strip() for k in (rank, world, local)}
-    bad = [f"{k}={v!r}" for k, v in raw.items() if not v.isdigit()]
+    bad = [f"{k}={_shown(v)}" for k, v in raw.items() if launcher_int(v) is None]
     if not bad:
         r, w, lr = (int(raw[k]) for k in (rank, world, local))
         if w >= 1 and r < w:
@@ -53,9 +71,9 @@ def ranks_on_this_node(env: Mapping[str, str] | None = None) -> int:
     ``SLURM_STEP_TASKS_PER_NODE`` (``"8"`` or ``"8(x2)"``), else the world size, else 1."""
     env = os.environ if env is None else env
     for key in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "WORLD_SIZE"):
-        head = env.get(key, "").split("(")[0].split(",")[0]
-        if head.isdigit() and int(head) > 0:
-            return int(head)
+        count = launcher_int(env.get(key, "").split("(")[0].split(",")[0])
+        if count:
+            return count
     return 1
 
 
@@ -94,8 +112,8 @@ def process_group_spec(env: Mapping[str, str] | None = None) -> ProcessGroupSpec
         return None
     rank, world, local = launch
     port = env.get("MASTER_PORT", "").strip()
-    if port and not (port.isdigit() and 0 < int(port) < 65536):
-        raise FrodError(f"MASTER_PORT={port!r} is no TCP port (1-65535): set it to a free port, or unset it")
+    if port and not 0 < (launcher_int(port) or 0) < 65536:
+        raise FrodError(f"MASTER_PORT={_shown(port)} is no TCP port (1-65535): set it to a free port, or unset it")
     if "RANK" in env:  # torchrun / the deepspeed launcher
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k, "").strip()]
         if missing and world == 1:  # nobody to meet: one process, as without a launcher
@@ -109,10 +127,10 @@ def process_group_spec(env: Mapping[str, str] | None = None) -> ProcessGroupSpec
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     addr = env.get("MASTER_ADDR") or first_slurm_host(nodes)
     job = env.get("SLURM_JOB_ID", "0").strip() or "0"
-    if not port and not job.isdigit():
+    if not port and launcher_int(job) is None:
         raise FrodError(
-            f"SLURM_JOB_ID={job!r} is no job number (Slurm sets digits), and the rendezvous port is derived from it: "
-            "export MASTER_PORT (a free TCP port) for the ranks, or unset SLURM_JOB_ID"
+            f"SLURM_JOB_ID={_shown(job)} is no job number (Slurm sets digits), and the rendezvous port is derived "
+            "from it: export MASTER_PORT (a free TCP port) for the ranks, or unset SLURM_JOB_ID"
         )
     port = port or str(20000 + int(job) % 20000)
     return ProcessGroupSpec(rank, world, local, f"tcp://{addr}:{port}")

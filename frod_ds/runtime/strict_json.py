@@ -1,16 +1,21 @@
 """JSON that refuses a key given twice in one object: ``json.loads`` keeps the last value without a word, so a
 hand-edited file (a DeepSpeed JSON, a data row) could mean one thing to its author and another to the run. And
 JSON nested deeper than any input needs: Python's parser raises ``RecursionError`` on it, which no reader's
-``JSONDecodeError`` handler names; ``loads`` refuses it as a ``JSONDecodeError`` at the depth it passes."""
+``JSONDecodeError`` handler names; ``loads`` refuses it as a ``JSONDecodeError`` at the depth it passes. Likewise
+an integer longer than Python converts (``sys.get_int_max_str_digits``, 4300 digits): a plain ``ValueError``
+there, a ``HugeIntegerError`` (a ``JSONDecodeError``) here."""
 
 from __future__ import annotations
 
 import json
+import re
+import sys
 from typing import Any
 
 __all__ = [
     "MAX_DEPTH",
     "DuplicateKeyError",
+    "HugeIntegerError",
     "NestedTooDeepError",
     "expanded_size",
     "loads",
@@ -26,14 +31,29 @@ class NestedTooDeepError(json.JSONDecodeError):
     """JSON nested deeper than ``MAX_DEPTH``; its position is where that depth is first passed."""
 
 
+class HugeIntegerError(json.JSONDecodeError):
+    """An integer with more digits than Python converts; its position is where that integer starts."""
+
+
+# A JSON string (skipped) or number; group 1: the digits of a number with neither fraction nor exponent.
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|-?(\d+)(?![\d.eE])|-?\d+(?:\.\d*)?(?:[eE][+-]?\d*)?')
+
+
 def loads(text: str | bytes, **kw: Any) -> Any:
     """``json.loads``, refusing arrays and objects nested deeper than ``MAX_DEPTH`` (``NestedTooDeepError``, a
     ``JSONDecodeError``): ``json.loads`` itself raises ``RecursionError`` on deep enough input, and so would every
-    recursive walk over what it returns."""
+    recursive walk over what it returns. An integer too long for ``int`` is a ``HugeIntegerError``, also a
+    ``JSONDecodeError``, so that every reader's handler names it in its one line."""
     try:
         data = json.loads(text, **kw)
     except RecursionError:
         data = None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:
+        if "integer string conversion" not in str(e):
+            raise
+        raise _huge_integer(text) from None
     else:
         if nesting_depth(data) <= MAX_DEPTH:
             return data
@@ -42,6 +62,22 @@ def loads(text: str | bytes, **kw: Any) -> Any:
     raise NestedTooDeepError(
         f"arrays and objects nested {depth} deep, more than the {MAX_DEPTH} levels an input may have", doc, pos
     ) from None
+
+
+def _huge_integer(text: str | bytes) -> HugeIntegerError:
+    """The error for the first integer of ``text`` longer than ``sys.get_int_max_str_digits()`` digits."""
+    doc = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+    limit = sys.get_int_max_str_digits()
+    for m in _TOKEN.finditer(doc):
+        if m.group(1) is not None and len(m.group(1)) > limit:
+            digits = len(m.group(1))
+            return HugeIntegerError(
+                f"an integer of {digits} digits, more than the {limit} a number may have; no setting or row needs "
+                "one this long: fix the value",
+                doc,
+                m.start(),
+            )
+    return HugeIntegerError(f"an integer of more than {limit} digits; fix the value", doc, 0)
 
 
 def _children(node: Any) -> Any:

@@ -124,7 +124,7 @@ def _same_recipe(path: Path, recipe: Recipe) -> bool:
     """Whether ``path`` records ``recipe`` already, ``output_dir`` aside (a run copied or moved elsewhere)."""
     try:
         recorded = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):  # ValueError: bad UTF-8, a huge int
         return False
     now = recipe_to_dict(recipe)
     return isinstance(recorded, dict) and {**recorded, "output_dir": None} == {**now, "output_dir": None}
@@ -172,9 +172,10 @@ def record_adapter(out: Path, name: str) -> None:
 
 @contextlib.contextmanager
 def removed_if_failed(out: Path) -> Iterator[None]:
-    """Run the block; if it raises and ``out`` did not exist before it and holds no sealed checkpoint or adapter
-    (what a rerun would resume or keep), rank 0 deletes what the run's record lists (and ``out`` once empty): a
-    failed run leaves nothing it created behind, and never deletes what it did not write."""
+    """Run the block; if it raises and ``out`` did not exist before it and holds no sealed checkpoint (what a rerun
+    would resume), rank 0 deletes what the run's record lists (and ``out`` once empty): a failed run leaves nothing it
+    created behind, and never deletes what it did not write. An adapter published before the first seal failed is
+    one a rerun writes again from step 0."""
     created = not os.path.lexists(out)
     try:
         yield
@@ -185,7 +186,6 @@ def removed_if_failed(out: Path) -> Iterator[None]:
             and out.is_dir()
             and not out.is_symlink()
             and not sealed_checkpoints(out / "checkpoints")
-            and not any(out.glob("adapter-*"))
         ):
             delete_owned(out)  # an unsealed checkpoint is nothing a rerun would resume
         raise

@@ -388,11 +388,13 @@ def test_a_lease_naming_a_pid_past_any_process_is_gone(tmp_path, capsys, no_slur
     assert f"pid {2**40} is gone" in capsys.readouterr().err
 
 
-def test_a_restart_count_slurm_never_sets_is_one_line(tmp_path, monkeypatch):
-    """SLURM_RESTART_COUNT that is not digits, inside a job: named in one line before any lease is placed."""
+@pytest.mark.parametrize("count", ["abc", "\u00b2", "\u0663"])
+def test_a_restart_count_slurm_never_sets_is_one_line(tmp_path, monkeypatch, count):
+    """SLURM_RESTART_COUNT that is not ASCII digits (a superscript or an Arabic-Indic digit, which ``int`` cannot
+    read or Slurm never writes), inside a job: named in one line before any lease is placed."""
     monkeypatch.setenv("SLURM_JOB_ID", "123")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "abc")
-    with pytest.raises(FrodError, match="SLURM_RESTART_COUNT='abc' is no restart count"):
+    monkeypatch.setenv("SLURM_RESTART_COUNT", count)
+    with pytest.raises(FrodError, match=f"SLURM_RESTART_COUNT={count!r} is no restart count"):
         with holding(tmp_path / "run", "training-run", "output_dir"):
             pass
     assert not lease_path(tmp_path / "run").exists()

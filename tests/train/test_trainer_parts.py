@@ -151,3 +151,14 @@ def test_a_due_save_publishes_the_adapter_before_it_seals_the_checkpoint(monkeyp
     bar = types.SimpleNamespace(update=lambda n: None, set_postfix=lambda **k: None, close=lambda: None)
     assert loop._step(run, state, None, bar) is False
     assert calls == [("adapter", "adapter-2"), ("checkpoint", 2)]
+
+
+def test_a_recorded_recipe_with_an_integer_python_cannot_read_is_another_recipe(tmp_path):
+    """A run folder's recipe.yaml edited to hold a 5000-digit integer is no record of this recipe (it is written
+    again), not a ValueError out of the integer's conversion."""
+    from frod_ds.config.recipe import Recipe
+    from frod_ds.train.run_dir import _same_recipe
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text("train:\n  max_steps: " + "9" * 5000 + "\n")
+    assert _same_recipe(path, Recipe()) is False
