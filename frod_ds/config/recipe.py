@@ -281,7 +281,11 @@ class _ScalarLoader(yaml.SafeLoader):
         limit = sys.get_int_max_str_digits()
         try:
             value = super().construct_yaml_int(node)
-        except ValueError:
+        except ValueError as e:
+            if "integer string conversion" not in str(e) and "Exceeds the limit" not in str(e):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{node.value!r} is no integer ({e})", node.start_mark
+                ) from None
             value = None
         if value is not None and not (limit and abs(value) >= 10**limit):  # a hex one is read, but never printed
             return value

@@ -1,11 +1,12 @@
 """The writer's lease on its output folder: one writer at a time, for the writer's whole life (docs/formats.md).
 
-A writer takes ``.<name>.frod-ds-lease`` beside folder ``<name>`` before it touches it (made complete, then hard-linked
-into place: one of two writers gets it), refreshes its mtime every ``HEARTBEAT_S`` and removes it at the end. A second
-writer is refused at once, naming the holder; a lease whose holder is gone (a dead or reused pid on this host, a
-heartbeat older than ``STALE_S`` from another host, the same Slurm job requeued) is taken over with a ``note:``. Under
-several ranks the writing rank holds it (``distributed.held_on_main``); a child writes under its parent's lease when
-handed its token (``Lease.child_env``). Torch-free.
+A writer takes ``.<name>.frod-ds-lease`` beside folder ``<name>`` (shortened where too long, ``sibling_names``)
+before it touches it (made complete, then hard-linked into place: one of two writers gets it), refreshes its mtime
+every ``HEARTBEAT_S`` and removes it at the end. A second writer is refused at once, naming the holder; a lease
+whose holder is gone (a dead or reused pid on this host, a heartbeat older than ``STALE_S`` from another host, the
+same Slurm job requeued) is taken over with a ``note:``. Under several ranks the writing rank holds it
+(``distributed.held_on_main``); a child writes under its parent's lease when handed its token (``Lease.child_env``).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from frod_ds.formats.sibling_names import fitted_name, literal_home
 from frod_ds.runtime import signals
 from frod_ds.runtime.atomic import file_in_the_way
 from frod_ds.runtime.errors import FrodError, completed, note
+from frod_ds.runtime.launch_env import launcher_int, shown
 from frod_ds.runtime.strict_json import loads
 
 __all__ = [
@@ -87,12 +89,13 @@ def _slurm_restart(env: os._Environ[str] | dict[str, str]) -> int | None:
     if not env.get("SLURM_JOB_ID"):
         return None
     count = (env.get("SLURM_RESTART_COUNT") or "0").strip()
-    if not decimal(count):
+    value = launcher_int(count)
+    if value is None:
         raise FrodError(
-            f"SLURM_RESTART_COUNT={count!r} is no restart count (Slurm sets digits), and the output's lease records "
-            "it: unset it, or SLURM_JOB_ID with it outside a Slurm job"
+            f"SLURM_RESTART_COUNT={shown(count)} is no restart count (Slurm sets a few digits), and the output's lease "
+            "records it: unset it, or SLURM_JOB_ID with it outside a Slurm job"
         )
-    return int(count)
+    return value
 
 
 def _special(mode: int) -> str:

@@ -3,13 +3,15 @@
 ``.frod-ds-output`` (``OutputRecord``) names the folder's kind (``KINDS``: which command wrote it) and lists what its
 writer wrote there, each entry added before the file is made: a relative path, a directory with all in it
 (``checkpoints/``), or a glob of names not known ahead (``q_proj.rank*.part*.safetensors``); a record from before
-lists (version 1) stands for what its kind writes (``KIND_FILES``). ``.<name>.frod-ds-lease`` (``LeaseRecord``) beside
-the folder names the process writing it now; its mtime is the heartbeat. docs/formats.md#output-folders. Torch-free.
+lists (version 1) stands for what its kind writes (``KIND_FILES``). ``.<name>.frod-ds-lease`` (``LeaseRecord``; a name
+too long for it shortened, ``sibling_names``) beside the folder names the process writing it now; its mtime is the
+heartbeat. docs/formats.md#output-folders. Torch-free.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import glob
 import os
 import re
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from frod_ds.formats.file_digests import file_sha256
 from frod_ds.formats.records import record_from_dict, record_to_json
+from frod_ds.formats.sibling_names import digest_of
 from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.paths import read_small_text
 from frod_ds.runtime.strict_json import loads
@@ -45,7 +48,7 @@ __all__ = [
 MARKER = ".frod-ds-output"
 FORMAT = "frod-ds-output"
 VERSION = 2  # 1: the kind only (no file list)
-LEASE = ".frod-ds-lease"  # the lease of folder NAME is .NAME.frod-ds-lease beside it
+LEASE = ".frod-ds-lease"  # the lease of folder NAME is .NAME.frod-ds-lease beside it (shortened where too long)
 LEASE_FORMAT = "frod-ds-lease"
 
 KINDS = {  # the kind each writer records → how messages name it
@@ -175,8 +178,10 @@ def _parts(entry: str) -> tuple[list[str], bool]:
 
 def _temporaries(name: str) -> tuple[str, ...]:
     """The names a writer gives a file or folder ``name`` while it writes it (all beside it): ``name.tmp`` (atomic
-    file writes), ``.name.tmp-HOST-PID-*`` (a folder being built), ``.name.old-*`` (one being replaced), the lease."""
-    return (name + ".tmp", f".{name}.tmp-*", f".{name}.old-*", f".{name}{LEASE}*")
+    file writes), ``.name.tmp-HOST-PID-*`` (a folder being built), ``.name.old-HOST-PID-*`` (one being replaced),
+    the lease; those of a name too long for them, shortened by its digest (``sibling_names.fitted_name``)."""
+    shortened = () if glob.has_magic(name) else (f".*~{digest_of('.' + name)}*",)
+    return (name + ".tmp", f".{name}.tmp-*", f".{name}.old-*", f".{name}{LEASE}*", *shortened)
 
 
 def match(entries: tuple[str, ...], rel: str, is_dir: bool) -> str | None:

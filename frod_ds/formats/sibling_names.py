@@ -7,7 +7,7 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["NAME_MAX", "fitted_name", "literal_home"]
+__all__ = ["NAME_MAX", "digest_of", "fitted_name", "literal_home"]
 
 NAME_MAX = 255  # bytes in one file name: the limit of every filesystem frod-ds writes to
 
@@ -18,12 +18,18 @@ def fitted_name(stem: str, suffix: str, room: int = 0) -> str:
     output derives the same name beside it (its lease, its staging folders), legal however long the output's is."""
     if len(os.fsencode(stem + suffix)) + room <= NAME_MAX:
         return stem + suffix
-    digest = hashlib.sha256(os.fsencode(stem)).hexdigest()[:16]
+    digest = digest_of(stem)
     budget = NAME_MAX - room - len(os.fsencode(suffix)) - len(digest) - 1
     head = stem
     while len(os.fsencode(head)) > budget:
         head = head[:-1]
     return f"{head}~{digest}{suffix}"
+
+
+def digest_of(stem: str) -> str:
+    """What follows ``~`` in a shortened name (``fitted_name``): 16 hex digits of ``stem``'s SHA-256, so that a
+    reader can tell a shortened name of one output from any other's (``output_dir.match``)."""
+    return hashlib.sha256(os.fsencode(stem)).hexdigest()[:16]
 
 
 def literal_home(out: Path, what: str) -> str | None:

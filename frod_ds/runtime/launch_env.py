@@ -23,6 +23,7 @@ __all__ = [
     "ProcessGroupSpec",
     "process_group_spec",
     "launcher_int",
+    "shown",
 ]
 
 
@@ -32,7 +33,7 @@ def launcher_int(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdecimal() and len(text) <= 18 else None
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
     """``text`` quoted for an error line, cut short when it is long (a variable may hold thousands of digits)."""
     return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
 
@@ -54,7 +55,7 @@ def launcher_rank_world(env: Mapping[str, str] | None = None) -> tuple[int, int,
 def _checked(env: Mapping[str, str], rank: str, world: str, local: str) -> tuple[int, int, int]:
     """The three values as integers, or a ``FrodError`` naming what no launcher sets (a stale or hand-set shell)."""
     raw = {k: env.get(k, "0" if k == local else "").strip() for k in (rank, world, local)}
-    bad = [f"{k}={_shown(v)}" for k, v in raw.items() if launcher_int(v) is None]
+    bad = [f"{k}={shown(v)}" for k, v in raw.items() if launcher_int(v) is None]
     if not bad:
         r, w, lr = (int(raw[k]) for k in (rank, world, local))
         if w >= 1 and r < w:
@@ -113,7 +114,7 @@ def process_group_spec(env: Mapping[str, str] | None = None) -> ProcessGroupSpec
     rank, world, local = launch
     port = env.get("MASTER_PORT", "").strip()
     if port and not 0 < (launcher_int(port) or 0) < 65536:
-        raise FrodError(f"MASTER_PORT={_shown(port)} is no TCP port (1-65535): set it to a free port, or unset it")
+        raise FrodError(f"MASTER_PORT={shown(port)} is no TCP port (1-65535): set it to a free port, or unset it")
     if "RANK" in env:  # torchrun / the deepspeed launcher
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not env.get(k, "").strip()]
         if missing and world == 1:  # nobody to meet: one process, as without a launcher
@@ -129,7 +130,7 @@ def process_group_spec(env: Mapping[str, str] | None = None) -> ProcessGroupSpec
     job = env.get("SLURM_JOB_ID", "0").strip() or "0"
     if not port and launcher_int(job) is None:
         raise FrodError(
-            f"SLURM_JOB_ID={_shown(job)} is no job number (Slurm sets digits), and the rendezvous port is derived "
+            f"SLURM_JOB_ID={shown(job)} is no job number (Slurm sets digits), and the rendezvous port is derived "
             "from it: export MASTER_PORT (a free TCP port) for the ranks, or unset SLURM_JOB_ID"
         )
     port = port or str(20000 + int(job) % 20000)

@@ -10,6 +10,7 @@ loaded (tensors memory-mapped) the way the resume loads it, ``weights_only`` wit
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -40,6 +41,7 @@ __all__ = [
     "set_aside",
     "ROOT_FILES",
     "check_root_files",
+    "detach_root_files",
 ]
 
 COMPLETE = "COMPLETE"
@@ -190,6 +192,18 @@ def set_aside(root: Path, tag: str) -> Path:
     return dest
 
 
+def detach_root_files(root: Path) -> None:
+    """Before a save: drop this folder's name of each file DeepSpeed rewrites in place (``latest``, its recovery
+    scripts) that has another name too (a hard link: a backup by ``cp -al``, or a user's file), so the save writes a
+    file of its own; the other name and its content are untouched. ``latest_complete`` is replaced by a rename."""
+    for name in ROOT_FILES:
+        path = root / name
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(path)
+            if name != LATEST and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                os.unlink(path)
+
+
 def check_root_files(root: Path) -> None:
     """``FrodError`` when a file a save writes into checkpoints folder ``root`` is there as something else: a
     symbolic link (a save would write through it, into a file the run never wrote), a folder, a pipe; or when a
@@ -201,7 +215,7 @@ def check_root_files(root: Path) -> None:
                 f"{path} is {it}, where the run keeps a checkpoint of its own; move it away (the run's checkpoints "
                 "beside it are untouched) and run the same command again"
             )
-    for name in ROOT_FILES:  # DeepSpeed rewrites these in place: through a link, or into a second name's file
+    for name in ROOT_FILES:  # DeepSpeed writes these in place: through a link (a second name: detach_root_files)
         path = root / name
         if not os.path.lexists(path):
             continue
@@ -210,8 +224,6 @@ def check_root_files(root: Path) -> None:
             it = f"a symbolic link to {os.readlink(path)}"
         elif not stat.S_ISREG(st.st_mode):
             it = "not a regular file"
-        elif st.st_nlink > 1:
-            it = f"a file with {st.st_nlink} names (a hard link)"
         else:
             continue
         raise FrodError(

@@ -25,6 +25,7 @@ from frod_ds.train.checkpoints import (
     COMPLETE,
     LATEST,
     check_root_files,
+    detach_root_files,
     file_seal,
     files_to_seal,
     set_aside,
@@ -73,7 +74,7 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
     """Collective. ``root/step<NNNNNNNN>/``: engine files, ``rng_rank<r>.pt``, the trainable-state record,
     ``records`` (file name → text, written by rank 0), the seal; then ``latest_complete`` and the clean-up."""
     ckpt = root / tag_of(step)
-    dist.on_main(lambda: check_root_files(root))  # a link planted there since the run's start
+    dist.on_main(lambda: (check_root_files(root), detach_root_files(root)))  # anything planted since the start
     if dist.is_main() and ckpt.exists():  # a save killed here before, or an abandoned later timeline: not resumable
         shutil.rmtree(ckpt)
     dist.barrier()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import sys
 import time
@@ -106,7 +107,8 @@ def save_checkpoint(run: Run, step: int) -> None:
 def save_adapter(run: Run, step: int, name: str) -> None:
     """The adapter of ``step`` as ``output_dir/name`` (collective under ZeRO-3; rank 0 writes)."""
     tensors, categories = adapter_state(run.engine.module, run.zero3, run.inputs.store_identity)
-    if dist.is_main():
+
+    def write() -> None:  # rank 0; its refusal (a changed adapter in the way, a full disk) stops every rank
         record_adapter(run.out, name)  # in the run's record before it is made
         write_adapter(
             run.out / name,
@@ -114,7 +116,8 @@ def save_adapter(run: Run, step: int, name: str) -> None:
             dataclasses.replace(run.adapter_config, step=step, categories=categories),
             extra_files={"recipe.yaml": recipe_yaml(run.recipe)},
         )
-    dist.barrier()
+
+    dist.on_main(write)
 
 
 def rotation_angles(run: Run) -> dict[str, float]:
@@ -239,6 +242,15 @@ def fit(run: Run) -> int:
             signal.signal(sig, handler)
 
 
+def _publish_resumed_adapter(run: Run, step: int) -> None:
+    """Collective. Write ``adapter-<step>`` of the checkpoint resumed from when it is missing: a kill between a
+    save's seal and its adapter left the checkpoint without it, and the steps after it never write it."""
+    name = f"adapter-{step}"
+    if 0 < step < run.total_steps and dist.on_main(lambda: not os.path.lexists(run.out / name)):
+        note(f"{run.out / name} is missing (a stop between its checkpoint and it): written from that checkpoint")
+        save_adapter(run, step, name)
+
+
 def _fit(run: Run, bar: tqdm) -> int:
     t = run.recipe.train
     state = LoopState(run.start_step)
@@ -262,6 +274,7 @@ def _fit(run: Run, bar: tqdm) -> int:
             )
             return 0
         note(f"{damage}; writing adapter-final again from the checkpoint of step {state.step}")  # bit for bit
+    _publish_resumed_adapter(run, state.step)
     if torch.cuda.is_available():
         dist.print0(
             f"memory: {peak_mem_gb():.2f} GiB allocated at most while building and restoring the model "
@@ -329,7 +342,7 @@ def _step(run: Run, state: LoopState, log: MetricsLog | None, bar: tqdm) -> bool
         # the optimizer skipped this step: its state may not exist yet (DeepSpeed fails to save it) and a
         # non-finite state is nothing to resume from; the non-finite stop above decides what happens
         dist.print0(f"step {step}: loss not finite, checkpoint skipped")
-    elif due or stop:  # the adapter first: a kill before the seal resumes from the last one and writes it again
-        save_adapter(run, step, f"adapter-{step}")
+    elif due or stop:  # a kill between the two: the resume writes the adapter (``_publish_resumed_adapter``)
         save_checkpoint(run, step)
+        save_adapter(run, step, f"adapter-{step}")
     return stop

@@ -174,8 +174,7 @@ def record_adapter(out: Path, name: str) -> None:
 def removed_if_failed(out: Path) -> Iterator[None]:
     """Run the block; if it raises and ``out`` did not exist before it and holds no sealed checkpoint (what a rerun
     would resume), rank 0 deletes what the run's record lists (and ``out`` once empty): a failed run leaves nothing it
-    created behind, and never deletes what it did not write. An adapter published before the first seal failed is
-    one a rerun writes again from step 0."""
+    created behind, and never deletes what it did not write."""
     created = not os.path.lexists(out)
     try:
         yield

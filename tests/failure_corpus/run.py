@@ -1683,6 +1683,11 @@ def new_has_umask_mode(world, case, spec) -> bool:
     return has_new(world, case, spec) and (case / "new").stat().st_mode & 0o777 == probe.stat().st_mode & 0o777
 
 
+def decoy_kept(world, case, spec) -> bool:
+    """``{case}/decoy.txt``, a user's file a preparer linked into the output, has the content it was given."""
+    return (case / "decoy.txt").read_text() == "a user's file\n"
+
+
 def same_output(world, case, spec) -> bool:
     """The files ``compare`` names under ``output`` are bitwise those of the same command run uninterrupted in a
     fresh directory (run once per distinct command and cached), and no temporary sibling of ``output`` is left."""
@@ -1931,6 +1936,7 @@ CHECKS: dict[str, Callable] = {
         verify_new_store_of_case_model,
         has_new,
         same_output,
+        decoy_kept,
         store_left_as_it_was,
         counts_repeat_and_surrogate,
     )

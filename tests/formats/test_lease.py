@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -388,13 +389,15 @@ def test_a_lease_naming_a_pid_past_any_process_is_gone(tmp_path, capsys, no_slur
     assert f"pid {2**40} is gone" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("count", ["abc", "\u00b2", "\u0663"])
+@pytest.mark.parametrize("count", ["abc", "\u00b2", "\u0663", "1" * 5000])
 def test_a_restart_count_slurm_never_sets_is_one_line(tmp_path, monkeypatch, count):
-    """SLURM_RESTART_COUNT that is not ASCII digits (a superscript or an Arabic-Indic digit, which ``int`` cannot
-    read or Slurm never writes), inside a job: named in one line before any lease is placed."""
+    """SLURM_RESTART_COUNT that is not a few ASCII digits (a superscript or an Arabic-Indic digit, which ``int``
+    cannot read or Slurm never writes; thousands of digits), inside a job: named in one line, cut short where long,
+    before any lease is placed."""
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("SLURM_RESTART_COUNT", count)
-    with pytest.raises(FrodError, match=f"SLURM_RESTART_COUNT={count!r} is no restart count"):
+    said = repr(count) if len(count) < 40 else f"{count[:20]!r}... (5000 characters)"
+    with pytest.raises(FrodError, match=re.escape(f"SLURM_RESTART_COUNT={said} is no restart count")):
         with holding(tmp_path / "run", "training-run", "output_dir"):
             pass
     assert not lease_path(tmp_path / "run").exists()

@@ -84,6 +84,20 @@ def test_a_huge_integer_in_an_override_is_one_line(model_dir, value):
     assert "override train.max_steps=...: an integer of more than 4300 digits" in line
 
 
+@pytest.mark.parametrize("value", ["0b_", "0x_"])
+def test_an_integer_yaml_cannot_read_is_not_called_huge(model_dir, value):
+    """Only an integer past the digit limit is called so; another one YAML tags an integer but ``int`` cannot read
+    is named for what it is."""
+    import yaml
+
+    from frod_ds.config.recipe import _UniqueKeyLoader
+
+    line = one_error(frod("plan", "--model", str(model_dir), "--gpus", "1", f"train.seed={value}"))
+    assert "4300" not in line and "not a YAML scalar" in line, line
+    with pytest.raises(yaml.YAMLError, match=f"'{value}' is no integer"):
+        yaml.load(f"seed: {value}\n", Loader=_UniqueKeyLoader)
+
+
 def test_a_huge_integer_in_a_deepspeed_config_is_one_line(tmp_path, model_dir):
     config = tmp_path / "ds.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 2}})[:-1] + f', "steps_per_print": {HUGE}}}')

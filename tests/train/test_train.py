@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -334,9 +335,15 @@ def test_resume_after_kill9_equals_uninterrupted(env, tmp_path):
     _wait_until_reaped(proc.pid)  # until then rank 0 still holds the output's lease (the resume would be refused)
     assert not (out / "adapter-final").exists()
     killed_at = (out / "checkpoints" / "latest_complete").read_text()
+    adapter = f"adapter-{int(killed_at.removeprefix('step'))}"
+    shutil.rmtree(out / adapter, ignore_errors=True)  # killed before the save published it, after the seal
     res = run_train(CPU_ZERO3, env.overrides(out, **common))  # the same command line, its ranks forked from here
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed from {killed_at}" in res.stdout + res.stderr, killed_at
+    assert f"{out / adapter} is missing" in res.stderr, res.stderr[-3000:]
+    for name in (adapter, "adapter-final"):  # the resume wrote the missing one, as the uninterrupted run did
+        got, want = (load_file(str(d / name / "adapter.safetensors")) for d in (out, tmp_path / "ref"))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got), name
 
     steps = [r["step"] for r in metrics(out)]
     assert steps == list(range(1, 7)), "rows of replayed steps are dropped on resume"

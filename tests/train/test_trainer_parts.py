@@ -110,30 +110,33 @@ def test_the_loss_plot_is_written_through_the_projects_temporary(tmp_path):
     assert decoy.read_bytes() == b"a user's picture"
 
 
-@pytest.mark.parametrize("name", ["latest", "zero_to_fp32.py"])
-def test_a_checkpoint_root_file_with_a_second_name_is_refused(tmp_path, name):
-    """DeepSpeed rewrites ``latest`` and its recovery scripts in place at every save: a hard link there (a second
-    name of a user's file) would have the save write into that file, so it is refused like a symbolic link."""
+@pytest.mark.parametrize("name", ["latest", "zero_to_fp32.py", "latest_complete"])
+def test_a_checkpoint_root_file_with_a_second_name_is_detached_before_a_save(tmp_path, name):
+    """DeepSpeed rewrites ``latest`` and its recovery scripts in place at every save: where one is a second name of
+    another file (a hard link: a ``cp -al`` backup, or a user's file), this folder's name is dropped before the save,
+    so the save writes a file of its own and the other name keeps its content. ``latest_complete`` is replaced by a
+    rename, so it stays. A symbolic link is still refused (its target is what a save would write)."""
     from frod_ds.runtime.errors import FrodError
-    from frod_ds.train.checkpoints import check_root_files
+    from frod_ds.train.checkpoints import check_root_files, detach_root_files
 
     root = tmp_path / "checkpoints"
     root.mkdir()
     decoy = tmp_path / "decoy"
     decoy.write_text("a user's file")
     os.link(decoy, root / name)
-    with pytest.raises(FrodError, match=rf"{root / name} is a file with 2 names \(a hard link\)"):
-        check_root_files(root)
-    assert decoy.read_text() == "a user's file"
-    (root / name).unlink()
-    (root / name).write_text("step5")  # the save's own
     check_root_files(root)
+    detach_root_files(root)
+    assert decoy.read_text() == "a user's file" and os.path.lexists(root / name) == (name == "latest_complete")
+    (root / name).unlink(missing_ok=True)
+    (root / name).symlink_to(decoy)
+    with pytest.raises(FrodError, match=rf"{root / name} is a symbolic link to {decoy}"):
+        check_root_files(root)
 
 
-def test_a_due_save_publishes_the_adapter_before_it_seals_the_checkpoint(monkeypatch):
-    """A kill between the two must not leave a sealed checkpoint without its ``adapter-<step>``: the resume starts
-    after the sealed step and would never write that adapter. Published first, a kill before the seal resumes
-    from the checkpoint before and writes the adapter again."""
+def test_a_resume_writes_the_adapter_a_stop_left_unwritten(monkeypatch, tmp_path):
+    """A due save seals its checkpoint, then publishes ``adapter-<step>``; a kill between the two left a checkpoint
+    without its adapter, and the resume from it never wrote that adapter. Now the resume writes it (once, and only
+    for a step inside the run: step 0 has none, the last step's is adapter-final)."""
     import types
 
     import torch
@@ -143,14 +146,22 @@ def test_a_due_save_publishes_the_adapter_before_it_seals_the_checkpoint(monkeyp
     calls = []
     monkeypatch.setattr(loop, "train_step", lambda run, step: {"loss": 1.0, "grad_norm": 1.0})
     monkeypatch.setattr(loop.dist, "all_reduce_sum", lambda t: torch.zeros_like(t))
+    monkeypatch.setattr(loop.dist, "on_main", lambda fn: fn())
     monkeypatch.setattr(loop, "save_checkpoint", lambda run, step: calls.append(("checkpoint", step)))
     monkeypatch.setattr(loop, "save_adapter", lambda run, step, name: calls.append(("adapter", name)))
     train = types.SimpleNamespace(save_every=2, eval_every=0, rotation_every=0, log_every=1, max_nonfinite_steps=3)
-    run = types.SimpleNamespace(recipe=types.SimpleNamespace(train=train), total_steps=10, inputs=None)
-    state = loop.LoopState(step=1)
+    run = types.SimpleNamespace(recipe=types.SimpleNamespace(train=train), total_steps=10, inputs=None, out=tmp_path)
     bar = types.SimpleNamespace(update=lambda n: None, set_postfix=lambda **k: None, close=lambda: None)
-    assert loop._step(run, state, None, bar) is False
-    assert calls == [("adapter", "adapter-2"), ("checkpoint", 2)]
+    assert loop._step(run, loop.LoopState(step=1), None, bar) is False
+    assert calls == [("checkpoint", 2), ("adapter", "adapter-2")]  # sealed first: never an adapter of no checkpoint
+    calls.clear()
+    loop._publish_resumed_adapter(run, 4)  # resumed from step 4, its adapter never published
+    assert calls == [("adapter", "adapter-4")]
+    calls.clear()
+    (tmp_path / "adapter-4").mkdir()
+    for step in (4, 0, 10):  # published; nothing at step 0; the last step's adapter is adapter-final
+        loop._publish_resumed_adapter(run, step)
+    assert calls == []
 
 
 def test_a_recorded_recipe_with_an_integer_python_cannot_read_is_another_recipe(tmp_path):
