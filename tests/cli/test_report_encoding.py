@@ -15,17 +15,9 @@ import pytest
 from frod_ds.runtime import entry
 from tests.support import pace
 from tests.support.leftovers import clean_env
+from tests.support.model_shapes import LLAMA2_7B
 
 REPO = Path(__file__).resolve().parents[2]
-LLAMA2_7B = dict(
-    model_type="llama",
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    vocab_size=32000,
-)
 FULL_STDOUT_LINE = "error: cannot write the command's report to stdout: No space left on device"
 
 

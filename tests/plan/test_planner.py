@@ -15,34 +15,8 @@ from frod_ds.plan.memory import plan_memory
 from frod_ds.plan.recommend import hint, recommend
 from frod_ds.plan.shapes import Engine, GiB, TrainShape, model_shape_from_config, shipped_engines
 from tests.support import pace
+from tests.support.model_shapes import LLAMA2_7B, LLAMA2_70B, TINY
 from tests.support.train_env import REPO, env_vars
-
-TINY = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=100,
-)
-LLAMA2_7B = dict(
-    model_type="llama",
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    vocab_size=32000,
-)
-LLAMA2_70B = dict(
-    LLAMA2_7B,
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_hidden_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-)
 
 
 def test_zero2_plan_equals_hand_computation():

@@ -24,26 +24,9 @@ from frod_ds.plan.step_time import (
     Link,
     step_time,
 )
+from tests.support.model_shapes import LLAMA2_7B, LLAMA2_70B
 
 REPO = Path(__file__).resolve().parents[2]
-LLAMA2_7B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-}
-LLAMA2_70B = {
-    "model_type": "llama",
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "vocab_size": 32000,
-}
 
 
 def _engines():

@@ -17,19 +17,11 @@ from frod_ds.runtime.launch_env import launcher_rank_world, process_group_spec, 
 from frod_ds.runtime.strict_json import HugeIntegerError, loads, parse_json
 from tests.support import pace
 from tests.support.leftovers import clean_env
+from tests.support.model_shapes import TINY
 
 REPO = Path(__file__).resolve().parents[2]
 MIRROR = REPO / "tests" / "fixtures" / "data_prep" / "mirror"
 HUGE = "9" * 5000
-LLAMA_SHAPE = dict(
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    vocab_size=100,
-)
 
 
 def frod(*args: str) -> subprocess.CompletedProcess:
@@ -57,7 +49,7 @@ def one_error(proc: subprocess.CompletedProcess) -> str:
 def model_dir(tmp_path: Path) -> Path:
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(LLAMA_SHAPE))
+    (d / "config.json").write_text(json.dumps(TINY))
     return d
 
 
@@ -106,7 +98,7 @@ def test_a_huge_integer_in_a_deepspeed_config_is_one_line(tmp_path, model_dir):
 
 
 def test_a_huge_integer_in_a_model_config_is_one_line(model_dir):
-    (model_dir / "config.json").write_text(json.dumps(LLAMA_SHAPE)[:-1] + f', "vocab_size_x": {HUGE}}}')
+    (model_dir / "config.json").write_text(json.dumps(TINY)[:-1] + f', "vocab_size_x": {HUGE}}}')
     line = one_error(frod("plan", "--model", str(model_dir), "--gpus", "1"))
     assert "an integer of 5000 digits" in line
 
