@@ -90,7 +90,8 @@ def render(suite: Suite, device: str, records: list[Record]) -> str:
 
 def _phases(runs: list[tuple[str, dict]]) -> list[str]:
     """Rank 0's median seconds per phase of a step (``train.phase_times``) for the runs that recorded them."""
-    keys = ("data_s", "forward_s", "backward_s", "optimizer_s")
+    from bench.kinds.chain import PHASES as keys  # the stages' module imports this one
+
     timed = [(x, m["figures"]) for x, m in runs if all(f"{k}_median" in m["figures"] for k in keys)]
     if not timed:
         return []

@@ -9,15 +9,13 @@ import contextlib
 import os
 import re
 import shutil
-import socket
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from frod_ds.formats.ownership import check_replaceable, inventory, mark_dir
 from frod_ds.formats.processes import pid_alive
-from frod_ds.formats.publish import PID_ROOM, aside_prefix, finish_aside, publish_dir
-from frod_ds.formats.sibling_names import fitted_name
+from frod_ds.formats.publish import aside_prefix, finish_aside, publish_dir
+from frod_ds.formats.sibling_names import owned_prefix, owned_sibling
 from frod_ds.runtime.atomic import DISK_ERRNOS, disk_advice, disk_full_error, path_error, umask
 from frod_ds.runtime.errors import FrodError
 
@@ -28,7 +26,7 @@ def _build_prefix(out: Path) -> str:
     """Where the name of a temporary sibling that a process of this host builds ``out`` in starts; the builder's
     pid and mkdtemp's random part follow (``<prefix><pid>-<random>``), so a later run can tell its builder is gone.
     A name too long for that is shortened the same way by every builder (``fitted_name``)."""
-    return fitted_name(f".{out.name}", f".tmp-{socket.gethostname()}-", room=PID_ROOM)
+    return owned_prefix(out, "tmp")
 
 
 _BUILD_REST = re.compile(r"(\d+)-[a-z0-9_]{8}")  # after the prefix: the pid, then mkdtemp's 8 random characters
@@ -67,7 +65,7 @@ def building_dir(
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _sweep_dead_builds(out, kind)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_build_prefix(out)}{os.getpid()}-", dir=out.parent))
+        tmp = owned_sibling(out, "tmp")
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; published, it is the umask's like any folder
     except OSError as e:
         raise FrodError(

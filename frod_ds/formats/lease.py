@@ -24,13 +24,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from frod_ds.formats.output_dir import LEASE, LEASE_FORMAT, WRITERS, LeaseRecord
-from frod_ds.formats.processes import boot_id, decimal, pid_alive, pid_start, proc_stat
+from frod_ds.formats.processes import boot_id, pid_alive, pid_start, proc_stat
 from frod_ds.formats.records import record_from_dict, record_to_json
 from frod_ds.formats.sibling_names import fitted_name, literal_home
 from frod_ds.runtime import signals
 from frod_ds.runtime.atomic import file_in_the_way
 from frod_ds.runtime.errors import FrodError, completed, note
 from frod_ds.runtime.launch_env import launcher_int, shown
+from frod_ds.runtime.paths import entry_kind
 from frod_ds.runtime.strict_json import loads
 
 __all__ = [
@@ -72,9 +73,10 @@ def _descends_from(held: LeaseRecord) -> bool:
         if pid == held.pid:
             return True
         fields = proc_stat(pid)
-        if len(fields) < 2 or not decimal(fields[1]) or int(fields[1]) in (0, pid):
+        parent = launcher_int(fields[1]) if len(fields) >= 2 else None
+        if parent is None or parent in (0, pid):
             return False
-        pid = int(fields[1])
+        pid = parent
     return False
 
 
@@ -96,15 +98,6 @@ def _slurm_restart(env: os._Environ[str] | dict[str, str]) -> int | None:
             "records it: unset it, or SLURM_JOB_ID with it outside a Slurm job"
         )
     return value
-
-
-def _special(mode: int) -> str:
-    """What an entry of ``mode`` that is neither a file, a folder nor a link is, in a few words."""
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
 
 
 def _me(kind: str) -> LeaseRecord:
@@ -160,7 +153,7 @@ def _odd(st: os.stat_result) -> str | None:
         return None
     if stat.S_ISLNK(mode):
         return "a symbolic link"
-    return "a folder" if stat.S_ISDIR(mode) else _special(mode)
+    return entry_kind(mode)
 
 
 def describe(held: LeaseRecord, st: os.stat_result, now: float | None = None) -> str:
@@ -365,7 +358,7 @@ def acquire(
     handed = handed_leases(os.environ, error)  # leases this process's launcher holds: {path: token}
     inherited = handed.get(str(path))
     if (out.exists() or out.is_symlink()) and not out.is_dir():  # no lease is ever placed beside a user's file
-        it = "a link to nothing" if not out.exists() else "a file" if out.is_file() else _special(out.stat().st_mode)
+        it = "a link to nothing" if not out.exists() else "a file" if out.is_file() else entry_kind(out.stat().st_mode)
         raise error(f"{what} {out} is {it}, not a folder; give {what} a directory path")
     _check_no_writer_above(out, what, error, handed)
     created: list[Path] = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["boot_id", "decimal", "pid_alive", "pid_start", "proc_stat"]
+__all__ = ["boot_id", "pid_alive", "pid_start", "proc_stat"]
 
 
 def boot_id() -> str | None:
@@ -24,11 +24,6 @@ def proc_stat(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return []
-
-
-def decimal(text: str) -> bool:
-    """Whether ``text`` is ASCII digits, which ``int`` reads (``str.isdigit`` also takes '²', which it does not)."""
-    return text.isascii() and text.isdecimal()
 
 
 def pid_start(pid: int) -> int | None:

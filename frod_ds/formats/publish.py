@@ -7,24 +7,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import socket
-import tempfile
 import time
 from pathlib import Path
 
 from frod_ds.formats.ownership import check_replaceable, delete_owned
-from frod_ds.formats.sibling_names import fitted_name
+from frod_ds.formats.sibling_names import fitted_name, owned_prefix, owned_sibling
 from frod_ds.runtime.errors import FrodError, note
 
-__all__ = ["PID_ROOM", "aside_prefix", "finish_aside", "publish_dir"]
-
-PID_ROOM = 16  # what follows a staging folder's prefix: a pid (at most 7 digits), "-", mkdtemp's 8 random characters
+__all__ = ["aside_prefix", "finish_aside", "publish_dir"]
 
 
 def aside_prefix(out: Path) -> str:
     """Where the name of the folder that a process of this host moves the output ``out`` it replaces into starts
     (``.<name>.old-<host>-``); its pid and mkdtemp's random part follow, so a later run can tell it is gone."""
-    return fitted_name(f".{out.name}", f".old-{socket.gethostname()}-", room=PID_ROOM)
+    return owned_prefix(out, "old")
 
 
 def finish_aside(aside: Path, out: Path, kind: str) -> None:
@@ -64,7 +60,7 @@ def publish_dir(
         os.rename(new, out)
         return
     check_replaceable(out, kind, inputs, error=error)
-    aside = Path(tempfile.mkdtemp(prefix=f"{aside_prefix(out)}{os.getpid()}-", dir=out.parent))
+    aside = owned_sibling(out, "old")
     try:
         os.rename(out, aside / out.name)
     except OSError as e:  # a mount point (EBUSY), a read-only parent: the previous output stays as it was

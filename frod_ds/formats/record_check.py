@@ -11,21 +11,10 @@ from pathlib import Path
 
 from frod_ds.formats.output_dir import MARKER, OutputRecord, OutputRecordError
 from frod_ds.formats.records import record_from_dict
-from frod_ds.runtime.paths import SMALL_FILE_BYTES
+from frod_ds.runtime.paths import SMALL_FILE_BYTES, entry_kind
 from frod_ds.runtime.strict_json import loads
 
 __all__ = ["broken_record", "record_problem"]
-
-
-def _entry_kind(mode: int) -> str:
-    """What a directory entry that is neither a regular file nor a link is, in a few words."""
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISFIFO(mode):
-        return "a named pipe (FIFO)"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
 
 
 def _unreadable(data: bytes) -> str | None:
@@ -61,7 +50,7 @@ def record_problem(folder: Path) -> str | None:
     if stat.S_ISLNK(st.st_mode):
         return f"a symbolic link (to {os.readlink(path)})"
     if not stat.S_ISREG(st.st_mode):
-        return _entry_kind(st.st_mode)
+        return entry_kind(st.st_mode)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # replaced meanwhile: never blocks
         try:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
+import tempfile
 from pathlib import Path
 
-__all__ = ["NAME_MAX", "digest_of", "fitted_name", "literal_home"]
+__all__ = ["NAME_MAX", "PID_ROOM", "digest_of", "fitted_name", "literal_home", "owned_prefix", "owned_sibling"]
 
 NAME_MAX = 255  # bytes in one file name: the limit of every filesystem frod-ds writes to
+PID_ROOM = 16  # what follows an owned sibling's prefix: a pid (at most 7 digits), "-", mkdtemp's 8 random characters
 
 
 def fitted_name(stem: str, suffix: str, room: int = 0) -> str:
@@ -30,6 +33,18 @@ def digest_of(stem: str) -> str:
     """What follows ``~`` in a shortened name (``fitted_name``): 16 hex digits of ``stem``'s SHA-256, so that a
     reader can tell a shortened name of one output from any other's (``output_dir.match``)."""
     return hashlib.sha256(os.fsencode(stem)).hexdigest()[:16]
+
+
+def owned_prefix(out: Path, tag: str) -> str:
+    """Where the name of a folder that a process of this host makes beside ``out`` starts (``.<name>.<tag>-<host>-``,
+    shortened where too long): the process's pid and mkdtemp's random part follow, so a later run of this host can
+    tell its maker is gone."""
+    return fitted_name(f".{out.name}", f".{tag}-{socket.gethostname()}-", room=PID_ROOM)
+
+
+def owned_sibling(out: Path, tag: str) -> Path:
+    """A new, empty folder beside ``out`` named for this process (:func:`owned_prefix`)."""
+    return Path(tempfile.mkdtemp(prefix=f"{owned_prefix(out, tag)}{os.getpid()}-", dir=out.parent))
 
 
 def literal_home(out: Path, what: str) -> str | None:

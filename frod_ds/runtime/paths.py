@@ -12,7 +12,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["file_problem", "dir_problem", "read_small_text"]
+__all__ = ["entry_kind", "file_problem", "dir_problem", "read_small_text"]
 
 SMALL_FILE_BYTES = 16 * 2**20  # a manifest, a record or a config frod-ds writes: far below this
 
@@ -31,6 +31,17 @@ def _stat_problem(path: Path) -> tuple[os.stat_result | None, str | None]:
         if e.errno == errno.ENOTDIR:
             return None, f"{path} does not exist (a part of the path is a file, not a directory)"
         return None, f"{path} does not exist"
+
+
+def entry_kind(mode: int) -> str:
+    """What a directory entry of ``mode`` that is neither a regular file nor a link is, in a few words."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
 
 
 def _special(mode: int) -> str | None:

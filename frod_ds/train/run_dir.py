@@ -172,9 +172,9 @@ def record_adapter(out: Path, name: str) -> None:
 
 @contextlib.contextmanager
 def removed_if_failed(out: Path) -> Iterator[None]:
-    """Run the block; if it raises and ``out`` did not exist before it and holds no sealed checkpoint (what a rerun
-    would resume), rank 0 deletes what the run's record lists (and ``out`` once empty): a failed run leaves nothing it
-    created behind, and never deletes what it did not write."""
+    """Run the block; if it raises and ``out`` did not exist before it and holds no sealed checkpoint or adapter
+    (what a rerun would resume or keep), rank 0 deletes what the run's record lists (and ``out`` once empty): a
+    failed run leaves nothing it created behind, and never deletes what it did not write."""
     created = not os.path.lexists(out)
     try:
         yield
@@ -185,6 +185,7 @@ def removed_if_failed(out: Path) -> Iterator[None]:
             and out.is_dir()
             and not out.is_symlink()
             and not sealed_checkpoints(out / "checkpoints")
+            and not any(out.glob("adapter-*"))
         ):
             delete_owned(out)  # an unsealed checkpoint is nothing a rerun would resume
         raise
