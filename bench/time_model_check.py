@@ -25,8 +25,9 @@ from pathlib import Path
 
 from bench.common import deepspeed_nvtx, trainables_per_decoder_layer
 from frod_ds.config.ds_config import load_ds_config, zero_stage
+from frod_ds.plan.memory import trainable_numel
 from frod_ds.plan.shapes import TrainShape, engine_from_ds_config, model_shape_from_config
-from frod_ds.plan.step_time import CHECK_GOAL, Link, step_time
+from frod_ds.plan.step_time import CHECK_GOAL, CPU_OPTIMIZER_PARAM_S, Link, step_time
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +44,10 @@ POINTS = [
 DEEPCOMPILE_CALLS = sorted((RESULTS / "zero3_levers").glob("deepcompile_*_layers/*/frod_*.json"))
 HOST_DEVICE = sorted((RESULTS / "host_device").glob("*/host_device.json"))
 # frod train's own runs of the chains whose optimizer steps on the CPU: their train and mfu stages
-CHAIN_SUITES = ("offload-7b-train-2gpu", "offload-7b-train-1gpu", "offload-7b-phases")
+CHAIN_SUITES = ("offload-7b-train-2gpu", "offload-7b-train-1gpu", "offload-7b-phases", "offload-7b-rank-check")
+# A chain run with train.phase_times synchronizes the device at each phase boundary: the host no longer runs ahead
+# of the device, a step the model does not describe (its phases are what CPU_OPTIMIZER_PARAM_S is read off)
+PHASE_TIMED = "phase-timed: the device is synchronized at each phase boundary"
 # Reported beside the goal, not held to it, with the reason (none at present)
 OUTSIDE: dict[Path, str] = {}
 # A measurement whose two windows differ by more than this cannot check a model to 15%
@@ -212,9 +216,16 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         # these steps were measured under DeepSpeed's own stage 3 (before zero3.json's layer partition)
         engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"], "deepspeed")
     link = Link(host=hosts[_kind(d["device"])])
-    pred = step_time(model_shape_from_config(model), train, engine, gpus, link, plain=plain)
+    shape = model_shape_from_config(model)
+    pred = step_time(shape, train, engine, gpus, link, plain=plain)
     meas = d["step_s_median"]
+    extra = {}
+    if "chain" in d and d["chain"].get("phase_times"):
+        extra["outside"] = PHASE_TIMED
+        if d.get("optimizer_s_median") is not None:  # rank 0's optimizer phase per parameter it steps
+            extra["optimizer_s_per_rank_param"] = d["optimizer_s_median"] / (trainable_numel(shape, train) / gpus)
     return {
+        **extra,
         "file": label,
         "device": d["device"],
         "engine": "plain" if plain else engine.name,
@@ -272,7 +283,13 @@ def check() -> dict:
                 "host_ms": members[0]["host_ms"],
             }
         )
+    read = {r["file"]: r["optimizer_s_per_rank_param"] for r in rows if "optimizer_s_per_rank_param" in r}
     return {
+        "cpu_optimizer": {
+            "per_rank_param_s": read,
+            "median": statistics.median(read.values()) if read else None,
+            "model": CPU_OPTIMIZER_PARAM_S,
+        },
         "benchmark": "time_model_check",
         "goal": CHECK_GOAL,
         "noisy_spread": NOISY_SPREAD,
@@ -333,6 +350,19 @@ def render(doc: dict) -> str:
             f"| {g['quant']} | {g['measured_ms']:.0f} | {lo:.0f}–{hi:.0f} | {g['predicted_ms']:.0f} "
             f"| {g['error']:+.1%} | {parts} |"
         )
+    cpu = doc.get("cpu_optimizer") or {}
+    if cpu.get("per_rank_param_s"):
+        lines += [
+            "",
+            "## The CPU optimizer's term",
+            "",
+            "Rank 0's optimizer phase (`train.phase_times`) over the σ and S values it steps (the model's trainables "
+            f"÷ GPUs): median {cpu['median']:.3g} s per value; the model's `CPU_OPTIMIZER_PARAM_S` {cpu['model']:.3g}.",
+            "",
+            "| run | s per value of the rank |",
+            "|---|---|",
+            *(f"| {k.removeprefix('bench/results/')} | {v:.3g} |" for k, v in cpu["per_rank_param_s"].items()),
+        ]
     lines += [
         "",
         "## Every call",

@@ -51,11 +51,9 @@ HOST_SHARD_BYTES_PER_S = 54e9
 # Read off the GPU machine's local disk (nvme-7b-train-1gpu); a machine's own drives may be several times faster.
 DISK_BYTES_PER_S = 2.1e9
 # The optimizer on the CPU (offload_optimizer: DeepSpeedCPUAdam's step and its copies), seconds per trainable
-# parameter of the model on one machine, whatever its number of ranks (one rank stepping all of σ and S took about as
-# long as two stepping half each): the least worst error over the 7B chains on 1 and 2 GPUs at S rates 0.02 and
-# 0.05 (offload-7b-train-1gpu, offload-7b-train-2gpu series 1-4). Neither this form nor one per rank holds all of
-# them within 15% (docs/benchmarks.md); offload-7b-phases splits their steps.
-CPU_OPTIMIZER_PARAM_S = 2.66e-9
+# parameter of one rank (each rank steps its 1/N of σ and S): the median of rank 0's optimizer phase over its
+# parameters in offload-7b-phases (1 GPU at S 0.02, 2 GPUs at S 0.02 and 0.05; 2.3-2.9e-9 s).
+CPU_OPTIMIZER_PARAM_S = 2.63e-9
 # Dequantization on the GPU, seconds per quantized element and pass.
 DEQUANT_DEVICE_S = {"nf4": 1.4e-12, "int8": 7.9e-12}
 # The host's time per decoder layer and pass of a bf16 FRoD step, and per quantized linear and pass on top of it.
@@ -163,5 +161,5 @@ def step_time(
     if n > 1:
         parts["gradient reduce"] = trainable_numel * train.e * (n - 1) / n / link.busbw
     if engine.offload_optimizer:  # after the backward: nothing to hide behind
-        parts["CPU optimizer"] = trainable_numel * CPU_OPTIMIZER_PARAM_S
+        parts["CPU optimizer"] = trainable_numel / n * CPU_OPTIMIZER_PARAM_S
     return StepTime(parts, host)
