@@ -20,13 +20,25 @@ from studies.intervals import mean_interval, t_quantile
 from studies.learn_convergence import NOT_REACHED, arith_gate, convergence
 from studies.report import smooth_window
 
-__all__ = ["t_quantile", "mean_interval", "collect", "render", "SCALE_NOTE"]
+__all__ = ["t_quantile", "mean_interval", "collect", "render", "summary_complete", "SCALE_NOTE"]
 
 SCALE_NOTE = (
     "SmolLM2-135M is not LLaMA-2-7B: these runs test whether each method learns tasks a 135M model can "
     "learn, on a budget of minutes; nothing here is a projection to 7B (the paper's scale), and the "
     "rankings may differ there."
 )
+
+
+def summary_complete(doc: dict, asked=None, needs_base: bool | None = None) -> bool:
+    """Whether one seed's summary is whole: every method asked for (its config's, or ``asked``) chosen for good and
+    tested, and the base evaluated where it was asked for. Read off the methods, not a stored flag, so that a seed
+    merged from two calls is judged by what the merge holds."""
+    cfg = doc.get("config", {})
+    asked = set(cfg.get("methods", [])) if asked is None else set(asked)
+    needs_base = bool(cfg.get("base_eval", False)) if needs_base is None else needs_base
+    methods = doc.get("methods", {})
+    tested = all(m in methods and "test" in methods[m] and methods[m]["chosen"]["final"] for m in asked)
+    return bool(asked) and tested and ("base" in doc or not needs_base)
 
 
 def _chosen_run(method: dict) -> dict | None:
@@ -243,7 +255,7 @@ def collect(out: Path) -> dict[str, Any]:
             "ratios": _ratios(first),
             "cross_check": _cross_check(first, steps),
             "timing": None if timing is None else {k: v for k, v in timing.items() if k != "methods"},
-            "complete": all(d.get("complete") for d in docs.values()) and timing is not None,
+            "complete": all(summary_complete(d) for d in docs.values()) and timing is not None,
             "open_sweeps": open_sweeps,
             "gate": arith_gate(task_dir.name, methods),
         }

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from frod_ds.runtime.atomic import atomic_write_text
 from studies.config import MAIN_METHODS, RATIO_METHODS, StudyError, parse_lrs
+from studies.learn_report import summary_complete
 from studies.records import StudyDir
 
 DEFAULT_TASKS = "arith_d12,facts64,facts256,facts1024"  # arith failed the pilot gate (docs/learn-study.md)
@@ -133,7 +134,8 @@ def _warned_method(warning: str) -> str | None:
 def combine_summaries(old: dict, new: dict) -> dict:
     """One seed's summary from two calls' (two GPUs on one task, each training some methods): per method, the
     entry that lists more of its runs, else the one of the call that swept it (a call lists the other methods'
-    resumed runs without their grid), else the later; the invocations of both; complete only if both were."""
+    resumed runs without their grid), else the later; the invocations of both; complete when every method either
+    call asked for is chosen for good and tested in the result (and the base evaluated where either asked)."""
     methods = dict(new["methods"])
     taken = set()
 
@@ -148,13 +150,18 @@ def combine_summaries(old: dict, new: dict) -> dict:
     extra = [i for i in old["invocations"] if json.dumps(i, sort_keys=True) not in seen]
     warnings = [w for w in new.get("warnings", []) if _warned_method(w) not in taken]
     warnings += [w for w in old.get("warnings", []) if _warned_method(w) in taken]
-    return {
+    out = {
         **new,
         "methods": methods,
         "invocations": sorted(extra + new["invocations"], key=lambda i: i.get("date", "")),
         "warnings": warnings,
-        "complete": bool(old.get("complete")) and bool(new.get("complete")),
     }
+    if "base" not in out and "base" in old:
+        out["base"] = old["base"]
+    asked = {m for d in (old, new) for m in d.get("config", {}).get("methods", [])}
+    needs_base = any(d.get("config", {}).get("base_eval", False) for d in (old, new))
+    out["complete"] = summary_complete(out, asked, needs_base)
+    return out
 
 
 def _unsummarised(records: Path) -> list[str]:

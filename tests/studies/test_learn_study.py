@@ -203,6 +203,8 @@ def test_two_calls_summaries_of_one_seed_combine_per_method_and_are_never_mixed_
         assert (records / "arith" / "seed0" / "records" / "peftfrod_lr0.01.json").is_file()
         got = collect(records)["tasks"]["arith"]["methods"]
         assert got["peftfrod"] == full["peftfrod"] and got["frod"] == full["frod"]
+        merged = json.loads((records / "arith" / "seed0" / "real_study.json").read_text())
+        assert merged["complete"] is True, "b's summary alone was incomplete; merged with a's, every method is tested"
 
     # a run that neither summary lists is named, and left out of the report
     for name in ("a", "b"):
@@ -227,6 +229,22 @@ def test_two_calls_summaries_of_one_seed_combine_per_method_and_are_never_mixed_
     m["sweep"][m["chosen"]["index"]]["lr"] = 0.5
     seed1.write_text(json.dumps(doc))
     assert set(collect(tmp_path / "records")["tasks"]["arith"]["methods"]["frod"]["seeds"]) == {"0"}
+
+
+def test_a_merged_seed_is_complete_only_when_every_asked_method_is_tested():
+    """``complete`` is recomputed from the merged summary, not and-ed from the two calls' flags: an earlier call's
+    incomplete summary must not hold back a later call that tested every method, nor a complete one hide a method
+    the other call asked for and never tested."""
+    final = {"chosen": {"final": True}, "sweep": [{"lr": 1e-3}], "test": {}}
+    untested = {"chosen": {"final": True}, "sweep": [{"lr": 1e-3}]}
+    cfg = {"methods": ["frod", "lora16"], "base_eval": True}
+    old = {"config": cfg, "methods": {"frod": untested}, "invocations": [], "complete": False, "base": {}}
+    new = {"config": cfg, "methods": {"frod": final, "lora16": final}, "invocations": [], "complete": True}
+    assert learn_study.combine_summaries(old, new)["complete"] is True
+    wider = {**old, "config": {**cfg, "methods": ["frod", "lora16", "full"]}, "complete": True}
+    assert learn_study.combine_summaries(wider, new)["complete"] is False  # full asked, never tested
+    no_base = {k: v for k, v in old.items() if k != "base"}
+    assert learn_study.combine_summaries(no_base, new)["complete"] is False  # the base was asked, never evaluated
 
 
 def test_the_same_command_again_trains_nothing(rehearsal, capsys):
