@@ -39,7 +39,7 @@ __all__ = [
     "TensorInfo",
 ]
 
-INDEX_NAME = "model.safetensors.index.json"
+INDEX_NAME = _model_dir.INDEX_NAME
 SINGLE_NAME = "model.safetensors"
 
 _ITEMSIZE = {
@@ -159,12 +159,7 @@ class HFCheckpoint:
         index = self.dir / INDEX_NAME
         single = self.dir / SINGLE_NAME
         if index.is_file():
-            try:
-                weight_map = loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(
-                    f"{index} is not a valid safetensors index (no weight_map); download it again"
-                ) from None
+            weight_map = _model_dir.index_weight_map(self.dir) or {}
             self._file_of = {name: self.dir / fname for name, fname in weight_map.items()}
             if single.is_file() and single not in set(self._file_of.values()):
                 raise CheckpointError(

@@ -19,12 +19,14 @@ __all__ = [
     "MODEL_KINDS",
     "check_config_file",
     "check_model_folder",
+    "index_weight_map",
     "resolve_config_file",
     "resolve_model_dir",
 ]
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
 MODEL_KINDS = ("hf-checkpoint", "hf-export", "gguf-conversion")  # folders.folder_kind of a folder a model loads from
+INDEX_NAME = "model.safetensors.index.json"
 
 
 def check_model_folder(path: Path, flag: str = "--model") -> None:
@@ -33,6 +35,41 @@ def check_model_folder(path: Path, flag: str = "--model") -> None:
     problem = wrong_folder(path, flag, MODEL_KINDS, "a model checkpoint (config.json + *.safetensors)")
     if problem:
         raise CheckpointError(problem)
+    index_weight_map(path)
+
+
+def index_weight_map(path: Path) -> dict[str, str] | None:
+    """The sharded checkpoint's ``weight_map`` (tensor name -> shard file name), checked: an object of names to
+    ``*.safetensors`` file names inside the folder, each shard present. None without an index. ``CheckpointError``
+    (one line, naming the index and the entry) otherwise: transformers and the readers would fail on it mid-load."""
+    index = Path(path) / INDEX_NAME
+    if not os.path.lexists(index):
+        return None
+    bad = file_problem(index)
+    if bad:
+        raise CheckpointError(f"{INDEX_NAME}: {bad}; copy it again from the original checkpoint")
+    try:
+        doc = parse_json(index.read_text())
+    except (json.JSONDecodeError, DuplicateKeyError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{index} is not valid JSON ({e}); copy it again from the original checkpoint") from None
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise CheckpointError(
+            f"{index} has no weight_map object (tensor name -> shard file); copy it again from the original checkpoint"
+        )
+    for name, shard in wmap.items():
+        plain = isinstance(shard, str) and shard == Path(shard).name and shard.endswith(".safetensors")
+        if not plain:
+            raise CheckpointError(
+                f"{index} maps {name!r} to {json.dumps(shard)}, not a shard file name in the folder "
+                "(*.safetensors); copy the index again from the original checkpoint"
+            )
+    for shard in sorted(set(wmap.values())):
+        if not (Path(path) / shard).is_file():
+            raise CheckpointError(
+                f"{index} names the shard {shard}, which {path} does not hold; download or copy the checkpoint again"
+            )
+    return wmap
 
 
 def resolve_model_dir(model: str, flag: str = "--model") -> Path:

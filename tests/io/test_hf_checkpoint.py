@@ -46,11 +46,16 @@ def test_checkpoint_single_file_without_index(tmp_path):
 
 
 def test_checkpoint_missing_shard_is_named(tmp_path):
+    """A shard the index names and the folder lacks: refused when the folder is opened, naming it (before any
+    weight is read); one deleted after the reader opened the folder: named when its tensor is read."""
     path = write_tiny_llama(tmp_path / "m")
-    shard_of(path, Q0).unlink()
+    shard = shard_of(path, Q0)
     ckpt = HFCheckpoint(path)
-    with pytest.raises(ValueError, match=rf"shard {shard_of(path, Q0).name} is missing.*download"):
+    shard.unlink()
+    with pytest.raises(ValueError, match=rf"shard {shard.name} is missing.*download"):
         ckpt.shape(Q0)
+    with pytest.raises(ValueError, match=rf"names the shard {shard.name}, which .* does not hold"):
+        HFCheckpoint(path)
 
 
 @pytest.mark.parametrize("cut", [4, 100, -10])
@@ -69,8 +74,8 @@ def test_checkpoint_missing_tensor_and_missing_index(tmp_path):
         HFCheckpoint(path).get("nope.weight")
     index = path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {Q0: "model-00001-of-00099.safetensors"}}))
-    with pytest.raises(ValueError, match="model-00001-of-00099.safetensors is missing"):
-        HFCheckpoint(path).get(Q0)
+    with pytest.raises(ValueError, match="names the shard model-00001-of-00099.safetensors, which"):
+        HFCheckpoint(path)
     index.unlink()
     with pytest.raises(ValueError, match="holds safetensors shards .* but no model.safetensors.index.json"):
         HFCheckpoint(path)
@@ -218,3 +223,36 @@ def test_shards_without_their_index_are_named_with_what_is_missing(tmp_path):
         p.unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors.index.json or model.safetensors in"):
         HFCheckpoint(model)
+
+
+@pytest.mark.parametrize(
+    ("edit", "want"),
+    [
+        (lambda m: [list(m)], "has no weight_map object"),
+        (lambda m: {**m, Q0: None}, f"maps '{Q0}' to null, not a shard file name"),
+        (lambda m: {**m, Q0: 7}, f"maps '{Q0}' to 7, not a shard file name"),
+        (lambda m: {**m, Q0: {"f": 1}}, f"maps '{Q0}' to "),
+        (lambda m: {**m, Q0: ["a"]}, f"maps '{Q0}' to "),
+        (lambda m: {**m, Q0: "../x.safetensors"}, 'to "../x.safetensors", not a shard file name in the folder'),
+        (lambda m: {**m, Q0: "/abs/model-00001.safetensors"}, "not a shard file name in the folder"),
+        (lambda m: {**m, Q0: "model-99999-of-99999.safetensors"}, "names the shard model-99999-of-99999"),
+    ],
+)
+def test_a_damaged_index_is_refused_at_the_door_by_every_reader(tmp_path, edit, want):
+    """A weight_map value that is not a plain shard file name of the folder (null, a number, an object, a path
+    outside it), or a shard that is missing: one line naming the index and the entry, from the folder check every
+    command makes (resolve_model_dir) as from the reader, before transformers or a shard read fails on it."""
+    import shutil
+
+    from frod_ds.runtime.errors import CheckpointError
+
+    path = tmp_path / "m"
+    shutil.copytree(write_tiny_llama(tmp_path / "src"), path)
+    index = path / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"] = edit(doc["weight_map"])
+    index.write_text(json.dumps(doc))
+    for read in (HFCheckpoint, resolve_model_dir):
+        with pytest.raises(CheckpointError, match=re.escape(want)) as e:
+            read(str(path))
+        assert "\n" not in str(e.value) and "index.json" in str(e.value)
