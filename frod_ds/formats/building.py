@@ -19,7 +19,7 @@ from frod_ds.formats.sibling_names import owned_prefix, owned_sibling
 from frod_ds.runtime.atomic import DISK_ERRNOS, disk_advice, disk_full_error, path_error, umask
 from frod_ds.runtime.errors import FrodError
 
-__all__ = ["building_dir"]
+__all__ = ["building_dir", "umask_modes"]
 
 
 def _build_prefix(out: Path) -> str:
@@ -53,6 +53,18 @@ def _sweep_dead_builds(out: Path, kind: str) -> None:
         finish_aside(p, out, kind)
 
 
+def umask_modes(root: Path) -> None:
+    """Give every regular file under ``root`` the mode a plain ``open`` would (0666 less the umask): writers that
+    create their files private (safetensors' ``save_file`` makes 0600 whatever the umask) would leave a team's
+    shared folder with files only their owner can read."""
+    mode = 0o666 & ~umask()
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                os.chmod(p, mode)
+
+
 @contextlib.contextmanager
 def building_dir(
     out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None, error: type[Exception] | None = None
@@ -74,6 +86,7 @@ def building_dir(
         ) from None
     try:
         yield tmp
+        umask_modes(tmp)
         mark_dir(tmp, kind, inventory(tmp), stamp=True)
         publish_dir(tmp, out, kind, inputs, error)
     except BaseException as e:

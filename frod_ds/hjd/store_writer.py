@@ -9,6 +9,7 @@ complete whose weights this run sees has the same weight digests; else ``--overw
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import sys
@@ -169,27 +170,57 @@ def _aside(out: Path) -> Path:
     return out.parent / f".{out.name}.replaced"
 
 
+def _ours(aside: Path) -> bool:
+    """Whether ``aside`` is a store's aside ``set_aside`` made: a real folder (no link) holding a factor store's
+    ownership record. None other is trusted: a user's folder of that name is never emptied, filled or deleted."""
+    if aside.is_symlink() or not aside.is_dir():
+        return False
+    record = read_record(aside)
+    return record is not None and record.kind == KIND and entries_of(record, KIND) is not None
+
+
+def aside_problem(out: Path) -> str | None:
+    """What is at ``out``'s aside name when it is no aside of a store (``_ours``), in one line; None otherwise."""
+    aside = _aside(out)
+    if not os.path.lexists(aside) or _ours(aside):
+        return None
+    what = (
+        f"a symbolic link (to {os.readlink(aside)})"
+        if aside.is_symlink()
+        else "a folder frod-ds did not write (no factor store record)"
+        if aside.is_dir()
+        else "a file"
+    )
+    return (
+        f"--out {out} --overwrite keeps the store it replaces in {aside} until the new one is built, and {what} is "
+        "there: move it away and run the same command again"
+    )
+
+
 def set_aside(out: Path) -> None:
     """``--overwrite`` of a store: its files move into a hidden sibling (``.NAME.replaced``) until the new store is
     complete, so a build that fails gives the old one back (``restore_aside``); one that succeeds drops it
     (``drop_aside``). If the sibling is there already (a replacement killed earlier), ``out`` holds that build's
     partial files, which go, and the sibling keeps the store being replaced. Rank 0, before any factor is written."""
     aside = _aside(out)
-    if aside.is_dir():
+    problem = aside_problem(out)
+    if problem:
+        raise HJDError(problem)
+    if os.path.lexists(aside):  # ours (aside_problem): a replacement killed earlier
         remove_store_files(out)
         return
     entries = entries_of(read_record(out), KIND) or ()
     aside.mkdir()
+    shutil.copy2(out / MARKER, aside / MARKER)  # first: an aside a kill left is known by it (_ours)
     for f in list(out.iterdir()):
         if f.name != MARKER and match(entries, f.name, f.is_dir()) == "own":
             f.rename(aside / f.name)
-    shutil.copy2(out / MARKER, aside / MARKER)
 
 
 def restore_aside(out: Path) -> None:
     """Rank 0, after a replacement build refused its input: its files go, the store it replaced comes back."""
     aside = _aside(out)
-    if not aside.is_dir():
+    if not _ours(aside):
         return
     remove_store_files(out)
     for f in list(aside.iterdir()):
@@ -200,7 +231,7 @@ def restore_aside(out: Path) -> None:
 
 def drop_aside(out: Path) -> None:
     """Rank 0, once the new store is built: the replaced one goes (what its record lists)."""
-    if _aside(out).is_dir():
+    if _ours(_aside(out)):
         delete_owned(_aside(out), KIND)
 
 
@@ -343,6 +374,8 @@ def prepare_store(
     manifest = _existing_manifest(out, fresh, overwrite, ckpt) if resumable else None  # reads only
     if resumable and manifest is None:
         _refuse_edited(out)
+    if resumable and manifest is None and aside_problem(out):  # before anything of out is touched
+        raise HJDError(aside_problem(out))
     planned = [c for c in fresh.targets if c in fresh.categories]
     record_files(out, [MANIFEST, *(g for c in planned for g in file_globs(c))], KIND)  # before any is written
     if resumable and manifest is None:

@@ -21,6 +21,7 @@ __all__ = [
     "MAX_SIZE",
     "REQUIRED_KEYS",
     "SIZE_KEYS",
+    "SWITCH_KEYS",
     "config_problems",
     "expected_shapes",
     "missing_linear",
@@ -36,7 +37,10 @@ SIZE_KEYS = (
     "num_key_value_heads",
     "head_dim",
     "vocab_size",
+    "max_position_embeddings",
 )
+# the switches a LLaMA-family config.json gives, each true or false when present (a string "false" is truthy)
+SWITCH_KEYS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_cache")
 # the largest size a config.json may give (the largest models' vocabularies and widths are a few hundred thousand):
 # past it the sizes describe no checkpoint, and the planner's arithmetic on them leaves float's range
 MAX_SIZE = 2**24
@@ -69,6 +73,21 @@ def config_problems(cfg: Mapping[str, Any]) -> list[str]:
         if _positive_int(cfg.get(k)) and cfg[k] > most:
             size = cfg[k] if cfg[k] < 10**12 else f"of {len(str(cfg[k]))} digits"
             problems.append(f"{k} {size} is beyond any model (at most {most})")
+    problems += [
+        f"{k} must be true or false, got {cfg[k]!r}"
+        for k in SWITCH_KEYS
+        if cfg.get(k) is not None and not isinstance(cfg[k], bool)
+    ]
+    vocab = cfg.get("vocab_size")
+    for k in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ids = cfg.get(k)
+        for i in ids if isinstance(ids, list) else [ids]:
+            if i is None:
+                continue
+            if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+                problems.append(f"{k} must be a token id (an integer ≥ 0), got {i!r}")
+            elif _positive_int(vocab) and i >= vocab:
+                problems.append(f"{k} {i} is past the vocabulary (vocab_size {vocab})")
     heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     if _positive_int(heads) and _positive_int(kv) and heads % kv:
         problems.append(

@@ -53,9 +53,18 @@ def index_weight_map(path: Path) -> dict[str, str] | None:
     except (json.JSONDecodeError, DuplicateKeyError, UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{index} is not valid JSON ({e}); copy it again from the original checkpoint") from None
     wmap = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(wmap, dict) or not wmap:
+    if not isinstance(wmap, dict):
         raise CheckpointError(
             f"{index} has no weight_map object (tensor name -> shard file); copy it again from the original checkpoint"
+        )
+    if not wmap:
+        raise CheckpointError(
+            f"{index} maps no tensor (an empty weight_map); copy it again from the original checkpoint"
+        )
+    if doc.get("metadata") is not None and not isinstance(doc["metadata"], dict):
+        raise CheckpointError(
+            f"{index}: its metadata is a JSON {type(doc['metadata']).__name__}, not an object; copy it again from the "
+            "original checkpoint"
         )
     for name, shard in wmap.items():
         plain = isinstance(shard, str) and shard == Path(shard).name and shard.endswith(".safetensors")
@@ -152,9 +161,28 @@ def check_config_file(model_dir: str | os.PathLike) -> dict:
             f"{path} holds a JSON {type(data).__name__}, not a model config; copy config.json from "
             "the original checkpoint"
         )
-    problems = config_problems(data)
+    problems = config_problems(data) + _rope_problems(data)
     if problems:
         raise CheckpointError(
             f"{path}: {'; '.join(problems)}; no model has these values: copy config.json from the original checkpoint"
         )
     return data
+
+
+def _rope_problems(cfg: dict) -> list[str]:
+    """A rope type (``rope_parameters`` or ``rope_scaling``) the installed transformers does not know: it would fail
+    with a KeyError when it builds the model."""
+    try:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:  # another transformers: it checks for itself
+        return []
+    out = []
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(key)
+        if not isinstance(rope, dict):
+            continue
+        kind = rope.get("rope_type", rope.get("type"))
+        if kind is not None and kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            known = ", ".join(["default", *sorted(ROPE_INIT_FUNCTIONS)])
+            out.append(f"{key}.rope_type {kind!r} is none transformers knows ({known})")
+    return out

@@ -231,6 +231,17 @@ def load_built(out: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]
     problem = format_problem(manifest, path, FORMAT)
     if problem:
         raise DataPrepError(f"{problem}; build the data again with frod data build")
+    if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+        raise DataPrepError(
+            f"{path}: files is a JSON {type(recorded).__name__}, not an object of file names to sha256s; build the "
+            "data again with frod data build"
+        )
+    for key in ("source", "counts"):
+        if manifest.get(key) is not None and not isinstance(manifest[key], dict):
+            raise DataPrepError(
+                f"{path}: {key} is a JSON {type(manifest[key]).__name__}, not an object; build the data again with "
+                "frod data build"
+            )
     rows = {}
     for name, digest in recorded.items():
         file = out / name
@@ -252,7 +263,8 @@ def cmd_stats(args: argparse.Namespace) -> None:
         raise DataPrepError("--cutoff needs --tokenizer")
     cutoff = args.cutoff or DEFAULT_CUTOFF
     print(
-        f"{args.out}: seed {manifest.get('seed')}, source {manifest.get('source', {}).get('kind')}, all sha256s match"
+        f"{args.out}: seed {manifest.get('seed')}, source {(manifest.get('source') or {}).get('kind')}, all sha256s "
+        "match"
     )
     header = f"{'file':<26} {'task':<14} {'rows':>7} {'prompt chars mean/max':>22}"
     print(header + (f" {'tokens mean/p95/max':>20} {'>' + str(cutoff):>7}" if tokenizer is not None else ""))

@@ -39,14 +39,25 @@ def load_tokenizer(name: str) -> Any:
             f"tokenizer {name}: the directory holds no tokenizer files (tokenizer.json, tokenizer.model, "
             "tokenizer_config.json); pass the directory that does (model.tokenizer in a recipe, --tokenizer for eval)"
         )
+    if path.is_dir() and (path / "config.json").is_file():  # transformers reads it too: name it, not the tokenizer
+        from frod_ds.io.model_dir import check_config_file
+
+        check_config_file(path)
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as exc:  # offline, missing files, unknown id: one clear line
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        first = " ".join(str(exc).split())[:300]
         fix = "; copy the tokenizer files again from where the model came from" if path.is_dir() else ""
         raise FrodError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}{fix}") from None
+    longest = getattr(tokenizer, "model_max_length", None)  # truncation compares lengths with it
+    if longest is not None and (isinstance(longest, bool) or not isinstance(longest, (int, float))):
+        raise FrodError(
+            f"tokenizer {name}: tokenizer_config.json gives model_max_length {longest!r}, not a number; set it to the "
+            "model's context length (an integer) or remove it"
+        )
+    return tokenizer
 
 
 def tokenizer_sha256(tokenizer: Any) -> str:

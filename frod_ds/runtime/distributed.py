@@ -30,7 +30,9 @@ from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.launch_env import ProcessGroupSpec, process_group_spec
 
 __all__ = [
+    "COLLECTIVE_TIMEOUT_ENV",
     "CollectiveError",
+    "collective_timeout_minutes",
     "init_distributed",
     "init_deepspeed",
     "accelerator_problem",
@@ -76,12 +78,35 @@ NVTX_ENV = "FROD_DS_NVTX"  # "1": keep DeepSpeed's NVTX ranges (for a profiler s
 SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
 
 
-def init_distributed(backend: str | None = None, timeout_minutes: float = 60.0) -> None:
+COLLECTIVE_TIMEOUT_ENV = "FROD_COLLECTIVE_TIMEOUT_MIN"
+DEFAULT_COLLECTIVE_TIMEOUT_MIN = 60.0
+
+
+def collective_timeout_minutes() -> float:
+    """How long a rank waits in one collective for the others (``FROD_COLLECTIVE_TIMEOUT_MIN``, default 60): a rank
+    reading a large shard from a slow file system keeps the others waiting for minutes, a stuck one (a hung node)
+    forever but for this bound. ``FrodError`` (one line) for a value that is no positive number of minutes."""
+    raw = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_COLLECTIVE_TIMEOUT_MIN
+    try:
+        minutes = float(raw)
+    except ValueError:
+        minutes = float("nan")
+    if not 0 < minutes < 10**6:
+        raise FrodError(
+            f"{COLLECTIVE_TIMEOUT_ENV}={raw!r} is no number of minutes (> 0): set how long a rank waits for the others "
+            f"in one collective (default {DEFAULT_COLLECTIVE_TIMEOUT_MIN:g}), or unset it"
+        )
+    return minutes
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: float | None = None) -> None:
     """Join the process group the launcher describes; a single process when no launcher env is set.
 
     ``backend``: ``"nccl"`` or ``"gloo"``; default NCCL if CUDA is available, else gloo. With NCCL the
-    current CUDA device is set to the local rank. ``timeout_minutes`` bounds every collective wait (a rank
-    reading a large shard from a slow filesystem can keep the others waiting for minutes). The environment is
+    current CUDA device is set to the local rank. ``timeout_minutes`` bounds every collective wait (default
+    :func:`collective_timeout_minutes`). The environment is
     only read (``frod_ds.runtime.launch_env.process_group_spec``); :func:`destroy` leaves the group.
     """
     if dist.is_initialized():
@@ -102,10 +127,12 @@ def backend() -> str:
     return dist.get_backend() if dist.is_initialized() else default_backend()
 
 
-def _join(spec: ProcessGroupSpec, backend: str | None, timeout_minutes: float = 60.0) -> None:
+def _join(spec: ProcessGroupSpec, backend: str | None, timeout_minutes: float | None = None) -> None:
     global _local_rank
     if backend is None:
         backend = default_backend()
+    if timeout_minutes is None:
+        timeout_minutes = collective_timeout_minutes()
     kwargs: dict[str, Any] = {
         "timeout": timedelta(minutes=timeout_minutes),
         "rank": spec.rank,

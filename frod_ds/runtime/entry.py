@@ -57,6 +57,8 @@ PEER_LOST = (
     "NCCL communicator was aborted",
     "remote process exited or there was a network error",
 )
+# ... and when a collective waited past the group's timeout for a rank that never came (stuck, not gone)
+PEER_LATE = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
 FAULT = 1  # the exit code of a failure that is no user error (a lost peer)
 
 
@@ -112,9 +114,20 @@ def run(body: Callable[[], int | None], *, init_group: bool = True, backend: str
         return USER_ERROR
     except RuntimeError as e:  # a collective whose peer went away: the peer's own failure is the news, not this
         D = _distributed()
-        if D is None or D.get_world_size() < 2 or not any(s in str(e) for s in PEER_LOST):
+        if D is None or D.get_world_size() < 2:
             raise
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        if not any(s in str(e) for s in PEER_LOST) and any(s in str(e) for s in PEER_LATE):
+            report(
+                FrodError(
+                    f"a collective waited {D.collective_timeout_minutes():g} minutes for another rank of this job, "
+                    f"which never joined it ({first[:120]}): a rank is stuck (a hung node, a stalled file system) or "
+                    f"far slower than this one; {D.COLLECTIVE_TIMEOUT_ENV} sets the wait; {_after_stop()}"
+                )
+            )
+            return FAULT
+        if not any(s in str(e) for s in PEER_LOST):
+            raise
         report(
             FrodError(
                 f"another rank of this job stopped, and this one lost it in a collective ({first[:160]}): the "

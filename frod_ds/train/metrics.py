@@ -34,7 +34,16 @@ class MetricsLog:
             self.writer = SummaryWriter(str(out / "tensorboard"))
 
     def write(self, row: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
+        try:
+            f = open(self.path, "a")
+        except FileNotFoundError:
+            if self.path.parent.is_dir():
+                raise
+            raise FrodError(
+                f"the run's output_dir {self.path.parent} is gone (moved or deleted while training); the run stopped "
+                f"at step {row.get('step')}: resume it where its folder is now (output_dir=<that folder>)"
+            ) from None
+        with f:
             f.write(json.dumps(row) + "\n")
         if self.writer is not None:
             for k, v in row.items():

@@ -9,6 +9,7 @@ the scheduler and the engine's step counters. In fp32 the restored state is bitw
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 from frod_ds.core.layer import FRoDTrainables
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 from frod_ds.model.build import gathered
+from frod_ds.runtime.atomic import umask
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
@@ -248,6 +250,7 @@ def _plain(obj: Any) -> Any:
 
 def write_state(path: Path, tensors: dict[str, torch.Tensor], meta: TrainableState) -> None:
     save_file(tensors, str(path), metadata={_META_KEY: record_to_json(meta, indent=None)})
+    os.chmod(path, 0o666 & ~umask())  # save_file creates it 0600 whatever the umask
 
 
 def _open(path: Path, tensors: bool) -> tuple[dict[str, torch.Tensor], TrainableState]:

@@ -89,6 +89,7 @@ CASE_KEYS = {
     "output",
     "compare",
     "note",
+    "edit",
 }
 DEFAULT_TIMEOUT = 300.0
 
@@ -250,6 +251,24 @@ def _store_of(world: World, model: Path, out: Path, *argv: str) -> None:
 def _copy(world: World, key: str, dst: Path) -> Path:
     shutil.copytree(world.paths[key], dst, symlinks=True)
     return dst
+
+
+def _json_edit(world: World, case: Path, edit: dict) -> None:
+    """A case's ``edit``: a copy of the world's folder ``copy`` at ``{case}/<copy>`` (unless the prepare step made
+    it), then in its JSON ``file`` each ``set`` entry: ``path`` (the keys down to the value, a tensor name one key)
+    gets ``value``."""
+    dst = case / edit["copy"]
+    if not dst.exists():
+        _copy(world, edit["copy"], dst)
+    path = dst / edit["file"]
+    doc = json.loads(path.read_text())
+    for entry in edit["set"]:
+        *above, last = entry["path"]
+        node = doc
+        for key in above:
+            node = node[key]
+        node[last] = entry["value"]
+    path.write_text(json.dumps(doc))
 
 
 def _ds(world: World, case: Path, **edit) -> None:
@@ -2151,6 +2170,8 @@ def run_case(world: World, spec: dict, case: Path) -> dict:
     try:
         if spec.get("prepare"):
             STEPS[spec["prepare"]](world, case, spec)
+        if spec.get("edit"):
+            _json_edit(world, case, spec["edit"])
         before_world = _contents(*world_dirs)
         before = _snapshot(case)
         if spec.get("interrupt"):

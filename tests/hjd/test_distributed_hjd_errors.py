@@ -386,6 +386,47 @@ def test_overwrite_keeps_the_old_store_until_the_new_one_is_built(model, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "model", "store"]
 
 
+@pytest.mark.parametrize("planted", ["folder", "link", "file"])
+def test_overwrite_never_takes_a_users_thing_at_the_aside_name_for_its_own(model, tmp_path, capsys, planted):
+    """``.store.replaced`` beside the store is where ``--overwrite`` keeps the store it replaces; a user's folder,
+    a link to one, or a file of that name is no aside of frod's (none holds a store record): refused in one line
+    before anything is touched, the store and the user's things as they were. An aside frod left (a replacement
+    killed after setting the store aside) is still taken back."""
+    import shutil
+
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu"]) == 0
+    before = _files(out)
+    aside, users = tmp_path / ".store.replaced", tmp_path / "users"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine\n")
+    (users / "q_proj.V.safetensors").write_text("mine too\n")
+    if planted == "folder":
+        shutil.copytree(users, aside)
+    elif planted == "link":
+        aside.symlink_to(users, target_is_directory=True)
+    else:
+        aside.write_text("mine\n")
+    capsys.readouterr()
+    for pi in ("0.5", "1e-300"):  # a build that would succeed, one that fails
+        assert main(["--model", str(model), "--out", str(out), "--device", "cpu", "--overwrite", "--pi", pi]) == 2
+        (line,) = _error_lines(capsys.readouterr().err)
+        assert f"keeps the store it replaces in {aside}" in line and "move it away" in line, line
+        assert _files(out) == before
+        assert (users / "notes.txt").read_text() == "mine\n" and (users / "q_proj.V.safetensors").is_file()
+        if planted == "folder":
+            assert sorted(p.name for p in aside.iterdir()) == ["notes.txt", "q_proj.V.safetensors"]
+        elif planted == "file":
+            assert aside.read_text() == "mine\n"
+    aside.unlink() if planted != "folder" else shutil.rmtree(aside)
+    from frod_ds.hjd.store_writer import set_aside
+
+    set_aside(out)  # a replacement killed once the store was set aside: the next build takes it back
+    assert _files(out) != before and (aside / "manifest.json").is_file()
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu", "--overwrite", "--pi", "1e-300"]) == 2
+    assert _files(out) == before and not aside.exists()
+
+
 def test_hjd_verify_of_an_unfinished_store_names_it_and_says_to_resume(model, tmp_path, capsys):
     """A store whose HJD was cut short (its manifest not complete): the error line names that and points to the
     same command, which resumes; --overwrite would throw the finished categories away."""

@@ -229,6 +229,8 @@ def test_shards_without_their_index_are_named_with_what_is_missing(tmp_path):
     ("edit", "want"),
     [
         (lambda m: [list(m)], "has no weight_map object"),
+        (lambda m: "model-00001.safetensors", "has no weight_map object"),
+        (lambda m: {}, "maps no tensor (an empty weight_map)"),
         (lambda m: {**m, Q0: None}, f"maps '{Q0}' to null, not a shard file name"),
         (lambda m: {**m, Q0: 7}, f"maps '{Q0}' to 7, not a shard file name"),
         (lambda m: {**m, Q0: {"f": 1}}, f"maps '{Q0}' to "),
@@ -252,7 +254,40 @@ def test_a_damaged_index_is_refused_at_the_door_by_every_reader(tmp_path, edit, 
     doc = json.loads(index.read_text())
     doc["weight_map"] = edit(doc["weight_map"])
     index.write_text(json.dumps(doc))
+    if want == "has no weight_map object":  # and a metadata that is no object, beside a sound map
+        (path / "bad").mkdir()
+        for f in path.iterdir():
+            if f.is_file():
+                (path / "bad" / f.name).write_bytes(f.read_bytes())
+        good = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
+        (path / "bad" / index.name).write_text(json.dumps({**good, "metadata": "x"}))
+        with pytest.raises(CheckpointError, match="its metadata is a JSON str, not an object"):
+            HFCheckpoint(path / "bad")
     for read in (HFCheckpoint, resolve_model_dir):
         with pytest.raises(CheckpointError, match=re.escape(want)) as e:
             read(str(path))
         assert "\n" not in str(e.value) and "index.json" in str(e.value)
+
+
+def test_a_rope_type_transformers_does_not_know_is_refused_naming_config_json(tmp_path):
+    """rope_parameters.rope_type "bogus": transformers fails with KeyError('bogus') when it builds the model (eval,
+    train, export's check); the config check that every model-building command makes names it, and the tokenizer
+    load (which reads config.json too) says config.json, not the tokenizer files. A known type passes."""
+    from frod_ds.io.model_dir import check_config_file
+    from frod_ds.prep.tokens import load_tokenizer
+    from frod_ds.runtime.errors import FrodError
+
+    path = write_tiny_llama(tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}))
+    check_config_file(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_type": "bogus"}}))
+    with pytest.raises(FrodError, match=re.escape("rope_parameters.rope_type 'bogus' is none transformers knows")):
+        check_config_file(path)
+    from tests.prep.test_data_prep_tokenizer import save_whitespace_tokenizer
+
+    save_whitespace_tokenizer(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "attention_bias": "false"}))
+    with pytest.raises(FrodError) as e:
+        load_tokenizer(str(path))
+    assert "config.json" in str(e.value) and "attention_bias must be true or false, got 'false'" in str(e.value)

@@ -565,6 +565,12 @@ LLAMA_SIZES = {**LLAMA2_7B, "num_key_value_heads": 32}
         ({"num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 128}, "which a LLaMA needs"),
         ({"intermediate_size": 11008.0}, "intermediate_size must be a positive integer, got 11008.0"),
         ({"num_attention_heads": True}, "num_attention_heads must be a positive integer, got True"),
+        ({"max_position_embeddings": "256"}, "max_position_embeddings must be a positive integer, got '256'"),
+        ({"attention_bias": "false"}, "attention_bias must be true or false, got 'false'"),  # a truthy string
+        ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'"),
+        ({"mlp_bias": 0}, "mlp_bias must be true or false, got 0"),
+        ({"pad_token_id": 99999}, "pad_token_id 99999 is past the vocabulary (vocab_size 32000)"),
+        ({"eos_token_id": [2, "x"]}, "eos_token_id must be a token id (an integer ≥ 0), got 'x'"),
     ],
 )
 def test_config_sizes_no_model_has_are_refused(tmp_path, change, needle):

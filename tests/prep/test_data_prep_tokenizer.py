@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,18 @@ def test_a_damaged_tokenizer_file_says_to_copy_the_files_again(tmp_path):
         load_tokenizer(str(tmp_path / "tok"))
     assert str(e.value).startswith(f"cannot load tokenizer '{tmp_path / 'tok'}'")
     assert str(e.value).endswith("copy the tokenizer files again from where the model came from")
+
+
+@pytest.mark.parametrize("value", ["big", [512], True])
+def test_a_model_max_length_that_is_no_number_is_one_line(tmp_path, value):
+    """tokenizer_config.json's model_max_length given as a string, a list or a boolean: transformers loads it and
+    truncation fails later with a TypeError; refused where the tokenizer is loaded, naming the key. A number loads."""
+    from frod_ds.prep.tokens import load_tokenizer
+    from frod_ds.runtime.errors import FrodError
+
+    save_whitespace_tokenizer(tmp_path / "tok")
+    assert isinstance(load_tokenizer(str(tmp_path / "tok")).model_max_length, int)
+    cfg_path = tmp_path / "tok" / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "model_max_length": value}))
+    with pytest.raises(FrodError, match=re.escape(f"gives model_max_length {value!r}, not a number")):
+        load_tokenizer(str(tmp_path / "tok"))

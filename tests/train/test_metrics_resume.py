@@ -112,3 +112,23 @@ def test_metrics_rows_are_what_the_loop_writes(tmp_path):
     before = (tmp_path / "metrics.jsonl").read_text()
     drop_rows_after(tmp_path / "metrics.jsonl", step=3)
     assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_a_run_folder_moved_away_while_training_is_one_line_naming_it(tmp_path):
+    """The run's folder renamed while it trains (a tidy-up, a cleanup script): the next row cannot be appended;
+    one line says the folder is gone and where the run stopped, not a FileNotFoundError traceback. A metrics file
+    removed from a folder that is still there is written again, as before."""
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.metrics import MetricsLog
+
+    run = tmp_path / "run"
+    run.mkdir()
+    log = MetricsLog(run, tensorboard=False)
+    log.write({"step": 1, "loss": 1.0})
+    (run / "metrics.jsonl").unlink()
+    log.write({"step": 2, "loss": 1.0})
+    assert (run / "metrics.jsonl").read_text().count("\n") == 1
+    run.rename(tmp_path / "moved")
+    with pytest.raises(FrodError, match=r"output_dir .*run is gone \(moved or deleted while training\).*at step 3"):
+        log.write({"step": 3, "loss": 1.0})
+    assert not run.exists()
