@@ -173,6 +173,14 @@ def export_transformers(
                             if name in member_of
                             else f"in the base checkpoint {model_dir}"
                         )
+                        cast = name in member_of or out_dtype is not None
+                        if cast and W.dtype == torch.float16 and not bool(torch.isnan(W).any()):
+                            raise ExportError(  # finite before the cast: float16's range, not the files, is short
+                                f"{name} does not fit float16: {int(torch.isinf(W).sum())} of its values "
+                                f"({where.removeprefix('in ')}) pass float16's largest, "
+                                f"{torch.finfo(torch.float16).max:.0f}; export with --dtype bfloat16 (float32's "
+                                "range) or without --dtype"
+                            )
                         raise ExportError(
                             f"{name} holds {int((~torch.isfinite(W)).sum())} non-finite value(s) (NaN/inf) {where}: "
                             "a damaged file; use an intact copy of it"

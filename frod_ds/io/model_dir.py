@@ -27,6 +27,8 @@ __all__ = [
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model"]
 MODEL_KINDS = ("hf-checkpoint", "hf-export", "gguf-conversion")  # folders.folder_kind of a folder a model loads from
 INDEX_NAME = "model.safetensors.index.json"
+# rope types transformers 5 builds (modeling_rope_utils.ROPE_INIT_FUNCTIONS and "default"); another is looked up there
+KNOWN_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 
 
 def check_model_folder(path: Path, flag: str = "--model") -> None:
@@ -35,7 +37,6 @@ def check_model_folder(path: Path, flag: str = "--model") -> None:
     problem = wrong_folder(path, flag, MODEL_KINDS, "a model checkpoint (config.json + *.safetensors)")
     if problem:
         raise CheckpointError(problem)
-    index_weight_map(path)
 
 
 def index_weight_map(path: Path) -> dict[str, str] | None:
@@ -172,17 +173,22 @@ def check_config_file(model_dir: str | os.PathLike) -> dict:
 def _rope_problems(cfg: dict) -> list[str]:
     """A rope type (``rope_parameters`` or ``rope_scaling``) the installed transformers does not know: it would fail
     with a KeyError when it builds the model."""
-    try:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    except ImportError:  # another transformers: it checks for itself
-        return []
     out = []
     for key in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(key)
         if not isinstance(rope, dict):
             continue
         kind = rope.get("rope_type", rope.get("type"))
-        if kind is not None and kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        if kind is None or kind in KNOWN_ROPE_TYPES:  # the planner stays torch-free on every sound config
+            continue
+        if not isinstance(kind, str):
+            out.append(f"{key}.rope_type must be a name, got {kind!r}")
+            continue
+        try:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        except ImportError:  # another transformers: it checks for itself
+            return []
+        if kind not in ROPE_INIT_FUNCTIONS:
             known = ", ".join(["default", *sorted(ROPE_INIT_FUNCTIONS)])
             out.append(f"{key}.rope_type {kind!r} is none transformers knows ({known})")
     return out

@@ -39,15 +39,15 @@ def load_tokenizer(name: str) -> Any:
             f"tokenizer {name}: the directory holds no tokenizer files (tokenizer.json, tokenizer.model, "
             "tokenizer_config.json); pass the directory that does (model.tokenizer in a recipe, --tokenizer for eval)"
         )
-    if path.is_dir() and (path / "config.json").is_file():  # transformers reads it too: name it, not the tokenizer
-        from frod_ds.io.model_dir import check_config_file
-
-        check_config_file(path)
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as exc:  # offline, missing files, unknown id: one clear line
+        if path.is_dir() and (path / "config.json").is_file():  # transformers read it too: a fault there is named
+            from frod_ds.io.model_dir import check_config_file
+
+            check_config_file(path)
         first = " ".join(str(exc).split())[:300]
         fix = "; copy the tokenizer files again from where the model came from" if path.is_dir() else ""
         raise FrodError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}{fix}") from None

@@ -42,6 +42,7 @@ __all__ = [
     "ROOT_FILES",
     "check_root_files",
     "detach_root_files",
+    "foreign_files",
 ]
 
 COMPLETE = "COMPLETE"
@@ -230,3 +231,19 @@ def check_root_files(root: Path) -> None:
             f"{path} is {it}, where every checkpoint save writes its own {name}; remove it (the run's "
             "checkpoints beside it are untouched) and run the same command again"
         )
+
+
+def foreign_files(ckpt: Path, own_names: tuple[str, ...]) -> list[str]:
+    """Files under the step folder ``ckpt`` that no save writes (engine ``*.pt`` files, ``own_names``, ``COMPLETE``
+    and their temporaries), or ``ckpt`` itself when it is a link or no folder: a user's folder of a step's name is
+    then no checkpoint of the run's, never to be deleted with the run's leftovers or old checkpoints."""
+    if ckpt.is_symlink() or not ckpt.is_dir():
+        return [ckpt.name]
+    names = (COMPLETE, *own_names)
+    out = []
+    for p in sorted(ckpt.rglob("*")):
+        rel = str(p.relative_to(ckpt))
+        base = rel.removesuffix(".tmp")
+        if p.is_symlink() or (p.is_file() and not (base.endswith(".pt") or base in names)):
+            out.append(rel)
+    return out

@@ -8,6 +8,7 @@ wrote it DeepSpeed loads its own files (bitwise exact); on another, the record f
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from frod_ds.train.checkpoints import (
     detach_root_files,
     file_seal,
     files_to_seal,
+    foreign_files,
     set_aside,
     step_of,
     tag_of,
@@ -75,9 +77,8 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
     ``records`` (file name → text, written by rank 0), the seal; then ``latest_complete`` and the clean-up."""
     ckpt = root / tag_of(step)
     dist.on_main(lambda: (check_root_files(root), detach_root_files(root)))  # anything planted since the start
-    if dist.is_main() and ckpt.exists():  # a save killed here before, or an abandoned later timeline: not resumable
-        shutil.rmtree(ckpt)
-    dist.barrier()
+    own = (TRAINABLE_STATE, *records)
+    dist.on_main(lambda: _clear_step_dir(ckpt, own, step))
     state = gather_state(
         engine, step, (layout.world, layout.micro, layout.accum), zero_stage_of(engine), _partition(engine)
     )
@@ -111,12 +112,45 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
             (p.name for p in root.iterdir() if step_of(p.name) is not None and (p / COMPLETE).is_file()), key=step_of
         )
         for old in sealed[:-keep]:
-            if old != ckpt.name:
+            if old != ckpt.name and _the_runs(root / old, own, sealed=True):
                 shutil.rmtree(root / old, ignore_errors=True)
         for p in root.iterdir():  # leftovers of a save that was killed: never resumed from
             if p.is_dir() and step_of(p.name) is not None and not (p / COMPLETE).is_file() and p.name != ckpt.name:
-                shutil.rmtree(p, ignore_errors=True)
+                if _the_runs(p, own, sealed=False):
+                    shutil.rmtree(p, ignore_errors=True)
     dist.barrier()
+
+
+def _clear_step_dir(ckpt: Path, own: tuple[str, ...], step: int) -> None:
+    """Rank 0: what is at ``ckpt`` before its save (a save killed there before, or an abandoned later timeline) is
+    removed when it holds only what a save writes; else ``FrodError``: a user's folder is never deleted."""
+    if not os.path.lexists(ckpt):
+        return
+    foreign = foreign_files(ckpt, own)
+    if foreign:
+        raise FrodError(
+            f"{ckpt} is in the way of step {step}'s checkpoint and holds what no save writes "
+            f"({', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}): move it away and run the same command "
+            "again (it resumes)"
+        )
+    shutil.rmtree(ckpt)
+
+
+def _the_runs(ckpt: Path, own: tuple[str, ...], sealed: bool) -> bool:
+    """Whether the step folder ``ckpt`` is one of the run's saves, to prune: only the files a save writes and, when
+    sealed, a trainable state of its own step (a copy under another step's name is the user's); else a note."""
+    foreign = foreign_files(ckpt, own)
+    why = f"it holds what no save writes ({', '.join(foreign[:3])})" if foreign else ""
+    if not why and sealed:
+        try:
+            step = read_meta(ckpt / TRAINABLE_STATE).step
+        except (OSError, ValueError, FrodError):
+            step = None
+        if step != step_of(ckpt.name):
+            why = f"its trainable state is of step {step} (a copy?)"
+    if why:
+        note(f"{ckpt} is left alone, not pruned: {why}")
+    return not why
 
 
 def _written_by(ckpt: Path) -> tuple[int, int | None, list[str] | None]:

@@ -144,9 +144,17 @@ def _supersede_previous_run(out: Path) -> None:
     ]
     if not old:
         return
-    dest = out / time.strftime("superseded-%Y%m%d-%H%M%S")
-    record_files(out, [dest.name + "/"], RUN_KIND)
-    dest.mkdir()
+    stamp = time.strftime("superseded-%Y%m%d-%H%M%S")
+    for n in range(1000):  # a name nothing holds yet: an earlier run's of the same second, or the user's
+        dest = out / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            dest.mkdir()  # exclusive: what holds the name (a folder, a file, a link) is never the run's to fill
+        except FileExistsError:
+            continue
+        record_files(out, [dest.name + "/"], RUN_KIND)  # made by this run: a kill after it leaves it empty
+        break
+    else:
+        raise FrodError(f"train.new_run: {out} holds {stamp} and 999 more names like it; move them away")
     for p in old:
         os.rename(p, dest / p.name)
     print(f"note: train.new_run: the previous run in {out} moved to {dest}", flush=True)

@@ -31,7 +31,7 @@ def test_a_published_folder_and_a_trainable_state_follow_the_umask(tmp_path, mas
     from safetensors.torch import save_file
 
     from frod_ds.formats.building import building_dir
-    from frod_ds.train.trainable_state import TrainableState, write_state
+    from frod_ds.train.trainable_state import FORMAT, TrainableState, write_state
 
     out = tmp_path / "adapter"
     with building_dir(out, "adapter") as tmp:
@@ -41,7 +41,7 @@ def test_a_published_folder_and_a_trainable_state_follow_the_umask(tmp_path, mas
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) >= 3  # the two tensors files and the folder's record
     assert {str(p): _mode(p) for p in files} == {str(p): 0o666 & ~mask for p in files}
-    meta = TrainableState("frod-trainable/1", 3, 3, 1, 1, 1, 2, [1e-3], {}, 3, 0)
+    meta = TrainableState(FORMAT, 3, 3, 1, 1, 1, 2, [1e-3], {}, 3, 0)
     state = tmp_path / "trainable_state.safetensors"
     write_state(state, {"x": torch.ones(2)}, meta)
     assert _mode(state) == 0o666 & ~mask

@@ -327,3 +327,27 @@ def test_an_adapter_whose_base_model_moved_names_the_file_and_the_flag(trained, 
     assert f"{moved / 'adapter_config.json'} names does not exist" in line and "--base-model" in line, line
     argv = ["--checkpoint", str(moved), "--out", str(tmp_path / "merged"), "--base-model", str(trained["model_dir"])]
     assert main(argv) == 0
+
+
+def test_a_base_tensor_past_float16s_range_is_named_as_such_not_as_damage(trained, tmp_path, capsys):
+    """--dtype float16 of a base whose untargeted tensor holds finite values past 65504: the cast makes infs, and
+    the line says float16 is too narrow (and what to use), not that the file is damaged; bfloat16 exports it."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.support.helpers_ckpt import shard_of
+
+    base = write_tiny_llama(tmp_path / "base", seed=5)
+    name = "model.embed_tokens.weight"
+    shard = shard_of(base, name)
+    tensors = load_file(shard)
+    tensors[name] = tensors[name] * 1e7
+    assert torch.isfinite(tensors[name]).all() and tensors[name].abs().max() > 65504
+    save_file(tensors, shard, metadata={"format": "pt"})
+    ckpt, _, _ = make_adapter(base, tmp_path / "adapter")
+    argv = ["--checkpoint", str(ckpt)]
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "f16"), "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert f"{name} does not fit float16" in err and "export with --dtype bfloat16" in err, err
+    assert "damaged" not in err and not (tmp_path / "f16").exists()
+    assert main([*argv, "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0

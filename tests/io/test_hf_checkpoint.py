@@ -242,8 +242,8 @@ def test_shards_without_their_index_are_named_with_what_is_missing(tmp_path):
 )
 def test_a_damaged_index_is_refused_at_the_door_by_every_reader(tmp_path, edit, want):
     """A weight_map value that is not a plain shard file name of the folder (null, a number, an object, a path
-    outside it), or a shard that is missing: one line naming the index and the entry, from the folder check every
-    command makes (resolve_model_dir) as from the reader, before transformers or a shard read fails on it."""
+    outside it), or a shard that is missing: one line naming the index and the entry when the reader every command
+    opens a checkpoint with (hjd, train, export, eval) opens the folder, before transformers or a shard read fails."""
     import shutil
 
     from frod_ds.runtime.errors import CheckpointError
@@ -263,10 +263,9 @@ def test_a_damaged_index_is_refused_at_the_door_by_every_reader(tmp_path, edit, 
         (path / "bad" / index.name).write_text(json.dumps({**good, "metadata": "x"}))
         with pytest.raises(CheckpointError, match="its metadata is a JSON str, not an object"):
             HFCheckpoint(path / "bad")
-    for read in (HFCheckpoint, resolve_model_dir):
-        with pytest.raises(CheckpointError, match=re.escape(want)) as e:
-            read(str(path))
-        assert "\n" not in str(e.value) and "index.json" in str(e.value)
+    with pytest.raises(CheckpointError, match=re.escape(want)) as e:
+        HFCheckpoint(str(path))
+    assert "\n" not in str(e.value) and "index.json" in str(e.value)
 
 
 def test_a_rope_type_transformers_does_not_know_is_refused_naming_config_json(tmp_path):

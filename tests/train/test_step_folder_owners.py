@@ -1,0 +1,73 @@
+"""A folder of a step's name under ``checkpoints/`` is pruned, or cleared before a save, only when it is one of
+the run's saves: nothing in it but what a save writes and, once sealed, a trainable state of its own step. A user's
+folder (notes beside the files), or a copy of a checkpoint under another step's name, is left alone with a note,
+and a user's folder where a save is due stops the run in one line (it resumes once the folder is moved)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from frod_ds.runtime.errors import FrodError
+from frod_ds.train import engine_state
+from frod_ds.train.checkpoints import COMPLETE, foreign_files, tag_of
+from frod_ds.train.trainable_state import FORMAT, TRAINABLE_STATE, TrainableState, write_state
+
+OWN = (TRAINABLE_STATE, "run_identity.json", "factor_store.json")
+
+
+def _save(root: Path, step: int) -> Path:
+    """A step folder with the files a save writes (their contents stand-ins), sealed."""
+    ckpt = root / tag_of(step)
+    ckpt.mkdir(parents=True)
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt", "rng_rank0.pt"):
+        torch.save({"step": step}, ckpt / name)
+    meta = TrainableState(FORMAT, step, step, 1, 1, 1, 2, [1e-3], {}, step, 0)
+    write_state(ckpt / TRAINABLE_STATE, {"x": torch.ones(2)}, meta)
+    for name in OWN[1:]:
+        (ckpt / name).write_text("{}\n")
+    (ckpt / COMPLETE).write_text("")
+    return ckpt
+
+
+def test_only_the_runs_own_step_folders_are_pruned(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    mine = _save(root, 10)
+    assert foreign_files(mine, OWN) == [] and engine_state._the_runs(mine, OWN, sealed=True)
+    copy = root / tag_of(11)
+    shutil.copytree(mine, copy)  # a user's backup under the next step's name
+    assert not engine_state._the_runs(copy, OWN, sealed=True)
+    assert "its trainable state is of step 10 (a copy?)" in capsys.readouterr().err
+    users = root / tag_of(99)
+    users.mkdir()
+    (users / "notes.txt").write_text("mine\n")
+    assert foreign_files(users, OWN) == ["notes.txt"]
+    assert not engine_state._the_runs(users, OWN, sealed=False)
+    assert f"{users} is left alone, not pruned: it holds what no save writes (notes.txt)" in capsys.readouterr().err
+    leftover = root / tag_of(20)
+    leftover.mkdir()
+    torch.save({}, leftover / "mp_rank_00_model_states.pt")
+    (leftover / "rng_rank0.pt.tmp").write_text("")
+    assert engine_state._the_runs(leftover, OWN, sealed=False)
+
+
+def test_a_users_folder_where_a_save_is_due_stops_the_run_and_is_kept(tmp_path):
+    root = tmp_path / "checkpoints"
+    users = root / tag_of(30)
+    users.mkdir(parents=True)
+    (users / "notes.txt").write_text("mine\n")
+    with pytest.raises(FrodError, match=r"step00000030 is in the way of step 30's checkpoint .*\(notes.txt\)"):
+        engine_state._clear_step_dir(users, OWN, 30)
+    assert (users / "notes.txt").read_text() == "mine\n"
+    link = root / tag_of(40)
+    link.symlink_to(users, target_is_directory=True)
+    with pytest.raises(FrodError, match=r"holds what no save writes \(step00000040\)"):
+        engine_state._clear_step_dir(link, OWN, 40)
+    assert (users / "notes.txt").is_file()
+    killed = _save(root, 50)
+    (killed / COMPLETE).unlink()
+    engine_state._clear_step_dir(killed, OWN, 50)  # a save killed there before: cleared
+    assert not killed.exists()
