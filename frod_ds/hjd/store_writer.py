@@ -9,6 +9,7 @@ complete whose weights this run sees has the same weight digests; else ``--overw
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -170,24 +171,41 @@ def _aside(out: Path) -> Path:
     return out.parent / f".{out.name}.replaced"
 
 
-def _ours(aside: Path) -> bool:
-    """Whether ``aside`` is a store's aside ``set_aside`` made: a real folder (no link) holding a factor store's
-    ownership record. None other is trusted: a user's folder of that name is never emptied, filled or deleted."""
+ASIDE_STAMP = ".frod-ds-aside"  # in the aside: which store it holds the files of (written before any file moves)
+
+
+def _stamp_of(out: Path) -> str:
+    return json.dumps({"aside_of": str(out.resolve())}) + "\n"
+
+
+def _ours(out: Path) -> bool:
+    """Whether ``out``'s aside name holds the aside ``set_aside`` made for ``out``: a real folder (no link) with a
+    factor store's ownership record and the stamp naming ``out``. None other is trusted: a user's folder of that
+    name (a copy of a store too) is never emptied, filled or deleted."""
+    aside = _aside(out)
     if aside.is_symlink() or not aside.is_dir():
         return False
     record = read_record(aside)
-    return record is not None and record.kind == KIND and entries_of(record, KIND) is not None
+    if record is None or record.kind != KIND or entries_of(record, KIND) is None:
+        return False
+    stamp = aside / ASIDE_STAMP
+    try:
+        return not stamp.is_symlink() and stamp.is_file() and stamp.read_text() == _stamp_of(out)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def aside_problem(out: Path) -> str | None:
     """What is at ``out``'s aside name when it is no aside of a store (``_ours``), in one line; None otherwise."""
     aside = _aside(out)
-    if not os.path.lexists(aside) or _ours(aside):
+    if not os.path.lexists(aside) or _ours(out):
         return None
     what = (
         f"a symbolic link (to {os.readlink(aside)})"
         if aside.is_symlink()
         else "a folder frod-ds did not write (no factor store record)"
+        if aside.is_dir() and read_record(aside) is None
+        else "a folder not set aside for this store (another store, or a copy)"
         if aside.is_dir()
         else "a file"
     )
@@ -211,7 +229,8 @@ def set_aside(out: Path) -> None:
         return
     entries = entries_of(read_record(out), KIND) or ()
     aside.mkdir()
-    shutil.copy2(out / MARKER, aside / MARKER)  # first: an aside a kill left is known by it (_ours)
+    (aside / ASIDE_STAMP).write_text(_stamp_of(out))  # first: an aside a kill left is known by them (_ours)
+    shutil.copy2(out / MARKER, aside / MARKER)
     for f in list(out.iterdir()):
         if f.name != MARKER and match(entries, f.name, f.is_dir()) == "own":
             f.rename(aside / f.name)
@@ -220,9 +239,10 @@ def set_aside(out: Path) -> None:
 def restore_aside(out: Path) -> None:
     """Rank 0, after a replacement build refused its input: its files go, the store it replaced comes back."""
     aside = _aside(out)
-    if not _ours(aside):
+    if not _ours(out):
         return
     remove_store_files(out)
+    (aside / ASIDE_STAMP).unlink()
     for f in list(aside.iterdir()):
         f.replace(out / f.name)
     aside.rmdir()
@@ -231,7 +251,8 @@ def restore_aside(out: Path) -> None:
 
 def drop_aside(out: Path) -> None:
     """Rank 0, once the new store is built: the replaced one goes (what its record lists)."""
-    if _ours(_aside(out)):
+    if _ours(out):
+        (_aside(out) / ASIDE_STAMP).unlink()
         delete_owned(_aside(out), KIND)
 
 

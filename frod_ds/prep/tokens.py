@@ -44,12 +44,11 @@ def load_tokenizer(name: str) -> Any:
 
         tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as exc:  # offline, missing files, unknown id: one clear line
-        if path.is_dir() and (path / "config.json").is_file():  # transformers read it too: a fault there is named
-            from frod_ds.io.model_dir import check_config_file
-
-            check_config_file(path)
         first = " ".join(str(exc).split())[:300]
         fix = "; copy the tokenizer files again from where the model came from" if path.is_dir() else ""
+        if path.is_dir() and (path / "config.json").is_file():  # transformers reads it with the tokenizer
+            fix = f"; check {path / 'config.json'} (transformers reads it with the tokenizer) or copy the tokenizer "
+            fix += "files again from where the model came from"
         raise FrodError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}{fix}") from None
     longest = getattr(tokenizer, "model_max_length", None)  # truncation compares lengths with it
     if longest is not None and (isinstance(longest, bool) or not isinstance(longest, (int, float))):

@@ -97,6 +97,7 @@ def preflight(
         from frod_ds.runtime.op_build import check_buildable
 
         check_buildable(AsyncIOBuilder())
+    base.config()  # config.json checked before the tokenizer, which transformers loads with it
     tok = _load_tokenizer(recipe, base.dir)
     examples = encode_examples(tok, rows, recipe.data.cutoff_len, recipe.data.train_on_inputs)
     eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)

@@ -2126,7 +2126,7 @@ def _run_interrupted(
     world: World, argv: list[str], case: Path, spec: dict, env: dict[str, str]
 ) -> tuple[int | None, str]:
     """Start ``argv``, wait until the ``when`` glob exists under the case directory (or ``after_s``), send the
-    signal to its process group; (exit code, stderr). None: it finished before the signal."""
+    signal to its process group; (exit code, stderr). None: it finished before the signal took effect."""
     it = spec["interrupt"]
     proc = subprocess.Popen(
         [sys.executable, *argv],
@@ -2143,6 +2143,8 @@ def _run_interrupted(
         if (it.get("when") and any(case.glob(it["when"]))) or (
             it.get("after_s") is not None and time.monotonic() - start >= float(it["after_s"])
         ):
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                break  # it exited as the file appeared (a zombie until reaped): a signal now would reach no one
             os.killpg(proc.pid, getattr(signal, f"SIG{it['signal']}"))
             fired = True
             break
@@ -2154,7 +2156,9 @@ def _run_interrupted(
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    return (proc.returncode if fired else None), err
+    # exit 0 after the signal: the command had finished its work and was exiting as the signal went out (its last
+    # handler already gone); nothing was interrupted, as when it finished before the signal
+    return (proc.returncode if fired and proc.returncode != 0 else None), err
 
 
 def run_case(world: World, spec: dict, case: Path) -> dict:
@@ -2398,6 +2402,9 @@ def run_all(repo: Path, cases: list[dict], jobs: int, tmp: Path, partial: Path |
     ]
     parallel = [(i, c) for i, c in enumerate(cases) if (i, c) not in serial]
     results = {i: one((i, c)) for i, c in serial}
+    # the prepare steps' imports, made here: transformers' lazy module can fail a name two threads import at once
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: F401
+
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         results.update(zip([i for i, _ in parallel], pool.map(one, parallel)))
     return [results[i] for i in range(len(cases))]

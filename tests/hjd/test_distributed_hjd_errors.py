@@ -386,12 +386,12 @@ def test_overwrite_keeps_the_old_store_until_the_new_one_is_built(model, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "model", "store"]
 
 
-@pytest.mark.parametrize("planted", ["folder", "link", "file"])
+@pytest.mark.parametrize("planted", ["folder", "link", "file", "store copy"])
 def test_overwrite_never_takes_a_users_thing_at_the_aside_name_for_its_own(model, tmp_path, capsys, planted):
     """``.store.replaced`` beside the store is where ``--overwrite`` keeps the store it replaces; a user's folder,
-    a link to one, or a file of that name is no aside of frod's (none holds a store record): refused in one line
-    before anything is touched, the store and the user's things as they were. An aside frod left (a replacement
-    killed after setting the store aside) is still taken back."""
+    a link to one, a file, or a copy of a store (its record and all) at that name is no aside frod set for this
+    store (it has no stamp naming it): refused in one line before anything is touched, the store and the user's
+    things as they were. An aside frod left (a replacement killed after setting the store aside) is taken back."""
     import shutil
 
     out = tmp_path / "store"
@@ -403,6 +403,10 @@ def test_overwrite_never_takes_a_users_thing_at_the_aside_name_for_its_own(model
     (users / "q_proj.V.safetensors").write_text("mine too\n")
     if planted == "folder":
         shutil.copytree(users, aside)
+    elif planted == "store copy":  # a backup of another store, record and all
+        assert main(["--model", str(model), "--out", str(tmp_path / "other"), "--device", "cpu", "--pi", "0.5"]) == 0
+        shutil.copytree(tmp_path / "other", aside)
+        kept = _files(aside)
     elif planted == "link":
         aside.symlink_to(users, target_is_directory=True)
     else:
@@ -418,7 +422,9 @@ def test_overwrite_never_takes_a_users_thing_at_the_aside_name_for_its_own(model
             assert sorted(p.name for p in aside.iterdir()) == ["notes.txt", "q_proj.V.safetensors"]
         elif planted == "file":
             assert aside.read_text() == "mine\n"
-    aside.unlink() if planted != "folder" else shutil.rmtree(aside)
+        elif planted == "store copy":
+            assert _files(aside) == kept
+    aside.unlink() if planted in ("link", "file") else shutil.rmtree(aside)
     from frod_ds.hjd.store_writer import set_aside
 
     set_aside(out)  # a replacement killed once the store was set aside: the next build takes it back

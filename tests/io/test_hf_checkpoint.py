@@ -240,7 +240,7 @@ def test_shards_without_their_index_are_named_with_what_is_missing(tmp_path):
         (lambda m: {**m, Q0: "model-99999-of-99999.safetensors"}, "names the shard model-99999-of-99999"),
     ],
 )
-def test_a_damaged_index_is_refused_at_the_door_by_every_reader(tmp_path, edit, want):
+def test_a_damaged_index_is_refused_when_the_checkpoint_is_opened(tmp_path, edit, want):
     """A weight_map value that is not a plain shard file name of the folder (null, a number, an object, a path
     outside it), or a shard that is missing: one line naming the index and the entry when the reader every command
     opens a checkpoint with (hjd, train, export, eval) opens the folder, before transformers or a shard read fails."""
@@ -270,8 +270,8 @@ def test_a_damaged_index_is_refused_at_the_door_by_every_reader(tmp_path, edit, 
 
 def test_a_rope_type_transformers_does_not_know_is_refused_naming_config_json(tmp_path):
     """rope_parameters.rope_type "bogus": transformers fails with KeyError('bogus') when it builds the model (eval,
-    train, export's check); the config check that every model-building command makes names it, and the tokenizer
-    load (which reads config.json too) says config.json, not the tokenizer files. A known type passes."""
+    train, export's check); the config check that every model-building command makes names it, and a tokenizer
+    load that fails on config.json (transformers reads it too) points there, not only at the tokenizer files."""
     from frod_ds.io.model_dir import check_config_file
     from frod_ds.prep.tokens import load_tokenizer
     from frod_ds.runtime.errors import FrodError
@@ -289,4 +289,5 @@ def test_a_rope_type_transformers_does_not_know_is_refused_naming_config_json(tm
     (path / "config.json").write_text(json.dumps({**cfg, "attention_bias": "false"}))
     with pytest.raises(FrodError) as e:
         load_tokenizer(str(path))
-    assert "config.json" in str(e.value) and "attention_bias must be true or false, got 'false'" in str(e.value)
+    assert f"check {path / 'config.json'} (transformers reads it with the tokenizer)" in str(e.value)
+    assert "attention_bias" in str(e.value) and "\n" not in str(e.value)
