@@ -125,6 +125,16 @@ def scalar_problems(cfg: dict) -> list[str]:
     v = cfg.get("gradient_predivide_factor")
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
         problems.append(f"gradient_predivide_factor must be a number > 0, got {v!r}")
+    zero = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
+    stage = zero.get("stage", 0)
+    if isinstance(stage, int) and stage >= 2 and zero.get("reduce_scatter", True) is not False:
+        # DeepSpeed's ZeRO-2/3 optimizers assert on these when they reduce-scatter the gradients (their default)
+        fix = f"or set zero_optimization.reduce_scatter false (ZeRO-{stage} reduce-scatters the gradients by default)"
+        not_here = f"is not supported by DeepSpeed's ZeRO-{stage}: remove it, {fix}"
+        if cfg.get("prescale_gradients") is True:
+            problems.append(f"prescale_gradients true {not_here}")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and v != 1:
+            problems.append(f"gradient_predivide_factor {v} {not_here}")
     for block in ("bf16", "fp16"):
         b = cfg.get(block)
         if b is not None and not isinstance(b, dict):

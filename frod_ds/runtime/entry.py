@@ -205,8 +205,9 @@ def run_script(main: Callable[[], int], fast_exit: bool = False) -> NoReturn:
         restore()
     if not fast_exit:
         sys.exit(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):  # None where the command was started with that stream closed (>&-)
+        if stream is not None:
+            stream.flush()
     os._exit(code)
 
 

@@ -46,10 +46,17 @@ def join(connect: Callable[[], None], rank: int, world: int, where: str, join_s:
                 f"{join_s:.0f} s. Without a launcher, unset WORLD_SIZE and RANK to run one process"
             )
         if waited > join_s and helper.is_alive():
-            raise FrodError(
-                f"rank {rank} of {world}: the other {world - 1} rank(s) did not join at {where} within {join_s:.0f} s; "
-                "start every rank with a launcher (torchrun, deepspeed, srun), or unset WORLD_SIZE and RANK (left "
-                "from another job?) to run one process"
-            )
+            raise FrodError(_not_joined(rank, world, where, join_s))
     if outcome and outcome[0] is not None:
-        raise outcome[0]
+        e = outcome[0]
+        if type(e).__name__ == "DistStoreError" and "Timed out" in str(e):  # the store's own wait ran out first
+            raise FrodError(_not_joined(rank, world, where, time.monotonic() - t0)) from None
+        raise e
+
+
+def _not_joined(rank: int, world: int, where: str, waited: float) -> str:
+    return (
+        f"rank {rank} of {world}: the other {world - 1} rank(s) did not join at {where} within {waited:.0f} s; "
+        "start every rank with a launcher (torchrun, deepspeed, srun), or unset WORLD_SIZE and RANK (left from "
+        "another job?) to run one process"
+    )

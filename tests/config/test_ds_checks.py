@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,34 @@ def test_zero3_layout_takes_cpu_offload_into_the_layer_partition_not_nvme(offloa
     assert layout == want
     assert host_shards(cfg, layout) == (layout == "layers" and offload == "cpu")
     assert zero3_layout({"zero_optimization": {**zo, "stage": 2}}, choice) is None
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_prescaled_or_predivided_gradients_deepspeed_asserts_on_are_refused(stage):
+    """DeepSpeed's ZeRO-2 and ZeRO-3 optimizers assert, mid-start-up, that gradients are neither pre-scaled nor
+    pre-divided when they reduce-scatter them (their default): refused with the JSON; fine under ZeRO-1, and with
+    reduce_scatter false. The pinned DeepSpeed's own source holds both assertions."""
+    import inspect
+
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for cls in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3):
+        src = inspect.getsource(cls.__init__)
+        assert "pre-scale gradients is not yet supported" in src and "gradient_predivide_factor != 1.0" in src
+    base = _shipped("zero2_cpu_fp32.json")
+    for extra, said in (
+        ({"prescale_gradients": True}, f"prescale_gradients true is not supported by DeepSpeed's ZeRO-{stage}"),
+        (
+            {"gradient_predivide_factor": 2.0},
+            f"gradient_predivide_factor 2.0 is not supported by DeepSpeed's ZeRO-{stage}",
+        ),
+    ):
+        cfg = {**base, **extra, "zero_optimization": {**base["zero_optimization"], "stage": stage}}
+        if stage == 1:
+            check_ds_config(cfg, "ds.json")
+            continue
+        with pytest.raises(DSConfigError, match=re.escape(said)):
+            check_ds_config(cfg, "ds.json")
+        cfg["zero_optimization"]["reduce_scatter"] = False
+        check_ds_config(cfg, "ds.json")

@@ -538,3 +538,27 @@ def test_a_writer_never_writes_through_what_sits_at_its_temporary_name(tmp_path)
             atomic_write_text(out, "newer")
         assert decoy.read_text() == "keep me" and out.read_text() == "new"
         tmp.rmdir() if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
+
+
+def test_a_fast_exit_with_stdout_closed_exits_with_the_commands_code(tmp_path):
+    """A command started with its stdout closed (``>&-``: Python's sys.stdout is then None) ends with its own exit
+    code, not an AttributeError from flushing a stream that is not there (training and eval exit fast)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from frod_ds.runtime.entry import run_script\n"
+        "assert sys.stdout is None\n"
+        "run_script(lambda: 3, fast_exit=True)\n"
+    )
+    script = tmp_path / "s.py"
+    script.write_text(code)
+    res = subprocess.run(
+        ["bash", "-c", f'"{sys.executable}" "{script}" >&-'],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))},
+        timeout=60,
+    )
+    assert res.returncode == 3 and "Traceback" not in res.stderr, res.stderr

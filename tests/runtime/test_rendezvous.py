@@ -136,3 +136,25 @@ def test_a_command_in_a_half_set_launcher_environment_says_so_in_one_line(tmp_pa
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(lines) == 1 and "MASTER_ADDR and MASTER_PORT not" in lines[0], res.stderr
     assert not (tmp_path / "f").exists()
+
+
+def test_the_stores_own_timeout_waiting_for_ranks_is_the_same_one_line():
+    """torch's TCPStore gives up waiting for the other ranks after the group's timeout (a stale ``WORLD_SIZE=2``,
+    ``FROD_COLLECTIVE_TIMEOUT_MIN`` shorter than the join's bound): its DistStoreError becomes the line the join's
+    own bound gives, not a traceback; another store error stays what it is."""
+    import torch.distributed as dist
+
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.runtime.rendezvous import join
+
+    def timed_out():
+        raise dist.DistStoreError("Timed out after 61 seconds waiting for clients. 1/2 clients joined.")
+
+    with pytest.raises(FrodError, match=r"rank 0 of 2: the other 1 rank\(s\) did not join at h:1 within \d+ s"):
+        join(timed_out, 0, 2, "h:1")
+
+    def refused():
+        raise dist.DistStoreError("connection refused")
+
+    with pytest.raises(dist.DistStoreError, match="connection refused"):
+        join(refused, 0, 2, "h:1")
