@@ -126,6 +126,17 @@ def scalar_problems(cfg: dict) -> list[str]:
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
         problems.append(f"gradient_predivide_factor must be a number > 0, got {v!r}")
     zero = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if zero.get(old) is not None:  # DeepSpeed maps them onto its own CPU optimizer, which frod-ds does not hand it
+            problems.append(
+                f'zero_optimization.{old} is DeepSpeed\'s deprecated switch: write "{new}": {{"device": "cpu"}} '
+                "instead (as ds_configs/zero3_offload.json does)"
+            )
+    if zero.get("cpu_offload_use_pin_memory") is not None:
+        problems.append(
+            'zero_optimization.cpu_offload_use_pin_memory is DeepSpeed\'s deprecated switch: write "pin_memory" in '
+            "offload_optimizer / offload_param instead"
+        )
     stage = zero.get("stage", 0)
     if isinstance(stage, int) and stage >= 2 and zero.get("reduce_scatter", True) is not False:
         # DeepSpeed's ZeRO-2/3 optimizers assert on these when they reduce-scatter the gradients (their default)

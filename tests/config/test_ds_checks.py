@@ -257,3 +257,25 @@ def test_prescaled_or_predivided_gradients_deepspeed_asserts_on_are_refused(stag
             check_ds_config(cfg, "ds.json")
         cfg["zero_optimization"]["reduce_scatter"] = False
         check_ds_config(cfg, "ds.json")
+
+
+@pytest.mark.parametrize(
+    ("key", "said"),
+    [
+        ("cpu_offload", 'write "offload_optimizer": {"device": "cpu"} instead'),
+        ("cpu_offload_param", 'write "offload_param": {"device": "cpu"} instead'),
+        ("cpu_offload_use_pin_memory", 'write "pin_memory" in offload_optimizer / offload_param instead'),
+    ],
+)
+def test_deepspeeds_deprecated_offload_switches_are_refused_naming_their_successors(key, said):
+    """``zero_optimization.cpu_offload: true`` passes DeepSpeed's config class (deprecated, mapped to ZeRO-Offload),
+    then its engine refuses the client optimizer with a traceback; refused with the JSON, naming what to write."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    assert DeepSpeedZeroConfig.model_fields[key].json_schema_extra.get("deprecated") is True
+    base = _shipped("zero2_cpu_fp32.json")
+    cfg = {**base, "zero_optimization": {**base["zero_optimization"], key: True}}
+    with pytest.raises(DSConfigError, match=re.escape(f"zero_optimization.{key} is DeepSpeed's deprecated switch")):
+        check_ds_config(cfg, "ds.json")
+    with pytest.raises(DSConfigError, match=re.escape(said)):
+        check_ds_config(cfg, "ds.json")
