@@ -20,9 +20,10 @@ import torch
 
 from frod_ds._moved import forward_names
 from frod_ds.config.ds_config import as_ds_config, nvme_offloads, offload_device, zero_stage
-from frod_ds.config.recipe import Recipe
+from frod_ds.config.recipe import Recipe, recipe_to_dict
 from frod_ds.config.zero3_layout import host_shards
 from frod_ds.formats.adapter_dir import AdapterConfig
+from frod_ds.formats.run_identity import RunIdentity
 from frod_ds.io.dtypes import FLOAT_DTYPES
 from frod_ds.model.adapter import load_adapter_into, supports_from_adapter
 from frod_ds.model.apply import frod_groups, frod_param_groups
@@ -31,7 +32,7 @@ from frod_ds.model.build_layers import build_layer_partitioned
 from frod_ds.model.frozen_shards import shards_of
 from frod_ds.prep.tokens import tokenizer_sha256
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.errors import note
+from frod_ds.runtime.errors import FrodError, note
 from frod_ds.runtime.shared_dir import check_shared_dir
 from frod_ds.train.checkpoints import choose_checkpoint, step_of, unsealed_checkpoints
 from frod_ds.train.data import BatchPlan
@@ -67,6 +68,7 @@ def setup(
         dist.on_all(lambda: check_no_unresumable_run(out))
     # Every check of the inputs, on every rank; a user error on any rank stops all of them with one line.
     inputs = dist.on_all(lambda: preflight(recipe, as_ds_config(ds_config), nvme_path, resume[0]))
+    dist.on_all(lambda: _check_ranks_agree(recipe, inputs))
     if on_inputs is not None:
         on_inputs(inputs)
     # every rank writes its checkpoint shards there and rank 0 seals them: one directory for all nodes
@@ -81,6 +83,41 @@ def setup(
         open_run_dir(recipe)
     dist.barrier()
     return dataclasses.replace(run, start_step=_resume(run, *resume))
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        return {k: v for key, sub in node.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+def _check_ranks_agree(recipe: Recipe, inputs: Inputs) -> None:
+    """``FrodError`` on every rank unless each was started with rank 0's recipe and DeepSpeed JSON and reads the
+    same inputs (the run's identity: data, tokenizer, base digests): nodes reading different copies of a recipe or
+    a data file would train one mixed run whose record states rank 0's settings only."""
+    mine = {
+        "recipe": _flat(recipe_to_dict(recipe)),
+        "deepspeed": _flat(inputs.user_ds_config or dict(inputs.ds_config)),
+        "identity": inputs.run_identity.to_json(),
+    }
+    everyone = dist.all_gather_object(mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        diff = [
+            f"{label}{k}: {first[part].get(k)!r} on rank 0, {theirs[part].get(k)!r} on rank {rank}"
+            for part, label in (("recipe", ""), ("deepspeed", "DeepSpeed "))
+            for k in sorted(set(first[part]) | set(theirs[part]))
+            if first[part].get(k) != theirs[part].get(k)
+        ]
+        if not diff and first["identity"] != theirs["identity"]:
+            ident = RunIdentity.from_json(first["identity"], "rank 0")
+            diff = ident.differences(RunIdentity.from_json(theirs["identity"], f"rank {rank}")) or ["run identity"]
+        if diff:
+            raise FrodError(
+                f"the ranks were not started alike: {'; '.join(diff[:3])}{' …' if len(diff) > 3 else ''}; start "
+                "every rank with the same command and the same files (a node reading another copy of the recipe, "
+                "the DeepSpeed JSON or the data?)"
+            )
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
