@@ -177,9 +177,7 @@ def describe(held: LeaseRecord, st: os.stat_result, now: float | None = None) ->
 def gone(held: LeaseRecord, st: os.stat_result, me: LeaseRecord, now: float | None = None) -> str | None:
     """Why the holder of ``held`` is gone, or None while it may still be writing."""
     now = time.time() if now is None else now
-    if held.slurm_job and held.slurm_job == me.slurm_job and held.slurm_restart != me.slurm_restart:
-        return f"Slurm job {held.slurm_job} was requeued (restart {held.slurm_restart or 0} → {me.slurm_restart or 0})"
-    if held.host == me.host:
+    if held.host == me.host:  # a live holder here is never taken over: a requeue ends the job's processes first
         if held.boot_id and me.boot_id and held.boot_id != me.boot_id:
             return "its host has rebooted since"
         if held.pid == me.pid and held.pid_start == me.pid_start:
@@ -190,6 +188,8 @@ def gone(held: LeaseRecord, st: os.stat_result, me: LeaseRecord, now: float | No
         if held.pid_start is not None and start is not None and start != held.pid_start:
             return f"pid {held.pid} is now another process"
         return None
+    if held.slurm_job and held.slurm_job == me.slurm_job and held.slurm_restart != me.slurm_restart:
+        return f"Slurm job {held.slurm_job} was requeued (restart {held.slurm_restart or 0} → {me.slurm_restart or 0})"
     if now - st.st_mtime > STALE_S:
         return f"its heartbeat stopped {now - st.st_mtime:.0f} s ago, on another host"
     return None

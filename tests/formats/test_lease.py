@@ -439,3 +439,22 @@ def test_a_token_read_from_the_lease_file_lets_no_unrelated_writer_in(tmp_path, 
     finally:
         proc.terminate()
         proc.wait()
+
+
+def test_a_live_holder_on_this_host_is_not_taken_over_by_another_restart_count(tmp_path, monkeypatch):
+    """Slurm ends a job's processes before it requeues it: a live process on this host holding the lease under the
+    same job and another restart count is a second writer (two job steps, a hand-set SLURM_RESTART_COUNT), never a
+    requeued attempt's leftover; refused, naming it. Once that process is gone, the lease is taken over."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        planted(out, pid=holder.pid, pid_start=None, slurm_job="77", slurm_restart=0)
+        with pytest.raises(FrodError, match=f"pid {holder.pid} on host"):
+            acquire(out, "training-run", "output_dir")
+    finally:
+        holder.kill()
+        holder.wait()
+    with holding(out, "training-run", "output_dir"):
+        assert json.loads(lease_path(out).read_text())["slurm_restart"] == 1
