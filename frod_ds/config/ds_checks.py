@@ -20,6 +20,7 @@ from typing import Any
 from frod_ds.runtime.strict_json import DuplicateKeyError, parse_json
 
 __all__ = [
+    "flat_items",
     "known_keys",
     "unknown_keys",
     "parse_json",
@@ -95,11 +96,12 @@ def unknown_keys(cfg: dict) -> list[str]:
     return problems
 
 
-def _walk(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+def flat_items(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Every leaf of a JSON-like ``node`` with its dotted path (list items by index): ``[("a.b.0", 1), ...]``."""
     if isinstance(node, dict):
-        return [x for k, v in node.items() for x in _walk(v, f"{prefix}{k}.")]
+        return [x for k, v in node.items() for x in flat_items(v, f"{prefix}{k}.")]
     if isinstance(node, list):
-        return [x for i, v in enumerate(node) for x in _walk(v, f"{prefix}{i}.")]
+        return [x for i, v in enumerate(node) for x in flat_items(v, f"{prefix}{i}.")]
     return [(prefix[:-1], node)]
 
 
@@ -107,7 +109,7 @@ def string_flags(cfg: dict) -> list[str]:
     """A boolean written as a string anywhere ("false", "True"): DeepSpeed reads it one way, a truth test the other."""
     return [
         f'{path} is the string "{v}"; write {v.lower()} without quotes (a JSON boolean)'
-        for path, v in _walk(cfg)
+        for path, v in flat_items(cfg)
         if isinstance(v, str) and v.lower() in ("true", "false")
     ]
 

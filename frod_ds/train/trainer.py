@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from frod_ds._moved import forward_names
+from frod_ds.config.ds_checks import flat_items
 from frod_ds.config.ds_config import as_ds_config, nvme_offloads, offload_device, zero_stage
 from frod_ds.config.recipe import Recipe, recipe_to_dict
 from frod_ds.config.zero3_layout import host_shards
@@ -85,19 +86,13 @@ def setup(
     return dataclasses.replace(run, start_step=_resume(run, *resume))
 
 
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        return {k: v for key, sub in node.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: node}
-
-
 def _check_ranks_agree(recipe: Recipe, inputs: Inputs) -> None:
     """``FrodError`` on every rank unless each was started with rank 0's recipe and DeepSpeed JSON and reads the
     same inputs (the run's identity: data, tokenizer, base digests): nodes reading different copies of a recipe or
     a data file would train one mixed run whose record states rank 0's settings only."""
     mine = {
-        "recipe": _flat(recipe_to_dict(recipe)),
-        "deepspeed": _flat(inputs.user_ds_config or dict(inputs.ds_config)),
+        "recipe": dict(flat_items(recipe_to_dict(recipe))),
+        "deepspeed": dict(flat_items(inputs.user_ds_config or dict(inputs.ds_config))),
         "identity": inputs.run_identity.to_json(),
     }
     everyone = dist.all_gather_object(mine)
