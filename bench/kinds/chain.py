@@ -61,6 +61,7 @@ CHAIN_KEYS: dict[str, Any] = {
     "omp_threads": 0,  # OMP_NUM_THREADS of the training runs; 0: the launcher's (torchrun: 1 for several ranks)
     "sparsity": 0.02,  # FRoD's S rate in the recipe (and the planner's prediction)
     "phase_times": False,  # the runs' train.phase_times: rank 0's forward, backward and optimizer seconds per step
+    "profile_step": 0,  # the train run's train.profile_step (each rank's cProfile summary kept in its record); 0: none
     "tag": "",
 }
 
@@ -70,8 +71,9 @@ def check(s: dict[str, Any], where: str) -> None:
     if s["shape"] not in SHAPES:
         raise BenchError(f"{where}: shape {s['shape']!r} is not one of {', '.join(SHAPES)}")
     ints = ("layers", "gpus", "seq", "batch", "steps", "save_at", "kill_at", "mfu_batch_max", "mfu_steps")
-    ints += ("omp_threads",)
-    bad = [k for k in ints if not isinstance(s[k], int) or s[k] < (0 if k in ("layers", "omp_threads") else 1)]
+    ints += ("omp_threads", "profile_step")
+    zero_ok = ("layers", "omp_threads", "profile_step")
+    bad = [k for k in ints if not isinstance(s[k], int) or s[k] < (0 if k in zero_ok else 1)]
     if bad:
         raise BenchError(f"{where}: {', '.join(bad)} must be positive integers")
     if not s["save_at"] < s["kill_at"] < min(2 * s["save_at"], s["steps"]):
@@ -87,6 +89,8 @@ def check(s: dict[str, Any], where: str) -> None:
         raise BenchError(f"{where}: sparsity must be a number between 0 and 1 (exclusive), got {s['sparsity']!r}")
     if not isinstance(s["phase_times"], bool):
         raise BenchError(f"{where}: phase_times must be true or false, got {s['phase_times']!r}")
+    if s["profile_step"] and not s["profile_step"] < s["kill_at"]:
+        raise BenchError(f"{where}: profile_step must come before kill_at ({s['kill_at']}), got {s['profile_step']}")
     if s["tag"] and not re.fullmatch(r"[a-z0-9][a-z0-9_]*", s["tag"]):
         raise BenchError(f"{where}: tag {s['tag']!r} must be lower-case letters, digits or '_'")
 
@@ -323,7 +327,8 @@ def _figures(ch: Chain, run: dict, rows: list[dict], batch: int) -> dict[str, An
     """Median step after the first of ``rows``, tokens/s and MFU per GPU at ``batch`` x ``seq``; memory per rank."""
     from frod_ds.plan.flops import flops_per_token, peak_bf16_flops
 
-    s, world, timed = ch.cfg.settings, ch.cfg.settings["gpus"], rows[1:]
+    s, world = ch.cfg.settings, ch.cfg.settings["gpus"]
+    timed = [r for r in rows[1:] if r["step"] != s["profile_step"]]  # a profiled step is not a timing
     tok = statistics.median(r["tokens_per_s"] for r in timed) / world
     cfg = synthetic.config_json(shape_of(s))
     fl = flops_per_token(cfg, s["seq"], "frod", batch * s["seq"], targets=TARGETS, sparsity=s["sparsity"])["total"]
@@ -342,6 +347,16 @@ def _figures(ch: Chain, run: dict, rows: list[dict], batch: int) -> dict[str, An
         "build_s": run.get("build_s"),  # frod train's own "model built in" line (runs kept before it: None)
         **{f"{k}_median": statistics.median(r[k] for r in timed) for k in PHASES if all(k in r for r in timed)},
     }
+
+
+def _profiles(out: Path, step: int) -> dict[str, str]:
+    """Each rank's cProfile summary of optimizer step ``step`` of the run in ``out`` (``train.profile_step``)."""
+    from frod_ds.train.profile import profile_path
+
+    if not step:
+        return {}
+    found = {r: profile_path(out, step, r) for r in range(64)}
+    return {f"rank{r}": p.read_text() for r, p in found.items() if p.is_file()}
 
 
 def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
@@ -369,6 +384,7 @@ def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
     status, error = "ok", ""
     if stage == "train":
         m["killed_after_step"] = max(r["step"] for r in rows)
+        m["profiles"] = _profiles(ch.runs / "train", s["profile_step"])
     if stage == "resume":
         before, after = {r["step"]: r for r in json.loads((ch.runs / "train.json").read_text())["rows"]}, m["losses"]
         overlap = [k for k in sorted(before) if k > s["save_at"] and k in after]

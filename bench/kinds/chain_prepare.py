@@ -82,6 +82,8 @@ def _write_recipe(ch: Chain) -> None:
     data = {"train": str(root / "data" / "train.jsonl"), "cutoff_len": s["seq"], "train_on_inputs": True}
     train = {"max_steps": s["steps"], "micro_batch_size": s["batch"], "grad_accum": 1, "log_every": 1}
     train["phase_times"] = s["phase_times"]
+    if s["profile_step"]:
+        train["profile_step"] = s["profile_step"]
     recipe = {
         "model": {**model, "dtype": s["dtype"], "gradient_checkpointing": True},
         "data": data,

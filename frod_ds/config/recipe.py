@@ -95,6 +95,9 @@ class TrainCfg:
     # each logged row also has rank 0's forward, backward and optimizer seconds (the device synchronized at each
     # boundary, which costs a little): where a step's time goes
     phase_times: bool = False
+    # this optimizer step (1-based; 0: none) runs under Python's cProfile on every rank, each writing
+    # profile/step-<k>.rank<r>.txt: where the host's time goes, the waits on the device and on other ranks included
+    profile_step: int = 0
 
 
 @dataclass
@@ -152,7 +155,7 @@ class Recipe:
         for name in ("max_grad_norm", "weight_decay"):  # 0 turns each off; below 0 it would be taken silently
             if getattr(t, name) < 0:
                 p.append(f"train.{name} must be >= 0, got {getattr(t, name)}")
-        for name in ("log_every", "save_every", "eval_every", "rotation_every"):
+        for name in ("log_every", "save_every", "eval_every", "rotation_every", "profile_step"):
             if getattr(t, name) < 0:
                 p.append(f"train.{name} must be >= 0")
         if t.log_every == 0:

@@ -51,6 +51,7 @@ _NOT_IDENTITY = {
     "train.keep_checkpoints",
     "train.tensorboard",
     "train.phase_times",
+    "train.profile_step",
     "train.max_nonfinite_steps",
     "train.new_run",
 }

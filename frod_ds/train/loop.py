@@ -33,6 +33,7 @@ from frod_ds.train.engine_state import Layout, write_checkpoint
 from frod_ds.train.identity import identity_records
 from frod_ds.train.metrics import MetricsLog, peak_mem_gb, plot_loss, reset_peak_mem
 from frod_ds.train.preflight import Inputs
+from frod_ds.train.profile import profiled
 from frod_ds.train.run_dir import recipe_yaml, record_adapter
 from frod_ds.train.schedule import group_lrs
 
@@ -185,16 +186,11 @@ class PhaseClock:
         self.last = now
 
 
-def train_step(run: Run, step: int) -> dict[str, float]:
-    """Optimizer step ``step`` (0-based) over this rank's micro-batches; the metrics row's values, all-reduced
-    (the phase times, where asked for, are rank 0's)."""
+def _micro_batches(run: Run, micro: list, clock: PhaseClock) -> tuple[list[torch.Tensor], int, float | None]:
+    """Forward, backward and ``engine.step()`` over one optimizer step's micro-batches: their losses, tokens, and
+    the gradient norm the loop computes itself where DeepSpeed keeps none."""
     engine, dev = run.engine, dist.local_device()
-    reset_peak_mem()
-    t0 = time.perf_counter()
-    clock = PhaseClock(dev, run.recipe.train.phase_times)
-    lr_sigma, lr_s = group_lrs(engine.optimizer)  # the rates this step applies (the scheduler steps in engine.step)
     losses, tokens, own_norm = [], 0, None
-    micro = run.plan.micro_batches(step)
     for i, idx in enumerate(micro):
         batch = {k: v.to(dev) for k, v in collate([run.inputs.examples[i] for i in idx], run.pad_id).items()}
         clock.mark("data_s")
@@ -208,9 +204,23 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         clock.mark("optimizer_s")
         losses.append(loss.detach().float())
         tokens += int(batch["attention_mask"].sum())
-    stats = dist.all_reduce_sum(
-        torch.tensor([torch.stack(losses).mean().item(), tokens], dtype=torch.float64, device=dev)
-    )
+    return losses, tokens, own_norm
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    """Optimizer step ``step`` (0-based) over this rank's micro-batches; the metrics row's values, all-reduced
+    (the phase times, where asked for, are rank 0's)."""
+    engine, dev = run.engine, dist.local_device()
+    reset_peak_mem()
+    t0 = time.perf_counter()
+    clock = PhaseClock(dev, run.recipe.train.phase_times)
+    lr_sigma, lr_s = group_lrs(engine.optimizer)  # the rates this step applies (the scheduler steps in engine.step)
+    micro = run.plan.micro_batches(step)
+    with profiled(run.out, step + 1, dist.get_rank(), run.recipe.train.profile_step == step + 1):
+        losses, tokens, own_norm = _micro_batches(run, micro, clock)
+        stats = dist.all_reduce_sum(  # waits for the device: the profile holds the step's end
+            torch.tensor([torch.stack(losses).mean().item(), tokens], dtype=torch.float64, device=dev)
+        )
     dt = time.perf_counter() - t0
     grad_norm = engine.get_global_grad_norm()
     grad_norm = own_norm if grad_norm is None else grad_norm

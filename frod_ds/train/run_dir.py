@@ -42,8 +42,9 @@ __all__ = [
 
 RUN_KIND = "training-run"  # the marker's kind (frod_ds.runtime.atomic) of an output_dir training wrote
 RUN_HOSTS = (RUN_KIND, "demo")  # what training writes into: its own runs, and the directory of `frod demo`
-PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard")  # and adapter-*/
-RUN_FILES = ("recipe.yaml", "metrics.jsonl", "loss.png", "tensorboard/", "checkpoints/")  # recorded as a run opens
+PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard", "profile")  # and adapter-*/
+# recorded as a run opens
+RUN_FILES = ("recipe.yaml", "metrics.jsonl", "loss.png", "tensorboard/", "checkpoints/", "profile/")
 
 
 def _is_legacy_run(out: Path) -> bool:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import pytest
 import torch
@@ -201,6 +202,11 @@ def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwis
         assert len(f["host_peak_rss_gib_per_rank"]) == s["gpus"]
         phases = [f[f"{k}_median"] for k in ("data_s", "forward_s", "backward_s", "optimizer_s")]  # phase_times
         assert all(t > 0 for t in phases) and sum(phases) <= 1.5 * f["step_s_median"]
+    # the profiled step (profile_step): each rank's cProfile summary kept in the train record; its row not timed
+    profiles = records["train"].metrics["profiles"]
+    assert list(profiles) == ["rank0"] and profiles["rank0"].startswith(f"rank 0, optimizer step {s['profile_step']}:")
+    timed = [r["step_time_s"] for r in killed[1:] if r["step"] != s["profile_step"]]
+    assert len(timed) == len(killed) - 2 and records["train"].metrics["figures"]["step_s_median"] == median(timed)
     for stage in ("train", "resume"):  # the build time is frod train's own line in that run's log
         said = re.findall(r"model built in ([0-9.]+) s", (root / "runs" / f"{stage}.log").read_text())
         assert said and records[stage].metrics["figures"]["build_s"] == float(said[-1]) > 0

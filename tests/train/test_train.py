@@ -282,9 +282,9 @@ def test_zero3_layout_trains_like_zero2_step_by_step(env, zero2_four_steps, tmp_
 
 def test_gradient_checkpointing_under_zero3_gives_the_same_step(one_step_zero3, env, tmp_path):
     """The trainer's (non-reentrant) checkpointing with frozen U/V: same loss and gradient norm as without it. The
-    run also asks for its phase times: they account for the step's time (less the metrics' all-reduce) and change
-    no number."""
-    extra = {"model.gradient_checkpointing": "true", "train.phase_times": "true"}
+    run also asks for its phase times, and profiles its one step: the times account for the step's time (less the
+    metrics' all-reduce), the profile names the engine's calls, and neither changes a number."""
+    extra = {"model.gradient_checkpointing": "true", "train.phase_times": "true", "train.profile_step": "1"}
     res = run_train(CPU_ZERO3, env.overrides(tmp_path / "gc", **ONE_STEP, **extra))
     assert res.returncode == 0, res.stderr[-3000:]
     gc = metrics(tmp_path / "gc")[0]
@@ -294,6 +294,11 @@ def test_gradient_checkpointing_under_zero3_gives_the_same_step(one_step_zero3, 
     phases = ("data_s", "forward_s", "backward_s", "optimizer_s")
     assert not any(k in one_step_zero3 for k in phases)
     assert all(gc[k] > 0 for k in phases) and 0.5 * gc["step_time_s"] < sum(gc[k] for k in phases) <= gc["step_time_s"]
+    names = sorted(p.name for p in (tmp_path / "gc" / "profile").iterdir())  # one per rank
+    assert names == [f"step-000001.rank{r}.txt" for r in range(len(names))] and len(names) >= 1
+    text = (tmp_path / "gc" / "profile" / names[-1]).read_text()
+    assert text.startswith(f"rank {len(names) - 1}, optimizer step 1: ")
+    assert "by cumulative" in text and "by tottime" in text and "(backward)" in text and "(step)" in text, text[:3000]
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
