@@ -44,7 +44,14 @@ POINTS = [
 DEEPCOMPILE_CALLS = sorted((RESULTS / "zero3_levers").glob("deepcompile_*_layers/*/frod_*.json"))
 HOST_DEVICE = sorted((RESULTS / "host_device").glob("*/host_device.json"))
 # frod train's own runs of the chains whose optimizer steps on the CPU: their train and mfu stages
-CHAIN_SUITES = ("offload-7b-train-2gpu", "offload-7b-train-1gpu", "offload-7b-phases", "offload-7b-rank-check")
+CHAIN_SUITES = (
+    "offload-7b-train-2gpu",
+    "offload-7b-train-1gpu",
+    "offload-7b-phases",
+    "offload-7b-rank-check",
+    "offload-7b-profile",
+    "offload-7b-l16-check",
+)
 # A chain run with train.phase_times synchronizes the device at each phase boundary: the host no longer runs ahead
 # of the device, a step the model does not describe (its phases are what CPU_OPTIMIZER_PARAM_S is read off)
 PHASE_TIMED = "phase-timed: the device is synchronized at each phase boundary"

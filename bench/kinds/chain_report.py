@@ -85,6 +85,7 @@ def render(suite: Suite, device: str, records: list[Record]) -> str:
             lines[-1] += " Build s: `frod train`'s own figure for building the model (skeleton, factor store and"
             lines[-1] += " checkpoint reads) before its first step; – where the run predates it."
         lines += _phases(runs)
+        lines += _profiles(runs)
     return "\n".join(lines) + "\n"
 
 
@@ -101,4 +102,33 @@ def _phases(runs: list[tuple[str, dict]]) -> list[str]:
         out.append(f"| {x} | " + " | ".join(f"{v:.3f}" for v in t) + f" | {sum(t) / f['step_s_median']:.2f} |")
     out += ["", "Phases: rank 0's seconds per step, median over the timed steps, each phase ending when the device"]
     out[-1] += " has finished its work (the step's metrics all-reduce is in none)."
+    return out
+
+
+PROFILE_TOP = 8  # functions per rank in the report (the record keeps each rank's whole summary)
+
+
+def _top_own(text: str) -> list[list[str]]:
+    """The first ``PROFILE_TOP`` rows (calls, own s, cumulative s, function) of a cProfile summary's own-time list."""
+    rows, started = [], False
+    for line in text[text.index("by tottime") :].splitlines():
+        started = started or line.lstrip().startswith("ncalls")
+        cells = line.split(None, 5)
+        if started and len(cells) == 6 and cells[1].replace(".", "").isdigit():
+            rows.append([cells[0], cells[1], cells[3], cells[5]])
+    return rows[:PROFILE_TOP]
+
+
+def _profiles(runs: list[tuple[str, dict]]) -> list[str]:
+    """Each rank's most expensive functions (own time) in the step profiled under cProfile (``profile_step``)."""
+    found = [(x, r, t) for x, m in runs for r, t in sorted(m.get("profiles", {}).items())]
+    if not found:
+        return []
+    out = ["", "| run | rank | function | calls | own s | cumulative s |", "|---" * 6 + "|"]
+    for x, rank, text in found:
+        for calls, own, cum, fn in _top_own(text):
+            out.append(f"| {x} | {rank[4:]} | `{fn.replace('|', '/')}` | {calls} | {own} | {cum} |")
+    out += ["", f"Profiled: the train run's step `profile_step` under cProfile on each rank, the {PROFILE_TOP}"]
+    out[-1] += " functions with the most own time (the record keeps each rank's whole summary; that step is left out"
+    out[-1] += " of the step times above)."
     return out

@@ -92,8 +92,8 @@ def print_plan(plan, title: str, model=None) -> None:
             )
         if plan.engine.offload_optimizer:
             print(
-                "  its CPU optimizer term is not checked: read off measured optimizer phases, it failed its check "
-                "(2-GPU 7B steps grow faster with σ and S than it does: bench/results/time_model_check.md)"
+                "  its CPU optimizer term runs on the host, one thread per rank: one set-up's 2-GPU steps vary "
+                "from call to call by more than the model's 15% goal (bench/results/time_model_check.md)"
             )
     if plan.host_bytes:
         print(

@@ -50,10 +50,11 @@ HOST_SHARD_BYTES_PER_S = 54e9
 # Reads of NVMe-offloaded frozen weights under DeepSpeed's coordinator (async_io): the disk's read speed decides it.
 # Read off the GPU machine's local disk (nvme-7b-train-1gpu); a machine's own drives may be several times faster.
 DISK_BYTES_PER_S = 2.1e9
-# The optimizer on the CPU (offload_optimizer: DeepSpeedCPUAdam's step and its copies), seconds per trainable
-# parameter of one rank (each rank steps its 1/N of σ and S): the median of rank 0's optimizer phase over its
-# parameters in offload-7b-phases (1 GPU at S 0.02, 2 GPUs at S 0.02 and 0.05; 2.3-2.9e-9 s).
-CPU_OPTIMIZER_PARAM_S = 2.63e-9
+# The optimizer on the CPU (offload_optimizer: DeepSpeedCPUAdam's step, the gradients' copies, unscaling and
+# overflow check on the host), seconds per trainable parameter of one rank (each rank steps its 1/N of σ and S):
+# the median of rank 0's optimizer phase over its parameters in offload-7b-phases (1 GPU at S 0.02, 2 GPUs at
+# S 0.02, 0.05 and 0.08; 2.3-2.9e-9 s); offload-7b-profile names its parts.
+CPU_OPTIMIZER_PARAM_S = 2.42e-9
 # Dequantization on the GPU, seconds per quantized element and pass.
 DEQUANT_DEVICE_S = {"nf4": 1.4e-12, "int8": 7.9e-12}
 # The host's time per decoder layer and pass of a bf16 FRoD step, and per quantized linear and pass on top of it.
