@@ -36,13 +36,16 @@ class Command:
     module: str  # has ``main(argv) -> int``
     help: str
     fast_exit: bool = False  # leave with os._exit (frod_ds.runtime.entry.run_script says why)
+    ranks: bool = False  # runs on every rank of a launcher; else one process: rank 0 runs it (``_other_rank``)
 
 
 COMMANDS: dict[str, Command] = {
     "data": Command("frod_ds.prep.command", "build, inspect or show the Commonsense170K data (JSONL rows)"),
-    "hjd": Command("frod_ds.cli.hjd", "decompose a base model's targeted weights into a factor store", True),
-    "train": Command("frod_ds.cli.train", "train FRoD adapters with DeepSpeed ZeRO-2/3 (resumes output_dir)", True),
-    "eval": Command("frod_ds.cli.eval", "score a model or adapter on the commonsense tasks", True),
+    "hjd": Command("frod_ds.cli.hjd", "decompose a base model's targeted weights into a factor store", True, True),
+    "train": Command(
+        "frod_ds.cli.train", "train FRoD adapters with DeepSpeed ZeRO-2/3 (resumes output_dir)", True, True
+    ),
+    "eval": Command("frod_ds.cli.eval", "score a model or adapter on the commonsense tasks", True, True),
     "export": Command("frod_ds.cli.export", "export an adapter as a merged HF checkpoint or a PEFT adapter"),
     "plan": Command("frod_ds.cli.plan", "per-GPU memory of FRoD training and the fastest set-up that fits"),
     "demo": Command("frod_ds.cli.demo", "the whole pipeline on a tiny local Llama (CPU or GPUs)"),
@@ -85,7 +88,27 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     head, tail = _split(args)
     ns = _parser().parse_args(head)  # --help / --version / an unknown command end here
+    if _other_rank(ns.command):
+        return 0
     return int(_command_module(ns.command).main(tail) or 0)
+
+
+def _other_rank(command: str) -> bool:
+    """Whether this process is a rank other than 0 of a launcher (torchrun, srun with several tasks) running a
+    one-process command: it leaves the command to rank 0, so that one process writes its output (rank 0 says
+    so in a note)."""
+    from frod_ds.runtime.launch_env import launcher_rank_world
+
+    where = None if COMMANDS[command].ranks else launcher_rank_world()
+    if where is None or where[1] == 1:
+        return False
+    if where[0] == 0:
+        print(
+            f"note: frod {command} runs as one process: rank 0 of the {where[1]} the launcher started runs it, "
+            "the others leave it",
+            file=sys.stderr,
+        )
+    return where[0] != 0
 
 
 def _command_module(name: str) -> ModuleType:
@@ -130,5 +153,5 @@ def launch_shim(name: str, command: str) -> None:
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
         if spec is not None:  # started by its module name, not as the file
             deprecated_form(f"python -m {spec.name}", f"frod {command}")
-        run_script(module.main, fast_exit=COMMANDS[command].fast_exit)
+        run_script(lambda: 0 if _other_rank(command) else module.main(), fast_exit=COMMANDS[command].fast_exit)
     sys.modules[name] = module

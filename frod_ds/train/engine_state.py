@@ -113,11 +113,11 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
         )
         for old in sealed[:-keep]:
             if old != ckpt.name and _the_runs(root / old, own, sealed=True):
-                shutil.rmtree(root / old, ignore_errors=True)
-        for p in root.iterdir():  # leftovers of a save that was killed: never resumed from
+                _remove_save(root / old)
+        for p in root.iterdir():  # leftovers of a save (or a removal) that was killed: never resumed from
             if p.is_dir() and step_of(p.name) is not None and not (p / COMPLETE).is_file() and p.name != ckpt.name:
                 if _the_runs(p, own, sealed=False):
-                    shutil.rmtree(p, ignore_errors=True)
+                    _remove_save(p)
     dist.barrier()
 
 
@@ -133,7 +133,14 @@ def _clear_step_dir(ckpt: Path, own: tuple[str, ...], step: int) -> None:
             f"({', '.join(foreign[:3])}{' …' if len(foreign) > 3 else ''}): move it away and run the same command "
             "again (it resumes)"
         )
-    shutil.rmtree(ckpt)
+    _remove_save(ckpt, ignore_errors=False)
+
+
+def _remove_save(ckpt: Path, ignore_errors: bool = True) -> None:
+    """Delete the save ``ckpt``, its seal first: a kill part way leaves an unsealed folder, which the next save
+    reclaims as a killed save's leftover, never a sealed-looking one missing its files."""
+    (ckpt / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(ckpt, ignore_errors=ignore_errors)
 
 
 def _the_runs(ckpt: Path, own: tuple[str, ...], sealed: bool) -> bool:
@@ -146,7 +153,8 @@ def _the_runs(ckpt: Path, own: tuple[str, ...], sealed: bool) -> bool:
             step = read_meta(ckpt / TRAINABLE_STATE).step
         except (OSError, ValueError, FrodError):
             step = None
-        if step != step_of(ckpt.name):
+        # absent: an older frod-ds's save, or one whose removal it began with the files, not the seal: the run's own
+        if step != step_of(ckpt.name) and os.path.lexists(ckpt / TRAINABLE_STATE):
             why = f"its trainable state is of step {step} (a copy?)"
     if why:
         note(f"{ckpt} is left alone, not pruned: {why}")

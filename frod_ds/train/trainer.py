@@ -33,7 +33,8 @@ from frod_ds.model.build_layers import build_layer_partitioned
 from frod_ds.model.frozen_shards import shards_of
 from frod_ds.prep.tokens import tokenizer_sha256
 from frod_ds.runtime import distributed as dist
-from frod_ds.runtime.errors import FrodError, note
+from frod_ds.runtime.errors import note
+from frod_ds.runtime.rank_agreement import first_unlike_rank, refuse_unlike, setting_differences
 from frod_ds.runtime.shared_dir import check_shared_dir
 from frod_ds.train.checkpoints import choose_checkpoint, step_of, unsealed_checkpoints
 from frod_ds.train.data import BatchPlan
@@ -90,29 +91,19 @@ def _check_ranks_agree(recipe: Recipe, inputs: Inputs) -> None:
     """``FrodError`` on every rank unless each was started with rank 0's recipe and DeepSpeed JSON and reads the
     same inputs (the run's identity: data, tokenizer, base digests): nodes reading different copies of a recipe or
     a data file would train one mixed run whose record states rank 0's settings only."""
-    mine = {
-        "recipe": dict(flat_items(recipe_to_dict(recipe))),
-        "deepspeed": dict(flat_items(inputs.user_ds_config or dict(inputs.ds_config))),
-        "identity": inputs.run_identity.to_json(),
+    settings = {
+        "": dict(flat_items(recipe_to_dict(recipe))),
+        "DeepSpeed ": dict(flat_items(inputs.user_ds_config or dict(inputs.ds_config))),
     }
-    everyone = dist.all_gather_object(mine)
-    first = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        diff = [
-            f"{label}{k}: {first[part].get(k)!r} on rank 0, {theirs[part].get(k)!r} on rank {rank}"
-            for part, label in (("recipe", ""), ("deepspeed", "DeepSpeed "))
-            for k in sorted(set(first[part]) | set(theirs[part]))
-            if first[part].get(k) != theirs[part].get(k)
-        ]
-        if not diff and first["identity"] != theirs["identity"]:
-            ident = RunIdentity.from_json(first["identity"], "rank 0")
-            diff = ident.differences(RunIdentity.from_json(theirs["identity"], f"rank {rank}")) or ["run identity"]
-        if diff:
-            raise FrodError(
-                f"the ranks were not started alike: {'; '.join(diff[:3])}{' …' if len(diff) > 3 else ''}; start "
-                "every rank with the same command and the same files (a node reading another copy of the recipe, "
-                "the DeepSpeed JSON or the data?)"
-            )
+    found = first_unlike_rank({"settings": settings, "identity": inputs.run_identity.to_json()})
+    if found is None:
+        return
+    rank, first, theirs = found
+    diff = setting_differences(first["settings"], theirs["settings"], rank)
+    if not diff:
+        ident = RunIdentity.from_json(first["identity"], "rank 0")
+        diff = ident.differences(RunIdentity.from_json(theirs["identity"], f"rank {rank}")) or ["run identity"]
+    refuse_unlike(diff, "a node reading another copy of the recipe, the DeepSpeed JSON or the data?")
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:

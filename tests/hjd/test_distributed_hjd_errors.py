@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.model.store_reader import FactorStore
 from launch.hjd import main
-from tests.support.helpers_ckpt import run_hjd, shard_of, write_tiny_llama
+from tests.support.helpers_ckpt import REPO, run_hjd, shard_of, write_tiny_llama
 
 Q0 = "model.layers.0.self_attn.q_proj.weight"
 
@@ -455,3 +455,17 @@ def test_hjd_into_its_own_model_folder_names_the_input(model, capsys):
     (line,) = _error_lines(capsys.readouterr().err)
     assert f"is --model {model}, an input of this command" in line, line
     assert sorted(p.name for p in model.iterdir()) == before
+
+
+def test_ranks_given_different_flags_are_refused_before_anything_is_written(model, tmp_path, monkeypatch):
+    """A launcher script passing rank 1 another ``--pi``: each rank would write its members' factors at its own π
+    under a manifest stating rank 0's, a store that verifies but is not what it says. Refused on every rank."""
+    monkeypatch.setenv("RANK_ARGS_LAUNCH", "hjd.py")
+    monkeypatch.setenv("RANK1_EXTRA", "--pi 0.9")
+    out = tmp_path / "store"
+    script = REPO / "tests" / "support" / "rank_args.py"
+    proc = run_hjd(["--model", str(model), "--out", str(out), "--device", "cpu", "--pi", "0.5"], nproc=2, script=script)
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    (line,) = _error_lines(proc.stderr)
+    assert "the ranks were not started alike: --pi: '0.5' on rank 0, '0.9' on rank 1" in line, line
+    assert "Traceback" not in proc.stderr and not out.exists()

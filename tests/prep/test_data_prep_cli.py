@@ -185,3 +185,29 @@ def test_hub_source_offline_fails_with_one_line_error(tmp_path):
     assert line.startswith("error: cannot load siqa from the Hugging Face Hub (lighteval/siqa, split train): ")
     assert "use --source DIR" in line
     assert not out.exists()
+
+
+def test_a_build_under_a_launcher_of_several_ranks_is_built_once(tmp_path):
+    """``frod data build`` started on each of 2 ranks (torchrun, or srun with several tasks in a batch script): rank 0
+    builds, the others leave it, the job succeeds, and the output equals a one-process build's."""
+    from tests.support import ranks
+
+    args = ["-m", "frod_ds", "data", "build", "--source", str(MIRROR), "--tasks", "boolq,obqa", "--out"]
+    one = ranks.run(0, [*args, str(tmp_path / "one")], clean_env(), REPO, 60)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = ranks.run(2, [*args, str(tmp_path / "two")], clean_env(), REPO, 60)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "error:" not in two.stderr and two.stderr.count("note: frod data runs as one process") == 1, two.stderr
+    files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*") if p.is_file())
+    jsonl = [f for f in files if f.suffix == ".jsonl"]
+    assert jsonl and all((tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes() for f in jsonl)
+
+
+def test_a_one_process_launch_script_under_several_ranks_runs_on_rank_0_only():
+    """The ``launch/`` form of a one-process command (export) on 2 ranks: its help printed once, by rank 0."""
+    from tests.support import ranks
+
+    two = ranks.run(2, [str(REPO / "launch" / "export.py"), "--help"], clean_env(), REPO, 60)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("usage:") == 1 and two.stderr.count("note: frod export runs as one process") == 1

@@ -8,7 +8,7 @@ import pytest
 from tests.support.train_env import REPO, build_env, run_train
 
 CPU_ZERO2 = REPO / "ds_configs" / "zero2_cpu_fp32.json"
-SCRIPT = REPO / "tests" / "support" / "rank_args_train.py"
+SCRIPT = REPO / "tests" / "support" / "rank_args.py"
 
 
 @pytest.fixture(scope="module")

@@ -71,3 +71,27 @@ def test_a_users_folder_where_a_save_is_due_stops_the_run_and_is_kept(tmp_path):
     (killed / COMPLETE).unlink()
     engine_state._clear_step_dir(killed, OWN, 50)  # a save killed there before: cleared
     assert not killed.exists()
+
+
+def test_a_removal_killed_part_way_leaves_a_folder_the_next_save_reclaims(tmp_path, monkeypatch):
+    """A save's folder is removed seal first: a kill inside the removal leaves an unsealed leftover, which later
+    saves reclaim. A sealed folder whose files an older removal took first (the seal kept, the trainable state
+    gone) is the run's own too and is pruned, not left alone for good."""
+    root = tmp_path / "checkpoints"
+    ckpt = _save(root, 10)
+    real = shutil.rmtree
+
+    def killed(path, ignore_errors=False):  # the removal's first file deleted, then the process is gone
+        Path(path, "rng_rank0.pt").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_state.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        engine_state._remove_save(ckpt)
+    monkeypatch.setattr(engine_state.shutil, "rmtree", real)
+    assert ckpt.is_dir() and not (ckpt / COMPLETE).exists()
+    assert engine_state._the_runs(ckpt, OWN, sealed=False)  # an unsealed leftover: reclaimed
+    half = _save(root, 20)
+    for name in (TRAINABLE_STATE, "rng_rank0.pt"):  # an older frod-ds's removal, files first, cut short
+        (half / name).unlink()
+    assert engine_state._the_runs(half, OWN, sealed=True)
