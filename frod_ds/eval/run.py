@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -21,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from frod_ds.eval.accuracy import markdown_table, summarize
+from frod_ds.eval.model_load import check_token_ids, load_model, resolve_dtype
 from frod_ds.eval.predict import (
     LLM_ADAPTERS_MAX_NEW_TOKENS,
     LLM_ADAPTERS_NUM_BEAMS,
@@ -41,6 +43,7 @@ from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import TMP, atomic_write_text, disk_advice, tmp_problem
 from frod_ds.runtime.errors import note
 from frod_ds.runtime.paths import dir_problem, file_problem
+from frod_ds.runtime.rank_agreement import check_ranks_agree
 from frod_ds.runtime.strict_json import loads
 
 __all__ = ["MODES", "EvalConfig", "parse_modes", "load_task_rows", "check_built", "run"]
@@ -230,83 +233,6 @@ def check_built(data: Path, paths: dict[str, Path]) -> None:
             )
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def _unreadable_shard(model: str) -> str:
-    """The first safetensors shard of ``model`` that safetensors cannot open (safetensors' errors name no file)."""
-    from safetensors import safe_open
-
-    from frod_ds.io.model_dir import resolve_model_dir
-
-    for shard in sorted(Path(resolve_model_dir(model)).glob("*.safetensors")):
-        try:
-            with safe_open(str(shard), "pt"):
-                pass
-        except Exception:  # noqa: BLE001 - any unreadable shard is the one to name
-            return shard.name
-    return "a weight file"
-
-
-def load_model(config: EvalConfig, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
-    """(model in eval mode on `device`, tokenizer) from --checkpoint (FRoD adapter) or --model (plain HF)."""
-    from frod_ds.model import adapter
-
-    if config.checkpoint:
-        if not adapter.is_adapter_checkpoint(config.checkpoint):
-            raise EvalError(adapter.not_an_adapter(config.checkpoint, "--checkpoint"))
-        model, tokenizer = adapter.load_frod_model(
-            config.checkpoint,
-            base_model=config.base_model,
-            factor_store=config.factor_store,
-            dtype=dtype,
-            device=str(device),
-        )
-    else:
-        assert config.model is not None
-        if adapter.is_adapter_checkpoint(config.model):
-            raise EvalError(f"--model {config.model} is a FRoD adapter checkpoint; pass it with --checkpoint")
-        from frod_ds.io.hf_checkpoint import INDEX_NAME, SINGLE_NAME, HFCheckpoint
-        from frod_ds.io.model_dir import check_config_file, check_model_folder
-
-        if Path(config.model).is_dir():  # a store, a PEFT adapter, a data build; a config of no or another model
-            check_model_folder(Path(config.model))
-            has_safetensors = any((Path(config.model) / n).is_file() for n in (INDEX_NAME, SINGLE_NAME))
-            if has_safetensors:
-                HFCheckpoint(config.model).config()
-            elif any(Path(config.model).glob("*.bin")):  # torch.load of a foreign pickle: never, and no traceback
-                raise EvalError(
-                    f"--model {config.model} holds PyTorch .bin weights only; frod-ds reads safetensors checkpoints "
-                    "(they cannot run code when read): convert them first, e.g. save_pretrained(safe_serialization="
-                    "True) in a trusted environment"
-                )
-            else:
-                check_config_file(config.model)
-        from transformers import AutoModelForCausalLM
-
-        from frod_ds.prep.tokens import load_tokenizer
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
-        except OSError as e:  # transformers says what is missing or unreadable with an OSError
-            raise EvalError(f"cannot load --model {config.model}: {e}") from None
-        except Exception as e:  # a damaged shard: safetensors' error names no file
-            if type(e).__name__ != "SafetensorError":
-                raise
-            raise EvalError(
-                f"--model {config.model}: {_unreadable_shard(config.model)} cannot be read ({e}); the "
-                "checkpoint is damaged (truncated or overwritten), copy it again"
-            ) from None
-        tokenizer = load_tokenizer(config.tokenizer or config.model)
-        bad = adapter.nonfinite_tensor(dict(model.named_parameters()))
-        if bad is not None:  # its logits would be NaN and every score a tie
-            raise EvalError(f"--model {config.model}: {bad}; the checkpoint is damaged, copy it again")
-    return model.eval(), tokenizer
-
-
 def score_batch(
     mode: str, model: torch.nn.Module, tokenizer: Any, rows: list[dict[str, Any]], pad_id: int, config: EvalConfig
 ) -> list[dict[str, Any]]:
@@ -422,26 +348,13 @@ def _inputs(config: EvalConfig) -> tuple[dict[str, list[dict[str, Any]]], torch.
     rows = load_task_rows(config.data, config.tasks, config.limit, config.modes)
     device = dist.local_device()
     model, tokenizer = load_model(config, device, resolve_dtype(config.dtype, device))
-    _check_token_ids(rows, tokenizer, model, config)
+    check_token_ids(rows, tokenizer, model, config)
     return rows, model, tokenizer
 
 
-def _check_token_ids(
-    rows: dict[str, list[dict[str, Any]]], tokenizer: Any, model: torch.nn.Module, config: EvalConfig
-) -> None:
-    """``EvalError`` when the tokenizer turns the rows (prompts, choices, answers) or its special tokens into an id
-    the model's embedding has no row for (a tokenizer of a larger vocabulary): the forward would fail mid-run."""
-    embedding = model.get_input_embeddings().num_embeddings
-    texts = [t for task_rows in rows.values() for r in task_rows for t in (r.get("prompt"), r.get("answer"))]
-    texts += [c for task_rows in rows.values() for r in task_rows for c in r.get("choices") or ()]
-    ids = tokenizer([t for t in texts if isinstance(t, str) and t], add_special_tokens=False)["input_ids"]
-    top = max([max(x, default=-1) for x in ids] + list(tokenizer.all_special_ids) + [-1])
-    if top >= embedding:
-        which = config.tokenizer or "the model's own tokenizer"
-        raise EvalError(
-            f"the tokenizer ({which}) produces token id {top}, but the model's embedding has {embedding} rows; use "
-            "the tokenizer the model was trained with"
-        )
+def _digest(rows: list[dict[str, Any]]) -> str:
+    """sha256 of a task's rows as scored (what the ranks must share to score their parts of one list)."""
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def run(config: EvalConfig) -> None:
@@ -452,8 +365,12 @@ def run(config: EvalConfig) -> None:
     writing the outputs are agreed by every rank (one line, from rank 0); one in a row that only one rank
     scores is raised on that rank.
     """
+    flags = {"--": {f.name.replace("_", "-"): getattr(config, f.name) for f in fields(config)}}
+    dist.on_all(lambda: check_ranks_agree(flags, "a launcher passing one rank other flags?"))
     with dist.held_on_main(lambda: holding(config.output, RESULTS_KIND, "--output", EvalError)):
         rows, model, tokenizer = dist.on_all(lambda: _inputs(config))
+        digests = {"": {f"--data rows of {task}": _digest(task_rows) for task, task_rows in rows.items()}}
+        dist.on_all(lambda: check_ranks_agree(digests, "a node reading another copy of --data?"))
         records = evaluate_shard(model, tokenizer, rows, config)
         shards = dist.all_gather_object(records)
         error, said = None, ""

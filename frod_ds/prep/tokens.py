@@ -43,13 +43,10 @@ def load_tokenizer(name: str) -> Any:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(name)
-    except Exception as exc:  # offline, missing files, unknown id: one clear line
-        first = " ".join(str(exc).split())[:300]
-        fix = "; copy the tokenizer files again from where the model came from" if path.is_dir() else ""
-        if path.is_dir() and (path / "config.json").is_file():  # transformers reads it with the tokenizer
-            fix = f"; check {path / 'config.json'} (transformers reads it with the tokenizer) or copy the tokenizer "
-            fix += "files again from where the model came from"
-        raise FrodError(f"cannot load tokenizer {name!r}: {type(exc).__name__}: {first}{fix}") from None
+    except Exception as exc:  # offline, missing files, unknown id, a damaged file: one line naming the file
+        from frod_ds.prep.tokenizer_files import load_failure
+
+        raise FrodError(load_failure(name, path if path.is_dir() else None, exc)) from None
     longest = getattr(tokenizer, "model_max_length", None)  # truncation compares lengths with it
     if longest is not None and (isinstance(longest, bool) or not isinstance(longest, (int, float))):
         raise FrodError(

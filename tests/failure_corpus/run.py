@@ -65,6 +65,7 @@ CORPUS = Path(__file__).with_name("corpus.yaml")
 CLASSES = ("success", "clear-error", "failed-check", "exact-recovery")
 OBSERVED = (*CLASSES, "unclear-failure", "wrong-result", "data-loss", "hang", "skipped")
 FROD = ("data", "hjd", "train", "eval", "export", "plan", "demo", "convert-gguf")
+LAUNCHERS = ("ranks2",)  # two CPU ranks with torchrun's environment (tests/support/ranks.py), then a script
 OLD_FORMS = (
     "launch/train.py",
     "launch/hjd.py",
@@ -168,6 +169,9 @@ def command(world: World, argv: list[str]) -> list[str]:
         if tool == "plan":
             return ["-m", "frod_ds", "plan", *rest]
         return [str(world.repo / "launch" / f"{tool.replace('-', '_')}.py"), *rest]
+    if tool == "ranks2":  # the rest: a script under the repo (or -m MODULE) and its arguments, run on each rank
+        script = rest[0] if rest[0] == "-m" else str(world.repo / rest[0])
+        return [str(world.repo / "tests" / "support" / "ranks.py"), "2", script, *rest[1:]]
     if tool.startswith("launch/"):
         return [str(world.repo / tool), *rest]
     if tool in ("data_prep", "frod_ds"):
@@ -2036,7 +2040,7 @@ def validate(cases: list[dict]) -> list[str]:
             if c.get(key) is not None and c[key] not in table:
                 problems.append(f"{name}: unknown {key} step {c[key]!r}")
         cmd = c.get("cmd") or []
-        if not cmd or (cmd[0] not in FROD and cmd[0] not in OLD_FORMS):
+        if not cmd or (cmd[0] not in FROD and cmd[0] not in OLD_FORMS and cmd[0] not in LAUNCHERS):
             problems.append(f"{name}: unknown tool {cmd[:1]!r}")
         for s in [*map(str, cmd), c.get("output", "")]:
             for _, fieldname, _, _ in string.Formatter().parse(s):

@@ -79,7 +79,7 @@ def test_unloadable_tokenizer_is_a_one_line_error(capsys, tmp_path):
 
 
 def test_a_damaged_tokenizer_file_says_to_copy_the_files_again(tmp_path):
-    """A tokenizer.json that is not JSON: transformers' error, then what to do about it."""
+    """A tokenizer.json that is not JSON: the file named with its parse error, then what to do about it."""
     from frod_ds.prep.tokens import load_tokenizer
     from frod_ds.runtime.errors import FrodError
 
@@ -88,7 +88,8 @@ def test_a_damaged_tokenizer_file_says_to_copy_the_files_again(tmp_path):
     with pytest.raises(FrodError) as e:
         load_tokenizer(str(tmp_path / "tok"))
     assert str(e.value).startswith(f"cannot load tokenizer '{tmp_path / 'tok'}'")
-    assert str(e.value).endswith("copy the tokenizer files again from where the model came from")
+    assert f"{tmp_path / 'tok' / 'tokenizer.json'} is not valid JSON (Expecting value: line 1 column 1" in str(e.value)
+    assert str(e.value).endswith("copy tokenizer.json again from where the model came from")
 
 
 @pytest.mark.parametrize("value", ["big", [512], True])
