@@ -1,7 +1,8 @@
 """``frod``: the one command of frod-ds; each subcommand is a module of ``frod_ds.cli`` (or ``frod_ds.prep.command``).
 
 ``frod COMMAND --help`` shows a command's flags and examples. Exit codes are the command's: 0 ok, 2 bad input
-(one ``error:`` line), 1 a failed check, 143 after SIGTERM. Launchers and script forms: docs/commands.md.
+(one ``error:`` line) or a stdout/stderr that could not be written (the outputs complete, the stream named), 1 a
+failed check, 143 after SIGTERM. Launchers and script forms: docs/commands.md.
 """
 
 from __future__ import annotations
@@ -123,9 +124,13 @@ def console(old_form: str | None = None) -> None:
     args = sys.argv[1:]
     head, _ = _split(args)
     known = bool(head) and head[0] in COMMANDS
-    if old_form:
-        deprecated_form(old_form, f"frod {head[0] if known else 'COMMAND'}")
-    run_script(lambda: main(args), fast_exit=known and COMMANDS[head[0]].fast_exit)
+
+    def command() -> int:  # the deprecation line too is written under run_script's console (a full stderr)
+        if old_form:
+            deprecated_form(old_form, f"frod {head[0] if known else 'COMMAND'}")
+        return main(args)
+
+    run_script(command, fast_exit=known and COMMANDS[head[0]].fast_exit)
 
 
 def deprecated_form(used: str, instead: str) -> None:
@@ -151,7 +156,11 @@ def launch_shim(name: str, command: str) -> None:
         from frod_ds.runtime.entry import run_script
 
         spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-        if spec is not None:  # started by its module name, not as the file
-            deprecated_form(f"python -m {spec.name}", f"frod {command}")
-        run_script(lambda: 0 if _other_rank(command) else module.main(), fast_exit=COMMANDS[command].fast_exit)
+
+        def body() -> int:  # the deprecation line too is written under run_script's console (a full stderr)
+            if spec is not None:  # started by its module name, not as the file
+                deprecated_form(f"python -m {spec.name}", f"frod {command}")
+            return 0 if _other_rank(command) else module.main()
+
+        run_script(body, fast_exit=COMMANDS[command].fast_exit)
     sys.modules[name] = module
