@@ -285,6 +285,11 @@ def _fit(run: Run, bar: tqdm) -> int:
             return 0
         note(f"{damage}; writing adapter-final again from the checkpoint of step {state.step}")  # bit for bit
     _publish_resumed_adapter(run, state.step)
+    if t.profile_step and not state.step < t.profile_step <= run.total_steps and dist.is_main():
+        note(
+            f"train.profile_step {t.profile_step} is not among the steps this run takes ({state.step + 1} to "
+            f"{run.total_steps}): no step is profiled"
+        )
     if torch.cuda.is_available():
         dist.print0(
             f"memory: {peak_mem_gb():.2f} GiB allocated at most while building and restoring the model "
