@@ -301,12 +301,12 @@ def test_gradient_checkpointing_under_zero3_gives_the_same_step(one_step_zero3, 
     assert "by cumulative" in text and "by tottime" in text and "(backward)" in text and "(step)" in text, text[:3000]
 
 
-
 def test_a_profile_step_past_the_run_is_named_and_profiles_nothing(env, tmp_path):
     res = run_train(CPU_ZERO3, env.overrides(tmp_path / "p", **ONE_STEP, **{"train.profile_step": "3"}))
     assert res.returncode == 0, res.stderr[-3000:]
     said = "train.profile_step 3 is not among the steps this run takes (1 to 1): no step is profiled"
     assert said in res.stderr and not (tmp_path / "p" / "profile").exists()
+
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
     t0 = time.time()
