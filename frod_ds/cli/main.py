@@ -98,9 +98,13 @@ def _other_rank(command: str) -> bool:
     """Whether this process is a rank other than 0 of a launcher (torchrun, srun with several tasks) running a
     one-process command: it leaves the command to rank 0, so that one process writes its output (rank 0 says
     so in a note)."""
+    from frod_ds.runtime.errors import FrodError
     from frod_ds.runtime.launch_env import launcher_rank_world
 
-    where = None if COMMANDS[command].ranks else launcher_rank_world()
+    try:
+        where = None if COMMANDS[command].ranks else launcher_rank_world()
+    except FrodError:  # variables no launcher sets: a one-process command needs none of them, it runs
+        return False
     if where is None or where[1] == 1:
         return False
     if where[0] == 0:

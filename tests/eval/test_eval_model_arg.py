@@ -34,11 +34,14 @@ def eval_error(model: str, assets: dict[str, Path], out: Path, capsys) -> str:
     return err[-1]
 
 
-@pytest.mark.parametrize("form", ["absolute", "./relative", "a/b/c"])
+@pytest.mark.parametrize("form", ["absolute", "./relative", "a/b/c", "~nouser"])
 def test_a_model_folder_that_does_not_exist_is_said_so(assets, tmp_path, capsys, monkeypatch, form):
     """A path that can only be a local folder: "no such folder", never "Repo id must be in the form ..."."""
     monkeypatch.chdir(tmp_path)
-    model = {"absolute": str(tmp_path / "nowhere"), "./relative": "./nowhere", "a/b/c": "exports/run/nowhere"}[form]
+    model = {"absolute": str(tmp_path / "nowhere"), "./relative": "./nowhere", "a/b/c": "exports/run/nowhere"}.get(
+        form,
+        "~frod-no-such-user/model",  # ~user of no user: pathlib cannot expand it
+    )
     line = eval_error(model, assets, tmp_path / "out", capsys)
     assert line.startswith(f"error: --model {model}: no such folder; pass a local model directory"), line
     assert "Repo id" not in line and "huggingface.co" not in line, line

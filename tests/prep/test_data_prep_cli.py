@@ -211,3 +211,14 @@ def test_a_one_process_launch_script_under_several_ranks_runs_on_rank_0_only():
     two = ranks.run(2, [str(REPO / "launch" / "export.py"), "--help"], clean_env(), REPO, 60)
     assert two.returncode == 0, two.stderr[-2000:]
     assert two.stdout.count("usage:") == 1 and two.stderr.count("note: frod export runs as one process") == 1
+
+
+@pytest.mark.parametrize("env", [{"RANK": "0", "WORLD_SIZE": "0"}, {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "x"}])
+def test_a_build_in_an_environment_no_launcher_sets_is_built(tmp_path, env):
+    """Launcher variables no launcher sets mean nothing to a one-process command: the build runs, no traceback."""
+    from tests.support import ranks
+
+    args = ["-m", "frod_ds", "data", "build", "--source", str(MIRROR), "--tasks", "boolq", "--out", str(tmp_path / "d")]
+    run = ranks.run(0, args, {**clean_env(), **env}, REPO, 60)
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert (tmp_path / "d" / "train.jsonl").is_file()
