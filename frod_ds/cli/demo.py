@@ -155,9 +155,14 @@ def demo(args: argparse.Namespace) -> int:
     import torch
 
     from frod_ds.formats.lease import holding
+    from frod_ds.formats.sibling_names import literal_home
+    from frod_ds.runtime.errors import FrodError
 
     gpu = torch.cuda.is_available()
     recipe = _check_args(args, gpu)
+    home = literal_home(Path(args.out), "--out")  # before resolving: a literal ~ folder is never what was meant
+    if home is not None:
+        raise FrodError(home)
     out = Path(args.out).resolve()
     with holding(out, "demo", "--out") as lease:  # every stage writes inside out under this lease
         return _demo(out, args, recipe, lease.child_env(), gpu=gpu)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -89,15 +90,17 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     head, tail = _split(args)
     ns = _parser().parse_args(head)  # --help / --version / an unknown command end here
-    if _other_rank(ns.command):
-        return 0
+    skip = _rank_exit(ns.command)
+    if skip is not None:
+        return skip
     return int(_command_module(ns.command).main(tail) or 0)
 
 
 def _other_rank(command: str) -> bool:
-    """Whether this process is a rank other than 0 of a launcher (torchrun, srun with several tasks) running a
-    one-process command: it leaves the command to rank 0, so that one process writes its output (rank 0 says
-    so in a note)."""
+    """Whether this process is a rank other than 0 of a launcher (torchrun, the deepspeed launcher, srun with
+    several tasks) running a one-process command: it leaves the command to rank 0, so that one process writes its
+    output (rank 0 says so in a note). Rank variables that no launcher of this process set (left over in a shell)
+    are refused on a rank other than 0: it would otherwise do nothing and exit 0."""
     from frod_ds.runtime.errors import FrodError
     from frod_ds.runtime.launch_env import launcher_rank_world
 
@@ -113,7 +116,33 @@ def _other_rank(command: str) -> bool:
             "the others leave it",
             file=sys.stderr,
         )
-    return where[0] != 0
+        return False
+    if not _launched():
+        names = "SLURM_PROCID and SLURM_STEP_NUM_TASKS" if "RANK" not in os.environ else "RANK and WORLD_SIZE"
+        raise FrodError(
+            f"this process is rank {where[0]} of {where[1]} by its {names}, but no launcher started it (none of the "
+            f"variables torchrun, deepspeed or srun set beside them): frod {command} runs as one process; unset "
+            f"{names} (left from another job?) and run it again"
+        )
+    return True
+
+
+def _rank_exit(command: str) -> int | None:
+    """The exit code of a process that does not run ``command`` (``_other_rank``): 0, or 2 after its one error
+    line; None where it runs it."""
+    from frod_ds.runtime.errors import FrodError
+
+    try:
+        return 0 if _other_rank(command) else None
+    except FrodError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _launched() -> bool:
+    """Whether a launcher started this process: torchrun (``TORCHELASTIC_RUN_ID``), DeepSpeed's launcher
+    (``CROSS_RANK``) or an srun step (``SLURM_STEP_ID``)."""
+    return any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "CROSS_RANK", "SLURM_STEP_ID"))
 
 
 def _command_module(name: str) -> ModuleType:
@@ -164,7 +193,8 @@ def launch_shim(name: str, command: str) -> None:
         def body() -> int:  # the deprecation line too is written under run_script's console (a full stderr)
             if spec is not None:  # started by its module name, not as the file
                 deprecated_form(f"python -m {spec.name}", f"frod {command}")
-            return 0 if _other_rank(command) else module.main()
+            skip = _rank_exit(command)
+            return module.main() if skip is None else skip
 
         run_script(body, fast_exit=COMMANDS[command].fast_exit)
     sys.modules[name] = module

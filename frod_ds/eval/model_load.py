@@ -88,6 +88,8 @@ def load_model(config: ModelFlags, device: torch.device, dtype: torch.dtype) -> 
 
         try:
             model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+        except BrokenPipeError:  # its progress bar's console reader went away: the command's to stop, not the model
+            raise
         except OSError as e:  # transformers says what is missing or unreadable with an OSError
             if not local_path(config.model).is_dir():  # no folder, and no Hub repo to be had either
                 raise EvalError(hub_load_failure(config.model, e)) from None

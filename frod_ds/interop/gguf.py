@@ -285,7 +285,7 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
     import torch
     import transformers
 
-    gguf, out = Path(gguf).expanduser(), Path(out).expanduser()
+    gguf, out = Path(os.path.expanduser(gguf)), Path(os.path.expanduser(out))
     if dtype not in OUT_DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
     _check_utf8(out)

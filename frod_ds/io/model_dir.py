@@ -86,7 +86,7 @@ def resolve_model_dir(model: str, flag: str = "--model") -> Path:
     """A local checkpoint directory as is; otherwise a Hugging Face Hub id, downloaded (or found in the
     local HF cache) with ``snapshot_download`` — only configs, safetensors and tokenizer files. ``flag``: how
     messages name the argument."""
-    path = Path(model).expanduser()
+    path = Path(os.path.expanduser(model))  # pathlib raises for a ~user it cannot expand
     if path.is_dir():
         check_model_folder(path, flag)
         return path
@@ -114,7 +114,7 @@ def resolve_model_dir(model: str, flag: str = "--model") -> Path:
 def resolve_config_file(model: str) -> Path:
     """``config.json`` of a local checkpoint directory, or of a Hub id from the local HF cache only (nothing is
     downloaded: the memory planner reads no weights). ``CheckpointError`` (one line) when there is none."""
-    path = Path(model).expanduser()
+    path = Path(os.path.expanduser(model))  # pathlib raises for a ~user it cannot expand
     if path.is_dir():
         check_model_folder(path)
         config = path / "config.json"

@@ -25,12 +25,9 @@ def is_local_only(model: str) -> bool:
 
 
 def local_path(model: str) -> Path:
-    """``model`` as a local path, ``~`` and ``~user`` expanded where they can be (a user without a home, or none of
-    that name: the path as written)."""
-    try:
-        return Path(model).expanduser()
-    except RuntimeError:  # pathlib: "Could not determine home directory."
-        return Path(model)
+    """``model`` as a local path, ``~`` and ``~user`` expanded where they can be (pathlib raises for a user without
+    a home, or none of that name; the path then stays as written)."""
+    return Path(os.path.expanduser(model))
 
 
 def missing_model_dir(model: str, flag: str = "--model") -> str | None:

@@ -288,7 +288,7 @@ def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, f
             "(the directory written by frod hjd for this base model)"
         )
     store = FactorStore.open(store_path)
-    if not base_model and base.startswith(("/", ".", "~")) and not os.path.lexists(Path(base).expanduser()):
+    if not base_model and base.startswith(("/", ".", "~")) and not os.path.lexists(os.path.expanduser(base)):
         raise AdapterError(
             f"the base model {base} that {Path(checkpoint_dir) / CONFIG} names does not exist (moved?); pass "
             "--base-model DIR, or re-point base_model in that file (its paths may be edited)"

@@ -8,6 +8,7 @@ appends (not added twice if the tokenizer already ends the sequence with EOS).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,9 @@ def load_tokenizer(name: str) -> Any:
     one line naming it (``FrodError``): every command that loads a tokenizer (data build, training, eval, the
     adapter loader) comes here."""
     from frod_ds.runtime.errors import FrodError
+    from frod_ds.runtime.paths import file_problem
 
-    path = Path(name).expanduser()
+    path = Path(os.path.expanduser(name))  # pathlib raises for a ~user it cannot expand
     if not path.is_dir() and (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
         what = "is a file, not a directory" if path.exists() else "no such directory"
         raise FrodError(
@@ -29,6 +31,9 @@ def load_tokenizer(name: str) -> Any:
             "the model's) or a Hugging Face Hub id"
         )
     vocab = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+    odd = [file_problem(path / f) for f in vocab if os.path.lexists(path / f) and not (path / f).is_file()]
+    if path.is_dir() and odd:  # a folder, a broken link, a pipe where a vocabulary belongs
+        raise FrodError(f"tokenizer {name}: {odd[0]}; copy the tokenizer files again from where the model came from")
     if path.is_dir() and not any((path / f).is_file() for f in vocab):  # transformers says only what it could not build
         if (path / "tokenizer_config.json").is_file():  # transformers would build some tokenizer without a vocabulary
             raise FrodError(

@@ -152,7 +152,8 @@ def _join(spec: ProcessGroupSpec, backend: str | None, timeout_minutes: float | 
                 torch.cuda.set_device(local_rank)
             dist.init_process_group(backend=backend, init_method=spec.init_method, **kwargs)
 
-        rendezvous.join(connect, spec.rank, spec.world_size, _address(spec.init_method))
+        join_s = min(rendezvous.JOIN_S, 60 * timeout_minutes)  # torch's store gives up after the timeout too
+        rendezvous.join(connect, spec.rank, spec.world_size, _address(spec.init_method), join_s)
     _local_rank = spec.local_rank
 
 

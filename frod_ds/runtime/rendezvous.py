@@ -49,9 +49,31 @@ def join(connect: Callable[[], None], rank: int, world: int, where: str, join_s:
             raise FrodError(_not_joined(rank, world, where, join_s))
     if outcome and outcome[0] is not None:
         e = outcome[0]
-        if type(e).__name__ == "DistStoreError" and "Timed out" in str(e):  # the store's own wait ran out first
-            raise FrodError(_not_joined(rank, world, where, time.monotonic() - t0)) from None
+        said = _join_error(e, rank, world, where, time.monotonic() - t0)
+        if said is not None:
+            raise FrodError(said) from None
         raise e
+
+
+def _join_error(e: BaseException, rank: int, world: int, where: str, waited: float) -> str | None:
+    """The one line for torch's store failing the join (its wait for the other ranks, or rank 0 never reached,
+    ran out; the address already taken); None for anything else."""
+    name, text = type(e).__name__, str(e).lower()
+    if name == "DistNetworkError" and ("address already in use" in text or "eaddrinuse" in text):
+        return (
+            f"rank {rank} of {world}: the rendezvous address {where} is already in use (another job, or a second "
+            "rank 0: each rank needs its own RANK or SLURM_PROCID); choose another MASTER_PORT, or start the ranks "
+            "with a launcher"
+        )
+    if name == "DistNetworkError" and rank != 0 and "timed out" in text:
+        return (
+            f"rank {rank} of {world}: rank 0 was not reached at {where} within {waited:.0f} s (it never started, "
+            "failed, or listens at another address or port); start every rank with the same launcher command, or "
+            "unset WORLD_SIZE and RANK (left from another job?) to run one process"
+        )
+    if name != "DistStoreError" or not ("timed out" in text or "timeout" in text):
+        return None
+    return _not_joined(rank, world, where, waited)
 
 
 def _not_joined(rank: int, world: int, where: str, waited: float) -> str:

@@ -108,17 +108,24 @@ def write_checkpoint(engine, root: Path, step: int, layout: Layout, keep: int, r
     if dist.is_main():
         write_seal(ckpt, seals)
         atomic_write_text(root / LATEST, ckpt.name)
-        sealed = sorted(
-            (p.name for p in root.iterdir() if step_of(p.name) is not None and (p / COMPLETE).is_file()), key=step_of
-        )
-        for old in sealed[:-keep]:
-            if old != ckpt.name and _the_runs(root / old, own, sealed=True):
-                _remove_save(root / old)
-        for p in root.iterdir():  # leftovers of a save (or a removal) that was killed: never resumed from
-            if p.is_dir() and step_of(p.name) is not None and not (p / COMPLETE).is_file() and p.name != ckpt.name:
-                if _the_runs(p, own, sealed=False):
-                    _remove_save(p)
+        prune(root, ckpt.name, own, keep)
     dist.barrier()
+
+
+def prune(root: Path, current: str, own: tuple[str, ...], keep: int) -> None:
+    """Rank 0, after sealing ``current``: the sealed saves past the newest ``keep`` and the leftovers of killed
+    saves (or removals) are removed, each only when it is the run's own (``_the_runs``); an empty step folder may be
+    a user's placeholder and is kept."""
+    sealed = sorted(
+        (p.name for p in root.iterdir() if step_of(p.name) is not None and (p / COMPLETE).is_file()), key=step_of
+    )
+    for old in sealed[:-keep]:
+        if old != current and _the_runs(root / old, own, sealed=True):
+            _remove_save(root / old)
+    for p in root.iterdir():  # leftovers of a save (or a removal) that was killed: never resumed from
+        if p.is_dir() and step_of(p.name) is not None and not (p / COMPLETE).is_file() and p.name != current:
+            if any(p.iterdir()) and _the_runs(p, own, sealed=False):
+                _remove_save(p)
 
 
 def _clear_step_dir(ckpt: Path, own: tuple[str, ...], step: int) -> None:

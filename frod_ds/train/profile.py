@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.errors import note
 
 __all__ = ["PROFILE_DIR", "profile_path", "profiled"]
 
@@ -57,5 +58,19 @@ def profiled(out: Path, step: int, rank: int, on: bool) -> Iterator[None]:
         buf.write(f"\n=== top {TOP} by {order} ===\n")
         pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(TOP)
     path = profile_path(out, step, rank)
+    if not _ours(path, rank, step):
+        note(f"{path} is not a profile this run wrote: left as it is, step {step}'s profile not written")
+        return
     path.parent.mkdir(exist_ok=True)
     atomic_write_text(path, _short(buf.getvalue()))
+
+
+def _ours(path: Path, rank: int, step: int) -> bool:
+    """Whether ``path`` is absent or a profile of this rank and step (an earlier attempt's): nothing else is
+    replaced."""
+    if not os.path.lexists(path):
+        return True
+    if path.is_symlink() or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.readline().startswith(f"rank {rank}, optimizer step {step}: ".encode())

@@ -863,3 +863,25 @@ def test_adapter_write_refuses_non_finite_tensors(tmp_path):
     with pytest.raises(FrodError, match="non-finite"):
         write_adapter(tmp_path / "a", {"x": torch.tensor([1.0, float("inf")])}, config)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["hjd", "--model", "~frod-no-such-user/m", "--out", "{tmp}/store"],
+        ["plan", "--model", "~frod-no-such-user/m", "--gpus", "1"],
+        ["convert-gguf", "convert", "--gguf", "~frod-no-such-user/g.gguf", "--out", "{tmp}/g"],
+        ["demo", "--out", "~frod-no-such-user/demo"],
+    ],
+)
+def test_a_home_of_no_such_user_is_one_line(tmp_path, capsys, monkeypatch, argv):
+    """``~user/...`` of a user this node does not have (quoted, or from a script: no shell expanded it): pathlib
+    cannot expand it; the path is taken as written and refused in one line, never a RuntimeError's traceback, and
+    no folder named ``~...`` is made in the working directory."""
+    from frod_ds.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: ") and "~frod-no-such-user" in err[-1], err
+    assert not any(p.name.startswith("~") for p in tmp_path.iterdir())

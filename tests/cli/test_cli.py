@@ -92,7 +92,8 @@ def test_a_deprecated_form_says_so_in_one_line_then_runs(form):
     notes = [line for line in res.stderr.splitlines() if "DeprecationWarning" in line]
     assert notes == [f"DeprecationWarning: `{form}` goes in 0.3.0; run `{instead}` (docs/commands.md)"], res.stderr
     # under a launcher only rank 0 says it
-    rank1 = run([*cmd, "--help"], env=clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1"))
+    launched = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "none"}  # as torchrun sets
+    rank1 = run([*cmd, "--help"], env=clean_env(**launched))
     assert rank1.returncode == 0 and "DeprecationWarning" not in rank1.stderr
 
 

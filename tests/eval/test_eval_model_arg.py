@@ -81,3 +81,21 @@ def test_an_export_whose_tokenizer_json_is_an_empty_object_names_it(assets, tmp_
     (export / "tokenizer.json").write_text("{}\n")
     line = eval_error(str(export), assets, tmp_path / "out", capsys)
     assert f"{export / 'tokenizer.json'} has no model and no added_tokens" in line and "config.json" not in line, line
+
+
+def test_a_console_pipe_closing_while_the_model_loads_is_not_the_models_fault(assets, monkeypatch):
+    """transformers' progress bar hitting a closed console pipe raises BrokenPipeError, an OSError: it is the
+    command's to stop with (141), never "cannot load --model ...: Broken pipe"."""
+    import torch
+    import transformers
+
+    from frod_ds.eval.model_load import load_model
+    from frod_ds.eval.run import EvalConfig
+
+    def closed(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", closed)
+    config = EvalConfig(data=str(assets["data"]), output="unused", model=str(assets["export"]))
+    with pytest.raises(BrokenPipeError):
+        load_model(config, torch.device("cpu"), torch.float32)

@@ -222,3 +222,19 @@ def test_a_build_in_an_environment_no_launcher_sets_is_built(tmp_path, env):
     run = ranks.run(0, args, {**clean_env(), **env}, REPO, 60)
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
     assert (tmp_path / "d" / "train.jsonl").is_file()
+
+
+@pytest.mark.parametrize(
+    "env", [{"RANK": "1", "WORLD_SIZE": "2"}, {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7"}]
+)
+def test_rank_variables_no_launcher_set_are_refused_on_a_rank_other_than_0(tmp_path, env):
+    """``RANK=1 WORLD_SIZE=2`` left in a shell (no torchrun, deepspeed or srun step beside them): a one-process
+    command would take itself for rank 1 and do nothing with exit 0; it says so in one line and exits 2."""
+    from tests.support import ranks
+
+    args = ["-m", "frod_ds", "data", "build", "--source", str(MIRROR), "--tasks", "boolq", "--out", str(tmp_path / "d")]
+    run = ranks.run(0, args, {**clean_env(), **env}, REPO, 60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    (line,) = [x for x in run.stderr.splitlines() if x.startswith("error: ")]
+    assert "this process is rank 1 of 2" in line and "no launcher started it" in line, line
+    assert not (tmp_path / "d").exists()

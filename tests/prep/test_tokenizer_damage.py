@@ -128,3 +128,19 @@ def test_data_build_names_the_cut_tokenizer_json(model_dir, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("error: cannot load tokenizer"), err
     assert f"{folder / 'tokenizer.json'} is not valid JSON (" in err and "config.json" not in err, err
     assert not (tmp_path / "cs").exists()
+
+
+@pytest.mark.parametrize("kind", ["folder", "broken link"])
+def test_a_vocabulary_file_that_is_no_file_is_named(tmp_path, kind):
+    """tokenizer.json a folder or a link to nothing: named as such, not "no vocabulary" beside it."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text("{}\n")
+    if kind == "folder":
+        (folder / "tokenizer.json").mkdir()
+    else:
+        (folder / "tokenizer.json").symlink_to(tmp_path / "gone.json")
+    with pytest.raises(FrodError) as e:
+        load_tokenizer(str(folder))
+    said = "is a directory, not a file" if kind == "folder" else "is a broken symbolic link"
+    assert f"{folder / 'tokenizer.json'} {said}" in str(e.value) and "no vocabulary" not in str(e.value), e.value

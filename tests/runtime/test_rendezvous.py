@@ -158,3 +158,33 @@ def test_the_stores_own_timeout_waiting_for_ranks_is_the_same_one_line():
 
     with pytest.raises(dist.DistStoreError, match="connection refused"):
         join(refused, 0, 2, "h:1")
+
+
+def test_the_stores_other_give_ups_at_the_join_are_one_line_each():
+    """A rank that never reaches rank 0 (its node failed, another port), a store's wait that ran out under another
+    wording, and a second rank 0 on a port already taken: one line each, not torch's traceback."""
+    import torch.distributed as dist
+
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.runtime.rendezvous import join
+
+    def raising(e: Exception):
+        def connect():
+            raise e
+
+        return connect
+
+    unreached = dist.DistNetworkError(
+        "The client socket has timed out after 60000ms while trying to connect to (h, 1)."
+    )
+    with pytest.raises(FrodError, match=r"rank 1 of 2: rank 0 was not reached at h:1 within \d+ s"):
+        join(raising(unreached), 1, 2, "h:1")
+    waited = dist.DistStoreError("wait timeout after 60000ms, keys: /default_pg/0//cpu//0/2")
+    with pytest.raises(FrodError, match=r"rank 1 of 3: the other 2 rank\(s\) did not join at h:1"):
+        join(raising(waited), 1, 3, "h:1")
+    taken = dist.DistNetworkError(
+        "The server socket has failed to listen on any local network address. port: 1, "
+        "useIpv6: 0, code: -98, name: EADDRINUSE, message: address already in use"
+    )
+    with pytest.raises(FrodError, match=r"rank 0 of 2: the rendezvous address h:1 is already in use"):
+        join(raising(taken), 0, 2, "h:1")

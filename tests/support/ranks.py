@@ -148,6 +148,7 @@ def _rank_env(env: dict[str, str], rank: int, n: int, port: str) -> dict[str, st
         "WORLD_SIZE": str(n),
         "LOCAL_WORLD_SIZE": str(n),
         "GROUP_RANK": "0",
+        "TORCHELASTIC_RUN_ID": "none",  # torchrun --standalone's
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": port,
     }

@@ -95,3 +95,37 @@ def test_a_removal_killed_part_way_leaves_a_folder_the_next_save_reclaims(tmp_pa
     for name in (TRAINABLE_STATE, "rng_rank0.pt"):  # an older frod-ds's removal, files first, cut short
         (half / name).unlink()
     assert engine_state._the_runs(half, OWN, sealed=True)
+
+
+def test_pruning_keeps_the_newest_saves_and_reclaims_only_the_runs_leftovers(tmp_path):
+    """The newest ``keep`` sealed saves stay, older ones and killed saves' leftovers go; a user's empty folder of a
+    step's name (a placeholder) is kept, as is a folder holding what no save writes."""
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30):
+        _save(root, step)
+    leftover = _save(root, 25)
+    (leftover / COMPLETE).unlink()
+    placeholder = root / tag_of(77)
+    placeholder.mkdir()
+    users = root / tag_of(5)
+    users.mkdir()
+    (users / "notes.txt").write_text("mine\n")
+    engine_state.prune(root, tag_of(30), OWN, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == sorted(tag_of(s) for s in (5, 20, 30, 77))
+    assert (users / "notes.txt").read_text() == "mine\n"
+
+
+def test_a_users_file_at_a_profiles_name_is_left_as_it_is(tmp_path, capsys):
+    from frod_ds.train.profile import profile_path, profiled
+
+    theirs = profile_path(tmp_path, 3, 0)
+    theirs.parent.mkdir()
+    theirs.write_text("my notes\n")
+    with profiled(tmp_path, 3, 0, True):
+        sum(range(1000))
+    assert theirs.read_text() == "my notes\n" and "is not a profile this run wrote" in capsys.readouterr().err
+    with profiled(tmp_path, 4, 0, True):  # a free name, and then its own earlier profile: written
+        sum(range(1000))
+    with profiled(tmp_path, 4, 0, True):
+        sum(range(1000))
+    assert profile_path(tmp_path, 4, 0).read_text().startswith("rank 0, optimizer step 4: ")
