@@ -117,6 +117,8 @@ def _load_gguf(gguf: Path):
         model, loaded = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, output_loading_info=True
         )
+    except BrokenPipeError:  # its progress bar's console reader went away: the command's to stop, not the file
+        raise
     except (ValueError, OSError, KeyError, struct.error, StrictDataclassError) as e:  # struct: a header cut short
         raise ConvertError(
             f"transformers cannot load {gguf} as a GGUF model ({type(e).__name__}: "

@@ -61,6 +61,24 @@ def tokenizers_problem(path: Path) -> str | None:
     return None
 
 
+ADDED_TOKENS = "added_tokens.json"  # {token: id}: transformers sorts the ids
+
+
+def added_tokens_problem(path: Path) -> str | None:
+    """Why ``added_tokens.json`` (an object of token → integer id) is not one, or None (also when absent or damaged
+    otherwise: ``json_problem`` says that)."""
+    if not path.is_file():
+        return None
+    try:
+        doc = loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    bad = [k for k, v in doc.items() if isinstance(v, bool) or not isinstance(v, int)] if isinstance(doc, dict) else []
+    if bad:
+        return f"{path} gives token {bad[0]!r} the id {doc[bad[0]]!r}, not an integer"
+    return None
+
+
 def sentencepiece_problem(path: Path) -> str | None:
     """Why ``path`` (present) is no SentencePiece model, or None; an empty file always, its contents only where
     the sentencepiece package is installed (transformers converts the model with it)."""
@@ -91,6 +109,9 @@ def damaged_file(folder: Path) -> tuple[Path, str] | None:
     problem = tokenizers_problem(folder / "tokenizer.json") if fast else None
     if problem:
         return folder / "tokenizer.json", problem
+    problem = added_tokens_problem(folder / ADDED_TOKENS)
+    if problem:
+        return folder / ADDED_TOKENS, problem
     model = folder / "tokenizer.model"  # read only when there is no tokenizer.json to build the tokenizer from
     if os.path.lexists(model) and not fast:
         problem = sentencepiece_problem(model)

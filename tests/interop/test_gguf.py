@@ -138,3 +138,22 @@ def test_a_gguf_header_that_disagrees_with_its_tensors_is_one_line(tmp_path, key
     with pytest.raises(conv.ConvertError, match=re.escape(says) + ".*download or copy it again"):
         conv.convert_gguf(tmp_path / "edited.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_console_pipe_closing_while_the_gguf_loads_is_not_the_files_fault(tmp_path, monkeypatch):
+    """transformers' progress bar hitting a closed console pipe (``| head``) raises BrokenPipeError, an OSError: the
+    command's to stop with (141), never "transformers cannot load ... as a GGUF model"."""
+    pytest.importorskip("gguf", reason="the gguf package (frod-ds[test]) writes and reads GGUF files")
+    import transformers
+
+    from frod_ds.interop import gguf as conv
+    from tests.support.gguf_files import write_two_tensor_gguf
+
+    write_two_tensor_gguf(tmp_path / "whole.gguf")
+
+    def closed(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", closed)
+    with pytest.raises(BrokenPipeError):
+        conv._load_gguf(tmp_path / "whole.gguf")

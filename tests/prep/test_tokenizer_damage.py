@@ -62,6 +62,11 @@ DAMAGES: dict[str, tuple[str, Callable[[Path], None], str]] = {
         lambda p: p.write_text('{"bos_token": '),
         "is not valid JSON (Expecting value: line 1 column 15",
     ),
+    "added_tokens.json with an id that is a string": (
+        "added_tokens.json",
+        lambda p: p.write_text('{"<x>": "7"}\n'),
+        "gives token '<x>' the id '7', not an integer",
+    ),
 }
 
 
