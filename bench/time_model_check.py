@@ -24,6 +24,8 @@ import statistics
 from pathlib import Path
 
 from bench.common import deepspeed_nvtx, trainables_per_decoder_layer
+from bench.kinds.shapes import SHAPES
+from bench.kinds.synthetic import config_json
 from frod_ds.config.ds_config import load_ds_config, zero_stage
 from frod_ds.plan.memory import trainable_numel
 from frod_ds.plan.shapes import TrainShape, engine_from_ds_config, model_shape_from_config
@@ -67,15 +69,7 @@ LEVER_CALLS = sorted((RESULTS / "zero3_levers").glob("zero3_levers_*_2026112[7-9
 MODEL_LEVERS = ("v_partitioned", "leaf_modules", "per_module_fetch", "compile")
 # the 70B chain's recipe at --shape 7b (the offload run records the step time, not the shape): full-depth 7B,
 # micro-batch 4, cutoff 256, checkpointing, bf16, FRoD s=0.02 on the six targets
-SEVEN_B = {
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-}
+SEVEN_B = config_json(SHAPES["7b"])  # the benchmarks' one LLaMA-2-7B shape (bench/kinds/shapes.py)
 
 
 def _lever_runs(path: Path) -> list[tuple[str, dict]]:
