@@ -142,7 +142,7 @@ def _rank_exit(command: str) -> int | None:
 def _launched() -> bool:
     """Whether a launcher started this process: torchrun (``TORCHELASTIC_RUN_ID``), DeepSpeed's launcher
     (``CROSS_RANK``) or an srun step (``SLURM_STEP_ID``)."""
-    return any(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "CROSS_RANK", "SLURM_STEP_ID"))
+    return any(os.environ.get(k) for k in ("TORCHELASTIC_RUN_ID", "CROSS_RANK", "SLURM_STEP_ID"))  # set, not empty
 
 
 def _command_module(name: str) -> ModuleType:

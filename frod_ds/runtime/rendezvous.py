@@ -65,6 +65,15 @@ def _join_error(e: BaseException, rank: int, world: int, where: str, waited: flo
             "rank 0: each rank needs its own RANK or SLURM_PROCID); choose another MASTER_PORT, or start the ranks "
             "with a launcher"
         )
+    if (
+        name == "DistNetworkError"
+        and rank != 0
+        and ("connection was likely closed" in text or "failed to recv" in text)
+    ):
+        return (
+            f"rank {rank} of {world}: rank 0 at {where} closed the rendezvous before this rank joined (it gave up "
+            "waiting, or the ranks were given different world sizes); start every rank with the same launcher command"
+        )
     if name == "DistNetworkError" and rank != 0 and "timed out" in text:
         return (
             f"rank {rank} of {world}: rank 0 was not reached at {where} within {waited:.0f} s (it never started, "

@@ -225,7 +225,12 @@ def test_a_build_in_an_environment_no_launcher_sets_is_built(tmp_path, env):
 
 
 @pytest.mark.parametrize(
-    "env", [{"RANK": "1", "WORLD_SIZE": "2"}, {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7"}]
+    "env",
+    [
+        {"RANK": "1", "WORLD_SIZE": "2"},
+        {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": ""},  # set empty: no launcher's
+        {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7"},
+    ],
 )
 def test_rank_variables_no_launcher_set_are_refused_on_a_rank_other_than_0(tmp_path, env):
     """``RANK=1 WORLD_SIZE=2`` left in a shell (no torchrun, deepspeed or srun step beside them): a one-process

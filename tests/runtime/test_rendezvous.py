@@ -182,6 +182,11 @@ def test_the_stores_other_give_ups_at_the_join_are_one_line_each():
     waited = dist.DistStoreError("wait timeout after 60000ms, keys: /default_pg/0//cpu//0/2")
     with pytest.raises(FrodError, match=r"rank 1 of 3: the other 2 rank\(s\) did not join at h:1"):
         join(raising(waited), 1, 3, "h:1")
+    closed = dist.DistNetworkError(
+        "Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?"
+    )
+    with pytest.raises(FrodError, match=r"rank 1 of 3: rank 0 at h:1 closed the rendezvous before this rank joined"):
+        join(raising(closed), 1, 3, "h:1")
     taken = dist.DistNetworkError(
         "The server socket has failed to listen on any local network address. port: 1, "
         "useIpv6: 0, code: -98, name: EADDRINUSE, message: address already in use"
