@@ -60,7 +60,8 @@ def load_model(config: ModelFlags, device: torch.device, dtype: torch.dtype) -> 
         )
     else:
         assert config.model is not None
-        from frod_ds.io.model_source import hub_load_failure, local_path, missing_model_dir
+        from frod_ds.io.model_source import hub_load_failure, missing_model_dir
+        from frod_ds.runtime.paths import expand_home
 
         if missing := missing_model_dir(config.model):  # a mistyped folder: not a Hub id to ask the Hub about
             raise EvalError(missing)
@@ -91,7 +92,7 @@ def load_model(config: ModelFlags, device: torch.device, dtype: torch.dtype) -> 
         except BrokenPipeError:  # its progress bar's console reader went away: the command's to stop, not the model
             raise
         except OSError as e:  # transformers says what is missing or unreadable with an OSError
-            if not local_path(config.model).is_dir():  # no folder, and no Hub repo to be had either
+            if not expand_home(config.model).is_dir():  # no folder, and no Hub repo to be had either
                 raise EvalError(hub_load_failure(config.model, e)) from None
             raise EvalError(f"cannot load --model {config.model}: {e}") from None
         except Exception as e:  # a damaged shard: safetensors' error names no file

@@ -27,6 +27,7 @@ from frod_ds.formats.building import building_dir
 from frod_ds.formats.lease import holding
 from frod_ds.formats.ownership import check_out
 from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.paths import expand_home
 
 __all__ = [
     "MARKER",
@@ -287,7 +288,7 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
     import torch
     import transformers
 
-    gguf, out = Path(os.path.expanduser(gguf)), Path(os.path.expanduser(out))
+    gguf, out = expand_home(gguf), expand_home(out)
     if dtype not in OUT_DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
     _check_utf8(out)

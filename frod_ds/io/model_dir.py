@@ -11,7 +11,7 @@ from pathlib import Path
 from frod_ds.formats.folders import wrong_folder
 from frod_ds.io.model_config import config_problems
 from frod_ds.runtime.errors import CheckpointError
-from frod_ds.runtime.paths import dir_problem, file_problem
+from frod_ds.runtime.paths import dir_problem, expand_home, file_problem
 from frod_ds.runtime.strict_json import DuplicateKeyError, parse_json
 
 __all__ = [
@@ -86,7 +86,7 @@ def resolve_model_dir(model: str, flag: str = "--model") -> Path:
     """A local checkpoint directory as is; otherwise a Hugging Face Hub id, downloaded (or found in the
     local HF cache) with ``snapshot_download`` — only configs, safetensors and tokenizer files. ``flag``: how
     messages name the argument."""
-    path = Path(os.path.expanduser(model))  # pathlib raises for a ~user it cannot expand
+    path = expand_home(model)
     if path.is_dir():
         check_model_folder(path, flag)
         return path
@@ -114,7 +114,7 @@ def resolve_model_dir(model: str, flag: str = "--model") -> Path:
 def resolve_config_file(model: str) -> Path:
     """``config.json`` of a local checkpoint directory, or of a Hub id from the local HF cache only (nothing is
     downloaded: the memory planner reads no weights). ``CheckpointError`` (one line) when there is none."""
-    path = Path(os.path.expanduser(model))  # pathlib raises for a ~user it cannot expand
+    path = expand_home(model)
     if path.is_dir():
         check_model_folder(path)
         config = path / "config.json"

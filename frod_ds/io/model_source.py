@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from frod_ds.runtime.paths import dir_problem
+from frod_ds.runtime.paths import dir_problem, expand_home
 
-__all__ = ["hub_load_failure", "is_local_only", "local_path", "missing_model_dir"]
+__all__ = ["hub_load_failure", "is_local_only", "missing_model_dir"]
 
 PASS = "pass a local model directory (config.json + *.safetensors) or a Hugging Face Hub id (org/name)"
 
@@ -24,16 +24,10 @@ def is_local_only(model: str) -> bool:
     return model.startswith((".", "/", "~")) or model.count("/") > 1
 
 
-def local_path(model: str) -> Path:
-    """``model`` as a local path, ``~`` and ``~user`` expanded where they can be (pathlib raises for a user without
-    a home, or none of that name; the path then stays as written)."""
-    return Path(os.path.expanduser(model))
-
-
 def missing_model_dir(model: str, flag: str = "--model") -> str | None:
     """One line when ``model`` is no directory and is either something else on disk (a broken link, a pipe) or
     a path that can only be local; None for a directory or what could be a Hub id."""
-    path = local_path(model)
+    path = expand_home(model)
     if path.is_dir():
         return None
     if os.path.lexists(path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -21,9 +20,9 @@ def load_tokenizer(name: str) -> Any:
     one line naming it (``FrodError``): every command that loads a tokenizer (data build, training, eval, the
     adapter loader) comes here."""
     from frod_ds.runtime.errors import FrodError
-    from frod_ds.runtime.paths import file_problem
+    from frod_ds.runtime.paths import expand_home, file_problem
 
-    path = Path(os.path.expanduser(name))  # pathlib raises for a ~user it cannot expand
+    path = expand_home(name)
     if not path.is_dir() and (path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1):
         what = "is a file, not a directory" if path.exists() else "no such directory"
         raise FrodError(

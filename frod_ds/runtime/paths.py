@@ -12,9 +12,15 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["entry_kind", "file_problem", "dir_problem", "read_small_text"]
+__all__ = ["entry_kind", "expand_home", "file_problem", "dir_problem", "read_small_text"]
 
 SMALL_FILE_BYTES = 16 * 2**20  # a manifest, a record or a config frod-ds writes: far below this
+
+
+def expand_home(path: str | os.PathLike) -> Path:
+    """``path`` with ``~`` and ``~user`` expanded where they can be; as written where they cannot (a user without a
+    home, or none of that name), where pathlib's ``expanduser`` raises ``RuntimeError``."""
+    return Path(os.path.expanduser(path))
 
 
 def _stat_problem(path: Path) -> tuple[os.stat_result | None, str | None]:
