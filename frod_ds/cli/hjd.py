@@ -281,20 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     _set_cpu_threads(args)
     from frod_ds.runtime import entry
 
-    return entry.run(
-        lambda: _alike(args) or (verify(args) if args.verify is not None else build(args)),
-        backend="gloo" if args.device == "cpu" else None,
-    )
+    return entry.run(lambda: _on_alike_ranks(args), backend="gloo" if args.device == "cpu" else None)
 
 
-def _alike(args: argparse.Namespace) -> None:
-    """Every rank was given rank 0's flags (a rank with another --pi would write factors the manifest does not
-    describe); refused on all ranks otherwise."""
+def _on_alike_ranks(args: argparse.Namespace) -> int:
+    """``--verify`` or the build, once every rank was found given rank 0's flags (a rank with another --pi would
+    write factors the manifest does not describe); refused on all ranks otherwise."""
     from frod_ds.runtime import distributed as D
     from frod_ds.runtime.rank_agreement import check_ranks_agree
 
     flags = {k.replace("_", "-"): str(v) for k, v in vars(args).items() if k != "local_rank"}
     D.on_all(lambda: check_ranks_agree({"--": flags}, "a launcher passing one rank other flags?"))
+    return verify(args) if args.verify is not None else build(args)
 
 
 if __name__ == "__main__":

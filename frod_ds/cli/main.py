@@ -38,7 +38,7 @@ class Command:
     module: str  # has ``main(argv) -> int``
     help: str
     fast_exit: bool = False  # leave with os._exit (frod_ds.runtime.entry.run_script says why)
-    ranks: bool = False  # runs on every rank of a launcher; else one process: rank 0 runs it (``_other_rank``)
+    ranks: bool = False  # runs on every rank of a launcher; else one process: rank 0 runs it (``_rank_exit``)
 
 
 COMMANDS: dict[str, Command] = {
@@ -96,47 +96,37 @@ def main(argv: list[str] | None = None) -> int:
     return int(_command_module(ns.command).main(tail) or 0)
 
 
-def _other_rank(command: str) -> bool:
-    """Whether this process is a rank other than 0 of a launcher (torchrun, the deepspeed launcher, srun with
-    several tasks) running a one-process command: it leaves the command to rank 0, so that one process writes its
-    output (rank 0 says so in a note). Rank variables that no launcher of this process set (left over in a shell)
-    are refused on a rank other than 0: it would otherwise do nothing and exit 0."""
+def _rank_exit(command: str) -> int | None:
+    """None where this process runs ``command``; else its exit code. A rank other than 0 of a launcher (torchrun,
+    the deepspeed launcher, srun with several tasks) running a one-process command leaves it to rank 0, so that one
+    process writes its output (rank 0 says so in a note): 0. Rank variables no launcher of this process set (left
+    over in a shell) would make it do nothing with exit 0: one error line and 2 instead."""
     from frod_ds.runtime.errors import FrodError
     from frod_ds.runtime.launch_env import launcher_rank_world
 
     try:
         where = None if COMMANDS[command].ranks else launcher_rank_world()
     except FrodError:  # variables no launcher sets: a one-process command needs none of them, it runs
-        return False
+        return None
     if where is None or where[1] == 1:
-        return False
+        return None
     if where[0] == 0:
         print(
             f"note: frod {command} runs as one process: rank 0 of the {where[1]} the launcher started runs it, "
             "the others leave it",
             file=sys.stderr,
         )
-        return False
-    if not _launched():
-        names = "SLURM_PROCID and SLURM_STEP_NUM_TASKS" if "RANK" not in os.environ else "RANK and WORLD_SIZE"
-        raise FrodError(
-            f"this process is rank {where[0]} of {where[1]} by its {names}, but no launcher started it (none of the "
-            f"variables torchrun, deepspeed or srun set beside them): frod {command} runs as one process; unset "
-            f"{names} (left from another job?) and run it again"
-        )
-    return True
-
-
-def _rank_exit(command: str) -> int | None:
-    """The exit code of a process that does not run ``command`` (``_other_rank``): 0, or 2 after its one error
-    line; None where it runs it."""
-    from frod_ds.runtime.errors import FrodError
-
-    try:
-        return 0 if _other_rank(command) else None
-    except FrodError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return None
+    if _launched():
+        return 0
+    names = "SLURM_PROCID and SLURM_STEP_NUM_TASKS" if "RANK" not in os.environ else "RANK and WORLD_SIZE"
+    print(
+        f"error: this process is rank {where[0]} of {where[1]} by its {names}, but no launcher started it (none of "
+        f"the variables torchrun, deepspeed or srun set beside them): frod {command} runs as one process; unset "
+        f"{names} (left from another job?) and run it again",
+        file=sys.stderr,
+    )
+    return 2
 
 
 def _launched() -> bool:
