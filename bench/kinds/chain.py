@@ -349,13 +349,12 @@ def _figures(ch: Chain, run: dict, rows: list[dict], batch: int) -> dict[str, An
     }
 
 
-def _profiles(out: Path, step: int) -> dict[str, str]:
-    """Each rank's cProfile summary of optimizer step ``step`` of the run in ``out`` (``train.profile_step``)."""
+def _profiles(out: Path, step: int, ranks: int) -> dict[str, str]:
+    """Each of the ``ranks`` ranks' cProfile summary of optimizer step ``step`` of the run in ``out``
+    (``train.profile_step``)."""
     from frod_ds.train.profile import profile_path
 
-    if not step:
-        return {}
-    found = {r: profile_path(out, step, r) for r in range(64)}
+    found = {r: profile_path(out, step, r) for r in range(ranks)} if step else {}
     return {f"rank{r}": p.read_text() for r, p in found.items() if p.is_file()}
 
 
@@ -384,7 +383,7 @@ def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
     status, error = "ok", ""
     if stage == "train":
         m["killed_after_step"] = max(r["step"] for r in rows)
-        m["profiles"] = _profiles(ch.runs / "train", s["profile_step"])
+        m["profiles"] = _profiles(ch.runs / "train", s["profile_step"], s["gpus"])
     if stage == "resume":
         before, after = {r["step"]: r for r in json.loads((ch.runs / "train.json").read_text())["rows"]}, m["losses"]
         overlap = [k for k in sorted(before) if k > s["save_at"] and k in after]
