@@ -3,6 +3,7 @@
 
     python -m bench.host_device --out $OUT                       # 7B widths × 8 layers and 70B widths × 4, one GPU
     python -m bench.host_device --tiny --out /tmp/hd             # CPU rehearsal (host and device are one there)
+    python -m bench.host_device --shapes 7b --quants none --steps 5 --out DIR   # the chains' per-call host probe
 
 A stack of LLaMA decoder layers (transformers' own, FRoD on q/k/v/o/gate/up as ``frod_ds.model`` applies it, random
 factors: timing does not depend on values) trains one step under plain PyTorch: forward, loss, backward, AdamW. Per
@@ -146,6 +147,8 @@ def main() -> None:
     ap.add_argument(
         "--tiny", action="store_true", help="the CPU rehearsal shape (fp32, NF4 via bitsandbytes' CPU path)"
     )
+    names = [q + ("+base" if b else "") for q, b in QUANTS]
+    ap.add_argument("--quants", nargs="+", default=names, choices=names, help="the frozen weights' forms to time")
     ap.add_argument("--steps", type=int, default=10, help="steps per window")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--sparsity", type=float, default=0.02)
@@ -164,7 +167,7 @@ def main() -> None:
     shapes = ["tiny"] if args.tiny else args.shapes
     runs = []
     for shape in shapes:
-        for quant, base in QUANTS:
+        for quant, base in [(q, b) for q, b in QUANTS if q + ("+base" if b else "") in args.quants]:
             name = f"{shape}_{quant}" + ("+base" if base else "")
             model = build(shape, quant, base, device, dtype, args.sparsity)
             if SHAPES[shape][-1]:

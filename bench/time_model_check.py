@@ -57,6 +57,7 @@ CHAIN_SUITES = (
 # A chain run with train.phase_times synchronizes the device at each phase boundary: the host no longer runs ahead
 # of the device, a step the model does not describe (its phases are what CPU_OPTIMIZER_PARAM_S is read off)
 PHASE_TIMED = "phase-timed: the device is synchronized at each phase boundary"
+PROBED = "the call's probe"
 # Reported beside the goal, not held to it, with the reason (none at present)
 OUTSIDE: dict[Path, str] = {}
 # A measurement whose two windows differ by more than this cannot check a model to 15%
@@ -84,15 +85,20 @@ def _lever_runs(path: Path) -> list[tuple[str, dict]]:
     ]  # configurations sharing the GPU in turns: not a step run alone
 
 
-def host_factors() -> dict[str, float]:
-    """The host's time per device name relative to the machine the model's HOST_* constants were read on (the one
-    H200 machine): the bf16 7B-widths host probe (``bench/host_device.py``'s short step) of each machine over the
-    H200's."""
-    probe = {}
+def host_probe_ms() -> dict[str, list[float]]:
+    """Each machine kind's bf16 7B-widths host probe (``bench/host_device.py``'s short step), milliseconds."""
+    probe: dict[str, list[float]] = {}
     for path in HOST_DEVICE:
         d = json.loads(path.read_text())
         (row,) = [r for r in d["runs"] if r["name"] == "7b_none"]
         probe.setdefault(_kind(d["device"]), []).append(row["host"]["step_ms"])
+    return probe
+
+
+def host_factors() -> dict[str, float]:
+    """The host's time per device name relative to the machine the model's HOST_* constants were read on (the one
+    H200 machine): each machine's host probe over the H200's."""
+    probe = host_probe_ms()
     ref = statistics.median(probe["H200"])
     return {kind: statistics.median(v) / ref for kind, v in probe.items()}
 
@@ -149,7 +155,8 @@ def _chain_points() -> list[tuple[str, dict]]:
             if d.get("stage") not in ("train", "mfu") or d.get("status") != "ok":
                 continue
             s, f = d["settings"], d["metrics"]["figures"]
-            out.append((str(path.relative_to(REPO)), {"chain": s, "device": d["device"]["name"], **f}))
+            probe = d["metrics"].get("host_probe")
+            out.append((str(path.relative_to(REPO)), {"chain": s, "device": d["device"]["name"], "probe": probe, **f}))
     return out
 
 
@@ -166,7 +173,7 @@ def _flat_trainables(d: dict) -> bool:
     )
 
 
-def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
+def _point(path: Path | tuple[str, dict], hosts: dict[str, float], ref_ms: float) -> dict:
     if isinstance(path, tuple):
         label, d = path
     else:
@@ -216,9 +223,13 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         gpus, plain = d["world_size"], d["engine"] == "plain"
         # these steps were measured under DeepSpeed's own stage 3 (before zero3.json's layer partition)
         engine = engine_from_ds_config(d["ds_config"] or {"zero_optimization": {"stage": 2}}, d["engine"], "deepspeed")
-    link = Link(host=hosts[_kind(d["device"])])
+    kind_host = hosts[_kind(d["device"])]
+    probe = d.get("probe") or {}
+    measured_host = probe.get("shape") == "7b" and probe.get("host_step_ms")
+    host = probe["host_step_ms"] / ref_ms if measured_host else kind_host
     shape = model_shape_from_config(model)
-    pred = step_time(shape, train, engine, gpus, link, plain=plain)
+    pred = step_time(shape, train, engine, gpus, Link(host=host), plain=plain)
+    at_kind = step_time(shape, train, engine, gpus, Link(host=kind_host), plain=plain)
     meas = d["step_s_median"]
     extra = {}
     if "chain" in d and d["chain"].get("phase_times"):
@@ -238,6 +249,9 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
         "measured_ms": meas * 1e3,
         "predicted_ms": pred.seconds * 1e3,
         "error": pred.seconds / meas - 1,
+        "host": host,
+        "host_from": PROBED if measured_host else "the machine kind's",
+        "predicted_at_kind_ms": at_kind.seconds * 1e3,
         "parts_ms": {k: v * 1e3 for k, v in pred.parts.items() if v},
         "host_ms": {k: v * 1e3 for k, v in pred.host.items() if v},
         "window_spread": d.get("window_spread", 0.0),
@@ -245,7 +259,7 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float]) -> dict:
 
 
 def check() -> dict:
-    hosts = host_factors()
+    hosts, ref_ms = host_factors(), statistics.median(host_probe_ms()["H200"])
     runs = [p for p in POINTS if p not in OUTSIDE] + [r for call in LEVER_CALLS for r in _lever_runs(call)]
     runs += [r for path in HOST_DEVICE for r in _host_device_points(path)] + _chain_points()
     runs += [
@@ -253,7 +267,8 @@ def check() -> dict:
         for p in DEEPCOMPILE_CALLS
         if not any(json.loads(p.read_text()).get("levers", {}).get(k) for k in (*MODEL_LEVERS, "per_member_trainables"))
     ]
-    rows = [_point(p, hosts) for p in runs] + [{**_point(p, hosts), "outside": why} for p, why in OUTSIDE.items()]
+    rows = [_point(p, hosts, ref_ms) for p in runs]
+    rows += [{**_point(p, hosts, ref_ms), "outside": why} for p, why in OUTSIDE.items()]
     for r in rows:
         if not r.get("outside") and r["window_spread"] > NOISY_SPREAD:
             r["outside"] = f"noisy: its windows differ by {r['window_spread']:.0%}"
@@ -264,7 +279,7 @@ def check() -> dict:
     groups = []
     for members in configs.values():
         measured = statistics.median(m["measured_ms"] for m in members)
-        pred = members[0]["predicted_ms"]
+        pred = statistics.median(m["predicted_ms"] for m in members)
         groups.append(
             {
                 "files": [m["file"] for m in members],
@@ -279,7 +294,8 @@ def check() -> dict:
                 "measured_ms": measured,
                 "measured_range_ms": [min(m["measured_ms"] for m in members), max(m["measured_ms"] for m in members)],
                 "predicted_ms": pred,
-                "error": pred / measured - 1,
+                "error": statistics.median(m["error"] for m in members),
+                "probed_calls": sum(m["host_from"] == PROBED for m in members),
                 "parts_ms": members[0]["parts_ms"],
                 "host_ms": members[0]["host_ms"],
             }
@@ -303,7 +319,8 @@ def check() -> dict:
 
 
 def _config_key(r: dict) -> tuple:
-    """What the model sees of a point: the device kind and its prediction (the same inputs give the same one)."""
+    """What the model sees of a point but the host's speed: the device kind and its prediction at the kind's host
+    factor (the same inputs give the same one)."""
     return (
         _kind(r["device"]),
         r["engine"],
@@ -312,7 +329,7 @@ def _config_key(r: dict) -> tuple:
         r["hidden"],
         r["checkpointing"],
         r["quant"],
-        round(r["predicted_ms"], 6),
+        round(r["predicted_at_kind_ms"], 6),
     )
 
 
@@ -328,7 +345,9 @@ def render(doc: dict) -> str:
         "(device kind and every input of the model, hence one prediction); measured in several calls, it is held "
         "to the goal by the median of its calls, and each call is listed below with its own error. Not held to "
         f"it: a measurement whose two windows differ by more than {doc['noisy_spread']:.0%}. Host speed "
-        f"relative to the H200 machine (`Link.host`, from the bf16 host probes of `bench/host_device.py`): {hosts}.",
+        f"relative to the H200 machine (`Link.host`, from the bf16 host probes of `bench/host_device.py`): {hosts}; "
+        "a chain call that ran the same probe before its runs (`host_probe`) is predicted at its own host's speed "
+        "(the `host` column below), and a configuration's error is the median of its calls' errors.",
         "",
         "## Configurations",
         "",
@@ -345,8 +364,9 @@ def render(doc: dict) -> str:
             + ")"
         )
         lo, hi = g["measured_range_ms"]
+        calls = f"{g['calls']} ({g['probed_calls']} probed)" if g["probed_calls"] else str(g["calls"])
         lines.append(
-            f"| {g['files'][0].removeprefix('bench/results/')} | {g['calls']} | {g['device']} | {g['engine']} "
+            f"| {g['files'][0].removeprefix('bench/results/')} | {calls} | {g['device']} | {g['engine']} "
             f"| {g['gpus']} | {g['layers']} × {g['hidden']} | {'on' if g['checkpointing'] else 'off'} "
             f"| {g['quant']} | {g['measured_ms']:.0f} | {lo:.0f}–{hi:.0f} | {g['predicted_ms']:.0f} "
             f"| {g['error']:+.1%} | {parts} |"
@@ -368,15 +388,16 @@ def render(doc: dict) -> str:
         "",
         "## Every call",
         "",
-        "| result | device | engine | GPUs | layers × hidden | ckpt | frozen | measured ms | model ms | error |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| result | device | engine | GPUs | layers × hidden | ckpt | frozen | host | measured ms | model ms | error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         why = f" ({r['outside']})" if r.get("outside") else ""
         lines.append(
             f"| {r['file'].removeprefix('bench/results/')}{why} | {r['device']} | {r['engine']} "
             f"| {r['gpus']} | {r['layers']} × {r['hidden']} | {'on' if r['checkpointing'] else 'off'} "
-            f"| {r['quant']} | {r['measured_ms']:.0f} | {r['predicted_ms']:.0f} | {r['error']:+.1%} |"
+            f"| {r['quant']} | {r['host']:.2f}{' (probe)' if r['host_from'] == PROBED else ''} "
+            f"| {r['measured_ms']:.0f} | {r['predicted_ms']:.0f} | {r['error']:+.1%} |"
         )
     lines.append("")
     return "\n".join(lines)

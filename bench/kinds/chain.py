@@ -62,6 +62,7 @@ CHAIN_KEYS: dict[str, Any] = {
     "sparsity": 0.02,  # FRoD's S rate in the recipe (and the planner's prediction)
     "phase_times": False,  # the runs' train.phase_times: rank 0's forward, backward and optimizer seconds per step
     "profile_step": 0,  # the train run's train.profile_step (each rank's cProfile summary kept in its record); 0: none
+    "host_probe": False,  # time bench/host_device.py's short 7B step once per call before training (kept in records)
     "tag": "",
 }
 
@@ -87,8 +88,9 @@ def check(s: dict[str, Any], where: str) -> None:
         raise BenchError(f"{where}: nvme_path {s['nvme_path']!r} must be an absolute folder")
     if not isinstance(s["sparsity"], float) or not 0.0 < s["sparsity"] < 1.0:
         raise BenchError(f"{where}: sparsity must be a number between 0 and 1 (exclusive), got {s['sparsity']!r}")
-    if not isinstance(s["phase_times"], bool):
-        raise BenchError(f"{where}: phase_times must be true or false, got {s['phase_times']!r}")
+    for k in ("phase_times", "host_probe"):
+        if not isinstance(s[k], bool):
+            raise BenchError(f"{where}: {k} must be true or false, got {s[k]!r}")
     if s["profile_step"] and not s["profile_step"] < s["kill_at"]:
         raise BenchError(f"{where}: profile_step must come before kill_at ({s['kill_at']}), got {s['profile_step']}")
     if s["tag"] and not re.fullmatch(r"[a-z0-9][a-z0-9_]*", s["tag"]):
@@ -121,6 +123,7 @@ class Chain:
     device: dict[str, Any]
     call: str
     series: int = 1
+    probe: dict | None = None  # this call's host probe (host_probe), taken before its first training stage
 
     @property
     def root(self) -> Path:  # model, store, data: shared by the series; the runs are each series' own
@@ -358,6 +361,37 @@ def _profiles(out: Path, step: int, ranks: int) -> dict[str, str]:
     return {f"rank{r}": p.read_text() for r, p in found.items() if p.is_file()}
 
 
+PROBE_TIMEOUT_S = 300
+
+
+def host_probe(ch: Chain) -> dict[str, Any]:
+    """The host's speed in this call: ``bench/host_device.py``'s step of 7B-width layers on 1 x 8 tokens (its
+    ``host`` row: the host's time to issue a step, which the step-time model's ``Link.host`` scales), on GPU 0
+    before any rank starts; the tiny shape without GPUs. A probe that fails is recorded as such, not fatal."""
+    out = ch.runs / "host_probe"
+    shutil.rmtree(out, ignore_errors=True)  # the chain's own folder: the last call's probe
+    cmd = [sys.executable, "-m", "bench.host_device", "--quants", "none", "--out", str(out)]
+    cmd += ["--shapes", "7b"] if ch.device["count"] else ["--tiny"]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {PROBE_TIMEOUT_S} s", "command": cmd}
+    try:
+        (row,) = json.loads((out / "host_device.json").read_text())["runs"]
+    except (OSError, ValueError, KeyError) as e:
+        return {"error": f"exit code {p.returncode}, no result ({e})\n{p.stderr[-2000:]}", "command": cmd}
+    return {
+        "shape": row["shape"],
+        "host_step_ms": row["host"]["step_ms"],
+        "host_step_ms_all": row["host"]["all"]["step_ms"],
+        "step_ms": row["step_ms"],
+        "device_ms": row["device_ms"],
+        "wall_s": time.perf_counter() - t0,
+        "command": cmd,
+    }
+
+
 def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
     """``train``, ``resume`` or ``mfu``: run it (or read its kept run) and write its record."""
     s, pred = ch.cfg.settings, ch.record("predict")["metrics"]
@@ -380,6 +414,8 @@ def _train_stage(ch: Chain, stage: str, left: float) -> tuple[str, float]:
     fig = _figures(ch, run, own, batch)
     m = {"figures": fig, "planner": plan, "gpu_in_use_over_planner": in_use_over_planner(fig, plan, s["gpus"])}
     m.update(losses={r["step"]: r["loss"] for r in rows}, grad_norms={r["step"]: r["grad_norm"] for r in rows})
+    if ch.probe is not None:
+        m["host_probe"] = ch.probe
     status, error = "ok", ""
     if stage == "train":
         m["killed_after_step"] = max(r["step"] for r in rows)
@@ -450,6 +486,9 @@ def run_chain(suite: Suite, results: Path, work: Path, *, budget_s: float, only:
             elif group == "prepare":
                 status, wall = _prepare_stage(ch, left)
             else:
+                if cfg["host_probe"] and ch.probe is None:
+                    log(f"{suite.name}/{cfg.name}: host probe")
+                    ch.probe = host_probe(ch)
                 status, wall = _train_stage(ch, group, left)
                 ran_train = ran_train or group == "train"
             outcomes.append(Outcome(f"{cfg.name}.{group}", status, wall))

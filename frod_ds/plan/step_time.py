@@ -161,6 +161,6 @@ def step_time(
     trainable_numel = sum(numel * count for numel, count in trainable)
     if n > 1:
         parts["gradient reduce"] = trainable_numel * train.e * (n - 1) / n / link.busbw
-    if engine.offload_optimizer:  # after the backward: nothing to hide behind
-        parts["CPU optimizer"] = trainable_numel / n * CPU_OPTIMIZER_PARAM_S
+    if engine.offload_optimizer:  # after the backward: nothing to hide behind; the host's work
+        parts["CPU optimizer"] = link.host * trainable_numel / n * CPU_OPTIMIZER_PARAM_S
     return StepTime(parts, host)

@@ -207,6 +207,12 @@ def test_tiny_chain_generates_decomposes_deletes_trains_kills_and_resumes_bitwis
     assert list(profiles) == ["rank0"] and profiles["rank0"].startswith(f"rank 0, optimizer step {s['profile_step']}:")
     timed = [r["step_time_s"] for r in killed[1:] if r["step"] != s["profile_step"]]
     assert len(timed) == len(killed) - 2 and records["train"].metrics["figures"]["step_s_median"] == median(timed)
+    # the host probe (host_probe): bench/host_device.py's tiny step, timed once in this call before training, in
+    # every training record of the call, as its own JSON has it
+    probe = records["train"].metrics["host_probe"]
+    written = json.loads((root / "runs" / "host_probe" / "host_device.json").read_text())["runs"]
+    assert [r["name"] for r in written] == ["tiny_none"] and probe["host_step_ms"] == written[0]["host"]["step_ms"] > 0
+    assert all(records[st].metrics["host_probe"] == probe for st in ("resume", "mfu"))
     for stage in ("train", "resume"):  # the build time is frod train's own line in that run's log
         said = re.findall(r"model built in ([0-9.]+) s", (root / "runs" / f"{stage}.log").read_text())
         assert said and records[stage].metrics["figures"]["build_s"] == float(said[-1]) > 0

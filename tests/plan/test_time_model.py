@@ -57,6 +57,19 @@ def test_the_cpu_optimizer_term_is_per_trainable_parameter_of_a_rank():
     assert "CPU optimizer" not in step_time(model, train, e["zero3"], 2).parts
 
 
+def test_a_slower_host_scales_the_hosts_work_and_nothing_else():
+    """``Link.host``: the host's layers, DeepSpeed's host work and the CPU optimizer (the host's Adam) take ``host``
+    times as long; the device's compute does not (a chain call's probe sets it: bench/time_model_check.py)."""
+    model, train = model_shape_from_config(LLAMA2_7B), TrainShape(micro_batch=4, seq_len=256, checkpointing=True)
+    e = _engines()["zero3_offload"]
+    one, slow = step_time(model, train, e, 2), step_time(model, train, e, 2, Link(host=1.3))
+    assert slow.host == pytest.approx({k: 1.3 * v for k, v in one.host.items()})
+    assert slow.parts["CPU optimizer"] == pytest.approx(1.3 * one.parts["CPU optimizer"])
+    assert (slow.parts["compute"], slow.parts["recompute"]) == (one.parts["compute"], one.parts["recompute"])
+    beyond = sum(slow.host.values()) - one.parts["compute"] - one.parts["recompute"]
+    assert slow.parts["host beyond device"] == pytest.approx(beyond)
+
+
 def test_step_parts_add_up_from_flops_host_work_and_the_link():
     from frod_ds.plan.flops import flops_per_token
 
@@ -120,7 +133,7 @@ def test_the_committed_check_is_what_the_model_gives_and_hides_no_point():
     assertion here."""
     import statistics
 
-    from bench.time_model_check import NOISY_SPREAD, OUTSIDE, check, render
+    from bench.time_model_check import NOISY_SPREAD, OUTSIDE, PROBED, _kind, check, render
 
     doc = check()
     assert len(doc["rows"]) >= 12
@@ -147,9 +160,14 @@ def test_the_committed_check_is_what_the_model_gives_and_hides_no_point():
     assert sorted(grouped) == sorted(held), "every held point in exactly one configuration"
     for g in doc["configs"]:
         members = [held[f] for f in g["files"]]
-        assert len({round(m["predicted_ms"], 6) for m in members}) == 1, "one prediction per configuration"
+        # one prediction per configuration at its machine kind's host; each call's own at its probed host
+        assert len({round(m["predicted_at_kind_ms"], 6) for m in members}) == 1
+        for m in members:
+            assert (m["host_from"] == PROBED) == (m["host"] != doc["host_factors"][_kind(m["device"])])
+            assert m["error"] == pytest.approx(m["predicted_ms"] / m["measured_ms"] - 1)
         assert g["measured_ms"] == statistics.median(m["measured_ms"] for m in members)
-        assert g["error"] == pytest.approx(g["predicted_ms"] / g["measured_ms"] - 1)
+        assert g["error"] == statistics.median(m["error"] for m in members)
+        assert g["probed_calls"] == sum(m["host_from"] == PROBED for m in members)
     assert doc["worst_error"] == max(abs(g["error"]) for g in doc["configs"])
     assert doc["within_goal"] == all(abs(g["error"]) <= CHECK_GOAL for g in doc["configs"])
     assert doc["host_factors"]["H200"] == 1.0 and doc["host_factors"]["H100"] > 1.0, "the H100 machine's host is slower"
