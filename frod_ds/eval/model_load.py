@@ -70,29 +70,31 @@ def load_model(config: ModelFlags, device: torch.device, dtype: torch.dtype) -> 
         from frod_ds.io.hf_checkpoint import INDEX_NAME, SINGLE_NAME, HFCheckpoint
         from frod_ds.io.model_dir import check_config_file, check_model_folder
 
-        if Path(config.model).is_dir():  # a store, a PEFT adapter, a data build; a config of no or another model
-            check_model_folder(Path(config.model))
-            has_safetensors = any((Path(config.model) / n).is_file() for n in (INDEX_NAME, SINGLE_NAME))
+        folder = expand_home(config.model)  # ~ as the shell would make of it: a folder, not a Hub id
+        if folder.is_dir():  # a store, a PEFT adapter, a data build; a config of no or another model
+            check_model_folder(folder)
+            has_safetensors = any((folder / n).is_file() for n in (INDEX_NAME, SINGLE_NAME))
             if has_safetensors:
-                HFCheckpoint(config.model).config()
-            elif any(Path(config.model).glob("*.bin")):  # torch.load of a foreign pickle: never, and no traceback
+                HFCheckpoint(folder).config()
+            elif any(folder.glob("*.bin")):  # torch.load of a foreign pickle: never, and no traceback
                 raise EvalError(
                     f"--model {config.model} holds PyTorch .bin weights only; frod-ds reads safetensors checkpoints "
                     "(they cannot run code when read): convert them first, e.g. save_pretrained(safe_serialization="
                     "True) in a trusted environment"
                 )
             else:
-                check_config_file(config.model)
+                check_config_file(folder)
         from transformers import AutoModelForCausalLM
 
         from frod_ds.prep.tokens import load_tokenizer
 
+        source = str(folder) if folder.is_dir() else config.model
         try:
-            model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(device)
         except BrokenPipeError:  # its progress bar's console reader went away: the command's to stop, not the model
             raise
         except OSError as e:  # transformers says what is missing or unreadable with an OSError
-            if not expand_home(config.model).is_dir():  # no folder, and no Hub repo to be had either
+            if not folder.is_dir():  # no folder, and no Hub repo to be had either
                 raise EvalError(hub_load_failure(config.model, e)) from None
             raise EvalError(f"cannot load --model {config.model}: {e}") from None
         except Exception as e:  # a damaged shard: safetensors' error names no file

@@ -46,7 +46,7 @@ def load_tokenizer(name: str) -> Any:
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path) if path.is_dir() else name)  # ~ is a folder, not a Hub id
     except Exception as exc:  # offline, missing files, unknown id, a damaged file: one line naming the file
         from frod_ds.prep.tokenizer_files import load_failure
 

@@ -3,6 +3,7 @@ connections) and of an export whose tokenizer file is damaged (one line naming t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -99,3 +100,19 @@ def test_a_console_pipe_closing_while_the_model_loads_is_not_the_models_fault(as
     config = EvalConfig(data=str(assets["data"]), output="unused", model=str(assets["export"]))
     with pytest.raises(BrokenPipeError):
         load_model(config, torch.device("cpu"), torch.float32)
+
+
+def test_a_model_under_home_is_the_folder_the_shell_would_make_of_it(assets, tmp_path, capsys, monkeypatch):
+    """``--model "~/x"`` (quoted: no shell expanded it) scores the export in $HOME/x, as the expanded path does;
+    ``--model "~"`` of a home holding no model is one line naming what it lacks, not a repo-id complaint."""
+    home = tmp_path / "home"
+    shutil.copytree(assets["export"], home / "x")
+    monkeypatch.setenv("HOME", str(home))
+    argv = ["eval", "--data", str(assets["data"]), "--tasks", "boolq,piqa"]
+    assert main([*argv, "--model", "~/x", "--output", str(tmp_path / "a")]) == 0
+    assert main([*argv, "--model", str(home / "x"), "--output", str(tmp_path / "b")]) == 0
+    scored = [(tmp_path / o / "results.json").read_text() for o in ("a", "b")]
+    assert json.loads(scored[0])["tasks"] == json.loads(scored[1])["tasks"]
+    capsys.readouterr()
+    line = eval_error("~", assets, tmp_path / "c", capsys)
+    assert "Repo id" not in line and str(home) in line and "config.json" in line, line
