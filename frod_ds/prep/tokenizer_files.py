@@ -79,6 +79,47 @@ def added_tokens_problem(path: Path) -> str | None:
     return None
 
 
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_problem(value: object) -> str | None:
+    """Why ``value`` is no special token as transformers takes one (a string, null, or an object whose "content" is
+    a string), or None."""
+    if value is None or isinstance(value, str):
+        return None
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return None
+    return f"{json.dumps(value)[:80]}, not a string or an object with a string content"
+
+
+def special_tokens_problem(path: Path) -> str | None:
+    """Why the special tokens of ``tokenizer_config.json`` or ``special_tokens_map.json`` (present, a JSON object)
+    are not what transformers takes, or None: each named token, each additional one, and (tokenizer_config.json)
+    each entry of ``added_tokens_decoder`` (an object of id → token object)."""
+    try:
+        doc = loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    for key in SPECIAL_TOKEN_KEYS:
+        if key in doc and (why := _token_problem(doc[key])):
+            return f"{path} gives {key} {why}"
+    extra = doc.get("additional_special_tokens")
+    if extra is not None and not isinstance(extra, list):
+        return f"{path} gives additional_special_tokens {json.dumps(extra)[:80]}, not a list"
+    for value in extra or []:
+        if why := _token_problem(value):
+            return f"{path} lists among additional_special_tokens {why}"
+    decoder = doc.get("added_tokens_decoder")
+    if decoder is not None and not isinstance(decoder, dict):
+        return f"{path} gives added_tokens_decoder {json.dumps(decoder)[:80]}, not an object of id to token"
+    for k, value in (decoder or {}).items():
+        if not k.lstrip("-").isdigit() or not isinstance(value, dict) or _token_problem(value):
+            return f"{path} gives added_tokens_decoder entry {k!r}: {json.dumps(value)[:80]}, not an id to a token"
+    return None
+
+
 def sentencepiece_problem(path: Path) -> str | None:
     """Why ``path`` (present) is no SentencePiece model, or None; an empty file always, its contents only where
     the sentencepiece package is installed (transformers converts the model with it)."""
@@ -112,6 +153,10 @@ def damaged_file(folder: Path) -> tuple[Path, str] | None:
     problem = added_tokens_problem(folder / ADDED_TOKENS)
     if problem:
         return folder / ADDED_TOKENS, problem
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        problem = special_tokens_problem(folder / name) if (folder / name).is_file() else None
+        if problem:
+            return folder / name, problem
     model = folder / "tokenizer.model"  # read only when there is no tokenizer.json to build the tokenizer from
     if os.path.lexists(model) and not fast:
         problem = sentencepiece_problem(model)

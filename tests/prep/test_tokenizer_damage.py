@@ -67,6 +67,21 @@ DAMAGES: dict[str, tuple[str, Callable[[Path], None], str]] = {
         lambda p: p.write_text('{"<x>": "7"}\n'),
         "gives token '<x>' the id '7', not an integer",
     ),
+    "special_tokens_map.json with an eos_token that is a number": (
+        "special_tokens_map.json",
+        lambda p: p.write_text('{"eos_token": 5}\n'),
+        "gives eos_token 5, not a string or an object with a string content",
+    ),
+    "tokenizer_config.json with a pad_token whose content is a number": (
+        "tokenizer_config.json",
+        lambda p: set_key(p, "pad_token", {"content": 5}),
+        'gives pad_token {"content": 5}, not a string or an object with a string content',
+    ),
+    "tokenizer_config.json with added_tokens_decoder a list": (
+        "tokenizer_config.json",
+        lambda p: set_key(p, "added_tokens_decoder", []),
+        "gives added_tokens_decoder [], not an object of id to token",
+    ),
 }
 
 
@@ -149,3 +164,10 @@ def test_a_vocabulary_file_that_is_no_file_is_named(tmp_path, kind):
         load_tokenizer(str(folder))
     said = "is a directory, not a file" if kind == "folder" else "is a broken symbolic link"
     assert f"{folder / 'tokenizer.json'} {said}" in str(e.value) and "no vocabulary" not in str(e.value), e.value
+
+
+def test_a_tokenizer_under_home_is_read_from_the_folder_not_asked_of_the_hub(model_dir, tmp_path, monkeypatch):
+    """``~/tk`` (quoted, so no shell expanded it) is the folder the shell would make of it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(model_dir, tmp_path / "tk")
+    assert load_tokenizer("~/tk").get_vocab() == load_tokenizer(str(tmp_path / "tk")).get_vocab()
