@@ -14,7 +14,18 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["FrodError", "CheckpointError", "StoreError", "AdapterError", "HJDError", "ExportError", "note"]
+__all__ = [
+    "USER_ERROR",
+    "FrodError",
+    "CheckpointError",
+    "StoreError",
+    "AdapterError",
+    "HJDError",
+    "ExportError",
+    "note",
+]
+
+USER_ERROR = 2  # exit status of a user mistake (a FrodError's, a console stream lost)
 
 
 class FrodError(ValueError):

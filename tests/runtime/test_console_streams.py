@@ -173,3 +173,40 @@ def test_eval_writes_its_whole_results_and_names_the_full_stream(env, tmp_path, 
     assert files(out, skip=("results.json",)) == files(tmp_path / "plain", skip=("results.json",))
     results = [json.loads((d / "results.json").read_text())["tasks"] for d in (out, tmp_path / "plain")]
     assert results[0] == results[1]
+
+
+def closed(*args: str, close: str) -> subprocess.CompletedProcess:
+    """``frod ARGS`` with the stream ``close`` closed from the start (``>&-``, ``2>&-``), the other captured."""
+    fd = {"stdout": 1, "stderr": 2}[close]
+    return subprocess.run(
+        ["bash", "-c", f'exec "$@" {fd}>&-', "frod", sys.executable, "-m", "frod_ds", *args],
+        cwd=REPO,
+        env=clean_env(),
+        text=True,
+        timeout=pace.scaled(120),
+        stdout=subprocess.PIPE if close == "stderr" else None,
+        stderr=subprocess.PIPE if close == "stdout" else None,
+    )
+
+
+@pytest.mark.parametrize("close", STREAMS)
+def test_a_stream_closed_from_the_start_is_lost_as_a_full_ones_is(env, tmp_path, close):
+    """``>&-`` or ``2>&-`` (a job started without one): the output whole, then exit 2 and one line on the other
+    stream naming the closed one, as for a full disk; no output file takes the closed descriptor's number."""
+    args = ("data", "build", "--source", str(env.root / "raw"), "--tasks", "boolq,piqa", "--out")
+    plain = frod(*args, str(tmp_path / "plain"), full=())
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    out = tmp_path / "out"
+    proc = closed(*args, str(out), close=close)
+    said = proc.stderr if close == "stdout" else proc.stdout
+    assert proc.returncode == 2 and said.splitlines()[-1] == (
+        f"error: cannot write to {close} (it was closed when the command started): --out {out} is complete and "
+        "kept, nothing needs to run again; only what it printed there is lost"
+    ), said[-2000:]
+    assert files(out) == files(tmp_path / "plain")
+
+
+def test_a_closed_stream_nothing_is_written_to_costs_nothing():
+    """``frod plan --help 2>&-``: the report is whole on stdout and stderr was never needed: exit 0."""
+    proc = closed("plan", "--help", close="stderr")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: frod plan"), proc.stdout[-2000:]
