@@ -279,8 +279,10 @@ def _fit(run: Run, bar: tqdm) -> int:
         damage = dist.on_main(lambda: _adapter_damage(final))
         if damage is None:
             bar.close()
+            why = f"; no step runs, so train.profile_step {t.profile_step} profiles none" if t.profile_step else ""
             dist.print0(
                 f"{run.out} holds a finished run (step {state.step}/{run.total_steps}); adapter-final left as it is"
+                + why
             )
             return 0
         note(f"{damage}; writing adapter-final again from the checkpoint of step {state.step}")  # bit for bit

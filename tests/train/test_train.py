@@ -306,6 +306,11 @@ def test_a_profile_step_past_the_run_is_named_and_profiles_nothing(env, tmp_path
     assert res.returncode == 0, res.stderr[-3000:]
     said = "train.profile_step 3 is not among the steps this run takes (1 to 1): no step is profiled"
     assert said in res.stderr and not (tmp_path / "p" / "profile").exists()
+    # the same command on the finished run: no step runs, which the finished-run line says of the profile
+    again = run_train(CPU_ZERO3, env.overrides(tmp_path / "p", **ONE_STEP, **{"train.profile_step": "1"}))
+    assert again.returncode == 0, again.stderr[-3000:]
+    said = "adapter-final left as it is; no step runs, so train.profile_step 1 profiles none"
+    assert said in again.stdout + again.stderr and not (tmp_path / "p" / "profile").exists()
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
