@@ -25,7 +25,6 @@ from frod_ds.runtime.errors import USER_ERROR, FrodError, forget_notes, last_com
 __all__ = ["USER_ERROR", "Terminated", "run", "report", "run_script"]
 
 
-
 def _distributed():
     """``frod_ds.runtime.distributed`` once the command uses torch, else None: a command that never imports torch
     (``frod plan``, ``frod data``) has no process group to report from or leave, and starts in a fraction of a
