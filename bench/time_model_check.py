@@ -53,6 +53,7 @@ CHAIN_SUITES = (
     "offload-7b-rank-check",
     "offload-7b-profile",
     "offload-7b-l16-check",
+    "offload-7b-host-probe",
 )
 # A chain run with train.phase_times synchronizes the device at each phase boundary: the host no longer runs ahead
 # of the device, a step the model does not describe (its phases are what CPU_OPTIMIZER_PARAM_S is read off)

@@ -92,8 +92,9 @@ def print_plan(plan, title: str, model=None) -> None:
             )
         if plan.engine.offload_optimizer:
             print(
-                "  its CPU optimizer term runs on the host, one thread per rank: one set-up's 2-GPU steps vary "
-                "from call to call by more than the model's 15% goal (bench/results/time_model_check.md)"
+                "  its CPU optimizer term runs on the host, one thread per rank; on 2 GPUs the measured steps ran "
+                "slower than this model by more than its 15% goal and vary from run to run "
+                "(bench/results/time_model_check.md)"
             )
     if plan.host_bytes:
         print(
