@@ -1,8 +1,6 @@
 """Entry point: ``python -m data_prep build|stats|show``, the same as ``frod data ...`` (frod_ds/prep/command.py)."""
 
-import sys
-
-from frod_ds.prep.command import main
+from frod_ds.cli.main import module_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    module_main("data")

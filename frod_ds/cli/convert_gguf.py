@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     return entry.run(lambda: convert(args), init_group=False)
 
 
-if __name__ == "__main__":
-    from frod_ds.runtime.entry import run_script
+if __name__ == "__main__":  # as `frod convert-gguf` runs
+    from frod_ds.cli.main import module_main
 
-    run_script(main)
+    module_main("convert-gguf")

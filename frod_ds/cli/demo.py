@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     return entry.run(lambda: demo(args), init_group=False)  # every stage runs in processes of its own
 
 
-if __name__ == "__main__":
-    from frod_ds.runtime.entry import run_script
+if __name__ == "__main__":  # as `frod demo` runs
+    from frod_ds.cli.main import module_main
 
-    run_script(main)
+    module_main("demo")

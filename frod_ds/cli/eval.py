@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     return entry.run(lambda: run(EvalConfig.from_namespace(args)))
 
 
-if __name__ == "__main__":
-    from frod_ds.runtime.entry import run_script
+if __name__ == "__main__":  # as `frod eval` runs
+    from frod_ds.cli.main import module_main
 
-    run_script(main, fast_exit=True)
+    module_main("eval")

@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     return entry.run(lambda: export(args), init_group=False)
 
 
-if __name__ == "__main__":
-    from frod_ds.runtime.entry import run_script
+if __name__ == "__main__":  # as `frod export` runs
+    from frod_ds.cli.main import module_main
 
-    run_script(main)
+    module_main("export")

@@ -295,7 +295,7 @@ def _on_alike_ranks(args: argparse.Namespace) -> int:
     return verify(args) if args.verify is not None else build(args)
 
 
-if __name__ == "__main__":
-    from frod_ds.runtime.entry import run_script
+if __name__ == "__main__":  # as `frod hjd` runs
+    from frod_ds.cli.main import module_main
 
-    run_script(main, fast_exit=True)
+    module_main("hjd")

@@ -16,7 +16,7 @@ from types import ModuleType
 
 from frod_ds.runtime.cli_parser import Parser
 
-__all__ = ["COMMANDS", "Command", "main", "console", "launch_shim", "deprecated_form"]
+__all__ = ["COMMANDS", "Command", "main", "console", "module_main", "launch_shim", "deprecated_form"]
 
 EXAMPLES = """examples:
   frod data build --source hub --out data/cs170k
@@ -154,6 +154,13 @@ def console(old_form: str | None = None) -> None:
         return main(args)
 
     run_script(command, fast_exit=known and COMMANDS[head[0]].fast_exit)
+
+
+def module_main(command: str) -> None:
+    """A command's module run as the program (data_prep's too): ``frod command`` with the arguments given, its
+    checks (one-process commands on rank 0) and its console included."""
+    sys.argv[1:1] = [command]
+    console()
 
 
 def deprecated_form(used: str, instead: str) -> None:

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     return entry.run(lambda: plan_command(args), init_group=False)  # user errors: one ``error:`` line, exit 2
 
 
-if __name__ == "__main__":
-    from frod_ds.runtime.entry import run_script
+if __name__ == "__main__":  # as `frod plan` runs
+    from frod_ds.cli.main import module_main
 
-    run_script(main)
+    module_main("plan")

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     return entry.run(lambda: train(args), init_group=False)
 
 
-if __name__ == "__main__":
-    from frod_ds.runtime.entry import run_script
+if __name__ == "__main__":  # as `frod train` runs
+    from frod_ds.cli.main import module_main
 
-    run_script(main, fast_exit=True)
+    module_main("train")

@@ -232,14 +232,25 @@ def test_a_build_in_an_environment_no_launcher_sets_is_built(tmp_path, env):
         {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_ID": "7"},
     ],
 )
-def test_rank_variables_no_launcher_set_are_refused_on_a_rank_other_than_0(tmp_path, env):
+@pytest.mark.parametrize("form", [["-m", "frod_ds", "data"], ["-m", "data_prep"]])
+def test_rank_variables_no_launcher_set_are_refused_on_a_rank_other_than_0(tmp_path, env, form):
     """``RANK=1 WORLD_SIZE=2`` left in a shell (no torchrun, deepspeed or srun step beside them): a one-process
-    command would take itself for rank 1 and do nothing with exit 0; it says so in one line and exits 2."""
+    command would take itself for rank 1 and do nothing with exit 0; it says so in one line and exits 2, in each
+    form the command has."""
     from tests.support import ranks
 
-    args = ["-m", "frod_ds", "data", "build", "--source", str(MIRROR), "--tasks", "boolq", "--out", str(tmp_path / "d")]
+    args = [*form, "build", "--source", str(MIRROR), "--tasks", "boolq", "--out", str(tmp_path / "d")]
     run = ranks.run(0, args, {**clean_env(), **env}, REPO, 60)
     assert run.returncode == 2, run.stderr[-2000:]
     (line,) = [x for x in run.stderr.splitlines() if x.startswith("error: ")]
     assert "this process is rank 1 of 2" in line and "no launcher started it" in line, line
     assert not (tmp_path / "d").exists()
+
+
+def test_a_commands_module_run_as_the_program_is_the_frod_verb(tmp_path):
+    """``python -m frod_ds.cli.plan`` (each command's module): the verb's rank check applies, as ``frod plan``'s."""
+    from tests.support import ranks
+
+    args = ["-m", "frod_ds.cli.plan", "--model", str(tmp_path / "m"), "--gpus", "1"]
+    run = ranks.run(0, args, {**clean_env(), "RANK": "1", "WORLD_SIZE": "2"}, REPO, 60)
+    assert run.returncode == 2 and "no launcher started it" in run.stderr, run.stderr[-2000:]
