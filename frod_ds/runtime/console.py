@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from frod_ds.runtime.errors import USER_ERROR
+from frod_ds.runtime.errors import USER_ERROR, FrodError
 
 __all__ = ["Console", "console_files", "escape_unencodable", "say"]
 
@@ -220,7 +220,14 @@ def _last_error(dropped: bytes) -> str | None:
 
 
 def say(stream: object, line: str) -> None:
-    """Write ``error: line`` on ``stream`` (rank-prefixed among several); nothing where it cannot be written."""
-    where = f"[rank {os.environ.get('RANK', '0')}] " if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else ""
+    """Write ``error: line`` on ``stream`` (rank-prefixed among a launcher's several, srun's too); nothing where it
+    cannot be written."""
+    from frod_ds.runtime.launch_env import launcher_rank_world
+
+    try:
+        ranks = launcher_rank_world()
+    except FrodError:  # variables no launcher sets: the command named them itself
+        ranks = None
+    where = f"[rank {ranks[0]}] " if ranks is not None and ranks[1] > 1 else ""
     with contextlib.suppress(OSError, ValueError, AttributeError):  # a lost or closed stream: the exit code tells
         print(f"error: {where}{line}", file=stream, flush=True)  # type: ignore[call-overload]

@@ -210,3 +210,23 @@ def test_a_closed_stream_nothing_is_written_to_costs_nothing():
     """``frod plan --help 2>&-``: the report is whole on stdout and stderr was never needed: exit 0."""
     proc = closed("plan", "--help", close="stderr")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: frod plan"), proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("env", "prefix"),
+    [
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "[rank 1] "),
+        ({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4"}, "[rank 3] "),  # srun's tasks, as the launcher reads them
+        ({"RANK": "0", "WORLD_SIZE": "1"}, ""),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, ""),  # no launcher's: the command names them itself
+    ],
+)
+def test_the_lost_stream_line_carries_the_rank_the_launcher_gave(monkeypatch, capsys, env, prefix):
+    from frod_ds.runtime.console import say
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    say(sys.stdout, "x")
+    assert capsys.readouterr().out == f"error: {prefix}x\n"
