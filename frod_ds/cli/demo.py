@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from frod_ds.runtime.cli_parser import Parser
+from frod_ds.runtime.cli_parser import Parser, input_path
 
 EXAMPLES = """examples:
   make demo                                   # creates .venv, then runs frod demo
@@ -127,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--out", default="runs/demo", help="output directory (replaced only if an earlier demo wrote it)")
     ap.add_argument("--ranks", type=int, default=2, help="processes for HJD, training and eval")
-    ap.add_argument("--recipe", default="recipes/demo_tiny.yaml", help="training recipe")
+    ap.add_argument("--recipe", type=input_path, default="recipes/demo_tiny.yaml", help="training recipe")
     return ap.parse_args(argv)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from frod_ds.runtime.cli_parser import Parser
+from frod_ds.runtime.cli_parser import Parser, input_path
 
 EXAMPLES = """examples:
   # a FRoD adapter (base model and factor store from its adapter_config.json; --base-model, --factor-store
@@ -38,13 +38,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     model = p.add_argument_group("model (exactly one of --checkpoint, --model)")
-    model.add_argument("--checkpoint", help="FRoD adapter checkpoint dir (e.g. out/run1/adapter-final)")
-    model.add_argument("--base-model", help="override the base model named in the checkpoint's adapter_config.json")
-    model.add_argument("--factor-store", help="override the factor store named in the checkpoint's adapter_config.json")
+    model.add_argument(
+        "--checkpoint", type=input_path, help="FRoD adapter checkpoint dir (e.g. out/run1/adapter-final)"
+    )
+    model.add_argument(
+        "--base-model", type=input_path, help="override the base model named in the checkpoint's adapter_config.json"
+    )
+    model.add_argument(
+        "--factor-store",
+        type=input_path,
+        help="override the factor store named in the checkpoint's adapter_config.json",
+    )
     model.add_argument("--model", help="plain HF model dir or Hub id (a merged export, or a base model for a baseline)")
     model.add_argument("--tokenizer", help="tokenizer dir or Hub id for --model (default: the --model path)")
     p.add_argument(
-        "--data", required=True, help="frod data build's output dir; rows are read from <data>/eval/<task>.jsonl"
+        "--data",
+        type=input_path,
+        required=True,
+        help="frod data build's output dir; rows are read from <data>/eval/<task>.jsonl",
     )
     p.add_argument("--tasks", default="all", help="'all' or a comma list, e.g. boolq,piqa,arc_easy")
     p.add_argument("--output", required=True, help="dir for results.json, results.md and predictions.jsonl")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from frod_ds.runtime.cli_parser import Parser
+from frod_ds.runtime.cli_parser import Parser, input_path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,8 +24,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="adapter directory written by training (adapter-<step> or adapter-final)")
-    src.add_argument("--from-peft", metavar="PEFT_DIR", help="import this stock PEFT FRoD adapter directory instead")
+    src.add_argument(
+        "--checkpoint", type=input_path, help="adapter directory written by training (adapter-<step> or adapter-final)"
+    )
+    src.add_argument(
+        "--from-peft", type=input_path, metavar="PEFT_DIR", help="import this stock PEFT FRoD adapter directory instead"
+    )
     p.add_argument("--out", required=True, type=Path, help="output directory (created; see --overwrite)")
     p.add_argument(
         "--format",
@@ -35,10 +39,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--base-model",
+        type=input_path,
         default=None,
         help="base model (directory or Hub id); default: the one the adapter's config names",
     )
-    p.add_argument("--factor-store", default=None, help="--checkpoint: override the adapter's factor store directory")
+    p.add_argument(
+        "--factor-store",
+        type=input_path,
+        default=None,
+        help="--checkpoint: override the adapter's factor store directory",
+    )
     p.add_argument(
         "--dtype", default=None, help="--format hf: auto (keep each tensor's dtype), bfloat16, float16 or float32"
     )

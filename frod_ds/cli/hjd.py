@@ -20,7 +20,7 @@ from pathlib import Path  # noqa: E402
 
 from frod_ds.core.names import LLAMA_LINEARS  # noqa: E402
 from frod_ds.hjd.sharding import DEFAULT_TARGETS, readahead_budget, start_readahead  # noqa: E402  (no torch yet)
-from frod_ds.runtime.cli_parser import Parser, seed_int  # noqa: E402
+from frod_ds.runtime.cli_parser import Parser, input_dir, seed_int  # noqa: E402
 from frod_ds.runtime.launch_env import ranks_on_this_node  # noqa: E402
 
 EXAMPLES = """examples:
@@ -45,7 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, help="factor store directory to create or resume (shared by all ranks)")
     p.add_argument(
-        "--verify", type=Path, metavar="DIR", help="verify the factor store DIR against --model instead of building"
+        "--verify",
+        type=input_dir,
+        metavar="DIR",
+        help="verify the factor store DIR against --model instead of building",
     )
     p.add_argument(
         "--targets",

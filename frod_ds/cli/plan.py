@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from frod_ds.runtime.cli_parser import Parser
+from frod_ds.runtime.cli_parser import Parser, input_path
 
 GiB = 2**30
 H100_GIB = 79.1  # torch.cuda.get_device_properties(0).total_memory of an 80 GB H100, in GiB
@@ -33,11 +33,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--recipe",
+        type=input_path,
         default=None,
         help="YAML recipe: micro-batch, cutoff_len, targets, sparsity, dtype, "
         "checkpointing, frozen_quant (defaults: the recipe defaults)",
     )
-    p.add_argument("--config", default=None, help="plan this DeepSpeed JSON; without it, plan the recommended set-up")
+    p.add_argument(
+        "--config",
+        type=input_path,
+        default=None,
+        help="plan this DeepSpeed JSON; without it, plan the recommended set-up",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="tokens per example (default: the recipe's cutoff_len)")
     p.add_argument(
         "--layer-saves",

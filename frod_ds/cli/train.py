@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from frod_ds.runtime.cli_parser import Parser
+from frod_ds.runtime.cli_parser import Parser, input_path
 
 EXAMPLES = """examples:
   frod train --config ds_configs/zero2.json --recipe recipes/llama2_7b_cs170k.yaml train.lr_sigma=2e-4 \\
@@ -31,8 +31,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--config", required=True, help="DeepSpeed JSON (ds_configs/*.json); the only engine settings")
-    ap.add_argument("--recipe", default=None, help="YAML recipe (recipes/*.yaml); omitted keys take defaults")
+    ap.add_argument(
+        "--config", type=input_path, required=True, help="DeepSpeed JSON (ds_configs/*.json); the only engine settings"
+    )
+    ap.add_argument(
+        "--recipe", type=input_path, default=None, help="YAML recipe (recipes/*.yaml); omitted keys take defaults"
+    )
     ap.add_argument("--nvme-path", default=None, help="override the NVMe offload path of the DeepSpeed config")
     ap.add_argument(
         "--local_rank",

@@ -344,7 +344,9 @@ def recipe_tree(path: str | Path | None, overrides: list[str] = ()) -> dict:
     """What the YAML file and the overrides give, before defaults (a mapping of sections)."""
     tree: dict = {}
     if path is not None:
-        p = user_file(path, "recipes")  # a shipped recipe by name also outside a checkout
+        from frod_ds.runtime.cli_parser import input_path
+
+        p = user_file(input_path(str(path)), "recipes")  # a shipped recipe by name also outside a checkout
         if not p.is_file():  # a named pipe or a link loop is said as such, not "not found"
             raise RecipeError(f"recipe file {file_problem(p) if p.is_symlink() or p.exists() else f'{p} not found'}")
         too_deep = f"recipe {p} nests lists or mappings more than {MAX_DEPTH} deep; fix the file"
@@ -390,10 +392,22 @@ def recipe_tree(path: str | Path | None, overrides: list[str] = ()) -> dict:
     return tree
 
 
+# the recipe's inputs: a leading ~ is expanded as a shell would (output_dir is an output: never expanded)
+INPUT_PATHS = (("model", "base"), ("model", "factor_store"), ("model", "tokenizer"), ("model", "init_adapter"))
+INPUT_PATHS += (("data", "train"), ("data", "eval"))
+
+
 def recipe_from_tree(tree: dict, paths: bool = True) -> Recipe:
-    """The recipe ``tree`` (``recipe_tree``) gives over the defaults, checked (``load_recipe``)."""
+    """The recipe ``tree`` (``recipe_tree``) gives over the defaults, checked (``load_recipe``); its input paths
+    with ``~`` expanded (``runtime.cli_parser.input_path``)."""
+    from frod_ds.runtime.cli_parser import input_path
+
     problems: list[str] = []
     recipe = _build(Recipe, tree, "", problems)
+    for section, key in INPUT_PATHS if not problems else ():
+        value = getattr(getattr(recipe, section), key)
+        if isinstance(value, str):
+            setattr(getattr(recipe, section), key, input_path(value))
     if not problems:
         problems = recipe.problems(paths)
     if problems:

@@ -282,6 +282,9 @@ def adapter_sources(checkpoint_dir: str | Path, base_model: str | None = None, f
     store_path = factor_store or config.factor_store
     if not base:
         raise AdapterError(f"{checkpoint_dir}: adapter names no base model; pass --base-model")
+    if factor_store and not Path(factor_store).is_dir():  # the user's own flag: not the adapter's doing
+        problem = dir_problem(Path(factor_store)) or f"{factor_store} is not a directory"
+        raise AdapterError(f"--factor-store {problem}; pass the directory written by frod hjd for this base model")
     if not store_path or not Path(store_path).is_dir():
         raise AdapterError(
             f"factor store {store_path!r} named by {checkpoint_dir} not found; pass --factor-store DIR "

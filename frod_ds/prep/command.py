@@ -27,7 +27,7 @@ from frod_ds.prep.tasks import (
     parse_tasks,
 )
 from frod_ds.prep.templates import RowError, render, row_id
-from frod_ds.runtime.cli_parser import Parser, seed_int
+from frod_ds.runtime.cli_parser import Parser, input_dir, input_path, seed_int
 from frod_ds.runtime.paths import dir_problem
 from frod_ds.runtime.strict_json import loads
 
@@ -48,6 +48,7 @@ def _add_source_flags(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument(
         "--source",
         required=required,
+        type=input_path,
         metavar="hub|DIR|llm-adapters:PATH",
         help="'hub' to load each task from the Hugging Face Hub with datasets, a local mirror "
         "directory with one subdirectory per task key holding train/validation/test split files, or "
@@ -118,14 +119,14 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "stats", allow_abbrev=False, help="check a built OUT against its manifest and print counts and length stats"
     )
-    p.add_argument("--out", type=Path, required=True, help="a directory written by 'build'")
+    p.add_argument("--out", type=input_dir, required=True, help="a directory written by 'build'")
     _add_tokenizer_flags(p)
 
     p = sub.add_parser(
         "show", allow_abbrev=False, help="print N rendered examples of one task, from a source or from a built OUT"
     )
     _add_source_flags(p, required=False)
-    p.add_argument("--out", type=Path, help="read rendered rows from this built directory instead of a source")
+    p.add_argument("--out", type=input_dir, help="read rendered rows from this built directory instead of a source")
     p.add_argument("--task", required=True, choices=list(TASKS), help="task key")
     p.add_argument(
         "--split",

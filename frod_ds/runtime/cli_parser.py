@@ -5,15 +5,29 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
+from pathlib import Path
 from typing import IO, NoReturn
 
 from frod_ds.runtime.errors import note
 
-__all__ = ["Parser", "seed_int"]
+__all__ = ["Parser", "input_path", "input_dir", "seed_int"]
 
 _CHOICE = re.compile(r"invalid choice: '(?P<got>[^']*)' \(choose from (?P<choices>.*)\)$")
+
+
+def input_path(text: str) -> str:
+    """An input's path as a shell would have made of it: a leading ``~`` or ``~user`` expanded where it can be (a
+    quoted argument, a launcher's argument list); anything else as given (a Hub id, ``hub``). Outputs are not
+    expanded: a literal ``~`` output is refused where it is leased (``sibling_names.literal_home``)."""
+    return os.path.expanduser(text) if text.startswith("~") else text
+
+
+def input_dir(text: str) -> Path:
+    """``input_path`` as a ``Path``."""
+    return Path(input_path(text))
 
 
 def seed_int(text: str) -> int:
