@@ -111,8 +111,26 @@ def reset_peak_mem() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+PLOT_MARK = ("Software", "frod-ds loss plot")  # a PNG text chunk: the plot a run wrote, which a later run replaces
+
+
+def _plot_is_ours(png: Path) -> bool:
+    """Whether ``png`` is absent or the loss plot a run wrote (its text chunk, ahead of the image data)."""
+    if not os.path.lexists(png):
+        return True
+    if png.is_symlink() or not png.is_file():
+        return False
+    with open(png, "rb") as f:
+        head = f.read(4096)
+    return head.startswith(b"\x89PNG") and b"%s\x00%s" % tuple(v.encode() for v in PLOT_MARK) in head
+
+
 def plot_loss(metrics_path: Path, png: Path) -> None:
-    """Loss (and eval loss) against step, from metrics.jsonl."""
+    """Loss (and eval loss) against step, from metrics.jsonl; a file at ``png`` that is not a run's plot is left
+    as it is (a note says so)."""
+    if not _plot_is_ours(png):
+        note(f"{png} is not a loss plot a run wrote: left as it is, the plot not written")
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,7 +150,7 @@ def plot_loss(metrics_path: Path, png: Path) -> None:
     try:  # through the project's temporary (``png.tmp``): a link or pipe planted there is refused, not written through
         with replacing(png) as tmp:
             with open(open_tmp(tmp), "wb") as f:
-                fig.savefig(f, format="png")
+                fig.savefig(f, format="png", metadata=dict([PLOT_MARK]))
             os.replace(tmp, png)
     finally:
         plt.close(fig)

@@ -110,6 +110,28 @@ def test_the_loss_plot_is_written_through_the_projects_temporary(tmp_path):
     assert decoy.read_bytes() == b"a user's picture"
 
 
+def test_the_loss_plot_replaces_only_a_plot_a_run_wrote(tmp_path, capsys):
+    """A run's own loss.png is replaced by the next plot; a file a user put there (their own picture, or a PNG
+    another tool made) is left byte for byte, with a note."""
+    from frod_ds.runtime.errors import forget_notes
+    from frod_ds.train.metrics import plot_loss
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": i, "loss": 2.0 / i}) + "\n" for i in range(1, 5)))
+    png = tmp_path / "loss.png"
+    plot_loss(metrics, png)
+    first = png.read_bytes()
+    metrics.write_text(metrics.read_text() + json.dumps({"step": 5, "loss": 0.1}) + "\n")
+    plot_loss(metrics, png)
+    assert png.read_bytes() != first  # the run's own plot, replaced
+    for theirs in (b"mine", first.replace(b"frod-ds loss plot", b"someone else ok")):
+        png.write_bytes(theirs)
+        forget_notes()  # a note is said once per command
+        plot_loss(metrics, png)
+        assert png.read_bytes() == theirs
+        assert f"note: {png} is not a loss plot a run wrote: left as it is" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["latest", "zero_to_fp32.py", "latest_complete"])
 def test_a_checkpoint_root_file_with_a_second_name_is_detached_before_a_save(tmp_path, name):
     """DeepSpeed rewrites ``latest`` and its recovery scripts in place at every save: where one is a second name of
