@@ -48,16 +48,60 @@ def _run(cmd: list[str], what: str, log: Path, env: dict[str, str] | None = None
         f.flush()
         # its own process group: a stop of the demo (SIGTERM, Ctrl-C) stops the stage's ranks too, never orphans them
         proc = subprocess.Popen(cmd, cwd=SRC, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        guard = _guard(proc.pid)  # a demo killed outright (SIGKILL) cannot: its guard stops the stage then
         try:
             proc.wait()
         except BaseException:
             _stop_group(proc)
             raise
+        finally:
+            guard.kill()  # SIGKILL: its handler, which would signal the stage's (now reusable) group id, never runs
+            guard.wait()
     if proc.returncode != 0:
         tail = log.read_text().splitlines()[-25:]
         print("\n".join(tail), file=sys.stderr)
         raise SystemExit(f"demo: {what} failed (exit {proc.returncode}); full log in {log}")
     print(f"   done in {time.time() - t0:.1f} s", flush=True)
+
+
+# The guard of a stage's process group: once its parent (the demo) is gone, SIGTERM to the group, SIGKILL after 20 s.
+GUARD = """
+import os, sys, time
+group, parent = int(sys.argv[1]), int(sys.argv[2])  # the demo's pid: it may be gone before this line runs
+
+
+def alive():  # a process of the group that is not a zombie (an exited one no parent reaped)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state, _, pgrp = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == group and state not in "ZX":
+            return True
+    return False
+
+
+while os.getppid() == parent:
+    time.sleep(0.5)
+for sig, wait in ((15, 20.0), (9, 0.0)):
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        break
+    end = time.monotonic() + wait
+    while time.monotonic() < end and alive():
+        time.sleep(0.2)
+    if not alive():
+        break
+"""
+
+
+def _guard(group: int) -> subprocess.Popen:
+    """A process that outlives nothing: it waits for this demo to end and, if the demo ends without stopping the
+    stage's process group ``group`` (killed outright), stops that group."""
+    quiet = subprocess.DEVNULL
+    cmd = [sys.executable, "-c", GUARD, str(group), str(os.getpid())]
+    return subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet)
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

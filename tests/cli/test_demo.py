@@ -50,9 +50,10 @@ run_script(lambda: _run(["sh", "-c", f"sleep 300 & echo $! > {d}/pid; wait"], "a
 """
 
 
-def test_a_stopped_demo_stops_its_stages_ranks_too(tmp_path):
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_demo_stops_its_stages_ranks_too(tmp_path, sig):
     """SIGTERM to the demo while a stage runs: the stage's whole process group goes with it (100 HJD ranks of a
-    demo stopped by a time limit ran on as orphans)."""
+    demo stopped by a time limit ran on as orphans); SIGKILL too, which the demo cannot catch (its guard)."""
     import signal
     import time
 
@@ -62,8 +63,8 @@ def test_a_stopped_demo_stops_its_stages_ranks_too(tmp_path):
         assert proc.poll() is None and time.monotonic() - t0 < 60
         time.sleep(0.05)
     grandchild = int((tmp_path / "pid").read_text())
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143
+    proc.send_signal(getattr(signal, sig))
+    assert proc.wait(timeout=60) == (143 if sig == "SIGTERM" else -signal.SIGKILL)
     t0 = time.monotonic()
     while time.monotonic() - t0 < 10:
         try:
