@@ -1517,6 +1517,12 @@ def data_build_copy(world, case, spec):
     shutil.copytree(world.paths["data"], case / "data")
 
 
+def home_copies(world, case, spec):
+    """A home folder (the case sets HOME to it) holding copies of the world's data build and store."""
+    shutil.copytree(world.paths["data"], case / "home" / "data")
+    shutil.copytree(world.paths["store"], case / "home" / "store")
+
+
 def data_build_flip(world, case, spec):
     shutil.copytree(world.paths["data"], case / "data")
     _flip_byte(case / "data" / "train.jsonl", 0.3)
@@ -1924,6 +1930,7 @@ STEPS: dict[str, Callable] = {
         la_missing_field,
         test_json_only,
         data_build_copy,
+        home_copies,
         data_build_flip,
         data_build_no_manifest,
         gguf_torn,
