@@ -288,7 +288,7 @@ def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", over
     import torch
     import transformers
 
-    gguf, out = expand_home(gguf), expand_home(out)
+    gguf, out = expand_home(gguf), Path(out)  # an output's literal ~ is refused where it is leased, as every output's
     if dtype not in OUT_DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
     _check_utf8(out)

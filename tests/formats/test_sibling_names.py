@@ -34,3 +34,17 @@ def test_the_refusal_names_the_absolute_path_that_is_taken_for_a_folder_named_so
     said = literal_home(Path("~/run"), "--out")
     assert said is not None and f"or {tmp_path / '~' / 'run'} for a folder really named so" in said
     assert literal_home(tmp_path / "~" / "run", "--out") is None
+
+
+def test_convert_gguf_refuses_a_literal_tilde_output_as_every_writer_does(tmp_path, monkeypatch):
+    """convert-gguf expanded its --out's ~ (its --gguf is an input: expanded), so one writer of eight wrote into
+    the home folder a quoted ~/x named; it is refused before the GGUF is read."""
+    from frod_ds.interop.gguf import ConvertError, convert_gguf
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ConvertError, match=r"--out ~/cv starts with '~', which frod-ds takes literally"):
+        convert_gguf("~/m.gguf", "~/cv")
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["m.gguf"] and not (tmp_path / "~").exists()
