@@ -9,11 +9,12 @@ the main thread waits in short slices: Ctrl-C and SIGTERM act at once, rank 0 sa
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
 
-from frod_ds.runtime.errors import FrodError, note
+from frod_ds.runtime.errors import FrodError
 
 __all__ = ["JOIN_S", "NOTE_S", "join"]
 
@@ -41,9 +42,11 @@ def join(connect: Callable[[], None], rank: int, world: int, where: str, join_s:
         waited = time.monotonic() - t0
         if not noted and waited > NOTE_S and helper.is_alive():
             noted = True
-            note(
-                f"rank {rank} of {world} has waited {waited:.0f} s for the other ranks at {where}; it stops after "
-                f"{join_s:.0f} s. Without a launcher, unset WORLD_SIZE and RANK to run one process"
+            print(  # every waiting rank says it (``note`` speaks for rank 0 only): a lone rank 1 waits as long
+                f"note: rank {rank} of {world} has waited {waited:.0f} s for the other ranks at {where}; it stops "
+                f"after {join_s:.0f} s. Without a launcher, unset WORLD_SIZE and RANK to run one process",
+                file=sys.stderr,
+                flush=True,
             )
         if waited > join_s and helper.is_alive():
             raise FrodError(_not_joined(rank, world, where, join_s))

@@ -29,18 +29,22 @@ def test_a_join_that_returns_or_raises_is_the_callers():
         rendezvous.join(lambda: 1 / 0, 0, 2, "h:1")
 
 
-def test_a_join_nobody_answers_is_noted_then_given_up_with_what_to_do(monkeypatch, capsys):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_join_nobody_answers_is_noted_then_given_up_with_what_to_do(monkeypatch, capsys, rank):
+    """Every waiting rank says what it waits for (a lone rank 1, its RANK variable set, waited silently)."""
     monkeypatch.setattr(rendezvous, "NOTE_S", 0.2)
+    monkeypatch.setenv("RANK", str(rank))
     released = threading.Event()
     t0 = time.monotonic()
     try:
-        with pytest.raises(FrodError, match=r"rank 0 of 2: the other 1 rank\(s\) did not join at h:7 within 1 s"):
-            rendezvous.join(lambda: released.wait(30), 0, 2, "h:7", join_s=1.0)
+        gave_up = rf"rank {rank} of 2: the other 1 rank\(s\) did not join at h:7 within 1 s"
+        with pytest.raises(FrodError, match=gave_up):
+            rendezvous.join(lambda: released.wait(30), rank, 2, "h:7", join_s=1.0)
     finally:
         released.set()
     assert time.monotonic() - t0 < pace.scaled(5)
     err = capsys.readouterr().err
-    assert err.count("note: rank 0 of 2 has waited") == 1 and "unset WORLD_SIZE and RANK" in err
+    assert err.count(f"note: rank {rank} of 2 has waited") == 1 and "unset WORLD_SIZE and RANK" in err
 
 
 def _listening(port: int) -> bool:
