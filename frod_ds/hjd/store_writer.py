@@ -41,6 +41,7 @@ from frod_ds.formats.ownership import (
     record_files,
 )
 from frod_ds.formats.record_check import record_problem
+from frod_ds.formats.sibling_names import fitted_name
 from frod_ds.hjd.category import CategoryResult
 from frod_ds.io.dtypes import dtype_name
 from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
@@ -168,7 +169,8 @@ def remove_store_files(out: Path, category: str | None = None) -> None:
 
 
 def _aside(out: Path) -> Path:
-    return out.parent / f".{out.name}.replaced"
+    """``.NAME.replaced`` beside ``out``, shortened where ``out``'s name is near the file system's limit."""
+    return out.parent / fitted_name(f".{out.name}", ".replaced")
 
 
 ASIDE_STAMP = ".frod-ds-aside"  # in the aside: which store it holds the files of (written before any file moves)

@@ -80,3 +80,18 @@ def test_a_fitted_name_is_the_whole_name_when_it_fits_and_one_name_per_output_wh
     long_a, long_b = fitted_name("." + "a" * 250, LEASE, 9), fitted_name("." + "a" * 249 + "b", LEASE, 9)
     assert long_a == fitted_name("." + "a" * 250, LEASE, 9) and long_a != long_b
     assert all(len(os.fsencode(n)) + 9 <= 255 and n.endswith(LEASE) for n in (long_a, long_b))
+
+
+def test_a_factor_store_with_a_255_byte_name_is_built_and_overwritten(tmp_path):
+    """HJD's aside for ``--overwrite`` (``.NAME.replaced``) is a derived name too: a 255-byte store name built the
+    whole store, then failed on it (that name 265 bytes) with exit 2."""
+    from tests.support.helpers_ckpt import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "model")
+    out = tmp_path / "stores" / ("s" * 255)
+    hjd = [sys.executable, "-m", "frod_ds", "hjd", "--device", "cpu", "--model", str(model), "--out", str(out)]
+    env = {**clean_env(), "PYTHONPATH": str(REPO)}
+    for extra in ([], ["--overwrite"]):
+        run = subprocess.run(hjd + extra, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert read_record(out).kind == "factor-store" and [p.name for p in out.parent.iterdir()] == [out.name]
