@@ -284,6 +284,10 @@ def _fit(run: Run, bar: tqdm) -> int:
                 f"{run.out} holds a finished run (step {state.step}/{run.total_steps}); adapter-final left as it is"
                 + why
             )
+            if log is not None:
+                if not os.path.lexists(run.out / "loss.png"):  # the run was stopped while it drew the plot
+                    plot_loss(log.path, run.out / "loss.png")
+                log.close()
             return 0
         note(f"{damage}; writing adapter-final again from the checkpoint of step {state.step}")  # bit for bit
     _publish_resumed_adapter(run, state.step)

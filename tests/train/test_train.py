@@ -302,15 +302,23 @@ def test_gradient_checkpointing_under_zero3_gives_the_same_step(one_step_zero3, 
 
 
 def test_a_profile_step_past_the_run_is_named_and_profiles_nothing(env, tmp_path):
+    """Then the same command on the finished run: its line says no step is profiled, and it draws loss.png where
+    the run was stopped while drawing it (round 23: the run stayed without its plot for good)."""
     res = run_train(CPU_ZERO3, env.overrides(tmp_path / "p", **ONE_STEP, **{"train.profile_step": "3"}))
     assert res.returncode == 0, res.stderr[-3000:]
     said = "train.profile_step 3 is not among the steps this run takes (1 to 1): no step is profiled"
     assert said in res.stderr and not (tmp_path / "p" / "profile").exists()
-    # the same command on the finished run: no step runs, which the finished-run line says of the profile
+    # the same command on the finished run: no step runs, which the finished-run line says of the profile; a plot
+    # the run was stopped while drawing (its temporary left, no loss.png) is drawn now
+    (tmp_path / "p" / "loss.png").unlink()
+    (tmp_path / "p" / "loss.png.tmp").write_bytes(b"")
     again = run_train(CPU_ZERO3, env.overrides(tmp_path / "p", **ONE_STEP, **{"train.profile_step": "1"}))
     assert again.returncode == 0, again.stderr[-3000:]
     said = "adapter-final left as it is; no step runs, so train.profile_step 1 profiles none"
     assert said in again.stdout + again.stderr and not (tmp_path / "p" / "profile").exists()
+    assert (tmp_path / "p" / "loss.png").read_bytes()[:4] == b"\x89PNG" and not (
+        tmp_path / "p" / "loss.png.tmp"
+    ).exists()
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
