@@ -82,20 +82,25 @@ def added_tokens_problem(path: Path) -> str | None:
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+TOKEN_FLAGS = ("lstrip", "rstrip", "normalized", "single_word", "special")  # an AddedToken's, each true or false
+SIDES = {"padding_side": ("left", "right"), "truncation_side": ("left", "right")}
+
+
 def _token_problem(value: object) -> str | None:
     """Why ``value`` is no special token as transformers takes one (a string, null, or an object whose "content" is
-    a string), or None."""
+    a string and whose flags are true or false), or None."""
     if value is None or isinstance(value, str):
         return None
     if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return None
+        bad = [k for k in TOKEN_FLAGS if k in value and not isinstance(value[k], bool)]
+        return f"{json.dumps(value)[:80]}, whose {bad[0]} is not true or false" if bad else None
     return f"{json.dumps(value)[:80]}, not a string or an object with a string content"
 
 
 def special_tokens_problem(path: Path) -> str | None:
-    """Why the special tokens of ``tokenizer_config.json`` or ``special_tokens_map.json`` (present, a JSON object)
-    are not what transformers takes, or None: each named token, each additional one, and (tokenizer_config.json)
-    each entry of ``added_tokens_decoder`` (an object of id → token object)."""
+    """Why the values of ``tokenizer_config.json`` or ``special_tokens_map.json`` (present, a JSON object) that
+    transformers checks are not what it takes, or None: each named token, each additional one, the tokenizer class,
+    the padding and truncation sides, and each entry of ``added_tokens_decoder`` (an object of id → token)."""
     try:
         doc = loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -111,6 +116,11 @@ def special_tokens_problem(path: Path) -> str | None:
     for value in extra or []:
         if why := _token_problem(value):
             return f"{path} lists among additional_special_tokens {why}"
+    if not isinstance(doc.get("tokenizer_class", ""), str | None):
+        return f"{path} gives tokenizer_class {json.dumps(doc['tokenizer_class'])[:80]}, not a class name"
+    for key, allowed in SIDES.items():
+        if key in doc and doc[key] not in allowed:
+            return f"{path} gives {key} {json.dumps(doc[key])[:80]}, not {' or '.join(map(repr, allowed))}"
     decoder = doc.get("added_tokens_decoder")
     if decoder is not None and not isinstance(decoder, dict):
         return f"{path} gives added_tokens_decoder {json.dumps(decoder)[:80]}, not an object of id to token"

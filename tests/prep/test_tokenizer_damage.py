@@ -77,6 +77,21 @@ DAMAGES: dict[str, tuple[str, Callable[[Path], None], str]] = {
         lambda p: set_key(p, "pad_token", {"content": 5}),
         'gives pad_token {"content": 5}, not a string or an object with a string content',
     ),
+    "special_tokens_map.json with an eos_token whose lstrip is a string": (
+        "special_tokens_map.json",
+        lambda p: p.write_text('{"eos_token": {"content": "</s>", "lstrip": "yes"}}\n'),
+        'gives eos_token {"content": "</s>", "lstrip": "yes"}, whose lstrip is not true or false',
+    ),
+    "tokenizer_config.json with a tokenizer_class that is a number": (
+        "tokenizer_config.json",
+        lambda p: set_key(p, "tokenizer_class", 5),
+        "gives tokenizer_class 5, not a class name",
+    ),
+    "tokenizer_config.json with padding_side middle": (
+        "tokenizer_config.json",
+        lambda p: set_key(p, "padding_side", "middle"),
+        """gives padding_side "middle", not 'left' or 'right'""",
+    ),
     "tokenizer_config.json with added_tokens_decoder a list": (
         "tokenizer_config.json",
         lambda p: set_key(p, "added_tokens_decoder", []),
