@@ -14,6 +14,7 @@ from typing import Any
 
 from frod_ds.formats.checksum import file_crc32, format_crc32
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
+from frod_ds.runtime.atomic import TMP
 from frod_ds.runtime.errors import StoreError
 from frod_ds.runtime.paths import read_small_text
 
@@ -76,7 +77,7 @@ def part_file(category: str, rank: int, part: int) -> str:
     return f"{category}.rank{rank:05d}.part{part:04d}.safetensors"
 
 
-_STORE_FILE = re.compile(r"^[^.]+\.(V|rank\d{5}\.part\d{4})\.safetensors(\.tmp)?$")
+_STORE_FILE = re.compile(rf"^[^.]+\.(V|rank\d{{5}}\.part\d{{4}})\.safetensors({re.escape(TMP)})?$")
 
 
 def is_store_file(name: str, category: str | None = None) -> bool:

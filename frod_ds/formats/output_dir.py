@@ -20,6 +20,7 @@ from pathlib import Path
 from frod_ds.formats.file_digests import file_sha256
 from frod_ds.formats.records import record_from_dict, record_to_json
 from frod_ds.formats.sibling_names import digest_of
+from frod_ds.runtime.atomic import TMP
 from frod_ds.runtime.errors import FrodError
 from frod_ds.runtime.paths import read_small_text
 from frod_ds.runtime.strict_json import loads
@@ -177,11 +178,12 @@ def _parts(entry: str) -> tuple[list[str], bool]:
 
 
 def _temporaries(name: str) -> tuple[str, ...]:
-    """The names a writer gives a file or folder ``name`` while it writes it (all beside it): ``name.tmp`` (atomic
-    file writes), ``.name.tmp-HOST-PID-*`` (a folder being built), ``.name.old-HOST-PID-*`` (one being replaced),
-    the lease; those of a name too long for them, shortened by its digest (``sibling_names.fitted_name``)."""
+    """The names a writer gives a file or folder ``name`` while it writes it (all beside it): ``name.frod-tmp``
+    (atomic file writes, ``runtime.atomic.TMP``), ``.name.tmp-HOST-PID-*`` (a folder being built),
+    ``.name.old-HOST-PID-*`` (one being replaced), the lease; those of a name too long for them, shortened by its
+    digest (``sibling_names.fitted_name``)."""
     shortened = () if glob.has_magic(name) else (f".*~{digest_of('.' + name)}*",)
-    return (name + ".tmp", f".{name}.tmp-*", f".{name}.old-*", f".{name}{LEASE}*", *shortened)
+    return (name + TMP, f".{name}.tmp-*", f".{name}.old-*", f".{name}{LEASE}*", *shortened)
 
 
 def match(entries: tuple[str, ...], rel: str, is_dir: bool) -> str | None:

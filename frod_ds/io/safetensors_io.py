@@ -2,7 +2,7 @@
 
 ``safetensors_header`` lays out a file before any byte is written (the HJD stage's part files are then
 filled at known offsets by several threads); ``save_tensors_atomic`` writes a whole file under
-``<name>.tmp`` and renames it. Both give what ``safetensors.safe_open`` reads.
+its temporary (``runtime.atomic.TMP``) and renames it. Both give what ``safetensors.safe_open`` reads.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def safetensors_header(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]]
 
 
 def save_tensors_atomic(path: Path, tensors: dict[str, Tensor], fsync: bool = True) -> int:
-    """Write a safetensors file under ``path.tmp`` and rename it (CPU tensors, float dtypes); returns the
+    """Write a safetensors file under its temporary and rename it (CPU tensors, float dtypes); returns the
     file's CRC-32, taken as the bytes are written.
 
     The writes release the GIL, so a background writer thread overlaps with GPU work.

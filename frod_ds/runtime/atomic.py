@@ -1,4 +1,4 @@
-"""Writes that readers never see half done: files via ``<name>.tmp`` + fsync + rename, and the one line for a write
+"""Writes that readers never see half done: files via ``<name>.frod-tmp`` + fsync + rename, and the one line for a write
 that failed on a full or read-only disk. Imports nothing heavy (no torch).
 
 Who may write, replace or delete a folder (its ownership record, ``--overwrite``, the writer's lease, folders built
@@ -42,7 +42,9 @@ __all__ = [
     "atomic_write_json",
 ]
 
-TMP = ".tmp"
+# a file's temporary while frod-ds writes it: a name in frod-ds's own namespace (as ``.frod-ds-output``), so that a
+# leftover found there is a killed write's, never a user's ``<name>.tmp``
+TMP = ".frod-tmp"
 # a write the disk refused; EFBIG: past the process's file-size limit (``ulimit -f``), which Python makes an error
 DISK_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EPERM, errno.EFBIG)
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)  # the user fixes: space, place or limit
@@ -120,7 +122,7 @@ def open_tmp(tmp: Path) -> int:
 
 @contextlib.contextmanager
 def replacing(path: Path) -> Iterator[Path]:
-    """Yield ``path``'s temporary (``path.tmp``, made way for by ``clear_tmp``) for the block to write and
+    """Yield ``path``'s temporary (``path`` + ``TMP``, made way for by ``clear_tmp``) for the block to write and
     ``os.replace`` onto ``path``; if the block fails, the temporary is removed (a full disk or a kill leaves no
     half-written file beside ``path``) and an ``OSError`` that names no file names ``path`` (a failed ``write()``
     does not; the error line should)."""
@@ -137,7 +139,7 @@ def replacing(path: Path) -> Iterator[Path]:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``path`` via ``path.tmp`` + fsync + rename: readers see the old or the new file, never half."""
+    """Write ``path`` via its temporary (``TMP``) + fsync + rename: readers see the old or the new file, never half."""
     with replacing(path) as tmp:
         with open(open_tmp(tmp), "w", encoding="utf-8") as f:
             f.write(text)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
-from frod_ds.runtime.atomic import atomic_write_text, fsync_dir
+from frod_ds.runtime.atomic import TMP, atomic_write_text, fsync_dir
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
@@ -243,7 +243,7 @@ def foreign_files(ckpt: Path, own_names: tuple[str, ...]) -> list[str]:
     out = []
     for p in sorted(ckpt.rglob("*")):
         rel = str(p.relative_to(ckpt))
-        base = rel.removesuffix(".tmp")
+        base = rel.removesuffix(TMP)
         if p.is_symlink() or (p.is_file() and not (base.endswith(".pt") or base in names)):
             out.append(rel)
     return out

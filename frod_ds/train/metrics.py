@@ -147,7 +147,7 @@ def plot_loss(metrics_path: Path, png: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    try:  # through the project's temporary (``png.tmp``): a link or pipe planted there is refused, not written through
+    try:  # through the project's temporary (``runtime.atomic.TMP``): a link or pipe there is refused, not written to
         with replacing(png) as tmp:
             with open(open_tmp(tmp), "wb") as f:
                 fig.savefig(f, format="png", metadata=dict([PLOT_MARK]))

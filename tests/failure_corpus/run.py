@@ -989,7 +989,7 @@ def _eval_tmp(kind: str):
         res = world.run([*argv, "--limit", "2", "--output", str(case / "ev")])
         if res.returncode:
             raise RuntimeError(f"the case's earlier eval failed: {res.stderr[-2000:]}")
-        _plant_tmp(case, case / "ev" / "results.json.tmp", kind)
+        _plant_tmp(case, case / "ev" / "results.json.frod-tmp", kind)
 
     prepare.__name__ = f"eval_tmp_{kind}"
     return prepare
@@ -1006,9 +1006,9 @@ def store_record_link(world, case, spec):
 
 
 def store_tmp_link(world, case, spec):
-    """A store to resume (a torn file, its completion mark lost) whose manifest.json.tmp links to a user's file."""
+    """A store to resume (a torn file, its completion mark lost) whose manifest.json.frod-tmp links to a user's file."""
     store_torn_unmarked(world, case, spec)
-    _plant_tmp(case, case / "store" / "manifest.json.tmp", "link")
+    _plant_tmp(case, case / "store" / "manifest.json.frod-tmp", "link")
 
 
 def store_flip_factor(world, case, spec):
@@ -1165,10 +1165,33 @@ def _run_ckpt_hardlink(name: str, tag: str):
 
 
 def run_tmp_link_plot(world, case, spec):
-    """The world's run, unfinished, with ``loss.png.tmp`` (the plot's temporary) a symbolic link to a user's file."""
+    """The world's run, unfinished, with ``loss.png.frod-tmp`` (the plot's temporary) a link to a user's file."""
     shutil.rmtree(_unfinished_run(world, case))
     (case / "decoy.png").write_text("a user's picture\n")
-    (case / "run" / "loss.png.tmp").symlink_to(case / "decoy.png")
+    (case / "run" / "loss.png.frod-tmp").symlink_to(case / "decoy.png")
+
+
+USERS_TMP = ("run/loss.png.tmp", "run/metrics.jsonl.tmp", "run/.frod-ds-output.tmp", "run/recipe.yaml.tmp")
+
+
+def run_users_tmp(world, case, spec):
+    """The world's run, unfinished, with a user's files at the names frod-ds's temporaries had before
+    ``.frod-tmp`` (``<name>.tmp``), in the run's folder and its checkpoints' (independent round 23)."""
+    ck = _unfinished_run(world, case)
+    _users_files(case, [*USERS_TMP, f"{ck.parent.relative_to(case)}/latest_complete.tmp"])
+
+
+def _users_files(case: Path, rels: list[str]) -> None:
+    """A user's file at each of ``rels`` (under ``case``), listed in ``{case}/users_files.txt`` for the check."""
+    for rel in rels:
+        (case / rel).write_text("a user's file\n")
+    (case / "users_files.txt").write_text("\n".join(rels) + "\n")
+
+
+def store_users_tmp(world, case, spec):
+    """A store to resume (a torn file, its completion mark lost) with a user's ``manifest.json.tmp``."""
+    store_torn_unmarked(world, case, spec)
+    _users_files(case, ["store/manifest.json.tmp"])
 
 
 run_ckpt_hardlink_latest = _run_ckpt_hardlink("latest", "latest")
@@ -1712,6 +1735,12 @@ def new_has_umask_mode(world, case, spec) -> bool:
     return has_new(world, case, spec) and (case / "new").stat().st_mode & 0o777 == probe.stat().st_mode & 0o777
 
 
+def users_tmp_kept(world, case, spec) -> bool:
+    """Every user's file a preparer wrote (``{case}/users_files.txt`` lists them) is there with its content."""
+    rels = (case / "users_files.txt").read_text().split()
+    return bool(rels) and all((case / r).is_file() and (case / r).read_text() == "a user's file\n" for r in rels)
+
+
 def decoy_kept(world, case, spec) -> bool:
     """``{case}/decoy.txt``, a user's file a preparer linked into the output, has the content it was given."""
     return (case / "decoy.txt").read_text() == "a user's file\n"
@@ -1931,6 +1960,8 @@ STEPS: dict[str, Callable] = {
         test_json_only,
         data_build_copy,
         home_copies,
+        run_users_tmp,
+        store_users_tmp,
         data_build_flip,
         data_build_no_manifest,
         gguf_torn,
@@ -1967,6 +1998,7 @@ CHECKS: dict[str, Callable] = {
         has_new,
         same_output,
         decoy_kept,
+        users_tmp_kept,
         store_left_as_it_was,
         counts_repeat_and_surrogate,
     )

@@ -83,7 +83,7 @@ def test_inventory_lists_a_nested_output_as_one_folder_and_keeps_empty_folders(t
     "entries,rel,is_dir,want",
     [
         (("train.jsonl",), "train.jsonl", False, "own"),
-        (("train.jsonl",), "train.jsonl.tmp", False, "own"),  # an atomic write in flight
+        (("train.jsonl",), "train.jsonl.frod-tmp", False, "own"),  # an atomic write in flight
         (("train.jsonl",), "train.json", False, None),
         (("eval/*.jsonl",), "eval", True, "parent"),
         (("eval/*.jsonl",), "eval/boolq.jsonl", False, "own"),

@@ -17,6 +17,7 @@ from frod_ds.hjd.math import decompose
 from frod_ds.hjd.routes import make_blocks
 from frod_ds.hjd.sharding import split_counts
 from frod_ds.model.store_reader import FactorStore
+from frod_ds.runtime.atomic import TMP
 from frod_ds.runtime.errors import FrodError
 from tests.support import pace
 from tests.support.helpers_ckpt import REPO, run_hjd, weights, write_tiny_llama
@@ -186,7 +187,7 @@ def test_distributed_hjd_resumes_after_kill(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="incomplete"):
         FactorStore.open(out)
     assert any(p.name.startswith("k_proj.rank") for p in out.iterdir()), "the killed category left files"
-    (out / "v_proj.rank00001.part0000.safetensors.tmp").write_bytes(b"half a file")
+    (out / "v_proj.rank00001.part0000.safetensors.frod-tmp").write_bytes(b"half a file")
     q_files = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("q_proj.*")}
 
     monkeypatch.delenv("HJD_KILL_AFTER")
@@ -196,7 +197,7 @@ def test_distributed_hjd_resumes_after_kill(tmp_path, monkeypatch):
     assert store.manifest.run.categories_skipped == ["q_proj"]
     assert store.manifest.run.categories_done == ["k_proj", "v_proj"]
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("q_proj.*")} == q_files, "q_proj kept"
-    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in out.iterdir() if p.name.endswith(TMP)]
     listed = {f for spec in store.manifest.categories.values() for f in spec.files.values()}
     assert {p.name for p in out.iterdir()} == listed | {"manifest.json", MARKER}, "no stale files"
     _assert_store_equals_decompose(store, model)
@@ -305,7 +306,7 @@ def test_gram_route_error_check_falls_back_to_householder(tmp_path, monkeypatch)
     assert manifest.complete
     assert {c: s.method for c, s in manifest.categories.items()} == {"q_proj": "householder", "up_proj": "householder"}
     assert manifest.categories["q_proj"].cond_estimate >= 1, "the Gram route ran first"
-    assert not [p for p in (tmp_path / "store").iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in (tmp_path / "store").iterdir() if p.name.endswith(TMP)]
     _assert_store_equals_decompose(FactorStore.open(tmp_path / "store"), model)
 
 

@@ -11,6 +11,7 @@ from frod_ds.formats.factor_store import FORMAT_VERSION
 from frod_ds.io.fingerprint import sample_ranges, weights_fingerprint
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.model.store_reader import FactorStore, check_store_matches
+from frod_ds.runtime.atomic import TMP
 from launch.hjd import main
 from tests.support.helpers_ckpt import shard_of, weights, write_tiny_llama
 
@@ -49,7 +50,7 @@ def test_store_layout_keys_and_dtypes(bf16_store):
     for spec in m.categories.values():
         assert spec.u_dtype == "bfloat16"
         assert set(spec.error) == set(spec.members) == set(spec.stored_error)
-    assert not [p for p in path.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in path.iterdir() if p.name.endswith(TMP)]
 
 
 def test_store_bf16_factors_reconstruct_at_bf16_level(bf16_store):

@@ -516,15 +516,17 @@ def test_a_peer_lost_in_a_collective_is_one_line_and_exit_1(capsys, monkeypatch)
 
 
 def test_a_writer_never_writes_through_what_sits_at_its_temporary_name(tmp_path):
-    """``atomic_write_text`` writes ``x`` via ``x.tmp``: a killed write's leftover there (a regular file of one name)
-    is its own and replaced; a link (to a user's file), a second name of one (hard link), a named pipe or a folder
-    is refused naming it, and the user's file keeps its bytes."""
+    """``atomic_write_text`` writes ``x`` via ``x.frod-tmp``: a killed write's leftover there (a regular file of one
+    name) is its own and replaced; a link (to a user's file), a second name of one (hard link), a named pipe or a
+    folder is refused naming it, and the user's file keeps its bytes. A user's ``x.tmp`` is no name of frod-ds's:
+    left as it is (round 23: five of frod-ds's ``.tmp`` names deleted a user's file there)."""
     from frod_ds.runtime.atomic import atomic_write_text
 
-    out, tmp, decoy = tmp_path / "x", tmp_path / "x.tmp", tmp_path / "users_file"
+    out, tmp, decoy = tmp_path / "x", tmp_path / "x.frod-tmp", tmp_path / "users_file"
     tmp.write_text("half a write")
+    (tmp_path / "x.tmp").write_text("a user's file")
     atomic_write_text(out, "new")
-    assert out.read_text() == "new" and not tmp.exists()
+    assert out.read_text() == "new" and not tmp.exists() and (tmp_path / "x.tmp").read_text() == "a user's file"
     decoy.write_text("keep me")
     plants = {
         "a symbolic link to": lambda: tmp.symlink_to(decoy),

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from frod_ds.runtime.atomic import TMP
 from tests.support import pace
 from tests.support.leftovers import REPO, clean_env
 
@@ -828,7 +829,7 @@ def test_hjd_on_a_full_disk_is_one_line_and_the_same_command_resumes(hjd_model, 
     assert _hjd(*argv).returncode == 0
     verify = _hjd("--verify", str(store), "--model", str(hjd_model))  # an independent check of every category
     assert verify.returncode == 0 and "OK" in verify.stdout, verify.stderr[-2000:]
-    assert not [p.name for p in store.iterdir() if p.name.endswith(".tmp")]
+    assert not [p.name for p in store.iterdir() if p.name.endswith(TMP)]
 
 
 def test_hjd_overwrite_that_fills_the_disk_gives_the_old_store_back(hjd_model, tmp_path):

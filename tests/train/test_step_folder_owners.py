@@ -50,7 +50,7 @@ def test_only_the_runs_own_step_folders_are_pruned(tmp_path, capsys):
     leftover = root / tag_of(20)
     leftover.mkdir()
     torch.save({}, leftover / "mp_rank_00_model_states.pt")
-    (leftover / "rng_rank0.pt.tmp").write_text("")
+    (leftover / "rng_rank0.pt.frod-tmp").write_text("")
     assert engine_state._the_runs(leftover, OWN, sealed=False)
 
 

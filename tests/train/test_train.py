@@ -311,13 +311,13 @@ def test_a_profile_step_past_the_run_is_named_and_profiles_nothing(env, tmp_path
     # the same command on the finished run: no step runs, which the finished-run line says of the profile; a plot
     # the run was stopped while drawing (its temporary left, no loss.png) is drawn now
     (tmp_path / "p" / "loss.png").unlink()
-    (tmp_path / "p" / "loss.png.tmp").write_bytes(b"")
+    (tmp_path / "p" / "loss.png.frod-tmp").write_bytes(b"")
     again = run_train(CPU_ZERO3, env.overrides(tmp_path / "p", **ONE_STEP, **{"train.profile_step": "1"}))
     assert again.returncode == 0, again.stderr[-3000:]
     said = "adapter-final left as it is; no step runs, so train.profile_step 1 profiles none"
     assert said in again.stdout + again.stderr and not (tmp_path / "p" / "profile").exists()
     assert (tmp_path / "p" / "loss.png").read_bytes()[:4] == b"\x89PNG" and not (
-        tmp_path / "p" / "loss.png.tmp"
+        tmp_path / "p" / "loss.png.frod-tmp"
     ).exists()
 
 

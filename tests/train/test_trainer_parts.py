@@ -62,7 +62,7 @@ def test_an_output_dir_entry_of_the_wrong_kind_is_refused_before_the_run(tmp_pat
 @pytest.mark.parametrize("entry", ["loss.png", "metrics.jsonl", "recipe.yaml"])
 @pytest.mark.parametrize("planted", ["symlink", "hardlink", "fifo"])
 def test_a_run_files_temporary_that_is_no_leftover_is_refused_before_the_run(tmp_path, entry, planted):
-    """A link, a second name of another file or a pipe at a run file's temporary (``<name>.tmp``) would be written
+    """A link, a second name of another file or a pipe at a run file's temporary (``<name>.frod-tmp``) would be written
     through by the save that replaces the file: refused before the run, the planted thing and its target unchanged;
     a leftover of a killed write (a plain file) is the run's own."""
     from frod_ds.formats.ownership import record_files
@@ -72,7 +72,7 @@ def test_a_run_files_temporary_that_is_no_leftover_is_refused_before_the_run(tmp
     out = tmp_path / "run"
     out.mkdir()
     record_files(out, RUN_FILES, RUN_KIND)
-    decoy, tmp = tmp_path / "decoy", out / f"{entry}.tmp"
+    decoy, tmp = tmp_path / "decoy", out / f"{entry}.frod-tmp"
     decoy.write_bytes(b"a user's file")
     if planted == "symlink":
         tmp.symlink_to(decoy)
@@ -89,7 +89,7 @@ def test_a_run_files_temporary_that_is_no_leftover_is_refused_before_the_run(tmp
 
 
 def test_the_loss_plot_is_written_through_the_projects_temporary(tmp_path):
-    """plot_loss writes loss.png via loss.png.tmp (created exclusively, never through a link); a link there is
+    """plot_loss writes loss.png via loss.png.frod-tmp (created exclusively, never through a link); a link there is
     refused and its target left as it was."""
     from frod_ds.runtime.errors import FrodError
     from frod_ds.train.metrics import plot_loss
@@ -104,8 +104,8 @@ def test_the_loss_plot_is_written_through_the_projects_temporary(tmp_path):
     ]
     decoy = tmp_path / "decoy.png"
     decoy.write_bytes(b"a user's picture")
-    (tmp_path / "loss.png.tmp").symlink_to(decoy)
-    with pytest.raises(FrodError, match="loss.png.tmp is in the way of writing loss.png"):
+    (tmp_path / "loss.png.frod-tmp").symlink_to(decoy)
+    with pytest.raises(FrodError, match="loss.png.frod-tmp is in the way of writing loss.png"):
         plot_loss(metrics, png)
     assert decoy.read_bytes() == b"a user's picture"
 
