@@ -177,13 +177,14 @@ def _parts(entry: str) -> tuple[list[str], bool]:
     return [p for p in entry.rstrip("/").split("/") if p], whole
 
 
-def _temporaries(name: str) -> tuple[str, ...]:
-    """The names a writer gives a file or folder ``name`` while it writes it (all beside it): ``name.frod-tmp``
-    (atomic file writes, ``runtime.atomic.TMP``), ``.name.tmp-HOST-PID-*`` (a folder being built),
-    ``.name.old-HOST-PID-*`` (one being replaced), the lease; those of a name too long for them, shortened by its
-    digest (``sibling_names.fitted_name``)."""
+def _temporaries(name: str, is_dir: bool) -> tuple[str, ...]:
+    """The names a writer gives a file or folder ``name`` while it writes it (all beside it) that may be an entry
+    of kind ``is_dir``: ``name.frod-tmp`` (an atomic file write, ``runtime.atomic.TMP``: a file, never a folder),
+    ``.name.tmp-HOST-PID-*`` (a folder being built), ``.name.old-HOST-PID-*`` (one being replaced), the lease;
+    those of a name too long for them, shortened by its digest (``sibling_names.fitted_name``)."""
     shortened = () if glob.has_magic(name) else (f".*~{digest_of('.' + name)}*",)
-    return (name + TMP, f".{name}.tmp-*", f".{name}.old-*", f".{name}{LEASE}*", *shortened)
+    file_tmp = () if is_dir else (name + TMP,)
+    return (*file_tmp, f".{name}.tmp-*", f".{name}.old-*", f".{name}{LEASE}*", *shortened)
 
 
 def match(entries: tuple[str, ...], rel: str, is_dir: bool) -> str | None:
@@ -203,7 +204,7 @@ def match(entries: tuple[str, ...], rel: str, is_dir: bool) -> str | None:
                 return "own"
         elif len(parts) == len(want):
             if (fnmatch.fnmatchcase(last, wanted) and whole == is_dir) or any(
-                fnmatch.fnmatchcase(last, t) for t in _temporaries(wanted)
+                fnmatch.fnmatchcase(last, t) for t in _temporaries(wanted, is_dir)
             ):
                 return "own"
         elif is_dir and fnmatch.fnmatchcase(last, wanted):

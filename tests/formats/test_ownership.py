@@ -84,6 +84,8 @@ def test_inventory_lists_a_nested_output_as_one_folder_and_keeps_empty_folders(t
     [
         (("train.jsonl",), "train.jsonl", False, "own"),
         (("train.jsonl",), "train.jsonl.frod-tmp", False, "own"),  # an atomic write in flight
+        (("train.jsonl",), "train.jsonl.frod-tmp", True, None),  # a folder there is a user's (round 24)
+        (("train.jsonl",), "train.jsonl.tmp", False, None),  # a user's file of the old temporary name
         (("train.jsonl",), "train.json", False, None),
         (("eval/*.jsonl",), "eval", True, "parent"),
         (("eval/*.jsonl",), "eval/boolq.jsonl", False, "own"),
