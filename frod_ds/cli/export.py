@@ -11,9 +11,8 @@ model and factor store are the adapter's own unless given. Exit codes: 0 ok, 2 b
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from frod_ds.runtime.cli_parser import Parser, input_path
+from frod_ds.runtime.cli_parser import Parser, input_path, output_dir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,7 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument(
         "--from-peft", type=input_path, metavar="PEFT_DIR", help="import this stock PEFT FRoD adapter directory instead"
     )
-    p.add_argument("--out", required=True, type=Path, help="output directory (created; see --overwrite)")
+    p.add_argument("--out", required=True, type=output_dir, help="output directory (created; see --overwrite)")
     p.add_argument(
         "--format",
         choices=("hf", "peft"),

@@ -16,11 +16,10 @@ import argparse  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from frod_ds.core.names import LLAMA_LINEARS  # noqa: E402
 from frod_ds.hjd.sharding import DEFAULT_TARGETS, readahead_budget, start_readahead  # noqa: E402  (no torch yet)
-from frod_ds.runtime.cli_parser import Parser, input_dir, seed_int  # noqa: E402
+from frod_ds.runtime.cli_parser import Parser, input_dir, output_dir, seed_int  # noqa: E402
 from frod_ds.runtime.launch_env import ranks_on_this_node  # noqa: E402
 
 EXAMPLES = """examples:
@@ -43,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model", required=True, help="local checkpoint directory (config.json + *.safetensors) or HF Hub id"
     )
-    p.add_argument("--out", type=Path, help="factor store directory to create or resume (shared by all ranks)")
+    p.add_argument("--out", type=output_dir, help="factor store directory to create or resume (shared by all ranks)")
     p.add_argument(
         "--verify",
         type=input_dir,

@@ -400,7 +400,7 @@ INPUT_PATHS += (("data", "train"), ("data", "eval"))
 def recipe_from_tree(tree: dict, paths: bool = True) -> Recipe:
     """The recipe ``tree`` (``recipe_tree``) gives over the defaults, checked (``load_recipe``); its input paths
     with ``~`` expanded (``runtime.cli_parser.input_path``)."""
-    from frod_ds.runtime.cli_parser import input_path
+    from frod_ds.runtime.cli_parser import input_path, output_path
 
     problems: list[str] = []
     recipe = _build(Recipe, tree, "", problems)
@@ -408,6 +408,8 @@ def recipe_from_tree(tree: dict, paths: bool = True) -> Recipe:
         value = getattr(getattr(recipe, section), key)
         if isinstance(value, str):
             setattr(getattr(recipe, section), key, input_path(value))
+    if not problems and isinstance(recipe.output_dir, str) and recipe.output_dir.strip():
+        recipe.output_dir = output_path(recipe.output_dir)  # its .. resolved (runtime.cli_parser.output_path)
     if not problems:
         problems = recipe.problems(paths)
     if problems:

@@ -27,7 +27,7 @@ from frod_ds.prep.tasks import (
     parse_tasks,
 )
 from frod_ds.prep.templates import RowError, render, row_id
-from frod_ds.runtime.cli_parser import Parser, input_dir, input_path, seed_int
+from frod_ds.runtime.cli_parser import Parser, input_dir, input_path, output_dir, seed_int
 from frod_ds.runtime.paths import dir_problem
 from frod_ds.runtime.strict_json import loads
 
@@ -98,7 +98,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("build", allow_abbrev=False, help="render the training mixture and per-task eval files into OUT")
     _add_source_flags(p, required=True)
     p.add_argument(
-        "--out", type=Path, required=True, help="output directory (must be absent or empty unless --overwrite)"
+        "--out", type=output_dir, required=True, help="output directory (must be absent or empty unless --overwrite)"
     )
     p.add_argument("--tasks", default="all", help=f"comma list of tasks or 'all' (default); tasks: {', '.join(TASKS)}")
     p.add_argument("--seed", type=seed_int, default=42, help="seed of the training-mixture shuffle (default: 42)")
