@@ -111,11 +111,12 @@ def _rank_exit(command: str) -> int | None:
     if where is None or where[1] == 1:
         return None
     if where[0] == 0:
-        print(
-            f"note: frod {command} runs as one process: rank 0 of the {where[1]} the launcher started runs it, "
-            "the others leave it",
-            file=sys.stderr,
-        )
+        if _launched():  # rank variables alone (left in a shell) start no other rank to leave it
+            print(
+                f"note: frod {command} runs as one process: rank 0 of the {where[1]} the launcher started runs it, "
+                "the others leave it",
+                file=sys.stderr,
+            )
         return None
     if _launched():
         return 0

@@ -224,6 +224,17 @@ def test_a_build_in_an_environment_no_launcher_sets_is_built(tmp_path, env):
     assert (tmp_path / "d" / "train.jsonl").is_file()
 
 
+def test_rank_0_of_variables_no_launcher_set_runs_without_naming_a_launcher(tmp_path):
+    """``RANK=0 WORLD_SIZE=2`` left in a shell: the command runs as one process, and no note speaks of the launcher
+    that started the others (none did)."""
+    from tests.support import ranks
+
+    args = ["-m", "frod_ds", "data", "build", "--source", str(MIRROR), "--tasks", "boolq", "--out", str(tmp_path / "d")]
+    run = ranks.run(0, args, {**clean_env(), "RANK": "0", "WORLD_SIZE": "2"}, REPO, 60)
+    assert run.returncode == 0 and (tmp_path / "d" / "train.jsonl").is_file(), run.stderr[-2000:]
+    assert "launcher" not in run.stderr, run.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "env",
     [
