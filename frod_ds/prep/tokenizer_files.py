@@ -17,7 +17,7 @@ from pathlib import Path
 from frod_ds.runtime.paths import file_problem
 from frod_ds.runtime.strict_json import loads
 
-__all__ = ["TOKENIZER_JSON_FILES", "damaged_file", "load_failure"]
+__all__ = ["TOKENIZER_JSON_FILES", "damaged_file", "load_failure", "special_tokens_problem"]
 
 # the JSON files transformers 5 reads for a tokenizer besides config.json, in the order they are checked
 TOKENIZER_JSON_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json")
@@ -89,6 +89,8 @@ SIDES = {"padding_side": ("left", "right"), "truncation_side": ("left", "right")
 def _token_problem(value: object) -> str | None:
     """Why ``value`` is no special token as transformers takes one (a string, null, or an object whose "content" is
     a string and whose flags are true or false), or None."""
+    if value == "" or (isinstance(value, dict) and value.get("content") == ""):  # transformers recurses on it
+        return f"{json.dumps(value)[:80]}, an empty token"
     if value is None or isinstance(value, str):
         return None
     if isinstance(value, dict) and isinstance(value.get("content"), str):

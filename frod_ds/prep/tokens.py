@@ -43,6 +43,12 @@ def load_tokenizer(name: str) -> Any:
             f"tokenizer {name}: the directory holds no tokenizer files (tokenizer.json, tokenizer.model, "
             "tokenizer_config.json); pass the directory that does (model.tokenizer in a recipe, --tokenizer for eval)"
         )
+    from frod_ds.prep.tokenizer_files import AGAIN, special_tokens_problem
+
+    for config in ("tokenizer_config.json", "special_tokens_map.json") if path.is_dir() else ():
+        problem = special_tokens_problem(path / config) if (path / config).is_file() else None
+        if problem:  # some of these load and fail later, deep in transformers (an empty token recurses)
+            raise FrodError(f"cannot load tokenizer {name!r}: {problem}; the file is damaged: copy {config} {AGAIN}")
     try:
         from transformers import AutoTokenizer
 

@@ -92,6 +92,11 @@ DAMAGES: dict[str, tuple[str, Callable[[Path], None], str]] = {
         lambda p: set_key(p, "padding_side", "middle"),
         """gives padding_side "middle", not 'left' or 'right'""",
     ),
+    "tokenizer_config.json with an empty unk_token": (
+        "tokenizer_config.json",
+        lambda p: set_key(p, "unk_token", ""),
+        'gives unk_token "", an empty token',
+    ),
     "tokenizer_config.json with added_tokens_decoder a list": (
         "tokenizer_config.json",
         lambda p: set_key(p, "added_tokens_decoder", []),
