@@ -1540,6 +1540,13 @@ def data_build_copy(world, case, spec):
     shutil.copytree(world.paths["data"], case / "data")
 
 
+def data_build_tmp_folder(world, case, spec):
+    """The world's data build with a user's folder (holding a file) at ``train.jsonl.frod-tmp`` (round 24)."""
+    shutil.copytree(world.paths["data"], case / "data")
+    (case / "data" / "train.jsonl.frod-tmp").mkdir()
+    (case / "data" / "train.jsonl.frod-tmp" / "keep").write_text("a user's file\n")
+
+
 def home_copies(world, case, spec):
     """A home folder (the case sets HOME to it) holding copies of the world's data build and store."""
     shutil.copytree(world.paths["data"], case / "home" / "data")
@@ -1959,6 +1966,7 @@ STEPS: dict[str, Callable] = {
         la_missing_field,
         test_json_only,
         data_build_copy,
+        data_build_tmp_folder,
         home_copies,
         run_users_tmp,
         store_users_tmp,
