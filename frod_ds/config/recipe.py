@@ -344,7 +344,7 @@ def recipe_tree(path: str | Path | None, overrides: list[str] = ()) -> dict:
     """What the YAML file and the overrides give, before defaults (a mapping of sections)."""
     tree: dict = {}
     if path is not None:
-        from frod_ds.runtime.cli_parser import input_path
+        from frod_ds.runtime.paths import input_path
 
         p = user_file(input_path(str(path)), "recipes")  # a shipped recipe by name also outside a checkout
         if not p.is_file():  # a named pipe or a link loop is said as such, not "not found"
@@ -399,8 +399,8 @@ INPUT_PATHS += (("data", "train"), ("data", "eval"))
 
 def recipe_from_tree(tree: dict, paths: bool = True) -> Recipe:
     """The recipe ``tree`` (``recipe_tree``) gives over the defaults, checked (``load_recipe``); its input paths
-    with ``~`` expanded (``runtime.cli_parser.input_path``)."""
-    from frod_ds.runtime.cli_parser import input_path, output_path
+    with ``~`` expanded (``runtime.paths.input_path``)."""
+    from frod_ds.runtime.paths import input_path, output_path
 
     problems: list[str] = []
     recipe = _build(Recipe, tree, "", problems)
@@ -409,7 +409,7 @@ def recipe_from_tree(tree: dict, paths: bool = True) -> Recipe:
         if isinstance(value, str):
             setattr(getattr(recipe, section), key, input_path(value))
     if not problems and isinstance(recipe.output_dir, str) and recipe.output_dir.strip():
-        recipe.output_dir = output_path(recipe.output_dir)  # its .. resolved (runtime.cli_parser.output_path)
+        recipe.output_dir = output_path(recipe.output_dir)  # its .. resolved (runtime.paths.output_path)
     if not problems:
         problems = recipe.problems(paths)
     if problems:

@@ -5,45 +5,16 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import re
 import sys
-from pathlib import Path
 from typing import IO, NoReturn
 
 from frod_ds.runtime.errors import note
+from frod_ds.runtime.paths import input_dir, input_path, output_dir, output_path  # the flags' types
 
 __all__ = ["Parser", "input_path", "input_dir", "output_path", "output_dir", "seed_int"]
 
 _CHOICE = re.compile(r"invalid choice: '(?P<got>[^']*)' \(choose from (?P<choices>.*)\)$")
-
-
-def input_path(text: str) -> str:
-    """An input's path as a shell would have made of it: a leading ``~`` or ``~user`` expanded where it can be (a
-    quoted argument, a launcher's argument list); anything else as given (a Hub id, ``hub``). Outputs are not
-    expanded: a literal ``~`` output is refused where it is leased (``sibling_names.literal_home``)."""
-    return os.path.expanduser(text) if text.startswith("~") else text
-
-
-def input_dir(text: str) -> Path:
-    """``input_path`` as a ``Path``."""
-    return Path(input_path(text))
-
-
-def output_path(text: str) -> str:
-    """An output's path with its ``..`` parts resolved as the kernel would where the parts before them exist (so a
-    path through a folder not made yet, ``new/../out``, still names a place its writer can build beside); as given
-    without ``..``, and with a leading ``~`` (refused where it is leased)."""
-    parts = Path(text).parts
-    if ".." not in parts or parts[0].startswith("~"):
-        return text
-    head, name = os.path.split(text.rstrip(os.sep)) if parts[-1] != ".." else (text, "")
-    return os.path.join(os.path.realpath(head or "."), name) if name else os.path.realpath(head)
-
-
-def output_dir(text: str) -> Path:
-    """``output_path`` as a ``Path``."""
-    return Path(output_path(text))
 
 
 def seed_int(text: str) -> int:

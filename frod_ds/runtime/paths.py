@@ -12,7 +12,17 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["entry_kind", "expand_home", "file_problem", "dir_problem", "read_small_text"]
+__all__ = [
+    "entry_kind",
+    "expand_home",
+    "input_path",
+    "input_dir",
+    "output_path",
+    "output_dir",
+    "file_problem",
+    "dir_problem",
+    "read_small_text",
+]
 
 SMALL_FILE_BYTES = 16 * 2**20  # a manifest, a record or a config frod-ds writes: far below this
 
@@ -21,6 +31,32 @@ def expand_home(path: str | os.PathLike) -> Path:
     """``path`` with ``~`` and ``~user`` expanded where they can be; as written where they cannot (a user without a
     home, or none of that name), where pathlib's ``expanduser`` raises ``RuntimeError``."""
     return Path(os.path.expanduser(path))
+
+
+def input_path(text: str) -> str:
+    """An input's path as a shell would have made of it (``expand_home``, as text): a leading ``~`` or ``~user``
+    expanded where it can be (a quoted argument, a recipe); anything else as given (a Hub id, ``hub``). Outputs are
+    not expanded: a literal ``~`` output is refused where it is leased (``sibling_names.literal_home``)."""
+    return os.path.expanduser(text)
+
+
+input_dir = expand_home  # ``input_path`` as a ``Path``: a flag's type
+
+
+def output_path(text: str) -> str:
+    """An output's path with its ``..`` parts resolved as the kernel would where the parts before them exist (so a
+    path through a folder not made yet, ``new/../out``, still names a place its writer can build beside); as given
+    without ``..``, and with a leading ``~`` (refused where it is leased)."""
+    parts = Path(text).parts
+    if ".." not in parts or parts[0].startswith("~"):
+        return text
+    head, name = os.path.split(text.rstrip(os.sep)) if parts[-1] != ".." else (text, "")
+    return os.path.join(os.path.realpath(head or "."), name) if name else os.path.realpath(head)
+
+
+def output_dir(text: str) -> Path:
+    """``output_path`` as a ``Path``: a flag's type."""
+    return Path(output_path(text))
 
 
 def _stat_problem(path: Path) -> tuple[os.stat_result | None, str | None]:
