@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "file_problem",
     "dir_problem",
     "read_small_text",
+    "replaceable_own",
 ]
 
 SMALL_FILE_BYTES = 16 * 2**20  # a manifest, a record or a config frod-ds writes: far below this
@@ -143,3 +145,14 @@ def read_small_text(path: str | os.PathLike, error: type[Exception], what: str, 
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{p} is not UTF-8 text (byte {e.start}), so no {what}; {remedy}") from None
+
+
+def replaceable_own(path: Path, head_is_ours: Callable[[bytes], bool], head_bytes: int = 4096) -> bool:
+    """Whether a writer may replace ``path``: absent, or a regular file (no link) whose first ``head_bytes`` are of
+    a file it wrote (``head_is_ours``); a user's file of that name is never replaced."""
+    if not os.path.lexists(path):
+        return True
+    if path.is_symlink() or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return head_is_ours(f.read(head_bytes))

@@ -14,6 +14,7 @@ import torch
 
 from frod_ds.runtime.atomic import atomic_write_text, open_tmp, replacing
 from frod_ds.runtime.errors import FrodError, note
+from frod_ds.runtime.paths import replaceable_own
 from frod_ds.runtime.strict_json import loads
 
 __all__ = ["METRICS", "MetricsLog", "drop_rows_after", "plot_loss", "peak_mem_gb", "reset_peak_mem"]
@@ -116,13 +117,8 @@ PLOT_MARK = ("Software", "frod-ds loss plot")  # a PNG text chunk: the plot a ru
 
 def _plot_is_ours(png: Path) -> bool:
     """Whether ``png`` is absent or the loss plot a run wrote (its text chunk, ahead of the image data)."""
-    if not os.path.lexists(png):
-        return True
-    if png.is_symlink() or not png.is_file():
-        return False
-    with open(png, "rb") as f:
-        head = f.read(4096)
-    return head.startswith(b"\x89PNG") and b"%s\x00%s" % tuple(v.encode() for v in PLOT_MARK) in head
+    mark = b"%s\x00%s" % tuple(v.encode() for v in PLOT_MARK)
+    return replaceable_own(png, lambda head: head.startswith(b"\x89PNG") and mark in head)
 
 
 def plot_loss(metrics_path: Path, png: Path) -> None:

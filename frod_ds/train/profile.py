@@ -20,6 +20,7 @@ from pathlib import Path
 
 from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.runtime.errors import note
+from frod_ds.runtime.paths import replaceable_own
 
 __all__ = ["PROFILE_DIR", "profile_path", "profiled"]
 
@@ -68,9 +69,4 @@ def profiled(out: Path, step: int, rank: int, on: bool) -> Iterator[None]:
 def _ours(path: Path, rank: int, step: int) -> bool:
     """Whether ``path`` is absent or a profile of this rank and step (an earlier attempt's): nothing else is
     replaced."""
-    if not os.path.lexists(path):
-        return True
-    if path.is_symlink() or not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.readline().startswith(f"rank {rank}, optimizer step {step}: ".encode())
+    return replaceable_own(path, lambda head: head.startswith(f"rank {rank}, optimizer step {step}: ".encode()))
