@@ -122,6 +122,11 @@ def check_token_ids(
     ids = tokenizer([t for t in texts if isinstance(t, str) and t], add_special_tokens=False)["input_ids"]
     top = max([max(x, default=-1) for x in ids] + list(tokenizer.all_special_ids) + [-1])
     if top >= embedding:
+        from frod_ds.prep.tokens import token_past
+
+        past = token_past(tokenizer, embedding)
+        if past:
+            raise EvalError(past)
         which = config.tokenizer or "the model's own tokenizer"
         raise EvalError(
             f"the tokenizer ({which}) produces token id {top}, but the model's embedding has {embedding} rows; use "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -64,6 +65,50 @@ def load_tokenizer(name: str) -> Any:
             "model's context length (an integer) or remove it"
         )
     return tokenizer
+
+
+def token_past(tokenizer: Any, rows: int) -> str | None:
+    """Which special or added token of ``tokenizer`` has an id past an embedding of ``rows`` rows, said with the file
+    that names it: a special token the vocabulary lacks is added by transformers as a new id, so a value in
+    tokenizer_config.json, not the tokenizer as a whole, is what to mend. None when every such id has a row."""
+    specials = getattr(tokenizer, "special_tokens_map", {}) or {}
+    named = [(k, t) for k, v in specials.items() for t in (v if isinstance(v, list) else [v]) if isinstance(t, str)]
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    named += [("added token", t) for t in added]
+    folder = Path(str(getattr(tokenizer, "name_or_path", "") or "."))
+    for key, token in named:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid >= rows:
+            where = _naming_file(folder, key, token)
+            mend = f"set {key} to a token of the vocabulary" if key != "added token" else "remove it"
+            return (
+                f"{where} gives {key} {token!r}, a token the vocabulary lacks: transformers adds it as id {tid}, past "
+                f"the model's {rows} embedding rows; {mend}"
+            )
+    return None
+
+
+def _naming_file(folder: Path, key: str, token: str) -> str:
+    """The tokenizer file of ``folder`` that names ``token`` (as ``key``, or among the added tokens)."""
+    import json
+
+    files = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json")
+    for name in files:
+        try:
+            doc = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        values = [doc.get(key)] if isinstance(doc, dict) and key != "added token" else []
+        if isinstance(doc, dict) and name == "added_tokens.json":
+            values = list(doc)
+        elif isinstance(doc, dict) and name == "tokenizer.json":
+            values = [t.get("content") for t in doc.get("added_tokens") or () if isinstance(t, dict)]
+        elif isinstance(doc, dict) and isinstance(doc.get("added_tokens_decoder"), dict):
+            values += [t.get("content") for t in doc["added_tokens_decoder"].values() if isinstance(t, dict)]
+        values = [v.get("content") if isinstance(v, dict) else v for v in values]
+        if token in values or any(isinstance(v, list) and token in v for v in values):
+            return str(folder / name)
+    return f"the tokenizer {folder}"
 
 
 def tokenizer_sha256(tokenizer: Any) -> str:

@@ -12,6 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -161,10 +162,18 @@ def _prompt_only_lead(tokenizer, texts: list[str], boundaries: list[int], enc) -
     return leads
 
 
-def check_vocab(examples: list[Example], vocab_size: int, tokenizer_name: str, model_dir: str | Path) -> None:
-    """``DataError`` when a token id the tokenizer produced has no row in the model's embedding (a tokenizer of
-    another model, or one with added tokens): the forward would fail with an index error mid-run."""
-    top = max((max(e.input_ids) for e in examples if e.input_ids), default=-1)
+def check_vocab(
+    examples: list[Example], vocab_size: int, tokenizer_name: str, model_dir: str | Path, tokenizer: Any = None
+) -> None:
+    """``DataError`` when a token id the tokenizer produced, or its pad id, has no row in the model's embedding (a
+    tokenizer of another model, or a special token its vocabulary lacks): the forward would fail mid-run."""
+    from frod_ds.prep.tokens import token_past
+
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = pad if isinstance(pad, int) else -1
+    top = max([max(e.input_ids) for e in examples if e.input_ids] + [pad])
+    if top >= vocab_size and (past := token_past(tokenizer, vocab_size)):
+        raise DataError(past)
     if top >= vocab_size:
         raise DataError(
             f"the tokenizer {tokenizer_name} produces token id {top}, but the model {model_dir} has "

@@ -103,7 +103,7 @@ def preflight(
     eval_examples = encode_examples(tok, eval_rows, recipe.data.cutoff_len, False)
     vocab = _vocab_size(base.config())
     if vocab is not None:
-        check_vocab(examples + eval_examples, vocab, str(recipe.model.tokenizer or base.dir), base.dir)
+        check_vocab(examples + eval_examples, vocab, str(recipe.model.tokenizer or base.dir), base.dir, tok)
     positions = base.config().get("max_position_embeddings")
     if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0:
         check_context(examples + eval_examples, positions, recipe.data.cutoff_len, base.dir)

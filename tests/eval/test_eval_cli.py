@@ -314,6 +314,19 @@ def test_a_closed_stdout_is_not_a_failed_write_of_the_results(assets, tmp_path, 
     assert json.loads((out / "results.json").read_text())["tasks"]["piqa"]["n"] == len(assets["rows"]["piqa"])
 
 
+def test_a_special_token_the_vocabulary_lacks_is_named_with_its_file(assets, tmp_path, capsys):
+    """An ``unk_token`` in tokenizer_config.json that the vocabulary lacks: transformers adds it as an id one past
+    the embedding, and the line names that value and file (the tokenizer is the model's own, not a foreign one)."""
+    model = tmp_path / "model"
+    shutil.copytree(assets["known"], model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "unk_token": "<nosuch>"}))
+    out = tmp_path / "out"
+    argv = ["--model", str(model), "--data", str(assets["data"]), "--tasks", "piqa", "--output", str(out)]
+    _fails(argv, capsys, f"{model / 'tokenizer_config.json'} gives unk_token '<nosuch>', a token the vocabulary lacks")
+    assert not out.exists()
+
+
 def test_missing_task_file_is_a_clear_error(assets, tmp_path, capsys):
     out = tmp_path / "out"
     _fails(

@@ -8,6 +8,7 @@ against an independent computation or the state on disk, not against a stored me
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -668,6 +669,20 @@ def test_examples_past_the_models_positions_are_one_line(train_env, tmp_path):
     out = tmp_path / "run"
     line = _one_error_line(_train(train_env, out, **{"model.base": model, "model.tokenizer": train_env.model}))
     assert "max_position_embeddings 16" in line and "data.cutoff_len" in line and "at most 16" in line, line
+    assert not out.exists()
+
+
+def test_a_pad_token_the_vocabulary_lacks_is_named_with_its_file(train_env, tmp_path):
+    """A ``pad_token`` in tokenizer_config.json the vocabulary lacks becomes an id past the embedding (transformers
+    adds it), which every padded batch would index: refused before training, naming that value and file."""
+    model = tmp_path / "model"
+    shutil.copytree(train_env.model, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "pad_token": "<nosuchpad>"}))
+    out = tmp_path / "run"
+    line = _one_error_line(_train(train_env, out, **{"model.base": model, "model.tokenizer": model}))
+    assert f"{model / 'tokenizer_config.json'} gives pad_token '<nosuchpad>', a token the vocabulary lacks" in line
+    assert "set pad_token to a token of the vocabulary" in line, line
     assert not out.exists()
 
 
