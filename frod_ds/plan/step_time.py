@@ -3,6 +3,8 @@ few measured constants, so the planner can rank the set-ups that fit by speed in
 
     step = max(device, host) + overflow check + link + offload + gradient reduce + CPU optimizer
 
+(offload: the side stream's copies beyond the device's and host's work, forward and backward pass each on its own)
+
 Each term and the constants behind it: docs/memory.md; where each constant was read: docs/benchmarks.md.
 ``bench/time_model_check.py`` sets the model against every committed FRoD step measurement. It ranks set-ups; it is
 not a promise of a step time on another machine.
@@ -99,6 +101,16 @@ def _config_dict(model: ModelShape) -> dict:
     }
 
 
+def _side_exposed(side: float, parts: dict[str, float], host: dict[str, float], passes: int, device: float) -> float:
+    """The side stream's time not hidden, pass by pass: the forward's copies hide only behind the forward's work
+    (a third of the compute), the backward's behind the backward's (the rest and the recompute), so a step whose
+    copies match its device time overall still waits on them in the forward. ``device``: the GPU's work."""
+    forward = parts["compute"] / 3 + parts.get("dequantize", 0.0) / passes
+    host_forward = host.get("layers", 0.0) / passes
+    per_pass = [(forward, host_forward), (device - forward, sum(host.values()) - host_forward)]
+    return max(0.0, sum(max(side / 2, dev, hst) for dev, hst in per_pass) - device - parts["host beyond device"])
+
+
 def step_time(
     model: ModelShape, train: TrainShape, engine: Engine, gpus: int, link: Link = NVLINK, *, plain: bool = False
 ) -> StepTime:
@@ -147,9 +159,9 @@ def step_time(
         shared = sum(b * c for b, c, _ in frozen_tensors(model, train)["frozen V"]) + model.hidden * train.e
         moved = 2 * (frozen_bytes - shared)
         gather = moved * (n - 1) / n / link.busbw
-        if engine.offload_param:  # the side stream copies this rank's shard in, then gathers the rest: hidden
-            side = moved / n / HOST_SHARD_BYTES_PER_S + gather  # behind the device's and the host's work, whichever
-            parts["offload"] = max(0.0, side - device - parts["host beyond device"])  # is longer
+        if engine.offload_param:  # the side stream copies this rank's shard in, then gathers the rest
+            side = moved / n / HOST_SHARD_BYTES_PER_S + gather
+            parts["offload"] = _side_exposed(side, parts, host, passes, device)
         elif n > 1:
             parts["link"] = (PEER_LINK_EXPOSED if engine.peer else LAYERS_LINK_EXPOSED) * gather
     elif engine.stage == 3:
