@@ -29,7 +29,14 @@ from bench.kinds.synthetic import config_json
 from frod_ds.config.ds_config import load_ds_config, zero_stage
 from frod_ds.plan.memory import trainable_numel
 from frod_ds.plan.shapes import TrainShape, engine_from_ds_config, model_shape_from_config
-from frod_ds.plan.step_time import CHECK_GOAL, CPU_OPTIMIZER_PARAM_S, Link, step_time
+from frod_ds.plan.step_time import (
+    CHECK_GOAL,
+    CPU_OPTIMIZER_PARAM_S,
+    CPU_OPTIMIZER_THREAD_PARAM_S,
+    LONE_RANK_THREADS,
+    Link,
+    step_time,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,9 +61,10 @@ CHAIN_SUITES = (
     "offload-7b-profile",
     "offload-7b-l16-check",
     "offload-7b-host-probe",
+    "offload-7b-pass-check",
 )
 # A chain run with train.phase_times synchronizes the device at each phase boundary: the host no longer runs ahead
-# of the device, a step the model does not describe (its phases are what CPU_OPTIMIZER_PARAM_S is read off)
+# of the device, a step the model does not describe (its phases are what the CPU optimizer's constants are read off)
 PHASE_TIMED = "phase-timed: the device is synchronized at each phase boundary"
 PROBED = "the call's probe"
 # Reported beside the goal, not held to it, with the reason (none at present)
@@ -229,14 +237,16 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float], ref_ms: float
     measured_host = probe.get("shape") == "7b" and probe.get("host_step_ms")
     host = probe["host_step_ms"] / ref_ms if measured_host else kind_host
     shape = model_shape_from_config(model)
-    pred = step_time(shape, train, engine, gpus, Link(host=host), plain=plain)
-    at_kind = step_time(shape, train, engine, gpus, Link(host=kind_host), plain=plain)
+    threads = (d["chain"].get("omp_threads") if "chain" in d else 0) or (LONE_RANK_THREADS if gpus == 1 else 1)
+    pred = step_time(shape, train, engine, gpus, Link(host=host, cpu_threads=threads), plain=plain)
+    at_kind = step_time(shape, train, engine, gpus, Link(host=kind_host, cpu_threads=threads), plain=plain)
     meas = d["step_s_median"]
     extra = {}
     if "chain" in d and d["chain"].get("phase_times"):
         extra["outside"] = PHASE_TIMED
         if d.get("optimizer_s_median") is not None:  # rank 0's optimizer phase per parameter it steps
             extra["optimizer_s_per_rank_param"] = d["optimizer_s_median"] / (trainable_numel(shape, train) / gpus)
+            extra["cpu_threads"] = threads
     return {
         **extra,
         "file": label,
@@ -302,11 +312,16 @@ def check() -> dict:
             }
         )
     read = {r["file"]: r["optimizer_s_per_rank_param"] for r in rows if "optimizer_s_per_rank_param" in r}
+    threads = {r["file"]: r["cpu_threads"] for r in rows if "optimizer_s_per_rank_param" in r}
+    by_threads = {
+        t: statistics.median(v for f, v in read.items() if threads[f] == t) for t in sorted(set(threads.values()))
+    }
     return {
         "cpu_optimizer": {
             "per_rank_param_s": read,
-            "median": statistics.median(read.values()) if read else None,
-            "model": CPU_OPTIMIZER_PARAM_S,
+            "threads": threads,
+            "median_by_threads": by_threads,
+            "model_by_threads": {t: CPU_OPTIMIZER_PARAM_S + CPU_OPTIMIZER_THREAD_PARAM_S / t for t in by_threads},
         },
         "benchmark": "time_model_check",
         "goal": CHECK_GOAL,
@@ -379,11 +394,20 @@ def render(doc: dict) -> str:
             "## The CPU optimizer's term",
             "",
             "Rank 0's optimizer phase (`train.phase_times`) over the σ and S values it steps (the model's trainables "
-            f"÷ GPUs): median {cpu['median']:.3g} s per value; the model's `CPU_OPTIMIZER_PARAM_S` {cpu['model']:.3g}.",
+            "÷ GPUs), by the rank's OpenMP threads: "
+            + "; ".join(
+                f"{t} thread{'s' if int(t) > 1 else ''}: median {m:.3g} s per value, the model "
+                f"{cpu['model_by_threads'][t]:.3g} (`CPU_OPTIMIZER_PARAM_S` + `CPU_OPTIMIZER_THREAD_PARAM_S` / {t})"
+                for t, m in cpu["median_by_threads"].items()
+            )
+            + ".",
             "",
-            "| run | s per value of the rank |",
-            "|---|---|",
-            *(f"| {k.removeprefix('bench/results/')} | {v:.3g} |" for k, v in cpu["per_rank_param_s"].items()),
+            "| run | threads | s per value of the rank |",
+            "|---|---|---|",
+            *(
+                f"| {k.removeprefix('bench/results/')} | {cpu['threads'][k]} | {v:.3g} |"
+                for k, v in cpu["per_rank_param_s"].items()
+            ),
         ]
     lines += [
         "",

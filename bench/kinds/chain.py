@@ -157,7 +157,7 @@ def predict(ch: Chain) -> dict[str, Any]:
     from frod_ds.config.ds_config import load_ds_config
     from frod_ds.plan.memory import plan_memory
     from frod_ds.plan.shapes import TrainShape, engine_from_ds_config, model_shape_from_config
-    from frod_ds.plan.step_time import step_time
+    from frod_ds.plan.step_time import Link, step_time
 
     s, shape = ch.cfg.settings, shape_of(ch.cfg.settings)
     model = model_shape_from_config(synthetic.config_json(shape))
@@ -167,7 +167,7 @@ def predict(ch: Chain) -> dict[str, Any]:
     def plan(mb: int) -> dict[str, Any]:
         train = TrainShape(mb, s["seq"], s["dtype"], sparsity=s["sparsity"], checkpointing=True)
         p = plan_memory(model, train, engine, s["gpus"], gpu_gib * GiB)
-        t = step_time(model, train, engine, s["gpus"])
+        t = step_time(model, train, engine, s["gpus"], Link(cpu_threads=s["omp_threads"] or None))
         out = dict(allocated_gib=p.allocated / GiB, needed_gib=p.needed / GiB, fits=p.fits, step_s=t.seconds)
         return {
             **out,

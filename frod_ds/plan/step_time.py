@@ -53,10 +53,14 @@ HOST_SHARD_BYTES_PER_S = 54e9
 # Read off the GPU machine's local disk (nvme-7b-train-1gpu); a machine's own drives may be several times faster.
 DISK_BYTES_PER_S = 2.1e9
 # The optimizer on the CPU (offload_optimizer: DeepSpeedCPUAdam's step, the gradients' copies, unscaling and
-# overflow check on the host), seconds per trainable parameter of one rank (each rank steps its 1/N of σ and S):
-# the median of rank 0's optimizer phase over its parameters in offload-7b-phases (1 GPU at S 0.02, 2 GPUs at
-# S 0.02, 0.05 and 0.08; 2.3-2.9e-9 s); offload-7b-profile names its parts.
-CPU_OPTIMIZER_PARAM_S = 2.42e-9
+# overflow check on the host), seconds per trainable parameter of one rank (each rank steps its 1/N of σ and S), as
+# a part no OpenMP thread shortens plus a part that divides by the rank's threads: read off rank 0's optimizer phase
+# (offload-7b-phases at one thread, median 2.42e-9 s; offload-7b-pass-check at 16 threads, 4.4e-10 s).
+CPU_OPTIMIZER_PARAM_S = 3.05e-10
+CPU_OPTIMIZER_THREAD_PARAM_S = 2.115e-9
+# OpenMP threads of a lone rank: torchrun sets OMP_NUM_THREADS=1 only when it starts several ranks on a machine,
+# so one rank gets every core (the H200 machines' 16 per GPU); with several, one each.
+LONE_RANK_THREADS = 16
 # Dequantization on the GPU, seconds per quantized element and pass.
 DEQUANT_DEVICE_S = {"nf4": 1.4e-12, "int8": 7.9e-12}
 # The host's time per decoder layer and pass of a bf16 FRoD step, and per quantized linear and pass on top of it.
@@ -74,6 +78,7 @@ class Link:
     busbw: float = NVLINK_BUSBW
     peak_flops: float = 989.4e12  # H100 / H200 SXM
     host: float = 1.0  # the host's time for the same work relative to the machine HOST_* were read on
+    cpu_threads: int | None = None  # OpenMP threads per rank; None: the launcher's (1, or LONE_RANK_THREADS alone)
 
 
 NVLINK = Link()
@@ -174,5 +179,7 @@ def step_time(
     if n > 1:
         parts["gradient reduce"] = trainable_numel * train.e * (n - 1) / n / link.busbw
     if engine.offload_optimizer:  # after the backward: nothing to hide behind; the host's work
-        parts["CPU optimizer"] = link.host * trainable_numel / n * CPU_OPTIMIZER_PARAM_S
+        threads = link.cpu_threads or (LONE_RANK_THREADS if n == 1 else 1)
+        per_value = CPU_OPTIMIZER_PARAM_S + CPU_OPTIMIZER_THREAD_PARAM_S / threads
+        parts["CPU optimizer"] = link.host * trainable_numel / n * per_value
     return StepTime(parts, host)

@@ -36,22 +36,29 @@ def _engines():
     return {**e, "zero3ds": dataclasses.replace(e["zero3"], layers=False)}
 
 
-def test_the_cpu_optimizer_term_is_per_trainable_parameter_of_a_rank():
-    """offload_optimizer: each rank steps its 1/N of σ and S on the CPU after the backward (rank 0's optimizer
-    phase in offload-7b-phases: the same seconds per parameter of the rank on 1 and 2 GPUs)."""
+def test_the_cpu_optimizer_term_is_per_trainable_parameter_of_a_rank_and_its_threads():
+    """offload_optimizer: each rank steps its 1/N of σ and S on the CPU after the backward, in a part no thread
+    shortens and one its OpenMP threads divide (rank 0's optimizer phase: 2.42e-9 s per value at one thread, 4.4e-10
+    at 16). torchrun gives a lone rank every core and several ranks one thread each, the default here."""
     from frod_ds.plan.memory import trainable_numel
+    from frod_ds.plan.step_time import CPU_OPTIMIZER_THREAD_PARAM_S, LONE_RANK_THREADS
 
     model, train = model_shape_from_config(LLAMA2_7B), TrainShape(micro_batch=4, seq_len=256, checkpointing=True)
     e = _engines()
     assert e["zero3_offload"].offload_optimizer and not e["zero3"].offload_optimizer
     n = trainable_numel(model, train)
+    per_value = {t: CPU_OPTIMIZER_PARAM_S + CPU_OPTIMIZER_THREAD_PARAM_S / t for t in (1, LONE_RANK_THREADS)}
+    assert per_value[1] == pytest.approx(2.42e-9, rel=0.02) and per_value[16] == pytest.approx(4.4e-10, rel=0.02)
     for gpus in (1, 2, 4):
         t = step_time(model, train, e["zero3_offload"], gpus)
-        assert t.parts["CPU optimizer"] == pytest.approx(n / gpus * CPU_OPTIMIZER_PARAM_S)
+        launcher_threads = LONE_RANK_THREADS if gpus == 1 else 1
+        assert t.parts["CPU optimizer"] == pytest.approx(n / gpus * per_value[launcher_threads])
+        one = step_time(model, train, e["zero3_offload"], gpus, Link(cpu_threads=1))
+        assert one.parts["CPU optimizer"] == pytest.approx(n / gpus * per_value[1])
     two = step_time(model, train, e["zero3_offload"], 2).parts
     denser = step_time(model, dataclasses.replace(train, sparsity=0.05), e["zero3_offload"], 2).parts
     assert denser["CPU optimizer"] == pytest.approx(
-        trainable_numel(model, dataclasses.replace(train, sparsity=0.05)) / 2 * CPU_OPTIMIZER_PARAM_S
+        trainable_numel(model, dataclasses.replace(train, sparsity=0.05)) / 2 * per_value[1]
     )
     assert denser["CPU optimizer"] > 2 * two["CPU optimizer"]
     assert "CPU optimizer" not in step_time(model, train, e["zero3"], 2).parts
@@ -153,8 +160,11 @@ def test_the_committed_check_is_what_the_model_gives_and_hides_no_point():
         assert bool(r.get("outside")) == declared, r["file"]
     read = doc["cpu_optimizer"]["per_rank_param_s"]
     assert sorted(read) == sorted(r["file"] for r in timed)
-    assert doc["cpu_optimizer"]["median"] == statistics.median(read.values())
-    assert doc["cpu_optimizer"]["model"] == pytest.approx(doc["cpu_optimizer"]["median"], rel=0.01)
+    cpu = doc["cpu_optimizer"]
+    assert set(cpu["median_by_threads"]) == {1, 16}  # the constants' two readings: one thread and a lone rank's 16
+    for t, median in cpu["median_by_threads"].items():
+        assert median == statistics.median(v for f, v in read.items() if cpu["threads"][f] == t)
+        assert cpu["model_by_threads"][t] == pytest.approx(median, rel=0.02)
     held = {r["file"]: r for r in doc["rows"] if not r.get("outside")}
     grouped = [f for g in doc["configs"] for f in g["files"]]
     assert sorted(grouped) == sorted(held), "every held point in exactly one configuration"
