@@ -452,6 +452,21 @@ def _prepare_stage(ch: Chain, left: float) -> tuple[str, float]:
     return status, w["wall_s"]
 
 
+def _gone(ch: Chain) -> set[str]:
+    """The done stages whose files a pending later stage needs but this machine lacks (an earlier call ran them on
+    another): the prepared model, store and recipe for the resume and mfu runs, the killed run's sealed checkpoint
+    for the resume."""
+    from frod_ds.train.checkpoints import COMPLETE, tag_of
+
+    gone = set()
+    if not all(ch.ok(st) for st in ("resume", "mfu")) and not (ch.root / "recipe.yaml").is_file():
+        gone |= {"prepare", "train"}  # a train run over a model prepared anew is another run: it runs again too
+    sealed = ch.runs / "train" / "checkpoints" / tag_of(ch.cfg.settings["save_at"]) / COMPLETE
+    if not ch.ok("resume") and not sealed.is_file():
+        gone.add("train")
+    return gone
+
+
 def run_chain(suite: Suite, results: Path, work: Path, *, budget_s: float, only: str | None, series: int, log=print):
     """Every stage not yet ``ok`` of each configuration (or of those matching the globs ``only``), in order; a stage
     that fails, or would not fit the budget left, ends its configuration's call. A new killed run is resumed again."""
@@ -466,10 +481,13 @@ def run_chain(suite: Suite, results: Path, work: Path, *, budget_s: float, only:
         if dev["count"] and cfg["gpus"] > dev["count"]:
             outcomes.append(Outcome(cfg.name, f"skipped: needs {cfg['gpus']} GPUs, this machine has {dev['count']}"))
             continue
+        redo = _gone(ch)  # a later stage needs files an earlier call's machine had: those stages run again here
         ch.runs.mkdir(parents=True, exist_ok=True)
+        if "train" in redo:  # its record is replaced by the run the resume is compared with
+            (ch.runs / "train.json").unlink(missing_ok=True)
         for group in ("predict", "prepare", "train", "resume", "mfu"):
             stages = PREPARE if group == "prepare" else (group,)
-            if all(ch.ok(st) for st in stages) and not (group == "resume" and ran_train):
+            if all(ch.ok(st) for st in stages) and not (group == "resume" and ran_train) and group not in redo:
                 outcomes += [Outcome(f"{cfg.name}.{st}", "done") for st in stages]
                 continue
             left = budget_s - (time.monotonic() - t_start)

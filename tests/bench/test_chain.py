@@ -126,6 +126,51 @@ def test_a_part_is_the_same_files_whoever_writes_it_and_leaves_the_index_when_de
     assert not list(two.glob("model-q_proj-*"))
 
 
+def test_a_call_on_a_fresh_machine_runs_again_the_stages_whose_files_the_resume_needs(tmp_path, monkeypatch):
+    """Records say prepare and train are done, but this machine has neither the prepared recipe nor the killed run's
+    checkpoint (an earlier call ran them on another machine): prepare and train run again before the resume; with
+    the files here only the resume runs. The stages are stubbed: what is checked is which ones the call starts."""
+    from bench.kinds import chain
+    from frod_ds.train.checkpoints import COMPLETE, tag_of
+
+    suite = load_suite(SUITE)
+    (cfg,) = suite.configs
+    results, work, ran = tmp_path / "results", tmp_path / "work", []
+
+    def stage(name: str, files: bool):
+        def run(ch, *args):
+            ran.append(name)
+            for st in chain.PREPARE if name == "prepare" else (name,):
+                ch.write(st, "ok", {}, 1.0, ["stub"])
+            if files and name == "prepare":
+                (ch.root / "recipe.yaml").write_text("stub")
+            if files and name == "train":
+                sealed = ch.runs / "train" / "checkpoints" / tag_of(cfg["save_at"]) / COMPLETE
+                sealed.parent.mkdir(parents=True)
+                sealed.write_text("")
+            return "ok", 1.0
+
+        return run
+
+    def calls(files: bool) -> list[str]:
+        ran.clear()
+        monkeypatch.setattr(chain, "_prepare_stage", stage("prepare", files))
+        monkeypatch.setattr(chain, "_train_stage", lambda ch, group, left: stage(group, files)(ch))
+        monkeypatch.setattr(chain, "predict", lambda ch: {"mfu_batch": cfg["batch"]})
+        chain.run_chain(suite, results, work, budget_s=1e6, only=None, series=1, log=lambda *_: None)
+        return list(ran)
+
+    monkeypatch.setitem(cfg.settings, "host_probe", False)
+    assert calls(files=False) == ["prepare", "train", "resume", "mfu"]  # a first call
+    record_path(results, suite.name, "cpu", cfg.name, 1, "resume").unlink()
+    assert calls(files=False) == ["prepare", "train", "resume"]  # a fresh machine: nothing of the first call here
+    record_path(results, suite.name, "cpu", cfg.name, 1, "resume").unlink()
+    assert calls(files=True) == ["prepare", "train", "resume"]  # (its files written this time)
+    record_path(results, suite.name, "cpu", cfg.name, 1, "resume").unlink()
+    assert calls(files=True) == ["resume"]  # the same machine again: the files are here
+    assert calls(files=True) == []
+
+
 def _paced_suite(folder: Path) -> Path:
     """The suite as the repository has it, with its configuration time-out at this machine's pace."""
     text = SUITE.read_text()
