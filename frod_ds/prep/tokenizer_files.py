@@ -86,13 +86,16 @@ TOKEN_FLAGS = ("lstrip", "rstrip", "normalized", "single_word", "special")  # an
 SIDES = {"padding_side": ("left", "right"), "truncation_side": ("left", "right")}
 
 
-def _token_problem(value: object) -> str | None:
+def _token_problem(value: object, typed: bool = False) -> str | None:
     """Why ``value`` is no special token as transformers takes one (a string, null, or an object whose "content" is
-    a string and whose flags are true or false), or None."""
+    a string and whose flags are true or false; with ``typed``, as tokenizer_config.json must, an object marked
+    ``"__type": "AddedToken"``), or None."""
     if value == "" or (isinstance(value, dict) and value.get("content") == ""):  # transformers recurses on it
         return f"{json.dumps(value)[:80]}, an empty token"
     if value is None or isinstance(value, str):
         return None
+    if typed and isinstance(value, dict) and value.get("__type") != "AddedToken":
+        return f'{json.dumps(value)[:80]}, an object without "__type": "AddedToken" (write the token as a string)'
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         bad = [k for k in TOKEN_FLAGS if k in value and not isinstance(value[k], bool)]
         return f"{json.dumps(value)[:80]}, whose {bad[0]} is not true or false" if bad else None
@@ -109,14 +112,15 @@ def special_tokens_problem(path: Path) -> str | None:
         return None
     if not isinstance(doc, dict):
         return None
+    typed = path.name == "tokenizer_config.json"  # transformers builds an AddedToken there only from a marked object
     for key in SPECIAL_TOKEN_KEYS:
-        if key in doc and (why := _token_problem(doc[key])):
+        if key in doc and (why := _token_problem(doc[key], typed)):
             return f"{path} gives {key} {why}"
     extra = doc.get("additional_special_tokens")
     if extra is not None and not isinstance(extra, list):
         return f"{path} gives additional_special_tokens {json.dumps(extra)[:80]}, not a list"
     for value in extra or []:
-        if why := _token_problem(value):
+        if why := _token_problem(value, typed):
             return f"{path} lists among additional_special_tokens {why}"
     if not isinstance(doc.get("tokenizer_class", ""), str | None):
         return f"{path} gives tokenizer_class {json.dumps(doc['tokenizer_class'])[:80]}, not a class name"

@@ -41,3 +41,15 @@ def test_data_build_through_a_folder_not_made_yet_writes_the_output_and_nothing_
     monkeypatch.chdir(tmp_path)
     assert data_main(["build", "--source", str(MIRROR), "--tasks", "boolq", "--out", "./d/../d"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"] and (tmp_path / "d" / "train.jsonl").is_file()
+
+
+def test_dots_after_a_file_are_refused_as_the_kernel_refuses_them(tmp_path, monkeypatch, capsys):
+    """``decoy/../out`` where ``decoy`` is a user's file: the kernel cannot walk through a file, so the output is not
+    taken for ``out``; the command stops in one line naming the path, the file untouched and nothing written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "decoy").write_text("mine")
+    assert output_path("decoy/../out") == "decoy/../out"
+    assert data_main(["build", "--source", str(MIRROR), "--tasks", "boolq", "--out", "decoy/../out"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and "decoy" in err[-1] and "file" in err[-1], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decoy"] and (tmp_path / "decoy").read_text() == "mine"

@@ -74,8 +74,18 @@ DAMAGES: dict[str, tuple[str, Callable[[Path], None], str]] = {
     ),
     "tokenizer_config.json with a pad_token whose content is a number": (
         "tokenizer_config.json",
-        lambda p: set_key(p, "pad_token", {"content": 5}),
-        'gives pad_token {"content": 5}, not a string or an object with a string content',
+        lambda p: set_key(p, "pad_token", {"__type": "AddedToken", "content": 5}),
+        'gives pad_token {"__type": "AddedToken", "content": 5}, not a string or an object with a string content',
+    ),
+    "tokenizer_config.json with a pad_token object not marked AddedToken": (
+        "tokenizer_config.json",
+        lambda p: set_key(p, "pad_token", {"content": "<pad>"}),
+        'gives pad_token {"content": "<pad>"}, an object without "__type": "AddedToken" (write the token as a string)',
+    ),
+    "tokenizer_config.json with an additional special token object not marked AddedToken": (
+        "tokenizer_config.json",
+        lambda p: set_key(p, "additional_special_tokens", [{"content": "<x1>"}]),
+        'lists among additional_special_tokens {"content": "<x1>"}, an object without "__type": "AddedToken"',
     ),
     "special_tokens_map.json with an eos_token whose lstrip is a string": (
         "special_tokens_map.json",
