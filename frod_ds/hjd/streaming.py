@@ -142,10 +142,21 @@ class _Part:
         self.tmp = path.with_name(path.name + TMP)
         clear_tmp(self.tmp, path)
         self.fd = open_tmp(self.tmp)
-        os.pwrite(self.fd, head, 0)
+        try:
+            os.pwrite(self.fd, head, 0)
+        except OSError as e:
+            self.discard()
+            e.filename = e.filename or str(path)  # pwrite names no file; the error line should
+            raise
         self.head = (0, len(head), zlib.crc32(head))
         self.keys_left = keys
         self.chunks: list[Future] = []
+
+    def discard(self) -> None:
+        """Close the temporary and remove it (a full disk or a failed plan: no half-written part stays)."""
+        os.close(self.fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp)
 
 
 class FactorWriter:
@@ -196,7 +207,12 @@ class FactorWriter:
             fname = part_file(category, rank, j)
             keys = [e for m in names for e in entries[m]]
             head, offsets = safetensors_header(keys)
-            part = _Part(self.out / fname, head, offsets, len(keys))
+            try:
+                part = _Part(self.out / fname, head, offsets, len(keys))
+            except BaseException:
+                for made in set(self._part_of.values()):  # the parts planned before this one
+                    made.discard()
+                raise
             for key, _, _ in keys:
                 self._part_of[key] = part
                 self.files[key] = fname
@@ -249,9 +265,7 @@ class FactorWriter:
             if self.fsync:
                 os.fsync(part.fd)
         except BaseException as e:
-            os.close(part.fd)
-            with contextlib.suppress(OSError):
-                os.unlink(part.tmp)  # a full disk: no half-written part stays in the store
+            part.discard()  # a full disk: no half-written part stays in the store
             if isinstance(e, OSError) and e.filename is None:
                 e.filename = str(part.path)  # pwrite names no file; the error line should
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -9,9 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from frod_ds.formats.factor_store import part_file
 from frod_ds.hjd.sharding import my_members, targeted_members
 from frod_ds.hjd.streaming import FactorWriter, MemberReader, plan_parts
 from frod_ds.io.hf_checkpoint import HFCheckpoint
+from frod_ds.runtime.atomic import TMP
 from tests.support import pace
 from tests.support.helpers_ckpt import REPO, weights, write_tiny_llama
 from tests.support.leftovers import clean_env
@@ -86,10 +89,37 @@ def test_writer_files_load_with_safetensors(tmp_path):
     finally:
         writer.close()
     assert len(set(files.values())) == 3 and all(f.startswith("q_proj.rank00001.part") for f in files.values())
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob(f"*{TMP}"))
     for m, (U, s) in tensors.items():
         with safe_open(str(tmp_path / files[m + ".U"]), framework="pt") as f:
             assert torch.equal(f.get_tensor(m + ".U"), U) and torch.equal(f.get_tensor(m + ".sigma"), s)
+
+
+def test_a_full_disk_at_a_parts_header_leaves_no_temporary_and_names_the_part(tmp_path, monkeypatch):
+    """The disk fills while the plan opens its parts (the second part's header): the error names that part, and
+    neither its temporary nor the first part's stays in the store."""
+    import errno
+
+    from frod_ds.hjd import streaming
+
+    real, calls = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(streaming.os, "pwrite", pwrite)
+    members = [(f"m{i}", [(f"m{i}.U", torch.bfloat16, (4, 8)), (f"m{i}.sigma", torch.float32, (8,))]) for i in range(3)]
+    writer = FactorWriter(tmp_path, fsync=False, part_bytes=100, threads=1)
+    try:
+        with pytest.raises(OSError) as e:
+            writer.begin("q_proj", 0, members)
+    finally:
+        writer.close()
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / part_file("q_proj", 0, 1))
+    assert sorted(tmp_path.iterdir()) == []
 
 
 def test_plan_helpers_and_torch_free_import(model):
