@@ -1547,6 +1547,11 @@ def data_build_tmp_folder(world, case, spec):
     (case / "data" / "train.jsonl.frod-tmp" / "keep").write_text("a user's file\n")
 
 
+def decoy_file(world, case, spec):
+    """A user's file, ``{case}/decoy.txt`` (round 25: an output through its ``..``)."""
+    (case / "decoy.txt").write_text("a user's file\n")
+
+
 def home_copies(world, case, spec):
     """A home folder (the case sets HOME to it) holding copies of the world's data build and store."""
     shutil.copytree(world.paths["data"], case / "home" / "data")
@@ -1791,6 +1796,7 @@ STEPS: dict[str, Callable] = {
     f.__name__: f
     for f in (
         bad_yaml,
+        decoy_file,
         yaml_list,
         yaml_empty,
         yaml_typo_key,
