@@ -294,7 +294,7 @@ def write_outputs(output: Path, files: dict[str, str]) -> None:
             atomic_write_text(output / name, text)
         restamp(output, list(files))  # the record's stamps are this run's files now
         return
-    with building_dir(output, RESULTS_KIND) as tmp:
+    with building_dir(output, RESULTS_KIND, what="--output") as tmp:
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
 

@@ -67,13 +67,18 @@ def umask_modes(root: Path) -> None:
 
 @contextlib.contextmanager
 def building_dir(
-    out: Path, kind: str, inputs: dict[str, Path | str | None] | None = None, error: type[Exception] | None = None
+    out: Path,
+    kind: str,
+    inputs: dict[str, Path | str | None] | None = None,
+    error: type[Exception] | None = None,
+    what: str = "--out",
 ) -> Iterator[Path]:
     """A fresh temporary sibling of ``out`` to fill; given a record of ``kind`` listing everything in it
     (:func:`inventory`) and published as ``out`` (:func:`publish_dir`) when the block ends normally, deleted when
     it raises. So ``out`` is either the old directory or the complete new one. An existing ``out`` is checked
-    (:func:`check_replaceable` with ``kind`` and the command's ``inputs``) before anything is built."""
-    check_replaceable(out, kind, inputs, error=error)
+    (:func:`check_replaceable` with ``kind`` and the command's ``inputs``; ``what`` names it) before anything is
+    built."""
+    check_replaceable(out, kind, inputs, what=what, error=error)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _sweep_dead_builds(out, kind)
@@ -88,7 +93,7 @@ def building_dir(
         yield tmp
         umask_modes(tmp)
         mark_dir(tmp, kind, inventory(tmp), stamp=True)
-        publish_dir(tmp, out, kind, inputs, error)
+        publish_dir(tmp, out, kind, inputs, error, what)
     except BaseException as e:
         # asked before the partial output is deleted (which frees the space): writers that report a full disk as
         # something else (safetensors' SafetensorError "No space left on device") reach the user as a full disk

@@ -52,14 +52,15 @@ def publish_dir(
     kind: str,
     inputs: dict[str, Path | str | None] | None = None,
     error: type[Exception] | None = None,
+    what: str = "--out",
 ) -> None:
-    """Rename the finished directory ``new`` to ``out``. An existing ``out`` must pass
-    :func:`check_replaceable` for ``kind``; it is moved aside first, put back if the rename fails, and what its
-    record lists deleted after it succeeded. The caller decides whether ``out`` may be replaced at all."""
+    """Rename the finished directory ``new`` to ``out`` (``what``: how the command names it). An existing ``out``
+    must pass :func:`check_replaceable` for ``kind``; it is moved aside first, put back if the rename fails, and
+    what its record lists deleted after it succeeded. The caller decides whether ``out`` may be replaced at all."""
     if not os.path.lexists(out):
         os.rename(new, out)
         return
-    check_replaceable(out, kind, inputs, error=error)
+    check_replaceable(out, kind, inputs, what=what, error=error)
     aside = owned_sibling(out, "old")
     try:
         os.rename(out, aside / out.name)

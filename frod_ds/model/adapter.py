@@ -95,14 +95,15 @@ def write_adapter(
     tensors: dict[str, torch.Tensor],
     config: AdapterConfig,
     extra_files: dict[str, str] | None = None,
+    what: str = "--out",
 ) -> Path:
     """Write an adapter dir atomically (built under a temporary name, then renamed); the caller holds the lease
-    of the folder it writes in (a training run's output_dir)."""
+    of the folder it writes in (a training run's output_dir); ``what`` names ``out_dir`` in a refusal."""
     out_dir = Path(out_dir)
     bad = nonfinite_tensor(tensors)
     if bad:
         raise AdapterError(f"refusing to write adapter {out_dir}: {bad}; the training diverged")
-    with building_dir(out_dir, "adapter") as tmp:
+    with building_dir(out_dir, "adapter", what=what) as tmp:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS))
         config = dataclasses.replace(
             config, version=ADAPTER_VERSION, weights_crc32=format_crc32(file_crc32(tmp / WEIGHTS))

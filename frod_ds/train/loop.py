@@ -116,6 +116,7 @@ def save_adapter(run: Run, step: int, name: str) -> None:
             tensors,
             dataclasses.replace(run.adapter_config, step=step, categories=categories),
             extra_files={"recipe.yaml": recipe_yaml(run.recipe)},
+            what="output_dir",  # the recipe's key: train has no --out
         )
 
     dist.on_main(write)

@@ -347,6 +347,22 @@ def test_a_finished_runs_damaged_adapter_is_written_again_bit_for_bit(env, train
     assert weights.read_bytes() == before
 
 
+def test_a_finished_runs_edited_adapter_is_refused_naming_output_dir(env, trained, tmp_path):
+    """adapter-final/adapter_config.json edited by a user after the run finished: the same command does not write
+    over the edit, and its one line names the recipe's output_dir (train has no --out flag)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    shutil.rmtree(run / "adapter-final" / "eval", ignore_errors=True)  # another test's user files, if it ran first
+    config = run / "adapter-final" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "users_key": 1}))
+    before = tree(run)
+    proc = train_proc(env, run)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and line.startswith("error: "), proc.stderr[-3000:]
+    assert f"output_dir {run / 'adapter-final'} holds files changed since" in line and "--out" not in line, line
+    assert tree(run) == before
+
+
 def test_a_run_without_its_checkpoints_is_not_replaced_by_a_new_one(env, trained, tmp_path, capsys):
     """checkpoints/ deleted (to save space), adapter-final kept: nothing to resume or check the run against, so a
     rerun (here with another max_steps) is refused instead of training anew over its adapters."""
