@@ -3,8 +3,6 @@ few measured constants, so the planner can rank the set-ups that fit by speed in
 
     step = max(device, host) + overflow check + link + offload + gradient reduce + CPU optimizer
 
-(offload: the side stream's copies beyond the device's and host's work, forward and backward pass each on its own)
-
 Each term and the constants behind it: docs/memory.md; where each constant was read: docs/benchmarks.md.
 ``bench/time_model_check.py`` sets the model against every committed FRoD step measurement. It ranks set-ups; it is
 not a promise of a step time on another machine.
