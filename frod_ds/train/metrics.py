@@ -94,7 +94,9 @@ def drop_rows_after(path: Path, step: int, log_every: int = 1) -> None:
             kept.append(line)
     if step >= log_every and not kept:
         note(f"{path} holds no row up to step {step}; {gone}")
-    atomic_write_text(path, "".join(line + "\n" for line in kept))
+    kept_text = "".join(line + "\n" for line in kept)
+    if kept_text != text:  # a finished run's log, all of it kept, is not written again
+        atomic_write_text(path, kept_text)
 
 
 def peak_mem_gb() -> float:

@@ -44,6 +44,19 @@ def test_a_last_row_that_lost_only_its_newline_is_kept(tmp_path, capsys):
     assert "note:" not in capsys.readouterr().err
 
 
+def test_a_log_with_nothing_to_drop_is_not_written_again(tmp_path):
+    """A finished run's log (every row up to the step it continues from): the file is left as it is, not rewritten
+    with the same rows (a re-run that then stops in one line leaves the run's folder untouched)."""
+    from frod_ds.train.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(r + "\n" for r in _rows(3)))
+    before = path.stat()
+    drop_rows_after(path, step=3)
+    after = path.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+
+
 @pytest.mark.parametrize("state", ["deleted", "emptied"])
 def test_a_log_that_lost_the_rows_before_the_checkpoint_says_so(tmp_path, capsys, state):
     """A resume from step 3 whose metrics.jsonl was deleted (or emptied) since: the rows of steps 1-3 cannot come
