@@ -97,11 +97,11 @@ def print_plan(plan, title: str, model=None) -> None:
                 "pass (a measured local disk); a faster drive shortens it in proportion"
             )
         if plan.engine.offload_optimizer:
-            threads = f"every core ({LONE_RANK_THREADS} assumed)" if plan.gpus == 1 else "one OpenMP thread per rank"
+            threads = f"every core ({LONE_RANK_THREADS} assumed)" if plan.gpus == 1 else "one per rank"
             print(
-                f"  its CPU optimizer term runs on the host at torchrun's {threads}; OMP_NUM_THREADS sets it "
-                "(the deepspeed launcher gives every rank every core), and steps with it vary from run to run "
-                "(bench/results/time_model_check.md)"
+                f"  its CPU optimizer term runs on the host with torchrun's OpenMP threads, {threads}; OMP_NUM_THREADS "
+                "sets them (the deepspeed launcher gives every rank every core), and steps with it vary from run to "
+                "run (bench/results/time_model_check.md)"
             )
     if plan.host_bytes:
         print(

@@ -414,7 +414,7 @@ def test_cli_prints_every_part_and_the_verdict(tmp_path):
     assert res.returncode == 1 and "does NOT fit" in res.stdout
     res = _plan_here("--model", str(tmp_path), "--gpus", "2", "--config", "ds_configs/zero3_offload.json")
     assert res.returncode == 0 and "CPU optimizer term runs on the host" in res.stdout, res.stdout
-    assert "torchrun's one OpenMP thread per rank" in res.stdout, res.stdout
+    assert "with torchrun's OpenMP threads, one per rank" in res.stdout, res.stdout
 
 
 def test_a_density_that_leaves_s_empty_is_refused_as_training_refuses_it(tmp_path):
