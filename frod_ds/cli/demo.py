@@ -201,12 +201,16 @@ def demo(args: argparse.Namespace) -> int:
     from frod_ds.formats.lease import holding
     from frod_ds.formats.sibling_names import literal_home
     from frod_ds.runtime.errors import FrodError
+    from frod_ds.runtime.paths import file_before_dots
 
     gpu = torch.cuda.is_available()
     recipe = _check_args(args, gpu)
     home = literal_home(Path(args.out), "--out")  # before resolving: a literal ~ folder is never what was meant
     if home is not None:
         raise FrodError(home)
+    through = file_before_dots(args.out)
+    if through is not None:  # resolve() would step out of the file, which the kernel refuses
+        raise FrodError(f"cannot create {args.out}: {through} is a file, not a directory; choose another --out")
     out = Path(args.out).resolve()
     with holding(out, "demo", "--out") as lease:  # every stage writes inside out under this lease
         return _demo(out, args, recipe, lease.child_env(), gpu=gpu)

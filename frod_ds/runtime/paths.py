@@ -20,6 +20,7 @@ __all__ = [
     "input_dir",
     "output_path",
     "output_dir",
+    "file_before_dots",
     "file_problem",
     "dir_problem",
     "read_small_text",
@@ -52,11 +53,17 @@ def output_path(text: str) -> str:
     parts = Path(text).parts
     if ".." not in parts or parts[0].startswith("~"):
         return text
-    through = [Path(*parts[:i]) for i, part in enumerate(parts) if part == ".." and i]
-    if any(p.exists() and not p.is_dir() for p in through):  # the kernel refuses a file's "..": so does its writer
+    if file_before_dots(text) is not None:  # the kernel refuses a file's "..": so does its writer
         return text
     head, name = os.path.split(text.rstrip(os.sep)) if parts[-1] != ".." else (text, "")
     return os.path.join(os.path.realpath(head or "."), name) if name else os.path.realpath(head)
+
+
+def file_before_dots(text: str) -> Path | None:
+    """The file (not a folder) a ``..`` of path ``text`` would step out of, which the kernel refuses, or None."""
+    parts = Path(text).parts
+    before = (Path(*parts[:i]) for i, part in enumerate(parts) if part == ".." and i)
+    return next((p for p in before if p.exists() and not p.is_dir()), None)
 
 
 def output_dir(text: str) -> Path:

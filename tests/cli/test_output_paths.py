@@ -53,3 +53,16 @@ def test_dots_after_a_file_are_refused_as_the_kernel_refuses_them(tmp_path, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and "decoy" in err[-1] and "file" in err[-1], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["decoy"] and (tmp_path / "decoy").read_text() == "mine"
+
+
+def test_the_demo_refuses_dots_after_a_file_too(tmp_path, monkeypatch, capsys):
+    """``frod demo --out decoy/../out`` (the demo resolves its output to hand it to its stages): one line naming the
+    file, nothing written."""
+    from frod_ds.cli.demo import main as demo_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "decoy").write_text("mine")
+    assert demo_main(["--out", "decoy/../out", "--ranks", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: cannot create decoy/../out: decoy is a file, not a directory; choose another --out", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decoy"] and (tmp_path / "decoy").read_text() == "mine"
