@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from frod_ds.runtime.cli_parser import Parser, input_path
+from frod_ds.runtime.launch_env import without_launcher
 
 EXAMPLES = """examples:
   make demo                                   # creates .venv, then runs frod demo
@@ -41,7 +42,7 @@ def _run(cmd: list[str], what: str, log: Path, env: dict[str, str] | None = None
     """Run a stage; ``env``: the environment to start it in (default: this process's)."""
     print(f"\n== {what}\n$ {' '.join(cmd)}", flush=True)
     t0 = time.time()
-    env = dict(os.environ if env is None else env)
+    env = without_launcher(os.environ if env is None else env)  # an outer torchrun's rank 0 runs the demo
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
     with open(log, "a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")

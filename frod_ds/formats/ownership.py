@@ -131,6 +131,7 @@ class _Scan:
     dirs: list[Path] = field(default_factory=list)  # directories holding listed paths, nested outputs' folders
     foreign: list[str] = field(default_factory=list)
     leases: list[Path] = field(default_factory=list)
+    nested: list[Path] = field(default_factory=list)  # folders inside with a record of their own
 
 
 def _describe_foreign_dir(root: Path, path: Path) -> str:
@@ -172,6 +173,7 @@ def _nested(root: Path, folder: Path, scan: _Scan) -> None:
         scan.foreign.append(_describe_foreign_dir(root, folder))
         return
     scan.dirs.append(folder)
+    scan.nested.append(folder)
     _walk(root, folder, folder, entries, scan)
 
 
@@ -306,15 +308,18 @@ def check_replaceable(
             f"output, choose another {what}"
         )
     if foreign:
-        _refuse_foreign(out, _scan(out, legacy_kind), what, error)
-        record = read_record(out)
-        added = listed_since_written(out, record)
+        scan = _scan(out, legacy_kind)
+        _refuse_foreign(out, scan, what, error)
+        added, edited = [], []
+        for folder in (out, *scan.nested):  # a nested output's record stamps its own files
+            record, at = read_record(folder), "" if folder == out else folder.relative_to(out).as_posix() + "/"
+            added += [at + rel for rel in listed_since_written(folder, record)]
+            edited += [at + rel for rel in edited_since_written(folder, record)]
         if added:
             raise error(
                 f"{what} {out} holds files frod-ds did not write there, though its {MARKER} record lists them: "
                 f"{_listing(added)}; refusing to replace them, move them out or choose another {what}"
             )
-        edited = edited_since_written(out, record)
         if edited:
             raise error(
                 f"{what} {out} holds files changed since frod-ds wrote them: {_listing(edited)}; refusing to "

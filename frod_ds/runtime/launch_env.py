@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from frod_ds.runtime.errors import FrodError
 
 __all__ = [
+    "without_launcher",
     "launcher_rank_world",
     "ranks_on_this_node",
     "first_slurm_host",
@@ -25,6 +26,32 @@ __all__ = [
     "launcher_int",
     "shown",
 ]
+
+
+# What torchrun and the deepspeed launcher set for the processes they start (torch's elastic agent: its store and
+# group; the ranks' own rendezvous), none of which a launcher started by such a process should inherit
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+)
+
+
+def without_launcher(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less the launcher's variables (``TORCHELASTIC_*`` and :data:`LAUNCHER_VARS`): the environment for a
+    launcher that a launched process starts (``frod demo``'s stages under an outer ``torchrun``), whose ranks would
+    otherwise join the outer agent's store, which nobody hosts for them."""
+    return {k: v for k, v in env.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
 
 
 def launcher_int(text: str) -> int | None:

@@ -75,3 +75,21 @@ def test_a_stopped_demo_stops_its_stages_ranks_too(tmp_path, sig):
             return
         time.sleep(0.1)
     raise AssertionError(f"the stage's process {grandchild} outlived the demo")
+
+
+def test_a_stage_does_not_inherit_an_outer_launchers_variables(tmp_path, monkeypatch):
+    """``torchrun … frod demo``: rank 0 runs the demo, and each stage it launches starts its own ranks; with the outer
+    agent's variables (``TORCHELASTIC_USE_AGENT_STORE`` above all) they joined a store nobody hosted for them and
+    waited out the join. A stage starts without them, everything else of the environment kept."""
+    from frod_ds.cli import demo
+
+    outer = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2",
+             "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+             "GROUP_RANK": "0", "ROLE_RANK": "0", "FROD_TEST_KEPT": "1"}  # fmt: skip
+    for k, v in outer.items():
+        monkeypatch.setenv(k, v)
+    log = tmp_path / "stage.log"
+    demo._run([sys.executable, "-c", "import os, json; print(json.dumps(sorted(os.environ)))"], "env", log)
+    seen = set(json.loads(log.read_text().splitlines()[-1]))
+    assert "FROD_TEST_KEPT" in seen and "PATH" in seen
+    assert not seen & (set(outer) - {"FROD_TEST_KEPT"}), seen & set(outer)
