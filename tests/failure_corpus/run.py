@@ -1086,6 +1086,20 @@ def peft_export_changed(world, case, spec):
     _flip_byte(case / "peft" / "adapter_model.safetensors", 0.999)
 
 
+def peft_import_edited(world, case, spec):
+    """The world's adapter exported as PEFT and imported back into ``{case}/imp``, then its nested
+    ``adapter/adapter_config.json`` edited by a user (independent round 26: ``--overwrite`` deleted the edit)."""
+    for argv in (
+        ["export", "--checkpoint", world.paths["adapter"], "--format", "peft", "--out", str(case / "peft")],
+        ["export", "--from-peft", str(case / "peft"), "--base-model", world.paths["model"], "--out", str(case / "imp")],
+    ):
+        res = world.run(argv)
+        if res.returncode:
+            raise RuntimeError(f"{argv[1]} for the case failed: {res.stderr[-2000:]}")
+    config = case / "imp" / "adapter" / "adapter_config.json"
+    config.write_text(config.read_text() + " \n")
+
+
 def peft_config_array(world, case, spec):
     """A PEFT export whose adapter_config.json was replaced by a JSON array."""
     peft_export_changed(world, case, spec)
@@ -1797,6 +1811,7 @@ STEPS: dict[str, Callable] = {
     for f in (
         bad_yaml,
         decoy_file,
+        peft_import_edited,
         yaml_list,
         yaml_empty,
         yaml_typo_key,
