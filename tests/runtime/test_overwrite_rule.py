@@ -181,19 +181,21 @@ def test_export_still_replaces_its_own_earlier_export(adapter, tmp_path, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
 
 
-def test_an_edit_inside_a_nested_output_is_refused_by_overwrite(env, peft_export, tmp_path, capsys):
-    """A PEFT import holds its adapter as an output of its own (``adapter/`` with its own record): a user's edit of
-    ``adapter/adapter_config.json`` is refused by ``--overwrite`` as an edit at the top is, and kept (it was deleted
-    with the rest)."""
+@pytest.mark.parametrize("edited", ["adapter/adapter_config.json", "factor-store/manifest.json"])
+def test_an_edit_inside_a_nested_output_is_refused_by_overwrite(env, peft_export, tmp_path, capsys, edited):
+    """A PEFT import holds its adapter and factor store as outputs of their own (each with its record; the store's
+    files stamped when the import is published, as HJD leaves them unstamped): a user's edit inside either is refused
+    by ``--overwrite`` as an edit at the top is, and kept (it was deleted with the rest)."""
     out = tmp_path / "imp"
     args = ["--from-peft", str(peft_export), "--base-model", str(env.model), "--out", str(out)]
     assert export_cli.main(args) == 0
-    config = out / "adapter" / "adapter_config.json"
-    config.write_text(config.read_text() + " \n")
+    (out / edited).write_text((out / edited).read_text() + " \n")
     before = tree(out)
     line = one_error(capsys, export_cli.main([*args, "--overwrite"]))
-    assert "holds files changed since frod-ds wrote them: adapter/adapter_config.json" in line, line
+    assert f"holds files changed since frod-ds wrote them: {edited}" in line, line
     assert tree(out) == before
+    (out / edited).write_text((out / edited).read_text()[:-2])  # the edit undone: the import replaces its own
+    assert export_cli.main([*args, "--overwrite"]) == 0
 
 
 def test_data_build_over_a_factor_store_is_refused(env, tmp_path, capsys):
