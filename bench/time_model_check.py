@@ -19,6 +19,7 @@ constant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -33,8 +34,8 @@ from frod_ds.plan.step_time import (
     CHECK_GOAL,
     CPU_OPTIMIZER_PARAM_S,
     CPU_OPTIMIZER_THREAD_PARAM_S,
-    LONE_RANK_THREADS,
     Link,
+    rank_threads,
     step_time,
 )
 
@@ -237,16 +238,16 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float], ref_ms: float
     measured_host = probe.get("shape") == "7b" and probe.get("host_step_ms")
     host = probe["host_step_ms"] / ref_ms if measured_host else kind_host
     shape = model_shape_from_config(model)
-    threads = (d["chain"].get("omp_threads") if "chain" in d else 0) or (LONE_RANK_THREADS if gpus == 1 else 1)
-    pred = step_time(shape, train, engine, gpus, Link(host=host, cpu_threads=threads), plain=plain)
-    at_kind = step_time(shape, train, engine, gpus, Link(host=kind_host, cpu_threads=threads), plain=plain)
+    link = Link(host=host, cpu_threads=(d["chain"].get("omp_threads") or None) if "chain" in d else None)
+    pred = step_time(shape, train, engine, gpus, link, plain=plain)
+    at_kind = step_time(shape, train, engine, gpus, dataclasses.replace(link, host=kind_host), plain=plain)
     meas = d["step_s_median"]
     extra = {}
     if "chain" in d and d["chain"].get("phase_times"):
         extra["outside"] = PHASE_TIMED
         if d.get("optimizer_s_median") is not None:  # rank 0's optimizer phase per parameter it steps
             extra["optimizer_s_per_rank_param"] = d["optimizer_s_median"] / (trainable_numel(shape, train) / gpus)
-            extra["cpu_threads"] = threads
+            extra["cpu_threads"] = rank_threads(link, gpus)
     return {
         **extra,
         "file": label,

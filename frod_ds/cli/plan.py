@@ -83,7 +83,7 @@ def print_plan(plan, title: str, model=None) -> None:
         f"{plan.needed / GiB:.1f} of {plan.gpu_bytes / GiB:.1f} GiB per GPU: {verdict}"
     )
     if model is not None:
-        from frod_ds.plan.step_time import DISK_BYTES_PER_S, LONE_RANK_THREADS, NVLINK, step_time
+        from frod_ds.plan.step_time import DISK_BYTES_PER_S, NVLINK, rank_threads, step_time
 
         t = step_time(model, plan.train, plan.engine, plan.gpus, NVLINK)
         parts = ", ".join(f"{k} {v * 1e3:.0f}" for k, v in t.parts.items() if v >= 5e-4)
@@ -97,7 +97,8 @@ def print_plan(plan, title: str, model=None) -> None:
                 "pass (a measured local disk); a faster drive shortens it in proportion"
             )
         if plan.engine.offload_optimizer:
-            threads = f"every core ({LONE_RANK_THREADS} assumed)" if plan.gpus == 1 else "one per rank"
+            n = rank_threads(NVLINK, plan.gpus)
+            threads = f"every core ({n} assumed)" if n > 1 else "one per rank"
             print(
                 f"  its CPU optimizer term runs on the host with torchrun's OpenMP threads, {threads}; OMP_NUM_THREADS "
                 "sets them (the deepspeed launcher gives every rank every core), and steps with it vary from run to "

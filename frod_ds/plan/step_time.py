@@ -17,7 +17,7 @@ from frod_ds.plan.flops import flops_per_token
 from frod_ds.plan.memory import frozen_tensors, trainable_tensors
 from frod_ds.plan.shapes import Engine, ModelShape, TrainShape
 
-__all__ = ["StepTime", "Link", "step_time", "CHECK_GOAL", "NVLINK"]
+__all__ = ["StepTime", "Link", "step_time", "rank_threads", "CHECK_GOAL", "NVLINK"]
 
 # Fraction of the dense bf16 peak FRoD's model FLOPs reach on the GPU.
 EFFICIENCY = 0.50
@@ -80,6 +80,12 @@ class Link:
 
 
 NVLINK = Link()
+
+
+def rank_threads(link: Link, gpus: int) -> int:
+    """OpenMP threads of each rank's CPU optimizer: ``link.cpu_threads``, else the launcher's (torchrun: one per
+    rank with several ranks, every core for a lone one)."""
+    return link.cpu_threads or (LONE_RANK_THREADS if gpus == 1 else 1)
 
 
 @dataclass
@@ -177,7 +183,6 @@ def step_time(
     if n > 1:
         parts["gradient reduce"] = trainable_numel * train.e * (n - 1) / n / link.busbw
     if engine.offload_optimizer:  # after the backward: nothing to hide behind; the host's work
-        threads = link.cpu_threads or (LONE_RANK_THREADS if n == 1 else 1)
-        per_value = CPU_OPTIMIZER_PARAM_S + CPU_OPTIMIZER_THREAD_PARAM_S / threads
+        per_value = CPU_OPTIMIZER_PARAM_S + CPU_OPTIMIZER_THREAD_PARAM_S / rank_threads(link, n)
         parts["CPU optimizer"] = link.host * trainable_numel / n * per_value
     return StepTime(parts, host)
