@@ -124,11 +124,9 @@ def check_token_ids(
     if top >= embedding:
         from frod_ds.prep.tokens import token_past
 
-        past = token_past(tokenizer, embedding)
-        if past:
-            raise EvalError(past)
         which = config.tokenizer or "the model's own tokenizer"
         raise EvalError(
-            f"the tokenizer ({which}) produces token id {top}, but the model's embedding has {embedding} rows; use "
-            "the tokenizer the model was trained with"
+            token_past(tokenizer, embedding)
+            or f"the tokenizer ({which}) produces token id {top}, but the model's embedding has {embedding} rows; "
+            "use the tokenizer the model was trained with"
         )

@@ -172,11 +172,10 @@ def check_vocab(
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if isinstance(pad, int) else -1
     top = max([max(e.input_ids) for e in examples if e.input_ids] + [pad])
-    if top >= vocab_size and (past := token_past(tokenizer, vocab_size)):
-        raise DataError(past)
-    if top >= vocab_size:
+    if top >= vocab_size:  # a special token the vocabulary lacks is named with its file; else the tokenizer is
         raise DataError(
-            f"the tokenizer {tokenizer_name} produces token id {top}, but the model {model_dir} has "
+            token_past(tokenizer, vocab_size)
+            or f"the tokenizer {tokenizer_name} produces token id {top}, but the model {model_dir} has "
             f"vocab_size {vocab_size} (config.json); use the model's own tokenizer (model.tokenizer) "
             "or a model whose embedding holds every id"
         )
