@@ -81,7 +81,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "frod_ds.formats.store_format": ("frod_ds.formats.factor_store",),
     "frod_ds.formats.adapter_format": ("frod_ds.formats.adapter_dir",),
     "frod_ds.model.store": ("frod_ds.model.store_reader",),
-    "frod_ds.hjd.store_dir": ("frod_ds.hjd.store_writer",),
+    "frod_ds.hjd.store_dir": ("frod_ds.hjd.store_writer", "frod_ds.hjd.store_files"),
     "frod_ds.hjd.plan": ("frod_ds.hjd.sharding",),
     "frod_ds.hjd.io": ("frod_ds.hjd.streaming",),
     "frod_ds.eval.evaluation": ("frod_ds.eval.predict",),

@@ -2,7 +2,8 @@
 
 ``math`` is the decomposition as pure single-process functions; ``sharding`` says which rank owns which weights
 (no torch); ``streaming`` reads weights ahead and writes factors behind; ``category`` and ``routes`` run one
-category on one rank; ``store_writer`` is rank 0's side of the store; ``stage`` runs the categories in turn.
+category on one rank; ``store_writer`` is rank 0's side of the store, ``store_files`` its files on disk;
+``stage`` runs the categories in turn.
 The math names (``decompose``, ``HJDResult``, ...) load from here on first use, so ``sharding`` stays torch-free.
 """
 

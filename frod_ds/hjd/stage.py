@@ -18,7 +18,7 @@ import torch
 from frod_ds.core.quant import QUANT_KINDS
 from frod_ds.formats.factor_store import MANIFEST, Manifest, RunRecord
 from frod_ds.formats.lease import holding
-from frod_ds.hjd import store_writer
+from frod_ds.hjd import store_files, store_writer
 from frod_ds.hjd.category import CategoryResult, Phases, open_category
 from frod_ds.hjd.math import no_tf32
 from frod_ds.hjd.routes import RouteOptions, factor_category, read_pass
@@ -197,7 +197,7 @@ def _factor_all(
         reader.schedule(my_members(categories[todo[0]], rank, world))
     for j, category in enumerate(todo):
         t0 = time.perf_counter()
-        D.on_main(lambda: store_writer.remove_store_files(cfg.out, category))  # leftovers of a killed run
+        D.on_main(lambda: store_files.remove_store_files(cfg.out, category))  # leftovers of a killed run
         source, sink = open_category(
             ckpt,
             category,
@@ -234,12 +234,12 @@ def run_stage(cfg: StageConfig, process_start: float | None = None) -> Manifest 
     run or written then). User errors: ``CollectiveError`` on every rank. ``process_start``: the
     process's ``time.time()`` at launch, to report start-up time. Rank 0 holds the lease on ``--out`` throughout:
     a second HJD run into the same store is refused at once."""
-    with D.held_on_main(lambda: holding(cfg.out, store_writer.KIND, "--out", HJDError)):
+    with D.held_on_main(lambda: holding(cfg.out, store_files.KIND, "--out", HJDError)):
         try:
             return _build(cfg, process_start)
         except OSError:  # a full disk mid-replacement: the store --overwrite was replacing comes back whole
             if D.is_main():
-                store_writer.restore_aside(cfg.out)
+                store_files.restore_aside(cfg.out)
             raise
 
 
@@ -279,8 +279,8 @@ def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:
         writer.close()
         recorder.close()
         if refused and D.is_main():
-            store_writer.discard_unfinished(cfg.out, manifest, existed)
-            store_writer.restore_aside(cfg.out)  # a store --overwrite was replacing
+            store_files.discard_unfinished(cfg.out, manifest, existed)
+            store_files.restore_aside(cfg.out)  # a store --overwrite was replacing
     ranks = D.all_gather_object(store_writer.rank_summary(time.perf_counter() - t_start, device, ckpt))
 
     def finish() -> Manifest:
@@ -295,7 +295,9 @@ def _build(cfg: StageConfig, process_start: float | None) -> Manifest | None:
         )
         manifest.complete = not manifest.missing_categories
         atomic_write_text(cfg.out / MANIFEST, manifest.to_json())
-        store_writer.drop_aside(cfg.out)  # the store --overwrite replaced
+        if manifest.complete:
+            store_files.stamp_complete(cfg.out)
+        store_files.drop_aside(cfg.out)  # the store --overwrite replaced
         return manifest
 
     manifest = D.on_main(finish)

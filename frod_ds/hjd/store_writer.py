@@ -9,10 +9,7 @@ complete whose weights this run sees has the same weight digests; else ``--overw
 
 from __future__ import annotations
 
-import json
-import os
 import resource
-import shutil
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,40 +26,35 @@ from frod_ds.formats.factor_store import (
     QuantRecord,
     RankRecord,
     file_globs,
-    is_store_file,
 )
-from frod_ds.formats.output_dir import MARKER, entries_of, match, read_record
+from frod_ds.formats.output_dir import MARKER
 from frod_ds.formats.ownership import (
     check_not_an_input,
     check_replaceable,
-    delete_owned,
     is_marked,
     marker_kind,
     record_files,
 )
 from frod_ds.formats.record_check import record_problem
-from frod_ds.formats.sibling_names import fitted_name
 from frod_ds.hjd.category import CategoryResult
+from frod_ds.hjd.store_files import KIND, aside_problem, refuse_edited, remove_store_files, set_aside, unstamp
 from frod_ds.io.dtypes import dtype_name
 from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
 from frod_ds.io.hf_checkpoint import HFCheckpoint
 from frod_ds.runtime import distributed as D
-from frod_ds.runtime.atomic import TMP, atomic_write_text, fsync_dir
+from frod_ds.runtime.atomic import atomic_write_text, fsync_dir
 from frod_ds.runtime.errors import HJDError, StoreError, note
 
 __all__ = [
     "CONFIG_FIELDS",
     "new_manifest",
     "prepare_store",
-    "remove_store_files",
-    "discard_unfinished",
     "ManifestWriter",
     "record_category",
     "rank_summary",
 ]
 
 GiB = 2**30
-KIND = "factor-store"  # the ownership record's kind (frod_ds.formats.output_dir)
 # a store to resume or add categories to must match on these (the targeted weights: per category, weight_sha256)
 CONFIG_FIELDS = (
     "format_version",
@@ -158,123 +150,6 @@ def _fingerprint(records: dict[str, CategoryRecord]) -> str:
     return combine_digests({m + ".weight": d for r in records.values() for m, d in (r.weight_sha256 or {}).items()})
 
 
-def remove_store_files(out: Path, category: str | None = None) -> None:
-    """Delete the factor files (and temporaries) of ``category``, or of every category and the manifest: those
-    the store's ownership record lists, never a file of that name it did not write."""
-    entries = entries_of(read_record(out), KIND) or ()
-    for p in out.iterdir():
-        if is_store_file(p.name, category) or (category is None and p.name in (MANIFEST, MANIFEST + TMP)):
-            if match(entries, p.name, p.is_dir()) == "own":
-                p.unlink()
-
-
-def _aside(out: Path) -> Path:
-    """``.NAME.replaced`` beside ``out``, shortened where ``out``'s name is near the file system's limit."""
-    return out.parent / fitted_name(f".{out.name}", ".replaced")
-
-
-ASIDE_STAMP = ".frod-ds-aside"  # in the aside: which store it holds the files of (written before any file moves)
-
-
-def _stamp_of(out: Path) -> str:
-    return json.dumps({"aside_of": str(out.resolve())}) + "\n"
-
-
-def _ours(out: Path) -> bool:
-    """Whether ``out``'s aside name holds the aside ``set_aside`` made for ``out``: a real folder (no link) with a
-    factor store's ownership record and the stamp naming ``out``. None other is trusted: a user's folder of that
-    name (a copy of a store too) is never emptied, filled or deleted."""
-    aside = _aside(out)
-    if aside.is_symlink() or not aside.is_dir():
-        return False
-    record = read_record(aside)
-    if record is None or record.kind != KIND or entries_of(record, KIND) is None:
-        return False
-    stamp = aside / ASIDE_STAMP
-    try:
-        return not stamp.is_symlink() and stamp.is_file() and stamp.read_text() == _stamp_of(out)
-    except (OSError, UnicodeDecodeError):
-        return False
-
-
-def aside_problem(out: Path) -> str | None:
-    """What is at ``out``'s aside name when it is no aside of a store (``_ours``), in one line; None otherwise."""
-    aside = _aside(out)
-    if not os.path.lexists(aside) or _ours(out):
-        return None
-    what = (
-        f"a symbolic link (to {os.readlink(aside)})"
-        if aside.is_symlink()
-        else "a folder frod-ds did not write (no factor store record)"
-        if aside.is_dir() and read_record(aside) is None
-        else "a folder not set aside for this store (another store, or a copy)"
-        if aside.is_dir()
-        else "a file"
-    )
-    return (
-        f"--out {out} --overwrite keeps the store it replaces in {aside} until the new one is built, and {what} is "
-        "there: move it away and run the same command again"
-    )
-
-
-def set_aside(out: Path) -> None:
-    """``--overwrite`` of a store: its files move into a hidden sibling (``.NAME.replaced``) until the new store is
-    complete, so a build that fails gives the old one back (``restore_aside``); one that succeeds drops it
-    (``drop_aside``). If the sibling is there already (a replacement killed earlier), ``out`` holds that build's
-    partial files, which go, and the sibling keeps the store being replaced. Rank 0, before any factor is written."""
-    aside = _aside(out)
-    problem = aside_problem(out)
-    if problem:
-        raise HJDError(problem)
-    if os.path.lexists(aside):  # ours (aside_problem): a replacement killed earlier
-        remove_store_files(out)
-        return
-    entries = entries_of(read_record(out), KIND) or ()
-    aside.mkdir()
-    (aside / ASIDE_STAMP).write_text(_stamp_of(out))  # first: an aside a kill left is known by them (_ours)
-    shutil.copy2(out / MARKER, aside / MARKER)
-    for f in list(out.iterdir()):
-        if f.name != MARKER and match(entries, f.name, f.is_dir()) == "own":
-            f.rename(aside / f.name)
-
-
-def restore_aside(out: Path) -> None:
-    """Rank 0, after a replacement build refused its input: its files go, the store it replaced comes back."""
-    aside = _aside(out)
-    if not _ours(out):
-        return
-    remove_store_files(out)
-    (aside / ASIDE_STAMP).unlink()
-    for f in list(aside.iterdir()):
-        f.replace(out / f.name)
-    aside.rmdir()
-    note(f"--out {out}: the new store was not built; the store it was to replace is back")
-
-
-def drop_aside(out: Path) -> None:
-    """Rank 0, once the new store is built: the replaced one goes (what its record lists)."""
-    if _ours(out):
-        (_aside(out) / ASIDE_STAMP).unlink()
-        delete_owned(_aside(out), KIND)
-
-
-def discard_unfinished(out: Path, manifest: Manifest, existed: bool) -> None:
-    """Rank 0, after the run refused its input (NaN weights, a failed probe): a store this run created is removed
-    whole (nothing partial is left); of one that was there before, the files of every category not complete (its
-    complete ones stay, to resume once the checkpoint is fixed). A killed run is not refused: it stays resumable."""
-    if not out.is_dir():
-        return
-    if not existed:
-        shutil.rmtree(out, ignore_errors=True)
-        return
-    for c in manifest.categories:
-        if c not in manifest.completed_categories:
-            remove_store_files(out, c)
-    if not manifest.completed_categories:
-        remove_store_files(out)
-        (out / MARKER).unlink(missing_ok=True)
-
-
 def _config_diffs(manifest: Manifest, fresh: Manifest, ckpt: HFCheckpoint | None = None) -> list[str]:
     """Why ``manifest`` (in ``--out``) cannot take this run's categories: configuration fields that differ, and
     completed categories whose weights this run sees with other digests: this run's categories, and (with
@@ -338,22 +213,6 @@ def _existing_manifest(
     return manifest
 
 
-def _refuse_edited(out: Path) -> None:
-    """Before a store is replaced: ``HJDError`` naming its files whose bytes are not those its manifest records
-    (the user's, not frod-ds'). A store is written in place, so its manifest's checksums stand in for the
-    stamps other outputs carry."""
-    try:
-        edited = Manifest.read(out / MANIFEST).edited_files(out)
-    except StoreError:
-        return  # an unreadable manifest records nothing to compare; the store's record decides what goes
-    if edited:
-        shown = ", ".join(edited[:5]) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
-        raise HJDError(
-            f"--out {out} holds factor files changed since frod hjd wrote them (their checksums are not the "
-            f"manifest's): {shown}; refusing to replace them, move them out or choose another --out"
-        )
-
-
 def _is_legacy_store(out: Path) -> bool:
     """A factor store written before markers recorded kinds: unmarked, with a manifest that reads as a store's."""
     try:
@@ -395,10 +254,10 @@ def prepare_store(
         raise HJDError(f"--out {out} holds factor files but no {MANIFEST}; pass --overwrite to start it anew")
     resumable = (out / MANIFEST).is_file()
     manifest = _existing_manifest(out, fresh, overwrite, ckpt) if resumable else None  # reads only
-    if resumable and manifest is None:
-        _refuse_edited(out)
     if resumable and manifest is None and aside_problem(out):  # before anything of out is touched
         raise HJDError(aside_problem(out))
+    if manifest is None:  # replaced, or started anew
+        refuse_edited(out, replacing=resumable)
     planned = [c for c in fresh.targets if c in fresh.categories]
     record_files(out, [MANIFEST, *(g for c in planned for g in file_globs(c))], KIND)  # before any is written
     if resumable and manifest is None:
@@ -427,6 +286,8 @@ def prepare_store(
     manifest.complete = not manifest.missing_categories
     if kept and manifest.complete and set(fresh.categories) <= set(manifest.completed_categories):
         return None  # the store and its record of the run that built it stay as they are
+    refuse_edited(out, replacing=False)
+    unstamp(out)
     manifest.world_size = D.get_world_size()
     manifest.versions = _versions()
     atomic_write_text(out / MANIFEST, manifest.to_json())

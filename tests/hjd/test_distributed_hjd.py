@@ -339,6 +339,8 @@ def test_a_store_stopped_before_its_completion_mark_is_named_so_and_finished_by_
     run_stage(cfg)
     doc = json.loads((store / "manifest.json").read_text())
     (store / "manifest.json").write_text(json.dumps({**doc, "complete": False}, indent=1))  # as the kill leaves it
+    record = json.loads((store / ".frod-ds-output").read_text())
+    (store / ".frod-ds-output").write_text(json.dumps({**record, "written": None}))  # stamped only once marked
     factors = {p.name: p.read_bytes() for p in store.glob("*.safetensors")}
     with pytest.raises(StoreError, match=f"was not finished: every category is in, .*--model {model} --out {store}"):
         FactorStore.open(store)

@@ -425,7 +425,7 @@ def test_overwrite_never_takes_a_users_thing_at_the_aside_name_for_its_own(model
         elif planted == "store copy":
             assert _files(aside) == kept
     aside.unlink() if planted in ("link", "file") else shutil.rmtree(aside)
-    from frod_ds.hjd.store_writer import set_aside
+    from frod_ds.hjd.store_files import set_aside
 
     set_aside(out)  # a replacement killed once the store was set aside: the next build takes it back
     assert _files(out) != before and (aside / "manifest.json").is_file()
