@@ -50,9 +50,10 @@ def convert(args: argparse.Namespace) -> int:
         raise ConvertError(f"frod convert-gguf no longer downloads the model: {WHERE}")
     if args.gguf is None:
         raise ConvertError(f"frod convert-gguf convert needs the .gguf file: {WHERE}")
-    from frod_ds.runtime import distributed as D
+    from frod_ds.runtime import deepspeed_state
 
-    D.check_accelerator(device=False)  # transformers' save_pretrained imports DeepSpeed, which reads DS_ACCELERATOR
+    # transformers' save_pretrained imports DeepSpeed, which reads DS_ACCELERATOR
+    deepspeed_state.check_accelerator(device=False)
     try:
         result = convert_gguf(args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
     except ConversionMismatch as e:  # a failed check, not a user mistake: exit 1

@@ -107,9 +107,10 @@ def export(args: argparse.Namespace) -> int:
     problems = check_args(args)
     if problems:
         raise ExportError("; ".join(problems))
-    from frod_ds.runtime import distributed as D
+    from frod_ds.runtime import deepspeed_state
 
-    D.check_accelerator(device=False)  # transformers' save_pretrained imports DeepSpeed, which reads DS_ACCELERATOR
+    # transformers' save_pretrained imports DeepSpeed, which reads DS_ACCELERATOR
+    deepspeed_state.check_accelerator(device=False)
     if args.from_peft or args.format == "peft":
         quiet_libraries()
     if args.from_peft:

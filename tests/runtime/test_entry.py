@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from frod_ds.runtime import deepspeed_state, entry
 from frod_ds.runtime import distributed as D
-from frod_ds.runtime import entry
 from frod_ds.runtime.errors import FrodError, StoreError
 from tests.support.helpers_ckpt import REPO
 
@@ -283,7 +283,7 @@ def test_deepspeed_group_builds_no_shm_comm_op_and_restores_the_op_table(monkeyp
     def body():
         D.init_deepspeed()
         seen["shm_op"] = ds_comm.cdb.shm_comm_op
-        seen["table"] = deepspeed.ops.__compatible_ops__.get(D.SHM_COMM_OP, False)
+        seen["table"] = deepspeed.ops.__compatible_ops__.get(deepspeed_state.SHM_COMM_OP, False)
         return 0
 
     assert entry.run(body, init_group=False) == 0
@@ -329,9 +329,9 @@ def test_deepspeeds_nvtx_ranges_are_off_while_the_group_lives_unless_asked_for(m
     for name in list(launcher_vars()):
         monkeypatch.delenv(name)
     if keep:
-        monkeypatch.setenv(D.NVTX_ENV, "1")
+        monkeypatch.setenv(deepspeed_state.NVTX_ENV, "1")
     else:
-        monkeypatch.delenv(D.NVTX_ENV, raising=False)
+        monkeypatch.delenv(deepspeed_state.NVTX_ENV, raising=False)
     pushed = []
     monkeypatch.setattr(ds_nvtx, "_range_push", lambda accelerator, msg: pushed.append(msg))
     monkeypatch.setattr(ds_nvtx, "_range_pop", lambda accelerator: None)
@@ -371,7 +371,7 @@ def test_destroy_leaves_nvtx_ranges_off_where_they_were_off_before(monkeypatch):
 
     for name in list(launcher_vars()):
         monkeypatch.delenv(name)
-    monkeypatch.delenv(D.NVTX_ENV, raising=False)
+    monkeypatch.delenv(deepspeed_state.NVTX_ENV, raising=False)
     monkeypatch.setattr(ds_nvtx, "enable_nvtx", False)
     seen = {}
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from frod_ds.runtime.distributed import accelerator_problem
+from frod_ds.runtime.deepspeed_state import accelerator_problem
 from tests.support.leftovers import REPO, clean_env
 from tests.support.train_env import CPU_ZERO3, build_env
 
