@@ -221,7 +221,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
     """The stages, into ``out`` (its lease held): an earlier demo's files removed, the demo's own recorded."""
     import torch
 
-    from frod_ds.formats.ownership import mark_dir, remove_owned
+    from frod_ds.formats.ownership import mark_dir, remove_owned, stamp_tree
     from frod_ds.runtime.shipped import shipped_file
 
     remove_owned(out, "demo")  # only what an earlier demo wrote, never the repo or cwd, nothing put there since
@@ -308,6 +308,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
         )
         evals[name] = json.loads((out / name / "results.json").read_text())
 
+    stamp_tree(out)  # finished: a later demo into out refuses a user's edit anywhere in it
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     first, last = rows[0]["loss"], rows[-1]["loss"]
     print(f"\n== result ({time.time() - t0:.0f} s)")

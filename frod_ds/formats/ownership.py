@@ -46,6 +46,7 @@ __all__ = [
     "KINDS",
     "mark_dir",
     "restamp",
+    "stamp_tree",
     "record_files",
     "is_marked",
     "marker_kind",
@@ -85,6 +86,24 @@ def restamp(path: Path, entries: Iterable[str]) -> None:
     if record is not None and record.written is not None:
         record.written.update(stamps_of(Path(path), list(entries)))
         atomic_write_text(Path(path) / MARKER, record_text(record))
+
+
+def stamp_tree(path: Path) -> None:
+    """Stamp every file under a finished output that several commands filled in turn (the demo: its stages'
+    outputs nested in it, some written in place), so that its ``--overwrite`` refuses a user's edit anywhere
+    inside, not only where a nested record stamps its own files. Lease holder only."""
+    path = Path(path)
+    record = read_record(path)
+    if record is None:
+        return
+    files = []
+    for root, _, names in os.walk(path):
+        for name in names:
+            rel = Path(root, name).relative_to(path).as_posix()
+            if rel != MARKER and not is_lease_file(name) and not os.path.islink(Path(root, name)):
+                files.append(rel)
+    record.written = stamps_of(path, sorted(files))
+    atomic_write_text(path / MARKER, record_text(record))
 
 
 def record_files(path: Path, entries: Iterable[str], kind: str | None = None) -> None:

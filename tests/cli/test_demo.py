@@ -38,6 +38,13 @@ def test_the_demo_runs_every_stage_on_two_ranks(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert (out / "run" / "adapter-final" / "adapter_config.json").is_file()
     assert not (out / "adapter-final").exists()  # the run's folder holds no input of it
+    # a finished demo stamps every file in it: the same demo again refuses a user's edit of one written in place
+    metrics = out / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + "mine\n")
+    again = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=pace.scaled(60))
+    assert again.returncode == 2, (again.stdout[-2000:], again.stderr[-2000:])
+    assert "changed since frod-ds wrote them: run/metrics.jsonl" in again.stderr, again.stderr[-2000:]
+    assert metrics.read_text().endswith("mine\n")
 
 
 STAGE_BODY = """

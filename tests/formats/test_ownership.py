@@ -223,6 +223,32 @@ def test_a_demo_again_removes_its_training_run_and_keeps_what_it_did_not_write(t
     assert not demo.exists()
 
 
+def test_a_stamped_demo_refuses_an_edit_in_a_nested_output_written_in_place(tmp_path):
+    """A finished demo stamps every file under it (``stamp_tree``): its replacement refuses a user's edit of its
+    run's ``metrics.jsonl`` (a run is written in place and stamps nothing itself), naming it, and keeps it;
+    with the edit undone the demo's files go."""
+    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.formats.ownership import stamp_tree
+    from frod_ds.train.run_dir import RUN_FILES, RUN_KIND
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    mark_dir(demo, "demo", DEMO_FILES)
+    write(demo, {"demo.log": "log"})
+    run = demo / "run"
+    run.mkdir()
+    record_files(run, RUN_FILES, RUN_KIND)
+    write(run, {"metrics.jsonl": '{"step": 1}\n'})
+    stamp_tree(demo)
+    write(run, {"metrics.jsonl": '{"step": 1}\nmine\n'})
+    with pytest.raises(FrodError, match="changed since frod-ds wrote them: run/metrics.jsonl"):
+        remove_owned(demo, "demo")
+    assert (run / "metrics.jsonl").read_text().endswith("mine\n")
+    write(run, {"metrics.jsonl": '{"step": 1}\n'})  # the same bytes again (a new mtime: hashed)
+    remove_owned(demo, "demo")
+    assert not demo.exists()
+
+
 def test_another_commands_output_inside_is_named_by_its_kind(tmp_path):
     out = data_build(tmp_path / "data")
     with building_dir(out / "kept" / "adapter-final", "adapter") as tmp:
