@@ -86,3 +86,18 @@ def deepspeed_nvtx(result: dict) -> bool:
     """Whether a step-matrix run had DeepSpeed's NVTX ranges on: its recorded ``--nvtx``; results from
     before frod-ds turned them off record nothing, and ran with DeepSpeed's default, on."""
     return result.get("levers", {}).get("nvtx", True)
+
+
+LLAMA_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
+def llama_config(result: dict) -> dict:
+    """The ``config.json`` of a step-matrix result's model (its recorded ``model`` widths), for the planner."""
+    return {"model_type": "llama", **{k: result["model"][k] for k in LLAMA_KEYS}}

@@ -17,6 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.common import llama_config
 from frod_ds.plan.memory import plan_memory
 from frod_ds.plan.shapes import GiB, TrainShape, engine_from_ds_config, model_shape_from_config
 
@@ -38,16 +39,7 @@ def check(d: dict) -> dict | None:
     """The planner's prediction for one measured FRoD DeepSpeed run; None for runs it does not model."""
     if d.get("method") != "frod" or d.get("ds_config") is None or not d.get("peak_allocated_gib"):
         return None
-    m = d["model"]
-    cfg = {
-        "model_type": "llama",
-        "hidden_size": m["hidden_size"],
-        "intermediate_size": m["intermediate_size"],
-        "num_hidden_layers": m["num_hidden_layers"],
-        "num_attention_heads": m["num_attention_heads"],
-        "num_key_value_heads": m["num_key_value_heads"],
-        "vocab_size": m["vocab_size"],
-    }
+    cfg = llama_config(d)
     f = d.get("frod") or {}
     train = TrainShape(
         micro_batch=d["micro_batch"],

@@ -24,7 +24,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench.common import deepspeed_nvtx, trainables_per_decoder_layer
+from bench.common import deepspeed_nvtx, llama_config, trainables_per_decoder_layer
 from bench.kinds.shapes import SHAPES
 from bench.kinds.synthetic import config_json
 from frod_ds.config.ds_config import load_ds_config, zero_stage
@@ -207,16 +207,7 @@ def _point(path: Path | tuple[str, dict], hosts: dict[str, float], ref_ms: float
         train = TrainShape(d["micro_batch"], s["seq"], s["dtype"], sparsity=sparsity, checkpointing=True)
         engine, plain = engine_from_ds_config(load_ds_config(REPO / s["config"]), s["config"]), False
     else:
-        m = d["model"]
-        model = {
-            "model_type": "llama",
-            "hidden_size": m["hidden_size"],
-            "intermediate_size": m["intermediate_size"],
-            "num_hidden_layers": m["num_hidden_layers"],
-            "num_attention_heads": m["num_attention_heads"],
-            "num_key_value_heads": m["num_key_value_heads"],
-            "vocab_size": m["vocab_size"],
-        }
+        model = llama_config(d)
         f = d.get("frod") or {}
         train = TrainShape(
             micro_batch=d["micro_batch"],
