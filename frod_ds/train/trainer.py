@@ -281,7 +281,8 @@ def _resume(run: Run, tag: str | None, skipped: list[tuple[str, str]]) -> int:
     if tag is not None:
         step = restore_checkpoint(run.engine, root, tag, skipped, run.layout, run.zero3)
     # rows of the steps after the one continued from are replayed: dropped (a line torn by a kill too)
-    dist.on_main(lambda: drop_rows_after(run.out / METRICS, step, run.recipe.train.log_every))
+    finished = step >= run.total_steps
+    dist.on_main(lambda: drop_rows_after(run.out / METRICS, step, run.recipe.train.log_every, finished))
     if tag is not None:
         dist.print0(f"resumed from {tag}: step {step}/{run.total_steps}")
     return step

@@ -1285,6 +1285,13 @@ def metrics_torn_row(world, case, spec):
         f.write('{"step": 3, "loss": 6.91')
 
 
+def metrics_whole_line(world, case, spec):
+    """The world's finished run with a whole line appended to its metrics.jsonl (``{}``: parses, so no kill tore it)."""
+    _copy(world, "run", case / "run")
+    with open(case / "run" / "metrics.jsonl", "a") as f:
+        f.write(spec.get("line", "{}") + "\n")
+
+
 def run_copy_other_tokenizer(world, case, spec):
     """The world's run, and at ``{case}/tok`` its tokenizer with the ids of the two tokens its data uses most swapped
     (same files, same size, other ids)."""
@@ -1967,6 +1974,7 @@ STEPS: dict[str, Callable] = {
         ckpt_torn_file,
         ckpt_foreign_pickle,
         metrics_torn_row,
+        metrics_whole_line,
         run_copy_other_tokenizer,
         run_copy_other_config,
         export_copy,

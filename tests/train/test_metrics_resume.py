@@ -29,7 +29,8 @@ def test_a_torn_last_line_is_dropped_with_a_note(tmp_path, capsys, newline):
     drop_rows_after(path, step=2)
     assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
     notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
-    assert len(notes) == 1 and "last line was cut short" in notes[0] and str(path) in notes[0], notes
+    assert len(notes) == 2 and "last line was cut short" in notes[0] and str(path) in notes[0], notes
+    assert notes[1].endswith("the row of step 3 dropped: the run continues from step 2 and logs it again")
 
 
 def test_a_last_row_that_lost_only_its_newline_is_kept(tmp_path, capsys):
@@ -88,6 +89,41 @@ def test_an_edited_line_in_the_middle_is_refused_and_the_file_kept(tmp_path):
     with pytest.raises(FrodError, match=r"metrics.jsonl line 2 is not a metrics row"):
         drop_rows_after(path, step=3)
     assert path.read_text() == text
+
+
+@pytest.mark.parametrize("last", ["{}", "null", "[]", '{"step": "x"}', '{"note": 1}'])
+@pytest.mark.parametrize("newline", [False, True], ids=["no-newline", "newline"])
+def test_a_whole_last_line_that_is_no_row_is_refused_not_dropped(tmp_path, last, newline):
+    """A last line that parses is whole, so no kill tore it: one the run did not write is named, the file kept."""
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    text = "".join(r + "\n" for r in _rows(3)) + last + ("\n" if newline else "")
+    path.write_text(text)
+    with pytest.raises(FrodError, match=r"metrics.jsonl line 4 is not a metrics row"):
+        drop_rows_after(path, step=3, finished=True)
+    assert path.read_text() == text
+
+
+def test_rows_past_the_step_are_dropped_with_a_note_unless_the_run_is_finished(tmp_path, capsys):
+    """Rows after the step a run continues from are replayed: dropped, and a note names them. A finished run
+    replays nothing, so a row past its last step is not its own: refused, naming it, the file kept."""
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    rows = _rows(3)
+    text = "".join(r + "\n" for r in [*rows, json.dumps({"step": 7, "loss": 1.0})])
+    path.write_text(text)
+    with pytest.raises(FrodError, match=r"line 4 is a row of step 7, past step 3 where the finished run ended"):
+        drop_rows_after(path, step=3, finished=True)
+    assert path.read_text() == text
+    capsys.readouterr()
+    drop_rows_after(path, step=2)
+    assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
+    notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
+    assert notes == [f"note: {path}: the rows of steps 3-7 dropped: the run continues from step 2 and logs them again"]
 
 
 @pytest.mark.slow
