@@ -165,13 +165,15 @@ def _prompt_only_lead(tokenizer, texts: list[str], boundaries: list[int], enc) -
 def check_vocab(
     examples: list[Example], vocab_size: int, tokenizer_name: str, model_dir: str | Path, tokenizer: Any = None
 ) -> None:
-    """``DataError`` when a token id the tokenizer produced, or its pad id, has no row in the model's embedding (a
-    tokenizer of another model, or a special token its vocabulary lacks): the forward would fail mid-run."""
+    """``DataError`` when a token id the tokenizer produced, or one of its special tokens (pad, unk, ...: the same
+    check as eval's), has no row in the model's embedding (a tokenizer of another model, or a special token its
+    vocabulary lacks): the forward would fail mid-run, or eval of the trained adapter would refuse it."""
     from frod_ds.prep.tokens import token_past
 
+    specials = [t for t in getattr(tokenizer, "all_special_ids", None) or () if isinstance(t, int)]
     pad = getattr(tokenizer, "pad_token_id", None)
-    pad = pad if isinstance(pad, int) else -1
-    top = max([max(e.input_ids) for e in examples if e.input_ids] + [pad])
+    specials += [pad] if isinstance(pad, int) else []
+    top = max([max(e.input_ids) for e in examples if e.input_ids] + specials + [-1])
     if top >= vocab_size:  # a special token the vocabulary lacks is named with its file; else the tokenizer is
         raise DataError(
             token_past(tokenizer, vocab_size)

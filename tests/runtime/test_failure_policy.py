@@ -672,17 +672,19 @@ def test_examples_past_the_models_positions_are_one_line(train_env, tmp_path):
     assert not out.exists()
 
 
-def test_a_pad_token_the_vocabulary_lacks_is_named_with_its_file(train_env, tmp_path):
-    """A ``pad_token`` in tokenizer_config.json the vocabulary lacks becomes an id past the embedding (transformers
-    adds it), which every padded batch would index: refused before training, naming that value and file."""
+@pytest.mark.parametrize("key", ["pad_token", "unk_token"])
+def test_a_special_token_the_vocabulary_lacks_is_named_with_its_file(train_env, tmp_path, key):
+    """A special token in tokenizer_config.json the vocabulary lacks becomes an id past the embedding (transformers
+    adds it): a pad token every padded batch would index, an unk token no row uses that eval of the trained
+    adapter would refuse. Refused before training, as eval does, naming that value and file."""
     model = tmp_path / "model"
     shutil.copytree(train_env.model, model)
     cfg = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "pad_token": "<nosuchpad>"}))
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, key: "<nosuch>"}))
     out = tmp_path / "run"
     line = _one_error_line(_train(train_env, out, **{"model.base": model, "model.tokenizer": model}))
-    assert f"{model / 'tokenizer_config.json'} gives pad_token '<nosuchpad>', a token the vocabulary lacks" in line
-    assert "set pad_token to a token of the vocabulary" in line, line
+    assert f"{model / 'tokenizer_config.json'} gives {key} '<nosuch>', a token the vocabulary lacks" in line
+    assert f"set {key} to a token of the vocabulary" in line, line
     assert not out.exists()
 
 
