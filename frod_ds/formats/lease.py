@@ -28,7 +28,7 @@ from frod_ds.formats.processes import boot_id, pid_alive, pid_start, proc_stat
 from frod_ds.formats.records import record_from_dict, record_to_json
 from frod_ds.formats.sibling_names import fitted_name, literal_home
 from frod_ds.runtime import signals
-from frod_ds.runtime.atomic import file_in_the_way
+from frod_ds.runtime.atomic import DISK_FULL_ERRNOS, disk_advice, file_in_the_way
 from frod_ds.runtime.errors import FrodError, completed, note
 from frod_ds.runtime.launch_env import launcher_int, shown
 from frod_ds.runtime.paths import entry_kind
@@ -413,6 +413,8 @@ def acquire(
         if isinstance(e, OSError):  # a read-only or full disk: the lease is the first thing a writer writes
             blocker = file_in_the_way(path.parent)
             why = f"{blocker} is a file, not a directory" if blocker else f"{e.filename or path}: {e.strerror or e}"
+            if blocker is None and e.errno in DISK_FULL_ERRNOS:  # space, a limit or a remount: the same command again
+                raise error(f"{what} {out}: cannot write its lease ({why}); {disk_advice(e)} and re-run") from None
             raise error(f"{what} {out} is not writable ({why}); choose another {what}") from None
         raise
 

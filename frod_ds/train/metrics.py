@@ -76,11 +76,10 @@ def _parses(line: str) -> bool:
 
 def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = False) -> None:
     """Keep only the rows of ``path`` up to ``step``, the step a run continues from: the steps after it are
-    replayed (all of them when a run killed before its first sealed checkpoint starts over), none logged twice,
-    and a ``note:`` says which rows went. A log that lost the rows up to ``step`` gets a ``note:`` too. A last line
-    cut short by a kill (a row's every prefix is invalid JSON) is dropped with a ``note:``; any other line that is
-    not a row, and for a ``finished`` run (nothing replayed) a row past ``step``, is a ``FrodError`` naming it
-    (the file is left as it is)."""
+    replayed (all of them when a run killed before its first sealed checkpoint starts over), none logged twice.
+    A log that lost the rows up to ``step`` gets a ``note:``. A last line cut short by a kill (a row's every prefix
+    is invalid JSON) is dropped with a ``note:``; any other line that is not a row, and for a ``finished`` run
+    (nothing replayed) a row past ``step``, is a ``FrodError`` naming it (the file is left as it is)."""
     gone = f"the rows of steps 1-{step} are gone (deleted since?): the log and loss.png start after step {step}"
     if not path.is_file():
         if step >= log_every:
@@ -91,7 +90,7 @@ def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = 
     if lines and not _parses(lines[-1]):  # a torn row never parses; a whole line that is no row is refused below
         note(f"{path}: its last line was cut short (a killed run); dropped, the {len(lines) - 1} complete rows kept")
         lines = lines[:-1]
-    kept, after = [], []
+    kept = []
     for n, line in enumerate(lines, start=1):
         at = _row_step(line)
         if at is None and line.strip():
@@ -104,13 +103,10 @@ def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = 
                 f"{path} line {n} is a row of step {at}, past step {step} where the finished run ended: the run did "
                 "not write it; delete that line, or pass train.new_run=true"
             )
-        (kept if at is None or at <= step else after).append(line)
+        if at is None or at <= step:
+            kept.append(line)
     if step >= log_every and not any(_row_step(line) is not None for line in kept):
         note(f"{path} holds no row up to step {step}; {gone}")
-    if after:
-        lo, hi = min(map(_row_step, after)), max(map(_row_step, after))
-        which, it = (f"the row of step {lo}", "it") if len(after) == 1 else (f"the rows of steps {lo}-{hi}", "them")
-        note(f"{path}: {which} dropped: the run continues from step {step} and logs {it} again")
     kept_text = "".join(line + "\n" for line in kept if line.strip())
     if kept_text != text:  # a finished run's log, all of it kept, is not written again
         atomic_write_text(path, kept_text)

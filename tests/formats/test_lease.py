@@ -458,3 +458,28 @@ def test_a_live_holder_on_this_host_is_not_taken_over_by_another_restart_count(t
         holder.wait()
     with holding(out, "training-run", "output_dir"):
         assert json.loads(lease_path(out).read_text())["slurm_restart"] == 1
+
+
+@pytest.mark.parametrize(
+    "code,advice",
+    [(28, "free space on that disk (or choose another location) and re-run"), (30, "remount it writable")],
+    ids=["full", "read-only"],
+)
+def test_a_lease_a_full_disk_refuses_says_so_and_to_run_again(tmp_path, monkeypatch, code, advice):
+    """The lease is the first file a writer places, so a full (or read-only) disk refuses it first: the line says
+    what to do about the disk and to run the same command again (choosing another folder would start a finished
+    run over), and nothing is left behind."""
+    import errno
+
+    assert code == {28: errno.ENOSPC, 30: errno.EROFS}[code]
+
+    def refused(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(args[0]))
+
+    monkeypatch.setattr(lease_module, "_place", refused)
+    out = tmp_path / "run"
+    with pytest.raises(FrodError) as e:
+        acquire(out, "training-run", "output_dir")
+    line = str(e.value)
+    assert line.startswith(f"output_dir {out}: cannot write its lease (") and advice in line, line
+    assert "choose another output_dir" not in line and sorted(os.listdir(tmp_path)) == []
