@@ -334,6 +334,7 @@ def check_replaceable(
             record, at = read_record(folder), "" if folder == out else folder.relative_to(out).as_posix() + "/"
             added += [at + rel for rel in listed_since_written(folder, record)]
             edited += [at + rel for rel in edited_since_written(folder, record)]
+        added, edited = list(dict.fromkeys(added)), list(dict.fromkeys(edited))  # a file stamped at two levels
         if added:
             raise error(
                 f"{what} {out} holds files frod-ds did not write there, though its {MARKER} record lists them: "

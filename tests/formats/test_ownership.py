@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from frod_ds.formats.building import building_dir
-from frod_ds.formats.output_dir import MARKER, match, read_record
+from frod_ds.formats.output_dir import MARKER, match, read_record, stamps_of
 from frod_ds.formats.ownership import (
     check_replaceable,
     delete_owned,
@@ -241,10 +241,17 @@ def test_a_stamped_demo_refuses_an_edit_in_a_nested_output_written_in_place(tmp_
     write(run, {"metrics.jsonl": '{"step": 1}\n'})
     stamp_tree(demo)
     write(run, {"metrics.jsonl": '{"step": 1}\nmine\n'})
-    with pytest.raises(FrodError, match="changed since frod-ds wrote them: run/metrics.jsonl"):
+    with pytest.raises(FrodError, match="changed since frod-ds wrote them: run/metrics.jsonl; refusing"):
         remove_owned(demo, "demo")
     assert (run / "metrics.jsonl").read_text().endswith("mine\n")
-    write(run, {"metrics.jsonl": '{"step": 1}\n'})  # the same bytes again (a new mtime: hashed)
+    run_record = json.loads((run / MARKER).read_text())
+    (run / MARKER).write_text(json.dumps({**run_record, "written": stamps_of(run, ["metrics.jsonl"])}))
+    stamp_tree(demo)
+    stamped = (run / "metrics.jsonl").read_text()
+    write(run, {"metrics.jsonl": "mine\n"})  # stamped at two levels (the run's record, the demo's): named once
+    with pytest.raises(FrodError, match="changed since frod-ds wrote them: run/metrics.jsonl; refusing"):
+        remove_owned(demo, "demo")
+    write(run, {"metrics.jsonl": stamped})  # the same bytes again (a new mtime: hashed)
     remove_owned(demo, "demo")
     assert not demo.exists()
 
