@@ -221,7 +221,8 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
     """The stages, into ``out`` (its lease held): an earlier demo's files removed, the demo's own recorded."""
     import torch
 
-    from frod_ds.formats.ownership import mark_dir, remove_owned, stamp_tree
+    from frod_ds.formats.ownership import mark_dir, remove_owned
+    from frod_ds.formats.tree_stamps import stamp_tree
     from frod_ds.runtime.shipped import shipped_file
 
     remove_owned(out, "demo")  # only what an earlier demo wrote, never the repo or cwd, nothing put there since

@@ -414,7 +414,8 @@ def acquire(
             blocker = file_in_the_way(path.parent)
             why = f"{blocker} is a file, not a directory" if blocker else f"{e.filename or path}: {e.strerror or e}"
             if blocker is None and e.errno in DISK_FULL_ERRNOS:  # space, a limit or a remount: the same command again
-                raise error(f"{what} {out}: cannot write its lease ({why}); {disk_advice(e)} and re-run") from None
+                advice = disk_advice(e, elsewhere=False)  # elsewhere, a run would start over
+                raise error(f"{what} {out}: cannot write its lease ({why}); {advice} and re-run") from None
             raise error(f"{what} {out} is not writable ({why}); choose another {what}") from None
         raise
 

@@ -106,6 +106,9 @@ class OutputRecord:
     files: list[str] | None = None
     # a write-once output's files as published: {path: [size, mtime_ns, sha256]} (None: a folder written in place)
     written: dict[str, list] | None = None
+    # True: ``written`` stamps every file under the folder that no nested record stamps (a finished demo): any other
+    # file there is not the writer's (formats.tree_stamps)
+    tree: bool | None = None
 
 
 @dataclass

@@ -38,6 +38,7 @@ from frod_ds.formats.output_dir import (
     stamps_of,
 )
 from frod_ds.formats.record_check import broken_record, record_problem
+from frod_ds.formats.tree_stamps import tree_added
 from frod_ds.runtime.atomic import atomic_write_text
 from frod_ds.runtime.errors import FrodError
 
@@ -46,7 +47,6 @@ __all__ = [
     "KINDS",
     "mark_dir",
     "restamp",
-    "stamp_tree",
     "record_files",
     "is_marked",
     "marker_kind",
@@ -86,24 +86,6 @@ def restamp(path: Path, entries: Iterable[str]) -> None:
     if record is not None and record.written is not None:
         record.written.update(stamps_of(Path(path), list(entries)))
         atomic_write_text(Path(path) / MARKER, record_text(record))
-
-
-def stamp_tree(path: Path) -> None:
-    """Stamp every file under a finished output that several commands filled in turn (the demo: its stages'
-    outputs nested in it, some written in place), so that its ``--overwrite`` refuses a user's edit anywhere
-    inside, not only where a nested record stamps its own files. Lease holder only."""
-    path = Path(path)
-    record = read_record(path)
-    if record is None:
-        return
-    files = []
-    for root, _, names in os.walk(path):
-        for name in names:
-            rel = Path(root, name).relative_to(path).as_posix()
-            if rel != MARKER and not is_lease_file(name) and not os.path.islink(Path(root, name)):
-                files.append(rel)
-    record.written = stamps_of(path, sorted(files))
-    atomic_write_text(path / MARKER, record_text(record))
 
 
 def record_files(path: Path, entries: Iterable[str], kind: str | None = None) -> None:
@@ -335,6 +317,12 @@ def check_replaceable(
             added += [at + rel for rel in listed_since_written(folder, record)]
             edited += [at + rel for rel in edited_since_written(folder, record)]
         added, edited = list(dict.fromkeys(added)), list(dict.fromkeys(edited))  # a file stamped at two levels
+        extra = tree_added(out, read_record(out))
+        if extra:
+            raise error(
+                f"{what} {out} holds what frod-ds did not write there: {_listing(extra)}; refusing to replace it, "
+                f"move those out or choose another {what}"
+            )
         if added:
             raise error(
                 f"{what} {out} holds files frod-ds did not write there, though its {MARKER} record lists them: "

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from frod_ds._moved import forward_names
 from frod_ds.core.quant import NF4_BLOCKSIZE
 from frod_ds.formats.checksum import has_crc32
 from frod_ds.formats.factor_store import (
@@ -27,7 +28,7 @@ from frod_ds.formats.factor_store import (
     RankRecord,
     file_globs,
 )
-from frod_ds.formats.output_dir import MARKER
+from frod_ds.formats.output_dir import MARKER, read_record
 from frod_ds.formats.ownership import (
     check_not_an_input,
     check_replaceable,
@@ -37,7 +38,15 @@ from frod_ds.formats.ownership import (
 )
 from frod_ds.formats.record_check import record_problem
 from frod_ds.hjd.category import CategoryResult
-from frod_ds.hjd.store_files import KIND, aside_problem, refuse_edited, remove_store_files, set_aside, unstamp
+from frod_ds.hjd.store_files import (
+    KIND,
+    aside_problem,
+    refuse_edited,
+    remove_store_files,
+    set_aside,
+    stamp_complete,
+    unstamp,
+)
 from frod_ds.io.dtypes import dtype_name
 from frod_ds.io.fingerprint import FINGERPRINT_METHOD, combine_digests, tensor_digests
 from frod_ds.io.hf_checkpoint import HFCheckpoint
@@ -269,6 +278,8 @@ def prepare_store(
             note(f"--out {out} holds factor files but no {MANIFEST} (a damaged store): building it anew")
         remove_store_files(out)
     kept = manifest is not None and manifest.complete  # as its file says: a run killed before the mark is not
+    record = read_record(out) if kept and is_marked(out) else None
+    kept_unstamped = record is not None and record.kind == KIND and record.written is None
     if manifest is None:
         manifest = fresh
     # A completed category whose files went missing, or (resuming a store not marked complete) no longer match their
@@ -285,6 +296,8 @@ def prepare_store(
             record.complete = False
     manifest.complete = not manifest.missing_categories
     if kept and manifest.complete and set(fresh.categories) <= set(manifest.completed_categories):
+        if kept_unstamped:  # complete, but killed before its stamps (or built before them): stamped now
+            stamp_complete(out)
         return None  # the store and its record of the run that built it stay as they are
     refuse_edited(out, replacing=False)
     unstamp(out)
@@ -382,3 +395,13 @@ def rank_summary(seconds: float, device: torch.device, ckpt: HFCheckpoint) -> Ra
         out.peak_device_gib = round(torch.cuda.max_memory_allocated(device) / GiB, 3)
         out.peak_device_reserved_gib = round(torch.cuda.max_memory_reserved(device) / GiB, 3)
     return out
+
+
+# Names that moved to frod_ds.hjd.store_files in 0.2.0: importing them from here warns (frod_ds._moved).
+__getattr__ = forward_names(
+    __name__,
+    dict.fromkeys(
+        ("remove_store_files", "discard_unfinished", "restore_aside", "drop_aside", "set_aside", "aside_problem"),
+        "frod_ds.hjd.store_files",
+    ),
+)

@@ -157,18 +157,18 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 LOW_SPACE = 16 * 2**20  # bytes: below this a failed write is taken for a full disk
 
 
-def disk_advice(e: OSError) -> str:
+def disk_advice(e: OSError, elsewhere: bool = True) -> str:
     """What the user does about a write ``e`` refused, by its cause: raise the file-size limit, remount a
-    read-only disk, make a place writable, or free space (or move)."""
+    read-only disk, make a place writable, or free space (or move: not where moving starts the work over)."""
     if e.errno == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         shown = "" if limit == resource.RLIM_INFINITY else f" of {limit:,} bytes"
         return f"this process's file-size limit{shown} (ulimit -f) is too small for it; raise the limit"
     if e.errno == errno.EROFS:
-        return "the disk is read-only: remount it writable or choose another location"
+        return "the disk is read-only: remount it writable" + (" or choose another location" if elsewhere else "")
     if e.errno in (errno.EACCES, errno.EPERM):
         return "make it writable or choose another location"
-    return "free space on that disk (or choose another location)"
+    return "free space on that disk" + (" (or choose another location)" if elsewhere else "")
 
 
 def disk_full_line(e: OSError) -> str:

@@ -77,8 +77,8 @@ def _parses(line: str) -> bool:
 def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = False) -> None:
     """Keep only the rows of ``path`` up to ``step``, the step a run continues from: the steps after it are
     replayed (all of them when a run killed before its first sealed checkpoint starts over), none logged twice.
-    A log that lost the rows up to ``step`` gets a ``note:``. A last line cut short by a kill (a row's every prefix
-    is invalid JSON) is dropped with a ``note:``; any other line that is not a row, and for a ``finished`` run
+    A log that lost the rows up to ``step`` gets a ``note:``. A last line a kill cut short (no newline, not JSON; not
+    in a ``finished`` run) is dropped with a ``note:``; any other line that is not a row, and for a ``finished`` run
     (nothing replayed) a row past ``step``, is a ``FrodError`` naming it (the file is left as it is)."""
     gone = f"the rows of steps 1-{step} are gone (deleted since?): the log and loss.png start after step {step}"
     if not path.is_file():
@@ -87,7 +87,10 @@ def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = 
         return
     text = path.read_text(errors="replace")
     lines = text.splitlines()
-    if lines and not _parses(lines[-1]):  # a torn row never parses; a whole line that is no row is refused below
+    # a kill mid-write leaves a row's prefix: no newline (a row and its newline go in one write) and never valid JSON.
+    # A finished run's last row was written before its final seal, so it has none; any other line is refused below
+    torn = not finished and not text.endswith("\n") and bool(lines) and not _parses(lines[-1])
+    if torn:
         note(f"{path}: its last line was cut short (a killed run); dropped, the {len(lines) - 1} complete rows kept")
         lines = lines[:-1]
     kept = []

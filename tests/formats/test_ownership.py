@@ -228,7 +228,7 @@ def test_a_stamped_demo_refuses_an_edit_in_a_nested_output_written_in_place(tmp_
     run's ``metrics.jsonl`` (a run is written in place and stamps nothing itself), naming it, and keeps it;
     with the edit undone the demo's files go."""
     from frod_ds.cli.demo import DEMO_FILES
-    from frod_ds.formats.ownership import stamp_tree
+    from frod_ds.formats.tree_stamps import stamp_tree
     from frod_ds.train.run_dir import RUN_FILES, RUN_KIND
 
     demo = tmp_path / "demo"
@@ -252,6 +252,56 @@ def test_a_stamped_demo_refuses_an_edit_in_a_nested_output_written_in_place(tmp_
     with pytest.raises(FrodError, match="changed since frod-ds wrote them: run/metrics.jsonl; refusing"):
         remove_owned(demo, "demo")
     write(run, {"metrics.jsonl": stamped})  # the same bytes again (a new mtime: hashed)
+    remove_owned(demo, "demo")
+    assert not demo.exists()
+
+
+@pytest.mark.parametrize("added", ["model/generation_config.json", "run/checkpoints/my-notes.txt", "run/mine.lnk"])
+def test_a_stamped_demo_refuses_a_file_added_where_its_lists_name_whole_folders(tmp_path, added):
+    """The demo lists ``model/`` whole, its run ``checkpoints/``: a file a user put there since the demo finished
+    (a link too) is not the demo's, so the demo again refuses, naming it, and deletes nothing."""
+    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.formats.tree_stamps import stamp_tree
+    from frod_ds.train.run_dir import RUN_FILES, RUN_KIND
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    mark_dir(demo, "demo", DEMO_FILES)
+    write(demo, {"demo.log": "log", "model/config.json": "{}"})
+    run = demo / "run"
+    run.mkdir()
+    record_files(run, RUN_FILES, RUN_KIND)
+    write(run, {"metrics.jsonl": "{}\n", "checkpoints/latest": "step00000002"})
+    stamp_tree(demo)
+    if added.endswith(".lnk"):
+        (demo / added).symlink_to(demo / "demo.log")
+    else:
+        write(demo, {added: "mine"})
+    before = tree(demo)
+    with pytest.raises(FrodError, match=f"holds what frod-ds did not write there: {added}; refusing"):
+        remove_owned(demo, "demo")
+    assert tree(demo) == before
+    (demo / added).unlink()
+    remove_owned(demo, "demo")
+    assert not demo.exists()
+
+
+def test_a_nested_output_another_command_rewrote_and_restamped_does_not_stop_the_demo(tmp_path):
+    """A data build inside the demo stamps its own files; a command that rewrites them and restamps its record (as
+    an eval into its earlier results does) leaves the demo replaceable: the demo's stamps skip what a nested
+    record stamps."""
+    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.formats.ownership import restamp
+    from frod_ds.formats.tree_stamps import stamp_tree
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    mark_dir(demo, "demo", DEMO_FILES)
+    write(demo, {"demo.log": "log"})
+    data_build(demo / "data")
+    stamp_tree(demo)
+    write(demo, {"data/train.jsonl": "rewritten by frod-ds\n"})
+    restamp(demo / "data", ["train.jsonl"])
     remove_owned(demo, "demo")
     assert not demo.exists()
 

@@ -96,3 +96,15 @@ def test_an_edited_v_file_is_refused_by_a_rerun_that_redoes_another_category(mod
     assert _hjd(model, out) == 2
     assert "q_proj.V.safetensors" in _error_line(capsys)
     assert _files(out) == before
+
+
+def test_a_complete_store_left_unstamped_is_stamped_by_the_next_run(model, tmp_path):
+    """A run killed between the store's last manifest write and its stamps (or a store built before stamps) is
+    complete and unstamped: the next run, which has nothing to do, stamps it, so a later edit is refused."""
+    out = tmp_path / "store"
+    assert _hjd(model, out) == 0
+    record = json.loads((out / MARKER).read_text())
+    (out / MARKER).write_text(json.dumps({k: v for k, v in record.items() if k != "written"}))
+    before = {k: v for k, v in _files(out).items() if k != MARKER}
+    assert _hjd(model, out) == 0
+    assert {k: v for k, v in _files(out).items() if k != MARKER} == before and "manifest.json" in _stamped(out)

@@ -19,17 +19,35 @@ def _rows(n: int) -> list[str]:
     return [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, n + 1)]
 
 
-@pytest.mark.parametrize("newline", [False, True], ids=["no-newline", "newline"])
-def test_a_torn_last_line_is_dropped_with_a_note(tmp_path, capsys, newline):
+def test_a_torn_last_line_is_dropped_with_a_note(tmp_path, capsys):
     from frod_ds.train.metrics import drop_rows_after
 
     path = tmp_path / "metrics.jsonl"
     rows = _rows(3)
-    path.write_text("".join(r + "\n" for r in rows) + rows[2][:11] + ("\n" if newline else ""))
+    path.write_text("".join(r + "\n" for r in rows) + rows[2][:11])
     drop_rows_after(path, step=2)
     assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
     notes = [x for x in capsys.readouterr().err.splitlines() if x.startswith("note:")]
     assert len(notes) == 1 and "last line was cut short" in notes[0] and str(path) in notes[0], notes
+
+
+@pytest.mark.parametrize(
+    "last,finished",
+    [("best run so far, lr 5e-2\n", False), ("# keep\n", True), ('{"step": 3, "lo', True)],
+    ids=["a-note", "a-note-finished", "a-prefix-finished"],
+)
+def test_a_last_line_no_kill_could_leave_is_refused(tmp_path, last, finished):
+    """A row and its newline go in one write, so a kill leaves no newline after a torn row; and a finished run's
+    rows all came before its final seal. Any other last line that is no row is a user's: named, the file kept."""
+    from frod_ds.runtime.errors import FrodError
+    from frod_ds.train.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    text = "".join(r + "\n" for r in _rows(3)) + last
+    path.write_text(text)
+    with pytest.raises(FrodError, match=r"metrics.jsonl line 4 is not a metrics row"):
+        drop_rows_after(path, step=3, finished=finished)
+    assert path.read_text() == text
 
 
 def test_a_last_row_that_lost_only_its_newline_is_kept(tmp_path, capsys):
