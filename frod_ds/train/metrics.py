@@ -111,7 +111,7 @@ def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = 
     if step >= log_every and not any(_row_step(line) is not None for line in kept):
         note(f"{path} holds no row up to step {step}; {gone}")
     kept_text = "".join(line + "\n" for line in kept if line.strip())
-    if kept_text != text:  # a finished run's log, all of it kept, is not written again
+    if kept_text != text and not finished:  # a finished run's log is left as it is (a blank line in it too)
         atomic_write_text(path, kept_text)
 
 

@@ -62,6 +62,17 @@ def test_a_last_row_that_lost_only_its_newline_is_kept(tmp_path, capsys):
     assert "note:" not in capsys.readouterr().err
 
 
+def test_a_finished_runs_log_with_a_blank_line_is_left_as_it_is(tmp_path):
+    from frod_ds.train.metrics import drop_rows_after
+
+    path = tmp_path / "metrics.jsonl"
+    rows = _rows(3)
+    text = rows[0] + "\n\n" + rows[1] + "\n" + rows[2] + "\n"
+    path.write_text(text)
+    drop_rows_after(path, step=3, finished=True)
+    assert path.read_text() == text
+
+
 def test_a_log_with_nothing_to_drop_is_not_written_again(tmp_path):
     """A finished run's log (every row up to the step it continues from): the file is left as it is, not rewritten
     with the same rows (a re-run that then stops in one line leaves the run's folder untouched)."""
