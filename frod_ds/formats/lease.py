@@ -444,15 +444,17 @@ def holding(out: Path | str, kind: str, what: str = "--out", error: type[FrodErr
     back meanwhile so that the lease is never left behind). A block that ends normally has published ``out``;
     when no other lease of this process encloses it, it is the command's output, recorded as complete."""
     global _depth
-    lease = acquire(out, kind, what, error)
-    _depth += 1
-    done = False
+    lease, done = None, False
     try:
+        with signals.held():  # a stop while the lease is placed comes once the finally below can take it away
+            lease = acquire(out, kind, what, error)
+            _depth += 1
         yield lease
         done = True
     finally:
-        _depth -= 1
-        with signals.held():
-            if done and _depth == 0:
-                completed(f"{what} {out}")
-            lease.release()
+        if lease is not None:
+            _depth -= 1
+            with signals.held():
+                if done and _depth == 0:
+                    completed(f"{what} {out}")
+                lease.release()

@@ -941,11 +941,19 @@ def store_flip_manifest(world, case, spec):
     m.write_text(text[: i + 1] + ("x" if text[i + 1] != "x" else "y") + text[i + 2 :])
 
 
+def _unstamped(store: Path) -> None:
+    """A store's record as a killed HJD leaves it: its stamps go before HJD writes the manifest again."""
+    record = json.loads((store / ".frod-ds-output").read_text())
+    record.pop("written", None)
+    (store / ".frod-ds-output").write_text(json.dumps(record, indent=1) + "\n")
+
+
 def store_unmarked(world, case, spec):
     """The world's store as HJD leaves it when stopped between its last category and the completion mark."""
     _copy(world, "store", case / "store")
     m = case / "store" / "manifest.json"
     m.write_text(json.dumps({**json.loads(m.read_text()), "complete": False}, indent=1))
+    _unstamped(case / "store")
 
 
 def store_torn_manifest(world, case, spec):
@@ -971,6 +979,7 @@ def store_torn_unmarked(world, case, spec):
     doc = json.loads(m.read_text())
     doc["complete"] = False
     m.write_text(json.dumps(doc, indent=1))
+    _unstamped(case / "store")
 
 
 def _plant_tmp(case: Path, tmp: Path, kind: str) -> None:

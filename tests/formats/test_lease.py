@@ -483,3 +483,27 @@ def test_a_lease_a_full_disk_refuses_says_so_and_to_run_again(tmp_path, monkeypa
     line = str(e.value)
     assert line.startswith(f"output_dir {out}: cannot write its lease (") and advice in line, line
     assert "another" not in line and sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_stop_while_the_lease_is_placed_leaves_no_lease(tmp_path, monkeypatch):
+    """SIGTERM arriving inside ``acquire``, the lease file already placed (as a launcher's stop right at start-up
+    can): it is delivered once ``holding`` can take the lease away, so none is left behind."""
+    real = lease_module.acquire
+
+    def acquire_then_stopped(*args, **kwargs):
+        lease = real(*args, **kwargs)
+        signal.raise_signal(signal.SIGTERM)  # held back until the lease is in hand
+        return lease
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(lease_module, "acquire", acquire_then_stopped)
+    before = signal.signal(signal.SIGTERM, stop)
+    out = tmp_path / "data"
+    try:
+        with pytest.raises(KeyboardInterrupt), holding(out, "data-build"):
+            pytest.fail("the block must not run after the stop")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not lease_path(out).exists() and sorted(os.listdir(tmp_path)) == []
