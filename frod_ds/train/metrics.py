@@ -77,9 +77,9 @@ def _parses(line: str) -> bool:
 def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = False) -> None:
     """Keep only the rows of ``path`` up to ``step``, the step a run continues from: the steps after it are
     replayed (all of them when a run killed before its first sealed checkpoint starts over), none logged twice.
-    A log that lost the rows up to ``step`` gets a ``note:``. A last line a kill cut short (no newline, not JSON; not
-    in a ``finished`` run) is dropped with a ``note:``; any other line that is not a row, and for a ``finished`` run
-    (nothing replayed) a row past ``step``, is a ``FrodError`` naming it (the file is left as it is)."""
+    A log that lost the rows up to ``step`` gets a ``note:``. A last line a kill cut short (no newline, not JSON) is
+    dropped with a ``note:``; any other line that is not a row, and for a ``finished`` run (nothing replayed) a row
+    past ``step``, is a ``FrodError`` naming it (the file is left as it is)."""
     gone = f"the rows of steps 1-{step} are gone (deleted since?): the log and loss.png start after step {step}"
     if not path.is_file():
         if step >= log_every:
@@ -87,9 +87,9 @@ def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = 
         return
     text = path.read_text(errors="replace")
     lines = text.splitlines()
-    # a kill mid-write leaves a row's prefix: no newline (a row and its newline go in one write) and never valid JSON.
-    # A finished run's last row was written before its final seal, so it has none; any other line is refused below
-    torn = not finished and not text.endswith("\n") and bool(lines) and not _parses(lines[-1])
+    # a kill mid-write leaves a row's prefix: no newline (a row and its newline go in one write) and never valid JSON
+    # (a run killed writing the row of the step it sealed last, too); any other line is refused below
+    torn = not text.endswith("\n") and bool(lines) and not _parses(lines[-1])
     if torn:
         note(f"{path}: its last line was cut short (a killed run); dropped, the {len(lines) - 1} complete rows kept")
         lines = lines[:-1]
@@ -111,7 +111,7 @@ def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = 
     if step >= log_every and not any(_row_step(line) is not None for line in kept):
         note(f"{path} holds no row up to step {step}; {gone}")
     kept_text = "".join(line + "\n" for line in kept if line.strip())
-    if kept_text != text and not finished:  # a finished run's log is left as it is (a blank line in it too)
+    if kept_text != text and (torn or not finished):  # else a finished run's log is left as it is (blank lines too)
         atomic_write_text(path, kept_text)
 
 

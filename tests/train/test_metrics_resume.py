@@ -33,12 +33,12 @@ def test_a_torn_last_line_is_dropped_with_a_note(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "last,finished",
-    [("best run so far, lr 5e-2\n", False), ("# keep\n", True), ('{"step": 3, "lo', True)],
-    ids=["a-note", "a-note-finished", "a-prefix-finished"],
+    [("best run so far, lr 5e-2\n", False), ("# keep\n", True), ('{"step": 3, "loss": 1.0}, mine\n', True)],
+    ids=["a-note", "a-note-finished", "not-json-after-a-row"],
 )
 def test_a_last_line_no_kill_could_leave_is_refused(tmp_path, last, finished):
-    """A row and its newline go in one write, so a kill leaves no newline after a torn row; and a finished run's
-    rows all came before its final seal. Any other last line that is no row is a user's: named, the file kept."""
+    """A row and its newline go in one write, so a kill leaves no newline after a torn row, and a row's prefix
+    never holds a whole row. Any other last line that is no row is a user's: named, the file kept."""
     from frod_ds.runtime.errors import FrodError
     from frod_ds.train.metrics import drop_rows_after
 
