@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from frod_ds.formats.ownership import check_replaceable, inventory, listed_dir, mark_dir, read_record
+from frod_ds.formats.ownership import check_replaceable, inventory, listed_dir, mark_dir, stamp_listed
 from frod_ds.formats.processes import pid_alive
 from frod_ds.formats.publish import aside_prefix, finish_aside, publish_dir
 from frod_ds.formats.sibling_names import owned_prefix, owned_sibling
@@ -70,9 +70,8 @@ def _stamp_nested(folder: Path) -> None:
     store inside a PEFT import): published whole, an edit in it later is a user's, which ``--overwrite`` refuses."""
     for root, dirs, _ in os.walk(folder):
         for d in dirs:
-            record = read_record(Path(root, d)) if listed_dir(Path(root, d)) else None
-            if record is not None and record.kind is not None and record.written is None:
-                mark_dir(Path(root, d), record.kind, record.files or (), stamp=True)
+            if listed_dir(Path(root, d)):
+                stamp_listed(Path(root, d))
 
 
 @contextlib.contextmanager

@@ -47,6 +47,7 @@ __all__ = [
     "KINDS",
     "mark_dir",
     "restamp",
+    "stamp_listed",
     "record_files",
     "is_marked",
     "marker_kind",
@@ -77,6 +78,15 @@ def mark_dir(path: Path, kind: str, files: Iterable[str] = (), stamp: bool = Fal
     written = stamps_of(Path(path), files) if stamp else None
     record = OutputRecord(format=FORMAT, kind=kind, version=VERSION, files=files, written=written)
     atomic_write_text(Path(path) / MARKER, record_text(record))
+
+
+def stamp_listed(path: Path, kind: str | None = None) -> None:
+    """Stamp the files the record of folder ``path`` names, unless it stamps them already: an output written in
+    place, now complete (a factor store), or one a write-once output publishes inside it. ``kind``: only a record
+    of that kind. Lease holder only."""
+    record = read_record(Path(path))
+    if record is not None and record.kind is not None and record.written is None and kind in (None, record.kind):
+        mark_dir(Path(path), record.kind, record.files or (), stamp=True)
 
 
 def restamp(path: Path, entries: Iterable[str]) -> None:
@@ -311,13 +321,13 @@ def check_replaceable(
     if foreign:
         scan = _scan(out, legacy_kind)
         _refuse_foreign(out, scan, what, error)
-        added, edited = [], []
+        top, added, edited = read_record(out), [], []
         for folder in (out, *scan.nested):  # a nested output's record stamps its own files
-            record, at = read_record(folder), "" if folder == out else folder.relative_to(out).as_posix() + "/"
+            record, at = (top, "") if folder == out else (read_record(folder), folder.relative_to(out).as_posix() + "/")
             added += [at + rel for rel in listed_since_written(folder, record)]
             edited += [at + rel for rel in edited_since_written(folder, record)]
         added, edited = list(dict.fromkeys(added)), list(dict.fromkeys(edited))  # a file stamped at two levels
-        extra = tree_added(out, read_record(out))
+        extra = tree_added(out, top)
         if extra:
             raise error(
                 f"{what} {out} holds what frod-ds did not write there: {_listing(extra)}; refusing to replace it, "

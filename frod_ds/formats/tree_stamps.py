@@ -21,25 +21,18 @@ from frod_ds.runtime.atomic import atomic_write_text
 __all__ = ["stamp_tree", "tree_added"]
 
 
-def _self_stamped(path: Path) -> set[str]:
-    """The files under ``path`` (relative) that a nested output's own record stamps: it guards them itself, and a
-    command that rewrites that output in place (an eval into its earlier results) restamps them."""
-    out: set[str] = set()
-    for root, dirs, _ in os.walk(path):
-        for d in dirs:
-            sub = Path(root, d)
-            record = read_record(sub) if listed_dir(sub) else None
-            if record is not None and record.written:
-                at = sub.relative_to(path).as_posix() + "/"
-                out |= {at + rel for rel in record.written}
-    return out
-
-
 def _tree_files(path: Path, links: bool) -> list[str]:
-    """Every file under ``path`` (relative, sorted) but the records, leases and what nested records stamp; with
-    ``links``, symbolic links too (a link is never the writer's)."""
-    skip, files = _self_stamped(path), []
-    for root, _, names in os.walk(path):
+    """Every file under ``path`` (relative, sorted) but the records, leases and the files a nested output's own
+    record stamps (it guards them itself, and a command that rewrites that output in place, such as an eval into
+    its earlier results, restamps them); with ``links``, symbolic links too (a link is never the writer's)."""
+    skip: set[str] = set()
+    files = []
+    for root, dirs, names in os.walk(path):  # top-down: a nested record is read before the files under it
+        for d in dirs:
+            record = read_record(Path(root, d)) if listed_dir(Path(root, d)) else None
+            if record is not None and record.written:
+                at = Path(root, d).relative_to(path).as_posix() + "/"
+                skip |= {at + rel for rel in record.written}
         for name in names:
             p = Path(root, name)
             rel = p.relative_to(path).as_posix()

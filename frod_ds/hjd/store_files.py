@@ -13,7 +13,7 @@ from pathlib import Path
 
 from frod_ds.formats.factor_store import MANIFEST, Manifest, is_store_file
 from frod_ds.formats.output_dir import MARKER, edited_since_written, entries_of, match, read_record, record_text
-from frod_ds.formats.ownership import delete_owned, is_marked, mark_dir
+from frod_ds.formats.ownership import delete_owned, is_marked, stamp_listed
 from frod_ds.formats.sibling_names import fitted_name
 from frod_ds.runtime.atomic import TMP, atomic_write_text
 from frod_ds.runtime.errors import HJDError, StoreError, note
@@ -181,7 +181,6 @@ def unstamp(out: Path) -> None:
 def stamp_complete(out: Path) -> None:
     """Rank 0, once the store is complete: its record stamps the files it names (``manifest.json`` and each
     category's ``V``; the parts' names are patterns, their checksums are the manifest's), so a later run can tell
-    a user's edit (:func:`refuse_edited`)."""
-    record = read_record(out) if is_marked(out) else None
-    if record is not None and record.kind == KIND:
-        mark_dir(out, KIND, record.files or (), stamp=True)
+    a user's edit (:func:`refuse_edited`). A store stamped already is left as it is."""
+    if is_marked(out):
+        stamp_listed(out, KIND)

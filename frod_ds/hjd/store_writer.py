@@ -28,7 +28,7 @@ from frod_ds.formats.factor_store import (
     RankRecord,
     file_globs,
 )
-from frod_ds.formats.output_dir import MARKER, read_record
+from frod_ds.formats.output_dir import MARKER
 from frod_ds.formats.ownership import (
     check_not_an_input,
     check_replaceable,
@@ -278,8 +278,6 @@ def prepare_store(
             note(f"--out {out} holds factor files but no {MANIFEST} (a damaged store): building it anew")
         remove_store_files(out)
     kept = manifest is not None and manifest.complete  # as its file says: a run killed before the mark is not
-    record = read_record(out) if kept and is_marked(out) else None
-    kept_unstamped = record is not None and record.kind == KIND and record.written is None
     if manifest is None:
         manifest = fresh
     # A completed category whose files went missing, or (resuming a store not marked complete) no longer match their
@@ -296,8 +294,7 @@ def prepare_store(
             record.complete = False
     manifest.complete = not manifest.missing_categories
     if kept and manifest.complete and set(fresh.categories) <= set(manifest.completed_categories):
-        if kept_unstamped:  # complete, but killed before its stamps (or built before them): stamped now
-            stamp_complete(out)
+        stamp_complete(out)  # one killed before its stamps (or built before them) is stamped now
         return None  # the store and its record of the run that built it stay as they are
     refuse_edited(out, replacing=False)
     unstamp(out)

@@ -106,11 +106,11 @@ def drop_rows_after(path: Path, step: int, log_every: int = 1, finished: bool = 
                 f"{path} line {n} is a row of step {at}, past step {step} where the finished run ended: the run did "
                 "not write it; delete that line, or pass train.new_run=true"
             )
-        if at is None or at <= step:
+        if at is not None and at <= step:
             kept.append(line)
-    if step >= log_every and not any(_row_step(line) is not None for line in kept):
+    if step >= log_every and not kept:
         note(f"{path} holds no row up to step {step}; {gone}")
-    kept_text = "".join(line + "\n" for line in kept if line.strip())
+    kept_text = "".join(line + "\n" for line in kept)
     if kept_text != text and (torn or not finished):  # else a finished run's log is left as it is (blank lines too)
         atomic_write_text(path, kept_text)
 
