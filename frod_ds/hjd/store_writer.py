@@ -265,7 +265,8 @@ def prepare_store(
     manifest = _existing_manifest(out, fresh, overwrite, ckpt) if resumable else None  # reads only
     if resumable and manifest is None and aside_problem(out):  # before anything of out is touched
         raise HJDError(aside_problem(out))
-    if manifest is None:  # replaced, or started anew
+    checked = manifest is None  # replaced, or started anew: the user's edits are looked for now, once
+    if checked:
         refuse_edited(out, replacing=resumable)
     planned = [c for c in fresh.targets if c in fresh.categories]
     record_files(out, [MANIFEST, *(g for c in planned for g in file_globs(c))], KIND)  # before any is written
@@ -296,7 +297,8 @@ def prepare_store(
     if kept and manifest.complete and set(fresh.categories) <= set(manifest.completed_categories):
         stamp_complete(out)  # one killed before its stamps (or built before them) is stamped now
         return None  # the store and its record of the run that built it stay as they are
-    refuse_edited(out, replacing=False)
+    if not checked:
+        refuse_edited(out, replacing=False)
     unstamp(out)
     manifest.world_size = D.get_world_size()
     manifest.versions = _versions()
