@@ -120,9 +120,11 @@ def test_every_method_and_seed_is_recorded_on_the_same_tokens(rehearsal):
     _, _, out, _, rows, tok = rehearsal
     seed0 = {p.split("/")[-1].split("_lr")[0] for p in _records(out) if p.startswith("arith/seed0/")}
     seed1 = {p.split("/")[-1].split("_lr")[0] for p in _records(out) if p.startswith("arith/seed1/")}
-    assert {"frod", "frod_ratio3", "peftfrod", "peftfrod_inj"} <= seed0 <= {*seed0, "frod_ratio1"}
-    # ratio 1 is tried only when ratio 3 beats 10:1 (the low end of the ratios tried)
-    assert ("frod_ratio1" in seed0) == (_winning_ratio(out) in ("frod_ratio3", "frod_ratio1"))
+    # one ratio past the end the two tried (3 and 10:1) is tried: 1 where ratio 3 won, 30 where 10:1 did
+    doc = json.loads((out / "arith" / "seed0" / "real_study.json").read_text())
+    loss = {m: doc["methods"][m]["sweep"][0]["heldout"]["answer_loss"] for m in ("frod", "frod_ratio3")}
+    past = "frod_ratio1" if loss["frod_ratio3"] < loss["frod"] else "frod_ratio30"
+    assert seed0 == {"frod", "frod_ratio3", "peftfrod", "peftfrod_inj", past}
     assert seed1 == {"frod", "peftfrod"} | ({_winning_ratio(out)} - {None})
     for seed in (0, 1):
         doc = json.loads((out / "arith" / f"seed{seed}" / "real_study.json").read_text())
@@ -252,8 +254,9 @@ def test_the_same_command_again_trains_nothing(rehearsal, capsys):
     before = _records(out)
     assert learn_study.main(argv) == 0
     assert _records(out) == before
-    # sweep, variants, (the ratio past the end,) seed 1: none loaded again; timing recorded
-    extended = (out / "arith" / "seed0" / "records" / "frod_ratio1_lr0.01.json").is_file()
+    # sweep, variants, (the ratio past whichever end won: 1 or 30,) seed 1: none loaded again; timing recorded
+    records = out / "arith" / "seed0" / "records"
+    extended = sum((records / f"frod_ratio{k}_lr0.01.json").is_file() for k in (1, 30))
     assert capsys.readouterr().out.count("finished: ") == 3 + extended
 
 
