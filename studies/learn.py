@@ -30,6 +30,7 @@ import torch
 
 from frod_ds.runtime.atomic import atomic_write_text
 from studies.config import MAIN_METHODS, RATIO_METHODS, StudyConfig, StudyError, parse_lrs
+from studies.learn_report import summary_complete
 from studies.loop import sparse_mm_autocast_ok
 from studies.report import RESULTS_NAME
 from studies.runner import run_study
@@ -138,7 +139,7 @@ def _chosen(doc: dict | None, method: str) -> float | None:
 
 
 def _scored(doc: dict | None, methods) -> bool:
-    return all(_chosen(doc, m) is not None and "test" in doc["methods"][m] for m in methods)
+    return doc is not None and summary_complete(doc, methods, needs_base=False)
 
 
 def _validation_loss(doc: dict, method: str) -> float:

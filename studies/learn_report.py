@@ -37,7 +37,7 @@ def summary_complete(doc: dict, asked=None, needs_base: bool | None = None) -> b
     asked = set(cfg.get("methods", [])) if asked is None else set(asked)
     needs_base = bool(cfg.get("base_eval", False)) if needs_base is None else needs_base
     methods = doc.get("methods", {})
-    tested = all(m in methods and "test" in methods[m] and methods[m]["chosen"]["final"] for m in asked)
+    tested = all(m in methods and "test" in methods[m] and (methods[m].get("chosen") or {}).get("final") for m in asked)
     return bool(asked) and tested and ("base" in doc or not needs_base)
 
 
