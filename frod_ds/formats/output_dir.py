@@ -109,6 +109,8 @@ class OutputRecord:
     # True: ``written`` stamps every file under the folder that no nested record stamps (a finished demo): any other
     # file there is not the writer's (formats.tree_stamps)
     tree: bool | None = None
+    # with ``tree``: the folders under it that held nothing when it was stamped (None: stamped before this was kept)
+    empty_dirs: list[str] | None = None
 
 
 @dataclass

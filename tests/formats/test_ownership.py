@@ -256,10 +256,21 @@ def test_a_stamped_demo_refuses_an_edit_in_a_nested_output_written_in_place(tmp_
     assert not demo.exists()
 
 
-@pytest.mark.parametrize("added", ["model/generation_config.json", "run/checkpoints/my-notes.txt", "run/mine.lnk"])
+@pytest.mark.parametrize(
+    "added",
+    [
+        "model/generation_config.json",
+        "run/checkpoints/my-notes.txt",
+        "run/mine.lnk",
+        "model/mine_empty/",
+        "run/checkpoints/step_mine/",
+        "run/checkpoints/mine_dir.lnk",
+    ],
+)
 def test_a_stamped_demo_refuses_a_file_added_where_its_lists_name_whole_folders(tmp_path, added):
     """The demo lists ``model/`` whole, its run ``checkpoints/``: a file a user put there since the demo finished
-    (a link too) is not the demo's, so the demo again refuses, naming it, and deletes nothing."""
+    (a link, to a file or to a folder, an empty folder) is not the demo's, so the demo again refuses, naming it,
+    and deletes nothing. A folder the demo itself left empty is the demo's."""
     from frod_ds.cli.demo import DEMO_FILES
     from frod_ds.formats.tree_stamps import stamp_tree
     from frod_ds.train.run_dir import RUN_FILES, RUN_KIND
@@ -272,18 +283,26 @@ def test_a_stamped_demo_refuses_a_file_added_where_its_lists_name_whole_folders(
     run.mkdir()
     record_files(run, RUN_FILES, RUN_KIND)
     write(run, {"metrics.jsonl": "{}\n", "checkpoints/latest": "step00000002"})
+    (run / "checkpoints" / "emptied").mkdir()  # the demo's own
     stamp_tree(demo)
-    if added.endswith(".lnk"):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    write(mine, {"notes.txt": "mine"})
+    if added.endswith("dir.lnk"):
+        (demo / added).symlink_to(mine, target_is_directory=True)
+    elif added.endswith(".lnk"):
         (demo / added).symlink_to(demo / "demo.log")
+    elif added.endswith("/"):
+        (demo / added).mkdir()
     else:
         write(demo, {added: "mine"})
-    before = tree(demo)
+    before, theirs = tree(demo), tree(mine)
     with pytest.raises(FrodError, match=f"holds what frod-ds did not write there: {added}; refusing"):
         remove_owned(demo, "demo")
-    assert tree(demo) == before
-    (demo / added).unlink()
+    assert tree(demo) == before and tree(mine) == theirs
+    (demo / added).rmdir() if added.endswith("/") else (demo / added).unlink()
     remove_owned(demo, "demo")
-    assert not demo.exists()
+    assert not demo.exists() and tree(mine) == theirs
 
 
 def test_a_nested_output_another_command_rewrote_and_restamped_does_not_stop_the_demo(tmp_path):
