@@ -129,9 +129,16 @@ def _free_port() -> int:
 def prepare(out: Path, log: Path, env: dict[str, str]) -> None:
     """Synthetic rows → ``frod data build`` → tokenizer trained on the rendered text → tiny Llama. ``env``: the
     demo's lease handed on, so that its stage may write inside the demo's output."""
+    from frod_ds.formats.sibling_names import owned_sibling
+    from frod_ds.formats.tree_stamps import publish_sealed
     from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
 
-    write_synthetic_tasks(out / "raw", n_train=600, n_eval=200, seed=0)
+    def build(name: str) -> Path:  # written beside, published sealed: a stopped demo guards what it finished
+        return owned_sibling(out / name, "tmp")
+
+    raw = build("raw")
+    write_synthetic_tasks(raw, n_train=600, n_eval=200, seed=0)
+    publish_sealed(out, "raw", raw)
     _run(
         [
             *_frod(),
@@ -153,12 +160,16 @@ def prepare(out: Path, log: Path, env: dict[str, str]) -> None:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             texts.append(row["prompt"] + "\nAnswer: " + row["answer"])
-    tok_dir = train_sentencepiece_tokenizer(out / "tokenizer", texts, vocab_size=700)
+    tok_dir = build("tokenizer")
+    train_sentencepiece_tokenizer(tok_dir, texts, vocab_size=700)
+    publish_sealed(out, "tokenizer", tok_dir)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    write_tiny_llama(out / "model", vocab_size=len(tok), seed=0, max_shard_size="200KB")
-    tok.save_pretrained(str(out / "model"))
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    model = build("model")
+    write_tiny_llama(model, vocab_size=len(tok), seed=0, max_shard_size="200KB")
+    tok.save_pretrained(str(model))
+    publish_sealed(out, "model", model)
     print(f"   tiny Llama ({len(tok)} tokens vocab) and tokenizer in {out / 'model'}")
 
 

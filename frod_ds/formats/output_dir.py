@@ -109,7 +109,9 @@ class OutputRecord:
     # True: ``written`` stamps every file under the folder that no nested record stamps (a finished demo): any other
     # file there is not the writer's (formats.tree_stamps)
     tree: bool | None = None
-    # with ``tree``: the folders under it that held nothing when it was stamped (None: stamped before this was kept)
+    # folders under it (``dir/``) whose every file ``written`` stamps: a demo's stage outputs as each is published
+    sealed: list[str] | None = None
+    # with ``tree`` or ``sealed``: the folders there that held nothing when stamped (None: stamped before this was kept)
     empty_dirs: list[str] | None = None
 
 
@@ -265,7 +267,7 @@ def listed_since_written(folder: Path, record: OutputRecord | None) -> list[str]
     """Files in ``folder`` that the list of a write-once output names but that were not there when it was
     published (every file of a published output is stamped): the list was edited since, and they are not ours."""
     written = (record.written if record else None) or {}
-    if not written:
+    if not written or (record.sealed and not record.tree):  # only its sealed folders stamped (formats.tree_stamps)
         return []
     out = []
     for rel in record.files or []:

@@ -1,12 +1,15 @@
 """Stamps of a whole tree: a finished output that several commands filled in turn (the demo: its stages' outputs
 nested in it, some written in place, some lists naming whole folders) stamps every file under it that no nested
-record stamps itself, so that its replacement refuses a user's edit, or a file a user added, anywhere inside."""
+record stamps itself, so that its replacement refuses a user's edit, or a file a user added, anywhere inside. A
+folder such an output's list names whole is sealed the same way as it is published (``publish_sealed``), so a
+stopped demo guards what its finished stages wrote."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from frod_ds.formats.lease import read_lease
 from frod_ds.formats.output_dir import (
     MARKER,
     OutputRecord,
@@ -16,9 +19,15 @@ from frod_ds.formats.output_dir import (
     record_text,
     stamps_of,
 )
-from frod_ds.runtime.atomic import atomic_write_text
+from frod_ds.runtime.atomic import atomic_write_text, umask
 
-__all__ = ["stamp_tree", "tree_added"]
+__all__ = ["publish_sealed", "stamp_tree", "tree_added"]
+
+
+def _a_lease(path: Path) -> bool:
+    """Whether ``path``, named like a lease, holds one (a user's file at such a name is no lease, and is theirs)."""
+    found = read_lease(path)
+    return found is not None and found[0] is not None
 
 
 def _tree_files(path: Path, links: bool) -> tuple[list[str], list[str]]:
@@ -40,7 +49,9 @@ def _tree_files(path: Path, links: bool) -> tuple[list[str], list[str]]:
         for name in names + [d for d in dirs if links and Path(root, d).is_symlink()]:  # os.walk puts those in dirs
             p = Path(root, name)
             rel = p.relative_to(path).as_posix()
-            if name == MARKER or is_lease_file(name) or rel in skip or (p.is_symlink() and not links):
+            if name == MARKER or rel in skip or (p.is_symlink() and not links):
+                continue
+            if is_lease_file(name) and _a_lease(p):
                 continue
             files.append(rel)
     return sorted(files), sorted(empty)
@@ -57,11 +68,31 @@ def stamp_tree(path: Path) -> None:
     atomic_write_text(path / MARKER, record_text(record))
 
 
+def publish_sealed(out: Path, rel: str, built: Path) -> None:
+    """Publish folder ``built`` as ``out/rel`` (a name ``out``'s list names whole, absent now), its files stamped
+    and the folder sealed in ``out``'s record first: from then on a file a user adds there is refused, not deleted
+    with the folder. ``built``: a temporary beside it (``sibling_names.owned_sibling``). Lease holder only."""
+    out, rel = Path(out), rel.rstrip("/") + "/"
+    record = read_record(out)
+    if record is not None:
+        files, empty = _tree_files(Path(built), links=False)
+        record.written = {**(record.written or {}), **{rel + k: v for k, v in stamps_of(built, files).items()}}
+        record.sealed = sorted({*(record.sealed or []), rel})
+        record.empty_dirs = sorted({*(record.empty_dirs or []), *(rel + d for d in empty)})
+        atomic_write_text(out / MARKER, record_text(record))
+    os.chmod(built, 0o777 & ~umask())  # mkdtemp makes it private; published, it is the umask's like any folder
+    os.rename(built, out / rel)
+
+
 def tree_added(path: Path, record: OutputRecord | None) -> list[str]:
     """What is under ``path`` that a tree-stamped ``record`` does not stamp (added since: a user's): files, links,
-    and folders that hold nothing and held nothing before; [] for a record without tree stamps."""
-    if record is None or not record.tree:
+    and folders that hold nothing and held nothing before; with only ``sealed`` folders, what is under those."""
+    if record is None or not (record.tree or record.sealed):
         return []
-    written, files, empty = record.written or {}, *_tree_files(Path(path), links=True)
-    new_empty = [d for d in empty if record.empty_dirs is not None and d not in record.empty_dirs]
-    return sorted([rel for rel in files if rel not in written] + new_empty)
+    found: list[str] = []
+    for root in [""] if record.tree else (record.sealed or []):
+        files, empty = _tree_files(Path(path) / root, links=True)
+        found += [root + rel for rel in files] + [root + d for d in empty]
+    known = {**(record.written or {}), **dict.fromkeys(record.empty_dirs or [])}
+    files_only = record.empty_dirs is None  # stamped before empty folders were kept
+    return sorted(r for r in found if r not in known and not (files_only and r.endswith("/")))

@@ -265,6 +265,7 @@ def test_a_stamped_demo_refuses_an_edit_in_a_nested_output_written_in_place(tmp_
         "model/mine_empty/",
         "run/checkpoints/step_mine/",
         "run/checkpoints/mine_dir.lnk",
+        "model/.notes.frod-ds-lease",
     ],
 )
 def test_a_stamped_demo_refuses_a_file_added_where_its_lists_name_whole_folders(tmp_path, added):
@@ -303,6 +304,46 @@ def test_a_stamped_demo_refuses_a_file_added_where_its_lists_name_whole_folders(
     (demo / added).rmdir() if added.endswith("/") else (demo / added).unlink()
     remove_owned(demo, "demo")
     assert not demo.exists() and tree(mine) == theirs
+
+
+@pytest.mark.parametrize("added", ["model/notes.txt", "model/mine/", "model/.x.frod-ds-lease", "raw/config.json"])
+def test_a_stopped_demo_refuses_what_a_user_added_to_a_folder_it_published_sealed(tmp_path, added):
+    """A demo stopped after it published ``model/`` and ``raw/`` (its list names both whole): a file, an empty folder
+    or a lease-named file a user put there, or an edit of the demo's file, is refused, not deleted with the
+    folder; a demo's own temporary folder, and its stage in progress, are the demo's."""
+    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.formats.sibling_names import owned_sibling
+    from frod_ds.formats.tree_stamps import publish_sealed
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    mark_dir(demo, "demo", DEMO_FILES)
+    parts = {"raw": {"boolq/train.json": "[]", "piqa/empty/.keep": ""}, "model": {"config.json": "{}"}}
+    for name, files in parts.items():
+        built = owned_sibling(demo / name, "tmp")
+        write(built, files)
+        (built / "nothing").mkdir()
+        publish_sealed(demo, name, built)
+    write(demo, {"tokenizer/half.json": "{", "demo.log": "log"})  # a stage stopped mid-way: not sealed
+    owned_sibling(demo / "eval", "tmp")  # a stage's temporary, left by the stop
+    before_ok = tree(demo)
+    if added.endswith("/"):
+        (demo / added).mkdir()
+    elif added == "raw/config.json":
+        (demo / "raw" / "boolq" / "train.json").write_text("[1]")
+    else:
+        write(demo, {added: "mine"})
+    before = tree(demo)
+    with pytest.raises(FrodError, match="holds (what frod-ds did not write there|files changed since)") as e:
+        remove_owned(demo, "demo")
+    assert (added if added != "raw/config.json" else "raw/boolq/train.json") in str(e.value)
+    assert tree(demo) == before != before_ok
+    if added == "raw/config.json":
+        (demo / "raw" / "boolq" / "train.json").write_text("[]")
+    else:
+        (demo / added).rmdir() if added.endswith("/") else (demo / added).unlink()
+    remove_owned(demo, "demo")
+    assert not demo.exists()
 
 
 def test_a_nested_output_another_command_rewrote_and_restamped_does_not_stop_the_demo(tmp_path):
