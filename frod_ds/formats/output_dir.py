@@ -27,6 +27,7 @@ from frod_ds.runtime.strict_json import loads
 
 __all__ = [
     "MARKER",
+    "CHECKPOINT_FILES",
     "FORMAT",
     "VERSION",
     "LEASE",
@@ -77,10 +78,22 @@ WRITERS = {  # the command that writes each kind, as a lease names its holder
     "gguf-conversion": "frod convert-gguf",
 }
 _RUN = ("recipe.yaml", "metrics.jsonl", "loss.png", "tensorboard/", "checkpoints/", "adapter-*/", "superseded-*/")
+_STEP = "checkpoints/step[0-9]*/"
+CHECKPOINT_FILES = (  # what a run writes in checkpoints/: its pointer, DeepSpeed's files beside the saves, each save's
+    "checkpoints/latest_complete",
+    "checkpoints/latest",
+    "checkpoints/zero_to_fp32.py",
+    "checkpoints/zero_to_torch.py",
+    _STEP + "*.pt",
+    _STEP + "COMPLETE",
+    _STEP + "trainable_state.safetensors",
+    _STEP + "factor_store.json",
+    _STEP + "run_identity.json",
+)
 _HF = ("*.safetensors", "*.json", "*.model", "*.txt", "*.jinja")  # weights, index, config, tokenizer files
 KIND_FILES: dict[str, tuple[str, ...]] = {  # what each kind writes: the file list of a record from before lists
     "adapter": ("adapter.safetensors", "adapter_config.json", "recipe.yaml"),
-    "training-run": _RUN,
+    "training-run": (*_RUN, *CHECKPOINT_FILES),
     "factor-store": (
         "manifest.json",
         "*.V.safetensors",

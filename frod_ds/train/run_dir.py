@@ -19,7 +19,7 @@ import yaml
 
 from frod_ds.config.recipe import Recipe, recipe_to_dict
 from frod_ds.formats.lease import holding
-from frod_ds.formats.output_dir import entries_of, match, read_record
+from frod_ds.formats.output_dir import CHECKPOINT_FILES, entries_of, match, read_record
 from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_kind, record_files
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import TMP, atomic_write_text, tmp_problem
@@ -30,6 +30,8 @@ __all__ = [
     "RUN_KIND",
     "RUN_HOSTS",
     "PREVIOUS_RUN",
+    "RUN_FILES",
+    "RUN_RECORD",
     "check_run_dir",
     "check_writable",
     "run_inputs",
@@ -45,6 +47,8 @@ RUN_HOSTS = (RUN_KIND, "demo")  # what training writes into: its own runs, and t
 PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard", "profile")  # and adapter-*/
 # recorded as a run opens
 RUN_FILES = ("recipe.yaml", "metrics.jsonl", "loss.png", "tensorboard/", "checkpoints/", "profile/")
+# its record: checkpoints/ by the names a save writes, so a user's file there is never deleted with the run
+RUN_RECORD = (*(e for e in RUN_FILES if e != "checkpoints/"), *CHECKPOINT_FILES)
 
 
 def _is_legacy_run(out: Path) -> bool:
@@ -168,7 +172,7 @@ def open_run_dir(recipe: Recipe) -> None:
     if recipe.train.new_run:
         _supersede_previous_run(out)
     out.mkdir(parents=True, exist_ok=True)
-    record_files(out, RUN_FILES, RUN_KIND)
+    record_files(out, RUN_RECORD, RUN_KIND)
     path = out / "recipe.yaml"
     if not _same_recipe(path, recipe):  # a rerun with nothing new (the run moved, at most) leaves it be
         atomic_write_text(path, recipe_yaml(recipe))

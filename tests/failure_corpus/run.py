@@ -1298,7 +1298,37 @@ def metrics_whole_line(world, case, spec):
     """The world's finished run with a whole line appended to its metrics.jsonl (``{}``: parses, so no kill tore it)."""
     _copy(world, "run", case / "run")
     with open(case / "run" / "metrics.jsonl", "a") as f:
-        f.write(spec.get("line", "{}") + "\n")
+        f.write(spec["vars"].get("line", "{}") + "\n")
+
+
+def demo_user_entry(world, case, spec):
+    """``{case}/demo`` as frod demo leaves it (its list naming model/ and run/ whole; model/ published sealed, the
+    world's run in run/), ``finished`` (tree-stamped) or stopped after its first stages; then a user's ``entry``
+    at ``at`` in it: a file, an empty folder, a link to a folder of theirs, or a file at a lease's name."""
+    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.formats.ownership import mark_dir
+    from frod_ds.formats.sibling_names import owned_sibling
+    from frod_ds.formats.tree_stamps import publish_sealed, stamp_tree
+
+    demo = case / "demo"
+    demo.mkdir()
+    mark_dir(demo, "demo", DEMO_FILES)
+    (demo / "demo.log").write_text("frod-ds demo\n")
+    built = owned_sibling(demo / "model", "tmp")
+    shutil.copytree(world.paths["model"], built, dirs_exist_ok=True)
+    publish_sealed(demo, "model", built)
+    _copy(world, "run", demo / "run")
+    if spec["vars"]["finished"]:
+        stamp_tree(demo)
+    at = demo / spec["vars"]["at"]
+    if spec["vars"]["entry"] == "empty folder":
+        at.mkdir()
+    elif spec["vars"]["entry"] == "folder link":
+        (case / "mine").mkdir()
+        (case / "mine" / "notes.txt").write_text("mine\n")
+        at.symlink_to(case / "mine", target_is_directory=True)
+    else:
+        at.write_text("mine\n")
 
 
 def run_copy_other_tokenizer(world, case, spec):
@@ -1984,6 +2014,7 @@ STEPS: dict[str, Callable] = {
         ckpt_foreign_pickle,
         metrics_torn_row,
         metrics_whole_line,
+        demo_user_entry,
         run_copy_other_tokenizer,
         run_copy_other_config,
         export_copy,
@@ -2081,13 +2112,14 @@ def _unmount(case: Path) -> None:
 
 
 def expand(raw: list[dict]) -> list[dict]:
-    """One case per entry of each ``each`` list: its keys fill ``{key}`` in every string of the case."""
+    """One case per entry of each ``each`` list: its keys fill ``{key}`` in every string of the case, and a
+    prepare step reads them as ``spec["vars"]``."""
     cases = []
     for spec in raw:
         variants = spec.get("each") or [{}]
         for var in variants:
             case = {k: _fill(v, var) for k, v in spec.items() if k != "each"}
-            cases.append(case)
+            cases.append({**case, "vars": var})
     return cases
 
 
@@ -2118,7 +2150,7 @@ def validate(cases: list[dict]) -> list[str]:
     problems += [f"case name {n!r} is used {k} times" for n, k in names.items() if k > 1]
     for c in cases:
         name = c.get("name", "?")
-        problems += [f"{name}: unknown key {k!r}" for k in set(c) - CASE_KEYS]
+        problems += [f"{name}: unknown key {k!r}" for k in set(c) - CASE_KEYS - {"vars"}]
         if c.get("class") not in CLASSES:
             problems.append(f"{name}: unknown class {c.get('class')!r} (one of {', '.join(CLASSES)})")
         for key, table in (("prepare", STEPS), ("fix", STEPS), ("check", CHECKS)):

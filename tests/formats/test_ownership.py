@@ -346,6 +346,39 @@ def test_a_stopped_demo_refuses_what_a_user_added_to_a_folder_it_published_seale
     assert not demo.exists()
 
 
+@pytest.mark.parametrize("added", [None, "checkpoints/notes.txt", "checkpoints/step00000002/notes.txt"])
+def test_a_runs_record_names_what_a_save_writes_so_a_users_file_in_checkpoints_stays(tmp_path, added):
+    """A stopped demo's training run: its record names the files a save writes (engine ``*.pt``, the seal, the
+    trainable state, the identity records, the pointers beside the saves), so the demo again removes every one of
+    them and refuses, naming it, a file a user put in checkpoints/ or in a save."""
+    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.formats.run_identity import RUN_IDENTITY
+    from frod_ds.train.checkpoints import COMPLETE, ROOT_FILES
+    from frod_ds.train.identity import STORE_IDENTITY
+    from frod_ds.train.run_dir import RUN_KIND, RUN_RECORD
+    from frod_ds.train.trainable_state import TRAINABLE_STATE
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    mark_dir(demo, "demo", DEMO_FILES)
+    run = demo / "run"
+    run.mkdir()
+    record_files(run, RUN_RECORD, RUN_KIND)
+    save = ["mp_rank_00_model_states.pt", "rng_rank1.pt", COMPLETE, TRAINABLE_STATE, STORE_IDENTITY, RUN_IDENTITY]
+    write(run, {"metrics.jsonl": "{}\n", **{f"checkpoints/{n}": n for n in ROOT_FILES}})
+    write(run, {f"checkpoints/step0000000{s}/{n}": n for s in (1, 2) for n in save})
+    write(run, {"checkpoints/step00000003/zero_pp_rank_0_mp_rank_00_optim_states.pt": "a save stopped mid-way"})
+    if added is None:
+        remove_owned(demo, "demo")
+        assert not demo.exists()
+        return
+    write(run, {added: "mine"})
+    before = tree(demo)
+    with pytest.raises(FrodError, match=f"holds what frod-ds did not write there: run/{added}; refusing"):
+        remove_owned(demo, "demo")
+    assert tree(demo) == before
+
+
 def test_a_nested_output_another_command_rewrote_and_restamped_does_not_stop_the_demo(tmp_path):
     """A data build inside the demo stamps its own files; a command that rewrites them and restamps its record (as
     an eval into its earlier results does) leaves the demo replaceable: the demo's stamps skip what a nested
