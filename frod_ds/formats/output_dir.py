@@ -27,7 +27,7 @@ from frod_ds.runtime.strict_json import loads
 
 __all__ = [
     "MARKER",
-    "CHECKPOINT_FILES",
+    "RUN_FOLDER_FILES",
     "FORMAT",
     "VERSION",
     "LEASE",
@@ -79,21 +79,23 @@ WRITERS = {  # the command that writes each kind, as a lease names its holder
 }
 _RUN = ("recipe.yaml", "metrics.jsonl", "loss.png", "tensorboard/", "checkpoints/", "adapter-*/", "superseded-*/")
 _STEP = "checkpoints/step[0-9]*/"
-CHECKPOINT_FILES = (  # what a run writes in checkpoints/: its pointer, DeepSpeed's files beside the saves, each save's
-    "checkpoints/latest_complete",
+RUN_FOLDER_FILES = (  # what a run writes in its folders, by name: so a user's file there is never the run's
+    "checkpoints/latest_complete",  # the pointer, and DeepSpeed's files beside the saves
     "checkpoints/latest",
     "checkpoints/zero_to_fp32.py",
     "checkpoints/zero_to_torch.py",
-    _STEP + "*.pt",
+    _STEP + "*.pt",  # each save's
     _STEP + "COMPLETE",
     _STEP + "trainable_state.safetensors",
     _STEP + "factor_store.json",
     _STEP + "run_identity.json",
+    "tensorboard/events.out.tfevents.*",
+    "profile/step-*.rank*.txt",
 )
 _HF = ("*.safetensors", "*.json", "*.model", "*.txt", "*.jinja")  # weights, index, config, tokenizer files
 KIND_FILES: dict[str, tuple[str, ...]] = {  # what each kind writes: the file list of a record from before lists
     "adapter": ("adapter.safetensors", "adapter_config.json", "recipe.yaml"),
-    "training-run": (*_RUN, *CHECKPOINT_FILES),
+    "training-run": (*_RUN, *RUN_FOLDER_FILES),
     "factor-store": (
         "manifest.json",
         "*.V.safetensors",

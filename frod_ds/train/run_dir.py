@@ -19,7 +19,7 @@ import yaml
 
 from frod_ds.config.recipe import Recipe, recipe_to_dict
 from frod_ds.formats.lease import holding
-from frod_ds.formats.output_dir import CHECKPOINT_FILES, entries_of, match, read_record
+from frod_ds.formats.output_dir import RUN_FOLDER_FILES, entries_of, match, read_record
 from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_kind, record_files
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import TMP, atomic_write_text, tmp_problem
@@ -47,8 +47,8 @@ RUN_HOSTS = (RUN_KIND, "demo")  # what training writes into: its own runs, and t
 PREVIOUS_RUN = ("checkpoints", "metrics.jsonl", "loss.png", "recipe.yaml", "tensorboard", "profile")  # and adapter-*/
 # recorded as a run opens
 RUN_FILES = ("recipe.yaml", "metrics.jsonl", "loss.png", "tensorboard/", "checkpoints/", "profile/")
-# its record: checkpoints/ by the names a save writes, so a user's file there is never deleted with the run
-RUN_RECORD = (*(e for e in RUN_FILES if e != "checkpoints/"), *CHECKPOINT_FILES)
+# its record: the folders by the names written in them, so a user's file there is never deleted with the run
+RUN_RECORD = (*(e for e in RUN_FILES if not e.endswith("/")), *RUN_FOLDER_FILES)
 
 
 def _is_legacy_run(out: Path) -> bool:

@@ -346,11 +346,13 @@ def test_a_stopped_demo_refuses_what_a_user_added_to_a_folder_it_published_seale
     assert not demo.exists()
 
 
-@pytest.mark.parametrize("added", [None, "checkpoints/notes.txt", "checkpoints/step00000002/notes.txt"])
+@pytest.mark.parametrize(
+    "added", [None, "checkpoints/notes.txt", "checkpoints/step00000002/notes.txt", "tensorboard/notes.txt"]
+)
 def test_a_runs_record_names_what_a_save_writes_so_a_users_file_in_checkpoints_stays(tmp_path, added):
     """A stopped demo's training run: its record names the files a save writes (engine ``*.pt``, the seal, the
-    trainable state, the identity records, the pointers beside the saves), so the demo again removes every one of
-    them and refuses, naming it, a file a user put in checkpoints/ or in a save."""
+    trainable state, the identity records, the pointers beside the saves) and its logs, so the demo again removes
+    every one of them and refuses, naming it, a file a user put in checkpoints/, in a save or in tensorboard/."""
     from frod_ds.cli.demo import DEMO_FILES
     from frod_ds.formats.run_identity import RUN_IDENTITY
     from frod_ds.train.checkpoints import COMPLETE, ROOT_FILES
@@ -366,6 +368,7 @@ def test_a_runs_record_names_what_a_save_writes_so_a_users_file_in_checkpoints_s
     record_files(run, RUN_RECORD, RUN_KIND)
     save = ["mp_rank_00_model_states.pt", "rng_rank1.pt", COMPLETE, TRAINABLE_STATE, STORE_IDENTITY, RUN_IDENTITY]
     write(run, {"metrics.jsonl": "{}\n", **{f"checkpoints/{n}": n for n in ROOT_FILES}})
+    write(run, {"profile/step-000002.rank1.txt": "p", "tensorboard/events.out.tfevents.1764.host.7.0": "e"})
     write(run, {f"checkpoints/step0000000{s}/{n}": n for s in (1, 2) for n in save})
     write(run, {"checkpoints/step00000003/zero_pp_rank_0_mp_rank_00_optim_states.pt": "a save stopped mid-way"})
     if added is None:
