@@ -11,6 +11,7 @@ from pathlib import Path
 
 from frod_ds.formats.lease import read_lease
 from frod_ds.formats.output_dir import (
+    KINDS,
     MARKER,
     OutputRecord,
     is_lease_file,
@@ -28,6 +29,12 @@ def _a_lease(path: Path) -> bool:
     """Whether ``path``, named like a lease, holds one (a user's file at such a name is no lease, and is theirs)."""
     found = read_lease(path)
     return found is not None and found[0] is not None
+
+
+def _a_record(folder: Path) -> bool:
+    """Whether ``folder``'s record file is a frod-ds record of a known kind (a user's file at that name is theirs)."""
+    record = read_record(folder)
+    return record is not None and record.kind in KINDS
 
 
 def _tree_files(path: Path, links: bool) -> tuple[list[str], list[str]]:
@@ -49,9 +56,9 @@ def _tree_files(path: Path, links: bool) -> tuple[list[str], list[str]]:
         for name in names + [d for d in dirs if links and Path(root, d).is_symlink()]:  # os.walk puts those in dirs
             p = Path(root, name)
             rel = p.relative_to(path).as_posix()
-            if name == MARKER or rel in skip or (p.is_symlink() and not links):
+            if rel in skip or (p.is_symlink() and not links):
                 continue
-            if is_lease_file(name) and _a_lease(p):
+            if (name == MARKER and _a_record(Path(root))) or (is_lease_file(name) and _a_lease(p)):
                 continue
             files.append(rel)
     return sorted(files), sorted(empty)

@@ -1328,6 +1328,7 @@ def demo_user_entry(world, case, spec):
         (case / "mine" / "notes.txt").write_text("mine\n")
         at.symlink_to(case / "mine", target_is_directory=True)
     else:
+        at.parent.mkdir(parents=True, exist_ok=True)
         at.write_text("mine\n")
 
 

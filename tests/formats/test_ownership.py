@@ -266,6 +266,7 @@ def test_a_stamped_demo_refuses_an_edit_in_a_nested_output_written_in_place(tmp_
         "run/checkpoints/step_mine/",
         "run/checkpoints/mine_dir.lnk",
         "model/.notes.frod-ds-lease",
+        "model/sub/.frod-ds-output",
     ],
 )
 def test_a_stamped_demo_refuses_a_file_added_where_its_lists_name_whole_folders(tmp_path, added):
@@ -302,6 +303,8 @@ def test_a_stamped_demo_refuses_a_file_added_where_its_lists_name_whole_folders(
         remove_owned(demo, "demo")
     assert tree(demo) == before and tree(mine) == theirs
     (demo / added).rmdir() if added.endswith("/") else (demo / added).unlink()
+    if added.startswith("model/sub/"):
+        (demo / "model" / "sub").rmdir()  # else an empty folder of the user's, refused as well
     remove_owned(demo, "demo")
     assert not demo.exists() and tree(mine) == theirs
 
