@@ -130,7 +130,7 @@ def prepare(out: Path, log: Path, env: dict[str, str]) -> None:
     """Synthetic rows → ``frod data build`` → tokenizer trained on the rendered text → tiny Llama. ``env``: the
     demo's lease handed on, so that its stage may write inside the demo's output."""
     from frod_ds.formats.sibling_names import owned_sibling
-    from frod_ds.formats.tree_stamps import publish_sealed
+    from frod_ds.formats.tree_stamps import nest, publish_sealed
     from frod_ds.testing.toy import train_sentencepiece_tokenizer, write_synthetic_tasks, write_tiny_llama
 
     def build(name: str) -> Path:  # written beside, published sealed: a stopped demo guards what it finished
@@ -139,6 +139,7 @@ def prepare(out: Path, log: Path, env: dict[str, str]) -> None:
     raw = build("raw")
     write_synthetic_tasks(raw, n_train=600, n_eval=200, seed=0)
     publish_sealed(out, "raw", raw)
+    nest(out, "data")
     _run(
         [
             *_frod(),
@@ -233,12 +234,13 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
     import torch
 
     from frod_ds.formats.ownership import mark_dir, remove_owned
-    from frod_ds.formats.tree_stamps import stamp_tree
+    from frod_ds.formats.tree_stamps import nest, seal_folders, stamp_tree
     from frod_ds.runtime.shipped import shipped_file
 
     remove_owned(out, "demo")  # only what an earlier demo wrote, never the repo or cwd, nothing put there since
     out.mkdir(parents=True, exist_ok=True)
     mark_dir(out, "demo", DEMO_FILES)
+    seal_folders(out, [name for name in DEMO_FILES if name.endswith("/")])  # a stopped demo deletes only its own
     log = out / "demo.log"
     ranks = min(args.ranks, torch.cuda.device_count()) if gpu else args.ranks
     env_note = f"{ranks} GPU rank(s), NCCL, bf16" if gpu else f"{ranks} CPU ranks, gloo, fp32"
@@ -246,6 +248,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
     t0 = time.time()
 
     prepare(out, log, env)
+    nest(out, "factors")
     _run(
         [
             sys.executable,
@@ -267,6 +270,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
     ds_config = str(shipped_file("ds_configs", "zero3.json" if gpu else "zero3_cpu_fp32.json"))
     dtype = "bfloat16" if gpu else "float32"
     launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    nest(out, "run")
     _run(
         [
             launcher,
@@ -297,6 +301,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
         ("eval_base", ["--model", str(out / "model")]),
         ("eval", ["--checkpoint", str(out / "run" / "adapter-final")]),
     ):
+        nest(out, name)
         _run(
             [
                 sys.executable,

@@ -128,6 +128,8 @@ class OutputRecord:
     sealed: list[str] | None = None
     # with ``tree`` or ``sealed``: the folders there that held nothing when stamped (None: stamped before this was kept)
     empty_dirs: list[str] | None = None
+    # with ``tree`` or ``sealed``: the outputs nested in it (``dir/``, records of their own) that are the writer's
+    nested: list[str] | None = None
 
 
 @dataclass

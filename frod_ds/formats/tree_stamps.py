@@ -22,7 +22,7 @@ from frod_ds.formats.output_dir import (
 )
 from frod_ds.runtime.atomic import atomic_write_text, umask
 
-__all__ = ["publish_sealed", "stamp_tree", "tree_added"]
+__all__ = ["nest", "publish_sealed", "seal_folders", "stamp_tree", "tree_added"]
 
 
 def _a_lease(path: Path) -> bool:
@@ -37,42 +37,64 @@ def _a_record(folder: Path) -> bool:
     return record is not None and record.kind in KINDS
 
 
-def _tree_files(path: Path, links: bool) -> tuple[list[str], list[str]]:
+def _tree_files(path: Path, links: bool, trusted: set[str] | None) -> tuple[list[str], list[str], list[str]]:
     """Every file under ``path`` (relative, sorted) but the records, leases and the files a nested output's own
     record stamps (it guards them itself, and a command that rewrites that output in place, such as an eval into
     its earlier results, restamps them); with ``links``, symbolic links too, to folders as well (a link is never
-    the writer's). Second, the folders that hold nothing (``dir/``)."""
+    the writer's). Then the folders that hold nothing (``dir/``), and the nested outputs (``dir/``). ``trusted``:
+    the only nested outputs to pass over (the writer's own; None: every one)."""
     skip: set[str] = set()
-    files, empty = [], []
+    files, empty, nested = [], [], []
     for root, dirs, names in os.walk(path):  # top-down: a nested record is read before the files under it
         here = Path(root).relative_to(path).as_posix() + "/"
         if here != "./" and not dirs and not names:
             empty.append(here)
         for d in dirs:
+            at = Path(root, d).relative_to(path).as_posix() + "/"
             record = read_record(Path(root, d)) if listed_dir(Path(root, d)) else None
-            if record is not None and record.written:
-                at = Path(root, d).relative_to(path).as_posix() + "/"
-                skip |= {at + rel for rel in record.written}
+            if record is not None and record.kind in KINDS and (trusted is None or at in trusted):
+                nested.append(at)
+                skip |= {at + MARKER, *(at + rel for rel in record.written or {})}
         for name in names + [d for d in dirs if links and Path(root, d).is_symlink()]:  # os.walk puts those in dirs
             p = Path(root, name)
             rel = p.relative_to(path).as_posix()
-            if rel in skip or (p.is_symlink() and not links):
-                continue
-            if (name == MARKER and _a_record(Path(root))) or (is_lease_file(name) and _a_lease(p)):
+            if rel in skip or rel == MARKER or (p.is_symlink() and not links) or (is_lease_file(name) and _a_lease(p)):
                 continue
             files.append(rel)
-    return sorted(files), sorted(empty)
+    return sorted(files), sorted(empty), sorted(nested)
 
 
 def stamp_tree(path: Path) -> None:
-    """Stamp every file under finished output ``path`` in its record (``written``, ``tree``). Lease holder only."""
+    """Stamp every file under finished output ``path`` in its record (``written``, ``tree``), and name the outputs
+    nested in it, whose records guard their own files. Lease holder only."""
     path = Path(path)
     record = read_record(path)
     if record is None:
         return
-    files, record.empty_dirs = _tree_files(path, links=False)
+    files, record.empty_dirs, record.nested = _tree_files(path, links=False, trusted=None)
     record.written, record.tree = stamps_of(path, files), True
     atomic_write_text(path / MARKER, record_text(record))
+
+
+def nest(out: Path, name: str) -> None:
+    """Record that folder ``name`` of ``out`` is written next by one of its stages, as an output with a record of
+    its own (which then guards it); a record found anywhere else under a sealed folder is a user's copy. Lease
+    holder only."""
+    record = read_record(out)
+    if record is not None:
+        record.nested = sorted({*(record.nested or []), name.rstrip("/") + "/"})
+        atomic_write_text(out / MARKER, record_text(record))
+
+
+def seal_folders(out: Path, names: list[str]) -> None:
+    """Seal the folders ``names`` of ``out``'s list before they are written: each is then the writer's only as far
+    as ``out``'s stamps (``publish_sealed``) or a record of its own (a stage's output) say, so a folder a user makes
+    at such a name, or fills, before its stage has run is never deleted with a stopped output. Lease holder only."""
+    record = read_record(out)
+    if record is not None:
+        record.sealed = sorted({*(record.sealed or []), *(n.rstrip("/") + "/" for n in names)})
+        record.empty_dirs = record.empty_dirs or []
+        atomic_write_text(out / MARKER, record_text(record))
 
 
 def publish_sealed(out: Path, rel: str, built: Path) -> None:
@@ -82,7 +104,7 @@ def publish_sealed(out: Path, rel: str, built: Path) -> None:
     out, rel = Path(out), rel.rstrip("/") + "/"
     record = read_record(out)
     if record is not None:
-        files, empty = _tree_files(Path(built), links=False)
+        files, empty, _ = _tree_files(Path(built), links=False, trusted=set())
         record.written = {**(record.written or {}), **{rel + k: v for k, v in stamps_of(built, files).items()}}
         record.sealed = sorted({*(record.sealed or []), rel})
         record.empty_dirs = sorted({*(record.empty_dirs or []), *(rel + d for d in empty)})
@@ -97,8 +119,12 @@ def tree_added(path: Path, record: OutputRecord | None) -> list[str]:
     if record is None or not (record.tree or record.sealed):
         return []
     found: list[str] = []
+    nested = record.nested
     for root in [""] if record.tree else (record.sealed or []):
-        files, empty = _tree_files(Path(path) / root, links=True)
+        if root and root in (nested or []) and _a_record(Path(path) / root):
+            continue  # a stage's output: its own record says what in it is ours
+        trusted = None if nested is None else {n[len(root) :] for n in nested if n.startswith(root) and n != root}
+        files, empty, _ = _tree_files(Path(path) / root, links=True, trusted=trusted)
         found += [root + rel for rel in files] + [root + d for d in empty]
     known = {**(record.written or {}), **dict.fromkeys(record.empty_dirs or [])}
     files_only = record.empty_dirs is None  # stamped before empty folders were kept

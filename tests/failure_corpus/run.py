@@ -1308,21 +1308,25 @@ def demo_user_entry(world, case, spec):
     from frod_ds.cli.demo import DEMO_FILES
     from frod_ds.formats.ownership import mark_dir
     from frod_ds.formats.sibling_names import owned_sibling
-    from frod_ds.formats.tree_stamps import publish_sealed, stamp_tree
+    from frod_ds.formats.tree_stamps import nest, publish_sealed, seal_folders, stamp_tree
 
     demo = case / "demo"
     demo.mkdir()
     mark_dir(demo, "demo", DEMO_FILES)
+    seal_folders(demo, [name for name in DEMO_FILES if name.endswith("/")])
     (demo / "demo.log").write_text("frod-ds demo\n")
     built = owned_sibling(demo / "model", "tmp")
     shutil.copytree(world.paths["model"], built, dirs_exist_ok=True)
     publish_sealed(demo, "model", built)
+    nest(demo, "run")
     _copy(world, "run", demo / "run")
     if spec["vars"]["finished"]:
         stamp_tree(demo)
     at = demo / spec["vars"]["at"]
     if spec["vars"]["entry"] == "empty folder":
         at.mkdir()
+    elif spec["vars"]["entry"] == "copy of an export":
+        _copy(world, "export", at)
     elif spec["vars"]["entry"] == "folder link":
         (case / "mine").mkdir()
         (case / "mine" / "notes.txt").write_text("mine\n")

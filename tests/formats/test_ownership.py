@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -309,26 +310,32 @@ def test_a_stamped_demo_refuses_a_file_added_where_its_lists_name_whole_folders(
     assert not demo.exists() and tree(mine) == theirs
 
 
-@pytest.mark.parametrize("added", ["model/notes.txt", "model/mine/", "model/.x.frod-ds-lease", "raw/config.json"])
+@pytest.mark.parametrize(
+    "added", ["model/notes.txt", "model/mine/", "model/.x.frod-ds-lease", "raw/config.json", "eval/notes.txt"]
+)
 def test_a_stopped_demo_refuses_what_a_user_added_to_a_folder_it_published_sealed(tmp_path, added):
     """A demo stopped after it published ``model/`` and ``raw/`` (its list names both whole): a file, an empty folder
     or a lease-named file a user put there, or an edit of the demo's file, is refused, not deleted with the
-    folder; a demo's own temporary folder, and its stage in progress, are the demo's."""
+    folder; so is a file in a stage's folder the demo has not reached (``eval/``). A demo's own temporary folder, a
+    stage's output (its own record), and a stage in progress are the demo's."""
     from frod_ds.cli.demo import DEMO_FILES
     from frod_ds.formats.sibling_names import owned_sibling
-    from frod_ds.formats.tree_stamps import publish_sealed
+    from frod_ds.formats.tree_stamps import nest, publish_sealed, seal_folders
 
     demo = tmp_path / "demo"
     demo.mkdir()
     mark_dir(demo, "demo", DEMO_FILES)
+    seal_folders(demo, [name for name in DEMO_FILES if name.endswith("/")])
+    nest(demo, "data")
+    data_build(demo / "data")
     parts = {"raw": {"boolq/train.json": "[]", "piqa/empty/.keep": ""}, "model": {"config.json": "{}"}}
     for name, files in parts.items():
         built = owned_sibling(demo / name, "tmp")
         write(built, files)
         (built / "nothing").mkdir()
         publish_sealed(demo, name, built)
-    write(demo, {"tokenizer/half.json": "{", "demo.log": "log"})  # a stage stopped mid-way: not sealed
-    owned_sibling(demo / "eval", "tmp")  # a stage's temporary, left by the stop
+    write(demo, {"demo.log": "log"})
+    write(owned_sibling(demo / "tokenizer", "tmp"), {"half.json": "{"})  # a stage stopped mid-way, beside its name
     before_ok = tree(demo)
     if added.endswith("/"):
         (demo / added).mkdir()
@@ -383,6 +390,39 @@ def test_a_runs_record_names_what_a_save_writes_so_a_users_file_in_checkpoints_s
     with pytest.raises(FrodError, match=f"holds what frod-ds did not write there: run/{added}; refusing"):
         remove_owned(demo, "demo")
     assert tree(demo) == before
+
+
+@pytest.mark.parametrize("finished", [True, False])
+@pytest.mark.parametrize("at", ["model/mybuild", "eval"])
+def test_a_frod_output_a_user_copied_into_a_demo_is_theirs(tmp_path, finished, at):
+    """A data build a user copied into the demo's ``model/``, or at the name of a stage the stopped demo has not
+    reached, holds a record of its own but is no output of the demo's: named and refused, not deleted. The demo's
+    own stage outputs (``data/``) are passed over."""
+    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.formats.sibling_names import owned_sibling
+    from frod_ds.formats.tree_stamps import nest, publish_sealed, seal_folders, stamp_tree
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    mark_dir(demo, "demo", DEMO_FILES)
+    seal_folders(demo, [name for name in DEMO_FILES if name.endswith("/")])
+    built = owned_sibling(demo / "model", "tmp")
+    write(built, {"config.json": "{}"})
+    publish_sealed(demo, "model", built)
+    nest(demo, "data")
+    data_build(demo / "data")
+    if finished:
+        stamp_tree(demo)
+    if finished and at == "eval":
+        at = "run/mybuild"
+    data_build(demo / at)
+    before = tree(demo)
+    with pytest.raises(FrodError, match=f"holds what frod-ds did not write there: {at}/"):
+        remove_owned(demo, "demo")
+    assert tree(demo) == before
+    shutil.rmtree(demo / ("run" if at.startswith("run/") else at))  # the folder the copy made, the user's too
+    remove_owned(demo, "demo")
+    assert not demo.exists()
 
 
 def test_a_nested_output_another_command_rewrote_and_restamped_does_not_stop_the_demo(tmp_path):
