@@ -67,9 +67,10 @@ def test_each_expands_into_one_case_per_entry(corpus):
             "each": [{"t": "a", "c": ["--gpus", "0"]}, {"t": "b", "c": []}],
         }
     ]
-    assert corpus.expand(raw) == [
-        {"name": "a x", "class": "clear-error", "cmd": ["plan", "--gpus", "0"]},
-        {"name": "b x", "class": "clear-error", "cmd": ["plan"]},
+    a, b = raw[0]["each"]
+    assert corpus.expand(raw) == [  # a prepare step reads the entry's values as vars
+        {"name": "a x", "class": "clear-error", "cmd": ["plan", "--gpus", "0"], "vars": a},
+        {"name": "b x", "class": "clear-error", "cmd": ["plan"], "vars": b},
     ]
 
 
