@@ -121,7 +121,13 @@ def _order_key(item) -> str:
 
 # Files that share a machine-wide resource (Slurm daemons, munge, the namespaces' bridge) run on one xdist worker,
 # one after the other, as one unit; every other file is a unit of its own, so its module fixtures are built once.
-XDIST_UNITS = {"tests/slurm/test_slurm_multinode.py": "slurm"}
+# files run by one worker, one after the other: the Slurm files; the two tests that each start several ranks for a
+# minute (the demo's stages, the chain's), which on 2 cores at once took twice that and passed their limits
+XDIST_UNITS = {
+    "tests/slurm/test_slurm_multinode.py": "slurm",
+    "tests/cli/test_demo.py": "rank-heavy",
+    "tests/bench/test_chain.py": "rank-heavy",
+}
 # Handed out first, in this order: the longest units (minutes each on 2 cores), so that none starts near the end
 # and leaves the other workers idle while it runs. Then the other files with multi-process (slow) tests, then the
 # quick ones.
@@ -171,7 +177,7 @@ def pytest_configure_node(node):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist (controller side): whole files (XDIST_UNITS: the Slurm files together) go to one worker each, in the
+    """xdist (controller side): whole files (XDIST_UNITS: some together) go to one worker each, in the
     order of the collection (``pytest_collection_modifyitems``). (xdist's own ``--dist loadgroup`` marks nothing under
     pytest 9, whose node ids it can no longer rename, and its ``loadfile`` reorders files by test count.)"""
     from xdist.scheduler import LoadScopeScheduling

@@ -1818,6 +1818,19 @@ def users_tmp_kept(world, case, spec) -> bool:
     return bool(rels) and all((case / r).is_file() and (case / r).read_text() == "a user's file\n" for r in rels)
 
 
+def previous_run_moved_whole(world, case, spec) -> bool:
+    """``{case}/run`` (a copy of the world's run, trained again with ``train.new_run``) holds the world's run,
+    every file byte for byte, in one ``superseded-*`` folder, and a new ``adapter-final``."""
+    run, theirs = case / "run", Path(world.paths["run"])
+
+    def files(root: Path) -> dict[str, bytes]:  # the run's record stays in the folder: it is still a run
+        every = {f.relative_to(root).as_posix(): f for f in root.rglob("*") if f.is_file()}
+        return {rel: f.read_bytes() for rel, f in every.items() if rel != ".frod-ds-output"}
+
+    moved = [p for p in run.iterdir() if p.name.startswith("superseded-")]
+    return len(moved) == 1 and files(moved[0]) == files(theirs) and (run / "adapter-final").is_dir()
+
+
 def decoy_kept(world, case, spec) -> bool:
     """``{case}/decoy.txt``, a user's file a preparer linked into the output, has the content it was given."""
     return (case / "decoy.txt").read_text() == "a user's file\n"
@@ -2080,6 +2093,7 @@ CHECKS: dict[str, Callable] = {
         has_new,
         same_output,
         decoy_kept,
+        previous_run_moved_whole,
         users_tmp_kept,
         store_left_as_it_was,
         counts_repeat_and_surrogate,
