@@ -27,6 +27,7 @@ EXAMPLES = """examples:
 SRC = Path(__file__).resolve().parents[2]
 TASKS = "boolq,piqa"
 DEMO_FILES = ("demo.log", "raw/", "tokenizer/", "model/", "data/", "factors/", "run/", "eval_base/", "eval/")  # its own
+DEMO_FOLDERS = tuple(name for name in DEMO_FILES if name.endswith("/"))  # sealed from the start (tree_stamps)
 
 
 def _frod(launcher: str = "") -> list[str]:
@@ -240,7 +241,7 @@ def _demo(out: Path, args: argparse.Namespace, recipe: Path, env: dict[str, str]
     remove_owned(out, "demo")  # only what an earlier demo wrote, never the repo or cwd, nothing put there since
     out.mkdir(parents=True, exist_ok=True)
     mark_dir(out, "demo", DEMO_FILES)
-    seal_folders(out, [name for name in DEMO_FILES if name.endswith("/")])  # a stopped demo deletes only its own
+    seal_folders(out, DEMO_FOLDERS)  # a stopped demo deletes only its own
     log = out / "demo.log"
     ranks = min(args.ranks, torch.cuda.device_count()) if gpu else args.ranks
     env_note = f"{ranks} GPU rank(s), NCCL, bf16" if gpu else f"{ranks} CPU ranks, gloo, fp32"

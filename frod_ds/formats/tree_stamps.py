@@ -7,6 +7,7 @@ stopped demo guards what its finished stages wrote."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from frod_ds.formats.lease import read_lease
@@ -31,10 +32,18 @@ def _a_lease(path: Path) -> bool:
     return found is not None and found[0] is not None
 
 
-def _a_record(folder: Path) -> bool:
-    """Whether ``folder``'s record file is a frod-ds record of a known kind (a user's file at that name is theirs)."""
-    record = read_record(folder)
-    return record is not None and record.kind in KINDS
+def _known_record(folder: Path) -> OutputRecord | None:
+    """``folder``'s record when it is a frod-ds record of a known kind (a user's file at that name is theirs)."""
+    record = read_record(folder) if listed_dir(folder) else None
+    return record if record is not None and record.kind in KINDS else None
+
+
+def _rewrite(out: Path, change: Callable[[OutputRecord], None]) -> None:
+    """Apply ``change`` to ``out``'s record and write it back (nothing without a record). Lease holder only."""
+    record = read_record(out)
+    if record is not None:
+        change(record)
+        atomic_write_text(out / MARKER, record_text(record))
 
 
 def _tree_files(path: Path, links: bool, trusted: set[str] | None) -> tuple[list[str], list[str], list[str]]:
@@ -51,8 +60,8 @@ def _tree_files(path: Path, links: bool, trusted: set[str] | None) -> tuple[list
             empty.append(here)
         for d in dirs:
             at = Path(root, d).relative_to(path).as_posix() + "/"
-            record = read_record(Path(root, d)) if listed_dir(Path(root, d)) else None
-            if record is not None and record.kind in KINDS and (trusted is None or at in trusted):
+            record = _known_record(Path(root, d))
+            if record is not None and (trusted is None or at in trusted):
                 nested.append(at)
                 skip |= {at + MARKER, *(at + rel for rel in record.written or {})}
         for name in names + [d for d in dirs if links and Path(root, d).is_symlink()]:  # os.walk puts those in dirs
@@ -67,50 +76,52 @@ def _tree_files(path: Path, links: bool, trusted: set[str] | None) -> tuple[list
 def stamp_tree(path: Path) -> None:
     """Stamp every file under finished output ``path`` in its record (``written``, ``tree``), and name the outputs
     nested in it, whose records guard their own files. Lease holder only."""
-    path = Path(path)
-    record = read_record(path)
-    if record is None:
-        return
-    files, record.empty_dirs, record.nested = _tree_files(path, links=False, trusted=None)
-    record.written, record.tree = stamps_of(path, files), True
-    atomic_write_text(path / MARKER, record_text(record))
+
+    def stamp(record: OutputRecord) -> None:
+        files, record.empty_dirs, record.nested = _tree_files(Path(path), links=False, trusted=None)
+        record.written, record.tree = stamps_of(Path(path), files), True
+
+    _rewrite(Path(path), stamp)
 
 
 def nest(out: Path, name: str) -> None:
     """Record that folder ``name`` of ``out`` is written next by one of its stages, as an output with a record of
     its own (which then guards it); a record found anywhere else under a sealed folder is a user's copy. Lease
     holder only."""
-    record = read_record(out)
-    if record is not None:
+
+    def add(record: OutputRecord) -> None:
         record.nested = sorted({*(record.nested or []), name.rstrip("/") + "/"})
-        atomic_write_text(out / MARKER, record_text(record))
+
+    _rewrite(Path(out), add)
 
 
-def seal_folders(out: Path, names: list[str]) -> None:
+def seal_folders(out: Path, names: Iterable[str]) -> None:
     """Seal the folders ``names`` of ``out``'s list before they are written: each is then the writer's only as far
     as ``out``'s stamps (``publish_sealed``) or a record of its own (a stage's output) say, so a folder a user makes
     at such a name, or fills, before its stage has run is never deleted with a stopped output. Lease holder only."""
-    record = read_record(out)
-    if record is not None:
+
+    def seal(record: OutputRecord) -> None:
         record.sealed = sorted({*(record.sealed or []), *(n.rstrip("/") + "/" for n in names)})
         record.empty_dirs = record.empty_dirs or []
-        atomic_write_text(out / MARKER, record_text(record))
+
+    _rewrite(Path(out), seal)
 
 
 def publish_sealed(out: Path, rel: str, built: Path) -> None:
     """Publish folder ``built`` as ``out/rel`` (a name ``out``'s list names whole, absent now), its files stamped
     and the folder sealed in ``out``'s record first: from then on a file a user adds there is refused, not deleted
     with the folder. ``built``: a temporary beside it (``sibling_names.owned_sibling``). Lease holder only."""
-    out, rel = Path(out), rel.rstrip("/") + "/"
-    record = read_record(out)
-    if record is not None:
+    rel = rel.rstrip("/") + "/"
+
+    def seal(record: OutputRecord) -> None:
         files, empty, _ = _tree_files(Path(built), links=False, trusted=set())
         record.written = {**(record.written or {}), **{rel + k: v for k, v in stamps_of(built, files).items()}}
         record.sealed = sorted({*(record.sealed or []), rel})
         record.empty_dirs = sorted({*(record.empty_dirs or []), *(rel + d for d in empty)})
-        atomic_write_text(out / MARKER, record_text(record))
+
+    _rewrite(Path(out), seal)
     os.chmod(built, 0o777 & ~umask())  # mkdtemp makes it private; published, it is the umask's like any folder
-    os.rename(built, out / rel)
+    os.rename(built, Path(out) / rel)
 
 
 def tree_added(path: Path, record: OutputRecord | None) -> list[str]:
@@ -121,7 +132,7 @@ def tree_added(path: Path, record: OutputRecord | None) -> list[str]:
     found: list[str] = []
     nested = record.nested
     for root in [""] if record.tree else (record.sealed or []):
-        if root and root in (nested or []) and _a_record(Path(path) / root):
+        if root and root in (nested or []) and _known_record(Path(path) / root) is not None:
             continue  # a stage's output: its own record says what in it is ours
         trusted = None if nested is None else {n[len(root) :] for n in nested if n.startswith(root) and n != root}
         files, empty, _ = _tree_files(Path(path) / root, links=True, trusted=trusted)

@@ -145,7 +145,7 @@ def _supersede_previous_run(out: Path) -> None:
         p
         for p in out.iterdir()
         if (p.name in PREVIOUS_RUN or (p.name.startswith("adapter-") and p.is_dir()))
-        and match(entries, p.name, p.is_dir() and not p.is_symlink()) in ("own", "parent")  # parent: checkpoints/
+        and match(entries, p.name, p.is_dir() and not p.is_symlink()) in ("own", "parent")  # parent: a folder it fills
     ]
     if not old:
         return

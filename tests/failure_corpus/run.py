@@ -1305,7 +1305,7 @@ def demo_user_entry(world, case, spec):
     """``{case}/demo`` as frod demo leaves it (its list naming model/ and run/ whole; model/ published sealed, the
     world's run in run/), ``finished`` (tree-stamped) or stopped after its first stages; then a user's ``entry``
     at ``at`` in it: a file, an empty folder, a link to a folder of theirs, or a file at a lease's name."""
-    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.cli.demo import DEMO_FILES, DEMO_FOLDERS
     from frod_ds.formats.ownership import mark_dir
     from frod_ds.formats.sibling_names import owned_sibling
     from frod_ds.formats.tree_stamps import nest, publish_sealed, seal_folders, stamp_tree
@@ -1313,7 +1313,7 @@ def demo_user_entry(world, case, spec):
     demo = case / "demo"
     demo.mkdir()
     mark_dir(demo, "demo", DEMO_FILES)
-    seal_folders(demo, [name for name in DEMO_FILES if name.endswith("/")])
+    seal_folders(demo, DEMO_FOLDERS)
     (demo / "demo.log").write_text("frod-ds demo\n")
     built = owned_sibling(demo / "model", "tmp")
     shutil.copytree(world.paths["model"], built, dirs_exist_ok=True)

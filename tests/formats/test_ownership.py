@@ -318,14 +318,14 @@ def test_a_stopped_demo_refuses_what_a_user_added_to_a_folder_it_published_seale
     or a lease-named file a user put there, or an edit of the demo's file, is refused, not deleted with the
     folder; so is a file in a stage's folder the demo has not reached (``eval/``). A demo's own temporary folder, a
     stage's output (its own record), and a stage in progress are the demo's."""
-    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.cli.demo import DEMO_FILES, DEMO_FOLDERS
     from frod_ds.formats.sibling_names import owned_sibling
     from frod_ds.formats.tree_stamps import nest, publish_sealed, seal_folders
 
     demo = tmp_path / "demo"
     demo.mkdir()
     mark_dir(demo, "demo", DEMO_FILES)
-    seal_folders(demo, [name for name in DEMO_FILES if name.endswith("/")])
+    seal_folders(demo, DEMO_FOLDERS)
     nest(demo, "data")
     data_build(demo / "data")
     parts = {"raw": {"boolq/train.json": "[]", "piqa/empty/.keep": ""}, "model": {"config.json": "{}"}}
@@ -398,14 +398,14 @@ def test_a_frod_output_a_user_copied_into_a_demo_is_theirs(tmp_path, finished, a
     """A data build a user copied into the demo's ``model/``, or at the name of a stage the stopped demo has not
     reached, holds a record of its own but is no output of the demo's: named and refused, not deleted. The demo's
     own stage outputs (``data/``) are passed over."""
-    from frod_ds.cli.demo import DEMO_FILES
+    from frod_ds.cli.demo import DEMO_FILES, DEMO_FOLDERS
     from frod_ds.formats.sibling_names import owned_sibling
     from frod_ds.formats.tree_stamps import nest, publish_sealed, seal_folders, stamp_tree
 
     demo = tmp_path / "demo"
     demo.mkdir()
     mark_dir(demo, "demo", DEMO_FILES)
-    seal_folders(demo, [name for name in DEMO_FILES if name.endswith("/")])
+    seal_folders(demo, DEMO_FOLDERS)
     built = owned_sibling(demo / "model", "tmp")
     write(built, {"config.json": "{}"})
     publish_sealed(demo, "model", built)
