@@ -504,7 +504,7 @@ def run_chain(suite: Suite, results: Path, work: Path, *, budget_s: float, only:
             elif group == "prepare":
                 status, wall = _prepare_stage(ch, left)
             else:
-                if cfg["host_probe"] and ch.probe is None:
+                if cfg["host_probe"] and ch.probe is None and not same_run:  # a copied record keeps its probe
                     log(f"{suite.name}/{cfg.name}: host probe")
                     ch.probe = host_probe(ch)
                 status, wall = _train_stage(ch, group, left)

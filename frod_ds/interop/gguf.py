@@ -179,6 +179,9 @@ def _header_problem(reader) -> str | None:
     heads, kv = meta("attention.head_count"), meta("attention.head_count_kv")
     if n is not None and blocks != list(range(n)):
         return f"its header says {arch}.block_count {n}, its tensors hold {len(blocks)} layer{'s' * (len(blocks) != 1)}"
+    odd = _layer_unlike_the_first(tensors, blocks)
+    if odd:
+        return odd
     embd = tensors.get("token_embd.weight")
     if emb is not None and embd is not None and embd[0] != emb:
         return f"its header says {arch}.embedding_length {emb}, its token_embd.weight is {embd[0]} wide"
@@ -277,6 +280,23 @@ def _check_model(gguf_model, saved_dir: Path, dtype, tok) -> dict[str, Any]:
         "tol": LOGIT_TOL,
         "max_abs_logit_diff_vs_unrounded_fp32": diff_full,
     }
+
+
+def _layer_unlike_the_first(tensors: dict[str, list[int]], blocks: list[int]) -> str | None:
+    """A layer whose tensor names differ from layer 0's (one renamed or dropped), said before the minute-long load
+    that would leave the missing weight at its random initialisation; None when every layer holds the same names."""
+    held: dict[int, set[str]] = {}
+    for name in tensors:
+        if m := re.match(r"blk\.(\d+)\.(.+)", name):
+            held.setdefault(int(m.group(1)), set()).add(m.group(2))
+    first = held.get(0, set())
+    for b in blocks[1:]:
+        lacks, extra = sorted(first - held[b]), sorted(held[b] - first)
+        if lacks or extra:
+            said = [f"lacks blk.{b}.{lacks[0]}"] if lacks else []
+            said += [f"holds blk.{b}.{extra[0]}"] if extra else []
+            return f"its layer {b} {' and '.join(said)}, unlike layer 0"
+    return None
 
 
 def convert_gguf(gguf: str | Path, out: str | Path, dtype: str = "float32", overwrite: bool = False) -> ConvertResult:

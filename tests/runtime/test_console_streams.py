@@ -125,12 +125,27 @@ def test_data_build_writes_its_whole_output_and_names_the_full_stream(env, tmp_p
     assert files(out) == files(tmp_path / "plain")
 
 
-def test_export_writes_its_whole_output_and_names_the_full_stdout(env, tmp_path):
-    """``frod export`` prints only its closing line, to stdout; with stderr full it has nothing to lose (exit 0)."""
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def plain_run(env, tmp_path_factory) -> Path:
+    """A 2-step run with both streams captured: what a run with one stream lost must equal; export's input."""
+    run = tmp_path_factory.mktemp("plain-run") / "run"
     trained = frod(*TRAIN, *_steps(env, run), full=())
     assert trained.returncode == 0, trained.stderr[-3000:]
-    args = ("export", "--checkpoint", str(run / "adapter-final"), "--out")
+    return run
+
+
+@pytest.fixture(scope="module")
+def plain_eval(env, tmp_path_factory) -> Path:
+    """An eval with both streams captured: what an eval with one stream lost must equal."""
+    out = tmp_path_factory.mktemp("plain-eval") / "eval"
+    plain = frod(*_eval_args(env), str(out), full=())
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    return out
+
+
+def test_export_writes_its_whole_output_and_names_the_full_stdout(plain_run, tmp_path):
+    """``frod export`` prints only its closing line, to stdout; with stderr full it has nothing to lose (exit 0)."""
+    args = ("export", "--checkpoint", str(plain_run / "adapter-final"), "--out")
     plain = frod(*args, str(tmp_path / "plain"), full=())
     assert plain.returncode == 0, plain.stderr[-3000:]
     out = tmp_path / "out"
@@ -150,28 +165,26 @@ def _steps(env, out: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("full", STREAMS)
-def test_train_writes_its_whole_run_and_names_the_full_stream(env, tmp_path, full):
-    args = TRAIN
-    plain = frod(*args, *_steps(env, tmp_path / "plain"), full=())
-    assert plain.returncode == 0, plain.stderr[-3000:]
+def test_train_writes_its_whole_run_and_names_the_full_stream(env, plain_run, tmp_path, full):
     out = tmp_path / "run"
-    proc = frod(*args, *_steps(env, out), full=(full,))
+    proc = frod(*TRAIN, *_steps(env, out), full=(full,))
     assert proc.returncode == 2 and the_line(proc, full) == done_line(full, f"output_dir {out}")
     adapter = "adapter-final/adapter.safetensors"
-    assert (out / adapter).read_bytes() == (tmp_path / "plain" / adapter).read_bytes()
-    assert sorted(files(out)) == sorted(files(tmp_path / "plain"))
+    assert (out / adapter).read_bytes() == (plain_run / adapter).read_bytes()
+    assert sorted(files(out)) == sorted(files(plain_run))
+
+
+def _eval_args(env) -> tuple[str, ...]:
+    return ("eval", "--model", str(env.model), "--data", str(env.data), "--tasks", "boolq,piqa", "--output")
 
 
 @pytest.mark.parametrize("full", STREAMS)
-def test_eval_writes_its_whole_results_and_names_the_full_stream(env, tmp_path, full):
-    args = ("eval", "--model", str(env.model), "--data", str(env.data), "--tasks", "boolq,piqa", "--output")
-    plain = frod(*args, str(tmp_path / "plain"), full=())
-    assert plain.returncode == 0, plain.stderr[-3000:]
+def test_eval_writes_its_whole_results_and_names_the_full_stream(env, plain_eval, tmp_path, full):
     out = tmp_path / "eval"
-    proc = frod(*args, str(out), full=(full,))
+    proc = frod(*_eval_args(env), str(out), full=(full,))
     assert proc.returncode == 2 and the_line(proc, full) == done_line(full, f"--output {out}")
-    assert files(out, skip=("results.json",)) == files(tmp_path / "plain", skip=("results.json",))
-    results = [json.loads((d / "results.json").read_text())["tasks"] for d in (out, tmp_path / "plain")]
+    assert files(out, skip=("results.json",)) == files(plain_eval, skip=("results.json",))
+    results = [json.loads((d / "results.json").read_text())["tasks"] for d in (out, plain_eval)]
     assert results[0] == results[1]
 
 

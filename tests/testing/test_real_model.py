@@ -259,8 +259,9 @@ def test_locate_gguf_rejects_a_wrong_file_and_says_what_to_do(tmp_path, monkeypa
 
 def test_a_gguf_missing_one_weights_tensor_is_refused_not_left_random(real_gguf, tmp_path):
     """The real GGUF with one tensor renamed (blk.5.attn_q.weight → blk.5.attn_z.weight, same size): transformers
-    loads it with layer 5's q_proj at its random initialisation, so the converter refuses it (a missing weight),
-    naming it, and writes nothing; the GGUF reference logits could not tell (they are the same random model)."""
+    would load it with layer 5's q_proj at its random initialisation (the GGUF reference logits could not tell:
+    they are the same random model), so the converter refuses it from its tensor table, naming both names, before
+    loading anything, and writes nothing."""
     from frod_ds.interop.gguf import ConvertError
 
     data = bytearray(real_gguf.read_bytes())
@@ -269,6 +270,7 @@ def test_a_gguf_missing_one_weights_tensor_is_refused_not_left_random(real_gguf,
     data[at : at + 19] = b"blk.5.attn_z.weight"
     edited = tmp_path / "edited.gguf"
     edited.write_bytes(bytes(data))
-    with pytest.raises(ConvertError, match=r"holds no tensor for 1 of the model's weights \(first: model\.layers\.5"):
+    said = r"its layer 5 lacks blk\.5\.attn_q\.weight and holds blk\.5\.attn_z\.weight, unlike layer 0; the file"
+    with pytest.raises(ConvertError, match=said):
         convert_gguf(edited, tmp_path / "out", dtype="float32")
     assert not (tmp_path / "out").exists()
