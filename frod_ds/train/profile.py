@@ -26,6 +26,7 @@ __all__ = ["PROFILE_DIR", "profile_path", "profiled"]
 
 PROFILE_DIR = "profile"
 TOP = 60  # functions listed per ordering
+ENGINE_CALLS = r"runtime/engine\.py:\d+\((forward|backward|step)\)"  # DeepSpeed's engine, as pstats names them
 
 
 def profile_path(out: Path, step: int, rank: int) -> Path:
@@ -42,7 +43,7 @@ def _short(text: str) -> str:
 @contextlib.contextmanager
 def profiled(out: Path, step: int, rank: int, on: bool) -> Iterator[None]:
     """Run the body under cProfile when ``on`` and write this rank's summary for optimizer step ``step``
-    (1-based): the wall seconds, then the top functions by cumulative and by own time."""
+    (1-based): the wall seconds, the top functions by cumulative and by own time, then the engine's three calls."""
     if not on:
         yield
         return
@@ -58,6 +59,9 @@ def profiled(out: Path, step: int, rank: int, on: bool) -> Iterator[None]:
     for order in ("cumulative", "tottime"):
         buf.write(f"\n=== top {TOP} by {order} ===\n")
         pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(TOP)
+    # the step's three phases, listed whatever the ranking: waits on other ranks can push them out of the top
+    buf.write("\n=== the engine's forward, backward and step ===\n")
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(ENGINE_CALLS)
     path = profile_path(out, step, rank)
     if not _ours(path, rank, step):
         note(f"{path} is not a profile this run wrote: left as it is, step {step}'s profile not written")
