@@ -28,6 +28,7 @@ from frod_ds.runtime.strict_json import loads
 __all__ = [
     "MARKER",
     "RUN_FOLDER_FILES",
+    "STEP_ENGINE_FILES",
     "FORMAT",
     "VERSION",
     "LEASE",
@@ -79,18 +80,23 @@ WRITERS = {  # the command that writes each kind, as a lease names its holder
 }
 _RUN = ("recipe.yaml", "metrics.jsonl", "loss.png", "tensorboard/", "checkpoints/", "adapter-*/", "superseded-*/")
 _STEP = "checkpoints/step[0-9]*/"
+STEP_ENGINE_FILES = (  # what a save writes beside frod-ds's own records: DeepSpeed's files (any stage), the RNG's
+    "*mp_rank_[0-9][0-9]_model_states.pt",
+    "*zero_pp_rank_[0-9]*_mp_rank_[0-9][0-9]_optim_states.pt",
+    "rng_rank[0-9]*.pt",
+)
 RUN_FOLDER_FILES = (  # what a run writes in its folders, by name: so a user's file there is never the run's
     "checkpoints/latest_complete",  # the pointer, and DeepSpeed's files beside the saves
     "checkpoints/latest",
     "checkpoints/zero_to_fp32.py",
     "checkpoints/zero_to_torch.py",
-    _STEP + "*.pt",  # each save's
+    *(_STEP + name for name in STEP_ENGINE_FILES),  # each save's
     _STEP + "COMPLETE",
     _STEP + "trainable_state.safetensors",
     _STEP + "factor_store.json",
     _STEP + "run_identity.json",
-    "tensorboard/events.out.tfevents.*",
-    "profile/step-*.rank*.txt",
+    "tensorboard/events.out.tfevents.[0-9]*.*.[0-9]*.[0-9]*",  # SummaryWriter's: time, host, pid, count
+    "profile/step-[0-9][0-9][0-9][0-9][0-9][0-9].rank[0-9]*.txt",
 )
 _HF = ("*.safetensors", "*.json", "*.model", "*.txt", "*.jinja")  # weights, index, config, tokenizer files
 KIND_FILES: dict[str, tuple[str, ...]] = {  # what each kind writes: the file list of a record from before lists

@@ -11,6 +11,7 @@ loaded (tensors memory-mapped) the way the resume loads it, ``weights_only`` wit
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import os
 import re
@@ -18,6 +19,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from frod_ds.formats.output_dir import STEP_ENGINE_FILES
 from frod_ds.formats.records import parse_json, record_from_dict, record_to_json
 from frod_ds.runtime.atomic import TMP, atomic_write_text, fsync_dir
 from frod_ds.runtime.errors import FrodError
@@ -234,9 +236,10 @@ def check_root_files(root: Path) -> None:
 
 
 def foreign_files(ckpt: Path, own_names: tuple[str, ...]) -> list[str]:
-    """Files under the step folder ``ckpt`` that no save writes (engine ``*.pt`` files, ``own_names``, ``COMPLETE``
-    and their temporaries), or ``ckpt`` itself when it is a link or no folder: a user's folder of a step's name is
-    then no checkpoint of the run's, never to be deleted with the run's leftovers or old checkpoints."""
+    """Files under the step folder ``ckpt`` that no save writes (the engine's and RNG files by their names,
+    ``own_names``, ``COMPLETE`` and their temporaries), or ``ckpt`` itself when it is a link or no folder: a user's
+    folder of a step's name is then no checkpoint of the run's, never to be deleted with the run's leftovers or old
+    checkpoints."""
     if ckpt.is_symlink() or not ckpt.is_dir():
         return [ckpt.name]
     names = (COMPLETE, *own_names)
@@ -244,6 +247,7 @@ def foreign_files(ckpt: Path, own_names: tuple[str, ...]) -> list[str]:
     for p in sorted(ckpt.rglob("*")):
         rel = str(p.relative_to(ckpt))
         base = rel.removesuffix(TMP)
-        if p.is_symlink() or (p.is_file() and not (base.endswith(".pt") or base in names)):
+        ours = base in names or any(fnmatch.fnmatchcase(base, n) for n in STEP_ENGINE_FILES)
+        if p.is_symlink() or (p.is_file() and not ours):
             out.append(rel)
     return out

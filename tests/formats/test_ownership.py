@@ -357,7 +357,16 @@ def test_a_stopped_demo_refuses_what_a_user_added_to_a_folder_it_published_seale
 
 
 @pytest.mark.parametrize(
-    "added", [None, "checkpoints/notes.txt", "checkpoints/step00000002/notes.txt", "tensorboard/notes.txt"]
+    "added",
+    [
+        None,
+        "checkpoints/notes.txt",
+        "checkpoints/step00000002/notes.txt",
+        "checkpoints/step00000002/mine.pt",  # a .pt name no save writes
+        "tensorboard/notes.txt",
+        "tensorboard/events.out.tfevents.mine",  # an event-file name SummaryWriter never gives
+        "profile/step-2.rank0.txt",
+    ],
 )
 def test_a_runs_record_names_what_a_save_writes_so_a_users_file_in_checkpoints_stays(tmp_path, added):
     """A stopped demo's training run: its record names the files a save writes (engine ``*.pt``, the seal, the
@@ -377,8 +386,9 @@ def test_a_runs_record_names_what_a_save_writes_so_a_users_file_in_checkpoints_s
     run.mkdir()
     record_files(run, RUN_RECORD, RUN_KIND)
     save = ["mp_rank_00_model_states.pt", "rng_rank1.pt", COMPLETE, TRAINABLE_STATE, STORE_IDENTITY, RUN_IDENTITY]
+    save += ["zero_pp_rank_1_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     write(run, {"metrics.jsonl": "{}\n", **{f"checkpoints/{n}": n for n in ROOT_FILES}})
-    write(run, {"profile/step-000002.rank1.txt": "p", "tensorboard/events.out.tfevents.1764.host.7.0": "e"})
+    write(run, {"profile/step-000002.rank1.txt": "p", "tensorboard/events.out.tfevents.1764.host.a.7.0": "e"})
     write(run, {f"checkpoints/step0000000{s}/{n}": n for s in (1, 2) for n in save})
     write(run, {"checkpoints/step00000003/zero_pp_rank_0_mp_rank_00_optim_states.pt": "a save stopped mid-way"})
     if added is None:
