@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from frod_ds.formats.ownership import check_replaceable, inventory, listed_dir, mark_dir, stamp_listed
+from frod_ds.formats.ownership import check_replaceable, inventory, is_marked, listed_dir, mark_dir, stamp_listed
 from frod_ds.formats.processes import pid_alive
 from frod_ds.formats.publish import aside_prefix, finish_aside, publish_dir
 from frod_ds.formats.sibling_names import owned_prefix, owned_sibling
@@ -48,7 +48,8 @@ def _sweep_dead_builds(out: Path, kind: str) -> None:
     shared filesystem; also a host whose name extends this one's, ``gpu`` and ``gpu-12``) and of live processes
     are left alone."""
     for p in _dead_siblings(out, _build_prefix(out)):
-        shutil.rmtree(p, ignore_errors=True)
+        if is_marked(p):  # a build's record from its start: a user's folder of that shape is no leftover
+            shutil.rmtree(p, ignore_errors=True)
     for p in _dead_siblings(out, aside_prefix(out)):
         finish_aside(p, out, kind)
 
@@ -93,6 +94,7 @@ def building_dir(
         _sweep_dead_builds(out, kind)
         tmp = owned_sibling(out, "tmp")
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; published, it is the umask's like any folder
+        mark_dir(tmp, kind)  # from its start: a killed build's folder is told from a user's of the same shape
     except OSError as e:
         raise FrodError(
             path_error(out, e)

@@ -267,11 +267,26 @@ def stamps_of(folder: Path, entries: list[str]) -> dict[str, list]:
     return out
 
 
+# the kinds only ever published whole (formats.building), each file stamped: a record of one without stamps is an
+# older frod-ds's, whose record was written after every file it lists
+PUBLISHED_WHOLE = (
+    "adapter",
+    "hf-export",
+    "peft-export",
+    "peft-import",
+    "data-build",
+    "eval-results",
+    "gguf-conversion",
+)
+
+
 def edited_since_written(folder: Path, record: OutputRecord | None) -> list[str]:
     """The files of ``record.written`` still in ``folder`` with other bytes than published (a user's edit: the
     writer replaces its folder whole), or replaced by anything but a file (a link, even to the same bytes, a named
     pipe, a folder: the writer stamps files only). Size and mtime unchanged mean untouched; a copy's new mtime is
-    hashed."""
+    hashed. A published-whole output's record without stamps: its listed files changed after the record."""
+    if record is not None and record.written is None and record.kind in PUBLISHED_WHOLE:
+        return _changed_after_record(Path(folder), record)
     out = []
     for rel, (size, mtime_ns, sha) in sorted(((record.written if record else None) or {}).items()):
         path = Path(folder) / rel
@@ -298,3 +313,18 @@ def listed_since_written(folder: Path, record: OutputRecord | None) -> list[str]
         if rel not in written and not rel.endswith("/") and path.is_file() and not path.is_symlink():
             out.append(rel)
     return sorted(out)
+
+
+def _changed_after_record(folder: Path, record: OutputRecord) -> list[str]:
+    """The files ``record`` lists under ``folder`` (nested records' folders aside) modified after the record."""
+    since = (folder / MARKER).stat().st_mtime_ns
+    entries, out = tuple(record.files or ()), []
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if rel == MARKER or path.is_symlink() or not path.is_file() or match(entries, rel, False) != "own":
+            continue
+        if any((parent / MARKER).is_file() for parent in path.parents if folder in parent.parents):
+            continue  # a nested output's: its own record says
+        if path.stat().st_mtime_ns > since:
+            out.append(rel)
+    return out

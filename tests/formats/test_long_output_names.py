@@ -15,6 +15,7 @@ import pytest
 from frod_ds.formats.building import _build_prefix, building_dir
 from frod_ds.formats.lease import LEASE, acquire, holding, lease_path
 from frod_ds.formats.output_dir import read_record
+from frod_ds.formats.ownership import mark_dir
 from frod_ds.formats.sibling_names import fitted_name
 from frod_ds.runtime.errors import FrodError
 from tests.support.leftovers import REPO, clean_env
@@ -71,6 +72,7 @@ def test_a_dead_builders_folder_of_a_long_named_output_is_swept(tmp_path):
     dead.wait()
     left = tmp_path / f"{_build_prefix(out)}{dead.pid}-abcd_123"
     left.mkdir()
+    mark_dir(left, "hf-export")  # what a build's folder holds from its start
     build(out, "first")
     assert not left.exists() and [p.name for p in tmp_path.iterdir()] == [out.name]
 

@@ -257,6 +257,7 @@ def test_a_build_killed_with_sigkill_is_swept_by_the_next_build_of_that_output(t
     import sys
 
     from frod_ds.formats.building import building_dir
+    from frod_ds.formats.ownership import mark_dir, marker_kind
 
     out = tmp_path / "export"
     killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -269,12 +270,41 @@ def test_a_build_killed_with_sigkill_is_swept_by_the_next_build_of_that_output(t
         "other host": tmp_path / f".export.tmp-{host}x-{killed.pid}-ghi_1234",
         "other host extending this one's name": tmp_path / f".export.tmp-{host}-12-{killed.pid}-ghi_5678",
         "other output": tmp_path / f".export2.tmp-{host}-{killed.pid}-jkl_1234",
+        "dead, a user's (no record)": tmp_path / f".export.tmp-{host}-{killed.pid}-mno_1234",
     }
-    for d in leftovers.values():
+    for name, d in leftovers.items():
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"\0" * 10)
+        if "a user's" not in name:
+            mark_dir(d, "hf-export")  # as a build's folder holds from its start
     with building_dir(out, "hf-export") as tmp:
         assert tmp.name.startswith(f".export.tmp-{host}-{os.getpid()}-")
+        assert marker_kind(tmp) == "hf-export"  # a build killed now leaves a folder the next one can tell
         (tmp / "config.json").write_text("{}")
     assert (out / "config.json").is_file()
     assert {k for k, d in leftovers.items() if not d.exists()} == {"dead"}
+
+
+@pytest.mark.parametrize("edited", [False, True])
+def test_an_unstamped_record_of_a_published_output_refuses_a_file_changed_after_it(tmp_path, edited):
+    """A data build whose record holds no stamps (an older frod-ds's, or stamps removed): ``--overwrite`` removes
+    it whole when untouched, and refuses, naming it, a listed file modified after the record was written."""
+    import time
+
+    from frod_ds.formats.ownership import mark_dir, remove_owned
+    from frod_ds.runtime.errors import FrodError
+
+    out = tmp_path / "d"
+    (out / "eval").mkdir(parents=True)
+    for name in ("train.jsonl", "manifest.json", "eval/boolq.jsonl"):
+        (out / name).write_text("{}\n")
+    mark_dir(out, "data-build", ["train.jsonl", "manifest.json", "eval/boolq.jsonl"])  # no stamps
+    if not edited:
+        remove_owned(out, "data-build")
+        assert not out.exists()
+        return
+    time.sleep(0.01)
+    (out / "manifest.json").write_text('{"mine": 1}\n')
+    with pytest.raises(FrodError, match="changed since frod-ds wrote them: manifest.json; refusing"):
+        remove_owned(out, "data-build")
+    assert (out / "manifest.json").read_text() == '{"mine": 1}\n'
