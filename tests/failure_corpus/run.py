@@ -1612,6 +1612,31 @@ def data_build_tmp_folder(world, case, spec):
     (case / "data" / "train.jsonl.frod-tmp" / "keep").write_text("a user's file\n")
 
 
+def dead_builders_shape(world, case, spec):
+    """A user's folder (holding a file) beside ``{case}/data`` named as a killed build's temporary of a dead pid,
+    but with no record (round 30: the next build deleted it)."""
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mine = case / f".data.tmp-{socket.gethostname()}-{dead.pid}-abcdefgh"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("a user's file\n")
+
+
+def data_build_unstamped_edited(world, case, spec):
+    """The world's data build with its record's stamps removed (as an older frod-ds wrote it), then its
+    manifest.json edited by a user (round 30: --overwrite deleted the edit)."""
+    from frod_ds.formats.output_dir import read_record
+    from frod_ds.formats.ownership import mark_dir
+
+    shutil.copytree(world.paths["data"], case / "data")
+    mark_dir(case / "data", "data-build", read_record(case / "data").files or ())
+    time.sleep(0.01)
+    manifest = case / "data" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace("{", '{"mine": 1, ', 1))
+
+
 def decoy_file(world, case, spec):
     """A user's file, ``{case}/decoy.txt`` (round 25: an output through its ``..``)."""
     (case / "decoy.txt").write_text("a user's file\n")
@@ -2054,6 +2079,8 @@ STEPS: dict[str, Callable] = {
         test_json_only,
         data_build_copy,
         data_build_tmp_folder,
+        data_build_unstamped_edited,
+        dead_builders_shape,
         home_copies,
         run_users_tmp,
         store_users_tmp,
