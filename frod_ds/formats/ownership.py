@@ -46,6 +46,7 @@ __all__ = [
     "MARKER",
     "KINDS",
     "mark_dir",
+    "edit_stamps",
     "restamp",
     "stamp_listed",
     "record_files",
@@ -89,13 +90,19 @@ def stamp_listed(path: Path, kind: str | None = None) -> None:
         mark_dir(Path(path), record.kind, record.files or (), stamp=True)
 
 
+def edit_stamps(path: Path, edit: Callable[[dict[str, list]], dict[str, list] | None]) -> None:
+    """Rewrite the stamps of the record of folder ``path`` as ``edit`` returns them (None: none), when it has some.
+    Lease holder only."""
+    record = read_record(Path(path)) if is_marked(Path(path)) else None
+    if record is not None and record.written is not None:
+        record.written = edit(record.written)
+        atomic_write_text(Path(path) / MARKER, record_text(record))
+
+
 def restamp(path: Path, entries: Iterable[str]) -> None:
     """After the writer replaced ``entries`` of a write-once output in place (an eval into its earlier results), its
     record's stamps of them are the new files' (else the next run reads them as a user's edit). Lease holder only."""
-    record = read_record(Path(path))
-    if record is not None and record.written is not None:
-        record.written.update(stamps_of(Path(path), list(entries)))
-        atomic_write_text(Path(path) / MARKER, record_text(record))
+    edit_stamps(path, lambda written: {**written, **stamps_of(Path(path), list(entries))})
 
 
 def record_files(path: Path, entries: Iterable[str], kind: str | None = None) -> None:

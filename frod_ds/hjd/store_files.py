@@ -12,10 +12,10 @@ import shutil
 from pathlib import Path
 
 from frod_ds.formats.factor_store import MANIFEST, Manifest, is_store_file
-from frod_ds.formats.output_dir import MARKER, edited_since_written, entries_of, match, read_record, record_text
-from frod_ds.formats.ownership import delete_owned, is_marked, stamp_listed
+from frod_ds.formats.output_dir import MARKER, edited_since_written, entries_of, match, read_record
+from frod_ds.formats.ownership import delete_owned, edit_stamps, is_marked, stamp_listed
 from frod_ds.formats.sibling_names import fitted_name
-from frod_ds.runtime.atomic import TMP, atomic_write_text
+from frod_ds.runtime.atomic import TMP
 from frod_ds.runtime.errors import HJDError, StoreError, note
 
 __all__ = [
@@ -172,10 +172,7 @@ def refuse_edited(out: Path, replacing: bool) -> None:
 def unstamp(out: Path) -> None:
     """Rank 0, just before HJD writes the manifest of a store again: the stamps of the complete store go (a run
     killed from here leaves it unstamped, as an unfinished store is); :func:`stamp_complete` stamps it anew."""
-    record = read_record(out) if is_marked(out) else None
-    if record is not None and record.written is not None:
-        record.written = None
-        atomic_write_text(out / MARKER, record_text(record))
+    edit_stamps(out, lambda written: None)
 
 
 def stamp_complete(out: Path) -> None:
