@@ -17,6 +17,7 @@ from frod_ds.formats.ownership import delete_owned, edit_stamps, is_marked, stam
 from frod_ds.formats.sibling_names import fitted_name
 from frod_ds.runtime.atomic import TMP
 from frod_ds.runtime.errors import HJDError, StoreError, note
+from frod_ds.runtime.paths import unmovable
 
 __all__ = [
     "KIND",
@@ -106,6 +107,13 @@ def set_aside(out: Path) -> None:
         remove_store_files(out)
         return
     entries = entries_of(read_record(out), KIND) or ()
+    stuck = unmovable([out, *out.iterdir()], out.parent)
+    if stuck is not None:
+        raise HJDError(
+            f"--out {out} --overwrite moves the store it replaces aside into {aside} until the new one is built, and "
+            f"{stuck} is a mount point (or on another file system); remove the store's files yourself, or choose "
+            "another --out (nothing was moved)"
+        )
     aside.mkdir()
     (aside / ASIDE_STAMP).write_text(_stamp_of(out))  # first: an aside a kill left is known by them (_ours)
     shutil.copy2(out / MARKER, aside / MARKER)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "dir_problem",
     "read_small_text",
     "replaceable_own",
+    "unmovable",
 ]
 
 SMALL_FILE_BYTES = 16 * 2**20  # a manifest, a record or a config frod-ds writes: far below this
@@ -166,3 +167,14 @@ def replaceable_own(path: Path, head_is_ours: Callable[[bytes], bool], head_byte
         return False
     with open(path, "rb") as f:
         return head_is_ours(f.read(head_bytes))
+
+
+def unmovable(paths: Iterable[Path], into: Path) -> Path | None:
+    """The first of ``paths`` that a rename cannot move into the folder ``into`` (or beside it, when it is to be
+    made): a mount point (the kernel refuses to rename one) or an entry on another file system. Asked before the
+    first rename, so that a move of several is never left half done."""
+    dev = os.stat(into).st_dev
+    for p in paths:
+        if os.path.ismount(p) or os.lstat(p).st_dev != dev:
+            return Path(p)
+    return None

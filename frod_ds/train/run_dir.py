@@ -24,6 +24,7 @@ from frod_ds.formats.ownership import check_replaceable, delete_owned, marker_ki
 from frod_ds.runtime import distributed as dist
 from frod_ds.runtime.atomic import TMP, atomic_write_text, tmp_problem
 from frod_ds.runtime.errors import FrodError
+from frod_ds.runtime.paths import unmovable
 from frod_ds.train.checkpoints import check_root_files, sealed_checkpoints
 
 __all__ = [
@@ -149,6 +150,12 @@ def _supersede_previous_run(out: Path) -> None:
     ]
     if not old:
         return
+    stuck = unmovable(old, out)
+    if stuck is not None:
+        raise FrodError(
+            f"train.new_run: {stuck} is a mount point (or on another file system), which cannot be moved aside "
+            f"into {out}/superseded-*; move it out of output_dir or choose another output_dir (nothing was moved)"
+        )
     stamp = time.strftime("superseded-%Y%m%d-%H%M%S")
     for n in range(1000):  # a name nothing holds yet: an earlier run's of the same second, or the user's
         dest = out / (stamp if n == 0 else f"{stamp}-{n}")

@@ -5,6 +5,7 @@ agreement on an error are checked once each as real processes."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -431,6 +432,21 @@ def test_overwrite_never_takes_a_users_thing_at_the_aside_name_for_its_own(model
     assert _files(out) != before and (aside / "manifest.json").is_file()
     assert main(["--model", str(model), "--out", str(out), "--device", "cpu", "--overwrite", "--pi", "1e-300"]) == 2
     assert _files(out) == before and not aside.exists()
+
+
+def test_overwrite_of_a_store_at_a_mount_point_is_refused_before_anything_moves(model, tmp_path, capsys, monkeypatch):
+    """``--out`` a mount point (a tmpfs holding an earlier store): the store cannot be moved aside beside it, so
+    ``--overwrite`` refuses in one line before anything is moved (the files left where they were, none deleted)."""
+    out = tmp_path / "store"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu"]) == 0
+    before = _files(out)
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(out) or real(p))
+    capsys.readouterr()
+    assert main(["--model", str(model), "--out", str(out), "--device", "cpu", "--overwrite", "--pi", "0.5"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert f"{out} is a mount point (or on another file system)" in line and "nothing was moved" in line, line
+    assert _files(out) == before and not (tmp_path / ".store.replaced").exists()
 
 
 def test_hjd_verify_of_an_unfinished_store_names_it_and_says_to_resume(model, tmp_path, capsys):

@@ -36,3 +36,27 @@ def test_new_run_takes_a_free_superseded_name_and_leaves_a_users_one_alone(tmp_p
     assert list(users.iterdir()) == [] and (out / f"{stamp}-2").read_text() == "a file\n"
     files = read_record(out).files
     assert f"{stamp}-3/" in files and not {f"{stamp}/", f"{stamp}-1/", f"{stamp}-2/"} & set(files), json.dumps(files)
+
+
+def test_new_run_with_a_mount_point_among_the_runs_folders_moves_nothing(tmp_path, monkeypatch):
+    """A folder of the run that is a mount point (a read-only bind mount of checkpoints/; the kernel refuses to
+    rename one): refused in one line naming it before anything moves; nothing half moved."""
+    import os
+
+    import pytest
+
+    from frod_ds.runtime.errors import FrodError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    record_files(out, run_dir.RUN_FILES, run_dir.RUN_KIND)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "checkpoints").mkdir()
+    (out / "adapter-final").mkdir()
+    record_files(out, ["adapter-final/"], run_dir.RUN_KIND)
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(out / "checkpoints") or real(p))
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(FrodError, match=r"checkpoints is a mount point .*choose another output_dir \(nothing was"):
+        run_dir._supersede_previous_run(out)
+    assert sorted(p.name for p in out.iterdir()) == before
