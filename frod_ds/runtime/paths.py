@@ -8,7 +8,9 @@ folder a directory is (a factor store given as a model, ...) is ``frod_ds.format
 from __future__ import annotations
 
 import errno
+import functools
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -173,8 +175,20 @@ def unmovable(paths: Iterable[Path], into: Path) -> Path | None:
     """The first of ``paths`` that a rename cannot move into the folder ``into`` (or beside it, when it is to be
     made): a mount point (the kernel refuses to rename one) or an entry on another file system. Asked before the
     first rename, so that a move of several is never left half done."""
-    dev = os.stat(into).st_dev
+    dev, mounts = os.stat(into).st_dev, _mount_points()
     for p in paths:
-        if os.path.ismount(p) or os.lstat(p).st_dev != dev:
+        at = os.path.join(os.path.realpath(os.path.dirname(p)), os.path.basename(p))  # as the mount table says it
+        if os.path.ismount(p) or at in mounts or os.lstat(p).st_dev != dev:
             return Path(p)
     return None
+
+
+def _mount_points() -> set[str]:
+    """Every mount point of this process (``/proc/self/mountinfo``: a file bind-mounted on its own file system is
+    one, which ``os.path.ismount`` cannot tell); none where that cannot be read."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    unescape = functools.partial(re.sub, r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)))
+    return {unescape(line.split()[4]) for line in lines if len(line.split()) > 4}

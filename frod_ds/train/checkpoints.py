@@ -237,9 +237,9 @@ def check_root_files(root: Path) -> None:
 
 def foreign_files(ckpt: Path, own_names: tuple[str, ...]) -> list[str]:
     """Files under the step folder ``ckpt`` that no save writes (the engine's and RNG files by their names,
-    ``own_names``, ``COMPLETE`` and their temporaries), or ``ckpt`` itself when it is a link or no folder: a user's
-    folder of a step's name is then no checkpoint of the run's, never to be deleted with the run's leftovers or old
-    checkpoints."""
+    ``own_names``, ``COMPLETE`` and their temporaries, all at its top), or ``ckpt`` itself when it is a link or no
+    folder: a user's folder of a step's name is then no checkpoint of the run's, never to be deleted with the run's
+    leftovers or old checkpoints."""
     if ckpt.is_symlink() or not ckpt.is_dir():
         return [ckpt.name]
     names = (COMPLETE, *own_names)
@@ -247,7 +247,7 @@ def foreign_files(ckpt: Path, own_names: tuple[str, ...]) -> list[str]:
     for p in sorted(ckpt.rglob("*")):
         rel = str(p.relative_to(ckpt))
         base = rel.removesuffix(TMP)
-        ours = base in names or any(fnmatch.fnmatchcase(base, n) for n in STEP_ENGINE_FILES)
+        ours = "/" not in base and (base in names or any(fnmatch.fnmatchcase(base, n) for n in STEP_ENGINE_FILES))
         if p.is_symlink() or (p.is_file() and not ours):
             out.append(rel)
     return out

@@ -62,3 +62,19 @@ def test_readers_of_data_models_and_stores_name_a_pipe_or_a_link_loop(odd: Path,
         with pytest.raises(FrodError) as err:
             call()
         assert says in str(err.value) and "not found" not in str(err.value), str(err.value)
+
+
+def test_unmovable_names_a_file_the_mount_table_lists_and_a_mount_point(tmp_path, monkeypatch):
+    """A file bind-mounted on its own file system (``os.path.ismount`` says no: same device) is named from the
+    mount table, its octal escapes read (a space is ``\\040`` there); a plain folder and file are movable."""
+    from frod_ds.runtime import paths
+
+    (tmp_path / "my dir").mkdir()
+    bound = tmp_path / "my dir" / "q.V.safetensors"
+    bound.write_text("x")
+    (tmp_path / "plain").write_text("y")
+    table = f"36 35 98:0 / {str(bound).replace(' ', chr(92) + '040')} rw,noatime master:1 - ext4 /dev/root rw\n"
+    monkeypatch.setattr(paths.Path, "read_text", lambda self, *a, **k: table)
+    assert paths._mount_points() == {str(bound)}
+    assert paths.unmovable([tmp_path / "plain", tmp_path / "my dir"], tmp_path) is None
+    assert paths.unmovable([tmp_path / "plain", bound], tmp_path) == bound

@@ -47,6 +47,15 @@ def test_only_the_runs_own_step_folders_are_pruned(tmp_path, capsys):
     assert foreign_files(users, OWN) == ["notes.txt"]
     assert not engine_state._the_runs(users, OWN, sealed=False)
     assert f"{users} is left alone, not pruned: it holds what no save writes (notes.txt)" in capsys.readouterr().err
+    # a .pt file no save names (round 30: a user's step folder of mine.pt, a backup/ folder in a save, went)
+    (users / "notes.txt").unlink()
+    (users / "mine.pt").write_text("mine\n")
+    (mine / "backup").mkdir()
+    torch.save({}, mine / "backup" / "mp_rank_00_model_states.pt")
+    assert foreign_files(users, OWN) == ["mine.pt"] and not engine_state._the_runs(users, OWN, sealed=False)
+    assert foreign_files(mine, OWN) == ["backup/mp_rank_00_model_states.pt"]
+    shutil.rmtree(mine / "backup")
+    capsys.readouterr()
     leftover = root / tag_of(20)
     leftover.mkdir()
     torch.save({}, leftover / "mp_rank_00_model_states.pt")
