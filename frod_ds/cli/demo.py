@@ -100,10 +100,11 @@ for sig, wait in ((15, 20.0), (9, 0.0)):
 
 def _guard(group: int) -> subprocess.Popen:
     """A process that outlives nothing: it waits for this demo to end and, if the demo ends without stopping the
-    stage's process group ``group`` (killed outright), stops that group."""
+    stage's process group ``group`` (killed outright, hung up, quit), stops that group. In a session of its own, so
+    that what ends the demo's group (a terminal's hang-up, a kill of the group) does not end it too."""
     quiet = subprocess.DEVNULL
     cmd = [sys.executable, "-c", GUARD, str(group), str(os.getpid())]
-    return subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet)
+    return subprocess.Popen(cmd, stdin=quiet, stdout=quiet, stderr=quiet, start_new_session=True)
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

@@ -6,6 +6,7 @@ checked against eval's own files."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -61,21 +62,28 @@ run_script(lambda: _run(["sh", "-c", f"sleep 300 & echo $! > {d}/pid; wait"], "a
 """
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL", "SIGHUP", "SIGQUIT", "SIGKILL to its group"])
 def test_a_stopped_demo_stops_its_stages_ranks_too(tmp_path, sig):
     """SIGTERM to the demo while a stage runs: the stage's whole process group goes with it (100 HJD ranks of a
-    demo stopped by a time limit ran on as orphans); SIGKILL too, which the demo cannot catch (its guard)."""
+    demo stopped by a time limit ran on as orphans); SIGKILL, SIGHUP and SIGQUIT too, which end the demo without
+    its handlers, and a SIGKILL of the demo's whole process group (its guard, in a session of its own, lives on)."""
     import signal
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", STAGE_BODY, str(tmp_path)], cwd=REPO, env=clean_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STAGE_BODY, str(tmp_path)], cwd=REPO, env=clean_env(), start_new_session=True
+    )
     t0 = time.monotonic()
     while not (tmp_path / "pid").is_file() or not (tmp_path / "pid").read_text().strip():
         assert proc.poll() is None and time.monotonic() - t0 < 60
         time.sleep(0.05)
     grandchild = int((tmp_path / "pid").read_text())
-    proc.send_signal(getattr(signal, sig))
-    assert proc.wait(timeout=60) == (143 if sig == "SIGTERM" else -signal.SIGKILL)
+    if sig == "SIGKILL to its group":
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.send_signal(getattr(signal, sig))
+    want = 143 if sig == "SIGTERM" else -getattr(signal, sig.split()[0])
+    assert proc.wait(timeout=60) == want
     t0 = time.monotonic()
     while time.monotonic() - t0 < 10:
         try:
