@@ -94,13 +94,13 @@ def building_dir(
         _sweep_dead_builds(out, kind)
         tmp = owned_sibling(out, "tmp")
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes it private; published, it is the umask's like any folder
-        mark_dir(tmp, kind)  # from its start: a killed build's folder is told from a user's of the same shape
     except OSError as e:
         raise FrodError(
             path_error(out, e)
             or f"cannot create a directory beside {out}: {e.strerror or e}; choose a writable location"
         ) from None
     try:
+        mark_dir(tmp, kind)  # from its start: a killed build's folder is told from a user's of the same shape
         yield tmp
         umask_modes(tmp)
         _stamp_nested(tmp)

@@ -308,3 +308,21 @@ def test_an_unstamped_record_of_a_published_output_refuses_a_file_changed_after_
     with pytest.raises(FrodError, match="changed since frod-ds wrote them: manifest.json; refusing"):
         remove_owned(out, "data-build")
     assert (out / "manifest.json").read_text() == '{"mine": 1}\n'
+
+
+def test_a_full_disk_at_a_builds_first_record_leaves_no_folder_beside_the_output(tmp_path, monkeypatch):
+    """The record a build's temporary holds from its start is its first write: a full disk there is said as one
+    and the temporary goes (left, unrecorded, no later build would sweep it)."""
+    import errno
+
+    from frod_ds.formats import building
+    from frod_ds.runtime.errors import FrodError
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(building, "mark_dir", full)
+    with pytest.raises(FrodError, match=r"cannot write .*/export: No space left on device"):
+        with building.building_dir(tmp_path / "export", "hf-export"):
+            pass
+    assert list(tmp_path.iterdir()) == []
