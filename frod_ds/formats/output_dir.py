@@ -316,15 +316,12 @@ def listed_since_written(folder: Path, record: OutputRecord | None) -> list[str]
 
 
 def _changed_after_record(folder: Path, record: OutputRecord) -> list[str]:
-    """The files ``record`` lists under ``folder`` (nested records' folders aside) modified after the record."""
+    """The files ``record`` lists in ``folder`` modified after the record (a nested output, listed ``sub/``, has its
+    own record to say)."""
     since = (folder / MARKER).stat().st_mtime_ns
-    entries, out = tuple(record.files or ()), []
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder).as_posix()
-        if rel == MARKER or path.is_symlink() or not path.is_file() or match(entries, rel, False) != "own":
-            continue
-        if any((parent / MARKER).is_file() for parent in path.parents if folder in parent.parents):
-            continue  # a nested output's: its own record says
-        if path.stat().st_mtime_ns > since:
+    out = []
+    for rel in record.files or []:
+        path = Path(folder) / rel
+        if not rel.endswith("/") and path.is_file() and not path.is_symlink() and path.stat().st_mtime_ns > since:
             out.append(rel)
-    return out
+    return sorted(out)

@@ -191,4 +191,4 @@ def _mount_points() -> set[str]:
     except OSError:
         return set()
     unescape = functools.partial(re.sub, r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)))
-    return {unescape(line.split()[4]) for line in lines if len(line.split()) > 4}
+    return {unescape(fields[4]) for fields in map(str.split, lines) if len(fields) > 4}
